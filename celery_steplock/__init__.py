@@ -1,0 +1,25 @@
+"""celery-steplock: owner-keyed Redis leases with a heartbeat and a Django compare-and-swap
+guard, so that duplicate deliveries, retries, resumes and compensations never commit the same
+step twice.
+
+Public API::
+
+    from celery_steplock import StepLockedTask, DjangoStepLockedTask, RedisStepLock, Lease
+    from celery_steplock import signals, exceptions
+"""
+from . import exceptions, signals
+from .exceptions import (ImproperlyConfigured, InvalidTransition, LockContended, LockError,
+                         LockLost, LockNameError, LockStoreUnavailable, StepLockError,
+                         StepNotFound, TransitionConflict, TransitionError)
+from .lock import Lease, RedisStepLock, make_client, new_owner_token
+from .task import DjangoStepLockedTask, StepLockedTask, get_lock
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StepLockedTask", "DjangoStepLockedTask", "RedisStepLock", "Lease", "make_client",
+    "new_owner_token", "get_lock", "signals", "exceptions", "StepLockError",
+    "ImproperlyConfigured", "LockNameError", "LockError", "LockContended", "LockLost",
+    "LockStoreUnavailable", "TransitionError", "TransitionConflict", "InvalidTransition",
+    "StepNotFound",
+]

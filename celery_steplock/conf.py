@@ -1,0 +1,191 @@
+"""Settings: every ``steplock_*`` setting, its default and its validation, in one place.
+
+Settings live on the Celery app's configuration (``app.conf.steplock_default_ttl = 30``); a
+Django project that loads its Celery configuration with ``namespace="CELERY"`` sets them as
+``CELERY_STEPLOCK_DEFAULT_TTL`` in ``settings.py``. They are read at access time, so a change
+to ``app.conf`` takes effect on the next task. An invalid value raises
+:class:`~celery_steplock.exceptions.ImproperlyConfigured` naming the setting.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .exceptions import ImproperlyConfigured
+
+ON_CONTENDED = ("retry", "skip", "raise")
+ON_CONFLICT = ("ignore", "raise")
+ON_STORE_ERROR = ("fail_closed", "fail_open")
+
+#: Every setting with its default. Units are seconds.
+DEFAULTS: dict[str, Any] = {
+    "redis_url": None,              # None: the broker URL when it is a Redis URL
+    "key_prefix": "steplock",
+    "default_ttl": 30.0,
+    "renewal_ratio": 1 / 3,         # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
+    "lock_wait": 0.0,
+    "max_hold": None,               # None: renew for as long as the task runs
+    "on_contended": "retry",
+    "on_conflict": "ignore",
+    "on_store_error": "fail_closed",
+    "retry_backoff": 1.0,
+    "retry_backoff_max": 60.0,
+    "status_field": "status",
+    "owner_field": "lock_owner",
+    "fence_field": "lock_fence",
+    "precheck": True,
+    "socket_timeout": 5.0,
+    "fence_ttl": 7 * 24 * 3600.0,   # lifetime of an idle name's fencing counter
+}
+
+
+def setting_name(name: str) -> str:
+    """``"default_ttl"`` -> ``"steplock_default_ttl"``."""
+    return f"steplock_{name}"
+
+
+def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
+                  allow_none: bool = False) -> float | None:
+    """Return ``value`` as float seconds, or raise ImproperlyConfigured naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or math.isinf(value):
+        raise ImproperlyConfigured(
+            f"{name} must be a number of seconds, got {value!r}", setting=name)
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ImproperlyConfigured(f"{name} must be {bound} seconds, got {value!r}",
+                                   setting=name)
+    return float(value)
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise ImproperlyConfigured."""
+    if value not in choices:
+        raise ImproperlyConfigured(
+            f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}",
+            setting=name)
+    return value
+
+
+class Settings:
+    """The ``steplock_*`` settings of one Celery app, validated on access.
+
+    ``Settings(app).default_ttl`` reads ``app.conf.steplock_default_ttl`` (default 30.0).
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    def raw(self, name: str) -> Any:
+        value = self.app.conf.get(setting_name(name))
+        return DEFAULTS[name] if value is None else value
+
+    @property
+    def redis_url(self) -> str:
+        url = self.raw("redis_url")
+        if url is None:
+            broker = self.app.conf.broker_url or ""
+            if isinstance(broker, str) and broker.startswith(("redis://", "rediss://",
+                                                              "unix://")):
+                return broker
+            raise ImproperlyConfigured(
+                "steplock_redis_url is not set and the broker URL is not a Redis URL; "
+                "set steplock_redis_url (CELERY_STEPLOCK_REDIS_URL in Django settings)",
+                setting="steplock_redis_url")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ImproperlyConfigured(
+                f"steplock_redis_url must be a redis://, rediss:// or unix:// URL, got {url!r}",
+                setting="steplock_redis_url")
+        return url
+
+    @property
+    def key_prefix(self) -> str:
+        prefix = self.raw("key_prefix")
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} "):
+            raise ImproperlyConfigured(
+                f"steplock_key_prefix must be a non-empty string without braces or spaces, "
+                f"got {prefix!r}", setting="steplock_key_prefix")
+        return prefix
+
+    @property
+    def default_ttl(self) -> float:
+        return check_seconds(self.raw("default_ttl"), "steplock_default_ttl")
+
+    @property
+    def renewal_ratio(self) -> float:
+        ratio = self.raw("renewal_ratio")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+                or not 0 < ratio < 1:
+            raise ImproperlyConfigured(
+                f"steplock_renewal_ratio must be a number strictly between 0 and 1 (the "
+                f"renewal interval must be shorter than the TTL), got {ratio!r}",
+                setting="steplock_renewal_ratio")
+        return float(ratio)
+
+    @property
+    def lock_wait(self) -> float:
+        return check_seconds(self.raw("lock_wait"), "steplock_lock_wait", allow_zero=True)
+
+    @property
+    def max_hold(self) -> float | None:
+        return check_seconds(self.raw("max_hold"), "steplock_max_hold", allow_none=True)
+
+    @property
+    def on_contended(self) -> str:
+        return check_choice(self.raw("on_contended"), "steplock_on_contended", ON_CONTENDED)
+
+    @property
+    def on_conflict(self) -> str:
+        return check_choice(self.raw("on_conflict"), "steplock_on_conflict", ON_CONFLICT)
+
+    @property
+    def on_store_error(self) -> str:
+        return check_choice(self.raw("on_store_error"), "steplock_on_store_error",
+                            ON_STORE_ERROR)
+
+    @property
+    def retry_backoff(self) -> float:
+        return check_seconds(self.raw("retry_backoff"), "steplock_retry_backoff")
+
+    @property
+    def retry_backoff_max(self) -> float:
+        return check_seconds(self.raw("retry_backoff_max"), "steplock_retry_backoff_max")
+
+    def _field(self, name: str) -> str:
+        value = self.raw(name)
+        if not isinstance(value, str) or not value.isidentifier():
+            raise ImproperlyConfigured(
+                f"{setting_name(name)} must be a model field name, got {value!r}",
+                setting=setting_name(name))
+        return value
+
+    @property
+    def status_field(self) -> str:
+        return self._field("status_field")
+
+    @property
+    def owner_field(self) -> str:
+        return self._field("owner_field")
+
+    @property
+    def fence_field(self) -> str:
+        return self._field("fence_field")
+
+    @property
+    def precheck(self) -> bool:
+        return bool(self.raw("precheck"))
+
+    @property
+    def socket_timeout(self) -> float:
+        return check_seconds(self.raw("socket_timeout"), "steplock_socket_timeout")
+
+    @property
+    def fence_ttl(self) -> float:
+        return check_seconds(self.raw("fence_ttl"), "steplock_fence_ttl")
+
+    def validate(self) -> None:
+        """Read every setting once, raising ImproperlyConfigured on the first invalid one."""
+        for name in DEFAULTS:
+            getattr(self, name)

@@ -1,0 +1,112 @@
+"""The celery-steplock exception tree.
+
+Every error the library raises derives from :class:`StepLockError`::
+
+    StepLockError
+    ├── ImproperlyConfigured        a setting or task option is invalid (names it)
+    ├── LockNameError               an argument cannot enter a lock name (names it)
+    ├── LockError
+    │   ├── LockContended           the lease is held by another owner (retryable)
+    │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
+    │   └── LockLost                a held lease expired, was stolen or ran past its max hold
+    └── TransitionError
+        ├── InvalidTransition       ``from_ -> to`` is not in the allowed-transition table
+        ├── StepNotFound            no row with that primary key
+        └── TransitionConflict      the compare-and-swap matched no row (another owner won)
+
+``RETRYABLE_ERRORS`` lists the classes a task may retry safely: the body did not commit.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "StepLockError", "ImproperlyConfigured", "LockNameError", "LockError", "LockContended",
+    "LockStoreUnavailable", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
+    "TransitionConflict", "RETRYABLE_ERRORS",
+]
+
+
+class StepLockError(Exception):
+    """Base class of every celery-steplock error."""
+
+
+class ImproperlyConfigured(StepLockError, ValueError):
+    """A ``steplock_*`` setting or a task option has an invalid value.
+
+    ``setting`` holds the setting or option name the message is about.
+    """
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.setting = setting
+
+
+class LockNameError(StepLockError, TypeError):
+    """A task argument cannot be turned into a lock name (e.g. it is not serialisable).
+
+    ``argument`` holds the argument's name.
+    """
+
+    def __init__(self, message: str, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
+
+
+class LockError(StepLockError):
+    """Base of the errors about a lease. ``key`` is the Redis key concerned."""
+
+    def __init__(self, message: str, key: str | None = None, **context):
+        super().__init__(message)
+        self.key = key
+        self.context = context
+
+
+class LockContended(LockError):
+    """Another owner holds the lease. Retryable: nothing ran.
+
+    ``holder`` is the owner token of the current holder when known, ``ttl`` its remaining
+    lifetime in seconds.
+    """
+
+    def __init__(self, message: str, key: str | None = None, holder: str | None = None,
+                 ttl: float | None = None):
+        super().__init__(message, key=key)
+        self.holder = holder
+        self.ttl = ttl
+
+
+class LockStoreUnavailable(LockError):
+    """Redis did not answer (connection refused, timeout). Retryable: nothing committed."""
+
+
+class LockLost(LockError):
+    """The lease is no longer ours: it expired locally, the key vanished, another owner took
+    it, or it ran past ``lock_max_hold``. Any commit that depended on it is refused.
+    """
+
+
+class TransitionError(StepLockError):
+    """Base of the errors about a step's status transition."""
+
+    def __init__(self, message: str, step_id=None, from_=None, to=None, current=None):
+        super().__init__(message)
+        self.step_id = step_id
+        self.from_ = from_
+        self.to = to
+        self.current = current
+
+
+class InvalidTransition(TransitionError):
+    """``from_ -> to`` is not allowed by the guard's transition table."""
+
+
+class StepNotFound(TransitionError):
+    """No step row has the given primary key."""
+
+
+class TransitionConflict(TransitionError):
+    """The compare-and-swap updated no row: the step left ``from_`` (``current`` holds its
+    status at the time of the check) or a newer fencing token already wrote it.
+    """
+
+
+RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (LockContended, LockStoreUnavailable)

@@ -1,0 +1,193 @@
+"""The heartbeat: one renewal thread per worker process for every lease it holds.
+
+Like Redisson's lock watchdog, a single scheduler renews all of the process's leases, each
+every ``ttl * renewal_ratio`` seconds (default ttl/3), sending all renewals that are due in one
+pipelined round trip. The thread starts lazily with the first registered lease, exits as soon
+as none is left (no thread outlives its leases), is a daemon (no process hangs at exit) and is
+re-created in a forked child (a prefork pool child never inherits the parent's thread or its
+registry: ``os.register_at_fork`` resets it and a pid check guards the rest).
+
+A renewal that finds the key gone or owned by someone else marks the lease lost, logs at ERROR
+and sends ``lock_lost``; it is then no longer renewed. A Redis error does not stop the thread:
+the renewal is retried sooner, and a lease whose local validity runs out meanwhile is lost.
+``max_hold`` (seconds) caps how long a lease is renewed at all. The holder observes all of this
+through ``lease.lost`` / ``lease.check()``; no exception is ever injected into the task's
+thread (python-redis-lock's pitfall list and Celery's own design both argue against it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import signals
+from .events import emit, lease_fields, logger
+from .exceptions import LockStoreUnavailable
+from .lock import Lease, RedisStepLock
+
+__all__ = ["Heartbeat", "get_heartbeat"]
+
+#: The shortest pause between two renewal attempts of one lease, seconds.
+MIN_RETRY_DELAY = 0.05
+
+
+@dataclass(eq=False)
+class _Entry:
+    lease: Lease
+    lock: RedisStepLock
+    interval: float
+    next_at: float
+    sender: Any
+
+
+class Heartbeat:
+    """Renews the leases registered with it from one daemon thread; see the module docstring.
+
+    Use :func:`get_heartbeat` for the process's instance.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: dict[int, _Entry] = {}
+        self._thread: threading.Thread | None = None
+        self.cycles = 0
+        self.round_trips = 0
+
+    def register(self, lease: Lease, lock: RedisStepLock, *, ratio: float = 1 / 3,
+                 sender: Any = None, max_hold: float | None = None) -> None:
+        """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock``."""
+        if max_hold is not None:
+            lease.max_hold_until = lease.acquired_at + max_hold
+        interval = lease.ttl * ratio
+        entry = _Entry(lease, lock, interval, lease.acquired_at + interval, sender)
+        with self._cond:
+            self._entries[id(lease)] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="steplock-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def unregister(self, lease: Lease) -> bool:
+        """Stop renewing ``lease``; the thread exits when it was the last one.
+
+        Returns False when the lease was not registered (e.g. the heartbeat already dropped it
+        as lost, and so already sent ``lock_lost``).
+        """
+        with self._cond:
+            present = self._entries.pop(id(lease), None) is not None
+            if present and not self._entries:
+                self._cond.notify()
+        return present
+
+    @property
+    def leases(self) -> list[Lease]:
+        with self._cond:
+            return [e.lease for e in self._entries.values()]
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def _due(self) -> list[_Entry] | None:
+        """Wait for the next renewals that are due; None when no lease is left."""
+        with self._cond:
+            while True:
+                if not self._entries:
+                    self._thread = None
+                    return None
+                now = time.monotonic()
+                entries = list(self._entries.values())
+                earliest = min(e.next_at for e in entries)
+                if earliest <= now:
+                    # Coalesce: renew early whatever falls due within half an interval, so
+                    # leases registered at different times still share one round trip.
+                    horizon = now + min(e.interval for e in entries) / 2
+                    return [e for e in entries if e.next_at <= horizon]
+                self._cond.wait(earliest - now)
+
+    def _run(self) -> None:
+        while True:
+            due = self._due()
+            if due is None:
+                return
+            try:
+                self._renew(due)
+            except Exception:  # noqa: BLE001 - the thread must survive anything
+                logger.exception("event=heartbeat_error renewal cycle failed")
+                time.sleep(MIN_RETRY_DELAY)
+
+    def _renew(self, due: list[_Entry]) -> None:
+        self.cycles += 1
+        now = time.monotonic()
+        by_lock: dict[int, list[_Entry]] = {}
+        for entry in due:
+            lease = entry.lease
+            if lease.max_hold_until is not None and now >= lease.max_hold_until:
+                self._lose(entry, "max hold reached: renewal stopped")
+            elif lease.lost:
+                self._lose(entry, lease.lost_reason)
+            else:
+                by_lock.setdefault(id(entry.lock), []).append(entry)
+        for group in by_lock.values():
+            sent = time.monotonic()
+            try:
+                self.round_trips += 1
+                results = group[0].lock.extend_many(
+                    (e.lease.name, e.lease.owner, e.lease.ttl) for e in group)
+            except LockStoreUnavailable as exc:
+                logger.warning("event=renewal_failed leases=%d error=%s", len(group), exc)
+                for entry in group:
+                    if entry.lease.lost:
+                        self._lose(entry, entry.lease.lost_reason)
+                    else:
+                        entry.next_at = time.monotonic() + max(
+                            MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4))
+                continue
+            for entry, ok in zip(group, results):
+                if ok:
+                    entry.lease.renewed(sent)
+                    entry.next_at = sent + entry.interval
+                    emit(signals.lock_extended, entry.sender, logging.DEBUG,
+                         **lease_fields(entry.lease))
+                else:
+                    self._lose(entry, "renewal found the key gone or held by another owner")
+
+    def _lose(self, entry: _Entry, reason: str | None) -> None:
+        lease = entry.lease
+        with self._cond:
+            present = self._entries.pop(id(lease), None) is not None
+        lease.mark_lost(reason or "lost")
+        if present:
+            emit(signals.lock_lost, entry.sender, logging.ERROR, reason=lease.lost_reason,
+                 **lease_fields(lease))
+
+
+_heartbeat: Heartbeat | None = None
+_heartbeat_guard = threading.Lock()
+
+
+def get_heartbeat() -> Heartbeat:
+    """The current process's :class:`Heartbeat` (a new one after a fork)."""
+    global _heartbeat
+    hb = _heartbeat
+    if hb is None or hb.pid != os.getpid():
+        with _heartbeat_guard:
+            if _heartbeat is None or _heartbeat.pid != os.getpid():
+                _heartbeat = Heartbeat()
+            hb = _heartbeat
+    return hb
+
+
+def _after_fork_in_child() -> None:
+    global _heartbeat, _heartbeat_guard
+    _heartbeat = None
+    _heartbeat_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,35 @@
+"""Celery signals sent for every lease and transition event.
+
+Each is a :class:`celery.utils.dispatch.Signal`; connect with ``@lock_acquired.connect`` (or
+``connect(receiver, sender=task)`` for one task). The sender is the task instance (the
+heartbeat and the reaper send with the task name when no instance is at hand). Every signal
+carries these keyword arguments:
+
+``event`` (str), ``key`` (Redis key), ``name`` (lock name), ``owner`` (owner token), ``fence``
+(int or None), ``task_id``, ``task_name``, ``ttl`` (seconds), ``monotonic``
+(:func:`time.monotonic` of the event), ``timestamp`` (wall-clock seconds since the epoch),
+
+plus, where it applies: ``holder`` (lock_contended: the current owner), ``reason``
+(lock_lost, lock_expired), ``forced`` (lock_released by an operator), ``step_id``,
+``from_``, ``to``, ``current`` (transition_*). Task arguments are never sent. A receiver that
+raises is logged and ignored: it never breaks locking.
+"""
+from celery.utils.dispatch import Signal
+
+__all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
+           "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
+           "lock_store_error", "ALL_SIGNALS"]
+
+lock_acquired = Signal(name="lock_acquired")
+lock_contended = Signal(name="lock_contended")
+lock_extended = Signal(name="lock_extended")
+lock_released = Signal(name="lock_released")
+lock_expired = Signal(name="lock_expired")
+lock_lost = Signal(name="lock_lost")
+transition_applied = Signal(name="transition_applied")
+transition_conflict = Signal(name="transition_conflict")
+#: Redis could not be reached; ``policy`` says whether the body was refused or ran unlocked.
+lock_store_error = Signal(name="lock_store_error")
+
+ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock_expired,
+               lock_lost, transition_applied, transition_conflict, lock_store_error)

@@ -1,0 +1,403 @@
+"""StepLockedTask: a Celery task that holds a lease on its step while it runs.
+
+One execution, in :meth:`StepLockedTask.__call__` (``on_success``/``after_return`` run too late
+or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
+
+    name  = lock name (keys.py)              # from the signature or lock_key
+    lease = acquire(name, new owner, ttl)     # fencing token; contended -> on_contended
+    heartbeat.register(lease)                 # renewed every ttl/3 by the process's thread
+    with transaction.atomic():                # when a step model is set (Django)
+        precheck: step still in from_?       # else conflict, the body never runs
+        body                                  # self.lease, self.transition(...)
+        CAS from_ -> to (+ fence guard)       # 0 rows -> TransitionConflict, rollback
+        ownership check in Redis              # lost -> LockLost, rollback
+    # committed
+    heartbeat.unregister(lease); release      # commit first, release after
+
+Nothing in this order can commit twice: a duplicate that slips past the lease (pause,
+failover, expiry) finds the step no longer in ``from_`` and its CAS updates no row.
+
+Task options (class attributes, or keywords of ``@app.task``); None means the setting's
+default from :mod:`celery_steplock.conf`:
+
+``lock_key``        str.format template over argument names, or a callable; default: task
+                    name + SHA-256 of the bound arguments
+``lock_ttl``        lease TTL, seconds (``steplock_default_ttl``, 30)
+``lock_wait``       seconds to wait for a busy lease (``steplock_lock_wait``, 0)
+``lock_max_hold``   seconds after which renewal stops and the lease is lost (None: no cap)
+``on_contended``    "retry" (Celery retry, full-jitter backoff), "skip" (no state update) or
+                    "raise" (LockContended)
+``on_conflict``     "ignore" (Celery ``Ignore``: the task's stored result is not overwritten,
+                    so a duplicate delivery never replaces the first outcome) or "raise"
+                    (TransitionConflict)
+``on_store_error``  "fail_closed" (body not run, retried) or "fail_open" (body runs unlocked;
+                    the CAS still guards; ``lock_store_error`` is sent every time)
+``step_model``      "app_label.Model" or model class of the step
+``step_id_arg``     name of the argument holding the step's primary key
+``transition``      ``(from_, to)`` applied by CAS after the body
+``step_transitions`` optional ``{from_: [to, ...]}`` table of allowed transitions
+``lock_precheck``   skip the body when the step already left ``from_`` (default True)
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from . import signals
+from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_choice, \
+    check_seconds
+from .events import emit, lease_fields
+from .exceptions import ImproperlyConfigured, LockContended, LockLost, LockStoreUnavailable, \
+    TransitionConflict
+from .heartbeat import get_heartbeat
+from .keys import bind_arguments, lease_key, name_from_arguments
+from .lock import Lease, RedisStepLock, holder_metadata, make_client, new_owner_token
+
+__all__ = ["StepLockedTask", "DjangoStepLockedTask", "get_lock"]
+
+logger = logging.getLogger("celery_steplock")
+
+_locks: dict[tuple, RedisStepLock] = {}
+_locks_guard = threading.Lock()
+
+
+def get_lock(app) -> RedisStepLock:
+    """The :class:`RedisStepLock` for ``app``'s settings, shared by the process's tasks."""
+    settings = Settings(app)
+    ident = (settings.redis_url, settings.socket_timeout, settings.key_prefix,
+             settings.fence_ttl)
+    lock = _locks.get(ident)
+    if lock is None:
+        with _locks_guard:
+            lock = _locks.get(ident)
+            if lock is None:
+                lock = RedisStepLock(make_client(ident[0], ident[1]), prefix=ident[2],
+                                     fence_ttl=ident[3])
+                _locks[ident] = lock
+    return lock
+
+
+@dataclass(frozen=True)
+class _Options:
+    lock_key: str | Callable[..., str] | None
+    ttl: float
+    wait: float
+    max_hold: float | None
+    ratio: float
+    on_contended: str
+    on_conflict: str
+    on_store_error: str
+    transition: tuple[str, str] | None
+    step_id_arg: str | None
+    precheck: bool
+
+
+class StepLockedTask(Task):
+    """A task whose body runs under an owner-keyed Redis lease; see the module docstring.
+
+    Inside the body, ``self.lease`` is the :class:`~celery_steplock.lock.Lease` (None when
+    called with fail-open during an outage) and ``self.transition(step_id, from_, to)``
+    applies a compare-and-swap guarded by the lease's fencing token.
+
+    Raises (as the task's outcome): LockContended (on_contended="raise" or retries
+    exhausted), LockStoreUnavailable (fail-closed, retries exhausted), LockLost (the lease
+    was lost before the commit; nothing committed), TransitionConflict
+    (on_conflict="raise"), ImproperlyConfigured and LockNameError (bad options/arguments).
+    """
+
+    lock_key: str | Callable[..., str] | None = None
+    lock_ttl: float | None = None
+    lock_wait: float | None = None
+    lock_max_hold: float | None = None
+    on_contended: str | None = None
+    on_conflict: str | None = None
+    on_store_error: str | None = None
+    step_model: Any = None
+    step_id_arg: str | None = None
+    step_transition: tuple[str, str] | None = None
+    step_transitions: dict | None = None
+    lock_precheck: bool | None = None
+
+    #: Expected outcomes, logged without a traceback by the worker (Celery ``Task.throws``).
+    throws = (LockContended, TransitionConflict)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # ``@app.task(transition=(from_, to))`` would shadow the transition() method: keep
+        # the option under another name.
+        spec = cls.__dict__.get("transition")
+        if spec is not None and not callable(spec):
+            cls.step_transition = tuple(spec)
+            delattr(cls, "transition")
+
+    # -- options -------------------------------------------------------------------------
+
+    @property
+    def steplock_settings(self) -> Settings:
+        return Settings(self.app)
+
+    def steplock_options(self) -> _Options:
+        """This task's options resolved against the settings; raises ImproperlyConfigured."""
+        settings = self.steplock_settings
+        transition = self.step_transition
+        if transition is not None:
+            if (not isinstance(transition, tuple) or len(transition) != 2
+                    or not all(isinstance(s, str) for s in transition)):
+                raise ImproperlyConfigured(
+                    f"{self.name}: transition must be a (from_, to) pair of status strings, "
+                    f"got {transition!r}", setting="transition")
+            if self.step_model is None or not self.step_id_arg:
+                raise ImproperlyConfigured(
+                    f"{self.name}: transition needs step_model and step_id_arg",
+                    setting="step_model" if self.step_model is None else "step_id_arg")
+        ttl = (check_seconds(self.lock_ttl, "lock_ttl") if self.lock_ttl is not None
+               else settings.default_ttl)
+        ratio = settings.renewal_ratio
+        return _Options(
+            lock_key=self.lock_key,
+            ttl=ttl,
+            wait=(check_seconds(self.lock_wait, "lock_wait", allow_zero=True)
+                  if self.lock_wait is not None else settings.lock_wait),
+            max_hold=(check_seconds(self.lock_max_hold, "lock_max_hold")
+                      if self.lock_max_hold is not None else settings.max_hold),
+            ratio=ratio,
+            on_contended=(check_choice(self.on_contended, "on_contended", ON_CONTENDED)
+                          if self.on_contended is not None else settings.on_contended),
+            on_conflict=(check_choice(self.on_conflict, "on_conflict", ON_CONFLICT)
+                         if self.on_conflict is not None else settings.on_conflict),
+            on_store_error=(check_choice(self.on_store_error, "on_store_error",
+                                         ON_STORE_ERROR)
+                            if self.on_store_error is not None else settings.on_store_error),
+            transition=transition,
+            step_id_arg=self.step_id_arg,
+            precheck=(settings.precheck if self.lock_precheck is None
+                      else bool(self.lock_precheck)),
+        )
+
+    def steplock_guard(self):
+        """The :class:`~celery_steplock.guard.StepTransitionGuard` of ``step_model``."""
+        if self.step_model is None:
+            raise ImproperlyConfigured(f"{self.name}: step_model is not set; "
+                                       f"self.transition() needs it", setting="step_model")
+        from .guard import StepTransitionGuard
+
+        settings = self.steplock_settings
+        ident = (self.step_model, settings.status_field, settings.owner_field,
+                 settings.fence_field)
+        cached = self.__dict__.get("_steplock_guard")
+        if cached is None or cached[0] != ident:
+            guard = StepTransitionGuard(self.step_model, status_field=ident[1],
+                                        owner_field=ident[2], fence_field=ident[3],
+                                        transitions=self.step_transitions)
+            cached = (ident, guard)
+            self._steplock_guard = cached
+        return cached[1]
+
+    # -- inside the body --------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease of the execution running in this thread (None outside one)."""
+        return getattr(self.request, "steplock_lease", None)
+
+    def transition(self, step_id: Any, from_: str, to: str, **updates: Any):
+        """Apply ``from_ -> to`` to step ``step_id`` by compare-and-swap, fenced by the
+        current lease; ``updates`` are extra column values. Returns the TransitionResult.
+
+        Raises LockLost when the lease is already lost, TransitionConflict when no row
+        matched (the enclosing transaction then rolls back), InvalidTransition, StepNotFound.
+        """
+        lease = self.lease
+        if lease is not None:
+            lease.check()
+        fields = lease_fields(lease) if lease is not None else {
+            "key": None, "name": None, "owner": None, "fence": None,
+            "task_id": self.request.id, "task_name": self.name, "ttl": None}
+        try:
+            result = self.steplock_guard().transition(
+                step_id, from_, to, owner=lease.owner if lease else None,
+                fence=lease.fence if lease else None, updates=updates)
+        except TransitionConflict as exc:
+            emit(signals.transition_conflict, self, step_id=step_id, from_=from_, to=to,
+                 current=exc.current, **fields)
+            raise
+        self._on_commit(lambda: emit(signals.transition_applied, self, step_id=step_id,
+                                     from_=from_, to=to, **fields))
+        return result
+
+    # -- the execution ------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        opts = self.steplock_options()
+        arguments = bind_arguments(self.run, args, kwargs)
+        name = name_from_arguments(self.name, arguments, opts.lock_key)
+        step_id = None
+        if opts.transition is not None:
+            if opts.step_id_arg not in arguments:
+                raise ImproperlyConfigured(
+                    f"{self.name}: step_id_arg={opts.step_id_arg!r} is not an argument of the "
+                    f"task (arguments: {', '.join(arguments)})", setting="step_id_arg")
+            step_id = arguments[opts.step_id_arg]
+        request = self.request
+        lock = get_lock(self.app)
+        base = {"key": lease_key(lock.prefix, name), "name": name, "task_id": request.id,
+                "task_name": self.name, "ttl": opts.ttl}
+        try:
+            lease = lock.acquire(name, new_owner_token(), opts.ttl, wait=opts.wait,
+                                 metadata=holder_metadata(request.id, self.name,
+                                                          request.retries))
+        except LockStoreUnavailable as exc:
+            emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
+                 policy=opts.on_store_error, owner=None, fence=None, **base)
+            if opts.on_store_error == "fail_open":
+                return self._execute(None, lock, opts, step_id, args, kwargs)
+            return self._steplock_retry(exc)
+        if lease is None:
+            info = self._holder(lock, name)
+            emit(signals.lock_contended, self, owner=None, fence=None,
+                 holder=info.get("owner"), **base)
+            return self._contended(LockContended(
+                f"{name!r} is held by owner {info.get('owner')} (task {info.get('task_id')}, "
+                f"{info.get('hostname')} pid {info.get('pid')})", key=base["key"],
+                holder=info.get("owner"), ttl=info.get("ttl")), opts)
+        emit(signals.lock_acquired, self, **lease_fields(lease))
+        heartbeat = get_heartbeat()
+        heartbeat.register(lease, lock, ratio=opts.ratio, sender=self, max_hold=opts.max_hold)
+        try:
+            return self._execute(lease, lock, opts, step_id, args, kwargs)
+        finally:
+            if not heartbeat.unregister(lease) and lease.lost:
+                pass  # the heartbeat already reported the loss
+            elif lease.lost:
+                emit(signals.lock_lost, self, logging.ERROR, reason=lease.lost_reason,
+                     **lease_fields(lease))
+            self._release(lock, lease)
+
+    def _execute(self, lease: Lease | None, lock: RedisStepLock, opts: _Options, step_id,
+                 args, kwargs):
+        self.request.steplock_lease = lease
+        try:
+            with self._atomic(opts):
+                if opts.transition is not None and opts.precheck:
+                    current = self.steplock_guard().status(step_id)
+                    if current != opts.transition[0]:
+                        exc = TransitionConflict(
+                            f"step {step_id!r} is {current!r}, not {opts.transition[0]!r}: "
+                            f"body skipped", step_id=step_id, from_=opts.transition[0],
+                            to=opts.transition[1], current=current)
+                        emit(signals.transition_conflict, self, step_id=step_id,
+                             from_=exc.from_, to=exc.to, current=current,
+                             **(lease_fields(lease) if lease else {}))
+                        raise exc
+                result = super().__call__(*args, **kwargs)
+                if opts.transition is not None:
+                    self.transition(step_id, *opts.transition)
+                if lease is not None:
+                    self._check_owned(lease, lock, opts)
+            return result
+        except TransitionConflict:
+            if opts.on_conflict == "ignore":
+                return self._ignore()
+            raise
+        except LockLost as exc:
+            if opts.on_contended == "retry":
+                return self._steplock_retry(exc)
+            raise
+        finally:
+            self.request.steplock_lease = None
+
+    def _check_owned(self, lease: Lease, lock: RedisStepLock, opts: _Options) -> None:
+        """The pre-commit ownership check: local validity, then one round trip to Redis."""
+        lease.check()
+        try:
+            left = lock.owned(lease.name, lease.owner)
+        except LockStoreUnavailable as exc:
+            emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
+                 policy=opts.on_store_error, **lease_fields(lease))
+            if opts.on_store_error == "fail_open":
+                return
+            raise
+        if left is None:
+            lease.mark_lost("pre-commit check found the key gone or held by another owner")
+            lease.check()
+
+    def _atomic(self, opts: _Options):
+        if self.step_model is None:
+            return contextlib.nullcontext()
+        from django.db import transaction
+
+        return transaction.atomic(using=self.steplock_guard().using)
+
+    def _on_commit(self, func: Callable[[], None]) -> None:
+        if self.step_model is None:
+            func()
+            return
+        from django.db import transaction
+
+        transaction.on_commit(func, using=self.steplock_guard().using)
+
+    def _release(self, lock: RedisStepLock, lease: Lease) -> None:
+        """Release after the commit; errors are logged, never raised (the TTL frees it)."""
+        try:
+            released = lock.release(lease.name, lease.owner)
+        except Exception as exc:  # noqa: BLE001 - must never mask the task's outcome
+            logger.warning("event=release_failed key=%s owner=%s error=%s", lease.key,
+                           lease.owner, exc)
+            return
+        if released:
+            emit(signals.lock_released, self, forced=False, **lease_fields(lease))
+
+    def _holder(self, lock: RedisStepLock, name: str) -> dict[str, Any]:
+        try:
+            return lock.inspect(name) or {}
+        except LockStoreUnavailable:
+            return {}
+
+    # -- outcomes ---------------------------------------------------------------------------
+
+    def _ignore(self):
+        if self.request.called_directly:
+            return None
+        raise Ignore()
+
+    def _contended(self, exc: LockContended, opts: _Options):
+        if opts.on_contended == "skip":
+            return self._ignore()
+        if opts.on_contended == "raise":
+            raise exc
+        return self._steplock_retry(exc)
+
+    def _steplock_retry(self, exc: Exception):
+        """Retry with Celery's exponential backoff and full jitter (steplock_retry_backoff,
+        capped by steplock_retry_backoff_max); raises ``exc`` once max_retries is reached."""
+        settings = self.steplock_settings
+        countdown = backoff(settings.retry_backoff, self.request.retries or 0,
+                            settings.retry_backoff_max)
+        if self.request.called_directly:
+            raise exc
+        raise self.retry(exc=exc, countdown=countdown)
+
+
+def backoff(factor: float, retries: int, maximum: float) -> float:
+    """Exponential backoff with full jitter, in seconds: uniform in
+    ``[0, min(maximum, factor * 2**retries)]`` (Celery's ``get_exponential_backoff_interval``
+    draws whole seconds only, too coarse for sub-second leases). Floor 0.05 s."""
+    return max(0.05, random.uniform(0, min(maximum, factor * (2 ** min(retries, 32)))))
+
+
+try:
+    from celery.contrib.django.task import DjangoTask
+except ImportError:  # pragma: no cover - Celery < 5.4
+    DjangoTask = Task
+
+
+class DjangoStepLockedTask(StepLockedTask, DjangoTask):
+    """:class:`StepLockedTask` that keeps Celery's ``DjangoTask`` API
+    (``delay_on_commit`` / ``apply_async_on_commit``)."""

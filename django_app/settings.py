@@ -1,0 +1,169 @@
+"""Settings of the celery-steplock example/test project.
+
+Database: ``DATABASE_URL`` (PostgreSQL via psycopg 3, or any URL dj-database-url
+understands); default a SQLite file under ``var/``. SQLite is configured for
+several worker *processes* writing at once (WAL, busy timeout, ``BEGIN
+IMMEDIATE``), and its test database is a real file so that ``celery worker``
+subprocesses started by the tests can open it.
+
+Celery: every ``CELERY_*`` setting maps to the lowercase Celery setting
+(``CELERY_STEPLOCK_DEFAULT_TTL`` -> ``app.conf.steplock_default_ttl``).
+"""
+import os
+from pathlib import Path
+
+import django
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("STEPLOCK_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _env_bool(name, default=False):
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+SECRET_KEY = os.environ.get(
+    "DJANGO_SECRET_KEY",
+    "django-insecure-steplock-example-only-never-use-in-production",
+)
+DEBUG = _env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1").split(",")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_results",
+    "django_app.workflows",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "django_app.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = None
+
+# --- Database -----------------------------------------------------------------
+SQLITE_PATH = Path(os.environ.get("STEPLOCK_SQLITE", VAR_DIR / "steplock.sqlite3"))
+SQLITE_TEST_PATH = Path(
+    os.environ.get("STEPLOCK_TEST_SQLITE", VAR_DIR / "test_steplock.sqlite3")
+)
+
+DATABASES = {
+    "default": dj_database_url.config(
+        env="DATABASE_URL",
+        default=f"sqlite:///{SQLITE_PATH}",
+        conn_max_age=0,
+    )
+}
+
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    _sqlite_options = {"timeout": 30}
+    if django.VERSION >= (5, 1):
+        # Django 5.1+: BEGIN IMMEDIATE takes the write lock up front (no
+        # "database is locked" on a read->write upgrade), WAL lets readers run
+        # beside the single writer.
+        _sqlite_options.update(
+            {
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            }
+        )
+    DATABASES["default"].setdefault("OPTIONS", {}).update(_sqlite_options)
+    # Never in-memory: real worker processes must open the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(SQLITE_TEST_PATH)}
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = []
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+
+# --- Celery (CELERY_ namespace, see django_app/celery.py) ----------------------
+CELERY_BROKER_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_RESULT_BACKEND = "django-db"
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": int(os.environ.get("STEPLOCK_VISIBILITY_TIMEOUT", 3600)),
+}
+# Optional kombu Redis-transport knobs (used by scripts/demo.py): how often a
+# worker sweeps for messages whose consumer died (kombu 5.6+ sweeps every
+# interval * throttle seconds, 10 * 10 by default), and a key prefix that
+# isolates this project's broker keys on a shared Redis.
+for _env, _option in (
+    ("STEPLOCK_UNACKED_RESTORE_INTERVAL", "unacked_restore_interval"),
+    ("STEPLOCK_UNACKED_RESTORE_THROTTLE", "unacked_restore_throttle"),
+    ("STEPLOCK_UNACKED_MUTEX_EXPIRE", "unacked_mutex_expire"),
+):
+    if os.environ.get(_env):
+        CELERY_BROKER_TRANSPORT_OPTIONS[_option] = int(os.environ[_env])
+if os.environ.get("STEPLOCK_BROKER_KEYPREFIX"):
+    CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = os.environ["STEPLOCK_BROKER_KEYPREFIX"]
+CELERY_TIMEZONE = TIME_ZONE
+
+# --- celery-steplock (read by the library as app.conf.steplock_*) -------------
+CELERY_STEPLOCK_DEFAULT_TTL = float(os.environ.get("STEPLOCK_TTL", 30))
+if os.environ.get("STEPLOCK_KEY_PREFIX"):
+    CELERY_STEPLOCK_KEY_PREFIX = os.environ["STEPLOCK_KEY_PREFIX"]
+if os.environ.get("STEPLOCK_REDIS_URL"):
+    CELERY_STEPLOCK_REDIS_URL = os.environ["STEPLOCK_REDIS_URL"]
+
+# --- Logging ------------------------------------------------------------------
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+    },
+    "loggers": {
+        "celery_steplock": {
+            "handlers": ["console"],
+            "level": os.environ.get("STEPLOCK_LOG_LEVEL", "INFO"),
+            "propagate": False,
+        },
+    },
+}

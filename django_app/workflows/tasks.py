@@ -1,0 +1,150 @@
+"""Tasks of the example workflow app.
+
+``advance`` and ``compensate`` lock the same lease name (``step:<id>``) and try
+opposite transitions out of ``pending``: whichever commits first wins, the other
+finds the step no longer ``pending`` (pre-check or CAS conflict) and changes
+nothing. Each writes a ``TransitionRecord`` inside its body, i.e. in the same
+DB transaction as the CAS, so a rolled-back attempt leaves no record.
+"""
+import os
+import socket
+import time
+
+from celery import shared_task
+from django.db.models import F
+
+from celery_steplock import StepLockedTask
+
+from .models import Step, TransitionRecord
+
+#: Sleep granularity of the ``delay``/``seconds`` loops: the lease is checked
+#: between slices, so a lost lease stops the body within one slice.
+SLICE = 0.05
+
+
+def _hold(task, seconds):
+    """Sleep ``seconds`` in small slices, raising LockLost as soon as the lease is lost."""
+    deadline = time.monotonic() + float(seconds)
+    task.lease.check()
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        time.sleep(min(SLICE, remaining))
+        task.lease.check()
+
+
+def _record(task, step_id, from_status, to_status):
+    lease = task.lease
+    return TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status=from_status,
+        to_status=to_status,
+        task_name=task.name,
+        task_id=task.request.id or "",
+        owner=lease.owner,
+        fence=lease.fence,
+        hostname=task.request.hostname or socket.gethostname(),
+        pid=os.getpid(),
+    )
+
+
+def _bump_attempts(step_id):
+    Step.objects.filter(pk=step_id).update(attempts=F("attempts") + 1)
+
+
+@shared_task(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+)
+def advance(self, step_id, delay=0.0):
+    """Forward flow: ``pending -> done``, after ``delay`` seconds of "work"."""
+    _hold(self, delay)
+    _record(self, step_id, "pending", "done")
+    _bump_attempts(step_id)
+    return {"step_id": step_id, "fence": self.lease.fence}
+
+
+@shared_task(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "cancelled"),
+)
+def compensate(self, step_id, delay=0.0):
+    """Compensation racing the forward flow on the same lease: ``pending -> cancelled``."""
+    _hold(self, delay)
+    _record(self, step_id, "pending", "cancelled")
+    _bump_attempts(step_id)
+    return {"step_id": step_id, "fence": self.lease.fence}
+
+
+@shared_task(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+)
+def multi_phase(self, step_id):
+    """Two transitions in one body: ``pending -> running -> done`` (one DB transaction)."""
+    self.transition(step_id, "pending", "running")
+    _record(self, step_id, "pending", "running")
+    self.transition(step_id, "running", "done")
+    _record(self, step_id, "running", "done")
+    _bump_attempts(step_id)
+    return {"step_id": step_id, "fence": self.lease.fence}
+
+
+@shared_task(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    max_retries=3,
+)
+def retry_once(self, step_id, countdown=1.0):
+    """``pending -> done`` on its second attempt: the first calls ``self.retry()``.
+
+    The retry leaves the body inside the lease (nothing commits, the lease is
+    released), so a manual resume (``advance``) can race the retried attempt.
+    """
+    if not self.request.retries:
+        raise self.retry(countdown=countdown)
+    _record(self, step_id, "pending", "done")
+    _bump_attempts(step_id)
+    return {"step_id": step_id, "fence": self.lease.fence, "retries": self.request.retries}
+
+
+@shared_task
+def plain(x):
+    """A plain Celery task without any lock (baseline for benchmarks)."""
+    return x
+
+
+@shared_task(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+)
+def hold(self, step_id, seconds):
+    """Hold the ``step:<step_id>`` lease for ``seconds``, checking it between slices.
+
+    No step row is touched: used by the heartbeat / SIGKILL tests.
+    """
+    _hold(self, seconds)
+    lease = self.lease
+    return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}

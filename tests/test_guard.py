@@ -1,0 +1,111 @@
+"""StepTransitionGuard: the Django ORM compare-and-swap (celery_steplock.guard)."""
+import pytest
+from django.db import transaction
+
+from celery_steplock.exceptions import (ImproperlyConfigured, InvalidTransition, StepNotFound,
+                                        TransitionConflict)
+from celery_steplock.guard import StepTransitionGuard, TransitionResult, resolve_model
+from django_app.workflows.models import Step, TransitionRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def guard():
+    return StepTransitionGuard("workflows.Step")
+
+
+def test_applied_transition_updates_one_row(guard):
+    step = Step.objects.create(name="s")
+    result = guard.transition(step.pk, "pending", "done", owner="o1", fence=10)
+    assert result == TransitionResult(True, step.pk, "pending", "done", fence=10)
+    assert bool(result) is True
+    step.refresh_from_db()
+    assert (step.status, step.lock_owner, step.lock_fence) == ("done", "o1", 10)
+
+
+def test_conflict_when_status_moved_on(guard):
+    step = Step.objects.create(name="s", status="cancelled")
+    with pytest.raises(TransitionConflict) as info:
+        guard.transition(step.pk, "pending", "done")
+    assert (info.value.current, info.value.from_, info.value.to) == ("cancelled", "pending",
+                                                                     "done")
+    assert "'cancelled'" in str(info.value)
+    step.refresh_from_db()
+    assert step.status == "cancelled"
+
+
+def test_conflict_without_raising(guard):
+    step = Step.objects.create(name="s", status="done")
+    result = guard.transition(step.pk, "pending", "done", raise_on_conflict=False)
+    assert not result and result.current == "done"
+
+
+def test_missing_row_is_not_a_conflict(guard):
+    with pytest.raises(StepNotFound):
+        guard.transition(987654, "pending", "done")
+
+
+def test_stale_fence_cannot_write_after_a_newer_one(guard):
+    step = Step.objects.create(name="s")
+    guard.transition(step.pk, "pending", "running", owner="new", fence=200)
+    with pytest.raises(TransitionConflict, match="newer fencing token"):
+        guard.transition(step.pk, "running", "done", owner="stale", fence=100)
+    step.refresh_from_db()
+    assert (step.status, step.lock_owner, step.lock_fence) == ("running", "new", 200)
+    assert guard.transition(step.pk, "running", "done", owner="new", fence=200).applied
+
+
+def test_extra_updates_go_in_the_same_statement(guard):
+    step = Step.objects.create(name="s")
+    guard.transition(step.pk, "pending", "done", updates={"attempts": 5})
+    step.refresh_from_db()
+    assert (step.status, step.attempts) == ("done", 5)
+
+
+def test_rollback_undoes_the_transition_and_the_body(guard):
+    step = Step.objects.create(name="s")
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            TransitionRecord.objects.create(step=step, from_status="pending", to_status="done")
+            guard.transition(step.pk, "pending", "done")
+            raise RuntimeError("after the CAS")
+    step.refresh_from_db()
+    assert step.status == "pending" and TransitionRecord.objects.count() == 0
+
+
+def test_allowed_transition_table():
+    table = StepTransitionGuard(Step, transitions={"pending": ["running", "cancelled"],
+                                                   "running": ["done"]})
+    step = Step.objects.create(name="s")
+    with pytest.raises(InvalidTransition, match="'pending' -> 'done'"):
+        table.transition(step.pk, "pending", "done")
+    assert table.transition(step.pk, "pending", "running").applied
+    step.refresh_from_db()
+    assert step.status == "running"
+
+
+def test_models_without_guard_columns_still_cas():
+    guard = StepTransitionGuard(TransitionRecord, status_field="to_status")
+    assert guard.fence_field is None and guard.owner_field is None
+    step = Step.objects.create(name="s")
+    record = TransitionRecord.objects.create(step=step, from_status="a", to_status="b")
+    assert guard.transition(record.pk, "b", "c", fence=5).applied
+
+
+def test_unknown_model_and_field_name_the_setting():
+    with pytest.raises(ImproperlyConfigured) as info:
+        resolve_model("workflows.Nope")
+    assert info.value.setting == "step_model" and "workflows.Nope" in str(info.value)
+    with pytest.raises(ImproperlyConfigured) as info:
+        StepTransitionGuard(Step, status_field="state")
+    assert info.value.setting == "steplock_status_field"
+    with pytest.raises(ImproperlyConfigured):
+        resolve_model(42)
+
+
+def test_status_read(guard):
+    step = Step.objects.create(name="s", status="running")
+    assert guard.status(step.pk) == "running"
+    with pytest.raises(StepNotFound):
+        guard.status(-1)

@@ -1,0 +1,199 @@
+"""RedisStepLock against a real redis-server (celery_steplock.lock)."""
+import threading
+import time
+
+import pytest
+
+from celery_steplock.exceptions import LockLost, LockStoreUnavailable
+from celery_steplock.lock import RedisStepLock, make_client, new_owner_token
+from helpers import all_keys_have_ttl
+
+
+def test_acquire_returns_a_lease_with_metadata(lock, redis_client):
+    lease = lock.acquire("a", "owner-1", 5.0, metadata={"task_id": "tid", "task_name": "tn",
+                                                        "pid": 42})
+    assert lease.owner == "owner-1" and lease.name == "a" and lease.key == "t:lease:{a}"
+    assert lease.task_id == "tid" and lease.task_name == "tn"
+    assert lease.fence > 0 and not lease.lost
+    assert 4.8 < lease.remaining() <= 5.0
+    stored = redis_client.hgetall("t:lease:{a}")
+    assert stored["owner"] == "owner-1" and stored["task_id"] == "tid"
+    assert stored["pid"] == "42" and int(stored["fence"]) == lease.fence
+    assert stored["ttl_ms"] == "5000" and stored["acquired_ms"] == stored["renewed_ms"]
+    assert 4900 < redis_client.pttl("t:lease:{a}") <= 5000
+
+
+def test_second_owner_is_refused(lock):
+    assert lock.acquire("a", "o1", 5.0) is not None
+    assert lock.acquire("a", "o2", 5.0) is None
+    lease, holder, ttl = lock.try_acquire("a", "o3", 5.0)
+    assert lease is None and holder == "o1" and 4.0 < ttl <= 5.0
+
+
+def test_same_owner_reacquire_is_idempotent(lock):
+    first = lock.acquire("a", "o1", 5.0)
+    again = lock.acquire("a", "o1", 5.0)
+    assert again.fence == first.fence
+
+
+def test_one_winner_among_concurrent_acquirers(redis_server_url, redis_client):
+    contenders = 24
+    barrier = threading.Barrier(contenders)
+    winners, errors = [], []
+
+    def contend(i):
+        own = RedisStepLock(make_client(redis_server_url), prefix="t")
+        barrier.wait()
+        try:
+            if own.acquire("race", f"owner-{i}", 10.0) is not None:
+                winners.append(i)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(winners) == 1
+    assert redis_client.hget("t:lease:{race}", "owner") == f"owner-{winners[0]}"
+
+
+def test_every_key_has_a_ttl(lock, redis_client):
+    for i in range(5):
+        lock.acquire(f"n{i}", new_owner_token(), 5.0)
+    lock.release("n0", redis_client.hget("t:lease:{n0}", "owner"))
+    keys, without = all_keys_have_ttl(redis_client, "t:*")
+    assert len(keys) == 9 and without == []
+
+
+def test_non_owner_release_and_extend_change_nothing(lock, redis_client):
+    lock.acquire("a", "o1", 5.0)
+    time.sleep(0.2)
+    before = redis_client.hgetall("t:lease:{a}")
+    ttl_before = redis_client.pttl("t:lease:{a}")
+    assert lock.release("a", "intruder") is False
+    assert lock.extend("a", "intruder", 60.0) is False
+    assert redis_client.hgetall("t:lease:{a}") == before
+    ttl_after = redis_client.pttl("t:lease:{a}")
+    assert ttl_after <= ttl_before and ttl_after < 5000
+
+
+def test_release_is_owner_checked_and_idempotent(lock, redis_client):
+    lock.acquire("a", "o1", 5.0)
+    assert lock.release("a", "o1") is True
+    assert redis_client.exists("t:lease:{a}") == 0
+    assert lock.release("a", "o1") is False
+    assert lock.extend("a", "o1", 5.0) is False
+
+
+def test_extend_resets_the_ttl_for_the_owner(lock, redis_client):
+    lock.acquire("a", "o1", 1.0)
+    time.sleep(0.3)
+    assert lock.extend("a", "o1", 3.0) is True
+    assert 2900 < redis_client.pttl("t:lease:{a}") <= 3000
+    assert redis_client.hget("t:lease:{a}", "ttl_ms") == "3000"
+
+
+def test_owned_reports_seconds_left_or_none(lock):
+    lock.acquire("a", "o1", 2.0)
+    assert 1.9 < lock.owned("a", "o1") <= 2.0
+    assert lock.owned("a", "o2") is None
+    assert lock.owned("missing", "o1") is None
+
+
+def test_fencing_token_strictly_increases_across_expiry_and_reacquire(lock, redis_client):
+    fences = []
+    for i in range(5):
+        lease = lock.acquire("f", f"o{i}", 0.1)
+        fences.append(lease.fence)
+        if i % 2:
+            lock.release("f", lease.owner)
+        else:
+            time.sleep(0.15)  # let it expire
+            assert redis_client.exists("t:lease:{f}") == 0
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+
+
+def test_fencing_token_survives_loss_of_its_counter(lock, redis_client):
+    first = lock.acquire("f", "o1", 5.0)
+    lock.release("f", "o1")
+    redis_client.delete("t:fence:{f}")  # as after a failover to a replica that lacked it
+    second = lock.acquire("f", "o2", 5.0)
+    assert second.fence > first.fence
+
+
+def test_fencing_tokens_of_back_to_back_grants_differ(lock):
+    fences = []
+    for i in range(50):
+        lease = lock.acquire("fast", f"o{i}", 5.0)
+        fences.append(lease.fence)
+        lock.release("fast", lease.owner)
+    assert all(b > a for a, b in zip(fences, fences[1:]))
+
+
+def test_wait_gets_the_lease_when_the_holder_releases(lock):
+    lock.acquire("w", "holder", 10.0)
+    threading.Timer(0.3, lock.release, args=("w", "holder")).start()
+    started = time.monotonic()
+    lease = lock.acquire("w", "waiter", 5.0, wait=3.0)
+    waited = time.monotonic() - started
+    assert lease is not None and lease.owner == "waiter"
+    assert 0.25 < waited < 1.0
+
+
+def test_wait_gives_up_after_the_deadline(lock):
+    lock.acquire("w", "holder", 10.0)
+    started = time.monotonic()
+    assert lock.acquire("w", "waiter", 5.0, wait=0.3) is None
+    assert 0.29 < time.monotonic() - started < 0.6
+
+
+def test_extend_many_renews_in_one_call(lock, redis_client):
+    for i in range(20):
+        lock.acquire(f"m{i}", f"o{i}", 1.0)
+    results = lock.extend_many([(f"m{i}", f"o{i}" if i % 4 else "wrong", 4.0)
+                                for i in range(20)])
+    assert results == [bool(i % 4) for i in range(20)]
+    assert redis_client.pttl("t:lease:{m1}") > 3000
+    assert redis_client.pttl("t:lease:{m0}") <= 1000
+
+
+def test_extend_many_reloads_flushed_scripts(lock, redis_client):
+    lock.acquire("s", "o", 1.0)
+    redis_client.script_flush()
+    assert lock.extend_many([("s", "o", 3.0)]) == [True]
+
+
+def test_inspect_shows_the_holder(lock):
+    lock.acquire("i", "o1", 5.0, metadata={"task_id": "abc", "hostname": "h", "pid": 7})
+    info = lock.inspect("i")
+    assert info["owner"] == "o1" and info["task_id"] == "abc" and info["pid"] == "7"
+    assert info["name"] == "i" and info["key"] == "t:lease:{i}" and 4 < info["ttl"] <= 5
+    assert lock.inspect("nobody") is None
+
+
+def test_unreachable_store_raises_a_typed_retryable_error():
+    from helpers import closed_port_url
+
+    lock = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.5), prefix="t")
+    started = time.monotonic()
+    with pytest.raises(LockStoreUnavailable, match="acquire"):
+        lock.acquire("a", "o", 5.0)
+    with pytest.raises(LockStoreUnavailable):
+        lock.release("a", "o")
+    with pytest.raises(LockStoreUnavailable):
+        lock.extend_many([("a", "o", 5.0)])
+    assert time.monotonic() - started < 10
+
+
+def test_lease_local_validity_and_check(lock):
+    lease = lock.acquire("v", "o", 0.2)
+    lease.check()
+    assert lease.idempotency_key == f"v:{lease.fence}"
+    time.sleep(0.25)
+    assert lease.lost and "local validity" in lease.lost_reason
+    with pytest.raises(LockLost) as info:
+        lease.check()
+    assert info.value.key == "t:lease:{v}"

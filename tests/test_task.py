@@ -1,0 +1,413 @@
+"""StepLockedTask executed in-process (``apply()``) against real Redis and the real DB.
+
+Concurrency between real worker processes is in test_workers.py.
+"""
+import threading
+import time
+
+import pytest
+from celery.exceptions import Retry
+
+from celery_steplock import signals
+from celery_steplock.exceptions import (ImproperlyConfigured, LockContended, LockLost,
+                                        LockNameError, LockStoreUnavailable,
+                                        TransitionConflict)
+from celery_steplock.task import StepLockedTask, backoff, get_lock
+from django_app.celery import app as celery_app
+from django_app.workflows.models import Step, TransitionRecord
+from helpers import closed_port_url
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BODY_RUNS = []
+
+
+def record(task, step_id, to):
+    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status=to,
+                                    owner=task.lease.owner if task.lease else "",
+                                    fence=task.lease.fence if task.lease else None,
+                                    task_id=task.request.id or "")
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.finish", lock_key="step:{step_id}",
+                 step_model="workflows.Step", step_id_arg="step_id",
+                 transition=("pending", "done"), on_contended="raise", max_retries=2)
+def finish(self, step_id, hold=0.0, steal=False):
+    BODY_RUNS.append(step_id)
+    record(self, step_id, "done")
+    if hold:
+        deadline = time.monotonic() + hold
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            self.lease.check()
+    if steal:
+        get_lock(self.app).client.hset(self.lease.key, "owner", "thief")
+    return {"fence": self.lease.fence, "owner": self.lease.owner}
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.blind_finish",
+                 lock_key="step:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
+                 transition=("pending", "done"), lock_precheck=False, on_conflict="raise")
+def blind_finish(self, step_id):
+    BODY_RUNS.append(step_id)
+    record(self, step_id, "done")
+    return "body done"
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.phases", lock_key="step:{step_id}",
+                 step_model="workflows.Step")
+def phases(self, step_id, fail_between=False):
+    first = self.transition(step_id, "pending", "running")
+    if fail_between:
+        raise RuntimeError("between phases")
+    second = self.transition(step_id, "running", "done", attempts=1)
+    return [first.applied, second.applied, self.lease.fence]
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.retrying",
+                 lock_key="step:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
+                 transition=("pending", "done"), max_retries=3)
+def retrying(self, step_id):
+    BODY_RUNS.append((step_id, self.request.retries))
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    record(self, step_id, "done")
+    return self.request.retries
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.hashed")
+def hashed(self, a, b=1):
+    return self.lease.name
+
+
+@pytest.fixture(autouse=True)
+def clean(app, redis_client):
+    BODY_RUNS.clear()
+    app.conf.steplock_retry_backoff = 0.01
+    yield
+
+
+@pytest.fixture
+def events():
+    seen = []
+
+    def receiver(sender=None, signal=None, **kw):
+        seen.append((signal.name, kw))
+
+    for sig in signals.ALL_SIGNALS:
+        sig.connect(receiver, weak=False)
+    yield seen
+    for sig in signals.ALL_SIGNALS:
+        sig.disconnect(receiver)
+
+
+def names(events):
+    return [name for name, _ in events]
+
+
+def test_commit_then_release(redis_client, events):
+    step = Step.objects.create(name="s")
+    result = finish.apply(args=(step.pk,))
+    assert result.successful(), result.traceback
+    step.refresh_from_db()
+    assert step.status == "done"
+    assert (step.lock_owner, step.lock_fence) == (result.result["owner"], result.result["fence"])
+    assert TransitionRecord.objects.count() == 1
+    assert redis_client.exists(f"steplock:lease:{{step:{step.pk}}}") == 0
+    assert names(events) == ["lock_acquired", "transition_applied", "lock_released"]
+    acquired = events[0][1]
+    assert acquired["task_name"] == "tests.finish" and acquired["key"] == \
+        f"steplock:lease:{{step:{step.pk}}}"
+    assert "step_id" not in acquired and "args" not in acquired
+
+
+def test_signal_order_acquired_extended_released(app, events):
+    app.conf.steplock_default_ttl = 0.3
+    finish.lock_ttl = None
+    step = Step.objects.create(name="s")
+    result = finish.apply(args=(step.pk,), kwargs={"hold": 1.0})
+    assert result.successful(), result.traceback
+    order = names(events)
+    assert order[0] == "lock_acquired" and order[-1] == "lock_released"
+    middle = order[1:-1]
+    assert middle.count("transition_applied") == 1 and middle[-1] == "transition_applied"
+    assert set(middle[:-1]) == {"lock_extended"} and len(middle) - 1 >= 5
+    owners = {kw["owner"] for _, kw in events if kw.get("owner")}
+    assert len(owners) == 1
+    stamps = [kw["monotonic"] for _, kw in events]
+    assert stamps == sorted(stamps)
+
+
+def test_duplicate_after_commit_skips_the_body(events):
+    step = Step.objects.create(name="s")
+    assert finish.apply(args=(step.pk,), task_id="same").successful()
+    again = finish.apply(args=(step.pk,), task_id="same")
+    assert again.state == "IGNORED"
+    assert BODY_RUNS == [step.pk]
+    assert TransitionRecord.objects.count() == 1
+    assert names(events)[-3:] == ["lock_acquired", "transition_conflict", "lock_released"]
+    assert events[-2][1]["current"] == "done"
+
+
+def test_cas_conflict_rolls_back_the_body_and_never_overwrites(events):
+    step = Step.objects.create(name="s", status="cancelled")
+    result = blind_finish.apply(args=(step.pk,))
+    assert isinstance(result.result, TransitionConflict)
+    assert BODY_RUNS == [step.pk]  # the body ran (no precheck) ...
+    assert TransitionRecord.objects.count() == 0  # ... and its writes rolled back
+    step.refresh_from_db()
+    assert step.status == "cancelled"
+    assert "transition_conflict" in names(events) and "transition_applied" not in names(events)
+
+
+def test_contended_lease_raises_without_running_the_body(redis_client, events):
+    step = Step.objects.create(name="s")
+    lock = get_lock(celery_app)
+    holder = lock.acquire(f"step:{step.pk}", "other-owner", 10.0,
+                          metadata={"task_id": "tid-1", "hostname": "h", "pid": 1})
+    result = finish.apply(args=(step.pk,))
+    assert isinstance(result.result, LockContended)
+    assert result.result.holder == "other-owner" and "tid-1" in str(result.result)
+    assert BODY_RUNS == []
+    assert names(events) == ["lock_contended"]
+    assert events[0][1]["holder"] == "other-owner"
+    assert lock.owned(holder.name, holder.owner) is not None  # untouched
+
+
+def test_contended_skip_and_retry_policies(redis_client):
+    step = Step.objects.create(name="s")
+    get_lock(celery_app).acquire(f"step:{step.pk}", "other", 10.0)
+    finish.on_contended = "skip"
+    try:
+        assert finish.apply(args=(step.pk,)).state == "IGNORED"
+        finish.on_contended = "retry"
+        result = finish.apply(args=(step.pk,))
+        assert isinstance(result.result, LockContended)  # retried max_retries=2 times
+        assert result.state == "FAILURE"
+    finally:
+        finish.on_contended = "raise"
+    assert BODY_RUNS == []
+
+
+def test_lost_lease_refuses_the_commit(redis_client, events):
+    step = Step.objects.create(name="s")
+    finish.on_contended = "raise"
+    result = finish.apply(args=(step.pk,), kwargs={"steal": True})
+    assert isinstance(result.result, LockLost), result.traceback
+    step.refresh_from_db()
+    assert step.status == "pending" and TransitionRecord.objects.count() == 0
+    assert "lock_lost" in names(events) and "transition_applied" not in names(events)
+    assert redis_client.hget(f"steplock:lease:{{step:{step.pk}}}", "owner") == "thief"
+
+
+def test_lost_lease_is_retried_with_the_retry_policy(redis_client):
+    step = Step.objects.create(name="s")
+    finish.on_contended = "retry"
+    try:
+        result = finish.apply(args=(step.pk,), kwargs={"steal": True})
+    finally:
+        finish.on_contended = "raise"
+    # each retry finds the thief's lease: contended until max_retries, never committed
+    assert isinstance(result.result, (LockContended, LockLost))
+    step.refresh_from_db()
+    assert step.status == "pending" and TransitionRecord.objects.count() == 0
+
+
+def test_store_outage_on_acquire_does_not_run_the_body(app, events):
+    app.conf.steplock_redis_url = closed_port_url()
+    app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="s")
+    finish.on_contended = "retry"
+    try:
+        result = finish.apply(args=(step.pk,))
+    finally:
+        finish.on_contended = "raise"
+    assert isinstance(result.result, LockStoreUnavailable)
+    assert BODY_RUNS == []
+    step.refresh_from_db()
+    assert step.status == "pending"
+    errors = [kw for name, kw in events if name == "lock_store_error"]
+    assert len(errors) == 3 and errors[0]["policy"] == "fail_closed"  # 1 + max_retries=2
+
+
+def test_store_outage_is_a_celery_retry_in_a_worker(app):
+    app.conf.steplock_redis_url = closed_port_url()
+    app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="s")
+    finish.on_contended = "retry"
+    finish.push_request(id="tid", args=(step.pk,), kwargs={}, retries=0, is_eager=True,
+                        called_directly=False, delivery_info={})
+    try:
+        with pytest.raises(Retry) as info:
+            finish(step.pk)
+    finally:
+        finish.pop_request()
+        finish.on_contended = "raise"
+    assert isinstance(info.value.exc, LockStoreUnavailable)
+    assert 0.0 < info.value.when <= 60
+    assert BODY_RUNS == []
+
+
+def test_fail_open_runs_the_body_and_keeps_the_cas(app, events):
+    app.conf.steplock_redis_url = closed_port_url()
+    app.conf.steplock_socket_timeout = 0.3
+    closed = Step.objects.create(name="closed")
+    assert isinstance(blind_finish.apply(args=(closed.pk,)).result, LockStoreUnavailable)
+    assert BODY_RUNS == []
+    done = Step.objects.create(name="done", status="done")
+    blind_finish.on_store_error = "fail_open"
+    try:
+        result = blind_finish.apply(args=(done.pk,))
+    finally:
+        blind_finish.on_store_error = None
+    assert isinstance(result.result, TransitionConflict)  # ran unlocked, the CAS still refused
+    assert BODY_RUNS == [done.pk]
+    assert TransitionRecord.objects.count() == 0
+    policies = [kw["policy"] for name, kw in events if name == "lock_store_error"]
+    assert policies == ["fail_closed"] * 4 + ["fail_open"]  # 1 + max_retries=3, then open
+
+
+def test_release_failure_never_masks_the_result(private_redis, app, events):
+    app.conf.steplock_redis_url = private_redis.url
+    app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="s")
+
+    def stop_redis(**kwargs):
+        private_redis.stop()
+
+    signals.transition_applied.connect(stop_redis, weak=False)
+    try:
+        result = finish.apply(args=(step.pk,))
+    finally:
+        signals.transition_applied.disconnect(stop_redis)
+    assert result.successful(), result.traceback
+    step.refresh_from_db()
+    assert step.status == "done"
+    assert "lock_released" not in names(events)
+
+
+def test_release_failure_never_masks_the_exception(private_redis, app):
+    app.conf.steplock_redis_url = private_redis.url
+    app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="s")
+
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.boom",
+                     lock_key="b:{step_id}")
+    def boom(self, step_id):
+        private_redis.stop()
+        raise ValueError("the body's own error")
+
+    result = boom.apply(args=(step.pk,))
+    assert isinstance(result.result, ValueError) and "own error" in str(result.result)
+
+
+def test_body_exception_rolls_back_and_releases(redis_client):
+    step = Step.objects.create(name="s")
+    result = phases.apply(args=(step.pk,), kwargs={"fail_between": True})
+    assert isinstance(result.result, RuntimeError)
+    step.refresh_from_db()
+    assert step.status == "pending"
+    assert redis_client.exists(f"steplock:lease:{{step:{step.pk}}}") == 0
+
+
+def test_multi_phase_transitions_inside_the_body():
+    step = Step.objects.create(name="s")
+    applied_first, applied_second, fence = phases.apply(args=(step.pk,)).get()
+    step.refresh_from_db()
+    assert (applied_first, applied_second) == (True, True)
+    assert (step.status, step.attempts, step.lock_fence) == ("done", 1, fence)
+
+
+def test_retry_inside_the_body_does_not_deadlock_on_its_own_lease(redis_client):
+    step = Step.objects.create(name="s")
+    started = time.monotonic()
+    result = retrying.apply(args=(step.pk,))
+    assert result.get(timeout=10) == 1
+    assert time.monotonic() - started < 5
+    assert BODY_RUNS == [(step.pk, 0), (step.pk, 1)]
+    assert TransitionRecord.objects.count() == 1
+
+
+def test_default_lock_name_hashes_the_bound_arguments():
+    first = hashed.apply(args=(1,)).get()
+    assert first == hashed.apply(kwargs={"a": 1}).get() == hashed.apply(args=(1, 1)).get()
+    assert first != hashed.apply(args=(2,)).get()
+    assert first.startswith("tests.hashed:")
+    assert "self" not in first
+
+
+def test_unserialisable_argument_fails_clearly():
+    result = hashed.apply(args=(object(),))
+    assert isinstance(result.result, LockNameError) and "'a'" in str(result.result)
+
+
+@pytest.mark.parametrize("options, setting", [
+    ({"lock_ttl": 0}, "lock_ttl"),
+    ({"lock_ttl": -3}, "lock_ttl"),
+    ({"on_contended": "wait"}, "on_contended"),
+    ({"on_conflict": "clobber"}, "on_conflict"),
+    ({"step_model": "workflows.Missing"}, "step_model"),
+    ({"step_id_arg": "nope"}, "step_id_arg"),
+    ({"step_transition": ("pending",)}, "transition"),
+])
+def test_invalid_task_options_name_the_option(options, setting):
+    step = Step.objects.create(name="s")
+    saved = {k: finish.__dict__.get(k) for k in options}
+    for key, value in options.items():
+        setattr(finish, key, value)
+    finish._steplock_guard = None
+    try:
+        result = finish.apply(args=(step.pk,))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                delattr(finish, key) if key in finish.__dict__ else None
+            else:
+                setattr(finish, key, value)
+        finish._steplock_guard = None
+    assert isinstance(result.result, ImproperlyConfigured), result.result
+    assert result.result.setting == setting
+    assert BODY_RUNS == []
+
+
+def test_invalid_setting_names_the_setting(app):
+    app.conf.steplock_renewal_ratio = 1.5
+    step = Step.objects.create(name="s")
+    result = finish.apply(args=(step.pk,))
+    assert isinstance(result.result, ImproperlyConfigured)
+    assert result.result.setting == "steplock_renewal_ratio"
+
+
+def test_transition_option_does_not_shadow_the_method():
+    assert finish.step_transition == ("pending", "done")
+    assert callable(finish.transition)
+
+
+def test_concurrent_threads_commit_once(redis_client):
+    """Eight threads run the task on one step at once: one commit, the rest contended."""
+    step = Step.objects.create(name="s")
+    barrier = threading.Barrier(8)
+    outcomes = []
+
+    def run():
+        barrier.wait()
+        result = finish.apply(args=(step.pk,), kwargs={"hold": 0.3})
+        outcomes.append(type(result.result).__name__ if result.failed() else result.state)
+        from django.db import connection
+        connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes).count("SUCCESS") == 1
+    assert sorted(outcomes).count("LockContended") == 7
+    assert TransitionRecord.objects.count() == 1
+
+
+def test_backoff_has_full_jitter_and_a_cap():
+    values = [backoff(1.0, 3, 5.0) for _ in range(200)]
+    assert all(0.05 <= v <= 5.0 for v in values)
+    assert max(values) > 3.0 and min(values) < 1.0
+    assert backoff(1.0, 100, 60.0) <= 60.0

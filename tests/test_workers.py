@@ -1,0 +1,150 @@
+"""Real ``celery worker`` processes (prefork) on a real Redis broker and the test database.
+
+Each test starts its workers with ``scripts/servers.py``; the workers count library signals in
+Redis (``demo:stats:<event>``, django_app/workflows/receivers.py) so the test can read what
+happened inside them.
+"""
+import random
+import time
+
+import pytest
+
+from django_app.workflows.models import Step, TransitionRecord
+from django_app.workflows.tasks import advance, compensate, hold, retry_once
+
+pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
+
+TTL = 2.0  # STEPLOCK_TTL given to the workers by the worker_env fixture
+
+
+def wait_until(predicate, timeout=60.0, interval=0.05, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stats(client):
+    return {key.rsplit(":", 1)[1]: int(client.get(key))
+            for key in client.scan_iter(match="demo:stats:*")}
+
+
+def drained(client):
+    """No message queued, reserved or waiting for an ETA, and no lease held."""
+    return (client.llen("celery") == 0 and client.hlen("unacked") == 0
+            and not list(client.scan_iter(match="steplock:lease:*")))
+
+
+def lease_key(step):
+    return f"steplock:lease:{{step:{step.pk}}}"
+
+
+def records(step):
+    return list(TransitionRecord.objects.filter(step=step).values_list("to_status", flat=True))
+
+
+def two_workers(start_worker, concurrency=1):
+    return (start_worker("w1", concurrency=concurrency, STEPLOCK_DEMO_STATS=1),
+            start_worker("w2", concurrency=concurrency, STEPLOCK_DEMO_STATS=1))
+
+
+def test_two_workers_on_one_step_commit_once(start_worker, redis_client):
+    two_workers(start_worker)
+    step = Step.objects.create(name="race")
+    advance.apply_async((step.pk,), {"delay": 1.0})
+    advance.apply_async((step.pk,), {"delay": 1.0})
+    wait_until(lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
+               what="both deliveries to finish")
+    step.refresh_from_db()
+    assert step.status == "done" and records(step) == ["done"]
+    counts = stats(redis_client)
+    assert counts["lock_contended"] >= 1  # the second worker met the lease and retried
+    assert counts["transition_applied"] == 1
+    assert counts["lock_acquired"] == counts["lock_released"]
+    hosts = set(TransitionRecord.objects.values_list("pid", flat=True))
+    assert len(hosts) == 1
+
+
+def test_duplicate_delivery_of_one_task_id_commits_once(start_worker, redis_client):
+    two_workers(start_worker)
+    step = Step.objects.create(name="dup")
+    first = advance.apply_async((step.pk,), {"delay": 1.0}, task_id="dup-task-id")
+    advance.apply_async((step.pk,), {"delay": 1.0}, task_id="dup-task-id")
+    wait_until(lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
+               what="the duplicate to finish")
+    step.refresh_from_db()
+    assert step.status == "done" and records(step) == ["done"]
+    assert first.get(timeout=10)["step_id"] == step.pk  # the duplicate never overwrote it
+    assert stats(redis_client)["transition_applied"] == 1
+
+
+def test_sigkilled_worker_leaves_its_lease_to_the_ttl(start_worker, redis_client):
+    worker = start_worker("doomed", concurrency=1, STEPLOCK_DEMO_STATS=1)
+    step = Step.objects.create(name="kill")
+    hold.apply_async((step.pk, 60))
+    holder = wait_until(lambda: redis_client.hgetall(lease_key(step)), timeout=30,
+                        what="the lease to be taken")
+    assert int(holder["pid"]) in worker.children_pids(recursive=True)
+    assert int(holder["pid"]) != worker.pid  # held by the prefork child, not the main process
+    worker.kill()
+    killed_at = time.monotonic()
+    assert 0 < redis_client.pttl(lease_key(step)) <= TTL * 1000
+    wait_until(lambda: redis_client.exists(lease_key(step)) == 0, timeout=TTL + 3,
+               interval=0.02, what="the lease to expire")
+    assert time.monotonic() - killed_at <= TTL + 0.5
+    assert stats(redis_client).get("lock_released", 0) == 0  # expired, never released
+
+
+def test_prefork_child_keeps_its_lease_over_three_ttls(start_worker, redis_client):
+    worker = start_worker("renewer", concurrency=2, STEPLOCK_DEMO_STATS=1)
+    step = Step.objects.create(name="long")
+    result = hold.apply_async((step.pk, TTL * 3.5))
+    holder = wait_until(lambda: redis_client.hgetall(lease_key(step)), timeout=30,
+                        what="the lease to be taken")
+    renewed = wait_until(
+        lambda: (lambda h: h if h and h["renewed_ms"] > h["acquired_ms"] else None)(
+            redis_client.hgetall(lease_key(step))), timeout=TTL, what="a renewal")
+    assert renewed["owner"] == holder["owner"]
+    value = result.get(timeout=30)
+    assert value["owner"] == holder["owner"] and value["pid"] in worker.children_pids()
+    counts = stats(redis_client)
+    assert counts["lock_extended"] >= 8  # every ttl/3 for 3.5 ttl
+    assert counts.get("lock_lost", 0) == 0 and counts["lock_released"] == 1
+
+
+def test_compensation_racing_the_forward_flow(start_worker, redis_client):
+    two_workers(start_worker, concurrency=2)
+    rng = random.Random(7)
+    steps = [Step.objects.create(name=f"c{i}") for i in range(12)]
+    for step in steps:
+        pair = [(advance, {"delay": 0.2}), (compensate, {"delay": 0.2})]
+        rng.shuffle(pair)
+        for task, kwargs in pair:
+            task.apply_async((step.pk,), kwargs)
+    wait_until(lambda: drained(redis_client)
+               and stats(redis_client).get("transition_conflict", 0) >= len(steps),
+               timeout=90, what="every race to finish")
+    outcomes = []
+    for step in steps:
+        step.refresh_from_db()
+        assert records(step) == [step.status], step
+        outcomes.append(step.status)
+    assert set(outcomes) <= {"done", "cancelled"}
+    assert stats(redis_client)["transition_applied"] == len(steps)
+
+
+def test_resume_racing_a_retry_commits_once(start_worker, redis_client):
+    two_workers(start_worker)
+    step = Step.objects.create(name="resume")
+    retry_once.apply_async((step.pk,), {"countdown": 1.0})
+    wait_until(lambda: stats(redis_client).get("lock_released"), what="the first attempt")
+    advance.apply_async((step.pk,), {"delay": 0.5})  # the manual resume
+    wait_until(lambda: drained(redis_client)
+               and stats(redis_client).get("transition_conflict"), timeout=60,
+               what="the retry and the resume to finish")
+    step.refresh_from_db()
+    assert step.status == "done" and records(step) == ["done"]
+    assert stats(redis_client)["transition_applied"] == 1
