@@ -25,11 +25,13 @@ default from :mod:`celery_steplock.conf`:
 ``lock_ttl``        lease TTL, seconds (``steplock_default_ttl``, 30)
 ``lock_wait``       seconds to wait for a busy lease (``steplock_lock_wait``, 0)
 ``lock_max_hold``   seconds after which renewal stops and the lease is lost (None: no cap)
-``on_contended``    "retry" (Celery retry, full-jitter backoff), "skip" (no state update) or
-                    "raise" (LockContended)
+``on_contended``    "retry" (Celery retry with a full-jitter countdown; no RETRY state is
+                    stored, so a same-id duplicate never overwrites the winner's result),
+                    "skip" (no state update) or "raise" (LockContended)
 ``on_conflict``     "ignore" (Celery ``Ignore``: the task's stored result is not overwritten,
-                    so a duplicate delivery never replaces the first outcome) or "raise"
-                    (TransitionConflict)
+                    so a duplicate delivery never replaces the first outcome; a loser with
+                    its own task id stores nothing and stays PENDING) or "raise"
+                    (TransitionConflict, stored as FAILURE)
 ``on_store_error``  "fail_closed" (body not run, retried) or "fail_open" (body runs unlocked;
                     the CAS still guards; ``lock_store_error`` is sent every time)
 ``step_model``      "app_label.Model" or model class of the step
@@ -263,10 +265,12 @@ class StepLockedTask(Task):
             info = self._holder(lock, name)
             emit(signals.lock_contended, self, owner=None, fence=None,
                  holder=info.get("owner"), **base)
+            who = (f"owner {info['owner']} (task {info.get('task_id')}, "
+                   f"{info.get('hostname')} pid {info.get('pid')})" if info.get("owner")
+                   else "another owner (released since)")
             return self._contended(LockContended(
-                f"{name!r} is held by owner {info.get('owner')} (task {info.get('task_id')}, "
-                f"{info.get('hostname')} pid {info.get('pid')})", key=base["key"],
-                holder=info.get("owner"), ttl=info.get("ttl")), opts)
+                f"{name!r} is held by {who}", key=base["key"], holder=info.get("owner"),
+                ttl=info.get("ttl")), opts)
         emit(signals.lock_acquired, self, **lease_fields(lease))
         heartbeat = get_heartbeat()
         heartbeat.register(lease, lock, ratio=opts.ratio, sender=self, max_hold=opts.max_hold)
@@ -382,7 +386,12 @@ class StepLockedTask(Task):
                             settings.retry_backoff_max)
         if self.request.called_directly:
             raise exc
-        raise self.retry(exc=exc, countdown=countdown)
+        if self.request.is_eager:
+            raise self.retry(exc=exc, countdown=countdown)
+        # Publish the retry but store no RETRY state: a contended duplicate delivery shares
+        # its task id with the winner and must not overwrite the winner's stored result.
+        self.retry(exc=exc, countdown=countdown, throw=False)
+        raise Ignore()
 
 
 def backoff(factor: float, retries: int, maximum: float) -> float:

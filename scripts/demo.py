@@ -320,7 +320,7 @@ class Demo:
         # below is exactly what it holds when the SIGKILL lands.
         worker.signal(signal.SIGSTOP, group=True)
         held = self.leases_of(worker)
-        reserved, unacked = self.queue_depth()
+        _, unacked = self.queue_depth()
         worker.kill()
         self.killed = victim
         self.kill_at = time.monotonic()
@@ -372,9 +372,9 @@ class Demo:
             stats = self.stats() if self.killed else Counter()
             if self.killed and redelivery_seen_at is None and stats["redelivered"]:
                 redelivery_seen_at = now
-                self.say(f"Redis redelivered the dead worker's messages "
-                         f"{now - self.kill_at:.1f}s after the kill "
-                         f"(visibility_timeout {VISIBILITY_TIMEOUT}s)")
+                self.say(f"a message Redis redelivered (visibility_timeout "
+                         f"{VISIBILITY_TIMEOUT}s) started on a live worker "
+                         f"{now - self.kill_at:.1f}s after the kill")
             waiting, unacked = self.queue_depth()
             if now - last_report >= 2.0:
                 last_report = now
@@ -400,11 +400,11 @@ class Demo:
                 break
             time.sleep(0.2)
         work_s = time.monotonic() - work_t0
-        self.say(f"all steps terminal and queues drained after {work_s:.1f}s of work")
+        if not self.failed_reasons:
+            self.say(f"all steps terminal and queues drained after {work_s:.1f}s of work")
 
         leaked, no_ttl = self.leak_check()
-        report = self.report(ids, held, expired, leaked, no_ttl, work_s)
-        return report
+        return self.report(held, expired, leaked, no_ttl, work_s)
 
     def clear_stats(self) -> None:
         keys = [f"{self.stats_prefix}:{event}" for event in STATS_EVENTS]
@@ -454,7 +454,7 @@ class Demo:
 
     # -- checks and report ---------------------------------------------------------------------
 
-    def report(self, ids, held, expired, leaked, no_ttl, work_s) -> int:
+    def report(self, held, expired, leaked, no_ttl, work_s) -> int:
         from django.db.models import Count
 
         from django_app.workflows.models import Step, TransitionRecord
@@ -494,6 +494,7 @@ class Demo:
         for key in no_ttl:
             self.failed_reasons.append(f"steplock key without a TTL: {key}")
         outcomes = self.task_outcomes()
+        winners = self.winner_outcomes([r.task_id for recs in records.values() for r in recs])
         fences = [r.fence for recs in records.values() for r in recs if r.fence is not None]
         per_worker = Counter(r.hostname.split("@")[0] for recs in records.values() for r in recs)
         wall_s = self.clock()
@@ -508,6 +509,12 @@ class Demo:
             ("  by worker", ", ".join(f"{w}={n}" for w, n in sorted(per_worker.items())), ""),
             ("task results", " ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "-",
              "stored states (an Ignore()d run stores none; FAILURE: retries exhausted)"),
+            ("winners' results", f"{winners['SUCCESS']}/{committed} SUCCESS",
+             "stored state of each committing task id"
+             + (f"; {committed - winners['SUCCESS']} not SUCCESS "
+                f"({' '.join(f'{k}={v}' for k, v in sorted(winners.items()) if k != 'SUCCESS')}"
+                f"): a same-id duplicate stored over it" if winners['SUCCESS'] != committed
+                else "")),
             ("locks acquired", stats["lock_acquired"], "lock_acquired signals"),
             ("contended", stats["lock_contended"], "lock_contended: lease busy -> retried"),
             ("conflicts", stats["transition_conflict"],
@@ -523,7 +530,8 @@ class Demo:
              + (f", {min(expired.values()):.1f}-{max(expired.values()):.1f}s after the kill"
                 if expired else "")),
             ("redelivered", stats["redelivered"],
-             f"messages Redis handed out again (visibility_timeout {VISIBILITY_TIMEOUT}s)"),
+             f"messages run again after kombu restored them (visibility_timeout "
+             f"{VISIBILITY_TIMEOUT}s, acks_late)"),
             ("replacement worker", self.replacement or "none", "survivor finished alone"
              if not self.replacement else "kombu did not redeliver in time"),
             ("invariant violations", len(violations), "1 record per step, status == record, "
@@ -571,6 +579,17 @@ class Demo:
             found.update(TaskResult.objects.filter(task_id__in=ids[i:i + 500])
                          .values_list("status", flat=True))
         return found
+
+    def winner_outcomes(self, task_ids) -> Counter:
+        """Stored state of the task ids that committed a transition (SUCCESS expected)."""
+        from django_celery_results.models import TaskResult
+
+        ids = sorted(set(task_ids))
+        states = {}
+        for i in range(0, len(ids), 500):
+            states.update(TaskResult.objects.filter(task_id__in=ids[i:i + 500])
+                          .values_list("task_id", "status"))
+        return Counter(states.get(tid, "none") for tid in task_ids)
 
     # -- teardown -----------------------------------------------------------------------------
 

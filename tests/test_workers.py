@@ -17,14 +17,19 @@ pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 TTL = 2.0  # STEPLOCK_TTL given to the workers by the worker_env fixture
 
 
-def wait_until(predicate, timeout=60.0, interval=0.05, what="condition"):
+def wait_until(predicate, timeout=60.0, interval=0.05, what="condition", client=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    state = ""
+    if client is not None:
+        state = (f" (queue {client.llen('celery')}, unacked {client.hlen('unacked')}, "
+                 f"leases {sorted(client.scan_iter(match='steplock:lease:*'))}, "
+                 f"stats {stats(client)})")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{state}")
 
 
 def stats(client):
@@ -57,7 +62,7 @@ def test_two_workers_on_one_step_commit_once(start_worker, redis_client):
     advance.apply_async((step.pk,), {"delay": 1.0})
     advance.apply_async((step.pk,), {"delay": 1.0})
     wait_until(lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
-               what="both deliveries to finish")
+               what="both deliveries to finish", client=redis_client)
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     counts = stats(redis_client)
@@ -74,7 +79,7 @@ def test_duplicate_delivery_of_one_task_id_commits_once(start_worker, redis_clie
     first = advance.apply_async((step.pk,), {"delay": 1.0}, task_id="dup-task-id")
     advance.apply_async((step.pk,), {"delay": 1.0}, task_id="dup-task-id")
     wait_until(lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
-               what="the duplicate to finish")
+               what="the duplicate to finish", client=redis_client)
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     assert first.get(timeout=10)["step_id"] == step.pk  # the duplicate never overwrote it
@@ -126,7 +131,7 @@ def test_compensation_racing_the_forward_flow(start_worker, redis_client):
             task.apply_async((step.pk,), kwargs)
     wait_until(lambda: drained(redis_client)
                and stats(redis_client).get("transition_conflict", 0) >= len(steps),
-               timeout=90, what="every race to finish")
+               timeout=90, what="every race to finish", client=redis_client)
     outcomes = []
     for step in steps:
         step.refresh_from_db()
@@ -144,7 +149,7 @@ def test_resume_racing_a_retry_commits_once(start_worker, redis_client):
     advance.apply_async((step.pk,), {"delay": 0.5})  # the manual resume
     wait_until(lambda: drained(redis_client)
                and stats(redis_client).get("transition_conflict"), timeout=60,
-               what="the retry and the resume to finish")
+               what="the retry and the resume to finish", client=redis_client)
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     assert stats(redis_client)["transition_applied"] == 1
