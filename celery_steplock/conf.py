@@ -36,6 +36,10 @@ DEFAULTS: dict[str, Any] = {
     "precheck": True,
     "socket_timeout": 5.0,
     "fence_ttl": 7 * 24 * 3600.0,   # lifetime of an idle name's fencing counter
+    "event_log": False,             # Django: write LeaseEvent rows (contrib.django)
+    "event_retention": 7 * 24 * 3600.0,
+    "reaper_recover": {},           # {"app_label.Model": {"in-flight status": "recovery status"}}
+    "reaper_older_than": 0.0,       # seconds a step must have been in flight before recovery
 }
 
 
@@ -184,6 +188,31 @@ class Settings:
     @property
     def fence_ttl(self) -> float:
         return check_seconds(self.raw("fence_ttl"), "steplock_fence_ttl")
+
+    @property
+    def event_log(self) -> bool:
+        return bool(self.raw("event_log"))
+
+    @property
+    def event_retention(self) -> float:
+        return check_seconds(self.raw("event_retention"), "steplock_event_retention")
+
+    @property
+    def reaper_recover(self) -> dict[str, dict[str, str]]:
+        value = self.raw("reaper_recover")
+        if not isinstance(value, dict) or not all(
+                isinstance(model, str) and isinstance(moves, dict)
+                and all(isinstance(a, str) and isinstance(b, str) for a, b in moves.items())
+                for model, moves in value.items()):
+            raise ImproperlyConfigured(
+                "steplock_reaper_recover must map \"app_label.Model\" to {in-flight status: "
+                f"recovery status}}, got {value!r}", setting="steplock_reaper_recover")
+        return value
+
+    @property
+    def reaper_older_than(self) -> float:
+        return check_seconds(self.raw("reaper_older_than"), "steplock_reaper_older_than",
+                             allow_zero=True)
 
     def validate(self) -> None:
         """Read every setting once, raising ImproperlyConfigured on the first invalid one."""

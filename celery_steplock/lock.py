@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -29,7 +29,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
 from .exceptions import LockLost, LockStoreUnavailable
-from .keys import fence_key, lease_key
+from .keys import fence_key, lease_key, name_from_key
 
 __all__ = ["Lease", "RedisStepLock", "new_owner_token", "make_client", "CLOCK_DRIFT_FACTOR"]
 
@@ -299,6 +299,49 @@ class RedisStepLock:
             raise LockStoreUnavailable(f"lock store refused a renewal: {errors[0]}")
         return [bool(r) for r in results]
 
+    def scan(self, cursor: int = 0, count: int = 500, match: str = "*"
+             ) -> tuple[int, list[dict[str, Any]]]:
+        """One ``SCAN`` step over the lease keys whose name matches the glob ``match``.
+
+        Returns ``(next_cursor, leases)``: ``next_cursor`` is 0 when the scan is complete;
+        each lease is a dict as :meth:`inspect` returns (fields read in one pipelined round
+        trip). ``count`` is SCAN's hint of keys examined per step, not a page size; a step
+        can return fewer or more leases. Never ``KEYS``: memory stays flat however many
+        leases Redis holds.
+        """
+        pattern = lease_key(self.prefix, match)
+        try:
+            cursor, keys = self.client.scan(cursor=cursor, match=pattern, count=count)
+            if not keys:
+                return int(cursor), []
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+                pipe.pttl(key)
+            replies = pipe.execute()
+        except STORE_ERRORS as exc:
+            raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
+        leases = []
+        for key, fields, pttl in zip(keys, replies[::2], replies[1::2]):
+            if not fields:
+                continue  # expired between SCAN and HGETALL
+            info = {_text(k): _text(v) for k, v in fields.items()}
+            info["key"] = _text(key)
+            info["name"] = name_from_key(key)
+            info["ttl"] = pttl / 1000.0 if pttl and pttl > 0 else None
+            leases.append(info)
+        return int(cursor), leases
+
+    def iter_leases(self, match: str = "*", count: int = 1000) -> Iterator[dict[str, Any]]:
+        """Every held lease matching ``match``, as :meth:`scan` returns them (a lease that is
+        acquired or released during the iteration may or may not be seen, as with SCAN)."""
+        cursor = 0
+        while True:
+            cursor, leases = self.scan(cursor, count, match)
+            yield from leases
+            if cursor == 0:
+                return
+
     def inspect(self, name: str) -> dict[str, Any] | None:
         """The lease's stored fields plus ``ttl`` (seconds left), or None when not held."""
         key = self.key(name)
@@ -321,7 +364,9 @@ class RedisStepLock:
 
 def holder_metadata(task_id: str | None = None, task_name: str | None = None,
                     retries: int | None = None, **extra: Any) -> dict[str, Any]:
-    """The metadata stored beside an owner token: who holds the lease, for people."""
+    """The metadata stored beside an owner token: who holds the lease, for people and for
+    the reaper (``worker`` is the Celery node name, e.g. ``celery@host``; ``step`` is
+    ``"<app_label>.<model>:<pk>"`` of the step the lease guards)."""
     meta = {"task_id": task_id, "task_name": task_name, "hostname": socket.gethostname(),
             "pid": os.getpid(), "retries": retries}
     meta.update(extra)

@@ -251,10 +251,13 @@ class StepLockedTask(Task):
         lock = get_lock(self.app)
         base = {"key": lease_key(lock.prefix, name), "name": name, "task_id": request.id,
                 "task_name": self.name, "ttl": opts.ttl}
+        step = (f"{self.steplock_guard().model._meta.label_lower}:{step_id}"
+                if step_id is not None else None)
         try:
             lease = lock.acquire(name, new_owner_token(), opts.ttl, wait=opts.wait,
                                  metadata=holder_metadata(request.id, self.name,
-                                                          request.retries))
+                                                          request.retries,
+                                                          worker=request.hostname, step=step))
         except LockStoreUnavailable as exc:
             emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
                  policy=opts.on_store_error, owner=None, fence=None, **base)

@@ -42,6 +42,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_celery_results",
+    "celery_steplock.contrib.django",
     "django_app.workflows",
 ]
 

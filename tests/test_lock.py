@@ -197,3 +197,22 @@ def test_lease_local_validity_and_check(lock):
     with pytest.raises(LockLost) as info:
         lease.check()
     assert info.value.key == "t:lease:{v}"
+
+
+def test_scan_pages_through_leases_without_keys(lock, redis_client):
+    for i in range(120):
+        lock.acquire(f"s:{i}", f"o{i}", 5.0, metadata={"task_name": "t" if i % 2 else "u"})
+    redis_client.set("t:fence:{unrelated}", 1, ex=5)
+    seen, cursor, steps = [], 0, 0
+    while True:
+        cursor, page = lock.scan(cursor, count=25)
+        seen.extend(page)
+        steps += 1
+        if cursor == 0:
+            break
+    assert steps > 1
+    assert sorted(info["name"] for info in seen) == sorted(f"s:{i}" for i in range(120))
+    first = next(info for info in seen if info["name"] == "s:3")
+    assert first["owner"] == "o3" and first["task_name"] == "t" and 4 < first["ttl"] <= 5
+    assert [i["name"] for i in lock.iter_leases(match="s:1?")] and all(
+        i["name"].startswith("s:1") and len(i["name"]) == 4 for i in lock.iter_leases("s:1?"))
