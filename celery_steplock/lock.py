@@ -63,10 +63,12 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, fence, tonumber(ARGV[2])}
 """
 
-# KEYS[1] lease hash. ARGV[1] owner token. Returns 1 if deleted, 0 if not the owner/absent.
+# KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] release channel.
+# Returns 1 if deleted (and waiters were told on ARGV[2]), 0 if not the owner/absent.
 RELEASE_LUA = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[1])
   return 1
 end
 return 0
@@ -233,31 +235,56 @@ class RedisStepLock:
                      acquired_at=sent, valid_until=sent + ttl - drift(ttl),
                      task_id=meta.get("task_id"), task_name=meta.get("task_name")), None, None
 
+    def channel(self, name: str) -> str:
+        """Pub/sub channel on which a release of ``name`` is announced."""
+        return f"{self.prefix}:released:{{{name}}}"
+
     def acquire(self, name: str, owner: str | None = None, ttl: float = 30.0, *,
                 wait: float = 0.0, metadata: Mapping[str, Any] | None = None) -> Lease | None:
         """Acquire the lease ``name`` for ``owner`` (a fresh token when None) for ``ttl``
         seconds. Returns the :class:`Lease`, or None when another owner holds it and ``wait``
         seconds (default 0: one attempt) passed without it being released or expiring.
         ``metadata`` (task_id, task_name, hostname, pid, ...) is stored beside the owner.
+
+        A waiter does not poll: it subscribes to the release channel, so it retries as soon
+        as the holder releases, and otherwise when the holder's TTL runs out (a dead holder
+        announces nothing).
         """
         owner = owner or new_owner_token()
+        lease, _holder, holder_ttl = self.try_acquire(name, owner, ttl, metadata)
+        if lease is not None or wait <= 0:
+            return lease
         deadline = time.monotonic() + wait
-        delay = 0.005
-        while True:
-            lease, _holder, holder_ttl = self.try_acquire(name, owner, ttl, metadata)
-            if lease is not None:
-                return lease
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            pause = min(delay, left, holder_ttl if holder_ttl else delay)
-            time.sleep(max(pause, 0.001))
-            delay = min(delay * 2, 0.05)
+        try:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            # Subscribe before the next attempt, so a release between them is not missed.
+            pubsub.subscribe(self.channel(name))
+        except STORE_ERRORS as exc:
+            raise LockStoreUnavailable(f"lock store unavailable while waiting for {name!r}: "
+                                       f"{exc}", key=self.key(name)) from exc
+        try:
+            while True:
+                lease, _holder, holder_ttl = self.try_acquire(name, owner, ttl, metadata)
+                if lease is not None:
+                    return lease
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                timeout = min(left, holder_ttl) if holder_ttl else min(left, 0.01)
+                try:
+                    pubsub.get_message(timeout=max(timeout, 0.001))
+                except STORE_ERRORS as exc:
+                    raise LockStoreUnavailable(f"lock store unavailable while waiting for "
+                                               f"{name!r}: {exc}", key=self.key(name)) from exc
+        finally:
+            pubsub.close()
 
     def release(self, name: str, owner: str) -> bool:
-        """Delete the lease if ``owner`` holds it. Returns False (and changes nothing) when
-        the key is gone or another owner holds it; so releasing twice is harmless."""
-        return bool(self._call(self._release, [self.key(name)], [owner], "release", name))
+        """Delete the lease if ``owner`` holds it, and wake its waiters. Returns False (and
+        changes nothing) when the key is gone or another owner holds it; so releasing twice
+        is harmless."""
+        return bool(self._call(self._release, [self.key(name)], [owner, self.channel(name)],
+                               "release", name))
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it. Returns False (and

@@ -216,3 +216,47 @@ def test_scan_pages_through_leases_without_keys(lock, redis_client):
     assert first["owner"] == "o3" and first["task_name"] == "t" and 4 < first["ttl"] <= 5
     assert [i["name"] for i in lock.iter_leases(match="s:1?")] and all(
         i["name"].startswith("s:1") and len(i["name"]) == 4 for i in lock.iter_leases("s:1?"))
+
+
+def test_waiter_wakes_on_release_without_polling(lock):
+    lock.acquire("n", "holder", 10.0)
+    woke = []
+
+    def wait():
+        woke.append(lock.acquire("n", "waiter", 5.0, wait=5.0))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)
+    released_at = time.monotonic()
+    lock.release("n", "holder")
+    thread.join(5)
+    assert woke and woke[0].owner == "waiter"
+    assert time.monotonic() - released_at < 0.1
+
+
+def test_waiter_takes_over_when_the_holder_expires(lock):
+    lock.acquire("e", "dead-holder", 0.4)
+    started = time.monotonic()
+    lease = lock.acquire("e", "waiter", 5.0, wait=3.0)
+    assert lease is not None and 0.3 < time.monotonic() - started < 0.8
+
+
+def test_many_waiters_one_winner_per_release(lock, redis_server_url):
+    lock.acquire("m", "holder", 10.0)
+    winners = []
+
+    def wait(i):
+        own = RedisStepLock(make_client(redis_server_url), prefix="t")
+        lease = own.acquire("m", f"w{i}", 10.0, wait=1.0)
+        if lease:
+            winners.append(i)
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    lock.release("m", "holder")
+    for t in threads:
+        t.join(5)
+    assert len(winners) == 1
