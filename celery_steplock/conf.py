@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "on_store_error": "fail_closed",
     "retry_backoff": 1.0,
     "retry_backoff_max": 60.0,
+    "retry_max": None,              # None: retry a busy lease or an outage until it clears
     "status_field": "status",
     "owner_field": "lock_owner",
     "fence_field": "lock_fence",
@@ -48,6 +49,13 @@ def setting_name(name: str) -> str:
     return f"steplock_{name}"
 
 
+def describe(name: str) -> str:
+    """A setting's name as both Celery and Django users write it; task options as is."""
+    if name.startswith("steplock_"):
+        return f"{name} (CELERY_{name.upper()} in Django settings)"
+    return name
+
+
 def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
                   allow_none: bool = False) -> float | None:
     """Return ``value`` as float seconds, or raise ImproperlyConfigured naming ``name``."""
@@ -56,10 +64,10 @@ def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
             or math.isinf(value):
         raise ImproperlyConfigured(
-            f"{name} must be a number of seconds, got {value!r}", setting=name)
+            f"{describe(name)} must be a number of seconds, got {value!r}", setting=name)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ImproperlyConfigured(f"{name} must be {bound} seconds, got {value!r}",
+        raise ImproperlyConfigured(f"{describe(name)} must be {bound} seconds, got {value!r}",
                                    setting=name)
     return float(value)
 
@@ -68,7 +76,7 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise ImproperlyConfigured."""
     if value not in choices:
         raise ImproperlyConfigured(
-            f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}",
+            f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {value!r}",
             setting=name)
     return value
 
@@ -100,8 +108,8 @@ class Settings:
                 setting="steplock_redis_url")
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ImproperlyConfigured(
-                f"steplock_redis_url must be a redis://, rediss:// or unix:// URL, got {url!r}",
-                setting="steplock_redis_url")
+                f"{describe('steplock_redis_url')} must be a redis://, rediss:// or unix:// "
+                f"URL, got {url!r}", setting="steplock_redis_url")
         return url
 
     @property
@@ -109,8 +117,8 @@ class Settings:
         prefix = self.raw("key_prefix")
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} "):
             raise ImproperlyConfigured(
-                f"steplock_key_prefix must be a non-empty string without braces or spaces, "
-                f"got {prefix!r}", setting="steplock_key_prefix")
+                f"{describe('steplock_key_prefix')} must be a non-empty string without braces "
+                f"or spaces, got {prefix!r}", setting="steplock_key_prefix")
         return prefix
 
     @property
@@ -123,8 +131,8 @@ class Settings:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
                 or not 0 < ratio < 1:
             raise ImproperlyConfigured(
-                f"steplock_renewal_ratio must be a number strictly between 0 and 1 (the "
-                f"renewal interval must be shorter than the TTL), got {ratio!r}",
+                f"{describe('steplock_renewal_ratio')} must be a number strictly between 0 "
+                f"and 1 (the renewal interval must be shorter than the TTL), got {ratio!r}",
                 setting="steplock_renewal_ratio")
         return float(ratio)
 
@@ -157,11 +165,21 @@ class Settings:
     def retry_backoff_max(self) -> float:
         return check_seconds(self.raw("retry_backoff_max"), "steplock_retry_backoff_max")
 
+    @property
+    def retry_max(self) -> int | None:
+        value = self.raw("retry_max")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ImproperlyConfigured(
+                f"{describe('steplock_retry_max')} must be None or a whole number >= 0, "
+                f"got {value!r}", setting="steplock_retry_max")
+        return value
+
     def _field(self, name: str) -> str:
         value = self.raw(name)
         if not isinstance(value, str) or not value.isidentifier():
             raise ImproperlyConfigured(
-                f"{setting_name(name)} must be a model field name, got {value!r}",
+                f"{describe(setting_name(name))} must be a model field name, got {value!r}",
                 setting=setting_name(name))
         return value
 
@@ -205,8 +223,9 @@ class Settings:
                 and all(isinstance(a, str) and isinstance(b, str) for a, b in moves.items())
                 for model, moves in value.items()):
             raise ImproperlyConfigured(
-                "steplock_reaper_recover must map \"app_label.Model\" to {in-flight status: "
-                f"recovery status}}, got {value!r}", setting="steplock_reaper_recover")
+                f"{describe('steplock_reaper_recover')} must map \"app_label.Model\" to "
+                f"{{in-flight status: recovery status}}, got {value!r}",
+                setting="steplock_reaper_recover")
         return value
 
     @property

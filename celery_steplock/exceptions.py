@@ -63,15 +63,16 @@ class LockError(StepLockError):
 class LockContended(LockError):
     """Another owner holds the lease. Retryable: nothing ran.
 
-    ``holder`` is the owner token of the current holder when known, ``ttl`` its remaining
-    lifetime in seconds.
+    ``holder`` is the owner token of the current holder when known, ``holder_task_id`` its
+    task id, ``ttl`` its remaining lifetime in seconds.
     """
 
     def __init__(self, message: str, key: str | None = None, holder: str | None = None,
-                 ttl: float | None = None):
+                 ttl: float | None = None, holder_task_id: str | None = None):
         super().__init__(message, key=key)
         self.holder = holder
         self.ttl = ttl
+        self.holder_task_id = holder_task_id
 
 
 class LockStoreUnavailable(LockError):

@@ -63,7 +63,7 @@ class Heartbeat:
         if max_hold is not None:
             lease.max_hold_until = lease.acquired_at + max_hold
         interval = lease.ttl * ratio
-        entry = _Entry(lease, lock, interval, lease.acquired_at + interval, sender)
+        entry = _Entry(lease, lock, interval, _next(lease, lease.acquired_at + interval), sender)
         with self._cond:
             self._entries[id(lease)] = entry
             if self._thread is None:
@@ -152,7 +152,7 @@ class Heartbeat:
             for entry, ok in zip(group, results):
                 if ok:
                     entry.lease.renewed(sent)
-                    entry.next_at = sent + entry.interval
+                    entry.next_at = _next(entry.lease, sent + entry.interval)
                     emit(signals.lock_extended, entry.sender, logging.DEBUG,
                          **lease_fields(entry.lease))
                 else:
@@ -166,6 +166,14 @@ class Heartbeat:
         if present:
             emit(signals.lock_lost, entry.sender, logging.ERROR, reason=lease.lost_reason,
                  **lease_fields(lease))
+
+
+def _next(lease: Lease, renew_at: float) -> float:
+    """The next time to look at ``lease``: its renewal, or its max hold if that comes first
+    (so the loss is reported on time, not one interval late)."""
+    if lease.max_hold_until is not None:
+        return min(renew_at, lease.max_hold_until)
+    return renew_at
 
 
 _heartbeat: Heartbeat | None = None

@@ -104,9 +104,10 @@ def name_from_arguments(task_name: str, arguments: Mapping[str, Any],
     try:
         return check_name(lock_key.format(**arguments))
     except (KeyError, IndexError, AttributeError) as exc:
+        missing = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
         raise LockNameError(
             f"lock_key {lock_key!r} names {exc} which is not an argument of {task_name} "
-            f"(arguments: {', '.join(arguments) or 'none'})") from exc
+            f"(arguments: {', '.join(arguments) or 'none'})", argument=missing) from exc
 
 
 def lease_key(prefix: str, name: str) -> str:

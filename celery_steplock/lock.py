@@ -146,8 +146,12 @@ class Lease:
     @property
     def lost(self) -> bool:
         """True once the lease can no longer be trusted (see the class docstring)."""
-        if not self._lost.is_set() and time.monotonic() >= self.valid_until:
-            self.mark_lost("local validity ran out without a successful renewal")
+        if not self._lost.is_set():
+            now = time.monotonic()
+            if self.max_hold_until is not None and now >= self.max_hold_until:
+                self.mark_lost("max hold reached: renewal stopped")
+            elif now >= self.valid_until:
+                self.mark_lost("local validity ran out without a successful renewal")
         return self._lost.is_set()
 
     def mark_lost(self, reason: str) -> bool:
@@ -177,9 +181,12 @@ class Lease:
 
     @property
     def idempotency_key(self) -> str:
-        """``"<name>:<fence>"``: a key for effects outside the database (HTTP, e-mail) that
-        differs for every grant of the lease and is stable within one."""
-        return f"{self.name}:{self.fence}"
+        """``"<task name>:<lock name>"``: a key for effects outside the database (HTTP,
+        e-mail, payments) that is the same for every attempt of this task on this step:
+        retries, redeliveries and duplicates alike, so a system that deduplicates on it
+        performs the effect once. Where that system can refuse stale writers, pass it
+        ``fence`` too (Kleppmann 2016): it increases with every grant."""
+        return f"{self.task_name}:{self.name}" if self.task_name else self.name
 
 
 def drift(ttl: float) -> float:

@@ -39,6 +39,9 @@ default from :mod:`celery_steplock.conf`:
 ``transition``      ``(from_, to)`` applied by CAS after the body
 ``step_transitions`` optional ``{from_: [to, ...]}`` table of allowed transitions
 ``lock_precheck``   skip the body when the step already left ``from_`` (default True)
+``lock_retry_max``  how many times a busy lease, an outage or a lost lease is retried
+                    (``steplock_retry_max``, default None: until it clears; these retries
+                    are counted apart from the task's own ``max_retries``)
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from celery import Task
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 
 from . import signals
 from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_choice, \
@@ -99,6 +102,7 @@ class _Options:
     transition: tuple[str, str] | None
     step_id_arg: str | None
     precheck: bool
+    retry_max: int | None
 
 
 class StepLockedTask(Task):
@@ -126,6 +130,7 @@ class StepLockedTask(Task):
     step_transition: tuple[str, str] | None = None
     step_transitions: dict | None = None
     lock_precheck: bool | None = None
+    lock_retry_max: int | None = None
 
     #: Expected outcomes, logged without a traceback by the worker (Celery ``Task.throws``).
     throws = (LockContended, TransitionConflict)
@@ -146,7 +151,18 @@ class StepLockedTask(Task):
         return Settings(self.app)
 
     def steplock_options(self) -> _Options:
-        """This task's options resolved against the settings; raises ImproperlyConfigured."""
+        """This task's options resolved against the settings.
+
+        Raises ImproperlyConfigured naming the task and the option or setting.
+        """
+        try:
+            return self._resolve_options()
+        except ImproperlyConfigured as exc:
+            if str(exc).startswith(f"{self.name}:"):
+                raise
+            raise ImproperlyConfigured(f"{self.name}: {exc}", setting=exc.setting) from exc
+
+    def _resolve_options(self) -> _Options:
         settings = self.steplock_settings
         transition = self.step_transition
         if transition is not None:
@@ -181,7 +197,16 @@ class StepLockedTask(Task):
             step_id_arg=self.step_id_arg,
             precheck=(settings.precheck if self.lock_precheck is None
                       else bool(self.lock_precheck)),
+            retry_max=(settings.retry_max if self.lock_retry_max is None
+                       else self._retry_max_option()),
         )
+
+    def _retry_max_option(self) -> int:
+        value = self.lock_retry_max
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ImproperlyConfigured(f"lock_retry_max must be None or a whole number >= 0, "
+                                       f"got {value!r}", setting="lock_retry_max")
+        return value
 
     def steplock_guard(self):
         """The :class:`~celery_steplock.guard.StepTransitionGuard` of ``step_model``."""
@@ -195,9 +220,12 @@ class StepLockedTask(Task):
                  settings.fence_field)
         cached = self.__dict__.get("_steplock_guard")
         if cached is None or cached[0] != ident:
-            guard = StepTransitionGuard(self.step_model, status_field=ident[1],
-                                        owner_field=ident[2], fence_field=ident[3],
-                                        transitions=self.step_transitions)
+            try:
+                guard = StepTransitionGuard(self.step_model, status_field=ident[1],
+                                            owner_field=ident[2], fence_field=ident[3],
+                                            transitions=self.step_transitions)
+            except ImproperlyConfigured as exc:
+                raise ImproperlyConfigured(f"{self.name}: {exc}", setting=exc.setting) from exc
             cached = (ident, guard)
             self._steplock_guard = cached
         return cached[1]
@@ -247,6 +275,8 @@ class StepLockedTask(Task):
                     f"{self.name}: step_id_arg={opts.step_id_arg!r} is not an argument of the "
                     f"task (arguments: {', '.join(arguments)})", setting="step_id_arg")
             step_id = arguments[opts.step_id_arg]
+        if self.step_model is not None:
+            self.steplock_guard()  # an unknown model fails here, before any lease is taken
         request = self.request
         lock = get_lock(self.app)
         base = {"key": lease_key(lock.prefix, name), "name": name, "task_id": request.id,
@@ -263,7 +293,7 @@ class StepLockedTask(Task):
                  policy=opts.on_store_error, owner=None, fence=None, **base)
             if opts.on_store_error == "fail_open":
                 return self._execute(None, lock, opts, step_id, args, kwargs)
-            return self._steplock_retry(exc)
+            return self._steplock_retry(exc, opts)
         if lease is None:
             info = self._holder(lock, name)
             emit(signals.lock_contended, self, owner=None, fence=None,
@@ -273,7 +303,7 @@ class StepLockedTask(Task):
                    else "another owner (released since)")
             return self._contended(LockContended(
                 f"{name!r} is held by {who}", key=base["key"], holder=info.get("owner"),
-                ttl=info.get("ttl")), opts)
+                ttl=info.get("ttl"), holder_task_id=info.get("task_id")), opts)
         emit(signals.lock_acquired, self, **lease_fields(lease))
         heartbeat = get_heartbeat()
         heartbeat.register(lease, lock, ratio=opts.ratio, sender=self, max_hold=opts.max_hold)
@@ -315,7 +345,7 @@ class StepLockedTask(Task):
             raise
         except LockLost as exc:
             if opts.on_contended == "retry":
-                return self._steplock_retry(exc)
+                return self._steplock_retry(exc, opts)
             raise
         finally:
             self.request.steplock_lease = None
@@ -379,21 +409,42 @@ class StepLockedTask(Task):
             return self._ignore()
         if opts.on_contended == "raise":
             raise exc
-        return self._steplock_retry(exc)
+        try:
+            return self._steplock_retry(exc, opts)
+        except LockContended:
+            if exc.holder_task_id and exc.holder_task_id == self.request.id:
+                # Retries exhausted while another delivery of this very task id holds the
+                # lease: that delivery owns the outcome; storing FAILURE would overwrite it.
+                return self._ignore()
+            raise
 
-    def _steplock_retry(self, exc: Exception):
-        """Retry with Celery's exponential backoff and full jitter (steplock_retry_backoff,
-        capped by steplock_retry_backoff_max); raises ``exc`` once max_retries is reached."""
+    def _steplock_retry(self, exc: Exception, opts: _Options):
+        """Retry after a full-jitter exponential countdown (steplock_retry_backoff, capped by
+        steplock_retry_backoff_max), at most ``opts.retry_max`` times (None: no limit);
+        raises ``exc`` once they are used up."""
         settings = self.steplock_settings
-        countdown = backoff(settings.retry_backoff, self.request.retries or 0,
-                            settings.retry_backoff_max)
-        if self.request.called_directly:
+        request = self.request
+        attempt = int(getattr(request, "steplock_retries", None)
+                      or (request.headers or {}).get("steplock_retries") or 0)
+        limit = opts.retry_max
+        if limit is None and request.is_eager:
+            limit = self.max_retries  # apply() retries inline: an unbounded loop would recurse
+        if request.called_directly or (limit is not None and attempt >= limit):
             raise exc
-        if self.request.is_eager:
-            raise self.retry(exc=exc, countdown=countdown)
+        countdown = backoff(settings.retry_backoff, attempt, settings.retry_backoff_max)
+        logger.info("event=retry_scheduled task_id=%s task_name=%s countdown=%.3f reason=%s",
+                    request.id, self.name, countdown, type(exc).__name__)
+        # Lease retries keep their own count in a message header, apart from the task's
+        # retries/max_retries, which stay the body's.
+        headers = {**(request.headers or {}), "steplock_retries": attempt + 1}
+        if request.is_eager:
+            retried = self.signature_from_request(request, countdown=countdown,
+                                                  retries=request.retries or 0,
+                                                  headers=headers)
+            raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)
         # Publish the retry but store no RETRY state: a contended duplicate delivery shares
         # its task id with the winner and must not overwrite the winner's stored result.
-        self.retry(exc=exc, countdown=countdown, throw=False)
+        self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
         raise Ignore()
 
 

@@ -147,8 +147,15 @@ CELERY_TIMEZONE = TIME_ZONE
 CELERY_STEPLOCK_DEFAULT_TTL = float(os.environ.get("STEPLOCK_TTL", 30))
 if os.environ.get("STEPLOCK_KEY_PREFIX"):
     CELERY_STEPLOCK_KEY_PREFIX = os.environ["STEPLOCK_KEY_PREFIX"]
+if os.environ.get("STEPLOCK_RETRY_MAX"):
+    CELERY_STEPLOCK_RETRY_MAX = int(os.environ["STEPLOCK_RETRY_MAX"])
+if os.environ.get("STEPLOCK_RETRY_BACKOFF"):
+    CELERY_STEPLOCK_RETRY_BACKOFF = float(os.environ["STEPLOCK_RETRY_BACKOFF"])
 if os.environ.get("STEPLOCK_REDIS_URL"):
     CELERY_STEPLOCK_REDIS_URL = os.environ["STEPLOCK_REDIS_URL"]
+# The reaper (manage.py reap_expired_leases, celery steplock reap, the beat task) moves a step
+# whose owner is gone from "running" back to "pending", by compare-and-swap.
+CELERY_STEPLOCK_REAPER_RECOVER = {"workflows.Step": {"running": "pending"}}
 
 # --- Logging ------------------------------------------------------------------
 LOGGING = {

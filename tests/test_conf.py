@@ -66,6 +66,9 @@ def test_explicit_redis_url_wins_over_broker():
     ({"steplock_key_prefix": "a{b}"}, "steplock_key_prefix"),
     ({"steplock_status_field": "not a field"}, "steplock_status_field"),
     ({"steplock_redis_url": "http://x"}, "steplock_redis_url"),
+    ({"steplock_retry_max": -1}, "steplock_retry_max"),
+    ({"steplock_retry_max": 2.5}, "steplock_retry_max"),
+    ({"steplock_reaper_recover": {"workflows.Step": "pending"}}, "steplock_reaper_recover"),
 ])
 def test_invalid_values_name_the_setting(conf, setting):
     settings = Settings(make_app(broker_url="redis://h/0", **conf))
@@ -73,6 +76,7 @@ def test_invalid_values_name_the_setting(conf, setting):
         settings.validate()
     assert info.value.setting == setting
     assert setting in str(info.value)
+    assert f"CELERY_{setting.upper()}" in str(info.value)  # as a Django user writes it
     assert isinstance(info.value, StepLockError)
 
 

@@ -199,3 +199,11 @@ def test_process_with_a_held_lease_exits_promptly(redis_server_url):
                          timeout=20)
     assert out.returncode == 0 and "registered" in out.stdout
     assert time.monotonic() - started < 5
+
+
+def test_max_hold_is_reported_on_time_not_one_interval_late(lock, heartbeat, received):
+    lease = lock.acquire("hold-long-ttl", "o", 30.0)
+    heartbeat.register(lease, lock, max_hold=0.4)  # renewals every 10 s
+    time.sleep(0.55)
+    assert lease.lost and "max hold" in lease.lost_reason
+    assert [kw["owner"] for name, kw in received if name == "lock_lost"] == ["o"]

@@ -97,6 +97,7 @@ def test_template_naming_an_unknown_argument_is_rejected():
     with pytest.raises(LockNameError) as info:
         name(bound, 7, lock_key="order:{order_id}")
     assert "order_id" in str(info.value) and "x, y, z" in str(info.value)
+    assert info.value.argument == "order_id"
 
 
 def test_callable_lock_key_receives_bound_arguments():

@@ -191,7 +191,9 @@ def test_unreachable_store_raises_a_typed_retryable_error():
 def test_lease_local_validity_and_check(lock):
     lease = lock.acquire("v", "o", 0.2)
     lease.check()
-    assert lease.idempotency_key == f"v:{lease.fence}"
+    assert lease.idempotency_key == "v"
+    named = lock.acquire("w", "o", 5.0, metadata={"task_name": "shop.charge"})
+    assert named.idempotency_key == "shop.charge:w"
     time.sleep(0.25)
     assert lease.lost and "local validity" in lease.lost_reason
     with pytest.raises(LockLost) as info:

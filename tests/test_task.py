@@ -41,7 +41,8 @@ def finish(self, step_id, hold=0.0, steal=False):
             time.sleep(0.02)
             self.lease.check()
     if steal:
-        get_lock(self.app).client.hset(self.lease.key, "owner", "thief")
+        get_lock(self.app).client.hset(self.lease.key,
+                                       mapping={"owner": "thief", "task_id": "thief-task"})
     return {"fence": self.lease.fence, "owner": self.lease.owner}
 
 
@@ -367,7 +368,18 @@ def test_invalid_task_options_name_the_option(options, setting):
         finish._steplock_guard = None
     assert isinstance(result.result, ImproperlyConfigured), result.result
     assert result.result.setting == setting
+    assert str(result.result).startswith("tests.finish: ")
     assert BODY_RUNS == []
+
+
+def test_unknown_step_model_fails_before_any_lease(redis_client, events):
+    finish.step_model, finish._steplock_guard = "workflows.Missing", None
+    try:
+        result = finish.apply(args=(1,))
+    finally:
+        finish.step_model, finish._steplock_guard = "workflows.Step", None
+    assert isinstance(result.result, ImproperlyConfigured)
+    assert events == [] and list(redis_client.scan_iter("steplock:*")) == []
 
 
 def test_invalid_setting_names_the_setting(app):

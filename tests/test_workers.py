@@ -153,3 +153,20 @@ def test_resume_racing_a_retry_commits_once(start_worker, redis_client):
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     assert stats(redis_client)["transition_applied"] == 1
+
+
+def test_contended_retries_stop_at_the_lease_retry_budget(start_worker, redis_client):
+    from celery_steplock.lock import RedisStepLock
+
+    start_worker("w1", concurrency=1, STEPLOCK_DEMO_STATS=1, STEPLOCK_RETRY_MAX=2,
+                 STEPLOCK_RETRY_BACKOFF=0.05)
+    step = Step.objects.create(name="busy")
+    RedisStepLock(redis_client).acquire(f"step:{step.pk}", "squatter", 60.0,
+                                        metadata={"task_id": "someone-else"})
+    result = advance.apply_async((step.pk,))
+    wait_until(lambda: result.state == "FAILURE", timeout=30, what="retries to run out",
+               client=redis_client)
+    assert type(result.result).__name__ == "LockContended"
+    assert stats(redis_client)["lock_contended"] == 3  # the first try + steplock_retry_max=2
+    step.refresh_from_db()
+    assert step.status == "pending" and records(step) == []

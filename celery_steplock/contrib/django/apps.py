@@ -1,3 +1,6 @@
+"""Django integration: the "Held leases" admin page, the reaper command, system checks and
+the optional durable lease event log. Add ``"celery_steplock.contrib.django"`` to
+``INSTALLED_APPS``."""
 from django.apps import AppConfig
 
 
@@ -8,3 +11,13 @@ class StepLockConfig(AppConfig):
     label = "celery_steplock"
     verbose_name = "Step locks"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self):
+        from . import checks, eventlog
+
+        # celery_steplock.E001-E003, W001-W002 (E001, which connects to Redis, only with
+        # `manage.py check --deploy`).
+        checks.register_checks()
+        # The receivers read steplock_event_log at every event, so connecting them always
+        # costs nothing while the log is off and lets the setting change at run time.
+        eventlog.connect()

@@ -1,0 +1,238 @@
+"""``celery steplock``: look at, release and reap leases from the command line.
+
+Installed through Celery's ``celery.commands`` entry point (``setup.cfg``), so it runs with the
+app of ``celery -A proj`` and its ``steplock_*`` settings::
+
+    celery -A proj steplock ls [--match GLOB] [--limit N] [--json]
+    celery -A proj steplock show NAME [--json]
+    celery -A proj steplock release NAME --owner TOKEN
+    celery -A proj steplock reap [--dry-run] [--json] [--batch-size N] [--older-than SECONDS]
+
+``ls`` reads with SCAN (never KEYS) and stops once ``--limit`` leases were found, so it stays
+quick on a Redis holding many. ``release`` is owner-checked (compare-and-delete): it deletes
+the lease only while ``TOKEN`` still holds it, and sends ``lock_released`` with
+``forced=True``. ``reap`` runs :func:`celery_steplock.reaper.reap`; with a Django project
+(``DJANGO_SETTINGS_MODULE`` set, as in Celery's Django layout) it also recovers steps,
+otherwise only leases.
+
+Exit status: 0 on success; 1 when ``show`` finds no lease, ``release`` released nothing, or
+``reap`` met errors; 69 (``EX_UNAVAILABLE``, as ``celery inspect``) when Redis is unreachable.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import click
+from celery.bin.base import CeleryCommand, handle_preload_options
+from celery.exceptions import CeleryCommandException
+from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
+
+from . import signals
+from .events import emit
+from .exceptions import StepLockError
+from .reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
+
+__all__ = ["steplock"]
+
+#: Columns of ``ls``: (header, lease field or computed name).
+COLUMNS = (("NAME", "name"), ("OWNER", "owner"), ("FENCE", "fence"), ("TASK", "task_name"),
+           ("TASK ID", "task_id"), ("WORKER", "worker"), ("PID", "pid"), ("STEP", "step"),
+           ("AGE", "age"), ("TTL", "ttl"))
+
+
+def _lock(ctx):
+    from .task import get_lock
+
+    try:
+        return get_lock(ctx.obj.app)
+    except StepLockError as exc:
+        raise CeleryCommandException(message=f"steplock: {exc}", exit_code=EX_FAILURE)
+
+
+def _unavailable(exc: Exception) -> CeleryCommandException:
+    return CeleryCommandException(message=f"steplock: {exc}", exit_code=EX_UNAVAILABLE)
+
+
+def _redis_now_ms(lock) -> int | None:
+    try:
+        seconds, micros = lock.client.time()
+    except Exception:  # noqa: BLE001 - ages are a nicety; the listing still works without
+        return None
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _with_age(lease: dict[str, Any], now_ms: int | None) -> dict[str, Any]:
+    """``lease`` plus ``age`` (seconds since acquired, Redis clock) and ``renewed_ago``."""
+    out = dict(lease)
+    for field_name, target in (("acquired_ms", "age"), ("renewed_ms", "renewed_ago")):
+        try:
+            out[target] = round((now_ms - int(lease[field_name])) / 1000.0, 3)
+        except (TypeError, ValueError, KeyError):
+            out[target] = None
+    return out
+
+
+def _cell(value: Any, column: str) -> str:
+    if value is None or value == "":
+        return "-"
+    if column in ("age", "ttl"):
+        return f"{float(value):.1f}s"
+    if column == "owner":
+        return str(value)[:12] + ".."
+    if column == "task_id":
+        return str(value)[:8]
+    if column == "task_name":
+        return str(value).rsplit(".", 1)[-1]
+    return str(value)
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    cells = [[h for h, _ in COLUMNS]] + [[_cell(r.get(c), c) for _, c in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
+
+
+@click.group()
+@click.pass_context
+@handle_preload_options
+def steplock(ctx):
+    """celery-steplock leases: ls, show, release, reap."""
+
+
+@steplock.command("ls", cls=CeleryCommand)
+@click.option("--match", default="*", show_default=True, metavar="GLOB",
+              help="only lease names matching this glob (Redis MATCH syntax)")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=0),
+              help="stop after this many leases (0: all of them)")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list instead of a table")
+@click.pass_context
+def ls(ctx, match, limit, as_json):
+    """List held leases (SCAN with a cursor, never KEYS)."""
+    lock = _lock(ctx)
+    found: dict[str, dict[str, Any]] = {}
+    more = False
+    cursor = 0
+    try:
+        while True:
+            cursor, leases = lock.scan(cursor, count=DEFAULT_BATCH_SIZE, match=match)
+            for lease in leases:
+                found.setdefault(lease["key"], lease)  # SCAN may return a key twice
+            if limit and len(found) >= limit:
+                more = cursor != 0 or len(found) > limit
+                break
+            if cursor == 0:
+                break
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    now_ms = _redis_now_ms(lock)
+    rows = sorted((_with_age(lease, now_ms) for lease in found.values()),
+                  key=lambda r: r["name"])
+    if limit:
+        rows = rows[:limit]
+    if as_json:
+        click.echo(json.dumps(rows, sort_keys=True, default=str))
+        return
+    if not rows:
+        click.echo(f"no lease held (match {match!r})")
+        return
+    for line in _table(rows):
+        click.echo(line)
+    click.echo(f"{len(rows)} lease(s)" + (f"; more not shown (--limit {limit})" if more else ""))
+
+
+@steplock.command("show", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON object")
+@click.pass_context
+def show(ctx, name, as_json):
+    """Show every field of the lease NAME (exit 1 when it is not held)."""
+    lock = _lock(ctx)
+    try:
+        lease = lock.inspect(name)
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    if lease is None:
+        raise CeleryCommandException(message=f"no lease named {name!r} is held",
+                                     exit_code=EX_FAILURE)
+    lease = _with_age(lease, _redis_now_ms(lock))
+    if as_json:
+        click.echo(json.dumps(lease, sort_keys=True, default=str))
+        return
+    width = max(len(k) for k in lease)
+    for key in sorted(lease):
+        click.echo(f"{key.ljust(width)}  {'-' if lease[key] in (None, '') else lease[key]}")
+
+
+@steplock.command("release", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--owner", required=True, metavar="TOKEN",
+              help="the owner token you saw holding it (ls / show); nothing is deleted if "
+                   "another owner holds the lease now")
+@click.pass_context
+def release(ctx, name, owner):
+    """Release the lease NAME if TOKEN still holds it (exit 1 otherwise)."""
+    lock = _lock(ctx)
+    try:
+        before = lock.inspect(name)
+        released = lock.release(name, owner)
+        after = None if released else lock.inspect(name)
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    if not released:
+        why = (f"it is held by another owner ({after['owner']})" if after
+               else "it is not held")
+        raise CeleryCommandException(message=f"not released: {name!r}: {why}",
+                                     exit_code=EX_FAILURE)
+    info = before if before and before.get("owner") == owner else {}
+    try:
+        fence = int(info["fence"]) if info.get("fence") else None
+    except ValueError:
+        fence = None
+    emit(signals.lock_released, info.get("task_name") or "celery_steplock.cli",
+         logging.WARNING, key=lock.key(name), name=name, owner=owner, fence=fence,
+         task_id=info.get("task_id"), task_name=info.get("task_name"),
+         ttl=info.get("ttl"), forced=True, reason="released from the command line")
+    click.echo(f"released {name!r} (owner {owner}, fence {fence})")
+
+
+@steplock.command("reap", cls=CeleryCommand)
+@click.option("--dry-run", is_flag=True, help="report what would be done, change nothing")
+@click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
+@click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True,
+              type=click.IntRange(min=1), help="SCAN COUNT hint and database chunk size")
+@click.option("--older-than", default=None, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="recover only steps in flight for longer (default: the setting)")
+@click.option("--ping-timeout", default=DEFAULT_PING_TIMEOUT, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="seconds to wait for workers' ping replies")
+@click.pass_context
+def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout):
+    """Reap the leases of dead owners and recover the steps they left in flight."""
+    app = ctx.obj.app
+    # Load the app's modules as `celery report` does: with Celery's Django fixup this runs
+    # django.setup(), without which no step model can be read (pass 1 still runs).
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:  # noqa: BLE001 - a broken import must not stop lease reaping
+        click.echo(f"warning: could not load the app's modules ({exc}); steps may not be "
+                   f"recovered", err=True)
+    started = time.monotonic()
+    report = reap(app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
+                  ping_timeout=ping_timeout)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), sort_keys=True, default=str))
+    else:
+        for line in report.detail_lines():
+            click.echo(line)
+        for line in report.summary_lines():
+            click.echo(line)
+    for message in report.errors:
+        click.echo(f"error: {message}", err=True)
+    if report.errors:
+        raise CeleryCommandException(
+            message=f"reap met {len(report.errors)} error(s) in "
+                    f"{time.monotonic() - started:.1f}s", exit_code=EX_FAILURE)
+

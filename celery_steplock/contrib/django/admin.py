@@ -1,0 +1,442 @@
+"""Django admin: the "Held leases" page (live from Redis) and the read-only lease event log.
+
+The pattern is django-rq's: the unmanaged :class:`~.models.Lease` model gives the admin a
+menu entry and permissions, and :meth:`LeaseAdmin.get_urls` replaces the ORM-backed views
+with two views wrapped by ``admin_site.admin_view`` (staff login, ``never_cache``, CSRF):
+
+``admin:celery_steplock_lease_changelist``
+    Held leases, read with ``SCAN`` (never ``KEYS``) one bounded page at a time; the SCAN
+    cursor travels in the querystring (``?cursor=``). Needs ``celery_steplock.view_lease``.
+``admin:celery_steplock_lease_release``
+    Force release of one lease: GET shows a confirmation page with the holder, POST (CSRF
+    token, ``celery_steplock.force_release_lease``) deletes the lease only if the owner shown
+    on that page still holds it. Audited by an admin ``LogEntry`` (action DELETION) and the
+    ``lock_released`` signal with ``forced=True``. There is deliberately no bulk action.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import urlencode
+
+from django import forms
+from django.apps import apps
+from django.contrib import admin, messages
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.utils import quote
+from django.contrib.auth import get_permission_codename
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
+from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, path, reverse
+from django.utils.decorators import method_decorator
+from django.utils.html import escape
+from django.utils.safestring import mark_safe
+from django.utils.translation import gettext as _
+from django.views.decorators.cache import never_cache
+
+from ... import signals
+from ...events import emit
+from ...exceptions import StepLockError
+from ...keys import MAX_NAME_LENGTH
+from .leases import (celery_app, lease_lock, lease_page, matches, redis_time_ms,
+                     steplock_task_names)
+from .models import Lease, LeaseEvent
+
+__all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm"]
+
+logger = logging.getLogger("celery_steplock")
+
+#: Querystring parameters of the changelist that a force release carries back to it.
+LIST_PARAMS = ("q", "task_name", "cursor", "p")
+
+
+class ForceReleaseForm(forms.Form):
+    """The POST of the force-release confirmation page: the lease and the owner it showed."""
+
+    name = forms.CharField(max_length=MAX_NAME_LENGTH, strip=False, widget=forms.HiddenInput)
+    owner = forms.CharField(max_length=64, strip=False, widget=forms.HiddenInput)
+    changelist_filters = forms.CharField(required=False, widget=forms.HiddenInput)
+
+
+def _duration(seconds: float | None) -> str:
+    """``3725.4`` -> ``"1h 02m 05s"``; ``12.34`` -> ``"12.3 s"``; None -> ``""``."""
+    if seconds is None:
+        return ""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    total = int(seconds)
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{minutes}m {secs:02d}s"
+
+
+def _breakable(dotted: str) -> str:
+    """HTML of a dotted name (``"proj.app.tasks.charge"``) that may wrap after each dot, so
+    long task names do not widen the table."""
+    return mark_safe(escape(dotted).replace(".", ".<wbr>"))
+
+
+def _list_query(params: QueryDict | dict, **changes: Any) -> str:
+    """The changelist querystring (``"?..."``, or ``"?"`` for the defaults): ``params``
+    restricted to :data:`LIST_PARAMS`, with ``changes`` applied (None or "" drops one)."""
+    query = {k: params.get(k) for k in LIST_PARAMS if params.get(k)}
+    for key, value in changes.items():
+        if value is None or value == "":
+            query.pop(key, None)
+        else:
+            query[key] = str(value)
+    if query.get("cursor") == "0":
+        del query["cursor"]
+    if query.get("p") == "1":
+        del query["p"]
+    return "?" + urlencode(query) if query else "?"
+
+
+@admin.register(Lease)
+class LeaseAdmin(admin.ModelAdmin):
+    """Held leases, read live from Redis; see the module docstring."""
+
+    #: Leases shown per page (a page keeps whole SCAN steps, so it can hold a few more).
+    list_per_page = 100
+    #: SCAN COUNT hint while a search or filter is active: most keys read will not match,
+    #: so read more per round trip.
+    filtered_scan_count = 1000
+    #: SCAN round trips per page at most: bounds the work of one request whatever the
+    #: number of leases (a rare filter may show an empty page with a "next page" link).
+    max_scan_steps = 10
+
+    change_list_template = "admin/celery_steplock/lease/change_list.html"
+    release_confirmation_template = "admin/celery_steplock/lease/release_confirmation.html"
+
+    # -- permissions ----------------------------------------------------------------------
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        # A lease is freed only through the owner-checked force release, never by Django's
+        # delete views or a bulk action.
+        return False
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        """``celery_steplock.force_release_lease``."""
+        codename = get_permission_codename("force_release", self.opts)
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    def get_actions(self, request: HttpRequest):
+        return {}
+
+    # -- URLs -----------------------------------------------------------------------------
+
+    def get_urls(self):
+        info = self.opts.app_label, self.opts.model_name
+        return [
+            path("", self.admin_site.admin_view(self.changelist_view),
+                 name="%s_%s_changelist" % info),
+            path("release/", self.admin_site.admin_view(self.release_view),
+                 name="%s_%s_release" % info),
+        ]
+
+    def changelist_url(self, params: QueryDict | dict | None = None) -> str:
+        url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
+                      current_app=self.admin_site.name)
+        query = _list_query(params or {})
+        return url if query == "?" else url + query
+
+    def release_url(self, name: str, params: QueryDict | dict) -> str:
+        url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_release",
+                      current_app=self.admin_site.name)
+        query = {"name": name}
+        filters = _list_query(params)[1:]
+        if filters:
+            query["_changelist_filters"] = filters
+        return f"{url}?{urlencode(query)}"
+
+    # -- links to other admin pages ----------------------------------------------------
+
+    def _model_admin(self, request: HttpRequest, app_label: str, model_name: str):
+        """The ModelAdmin of a registered model the user may view, else None."""
+        try:
+            model = apps.get_model(app_label, model_name)
+        except (LookupError, ValueError):
+            return None
+        model_admin = self.admin_site._registry.get(model)
+        if model_admin is None or not model_admin.has_view_or_change_permission(request):
+            return None
+        return model_admin
+
+    def step_url(self, request: HttpRequest, lease: Lease, cache: dict) -> str | None:
+        """The admin change page of the lease's step, when its model is registered."""
+        parts = lease.step_parts
+        if parts is None:
+            return None
+        app_label, model_name, pk = parts
+        if (app_label, model_name) not in cache:
+            cache[app_label, model_name] = self._model_admin(request, app_label, model_name)
+        model_admin = cache[app_label, model_name]
+        if model_admin is None:
+            return None
+        opts = model_admin.opts
+        try:
+            return reverse(f"admin:{opts.app_label}_{opts.model_name}_change",
+                           args=(quote(pk),), current_app=self.admin_site.name)
+        except NoReverseMatch:
+            return None
+
+    def task_result_url(self, request: HttpRequest, task_id: str, cache: dict) -> str | None:
+        """django-celery-results' TaskResult admin filtered on ``task_id``, when installed.
+
+        A changelist filter rather than a change page: a running task usually has no
+        result row yet, and this needs no database query per lease.
+        """
+        if not task_id or not apps.is_installed("django_celery_results"):
+            return None
+        if "taskresult" not in cache:
+            cache["taskresult"] = self._model_admin(request, "django_celery_results",
+                                                    "taskresult")
+        model_admin = cache["taskresult"]
+        if model_admin is None:
+            return None
+        try:
+            url = reverse("admin:django_celery_results_taskresult_changelist",
+                          current_app=self.admin_site.name)
+        except NoReverseMatch:
+            return None
+        return f"{url}?{urlencode({'task_id': task_id})}"
+
+    # -- views ------------------------------------------------------------------------------
+
+    def _context(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
+        return {**self.admin_site.each_context(request), "opts": self.opts,
+                "app_label": self.opts.app_label, "title": title,
+                "has_view_permission": True, **extra}
+
+    @method_decorator(never_cache)
+    def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
+        """One page of held leases. Querystring: ``q`` (search), ``task_name`` (filter),
+        ``cursor`` (SCAN cursor of the page, default 0), ``p`` (page number, for display)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        params = request.GET
+        q = params.get("q", "").strip()
+        task_name = params.get("task_name", "").strip()
+        try:
+            cursor = max(0, int(params.get("cursor", 0)))
+            page_number = max(1, int(params.get("p", 1)))
+        except ValueError:
+            cursor, page_number = 0, 1
+        filtered = bool(q or task_name)
+
+        page = None
+        task_names: list[str] = []
+        try:
+            task_names = steplock_task_names(celery_app())
+            page = lease_page(
+                lease_lock(), cursor, self.list_per_page,
+                predicate=(lambda info: matches(info, q, task_name)) if filtered else None,
+                scan_count=self.filtered_scan_count if filtered else None,
+                max_steps=self.max_scan_steps)
+        except StepLockError as exc:
+            # Redis down or misconfigured: say so on the page, never a 500.
+            logger.warning("event=admin_lock_store_error error=%s", exc)
+            messages.error(request, _("The Redis lock store could not be read: %(error)s")
+                           % {"error": exc})
+
+        can_release = self.has_force_release_permission(request)
+        rows = []
+        if page is not None:
+            link_cache: dict = {}
+            for info in page.leases:
+                lease = Lease.from_redis(info, page.now_ms)
+                rows.append({
+                    "lease": lease,
+                    "task_html": _breakable(lease.task_name) if lease.task_name else "",
+                    "age": _duration(lease.age),
+                    "ttl_left": _duration(lease.ttl_left),
+                    "since_renewal": _duration(lease.since_renewal),
+                    "step_url": self.step_url(request, lease, link_cache),
+                    "task_url": self.task_result_url(request, lease.task_id, link_cache),
+                    "release_url": (self.release_url(lease.name, params)
+                                    if can_release else None),
+                })
+
+        if task_name and task_name not in task_names:
+            task_names.append(task_name)  # a filter from a link for a task not loaded here
+        filter_choices = [{"display": _("All"), "selected": not task_name,
+                           "query_string": _list_query(params, task_name=None, cursor=None,
+                                                       p=None)}]
+        filter_choices += [{"display": _breakable(name), "selected": name == task_name,
+                            "query_string": _list_query(params, task_name=name, cursor=None,
+                                                        p=None)}
+                           for name in task_names]
+        next_url = first_url = None
+        if page is not None and not page.complete:
+            next_url = _list_query(params, cursor=page.next_cursor, p=page_number + 1)
+        if cursor:
+            first_url = _list_query(params, cursor=None, p=None)
+
+        context = self._context(
+            request, _("Held leases"), rows=rows, page=page, page_number=page_number,
+            q=q, task_name=task_name, filter_choices=filter_choices, filtered=filtered,
+            next_url=next_url, first_url=first_url, can_release=can_release,
+            store_error=page is None, per_page=self.list_per_page,
+            clear_filters_url=_list_query({}) if filtered else None,
+            **(extra_context or {}))
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.change_list_template, context)
+
+    @method_decorator(never_cache)
+    def release_view(self, request: HttpRequest) -> HttpResponse:
+        """GET ``?name=``: confirmation page showing the holder. POST (name, owner):
+        release if that owner still holds the lease, else say who holds it now."""
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        if request.method == "POST":
+            return self._release_post(request)
+        if request.method not in ("GET", "HEAD"):
+            return HttpResponse(status=405, headers={"Allow": "GET, HEAD, POST"})
+        name = request.GET.get("name", "")
+        filters = QueryDict(request.GET.get("_changelist_filters", ""))
+        back = self.changelist_url(filters)
+        if not name:
+            messages.error(request, _("No lease named."))
+            return HttpResponseRedirect(back)
+        try:
+            lock = lease_lock()
+            info = lock.inspect(name)
+            now_ms = redis_time_ms(lock) if info is not None else None
+        except StepLockError as exc:
+            messages.error(request, _("The Redis lock store could not be read: %(error)s")
+                           % {"error": exc})
+            return HttpResponseRedirect(back)
+        if info is None:
+            messages.warning(request, _("Lease “%(name)s” is already gone: nothing released.")
+                             % {"name": name})
+            return HttpResponseRedirect(back)
+        lease = Lease.from_redis(info, now_ms)
+        form = ForceReleaseForm(initial={"name": name, "owner": lease.owner,
+                                         "changelist_filters": filters.urlencode()})
+        context = self._context(
+            request, _("Force-release lease “%(name)s”?") % {"name": name},
+            lease=lease, form=form, object=lease, changelist_url=back,
+            age=_duration(lease.age), ttl_left=_duration(lease.ttl_left))
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.release_confirmation_template, context)
+
+    def _release_post(self, request: HttpRequest) -> HttpResponse:
+        form = ForceReleaseForm(request.POST)
+        if not form.is_valid():
+            messages.error(request, _("Invalid force-release request: %(errors)s")
+                           % {"errors": form.errors.as_text()})
+            return HttpResponseRedirect(self.changelist_url())
+        name, owner = form.cleaned_data["name"], form.cleaned_data["owner"]
+        back = self.changelist_url(QueryDict(form.cleaned_data["changelist_filters"]))
+        try:
+            lock = lease_lock()
+            # Read the holder's metadata first for the audit trail; the release itself is
+            # the owner-checked Lua compare-and-delete, so a holder that changed in between
+            # is never deleted.
+            before = lock.inspect(name)
+            released = lock.release(name, owner)
+            current = None if released else lock.inspect(name)
+        except StepLockError as exc:
+            messages.error(request, _("The Redis lock store could not be reached: nothing "
+                                      "released (%(error)s)") % {"error": exc})
+            return HttpResponseRedirect(back)
+        if not released:
+            if current is not None:
+                messages.warning(request, _(
+                    "Lease “%(name)s” is now held by another owner (%(owner)s, task "
+                    "%(task)s, fence %(fence)s): nothing released.") % {
+                        "name": name, "owner": current.get("owner"),
+                        "task": current.get("task_name") or "?",
+                        "fence": current.get("fence")})
+            else:
+                messages.warning(request, _("Lease “%(name)s” is already gone: nothing "
+                                            "released.") % {"name": name})
+            return HttpResponseRedirect(back)
+        info = before if before is not None and before.get("owner") == owner else {
+            "name": name, "owner": owner}
+        info.setdefault("key", lock.key(name))
+        lease = Lease.from_redis(info)
+        self.log_force_release(request, lease)
+        self.send_released(request, lease)
+        messages.success(request, _("Force-released lease “%(name)s” (owner %(owner)s, task "
+                                    "%(task)s, fence %(fence)s).") % {
+            "name": name, "owner": owner, "task": lease.task_name or "?",
+            "fence": lease.fence})
+        return HttpResponseRedirect(back)
+
+    # -- audit --------------------------------------------------------------------------------
+
+    def log_force_release(self, request: HttpRequest, lease: Lease) -> LogEntry:
+        """Write the admin ``LogEntry`` (action DELETION) of a force release."""
+        message = (f"Force-released lease {lease.name}: owner {lease.owner}, task "
+                   f"{lease.task_name or '?'} [{lease.task_id or '?'}], fence {lease.fence}, "
+                   f"worker {lease.worker or lease.hostname or '?'} pid {lease.pid}")
+        manager = LogEntry.objects
+        if hasattr(manager, "log_actions"):  # Django 5.1+ (log_action is deprecated there)
+            return manager.log_actions(request.user.pk, [lease], DELETION,
+                                       change_message=message, single_object=True)
+        from django.contrib.contenttypes.models import ContentType
+
+        return manager.log_action(  # Django 4.2
+            user_id=request.user.pk,
+            content_type_id=ContentType.objects.get_for_model(lease).pk,
+            object_id=lease.pk, object_repr=str(lease), action_flag=DELETION,
+            change_message=message)
+
+    def send_released(self, request: HttpRequest, lease: Lease) -> None:
+        """Log and send ``lock_released`` with ``forced=True``. The sender is the holder's
+        task when this process knows it (so per-task receivers fire), else its name."""
+        sender: Any = lease.task_name or "celery_steplock.admin"
+        try:
+            sender = celery_app().tasks.get(lease.task_name) or sender
+        except Exception:  # noqa: BLE001 - a sender is a nicety, the event must go out
+            pass
+        user = request.user.get_username()
+        emit(signals.lock_released, sender, logging.WARNING, key=lease.key, name=lease.name,
+             owner=lease.owner, fence=lease.fence, task_id=lease.task_id or None,
+             task_name=lease.task_name or None, ttl=lease.lease_ttl, forced=True,
+             reason=f"force-released by {user} in the Django admin", user=user,
+             step=lease.step or None, hostname=lease.hostname or None, pid=lease.pid,
+             worker=lease.worker or None)
+
+
+@admin.register(LeaseEvent)
+class LeaseEventAdmin(admin.ModelAdmin):
+    """The durable lease event log, read-only (rows are pruned by ``prune_lease_events``)."""
+
+    list_display = ("created_at", "event", "name", "fence", "task_name", "task_id", "step",
+                    "hostname", "pid", "short_owner", "reason")
+    list_filter = ("event", "task_name")
+    search_fields = ("name", "task_id", "task_name", "step", "owner")
+    date_hierarchy = "created_at"
+    list_per_page = 100
+    # COUNT(*) on a large log is slow on PostgreSQL; the paginator shows "Show all" instead.
+    show_full_result_count = False
+
+    @admin.display(description="owner", ordering="owner")
+    def short_owner(self, obj: LeaseEvent) -> str:
+        return obj.owner[:12]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.opts.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

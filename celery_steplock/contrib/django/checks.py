@@ -1,0 +1,279 @@
+"""Django system checks of celery-steplock, with stable ids (``manage.py check``).
+
+==========================  ==============================================================
+``celery_steplock.E001``    the Redis lock store does not answer PING. A *deployment*
+                            check (``manage.py check --deploy``; ``--deploy --tag
+                            celery_steplock`` runs this app's checks only), so ordinary
+                            commands never touch the network.
+``celery_steplock.E002``    a registered StepLockedTask's ``step_model`` does not exist or
+                            has no field named by ``steplock_status_field``.
+``celery_steplock.E003``    a ``steplock_*`` setting is invalid (one error per setting).
+``celery_steplock.W001``    a lease TTL (``steplock_default_ttl`` or a task's ``lock_ttl``)
+                            is not below the broker's ``visibility_timeout`` (Redis
+                            transport default: 3600 s).
+``celery_steplock.W002``    StepLockedTasks without ``acks_late`` + ``reject_on_worker_lost``:
+                            a killed worker's message is acknowledged and never redelivered.
+==========================  ==============================================================
+
+The checks read the project's Celery app (``celery.current_app``). Every check function is
+also usable on its own: ``check_lock_store(app)`` etc. take a Celery app and return a list
+of :class:`django.core.checks.CheckMessage`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from django.apps import apps
+from django.core import checks
+from django.core.exceptions import FieldDoesNotExist
+
+from ...conf import DEFAULTS, Settings, setting_name
+from ...exceptions import ImproperlyConfigured
+
+__all__ = ["TAG", "REDIS_VISIBILITY_TIMEOUT", "register_checks", "check_lock_store",
+           "check_step_models", "check_settings", "check_visibility_timeout",
+           "check_worker_lost"]
+
+TAG = "celery_steplock"
+#: kombu's Redis transport default ``visibility_timeout``, seconds.
+REDIS_VISIBILITY_TIMEOUT = 3600
+#: PING timeout of E001, seconds (at most; lower when ``steplock_socket_timeout`` is).
+PING_TIMEOUT = 2.0
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "sentinel://")
+
+
+def _app():
+    from .leases import celery_app
+
+    return celery_app()
+
+
+def _django_name(name: str) -> str:
+    """``"steplock_default_ttl"`` -> ``"CELERY_STEPLOCK_DEFAULT_TTL"``."""
+    return f"CELERY_{name.upper()}"
+
+
+def _steplock_tasks(app) -> list:
+    """The app's registered StepLockedTask instances (finalizes the app)."""
+    from ...task import StepLockedTask
+
+    try:
+        tasks = app.tasks
+    except RuntimeError:  # autofinalize=False and not finalized yet: nothing to inspect
+        return []
+    return [task for name, task in sorted(tasks.items()) if isinstance(task, StepLockedTask)]
+
+
+def _broker_urls(app) -> list[str]:
+    url = app.conf.broker_url or ""
+    if isinstance(url, (list, tuple)):
+        return [u for u in url if isinstance(u, str)]
+    return [u.strip() for u in url.split(";")] if isinstance(url, str) else []
+
+
+# -- checks on a Celery app ----------------------------------------------------------------
+
+def check_settings(app) -> list[checks.CheckMessage]:
+    """E003: one Error per invalid ``steplock_*`` setting (as ``Settings.validate`` would
+    raise, but naming every invalid setting, not only the first)."""
+    settings = Settings(app)
+    errors = []
+    for name in DEFAULTS:
+        try:
+            getattr(settings, name)
+        except ImproperlyConfigured as exc:
+            setting = exc.setting or setting_name(name)
+            errors.append(checks.Error(
+                f"Invalid celery-steplock setting {setting}: {exc}",
+                hint=f"Fix {_django_name(setting)} in the Django settings (app.conf."
+                     f"{setting} on the Celery app).",
+                obj=setting, id="celery_steplock.E003"))
+    return errors
+
+
+def check_visibility_timeout(app) -> list[checks.CheckMessage]:
+    """W001: lease TTLs that are not below the broker's ``visibility_timeout``.
+
+    Only the TTL frees the lease of a killed worker, while the broker redelivers that
+    worker's unacknowledged message after ``visibility_timeout``: with a TTL that is not
+    shorter, the redelivered task still meets the dead owner's lease.
+    """
+    try:
+        default_ttl = Settings(app).default_ttl
+    except ImproperlyConfigured:
+        return []  # E003 reports it
+    options = app.conf.broker_transport_options or {}
+    timeout = options.get("visibility_timeout")
+    if timeout is None:
+        if not any(u.startswith(_REDIS_SCHEMES) for u in _broker_urls(app)):
+            return []  # not a transport with a visibility timeout we know
+        timeout = REDIS_VISIBILITY_TIMEOUT
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        return []
+    offenders = []
+    if default_ttl >= timeout:
+        offenders.append(f"steplock_default_ttl={default_ttl:g}")
+    for task in _steplock_tasks(app):
+        ttl = getattr(task, "lock_ttl", None)
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= timeout:
+            offenders.append(f"{task.name} lock_ttl={ttl:g}")
+    if not offenders:
+        return []
+    return [checks.Warning(
+        f"Lease TTL not below the broker visibility_timeout ({timeout:g} s): "
+        f"{', '.join(offenders)}. A killed worker's message is redelivered after "
+        f"visibility_timeout, and its lease only expires after the TTL, so the redelivered "
+        f"task is refused until then.",
+        hint="Lower CELERY_STEPLOCK_DEFAULT_TTL / lock_ttl (the heartbeat renews a running "
+             "task's lease every TTL/3, so long tasks do not need a long TTL), or raise "
+             "CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your longest task "
+             "and countdown.",
+        obj="steplock_default_ttl", id="celery_steplock.W001")]
+
+
+def check_worker_lost(app) -> list[checks.CheckMessage]:
+    """W002: StepLockedTasks whose message is acknowledged although their worker died.
+
+    Without ``acks_late`` the message is acknowledged before the body runs; with
+    ``acks_late`` but without ``reject_on_worker_lost`` (or Celery 5.6+'s
+    ``retry_on_worker_lost``) Celery still acknowledges it when the worker process is
+    killed. Either way the step is never retried: only the reaper can recover it.
+    """
+    tasks = _steplock_tasks(app)
+    conf = app.conf
+    if tasks:
+        subjects = [(task.name, bool(task.acks_late),
+                     bool(task.reject_on_worker_lost)
+                     or bool(getattr(task, "retry_on_worker_lost", None))) for task in tasks]
+    else:
+        subjects = [("task defaults", bool(conf.task_acks_late),
+                     bool(conf.task_reject_on_worker_lost)
+                     or bool(conf.get("task_retry_on_worker_lost")))]
+    not_late = [name for name, late, _ in subjects if not late]
+    not_rejected = [name for name, late, rejects in subjects if late and not rejects]
+    warnings = []
+    if not_late:
+        warnings.append(checks.Warning(
+            f"StepLockedTasks acknowledged before they run (acks_late is off): "
+            f"{', '.join(not_late)}. A worker killed mid-task loses the message: the lease "
+            f"expires but the step is never retried.",
+            hint="Set CELERY_TASK_ACKS_LATE = True and CELERY_TASK_REJECT_ON_WORKER_LOST = "
+                 "True (or acks_late=True, reject_on_worker_lost=True on the tasks); the "
+                 "lease and the compare-and-swap make the redelivery safe.",
+            obj="task_acks_late", id="celery_steplock.W002"))
+    if not_rejected:
+        warnings.append(checks.Warning(
+            f"StepLockedTasks with acks_late but without reject_on_worker_lost: "
+            f"{', '.join(not_rejected)}. Celery acknowledges the message when the worker "
+            f"process is killed (WorkerLostError), so the step is never retried.",
+            hint="Set CELERY_TASK_REJECT_ON_WORKER_LOST = True (or reject_on_worker_lost="
+                 "True on the tasks).",
+            obj="task_reject_on_worker_lost", id="celery_steplock.W002"))
+    return warnings
+
+
+def check_step_models(app, app_configs=None) -> list[checks.CheckMessage]:
+    """E002: StepLockedTasks whose ``step_model`` is missing or lacks the status field.
+
+    With ``app_configs`` (``manage.py check <app_label>``), only models of those apps are
+    checked, and missing models are not reported.
+    """
+    try:
+        status_field = Settings(app).status_field
+    except ImproperlyConfigured:
+        return []  # E003 reports it
+    errors = []
+    for task in _steplock_tasks(app):
+        spec: Any = task.step_model
+        if spec is None:
+            continue
+        model = spec
+        if isinstance(spec, str):
+            try:
+                model = apps.get_model(spec)
+            except (LookupError, ValueError) as exc:
+                if app_configs is None:
+                    errors.append(checks.Error(
+                        f"{task.name}: step_model {spec!r} does not exist ({exc}).",
+                        hint="Name an installed model as \"app_label.ModelName\".",
+                        obj=task.name, id="celery_steplock.E002"))
+                continue
+        meta = getattr(model, "_meta", None)
+        if meta is None:
+            errors.append(checks.Error(
+                f"{task.name}: step_model {spec!r} is not a Django model.",
+                obj=task.name, id="celery_steplock.E002"))
+            continue
+        if app_configs is not None and meta.app_config not in app_configs:
+            continue
+        try:
+            meta.get_field(status_field)
+        except FieldDoesNotExist:
+            errors.append(checks.Error(
+                f"{task.name}: step_model {meta.label} has no field {status_field!r} "
+                f"(steplock_status_field).",
+                hint=f"Add the status field to {meta.label}, or set "
+                     f"CELERY_STEPLOCK_STATUS_FIELD to the name of its status field.",
+                obj=model, id="celery_steplock.E002"))
+    return errors
+
+
+def check_lock_store(app) -> list[checks.CheckMessage]:
+    """E001: PING the Redis lock store (one connection, at most ``PING_TIMEOUT`` seconds)."""
+    import redis
+    from kombu.utils.url import maybe_sanitize_url
+
+    try:
+        settings = Settings(app)
+        url = settings.redis_url
+        timeout = min(settings.socket_timeout, PING_TIMEOUT)
+    except ImproperlyConfigured:
+        return []  # E003 reports it
+    client = redis.Redis.from_url(url, socket_timeout=timeout,
+                                  socket_connect_timeout=timeout)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        return [checks.Error(
+            f"The Redis lock store {maybe_sanitize_url(url)} is unreachable: {exc}",
+            hint="Start Redis or fix CELERY_STEPLOCK_REDIS_URL (default: the broker URL). "
+                 "StepLockedTasks fail closed while it is down: their bodies do not run.",
+            obj="steplock_redis_url", id="celery_steplock.E001")]
+    finally:
+        client.close()
+    return []
+
+
+# -- registered check functions (Django calls them with app_configs and databases) --------
+
+def settings_check(app_configs=None, **kwargs):
+    return check_settings(_app())
+
+
+def visibility_timeout_check(app_configs=None, **kwargs):
+    return check_visibility_timeout(_app())
+
+
+def worker_lost_check(app_configs=None, **kwargs):
+    return check_worker_lost(_app())
+
+
+def step_model_check(app_configs=None, **kwargs):
+    return check_step_models(_app(), app_configs)
+
+
+def lock_store_check(app_configs=None, **kwargs):
+    return check_lock_store(_app())
+
+
+def register_checks() -> None:
+    """Register the checks (idempotent: Django's registry is a set of functions)."""
+    checks.register(settings_check, TAG)
+    checks.register(visibility_timeout_check, TAG)
+    checks.register(worker_lost_check, TAG)
+    checks.register(step_model_check, TAG)
+    # The network check only with --deploy: `manage.py migrate` must not wait on Redis.
+    checks.register(lock_store_check, TAG, deploy=True)

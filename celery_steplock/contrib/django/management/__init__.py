@@ -1,0 +1,1 @@
+"""Management commands of celery_steplock.contrib.django."""

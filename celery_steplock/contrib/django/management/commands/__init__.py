@@ -1,0 +1,1 @@
+"""``reap_expired_leases``: see :mod:`celery_steplock.reaper`."""

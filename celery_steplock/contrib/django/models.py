@@ -1,0 +1,153 @@
+"""Models of ``celery_steplock.contrib.django``.
+
+``Lease``
+    An *unmanaged* model with no table (django-rq's pattern for its queues): it gives the
+    admin its "Held leases" menu entry and the permissions ``celery_steplock.view_lease``
+    (see the page) and ``celery_steplock.force_release_lease`` (free a held lease). Instances
+    are never saved; :meth:`Lease.from_redis` builds one from a lease hash read from Redis so
+    that the admin templates and the admin ``LogEntry`` of a force release have an object.
+
+``LeaseEvent``
+    One row per lease or transition event, written only when the setting
+    ``steplock_event_log`` (Django: ``CELERY_STEPLOCK_EVENT_LOG = True``) is on; see
+    :mod:`celery_steplock.contrib.django.eventlog`. Rows older than
+    ``steplock_event_retention`` seconds are deleted by ``manage.py prune_lease_events``.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Mapping
+
+from django.db import models
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+from ...keys import MAX_NAME_LENGTH
+
+__all__ = ["Lease", "LeaseEvent"]
+
+
+def _ms_to_datetime(value: Any) -> dt.datetime | None:
+    """Redis server milliseconds since the epoch (str or int) -> aware UTC datetime."""
+    try:
+        return dt.datetime.fromtimestamp(int(value) / 1000.0, tz=dt.timezone.utc)
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _split_step(step: str) -> tuple[str, str, str] | None:
+    """``"workflows.step:42"`` -> ``("workflows", "step", "42")``; None when malformed."""
+    label, sep, pk = (step or "").partition(":")
+    app_label, dot, model_name = label.partition(".")
+    if not (sep and dot and app_label and model_name and pk):
+        return None
+    return app_label, model_name, pk
+
+
+class Lease(models.Model):
+    """A lease held in Redis right now (never stored in the database: no table).
+
+    Fields mirror the lease hash of :mod:`celery_steplock.lock`; times are aware UTC
+    datetimes converted from the Redis server's milliseconds. :meth:`from_redis` also sets
+    ``ttl_left`` (seconds or None) and ``age`` (seconds since acquisition, or None).
+    """
+
+    name = models.CharField(_("lock name"), max_length=MAX_NAME_LENGTH, primary_key=True)
+    key = models.CharField(_("Redis key"), max_length=MAX_NAME_LENGTH + 64, blank=True)
+    owner = models.CharField(_("owner token"), max_length=64, blank=True)
+    fence = models.BigIntegerField(_("fencing token"), null=True, blank=True)
+    task_id = models.CharField(_("task id"), max_length=255, blank=True)
+    task_name = models.CharField(_("task name"), max_length=255, blank=True)
+    worker = models.CharField(_("worker"), max_length=255, blank=True)
+    hostname = models.CharField(_("host"), max_length=255, blank=True)
+    pid = models.IntegerField(_("pid"), null=True, blank=True)
+    retries = models.IntegerField(_("retries"), null=True, blank=True)
+    step = models.CharField(_("step"), max_length=255, blank=True)
+    acquired_at = models.DateTimeField(_("acquired at"), null=True, blank=True)
+    renewed_at = models.DateTimeField(_("last renewal"), null=True, blank=True)
+    lease_ttl = models.FloatField(_("lease TTL (s)"), null=True, blank=True)
+
+    class Meta:
+        managed = False
+        # Only "view": there is nothing to add or change, and deleting is the separate,
+        # owner-checked force release below (no bulk delete).
+        default_permissions = ("view",)
+        permissions = [("force_release_lease", "Can force-release a held lease")]
+        verbose_name = _("held lease")
+        verbose_name_plural = _("held leases")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def from_redis(cls, info: Mapping[str, Any], now_ms: int | None = None) -> "Lease":
+        """An unsaved Lease from a dict of :meth:`RedisStepLock.inspect`/``scan``.
+
+        ``now_ms`` is the Redis server time in milliseconds used to compute ``age``
+        (seconds); None leaves ``age`` None. ``ttl_left`` is the key's remaining TTL in
+        seconds (None when Redis reported none).
+        """
+        ttl_ms = _int_or_none(info.get("ttl_ms"))
+        lease = cls(
+            name=info.get("name") or "", key=info.get("key") or "",
+            owner=info.get("owner") or "", fence=_int_or_none(info.get("fence")),
+            task_id=info.get("task_id") or "", task_name=info.get("task_name") or "",
+            worker=info.get("worker") or "", hostname=info.get("hostname") or "",
+            pid=_int_or_none(info.get("pid")), retries=_int_or_none(info.get("retries")),
+            step=info.get("step") or "",
+            acquired_at=_ms_to_datetime(info.get("acquired_ms")),
+            renewed_at=_ms_to_datetime(info.get("renewed_ms")),
+            lease_ttl=ttl_ms / 1000.0 if ttl_ms is not None else None)
+        lease.ttl_left = info.get("ttl")
+        acquired_ms = _int_or_none(info.get("acquired_ms"))
+        renewed_ms = _int_or_none(info.get("renewed_ms"))
+        lease.age = (max(0, now_ms - acquired_ms) / 1000.0
+                     if now_ms is not None and acquired_ms is not None else None)
+        lease.since_renewal = (max(0, now_ms - renewed_ms) / 1000.0
+                               if now_ms is not None and renewed_ms is not None else None)
+        return lease
+
+    @property
+    def step_parts(self) -> tuple[str, str, str] | None:
+        """``(app_label, model_name, pk)`` of ``step`` (``"app_label.model:pk"``), or None."""
+        return _split_step(self.step)
+
+
+class LeaseEvent(models.Model):
+    """A durable record of one lease or transition event (the optional event log).
+
+    ``event`` is the signal name (``lock_acquired``, ...); ``created_at`` is when the event
+    happened (the signal's wall-clock ``timestamp``), not when the row was written (rows are
+    written after the surrounding transaction ends).
+    """
+
+    EVENTS = ("lock_acquired", "lock_contended", "lock_released", "lock_expired", "lock_lost",
+              "transition_applied", "transition_conflict")
+
+    event = models.CharField(_("event"), max_length=32, choices=[(e, e) for e in EVENTS])
+    key = models.CharField(_("Redis key"), max_length=MAX_NAME_LENGTH + 64, blank=True)
+    name = models.CharField(_("lock name"), max_length=MAX_NAME_LENGTH, blank=True)
+    owner = models.CharField(_("owner token"), max_length=64, blank=True)
+    fence = models.BigIntegerField(_("fencing token"), null=True, blank=True)
+    task_id = models.CharField(_("task id"), max_length=255, blank=True)
+    task_name = models.CharField(_("task name"), max_length=255, blank=True)
+    step = models.CharField(_("step"), max_length=255, blank=True)
+    hostname = models.CharField(_("host"), max_length=255, blank=True)
+    pid = models.IntegerField(_("pid"), null=True, blank=True)
+    reason = models.TextField(_("reason"), blank=True)
+    created_at = models.DateTimeField(_("time"), default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ("-created_at", "-id")
+        verbose_name = _("lease event")
+        verbose_name_plural = _("lease events")
+
+    def __str__(self) -> str:
+        return f"{self.event} {self.name} (fence {self.fence})"

@@ -1,0 +1,530 @@
+"""The reaper: remove leases whose holder is gone and recover the steps it left in flight.
+
+A SIGKILL, a hard time limit or an OOM kill runs no ``finally``: the holder's lease stays in
+Redis until its TTL runs out, and a step it had already committed into an in-flight status
+(``running``) stays there for good, because nothing will ever move it on. :func:`reap` is the
+clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and the
+``celery_steplock.reap_expired_leases`` task (celery beat). Two passes:
+
+1. **Leases whose owner is gone.** One ``SCAN`` over the lease keys (never ``KEYS``), then a
+   verdict per lease from its metadata:
+
+   - the lease was taken on *this* host (``hostname``) and its ``pid`` no longer exists (or is
+     a zombie): the holder is dead, whatever its worker node says;
+   - otherwise, its Celery node (``worker``, e.g. ``w1@host``) did not answer a ping (one
+     ``app.control.ping`` for all distinct nodes, the silent ones asked once more) **and** the
+     lease has not been renewed for more than one renewal interval and a half plus
+     :data:`RENEWAL_GRACE_MS` (Redis server clock on both sides). The second condition is a
+     guard: a solo-pool worker busy in a long task, or an overloaded main process, answers no
+     ping, but its heartbeat thread still renews the lease, which proves the holder alive.
+
+   A lease whose holder process exists on this host, whose worker answers, or which carries
+   no worker/pid metadata at all is never touched. A dead owner's lease is removed by the
+   owner-checked compare-and-delete :meth:`~celery_steplock.lock.RedisStepLock.release` with
+   the owner token *observed* in the scan: a lease released and re-acquired since is held by
+   a new owner and survives. Each removal sends ``lock_expired`` (``reason`` says why).
+   python-redis-lock's ``reset_all`` (``KEYS`` + delete everything, live locks included) is
+   the reaper this is not.
+
+2. **Steps left in flight.** For every model of ``steplock_reaper_recover``
+   (``{"app_label.Model": {"running": "pending"}}``), rows in an in-flight status whose owner
+   column (``steplock_owner_field``, default ``lock_owner``) is not the owner of a live lease,
+   that no live lease names as its ``step``, and that have been in flight for more than
+   ``older_than`` seconds (measured on ``updated_at`` when the model has it), are moved to
+   their recovery status by compare-and-swap (the age is measured from the row's last
+   ``save()``: ``QuerySet.update``, which the library's CAS uses, leaves ``auto_now`` columns
+   alone, so it can exceed the time actually spent in flight; the live-owner check, not the
+   age, is what protects a working holder)::
+
+       UPDATE ... SET status=<recovery>, lock_owner='' WHERE pk=? AND status=<in flight>
+                                                          AND lock_owner=<observed owner>
+
+   The fence column is left as it is, so a stale holder that wakes up still cannot write (its
+   token is not above the one recorded). The rows are read *before* the scan: a holder writes
+   its owner into a row only while it holds the lease, so an owner that is live when the row is
+   read is still seen by the scan that follows (or has released, which makes it not live). Each
+   recovery sends ``lock_expired`` with ``step_id``/``from_``/``to``. Rows with an empty owner
+   (written by code outside the library) are left alone. Pass 2 runs only when the scan of
+   pass 1 completed: without the full set of live owners nothing can be called orphaned.
+
+Idempotent: a second run finds nothing more. Safe to run concurrently with itself and with the
+workers: every change is a compare-and-delete or a compare-and-swap on what was observed.
+Errors (Redis or the broker unreachable, a database error, a bad setting) are collected in
+:attr:`ReapReport.errors`, never raised, so callers can report them and exit non-zero.
+
+Limits: the pid check assumes one PID namespace per hostname (containers that share the host's
+UTS namespace but not its PID namespace should run the reaper with ``check_pids=False``); a
+reused pid makes a dead holder look alive, which leaves its lease to the TTL (the safe side).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone as dt_timezone
+from functools import partial
+from typing import Any, Iterable
+
+from . import signals
+from .conf import Settings, check_seconds
+from .events import emit
+from .exceptions import StepLockError
+
+__all__ = ["ReapReport", "reap", "pid_alive", "REAPER_SENDER", "RENEWAL_GRACE_MS",
+           "DEFAULT_PING_TIMEOUT", "DEFAULT_BATCH_SIZE"]
+
+logger = logging.getLogger("celery_steplock")
+
+#: Signal sender when the lease names no task (``signals`` documents the task name as sender).
+REAPER_SENDER = "celery_steplock.reaper"
+#: Milliseconds of slack added to 1.5 renewal intervals before a silent worker's lease counts
+#: as no longer renewed (a heartbeat round trip can be late under load).
+RENEWAL_GRACE_MS = 1000
+#: Seconds to wait for ping replies (per attempt).
+DEFAULT_PING_TIMEOUT = 1.0
+#: SCAN ``COUNT`` hint and database chunk size.
+DEFAULT_BATCH_SIZE = 500
+#: The column whose age ``older_than`` is measured on, when the step model has it.
+AGE_FIELD = "updated_at"
+
+
+@dataclass
+class ReapReport:
+    """What one :func:`reap` run found and did.
+
+    ``leases_scanned``: leases seen by the scan. ``leases_reaped``: one dict per lease removed
+    (or, with ``dry_run``, that would be): ``name``, ``key``, ``owner``, ``fence``, ``task_id``,
+    ``task_name``, ``worker``, ``hostname``, ``pid``, ``step``, ``ttl`` (seconds it had left
+    when observed), ``reason``. ``steps_recovered``: one dict per step moved (or to move):
+    ``model`` (``"app_label.Model"``), ``pk``, ``from_``, ``to``, ``owner`` (the dead owner),
+    ``lease`` (its lease name when reaped in this run, else None), ``reason``. ``errors``:
+    messages; the run is a failure when there is any. ``duration``: seconds.
+    """
+
+    leases_scanned: int = 0
+    leases_reaped: list[dict[str, Any]] = field(default_factory=list)
+    steps_recovered: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the run met no error."""
+        return not self.errors
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field (plus ``ok``)."""
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+    def detail_lines(self) -> list[str]:
+        """One line per reaped lease and recovered step, for people."""
+        verb_lease = "would reap" if self.dry_run else "reaped"
+        verb_step = "would recover" if self.dry_run else "recovered"
+        lines = []
+        for lease in self.leases_reaped:
+            task = (lease.get("task_name") or "?").rsplit(".", 1)[-1]
+            lines.append(
+                f"{verb_lease} lease {lease['name']} (owner {_short(lease['owner'])}, fence "
+                f"{lease.get('fence')}, task {task}[{_short(lease.get('task_id'), 8)}], worker "
+                f"{lease.get('worker') or '-'}, pid {lease.get('pid') or '-'}): "
+                f"{lease['reason']}")
+        for step in self.steps_recovered:
+            lines.append(f"{verb_step} {step['model']} pk={step['pk']}: {step['from_']} -> "
+                         f"{step['to']} (owner {_short(step['owner'])}): {step['reason']}")
+        return lines
+
+    def summary_lines(self) -> list[str]:
+        """The run's counts, one per line (what ``make demo`` prints)."""
+        suffix = " (dry run: nothing changed)" if self.dry_run else ""
+        would = "to reap" if self.dry_run else "reaped"
+        to_recover = "to recover" if self.dry_run else "recovered"
+        return [f"leases scanned: {self.leases_scanned}",
+                f"leases {would}: {len(self.leases_reaped)}{suffix}",
+                f"steps {to_recover}: {len(self.steps_recovered)}",
+                f"errors: {len(self.errors)}",
+                f"duration: {self.duration:.2f}s"]
+
+
+def _short(value: Any, width: int = 12) -> str:
+    text = str(value) if value else "-"
+    return text if len(text) <= width else text[:width] + ".."
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and has not exited.
+
+    ``os.kill(pid, 0)`` probes without signalling; a process owned by another user answers
+    ``PermissionError`` and exists. A zombie (exited, not yet waited for by its parent) still
+    owns its pid, so ``/proc/<pid>/stat`` is read where it exists and state ``Z``/``X`` counts
+    as gone. Anything unexpected answers True: doubt must never reap a lease.
+    """
+    if pid <= 0:
+        return True  # 0 and negatives address process groups: never a holder's pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # /proc exists but the pid left it: gone
+    except OSError:
+        return True
+    # "pid (comm) state ...": comm may contain spaces and parentheses, so split at the last ")".
+    fields = stat.rsplit(")", 1)[-1].split()
+    return not (fields and fields[0] in ("Z", "X"))
+
+
+def _django_ready() -> bool:
+    try:
+        from django.apps import apps
+    except ImportError:
+        return False
+    return apps.ready
+
+
+def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
+         older_than: float | None = None, now: datetime | None = None,
+         ping_timeout: float = DEFAULT_PING_TIMEOUT, check_pids: bool = True,
+         lock=None) -> ReapReport:
+    """Reap the leases of dead owners and recover the steps they left in flight.
+
+    ``app``: the Celery app (its ``steplock_*`` settings, its broker for the pings).
+    ``dry_run``: find and report, change nothing, send no signal. ``batch_size``: SCAN's
+    ``COUNT`` hint and the database chunk size (> 0, default 500). ``older_than``: seconds a
+    step must have been in flight before it is recovered (default the setting
+    ``steplock_reaper_older_than``, 0). ``now``: the reference time of that age (an aware
+    datetime; default the current time). ``ping_timeout``: seconds per ping attempt.
+    ``check_pids``: judge leases taken on this host by their pid (see the module docstring).
+    ``lock``: a :class:`~celery_steplock.lock.RedisStepLock` (default ``get_lock(app)``).
+
+    Returns a :class:`ReapReport`; never raises for Redis, broker or database errors (they
+    are in ``report.errors``). Raises ValueError for an invalid ``batch_size``/``older_than``
+    /``ping_timeout`` argument (a caller's bug, not an operational error).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if older_than is not None:
+        older_than = check_seconds(older_than, "older_than", allow_zero=True)
+    ping_timeout = check_seconds(ping_timeout, "ping_timeout")
+    started = time.monotonic()
+    report = ReapReport(dry_run=dry_run)
+    try:
+        _Reaper(app, report, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
+                now=now, ping_timeout=ping_timeout, check_pids=check_pids, lock=lock).run()
+    except Exception as exc:  # noqa: BLE001 - the report is the contract: never raise
+        logger.exception("event=reaper_failed error=%s", exc)
+        report.errors.append(f"reaper failed: {type(exc).__name__}: {exc}")
+    report.duration = time.monotonic() - started
+    level = logging.ERROR if report.errors else logging.INFO
+    logger.log(level, "event=reaper_run dry_run=%s scanned=%d leases=%d steps=%d errors=%d "
+               "duration=%.3f", dry_run, report.leases_scanned, len(report.leases_reaped),
+               len(report.steps_recovered), len(report.errors), report.duration)
+    return report
+
+
+@dataclass
+class _Candidates:
+    """Rows of one model in an in-flight status, read before the scan."""
+
+    label: str
+    model: Any
+    status_field: str
+    owner_field: str
+    moves: dict[str, str]
+    rows: list[tuple[Any, str, str]]
+    auto_now_field: str | None
+
+
+class _Reaper:
+    """One run of :func:`reap`; holds the run's state so each step stays small."""
+
+    def __init__(self, app, report: ReapReport, *, dry_run: bool, batch_size: int,
+                 older_than: float | None, now: datetime | None, ping_timeout: float,
+                 check_pids: bool, lock) -> None:
+        self.app = app
+        self.report = report
+        self.dry_run = dry_run
+        self.batch_size = batch_size
+        self.older_than = older_than
+        self.now = now
+        self.ping_timeout = ping_timeout
+        self.check_pids = check_pids
+        self.lock = lock
+        self.settings = Settings(app)
+        self.host = socket.gethostname()
+
+    def error(self, message: str) -> None:
+        logger.error("event=reaper_error %s", message)
+        self.report.errors.append(message)
+
+    def run(self) -> None:
+        candidates = self.read_candidates()  # before the scan: see the module docstring
+        if self.lock is None:
+            from .task import get_lock
+
+            try:
+                self.lock = get_lock(self.app)
+            except StepLockError as exc:
+                self.error(f"lock store not configured: {exc}")
+                return
+        leases = self.scan()
+        if leases is None:
+            return  # incomplete scan: nobody can be called dead or orphaned
+        dead_owners = self.reap_leases(leases)
+        if candidates:
+            self.recover_steps(candidates, leases, dead_owners)
+
+    # -- pass 1: leases ----------------------------------------------------------------------
+
+    def scan(self) -> list[dict[str, Any]] | None:
+        """Every lease, deduplicated by key (SCAN may return a key twice); None on error."""
+        seen: dict[str, dict[str, Any]] = {}
+        try:
+            for lease in self.lock.iter_leases(count=self.batch_size):
+                if lease.get("owner"):
+                    seen[lease["key"]] = lease
+        except StepLockError as exc:
+            self.error(f"lease scan failed, nothing reaped or recovered: {exc}")
+            return None
+        self.report.leases_scanned = len(seen)
+        return [seen[key] for key in sorted(seen)]  # a stable order for reports and tests
+
+    def redis_now_ms(self) -> int | None:
+        """Redis server time in ms: the clock ``renewed_ms`` was written with."""
+        try:
+            seconds, micros = self.lock.client.time()
+        except Exception as exc:  # noqa: BLE001 - redis errors and OSError alike
+            self.error(f"could not read the Redis server time: {exc}")
+            return None
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def ping(self, workers: Iterable[str]) -> set[str] | None:
+        """The worker nodes among ``workers`` that answer a ping; None when pinging failed.
+
+        One broadcast for all of them (returning as soon as every node replied), then one more
+        for the silent ones: a reply lost once must not condemn a live worker.
+        """
+        pending = sorted(set(workers))
+        answered: set[str] = set()
+        try:
+            for _attempt in range(2):
+                if not pending:
+                    break
+                replies = self.app.control.ping(destination=pending, timeout=self.ping_timeout,
+                                                limit=len(pending)) or []
+                for reply in replies:
+                    answered.update(reply)
+                pending = [w for w in pending if w not in answered]
+        except Exception as exc:  # noqa: BLE001 - kombu/redis/OSError: broker unreachable
+            self.error(f"could not ping the workers through the broker, no lease judged by "
+                       f"its worker: {exc}")
+            return None
+        return answered
+
+    def verdict(self, lease: dict[str, Any], answered: set[str] | None,
+                now_ms: int | None) -> str | None:
+        """Why ``lease``'s owner is gone, or None when it is (or may be) alive."""
+        pid = _int(lease.get("pid"))
+        if self.check_pids and pid is not None and pid > 0 and lease.get("hostname") == self.host:
+            if pid_alive(pid):
+                return None  # the holder process exists: never reap, whatever the ping says
+            return f"pid {pid} on {self.host} no longer exists"
+        worker = lease.get("worker")
+        if not worker or answered is None or worker in answered or now_ms is None:
+            return None
+        renewed = _int(lease.get("renewed_ms")) or _int(lease.get("acquired_ms"))
+        ttl_ms = _int(lease.get("ttl_ms")) or int(self.settings.default_ttl * 1000)
+        if renewed is None:
+            return None
+        idle = now_ms - renewed
+        if idle <= 1.5 * ttl_ms * self.settings.renewal_ratio + RENEWAL_GRACE_MS:
+            return None  # still renewed: the heartbeat proves the holder alive
+        return (f"worker {worker} did not answer a ping within {self.ping_timeout:g}s and the "
+                f"lease was last renewed {idle / 1000:.1f}s ago")
+
+    def reap_leases(self, leases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Judge and remove leases; returns ``{owner: lease dict}`` of the dead owners."""
+        remote = [lease for lease in leases if lease.get("worker") and not (
+            self.check_pids and lease.get("hostname") == self.host
+            and (_int(lease.get("pid")) or 0) > 0)]
+        answered = self.ping(lease["worker"] for lease in remote) if remote else set()
+        now_ms = self.redis_now_ms() if remote else None
+        dead: dict[str, dict[str, Any]] = {}
+        for lease in leases:
+            reason = self.verdict(lease, answered, now_ms)
+            if reason is None:
+                continue
+            info = {
+                "name": lease["name"], "key": lease["key"], "owner": lease["owner"],
+                "fence": _int(lease.get("fence")), "task_id": lease.get("task_id"),
+                "task_name": lease.get("task_name"), "worker": lease.get("worker"),
+                "hostname": lease.get("hostname"), "pid": _int(lease.get("pid")),
+                "step": lease.get("step"), "ttl": lease.get("ttl"), "reason": reason,
+            }
+            if not self.dry_run:
+                try:
+                    # Compare-and-delete on the owner observed in the scan: a lease that was
+                    # released and re-acquired since belongs to a new owner and survives.
+                    released = self.lock.release(lease["name"], lease["owner"])
+                except StepLockError as exc:
+                    self.error(f"could not release lease {lease['name']}: {exc}")
+                    continue  # its owner stays "live" for pass 2: recover on the next run
+                if not released:
+                    logger.info("event=reaper_skipped key=%s owner=%s reason=released or "
+                                "re-acquired since the scan", lease["key"], lease["owner"])
+                    dead[lease["owner"]] = info  # the observed owner holds nothing any more
+                    continue
+                emit(signals.lock_expired, lease.get("task_name") or REAPER_SENDER,
+                     logging.WARNING, key=info["key"], name=info["name"], owner=info["owner"],
+                     fence=info["fence"], task_id=info["task_id"], task_name=info["task_name"],
+                     ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
+                     ttl_left=info["ttl"], reason=f"reaped: {reason}", worker=info["worker"],
+                     hostname=info["hostname"], pid=info["pid"], step=info["step"])
+            self.report.leases_reaped.append(info)
+            dead[lease["owner"]] = info
+        return dead
+
+    # -- pass 2: steps -----------------------------------------------------------------------
+
+    def read_candidates(self) -> list[_Candidates]:
+        """Rows in an in-flight status of every ``steplock_reaper_recover`` model."""
+        try:
+            recover = self.settings.reaper_recover
+        except StepLockError as exc:
+            self.error(str(exc))
+            return []
+        if not recover:
+            return []
+        if not _django_ready():
+            logger.warning("event=reaper_no_django steplock_reaper_recover is set but Django "
+                           "is not set up: no step is recovered")
+            return []
+        from django.core.exceptions import FieldDoesNotExist
+        from django.db import DatabaseError
+        from django.utils import timezone
+
+        from .guard import resolve_model
+
+        older_than = (self.older_than if self.older_than is not None
+                      else self.settings.reaper_older_than)
+        now = self.now or timezone.now()
+        if timezone.is_naive(now):
+            now = now.replace(tzinfo=dt_timezone.utc)
+        found = []
+        for label, moves in recover.items():
+            try:
+                model = resolve_model(label, "steplock_reaper_recover")
+                status_field = self.settings.status_field
+                owner_field = self.settings.owner_field
+                for name in (status_field, owner_field):
+                    model._meta.get_field(name)
+            except FieldDoesNotExist as exc:
+                self.error(f"steplock_reaper_recover: {label} cannot be recovered: {exc} (the "
+                           f"owner column tells an orphaned row from a live one)")
+                continue
+            except StepLockError as exc:
+                self.error(str(exc))
+                continue
+            age = _age_field(model)
+            query = {f"{status_field}__in": sorted(moves)}
+            if age is not None and older_than > 0:
+                cutoff = now - timedelta(seconds=older_than)
+                if not _uses_tz():
+                    cutoff = timezone.make_naive(cutoff, dt_timezone.utc)
+                query[f"{age.name}__lte"] = cutoff
+            try:
+                rows = list(
+                    model._default_manager.filter(**query)
+                    .exclude(**{owner_field: ""}).exclude(**{f"{owner_field}__isnull": True})
+                    .order_by("pk").values_list("pk", status_field, owner_field)
+                    .iterator(chunk_size=self.batch_size))
+            except DatabaseError as exc:
+                self.error(f"could not read in-flight {label} rows: {exc}")
+                continue
+            auto_now = age.name if age is not None and getattr(age, "auto_now", False) else None
+            found.append(_Candidates(label, model, status_field, owner_field, dict(moves), rows,
+                                     auto_now))
+        return found
+
+    def recover_steps(self, candidates: list[_Candidates], leases: list[dict[str, Any]],
+                      dead: dict[str, dict[str, Any]]) -> None:
+        """Move orphaned in-flight rows to their recovery status by compare-and-swap."""
+        from django.db import DatabaseError, router, transaction
+        from django.utils import timezone
+
+        live_owners = {lease["owner"] for lease in leases if lease["owner"] not in dead}
+        # A live lease that names a step (a new attempt holding it) protects the row even if
+        # the row still shows the dead owner: that attempt will move it on.
+        live_steps = {lease["step"] for lease in leases
+                      if lease.get("step") and lease["owner"] not in dead}
+        for group in candidates:
+            label_lower = group.model._meta.label_lower
+            manager = group.model._default_manager
+            using = router.db_for_write(group.model)
+            for pk, status, owner in group.rows:
+                if owner in live_owners or f"{label_lower}:{pk}" in live_steps:
+                    continue
+                to = group.moves[status]
+                lease = dead.get(owner)
+                reason = (f"its owner's lease {lease['name']} was reaped ({lease['reason']})"
+                          if lease else "no live lease is held by its owner")
+                info = {"model": group.label, "pk": pk, "from_": status, "to": to,
+                        "owner": owner, "lease": lease["name"] if lease else None,
+                        "reason": reason}
+                if not self.dry_run:
+                    updates = {group.status_field: to, group.owner_field: ""}
+                    if group.auto_now_field:
+                        updates[group.auto_now_field] = timezone.now()
+                    try:
+                        # CAS on what was observed: a row moved on or re-claimed since (new
+                        # status or owner) is not touched. The fence column stays as it is,
+                        # so the dead holder, should it wake up, still cannot write.
+                        changed = manager.filter(**{"pk": pk, group.status_field: status,
+                                                    group.owner_field: owner}).update(**updates)
+                    except DatabaseError as exc:
+                        self.error(f"could not recover {group.label} pk={pk}: {exc}")
+                        continue
+                    if changed != 1:
+                        continue
+                    transaction.on_commit(partial(
+                        emit, signals.lock_expired,
+                        (lease or {}).get("task_name") or REAPER_SENDER, logging.WARNING,
+                        key=lease["key"] if lease else None,
+                        name=lease["name"] if lease else None, owner=owner,
+                        fence=lease["fence"] if lease else None,
+                        task_id=lease["task_id"] if lease else None,
+                        task_name=lease["task_name"] if lease else None, ttl=None,
+                        step_id=pk, step=f"{label_lower}:{pk}", model=group.label,
+                        from_=status, to=to, reason=f"step recovered: {reason}"), using=using)
+                self.report.steps_recovered.append(info)
+
+
+def _age_field(model):
+    from django.core.exceptions import FieldDoesNotExist
+
+    try:
+        return model._meta.get_field(AGE_FIELD)
+    except FieldDoesNotExist:
+        return None
+
+
+def _uses_tz() -> bool:
+    from django.conf import settings
+
+    return bool(getattr(settings, "USE_TZ", True))

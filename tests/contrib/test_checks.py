@@ -1,0 +1,181 @@
+"""System checks ``celery_steplock.E001``-``E003``, ``W001``-``W002``.
+
+Each check function takes a Celery app; most tests build a throwaway app (Celery adds the
+example project's shared tasks to every app it finalizes, so assertions name their own tasks).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from celery import Celery
+from django.core.checks.registry import registry
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+from celery_steplock import StepLockedTask
+from celery_steplock.contrib.django import checks
+from tests.helpers import closed_port_url
+
+_names = itertools.count()
+
+
+def make_app(**conf):
+    app = Celery(f"checks{next(_names)}", set_as_current=False)
+    app.conf.broker_url = "redis://127.0.0.1:6379/0"
+    app.conf.update(conf)
+    return app
+
+
+def add_task(app, **options):
+    """Register a StepLockedTask on ``app``; returns its name."""
+    name = f"checks.task{next(_names)}"
+
+    def body(self, step_id):
+        return step_id
+
+    app.task(bind=True, base=StepLockedTask, name=name, shared=False, **options)(body)
+    return name
+
+
+def ids(messages):
+    return [m.id for m in messages]
+
+
+def about(messages, text):
+    return [m for m in messages if text in m.msg]
+
+
+# -- E003 -------------------------------------------------------------------------------------
+
+def test_valid_settings_pass():
+    assert checks.check_settings(make_app()) == []
+
+
+def test_every_invalid_setting_is_named():
+    app = make_app(steplock_default_ttl=-1, steplock_on_contended="wait")
+    errors = checks.check_settings(app)
+    assert ids(errors) == ["celery_steplock.E003"] * 2
+    assert {e.obj for e in errors} == {"steplock_default_ttl", "steplock_on_contended"}
+    assert "CELERY_STEPLOCK_DEFAULT_TTL" in errors[0].hint + errors[1].hint
+    assert all("Invalid celery-steplock setting steplock_" in e.msg for e in errors)
+
+
+def test_missing_redis_url_with_a_non_redis_broker_is_e003():
+    app = make_app(broker_url="amqp://guest@localhost//")
+    [error] = checks.check_settings(app)
+    assert error.id == "celery_steplock.E003" and error.obj == "steplock_redis_url"
+
+
+# -- W001 -------------------------------------------------------------------------------------
+
+def test_ttl_below_the_redis_default_visibility_timeout_passes():
+    assert checks.check_visibility_timeout(make_app(steplock_default_ttl=30)) == []
+
+
+def test_default_ttl_not_below_the_redis_default_warns():
+    [warning] = checks.check_visibility_timeout(make_app(steplock_default_ttl=3600))
+    assert warning.id == "celery_steplock.W001"
+    assert "3600 s" in warning.msg and "steplock_default_ttl=3600" in warning.msg
+
+
+def test_configured_visibility_timeout_and_task_lock_ttl():
+    app = make_app(steplock_default_ttl=30,
+                   broker_transport_options={"visibility_timeout": 120})
+    name = add_task(app, lock_ttl=300)
+    [warning] = checks.check_visibility_timeout(app)
+    assert f"{name} lock_ttl=300" in warning.msg and "steplock_default_ttl" not in warning.msg
+    app = make_app(steplock_default_ttl=30, broker_transport_options={"visibility_timeout": 20})
+    assert ids(checks.check_visibility_timeout(app)) == ["celery_steplock.W001"]
+
+
+def test_non_redis_broker_without_a_visibility_timeout_is_not_judged():
+    app = make_app(broker_url="amqp://guest@localhost//", steplock_default_ttl=7200,
+                   steplock_redis_url="redis://127.0.0.1:6379/0")
+    assert checks.check_visibility_timeout(app) == []
+
+
+# -- W002 -------------------------------------------------------------------------------------
+
+def test_acks_late_and_reject_on_worker_lost_pass():
+    app = make_app(task_acks_late=True, task_reject_on_worker_lost=True)
+    name = add_task(app)
+    assert not any(name in m.msg for m in checks.check_worker_lost(app))
+
+
+def test_early_ack_warns():
+    app = make_app()  # Celery's defaults: acks_late off
+    name = add_task(app)
+    [warning] = about(checks.check_worker_lost(app), name)
+    assert warning.id == "celery_steplock.W002" and "acks_late is off" in warning.msg
+    assert "CELERY_TASK_REJECT_ON_WORKER_LOST" in warning.hint
+
+
+def test_acks_late_without_reject_on_worker_lost_warns():
+    app = make_app(task_acks_late=True)
+    name = add_task(app)
+    late_ok = add_task(app, reject_on_worker_lost=True)
+    [warning] = about(checks.check_worker_lost(app), name)
+    assert warning.id == "celery_steplock.W002" and "without reject_on_worker_lost" in warning.msg
+    assert late_ok not in warning.msg
+
+
+# -- E002 -------------------------------------------------------------------------------------
+
+def test_step_model_with_its_status_field_passes():
+    app = make_app()
+    name = add_task(app, step_model="workflows.Step", step_id_arg="step_id")
+    assert not any(name in m.msg for m in checks.check_step_models(app))
+
+
+def test_missing_step_model_and_missing_status_field():
+    app = make_app(steplock_status_field="state")
+    missing = add_task(app, step_model="nosuchapp.Step")
+    no_field = add_task(app, step_model="workflows.Step")
+    errors = checks.check_step_models(app)
+    assert set(ids(errors)) == {"celery_steplock.E002"}
+    [error] = about(errors, missing)
+    assert "does not exist" in error.msg
+    [error] = about(errors, no_field)
+    assert "has no field 'state'" in error.msg and "CELERY_STEPLOCK_STATUS_FIELD" in error.hint
+
+
+# -- E001 -------------------------------------------------------------------------------------
+
+def test_reachable_lock_store_passes(redis_server_url):
+    assert checks.check_lock_store(make_app(steplock_redis_url=redis_server_url)) == []
+
+
+def test_unreachable_lock_store_is_e001_without_the_password():
+    url = closed_port_url().replace("redis://", "redis://:s3cret@")
+    [error] = checks.check_lock_store(make_app(steplock_redis_url=url))
+    assert error.id == "celery_steplock.E001" and "unreachable" in error.msg
+    assert "s3cret" not in error.msg
+
+
+# -- registration in the project ---------------------------------------------------------------
+
+def test_only_the_network_check_is_a_deployment_check():
+    assert checks.lock_store_check in registry.deployment_checks
+    assert checks.lock_store_check not in registry.registered_checks
+    for check in (checks.settings_check, checks.visibility_timeout_check,
+                  checks.worker_lost_check, checks.step_model_check):
+        assert check in registry.registered_checks
+        assert checks.TAG in check.tags
+
+
+def test_ordinary_commands_do_not_touch_redis(app):
+    app.conf.steplock_redis_url = closed_port_url()
+    call_command("check")  # no E001: the network check needs --deploy
+    with pytest.raises(SystemCheckError, match=r"celery_steplock\.E001"):
+        call_command("check", "--deploy", "--tag", "celery_steplock")
+
+
+def test_the_example_project_passes_its_deploy_checks(app):
+    call_command("check", "--deploy", "--tag", "celery_steplock")
+
+
+def test_an_invalid_setting_fails_every_command(app):
+    app.conf.steplock_renewal_ratio = 2
+    with pytest.raises(SystemCheckError, match=r"celery_steplock\.E003.*steplock_renewal_ratio"):
+        call_command("check")
