@@ -72,6 +72,31 @@ def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
     return float(value)
 
 
+#: Bounds of a lease TTL, seconds: below the minimum the drift allowance and one round trip
+#: eat the lease; above the maximum a lease is a bug (the heartbeat keeps short ones alive).
+MIN_TTL = 0.05
+MAX_TTL = 24 * 3600.0
+#: The renewal interval may use at most this share of the TTL, leaving time for a retry.
+MAX_RENEWAL_RATIO = 0.75
+
+
+def check_ttl(value: Any, name: str) -> float:
+    """Return ``value`` as a TTL in seconds within [MIN_TTL, MAX_TTL], else raise."""
+    ttl = check_seconds(value, name)
+    if not MIN_TTL <= ttl <= MAX_TTL:
+        raise ImproperlyConfigured(f"{describe(name)} must be between {MIN_TTL} and "
+                                   f"{MAX_TTL:.0f} seconds, got {value!r}", setting=name)
+    return ttl
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """Return ``value`` if it is a bool, else raise (``"false"`` is not False)."""
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"{describe(name)} must be True or False, got {value!r}",
+                                   setting=name)
+    return value
+
+
 def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise ImproperlyConfigured."""
     if value not in choices:
@@ -115,7 +140,8 @@ class Settings:
     @property
     def key_prefix(self) -> str:
         prefix = self.raw("key_prefix")
-        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{} "):
+        if not isinstance(prefix, str) or not prefix or any(c in "{}" or c.isspace()
+                                                            for c in prefix):
             raise ImproperlyConfigured(
                 f"{describe('steplock_key_prefix')} must be a non-empty string without braces "
                 f"or spaces, got {prefix!r}", setting="steplock_key_prefix")
@@ -123,17 +149,17 @@ class Settings:
 
     @property
     def default_ttl(self) -> float:
-        return check_seconds(self.raw("default_ttl"), "steplock_default_ttl")
+        return check_ttl(self.raw("default_ttl"), "steplock_default_ttl")
 
     @property
     def renewal_ratio(self) -> float:
         ratio = self.raw("renewal_ratio")
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
-                or not 0 < ratio < 1:
+                or not 0 < ratio <= MAX_RENEWAL_RATIO:
             raise ImproperlyConfigured(
-                f"{describe('steplock_renewal_ratio')} must be a number strictly between 0 "
-                f"and 1 (the renewal interval must be shorter than the TTL), got {ratio!r}",
-                setting="steplock_renewal_ratio")
+                f"{describe('steplock_renewal_ratio')} must be a number above 0 and at most "
+                f"{MAX_RENEWAL_RATIO} (the renewal interval must leave time for a retry "
+                f"before the TTL runs out), got {ratio!r}", setting="steplock_renewal_ratio")
         return float(ratio)
 
     @property
@@ -197,7 +223,7 @@ class Settings:
 
     @property
     def precheck(self) -> bool:
-        return bool(self.raw("precheck"))
+        return check_bool(self.raw("precheck"), "steplock_precheck")
 
     @property
     def socket_timeout(self) -> float:
@@ -209,7 +235,7 @@ class Settings:
 
     @property
     def event_log(self) -> bool:
-        return bool(self.raw("event_log"))
+        return check_bool(self.raw("event_log"), "steplock_event_log")
 
     @property
     def event_retention(self) -> float:

@@ -5,6 +5,7 @@ with the same fields in ``extra={"steplock": {...}}`` for JSON formatters.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -15,6 +16,15 @@ logger = logging.getLogger("celery_steplock")
 
 _FIELDS = ("key", "owner", "fence", "task_id", "task_name", "ttl", "holder", "step_id",
            "from_", "to", "current", "reason", "forced", "policy")
+
+
+def _value(value: Any) -> str:
+    """logfmt: quote a value that holds spaces, quotes, '=' or control characters, so that a
+    lock name made from task arguments cannot forge fields or lines."""
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' "='):
+        return text
+    return json.dumps(text)
 
 
 def lease_fields(lease) -> dict[str, Any]:
@@ -30,7 +40,8 @@ def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) 
     event = signal.name
     try:
         if logger.isEnabledFor(level):
-            text = " ".join(f"{k}={fields[k]}" for k in _FIELDS if fields.get(k) is not None)
+            text = " ".join(f"{k}={_value(fields[k])}" for k in _FIELDS
+                            if fields.get(k) is not None)
             logger.log(level, "event=%s %s", event, text,
                        extra={"steplock": dict(fields, event=event)})
     except Exception:  # noqa: BLE001 - logging must never break locking

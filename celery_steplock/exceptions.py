@@ -5,6 +5,7 @@ Every error the library raises derives from :class:`StepLockError`::
     StepLockError
     ├── ImproperlyConfigured        a setting or task option is invalid (names it)
     ├── LockNameError               an argument cannot enter a lock name (names it)
+    ├── OuterTransactionError       called inside a caller's transaction.atomic()
     ├── LockError
     │   ├── LockContended           the lease is held by another owner (retryable)
     │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
@@ -19,7 +20,8 @@ Every error the library raises derives from :class:`StepLockError`::
 from __future__ import annotations
 
 __all__ = [
-    "StepLockError", "ImproperlyConfigured", "LockNameError", "LockError", "LockContended",
+    "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
+    "LockError", "LockContended",
     "LockStoreUnavailable", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "RETRYABLE_ERRORS",
 ]
@@ -49,6 +51,11 @@ class LockNameError(StepLockError, TypeError):
     def __init__(self, message: str, argument: str | None = None):
         super().__init__(message)
         self.argument = argument
+
+
+class OuterTransactionError(StepLockError, RuntimeError):
+    """A step-locked task was called inside an outer ``transaction.atomic()``: its commit
+    would happen after the lease is released ("commit first, release after")."""
 
 
 class LockError(StepLockError):

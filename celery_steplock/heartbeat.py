@@ -54,6 +54,8 @@ class Heartbeat:
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
+        # Held for a renewal round trip and its events; taken before _cond, never after.
+        self._cycle = threading.Lock()
         self.cycles = 0
         self.round_trips = 0
 
@@ -67,9 +69,14 @@ class Heartbeat:
         with self._cond:
             self._entries[id(lease)] = entry
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="steplock-heartbeat",
-                                                daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="steplock-heartbeat",
+                                          daemon=True)
+                try:
+                    thread.start()
+                except BaseException:
+                    del self._entries[id(lease)]
+                    raise
+                self._thread = thread
             else:
                 self._cond.notify()
 
@@ -77,9 +84,10 @@ class Heartbeat:
         """Stop renewing ``lease``; the thread exits when it was the last one.
 
         Returns False when the lease was not registered (e.g. the heartbeat already dropped it
-        as lost, and so already sent ``lock_lost``).
+        as lost, and so already sent ``lock_lost``). Waits for a renewal round trip in
+        flight, so that no ``lock_extended`` of this lease follows the caller's release.
         """
-        with self._cond:
+        with self._cycle, self._cond:
             present = self._entries.pop(id(lease), None) is not None
             if present and not self._entries:
                 self._cond.notify()
@@ -117,10 +125,15 @@ class Heartbeat:
             if due is None:
                 return
             try:
-                self._renew(due)
+                with self._cycle:
+                    self._renew([e for e in due if self._registered(e)])
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 logger.exception("event=heartbeat_error renewal cycle failed")
                 time.sleep(MIN_RETRY_DELAY)
+
+    def _registered(self, entry: _Entry) -> bool:
+        with self._cond:
+            return self._entries.get(id(entry.lease)) is entry
 
     def _renew(self, due: list[_Entry]) -> None:
         self.cycles += 1

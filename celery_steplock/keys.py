@@ -4,8 +4,9 @@ A lock name identifies the step a task execution mutates. By default it is deriv
 task's signature: the call's arguments are bound with :func:`inspect.signature` (defaults
 applied, so ``t(1)``, ``t(x=1)`` and ``t(1, y=<default>)`` name the same lock, and keyword order
 never matters), encoded as canonical JSON with kombu's encoder (the one Celery's JSON serializer
-uses, so ``UUID``, ``datetime``, ``date``, ``Decimal`` and ``bytes`` work), and hashed with
-SHA-256. A ``lock_key`` task option replaces that with a :meth:`str.format` template over the
+uses, so ``UUID``, ``datetime``, ``date``, ``Decimal`` and ``bytes`` work; a ``Decimal``
+keeps its written precision, so ``Decimal("1.1")`` and ``Decimal("1.10")`` name different
+locks), and hashed with SHA-256. Names passed through ``**kwargs`` join the declared ones. A ``lock_key`` task option replaces that with a :meth:`str.format` template over the
 argument names (``"order:{order_id}"``) or a callable receiving the bound arguments as keywords.
 
 Redis keys wrap the name in braces, a Redis Cluster hash tag, so that the lease and its fencing
@@ -39,11 +40,18 @@ def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, 
     not match the signature.
     """
     try:
-        bound = inspect.signature(fun).bind(*args, **kwargs)
+        signature = inspect.signature(fun)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise LockNameError(f"cannot bind the task's arguments to its signature: {exc}") from exc
     bound.apply_defaults()
-    return dict(bound.arguments)
+    arguments = dict(bound.arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            # ``**kwargs`` names join the declared ones, so templates and step_id_arg reach
+            # them (they cannot collide: Python refuses a keyword that names a parameter).
+            arguments.update(arguments.pop(parameter.name, {}))
+    return arguments
 
 
 def canonical_json(arguments: Mapping[str, Any]) -> str:
@@ -52,25 +60,27 @@ def canonical_json(arguments: Mapping[str, Any]) -> str:
     Raises :class:`LockNameError` naming the first argument that cannot be encoded.
     """
     try:
-        return json.dumps(arguments, cls=JSONEncoder, sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False)
+        return json.dumps(arguments, cls=JSONEncoder, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         for name in sorted(arguments):
             try:
                 json.dumps(arguments[name], cls=JSONEncoder, sort_keys=True)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError) as inner:
                 raise LockNameError(
-                    f"argument {name!r} cannot be part of a lock name: "
-                    f"{type(arguments[name]).__name__} is not JSON serialisable "
+                    f"argument {name!r} cannot be part of a lock name: {inner} "
                     f"(use lock_key to name the lock explicitly)",
                     argument=name) from exc
         raise LockNameError(f"arguments cannot be part of a lock name: {exc}") from exc
 
 
 def check_name(name: Any) -> str:
-    """Return ``name`` if it can be used as a lock name, else raise :class:`LockNameError`."""
+    """Return ``name`` if it can be used as a lock name, else raise :class:`LockNameError`:
+    a non-empty string of printable characters, without braces, at most 512 long."""
     if not isinstance(name, str) or not name:
         raise LockNameError(f"a lock name must be a non-empty string, got {name!r}")
+    if not name.isprintable():
+        raise LockNameError(f"a lock name must be printable (no newlines or control "
+                            f"characters): {name!r}")
     if "{" in name or "}" in name:
         raise LockNameError(
             f"a lock name cannot contain braces (they delimit the Redis Cluster hash tag): "
@@ -103,6 +113,9 @@ def name_from_arguments(task_name: str, arguments: Mapping[str, Any],
         return check_name(lock_key(**arguments))
     try:
         return check_name(lock_key.format(**arguments))
+    except ValueError as exc:
+        raise LockNameError(f"lock_key {lock_key!r} is not a valid format template: "
+                            f"{exc}") from exc
     except (KeyError, IndexError, AttributeError) as exc:
         missing = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
         raise LockNameError(

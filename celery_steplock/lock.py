@@ -28,7 +28,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
-from .exceptions import LockLost, LockStoreUnavailable
+from .exceptions import LockError, LockLost, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key
 
 __all__ = ["Lease", "RedisStepLock", "new_owner_token", "make_client", "CLOCK_DRIFT_FACTOR"]
@@ -105,14 +105,15 @@ def new_owner_token() -> str:
 
 
 def make_client(url: str, socket_timeout: float = 5.0) -> redis.Redis:
-    """A redis-py client for the lock store: short timeouts and two quick retries.
+    """A redis-py client for the lock store: ``socket_timeout`` seconds per attempt and one
+    quick retry, so a hung Redis costs at most about twice the timeout per call.
 
     Retrying is safe because every script is idempotent for one owner token.
     """
     return redis.Redis.from_url(
         url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 2),
-        health_check_interval=30, decode_responses=True)
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
+        decode_responses=True)
 
 
 def _text(value: Any) -> Any:
@@ -218,6 +219,11 @@ class RedisStepLock:
     def _call(self, script, keys, args, what: str, name: str):
         try:
             return script(keys=keys, args=args)
+        except ResponseError as exc:
+            # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
+            # an outage, so never a reason to retry or to run fail-open.
+            raise LockError(f"lock store refused the {what} of {name!r}: {exc}",
+                            key=self.key(name)) from exc
         except STORE_ERRORS as exc:
             raise LockStoreUnavailable(f"lock store unavailable during {what} of {name!r}: "
                                        f"{exc}", key=self.key(name)) from exc

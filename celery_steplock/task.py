@@ -46,6 +46,7 @@ default from :mod:`celery_steplock.conf`:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import random
 import threading
@@ -54,20 +55,27 @@ from typing import Any, Callable
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
+from celery.signals import worker_init
 
 from . import signals
-from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_choice, \
-    check_seconds
+from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
+    check_choice, check_seconds, check_ttl
 from .events import emit, lease_fields
 from .exceptions import ImproperlyConfigured, LockContended, LockLost, LockStoreUnavailable, \
-    TransitionConflict
+    OuterTransactionError, TransitionConflict
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, lease_key, name_from_arguments
 from .lock import Lease, RedisStepLock, holder_metadata, make_client, new_owner_token
 
-__all__ = ["StepLockedTask", "DjangoStepLockedTask", "get_lock"]
+__all__ = ["StepLockedTask", "DjangoStepLockedTask", "get_lock", "validate_app"]
 
 logger = logging.getLogger("celery_steplock")
+
+# The lease of each task running in this context (thread / greenlet), by task name. A
+# ContextVar rather than the request: a direct call shares Celery's default request across
+# threads, and a nested call of the same task must restore the outer lease afterwards.
+_current_leases: contextvars.ContextVar[dict[str, Lease | None]] = contextvars.ContextVar(
+    "steplock_leases", default={})
 
 _locks: dict[tuple, RedisStepLock] = {}
 _locks_guard = threading.Lock()
@@ -175,7 +183,7 @@ class StepLockedTask(Task):
                 raise ImproperlyConfigured(
                     f"{self.name}: transition needs step_model and step_id_arg",
                     setting="step_model" if self.step_model is None else "step_id_arg")
-        ttl = (check_seconds(self.lock_ttl, "lock_ttl") if self.lock_ttl is not None
+        ttl = (check_ttl(self.lock_ttl, "lock_ttl") if self.lock_ttl is not None
                else settings.default_ttl)
         ratio = settings.renewal_ratio
         return _Options(
@@ -196,7 +204,7 @@ class StepLockedTask(Task):
             transition=transition,
             step_id_arg=self.step_id_arg,
             precheck=(settings.precheck if self.lock_precheck is None
-                      else bool(self.lock_precheck)),
+                      else check_bool(self.lock_precheck, "lock_precheck")),
             retry_max=(settings.retry_max if self.lock_retry_max is None
                        else self._retry_max_option()),
         )
@@ -235,7 +243,7 @@ class StepLockedTask(Task):
     @property
     def lease(self) -> Lease | None:
         """The lease of the execution running in this thread (None outside one)."""
-        return getattr(self.request, "steplock_lease", None)
+        return _current_leases.get().get(self.name)
 
     def transition(self, step_id: Any, from_: str, to: str, **updates: Any):
         """Apply ``from_ -> to`` to step ``step_id`` by compare-and-swap, fenced by the
@@ -277,6 +285,7 @@ class StepLockedTask(Task):
             step_id = arguments[opts.step_id_arg]
         if self.step_model is not None:
             self.steplock_guard()  # an unknown model fails here, before any lease is taken
+            self._check_not_nested()
         request = self.request
         lock = get_lock(self.app)
         base = {"key": lease_key(lock.prefix, name), "name": name, "task_id": request.id,
@@ -306,8 +315,9 @@ class StepLockedTask(Task):
                 ttl=info.get("ttl"), holder_task_id=info.get("task_id")), opts)
         emit(signals.lock_acquired, self, **lease_fields(lease))
         heartbeat = get_heartbeat()
-        heartbeat.register(lease, lock, ratio=opts.ratio, sender=self, max_hold=opts.max_hold)
         try:
+            heartbeat.register(lease, lock, ratio=opts.ratio, sender=self,
+                               max_hold=opts.max_hold)
             return self._execute(lease, lock, opts, step_id, args, kwargs)
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
@@ -319,7 +329,7 @@ class StepLockedTask(Task):
 
     def _execute(self, lease: Lease | None, lock: RedisStepLock, opts: _Options, step_id,
                  args, kwargs):
-        self.request.steplock_lease = lease
+        token = _current_leases.set({**_current_leases.get(), self.name: lease})
         try:
             with self._atomic(opts):
                 if opts.transition is not None and opts.precheck:
@@ -347,8 +357,11 @@ class StepLockedTask(Task):
             if opts.on_contended == "retry":
                 return self._steplock_retry(exc, opts)
             raise
+        except LockStoreUnavailable as exc:
+            # Redis did not answer the pre-commit ownership check: nothing was committed.
+            return self._steplock_retry(exc, opts)
         finally:
-            self.request.steplock_lease = None
+            _current_leases.reset(token)
 
     def _check_owned(self, lease: Lease, lock: RedisStepLock, opts: _Options) -> None:
         """The pre-commit ownership check: local validity, then one round trip to Redis."""
@@ -370,7 +383,22 @@ class StepLockedTask(Task):
             return contextlib.nullcontext()
         from django.db import transaction
 
-        return transaction.atomic(using=self.steplock_guard().using)
+        # durable: the commit must really happen here, before the lease is released.
+        return transaction.atomic(using=self.steplock_guard().using, durable=True)
+
+    def _check_not_nested(self) -> None:
+        """Refuse to run inside an outer ``transaction.atomic()`` (ATOMIC_REQUESTS, a caller's
+        own block): its commit would come after our release. Django's TestCase blocks are
+        allowed, as ``atomic(durable=True)`` allows them."""
+        from django.db import transaction
+
+        connection = transaction.get_connection(self.steplock_guard().using)
+        if connection.in_atomic_block and connection.atomic_blocks and not getattr(
+                connection.atomic_blocks[-1], "_from_testcase", False):
+            raise OuterTransactionError(
+                f"{self.name} was called inside transaction.atomic(): its transition would "
+                f"commit after the lease is released. Call it outside the block, or with "
+                f"delay_on_commit()/apply_async() (DjangoStepLockedTask).")
 
     def _on_commit(self, func: Callable[[], None]) -> None:
         if self.step_model is None:
@@ -453,6 +481,46 @@ def backoff(factor: float, retries: int, maximum: float) -> float:
     ``[0, min(maximum, factor * 2**retries)]`` (Celery's ``get_exponential_backoff_interval``
     draws whole seconds only, too coarse for sub-second leases). Floor 0.05 s."""
     return max(0.05, random.uniform(0, min(maximum, factor * (2 ** min(retries, 32)))))
+
+
+def validate_app(app) -> list[str]:
+    """Check ``app``'s steplock settings and every StepLockedTask's options; returns the
+    problems found, one message each (empty when all is well). Step models are resolved
+    only once Django's app registry is ready."""
+    problems = []
+    try:
+        Settings(app).validate()
+    except ImproperlyConfigured as exc:
+        problems.append(str(exc))
+    try:
+        from django.apps import apps as django_apps
+        models_ready = django_apps.ready
+    except ImportError:
+        models_ready = False
+    for task in list(app.tasks.values()):
+        if not isinstance(task, StepLockedTask):
+            continue
+        try:
+            task.steplock_options()
+            if task.step_model is not None and models_ready:
+                task.steplock_guard()
+        except ImproperlyConfigured as exc:
+            problems.append(str(exc))
+    return problems
+
+
+@worker_init.connect(weak=False)
+def _refuse_to_start_misconfigured(sender=None, **kwargs) -> None:
+    """A worker with invalid steplock settings or task options does not start (it would
+    consume acks_late messages only to fail them)."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    problems = validate_app(app)
+    if problems:
+        for problem in problems:
+            logger.critical("event=improperly_configured %s", problem)
+        raise SystemExit("celery-steplock: " + "; ".join(problems))
 
 
 try:

@@ -16,7 +16,9 @@ What it does (``make demo`` runs it):
    messages must be redelivered by Redis (acks_late + visibility_timeout) to the survivor;
 5. waits until every step is terminal and the queues are drained, then checks the invariants:
    exactly one committed transition per step, the step's status equals that transition's
-   target, no lease left behind, every steplock key has a TTL.
+   target, no lease left behind, every steplock key has a TTL;
+6. runs the reaper (``celery -A django_app steplock reap``) and prints its summary: after a
+   clean run it scans no lease, reaps none and recovers no step.
 
 The last line is machine-readable; the exit status is 0 only when every check passed.
 """
@@ -562,12 +564,59 @@ class Demo:
             print(f"FAILED: {line}")
         ok = (committed == len(steps) == self.args.steps and not violations and not leaked
               and not no_ttl and not self.failed_reasons)
+        # The invariants above are settled: the reaper runs last, so it cannot change them,
+        # and it does not change the exit status either (it has nothing to do after a clean
+        # run: no lease is left and no step is in flight).
+        for line in self.run_reaper():
+            print(line)
         print()
         print(f"steps={len(steps)} committed={committed} contended={stats['lock_contended']} "
               f"conflicts={stats['transition_conflict']} expired={expired_n} "
               f"violations={len(violations)} leaked={len(leaked) + len(no_ttl)} "
               f"wall_s={wall_s:.1f}", flush=True)
         return 0 if ok else 1
+
+    def run_reaper(self) -> list[str]:
+        """Run ``celery -A django_app steplock reap --json`` with the demo's environment and
+        return its summary lines (``reaper: ...``).
+
+        On a shared Redis (a private key prefix) or a shared database, other people's leases
+        are invisible to this run while their steps are not, so it only looks (``--dry-run``).
+        """
+        import json
+
+        argv = [sys.executable, "-m", "celery", "-A", "django_app", "steplock", "reap", "--json"]
+        shared = self.shared_redis or not self.use_sqlite
+        if shared:
+            argv.append("--dry-run")
+        started = time.monotonic()
+        try:
+            result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                                    stdin=subprocess.DEVNULL, timeout=120)
+        except subprocess.TimeoutExpired:
+            return ["reaper: timed out after 120s"]
+        took = time.monotonic() - started
+        try:
+            report = json.loads(result.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            return [f"reaper: exit {result.returncode}, no report ({tail})"]
+        mode = " --dry-run (shared Redis or database)" if shared else ""
+        lines = [f"reaper: celery -A django_app steplock reap{mode}: exit {result.returncode} "
+                 f"in {took:.1f}s",
+                 f"reaper: leases scanned {report['leases_scanned']}, "
+                 f"{'to reap' if report['dry_run'] else 'reaped'} "
+                 f"{len(report['leases_reaped'])}, steps "
+                 f"{'to recover' if report['dry_run'] else 'recovered'} "
+                 f"{len(report['steps_recovered'])}, errors {len(report['errors'])}"]
+        reaped, recovered = (("would reap", "would recover") if report["dry_run"]
+                             else ("reaped", "recovered"))
+        lines += [f"reaper: {reaped} {r['name']}: {r['reason']}"
+                  for r in report["leases_reaped"]]
+        lines += [f"reaper: {recovered} step {r['pk']}: {r['from_']} -> {r['to']}"
+                  for r in report["steps_recovered"]]
+        lines += [f"reaper: error: {e}" for e in report["errors"]]
+        return lines
 
     def task_outcomes(self) -> Counter:
         """Stored task states (django-celery-results) of the messages we published."""

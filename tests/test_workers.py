@@ -5,6 +5,7 @@ Redis (``demo:stats:<event>``, django_app/workflows/receivers.py) so the test ca
 happened inside them.
 """
 import random
+import sys
 import time
 
 import pytest
@@ -170,3 +171,23 @@ def test_contended_retries_stop_at_the_lease_retry_budget(start_worker, redis_cl
     assert stats(redis_client)["lock_contended"] == 3  # the first try + steplock_retry_max=2
     step.refresh_from_db()
     assert step.status == "pending" and records(step) == []
+
+
+def test_worker_with_an_invalid_setting_refuses_to_start(worker_env, tmp_path):
+    from scripts import servers
+
+    env = {**worker_env, "STEPLOCK_TTL": "0"}
+    worker = servers.ProcessGroup(
+        [sys.executable, "-m", "celery", "-A", "django_app", "worker", "-l", "INFO", "-c", "1",
+         "-n", "bad@%h", "--without-mingle", "--without-gossip"],
+        env=env, cwd=servers.ROOT, logfile=tmp_path / "bad.log").start()
+    deadline = time.monotonic() + 60
+    while worker.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not worker.alive()
+        log = worker.log_text()
+        assert "steplock_default_ttl" in log and "CELERY_STEPLOCK_DEFAULT_TTL" in log
+        assert " ready." not in log
+    finally:
+        worker.terminate()

@@ -11,9 +11,12 @@ import socket
 import time
 
 from celery import shared_task
+from django.db import transaction
 from django.db.models import F
 
-from celery_steplock import StepLockedTask
+from celery_steplock import StepLockedTask, get_lock
+from celery_steplock.exceptions import LockLost
+from celery_steplock.guard import StepTransitionGuard
 
 from .models import Step, TransitionRecord
 
@@ -147,4 +150,33 @@ def hold(self, step_id, seconds):
     """
     _hold(self, seconds)
     lease = self.lease
+    return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}
+
+
+@shared_task(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+)
+def claim_and_hold(self, step_id, seconds):
+    """Claim the step (``pending -> running``, committed at once), hold the lease for
+    ``seconds``, then finish it (``running -> done``).
+
+    Without ``step_model`` StepLockedTask opens no transaction around the body, so each phase
+    commits on its own: the claim is visible while the lease is held, which is what a worker
+    killed during the hold leaves behind (a ``running`` step whose ``lock_owner`` is the dead
+    attempt's owner token) and what the reaper recovers. Both transitions are fenced by the
+    lease's owner/fence; the last one commits only if the lease is still ours.
+    """
+    lease = self.lease
+    guard = StepTransitionGuard(Step)
+    with transaction.atomic():
+        guard.transition(step_id, "pending", "running", owner=lease.owner, fence=lease.fence)
+    _hold(self, seconds)
+    with transaction.atomic():
+        guard.transition(step_id, "running", "done", owner=lease.owner, fence=lease.fence)
+        if get_lock(self.app).owned(lease.name, lease.owner) is None:
+            raise LockLost(f"lease {lease.key} lost before the commit", key=lease.key,
+                           owner=lease.owner, fence=lease.fence)
     return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}
