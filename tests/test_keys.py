@@ -123,3 +123,25 @@ def test_keys_share_a_cluster_hash_tag():
     assert name_from_key(b"steplock:lease:{order:42}") == "order:42"
     with pytest.raises(LockNameError):
         name_from_key("no-tag")
+
+
+def test_var_keyword_names_join_the_declared_ones():
+    @app.task(name="t.varkw")
+    def varkw(a, **extra):
+        return a
+
+    assert bind_arguments(varkw.run, (1,), {"order_id": 9}) == {"a": 1, "order_id": 9}
+    assert name(varkw, 1, order_id=9, lock_key="order:{order_id}") == "order:9"
+    assert name(varkw, 1, b=2, c=3) == name(varkw, c=3, a=1, b=2)
+
+
+def test_bad_template_and_odd_values_raise_lock_name_errors():
+    with pytest.raises(LockNameError, match="format template"):
+        name(bound, 1, lock_key="order:{x")
+    with pytest.raises(LockNameError, match="printable"):
+        name(bound, "a\nb", lock_key="{x}")
+    surrogate = name(unbound, "\ud800")  # a lone surrogate still hashes
+    assert surrogate.startswith("t.unbound:")
+    with pytest.raises(LockNameError) as info:
+        name(unbound, {1: "a", "b": 2})
+    assert info.value.argument == "x" and "'<' not supported" in str(info.value)

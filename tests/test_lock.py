@@ -262,3 +262,12 @@ def test_many_waiters_one_winner_per_release(lock, redis_server_url):
     for t in threads:
         t.join(5)
     assert len(winners) == 1
+
+
+def test_a_refusal_is_not_an_outage(lock, redis_client):
+    from celery_steplock.exceptions import LockError
+
+    redis_client.set("t:lease:{typed}", "not a hash", ex=5)
+    with pytest.raises(LockError, match="refused") as info:
+        lock.acquire("typed", "o", 5.0)
+    assert not isinstance(info.value, LockStoreUnavailable)

@@ -418,6 +418,73 @@ def test_concurrent_threads_commit_once(redis_client):
     assert TransitionRecord.objects.count() == 1
 
 
+def test_direct_calls_in_threads_each_see_their_own_lease():
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.whose", lock_key="w:{n}")
+    def whose(self, n):
+        time.sleep(0.01)
+        first = self.lease.name
+        time.sleep(0.02)
+        return first, self.lease.name
+
+    results, errors = [], []
+
+    def run(n):
+        try:
+            results.append((n, whose(n)))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(seen == (f"w:{n}", f"w:{n}") for n, seen in results) and len(results) == 20
+
+
+def test_nested_call_restores_the_outer_lease():
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.nested", lock_key="k:{n}")
+    def nested(self, n):
+        if n == 1:
+            inner = nested(2)
+            return self.lease.name, inner
+        return self.lease.name
+
+    assert nested(1) == ("k:1", "k:2")
+
+
+def test_inside_an_outer_transaction_is_refused_before_any_lease(redis_client):
+    from django.db import transaction
+
+    from celery_steplock.exceptions import OuterTransactionError
+
+    step = Step.objects.create(name="s")
+    with pytest.raises(OuterTransactionError, match="inside transaction.atomic"):
+        with transaction.atomic():
+            finish(step.pk)
+    assert BODY_RUNS == [] and list(redis_client.scan_iter("steplock:*")) == []
+
+
+def test_outage_at_the_ownership_check_rolls_back_and_retries(private_redis, app, events):
+    app.conf.steplock_redis_url = private_redis.url
+    app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="s")
+
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.outage_at_check",
+                     lock_key="step:{step_id}", step_model="workflows.Step",
+                     step_id_arg="step_id", transition=("pending", "done"), lock_retry_max=0)
+    def outage_at_check(self, step_id):
+        record(self, step_id, "done")
+        private_redis.stop()
+
+    result = outage_at_check.apply(args=(step.pk,))
+    assert isinstance(result.result, LockStoreUnavailable) and "ownership" in str(result.result)
+    step.refresh_from_db()
+    assert step.status == "pending" and TransitionRecord.objects.count() == 0
+    assert [kw["policy"] for n, kw in events if n == "lock_store_error"] == ["fail_closed"]
+
+
 def test_backoff_has_full_jitter_and_a_cap():
     values = [backoff(1.0, 3, 5.0) for _ in range(200)]
     assert all(0.05 <= v <= 5.0 for v in values)
