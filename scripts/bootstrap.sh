@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the project and its dev extras, and make sure a redis-server
-# (and, in CI, PostgreSQL) is usable. Idempotent; near-instant when nothing changed.
+# (and, in CI, PostgreSQL) is usable, plus Debian's chromium for the browser test. Idempotent;
+# near-instant when nothing changed.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -113,6 +114,23 @@ ensure_postgres() {
     fi
 }
 
+have_chromium() { command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ]; }
+
+# tests/contrib/test_browser.py drives Debian's chromium through Playwright (never
+# `playwright install`). Without it that test skips, except under CI=true, where it fails.
+ensure_chromium() {
+    have_chromium && return 0
+    if is_root_with_apt && apt_install chromium; then
+        return 0
+    fi
+    if [ "${CI:-}" = true ]; then
+        say "FAILED: chromium is missing and could not be installed (needs root and apt-get); CI=true requires the browser test" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+    say "chromium not found: the browser test is skipped (install Debian's chromium)"
+}
+
 # The stamp keys the pip step on the packaging files.
 want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
 if ! "$VPY" -c '' >/dev/null 2>&1; then
@@ -131,3 +149,4 @@ else
 fi
 ensure_redis
 ensure_postgres
+ensure_chromium

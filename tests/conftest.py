@@ -46,16 +46,17 @@ def celery_app_configured(redis_server_url):
 
 @pytest.fixture
 def app(celery_app_configured):
-    """The Celery app, with the steplock settings a test changes restored afterwards."""
+    """The Celery app, with every steplock setting restored to its value before the test."""
+    from celery_steplock.conf import DEFAULTS, setting_name
+
     app = celery_app_configured
-    # Keys first, values only for ours: while Django settings are overridden (the session's
-    # live_server appends to ALLOWED_HOSTS), Celery's view of them lists keys it cannot get.
-    saved = {k: app.conf[k] for k in list(app.conf) if k.startswith("steplock_")}
+    # Named reads only: while Django settings are overridden (live_server), iterating
+    # Celery's view of them lists keys it cannot get.
+    names = [setting_name(name) for name in DEFAULTS]
+    saved = {name: app.conf.get(name) for name in names}
     yield app
-    for key in [k for k in app.conf if k.startswith("steplock_")]:
-        if key not in saved:
-            app.conf[key] = None
-    app.conf.update(saved)
+    for name in names:
+        app.conf[name] = saved[name]
 
 
 @pytest.fixture

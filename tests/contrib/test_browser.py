@@ -42,10 +42,11 @@ def unavailable(reason: str):
 
 
 def chromium_path() -> str | None:
-    path = os.environ.get("STEPLOCK_CHROMIUM") or shutil.which("chromium")
-    if path is None and os.access("/usr/bin/chromium", os.X_OK):
-        path = "/usr/bin/chromium"
-    return path
+    """``STEPLOCK_CHROMIUM``, else ``chromium`` on PATH, else /usr/bin/chromium; None when
+    that is not an executable file."""
+    path = (os.environ.get("STEPLOCK_CHROMIUM") or shutil.which("chromium")
+            or "/usr/bin/chromium")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
+from django.http import (HttpRequest, HttpResponse, HttpResponseNotAllowed,
+                         HttpResponseRedirect, QueryDict)
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, path, reverse
 from django.utils.decorators import method_decorator
@@ -169,8 +170,12 @@ class LeaseAdmin(admin.ModelAdmin):
             model = apps.get_model(app_label, model_name)
         except (LookupError, ValueError):
             return None
-        model_admin = self.admin_site._registry.get(model)
-        if model_admin is None or not model_admin.has_view_or_change_permission(request):
+        if not self.admin_site.is_registered(model):
+            return None
+        get_model_admin = getattr(self.admin_site, "get_model_admin", None)  # Django 5.0+
+        model_admin = (get_model_admin(model) if get_model_admin
+                       else self.admin_site._registry[model])
+        if not model_admin.has_view_or_change_permission(request):
             return None
         return model_admin
 
@@ -303,7 +308,7 @@ class LeaseAdmin(admin.ModelAdmin):
         if request.method == "POST":
             return self._release_post(request)
         if request.method not in ("GET", "HEAD"):
-            return HttpResponse(status=405, headers={"Allow": "GET, HEAD, POST"})
+            return HttpResponseNotAllowed(["GET", "HEAD", "POST"])
         name = request.GET.get("name", "")
         filters = QueryDict(request.GET.get("_changelist_filters", ""))
         back = self.changelist_url(filters)
