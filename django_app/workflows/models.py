@@ -10,8 +10,10 @@ number of records of a step is the number of committed transitions.
 """
 from django.db import models
 
+from celery_steplock.contrib.django.mixins import LeaseFencedStep
 
-class Step(models.Model):
+
+class Step(LeaseFencedStep):
     class Status(models.TextChoices):
         PENDING = "pending", "pending"
         RUNNING = "running", "running"
@@ -25,8 +27,6 @@ class Step(models.Model):
     status = models.CharField(
         max_length=32, choices=Status.choices, default=Status.PENDING, db_index=True
     )
-    lock_owner = models.CharField(max_length=64, blank=True, default="")
-    lock_fence = models.BigIntegerField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
     updated_at = models.DateTimeField(auto_now=True)
 
