@@ -15,7 +15,7 @@ from celery_steplock.reaper import ReapReport, pid_alive, reap
 from celery_steplock.task import get_lock
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import claim_and_hold, hold
-from helpers import closed_port_url
+from helpers import closed_port_url, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -317,16 +317,6 @@ def test_bad_recover_setting_is_an_error(app, redis_client):
 
 
 # -- real workers ----------------------------------------------------------------------------
-
-
-def wait_until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.mark.workers

@@ -8,6 +8,7 @@ import random
 import sys
 import time
 
+import helpers
 import pytest
 
 from django_app.workflows.models import Step, TransitionRecord
@@ -19,18 +20,13 @@ TTL = 2.0  # STEPLOCK_TTL given to the workers by the worker_env fixture
 
 
 def wait_until(predicate, timeout=60.0, interval=0.05, what="condition", client=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    state = ""
+    describe = None
     if client is not None:
-        state = (f" (queue {client.llen('celery')}, unacked {client.hlen('unacked')}, "
-                 f"leases {sorted(client.scan_iter(match='steplock:lease:*'))}, "
-                 f"stats {stats(client)})")
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{state}")
+        def describe():
+            return (f"queue {client.llen('celery')}, unacked {client.hlen('unacked')}, "
+                    f"leases {sorted(client.scan_iter(match='steplock:lease:*'))}, "
+                    f"stats {stats(client)}")
+    return helpers.wait_until(predicate, timeout, interval, what, describe)
 
 
 def stats(client):

@@ -56,48 +56,32 @@ def _bump_attempts(step_id):
     Step.objects.filter(pk=step_id).update(attempts=F("attempts") + 1)
 
 
-@shared_task(
-    bind=True,
-    base=StepLockedTask,
-    acks_late=True,
-    lock_key="step:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-    transition=("pending", "done"),
-)
+#: Options shared by the tasks that lock a step: they all take the lease ``step:<id>``.
+STEP_TASK = dict(bind=True, base=StepLockedTask, acks_late=True, lock_key="step:{step_id}",
+                 step_model="workflows.Step", step_id_arg="step_id")
+
+
+def _move(task, step_id, delay, to):
+    """The body of a one-transition step task: work for ``delay`` seconds, record it."""
+    _hold(task, delay)
+    _record(task, step_id, "pending", to)
+    _bump_attempts(step_id)
+    return {"step_id": step_id, "fence": task.lease.fence}
+
+
+@shared_task(transition=("pending", "done"), **STEP_TASK)
 def advance(self, step_id, delay=0.0):
     """Forward flow: ``pending -> done``, after ``delay`` seconds of "work"."""
-    _hold(self, delay)
-    _record(self, step_id, "pending", "done")
-    _bump_attempts(step_id)
-    return {"step_id": step_id, "fence": self.lease.fence}
+    return _move(self, step_id, delay, "done")
 
 
-@shared_task(
-    bind=True,
-    base=StepLockedTask,
-    acks_late=True,
-    lock_key="step:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-    transition=("pending", "cancelled"),
-)
+@shared_task(transition=("pending", "cancelled"), **STEP_TASK)
 def compensate(self, step_id, delay=0.0):
     """Compensation racing the forward flow on the same lease: ``pending -> cancelled``."""
-    _hold(self, delay)
-    _record(self, step_id, "pending", "cancelled")
-    _bump_attempts(step_id)
-    return {"step_id": step_id, "fence": self.lease.fence}
+    return _move(self, step_id, delay, "cancelled")
 
 
-@shared_task(
-    bind=True,
-    base=StepLockedTask,
-    acks_late=True,
-    lock_key="step:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-)
+@shared_task(**STEP_TASK)
 def multi_phase(self, step_id):
     """Two transitions in one body: ``pending -> running -> done`` (one DB transaction)."""
     self.transition(step_id, "pending", "running")
@@ -108,16 +92,7 @@ def multi_phase(self, step_id):
     return {"step_id": step_id, "fence": self.lease.fence}
 
 
-@shared_task(
-    bind=True,
-    base=StepLockedTask,
-    acks_late=True,
-    lock_key="step:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-    transition=("pending", "done"),
-    max_retries=3,
-)
+@shared_task(transition=("pending", "done"), max_retries=3, **STEP_TASK)
 def retry_once(self, step_id, countdown=1.0):
     """``pending -> done`` on its second attempt: the first calls ``self.retry()``.
 
@@ -137,12 +112,11 @@ def plain(x):
     return x
 
 
-@shared_task(
-    bind=True,
-    base=StepLockedTask,
-    acks_late=True,
-    lock_key="step:{step_id}",
-)
+#: A lease on ``step:<id>`` without a step model: no transaction around the body.
+LEASE_ONLY = dict(bind=True, base=StepLockedTask, acks_late=True, lock_key="step:{step_id}")
+
+
+@shared_task(**LEASE_ONLY)
 def hold(self, step_id, seconds):
     """Hold the ``step:<step_id>`` lease for ``seconds``, checking it between slices.
 
@@ -153,12 +127,7 @@ def hold(self, step_id, seconds):
     return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}
 
 
-@shared_task(
-    bind=True,
-    base=StepLockedTask,
-    acks_late=True,
-    lock_key="step:{step_id}",
-)
+@shared_task(**LEASE_ONLY)
 def claim_and_hold(self, step_id, seconds):
     """Claim the step (``pending -> running``, committed at once), hold the lease for
     ``seconds``, then finish it (``running -> done``).

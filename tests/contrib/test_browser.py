@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from django.contrib.admin.models import DELETION, LogEntry
 from celery_steplock.task import get_lock
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import hold
+from helpers import wait_until
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
@@ -59,16 +59,6 @@ def sync_playwright():
         unavailable("chromium not found (Debian: apt-get install chromium, or set "
                     "STEPLOCK_CHROMIUM)")
     return sync_playwright
-
-
-def wait_until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_force_release_a_running_workers_lease_in_the_browser(
