@@ -182,7 +182,7 @@ def release(ctx, name, owner):
     except StepLockError as exc:
         raise _unavailable(exc)
     if not released:
-        why = (f"it is held by another owner ({after['owner']})" if after
+        why = (f"it is held by another owner ({after.get('owner')})" if after
                else "it is not held")
         raise CeleryCommandException(message=f"not released: {name!r}: {why}",
                                      exit_code=EX_FAILURE)
@@ -208,8 +208,10 @@ def release(ctx, name, owner):
 @click.option("--ping-timeout", default=DEFAULT_PING_TIMEOUT, show_default=True,
               type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="seconds to wait for workers' ping replies")
+@click.option("--no-pid-check", is_flag=True,
+              help="judge leases by their worker's ping only, not by their pid")
 @click.pass_context
-def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout):
+def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_check):
     """Reap the leases of dead owners and recover the steps they left in flight."""
     app = ctx.obj.app
     # Load the app's modules as `celery report` does: with Celery's Django fixup this runs
@@ -221,7 +223,7 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout):
                    f"recovered", err=True)
     started = time.monotonic()
     report = reap(app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
-                  ping_timeout=ping_timeout)
+                  ping_timeout=ping_timeout, check_pids=not no_pid_check)
     if as_json:
         click.echo(json.dumps(report.as_dict(), sort_keys=True, default=str))
     else:

@@ -140,11 +140,12 @@ class Settings:
     @property
     def key_prefix(self) -> str:
         prefix = self.raw("key_prefix")
-        if not isinstance(prefix, str) or not prefix or any(c in "{}" or c.isspace()
+        if not isinstance(prefix, str) or not prefix or any(c in "{}*?[]\\" or c.isspace()
                                                             for c in prefix):
             raise ImproperlyConfigured(
-                f"{describe('steplock_key_prefix')} must be a non-empty string without braces "
-                f"or spaces, got {prefix!r}", setting="steplock_key_prefix")
+                f"{describe('steplock_key_prefix')} must be a non-empty string without "
+                f"braces, glob characters (*?[]\\) or spaces, got {prefix!r}",
+                setting="steplock_key_prefix")
         return prefix
 
     @property

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist
 from django.db.models import Model, Q
+from django.utils import timezone
 
 from .exceptions import ImproperlyConfigured, InvalidTransition, StepNotFound, \
     TransitionConflict
@@ -97,6 +98,8 @@ class StepTransitionGuard:
         self.status_field = status_field
         self.owner_field = owner_field if _has_field(self.model, owner_field) else None
         self.fence_field = fence_field if _has_field(self.model, fence_field) else None
+        self.auto_now_fields = [f.name for f in self.model._meta.concrete_fields
+                                if getattr(f, "auto_now", False)]
         self.transitions = ({k: frozenset(v) for k, v in transitions.items()}
                             if transitions is not None else None)
         self.using = using
@@ -127,7 +130,8 @@ class StepTransitionGuard:
         """Move step ``step_id`` from ``from_`` to ``to`` by compare-and-swap.
 
         ``owner``/``fence`` are written to (and ``fence`` guards on) the model's owner/fence
-        columns when it has them. ``updates`` are extra column values set by the same UPDATE.
+        columns when it has them. ``updates`` are extra column values set by the same UPDATE;
+        ``auto_now`` columns (``updated_at``) are set to now, as ``save()`` would.
         Returns the TransitionResult. Raises InvalidTransition, StepNotFound, and
         TransitionConflict when nothing matched (unless ``raise_on_conflict`` is False).
         """
@@ -141,6 +145,9 @@ class StepTransitionGuard:
             values[self.fence_field] = fence
         if self.owner_field and owner is not None:
             values[self.owner_field] = owner
+        for column in self.auto_now_fields:
+            # QuerySet.update() skips auto_now, which save() would set: keep it meaningful.
+            values.setdefault(column, timezone.now())
         if self.manager.filter(condition).update(**values) == 1:
             return TransitionResult(True, step_id, from_, to, fence=fence)
         current = self.status(step_id)

@@ -15,6 +15,7 @@ database compare-and-swap (:mod:`celery_steplock.guard`) is what refuses a stale
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -74,6 +75,19 @@ end
 return 0
 """
 
+# KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] renewed_ms observed, ARGV[3] channel.
+# Deletes only if the owner AND the last renewal are still what was observed: the reaper's
+# delete, which must spare a holder that renewed after it looked. Returns 1 if deleted.
+REAP_LUA = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'renewed_ms') == ARGV[2] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[3], ARGV[1])
+  return 1
+end
+return 0
+"""
+
 # KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] new ttl ms.
 # Returns 1 if the TTL was reset, 0 if the key is gone or held by another owner.
 EXTEND_LUA = """
@@ -98,6 +112,8 @@ return redis.call('PTTL', KEYS[1])
 
 STORE_ERRORS = (RedisError, OSError)
 
+logger = logging.getLogger("celery_steplock")
+
 
 def new_owner_token() -> str:
     """A fresh owner token: 32 random hex digits, unique per execution attempt."""
@@ -113,7 +129,7 @@ def make_client(url: str, socket_timeout: float = 5.0) -> redis.Redis:
     return redis.Redis.from_url(
         url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
-        decode_responses=True)
+        decode_responses=True, encoding_errors="replace")
 
 
 def _text(value: Any) -> Any:
@@ -210,6 +226,7 @@ class RedisStepLock:
         self.fence_ttl = fence_ttl
         self._acquire = client.register_script(ACQUIRE_LUA)
         self._release = client.register_script(RELEASE_LUA)
+        self._reap = client.register_script(REAP_LUA)
         self._extend = client.register_script(EXTEND_LUA)
         self._owned = client.register_script(OWNED_LUA)
 
@@ -299,6 +316,14 @@ class RedisStepLock:
         return bool(self._call(self._release, [self.key(name)], [owner, self.channel(name)],
                                "release", name))
 
+    def reap(self, name: str, owner: str, renewed_ms: str) -> bool:
+        """Delete the lease only if ``owner`` still holds it and its ``renewed_ms`` field is
+        still ``renewed_ms`` (as read before deciding its holder is dead), and wake its
+        waiters. Returns False, changing nothing, when it was renewed, released or
+        re-acquired since."""
+        return bool(self._call(self._reap, [self.key(name)],
+                               [owner, str(renewed_ms), self.channel(name)], "reap", name))
+
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it. Returns False (and
         changes nothing) when the key is gone or another owner holds it."""
@@ -358,11 +383,17 @@ class RedisStepLock:
             for key in keys:
                 pipe.hgetall(key)
                 pipe.pttl(key)
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
         except STORE_ERRORS as exc:
             raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
         leases = []
         for key, fields, pttl in zip(keys, replies[::2], replies[1::2]):
+            if isinstance(fields, Exception) or isinstance(pttl, Exception):
+                # A key under our prefix that is not a lease (WRONGTYPE): skip it, so one
+                # stray key cannot blind the admin, `ls` and the reaper.
+                logger.warning("event=scan_skipped key=%s error=%s", _text(key),
+                               fields if isinstance(fields, Exception) else pttl)
+                continue
             if not fields:
                 continue  # expired between SCAN and HGETALL
             info = {_text(k): _text(v) for k, v in fields.items()}
@@ -406,7 +437,8 @@ def holder_metadata(task_id: str | None = None, task_name: str | None = None,
                     retries: int | None = None, **extra: Any) -> dict[str, Any]:
     """The metadata stored beside an owner token: who holds the lease, for people and for
     the reaper (``worker`` is the Celery node name, e.g. ``celery@host``; ``step`` is
-    ``"<app_label>.<model>:<pk>"`` of the step the lease guards)."""
+    ``"<app_label>.<model>:<pk>"`` of the step the lease guards; ``renew_ms`` the holder's
+    renewal interval in milliseconds)."""
     meta = {"task_id": task_id, "task_name": task_name, "hostname": socket.gethostname(),
             "pid": os.getpid(), "retries": retries}
     meta.update(extra)

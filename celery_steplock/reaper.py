@@ -9,20 +9,24 @@ clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and
 1. **Leases whose owner is gone.** One ``SCAN`` over the lease keys (never ``KEYS``), then a
    verdict per lease from its metadata:
 
+   First of all, the lease must have missed its renewals: not renewed for more than one and
+   a half of its holder's renewal intervals (``renew_ms``) plus :data:`RENEWAL_GRACE_MS`,
+   both sides on the Redis server clock. A heartbeat that keeps renewing proves the holder
+   alive, whatever else is observed. Then:
+
    - the lease was taken on *this* host (``hostname``) and its ``pid`` no longer exists (or is
-     a zombie): the holder is dead, whatever its worker node says;
+     a zombie): the holder is dead;
    - otherwise, its Celery node (``worker``, e.g. ``w1@host``) did not answer a ping (one
-     ``app.control.ping`` for all distinct nodes, the silent ones asked once more) **and** the
-     lease has not been renewed for more than one renewal interval and a half plus
-     :data:`RENEWAL_GRACE_MS` (Redis server clock on both sides). The second condition is a
-     guard: a solo-pool worker busy in a long task, or an overloaded main process, answers no
-     ping, but its heartbeat thread still renews the lease, which proves the holder alive.
+     ``app.control.ping`` for all distinct nodes, the silent ones asked once more, bounded
+     in time even when the broker hangs).
 
    A lease whose holder process exists on this host, whose worker answers, or which carries
-   no worker/pid metadata at all is never touched. A dead owner's lease is removed by the
-   owner-checked compare-and-delete :meth:`~celery_steplock.lock.RedisStepLock.release` with
-   the owner token *observed* in the scan: a lease released and re-acquired since is held by
-   a new owner and survives. Each removal sends ``lock_expired`` (``reason`` says why).
+   no worker/pid metadata at all is never touched. A dead owner's lease is removed by
+   :meth:`~celery_steplock.lock.RedisStepLock.reap`, a compare-and-delete on the owner token
+   *and* the renewal time observed in the scan: a lease re-acquired since, or renewed while
+   the reaper was pinging, survives. A holder that was only paused (SIGSTOP, a long GC or VM
+   pause) and missed its renewals is judged dead: it finds its lease lost when it wakes, and
+   its commit is refused by the compare-and-swap. Each removal sends ``lock_expired`` (``reason`` says why).
    python-redis-lock's ``reset_all`` (``KEYS`` + delete everything, live locks included) is
    the reaper this is not.
 
@@ -52,8 +56,9 @@ workers: every change is a compare-and-delete or a compare-and-swap on what was 
 Errors (Redis or the broker unreachable, a database error, a bad setting) are collected in
 :attr:`ReapReport.errors`, never raised, so callers can report them and exit non-zero.
 
-Limits: the pid check assumes one PID namespace per hostname (containers that share the host's
-UTS namespace but not its PID namespace should run the reaper with ``check_pids=False``); a
+Limits: the pid check assumes one PID namespace per hostname; where that is not so (a pod's
+sidecar), a live holder is still safe, since it keeps renewing, but a dead one is judged by
+its worker's ping alone (``check_pids=False`` / ``--no-pid-check`` make that explicit). A
 reused pid makes a dead holder look alive, which leaves its lease to the TTL (the safe side).
 """
 from __future__ import annotations
@@ -61,6 +66,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone as dt_timezone
@@ -84,6 +90,8 @@ REAPER_SENDER = "celery_steplock.reaper"
 RENEWAL_GRACE_MS = 1000
 #: Seconds to wait for ping replies (per attempt).
 DEFAULT_PING_TIMEOUT = 1.0
+#: Seconds allowed beyond the two ping rounds before the broker is declared unresponsive.
+BROKER_GRACE = 5.0
 #: SCAN ``COUNT`` hint and database chunk size.
 DEFAULT_BATCH_SIZE = 500
 #: The column whose age ``older_than`` is measured on, when the step model has it.
@@ -269,6 +277,13 @@ class _Reaper:
         self.settings = Settings(app)
         self.host = socket.gethostname()
 
+    def sender(self, task_name: str | None):
+        """The signal sender: the task object when this app knows it (so receivers connected
+        with ``sender=task`` see the reaper's events), else its name, else the reaper."""
+        if not task_name:
+            return REAPER_SENDER
+        return self.app.tasks.get(task_name, task_name)
+
     def error(self, message: str) -> None:
         logger.error("event=reaper_error %s", message)
         self.report.errors.append(message)
@@ -322,39 +337,71 @@ class _Reaper:
         """
         pending = sorted(set(workers))
         answered: set[str] = set()
-        try:
-            for _attempt in range(2):
-                if not pending:
-                    break
-                replies = self.app.control.ping(destination=pending, timeout=self.ping_timeout,
-                                                limit=len(pending)) or []
-                for reply in replies:
-                    answered.update(reply)
-                pending = [w for w in pending if w not in answered]
-        except Exception as exc:  # noqa: BLE001 - kombu/redis/OSError: broker unreachable
+        outcome: dict[str, Any] = {}
+
+        def broadcast() -> None:
+            nonlocal pending
+            try:
+                for _attempt in range(2):
+                    if not pending:
+                        break
+                    replies = self.app.control.ping(destination=pending,
+                                                    timeout=self.ping_timeout,
+                                                    limit=len(pending)) or []
+                    for reply in replies:
+                        answered.update(reply)
+                    pending = [w for w in pending if w not in answered]
+            except Exception as exc:  # noqa: BLE001 - kombu/redis/OSError: broker unreachable
+                outcome["error"] = exc
+
+        # A hung broker (accepting connections, never answering) would block kombu forever:
+        # ping from a daemon thread and give up after a bounded wait.
+        thread = threading.Thread(target=broadcast, name="steplock-reaper-ping", daemon=True)
+        thread.start()
+        thread.join(2 * self.ping_timeout + BROKER_GRACE)
+        if thread.is_alive():
+            outcome["error"] = (f"the broker did not answer within "
+                                f"{2 * self.ping_timeout + BROKER_GRACE:g}s")
+        if "error" in outcome:
             self.error(f"could not ping the workers through the broker, no lease judged by "
-                       f"its worker: {exc}")
+                       f"its worker: {outcome['error']}")
             return None
         return answered
 
+    def idle_ms(self, lease: dict[str, Any], now_ms: int | None) -> int | None:
+        """Milliseconds since the lease was last renewed, when that is longer than its
+        holder's heartbeat ever lets it go (1.5 renewal intervals + a grace): None while
+        the lease is still being renewed (its holder is alive, whatever else we see)."""
+        renewed = _int(lease.get("renewed_ms")) or _int(lease.get("acquired_ms"))
+        if renewed is None or now_ms is None:
+            return None
+        interval = _int(lease.get("renew_ms"))
+        if interval is None:  # leases taken before renew_ms was recorded
+            ttl_ms = _int(lease.get("ttl_ms")) or int(self.settings.default_ttl * 1000)
+            interval = int(ttl_ms * self.settings.renewal_ratio)
+        idle = now_ms - renewed
+        return idle if idle > 1.5 * interval + RENEWAL_GRACE_MS else None
+
     def verdict(self, lease: dict[str, Any], answered: set[str] | None,
                 now_ms: int | None) -> str | None:
-        """Why ``lease``'s owner is gone, or None when it is (or may be) alive."""
+        """Why ``lease``'s owner is gone, or None when it is (or may be) alive.
+
+        Both tests need the missed renewals: a pid lookup can be wrong (a process in another
+        PID namespace with our hostname, a pod sidecar), a ping can go unanswered by a paused
+        or busy worker; a heartbeat that keeps renewing proves the holder alive.
+        """
+        idle = self.idle_ms(lease, now_ms)
+        if idle is None:
+            return None
         pid = _int(lease.get("pid"))
         if self.check_pids and pid is not None and pid > 0 and lease.get("hostname") == self.host:
             if pid_alive(pid):
                 return None  # the holder process exists: never reap, whatever the ping says
-            return f"pid {pid} on {self.host} no longer exists"
+            return (f"pid {pid} on {self.host} no longer exists and the lease was last "
+                    f"renewed {idle / 1000:.1f}s ago")
         worker = lease.get("worker")
-        if not worker or answered is None or worker in answered or now_ms is None:
+        if not worker or answered is None or worker in answered:
             return None
-        renewed = _int(lease.get("renewed_ms")) or _int(lease.get("acquired_ms"))
-        ttl_ms = _int(lease.get("ttl_ms")) or int(self.settings.default_ttl * 1000)
-        if renewed is None:
-            return None
-        idle = now_ms - renewed
-        if idle <= 1.5 * ttl_ms * self.settings.renewal_ratio + RENEWAL_GRACE_MS:
-            return None  # still renewed: the heartbeat proves the holder alive
         return (f"worker {worker} did not answer a ping within {self.ping_timeout:g}s and the "
                 f"lease was last renewed {idle / 1000:.1f}s ago")
 
@@ -363,8 +410,9 @@ class _Reaper:
         remote = [lease for lease in leases if lease.get("worker") and not (
             self.check_pids and lease.get("hostname") == self.host
             and (_int(lease.get("pid")) or 0) > 0)]
-        answered = self.ping(lease["worker"] for lease in remote) if remote else set()
-        now_ms = self.redis_now_ms() if remote else None
+        now_ms = self.redis_now_ms() if leases else None
+        stale = [lease for lease in remote if self.idle_ms(lease, now_ms) is not None]
+        answered = self.ping(lease["worker"] for lease in stale) if stale else set()
         dead: dict[str, dict[str, Any]] = {}
         for lease in leases:
             reason = self.verdict(lease, answered, now_ms)
@@ -379,9 +427,10 @@ class _Reaper:
             }
             if not self.dry_run:
                 try:
-                    # Compare-and-delete on the owner observed in the scan: a lease that was
-                    # released and re-acquired since belongs to a new owner and survives.
-                    released = self.lock.release(lease["name"], lease["owner"])
+                    # Compare-and-delete on the owner and the renewal observed in the scan: a
+                    # lease re-acquired since, or renewed while we pinged, survives.
+                    released = self.lock.reap(lease["name"], lease["owner"],
+                                              lease.get("renewed_ms") or "")
                 except StepLockError as exc:
                     self.error(f"could not release lease {lease['name']}: {exc}")
                     continue  # its owner stays "live" for pass 2: recover on the next run
@@ -390,7 +439,7 @@ class _Reaper:
                                 "re-acquired since the scan", lease["key"], lease["owner"])
                     dead[lease["owner"]] = info  # the observed owner holds nothing any more
                     continue
-                emit(signals.lock_expired, lease.get("task_name") or REAPER_SENDER,
+                emit(signals.lock_expired, self.sender(lease.get("task_name")),
                      logging.WARNING, key=info["key"], name=info["name"], owner=info["owner"],
                      fence=info["fence"], task_id=info["task_id"], task_name=info["task_name"],
                      ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
@@ -504,7 +553,7 @@ class _Reaper:
                         continue
                     transaction.on_commit(partial(
                         emit, signals.lock_expired,
-                        (lease or {}).get("task_name") or REAPER_SENDER, logging.WARNING,
+                        self.sender((lease or {}).get("task_name")), logging.WARNING,
                         key=lease["key"] if lease else None,
                         name=lease["name"] if lease else None, owner=owner,
                         fence=lease["fence"] if lease else None,

@@ -294,9 +294,10 @@ class StepLockedTask(Task):
                 if step_id is not None else None)
         try:
             lease = lock.acquire(name, new_owner_token(), opts.ttl, wait=opts.wait,
-                                 metadata=holder_metadata(request.id, self.name,
-                                                          request.retries,
-                                                          worker=request.hostname, step=step))
+                                 metadata=holder_metadata(
+                                     request.id, self.name, request.retries,
+                                     worker=request.hostname, step=step,
+                                     renew_ms=int(opts.ttl * opts.ratio * 1000)))
         except LockStoreUnavailable as exc:
             emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
                  policy=opts.on_store_error, owner=None, fence=None, **base)

@@ -271,3 +271,20 @@ def test_a_refusal_is_not_an_outage(lock, redis_client):
     with pytest.raises(LockError, match="refused") as info:
         lock.acquire("typed", "o", 5.0)
     assert not isinstance(info.value, LockStoreUnavailable)
+
+
+def test_reap_spares_a_lease_renewed_since_it_was_read(lock, redis_client):
+    lock.acquire("r", "o", 5.0)
+    seen = redis_client.hget("t:lease:{r}", "renewed_ms")
+    assert lock.reap("r", "someone-else", seen) is False
+    time.sleep(0.01)
+    lock.extend("r", "o", 5.0)
+    assert lock.reap("r", "o", seen) is False and redis_client.exists("t:lease:{r}")
+    fresh = redis_client.hget("t:lease:{r}", "renewed_ms")
+    assert lock.reap("r", "o", fresh) is True and not redis_client.exists("t:lease:{r}")
+
+
+def test_scan_skips_keys_that_are_not_leases(lock, redis_client):
+    lock.acquire("good", "o", 5.0)
+    redis_client.set("t:lease:{stray}", "not a hash", ex=5)
+    assert [info["name"] for info in lock.iter_leases()] == ["good"]

@@ -155,11 +155,53 @@ def test_local_pid_decides_for_leases_taken_on_this_host(app, lease_store, redis
     assert report.ok, report.errors
     assert [r["name"] for r in report.leases_reaped] == ["gone"]
     [gone] = report.leases_reaped
-    assert gone["reason"] == f"pid {gone['pid']} on {here} no longer exists"
+    assert gone["reason"] == (f"pid {gone['pid']} on {here} no longer exists and the lease "
+                              f"was last renewed 600.0s ago")
     assert lease_store.inspect("gone") is None and lease_store.inspect("alive")
     # check_pids=False: only the ping and the heartbeat judge, and "alive" is silent and stale.
     report = reap(app, ping_timeout=PING, check_pids=False)
     assert [r["name"] for r in report.leases_reaped] == ["alive"]
+
+
+def test_a_renewing_lease_survives_a_pid_that_looks_dead(app, lease_store, redis_client):
+    # The reaper runs in another PID namespace under the same hostname (a pod's sidecar):
+    # the pid lookup fails, but the holder's heartbeat keeps renewing, so it is alive.
+    here = socket.gethostname()
+    lease = take(lease_store, "sidecar", hostname=here, pid=dead_pid(), worker=GHOST,
+                 renew_ms=10000)
+    age(redis_client, lease_store, "sidecar", 5)
+    report = reap(app, ping_timeout=PING)
+    assert report.ok and report.leases_reaped == []
+    assert lease_store.inspect("sidecar")["owner"] == lease.owner
+
+
+def test_the_holders_own_renewal_interval_decides(app, lease_store, redis_client):
+    # renew_ms recorded by the holder wins over the reaper's own renewal_ratio setting.
+    take(lease_store, "slow-renewer", worker=GHOST, hostname=ELSEWHERE, renew_ms=20000)
+    age(redis_client, lease_store, "slow-renewer", 15)  # 15 s < 1.5 x 20 s + 1 s
+    assert reap(app, ping_timeout=PING).leases_reaped == []
+    age(redis_client, lease_store, "slow-renewer", 40)
+    assert [r["name"] for r in reap(app, ping_timeout=PING).leases_reaped] == ["slow-renewer"]
+
+
+def test_a_hung_broker_bounds_the_run(app, lease_store, redis_client, private_redis):
+    from celery import Celery
+
+    hung = Celery("hung-broker", set_as_current=False)
+    hung.conf.update(broker_url=private_redis.url, steplock_redis_url=app.conf.broker_url,
+                     broker_connection_timeout=60, broker_connection_retry=False)
+    take(lease_store, "remote", worker=GHOST, hostname=ELSEWHERE)
+    age(redis_client, lease_store, "remote", 600)
+    private_redis.pause()  # accepts connections, never answers
+    try:
+        started = time.monotonic()
+        report = reap(hung, ping_timeout=PING)
+        took = time.monotonic() - started
+    finally:
+        private_redis.resume()
+    assert not report.ok and "broker did not answer" in " ".join(report.errors)
+    assert report.leases_reaped == [] and lease_store.inspect("remote")
+    assert took < 2 * PING + 5 + 2
 
 
 def test_a_lease_reacquired_after_the_scan_survives(app, lease_store, redis_client,
@@ -259,6 +301,7 @@ def test_a_row_changed_after_it_was_read_is_not_touched(app, lease_store, redis_
                                                         monkeypatch):
     step = in_flight("moving", "f" * 32)
     take(lease_store, "ghostly", worker=GHOST, hostname=ELSEWHERE, pid=1)
+    age(redis_client, lease_store, "ghostly", 600)  # stale, so its worker gets pinged
     real_ping = app.control.ping
 
     def ping_and_reclaim(*args, **kwargs):
@@ -323,9 +366,11 @@ def test_bad_recover_setting_is_an_error(app, redis_client):
 def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
         app, start_worker, redis_client, expired_events):
     # TTL 30 s: the dead worker's leases are still far from expiring when the reaper runs,
-    # so whatever disappears was removed by the reaper, not by Redis.
-    doomed = start_worker("doomed", concurrency=2, extra_args=("-Q", "doomed"), STEPLOCK_TTL=30)
-    alive = start_worker("alive", concurrency=2, extra_args=("-Q", "alive"), STEPLOCK_TTL=30)
+    # so whatever disappears was removed by the reaper, not by Redis. Renewals every 1.5 s
+    # (ratio 0.05), so a dead holder's missed renewals show within 1.5 x 1.5 s + 1 s.
+    env = {"STEPLOCK_TTL": 30, "STEPLOCK_RENEWAL_RATIO": 0.05}
+    doomed = start_worker("doomed", concurrency=2, extra_args=("-Q", "doomed"), **env)
+    alive = start_worker("alive", concurrency=2, extra_args=("-Q", "alive"), **env)
     steps = {name: Step.objects.create(name=name)
              for name in ("dead-hold", "dead-claim", "live-hold", "live-claim")}
     hold.apply_async((steps["dead-hold"].pk, 60), queue="doomed")
@@ -351,10 +396,11 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
 
     doomed.kill()
 
-    # Without the pid check only pings and heartbeats judge: the dead worker's leases were
-    # renewed a moment ago, so nothing is reaped yet (doubt never reaps).
-    cautious = reap(app, dry_run=True, check_pids=False)
+    # The dead worker's leases were renewed a moment ago: nothing is reaped yet, neither by
+    # pid nor by ping (a heartbeat that renews proves its holder alive; doubt never reaps).
+    cautious = reap(app, dry_run=True)
     assert cautious.ok and cautious.leases_scanned == 5 and cautious.leases_reaped == []
+    time.sleep(1.5 * 1.5 + 1 + 0.5)
 
     dry = reap(app, dry_run=True)
     assert dry.ok, dry.errors

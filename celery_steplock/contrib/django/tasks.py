@@ -32,7 +32,8 @@ logger = logging.getLogger("celery_steplock")
 @shared_task(bind=True, name="celery_steplock.reap_expired_leases", ignore_result=False)
 def reap_expired_leases(self, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
                         older_than: float | None = None,
-                        ping_timeout: float = DEFAULT_PING_TIMEOUT) -> dict:
+                        ping_timeout: float = DEFAULT_PING_TIMEOUT,
+                        check_pids: bool = True) -> dict:
     """Reap dead owners' leases and recover their steps; returns the report dict.
 
     Arguments as :func:`celery_steplock.reaper.reap` (seconds for ``older_than`` and
@@ -40,7 +41,7 @@ def reap_expired_leases(self, dry_run: bool = False, batch_size: int = DEFAULT_B
     ERROR; the task itself succeeds so that beat's next run simply tries again.
     """
     report = reap(self.app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
-                  ping_timeout=ping_timeout)
+                  ping_timeout=ping_timeout, check_pids=check_pids)
     for message in report.errors:
         logger.error("event=reaper_error task_id=%s %s", self.request.id, message)
     return report.as_dict()

@@ -73,13 +73,18 @@ class Command(BaseCommand):
                             default=DEFAULT_PING_TIMEOUT, metavar="SECONDS",
                             help=f"seconds to wait for workers' ping replies (default "
                                  f"{DEFAULT_PING_TIMEOUT:g})")
+        parser.add_argument("--no-pid-check", action="store_true",
+                            help="judge leases by their worker's ping only, not by their pid "
+                                 "(when this host shares its hostname with other PID "
+                                 "namespaces, e.g. a pod's sidecar)")
         parser.add_argument("--json", action="store_true",
                             help="print the report as one JSON object")
 
     def handle(self, *args, **options):
         report = reap(celery_app(), dry_run=options["dry_run"],
                       batch_size=options["batch_size"], older_than=options["older_than"],
-                      ping_timeout=options["ping_timeout"])
+                      ping_timeout=options["ping_timeout"],
+                      check_pids=not options["no_pid_check"])
         if options["json"]:
             self.stdout.write(json.dumps(report.as_dict(), sort_keys=True, default=str))
         elif options["verbosity"] >= 1:
