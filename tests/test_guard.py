@@ -109,3 +109,11 @@ def test_status_read(guard):
     assert guard.status(step.pk) == "running"
     with pytest.raises(StepNotFound):
         guard.status(-1)
+
+
+def test_the_cas_sets_auto_now_columns_as_save_would(guard):
+    step = Step.objects.create(name="s")
+    Step.objects.filter(pk=step.pk).update(updated_at=step.updated_at.replace(year=2000))
+    guard.transition(step.pk, "pending", "done")
+    step.refresh_from_db()
+    assert step.updated_at.year > 2000
