@@ -6,17 +6,23 @@ example project's shared tasks to every app it finalizes, so assertions name the
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from celery import Celery
+from celery import Celery, signals
 from django.core.checks.registry import registry
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.urls import get_script_prefix, set_script_prefix
 
 from celery_steplock import StepLockedTask
-from celery_steplock.contrib.django import checks
+from celery_steplock.contrib.django import checks, leases
 from tests.helpers import closed_port_url
 
+ROOT = Path(__file__).resolve().parents[2]
 _names = itertools.count()
 
 
@@ -159,7 +165,8 @@ def test_only_the_network_check_is_a_deployment_check():
     assert checks.lock_store_check in registry.deployment_checks
     assert checks.lock_store_check not in registry.registered_checks
     for check in (checks.settings_check, checks.visibility_timeout_check,
-                  checks.worker_lost_check, checks.step_model_check):
+                  checks.worker_lost_check, checks.step_model_check,
+                  checks.task_modules_check):
         assert check in registry.registered_checks
         assert checks.TAG in check.tags
 
@@ -179,3 +186,112 @@ def test_an_invalid_setting_fails_every_command(app):
     app.conf.steplock_renewal_ratio = 2
     with pytest.raises(SystemCheckError, match=r"celery_steplock\.E003.*steplock_renewal_ratio"):
         call_command("check")
+
+
+# -- the task modules (autodiscover_tasks() is lazy) ---------------------------------------------
+
+def manage_py_check(tmp_path, **settings):
+    """Run ``manage.py check`` in a fresh process with the example settings plus ``settings``
+    (a settings module written to tmp_path): the process imports no tasks module but those
+    the checks import."""
+    lines = ["from django_app.settings import *  # noqa: F401,F403"]
+    lines += [f"{name} = {value!r}" for name, value in settings.items()]
+    module = f"steplock_check_settings_{next(_names)}"
+    (tmp_path / f"{module}.py").write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": module,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+           "STEPLOCK_VAR_DIR": str(tmp_path / "var")}
+    return subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
+                          check=False, capture_output=True, text=True, timeout=120)
+
+
+def test_manage_py_check_sees_the_autodiscovered_tasks(tmp_path):
+    """E002 in a real ``manage.py check``: the checks import the tasks modules themselves."""
+    result = manage_py_check(tmp_path, CELERY_STEPLOCK_STATUS_FIELD="no_such_status")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "celery_steplock.E002" in result.stderr
+    assert ("django_app.workflows.tasks.advance: step_model workflows.Step has no field "
+            "'no_such_status'") in result.stderr
+    # W002 judges the same tasks, not only the task defaults
+    result = manage_py_check(tmp_path, CELERY_TASK_REJECT_ON_WORKER_LOST=False)
+    assert result.returncode == 0, result.stderr
+    assert "celery_steplock.W002" in result.stderr
+    assert "django_app.workflows.tasks.advance" in result.stderr
+
+
+def test_manage_py_check_of_the_example_project_is_clean(tmp_path):
+    result = manage_py_check(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "System check identified no issues" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.fixture
+def import_signals():
+    """Counts Celery's import_modules signal per sender app."""
+    sent = []
+
+    def receiver(sender=None, **kwargs):
+        sent.append(sender)
+
+    signals.import_modules.connect(receiver, weak=False, dispatch_uid="test-checks-imports")
+    yield sent
+    signals.import_modules.disconnect(receiver, dispatch_uid="test-checks-imports")
+
+
+def test_task_modules_are_imported_once_per_app(tmp_path, monkeypatch, import_signals):
+    module = f"steplock_tasks_module_{next(_names)}"
+    (tmp_path / f"{module}.py").write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = make_app(imports=[module])
+    assert leases.import_task_modules(app) is None
+    assert module in sys.modules
+    assert leases.import_task_modules(app) is None
+    assert checks.check_task_modules(app) == []
+    assert import_signals.count(app) == 1  # once, however often it is asked
+    assert leases.task_import_error(app) is None
+
+
+def test_task_modules_of_a_worker_are_not_imported_again(import_signals):
+    app = make_app()
+    app.loader.worker_initialized = True  # what init_worker() sets after importing them
+    leases.import_task_modules(app)
+    assert app not in import_signals
+
+
+def test_a_nested_call_during_the_import_returns_at_once(import_signals):
+    """Celery's Django fix-up runs the system checks while the modules are imported; the
+    checks ask for the import again, which must not recurse."""
+    app = make_app()
+    nested = []
+
+    def receiver(sender=None, **kwargs):
+        nested.append(leases.import_task_modules(app))
+
+    signals.import_modules.connect(receiver, sender=app, weak=False)
+    try:
+        leases.import_task_modules(app)
+    finally:
+        signals.import_modules.disconnect(receiver, sender=app)
+    assert nested == [None] and import_signals.count(app) == 1
+
+
+def test_the_url_script_prefix_survives_the_import():
+    """The fix-up's django.setup() resets the script prefix: a request under SCRIPT_NAME
+    must keep its own."""
+    set_script_prefix("/sub/")
+    try:
+        leases.import_task_modules(make_app())
+        assert get_script_prefix() == "/sub/"
+    finally:
+        set_script_prefix("/")
+
+
+def test_unimportable_task_modules_are_w003_once(import_signals):
+    app = make_app(imports=["no_such_module_for_w003"])
+    [warning] = checks.check_task_modules(app)
+    assert warning.id == "celery_steplock.W003"
+    assert "ModuleNotFoundError" in warning.msg and "no_such_module_for_w003" in warning.msg
+    assert isinstance(leases.task_import_error(app), ModuleNotFoundError)
+    # reported again, not retried
+    assert ids(checks.check_task_modules(app)) == ["celery_steplock.W003"]
+    assert import_signals.count(app) == 1

@@ -5,13 +5,16 @@ menu entry and permissions, and :meth:`LeaseAdmin.get_urls` replaces the ORM-bac
 with two views wrapped by ``admin_site.admin_view`` (staff login, ``never_cache``, CSRF):
 
 ``admin:celery_steplock_lease_changelist``
-    Held leases, read with ``SCAN`` (never ``KEYS``) one bounded page at a time; the SCAN
-    cursor travels in the querystring (``?cursor=``). Needs ``celery_steplock.view_lease``.
+    Held leases, read with ``SCAN`` (never ``KEYS``) one bounded page at a time (at most
+    ``list_per_page`` rows, at most ``max_scan_steps`` SCAN round trips); the SCAN cursor
+    travels in the querystring (``?cursor=``). Needs ``celery_steplock.view_lease``.
 ``admin:celery_steplock_lease_release``
     Force release of one lease: GET shows a confirmation page with the holder, POST (CSRF
-    token, ``celery_steplock.force_release_lease``) deletes the lease only if the owner shown
-    on that page still holds it. Audited by an admin ``LogEntry`` (action DELETION) and the
-    ``lock_released`` signal with ``forced=True``. There is deliberately no bulk action.
+    token) deletes the lease only if the owner shown on that page still holds it. Both need
+    ``celery_steplock.force_release_lease`` *and* ``celery_steplock.view_lease`` (the page
+    shows the holder's owner token, task, host and step). Audited by an admin ``LogEntry``
+    (action DELETION) and the ``lock_released`` signal with ``forced=True``. There is
+    deliberately no bulk action.
 """
 from __future__ import annotations
 
@@ -40,16 +43,17 @@ from ... import signals
 from ...events import emit
 from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
-from .leases import (celery_app, lease_lock, lease_page, matches, redis_time_ms,
-                     steplock_task_names)
+from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
+                     redis_time_ms, steplock_task_names)
 from .models import Lease, LeaseEvent
 
 __all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm"]
 
 logger = logging.getLogger("celery_steplock")
 
-#: Querystring parameters of the changelist that a force release carries back to it.
-LIST_PARAMS = ("q", "task_name", "cursor", "p")
+#: Querystring parameters of the changelist that a force release carries back to it
+#: (``scanned``: lease keys examined by the pages before this one, for display only).
+LIST_PARAMS = ("q", "task_name", "cursor", "p", "scanned")
 
 
 class ForceReleaseForm(forms.Form):
@@ -96,6 +100,8 @@ def _list_query(params: QueryDict | dict, **changes: Any) -> str:
         del query["cursor"]
     if query.get("p") == "1":
         del query["p"]
+    if query.get("scanned") == "0":
+        del query["scanned"]
     return "?" + urlencode(query) if query else "?"
 
 
@@ -103,13 +109,15 @@ def _list_query(params: QueryDict | dict, **changes: Any) -> str:
 class LeaseAdmin(admin.ModelAdmin):
     """Held leases, read live from Redis; see the module docstring."""
 
-    #: Leases shown per page (a page keeps whole SCAN steps, so it can hold a few more).
+    #: Leases shown per page, at most (see :func:`~.leases.lease_page`).
     list_per_page = 100
-    #: SCAN COUNT hint while a search or filter is active: most keys read will not match,
-    #: so read more per round trip.
-    filtered_scan_count = 1000
-    #: SCAN round trips per page at most: bounds the work of one request whatever the
-    #: number of leases (a rare filter may show an empty page with a "next page" link).
+    #: Largest SCAN COUNT of one step while a search or filter is active: when few keys
+    #: match, a step reads up to this many keys (steps are sized so that their matches fit
+    #: in the page).
+    filtered_scan_count = 500
+    #: SCAN round trips per page at most. With ``filtered_scan_count`` this bounds the keys
+    #: one request reads (about 10 x 500; ~0.25 s) whatever the number of leases: a rare
+    #: filter may show a short or empty page with a "next page" link.
     max_scan_steps = 10
 
     change_list_template = "admin/celery_steplock/lease/change_list.html"
@@ -129,9 +137,11 @@ class LeaseAdmin(admin.ModelAdmin):
         return False
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
-        """``celery_steplock.force_release_lease``."""
+        """``celery_steplock.force_release_lease`` and the view permission: the confirmation
+        page shows the holder (owner token, task, host/pid, step) of any lease named."""
         codename = get_permission_codename("force_release", self.opts)
-        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+        return (request.user.has_perm(f"{self.opts.app_label}.{codename}")
+                and self.has_view_permission(request))
 
     def get_actions(self, request: HttpRequest):
         return {}
@@ -228,7 +238,8 @@ class LeaseAdmin(admin.ModelAdmin):
     @method_decorator(never_cache)
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
         """One page of held leases. Querystring: ``q`` (search), ``task_name`` (filter),
-        ``cursor`` (SCAN cursor of the page, default 0), ``p`` (page number, for display)."""
+        ``cursor`` (SCAN cursor of the page, default 0), ``p`` (page number) and
+        ``scanned`` (lease keys examined by the previous pages), both for display."""
         if not self.has_view_permission(request):
             raise PermissionDenied
         params = request.GET
@@ -237,8 +248,9 @@ class LeaseAdmin(admin.ModelAdmin):
         try:
             cursor = max(0, int(params.get("cursor", 0)))
             page_number = max(1, int(params.get("p", 1)))
+            scanned_before = max(0, int(params.get("scanned", 0))) if cursor else 0
         except ValueError:
-            cursor, page_number = 0, 1
+            cursor, page_number, scanned_before = 0, 1, 0
         filtered = bool(q or task_name)
 
         page = None
@@ -248,8 +260,7 @@ class LeaseAdmin(admin.ModelAdmin):
             page = lease_page(
                 lease_lock(), cursor, self.list_per_page,
                 predicate=(lambda info: matches(info, q, task_name)) if filtered else None,
-                scan_count=self.filtered_scan_count if filtered else None,
-                max_steps=self.max_scan_steps)
+                max_count=self.filtered_scan_count, max_steps=self.max_scan_steps)
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
             logger.warning("event=admin_lock_store_error error=%s", exc)
@@ -276,24 +287,25 @@ class LeaseAdmin(admin.ModelAdmin):
 
         if task_name and task_name not in task_names:
             task_names.append(task_name)  # a filter from a link for a task not loaded here
+        restart = {"cursor": None, "p": None, "scanned": None}
         filter_choices = [{"display": _("All"), "selected": not task_name,
-                           "query_string": _list_query(params, task_name=None, cursor=None,
-                                                       p=None)}]
+                           "query_string": _list_query(params, task_name=None, **restart)}]
         filter_choices += [{"display": _breakable(name), "selected": name == task_name,
-                            "query_string": _list_query(params, task_name=name, cursor=None,
-                                                        p=None)}
+                            "query_string": _list_query(params, task_name=name, **restart)}
                            for name in task_names]
         next_url = first_url = None
+        scanned = scanned_before + (page.examined if page is not None else 0)
         if page is not None and not page.complete:
-            next_url = _list_query(params, cursor=page.next_cursor, p=page_number + 1)
+            next_url = _list_query(params, cursor=page.next_cursor, p=page_number + 1,
+                                   scanned=scanned)
         if cursor:
-            first_url = _list_query(params, cursor=None, p=None)
+            first_url = _list_query(params, **restart)
 
         context = self._context(
             request, _("Held leases"), rows=rows, page=page, page_number=page_number,
             q=q, task_name=task_name, filter_choices=filter_choices, filtered=filtered,
             next_url=next_url, first_url=first_url, can_release=can_release,
-            store_error=page is None, per_page=self.list_per_page,
+            store_error=page is None, per_page=self.list_per_page, scanned=scanned,
             clear_filters_url=_list_query({}) if filtered else None,
             **(extra_context or {}))
         request.current_app = self.admin_site.name
@@ -302,7 +314,8 @@ class LeaseAdmin(admin.ModelAdmin):
     @method_decorator(never_cache)
     def release_view(self, request: HttpRequest) -> HttpResponse:
         """GET ``?name=``: confirmation page showing the holder. POST (name, owner):
-        release if that owner still holds the lease, else say who holds it now."""
+        release if that owner still holds the lease, else say who holds it now. Both need
+        :meth:`has_force_release_permission` (force release *and* view)."""
         if not self.has_force_release_permission(request):
             raise PermissionDenied
         if request.method == "POST":
@@ -405,7 +418,9 @@ class LeaseAdmin(admin.ModelAdmin):
         task when this process knows it (so per-task receivers fire), else its name."""
         sender: Any = lease.task_name or "celery_steplock.admin"
         try:
-            sender = celery_app().tasks.get(lease.task_name) or sender
+            app = celery_app()
+            import_task_modules(app)  # once per process: this one may not have yet
+            sender = app.tasks.get(lease.task_name) or sender
         except Exception:  # noqa: BLE001 - a sender is a nicety, the event must go out
             pass
         user = request.user.get_username()

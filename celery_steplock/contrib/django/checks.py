@@ -13,11 +13,16 @@
                             transport default: 3600 s).
 ``celery_steplock.W002``    StepLockedTasks without ``acks_late`` + ``reject_on_worker_lost``:
                             a killed worker's message is acknowledged and never redelivered.
+``celery_steplock.W003``    the Celery app's task modules could not be imported, so E002,
+                            W001 and W002 only judged the tasks registered anyway.
 ==========================  ==============================================================
 
-The checks read the project's Celery app (``celery.current_app``). Every check function is
-also usable on its own: ``check_lock_store(app)`` etc. take a Celery app and return a list
-of :class:`django.core.checks.CheckMessage`.
+The checks read the project's Celery app (``celery.current_app``), after importing its task
+modules once per process (:func:`~.leases.import_task_modules`): ``app.autodiscover_tasks()``
+is lazy, and a ``manage.py`` process would otherwise see no task of a ``tasks.py`` module.
+Every check function is also usable on its own: ``check_lock_store(app)`` etc. take a Celery
+app and return a list of :class:`django.core.checks.CheckMessage`; they inspect the tasks
+``app`` has registered, without importing anything (``check_task_modules(app)`` imports).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from ...exceptions import ImproperlyConfigured
 
 __all__ = ["TAG", "REDIS_VISIBILITY_TIMEOUT", "register_checks", "check_lock_store",
            "check_step_models", "check_settings", "check_visibility_timeout",
-           "check_worker_lost"]
+           "check_worker_lost", "check_task_modules"]
 
 TAG = "celery_steplock"
 #: kombu's Redis transport default ``visibility_timeout``, seconds.
@@ -49,13 +54,24 @@ def _app():
     return celery_app()
 
 
+def _app_with_tasks():
+    """The project's Celery app, its task modules imported (once per process; an import
+    error is W003's to report)."""
+    from .leases import import_task_modules
+
+    app = _app()
+    import_task_modules(app)
+    return app
+
+
 def _django_name(name: str) -> str:
     """``"steplock_default_ttl"`` -> ``"CELERY_STEPLOCK_DEFAULT_TTL"``."""
     return f"CELERY_{name.upper()}"
 
 
 def _steplock_tasks(app) -> list:
-    """The app's registered StepLockedTask instances (finalizes the app)."""
+    """The StepLockedTask instances registered on the app (finalizes the app, which
+    registers the tasks of the modules imported so far; it imports none)."""
     from ...task import StepLockedTask
 
     try:
@@ -221,6 +237,24 @@ def check_step_models(app, app_configs=None) -> list[checks.CheckMessage]:
     return errors
 
 
+def check_task_modules(app) -> list[checks.CheckMessage]:
+    """W003: import the app's task modules (once per process, as the other checks need
+    them) and warn when that failed."""
+    from .leases import import_task_modules
+
+    error = import_task_modules(app)
+    if error is None:
+        return []
+    return [checks.Warning(
+        f"The task modules of the Celery app {app.main!r} could not be imported: "
+        f"{type(error).__name__}: {error}. The StepLockedTask checks (E002, W001, W002) "
+        f"only judged the tasks registered anyway, and a worker of this project would fail "
+        f"to start.",
+        hint="Fix the import error (its traceback is logged by the celery_steplock "
+             "logger).",
+        obj=app.main, id="celery_steplock.W003")]
+
+
 def check_lock_store(app) -> list[checks.CheckMessage]:
     """E001: PING the Redis lock store (one connection, at most ``PING_TIMEOUT`` seconds)."""
     import redis
@@ -253,16 +287,20 @@ def settings_check(app_configs=None, **kwargs):
     return check_settings(_app())
 
 
+def task_modules_check(app_configs=None, **kwargs):
+    return check_task_modules(_app())
+
+
 def visibility_timeout_check(app_configs=None, **kwargs):
-    return check_visibility_timeout(_app())
+    return check_visibility_timeout(_app_with_tasks())
 
 
 def worker_lost_check(app_configs=None, **kwargs):
-    return check_worker_lost(_app())
+    return check_worker_lost(_app_with_tasks())
 
 
 def step_model_check(app_configs=None, **kwargs):
-    return check_step_models(_app(), app_configs)
+    return check_step_models(_app_with_tasks(), app_configs)
 
 
 def lock_store_check(app_configs=None, **kwargs):
@@ -272,6 +310,7 @@ def lock_store_check(app_configs=None, **kwargs):
 def register_checks() -> None:
     """Register the checks (idempotent: Django's registry is a set of functions)."""
     checks.register(settings_check, TAG)
+    checks.register(task_modules_check, TAG)
     checks.register(visibility_timeout_check, TAG)
     checks.register(worker_lost_check, TAG)
     checks.register(step_model_check, TAG)
