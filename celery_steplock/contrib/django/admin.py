@@ -29,6 +29,7 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
+from django.db import DatabaseError, router, transaction
 from django.http import (HttpRequest, HttpResponse, HttpResponseNotAllowed,
                          HttpResponseRedirect, QueryDict)
 from django.template.response import TemplateResponse
@@ -55,6 +56,14 @@ logger = logging.getLogger("celery_steplock")
 #: (``scanned``: lease keys examined by the pages before this one, for display only).
 LIST_PARAMS = ("q", "task_name", "cursor", "p", "scanned")
 
+
+
+class _NotReleased(Exception):
+    """The compare-and-delete found another owner (``current``) or no lease (None)."""
+
+    def __init__(self, current):
+        super().__init__()
+        self.current = current
 
 class ForceReleaseForm(forms.Form):
     """The POST of the force-release confirmation page: the lease and the owner it showed."""
@@ -360,17 +369,21 @@ class LeaseAdmin(admin.ModelAdmin):
         back = self.changelist_url(QueryDict(form.cleaned_data["changelist_filters"]))
         try:
             lock = lease_lock()
-            # Read the holder's metadata first for the audit trail; the release itself is
-            # the owner-checked Lua compare-and-delete, so a holder that changed in between
-            # is never deleted.
-            before = lock.inspect(name)
-            released = lock.release(name, owner)
-            current = None if released else lock.inspect(name)
-        except StepLockError as exc:
-            messages.error(request, _("The Redis lock store could not be reached: nothing "
-                                      "released (%(error)s)") % {"error": exc})
-            return HttpResponseRedirect(back)
-        if not released:
+            # The audit record is written first, in a transaction that the release decides:
+            # no release without its LogEntry, and no LogEntry for a release that did not
+            # happen. The release itself is the owner-checked Lua compare-and-delete, so a
+            # holder that changed since the confirmation page is never deleted.
+            with transaction.atomic(using=router.db_for_write(LogEntry)):
+                before = lock.inspect(name)
+                info = before if before is not None and before.get("owner") == owner else {
+                    "name": name, "owner": owner}
+                info.setdefault("key", lock.key(name))
+                lease = Lease.from_redis(info)
+                self.log_force_release(request, lease)
+                if not lock.release(name, owner):
+                    raise _NotReleased(lock.inspect(name))
+        except _NotReleased as not_released:
+            current = not_released.current
             if current is not None:
                 messages.warning(request, _(
                     "Lease “%(name)s” is now held by another owner (%(owner)s, task "
@@ -382,11 +395,14 @@ class LeaseAdmin(admin.ModelAdmin):
                 messages.warning(request, _("Lease “%(name)s” is already gone: nothing "
                                             "released.") % {"name": name})
             return HttpResponseRedirect(back)
-        info = before if before is not None and before.get("owner") == owner else {
-            "name": name, "owner": owner}
-        info.setdefault("key", lock.key(name))
-        lease = Lease.from_redis(info)
-        self.log_force_release(request, lease)
+        except StepLockError as exc:
+            messages.error(request, _("The Redis lock store could not be reached: nothing "
+                                      "released (%(error)s)") % {"error": exc})
+            return HttpResponseRedirect(back)
+        except DatabaseError as exc:
+            messages.error(request, _("The audit record could not be written: nothing "
+                                      "released (%(error)s)") % {"error": exc})
+            return HttpResponseRedirect(back)
         self.send_released(request, lease)
         messages.success(request, _("Force-released lease “%(name)s” (owner %(owner)s, task "
                                     "%(task)s, fence %(fence)s).") % {
