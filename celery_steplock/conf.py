@@ -110,14 +110,23 @@ class Settings:
     """The ``steplock_*`` settings of one Celery app, validated on access.
 
     ``Settings(app).default_ttl`` reads ``app.conf.steplock_default_ttl`` (default 30.0).
+    With ``snapshot=True`` each setting is read from ``app.conf`` once and kept: a task
+    execution takes one snapshot, so its dozens of reads cost one lookup each (Celery's
+    namespaced configuration lookups are not cheap).
     """
 
-    def __init__(self, app):
+    def __init__(self, app, snapshot: bool = False):
         self.app = app
+        self._snapshot: dict[str, Any] | None = {} if snapshot else None
 
     def raw(self, name: str) -> Any:
+        if self._snapshot is not None and name in self._snapshot:
+            return self._snapshot[name]
         value = self.app.conf.get(setting_name(name))
-        return DEFAULTS[name] if value is None else value
+        value = DEFAULTS[name] if value is None else value
+        if self._snapshot is not None:
+            self._snapshot[name] = value
+        return value
 
     @property
     def redis_url(self) -> str:

@@ -77,13 +77,17 @@ logger = logging.getLogger("celery_steplock")
 _current_leases: contextvars.ContextVar[dict[str, Lease | None]] = contextvars.ContextVar(
     "steplock_leases", default={})
 
+# The settings snapshot of the execution running in this context (see Settings(snapshot=True)).
+_current_settings: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
+    "steplock_settings", default=None)
+
 _locks: dict[tuple, RedisStepLock] = {}
 _locks_guard = threading.Lock()
 
 
-def get_lock(app) -> RedisStepLock:
+def get_lock(app, settings: Settings | None = None) -> RedisStepLock:
     """The :class:`RedisStepLock` for ``app``'s settings, shared by the process's tasks."""
-    settings = Settings(app)
+    settings = settings or Settings(app)
     ident = (settings.redis_url, settings.socket_timeout, settings.key_prefix,
              settings.fence_ttl)
     lock = _locks.get(ident)
@@ -156,6 +160,10 @@ class StepLockedTask(Task):
 
     @property
     def steplock_settings(self) -> Settings:
+        """The settings: the running execution's snapshot, else read afresh."""
+        current = _current_settings.get()
+        if current is not None and current.app is self.app:
+            return current
         return Settings(self.app)
 
     def steplock_options(self) -> _Options:
@@ -273,6 +281,13 @@ class StepLockedTask(Task):
     # -- the execution ------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        token = _current_settings.set(Settings(self.app, snapshot=True))
+        try:
+            return self._locked_call(args, kwargs)
+        finally:
+            _current_settings.reset(token)
+
+    def _locked_call(self, args, kwargs):
         opts = self.steplock_options()
         arguments = bind_arguments(self.run, args, kwargs)
         name = name_from_arguments(self.name, arguments, opts.lock_key)
@@ -287,7 +302,7 @@ class StepLockedTask(Task):
             self.steplock_guard()  # an unknown model fails here, before any lease is taken
             self._check_not_nested()
         request = self.request
-        lock = get_lock(self.app)
+        lock = get_lock(self.app, self.steplock_settings)
         base = {"key": lease_key(lock.prefix, name), "name": name, "task_id": request.id,
                 "task_name": self.name, "ttl": opts.ttl}
         step = (f"{self.steplock_guard().model._meta.label_lower}:{step_id}"
