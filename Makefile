@@ -1,8 +1,9 @@
-# make venv | demo | test | clean. Pass pytest arguments with ARGS="-k name -x".
+# make venv | demo | test | bench | clean. Pass pytest arguments with ARGS="-k name -x";
+# `make bench ARGS=--quick` is a small smoke run, ARGS="--only e2e wait" a subset.
 PYTHON ?= python3
 VENV := .venv
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test bench clean
 
 venv:
 	@PYTHON="$(PYTHON)" bash scripts/bootstrap.sh
@@ -12,6 +13,10 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/python scripts/run_tests.py $(ARGS)
+
+bench: venv
+	$(VENV)/bin/python -m pip install -q -e '.[bench]'
+	$(VENV)/bin/python benchmarks/run.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tox .pytest_cache build dist *.egg-info

@@ -1,0 +1,270 @@
+"""The Celery app of the end-to-end benchmark (``celery -A benchmarks.e2e_app worker``).
+
+Django settings: :mod:`benchmarks.e2e_settings` (the example project's, results off). Lock
+store: ``STEPLOCK_REDIS_URL`` (a Redis of its own, so that ``MONITOR`` on it sees lock traffic
+only); every lock below uses it, the peers' too. Tasks, all on the ``workflows.Step`` model
+of ``django_app`` where they touch the database:
+
+``bench.plain``            a plain Task: the baseline
+``bench.once``             celery-once ``QueueOnce`` (lock taken at publish, cleared after run)
+``bench.singleton``        celery-singleton ``Singleton`` (same idea)
+``bench.handwritten``      a minimal careful lease + ORM CAS written by hand: SET NX PX,
+                           a shared per-process heartbeat thread, ``atomic()`` {UPDATE ...
+                           WHERE status='pending'; GET: still ours?}, then a Lua
+                           compare-and-delete: 3 Redis round trips + 1 UPDATE
+``bench.steplock``         ``StepLockedTask`` with ``transition=("pending", "done")``
+``bench.steplock_noprecheck``  the same with ``lock_precheck=False``
+``bench.mark``             end-of-batch marker (SET in the broker Redis)
+
+Per task, the worker appends one line to ``$BENCH_SQL_DIR/<pid>.tsv``: task name, SQL
+statements by kind (through a Django execute wrapper), database connections opened.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+
+from celery import Celery
+from celery.signals import task_postrun, task_prerun, worker_process_init
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "benchmarks.e2e_settings")
+
+app = Celery("benchmarks.e2e_app")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+
+LOCK_URL = os.environ.get("STEPLOCK_REDIS_URL") or os.environ.get("REDIS_URL",
+                                                                   "redis://127.0.0.1:6379/0")
+BROKER_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+LEASE_TTL = 30.0
+
+# celery-once and celery-singleton keep their locks in the lock-store Redis too.
+app.conf.ONCE = {"backend": "celery_once.backends.Redis",
+                 "settings": {"url": LOCK_URL, "default_timeout": 3600}}
+app.conf.singleton_backend_url = LOCK_URL
+app.conf.task_default_queue = "bench.ctl"
+
+try:
+    from celery_once import QueueOnce
+except Exception as exc:  # noqa: BLE001 - reported by the benchmark
+    QueueOnce = None
+    ONCE_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    ONCE_ERROR = None
+try:
+    from celery_singleton import Singleton
+except Exception as exc:  # noqa: BLE001
+    Singleton = None
+    SINGLETON_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    SINGLETON_ERROR = None
+
+from celery_steplock import StepLockedTask  # noqa: E402
+
+
+@app.task(name="bench.plain")
+def plain(i):
+    return i
+
+
+if QueueOnce is not None:
+    @app.task(name="bench.once", base=QueueOnce, once={"graceful": True})
+    def once(i):
+        return i
+
+if Singleton is not None:
+    @app.task(name="bench.singleton", base=Singleton)
+    def singleton(i):
+        return i
+
+
+@app.task(name="bench.steplock", bind=True, base=StepLockedTask, lock_key="bench:{step_id}",
+          step_model="workflows.Step", step_id_arg="step_id", transition=("pending", "done"),
+          lock_ttl=LEASE_TTL)
+def steplock(self, step_id):
+    return step_id
+
+
+@app.task(name="bench.steplock_noprecheck", bind=True, base=StepLockedTask,
+          lock_key="bench:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
+          transition=("pending", "done"), lock_ttl=LEASE_TTL, lock_precheck=False)
+def steplock_noprecheck(self, step_id):
+    return step_id
+
+
+@app.task(name="bench.mark")
+def mark(batch):
+    import redis
+
+    with redis.Redis.from_url(BROKER_URL) as client:
+        key = f"bench:mark:{batch}"
+        client.rpush(key, time.time())
+        client.expire(key, 3600)
+    return batch
+
+
+# -- diagnostics ---------------------------------------------------------------------------
+
+_parked = []
+
+
+@worker_process_init.connect
+def _park_heartbeat(**kwargs):
+    """``BENCH_PARK_HEARTBEAT=1``: hold one idle lease per pool process for its whole life, so
+    the library's heartbeat thread never runs out of leases, never exits, and is not started
+    again by every task (a workaround a user can apply; the default benchmark does not)."""
+    if os.environ.get("BENCH_PARK_HEARTBEAT") != "1":
+        return
+    from celery_steplock import get_lock
+    from celery_steplock.heartbeat import get_heartbeat
+
+    lock = get_lock(app)
+    lease = lock.acquire(f"bench:park:{os.getpid()}", ttl=LEASE_TTL)
+    get_heartbeat().register(lease, lock)
+    _parked.append(lease)
+
+
+# -- the hand-written lease + CAS ---------------------------------------------------------
+
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+EXTEND_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+class MiniHeartbeat:
+    """One daemon thread per process renewing every held lease each ttl/3 in one pipeline."""
+
+    def __init__(self, client, extend, ttl_ms: int):
+        self.client = client
+        self.extend = extend
+        self.ttl_ms = ttl_ms
+        self.leases: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def add(self, key: str, owner: str) -> None:
+        with self.lock:
+            self.leases[key] = owner
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="bench-heartbeat")
+                self.thread.start()
+
+    def discard(self, key: str) -> None:
+        with self.lock:
+            self.leases.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.ttl_ms / 3000.0)
+            with self.lock:
+                items = list(self.leases.items())
+            if not items:
+                continue
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for key, owner in items:
+                    pipe.evalsha(self.extend.sha, 1, key, owner, self.ttl_ms)
+                pipe.execute(raise_on_error=False)
+            except Exception:  # noqa: BLE001 - keep renewing
+                pass
+
+
+class _Handwritten:
+    def __init__(self):
+        import redis
+
+        self.client = redis.Redis.from_url(LOCK_URL, decode_responses=True, socket_timeout=5)
+        self.release = self.client.register_script(RELEASE_LUA)
+        extend = self.client.register_script(EXTEND_LUA)
+        extend.sha = self.client.script_load(EXTEND_LUA)
+        self.heartbeat = MiniHeartbeat(self.client, extend, int(LEASE_TTL * 1000))
+
+
+_hw: dict[int, _Handwritten] = {}
+
+
+class _Conflict(Exception):
+    pass
+
+
+@app.task(name="bench.handwritten", bind=True)
+def handwritten(self, step_id):
+    from django.db import transaction
+
+    from django_app.workflows.models import Step
+
+    state = _hw.get(os.getpid())
+    if state is None:
+        state = _hw[os.getpid()] = _Handwritten()
+    key = f"bench:hw:{{{step_id}}}"
+    owner = uuid.uuid4().hex
+    if not state.client.set(key, owner, nx=True, px=int(LEASE_TTL * 1000)):
+        raise self.retry(countdown=1)
+    state.heartbeat.add(key, owner)
+    try:
+        with transaction.atomic(durable=True):
+            if Step.objects.filter(pk=step_id, status="pending").update(
+                    status="done", lock_owner=owner) != 1:
+                raise _Conflict(step_id)
+            if state.client.get(key) != owner:
+                raise _Conflict(f"lease {key} lost")
+    except _Conflict:
+        return None
+    finally:
+        state.heartbeat.discard(key)
+        state.release(keys=[key], args=[owner])
+    return step_id
+
+
+# -- SQL statement counting in the worker --------------------------------------------------
+
+_sql = Counter()
+_wrapped: set[int] = set()
+_fds: dict[int, int] = {}
+_SQL_DIR = os.environ.get("BENCH_SQL_DIR")
+
+
+def _count_sql(execute, sql, params, many, context):
+    kind = sql.lstrip().split(None, 1)[0].upper() if sql else "?"
+    _sql[kind] += 1
+    return execute(sql, params, many, context)
+
+
+def _on_connection_created(sender=None, connection=None, **kwargs):
+    _sql["CONNECT"] += 1
+
+
+@task_prerun.connect
+def _sql_prerun(sender=None, **kwargs):
+    if not _SQL_DIR:
+        return
+    from django.db import connection
+    from django.db.backends.signals import connection_created
+
+    if id(connection) not in _wrapped:
+        connection.execute_wrappers.append(_count_sql)
+        connection_created.connect(_on_connection_created, weak=False,
+                                   dispatch_uid="bench-connections")
+        _wrapped.add(id(connection))
+    _sql.clear()
+
+
+@task_postrun.connect
+def _sql_postrun(sender=None, **kwargs):
+    if not _SQL_DIR:
+        return
+    line = "\t".join([getattr(sender, "name", "?")] +
+                     [f"{k}={v}" for k, v in sorted(_sql.items())]) + "\n"
+    fd = _fds.get(os.getpid())
+    if fd is None:
+        fd = _fds[os.getpid()] = os.open(os.path.join(_SQL_DIR, f"{os.getpid()}.tsv"),
+                                         os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, line.encode())

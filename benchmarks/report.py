@@ -1,0 +1,513 @@
+"""Render the groups' figures: ``performance.json``, ``performance.md`` and the profiles.
+
+The targets of issue 5 are evaluated here from the figures of the same run (ratios were taken
+within each repetition by the groups). The commentary at the end of ``performance.md`` is
+``benchmarks/commentary.md``, written by hand for the run it names; everything else is
+generated.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+class Figures:
+    def __init__(self, groups: dict[str, dict]):
+        self.by_name: dict[str, dict] = {}
+        for group, result in groups.items():
+            for fig in result.get("figures", []):
+                self.by_name[fig["name"]] = {**fig, "group": group}
+
+    def fig(self, name: str) -> dict | None:
+        return self.by_name.get(name)
+
+    def v(self, name: str) -> Any:
+        fig = self.by_name.get(name)
+        return None if fig is None else fig.get("value")
+
+    def all(self) -> list[dict]:
+        return list(self.by_name.values())
+
+
+def fmt(value: Any, digits: int = 0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        if digits == 0:
+            return f"{value:,.0f}{suffix}"
+        return f"{value:,.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" if i == 0 else "--:" for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+# -- targets ---------------------------------------------------------------------------------
+
+def _target(tid: str, text: str, measured: Any, met: bool | None, by: str,
+            figure: str | None = None) -> dict[str, Any]:
+    return {"id": tid, "target": text, "measured": measured, "met": met, "by": by,
+            "figure": figure}
+
+
+def evaluate(F: Figures) -> list[dict[str, Any]]:
+    t: list[dict[str, Any]] = []
+
+    def ratio_target(tid, text, name, limit, lower_is_better=True):
+        r = F.v(name)
+        if r is None:
+            t.append(_target(tid, text, None, None, "not measured", name))
+            return
+        met = r <= limit if lower_is_better else r >= limit
+        rel = (r / limit - 1) * 100
+        by = (f"{abs(rel):.1f}% {'under' if rel <= 0 else 'over'} the limit" if lower_is_better
+              else f"{abs(rel):.1f}% {'over' if rel >= 0 else 'under'} the floor")
+        t.append(_target(tid, text, f"{r:.3f}x", met, by, name))
+
+    ratio_target("lock.floor", "Lock cycle p50 ≤ 1.10 × raw SET NX PX + EVALSHA",
+                 "lock.uncontended.ratio.ours_vs_raw", 1.10)
+    ratio_target("lock.redis_py", "Lock cycle p50 faster than redis-py Lock",
+                 "lock.uncontended.ratio.ours_vs_redis_py", 1.0)
+    ratio_target("lock.prl", "Lock cycle p50 faster than python-redis-lock",
+                 "lock.uncontended.ratio.ours_vs_prl", 1.0)
+    overlaps = [f for f in F.all() if f["name"].startswith(("lock.contended.", "wait."))
+                and f["name"].endswith(".overlaps")]
+    if overlaps:
+        total = sum(f["value"] or 0 for f in overlaps)
+        t.append(_target("lock.mutex", "Mutual exclusion under contention (8/64 processes, "
+                         "1/32 waiters): 0 overlaps", total, total == 0,
+                         f"{total} overlaps in {len(overlaps)} runs"))
+    for db in ("sqlite", "postgresql"):
+        name = f"e2e.{db}.ratio.steplock_vs_handwritten"
+        if F.fig(name) is None:
+            continue
+        ratio_target(f"e2e.{db}.ratio", f"{db}: StepLockedTask ≥ 0.95 × hand-written lease + "
+                     f"CAS throughput", name, 0.95, lower_is_better=False)
+        rt = F.v(f"e2e.{db}.steplock.redis_round_trips")
+        t.append(_target(f"e2e.{db}.redis", f"{db}: ≤ 3 Redis round trips per StepLockedTask",
+                         rt, rt is not None and rt <= 3.0,
+                         f"{rt} (MONITOR: acquire, ownership check, release)",
+                         f"e2e.{db}.steplock.redis_round_trips"))
+        for kind, text in (("steplock", "default (lock_precheck=True)"),
+                           ("steplock_noprecheck", "lock_precheck=False")):
+            fig = F.fig(f"e2e.{db}.{kind}.sql")
+            if fig is None:
+                continue
+            detail = dict(fig.get("detail") or {})
+            updates = detail.get("UPDATE", 0)
+            others = {k: v for k, v in detail.items() if k not in ("UPDATE", "BEGIN", "CONNECT")}
+            met = updates == 1 and not others
+            by = ", ".join(f"{k} {v}" for k, v in sorted(detail.items()) if k != "CONNECT")
+            if others:
+                by += f" ({', '.join(others)} beyond the 1 UPDATE)"
+            t.append(_target(f"e2e.{db}.sql.{kind}", f"{db}: 1 SQL UPDATE per task, {text}",
+                             updates, met, by, f"e2e.{db}.{kind}.sql"))
+    hb = sorted({int(f["name"].split(".")[2]) for f in F.all()
+                 if f["name"].startswith("heartbeat.ours.")})
+    if hb:
+        rts = {f"{n:,}": F.v(f"heartbeat.ours.{n}.round_trips_per_interval") for n in hb}
+        for f in F.all():
+            if f["name"].startswith("heartbeat.ours_spread.") and \
+                    f["name"].endswith(".round_trips_per_interval"):
+                rts[f"{f['leases']:,} taken over {f.get('acquired_over_s')} s"] = f["value"]
+        worst = max(v for v in rts.values() if v is not None)
+        t.append(_target("heartbeat.rt", "Heartbeat: 1 pipelined round trip per interval "
+                         "whatever the number of leases", f"max {worst:.2f}",
+                         worst <= 1.05, ", ".join(f"{n}: {v}" for n, v in rts.items()),
+                         "heartbeat.ours.*.round_trips_per_interval"))
+        big = hb[-1]
+        cyc = F.v(f"heartbeat.ours.{big}.cycle_p50")
+        if big >= 10000 and cyc is not None:
+            t.append(_target("heartbeat.cycle", "Heartbeat: 10,000 leases renewed in < 50 ms "
+                             "per cycle", f"{cyc:.1f} ms", cyc < 50.0,
+                             f"{(cyc / 50.0 - 1) * 100:+.0f}% vs 50 ms",
+                             f"heartbeat.ours.{big}.cycle_p50"))
+        threads = {n: F.v(f"heartbeat.ours.{n}.threads") for n in hb}
+        t.append(_target("heartbeat.threads", "Heartbeat: no thread per lease",
+                         f"max {max(threads.values())} threads", max(threads.values()) <= 2,
+                         "one heartbeat thread + the main thread at every scale"
+                         if max(threads.values()) <= 2 else str(threads)))
+    for waiters in (1, 32):
+        p50 = F.v(f"wait.ours.{waiters}.p50")
+        if p50 is not None:
+            t.append(_target(f"wait.{waiters}", f"Blocking wait: waiter holds the lease "
+                             f"≤ 5 ms p50 after the release ({waiters} waiter"
+                             f"{'s' if waiters > 1 else ''})", f"{p50:.2f} ms", p50 <= 5.0,
+                             f"{(p50 / 5.0 - 1) * 100:+.0f}% vs 5 ms; 100 ms polling peer: "
+                             f"{fmt(F.v(f'wait.redis_py.{waiters}.p50'), 1)} ms",
+                             f"wait.ours.{waiters}.p50"))
+    ops = sorted({int(f["name"].split(".")[1]) for f in F.all()
+                  if f["name"].startswith("operators.") and f["name"].split(".")[1].isdigit()})
+    if ops:
+        big = ops[-1]
+        for key, text, limit, unit in (
+                ("admin_first", "admin first page", 1000.0, "ms"),
+                ("ls_wall", "`celery steplock ls --limit 100`", 1000.0, "ms"),
+                ("reap", "reaper", 10.0, "s")):
+            val = F.v(f"operators.{big}.{key}")
+            if val is None:
+                continue
+            t.append(_target(f"operators.{key}", f"{big:,} leases: {text} < {limit:g} {unit}",
+                             f"{val:,.1f} {unit}" if unit == "s" else f"{val:,.0f} {unit}",
+                             val < limit, f"{(val / limit - 1) * 100:+.0f}% vs {limit:g} {unit}",
+                             f"operators.{big}.{key}"))
+        small = ops[0]
+        for key, text in (("admin_peak_rss", "admin"), ("ls_peak_rss", "ls"),
+                          ("reap_peak_rss", "reaper")):
+            a, b = F.v(f"operators.{small}.{key}"), F.v(f"operators.{big}.{key}")
+            if a is None or b is None:
+                continue
+            growth = b - a
+            t.append(_target(f"operators.memory.{key}", f"Memory flat: {text} peak RSS with "
+                             f"{big:,} leases vs {small:,}", f"+{growth:.1f} MiB",
+                             growth <= 10.0, f"{a:.0f} → {b:.0f} MiB (limit +10 MiB)",
+                             f"operators.{big}.{key}"))
+    return t
+
+
+# -- markdown ----------------------------------------------------------------------------------
+
+def md_targets(targets: list[dict]) -> list[str]:
+    rows = []
+    for tg in targets:
+        status = {True: "**met**", False: "**MISSED**", None: "n/a"}[tg["met"]]
+        rows.append([tg["target"], str(tg["measured"]), status, tg["by"]])
+    return table(["target", "measured", "", "margin / detail"], rows)
+
+
+def md_lock(F: Figures, result: dict) -> list[str]:
+    from .lock_primitive import CONTENDED, UNCONTENDED
+
+    out = ["## 1. Lock primitive", "",
+           "### Uncontended: one thread, one connection, acquire + release", ""]
+    rows = []
+    for v, label in UNCONTENDED.items():
+        if F.fig(f"lock.uncontended.{v}.p50") is None:
+            continue
+        raw = F.v("lock.uncontended.raw.p50")
+        p50 = F.v(f"lock.uncontended.{v}.p50")
+        detail = (F.fig(f"lock.uncontended.{v}.commands") or {}).get("detail") or {}
+        rows.append([label, fmt(p50), fmt(F.v(f"lock.uncontended.{v}.p99")),
+                     fmt(F.v(f"lock.uncontended.{v}.rate")),
+                     fmt(F.v(f"lock.uncontended.{v}.commands"), 0) + " (" + ", ".join(
+                         f"{k} {v_:g}" for k, v_ in detail.items()) + ")",
+                     fmt(p50 / raw, 2, "x") if p50 and raw else "–"])
+    out += table(["variant", "p50 µs", "p99 µs", "cycles/s", "round trips / cycle",
+                  "p50 / raw"], rows)
+    out += ["", "Medians over the repetitions; ratios of p50 taken within each repetition: "
+            f"ours / raw {fmt(F.v('lock.uncontended.ratio.ours_vs_raw'), 3, 'x')} "
+            f"(per repetition {(F.fig('lock.uncontended.ratio.ours_vs_raw') or {}).get('reps')}), "
+            f"ours / redis-py {fmt(F.v('lock.uncontended.ratio.ours_vs_redis_py'), 3, 'x')}, "
+            f"ours / python-redis-lock {fmt(F.v('lock.uncontended.ratio.ours_vs_prl'), 3, 'x')}, "
+            f"ours / pottery {fmt(F.v('lock.uncontended.ratio.ours_vs_pottery'), 3, 'x')}.", ""]
+    rows = []
+    for v, label in UNCONTENDED.items():
+        if F.fig(f"lock.uncontended.{v}.server_us") is not None:
+            rows.append(label)
+    if rows:
+        out += ["Redis server time per cycle (`INFO commandstats` usec, scripts included): "
+                + ", ".join(f"{k} {fmt(F.v(f'lock.uncontended.{k}.server_us'), 1)} µs"
+                            for k in UNCONTENDED if F.fig(f"lock.uncontended.{k}.server_us"))
+                + ".", ""]
+    shares = {f["name"].rsplit(".", 1)[1]: f["value"] for f in F.all()
+              if f["name"].startswith("lock.profile.ours.")}
+    if shares:
+        out += ["Where one cycle of ours spends its time, client side (pyinstrument, "
+                "`performance-profiles/lock-ours-cycle.txt`; categories overlap): "
+                + ", ".join(f"{k.replace('_', ' ')} {v:g}%" for k, v in shares.items()) + ".",
+                ""]
+    out += ["### Contended: N processes on one name (hold 0.2 ms, 1 ms between attempts)", ""]
+    rows = []
+    for v, (label, waits) in CONTENDED.items():
+        for n in (8, 64):
+            if F.fig(f"lock.contended.{v}.{n}.rate") is None:
+                continue
+            rows.append([f"{label} ({waits})", str(n),
+                         fmt(F.v(f"lock.contended.{v}.{n}.rate")),
+                         fmt(F.v(f"lock.contended.{v}.{n}.overlaps")),
+                         fmt(F.v(f"lock.contended.{v}.{n}.max_share"), 2),
+                         fmt(F.v(f"lock.contended.{v}.{n}.redis_cmds")),
+                         fmt(F.v(f"lock.contended.{v}.{n}.errors"))])
+    out += table(["variant (how it waits)", "processes", "acquisitions/s", "overlaps",
+                  "busiest process's share", "Redis commands/s", "errors"], rows)
+    return out + [""]
+
+
+def md_e2e(F: Figures, result: dict) -> list[str]:
+    from .e2e import KINDS
+
+    out = ["## 2. End to end: a real `celery worker` (prefork, concurrency 2, Redis broker)", ""]
+    for db in ("sqlite", "postgresql"):
+        if F.fig(f"e2e.{db}.plain.rate") is None:
+            continue
+        tasks = (F.fig(f"e2e.{db}.plain.rate") or {}).get("tasks")
+        reps = (F.fig(f"e2e.{db}.plain.rate") or {}).get("reps")
+        out += [f"### {'SQLite' if db == 'sqlite' else 'PostgreSQL'}: {fmt(tasks)} tasks "
+                f"drained per batch, median of {reps}", ""]
+        rows = []
+        for kind, label in KINDS.items():
+            fig = F.fig(f"e2e.{db}.{kind}.rate")
+            if fig is None:
+                continue
+            sql = F.fig(f"e2e.{db}.{kind}.sql") or {}
+            sql_detail = ", ".join(f"{k} {v}" for k, v in sorted((sql.get("detail") or {})
+                                                                  .items()) if k != "CONNECT")
+            pub = F.v(f"e2e.{db}.{kind}.redis_publish")
+            work = F.v(f"e2e.{db}.{kind}.redis_worker")
+            rows.append([label, fmt(fig["value"]), str(fig.get("all")),
+                         fmt(F.v(f"e2e.{db}.{kind}.overhead"), 2) if kind != "plain" else "0",
+                         f"{fmt(pub, 1)} + {fmt(work, 1)}",
+                         sql_detail or "none"])
+        out += table(["task", "tasks/s", "per repetition", "overhead vs plain, ms/task",
+                      "Redis commands / task (publish + worker)", "SQL / task"], rows)
+        per_rep = (F.fig(f"e2e.{db}.ratio.steplock_vs_handwritten") or {}).get("all")
+        out += ["", f"StepLockedTask / hand-written: "
+                f"{fmt(F.v(f'e2e.{db}.ratio.steplock_vs_handwritten'), 3, 'x')} "
+                f"(per repetition {per_rep}); "
+                f"with lock_precheck=False "
+                f"{fmt(F.v(f'e2e.{db}.ratio.steplock_noprecheck_vs_handwritten'), 3, 'x')}; "
+                f"hand-written / plain {fmt(F.v(f'e2e.{db}.ratio.handwritten_vs_plain'), 3, 'x')}.",
+                ""]
+        sample = F.v(f"e2e.{db}.steplock.redis_sample")
+        inner = F.fig(f"e2e.{db}.steplock.redis_script_inner") or {}
+        if sample:
+            out += [f"One StepLockedTask's lock-store traffic (`MONITOR`, worker side): "
+                    f"{fmt(F.v(f'e2e.{db}.steplock.redis_worker'), 1)} commands, all `EVALSHA` "
+                    f"(acquire, ownership check, release), running "
+                    f"{fmt(inner.get('value'), 0)} commands inside the scripts "
+                    f"({', '.join(f'{k} {v:g}' for k, v in (inner.get('detail') or {}).items())}).",
+                    ""]
+        rows = []
+        for kind in ("handwritten", "steplock", "steplock_noprecheck", "steplock_parked"):
+            p50 = F.fig(f"e2e.{db}.inproc.{kind}.p50")
+            if p50 is None:
+                continue
+            rows.append([p50.get("label", kind), fmt(p50["value"]),
+                         fmt(F.v(f"e2e.{db}.inproc.{kind}.p99")),
+                         fmt(F.v(f"e2e.{db}.inproc.{kind}.cpu")),
+                         fmt(F.v(f"e2e.{db}.inproc.ratio.{kind}_vs_handwritten"), 2, "x")
+                         if kind != "handwritten" else "1.00x"])
+        if rows:
+            out += ["Called in-process (no broker, no worker; same Redis and database), "
+                    "µs per execution:", ""]
+            out += table(["task body", "p50 µs", "p99 µs", "CPU µs / call",
+                          "p50 / hand-written"], rows)
+            steps = [f for f in F.all() if f["name"].startswith(f"e2e.{db}.steps.")]
+            if steps:
+                out += ["", "Each step on its own, µs per call (median), in this process:", ""]
+                out += table(["step", "task", "µs"],
+                             [[f["label"], "StepLockedTask" if f["side"] == "steplock"
+                               else "hand-written", fmt(f["value"], 1)] for f in steps])
+                lookups = F.v(f"e2e.{db}.steplock.conf_lookups")
+                if lookups is not None:
+                    out += ["", f"One StepLockedTask execution looks a `steplock_*` setting up "
+                            f"in `app.conf` {fmt(lookups)} times and calls `steplock_guard()` "
+                            f"{fmt(F.v(f'e2e.{db}.steplock.guard_calls'))} times (counted by "
+                            f"wrapping both for 10 executions)."]
+            shares = {f["name"].rsplit(".", 1)[1]: f["value"] for f in F.all()
+                      if f["name"].startswith(f"e2e.{db}.profile.steplock.")}
+            if shares:
+                out += ["", "Where a StepLockedTask execution spends its time (pyinstrument, "
+                        f"`performance-profiles/e2e-{db}-steplock.txt`; categories overlap): "
+                        + ", ".join(f"{k.replace('_', ' ')} {v:g}%" for k, v in shares.items())
+                        + "."]
+            out += [""]
+    return out
+
+
+def md_heartbeat(F: Figures, result: dict) -> list[str]:
+    out = ["## 3. Heartbeat at scale: one `Heartbeat`, one process, renewal every 1 s", ""]
+    counts = sorted({int(f["name"].split(".")[2]) for f in F.all()
+                     if f["name"].startswith("heartbeat.ours.")})
+    rows = []
+    for n in counts:
+        p = f"heartbeat.ours.{n}"
+        rows.append(["celery-steplock Heartbeat", fmt(n),
+                     fmt(F.v(f"{p}.round_trips_per_interval"), 2),
+                     fmt(F.v(f"{p}.renewals_per_interval")), fmt(F.v(f"{p}.cycle_p50"), 1),
+                     fmt(F.v(f"{p}.cycle_max"), 1), fmt(F.v(f"{p}.cpu"), 3),
+                     fmt(F.v(f"{p}.threads")), fmt(F.v(f"{p}.lost"))])
+    for n in sorted({int(f["name"].split(".")[2]) for f in F.all()
+                     if f["name"].startswith("heartbeat.ours_spread.")}):
+        p = f"heartbeat.ours_spread.{n}"
+        over = (F.fig(f"{p}.round_trips_per_interval") or {}).get("acquired_over_s")
+        rows.append([f"celery-steplock Heartbeat, leases taken over {fmt(over, 1)} s", fmt(n),
+                     fmt(F.v(f"{p}.round_trips_per_interval"), 2),
+                     fmt(F.v(f"{p}.renewals_per_interval")), fmt(F.v(f"{p}.cycle_p50"), 1),
+                     fmt(F.v(f"{p}.cycle_max"), 1), fmt(F.v(f"{p}.cpu"), 3),
+                     fmt(F.v(f"{p}.threads")), fmt(F.v(f"{p}.lost"))])
+    prl_rows = sorted({(f["name"].split(".")[1], int(f["name"].split(".")[2]))
+                       for f in F.all() if f["name"].startswith("heartbeat.prl")})
+    for prl, n in prl_rows:
+        p = f"heartbeat.{prl}.{n}"
+        died = F.v(f"{p}.thread_errors")
+        pool = (F.fig(f"{p}.cpu") or {}).get("pool")
+        what = ", redis-py's default" if prl == "prl_default_pool" else ""
+        rows.append([f"python-redis-lock auto_renewal (every 2 s; pool of {fmt(pool)}{what})"
+                     + (f"; **{died} renewal threads died**" if died else ""), fmt(n),
+                     fmt(F.v(f"{p}.round_trips_per_interval"), 0), "–", "–", "–",
+                     fmt(F.v(f"{p}.cpu"), 3), fmt(F.v(f"{p}.threads")),
+                     fmt(F.v(f"{p}.lost"))])
+    out += table(["renewer", "leases", "round trips / interval", "EVALSHA / interval",
+                  "cycle p50 ms", "cycle max ms", "CPU s/s", "threads", "lost"], rows)
+    shares = {f["name"].rsplit(".", 1)[1]: f["value"] for f in F.all()
+              if ".profile." in f["name"] and f["name"].startswith("heartbeat.")}
+    if shares and counts:
+        out += ["", f"One {counts[-1]:,}-lease cycle under pyinstrument "
+                f"(`performance-profiles/heartbeat-{counts[-1]}.txt`; categories overlap): "
+                + ", ".join(f"{k.replace('_', ' ')} {v:g}%" for k, v in shares.items()) + "."]
+    return out + [""]
+
+
+def md_wait(F: Figures, result: dict) -> list[str]:
+    from .blocking_wait import VARIANTS
+
+    out = ["## 4. Blocking wait: release → next waiter holds the lease", ""]
+    rows = []
+    for v, label in VARIANTS.items():
+        for w in (1, 32):
+            fig = F.fig(f"wait.{v}.{w}.p50")
+            if fig is None:
+                continue
+            rows.append([label, f"{w} thread{'s' if w > 1 else ''}", fmt(fig["value"], 2),
+                         fmt(F.v(f"wait.{v}.{w}.p99"), 2),
+                         fmt(fig.get("samples")), fmt(F.v(f"wait.{v}.{w}.overlaps")),
+                         fmt(F.v(f"wait.{v}.32.idle_commands")) if w == 32 else ""])
+        fig = F.fig(f"wait.{v}.32p.p50")
+        if fig is not None:
+            rows.append([label, "32 processes", fmt(fig["value"], 2),
+                         fmt(F.v(f"wait.{v}.32p.p99"), 2), fmt(fig.get("samples")),
+                         fmt(F.v(f"wait.{v}.32p.overlaps")), ""])
+    out += table(["waiter", "waiters", "p50 ms", "p99 ms", "samples", "overlaps",
+                  "Redis commands/s while 32 threads wait"], rows)
+    return out + [""]
+
+
+def md_operators(F: Figures, result: dict) -> list[str]:
+    out = ["## 5. Operators' paths with many leases in Redis", ""]
+    counts = sorted({int(f["name"].split(".")[1]) for f in F.all()
+                     if f["name"].startswith("operators.") and f["name"].split(".")[1].isdigit()})
+    rows = []
+    for n in counts:
+        p = f"operators.{n}"
+        reap = F.fig(f"{p}.reap") or {}
+        rows.append([fmt(n), fmt(F.v(f"{p}.admin_first")), fmt(F.v(f"{p}.admin_warm")),
+                     fmt((F.fig(f"{p}.admin_first") or {}).get("rows")),
+                     fmt(F.v(f"{p}.admin_peak_rss"), 1), fmt(F.v(f"{p}.ls_wall")),
+                     fmt(F.v(f"{p}.ls_peak_rss"), 1), fmt(F.v(f"{p}.reap"), 2),
+                     f"{fmt(reap.get('reaped'))} / {fmt(reap.get('left'))}",
+                     fmt(F.v(f"{p}.reap_peak_rss"), 1)])
+    out += table(["leases", "admin first page ms", "admin warm ms", "rows shown",
+                  "admin peak RSS MiB", "`steplock ls --limit 100` ms (process)",
+                  "ls peak RSS MiB", "reaper s", "reaped / left", "reaper peak RSS MiB"], rows)
+    shares = {f["name"].rsplit(".", 1)[1]: f["value"] for f in F.all()
+              if f["name"].startswith("operators.profile.reap.")}
+    if shares:
+        n = (F.fig(next(f["name"] for f in F.all()
+                        if f["name"].startswith("operators.profile.reap."))) or {}).get("leases")
+        out += ["", f"The reaper on {fmt(n)} leases under pyinstrument "
+                f"(`performance-profiles/reaper-{n}.txt`; categories overlap): "
+                + ", ".join(f"{k.replace('_', ' ')} {v:g}%" for k, v in shares.items()) + "."]
+    return out + [""]
+
+
+SECTIONS = {"lock": md_lock, "e2e": md_e2e, "heartbeat": md_heartbeat, "wait": md_wait,
+            "operators": md_operators}
+
+
+def build(groups: dict[str, dict], context: dict[str, Any]) -> dict[str, Any]:
+    F = Figures(groups)
+    targets = evaluate(F)
+    figures = [{"group": f["group"], **{k: v for k, v in f.items() if k != "group"}}
+               for f in F.all()]
+    return {"context": context, "targets": targets, "figures": figures, "groups": {
+        name: {k: v for k, v in g.items() if k not in ("figures",)} for name, g in groups.items()
+    }}
+
+
+def render(doc: dict[str, Any]) -> str:
+    ctx = doc["context"]
+    groups_full = doc["groups"]
+    F = Figures({name: {"figures": [f for f in doc["figures"] if f["group"] == name]}
+                 for name in groups_full})
+    lines = ["# Performance", "",
+             "Generated by `make bench` (`benchmarks/run.py`; see `benchmarks/README.md`). "
+             "Every figure, with its unit and this run's context, is in "
+             "`performance.json` beside this file; profiles are in `performance-profiles/`.",
+             "",
+             f"Run: {ctx.get('time')}, commit {ctx.get('git_commit')}"
+             + (" (library files modified in the work tree: "
+                + ", ".join(ctx['git_dirty_library'].split()[1::2]) + ")"
+                if ctx.get("git_dirty_library") else "")
+             + f"; {'**quick smoke run**' if ctx.get('quick') else 'full run'} of "
+             f"{', '.join(ctx.get('groups_run') or [])} in {fmt(ctx.get('run_wall_s'))} s. "
+             f"Machine: {ctx.get('cpu_count')} CPUs, {ctx.get('platform')}, Python "
+             f"{ctx.get('python')}, {ctx.get('redis_server')}; load average at the start "
+             f"{', '.join(f'{x:.2f}' for x in ctx.get('loadavg') or [])}, at the end "
+             f"{', '.join(f'{x:.2f}' for x in ctx.get('loadavg_end') or [])} (other jobs "
+             f"share this machine: compare figures within the run, not across runs).", "",
+             *([("Groups rerun since: " + "; ".join(
+                 f"{', '.join(r['groups'])} at {r['time']} (commit {r['git_commit']}, load "
+                 f"{', '.join(f'{x:.2f}' for x in r['loadavg'])})"
+                 for r in ctx["reruns"]) + "."), ""] if ctx.get("reruns") else []),
+             "Libraries: " + ", ".join(f"{k} {v}" for k, v in (ctx.get("libraries") or {}).items()
+                                      if v) + ".", ""]
+    lines += ["## Targets (issue 5), from this run", ""]
+    lines += md_targets(doc["targets"]) + [""]
+    for name, render_section in SECTIONS.items():
+        if name not in groups_full:
+            continue
+        g = groups_full[name]
+        if g.get("error"):
+            lines += [f"## {name}: FAILED", "", f"`{g['error']}`", ""]
+        lines += render_section(F, g)
+        gctx = g.get("context") or {}
+        load = gctx.get("loadavg_start")
+        lines += [f"<sub>{name}: {fmt(g.get('wall_s'))} s, load average "
+                  f"{', '.join(f'{x:.2f}' for x in load) if load else '–'} at its start"
+                  f"{', quick run' if gctx.get('quick') else ''}, {gctx.get('time', '')}.</sub>",
+                  ""]
+    notes = [(name, n) for name, g in groups_full.items() for n in g.get("notes", [])]
+    commentary = HERE / "commentary.md"
+    if commentary.exists():
+        lines += [commentary.read_text().rstrip(), ""]
+    if notes:
+        lines += ["## Method notes", ""]
+        seen = set()
+        for name, n in notes:
+            if n not in seen:
+                seen.add(n)
+                lines.append(f"- {name}: {n}")
+        lines.append("")
+    peers = next((g.get("peers") for g in groups_full.values() if g.get("peers")), None)
+    if peers:
+        lines += ["## Peers", ""]
+        lines += table(["package", "version", "imports with this Celery/redis-py"],
+                       [[k, str(v.get("version")), "yes" if v.get("ok") else
+                         f"**no**: {v.get('error')}"] for k, v in peers.items()])
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(doc: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof_dir = out_dir / "performance-profiles"
+    for name, g in doc["groups"].items():
+        profiles = g.pop("profiles", None) or {}
+        if profiles:
+            prof_dir.mkdir(exist_ok=True)
+        g["profile_files"] = sorted(set(g.get("profile_files") or []) | set(profiles))
+        for pname, text in profiles.items():
+            (prof_dir / f"{pname}.txt").write_text(text)
+    (out_dir / "performance.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    (out_dir / "performance.md").write_text(render(doc) + "\n")
