@@ -189,8 +189,14 @@ def group_main(group: str, run: Callable[..., dict[str, Any]]) -> int:
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", help="write the result JSON here (default: stdout)")
     args = parser.parse_args()
+    return write_result(group, lambda: run(quick=args.quick), args.out)
+
+
+def write_result(group: str, run: Callable[[], dict[str, Any]], out: str | None) -> int:
+    """Run ``run()``, stop every server it started, and write its JSON result to ``out``
+    (stdout when None); a failure is written as a result with ``error``. Returns 0 or 1."""
     try:
-        result = run(quick=args.quick)
+        result = run()
         code = 0
     except Exception as exc:  # noqa: BLE001 - the runner reports the failure
         traceback.print_exc()
@@ -200,8 +206,8 @@ def group_main(group: str, run: Callable[..., dict[str, Any]]) -> int:
     finally:
         servers.stop_all()
     text = json.dumps(result, indent=1, default=str)
-    if args.out:
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
     else:
         print(text)
     return code

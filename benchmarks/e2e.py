@@ -31,6 +31,7 @@ from .common import (
     MonitorCapture,
     Recorder,
     group_main,
+    write_result,
     median,
     peer_status,
     percentile,
@@ -615,23 +616,7 @@ def main() -> int:
     args, _ = parser.parse_known_args()
     if args.db is None:
         return group_main("e2e", run)
-    try:
-        result = run_db(args.db, args.quick)
-        code = 0
-    except Exception as exc:  # noqa: BLE001
-        import traceback
-
-        traceback.print_exc()
-        result = {"figures": [], "notes": [], "error": f"{type(exc).__name__}: {exc}"}
-        code = 1
-    finally:
-        servers.stop_all()
-    text = json.dumps(result, indent=1, default=str)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
-    return code
+    return write_result("e2e", lambda: run_db(args.db, args.quick), args.out)
 
 
 if __name__ == "__main__":
