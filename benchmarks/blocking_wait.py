@@ -16,11 +16,13 @@ import time
 from typing import Any
 
 from .common import (
-    Recorder,
     commands_processed,
     group_main,
+    installed_variants,
+    join_or_kill,
     peer_status,
     percentile,
+    Recorder,
     servers,
 )
 from .lock_primitive import build_blocking
@@ -149,14 +151,7 @@ def chain_procs(url: str, variant: str, waiters: int, samples: int) -> dict[str,
     t0 = time.monotonic()
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
-    alive = 0
-    for p in procs:
-        if p.is_alive():
-            alive += 1
-            p.kill()
-            p.join(5)
+    alive = join_or_kill(procs, 120)
     n = shared[2].value
     data = list(shared[7][:n])[waiters + 2:]
     return {"p50": percentile(data, 50) * 1000, "p99": percentile(data, 99) * 1000,
@@ -197,14 +192,7 @@ def waiting_load(url: str, variant: str, waiters: int, hold: float = 2.0) -> flo
 
 def run(quick: bool = False) -> dict[str, Any]:
     rec = Recorder("wait")
-    peers = peer_status()
-    variants = []
-    for v in VARIANTS:
-        dist = PEER_OF.get(v)
-        if dist and not peers[dist]["ok"]:
-            rec.note(f"{VARIANTS[v]} skipped: {peers[dist].get('error')}")
-            continue
-        variants.append(v)
+    variants = installed_variants(rec, VARIANTS, PEER_OF)
     samples = 30 if quick else 200
     with servers.RedisServer() as server:
         for waiters in (1, 32):
@@ -237,7 +225,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     rec.note(f"Each holder keeps the lease {HOLD * 1000:g} ms; a sample is measured from the "
              f"moment the holder calls release to the moment the next holder's acquire "
              f"returns (threads of one process, one perf_counter clock).")
-    return rec.result(peers=peers)
+    return rec.result(peers=peer_status())
 
 
 if __name__ == "__main__":

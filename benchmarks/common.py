@@ -181,6 +181,35 @@ def machine_context() -> dict[str, Any]:
     }
 
 
+def installed_variants(rec: "Recorder", labels: dict[str, str],
+                       peer_of: dict[str, str]) -> list[str]:
+    """The variants of ``labels`` whose peer library (``peer_of``) is installed; a note on
+    ``rec`` for each one left out."""
+    peers = peer_status()
+    kept = []
+    for variant, label in labels.items():
+        dist = peer_of.get(variant)
+        if dist and not peers[dist]["ok"]:
+            rec.note(f"{label} skipped: {peers[dist].get('error')}")
+            continue
+        kept.append(variant)
+    return kept
+
+
+def join_or_kill(procs, timeout: float) -> int:
+    """Join every process within ``timeout`` seconds each, SIGKILL the ones still alive;
+    returns how many had to be killed."""
+    for p in procs:
+        p.join(timeout=timeout)
+    stuck = 0
+    for p in procs:
+        if p.is_alive():
+            stuck += 1
+            p.kill()
+            p.join(5)
+    return stuck
+
+
 # -- the group CLI ---------------------------------------------------------------------------
 
 def group_main(group: str, run: Callable[..., dict[str, Any]]) -> int:

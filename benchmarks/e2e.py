@@ -28,16 +28,17 @@ from typing import Any
 
 from .common import (
     ROOT,
-    MonitorCapture,
-    Recorder,
     group_main,
-    write_result,
+    installed_variants,
     median,
+    MonitorCapture,
     peer_status,
     percentile,
     profile_breakdown,
     profile_text,
+    Recorder,
     servers,
+    write_result,
 )
 
 KINDS = {
@@ -545,14 +546,7 @@ class Bench:
 
 def run_db(db: str, quick: bool) -> dict[str, Any]:
     rec = Recorder("e2e")
-    peers = peer_status()
-    kinds = []
-    for kind in KINDS:
-        dist = PEER_OF.get(kind)
-        if dist and not peers[dist]["ok"]:
-            rec.note(f"{KINDS[kind]} skipped: {peers[dist].get('error')}")
-            continue
-        kinds.append(kind)
+    kinds = installed_variants(rec, KINDS, PEER_OF)
     with tempfile.TemporaryDirectory(prefix=f"steplock-bench-e2e-{db}-") as tmp:
         bench = Bench(rec, db, Path(tmp))
         try:
@@ -570,7 +564,7 @@ def run_db(db: str, quick: bool) -> dict[str, Any]:
             bench.worker_errors()
         finally:
             bench.stop()
-    return rec.result(peers=peers, profiles=bench.profiles)
+    return rec.result(peers=peer_status(), profiles=bench.profiles)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

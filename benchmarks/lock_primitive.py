@@ -21,15 +21,16 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import (
-    MonitorCapture,
-    Recorder,
     commands_processed,
     group_main,
+    join_or_kill,
     median,
+    MonitorCapture,
     peer_status,
     percentile,
     profile_breakdown,
     profile_text,
+    Recorder,
     servers,
 )
 
@@ -384,14 +385,7 @@ def contended_once(url: str, variant: str, workers: int, duration: float,
     time.sleep(duration)
     during = commands_processed(client) - before
     elapsed_cmd = time.monotonic() - t0
-    for p in procs:
-        p.join(timeout=60)
-    stuck = 0
-    for p in procs:
-        if p.is_alive():
-            stuck += 1
-            p.kill()
-            p.join(5)
+    stuck = join_or_kill(procs, 60)
     client.close()
     total = sum(counts)
     return {"acq_per_s": total / duration, "overlaps": overlaps.value, "errors": errors.value,
