@@ -1,0 +1,138 @@
+"""Invariants of one trial, checked from what the database committed and the attempts' history.
+
+The claim under test: whatever happens to workers, Redis or the network, a step's transition
+commits at most once and never goes backwards, and no lease is held forever. Per step:
+
+- exactly one terminal transition committed (0: never completed; 2+: a duplicate commit);
+- the committed transitions form one legal chain from ``pending`` (no transition out of a
+  terminal state, none skipped or repeated) and the row's status is where the chain ends;
+- fencing tokens never decrease along the chain: a stale holder never wrote after a newer one;
+
+and for the lock store: no key without a TTL, and no lease left once the system is quiet.
+``overlap`` (two attempts holding the lease on one step at once, as each of them saw it) is
+not a violation: after a pause or a failover it is expected, and the checks above must hold
+anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TERMINAL = frozenset({"done", "cancelled", "failed"})
+LEGAL = frozenset({("pending", "done"), ("pending", "cancelled"), ("pending", "running"),
+                   ("running", "done"), ("running", "pending"), ("running", "failed")})
+
+
+@dataclass
+class Record:
+    """One committed transition (a TransitionRecord row)."""
+    step: int
+    from_status: str
+    to_status: str
+    owner: str
+    fence: int | None
+
+
+@dataclass
+class Verdict:
+    steps: int = 0
+    commits: int = 0
+    violations: list[str] = field(default_factory=list)
+    overlaps: int = 0           # steps on which two attempts held the lease at once
+    leftover_leases: int = 0
+    keys_without_ttl: int = 0
+    stale_rejected: int = 0     # steps where a stale holder tried to commit and was refused
+    recovery_s: float | None = None  # seconds from the fault until the system was quiet again
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.leftover_leases
+
+
+def check_step(step: int, status: str, records: list[Record]) -> list[str]:
+    """Violations of one step's committed transitions (``records`` in commit order)."""
+    problems = []
+    terminal = [r for r in records if r.to_status in TERMINAL]
+    if not terminal:
+        problems.append(f"step {step}: no terminal transition committed (status {status!r})")
+    elif len(terminal) > 1:
+        owners = ", ".join(f"{r.to_status} by {r.owner[:8]} fence {r.fence}" for r in terminal)
+        problems.append(f"step {step}: {len(terminal)} terminal transitions committed "
+                        f"({owners})")
+    current = "pending"
+    for r in records:
+        if r.from_status in TERMINAL:
+            problems.append(f"step {step}: transition out of terminal {r.from_status!r} "
+                            f"-> {r.to_status!r}")
+        elif r.from_status != current or (r.from_status, r.to_status) not in LEGAL:
+            problems.append(f"step {step}: {r.from_status!r} -> {r.to_status!r} committed "
+                            f"while the chain was at {current!r}")
+        current = r.to_status
+    if status != current:
+        problems.append(f"step {step}: row status {status!r} but the committed chain ends "
+                        f"at {current!r}")
+    fences = [r.fence for r in records if r.fence is not None]
+    if any(b < a for a, b in zip(fences, fences[1:])):
+        problems.append(f"step {step}: a stale holder wrote after a newer one (fences "
+                        f"{fences})")
+    return problems
+
+
+def lease_intervals(history: list[dict], step: int, end_of_trial: float
+                    ) -> dict[str, tuple[float, float]]:
+    """owner -> (acquired, ended) for ``step``: ended at its release or loss as the holder
+    saw it, at a SIGKILL of its process, else at the end of the trial."""
+    acquired, ended, pid_of = {}, {}, {}
+    killed = {}
+    for e in history:
+        if e.get("ev") == "fault" and e.get("signal") in ("SIGKILL", "SIGQUIT") \
+                and e.get("pid"):
+            for pid in e["pid"] if isinstance(e["pid"], list) else [e["pid"]]:
+                killed.setdefault(pid, e["t"])
+        if e.get("step") != step or not e.get("owner"):
+            continue
+        owner = e["owner"]
+        if e["ev"] == "acquired":
+            acquired.setdefault(owner, e["t"])
+            pid_of[owner] = e.get("pid")
+        elif e["ev"] in ("released", "lost", "conflict") and owner in acquired:
+            ended.setdefault(owner, e["t"])
+    intervals = {}
+    for owner, start in acquired.items():
+        end = ended.get(owner)
+        kill = killed.get(pid_of.get(owner))
+        if kill is not None and kill >= start:
+            end = min(end, kill) if end is not None else kill
+        intervals[owner] = (start, end if end is not None else end_of_trial)
+    return intervals
+
+
+def overlapped(intervals: dict[str, tuple[float, float]]) -> bool:
+    spans = sorted(intervals.values())
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def check(steps: dict[int, str], records: list[Record], history: list[dict],
+          leftover_leases: int = 0, keys_without_ttl: int = 0,
+          end_of_trial: float | None = None) -> Verdict:
+    """The verdict of a trial: ``steps`` maps step id -> final status, ``records`` are the
+    committed transitions (in commit order), ``history`` the probe's entries."""
+    end = end_of_trial if end_of_trial is not None else max(
+        (e["t"] for e in history), default=0.0)
+    verdict = Verdict(steps=len(steps), commits=len(records),
+                      leftover_leases=leftover_leases, keys_without_ttl=keys_without_ttl)
+    if keys_without_ttl:
+        verdict.violations.append(f"{keys_without_ttl} lock-store key(s) without a TTL")
+    for step, status in sorted(steps.items()):
+        mine = [r for r in records if r.step == step]
+        verdict.violations.extend(check_step(step, status, mine))
+        intervals = lease_intervals(history, step, end)
+        if overlapped(intervals):
+            verdict.overlaps += 1
+        committed = {r.owner for r in mine}
+        refused = {e["owner"] for e in history if e.get("step") == step
+                   and e.get("ev") in ("conflict", "lost") and e.get("owner")
+                   and any(h.get("ev") == "point" and h.get("point") == "before_cas"
+                           and h.get("owner") == e["owner"] for h in history)}
+        if committed and refused - committed:
+            verdict.stale_rejected += 1
+    return verdict
