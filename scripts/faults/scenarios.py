@@ -99,8 +99,11 @@ def kill_child(point):
 def kill_main(lab, step):
     arrival, _ = held_pair(lab, step, "before_cas")
     worker = lab.worker_of(arrival["pid"])
+    children = worker.children_pids()
     fault = lab.kill_worker_main(worker)
     lab.go(step, "before_cas")  # the orphaned child goes on; its message waits for a redelivery
+    for pid in children:  # an orphan that ends (or is ended) ends its hold there
+        wait_pid_gone(lab, pid, why="orphaned by its main process")
     return fault["t"]
 
 
