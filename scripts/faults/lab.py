@@ -44,16 +44,19 @@ def database_url(settings_dict, host: str | None = None, port: int | None = None
 class Lab:
     """Servers, proxies and workers for fault trials; see the module docstring.
 
-    ``ttl`` (seconds) is the workers' lease TTL, ``visibility_timeout`` (seconds) the broker's;
+    ``ttl`` (seconds) is the workers' lease TTL, ``visibility_timeout`` (seconds) the broker's,
+    ``max_hold`` (seconds) the longest a lease is renewed (``steplock_max_hold``);
     ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check).
     """
 
     def __init__(self, workdir: Path, db_settings: dict, ttl: float = 2.0,
-                 visibility_timeout: int = 10, unguarded: bool = False, log=print):
+                 visibility_timeout: int = 10, max_hold: float = 15.0, unguarded: bool = False,
+                 log=print):
         self.workdir = Path(workdir)
         self.db_settings = dict(db_settings)
         self.ttl = ttl
         self.visibility_timeout = visibility_timeout
+        self.max_hold = max_hold
         self.unguarded = unguarded
         self.log = log
         self.workers: dict[str, servers.WorkerProcess] = {}
@@ -112,6 +115,7 @@ class Lab:
             "STEPLOCK_RETRY_BACKOFF": "0.25",
             "STEPLOCK_RETRY_BACKOFF_MAX": "2",
             "STEPLOCK_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
+            "STEPLOCK_MAX_HOLD": str(self.max_hold),
             "STEPLOCK_UNACKED_RESTORE_INTERVAL": "1",
             "STEPLOCK_UNACKED_RESTORE_THROTTLE": "1",
             "STEPLOCK_UNACKED_MUTEX_EXPIRE": "30",

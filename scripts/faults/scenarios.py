@@ -141,6 +141,17 @@ def heartbeat_frozen(lab, step):
     return fault["t"]
 
 
+def hung_body(lab, step):
+    """The body hangs (no time limit, never looks at its lease): after ``steplock_max_hold``
+    the heartbeat stops renewing, the lease expires, the duplicate commits; the hung body
+    wakes later and its commit is refused."""
+    arrival, _ = held_pair(lab, step, "before_cas")
+    fault = lab.note("fault", kind="hung_body", pid=arrival["pid"])
+    lab.go(step, "before_cas", f"sleep:{lab.max_hold + 2 * lab.ttl}")
+    lab.wait_event("task_end", lab.max_hold + 30, pid=arrival["pid"])
+    return fault["t"]
+
+
 def time_limit(soft: bool):
     """The body overruns its soft (SoftTimeLimitExceeded in the body) or hard (the pool kills
     the child) time limit inside the critical section."""
@@ -327,6 +338,7 @@ def _scenarios() -> list[Scenario]:
                           overlap=True))
     s.append(Scenario("heartbeat-frozen", "heartbeat thread frozen", heartbeat_frozen,
                       overlap=True))
+    s.append(Scenario("hung-body", "hung body past steplock_max_hold", hung_body))
     s.append(Scenario("redis-restart", "Redis restart (data lost)", redis_restart))
     s.append(Scenario("redis-outage-30s", "Redis outage 30 s", redis_outage(30),
                       timeout=150))
