@@ -80,14 +80,18 @@ def check_step(step: int, status: str, records: list[Record]) -> list[str]:
 def lease_intervals(history: list[dict], step: int, end_of_trial: float
                     ) -> dict[str, tuple[float, float]]:
     """owner -> (acquired, ended) for ``step``: ended at its release or loss as the holder
-    saw it, at a SIGKILL of its process, else at the end of the trial."""
+    saw it, at the end of its task run in its process (``task_end``: an attempt that gave up
+    after a Redis error holds nothing any more, whatever its key does), at a SIGKILL of its
+    process, else at the end of the trial."""
     acquired, ended, pid_of = {}, {}, {}
-    killed = {}
+    killed, task_ends = {}, {}
     for e in history:
         if e.get("ev") == "fault" and e.get("signal") in ("SIGKILL", "SIGQUIT") \
                 and e.get("pid"):
             for pid in e["pid"] if isinstance(e["pid"], list) else [e["pid"]]:
                 killed.setdefault(pid, e["t"])
+        if e.get("ev") == "task_end" and e.get("pid"):
+            task_ends.setdefault(e["pid"], []).append(e["t"])
         if e.get("step") != step or not e.get("owner"):
             continue
         owner = e["owner"]
@@ -98,10 +102,11 @@ def lease_intervals(history: list[dict], step: int, end_of_trial: float
             ended.setdefault(owner, e["t"])
     intervals = {}
     for owner, start in acquired.items():
-        end = ended.get(owner)
-        kill = killed.get(pid_of.get(owner))
-        if kill is not None and kill >= start:
-            end = min(end, kill) if end is not None else kill
+        pid = pid_of.get(owner)
+        stops = [ended.get(owner), killed.get(pid),
+                 min((t for t in task_ends.get(pid, ()) if t >= start), default=None)]
+        stops = [t for t in stops if t is not None and t >= start]
+        end = min(stops) if stops else None
         intervals[owner] = (start, end if end is not None else end_of_trial)
     return intervals
 

@@ -73,3 +73,12 @@ def test_lock_store_findings_count():
     verdict = check({1: "done"}, [rec("done")], [], leftover_leases=2, keys_without_ttl=1)
     assert verdict.violations == ["1 lock-store key(s) without a TTL"]
     assert verdict.leftover_leases == 2 and not verdict.ok
+
+
+def test_the_end_of_the_task_run_ends_a_hold_whose_release_failed():
+    history = [ev("acquired", 0.0, "a", pid=10), ev("store_error", 0.5, "a", pid=10),
+               {"ev": "task_end", "t": 0.6, "pid": 10, "step": 1},
+               ev("acquired", 31.0, "b", pid=11), ev("released", 31.5, "b", pid=11)]
+    intervals = lease_intervals(history, 1, end_of_trial=40)
+    assert intervals == {"a": (0.0, 0.6), "b": (31.0, 31.5)}
+    assert not overlapped(intervals)
