@@ -11,7 +11,8 @@ venv:
 demo: venv
 	$(VENV)/bin/python scripts/demo.py
 
-test: venv
+test:
+	@PYTHON="$(PYTHON)" STEPLOCK_WANT_POSTGRES=1 bash scripts/bootstrap.sh
 	$(VENV)/bin/python scripts/run_tests.py $(ARGS)
 
 bench: venv

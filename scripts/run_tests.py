@@ -7,6 +7,7 @@ Redis server; a DATABASE_URL already set makes a single run against that databas
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def run_pytest(label: str, args: list[str], env: dict, workdir: Path) -> tuple[i
     junit = workdir / f"{label}.xml"
     # Ours goes first so that a --junitxml among `args` wins.
     cmd = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *args]
-    say(f"{label}: python -m pytest {' '.join(args)}".rstrip())
+    say(f"{label}: python -m pytest {shlex.join(args)}".rstrip())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
         code = proc.wait()

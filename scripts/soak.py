@@ -81,10 +81,11 @@ def soak(lab, names: list[str], trials: int, label: str) -> dict[str, dict]:
         row["recovery_max_s"] = max(recovery) if recovery else None
         row["seconds"] = round(time.monotonic() - started, 1)
         rows[name] = row
-        say(f"{label} {name}: {row['trials']} trials, {row['commits']} commits, "
-            f"{row['violations']} violations, {row['overlaps']} overlaps, "
-            f"{row['leftover_leases']} leftover leases, {row['errors']} errors, "
-            f"recovery p50 {row['recovery_p50_s']} s, {row['seconds']} s")
+        say(f"{label} {name}: trials={row['trials']} commits={row['commits']} "
+            f"violations={row['violations']} (in {row['violating_trials']} trials) "
+            f"overlaps={row['overlaps']} leftover_leases={row['leftover_leases']} "
+            f"errors={row['errors']} recovery_p50_s={row['recovery_p50_s']} "
+            f"took_s={row['seconds']}")
     return rows
 
 
@@ -227,13 +228,18 @@ def main(argv=None) -> int:
         "scenarios": guarded, "negative_control": negative,
     }
     bad = sum(r["violations"] + r["leftover_leases"] + r["errors"] for r in guarded.values())
+    caught = sum(r["violating_trials"] for r in negative.values())
+    if negative and not caught:
+        say("the negative control showed no violation: the checker proved nothing")
+        bad += 1
     if not args.no_write:
         write_report(result)
         say(f"wrote {DOCS / 'reliability.md'} and reliability.json")
     say(f"{sum(r['trials'] for r in guarded.values())} trials, "
         f"{sum(r['violations'] for r in guarded.values())} violations, "
         f"{sum(r['leftover_leases'] for r in guarded.values())} leftover leases, "
-        f"{sum(r['errors'] for r in guarded.values())} errors")
+        f"{sum(r['errors'] for r in guarded.values())} errors; negative control: violations "
+        f"in {caught} of {sum(r['trials'] for r in negative.values())} trials")
     return 1 if bad else 0
 
 

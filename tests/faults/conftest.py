@@ -20,6 +20,7 @@ def _on_postgresql() -> bool:
     return "postgresql" in settings.DATABASES["default"]["ENGINE"]
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
     if _on_postgresql():
         return
@@ -27,8 +28,8 @@ def pytest_collection_modifyitems(config, items):
     if lab_items:
         config.hook.pytest_deselected(items=lab_items)
         items[:] = [item for item in items if not item.get_closest_marker("faults")]
-        print(f"\ntests/faults: {len(lab_items)} fault scenarios deselected on SQLite; "
-              f"they run in the PostgreSQL pass")
+        print(f"\ntests/faults: {len(lab_items)} tests that need PostgreSQL deselected on "
+              f"SQLite; they run in the PostgreSQL pass")
 
 
 @pytest.fixture(scope="module")
