@@ -50,7 +50,8 @@ def soak(lab, names: list[str], trials: int, label: str) -> dict[str, dict]:
         scenario = scenarios.SCENARIOS[name]
         row = {"fault": scenario.fault, "trials": 0, "overlaps": 0, "commits": 0,
                "violations": 0, "violating_trials": 0, "leftover_leases": 0,
-               "keys_without_ttl": 0, "stale_rejected": 0, "errors": 0, "recovery_s": [],
+               "keys_without_ttl": 0, "stale_rejected": 0, "resumes": 0, "errors": 0,
+               "recovery_s": [],
                "examples": []}
         started = time.monotonic()
         for _ in range(trials):
@@ -71,6 +72,7 @@ def soak(lab, names: list[str], trials: int, label: str) -> dict[str, dict]:
             row["leftover_leases"] += verdict.leftover_leases
             row["keys_without_ttl"] += verdict.keys_without_ttl
             row["stale_rejected"] += verdict.stale_rejected
+            row["resumes"] += verdict.resumes
             if verdict.recovery_s is not None:
                 row["recovery_s"].append(round(verdict.recovery_s, 3))
             for problem in verdict.violations:

@@ -41,7 +41,11 @@ class FaultTask(StepLockedTask):
             hostname=self.request.hostname or socket.gethostname(), pid=os.getpid())
         probe.record("cas", step=step_id, owner=lease.owner, fence=lease.fence,
                      task_id=self.request.id, to=to)
-        transaction.on_commit(lambda: probe.barrier("after_commit", self, step_id))
+        def committed():
+            probe.record("committed", step=step_id, owner=lease.owner, fence=lease.fence,
+                         task_id=self.request.id, to=to)
+            probe.barrier("after_commit", self, step_id)
+        transaction.on_commit(committed)
         probe.barrier("after_cas", self, step_id)
         return result
 

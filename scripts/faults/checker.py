@@ -42,6 +42,8 @@ class Verdict:
     keys_without_ttl: int = 0
     stale_rejected: int = 0     # steps where a stale holder tried to commit and was refused
     recovery_s: float | None = None  # seconds from the fault until the system was quiet again
+    resumes: int = 0            # steps the harness had to re-send (an operator's resume)
+    attempts: int = 0           # task runs that took or met the lease (>= 2: a rival existed)
 
     @property
     def ok(self) -> bool:
@@ -74,6 +76,27 @@ def check_step(step: int, status: str, records: list[Record]) -> list[str]:
     if any(b < a for a, b in zip(fences, fences[1:])):
         problems.append(f"step {step}: a stale holder wrote after a newer one (fences "
                         f"{fences})")
+    return problems
+
+
+def stale_commits(step: int, history: list[dict]) -> list[str]:
+    """Commits by a holder after a newer holder (higher fence) had already been granted the
+    lease: the stale holder's lease had expired before it committed. A live holder keeps its
+    lease until it releases, after its commit, so this only happens to a holder that was
+    paused or cut off past its TTL (Kleppmann 2016's case)."""
+    acquired = [(e["t"], e.get("fence") or 0, e["owner"]) for e in history
+                if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")]
+    problems = []
+    for e in history:
+        if e.get("step") != step or e.get("ev") != "committed" or not e.get("owner"):
+            continue
+        fence = e.get("fence") or 0
+        newer = [(t, f, o) for t, f, o in acquired if o != e["owner"] and f > fence
+                 and t < e["t"]]
+        if newer:
+            problems.append(f"step {step}: holder {e['owner'][:8]} (fence {fence}) committed "
+                            f"after {newer[0][2][:8]} (fence {newer[0][1]}) was granted the "
+                            f"lease")
     return problems
 
 
@@ -133,9 +156,14 @@ def check(steps: dict[int, str], records: list[Record], history: list[dict],
         intervals = lease_intervals(history, step, end)
         if overlapped(intervals):
             verdict.overlaps += 1
+        verdict.violations.extend(stale_commits(step, history))
+        fences = {e["owner"]: e.get("fence") or 0 for e in history
+                  if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")}
+        newest = max(fences.values(), default=0)
         committed = {r.owner for r in mine}
         refused = {e["owner"] for e in history if e.get("step") == step
                    and e.get("ev") in ("conflict", "lost") and e.get("owner")
+                   and fences.get(e["owner"], newest) < newest
                    and any(h.get("ev") == "point" and h.get("point") == "before_cas"
                            and h.get("owner") == e["owner"] for h in history)}
         if committed and refused - committed:

@@ -98,9 +98,10 @@ class Lab:
         self.stop()
 
     def store_client(self) -> redis.Redis:
-        """A client on the lock store as it is now (direct, not through the proxy)."""
-        return redis.Redis(host="127.0.0.1", port=self.store.port, decode_responses=True,
-                           socket_timeout=5)
+        """A client on the lock store the workers use now (the proxy's target: the promoted
+        replica after a failover), directly, not through the proxy."""
+        host, port = self.store_proxy.target
+        return redis.Redis(host=host, port=port, decode_responses=True, socket_timeout=5)
 
     def worker_env(self) -> dict:
         env = {
@@ -163,6 +164,8 @@ class Lab:
         if not self.store.alive():
             self.store.start()
         self.store_client().flushdb()
+        for worker in self.workers.values():  # nothing stays stopped by an unfinished trial
+            worker.signal(signal.SIGCONT, group=True)
         self.ensure_workers()
 
     def recover(self) -> None:
@@ -245,19 +248,24 @@ class Lab:
 
     def quiet(self, step_ids) -> bool:
         statuses = self.statuses(step_ids)
-        return (all(s in TERMINAL for s in statuses.values()) and self.broker_idle()
-                and not self.leases())
+        return all(s in TERMINAL for s in statuses.values()) and self.broker_idle()
 
     def settle(self, step_ids, timeout: float = 90.0, resume: bool = True) -> float:
-        """Wait until every step is terminal, the broker holds no message and no lease is
-        held; returns the time.time() it happened. A step that stays ``pending`` with nothing
-        queued (its attempt failed for good, e.g. a time limit) is resumed once by an operator
-        re-sending ``forward``, as the README tells users to."""
+        """Wait until every step is terminal and the broker holds no message, then up to one
+        TTL more for the leases to go; returns the time.time() the last one went (or the wait
+        ended). Leases still held then are left in ``self.leftover``. A step that stays
+        ``pending`` with nothing queued (its attempt failed for good, e.g. a time limit) is
+        resumed once by an operator re-sending ``forward`` (noted as ``resume``)."""
         deadline = time.monotonic() + timeout
         resumed = set()
         idle_since = None
+        self.leftover = []
         while time.monotonic() < deadline:
             if self.quiet(step_ids):
+                grace = time.monotonic() + self.ttl + 1.0
+                while (held := self.leases()) and time.monotonic() < grace:
+                    time.sleep(0.05)
+                self.leftover = held
                 return time.time()
             if not any(w.alive() for w in self.workers.values()):
                 self.note("restart_workers")  # as a process supervisor would
@@ -298,10 +306,14 @@ class Lab:
         client = self.store_client()
         keys = list(client.scan_iter(match="steplock:*", count=1000))
         without_ttl = sum(1 for k in keys if client.pttl(k) == -1)
-        leftover = len(self.leases())
-        verdict = checker.check(self.statuses(step_ids), records, self.history(),
-                                leftover_leases=leftover, keys_without_ttl=without_ttl,
-                                end_of_trial=settled_at)
+        history = self.history()
+        verdict = checker.check(self.statuses(step_ids), records, history,
+                                leftover_leases=len(getattr(self, "leftover", [])),
+                                keys_without_ttl=without_ttl, end_of_trial=settled_at)
+        steps = set(step_ids)
+        verdict.resumes = sum(1 for e in history if e["ev"] == "resume" and e["step"] in steps)
+        verdict.attempts = sum(1 for e in history if e["ev"] in ("acquired", "contended")
+                               and e.get("step") in steps)
         if fault_at and settled_at:
             verdict.recovery_s = max(0.0, settled_at - fault_at)
         return verdict

@@ -28,6 +28,7 @@ class Scenario:
     inject: Callable    # inject(lab, step_id) -> wall-clock time of the fault
     overlap: bool = False  # two holders at once is expected (pause, failover)
     timeout: float = 90.0
+    resume: bool = False   # the fault fails the task for good: an operator re-sends it
 
 
 @dataclass
@@ -108,20 +109,16 @@ def kill_main(lab, step):
 
 
 def pause(point):
-    """SIGSTOP the holder past its TTL, SIGCONT once another attempt committed (or, when the
-    holder already holds the row lock, once the other attempt is blocked on it)."""
+    """SIGSTOP the holder past its TTL; SIGCONT only once another attempt committed. After its
+    CAS the stopped holder owns the step's row lock: PostgreSQL ends its session when it has
+    sat idle for its lease's remaining validity (StepTransitionGuard.set_deadline), which
+    frees the row for the next holder and makes the stale COMMIT fail."""
     def inject(lab, step):
         arrival, _ = held_pair(lab, step, point)
         fault = lab.signal_pid(arrival["pid"], signal.SIGSTOP)
         lab.go(step, point)
-        victim = arrival["owner"]
-
-        def taken_over():
-            if other_owner(lab, step, victim, "applied"):
-                return True
-            blocked = other_owner(lab, step, victim, "point", point="before_cas")
-            return blocked is not None and time.time() - blocked["t"] > 1.0
-        lab.wait_for(taken_over, 60, "another attempt to take over the paused holder's step")
+        lab.wait_for(lambda: other_owner(lab, step, arrival["owner"], "committed"), 60,
+                     "another attempt to commit the paused holder's step")
         lab.signal_pid(arrival["pid"], signal.SIGCONT)
         return fault["t"]
     return inject
@@ -134,7 +131,7 @@ def heartbeat_frozen(lab, step):
     lab.r.set(f"faults:freeze:{arrival['pid']}", "1")
     fault = lab.note("fault", kind="heartbeat_frozen", pid=arrival["pid"])
     lab.go(step, "before_cas", f"sleep:{2.5 * lab.ttl}")
-    lab.wait_for(lambda: other_owner(lab, step, None, "applied")
+    lab.wait_for(lambda: other_owner(lab, step, None, "committed")
                  and lab.wait_event("task_end", 60, pid=arrival["pid"]), 60,
                  "a commit and the frozen holder's end")
     lab.r.delete(f"faults:freeze:{arrival['pid']}")
@@ -249,8 +246,10 @@ def blackhole(path, factor=1.5):
 # -- PostgreSQL faults --------------------------------------------------------------------------
 
 def pg_terminate(point):
+    """No duplicate: the attempt whose connection died must finish the step itself (the
+    library retries a COMMIT lost with its connection)."""
     def inject(lab, step):
-        arrival, _ = held_pair(lab, step, point)
+        arrival, _ = held_pair(lab, step, point, duplicate=False)
         fault = lab.pg_terminate(arrival["backend_pid"])
         lab.go(step, point)
         return fault["t"]
@@ -259,7 +258,7 @@ def pg_terminate(point):
 
 def lost_commit_reply(lab, step):
     """COMMIT reaches PostgreSQL and commits; its reply never comes back (connection cut)."""
-    arrival, _ = held_pair(lab, step, "before_commit")
+    arrival, _ = held_pair(lab, step, "before_commit", duplicate=False)
     lab.pg_proxy.drop_next_reply(match=b"COMMIT")
     fault = lab.note("fault", kind="lost_commit_reply")
     lab.go(step, "before_commit")
@@ -333,7 +332,7 @@ def _scenarios() -> list[Scenario]:
     for point in POINTS:
         s.append(Scenario(f"kill-child@{point}", "SIGKILL worker child", kill_child(point)))
     s.append(Scenario("kill-main@before_cas", "SIGKILL worker main process", kill_main))
-    for point in ("before_cas", "before_commit"):
+    for point in ("before_cas", "after_cas", "before_commit"):
         s.append(Scenario(f"pause@{point}", "SIGSTOP past TTL, SIGCONT", pause(point),
                           overlap=True))
     s.append(Scenario("heartbeat-frozen", "heartbeat thread frozen", heartbeat_frozen,
@@ -367,9 +366,9 @@ def _scenarios() -> list[Scenario]:
                           else "compensation-simultaneous",
                           "compensation racing the forward flow", compensation(first)))
     s.append(Scenario("soft-time-limit", "soft time limit in the critical section",
-                      time_limit(soft=True)))
+                      time_limit(soft=True), resume=True))
     s.append(Scenario("hard-time-limit", "hard time limit in the critical section",
-                      time_limit(soft=False)))
+                      time_limit(soft=False), resume=True))
     s.append(Scenario("warm-shutdown", "warm shutdown (SIGTERM)", shutdown(signal.SIGTERM)))
     s.append(Scenario("cold-shutdown", "cold shutdown (SIGQUIT)", shutdown(signal.SIGQUIT)))
     return s

@@ -82,3 +82,18 @@ def test_the_end_of_the_task_run_ends_a_hold_whose_release_failed():
     intervals = lease_intervals(history, 1, end_of_trial=40)
     assert intervals == {"a": (0.0, 0.6), "b": (31.0, 31.5)}
     assert not overlapped(intervals)
+
+
+def test_a_commit_after_a_newer_holder_was_granted_is_a_violation():
+    history = [ev("acquired", 0.0, "old-owner", fence=1), ev("acquired", 2.5, "new-owner", fence=2),
+               ev("committed", 3.0, "old-owner", fence=1), ev("conflict", 3.1, "new-owner")]
+    verdict = check({1: "done"}, [rec("done", "old-owner", 1)], history)
+    assert verdict.violations == ["step 1: holder old-owne (fence 1) committed after new-owne "
+                                  "(fence 2) was granted the lease"]
+
+
+def test_a_commit_before_the_next_grant_is_fine():
+    history = [ev("acquired", 0.0, "a", fence=1), ev("committed", 0.5, "a", fence=1),
+               ev("released", 0.6, "a"), ev("acquired", 1.0, "b", fence=2),
+               ev("conflict", 1.1, "b")]
+    assert check({1: "done"}, [rec("done", "a", 1)], history).violations == []

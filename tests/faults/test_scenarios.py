@@ -19,6 +19,8 @@ def test_scenario_commits_once(lab, name):
     print(f"{name}: {verdict} in {outcome.seconds:.1f}s")
     assert verdict.violations == []
     assert verdict.commits == 1  # one terminal transition, committed once
+    assert verdict.attempts >= 2  # a second run was there to commit twice
+    assert verdict.resumes == (1 if scenario.resume else 0)  # nothing lost that needed help
     assert verdict.leftover_leases == 0 and verdict.keys_without_ttl == 0
     if scenario.overlap:
         assert verdict.overlaps == 1  # two holders at once happened, and still one commit
