@@ -144,6 +144,14 @@ def test_soft_time_limit_not_below_time_limit_warns():
     assert f"{name} (soft 60 s, hard 60 s)" in warning.msg and fine not in warning.msg
 
 
+def test_retry_backoff_max_not_below_the_visibility_timeout_warns():
+    app = make_app(steplock_retry_backoff_max=60,
+                   broker_transport_options={"visibility_timeout": 30})
+    [warning] = checks.check_time_limits(app)
+    assert warning.id == "celery_steplock.W004"
+    assert "lease retries (steplock_retry_backoff_max 60 s)" in warning.msg
+
+
 def test_time_limit_not_below_the_visibility_timeout_warns():
     app = make_app(task_time_limit=3600)  # the Redis default visibility_timeout: 3600 s
     name = add_task(app)

@@ -16,7 +16,8 @@
 ``celery_steplock.W003``    the Celery app's task modules could not be imported, so E002,
                             W001, W002 and W004 only judged the tasks registered anyway.
 ``celery_steplock.W004``    a StepLockedTask's ``soft_time_limit`` is not below its
-                            ``time_limit``, or its ``time_limit`` is not below the broker's
+                            ``time_limit``, or its ``time_limit`` (or the lease retries'
+                            ``steplock_retry_backoff_max``) is not below the broker's
                             ``visibility_timeout``.
 ==========================  ==============================================================
 
@@ -307,6 +308,12 @@ def check_time_limits(app) -> list[checks.CheckMessage]:
         ("task defaults", conf.task_soft_time_limit, conf.task_time_limit)]
     visibility = _visibility_timeout(app)
     inverted, too_long = [], []
+    try:
+        backoff_max = Settings(app).retry_backoff_max
+    except ImproperlyConfigured:
+        backoff_max = None  # E003 reports it
+    if backoff_max is not None and visibility is not None and backoff_max >= visibility:
+        too_long.append(f"lease retries (steplock_retry_backoff_max {backoff_max:g} s)")
     for name, soft, hard in subjects:
         soft = conf.task_soft_time_limit if soft is None else soft
         hard = conf.task_time_limit if hard is None else hard
@@ -325,11 +332,13 @@ def check_time_limits(app) -> list[checks.CheckMessage]:
             obj="task_soft_time_limit", id="celery_steplock.W004"))
     if too_long:
         warnings.append(checks.Warning(
-            f"StepLockedTasks whose time_limit is not below the broker visibility_timeout "
-            f"({visibility:g} s): {', '.join(too_long)}. The broker redelivers the message of "
-            f"a task that is still running, and the duplicate waits on its lease.",
+            f"Time limits or countdowns not below the broker visibility_timeout "
+            f"({visibility:g} s): {', '.join(too_long)}. The broker hands out the message of "
+            f"a task still running or still waiting for its countdown again, and the "
+            f"duplicate waits on the lease.",
             hint="Raise CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your "
-                 "longest time_limit and countdown, or lower the time limit.",
+                 "longest time_limit and countdown, or lower them "
+                 "(CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns).",
             obj="task_time_limit", id="celery_steplock.W004"))
     return warnings
 
