@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "owner_field": "lock_owner",
     "fence_field": "lock_fence",
     "precheck": True,
+    "db_deadline": True,            # PostgreSQL: bound the CAS's lock wait and idle-before-COMMIT
     "socket_timeout": 5.0,
     "fence_ttl": 7 * 24 * 3600.0,   # lifetime of an idle name's fencing counter
     "event_log": False,             # Django: write LeaseEvent rows (contrib.django)
@@ -293,6 +294,10 @@ class Settings:
     @property
     def precheck(self) -> bool:
         return check_bool(self.raw("precheck"), "steplock_precheck")
+
+    @property
+    def db_deadline(self) -> bool:
+        return check_bool(self.raw("db_deadline"), "steplock_db_deadline")
 
     @property
     def socket_timeout(self) -> float:

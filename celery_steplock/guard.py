@@ -125,6 +125,26 @@ class StepTransitionGuard:
                                step_id=step_id)
         return current
 
+    def set_deadline(self, seconds: float) -> bool:
+        """PostgreSQL only: within the current transaction, wait at most ``seconds`` for a row
+        lock (``lock_timeout``) and let the server end the session when it sits idle inside
+        the transaction for longer (``idle_in_transaction_session_timeout``), both ``SET
+        LOCAL``. Called with the lease's remaining validity just before the CAS, it means a
+        holder paused after its CAS can no longer COMMIT once its lease may have passed to a
+        newer holder, and a stopped holder's row lock does not block the step for longer
+        than that. Returns False (and does nothing) on other databases."""
+        from django.db import connections
+
+        connection = connections[self.using or self.manager.db]
+        if connection.vendor != "postgresql":
+            return False
+        ms = str(max(1, int(seconds * 1000)))
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, true), "
+                           "set_config('idle_in_transaction_session_timeout', %s, true)",
+                           [ms, ms])
+        return True
+
     def transition(self, step_id: Any, from_: str, to: str, *, owner: str | None = None,
                    fence: int | None = None, updates: Mapping[str, Any] | None = None,
                    raise_on_conflict: bool = True) -> TransitionResult:

@@ -93,13 +93,23 @@ class Heartbeat:
         """Stop renewing ``lease``.
 
         Returns False when the lease was not registered (e.g. the heartbeat already dropped it
-        as lost, and so already sent ``lock_lost``). Waits for a renewal round trip in
-        flight, so that no ``lock_extended`` of this lease follows the caller's release.
+        as lost, and so already sent ``lock_lost``). Waits for a renewal cycle in flight, so
+        that no ``lock_extended`` of this lease follows the caller's release, but at most one
+        TTL: a cycle stuck in a ``lock_extended`` receiver must not hang the task too.
         """
-        with self._cycle, self._cond:
-            present = self._entries.pop(id(lease), None) is not None
-            if present and not self._entries:
-                self._idle_since = time.monotonic()
+        in_cycle = self._cycle.acquire(timeout=max(MIN_RETRY_DELAY, lease.ttl))
+        try:
+            with self._cond:
+                present = self._entries.pop(id(lease), None) is not None
+                if present and not self._entries:
+                    self._idle_since = time.monotonic()
+        finally:
+            if in_cycle:
+                self._cycle.release()
+        if not in_cycle:
+            logger.warning("event=heartbeat_stuck key=%s owner=%s waited=%.3f: a renewal cycle "
+                           "(a lock_extended receiver?) did not finish; unregistered anyway",
+                           lease.key, lease.owner, lease.ttl)
         return present
 
     @property

@@ -126,7 +126,8 @@ class StepLockedTask(Task):
 
     Raises (as the task's outcome): LockContended (on_contended="raise" or retries
     exhausted), LockStoreUnavailable (fail-closed, retries exhausted), LockLost (the lease
-    was lost before the commit; nothing committed), TransitionConflict
+    was lost before the commit, or the step row carries a newer fencing token; nothing
+    committed), a database connection error from COMMIT (retried first), TransitionConflict
     (on_conflict="raise"), ImproperlyConfigured and LockNameError (bad options/arguments).
     """
 
@@ -273,14 +274,31 @@ class StepLockedTask(Task):
         fields = lease_fields(lease) if lease is not None else {
             "key": None, "name": None, "owner": None, "fence": None,
             "task_id": self.request.id, "task_name": self.name, "ttl": None}
+        guard = self.steplock_guard()
         try:
-            result = self.steplock_guard().transition(
+            result = guard.transition(
                 step_id, from_, to, owner=lease.owner if lease else None,
                 fence=lease.fence if lease else None, updates=updates)
         except TransitionConflict as exc:
             emit(signals.transition_conflict, self, step_id=step_id, from_=from_, to=to,
                  current=exc.current, **fields)
+            if lease is not None and exc.current == from_:
+                # The status matched, the fence did not: the row carries a newer fencing
+                # token. Either a newer holder wrote it (this lease is stale), or the fence
+                # source went backwards (a failover to a node whose clock is behind): retry
+                # rather than ignore, so the step is never dropped silently.
+                lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
+                raise LockLost(f"{exc} (fence {lease.fence})", key=lease.key,
+                               owner=lease.owner, fence=lease.fence) from exc
             raise
+        except Exception as exc:
+            if lease is None or not _lock_not_available(exc):
+                raise
+            # The row stayed locked past the lease's validity (set_deadline's lock_timeout):
+            # another transaction, e.g. a stopped holder's, has it. Contention: back off.
+            raise LockContended(
+                f"step {step_id!r}: its row stayed locked by another transaction for the "
+                f"lease's remaining validity", key=lease.key, holder=None) from exc
         self._on_commit(lambda: emit(signals.transition_applied, self, step_id=step_id,
                                      from_=from_, to=to, **fields))
         return result
@@ -353,6 +371,7 @@ class StepLockedTask(Task):
     def _execute(self, lease: Lease | None, lock: RedisStepLock, opts: _Options, step_id,
                  args, kwargs):
         token = _current_leases.set({**_current_leases.get(), self.name: lease})
+        body_done = False
         try:
             if opts.transition is not None and opts.precheck:
                 # Before the transaction: a read needs no write lock (SQLite's BEGIN
@@ -369,6 +388,12 @@ class StepLockedTask(Task):
                     raise exc
             with self._atomic(opts):
                 result = super().__call__(*args, **kwargs)
+                body_done = True
+                if lease is not None and self.step_model is not None \
+                        and self.steplock_settings.db_deadline:
+                    # From here to COMMIT the transaction lives no longer than the lease may:
+                    # a holder stopped after its CAS can neither commit late nor hold the row.
+                    self.steplock_guard().set_deadline(lease.remaining())
                 if opts.transition is not None:
                     self.transition(step_id, *opts.transition)
                 if lease is not None:
@@ -384,6 +409,20 @@ class StepLockedTask(Task):
             raise
         except LockStoreUnavailable as exc:
             # Redis did not answer the pre-commit ownership check: nothing was committed.
+            return self._steplock_retry(exc, opts)
+        except LockContended as exc:
+            return self._contended(exc, opts)  # the step's row, not the lease, was busy
+        except Exception as exc:
+            if not _lost_connection(exc) or not (
+                    body_done or (lease is not None and (lease.lost or lease.remaining() <= 0))):
+                raise
+            # The connection broke in our part of the transaction (deadline, CAS, COMMIT: the
+            # commit did not happen, or it did and its reply was lost), or the database ended
+            # a session whose lease ran out (StepTransitionGuard.set_deadline): the retry
+            # settles it, since its pre-check or CAS sees the step as it is. The body's own
+            # database errors stay the body's (Celery's autoretry_for).
+            logger.warning("event=commit_failed task_id=%s task_name=%s step_id=%s error=%r",
+                           self.request.id, self.name, step_id, exc)
             return self._steplock_retry(exc, opts)
         finally:
             _current_leases.reset(token)
@@ -499,6 +538,24 @@ class StepLockedTask(Task):
         # its task id with the winner and must not overwrite the winner's stored result.
         self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
         raise Ignore()
+
+
+def _lock_not_available(exc: BaseException) -> bool:
+    """PostgreSQL's lock_not_available (SQLSTATE 55P03), as raised through Django."""
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None) == "55P03" or getattr(cause, "pgcode", None) == "55P03"
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """A database error that means the connection broke (Django's OperationalError or
+    InterfaceError, or PostgreSQL's idle-in-transaction timeout, SQLSTATE 25P03, which Django
+    raises as InternalError), as opposed to a refused statement."""
+    from django.db import InterfaceError, InternalError, OperationalError
+
+    if isinstance(exc, InternalError):
+        return getattr(exc.__cause__, "sqlstate", None) == "25P03" \
+            or getattr(exc.__cause__, "pgcode", None) == "25P03"
+    return isinstance(exc, (OperationalError, InterfaceError))
 
 
 def backoff(factor: float, retries: int, maximum: float) -> float:

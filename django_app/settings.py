@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "django_celery_results",
     "celery_steplock.contrib.django",
     "django_app.workflows",
+    "django_app.faults",
 ]
 
 MIDDLEWARE = [
@@ -154,6 +155,10 @@ if os.environ.get("STEPLOCK_RETRY_MAX"):
     CELERY_STEPLOCK_RETRY_MAX = int(os.environ["STEPLOCK_RETRY_MAX"])
 if os.environ.get("STEPLOCK_RETRY_BACKOFF"):
     CELERY_STEPLOCK_RETRY_BACKOFF = float(os.environ["STEPLOCK_RETRY_BACKOFF"])
+if os.environ.get("STEPLOCK_RETRY_BACKOFF_MAX"):
+    CELERY_STEPLOCK_RETRY_BACKOFF_MAX = float(os.environ["STEPLOCK_RETRY_BACKOFF_MAX"])
+if os.environ.get("STEPLOCK_MAX_HOLD"):
+    CELERY_STEPLOCK_MAX_HOLD = float(os.environ["STEPLOCK_MAX_HOLD"])
 if os.environ.get("STEPLOCK_REDIS_URL"):
     CELERY_STEPLOCK_REDIS_URL = os.environ["STEPLOCK_REDIS_URL"]
 # The reaper (manage.py reap_expired_leases, celery steplock reap, the beat task) moves a step

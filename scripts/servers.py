@@ -210,8 +210,10 @@ class _PortTaken(RuntimeError):
 class RedisServer:
     """A redis-server on 127.0.0.1 without persistence, in a temporary directory."""
 
-    def __init__(self, port: int | None = None, workdir: str | os.PathLike | None = None):
+    def __init__(self, port: int | None = None, workdir: str | os.PathLike | None = None,
+                 args=()):
         self.port = port or free_port()
+        self.args = [str(a) for a in args]  # extra redis-server options, e.g. ("--replicaof", ...)
         self._port_fixed = port is not None
         self._workdir_arg = Path(workdir) if workdir else None
         self.workdir: Path | None = self._workdir_arg
@@ -267,6 +269,7 @@ class RedisServer:
             "--dir", str(self.workdir),
             "--daemonize", "no",
             "--logfile", str(self.logfile),
+            *self.args,
         ]
         with open(self.logfile, "ab") as log:
             self.proc = subprocess.Popen(

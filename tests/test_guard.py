@@ -117,3 +117,63 @@ def test_the_cas_sets_auto_now_columns_as_save_would(guard):
     guard.transition(step.pk, "pending", "done")
     step.refresh_from_db()
     assert step.updated_at.year > 2000
+
+
+def test_set_deadline_ends_an_idle_transaction_on_postgresql(guard):
+    """PostgreSQL ends a transaction left idle past the deadline (its COMMIT then fails);
+    other databases are left alone (returns False)."""
+    import time
+
+    from django.db import DatabaseError, connection
+
+    step = Step.objects.create(name="s")
+    if connection.vendor != "postgresql":
+        with transaction.atomic():
+            assert guard.set_deadline(0.2) is False
+            guard.transition(step.pk, "pending", "done")
+        step.refresh_from_db()
+        assert step.status == "done"
+        return
+    with pytest.raises(DatabaseError) as info:  # Django: InternalError
+        with transaction.atomic():
+            assert guard.set_deadline(0.2) is True
+            guard.transition(step.pk, "pending", "done")
+            time.sleep(0.6)  # a stopped holder, idle inside its transaction
+    assert info.value.__cause__.sqlstate == "25P03"  # idle_in_transaction_session_timeout
+    connection.close()
+    step.refresh_from_db()
+    assert step.status == "pending"  # the stale COMMIT never happened
+
+
+def test_set_deadline_bounds_the_wait_for_a_locked_row(guard):
+    import threading
+    import time
+
+    from django.db import OperationalError, connection, connections
+
+    step = Step.objects.create(name="s")
+    if connection.vendor != "postgresql":
+        return  # SQLite: one writer at a time, no row locks to bound (set_deadline is a no-op)
+    locked, done = threading.Event(), threading.Event()
+
+    def holder():
+        with transaction.atomic():
+            Step.objects.filter(pk=step.pk).update(name="held")
+            locked.set()
+            done.wait(5)
+        connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert locked.wait(5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(OperationalError) as info:
+            with transaction.atomic():
+                guard.set_deadline(0.3)
+                guard.transition(step.pk, "pending", "done")
+        assert getattr(info.value.__cause__, "sqlstate", None) == "55P03"
+        assert 0.25 <= time.monotonic() - started < 2.0
+    finally:
+        done.set()
+        thread.join()

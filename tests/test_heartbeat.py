@@ -268,3 +268,32 @@ def test_an_unreachable_store_is_retried_at_a_bounded_pace(lock, heartbeat):
     time.sleep(1.8)
     assert not lease.lost
     assert 2 <= heartbeat.cycles <= 10  # retried every interval / 3, not in a tight loop
+
+
+def test_a_stuck_lock_extended_receiver_does_not_hang_unregister(lock, heartbeat, caplog):
+    """A receiver blocking the heartbeat thread (found by tests/faults heartbeat-frozen) stops
+    renewals, but the task's unregister gives up after one TTL instead of waiting forever."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck(sender=None, **kwargs):
+        entered.set()
+        release.wait(10)
+
+    signals.lock_extended.connect(stuck, weak=False)
+    try:
+        lease = lock.acquire("stuck", "o", 0.6)
+        heartbeat.register(lease, lock, ratio=1 / 3)
+        assert entered.wait(2)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="celery_steplock"):
+            assert heartbeat.unregister(lease) is True
+        waited = time.monotonic() - started
+        assert 0.55 <= waited < 1.5  # one TTL (0.6 s), not the receiver's 10 s
+        assert "event=heartbeat_stuck" in caplog.text
+        assert heartbeat.leases == []
+        time.sleep(0.8)
+        assert lease.lost  # nothing renewed it while the receiver was stuck
+    finally:
+        release.set()
+        signals.lock_extended.disconnect(stuck)

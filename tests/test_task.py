@@ -201,6 +201,19 @@ def test_lost_lease_refuses_the_commit(redis_client, events):
     assert redis_client.hget(f"steplock:lease:{{step:{step.pk}}}", "owner") == "thief"
 
 
+def test_a_newer_fence_in_the_row_is_a_lost_lease_not_a_silent_conflict(redis_client, events):
+    """The status matches but the row carries a higher fence (a newer holder wrote it, or the
+    fence source went backwards after a failover): LockLost, retried, never Ignore (tests/faults
+    review: an ignored refusal would drop the step for good)."""
+    step = Step.objects.create(name="s", lock_fence=2 ** 62)
+    result = finish.apply(args=(step.pk,))
+    assert isinstance(result.result, LockLost), result.traceback
+    assert "newer fencing token" in str(result.result)
+    step.refresh_from_db()
+    assert step.status == "pending" and TransitionRecord.objects.count() == 0
+    assert names(events)[-3:] == ["transition_conflict", "lock_lost", "lock_released"]
+
+
 def test_lost_lease_is_retried_with_the_retry_policy(redis_client):
     step = Step.objects.create(name="s")
     finish.on_contended = "retry"

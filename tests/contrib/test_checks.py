@@ -1,4 +1,4 @@
-"""System checks ``celery_steplock.E001``-``E003``, ``W001``-``W002``.
+"""System checks ``celery_steplock.E001``-``E003``, ``W001``-``W004``.
 
 Each check function takes a Celery app; most tests build a throwaway app (Celery adds the
 example project's shared tasks to every app it finalizes, so assertions name their own tasks).
@@ -124,6 +124,40 @@ def test_acks_late_without_reject_on_worker_lost_warns():
     [warning] = about(checks.check_worker_lost(app), name)
     assert warning.id == "celery_steplock.W002" and "without reject_on_worker_lost" in warning.msg
     assert late_ok not in warning.msg
+
+
+# -- W004 -------------------------------------------------------------------------------------
+
+def test_soft_below_hard_below_visibility_timeout_passes():
+    app = make_app(task_soft_time_limit=50, task_time_limit=60,
+                   broker_transport_options={"visibility_timeout": 120})
+    add_task(app)
+    assert checks.check_time_limits(app) == []
+
+
+def test_soft_time_limit_not_below_time_limit_warns():
+    app = make_app(broker_transport_options={"visibility_timeout": 120})
+    name = add_task(app, soft_time_limit=60, time_limit=60)
+    fine = add_task(app, soft_time_limit=30, time_limit=60)
+    [warning] = about(checks.check_time_limits(app), name)
+    assert warning.id == "celery_steplock.W004"
+    assert f"{name} (soft 60 s, hard 60 s)" in warning.msg and fine not in warning.msg
+
+
+def test_retry_backoff_max_not_below_the_visibility_timeout_warns():
+    app = make_app(steplock_retry_backoff_max=60,
+                   broker_transport_options={"visibility_timeout": 30})
+    [warning] = checks.check_time_limits(app)
+    assert warning.id == "celery_steplock.W004"
+    assert "lease retries (steplock_retry_backoff_max 60 s)" in warning.msg
+
+
+def test_time_limit_not_below_the_visibility_timeout_warns():
+    app = make_app(task_time_limit=3600)  # the Redis default visibility_timeout: 3600 s
+    name = add_task(app)
+    [warning] = about(checks.check_time_limits(app), name)
+    assert warning.id == "celery_steplock.W004"
+    assert f"{name} (time_limit 3600 s)" in warning.msg and "(3600 s)" in warning.msg
 
 
 # -- E002 -------------------------------------------------------------------------------------

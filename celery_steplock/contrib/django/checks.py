@@ -14,7 +14,11 @@
 ``celery_steplock.W002``    StepLockedTasks without ``acks_late`` + ``reject_on_worker_lost``:
                             a killed worker's message is acknowledged and never redelivered.
 ``celery_steplock.W003``    the Celery app's task modules could not be imported, so E002,
-                            W001 and W002 only judged the tasks registered anyway.
+                            W001, W002 and W004 only judged the tasks registered anyway.
+``celery_steplock.W004``    a StepLockedTask's ``soft_time_limit`` is not below its
+                            ``time_limit``, or its ``time_limit`` (or the lease retries'
+                            ``steplock_retry_backoff_max``) is not below the broker's
+                            ``visibility_timeout``.
 ==========================  ==============================================================
 
 The checks read the project's Celery app (``celery.current_app``), after importing its task
@@ -37,7 +41,7 @@ from ...exceptions import ImproperlyConfigured
 
 __all__ = ["TAG", "REDIS_VISIBILITY_TIMEOUT", "register_checks", "check_lock_store",
            "check_step_models", "check_settings", "check_visibility_timeout",
-           "check_worker_lost", "check_task_modules"]
+           "check_worker_lost", "check_time_limits", "check_task_modules"]
 
 TAG = "celery_steplock"
 #: kombu's Redis transport default ``visibility_timeout``, seconds.
@@ -108,6 +112,21 @@ def check_settings(app) -> list[checks.CheckMessage]:
     return errors
 
 
+def _visibility_timeout(app) -> float | None:
+    """The broker's ``visibility_timeout`` in seconds (kombu's Redis default when unset on a
+    Redis broker); None when the transport has none we know or the value is not a number."""
+    options = app.conf.broker_transport_options or {}
+    timeout = options.get("visibility_timeout")
+    if timeout is None:
+        if not any(u.startswith(_REDIS_SCHEMES) for u in _broker_urls(app)):
+            return None
+        timeout = REDIS_VISIBILITY_TIMEOUT
+    try:
+        return float(timeout)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_visibility_timeout(app) -> list[checks.CheckMessage]:
     """W001: lease TTLs that are not below the broker's ``visibility_timeout``.
 
@@ -119,15 +138,8 @@ def check_visibility_timeout(app) -> list[checks.CheckMessage]:
         default_ttl = Settings(app).default_ttl
     except ImproperlyConfigured:
         return []  # E003 reports it
-    options = app.conf.broker_transport_options or {}
-    timeout = options.get("visibility_timeout")
+    timeout = _visibility_timeout(app)
     if timeout is None:
-        if not any(u.startswith(_REDIS_SCHEMES) for u in _broker_urls(app)):
-            return []  # not a transport with a visibility timeout we know
-        timeout = REDIS_VISIBILITY_TIMEOUT
-    try:
-        timeout = float(timeout)
-    except (TypeError, ValueError):
         return []
     offenders = []
     if default_ttl >= timeout:
@@ -281,6 +293,56 @@ def check_lock_store(app) -> list[checks.CheckMessage]:
     return []
 
 
+def check_time_limits(app) -> list[checks.CheckMessage]:
+    """W004: time limits that do not pair with the lease.
+
+    ``soft_time_limit`` must be below ``time_limit``: the soft limit raises
+    SoftTimeLimitExceeded in the body, so its transaction rolls back and the lease is released
+    at once; at the hard limit the pool kills the process and the lease waits for its TTL. A
+    ``time_limit`` not below the broker's ``visibility_timeout`` lets the broker hand the
+    message of a still-running task to another worker (tests/faults: countdown-past-visibility).
+    """
+    conf = app.conf
+    tasks = _steplock_tasks(app)
+    subjects = [(t.name, t.soft_time_limit, t.time_limit) for t in tasks] or [
+        ("task defaults", conf.task_soft_time_limit, conf.task_time_limit)]
+    visibility = _visibility_timeout(app)
+    inverted, too_long = [], []
+    try:
+        backoff_max = Settings(app).retry_backoff_max
+    except ImproperlyConfigured:
+        backoff_max = None  # E003 reports it
+    if backoff_max is not None and visibility is not None and backoff_max >= visibility:
+        too_long.append(f"lease retries (steplock_retry_backoff_max {backoff_max:g} s)")
+    for name, soft, hard in subjects:
+        soft = conf.task_soft_time_limit if soft is None else soft
+        hard = conf.task_time_limit if hard is None else hard
+        if soft is not None and hard is not None and soft >= hard:
+            inverted.append(f"{name} (soft {soft:g} s, hard {hard:g} s)")
+        if hard is not None and visibility is not None and hard >= visibility:
+            too_long.append(f"{name} (time_limit {hard:g} s)")
+    warnings = []
+    if inverted:
+        warnings.append(checks.Warning(
+            f"StepLockedTasks whose soft_time_limit is not below time_limit: "
+            f"{', '.join(inverted)}. The pool kills them at the hard limit without the soft "
+            f"limit's SoftTimeLimitExceeded, so their leases wait for the TTL to expire.",
+            hint="Set CELERY_TASK_SOFT_TIME_LIMIT (or soft_time_limit=) a few seconds below "
+                 "CELERY_TASK_TIME_LIMIT (time_limit=).",
+            obj="task_soft_time_limit", id="celery_steplock.W004"))
+    if too_long:
+        warnings.append(checks.Warning(
+            f"Time limits or countdowns not below the broker visibility_timeout "
+            f"({visibility:g} s): {', '.join(too_long)}. The broker hands out the message of "
+            f"a task still running or still waiting for its countdown again, and the "
+            f"duplicate waits on the lease.",
+            hint="Raise CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your "
+                 "longest time_limit and countdown, or lower them "
+                 "(CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns).",
+            obj="task_time_limit", id="celery_steplock.W004"))
+    return warnings
+
+
 # -- registered check functions (Django calls them with app_configs and databases) --------
 
 def settings_check(app_configs=None, **kwargs):
@@ -299,6 +361,10 @@ def worker_lost_check(app_configs=None, **kwargs):
     return check_worker_lost(_app_with_tasks())
 
 
+def time_limits_check(app_configs=None, **kwargs):
+    return check_time_limits(_app_with_tasks())
+
+
 def step_model_check(app_configs=None, **kwargs):
     return check_step_models(_app_with_tasks(), app_configs)
 
@@ -313,6 +379,7 @@ def register_checks() -> None:
     checks.register(task_modules_check, TAG)
     checks.register(visibility_timeout_check, TAG)
     checks.register(worker_lost_check, TAG)
+    checks.register(time_limits_check, TAG)
     checks.register(step_model_check, TAG)
     # The network check only with --deploy: `manage.py migrate` must not wait on Redis.
     checks.register(lock_store_check, TAG, deploy=True)

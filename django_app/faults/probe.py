@@ -1,0 +1,173 @@
+"""The worker side of the fault-injection suite (``tests/faults``, ``scripts/faults``).
+
+Enabled only when ``STEPLOCK_FAULTS=1``. It writes a history of every attempt to the control
+Redis (``STEPLOCK_FAULTS_URL``; the broker of the fault workers, never the lock store, which the
+faults break) and stops an attempt at a named barrier when the controller armed it:
+
+``after_acquire`` (first line of the body), ``before_cas`` and ``after_cas`` (around the
+guard's compare-and-swap), ``before_commit`` (after the pre-commit ownership check, the last
+point before COMMIT), ``after_commit`` (an on-commit callback, before the release).
+
+Protocol: the controller sets ``faults:arm:<step>:<point>``; the first attempt to reach that
+point takes the arm (GETDEL), pushes its description to ``faults:arrived:<step>:<point>`` and
+blocks on ``faults:go:<step>:<point>`` until the controller pushes an instruction ("" to go on,
+``sleep:<seconds>`` to work that long first). History entries are JSON objects in the list
+``faults:history`` with ``ev``, ``t`` (wall clock seconds), ``pid``, ``step``, ``owner``,
+``fence``, ``task_id`` and event fields.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+HISTORY = "faults:history"
+BARRIER_TIMEOUT = 300  # seconds an armed barrier waits for the controller
+SLICE = 0.05
+
+_client = None
+_client_pid = None
+
+
+def enabled() -> bool:
+    return os.environ.get("STEPLOCK_FAULTS") == "1"
+
+
+def unguarded() -> bool:
+    """Negative control: transitions by a plain UPDATE, no compare-and-swap, no pre-check."""
+    return os.environ.get("STEPLOCK_FAULTS_UNGUARDED") == "1"
+
+
+def _redis():
+    global _client, _client_pid
+    if _client is None or _client_pid != os.getpid():
+        import redis
+
+        url = os.environ.get("STEPLOCK_FAULTS_URL") or os.environ["REDIS_URL"]
+        _client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=BARRIER_TIMEOUT
+                                       + 30, socket_connect_timeout=5)
+        _client_pid = os.getpid()
+    return _client
+
+
+def record(event: str, **fields) -> None:
+    """Append one history entry; a control-plane error is logged, never raised."""
+    if not enabled():
+        return
+    fields.update(ev=event, t=time.time(), pid=os.getpid())
+    try:
+        _redis().rpush(HISTORY, json.dumps(fields, default=str))
+    except Exception:  # noqa: BLE001
+        logger.exception("faults: could not record %s", event)
+
+
+def step_of(name: str | None):
+    """The step id of a lock name ``step:<id>``."""
+    if name and name.startswith("step:"):
+        try:
+            return int(name.split(":", 1)[1])
+        except ValueError:
+            return None
+    return None
+
+
+def _backend_pid():
+    try:
+        from django.db import connection
+
+        if connection.vendor == "postgresql" and connection.connection is not None:
+            return connection.connection.info.backend_pid
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def barrier(point: str, task, step_id) -> None:
+    """Record that ``point`` was reached and, if the controller armed it for this step, wait
+    for its instruction."""
+    if not enabled():
+        return
+    lease = task.lease
+    info = {"step": step_id, "point": point, "task": task.name, "task_id": task.request.id,
+            "owner": lease.owner if lease else None, "fence": lease.fence if lease else None,
+            "backend_pid": _backend_pid()}
+    record("point", **info)
+    client = _redis()
+    if not client.getdel(f"faults:arm:{step_id}:{point}"):
+        return
+    client.rpush(f"faults:arrived:{step_id}:{point}",
+                 json.dumps({**info, "pid": os.getpid(), "t": time.time()}))
+    item = client.blpop(f"faults:go:{step_id}:{point}", timeout=BARRIER_TIMEOUT)
+    instruction = item[1] if item else ""
+    record("resumed", instruction=instruction, **info)
+    if instruction.startswith("sleep:"):
+        work(task, float(instruction.split(":", 1)[1]), check=False)
+
+
+def work(task, seconds: float, check: bool = True) -> None:
+    """Sleep ``seconds`` in slices; with ``check``, stop with LockLost once the lease is lost."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if check and task.lease is not None:
+            task.lease.check()
+        time.sleep(min(SLICE, left))
+
+
+# -- receivers: library signals into the history ------------------------------------------
+
+_EVENTS = {"lock_acquired": "acquired", "lock_released": "released", "lock_lost": "lost",
+           "lock_contended": "contended", "transition_conflict": "conflict",
+           "transition_applied": "applied", "lock_store_error": "store_error"}
+
+
+def _receiver(event):
+    def receive(sender=None, **kw):
+        step = kw.get("step_id")
+        if step is None:
+            step = step_of(kw.get("name"))
+        record(event, step=step, owner=kw.get("owner"), fence=kw.get("fence"),
+               task_id=kw.get("task_id"), task=kw.get("task_name"),
+               reason=kw.get("reason"), holder=kw.get("holder"))
+    receive.__name__ = f"faults_{event}"
+    return receive
+
+
+_receivers = {signal: _receiver(event) for signal, event in _EVENTS.items()}
+
+
+def freeze_heartbeat(sender=None, **kw):
+    """``lock_extended`` runs on the heartbeat thread: while ``faults:freeze:<pid>`` exists it
+    blocks here, so this process renews nothing while its task threads run on."""
+    client = _redis()
+    key = f"faults:freeze:{os.getpid()}"
+    if client.exists(key):
+        record("heartbeat_frozen", step=step_of(kw.get("name")), owner=kw.get("owner"))
+        while client.exists(key):
+            time.sleep(SLICE)
+        record("heartbeat_thawed", step=step_of(kw.get("name")), owner=kw.get("owner"))
+
+
+def task_ended(sender=None, task_id=None, task=None, state=None, **kw):
+    step = (kw.get("kwargs") or {}).get("step_id")
+    if step is None and kw.get("args"):
+        step = kw["args"][0]
+    record("task_end", step=step, task_id=task_id, task=getattr(task, "name", None),
+           state=state)
+
+
+def connect() -> bool:
+    """Connect the receivers (idempotent); nothing unless STEPLOCK_FAULTS=1."""
+    if not enabled():
+        return False
+    from celery.signals import task_postrun
+
+    from celery_steplock import signals
+
+    for name, receiver in _receivers.items():
+        getattr(signals, name).connect(receiver, weak=False, dispatch_uid=f"faults-{name}")
+    signals.lock_extended.connect(freeze_heartbeat, weak=False, dispatch_uid="faults-freeze")
+    task_postrun.connect(task_ended, weak=False, dispatch_uid="faults-task-end")
+    return True

@@ -1,0 +1,93 @@
+"""Step tasks of the fault-injection suite: the example project's step model and lease name
+(``step:<id>``), with the probe's barriers around the library's own compare-and-swap.
+
+``forward`` (pending -> done) and ``compensate`` (pending -> cancelled) race on one lease;
+``forward_retry`` calls ``self.retry()`` inside the lease on its first attempt. Each commits a
+``TransitionRecord`` in the CAS's transaction, so the records are exactly the committed
+transitions. A database connection error is retried by Celery (``autoretry_for``): the
+transaction did not commit, or (a lost COMMIT reply) committed and the retry finds the step
+done.
+
+With ``STEPLOCK_FAULTS_UNGUARDED=1`` (the negative control) the transition is a plain
+``UPDATE ... WHERE pk=?`` and the pre-check is off: what the suite must catch.
+"""
+import os
+import socket
+
+from celery import shared_task
+from django.db import InterfaceError, OperationalError, transaction
+
+from celery_steplock import StepLockedTask
+from django_app.workflows.models import Step, TransitionRecord
+
+from . import probe
+
+
+class FaultTask(StepLockedTask):
+    """StepLockedTask with barriers at before_cas, after_cas, before_commit, after_commit."""
+
+    def transition(self, step_id, from_, to, **updates):
+        probe.barrier("before_cas", self, step_id)
+        lease = self.lease
+        if probe.unguarded():
+            Step.objects.filter(pk=step_id).update(status=to, lock_owner=lease.owner,
+                                                   lock_fence=lease.fence)
+            result = None
+        else:
+            result = super().transition(step_id, from_, to, **updates)
+        TransitionRecord.objects.create(
+            step_id=step_id, from_status=from_, to_status=to, task_name=self.name,
+            task_id=self.request.id or "", owner=lease.owner, fence=lease.fence,
+            hostname=self.request.hostname or socket.gethostname(), pid=os.getpid())
+        probe.record("cas", step=step_id, owner=lease.owner, fence=lease.fence,
+                     task_id=self.request.id, to=to)
+        def committed():
+            probe.record("committed", step=step_id, owner=lease.owner, fence=lease.fence,
+                         task_id=self.request.id, to=to)
+            probe.barrier("after_commit", self, step_id)
+        transaction.on_commit(committed)
+        probe.barrier("after_cas", self, step_id)
+        return result
+
+    def _check_owned(self, lease, lock, opts):
+        super()._check_owned(lease, lock, opts)
+        probe.barrier("before_commit", self, probe.step_of(lease.name))
+
+
+DB_ERRORS = (OperationalError, InterfaceError)
+
+OPTIONS = dict(
+    bind=True, base=FaultTask, acks_late=True, reject_on_worker_lost=True,
+    lock_key="step:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
+    lock_precheck=not probe.unguarded(),
+    autoretry_for=DB_ERRORS, retry_backoff=1, retry_backoff_max=4, retry_jitter=True,
+    max_retries=20,
+)
+
+
+def _body(task, step_id, work):
+    probe.barrier("after_acquire", task, step_id)
+    probe.work(task, work)
+    return {"step_id": step_id, "owner": task.lease.owner, "fence": task.lease.fence}
+
+
+@shared_task(transition=("pending", "done"), **OPTIONS)
+def forward(self, step_id, work=0.0):
+    """The forward flow: pending -> done after ``work`` seconds."""
+    return _body(self, step_id, work)
+
+
+@shared_task(transition=("pending", "cancelled"), **OPTIONS)
+def compensate(self, step_id, work=0.0):
+    """The compensation racing the forward flow: pending -> cancelled."""
+    return _body(self, step_id, work)
+
+
+@shared_task(transition=("pending", "done"), **OPTIONS)
+def forward_retry(self, step_id, countdown=0.5):
+    """pending -> done on the second attempt; the first retries from inside the lease."""
+    probe.barrier("after_acquire", self, step_id)
+    if not self.request.retries:
+        probe.record("retry", step=step_id, owner=self.lease.owner, task_id=self.request.id)
+        raise self.retry(countdown=countdown)
+    return {"step_id": step_id, "owner": self.lease.owner, "fence": self.lease.fence}

@@ -1,0 +1,371 @@
+"""The controller of the fault suite: real servers, real ``celery worker`` processes, faults.
+
+A :class:`Lab` owns a control Redis (the workers' broker and the probe's history), a lock-store
+Redis reached through a :class:`~scripts.faults.proxy.TcpProxy`, a proxy in front of the
+PostgreSQL database the caller gives it, and two prefork workers (concurrency 1) running the
+example project with the probe on (``django_app/faults``). The caller's process must have Django
+set up on the same database (the test database under pytest, a fresh one under
+``scripts/soak.py``): the lab reads steps and transition records through the ORM, directly, not
+through the proxy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from scripts import servers
+from scripts.faults import checker
+from scripts.faults.proxy import TcpProxy
+
+ROOT = servers.ROOT
+TERMINAL = checker.TERMINAL
+TASKS = "django_app.faults.tasks"
+LEASE_PREFIX = "steplock:lease:"
+
+
+def database_url(settings_dict, host: str | None = None, port: int | None = None) -> str:
+    """A postgresql:// URL for Django's ``settings_dict``, optionally at another host/port."""
+    if "postgresql" not in settings_dict["ENGINE"]:
+        raise RuntimeError("the fault suite runs on PostgreSQL (DATABASE_URL=postgresql://...); "
+                           f"this database is {settings_dict['ENGINE']}")
+    user = settings_dict.get("USER") or "postgres"
+    password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
+    host = host or settings_dict.get("HOST") or "127.0.0.1"
+    port = port or settings_dict.get("PORT") or 5432
+    return f"postgresql://{user}{password}@{host}:{port}/{settings_dict['NAME']}"
+
+
+class Lab:
+    """Servers, proxies and workers for fault trials; see the module docstring.
+
+    ``ttl`` (seconds) is the workers' lease TTL, ``visibility_timeout`` (seconds) the broker's,
+    ``max_hold`` (seconds) the longest a lease is renewed (``steplock_max_hold``);
+    ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check).
+    """
+
+    def __init__(self, workdir: Path, db_settings: dict, ttl: float = 2.0,
+                 visibility_timeout: int = 10, max_hold: float = 15.0, unguarded: bool = False,
+                 log=print):
+        self.workdir = Path(workdir)
+        self.db_settings = dict(db_settings)
+        self.ttl = ttl
+        self.visibility_timeout = visibility_timeout
+        self.max_hold = max_hold
+        self.unguarded = unguarded
+        self.log = log
+        self.workers: dict[str, servers.WorkerProcess] = {}
+        self.replica: servers.RedisServer | None = None
+        self.repl_proxy: TcpProxy | None = None
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def start(self) -> Lab:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.control = servers.RedisServer(workdir=self.workdir / "control").start()
+        self.store = servers.RedisServer(workdir=self.workdir / "store").start()
+        self.store_proxy = TcpProxy("127.0.0.1", self.store.port).start()
+        pg_host = self.db_settings.get("HOST") or "127.0.0.1"
+        pg_port = int(self.db_settings.get("PORT") or 5432)
+        self.pg_proxy = TcpProxy(pg_host, pg_port).start()
+        self.r = redis.Redis.from_url(self.control.url, decode_responses=True, socket_timeout=30)
+        from celery import Celery
+
+        self.publisher = Celery("faults-controller", broker=self.control.url,
+                                set_as_current=False)
+        self.publisher.conf.broker_connection_retry_on_startup = True
+        return self
+
+    def stop(self) -> None:
+        for worker in list(self.workers.values()):
+            worker.kill()
+        self.workers.clear()
+        for thing in (self.replica, self.repl_proxy, getattr(self, "store_proxy", None),
+                      getattr(self, "pg_proxy", None), getattr(self, "store", None),
+                      getattr(self, "control", None)):
+            if thing is not None:
+                thing.stop()
+
+    def __enter__(self) -> Lab:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def store_client(self) -> redis.Redis:
+        """A client on the lock store the workers use now (the proxy's target: the promoted
+        replica after a failover), directly, not through the proxy."""
+        host, port = self.store_proxy.target
+        return redis.Redis(host=host, port=port, decode_responses=True, socket_timeout=5)
+
+    def worker_env(self) -> dict:
+        env = {
+            "DJANGO_SETTINGS_MODULE": "django_app.settings",
+            "PYTHONPATH": str(ROOT),
+            "DATABASE_URL": database_url(self.db_settings, "127.0.0.1", self.pg_proxy.port),
+            "REDIS_URL": self.control.url,
+            "STEPLOCK_REDIS_URL": self.store_proxy.url(),
+            "STEPLOCK_FAULTS": "1",
+            "STEPLOCK_FAULTS_URL": self.control.url,
+            "STEPLOCK_TTL": str(self.ttl),
+            "STEPLOCK_RETRY_BACKOFF": "0.25",
+            "STEPLOCK_RETRY_BACKOFF_MAX": "2",
+            "STEPLOCK_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
+            "STEPLOCK_MAX_HOLD": str(self.max_hold),
+            "STEPLOCK_UNACKED_RESTORE_INTERVAL": "1",
+            "STEPLOCK_UNACKED_RESTORE_THROTTLE": "1",
+            "STEPLOCK_UNACKED_MUTEX_EXPIRE": "30",
+            "STEPLOCK_LOG_LEVEL": "INFO",
+        }
+        if self.unguarded:
+            env["STEPLOCK_FAULTS_UNGUARDED"] = "1"
+        return env
+
+    def ensure_workers(self, names=("w1", "w2")) -> None:
+        """Start the named workers that are not running (killed by an earlier trial)."""
+        env = {**os.environ, **self.worker_env()}
+        for name in names:
+            worker = self.workers.get(name)
+            if worker is not None and worker.alive() and worker.children_pids():
+                continue
+            if worker is not None:
+                worker.kill()
+            self.workers[name] = servers.celery_worker(
+                app="django_app", name=name, concurrency=1, env=env,
+                logfile=self.workdir / f"{name}.log", cwd=ROOT)
+
+    def worker_of(self, pid: int) -> servers.WorkerProcess:
+        for worker in self.workers.values():
+            if pid == worker.pid or pid in worker.children_pids(recursive=True):
+                return worker
+        raise LookupError(f"no worker has pid {pid}")
+
+    # -- trials ------------------------------------------------------------------------------
+
+    def new_trial(self) -> None:
+        """Forget the previous trial's control keys, heal the network and the lock store."""
+        for key in self.r.scan_iter(match="faults:*", count=1000):
+            self.r.delete(key)
+        self.store_proxy.set_latency(0)
+        self.store_proxy.unstall()
+        self.store_proxy.unblackhole()
+        self.store_proxy.disarm()
+        self.pg_proxy.set_latency(0)
+        self.pg_proxy.unstall()
+        self.pg_proxy.unblackhole()
+        self.pg_proxy.disarm()
+        if self.replica is not None:  # a failover trial moved the store: back to a fresh one
+            self.heal_failover()
+        if not self.store.alive():
+            self.store.start()
+        self.store_client().flushdb()
+        for worker in self.workers.values():  # nothing stays stopped by an unfinished trial
+            worker.signal(signal.SIGCONT, group=True)
+        self.ensure_workers()
+
+    def recover(self) -> None:
+        """After a trial that could not finish: kill every worker (stopped ones too) and
+        empty the broker, so the next trial starts clean."""
+        for worker in self.workers.values():
+            worker.kill()
+        self.workers.clear()
+        self.r.delete("celery", "unacked", "unacked_index", "unacked_mutex")
+
+    def new_step(self, name: str = "fault") -> int:
+        from django_app.workflows.models import Step
+
+        return Step.objects.create(name=name).pk
+
+    def publish(self, task: str, step_id: int, task_id: str | None = None, **options) -> str:
+        """Send ``django_app.faults.tasks.<task>(step_id)``; returns the task id."""
+        kwargs = options.pop("kwargs", {})
+        task_id = task_id or str(uuid.uuid4())
+        self.publisher.send_task(f"{TASKS}.{task}", args=(step_id,), kwargs=kwargs,
+                                 task_id=task_id, **options)
+        self.note("publish", step=step_id, task=task, task_id=task_id)
+        return task_id
+
+    def note(self, event: str, **fields) -> dict:
+        """Add a controller entry (a fault, a publish) to the history; returns it."""
+        entry = {"ev": event, "t": time.time(), "by": "controller", **fields}
+        self.r.rpush("faults:history", json.dumps(entry, default=str))
+        return entry
+
+    def arm(self, step_id: int, point: str) -> None:
+        self.r.set(f"faults:arm:{step_id}:{point}", "1")
+
+    def wait_arrival(self, step_id: int, point: str, timeout: float = 60.0) -> dict:
+        """Block until an attempt stops at the armed barrier; returns its description (pid,
+        owner, fence, backend_pid, task_id)."""
+        item = self.r.blpop(f"faults:arrived:{step_id}:{point}", timeout=timeout)
+        if item is None:
+            raise TimeoutError(f"no attempt reached {point} of step {step_id} in {timeout}s"
+                               f"{self.describe()}")
+        return json.loads(item[1])
+
+    def go(self, step_id: int, point: str, instruction: str = "") -> None:
+        self.r.rpush(f"faults:go:{step_id}:{point}", instruction)
+
+    def history(self) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange("faults:history", 0, -1)]
+
+    def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.05):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(interval)
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}{self.describe()}")
+
+    def wait_event(self, ev: str, timeout: float = 30.0, **match) -> dict:
+        """The first history entry ``ev`` whose fields equal ``match``, once it exists."""
+        def find():
+            for entry in self.history():
+                if entry.get("ev") == ev and all(entry.get(k) == v for k, v in match.items()):
+                    return entry
+            return None
+        return self.wait_for(find, timeout, f"history event {ev} {match}")
+
+    def statuses(self, step_ids) -> dict[int, str]:
+        from django_app.workflows.models import Step
+
+        return dict(Step.objects.filter(pk__in=list(step_ids)).values_list("pk", "status"))
+
+    def broker_idle(self) -> bool:
+        return self.r.llen("celery") == 0 and self.r.hlen("unacked") == 0
+
+    def leases(self) -> list[str]:
+        try:
+            return sorted(self.store_client().scan_iter(match=f"{LEASE_PREFIX}*", count=1000))
+        except redis.RedisError:
+            return ["<lock store unreachable>"]
+
+    def quiet(self, step_ids) -> bool:
+        statuses = self.statuses(step_ids)
+        return all(s in TERMINAL for s in statuses.values()) and self.broker_idle()
+
+    def settle(self, step_ids, timeout: float = 90.0, resume: bool = True) -> float:
+        """Wait until every step is terminal and the broker holds no message, then up to one
+        TTL more for the leases to go; returns the time.time() the last one went (or the wait
+        ended). Leases still held then are left in ``self.leftover``. A step that stays
+        ``pending`` with nothing queued (its attempt failed for good, e.g. a time limit) is
+        resumed once by an operator re-sending ``forward`` (noted as ``resume``)."""
+        deadline = time.monotonic() + timeout
+        resumed = set()
+        idle_since = None
+        self.leftover = []
+        while time.monotonic() < deadline:
+            if self.quiet(step_ids):
+                grace = time.monotonic() + self.ttl + 1.0
+                while (held := self.leases()) and time.monotonic() < grace:
+                    time.sleep(0.05)
+                self.leftover = held
+                return time.time()
+            if not any(w.alive() for w in self.workers.values()):
+                self.note("restart_workers")  # as a process supervisor would
+                self.ensure_workers()
+            if resume and self.broker_idle() and not self.leases():
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > 1.0:
+                    for step, status in self.statuses(step_ids).items():
+                        if status not in TERMINAL and step not in resumed:
+                            resumed.add(step)
+                            self.note("resume", step=step)
+                            self.publish("forward", step)
+                    idle_since = None
+            else:
+                idle_since = None
+            time.sleep(0.05)
+        raise TimeoutError(f"steps {list(step_ids)} did not settle in {timeout}s"
+                           f"{self.describe(step_ids)}")
+
+    def describe(self, step_ids=()) -> str:
+        try:
+            return (f" (queue {self.r.llen('celery')}, unacked {self.r.hlen('unacked')}, "
+                    f"leases {self.leases()}, statuses {self.statuses(step_ids)}, workers "
+                    f"{ {n: (w.alive(), w.children_pids()) for n, w in self.workers.items()} })")
+        except Exception as exc:  # noqa: BLE001
+            return f" (state unavailable: {exc})"
+
+    def verdict(self, step_ids, fault_at: float | None = None,
+                settled_at: float | None = None) -> checker.Verdict:
+        """Check the invariants for ``step_ids`` after :meth:`settle`; leftover leases are
+        counted after one more TTL."""
+        from django_app.workflows.models import TransitionRecord
+
+        records = [checker.Record(step=r.step_id, from_status=r.from_status,
+                                  to_status=r.to_status, owner=r.owner, fence=r.fence)
+                   for r in TransitionRecord.objects.filter(step_id__in=list(step_ids))
+                   .order_by("id")]
+        client = self.store_client()
+        keys = list(client.scan_iter(match="steplock:*", count=1000))
+        without_ttl = sum(1 for k in keys if client.pttl(k) == -1)
+        history = self.history()
+        verdict = checker.check(self.statuses(step_ids), records, history,
+                                leftover_leases=len(getattr(self, "leftover", [])),
+                                keys_without_ttl=without_ttl, end_of_trial=settled_at)
+        steps = set(step_ids)
+        verdict.resumes = sum(1 for e in history if e["ev"] == "resume" and e["step"] in steps)
+        verdict.attempts = sum(1 for e in history if e["ev"] in ("acquired", "contended")
+                               and e.get("step") in steps)
+        if fault_at and settled_at:
+            verdict.recovery_s = max(0.0, settled_at - fault_at)
+        return verdict
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def signal_pid(self, pid: int, sig: int) -> dict:
+        os.kill(pid, sig)
+        return self.note("fault", signal=signal.Signals(sig).name, pid=pid)
+
+    def kill_worker_main(self, worker: servers.WorkerProcess) -> dict:
+        """SIGKILL the worker's main process only; its pool children are left running."""
+        entry = self.signal_pid(worker.pid, signal.SIGKILL)
+        worker.proc.wait()
+        return entry
+
+    def failover(self) -> dict:
+        """Promote a replica that lacks the latest writes and point the store proxy at it.
+
+        The replica followed the store through ``repl_proxy``, which :meth:`start_replica`
+        stalled before the trial's lease was taken, so the replica never saw it."""
+        client = redis.Redis(host="127.0.0.1", port=self.replica.port, socket_timeout=5)
+        client.execute_command("REPLICAOF", "NO", "ONE")
+        client.close()
+        self.store_proxy.retarget("127.0.0.1", self.replica.port, drop=True)
+        return self.note("fault", kind="failover", to_port=self.replica.port)
+
+    def start_replica(self) -> None:
+        """A replica of the lock store, fed through a proxy; returns once it is in sync, with
+        the feed stalled (writes from now on don't reach it)."""
+        self.repl_proxy = TcpProxy("127.0.0.1", self.store.port).start()
+        self.replica = servers.RedisServer(
+            workdir=self.workdir / "replica",
+            args=("--replicaof", "127.0.0.1", self.repl_proxy.port)).start()
+        client = redis.Redis(host="127.0.0.1", port=self.replica.port, decode_responses=True,
+                             socket_timeout=5)
+        self.wait_for(lambda: client.info("replication").get("master_link_status") == "up",
+                      30, "the replica to sync")
+        client.close()
+        self.repl_proxy.stall()
+
+    def heal_failover(self) -> None:
+        self.replica.stop()
+        self.repl_proxy.stop()
+        self.replica = self.repl_proxy = None
+        self.store_proxy.retarget("127.0.0.1", self.store.port, drop=True)
+
+    def pg_terminate(self, backend_pid: int) -> dict:
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [backend_pid])
+            done = cursor.fetchone()[0]
+        return self.note("fault", kind="pg_terminate_backend", backend_pid=backend_pid,
+                         terminated=done)

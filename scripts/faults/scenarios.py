@@ -1,0 +1,377 @@
+"""The fault scenarios: each publishes work for one fresh step, injects one fault at a
+deterministic point (a probe barrier, see ``django_app/faults/probe.py``) and returns the
+wall-clock time of the fault. :func:`run` then waits until the system is quiet and checks the
+invariants (``checker``).
+
+Most scenarios deliver the step's task twice with one task id (a duplicate delivery, as after a
+broker redelivery): the first attempt stops at the barrier holding the lease, the second lands
+on the other worker and contends, so after the fault there is always a second attempt ready
+to take over, and a second chance to commit twice.
+"""
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from scripts.faults.checker import Verdict
+
+POINTS = ("after_acquire", "before_cas", "after_cas", "before_commit", "after_commit")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: str          # the fault class, a row of docs/reliability.md
+    inject: Callable    # inject(lab, step_id) -> wall-clock time of the fault
+    overlap: bool = False  # two holders at once is expected (pause, failover)
+    timeout: float = 90.0
+    resume: bool = False   # the fault fails the task for good: an operator re-sends it
+
+
+@dataclass
+class Outcome:
+    scenario: Scenario
+    verdict: Verdict
+    seconds: float
+
+
+def run(lab, scenario: Scenario) -> Outcome:
+    """One trial of ``scenario`` on a fresh step."""
+    started = time.monotonic()
+    lab.new_trial()
+    step = lab.new_step(scenario.name)
+    lab.note("trial", step=step, scenario=scenario.name)
+    fault_at = scenario.inject(lab, step)
+    settled_at = lab.settle([step], timeout=scenario.timeout)
+    verdict = lab.verdict([step], fault_at, settled_at)
+    return Outcome(scenario, verdict, time.monotonic() - started)
+
+
+# -- building blocks ----------------------------------------------------------------------------
+
+def held_pair(lab, step, point, task="forward", duplicate=True, **options) -> tuple[dict, str]:
+    """Publish ``task`` for ``step``, stop its first attempt at ``point``, and (``duplicate``)
+    deliver the same task id again; returns (the stopped attempt, task id)."""
+    task_id = str(uuid.uuid4())
+    lab.arm(step, point)
+    lab.publish(task, step, task_id=task_id, **options)
+    arrival = lab.wait_arrival(step, point)
+    if duplicate:
+        lab.publish(task, step, task_id=task_id, **options)
+    return arrival, task_id
+
+
+def other_owner(lab, step, victim, ev, **match):
+    """The first history entry ``ev`` on ``step`` by an owner other than ``victim`` whose
+    fields equal ``match``."""
+    for entry in lab.history():
+        if entry.get("ev") == ev and entry.get("step") == step \
+                and entry.get("owner") not in (None, victim) \
+                and all(entry.get(k) == v for k, v in match.items()):
+            return entry
+    return None
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_pid_gone(lab, pid, timeout=30.0, why="") -> dict:
+    lab.wait_for(lambda: pid_gone(pid), timeout, f"pid {pid} to exit")
+    return lab.note("fault", signal="SIGKILL", pid=pid, by=why or "pool")
+
+
+# -- process faults -----------------------------------------------------------------------------
+
+def kill_child(point):
+    def inject(lab, step):
+        arrival, _ = held_pair(lab, step, point)
+        return lab.signal_pid(arrival["pid"], signal.SIGKILL)["t"]
+    return inject
+
+
+def kill_main(lab, step):
+    arrival, _ = held_pair(lab, step, "before_cas")
+    worker = lab.worker_of(arrival["pid"])
+    children = worker.children_pids()
+    fault = lab.kill_worker_main(worker)
+    lab.go(step, "before_cas")  # the orphaned child goes on; its message waits for a redelivery
+    for pid in children:  # an orphan that ends (or is ended) ends its hold there
+        wait_pid_gone(lab, pid, why="orphaned by its main process")
+    return fault["t"]
+
+
+def pause(point):
+    """SIGSTOP the holder past its TTL; SIGCONT only once another attempt committed. After its
+    CAS the stopped holder owns the step's row lock: PostgreSQL ends its session when it has
+    sat idle for its lease's remaining validity (StepTransitionGuard.set_deadline), which
+    frees the row for the next holder and makes the stale COMMIT fail."""
+    def inject(lab, step):
+        arrival, _ = held_pair(lab, step, point)
+        fault = lab.signal_pid(arrival["pid"], signal.SIGSTOP)
+        lab.go(step, point)
+        lab.wait_for(lambda: other_owner(lab, step, arrival["owner"], "committed"), 60,
+                     "another attempt to commit the paused holder's step")
+        lab.signal_pid(arrival["pid"], signal.SIGCONT)
+        return fault["t"]
+    return inject
+
+
+def heartbeat_frozen(lab, step):
+    """Only the heartbeat thread stops (a stuck lock_extended receiver); the body works on for
+    2.5 TTLs without looking at its lease, then tries to commit."""
+    arrival, _ = held_pair(lab, step, "before_cas")
+    lab.r.set(f"faults:freeze:{arrival['pid']}", "1")
+    fault = lab.note("fault", kind="heartbeat_frozen", pid=arrival["pid"])
+    lab.go(step, "before_cas", f"sleep:{2.5 * lab.ttl}")
+    lab.wait_for(lambda: other_owner(lab, step, None, "committed")
+                 and lab.wait_event("task_end", 60, pid=arrival["pid"]), 60,
+                 "a commit and the frozen holder's end")
+    lab.r.delete(f"faults:freeze:{arrival['pid']}")
+    return fault["t"]
+
+
+def hung_body(lab, step):
+    """The body hangs (no time limit, never looks at its lease): after ``steplock_max_hold``
+    the heartbeat stops renewing, the lease expires, the duplicate commits; the hung body
+    wakes later and its commit is refused."""
+    arrival, _ = held_pair(lab, step, "before_cas")
+    fault = lab.note("fault", kind="hung_body", pid=arrival["pid"])
+    lab.go(step, "before_cas", f"sleep:{lab.max_hold + 2 * lab.ttl}")
+    lab.wait_event("task_end", lab.max_hold + 30, pid=arrival["pid"])
+    return fault["t"]
+
+
+def time_limit(soft: bool):
+    """The body overruns its soft (SoftTimeLimitExceeded in the body) or hard (the pool kills
+    the child) time limit inside the critical section."""
+    def inject(lab, step):
+        limits = ({"soft_time_limit": 1.0, "time_limit": 10.0} if soft
+                  else {"time_limit": 1.5})
+        arrival, _ = held_pair(lab, step, "before_cas", duplicate=False, **limits)
+        lab.go(step, "before_cas", "sleep:4")
+        if soft:
+            return lab.wait_event("task_end", 30, pid=arrival["pid"])["t"]
+        return wait_pid_gone(lab, arrival["pid"], why="hard time limit")["t"]
+    return inject
+
+
+def shutdown(sig):
+    """SIGTERM (warm: the task finishes) or SIGQUIT (cold: the pool is killed) to the worker
+    whose child holds the lease in its critical section."""
+    def inject(lab, step):
+        arrival, _ = held_pair(lab, step, "before_cas")
+        worker = lab.worker_of(arrival["pid"])
+        fault = lab.signal_pid(worker.pid, sig)
+        lab.go(step, "before_cas")
+        if sig == signal.SIGQUIT:
+            wait_pid_gone(lab, arrival["pid"], why="cold shutdown")
+        lab.wait_for(lambda: not worker.alive(), 60, f"{worker!r} to shut down")
+        return fault["t"]
+    return inject
+
+
+# -- lock-store faults --------------------------------------------------------------------------
+
+def redis_restart(lab, step):
+    held_pair(lab, step, "before_cas")
+    lab.store.restart()
+    fault = lab.note("fault", kind="redis_restart")
+    lab.go(step, "before_cas")
+    return fault["t"]
+
+
+def redis_outage(seconds):
+    def inject(lab, step):
+        held_pair(lab, step, "before_cas")
+        lab.store.kill()
+        fault = lab.note("fault", kind="redis_outage", seconds=seconds)
+        lab.go(step, "before_cas")
+        time.sleep(seconds)
+        lab.store.start()
+        return fault["t"]
+    return inject
+
+
+def redis_failover(lab, step):
+    """The holder's lease exists only on the primary; a replica that never saw it is promoted
+    and every client is moved to it while the holder works."""
+    lab.start_replica()
+    held_pair(lab, step, "after_acquire")
+    fault = lab.failover()
+    lab.go(step, "after_acquire", f"sleep:{lab.ttl}")
+    return fault["t"]
+
+
+# -- network faults (TCP proxy on the Redis or the PostgreSQL path) -----------------------------
+
+def latency(path, factor):
+    """One-way latency of ``factor`` x TTL on the path for max(3 x latency, 2 x TTL) seconds,
+    while the holder works for one TTL and its duplicate contends."""
+    def inject(lab, step):
+        point = "after_acquire" if path == "redis" else "before_cas"
+        proxy = lab.store_proxy if path == "redis" else lab.pg_proxy
+        held_pair(lab, step, point)
+        delay = factor * lab.ttl
+        proxy.set_latency(delay)
+        fault = lab.note("fault", kind=f"{path}_latency", seconds=delay)
+        lab.go(step, point, f"sleep:{lab.ttl}")
+        time.sleep(max(3 * delay, 2 * lab.ttl))
+        proxy.set_latency(0)
+        return fault["t"]
+    return inject
+
+
+def blackhole(path, factor=1.5):
+    def inject(lab, step):
+        point = "after_acquire" if path == "redis" else "before_cas"
+        proxy = lab.store_proxy if path == "redis" else lab.pg_proxy
+        held_pair(lab, step, point)
+        proxy.blackhole()
+        fault = lab.note("fault", kind=f"{path}_blackhole", seconds=factor * lab.ttl)
+        lab.go(step, point)
+        time.sleep(factor * lab.ttl)
+        proxy.unblackhole()
+        return fault["t"]
+    return inject
+
+
+# -- PostgreSQL faults --------------------------------------------------------------------------
+
+def pg_terminate(point):
+    """No duplicate: the attempt whose connection died must finish the step itself (the
+    library retries a COMMIT lost with its connection)."""
+    def inject(lab, step):
+        arrival, _ = held_pair(lab, step, point, duplicate=False)
+        fault = lab.pg_terminate(arrival["backend_pid"])
+        lab.go(step, point)
+        return fault["t"]
+    return inject
+
+
+def lost_commit_reply(lab, step):
+    """COMMIT reaches PostgreSQL and commits; its reply never comes back (connection cut)."""
+    arrival, _ = held_pair(lab, step, "before_commit", duplicate=False)
+    lab.pg_proxy.drop_next_reply(match=b"COMMIT")
+    fault = lab.note("fault", kind="lost_commit_reply")
+    lab.go(step, "before_commit")
+    lab.wait_event("task_end", 30, pid=arrival["pid"])
+    lab.pg_proxy.disarm()
+    return fault["t"]
+
+
+# -- deliveries and races -----------------------------------------------------------------------
+
+def duplicate_delivery(lab, step):
+    arrival, task_id = held_pair(lab, step, "after_acquire")
+    fault = lab.note("fault", kind="duplicate_delivery", task_id=task_id)
+    lab.wait_event("contended", 30, step=step)
+    lab.go(step, "after_acquire")
+    return fault["t"]
+
+
+def countdown_past_visibility(lab, step):
+    """A countdown longer than the broker's visibility_timeout: Redis hands the reserved
+    message out again while the first worker still waits for its ETA, so it runs twice."""
+    countdown = lab.visibility_timeout + 2
+    lab.publish("forward", step, countdown=countdown, kwargs={"work": 0.5})
+    return time.time() + countdown
+
+
+def retry_then_resume(lab, step):
+    """The task retries from inside its lease; an operator's resume races the retried run."""
+    lab.publish("forward_retry", step)
+    retry = lab.wait_event("retry", 30, step=step)
+    lab.publish("forward", step)
+    return retry["t"]
+
+
+def resume_then_retry(lab, step):
+    """The resume holds the lease when the retried attempt comes due."""
+    lab.arm(step, "after_acquire")
+    lab.publish("forward_retry", step, kwargs={"countdown": 0.2})
+    first = lab.wait_arrival(step, "after_acquire")
+    lab.arm(step, "after_acquire")
+    lab.go(step, "after_acquire")           # first attempt retries and releases
+    lab.wait_event("retry", 30, step=step)
+    lab.publish("forward", step)
+    resumed = lab.wait_arrival(step, "after_acquire")  # the resume or the retried run holds it
+    lab.wait_event("contended", 30, step=step)
+    lab.go(step, "after_acquire")
+    return max(first["t"], resumed["t"])
+
+
+def compensation(first):
+    """``first`` ("forward"/"compensate") holds the lease before its CAS while the other
+    contends; "both" publishes them together with no barrier."""
+    def inject(lab, step):
+        if first == "both":
+            lab.publish("forward", step)
+            lab.publish("compensate", step)
+            return time.time()
+        other = "compensate" if first == "forward" else "forward"
+        lab.arm(step, "before_cas")
+        lab.publish(first, step)
+        lab.wait_arrival(step, "before_cas")
+        lab.publish(other, step)
+        fault = lab.wait_event("contended", 30, step=step)
+        lab.go(step, "before_cas")
+        return fault["t"]
+    return inject
+
+
+def _scenarios() -> list[Scenario]:
+    s = []
+    for point in POINTS:
+        s.append(Scenario(f"kill-child@{point}", "SIGKILL worker child", kill_child(point)))
+    s.append(Scenario("kill-main@before_cas", "SIGKILL worker main process", kill_main))
+    for point in ("before_cas", "after_cas", "before_commit"):
+        s.append(Scenario(f"pause@{point}", "SIGSTOP past TTL, SIGCONT", pause(point),
+                          overlap=True))
+    s.append(Scenario("heartbeat-frozen", "heartbeat thread frozen", heartbeat_frozen,
+                      overlap=True))
+    s.append(Scenario("hung-body", "hung body past steplock_max_hold", hung_body))
+    s.append(Scenario("redis-restart", "Redis restart (data lost)", redis_restart))
+    s.append(Scenario("redis-outage-30s", "Redis outage 30 s", redis_outage(30),
+                      timeout=150))
+    s.append(Scenario("redis-failover", "Redis failover to a stale replica", redis_failover,
+                      overlap=True))
+    for factor, label in ((0, "0"), (1 / 3, "ttl/3"), (1, "ttl"), (2, "2xttl")):
+        s.append(Scenario(f"redis-latency-{label}", f"Redis latency {label}",
+                          latency("redis", factor)))
+    s.append(Scenario("redis-blackhole", "Redis black hole 1.5 x ttl", blackhole("redis")))
+    for factor, label in ((0, "0"), (1 / 3, "ttl/3"), (1, "ttl"), (2, "2xttl")):
+        s.append(Scenario(f"pg-latency-{label}", f"PostgreSQL latency {label}",
+                          latency("pg", factor)))
+    s.append(Scenario("pg-blackhole", "PostgreSQL black hole 1.5 x ttl", blackhole("pg")))
+    for point in ("before_cas", "before_commit"):
+        s.append(Scenario(f"pg-terminate@{point}", "pg_terminate_backend",
+                          pg_terminate(point)))
+    s.append(Scenario("pg-lost-commit-reply", "lost COMMIT reply", lost_commit_reply))
+    s.append(Scenario("duplicate-task-id", "duplicate delivery (same task id)",
+                      duplicate_delivery))
+    s.append(Scenario("countdown-past-visibility", "countdown > visibility_timeout",
+                      countdown_past_visibility))
+    s.append(Scenario("retry-then-resume", "retry racing a resume", retry_then_resume))
+    s.append(Scenario("resume-then-retry", "retry racing a resume", resume_then_retry))
+    for first in ("forward", "compensate", "both"):
+        s.append(Scenario(f"compensation-{first}-first" if first != "both"
+                          else "compensation-simultaneous",
+                          "compensation racing the forward flow", compensation(first)))
+    s.append(Scenario("soft-time-limit", "soft time limit in the critical section",
+                      time_limit(soft=True), resume=True))
+    s.append(Scenario("hard-time-limit", "hard time limit in the critical section",
+                      time_limit(soft=False), resume=True))
+    s.append(Scenario("warm-shutdown", "warm shutdown (SIGTERM)", shutdown(signal.SIGTERM)))
+    s.append(Scenario("cold-shutdown", "cold shutdown (SIGQUIT)", shutdown(signal.SIGQUIT)))
+    return s
+
+
+SCENARIOS = {s.name: s for s in _scenarios()}
