@@ -4,7 +4,7 @@ A chain of W+1 threads (W = 1 or 32 waiters) shares one name: the holder keeps t
 (long enough for the previous holder to be waiting again, so exactly W threads wait at every
 release), notes the time and releases; the thread that gets the lease next notes the time it
 holds it. One sample per hand-over; the first W+2 are dropped as warm-up. Variants: ours
-(``acquire(wait=...)``, woken by the release's PUBLISH), redis-py ``Lock`` (a 100 ms sleep
+(``acquire(wait=...)``, one waiter woken by BLPOP per release), redis-py ``Lock`` (100 ms sleep
 loop, its default ``sleep=0.1``, as pottery's 0-200 ms one), python-redis-lock (BLPOP on a
 signal list). Also the Redis commands per second while W threads wait on a lease held for 2 s
 (what waiting costs the server), and overlaps (must be 0).
@@ -28,7 +28,7 @@ from .common import (
 from .lock_primitive import build_blocking
 
 VARIANTS = {
-    "ours": "celery-steplock acquire(wait=...) (pub/sub)",
+    "ours": "celery-steplock acquire(wait=...) (BLPOP, one waiter woken per release)",
     "redis_py": "redis-py Lock, 100 ms sleep loop",
     "prl": "python-redis-lock (BLPOP signal)",
 }

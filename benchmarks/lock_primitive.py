@@ -51,7 +51,7 @@ CONTENDED = {
     "redis_py": ("redis-py Lock", "poll every 100 ms (sleep=0.1 default)"),
     "prl": ("python-redis-lock", "BLPOP on a signal list"),
     "pottery": ("pottery Redlock", "poll, random 0-200 ms"),
-    "ours": ("celery-steplock", "pub/sub release channel"),
+    "ours": ("celery-steplock", "BLPOP, one waiter woken per release"),
 }
 PEER_OF = {"redis_py": "redis", "prl": "python-redis-lock", "prl_renewal": "python-redis-lock",
            "pottery": "pottery"}

@@ -49,7 +49,7 @@ REAP_CATEGORIES = {
     "scan": lambda f, fn: f.endswith("celery_steplock/lock.py") and fn in ("scan",
                                                                            "iter_leases"),
     "reap_round_trips": lambda f, fn: f.endswith("celery_steplock/lock.py")
-    and fn in ("release", "reap"),
+    and fn in ("release", "reap", "reap_many"),
     "events_and_logging": lambda f, fn: f.endswith("celery_steplock/events.py"),
     "pid_checks": lambda f, fn: f.endswith("celery_steplock/reaper.py") and fn == "pid_alive",
 }
@@ -197,7 +197,7 @@ def op_reap(profile: bool) -> dict[str, Any]:
     report = reap(app)
     elapsed = time.perf_counter() - t0
     out = {"elapsed_s": elapsed, "scanned": report.leases_scanned,
-           "reaped": len(report.leases_reaped), "errors": report.errors[:3],
+           "reaped": report.reaped_count, "errors": report.errors[:3],
            "rss_before_mb": rss_before, "peak_rss_mb": peak_rss_mb()}
     if profiler is not None:
         profiler.stop()
@@ -269,8 +269,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                         leases=count)
         client.close()
     rec.note("The reaper and the admin run with the example project's settings "
-             "(django_app.settings, celery_steplock logging at INFO: one WARNING line per "
-             "reaped lease goes to stderr, here a file).")
+             "(django_app.settings, celery_steplock logging at INFO, to stderr, here a file: "
+             "the reaper logs one summary line, and a reaped lease at DEBUG only).")
     return rec.result(profiles=profiles)
 
 

@@ -9,6 +9,9 @@ to ``app.conf`` takes effect on the next task. An invalid value raises
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import weakref
 from typing import Any
 
 from .exceptions import ImproperlyConfigured
@@ -107,18 +110,74 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+# app -> (conf, its maps, Django settings version, copy of conf.changes, values, memo)
+_snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_snapshots_guard = threading.Lock()
+_django_version = [0]
+_django_watched = False
+
+
+def _django_setting_changed(**kwargs: Any) -> None:
+    _django_version[0] += 1
+
+
+def _watch_django() -> None:
+    """Count Django's ``setting_changed`` (override_settings), which a Django-namespaced
+    ``app.conf`` reads through."""
+    global _django_watched
+    _django_watched = True
+    if "django" in sys.modules:
+        try:
+            from django.core.signals import setting_changed
+        except ImportError:
+            return
+        setting_changed.connect(_django_setting_changed, weak=False,
+                                dispatch_uid="celery_steplock.conf")
+
+
+def _shared_snapshot(app) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """The values read so far and the memo of ``app``'s configuration as it is now: kept
+    across executions while ``app.conf`` stays the same object with the same maps, its
+    ``changes`` (what ``app.conf.x = y`` and ``update()`` write) compare equal, and Django
+    announced no setting change; else fresh ones."""
+    if not _django_watched:
+        _watch_django()
+    conf = app.conf
+    maps = getattr(conf, "maps", None)
+    changes = getattr(conf, "changes", None)
+    if not isinstance(maps, list) or not isinstance(changes, dict):
+        return {}, {}
+    cached = _snapshots.get(app)
+    if cached is not None and cached[0] is conf and cached[2] == _django_version[0] \
+            and len(cached[1]) == len(maps) and all(a is b for a, b in zip(cached[1], maps)) \
+            and cached[3] == changes:
+        return cached[4], cached[5]
+    values: dict[str, Any] = {}
+    memo: dict[Any, Any] = {}
+    with _snapshots_guard:
+        _snapshots[app] = (conf, list(maps), _django_version[0], dict(changes), values, memo)
+    return values, memo
+
+
 class Settings:
     """The ``steplock_*`` settings of one Celery app, validated on access.
 
     ``Settings(app).default_ttl`` reads ``app.conf.steplock_default_ttl`` (default 30.0).
-    With ``snapshot=True`` each setting is read from ``app.conf`` once and kept: a task
-    execution takes one snapshot, so its dozens of reads cost one lookup each (Celery's
-    namespaced configuration lookups are not cheap).
+    With ``snapshot=True`` each setting is read from ``app.conf`` once and kept, and so are
+    the values for the next snapshot as long as the configuration is unchanged (see
+    :func:`_shared_snapshot`; a value changed in place, e.g. a dict mutated rather than
+    assigned, is not noticed): a task execution takes one snapshot, so its reads cost
+    nothing once the first execution made them (Celery's namespaced configuration lookups
+    are not cheap).
     """
 
     def __init__(self, app, snapshot: bool = False):
         self.app = app
-        self._snapshot: dict[str, Any] | None = {} if snapshot else None
+        self._snapshot: dict[str, Any] | None = None
+        #: Objects built from a snapshot's values (a task's guard), kept as long as it is.
+        self.memo: dict[Any, Any] | None = None
+        if snapshot:
+            self._snapshot, self.memo = _shared_snapshot(app)
 
     def raw(self, name: str) -> Any:
         if self._snapshot is not None and name in self._snapshot:

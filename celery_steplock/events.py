@@ -33,8 +33,16 @@ def lease_fields(lease) -> dict[str, Any]:
             "task_id": lease.task_id, "task_name": lease.task_name, "ttl": lease.ttl}
 
 
+def listening(signal: Signal, level: int = logging.INFO) -> bool:
+    """Whether :func:`emit` of ``signal`` at ``level`` would log or reach a receiver (a
+    caller sending many events can skip building their payloads when it would not)."""
+    return bool(signal.receivers) or logger.isEnabledFor(level)
+
+
 def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) -> None:
     """Log ``fields`` as one line and send ``signal``; never raises."""
+    if not signal.receivers and not logger.isEnabledFor(level):
+        return
     fields.setdefault("monotonic", time.monotonic())
     fields.setdefault("timestamp", time.time())
     event = signal.name

@@ -117,8 +117,9 @@ class StepTransitionGuard:
 
     def status(self, step_id: Any) -> str:
         """The step's current status; raises StepNotFound."""
-        current = self.manager.filter(pk=step_id).values_list(self.status_field,
-                                                                flat=True).first()
+        found = list(self.manager.filter(pk=step_id).values_list(self.status_field,
+                                                                 flat=True)[:1])
+        current = found[0] if found else None
         if current is None:
             raise StepNotFound(f"{self.model._meta.label} pk={step_id!r} does not exist",
                                step_id=step_id)

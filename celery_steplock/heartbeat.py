@@ -2,10 +2,12 @@
 
 Like Redisson's lock watchdog, a single scheduler renews all of the process's leases, each
 every ``ttl * renewal_ratio`` seconds (default ttl/3), sending all renewals that are due in one
-pipelined round trip. The thread starts lazily with the first registered lease, exits as soon
-as none is left (no thread outlives its leases), is a daemon (no process hangs at exit) and is
-re-created in a forked child (a prefork pool child never inherits the parent's thread or its
-registry: ``os.register_at_fork`` resets it and a pid check guards the rest).
+pipelined round trip. The thread starts lazily with the first registered lease and exits once
+it has had no lease for :data:`IDLE_TIMEOUT` seconds (noticed at its next wake-up, so a worker
+that runs one task after another keeps one thread rather than starting one per task). It is a
+daemon (no process hangs at exit) and is re-created in a forked child (a prefork pool child
+never inherits the parent's thread or its registry: ``os.register_at_fork`` resets it and a
+pid check guards the rest).
 
 A renewal that finds the key gone or owned by someone else marks the lease lost, logs at ERROR
 and sends ``lock_lost``; it is then no longer renewed. A Redis error does not stop the thread:
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import signals
-from .events import emit, lease_fields, logger
+from .events import emit, lease_fields, listening, logger
 from .exceptions import LockStoreUnavailable
 from .lock import Lease, RedisStepLock
 
@@ -32,6 +34,8 @@ __all__ = ["Heartbeat", "get_heartbeat"]
 
 #: The shortest pause between two renewal attempts of one lease, seconds.
 MIN_RETRY_DELAY = 0.05
+#: Seconds the thread stays up without any lease before it exits.
+IDLE_TIMEOUT = 0.5
 
 
 @dataclass(eq=False)
@@ -49,11 +53,15 @@ class Heartbeat:
     Use :func:`get_heartbeat` for the process's instance.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.pid = os.getpid()
+        self.idle_timeout = idle_timeout
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
+        # When the waiting thread wakes up next (inf: not before a notify; 0: not waiting).
+        self._wake_at = 0.0
+        self._idle_since = 0.0
         # Held for a renewal round trip and its events; taken before _cond, never after.
         self._cycle = threading.Lock()
         self.cycles = 0
@@ -61,7 +69,8 @@ class Heartbeat:
 
     def register(self, lease: Lease, lock: RedisStepLock, *, ratio: float = 1 / 3,
                  sender: Any = None, max_hold: float | None = None) -> None:
-        """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock``."""
+        """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock``;
+        ``max_hold`` (seconds) stops the renewals that long after the acquisition."""
         if max_hold is not None:
             lease.max_hold_until = lease.acquired_at + max_hold
         interval = lease.ttl * ratio
@@ -77,11 +86,11 @@ class Heartbeat:
                     del self._entries[id(lease)]
                     raise
                 self._thread = thread
-            else:
+            elif entry.next_at < self._wake_at:
                 self._cond.notify()
 
     def unregister(self, lease: Lease) -> bool:
-        """Stop renewing ``lease``; the thread exits when it was the last one.
+        """Stop renewing ``lease``.
 
         Returns False when the lease was not registered (e.g. the heartbeat already dropped it
         as lost, and so already sent ``lock_lost``). Waits for a renewal cycle in flight, so
@@ -93,7 +102,7 @@ class Heartbeat:
             with self._cond:
                 present = self._entries.pop(id(lease), None) is not None
                 if present and not self._entries:
-                    self._cond.notify()
+                    self._idle_since = time.monotonic()
         finally:
             if in_cycle:
                 self._cycle.release()
@@ -113,21 +122,29 @@ class Heartbeat:
         return self._thread
 
     def _due(self) -> list[_Entry] | None:
-        """Wait for the next renewals that are due; None when no lease is left."""
+        """Wait for the next renewals that are due; None once idle for ``idle_timeout``."""
         with self._cond:
             while True:
-                if not self._entries:
-                    self._thread = None
-                    return None
                 now = time.monotonic()
-                entries = list(self._entries.values())
-                earliest = min(e.next_at for e in entries)
-                if earliest <= now:
-                    # Coalesce: renew early whatever falls due within half an interval, so
-                    # leases registered at different times still share one round trip.
-                    horizon = now + min(e.interval for e in entries) / 2
-                    return [e for e in entries if e.next_at <= horizon]
-                self._cond.wait(earliest - now)
+                if not self._entries:
+                    wake_at = self._idle_since + self.idle_timeout
+                    if now >= wake_at:
+                        self._thread = None
+                        self._wake_at = 0.0
+                        return None
+                    self._wake_at = float("inf")
+                else:
+                    entries = self._entries.values()
+                    wake_at = min(e.next_at for e in entries)
+                    if wake_at <= now:
+                        # Coalesce: renew early whatever falls due within the shortest
+                        # interval, so that leases registered at different times share one
+                        # round trip from their first renewal on.
+                        horizon = now + min(e.interval for e in entries)
+                        self._wake_at = 0.0
+                        return [e for e in entries if e.next_at <= horizon]
+                    self._wake_at = wake_at
+                self._cond.wait(wake_at - now)
 
     def _run(self) -> None:
         while True:
@@ -136,48 +153,70 @@ class Heartbeat:
                 return
             try:
                 with self._cycle:
-                    self._renew([e for e in due if self._registered(e)])
+                    with self._cond:
+                        entries = self._entries
+                        due = [e for e in due if entries.get(id(e.lease)) is e]
+                    self._renew(due)
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 logger.exception("event=heartbeat_error renewal cycle failed")
                 time.sleep(MIN_RETRY_DELAY)
-
-    def _registered(self, entry: _Entry) -> bool:
-        with self._cond:
-            return self._entries.get(id(entry.lease)) is entry
 
     def _renew(self, due: list[_Entry]) -> None:
         self.cycles += 1
         now = time.monotonic()
         by_lock: dict[int, list[_Entry]] = {}
         for entry in due:
-            lease = entry.lease
-            if lease.max_hold_until is not None and now >= lease.max_hold_until:
-                self._lose(entry, "max hold reached: renewal stopped")
-            elif lease.lost:
-                self._lose(entry, lease.lost_reason)
-            else:
-                by_lock.setdefault(id(entry.lock), []).append(entry)
+            group = by_lock.get(id(entry.lock))
+            if group is None:
+                group = by_lock[id(entry.lock)] = []
+            group.append(entry)
         for group in by_lock.values():
+            renewing: list[_Entry] = []
+            lost: list[tuple[_Entry, str | None]] = []
+
+            def items():
+                # Consumed while the first script calls already run in Redis.
+                for entry in group:
+                    lease = entry.lease
+                    if lease.max_hold_until is not None and now >= lease.max_hold_until:
+                        lost.append((entry, "max hold reached: renewal stopped"))
+                    elif lease.lost:
+                        lost.append((entry, None))
+                    else:
+                        renewing.append(entry)
+                        yield lease.name, lease.owner, lease.ttl
+
             sent = time.monotonic()
             try:
-                self.round_trips += 1
-                results = group[0].lock.extend_many(
-                    (e.lease.name, e.lease.owner, e.lease.ttl) for e in group)
+                results = group[0].lock.extend_many(items())
             except LockStoreUnavailable as exc:
+                self.round_trips += 1
                 logger.warning("event=renewal_failed leases=%d error=%s", len(group), exc)
+                dropped = {id(entry) for entry, _reason in lost}
                 for entry in group:
+                    if id(entry) in dropped:
+                        continue
                     if entry.lease.lost:
                         self._lose(entry, entry.lease.lost_reason)
                     else:
                         entry.next_at = time.monotonic() + max(
                             MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4))
+                results = None
+            for entry, reason in lost:
+                self._lose(entry, reason or entry.lease.lost_reason)
+            if results is None:
                 continue
-            for entry, ok in zip(group, results):
+            if renewing:
+                self.round_trips += 1
+            announce = listening(signals.lock_extended, logging.DEBUG)
+            stamp = {"monotonic": time.monotonic(), "timestamp": time.time()}
+            for entry, ok in zip(renewing, results):
                 if ok:
                     entry.lease.renewed(sent)
                     entry.next_at = _next(entry.lease, sent + entry.interval)
-                    emit(signals.lock_extended, entry.sender, logging.DEBUG,
-                         **lease_fields(entry.lease))
+                    if announce:
+                        emit(signals.lock_extended, entry.sender, logging.DEBUG,
+                             **lease_fields(entry.lease), **stamp)
                 else:
                     self._lose(entry, "renewal found the key gone or held by another owner")
 
@@ -185,6 +224,8 @@ class Heartbeat:
         lease = entry.lease
         with self._cond:
             present = self._entries.pop(id(lease), None) is not None
+            if present and not self._entries:
+                self._idle_since = time.monotonic()
         lease.mark_lost(reason or "lost")
         if present:
             emit(signals.lock_lost, entry.sender, logging.ERROR, reason=lease.lost_reason,

@@ -25,7 +25,8 @@ from kombu.utils.json import JSONEncoder
 from .exceptions import LockNameError
 
 __all__ = ["bind_arguments", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
-           "fence_key", "name_from_key", "check_name", "MAX_NAME_LENGTH"]
+           "fence_key", "waiters_key", "wake_key", "name_from_key", "check_name",
+           "MAX_NAME_LENGTH"]
 
 MAX_NAME_LENGTH = 512
 
@@ -40,7 +41,7 @@ def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, 
     not match the signature.
     """
     try:
-        signature = inspect.signature(fun)
+        signature = _signature(fun)
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise LockNameError(f"cannot bind the task's arguments to its signature: {exc}") from exc
@@ -52,6 +53,26 @@ def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, 
             # them (they cannot collide: Python refuses a keyword that names a parameter).
             arguments.update(arguments.pop(parameter.name, {}))
     return arguments
+
+
+_signatures: dict[tuple[Any, bool], inspect.Signature] = {}
+
+
+def _signature(fun: Callable) -> inspect.Signature:
+    """``inspect.signature(fun)``, computed once per function (a task's ``run`` is a new
+    bound method at every access, so the cache is keyed on the function)."""
+    func = getattr(fun, "__func__", None)
+    key = (func, True) if func is not None and getattr(fun, "__self__", None) is not None \
+        else (fun, False)
+    try:
+        signature = _signatures.get(key)
+    except TypeError:  # an unhashable callable
+        return inspect.signature(fun)
+    if signature is None:
+        signature = inspect.signature(fun)
+        if len(_signatures) < 10000:
+            _signatures[key] = signature
+    return signature
 
 
 def canonical_json(arguments: Mapping[str, Any]) -> str:
@@ -131,6 +152,16 @@ def lease_key(prefix: str, name: str) -> str:
 def fence_key(prefix: str, name: str) -> str:
     """Redis key of the fencing counter of ``name`` (same hash slot as the lease)."""
     return f"{prefix}:fence:{{{name}}}"
+
+
+def waiters_key(prefix: str, name: str) -> str:
+    """Redis key of the sorted set of owners waiting for ``name`` (same hash slot)."""
+    return f"{prefix}:waiters:{{{name}}}"
+
+
+def wake_key(prefix: str, name: str) -> str:
+    """Redis key of the list a release of ``name`` pushes one waiter's wake-up to."""
+    return f"{prefix}:wake:{{{name}}}"
 
 
 def name_from_key(key: str | bytes) -> str:

@@ -6,8 +6,9 @@ Redis until its TTL runs out, and a step it had already committed into an in-fli
 clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and the
 ``celery_steplock.reap_expired_leases`` task (celery beat). Two passes:
 
-1. **Leases whose owner is gone.** One ``SCAN`` over the lease keys (never ``KEYS``), then a
-   verdict per lease from its metadata:
+1. **Leases whose owner is gone.** One ``SCAN`` over the lease keys (never ``KEYS``), each
+   batch judged and reaped as it comes (memory stays flat however many leases Redis holds),
+   with a verdict per lease from its metadata:
 
    First of all, the lease must have missed its renewals: not renewed for more than one and
    a half of its holder's renewal intervals (``renew_ms``) plus :data:`RENEWAL_GRACE_MS`,
@@ -17,8 +18,10 @@ clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and
    - the lease was taken on *this* host (``hostname``) and its ``pid`` no longer exists (or is
      a zombie): the holder is dead;
    - otherwise, its Celery node (``worker``, e.g. ``w1@host``) did not answer a ping (one
-     ``app.control.ping`` for all distinct nodes, the silent ones asked once more, bounded
-     in time even when the broker hangs).
+     ``app.control.ping`` for all distinct nodes not asked yet in this run, the silent ones
+     asked once more, bounded in time even when the broker hangs; the leases waiting for it
+     are buffered, at most :data:`PING_BUFFER` of them, so a run pings once unless its
+     stale leases name new nodes beyond that).
 
    A lease whose holder process exists on this host, whose worker answers, or which carries
    no worker/pid metadata at all is never touched. A dead owner's lease is removed by
@@ -26,7 +29,9 @@ clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and
    *and* the renewal time observed in the scan: a lease re-acquired since, or renewed while
    the reaper was pinging, survives. A holder that was only paused (SIGSTOP, a long GC or VM
    pause) and missed its renewals is judged dead: it finds its lease lost when it wakes, and
-   its commit is refused by the compare-and-swap. Each removal sends ``lock_expired`` (``reason`` says why).
+   its commit is refused by the compare-and-swap. The deletes of one batch go in one pipelined
+   round trip. Each removal sends ``lock_expired`` (``reason`` says why) and logs it at DEBUG;
+   each batch logs one DEBUG line and the run one INFO summary.
    python-redis-lock's ``reset_all`` (``KEYS`` + delete everything, live locks included) is
    the reaper this is not.
 
@@ -79,7 +84,7 @@ from .events import emit
 from .exceptions import StepLockError
 
 __all__ = ["ReapReport", "reap", "pid_alive", "REAPER_SENDER", "RENEWAL_GRACE_MS",
-           "DEFAULT_PING_TIMEOUT", "DEFAULT_BATCH_SIZE"]
+           "DEFAULT_PING_TIMEOUT", "DEFAULT_BATCH_SIZE", "MAX_RECORDS"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -94,6 +99,10 @@ DEFAULT_PING_TIMEOUT = 1.0
 BROKER_GRACE = 5.0
 #: SCAN ``COUNT`` hint and database chunk size.
 DEFAULT_BATCH_SIZE = 500
+#: Stale leases of not yet pinged workers held back at most before pinging them.
+PING_BUFFER = 1000
+#: Reaped leases and recovered steps listed in a report at most (the counts are complete).
+MAX_RECORDS = 1000
 #: The column whose age ``older_than`` is measured on, when the step model has it.
 AGE_FIELD = "updated_at"
 
@@ -102,13 +111,17 @@ AGE_FIELD = "updated_at"
 class ReapReport:
     """What one :func:`reap` run found and did.
 
-    ``leases_scanned``: leases seen by the scan. ``leases_reaped``: one dict per lease removed
-    (or, with ``dry_run``, that would be): ``name``, ``key``, ``owner``, ``fence``, ``task_id``,
-    ``task_name``, ``worker``, ``hostname``, ``pid``, ``step``, ``ttl`` (seconds it had left
-    when observed), ``reason``. ``steps_recovered``: one dict per step moved (or to move):
-    ``model`` (``"app_label.Model"``), ``pk``, ``from_``, ``to``, ``owner`` (the dead owner),
-    ``lease`` (its lease name when reaped in this run, else None), ``reason``. ``errors``:
-    messages; the run is a failure when there is any. ``duration``: seconds.
+    ``leases_scanned``: leases seen by the scan (SCAN can return a key twice while Redis
+    resizes its table; a key reaped at its first sighting is not seen again).
+    ``leases_reaped``: one dict per lease removed (or, with ``dry_run``, that would be):
+    ``name``, ``key``, ``owner``, ``fence``, ``task_id``, ``task_name``, ``worker``,
+    ``hostname``, ``pid``, ``step``, ``ttl`` (seconds it had left when observed), ``reason``.
+    ``steps_recovered``: one dict per step moved (or to move): ``model``
+    (``"app_label.Model"``), ``pk``, ``from_``, ``to``, ``owner`` (the dead owner), ``lease``
+    (its lease name when reaped in this run, else None), ``reason``. Both lists keep at most
+    :data:`MAX_RECORDS` entries (sorted by key / model and pk); :attr:`reaped_count` and
+    :attr:`recovered_count` count them all. ``errors``: messages; the run is a failure when
+    there is any. ``duration``: seconds.
     """
 
     leases_scanned: int = 0
@@ -118,19 +131,50 @@ class ReapReport:
     dry_run: bool = False
     duration: float = 0.0
 
+    def __post_init__(self) -> None:
+        self._reaped_unlisted = 0
+        self._recovered_unlisted = 0
+
     @property
     def ok(self) -> bool:
         """True when the run met no error."""
         return not self.errors
 
+    @property
+    def reaped_count(self) -> int:
+        """Leases reaped (or to reap), listed or not."""
+        return len(self.leases_reaped) + self._reaped_unlisted
+
+    @property
+    def recovered_count(self) -> int:
+        """Steps recovered (or to recover), listed or not."""
+        return len(self.steps_recovered) + self._recovered_unlisted
+
+    def add_reaped(self, info: dict[str, Any]) -> None:
+        if len(self.leases_reaped) < MAX_RECORDS:
+            self.leases_reaped.append(info)
+        else:
+            self._reaped_unlisted += 1
+
+    def add_recovered(self, info: dict[str, Any]) -> None:
+        if len(self.steps_recovered) < MAX_RECORDS:
+            self.steps_recovered.append(info)
+        else:
+            self._recovered_unlisted += 1
+
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of every field (plus ``ok``)."""
+        """A JSON-serialisable dict of every field (plus ``ok``, and
+        ``leases_reaped_total`` / ``steps_recovered_total`` when a list is not complete)."""
         data = asdict(self)
         data["ok"] = self.ok
+        if self._reaped_unlisted:
+            data["leases_reaped_total"] = self.reaped_count
+        if self._recovered_unlisted:
+            data["steps_recovered_total"] = self.recovered_count
         return data
 
     def detail_lines(self) -> list[str]:
-        """One line per reaped lease and recovered step, for people."""
+        """One line per listed reaped lease and recovered step, for people."""
         verb_lease = "would reap" if self.dry_run else "reaped"
         verb_step = "would recover" if self.dry_run else "recovered"
         lines = []
@@ -141,9 +185,13 @@ class ReapReport:
                 f"{lease.get('fence')}, task {task}[{_short(lease.get('task_id'), 8)}], worker "
                 f"{lease.get('worker') or '-'}, pid {lease.get('pid') or '-'}): "
                 f"{lease['reason']}")
+        if self._reaped_unlisted:
+            lines.append(f"... and {self._reaped_unlisted} more lease(s) not listed")
         for step in self.steps_recovered:
             lines.append(f"{verb_step} {step['model']} pk={step['pk']}: {step['from_']} -> "
                          f"{step['to']} (owner {_short(step['owner'])}): {step['reason']}")
+        if self._recovered_unlisted:
+            lines.append(f"... and {self._recovered_unlisted} more step(s) not listed")
         return lines
 
     def summary_lines(self) -> list[str]:
@@ -152,8 +200,8 @@ class ReapReport:
         would = "to reap" if self.dry_run else "reaped"
         to_recover = "to recover" if self.dry_run else "recovered"
         return [f"leases scanned: {self.leases_scanned}",
-                f"leases {would}: {len(self.leases_reaped)}{suffix}",
-                f"steps {to_recover}: {len(self.steps_recovered)}",
+                f"leases {would}: {self.reaped_count}{suffix}",
+                f"steps {to_recover}: {self.recovered_count}",
                 f"errors: {len(self.errors)}",
                 f"duration: {self.duration:.2f}s"]
 
@@ -241,8 +289,8 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
     report.duration = time.monotonic() - started
     level = logging.ERROR if report.errors else logging.INFO
     logger.log(level, "event=reaper_run dry_run=%s scanned=%d leases=%d steps=%d errors=%d "
-               "duration=%.3f", dry_run, report.leases_scanned, len(report.leases_reaped),
-               len(report.steps_recovered), len(report.errors), report.duration)
+               "duration=%.3f", dry_run, report.leases_scanned, report.reaped_count,
+               report.recovered_count, len(report.errors), report.duration)
     return report
 
 
@@ -274,8 +322,18 @@ class _Reaper:
         self.ping_timeout = ping_timeout
         self.check_pids = check_pids
         self.lock = lock
-        self.settings = Settings(app)
+        self.settings = Settings(app, snapshot=True)
         self.host = socket.gethostname()
+        self._default_interval: int | None = None
+        # Pings: nodes that answered / stayed silent so far; None once pinging failed.
+        self.answered: set[str] | None = set()
+        self.silent: set[str] = set()
+        # Pass 2 keeps only what concerns its candidate rows (see watch()).
+        self.watched_owners: set[str] = set()
+        self.watched_steps: set[str] = set()
+        self.live_owners: set[str] = set()
+        self.live_steps: dict[str, set[str]] = {}
+        self.dead: dict[str, dict[str, Any]] = {}
 
     def sender(self, task_name: str | None):
         """The signal sender: the task object when this app knows it (so receivers connected
@@ -298,27 +356,18 @@ class _Reaper:
             except StepLockError as exc:
                 self.error(f"lock store not configured: {exc}")
                 return
-        leases = self.scan()
-        if leases is None:
-            return  # incomplete scan: nobody can be called dead or orphaned
-        dead_owners = self.reap_leases(leases)
+        for group in candidates:
+            label_lower = group.model._meta.label_lower
+            for pk, _status, owner in group.rows:
+                self.watched_owners.add(owner)
+                self.watched_steps.add(f"{label_lower}:{pk}")
+        if not self.reap_leases():
+            return  # incomplete scan: nobody can be called orphaned
+        self.report.leases_reaped.sort(key=lambda info: info["key"])
         if candidates:
-            self.recover_steps(candidates, leases, dead_owners)
+            self.recover_steps(candidates)
 
     # -- pass 1: leases ----------------------------------------------------------------------
-
-    def scan(self) -> list[dict[str, Any]] | None:
-        """Every lease, deduplicated by key (SCAN may return a key twice); None on error."""
-        seen: dict[str, dict[str, Any]] = {}
-        try:
-            for lease in self.lock.iter_leases(count=self.batch_size):
-                if lease.get("owner"):
-                    seen[lease["key"]] = lease
-        except StepLockError as exc:
-            self.error(f"lease scan failed, nothing reaped or recovered: {exc}")
-            return None
-        self.report.leases_scanned = len(seen)
-        return [seen[key] for key in sorted(seen)]  # a stable order for reports and tests
 
     def redis_now_ms(self) -> int | None:
         """Redis server time in ms: the clock ``renewed_ms`` was written with."""
@@ -377,8 +426,14 @@ class _Reaper:
             return None
         interval = _int(lease.get("renew_ms"))
         if interval is None:  # leases taken before renew_ms was recorded
-            ttl_ms = _int(lease.get("ttl_ms")) or int(self.settings.default_ttl * 1000)
-            interval = int(ttl_ms * self.settings.renewal_ratio)
+            ttl_ms = _int(lease.get("ttl_ms"))
+            if ttl_ms:
+                interval = int(ttl_ms * self.settings.renewal_ratio)
+            else:
+                if self._default_interval is None:
+                    self._default_interval = int(int(self.settings.default_ttl * 1000)
+                                                 * self.settings.renewal_ratio)
+                interval = self._default_interval
         idle = now_ms - renewed
         return idle if idle > 1.5 * interval + RENEWAL_GRACE_MS else None
 
@@ -405,18 +460,80 @@ class _Reaper:
         return (f"worker {worker} did not answer a ping within {self.ping_timeout:g}s and the "
                 f"lease was last renewed {idle / 1000:.1f}s ago")
 
-    def reap_leases(self, leases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """Judge and remove leases; returns ``{owner: lease dict}`` of the dead owners."""
-        remote = [lease for lease in leases if lease.get("worker") and not (
-            self.check_pids and lease.get("hostname") == self.host
-            and (_int(lease.get("pid")) or 0) > 0)]
-        now_ms = self.redis_now_ms() if leases else None
-        stale = [lease for lease in remote if self.idle_ms(lease, now_ms) is not None]
-        answered = self.ping(lease["worker"] for lease in stale) if stale else set()
-        dead: dict[str, dict[str, Any]] = {}
+    def needs_ping(self, lease: dict[str, Any], now_ms: int | None) -> bool:
+        """Whether ``lease`` is judged by a ping of its worker not asked yet in this run."""
+        worker = lease.get("worker")
+        return bool(worker) and self.answered is not None and worker not in self.answered \
+            and worker not in self.silent and not (
+                self.check_pids and lease.get("hostname") == self.host
+                and (_int(lease.get("pid")) or 0) > 0) \
+            and self.idle_ms(lease, now_ms) is not None
+
+    def reap_leases(self) -> bool:
+        """Pass 1, one SCAN batch at a time; False when the scan could not complete."""
+        waiting: list[dict[str, Any]] = []  # stale leases whose worker is to be pinged
+        waiting_now_ms: int | None = None
+        cursor = 0
+        while True:
+            try:
+                cursor, leases = self.lock.scan(cursor, self.batch_size)
+            except StepLockError as exc:
+                self.error(f"lease scan failed, no step recovered: {exc}")
+                return False
+            leases = [lease for lease in leases if lease.get("owner")]
+            if leases:
+                self.report.leases_scanned += len(leases)
+                now_ms = self.redis_now_ms()
+                ready = []
+                for lease in leases:
+                    if self.needs_ping(lease, now_ms):
+                        waiting.append(lease)
+                        waiting_now_ms = now_ms
+                    else:
+                        ready.append(lease)
+                self.judge(ready, now_ms)
+            if waiting and (cursor == 0 or len(waiting) >= PING_BUFFER):
+                answered = self.ping(lease["worker"] for lease in waiting)
+                if answered is None:
+                    self.answered = None
+                else:
+                    self.answered.update(answered)
+                    self.silent.update(lease["worker"] for lease in waiting
+                                       if lease["worker"] not in answered)
+                self.judge(waiting, waiting_now_ms)
+                waiting = []
+            if cursor == 0:
+                return True
+
+    def judge(self, leases: list[dict[str, Any]], now_ms: int | None) -> None:
+        """Judge one batch of leases, reap the dead ones' in one round trip, and keep what
+        pass 2 needs to know about them."""
+        dead = []
         for lease in leases:
-            reason = self.verdict(lease, answered, now_ms)
+            reason = self.verdict(lease, self.answered, now_ms)
             if reason is None:
+                self.keep_live(lease)
+            else:
+                dead.append((lease, reason))
+        if not dead:
+            return
+        if self.dry_run:
+            results: list[Any] = [True] * len(dead)
+        else:
+            try:
+                # Compare-and-delete on the owner and the renewal observed in the scan: a
+                # lease re-acquired since, or renewed while we pinged, survives.
+                results = self.lock.reap_many(
+                    (lease["name"], lease["owner"], lease.get("renewed_ms") or "")
+                    for lease, _reason in dead)
+            except StepLockError as exc:
+                results = [exc] * len(dead)
+        reaped = skipped = failed = 0
+        for (lease, reason), released in zip(dead, results):
+            if isinstance(released, Exception):
+                failed += 1
+                self.error(f"could not release lease {lease['name']}: {released}")
+                self.keep_live(lease)  # recovered on the next run
                 continue
             info = {
                 "name": lease["name"], "key": lease["key"], "owner": lease["owner"],
@@ -425,29 +542,33 @@ class _Reaper:
                 "hostname": lease.get("hostname"), "pid": _int(lease.get("pid")),
                 "step": lease.get("step"), "ttl": lease.get("ttl"), "reason": reason,
             }
+            self.keep_dead(info)
+            if not released:
+                skipped += 1  # released or re-acquired since the scan: holds nothing now
+                continue
+            reaped += 1
             if not self.dry_run:
-                try:
-                    # Compare-and-delete on the owner and the renewal observed in the scan: a
-                    # lease re-acquired since, or renewed while we pinged, survives.
-                    released = self.lock.reap(lease["name"], lease["owner"],
-                                              lease.get("renewed_ms") or "")
-                except StepLockError as exc:
-                    self.error(f"could not release lease {lease['name']}: {exc}")
-                    continue  # its owner stays "live" for pass 2: recover on the next run
-                if not released:
-                    logger.info("event=reaper_skipped key=%s owner=%s reason=released or "
-                                "re-acquired since the scan", lease["key"], lease["owner"])
-                    dead[lease["owner"]] = info  # the observed owner holds nothing any more
-                    continue
                 emit(signals.lock_expired, self.sender(lease.get("task_name")),
-                     logging.WARNING, key=info["key"], name=info["name"], owner=info["owner"],
+                     logging.DEBUG, key=info["key"], name=info["name"], owner=info["owner"],
                      fence=info["fence"], task_id=info["task_id"], task_name=info["task_name"],
                      ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
                      ttl_left=info["ttl"], reason=f"reaped: {reason}", worker=info["worker"],
                      hostname=info["hostname"], pid=info["pid"], step=info["step"])
-            self.report.leases_reaped.append(info)
-            dead[lease["owner"]] = info
-        return dead
+            self.report.add_reaped(info)
+        logger.debug("event=reaper_batch leases=%d dead=%d reaped=%d skipped=%d failed=%d "
+                     "dry_run=%s", len(leases), len(dead), reaped, skipped, failed,
+                     self.dry_run)
+
+    def keep_live(self, lease: dict[str, Any]) -> None:
+        owner, step = lease["owner"], lease.get("step")
+        if owner in self.watched_owners:
+            self.live_owners.add(owner)
+        if step and step in self.watched_steps:
+            self.live_steps.setdefault(step, set()).add(owner)
+
+    def keep_dead(self, info: dict[str, Any]) -> None:
+        if info["owner"] in self.watched_owners:
+            self.dead[info["owner"]] = info
 
     # -- pass 2: steps -----------------------------------------------------------------------
 
@@ -511,17 +632,16 @@ class _Reaper:
                                      auto_now))
         return found
 
-    def recover_steps(self, candidates: list[_Candidates], leases: list[dict[str, Any]],
-                      dead: dict[str, dict[str, Any]]) -> None:
+    def recover_steps(self, candidates: list[_Candidates]) -> None:
         """Move orphaned in-flight rows to their recovery status by compare-and-swap."""
         from django.db import DatabaseError, router, transaction
         from django.utils import timezone
 
-        live_owners = {lease["owner"] for lease in leases if lease["owner"] not in dead}
+        dead = self.dead
+        live_owners = self.live_owners - dead.keys()
         # A live lease that names a step (a new attempt holding it) protects the row even if
         # the row still shows the dead owner: that attempt will move it on.
-        live_steps = {lease["step"] for lease in leases
-                      if lease.get("step") and lease["owner"] not in dead}
+        live_steps = {step for step, owners in self.live_steps.items() if owners - dead.keys()}
         for group in candidates:
             label_lower = group.model._meta.label_lower
             manager = group.model._default_manager
@@ -561,7 +681,7 @@ class _Reaper:
                         task_name=lease["task_name"] if lease else None, ttl=None,
                         step_id=pk, step=f"{label_lower}:{pk}", model=group.label,
                         from_=status, to=to, reason=f"step recovered: {reason}"), using=using)
-                self.report.steps_recovered.append(info)
+                self.report.add_recovered(info)
 
 
 def _age_field(model):

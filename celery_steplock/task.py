@@ -6,8 +6,8 @@ or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
     name  = lock name (keys.py)              # from the signature or lock_key
     lease = acquire(name, new owner, ttl)     # fencing token; contended -> on_contended
     heartbeat.register(lease)                 # renewed every ttl/3 by the process's thread
+    precheck: step still in from_?           # else conflict, the body never runs
     with transaction.atomic():                # when a step model is set (Django)
-        precheck: step still in from_?       # else conflict, the body never runs
         body                                  # self.lease, self.transition(...)
         CAS from_ -> to (+ fence guard)       # 0 rows -> TransitionConflict, rollback
         ownership check in Redis              # lost -> LockLost, rollback
@@ -233,6 +233,11 @@ class StepLockedTask(Task):
         from .guard import StepTransitionGuard
 
         settings = self.steplock_settings
+        memo = settings.memo
+        if memo is not None:
+            guard = memo.get(("guard", self))
+            if guard is not None:
+                return guard
         ident = (self.step_model, settings.status_field, settings.owner_field,
                  settings.fence_field)
         cached = self.__dict__.get("_steplock_guard")
@@ -245,6 +250,8 @@ class StepLockedTask(Task):
                 raise ImproperlyConfigured(f"{self.name}: {exc}", setting=exc.setting) from exc
             cached = (ident, guard)
             self._steplock_guard = cached
+        if memo is not None:
+            memo[("guard", self)] = cached[1]
         return cached[1]
 
     # -- inside the body --------------------------------------------------------------------
@@ -364,20 +371,22 @@ class StepLockedTask(Task):
     def _execute(self, lease: Lease | None, lock: RedisStepLock, opts: _Options, step_id,
                  args, kwargs):
         token = _current_leases.set({**_current_leases.get(), self.name: lease})
-        body_done = committing = False
+        body_done = False
         try:
+            if opts.transition is not None and opts.precheck:
+                # Before the transaction: a read needs no write lock (SQLite's BEGIN
+                # IMMEDIATE takes it), and the CAS, not this read, is what decides.
+                current = self.steplock_guard().status(step_id)
+                if current != opts.transition[0]:
+                    exc = TransitionConflict(
+                        f"step {step_id!r} is {current!r}, not {opts.transition[0]!r}: "
+                        f"body skipped", step_id=step_id, from_=opts.transition[0],
+                        to=opts.transition[1], current=current)
+                    emit(signals.transition_conflict, self, step_id=step_id,
+                         from_=exc.from_, to=exc.to, current=current,
+                         **(lease_fields(lease) if lease else {}))
+                    raise exc
             with self._atomic(opts):
-                if opts.transition is not None and opts.precheck:
-                    current = self.steplock_guard().status(step_id)
-                    if current != opts.transition[0]:
-                        exc = TransitionConflict(
-                            f"step {step_id!r} is {current!r}, not {opts.transition[0]!r}: "
-                            f"body skipped", step_id=step_id, from_=opts.transition[0],
-                            to=opts.transition[1], current=current)
-                        emit(signals.transition_conflict, self, step_id=step_id,
-                             from_=exc.from_, to=exc.to, current=current,
-                             **(lease_fields(lease) if lease else {}))
-                        raise exc
                 result = super().__call__(*args, **kwargs)
                 body_done = True
                 if lease is not None and self.step_model is not None \
@@ -389,7 +398,6 @@ class StepLockedTask(Task):
                     self.transition(step_id, *opts.transition)
                 if lease is not None:
                     self._check_owned(lease, lock, opts)
-                committing = True
             return result
         except TransitionConflict:
             if opts.on_conflict == "ignore":
@@ -413,8 +421,6 @@ class StepLockedTask(Task):
             # a session whose lease ran out (StepTransitionGuard.set_deadline): the retry
             # settles it, since its pre-check or CAS sees the step as it is. The body's own
             # database errors stay the body's (Celery's autoretry_for).
-            if lease is not None and not committing:
-                lease.mark_lost(f"database error after the lease ran out: {exc}")
             logger.warning("event=commit_failed task_id=%s task_name=%s step_id=%s error=%r",
                            self.request.id, self.name, step_id, exc)
             return self._steplock_retry(exc, opts)

@@ -209,6 +209,67 @@ def test_max_hold_is_reported_on_time_not_one_interval_late(lock, heartbeat, rec
     assert [kw["owner"] for name, kw in received if name == "lock_lost"] == ["o"]
 
 
+def test_the_thread_idles_between_leases_and_exits_when_idle(lock):
+    hb = Heartbeat(idle_timeout=0.3)
+    first = lock.acquire("idle1", "o", 1.0)
+    hb.register(first, lock)
+    thread = hb.thread
+    hb.unregister(first)
+    time.sleep(0.1)
+    second = lock.acquire("idle2", "o", 1.0)
+    hb.register(second, lock)  # within the idle timeout: the same thread takes it
+    assert hb.thread is thread and thread.is_alive()
+    time.sleep(0.45)
+    assert not second.lost and hb.cycles >= 1
+    hb.unregister(second)
+    thread.join(1.0)
+    assert not thread.is_alive() and hb.thread is None
+    third = lock.acquire("idle3", "o", 1.0)
+    hb.register(third, lock)  # a new thread after the exit
+    assert hb.thread is not None and hb.thread is not thread and hb.thread.is_alive()
+    hb.unregister(third)
+
+
+def test_thousands_of_leases_one_round_trip_per_cycle(lock, heartbeat, redis_client):
+    leases = [lock.acquire(f"bulk{i}", f"o{i}", 1.5) for i in range(2500)]
+    acquired = redis_client.hget("t:lease:{bulk0}", "renewed_ms")
+    for lease in leases:
+        heartbeat.register(lease, lock, ratio=1 / 3)
+    time.sleep(1.3)
+    assert not any(lease.lost for lease in leases)
+    assert heartbeat.cycles >= 2 and heartbeat.round_trips == heartbeat.cycles
+    assert int(redis_client.hget("t:lease:{bulk0}", "renewed_ms")) > int(acquired)
+    assert int(redis_client.hget("t:lease:{bulk2499}", "renewed_ms")) > int(acquired)
+    assert all(redis_client.pttl(f"t:lease:{{bulk{i}}}") > 1000 for i in (0, 1234, 2499))
+
+
+def test_leases_registered_apart_share_one_cycle_after_their_first(lock, heartbeat):
+    sizes = []
+    renew = heartbeat._renew
+
+    def counted(due):
+        sizes.append(len(due))
+        renew(due)
+
+    heartbeat._renew = counted
+    for i in range(3):  # phases 0, 1/3 and 2/3 of an interval apart
+        heartbeat.register(lock.acquire(f"phase{i}", "o", 1.2), lock, ratio=1 / 3)
+        time.sleep(0.4 / 3)
+    time.sleep(1.2)
+    assert sizes and sizes[-1] == 3 and sizes[-2] == 3
+
+
+def test_an_unreachable_store_is_retried_at_a_bounded_pace(lock, heartbeat):
+    from helpers import closed_port_url
+
+    lease = lock.acquire("refused", "o", 3.0)
+    down = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.2), prefix="t")
+    heartbeat.register(lease, down, ratio=1 / 3)  # renewals fail at once: connection refused
+    time.sleep(1.8)
+    assert not lease.lost
+    assert 2 <= heartbeat.cycles <= 10  # retried every interval / 3, not in a tight loop
+
+
 def test_a_stuck_lock_extended_receiver_does_not_hang_unregister(lock, heartbeat, caplog):
     """A receiver blocking the heartbeat thread (found by tests/faults heartbeat-frozen) stops
     renewals, but the task's unregister gives up after one TTL instead of waiting forever."""

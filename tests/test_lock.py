@@ -288,3 +288,114 @@ def test_scan_skips_keys_that_are_not_leases(lock, redis_client):
     lock.acquire("good", "o", 5.0)
     redis_client.set("t:lease:{stray}", "not a hash", ex=5)
     assert [info["name"] for info in lock.iter_leases()] == ["good"]
+
+
+# -- batched renewal, batched reap, one waiter woken per release ---------------------------
+
+
+def test_extend_many_renews_each_lease_as_extend_would(lock, redis_client):
+    names = ["m:a", "m:b", "m:ü", "m:stolen", "m:gone"]
+    for name in names:
+        lock.acquire(name, f"own-{name}", 1.0)
+    redis_client.hset("t:lease:{m:stolen}", "owner", "thief")
+    redis_client.delete("t:lease:{m:gone}")
+    before = {n: redis_client.hgetall(lock.key(n)) for n in names}
+    time.sleep(0.02)
+    ttls = {"m:a": 7.0, "m:b": 3.0, "m:ü": 5.0, "m:stolen": 9.0, "m:gone": 9.0}
+    # chunk=2: three script calls in one round trip, results in the items' order.
+    results = lock.extend_many([(n, f"own-{n}", ttls[n]) for n in names], chunk=2)
+    assert results == [True, True, True, False, False]
+    for name in ("m:a", "m:b", "m:ü"):
+        after = redis_client.hgetall(lock.key(name))
+        assert after["ttl_ms"] == str(int(ttls[name] * 1000))
+        assert int(after["renewed_ms"]) > int(before[name]["renewed_ms"])
+        assert after["acquired_ms"] == before[name]["acquired_ms"]
+        assert ttls[name] * 1000 - 100 < redis_client.pttl(lock.key(name)) <= ttls[name] * 1000
+    assert redis_client.hgetall("t:lease:{m:stolen}") == before["m:stolen"]
+    assert redis_client.pttl("t:lease:{m:stolen}") <= 1000
+    assert redis_client.exists("t:lease:{m:gone}") == 0
+    assert lock.extend_many([]) == []
+
+
+def test_extend_many_reloads_a_script_redis_lost(lock, redis_client):
+    lock.acquire("lost-script", "o", 1.0)
+    redis_client.script_flush()
+    assert lock.extend_many([("lost-script", "o", 4.0), ("nobody", "o", 4.0)]) == [True, False]
+    assert redis_client.hget("t:lease:{lost-script}", "ttl_ms") == "4000"
+
+
+def test_reap_many_compares_owner_and_renewal_per_lease(lock, redis_client):
+    from celery_steplock.exceptions import LockError
+
+    for name in ("r1", "r2", "r3"):
+        lock.acquire(name, f"o-{name}", 5.0)
+    seen = {n: redis_client.hget(lock.key(n), "renewed_ms") for n in ("r1", "r2", "r3")}
+    time.sleep(0.01)
+    lock.extend("r2", "o-r2", 5.0)  # renewed since it was read: spared
+    redis_client.set("t:lease:{typed}", "not a hash", ex=5)
+    results = lock.reap_many([("r1", "o-r1", seen["r1"]), ("r2", "o-r2", seen["r2"]),
+                              ("r3", "someone-else", seen["r3"]), ("typed", "o", "1")])
+    assert results[:3] == [True, False, False]
+    assert isinstance(results[3], LockError) and not isinstance(results[3],
+                                                                 LockStoreUnavailable)
+    assert redis_client.exists("t:lease:{r1}") == 0
+    assert redis_client.hget("t:lease:{r2}", "owner") == "o-r2"
+    assert redis_client.hget("t:lease:{r3}", "owner") == "o-r3"
+    assert lock.reap_many([]) == []
+
+
+def test_a_release_wakes_one_waiter_in_arrival_order(lock, redis_client, redis_server_url):
+    lock.acquire("q", "holder", 10.0)
+    order, errors = [], []
+
+    def wait(i):
+        own = RedisStepLock(make_client(redis_server_url), prefix="t")
+        try:
+            lease = own.acquire("q", f"w{i}", 10.0, wait=10.0)
+            order.append(i)
+            time.sleep(0.05)
+            own.release("q", lease.owner)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=wait, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.1)  # each one blocks before the next arrives
+    assert redis_client.zcard("t:waiters:{q}") == 4
+    def evalsha_calls():  # a first call of a script not loaded yet fails and is repeated
+        stats = redis_client.info("commandstats").get("cmdstat_evalsha", {})
+        return stats.get("calls", 0) - stats.get("failed_calls", 0)
+
+    calls = evalsha_calls()
+    lock.release("q", "holder")
+    for t in threads:
+        t.join(5)
+    assert errors == [] and order == [0, 1, 2, 3]
+    # 1 release + per waiter 1 acquire and 1 release: nobody retried for nothing.
+    assert evalsha_calls() - calls == 1 + 4 * 2
+    assert redis_client.exists("t:waiters:{q}") == 0  # the last one took itself out
+
+
+def test_a_waiter_that_gives_up_leaves_nothing_behind(lock, redis_client):
+    lock.acquire("g", "holder", 10.0)
+    assert lock.acquire("g", "waiter", 5.0, wait=0.2) is None
+    assert redis_client.exists("t:waiters:{g}") == 0
+    assert lock.release("g", "holder") is True
+    assert redis_client.exists("t:wake:{g}") == 0  # nobody waits: no wake-up is pushed
+    keys, without = all_keys_have_ttl(redis_client, "t:*")
+    assert without == []
+
+
+def test_wait_keys_expire(lock, redis_client):
+    lock.acquire("x", "holder", 10.0)
+    thread = threading.Thread(target=lock.acquire, args=("x", "waiter", 5.0),
+                              kwargs={"wait": 0.5})
+    thread.start()
+    time.sleep(0.2)
+    assert 0 < redis_client.pttl("t:waiters:{x}") <= 500
+    lock.release("x", "holder")
+    thread.join(2)
+    keys, without = all_keys_have_ttl(redis_client, "t:*")
+    assert without == []

@@ -445,3 +445,57 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
     assert again.ok and again.leases_reaped == [] and again.steps_recovered == []
     assert Step.objects.get(pk=steps["dead-claim"].pk).status == "pending"
     alive.kill()  # its 60 s holds would make a warm shutdown wait
+
+
+# -- streaming ----------------------------------------------------------------------------
+
+
+def test_batches_are_judged_as_they_come_and_the_report_keeps_a_sample(
+        app, lease_store, redis_client, expired_events, monkeypatch, caplog):
+    import logging
+
+    from celery_steplock import reaper as reaper_module
+
+    monkeypatch.setattr(reaper_module, "MAX_RECORDS", 4)
+    here = socket.gethostname()
+    gone = dead_pid()
+    for i in range(9):
+        take(lease_store, f"dead:{i}", hostname=here, pid=gone, worker=GHOST)
+        age(redis_client, lease_store, f"dead:{i}", 600)
+    for i in range(3):
+        take(lease_store, f"live:{i}", hostname=here, pid=os.getpid(), worker=GHOST)
+    with caplog.at_level(logging.INFO, logger="celery_steplock"):
+        report = reap(app, batch_size=2, ping_timeout=PING)
+    assert report.ok, report.errors
+    assert report.leases_scanned == 12 and report.reaped_count == 9
+    assert len(report.leases_reaped) == 4
+    assert [r["name"] for r in report.leases_reaped] == sorted(
+        r["name"] for r in report.leases_reaped)
+    assert len(expired_events) == 9
+    assert [i for i in range(9) if lease_store.inspect(f"dead:{i}")] == []
+    assert all(lease_store.inspect(f"live:{i}") for i in range(3))
+    data = report.as_dict()
+    assert data["leases_reaped_total"] == 9 and len(data["leases_reaped"]) == 4
+    assert "leases reaped: 9" in report.summary_lines()
+    assert report.detail_lines()[-1] == "... and 5 more lease(s) not listed"
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert [r.getMessage().split()[0] for r in lines] == ["event=reaper_run"]
+
+
+def test_workers_are_pinged_once_for_all_batches(app, lease_store, redis_client, monkeypatch):
+    for i in range(6):
+        take(lease_store, f"remote:{i}", worker=f"ghost{i % 2}@nowhere.invalid",
+             hostname=ELSEWHERE, pid=4242)
+        age(redis_client, lease_store, f"remote:{i}", 60)
+    pinged = []
+    real_ping = app.control.ping
+
+    def counting(*args, **kwargs):
+        pinged.append(sorted(kwargs["destination"]))
+        return real_ping(*args, **kwargs)
+
+    monkeypatch.setattr(app.control, "ping", counting)
+    report = reap(app, batch_size=1, ping_timeout=PING)
+    assert report.ok and report.reaped_count == 6
+    # one broadcast for both silent nodes, one more for those that stayed silent
+    assert pinged == [["ghost0@nowhere.invalid", "ghost1@nowhere.invalid"]] * 2

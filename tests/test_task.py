@@ -503,3 +503,47 @@ def test_backoff_has_full_jitter_and_a_cap():
     assert all(0.05 <= v <= 5.0 for v in values)
     assert max(values) > 3.0 and min(values) < 1.0
     assert backoff(1.0, 100, 60.0) <= 60.0
+
+
+def test_settings_are_read_once_per_change_and_the_heartbeat_thread_is_kept(app,
+                                                                           redis_client):
+    from celery_steplock.heartbeat import get_heartbeat
+
+    conf_type = type(app.conf)
+    real_get = conf_type.get
+    read = []
+
+    def counting(self_, key, *args, **kwargs):
+        if isinstance(key, str) and key.startswith("steplock_"):
+            read.append(key)
+        return real_get(self_, key, *args, **kwargs)
+
+    def run(name):
+        step = Step.objects.create(name=name)
+        read.clear()
+        conf_type.get = counting
+        try:
+            finish(step.pk)
+        finally:
+            conf_type.get = real_get
+        step.refresh_from_db()
+        assert step.status == "done"
+        return list(read)
+
+    run("warm")
+    thread = get_heartbeat().thread
+    assert thread is not None and thread.is_alive()  # idles after the lease is gone
+    assert run("unchanged") == []  # nothing changed: nothing is looked up again
+    assert get_heartbeat().thread is thread  # the same thread served both executions
+    ttls = []
+    signals.lock_acquired.connect(lambda sender=None, **kw: ttls.append(kw["ttl"]),
+                                  weak=False, dispatch_uid="test-ttl")
+    try:
+        app.conf.steplock_default_ttl = 7.5  # a change applies to the next execution
+        changed = run("changed")
+        assert changed and len(changed) == len(set(changed)), sorted(changed)
+        assert "steplock_default_ttl" in changed
+        assert run("again") == []
+    finally:
+        signals.lock_acquired.disconnect(dispatch_uid="test-ttl")
+    assert ttls == [7.5, 7.5]

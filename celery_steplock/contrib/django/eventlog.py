@@ -64,9 +64,13 @@ def _app_of(sender: Any):
 
 
 def enabled(sender: Any = None) -> bool:
-    """Whether ``steplock_event_log`` is on for the sender's Celery app."""
+    """Whether ``steplock_event_log`` is on for the sender's Celery app (read through the
+    running execution's settings snapshot when the sender is a StepLockedTask)."""
     try:
-        return Settings(_app_of(sender)).event_log
+        settings = getattr(sender, "steplock_settings", None)
+        if not isinstance(settings, Settings):
+            settings = Settings(_app_of(sender))
+        return settings.event_log
     except Exception:  # noqa: BLE001 - no app, no log
         return False
 

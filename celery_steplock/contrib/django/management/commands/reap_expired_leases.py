@@ -94,7 +94,7 @@ class Command(BaseCommand):
             recover = "would recover" if report.dry_run else "recovered"
             self.stdout.write(
                 f"Scanned {report.leases_scanned} lease(s); {verb} "
-                f"{len(report.leases_reaped)}; {recover} {len(report.steps_recovered)} "
+                f"{report.reaped_count}; {recover} {report.recovered_count} "
                 f"step(s); {len(report.errors)} error(s) in {report.duration:.2f}s"
                 + (" (dry run: nothing changed)." if report.dry_run else "."))
         if report.errors:
