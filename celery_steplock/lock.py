@@ -75,20 +75,24 @@ if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
 return {1, fence, tonumber(ARGV[2])}
 """
 
-# KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list. ARGV[1] owner token,
-# ARGV[2] release channel. Returns 1 if deleted, 0 if not the owner/absent. A deletion is
-# announced on ARGV[2] and, when anyone waits, by one element in KEYS[3] (kept at most one:
-# the waiter blocked longest in BLPOP takes it, so a release wakes one waiter, not all).
-RELEASE_LUA = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], ARGV[1])
+# A deleted lease wakes one waiter, if any (RELEASE and REAP): KEYS[2] waiters' sorted set,
+# KEYS[3] wake-up list, ARGV[1] owner token. The list keeps at most one element: the waiter
+# blocked longest in BLPOP takes it, so a release wakes one waiter, not all.
+_WAKE_ONE_LUA = """
   if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('DEL', KEYS[3])
     redis.call('RPUSH', KEYS[3], ARGV[1])
     redis.call('PEXPIRE', KEYS[3], 60000)
   end
-  return 1
+"""
+
+# KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list. ARGV[1] owner token,
+# ARGV[2] release channel. Returns 1 if deleted, 0 if not the owner/absent. A deletion is
+# announced on ARGV[2] and by one wake-up (_WAKE_ONE_LUA).
+RELEASE_LUA = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[1])""" + _WAKE_ONE_LUA + """  return 1
 end
 return 0
 """
@@ -100,13 +104,7 @@ REAP_LUA = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'renewed_ms') == ARGV[2] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[3], ARGV[1])
-  if redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('DEL', KEYS[3])
-    redis.call('RPUSH', KEYS[3], ARGV[1])
-    redis.call('PEXPIRE', KEYS[3], 60000)
-  end
-  return 1
+  redis.call('PUBLISH', ARGV[3], ARGV[1])""" + _WAKE_ONE_LUA + """  return 1
 end
 return 0
 """

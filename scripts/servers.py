@@ -101,6 +101,20 @@ atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_all)
 
 
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition",
+               describe=None):
+    """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError
+    after ``timeout`` seconds naming ``what`` and, when given, ``describe()`` of the state."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    state = f" ({describe()})" if describe else ""
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}{state}")
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -1,20 +1,5 @@
 """Small helpers shared by the tests."""
-import time
-
-from scripts.servers import free_port
-
-
-def wait_until(predicate, timeout=30.0, interval=0.05, what="condition", describe=None):
-    """Poll ``predicate`` until it returns something truthy (returned), or fail after
-    ``timeout`` seconds with ``what`` and, when given, ``describe()`` of the state."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    state = f" ({describe()})" if describe else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{state}")
+from scripts.servers import free_port, wait_until  # noqa: F401 - shared with the tests
 
 
 def all_keys_have_ttl(client, pattern="*"):

@@ -204,8 +204,8 @@ class Lab:
         owner, fence, backend_pid, task_id)."""
         item = self.r.blpop(f"faults:arrived:{step_id}:{point}", timeout=timeout)
         if item is None:
-            raise TimeoutError(f"no attempt reached {point} of step {step_id} in {timeout}s"
-                               f"{self.describe()}")
+            raise TimeoutError(f"no attempt reached {point} of step {step_id} in {timeout}s "
+                               f"({self.describe()})")
         return json.loads(item[1])
 
     def go(self, step_id: int, point: str, instruction: str = "") -> None:
@@ -215,13 +215,8 @@ class Lab:
         return [json.loads(x) for x in self.r.lrange("faults:history", 0, -1)]
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.05):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(interval)
-        raise TimeoutError(f"timed out after {timeout}s waiting for {what}{self.describe()}")
+        """servers.wait_until, describing the lab's state on a timeout."""
+        return servers.wait_until(predicate, timeout, interval, what, self.describe)
 
     def wait_event(self, ev: str, timeout: float = 30.0, **match) -> dict:
         """The first history entry ``ev`` whose fields equal ``match``, once it exists."""
@@ -282,16 +277,16 @@ class Lab:
             else:
                 idle_since = None
             time.sleep(0.05)
-        raise TimeoutError(f"steps {list(step_ids)} did not settle in {timeout}s"
-                           f"{self.describe(step_ids)}")
+        raise TimeoutError(f"steps {list(step_ids)} did not settle in {timeout}s "
+                           f"({self.describe(step_ids)})")
 
     def describe(self, step_ids=()) -> str:
         try:
-            return (f" (queue {self.r.llen('celery')}, unacked {self.r.hlen('unacked')}, "
+            return (f"queue {self.r.llen('celery')}, unacked {self.r.hlen('unacked')}, "
                     f"leases {self.leases()}, statuses {self.statuses(step_ids)}, workers "
-                    f"{ {n: (w.alive(), w.children_pids()) for n, w in self.workers.items()} })")
+                    f"{ {n: (w.alive(), w.children_pids()) for n, w in self.workers.items()} }")
         except Exception as exc:  # noqa: BLE001
-            return f" (state unavailable: {exc})"
+            return f"state unavailable: {exc}"
 
     def verdict(self, step_ids, fault_at: float | None = None,
                 settled_at: float | None = None) -> checker.Verdict:
