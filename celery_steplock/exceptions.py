@@ -59,11 +59,20 @@ class OuterTransactionError(StepLockError, RuntimeError):
 
 
 class LockError(StepLockError):
-    """Base of the errors about a lease. ``key`` is the Redis key concerned."""
+    """Base of the errors about a lease.
 
-    def __init__(self, message: str, key: str | None = None, **context):
+    ``name`` is the lock name (as in redis-py's ``LockError.lock_name``), ``key`` the Redis
+    key holding the lease, ``owner`` and ``fence`` the owner token and fencing token of the
+    lease concerned, when known. ``context`` keeps any other keyword given.
+    """
+
+    def __init__(self, message: str, key: str | None = None, *, name: str | None = None,
+                 owner: str | None = None, fence: int | None = None, **context):
         super().__init__(message)
         self.key = key
+        self.name = name
+        self.owner = owner
+        self.fence = fence
         self.context = context
 
 
@@ -75,8 +84,9 @@ class LockContended(LockError):
     """
 
     def __init__(self, message: str, key: str | None = None, holder: str | None = None,
-                 ttl: float | None = None, holder_task_id: str | None = None):
-        super().__init__(message, key=key)
+                 ttl: float | None = None, holder_task_id: str | None = None, *,
+                 name: str | None = None):
+        super().__init__(message, key=key, name=name)
         self.holder = holder
         self.ttl = ttl
         self.holder_task_id = holder_task_id

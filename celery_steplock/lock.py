@@ -30,10 +30,12 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
+from .conf import Settings
 from .exceptions import LockError, LockLost, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 
-__all__ = ["Lease", "RedisStepLock", "new_owner_token", "make_client", "CLOCK_DRIFT_FACTOR"]
+__all__ = ["Lease", "RedisStepLock", "new_owner_token", "make_client", "get_lease_store",
+           "CLOCK_DRIFT_FACTOR"]
 
 #: Share of the TTL held back from the local validity for clock drift (as in Redlock).
 CLOCK_DRIFT_FACTOR = 0.01
@@ -619,3 +621,28 @@ def holder_metadata(task_id: str | None = None, task_name: str | None = None,
             "pid": os.getpid(), "retries": retries}
     meta.update(extra)
     return {k: v for k, v in meta.items() if v is not None}
+
+
+_stores: dict[tuple, RedisStepLock] = {}
+_stores_guard = threading.Lock()
+
+
+def get_lease_store(app, settings: Settings | None = None) -> RedisStepLock:
+    """The lease store for ``app``'s settings (``steplock_redis_url``, ``steplock_socket_timeout``,
+    ``steplock_key_prefix``, ``steplock_fence_ttl``), one per distinct configuration and shared
+    by every task, heartbeat and operator tool of the process.
+
+    Raises ImproperlyConfigured naming the setting when one of them is invalid.
+    """
+    settings = settings or Settings(app)
+    ident = (settings.redis_url, settings.socket_timeout, settings.key_prefix,
+             settings.fence_ttl)
+    store = _stores.get(ident)
+    if store is None:
+        with _stores_guard:
+            store = _stores.get(ident)
+            if store is None:
+                store = RedisStepLock(make_client(ident[0], ident[1]), prefix=ident[2],
+                                      fence_ttl=ident[3])
+                _stores[ident] = store
+    return store

@@ -65,7 +65,10 @@ from .exceptions import ImproperlyConfigured, LockContended, LockLost, LockStore
     OuterTransactionError, TransitionConflict
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, lease_key, name_from_arguments
-from .lock import Lease, RedisStepLock, holder_metadata, make_client, new_owner_token
+from .lock import Lease, RedisStepLock, get_lease_store, holder_metadata, new_owner_token
+
+#: Deprecated alias of :func:`celery_steplock.lock.get_lease_store`.
+get_lock = get_lease_store
 
 __all__ = ["StepLockedTask", "DjangoStepLockedTask", "get_lock", "validate_app"]
 
@@ -80,26 +83,6 @@ _current_leases: contextvars.ContextVar[dict[str, Lease | None]] = contextvars.C
 # The settings snapshot of the execution running in this context (see Settings(snapshot=True)).
 _current_settings: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
     "steplock_settings", default=None)
-
-_locks: dict[tuple, RedisStepLock] = {}
-_locks_guard = threading.Lock()
-
-
-def get_lock(app, settings: Settings | None = None) -> RedisStepLock:
-    """The :class:`RedisStepLock` for ``app``'s settings, shared by the process's tasks."""
-    settings = settings or Settings(app)
-    ident = (settings.redis_url, settings.socket_timeout, settings.key_prefix,
-             settings.fence_ttl)
-    lock = _locks.get(ident)
-    if lock is None:
-        with _locks_guard:
-            lock = _locks.get(ident)
-            if lock is None:
-                lock = RedisStepLock(make_client(ident[0], ident[1]), prefix=ident[2],
-                                     fence_ttl=ident[3])
-                _locks[ident] = lock
-    return lock
-
 
 @dataclass(frozen=True)
 class _Options:
@@ -327,7 +310,7 @@ class StepLockedTask(Task):
             self.steplock_guard()  # an unknown model fails here, before any lease is taken
             self._check_not_nested()
         request = self.request
-        lock = get_lock(self.app, self.steplock_settings)
+        lock = get_lease_store(self.app, self.steplock_settings)
         base = {"key": lease_key(lock.prefix, name), "name": name, "task_id": request.id,
                 "task_name": self.name, "ttl": opts.ttl}
         step = (f"{self.steplock_guard().model._meta.label_lower}:{step_id}"
