@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "event_retention": 7 * 24 * 3600.0,
     "reaper_recover": {},           # {"app_label.Model": {"in-flight status": "recovery status"}}
     "reaper_older_than": 0.0,       # seconds a step must have been in flight before recovery
+    # The step-store factory (celery_steplock.steps.StepStore), a qualified string.
+    "step_store": "celery_steplock.contrib.django.steps:DjangoStepStore",
 }
 
 
@@ -157,6 +159,14 @@ def _shared_snapshot(app) -> tuple[dict[str, Any], dict[Any, Any]]:
     with _snapshots_guard:
         _snapshots[app] = (conf, list(maps), _django_version[0], dict(changes), values, memo)
     return values, memo
+
+
+def configuration_version(app) -> Any:
+    """A token that stays the same object while ``app``'s configuration is unchanged (see
+    :func:`_shared_snapshot`) and is a new one after any change: what the execution plan is
+    cached against. Cheap: identity and equality checks, no setting is read."""
+    _, memo = _shared_snapshot(app)
+    return memo
 
 
 class Settings:
@@ -332,6 +342,26 @@ class Settings:
     def reaper_older_than(self) -> float:
         return check_seconds(self.raw("reaper_older_than"), "steplock_reaper_older_than",
                              allow_zero=True)
+
+    @property
+    def step_store(self) -> Any:
+        value = self.raw("step_store")
+        if not (isinstance(value, str) and value.strip()) and not callable(value):
+            raise ImproperlyConfigured(
+                f"{describe('steplock_step_store')} must be a qualified name "
+                f"(\"package.module:Factory\") or a callable, got {value!r}",
+                setting="steplock_step_store")
+        return value
+
+    def problems(self) -> list[ImproperlyConfigured]:
+        """Every invalid setting, one error each (empty when all are valid)."""
+        found = []
+        for name in DEFAULTS:
+            try:
+                getattr(self, name)
+            except ImproperlyConfigured as exc:
+                found.append(exc)
+        return found
 
     def validate(self) -> None:
         """Read every setting once, raising ImproperlyConfigured on the first invalid one."""

@@ -369,7 +369,6 @@ def test_invalid_task_options_name_the_option(options, setting):
     saved = {k: finish.__dict__.get(k) for k in options}
     for key, value in options.items():
         setattr(finish, key, value)
-    finish._steplock_guard = None
     try:
         result = finish.apply(args=(step.pk,))
     finally:
@@ -378,7 +377,6 @@ def test_invalid_task_options_name_the_option(options, setting):
                 delattr(finish, key) if key in finish.__dict__ else None
             else:
                 setattr(finish, key, value)
-        finish._steplock_guard = None
     assert isinstance(result.result, ImproperlyConfigured), result.result
     assert result.result.setting == setting
     assert str(result.result).startswith("tests.finish: ")
@@ -386,11 +384,11 @@ def test_invalid_task_options_name_the_option(options, setting):
 
 
 def test_unknown_step_model_fails_before_any_lease(redis_client, events):
-    finish.step_model, finish._steplock_guard = "workflows.Missing", None
+    finish.step_model = "workflows.Missing"
     try:
         result = finish.apply(args=(1,))
     finally:
-        finish.step_model, finish._steplock_guard = "workflows.Step", None
+        finish.step_model = "workflows.Step"
     assert isinstance(result.result, ImproperlyConfigured)
     assert events == [] and list(redis_client.scan_iter("steplock:*")) == []
 
@@ -547,3 +545,94 @@ def test_settings_are_read_once_per_change_and_the_heartbeat_thread_is_kept(app,
     finally:
         signals.lock_acquired.disconnect(dispatch_uid="test-ttl")
     assert ttls == [7.5, 7.5]
+
+
+class HookedTask(StepLockedTask):
+    """Public hooks overridden, each recording that it ran."""
+
+    calls: list = []
+
+    def handle_contended(self, exc):
+        self.calls.append(("contended", exc.name, exc.holder))
+        return "busy"
+
+    def handle_conflict(self, exc):
+        self.calls.append(("conflict", exc.current))
+        return "already"
+
+    def handle_store_error(self, exc, lease):
+        self.calls.append(("store_error", lease))
+        return None  # go on unlocked (fail open)
+
+    def handle_lost_lease(self, exc):
+        self.calls.append(("lost", exc.name, exc.fence))
+        return "lost"
+
+    def before_commit(self, lease, step_id):
+        self.calls.append(("before_commit", step_id, lease.fence if lease else None))
+        if Step.objects.filter(pk=step_id, name="veto").exists():
+            raise RuntimeError("vetoed before the commit")
+
+
+@celery_app.task(bind=True, base=HookedTask, name="tests.hooked", lock_key="step:{step_id}",
+                 step_model="workflows.Step", step_id_arg="step_id",
+                 transition=("pending", "done"))
+def hooked(self, step_id, steal=False):
+    BODY_RUNS.append(step_id)
+    record(self, step_id, "done")
+    if steal:
+        get_lock(self.app).client.hset(self.lease.key, mapping={"owner": "thief"})
+    return "body"
+
+
+@pytest.fixture
+def hook_calls():
+    HookedTask.calls = []
+    yield HookedTask.calls
+
+
+def test_hooks_replace_the_string_policies(redis_client, hook_calls):
+    busy = Step.objects.create(name="busy")
+    get_lock(celery_app).acquire(f"step:{busy.pk}", "other-owner", 10.0)
+    assert hooked.apply(args=(busy.pk,)).get() == "busy"
+    assert hook_calls == [("contended", f"step:{busy.pk}", "other-owner")]
+    assert BODY_RUNS == []
+
+    done = Step.objects.create(name="done", status="done")
+    hook_calls.clear()
+    assert hooked.apply(args=(done.pk,)).get() == "already"
+    assert hook_calls == [("conflict", "done")]
+
+    stolen = Step.objects.create(name="stolen")
+    hook_calls.clear()
+    assert hooked.apply(args=(stolen.pk,), kwargs={"steal": True}).get() == "lost"
+    assert [c[0] for c in hook_calls] == ["lost"] and hook_calls[0][1] == f"step:{stolen.pk}"
+    stolen.refresh_from_db()
+    assert stolen.status == "pending" and TransitionRecord.objects.count() == 0
+
+
+def test_before_commit_runs_after_the_cas_and_can_veto(redis_client, hook_calls, events):
+    ok = Step.objects.create(name="ok")
+    assert hooked.apply(args=(ok.pk,)).get() == "body"
+    [(hook, step_id, fence)] = hook_calls
+    assert (hook, step_id) == ("before_commit", ok.pk) and fence > 0
+    ok.refresh_from_db()
+    assert ok.status == "done" and ok.lock_fence == fence
+
+    veto = Step.objects.create(name="veto")
+    result = hooked.apply(args=(veto.pk,))
+    assert isinstance(result.result, RuntimeError)
+    veto.refresh_from_db()
+    assert veto.status == "pending"  # the CAS and the body's record rolled back together
+    assert TransitionRecord.objects.filter(step_id=veto.pk).count() == 0
+    assert list(redis_client.scan_iter("steplock:lease:*")) == []  # released all the same
+
+
+def test_store_error_hook_can_fail_open(app, hook_calls):
+    app.conf.steplock_redis_url = closed_port_url()
+    app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="s")
+    assert hooked.apply(args=(step.pk,)).get() == "body"
+    assert hook_calls == [("store_error", None), ("before_commit", step.pk, None)]
+    step.refresh_from_db()
+    assert step.status == "done"  # ran unlocked; the CAS still applied it once

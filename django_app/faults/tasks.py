@@ -49,8 +49,7 @@ class FaultTask(StepLockedTask):
         probe.barrier("after_cas", self, step_id)
         return result
 
-    def _check_owned(self, lease, lock, opts):
-        super()._check_owned(lease, lock, opts)
+    def before_commit(self, lease, step_id):
         probe.barrier("before_commit", self, probe.step_of(lease.name))
 
 

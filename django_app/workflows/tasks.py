@@ -14,9 +14,10 @@ from celery import shared_task
 from django.db import transaction
 from django.db.models import F
 
-from celery_steplock import StepLockedTask, get_lock
+from celery_steplock import StepLockedTask
+from celery_steplock.lock import get_lease_store
 from celery_steplock.exceptions import LockLost
-from celery_steplock.guard import StepTransitionGuard
+from celery_steplock.contrib.django.steps import DjangoStepStore
 
 from .models import Step, TransitionRecord
 
@@ -139,13 +140,13 @@ def claim_and_hold(self, step_id, seconds):
     lease's owner/fence; the last one commits only if the lease is still ours.
     """
     lease = self.lease
-    guard = StepTransitionGuard(Step)
+    guard = DjangoStepStore(Step)
     with transaction.atomic():
         guard.transition(step_id, "pending", "running", owner=lease.owner, fence=lease.fence)
     _hold(self, seconds)
     with transaction.atomic():
         guard.transition(step_id, "running", "done", owner=lease.owner, fence=lease.fence)
-        if get_lock(self.app).owned(lease.name, lease.owner) is None:
+        if get_lease_store(self.app).owned(lease.name, lease.owner) is None:
             raise LockLost(f"lease {lease.key} lost before the commit", key=lease.key,
                            owner=lease.owner, fence=lease.fence)
     return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}

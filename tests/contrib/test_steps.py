@@ -1,10 +1,11 @@
-"""StepTransitionGuard: the Django ORM compare-and-swap (celery_steplock.guard)."""
+"""DjangoStepStore: the compare-and-swap UPDATE (celery_steplock.contrib.django.steps)."""
 import pytest
 from django.db import transaction
 
 from celery_steplock.exceptions import (ImproperlyConfigured, InvalidTransition, StepNotFound,
                                         TransitionConflict)
-from celery_steplock.guard import StepTransitionGuard, TransitionResult, resolve_model
+from celery_steplock.contrib.django.steps import DjangoStepStore, resolve_model
+from celery_steplock.steps import StepStore, TransitionResult
 from django_app.workflows.models import Step, TransitionRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def guard():
-    return StepTransitionGuard("workflows.Step")
+    return DjangoStepStore("workflows.Step")
 
 
 def test_applied_transition_updates_one_row(guard):
@@ -75,7 +76,7 @@ def test_rollback_undoes_the_transition_and_the_body(guard):
 
 
 def test_allowed_transition_table():
-    table = StepTransitionGuard(Step, transitions={"pending": ["running", "cancelled"],
+    table = DjangoStepStore(Step, transitions={"pending": ["running", "cancelled"],
                                                    "running": ["done"]})
     step = Step.objects.create(name="s")
     with pytest.raises(InvalidTransition, match="'pending' -> 'done'"):
@@ -86,7 +87,7 @@ def test_allowed_transition_table():
 
 
 def test_models_without_guard_columns_still_cas():
-    guard = StepTransitionGuard(TransitionRecord, status_field="to_status")
+    guard = DjangoStepStore(TransitionRecord, status_field="to_status")
     assert guard.fence_field is None and guard.owner_field is None
     step = Step.objects.create(name="s")
     record = TransitionRecord.objects.create(step=step, from_status="a", to_status="b")
@@ -98,7 +99,7 @@ def test_unknown_model_and_field_name_the_setting():
         resolve_model("workflows.Nope")
     assert info.value.setting == "step_model" and "workflows.Nope" in str(info.value)
     with pytest.raises(ImproperlyConfigured) as info:
-        StepTransitionGuard(Step, status_field="state")
+        DjangoStepStore(Step, status_field="state")
     assert info.value.setting == "steplock_status_field"
     with pytest.raises(ImproperlyConfigured):
         resolve_model(42)
@@ -173,7 +174,131 @@ def test_set_deadline_bounds_the_wait_for_a_locked_row(guard):
                 guard.set_deadline(0.3)
                 guard.transition(step.pk, "pending", "done")
         assert getattr(info.value.__cause__, "sqlstate", None) == "55P03"
-        assert 0.25 <= time.monotonic() - started < 2.0
+        assert time.monotonic() - started >= 0.3 and not done.is_set()
     finally:
         done.set()
         thread.join()
+
+
+def test_the_store_is_a_step_store(guard):
+    assert isinstance(guard, StepStore)
+    assert guard.label == "workflows.step" and guard.using == "default"
+
+
+def test_the_deprecated_guard_name_still_works_and_warns():
+    from celery_steplock.guard import StepTransitionGuard
+
+    with pytest.warns(DeprecationWarning, match="DjangoStepStore"):
+        old = StepTransitionGuard("workflows.Step")
+    step = Step.objects.create(name="s")
+    assert old.transition(step.pk, "pending", "done", owner="o", fence=3).applied
+    step.refresh_from_db()
+    assert (step.status, step.lock_owner, step.lock_fence) == ("done", "o", 3)
+
+
+def _statements(captured) -> list[str]:
+    """The statements of a capture, transaction control (BEGIN, SAVEPOINT...) left out."""
+    return [q["sql"] for q in captured.captured_queries
+            if not q["sql"].upper().startswith(("BEGIN", "SAVEPOINT", "RELEASE", "COMMIT"))]
+
+
+def test_one_statement_per_cas_built_once(guard):
+    """The CAS is one UPDATE (its SQL built once per database and shape), the precheck one
+    SELECT; with a deadline on PostgreSQL still one UPDATE (set_config rides in it)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    step = Step.objects.create(name="s")
+    with CaptureQueriesContext(connection) as captured:
+        assert guard.status(step.pk) == "pending"
+    [sql] = _statements(captured)
+    assert sql.startswith("SELECT")
+    with CaptureQueriesContext(connection) as captured:
+        with transaction.atomic():
+            guard.transition(step.pk, "pending", "running", owner="o", fence=7, deadline=5.0)
+    [sql] = _statements(captured)
+    assert sql.startswith("UPDATE")
+    assert ("set_config" in sql) is (connection.vendor == "postgresql")
+    shapes = len(guard._sql)
+    guard.transition(step.pk, "running", "done", owner="o", fence=7, deadline=5.0)
+    assert len(guard._sql) == shapes  # no new statement built for the same shape
+
+
+def test_deadline_in_the_cas_bounds_the_wait_for_a_locked_row(guard):
+    """``transition(deadline=)`` bounds the wait for a row another transaction holds, with no
+    statement of its own (PostgreSQL; elsewhere the deadline is ignored)."""
+    import threading
+    import time
+
+    from django.db import OperationalError, connection, connections
+
+    step = Step.objects.create(name="s")
+    if connection.vendor != "postgresql":
+        with transaction.atomic():
+            assert guard.transition(step.pk, "pending", "done", deadline=0.3).applied
+        return
+    locked, done = threading.Event(), threading.Event()
+
+    def holder():
+        with transaction.atomic():
+            Step.objects.filter(pk=step.pk).update(name="held")
+            locked.set()
+            done.wait(10)
+        connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert locked.wait(5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(OperationalError) as info:
+            with transaction.atomic():
+                guard.transition(step.pk, "pending", "done", deadline=0.3)
+        assert guard.is_lock_timeout(info.value)
+        assert time.monotonic() - started >= 0.3 and not done.is_set()
+    finally:
+        done.set()
+        thread.join()
+    step.refresh_from_db()
+    assert step.status == "pending" and step.name == "held"
+
+
+def test_deadline_in_the_cas_ends_an_idle_transaction(guard):
+    """After a CAS with a deadline, a transaction left idle past it cannot COMMIT
+    (PostgreSQL ends the session, SQLSTATE 25P03)."""
+    import time
+
+    from django.db import DatabaseError, connection
+
+    step = Step.objects.create(name="s")
+    if connection.vendor != "postgresql":
+        return
+    with pytest.raises(DatabaseError) as info:
+        with transaction.atomic():
+            guard.transition(step.pk, "pending", "done", deadline=0.2)
+            time.sleep(0.6)  # a stopped holder, idle inside its transaction
+    assert guard.is_lost_connection(info.value)
+    connection.close()
+    step.refresh_from_db()
+    assert step.status == "pending"
+
+
+def test_every_call_goes_to_the_write_database(guard):
+    """A router that sends reads to another alias moves neither the precheck nor the CAS."""
+    from django.test import override_settings
+
+    class ReadsElsewhere:
+        def db_for_read(self, model, **hints):
+            return "replica"
+
+        def db_for_write(self, model, **hints):
+            return "default"
+
+    step = Step.objects.create(name="s")
+    with override_settings(DATABASE_ROUTERS=[ReadsElsewhere()]):
+        from django.db import router
+
+        router.routers  # noqa: B018 - the property caches; override_settings resets it
+        assert guard.using == "default"
+        assert guard.status(step.pk) == "pending"
+        assert guard.transition(step.pk, "pending", "done").applied

@@ -1,0 +1,191 @@
+"""The execution plan: everything a StepLockedTask's execution needs that does not change
+between executions, resolved once per (task, configuration version).
+
+Celery resolves a task's options once, when the task is bound to its app; this does the same
+for the steplock options: each option is validated and defaulted from its ``steplock_*``
+setting, and the lease store and the step store are built, the first time the task runs and
+again only after ``app.conf`` changed (:func:`celery_steplock.conf.configuration_version`) or
+one of the task's options was assigned (``task.lock_ttl = 5``). An execution then reads plain
+attributes.
+
+:func:`option_problems` collects every invalid option of a task (for the validator,
+:mod:`celery_steplock.validate`); :func:`build_plan` raises the first one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
+    check_choice, check_seconds, check_ttl, configuration_version
+from .exceptions import ImproperlyConfigured
+from .lock import RedisStepLock, get_lease_store
+from .steps import StepStore, load_step_store
+
+__all__ = ["ExecutionPlan", "build_plan", "option_problems", "OPTION_NAMES"]
+
+#: The task attributes a plan is built from: assigning one on a task drops its plan.
+OPTION_NAMES = frozenset({
+    "lock_key", "lock_ttl", "lock_wait", "lock_max_hold", "on_contended", "on_conflict",
+    "on_store_error", "step_model", "step_id_arg", "step_transition", "step_transitions",
+    "lock_precheck", "lock_retry_max"})
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """A task's resolved options, in the API's units (seconds), and its stores.
+
+    ``ttl``, ``wait``, ``max_hold`` (None: no cap), ``retry_backoff``, ``retry_backoff_max``:
+    seconds. ``renew_ms``: the renewal interval stored beside the lease for the reaper.
+    ``transition``: ``(from_, to)`` or None. ``steps``: the step store of ``step_model``
+    (None without one). ``version``: the configuration version the plan was built for.
+    """
+
+    task_name: str
+    lock_key: str | Callable[..., str] | None
+    ttl: float
+    wait: float
+    max_hold: float | None
+    ratio: float
+    on_contended: str
+    on_conflict: str
+    on_store_error: str
+    transition: tuple[str, str] | None
+    step_id_arg: str | None
+    precheck: bool
+    retry_max: int | None
+    retry_backoff: float
+    retry_backoff_max: float
+    db_deadline: bool
+    store: RedisStepLock
+    steps: StepStore | None
+    settings: Settings
+    version: Any
+
+    @property
+    def renew_ms(self) -> int:
+        return int(self.ttl * self.ratio * 1000)
+
+    @property
+    def key_prefix(self) -> str:
+        return self.store.prefix
+
+
+def _transition(task) -> tuple[str, str] | None:
+    transition = task.step_transition
+    if transition is None:
+        return None
+    if (not isinstance(transition, tuple) or len(transition) != 2
+            or not all(isinstance(s, str) for s in transition)):
+        raise ImproperlyConfigured(f"transition must be a (from_, to) pair of status strings, "
+                                   f"got {transition!r}", setting="transition")
+    if task.step_model is None or not task.step_id_arg:
+        raise ImproperlyConfigured(
+            "transition needs step_model and step_id_arg",
+            setting="step_model" if task.step_model is None else "step_id_arg")
+    return transition
+
+
+def _retry_max(task, settings: Settings) -> int | None:
+    value = task.lock_retry_max
+    if value is None:
+        return settings.retry_max
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ImproperlyConfigured(f"lock_retry_max must be None or a whole number >= 0, "
+                                   f"got {value!r}", setting="lock_retry_max")
+    return value
+
+
+def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) -> Any:
+    return default() if value is None else check()
+
+
+def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
+    """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
+    return {
+        "lock_key": lambda: task.lock_key,
+        "ttl": lambda: _option(task.lock_ttl, lambda: check_ttl(task.lock_ttl, "lock_ttl"),
+                               lambda: settings.default_ttl),
+        "wait": lambda: _option(
+            task.lock_wait, lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True),
+            lambda: settings.lock_wait),
+        "max_hold": lambda: _option(
+            task.lock_max_hold, lambda: check_seconds(task.lock_max_hold, "lock_max_hold"),
+            lambda: settings.max_hold),
+        "ratio": lambda: settings.renewal_ratio,
+        "on_contended": lambda: _option(
+            task.on_contended,
+            lambda: check_choice(task.on_contended, "on_contended", ON_CONTENDED),
+            lambda: settings.on_contended),
+        "on_conflict": lambda: _option(
+            task.on_conflict,
+            lambda: check_choice(task.on_conflict, "on_conflict", ON_CONFLICT),
+            lambda: settings.on_conflict),
+        "on_store_error": lambda: _option(
+            task.on_store_error,
+            lambda: check_choice(task.on_store_error, "on_store_error", ON_STORE_ERROR),
+            lambda: settings.on_store_error),
+        "transition": lambda: _transition(task),
+        "step_id_arg": lambda: task.step_id_arg,
+        "precheck": lambda: _option(
+            task.lock_precheck, lambda: check_bool(task.lock_precheck, "lock_precheck"),
+            lambda: settings.precheck),
+        "retry_max": lambda: _retry_max(task, settings),
+        "retry_backoff": lambda: settings.retry_backoff,
+        "retry_backoff_max": lambda: settings.retry_backoff_max,
+        "db_deadline": lambda: settings.db_deadline,
+        "store": lambda: get_lease_store(task.app, settings),
+        "steps": lambda: (None if task.step_model is None else load_step_store(
+            settings.step_store, task.step_model, status_field=settings.status_field,
+            owner_field=settings.owner_field, fence_field=settings.fence_field,
+            transitions=task.step_transitions)),
+    }
+
+
+def _named(task, exc: ImproperlyConfigured) -> ImproperlyConfigured:
+    """``exc`` with the task's name in front of its message (once)."""
+    message = str(exc)
+    if message.startswith(f"{task.name}:"):
+        return exc
+    return ImproperlyConfigured(f"{task.name}: {message}", setting=exc.setting)
+
+
+def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfigured]:
+    """Every invalid option of ``task`` (one error each, the task's name in front); an
+    option left to an invalid setting is the setting's problem, not listed here. Step models are resolved only when ``models_ready`` (the
+    framework's model registry is loaded)."""
+    settings = Settings(task.app)
+    problems = []
+    for field_name, resolve in _resolvers(task, settings).items():
+        if field_name == "steps" and not models_ready:
+            continue
+        if field_name in ("store", "ratio", "retry_backoff", "retry_backoff_max",
+                          "db_deadline"):
+            continue  # settings only: the settings' own validation reports them
+        try:
+            resolve()
+        except ImproperlyConfigured as exc:
+            if exc.setting and exc.setting.startswith("steplock_"):
+                continue  # an option left to its setting: the setting is what is invalid
+            problems.append(_named(task, exc))
+    return problems
+
+
+def build_plan(task) -> ExecutionPlan:
+    """Resolve ``task``'s plan against its app's current configuration.
+
+    Raises ImproperlyConfigured naming the task and the first invalid option or setting.
+    """
+    version = configuration_version(task.app)
+    settings = Settings(task.app)
+    values: dict[str, Any] = {}
+    for field_name, resolve in _resolvers(task, settings).items():
+        try:
+            values[field_name] = resolve()
+        except ImproperlyConfigured as exc:
+            named = _named(task, exc)
+            if named is exc:
+                raise
+            raise named from exc
+    return ExecutionPlan(task_name=task.name, settings=Settings(task.app, snapshot=True),
+                         version=version, **values)

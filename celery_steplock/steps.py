@@ -1,0 +1,113 @@
+"""The step-store protocol: where a step's status lives and how a transition commits.
+
+The core (:mod:`celery_steplock.task`, :mod:`celery_steplock.plan`) imports no database
+framework: it talks to a :class:`StepStore`, one per step model, built by the factory that
+the ``steplock_step_store`` setting names as a qualified string (Celery's idiom for
+``Task.Request``), ``"celery_steplock.contrib.django.steps:DjangoStepStore"`` by default.
+
+A store guarantees what the safety model rests on (SPEC section 3): :meth:`StepStore.transition`
+is a compare-and-swap that updates the row only while it is still in ``from_`` and carries no
+newer fencing token than the caller's, and it runs inside :meth:`StepStore.atomic`, the one
+transaction in which the body's own writes commit. A store for another framework implements
+the same methods; :class:`StepStore` is a :class:`typing.Protocol`, so no subclassing is
+needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, \
+    runtime_checkable
+
+from celery.utils.imports import symbol_by_name
+
+from .exceptions import ImproperlyConfigured
+
+__all__ = ["StepStore", "TransitionResult", "load_step_store", "DEFAULT_STEP_STORE"]
+
+#: The ``steplock_step_store`` default: the Django ORM store of ``contrib.django``.
+DEFAULT_STEP_STORE = "celery_steplock.contrib.django.steps:DjangoStepStore"
+
+
+@dataclass(frozen=True)
+class TransitionResult:
+    """The outcome of one compare-and-swap. Truthy when applied.
+
+    ``current`` is the status read after a conflict (None when applied); ``fence`` the
+    fencing token written with the transition, if any.
+    """
+
+    applied: bool
+    step_id: Any
+    from_: str
+    to: str
+    current: str | None = None
+    fence: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+
+@runtime_checkable
+class StepStore(Protocol):
+    """The steps of one model, as the task's execution needs them.
+
+    ``label`` names the model (``"app_label.model"``, lower case), ``using`` the database
+    every call goes to (the model's write database: the precheck included, so a lagging
+    replica can never decide anything).
+    """
+
+    label: str
+    using: str
+
+    def status(self, step_id: Any) -> str:
+        """The step's current status. Raises StepNotFound."""
+
+    def transition(self, step_id: Any, from_: str, to: str, *, owner: str | None = None,
+                   fence: int | None = None, updates: Mapping[str, Any] | None = None,
+                   deadline: float | None = None,
+                   raise_on_conflict: bool = True) -> TransitionResult:
+        """Compare-and-swap ``from_ -> to``, writing ``owner``/``fence`` and ``updates``.
+
+        ``deadline`` (seconds, optional): from this statement to COMMIT the transaction may
+        wait for the row and sit idle for at most that long (the lease's remaining
+        validity), where the database supports it. Raises TransitionConflict (when
+        ``raise_on_conflict``), InvalidTransition, StepNotFound.
+        """
+
+    def atomic(self) -> ContextManager[Any]:
+        """A durable transaction on :attr:`using`: it really commits when it exits."""
+
+    def on_commit(self, func: Callable[[], None]) -> None:
+        """Run ``func`` after the current transaction commits (at once outside one)."""
+
+    def check_not_nested(self, task_name: str) -> None:
+        """Raise OuterTransactionError when called inside a caller's transaction, whose
+        commit would come after the lease's release."""
+
+    def is_lost_connection(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection broke (the commit may not have happened)."""
+
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the row-lock wait running past ``deadline``."""
+
+
+def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: str,
+                    fence_field: str, transitions: Mapping[str, Iterable[str]] | None = None,
+                    setting: str = "steplock_step_store") -> StepStore:
+    """Build the step store for ``model`` with the factory ``spec`` names.
+
+    ``spec``: a qualified string ``"package.module:Name"`` (or ``package.module.Name``) or
+    the factory itself, called as ``factory(model, status_field=..., owner_field=...,
+    fence_field=..., transitions=...)``. Raises ImproperlyConfigured naming ``setting`` when
+    the factory cannot be imported, and whatever the factory raises about the model.
+    """
+    try:
+        factory = symbol_by_name(spec) if isinstance(spec, str) else spec
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ImproperlyConfigured(f"{setting}={spec!r} cannot be imported: {exc}",
+                                   setting=setting) from exc
+    if not callable(factory):
+        raise ImproperlyConfigured(f"{setting} must name a step-store factory, got {spec!r}",
+                                   setting=setting)
+    return factory(model, status_field=status_field, owner_field=owner_field,
+                   fence_field=fence_field, transitions=transitions)
