@@ -12,7 +12,7 @@ from .exceptions import (ImproperlyConfigured, InvalidTransition, LockContended,
                          LockLost, LockNameError, LockStoreUnavailable, StepLockError,
                          StepNotFound, TransitionConflict, TransitionError)
 from .lock import Lease, RedisStepLock, make_client, new_owner_token
-from .task import DjangoStepLockedTask, StepLockedTask, get_lock
+from .task import StepLockedTask, get_lock
 
 __version__ = "0.1.0"
 
@@ -23,3 +23,12 @@ __all__ = [
     "LockStoreUnavailable", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound",
 ]
+
+
+def __getattr__(name: str):
+    # Imported on first use: its base class imports Django.
+    if name == "DjangoStepLockedTask":
+        from .contrib.django.task import DjangoStepLockedTask
+
+        return DjangoStepLockedTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

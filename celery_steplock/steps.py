@@ -74,6 +74,11 @@ class StepStore(Protocol):
         ``raise_on_conflict``), InvalidTransition, StepNotFound.
         """
 
+    def set_deadline(self, seconds: float) -> bool:
+        """Within the current transaction, bound the wait for row locks and the time idle
+        before COMMIT by ``seconds``, as a statement of its own; False where the database
+        has no such bound."""
+
     def atomic(self) -> ContextManager[Any]:
         """A durable transaction on :attr:`using`: it really commits when it exits."""
 

@@ -376,10 +376,12 @@ class StepLockedTask(Task):
                 if plan.transition is not None:
                     execution.final_cas = True
                     self.transition(step_id, *plan.transition)
-                elif lease is not None and plan.db_deadline:
-                    steps_deadline = getattr(steps, "set_deadline", None)
-                    if steps_deadline is not None:
-                        steps_deadline(lease.remaining())
+                if lease is not None and plan.db_deadline and (
+                        plan.transition is None or execution.final_cas):
+                    # No library CAS carried the deadline (a multi-phase body, or a
+                    # transition() override that writes by itself): its own statement.
+                    execution.final_cas = False
+                    steps.set_deadline(lease.remaining())
                 if lease is not None:
                     self._check_owned(plan, lease)
                 self.before_commit(lease, step_id)
@@ -503,12 +505,11 @@ def _refuse_to_start_misconfigured(sender=None, **kwargs) -> None:
     refuse_to_start(app)
 
 
-try:
-    from celery.contrib.django.task import DjangoTask
-except ImportError:  # pragma: no cover - Celery < 5.4
-    DjangoTask = Task
+def __getattr__(name: str):
+    # DjangoStepLockedTask lives in contrib.django (its base imports Django); imported lazily
+    # so that the core imports no Django.
+    if name == "DjangoStepLockedTask":
+        from .contrib.django.task import DjangoStepLockedTask
 
-
-class DjangoStepLockedTask(StepLockedTask, DjangoTask):
-    """:class:`StepLockedTask` that keeps Celery's ``DjangoTask`` API
-    (``delay_on_commit`` / ``apply_async_on_commit``)."""
+        return DjangoStepLockedTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,7 @@ from celery.utils.imports import symbol_by_name
 from .conf import Settings
 from .exceptions import ImproperlyConfigured
 from .plan import option_problems
+from .steps import load_step_store
 
 __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
            "task_problems", "step_model_problems", "step_store_problems", "visibility_timeout_problems",
@@ -76,14 +77,6 @@ def steplock_tasks(app) -> list:
     return [task for name, task in sorted(tasks.items()) if isinstance(task, StepLockedTask)]
 
 
-def _models_ready() -> bool:
-    try:
-        from django.apps import apps
-    except ImportError:
-        return False
-    return apps.ready
-
-
 def settings_problems(app) -> list[Problem]:
     """E003: one per invalid ``steplock_*`` setting."""
     found = []
@@ -108,56 +101,35 @@ def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
     return found
 
 
-def step_model_problems(app, app_configs=None) -> list[Problem]:
-    """E002: StepLockedTasks whose ``step_model`` is missing or lacks the status field.
-
-    With ``app_configs`` (Django's ``manage.py check <app_label>``), only models of those
-    apps are checked, and missing models are not reported.
-    """
-    if not _models_ready():
-        return []
-    from django.apps import apps
-    from django.core.exceptions import FieldDoesNotExist
-
+def step_model_problems(app) -> list[Problem]:
+    """E002: StepLockedTasks whose ``step_model`` the step store refuses (a missing model,
+    no status field), judged by building each task's step store. Nothing is judged while the
+    step store's models are not loaded yet (its factory's ``models_ready()`` says False)."""
     try:
-        status_field = Settings(app).status_field
-    except ImproperlyConfigured:
+        settings = Settings(app)
+        spec = settings.step_store
+        factory = symbol_by_name(spec) if isinstance(spec, str) else spec
+        fields = dict(status_field=settings.status_field, owner_field=settings.owner_field,
+                      fence_field=settings.fence_field)
+    except (ImproperlyConfigured, ImportError, AttributeError, ValueError):
         return []  # E003 reports it
+    ready = getattr(factory, "models_ready", None)
+    if ready is not None and not ready():
+        return []
     found = []
     for task in steplock_tasks(app):
-        spec: Any = task.step_model
-        if spec is None:
-            continue
-        model = spec
-        if isinstance(spec, str):
-            try:
-                model = apps.get_model(spec)
-            except (LookupError, ValueError) as exc:
-                if app_configs is None:
-                    found.append(Problem(
-                        "celery_steplock.E002",
-                        f"{task.name}: step_model {spec!r} does not exist ({exc}).",
-                        hint="Name an installed model as \"app_label.ModelName\".",
-                        obj=task.name))
-                continue
-        meta = getattr(model, "_meta", None)
-        if meta is None:
-            found.append(Problem("celery_steplock.E002",
-                                 f"{task.name}: step_model {spec!r} is not a Django model.",
-                                 obj=task.name))
-            continue
-        if app_configs is not None and meta.app_config not in app_configs:
+        if task.step_model is None:
             continue
         try:
-            meta.get_field(status_field)
-        except FieldDoesNotExist:
-            found.append(Problem(
-                "celery_steplock.E002",
-                f"{task.name}: step_model {meta.label} has no field {status_field!r} "
-                f"(steplock_status_field).",
-                hint=f"Add the status field to {meta.label}, or set "
-                     f"CELERY_STEPLOCK_STATUS_FIELD to the name of its status field.",
-                obj=model))
+            load_step_store(factory, task.step_model, transitions=task.step_transitions,
+                            **fields)
+        except ImproperlyConfigured as exc:
+            hint = (f"Add the status field to the model, or set "
+                    f"{_django_name('steplock_status_field')} to the name of its status field."
+                    if exc.setting == "steplock_status_field"
+                    else "Name an installed model as \"app_label.ModelName\".")
+            found.append(Problem("celery_steplock.E002", f"{task.name}: {exc}", hint=hint,
+                                 obj=task.name))
     return found
 
 
@@ -336,12 +308,12 @@ def time_limit_problems(app) -> list[Problem]:
     return found
 
 
-def problems(app, app_configs=None) -> list[Problem]:
+def problems(app) -> list[Problem]:
     """Every problem of ``app``'s steplock configuration: settings (E003), task options
-    (E004), step models (E002, once the model registry is ready), then the warnings W001,
-    W002 and W004. Reads the tasks ``app`` has registered; imports nothing."""
+    (E004), step models (E002, once the step store's models are loaded), then the warnings
+    W001, W002 and W004. Reads the tasks ``app`` has registered; imports no task module."""
     return (settings_problems(app) + step_store_problems(app) + task_problems(app)
-            + step_model_problems(app, app_configs) + visibility_timeout_problems(app) + worker_lost_problems(app)
+            + step_model_problems(app) + visibility_timeout_problems(app) + worker_lost_problems(app)
             + time_limit_problems(app))
 
 

@@ -104,7 +104,22 @@ def check_step_models(app, app_configs=None) -> list[checks.CheckMessage]:
     With ``app_configs`` (``manage.py check <app_label>``), only models of those apps are
     checked, and missing models are not reported.
     """
-    return render(validate.step_model_problems(app, app_configs))
+    found = validate.step_model_problems(app)
+    if app_configs is not None:
+        found = [p for p in found if _model_app_config(app, p.obj) in app_configs]
+    return render(found)
+
+
+def _model_app_config(app, task_name: str):
+    """The app config of a task's step model, None when it does not resolve."""
+    from django.apps import apps
+
+    spec = app.tasks[task_name].step_model
+    try:
+        model = apps.get_model(spec) if isinstance(spec, str) else spec
+        return model._meta.app_config
+    except (LookupError, ValueError, AttributeError):
+        return None
 
 
 def check_time_limits(app) -> list[checks.CheckMessage]:

@@ -59,8 +59,8 @@ def resolve_model(model: type[Model] | str, setting: str = "step_model") -> type
         try:
             return apps.get_model(model)
         except (LookupError, ValueError) as exc:
-            raise ImproperlyConfigured(f"{setting}={model!r} is not an installed model "
-                                       f"(\"app_label.ModelName\"): {exc}",
+            raise ImproperlyConfigured(f"{setting} {model!r} does not exist ({exc}); name an "
+                                       f"installed model as \"app_label.ModelName\"",
                                        setting=setting) from exc
     if isinstance(model, type) and issubclass(model, Model):
         return model
@@ -93,8 +93,8 @@ class DjangoStepStore:
         meta = self.model._meta
         if _field(self.model, status_field) is None:
             raise ImproperlyConfigured(
-                f"steplock_status_field={status_field!r} is not a field of {meta.label}",
-                setting="steplock_status_field")
+                f"step_model {meta.label} has no field {status_field!r} "
+                f"(steplock_status_field)", setting="steplock_status_field")
         self.label = meta.label_lower
         self.status_field = status_field
         self.owner_field = owner_field if _field(self.model, owner_field) else None
@@ -110,6 +110,12 @@ class DjangoStepStore:
         self._owner = meta.get_field(self.owner_field) if self.owner_field else None
         self._auto_now = [meta.get_field(name) for name in self.auto_now_fields]
         self._sql: dict[tuple, str] = {}
+
+    @staticmethod
+    def models_ready() -> bool:
+        """Whether Django's model registry is loaded (the validator judges step models only
+        then)."""
+        return apps.ready
 
     # -- where -------------------------------------------------------------------------
 
