@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts import servers  # noqa: E402  (needs ROOT on sys.path)
+from tests.support import servers  # noqa: E402  (needs ROOT on sys.path)
 
 #: The peers, by distribution name, and the module each one is imported as.
 PEERS = {

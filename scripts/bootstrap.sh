@@ -43,13 +43,13 @@ apt_install() {
     try apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=300 "$@"
 }
 
-# Start the linked redis-server through scripts/servers.py and PING it.
+# Start the linked redis-server through tests/support/servers.py and PING it.
 verify_redis() {
-    try "$VPY" - "$ROOT/scripts" <<'EOF'
+    try "$VPY" - "$ROOT" <<'EOF'
 import sys
 sys.path.insert(0, sys.argv[1])
 import redis
-from servers import RedisServer
+from tests.support.servers import RedisServer
 
 with RedisServer() as server:
     assert redis.Redis.from_url(server.url).ping()

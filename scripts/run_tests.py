@@ -16,8 +16,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import ROOT, PostgresServer, RedisServer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.servers import ROOT, PostgresServer, RedisServer  # noqa: E402
 
 PG_MISSING = ("PostgreSQL not found: skipped the PostgreSQL run "
               "(install postgresql or set DATABASE_URL)")

@@ -1,7 +1,8 @@
 """Shared fixtures: a real redis-server, the Django test database, real celery workers.
 
-Servers come from ``scripts/servers.py``. ``make test`` (scripts/run_tests.py) starts one Redis
-for the whole run and exports REDIS_URL; a bare ``pytest`` starts its own here.
+Servers and workers come from ``tests/support`` (servers.py, processes.py). ``make test``
+(scripts/run_tests.py) starts one Redis for the whole run and exports REDIS_URL; a bare
+``pytest`` starts its own here.
 """
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from scripts import servers
+from tests.support import servers
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Test support, not tests. Collected, its modules would also be imported a second time under
+# another name (``support.servers``), with a registry of started servers of their own.
+collect_ignore = ["support"]
 
 # pytest-celery 1.x shadows Celery's in-process fixtures with container-based ones; the
 # project runs with ``-p no:celery`` and loads Celery's own fixtures explicitly.

@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
-from scripts.servers import free_port, wait_until  # noqa: F401 - shared with the tests
+from tests.support.processes import wait_until  # noqa: F401 - shared with the tests
+from tests.support.servers import free_port
 
 
 def all_keys_have_ttl(client, pattern="*"):

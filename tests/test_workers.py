@@ -1,6 +1,6 @@
 """Real ``celery worker`` processes (prefork) on a real Redis broker and the test database.
 
-Each test starts its workers with ``scripts/servers.py``; the workers count library signals in
+Each test starts its workers with ``tests/support/servers.py``; the workers count library signals in
 Redis (``demo:stats:<event>``, django_app/workflows/receivers.py) so the test can read what
 happened inside them.
 """
@@ -170,7 +170,7 @@ def test_contended_retries_stop_at_the_lease_retry_budget(start_worker, redis_cl
 
 
 def test_worker_with_an_invalid_setting_refuses_to_start(worker_env, tmp_path):
-    from scripts import servers
+    from tests.support import servers
 
     env = {**worker_env, "STEPLOCK_TTL": "0"}
     worker = servers.ProcessGroup(

@@ -1,4 +1,4 @@
-"""The worker side of the fault-injection suite (``tests/faults``, ``scripts/faults``).
+"""The worker side of the fault-injection suite (``tests/faults``, ``tests/support/faults``).
 
 Enabled only when ``STEPLOCK_FAULTS=1``. It writes a history of every attempt to the control
 Redis (``STEPLOCK_FAULTS_URL``; the broker of the fault workers, never the lock store, which the

@@ -1,4 +1,4 @@
-"""Fixtures of the fault suite: a :class:`~scripts.faults.lab.Lab` per module.
+"""Fixtures of the fault suite: a :class:`~tests.support.faults.lab.Lab` per module.
 
 The lab's workers write to the test database, so the suite needs PostgreSQL (row locks, a
 server to terminate connections on, a TCP path to put a proxy on); in the SQLite pass of
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.faults.lab import Lab
+from tests.support.faults.lab import Lab
 
 TTL = 2.0
 

@@ -1,6 +1,17 @@
 """The invariant checker on hand-made histories: it must accept a clean trial and name every
-kind of violation (scripts/faults/checker.py)."""
-from scripts.faults.checker import Record, check, check_step, lease_intervals, overlapped
+kind of violation (tests/support/faults/checker.py, shared by the fault trials and the demo)."""
+from types import SimpleNamespace
+
+from tests.support.faults.checker import (
+    Record,
+    check,
+    check_step,
+    check_steps,
+    keys_without_ttl,
+    lease_intervals,
+    lease_keys,
+    overlapped,
+)
 
 
 def rec(to, owner="a", fence=1, from_="pending", step=1):
@@ -97,3 +108,73 @@ def test_a_commit_before_the_next_grant_is_fine():
                ev("released", 0.6, "a"), ev("acquired", 1.0, "b", fence=2),
                ev("conflict", 1.1, "b")]
     assert check({1: "done"}, [rec("done", "a", 1)], history).violations == []
+
+
+def test_the_body_must_have_committed_once_per_terminal_commit():
+    assert check_step(1, "done", [rec("done")], body_runs=1) == []
+    assert check_step(1, "done", [rec("done")], body_runs=2) == [
+        "step 1: 2 committed body runs for 1 terminal commit(s) (a rolled-back body's write "
+        "survived)"]
+
+
+def test_body_runs_are_not_judged_without_a_terminal_commit():
+    # the missing commit is the violation; a count of 0 runs says nothing more
+    assert check_step(1, "pending", [], body_runs=0) == [
+        "step 1: no terminal transition committed (status 'pending')"]
+
+
+def test_a_multi_phase_chain_has_one_body_run():
+    chain = [rec("running", "a", 1), rec("done", "a", 1, from_="running")]
+    assert check_step(1, "done", chain, body_runs=1) == []
+
+
+def test_check_steps_groups_records_by_step_in_commit_order():
+    records = [rec("running", "a", 1, step=2), rec("done", "b", 4, step=1),
+               rec("done", "a", 1, from_="running", step=2)]
+    assert check_steps({1: "done", 2: "done"}, records, body_runs={1: 1, 2: 1}) == []
+
+
+def test_check_steps_names_every_broken_step_in_step_order():
+    records = [rec("cancelled", "b", 2, step=3), rec("done", "a", 1, step=3)]
+    problems = check_steps({3: "done", 1: "pending"}, records, body_runs={3: 2})
+    assert problems == [
+        "step 1: no terminal transition committed (status 'pending')",
+        "step 3: 2 terminal transitions committed (cancelled by b fence 2, done by a fence 1)",
+        "step 3: 'pending' -> 'done' committed while the chain was at 'cancelled'",
+        "step 3: a stale holder wrote after a newer one (fences [2, 1])",
+    ]
+
+
+def test_check_steps_uses_the_history_for_stale_commits():
+    history = [ev("acquired", 0.0, "old", fence=1), ev("acquired", 2.0, "new", fence=2),
+               ev("committed", 3.0, "old", fence=1)]
+    assert check_steps({1: "done"}, [rec("done", "old", 1)], history) == [
+        "step 1: holder old (fence 1) committed after new (fence 2) was granted the lease"]
+    assert check_steps({1: "done"}, [rec("done", "old", 1)]) == []
+
+
+def test_check_reports_the_step_violations_of_check_steps_after_the_lock_store():
+    records = [rec("done", "a", 1), rec("done", "b", 2)]
+    verdict = check({1: "done"}, records, [], keys_without_ttl=3)
+    assert verdict.violations == ["3 lock-store key(s) without a TTL",
+                                  *check_steps({1: "done"}, records)]
+    assert (verdict.commits, verdict.keys_without_ttl, verdict.ok) == (2, 3, False)
+
+
+def test_a_record_of_a_row():
+    row = SimpleNamespace(step_id=7, from_status="pending", to_status="done", owner="o",
+                          fence=12, task_id="ignored")
+    assert Record.of(row) == Record(step=7, from_status="pending", to_status="done",
+                                    owner="o", fence=12)
+
+
+def test_lease_keys_and_keys_without_ttl_on_a_real_redis(redis_client):
+    redis_client.hset("p:lease:step:1", mapping={"owner": "a"})
+    redis_client.pexpire("p:lease:step:1", 60_000)
+    redis_client.hset("p:lease:step:2", mapping={"owner": "b"})  # no TTL: a lease held forever
+    redis_client.set("p:fence:step:1", 3)                        # no TTL either
+    redis_client.set("p:other", 1, px=60_000)
+    redis_client.set("q:lease:step:9", 1)                        # another prefix
+    assert lease_keys(redis_client, "p") == ["p:lease:step:1", "p:lease:step:2"]
+    assert keys_without_ttl(redis_client, "p") == ["p:fence:step:1", "p:lease:step:2"]
+    assert lease_keys(redis_client, "none") == [] and keys_without_ttl(redis_client, "none") == []

@@ -2,8 +2,8 @@
 disabled must show violations, or the checker proves nothing."""
 import pytest
 
-from scripts.faults import scenarios
-from scripts.faults.scenarios import SCENARIOS
+from tests.support.faults import scenarios
+from tests.support.faults.scenarios import SCENARIOS
 
 pytestmark = [pytest.mark.faults, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 

@@ -1,4 +1,4 @@
-"""The fault-injecting TCP proxy (scripts/faults/proxy.py) against real servers.
+"""The fault-injecting TCP proxy (tests/support/faults/proxy.py) against real servers.
 
 Every test talks to a real redis-server (and one to a real PostgreSQL, when installed)
 through the proxy with real clients. Timing bounds leave wide margins for a loaded 2-core
@@ -16,8 +16,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from scripts import servers
-from scripts.faults.proxy import TcpProxy
+from tests.support import servers
+from tests.support.faults.proxy import TcpProxy
 
 PING = b"*1\r\n$4\r\nPING\r\n"
 PONG = b"+PONG\r\n"

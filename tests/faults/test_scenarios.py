@@ -1,12 +1,12 @@
-"""Every fault scenario once, against real workers, Redis and PostgreSQL (``scripts/faults``).
+"""Every fault scenario once, against real workers, Redis and PostgreSQL (``tests/support/faults``).
 
 Each trial ends only when the system is quiet again (step terminal, no message queued or
 reserved, no lease held), then the checker's invariants must all hold.
 """
 import pytest
 
-from scripts.faults import scenarios
-from scripts.faults.scenarios import SCENARIOS
+from tests.support.faults import scenarios
+from tests.support.faults.scenarios import SCENARIOS
 
 pytestmark = [pytest.mark.faults, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 

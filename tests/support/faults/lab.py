@@ -1,7 +1,7 @@
 """The controller of the fault suite: real servers, real ``celery worker`` processes, faults.
 
 A :class:`Lab` owns a control Redis (the workers' broker and the probe's history), a lock-store
-Redis reached through a :class:`~scripts.faults.proxy.TcpProxy`, a proxy in front of the
+Redis reached through a :class:`~tests.support.faults.proxy.TcpProxy`, a proxy in front of the
 PostgreSQL database the caller gives it, and two prefork workers (concurrency 1) running the
 example project with the probe on (``django_app/faults``). The caller's process must have Django
 set up on the same database (the test database under pytest, a fresh one under
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import redis
 
-from scripts import servers
-from scripts.faults import checker
-from scripts.faults.proxy import TcpProxy
+from tests.support import processes, servers
+from tests.support.faults import checker
+from tests.support.faults.proxy import TcpProxy
 
 ROOT = servers.ROOT
 TERMINAL = checker.TERMINAL
 TASKS = "django_app.faults.tasks"
-LEASE_PREFIX = "steplock:lease:"
+KEY_PREFIX = "steplock"  # the workers' STEPLOCK_KEY_PREFIX (the default)
 
 
 def database_url(settings_dict, host: str | None = None, port: int | None = None) -> str:
@@ -215,8 +215,8 @@ class Lab:
         return [json.loads(x) for x in self.r.lrange("faults:history", 0, -1)]
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.05):
-        """servers.wait_until, describing the lab's state on a timeout."""
-        return servers.wait_until(predicate, timeout, interval, what, self.describe)
+        """processes.wait_until, describing the lab's state on a timeout."""
+        return processes.wait_until(predicate, timeout, interval, what, self.describe)
 
     def wait_event(self, ev: str, timeout: float = 30.0, **match) -> dict:
         """The first history entry ``ev`` whose fields equal ``match``, once it exists."""
@@ -237,7 +237,7 @@ class Lab:
 
     def leases(self) -> list[str]:
         try:
-            return sorted(self.store_client().scan_iter(match=f"{LEASE_PREFIX}*", count=1000))
+            return checker.lease_keys(self.store_client(), KEY_PREFIX)
         except redis.RedisError:
             return ["<lock store unreachable>"]
 
@@ -294,13 +294,9 @@ class Lab:
         counted after one more TTL."""
         from django_app.workflows.models import TransitionRecord
 
-        records = [checker.Record(step=r.step_id, from_status=r.from_status,
-                                  to_status=r.to_status, owner=r.owner, fence=r.fence)
-                   for r in TransitionRecord.objects.filter(step_id__in=list(step_ids))
-                   .order_by("id")]
-        client = self.store_client()
-        keys = list(client.scan_iter(match="steplock:*", count=1000))
-        without_ttl = sum(1 for k in keys if client.pttl(k) == -1)
+        records = [checker.Record.of(r) for r in
+                   TransitionRecord.objects.filter(step_id__in=list(step_ids)).order_by("id")]
+        without_ttl = len(checker.keys_without_ttl(self.store_client(), KEY_PREFIX))
         history = self.history()
         verdict = checker.check(self.statuses(step_ids), records, history,
                                 leftover_leases=len(getattr(self, "leftover", [])),

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from scripts.faults.checker import Verdict
+from tests.support.faults.checker import Verdict
 
 POINTS = ("after_acquire", "before_cas", "after_cas", "before_commit", "after_commit")
 

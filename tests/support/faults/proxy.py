@@ -3,7 +3,7 @@
 Put it between real processes and a real server (redis-server, PostgreSQL) and inject
 latency, stalls, black holes, dropped connections, a lost reply, and a failover::
 
-    from scripts.faults.proxy import TcpProxy
+    from tests.support.faults.proxy import TcpProxy
 
     with TcpProxy("127.0.0.1", redis_server.port) as proxy:
         env["REDIS_URL"] = proxy.url()          # redis://127.0.0.1:<proxy port>/0

@@ -1,17 +1,23 @@
-"""Invariants of one trial, checked from what the database committed and the attempts' history.
+"""Invariants of a run of steps, checked from what the database committed, the attempts'
+history and the lock store: the one checker of the fault trials (``lab``, ``scenarios``,
+``scripts/soak.py``) and of ``scripts/demo.py``.
 
 The claim under test: whatever happens to workers, Redis or the network, a step's transition
-commits at most once and never goes backwards, and no lease is held forever. Per step:
+commits at most once and never goes backwards, and no lease is held forever. Per step
+(:func:`check_step`, :func:`check_steps`):
 
 - exactly one terminal transition committed (0: never completed; 2+: a duplicate commit);
 - the committed transitions form one legal chain from ``pending`` (no transition out of a
   terminal state, none skipped or repeated) and the row's status is where the chain ends;
 - fencing tokens never decrease along the chain: a stale holder never wrote after a newer one;
+- no holder committed after a newer holder had been granted the lease (needs the history);
+- when the body counts its committed runs on the row (``body_runs``: the example app's
+  ``Step.attempts``), that count equals the terminal commits: a rolled-back body left no write;
 
-and for the lock store: no key without a TTL, and no lease left once the system is quiet.
-``overlap`` (two attempts holding the lease on one step at once, as each of them saw it) is
-not a violation: after a pause or a failover it is expected, and the checks above must hold
-anyway.
+and for the lock store (:func:`lease_keys`, :func:`keys_without_ttl`): no key without a TTL,
+and no lease left once the system is quiet. ``overlap`` (two attempts holding the lease on one
+step at once, as each of them saw it) is not a violation: after a pause or a failover it is
+expected, and the checks above must hold anyway.
 """
 from __future__ import annotations
 
@@ -30,6 +36,13 @@ class Record:
     to_status: str
     owner: str
     fence: int | None
+
+    @classmethod
+    def of(cls, row) -> Record:
+        """The record of a row with ``step_id``, ``from_status``, ``to_status``, ``owner`` and
+        ``fence`` attributes (``django_app.workflows.models.TransitionRecord``)."""
+        return cls(step=row.step_id, from_status=row.from_status, to_status=row.to_status,
+                   owner=row.owner, fence=row.fence)
 
 
 @dataclass
@@ -50,8 +63,11 @@ class Verdict:
         return not self.violations and not self.leftover_leases
 
 
-def check_step(step: int, status: str, records: list[Record]) -> list[str]:
-    """Violations of one step's committed transitions (``records`` in commit order)."""
+def check_step(step: int, status: str, records: list[Record],
+               body_runs: int | None = None) -> list[str]:
+    """Violations of one step's committed transitions (``records`` in commit order, ``status``
+    the row's final status); ``body_runs``, when given, is the row's count of committed body
+    runs, which must equal the terminal commits."""
     problems = []
     terminal = [r for r in records if r.to_status in TERMINAL]
     if not terminal:
@@ -76,6 +92,9 @@ def check_step(step: int, status: str, records: list[Record]) -> list[str]:
     if any(b < a for a, b in zip(fences, fences[1:])):
         problems.append(f"step {step}: a stale holder wrote after a newer one (fences "
                         f"{fences})")
+    if body_runs is not None and terminal and body_runs != len(terminal):
+        problems.append(f"step {step}: {body_runs} committed body runs for {len(terminal)} "
+                        f"terminal commit(s) (a rolled-back body's write survived)")
     return problems
 
 
@@ -139,6 +158,40 @@ def overlapped(intervals: dict[str, tuple[float, float]]) -> bool:
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
+def check_steps(steps: dict[int, str], records: list[Record], history: list[dict] = (),
+                body_runs: dict[int, int] | None = None) -> list[str]:
+    """Violations of every step: ``steps`` maps step id -> final status, ``records`` are the
+    committed transitions (in commit order), ``history`` the probe's entries (none: the stale
+    commit check finds nothing), ``body_runs`` maps step id -> the row's committed body runs
+    (see :func:`check_step`)."""
+    by_step: dict[int, list[Record]] = {}
+    for r in records:
+        by_step.setdefault(r.step, []).append(r)
+    problems = []
+    for step, status in sorted(steps.items()):
+        problems.extend(check_step(step, status, by_step.get(step, []),
+                                   None if body_runs is None else body_runs.get(step)))
+        problems.extend(stale_commits(step, history))
+    return problems
+
+
+def lease_keys(client, prefix: str = "steplock") -> list[str]:
+    """The lease keys under the key prefix ``prefix`` (SCAN, not KEYS), sorted."""
+    return sorted(client.scan_iter(match=f"{prefix}:lease:*", count=1000))
+
+
+def keys_without_ttl(client, prefix: str = "steplock") -> list[str]:
+    """The keys under ``prefix`` that never expire (PTTL -1; a key gone meanwhile is not one),
+    sorted."""
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if not keys:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    return sorted(k for k, pttl in zip(keys, pipe.execute()) if pttl == -1)
+
+
 def check(steps: dict[int, str], records: list[Record], history: list[dict],
           leftover_leases: int = 0, keys_without_ttl: int = 0,
           end_of_trial: float | None = None) -> Verdict:
@@ -150,13 +203,11 @@ def check(steps: dict[int, str], records: list[Record], history: list[dict],
                       leftover_leases=leftover_leases, keys_without_ttl=keys_without_ttl)
     if keys_without_ttl:
         verdict.violations.append(f"{keys_without_ttl} lock-store key(s) without a TTL")
-    for step, status in sorted(steps.items()):
+    verdict.violations.extend(check_steps(steps, records, history))
+    for step in sorted(steps):
         mine = [r for r in records if r.step == step]
-        verdict.violations.extend(check_step(step, status, mine))
-        intervals = lease_intervals(history, step, end)
-        if overlapped(intervals):
+        if overlapped(lease_intervals(history, step, end)):
             verdict.overlaps += 1
-        verdict.violations.extend(stale_commits(step, history))
         fences = {e["owner"]: e.get("fence") or 0 for e in history
                   if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")}
         newest = max(fences.values(), default=0)
