@@ -12,7 +12,7 @@ from celery import Celery
 
 from celery_steplock import signals
 from celery_steplock.reaper import ReapReport, pid_alive, reap
-from celery_steplock.task import get_lock
+from celery_steplock.lock import get_lease_store
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import claim_and_hold, hold
 from helpers import closed_port_url, wait_until
@@ -27,7 +27,7 @@ PING = 0.3                        # seconds per ping attempt: keeps these tests 
 @pytest.fixture
 def lease_store(app, redis_client):
     """The app's RedisStepLock on the flushed Redis (the reaper's default lock)."""
-    return get_lock(app)
+    return get_lease_store(app)
 
 
 @pytest.fixture
@@ -377,7 +377,7 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
     claim_and_hold.apply_async((steps["dead-claim"].pk, 60), queue="doomed")
     hold.apply_async((steps["live-hold"].pk, 60), queue="alive")
     claim_and_hold.apply_async((steps["live-claim"].pk, 60), queue="alive")
-    lock = get_lock(app)
+    lock = get_lease_store(app)
     names = {key: f"step:{step.pk}" for key, step in steps.items()}
     held = wait_until(lambda: (lambda found: found if len(found) == 4 else None)(
         {key: lock.inspect(name) for key, name in names.items() if lock.inspect(name)}),
