@@ -201,7 +201,11 @@ def test_a_hung_broker_bounds_the_run(app, lease_store, redis_client, private_re
         private_redis.resume()
     assert not report.ok and "broker did not answer" in " ".join(report.errors)
     assert report.leases_reaped == [] and lease_store.inspect("remote")
-    assert took < 2 * PING + 5 + 2
+    # The bound is the ping thread's join (2 pings + BROKER_GRACE), which the message names;
+    # without it kombu would wait for the 60 s connection timeout. The wall clock only has
+    # to tell the two apart, with room for a loaded machine.
+    assert f"within {2 * PING + 5:g}s" in " ".join(report.errors)
+    assert took < 30
 
 
 def test_a_lease_reacquired_after_the_scan_survives(app, lease_store, redis_client,
@@ -394,12 +398,21 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
                      pid=1)
     age(redis_client, lock, "answering", 600)
 
+    # Kill the doomed worker right after its heartbeat renewed both leases.
+    renewed = {k: held[k].get("renewed_ms") for k in ("dead-hold", "dead-claim")}
+    wait_until(lambda: all(lock.inspect(names[k]).get("renewed_ms") not in (None, renewed[k])
+                           for k in renewed), what="a renewal of the doomed leases")
+    last_renewal = min(int(lock.inspect(names[k])["renewed_ms"]) for k in renewed)
     doomed.kill()
 
     # The dead worker's leases were renewed a moment ago: nothing is reaped yet, neither by
     # pid nor by ping (a heartbeat that renews proves its holder alive; doubt never reaps).
     cautious = reap(app, dry_run=True)
-    assert cautious.ok and cautious.leases_scanned == 5 and cautious.leases_reaped == []
+    now_s, now_us = redis_client.time()
+    idle_ms = now_s * 1000 + now_us // 1000 - last_renewal
+    assert cautious.ok and cautious.leases_scanned == 5
+    if idle_ms < 1.5 * 1500 + 1000:  # the guarantee; a machine stalled that long proves none
+        assert cautious.leases_reaped == []
     time.sleep(1.5 * 1.5 + 1 + 0.5)
 
     dry = reap(app, dry_run=True)
