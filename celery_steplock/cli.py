@@ -9,9 +9,10 @@ app of ``celery -A proj`` and its ``steplock_*`` settings::
     celery -A proj steplock reap [--dry-run] [--json] [--batch-size N] [--older-than SECONDS]
 
 ``ls`` reads with SCAN (never KEYS) and stops once ``--limit`` leases were found, so it stays
-quick on a Redis holding many. ``release`` is owner-checked (compare-and-delete): it deletes
-the lease only while ``TOKEN`` still holds it, and sends ``lock_released`` with
-``forced=True``. ``reap`` runs :func:`celery_steplock.reaper.reap`; with a Django project
+quick on a Redis holding many. ``release`` is :func:`celery_steplock.ops.force_release` (as
+the Django admin's force release): owner-checked (compare-and-delete), it deletes the lease
+only while ``TOKEN`` still holds it, and sends ``lock_released`` with ``forced=True``.
+This module imports the lease store, never the task module. ``reap`` runs :func:`celery_steplock.reaper.reap`; with a Django project
 (``DJANGO_SETTINGS_MODULE`` set, as in Celery's Django layout) it also recovers steps,
 otherwise only leases.
 
@@ -20,8 +21,9 @@ Exit status: 0 on success; 1 when ``show`` finds no lease, ``release`` released 
 """
 from __future__ import annotations
 
+import getpass
 import json
-import logging
+import os
 import time
 from typing import Any
 
@@ -30,9 +32,9 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
-from . import signals
-from .events import emit
 from .exceptions import StepLockError
+from .lock import get_lease_store
+from .ops import ForceReleaseRefused, LeaseHeldByAnother, force_release
 from .reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
 
 __all__ = ["steplock"]
@@ -44,10 +46,8 @@ COLUMNS = (("NAME", "name"), ("OWNER", "owner"), ("FENCE", "fence"), ("TASK", "t
 
 
 def _lock(ctx):
-    from .task import get_lock
-
     try:
-        return get_lock(ctx.obj.app)
+        return get_lease_store(ctx.obj.app)
     except StepLockError as exc:
         raise CeleryCommandException(message=f"steplock: {exc}", exit_code=EX_FAILURE)
 
@@ -176,26 +176,24 @@ def release(ctx, name, owner):
     """Release the lease NAME if TOKEN still holds it (exit 1 otherwise)."""
     lock = _lock(ctx)
     try:
-        before = lock.inspect(name)
-        released = lock.release(name, owner)
-        after = None if released else lock.inspect(name)
-    except StepLockError as exc:
-        raise _unavailable(exc)
-    if not released:
-        why = (f"it is held by another owner ({after.get('owner')})" if after
-               else "it is not held")
+        released = force_release(lock, name, owner, actor=_actor(), app=ctx.obj.app,
+                                 reason=f"force-released by {_actor()} from the command line")
+    except ForceReleaseRefused as refused:
+        why = (f"it is held by another owner ({refused.holder})"
+               if isinstance(refused, LeaseHeldByAnother) else "it is not held")
         raise CeleryCommandException(message=f"not released: {name!r}: {why}",
                                      exit_code=EX_FAILURE)
-    info = before if before and before.get("owner") == owner else {}
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    click.echo(f"released {name!r} (owner {owner}, fence {released.fence})")
+
+
+def _actor() -> str:
+    """The operator, for the record: the login name, else the process's user id."""
     try:
-        fence = int(info["fence"]) if info.get("fence") else None
-    except ValueError:
-        fence = None
-    emit(signals.lock_released, info.get("task_name") or "celery_steplock.cli",
-         logging.WARNING, key=lock.key(name), name=name, owner=owner, fence=fence,
-         task_id=info.get("task_id"), task_name=info.get("task_name"),
-         ttl=info.get("ttl"), forced=True, reason="released from the command line")
-    click.echo(f"released {name!r} (owner {owner}, fence {fence})")
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry (a container): the uid will do
+        return f"uid {os.getuid()}"
 
 
 @steplock.command("reap", cls=CeleryCommand)

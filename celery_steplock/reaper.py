@@ -35,26 +35,21 @@ clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and
    python-redis-lock's ``reset_all`` (``KEYS`` + delete everything, live locks included) is
    the reaper this is not.
 
-2. **Steps left in flight.** For every model of ``steplock_reaper_recover``
-   (``{"app_label.Model": {"running": "pending"}}``), rows in an in-flight status whose owner
-   column (``steplock_owner_field``, default ``lock_owner``) is not the owner of a live lease,
-   that no live lease names as its ``step``, and that have been in flight for more than
-   ``older_than`` seconds (measured on ``updated_at`` when the model has it), are moved to
-   their recovery status by compare-and-swap (the age is measured from the row's last
-   ``save()``: ``QuerySet.update``, which the library's CAS uses, leaves ``auto_now`` columns
-   alone, so it can exceed the time actually spent in flight; the live-owner check, not the
-   age, is what protects a working holder)::
-
-       UPDATE ... SET status=<recovery>, lock_owner='' WHERE pk=? AND status=<in flight>
-                                                          AND lock_owner=<observed owner>
-
-   The fence column is left as it is, so a stale holder that wakes up still cannot write (its
-   token is not above the one recorded). The rows are read *before* the scan: a holder writes
-   its owner into a row only while it holds the lease, so an owner that is live when the row is
-   read is still seen by the scan that follows (or has released, which makes it not live). Each
-   recovery sends ``lock_expired`` with ``step_id``/``from_``/``to``. Rows with an empty owner
-   (written by code outside the library) are left alone. Pass 2 runs only when the scan of
-   pass 1 completed: without the full set of live owners nothing can be called orphaned.
+2. **Steps left in flight.** For the models of ``steplock_reaper_recover``
+   (``{"app_label.Model": {"running": "pending"}}``), in-flight rows whose owner holds no
+   live lease (and that no live lease names as its ``step``) are moved to their recovery
+   status by compare-and-swap. The core knows no ORM: the step recovery is loaded by a
+   qualified name, ``step_recovery`` (default :data:`DEFAULT_STEP_RECOVERY`, the Django one
+   in :mod:`celery_steplock.contrib.django.recovery`, which documents the rules), and only
+   when the setting names models, so this module imports no Django. A step recovery is a
+   callable ``recover(run) -> obj | None`` called with the :class:`Reaper` *before* the
+   scan (it reads its rows then: a holder writes its owner into a row only while it holds
+   the lease, so an owner live when the row is read is still seen by the scan that
+   follows); ``obj.owners`` and ``obj.steps`` (sets of owner tokens and
+   ``"app_label.model:pk"``) name what the scan must report on, and
+   ``obj.recover(live_owners, live_steps, dead)`` runs once the scan completed (``dead``:
+   the reaped leases' records by owner). Pass 2 runs only when the scan of pass 1 completed:
+   without the full set of live owners nothing can be called orphaned.
 
 Idempotent: a second run finds nothing more. Safe to run concurrently with itself and with the
 workers: every change is a compare-and-delete or a compare-and-swap on what was observed.
@@ -74,17 +69,20 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone as dt_timezone
-from functools import partial
-from typing import Any, Iterable
+from datetime import datetime
+from typing import Any, Callable, Iterable
+
+from celery.utils.imports import symbol_by_name
 
 from . import signals
 from .conf import Settings, check_seconds
 from .events import emit
 from .exceptions import StepLockError
+from .lock import get_lease_store
 
-__all__ = ["ReapReport", "reap", "pid_alive", "REAPER_SENDER", "RENEWAL_GRACE_MS",
-           "DEFAULT_PING_TIMEOUT", "DEFAULT_BATCH_SIZE", "MAX_RECORDS"]
+__all__ = ["ReapReport", "Reaper", "reap", "pid_alive", "REAPER_SENDER", "RENEWAL_GRACE_MS",
+           "DEFAULT_PING_TIMEOUT", "DEFAULT_BATCH_SIZE", "MAX_RECORDS",
+           "DEFAULT_STEP_RECOVERY"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -103,8 +101,8 @@ DEFAULT_BATCH_SIZE = 500
 PING_BUFFER = 1000
 #: Reaped leases and recovered steps listed in a report at most (the counts are complete).
 MAX_RECORDS = 1000
-#: The column whose age ``older_than`` is measured on, when the step model has it.
-AGE_FIELD = "updated_at"
+#: The step recovery of pass 2 (a qualified name, ``"module:attribute"``): the Django one.
+DEFAULT_STEP_RECOVERY = "celery_steplock.contrib.django.recovery:recover_steps"
 
 
 @dataclass
@@ -246,18 +244,11 @@ def pid_alive(pid: int) -> bool:
     return not (fields and fields[0] in ("Z", "X"))
 
 
-def _django_ready() -> bool:
-    try:
-        from django.apps import apps
-    except ImportError:
-        return False
-    return apps.ready
-
-
 def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
          older_than: float | None = None, now: datetime | None = None,
          ping_timeout: float = DEFAULT_PING_TIMEOUT, check_pids: bool = True,
-         lock=None) -> ReapReport:
+         lock=None, step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY
+         ) -> ReapReport:
     """Reap the leases of dead owners and recover the steps they left in flight.
 
     ``app``: the Celery app (its ``steplock_*`` settings, its broker for the pings).
@@ -267,7 +258,12 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
     ``steplock_reaper_older_than``, 0). ``now``: the reference time of that age (an aware
     datetime; default the current time). ``ping_timeout``: seconds per ping attempt.
     ``check_pids``: judge leases taken on this host by their pid (see the module docstring).
-    ``lock``: a :class:`~celery_steplock.lock.RedisStepLock` (default ``get_lock(app)``).
+    ``lock``: a :class:`~celery_steplock.lock.RedisStepLock` (default
+    ``lock.get_lease_store(app)``). ``step_recovery``: the step recovery of pass 2, a
+    callable or its qualified name (``"module:attribute"``, loaded with Celery's
+    ``symbol_by_name``; default :data:`DEFAULT_STEP_RECOVERY`); None skips pass 2. It is
+    loaded only when ``steplock_reaper_recover`` names models; a name that cannot be loaded
+    is an error of the report.
 
     Returns a :class:`ReapReport`; never raises for Redis, broker or database errors (they
     are in ``report.errors``). Raises ValueError for an invalid ``batch_size``/``older_than``
@@ -281,8 +277,9 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
     started = time.monotonic()
     report = ReapReport(dry_run=dry_run)
     try:
-        _Reaper(app, report, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
-                now=now, ping_timeout=ping_timeout, check_pids=check_pids, lock=lock).run()
+        Reaper(app, report, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
+               now=now, ping_timeout=ping_timeout, check_pids=check_pids, lock=lock,
+               step_recovery=step_recovery).run()
     except Exception as exc:  # noqa: BLE001 - the report is the contract: never raise
         logger.exception("event=reaper_failed error=%s", exc)
         report.errors.append(f"reaper failed: {type(exc).__name__}: {exc}")
@@ -294,25 +291,20 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
     return report
 
 
-@dataclass
-class _Candidates:
-    """Rows of one model in an in-flight status, read before the scan."""
+class Reaper:
+    """One run of :func:`reap`; holds the run's state so each step stays small.
 
-    label: str
-    model: Any
-    status_field: str
-    owner_field: str
-    moves: dict[str, str]
-    rows: list[tuple[Any, str, str]]
-    auto_now_field: str | None
-
-
-class _Reaper:
-    """One run of :func:`reap`; holds the run's state so each step stays small."""
+    A step recovery reads: ``app``, ``settings`` (a :class:`~celery_steplock.conf.Settings`
+    snapshot), ``recover`` (the validated ``steplock_reaper_recover`` mapping), ``report``
+    (its :meth:`ReapReport.add_recovered`), ``dry_run``, ``batch_size``, ``older_than``
+    (seconds or None for the setting), ``now`` (an aware datetime or None); it reports a
+    problem with :meth:`error` and picks a signal sender with :meth:`sender`.
+    """
 
     def __init__(self, app, report: ReapReport, *, dry_run: bool, batch_size: int,
                  older_than: float | None, now: datetime | None, ping_timeout: float,
-                 check_pids: bool, lock) -> None:
+                 check_pids: bool, lock,
+                 step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY) -> None:
         self.app = app
         self.report = report
         self.dry_run = dry_run
@@ -322,6 +314,8 @@ class _Reaper:
         self.ping_timeout = ping_timeout
         self.check_pids = check_pids
         self.lock = lock
+        self.step_recovery = step_recovery
+        self.recover: dict[str, dict[str, str]] = {}
         self.settings = Settings(app, snapshot=True)
         self.host = socket.gethostname()
         self._default_interval: int | None = None
@@ -347,25 +341,46 @@ class _Reaper:
         self.report.errors.append(message)
 
     def run(self) -> None:
-        candidates = self.read_candidates()  # before the scan: see the module docstring
+        recovery = self.start_recovery()  # before the scan: see the module docstring
         if self.lock is None:
-            from .task import get_lock
-
             try:
-                self.lock = get_lock(self.app)
+                self.lock = get_lease_store(self.app)
             except StepLockError as exc:
                 self.error(f"lock store not configured: {exc}")
                 return
-        for group in candidates:
-            label_lower = group.model._meta.label_lower
-            for pk, _status, owner in group.rows:
-                self.watched_owners.add(owner)
-                self.watched_steps.add(f"{label_lower}:{pk}")
+        if recovery is not None:
+            self.watched_owners = set(recovery.owners)
+            self.watched_steps = set(recovery.steps)
         if not self.reap_leases():
             return  # incomplete scan: nobody can be called orphaned
         self.report.leases_reaped.sort(key=lambda info: info["key"])
-        if candidates:
-            self.recover_steps(candidates)
+        if recovery is not None:
+            dead = self.dead
+            # A live lease that names a step (a new attempt holding it) protects the row even
+            # if the row still shows the dead owner: that attempt will move it on.
+            recovery.recover(self.live_owners - dead.keys(),
+                             {step for step, owners in self.live_steps.items()
+                              if owners - dead.keys()}, dead)
+
+    def start_recovery(self):
+        """Pass 2's step recovery for this run (its rows read now), or None: no model to
+        recover, no step recovery, or one that cannot be loaded (an error of the report)."""
+        try:
+            self.recover = self.settings.reaper_recover
+        except StepLockError as exc:
+            self.error(str(exc))
+            return None
+        if not self.recover or self.step_recovery is None:
+            return None
+        factory = self.step_recovery
+        if isinstance(factory, str):
+            try:
+                factory = symbol_by_name(factory)
+            except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, ...
+                self.error(f"step recovery {self.step_recovery!r} could not be loaded, no "
+                           f"step recovered: {type(exc).__name__}: {exc}")
+                return None
+        return factory(self)
 
     # -- pass 1: leases ----------------------------------------------------------------------
 
@@ -570,130 +585,6 @@ class _Reaper:
         if info["owner"] in self.watched_owners:
             self.dead[info["owner"]] = info
 
-    # -- pass 2: steps -----------------------------------------------------------------------
 
-    def read_candidates(self) -> list[_Candidates]:
-        """Rows in an in-flight status of every ``steplock_reaper_recover`` model."""
-        try:
-            recover = self.settings.reaper_recover
-        except StepLockError as exc:
-            self.error(str(exc))
-            return []
-        if not recover:
-            return []
-        if not _django_ready():
-            logger.warning("event=reaper_no_django steplock_reaper_recover is set but Django "
-                           "is not set up: no step is recovered")
-            return []
-        from django.core.exceptions import FieldDoesNotExist
-        from django.db import DatabaseError
-        from django.utils import timezone
-
-        from .guard import resolve_model
-
-        older_than = (self.older_than if self.older_than is not None
-                      else self.settings.reaper_older_than)
-        now = self.now or timezone.now()
-        if timezone.is_naive(now):
-            now = now.replace(tzinfo=dt_timezone.utc)
-        found = []
-        for label, moves in recover.items():
-            try:
-                model = resolve_model(label, "steplock_reaper_recover")
-                status_field = self.settings.status_field
-                owner_field = self.settings.owner_field
-                for name in (status_field, owner_field):
-                    model._meta.get_field(name)
-            except FieldDoesNotExist as exc:
-                self.error(f"steplock_reaper_recover: {label} cannot be recovered: {exc} (the "
-                           f"owner column tells an orphaned row from a live one)")
-                continue
-            except StepLockError as exc:
-                self.error(str(exc))
-                continue
-            age = _age_field(model)
-            query = {f"{status_field}__in": sorted(moves)}
-            if age is not None and older_than > 0:
-                cutoff = now - timedelta(seconds=older_than)
-                if not _uses_tz():
-                    cutoff = timezone.make_naive(cutoff, dt_timezone.utc)
-                query[f"{age.name}__lte"] = cutoff
-            try:
-                rows = list(
-                    model._default_manager.filter(**query)
-                    .exclude(**{owner_field: ""}).exclude(**{f"{owner_field}__isnull": True})
-                    .order_by("pk").values_list("pk", status_field, owner_field)
-                    .iterator(chunk_size=self.batch_size))
-            except DatabaseError as exc:
-                self.error(f"could not read in-flight {label} rows: {exc}")
-                continue
-            auto_now = age.name if age is not None and getattr(age, "auto_now", False) else None
-            found.append(_Candidates(label, model, status_field, owner_field, dict(moves), rows,
-                                     auto_now))
-        return found
-
-    def recover_steps(self, candidates: list[_Candidates]) -> None:
-        """Move orphaned in-flight rows to their recovery status by compare-and-swap."""
-        from django.db import DatabaseError, router, transaction
-        from django.utils import timezone
-
-        dead = self.dead
-        live_owners = self.live_owners - dead.keys()
-        # A live lease that names a step (a new attempt holding it) protects the row even if
-        # the row still shows the dead owner: that attempt will move it on.
-        live_steps = {step for step, owners in self.live_steps.items() if owners - dead.keys()}
-        for group in candidates:
-            label_lower = group.model._meta.label_lower
-            manager = group.model._default_manager
-            using = router.db_for_write(group.model)
-            for pk, status, owner in group.rows:
-                if owner in live_owners or f"{label_lower}:{pk}" in live_steps:
-                    continue
-                to = group.moves[status]
-                lease = dead.get(owner)
-                reason = (f"its owner's lease {lease['name']} was reaped ({lease['reason']})"
-                          if lease else "no live lease is held by its owner")
-                info = {"model": group.label, "pk": pk, "from_": status, "to": to,
-                        "owner": owner, "lease": lease["name"] if lease else None,
-                        "reason": reason}
-                if not self.dry_run:
-                    updates = {group.status_field: to, group.owner_field: ""}
-                    if group.auto_now_field:
-                        updates[group.auto_now_field] = timezone.now()
-                    try:
-                        # CAS on what was observed: a row moved on or re-claimed since (new
-                        # status or owner) is not touched. The fence column stays as it is,
-                        # so the dead holder, should it wake up, still cannot write.
-                        changed = manager.filter(**{"pk": pk, group.status_field: status,
-                                                    group.owner_field: owner}).update(**updates)
-                    except DatabaseError as exc:
-                        self.error(f"could not recover {group.label} pk={pk}: {exc}")
-                        continue
-                    if changed != 1:
-                        continue
-                    transaction.on_commit(partial(
-                        emit, signals.lock_expired,
-                        self.sender((lease or {}).get("task_name")), logging.WARNING,
-                        key=lease["key"] if lease else None,
-                        name=lease["name"] if lease else None, owner=owner,
-                        fence=lease["fence"] if lease else None,
-                        task_id=lease["task_id"] if lease else None,
-                        task_name=lease["task_name"] if lease else None, ttl=None,
-                        step_id=pk, step=f"{label_lower}:{pk}", model=group.label,
-                        from_=status, to=to, reason=f"step recovered: {reason}"), using=using)
-                self.report.add_recovered(info)
-
-
-def _age_field(model):
-    from django.core.exceptions import FieldDoesNotExist
-
-    try:
-        return model._meta.get_field(AGE_FIELD)
-    except FieldDoesNotExist:
-        return None
-
-
-def _uses_tz() -> bool:
-    from django.conf import settings
-
-    return bool(getattr(settings, "USE_TZ", True))
+#: Deprecated alias of :class:`Reaper`.
+_Reaper = Reaper

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from celery_steplock.task import get_lock
+from celery_steplock.lock import get_lease_store
 from django_app.workflows.models import Step
 from helpers import closed_port_url
 
@@ -30,7 +30,7 @@ def cli(worker_env, app):
 
 @pytest.fixture
 def lease_store(app, redis_client):
-    return get_lock(app)
+    return get_lease_store(app)
 
 
 def take(lock, name, **meta):

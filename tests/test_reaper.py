@@ -12,7 +12,7 @@ from celery import Celery
 
 from celery_steplock import signals
 from celery_steplock.reaper import ReapReport, pid_alive, reap
-from celery_steplock.task import get_lock
+from celery_steplock.lock import get_lease_store
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import claim_and_hold, hold
 from helpers import closed_port_url, wait_until
@@ -27,7 +27,7 @@ PING = 0.3                        # seconds per ping attempt: keeps these tests 
 @pytest.fixture
 def lease_store(app, redis_client):
     """The app's RedisStepLock on the flushed Redis (the reaper's default lock)."""
-    return get_lock(app)
+    return get_lease_store(app)
 
 
 @pytest.fixture
@@ -201,7 +201,11 @@ def test_a_hung_broker_bounds_the_run(app, lease_store, redis_client, private_re
         private_redis.resume()
     assert not report.ok and "broker did not answer" in " ".join(report.errors)
     assert report.leases_reaped == [] and lease_store.inspect("remote")
-    assert took < 2 * PING + 5 + 2
+    # The bound is the ping thread's join (2 pings + BROKER_GRACE), which the message names;
+    # without it kombu would wait for the 60 s connection timeout. The wall clock only has
+    # to tell the two apart, with room for a loaded machine.
+    assert f"within {2 * PING + 5:g}s" in " ".join(report.errors)
+    assert took < 30
 
 
 def test_a_lease_reacquired_after_the_scan_survives(app, lease_store, redis_client,
@@ -377,7 +381,7 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
     claim_and_hold.apply_async((steps["dead-claim"].pk, 60), queue="doomed")
     hold.apply_async((steps["live-hold"].pk, 60), queue="alive")
     claim_and_hold.apply_async((steps["live-claim"].pk, 60), queue="alive")
-    lock = get_lock(app)
+    lock = get_lease_store(app)
     names = {key: f"step:{step.pk}" for key, step in steps.items()}
     held = wait_until(lambda: (lambda found: found if len(found) == 4 else None)(
         {key: lock.inspect(name) for key, name in names.items() if lock.inspect(name)}),
@@ -394,12 +398,21 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
                      pid=1)
     age(redis_client, lock, "answering", 600)
 
+    # Kill the doomed worker right after its heartbeat renewed both leases.
+    renewed = {k: held[k].get("renewed_ms") for k in ("dead-hold", "dead-claim")}
+    wait_until(lambda: all(lock.inspect(names[k]).get("renewed_ms") not in (None, renewed[k])
+                           for k in renewed), what="a renewal of the doomed leases")
+    last_renewal = min(int(lock.inspect(names[k])["renewed_ms"]) for k in renewed)
     doomed.kill()
 
     # The dead worker's leases were renewed a moment ago: nothing is reaped yet, neither by
     # pid nor by ping (a heartbeat that renews proves its holder alive; doubt never reaps).
     cautious = reap(app, dry_run=True)
-    assert cautious.ok and cautious.leases_scanned == 5 and cautious.leases_reaped == []
+    now_s, now_us = redis_client.time()
+    idle_ms = now_s * 1000 + now_us // 1000 - last_renewal
+    assert cautious.ok and cautious.leases_scanned == 5
+    if idle_ms < 1.5 * 1500 + 1000:  # the guarantee; a machine stalled that long proves none
+        assert cautious.leases_reaped == []
     time.sleep(1.5 * 1.5 + 1 + 0.5)
 
     dry = reap(app, dry_run=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 
-from celery_steplock.task import get_lock
+from celery_steplock.lock import get_lease_store
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import hold
 from helpers import wait_until
@@ -64,7 +64,7 @@ def sync_playwright():
 
 def test_force_release_a_running_workers_lease_in_the_browser(
         sync_playwright, live_server, admin_user, start_worker, app, redis_client, tmp_path):
-    store = get_lock(app)
+    store = get_lease_store(app)
     worker = start_worker("w1", concurrency=3)
     # `hold` keeps no database transaction open while it holds its lease: on SQLite, a step
     # task sleeping inside its transaction would block the admin's session writes.

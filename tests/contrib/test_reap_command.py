@@ -8,7 +8,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from celery_steplock.contrib.django.tasks import reap_expired_leases
-from celery_steplock.task import get_lock
+from celery_steplock.lock import get_lease_store
 from django_app.workflows.models import Step
 from helpers import closed_port_url
 
@@ -21,7 +21,7 @@ GHOST = "ghost@nowhere.invalid"
 def orphaned(app, redis_client):
     """A dead worker's lease (silent worker, no renewal for 2 minutes), the step it left
     ``running``, and a live-looking lease that must survive."""
-    lock = get_lock(app)
+    lock = get_lease_store(app)
     dead = lock.acquire("step:dead", ttl=60.0, metadata={
         "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "task_name": "t.claim"})
     now_s, now_us = redis_client.time()

@@ -5,20 +5,26 @@ menu entry and permissions, and :meth:`LeaseAdmin.get_urls` replaces the ORM-bac
 with two views wrapped by ``admin_site.admin_view`` (staff login, ``never_cache``, CSRF):
 
 ``admin:celery_steplock_lease_changelist``
-    Held leases, read with ``SCAN`` (never ``KEYS``) one bounded page at a time (at most
-    ``list_per_page`` rows, at most ``max_scan_steps`` SCAN round trips); the SCAN cursor
-    travels in the querystring (``?cursor=``). Needs ``celery_steplock.view_lease``.
+    Held leases, read with ``SCAN`` (never ``KEYS``) one bounded page at a time: per
+    request at most ``scan_key_budget`` lease hashes read, ``max_scan_steps`` SCAN round
+    trips and ``list_per_page`` rows, whatever Redis holds (see
+    :func:`~.leases.lease_page`); once the budget is spent the page ends with what it has
+    and a "next page" link. The SCAN cursor travels in the querystring (``?cursor=``).
+    Needs ``celery_steplock.view_lease``.
 ``admin:celery_steplock_lease_release``
     Force release of one lease: GET shows a confirmation page with the holder, POST (CSRF
     token) deletes the lease only if the owner shown on that page still holds it. Both need
     ``celery_steplock.force_release_lease`` *and* ``celery_steplock.view_lease`` (the page
-    shows the holder's owner token, task, host and step). Audited by an admin ``LogEntry``
-    (action DELETION) and the ``lock_released`` signal with ``forced=True``. There is
+    shows the holder's owner token, task, host and step). Done by
+    :func:`celery_steplock.ops.force_release` (as ``celery steplock release``), audited by an
+    admin ``LogEntry`` (action DELETION) written first, in the transaction the release
+    decides, and the ``lock_released`` signal with ``forced=True`` once it commits. There is
     deliberately no bulk action.
 """
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 from urllib.parse import urlencode
 
@@ -44,6 +50,7 @@ from ... import signals
 from ...events import emit
 from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
+from ...ops import ForceReleaseRefused, LeaseHeldByAnother, force_release
 from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
                      redis_time_ms, steplock_task_names)
 from .models import Lease, LeaseEvent
@@ -56,14 +63,6 @@ logger = logging.getLogger("celery_steplock")
 #: (``scanned``: lease keys examined by the pages before this one, for display only).
 LIST_PARAMS = ("q", "task_name", "cursor", "p", "scanned")
 
-
-
-class _NotReleased(Exception):
-    """The compare-and-delete found another owner (``current``) or no lease (None)."""
-
-    def __init__(self, current):
-        super().__init__()
-        self.current = current
 
 class ForceReleaseForm(forms.Form):
     """The POST of the force-release confirmation page: the lease and the owner it showed."""
@@ -120,14 +119,18 @@ class LeaseAdmin(admin.ModelAdmin):
 
     #: Leases shown per page, at most (see :func:`~.leases.lease_page`).
     list_per_page = 100
+    #: Lease hashes one request reads at most, whatever the number of leases and the sizes
+    #: of SCAN's steps: a step whose keys do not fit in what is left ends the page before
+    #: it, with a "next page" link (a rare filter may show a short or empty page).
+    scan_key_budget = 5000
     #: Largest SCAN COUNT of one step while a search or filter is active: when few keys
-    #: match, a step reads up to this many keys (steps are sized so that their matches fit
-    #: in the page).
+    #: match, a step asks for up to this many keys (steps are sized so that their matches
+    #: fit in the page).
     filtered_scan_count = 500
-    #: SCAN round trips per page at most. With ``filtered_scan_count`` this bounds the keys
-    #: one request reads (about 10 x 500; ~0.25 s) whatever the number of leases: a rare
-    #: filter may show a short or empty page with a "next page" link.
-    max_scan_steps = 10
+    #: SCAN round trips per request at most: enough for the budget to be the bound that
+    #: ends a rare search (5000 / 500 and the re-reads), and a bound of its own when Redis
+    #: holds many keys that are not leases (they cost round trips, not budget).
+    max_scan_steps = 20
 
     change_list_template = "admin/celery_steplock/lease/change_list.html"
     release_confirmation_template = "admin/celery_steplock/lease/release_confirmation.html"
@@ -269,7 +272,8 @@ class LeaseAdmin(admin.ModelAdmin):
             page = lease_page(
                 lease_lock(), cursor, self.list_per_page,
                 predicate=(lambda info: matches(info, q, task_name)) if filtered else None,
-                max_count=self.filtered_scan_count, max_steps=self.max_scan_steps)
+                key_budget=self.scan_key_budget, max_count=self.filtered_scan_count,
+                max_steps=self.max_scan_steps)
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
             logger.warning("event=admin_lock_store_error error=%s", exc)
@@ -367,24 +371,27 @@ class LeaseAdmin(admin.ModelAdmin):
             return HttpResponseRedirect(self.changelist_url())
         name, owner = form.cleaned_data["name"], form.cleaned_data["owner"]
         back = self.changelist_url(QueryDict(form.cleaned_data["changelist_filters"]))
+        user = request.user.get_username()
+        using = router.db_for_write(LogEntry)
         try:
-            lock = lease_lock()
+            store = lease_lock()
+            app = celery_app()
+            import_task_modules(app)  # once per process: the sender is the holder's task
             # The audit record is written first, in a transaction that the release decides:
             # no release without its LogEntry, and no LogEntry for a release that did not
-            # happen. The release itself is the owner-checked Lua compare-and-delete, so a
-            # holder that changed since the confirmation page is never deleted.
-            with transaction.atomic(using=router.db_for_write(LogEntry)):
-                before = lock.inspect(name)
-                info = before if before is not None and before.get("owner") == owner else {
-                    "name": name, "owner": owner}
-                info.setdefault("key", lock.key(name))
-                lease = Lease.from_redis(info)
-                self.log_force_release(request, lease)
-                if not lock.release(name, owner):
-                    raise _NotReleased(lock.inspect(name))
-        except _NotReleased as not_released:
-            current = not_released.current
-            if current is not None:
+            # happen (force_release raises, the transaction rolls back). The release itself
+            # is the owner-checked compare-and-delete, so a holder that changed since the
+            # confirmation page is never deleted. The signal goes out once the record commits.
+            with transaction.atomic(using=using):
+                released = force_release(
+                    store, name, owner, actor=user, app=app,
+                    reason=f"force-released by {user} in the Django admin",
+                    audit=lambda record: self.log_force_release(
+                        request, Lease.from_redis(record.lease)),
+                    defer=lambda send: transaction.on_commit(send, using=using))
+        except ForceReleaseRefused as refused:
+            current = refused.current
+            if isinstance(refused, LeaseHeldByAnother) and current is not None:
                 messages.warning(request, _(
                     "Lease “%(name)s” is now held by another owner (%(owner)s, task "
                     "%(task)s, fence %(fence)s): nothing released.") % {
@@ -403,11 +410,10 @@ class LeaseAdmin(admin.ModelAdmin):
             messages.error(request, _("The audit record could not be written: nothing "
                                       "released (%(error)s)") % {"error": exc})
             return HttpResponseRedirect(back)
-        self.send_released(request, lease)
         messages.success(request, _("Force-released lease “%(name)s” (owner %(owner)s, task "
                                     "%(task)s, fence %(fence)s).") % {
-            "name": name, "owner": owner, "task": lease.task_name or "?",
-            "fence": lease.fence})
+            "name": name, "owner": owner, "task": released.task_name or "?",
+            "fence": released.fence})
         return HttpResponseRedirect(back)
 
     # -- audit --------------------------------------------------------------------------------
@@ -430,22 +436,16 @@ class LeaseAdmin(admin.ModelAdmin):
             change_message=message)
 
     def send_released(self, request: HttpRequest, lease: Lease) -> None:
-        """Log and send ``lock_released`` with ``forced=True``. The sender is the holder's
-        task when this process knows it (so per-task receivers fire), else its name."""
-        sender: Any = lease.task_name or "celery_steplock.admin"
-        try:
-            app = celery_app()
-            import_task_modules(app)  # once per process: this one may not have yet
-            sender = app.tasks.get(lease.task_name) or sender
-        except Exception:  # noqa: BLE001 - a sender is a nicety, the event must go out
-            pass
+        """Deprecated: :func:`celery_steplock.ops.force_release` sends ``lock_released``
+        (``forced=True``) itself; the admin no longer calls this."""
+        warnings.warn("LeaseAdmin.send_released is deprecated: celery_steplock.ops."
+                      "force_release sends lock_released", DeprecationWarning, stacklevel=2)
         user = request.user.get_username()
-        emit(signals.lock_released, sender, logging.WARNING, key=lease.key, name=lease.name,
-             owner=lease.owner, fence=lease.fence, task_id=lease.task_id or None,
+        emit(signals.lock_released, lease.task_name or "celery_steplock.admin",
+             logging.WARNING, key=lease.key, name=lease.name, owner=lease.owner,
+             fence=lease.fence, task_id=lease.task_id or None,
              task_name=lease.task_name or None, ttl=lease.lease_ttl, forced=True,
-             reason=f"force-released by {user} in the Django admin", user=user,
-             step=lease.step or None, hostname=lease.hostname or None, pid=lease.pid,
-             worker=lease.worker or None)
+             reason=f"force-released by {user} in the Django admin", user=user)
 
 
 @admin.register(LeaseEvent)

@@ -6,14 +6,20 @@ Pages follow a ``SCAN`` walk: a SCAN cursor can only resume *between* steps, so 
 made of whole steps and never stops inside one (that would skip or repeat keys). Following
 ``next_cursor`` from 0 until it is 0 again visits every lease that was held for the whole walk
 (Redis's SCAN guarantee); a lease acquired or released meanwhile may or may not appear, and
-Redis may return a key twice while it rehashes. A page is bounded twice, whatever the number
-of leases: at most ``per_page`` rows (the ``COUNT`` of each step is sized so that its rows fit,
-and a step that would overflow the page is read again with a smaller ``COUNT``), and at most
-``max_steps`` SCAN round trips of at most ``max_count`` keys each.
+Redis may return a key twice while it rehashes. A page's work is bounded by construction,
+whatever the number of leases and whatever the sizes of SCAN's steps (whole hash buckets,
+which vary with the Redis server's per-process hash seed): at most ``key_budget`` lease
+hashes read (a step's key names come first, its hashes are read only when they fit in the
+budget left, else the page ends before it with a "next" cursor), at most ``max_steps`` SCAN
+round trips, and at most ``per_page`` rows (a step that would overflow the page is asked
+again with a smaller ``COUNT``). See :func:`lease_page` for the one exception, which keeps
+the walk moving.
 """
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -21,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ...exceptions import LockStoreUnavailable
-from ...lock import STORE_ERRORS, RedisStepLock
+from ...keys import lease_key, name_from_key
+from ...lock import SCAN_FIELDS_LUA, STORE_ERRORS, RedisStepLock, get_lease_store
 
 __all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
            "steplock_task_names", "LeasePage", "lease_page", "matches", "redis_time_ms"]
@@ -107,23 +114,25 @@ def lease_lock(app=None) -> RedisStepLock:
 
     Raises ImproperlyConfigured for an invalid ``steplock_redis_url``/prefix setting.
     """
-    from ...task import get_lock
-
-    return get_lock(app or celery_app())
+    return get_lease_store(app or celery_app())
 
 
 def steplock_task_names(app=None) -> list[str]:
-    """Sorted names of the app's registered :class:`StepLockedTask` tasks.
+    """Sorted names of the app's registered :class:`~celery_steplock.task.StepLockedTask`
+    tasks.
 
     Imports the app's task modules first (:func:`import_task_modules`, once per process);
     reading ``app.tasks`` then finalizes the app, which registers the tasks those modules
-    declared (finalizing alone imports nothing).
+    declared (finalizing alone imports nothing). The task module is never imported from
+    here: when no module imported it, no task of the app can be a StepLockedTask.
     """
-    from ...task import StepLockedTask
-
     app = app or celery_app()
     import_task_modules(app)
-    return sorted(name for name, task in app.tasks.items() if isinstance(task, StepLockedTask))
+    task_module = sys.modules.get("celery_steplock.task")
+    if task_module is None:
+        return []
+    base = task_module.StepLockedTask
+    return sorted(name for name, task in app.tasks.items() if isinstance(task, base))
 
 
 def redis_time_ms(lock: RedisStepLock) -> int:
@@ -161,29 +170,48 @@ def matches(info: Mapping[str, Any], q: str = "", task_name: str = "") -> bool:
     return any(q in text for text in ((info.get("task_name") or "").lower(), name, step))
 
 
+#: Why a page ended (:attr:`LeasePage.stop`).
+STOP_COMPLETE, STOP_FULL, STOP_NO_ROOM, STOP_BUDGET, STOP_STEPS = (
+    "complete", "full", "no_room", "budget", "steps")
+
+
 @dataclass
 class LeasePage:
-    """One page of leases.
+    """One page of leases (see :func:`lease_page` for its bounds).
 
     ``leases``: the lease dicts (as :meth:`RedisStepLock.scan` returns them) that passed the
-    filter, oldest acquisition first, at most ``per_page`` of them; ``cursor``: the SCAN
-    cursor this page started at; ``next_cursor``: where the next page starts (0: the walk is
-    complete); ``examined``: lease keys of the SCAN steps this page covers (those shown and
-    those the filter left out); ``read``: lease keys read, ``examined`` plus those of steps
-    that would have overflowed the page (read again with a smaller COUNT, or left to the
-    next page); ``steps``: SCAN round trips made (``rescans`` of them re-read a step);
-    ``now_ms``: Redis server time;
-    ``db_keys``: the size of the Redis database (all keys, leases or not).
+    filter, oldest acquisition first; ``cursor``: the SCAN cursor this page started at;
+    ``next_cursor``: where the next page starts (0: the walk is complete); ``key_budget``:
+    the lease hashes this page was allowed to read; ``read``: lease hashes it read (at most
+    ``key_budget``, see :attr:`overran`); ``examined``: lease keys of the SCAN steps this page
+    covers (shown or left out by the filter; a step re-read after an overflow or left to the
+    next page is not counted); ``declined``: lease keys of the SCAN step that did not fit in
+    the budget left, so the page ended before it (0 when none); ``steps``: SCAN round trips
+    made (``rescans`` of them re-read a step from the same cursor); ``stop``: why the page
+    ended, one of ``"complete"`` (the walk is done), ``"full"`` (the page has its rows:
+    ``per_page`` less 5%), ``"no_room"`` (the next step, one hash bucket, has more rows than
+    the page has room left), ``"budget"`` (the next step's keys did not fit in the key
+    budget left) and ``"steps"`` (``max_steps`` round trips made); ``overran``: the page's first
+    step could not be made to fit (more keys than the whole budget or more rows than
+    ``per_page``, even asked for one hash bucket, or no round trip was left to ask) and was
+    kept whole so that the walk moves on: the only way ``read`` can exceed ``key_budget`` or
+    the rows ``per_page``;
+    ``now_ms``: Redis server time; ``db_keys``: the size of the Redis database (all keys,
+    leases or not); ``elapsed``: seconds spent.
     """
 
     cursor: int
     next_cursor: int
     per_page: int = 100
+    key_budget: int = 0
     leases: list[dict[str, Any]] = field(default_factory=list)
     examined: int = 0
     read: int = 0
+    declined: int = 0
     steps: int = 0
     rescans: int = 0
+    stop: str = ""
+    overran: bool = False
     now_ms: int | None = None
     db_keys: int | None = None
     elapsed: float = 0.0
@@ -194,13 +222,13 @@ class LeasePage:
 
     @property
     def short(self) -> bool:
-        """The page stopped (at its budget of round trips) before it had its leases, and the
+        """The page ended at its budget (keys or round trips) before it had its rows, and the
         walk goes on: later pages may hold more (a filter that matches few leases)."""
-        return not self.complete and len(self.leases) < self.per_page
+        return self.stop in (STOP_BUDGET, STOP_STEPS) and not self.complete
 
 
 def _next_count(page: LeasePage, filtered: bool, max_count: int) -> int:
-    """COUNT of the next SCAN step.
+    """COUNT of the next SCAN step (before the budget caps it).
 
     SCAN returns whole hash buckets, so a step usually returns a key or two more than its
     COUNT: ask for the rows still missing less a small margin. With a filter, ask for the
@@ -221,62 +249,145 @@ def _full(page: LeasePage) -> bool:
     return len(page.leases) >= page.per_page - page.per_page // 20
 
 
+_field_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _scan_keys(lock: RedisStepLock, cursor: int, count: int) -> tuple[int, list[str]]:
+    """One SCAN step over the lease keys: ``(next_cursor, keys)``, names only."""
+    try:
+        cursor, keys = lock.client.scan(cursor=cursor, match=lease_key(lock.prefix, "*"),
+                                        count=count)
+    except STORE_ERRORS as exc:
+        raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
+    return int(cursor), [key.decode() if isinstance(key, bytes) else key for key in keys]
+
+
+def _read_leases(lock: RedisStepLock, keys: list[str]) -> dict[str, dict[str, Any] | None]:
+    """The lease dicts of ``keys`` (None for a key gone since the SCAN or not a lease hash),
+    in one round trip: the store's own SCAN read script, one JSON document per hash."""
+    if not keys:
+        return {}
+    script = _field_scripts.get(lock)
+    if script is None:
+        script = _field_scripts[lock] = lock.client.register_script(SCAN_FIELDS_LUA)
+    try:
+        replies = script(keys=keys)
+    except STORE_ERRORS as exc:
+        raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
+    found: dict[str, dict[str, Any] | None] = {}
+    for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
+        doc = doc.decode() if isinstance(doc, bytes) else doc
+        info = json.loads(doc) if doc else None
+        if not info:
+            found[key] = None  # expired since the SCAN, or not a hash (RedisStepLock.scan logs)
+            continue
+        info["key"] = key
+        info["name"] = name_from_key(key)
+        info["ttl"] = pttl / 1000.0 if isinstance(pttl, int) and pttl > 0 else None
+        found[key] = info
+    return found
+
+
 def lease_page(lock: RedisStepLock, cursor: int = 0, per_page: int = 100, *,
                predicate: Callable[[Mapping[str, Any]], bool] | None = None,
-               max_count: int | None = None, max_steps: int = 10) -> LeasePage:
-    """Read one page of at most ``per_page`` leases starting at SCAN ``cursor``.
+               key_budget: int | None = None, max_count: int | None = None,
+               max_steps: int = 10) -> LeasePage:
+    """Read one page of leases starting at SCAN ``cursor``; returns a :class:`LeasePage`.
 
-    Makes SCAN steps until the page has its rows (``per_page`` less 5%) that passed
-    ``predicate`` (default: all), the walk completed, or ``max_steps`` round trips were made.
-    Each step asks for the missing rows (with a predicate: for the keys that should hold
-    them at the match rate seen so far, at most ``max_count``, default ``10 * per_page``).
-    A step whose rows would overflow the page is read again from the same cursor with a
-    smaller COUNT (Redis allows a different COUNT at each call), or, when no round trip is
-    left, ends the page before it. So a page holds at most ``per_page`` leases (a first step
-    that cannot be read again, with ``max_steps=1`` or COUNT 1, is kept whole so the walk
-    moves on: it may exceed ``per_page`` by the key or two of a hash bucket), and reads
-    at most about ``max_steps * max_count`` keys. With a rare filter a page can hold few
-    leases or none: follow ``next_cursor``. Raises LockStoreUnavailable.
+    ``per_page``: rows at most (default 100); ``predicate``: the filter (default: every
+    lease); ``key_budget``: lease hashes read at most (default ``50 * per_page``);
+    ``max_count``: the largest SCAN ``COUNT`` of one step (default ``10 * per_page``, and
+    never above the budget); ``max_steps``: SCAN round trips at most (default 10).
+
+    Each SCAN step first returns key names only; their hashes are read (one more round trip)
+    only when they fit in what is left of ``key_budget``. A step that does not fit is not
+    read and the page ends before it (``stop="budget"``: the next page starts with it), so a
+    page never reads more than ``key_budget`` hashes, however many keys SCAN's steps return
+    (whole hash buckets: their sizes depend on the server's per-process hash seed). The one
+    exception keeps the walk moving: when the page's *first* step does not fit, it is asked
+    again with ``COUNT 1`` (one hash bucket, a few keys), and a first step that still does
+    not fit (a bucket larger than the budget, or no round trip left) is read whole
+    (``overran``). Hashes read once are not read (nor charged) again when a step is re-read.
+
+    Steps go on until the page has its rows (``per_page`` less 5% that passed
+    ``predicate``), the walk completed, the budget or ``max_steps`` round trips were spent.
+    Each step asks for the missing rows (with a predicate, for the keys that should hold them
+    at the match rate seen so far). A step whose rows would overflow the page is asked again
+    from the same cursor with a smaller ``COUNT`` (Redis allows a different COUNT at each
+    call) or, when no round trip is left, ends the page before it; so a page holds at most
+    ``per_page`` leases, except a first step that cannot be asked again (``COUNT 1`` or
+    ``max_steps=1``), kept whole so the walk moves on (a bucket's key or two more;
+    ``overran``).
+
+    Pages are made of whole steps (a SCAN cursor resumes only between steps). Following
+    ``next_cursor`` from 0 until it is 0 again visits every lease held for the whole walk
+    (Redis's SCAN guarantee). Per page: at most ``max_steps`` SCAN round trips, as many
+    reads, and one for the server time. With a rare filter a page can hold few leases or
+    none: follow ``next_cursor``. Raises LockStoreUnavailable.
     """
     started = time.monotonic()
     filtered = predicate is not None
     per_page = max(1, per_page)
-    max_count = max(per_page, max_count or 10 * per_page)
-    page = LeasePage(cursor=cursor, next_cursor=cursor, per_page=per_page)
-    seen: set[str] = set()
-    position, count = cursor, _next_count(page, False, max_count)
+    key_budget = max(1, key_budget if key_budget is not None else 50 * per_page)
+    max_count = max(1, min(key_budget, max(per_page, max_count or 10 * per_page)))
+    page = LeasePage(cursor=cursor, next_cursor=cursor, per_page=per_page,
+                     key_budget=key_budget)
+    seen: set[str] = set()  # keys of the steps on this page
+    fetched: dict[str, dict[str, Any] | None] = {}  # hashes this page read, by key
+    position, count = cursor, min(max_count, _next_count(page, False, max_count))
     accepted = 0  # steps whose rows are on the page
-    while page.steps < max_steps:
-        next_position, leases = lock.scan(position, count)
+    while True:
+        if page.steps >= max_steps:
+            page.stop = STOP_STEPS
+            break
+        left = key_budget - page.read
+        if accepted and left <= 0:
+            page.stop = STOP_BUDGET
+            break
+        count = max(1, min(count, left))
+        next_position, keys = _scan_keys(lock, position, count)
         page.steps += 1
-        page.read += len(leases)
-        step_keys: set[str] = set()
-        rows = []
-        for info in leases:
-            # SCAN may return a key twice while Redis rehashes: show it once per page.
-            if info["key"] in seen or info["key"] in step_keys:
+        # SCAN may return a key twice while Redis rehashes: show it once per page.
+        keys = [key for key in dict.fromkeys(keys) if key not in seen]
+        unread = [key for key in keys if key not in fetched]
+        if len(unread) > left:
+            if not accepted and count > 1 and page.steps < max_steps:
+                page.rescans += 1
+                count = 1  # the first step: one bucket, so that the walk moves on
                 continue
-            step_keys.add(info["key"])
-            if predicate is None or predicate(info):
-                rows.append(info)
+            if accepted:
+                page.declined = len(unread)
+                page.stop = STOP_BUDGET
+                break  # the next page starts with this step
+            page.overran = True  # a first step that cannot be asked again: read it whole
+        fetched.update(_read_leases(lock, unread))
+        page.read += len(unread)
+        leases = [info for info in (fetched[key] for key in keys) if info is not None]
+        rows = [info for info in leases if predicate is None or predicate(info)]
         remaining = per_page - len(page.leases)
         if len(rows) > remaining:
             if count > 1 and page.steps < max_steps:
-                # Read the same step again, asking for fewer keys than would overflow.
+                # Ask for the same step again, with fewer keys than would overflow.
                 page.rescans += 1
                 count = max(1, min(remaining, count * remaining // len(rows)) - 1)
                 continue
             if accepted:
+                page.stop = STOP_STEPS if page.steps >= max_steps else STOP_NO_ROOM
                 break  # the next page starts with this step
-            # A first step that cannot be read again: keep it, or the walk never moves on.
+            # A first step that cannot be asked again: keep it, or the walk never moves on.
+            page.overran = True
         accepted += 1
-        seen.update(step_keys)
+        seen.update(keys)
         page.leases.extend(rows)
         page.examined += len(leases)
         position = next_position
-        if position == 0 or _full(page):
+        if position == 0:
+            page.stop = STOP_COMPLETE
             break
-        count = _next_count(page, filtered, max_count)
+        if _full(page):
+            page.stop = STOP_FULL
+            break
+        count = min(max_count, _next_count(page, filtered, max_count))
     page.next_cursor = position
     page.now_ms, page.db_keys = _time_and_size(lock)
     page.leases.sort(key=lambda info: (int(info.get("acquired_ms") or 0), info["name"]))
