@@ -363,9 +363,9 @@ def md_e2e(F: Figures, result: dict) -> list[str]:
             fig = F.fig(name)
             if fig is None:
                 continue
+            per = fig.get("paired") if fig.get("paired") is not None else fig.get("all")
             rows.append([text, f"**{fmt(fig['value'], 3, 'x')}**",
-                         str(fig.get("paired") if fig.get("paired") is not None
-                             else fig.get("all")),
+                         "–" if per is None else str(per),
                          _prev(F, name, 3, "x")])
         if rows:
             out += ["", "Ratios of the medians:", ""]
