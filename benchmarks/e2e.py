@@ -6,17 +6,30 @@ import): a broker redis-server and a lock-store redis-server, the database migra
 
 A batch: N tasks of one kind are published to ``bench.q`` while the worker does not consume
 it (plus an end marker), then ``add_consumer`` starts the clock and the batch counts as drained
-when the marker ran and no message is left unacknowledged. The kinds are interleaved in a
-rotating order and repeated; figures are medians over the repetitions, ratios are taken within
-a repetition. Then a counting pass: K tasks of each kind under ``MONITOR`` on the lock store
-(commands sent at publish and in the worker, and inside scripts), and the SQL statements per
-task counted in the worker (``benchmarks.e2e_app``).
+when the marker ran and no message is left unacknowledged. Around the drain, the CPU time
+(user + system) of the worker's processes is read from ``/proc`` (the main process and its
+prefork children, each with the time of its waited-for children), plus the lock-store Redis's
+(``INFO cpu``) and, on PostgreSQL, the database server's processes. CPU seconds per task is the
+primary figure: on a shared machine the drain rate moves with the neighbours' load, the CPU a
+task costs much less. The kinds are interleaved in a rotating order (A B C, B C A, ...) for
+at least 5 repetitions; each figure is the median with its spread (min..max and the
+interquartile range), and a comparison is the ratio of the medians (the ratios within each
+repetition are kept beside it). Then a counting pass: K tasks of each kind under ``MONITOR`` on
+the lock store (commands sent at publish and in the worker, and inside scripts), and the SQL
+statements per task counted in the worker (``benchmarks.e2e_app``; only for the counting
+pass's tasks, so the throughput batches run uninstrumented).
+
+``python -m benchmarks.e2e --db sqlite --profile steplock handwritten_full`` profiles task
+bodies called in this process (pyinstrument) without starting a worker, for looking at where
+an execution's time goes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import socket
 import subprocess
 import sys
@@ -28,7 +41,6 @@ from typing import Any
 
 from .common import (
     ROOT,
-    group_main,
     installed_variants,
     median,
     MonitorCapture,
@@ -38,6 +50,7 @@ from .common import (
     profile_text,
     Recorder,
     servers,
+    spread,
     write_result,
 )
 
@@ -46,12 +59,18 @@ KINDS = {
     "once": "celery-once QueueOnce",
     "singleton": "celery-singleton Singleton",
     "handwritten": "hand-written lease + ORM CAS + shared heartbeat",
+    "handwritten_full": "hand-written, the default's work (fenced lease, precheck, fenced CAS, "
+                        "deadline, ownership check)",
     "steplock": "StepLockedTask, transition pending->done",
     "steplock_noprecheck": "StepLockedTask, lock_precheck=False",
 }
-STEP_KINDS = ("handwritten", "steplock", "steplock_noprecheck")
+STEP_KINDS = ("handwritten", "handwritten_full", "steplock", "steplock_noprecheck")
+#: Short names of the three compared in the targets.
+SHORT = {"steplock": "(a)", "handwritten": "(b)", "handwritten_full": "(c)"}
 PEER_OF = {"once": "celery-once", "singleton": "celery-singleton"}
 QUEUE = "bench.q"
+#: Counted apart from the statements: transaction control and connections.
+TXN_KINDS = ("BEGIN", "COMMIT", "ROLLBACK", "CONNECT")
 
 #: Where a StepLockedTask execution spends its time (profile categories; they may overlap).
 TASK_PROFILE_CATEGORIES = {
@@ -62,6 +81,66 @@ TASK_PROFILE_CATEGORIES = {
     "events": lambda f, fn: f.endswith("celery_steplock/events.py"),
     "lock_name": lambda f, fn: f.endswith("celery_steplock/keys.py"),
 }
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (ppid, CPU seconds: utime + stime + cutime + cstime) of every process."""
+    table: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = data[data.rindex(b")") + 2:].split()
+        # After the command: state, ppid, ..., utime (14th field of the line), stime,
+        # cutime, cstime (in clock ticks).
+        ticks = sum(int(x) for x in fields[11:15])
+        table[int(entry)] = (int(fields[1]), ticks / _CLK_TCK)
+    return table
+
+
+def tree_cpu(root: int | None, table: dict[int, tuple[int, float]] | None = None
+             ) -> dict[str, float]:
+    """CPU seconds used so far by process ``root`` and its descendants: ``{"total", "root",
+    "children"}``. A child that exited and was waited for is counted in its parent's cutime
+    and cstime, so deltas stay continuous when a child is replaced."""
+    if root is None:
+        return {"total": 0.0, "root": 0.0, "children": 0.0}
+    table = table if table is not None else _proc_table()
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _cpu) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    children = 0.0
+    stack = list(kids.get(root, []))
+    while stack:
+        pid = stack.pop()
+        children += table[pid][1]
+        stack.extend(kids.get(pid, []))
+    own = table.get(root, (0, 0.0))[1]
+    return {"total": own + children, "root": own, "children": children}
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    data = sorted(values)
+    if len(data) < 2:
+        return (data[0], data[0]) if data else (math.nan, math.nan)
+    q = statistics.quantiles(data, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def summary(values: list[float], digits: int = 1) -> dict[str, Any]:
+    """Median, min, max, interquartile range and every value, rounded, as figure labels."""
+    lo, hi = spread(values)
+    q1, q3 = _quartiles(values)
+    r = lambda x: round(x, digits)  # noqa: E731
+    return {"value": r(median(values)), "min": r(lo), "max": r(hi), "q1": r(q1), "q3": r(q3),
+            "all": [r(v) for v in values]}
 
 
 class Bench:
@@ -75,7 +154,7 @@ class Bench:
 
     # -- setup ----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, worker: bool = True) -> None:
         self.broker = servers.RedisServer().start()
         self.lockstore = servers.RedisServer().start()
         env = {
@@ -112,6 +191,8 @@ class Bench:
 
         self.broker_client = redis.Redis.from_url(self.broker.url)
         self.lock_client = redis.Redis.from_url(self.lockstore.url)
+        if not worker:
+            return
         self.worker = servers.celery_worker(
             app="benchmarks.e2e_app", name="bench", concurrency=2, pool="prefork",
             env=env, logfile=self.workdir / "worker.log", extra_args=("-Q", "bench.ctl"),
@@ -157,8 +238,8 @@ class Bench:
             task.apply_async((a,), queue=QUEUE)
         self.mark.apply_async((batch,), queue=QUEUE)
         publish = time.perf_counter() - t0
-        drain = self.drain(batch, n)
-        result = {"drain": drain, "publish": publish, "rate": n / drain}
+        drain, cpu = self.drain(batch, n, measure_cpu=True)
+        result = {"drain": drain, "publish": publish, "rate": n / drain, **cpu}
         if kind in STEP_KINDS:
             from django_app.workflows.models import Step
 
@@ -168,10 +249,24 @@ class Bench:
             result["done"] = done
         return result
 
-    def drain(self, batch: str, n: int) -> float:
+    def cpu_now(self) -> dict[str, float]:
+        """CPU seconds used so far: the worker's processes, the lock-store Redis, and the
+        PostgreSQL server's processes (0 on SQLite, which runs inside the worker)."""
+        table = _proc_table()
+        worker = tree_cpu(self.worker.pid, table)
+        info = self.lock_client.info("cpu")
+        pg = getattr(self, "pg", None)
+        return {"cpu_worker": worker["total"], "cpu_worker_main": worker["root"],
+                "cpu_worker_pool": worker["children"],
+                "cpu_lockstore": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+                "cpu_db": tree_cpu(pg.pid, table)["total"] if pg is not None else 0.0}
+
+    def drain(self, batch: str, n: int, measure_cpu: bool = False
+              ) -> tuple[float, dict[str, float]]:
         key = f"bench:mark:{batch}"
         client = self.broker_client
         queued = client.llen(QUEUE)
+        cpu0 = self.cpu_now() if measure_cpu else {}
         self.app.control.add_consumer(QUEUE, destination=[self.node], reply=True, timeout=5)
         deadline = time.monotonic() + max(120.0, n / 10.0)
         # The clock starts when the worker takes the first message: kombu's Redis transport
@@ -193,10 +288,19 @@ class Bench:
                 raise TimeoutError(f"batch {batch}: messages left unacknowledged")
             time.sleep(0.0005)
         elapsed = time.perf_counter() - t0
+        cpu = ({k: v - cpu0[k] for k, v in self.cpu_now().items()} if measure_cpu else {})
         self.app.control.cancel_consumer(QUEUE, destination=[self.node], reply=True, timeout=5)
-        return elapsed
+        return elapsed, cpu
 
     # -- the measurement ----------------------------------------------------------------------
+
+    #: (a, b) pairs compared by throughput and by CPU per task.
+    RATE_PAIRS = (("steplock", "handwritten"), ("steplock_noprecheck", "handwritten"),
+                  ("steplock", "handwritten_full"), ("handwritten_full", "handwritten"),
+                  ("steplock", "plain"), ("handwritten", "plain"))
+    CPU_PAIRS = (("steplock", "handwritten_full"), ("steplock", "handwritten"),
+                 ("steplock_noprecheck", "handwritten"), ("handwritten_full", "handwritten"),
+                 ("steplock", "plain"))
 
     def throughput(self, kinds: list[str], n: int, reps: int, warmup: int) -> None:
         for kind in kinds:
@@ -207,13 +311,27 @@ class Bench:
             for kind in order:
                 per_rep[kind].append(self.run_batch(kind, n))
             self.rec.say(f"{self.db} rep {rep + 1}/{reps}: " + ", ".join(
-                f"{k} {per_rep[k][-1]['rate']:.0f}/s" for k in kinds))
+                f"{k} {per_rep[k][-1]['rate']:.0f}/s "
+                f"{per_rep[k][-1]['cpu_worker'] / n * 1e6:.0f}us" for k in kinds))
         db = self.db
         for kind in kinds:
             rows = per_rep[kind]
             labels = dict(db=db, kind=kind, label=KINDS[kind], tasks=n, reps=reps)
-            self.rec.add(f"e2e.{db}.{kind}.rate", round(median(r["rate"] for r in rows), 1),
-                         "tasks/s", **labels, all=[round(r["rate"], 1) for r in rows])
+            rate = summary([r["rate"] for r in rows])
+            self.rec.add(f"e2e.{db}.{kind}.rate", rate.pop("value"), "tasks/s", **labels,
+                         **rate)
+            for key, what in (("cpu_worker", "cpu"), ("cpu_worker_main", "cpu_main"),
+                              ("cpu_worker_pool", "cpu_pool"),
+                              ("cpu_lockstore", "cpu_lockstore"), ("cpu_db", "cpu_db")):
+                if key == "cpu_db" and db != "postgresql":
+                    continue
+                stats = summary([r[key] / n * 1e6 for r in rows])
+                self.rec.add(f"e2e.{db}.{kind}.{what}", stats.pop("value"), "us CPU/task",
+                             **labels, **stats)
+            total = summary([(r["cpu_worker"] + r["cpu_lockstore"] + r["cpu_db"]) / n * 1e6
+                             for r in rows])
+            self.rec.add(f"e2e.{db}.{kind}.cpu_total", total.pop("value"), "us CPU/task",
+                         **labels, **total)
             self.rec.add(f"e2e.{db}.{kind}.publish", round(median(
                 r["publish"] / n * 1e6 for r in rows), 1), "us/task", **labels)
             if "plain" in per_rep and kind != "plain":
@@ -224,12 +342,36 @@ class Bench:
             if kind in STEP_KINDS:
                 self.rec.add(f"e2e.{db}.{kind}.steps_done", sum(r.get("done", 0) for r in rows),
                              "steps", **labels, expected=n * reps)
-        for a, b in (("steplock", "handwritten"), ("steplock_noprecheck", "handwritten"),
-                     ("steplock", "plain"), ("handwritten", "plain")):
+
+        def ratio(name: str, key: str, a: str, b: str) -> None:
+            va = [r[key] for r in per_rep[a]]
+            vb = [r[key] for r in per_rep[b]]
+            paired = [x / y for x, y in zip(va, vb) if y]
+            self.rec.add(name, round(median(va) / median(vb), 3), "x", db=db, a=a, b=b,
+                         how="ratio of the medians", paired_median=round(median(paired), 3),
+                         paired=[round(r, 3) for r in paired])
+
+        for a, b in self.RATE_PAIRS:
             if a in per_rep and b in per_rep:
-                ratios = [ra["rate"] / rb["rate"] for ra, rb in zip(per_rep[a], per_rep[b])]
-                self.rec.add(f"e2e.{db}.ratio.{a}_vs_{b}", round(median(ratios), 3), "x",
-                             db=db, all=[round(r, 3) for r in ratios])
+                ratio(f"e2e.{db}.ratio.{a}_vs_{b}", "rate", a, b)
+        for a, b in self.CPU_PAIRS:
+            if a in per_rep and b in per_rep:
+                ratio(f"e2e.{db}.cpu_ratio.{a}_vs_{b}", "cpu_worker", a, b)
+        if "steplock" in per_rep and "handwritten_full" in per_rep:
+            for rows in per_rep.values():
+                for r in rows:
+                    r["cpu_all"] = r["cpu_worker"] + r["cpu_lockstore"] + r["cpu_db"]
+            ratio(f"e2e.{db}.cpu_total_ratio.steplock_vs_handwritten_full", "cpu_all",
+                  "steplock", "handwritten_full")
+            if "plain" in per_rep:
+                # Net of what Celery costs a plain task (fetch, ack, trace), common to all.
+                base = median(r["cpu_worker"] for r in per_rep["plain"])
+                a = median(r["cpu_worker"] for r in per_rep["steplock"]) - base
+                c = median(r["cpu_worker"] for r in per_rep["handwritten_full"]) - base
+                if c > 0:
+                    self.rec.add(f"e2e.{db}.cpu_net_ratio.steplock_vs_handwritten_full",
+                                 round(a / c, 3), "x", db=db,
+                                 how="(median(a) - median(plain)) / (median(c) - median(plain))")
 
     def counting(self, kinds: list[str], k: int) -> None:
         """Redis commands per task on the lock store (MONITOR) and SQL per task."""
@@ -241,7 +383,8 @@ class Bench:
                 args = self.make_args(kind, k)
                 mon.phase(f"{kind}:publish")
                 for a in args:
-                    self.tasks[kind].apply_async((a,), queue=QUEUE)
+                    self.tasks[kind].apply_async((a,), queue=QUEUE,
+                                                 headers={"bench_sql": "1"})
                 self.mark.apply_async((batch,), queue=QUEUE)
                 mon.phase(f"{kind}:worker")
                 self.drain(batch, k)
@@ -266,7 +409,7 @@ class Bench:
                          "commands/task", **labels,
                          detail={c: round(v / k, 2) for c, v in sorted(inner.items())})
         # A sample of what one StepLockedTask sends, in order.
-        for kind in ("steplock", "steplock_noprecheck", "handwritten"):
+        for kind in ("steplock", "steplock_noprecheck", "handwritten", "handwritten_full"):
             seq = [text[:90] for ph, ctype, _n, text in mon.commands
                    if ph == f"{kind}:worker" and ctype != "lua"][:6]
             if seq:
@@ -284,14 +427,25 @@ class Bench:
         for kind in kinds:
             rows = per_task.get(f"bench.{kind}", [])
             if not rows:
+                if kind in STEP_KINDS:
+                    self.rec.note(f"{self.db} {kind}: no SQL statements were counted")
                 continue
             # The most common per-task pattern (the first task of a process also connects).
             pattern, freq = Counter(tuple(sorted(c.items())) for c in rows).most_common(1)[0]
             typical = dict(pattern)
-            statements = sum(v for k, v in typical.items() if k != "CONNECT")
+            statements = sum(v for k, v in typical.items() if k not in TXN_KINDS)
             labels = dict(db=self.db, kind=kind, label=KINDS[kind], tasks=len(rows))
             self.rec.add(f"e2e.{self.db}.{kind}.sql", statements, "statements/task",
-                         **labels, detail=typical, share=round(freq / len(rows), 3))
+                         **labels, detail={k: v for k, v in typical.items()
+                                           if k not in TXN_KINDS},
+                         share=round(freq / len(rows), 3))
+            txn = {k: typical.get(k, 0) for k in ("BEGIN", "COMMIT", "ROLLBACK")}
+            implicit = self.db == "postgresql" and not txn["BEGIN"]
+            if implicit:  # the driver sends BEGIN before a transaction's first statement
+                txn["BEGIN"] = txn["COMMIT"] + txn["ROLLBACK"]
+            self.rec.add(f"e2e.{self.db}.{kind}.sql_txn", sum(txn.values()),
+                         "transaction statements/task", **labels, detail=txn,
+                         begin_implicit=implicit)
             self.rec.add(f"e2e.{self.db}.{kind}.sql_updates", typical.get("UPDATE", 0),
                          "UPDATE/task", **labels)
             self.rec.add(f"e2e.{self.db}.{kind}.sql_selects", typical.get("SELECT", 0),
@@ -306,12 +460,18 @@ class Bench:
         drain rate on a loaded machine; plus StepLockedTask with the heartbeat thread kept
         alive by a parked lease (see the notes) and a pyinstrument profile."""
         from celery_steplock import get_lock
-        from celery_steplock.heartbeat import get_heartbeat
+
+        try:
+            from celery_steplock.heartbeat import get_heartbeat
+        except ImportError as exc:  # the library's internals may move
+            get_heartbeat = None
+            self.rec.note(f"in-process: no parked-lease variant ({exc})")
 
         db = self.db
-        kinds = [k for k in ("handwritten", "steplock", "steplock_noprecheck")
-                 if k in self.tasks]
-        variants = kinds + (["steplock_parked"] if "steplock" in kinds else [])
+        kinds = [k for k in ("handwritten", "handwritten_full", "steplock",
+                             "steplock_noprecheck") if k in self.tasks]
+        variants = kinds + (["steplock_parked"] if "steplock" in kinds
+                            and get_heartbeat is not None else [])
 
         def call_all(variant: str, ids: list[int]) -> tuple[list[float], float]:
             task = self.tasks["steplock" if variant == "steplock_parked" else variant]
@@ -361,34 +521,65 @@ class Bench:
                          "us", **labels)
             self.rec.add(f"e2e.{db}.inproc.{variant}.cpu", round(median(r[2] for r in rows), 1),
                          "us CPU/call", **labels)
-        for a in ("steplock", "steplock_noprecheck", "steplock_parked"):
+        for a in ("steplock", "steplock_noprecheck", "steplock_parked", "handwritten_full"):
             if a in per_rep and "handwritten" in per_rep:
                 ratios = [ra[0] / rb[0] for ra, rb in zip(per_rep[a], per_rep["handwritten"])]
                 self.rec.add(f"e2e.{db}.inproc.ratio.{a}_vs_handwritten", round(median(ratios), 3),
                              "x", db=db, all=[round(r, 3) for r in ratios])
+        if "steplock" in per_rep and "handwritten_full" in per_rep:
+            cpu_a = median(r[2] for r in per_rep["steplock"])
+            cpu_c = median(r[2] for r in per_rep["handwritten_full"])
+            self.rec.add(f"e2e.{db}.inproc.cpu_ratio.steplock_vs_handwritten_full",
+                         round(cpu_a / cpu_c, 3), "x", db=db, how="ratio of the medians")
         self.rec.say(f"{db} in-process p50: " + ", ".join(
             f"{v} {median(r[0] for r in per_rep[v]):.0f}us" for v in variants))
-        if profile and "steplock" in self.tasks:
-            try:
-                from pyinstrument import Profiler
-            except ImportError as exc:
-                self.rec.note(f"no profile: pyinstrument is not installed ({exc})")
-                return
-            ids = self.make_args("steplock", n)
+        if profile:
+            self.profile(["steplock", "handwritten_full"], n, call_all)
+
+    def profile(self, kinds: list[str], n: int, call_all=None) -> dict[str, str]:
+        """A pyinstrument profile of ``n`` in-process executions of each kind; the texts go
+        to ``self.profiles`` (``e2e-<db>-<kind>``), StepLockedTask's breakdown to figures."""
+        try:
+            from pyinstrument import Profiler
+        except ImportError as exc:
+            self.rec.note(f"no profile: pyinstrument is not installed ({exc})")
+            return {}
+        if call_all is None:
+            def call_all(kind: str, ids: list[int]) -> None:
+                for step_id in ids:
+                    self.tasks[kind](step_id)
+            for kind in kinds:  # warm-up
+                call_all(kind, self.make_args(kind, 20))
+        db = self.db
+        for kind in kinds:
+            if kind not in self.tasks:
+                continue
+            ids = self.make_args(kind, n)
             profiler = Profiler(interval=0.0002)
             profiler.start()
-            call_all("steplock", ids)
+            call_all(kind, ids)
             profiler.stop()
-            self.profiles[f"e2e-{db}-steplock"] = profile_text(profiler)
-            shares = profile_breakdown(profiler.last_session, TASK_PROFILE_CATEGORIES)
-            for name, share in shares.items():
-                if name != "total_s":
-                    self.rec.add(f"e2e.{db}.profile.steplock.{name}", round(share * 100, 1),
-                                 "% of time", db=db)
+            self.profiles[f"e2e-{db}-{kind}"] = profile_text(profiler)
+            if kind == "steplock":
+                shares = profile_breakdown(profiler.last_session, TASK_PROFILE_CATEGORIES)
+                for name, share in shares.items():
+                    if name != "total_s":
+                        self.rec.add(f"e2e.{db}.profile.steplock.{name}",
+                                     round(share * 100, 1), "% of time", db=db)
+        return self.profiles
 
     def steps(self, n: int) -> None:
         """What each step of one StepLockedTask execution costs on its own, µs per call
-        (median of ``n``), next to the hand-written task's equivalents."""
+        (median of ``n``), next to the hand-written task's equivalents. It reaches into the
+        library's internals, which are being rewritten: when they moved, the step timings
+        are skipped with a note rather than failing the group."""
+        try:
+            self._steps(n)
+        except (ImportError, AttributeError, TypeError) as exc:
+            self.rec.note(f"{self.db}: per-step timings skipped, the library's internals "
+                          f"changed: {type(exc).__name__}: {exc}")
+
+    def _steps(self, n: int) -> None:
         import redis as redis_py
         from django.db import transaction
 
@@ -542,20 +733,22 @@ class Bench:
                           f"{errors[0][:200]}")
 
 
-def run_db(db: str, quick: bool) -> dict[str, Any]:
+def run_db(db: str, quick: bool, tasks: int | None = None, reps: int | None = None
+           ) -> dict[str, Any]:
     rec = Recorder("e2e")
     kinds = installed_variants(rec, KINDS, PEER_OF)
+    n = tasks or (200 if quick else 2000)
+    r = reps or (3 if quick else 5)
     with tempfile.TemporaryDirectory(prefix=f"steplock-bench-e2e-{db}-") as tmp:
         bench = Bench(rec, db, Path(tmp))
         try:
             bench.start()
+            bench.throughput(kinds, n=n, reps=r, warmup=20 if quick else 50)
             if quick:
-                bench.throughput(kinds, n=200, reps=2, warmup=20)
                 bench.counting(kinds, k=20)
                 bench.inprocess(n=100, reps=2, profile=True)
                 bench.steps(n=100)
             else:
-                bench.throughput(kinds, n=2000, reps=3, warmup=50)
                 bench.counting(kinds, k=100)
                 bench.inprocess(n=400, reps=5, profile=True)
                 bench.steps(n=500)
@@ -565,7 +758,29 @@ def run_db(db: str, quick: bool) -> dict[str, Any]:
     return rec.result(peers=peer_status(), profiles=bench.profiles)
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def profile_only(db: str, kinds: list[str], calls: int, out_dir: Path) -> int:
+    """Profile task bodies in this process (no worker); write ``e2e-<db>-<kind>.txt``."""
+    rec = Recorder("e2e")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"steplock-bench-e2e-{db}-") as tmp:
+        bench = Bench(rec, db, Path(tmp))
+        try:
+            bench.start(worker=False)
+            unknown = [k for k in kinds if k not in bench.tasks]
+            if unknown:
+                raise SystemExit(f"unknown kinds {unknown}; known: {', '.join(bench.tasks)}")
+            for name, text in bench.profile(kinds, calls).items():
+                path = out_dir / f"{name}.txt"
+                path.write_text(text)
+                print(f"wrote {path}")
+        finally:
+            bench.stop()
+            servers.stop_all()
+    return 0
+
+
+def run(quick: bool = False, tasks: int | None = None, reps: int | None = None
+        ) -> dict[str, Any]:
     """Both databases, each in a subprocess; merged into one group result."""
     rec = Recorder("e2e")
     profiles: dict[str, str] = {}
@@ -580,7 +795,12 @@ def run(quick: bool = False) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "benchmarks.e2e", "--db", db, "--out", out]
         if quick:
             cmd.append("--quick")
+        if tasks:
+            cmd += ["--tasks", str(tasks)]
+        if reps:
+            cmd += ["--reps", str(reps)]
         rec.say(f"{db}: {' '.join(cmd[1:])}")
+        started = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT)
         try:
             part = json.loads(Path(out).read_text())
@@ -589,6 +809,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         finally:
             Path(out).unlink(missing_ok=True)
         rec.figures += part.get("figures", [])
+        rec.add(f"e2e.{db}.wall", round(time.monotonic() - started, 1), "s", db=db)
         rec.notes += part.get("notes", [])
         profiles.update(part.get("profiles") or {})
         if part.get("error") or proc.returncode:
@@ -597,18 +818,43 @@ def run(quick: bool = False) -> dict[str, Any]:
              "database connection kept between tasks, celery_steplock logging at WARNING); "
              "broker and lock store are two redis-servers on loopback; acks_late, prefetch "
              "multiplier 1, -O fair, as in django_app.")
+    rec.note("CPU per task: user + system CPU seconds of the worker's processes (the main "
+             "process and its prefork children, from /proc, clock ticks of "
+             f"{1000 // _CLK_TCK} ms) over a batch's drain, divided by its tasks; it includes "
+             "the worker's share of Celery (fetching, acknowledging) common to every kind. "
+             "'total' adds the lock-store Redis (INFO cpu) and, on PostgreSQL, the database "
+             "server's processes. Ratios are ratios of the medians over the repetitions.")
+    rec.note("The hand-written task doing the default configuration's work (c) sets the same "
+             "PostgreSQL deadline as the library (SELECT set_config('lock_timeout', ...), "
+             "set_config('idle_in_transaction_session_timeout', ...) inside the transaction, "
+             "before the CAS), so that both send the same statements; it leaves out holder "
+             "metadata in the lease, events and signals, options and settings, and the "
+             "waiters' wake-up on release: that difference is the abstraction's cost.")
     return rec.result(profiles=profiles)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description="celery-steplock benchmark group e2e")
     parser.add_argument("--db", choices=["sqlite", "postgresql"])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out")
-    args, _ = parser.parse_known_args()
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    parser.add_argument("--out", help="write the result JSON here (default: stdout)")
+    parser.add_argument("--tasks", type=int, default=None,
+                        help="tasks per batch (default 2000; 200 with --quick)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions of each kind (default 5; 3 with --quick)")
+    parser.add_argument("--profile", nargs="+", metavar="KIND", default=None,
+                        help="only profile these task kinds in-process (pyinstrument), "
+                             f"no worker: {', '.join(KINDS)} (needs --db, default sqlite)")
+    parser.add_argument("--calls", type=int, default=400, help="executions per profile")
+    parser.add_argument("--profile-dir", type=Path, default=ROOT / "var" / "profiles",
+                        help="where --profile writes its texts (default var/profiles)")
+    args = parser.parse_args()
+    if args.profile:
+        return profile_only(args.db or "sqlite", args.profile, args.calls, args.profile_dir)
     if args.db is None:
-        return group_main("e2e", run)
-    return write_result("e2e", lambda: run_db(args.db, args.quick), args.out)
+        return write_result("e2e", lambda: run(args.quick, args.tasks, args.reps), args.out)
+    return write_result("e2e", lambda: run_db(args.db, args.quick, args.tasks, args.reps),
+                        args.out)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,29 @@ of ``django_app`` where they touch the database:
                            a shared per-process heartbeat thread, ``atomic()`` {UPDATE ...
                            WHERE status='pending'; GET: still ours?}, then a Lua
                            compare-and-delete: 3 Redis round trips + 1 UPDATE
+``bench.handwritten_full`` the same work as ``StepLockedTask``'s default configuration, by
+                           hand with redis-py and the ORM: a lease with a fencing token
+                           (one small Lua script: SET NX PX + INCR of a counter), the shared
+                           heartbeat, the precheck SELECT of the step's status, ``atomic()``
+                           {on PostgreSQL the deadline ``SELECT set_config(lock_timeout,
+                           idle_in_transaction_session_timeout)``; the fenced CAS UPDATE ...
+                           WHERE status='pending' AND (lock_fence IS NULL OR lock_fence <=
+                           token) SET status, lock_owner, lock_fence, updated_at; GET: still
+                           ours?}, then the owner-checked release: 3 Redis round trips,
+                           1 SELECT + 1 UPDATE (+ the deadline on PostgreSQL). What it leaves
+                           out of the library's work: holder metadata in the lease, events
+                           and signals, settings and options, waiters' wake-up on release
 ``bench.steplock``         ``StepLockedTask`` with ``transition=("pending", "done")``
 ``bench.steplock_noprecheck``  the same with ``lock_precheck=False``
 ``bench.mark``             end-of-batch marker (SET in the broker Redis)
 
 Per task, the worker appends one line to ``$BENCH_SQL_DIR/<pid>.tsv``: task name, SQL
-statements by kind (through a Django execute wrapper), database connections opened.
+statements by kind (through a Django execute wrapper; ``SET_CONFIG`` for the PostgreSQL
+deadline ``SELECT set_config(...)``, ``BEGIN`` when the backend sends it as a statement, as
+SQLite's does), ``COMMIT``/``ROLLBACK`` of the connection (counted by wrapping
+``connection.commit``/``rollback``: they are not statements through the cursor),
+and database connections opened (``CONNECT``). On PostgreSQL the driver sends each
+transaction's BEGIN itself, so there a transaction shows as its COMMIT or ROLLBACK only.
 """
 from __future__ import annotations
 
@@ -224,6 +241,77 @@ def handwritten(self, step_id):
     return step_id
 
 
+# -- the hand-written task doing the default configuration's work ---------------------------
+
+# KEYS[1] lease, KEYS[2] fencing counter; ARGV[1] owner token, ARGV[2] ttl ms, ARGV[3] counter
+# ttl ms. Returns the fencing token when granted, else 0.
+FENCED_ACQUIRE_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  return fence
+end
+return 0
+"""
+FENCE_TTL_MS = 7 * 24 * 3600 * 1000
+
+
+class _HandwrittenFull(_Handwritten):
+    def __init__(self):
+        super().__init__()
+        self.acquire = self.client.register_script(FENCED_ACQUIRE_LUA)
+
+
+_hwf: dict[int, _HandwrittenFull] = {}
+
+
+@app.task(name="bench.handwritten_full", bind=True)
+def handwritten_full(self, step_id):
+    from django.db import connection, transaction
+    from django.db.models import Q
+    from django.utils import timezone
+
+    from django_app.workflows.models import Step
+
+    state = _hwf.get(os.getpid())
+    if state is None:
+        state = _hwf[os.getpid()] = _HandwrittenFull()
+    key = f"bench:hwf:{{{step_id}}}"
+    owner = uuid.uuid4().hex
+    sent = time.monotonic()
+    fence = state.acquire(keys=[key, f"bench:hwf:fence:{{{step_id}}}"],
+                          args=[owner, int(LEASE_TTL * 1000), FENCE_TTL_MS])
+    if not fence:
+        raise self.retry(countdown=1)
+    valid_until = sent + LEASE_TTL * 0.99  # the library's clock-drift allowance
+    state.heartbeat.add(key, owner)
+    try:
+        found = list(Step.objects.filter(pk=step_id).values_list("status", flat=True)[:1])
+        if not found or found[0] != "pending":
+            return None
+        with transaction.atomic(durable=True):
+            if connection.vendor == "postgresql":
+                ms = str(max(1, int((valid_until - time.monotonic()) * 1000)))
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT set_config('lock_timeout', %s, true), "
+                                   "set_config('idle_in_transaction_session_timeout', %s, "
+                                   "true)", [ms, ms])
+            cas = (Q(pk=step_id, status="pending")
+                   & (Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence)))
+            if Step.objects.filter(cas).update(status="done", lock_owner=owner,
+                                               lock_fence=fence,
+                                               updated_at=timezone.now()) != 1:
+                raise _Conflict(step_id)
+            if time.monotonic() >= valid_until or state.client.get(key) != owner:
+                raise _Conflict(f"lease {key} lost")
+    except _Conflict:
+        return None
+    finally:
+        state.heartbeat.discard(key)
+        state.release(keys=[key], args=[owner])
+    return step_id
+
+
 # -- SQL statement counting in the worker --------------------------------------------------
 
 _sql = Counter()
@@ -234,33 +322,70 @@ _SQL_DIR = os.environ.get("BENCH_SQL_DIR")
 
 def _count_sql(execute, sql, params, many, context):
     kind = sql.lstrip().split(None, 1)[0].upper() if sql else "?"
+    if kind == "SELECT" and "set_config(" in sql:
+        kind = "SET_CONFIG"
     _sql[kind] += 1
     return execute(sql, params, many, context)
+
+
+def _counted(method, kind: str):
+    def call(*args, **kwargs):
+        _sql[kind] += 1
+        return method(*args, **kwargs)
+    return call
 
 
 def _on_connection_created(sender=None, connection=None, **kwargs):
     _sql["CONNECT"] += 1
 
 
+def _counting(task) -> bool:
+    """Only the tasks of the counting pass are counted (published with the ``bench_sql``
+    header): the throughput batches run without the wrappers, whose cost would land in the
+    CPU time measured per task."""
+    request = getattr(task, "request", None)
+    if request is None:
+        return False
+    return bool(getattr(request, "bench_sql", None)
+                or (getattr(request, "headers", None) or {}).get("bench_sql"))
+
+
+_installed: list = []
+
+
 @task_prerun.connect
 def _sql_prerun(sender=None, **kwargs):
-    if not _SQL_DIR:
+    if not _SQL_DIR or not _counting(sender):
         return
-    from django.db import connection
+    from django.db import DEFAULT_DB_ALIAS, connections
     from django.db.backends.signals import connection_created
 
-    if id(connection) not in _wrapped:
-        connection.execute_wrappers.append(_count_sql)
+    wrapper = connections[DEFAULT_DB_ALIAS]
+    if id(wrapper) not in _wrapped:
         connection_created.connect(_on_connection_created, weak=False,
                                    dispatch_uid="bench-connections")
-        _wrapped.add(id(connection))
+        _wrapped.add(id(wrapper))
+    wrapper.execute_wrappers.append(_count_sql)
+    # Instance attributes shadow the methods (atomic() calls them to end a transaction);
+    # the postrun handler deletes them again.
+    wrapper.commit = _counted(type(wrapper).commit.__get__(wrapper), "COMMIT")
+    wrapper.rollback = _counted(type(wrapper).rollback.__get__(wrapper), "ROLLBACK")
+    _installed.append(sender)
     _sql.clear()
 
 
 @task_postrun.connect
 def _sql_postrun(sender=None, **kwargs):
-    if not _SQL_DIR:
+    if not _installed:
         return
+    _installed.clear()
+    from django.db import DEFAULT_DB_ALIAS, connections
+
+    wrapper = connections[DEFAULT_DB_ALIAS]
+    if _count_sql in wrapper.execute_wrappers:
+        wrapper.execute_wrappers.remove(_count_sql)
+    for name in ("commit", "rollback"):
+        wrapper.__dict__.pop(name, None)
     line = "\t".join([getattr(sender, "name", "?")] +
                      [f"{k}={v}" for k, v in sorted(_sql.items())]) + "\n"
     fd = _fds.get(os.getpid())

@@ -5,11 +5,14 @@
     python benchmarks/run.py --quick         # a small smoke run: var/bench-quick/performance.*
     python benchmarks/run.py --only e2e wait # some groups; the others keep their last figures
     python benchmarks/run.py --render-only   # re-render performance.md (commentary edited)
+    python benchmarks/run.py --only e2e --e2e-tasks 500 --e2e-reps 5   # a shorter e2e run
 
 Each group runs in a subprocess of its own (``python -m benchmarks.<module>``) that starts and
 stops its own servers. The report (``performance.md``, every figure with name, unit and value
 plus the run's context in ``performance.json``, profiles in ``performance-profiles/``) is
-rendered by :mod:`benchmarks.report`.
+rendered by :mod:`benchmarks.report`. The figures of the groups that ran are kept from the
+JSON this run replaces under ``previous`` (values, time and commit), so the report shows the
+previous figure beside the new one.
 """
 from __future__ import annotations
 
@@ -39,10 +42,11 @@ GROUPS = {
 }
 
 
-def run_group(name: str, quick: bool) -> dict:
+def run_group(name: str, quick: bool, extra: list[str] | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
     cmd = [sys.executable, "-m", GROUPS[name], "--out", str(out)] + (["--quick"] if quick else [])
+    cmd += extra or []
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT)
@@ -60,6 +64,25 @@ def run_group(name: str, quick: bool) -> dict:
     return result
 
 
+def previous_values(previous: dict, groups: list[str]) -> dict:
+    """The figures of ``groups`` in the JSON about to be replaced: ``{"time", "git_commit",
+    "values": {name: value}}`` (the targets' measured values under ``target:<id>``)."""
+    ctx = previous.get("context") or {}
+    times = [((previous.get("groups") or {}).get(g) or {}).get("context", {}).get("time")
+             for g in groups]
+    values = {f["name"]: f.get("value") for f in previous.get("figures", [])
+              if f.get("group") in groups and not isinstance(f.get("value"), (list, dict))}
+    for target in previous.get("targets", []):
+        if target.get("id", "").split(".", 1)[0] in groups:
+            values[f"target:{target['id']}"] = target.get("measured")
+    commit = ctx.get("git_commit")
+    for rerun in ctx.get("reruns") or []:
+        if set(rerun.get("groups") or []) & set(groups):
+            commit = rerun.get("git_commit") or commit
+    return {"time": next((t for t in times if t), ctx.get("time")), "git_commit": commit,
+            "groups": groups, "values": values}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -72,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-only", action="store_true",
                         help="run nothing: re-render performance.md from performance.json "
                              "(after editing benchmarks/commentary.md)")
+    parser.add_argument("--e2e-tasks", type=int, default=None, metavar="N",
+                        help="e2e: tasks per batch (default 2000, 200 with --quick)")
+    parser.add_argument("--e2e-reps", type=int, default=None, metavar="N",
+                        help="e2e: interleaved repetitions of each kind (default 5)")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or (ROOT / "var" / "bench-quick" if args.quick else ROOT / "docs")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,20 +110,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     previous: dict = {}
-    if args.only and json_path.exists():
+    if json_path.exists():
         try:
             previous = json.loads(json_path.read_text())
         except ValueError:
             previous = {}
-    groups = {name: {**g, "figures": [f for f in previous.get("figures", [])
-                                      if f.get("group") == name]}
-              for name, g in (previous.get("groups") or {}).items()}
+    groups = ({name: {**g, "figures": [f for f in previous.get("figures", [])
+                                       if f.get("group") == name]}
+               for name, g in (previous.get("groups") or {}).items()} if args.only else {})
+    ran = args.only or list(GROUPS)
+    earlier = previous_values(previous, ran)
     started = time.monotonic()
     context = machine_context()
     print(f"context: {context['cpu_count']} CPUs, Python {context['python']}, "
           f"{context['redis_server']}; {context['uptime']}", flush=True)
-    for name in (args.only or list(GROUPS)):
-        result = run_group(name, args.quick)
+    extra = {"e2e": ([f"--tasks={args.e2e_tasks}"] if args.e2e_tasks else [])
+             + ([f"--reps={args.e2e_reps}"] if args.e2e_reps else [])}
+    for name in ran:
+        result = run_group(name, args.quick, extra.get(name))
         result["context"] = {"loadavg_start": result.get("loadavg_start"),
                              "loadavg_end": result.get("loadavg_end"),
                              "quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -119,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         for stale in (out_dir / "performance-profiles").glob("*.txt"):
             stale.unlink()
     doc = report.build(groups, context)
+    # The groups that did not run keep the "previous" figures they had.
+    kept = {k: v for k, v in (previous.get("previous") or {}).get("values", {}).items()
+            if k.removeprefix("target:").split(".", 1)[0] not in ran}
+    if earlier["values"] or kept:
+        doc["previous"] = {**earlier, "values": {**kept, **earlier["values"]}}
     report.write(doc, out_dir)
     print(f"wrote {out_dir / 'performance.md'} and {json_path} ({wall:.0f}s)", flush=True)
     failed = [name for name, g in groups.items() if g.get("error")]
