@@ -42,10 +42,10 @@ def test_the_default_is_the_django_recovery():
     assert symbol_by_name(DEFAULT_STEP_RECOVERY) is recovery.recover_steps
 
 
-def test_the_core_reaper_imports_no_django(redis_server_url):
+def test_the_core_reaper_imports_no_django(redis_server_url, redis_client):
     """reaper.py itself imports no Django: importing it adds no ``django`` module to those
     the package already loaded, nor the Django recovery, and it imports (and reaps leases)
-    where Django cannot be imported at all."""
+    where Django cannot be imported at all (on a flushed Redis: nothing to scan)."""
     script = """if True:
         import json, sys
         import celery_steplock

@@ -5,8 +5,8 @@ Subclass :class:`LeaseFencedStep` in the step model (or declare the same two fie
     class Order(LeaseFencedStep):
         status = models.CharField(max_length=32, default="pending")
 
-With them, :class:`~celery_steplock.guard.StepTransitionGuard` adds ``lock_fence IS NULL OR
-lock_fence <= <token>`` to its ``UPDATE`` and writes the token and the owner, so a holder that
+With them, :class:`~celery_steplock.contrib.django.steps.DjangoStepStore` adds
+``lock_fence IS NULL OR lock_fence <= <token>`` to its ``UPDATE`` and writes the token and the owner, so a holder that
 paused past its TTL cannot write after a newer holder has, even when the status would match
 (fencing token, as in Kleppmann 2016). The names are the defaults of the settings
 ``steplock_owner_field`` and ``steplock_fence_field``.

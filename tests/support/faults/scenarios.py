@@ -111,7 +111,7 @@ def kill_main(lab, step):
 def pause(point):
     """SIGSTOP the holder past its TTL; SIGCONT only once another attempt committed. After its
     CAS the stopped holder owns the step's row lock: PostgreSQL ends its session when it has
-    sat idle for its lease's remaining validity (StepTransitionGuard.set_deadline), which
+    sat idle for its lease's remaining validity (the deadline of DjangoStepStore.transition), which
     frees the row for the next holder and makes the stale COMMIT fail."""
     def inject(lab, step):
         arrival, _ = held_pair(lab, step, point)
