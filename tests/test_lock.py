@@ -1,4 +1,5 @@
-"""RedisStepLock against a real redis-server (celery_steplock.lock)."""
+"""RedisLeaseStore against a real redis-server (celery_steplock.lock)."""
+import json
 import threading
 import time
 
@@ -17,8 +18,9 @@ def test_acquire_returns_a_lease_with_metadata(lock, redis_client):
     assert lease.fence > 0 and not lease.lost
     assert 4.8 < lease.remaining() <= 5.0
     stored = redis_client.hgetall("t:lease:{a}")
-    assert stored["owner"] == "owner-1" and stored["task_id"] == "tid"
-    assert stored["pid"] == "42" and int(stored["fence"]) == lease.fence
+    assert set(stored) == {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "meta"}
+    assert stored["owner"] == "owner-1" and int(stored["fence"]) == lease.fence
+    assert json.loads(stored["meta"]) == {"task_id": "tid", "task_name": "tn", "pid": "42"}
     assert stored["ttl_ms"] == "5000" and stored["acquired_ms"] == stored["renewed_ms"]
     assert 4900 < redis_client.pttl("t:lease:{a}") <= 5000
 
