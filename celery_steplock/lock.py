@@ -68,8 +68,10 @@ def pack_metadata(metadata: Mapping[str, Any] | None) -> str:
     (None becomes ``""``), or ``""`` when there is none."""
     if not metadata:
         return ""
-    return json.dumps({k: "" if v is None else str(v) for k, v in metadata.items()},
-                      separators=(",", ":"), ensure_ascii=False)
+    return _encode_meta({k: "" if v is None else str(v) for k, v in metadata.items()})
+
+
+_encode_meta = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
