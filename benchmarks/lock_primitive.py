@@ -4,8 +4,15 @@ Uncontended (one thread, one connection, one name): a cycle is acquire + release
 runs ``cycles`` timed cycles per repetition after a warm-up, in blocks of 50 cycles with the
 variants interleaved block by block in a rotating order, repeated ``reps`` times. Reported:
 the median over the repetitions of each repetition's p50, p99 and cycles/s, and the ratios
-of p50s taken *within* each repetition (then their median). The round trips per cycle are
-counted once with ``MONITOR``, Redis's own time per cycle with ``INFO commandstats``.
+of p50s taken *within* each repetition (then their median). The physical floor of a cycle of
+two round trips is "two PINGs": two sequential PINGs on one pooled connection, packed as our
+EVALSHA calls are (so the ratio ours / two PINGs is the cost of everything but the network).
+The round trips per cycle are counted once with ``MONITOR``; Redis's own time per cycle with
+``INFO commandstats`` (after ``CONFIG RESETSTAT``) over ``server_cycles`` cycles: ``server_us``
+sums every command's usec, scripts' inner commands included (counted twice: inside their
+script's EVALSHA and on their own); ``server_us_top`` sums only the commands the client sent,
+which is Redis's execution time per cycle; ``cpu_us`` is Redis's process CPU time
+(``INFO cpu``) per cycle, network I/O and protocol parsing included.
 
 Contended: 8 and 64 processes (fork) loop on *one* name for a fixed time with each library's
 own blocking acquire; inside the critical section a process-shared counter detects overlaps
@@ -37,13 +44,15 @@ from .common import (
 #: Uncontended variants, in table order: key -> label.
 UNCONTENDED = {
     "ping": "PING (round-trip floor, 1 RT)",
+    "ping2": "two PINGs (physical floor of a 2-RT cycle)",
     "raw": "raw SET NX PX + EVALSHA release",
     "redis_py": "redis-py Lock",
     "prl": "python-redis-lock",
     "prl_renewal": "python-redis-lock, auto_renewal=True",
     "pottery": "pottery Redlock (1 master)",
-    "ours": "celery-steplock RedisStepLock",
+    "ours": "celery-steplock RedisLeaseStore",
     "ours_meta": "celery-steplock + holder metadata (as StepLockedTask)",
+    "ours_task": "celery-steplock, a default task's 3 scripts (acquire, OWNED, release)",
 }
 #: Contended variants: key -> (label, how it waits).
 CONTENDED = {
@@ -74,6 +83,22 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
     if variant == "ping":
         client = _plain_client(url)
         return client.ping
+    if variant == "ping2":
+        from celery_steplock.lock import make_client
+
+        pool = make_client(url).connection_pool
+        ping = b"*1\r\n$4\r\nPING\r\n"
+
+        def cycle():
+            for _ in range(2):  # as our EVALSHA calls: a pooled connection, a packed command
+                conn = pool.get_connection()
+                try:
+                    conn.send_packed_command([ping])
+                    if conn.read_response() != "PONG":
+                        raise AssertionError("ping2: no PONG")
+                finally:
+                    pool.release(conn)
+        return cycle
     if variant == "raw":
         from celery_steplock.lock import make_client
 
@@ -120,18 +145,22 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
                 raise AssertionError("pottery: not acquired")
             lock.release()
         return cycle
-    if variant in ("ours", "ours_meta"):
-        from celery_steplock.lock import RedisStepLock, holder_metadata, make_client
+    if variant in ("ours", "ours_meta", "ours_task"):
+        from celery_steplock.lock import RedisLeaseStore, holder_metadata, make_client
 
-        lock = RedisStepLock(make_client(url), prefix="bench")
+        lock = RedisLeaseStore(make_client(url), prefix="bench")
         meta = (holder_metadata("6f1c2a47-3b7e-4d1a-9a55-0c9d8e7f6a5b", "bench.tasks.charge", 0,
-                                worker="celery@bench", step="workflows.step:42")
-                if variant == "ours_meta" else None)
+                                worker="celery@bench", step="workflows.step:42",
+                                renew_ms=TTL * 1000 // 3)
+                if variant != "ours" else None)
+        check = variant == "ours_task"
 
         def cycle():
             lease = lock.acquire(key, ttl=float(TTL), metadata=meta)
             if lease is None:
                 raise AssertionError("ours: not acquired")
+            if check and lock.owned(lease.name, lease.owner) is None:
+                raise AssertionError("ours: not owned")
             lock.release(lease.name, lease.owner)
         return cycle
     raise ValueError(variant)
@@ -184,9 +213,9 @@ def build_blocking(variant: str, url: str, key: str):
             return lock
         return acquire, lambda lock: lock.release()
     if variant == "ours":
-        from celery_steplock.lock import RedisStepLock, make_client
+        from celery_steplock.lock import RedisLeaseStore, make_client
 
-        lock = RedisStepLock(make_client(url), prefix="bench")
+        lock = RedisLeaseStore(make_client(url), prefix="bench")
 
         def acquire():
             lease = lock.acquire(key, ttl=float(TTL), wait=120.0)
@@ -212,14 +241,15 @@ CYCLE_CATEGORIES = {
     "socket_wait": lambda f, fn: f.endswith(("redis/_parsers/socket.py", "socket.py"))
     and fn in ("_read_from_socket", "recv", "recv_into", "sendall"),
     "redis_py": lambda f, fn: "/redis/" in f,
-    "lease_object": lambda f, fn: f.endswith("celery_steplock/lock.py") and fn == "__init__",
-    "owner_token": lambda f, fn: f.endswith("celery_steplock/lock.py")
+    "lease_object": lambda f, fn: f.endswith("celery_steplock/lease.py") and fn == "__init__",
+    "owner_token": lambda f, fn: f.endswith("celery_steplock/lease.py")
     and fn == "new_owner_token",
 }
 
 
 def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
-                variants: list[str], profiles: dict[str, str]) -> None:
+                variants: list[str], profiles: dict[str, str],
+                server_cycles: int = 10_000) -> None:
     import gc
 
     cyc = {v: build_cycle(v, url, f"bench:uncontended:{v}") for v in variants}
@@ -263,26 +293,12 @@ def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
                 variant=v)
     # Ratios within each repetition, then their median.
     for a, b in (("ours", "raw"), ("ours_meta", "raw"), ("ours", "redis_py"), ("ours", "prl"),
-                 ("ours", "pottery"), ("raw", "ping"), ("ours", "ping")):
+                 ("ours", "pottery"), ("raw", "ping"), ("ours", "ping"), ("ours", "ping2"),
+                 ("ours_meta", "ping2"), ("raw", "ping2")):
         if a in per_rep and b in per_rep:
             ratios = [ra["p50"] / rb["p50"] for ra, rb in zip(per_rep[a], per_rep[b])]
             rec.add(f"lock.uncontended.ratio.{a}_vs_{b}", round(median(ratios), 3), "x",
                     reps=[round(r, 3) for r in ratios])
-
-    # Server-side time per cycle (INFO commandstats usec after CONFIG RESETSTAT).
-    import redis
-
-    admin = redis.Redis.from_url(url)
-    n = 500
-    for v in variants:
-        admin.config_resetstat()
-        for _ in range(n):
-            cyc[v]()
-        stats = admin.info("commandstats")
-        usec = sum(int(st.get("usec", 0)) for name, st in stats.items()
-                   if name not in ("cmdstat_config", "cmdstat_info"))
-        rec.add(f"lock.uncontended.{v}.server_us", round(usec / n, 1), "us/cycle", variant=v)
-    admin.close()
 
     # Where our cycle spends its time, client side.
     if "ours" in cyc:
@@ -309,14 +325,84 @@ def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
             mon.phase(v)
             for _ in range(n):
                 cyc[v]()
+    sent_by: dict[str, set[str]] = {}
     for v in variants:
         sent = mon.count(v)
         inner = mon.count(v, lua=True)
+        sent_by[v] = {name.lower() for name in sent}
         rec.add(f"lock.uncontended.{v}.commands", round(sum(sent.values()) / n, 2),
                 "commands/cycle", variant=v,
                 detail={k: round(c / n, 2) for k, c in sorted(sent.items())})
         rec.add(f"lock.uncontended.{v}.script_commands", round(sum(inner.values()) / n, 2),
                 "commands/cycle", variant=v)
+
+    # Server-side time per cycle (INFO commandstats usec after CONFIG RESETSTAT, INFO cpu).
+    server_time(rec, url, cyc, variants, sent_by, server_cycles)
+
+
+def server_time(rec: Recorder, url: str, cyc: dict[str, Callable[[], None]],
+                variants: list[str], sent_by: dict[str, set[str]], n: int) -> None:
+    """Redis's time per cycle of each variant over ``n`` cycles, in blocks of 500 with the
+    variants interleaved (a change of load hits them all alike). ``server_us_top``: usec of
+    the commands the client sent (``sent_by``); ``server_us``: every command's usec (inner
+    commands of scripts counted twice); ``cpu_us``: the process's CPU time."""
+    import redis
+
+    admin = redis.Redis.from_url(url)
+    block = 500
+    top = {v: 0 for v in variants}
+    summed = {v: 0 for v in variants}
+    cpu = {v: 0.0 for v in variants}
+    by_command: dict[str, dict[str, int]] = {v: {} for v in variants}
+
+    def cpu_s() -> float:
+        info = admin.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    blocks = max(1, n // block)
+    for b in range(blocks):
+        k = b % len(variants)
+        for v in variants[k:] + variants[:k]:
+            cycle = cyc[v]
+            admin.config_resetstat()
+            cpu0 = cpu_s()
+            for _ in range(block):
+                cycle()
+            cpu[v] += cpu_s() - cpu0
+            stats = admin.info("commandstats")
+            for name, st in stats.items():
+                command = name.removeprefix("cmdstat_")
+                if command.startswith(("config", "info")):
+                    continue
+                usec = int(st.get("usec", 0))
+                summed[v] += usec
+                by_command[v][command] = by_command[v].get(command, 0) + usec
+                if command in sent_by.get(v, ()):
+                    top[v] += usec
+    admin.close()
+    cycles = blocks * block
+    for v in variants:
+        us_top = top[v] / cycles
+        rec.add(f"lock.uncontended.{v}.server_us", round(summed[v] / cycles, 2), "us/cycle",
+                variant=v, cycles=cycles,
+                detail={c: round(u / cycles, 2) for c, u in sorted(by_command[v].items())})
+        rec.add(f"lock.uncontended.{v}.server_us_top", round(us_top, 2), "us/cycle",
+                variant=v, cycles=cycles, commands=sorted(sent_by.get(v, ())))
+        if us_top > 0:
+            rec.add(f"lock.uncontended.{v}.cycles_per_core_s", round(1e6 / us_top),
+                    "cycles/s", variant=v, basis="server_us_top")
+        cpu_us = cpu[v] / cycles * 1e6
+        rec.add(f"lock.uncontended.{v}.cpu_us", round(cpu_us, 2), "us/cycle", variant=v)
+        if cpu_us > 0:
+            rec.add(f"lock.uncontended.{v}.cycles_per_core_s_cpu", round(1e6 / cpu_us),
+                    "cycles/s", variant=v, basis="cpu_us")
+    for a in ("ours", "ours_meta", "ours_task"):
+        if a in variants and "raw" in variants and top["raw"]:
+            rec.add(f"lock.uncontended.ratio.{a}_vs_raw_server", round(top[a] / top["raw"], 3),
+                    "x", basis="server_us_top")
+            if cpu["raw"]:
+                rec.add(f"lock.uncontended.ratio.{a}_vs_raw_cpu", round(cpu[a] / cpu["raw"], 3),
+                        "x", basis="cpu_us")
 
 
 # -- contended ---------------------------------------------------------------------------------
@@ -441,12 +527,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         rec.say(f"redis-server {url} (pid {server.pid})")
         if quick:
             uncontended(rec, url, cycles=300, reps=2, warmup=30, variants=uncontended_variants,
-                        profiles=profiles)
+                        profiles=profiles, server_cycles=1000)
             contended(rec, url, levels=[8, 64], duration=0.5, reps=1,
                       variants=contended_variants)
         else:
             uncontended(rec, url, cycles=2000, reps=5, warmup=200,
-                        variants=uncontended_variants, profiles=profiles)
+                        variants=uncontended_variants, profiles=profiles,
+                        server_cycles=10_000)
             contended(rec, url, levels=[8, 64], duration=2.0, reps=3,
                       variants=contended_variants)
     rec.note("Uncontended: peers use a default redis.Redis client; ours and the raw floor use "

@@ -28,7 +28,8 @@ from typing import Any
 from . import signals
 from .events import emit, lease_fields, listening, logger
 from .exceptions import LockStoreUnavailable
-from .lock import Lease, RedisStepLock
+from .lease import Lease
+from .lock import RedisLeaseStore
 
 __all__ = ["Heartbeat", "get_heartbeat"]
 
@@ -41,7 +42,7 @@ IDLE_TIMEOUT = 0.5
 @dataclass(eq=False)
 class _Entry:
     lease: Lease
-    lock: RedisStepLock
+    lock: RedisLeaseStore
     interval: float
     next_at: float
     sender: Any
@@ -67,7 +68,7 @@ class Heartbeat:
         self.cycles = 0
         self.round_trips = 0
 
-    def register(self, lease: Lease, lock: RedisStepLock, *, ratio: float = 1 / 3,
+    def register(self, lease: Lease, lock: RedisLeaseStore, *, ratio: float = 1 / 3,
                  sender: Any = None, max_hold: float | None = None) -> None:
         """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock``;
         ``max_hold`` (seconds) stops the renewals that long after the acquisition."""

@@ -215,6 +215,9 @@ class Demo:
         for i, key in enumerate(keys):
             fields, pttl = values[2 * i], values[2 * i + 1]
             if fields:
+                from celery_steplock.lock import unpack_fields
+
+                fields = unpack_fields(fields)
                 fields["pttl"] = pttl
                 found[key] = fields
         return found

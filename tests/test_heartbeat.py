@@ -237,7 +237,9 @@ def test_thousands_of_leases_one_round_trip_per_cycle(lock, heartbeat, redis_cli
         heartbeat.register(lease, lock, ratio=1 / 3)
     time.sleep(1.3)
     assert not any(lease.lost for lease in leases)
-    assert heartbeat.cycles >= 2 and heartbeat.round_trips == heartbeat.cycles
+    with heartbeat._cycle:  # between two cycles: one may be in flight on a loaded machine
+        cycles, round_trips = heartbeat.cycles, heartbeat.round_trips
+    assert cycles >= 2 and round_trips == cycles
     assert int(redis_client.hget("t:lease:{bulk0}", "renewed_ms")) > int(acquired)
     assert int(redis_client.hget("t:lease:{bulk2499}", "renewed_ms")) > int(acquired)
     assert all(redis_client.pttl(f"t:lease:{{bulk{i}}}") > 1000 for i in (0, 1234, 2499))

@@ -1,4 +1,5 @@
-"""RedisStepLock against a real redis-server (celery_steplock.lock)."""
+"""RedisLeaseStore against a real redis-server (celery_steplock.lock)."""
+import json
 import threading
 import time
 
@@ -17,8 +18,9 @@ def test_acquire_returns_a_lease_with_metadata(lock, redis_client):
     assert lease.fence > 0 and not lease.lost
     assert 4.8 < lease.remaining() <= 5.0
     stored = redis_client.hgetall("t:lease:{a}")
-    assert stored["owner"] == "owner-1" and stored["task_id"] == "tid"
-    assert stored["pid"] == "42" and int(stored["fence"]) == lease.fence
+    assert set(stored) == {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "meta"}
+    assert stored["owner"] == "owner-1" and int(stored["fence"]) == lease.fence
+    assert json.loads(stored["meta"]) == {"task_id": "tid", "task_name": "tn", "pid": "42"}
     assert stored["ttl_ms"] == "5000" and stored["acquired_ms"] == stored["renewed_ms"]
     assert 4900 < redis_client.pttl("t:lease:{a}") <= 5000
 
@@ -399,3 +401,162 @@ def test_wait_keys_expire(lock, redis_client):
     thread.join(2)
     keys, without = all_keys_have_ttl(redis_client, "t:*")
     assert without == []
+
+
+# -- the stored shape, the fencing counter, errors' attributes -------------------------------
+
+TASK_META = {"task_id": "6f1c2a47", "task_name": "shop.charge", "hostname": "web-1", "pid": 4242,
+             "retries": 2, "worker": "celery@web-1", "step": "workflows.step:42",
+             "renew_ms": 10000}
+META_FIELDS = {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "task_id", "task_name",
+               "hostname", "pid", "retries", "worker", "step", "renew_ms"}
+
+
+def test_metadata_round_trips_through_inspect_and_scan(lock):
+    lease = lock.acquire("meta", "o1", 5.0, metadata=TASK_META)
+    info = lock.inspect("meta")
+    assert set(info) == META_FIELDS | {"name", "key", "ttl"}
+    assert {k: info[k] for k in TASK_META} == {k: str(v) for k, v in TASK_META.items()}
+    assert info["owner"] == "o1" and info["fence"] == str(lease.fence)
+    assert info["acquired_ms"] == info["renewed_ms"] and info["ttl_ms"] == "5000"
+    [scanned] = lock.iter_leases("meta")
+    assert scanned == {**info, "ttl": scanned["ttl"]} and 4 < scanned["ttl"] <= 5
+
+
+def test_leases_stored_field_by_field_read_the_same(lock, redis_client):
+    # As written by an earlier version: every metadata entry a field of its own.
+    lease = lock.acquire("new", "o1", 5.0, metadata=TASK_META)
+    new = lock.inspect("new")
+    fields = {k: v for k, v in new.items() if k in META_FIELDS}
+    redis_client.hset("t:lease:{old}", mapping=fields)
+    redis_client.pexpire("t:lease:{old}", 5000)
+    old = lock.inspect("old")
+    assert {k: old[k] for k in META_FIELDS} == {k: new[k] for k in META_FIELDS}
+    assert {i["name"]: i["task_id"] for i in lock.iter_leases()} == {"new": "6f1c2a47",
+                                                                     "old": "6f1c2a47"}
+    assert lock.release("old", "o1") and lock.release("new", lease.owner)
+
+
+def test_a_field_of_the_hash_wins_over_a_metadata_entry(lock, redis_client):
+    lock.acquire("w", "o1", 5.0, metadata={**TASK_META, "owner": "forged", "fence": "1"})
+    redis_client.hset("t:lease:{w}", "step", "workflows.step:43")
+    info = lock.inspect("w")
+    assert info["owner"] == "o1" and int(info["fence"]) > 1
+    assert info["step"] == "workflows.step:43" and info["task_id"] == "6f1c2a47"
+
+
+def test_fence_counter_has_a_ttl_of_two_periods_when_new(redis_client):
+    store = RedisStepLock(redis_client, prefix="t", fence_ttl=60.0)
+    lease = store.acquire("c", "o1", 5.0)
+    assert int(redis_client.get("t:fence:{c}")) == lease.fence
+    assert 119_000 < redis_client.pttl("t:fence:{c}") <= 120_000
+
+
+def test_fence_counter_ttl_is_reset_once_per_period(redis_client):
+    period_us = 60_000_000
+    store = RedisStepLock(redis_client, prefix="t", fence_ttl=60.0)
+    # A counter written 1.5 periods ago: this grant is the first of a new period.
+    sec, usec = redis_client.time()
+    redis_client.set("t:fence:{c}", sec * 1_000_000 + usec - period_us * 3 // 2, px=5000)
+    first = store.acquire("c", "o1", 5.0)
+    assert 119_000 < redis_client.pttl("t:fence:{c}") <= 120_000
+    store.release("c", "o1")
+    # The next grant keeps the TTL unless a period boundary lies between the two grants.
+    redis_client.pexpire("t:fence:{c}", 5000)
+    second = store.acquire("c", "o2", 5.0)
+    assert second.fence > first.fence
+    same_period = first.fence // period_us == second.fence // period_us
+    pttl = redis_client.pttl("t:fence:{c}")
+    assert (0 < pttl <= 5000) if same_period else (119_000 < pttl <= 120_000)
+
+
+def test_fence_counter_ahead_of_the_clock_is_followed(lock, redis_client):
+    # As after a failover to a Redis whose clock is behind: the counter, not the clock, wins.
+    sec, usec = redis_client.time()
+    ahead = (sec + 3600) * 1_000_000 + usec
+    redis_client.set("t:fence:{ahead}", ahead, px=5000)
+    first = lock.acquire("ahead", "o1", 0.05)
+    assert first.fence == ahead + 1 and int(redis_client.get("t:fence:{ahead}")) == ahead + 1
+    assert redis_client.pttl("t:fence:{ahead}") > 5000  # a fresh TTL of two periods
+    redis_client.delete("t:lease:{ahead}")  # as if it expired
+    second = lock.acquire("ahead", "o2", 5.0)
+    assert second.fence == ahead + 2
+
+
+def test_fence_increases_across_expiry_with_the_counter_kept(lock, redis_client):
+    first = lock.acquire("exp", "o1", 0.05)
+    wait_gone = time.monotonic() + 2
+    while redis_client.exists("t:lease:{exp}") and time.monotonic() < wait_gone:
+        time.sleep(0.01)
+    assert redis_client.exists("t:lease:{exp}") == 0
+    assert int(redis_client.get("t:fence:{exp}")) == first.fence  # the counter outlives it
+    second = lock.acquire("exp", "o2", 5.0)
+    assert second.fence > first.fence
+    assert int(redis_client.get("t:fence:{exp}")) == second.fence
+
+
+def test_refused_acquire_reports_the_holder_and_its_ttl(lock):
+    lock.acquire("h", "holder", 5.0)
+    lease, holder, ttl = lock.try_acquire("h", "other", 5.0)
+    assert lease is None and holder == "holder" and 4.0 < ttl <= 5.0
+
+
+def test_release_does_not_publish(lock, redis_client):
+    lock.acquire("p", "o1", 5.0)
+    redis_client.config_resetstat()
+    assert lock.release("p", "o1") is True
+    assert "cmdstat_publish" not in redis_client.info("commandstats")
+    with pytest.warns(DeprecationWarning):
+        assert lock.channel("p") == "t:released:{p}"
+
+
+def test_errors_carry_the_lock_name_and_owner(lock, redis_client):
+    from celery_steplock.exceptions import LockError
+
+    redis_client.set("t:lease:{typed}", "not a hash", ex=5)
+    for call in (lambda: lock.acquire("typed", "o7", 5.0),
+                 lambda: lock.release("typed", "o7"),
+                 lambda: lock.extend("typed", "o7", 5.0),
+                 lambda: lock.owned("typed", "o7"),
+                 lambda: lock.reap("typed", "o7", "1")):
+        with pytest.raises(LockError, match="refused") as info:
+            call()
+        err = info.value
+        assert not isinstance(err, LockStoreUnavailable)
+        assert (err.name, err.owner, err.key) == ("typed", "o7", "t:lease:{typed}")
+    [refused] = lock.reap_many([("typed", "o7", "1")])
+    assert (refused.name, refused.owner) == ("typed", "o7")
+
+
+def test_unreachable_store_errors_carry_the_lock_name_and_owner():
+    from helpers import closed_port_url
+
+    store = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.5), prefix="t")
+    with pytest.raises(LockStoreUnavailable) as info:
+        store.acquire("a", "o1", 5.0)
+    assert (info.value.name, info.value.owner, info.value.key) == ("a", "o1", "t:lease:{a}")
+    with pytest.raises(LockStoreUnavailable) as info:
+        store.release("a", "o1")
+    assert (info.value.name, info.value.owner) == ("a", "o1")
+    with pytest.raises(LockStoreUnavailable) as info:
+        store.inspect("a")
+    assert info.value.name == "a" and info.value.owner is None
+
+
+def test_leases_use_the_store_clock(redis_client):
+    now = [500.0]
+    store = RedisStepLock(redis_client, prefix="t", clock=lambda: now[0])
+    lease = store.acquire("clk", "o1", 2.0)
+    assert lease.acquired_at == 500.0 and lease.valid_until == pytest.approx(502.0 - 0.022)
+    now[0] = 501.0
+    assert lease.remaining() == pytest.approx(0.978) and not lease.lost
+    now[0] = 502.0
+    assert lease.lost
+
+
+def test_a_flushed_script_is_loaded_again(lock, redis_client):
+    lease = lock.acquire("fl", "o1", 5.0)
+    redis_client.script_flush()
+    assert lock.owned("fl", "o1") is not None
+    redis_client.script_flush()
+    assert lock.release("fl", lease.owner) is True

@@ -11,6 +11,7 @@ import time
 import helpers
 import pytest
 
+from celery_steplock.lock import unpack_fields
 from django_app.workflows.models import Step, TransitionRecord
 from django_app.workflows.tasks import advance, compensate, hold, retry_once
 
@@ -87,7 +88,7 @@ def test_sigkilled_worker_leaves_its_lease_to_the_ttl(start_worker, redis_client
     worker = start_worker("doomed", concurrency=1, STEPLOCK_DEMO_STATS=1)
     step = Step.objects.create(name="kill")
     hold.apply_async((step.pk, 60))
-    holder = wait_until(lambda: redis_client.hgetall(lease_key(step)), timeout=30,
+    holder = wait_until(lambda: unpack_fields(redis_client.hgetall(lease_key(step))), timeout=30,
                         what="the lease to be taken")
     assert int(holder["pid"]) in worker.children_pids(recursive=True)
     assert int(holder["pid"]) != worker.pid  # held by the prefork child, not the main process
@@ -104,7 +105,7 @@ def test_prefork_child_keeps_its_lease_over_three_ttls(start_worker, redis_clien
     worker = start_worker("renewer", concurrency=2, STEPLOCK_DEMO_STATS=1)
     step = Step.objects.create(name="long")
     result = hold.apply_async((step.pk, TTL * 3.5))
-    holder = wait_until(lambda: redis_client.hgetall(lease_key(step)), timeout=30,
+    holder = wait_until(lambda: unpack_fields(redis_client.hgetall(lease_key(step))), timeout=30,
                         what="the lease to be taken")
     renewed = wait_until(
         lambda: (lambda h: h if h and h["renewed_ms"] > h["acquired_ms"] else None)(

@@ -1,0 +1,173 @@
+"""The lease store's Lua scripts, each with its KEYS/ARGV/returns contract.
+
+A lease is the hash ``<prefix>:lease:{<name>}`` with a TTL. Its fields:
+
+``owner``        the owner token of the holder
+``fence``        the fencing token granted with it
+``acquired_ms``  Redis server time of the grant, ms
+``renewed_ms``   Redis server time of the last grant or renewal, ms (the reaper's compare)
+``ttl_ms``       the TTL last set, ms
+``meta``         the holder's static metadata (task id and name, hostname, pid, retries,
+                 worker, step, renewal interval) as one JSON object of strings, written once
+                 per grant and unpacked by the readers (one field costs Redis less than eight)
+
+Leases written by earlier versions hold the metadata as fields of their own; the readers
+accept both.
+
+Scripts get numbers as decimal strings and hand Redis preformatted strings where a value is
+larger than Lua's ``%.14g`` shows exactly (microsecond times). A granted acquire returns a
+bare integer: a table reply costs Redis more to build than the rest of a release.
+"""
+from __future__ import annotations
+
+__all__ = ["ACQUIRE", "RELEASE", "REAP", "EXTEND", "EXTEND_MANY", "OWNED", "SCAN_FIELDS"]
+
+# KEYS[1] lease hash, KEYS[2] fencing counter, KEYS[3] (only when the caller waits) the
+# waiters' sorted set.
+# ARGV[1] owner token, ARGV[2] lease TTL ms, ARGV[3] fencing counter period ms (fence_ttl),
+# ARGV[4] ms the caller waits at most (with KEYS[3]), ARGV[5] static metadata JSON ('' none).
+# Returns the fencing token (an integer) when granted or already held by ARGV[1] (then only
+# the TTL is reset); else the table {holder's owner token, holder's remaining TTL ms}. A
+# refused waiter is added to KEYS[3] (scored by its deadline), a granted one removed.
+#
+# Fencing token: max(counter + 1, Redis time in us). The counter is written with KEEPTTL
+# (setting its TTL costs Redis about as much as the write) and given a TTL of two periods
+# when it is new, when the grant is the first of a new period, or when the clock lagged
+# behind it: so an idle name's counter lives at least one period after its last grant
+# (less the clock's lag, if it went back) and at most two.
+ACQUIRE = """
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if holder then
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(redis.call('HGET', KEYS[1], 'fence'))
+  end
+  if KEYS[3] then
+    local t = redis.call('TIME')
+    local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+    local wait_ms = tonumber(ARGV[4])
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+    redis.call('ZADD', KEYS[3], now_ms + wait_ms, ARGV[1])
+    if redis.call('PTTL', KEYS[3]) < wait_ms then redis.call('PEXPIRE', KEYS[3], wait_ms) end
+  end
+  return {holder, redis.call('PTTL', KEYS[1])}
+end
+local t = redis.call('TIME')
+local now_us = t[1] * 1000000 + t[2]
+local fence = now_us
+local fence_s = string.format('%d', fence)
+local prev = redis.call('SET', KEYS[2], fence_s, 'KEEPTTL', 'GET')
+local period = ARGV[3] * 1000
+if prev then prev = tonumber(prev) end
+if prev and prev >= fence then
+  fence = prev + 1
+  fence_s = string.format('%d', fence)
+  redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[3] * 2)
+elseif not prev or math.floor(prev / period) ~= math.floor(fence / period) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3] * 2)
+end
+local now_s = string.format('%d', math.floor(now_us / 1000))
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence_s, 'acquired_ms', now_s,
+           'renewed_ms', now_s, 'ttl_ms', ARGV[2], 'meta', ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
+return fence
+"""
+
+# KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list. ARGV[1] owner token.
+# Returns 1 if the lease was deleted, 0 if it is absent or another owner's.
+# A deletion wakes one waiter when anyone waits: the wake-up list keeps at most one element,
+# which the waiter blocked longest in BLPOP takes.
+RELEASE = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('DEL', KEYS[3])
+    redis.call('RPUSH', KEYS[3], ARGV[1])
+    redis.call('PEXPIRE', KEYS[3], 60000)
+  end
+  return 1
+end
+return 0
+"""
+
+# KEYS as RELEASE. ARGV[1] owner token, ARGV[2] renewed_ms observed.
+# Returns 1 if deleted (and wakes one waiter, as RELEASE), 0 otherwise. Deletes only if the
+# owner AND the last renewal are still what was observed: the reaper's delete, which must
+# spare a holder that renewed after it looked.
+REAP = """
+local f = redis.call('HMGET', KEYS[1], 'owner', 'renewed_ms')
+if f[1] == ARGV[1] and f[2] == ARGV[2] then
+  redis.call('DEL', KEYS[1])
+  if redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('DEL', KEYS[3])
+    redis.call('RPUSH', KEYS[3], ARGV[1])
+    redis.call('PEXPIRE', KEYS[3], 60000)
+  end
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] new TTL ms.
+# Returns 1 if the TTL was reset (and renewed_ms, ttl_ms written), 0 if the key is gone or
+# held by another owner.
+EXTEND = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  local t = redis.call('TIME')
+  local now_s = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000))
+  redis.call('HSET', KEYS[1], 'renewed_ms', now_s, 'ttl_ms', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1..n] lease hashes; ARGV[2i-1], ARGV[2i] owner token and new TTL ms of KEYS[i].
+# EXTEND for each lease in one call (one TIME read for all). Returns a string of n
+# characters: '1' where the TTL was reset, '0' where the key is gone or another owner's.
+EXTEND_MANY = """
+local t = redis.call('TIME')
+local now_s = string.format('%d', t[1] * 1000 + math.floor(t[2] / 1000))
+local out = {}
+for i = 1, #KEYS do
+  local key, ttl = KEYS[i], ARGV[2 * i]
+  if redis.call('HGET', key, 'owner') == ARGV[2 * i - 1] then
+    redis.call('HSET', key, 'renewed_ms', now_s, 'ttl_ms', ttl)
+    redis.call('PEXPIRE', key, ttl)
+    out[i] = '1'
+  else
+    out[i] = '0'
+  end
+end
+return table.concat(out)
+"""
+
+# KEYS[1] lease hash. ARGV[1] owner token.
+# Returns the remaining TTL ms when held by ARGV[1], -2 when absent, -3 when another owner's.
+OWNED = """
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if not holder then return -2 end
+if holder ~= ARGV[1] then return -3 end
+return redis.call('PTTL', KEYS[1])
+"""
+
+# KEYS: the keys of one SCAN step. Returns, per key, two elements: the lease hash as a JSON
+# object and its PTTL; or '' and the key's type when it is gone ('none') or not a hash.
+SCAN_FIELDS = """
+local out = {}
+for i = 1, #KEYS do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind == 'hash' then
+    local flat = redis.call('HGETALL', KEYS[i])
+    local fields = {}
+    for j = 1, #flat, 2 do fields[flat[j]] = flat[j + 1] end
+    out[2 * i - 1] = cjson.encode(fields)
+    out[2 * i] = redis.call('PTTL', KEYS[i])
+  else
+    out[2 * i - 1] = ''
+    out[2 * i] = kind
+  end
+end
+return out
+"""

@@ -1,0 +1,125 @@
+"""The Lease value object (celery_steplock.lease), on a clock the test moves."""
+import re
+import threading
+
+import pytest
+
+from celery_steplock.exceptions import LockLost
+from celery_steplock.lease import (CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata,
+                                   new_owner_token)
+
+
+class Clock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_lease(clock, ttl=10.0, **kwargs):
+    sent = clock()
+    return Lease(name="order:42", key="t:lease:{order:42}", owner="o" * 32, fence=17, ttl=ttl,
+                 acquired_at=sent, valid_until=sent + ttl - drift(ttl), clock=clock, **kwargs)
+
+
+def test_drift_is_a_share_of_the_ttl_plus_a_round_trip():
+    assert CLOCK_DRIFT_FACTOR == 0.01
+    assert drift(10.0) == pytest.approx(0.102)
+    assert drift(1.0) == pytest.approx(0.012)
+
+
+def test_valid_until_the_ttl_less_the_drift_then_lost_for_good():
+    clock = Clock()
+    lease = make_lease(clock)
+    clock.now += 10.0 - 0.102 - 0.001
+    assert not lease.lost and lease.remaining() == pytest.approx(0.001)
+    clock.now += 0.001
+    assert lease.lost and lease.remaining() == 0.0
+    assert lease.lost_reason == "local validity ran out without a successful renewal"
+    lease.renewed(clock.now)  # a renewal that arrives too late changes nothing
+    assert lease.lost
+
+
+def test_a_renewal_moves_the_deadline_from_when_it_was_sent():
+    clock = Clock()
+    lease = make_lease(clock)
+    clock.now += 5.0
+    sent = clock.now
+    clock.now += 0.5  # the round trip
+    lease.renewed(sent)
+    assert lease.valid_until == pytest.approx(sent + 10.0 - 0.102)
+    assert lease.remaining() == pytest.approx(10.0 - 0.102 - 0.5)
+    lease.renewed(sent, ttl=2.0)
+    assert lease.ttl == 2.0 and lease.valid_until == pytest.approx(sent + 2.0 - 0.022)
+
+
+def test_max_hold_wins_over_a_fresh_renewal():
+    clock = Clock()
+    lease = make_lease(clock, max_hold_until=clock() + 3.0)
+    clock.now += 2.0
+    lease.renewed(clock.now)
+    assert not lease.lost
+    clock.now += 1.0
+    assert lease.lost and lease.lost_reason == "max hold reached: renewal stopped"
+
+
+def test_mark_lost_keeps_the_first_reason():
+    lease = make_lease(Clock())
+    assert lease.mark_lost("stolen") is True
+    assert lease.mark_lost("expired") is False
+    assert lease.lost and lease.lost_reason == "stolen" and lease.remaining() == 0.0
+
+
+def test_check_raises_lock_lost_with_name_owner_fence():
+    clock = Clock()
+    lease = make_lease(clock)
+    lease.check()  # still valid: no exception, and still not lost
+    assert not lease.lost
+    lease.mark_lost("renewal found the key gone or held by another owner")
+    with pytest.raises(LockLost, match="renewal found the key gone") as info:
+        lease.check()
+    err = info.value
+    assert (err.name, err.key, err.owner, err.fence) == (
+        "order:42", "t:lease:{order:42}", "o" * 32, 17)
+
+
+def test_lost_is_visible_to_another_thread_at_once():
+    lease = make_lease(Clock())
+    seen = []
+    thread = threading.Thread(target=lambda: (lease._lost.wait(5), seen.append(lease.lost)))
+    thread.start()
+    lease.mark_lost("stolen")
+    thread.join(5)
+    assert seen == [True]
+
+
+def test_idempotency_key_names_the_task_and_the_lock():
+    clock = Clock()
+    assert make_lease(clock).idempotency_key == "order:42"
+    assert make_lease(clock, task_name="shop.charge").idempotency_key == "shop.charge:order:42"
+
+
+def test_owner_tokens_are_32_hex_digits_and_unique():
+    tokens = {new_owner_token() for _ in range(1000)}
+    assert len(tokens) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", t) for t in tokens)
+
+
+def test_holder_metadata_drops_none_and_names_this_process():
+    import os
+    import socket
+
+    meta = holder_metadata("tid", None, 0, worker="celery@w1", step=None, renew_ms=3333)
+    assert meta == {"task_id": "tid", "hostname": socket.gethostname(), "pid": os.getpid(),
+                    "retries": 0, "worker": "celery@w1", "renew_ms": 3333}
+
+
+def test_old_import_paths_still_work():
+    from celery_steplock import lock
+
+    assert lock.Lease is Lease and lock.new_owner_token is new_owner_token
+    assert lock.holder_metadata is holder_metadata
+    assert lock.CLOCK_DRIFT_FACTOR == CLOCK_DRIFT_FACTOR
+    assert lock.RedisStepLock is lock.RedisLeaseStore
