@@ -459,7 +459,7 @@ class Bench:
         wall and CPU time per execution, a cleaner view of the library's own cost than the
         drain rate on a loaded machine; plus StepLockedTask with the heartbeat thread kept
         alive by a parked lease (see the notes) and a pyinstrument profile."""
-        from celery_steplock import get_lock
+        from celery_steplock import get_lease_store
 
         try:
             from celery_steplock.heartbeat import get_heartbeat
@@ -486,7 +486,7 @@ class Bench:
         def parked(flag: bool):
             if not flag:
                 return None
-            lock = get_lock(self.app)
+            lock = get_lease_store(self.app)
             lease = lock.acquire(f"bench:park:{os.getpid()}", ttl=30.0)
             get_heartbeat().register(lease, lock)
             return lock, lease
@@ -588,15 +588,15 @@ class Bench:
         from celery_steplock.heartbeat import Heartbeat
         from celery_steplock.keys import bind_arguments, name_from_arguments
         from celery_steplock.lock import holder_metadata
-        from celery_steplock.task import get_lock
+        from celery_steplock.lock import get_lease_store
         from django_app.workflows.models import Step
 
         task = self.tasks.get("steplock")
         if task is None:
             return
         app = task.app
-        lock = get_lock(app)
-        guard = task.steplock_guard()
+        lock = get_lease_store(app)
+        guard = task.steplock_plan.steps
         step_id = self.make_args("steplock", 1)[0]
         lease = lock.acquire(f"bench:steps:{os.getpid()}", ttl=30.0)
         fields = lease_fields(lease)
@@ -644,10 +644,8 @@ class Bench:
                     status="pending", lock_owner=lease.owner)
 
         library = {
-            "steplock_options() (task options over settings)":
-                timed(task.steplock_options),
-            "get_lock(app)": timed(lambda: get_lock(app)),
-            "steplock_guard()": timed(task.steplock_guard),
+            "steplock_plan (the cached execution plan)": timed(lambda: task.steplock_plan),
+            "get_lease_store(app)": timed(lambda: get_lease_store(app)),
             "lock name (bind_arguments + lock_key template)": timed(
                 lambda: name_from_arguments(task.name, bind_arguments(task.run, (1,), {}),
                                             "bench:{step_id}")),
@@ -692,14 +690,14 @@ class Bench:
 
         # How often one execution looks a steplock_* setting up in Celery's configuration
         # (``app.conf.get``: lookups through the Django-namespaced settings are not cheap)
-        # and resolves its guard: counted by wrapping the methods in this process for 10
+        # and builds its execution plan: counted by wrapping them in this process for 10
         # executions, then restoring them.
         from celery_steplock import task as steplock_task
 
-        counts = {"conf_lookups": 0, "guard_calls": 0}
+        counts = {"conf_lookups": 0, "plan_builds": 0}
         conf_cls = type(app.conf)
         orig_get = conf_cls.get
-        orig_guard = steplock_task.StepLockedTask.steplock_guard
+        orig_guard = steplock_task.build_plan
 
         def get_counted(self_, key, *a, **k):
             if isinstance(key, str) and key.startswith("steplock_"):
@@ -707,21 +705,21 @@ class Bench:
             return orig_get(self_, key, *a, **k)
 
         def guard_counted(self_, *a, **k):
-            counts["guard_calls"] += 1
+            counts["plan_builds"] += 1
             return orig_guard(self_, *a, **k)
 
         conf_cls.get = get_counted
-        steplock_task.StepLockedTask.steplock_guard = guard_counted
+        steplock_task.build_plan = guard_counted
         try:
             for sid in self.make_args("steplock", 10):
                 task(sid)
         finally:
             conf_cls.get = orig_get
-            steplock_task.StepLockedTask.steplock_guard = orig_guard
+            steplock_task.build_plan = orig_guard
         self.rec.add(f"e2e.{self.db}.steplock.conf_lookups", counts["conf_lookups"] / 10,
                      "app.conf lookups/execution", db=self.db)
-        self.rec.add(f"e2e.{self.db}.steplock.guard_calls", counts["guard_calls"] / 10,
-                     "calls/execution", db=self.db)
+        self.rec.add(f"e2e.{self.db}.steplock.plan_builds", counts["plan_builds"] / 10,
+                     "builds/execution", db=self.db)
 
     def worker_errors(self) -> None:
         text = self.worker.log_text()

@@ -134,10 +134,10 @@ def _park_heartbeat(**kwargs):
     again by every task (a workaround a user can apply; the default benchmark does not)."""
     if os.environ.get("BENCH_PARK_HEARTBEAT") != "1":
         return
-    from celery_steplock import get_lock
+    from celery_steplock import get_lease_store
     from celery_steplock.heartbeat import get_heartbeat
 
-    lock = get_lock(app)
+    lock = get_lease_store(app)
     lease = lock.acquire(f"bench:park:{os.getpid()}", ttl=LEASE_TTL)
     get_heartbeat().register(lease, lock)
     _parked.append(lease)

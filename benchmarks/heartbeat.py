@@ -1,6 +1,6 @@
 """Group 3: the heartbeat at scale.
 
-1, 100, 1,000 and 10,000 leases, acquired with ``RedisStepLock.acquire`` and registered with
+1, 100, 1,000 and 10,000 leases, acquired with ``RedisLeaseStore.acquire`` and registered with
 *one* :class:`~celery_steplock.heartbeat.Heartbeat` in this process (what one worker process
 holding that many leases does: threads or a gevent pool). Leases have the default TTL of 30 s
 and are registered with ``ratio=1/30`` so that they are renewed every second (the interval is
@@ -54,7 +54,7 @@ def measure_ours(rec: Recorder, url: str, count: int, window_intervals: int,
     import redis
 
     from celery_steplock.heartbeat import Heartbeat
-    from celery_steplock.lock import RedisStepLock, make_client
+    from celery_steplock.lock import RedisLeaseStore, make_client
 
     class TimedHeartbeat(Heartbeat):
         def __init__(self):
@@ -90,7 +90,7 @@ def measure_ours(rec: Recorder, url: str, count: int, window_intervals: int,
 
     admin = redis.Redis.from_url(url)
     admin.flushdb()
-    lock = RedisStepLock(make_client(url), prefix="hb")
+    lock = RedisLeaseStore(make_client(url), prefix="hb")
     threads_before = threading.active_count()
     hb = TimedHeartbeat()
     if spread:

@@ -409,8 +409,8 @@ def md_e2e(F: Figures, result: dict) -> list[str]:
                 lookups = F.v(f"e2e.{db}.steplock.conf_lookups")
                 if lookups is not None:
                     out += ["", f"One StepLockedTask execution looks a `steplock_*` setting up "
-                            f"in `app.conf` {fmt(lookups)} times and calls `steplock_guard()` "
-                            f"{fmt(F.v(f'e2e.{db}.steplock.guard_calls'))} times (counted by "
+                            f"in `app.conf` {fmt(lookups)} times and builds its execution plan "
+                            f"{fmt(F.v(f'e2e.{db}.steplock.plan_builds'))} times (counted by "
                             f"wrapping both for 10 executions)."]
             shares = {f["name"].rsplit(".", 1)[1]: f["value"] for f in F.all()
                       if f["name"].startswith(f"e2e.{db}.profile.steplock.")}

@@ -9,7 +9,10 @@ Every error the library raises derives from :class:`StepLockError`::
     ├── LockError
     │   ├── LockContended           the lease is held by another owner (retryable)
     │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
-    │   └── LockLost                a held lease expired, was stolen or ran past its max hold
+    │   ├── LockLost                a held lease expired, was stolen or ran past its max hold
+    │   └── ForceReleaseRefused     an operator's force release deleted nothing
+    │       ├── LeaseNotHeld        ... because the lease is not held
+    │       └── LeaseHeldByAnother  ... because another owner holds it now
     └── TransitionError
         ├── InvalidTransition       ``from_ -> to`` is not in the allowed-transition table
         ├── StepNotFound            no row with that primary key
@@ -19,11 +22,14 @@ Every error the library raises derives from :class:`StepLockError`::
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
     "LockError", "LockContended",
     "LockStoreUnavailable", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
-    "TransitionConflict", "RETRYABLE_ERRORS",
+    "TransitionConflict", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
+    "RETRYABLE_ERRORS",
 ]
 
 
@@ -100,6 +106,34 @@ class LockLost(LockError):
     """The lease is no longer ours: it expired locally, the key vanished, another owner took
     it, or it ran past ``lock_max_hold``. Any commit that depended on it is refused.
     """
+
+
+class ForceReleaseRefused(LockError):
+    """A force release deleted nothing. ``name``/``key``/``owner`` are those asked for;
+    ``current`` is the lease as it is now (a dict as ``RedisLeaseStore.inspect`` returns), or
+    None when it is not held."""
+
+    def __init__(self, message: str, *, name: str, key: str, owner: str,
+                 current: dict[str, Any] | None):
+        holder = current or {}
+        fence = holder.get("fence")
+        super().__init__(message, key, name=name, owner=owner,
+                         fence=int(fence) if isinstance(fence, str) and fence.isdigit()
+                         else None)
+        self.current = current
+
+
+class LeaseNotHeld(ForceReleaseRefused):
+    """The lease is not held (released or expired): nothing to release."""
+
+
+class LeaseHeldByAnother(ForceReleaseRefused):
+    """Another owner holds the lease now (``current``): the compare-and-delete spared it.
+    ``holder`` is its owner token."""
+
+    def __init__(self, message: str, **kwargs: Any):
+        super().__init__(message, **kwargs)
+        self.holder = (self.current or {}).get("owner")
 
 
 class TransitionError(StepLockError):

@@ -38,7 +38,7 @@ from .exceptions import LockError, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
 
-__all__ = ["Lease", "RedisLeaseStore", "RedisStepLock", "new_owner_token", "holder_metadata",
+__all__ = ["Lease", "RedisLeaseStore", "new_owner_token", "holder_metadata",
            "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR", "STORE_ERRORS"]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
@@ -300,47 +300,61 @@ class RedisLeaseStore:
             results.extend([c == "1" for c in _wire.text(reply)])
         return results
 
-    def scan(self, cursor: int = 0, count: int = 500, match: str = "*"
-             ) -> tuple[int, list[dict[str, Any]]]:
-        """One ``SCAN`` step over the lease keys whose name matches the glob ``match``.
-
-        Returns ``(next_cursor, leases)``: ``next_cursor`` is 0 when the scan is complete;
-        each lease is a dict as :meth:`inspect` returns (the step's fields read by one
-        script call, each hash as one JSON string: parsing thousands of small RESP replies
-        in Python cost more than the scan itself). ``count`` is SCAN's hint of keys examined
-        per step, not a page size; a step can return fewer or more leases. Never ``KEYS``:
-        memory stays flat however many leases Redis holds.
-        """
-        pattern = lease_key(self.prefix, match)
+    def scan_keys(self, cursor: int = 0, count: int = 500, match: str = "*"
+                  ) -> tuple[int, list[str]]:
+        """One ``SCAN`` step over the lease keys whose name matches the glob ``match``:
+        ``(next_cursor, keys)``, key names only (``next_cursor`` 0: the scan is complete).
+        ``count`` is SCAN's hint of keys examined per step. Never ``KEYS``."""
         try:
-            cursor, keys = self.client.scan(cursor=cursor, match=pattern, count=count)
-            if not keys:
-                return int(cursor), []
-            keys = [_wire.text(key) for key in keys]
+            cursor, keys = self.client.scan(cursor=cursor, match=lease_key(self.prefix, match),
+                                            count=count)
+        except STORE_ERRORS as exc:
+            raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
+        return int(cursor), [_wire.text(key) for key in keys]
+
+    def read_leases(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
+        """The leases of ``keys`` (as :meth:`inspect` returns them), read by one script call,
+        each hash as one JSON string (parsing thousands of small RESP replies in Python cost
+        more than the scan itself); None for a key gone since it was listed or not a lease
+        hash (logged: one stray key cannot blind the admin, `ls` and the reaper)."""
+        if not keys:
+            return {}
+        try:
             [replies] = _wire.evalsha_many(self.client, self._scan_fields, [(keys, [])])
         except STORE_ERRORS as exc:
             raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
         if isinstance(replies, Exception):
             raise LockStoreUnavailable(f"lock store refused the scan: {replies}")
-        leases = []
+        found: dict[str, dict[str, Any] | None] = {}
         for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
             doc = _wire.text(doc)
-            if not doc:
-                if _wire.text(pttl) != "none":
-                    # A key under our prefix that is not a lease: skip it, so one stray key
-                    # cannot blind the admin, `ls` and the reaper.
+            fields = json.loads(doc) if doc else None
+            if not fields:
+                if not doc and _wire.text(pttl) != "none":
                     logger.warning("event=scan_skipped key=%s error=WRONGTYPE a %s, not a "
                                    "lease hash", key, _wire.text(pttl))
-                continue  # else expired between SCAN and the read
-            fields = json.loads(doc)
-            if not fields:
+                found[key] = None  # else expired between the listing and the read
                 continue
             info = unpack_fields(fields)
             info["key"] = key
             info["name"] = name_from_key(key)
-            info["ttl"] = pttl / 1000.0 if pttl and pttl > 0 else None
-            leases.append(info)
-        return int(cursor), leases
+            info["ttl"] = pttl / 1000.0 if isinstance(pttl, int) and pttl > 0 else None
+            found[key] = info
+        return found
+
+    def scan(self, cursor: int = 0, count: int = 500, match: str = "*"
+             ) -> tuple[int, list[dict[str, Any]]]:
+        """One ``SCAN`` step over the lease keys whose name matches the glob ``match``.
+
+        Returns ``(next_cursor, leases)``: ``next_cursor`` is 0 when the scan is complete;
+        each lease is a dict as :meth:`inspect` returns (:meth:`scan_keys`, then
+        :meth:`read_leases`). ``count`` is SCAN's hint of keys examined per step, not a page
+        size; a step can return fewer or more leases. Never ``KEYS``: memory stays flat
+        however many leases Redis holds.
+        """
+        cursor, keys = self.scan_keys(cursor, count, match)
+        found = self.read_leases(keys)
+        return cursor, [info for info in found.values() if info is not None]
 
     def iter_leases(self, match: str = "*", count: int = 1000) -> Iterator[dict[str, Any]]:
         """Every held lease matching ``match``, as :meth:`scan` returns them (a lease that is
@@ -375,7 +389,7 @@ class RedisLeaseStore:
 
 
 #: The store's former name, kept so that old imports keep working.
-RedisStepLock = RedisLeaseStore
+
 
 _stores: dict[tuple, RedisLeaseStore] = {}
 _stores_guard = threading.Lock()
@@ -400,3 +414,17 @@ def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
                                         fence_ttl=ident[3])
                 _stores[ident] = store
     return store
+
+
+#: Old names kept for one release; using one warns (DeprecationWarning).
+_DEPRECATED = {"RedisStepLock": ("RedisLeaseStore", RedisLeaseStore),
+               "get_lock": ("get_lease_store", get_lease_store)}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        new_name, value = _DEPRECATED[name]
+        warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",
+                      DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

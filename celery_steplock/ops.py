@@ -6,7 +6,7 @@
 
 A force release is owner-checked: the caller names the owner token it saw holding the lease,
 and the lease is deleted by the store's compare-and-delete
-(:meth:`~celery_steplock.lock.RedisStepLock.release`) only while that owner still holds it;
+(:meth:`~celery_steplock.lock.RedisLeaseStore.release`) only while that owner still holds it;
 a lease taken meanwhile by another attempt is never touched. In order:
 
 1. read the lease (its holder metadata goes into the record); not held, or held by another
@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from . import signals
 from .events import emit
-from .exceptions import LockError
+from .exceptions import ForceReleaseRefused, LeaseHeldByAnother, LeaseNotHeld
 
 __all__ = ["ForcedRelease", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
            "force_release", "OPS_SENDER"]
@@ -40,32 +40,6 @@ logger = logging.getLogger("celery_steplock")
 
 #: Signal sender of a force release when the lease names no task this process knows.
 OPS_SENDER = "celery_steplock.ops"
-
-
-class ForceReleaseRefused(LockError):
-    """A force release deleted nothing. ``name``/``key``/``owner`` are those asked for;
-    ``current`` is the lease as it is now (a dict as ``RedisStepLock.inspect`` returns), or
-    None when it is not held."""
-
-    def __init__(self, message: str, *, name: str, key: str, owner: str,
-                 current: dict[str, Any] | None):
-        holder = current or {}
-        super().__init__(message, key, name=name, owner=owner,
-                         fence=_int(holder.get("fence")))
-        self.current = current
-
-
-class LeaseNotHeld(ForceReleaseRefused):
-    """The lease is not held (released or expired): nothing to release."""
-
-
-class LeaseHeldByAnother(ForceReleaseRefused):
-    """Another owner holds the lease now (``current``): the compare-and-delete spared it.
-    ``holder`` is its owner token."""
-
-    def __init__(self, message: str, **kwargs: Any):
-        super().__init__(message, **kwargs)
-        self.holder = (self.current or {}).get("owner")
 
 
 @dataclass
@@ -119,7 +93,7 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
                   defer: Callable[[Callable[[], None]], Any] | None = None) -> ForcedRelease:
     """Delete the lease ``name`` if ``owner`` still holds it; returns the :class:`ForcedRelease`.
 
-    ``store``: a :class:`~celery_steplock.lock.RedisStepLock` (``lock.get_lease_store(app)``).
+    ``store``: a :class:`~celery_steplock.lock.RedisLeaseStore` (``lock.get_lease_store(app)``).
     ``owner``: the owner token the operator saw holding it. ``actor``: who asks, for the
     record and the reason. ``reason``: the signal's ``reason`` (default ``"force-released by
     <actor>"``). ``audit``: called with the record before the release (see the module

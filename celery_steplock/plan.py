@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
     check_choice, check_seconds, check_ttl, configuration_version
 from .exceptions import ImproperlyConfigured
-from .lock import RedisStepLock, get_lease_store
+from .lock import RedisLeaseStore, get_lease_store
 from .steps import StepStore, load_step_store
 
 __all__ = ["ExecutionPlan", "build_plan", "option_problems", "OPTION_NAMES"]
@@ -57,7 +57,7 @@ class ExecutionPlan:
     retry_backoff: float
     retry_backoff_max: float
     db_deadline: bool
-    store: RedisStepLock
+    store: RedisLeaseStore
     steps: StepStore | None
     settings: Settings
     version: Any

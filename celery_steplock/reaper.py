@@ -25,7 +25,7 @@ clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and
 
    A lease whose holder process exists on this host, whose worker answers, or which carries
    no worker/pid metadata at all is never touched. A dead owner's lease is removed by
-   :meth:`~celery_steplock.lock.RedisStepLock.reap`, a compare-and-delete on the owner token
+   :meth:`~celery_steplock.lock.RedisLeaseStore.reap`, a compare-and-delete on the owner token
    *and* the renewal time observed in the scan: a lease re-acquired since, or renewed while
    the reaper was pinging, survives. A holder that was only paused (SIGSTOP, a long GC or VM
    pause) and missed its renewals is judged dead: it finds its lease lost when it wakes, and
@@ -258,7 +258,7 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
     ``steplock_reaper_older_than``, 0). ``now``: the reference time of that age (an aware
     datetime; default the current time). ``ping_timeout``: seconds per ping attempt.
     ``check_pids``: judge leases taken on this host by their pid (see the module docstring).
-    ``lock``: a :class:`~celery_steplock.lock.RedisStepLock` (default
+    ``lock``: a :class:`~celery_steplock.lock.RedisLeaseStore` (default
     ``lock.get_lease_store(app)``). ``step_recovery``: the step recovery of pass 2, a
     callable or its qualified name (``"module:attribute"``, loaded with Celery's
     ``symbol_by_name``; default :data:`DEFAULT_STEP_RECOVERY`); None skips pass 2. It is

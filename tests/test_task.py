@@ -12,7 +12,8 @@ from celery_steplock import signals
 from celery_steplock.exceptions import (ImproperlyConfigured, LockContended, LockLost,
                                         LockNameError, LockStoreUnavailable,
                                         TransitionConflict)
-from celery_steplock.task import StepLockedTask, backoff, get_lock
+from celery_steplock.lock import get_lease_store
+from celery_steplock.task import StepLockedTask, backoff
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
 from helpers import closed_port_url
@@ -41,7 +42,7 @@ def finish(self, step_id, hold=0.0, steal=False):
             time.sleep(0.02)
             self.lease.check()
     if steal:
-        get_lock(self.app).client.hset(self.lease.key,
+        get_lease_store(self.app).client.hset(self.lease.key,
                                        mapping={"owner": "thief", "task_id": "thief-task"})
     return {"fence": self.lease.fence, "owner": self.lease.owner}
 
@@ -163,7 +164,7 @@ def test_cas_conflict_rolls_back_the_body_and_never_overwrites(events):
 
 def test_contended_lease_raises_without_running_the_body(redis_client, events):
     step = Step.objects.create(name="s")
-    lock = get_lock(celery_app)
+    lock = get_lease_store(celery_app)
     holder = lock.acquire(f"step:{step.pk}", "other-owner", 10.0,
                           metadata={"task_id": "tid-1", "hostname": "h", "pid": 1})
     result = finish.apply(args=(step.pk,))
@@ -177,7 +178,7 @@ def test_contended_lease_raises_without_running_the_body(redis_client, events):
 
 def test_contended_skip_and_retry_policies(redis_client):
     step = Step.objects.create(name="s")
-    get_lock(celery_app).acquire(f"step:{step.pk}", "other", 10.0)
+    get_lease_store(celery_app).acquire(f"step:{step.pk}", "other", 10.0)
     finish.on_contended = "skip"
     try:
         assert finish.apply(args=(step.pk,)).state == "IGNORED"
@@ -581,7 +582,7 @@ def hooked(self, step_id, steal=False):
     BODY_RUNS.append(step_id)
     record(self, step_id, "done")
     if steal:
-        get_lock(self.app).client.hset(self.lease.key, mapping={"owner": "thief"})
+        get_lease_store(self.app).client.hset(self.lease.key, mapping={"owner": "thief"})
     return "body"
 
 
@@ -593,7 +594,7 @@ def hook_calls():
 
 def test_hooks_replace_the_string_policies(redis_client, hook_calls):
     busy = Step.objects.create(name="busy")
-    get_lock(celery_app).acquire(f"step:{busy.pk}", "other-owner", 10.0)
+    get_lease_store(celery_app).acquire(f"step:{busy.pk}", "other-owner", 10.0)
     assert hooked.apply(args=(busy.pk,)).get() == "busy"
     assert hook_calls == [("contended", f"step:{busy.pk}", "other-owner")]
     assert BODY_RUNS == []

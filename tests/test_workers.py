@@ -154,12 +154,12 @@ def test_resume_racing_a_retry_commits_once(start_worker, redis_client):
 
 
 def test_contended_retries_stop_at_the_lease_retry_budget(start_worker, redis_client):
-    from celery_steplock.lock import RedisStepLock
+    from celery_steplock.lock import RedisLeaseStore
 
     start_worker("w1", concurrency=1, STEPLOCK_DEMO_STATS=1, STEPLOCK_RETRY_MAX=2,
                  STEPLOCK_RETRY_BACKOFF=0.05)
     step = Step.objects.create(name="busy")
-    RedisStepLock(redis_client).acquire(f"step:{step.pk}", "squatter", 60.0,
+    RedisLeaseStore(redis_client).acquire(f"step:{step.pk}", "squatter", 60.0,
                                         metadata={"task_id": "someone-else"})
     result = advance.apply_async((step.pk,))
     wait_until(lambda: result.state == "FAILURE", timeout=30, what="retries to run out",

@@ -1,6 +1,6 @@
 """The "Held leases" admin page and its force release (Django test client, real Redis).
 
-Leases are acquired through RedisStepLock (the one the admin reads: ``get_lease_store(app)``);
+Leases are acquired through RedisLeaseStore (the one the admin reads: ``get_lease_store(app)``);
 the database is the test database of pytest-django. How many keys one SCAN step returns
 depends on the Redis server's per-start hash seed (a step returns whole hash buckets), so the
 page tests assert the bounds ``lease_page`` guarantees, never the figures of one run.
@@ -46,7 +46,7 @@ ADVANCE = advance.name  # a registered StepLockedTask of the example project
 
 @pytest.fixture
 def store(app, redis_client):
-    """The RedisStepLock the admin reads (the app's settings), on a flushed Redis."""
+    """The RedisLeaseStore the admin reads (the app's settings), on a flushed Redis."""
     return get_lease_store(app)
 
 

@@ -17,7 +17,6 @@ the walk moving.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -27,8 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ...exceptions import LockStoreUnavailable
-from ...keys import lease_key, name_from_key
-from ...lock import SCAN_FIELDS_LUA, STORE_ERRORS, RedisStepLock, get_lease_store
+from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
 
 __all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
            "steplock_task_names", "LeasePage", "lease_page", "matches", "redis_time_ms"]
@@ -109,8 +107,8 @@ def task_import_error(app=None) -> BaseException | None:
     return _import_errors.get(app or celery_app())
 
 
-def lease_lock(app=None) -> RedisStepLock:
-    """The process's :class:`RedisStepLock` for ``app`` (default :func:`celery_app`).
+def lease_lock(app=None) -> RedisLeaseStore:
+    """The process's :class:`RedisLeaseStore` for ``app`` (default :func:`celery_app`).
 
     Raises ImproperlyConfigured for an invalid ``steplock_redis_url``/prefix setting.
     """
@@ -135,7 +133,7 @@ def steplock_task_names(app=None) -> list[str]:
     return sorted(name for name, task in app.tasks.items() if isinstance(task, base))
 
 
-def redis_time_ms(lock: RedisStepLock) -> int:
+def redis_time_ms(lock: RedisLeaseStore) -> int:
     """The Redis server's clock in milliseconds: leases record Redis time, so ages are
     computed on the same clock. Raises LockStoreUnavailable."""
     try:
@@ -179,7 +177,7 @@ STOP_COMPLETE, STOP_FULL, STOP_NO_ROOM, STOP_BUDGET, STOP_STEPS = (
 class LeasePage:
     """One page of leases (see :func:`lease_page` for its bounds).
 
-    ``leases``: the lease dicts (as :meth:`RedisStepLock.scan` returns them) that passed the
+    ``leases``: the lease dicts (as :meth:`RedisLeaseStore.scan` returns them) that passed the
     filter, oldest acquisition first; ``cursor``: the SCAN cursor this page started at;
     ``next_cursor``: where the next page starts (0: the walk is complete); ``key_budget``:
     the lease hashes this page was allowed to read; ``read``: lease hashes it read (at most
@@ -249,46 +247,18 @@ def _full(page: LeasePage) -> bool:
     return len(page.leases) >= page.per_page - page.per_page // 20
 
 
-_field_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def _scan_keys(lock: RedisStepLock, cursor: int, count: int) -> tuple[int, list[str]]:
+def _scan_keys(lock: RedisLeaseStore, cursor: int, count: int) -> tuple[int, list[str]]:
     """One SCAN step over the lease keys: ``(next_cursor, keys)``, names only."""
-    try:
-        cursor, keys = lock.client.scan(cursor=cursor, match=lease_key(lock.prefix, "*"),
-                                        count=count)
-    except STORE_ERRORS as exc:
-        raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
-    return int(cursor), [key.decode() if isinstance(key, bytes) else key for key in keys]
+    return lock.scan_keys(cursor, count)
 
 
-def _read_leases(lock: RedisStepLock, keys: list[str]) -> dict[str, dict[str, Any] | None]:
+def _read_leases(lock: RedisLeaseStore, keys: list[str]) -> dict[str, dict[str, Any] | None]:
     """The lease dicts of ``keys`` (None for a key gone since the SCAN or not a lease hash),
-    in one round trip: the store's own SCAN read script, one JSON document per hash."""
-    if not keys:
-        return {}
-    script = _field_scripts.get(lock)
-    if script is None:
-        script = _field_scripts[lock] = lock.client.register_script(SCAN_FIELDS_LUA)
-    try:
-        replies = script(keys=keys)
-    except STORE_ERRORS as exc:
-        raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
-    found: dict[str, dict[str, Any] | None] = {}
-    for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
-        doc = doc.decode() if isinstance(doc, bytes) else doc
-        info = json.loads(doc) if doc else None
-        if not info:
-            found[key] = None  # expired since the SCAN, or not a hash (RedisStepLock.scan logs)
-            continue
-        info["key"] = key
-        info["name"] = name_from_key(key)
-        info["ttl"] = pttl / 1000.0 if isinstance(pttl, int) and pttl > 0 else None
-        found[key] = info
-    return found
+    in one round trip."""
+    return lock.read_leases(keys)
 
 
-def lease_page(lock: RedisStepLock, cursor: int = 0, per_page: int = 100, *,
+def lease_page(lock: RedisLeaseStore, cursor: int = 0, per_page: int = 100, *,
                predicate: Callable[[Mapping[str, Any]], bool] | None = None,
                key_budget: int | None = None, max_count: int | None = None,
                max_steps: int = 10) -> LeasePage:
@@ -395,7 +365,7 @@ def lease_page(lock: RedisStepLock, cursor: int = 0, per_page: int = 100, *,
     return page
 
 
-def _time_and_size(lock: RedisStepLock) -> tuple[int, int]:
+def _time_and_size(lock: RedisLeaseStore) -> tuple[int, int]:
     """Redis server time (ms) and DBSIZE, in one round trip. Raises LockStoreUnavailable."""
     try:
         pipe = lock.client.pipeline(transaction=False)

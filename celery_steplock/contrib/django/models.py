@@ -88,7 +88,7 @@ class Lease(models.Model):
 
     @classmethod
     def from_redis(cls, info: Mapping[str, Any], now_ms: int | None = None) -> "Lease":
-        """An unsaved Lease from a dict of :meth:`RedisStepLock.inspect`/``scan``.
+        """An unsaved Lease from a dict of :meth:`RedisLeaseStore.inspect`/``scan``.
 
         ``now_ms`` is the Redis server time in milliseconds used to compute ``age``
         (seconds); None leaves ``age`` None. ``ttl_left`` is the key's remaining TTL in
