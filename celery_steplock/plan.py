@@ -22,7 +22,7 @@ from .exceptions import ImproperlyConfigured
 from .lock import RedisLeaseStore, get_lease_store
 from .steps import StepStore, load_step_store
 
-__all__ = ["ExecutionPlan", "build_plan", "option_problems", "OPTION_NAMES"]
+__all__ = ["ExecutionPlan", "build_plan", "option_problems", "is_step_locked", "OPTION_NAMES"]
 
 #: The task attributes a plan is built from: assigning one on a task drops its plan.
 OPTION_NAMES = frozenset({
@@ -69,6 +69,12 @@ class ExecutionPlan:
     @property
     def key_prefix(self) -> str:
         return self.store.prefix
+
+
+def is_step_locked(task: Any) -> bool:
+    """Whether ``task`` is a StepLockedTask (it has an execution plan), without importing
+    the task module."""
+    return isinstance(getattr(type(task), "steplock_plan", None), property)
 
 
 def _transition(task) -> tuple[str, str] | None:

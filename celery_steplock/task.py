@@ -67,7 +67,7 @@ from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_
 from .plan import OPTION_NAMES, ExecutionPlan, build_plan
 from .steps import StepStore
 
-__all__ = ["StepLockedTask", "DjangoStepLockedTask", "backoff"]
+__all__ = ["StepLockedTask", "backoff"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -513,9 +513,11 @@ def _refuse_to_start_misconfigured(sender=None, **kwargs) -> None:
 
 
 def __getattr__(name: str):
-    # DjangoStepLockedTask lives in contrib.django (its base imports Django); imported lazily
-    # so that the core imports no Django.
+    # Old names: DjangoStepLockedTask lives in contrib.django (its base imports Django).
     if name == "DjangoStepLockedTask":
+        warnings.warn("celery_steplock.task.DjangoStepLockedTask moved to "
+                      "celery_steplock.contrib.django.task (or import it from celery_steplock)",
+                      DeprecationWarning, stacklevel=2)
         from .contrib.django.task import DjangoStepLockedTask
 
         return DjangoStepLockedTask

@@ -29,7 +29,7 @@ from celery.utils.imports import symbol_by_name
 
 from .conf import Settings
 from .exceptions import ImproperlyConfigured
-from .plan import option_problems
+from .plan import is_step_locked, option_problems
 from .steps import load_step_store
 
 __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
@@ -68,13 +68,11 @@ def _django_name(name: str) -> str:
 def steplock_tasks(app) -> list:
     """The StepLockedTask instances registered on the app, by name (finalizes the app,
     which registers the tasks of the modules imported so far; it imports none)."""
-    from .task import StepLockedTask
-
     try:
         tasks = app.tasks
     except RuntimeError:  # autofinalize=False and not finalized yet: nothing to inspect
         return []
-    return [task for name, task in sorted(tasks.items()) if isinstance(task, StepLockedTask)]
+    return [task for name, task in sorted(tasks.items()) if is_step_locked(task)]
 
 
 def settings_problems(app) -> list[Problem]:

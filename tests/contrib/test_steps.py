@@ -1,4 +1,8 @@
 """DjangoStepStore: the compare-and-swap UPDATE (celery_steplock.contrib.django.steps)."""
+import contextlib
+import threading
+import time
+
 import pytest
 from django.db import transaction
 
@@ -9,6 +13,31 @@ from celery_steplock.steps import StepStore, TransitionResult
 from django_app.workflows.models import Step, TransitionRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@contextlib.contextmanager
+def row_held_elsewhere(step):
+    """Another transaction (a thread's) holds ``step``'s row lock inside the block; yields a
+    function telling whether it still does."""
+    from django.db import connections
+
+    locked, done = threading.Event(), threading.Event()
+
+    def holder():
+        with transaction.atomic():
+            Step.objects.filter(pk=step.pk).update(name="held")
+            locked.set()
+            done.wait(30)
+        connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert locked.wait(10)
+    try:
+        yield lambda: not done.is_set()
+    finally:
+        done.set()
+        thread.join()
 
 
 @pytest.fixture
@@ -123,7 +152,6 @@ def test_the_cas_sets_auto_now_columns_as_save_would(guard):
 def test_set_deadline_ends_an_idle_transaction_on_postgresql(guard):
     """PostgreSQL ends a transaction left idle past the deadline (its COMMIT then fails);
     other databases are left alone (returns False)."""
-    import time
 
     from django.db import DatabaseError, connection
 
@@ -147,37 +175,20 @@ def test_set_deadline_ends_an_idle_transaction_on_postgresql(guard):
 
 
 def test_set_deadline_bounds_the_wait_for_a_locked_row(guard):
-    import threading
-    import time
 
-    from django.db import OperationalError, connection, connections
+    from django.db import OperationalError, connection
 
     step = Step.objects.create(name="s")
     if connection.vendor != "postgresql":
         return  # SQLite: one writer at a time, no row locks to bound (set_deadline is a no-op)
-    locked, done = threading.Event(), threading.Event()
-
-    def holder():
-        with transaction.atomic():
-            Step.objects.filter(pk=step.pk).update(name="held")
-            locked.set()
-            done.wait(5)
-        connections.close_all()
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert locked.wait(5)
-    started = time.monotonic()
-    try:
+    with row_held_elsewhere(step) as still_held:
+        started = time.monotonic()
         with pytest.raises(OperationalError) as info:
             with transaction.atomic():
                 guard.set_deadline(0.3)
                 guard.transition(step.pk, "pending", "done")
         assert getattr(info.value.__cause__, "sqlstate", None) == "55P03"
-        assert time.monotonic() - started >= 0.3 and not done.is_set()
-    finally:
-        done.set()
-        thread.join()
+        assert time.monotonic() - started >= 0.3 and still_held()
 
 
 def test_the_store_is_a_step_store(guard):
@@ -227,38 +238,21 @@ def test_one_statement_per_cas_built_once(guard):
 def test_deadline_in_the_cas_bounds_the_wait_for_a_locked_row(guard):
     """``transition(deadline=)`` bounds the wait for a row another transaction holds, with no
     statement of its own (PostgreSQL; elsewhere the deadline is ignored)."""
-    import threading
-    import time
 
-    from django.db import OperationalError, connection, connections
+    from django.db import OperationalError, connection
 
     step = Step.objects.create(name="s")
     if connection.vendor != "postgresql":
         with transaction.atomic():
             assert guard.transition(step.pk, "pending", "done", deadline=0.3).applied
         return
-    locked, done = threading.Event(), threading.Event()
-
-    def holder():
-        with transaction.atomic():
-            Step.objects.filter(pk=step.pk).update(name="held")
-            locked.set()
-            done.wait(10)
-        connections.close_all()
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert locked.wait(5)
-    started = time.monotonic()
-    try:
+    with row_held_elsewhere(step) as still_held:
+        started = time.monotonic()
         with pytest.raises(OperationalError) as info:
             with transaction.atomic():
                 guard.transition(step.pk, "pending", "done", deadline=0.3)
         assert guard.is_lock_timeout(info.value)
-        assert time.monotonic() - started >= 0.3 and not done.is_set()
-    finally:
-        done.set()
-        thread.join()
+        assert time.monotonic() - started >= 0.3 and still_held()
     step.refresh_from_db()
     assert step.status == "pending" and step.name == "held"
 
@@ -266,7 +260,6 @@ def test_deadline_in_the_cas_bounds_the_wait_for_a_locked_row(guard):
 def test_deadline_in_the_cas_ends_an_idle_transaction(guard):
     """After a CAS with a deadline, a transaction left idle past it cannot COMMIT
     (PostgreSQL ends the session, SQLSTATE 25P03)."""
-    import time
 
     from django.db import DatabaseError, connection
 

@@ -42,7 +42,7 @@ from django.utils import timezone
 from ... import signals
 from ...events import emit
 from ...exceptions import StepLockError
-from ...guard import resolve_model
+from .steps import resolve_model
 
 __all__ = ["recover_steps", "StepRecovery", "AGE_FIELD"]
 
