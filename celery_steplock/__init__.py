@@ -7,22 +7,30 @@ Public API::
     from celery_steplock import StepLockedTask, DjangoStepLockedTask, RedisLeaseStore, Lease
     from celery_steplock import signals, exceptions
 """
+import warnings
+
 from . import exceptions, signals
-from .exceptions import (ImproperlyConfigured, InvalidTransition, LockContended, LockError,
-                         LockLost, LockNameError, LockStoreUnavailable, StepLockError,
-                         StepNotFound, TransitionConflict, TransitionError)
+from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepId,
+                         InvalidTransition, LeaseHeldByAnother, LeaseNotHeld, LockContended,
+                         LockError, LockLost, LockNameError, LockStoreUnavailable,
+                         OuterTransactionError, StepLockError, StepNotFound,
+                         TransitionConflict, TransitionError)
 from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
 from .lock import get_lease_store
 from .task import StepLockedTask
 
 __version__ = "0.1.0"
 
+#: Old names kept for one release (DeprecationWarning on first use).
+_RENAMED = {"RedisStepLock": "RedisLeaseStore", "get_lock": "get_lease_store"}
+
 __all__ = [
     "StepLockedTask", "DjangoStepLockedTask", "RedisLeaseStore", "Lease", "make_client",
     "new_owner_token", "get_lease_store", "signals", "exceptions", "StepLockError",
     "ImproperlyConfigured", "LockNameError", "LockError", "LockContended", "LockLost",
     "LockStoreUnavailable", "TransitionError", "TransitionConflict", "InvalidTransition",
-    "StepNotFound",
+    "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
+    "LeaseNotHeld", "LeaseHeldByAnother",
 ]
 
 
@@ -32,8 +40,10 @@ def __getattr__(name: str):
         from .contrib.django.task import DjangoStepLockedTask
 
         return DjangoStepLockedTask
-    if name in ("RedisStepLock", "get_lock"):
-        from . import lock
-
-        return getattr(lock, name)  # deprecated aliases: lock.py warns
+    if name in _RENAMED:
+        new_name = _RENAMED[name]
+        warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",
+                      DeprecationWarning, stacklevel=2)
+        value = globals()[name] = globals()[new_name]  # warn once: `from x import y` looks twice
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

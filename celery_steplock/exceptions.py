@@ -16,6 +16,7 @@ Every error the library raises derives from :class:`StepLockError`::
     └── TransitionError
         ├── InvalidTransition       ``from_ -> to`` is not in the allowed-transition table
         ├── StepNotFound            no row with that primary key
+        ├── InvalidStepId           the step id cannot be a primary key of the step model
         └── TransitionConflict      the compare-and-swap matched no row (another owner won)
 
 ``RETRYABLE_ERRORS`` lists the classes a task may retry safely: the body did not commit.
@@ -28,7 +29,7 @@ __all__ = [
     "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
     "LockError", "LockContended",
     "LockStoreUnavailable", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
-    "TransitionConflict", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
+    "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
     "RETRYABLE_ERRORS",
 ]
 
@@ -155,10 +156,26 @@ class StepNotFound(TransitionError):
     """No step row has the given primary key."""
 
 
+class InvalidStepId(TransitionError, ValueError):
+    """The step id (the task argument ``argument``, e.g. ``step_id_arg``) cannot be a primary
+    key of the step model, e.g. ``"abc"`` for an integer key. Raised before any lease is
+    taken; not retryable."""
+
+    def __init__(self, message: str, step_id=None, argument: str | None = None):
+        super().__init__(message, step_id=step_id)
+        self.argument = argument
+
+
 class TransitionConflict(TransitionError):
     """The compare-and-swap updated no row: the step left ``from_`` (``current`` holds its
-    status at the time of the check) or a newer fencing token already wrote it.
+    status at the time of the check) or a newer fencing token already wrote it
+    (``stale_fence`` True: the status matched and the fenced condition refused).
     """
+
+    def __init__(self, message: str, step_id=None, from_=None, to=None, current=None,
+                 stale_fence: bool = False):
+        super().__init__(message, step_id=step_id, from_=from_, to=to, current=current)
+        self.stale_fence = stale_fence
 
 
 RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (LockContended, LockStoreUnavailable)

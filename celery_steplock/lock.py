@@ -12,8 +12,8 @@ that strictly increases per name: ``max(previous + 1, Redis server time in micro
 The previous value lives in ``<prefix>:fence:{<name>}``, kept at least ``fence_ttl`` after
 the name's last grant, and the time floor keeps the sequence increasing when that counter
 expired or was lost in a failover, as long as the Redis clock moves forward. The token orders
-holders; it is not a mutex, and the database compare-and-swap (:mod:`celery_steplock.guard`)
-is what refuses a stale commit.
+holders; it is not a mutex, and the database compare-and-swap (the step store,
+:mod:`celery_steplock.steps`) is what refuses a stale commit.
 
 This module keeps re-exporting :class:`~celery_steplock.lease.Lease`, ``new_owner_token``,
 ``holder_metadata`` and ``CLOCK_DRIFT_FACTOR`` (they live in :mod:`celery_steplock.lease`).

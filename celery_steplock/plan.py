@@ -5,7 +5,7 @@ Celery resolves a task's options once, when the task is bound to its app; this d
 for the steplock options: each option is validated and defaulted from its ``steplock_*``
 setting, and the lease store and the step store are built, the first time the task runs and
 again only after ``app.conf`` changed (:func:`celery_steplock.conf.configuration_version`) or
-one of the task's options was assigned (``task.lock_ttl = 5``). An execution then reads plain
+one of the task's options changed (assigned on the task or its class, deleted, restored). An execution then reads plain
 attributes.
 
 :func:`option_problems` collects every invalid option of a task (for the validator,
@@ -13,6 +13,8 @@ attributes.
 """
 from __future__ import annotations
 
+import inspect
+import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,15 +22,19 @@ from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_boo
     check_choice, check_seconds, check_ttl, configuration_version
 from .exceptions import ImproperlyConfigured
 from .lock import RedisLeaseStore, get_lease_store
-from .steps import StepStore, load_step_store
+from .steps import StepStore, check_transitions, load_step_store
 
-__all__ = ["ExecutionPlan", "build_plan", "option_problems", "is_step_locked", "OPTION_NAMES"]
+__all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "is_step_locked",
+           "OPTION_NAMES"]
 
 #: The task attributes a plan is built from: assigning one on a task drops its plan.
 OPTION_NAMES = frozenset({
     "lock_key", "lock_ttl", "lock_wait", "lock_max_hold", "on_contended", "on_conflict",
     "on_store_error", "step_model", "step_id_arg", "step_transition", "step_transitions",
     "lock_precheck", "lock_retry_max"})
+
+
+_OPTION_ORDER = tuple(sorted(OPTION_NAMES))
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,8 @@ class ExecutionPlan:
     ``ttl``, ``wait``, ``max_hold`` (None: no cap), ``retry_backoff``, ``retry_backoff_max``:
     seconds. ``renew_ms``: the renewal interval stored beside the lease for the reaper.
     ``transition``: ``(from_, to)`` or None. ``steps``: the step store of ``step_model``
-    (None without one). ``version``: the configuration version the plan was built for.
+    (None without one). ``version``: the configuration version the plan was built for;
+    ``options``: the task's option values it was built from (:func:`option_values`).
     """
 
     task_name: str
@@ -61,6 +68,7 @@ class ExecutionPlan:
     steps: StepStore | None
     settings: Settings
     version: Any
+    options: tuple = ()
 
     @property
     def renew_ms(self) -> int:
@@ -69,6 +77,13 @@ class ExecutionPlan:
     @property
     def key_prefix(self) -> str:
         return self.store.prefix
+
+
+def option_values(task: Any) -> tuple:
+    """The task's current option values, in :data:`OPTION_NAMES` order: a plan built from
+    other values is stale (an option assigned on the task or its class, deleted, or
+    restored by ``mock.patch``). Cheap: attribute reads, compared by identity first."""
+    return tuple(getattr(task, name, None) for name in _OPTION_ORDER)
 
 
 def is_step_locked(task: Any) -> bool:
@@ -92,6 +107,72 @@ def _transition(task) -> tuple[str, str] | None:
     return transition
 
 
+def _arguments(task) -> tuple[set[str], bool] | None:
+    """The names the task's ``run`` takes and whether it takes ``**kwargs``; None when its
+    signature cannot be read."""
+    try:
+        signature = inspect.signature(task.run)
+    except (TypeError, ValueError):
+        return None
+    names = {p.name for p in signature.parameters.values()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def _step_id_arg(task) -> str | None:
+    name = task.step_id_arg
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ImproperlyConfigured(f"step_id_arg must be an argument name, got {name!r}",
+                                   setting="step_id_arg")
+    known = _arguments(task)
+    if known is not None and not known[1] and name not in known[0]:
+        raise ImproperlyConfigured(
+            f"step_id_arg={name!r} is not an argument of the task (arguments: "
+            f"{', '.join(sorted(known[0])) or 'none'})", setting="step_id_arg")
+    return name
+
+
+def _lock_key(task):
+    template = task.lock_key
+    if template is None or callable(template):
+        return template
+    if not isinstance(template, str):
+        raise ImproperlyConfigured(f"lock_key must be a str.format template or a callable, "
+                                   f"got {template!r}", setting="lock_key")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"lock_key {template!r} is not a valid format template: "
+                                   f"{exc}", setting="lock_key") from exc
+    known = _arguments(task)
+    if known is not None and not known[1]:
+        for field_name in fields:
+            head = field_name.split(".", 1)[0].split("[", 1)[0]
+            if not head or head.isdigit() or head not in known[0]:
+                raise ImproperlyConfigured(
+                    f"lock_key {template!r} names {field_name!r}, which is not an argument of "
+                    f"the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
+                    setting="lock_key")
+    return template
+
+
+def _transitions(task):
+    table = task.step_transitions
+    if table is None:
+        return None
+    check_transitions(table)
+    transition = task.step_transition
+    if isinstance(transition, tuple) and len(transition) == 2 \
+            and transition[1] not in table.get(transition[0], ()):
+        raise ImproperlyConfigured(
+            f"transition {transition[0]!r} -> {transition[1]!r} is not allowed by "
+            f"step_transitions {table!r}: every execution would fail after its body",
+            setting="step_transitions")
+    return table
+
+
 def _retry_max(task, settings: Settings) -> int | None:
     value = task.lock_retry_max
     if value is None:
@@ -109,7 +190,7 @@ def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) ->
 def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
     """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
     return {
-        "lock_key": lambda: task.lock_key,
+        "lock_key": lambda: _lock_key(task),
         "ttl": lambda: _option(task.lock_ttl, lambda: check_ttl(task.lock_ttl, "lock_ttl"),
                                lambda: settings.default_ttl),
         "wait": lambda: _option(
@@ -132,7 +213,8 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
             lambda: check_choice(task.on_store_error, "on_store_error", ON_STORE_ERROR),
             lambda: settings.on_store_error),
         "transition": lambda: _transition(task),
-        "step_id_arg": lambda: task.step_id_arg,
+        "step_id_arg": lambda: _step_id_arg(task),
+        "step_transitions": lambda: _transitions(task),
         "precheck": lambda: _option(
             task.lock_precheck, lambda: check_bool(task.lock_precheck, "lock_precheck"),
             lambda: settings.precheck),
@@ -185,6 +267,7 @@ def build_plan(task) -> ExecutionPlan:
     version = configuration_version(task.app)
     settings = Settings(task.app)
     values: dict[str, Any] = {}
+    options = option_values(task)
     for field_name, resolve in _resolvers(task, settings).items():
         try:
             values[field_name] = resolve()
@@ -193,5 +276,6 @@ def build_plan(task) -> ExecutionPlan:
             if named is exc:
                 raise
             raise named from exc
+    values.pop("step_transitions")
     return ExecutionPlan(task_name=task.name, settings=Settings(task.app, snapshot=True),
-                         version=version, **values)
+                         version=version, options=options, **values)

@@ -22,7 +22,8 @@ from celery.utils.imports import symbol_by_name
 
 from .exceptions import ImproperlyConfigured
 
-__all__ = ["StepStore", "TransitionResult", "load_step_store", "DEFAULT_STEP_STORE"]
+__all__ = ["StepStore", "TransitionResult", "load_step_store", "check_transitions",
+           "DEFAULT_STEP_STORE"]
 
 #: The ``steplock_step_store`` default: the Django ORM store of ``contrib.django``.
 DEFAULT_STEP_STORE = "celery_steplock.contrib.django.steps:DjangoStepStore"
@@ -62,6 +63,11 @@ class StepStore(Protocol):
     def status(self, step_id: Any) -> str:
         """The step's current status. Raises StepNotFound."""
 
+    def step_ref(self, step_id: Any) -> str:
+        """``"<label>:<key>"``, the step's identity as the store's rows spell it (the reaper
+        compares it with what it reads). Raises InvalidStepId for a key the model cannot
+        have."""
+
     def transition(self, step_id: Any, from_: str, to: str, *, owner: str | None = None,
                    fence: int | None = None, updates: Mapping[str, Any] | None = None,
                    deadline: float | None = None,
@@ -94,6 +100,21 @@ class StepStore(Protocol):
 
     def is_lock_timeout(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the row-lock wait running past ``deadline``."""
+
+
+def check_transitions(table: Any, setting: str = "step_transitions"
+                      ) -> Mapping[str, Iterable[str]]:
+    """``table`` if it is ``{from_: [to, ...]}`` with status strings, else raise
+    ImproperlyConfigured naming ``setting`` (a bare string as the targets would be read as
+    its letters)."""
+    if not isinstance(table, Mapping) or not all(
+            isinstance(k, str) and not isinstance(v, (str, bytes))
+            and isinstance(v, Iterable) and all(isinstance(t, str) for t in v)
+            for k, v in table.items()):
+        raise ImproperlyConfigured(f"{setting} must map a status to a list of statuses, "
+                                   f"e.g. {{\"pending\": [\"running\"]}}, got {table!r}",
+                                   setting=setting)
+    return table
 
 
 def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: str,

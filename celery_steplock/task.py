@@ -59,12 +59,12 @@ from celery.signals import worker_init
 from . import signals
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields
-from .exceptions import ImproperlyConfigured, LockContended, LockLost, LockStoreUnavailable, \
-    TransitionConflict
+from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
+    LockStoreUnavailable, TransitionConflict
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
 from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
-from .plan import OPTION_NAMES, ExecutionPlan, build_plan
+from .plan import ExecutionPlan, build_plan, option_values
 from .steps import StepStore
 
 __all__ = ["StepLockedTask", "backoff"]
@@ -130,13 +130,10 @@ class StepLockedTask(Task):
         # the option under another name.
         spec = cls.__dict__.get("transition")
         if spec is not None and not callable(spec):
-            cls.step_transition = tuple(spec)
+            # A list becomes the (from_, to) tuple; anything else stays as given, for the plan
+            # to refuse by name.
+            cls.step_transition = tuple(spec) if isinstance(spec, list) else spec
             delattr(cls, "transition")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name in OPTION_NAMES:
-            self.__dict__.pop("_steplock_plan", None)
 
     # -- the plan ----------------------------------------------------------------------------
 
@@ -144,10 +141,11 @@ class StepLockedTask(Task):
     def steplock_plan(self) -> ExecutionPlan:
         """The :class:`~celery_steplock.plan.ExecutionPlan` of this task for its app's current
         configuration: built on first use, rebuilt after ``app.conf`` changes or an option
-        is assigned on the task. Raises ImproperlyConfigured naming the task and the option
+        of the task (or of its class) changes. Raises ImproperlyConfigured naming the task and the option
         or setting."""
         plan = self.__dict__.get("_steplock_plan")
-        if plan is None or plan.version is not configuration_version(self.app):
+        if plan is None or plan.version is not configuration_version(self.app) \
+                or plan.options != option_values(self):
             plan = build_plan(self)
             self.__dict__["_steplock_plan"] = plan
         return plan
@@ -221,7 +219,7 @@ class StepLockedTask(Task):
         except TransitionConflict as exc:
             emit(signals.transition_conflict, self, step_id=step_id, from_=from_, to=to,
                  current=exc.current, **fields)
-            if lease is not None and exc.current == from_:
+            if lease is not None and exc.stale_fence:
                 # The status matched, the fence did not: the row carries a newer fencing
                 # token. Either a newer holder wrote it (this lease is stale), or the fence
                 # source went backwards (a failover to a node whose clock is behind): retry
@@ -310,7 +308,14 @@ class StepLockedTask(Task):
         store = plan.store
         base = {"key": store.key(name), "name": name, "task_id": request.id,
                 "task_name": self.name, "ttl": plan.ttl}
-        step = f"{plan.steps.label}:{step_id}" if step_id is not None else None
+        step = None
+        if step_id is not None:
+            try:
+                step = plan.steps.step_ref(step_id)  # an impossible key fails before the lease
+            except InvalidStepId as exc:
+                exc.argument = plan.step_id_arg
+                raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
+                                    step_id=step_id, argument=plan.step_id_arg) from exc
         try:
             lease = store.acquire(name, new_owner_token(), plan.ttl, wait=plan.wait,
                                   metadata=holder_metadata(

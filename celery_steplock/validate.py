@@ -14,6 +14,8 @@ warnings are logged) and Django's system checks (``manage.py check``,
 ``celery_steplock.W002``    StepLockedTasks without ``acks_late`` + ``reject_on_worker_lost``.
 ``celery_steplock.W004``    ``soft_time_limit`` not below ``time_limit``, or a time limit or
                             the lease retries' backoff cap not below ``visibility_timeout``.
+``celery_steplock.W005``    a ``steplock_*`` setting or a ``lock_*`` task option that does not
+                            exist (a typo is otherwise silently ignored).
 ==========================  ==============================================================
 
 (E001, the lock store's PING, and W003, task modules that fail to import, are Django checks
@@ -30,11 +32,11 @@ from celery.utils.imports import symbol_by_name
 from .conf import Settings
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
-from .steps import load_step_store
+from .steps import DEFAULT_STEP_STORE, load_step_store
 
 __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
            "task_problems", "step_model_problems", "step_store_problems", "visibility_timeout_problems",
-           "worker_lost_problems", "time_limit_problems", "visibility_timeout",
+           "worker_lost_problems", "time_limit_problems", "unknown_name_problems", "visibility_timeout",
            "REDIS_VISIBILITY_TIMEOUT"]
 
 logger = logging.getLogger("celery_steplock")
@@ -122,24 +124,32 @@ def step_model_problems(app) -> list[Problem]:
             load_step_store(factory, task.step_model, transitions=task.step_transitions,
                             **fields)
         except ImproperlyConfigured as exc:
+            if exc.setting == "step_transitions":
+                continue  # an option: task_problems reports it (E004)
             hint = (f"Add the status field to the model, or set "
                     f"{_django_name('steplock_status_field')} to the name of its status field."
                     if exc.setting == "steplock_status_field"
                     else "Name an installed model as \"app_label.ModelName\".")
             found.append(Problem("celery_steplock.E002", f"{task.name}: {exc}", hint=hint,
                                  obj=task.name))
+        except Exception as exc:  # noqa: BLE001 - a store that fails otherwise is reported
+            found.append(Problem(
+                "celery_steplock.E002",
+                f"{task.name}: the step store refused step_model {task.step_model!r}: "
+                f"{type(exc).__name__}: {exc}", obj=task.name))
     return found
 
 
 def step_store_problems(app) -> list[Problem]:
-    """E003: a ``steplock_step_store`` that cannot be imported (only asked when a task has a
-    step model)."""
-    if not any(task.step_model is not None for task in steplock_tasks(app)):
-        return []
+    """E003: a ``steplock_step_store`` that cannot be imported (the default one only when a
+    task has a step model: it needs Django)."""
     try:
         spec = Settings(app).step_store
     except ImproperlyConfigured:
         return []  # settings_problems reports it
+    if spec == DEFAULT_STEP_STORE and not any(task.step_model is not None
+                                              for task in steplock_tasks(app)):
+        return []  # the default needs Django only for tasks with a step model
     if not isinstance(spec, str):
         return []
     try:
@@ -306,20 +316,69 @@ def time_limit_problems(app) -> list[Problem]:
     return found
 
 
+def _names(app) -> list[str]:
+    """The configuration keys ``app`` has, as Celery spells them (lower case)."""
+    found = []
+    for source in getattr(app.conf, "maps", None) or [app.conf]:
+        try:
+            found += [str(k).lower() for k in source.keys()]
+        except Exception:  # noqa: BLE001 - a source that cannot list its keys
+            continue
+    return found
+
+
+def unknown_name_problems(app) -> list[Problem]:
+    """W005: ``steplock_*`` settings and ``lock_*`` task options that do not exist."""
+    import difflib
+
+    from .conf import DEFAULTS, setting_name
+    from .plan import OPTION_NAMES
+
+    found = []
+    known = {setting_name(name) for name in DEFAULTS}
+    for key in sorted(set(_names(app))):
+        name = key[len("celery_"):] if key.startswith("celery_steplock_") else key
+        if name.startswith("steplock_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            found.append(Problem(
+                "celery_steplock.W005", f"Unknown celery-steplock setting {name} "
+                f"({_django_name(name)}): it is ignored.",
+                hint=f"Did you mean {_django_name(close[0])}?" if close else None, obj=name))
+    options = OPTION_NAMES | {"lock_name"}
+    for task in steplock_tasks(app):
+        for attr in sorted(vars(type(task))):
+            if attr.startswith("lock_") and attr not in options and not callable(
+                    getattr(type(task), attr)):
+                close = difflib.get_close_matches(attr, sorted(OPTION_NAMES), n=1)
+                found.append(Problem(
+                    "celery_steplock.W005", f"{task.name}: unknown task option {attr}: it is "
+                    f"ignored.", hint=f"Did you mean {close[0]}?" if close else None,
+                    obj=task.name))
+    return found
+
+
 def problems(app) -> list[Problem]:
     """Every problem of ``app``'s steplock configuration: settings (E003), task options
     (E004), step models (E002, once the step store's models are loaded), then the warnings
-    W001, W002 and W004. Reads the tasks ``app`` has registered; imports no task module."""
+    W001, W002, W004 and W005. Reads the tasks ``app`` has registered; imports no task
+    module."""
     return (settings_problems(app) + step_store_problems(app) + task_problems(app)
-            + step_model_problems(app) + visibility_timeout_problems(app) + worker_lost_problems(app)
-            + time_limit_problems(app))
+            + step_model_problems(app) + visibility_timeout_problems(app)
+            + worker_lost_problems(app) + time_limit_problems(app)
+            + unknown_name_problems(app))
 
 
 def refuse_to_start(app) -> None:
     """Worker start: log each warning, and raise SystemExit listing the errors, if any (a
     worker that starts anyway would consume acks_late messages only to fail them)."""
     errors = []
-    for problem in problems(app):
+    try:
+        found = problems(app)
+    except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
+        logger.critical("event=improperly_configured validation failed: %r", exc)
+        raise SystemExit(f"celery-steplock: the configuration could not be validated: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    for problem in found:
         if problem.is_error:
             logger.critical("event=improperly_configured id=%s %s", problem.id,
                             problem.message)

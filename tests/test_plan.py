@@ -135,3 +135,52 @@ def test_old_names_warn_and_still_work():
         assert task.steplock_options() is task.steplock_plan
     with pytest.warns(DeprecationWarning, match="validate.problems"):
         assert task_module.validate_app(task.app) == []
+
+
+def test_class_level_changes_deletion_and_mock_restores_rebuild_the_plan():
+    from unittest import mock
+
+    task = make_task(lock_ttl=30.0)
+    assert task.steplock_plan.ttl == 30.0
+    with mock.patch.object(task, "lock_ttl", 1.0):
+        assert task.steplock_plan.ttl == 1.0
+    assert task.steplock_plan.ttl == 30.0  # mock restored the class value with delattr
+    task.__class__.lock_ttl = 12.0  # the class (``task`` is a proxy until the app finalizes)
+    assert task.steplock_plan.ttl == 12.0
+    task.lock_ttl = 11.0
+    assert task.steplock_plan.ttl == 11.0
+    del task.lock_ttl
+    assert task.steplock_plan.ttl == 12.0
+
+
+def test_options_checked_against_the_signature_and_the_transition_table():
+    found = option_problems(make_task(step_id_arg="orderid", lock_key="x:{nope}"),
+                            models_ready=False)
+    assert [(p.setting, "orderid" in str(p) or "'nope'" in str(p)) for p in found] == [
+        ("lock_key", True), ("step_id_arg", True)]
+    found = option_problems(make_task(step_model="workflows.Step", step_id_arg="step_id",
+                                      transition=("pending", "done"),
+                                      step_transitions={"pending": ["running"]}),
+                            models_ready=False)
+    assert [p.setting for p in found] == ["step_transitions"]
+    assert "'pending' -> 'done' is not allowed" in str(found[0])
+    for table in (["pending"], {"pending": "done"}):
+        [problem] = option_problems(make_task(step_transitions=table), models_ready=False)
+        assert problem.setting == "step_transitions"
+    [problem] = option_problems(make_task(step_model="workflows.Step", step_id_arg="step_id",
+                                          transition="pending->done"), models_ready=False)
+    assert problem.setting == "transition" and "'pending->done'" in str(problem)
+    assert option_problems(make_task(lock_key="s:{step_id}", step_id_arg="step_id"),
+                           models_ready=False) == []
+
+
+def test_a_package_alias_warns_once_at_the_caller():
+    import warnings
+
+    import celery_steplock
+
+    celery_steplock.__dict__.pop("get_lock", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from celery_steplock import get_lock  # noqa: F401
+    assert [w.filename for w in caught] == [__file__]

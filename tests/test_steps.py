@@ -57,6 +57,9 @@ def test_any_object_with_the_methods_is_a_step_store():
         def status(self, step_id):
             return "pending"
 
+        def step_ref(self, step_id):
+            return f"memory.step:{step_id}"
+
         def transition(self, step_id, from_, to, **kw):
             return TransitionResult(True, step_id, from_, to)
 

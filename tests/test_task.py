@@ -637,3 +637,13 @@ def test_store_error_hook_can_fail_open(app, hook_calls):
     assert hook_calls == [("store_error", None), ("before_commit", step.pk, None)]
     step.refresh_from_db()
     assert step.status == "done"  # ran unlocked; the CAS still applied it once
+
+
+def test_an_impossible_step_id_fails_before_any_lease(redis_client, events):
+    from celery_steplock.exceptions import InvalidStepId
+
+    result = finish.apply(args=("abc",))
+    assert isinstance(result.result, InvalidStepId)
+    assert result.result.argument == "step_id" and "step_id='abc'" in str(result.result)
+    assert events == [] and BODY_RUNS == []
+    assert list(redis_client.scan_iter("steplock:*")) == []

@@ -76,3 +76,42 @@ def test_worker_start_logs_warnings_and_starts(caplog):
 def test_problem_levels():
     assert Problem("celery_steplock.E003", "x").is_error
     assert not Problem("celery_steplock.W001", "x").is_error
+
+
+def test_typos_in_settings_and_options_are_named_with_a_suggestion():
+    app = make_app(steplock_default_tll=10)
+    name = add_task(app, lock_tll=5)
+    found = [p for p in problems(app) if p.id == "celery_steplock.W005"]
+    assert [(p.obj, p.hint) for p in found] == [
+        ("steplock_default_tll", "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?"),
+        (name, "Did you mean lock_ttl?")]
+
+
+def test_worker_start_fails_closed_when_validation_itself_breaks(monkeypatch):
+    from celery_steplock import validate
+
+    app = make_app()
+    add_task(app, lock_ttl=5)
+
+    def broken(app):
+        raise AttributeError("a store factory that breaks")
+
+    monkeypatch.setattr(validate, "problems", broken)
+    with pytest.raises(SystemExit) as info:
+        refuse_to_start(app)
+    assert "could not be validated" in str(info.value) and "AttributeError" in str(info.value)
+
+
+def test_a_malformed_transition_table_is_an_option_error_not_a_crash():
+    app = make_app()
+    name = add_task(app, step_model="workflows.Step", step_id_arg="step_id",
+                    step_transitions=["pending"])
+    found = [p for p in problems(app) if p.obj == name]
+    assert [(p.id, "step_transitions" in p.message) for p in found] == [
+        ("celery_steplock.E004", True)]
+
+
+def test_an_unimportable_step_store_is_reported_without_any_task():
+    app = make_app(steplock_step_store="no_such_pkg.steps:Store")
+    assert [p.obj for p in problems(app) if p.id == "celery_steplock.E003"] == [
+        "steplock_step_store"]

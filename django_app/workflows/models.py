@@ -54,3 +54,26 @@ class TransitionRecord(models.Model):
 
     def __str__(self):
         return f"{self.step_id}: {self.from_status} -> {self.to_status} (fence {self.fence})"
+
+
+class VisibleManager(models.Manager):
+    """A default manager that hides archived rows (the soft-delete pattern)."""
+
+    def get_queryset(self):
+        return super().get_queryset().filter(archived=False)
+
+
+class ChildStep(Step):
+    """Multi-table inheritance: ``status`` and the guard columns live in ``Step``'s table."""
+
+    note = models.CharField(max_length=50, blank=True, default="")
+
+
+class ArchivableStep(LeaseFencedStep):
+    """A step model whose default manager hides archived rows."""
+
+    status = models.CharField(max_length=32, default="pending")
+    archived = models.BooleanField(default=False)
+
+    objects = VisibleManager()
+    all_objects = models.Manager()

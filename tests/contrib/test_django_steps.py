@@ -295,3 +295,71 @@ def test_every_call_goes_to_the_write_database(guard):
         assert guard.using == "default"
         assert guard.status(step.pk) == "pending"
         assert guard.transition(step.pk, "pending", "done").applied
+
+
+def test_multi_table_inheritance_writes_the_parent_table():
+    """``status`` and the guard columns live in the parent's table: the statements go there
+    (the child's key is the parent's), as the ORM's update would."""
+    from django_app.workflows.models import ChildStep
+
+    child = ChildStep.objects.create(name="c")
+    store = DjangoStepStore(ChildStep)
+    assert store.status(child.pk) == "pending"
+    assert store.transition(child.pk, "pending", "done", owner="o", fence=9).applied
+    child.refresh_from_db()
+    assert (child.status, child.lock_owner, child.lock_fence) == ("done", "o", 9)
+    with pytest.raises(TransitionConflict):
+        store.transition(child.pk, "pending", "done", owner="o", fence=9)
+    assert store.step_ref(str(child.pk)) == f"workflows.childstep:{child.pk}"
+
+
+def test_rows_a_default_manager_hides_are_seen_alike_by_every_path():
+    """A soft-delete default manager: the precheck, the statement CAS and the ORM CAS (with
+    ``updates``) all see the row (the base manager's view), so they never disagree, and a
+    conflict without a fence is never reported as a newer fencing token."""
+    from django_app.workflows.models import ArchivableStep
+
+    store = DjangoStepStore(ArchivableStep, fence_field="no_such_field")
+    first = ArchivableStep.all_objects.create(archived=True)
+    assert store.status(first.pk) == "pending"
+    assert store.transition(first.pk, "pending", "running").applied
+    second = ArchivableStep.all_objects.create(archived=True)
+    assert store.transition(second.pk, "pending", "running", updates={"archived": False}).applied
+    assert ArchivableStep.all_objects.get(pk=second.pk).status == "running"
+    with pytest.raises(TransitionConflict) as info:
+        store.transition(second.pk, "pending", "done", updates={"archived": True})
+    assert info.value.stale_fence is False and info.value.current == "running"
+
+
+def test_step_ref_is_canonical_and_refuses_impossible_keys(guard):
+
+    from celery_steplock.exceptions import InvalidStepId, StepLockError
+
+    step = Step.objects.create(name="s")
+    assert guard.step_ref(step.pk) == guard.step_ref(str(step.pk)) == f"workflows.step:{step.pk}"
+    for bad in ("abc", [1]):
+        with pytest.raises(InvalidStepId) as info:
+            guard.step_ref(bad)
+        assert isinstance(info.value, StepLockError) and "workflows.Step" in str(info.value)
+    with pytest.raises(InvalidStepId):
+        guard.status("abc")
+    with pytest.raises(InvalidStepId):
+        guard.transition("abc", "pending", "done")
+
+
+def test_a_fence_refusal_is_marked_stale_fence(guard):
+    step = Step.objects.create(name="s")
+    guard.transition(step.pk, "pending", "running", owner="new", fence=200)
+    with pytest.raises(TransitionConflict) as info:
+        guard.transition(step.pk, "running", "done", owner="old", fence=100)
+    assert info.value.stale_fence is True
+    with pytest.raises(TransitionConflict) as info:
+        guard.transition(step.pk, "pending", "done", owner="new", fence=200)
+    assert info.value.stale_fence is False and info.value.current == "running"
+
+
+@pytest.mark.parametrize("table", [["pending"], {"pending": "done"}, {"pending": [1]}])
+def test_a_malformed_transition_table_names_the_option(table):
+    with pytest.raises(ImproperlyConfigured) as info:
+        DjangoStepStore(Step, transitions=table)
+    assert info.value.setting == "step_transitions"

@@ -156,3 +156,18 @@ def test_recover_steps_reads_rows_before_the_scan(app, lease_store, redis_client
     held.refresh_from_db()
     assert (orphan.status, orphan.lock_owner, orphan.lock_fence) == ("pending", "", dead.fence)
     assert (held.status, held.lock_owner) == ("running", "a" * 32)
+
+
+def test_a_grace_without_an_age_column_recovers_nothing_and_says_so(app, redis_client):
+    """``steplock_reaper_older_than`` needs ``updated_at``: without it a step between two
+    phases of a live flow would be moved back at once, so the model is refused instead."""
+    from django_app.workflows.models import ArchivableStep
+
+    step = ArchivableStep.objects.create(status="running", lock_owner="f" * 32)
+    app.conf.update(steplock_reaper_recover={"workflows.ArchivableStep": {"running": "pending"}},
+                    steplock_reaper_older_than=60)
+    report = reap(app, ping_timeout=PING)
+    assert not report.ok and report.steps_recovered == []
+    assert "needs an 'updated_at' column" in report.errors[0]
+    step.refresh_from_db()
+    assert step.status == "running"

@@ -15,7 +15,7 @@ class StepLockConfig(AppConfig):
     def ready(self):
         from . import checks, eventlog
 
-        # celery_steplock.E001-E003, W001-W002 (E001, which connects to Redis, only with
+        # celery_steplock.E001-E004, W001-W005 (E001, which connects to Redis, only with
         # `manage.py check --deploy`).
         checks.register_checks()
         # The receivers read steplock_event_log at every event, so connecting them always

@@ -16,6 +16,8 @@
                             a killed worker's message is acknowledged and never redelivered.
 ``celery_steplock.W003``    the Celery app's task modules could not be imported, so E002,
                             W001, W002 and W004 only judged the tasks registered anyway.
+``celery_steplock.W005``    a ``steplock_*`` setting or ``lock_*`` task option that does not
+                            exist.
 ``celery_steplock.W004``    a StepLockedTask's ``soft_time_limit`` is not below its
                             ``time_limit``, or its ``time_limit`` (or the lease retries'
                             ``steplock_retry_backoff_max``) is not below the broker's
@@ -44,7 +46,7 @@ from ...validate import REDIS_VISIBILITY_TIMEOUT, Problem
 __all__ = ["TAG", "REDIS_VISIBILITY_TIMEOUT", "register_checks", "check_lock_store",
            "check_step_models", "check_settings", "check_task_options",
            "check_visibility_timeout", "check_worker_lost", "check_time_limits",
-           "check_task_modules"]
+           "check_task_modules", "check_unknown_names"]
 
 TAG = "celery_steplock"
 #: PING timeout of E001, seconds (at most; lower when ``steplock_socket_timeout`` is).
@@ -122,6 +124,11 @@ def _model_app_config(app, task_name: str):
         return None
 
 
+def check_unknown_names(app) -> list[checks.CheckMessage]:
+    """W005: ``steplock_*`` settings and ``lock_*`` task options that do not exist."""
+    return render(validate.unknown_name_problems(app))
+
+
 def check_time_limits(app) -> list[checks.CheckMessage]:
     """W004: time limits that do not pair with the lease
     (:func:`celery_steplock.validate.time_limit_problems`)."""
@@ -138,9 +145,9 @@ def check_task_modules(app) -> list[checks.CheckMessage]:
         return []
     return [checks.Warning(
         f"The task modules of the Celery app {app.main!r} could not be imported: "
-        f"{type(error).__name__}: {error}. The StepLockedTask checks (E002, W001, W002) "
-        f"only judged the tasks registered anyway, and a worker of this project would fail "
-        f"to start.",
+        f"{type(error).__name__}: {error}. The StepLockedTask checks (E002, E004, W001, "
+        f"W002, W004, W005) only judged the tasks registered anyway, and a worker of this "
+        f"project would fail to start.",
         hint="Fix the import error (its traceback is logged by the celery_steplock "
              "logger).",
         obj=app.main, id="celery_steplock.W003")]
@@ -175,7 +182,7 @@ def check_lock_store(app) -> list[checks.CheckMessage]:
 # -- registered check functions (Django calls them with app_configs and databases) --------
 
 def settings_check(app_configs=None, **kwargs):
-    return check_settings(_app())
+    return check_settings(_app_with_tasks())
 
 
 def task_modules_check(app_configs=None, **kwargs):
@@ -192,6 +199,10 @@ def worker_lost_check(app_configs=None, **kwargs):
 
 def time_limits_check(app_configs=None, **kwargs):
     return check_time_limits(_app_with_tasks())
+
+
+def unknown_names_check(app_configs=None, **kwargs):
+    return check_unknown_names(_app_with_tasks())
 
 
 def task_options_check(app_configs=None, **kwargs):
@@ -214,6 +225,7 @@ def register_checks() -> None:
     checks.register(worker_lost_check, TAG)
     checks.register(time_limits_check, TAG)
     checks.register(task_options_check, TAG)
+    checks.register(unknown_names_check, TAG)
     checks.register(step_model_check, TAG)
     # The network check only with --deploy: `manage.py migrate` must not wait on Redis.
     checks.register(lock_store_check, TAG, deploy=True)

@@ -78,7 +78,7 @@ class StepRecovery:
         self.owners: set[str] = set()
         self.steps: set[str] = set()
         for group in candidates:
-            label_lower = group.model._meta.label_lower
+            label_lower = group.model._meta.concrete_model._meta.label_lower
             for pk, _status, owner in group.rows:
                 self.owners.add(owner)
                 self.steps.add(f"{label_lower}:{pk}")
@@ -94,8 +94,8 @@ class StepRecovery:
         """
         run = self.run
         for group in self.candidates:
-            label_lower = group.model._meta.label_lower
-            manager = group.model._default_manager
+            label_lower = group.model._meta.concrete_model._meta.label_lower
+            manager = group.model._base_manager
             using = router.db_for_write(group.model)
             for pk, status, owner in group.rows:
                 if owner in live_owners or f"{label_lower}:{pk}" in live_steps:
@@ -170,6 +170,12 @@ def recover_steps(run) -> StepRecovery | None:
             run.error(str(exc))
             continue
         age = _age_field(model)
+        if age is None and older_than > 0:
+            # Recovering at once would move steps a live multi-phase flow is between phases
+            # of: refuse, rather than ignore the grace the operator asked for.
+            run.error(f"steplock_reaper_older_than={older_than:g} needs an {AGE_FIELD!r} "
+                      f"column (auto_now=True) on {label}: its steps are not recovered")
+            continue
         query = {f"{status_field}__in": sorted(moves)}
         if age is not None and older_than > 0:
             cutoff = now - timedelta(seconds=older_than)
@@ -178,7 +184,7 @@ def recover_steps(run) -> StepRecovery | None:
             query[f"{age.name}__lte"] = cutoff
         try:
             rows = list(
-                model._default_manager.filter(**query)
+                model._base_manager.filter(**query)
                 .exclude(**{owner_field: ""}).exclude(**{f"{owner_field}__isnull": True})
                 .order_by("pk").values_list("pk", status_field, owner_field)
                 .iterator(chunk_size=run.batch_size))

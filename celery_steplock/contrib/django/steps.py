@@ -37,15 +37,15 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping
 
 from django.apps import apps
-from django.core.exceptions import FieldDoesNotExist
+from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db import (DEFAULT_DB_ALIAS, InterfaceError, InternalError, OperationalError,
                        connections, router, transaction)
 from django.db.models import Model, Q
 from django.utils import timezone
 
-from ...exceptions import ImproperlyConfigured, InvalidTransition, OuterTransactionError, \
-    StepNotFound, TransitionConflict
-from ...steps import TransitionResult
+from ...exceptions import ImproperlyConfigured, InvalidStepId, InvalidTransition, \
+    OuterTransactionError, StepNotFound, TransitionConflict
+from ...steps import TransitionResult, check_transitions
 
 __all__ = ["DjangoStepStore", "TransitionResult", "resolve_model"]
 
@@ -95,20 +95,29 @@ class DjangoStepStore:
             raise ImproperlyConfigured(
                 f"step_model {meta.label} has no field {status_field!r} "
                 f"(steplock_status_field)", setting="steplock_status_field")
-        self.label = meta.label_lower
         self.status_field = status_field
         self.owner_field = owner_field if _field(self.model, owner_field) else None
         self.fence_field = fence_field if _field(self.model, fence_field) else None
         self.auto_now_fields = [f.name for f in meta.concrete_fields
                                 if getattr(f, "auto_now", False)]
+        if transitions is not None:
+            transitions = check_transitions(transitions)
         self.transitions = ({k: frozenset(v) for k, v in transitions.items()}
                             if transitions is not None else None)
         self._using = using
         self._status = meta.get_field(status_field)
-        self._pk = meta.pk
         self._fence = meta.get_field(self.fence_field) if self.fence_field else None
         self._owner = meta.get_field(self.owner_field) if self.owner_field else None
         self._auto_now = [meta.get_field(name) for name in self.auto_now_fields]
+        # The table the statements write: the one model that holds every column the CAS
+        # touches (a multi-table-inheritance parent, when the status lives there; its key
+        # has the child's key value). Columns spread over several tables: the ORM's path.
+        concrete = meta.concrete_model
+        owners = {f.model._meta.concrete_model
+                  for f in (self._status, self._fence, self._owner, *self._auto_now) if f}
+        self._table_model = owners.pop() if len(owners) == 1 else None
+        self._pk = (self._table_model or concrete)._meta.pk
+        self.label = concrete._meta.label_lower
         self._sql: dict[tuple, str] = {}
 
     @staticmethod
@@ -126,7 +135,25 @@ class DjangoStepStore:
 
     @property
     def manager(self):
-        return self.model._default_manager.db_manager(self.using)
+        """The model's base manager on :attr:`using`: every row, as the statements see them
+        (a default manager that hides rows, e.g. soft-deleted ones, must not make the ORM's
+        path and the statements disagree)."""
+        return self.model._base_manager.db_manager(self.using)
+
+    def step_ref(self, step_id: Any) -> str:
+        """``"<app_label>.<model>:<pk>"`` of the step, the primary key as the database holds
+        it (``str(UUID)``, ``5`` for ``"5"``), the concrete model's label: what the reaper
+        compares with the rows it reads. Raises InvalidStepId."""
+        return f"{self.label}:{self._pk_value(step_id)}"
+
+    def _pk_value(self, step_id: Any) -> Any:
+        try:
+            return self.model._meta.pk.to_python(step_id)
+        except (ValidationError, ValueError, TypeError) as exc:
+            message = exc.messages[0] if isinstance(exc, ValidationError) else str(exc)
+            raise InvalidStepId(f"step id {step_id!r} is not a primary key of "
+                                f"{self.model._meta.label}: {message}",
+                                step_id=step_id) from exc
 
     # -- the statements ----------------------------------------------------------------
 
@@ -136,7 +163,7 @@ class DjangoStepStore:
         sql = self._sql.get(key)
         if sql is None:
             qn = connection.ops.quote_name
-            table = qn(self.model._meta.db_table)
+            table = qn(self._table_model._meta.db_table)
             pk, status = qn(self._pk.column), qn(self._status.column)
             if kind == "status":
                 sql = f"SELECT {status} FROM {table} WHERE {pk} = %s"
@@ -162,18 +189,30 @@ class DjangoStepStore:
     def _db(field, value: Any, connection) -> Any:
         return field.get_db_prep_value(field.get_prep_value(value), connection, prepared=True)
 
+    def _pk_param(self, step_id: Any, connection) -> Any:
+        try:
+            return self._db(self._pk, step_id, connection)
+        except (ValidationError, ValueError, TypeError):
+            self._pk_value(step_id)  # raises InvalidStepId naming the model
+            raise
+
     def status(self, step_id: Any) -> str:
-        """The step's current status, read on the write database; raises StepNotFound."""
-        connection = connections[self.using]
-        with connection.cursor() as cursor:
-            cursor.execute(self._statement(connection, "status", False, False, False),
-                           [self._db(self._pk, step_id, connection)])
-            row = cursor.fetchone()
+        """The step's current status, read on the write database; raises StepNotFound,
+        InvalidStepId."""
+        if self._table_model is None:
+            found = list(self.manager.filter(pk=self._pk_value(step_id)).values_list(
+                self.status_field, flat=True)[:1])
+            row = (found[0],) if found else None
+        else:
+            connection = connections[self.using]
+            with connection.cursor() as cursor:
+                cursor.execute(self._statement(connection, "status", False, False, False),
+                               [self._pk_param(step_id, connection)])
+                row = cursor.fetchone()
         if row is None or row[0] is None:
             raise StepNotFound(f"{self.model._meta.label} pk={step_id!r} does not exist",
                                step_id=step_id)
-        return self._status.from_db_value(row[0], None, connection) \
-            if hasattr(self._status, "from_db_value") else row[0]
+        return row[0]
 
     def check_allowed(self, from_: str, to: str) -> None:
         """Raise InvalidTransition when ``from_ -> to`` is not in the table."""
@@ -200,11 +239,12 @@ class DjangoStepStore:
         fenced = self._fence is not None and fence is not None
         owned = self._owner is not None and owner is not None
         with_deadline = deadline is not None and connection.vendor == "postgresql"
-        if updates:
+        if updates or self._table_model is None:
             if with_deadline:
                 self.set_deadline(deadline)
-            applied = self._orm_update(step_id, from_, to, owner if owned else None,
-                                       fence if fenced else None, updates)
+            applied = self._orm_update(self._pk_value(step_id), from_, to,
+                                       owner if owned else None, fence if fenced else None,
+                                       updates or {})
         else:
             params = [self._db(self._status, to, connection)]
             if fenced:
@@ -214,7 +254,7 @@ class DjangoStepStore:
             if self._auto_now:
                 now = timezone.now()
                 params += [self._db(f, now, connection) for f in self._auto_now]
-            params += [self._db(self._pk, step_id, connection),
+            params += [self._pk_param(step_id, connection),
                        self._db(self._status, from_, connection)]
             if fenced:
                 params.append(fence)
@@ -230,11 +270,13 @@ class DjangoStepStore:
         current = self.status(step_id)
         result = TransitionResult(False, step_id, from_, to, current=current, fence=fence)
         if raise_on_conflict:
+            stale_fence = fenced and current == from_
             why = (f"its status is {current!r}" if current != from_
-                   else "a newer fencing token already wrote it")
+                   else "a newer fencing token already wrote it" if stale_fence
+                   else "it changed meanwhile")
             raise TransitionConflict(
                 f"{self.model._meta.label} pk={step_id!r}: {from_!r} -> {to!r} refused: {why}",
-                step_id=step_id, from_=from_, to=to, current=current)
+                step_id=step_id, from_=from_, to=to, current=current, stale_fence=stale_fence)
         return result
 
     def _orm_update(self, step_id, from_, to, owner, fence, updates) -> bool:
