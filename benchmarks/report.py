@@ -84,6 +84,21 @@ def evaluate(F: Figures) -> list[dict[str, Any]]:
                  "lock.uncontended.ratio.ours_vs_redis_py", 1.0)
     ratio_target("lock.prl", "Lock cycle p50 faster than python-redis-lock",
                  "lock.uncontended.ratio.ours_vs_prl", 1.0)
+    ratio_target("lock.ping2", "Lock cycle p50 ≤ 1.2 × two PINGs (the floor of two round trips)",
+                 "lock.uncontended.ratio.ours_vs_ping2", 1.2)
+    ratio_target("lock.ping2_meta", "Lock cycle with holder metadata (as StepLockedTask) p50 "
+                 "≤ 1.2 × two PINGs", "lock.uncontended.ratio.ours_meta_vs_ping2", 1.2)
+    ours_top = F.v("lock.uncontended.ours.server_us_top")
+    raw_top = F.v("lock.uncontended.raw.server_us_top")
+    if ours_top and raw_top:
+        r = ours_top / raw_top
+        per_core = F.v("lock.uncontended.ours.cycles_per_core_s")
+        task_us = F.v("lock.uncontended.ours_task.server_us_top")
+        t.append(_target("lock.server", "Redis server time per lock cycle ≤ 2 × the raw SET NX PX "
+                         "+ EVALSHA pair (INFO commandstats, commands sent)", f"{r:.2f}x",
+                         r <= 2.0, f"{ours_top:.1f} vs {raw_top:.1f} µs; "
+                         f"{fmt(per_core)} cycles per Redis core-second; a default task's 3 "
+                         f"scripts {fmt(task_us, 1)} µs", "lock.uncontended.ours.server_us_top"))
     overlaps = [f for f in F.all() if f["name"].startswith(("lock.contended.", "wait."))
                 and f["name"].endswith(".overlaps")]
     if overlaps:
