@@ -313,7 +313,6 @@ class StepLockedTask(Task):
             try:
                 step = plan.steps.step_ref(step_id)  # an impossible key fails before the lease
             except InvalidStepId as exc:
-                exc.argument = plan.step_id_arg
                 raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
                                     step_id=step_id, argument=plan.step_id_arg) from exc
         try:
