@@ -48,6 +48,20 @@ def finished_cycles(hb):
         return hb.cycles, hb.round_trips
 
 
+def settle(hb, clock, timeout=10.0):
+    """Wait until the thread has done every renewal due at the clock's time and waits for a
+    later one; returns ``(cycles, round_trips)``, exact at that time."""
+    def waiting():
+        with hb._cond:
+            # Waiting for the earliest renewal (or, with none, for a notify); its wake-up
+            # time is 0 while a cycle is due or in flight, stale after a register.
+            due = min((e.next_at for e in hb._entries.values()), default=float("inf"))
+            return hb._wake_at == due and due > clock.now
+
+    wait_until(waiting, timeout=timeout, interval=0.005, what="the heartbeat to settle")
+    return finished_cycles(hb)
+
+
 def wait_cycles(hb, n, timeout=10.0):
     """Wait until ``n`` renewal cycles have finished; returns ``(cycles, round_trips)``."""
     wait_until(lambda: finished_cycles(hb)[0] >= n, timeout=timeout, interval=0.005,
@@ -117,13 +131,14 @@ def test_renewals_come_every_ttl_times_ratio(manual, clock, redis_client):
     hb.register(lease, store, ratio=1 / 3)  # due every 10 s on the clock
     acquired_ms = redis_client.hget("t:lease:{hb}", "acquired_ms")
     time.sleep(0.01)  # so that a renewal's renewed_ms differs from acquired_ms
-    clock.set(hb, 9.9)  # short of the interval: not due yet
     for k in range(1, 10):  # three TTLs
+        clock.set(hb, 10.0 * k - 0.25)
+        assert settle(hb, clock) == (k - 1, k - 1)  # not due yet: nothing early
         clock.set(hb, 10.0 * k)
-        assert wait_cycles(hb, k) == (k, k)
+        assert settle(hb, clock) == (k, k)  # one renewal, not two
         assert not lease.lost
-        # Renewed at 10 s * k, not earlier (at 9.9 s) and not twice.
-        assert lease.valid_until == pytest.approx(clock.start + 10.0 * k + 30.0 - drift(30.0))
+        # Sent at 10 s * k: the local validity counts from then.
+        assert lease.valid_until == clock.start + 10.0 * k + 30.0 - drift(30.0)
     assert int(redis_client.hget("t:lease:{hb}", "renewed_ms")) > int(acquired_ms)
     assert store.owned("hb", "o") is not None
     assert finished_cycles(hb) == (9, 9)
@@ -140,7 +155,7 @@ def test_one_round_trip_per_interval_whatever_the_number_of_leases(manual, clock
         leases.append(lease)
     for k in range(1, 6):
         clock.set(hb, 10.0 * k)
-        assert wait_cycles(hb, k) == (k, k)  # every lease in the one round trip of a cycle
+        assert settle(hb, clock) == (k, k)  # every lease in the one round trip of a cycle
         assert not any(lease.lost for lease in leases)
         assert {lease.valid_until for lease in leases} == {clock.now + 30.0 - drift(30.0)}
     assert len([t for t in threading.enumerate() if t.name == "steplock-heartbeat"]) >= 1
@@ -155,7 +170,7 @@ def test_stolen_key_is_noticed_within_one_interval(manual, clock, redis_client, 
     redis_client.hset("t:lease:{steal}", "owner", "thief")
     with caplog.at_level(logging.ERROR, logger="celery_steplock"):
         clock.set(hb, 10.0)  # one interval
-        assert wait_cycles(hb, 1) == (1, 1)  # noticed by the first renewal
+        assert settle(hb, clock) == (1, 1)  # noticed by the first renewal
     assert lease.lost and "another owner" in lease.lost_reason
     lost = [kw for name, kw in received if name == "lock_lost"]
     assert len(lost) == 1 and lost[0]["owner"] == "o" and lost[0]["key"] == "t:lease:{steal}"
@@ -171,7 +186,7 @@ def test_deleted_key_is_lost(manual, clock, redis_client):
     hb.register(lease, store)
     redis_client.delete("t:lease:{gone}")
     clock.set(hb, 10.0)
-    assert wait_cycles(hb, 1) == (1, 1)
+    assert settle(hb, clock) == (1, 1)
     assert lease.lost and "gone" in lease.lost_reason
     assert lease not in hb.leases
 
@@ -197,7 +212,7 @@ def test_signal_payload_of_extended(manual, clock, received):
     lease = store.acquire("sig", "o", 30.0)
     hb.register(lease, store, sender="s")
     clock.set(hb, 10.0)
-    assert wait_cycles(hb, 1) == (1, 1)
+    assert settle(hb, clock) == (1, 1)
     hb.unregister(lease)
     extended = [kw for name, kw in received if name == "lock_extended"]
     assert len(extended) == 1
@@ -253,14 +268,16 @@ def test_max_hold_stops_renewal(manual, clock, redis_client):
     lease = store.acquire("hold", "o", 30.0)
     hb.register(lease, store, max_hold=25.0)  # renewals at 10 s and 20 s, then no more
     clock.set(hb, 10.0)
-    wait_cycles(hb, 1)
+    assert settle(hb, clock) == (1, 1)
     clock.set(hb, 20.0)
-    wait_cycles(hb, 2)
+    assert settle(hb, clock) == (2, 2)
     assert not lease.lost
     renewed_ms = redis_client.hget("t:lease:{hold}", "renewed_ms")
     time.sleep(0.01)  # a renewal now would write another renewed_ms
     clock.set(hb, 25.0)
-    assert wait_cycles(hb, 3) == (3, 2)  # the cycle at max hold sends nothing
+    assert settle(hb, clock) == (3, 2)  # the cycle at max hold sends nothing
+    clock.set(hb, 40.0)
+    assert settle(hb, clock) == (3, 2)  # and none follows
     assert lease.lost and "max hold" in lease.lost_reason
     assert lease not in hb.leases
     # Left to expire by its TTL: never renewed again.
@@ -322,6 +339,8 @@ def test_max_hold_is_reported_on_time_not_one_interval_late(manual, clock, recei
     hb, store = manual
     lease = store.acquire("hold-long-ttl", "o", 30.0)
     hb.register(lease, store, max_hold=4.0)  # renewals every 10 s
+    clock.set(hb, 3.75)
+    assert settle(hb, clock) == (0, 0) and not received
     clock.set(hb, 4.0)  # the thread must wake for the max hold, not sleep until 10 s
     wait_until(lambda: any(name == "lock_lost" for name, _ in received), timeout=10,
                what="lock_lost at max hold")
@@ -342,7 +361,7 @@ def test_the_thread_idles_between_leases_and_exits_when_idle(redis_client, clock
     hb.register(second, store)  # within the idle timeout: the same thread takes it
     assert hb.thread is thread and thread.is_alive()
     clock.set(hb, 10.25)
-    assert wait_cycles(hb, 1) == (1, 1)
+    assert settle(hb, clock) == (1, 1)
     assert not second.lost
     hb.unregister(second)
     clock.set(hb, 10.25 + 0.75)  # idle for longer than the idle timeout
@@ -387,9 +406,9 @@ def test_leases_registered_apart_share_one_cycle_after_their_first(manual, clock
         clock.set(hb, 10.0 * i / 3)
         hb.register(store.acquire(f"phase{i}", "o", 30.0), store, ratio=1 / 3)
     clock.set(hb, 10.0)
-    wait_cycles(hb, 1)
+    assert settle(hb, clock) == (1, 1)
     clock.set(hb, 20.0)
-    wait_cycles(hb, 2)
+    assert settle(hb, clock) == (2, 2)
     assert sizes == [3, 3]
 
 
@@ -400,14 +419,19 @@ def test_an_unreachable_store_is_retried_at_a_bounded_pace(manual, clock):
     lease = store.acquire("refused", "o", 3.0)
     down = RedisLeaseStore(make_client(closed_port_url(), socket_timeout=0.2), prefix="t")
     hb.register(lease, down, ratio=1 / 3)  # renewals fail at once: connection refused
-    clock.set(hb, 1.0)  # the interval
-    assert wait_cycles(hb, 1) == (1, 1)
-    # Retried after a third of the interval, not after a whole one, and not in a tight loop.
+    clock.set(hb, 0.75)
+    assert settle(hb, clock) == (0, 0)
+    clock.set(hb, 1.0)  # the interval: the first attempt fails
+    # Retried a third of the interval later: not sooner (no tight loop while the clock
+    # stands still), not a whole interval later.
+    assert settle(hb, clock) == (1, 1)
+    retry = 1.0
     for k in (2, 3):
-        clock.set(hb, 1.0 + (k - 1) * (1 / 3 + 0.001))
-        assert wait_cycles(hb, k) == (k, k)
-    time.sleep(0.2)  # the clock stands still: a tight loop would add cycles now
-    assert finished_cycles(hb) == (3, 3)
+        clock.set(hb, retry + 1 / 3 - 0.01)
+        assert settle(hb, clock) == (k - 1, k - 1)
+        retry += 1 / 3 + 0.001
+        clock.set(hb, retry)
+        assert settle(hb, clock) == (k, k)
     assert not lease.lost
 
 
