@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import signals
 from .events import emit, lease_fields, listening, logger
@@ -51,12 +51,17 @@ class _Entry:
 class Heartbeat:
     """Renews the leases registered with it from one daemon thread; see the module docstring.
 
-    Use :func:`get_heartbeat` for the process's instance.
+    Use :func:`get_heartbeat` for the process's instance. ``idle_timeout`` (seconds) is
+    how long the thread outlives its last lease. ``clock`` (default :func:`time.monotonic`,
+    seconds) schedules the renewals; it must be the clock of the leases registered (their
+    store's ``clock``), since renewals are recorded on the lease in its readings.
     """
 
-    def __init__(self, idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(self, idle_timeout: float = IDLE_TIMEOUT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pid = os.getpid()
         self.idle_timeout = idle_timeout
+        self.clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
@@ -103,7 +108,7 @@ class Heartbeat:
             with self._cond:
                 present = self._entries.pop(id(lease), None) is not None
                 if present and not self._entries:
-                    self._idle_since = time.monotonic()
+                    self._idle_since = self.clock()
         finally:
             if in_cycle:
                 self._cycle.release()
@@ -126,7 +131,7 @@ class Heartbeat:
         """Wait for the next renewals that are due; None once idle for ``idle_timeout``."""
         with self._cond:
             while True:
-                now = time.monotonic()
+                now = self.clock()
                 if not self._entries:
                     wake_at = self._idle_since + self.idle_timeout
                     if now >= wake_at:
@@ -164,7 +169,7 @@ class Heartbeat:
 
     def _renew(self, due: list[_Entry]) -> None:
         self.cycles += 1
-        now = time.monotonic()
+        now = self.clock()
         by_lock: dict[int, list[_Entry]] = {}
         for entry in due:
             group = by_lock.get(id(entry.lock))
@@ -187,7 +192,7 @@ class Heartbeat:
                         renewing.append(entry)
                         yield lease.name, lease.owner, lease.ttl
 
-            sent = time.monotonic()
+            sent = self.clock()
             try:
                 results = group[0].lock.extend_many(items())
             except LockStoreUnavailable as exc:
@@ -200,7 +205,7 @@ class Heartbeat:
                     if entry.lease.lost:
                         self._lose(entry, entry.lease.lost_reason)
                     else:
-                        entry.next_at = time.monotonic() + max(
+                        entry.next_at = self.clock() + max(
                             MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4))
                 results = None
             for entry, reason in lost:
@@ -226,7 +231,7 @@ class Heartbeat:
         with self._cond:
             present = self._entries.pop(id(lease), None) is not None
             if present and not self._entries:
-                self._idle_since = time.monotonic()
+                self._idle_since = self.clock()
         lease.mark_lost(reason or "lost")
         if present:
             emit(signals.lock_lost, entry.sender, logging.ERROR, reason=lease.lost_reason,

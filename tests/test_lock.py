@@ -6,30 +6,49 @@ import time
 import pytest
 
 from celery_steplock.exceptions import LockLost, LockStoreUnavailable
+from celery_steplock.lease import drift
 from celery_steplock.lock import RedisLeaseStore, make_client, new_owner_token
-from helpers import all_keys_have_ttl
+from helpers import all_keys_have_ttl, wait_until
+
+
+def ttl_left_ok(left: float, ttl: float, since: float, ms: bool = False) -> bool:
+    """True when ``left`` lies between ``ttl`` and ``ttl`` less the time elapsed since
+    ``since`` (a ``time.monotonic()`` reading taken before the call that set the TTL),
+    however long the process stalled in between. Seconds, or milliseconds with ``ms``
+    (Redis rounds those to whole ones)."""
+    elapsed = time.monotonic() - since
+    if ms:
+        return ttl - elapsed * 1000 - 2 <= left <= ttl
+    return ttl - elapsed - 0.002 <= left <= ttl
+
+
+def a_waiter_blocks(client, count: int) -> bool:
+    """True once ``count`` clients are blocked in BLPOP on this Redis."""
+    return client.info("clients")["blocked_clients"] >= count
 
 
 def test_acquire_returns_a_lease_with_metadata(lock, redis_client):
+    before = time.monotonic()
     lease = lock.acquire("a", "owner-1", 5.0, metadata={"task_id": "tid", "task_name": "tn",
                                                         "pid": 42})
     assert lease.owner == "owner-1" and lease.name == "a" and lease.key == "t:lease:{a}"
     assert lease.task_id == "tid" and lease.task_name == "tn"
     assert lease.fence > 0 and not lease.lost
-    assert 4.8 < lease.remaining() <= 5.0
+    assert ttl_left_ok(lease.remaining(), 5.0 - drift(5.0), before)
     stored = redis_client.hgetall("t:lease:{a}")
     assert set(stored) == {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "meta"}
     assert stored["owner"] == "owner-1" and int(stored["fence"]) == lease.fence
     assert json.loads(stored["meta"]) == {"task_id": "tid", "task_name": "tn", "pid": "42"}
     assert stored["ttl_ms"] == "5000" and stored["acquired_ms"] == stored["renewed_ms"]
-    assert 4900 < redis_client.pttl("t:lease:{a}") <= 5000
+    assert ttl_left_ok(redis_client.pttl("t:lease:{a}"), 5000, before, ms=True)
 
 
 def test_second_owner_is_refused(lock):
+    before = time.monotonic()
     assert lock.acquire("a", "o1", 5.0) is not None
     assert lock.acquire("a", "o2", 5.0) is None
     lease, holder, ttl = lock.try_acquire("a", "o3", 5.0)
-    assert lease is None and holder == "o1" and 4.0 < ttl <= 5.0
+    assert lease is None and holder == "o1" and ttl_left_ok(ttl, 5.0, before)
 
 
 def test_same_owner_reacquire_is_idempotent(lock):
@@ -93,14 +112,16 @@ def test_release_is_owner_checked_and_idempotent(lock, redis_client):
 def test_extend_resets_the_ttl_for_the_owner(lock, redis_client):
     lock.acquire("a", "o1", 1.0)
     time.sleep(0.3)
+    before = time.monotonic()
     assert lock.extend("a", "o1", 3.0) is True
-    assert 2900 < redis_client.pttl("t:lease:{a}") <= 3000
+    assert ttl_left_ok(redis_client.pttl("t:lease:{a}"), 3000, before, ms=True)
     assert redis_client.hget("t:lease:{a}", "ttl_ms") == "3000"
 
 
 def test_owned_reports_seconds_left_or_none(lock):
+    before = time.monotonic()
     lock.acquire("a", "o1", 2.0)
-    assert 1.9 < lock.owned("a", "o1") <= 2.0
+    assert ttl_left_ok(lock.owned("a", "o1"), 2.0, before)
     assert lock.owned("a", "o2") is None
     assert lock.owned("missing", "o1") is None
 
@@ -136,29 +157,36 @@ def test_fencing_tokens_of_back_to_back_grants_differ(lock):
 
 
 def test_wait_gets_the_lease_when_the_holder_releases(lock):
-    lock.acquire("w", "holder", 10.0)
-    threading.Timer(0.3, lock.release, args=("w", "holder")).start()
+    lock.acquire("w", "holder", 60.0)
+    released = []
     started = time.monotonic()
-    lease = lock.acquire("w", "waiter", 5.0, wait=3.0)
+    timer = threading.Timer(0.3, lambda: released.append(lock.release("w", "holder")))
+    timer.start()
+    lease = lock.acquire("w", "waiter", 5.0, wait=20.0)
     waited = time.monotonic() - started
-    assert lease is not None and lease.owner == "waiter"
-    assert 0.25 < waited < 1.0
+    timer.join(5)
+    # Granted once released (not before), long before the holder's 60 s TTL or the wait ran
+    # out: the release handed it over.
+    assert lease is not None and lease.owner == "waiter" and released == [True]
+    assert 0.3 <= waited < 10.0
 
 
 def test_wait_gives_up_after_the_deadline(lock):
-    lock.acquire("w", "holder", 10.0)
+    lock.acquire("w", "holder", 60.0)
     started = time.monotonic()
     assert lock.acquire("w", "waiter", 5.0, wait=0.3) is None
-    assert 0.29 < time.monotonic() - started < 0.6
+    # Not before the deadline, and not at the holder's TTL (60 s) either.
+    assert 0.3 <= time.monotonic() - started < 5.0
 
 
 def test_extend_many_renews_in_one_call(lock, redis_client):
     for i in range(20):
         lock.acquire(f"m{i}", f"o{i}", 1.0)
+    before = time.monotonic()
     results = lock.extend_many([(f"m{i}", f"o{i}" if i % 4 else "wrong", 4.0)
                                 for i in range(20)])
     assert results == [bool(i % 4) for i in range(20)]
-    assert redis_client.pttl("t:lease:{m1}") > 3000
+    assert ttl_left_ok(redis_client.pttl("t:lease:{m1}"), 4000, before, ms=True)
     assert redis_client.pttl("t:lease:{m0}") <= 1000
 
 
@@ -169,10 +197,12 @@ def test_extend_many_reloads_flushed_scripts(lock, redis_client):
 
 
 def test_inspect_shows_the_holder(lock):
+    before = time.monotonic()
     lock.acquire("i", "o1", 5.0, metadata={"task_id": "abc", "hostname": "h", "pid": 7})
     info = lock.inspect("i")
     assert info["owner"] == "o1" and info["task_id"] == "abc" and info["pid"] == "7"
-    assert info["name"] == "i" and info["key"] == "t:lease:{i}" and 4 < info["ttl"] <= 5
+    assert info["name"] == "i" and info["key"] == "t:lease:{i}"
+    assert ttl_left_ok(info["ttl"], 5.0, before)
     assert lock.inspect("nobody") is None
 
 
@@ -190,13 +220,17 @@ def test_unreachable_store_raises_a_typed_retryable_error():
     assert time.monotonic() - started < 10
 
 
-def test_lease_local_validity_and_check(lock):
-    lease = lock.acquire("v", "o", 0.2)
+def test_lease_local_validity_and_check(redis_client):
+    now = [500.0]  # the leases' clock, moved by the test (Redis's TTL is long: 30 s)
+    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0])
+    lease = lock.acquire("v", "o", 30.0)
     lease.check()
     assert lease.idempotency_key == "v"
     named = lock.acquire("w", "o", 5.0, metadata={"task_name": "shop.charge"})
     assert named.idempotency_key == "shop.charge:w"
-    time.sleep(0.25)
+    now[0] = 500.0 + 30.0 - drift(30.0) - 0.001
+    lease.check()  # valid up to the TTL less the drift allowance
+    now[0] = lease.valid_until
     assert lease.lost and "local validity" in lease.lost_reason
     with pytest.raises(LockLost) as info:
         lease.check()
@@ -204,6 +238,7 @@ def test_lease_local_validity_and_check(lock):
 
 
 def test_scan_pages_through_leases_without_keys(lock, redis_client):
+    before = time.monotonic()
     for i in range(120):
         lock.acquire(f"s:{i}", f"o{i}", 5.0, metadata={"task_name": "t" if i % 2 else "u"})
     redis_client.set("t:fence:{unrelated}", 1, ex=5)
@@ -217,53 +252,76 @@ def test_scan_pages_through_leases_without_keys(lock, redis_client):
     assert steps > 1
     assert sorted(info["name"] for info in seen) == sorted(f"s:{i}" for i in range(120))
     first = next(info for info in seen if info["name"] == "s:3")
-    assert first["owner"] == "o3" and first["task_name"] == "t" and 4 < first["ttl"] <= 5
+    assert first["owner"] == "o3" and first["task_name"] == "t"
+    assert ttl_left_ok(first["ttl"], 5.0, before)
     assert [i["name"] for i in lock.iter_leases(match="s:1?")] and all(
         i["name"].startswith("s:1") and len(i["name"]) == 4 for i in lock.iter_leases("s:1?"))
 
 
-def test_waiter_wakes_on_release_without_polling(lock):
-    lock.acquire("n", "holder", 10.0)
+def test_waiter_wakes_on_release_without_polling(lock, redis_client, redis_server_url):
+    lock.acquire("n", "holder", 60.0)
+    # A socket timeout of 30 s lets one BLPOP block for the whole 20 s wait.
+    waiter = RedisLeaseStore(make_client(redis_server_url, socket_timeout=30.0), prefix="t")
     woke = []
 
     def wait():
-        woke.append(lock.acquire("n", "waiter", 5.0, wait=5.0))
+        woke.append(waiter.acquire("n", "waiter", 5.0, wait=20.0))
 
     thread = threading.Thread(target=wait)
+    redis_client.config_resetstat()
     thread.start()
-    time.sleep(0.3)
+    wait_until(lambda: redis_client.zscore("t:waiters:{n}", "waiter") is not None,
+               timeout=10, interval=0.005, what="the waiter to register")
     released_at = time.monotonic()
-    lock.release("n", "holder")
-    thread.join(5)
+    assert lock.release("n", "holder") is True
+    thread.join(30)
     assert woke and woke[0].owner == "waiter"
-    assert time.monotonic() - released_at < 0.1
+    # Woken by the release's wake-up: one BLPOP, not one per poll, and it returned long
+    # before its own deadline (20 s) or the holder's TTL (60 s) could have let it in.
+    blpop = redis_client.info("commandstats").get("cmdstat_blpop", {})
+    assert blpop.get("calls") == 1
+    assert time.monotonic() - released_at < 10.0
 
 
-def test_waiter_takes_over_when_the_holder_expires(lock):
-    lock.acquire("e", "dead-holder", 0.4)
+def test_waiter_takes_over_when_the_holder_expires(lock, redis_server_url):
+    # A socket timeout of 30 s: the waiter's BLPOP is bounded by the holder's TTL only.
+    waiter = RedisLeaseStore(make_client(redis_server_url, socket_timeout=30.0), prefix="t")
     started = time.monotonic()
-    lease = lock.acquire("e", "waiter", 5.0, wait=3.0)
-    assert lease is not None and 0.3 < time.monotonic() - started < 0.8
+    lock.acquire("e", "dead-holder", 0.4)
+    lease = waiter.acquire("e", "waiter", 5.0, wait=20.0)
+    waited = time.monotonic() - started
+    # Not before the holder's TTL ran out; then at once (nobody announces a dead holder),
+    # not at the end of its 20 s wait.
+    assert lease is not None and lease.owner == "waiter"
+    assert 0.4 - 0.002 <= waited < 5.0
 
 
-def test_many_waiters_one_winner_per_release(lock, redis_server_url):
-    lock.acquire("m", "holder", 10.0)
+def test_many_waiters_one_winner_per_release(lock, redis_client, redis_server_url):
+    lock.acquire("m", "holder", 60.0)
     winners = []
 
     def wait(i):
-        own = RedisLeaseStore(make_client(redis_server_url), prefix="t")
-        lease = own.acquire("m", f"w{i}", 10.0, wait=1.0)
+        own = RedisLeaseStore(make_client(redis_server_url, socket_timeout=30.0), prefix="t")
+        lease = own.acquire("m", f"w{i}", 60.0, wait=20.0)
         if lease:
             winners.append(i)
 
     threads = [threading.Thread(target=wait, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
-    lock.release("m", "holder")
+    wait_until(lambda: redis_client.zcard("t:waiters:{m}") == 8, timeout=10, interval=0.005,
+               what="8 waiters")
+    owner = "holder"
+    for k in range(1, 9):  # each release hands the lease to exactly one more waiter
+        assert lock.release("m", owner) is True
+        wait_until(lambda: len(winners) >= k, timeout=10, interval=0.005,
+                   what=f"winner {k}")
+        assert len(winners) == k  # the others still wait: the winner holds it for 60 s
+        assert redis_client.zcard("t:waiters:{m}") == 8 - k
+        owner = f"w{winners[-1]}"
     for t in threads:
-        t.join(5)
-    assert len(winners) == 1
+        t.join(10)
+    assert sorted(winners) == list(range(8))
 
 
 def test_a_refusal_is_not_an_outage(lock, redis_client):
@@ -305,6 +363,7 @@ def test_extend_many_renews_each_lease_as_extend_would(lock, redis_client):
     time.sleep(0.02)
     ttls = {"m:a": 7.0, "m:b": 3.0, "m:ü": 5.0, "m:stolen": 9.0, "m:gone": 9.0}
     # chunk=2: three script calls in one round trip, results in the items' order.
+    sent = time.monotonic()
     results = lock.extend_many([(n, f"own-{n}", ttls[n]) for n in names], chunk=2)
     assert results == [True, True, True, False, False]
     for name in ("m:a", "m:b", "m:ü"):
@@ -312,7 +371,7 @@ def test_extend_many_renews_each_lease_as_extend_would(lock, redis_client):
         assert after["ttl_ms"] == str(int(ttls[name] * 1000))
         assert int(after["renewed_ms"]) > int(before[name]["renewed_ms"])
         assert after["acquired_ms"] == before[name]["acquired_ms"]
-        assert ttls[name] * 1000 - 100 < redis_client.pttl(lock.key(name)) <= ttls[name] * 1000
+        assert ttl_left_ok(redis_client.pttl(lock.key(name)), ttls[name] * 1000, sent, ms=True)
     assert redis_client.hgetall("t:lease:{m:stolen}") == before["m:stolen"]
     assert redis_client.pttl("t:lease:{m:stolen}") <= 1000
     assert redis_client.exists("t:lease:{m:gone}") == 0
@@ -347,24 +406,28 @@ def test_reap_many_compares_owner_and_renewal_per_lease(lock, redis_client):
 
 
 def test_a_release_wakes_one_waiter_in_arrival_order(lock, redis_client, redis_server_url):
-    lock.acquire("q", "holder", 10.0)
+    lock.acquire("q", "holder", 60.0)
     order, errors = [], []
 
     def wait(i):
-        own = RedisLeaseStore(make_client(redis_server_url), prefix="t")
+        # A socket timeout of 30 s: each waiter blocks in one BLPOP until woken.
+        own = RedisLeaseStore(make_client(redis_server_url, socket_timeout=30.0), prefix="t")
         try:
-            lease = own.acquire("q", f"w{i}", 10.0, wait=10.0)
+            lease = own.acquire("q", f"w{i}", 60.0, wait=20.0)
             order.append(i)
             time.sleep(0.05)
             own.release("q", lease.owner)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
+    blocked = redis_client.info("clients")["blocked_clients"]
     threads = []
     for i in range(4):
         threads.append(threading.Thread(target=wait, args=(i,)))
         threads[-1].start()
-        time.sleep(0.1)  # each one blocks before the next arrives
+        # Each one blocks (BLPOP) before the next arrives.
+        wait_until(lambda: a_waiter_blocks(redis_client, blocked + i + 1), timeout=10,
+                   interval=0.005, what=f"waiter {i} to block")
     assert redis_client.zcard("t:waiters:{q}") == 4
     def evalsha_calls():  # a first call of a script not loaded yet fails and is repeated
         stats = redis_client.info("commandstats").get("cmdstat_evalsha", {})
@@ -391,14 +454,15 @@ def test_a_waiter_that_gives_up_leaves_nothing_behind(lock, redis_client):
 
 
 def test_wait_keys_expire(lock, redis_client):
-    lock.acquire("x", "holder", 10.0)
+    lock.acquire("x", "holder", 60.0)
     thread = threading.Thread(target=lock.acquire, args=("x", "waiter", 5.0),
-                              kwargs={"wait": 0.5})
+                              kwargs={"wait": 5.0})
     thread.start()
-    time.sleep(0.2)
-    assert 0 < redis_client.pttl("t:waiters:{x}") <= 500
+    wait_until(lambda: redis_client.exists("t:waiters:{x}"), timeout=4, interval=0.005,
+               what="the waiter to register")
+    assert 0 < redis_client.pttl("t:waiters:{x}") <= 5000  # as long as the wait, no longer
     lock.release("x", "holder")
-    thread.join(2)
+    thread.join(10)
     keys, without = all_keys_have_ttl(redis_client, "t:*")
     assert without == []
 
@@ -413,6 +477,7 @@ META_FIELDS = {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "task_id
 
 
 def test_metadata_round_trips_through_inspect_and_scan(lock):
+    before = time.monotonic()
     lease = lock.acquire("meta", "o1", 5.0, metadata=TASK_META)
     info = lock.inspect("meta")
     assert set(info) == META_FIELDS | {"name", "key", "ttl"}
@@ -420,7 +485,7 @@ def test_metadata_round_trips_through_inspect_and_scan(lock):
     assert info["owner"] == "o1" and info["fence"] == str(lease.fence)
     assert info["acquired_ms"] == info["renewed_ms"] and info["ttl_ms"] == "5000"
     [scanned] = lock.iter_leases("meta")
-    assert scanned == {**info, "ttl": scanned["ttl"]} and 4 < scanned["ttl"] <= 5
+    assert scanned == {**info, "ttl": scanned["ttl"]} and ttl_left_ok(scanned["ttl"], 5.0, before)
 
 
 def test_leases_stored_field_by_field_read_the_same(lock, redis_client):
@@ -447,9 +512,10 @@ def test_a_field_of_the_hash_wins_over_a_metadata_entry(lock, redis_client):
 
 def test_fence_counter_has_a_ttl_of_two_periods_when_new(redis_client):
     store = RedisLeaseStore(redis_client, prefix="t", fence_ttl=60.0)
+    before = time.monotonic()
     lease = store.acquire("c", "o1", 5.0)
     assert int(redis_client.get("t:fence:{c}")) == lease.fence
-    assert 119_000 < redis_client.pttl("t:fence:{c}") <= 120_000
+    assert ttl_left_ok(redis_client.pttl("t:fence:{c}"), 120_000, before, ms=True)
 
 
 def test_fence_counter_ttl_is_reset_once_per_period(redis_client):
@@ -458,16 +524,18 @@ def test_fence_counter_ttl_is_reset_once_per_period(redis_client):
     # A counter written 1.5 periods ago: this grant is the first of a new period.
     sec, usec = redis_client.time()
     redis_client.set("t:fence:{c}", sec * 1_000_000 + usec - period_us * 3 // 2, px=5000)
+    before = time.monotonic()
     first = store.acquire("c", "o1", 5.0)
-    assert 119_000 < redis_client.pttl("t:fence:{c}") <= 120_000
+    assert ttl_left_ok(redis_client.pttl("t:fence:{c}"), 120_000, before, ms=True)
     store.release("c", "o1")
     # The next grant keeps the TTL unless a period boundary lies between the two grants.
     redis_client.pexpire("t:fence:{c}", 5000)
+    before = time.monotonic()
     second = store.acquire("c", "o2", 5.0)
     assert second.fence > first.fence
     same_period = first.fence // period_us == second.fence // period_us
     pttl = redis_client.pttl("t:fence:{c}")
-    assert (0 < pttl <= 5000) if same_period else (119_000 < pttl <= 120_000)
+    assert (0 < pttl <= 5000) if same_period else ttl_left_ok(pttl, 120_000, before, ms=True)
 
 
 def test_fence_counter_ahead_of_the_clock_is_followed(lock, redis_client):
@@ -485,7 +553,7 @@ def test_fence_counter_ahead_of_the_clock_is_followed(lock, redis_client):
 
 def test_fence_increases_across_expiry_with_the_counter_kept(lock, redis_client):
     first = lock.acquire("exp", "o1", 0.05)
-    wait_gone = time.monotonic() + 2
+    wait_gone = time.monotonic() + 10
     while redis_client.exists("t:lease:{exp}") and time.monotonic() < wait_gone:
         time.sleep(0.01)
     assert redis_client.exists("t:lease:{exp}") == 0
@@ -496,9 +564,10 @@ def test_fence_increases_across_expiry_with_the_counter_kept(lock, redis_client)
 
 
 def test_refused_acquire_reports_the_holder_and_its_ttl(lock):
+    before = time.monotonic()
     lock.acquire("h", "holder", 5.0)
     lease, holder, ttl = lock.try_acquire("h", "other", 5.0)
-    assert lease is None and holder == "holder" and 4.0 < ttl <= 5.0
+    assert lease is None and holder == "holder" and ttl_left_ok(ttl, 5.0, before)
 
 
 def test_release_does_not_publish(lock, redis_client):

@@ -110,6 +110,8 @@ def test_forwards_and_counts_bytes(proxy):
     sock = raw(proxy.port)
     sock.sendall(PING)
     assert recv_exactly(sock, len(PONG)) == PONG
+    # The loop thread counts bytes_down just after writing them: it may not have yet.
+    wait_until(lambda: proxy.stats["bytes_down"] == len(PONG))
     stats = proxy.stats
     assert stats["connections_total"] == 1
     assert stats["connections_open"] == 1
@@ -152,11 +154,12 @@ def test_latency_round_trip(proxy):
     assert proxy.latency == 0.2
     ok, elapsed = timed(r.ping)
     assert ok
-    assert 0.4 <= elapsed < 0.5
+    assert 0.4 <= elapsed < 0.4 + 2.0  # 0.2 s each way, and nothing like a stall of it
     proxy.set_latency(0)
-    ok, elapsed = timed(r.ping)
-    assert ok
-    assert elapsed < 0.1
+    # With the latency still there every PING would take 0.4 s: the quickest of a few shows
+    # it is gone, whatever a loaded machine does to one of them.
+    fastest = min(timed(r.ping)[1] for _ in range(5))
+    assert fastest < 0.2
     with pytest.raises(ValueError):
         proxy.set_latency(-1)
 
@@ -170,7 +173,7 @@ def test_latency_is_per_chunk_not_cumulative(proxy):
         pipe.incr("counter")
     results, elapsed = timed(pipe.execute)
     assert results == list(range(1, 1001))
-    assert 0.1 <= elapsed < 1.5
+    assert 0.1 <= elapsed < 0.1 + 2.0
 
 
 def test_thousands_of_small_chunks_keep_their_order(proxy):
@@ -186,7 +189,7 @@ def test_thousands_of_small_chunks_keep_their_order(proxy):
         if i == 1500:
             proxy.set_latency(0)
     assert recv_exactly(sock, len(expected)) == bytes(expected)
-    assert time.monotonic() - start < 5.0   # cumulative delays would take a minute
+    assert time.monotonic() - start < 15.0   # cumulative delays would take a minute
     sock.close()
 
 
@@ -238,11 +241,10 @@ def test_stall_holds_then_delivers_in_order(proxy, direct):
     results = {}
 
     def run(name, fn):
-        start = time.monotonic()
         try:
-            results[name] = (fn(), time.monotonic() - start)
+            results[name] = (fn(), time.monotonic())
         except Exception as exc:  # reported by the assertions below
-            results[name] = (exc, time.monotonic() - start)
+            results[name] = (exc, time.monotonic())
 
     threads = [
         threading.Thread(target=run, args=("set", lambda: old.set("stalled", "yes"))),
@@ -251,18 +253,19 @@ def test_stall_holds_then_delivers_in_order(proxy, direct):
     ]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)
+    wait_until(lambda: proxy.stats["connections_total"] == 2)  # the new one was accepted
+    time.sleep(0.5)  # time enough for held data to leak through, if it would
     assert direct.get("stalled") is None   # nothing reached the server
     assert not results
+    unstalled = time.monotonic()
     proxy.unstall()
     for thread in threads:
-        thread.join(5)
-    value, elapsed = results["set"]
-    assert value is True
-    assert 0.5 <= elapsed < 2.0
-    value, elapsed = results["new"]
+        thread.join(10)
+    value, done = results["set"]
+    assert value is True and done >= unstalled   # held until unstall(), then delivered
+    value, done = results["new"]
     assert value in (b"yes", None)   # ordered per connection, not across connections
-    assert 0.5 <= elapsed < 2.0
+    assert done >= unstalled
     assert direct.get("stalled") == b"yes"
     assert old.ping()
 
@@ -282,10 +285,10 @@ def test_blackhole_discards_and_unblackhole_closes_corrupt_connections(proxy, di
     fresh.sendall(PING)
     with pytest.raises(socket.timeout):     # ...but nothing comes back
         fresh.recv(100)
-    assert proxy.stats["bytes_discarded"] > 0
+    wait_until(lambda: proxy.stats["bytes_discarded"] > 0)
 
     proxy.unblackhole()
-    fresh.settimeout(2)
+    fresh.settimeout(10)
     try:                                    # its stream lost bytes: the proxy closes it
         assert fresh.recv(100) == b""
     except ConnectionResetError:
@@ -371,8 +374,8 @@ def test_upstream_refused_closes_the_client(server_a):
     with TcpProxy("127.0.0.1", servers.free_port()) as proxy:
         start = time.monotonic()
         with pytest.raises(redis.ConnectionError):
-            client(proxy.port, timeout=2).ping()   # connects at construction
-        assert time.monotonic() - start < 1.5
+            client(proxy.port, timeout=20).ping()   # connects at construction
+        assert time.monotonic() - start < 10   # closed at once, not left to time out (20 s)
         assert proxy.stats["connect_failures"] >= 1
         wait_until(lambda: proxy.stats["connections_open"] == 0)
         proxy.retarget("127.0.0.1", server_a.port)
@@ -393,13 +396,14 @@ def test_upstream_connect_timeout():
     time.sleep(0.1)
     try:
         with TcpProxy(*target.getsockname(), connect_timeout=0.3) as proxy:
-            sock = raw(proxy.port, timeout=5)
             start = time.monotonic()
+            sock = raw(proxy.port, timeout=20)
             try:
                 assert sock.recv(100) == b""
             except ConnectionResetError:
                 pass
-            assert time.monotonic() - start < 2.5
+            # Closed once its connect timeout passed, long before our own 20 s one.
+            assert 0.3 <= time.monotonic() - start < 10
             wait_until(lambda: proxy.stats["connect_failures"] == 1)
             sock.close()
     finally:
@@ -412,27 +416,27 @@ def test_stop_with_open_connections_is_quick(proxy):
     clients = [client(proxy.port) for _ in range(20)]
     for r in clients:
         r.ping()
-    blocked = client(proxy.port, timeout=5)
+    blocked = client(proxy.port, timeout=30)
     blocked.ping()
     proxy.stall()
     outcome = []
 
     def wait_for_ping():
-        start = time.monotonic()
         try:
             outcome.append(blocked.ping())
         except redis.ConnectionError as exc:
             outcome.append(exc)
-        outcome.append(time.monotonic() - start)
+        outcome.append(time.monotonic())
 
     thread = threading.Thread(target=wait_for_ping, daemon=True)
     thread.start()
-    time.sleep(0.1)
+    time.sleep(0.1)  # most likely its PING is held by now; told it is closed either way
+    stopping = time.monotonic()
     _, elapsed = timed(proxy.stop)
-    assert elapsed < 1.0
-    thread.join(2)
+    assert elapsed < 5.0             # no waiting for the held data or the clients' timeouts
+    thread.join(20)
     assert isinstance(outcome[0], redis.ConnectionError)
-    assert outcome[1] < 1.5          # the blocked client is told at once
+    assert outcome[1] - stopping < 10.0   # the blocked client is told, not left to its 30 s
     with pytest.raises(redis.ConnectionError):
         clients[0].ping()
     proxy.stop()
