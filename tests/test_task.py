@@ -124,20 +124,25 @@ def test_commit_then_release(redis_client, events):
 
 
 def test_signal_order_acquired_extended_released(app, events):
-    app.conf.steplock_default_ttl = 0.3
+    """acquired first, released last, one transition_applied, renewals in between: the body
+    holds the lease past its TTL, so it cannot have succeeded without a renewal. A renewal
+    may land between the commit and the release (the heartbeat thread's own timing), never
+    after the release (unregister waits for a cycle in flight)."""
+    app.conf.steplock_default_ttl = 1.5
     finish.lock_ttl = None
     step = Step.objects.create(name="s")
-    result = finish.apply(args=(step.pk,), kwargs={"hold": 1.0})
+    result = finish.apply(args=(step.pk,), kwargs={"hold": 2.0})
     assert result.successful(), result.traceback
     order = names(events)
     assert order[0] == "lock_acquired" and order[-1] == "lock_released"
     middle = order[1:-1]
-    assert middle.count("transition_applied") == 1 and middle[-1] == "transition_applied"
-    assert set(middle[:-1]) == {"lock_extended"} and len(middle) - 1 >= 5
+    assert middle.count("transition_applied") == 1
+    assert set(middle) - {"transition_applied"} == {"lock_extended"}
+    assert middle.count("lock_extended") >= 1
     owners = {kw["owner"] for _, kw in events if kw.get("owner")}
     assert len(owners) == 1
-    stamps = [kw["monotonic"] for _, kw in events]
-    assert stamps == sorted(stamps)
+    own_thread = [kw["monotonic"] for name, kw in events if name != "lock_extended"]
+    assert own_thread == sorted(own_thread)
 
 
 def test_duplicate_after_commit_skips_the_body(events):
