@@ -150,12 +150,18 @@ class StepLockedTask(Task):
             self.__dict__["_steplock_plan"] = plan
         return plan
 
+    def _current_plan(self) -> ExecutionPlan:
+        """The running execution's plan (checked once, at its start), else
+        :attr:`steplock_plan`."""
+        execution = _executions.get().get(self.name)
+        return execution.plan if execution is not None else self.steplock_plan
+
     @property
     def steplock_settings(self) -> Settings:
         """The settings the current plan was built from (read afresh when the options are
         invalid)."""
         try:
-            return self.steplock_plan.settings
+            return self._current_plan().settings
         except ImproperlyConfigured:
             return Settings(self.app)
 
@@ -247,7 +253,7 @@ class StepLockedTask(Task):
         """Called when the lease (or the step's row) is held by someone else; the body has
         not run. Its return value is the task's. Default: the ``on_contended`` policy:
         "retry" (:meth:`steplock_retry`), "skip" (no state stored) or "raise" ``exc``."""
-        policy = self.steplock_plan.on_contended
+        policy = self._current_plan().on_contended
         if policy == "skip":
             return self.steplock_ignore()
         if policy == "raise":
@@ -265,7 +271,7 @@ class StepLockedTask(Task):
         """Called when the step already left ``from_`` (precheck or CAS); nothing committed.
         Default: the ``on_conflict`` policy: "ignore" (Celery ``Ignore``, the stored result
         is not overwritten) or "raise" ``exc`` (stored as FAILURE)."""
-        if self.steplock_plan.on_conflict == "ignore":
+        if self._current_plan().on_conflict == "ignore":
             return self.steplock_ignore()
         raise exc
 
@@ -274,13 +280,13 @@ class StepLockedTask(Task):
         pre-commit ownership check. Return to go on without the lease's protection (fail
         open: the compare-and-swap still guards), raise to stop (fail closed: the task is
         retried when ``exc`` is raised). Default: the ``on_store_error`` policy."""
-        if self.steplock_plan.on_store_error != "fail_open":
+        if self._current_plan().on_store_error != "fail_open":
             raise exc
 
     def handle_lost_lease(self, exc: LockLost) -> Any:
         """Called when the lease was lost before the commit; nothing committed. Default:
         retried when ``on_contended`` is "retry", else ``exc`` is raised."""
-        if self.steplock_plan.on_contended == "retry":
+        if self._current_plan().on_contended == "retry":
             return self.steplock_retry(exc)
         raise exc
 
@@ -465,7 +471,7 @@ class StepLockedTask(Task):
         keep their own count in the ``steplock_retries`` message header, apart from the
         task's ``retries``/``max_retries``; no RETRY state is stored (a contended duplicate
         shares its task id with the winner and must not overwrite the winner's result)."""
-        plan = self.steplock_plan
+        plan = self._current_plan()
         request = self.request
         attempt = int(getattr(request, "steplock_retries", None)
                       or (request.headers or {}).get("steplock_retries") or 0)
