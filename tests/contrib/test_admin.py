@@ -16,10 +16,11 @@ import sys
 import uuid
 from collections import Counter
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client
@@ -164,11 +165,26 @@ def test_permissions_exist_and_there_is_no_delete_or_add_view(viewer):
         content_type=ContentType.objects.get_for_model(Lease)).values_list("codename",
                                                                            flat=True))
     assert codenames == {"view_lease", "force_release_lease"}
-    for name in ("add", "change", "delete", "history"):
+    for name in ("add", "delete", "history"):
         with pytest.raises(NoReverseMatch):
             reverse(f"admin:celery_steplock_lease_{name}", args=("x",) if name != "add"
                     else ())
     assert LeaseAdmin(Lease, None).get_actions(None) == {}
+
+
+def test_the_change_url_is_only_a_search_for_the_lease(viewer, django_user_model, store):
+    """Admin templates link an object to its change page (the force-release confirmation's
+    breadcrumbs do): for a lease that is Held leases searching for its name, GET or POST."""
+    lease = grab(store, "report:7/a b")
+    url = reverse("admin:celery_steplock_lease_change", args=(quote(lease.name),))
+    expected = reverse(CHANGELIST) + "?" + urlencode({"q": lease.name})
+    client = login(viewer)
+    for method in (client.get, client.post):
+        response = method(url)
+        assert response.status_code == 302 and response["Location"] == expected
+    assert names_on(client.get(expected)) == [lease.name]
+    assert store.inspect(lease.name)["owner"] == lease.owner
+    assert login(staff_user(django_user_model, "plain")).get(url).status_code == 403
 
 
 def test_admin_index_lists_held_leases_for_a_viewer(viewer, store):

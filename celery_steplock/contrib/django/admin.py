@@ -32,7 +32,7 @@ from django import forms
 from django.apps import apps
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION, LogEntry
-from django.contrib.admin.utils import quote
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError, router, transaction
@@ -44,6 +44,7 @@ from django.utils.decorators import method_decorator
 from django.utils.html import escape
 from django.utils.safestring import mark_safe
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 from django.views.decorators.cache import never_cache
 
 from ... import signals
@@ -55,7 +56,8 @@ from .leases import (celery_app, import_task_modules, lease_lock, lease_page, ma
                      redis_time_ms, steplock_task_names)
 from .models import Lease, LeaseEvent
 
-__all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm"]
+__all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm", "LeaseChangeList",
+           "TaskNameFilter"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -70,6 +72,86 @@ class ForceReleaseForm(forms.Form):
     name = forms.CharField(max_length=MAX_NAME_LENGTH, strip=False, widget=forms.HiddenInput)
     owner = forms.CharField(max_length=64, strip=False, widget=forms.HiddenInput)
     changelist_filters = forms.CharField(required=False, widget=forms.HiddenInput)
+
+
+class TaskNameFilter(admin.ListFilter):
+    """The "By task name" filter of the Held leases page, rendered by Django's own
+    ``admin_list_filter`` tag and ``admin/filter.html``.
+
+    ``choices`` is a list of dicts (``display``: str or safe HTML, ``selected``: bool,
+    ``query_string``: ``"?..."``) computed by :meth:`LeaseAdmin.changelist_view`; the
+    filtering itself is :func:`~.leases.matches`, applied while Redis is scanned.
+    """
+
+    title = gettext_lazy("task name")
+    parameter_name = "task_name"
+
+    def __init__(self, request, params, model, model_admin, choices: list[dict]):
+        super().__init__(request, params, model, model_admin)
+        self._choices = choices
+        value = params.get(self.parameter_name)
+        if value:
+            self.used_parameters[self.parameter_name] = value
+
+    def has_output(self) -> bool:
+        return True
+
+    def choices(self, changelist) -> list[dict]:
+        return self._choices
+
+    def queryset(self, request, queryset):
+        return queryset
+
+    def expected_parameters(self) -> list[str]:
+        return [self.parameter_name]
+
+
+class LeaseChangeList:
+    """The ``cl`` that Django's ``admin/change_list.html`` and its tags (``search_form``,
+    ``admin_list_filter``, ``pagination``) read, for a list that is one SCAN page of leases
+    rather than a queryset: the page extends Django's own template, so its breadcrumbs,
+    filter sidebar, search bar and footer are the markup of the running Django version.
+
+    There is no sorting, no actions, no formset and no numbered pages (the SCAN cursor
+    pages; see ``admin/celery_steplock/lease/pagination.html``). ``result_count`` is the
+    number of rows on this page.
+    """
+
+    formset = None
+    date_hierarchy = None
+    is_popup = False
+    to_field = None
+    show_admin_actions = False
+    is_facets_optional = False
+    add_facets = False
+    # Read by the pagination tag: never Django's numbered pages or its "Show all" link.
+    multi_page = False
+    can_show_all = False
+    show_all = False
+    search_fields = ("name", "task_name", "task_id", "step")
+
+    def __init__(self, request: HttpRequest, model_admin: "LeaseAdmin", *, q: str,
+                 task_name: str, filter_choices: list[dict], rows: list[dict],
+                 clear_filters_url: str | None, **page: Any):
+        self.model = model_admin.model
+        self.opts = model_admin.opts
+        self.model_admin = model_admin
+        self.query = q
+        # What the search form carries along as hidden inputs (the filter, not the cursor).
+        self.params = {"task_name": task_name} if task_name else {}
+        self.search_help_text = _(
+            "A step id (digits only: exact), or part of a task name, lock name or step "
+            "(app_label.model:pk), or the start of a task id.")
+        self.filter_specs = [TaskNameFilter(request, self.params, self.model, model_admin,
+                                            filter_choices)]
+        self.has_filters = True
+        self.has_active_filters = bool(task_name)
+        self.clear_all_filters_qs = clear_filters_url or "?"
+        self.rows = rows
+        self.result_count = self.full_result_count = len(rows)
+        self.show_full_result_count = True
+        for key, value in page.items():  # page, page_number, next_url, first_url, ...
+            setattr(self, key, value)
 
 
 def _duration(seconds: float | None) -> str:
@@ -89,10 +171,23 @@ def _duration(seconds: float | None) -> str:
     return f"{minutes}m {secs:02d}s"
 
 
-def _breakable(dotted: str) -> str:
-    """HTML of a dotted name (``"proj.app.tasks.charge"``) that may wrap after each dot, so
-    long task names do not widen the table."""
-    return mark_safe(escape(dotted).replace(".", ".<wbr>"))
+def _breakable(text: str, after: str = "._:@/") -> str:
+    """HTML of a name (``"proj.app.tasks.charge"``, ``"celery@host.example"``) that may wrap
+    after each of the characters ``after``, so long names do not widen the table."""
+    html = str(escape(text))
+    for char in after:
+        html = html.replace(char, char + "<wbr>")
+    return mark_safe(html)
+
+
+def _holder(lease: Lease) -> str:
+    """``"w1@box"``, ``"w1@box (box.example)"`` when the host is not in the worker's name,
+    the host alone without a worker name, or ``"–"``."""
+    if lease.worker:
+        if lease.hostname and lease.hostname not in lease.worker:
+            return f"{lease.worker} ({lease.hostname})"
+        return lease.worker
+    return lease.hostname or "–"
 
 
 def _list_query(params: QueryDict | dict, **changes: Any) -> str:
@@ -167,6 +262,10 @@ class LeaseAdmin(admin.ModelAdmin):
                  name="%s_%s_changelist" % info),
             path("release/", self.admin_site.admin_view(self.release_view),
                  name="%s_%s_release" % info),
+            # Named like Django's change page, which admin templates link to (the
+            # force-release confirmation's breadcrumbs): a lease's row on the list.
+            path("<path:object_id>/change/", self.admin_site.admin_view(self.change_view),
+                 name="%s_%s_change" % info),
         ]
 
     def changelist_url(self, params: QueryDict | dict | None = None) -> str:
@@ -288,7 +387,10 @@ class LeaseAdmin(admin.ModelAdmin):
                 lease = Lease.from_redis(info, page.now_ms)
                 rows.append({
                     "lease": lease,
+                    "name_html": _breakable(lease.name),
                     "task_html": _breakable(lease.task_name) if lease.task_name else "",
+                    "step_html": _breakable(lease.step) if lease.step else "",
+                    "holder_html": _breakable(_holder(lease)),
                     "age": _duration(lease.age),
                     "ttl_left": _duration(lease.ttl_left),
                     "since_renewal": _duration(lease.since_renewal),
@@ -314,15 +416,31 @@ class LeaseAdmin(admin.ModelAdmin):
         if cursor:
             first_url = _list_query(params, **restart)
 
+        # As Django's changelist: "Clear all filters" drops the filter and keeps the search.
+        clear_filters_url = (_list_query(params, task_name=None, **restart) if task_name
+                             else None)
+        listing = dict(rows=rows, page=page, page_number=page_number, filtered=filtered,
+                       next_url=next_url, first_url=first_url, can_release=can_release,
+                       store_error=page is None, per_page=self.list_per_page,
+                       scanned=scanned)
+        cl = LeaseChangeList(request, self, q=q, task_name=task_name,
+                             filter_choices=filter_choices,
+                             clear_filters_url=clear_filters_url, **listing)
         context = self._context(
-            request, _("Held leases"), rows=rows, page=page, page_number=page_number,
-            q=q, task_name=task_name, filter_choices=filter_choices, filtered=filtered,
-            next_url=next_url, first_url=first_url, can_release=can_release,
-            store_error=page is None, per_page=self.list_per_page, scanned=scanned,
-            clear_filters_url=_list_query({}) if filtered else None,
-            **(extra_context or {}))
+            request, _("Held leases"), cl=cl, q=q, task_name=task_name,
+            filter_choices=filter_choices, clear_filters_url=clear_filters_url,
+            has_add_permission=False, actions_on_top=False, actions_on_bottom=False,
+            **listing, **(extra_context or {}))
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.change_list_template, context)
+
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
+                    extra_context=None) -> HttpResponse:
+        """A lease has no change page: redirect to Held leases searching for its name
+        (``object_id`` is the lock name, quoted as the admin quotes primary keys)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return HttpResponseRedirect(self.changelist_url({"q": unquote(object_id)}))
 
     @method_decorator(never_cache)
     def release_view(self, request: HttpRequest) -> HttpResponse:
