@@ -218,6 +218,33 @@ def test_lists_leases_with_holder_details_never_cached(viewer, store):
     assert "Force release" not in html
 
 
+def test_pages_extend_djangos_own_admin_templates(admin_client, store):
+    """The breadcrumbs, search bar, filter and footer come from Django's templates (each
+    version's own markup); only the table and the cursor paginator are the project's."""
+    lease = grab(store, "step:1", task_name="billing.charge")
+    response = admin_client.get(reverse(CHANGELIST), {"task_name": "billing.charge"})
+    used = [t.name for t in response.templates]
+    for name in ("admin/celery_steplock/lease/change_list.html", "admin/change_list.html",
+                 "admin/base_site.html", "admin/search_form.html", "admin/filter.html",
+                 "admin/celery_steplock/lease/pagination.html"):
+        assert name in used, (name, used)
+    assert "admin/pagination.html" not in used  # no numbered pages for a SCAN
+    html = response.content.decode()
+    assert 'id="changelist-filter"' in html and 'id="changelist-search"' in html
+    assert 'class="breadcrumbs"' in html and "By task name" in html
+    # Django's "Clear all filters" drops the filter and keeps the search.
+    assert response.context["cl"].clear_all_filters_qs == "?"
+    assert 'name="task_name" value="billing.charge"' in html  # the search keeps the filter
+    response = admin_client.get(reverse(CHANGELIST), {"task_name": "billing.charge",
+                                                      "q": "step"})
+    assert response.context["cl"].clear_all_filters_qs == "?q=step"
+    response = admin_client.get(reverse(RELEASE), {"name": lease.name})
+    used = [t.name for t in response.templates]
+    assert "admin/delete_confirmation.html" in used, used
+    change = reverse("admin:celery_steplock_lease_change", args=(quote(lease.name),))
+    assert f'href="{change}"' in response.content.decode()  # the lease's breadcrumb
+
+
 def test_superuser_gets_step_and_task_result_links(admin_client, store):
     step = Step.objects.create(name="s")
     one = grab(store, f"step:{step.pk}", step=f"workflows.step:{step.pk}")
