@@ -134,9 +134,11 @@ def assert_layout(m: dict) -> None:
     assert table["width"] >= 0.98 * results["width"], m
     assert table["width"] + filt["width"] >= 0.9 * m["changelist"]["width"], m
     assert table["width"] >= 500, m  # never the ~280 px of a layout its CSS does not fit
-    # The filter stands to the right of the table, in the same band from the top.
-    assert filt["left"] >= table["right"] - 1, m
+    # The filter stands to the right of the table and of the search bar, in the same band
+    # from the top; it is Django's own element for the version (a <search> from 6.0 on).
+    assert filt["left"] >= table["right"] - 1 and filt["left"] >= m["toolbar"]["right"], m
     assert filt["top"] < table["bottom"] and filt["top"] <= results["top"], m
+    assert m["filterTag"] == ("search" if django.VERSION >= (6, 0) else "nav"), m
     # No sideways scrolling: neither the page nor the results box (Django gives it
     # overflow-x: auto), and every column ends inside the viewport.
     assert m["scrollWidth"] <= m["innerWidth"], m
@@ -152,6 +154,7 @@ def assert_breadcrumbs_like_djangos(ours: dict, djangos: dict, colours: dict) ->
                 "linkColor", "display"):
         assert ours[key] == djangos[key], (key, ours, djangos)
     assert ours["background"] == colours["breadcrumbs"] != colours["body"], (ours, colours)
+    assert ours["tag"] == ("ol" if django.VERSION >= (6, 1) else "div"), ours
     assert ours["paddingLeft"] not in ("", "0px") and ours["paddingTop"] not in ("", "0px")
     assert ours["linkColor"] != colours["link"], ours  # not the plain link colour
 
