@@ -20,6 +20,13 @@ with two views wrapped by ``admin_site.admin_view`` (staff login, ``never_cache`
     admin ``LogEntry`` (action DELETION) written first, in the transaction the release
     decides, and the ``lock_released`` signal with ``forced=True`` once it commits. There is
     deliberately no bulk action.
+``admin:celery_steplock_lease_change``
+    No change page: a redirect to Held leases searching for the lease's name (the admin's
+    templates link an object there, e.g. the confirmation page's breadcrumbs).
+
+The pages extend Django's own ``admin/change_list.html`` and
+``admin/delete_confirmation.html`` (through :class:`LeaseChangeList`, the ``cl`` those
+templates read), so they take the markup and styles of the running Django version.
 """
 from __future__ import annotations
 
