@@ -240,6 +240,12 @@ def test_force_release_a_running_workers_lease_in_the_browser(
                 assert release.count() == 1 and release.is_visible()
                 box = release.bounding_box()
                 assert box["x"] + box["width"] <= layout["results"]["right"] + 1, (name, box)
+            print(f"Django {DJANGO} at {width} px, sidebar open: table "
+                  f"{layout['table']['left']:.0f}-{layout['table']['right']:.0f} px, filter "
+                  f"{layout['filter']['left']:.0f}-{layout['filter']['right']:.0f} px (top "
+                  f"{layout['filter']['top']:.0f} vs table {layout['table']['top']:.0f}), last "
+                  f"Force release ends at {box['x'] + box['width']:.0f} px, page scrollWidth "
+                  f"{layout['scrollWidth']}")
 
             page.locator(f'tr[data-lease="{target}"] a.force-release').click()
             page.wait_for_selector("#lease-holder")
