@@ -202,10 +202,11 @@ def _checked_step_database(task, settings: Settings) -> tuple[str | None, str]:
     return using, source
 
 
-def _steps(task, settings: Settings) -> StepStore | None:
+def _steps(task, settings: Settings, database: Callable[[], tuple[str | None, str]]
+           ) -> StepStore | None:
     if task.step_model is None:
         return None
-    using, source = _step_database(task, settings)
+    using, source = database()
     return load_step_store(
         settings.step_store, task.step_model, status_field=settings.status_field,
         owner_field=settings.owner_field, fence_field=settings.fence_field,
@@ -218,6 +219,13 @@ def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) ->
 
 def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
     """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
+    database: list[tuple[str | None, str]] = []
+
+    def step_database() -> tuple[str | None, str]:
+        if not database:  # read once: the step store's resolver needs it too
+            database.append(_checked_step_database(task, settings))
+        return database[0]
+
     return {
         "lock_key": lambda: _lock_key(task),
         "ttl": lambda: _option(task.lock_ttl, lambda: check_ttl(task.lock_ttl, "lock_ttl"),
@@ -252,8 +260,8 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
         "retry_backoff_max": lambda: settings.retry_backoff_max,
         "db_deadline": lambda: settings.db_deadline,
         "store": lambda: get_lease_store(task.app, settings),
-        "step_database": lambda: _checked_step_database(task, settings),
-        "steps": lambda: _steps(task, settings),
+        "step_database": step_database,
+        "steps": lambda: _steps(task, settings, step_database),
     }
 
 

@@ -414,6 +414,51 @@ def test_one_database_per_execution_with_a_router_that_reads_the_context(redis_c
     assert row(Ledger, ledger.pk, "other")[0] == "pending"
 
 
+def test_the_router_is_asked_once_per_execution(redis_client):
+    calls = []
+
+    class Counting(TenantRouter):
+        def db_for_write(self, model, **hints):
+            if model is Ledger:
+                calls.append(TENANT.get())
+            return super().db_for_write(model, **hints)
+
+    ledgers = [Ledger.objects.create() for _ in range(2)]
+    with override_settings(DATABASE_ROUTERS=[Counting()]):
+        for ledger in ledgers:
+            token = TENANT.set("default")
+            try:
+                assert switch_tenant.apply(args=(ledger.pk,)).result == "switched"
+            finally:
+                TENANT.reset(token)
+    assert calls == ["default", "default"]
+    assert {row(Ledger, x.pk, "default")[0] for x in ledgers} == {"posted"}
+
+
+def test_the_factory_gets_the_database_and_its_listing_refuses_unknown_ones():
+    from celery_steplock.steps import load_step_store
+
+    calls = []
+
+    def factory(model, **fields):
+        calls.append(fields.get("using", "<not given>"))
+        return model
+
+    factory.databases = lambda: ("main", "archive")
+    fields = dict(status_field="s", owner_field="o", fence_field="f")
+    assert load_step_store(factory, "m", **fields) == "m"
+    assert load_step_store(factory, "m", using="archive", **fields) == "m"
+    with pytest.raises(ImproperlyConfigured) as info:
+        load_step_store(factory, "m", using="nope", using_setting="steplock_step_database",
+                        **fields)
+    assert info.value.setting == "steplock_step_database"
+    assert "'nope' is not a configured database (known: 'main', 'archive')" in str(info.value)
+    assert calls == ["<not given>", "archive"]
+    with pytest.raises(ImproperlyConfigured) as info:
+        DjangoStepStore(Parcel, using="nope")
+    assert "'default', 'replica', 'other'" in str(info.value)
+
+
 def test_an_unknown_database_is_a_configuration_error_naming_the_option(app, redis_client):
     ledger = Ledger.objects.create()
     post_routed_ledger.step_database = "nowhere"
