@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import functools
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, router, transaction
 
+from ...conf import Settings, check_database
 from ...task import StepLockedTask
+from .steps import resolve_model
 
 try:
     from celery.contrib.django.task import DjangoTask
@@ -26,10 +28,18 @@ class DjangoStepLockedTask(StepLockedTask, DjangoTask):
     """
 
     def steplock_commit_database(self) -> str:
-        """The database whose commit ``delay_on_commit`` waits for (see the class).
-        Raises ImproperlyConfigured when the task's options are invalid."""
-        steps = self.steplock_plan.steps
-        return steps.using if steps is not None else DEFAULT_DB_ALIAS
+        """The database whose commit ``delay_on_commit`` waits for (see the class), found
+        without building the execution plan (a publisher needs no lease store). Raises
+        ImproperlyConfigured for an invalid ``step_model``, ``step_database`` or
+        ``steplock_step_database``."""
+        if self.step_model is None:
+            return DEFAULT_DB_ALIAS
+        using = self.step_database
+        if using is None:
+            using = Settings(self.app).step_database
+        else:
+            check_database(using, "step_database")
+        return using or router.db_for_write(resolve_model(self.step_model)) or DEFAULT_DB_ALIAS
 
     def delay_on_commit(self, *args, **kwargs) -> None:
         """Call :meth:`~celery.app.task.Task.delay` once the step database's current
