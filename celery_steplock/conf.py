@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "reaper_older_than": 0.0,       # seconds a step must have been in flight before recovery
     # The step-store factory (celery_steplock.steps.StepStore), a qualified string.
     "step_store": "celery_steplock.contrib.django.steps:DjangoStepStore",
+    "step_database": None,          # None: the step model's write database (Django: the router)
 }
 
 
@@ -109,6 +110,18 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
         raise ImproperlyConfigured(
             f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {value!r}",
             setting=name)
+    return value
+
+
+def check_database(value: Any, name: str) -> str | None:
+    """Return ``value`` if it is None or a database name (a non-empty string without
+    surrounding spaces), else raise ImproperlyConfigured naming ``name``. Whether the
+    database exists is the step store's to say."""
+    if value is not None and (not isinstance(value, str) or not value
+                              or value != value.strip()):
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be None or a database alias (a key of DATABASES), "
+            f"got {value!r}", setting=name)
     return value
 
 
@@ -352,6 +365,10 @@ class Settings:
                 f"(\"package.module:Factory\") or a callable, got {value!r}",
                 setting="steplock_step_store")
         return value
+
+    @property
+    def step_database(self) -> str | None:
+        return check_database(self.raw("step_database"), "steplock_step_database")
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
-    check_choice, check_seconds, check_ttl, configuration_version
+    check_choice, check_database, check_seconds, check_ttl, configuration_version
 from .exceptions import ImproperlyConfigured
 from .lock import RedisLeaseStore, get_lease_store
-from .steps import StepStore, check_transitions, load_step_store
+from .steps import StepStore, check_known_database, check_transitions, load_step_store, \
+    step_store_factory
 
 __all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "is_step_locked",
            "OPTION_NAMES"]
@@ -31,7 +32,7 @@ __all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "i
 OPTION_NAMES = frozenset({
     "lock_key", "lock_ttl", "lock_wait", "lock_max_hold", "on_contended", "on_conflict",
     "on_store_error", "step_model", "step_id_arg", "step_transition", "step_transitions",
-    "lock_precheck", "lock_retry_max"})
+    "lock_precheck", "lock_retry_max", "step_database"})
 
 
 _OPTION_ORDER = tuple(sorted(OPTION_NAMES))
@@ -183,12 +184,48 @@ def _retry_max(task, settings: Settings) -> int | None:
     return value
 
 
+def _step_database(task, settings: Settings) -> tuple[str | None, str]:
+    """The database the task's step store is told to use (None: the store's choice, the
+    router's for Django) and the option or setting it comes from."""
+    value = getattr(task, "step_database", None)
+    if value is None:
+        return settings.step_database, "steplock_step_database"
+    return check_database(value, "step_database"), "step_database"
+
+
+def _checked_step_database(task, settings: Settings) -> tuple[str | None, str]:
+    """:func:`_step_database`, refused by name when the step store's factory does not know
+    the database (judged only for a task with a step model)."""
+    using, source = _step_database(task, settings)
+    if using is not None and task.step_model is not None:
+        check_known_database(step_store_factory(settings.step_store), using, source)
+    return using, source
+
+
+def _steps(task, settings: Settings, database: Callable[[], tuple[str | None, str]]
+           ) -> StepStore | None:
+    if task.step_model is None:
+        return None
+    using, source = database()
+    return load_step_store(
+        settings.step_store, task.step_model, status_field=settings.status_field,
+        owner_field=settings.owner_field, fence_field=settings.fence_field,
+        transitions=task.step_transitions, using=using, using_setting=source)
+
+
 def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) -> Any:
     return default() if value is None else check()
 
 
 def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
     """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
+    database: list[tuple[str | None, str]] = []
+
+    def step_database() -> tuple[str | None, str]:
+        if not database:  # read once: the step store's resolver needs it too
+            database.append(_checked_step_database(task, settings))
+        return database[0]
+
     return {
         "lock_key": lambda: _lock_key(task),
         "ttl": lambda: _option(task.lock_ttl, lambda: check_ttl(task.lock_ttl, "lock_ttl"),
@@ -223,10 +260,8 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
         "retry_backoff_max": lambda: settings.retry_backoff_max,
         "db_deadline": lambda: settings.db_deadline,
         "store": lambda: get_lease_store(task.app, settings),
-        "steps": lambda: (None if task.step_model is None else load_step_store(
-            settings.step_store, task.step_model, status_field=settings.status_field,
-            owner_field=settings.owner_field, fence_field=settings.fence_field,
-            transitions=task.step_transitions)),
+        "step_database": step_database,
+        "steps": lambda: _steps(task, settings, step_database),
     }
 
 
@@ -244,6 +279,7 @@ def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfig
     framework's model registry is loaded)."""
     settings = Settings(task.app)
     problems = []
+    seen = set()
     for field_name, resolve in _resolvers(task, settings).items():
         if field_name == "steps" and not models_ready:
             continue
@@ -255,6 +291,9 @@ def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfig
         except ImproperlyConfigured as exc:
             if exc.setting and exc.setting.startswith("steplock_"):
                 continue  # an option left to its setting: the setting is what is invalid
+            if (exc.setting, str(exc)) in seen:
+                continue  # step_database: judged on its own and again by the step store
+            seen.add((exc.setting, str(exc)))
             problems.append(_named(task, exc))
     return problems
 
@@ -277,5 +316,6 @@ def build_plan(task) -> ExecutionPlan:
                 raise
             raise named from exc
     values.pop("step_transitions")
+    values.pop("step_database")
     return ExecutionPlan(task_name=task.name, settings=Settings(task.app, snapshot=True),
                          version=version, options=options, **values)

@@ -20,9 +20,11 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, \
 
 from celery.utils.imports import symbol_by_name
 
+from .conf import describe
 from .exceptions import ImproperlyConfigured
 
 __all__ = ["StepStore", "TransitionResult", "load_step_store", "check_transitions",
+           "check_known_database", "step_store_factory",
            "DEFAULT_STEP_STORE"]
 
 #: The ``steplock_step_store`` default: the Django ORM store of ``contrib.django``.
@@ -55,6 +57,15 @@ class StepStore(Protocol):
     ``label`` names the model (``"app_label.model"``, lower case), ``using`` the database
     every call goes to (the model's write database: the precheck included, so a lagging
     replica can never decide anything).
+
+    Optional, looked up with ``getattr``: ``bind()`` returns a store whose every call goes
+    to the database ``using`` names at that moment (a store that picks its database per
+    call, e.g. through a router that reads a tenant from the context, fixes it there); the
+    task calls it once per execution, before the outer-transaction check, so that the
+    check, the precheck, the transaction, the compare-and-swap, its follow-up read and
+    ``on_commit`` all use one database. A store without it is used as it is. On the
+    factory: ``databases()`` lists the database names a ``using=`` may take (None: it
+    cannot tell), for :func:`load_step_store` to refuse an unknown one by name.
     """
 
     label: str
@@ -119,14 +130,31 @@ def check_transitions(table: Any, setting: str = "step_transitions"
 
 def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: str,
                     fence_field: str, transitions: Mapping[str, Iterable[str]] | None = None,
-                    setting: str = "steplock_step_store") -> StepStore:
+                    setting: str = "steplock_step_store", using: str | None = None,
+                    using_setting: str = "step_database") -> StepStore:
     """Build the step store for ``model`` with the factory ``spec`` names.
 
     ``spec``: a qualified string ``"package.module:Name"`` (or ``package.module.Name``) or
     the factory itself, called as ``factory(model, status_field=..., owner_field=...,
-    fence_field=..., transitions=...)``. Raises ImproperlyConfigured naming ``setting`` when
-    the factory cannot be imported, and whatever the factory raises about the model.
+    fence_field=..., transitions=...)``, plus ``using=`` when ``using`` (a database name,
+    e.g. the task's ``step_database``) is given; None leaves the choice to the store (the
+    Django store: the router's write database). Raises ImproperlyConfigured naming
+    ``setting`` when the factory cannot be imported, naming ``using_setting`` when the
+    factory's ``databases()`` does not list ``using``, and whatever the factory raises
+    about the model.
     """
+    factory = step_store_factory(spec, setting)
+    if using is None:
+        return factory(model, status_field=status_field, owner_field=owner_field,
+                       fence_field=fence_field, transitions=transitions)
+    check_known_database(factory, using, using_setting)
+    return factory(model, status_field=status_field, owner_field=owner_field,
+                   fence_field=fence_field, transitions=transitions, using=using)
+
+
+def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Callable[..., Any]:
+    """The factory ``spec`` names (a qualified string, or the factory itself); raises
+    ImproperlyConfigured naming ``setting`` when it cannot be imported or is not callable."""
     try:
         factory = symbol_by_name(spec) if isinstance(spec, str) else spec
     except (ImportError, AttributeError, ValueError) as exc:
@@ -135,5 +163,15 @@ def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: st
     if not callable(factory):
         raise ImproperlyConfigured(f"{setting} must name a step-store factory, got {spec!r}",
                                    setting=setting)
-    return factory(model, status_field=status_field, owner_field=owner_field,
-                   fence_field=fence_field, transitions=transitions)
+    return factory
+
+
+def check_known_database(factory: Any, using: str, setting: str = "step_database") -> None:
+    """Raise ImproperlyConfigured naming ``setting`` when ``factory.databases()`` (if the
+    factory has it and it can tell) does not list ``using``."""
+    listing = getattr(factory, "databases", None)
+    known = listing() if callable(listing) else None
+    if known is not None and using not in known:
+        raise ImproperlyConfigured(
+            f"{describe(setting)}: {using!r} is not a configured database (known: "
+            f"{', '.join(map(repr, known)) or 'none'})", setting=setting)

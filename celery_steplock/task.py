@@ -38,6 +38,8 @@ default from :mod:`celery_steplock.conf`:
 ``step_id_arg``     name of the argument holding the step's primary key
 ``transition``      ``(from_, to)`` applied by CAS after the body
 ``step_transitions`` optional ``{from_: [to, ...]}`` table of allowed transitions
+``step_database``   database alias every step statement goes to (``steplock_step_database``,
+                    default None: the step model's write database, ``router.db_for_write``)
 ``lock_precheck``   skip the body when the step already left ``from_`` (default True)
 ``lock_retry_max``  how many times a busy lease, an outage or a lost lease is retried
                     (``steplock_retry_max``, default None: until it clears; these retries
@@ -79,6 +81,7 @@ class _Execution:
     plan: ExecutionPlan
     lease: Lease | None
     final_cas: bool = False  # the next transition() is the plan's own, after the body
+    steps: StepStore | None = None  # the plan's step store, bound to this execution's database
 
 
 # The execution of each task running in this context (thread / greenlet), by task name. A
@@ -118,6 +121,7 @@ class StepLockedTask(Task):
     step_id_arg: str | None = None
     step_transition: tuple[str, str] | None = None
     step_transitions: dict | None = None
+    step_database: str | None = None
     lock_precheck: bool | None = None
     lock_retry_max: int | None = None
 
@@ -205,7 +209,8 @@ class StepLockedTask(Task):
         execution = _executions.get().get(self.name)
         plan = execution.plan if execution is not None else self.steplock_plan
         lease = execution.lease if execution is not None else None
-        steps = plan.steps if plan.steps is not None else self._step_store()
+        steps = (execution.steps if execution is not None and execution.steps is not None
+                 else plan.steps if plan.steps is not None else self._step_store())
         deadline = None
         if lease is not None:
             lease.check()
@@ -308,8 +313,12 @@ class StepLockedTask(Task):
                     f"{self.name}: step_id_arg={plan.step_id_arg!r} is not an argument of the "
                     f"task (arguments: {', '.join(arguments)})", setting="step_id_arg")
             step_id = arguments[plan.step_id_arg]
-        if plan.steps is not None:
-            plan.steps.check_not_nested(self.name)
+        steps = plan.steps
+        if steps is not None:
+            # One database for the whole execution: the router is asked once, here.
+            bind = getattr(steps, "bind", None)
+            steps = bind() if bind is not None else steps
+            steps.check_not_nested(self.name)
         request = self.request
         store = plan.store
         base = {"key": store.key(name), "name": name, "task_id": request.id,
@@ -317,7 +326,7 @@ class StepLockedTask(Task):
         step = None
         if step_id is not None:
             try:
-                step = plan.steps.step_ref(step_id)  # an impossible key fails before the lease
+                step = steps.step_ref(step_id)  # an impossible key fails before the lease
             except InvalidStepId as exc:
                 raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
                                     step_id=step_id, argument=plan.step_id_arg) from exc
@@ -334,7 +343,7 @@ class StepLockedTask(Task):
                 self.handle_store_error(exc, None)
             except LockStoreUnavailable as refused:
                 return self.steplock_retry(refused)
-            return self._execute(plan, None, step_id, args, kwargs)
+            return self._execute(plan, None, step_id, args, kwargs, steps)
         if lease is None:
             info = self._holder(store, name)
             emit(signals.lock_contended, self, owner=None, fence=None,
@@ -350,7 +359,7 @@ class StepLockedTask(Task):
         try:
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self,
                                max_hold=plan.max_hold)
-            return self._execute(plan, lease, step_id, args, kwargs)
+            return self._execute(plan, lease, step_id, args, kwargs, steps)
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
@@ -359,10 +368,11 @@ class StepLockedTask(Task):
                      **lease_fields(lease))
             self._release(store, lease)
 
-    def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs):
-        execution = _Execution(plan, lease)
+    def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
+                 steps: StepStore | None = None):
+        steps = plan.steps if steps is None else steps
+        execution = _Execution(plan, lease, steps=steps)
         token = _executions.set({**_executions.get(), self.name: execution})
-        steps = plan.steps
         body_done = False
         try:
             if plan.transition is not None and plan.precheck:

@@ -32,10 +32,12 @@ from celery.utils.imports import symbol_by_name
 from .conf import Settings
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
-from .steps import DEFAULT_STEP_STORE, load_step_store
+from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, \
+    step_store_factory
 
 __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
-           "task_problems", "step_model_problems", "step_store_problems", "visibility_timeout_problems",
+           "task_problems", "step_model_problems", "step_store_problems", "step_database_problems",
+           "visibility_timeout_problems",
            "worker_lost_problems", "time_limit_problems", "unknown_name_problems", "visibility_timeout",
            "REDIS_VISIBILITY_TIMEOUT"]
 
@@ -160,6 +162,28 @@ def step_store_problems(app) -> list[Problem]:
                         f"be imported: {exc}",
                         hint="Name a step-store factory as \"package.module:Name\" "
                              "(CELERY_STEPLOCK_STEP_STORE).", obj="steplock_step_store")]
+    return []
+
+
+def step_database_problems(app) -> list[Problem]:
+    """E003: a ``steplock_step_database`` the step store does not know (judged when a task
+    has a step model, through the factory's ``databases()``)."""
+    try:
+        settings = Settings(app)
+        using = settings.step_database
+        factory = step_store_factory(settings.step_store)
+    except ImproperlyConfigured:
+        return []  # settings_problems / step_store_problems report it
+    if using is None or not any(task.step_model is not None for task in steplock_tasks(app)):
+        return []
+    try:
+        check_known_database(factory, using, "steplock_step_database")
+    except ImproperlyConfigured as exc:
+        return [Problem("celery_steplock.E003",
+                        f"Invalid celery-steplock setting steplock_step_database: {exc}",
+                        hint="Name a key of DATABASES (CELERY_STEPLOCK_STEP_DATABASE), or "
+                             "None for the step model's write database (the router's).",
+                        obj="steplock_step_database")]
     return []
 
 
@@ -362,7 +386,8 @@ def problems(app) -> list[Problem]:
     (E004), step models (E002, once the step store's models are loaded), then the warnings
     W001, W002, W004 and W005. Reads the tasks ``app`` has registered; imports no task
     module."""
-    return (settings_problems(app) + step_store_problems(app) + task_problems(app)
+    return (settings_problems(app) + step_store_problems(app) + step_database_problems(app)
+            + task_problems(app)
             + step_model_problems(app) + visibility_timeout_problems(app)
             + worker_lost_problems(app) + time_limit_problems(app)
             + unknown_name_problems(app))

@@ -9,6 +9,7 @@ subprocesses started by the tests can open it.
 Celery: every ``CELERY_*`` setting maps to the lowercase Celery setting
 (``CELERY_STEPLOCK_DEFAULT_TTL`` -> ``app.conf.steplock_default_ttl``).
 """
+import copy
 import os
 from pathlib import Path
 
@@ -45,6 +46,7 @@ INSTALLED_APPS = [
     "celery_steplock.contrib.django",
     "django_app.workflows",
     "django_app.faults",
+    "django_app.routing",
 ]
 
 MIDDLEWARE = [
@@ -107,6 +109,36 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["TEST"] = {"NAME": str(SQLITE_TEST_PATH)}
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+
+# Two more databases for the router tests (django_app/routers.py, docs/databases.md):
+# "replica", which nothing writes (a read replica lagging without end), and "other", a second
+# primary. Same engine as default: SQLite files beside its file, or databases of the same
+# PostgreSQL server ("<name>_replica", "<name>_other"); STEPLOCK_<ALIAS>_DATABASE_URL points
+# one elsewhere (the tests' worker processes get their test databases that way). Only the
+# tests that declare them create their test databases.
+for _alias in ("replica", "other"):
+    _url = os.environ.get(f"STEPLOCK_{_alias.upper()}_DATABASE_URL")
+    if _url:
+        _extra = dj_database_url.parse(_url, conn_max_age=0)
+        if _extra["ENGINE"] == "django.db.backends.sqlite3":
+            _extra["OPTIONS"] = dict(DATABASES["default"].get("OPTIONS", {}))
+            _extra["TEST"] = {"NAME": _extra["NAME"]}
+    else:
+        _extra = copy.deepcopy(DATABASES["default"])
+        if _extra["ENGINE"] == "django.db.backends.sqlite3":
+            _path = Path(_extra["NAME"])
+            _extra["NAME"] = str(_path.with_name(f"{_path.stem}_{_alias}{_path.suffix}"))
+            _extra["TEST"] = {"NAME": str(SQLITE_TEST_PATH.with_name(
+                f"{SQLITE_TEST_PATH.stem}_{_alias}{SQLITE_TEST_PATH.suffix}"))}
+        else:
+            _extra["NAME"] = f"{_extra['NAME']}_{_alias}"
+            _extra.pop("TEST", None)
+    DATABASES[_alias] = _extra
+
+DATABASE_ROUTERS = [
+    name for name in os.environ.get(
+        "STEPLOCK_DATABASE_ROUTERS", "django_app.routers.ProjectRouter").split(",") if name
+]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

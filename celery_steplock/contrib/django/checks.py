@@ -80,7 +80,8 @@ def render(problems: list[Problem]) -> list[checks.CheckMessage]:
 def check_settings(app) -> list[checks.CheckMessage]:
     """E003: one Error per invalid ``steplock_*`` setting (and a step store that cannot be
     imported)."""
-    return render(validate.settings_problems(app) + validate.step_store_problems(app))
+    return render(validate.settings_problems(app) + validate.step_store_problems(app)
+                  + validate.step_database_problems(app))
 
 
 def check_task_options(app) -> list[checks.CheckMessage]:

@@ -24,6 +24,12 @@ writes its owner into a row only while it holds the lease, so an owner that is l
 row is read is still seen by the scan that follows (or has released, which makes it not
 live). Each recovery sends ``lock_expired`` with ``step_id``/``from_``/``to`` once its update
 commits. Rows with an empty owner (written by code outside the library) are left alone.
+
+Database: the rows are read and moved on the step model's write database, never on a
+replica a router sends reads to (a lagging replica would hide in-flight rows, or show rows
+that moved on long ago): the ``step_database`` of each registered task of that model, else
+``steplock_step_database``, else the router's ``db_for_write``. A model that tasks write on
+several databases is recovered on each of them.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from typing import Any
 from django.apps import apps as django_apps
 from django.conf import settings as django_settings
 from django.core.exceptions import FieldDoesNotExist
-from django.db import DatabaseError, router, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, router, transaction
 from django.utils import timezone
 
 from ... import signals
@@ -63,6 +69,7 @@ class _Candidates:
     moves: dict[str, str]
     rows: list[tuple[Any, str, str]]
     auto_now_field: str | None
+    using: str = DEFAULT_DB_ALIAS
 
 
 class StepRecovery:
@@ -95,8 +102,8 @@ class StepRecovery:
         run = self.run
         for group in self.candidates:
             label_lower = group.model._meta.concrete_model._meta.label_lower
-            manager = group.model._base_manager
-            using = router.db_for_write(group.model)
+            using = group.using
+            manager = group.model._base_manager.db_manager(using)
             for pk, status, owner in group.rows:
                 if owner in live_owners or f"{label_lower}:{pk}" in live_steps:
                     continue
@@ -176,25 +183,66 @@ def recover_steps(run) -> StepRecovery | None:
             run.error(f"steplock_reaper_older_than={older_than:g} needs an {AGE_FIELD!r} "
                       f"column (auto_now=True) on {label}: its steps are not recovered")
             continue
+        try:
+            aliases = _databases(run, model)
+        except StepLockError as exc:
+            run.error(f"steplock_reaper_recover: {label}: {exc}")
+            continue
         query = {f"{status_field}__in": sorted(moves)}
         if age is not None and older_than > 0:
             cutoff = now - timedelta(seconds=older_than)
             if not getattr(django_settings, "USE_TZ", True):
                 cutoff = timezone.make_naive(cutoff, dt_timezone.utc)
             query[f"{age.name}__lte"] = cutoff
-        try:
-            rows = list(
-                model._base_manager.filter(**query)
-                .exclude(**{owner_field: ""}).exclude(**{f"{owner_field}__isnull": True})
-                .order_by("pk").values_list("pk", status_field, owner_field)
-                .iterator(chunk_size=run.batch_size))
-        except DatabaseError as exc:
-            run.error(f"could not read in-flight {label} rows: {exc}")
-            continue
         auto_now = age.name if age is not None and getattr(age, "auto_now", False) else None
-        found.append(_Candidates(label, model, status_field, owner_field, dict(moves), rows,
-                                 auto_now))
+        for using in aliases:
+            try:
+                rows = list(
+                    model._base_manager.db_manager(using).filter(**query)
+                    .exclude(**{owner_field: ""}).exclude(**{f"{owner_field}__isnull": True})
+                    .order_by("pk").values_list("pk", status_field, owner_field)
+                    .iterator(chunk_size=run.batch_size))
+            except DatabaseError as exc:
+                where = "" if aliases == [DEFAULT_DB_ALIAS] else f" on database {using!r}"
+                run.error(f"could not read in-flight {label} rows{where}: {exc}")
+                continue
+            found.append(_Candidates(label, model, status_field, owner_field, dict(moves),
+                                     rows, auto_now, using))
     return StepRecovery(run, found)
+
+
+def _databases(run, model) -> list[str]:
+    """The write databases of ``model``'s steps, sorted: each registered StepLockedTask's
+    ``step_database`` for that model, else ``steplock_step_database``, else the router's
+    ``db_for_write``. Raises ImproperlyConfigured for a database not in ``DATABASES``."""
+    from ...plan import is_step_locked
+    from ...steps import check_known_database
+    from .steps import DjangoStepStore
+
+    setting = run.settings.step_database
+    fallback = setting or router.db_for_write(model) or DEFAULT_DB_ALIAS
+    concrete = model._meta.concrete_model
+    found = set()
+    try:
+        tasks = list(run.app.tasks.values())
+    except RuntimeError:  # an app not finalized: no task to read options from
+        tasks = []
+    for task in tasks:
+        spec = getattr(task, "step_model", None) if is_step_locked(task) else None
+        if spec is None:
+            continue
+        try:
+            if resolve_model(spec)._meta.concrete_model is not concrete:
+                continue
+        except StepLockError:
+            continue  # the validator reports it (E002)
+        explicit = getattr(task, "step_database", None)
+        found.add(explicit if isinstance(explicit, str) and explicit else fallback)
+    found = found or {fallback}
+    for using in found:
+        check_known_database(DjangoStepStore, using,
+                             "steplock_step_database" if using == setting else "step_database")
+    return sorted(found)
 
 
 def _age_field(model):

@@ -29,11 +29,18 @@ row lock is requested, so the wait for a row held by another transaction is boun
 (SQLSTATE 55P03), and a holder that stops after its CAS cannot COMMIT once its lease may have
 passed to a newer holder: the server ends the idle session. No statement of its own.
 
-Every call goes to the model's *write* database (``router.db_for_write``), the precheck
-included: a replica's stale status must never skip or decide a step.
+Every call goes to one database, the model's *write* database (``router.db_for_write``) or
+the ``using`` it was given (the task option ``step_database`` / the setting
+``steplock_step_database``), the precheck and the follow-up read included: a replica's stale
+status must never skip or decide a step. A task calls :meth:`DjangoStepStore.bind` once per
+execution, so the outer-transaction check, the precheck, the transaction, the
+compare-and-swap, its follow-up read, the deadline and ``on_commit`` all go to the alias the
+router named at the start of the execution, even for a router whose answer depends on the
+context (a tenant, a request).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterable, Mapping
 
 from django.apps import apps
@@ -81,8 +88,10 @@ class DjangoStepStore:
 
     ``model``: model class or ``"app_label.ModelName"``. ``transitions``: optional table
     ``{from_: [to, ...]}`` of allowed transitions (None allows any). ``using``: a database
-    alias, default the model's write database per ``DATABASE_ROUTERS``.
-    Raises ImproperlyConfigured when the model or the status field does not exist.
+    alias (a key of ``DATABASES``), default the model's write database per
+    ``DATABASE_ROUTERS``, asked again on every call until :meth:`bind` fixes it.
+    Raises ImproperlyConfigured when the model or the status field does not exist, or
+    ``using`` is not a configured database.
     """
 
     def __init__(self, model: type[Model] | str, *, status_field: str = "status",
@@ -104,7 +113,12 @@ class DjangoStepStore:
             transitions = check_transitions(transitions)
         self.transitions = ({k: frozenset(v) for k, v in transitions.items()}
                             if transitions is not None else None)
+        if using is not None and using not in connections.settings:
+            raise ImproperlyConfigured(
+                f"using={using!r} is not a configured database (DATABASES has "
+                f"{', '.join(map(repr, connections.settings))})", setting="step_database")
         self._using = using
+        self._bound: dict[str, DjangoStepStore] = {}
         self._status = meta.get_field(status_field)
         self._fence = meta.get_field(self.fence_field) if self.fence_field else None
         self._owner = meta.get_field(self.owner_field) if self.owner_field else None
@@ -128,10 +142,43 @@ class DjangoStepStore:
 
     # -- where -------------------------------------------------------------------------
 
+    @staticmethod
+    def databases() -> tuple[str, ...] | None:
+        """The aliases of ``DATABASES`` (None while Django's settings are not configured):
+        what a ``using`` may name."""
+        from django.conf import settings
+
+        if not settings.configured:
+            return None
+        return tuple(connections.settings)
+
     @property
     def using(self) -> str:
-        """The database alias every call goes to."""
+        """The database alias every call goes to: the ``using`` given (or fixed by
+        :meth:`bind`), else the router's ``db_for_write`` for the model, as it answers
+        now."""
         return self._using or router.db_for_write(self.model) or DEFAULT_DB_ALIAS
+
+    def bind(self) -> DjangoStepStore:
+        """This store with its database fixed to the alias :attr:`using` names now (itself
+        when it was given one): every call of the returned store goes there, whatever the
+        router answers later. One store per alias is kept and shares the built statements.
+        Raises ImproperlyConfigured when the router names a database that is not in
+        ``DATABASES``."""
+        if self._using is not None:
+            return self
+        alias = router.db_for_write(self.model) or DEFAULT_DB_ALIAS
+        bound = self._bound.get(alias)
+        if bound is None:
+            if alias not in connections.settings:
+                raise ImproperlyConfigured(
+                    f"the database router sends writes of {self.model._meta.label} to "
+                    f"{alias!r}, which is not in DATABASES", setting="DATABASE_ROUTERS")
+            bound = copy.copy(self)
+            bound._using = alias
+            bound._bound = {}
+            self._bound[alias] = bound
+        return bound
 
     @property
     def manager(self):

@@ -1,7 +1,13 @@
 """The Django flavour of the task base: :class:`DjangoStepLockedTask`."""
 from __future__ import annotations
 
+import functools
+
+from django.db import DEFAULT_DB_ALIAS, router, transaction
+
+from ...conf import Settings, check_database
 from ...task import StepLockedTask
+from .steps import resolve_model
 
 try:
     from celery.contrib.django.task import DjangoTask
@@ -13,4 +19,36 @@ __all__ = ["DjangoStepLockedTask"]
 
 class DjangoStepLockedTask(StepLockedTask, DjangoTask):
     """:class:`~celery_steplock.task.StepLockedTask` that keeps Celery's ``DjangoTask`` API
-    (``delay_on_commit`` / ``apply_async_on_commit``)."""
+    (``delay_on_commit`` / ``apply_async_on_commit``).
+
+    Both publish once the transaction of the step's own database commits (the step store's
+    ``using``: ``step_database``, else the router's write database for ``step_model``; the
+    default database for a task without a step model), not the default database's: a step
+    row created on another database must be committed before a worker can read it.
+    """
+
+    def steplock_commit_database(self) -> str:
+        """The database whose commit ``delay_on_commit`` waits for (see the class), found
+        without building the execution plan (a publisher needs no lease store). Raises
+        ImproperlyConfigured for an invalid ``step_model``, ``step_database`` or
+        ``steplock_step_database``."""
+        if self.step_model is None:
+            return DEFAULT_DB_ALIAS
+        using = self.step_database
+        if using is None:
+            using = Settings(self.app).step_database
+        else:
+            check_database(using, "step_database")
+        return using or router.db_for_write(resolve_model(self.step_model)) or DEFAULT_DB_ALIAS
+
+    def delay_on_commit(self, *args, **kwargs) -> None:
+        """Call :meth:`~celery.app.task.Task.delay` once the step database's current
+        transaction commits (at once outside one)."""
+        transaction.on_commit(functools.partial(self.delay, *args, **kwargs),
+                              using=self.steplock_commit_database())
+
+    def apply_async_on_commit(self, *args, **kwargs) -> None:
+        """Call :meth:`~celery.app.task.Task.apply_async` once the step database's current
+        transaction commits (at once outside one)."""
+        transaction.on_commit(functools.partial(self.apply_async, *args, **kwargs),
+                              using=self.steplock_commit_database())
