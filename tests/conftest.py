@@ -24,6 +24,20 @@ collect_ignore = ["support"]
 pytest_plugins = ("celery.contrib.pytest",)
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``postgresql`` are deselected (not skipped) on SQLite: the PostgreSQL
+    pass of ``make test`` runs them."""
+    from django.conf import settings
+
+    if "postgresql" in settings.DATABASES["default"]["ENGINE"]:
+        return
+    pg_only = [item for item in items if item.get_closest_marker("postgresql")]
+    if pg_only:
+        config.hook.pytest_deselected(items=pg_only)
+        items[:] = [item for item in items if not item.get_closest_marker("postgresql")]
+
+
 @pytest.fixture(scope="session")
 def redis_server_url():
     """URL of the session's redis-server (REDIS_URL when set, else one started here)."""

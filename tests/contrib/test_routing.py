@@ -320,7 +320,7 @@ def test_delay_on_commit_waits_for_the_steps_database(redis_client):
     assert ship_later.steplock_commit_database() == "other"
 
 
-@pytest.mark.skipif("not is_postgresql()")
+@pytest.mark.postgresql
 def test_the_postgresql_deadline_is_set_on_the_steps_database(redis_client):
     parcel = Parcel.objects.create()
     Inspecting.seen.clear()
