@@ -76,10 +76,6 @@ def leases(redis_client):
                   for k in redis_client.scan_iter(match="steplock:lease:*"))
 
 
-def is_postgresql():
-    return connections["default"].vendor == "postgresql"
-
-
 # -- tasks of this module (the project's own are in django_app/routing/tasks.py) ---------------
 
 @celery_app.task(bind=True, base=StepLockedTask, name="tests.routing.blind_pay",
