@@ -23,6 +23,10 @@ ON_STORE_ERROR = ("fail_closed", "fail_open")
 #: Every setting with its default. Units are seconds.
 DEFAULTS: dict[str, Any] = {
     "redis_url": None,              # None: the broker URL when it is a Redis URL
+    # None: the broker's broker_transport_options / broker_use_ssl when redis_url is None
+    "redis_transport_options": None,  # {"master_name": ..., "sentinel_kwargs": {...}}
+    "redis_use_ssl": None,          # {"ssl_cert_reqs": ..., "ssl_ca_certs": ..., ...}
+    "redis_client_factory": None,   # factory(settings) -> redis client, or its qualified name
     "key_prefix": "steplock",
     "default_ttl": 30.0,
     "renewal_ratio": 1 / 3,         # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
@@ -200,21 +204,59 @@ class Settings:
 
     @property
     def redis_url(self) -> str:
+        from .clients import URL_SCHEMES, check_url
+
         url = self.raw("redis_url")
         if url is None:
             broker = self.app.conf.broker_url or ""
-            if isinstance(broker, str) and broker.startswith(("redis://", "rediss://",
-                                                              "unix://")):
-                return broker
+            if isinstance(broker, str) and broker.startswith(URL_SCHEMES):
+                return check_url(broker, "broker_url")
             raise ImproperlyConfigured(
                 "steplock_redis_url is not set and the broker URL is not a Redis URL; "
                 "set steplock_redis_url (CELERY_STEPLOCK_REDIS_URL in Django settings)",
                 setting="steplock_redis_url")
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ImproperlyConfigured(
-                f"{describe('steplock_redis_url')} must be a redis://, rediss:// or unix:// "
-                f"URL, got {url!r}", setting="steplock_redis_url")
-        return url
+        return check_url(url)
+
+    def _from_broker(self, name: str, broker_name: str) -> tuple[Any, bool]:
+        """``(value, strict)``: the setting ``name``, or when unset and the lease store uses
+        the broker URL, the broker's setting ``broker_name`` (not strict: keys the lease
+        store does not use are dropped)."""
+        value = self.raw(name)
+        if value is not None:
+            return value, True
+        if self.raw("redis_url") is None:
+            return self.app.conf.get(broker_name), False
+        return None, True
+
+    def _redis_url_or_none(self) -> str | None:
+        try:
+            return self.redis_url
+        except ImproperlyConfigured:
+            return None  # reported as steplock_redis_url's problem
+
+    @property
+    def redis_transport_options(self) -> dict[str, Any]:
+        from .clients import check_transport_options
+
+        value, strict = self._from_broker("redis_transport_options",
+                                          "broker_transport_options")
+        return check_transport_options(value, self._redis_url_or_none(), strict=strict,
+                                       name="steplock_redis_transport_options" if strict
+                                       else "broker_transport_options")
+
+    @property
+    def redis_use_ssl(self) -> dict[str, Any]:
+        from .clients import check_use_ssl
+
+        value, strict = self._from_broker("redis_use_ssl", "broker_use_ssl")
+        return check_use_ssl(value, strict=strict,
+                             name="steplock_redis_use_ssl" if strict else "broker_use_ssl")
+
+    @property
+    def redis_client_factory(self) -> Any:
+        from .clients import check_client_factory
+
+        return check_client_factory(self.raw("redis_client_factory"))
 
     @property
     def key_prefix(self) -> str:
@@ -356,7 +398,7 @@ class Settings:
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""
         found = []
-        for name in DEFAULTS:
+        for name in self._read_names():
             try:
                 getattr(self, name)
             except ImproperlyConfigured as exc:
@@ -365,5 +407,16 @@ class Settings:
 
     def validate(self) -> None:
         """Read every setting once, raising ImproperlyConfigured on the first invalid one."""
-        for name in DEFAULTS:
+        for name in self._read_names():
             getattr(self, name)
+
+    def _read_names(self) -> list[str]:
+        """The settings the library reads: with a client factory, not those it replaces."""
+        try:
+            factory = self.redis_client_factory
+        except ImproperlyConfigured:
+            factory = None
+        if factory is None:
+            return list(DEFAULTS)
+        return [name for name in DEFAULTS
+                if name not in ("redis_url", "redis_transport_options", "redis_use_ssl")]
