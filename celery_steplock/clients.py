@@ -33,6 +33,7 @@ the retry reaches the new primary.
 from __future__ import annotations
 
 import inspect
+import re
 import ssl
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -141,9 +142,8 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
 
 
 def _redact(url: str) -> str:
-    from kombu.utils.url import maybe_sanitize_url
-
-    return ";".join(maybe_sanitize_url(part) for part in url.split(";"))
+    """``url`` with every password masked (``sentinel://:**@host...``)."""
+    return re.sub(r"(//[^/@;]*?:)[^/@;]*@", r"\1**@", url)
 
 
 def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
@@ -213,7 +213,7 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
     if not isinstance(value, dict):
         raise ImproperlyConfigured(f"{_describe(name)} must be a dict of ssl_* options "
                                    f"(as broker_use_ssl), got {value!r}", setting=name)
-    accepted = _ssl_arguments()
+    accepted = _ssl_arguments() | {"ssl"}
     unknown = sorted(str(k) for k in value if k not in accepted)
     if unknown and strict:
         raise ImproperlyConfigured(
