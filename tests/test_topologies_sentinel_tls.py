@@ -198,29 +198,30 @@ def test_sentinel_step_locked_task(app, sentinel_group):
 
 
 def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
-    """Three tasks hold leases (TTL 40 s, renewed every 2 s) and a waiter blocks on another
-    name while SENTINEL FAILOVER moves the primary. Afterwards renewals reach the new primary,
-    duplicates find the leases held there, every step commits once, and releases delete the
-    leases on the new primary."""
+    """A task holds its lease (TTL 40 s, renewed every 2 s by the heartbeat), the store holds
+    two more, and a waiter blocks on a third name, while SENTINEL FAILOVER moves the primary.
+    Afterwards renewals reach the new primary, a duplicate finds the lease held there, every
+    step commits once, and releases delete the leases on the new primary. (One holding task:
+    SQLite serializes the transactions its bodies run in.)"""
     group = fresh_sentinel_group
     store = sentinel_store(app, group)
     app.conf.steplock_default_ttl = 40
     app.conf.steplock_renewal_ratio = 0.05
-    steps = [Step.objects.create(name=f"failover {n}") for n in range(3)]
+    held_step, *later_steps = [Step.objects.create(name=f"failover {n}") for n in range(3)]
     HOLD["go"].clear()
     HOLD["entered"].clear()
-    runs = []
-    for step in steps:
-        HOLD["entered"][step.pk] = threading.Event()
-        runs.append(run_in_thread(lambda pk=step.pk: topo_held.apply(args=(pk,))))
-    for step in steps:
-        assert HOLD["entered"][step.pk].wait(30), "the task did not start"
+    HOLD["entered"][held_step.pk] = threading.Event()
+    holder_thread, holder = run_in_thread(lambda: topo_held.apply(args=(held_step.pk,)))
+    assert HOLD["entered"][held_step.pk].wait(30), holder
+    held = [store.acquire(f"failover-{n}", ttl=40) for n in range(2)]
     blocker = store.acquire("failover-waited", ttl=60)
     waiter_thread, waiter = run_in_thread(
         lambda: store.acquire("failover-waited", ttl=30, wait=60))
+    task_key = store.key(f"topo:{held_step.pk}")
+    keys = [task_key] + [store.key(f"failover-{n}") for n in range(2)] + [
+        store.key("failover-waited")]
     old_port = group.primary_port()
     old = group.node_client(old_port)
-    keys = [store.key(f"topo:{s.pk}") for s in steps] + [store.key("failover-waited")]
     try:
         wait_until(lambda: old.zcard(f"{store.prefix}:waiters:{{failover-waited}}") == 1,
                    timeout=10, what="the waiter to register")
@@ -233,50 +234,57 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
     finally:
         old.close()
 
-    old_port, new_port = group.failover()
-    assert new_port != old_port
-    new = group.node_client(new_port)
     try:
+        old_port, new_port = group.failover()
+        assert new_port != old_port
+        new = group.node_client(new_port)
         assert new.info("replication")["role"] == "master"
-        # Renewals reach the new primary: each lease's renewal stamp moves there.
-        stamps = {key: new.hget(key, "renewed_ms") for key in keys[:3]}
-        assert all(stamps.values()), stamps
-        wait_until(lambda: all(new.hget(k, "renewed_ms") not in (None, stamps[k])
-                               for k in keys[:3]), timeout=30,
-                   what="renewals on the new primary")
+        # The heartbeat's renewals reach the new primary: the renewal stamp moves there.
+        stamp = new.hget(task_key, "renewed_ms")
+        assert stamp
+        wait_until(lambda: new.hget(task_key, "renewed_ms") not in (None, stamp),
+                   timeout=30, what="a renewal on the new primary")
         assert store.client.connection_pool.get_master_address() == ("127.0.0.1", new_port)
-        # Duplicates meet the leases on the new primary.
-        for step in steps:
-            duplicate = topo_finish.apply(args=(step.pk,))
-            assert isinstance(duplicate.result, LockContended), duplicate.result
-        # A pipelined renewal of a store lease, then the waiter is woken by a release.
-        assert store.extend_many([("failover-waited", blocker.owner, 60)]) == [True]
+        # Pipelined renewals of the store's leases reach it too.
+        assert store.extend_many([(f"failover-{n}", lease.owner, 40)
+                                  for n, lease in enumerate(held)]) == [True, True]
+        assert all(35_000 < new.pttl(store.key(f"failover-{n}")) <= 40_000 for n in range(2))
+        # A duplicate meets the held lease on the new primary.
+        duplicate = topo_finish.apply(args=(held_step.pk,))
+        assert isinstance(duplicate.result, LockContended), duplicate.result
+        # A release wakes the waiter (or the failover interrupted its wait: an outage).
         assert store.release("failover-waited", blocker.owner) is True
         waiter_thread.join(70)
         [got] = waiter
+        print(f"failover timings {group.timings}; waiter outcome {got!r}")
         if isinstance(got, Exception):
-            # Allowed: the failover interrupted the wait (an outage for the waiter).
             assert isinstance(got, LockStoreUnavailable), got
         else:
             assert got is not None and got.fence > blocker.fence
             assert new.hget(store.key("failover-waited"), "owner") == got.owner
             assert store.release("failover-waited", got.owner) is True
-
         HOLD["go"].set()
-        for thread, _ in runs:
-            thread.join(60)
-        for step, (_, [result]) in zip(steps, runs):
-            assert result.successful(), result.traceback
-            step.refresh_from_db()
-            assert step.status == "done"
-            records = list(TransitionRecord.objects.filter(step=step).values_list(
-                "owner", "fence"))
-            assert records == [(result.result["owner"], result.result["fence"])]
-            assert (step.lock_owner, step.lock_fence) == records[0]
-        assert new.exists(*keys) == 0  # released on the new primary
+        holder_thread.join(60)
+        [result] = holder
+        assert result.successful(), result.traceback
+        held_step.refresh_from_db()
+        assert held_step.status == "done"
+        records = list(TransitionRecord.objects.filter(step=held_step).values_list(
+            "owner", "fence"))
+        assert records == [(result.result["owner"], result.result["fence"])]
+        assert (held_step.lock_owner, held_step.lock_fence) == records[0]
+        # The whole flow of new tasks (after the holder's transaction) runs on the new primary, once per step.
+        for step in later_steps:
+            done = run_task_once(step)
+            assert new.exists(done["key"]) == 0
+            assert int(new.get(f"steplock:fence:{{topo:{step.pk}}}")) == done["fence"]
+        for n, lease in enumerate(held):
+            assert store.release(f"failover-{n}", lease.owner) is True
+        assert new.exists(*keys) == 0  # every lease released on the new primary
+        new.close()
     finally:
         HOLD["go"].set()
-        new.close()
+        holder_thread.join(60)
 
 
 @pytest.mark.workers
