@@ -39,7 +39,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 from .exceptions import ImproperlyConfigured
@@ -320,9 +320,11 @@ def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
     sentinel_kwargs = options.get("sentinel_kwargs")
     if sentinel_kwargs is None:
         sentinel_kwargs = {}
+    # No retry per sentinel: a sentinel that does not answer is skipped for the next one
+    # (redis-py's default would retry it with backoff of seconds before moving on).
     sentinel_kwargs = {"socket_timeout": kwargs["socket_timeout"],
                        "socket_connect_timeout": kwargs["socket_connect_timeout"],
-                       **sentinel_kwargs}
+                       "retry": Retry(NoBackoff(), 0), **sentinel_kwargs}
     sentinel = Sentinel(parsed["sentinels"],
                         min_other_sentinels=options.get("min_other_sentinels", 0),
                         sentinel_kwargs=sentinel_kwargs, **primary)

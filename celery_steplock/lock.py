@@ -179,6 +179,7 @@ class RedisLeaseStore:
         # BLPOP must return before the socket times out (a timeout would be retried).
         cap = _wire.socket_timeout(self.client)
         lease = None
+        interrupted = False
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -191,7 +192,14 @@ class RedisLeaseStore:
                     timeout = min(timeout, cap * 0.8)
                 try:
                     self.client.blpop([wake], timeout=max(round(timeout, 3), 0.001))
+                    interrupted = False
                 except STORE_ERRORS as exc:
+                    if isinstance(exc, redis.ConnectionError) and not interrupted:
+                        # One dropped wait (a failover closed the connection, or a demoted
+                        # primary answered READONLY) goes back to the acquire attempt, which
+                        # reconnects, and raises if Redis is really gone.
+                        interrupted = True
+                        continue
                     raise LockStoreUnavailable(
                         f"lock store unavailable while waiting for {name!r}: {exc}",
                         key=self.key(name), name=name, owner=owner) from exc

@@ -177,6 +177,7 @@ def test_sentinel_wrong_sentinel_password_is_refused(app, sentinel_group):
     store = get_lease_store(app)
     with pytest.raises((LockStoreUnavailable, ImproperlyConfigured)) as info:
         store.acquire("sentinel-auth", ttl=5)
+    print(f"wrong sentinel password: {info.value!r} <- {info.value.__cause__!r}")
     # redis-py reports that no sentinel gave the primary's address (every one refused).
     assert "steplock-primary" in str(info.value) or "WRONGPASS" in str(info.value), info.value
 
@@ -252,17 +253,15 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
         # A duplicate meets the held lease on the new primary.
         duplicate = topo_finish.apply(args=(held_step.pk,))
         assert isinstance(duplicate.result, LockContended), duplicate.result
-        # A release wakes the waiter (or the failover interrupted its wait: an outage).
+        # The waiter, whose wait the failover dropped once, waits on; a release wakes it.
         assert store.release("failover-waited", blocker.owner) is True
         waiter_thread.join(70)
         [got] = waiter
         print(f"failover timings {group.timings}; waiter outcome {got!r}")
-        if isinstance(got, Exception):
-            assert isinstance(got, LockStoreUnavailable), got
-        else:
-            assert got is not None and got.fence > blocker.fence
-            assert new.hget(store.key("failover-waited"), "owner") == got.owner
-            assert store.release("failover-waited", got.owner) is True
+        assert got is not None and not isinstance(got, Exception), got
+        assert got.fence > blocker.fence
+        assert new.hget(store.key("failover-waited"), "owner") == got.owner
+        assert store.release("failover-waited", got.owner) is True
         HOLD["go"].set()
         holder_thread.join(60)
         [result] = holder
@@ -386,6 +385,8 @@ def test_tls_wrong_ca_fails_verification(app, tls_server, certs):
     started = time.monotonic()
     with pytest.raises((LockStoreUnavailable, ImproperlyConfigured)) as info:
         store.acquire("tls-wrong-ca", ttl=5)
+    print(f"wrong CA: {time.monotonic() - started:.3f}s {info.value!r} <- "
+          f"{info.value.__cause__!r}")
     assert "CERTIFICATE_VERIFY_FAILED" in str(info.value)
     assert time.monotonic() - started < 20  # a bounded number of attempts, then raised
     primary = plain_tls_client(tls_server)
@@ -416,6 +417,8 @@ def test_mtls_client_certificate_required(app, mtls_server, certs):
         started = time.monotonic()
         with pytest.raises((LockStoreUnavailable, ImproperlyConfigured)) as info:
             refused.acquire("mtls-no-cert", ttl=5)
+        print(f"mTLS without a certificate: {time.monotonic() - started:.3f}s "
+              f"{info.value!r} <- {info.value.__cause__!r}")
         assert time.monotonic() - started < 20
         assert info.value.__cause__ is not None
         assert primary.exists(refused.key("mtls-no-cert")) == 0
@@ -425,3 +428,30 @@ def test_mtls_client_certificate_required(app, mtls_server, certs):
         assert error.id == "celery_steplock.E001"
     finally:
         primary.close()
+
+
+# -- a replica behind a fixed address -----------------------------------------------------
+
+def test_readonly_reply_drops_the_connection(app, tmp_path):
+    """A URL that points at a replica (a demoted primary behind a fixed address): the
+    refusal is a LockError, and the connection is dropped so that the next call connects
+    again (and reaches whatever the address points at by then)."""
+    from celery_steplock.exceptions import LockError
+    from tests.support.servers import RedisServer
+
+    primary = RedisServer(workdir=tmp_path / "primary").start()
+    replica = RedisServer(workdir=tmp_path / "replica",
+                          args=("--replicaof", "127.0.0.1", primary.port)).start()
+    try:
+        configure(app, replica.url)
+        store = get_lease_store(app)
+        for attempt in range(2):
+            with pytest.raises(LockError) as info:
+                store.acquire("on-a-replica", ttl=5)
+            assert "read only replica" in str(info.value)
+            pool = store.client.connection_pool
+            assert [c for c in pool._available_connections if c._sock is not None] == []
+        assert store.owned("on-a-replica", "nobody") is None  # reads still work
+    finally:
+        replica.stop()
+        primary.stop()
