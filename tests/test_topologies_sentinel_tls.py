@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from celery_steplock.exceptions import (ImproperlyConfigured, LockContended,
                                         LockStoreUnavailable)
@@ -445,13 +446,15 @@ def test_readonly_reply_drops_the_connection(app, tmp_path):
     try:
         configure(app, replica.url)
         store = get_lease_store(app)
+        admin = redis.Redis(port=replica.port, decode_responses=True)
         for attempt in range(2):
             with pytest.raises(LockError) as info:
                 store.acquire("on-a-replica", ttl=5)
             assert "read only replica" in str(info.value)
-            pool = store.client.connection_pool
-            assert [c for c in pool._available_connections if c._sock is not None] == []
+            # The server sees no connection left whose last command was the refused EVALSHA.
+            assert [c for c in admin.client_list() if c["cmd"] == "evalsha"] == []
         assert store.owned("on-a-replica", "nobody") is None  # reads still work
+        admin.close()
     finally:
         replica.stop()
         primary.stop()
