@@ -32,7 +32,9 @@ the retry reaches the new primary.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import os
 import re
 import ssl
 from typing import Any, Callable
@@ -45,8 +47,9 @@ from redis.retry import Retry
 from .exceptions import ImproperlyConfigured
 
 __all__ = ["URL_SCHEMES", "SENTINEL_OPTIONS", "CONNECTION_OPTIONS", "connection_options",
-           "make_client", "client_for_settings", "client_identity", "parse_sentinel_url",
-           "check_transport_options", "check_use_ssl", "check_client_factory"]
+           "make_client", "ClientConfig", "client_for_settings", "client_identity",
+           "check_url", "parse_sentinel_url", "check_transport_options", "check_use_ssl",
+           "check_client_factory"]
 
 #: The URL schemes the lease store accepts.
 URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
@@ -193,9 +196,10 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
     return options
 
 
-def _ssl_arguments() -> set[str]:
-    return {p for p in inspect.signature(redis.SSLConnection.__init__).parameters
-            if p.startswith("ssl_")}
+@functools.lru_cache(maxsize=None)
+def _ssl_arguments() -> frozenset[str]:
+    return frozenset(p for p in inspect.signature(redis.SSLConnection.__init__).parameters
+                     if p.startswith("ssl_"))
 
 
 def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[str, Any]:
@@ -232,8 +236,6 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
         raise ImproperlyConfigured(f"{_describe(name)}: ssl_cert_reqs must be one of "
                                    f"ssl.CERT_REQUIRED, CERT_OPTIONAL, CERT_NONE, got {reqs!r}",
                                    setting=name)
-    import os
-
     for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         path = options.get(key)
         if path is not None and not (isinstance(path, (str, os.PathLike))
@@ -331,19 +333,46 @@ def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
     return sentinel.master_for(options["master_name"])
 
 
-class _Resolved:
-    """The client inputs of one Settings: URL, options, TLS, or the factory."""
+class ClientConfig:
+    """The client inputs of one :class:`~celery_steplock.conf.Settings`, each setting read
+    once: the factory, or the URL, transport options and TLS options; and the socket
+    timeout (seconds). Raises ImproperlyConfigured naming the first invalid setting."""
 
-    __slots__ = ("factory", "url", "options", "tls", "timeout")
+    __slots__ = ("settings", "factory", "url", "options", "tls", "timeout")
 
-    def __init__(self, settings):
-        self.timeout = settings.socket_timeout
+    def __init__(self, settings, socket_timeout: float | None = None):
+        self.settings = settings
+        self.timeout = settings.socket_timeout if socket_timeout is None else socket_timeout
         self.factory = settings.redis_client_factory
         self.url = self.options = self.tls = None
         if self.factory is None:
-            self.url = settings.redis_url
-            self.options = settings.redis_transport_options
-            self.tls = settings.redis_use_ssl
+            self.url, self.options, self.tls = settings.redis_connection()
+
+    @property
+    def identity(self) -> tuple:
+        """A hashable key: equal keys, equal clients (a factory counts by its identity)."""
+        if self.factory is not None:
+            return ("factory", self.factory, self.timeout)
+        return ("url", self.url, _freeze(self.options), _freeze(self.tls), self.timeout)
+
+    def client(self) -> redis.Redis:
+        """A new client (see :func:`client_for_settings`)."""
+        if self.factory is None:
+            return make_client(self.url, self.timeout, transport_options=self.options,
+                               use_ssl=self.tls)
+        try:
+            client = self.factory(self.settings)
+        except ImproperlyConfigured:
+            raise
+        except Exception as exc:
+            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} raised "
+                                       f"{type(exc).__name__}: {exc}", setting=_FACTORY
+                                       ) from exc
+        if not callable(getattr(client, "execute_command", None)):
+            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} must "
+                                       f"return a redis-py client, got {client!r}",
+                                       setting=_FACTORY)
+        return client
 
 
 def _freeze(value: Any) -> Any:
@@ -361,10 +390,7 @@ def _freeze(value: Any) -> Any:
 def client_identity(settings) -> tuple:
     """A hashable key of what :func:`client_for_settings` builds from ``settings``: equal
     keys, equal clients (a factory counts by its identity). Raises ImproperlyConfigured."""
-    got = _Resolved(settings)
-    if got.factory is not None:
-        return ("factory", got.factory, got.timeout)
-    return ("url", got.url, _freeze(got.options), _freeze(got.tls), got.timeout)
+    return ClientConfig(settings).identity
 
 
 def client_for_settings(settings, socket_timeout: float | None = None) -> redis.Redis:
@@ -376,19 +402,4 @@ def client_for_settings(settings, socket_timeout: float | None = None) -> redis.
     Raises ImproperlyConfigured naming the setting when one is invalid, or when the factory
     fails or returns something that is not a redis client.
     """
-    got = _Resolved(settings)
-    if got.factory is not None:
-        try:
-            client = got.factory(settings)
-        except ImproperlyConfigured:
-            raise
-        except Exception as exc:
-            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {got.factory!r} raised "
-                                       f"{type(exc).__name__}: {exc}", setting=_FACTORY
-                                       ) from exc
-        if not callable(getattr(client, "execute_command", None)):
-            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {got.factory!r} must return "
-                                       f"a redis-py client, got {client!r}", setting=_FACTORY)
-        return client
-    timeout = got.timeout if socket_timeout is None else socket_timeout
-    return make_client(got.url, timeout, transport_options=got.options, use_ssl=got.tls)
+    return ClientConfig(settings, socket_timeout).client()

@@ -204,9 +204,11 @@ class Settings:
 
     @property
     def redis_url(self) -> str:
+        return self._redis_url(self.raw("redis_url"))
+
+    def _redis_url(self, url: Any) -> str:
         from .clients import URL_SCHEMES, check_url
 
-        url = self.raw("redis_url")
         if url is None:
             broker = self.app.conf.broker_url or ""
             if isinstance(broker, str) and broker.startswith(URL_SCHEMES):
@@ -217,40 +219,58 @@ class Settings:
                 setting="steplock_redis_url")
         return check_url(url)
 
-    def _from_broker(self, name: str, broker_name: str) -> tuple[Any, bool]:
-        """``(value, strict)``: the setting ``name``, or when unset and the lease store uses
-        the broker URL, the broker's setting ``broker_name`` (not strict: keys the lease
-        store does not use are dropped)."""
-        value = self.raw(name)
-        if value is not None:
-            return value, True
-        if self.raw("redis_url") is None:
-            return self.app.conf.get(broker_name), False
-        return None, True
+    def _redis_inputs(self) -> list[Any]:
+        """``[url, transport options, TLS options]`` of the lease store, each a value or the
+        ImproperlyConfigured it raised, each setting read once. Unset, the options are the
+        broker's (``broker_transport_options``, ``broker_use_ssl``) when the lease store
+        uses the broker URL; keys the lease store does not use are then dropped."""
+        from .clients import check_transport_options, check_use_ssl
 
-    def _redis_url_or_none(self) -> str | None:
+        own_url = self.raw("redis_url")
+        found: list[Any] = []
         try:
-            return self.redis_url
-        except ImproperlyConfigured:
-            return None  # reported as steplock_redis_url's problem
+            found.append(self._redis_url(own_url))
+        except ImproperlyConfigured as exc:
+            found.append(exc)
+        url = found[0] if isinstance(found[0], str) else None
+        for name, broker_name, check in (
+                ("redis_transport_options", "broker_transport_options",
+                 lambda value, strict, setting: check_transport_options(
+                     value, url, strict=strict, name=setting)),
+                ("redis_use_ssl", "broker_use_ssl",
+                 lambda value, strict, setting: check_use_ssl(value, strict=strict,
+                                                              name=setting))):
+            value, strict, setting = self.raw(name), True, setting_name(name)
+            if value is None and own_url is None:
+                value, strict, setting = self.app.conf.get(broker_name), False, broker_name
+            try:
+                found.append(check(value, strict, setting))
+            except ImproperlyConfigured as exc:
+                found.append(exc)
+        return found
+
+    def redis_connection(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """``(url, transport options, TLS options)`` of the lease store, validated, each
+        setting read once. Raises ImproperlyConfigured naming the first invalid one."""
+        found = self._redis_inputs()
+        for value in found:
+            if isinstance(value, ImproperlyConfigured):
+                raise value
+        return found[0], found[1], found[2]
 
     @property
     def redis_transport_options(self) -> dict[str, Any]:
-        from .clients import check_transport_options
-
-        value, strict = self._from_broker("redis_transport_options",
-                                          "broker_transport_options")
-        return check_transport_options(value, self._redis_url_or_none(), strict=strict,
-                                       name="steplock_redis_transport_options" if strict
-                                       else "broker_transport_options")
+        value = self._redis_inputs()[1]
+        if isinstance(value, ImproperlyConfigured):
+            raise value
+        return value
 
     @property
     def redis_use_ssl(self) -> dict[str, Any]:
-        from .clients import check_use_ssl
-
-        value, strict = self._from_broker("redis_use_ssl", "broker_use_ssl")
-        return check_use_ssl(value, strict=strict,
-                             name="steplock_redis_use_ssl" if strict else "broker_use_ssl")
+        value = self._redis_inputs()[2]
+        if isinstance(value, ImproperlyConfigured):
+            raise value
+        return value
 
     @property
     def redis_client_factory(self) -> Any:

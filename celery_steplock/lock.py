@@ -31,7 +31,7 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from . import _lua, _wire
-from .clients import client_for_settings, client_identity, make_client
+from .clients import ClientConfig, make_client
 from .conf import Settings
 from .exceptions import LockError, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
@@ -399,14 +399,14 @@ def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
     Raises ImproperlyConfigured naming the setting when one of them is invalid.
     """
     settings = settings or Settings(app)
-    ident = (client_identity(settings), settings.key_prefix, settings.fence_ttl)
+    config = ClientConfig(settings)
+    ident = (config.identity, settings.key_prefix, settings.fence_ttl)
     store = _stores.get(ident)
     if store is None:
         with _stores_guard:
             store = _stores.get(ident)
             if store is None:
-                store = RedisLeaseStore(client_for_settings(settings), prefix=ident[1],
-                                        fence_ttl=ident[2])
+                store = RedisLeaseStore(config.client(), prefix=ident[1], fence_ttl=ident[2])
                 _stores[ident] = store
     return store
 

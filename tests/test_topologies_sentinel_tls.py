@@ -273,7 +273,8 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
             "owner", "fence"))
         assert records == [(result.result["owner"], result.result["fence"])]
         assert (held_step.lock_owner, held_step.lock_fence) == records[0]
-        # The whole flow of new tasks (after the holder's transaction) runs on the new primary, once per step.
+        # New tasks (after the holder's transaction) run the whole flow on the new primary,
+        # once per step.
         for step in later_steps:
             done = run_task_once(step)
             assert new.exists(done["key"]) == 0
