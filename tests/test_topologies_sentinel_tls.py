@@ -172,6 +172,22 @@ def test_sentinel_lease_cycle(app, sentinel_group):
         primary.close()
 
 
+def test_sentinel_a_dead_sentinel_is_skipped(app, sentinel_group):
+    """The first sentinel of the URL does not listen: the next ones are asked at once (no
+    per-sentinel retry with backoff, redis-py's default, which costs seconds per call)."""
+    from tests.support.servers import free_port
+
+    dead = f"sentinel://:{PRIMARY_PASSWORD}@127.0.0.1:{free_port()}"
+    configure(app, f"{dead};{sentinel_group.url}", sentinel_group.transport_options)
+    store = get_lease_store(app)
+    started = time.monotonic()
+    lease = store.acquire("dead-sentinel", ttl=5)
+    elapsed = time.monotonic() - started
+    assert lease is not None
+    assert store.release("dead-sentinel", lease.owner) is True
+    assert elapsed < 3.0, elapsed  # connection refused on loopback, then the next sentinel
+
+
 def test_sentinel_wrong_sentinel_password_is_refused(app, sentinel_group):
     configure(app, sentinel_group.url, {"master_name": sentinel_group.master_name,
                                         "sentinel_kwargs": {"password": "wrong"}})
