@@ -11,7 +11,7 @@ import hashlib
 from typing import Any, Iterable
 
 import redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
 __all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout"]
 
@@ -75,6 +75,12 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
         except NoScriptError:
             script.sha = client.script_load(script.source)
             return conn.retry.call_with_retry(send, fail)
+    except ReadOnlyError:
+        # A replica answered (a demoted primary behind a fixed address): the next call
+        # connects again, and so reaches whatever the address points at by then. Behind
+        # Sentinel redis-py already turned this into a ConnectionError and retried.
+        conn.disconnect()
+        raise
     except ResponseError:
         raise
     except BaseException:
@@ -116,6 +122,8 @@ def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
                 replies.append(conn.read_response())
             except ResponseError as exc:
                 replies.append(exc)
+        if any(isinstance(r, ReadOnlyError) for r in replies):
+            conn.disconnect()  # as in evalsha: reconnect on the next call
         return replies
     except BaseException:
         conn.disconnect()

@@ -23,6 +23,10 @@ ON_STORE_ERROR = ("fail_closed", "fail_open")
 #: Every setting with its default. Units are seconds.
 DEFAULTS: dict[str, Any] = {
     "redis_url": None,              # None: the broker URL when it is a Redis URL
+    # None: the broker's broker_transport_options / broker_use_ssl when redis_url is None
+    "redis_transport_options": None,  # {"master_name": ..., "sentinel_kwargs": {...}}
+    "redis_use_ssl": None,          # {"ssl_cert_reqs": ..., "ssl_ca_certs": ..., ...}
+    "redis_client_factory": None,   # factory(settings) -> redis client, or its qualified name
     "key_prefix": "steplock",
     "default_ttl": 30.0,
     "renewal_ratio": 1 / 3,         # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
@@ -213,21 +217,79 @@ class Settings:
 
     @property
     def redis_url(self) -> str:
-        url = self.raw("redis_url")
+        return self._redis_url(self.raw("redis_url"))
+
+    def _redis_url(self, url: Any) -> str:
+        from .clients import URL_SCHEMES, check_url
+
         if url is None:
             broker = self.app.conf.broker_url or ""
-            if isinstance(broker, str) and broker.startswith(("redis://", "rediss://",
-                                                              "unix://")):
-                return broker
+            if isinstance(broker, str) and broker.startswith(URL_SCHEMES):
+                return check_url(broker, "broker_url")
             raise ImproperlyConfigured(
                 "steplock_redis_url is not set and the broker URL is not a Redis URL; "
                 "set steplock_redis_url (CELERY_STEPLOCK_REDIS_URL in Django settings)",
                 setting="steplock_redis_url")
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ImproperlyConfigured(
-                f"{describe('steplock_redis_url')} must be a redis://, rediss:// or unix:// "
-                f"URL, got {url!r}", setting="steplock_redis_url")
-        return url
+        return check_url(url)
+
+    def _redis_inputs(self) -> list[Any]:
+        """``[url, transport options, TLS options]`` of the lease store, each a value or the
+        ImproperlyConfigured it raised, each setting read once. Unset, the options are the
+        broker's (``broker_transport_options``, ``broker_use_ssl``) when the lease store
+        uses the broker URL; keys the lease store does not use are then dropped."""
+        from .clients import check_transport_options, check_use_ssl
+
+        own_url = self.raw("redis_url")
+        found: list[Any] = []
+        try:
+            found.append(self._redis_url(own_url))
+        except ImproperlyConfigured as exc:
+            found.append(exc)
+        url = found[0] if isinstance(found[0], str) else None
+        for name, broker_name, check in (
+                ("redis_transport_options", "broker_transport_options",
+                 lambda value, strict, setting: check_transport_options(
+                     value, url, strict=strict, name=setting)),
+                ("redis_use_ssl", "broker_use_ssl",
+                 lambda value, strict, setting: check_use_ssl(value, strict=strict,
+                                                              name=setting))):
+            value, strict, setting = self.raw(name), True, setting_name(name)
+            if value is None and own_url is None:
+                value, strict, setting = self.app.conf.get(broker_name), False, broker_name
+            try:
+                found.append(check(value, strict, setting))
+            except ImproperlyConfigured as exc:
+                found.append(exc)
+        return found
+
+    def redis_connection(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """``(url, transport options, TLS options)`` of the lease store, validated, each
+        setting read once. Raises ImproperlyConfigured naming the first invalid one."""
+        found = self._redis_inputs()
+        for value in found:
+            if isinstance(value, ImproperlyConfigured):
+                raise value
+        return found[0], found[1], found[2]
+
+    @property
+    def redis_transport_options(self) -> dict[str, Any]:
+        value = self._redis_inputs()[1]
+        if isinstance(value, ImproperlyConfigured):
+            raise value
+        return value
+
+    @property
+    def redis_use_ssl(self) -> dict[str, Any]:
+        value = self._redis_inputs()[2]
+        if isinstance(value, ImproperlyConfigured):
+            raise value
+        return value
+
+    @property
+    def redis_client_factory(self) -> Any:
+        from .clients import check_client_factory
+
+        return check_client_factory(self.raw("redis_client_factory"))
 
     @property
     def key_prefix(self) -> str:
@@ -373,7 +435,7 @@ class Settings:
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""
         found = []
-        for name in DEFAULTS:
+        for name in self._read_names():
             try:
                 getattr(self, name)
             except ImproperlyConfigured as exc:
@@ -382,5 +444,16 @@ class Settings:
 
     def validate(self) -> None:
         """Read every setting once, raising ImproperlyConfigured on the first invalid one."""
-        for name in DEFAULTS:
+        for name in self._read_names():
             getattr(self, name)
+
+    def _read_names(self) -> list[str]:
+        """The settings the library reads: with a client factory, not those it replaces."""
+        try:
+            factory = self.redis_client_factory
+        except ImproperlyConfigured:
+            factory = None
+        if factory is None:
+            return list(DEFAULTS)
+        return [name for name in DEFAULTS
+                if name not in ("redis_url", "redis_transport_options", "redis_use_ssl")]

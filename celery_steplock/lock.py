@@ -28,11 +28,10 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
 
 from . import _lua, _wire
+from .clients import ClientConfig, make_client
 from .conf import Settings
 from .exceptions import LockError, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
@@ -49,18 +48,6 @@ EXTEND_CHUNK = 1000
 STORE_ERRORS = (RedisError, OSError)
 
 logger = logging.getLogger("celery_steplock")
-
-
-def make_client(url: str, socket_timeout: float = 5.0) -> redis.Redis:
-    """A redis-py client for the lock store: ``socket_timeout`` seconds per attempt and one
-    quick retry, so a hung Redis costs at most about twice the timeout per call.
-
-    Retrying is safe because every script is idempotent for one owner token.
-    """
-    return redis.Redis.from_url(
-        url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
-        decode_responses=True, encoding_errors="replace")
 
 
 def pack_metadata(metadata: Mapping[str, Any] | None) -> str:
@@ -192,6 +179,7 @@ class RedisLeaseStore:
         # BLPOP must return before the socket times out (a timeout would be retried).
         cap = _wire.socket_timeout(self.client)
         lease = None
+        interrupted = False
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -204,7 +192,14 @@ class RedisLeaseStore:
                     timeout = min(timeout, cap * 0.8)
                 try:
                     self.client.blpop([wake], timeout=max(round(timeout, 3), 0.001))
+                    interrupted = False
                 except STORE_ERRORS as exc:
+                    if isinstance(exc, redis.ConnectionError) and not interrupted:
+                        # One dropped wait (a failover closed the connection, or a demoted
+                        # primary answered READONLY) goes back to the acquire attempt, which
+                        # reconnects, and raises if Redis is really gone.
+                        interrupted = True
+                        continue
                     raise LockStoreUnavailable(
                         f"lock store unavailable while waiting for {name!r}: {exc}",
                         key=self.key(name), name=name, owner=owner) from exc
@@ -396,22 +391,22 @@ _stores_guard = threading.Lock()
 
 
 def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
-    """The lease store for ``app``'s settings (``steplock_redis_url``, ``steplock_socket_timeout``,
+    """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
+    client-factory settings of :mod:`celery_steplock.clients`, ``steplock_socket_timeout``,
     ``steplock_key_prefix``, ``steplock_fence_ttl``), one per distinct configuration and shared
     by every task, heartbeat and operator tool of the process.
 
     Raises ImproperlyConfigured naming the setting when one of them is invalid.
     """
     settings = settings or Settings(app)
-    ident = (settings.redis_url, settings.socket_timeout, settings.key_prefix,
-             settings.fence_ttl)
+    config = ClientConfig(settings)
+    ident = (config.identity, settings.key_prefix, settings.fence_ttl)
     store = _stores.get(ident)
     if store is None:
         with _stores_guard:
             store = _stores.get(ident)
             if store is None:
-                store = RedisLeaseStore(make_client(ident[0], ident[1]), prefix=ident[2],
-                                        fence_ttl=ident[3])
+                store = RedisLeaseStore(config.client(), prefix=ident[1], fence_ttl=ident[2])
                 _stores[ident] = store
     return store
 

@@ -10,6 +10,7 @@ Celery: every ``CELERY_*`` setting maps to the lowercase Celery setting
 (``CELERY_STEPLOCK_DEFAULT_TTL`` -> ``app.conf.steplock_default_ttl``).
 """
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -193,6 +194,9 @@ if os.environ.get("STEPLOCK_MAX_HOLD"):
     CELERY_STEPLOCK_MAX_HOLD = float(os.environ["STEPLOCK_MAX_HOLD"])
 if os.environ.get("STEPLOCK_REDIS_URL"):
     CELERY_STEPLOCK_REDIS_URL = os.environ["STEPLOCK_REDIS_URL"]
+if os.environ.get("STEPLOCK_REDIS_TRANSPORT_OPTIONS"):  # JSON, e.g. {"master_name": "..."}
+    CELERY_STEPLOCK_REDIS_TRANSPORT_OPTIONS = json.loads(
+        os.environ["STEPLOCK_REDIS_TRANSPORT_OPTIONS"])
 # The reaper (manage.py reap_expired_leases, celery steplock reap, the beat task) moves a step
 # whose owner is gone from "running" back to "pending", by compare-and-swap.
 CELERY_STEPLOCK_REAPER_RECOVER = {"workflows.Step": {"running": "pending"}}

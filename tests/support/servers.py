@@ -136,7 +136,8 @@ class RedisServer:
 
         argv = [
             find_redis_server(),
-            "--port", str(self.port),
+            *self._leading_args(),
+            *self._port_args(),
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
@@ -151,8 +152,7 @@ class RedisServer:
                 stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_death_signal_preexec(signal.SIGKILL),
             )
-        client = redis.Redis(host="127.0.0.1", port=self.port,
-                             socket_connect_timeout=0.5, socket_timeout=1.0)
+        client = self._probe_client()
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -176,6 +176,19 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    # Hooks of servers that listen otherwise (TLS) or need a config file first (Sentinel).
+    def _leading_args(self) -> list[str]:
+        return []
+
+    def _port_args(self) -> list[str]:
+        return ["--port", str(self.port)]
+
+    def _probe_client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port,
+                           socket_connect_timeout=0.5, socket_timeout=1.0)
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM the server (SIGKILL after `timeout`) and remove its temporary directory."""

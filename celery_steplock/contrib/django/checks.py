@@ -159,14 +159,15 @@ def check_lock_store(app) -> list[checks.CheckMessage]:
     import redis
     from kombu.utils.url import maybe_sanitize_url
 
+    from celery_steplock.clients import client_for_settings
+
     try:
         settings = Settings(app)
-        url = settings.redis_url
+        url = "the client factory" if settings.redis_client_factory else settings.redis_url
         timeout = min(settings.socket_timeout, PING_TIMEOUT)
+        client = client_for_settings(settings, socket_timeout=timeout)
     except ImproperlyConfigured:
         return []  # E003 reports it
-    client = redis.Redis.from_url(url, socket_timeout=timeout,
-                                  socket_connect_timeout=timeout)
     try:
         client.ping()
     except (redis.RedisError, OSError) as exc:

@@ -1,0 +1,405 @@
+"""The redis-py client of the lease store, built from the settings: the one place that knows
+how a URL, transport options and TLS options become a client.
+
+Configured the way Celery's Redis broker is:
+
+- ``steplock_redis_url``: ``redis://``, ``rediss://`` (TLS), ``unix://``, or
+  ``sentinel://[:password@]host:port[;sentinel://host2:port2...][/db]`` (kombu's form: the
+  password and database are the primary's; the sentinels are asked where the primary is).
+  Default: the broker URL when it is one of these.
+- ``steplock_redis_transport_options``: what a URL cannot say. For Sentinel ``master_name``
+  (required), ``sentinel_kwargs`` (connection options for the sentinels, e.g.
+  ``{"password": ...}``) and ``min_other_sentinels``; for any URL ``health_check_interval``,
+  ``socket_keepalive``, ``socket_keepalive_options`` and ``client_name``. Default: the
+  broker's ``broker_transport_options`` when the lease store uses the broker URL (keys of
+  other meaning there, e.g. ``visibility_timeout``, are ignored), else ``{}``.
+- ``steplock_redis_use_ssl``: TLS options as Celery's ``broker_use_ssl`` for Redis takes
+  them (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, and any
+  other ``ssl_*`` argument of redis-py's ``SSLConnection``). Used with ``rediss://`` URLs
+  (query parameters of the URL win over it) and, with a Sentinel URL, for the connections
+  to the primary. Default: the broker's ``broker_use_ssl`` when the lease store uses the
+  broker URL, else ``{}``.
+- ``steplock_redis_client_factory``: a callable ``factory(settings) -> redis.Redis`` (or its
+  qualified name, ``"package.module:function"``) for anything else; ``settings`` is the
+  app's :class:`~celery_steplock.conf.Settings`. When set, the three settings above are not
+  read by the library. :func:`connection_options` gives the timeouts and retry policy the
+  library's own clients use.
+
+Sentinel goes through redis-py's ``Sentinel(...).master_for(...)``: a connection asks the
+sentinels for the primary when it connects, and a primary that was demoted answers
+``READONLY``, which drops the connection (redis-py turns it into a ``ConnectionError``) so that
+the retry reaches the new primary.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import ssl
+from typing import Any, Callable
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.retry import Retry
+
+from .exceptions import ImproperlyConfigured
+
+__all__ = ["URL_SCHEMES", "SENTINEL_OPTIONS", "CONNECTION_OPTIONS", "connection_options",
+           "make_client", "ClientConfig", "client_for_settings", "client_identity",
+           "check_url", "parse_sentinel_url", "check_transport_options", "check_use_ssl",
+           "check_client_factory"]
+
+#: The URL schemes the lease store accepts.
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+
+#: Transport options that only a Sentinel URL uses.
+SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
+#: Transport options passed to every connection to the lease store's Redis.
+CONNECTION_OPTIONS = ("health_check_interval", "socket_keepalive", "socket_keepalive_options",
+                      "client_name")
+
+_URL = "steplock_redis_url"
+_OPTIONS = "steplock_redis_transport_options"
+_SSL = "steplock_redis_use_ssl"
+_FACTORY = "steplock_redis_client_factory"
+
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
+              "required": ssl.CERT_REQUIRED, "cert_none": ssl.CERT_NONE,
+              "cert_optional": ssl.CERT_OPTIONAL, "cert_required": ssl.CERT_REQUIRED}
+
+
+def _describe(name: str) -> str:
+    from .conf import describe
+
+    return describe(name)
+
+
+def connection_options(socket_timeout: float = 5.0) -> dict[str, Any]:
+    """The keyword arguments of every client the library builds: ``socket_timeout`` seconds
+    per attempt (connecting too) and one quick retry, so that a hung Redis costs at most
+    about twice the timeout per call, and replies decoded as text. Retrying is safe because
+    every script is idempotent for one owner token. A client factory may pass them on
+    (``redis.Redis(host=..., **connection_options(settings.socket_timeout))``)."""
+    return {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout,
+            "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
+            "decode_responses": True, "encoding_errors": "replace"}
+
+
+# -- validation ---------------------------------------------------------------------------
+
+def check_url(url: Any, name: str = _URL) -> str:
+    """Return ``url`` if the lease store can use it, else raise ImproperlyConfigured."""
+    if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
+        raise ImproperlyConfigured(
+            f"{_describe(name)} must be a redis://, rediss://, unix:// or sentinel:// URL, "
+            f"got {url!r}", setting=name)
+    if url.startswith("sentinel://"):
+        parse_sentinel_url(url, name)
+    return url
+
+
+def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
+    """``sentinel://[user:password@]host:port[;sentinel://host2:port2...][/db]`` as
+    ``{"sentinels": [(host, port), ...], "username", "password", "db"}``: the credentials
+    and database are the primary's (each part may repeat them; they must agree). A missing
+    port is 26379. Raises ImproperlyConfigured naming ``name`` for a malformed URL."""
+    def bad(why: str) -> ImproperlyConfigured:
+        return ImproperlyConfigured(f"{_describe(name)}: {why} (a sentinel URL is "
+                                    f"sentinel://[:password@]host:port[;sentinel://host:port"
+                                    f"...][/db]), got {_redact(url)!r}", setting=name)
+
+    sentinels: list[tuple[str, int]] = []
+    found: dict[str, Any] = {"username": None, "password": None, "db": None}
+    for part in url.split(";"):
+        part = part.strip()
+        if not part.startswith("sentinel://"):
+            raise bad(f"every part must start with sentinel://, not {_redact(part)!r}")
+        try:
+            split = urlsplit(part)
+            host, port = split.hostname, split.port or 26379
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        if not host:
+            raise bad("a sentinel has no host")
+        if split.query or split.fragment:
+            raise bad("query parameters are not read from sentinel URLs; put options in "
+                      f"{_OPTIONS} or {_SSL}")
+        db = split.path.strip("/")
+        values = {"username": unquote(split.username) if split.username else None,
+                  "password": unquote(split.password) if split.password is not None else None,
+                  "db": None}
+        if db:
+            if not db.isdigit():
+                raise bad(f"the database must be a number, not {db!r}")
+            values["db"] = int(db)
+        for key, value in values.items():
+            if value is None:
+                continue
+            if found[key] is not None and found[key] != value:
+                raise bad(f"the parts disagree on the {key}")
+            found[key] = value
+        sentinels.append((host, port))
+    return {"sentinels": sentinels, **found}
+
+
+def _redact(url: str) -> str:
+    """``url`` with every password masked (``sentinel://:**@host...``)."""
+    return re.sub(r"(//[^/@;]*?:)[^/@;]*@", r"\1**@", url)
+
+
+def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
+                            name: str = _OPTIONS) -> dict[str, Any]:
+    """The transport options the lease store uses, from ``value`` (a dict). ``url`` is the
+    lease store's URL when known (a Sentinel URL needs ``master_name``). ``strict`` (the
+    setting was given for the lease store): an unknown key is an error; else (inherited
+    from ``broker_transport_options``) keys the lease store does not use are dropped.
+    Raises ImproperlyConfigured naming ``name``."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ImproperlyConfigured(f"{_describe(name)} must be a dict, got {value!r}",
+                                   setting=name)
+    known = SENTINEL_OPTIONS + CONNECTION_OPTIONS
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown and strict:
+        raise ImproperlyConfigured(
+            f"{_describe(name)} has unknown option(s) {', '.join(unknown)}; the lease store "
+            f"reads {', '.join(known)}", setting=name)
+    options = {k: v for k, v in value.items() if k in known}
+    sentinel = isinstance(url, str) and url.startswith("sentinel://")
+    master = options.get("master_name")
+    if sentinel and not (isinstance(master, str) and master):
+        raise ImproperlyConfigured(
+            f"{_describe(name)} must name the primary of a sentinel:// URL: "
+            f"{{\"master_name\": \"mymaster\"}} (the name the sentinels monitor), got "
+            f"{master!r}", setting=name)
+    if master is not None and not (isinstance(master, str) and master):
+        raise ImproperlyConfigured(f"{_describe(name)}: master_name must be a non-empty "
+                                   f"string, got {master!r}", setting=name)
+    kwargs = options.get("sentinel_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict)
+                                   and all(isinstance(k, str) for k in kwargs)):
+        raise ImproperlyConfigured(f"{_describe(name)}: sentinel_kwargs must be a dict of "
+                                   f"connection options, got {kwargs!r}", setting=name)
+    others = options.get("min_other_sentinels")
+    if others is not None and (isinstance(others, bool) or not isinstance(others, int)
+                               or others < 0):
+        raise ImproperlyConfigured(f"{_describe(name)}: min_other_sentinels must be a whole "
+                                   f"number >= 0, got {others!r}", setting=name)
+    interval = options.get("health_check_interval")
+    if interval is not None and (isinstance(interval, bool)
+                                 or not isinstance(interval, (int, float)) or interval < 0):
+        raise ImproperlyConfigured(f"{_describe(name)}: health_check_interval must be a "
+                                   f"number of seconds >= 0, got {interval!r}", setting=name)
+    return options
+
+
+@functools.lru_cache(maxsize=None)
+def _ssl_arguments() -> frozenset[str]:
+    return frozenset(p for p in inspect.signature(redis.SSLConnection.__init__).parameters
+                     if p.startswith("ssl_"))
+
+
+def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[str, Any]:
+    """The TLS options (``ssl_*`` keyword arguments of redis-py's ``SSLConnection``) from
+    ``value``: a dict as Celery's ``broker_use_ssl`` takes it, ``True`` (TLS with redis-py's
+    defaults: the server certificate verified against the system's CAs), or None/``False``/
+    ``{}`` (none). ``ssl_cert_reqs`` may be an ``ssl.VerifyMode`` or ``"required"``,
+    ``"optional"``, ``"none"`` (``"CERT_REQUIRED"``... too). A certificate or key file must
+    exist. ``strict`` as in :func:`check_transport_options`. Raises ImproperlyConfigured
+    naming ``name``."""
+    if value is None or value is False:
+        return {}
+    if value is True:
+        return {"ssl": True}
+    if not isinstance(value, dict):
+        raise ImproperlyConfigured(f"{_describe(name)} must be a dict of ssl_* options "
+                                   f"(as broker_use_ssl), got {value!r}", setting=name)
+    accepted = _ssl_arguments() | {"ssl"}
+    unknown = sorted(str(k) for k in value if k not in accepted)
+    if unknown and strict:
+        raise ImproperlyConfigured(
+            f"{_describe(name)} has unknown option(s) {', '.join(unknown)}; redis-py "
+            f"accepts {', '.join(sorted(accepted))}", setting=name)
+    options = {k: v for k, v in value.items() if k in accepted}
+    reqs = options.get("ssl_cert_reqs")
+    if isinstance(reqs, str):
+        if reqs.lower() not in _CERT_REQS:
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: ssl_cert_reqs must be ssl.CERT_REQUIRED, CERT_OPTIONAL, "
+                f"CERT_NONE or \"required\"/\"optional\"/\"none\", got {reqs!r}", setting=name)
+        options["ssl_cert_reqs"] = _CERT_REQS[reqs.lower()]
+    elif reqs is not None and reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL,
+                                           ssl.CERT_REQUIRED):
+        raise ImproperlyConfigured(f"{_describe(name)}: ssl_cert_reqs must be one of "
+                                   f"ssl.CERT_REQUIRED, CERT_OPTIONAL, CERT_NONE, got {reqs!r}",
+                                   setting=name)
+    for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = options.get(key)
+        if path is not None and not (isinstance(path, (str, os.PathLike))
+                                     and os.path.isfile(path)):
+            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be the path of a "
+                                       f"readable file, got {path!r}", setting=name)
+        if path is not None:
+            options[key] = os.fspath(path)
+    if options.get("ssl_keyfile") and not options.get("ssl_certfile"):
+        raise ImproperlyConfigured(f"{_describe(name)}: ssl_keyfile needs ssl_certfile (the "
+                                   f"client certificate of mutual TLS)", setting=name)
+    if options:
+        options["ssl"] = True
+    return options
+
+
+def check_client_factory(value: Any, name: str = _FACTORY) -> Callable[..., Any] | None:
+    """The client factory: None, a callable, or the qualified name of one
+    (``"package.module:function"`` or ``"package.module.function"``), imported here.
+    Raises ImproperlyConfigured naming ``name`` when it cannot be imported or is not
+    callable."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            raise ImproperlyConfigured(f"{_describe(name)} must be a callable or its "
+                                       f"qualified name, got {value!r}", setting=name)
+        from celery.utils.imports import symbol_by_name
+
+        try:
+            factory = symbol_by_name(value.strip())
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ImproperlyConfigured(f"{_describe(name)}: cannot import {value!r}: {exc}",
+                                       setting=name) from exc
+    else:
+        factory = value
+    if not callable(factory):
+        raise ImproperlyConfigured(f"{_describe(name)} must be callable "
+                                   f"(factory(settings) -> redis client), got {factory!r}",
+                                   setting=name)
+    return factory
+
+
+# -- clients ------------------------------------------------------------------------------
+
+def make_client(url: str, socket_timeout: float = 5.0, *,
+                transport_options: dict[str, Any] | None = None,
+                use_ssl: dict[str, Any] | bool | None = None) -> redis.Redis:
+    """A redis-py client for the lease store at ``url`` (see the module docstring for the
+    URL forms): :func:`connection_options` (``socket_timeout`` seconds, one quick retry),
+    ``transport_options`` and ``use_ssl`` as the settings take them (validated here).
+
+    For a ``sentinel://`` URL the client is ``Sentinel(...).master_for(master_name)``: its
+    pool is a ``SentinelConnectionPool`` that finds the primary through the sentinels.
+    Raises ImproperlyConfigured (naming the setting) for invalid input; nothing connects
+    before the first command.
+    """
+    check_url(url)
+    options = check_transport_options(transport_options, url)
+    tls = check_use_ssl(use_ssl)
+    kwargs = connection_options(socket_timeout)
+    kwargs.update({k: v for k, v in options.items() if k in CONNECTION_OPTIONS})
+    if url.startswith("sentinel://"):
+        return _sentinel_client(url, options, tls, kwargs)
+    if tls and url.startswith(("rediss://", "redis://")):
+        # The URL's own query parameters (redis-py reads ssl_* from it) win; TLS options
+        # with a redis:// URL turn TLS on, as broker_use_ssl does for Celery's broker.
+        query = parse_qs(urlsplit(url).query)
+        kwargs.update({k: v for k, v in tls.items() if k != "ssl" and k not in query})
+        kwargs["connection_class"] = redis.SSLConnection
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
+                     kwargs: dict[str, Any]) -> redis.Redis:
+    from redis.sentinel import Sentinel
+
+    parsed = parse_sentinel_url(url)
+    primary = dict(kwargs)
+    for key in ("username", "password", "db"):
+        if parsed[key] is not None:
+            primary[key] = parsed[key]
+    primary.update(tls)
+    sentinel_kwargs = options.get("sentinel_kwargs")
+    if sentinel_kwargs is None:
+        sentinel_kwargs = {}
+    # No retry per sentinel: a sentinel that does not answer is skipped for the next one
+    # (redis-py's default would retry it with backoff of seconds before moving on).
+    sentinel_kwargs = {"socket_timeout": kwargs["socket_timeout"],
+                       "socket_connect_timeout": kwargs["socket_connect_timeout"],
+                       "retry": Retry(NoBackoff(), 0), **sentinel_kwargs}
+    sentinel = Sentinel(parsed["sentinels"],
+                        min_other_sentinels=options.get("min_other_sentinels", 0),
+                        sentinel_kwargs=sentinel_kwargs, **primary)
+    return sentinel.master_for(options["master_name"])
+
+
+class ClientConfig:
+    """The client inputs of one :class:`~celery_steplock.conf.Settings`, each setting read
+    once: the factory, or the URL, transport options and TLS options; and the socket
+    timeout (seconds). Raises ImproperlyConfigured naming the first invalid setting."""
+
+    __slots__ = ("settings", "factory", "url", "options", "tls", "timeout")
+
+    def __init__(self, settings, socket_timeout: float | None = None):
+        self.settings = settings
+        self.timeout = settings.socket_timeout if socket_timeout is None else socket_timeout
+        self.factory = settings.redis_client_factory
+        self.url = self.options = self.tls = None
+        if self.factory is None:
+            self.url, self.options, self.tls = settings.redis_connection()
+
+    @property
+    def identity(self) -> tuple:
+        """A hashable key: equal keys, equal clients (a factory counts by its identity)."""
+        if self.factory is not None:
+            return ("factory", self.factory, self.timeout)
+        return ("url", self.url, _freeze(self.options), _freeze(self.tls), self.timeout)
+
+    def client(self) -> redis.Redis:
+        """A new client (see :func:`client_for_settings`)."""
+        if self.factory is None:
+            return make_client(self.url, self.timeout, transport_options=self.options,
+                               use_ssl=self.tls)
+        try:
+            client = self.factory(self.settings)
+        except ImproperlyConfigured:
+            raise
+        except Exception as exc:
+            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} raised "
+                                       f"{type(exc).__name__}: {exc}", setting=_FACTORY
+                                       ) from exc
+        if not callable(getattr(client, "execute_command", None)):
+            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} must "
+                                       f"return a redis-py client, got {client!r}",
+                                       setting=_FACTORY)
+        return client
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple, set)):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def client_identity(settings) -> tuple:
+    """A hashable key of what :func:`client_for_settings` builds from ``settings``: equal
+    keys, equal clients (a factory counts by its identity). Raises ImproperlyConfigured."""
+    return ClientConfig(settings).identity
+
+
+def client_for_settings(settings, socket_timeout: float | None = None) -> redis.Redis:
+    """The lease store's client for ``settings`` (a :class:`~celery_steplock.conf.Settings`):
+    the client factory's when ``steplock_redis_client_factory`` is set, else
+    :func:`make_client` of the URL, transport options and TLS options. ``socket_timeout``
+    (seconds) overrides ``steplock_socket_timeout`` for a URL-built client.
+
+    Raises ImproperlyConfigured naming the setting when one is invalid, or when the factory
+    fails or returns something that is not a redis client.
+    """
+    return ClientConfig(settings, socket_timeout).client()
