@@ -1,0 +1,181 @@
+"""Every Celery worker pool (prefork, threads, solo, gevent, eventlet) with real workers on a
+real Redis and the test database: duplicates commit once, and a lease held for 3x its TTL
+survives a CPU-bound body (the ``spin`` task: ``lock_ttl=3``, no I/O for 9 s), which under
+the green pools only a native renewal thread can keep (docs/pools.md).
+"""
+import importlib.util
+import signal
+import subprocess
+import sys
+import textwrap
+
+import helpers
+import pytest
+
+from django_app.workflows.models import Step, TransitionRecord
+from django_app.workflows.tasks import advance, spin
+from tests.support import ROOT
+
+POOLS = ["prefork", "threads", "solo", "gevent", "eventlet"]
+GREEN = ("gevent", "eventlet")
+SPIN_TTL = 3.0  # spin's lock_ttl
+SPIN_SECONDS = 3 * SPIN_TTL
+STEPS = 2  # steps sent as duplicates
+DUPLICATES = 5  # deliveries per step
+
+
+def stats(client):
+    return {key.rsplit(":", 1)[1]: int(client.get(key))
+            for key in client.scan_iter(match="demo:stats:*")}
+
+
+def drained(client):
+    return (client.llen("celery") == 0 and client.hlen("unacked") == 0
+            and not list(client.scan_iter(match="steplock:lease:*")))
+
+
+def lease_key(step):
+    return f"steplock:lease:{{step:{step.pk}}}"
+
+
+def needs(pool):
+    if pool in GREEN and importlib.util.find_spec(pool) is None:
+        pytest.skip(f"{pool} is not installed")
+
+
+def records(step):
+    return list(TransitionRecord.objects.filter(step=step).values_list("to_status", flat=True))
+
+
+@pytest.mark.workers
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("pool", POOLS)
+def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body(
+        pool, start_worker, redis_client):
+    from django.db import connection
+
+    needs(pool)
+    # SQLite waits for its write lock inside the C library, which blocks a green pool's
+    # whole hub: on SQLite a green worker runs one task at a time (docs/pools.md).
+    one = pool == "solo" or (pool in GREEN and connection.vendor == "sqlite")
+    workers = [start_worker(f"{pool}-{i}", concurrency=1 if one else 2, pool=pool,
+                            STEPLOCK_DEMO_STATS=1, STEPLOCK_RETRY_BACKOFF=0.05,
+                            STEPLOCK_RETRY_BACKOFF_MAX=0.2) for i in (1, 2)]
+    for worker in workers:
+        if pool in GREEN:
+            assert f"event=heartbeat_native pool={pool}" in worker.log_text()
+        else:
+            assert "heartbeat_native" not in worker.log_text()
+
+    # Rows first: on SQLite the spin's transaction holds the write lock for its whole body.
+    long_step = Step.objects.create(name=f"spin-{pool}")
+    dup_steps = [Step.objects.create(name=f"dup-{pool}-{i}") for i in range(STEPS)]
+    result = spin.apply_async((long_step.pk, SPIN_SECONDS))
+    # Seen from outside while the body computes: the fence the lease was granted with and
+    # every renewal Redis recorded (its server time in ms).
+    first = helpers.wait_until(lambda: redis_client.hgetall(lease_key(long_step)), timeout=60,
+                               interval=0.02, what="the spin lease")
+    renewals = []
+
+    def finished():
+        fields = redis_client.hgetall(lease_key(long_step))
+        if fields:
+            assert fields["fence"] == first["fence"]  # never re-acquired
+            if fields["renewed_ms"] != fields["acquired_ms"] and (
+                    not renewals or renewals[-1] != int(fields["renewed_ms"])):
+                renewals.append(int(fields["renewed_ms"]))
+        return result.ready()
+
+    for _ in range(DUPLICATES):
+        for step in dup_steps:
+            advance.apply_async((step.pk,), {"delay": 0.3})
+    helpers.wait_until(finished, timeout=SPIN_SECONDS + 60, interval=0.02,
+                       what="the spin task")
+
+    value = result.get(timeout=10)
+    assert value["retries"] == 0 and value["fence"] == int(first["fence"])
+    assert value["owner"] == first["owner"]
+    long_step.refresh_from_db()
+    assert long_step.status == "done" and records(long_step) == ["done"]
+    assert long_step.attempts == 1
+    assert renewals, "Redis never recorded a renewal"
+
+    helpers.wait_until(lambda: drained(redis_client) and stats(redis_client).get(
+        "transition_conflict", 0) >= STEPS * (DUPLICATES - 1), timeout=90,
+        what="every duplicate to finish")
+    for step in dup_steps:
+        step.refresh_from_db()
+        assert step.status == "done" and records(step) == ["done"] and step.attempts == 1
+    counts = stats(redis_client)
+    # Each delivery ends once: committed, or found its step already done.
+    assert counts["transition_applied"] == STEPS + 1
+    assert counts["transition_conflict"] == STEPS * (DUPLICATES - 1)
+    assert counts.get("lock_lost", 0) == 0
+    # 9 s of body under a 3 s TTL needs at least 3 renewals of spin's lease alone.
+    assert counts["lock_extended"] >= 3
+    assert counts["lock_acquired"] == counts["lock_released"]
+    gaps = [(b - a) / 1000 for a, b in zip([int(first["acquired_ms"])] + renewals, renewals)]
+    for worker in workers:  # stop them together: a green worker's warm shutdown takes ~5 s
+        worker.signal(signal.SIGTERM, group=True)
+    print(f"\n{pool}: renewals seen {len(renewals)} during {SPIN_SECONDS:g} s, interval "
+          f"mean {sum(gaps) / len(gaps):.3f} s max {max(gaps):.3f} s (ttl/3 = "
+          f"{SPIN_TTL / 3:.3f} s)")
+
+
+NATIVE_CHECK = textwrap.dedent("""
+    import sys
+    pool = sys.argv[1]
+    if pool == "gevent":
+        from gevent import monkey
+        monkey.patch_all()
+    else:
+        import eventlet
+        eventlet.monkey_patch()
+    import socket
+    import redis
+    from redis.connection import Connection, ConnectionPool
+    from celery_steplock import _green
+    from celery_steplock.heartbeat import Heartbeat
+    from celery_steplock.lock import RedisLeaseStore, make_client
+
+    assert _green.green_pool() == pool
+    store = RedisLeaseStore(make_client(sys.argv[2]), prefix="native-check")
+    hb = Heartbeat()
+    twin = hb.renewal_store(store)
+    lease = store.acquire("x", ttl=1.0)
+    hb.register(lease, store)
+    thread = hb.thread
+    client = twin.client
+    conn = client.connection_pool.get_connection()
+    native_socket = _green.native("socket").socket
+    print("thread", type(thread).__name__, "socket", type(conn._sock) is native_socket,
+          "patched", socket.socket is not native_socket)
+    client.connection_pool.release(conn)
+    hb.unregister(lease)
+    store.release("x", lease.owner)
+
+    class OwnConnection(Connection):
+        def _connect(self):
+            return super()._connect()
+
+    for bad in (redis.Redis(connection_pool=ConnectionPool(connection_class=OwnConnection)),
+                redis.Redis(connection_pool=type("OwnPool", (ConnectionPool,), {})())):
+        try:
+            _green.native_client(bad)
+        except _green.GreenPoolUnsupported as exc:
+            print("refused", exc.pool, exc.setting, pool in str(exc))
+""")
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool, redis_server_url):
+    needs(pool)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", NATIVE_CHECK, pool,
+                          redis_server_url], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "thread NativeThread socket True patched True",
+        f"refused {pool} worker_pool True",
+        f"refused {pool} worker_pool True",
+    ]
