@@ -72,6 +72,26 @@ class _GeventOriginals:
         return value
 
 
+def _fresh_import(name: str) -> Any:
+    """A new, unpatched copy of the pure-Python module ``socket`` or ``ssl``: executed again
+    from its source (its C parts, ``_socket`` and ``_ssl``, are never patched), ``ssl``
+    against the fresh ``socket``. ``sys.modules`` is left as it was."""
+    import importlib
+
+    saved = {key: sys.modules.get(key) for key in ("socket", "ssl")}
+    try:
+        sys.modules.pop(name, None)
+        if name == "ssl":
+            sys.modules["socket"] = native("socket")
+        return importlib.import_module(name)
+    finally:
+        for key, module in saved.items():
+            if module is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = module
+
+
 _originals: dict[tuple[str, str], Any] = {}
 
 
@@ -81,7 +101,11 @@ def native(module: str) -> Any:
     pool = green_pool()
     found = _originals.get((pool or "", module))
     if found is None:
-        if pool == "gevent":
+        if pool and module in ("socket", "ssl"):
+            # Neither gevent's saved attributes nor eventlet's ``original`` give a whole
+            # unpatched ssl (its classes refer to the patched socket and to each other).
+            found = _fresh_import(module)
+        elif pool == "gevent":
             found = _GeventOriginals(module)
         elif pool == "eventlet":
             from eventlet.patcher import original

@@ -4,6 +4,7 @@ survives a CPU-bound body (the ``spin`` task: ``lock_ttl=3``, no I/O for 9 s), w
 the green pools only a native renewal thread can keep (docs/pools.md).
 """
 import importlib.util
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,14 +124,15 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
 
 
 NATIVE_CHECK = textwrap.dedent("""
-    import sys
-    pool = sys.argv[1]
+    import sys, time
+    pool, urls = sys.argv[1], sys.argv[2:]
     if pool == "gevent":
         from gevent import monkey
         monkey.patch_all()
     else:
         import eventlet
         eventlet.monkey_patch()
+    import _socket
     import socket
     import redis
     from redis.connection import Connection, ConnectionPool
@@ -139,20 +141,23 @@ NATIVE_CHECK = textwrap.dedent("""
     from celery_steplock.lock import RedisLeaseStore, make_client
 
     assert _green.green_pool() == pool
-    store = RedisLeaseStore(make_client(sys.argv[2]), prefix="native-check")
     hb = Heartbeat()
-    twin = hb.renewal_store(store)
-    lease = store.acquire("x", ttl=1.0)
-    hb.register(lease, store)
-    thread = hb.thread
-    client = twin.client
-    conn = client.connection_pool.get_connection()
-    native_socket = _green.native("socket").socket
-    print("thread", type(thread).__name__, "socket", type(conn._sock) is native_socket,
-          "patched", socket.socket is not native_socket)
-    client.connection_pool.release(conn)
-    hb.unregister(lease)
-    store.release("x", lease.owner)
+    for url in urls:
+        store = RedisLeaseStore(make_client(url), prefix="native-check")
+        lease = store.acquire("x", ttl=0.6)
+        hb.register(lease, store)
+        deadline = time.monotonic() + 1.8  # 3 x the TTL without yielding once
+        while time.monotonic() < deadline:
+            pass
+        alive = not lease.lost and store.owned("x", lease.owner) is not None
+        pool_ = hb.renewal_store(store).client.connection_pool
+        conn = pool_.get_connection()
+        sock = conn._sock
+        print(url.split(":")[0], type(hb.thread).__name__, "renewed", alive, "native",
+              isinstance(sock, _socket.socket) and not isinstance(sock, socket.socket))
+        pool_.release(conn)
+        hb.unregister(lease)
+        store.release("x", lease.owner)
 
     class OwnConnection(Connection):
         def _connect(self):
@@ -167,15 +172,53 @@ NATIVE_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def redis_on_three_transports(tmp_path_factory):
+    """One redis-server on TCP, TLS (a self-signed CA) and a Unix socket: its three URLs,
+    TLS left out where openssl or the server's TLS support is missing."""
+    from tests.support import servers
+
+    work = tmp_path_factory.mktemp("transports")
+    sock = work / "redis.sock"
+    tls_args, tls_url = [], None
+    if shutil.which("openssl"):
+        def openssl(*args):
+            subprocess.run(["openssl", *args], cwd=work, check=True, capture_output=True)
+
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+                "-out", "ca.crt", "-days", "2", "-subj", "/CN=steplock-test-ca")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out",
+                "srv.csr", "-subj", "/CN=127.0.0.1")
+        (work / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+        openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "srv.crt", "-days", "2", "-extfile", "ext.cnf")
+        tls_port = helpers.free_port()
+        tls_args = ["--tls-port", tls_port, "--tls-cert-file", work / "srv.crt",
+                    "--tls-key-file", work / "srv.key", "--tls-ca-cert-file", work / "ca.crt",
+                    "--tls-auth-clients", "no"]
+        tls_url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={work / 'ca.crt'}"
+    server = None
+    for args in ([*tls_args, "--unixsocket", sock], ["--unixsocket", sock]):
+        try:
+            server = servers.RedisServer(workdir=work / "data", args=args).start()
+            break
+        except Exception:  # noqa: BLE001 - a server built without TLS: go on without it
+            tls_url = None
+    assert server is not None
+    yield [server.url, f"unix://{sock}?db=0"] + ([tls_url] if tls_url else [])
+    server.stop()
+
+
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool, redis_server_url):
+def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool,
+                                                                redis_on_three_transports):
     needs(pool)
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", NATIVE_CHECK, pool,
-                          redis_server_url], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT)
+    urls = redis_on_three_transports
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", NATIVE_CHECK, pool, *urls],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "thread NativeThread socket True patched True",
+        f"{url.split(':')[0]} NativeThread renewed True native True" for url in urls] + [
         f"refused {pool} worker_pool True",
         f"refused {pool} worker_pool True",
     ]
