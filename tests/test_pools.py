@@ -169,6 +169,23 @@ NATIVE_CHECK = textwrap.dedent("""
             _green.native_client(bad)
         except _green.GreenPoolUnsupported as exc:
             print("refused", exc.pool, exc.setting, pool in str(exc))
+
+    # The worker_init receiver: a worker whose store can be renewed natively starts, one
+    # whose client cannot be given unpatched sockets does not.
+    from types import SimpleNamespace
+    from celery import Celery
+    import celery_steplock.lock
+    from celery_steplock.heartbeat import _refuse_green_pool_without_native_renewals as hook
+
+    app = Celery("native-check", set_as_current=False)
+    app.conf.steplock_redis_url = urls[0]
+    hook(sender=SimpleNamespace(app=app))
+    print("starts")
+    celery_steplock.lock.get_lease_store = lambda app, settings=None: RedisLeaseStore(bad)
+    try:
+        hook(sender=SimpleNamespace(app=app))
+    except SystemExit as exc:
+        print("refuses to start", f"the {pool} pool" in str(exc))
 """)
 
 
@@ -221,4 +238,6 @@ def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool,
         f"{url.split(':')[0]} NativeThread renewed True native True" for url in urls] + [
         f"refused {pool} worker_pool True",
         f"refused {pool} worker_pool True",
+        "starts",
+        "refuses to start True",
     ]
