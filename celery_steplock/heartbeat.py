@@ -20,8 +20,11 @@ Under a green pool (gevent, eventlet: :mod:`celery_steplock._green`) the thread 
 OS thread, its locks are OS-level locks and it renews through a client of its own with
 unpatched sockets, so a task body that computes without yielding cannot starve it; a worker
 whose lock store's client cannot be given unpatched sockets refuses to start
-(:class:`~celery_steplock._green.GreenPoolUnsupported`). ``lock_extended`` and ``lock_lost``
-receivers then run on that native thread: they must not block on green I/O.
+(:class:`~celery_steplock._green.GreenPoolUnsupported`). Its log lines and its
+``lock_extended`` / ``lock_lost`` signals are handed to the hub
+(:class:`~celery_steplock._green.Relay`): handlers and receivers run on a greenlet, as all
+else in a green worker, once the hub gets control; :meth:`Heartbeat.unregister` runs what is
+pending first. See docs/pools.md.
 """
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class Heartbeat:
         entry = _Entry(lease, lock, interval, _next(lease, lease.acquired_at + interval), sender)
         if self.green:
             self.renewal_store(lock)
+            # The loss flag is set from the native thread: no green lock may guard it.
             if not isinstance(lease._lost, _green.NativeFlag):
                 lease._lost = _green.NativeFlag(lease._lost.is_set())
         with self._cond:
@@ -278,8 +282,8 @@ class Heartbeat:
                     entry.lease.renewed(sent)
                     entry.next_at = _next(entry.lease, sent + entry.interval)
                     if announce:
-                        self._report(emit, signals.lock_extended, entry.sender, logging.DEBUG,
-                             **lease_fields(entry.lease), **stamp)
+                        self._report(emit, signals.lock_extended, entry.sender,
+                                     logging.DEBUG, **lease_fields(entry.lease), **stamp)
                 else:
                     self._lose(entry, "renewal found the key gone or held by another owner")
 
