@@ -15,6 +15,16 @@ the renewal is retried sooner, and a lease whose local validity runs out meanwhi
 ``max_hold`` (seconds) caps how long a lease is renewed at all. The holder observes all of this
 through ``lease.lost`` / ``lease.check()``; no exception is ever injected into the task's
 thread (python-redis-lock's pitfall list and Celery's own design both argue against it).
+
+Under a green pool (gevent, eventlet: :mod:`celery_steplock._green`) the thread is a native
+OS thread, its locks are OS-level locks and it renews through a client of its own with
+unpatched sockets, so a task body that computes without yielding cannot starve it; a worker
+whose lock store's client cannot be given unpatched sockets refuses to start
+(:class:`~celery_steplock._green.GreenPoolUnsupported`). Its log lines and its
+``lock_extended`` / ``lock_lost`` signals are handed to the hub
+(:class:`~celery_steplock._green.Relay`): handlers and receivers run on a greenlet, as all
+else in a green worker, once the hub gets control; :meth:`Heartbeat.unregister` runs what is
+pending first. See docs/pools.md.
 """
 from __future__ import annotations
 
@@ -25,7 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import signals
+from celery.signals import worker_init
+
+from . import _green, signals
 from .events import emit, lease_fields, listening, logger
 from .exceptions import LockStoreUnavailable
 from .lease import Lease
@@ -62,14 +74,24 @@ class Heartbeat:
         self.pid = os.getpid()
         self.idle_timeout = idle_timeout
         self.clock = clock
-        self._cond = threading.Condition(threading.Lock())
+        #: "gevent"/"eventlet" when the thread is a native one beside a green pool, else None.
+        self.green = _green.green_pool()
+        # Under a green pool: id(store) -> (store, its copy on an unpatched client).
+        self._native_stores: dict[int, tuple[RedisLeaseStore, RedisLeaseStore]] = {}
+        # Under a green pool: runs the native thread's log lines and signals on the hub.
+        self._relay: _green.Relay | None = None
+        if self.green:
+            self._cond: Any = _green.NativeCondition()
+            self._relay = _green.Relay()
+        else:
+            self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
         # When the waiting thread wakes up next (inf: not before a notify; 0: not waiting).
         self._wake_at = 0.0
         self._idle_since = 0.0
         # Held for a renewal round trip and its events; taken before _cond, never after.
-        self._cycle = threading.Lock()
+        self._cycle = _green.native_lock() if self.green else threading.Lock()
         self.cycles = 0
         self.round_trips = 0
 
@@ -81,11 +103,19 @@ class Heartbeat:
             lease.max_hold_until = lease.acquired_at + max_hold
         interval = lease.ttl * ratio
         entry = _Entry(lease, lock, interval, _next(lease, lease.acquired_at + interval), sender)
+        if self.green:
+            self.renewal_store(lock)
+            # The loss flag is set from the native thread: no green lock may guard it.
+            if not isinstance(lease._lost, _green.NativeFlag):
+                lease._lost = _green.NativeFlag(lease._lost.is_set())
         with self._cond:
             self._entries[id(lease)] = entry
             if self._thread is None:
-                thread = threading.Thread(target=self._run, name="steplock-heartbeat",
-                                          daemon=True)
+                if self.green:
+                    thread: Any = _green.NativeThread(self._run, "steplock-heartbeat")
+                else:
+                    thread = threading.Thread(target=self._run, name="steplock-heartbeat",
+                                              daemon=True)
                 try:
                     thread.start()
                 except BaseException:
@@ -103,7 +133,7 @@ class Heartbeat:
         that no ``lock_extended`` of this lease follows the caller's release, but at most one
         TTL: a cycle stuck in a ``lock_extended`` receiver must not hang the task too.
         """
-        in_cycle = self._cycle.acquire(timeout=max(MIN_RETRY_DELAY, lease.ttl))
+        in_cycle = self._acquire_cycle(max(MIN_RETRY_DELAY, lease.ttl))
         try:
             with self._cond:
                 present = self._entries.pop(id(lease), None) is not None
@@ -112,11 +142,37 @@ class Heartbeat:
         finally:
             if in_cycle:
                 self._cycle.release()
+        if self._relay is not None:
+            self._relay.drain()  # this lease's lock_extended before the caller's release
         if not in_cycle:
             logger.warning("event=heartbeat_stuck key=%s owner=%s waited=%.3f: a renewal cycle "
                            "(a lock_extended receiver?) did not finish; unregistered anyway",
                            lease.key, lease.owner, lease.ttl)
         return present
+
+    def _acquire_cycle(self, timeout: float) -> bool:
+        if not self.green:
+            return self._cycle.acquire(timeout=timeout)
+        # A greenlet blocking on an OS lock would stall its whole hub for the native thread's
+        # round trip: poll, yielding to the other greenlets in between.
+        deadline = time.monotonic() + timeout
+        while not self._cycle.acquire(False):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def renewal_store(self, lock: RedisLeaseStore) -> RedisLeaseStore:
+        """The store the thread renews ``lock``'s leases through: ``lock`` itself, or under a
+        green pool its copy on an unpatched client (:func:`celery_steplock._green.native_store`;
+        raises :class:`~celery_steplock._green.GreenPoolUnsupported` when there can be none)."""
+        if not self.green:
+            return lock
+        pair = self._native_stores.get(id(lock))
+        if pair is None or pair[0] is not lock:
+            pair = (lock, _green.native_store(lock, self.green))
+            self._native_stores[id(lock)] = pair
+        return pair[1]
 
     @property
     def leases(self) -> list[Lease]:
@@ -124,7 +180,7 @@ class Heartbeat:
             return [e.lease for e in self._entries.values()]
 
     @property
-    def thread(self) -> threading.Thread | None:
+    def thread(self) -> threading.Thread | _green.NativeThread | None:
         return self._thread
 
     def _due(self) -> list[_Entry] | None:
@@ -163,9 +219,13 @@ class Heartbeat:
                         entries = self._entries
                         due = [e for e in due if entries.get(id(e.lease)) is e]
                     self._renew(due)
-            except Exception:  # noqa: BLE001 - the thread must survive anything
-                logger.exception("event=heartbeat_error renewal cycle failed")
-                time.sleep(MIN_RETRY_DELAY)
+            except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                self._report(logger.error, "event=heartbeat_error renewal cycle failed",
+                             exc_info=exc)
+                if self.green:
+                    _green.native_sleep(MIN_RETRY_DELAY)
+                else:
+                    time.sleep(MIN_RETRY_DELAY)
 
     def _renew(self, due: list[_Entry]) -> None:
         self.cycles += 1
@@ -194,10 +254,11 @@ class Heartbeat:
 
             sent = self.clock()
             try:
-                results = group[0].lock.extend_many(items())
+                results = self.renewal_store(group[0].lock).extend_many(items())
             except LockStoreUnavailable as exc:
                 self.round_trips += 1
-                logger.warning("event=renewal_failed leases=%d error=%s", len(group), exc)
+                self._report(logger.warning, "event=renewal_failed leases=%d error=%s",
+                             len(group), exc)
                 dropped = {id(entry) for entry, _reason in lost}
                 for entry in group:
                     if id(entry) in dropped:
@@ -221,10 +282,17 @@ class Heartbeat:
                     entry.lease.renewed(sent)
                     entry.next_at = _next(entry.lease, sent + entry.interval)
                     if announce:
-                        emit(signals.lock_extended, entry.sender, logging.DEBUG,
-                             **lease_fields(entry.lease), **stamp)
+                        self._report(emit, signals.lock_extended, entry.sender,
+                                     logging.DEBUG, **lease_fields(entry.lease), **stamp)
                 else:
                     self._lose(entry, "renewal found the key gone or held by another owner")
+
+    def _report(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Log or emit from the renewal thread: at once, or under a green pool on the hub."""
+        if self._relay is None:
+            function(*args, **kwargs)
+        else:
+            self._relay.call(function, *args, **kwargs)
 
     def _lose(self, entry: _Entry, reason: str | None) -> None:
         lease = entry.lease
@@ -234,8 +302,8 @@ class Heartbeat:
                 self._idle_since = self.clock()
         lease.mark_lost(reason or "lost")
         if present:
-            emit(signals.lock_lost, entry.sender, logging.ERROR, reason=lease.lost_reason,
-                 **lease_fields(lease))
+            self._report(emit, signals.lock_lost, entry.sender, logging.ERROR,
+                         reason=lease.lost_reason, **lease_fields(lease))
 
 
 def _next(lease: Lease, renew_at: float) -> float:
@@ -269,3 +337,28 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@worker_init.connect(weak=False)
+def _refuse_green_pool_without_native_renewals(sender=None, **kwargs) -> None:
+    """Under a green pool, a worker whose heartbeat could not renew from a native thread
+    (see :mod:`celery_steplock._green`) does not start: its leases would be lost behind any
+    body that computes for a TTL. Nothing is checked under prefork, threads or solo."""
+    pool = _green.green_pool()
+    app = getattr(sender, "app", None)
+    if pool is None or app is None:
+        return
+    from .exceptions import ImproperlyConfigured
+    from .lock import get_lease_store
+
+    try:
+        store = get_lease_store(app)
+    except ImproperlyConfigured:
+        return  # an invalid setting: the settings check stops the worker and names it
+    try:
+        _green.native_store(store, pool)
+    except _green.GreenPoolUnsupported as exc:
+        logger.critical("event=improperly_configured pool=%s %s", pool, exc)
+        raise SystemExit(str(exc)) from exc
+    logger.info("event=heartbeat_native pool=%s the heartbeat renews leases from a native "
+                "thread with unpatched sockets", pool)

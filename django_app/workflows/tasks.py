@@ -107,6 +107,29 @@ def retry_once(self, step_id, countdown=1.0):
     return {"step_id": step_id, "fence": self.lease.fence, "retries": self.request.retries}
 
 
+def _spin(seconds):
+    """Compute for ``seconds`` without any I/O or sleep: a green pool gets no chance to
+    switch greenlets meanwhile."""
+    deadline = time.monotonic() + float(seconds)
+    spins = 0
+    while time.monotonic() < deadline:
+        spins += sum(range(200))
+    return spins
+
+
+@shared_task(transition=("pending", "done"), lock_ttl=3, **STEP_TASK)
+def spin(self, step_id, seconds):
+    """``pending -> done`` after a CPU-bound body of ``seconds`` (no I/O) under a 3 s TTL:
+    the lease must outlive the body by renewals alone (the pools tests)."""
+    fence = self.lease.fence
+    _spin(seconds)
+    self.lease.check()
+    _record(self, step_id, "pending", "done")
+    _bump_attempts(step_id)
+    return {"step_id": step_id, "fence": fence, "owner": self.lease.owner,
+            "retries": self.request.retries, "pid": os.getpid()}
+
+
 @shared_task
 def plain(x):
     """A plain Celery task without any lock (baseline for benchmarks)."""
