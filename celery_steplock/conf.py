@@ -23,6 +23,7 @@ ON_STORE_ERROR = ("fail_closed", "fail_open")
 #: Every setting with its default. Units are seconds.
 DEFAULTS: dict[str, Any] = {
     "redis_url": None,              # None: the broker URL when it is a Redis URL
+    "redis_cluster": False,         # True: redis_url names one node of a Redis Cluster
     "key_prefix": "steplock",
     "default_ttl": 30.0,
     "renewal_ratio": 1 / 3,         # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
@@ -215,6 +216,10 @@ class Settings:
                 f"{describe('steplock_redis_url')} must be a redis://, rediss:// or unix:// "
                 f"URL, got {url!r}", setting="steplock_redis_url")
         return url
+
+    @property
+    def redis_cluster(self) -> bool:
+        return check_bool(self.raw("redis_cluster"), "steplock_redis_cluster")
 
     @property
     def key_prefix(self) -> str:

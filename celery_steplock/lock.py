@@ -32,14 +32,14 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from . import _lua, _wire
+from . import _cluster, _lua, _wire
 from .conf import Settings
 from .exceptions import LockError, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
 
-__all__ = ["Lease", "RedisLeaseStore", "new_owner_token", "holder_metadata",
-           "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR", "STORE_ERRORS"]
+__all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
+           "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR", "STORE_ERRORS"]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
 EXTEND_CHUNK = 1000
@@ -51,12 +51,17 @@ STORE_ERRORS = (RedisError, OSError)
 logger = logging.getLogger("celery_steplock")
 
 
-def make_client(url: str, socket_timeout: float = 5.0) -> redis.Redis:
+def make_client(url: str, socket_timeout: float = 5.0, *, cluster: bool = False
+                ) -> redis.Redis:
     """A redis-py client for the lock store: ``socket_timeout`` seconds per attempt and one
     quick retry, so a hung Redis costs at most about twice the timeout per call.
+    ``cluster=True``: a ``redis.cluster.RedisCluster`` using ``url``'s node as its entry
+    point (see :func:`celery_steplock._cluster.make_client`).
 
     Retrying is safe because every script is idempotent for one owner token.
     """
+    if cluster:
+        return _cluster.make_client(url, socket_timeout)
     return redis.Redis.from_url(
         url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
@@ -96,14 +101,21 @@ def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 class RedisLeaseStore:
     """Acquire, extend, release, reap and inspect owner-keyed leases in one Redis.
 
-    ``client`` is a ``redis.Redis`` (see :func:`make_client`); ``prefix`` namespaces the keys;
-    ``fence_ttl`` (seconds, default 7 days) is how long an idle name's fencing counter is kept
+    ``client`` is a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (see
+    :func:`make_client`; a cluster client makes a :class:`ClusterLeaseStore`); ``prefix``
+    namespaces the keys; ``fence_ttl`` (seconds, default 7 days) is how long an idle name's fencing counter is kept
     at least (at most twice that); ``clock`` (default :func:`time.monotonic`) is the clock of
     the leases' local validity. Every method raises :class:`LockStoreUnavailable` when Redis
     cannot be reached and :class:`LockError` when it refuses a call (e.g. ``WRONGTYPE``: a
     key of ours holds something else); both carry ``name`` (and ``owner``) where one lease is
     concerned.
     """
+
+    def __new__(cls, client: Any = None, *args: Any, **kwargs: Any):
+        # A RedisCluster client gets the store whose multi-lease calls are split by slot.
+        if cls is RedisLeaseStore and _cluster.is_cluster(client):
+            cls = ClusterLeaseStore
+        return super().__new__(cls)
 
     def __init__(self, client: redis.Redis, prefix: str = "steplock",
                  fence_ttl: float = 7 * 24 * 3600.0,
@@ -131,7 +143,8 @@ class RedisLeaseStore:
         except ResponseError as exc:
             # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
             # an outage, so never a reason to retry or to run fail-open.
-            raise LockError(f"lock store refused the {what} of {name!r}: {exc}",
+            hint = _cluster.redirect_hint(exc)
+            raise LockError(f"lock store refused the {what} of {name!r}: {exc}{hint}",
                             key=keys[0], name=name, owner=owner) from exc
         except STORE_ERRORS as exc:
             raise LockStoreUnavailable(f"lock store unavailable during {what} of {name!r}: "
@@ -325,6 +338,10 @@ class RedisLeaseStore:
             raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
         if isinstance(replies, Exception):
             raise LockStoreUnavailable(f"lock store refused the scan: {replies}")
+        return self._parse_scan_fields(keys, replies)
+
+    def _parse_scan_fields(self, keys: list[str], replies: list[Any]
+                           ) -> dict[str, dict[str, Any] | None]:
         found: dict[str, dict[str, Any] | None] = {}
         for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
             doc = _wire.text(doc)
@@ -388,6 +405,12 @@ class RedisLeaseStore:
         return info
 
 
+class ClusterLeaseStore(_cluster.ClusterStoreMixin, RedisLeaseStore):
+    """:class:`RedisLeaseStore` over a ``redis.cluster.RedisCluster``: renewals, reaps and
+    reads of many leases split by slot and pipelined per node, scans walking every primary
+    (see :mod:`celery_steplock._cluster`). ``RedisLeaseStore(cluster_client)`` makes one."""
+
+
 #: The store's former name, kept so that old imports keep working.
 
 
@@ -397,21 +420,22 @@ _stores_guard = threading.Lock()
 
 def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
     """The lease store for ``app``'s settings (``steplock_redis_url``, ``steplock_socket_timeout``,
-    ``steplock_key_prefix``, ``steplock_fence_ttl``), one per distinct configuration and shared
-    by every task, heartbeat and operator tool of the process.
+    ``steplock_key_prefix``, ``steplock_fence_ttl``, ``steplock_redis_cluster``), one per
+    distinct configuration and shared by every task, heartbeat and operator tool of the
+    process.
 
     Raises ImproperlyConfigured naming the setting when one of them is invalid.
     """
     settings = settings or Settings(app)
     ident = (settings.redis_url, settings.socket_timeout, settings.key_prefix,
-             settings.fence_ttl)
+             settings.fence_ttl, settings.redis_cluster)
     store = _stores.get(ident)
     if store is None:
         with _stores_guard:
             store = _stores.get(ident)
             if store is None:
-                store = RedisLeaseStore(make_client(ident[0], ident[1]), prefix=ident[2],
-                                        fence_ttl=ident[3])
+                client = make_client(ident[0], ident[1], cluster=ident[4])
+                store = RedisLeaseStore(client, prefix=ident[2], fence_ttl=ident[3])
                 _stores[ident] = store
     return store
 
