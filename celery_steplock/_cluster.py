@@ -75,8 +75,10 @@ def redirect_hint(error: Exception) -> str:
     """What to add to the message of a refusal: a ``MOVED``/``ASK`` reached a plain client
     because the URL names a Redis Cluster node."""
     if isinstance(error, AskError):
-        return (" (the Redis URL names a Redis Cluster node: set steplock_redis_cluster = True, "
-                "CELERY_STEPLOCK_REDIS_CLUSTER in Django settings)")
+        kind = "MOVED" if isinstance(error, MovedError) else "ASK"
+        return (f" ({kind}: the Redis URL names a Redis Cluster node; set "
+                f"steplock_redis_cluster = True, CELERY_STEPLOCK_REDIS_CLUSTER in Django "
+                f"settings)")
     return ""
 
 
