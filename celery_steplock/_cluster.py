@@ -218,12 +218,13 @@ def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wir
             try:
                 conn = pool.get_connection()
                 open_.append((redis_node, conn, members))
+                packed: list[bytes] = []
                 for i in members:
                     keys, argv = calls[i]
-                    packed = _wire.pack(["EVALSHA", sha, str(len(keys))], keys, argv)
                     if i in asked:
-                        packed = _wire.pack(["ASKING"]) + packed
-                    conn.send_packed_command([packed])
+                        packed.append(_wire.pack(["ASKING"]))
+                    packed.append(_wire.pack(["EVALSHA", sha, str(len(keys))], keys, argv))
+                conn.send_packed_command([b"".join(packed)])  # one write per node
             except _CONNECTION_ERRORS as exc:
                 if conn is not None:
                     conn.disconnect()
