@@ -26,8 +26,9 @@ from typing import Any, Iterable, Iterator, Sequence
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import (AskError, ClusterDownError, MovedError, NoScriptError,
-                              RedisError, ResponseError, TryAgainError)
+from redis.exceptions import (AskError, ClusterDownError, ClusterError, MovedError,
+                              NoScriptError, RedisClusterException, RedisError, ResponseError,
+                              TryAgainError)
 from redis.retry import Retry
 
 from . import _wire
@@ -48,7 +49,7 @@ _TRYAGAIN_DELAY = 0.05
 #: Redis's own cursors are unsigned 64-bit, and 0 still means "start" and "complete".
 _CURSOR_SHIFT = 64
 
-_CONNECTION_ERRORS = (RedisError, OSError)
+_CONNECTION_ERRORS = (RedisError, OSError, RedisClusterException)
 
 
 def is_cluster(client: Any) -> bool:
@@ -200,8 +201,9 @@ def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wir
                     raise MovedError(f"0 {asked[i][0]}:{asked[i][1]}")
             else:
                 node = nodes.get_node_from_slot(slot_of(calls[i][0][0]))
-        except (RedisError, IndexError) as exc:
-            replies[i] = exc
+        except (RedisError, RedisClusterException) as exc:
+            # No node serves the slot (yet): a failure of this call, retried after a refresh.
+            replies[i] = exc if isinstance(exc, RedisError) else ClusterError(str(exc))
             failed.add(i)
             continue
         group = groups.get(node.name)

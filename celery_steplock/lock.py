@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from . import _cluster, _lua, _wire
@@ -45,8 +45,9 @@ __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
 EXTEND_CHUNK = 1000
 
 #: What redis-py raises when Redis cannot be reached (a refusal is a ``ResponseError``, a
-#: subclass of ``RedisError``, told apart where it matters).
-STORE_ERRORS = (RedisError, OSError)
+#: subclass of ``RedisError``, told apart where it matters; a ``RedisCluster`` raises
+#: ``RedisClusterException`` when no node serves a slot).
+STORE_ERRORS = (RedisError, OSError, RedisClusterException)
 
 logger = logging.getLogger("celery_steplock")
 

@@ -329,7 +329,7 @@ def test_step_locked_task_end_to_end_on_the_cluster(cluster_app):
     assert TransitionRecord.objects.filter(step_id=step.pk).count() == 1
 
 
-def _hold_and_run_through(cluster, cluster_app, fault):
+def _hold_and_run_through(cluster, cluster_app, fault, ttl):
     """Hold leases on every primary (renewed by the process heartbeat), run the task on
     several steps (each twice, at once) while ``fault()`` runs, then check: no crash, every
     held lease renewed or reported lost, every step committed exactly once."""
@@ -338,7 +338,7 @@ def _hold_and_run_through(cluster, cluster_app, fault):
     store = get_lease_store(cluster_app)
     heartbeat = get_heartbeat()
     names = names_on_every_primary(cluster, 24, "h", prefix=store.prefix)
-    held = [store.acquire(name, ttl=6.0) for name in names]
+    held = [store.acquire(name, ttl=ttl) for name in names]
     assert all(held)
     for lease in held:
         heartbeat.register(lease, store)
@@ -362,7 +362,9 @@ def _hold_and_run_through(cluster, cluster_app, fault):
         t.join(60)
     assert len(outcomes) == len(threads)
     run_until_done(steps)
-    time.sleep(1.0)   # a renewal interval after the fault
+    cycles = heartbeat.cycles
+    wait_until(lambda: heartbeat.cycles >= cycles + 2, 4 * ttl,
+               what="two renewal cycles after the fault")
     try:
         assert heartbeat.thread is not None and heartbeat.thread.is_alive()
         for lease in held:
@@ -382,7 +384,8 @@ def test_coordinated_failover_while_leases_are_held(cluster, cluster_app):
     def fault():
         cluster.failover(cluster.primaries()[0])
 
-    held, outcomes = _hold_and_run_through(cluster, cluster_app, fault)
+    # TTL 9 s: renewals every 3 s outlast the pause of a manual failover (at most 5 s).
+    held, outcomes = _hold_and_run_through(cluster, cluster_app, fault, ttl=9.0)
     # A coordinated failover loses nothing acknowledged: the held leases keep being renewed.
     assert [lease.name for lease in held if lease.lost] == []
     assert "SUCCESS" in outcomes
@@ -396,7 +399,7 @@ def test_killed_primary_while_leases_are_held(cluster_app):
         owners = own.slot_owners()
 
         held, _outcomes = _hold_and_run_through(
-            own, cluster_app, lambda: own.kill_primary(victim))
+            own, cluster_app, lambda: own.kill_primary(victim), ttl=6.0)
         # Leases on the surviving primaries were renewed throughout (each cycle renews what
         # the nodes that answered hold); those of the killed one are renewed on its promoted
         # replica or reported lost, never silently kept.
