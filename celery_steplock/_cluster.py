@@ -48,6 +48,7 @@ _TRYAGAIN_DELAY = 0.05
 #: A cluster cursor is ``(lowest slot of the primary + 1) << 64 | that primary's cursor``:
 #: Redis's own cursors are unsigned 64-bit, and 0 still means "start" and "complete".
 _CURSOR_SHIFT = 64
+SLOTS = 16384
 
 _CONNECTION_ERRORS = (RedisError, OSError, RedisClusterException)
 
@@ -302,7 +303,7 @@ def scan_keys(client: RedisCluster, cursor: int, count: int, match: str
     walk resumes on the promoted replica. Raises ``RedisError``/``OSError``."""
     slot, node_cursor = decode_cursor(cursor)
     walk = primaries(client)
-    if not walk:
+    if not walk or slot >= SLOTS:  # no slot table, or not a cursor of ours: nothing left
         return 0, []
     if slot < 0:
         slot, node = walk[0]

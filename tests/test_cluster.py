@@ -449,3 +449,33 @@ def test_slot_migration_while_a_lease_is_held(cluster, store):
     assert store.release(name, again.owner) is True
     assert store.release(twin, other.owner) is True
     assert primary_of(cluster, key) is target
+
+
+@pytest.mark.django_db
+def test_admin_changelist_pages_through_every_primary(cluster, cluster_app, admin_client,
+                                                      monkeypatch):
+    from collections import Counter
+
+    from django.urls import reverse
+
+    from celery_steplock.contrib.django.admin import LeaseAdmin
+    from celery_steplock.lock import holder_metadata
+    from django_app.workflows.tasks import advance
+
+    monkeypatch.setattr(LeaseAdmin, "list_per_page", 10)
+    store = get_lease_store(cluster_app)
+    names = names_on_every_primary(cluster, 35, "page", prefix=store.prefix)
+    for n, name in enumerate(names):
+        assert store.acquire(name, ttl=60, metadata=holder_metadata(f"task-{n}", advance.name,
+                                                                    0, worker="w@box"))
+    url, seen, query, pages = reverse("admin:celery_steplock_lease_changelist"), Counter(), "?", 0
+    while query is not None:
+        response = admin_client.get(url + query)
+        assert response.status_code == 200
+        assert response.context["page"] is not None          # no store error
+        seen.update(row["lease"].name for row in response.context["rows"])
+        query = response.context["next_url"]
+        pages += 1
+        assert pages < 100
+    assert set(seen) == set(names) and set(seen.values()) == {1}
+    assert pages >= 4
