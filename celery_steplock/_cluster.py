@@ -20,6 +20,7 @@ client over only when it has no ``connection_pool`` (a ``RedisCluster`` has one 
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -54,22 +55,86 @@ _CONNECTION_ERRORS = (RedisError, OSError, RedisClusterException)
 
 
 def is_cluster(client: Any) -> bool:
-    """Whether ``client`` is a redis-py ``RedisCluster``."""
-    return isinstance(client, RedisCluster)
+    """Whether ``client`` is a redis-py ``RedisCluster`` (or stands for one)."""
+    return isinstance(client, (RedisCluster, DeferredCluster))
+
+
+def resolve(client: Any) -> RedisCluster:
+    """The ``RedisCluster`` behind ``client``; AttributeError when it is not a cluster
+    client. Raises what building a deferred one raises."""
+    if isinstance(client, RedisCluster):
+        return client
+    if isinstance(client, DeferredCluster):
+        return client.get()
+    raise AttributeError(f"{type(client).__name__} has no connection_pool: neither a "
+                         f"redis.Redis nor a redis.cluster.RedisCluster")
 
 
 def make_client(url: str, socket_timeout: float = 5.0) -> RedisCluster:
     """A ``RedisCluster`` that discovers the cluster from the node of ``url`` (any node,
     primary or replica; ``rediss://`` and credentials as in the URL): ``socket_timeout``
-    seconds per attempt and one quick retry per node, as the single-node client."""
-    return RedisCluster.from_url(
-        url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
-        decode_responses=True, encoding_errors="replace")
+    seconds per attempt and one quick retry per node, as the single-node client.
+
+    Building one reads the slot table. When no node answers, a :class:`DeferredCluster` is
+    returned instead, which builds the client at its first use (each use raising the store
+    error until the cluster answers), so an outage at start is an outage, not a crash.
+    Raises ImproperlyConfigured (``steplock_redis_cluster``) when the node is not in
+    cluster mode.
+    """
+    def build() -> RedisCluster:
+        try:
+            return RedisCluster.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
+                decode_responses=True, encoding_errors="replace")
+        except RedisClusterException as exc:
+            if "cluster mode is not enabled" in str(exc).lower():
+                from .exceptions import ImproperlyConfigured
+
+                raise ImproperlyConfigured(
+                    f"steplock_redis_cluster is True but the Redis at the lock store's URL "
+                    f"is not in cluster mode ({exc}); set it to False",
+                    setting="steplock_redis_cluster") from exc
+            raise
+
+    try:
+        return build()
+    except _CONNECTION_ERRORS:
+        return DeferredCluster(build, socket_timeout)  # type: ignore[return-value]
+
+
+class DeferredCluster:
+    """Stands for a ``RedisCluster`` that could not be built yet (no node answered): builds
+    it at the first use that finds the cluster, and delegates every attribute to it."""
+
+    def __init__(self, build, socket_timeout: float | None = None):
+        self._build = build
+        #: The socket timeout the client will have, seconds.
+        self.socket_timeout = socket_timeout
+        self._client: RedisCluster | None = None
+        self._guard = threading.Lock()
+
+    def get(self) -> RedisCluster:
+        """The client; raises ``RedisClusterException``/``RedisError`` while no node answers."""
+        client = self._client
+        if client is None:
+            with self._guard:
+                if self._client is None:
+                    self._client = self._build()
+                client = self._client
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    def __repr__(self) -> str:
+        return f"<DeferredCluster {self._client!r}>"
 
 
 def socket_timeout(client: RedisCluster) -> float | None:
     """The per-call socket timeout of ``client``'s node connections, seconds (None: none)."""
+    if isinstance(client, DeferredCluster):
+        return client.socket_timeout
     return client.nodes_manager.connection_kwargs.get("socket_timeout")
 
 

@@ -48,20 +48,9 @@ def text(value: Any) -> Any:
 
 def socket_timeout(client: redis.Redis) -> float | None:
     """The client's per-call socket timeout, seconds (None: none set)."""
-    try:
-        pool = client.connection_pool
-    except AttributeError:
-        return _cluster.socket_timeout(_cluster_client(client))
-    return pool.connection_kwargs.get("socket_timeout")
-
-
-def _cluster_client(client: Any) -> Any:
-    """``client`` when it is a ``RedisCluster`` (a client without a ``connection_pool``),
-    else the AttributeError that brought us here."""
     if _cluster.is_cluster(client):
-        return client
-    raise AttributeError(f"{type(client).__name__} has no connection_pool: neither a "
-                         f"redis.Redis nor a redis.cluster.RedisCluster")
+        return _cluster.socket_timeout(client)
+    return client.connection_pool.connection_kwargs.get("socket_timeout")
 
 
 def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str]) -> Any:
@@ -76,7 +65,7 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
     try:
         pool = client.connection_pool
     except AttributeError:  # no per-call check on the single-node path
-        return _cluster.evalsha(_cluster_client(client), script, keys, args)
+        return _cluster.evalsha(_cluster.resolve(client), script, keys, args)
     conn = pool.get_connection()
     try:
         def send() -> Any:
@@ -113,7 +102,7 @@ def evalsha_many(client: redis.Redis, script: Script, calls: Iterable[Call]) -> 
     pipeline per node (see :func:`celery_steplock._cluster.evalsha_many`).
     """
     if not hasattr(client, "connection_pool"):
-        return _cluster.evalsha_many(_cluster_client(client), script, calls)
+        return _cluster.evalsha_many(_cluster.resolve(client), script, calls)
     sent: list[Call] = []
     replies = _pipelined(client, script, calls, sent)
     if any(isinstance(r, NoScriptError) for r in replies):

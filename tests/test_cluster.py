@@ -127,6 +127,47 @@ def test_plain_client_on_a_cluster_node_names_the_setting(cluster, store):
         plain.acquire(name, ttl=5)
 
 
+def test_cluster_unreachable_at_start_is_an_outage_not_a_crash(cluster):
+    from celery_steplock.exceptions import LockStoreUnavailable
+    from tests.helpers import closed_port_url
+
+    down = RedisLeaseStore(make_client(closed_port_url(), 0.3, cluster=True), prefix=PREFIX)
+    assert isinstance(down, ClusterLeaseStore)
+    assert isinstance(down.client, _cluster.DeferredCluster)
+    for call in (lambda: down.acquire("a", ttl=5), lambda: down.acquire("a", ttl=5, wait=0.2),
+                 lambda: down.extend_many([("a", "o", 5.0)]), lambda: list(down.iter_leases()),
+                 lambda: down.release("a", "o"), lambda: down.inspect("a")):
+        with pytest.raises(LockStoreUnavailable):
+            call()
+    # Built at the first use that finds the cluster.
+    late = _cluster.DeferredCluster(lambda: make_client(cluster.url, cluster=True), 5.0)
+    store = RedisLeaseStore(late, prefix=PREFIX)
+    lease = store.acquire("late", ttl=5)
+    assert lease is not None and store.extend_many([("late", lease.owner, 5.0)]) == [True]
+    assert isinstance(late.get(), RedisClusterClient)
+    assert store.release("late", lease.owner) is True
+
+
+def test_cluster_setting_on_a_single_node_is_a_configuration_error(redis_server_url):
+    with pytest.raises(ImproperlyConfigured, match="not in cluster mode") as caught:
+        make_client(redis_server_url, cluster=True)
+    assert caught.value.setting == "steplock_redis_cluster"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_task_with_the_cluster_down_follows_the_store_error_policy(cluster_app):
+    from celery_steplock.exceptions import LockStoreUnavailable
+    from tests.helpers import closed_port_url
+
+    cluster_app.conf.steplock_redis_url = closed_port_url()
+    cluster_app.conf.steplock_socket_timeout = 0.3
+    step = Step.objects.create(name="down")
+    result = cluster_finish.apply(args=(step.pk,))
+    assert isinstance(result.result, LockStoreUnavailable)   # fail_closed: retried, then failed
+    assert TransitionRecord.objects.filter(step_id=step.pk).count() == 0
+    assert Step.objects.get(pk=step.pk).status == "pending"
+
+
 # -- the lock cycle -------------------------------------------------------------------------
 
 
