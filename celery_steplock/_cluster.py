@@ -138,9 +138,27 @@ def socket_timeout(client: RedisCluster) -> float | None:
     return client.nodes_manager.connection_kwargs.get("socket_timeout")
 
 
+_TYPED = {"MOVED": MovedError, "ASK": AskError, "TRYAGAIN": TryAgainError,
+          "CLUSTERDOWN": ClusterDownError, "NOSCRIPT": NoScriptError}
+
+
+def typed(error: BaseException) -> BaseException:
+    """``error`` as redis-py's class for its Redis error code (``MOVED``, ``ASK``,
+    ``TRYAGAIN``, ``CLUSTERDOWN``, ``NOSCRIPT``) when the connection's parser left it a plain
+    ``ResponseError`` (older redis-py versions map them for cluster connections only)."""
+    if type(error) is ResponseError:
+        message = str(error)
+        code, _, rest = message.partition(" ")
+        cls = _TYPED.get(code)
+        if cls is not None:
+            return cls(rest) if issubclass(cls, AskError) else cls(message)
+    return error
+
+
 def redirect_hint(error: Exception) -> str:
     """What to add to the message of a refusal: a ``MOVED``/``ASK`` reached a plain client
     because the URL names a Redis Cluster node."""
+    error = typed(error)
     if isinstance(error, AskError):
         kind = "MOVED" if isinstance(error, MovedError) else "ASK"
         return (f" ({kind}: the Redis URL names a Redis Cluster node; set "
@@ -312,7 +330,7 @@ def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wir
                             pass
                     replies[i] = conn.read_response()
                 except ResponseError as exc:
-                    replies[i] = exc
+                    replies[i] = exc = typed(exc)
                     if isinstance(exc, NoScriptError) and not loaded:
                         loaded = True
                         _load(redis_node, script)
