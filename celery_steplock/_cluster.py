@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
@@ -36,9 +36,10 @@ from . import _wire
 from .exceptions import LockStoreUnavailable
 from .keys import lease_key
 
-__all__ = ["is_cluster", "make_client", "socket_timeout", "slot_of", "evalsha",
-           "evalsha_many", "primaries", "scan_keys", "encode_cursor", "decode_cursor",
-           "ClusterStoreMixin", "MAX_REDIRECTS", "TRYAGAIN_WAIT"]
+__all__ = ["is_cluster", "resolve", "make_client", "DeferredCluster", "socket_timeout",
+           "slot_of", "by_slot", "typed", "redirect_hint", "evalsha", "evalsha_many",
+           "primaries", "scan_keys", "encode_cursor", "decode_cursor", "ClusterStoreMixin",
+           "MAX_REDIRECTS", "TRYAGAIN_WAIT"]
 
 #: Redirections (MOVED, ASK) and connection failures one call follows before giving up.
 MAX_REDIRECTS = 5
@@ -340,6 +341,10 @@ def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wir
                         replies[j] = exc
                         failed.add(j)
                     break
+    except BaseException:
+        for _node, conn, _members in open_:
+            conn.disconnect()  # replies may be left unread on it
+        raise
     finally:
         for redis_node, conn, _members in open_:
             redis_node.connection_pool.release(conn)
@@ -528,8 +533,3 @@ class ClusterStoreMixin:
             raise LockStoreUnavailable(f"lock store unavailable: {exc}") from exc
         return int(seconds) * 1000 + int(micros) // 1000, size
 
-
-def iter_primaries(client: RedisCluster) -> Iterator[Any]:
-    """Every primary of the client's slot table, by lowest slot."""
-    for _slot, node in primaries(client):
-        yield node

@@ -39,7 +39,8 @@ from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
 
 __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
-           "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR", "STORE_ERRORS"]
+           "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR",
+           "STORE_ERRORS"]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
 EXTEND_CHUNK = 1000
@@ -104,8 +105,9 @@ class RedisLeaseStore:
 
     ``client`` is a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (see
     :func:`make_client`; a cluster client makes a :class:`ClusterLeaseStore`); ``prefix``
-    namespaces the keys; ``fence_ttl`` (seconds, default 7 days) is how long an idle name's fencing counter is kept
-    at least (at most twice that); ``clock`` (default :func:`time.monotonic`) is the clock of
+    namespaces the keys; ``fence_ttl`` (seconds, default 7 days) is how long an idle name's
+    fencing counter is kept at least (at most twice that); ``clock`` (default
+    :func:`time.monotonic`) is the clock of
     the leases' local validity. Every method raises :class:`LockStoreUnavailable` when Redis
     cannot be reached and :class:`LockError` when it refuses a call (e.g. ``WRONGTYPE``: a
     key of ours holds something else); both carry ``name`` (and ``owner``) where one lease is
