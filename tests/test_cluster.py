@@ -320,9 +320,21 @@ def test_cli_ls_and_the_reaper_see_every_primary(cluster, cluster_app, worker_en
     assert done.returncode == 0, done.stderr
     assert sorted(row["name"] for row in json.loads(done.stdout)) == sorted(names)
 
-    report = reap(cluster_app, dry_run=True, ping_timeout=0.2, lock=store)
+    # The reaper: silent holders on every primary, last renewed a minute ago, are reaped.
+    dead = names_on_every_primary(cluster, 9, "dead", prefix=store.prefix)
+    for name in dead:
+        assert store.acquire(name, ttl=60, metadata={
+            "task_name": "t", "worker": "ghost@nowhere.invalid",
+            "hostname": "elsewhere.invalid", "pid": "4242"})
+        now_s, now_us = store.client.time()
+        store.client.hset(store.key(name), "renewed_ms",
+                          int(now_s) * 1000 + int(now_us) // 1000 - 60_000)
+    report = reap(cluster_app, ping_timeout=0.3)
     assert report.ok, report.errors
-    assert report.leases_scanned == len(names)
+    assert report.leases_scanned == len(names) + len(dead)
+    assert sorted(r["name"] for r in report.leases_reaped) == sorted(dead)
+    assert all(store.inspect(name) is None for name in dead)
+    assert all(store.inspect(name) is not None for name in names)
 
 
 # -- faults ---------------------------------------------------------------------------------
