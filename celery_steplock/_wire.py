@@ -48,6 +48,8 @@ def text(value: Any) -> Any:
 
 def socket_timeout(client: redis.Redis) -> float | None:
     """The client's per-call socket timeout, seconds (None: none set)."""
+    if _cluster.is_cluster(client):
+        return _cluster.socket_timeout(client)
     return client.connection_pool.connection_kwargs.get("socket_timeout")
 
 
@@ -57,9 +59,13 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
     (``NOSCRIPT``: a restart, a failover, ``SCRIPT FLUSH``). Returns the decoded reply.
 
     Raises ``ResponseError`` when Redis refuses the call, ``RedisError``/``OSError`` when it
-    cannot be reached.
+    cannot be reached. A ``RedisCluster`` client: the call goes to the primary owning the
+    keys' slot, ``MOVED``/``ASK`` followed (see :mod:`celery_steplock._cluster`).
     """
-    pool = client.connection_pool
+    try:
+        pool = client.connection_pool
+    except AttributeError:  # no per-call check on the single-node path
+        return _cluster.evalsha(_cluster.resolve(client), script, keys, args)
     conn = pool.get_connection()
     try:
         def send() -> Any:
@@ -97,8 +103,12 @@ def evalsha_many(client: redis.Redis, script: Script, calls: Iterable[Call]) -> 
     its ``ResponseError`` instance (not raised). A ``NOSCRIPT`` reply loads the script and
     sends the whole batch again (each of our scripts is idempotent for its arguments).
 
-    Raises ``RedisError``/``OSError`` when the round trip fails; not retried.
+    Raises ``RedisError``/``OSError`` when the round trip fails; not retried. A
+    ``RedisCluster`` client: each call goes to the primary owning its keys' slot, one
+    pipeline per node (see :func:`celery_steplock._cluster.evalsha_many`).
     """
+    if not hasattr(client, "connection_pool"):
+        return _cluster.evalsha_many(_cluster.resolve(client), script, calls)
     sent: list[Call] = []
     replies = _pipelined(client, script, calls, sent)
     if any(isinstance(r, NoScriptError) for r in replies):
@@ -130,3 +140,6 @@ def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
         raise
     finally:
         pool.release(conn)
+
+
+from . import _cluster  # noqa: E402  (it uses this module's pack/Script)

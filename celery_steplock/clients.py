@@ -283,17 +283,24 @@ def check_client_factory(value: Any, name: str = _FACTORY) -> Callable[..., Any]
 
 def make_client(url: str, socket_timeout: float = 5.0, *,
                 transport_options: dict[str, Any] | None = None,
-                use_ssl: dict[str, Any] | bool | None = None) -> redis.Redis:
+                use_ssl: dict[str, Any] | bool | None = None,
+                cluster: bool = False) -> redis.Redis:
     """A redis-py client for the lease store at ``url`` (see the module docstring for the
     URL forms): :func:`connection_options` (``socket_timeout`` seconds, one quick retry),
     ``transport_options`` and ``use_ssl`` as the settings take them (validated here).
 
     For a ``sentinel://`` URL the client is ``Sentinel(...).master_for(master_name)``: its
     pool is a ``SentinelConnectionPool`` that finds the primary through the sentinels.
+    ``cluster=True``: a ``redis.cluster.RedisCluster`` with ``url``'s node as its entry point
+    (see :func:`celery_steplock._cluster.make_client`; the options are not used).
     Raises ImproperlyConfigured (naming the setting) for invalid input; nothing connects
     before the first command.
     """
     check_url(url)
+    if cluster:
+        from . import _cluster
+
+        return _cluster.make_client(url, socket_timeout)
     options = check_transport_options(transport_options, url)
     tls = check_use_ssl(use_ssl)
     kwargs = connection_options(socket_timeout)
@@ -338,28 +345,37 @@ class ClientConfig:
     once: the factory, or the URL, transport options and TLS options; and the socket
     timeout (seconds). Raises ImproperlyConfigured naming the first invalid setting."""
 
-    __slots__ = ("settings", "factory", "url", "options", "tls", "timeout")
+    __slots__ = ("settings", "factory", "url", "options", "tls", "timeout", "cluster")
 
     def __init__(self, settings, socket_timeout: float | None = None):
         self.settings = settings
         self.timeout = settings.socket_timeout if socket_timeout is None else socket_timeout
         self.factory = settings.redis_client_factory
         self.url = self.options = self.tls = None
+        self.cluster = False
         if self.factory is None:
             self.url, self.options, self.tls = settings.redis_connection()
+            self.cluster = settings.redis_cluster
+            if self.cluster and self.url.startswith(("sentinel://", "unix://")):
+                raise ImproperlyConfigured(
+                    "steplock_redis_cluster is True but steplock_redis_url is a "
+                    f"{self.url.split(':', 1)[0]}:// URL; a Redis Cluster is reached through "
+                    "a redis:// or rediss:// URL of one of its nodes",
+                    setting="steplock_redis_cluster")
 
     @property
     def identity(self) -> tuple:
         """A hashable key: equal keys, equal clients (a factory counts by its identity)."""
         if self.factory is not None:
             return ("factory", self.factory, self.timeout)
-        return ("url", self.url, _freeze(self.options), _freeze(self.tls), self.timeout)
+        return ("url", self.url, _freeze(self.options), _freeze(self.tls), self.timeout,
+                self.cluster)
 
     def client(self) -> redis.Redis:
         """A new client (see :func:`client_for_settings`)."""
         if self.factory is None:
             return make_client(self.url, self.timeout, transport_options=self.options,
-                               use_ssl=self.tls)
+                               use_ssl=self.tls, cluster=self.cluster)
         try:
             client = self.factory(self.settings)
         except ImproperlyConfigured:

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "redis_transport_options": None,  # {"master_name": ..., "sentinel_kwargs": {...}}
     "redis_use_ssl": None,          # {"ssl_cert_reqs": ..., "ssl_ca_certs": ..., ...}
     "redis_client_factory": None,   # factory(settings) -> redis client, or its qualified name
+    "redis_cluster": False,         # True: redis_url names one node of a Redis Cluster
     "key_prefix": "steplock",
     "default_ttl": 30.0,
     "renewal_ratio": 1 / 3,         # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
@@ -290,6 +291,10 @@ class Settings:
         from .clients import check_client_factory
 
         return check_client_factory(self.raw("redis_client_factory"))
+
+    @property
+    def redis_cluster(self) -> bool:
+        return check_bool(self.raw("redis_cluster"), "steplock_redis_cluster")
 
     @property
     def key_prefix(self) -> str:

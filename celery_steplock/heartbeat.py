@@ -260,8 +260,19 @@ class Heartbeat:
                 self._report(logger.warning, "event=renewal_failed leases=%d error=%s",
                              len(group), exc)
                 dropped = {id(entry) for entry, _reason in lost}
+                # A cluster store reports what the nodes that answered did (None: unknown).
+                partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))
                 for entry in group:
                     if id(entry) in dropped:
+                        continue
+                    done = partial.get(id(entry))
+                    if done is not None:
+                        if done:
+                            entry.lease.renewed(sent)
+                            entry.next_at = _next(entry.lease, sent + entry.interval)
+                        else:
+                            self._lose(entry, "renewal found the key gone or held by another "
+                                              "owner")
                         continue
                     if entry.lease.lost:
                         self._lose(entry, entry.lease.lost_reason)

@@ -28,24 +28,26 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from . import _lua, _wire
+from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
 from .conf import Settings
 from .exceptions import LockError, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
 
-__all__ = ["Lease", "RedisLeaseStore", "new_owner_token", "holder_metadata",
-           "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR", "STORE_ERRORS"]
+__all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
+           "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR",
+           "STORE_ERRORS"]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
 EXTEND_CHUNK = 1000
 
 #: What redis-py raises when Redis cannot be reached (a refusal is a ``ResponseError``, a
-#: subclass of ``RedisError``, told apart where it matters).
-STORE_ERRORS = (RedisError, OSError)
+#: subclass of ``RedisError``, told apart where it matters; a ``RedisCluster`` raises
+#: ``RedisClusterException`` when no node serves a slot).
+STORE_ERRORS = (RedisError, OSError, RedisClusterException)
 
 logger = logging.getLogger("celery_steplock")
 
@@ -83,14 +85,22 @@ def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 class RedisLeaseStore:
     """Acquire, extend, release, reap and inspect owner-keyed leases in one Redis.
 
-    ``client`` is a ``redis.Redis`` (see :func:`make_client`); ``prefix`` namespaces the keys;
-    ``fence_ttl`` (seconds, default 7 days) is how long an idle name's fencing counter is kept
-    at least (at most twice that); ``clock`` (default :func:`time.monotonic`) is the clock of
+    ``client`` is a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (see
+    :func:`make_client`; a cluster client makes a :class:`ClusterLeaseStore`); ``prefix``
+    namespaces the keys; ``fence_ttl`` (seconds, default 7 days) is how long an idle name's
+    fencing counter is kept at least (at most twice that); ``clock`` (default
+    :func:`time.monotonic`) is the clock of
     the leases' local validity. Every method raises :class:`LockStoreUnavailable` when Redis
     cannot be reached and :class:`LockError` when it refuses a call (e.g. ``WRONGTYPE``: a
     key of ours holds something else); both carry ``name`` (and ``owner``) where one lease is
     concerned.
     """
+
+    def __new__(cls, client: Any = None, *args: Any, **kwargs: Any):
+        # A RedisCluster client gets the store whose multi-lease calls are split by slot.
+        if cls is RedisLeaseStore and _cluster.is_cluster(client):
+            cls = ClusterLeaseStore
+        return super().__new__(cls)
 
     def __init__(self, client: redis.Redis, prefix: str = "steplock",
                  fence_ttl: float = 7 * 24 * 3600.0,
@@ -118,7 +128,8 @@ class RedisLeaseStore:
         except ResponseError as exc:
             # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
             # an outage, so never a reason to retry or to run fail-open.
-            raise LockError(f"lock store refused the {what} of {name!r}: {exc}",
+            hint = _cluster.redirect_hint(exc)
+            raise LockError(f"lock store refused the {what} of {name!r}: {exc}{hint}",
                             key=keys[0], name=name, owner=owner) from exc
         except STORE_ERRORS as exc:
             raise LockStoreUnavailable(f"lock store unavailable during {what} of {name!r}: "
@@ -320,6 +331,10 @@ class RedisLeaseStore:
             raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
         if isinstance(replies, Exception):
             raise LockStoreUnavailable(f"lock store refused the scan: {replies}")
+        return self._parse_scan_fields(keys, replies)
+
+    def _parse_scan_fields(self, keys: list[str], replies: list[Any]
+                           ) -> dict[str, dict[str, Any] | None]:
         found: dict[str, dict[str, Any] | None] = {}
         for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
             doc = _wire.text(doc)
@@ -383,6 +398,12 @@ class RedisLeaseStore:
         return info
 
 
+class ClusterLeaseStore(_cluster.ClusterStoreMixin, RedisLeaseStore):
+    """:class:`RedisLeaseStore` over a ``redis.cluster.RedisCluster``: renewals, reaps and
+    reads of many leases split by slot and pipelined per node, scans walking every primary
+    (see :mod:`celery_steplock._cluster`). ``RedisLeaseStore(cluster_client)`` makes one."""
+
+
 #: The store's former name, kept so that old imports keep working.
 
 
@@ -393,7 +414,7 @@ _stores_guard = threading.Lock()
 def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
     """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
     client-factory settings of :mod:`celery_steplock.clients`, ``steplock_socket_timeout``,
-    ``steplock_key_prefix``, ``steplock_fence_ttl``), one per distinct configuration and shared
+    ``steplock_key_prefix``, ``steplock_fence_ttl``, ``steplock_redis_cluster``), one per distinct configuration and shared
     by every task, heartbeat and operator tool of the process.
 
     Raises ImproperlyConfigured naming the setting when one of them is invalid.

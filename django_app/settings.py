@@ -179,6 +179,9 @@ CELERY_TIMEZONE = TIME_ZONE
 
 # --- celery-steplock (read by the library as app.conf.steplock_*) -------------
 CELERY_STEPLOCK_DEFAULT_TTL = float(os.environ.get("STEPLOCK_TTL", 30))
+if os.environ.get("STEPLOCK_REDIS_URL"):  # else the broker's Redis
+    CELERY_STEPLOCK_REDIS_URL = os.environ["STEPLOCK_REDIS_URL"]
+CELERY_STEPLOCK_REDIS_CLUSTER = _env_bool("STEPLOCK_REDIS_CLUSTER", False)
 if os.environ.get("STEPLOCK_KEY_PREFIX"):
     CELERY_STEPLOCK_KEY_PREFIX = os.environ["STEPLOCK_KEY_PREFIX"]
 CELERY_STEPLOCK_EVENT_LOG = _env_bool("STEPLOCK_EVENT_LOG", False)

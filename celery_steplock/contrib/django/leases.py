@@ -367,6 +367,8 @@ def lease_page(lock: RedisLeaseStore, cursor: int = 0, per_page: int = 100, *,
 
 def _time_and_size(lock: RedisLeaseStore) -> tuple[int, int]:
     """Redis server time (ms) and DBSIZE, in one round trip. Raises LockStoreUnavailable."""
+    if hasattr(lock, "time_and_size"):  # a cluster store: the DBSIZE of every primary
+        return lock.time_and_size()
     try:
         pipe = lock.client.pipeline(transaction=False)
         pipe.time()
