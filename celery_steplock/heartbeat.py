@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from . import signals
 from .events import emit, lease_fields, listening, logger
-from .exceptions import LockStoreUnavailable
+from .exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
 from .lock import RedisLeaseStore
 
@@ -195,9 +195,13 @@ class Heartbeat:
             sent = self.clock()
             try:
                 results = group[0].lock.extend_many(items())
-            except LockStoreUnavailable as exc:
+            except (LockStoreUnavailable, LockStoreMisconfigured) as exc:
+                # A refused permission is retried like an outage (the lease is lost when its
+                # validity runs out), logged as the configuration error it is.
                 self.round_trips += 1
-                logger.warning("event=renewal_failed leases=%d error=%s", len(group), exc)
+                logger.log(logging.ERROR if isinstance(exc, LockStoreMisconfigured)
+                           else logging.WARNING,
+                           "event=renewal_failed leases=%d error=%s", len(group), exc)
                 dropped = {id(entry) for entry, _reason in lost}
                 for entry in group:
                     if id(entry) in dropped:
