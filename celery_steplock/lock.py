@@ -160,6 +160,7 @@ class RedisLeaseStore:
         self.client = client
         self.max_waiters = max_waiters
         self._waiter_client = waiter_client
+        self._waiter_guard = threading.Lock()
         self._waiters = threading.BoundedSemaphore(max_waiters)
         self._probed = False
         self.prefix = prefix
@@ -182,7 +183,9 @@ class RedisLeaseStore:
     def waiter_client(self) -> redis.Redis:
         """The client waiters block on (see the class docstring)."""
         if self._waiter_client is None:
-            self._waiter_client = _wire.derived_client(self.client, self.max_waiters)
+            with self._waiter_guard:
+                if self._waiter_client is None:
+                    self._waiter_client = _wire.derived_client(self.client, self.max_waiters)
         return self._waiter_client
 
     def check_permissions(self, *, what: str = "permission check", key: str | None = None,
