@@ -188,15 +188,26 @@ return out
 
 # KEYS[1..4] lease hash, fencing counter, waiters' sorted set and wake-up list of a name no
 # lease uses. Runs every command of the scripts above on them with pcall (each key is given a
-# TTL of 10 s right after it is created, and deleted at the end) and returns the refused ones
-# as a list of 'command key' strings ('command' alone for TIME); empty when all ran.
+# TTL of 10 s right after it is created, and deleted at the end) and returns the ones the
+# ACL refused as a list of 'command key' strings ('command' alone for TIME); empty when all
+# ran. Any other error (READONLY, OOM...) is returned as the script's error, as the lease
+# scripts would meet it.
 PROBE = """
 local refused = {}
+local other = nil
+local acl = {'NOPERM', "can't run", "can't access", 'ACL', 'no permissions', 'No permissions'}
 local function try(...)
+  if other then return end
   local r = redis.pcall(...)
   if type(r) == 'table' and r.err then
-    local args = {...}
-    refused[#refused + 1] = string.lower(args[1]) .. (args[2] and (' ' .. args[2]) or '')
+    for _, word in ipairs(acl) do
+      if string.find(r.err, word, 1, true) then
+        local args = {...}
+        refused[#refused + 1] = string.lower(args[1]) .. (args[2] and (' ' .. args[2]) or '')
+        return
+      end
+    end
+    other = r.err
   end
 end
 try('TIME')
@@ -223,5 +234,6 @@ try('DEL', lease)
 try('DEL', fence)
 try('DEL', waiters)
 try('DEL', wake)
+if other then return redis.error_reply(other) end
 return refused
 """

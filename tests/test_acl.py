@@ -473,3 +473,20 @@ def test_classification_of_redis_errors():
     assert type(store_error(e.NoPermissionError(
         "this user has no permissions to run the 'zrem' command"), "wait")).__name__ == \
         "LockStoreMisconfigured"
+
+
+def test_a_server_refusing_writes_for_another_reason_is_not_an_acl_error(acl_server, user_url,
+                                                                        admin):
+    """The probe reports only what the ACL refuses: a server out of memory refuses the
+    probe's writes as it would the lease scripts' (a LockError, not a permission)."""
+    store = RedisLeaseStore(make_client(user_url))
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(LockError) as caught:
+            store.acquire("oom", ttl=5.0)
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert not isinstance(caught.value, (LockStoreMisconfigured, LockStoreUnavailable))
+    assert "OOM" in str(caught.value) or "maxmemory" in str(caught.value)
+    assert store.acquire("oom", ttl=5.0) is not None  # the probe runs again, and passes
