@@ -187,10 +187,21 @@ def test_reap_scan_and_admin_page_as_the_user(app, user_url, store, admin, event
     assert page.db_keys == admin.dbsize()
     now_s, now_us = admin.time()
     admin.hset(store.key("ghostly"), "renewed_ms", now_s * 1000 + now_us // 1000 - 60000)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(
+        store.acquire("ghostly", "waiter", 60.0, wait=20.0)))
+    waiter.start()
+    servers.wait_until(lambda: admin.zscore("steplock:waiters:{ghostly}", "waiter") is not None,
+                       timeout=10, interval=0.005, what="the waiter to register")
+    reaped_at = time.monotonic()
     report = reap(app, ping_timeout=0.3, lock=store)
     assert report.ok, report.errors
     assert [r["name"] for r in report.leases_reaped] == ["ghostly"]
-    assert store.inspect("ghostly") is None
+    waiter.join(30)
+    # The reap woke the waiter (the dead holder's TTL had 60 s left).
+    assert got and got[0] is not None and got[0].owner == "waiter"
+    assert time.monotonic() - reaped_at < 10.0
+    assert store.inspect("ghostly")["owner"] == "waiter"
     assert store.inspect("kept")["owner"] == keep.owner
     assert ("lock_expired", lease.owner) in [(n, kw.get("owner")) for n, kw in events]
 
@@ -490,3 +501,28 @@ def test_a_server_refusing_writes_for_another_reason_is_not_an_acl_error(acl_ser
     assert not isinstance(caught.value, (LockStoreMisconfigured, LockStoreUnavailable))
     assert "OOM" in str(caught.value) or "maxmemory" in str(caught.value)
     assert store.acquire("oom", ttl=5.0) is not None  # the probe runs again, and passes
+
+
+def test_a_renewal_refused_later_loses_the_lease_once(acl_server, admin, caplog):
+    """A permission revoked while a lease is held: the heartbeat logs the refusal at ERROR and
+    the lease is lost when its validity runs out (then no longer renewed), not retried on."""
+    url = acl.create_user(acl_server)
+    store = RedisLeaseStore(make_client(url))
+    lease = store.acquire("rv", ttl=0.6)
+    hb = get_heartbeat()
+    lost = []
+    signals.lock_lost.connect(lambda sender=None, **kw: lost.append(kw["owner"]), weak=False,
+                              dispatch_uid="test-acl-lost")
+    try:
+        hb.register(lease, store, ratio=1 / 3)
+        acl.create_user(acl_server, without=["hset"])
+        servers.wait_until(lambda: lease.lost, timeout=10, interval=0.02,
+                           what="the lease to be lost")
+        servers.wait_until(lambda: lost, timeout=5, interval=0.02, what="lock_lost")
+    finally:
+        hb.unregister(lease)
+        signals.lock_lost.disconnect(dispatch_uid="test-acl-lost")
+    assert lost == [lease.owner]
+    assert lease not in hb.leases
+    assert any(r.levelname == "ERROR" and "event=renewal_failed" in r.getMessage()
+               and "permission refused" in r.getMessage() for r in caplog.records)
