@@ -526,3 +526,18 @@ def test_a_renewal_refused_later_loses_the_lease_once(acl_server, admin, caplog)
     assert lease not in hb.leases
     assert any(r.levelname == "ERROR" and "event=renewal_failed" in r.getMessage()
                and "permission refused" in r.getMessage() for r in caplog.records)
+
+
+def test_celery_steplock_ls_as_the_user(worker_env, store, user_url):
+    import json
+    import sys
+
+    lease = store.acquire("order:1", ttl=60.0, metadata={"task_name": "proj.tasks.charge"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "django_app", "steplock", "ls", "--json"],
+        env={**worker_env, "STEPLOCK_REDIS_URL": user_url}, cwd=worker_env["PYTHONPATH"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    [row] = json.loads(proc.stdout)
+    assert (row["name"], row["owner"]) == ("order:1", lease.owner)
+    assert row["age"] is not None  # Redis server TIME as the user
