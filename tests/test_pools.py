@@ -148,3 +148,32 @@ def test_the_max_waiters_setting(app, redis_client):
         with pytest.raises(ImproperlyConfigured) as caught:
             Settings(app).max_waiters
         assert caught.value.setting == "steplock_max_waiters"
+
+
+def test_the_waiters_client_keeps_the_class_and_connection_options():
+    import redis
+
+    from celery_steplock import _wire
+
+    class MyRedis(redis.Redis):
+        pass
+
+    client = MyRedis.from_url("rediss://user:pw@127.0.0.1:6390/3?ssl_cert_reqs=required",
+                              socket_timeout=2.5, decode_responses=True)
+    waiters = _wire.derived_client(client, 7)
+    assert type(waiters) is MyRedis and waiters is not client
+    pool = waiters.connection_pool
+    assert pool is not client.connection_pool and pool.max_connections == 7
+    assert pool.connection_class is client.connection_pool.connection_class is \
+        redis.SSLConnection
+    own = {"maint_notifications_pool_handler"}  # redis-py 7+: each pool's own
+    assert {k: v for k, v in pool.connection_kwargs.items() if k not in own} == \
+        {k: v for k, v in client.connection_pool.connection_kwargs.items() if k not in own}
+    assert (pool.connection_kwargs["username"], pool.connection_kwargs["db"]) == ("user", 3)
+
+    class OwnPool(redis.ConnectionPool):
+        def __init__(self, special, **kwargs):
+            super().__init__(**kwargs)
+
+    odd = redis.Redis(connection_pool=OwnPool("x"))
+    assert _wire.derived_client(odd, 7) is odd  # cannot be rebuilt: shared
