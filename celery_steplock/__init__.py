@@ -12,7 +12,8 @@ import warnings
 from . import exceptions, signals
 from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepId,
                          InvalidTransition, LeaseHeldByAnother, LeaseNotHeld, LockContended,
-                         LockError, LockLost, LockNameError, LockStoreUnavailable,
+                         LockError, LockLost, LockNameError, LockStoreMisconfigured,
+                         LockStoreUnavailable,
                          OuterTransactionError, StepLockError, StepNotFound,
                          TransitionConflict, TransitionError)
 from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
@@ -28,7 +29,7 @@ __all__ = [
     "StepLockedTask", "DjangoStepLockedTask", "RedisLeaseStore", "Lease", "make_client",
     "new_owner_token", "get_lease_store", "signals", "exceptions", "StepLockError",
     "ImproperlyConfigured", "LockNameError", "LockError", "LockContended", "LockLost",
-    "LockStoreUnavailable", "TransitionError", "TransitionConflict", "InvalidTransition",
+    "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
     "LeaseNotHeld", "LeaseHeldByAnother",
 ]

@@ -20,7 +20,21 @@ bare integer: a table reply costs Redis more to build than the rest of a release
 """
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "RELEASE", "REAP", "EXTEND", "EXTEND_MANY", "OWNED", "SCAN_FIELDS"]
+__all__ = ["ACQUIRE", "RELEASE", "REAP", "EXTEND", "EXTEND_MANY", "OWNED", "SCAN_FIELDS",
+           "PROBE"]
+
+# Redis checks a script's commands against the user's ACL one by one as they run and does
+# not roll back the ones already run: a command refused halfway leaves the earlier writes.
+# PROBE runs every command of the scripts below, with pcall, on the keys of one reserved
+# name, before a store's first write; so a Redis user lacking a command or key pattern is
+# told so (naming each) before any lease script can stop halfway. Should a permission be
+# revoked later, the writes come in an order where a refusal leaves nothing a reader relies
+# on: ACQUIRE advances the fencing counter (it only ever grows: an advance without a grant is
+# harmless) and drops the caller's waiter entry before it writes the lease; RELEASE and REAP
+# wake a waiter (who finds the lease held and waits again, if the delete is then refused)
+# before they delete the lease, so a refused release leaves the lease as it was. The one
+# write a refusal can leave half-done is the lease's PEXPIRE after its HSET; PEXPIRE ran on
+# the fencing counter before it unless the grant falls in the counter's current period.
 
 # KEYS[1] lease hash, KEYS[2] fencing counter, KEYS[3] (only when the caller waits) the
 # waiters' sorted set.
@@ -67,10 +81,10 @@ elseif not prev or math.floor(prev / period) ~= math.floor(fence / period) then
   redis.call('PEXPIRE', KEYS[2], ARGV[3] * 2)
 end
 local now_s = string.format('%d', math.floor(now_us / 1000))
+if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence_s, 'acquired_ms', now_s,
            'renewed_ms', now_s, 'ttl_ms', ARGV[2], 'meta', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
 return fence
 """
 
@@ -80,12 +94,12 @@ return fence
 # which the waiter blocked longest in BLPOP takes.
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
   if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('DEL', KEYS[3])
     redis.call('RPUSH', KEYS[3], ARGV[1])
     redis.call('PEXPIRE', KEYS[3], 60000)
   end
+  redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
@@ -98,12 +112,12 @@ return 0
 REAP = """
 local f = redis.call('HMGET', KEYS[1], 'owner', 'renewed_ms')
 if f[1] == ARGV[1] and f[2] == ARGV[2] then
-  redis.call('DEL', KEYS[1])
   if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('DEL', KEYS[3])
     redis.call('RPUSH', KEYS[3], ARGV[1])
     redis.call('PEXPIRE', KEYS[3], 60000)
   end
+  redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
@@ -170,4 +184,56 @@ for i = 1, #KEYS do
   end
 end
 return out
+"""
+
+# KEYS[1..4] lease hash, fencing counter, waiters' sorted set and wake-up list of a name no
+# lease uses. Runs every command of the scripts above on them with pcall (each key is given a
+# TTL of 10 s right after it is created, and deleted at the end) and returns the ones the
+# ACL refused as a list of 'command key' strings ('command' alone for TIME); empty when all
+# ran. Any other error (READONLY, OOM...) is returned as the script's error, as the lease
+# scripts would meet it.
+PROBE = """
+local refused = {}
+local other = nil
+local acl = {'NOPERM', "can't run", "can't access", 'ACL', 'no permissions', 'No permissions'}
+local function try(...)
+  if other then return end
+  local r = redis.pcall(...)
+  if type(r) == 'table' and r.err then
+    for _, word in ipairs(acl) do
+      if string.find(r.err, word, 1, true) then
+        local args = {...}
+        refused[#refused + 1] = string.lower(args[1]) .. (args[2] and (' ' .. args[2]) or '')
+        return
+      end
+    end
+    other = r.err
+  end
+end
+try('TIME')
+local lease, fence, waiters, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+try('HSET', lease, 'probe', '1')
+try('PEXPIRE', lease, 10000)
+try('HGET', lease, 'owner')
+try('HMGET', lease, 'owner', 'renewed_ms')
+try('HGETALL', lease)
+try('TYPE', lease)
+try('PTTL', lease)
+try('SET', fence, '1', 'PX', 10000)
+try('SET', fence, '2', 'KEEPTTL', 'GET')
+try('PEXPIRE', fence, 10000)
+try('ZADD', waiters, 1, 'probe')
+try('PEXPIRE', waiters, 10000)
+try('ZREMRANGEBYSCORE', waiters, '-inf', 0)
+try('PTTL', waiters)
+try('ZREM', waiters, 'probe')
+try('EXISTS', waiters)
+try('RPUSH', wake, 'probe')
+try('PEXPIRE', wake, 10000)
+try('DEL', lease)
+try('DEL', fence)
+try('DEL', waiters)
+try('DEL', wake)
+if other then return redis.error_reply(other) end
+return refused
 """

@@ -8,12 +8,25 @@ lock cycle's client time is mostly what surrounds its two commands.
 from __future__ import annotations
 
 import hashlib
+import re
+import ssl
 from typing import Any, Iterable
 
 import redis
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
+                               NoPermissionError, NoScriptError, ReadOnlyError, ResponseError)
 
-__all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout"]
+__all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout",
+           "misconfiguration", "refused_command", "derived_client"]
+
+# How Redis and Valkey word an ACL refusal of a command run inside a script (redis-py raises
+# those as a plain ResponseError): "... can't run this command or subcommand" (Redis 6.2,
+# 7.0), "ACL failure in script: ..." (Valkey, Redis 7.2+), "no permissions to ..." (a key).
+_REFUSAL = re.compile(r"NOPERM|can't run this command|ACL failure|no permissions to",
+                      re.IGNORECASE)
+_AUTH = re.compile(r"^(WRONGPASS|NOAUTH)\b|invalid username-password|invalid password")
+_COMMAND = re.compile(r"run the '([^']+)' command")
+_POOL_OWN = frozenset({"maint_notifications_pool_handler", "connection_pool"})
 
 Call = tuple[list[str], list[str]]  # (KEYS, ARGV) of one EVALSHA
 
@@ -140,6 +153,59 @@ def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
         raise
     finally:
         pool.release(conn)
+
+
+def misconfiguration(exc: BaseException) -> str | None:
+    """Why ``exc`` (raised by redis-py) is a configuration error rather than an outage: a
+    short reason ("permission refused", "authentication failed", "TLS certificate
+    verification failed"), or None when it is not one (a retry may succeed).
+
+    Looks at the exception and the chain of its causes: redis-py wraps a TLS verification
+    failure (``ssl.SSLCertVerificationError``) in a ``ConnectionError``.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ssl.SSLCertVerificationError):
+            return "TLS certificate verification failed"
+        if isinstance(error, NoPermissionError):
+            return "permission refused"
+        if isinstance(error, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+            return "authentication failed"
+        if isinstance(error, ResponseError):
+            message = str(error)
+            if _AUTH.search(message):
+                return "authentication failed"
+            if _REFUSAL.search(message):
+                return "permission refused"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def refused_command(exc: BaseException) -> str | None:
+    """The command an ACL refusal names (lower case), when its message names one."""
+    found = _COMMAND.search(str(exc))
+    return found.group(1).lower() if found else None
+
+
+def derived_client(client: Any, max_connections: int) -> Any:
+    """A client like ``client`` (same class, server, credentials, TLS and timeouts: its
+    pool's connection class and keyword arguments) on a pool of its own of at most
+    ``max_connections`` connections; or ``client`` itself when its pool cannot be rebuilt
+    that way (a Cluster client, a pool class of unknown signature)."""
+    pool = getattr(client, "connection_pool", None)
+    if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return client
+    # Entries a pool puts there for itself (redis-py 7+) are the new pool's to make.
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in _POOL_OWN}
+    own = type(pool)(connection_class=pool.connection_class, max_connections=max_connections,
+                     **kwargs)
+    try:
+        return type(client)(connection_pool=own)
+    except TypeError:
+        own.disconnect()
+        return client
 
 
 from . import _cluster  # noqa: E402  (it uses this module's pack/Script)

@@ -391,6 +391,15 @@ class ClientConfig:
         return client
 
 
+    def waiter_client(self) -> redis.Redis | None:
+        """A second client for the lease store's waiters when the lease store cannot derive
+        one from :meth:`client`'s pool itself (a Sentinel client: its pool finds the primary
+        through the sentinels), else None. A Cluster or factory client is shared."""
+        if self.factory is None and not self.cluster and self.url.startswith("sentinel://"):
+            return self.client()
+        return None
+
+
 def _freeze(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))

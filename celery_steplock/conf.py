@@ -46,6 +46,7 @@ DEFAULTS: dict[str, Any] = {
     "db_deadline": True,            # PostgreSQL: bound the CAS's lock wait and idle-before-COMMIT
     "socket_timeout": 5.0,
     "fence_ttl": 7 * 24 * 3600.0,   # lifetime of an idle name's fencing counter
+    "max_waiters": 1000,            # callers of one process waiting for leases at once
     "event_log": False,             # Django: write LeaseEvent rows (contrib.django)
     "event_retention": 7 * 24 * 3600.0,
     "reaper_recover": {},           # {"app_label.Model": {"in-flight status": "recovery status"}}
@@ -392,6 +393,15 @@ class Settings:
     @property
     def socket_timeout(self) -> float:
         return check_seconds(self.raw("socket_timeout"), "steplock_socket_timeout")
+
+    @property
+    def max_waiters(self) -> int:
+        value = self.raw("max_waiters")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ImproperlyConfigured(
+                f"{describe('steplock_max_waiters')} must be a whole number >= 1, "
+                f"got {value!r}", setting="steplock_max_waiters")
+        return value
 
     @property
     def fence_ttl(self) -> float:

@@ -9,6 +9,7 @@ Every error the library raises derives from :class:`StepLockError`::
     ├── LockError
     │   ├── LockContended           the lease is held by another owner (retryable)
     │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
+    │   ├── LockStoreMisconfigured  Redis refused our credentials or a permission (not retried)
     │   ├── LockLost                a held lease expired, was stolen or ran past its max hold
     │   └── ForceReleaseRefused     an operator's force release deleted nothing
     │       ├── LeaseNotHeld        ... because the lease is not held
@@ -28,7 +29,7 @@ from typing import Any
 __all__ = [
     "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
     "LockError", "LockContended",
-    "LockStoreUnavailable", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
+    "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
     "RETRYABLE_ERRORS",
 ]
@@ -101,6 +102,25 @@ class LockContended(LockError):
 
 class LockStoreUnavailable(LockError):
     """Redis did not answer (connection refused, timeout). Retryable: nothing committed."""
+
+
+class LockStoreMisconfigured(LockError):
+    """Redis answered but refused us for a reason a retry cannot fix: a command or key the
+    Redis user is not permitted (ACL ``NOPERM``), a wrong password or unknown user
+    (``WRONGPASS``, ``NOAUTH``), a failed TLS certificate verification, or more waiters in
+    one process than its waiter pool holds. Not retryable and never a reason to run a body
+    without its lease: the task fails with it.
+
+    ``setting`` names the setting to fix (e.g. ``steplock_redis_url`` for the credentials
+    or the Redis user's ACL, ``steplock_max_waiters``); ``permissions`` lists the commands
+    (lower case, with the key where one was refused) the Redis user lacks, when known.
+    """
+
+    def __init__(self, message: str, key: str | None = None, *, setting: str | None = None,
+                 permissions: tuple[str, ...] = (), **kwargs):
+        super().__init__(message, key, **kwargs)
+        self.setting = setting
+        self.permissions = tuple(permissions)
 
 
 class LockLost(LockError):

@@ -39,7 +39,7 @@ from celery.signals import worker_init
 
 from . import _green, signals
 from .events import emit, lease_fields, listening, logger
-from .exceptions import LockStoreUnavailable
+from .exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
 from .lock import RedisLeaseStore
 
@@ -255,10 +255,13 @@ class Heartbeat:
             sent = self.clock()
             try:
                 results = self.renewal_store(group[0].lock).extend_many(items())
-            except LockStoreUnavailable as exc:
+            except (LockStoreUnavailable, LockStoreMisconfigured) as exc:
+                # A refused permission is retried like an outage (the lease is lost when its
+                # validity runs out), logged as the configuration error it is.
                 self.round_trips += 1
-                self._report(logger.warning, "event=renewal_failed leases=%d error=%s",
-                             len(group), exc)
+                self._report(logger.error if isinstance(exc, LockStoreMisconfigured)
+                             else logger.warning,
+                             "event=renewal_failed leases=%d error=%s", len(group), exc)
                 dropped = {id(entry) for entry, _reason in lost}
                 # A cluster store reports what the nodes that answered did (None: unknown).
                 partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))

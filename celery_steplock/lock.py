@@ -33,13 +33,13 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
 from .conf import Settings
-from .exceptions import LockError, LockStoreUnavailable
+from .exceptions import LockError, LockStoreMisconfigured, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
 
 __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
            "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR",
-           "STORE_ERRORS"]
+           "STORE_ERRORS", "store_error", "MAX_WAITERS"]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
 EXTEND_CHUNK = 1000
@@ -48,6 +48,46 @@ EXTEND_CHUNK = 1000
 #: subclass of ``RedisError``, told apart where it matters; a ``RedisCluster`` raises
 #: ``RedisClusterException`` when no node serves a slot).
 STORE_ERRORS = (RedisError, OSError, RedisClusterException)
+
+#: Default of ``max_waiters``: how many callers of one store may wait (``acquire(wait=...)``)
+#: at once, each blocking one connection of the waiters' own pool.
+MAX_WAITERS = 1000
+
+#: The lease name the permission probe uses (``_lua.PROBE``); no task's lock name has it.
+PROBE_NAME = "steplock-acl-probe"
+
+#: Where the least-privilege ACL is documented (named by the permission errors).
+ACL_DOC = "docs/acl.md"
+
+
+def store_error(exc: BaseException, what: str, *, key: str | None = None,
+                name: str | None = None, owner: str | None = None) -> LockError:
+    """The library's error for ``exc`` raised by redis-py during ``what`` (e.g. "acquire"):
+    :class:`LockStoreMisconfigured` when Redis refused our credentials, a permission or the
+    TLS verification (naming the setting ``steplock_redis_url`` and the command refused, when
+    known); :class:`LockError` when it refused the call otherwise (e.g. ``WRONGTYPE``);
+    :class:`LockStoreUnavailable` when it could not be reached."""
+    of = f" of {name!r}" if name is not None else ""
+    reason = _wire.misconfiguration(exc)
+    if reason is not None:
+        command = _wire.refused_command(exc)
+        permissions = (command,) if command else ()
+        if reason == "permission refused":
+            hint = (f"grant {'+' + command if command else 'the command'} (and the key "
+                    f"pattern of steplock_key_prefix) to the Redis user of steplock_redis_url; "
+                    f"the least-privilege ACL is in {ACL_DOC}")
+        else:
+            hint = "fix the credentials or TLS options of steplock_redis_url"
+        return LockStoreMisconfigured(
+            f"lock store refused the {what}{of}: {reason} ({exc}): {hint}", key=key,
+            name=name, owner=owner, setting="steplock_redis_url", permissions=permissions)
+    if isinstance(exc, ResponseError):
+        # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
+        # an outage, so never a reason to retry or to run fail-open.
+        return LockError(f"lock store refused the {what}{of}: {exc}"
+                         f"{_cluster.redirect_hint(exc)}", key=key, name=name, owner=owner)
+    return LockStoreUnavailable(f"lock store unavailable during {what}{of}: {exc}", key=key,
+                                name=name, owner=owner)
 
 logger = logging.getLogger("celery_steplock")
 
@@ -91,9 +131,16 @@ class RedisLeaseStore:
     fencing counter is kept at least (at most twice that); ``clock`` (default
     :func:`time.monotonic`) is the clock of
     the leases' local validity. Every method raises :class:`LockStoreUnavailable` when Redis
-    cannot be reached and :class:`LockError` when it refuses a call (e.g. ``WRONGTYPE``: a
-    key of ours holds something else); both carry ``name`` (and ``owner``) where one lease is
-    concerned.
+    cannot be reached, :class:`LockStoreMisconfigured` when it refuses our credentials or a
+    permission, and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``:
+    a key of ours holds something else); all carry ``name`` (and ``owner``) where one lease
+    is concerned.
+
+    Waiters (``acquire(wait=...)``) block on ``waiter_client``, by default a client derived
+    from ``client`` with a pool of its own of ``max_waiters`` connections (default
+    :data:`MAX_WAITERS`), so that renewals and releases never wait for a connection behind
+    them; a caller that would be waiter number ``max_waiters + 1`` gets
+    LockStoreMisconfigured naming ``steplock_max_waiters``.
     """
 
     def __new__(cls, client: Any = None, *args: Any, **kwargs: Any):
@@ -104,8 +151,14 @@ class RedisLeaseStore:
 
     def __init__(self, client: redis.Redis, prefix: str = "steplock",
                  fence_ttl: float = 7 * 24 * 3600.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *,
+                 waiter_client: redis.Redis | None = None, max_waiters: int = MAX_WAITERS):
         self.client = client
+        self.max_waiters = max_waiters
+        self._waiter_client = waiter_client
+        self._waiter_guard = threading.Lock()
+        self._waiters = threading.BoundedSemaphore(max_waiters)
+        self._probed = False
         self.prefix = prefix
         self.fence_ttl = fence_ttl
         self.clock = clock
@@ -116,27 +169,60 @@ class RedisLeaseStore:
         self._extend_many = _wire.Script(_lua.EXTEND_MANY)
         self._scan_fields = _wire.Script(_lua.SCAN_FIELDS)
         self._owned = _wire.Script(_lua.OWNED)
+        self._probe = _wire.Script(_lua.PROBE)
 
     def key(self, name: str) -> str:
         """The Redis key of the lease ``name``."""
         return lease_key(self.prefix, name)
 
-    def _call(self, script: _wire.Script, keys: list[str], args: list[str], what: str,
-              name: str, owner: str | None = None) -> Any:
+    @property
+    def waiter_client(self) -> redis.Redis:
+        """The client waiters block on (see the class docstring)."""
+        if self._waiter_client is None:
+            with self._waiter_guard:
+                if self._waiter_client is None:
+                    self._waiter_client = _wire.derived_client(self.client, self.max_waiters)
+        return self._waiter_client
+
+    def check_permissions(self, *, what: str = "permission check", key: str | None = None,
+                          name: str | None = None, owner: str | None = None) -> None:
+        """Run the permission probe (:data:`celery_steplock._lua.PROBE`): every command of the
+        lease scripts on the keys of a reserved name under this prefix, each refusal
+        collected. Done once per store before its first write, so that a Redis user lacking
+        a permission is refused before any script can stop halfway. Raises
+        LockStoreMisconfigured naming every command (and key) refused, LockStoreUnavailable
+        when Redis cannot be reached; ``what``, ``key``, ``name``, ``owner`` describe the call
+        the check comes before, for those errors."""
+        keys = [lease_key(self.prefix, PROBE_NAME), fence_key(self.prefix, PROBE_NAME),
+                waiters_key(self.prefix, PROBE_NAME), wake_key(self.prefix, PROBE_NAME)]
         try:
-            return _wire.evalsha(self.client, script, keys, args)
-        except ResponseError as exc:
-            # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
-            # an outage, so never a reason to retry or to run fail-open.
-            hint = _cluster.redirect_hint(exc)
-            raise LockError(f"lock store refused the {what} of {name!r}: {exc}{hint}",
-                            key=keys[0], name=name, owner=owner) from exc
+            refused = _wire.evalsha(self.client, self._probe, keys, [])
         except STORE_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during {what} of {name!r}: "
-                                       f"{exc}", key=keys[0], name=name, owner=owner) from exc
+            raise store_error(exc, what, key=key, name=name, owner=owner) from exc
+        if refused:
+            refused = tuple(_wire.text(r) for r in refused)
+            commands = sorted({r.split(" ")[0] for r in refused})
+            raise LockStoreMisconfigured(
+                f"the Redis user of steplock_redis_url may not run {', '.join(refused)} "
+                f"(needed by the lease scripts): grant "
+                f"{' '.join('+' + c for c in commands)} and the key pattern "
+                f"~{self.prefix}:* (steplock_key_prefix); the least-privilege ACL is in "
+                f"{ACL_DOC}", key=key, name=name, owner=owner, setting="steplock_redis_url",
+                permissions=refused)
+        self._probed = True
+
+    def _call(self, script: _wire.Script, keys: list[str], args: list[str], what: str,
+              name: str, owner: str | None = None, client: redis.Redis | None = None) -> Any:
+        if not self._probed:
+            self.check_permissions(what=what, key=keys[0], name=name, owner=owner)
+        try:
+            return _wire.evalsha(client or self.client, script, keys, args)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, what, key=keys[0], name=name, owner=owner) from exc
 
     def try_acquire(self, name: str, owner: str, ttl: float,
-                    metadata: Mapping[str, Any] | None = None, *, wait: float = 0.0
+                    metadata: Mapping[str, Any] | None = None, *, wait: float = 0.0,
+                    _client: redis.Redis | None = None
                     ) -> tuple[Lease | None, str | None, float | None]:
         """One acquire attempt of ``name`` for ``owner`` for ``ttl`` seconds. Returns
         ``(lease, None, None)`` when granted, else ``(None, holder_owner,
@@ -150,7 +236,7 @@ class RedisLeaseStore:
         if wait > 0:
             keys.append(waiters_key(self.prefix, name))
         sent = self.clock()
-        reply = self._call(self._acquire, keys, args, "acquire", name, owner)
+        reply = self._call(self._acquire, keys, args, "acquire", name, owner, _client)
         if isinstance(reply, list):
             holder, ttl_left = reply
             return None, _wire.text(holder), (ttl_left / 1000.0 if ttl_left and ttl_left > 0
@@ -185,24 +271,45 @@ class RedisLeaseStore:
         owner = owner or new_owner_token()
         if wait <= 0:
             return self.try_acquire(name, owner, ttl, metadata)[0]
+        if not self._waiters.acquire(blocking=False):
+            lease = self.try_acquire(name, owner, ttl, metadata)[0]
+            if lease is not None:
+                return lease
+            raise LockStoreMisconfigured(
+                f"cannot wait for {name!r}: {self.max_waiters} callers of this process "
+                f"already wait for leases (steplock_max_waiters; each blocks a connection "
+                f"of the waiters' pool): raise steplock_max_waiters or lower lock_wait or "
+                f"the pool's concurrency", key=self.key(name), name=name, owner=owner,
+                setting="steplock_max_waiters")
+        try:
+            return self._wait(name, owner, ttl, wait, metadata)
+        finally:
+            self._waiters.release()
+
+    def _wait(self, name: str, owner: str, ttl: float, wait: float,
+              metadata: Mapping[str, Any] | None) -> Lease | None:
+        # Every command of a waiter goes through the waiters' pool: blocked in BLPOP or not,
+        # waiters never take the connections that renewals and releases need.
+        client = self.waiter_client
         deadline = time.monotonic() + wait
         wake = wake_key(self.prefix, name)
         # BLPOP must return before the socket times out (a timeout would be retried).
-        cap = _wire.socket_timeout(self.client)
+        cap = _wire.socket_timeout(client)
         lease = None
         interrupted = False
         try:
             while True:
                 left = deadline - time.monotonic()
                 lease, _holder, holder_ttl = self.try_acquire(name, owner, ttl, metadata,
-                                                              wait=max(left, 0.001))
+                                                              wait=max(left, 0.001),
+                                                              _client=client)
                 if lease is not None or left <= 0:
                     return lease
                 timeout = min(left, holder_ttl) if holder_ttl else min(left, 0.01)
                 if cap:
                     timeout = min(timeout, cap * 0.8)
                 try:
-                    self.client.blpop([wake], timeout=max(round(timeout, 3), 0.001))
+                    client.blpop([wake], timeout=max(round(timeout, 3), 0.001))
                     interrupted = False
                 except STORE_ERRORS as exc:
                     if isinstance(exc, redis.ConnectionError) and not interrupted:
@@ -211,13 +318,12 @@ class RedisLeaseStore:
                         # reconnects, and raises if Redis is really gone.
                         interrupted = True
                         continue
-                    raise LockStoreUnavailable(
-                        f"lock store unavailable while waiting for {name!r}: {exc}",
-                        key=self.key(name), name=name, owner=owner) from exc
+                    raise store_error(exc, "wait", key=self.key(name), name=name,
+                                      owner=owner) from exc
         finally:
             if lease is None:
                 try:
-                    self.client.zrem(waiters_key(self.prefix, name), owner)
+                    client.zrem(waiters_key(self.prefix, name), owner)
                 except STORE_ERRORS:
                     pass  # the entry expires with its deadline
 
@@ -247,14 +353,15 @@ class RedisLeaseStore:
         items = list(items)
         if not items:
             return []
+        if not self._probed:
+            self.check_permissions(what="reap")
         calls = [(self._wake_keys(name), [owner, str(renewed_ms)])
                  for name, owner, renewed_ms in items]
         try:
             replies = _wire.evalsha_many(self.client, self._reap, calls)
         except STORE_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during reap: {exc}") from exc
-        return [LockError(f"lock store refused the reap of {name!r}: {reply}",
-                          key=self.key(name), name=name, owner=owner)
+            raise store_error(exc, "reap") from exc
+        return [store_error(reply, "reap", key=self.key(name), name=name, owner=owner)
                 if isinstance(reply, Exception) else bool(reply)
                 for (name, owner, _renewed), reply in zip(items, replies)]
 
@@ -278,7 +385,8 @@ class RedisLeaseStore:
         one connection before any reply is read (Redis runs the first call while the next
         is encoded), so Redis is never blocked for long by one call. Returns one bool per
         item, as :meth:`extend`. Raises LockStoreUnavailable when the round trip fails or
-        Redis refuses a call.
+        Redis refuses a call, LockStoreMisconfigured when it refuses a permission or our
+        credentials.
         """
         prefix = f"{self.prefix}:lease:{{"
 
@@ -296,13 +404,15 @@ class RedisLeaseStore:
                 yield keys, argv
 
         try:
+            if not self._probed:
+                self.check_permissions(what="renewal")
             replies = _wire.evalsha_many(self.client, self._extend_many, calls())
         except STORE_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during renewal: {exc}") from exc
+            raise _unavailable_unless_misconfigured(exc, "renewal") from exc
         results: list[bool] = []
         for reply in replies:
             if isinstance(reply, Exception):
-                raise LockStoreUnavailable(f"lock store refused a renewal: {reply}")
+                raise _unavailable_unless_misconfigured(reply, "renewal", refused=True)
             results.extend([c == "1" for c in _wire.text(reply)])
         return results
 
@@ -315,7 +425,7 @@ class RedisLeaseStore:
             cursor, keys = self.client.scan(cursor=cursor, match=lease_key(self.prefix, match),
                                             count=count)
         except STORE_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
+            raise _unavailable_unless_misconfigured(exc, "scan") from exc
         return int(cursor), [_wire.text(key) for key in keys]
 
     def read_leases(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
@@ -328,9 +438,9 @@ class RedisLeaseStore:
         try:
             [replies] = _wire.evalsha_many(self.client, self._scan_fields, [(keys, [])])
         except STORE_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during scan: {exc}") from exc
+            raise _unavailable_unless_misconfigured(exc, "scan") from exc
         if isinstance(replies, Exception):
-            raise LockStoreUnavailable(f"lock store refused the scan: {replies}")
+            raise _unavailable_unless_misconfigured(replies, "scan", refused=True)
         return self._parse_scan_fields(keys, replies)
 
     def _parse_scan_fields(self, keys: list[str], replies: list[Any]
@@ -387,8 +497,9 @@ class RedisLeaseStore:
             pipe.pttl(key)
             fields, pttl = pipe.execute()
         except STORE_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during inspect of {name!r}: "
-                                       f"{exc}", key=key, name=name) from exc
+            error = _unavailable_unless_misconfigured(exc, f"inspect of {name!r}")
+            error.key, error.name = key, name
+            raise error from exc
         if not fields:
             return None
         info = unpack_fields(fields)
@@ -396,6 +507,18 @@ class RedisLeaseStore:
         info["key"] = key
         info["ttl"] = pttl / 1000.0 if pttl and pttl > 0 else None
         return info
+
+
+def _unavailable_unless_misconfigured(exc: BaseException, what: str, *,
+                                      refused: bool = False) -> LockError:
+    # These paths report any Redis error as LockStoreUnavailable (a renewal, a scan are
+    # retried), except a refused permission or credentials: a configuration error.
+    error = store_error(exc, what)
+    if isinstance(error, LockStoreMisconfigured):
+        return error
+    if refused:
+        return LockStoreUnavailable(f"lock store refused the {what}: {exc}")
+    return LockStoreUnavailable(f"lock store unavailable during {what}: {exc}")
 
 
 class ClusterLeaseStore(_cluster.ClusterStoreMixin, RedisLeaseStore):
@@ -413,21 +536,24 @@ _stores_guard = threading.Lock()
 
 def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
     """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
-    client-factory settings of :mod:`celery_steplock.clients`, ``steplock_socket_timeout``,
-    ``steplock_key_prefix``, ``steplock_fence_ttl``, ``steplock_redis_cluster``), one per distinct configuration and shared
-    by every task, heartbeat and operator tool of the process.
+    client-factory settings of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
+    ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
+    ``steplock_max_waiters``), one per distinct configuration and shared by every task,
+    heartbeat and operator tool of the process.
 
     Raises ImproperlyConfigured naming the setting when one of them is invalid.
     """
     settings = settings or Settings(app)
     config = ClientConfig(settings)
-    ident = (config.identity, settings.key_prefix, settings.fence_ttl)
+    ident = (config.identity, settings.key_prefix, settings.fence_ttl, settings.max_waiters)
     store = _stores.get(ident)
     if store is None:
         with _stores_guard:
             store = _stores.get(ident)
             if store is None:
-                store = RedisLeaseStore(config.client(), prefix=ident[1], fence_ttl=ident[2])
+                store = RedisLeaseStore(config.client(), prefix=ident[1], fence_ttl=ident[2],
+                                        waiter_client=config.waiter_client(),
+                                        max_waiters=ident[3])
                 _stores[ident] = store
     return store
 

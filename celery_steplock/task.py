@@ -62,7 +62,7 @@ from . import signals
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields
 from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
-    LockStoreUnavailable, TransitionConflict
+    LockStoreMisconfigured, LockStoreUnavailable, TransitionConflict
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
 from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
@@ -104,7 +104,10 @@ class StepLockedTask(Task):
     :meth:`before_commit`.
 
     Raises (as the task's outcome): LockContended (on_contended="raise" or retries
-    exhausted), LockStoreUnavailable (fail-closed, retries exhausted), LockLost (the lease
+    exhausted), LockStoreUnavailable (fail-closed, retries exhausted),
+    LockStoreMisconfigured (Redis refused our credentials, a permission or the TLS
+    verification, or ``steplock_max_waiters`` waiters already wait: never retried, never
+    run fail-open; the body does not run, or its transaction rolls back), LockLost (the lease
     was lost before the commit, or the step row carries a newer fencing token; nothing
     committed), a database connection error from COMMIT (retried first), TransitionConflict
     (on_conflict="raise"), ImproperlyConfigured and LockNameError (bad options/arguments).
@@ -344,6 +347,12 @@ class StepLockedTask(Task):
             except LockStoreUnavailable as refused:
                 return self.steplock_retry(refused)
             return self._execute(plan, None, step_id, args, kwargs, steps)
+        except LockStoreMisconfigured as exc:
+            # Not an outage: neither retried nor run fail-open; the task fails with it.
+            logger.error("event=lock_store_misconfigured task_id=%s task_name=%s key=%s "
+                         "setting=%s error=%s", request.id, self.name, base["key"],
+                         exc.setting, exc)
+            raise
         if lease is None:
             info = self._holder(store, name)
             emit(signals.lock_contended, self, owner=None, fence=None,

@@ -65,7 +65,13 @@ def free_port() -> int:
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then .venv/bin/redis-server."""
+    """Path of a redis-server binary: STEPLOCK_REDIS_SERVER when set (e.g. a Redis 6.2 or a
+    valkey-server binary), else PATH, then .venv/bin/redis-server."""
+    chosen = os.environ.get("STEPLOCK_REDIS_SERVER")
+    if chosen:
+        if not os.access(chosen, os.X_OK):
+            raise RuntimeError(f"STEPLOCK_REDIS_SERVER={chosen!r} is not an executable file")
+        return os.path.abspath(chosen)
     found = shutil.which("redis-server")
     if found:
         return found
