@@ -194,6 +194,8 @@ def derived_client(client: Any, max_connections: int) -> Any:
     pool's connection class and keyword arguments) on a pool of its own of at most
     ``max_connections`` connections; or ``client`` itself when its pool cannot be rebuilt
     that way (a Cluster client, a pool class of unknown signature)."""
+    if _cluster.is_cluster(client):  # a deferred one must not be built here
+        return client
     pool = getattr(client, "connection_pool", None)
     if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
         return client

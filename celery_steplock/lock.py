@@ -72,15 +72,21 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
     if reason is not None:
         command = _wire.refused_command(exc)
         permissions = (command,) if command else ()
+        setting = "steplock_redis_url"
         if reason == "permission refused":
             hint = (f"grant {'+' + command if command else 'the command'} (and the key "
                     f"pattern of steplock_key_prefix) to the Redis user of steplock_redis_url; "
                     f"the least-privilege ACL is in {ACL_DOC}")
+        elif reason.startswith("TLS"):
+            setting = "steplock_redis_use_ssl"
+            hint = ("fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
+                    "a rediss:// steplock_redis_url): ssl_ca_certs must hold the CA that "
+                    "signed the server's certificate")
         else:
-            hint = "fix the credentials or TLS options of steplock_redis_url"
+            hint = "fix the credentials (user name, password) in steplock_redis_url"
         return LockStoreMisconfigured(
             f"lock store refused the {what}{of}: {reason} ({exc}): {hint}", key=key,
-            name=name, owner=owner, setting="steplock_redis_url", permissions=permissions)
+            name=name, owner=owner, setting=setting, permissions=permissions)
     if isinstance(exc, ResponseError):
         # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
         # an outage, so never a reason to retry or to run fail-open.
@@ -212,8 +218,11 @@ class RedisLeaseStore:
         self._probed = True
 
     def _call(self, script: _wire.Script, keys: list[str], args: list[str], what: str,
-              name: str, owner: str | None = None, client: redis.Redis | None = None) -> Any:
-        if not self._probed:
+              name: str, owner: str | None = None, client: redis.Redis | None = None,
+              writes: bool = True) -> Any:
+        # The probe guards scripts that write; a read (the ownership check) never stops
+        # halfway, and must work on a replica too.
+        if writes and not self._probed:
             self.check_permissions(what=what, key=keys[0], name=name, owner=owner)
         try:
             return _wire.evalsha(client or self.client, script, keys, args)
@@ -374,7 +383,7 @@ class RedisLeaseStore:
     def owned(self, name: str, owner: str) -> float | None:
         """Seconds left on the lease if ``owner`` holds it, else None. One round trip."""
         result = self._call(self._owned, [self.key(name)], [owner], "ownership check",
-                            name, owner)
+                            name, owner, writes=False)
         return result / 1000.0 if result is not None and result >= 0 else None
 
     def extend_many(self, items: Iterable[tuple[str, str, float]],
