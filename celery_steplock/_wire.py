@@ -51,6 +51,15 @@ def socket_timeout(client: redis.Redis) -> float | None:
     return client.connection_pool.connection_kwargs.get("socket_timeout")
 
 
+#: redis-py before 5.3 requires a command name for ``get_connection``; 5.3+ deprecates passing one.
+_POOL_WANTS_COMMAND = redis.VERSION < (5, 3)
+
+
+def _connection(pool: redis.ConnectionPool) -> Any:
+    """A connection checked out of ``pool`` (give it back with ``pool.release``)."""
+    return pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND else pool.get_connection()
+
+
 def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str]) -> Any:
     """Run ``script`` once with ``keys``/``args`` on a connection of ``client``'s pool, with
     the connection's retry policy, loading the script again if Redis does not have it
@@ -60,7 +69,7 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
     cannot be reached.
     """
     pool = client.connection_pool
-    conn = pool.get_connection()
+    conn = _connection(pool)
     try:
         def send() -> Any:
             conn.send_packed_command(
@@ -104,7 +113,7 @@ def evalsha_many(client: redis.Redis, script: Script, calls: Iterable[Call]) -> 
 def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
                sent: list[Call]) -> list[Any]:
     pool = client.connection_pool
-    conn = pool.get_connection()
+    conn = _connection(pool)
     try:
         for keys, argv in calls:
             conn.send_packed_command(

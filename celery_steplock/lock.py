@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import FullJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
@@ -59,7 +59,8 @@ def make_client(url: str, socket_timeout: float = 5.0) -> redis.Redis:
     """
     return redis.Redis.from_url(
         url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
+        # FullJitterBackoff, not ExponentialWithJitterBackoff (the same delays; redis-py 5.3+).
+        retry=Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
         decode_responses=True, encoding_errors="replace")
 
 
