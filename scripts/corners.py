@@ -34,12 +34,28 @@ KEY_FILES = ("setup.cfg", "pyproject.toml", "requirements/test.txt")
 #: Packages whose versions a corner reports (what its compatibility row names).
 REPORTED = ("Django", "celery", "kombu", "redis", "django-celery-results")
 #: What a corner pass runs (on SQLite) when no test paths are given: the modules that touch the
-#: versioned APIs (redis-py's client and scripts, Celery's task and retry machinery, Django's
-#: ORM, transactions, checks and migrations), not the whole suite, which the main venv runs.
-TESTS = ("tests/test_lock.py", "tests/test_task.py", "tests/test_plan.py",
-         "tests/contrib/test_django_steps.py", "tests/contrib/test_checks.py")
-#: Per corner, run in addition to TESTS.
-EXTRA_TESTS = {"newest": ("tests/contrib/test_browser.py",)}
+#: versioned APIs (redis-py's client and scripts, Celery's task, retry, configuration and
+#: command-line machinery, Django's ORM, transactions, checks and migrations, the interpreter's
+#: threads and fork), not the whole suite, which the main venv runs on SQLite and PostgreSQL.
+TESTS = ("tests/test_lock.py", "tests/test_task.py", "tests/test_plan.py", "tests/test_conf.py",
+         "tests/test_steps.py", "tests/test_validate.py", "tests/test_heartbeat.py",
+         "tests/test_cli.py", "tests/test_task_celery_worker.py",
+         "tests/contrib/test_django_steps.py",
+         "tests/contrib/test_checks.py", "tests/contrib/test_models.py")
+#: Real prefork workers (Celery's worker, billiard, the worker signals): duplicates commit once,
+#: a child keeps its lease over three TTLs, a SIGKILL leaves the lease to its TTL, a bad setting
+#: stops the worker at start. The rest of tests/test_workers.py runs on the main venv.
+WORKERS = tuple(f"tests/test_workers.py::{name}" for name in (
+    "test_two_workers_on_one_step_commit_once",
+    "test_prefork_child_keeps_its_lease_over_three_ttls",
+    "test_sigkilled_worker_leaves_its_lease_to_the_ttl",
+    "test_worker_with_an_invalid_setting_refuses_to_start"))
+#: Per corner, run in addition to TESTS: the workers at both ends of the Celery range, and the
+#: admin (with the browser) on the newest Django.
+EXTRA_TESTS = {
+    "oldest": WORKERS,
+    "newest": WORKERS + ("tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
+}
 
 
 def say(message: str) -> None:
