@@ -104,7 +104,7 @@ def load(name: str) -> Corner:
     if not path.is_file():
         known = ", ".join(all_names()) or "none"
         raise SystemExit(f"corners: unknown corner {name!r} (known: {known})")
-    first = path.read_text().splitlines()[0] if path.read_text() else ""
+    first = (path.read_text().splitlines() or [""])[0]
     match = re.fullmatch(r"#\s*python:\s*(3\.\d+)\s*", first)
     if not match:
         raise SystemExit(f"corners: {path} must start with a line '# python: 3.N'")
@@ -157,7 +157,7 @@ def find_python(version: str) -> str:
     candidates += [f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
     for candidate in candidates:
         if Path(candidate).exists() and _reports(candidate, version):
-            return str(Path(candidate).resolve()) if "shims" not in candidate else candidate
+            return candidate
     raise MissingInterpreter(
         f"no Python {version} found (looked on PATH and in pyenv's versions: "
         f"install it, e.g. `pyenv install {version}`)")
