@@ -59,7 +59,7 @@ def make_client(url: str, socket_timeout: float = 5.0) -> redis.Redis:
     """
     return redis.Redis.from_url(
         url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-        # FullJitterBackoff, not ExponentialWithJitterBackoff (the same delays; redis-py 5.3+).
+        # The same delays as ExponentialWithJitterBackoff, which needs redis-py 5.3+.
         retry=Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
         decode_responses=True, encoding_errors="replace")
 
