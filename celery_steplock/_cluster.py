@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import FullJitterBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import (AskError, ClusterDownError, ClusterError, MovedError,
@@ -86,7 +86,7 @@ def make_client(url: str, socket_timeout: float = 5.0) -> RedisCluster:
         try:
             return RedisCluster.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
+                retry=Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
                 decode_responses=True, encoding_errors="replace")
         except RedisClusterException as exc:
             if "cluster mode is not enabled" in str(exc).lower():
@@ -303,7 +303,7 @@ def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wir
             pool = redis_node.connection_pool
             conn = None
             try:
-                conn = pool.get_connection()
+                conn = _wire.connection(pool)
                 open_.append((redis_node, conn, members))
                 packed: list[bytes] = []
                 for i in members:

@@ -16,7 +16,7 @@ import redis
 from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
                                NoPermissionError, NoScriptError, ReadOnlyError, ResponseError)
 
-__all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout",
+__all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout", "connection",
            "misconfiguration", "refused_command", "derived_client"]
 
 # How Redis and Valkey word an ACL refusal of a command run inside a script (redis-py raises
@@ -66,6 +66,15 @@ def socket_timeout(client: redis.Redis) -> float | None:
     return client.connection_pool.connection_kwargs.get("socket_timeout")
 
 
+#: redis-py before 5.3 requires a command name for ``get_connection``; 5.3+ deprecates passing one.
+_POOL_WANTS_COMMAND = redis.VERSION < (5, 3)
+
+
+def connection(pool: redis.ConnectionPool) -> Any:
+    """A connection checked out of ``pool`` (give it back with ``pool.release``)."""
+    return pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND else pool.get_connection()
+
+
 def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str]) -> Any:
     """Run ``script`` once with ``keys``/``args`` on a connection of ``client``'s pool, with
     the connection's retry policy, loading the script again if Redis does not have it
@@ -79,7 +88,7 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
         pool = client.connection_pool
     except AttributeError:  # no per-call check on the single-node path
         return _cluster.evalsha(_cluster.resolve(client), script, keys, args)
-    conn = pool.get_connection()
+    conn = connection(pool)
     try:
         def send() -> Any:
             conn.send_packed_command(
@@ -133,7 +142,7 @@ def evalsha_many(client: redis.Redis, script: Script, calls: Iterable[Call]) -> 
 def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
                sent: list[Call]) -> list[Any]:
     pool = client.connection_pool
-    conn = pool.get_connection()
+    conn = connection(pool)
     try:
         for keys, argv in calls:
             conn.send_packed_command(

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.backoff import FullJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 from .exceptions import ImproperlyConfigured
@@ -83,7 +83,8 @@ def connection_options(socket_timeout: float = 5.0) -> dict[str, Any]:
     every script is idempotent for one owner token. A client factory may pass them on
     (``redis.Redis(host=..., **connection_options(settings.socket_timeout))``)."""
     return {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout,
-            "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.2), 1),
+            # The delays of ExponentialWithJitterBackoff, which needs redis-py 5.3+.
+            "retry": Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
             "decode_responses": True, "encoding_errors": "replace"}
 
 

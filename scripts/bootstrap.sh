@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv with the project and its dev extras, and make sure a redis-server
-# (and, in CI, PostgreSQL) is usable, plus Debian's chromium for the browser test. Idempotent;
-# near-instant when nothing changed.
+# Create .venv with the project and requirements/dev.txt, and make sure a redis-server
+# (and, in CI, PostgreSQL) is usable, plus Debian's chromium for the browser test. With
+# STEPLOCK_CORNERS="oldest,newest" (what `make test` sets) also the version corners' venvs
+# (scripts/corners.py). Idempotent; near-instant when nothing changed.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -132,8 +133,8 @@ ensure_chromium() {
     say "chromium not found: the browser test is skipped (install Debian's chromium)"
 }
 
-# The stamp keys the pip step on the packaging files.
-want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
+# The stamp keys the pip step on the packaging and requirements files.
+want=$(cat setup.cfg pyproject.toml requirements/test.txt requirements/dev.txt | sha256sum | cut -d' ' -f1)
 if ! "$VPY" -c '' >/dev/null 2>&1; then
     say "create .venv with $PYTHON"
     rm -rf "$VENV"
@@ -142,8 +143,8 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
     say "upgrade pip"
     run "$VPY" -m pip install -q --upgrade pip
-    say "pip install -e '.[dev]'"
-    run "$VPY" -m pip install -q -e '.[dev]'
+    say "pip install -e '.[django]' -r requirements/dev.txt"
+    run "$VPY" -m pip install -q -e '.[django]' -r requirements/dev.txt
     echo "$want" >"$STAMP"
 else
     say ".venv up to date"
@@ -151,3 +152,7 @@ fi
 ensure_redis
 ensure_postgres
 ensure_chromium
+if [ -n "${STEPLOCK_CORNERS:-}" ]; then
+    # Missing interpreters: skipped with a message, or an error under CI=true.
+    "$VPY" scripts/corners.py build ${STEPLOCK_CORNERS//,/ }
+fi

@@ -3,6 +3,14 @@
 
 Extra arguments are passed to pytest. A REDIS_URL already set is used instead of starting a
 Redis server; a DATABASE_URL already set makes a single run against that database.
+
+Leading options of this script (before any pytest argument):
+
+    --corner NAME    after the main passes, run a version corner (scripts/corners.py builds its
+                     venv): its own interpreter and pinned Django/Celery/kombu/redis-py, on
+                     SQLite. It runs the corner's modules, or the pytest arguments given when
+                     they name test paths. Repeatable; ``--corner oldest,newest`` too.
+    --corners-only   skip the main passes (SQLite, PostgreSQL): run the corners only.
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support.servers import ROOT, PostgresServer, RedisServer  # noqa: E402
+
+import corners as corner_venvs  # noqa: E402  (scripts/corners.py)
 
 PG_MISSING = ("PostgreSQL not found: skipped the PostgreSQL run "
               "(install postgresql or set DATABASE_URL)")
@@ -72,11 +82,12 @@ def _counts(junit: Path) -> dict | None:
     return {"passed": max(total - failed - skipped, 0), "failed": failed, "skipped": skipped}
 
 
-def run_pytest(label: str, args: list[str], env: dict, workdir: Path) -> tuple[int, dict | None]:
+def run_pytest(label: str, args: list[str], env: dict, workdir: Path,
+               python: str = sys.executable) -> tuple[int, dict | None]:
     """Run pytest once; returns its exit code and its counts."""
     junit = workdir / f"{label}.xml"
     # Ours goes first so that a --junitxml among `args` wins.
-    cmd = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *args]
+    cmd = [python, "-m", "pytest", f"--junitxml={junit}", *args]
     say(f"{label}: python -m pytest {shlex.join(args)}".rstrip())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     try:
@@ -93,7 +104,36 @@ def describe(counts: dict | None) -> str:
     return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
 
 
+def parse_options(args: list[str]) -> tuple[list[str], bool, list[str]]:
+    """(corner names, corners only, pytest arguments) from the leading options of `args`."""
+    names: list[str] = []
+    only = False
+    while args:
+        head = args[0]
+        if head == "--corner" and len(args) > 1:
+            names += [n for n in args[1].split(",") if n]
+            args = args[2:]
+        elif head.startswith("--corner="):
+            names += [n for n in head.split("=", 1)[1].split(",") if n]
+            args = args[1:]
+        elif head == "--corners-only":
+            only = True
+            args = args[1:]
+        else:
+            break
+    if only and not names:
+        raise SystemExit("run_tests: --corners-only needs --corner NAME")
+    return list(dict.fromkeys(names)), only, args
+
+
+def names_tests(args: list[str]) -> bool:
+    """Whether pytest arguments select tests by path (then a corner runs those, not its own)."""
+    return any(not a.startswith("-") and a.split("::")[0].startswith("tests") for a in args)
+
+
 def main(args: list[str]) -> int:
+    corner_names, corners_only, args = parse_options(args)
+    corners = [corner_venvs.load(name) for name in corner_names]
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
     base_env = dict(os.environ)
@@ -121,7 +161,9 @@ def main(args: list[str]) -> int:
                 base_env["REDIS_URL"] = redis_server.url
                 say(f"started redis-server {redis_server.url} (pid {redis_server.pid})")
 
-            if base_env.get("DATABASE_URL"):
+            if corners_only:
+                runs = []
+            elif base_env.get("DATABASE_URL"):
                 runs = ["DATABASE_URL"]
             else:
                 runs = ["sqlite", "postgresql"]
@@ -159,6 +201,33 @@ def main(args: list[str]) -> int:
                 if pg_server is not None:
                     pg_server.stop()
                     pg_server = None
+
+            for corner in corners:
+                label = f"corner-{corner.name}"
+                if not corner.built():
+                    why = (f"venv {corner.venv.relative_to(ROOT)} not built "
+                           f"(Python {corner.python} missing? run scripts/corners.py build)")
+                    if os.environ.get("CI") == "true":
+                        say(f"ERROR: {label}: {why}; CI=true requires every corner")
+                        results.append((label, "FAILED", why))
+                    else:
+                        say(f"{label}: skipped, {why}")
+                        results.append((label, "skipped", why))
+                    continue
+                env = dict(base_env)
+                env.pop("DATABASE_URL", None)
+                if redis_server is not None and results:
+                    import redis
+
+                    with redis.Redis.from_url(redis_server.url) as client:
+                        client.flushall()
+                corner_args = args if names_tests(args) else [*corner.tests, *args]
+                say(f"{label}: Python {corner.python}, "
+                    f"{corner_venvs.describe_versions(corner.versions())}, SQLite")
+                started = time.monotonic()
+                code, counts = run_pytest(label, corner_args, env, workdir,
+                                          python=str(corner.executable))
+                record(label, code, counts, time.monotonic() - started)
     except Interrupted as exc:
         say(f"interrupted by signal {exc.signum}")
         return 128 + exc.signum

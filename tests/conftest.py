@@ -74,7 +74,10 @@ def app(celery_app_configured):
     names = [setting_name(name) for name in DEFAULTS]
     saved = {name: app.conf.get(name) for name in names}
     yield app
+    namespace = getattr(app, "namespace", None)
     for name in names:
+        if namespace:  # what tests.helpers.set_settings wrote
+            app.conf.changes.pop(f"{namespace}_{name.upper()}", None)
         app.conf[name] = saved[name]
 
 

@@ -12,3 +12,16 @@ def all_keys_have_ttl(client, pattern="*"):
 def closed_port_url():
     """A redis:// URL on a loopback port nothing listens on."""
     return f"redis://127.0.0.1:{free_port()}/0"
+
+
+def set_settings(app, **values):
+    """Set ``steplock_*`` settings on ``app.conf`` at run time so that they win over the Django
+    settings module on every supported Celery: on a namespaced configuration Celery 5.5 and 5.6
+    look the namespaced name (``CELERY_STEPLOCK_DEFAULT_TTL``) up in every layer before the
+    plain one, so a plain ``app.conf.steplock_default_ttl = x`` loses to the Django setting
+    there (Celery 5.7 reads the layers in order). The ``app`` fixture undoes both names."""
+    updates = dict(values)
+    namespace = getattr(app, "namespace", None)
+    if namespace:
+        updates.update({f"{namespace}_{name.upper()}": v for name, v in values.items()})
+    app.conf.update(updates)

@@ -16,7 +16,7 @@ from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask, backoff
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
-from helpers import closed_port_url
+from helpers import closed_port_url, set_settings
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -128,7 +128,7 @@ def test_signal_order_acquired_extended_released(app, events):
     holds the lease past its TTL, so it cannot have succeeded without a renewal. A renewal
     may land between the commit and the release (the heartbeat thread's own timing), never
     after the release (unregister waits for a cycle in flight)."""
-    app.conf.steplock_default_ttl = 1.5
+    set_settings(app, steplock_default_ttl=1.5)
     finish.lock_ttl = None
     step = Step.objects.create(name="s")
     result = finish.apply(args=(step.pk,), kwargs={"hold": 2.0})
@@ -551,7 +551,7 @@ def test_settings_are_read_once_per_change_and_the_heartbeat_thread_is_kept(app,
     signals.lock_acquired.connect(lambda sender=None, **kw: ttls.append(kw["ttl"]),
                                   weak=False, dispatch_uid="test-ttl")
     try:
-        app.conf.steplock_default_ttl = 7.5  # a change applies to the next execution
+        set_settings(app, steplock_default_ttl=7.5)  # a change applies to the next execution
         changed = run("changed")
         assert changed and len(changed) == len(set(changed)), sorted(changed)
         assert "steplock_default_ttl" in changed

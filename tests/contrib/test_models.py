@@ -20,6 +20,7 @@ from celery_steplock.events import emit
 from celery_steplock.exceptions import ImproperlyConfigured
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import advance
+from tests.helpers import set_settings
 
 
 @pytest.mark.django_db
@@ -57,7 +58,7 @@ def fire(signal=signals.lock_acquired, sender="some.task", **fields):
 
 @pytest.fixture
 def event_log(app):
-    app.conf.steplock_event_log = True
+    set_settings(app, steplock_event_log=True)
     yield app
     eventlog.flush()
 

@@ -13,6 +13,7 @@ from celery_steplock.contrib.django import recovery
 from celery_steplock.lock import get_lease_store
 from celery_steplock.reaper import DEFAULT_STEP_RECOVERY, Reaper, reap
 from django_app.workflows.models import Step
+from tests.helpers import set_settings
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -164,8 +165,8 @@ def test_a_grace_without_an_age_column_recovers_nothing_and_says_so(app, redis_c
     from django_app.workflows.models import ArchivableStep
 
     step = ArchivableStep.objects.create(status="running", lock_owner="f" * 32)
-    app.conf.update(steplock_reaper_recover={"workflows.ArchivableStep": {"running": "pending"}},
-                    steplock_reaper_older_than=60)
+    set_settings(app, steplock_reaper_recover={"workflows.ArchivableStep": {"running": "pending"}},
+                 steplock_reaper_older_than=60)
     report = reap(app, ping_timeout=PING)
     assert not report.ok and report.steps_recovered == []
     assert "needs an 'updated_at' column" in report.errors[0]
