@@ -26,16 +26,16 @@ pytest_plugins = ("celery.contrib.pytest",)
 
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``postgresql`` are deselected (not skipped) on SQLite: the PostgreSQL
-    pass of ``make test`` runs them."""
+    """Tests marked ``postgresql`` are deselected (not skipped) on SQLite, and tests marked
+    ``redis_shape`` on PostgreSQL: each runs in one pass of ``make test``."""
     from django.conf import settings
 
-    if "postgresql" in settings.DATABASES["default"]["ENGINE"]:
-        return
-    pg_only = [item for item in items if item.get_closest_marker("postgresql")]
-    if pg_only:
-        config.hook.pytest_deselected(items=pg_only)
-        items[:] = [item for item in items if not item.get_closest_marker("postgresql")]
+    on_postgresql = "postgresql" in settings.DATABASES["default"]["ENGINE"]
+    other_pass = "redis_shape" if on_postgresql else "postgresql"
+    elsewhere = [item for item in items if item.get_closest_marker(other_pass)]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if not item.get_closest_marker(other_pass)]
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
 from tests.support import acl, servers
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_shape]
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY_RUNS: list = []

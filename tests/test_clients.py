@@ -16,6 +16,8 @@ from celery_steplock.clients import client_for_settings, client_identity, make_c
 from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured
 
+pytestmark = pytest.mark.redis_shape
+
 FACTORY_CALLS = []
 
 

@@ -24,6 +24,8 @@ from django_app.workflows.models import Step, TransitionRecord
 from tests.support.cluster import RedisCluster
 from tests.support.servers import wait_until
 
+pytestmark = pytest.mark.redis_shape
+
 PREFIX = "ct"
 
 

@@ -13,6 +13,8 @@ from celery_steplock.heartbeat import Heartbeat
 from celery_steplock.lock import RedisLeaseStore, get_lease_store, make_client
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.redis_shape
+
 WAITERS = 150  # more than redis-py's default pool of 100 connections
 
 

@@ -25,7 +25,7 @@ from helpers import wait_until
 from tests.support.sentinel import SentinelGroup
 from tests.support.tls import TLSRedisServer, make_certificates, redis_has_tls
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_shape]
 
 PRIMARY_PASSWORD = "primary-secret"
 SENTINEL_PASSWORD = "sentinel-secret"
