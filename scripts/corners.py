@@ -56,9 +56,10 @@ WORKERS = tuple(f"tests/test_workers.py::{name}" for name in (
     "test_sigkilled_worker_leaves_its_lease_to_the_ttl",
     "test_worker_with_an_invalid_setting_refuses_to_start"))
 #: Per corner, run in addition to TESTS: the workers at both ends of the Celery range, and the
-#: admin (with the browser) on the newest Django.
+#: admin (with the browser) on both Django 6 releases.
 EXTRA_TESTS = {
     "oldest": WORKERS + TOPOLOGIES,
+    "middle": ("tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
     "newest": WORKERS + TOPOLOGIES + ("tests/test_pools.py", "tests/contrib/test_admin.py",
                                       "tests/contrib/test_browser.py"),
 }
