@@ -16,6 +16,7 @@ import pytest
 from django_app.workflows.models import Step, TransitionRecord
 from django_app.workflows.tasks import advance, spin
 from tests.support import ROOT
+from tests.support.tls import make_certificates
 
 POOLS = ["prefork", "threads", "solo", "gevent", "eventlet"]
 GREEN = ("gevent", "eventlet")
@@ -199,21 +200,12 @@ def redis_on_three_transports(tmp_path_factory):
     sock = work / "redis.sock"
     tls_args, tls_url = [], None
     if shutil.which("openssl"):
-        def openssl(*args):
-            subprocess.run(["openssl", *args], cwd=work, check=True, capture_output=True)
-
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-                "-out", "ca.crt", "-days", "2", "-subj", "/CN=steplock-test-ca")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out",
-                "srv.csr", "-subj", "/CN=127.0.0.1")
-        (work / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-        openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", "srv.crt", "-days", "2", "-extfile", "ext.cnf")
+        certs = make_certificates(work / "certs")
         tls_port = helpers.free_port()
-        tls_args = ["--tls-port", tls_port, "--tls-cert-file", work / "srv.crt",
-                    "--tls-key-file", work / "srv.key", "--tls-ca-cert-file", work / "ca.crt",
+        tls_args = ["--tls-port", tls_port, "--tls-cert-file", certs.server_cert,
+                    "--tls-key-file", certs.server_key, "--tls-ca-cert-file", certs.ca_cert,
                     "--tls-auth-clients", "no"]
-        tls_url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={work / 'ca.crt'}"
+        tls_url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs.ca_cert}"
     server = None
     for args in ([*tls_args, "--unixsocket", sock], ["--unixsocket", sock]):
         try:

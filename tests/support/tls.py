@@ -48,7 +48,10 @@ def _new_ca(directory: Path, name: str, cn: str) -> None:
     _openssl("req", "-x509", "-new", "-nodes", "-newkey", "ec",
              "-pkeyopt", "ec_paramgen_curve:prime256v1", "-sha256", "-days", "2",
              "-subj", f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.crt",
-             cwd=directory)
+             # What strict X.509 verification (Python 3.13's default) asks of a CA.
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-addext", "subjectKeyIdentifier=hash", cwd=directory)
 
 
 def _signed(directory: Path, name: str, cn: str, usage: str, ca: str = "ca") -> None:
@@ -59,7 +62,9 @@ def _signed(directory: Path, name: str, cn: str, usage: str, ca: str = "ca") -> 
     ext.write_text("basicConstraints=CA:FALSE\n"
                    "keyUsage=digitalSignature,keyEncipherment\n"
                    f"extendedKeyUsage={usage}\n"
-                   "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+                   "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                   "subjectKeyIdentifier=hash\n"
+                   "authorityKeyIdentifier=keyid,issuer\n")
     _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
              "-CAcreateserial", "-days", "2", "-sha256", "-extfile", ext.name,
              "-out", f"{name}.crt", cwd=directory)
