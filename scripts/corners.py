@@ -60,8 +60,10 @@ WORKERS = tuple(f"tests/test_workers.py::{name}" for name in (
 EXTRA_TESTS = {
     "oldest": WORKERS + TOPOLOGIES,
     "middle": ("tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
-    "newest": WORKERS + TOPOLOGIES + ("tests/test_pools.py", "tests/contrib/test_admin.py",
-                                      "tests/contrib/test_browser.py"),
+    "newest": WORKERS + TOPOLOGIES + (
+        # gevent's and eventlet's native renewal thread and unpatched sockets (TCP, Unix, TLS)
+        "tests/test_pools.py::test_green_heartbeat_renews_from_a_native_thread_or_refuses",
+        "tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
 }
 
 
