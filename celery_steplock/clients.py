@@ -341,10 +341,28 @@ def _check_combination(url: str, tls: dict[str, Any], cluster: bool) -> None:
             setting="steplock_redis_cluster")
 
 
+def _sentinel_class():
+    from redis.sentinel import MasterNotFoundError, Sentinel
+
+    from . import _wire
+
+    class _Sentinel(Sentinel):
+        # redis-py's error says neither whether the sentinels answered nor briefly where
+        # they are: a wrong sentinel password or master_name is a configuration error.
+        def discover_master(self, service_name):
+            try:
+                return super().discover_master(service_name)
+            except _wire.SentinelDiscoveryError:
+                raise
+            except MasterNotFoundError as exc:
+                raise _wire.sentinel_discovery_error(self, service_name, exc) from None
+
+    return _Sentinel
+
+
 def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
                      kwargs: dict[str, Any]) -> redis.Redis:
-    from redis.sentinel import Sentinel
-
+    _Sentinel = _sentinel_class()
     parsed = parse_sentinel_url(url)
     primary = dict(kwargs)
     for key in ("username", "password", "db"):
@@ -359,7 +377,7 @@ def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
     sentinel_kwargs = {"socket_timeout": kwargs["socket_timeout"],
                        "socket_connect_timeout": kwargs["socket_connect_timeout"],
                        "retry": Retry(NoBackoff(), 0), **sentinel_kwargs}
-    sentinel = Sentinel(parsed["sentinels"],
+    sentinel = _Sentinel(parsed["sentinels"],
                         min_other_sentinels=options.get("min_other_sentinels", 0),
                         sentinel_kwargs=sentinel_kwargs, **primary)
     return sentinel.master_for(options["master_name"])
