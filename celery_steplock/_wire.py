@@ -271,6 +271,12 @@ _TLS_MATERIAL = (
 
 def _tls_reason(error: BaseException) -> str | None:
     found = " ".join(str(x) for x in (getattr(error, "reason", None), error) if x)
+    if "EOF occurred in violation of protocol" in found and "writing" in found:
+        # TLS 1.3: the handshake completes before the server checks the client's
+        # certificate, then it alerts and closes, and the first command written finds the
+        # connection closed (the alert unread). A restarted server is refused connections
+        # on the retry instead, so this persists only when the server rejects the client.
+        return "TLS connection closed by the server (a client certificate it requires?)"
     for marker, reason in _TLS_MATERIAL:
         if marker in found:
             return reason

@@ -87,7 +87,11 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
             setting = "steplock_redis_use_ssl"
             hint = ("fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
                     "a rediss:// steplock_redis_url): ssl_ca_certs must hold the CA that "
-                    "signed the server's certificate")
+                    "signed the server's certificate" if "verification" in reason else
+                    "fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
+                    "a rediss:// steplock_redis_url): ssl_certfile and ssl_keyfile must be "
+                    "the PEM client certificate and its key (required by a server of mutual "
+                    "TLS), ssl_ca_certs a PEM file of CA certificates")
         else:
             hint = "fix the credentials (user name, password) in steplock_redis_url"
         return LockStoreMisconfigured(
