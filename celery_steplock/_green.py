@@ -383,9 +383,9 @@ def native_client(client: Any, pool: str | None = None) -> Any:
     import redis
     from redis import connection as rc
 
-    pool = pool or green_pool() or "green"
     from . import _cluster
 
+    pool = pool or green_pool() or "green"
     # Checked before reading connection_pool: a deferred Cluster client would be built by
     # that read, raising while the cluster is down (and Celery drops errors of worker_init).
     source = None if _cluster.is_cluster(client) else getattr(client, "connection_pool", None)
