@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from celery_steplock.exceptions import (ImproperlyConfigured, LockContended,
+from celery_steplock.exceptions import (LockContended,
                                         LockStoreMisconfigured, LockStoreUnavailable)
 from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask
