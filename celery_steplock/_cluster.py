@@ -20,10 +20,13 @@ client over only when it has no ``connection_pool`` (a ``RedisCluster`` has one 
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any, Iterable, Sequence
 
+import redis.cluster as _redis_cluster
+from redis import __version__ as _redis_version
 from redis.backoff import FullJitterBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
@@ -53,6 +56,9 @@ _CURSOR_SHIFT = 64
 SLOTS = 16384
 
 _CONNECTION_ERRORS = (RedisError, OSError, RedisClusterException)
+# How redis-py's cluster client refuses a URL before connecting (a database other than 0,
+# a Unix socket).
+_URL_REFUSED = re.compile(r"\bdb\b|Unix Domain Socket", re.IGNORECASE)
 
 
 def is_cluster(client: Any) -> bool:
@@ -71,31 +77,54 @@ def resolve(client: Any) -> RedisCluster:
                          f"redis.Redis nor a redis.cluster.RedisCluster")
 
 
-def make_client(url: str, socket_timeout: float = 5.0) -> RedisCluster:
+def make_client(url: str, socket_timeout: float = 5.0, **options: Any) -> RedisCluster:
     """A ``RedisCluster`` that discovers the cluster from the node of ``url`` (any node,
     primary or replica; ``rediss://`` and credentials as in the URL): ``socket_timeout``
     seconds per attempt and one quick retry per node, as the single-node client.
+    ``options``: connection options for every node's connections (``client_name``,
+    ``socket_keepalive``... and the ``ssl_*`` TLS options with
+    ``connection_class=redis.SSLConnection``, which turns TLS on with a ``redis://`` URL).
 
     Building one reads the slot table. When no node answers, a :class:`DeferredCluster` is
     returned instead, which builds the client at its first use (each use raising the store
     error until the cluster answers), so an outage at start is an outage, not a crash.
     Raises ImproperlyConfigured (``steplock_redis_cluster``) when the node is not in
-    cluster mode.
+    cluster mode, (``steplock_redis_url``) when ``url`` names a database other than 0 or
+    a Unix socket, and (``steplock_redis_use_ssl``/``steplock_redis_transport_options``)
+    when redis-py's cluster client does not pass one of ``options`` to its connections.
     """
+    from .exceptions import ImproperlyConfigured
+
+    allowed = getattr(_redis_cluster, "REDIS_ALLOWED_KEYS", None)
+    if allowed is not None:
+        dropped = sorted(k for k in options if k not in allowed)
+        if dropped:
+            setting = ("steplock_redis_use_ssl" if all(k.startswith("ssl") for k in dropped)
+                       else "steplock_redis_transport_options")
+            raise ImproperlyConfigured(
+                f"{setting}: redis-py's cluster client (redis {_redis_version}) does not "
+                f"pass {', '.join(dropped)} to its connections; remove it with "
+                f"steplock_redis_cluster=True", setting=setting)
+
     def build() -> RedisCluster:
         try:
             return RedisCluster.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
                 retry=Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
-                decode_responses=True, encoding_errors="replace")
+                decode_responses=True, encoding_errors="replace", **options)
         except RedisClusterException as exc:
-            if "cluster mode is not enabled" in str(exc).lower():
-                from .exceptions import ImproperlyConfigured
-
+            message = str(exc)
+            if "cluster mode is not enabled" in message.lower():
                 raise ImproperlyConfigured(
                     f"steplock_redis_cluster is True but the Redis at the lock store's URL "
                     f"is not in cluster mode ({exc}); set it to False",
                     setting="steplock_redis_cluster") from exc
+            if _URL_REFUSED.search(message):
+                # Refused before anything connects: no retry can fix it.
+                raise ImproperlyConfigured(
+                    f"steplock_redis_url with steplock_redis_cluster=True must be a "
+                    f"redis:// or rediss:// URL of database 0 (a cluster has no other): "
+                    f"{exc}", setting="steplock_redis_url") from exc
             raise
 
     try:

@@ -383,10 +383,15 @@ def native_client(client: Any, pool: str | None = None) -> Any:
     import redis
     from redis import connection as rc
 
+    from . import _cluster
+
     pool = pool or green_pool() or "green"
-    source = getattr(client, "connection_pool", None)
+    # Checked before reading connection_pool: a deferred Cluster client would be built by
+    # that read, raising while the cluster is down (and Celery drops errors of worker_init).
+    source = None if _cluster.is_cluster(client) else getattr(client, "connection_pool", None)
     if type(source) not in (rc.ConnectionPool, rc.BlockingConnectionPool):
-        what = type(client).__name__ if source is None else type(source).__name__
+        what = ("RedisCluster" if _cluster.is_cluster(client) else type(client).__name__
+                if source is None else type(source).__name__)
         raise GreenPoolUnsupported(
             f"celery-steplock: under the {pool} pool the heartbeat renews leases from a "
             f"native thread with a client of its own, which it cannot derive from a {what}; "

@@ -13,11 +13,13 @@ import ssl
 from typing import Any, Iterable
 
 import redis
+from redis.sentinel import MasterNotFoundError
 from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
                                NoPermissionError, NoScriptError, ReadOnlyError, ResponseError)
 
 __all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout", "connection",
-           "misconfiguration", "refused_command", "derived_client"]
+           "misconfiguration", "refused_command", "derived_client", "SentinelDiscoveryError",
+           "sentinel_discovery_error", "SENTINEL_AUTH", "SENTINEL_UNKNOWN_MASTER"]
 
 # How Redis and Valkey word an ACL refusal of a command run inside a script (redis-py raises
 # those as a plain ResponseError): "... can't run this command or subcommand" (Redis 6.2,
@@ -29,6 +31,60 @@ _COMMAND = re.compile(r"run the '([^']+)' command")
 _POOL_OWN = frozenset({"maint_notifications_pool_handler", "connection_pool"})
 
 Call = tuple[list[str], list[str]]  # (KEYS, ARGV) of one EVALSHA
+
+#: :func:`misconfiguration`'s reasons for a Sentinel primary that cannot be found.
+SENTINEL_AUTH = "sentinel authentication failed"
+SENTINEL_UNKNOWN_MASTER = "primary unknown to the sentinels"
+# A sentinel's error in redis-py's "No master found" message ("... - AuthenticationError(...)"
+# up to redis-py 7, "... - auth:AuthenticationError" in 8).
+_SENTINEL_ERROR = re.compile(r" - (?:\w+:)?(\w+Error)\b")
+
+
+class SentinelDiscoveryError(MasterNotFoundError):
+    """redis-py's ``MasterNotFoundError`` with a short message (the sentinels' addresses,
+    not their clients' reprs) and ``reason``: :data:`SENTINEL_AUTH` or
+    :data:`SENTINEL_UNKNOWN_MASTER` when the sentinels answered but refused us or do not
+    know the primary (a configuration error), None when none could be asked (an outage) or
+    the primary is down."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+
+
+def sentinel_discovery_error(sentinel: Any, service_name: str,
+                             exc: MasterNotFoundError) -> SentinelDiscoveryError:
+    """The :class:`SentinelDiscoveryError` for ``exc``, raised by ``sentinel``'s (a
+    ``redis.sentinel.Sentinel``) ``discover_master(service_name)``. When no sentinel
+    reported an error, asks each once more whether it monitors ``service_name``."""
+    addresses = []
+    for node in sentinel.sentinels:
+        kwargs = node.connection_pool.connection_kwargs
+        addresses.append(f"{kwargs.get('host')}:{kwargs.get('port')}")
+    errors = _SENTINEL_ERROR.findall(str(exc))
+    where = f"for {service_name!r} from the sentinels at {', '.join(addresses)}"
+    if any(e in ("AuthenticationError", "AuthenticationWrongNumberOfArgsError")
+           for e in errors):
+        return SentinelDiscoveryError(
+            f"No primary found {where}: {errors.count('AuthenticationError')} of "
+            f"{len(addresses)} refused the credentials (sentinel_kwargs)", SENTINEL_AUTH)
+    if not errors:
+        known = False
+        for node in sentinel.sentinels:
+            try:
+                known = service_name in node.sentinel_masters()
+            except (redis.RedisError, OSError):
+                continue
+            if known:
+                break
+        if not known:
+            return SentinelDiscoveryError(
+                f"No primary found {where}: none of them monitors a primary of that name "
+                f"(master_name)", SENTINEL_UNKNOWN_MASTER)
+        return SentinelDiscoveryError(f"No primary found {where}: they report it down")
+    listed = ", ".join(sorted(set(errors)))
+    return SentinelDiscoveryError(f"No primary found {where}: {len(errors)} of "
+                                  f"{len(addresses)} did not answer ({listed})")
 
 
 class Script:
@@ -170,7 +226,9 @@ def misconfiguration(exc: BaseException) -> str | None:
     verification failed"), or None when it is not one (a retry may succeed).
 
     Looks at the exception and the chain of its causes: redis-py wraps a TLS verification
-    failure (``ssl.SSLCertVerificationError``) in a ``ConnectionError``.
+    failure (``ssl.SSLCertVerificationError``) or unusable TLS material (no client
+    certificate under mutual TLS, a file that is not PEM, a key not matching its certificate)
+    in a ``ConnectionError``. A :class:`SentinelDiscoveryError` gives its ``reason``.
     """
     seen: set[int] = set()
     error: BaseException | None = exc
@@ -178,6 +236,14 @@ def misconfiguration(exc: BaseException) -> str | None:
         seen.add(id(error))
         if isinstance(error, ssl.SSLCertVerificationError):
             return "TLS certificate verification failed"
+        if isinstance(error, SentinelDiscoveryError):
+            if error.reason is not None:
+                return error.reason
+        else:
+            # redis-py wraps the ssl.SSLError (or only its text) in a ConnectionError.
+            tls = _tls_reason(error)
+            if tls is not None:
+                return tls
         if isinstance(error, NoPermissionError):
             return "permission refused"
         if isinstance(error, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
@@ -189,6 +255,31 @@ def misconfiguration(exc: BaseException) -> str | None:
             if _REFUSAL.search(message):
                 return "permission refused"
         error = error.__cause__ or error.__context__
+    return None
+
+
+# OpenSSL's reasons for TLS material that no retry can fix (the peer's alert that it requires
+# a client certificate, a file that is not PEM, a key that is not the certificate's).
+_TLS_MATERIAL = (
+    ("CERTIFICATE_REQUIRED", "TLS client certificate required by the server"),
+    ("PEM lib", "TLS certificate or key file unreadable (not PEM)"),
+    ("NO_START_LINE", "TLS certificate or key file unreadable (not PEM)"),
+    ("KEY_VALUES_MISMATCH", "TLS client key does not match the certificate"),
+    ("NO_CERTIFICATE_OR_CRL_FOUND", "TLS CA file holds no certificate (not PEM)"),
+)
+
+
+def _tls_reason(error: BaseException) -> str | None:
+    found = " ".join(str(x) for x in (getattr(error, "reason", None), error) if x)
+    if "EOF occurred in violation of protocol" in found and "writing" in found:
+        # TLS 1.3: the handshake completes before the server checks the client's
+        # certificate, then it alerts and closes, and the first command written finds the
+        # connection closed (the alert unread). A restarted server is refused connections
+        # on the retry instead, so this persists only when the server rejects the client.
+        return "TLS connection closed by the server (a client certificate it requires?)"
+    for marker, reason in _TLS_MATERIAL:
+        if marker in found:
+            return reason
     return None
 
 

@@ -293,17 +293,25 @@ def make_client(url: str, socket_timeout: float = 5.0, *,
     For a ``sentinel://`` URL the client is ``Sentinel(...).master_for(master_name)``: its
     pool is a ``SentinelConnectionPool`` that finds the primary through the sentinels.
     ``cluster=True``: a ``redis.cluster.RedisCluster`` with ``url``'s node as its entry point
-    (see :func:`celery_steplock._cluster.make_client`; the options are not used).
-    Raises ImproperlyConfigured (naming the setting) for invalid input; nothing connects
-    before the first command.
+    (see :func:`celery_steplock._cluster.make_client`), the connection options and TLS
+    options passed to every node's connections.
+    Raises ImproperlyConfigured (naming the setting) for invalid input, e.g. TLS options
+    with a ``unix://`` URL; nothing connects before the first command.
     """
     check_url(url)
+    options = check_transport_options(transport_options, url)
+    tls = check_use_ssl(use_ssl)
+    _check_combination(url, tls, cluster)
     if cluster:
         from . import _cluster
 
-        return _cluster.make_client(url, socket_timeout)
-    options = check_transport_options(transport_options, url)
-    tls = check_use_ssl(use_ssl)
+        passed = {k: v for k, v in options.items() if k in CONNECTION_OPTIONS}
+        query = parse_qs(urlsplit(url).query)
+        passed.update({k: v for k, v in tls.items() if k != "ssl" and k not in query})
+        if tls:
+            # What the cluster client's node connections are (it does not read ``ssl``).
+            passed["connection_class"] = redis.SSLConnection
+        return _cluster.make_client(url, socket_timeout, **passed)
     kwargs = connection_options(socket_timeout)
     kwargs.update({k: v for k, v in options.items() if k in CONNECTION_OPTIONS})
     if url.startswith("sentinel://"):
@@ -317,10 +325,44 @@ def make_client(url: str, socket_timeout: float = 5.0, *,
     return redis.Redis.from_url(url, **kwargs)
 
 
+def _check_combination(url: str, tls: dict[str, Any], cluster: bool) -> None:
+    """Raise ImproperlyConfigured for settings that are each valid but would be ignored
+    together: TLS options with a Unix socket, the Cluster flag with a Sentinel or Unix URL."""
+    if tls and url.startswith("unix://"):
+        raise ImproperlyConfigured(
+            f"{_describe(_SSL)} is set but steplock_redis_url is a unix:// URL, which "
+            f"connects without TLS; remove the TLS options or use a rediss:// URL",
+            setting=_SSL)
+    if cluster and url.startswith(("sentinel://", "unix://")):
+        raise ImproperlyConfigured(
+            "steplock_redis_cluster is True but steplock_redis_url is a "
+            f"{url.split(':', 1)[0]}:// URL; a Redis Cluster is reached through "
+            "a redis:// or rediss:// URL of one of its nodes",
+            setting="steplock_redis_cluster")
+
+
+def _sentinel_class():
+    from redis.sentinel import MasterNotFoundError, Sentinel
+
+    from . import _wire
+
+    class _Sentinel(Sentinel):
+        # redis-py's error says neither whether the sentinels answered nor briefly where
+        # they are: a wrong sentinel password or master_name is a configuration error.
+        def discover_master(self, service_name):
+            try:
+                return super().discover_master(service_name)
+            except _wire.SentinelDiscoveryError:
+                raise
+            except MasterNotFoundError as exc:
+                raise _wire.sentinel_discovery_error(self, service_name, exc) from None
+
+    return _Sentinel
+
+
 def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
                      kwargs: dict[str, Any]) -> redis.Redis:
-    from redis.sentinel import Sentinel
-
+    _Sentinel = _sentinel_class()
     parsed = parse_sentinel_url(url)
     primary = dict(kwargs)
     for key in ("username", "password", "db"):
@@ -335,7 +377,7 @@ def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
     sentinel_kwargs = {"socket_timeout": kwargs["socket_timeout"],
                        "socket_connect_timeout": kwargs["socket_connect_timeout"],
                        "retry": Retry(NoBackoff(), 0), **sentinel_kwargs}
-    sentinel = Sentinel(parsed["sentinels"],
+    sentinel = _Sentinel(parsed["sentinels"],
                         min_other_sentinels=options.get("min_other_sentinels", 0),
                         sentinel_kwargs=sentinel_kwargs, **primary)
     return sentinel.master_for(options["master_name"])
@@ -357,12 +399,13 @@ class ClientConfig:
         if self.factory is None:
             self.url, self.options, self.tls = settings.redis_connection()
             self.cluster = settings.redis_cluster
-            if self.cluster and self.url.startswith(("sentinel://", "unix://")):
-                raise ImproperlyConfigured(
-                    "steplock_redis_cluster is True but steplock_redis_url is a "
-                    f"{self.url.split(':', 1)[0]}:// URL; a Redis Cluster is reached through "
-                    "a redis:// or rediss:// URL of one of its nodes",
-                    setting="steplock_redis_cluster")
+            _check_combination(self.url, self.tls or {}, self.cluster)
+        elif settings.redis_cluster:
+            # The factory builds the client: the flag would be silently ignored.
+            raise ImproperlyConfigured(
+                f"steplock_redis_cluster is True but {_FACTORY} is set, and the factory's "
+                f"client is used as it is; remove steplock_redis_cluster and return a "
+                f"redis.cluster.RedisCluster from the factory", setting="steplock_redis_cluster")
 
     @property
     def identity(self) -> tuple:

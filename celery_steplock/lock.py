@@ -77,11 +77,21 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
             hint = (f"grant {'+' + command if command else 'the command'} (and the key "
                     f"pattern of steplock_key_prefix) to the Redis user of steplock_redis_url; "
                     f"the least-privilege ACL is in {ACL_DOC}")
+        elif reason in (_wire.SENTINEL_AUTH, _wire.SENTINEL_UNKNOWN_MASTER):
+            setting = "steplock_redis_transport_options"
+            hint = ("fix the sentinels' password in sentinel_kwargs of "
+                    "steplock_redis_transport_options" if reason == _wire.SENTINEL_AUTH else
+                    "set master_name in steplock_redis_transport_options to the name the "
+                    "sentinels monitor (SENTINEL MASTERS)")
         elif reason.startswith("TLS"):
             setting = "steplock_redis_use_ssl"
             hint = ("fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
                     "a rediss:// steplock_redis_url): ssl_ca_certs must hold the CA that "
-                    "signed the server's certificate")
+                    "signed the server's certificate" if "verification" in reason else
+                    "fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
+                    "a rediss:// steplock_redis_url): ssl_certfile and ssl_keyfile must be "
+                    "the PEM client certificate and its key (required by a server of mutual "
+                    "TLS), ssl_ca_certs a PEM file of CA certificates")
         else:
             hint = "fix the credentials (user name, password) in steplock_redis_url"
         return LockStoreMisconfigured(

@@ -156,6 +156,126 @@ def test_cluster_setting_on_a_single_node_is_a_configuration_error(redis_server_
     assert caught.value.setting == "steplock_redis_cluster"
 
 
+def test_cluster_url_with_a_database_other_than_0_is_refused(cluster):
+    url = cluster.url.rsplit("/", 1)[0] + "/3"
+    with pytest.raises(ImproperlyConfigured, match="database 0") as caught:
+        make_client(url, cluster=True)
+    assert caught.value.setting == "steplock_redis_url"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+def test_task_on_a_cluster_url_with_a_database_never_runs(cluster_app, cluster, policy):
+    cluster_app.conf.steplock_redis_url = cluster.url.rsplit("/", 1)[0] + "/3"
+    cluster_app.conf.steplock_on_store_error = policy
+    step = Step.objects.create(name="db3")
+    result = cluster_finish.apply(args=(step.pk,))
+    assert result.failed()
+    assert isinstance(result.result, ImproperlyConfigured), result.result
+    assert result.result.setting == "steplock_redis_url"
+    assert TransitionRecord.objects.filter(step_id=step.pk).count() == 0
+    assert Step.objects.get(pk=step.pk).status == "pending"
+
+
+def test_cluster_connection_options_reach_every_node(cluster, client):
+    named = make_client(cluster.url, cluster=True,
+                        transport_options={"client_name": "steplock-cluster-x",
+                                           "socket_keepalive": True})
+    store = RedisLeaseStore(named, prefix=PREFIX)
+    try:
+        names = names_on_every_primary(cluster, 12, "named")
+        leases = [store.acquire(name, ttl=5) for name in names]
+        assert all(lease is not None for lease in leases)
+        for node in cluster.primaries():
+            admin = cluster.client(node)
+            try:
+                clients = [c["name"] for c in admin.client_list()]
+            finally:
+                admin.close()
+            assert "steplock-cluster-x" in clients, (node.port, clients)
+        for node in named.get_nodes():
+            kwargs = node.redis_connection.connection_pool.connection_kwargs
+            assert kwargs["client_name"] == "steplock-cluster-x"
+            assert kwargs["socket_keepalive"] is True
+        assert [store.release(n, lease.owner) for n, lease in zip(names, leases)] == \
+            [True] * len(names)
+    finally:
+        named.close()
+
+
+def test_cluster_tls_options_are_used_not_dropped(cluster):
+    """TLS options with a redis:// URL turn TLS on for every node: against this plaintext
+    cluster no node completes a handshake, so the client stays deferred (an outage), where
+    dropping the options would have connected in plain text."""
+    from celery_steplock.exceptions import LockStoreUnavailable
+
+    tls = make_client(cluster.url, 0.5, cluster=True, use_ssl={"ssl_cert_reqs": "none"})
+    assert isinstance(tls, _cluster.DeferredCluster)
+    with pytest.raises(LockStoreUnavailable):
+        RedisLeaseStore(tls, prefix=PREFIX).acquire("tls", ttl=5)
+    assert tls._client is None
+
+
+def test_cluster_options_redis_py_would_drop_are_refused(cluster):
+    allowed = getattr(redis.cluster, "REDIS_ALLOWED_KEYS", ())
+    dropped = [key for key in ("health_check_interval",) if key not in allowed]
+    if not dropped:
+        client = make_client(cluster.url, cluster=True,
+                             transport_options={"health_check_interval": 5})
+        assert all(n.redis_connection.connection_pool.connection_kwargs[
+            "health_check_interval"] == 5 for n in client.get_nodes())
+        client.close()
+        return
+    with pytest.raises(ImproperlyConfigured, match="health_check_interval") as caught:
+        make_client(cluster.url, cluster=True, transport_options={"health_check_interval": 5})
+    assert caught.value.setting == "steplock_redis_transport_options"
+
+
+def test_ignored_combinations_are_refused(app, tmp_path):
+    from celery_steplock.clients import ClientConfig
+
+    def factory(settings):
+        return redis.Redis()
+
+    app.conf.steplock_redis_client_factory = factory
+    app.conf.steplock_redis_cluster = True
+    with pytest.raises(ImproperlyConfigured, match="steplock_redis_client_factory") as caught:
+        ClientConfig(Settings(app))
+    assert caught.value.setting == "steplock_redis_cluster"
+    app.conf.steplock_redis_client_factory = None
+    app.conf.steplock_redis_cluster = False
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    app.conf.steplock_redis_url = "unix:///tmp/redis-none.sock"
+    app.conf.steplock_redis_use_ssl = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(ca)}
+    with pytest.raises(ImproperlyConfigured, match="unix://") as caught:
+        ClientConfig(Settings(app))
+    assert caught.value.setting == "steplock_redis_use_ssl"
+    with pytest.raises(ImproperlyConfigured) as caught:
+        make_client("unix:///tmp/redis-none.sock", use_ssl={"ssl_cert_reqs": "none"})
+    assert caught.value.setting == "steplock_redis_use_ssl"
+
+
+def test_green_pool_refuses_a_deferred_cluster_without_building_it():
+    from celery_steplock import _green
+    from tests.helpers import closed_port_url
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        raise AssertionError("built")
+
+    deferred = _cluster.DeferredCluster(build, 0.3)
+    with pytest.raises(_green.GreenPoolUnsupported, match="RedisCluster") as caught:
+        _green.native_client(deferred, "gevent")
+    assert caught.value.pool == "gevent"
+    assert builds == []
+    down = RedisLeaseStore(make_client(closed_port_url(), 0.3, cluster=True), prefix=PREFIX)
+    with pytest.raises(_green.GreenPoolUnsupported):
+        _green.native_store(down, "eventlet")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_task_with_the_cluster_down_follows_the_store_error_policy(cluster_app):
     from celery_steplock.exceptions import LockStoreUnavailable

@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from celery_steplock.exceptions import (ImproperlyConfigured, LockContended,
+from celery_steplock.exceptions import (LockContended,
                                         LockStoreMisconfigured, LockStoreUnavailable)
 from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask
@@ -188,15 +188,56 @@ def test_sentinel_a_dead_sentinel_is_skipped(app, sentinel_group):
     assert elapsed < 3.0, elapsed  # connection refused on loopback, then the next sentinel
 
 
-def test_sentinel_wrong_sentinel_password_is_refused(app, sentinel_group):
+@pytest.mark.parametrize("case", ["wrong sentinel password", "no sentinel password",
+                                  "unknown master_name"])
+def test_sentinel_refusal_is_a_configuration_error(app, sentinel_group, case):
+    """The sentinels answer but refuse the credentials or do not know the primary: redis-py
+    says only "No master found"; the store error names the setting, briefly."""
+    options = {"wrong sentinel password": {"master_name": sentinel_group.master_name,
+                                           "sentinel_kwargs": {"password": "wrong"}},
+               "no sentinel password": {"master_name": sentinel_group.master_name},
+               "unknown master_name": {"master_name": "nosuch",
+                                       "sentinel_kwargs": {"password": SENTINEL_PASSWORD}}}
+    configure(app, sentinel_group.url, options[case])
+    store = get_lease_store(app)
+    with pytest.raises(LockStoreMisconfigured) as info:
+        store.acquire("sentinel-auth", ttl=5)
+    error = info.value
+    print(f"{case}: {error!r}")
+    assert error.setting == "steplock_redis_transport_options"
+    wanted = "master_name" if case == "unknown master_name" else "sentinel_kwargs"
+    assert wanted in str(error)
+    assert len(str(error)) < 600, str(error)  # addresses, not the sentinel clients' reprs
+    for sentinel in sentinel_group.sentinels:
+        assert f"127.0.0.1:{sentinel.port}" in str(error)
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+def test_sentinel_refusal_never_runs_the_task_body(app, sentinel_group, policy):
     configure(app, sentinel_group.url, {"master_name": sentinel_group.master_name,
                                         "sentinel_kwargs": {"password": "wrong"}})
+    app.conf.steplock_on_store_error = policy
+    step = Step.objects.create(name="sentinel refused")
+    result = topo_finish.apply(args=(step.pk,))
+    assert result.failed()
+    assert isinstance(result.result, LockStoreMisconfigured), result.result
+    assert result.result.setting == "steplock_redis_transport_options"
+    assert TransitionRecord.objects.filter(step=step).count() == 0
+    step.refresh_from_db()
+    assert step.status == "pending"
+
+
+def test_sentinels_all_unreachable_stay_an_outage(app):
+    from tests.support.servers import free_port
+
+    configure(app, f"sentinel://127.0.0.1:{free_port()};sentinel://127.0.0.1:{free_port()}",
+              {"master_name": "mymaster"}, timeout=0.5)
     store = get_lease_store(app)
-    with pytest.raises((LockStoreUnavailable, ImproperlyConfigured)) as info:
-        store.acquire("sentinel-auth", ttl=5)
-    print(f"wrong sentinel password: {info.value!r} <- {info.value.__cause__!r}")
-    # redis-py reports that no sentinel gave the primary's address (every one refused).
-    assert "steplock-primary" in str(info.value) or "WRONGPASS" in str(info.value), info.value
+    with pytest.raises(LockStoreUnavailable) as info:
+        store.acquire("sentinel-down", ttl=5)
+    assert not isinstance(info.value, LockStoreMisconfigured)
+    assert "2 of 2 did not answer" in str(info.value), str(info.value)
+    assert len(str(info.value)) < 600, str(info.value)
 
 
 def test_sentinel_step_locked_task(app, sentinel_group):
@@ -427,17 +468,19 @@ def test_mtls_client_certificate_required(app, mtls_server, certs):
         step = Step.objects.create(name="over mtls")
         run_task_once(step)
 
-        # Without a certificate the server ends the handshake: a typed error, raised after a
-        # bounded number of attempts, and nothing written.
+        # Without a certificate the server ends the handshake: a configuration error naming
+        # the TLS setting, raised after a bounded number of attempts, and nothing written.
         configure(app, mtls_server.url, use_ssl={"ssl_cert_reqs": "required",
                                                  "ssl_ca_certs": str(certs.ca_cert)})
         refused = get_lease_store(app)
         assert refused is not store
         started = time.monotonic()
-        with pytest.raises((LockStoreUnavailable, ImproperlyConfigured)) as info:
+        with pytest.raises(LockStoreMisconfigured) as info:
             refused.acquire("mtls-no-cert", ttl=5)
         print(f"mTLS without a certificate: {time.monotonic() - started:.3f}s "
               f"{info.value!r} <- {info.value.__cause__!r}")
+        assert info.value.setting == "steplock_redis_use_ssl"
+        assert "client certificate" in str(info.value)
         assert time.monotonic() - started < 20
         assert info.value.__cause__ is not None
         assert primary.exists(refused.key("mtls-no-cert")) == 0
@@ -447,6 +490,36 @@ def test_mtls_client_certificate_required(app, mtls_server, certs):
         assert error.id == "celery_steplock.E001"
     finally:
         primary.close()
+
+
+@pytest.mark.parametrize("case", ["client certificate not PEM", "key not the certificate's",
+                                  "CA file not PEM"])
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+def test_unusable_tls_material_is_a_configuration_error(app, mtls_server, certs, tmp_path,
+                                                        case, policy):
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a PEM file\n")
+    base = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert),
+            "ssl_certfile": str(certs.client_cert), "ssl_keyfile": str(certs.client_key)}
+    use_ssl = {"client certificate not PEM": {**base, "ssl_certfile": str(junk)},
+               "key not the certificate's": {**base, "ssl_keyfile": str(certs.server_key)},
+               "CA file not PEM": {**base, "ssl_ca_certs": str(junk)}}[case]
+    configure(app, mtls_server.url, use_ssl=use_ssl)
+    app.conf.steplock_on_store_error = policy
+    store = get_lease_store(app)
+    with pytest.raises(LockStoreMisconfigured) as info:
+        store.acquire("tls-material", ttl=5)
+    print(f"{case}: {info.value!r}")
+    assert info.value.setting == "steplock_redis_use_ssl"
+    reason = {"client certificate not PEM": "not PEM", "key not the certificate's":
+              "does not match", "CA file not PEM": "not PEM"}[case]
+    assert reason in str(info.value)
+    step = Step.objects.create(name=f"tls {case}")
+    result = topo_finish.apply(args=(step.pk,))
+    assert result.failed() and isinstance(result.result, LockStoreMisconfigured)
+    assert TransitionRecord.objects.filter(step=step).count() == 0
+    step.refresh_from_db()
+    assert step.status == "pending"
 
 
 # -- a replica behind a fixed address -----------------------------------------------------
