@@ -309,7 +309,9 @@ def _native_connection_class(cls: type, pool: str) -> type:
     socket_module = native("socket")
     tcp = _rebind(rc.Connection._connect, socket=socket_module)
     attrs: dict[str, Any] = {}
-    if issubclass(cls, rc.SSLConnection) and cls._connect is rc.SSLConnection._connect:
+    bases: tuple[type, ...] = (cls,)
+    if (issubclass(cls, rc.SSLConnection) and cls._connect is rc.SSLConnection._connect
+            and hasattr(rc.SSLConnection, "_wrap_socket_with_ssl")):
         wrap = _rebind(rc.SSLConnection._wrap_socket_with_ssl, ssl=native("ssl"),
                        socket=socket_module)
 
@@ -322,6 +324,23 @@ def _native_connection_class(cls: type, pool: str) -> type:
                 raise
 
         attrs["_connect"] = _connect
+    elif issubclass(cls, rc.SSLConnection) and cls._connect is rc.SSLConnection._connect:
+        # redis-py 5.0 wraps the socket inside SSLConnection._connect, which makes it with
+        # super()._connect(): that super() is pointed at a class whose next one has ``tcp``.
+        class _NativeTCP:
+            _connect = tcp
+
+        class _SSLCell(_NativeTCP):
+            pass
+
+        function = _rebind(rc.SSLConnection._connect, ssl=native("ssl"), socket=socket_module)
+        cells = tuple(types.CellType(_SSLCell) if name == "__class__" else cell
+                      for name, cell in zip(function.__code__.co_freevars,
+                                            function.__closure__ or ()))
+        attrs["_connect"] = types.FunctionType(function.__code__, function.__globals__,
+                                               function.__name__, function.__defaults__,
+                                               cells)
+        bases = (_SSLCell, cls)
     elif (issubclass(cls, rc.UnixDomainSocketConnection)
           and cls._connect is rc.UnixDomainSocketConnection._connect):
         attrs["_connect"] = _rebind(rc.UnixDomainSocketConnection._connect,
@@ -335,7 +354,7 @@ def _native_connection_class(cls: type, pool: str) -> type:
             f"connection class {cls.__module__}.{cls.__qualname__}; run this worker with "
             f"-P prefork or -P threads, or use a redis://, rediss:// or unix:// URL",
             pool=pool)
-    found = type(f"Native{cls.__name__}", (cls,), attrs)
+    found = type(f"Native{cls.__name__}", bases, attrs)
     _connection_classes[(pool, cls)] = found
     return found
 

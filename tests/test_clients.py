@@ -9,6 +9,7 @@ import ssl
 import pytest
 import redis
 from celery import Celery
+from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
 from celery_steplock import clients, lock
@@ -64,6 +65,12 @@ def test_make_client_is_still_importable_from_lock():
     assert kwargs["decode_responses"] is True
 
 
+def retries_of(retry: Retry) -> int:
+    """The number of retries of a redis-py ``Retry`` (redis-py 5.0 has no ``get_retries``)."""
+    get_retries = getattr(retry, "get_retries", None)
+    return get_retries() if get_retries is not None else retry._retries
+
+
 def test_redis_url_with_socket_timeout_setting():
     client = client_of(steplock_redis_url="redis://:secret@127.0.0.1:7001/4",
                        steplock_socket_timeout=0.7)
@@ -72,7 +79,7 @@ def test_redis_url_with_socket_timeout_setting():
     kwargs = pool.connection_kwargs
     assert (kwargs["port"], kwargs["db"], kwargs["password"]) == (7001, 4, "secret")
     assert kwargs["socket_timeout"] == 0.7
-    assert kwargs["retry"].get_retries() == 1
+    assert retries_of(kwargs["retry"]) == 1
 
 
 def test_unix_url():

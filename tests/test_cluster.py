@@ -23,6 +23,7 @@ from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
 from tests.support.cluster import RedisCluster
 from tests.support.servers import wait_until
+from tests.helpers import set_settings
 
 pytestmark = pytest.mark.redis_shape
 
@@ -54,8 +55,7 @@ def store(client):
 def cluster_app(app, cluster, client):
     """The Celery app with its lease store on the cluster (the session Redis stays the
     broker)."""
-    app.conf.steplock_redis_url = cluster.url
-    app.conf.steplock_redis_cluster = True
+    set_settings(app, steplock_redis_url=cluster.url, steplock_redis_cluster=True)
     return app
 
 
@@ -112,10 +112,10 @@ def test_setting_validated_and_selects_the_cluster_client(cluster_app):
     store = get_lease_store(cluster_app)
     assert isinstance(store, ClusterLeaseStore)
     assert isinstance(store.client, RedisClusterClient)
-    cluster_app.conf.steplock_redis_cluster = "yes"
+    set_settings(cluster_app, steplock_redis_cluster="yes")
     with pytest.raises(ImproperlyConfigured, match="steplock_redis_cluster"):
         Settings(cluster_app).redis_cluster
-    cluster_app.conf.steplock_redis_cluster = False
+    set_settings(cluster_app, steplock_redis_cluster=False)
     assert type(get_lease_store(cluster_app)) is RedisLeaseStore
 
 
@@ -281,8 +281,8 @@ def test_task_with_the_cluster_down_follows_the_store_error_policy(cluster_app):
     from celery_steplock.exceptions import LockStoreUnavailable
     from tests.helpers import closed_port_url
 
-    cluster_app.conf.steplock_redis_url = closed_port_url()
-    cluster_app.conf.steplock_socket_timeout = 0.3
+    set_settings(cluster_app, steplock_redis_url=closed_port_url(),
+                 steplock_socket_timeout=0.3)
     step = Step.objects.create(name="down")
     result = cluster_finish.apply(args=(step.pk,))
     assert isinstance(result.result, LockStoreUnavailable)   # fail_closed: retried, then failed
@@ -569,7 +569,7 @@ def test_coordinated_failover_while_leases_are_held(cluster, cluster_app):
 @pytest.mark.django_db(transaction=True)
 def test_killed_primary_while_leases_are_held(cluster_app):
     with RedisCluster(primaries=3, replicas_per_primary=1, node_timeout=1000) as own:
-        cluster_app.conf.steplock_redis_url = own.url
+        set_settings(cluster_app, steplock_redis_url=own.url)
         victim = own.primaries()[1]
         owners = own.slot_owners()
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from celery_steplock import _wire
 from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured, LockStoreMisconfigured
 from celery_steplock.heartbeat import Heartbeat
@@ -15,13 +16,19 @@ from tests.helpers import wait_until
 
 pytestmark = pytest.mark.redis_shape
 
-WAITERS = 150  # more than redis-py's default pool of 100 connections
+STORE_POOL = 100  # set explicitly: redis-py 5.0 defaults to 2**31 connections, 8.1 to 100
+WAITERS = 150  # more than the store pool's connections
 
 
 def fresh_client(redis_client, **kwargs):
-    """A client of the library's own (make_client) on the test's Redis, with a new pool."""
+    """A client of the library's own (make_client) on the test's Redis, with a new pool of at
+    most STORE_POOL connections (set here: redis-py's default differs across versions)."""
     conn = redis_client.connection_pool.connection_kwargs
-    return make_client(f"redis://{conn['host']}:{conn['port']}/0", **kwargs)
+    client = make_client(f"redis://{conn['host']}:{conn['port']}/0", **kwargs)
+    sized = _wire.derived_client(client, STORE_POOL)
+    assert sized is not client
+    client.close()
+    return sized
 
 
 def blocked(redis_client) -> int:
@@ -63,7 +70,7 @@ def hold_for(store, heartbeat, name, ttl, seconds):
 def test_renewals_and_releases_do_not_wait_behind_150_waiters(redis_client):
     client = fresh_client(redis_client)
     store = RedisLeaseStore(client, prefix="t")
-    assert client.connection_pool.max_connections == 100  # redis-py's default
+    assert client.connection_pool.max_connections == STORE_POOL
     holder = store.acquire("busy", "holder", 60.0)
     results: list = []
     before = blocked(redis_client)
@@ -91,8 +98,9 @@ def test_renewals_and_releases_do_not_wait_behind_150_waiters(redis_client):
 
 
 def test_waiters_sharing_the_store_pool_would_starve_the_heartbeat(redis_client):
-    """Why waiters have a pool of their own: on the store's own pool of 100 connections,
-    100 blocked waiters leave none for the renewals, and the held lease is lost."""
+    """Why waiters have a pool of their own: on the store's own pool of STORE_POOL (100)
+    connections, 100 blocked waiters leave none for the renewals, and the held lease is
+    lost."""
     # A socket timeout of 30 s: each waiter stays in one BLPOP (at most 24 s) all along.
     client = fresh_client(redis_client, socket_timeout=30.0)
     store = RedisLeaseStore(client, prefix="t", waiter_client=client)
@@ -106,14 +114,14 @@ def test_waiters_sharing_the_store_pool_would_starve_the_heartbeat(redis_client)
     try:
         # One waiter at a time until all 100 connections are blocked (a waiter that finds
         # none free while the heartbeat holds one gives up and is replaced).
-        while blocked(redis_client) < before + 100 and len(threads) < 400:
+        while blocked(redis_client) < before + STORE_POOL and len(threads) < 400:
             count = blocked(redis_client)
             [thread] = start_waiters(store, 1, "busy", 60.0, results, first=len(threads))
             threads.append(thread)
             wait_until(lambda: blocked(redis_client) > count or not thread.is_alive(),
                        timeout=10, interval=0.002, what="the waiter to block or give up")
-        assert blocked(redis_client) == before + 100
-        assert client.connection_pool._created_connections == 100
+        assert blocked(redis_client) == before + STORE_POOL
+        assert client.connection_pool._created_connections == STORE_POOL
         extra = start_waiters(store, 1, "busy", 60.0, results, first=len(threads))
         extra[0].join(10)
         assert "Too many connections" in str(results[-1])

@@ -137,7 +137,7 @@ NATIVE_CHECK = textwrap.dedent("""
     import socket
     import redis
     from redis.connection import Connection, ConnectionPool
-    from celery_steplock import _green
+    from celery_steplock import _green, _wire
     from celery_steplock.heartbeat import Heartbeat
     from celery_steplock.lock import RedisLeaseStore, make_client
 
@@ -152,7 +152,7 @@ NATIVE_CHECK = textwrap.dedent("""
             pass
         alive = not lease.lost and store.owned("x", lease.owner) is not None
         pool_ = hb.renewal_store(store).client.connection_pool
-        conn = pool_.get_connection()
+        conn = _wire.connection(pool_)
         sock = conn._sock
         print(url.split(":")[0], type(hb.thread).__name__, "renewed", alive, "native",
               isinstance(sock, _socket.socket) and not isinstance(sock, socket.socket))

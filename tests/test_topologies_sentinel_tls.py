@@ -17,11 +17,13 @@ import redis
 
 from celery_steplock.exceptions import (LockContended,
                                         LockStoreMisconfigured, LockStoreUnavailable)
+from celery_steplock import _wire
 from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
 from helpers import wait_until
+from helpers import set_settings
 from tests.support.sentinel import SentinelGroup
 from tests.support.tls import TLSRedisServer, make_certificates, redis_has_tls
 
@@ -59,11 +61,9 @@ def topo_held(self, step_id):
 
 
 def configure(app, url, options=None, use_ssl=None, timeout=2.0):
-    app.conf.steplock_redis_url = url
-    app.conf.steplock_redis_transport_options = options
-    app.conf.steplock_redis_use_ssl = use_ssl
-    app.conf.steplock_socket_timeout = timeout
-    app.conf.steplock_retry_backoff = 0.01
+    set_settings(app, steplock_redis_url=url, steplock_redis_transport_options=options,
+                 steplock_redis_use_ssl=use_ssl, steplock_socket_timeout=timeout,
+                 steplock_retry_backoff=0.01)
 
 
 def run_in_thread(target, *args):
@@ -264,8 +264,8 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
     SQLite serializes the transactions its bodies run in.)"""
     group = fresh_sentinel_group
     store = sentinel_store(app, group)
-    app.conf.steplock_default_ttl = 40
-    app.conf.steplock_renewal_ratio = 0.05
+    set_settings(app, steplock_default_ttl=40)
+    set_settings(app, steplock_renewal_ratio=0.05)
     held_step, *later_steps = [Step.objects.create(name=f"failover {n}") for n in range(3)]
     HOLD["go"].clear()
     HOLD["entered"].clear()
@@ -416,7 +416,10 @@ def test_tls_lease_cycle_and_task_with_ca_verification(app, tls_server, certs):
     configure(app, tls_server.url, use_ssl={"ssl_cert_reqs": "required",
                                             "ssl_ca_certs": str(certs.ca_cert)})
     store = get_lease_store(app)
-    assert type(store.client.connection_pool.get_connection()).__name__ == "SSLConnection"
+    pool = store.client.connection_pool
+    conn = _wire.connection(pool)
+    pool.release(conn)
+    assert type(conn).__name__ == "SSLConnection"
     primary = plain_tls_client(tls_server)
     try:
         primary.flushdb()

@@ -32,6 +32,7 @@ from django_app.celery import app as celery_app
 from django_app.routers import ProjectRouter
 from django_app.routing.models import Invoice, Ledger, Parcel
 from django_app.routing.tasks import pay_invoice, post_ledger, ship_parcel
+from tests.helpers import set_settings
 
 DATABASES = ["default", "replica", "other"]
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -42,7 +43,7 @@ GHOST = "ghost@nowhere.invalid"
 
 @pytest.fixture(autouse=True)
 def clean(app, redis_client):
-    app.conf.steplock_retry_backoff = 0.01
+    set_settings(app, steplock_retry_backoff=0.01)
     yield
 
 
@@ -391,7 +392,7 @@ def test_the_setting_names_the_database_of_tasks_without_the_option(app, redis_c
     Ledger.objects.using("other").create(pk=ledger.pk)
     assert post_routed_ledger.apply(args=(ledger.pk,)).result == "default"
     Ledger.objects.filter(pk=ledger.pk).update(status="pending")
-    app.conf.steplock_step_database = "other"
+    set_settings(app, steplock_step_database="other")
     assert post_routed_ledger.apply(args=(ledger.pk,)).result == "other"
     assert row(Ledger, ledger.pk, "other")[0] == "posted"
     assert row(Ledger, ledger.pk, "default")[0] == "pending"
@@ -484,7 +485,7 @@ def test_an_unknown_database_is_a_configuration_error_naming_the_option(app, red
 def test_an_unknown_database_is_a_configuration_error_naming_the_setting(app, redis_client):
     from celery_steplock.contrib.django import checks
 
-    app.conf.steplock_step_database = "nowhere"
+    set_settings(app, steplock_step_database="nowhere")
     with pytest.raises(ImproperlyConfigured) as info:
         build_plan(post_routed_ledger)
     assert info.value.setting == "steplock_step_database"
@@ -495,7 +496,7 @@ def test_an_unknown_database_is_a_configuration_error_naming_the_setting(app, re
     assert [m.id for m in rendered] == ["celery_steplock.E003"]
     # Tasks with their own option are not concerned by the setting.
     assert build_plan(post_ledger).steps.using == "other"
-    app.conf.steplock_step_database = 5
+    set_settings(app, steplock_step_database=5)
     problems = [p for p in validate.problems(app) if p.obj == "steplock_step_database"]
     assert [p.id for p in problems] == ["celery_steplock.E003"]
     assert "must be None or a database alias" in problems[0].message
@@ -520,9 +521,9 @@ def test_the_reaper_recovers_steps_on_their_write_databases(app, redis_client):
     ledger_default = Ledger.objects.create(status="running", lock_owner=dead.owner)
     ledger_other = Ledger.objects.using("other").create(status="running",
                                                         lock_owner=dead.owner)
-    app.conf.steplock_reaper_recover = {
+    set_settings(app, steplock_reaper_recover={
         "routing.Parcel": {"running": "pending"}, "routing.Invoice": {"running": "pending"},
-        "routing.Ledger": {"running": "pending"}}
+        "routing.Ledger": {"running": "pending"}})
     run = Reaper(app, ReapReport(), dry_run=True, batch_size=100, older_than=None, now=None,
                  ping_timeout=PING, check_pids=True, lock=store)
     watched = run.start_recovery()
@@ -548,8 +549,8 @@ def test_the_reaper_recovers_steps_on_their_write_databases(app, redis_client):
 def test_the_reaper_reads_in_flight_rows_on_the_setting_s_database(app, redis_client):
     store = get_lease_store(app)
     dead = stale(store, redis_client, "routing:dead")
-    app.conf.steplock_step_database = "other"
-    app.conf.steplock_reaper_recover = {"routing.Ledger": {"running": "pending"}}
+    set_settings(app, steplock_step_database="other",
+                 steplock_reaper_recover={"routing.Ledger": {"running": "pending"}})
     on_other = Ledger.objects.using("other").create(status="running", lock_owner=dead.owner)
     on_default = Ledger.objects.using("default").create(pk=on_other.pk + 100,
                                                         status="running", lock_owner=dead.owner)
