@@ -283,8 +283,9 @@ def refused_by_validation(setting, **conf):
 @pytest.mark.parametrize("url, why", [
     ("redis://127.0.0.1:abc", "Port could not be cast to integer value as 'abc'"),
     ("redis://127.0.0.1:99999", "Port out of range"),
-    ("redis://127.0.0.1:1?socket_timeout=abc", "Invalid value for 'socket_timeout'"),
-    ("redis://127.0.0.1:1?max_connections=many", "Invalid value for 'max_connections'"),
+    # redis-py's own words (it quotes the name with ' or `, by version).
+    ("redis://127.0.0.1:1?socket_timeout=abc", "socket_timeout"),
+    ("redis://127.0.0.1:1?max_connections=many", "max_connections"),
     ("redis://127.0.0.1:1/abc", "the database (the URL's path) must be a number, not 'abc'"),
     ("rediss://127.0.0.1:1?ssl_cert_reqs=bogus",
      "ssl_cert_reqs must be none, optional or required, not 'bogus'"),
@@ -292,6 +293,8 @@ def refused_by_validation(setting, **conf):
 def test_malformed_redis_urls(url, why):
     message = refused_by_validation("steplock_redis_url", steplock_redis_url=url)
     assert why in message
+    if "?" in url and "ssl" not in url:
+        assert "Invalid value for" in message
 
 
 def test_a_malformed_broker_url_names_broker_url():
@@ -362,6 +365,9 @@ def test_sentinel_kwargs_and_connection_options_of_the_right_types_are_used():
      "ssl_include_verify_flags must be a list of ssl.VerifyFlags"),
 ])
 def test_bad_tls_option_values_are_refused_by_validation(use_ssl, why):
+    [key] = use_ssl
+    if key not in clients._ssl_arguments():  # e.g. ssl_min_version: redis-py 5.1+
+        why = f"unknown option(s) {key}"
     message = refused_by_validation("steplock_redis_use_ssl",
                                     steplock_redis_url="rediss://127.0.0.1:1/0",
                                     steplock_redis_use_ssl=use_ssl)
@@ -370,6 +376,8 @@ def test_bad_tls_option_values_are_refused_by_validation(use_ssl, why):
 
 @pytest.mark.parametrize("given", ["TLSv1_2", "TLSv1.2", "tlsv1_2", ssl.TLSVersion.TLSv1_2])
 def test_ssl_min_version_takes_the_enum_or_its_name(given):
+    if "ssl_min_version" not in clients._ssl_arguments():
+        pytest.skip("this redis-py has no ssl_min_version (5.1+)")
     client = client_of(steplock_redis_url="rediss://127.0.0.1:1/0",
                        steplock_redis_use_ssl={"ssl_min_version": given,
                                                "ssl_check_hostname": False})
