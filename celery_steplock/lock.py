@@ -211,7 +211,9 @@ class RedisLeaseStore:
         if self._waiter_limit is None:
             client = self.waiter_client
             limit = self.max_waiters
-            size = getattr(getattr(client, "connection_pool", None), "max_connections", None)
+            # A Cluster client is not capped (a pool per node), nor built here if deferred.
+            size = None if _cluster.is_cluster(client) else getattr(
+                getattr(client, "connection_pool", None), "max_connections", None)
             if self._shares_pool and isinstance(size, int) and size > 0:
                 limit = min(limit, max(0, size - max(WAITER_RESERVE, size // 4)))
             self._waiter_limit = limit

@@ -297,3 +297,12 @@ def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_pat
         assert len([r for r in results if r is not None]) == 20
     finally:
         group.stop()
+
+
+def test_a_cluster_store_s_waiters_are_not_capped_and_a_deferred_client_not_built():
+    from tests.helpers import closed_port_url
+
+    down = RedisLeaseStore(make_client(closed_port_url(), 0.3, cluster=True), prefix="t",
+                           max_waiters=50)
+    assert down.waiter_limit == 50  # no node reached to find a pool size
+    assert down.waiter_client is down.client
