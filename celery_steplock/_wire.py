@@ -293,16 +293,28 @@ def derived_client(client: Any, max_connections: int) -> Any:
     """A client like ``client`` (same class, server, credentials, TLS and timeouts: its
     pool's connection class and keyword arguments) on a pool of its own of at most
     ``max_connections`` connections; or ``client`` itself when its pool cannot be rebuilt
-    that way (a Cluster client, a pool class of unknown signature)."""
+    that way (a Cluster client, a pool class of unknown signature). A Sentinel pool
+    (``SentinelConnectionPool``) is rebuilt on the same sentinels and service name."""
+    from redis.sentinel import SentinelConnectionPool
+
     if _cluster.is_cluster(client):  # a deferred one must not be built here
         return client
     pool = getattr(client, "connection_pool", None)
-    if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+    sentinel = type(pool) is SentinelConnectionPool
+    if not sentinel and type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
         return client
-    # Entries a pool puts there for itself (redis-py 7+) are the new pool's to make.
+    # Entries a pool puts there for itself (redis-py 7+, and a Sentinel pool's reference to
+    # itself) are the new pool's to make.
     kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in _POOL_OWN}
-    own = type(pool)(connection_class=pool.connection_class, max_connections=max_connections,
-                     **kwargs)
+    if sentinel:
+        own = SentinelConnectionPool(pool.service_name, pool.sentinel_manager,
+                                     connection_class=pool.connection_class,
+                                     is_master=pool.is_master,
+                                     check_connection=pool.check_connection,
+                                     max_connections=max_connections, **kwargs)
+    else:
+        own = type(pool)(connection_class=pool.connection_class,
+                         max_connections=max_connections, **kwargs)
     try:
         return type(client)(connection_pool=own)
     except TypeError:

@@ -98,7 +98,37 @@ def check_url(url: Any, name: str = _URL) -> str:
             f"got {url!r}", setting=name)
     if url.startswith("sentinel://"):
         parse_sentinel_url(url, name)
+    else:
+        _check_redis_url(url, name)
     return url
+
+
+def _check_redis_url(url: str, name: str) -> None:
+    """Parse a redis://, rediss:// or unix:// URL the way redis-py will (its own parser),
+    so that a bad port or query value is refused now, naming ``name``."""
+    from redis.connection import parse_url
+
+    def bad(why: str) -> ImproperlyConfigured:
+        return ImproperlyConfigured(f"{_describe(name)}: {why}, got {_redact(url)!r}",
+                                    setting=name)
+
+    try:
+        parsed = parse_url(url)
+    except (ValueError, TypeError) as exc:
+        raise bad(str(exc).rstrip(".")) from None
+    split = urlsplit(url)
+    db = unquote(split.path).strip("/")
+    # redis-py silently falls back to database 0 for a path that is not a number.
+    if split.scheme != "unix" and db and "db" not in parse_qs(split.query) \
+            and not db.isdigit():
+        raise bad(f"the database (the URL's path) must be a number, not {db!r}")
+    reqs = parsed.get("ssl_cert_reqs")
+    if isinstance(reqs, str) and reqs.lower() not in ("none", "optional", "required"):
+        raise bad(f"ssl_cert_reqs must be none, optional or required, not {reqs!r}")
+    version = parsed.get("ssl_min_version")
+    if version is not None and not isinstance(version, ssl.TLSVersion):
+        raise bad(f"ssl_min_version={version!r} is not read from the URL by this redis-py; "
+                  f"put it in {_SSL}")
 
 
 def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
@@ -184,23 +214,71 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
                                    and all(isinstance(k, str) for k in kwargs)):
         raise ImproperlyConfigured(f"{_describe(name)}: sentinel_kwargs must be a dict of "
                                    f"connection options, got {kwargs!r}", setting=name)
+    if kwargs:
+        accepted = _connection_arguments()
+        unknown = sorted(k for k in kwargs if k not in accepted)
+        if unknown:
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: sentinel_kwargs has unknown option(s) "
+                f"{', '.join(unknown)}; it takes the keyword arguments of redis.Redis "
+                f"(password, username, socket_timeout, ssl, ...)", setting=name)
+        for key in ("socket_timeout", "socket_connect_timeout"):
+            _check_seconds(kwargs.get(key), f"sentinel_kwargs[{key!r}]", name)
+    _check_seconds(options.get("health_check_interval"), "health_check_interval", name)
+    keepalive = options.get("socket_keepalive")
+    if keepalive is not None and not isinstance(keepalive, bool):
+        raise ImproperlyConfigured(f"{_describe(name)}: socket_keepalive must be True or "
+                                   f"False, got {keepalive!r}", setting=name)
+    keepalive_options = options.get("socket_keepalive_options")
+    if keepalive_options is not None and not (
+            isinstance(keepalive_options, dict)
+            and all(isinstance(k, int) and not isinstance(k, bool)
+                    and isinstance(v, (int, bytes)) and not isinstance(v, bool)
+                    for k, v in keepalive_options.items())):
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: socket_keepalive_options must be a dict of socket option "
+            f"numbers to values (e.g. {{socket.TCP_KEEPIDLE: 60}}), got "
+            f"{keepalive_options!r}", setting=name)
+    client_name = options.get("client_name")
+    if client_name is not None and not (isinstance(client_name, str) and client_name
+                                        and not any(c.isspace() for c in client_name)):
+        raise ImproperlyConfigured(f"{_describe(name)}: client_name must be a non-empty "
+                                   f"string without spaces, got {client_name!r}",
+                                   setting=name)
     others = options.get("min_other_sentinels")
     if others is not None and (isinstance(others, bool) or not isinstance(others, int)
                                or others < 0):
         raise ImproperlyConfigured(f"{_describe(name)}: min_other_sentinels must be a whole "
                                    f"number >= 0, got {others!r}", setting=name)
-    interval = options.get("health_check_interval")
-    if interval is not None and (isinstance(interval, bool)
-                                 or not isinstance(interval, (int, float)) or interval < 0):
-        raise ImproperlyConfigured(f"{_describe(name)}: health_check_interval must be a "
-                                   f"number of seconds >= 0, got {interval!r}", setting=name)
     return options
+
+
+def _check_seconds(value: Any, key: str, name: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or value < 0):
+        raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a number of seconds "
+                                   f">= 0, got {value!r}", setting=name)
+
+
+@functools.lru_cache(maxsize=None)
+def _connection_arguments() -> frozenset[str]:
+    """The keyword arguments ``redis.Redis`` takes (what a sentinel connection is built
+    with), minus those that are not connection options."""
+    names = set(inspect.signature(redis.Redis.__init__).parameters)
+    return frozenset(names - {"self", "connection_pool", "single_connection_client",
+                              "kwargs", "args"})
 
 
 @functools.lru_cache(maxsize=None)
 def _ssl_arguments() -> frozenset[str]:
     return frozenset(p for p in inspect.signature(redis.SSLConnection.__init__).parameters
                      if p.startswith("ssl_"))
+
+
+#: ssl_* options that must be booleans.
+_SSL_FLAGS = ("ssl_check_hostname", "ssl_validate_ocsp", "ssl_validate_ocsp_stapled")
+#: ssl_* options that must be strings.
+_SSL_TEXT = ("ssl_ca_path", "ssl_ciphers", "ssl_ocsp_expected_cert")
 
 
 def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[str, Any]:
@@ -245,6 +323,42 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
                                        f"readable file, got {path!r}", setting=name)
         if path is not None:
             options[key] = os.fspath(path)
+    for key in _SSL_FLAGS:
+        if key in options and not isinstance(options[key], bool):
+            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be True or False, "
+                                       f"got {options[key]!r}", setting=name)
+    for key in _SSL_TEXT:
+        if options.get(key) is not None and not isinstance(options[key], str):
+            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a string, got "
+                                       f"{options[key]!r}", setting=name)
+    password = options.get("ssl_password")
+    if password is not None and not isinstance(password, (str, bytes)):
+        raise ImproperlyConfigured(f"{_describe(name)}: ssl_password must be a string, got "
+                                   f"{type(password).__name__}", setting=name)
+    ca_data = options.get("ssl_ca_data")
+    if ca_data is not None and not isinstance(ca_data, (str, bytes)):
+        raise ImproperlyConfigured(f"{_describe(name)}: ssl_ca_data must be PEM text or "
+                                   f"DER bytes, got {ca_data!r}", setting=name)
+    version = options.get("ssl_min_version")
+    if isinstance(version, str):
+        member = version.strip().replace(".", "_")
+        if member.upper().startswith("TLSV"):
+            member = "TLSv" + member[4:]
+        if member not in ssl.TLSVersion.__members__:
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: ssl_min_version must be an ssl.TLSVersion or its name "
+                f"(\"TLSv1_2\", \"TLSv1_3\"), got {version!r}", setting=name)
+        options["ssl_min_version"] = ssl.TLSVersion[member]
+    elif version is not None and not isinstance(version, ssl.TLSVersion):
+        raise ImproperlyConfigured(f"{_describe(name)}: ssl_min_version must be an "
+                                   f"ssl.TLSVersion (e.g. ssl.TLSVersion.TLSv1_2), got "
+                                   f"{version!r}", setting=name)
+    for key in ("ssl_include_verify_flags", "ssl_exclude_verify_flags"):
+        flags = options.get(key)
+        if flags is not None and not (isinstance(flags, (list, tuple)) and all(
+                isinstance(f, ssl.VerifyFlags) for f in flags)):
+            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a list of "
+                                       f"ssl.VerifyFlags, got {flags!r}", setting=name)
     if options.get("ssl_keyfile") and not options.get("ssl_certfile"):
         raise ImproperlyConfigured(f"{_describe(name)}: ssl_keyfile needs ssl_certfile (the "
                                    f"client certificate of mutual TLS)", setting=name)
@@ -428,10 +542,15 @@ class ClientConfig:
             raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} raised "
                                        f"{type(exc).__name__}: {exc}", setting=_FACTORY
                                        ) from exc
-        if not callable(getattr(client, "execute_command", None)):
-            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} must "
-                                       f"return a redis-py client, got {client!r}",
-                                       setting=_FACTORY)
+        from redis.cluster import RedisCluster
+
+        # Only redis-py's synchronous clients: the library reads their pools (an asyncio
+        # client's commands return coroutines, a look-alike has no pool to read).
+        if not isinstance(client, (redis.Redis, RedisCluster)):
+            raise ImproperlyConfigured(
+                f"{_describe(_FACTORY)}: {self.factory!r} must return a redis-py client, a "
+                f"synchronous one (redis.Redis or redis.cluster.RedisCluster), got "
+                f"{type(client).__module__}.{type(client).__qualname__}", setting=_FACTORY)
         return client
 
 

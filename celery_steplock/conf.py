@@ -467,7 +467,12 @@ class Settings:
         try:
             factory = self.redis_client_factory
         except ImproperlyConfigured:
-            factory = None
+            # A factory was given but is invalid: its own error comes first, and the
+            # settings it would replace are not read (their absence is not the problem).
+            return ["redis_client_factory"] + [
+                name for name in DEFAULTS if name not in (
+                    "redis_client_factory", "redis_url", "redis_transport_options",
+                    "redis_use_ssl")]
         if factory is None:
             return list(DEFAULTS)
         return [name for name in DEFAULTS

@@ -53,6 +53,10 @@ STORE_ERRORS = (RedisError, OSError, RedisClusterException)
 #: at once, each blocking one connection of the waiters' own pool.
 MAX_WAITERS = 1000
 
+#: Waiters that share the store's own pool (see :attr:`RedisLeaseStore.waiter_limit`) leave
+#: a quarter of its connections, and at least this many, to renewals and releases.
+WAITER_RESERVE = 8
+
 #: The lease name the permission probe uses (``_lua.PROBE``); no task's lock name has it.
 PROBE_NAME = "steplock-acl-probe"
 
@@ -156,7 +160,9 @@ class RedisLeaseStore:
     from ``client`` with a pool of its own of ``max_waiters`` connections (default
     :data:`MAX_WAITERS`), so that renewals and releases never wait for a connection behind
     them; a caller that would be waiter number ``max_waiters + 1`` gets
-    LockStoreMisconfigured naming ``steplock_max_waiters``.
+    LockStoreMisconfigured naming ``steplock_max_waiters``. When no pool can be derived
+    (a custom pool class from a client factory) the waiters share the store's pool,
+    and are capped below its ``max_connections`` (see :attr:`waiter_limit`).
     """
 
     def __new__(cls, client: Any = None, *args: Any, **kwargs: Any):
@@ -173,7 +179,10 @@ class RedisLeaseStore:
         self.max_waiters = max_waiters
         self._waiter_client = waiter_client
         self._waiter_guard = threading.Lock()
-        self._waiters = threading.BoundedSemaphore(max_waiters)
+        self._waiter_limit: int | None = None
+        self._shares_pool = False
+        self._waiting = 0
+        self._waiting_guard = threading.Lock()
         self._probed = False
         self.prefix = prefix
         self.fence_ttl = fence_ttl
@@ -197,8 +206,40 @@ class RedisLeaseStore:
         if self._waiter_client is None:
             with self._waiter_guard:
                 if self._waiter_client is None:
-                    self._waiter_client = _wire.derived_client(self.client, self.max_waiters)
+                    derived = _wire.derived_client(self.client, self.max_waiters)
+                    self._shares_pool = derived is self.client
+                    self._waiter_client = derived
         return self._waiter_client
+
+    @property
+    def waiter_limit(self) -> int:
+        """How many callers of this store may wait at once: ``max_waiters``; but when the
+        waiters' client could not be derived from the store's (it is the store's client
+        itself, so the waiters share its pool), at most that pool's ``max_connections``
+        minus a reserve of a quarter of them (at least :data:`WAITER_RESERVE`), which the
+        renewals and releases keep. A ``waiter_client`` passed in is not capped."""
+        if self._waiter_limit is None:
+            client = self.waiter_client
+            limit = self.max_waiters
+            # A Cluster client is not capped (a pool per node), nor built here if deferred.
+            size = None if _cluster.is_cluster(client) else getattr(
+                getattr(client, "connection_pool", None), "max_connections", None)
+            if self._shares_pool and isinstance(size, int) and size > 0:
+                limit = min(limit, max(0, size - max(WAITER_RESERVE, size // 4)))
+            self._waiter_limit = limit
+        return self._waiter_limit
+
+    def _enter_waiting(self) -> bool:
+        limit = self.waiter_limit
+        with self._waiting_guard:
+            if self._waiting >= limit:
+                return False
+            self._waiting += 1
+            return True
+
+    def _leave_waiting(self) -> None:
+        with self._waiting_guard:
+            self._waiting -= 1
 
     def check_permissions(self, *, what: str = "permission check", key: str | None = None,
                           name: str | None = None, owner: str | None = None) -> None:
@@ -290,10 +331,22 @@ class RedisLeaseStore:
         owner = owner or new_owner_token()
         if wait <= 0:
             return self.try_acquire(name, owner, ttl, metadata)[0]
-        if not self._waiters.acquire(blocking=False):
+        if not self._enter_waiting():
             lease = self.try_acquire(name, owner, ttl, metadata)[0]
             if lease is not None:
                 return lease
+            limit = self.waiter_limit
+            if limit < self.max_waiters:
+                size = self.client.connection_pool.max_connections
+                raise LockStoreMisconfigured(
+                    f"cannot wait for {name!r}: {limit} callers of this process already wait "
+                    f"for leases, the most the store's pool allows (steplock_max_waiters, "
+                    f"{self.max_waiters}, is capped to the pool's max_connections, {size}, "
+                    f"minus {size - limit} kept for renewals and releases, because the "
+                    f"waiters share that pool: no pool of their own could be derived from the "
+                    f"store's client): give the pool more connections, lower lock_wait or the "
+                    f"pool's concurrency", key=self.key(name), name=name, owner=owner,
+                    setting="steplock_max_waiters")
             raise LockStoreMisconfigured(
                 f"cannot wait for {name!r}: {self.max_waiters} callers of this process "
                 f"already wait for leases (steplock_max_waiters; each blocks a connection "
@@ -303,7 +356,7 @@ class RedisLeaseStore:
         try:
             return self._wait(name, owner, ttl, wait, metadata)
         finally:
-            self._waiters.release()
+            self._leave_waiting()
 
     def _wait(self, name: str, owner: str, ttl: float, wait: float,
               metadata: Mapping[str, Any] | None) -> Lease | None:

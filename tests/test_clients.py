@@ -275,6 +275,124 @@ def test_bad_tls_options(use_ssl, why):
     assert why in message
 
 
+def refused_by_validation(setting, **conf):
+    """As :func:`refused`, and checked to be what ``Settings.validate()`` raises and
+    ``Settings.problems()`` lists (validation, not only the client's construction)."""
+    message = refused(setting, **conf)
+    settings = Settings(make_app(**conf))
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings.validate()
+    assert info.value.setting == setting and str(info.value) == message
+    assert [(p.setting, str(p)) for p in settings.problems()] == [(setting, message)]
+    return message
+
+
+@pytest.mark.parametrize("url, why", [
+    ("redis://127.0.0.1:abc", "Port could not be cast to integer value as 'abc'"),
+    ("redis://127.0.0.1:99999", "Port out of range"),
+    # redis-py's own words (it quotes the name with ' or `, by version).
+    ("redis://127.0.0.1:1?socket_timeout=abc", "socket_timeout"),
+    ("redis://127.0.0.1:1?max_connections=many", "max_connections"),
+    ("redis://127.0.0.1:1/abc", "the database (the URL's path) must be a number, not 'abc'"),
+    ("rediss://127.0.0.1:1?ssl_cert_reqs=bogus",
+     "ssl_cert_reqs must be none, optional or required, not 'bogus'"),
+])
+def test_malformed_redis_urls(url, why):
+    message = refused_by_validation("steplock_redis_url", steplock_redis_url=url)
+    assert why in message
+    if "?" in url and "ssl" not in url:
+        assert "Invalid value for" in message
+
+
+def test_a_malformed_broker_url_names_broker_url():
+    message = refused_by_validation("broker_url", broker_url="redis://:secret@127.0.0.1:1/x")
+    assert "must be a number, not 'x'" in message and "secret" not in message
+
+
+def test_well_formed_redis_urls_keep_their_database_and_query():
+    client = client_of(steplock_redis_url="redis://127.0.0.1:1/3?socket_timeout=1.5")
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["db"], kwargs["socket_timeout"]) == (3, 1.5)
+    # A db query parameter is the database: the path is not read then.
+    client = client_of(steplock_redis_url="redis://127.0.0.1:1/x?db=4")
+    assert client.connection_pool.connection_kwargs["db"] == 4
+
+
+@pytest.mark.parametrize("options, why", [
+    ({"master_name": "m", "sentinel_kwargs": {"bogus": 1}},
+     "sentinel_kwargs has unknown option(s) bogus"),
+    ({"master_name": "m", "sentinel_kwargs": {"socket_timeout": "x"}},
+     "sentinel_kwargs['socket_timeout'] must be a number of seconds"),
+    ({"master_name": "m", "client_name": 5}, "client_name must be a non-empty string"),
+    ({"master_name": "m", "client_name": "two words"}, "without spaces"),
+    ({"master_name": "m", "socket_keepalive": "yes"}, "socket_keepalive must be True or False"),
+    ({"master_name": "m", "socket_keepalive_options": "x"},
+     "socket_keepalive_options must be a dict of socket option numbers"),
+    ({"master_name": "m", "socket_keepalive_options": {"TCP_KEEPIDLE": 60}},
+     "socket_keepalive_options must be a dict of socket option numbers"),
+    ({"master_name": "m", "health_check_interval": "x"},
+     "health_check_interval must be a number of seconds >= 0"),
+    ({"master_name": "m", "health_check_interval": -1},
+     "health_check_interval must be a number of seconds >= 0"),
+])
+def test_bad_transport_option_values_are_refused_by_validation(options, why):
+    message = refused_by_validation("steplock_redis_transport_options",
+                                    steplock_redis_url="sentinel://10.0.0.1:26379",
+                                    steplock_redis_transport_options=options)
+    assert why in message
+
+
+def test_sentinel_kwargs_and_connection_options_of_the_right_types_are_used():
+    import socket
+
+    client = client_of(steplock_redis_url="sentinel://10.0.0.1:26379",
+                       steplock_redis_transport_options={
+                           "master_name": "m", "client_name": "steplock-worker",
+                           "socket_keepalive": True,
+                           "socket_keepalive_options": {socket.TCP_KEEPCNT: 3},
+                           "health_check_interval": 2,
+                           "sentinel_kwargs": {"password": "s", "socket_timeout": 0.5}})
+    pool = client.connection_pool
+    assert (pool.connection_kwargs["client_name"], pool.connection_kwargs["socket_keepalive"],
+            pool.connection_kwargs["socket_keepalive_options"],
+            pool.connection_kwargs["health_check_interval"]) == (
+        "steplock-worker", True, {socket.TCP_KEEPCNT: 3}, 2)
+    sentinel = pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs
+    assert (sentinel["password"], sentinel["socket_timeout"]) == ("s", 0.5)
+
+
+@pytest.mark.parametrize("use_ssl, why", [
+    ({"ssl_min_version": "TLSv9"}, "ssl_min_version must be an ssl.TLSVersion or its name"),
+    ({"ssl_min_version": 12}, "ssl_min_version must be an ssl.TLSVersion"),
+    ({"ssl_check_hostname": "yes"}, "ssl_check_hostname must be True or False"),
+    ({"ssl_validate_ocsp": 1}, "ssl_validate_ocsp must be True or False"),
+    ({"ssl_ciphers": ["ECDHE"]}, "ssl_ciphers must be a string"),
+    ({"ssl_password": 1234}, "ssl_password must be a string, got int"),
+    ({"ssl_include_verify_flags": "VERIFY_X509_STRICT"},
+     "ssl_include_verify_flags must be a list of ssl.VerifyFlags"),
+])
+def test_bad_tls_option_values_are_refused_by_validation(use_ssl, why):
+    [key] = use_ssl
+    if key not in clients._ssl_arguments():  # e.g. ssl_min_version: redis-py 5.1+
+        why = f"unknown option(s) {key}"
+    message = refused_by_validation("steplock_redis_use_ssl",
+                                    steplock_redis_url="rediss://127.0.0.1:1/0",
+                                    steplock_redis_use_ssl=use_ssl)
+    assert why in message
+
+
+@pytest.mark.parametrize("given", ["TLSv1_2", "TLSv1.2", "tlsv1_2", ssl.TLSVersion.TLSv1_2])
+def test_ssl_min_version_takes_the_enum_or_its_name(given):
+    if "ssl_min_version" not in clients._ssl_arguments():
+        pytest.skip("this redis-py has no ssl_min_version (5.1+)")
+    client = client_of(steplock_redis_url="rediss://127.0.0.1:1/0",
+                       steplock_redis_use_ssl={"ssl_min_version": given,
+                                               "ssl_check_hostname": False})
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["ssl_min_version"] is ssl.TLSVersion.TLSv1_2
+    assert kwargs["ssl_check_hostname"] is False
+
+
 def test_keyfile_without_certfile(pem):
     message = refused("steplock_redis_use_ssl", steplock_redis_url="rediss://127.0.0.1:1/0",
                       steplock_redis_use_ssl={"ssl_keyfile": pem["client.key"]})
@@ -301,6 +419,25 @@ def broken_factory(settings):
 
 
 NOT_CALLABLE = 42
+
+
+def an_asyncio_client(settings):
+    import redis.asyncio
+
+    return redis.asyncio.Redis(host="127.0.0.1", port=1)
+
+
+class LookAlike:
+    def execute_command(self, *args, **kwargs):
+        return None
+
+
+def a_look_alike(settings):
+    return LookAlike()
+
+
+def nothing(settings):
+    return None
 
 
 def test_factory_by_qualified_name_serves_the_lease_store(redis_server_url):
@@ -345,11 +482,15 @@ def test_factory_as_a_callable():
     ("   ", "must be a callable or its qualified name"),
     ("test_clients:not_a_client", "must return a redis-py client"),
     ("test_clients:broken_factory", "RuntimeError: vault unreachable"),
+    ("test_clients:an_asyncio_client", "got redis.asyncio.client.Redis"),
+    ("test_clients:a_look_alike", "got test_clients.LookAlike"),
+    ("test_clients:nothing", "got builtins.NoneType"),
 ])
 def test_bad_factories(factory, why):
     message = refused("steplock_redis_client_factory", broker_url="redis://127.0.0.1:1/0",
                       steplock_redis_client_factory=factory)
     assert why in message
+
 
 
 def test_problems_lists_each_bad_new_setting_once(pem):

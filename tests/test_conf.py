@@ -95,3 +95,23 @@ def test_every_default_has_a_property():
     settings = Settings(make_app(broker_url="redis://h/0"))
     for name in DEFAULTS:
         getattr(settings, name)
+
+
+@pytest.mark.parametrize("factory, why", [
+    ("no.such:thing", "cannot import 'no.such:thing'"),
+    (5, "must be callable"),
+])
+def test_a_bad_factory_is_reported_rather_than_the_missing_url(factory, why):
+    # No URL and a broker that is not Redis: the factory was meant to replace the URL, so its
+    # own error is the one reported, and the missing URL is not.
+    app = Celery("t", set_as_current=False)
+    app.conf.broker_url = "amqp://guest@localhost//"
+    app.conf.steplock_redis_client_factory = factory
+    settings = Settings(app)
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings.validate()
+    assert info.value.setting == "steplock_redis_client_factory"
+    assert why in str(info.value)
+    found = settings.problems()
+    assert [exc.setting for exc in found] == ["steplock_redis_client_factory"]
+    assert "steplock_redis_url is not set" not in str(found[0])

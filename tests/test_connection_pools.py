@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import redis as redis_module
 
 from celery_steplock import _wire
 from celery_steplock.conf import Settings
@@ -198,3 +199,118 @@ def test_the_waiters_client_keeps_the_class_and_connection_options():
 
     odd = redis.Redis(connection_pool=OwnPool("x"))
     assert _wire.derived_client(odd, 7) is odd  # cannot be rebuilt: shared
+
+
+class UnderivablePool(redis_module.ConnectionPool):
+    """A pool class of a signature the library cannot rebuild (as a custom pool a client
+    factory may return): the waiters' client is the store's own."""
+
+    def __init__(self, tag, **kwargs):
+        self.tag = tag
+        super().__init__(**kwargs)
+
+
+def test_waiters_sharing_an_underivable_pool_are_capped_below_its_size(redis_client):
+    conn = redis_client.connection_pool.connection_kwargs
+    pool = UnderivablePool("factory's", host=conn["host"], port=conn["port"], db=0,
+                           max_connections=40, socket_timeout=30.0, decode_responses=True)
+    client = redis_module.Redis(connection_pool=pool)
+    store = RedisLeaseStore(client, prefix="t")
+    assert store.waiter_client is client
+    # 40 connections, a quarter (10) kept for renewals and releases: 30 waiters at most.
+    assert store.waiter_limit == 30 and store.max_waiters == 1000
+    holder = store.acquire("busy", "holder", 60.0)
+    mine = store.acquire("mine", "renewer", 60.0)
+    results: list = []
+    before = blocked(redis_client)
+    threads = start_waiters(store, 30, "busy", 60.0, results)
+    wait_until(lambda: blocked(redis_client) >= before + 30, timeout=20, interval=0.01,
+               what="30 waiters to block")
+    with pytest.raises(LockStoreMisconfigured) as caught:
+        store.acquire("busy", "one-more", 30.0, wait=5.0)
+    assert caught.value.setting == "steplock_max_waiters" and caught.value.name == "busy"
+    message = str(caught.value)
+    assert "30 callers" in message and "max_connections, 40" in message
+    assert "minus 10 kept for renewals and releases" in message
+    assert redis_client.zscore("t:waiters:{busy}", "one-more") is None
+    # The reserve serves the renewals and releases while the waiters block.
+    assert store.extend_many([("mine", "renewer", 60.0), ("busy", "holder", 60.0)]) == [
+        True, True]
+    assert store.release("mine", "renewer") is True
+    assert store.release("busy", holder.owner) is True
+    for thread in threads:
+        thread.join(60)
+    assert [r for r in results if isinstance(r, Exception)] == []
+    assert len([r for r in results if r is not None]) == 30
+    assert mine.owner == "renewer"
+
+
+@pytest.mark.parametrize("size, limit", [(100, 75), (32, 24), (20, 12), (8, 0)])
+def test_the_reserve_is_a_quarter_of_a_shared_pool_and_at_least_8(size, limit):
+    pool = UnderivablePool("x", host="127.0.0.1", port=1, max_connections=size)
+    store = RedisLeaseStore(redis_module.Redis(connection_pool=pool), prefix="t")
+    assert store.waiter_limit == limit
+
+
+def test_derived_or_given_waiters_clients_are_not_capped(redis_client):
+    derived = RedisLeaseStore(fresh_client(redis_client), prefix="t", max_waiters=500)
+    assert derived.waiter_client is not derived.client and derived.waiter_limit == 500
+    client = fresh_client(redis_client)
+    given = RedisLeaseStore(client, prefix="t", waiter_client=client)
+    assert given.waiter_limit == 1000  # the caller chose to share: as documented
+
+
+def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_path):
+    """A Sentinel client from a client factory, on a pool of 10 connections: the waiters'
+    pool is rebuilt on the same sentinels and service name, so 20 waiters block without
+    taking the connections the renewals and releases use."""
+    from redis.sentinel import Sentinel, SentinelConnectionPool
+
+    from celery_steplock.clients import connection_options
+    from tests.support.sentinel import SentinelGroup
+
+    group = SentinelGroup(workdir=tmp_path / "sentinel").start()
+    try:
+        def factory(settings):
+            sentinel = Sentinel([("127.0.0.1", s.port) for s in group.sentinels],
+                                socket_timeout=1)
+            return sentinel.master_for(group.master_name, max_connections=10,
+                                       **connection_options(30.0))
+
+        app.conf.steplock_redis_client_factory = factory
+        app.conf.steplock_key_prefix = "sentinel-waiters"
+        store = get_lease_store(app, Settings(app))
+        main, waiters = store.client.connection_pool, store.waiter_client.connection_pool
+        assert type(waiters) is SentinelConnectionPool and waiters is not main
+        assert (waiters.service_name, waiters.sentinel_manager, waiters.max_connections) == (
+            group.master_name, main.sentinel_manager, 1000)
+        assert waiters.connection_class is main.connection_class
+        assert store.waiter_limit == 1000
+        holder = store.acquire("busy", "holder", 60.0)
+        mine = store.acquire("mine", "renewer", 60.0)
+        primary = store.client
+        results: list = []
+        before = blocked(primary)
+        threads = start_waiters(store, 20, "busy", 60.0, results)
+        wait_until(lambda: blocked(primary) >= before + 20, timeout=20, interval=0.01,
+                   what="20 waiters to block")
+        assert store.extend_many([("mine", "renewer", 60.0), ("busy", "holder", 60.0)]) == [
+            True, True]
+        assert store.release("mine", mine.owner) is True
+        assert main._created_connections <= 3
+        assert store.release("busy", holder.owner) is True
+        for thread in threads:
+            thread.join(60)
+        assert [r for r in results if isinstance(r, Exception)] == []
+        assert len([r for r in results if r is not None]) == 20
+    finally:
+        group.stop()
+
+
+def test_a_cluster_store_s_waiters_are_not_capped_and_a_deferred_client_not_built():
+    from tests.helpers import closed_port_url
+
+    down = RedisLeaseStore(make_client(closed_port_url(), 0.3, cluster=True), prefix="t",
+                           max_waiters=50)
+    assert down.waiter_limit == 50  # no node reached to find a pool size
+    assert down.waiter_client is down.client

@@ -562,6 +562,25 @@ def test_the_reaper_reads_in_flight_rows_on_the_setting_s_database(app, redis_cl
     assert Ledger.objects.using("default").get(pk=on_default.pk).status == "running"
 
 
+def test_the_reaper_names_the_router_when_it_routes_recovery_to_an_unknown_database(
+        app, redis_client):
+    class Nowhere(ProjectRouter):
+        def db_for_write(self, model, **hints):
+            return "nowhere" if model is Parcel else super().db_for_write(model, **hints)
+
+    store = get_lease_store(app)
+    app.conf.steplock_reaper_recover = {"routing.Parcel": {"running": "pending"}}
+    with override_settings(DATABASE_ROUTERS=[Nowhere()]):
+        run = Reaper(app, ReapReport(), dry_run=True, batch_size=100, older_than=None,
+                     now=None, ping_timeout=PING, check_pids=True, lock=store)
+        watched = run.start_recovery()
+    assert [c for c in watched.candidates if c.label == "routing.Parcel"] == []
+    errors = [e for e in run.report.errors if "routing.Parcel" in e]
+    assert len(errors) == 1, run.report.errors
+    assert "DATABASE_ROUTERS" in errors[0] and "'nowhere'" in errors[0]
+    assert "not in DATABASES" in errors[0] and "step_database:" not in errors[0]
+
+
 # -- real celery workers --------------------------------------------------------------------
 
 @pytest.fixture

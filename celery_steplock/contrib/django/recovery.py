@@ -47,7 +47,7 @@ from django.utils import timezone
 
 from ... import signals
 from ...events import emit
-from ...exceptions import StepLockError
+from ...exceptions import ImproperlyConfigured, StepLockError
 from .steps import resolve_model
 
 __all__ = ["recover_steps", "StepRecovery", "AGE_FIELD"]
@@ -221,8 +221,10 @@ def _databases(run, model) -> list[str]:
 
     setting = run.settings.step_database
     fallback = setting or router.db_for_write(model) or DEFAULT_DB_ALIAS
+    # Which setting chose each alias, for the error naming the one to fix.
+    fallback_from = "steplock_step_database" if setting else "DATABASE_ROUTERS"
     concrete = model._meta.concrete_model
-    found = set()
+    found: dict[str, str] = {}
     try:
         tasks = list(run.app.tasks.values())
     except RuntimeError:  # an app not finalized: no task to read options from
@@ -237,11 +239,23 @@ def _databases(run, model) -> list[str]:
         except StepLockError:
             continue  # the validator reports it (E002)
         explicit = getattr(task, "step_database", None)
-        found.add(explicit if isinstance(explicit, str) and explicit else fallback)
-    found = found or {fallback}
-    for using in found:
-        check_known_database(DjangoStepStore, using,
-                             "steplock_step_database" if using == setting else "step_database")
+        if isinstance(explicit, str) and explicit:
+            found.setdefault(explicit, "step_database")
+        else:
+            found[fallback] = fallback_from
+    found = found or {fallback: fallback_from}
+    for using in sorted(found):
+        if found[using] == "DATABASE_ROUTERS":
+            try:
+                check_known_database(DjangoStepStore, using, "DATABASE_ROUTERS")
+            except ImproperlyConfigured:
+                raise ImproperlyConfigured(
+                    f"DATABASE_ROUTERS: the database router sends writes of "
+                    f"{model._meta.label} to {using!r}, which is not in DATABASES (set the "
+                    f"task's step_database or steplock_step_database, or fix the router)",
+                    setting="DATABASE_ROUTERS") from None
+        else:
+            check_known_database(DjangoStepStore, using, found[using])
     return sorted(found)
 
 
