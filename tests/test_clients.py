@@ -16,6 +16,7 @@ from celery_steplock import clients, lock
 from celery_steplock.clients import client_for_settings, client_identity, make_client
 from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured
+from tests.helpers import set_settings
 
 pytestmark = pytest.mark.redis_shape
 
@@ -192,7 +193,7 @@ def test_sentinel_broker_url_and_broker_transport_options_are_the_default():
     assert client.connection_pool.service_name == "broker-primary"
     assert settings.problems() == []
     # An own lease-store URL does not inherit the broker's options.
-    app.conf.steplock_redis_url = "redis://127.0.0.1:1/0"
+    set_settings(app, steplock_redis_url="redis://127.0.0.1:1/0")
     assert Settings(app).redis_transport_options == {}
 
 

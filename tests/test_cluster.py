@@ -166,8 +166,8 @@ def test_cluster_url_with_a_database_other_than_0_is_refused(cluster):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
 def test_task_on_a_cluster_url_with_a_database_never_runs(cluster_app, cluster, policy):
-    cluster_app.conf.steplock_redis_url = cluster.url.rsplit("/", 1)[0] + "/3"
-    cluster_app.conf.steplock_on_store_error = policy
+    set_settings(cluster_app, steplock_redis_url=cluster.url.rsplit("/", 1)[0] + "/3")
+    set_settings(cluster_app, steplock_on_store_error=policy)
     step = Step.objects.create(name="db3")
     result = cluster_finish.apply(args=(step.pk,))
     assert result.failed()
@@ -237,17 +237,17 @@ def test_ignored_combinations_are_refused(app, tmp_path):
     def factory(settings):
         return redis.Redis()
 
-    app.conf.steplock_redis_client_factory = factory
-    app.conf.steplock_redis_cluster = True
+    set_settings(app, steplock_redis_client_factory=factory)
+    set_settings(app, steplock_redis_cluster=True)
     with pytest.raises(ImproperlyConfigured, match="steplock_redis_client_factory") as caught:
         ClientConfig(Settings(app))
     assert caught.value.setting == "steplock_redis_cluster"
-    app.conf.steplock_redis_client_factory = None
-    app.conf.steplock_redis_cluster = False
+    set_settings(app, steplock_redis_client_factory=None)
+    set_settings(app, steplock_redis_cluster=False)
     ca = tmp_path / "ca.pem"
     ca.write_text("")
-    app.conf.steplock_redis_url = "unix:///tmp/redis-none.sock"
-    app.conf.steplock_redis_use_ssl = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(ca)}
+    set_settings(app, steplock_redis_url="unix:///tmp/redis-none.sock")
+    set_settings(app, steplock_redis_use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(ca)})
     with pytest.raises(ImproperlyConfigured, match="unix://") as caught:
         ClientConfig(Settings(app))
     assert caught.value.setting == "steplock_redis_use_ssl"

@@ -13,7 +13,7 @@ from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured, LockStoreMisconfigured
 from celery_steplock.heartbeat import Heartbeat
 from celery_steplock.lock import RedisLeaseStore, get_lease_store, make_client
-from tests.helpers import wait_until
+from tests.helpers import set_settings, wait_until
 
 pytestmark = pytest.mark.redis_shape
 
@@ -277,8 +277,8 @@ def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_pat
             return sentinel.master_for(group.master_name, max_connections=10,
                                        **connection_options(30.0))
 
-        app.conf.steplock_redis_client_factory = factory
-        app.conf.steplock_key_prefix = "sentinel-waiters"
+        set_settings(app, steplock_redis_client_factory=factory)
+        set_settings(app, steplock_key_prefix="sentinel-waiters")
         store = get_lease_store(app, Settings(app))
         main, waiters = store.client.connection_pool, store.waiter_client.connection_pool
         assert type(waiters) is SentinelConnectionPool and waiters is not main

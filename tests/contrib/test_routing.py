@@ -569,7 +569,7 @@ def test_the_reaper_names_the_router_when_it_routes_recovery_to_an_unknown_datab
             return "nowhere" if model is Parcel else super().db_for_write(model, **hints)
 
     store = get_lease_store(app)
-    app.conf.steplock_reaper_recover = {"routing.Parcel": {"running": "pending"}}
+    set_settings(app, steplock_reaper_recover={"routing.Parcel": {"running": "pending"}})
     with override_settings(DATABASE_ROUTERS=[Nowhere()]):
         run = Reaper(app, ReapReport(), dry_run=True, batch_size=100, older_than=None,
                      now=None, ping_timeout=PING, check_pids=True, lock=store)
