@@ -384,8 +384,12 @@ def test_bad_tls_option_values_are_refused_by_validation(use_ssl, why):
 
 @pytest.mark.parametrize("given", ["TLSv1_2", "TLSv1.2", "tlsv1_2", ssl.TLSVersion.TLSv1_2])
 def test_ssl_min_version_takes_the_enum_or_its_name(given):
-    if "ssl_min_version" not in clients._ssl_arguments():
-        pytest.skip("this redis-py has no ssl_min_version (5.1+)")
+    if "ssl_min_version" not in clients._ssl_arguments():  # redis-py before 5.1
+        message = refused_by_validation("steplock_redis_use_ssl",
+                                        steplock_redis_url="rediss://127.0.0.1:1/0",
+                                        steplock_redis_use_ssl={"ssl_min_version": given})
+        assert "unknown option(s) ssl_min_version" in message
+        return
     client = client_of(steplock_redis_url="rediss://127.0.0.1:1/0",
                        steplock_redis_use_ssl={"ssl_min_version": given,
                                                "ssl_check_hostname": False})
