@@ -87,6 +87,36 @@ def sentinel_discovery_error(sentinel: Any, service_name: str,
                                   f"{len(addresses)} did not answer ({listed})")
 
 
+class TLSClientCertificateRefused(redis.ConnectionError):
+    """A TLS connection made without a client certificate was closed by the server before
+    it answered (a reset, or an EOF, when the command was written): under TLS 1.3 a server
+    that requires a client certificate checks it after the handshake, then alerts and
+    closes, and whether the client reads that alert or finds the socket reset depends on
+    timing. It persists on the retry, which a restarted server would refuse instead."""
+
+
+_CLOSED = ("Connection reset by peer", "EOF occurred in violation of protocol",
+           "Broken pipe")
+
+
+def _closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` is the server closing ``conn`` (a connection, or the pool it would
+    come from) made over TLS without a client certificate."""
+    if isinstance(conn, redis.ConnectionPool):
+        tls = issubclass(conn.connection_class, redis.SSLConnection)
+        certfile = conn.connection_kwargs.get("ssl_certfile")
+    else:
+        tls = isinstance(conn, redis.SSLConnection)
+        certfile = getattr(conn, "certfile", None)
+    return (tls and certfile is None and isinstance(exc, redis.ConnectionError)
+            and any(marker in str(exc) for marker in _CLOSED))
+
+
+def _refused_without_client_certificate(exc: BaseException) -> TLSClientCertificateRefused:
+    return TLSClientCertificateRefused(f"{exc} (the server closed a TLS connection made "
+                                       f"without a client certificate: it requires one?)")
+
+
 class Script:
     """A Lua script and its SHA1 digest (what ``EVALSHA`` names it by)."""
 
@@ -128,7 +158,13 @@ _POOL_WANTS_COMMAND = redis.VERSION < (5, 3)
 
 def connection(pool: redis.ConnectionPool) -> Any:
     """A connection checked out of ``pool`` (give it back with ``pool.release``)."""
-    return pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND else pool.get_connection()
+    try:
+        return (pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND
+                else pool.get_connection())
+    except redis.ConnectionError as exc:
+        if _closed_without_client_certificate(pool, exc):
+            raise _refused_without_client_certificate(exc) from exc
+        raise
 
 
 def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str]) -> Any:
@@ -167,8 +203,10 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
         raise
     except ResponseError:
         raise
-    except BaseException:
+    except BaseException as exc:
         conn.disconnect()
+        if _closed_without_client_certificate(conn, exc):
+            raise _refused_without_client_certificate(exc) from exc
         raise
     finally:
         pool.release(conn)
@@ -213,8 +251,10 @@ def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
         if any(isinstance(r, ReadOnlyError) for r in replies):
             conn.disconnect()  # as in evalsha: reconnect on the next call
         return replies
-    except BaseException:
+    except BaseException as exc:
         conn.disconnect()
+        if _closed_without_client_certificate(conn, exc):
+            raise _refused_without_client_certificate(exc) from exc
         raise
     finally:
         pool.release(conn)
@@ -236,6 +276,8 @@ def misconfiguration(exc: BaseException) -> str | None:
         seen.add(id(error))
         if isinstance(error, ssl.SSLCertVerificationError):
             return "TLS certificate verification failed"
+        if isinstance(error, TLSClientCertificateRefused):
+            return "TLS connection closed by the server (a client certificate it requires?)"
         if isinstance(error, SentinelDiscoveryError):
             if error.reason is not None:
                 return error.reason
