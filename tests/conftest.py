@@ -157,3 +157,20 @@ def start_worker(worker_env, tmp_path):
     yield start
     for worker in started:
         worker.terminate()
+
+
+@pytest.fixture
+def events():
+    """Every celery-steplock signal sent during the test, as ``(signal name, kwargs)``."""
+    from celery_steplock import signals
+
+    seen = []
+
+    def receiver(sender=None, signal=None, **kw):
+        seen.append((signal.name, kw))
+
+    for sig in signals.ALL_SIGNALS:
+        sig.connect(receiver, weak=False)
+    yield seen
+    for sig in signals.ALL_SIGNALS:
+        sig.disconnect(receiver)

@@ -87,20 +87,6 @@ def as_user(app, user_url):
     return app
 
 
-@pytest.fixture
-def events():
-    seen = []
-
-    def receiver(sender=None, signal=None, **kw):
-        seen.append((signal.name, kw))
-
-    for sig in signals.ALL_SIGNALS:
-        sig.connect(receiver, weak=False)
-    yield seen
-    for sig in signals.ALL_SIGNALS:
-        sig.disconnect(receiver)
-
-
 def names(events):
     return [name for name, _ in events]
 

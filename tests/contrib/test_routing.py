@@ -47,20 +47,6 @@ def clean(app, redis_client):
     yield
 
 
-@pytest.fixture
-def events():
-    seen = []
-
-    def receiver(sender=None, signal=None, **kw):
-        seen.append((signal.name, kw))
-
-    for sig in signals.ALL_SIGNALS:
-        sig.connect(receiver, weak=False)
-    yield seen
-    for sig in signals.ALL_SIGNALS:
-        sig.disconnect(receiver)
-
-
 def named(events, name):
     return [kw for event, kw in events if event == name]
 
