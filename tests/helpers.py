@@ -25,3 +25,20 @@ def set_settings(app, **values):
     if namespace:
         updates.update({f"{namespace}_{name.upper()}": v for name, v in values.items()})
     app.conf.update(updates)
+
+
+def stats(client):
+    """The demo tasks' counters (``demo:stats:<name>``) as ``{name: int}``."""
+    return {key.rsplit(":", 1)[1]: int(client.get(key))
+            for key in client.scan_iter(match="demo:stats:*")}
+
+
+def drained(client):
+    """No message queued, reserved or waiting for an ETA, and no lease held."""
+    return (client.llen("celery") == 0 and client.hlen("unacked") == 0
+            and not list(client.scan_iter(match="steplock:lease:*")))
+
+
+def lease_key(step):
+    """The Redis key of a workflow step's lease (default prefix)."""
+    return f"steplock:lease:{{step:{step.pk}}}"

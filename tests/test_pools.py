@@ -12,6 +12,7 @@ import textwrap
 
 import helpers
 import pytest
+from helpers import drained, lease_key, stats
 
 from django_app.workflows.models import Step, TransitionRecord
 from django_app.workflows.tasks import advance, spin
@@ -24,20 +25,6 @@ SPIN_TTL = 3.0  # spin's lock_ttl
 SPIN_SECONDS = 3 * SPIN_TTL
 STEPS = 2  # steps sent as duplicates
 DUPLICATES = 5  # deliveries per step
-
-
-def stats(client):
-    return {key.rsplit(":", 1)[1]: int(client.get(key))
-            for key in client.scan_iter(match="demo:stats:*")}
-
-
-def drained(client):
-    return (client.llen("celery") == 0 and client.hlen("unacked") == 0
-            and not list(client.scan_iter(match="steplock:lease:*")))
-
-
-def lease_key(step):
-    return f"steplock:lease:{{step:{step.pk}}}"
 
 
 def needs(pool):

@@ -10,6 +10,7 @@ import time
 
 import helpers
 import pytest
+from helpers import drained, lease_key, stats
 
 from celery_steplock.lock import unpack_fields
 from django_app.workflows.models import Step, TransitionRecord
@@ -28,21 +29,6 @@ def wait_until(predicate, timeout=60.0, interval=0.05, what="condition", client=
                     f"leases {sorted(client.scan_iter(match='steplock:lease:*'))}, "
                     f"stats {stats(client)}")
     return helpers.wait_until(predicate, timeout, interval, what, describe)
-
-
-def stats(client):
-    return {key.rsplit(":", 1)[1]: int(client.get(key))
-            for key in client.scan_iter(match="demo:stats:*")}
-
-
-def drained(client):
-    """No message queued, reserved or waiting for an ETA, and no lease held."""
-    return (client.llen("celery") == 0 and client.hlen("unacked") == 0
-            and not list(client.scan_iter(match="steplock:lease:*")))
-
-
-def lease_key(step):
-    return f"steplock:lease:{{step:{step.pk}}}"
 
 
 def records(step):
