@@ -24,7 +24,7 @@ from kombu.utils.json import JSONEncoder
 
 from .exceptions import LockNameError
 
-__all__ = ["bind_arguments", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
+__all__ = ["bind_arguments", "argument_names", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
            "fence_key", "waiters_key", "wake_key", "name_from_key", "check_name",
            "MAX_NAME_LENGTH"]
 
@@ -53,6 +53,20 @@ def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, 
             # them (they cannot collide: Python refuses a keyword that names a parameter).
             arguments.update(arguments.pop(parameter.name, {}))
     return arguments
+
+
+def argument_names(fun: Callable) -> tuple[frozenset[str], bool] | None:
+    """``(names, takes_var_keyword)`` of ``fun``'s signature: the names a call can bind
+    (``*args``/``**kwargs`` themselves excluded; ``self`` of a bound method too) and whether
+    it takes ``**kwargs``. None when the signature cannot be read (some builtins)."""
+    try:
+        signature = _signature(fun)
+    except (TypeError, ValueError):
+        return None
+    parameters = signature.parameters.values()
+    names = frozenset(p.name for p in parameters
+                      if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return names, any(p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}

@@ -9,21 +9,38 @@ warnings are logged) and Django's system checks (``manage.py check``,
 ``celery_steplock.E002``    a StepLockedTask's ``step_model`` does not exist or has no field
                             named by ``steplock_status_field``.
 ``celery_steplock.E003``    a ``steplock_*`` setting is invalid (one error per setting).
-``celery_steplock.E004``    a StepLockedTask option is invalid (one error per option).
+``celery_steplock.E004``    a StepLockedTask option is invalid (one error per option, every
+                            option judged): a value out of range or of the wrong type, a
+                            ``lock_key`` placeholder or a ``step_id_arg`` that is no argument
+                            of the task, a callable ``lock_key`` that cannot take the task's
+                            arguments, a ``transition`` its ``step_transitions`` forbid.
+``celery_steplock.E005``    a model of ``steplock_reaper_recover`` the reaper cannot recover:
+                            missing, without the status or owner column (or ``updated_at``
+                            with ``steplock_reaper_older_than`` > 0), or a status that is not
+                            one of its status field's choices.
 ``celery_steplock.W001``    a lease TTL is not below the broker's ``visibility_timeout``.
 ``celery_steplock.W002``    StepLockedTasks without ``acks_late`` + ``reject_on_worker_lost``.
 ``celery_steplock.W004``    ``soft_time_limit`` not below ``time_limit``, or a time limit or
                             the lease retries' backoff cap not below ``visibility_timeout``.
-``celery_steplock.W005``    a ``steplock_*`` setting or a ``lock_*`` task option that does not
-                            exist (a typo is otherwise silently ignored).
+``celery_steplock.W005``    a setting or task option that does not exist, with the closest
+                            real name: a misspelled ``CELERY_STEPLOCK_*`` / ``steplock_*``
+                            key, a ``STEPLOCK_*`` Django setting the app never reads (no
+                            ``CELERY_`` namespace, or a configuration not loaded from the
+                            Django settings), an unknown ``@app.task`` keyword or task class
+                            attribute (``lock_tll=5``); each is otherwise silently ignored.
 ==========================  ==============================================================
+
+Worker start and ``manage.py check`` report every problem at once: each ``*_problems``
+function collects, none stops at the first.
 
 (E001, the lock store's PING, and W003, task modules that fail to import, are Django checks
 only: the first needs the network, the second is what a worker start fails on anyway.)
 """
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -39,7 +56,7 @@ __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings
            "task_problems", "step_model_problems", "step_store_problems", "step_database_problems",
            "visibility_timeout_problems",
            "worker_lost_problems", "time_limit_problems", "unknown_name_problems", "visibility_timeout",
-           "REDIS_VISIBILITY_TIMEOUT"]
+           "recovery_problems", "django_setting_problems", "REDIS_VISIBILITY_TIMEOUT"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -100,6 +117,7 @@ def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
                                  hint=f"Fix the option {exc.setting} of the task "
                                       f"(@app.task({exc.setting}=...)) or its setting.",
                                  obj=task.name))
+        found += _callable_lock_key_problems(task)
     return found
 
 
@@ -340,44 +358,260 @@ def time_limit_problems(app) -> list[Problem]:
     return found
 
 
-def _names(app) -> list[str]:
-    """The configuration keys ``app`` has, as Celery spells them (lower case)."""
+def _raw_keys(app) -> list[str]:
+    """The configuration keys ``app`` has, as each source spells them (``app.conf``'s own
+    changes in lower case, a Django settings module in upper case, with its namespace)."""
     found = []
     for source in getattr(app.conf, "maps", None) or [app.conf]:
         try:
-            found += [str(k).lower() for k in source.keys()]
+            found += [str(k) for k in source.keys()]
         except Exception:  # noqa: BLE001 - a source that cannot list its keys
             continue
     return found
 
 
+def _names(app) -> list[str]:
+    """The configuration keys ``app`` has, lower-cased."""
+    return [key.lower() for key in _raw_keys(app)]
+
+
+def _read_keys(app, name: str) -> tuple[str, ...]:
+    """The keys Celery looks ``name`` up under, the namespaced one first
+    (``("CELERY_STEPLOCK_DEFAULT_TTL", "steplock_default_ttl")`` for ``namespace="CELERY"``)."""
+    to_keys = getattr(app.conf, "_to_keys", None)
+    try:
+        return tuple(to_keys(name)) if to_keys is not None else (name,)
+    except Exception:  # noqa: BLE001 - another configuration class: its plain name
+        return (name,)
+
+
+def _prefix(app) -> str:
+    prefix = getattr(app.conf, "prefix", None)
+    return prefix if isinstance(prefix, str) else ""
+
+
+def _spelled(app, name: str) -> str:
+    """How the user writes setting ``name``: the namespaced key when the app reads a
+    namespace (Django's ``CELERY_STEPLOCK_...``), else both spellings."""
+    if _prefix(app):
+        return _read_keys(app, name)[0]
+    return _django_name(name) if name.startswith("steplock_") else name
+
+
+def _library_attributes(cls) -> set[str]:
+    """The attributes the library's and Celery's task classes in ``cls``'s MRO define."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        if klass is object or module == "celery" or module.startswith(
+                ("celery.", "celery_steplock.")):
+            names.update(vars(klass))
+    return names
+
+
+#: The task options ``@app.task(...)`` takes beside the plan's (``transition`` is kept as
+#: ``step_transition``).
+_OPTION_SPELLINGS = frozenset({"transition"})
+
+
+def _unknown_option_names(task) -> list[tuple[str, str | None]]:
+    """``(attribute, closest option or None)`` of each attribute of the task's own classes
+    (``@app.task`` keywords, a user base class) that looks like a steplock option but is
+    none: a ``lock_*``/``step_*`` name, or one close to an option's name."""
+    import difflib
+
+    from .plan import OPTION_NAMES
+
+    cls = type(task)
+    known = OPTION_NAMES | _OPTION_SPELLINGS | {"lock_name"} | _library_attributes(cls)
+    options = sorted(OPTION_NAMES | _OPTION_SPELLINGS)
+    found, seen = [], set()
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        if klass is object or module == "celery" or module.startswith(
+                ("celery.", "celery_steplock.")):
+            continue
+        for attr, value in sorted(vars(klass).items()):
+            if attr in seen or attr in known or attr.startswith("_") or callable(value) \
+                    or isinstance(value, (staticmethod, classmethod, property)):
+                continue
+            seen.add(attr)
+            close = difflib.get_close_matches(attr, options, n=1, cutoff=0.75)
+            if close or attr.startswith(("lock_", "step_")):
+                found.append((attr, close[0] if close else None))
+    return found
+
+
 def unknown_name_problems(app) -> list[Problem]:
-    """W005: ``steplock_*`` settings and ``lock_*`` task options that do not exist."""
+    """W005: settings and task options that do not exist, each with the closest real name.
+
+    Settings: every configuration key with ``steplock`` in its name (any case) that no
+    ``steplock_*`` setting is read from: a misspelled name (``CELERY_STEPLOCK_DEFUALT_TTL``),
+    or a real one the app never reads because it lacks the app's namespace (a Django
+    ``STEPLOCK_DEFAULT_TTL`` when Celery reads ``namespace="CELERY"``). Task options: the
+    attributes :func:`_unknown_option_names` finds (``@app.task(lock_tll=5)``).
+    """
     import difflib
 
     from .conf import DEFAULTS, setting_name
-    from .plan import OPTION_NAMES
 
     found = []
-    known = {setting_name(name) for name in DEFAULTS}
-    for key in sorted(set(_names(app))):
-        name = key[len("celery_"):] if key.startswith("celery_steplock_") else key
-        if name.startswith("steplock_") and name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            found.append(Problem(
-                "celery_steplock.W005", f"Unknown celery-steplock setting {name} "
-                f"({_django_name(name)}): it is ignored.",
-                hint=f"Did you mean {_django_name(close[0])}?" if close else None, obj=name))
-    options = OPTION_NAMES | {"lock_name"}
+    known = sorted(setting_name(name) for name in DEFAULTS)
+    read = {key for name in known for key in _read_keys(app, name)}
+    prefix = _prefix(app)
+    for raw in sorted(set(_raw_keys(app))):
+        if "steplock" not in raw.lower() or raw in read:
+            continue
+        name = raw[len(prefix):] if prefix and raw.upper().startswith(prefix.upper()) \
+            else raw
+        name = name.lower()
+        close = [name] if name in known else difflib.get_close_matches(name, known, n=1)
+        if name not in known and raw in _read_keys(app, name):
+            # read as written: the name itself is wrong (a typo)
+            message = (f"Unknown celery-steplock setting {raw}: it is ignored." if prefix
+                       else f"Unknown celery-steplock setting {name} ({_django_name(name)}):"
+                            f" it is ignored.")
+        else:
+            how = (f"with the {prefix} namespace (config_from_object(..., namespace="
+                   f"{prefix.rstrip('_')!r}))" if prefix else "without a namespace")
+            message = (f"Setting {raw} is never read: the Celery app reads its settings "
+                       f"{how}, so it is ignored.")
+        found.append(Problem(
+            "celery_steplock.W005", message,
+            hint=f"Did you mean {_spelled(app, close[0])}?" if close else None, obj=raw))
     for task in steplock_tasks(app):
-        for attr in sorted(vars(type(task))):
-            if attr.startswith("lock_") and attr not in options and not callable(
-                    getattr(type(task), attr)):
-                close = difflib.get_close_matches(attr, sorted(OPTION_NAMES), n=1)
-                found.append(Problem(
-                    "celery_steplock.W005", f"{task.name}: unknown task option {attr}: it is "
-                    f"ignored.", hint=f"Did you mean {close[0]}?" if close else None,
-                    obj=task.name))
+        for attr, close in _unknown_option_names(task):
+            found.append(Problem(
+                "celery_steplock.W005", f"{task.name}: unknown task option {attr}: it is "
+                f"ignored.", hint=f"Did you mean {close}?" if close else None,
+                obj=task.name))
+    return found
+
+
+def django_setting_problems(app, django_settings=None) -> list[Problem]:
+    """W005: Django settings with ``STEPLOCK`` in their name that ``app`` never reads,
+    because its configuration does not come from the Django settings (no
+    ``app.config_from_object("django.conf:settings", namespace="CELERY")``). A Django
+    settings source the app reads is :func:`unknown_name_problems`'s to judge.
+
+    ``django_settings``: the settings object (default ``django.conf.settings``; nothing is
+    judged when Django is not configured)."""
+    if django_settings is None:
+        conf_module = sys.modules.get("django.conf")
+        django_settings = getattr(conf_module, "settings", None)
+        if django_settings is None or not django_settings.configured:
+            return []
+    names = [n for n in dir(django_settings) if n.isupper() and "STEPLOCK" in n]
+    if not names:
+        return []
+    raw = set(_raw_keys(app))
+    return [Problem(
+        "celery_steplock.W005",
+        f"Django setting {name} is never read: the Celery app {app.main!r} does not load "
+        f"its configuration from the Django settings, so it is ignored.",
+        hint="Load it in the Celery app module: app.config_from_object("
+             "\"django.conf:settings\", namespace=\"CELERY\").", obj=name)
+        for name in sorted(names) if name not in raw]
+
+
+def _callable_lock_key_problems(task) -> list[Problem]:
+    """E004: a callable ``lock_key`` that cannot take the task's arguments as keywords (it
+    is called with every bound argument, ``lock_key(**arguments)``)."""
+    from .keys import argument_names
+
+    key = getattr(task, "lock_key", None)
+    if key is None or not callable(key) or isinstance(key, str):
+        return []
+    arguments = argument_names(task.run)
+    try:
+        signature = inspect.signature(key)
+    except (TypeError, ValueError):
+        return []
+    if arguments is None:
+        return []
+    try:
+        signature.bind(**{name: None for name in arguments[0]})
+    except TypeError as exc:
+        return [Problem(
+            "celery_steplock.E004",
+            f"{task.name}: lock_key {getattr(key, '__qualname__', key)!r} cannot be called "
+            f"with the task's arguments as keywords ({exc}; arguments: "
+            f"{', '.join(sorted(arguments[0])) or 'none'})",
+            hint="Give the callable a parameter per task argument (or **kwargs): it is "
+                 "called as lock_key(**bound_arguments).", obj=task.name)]
+    return []
+
+
+def recovery_problems(app) -> list[Problem]:
+    """E005: a model of ``steplock_reaper_recover`` the reaper cannot recover: it does not
+    exist, lacks the status or owner column (``steplock_status_field``,
+    ``steplock_owner_field``), or the age column (``updated_at``) while
+    ``steplock_reaper_older_than`` > 0, or a status there is not one its status field
+    allows (its ``choices``). Judged once Django's models are loaded (as the reaper's
+    recovery is Django's)."""
+    try:
+        settings = Settings(app)
+        recover = settings.reaper_recover
+        older_than = settings.reaper_older_than
+        columns = (("steplock_status_field", settings.status_field),
+                   ("steplock_owner_field", settings.owner_field))
+    except ImproperlyConfigured:
+        return []  # E003 reports it
+    apps_module = sys.modules.get("django.apps")
+    if not recover or apps_module is None or not apps_module.apps.ready:
+        return []
+    from django.core.exceptions import FieldDoesNotExist
+
+    from .contrib.django.recovery import AGE_FIELD
+    from .contrib.django.steps import resolve_model
+
+    found = []
+
+    def problem(label, message, hint):
+        found.append(Problem("celery_steplock.E005",
+                             f"steplock_reaper_recover: {label}: {message}",
+                             hint=hint, obj="steplock_reaper_recover"))
+
+    for label, moves in recover.items():
+        try:
+            model = resolve_model(label, "steplock_reaper_recover")
+        except ImproperlyConfigured:
+            problem(label, "no such model: the reaper cannot recover its steps.",
+                    "Name an installed step model as \"app_label.ModelName\" in "
+                    "CELERY_STEPLOCK_REAPER_RECOVER.")
+            continue
+        status = None
+        for setting, column in columns:
+            try:
+                field = model._meta.get_field(column)
+            except FieldDoesNotExist:
+                problem(label, f"the model has no field {column!r} ({setting}), which "
+                               f"recovery needs: the reaper cannot recover its steps.",
+                        f"Add the column to the model, or set {_django_name(setting)} to "
+                        f"its name (LeaseFencedStep adds lock_owner and lock_fence).")
+                continue
+            if setting == "steplock_status_field":
+                status = field
+        if older_than > 0:
+            try:
+                model._meta.get_field(AGE_FIELD)
+            except FieldDoesNotExist:
+                problem(label, f"steplock_reaper_older_than={older_than:g} needs an "
+                               f"{AGE_FIELD!r} column (auto_now=True) on the model: the "
+                               f"reaper refuses to recover its steps.",
+                        f"Add {AGE_FIELD} = models.DateTimeField(auto_now=True), or set "
+                        f"CELERY_STEPLOCK_REAPER_OLDER_THAN = 0.")
+        choices = getattr(status, "flatchoices", None) if status is not None else None
+        if choices:
+            allowed = {str(value) for value, _ in choices}
+            unknown = sorted({s for pair in moves.items() for s in pair} - allowed)
+            if unknown:
+                problem(label, f"status {', '.join(map(repr, unknown))} is not a choice of "
+                               f"{model._meta.label}.{status.name} "
+                               f"({', '.join(map(repr, sorted(allowed)))}): no row is ever "
+                               f"in it, or recovery would write a status the model refuses.",
+                        "Map in-flight statuses to recovery statuses among the field's "
+                        "choices.")
     return found
 
 
@@ -388,9 +622,10 @@ def problems(app) -> list[Problem]:
     module."""
     return (settings_problems(app) + step_store_problems(app) + step_database_problems(app)
             + task_problems(app)
-            + step_model_problems(app) + visibility_timeout_problems(app)
+            + step_model_problems(app) + recovery_problems(app)
+            + visibility_timeout_problems(app)
             + worker_lost_problems(app) + time_limit_problems(app)
-            + unknown_name_problems(app))
+            + unknown_name_problems(app) + django_setting_problems(app))
 
 
 def refuse_to_start(app) -> None:

@@ -8,7 +8,14 @@
 ``celery_steplock.E002``    a registered StepLockedTask's ``step_model`` does not exist or
                             has no field named by ``steplock_status_field``.
 ``celery_steplock.E003``    a ``steplock_*`` setting is invalid (one error per setting).
-``celery_steplock.E004``    a StepLockedTask option is invalid (one error per option).
+``celery_steplock.E004``    a StepLockedTask option is invalid (one error per option, every
+                            option judged; also a ``lock_key`` placeholder or ``step_id_arg``
+                            that is no argument of the task, a callable ``lock_key`` that
+                            cannot take the task's arguments).
+``celery_steplock.E005``    a model of ``steplock_reaper_recover`` the reaper cannot recover
+                            (missing, no status or owner column, no ``updated_at`` with
+                            ``steplock_reaper_older_than`` > 0, a status not among the
+                            status field's choices).
 ``celery_steplock.W001``    a lease TTL (``steplock_default_ttl`` or a task's ``lock_ttl``)
                             is not below the broker's ``visibility_timeout`` (Redis
                             transport default: 3600 s).
@@ -16,8 +23,11 @@
                             a killed worker's message is acknowledged and never redelivered.
 ``celery_steplock.W003``    the Celery app's task modules could not be imported, so E002,
                             W001, W002 and W004 only judged the tasks registered anyway.
-``celery_steplock.W005``    a ``steplock_*`` setting or ``lock_*`` task option that does not
-                            exist.
+``celery_steplock.W005``    a setting or task option that does not exist, with a
+                            did-you-mean: ``CELERY_STEPLOCK_DEFUALT_TTL``, a ``STEPLOCK_*``
+                            Django setting without the ``CELERY_`` namespace (or any
+                            ``*STEPLOCK*`` setting when the Celery app does not read the
+                            Django settings), ``@app.task(lock_tll=5)``.
 ``celery_steplock.W004``    a StepLockedTask's ``soft_time_limit`` is not below its
                             ``time_limit``, or its ``time_limit`` (or the lease retries'
                             ``steplock_retry_backoff_max``) is not below the broker's
@@ -46,7 +56,7 @@ from ...validate import REDIS_VISIBILITY_TIMEOUT, Problem
 __all__ = ["TAG", "REDIS_VISIBILITY_TIMEOUT", "register_checks", "check_lock_store",
            "check_step_models", "check_settings", "check_task_options",
            "check_visibility_timeout", "check_worker_lost", "check_time_limits",
-           "check_task_modules", "check_unknown_names"]
+           "check_task_modules", "check_unknown_names", "check_recovery"]
 
 TAG = "celery_steplock"
 #: PING timeout of E001, seconds (at most; lower when ``steplock_socket_timeout`` is).
@@ -125,9 +135,20 @@ def _model_app_config(app, task_name: str):
         return None
 
 
-def check_unknown_names(app) -> list[checks.CheckMessage]:
-    """W005: ``steplock_*`` settings and ``lock_*`` task options that do not exist."""
-    return render(validate.unknown_name_problems(app))
+def check_unknown_names(app, django_settings=None) -> list[checks.CheckMessage]:
+    """W005: settings and task options that do not exist, and Django settings that name
+    steplock but that the Celery app never reads (``django_settings``: default
+    ``django.conf.settings``)."""
+    from django.conf import settings
+
+    return render(validate.unknown_name_problems(app) + validate.django_setting_problems(
+        app, settings if django_settings is None else django_settings))
+
+
+def check_recovery(app) -> list[checks.CheckMessage]:
+    """E005: models of ``steplock_reaper_recover`` the reaper cannot recover
+    (:func:`celery_steplock.validate.recovery_problems`)."""
+    return render(validate.recovery_problems(app))
 
 
 def check_time_limits(app) -> list[checks.CheckMessage]:
@@ -211,6 +232,10 @@ def task_options_check(app_configs=None, **kwargs):
     return check_task_options(_app_with_tasks())
 
 
+def recovery_check(app_configs=None, **kwargs):
+    return check_recovery(_app())
+
+
 def step_model_check(app_configs=None, **kwargs):
     return check_step_models(_app_with_tasks(), app_configs)
 
@@ -229,5 +254,6 @@ def register_checks() -> None:
     checks.register(task_options_check, TAG)
     checks.register(unknown_names_check, TAG)
     checks.register(step_model_check, TAG)
+    checks.register(recovery_check, TAG)
     # The network check only with --deploy: `manage.py migrate` must not wait on Redis.
     checks.register(lock_store_check, TAG, deploy=True)
