@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import random
+import sys
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -91,6 +93,39 @@ _executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.Context
     "steplock_executions", default={})
 
 
+def _is_django_task(task) -> bool:
+    """Whether ``task`` is, or its app's task class is, Celery's ``DjangoTask`` (what
+    ``app.Task`` is in a Django project on Celery 5.4+), without importing Django."""
+    try:
+        app_task = task.app.Task  # imports the app's task class (DjangoTask's module)
+    except Exception:  # noqa: BLE001 - an app that cannot build its task class: no
+        app_task = None
+    base = getattr(sys.modules.get("celery.contrib.django.task"), "DjangoTask", None)
+    if base is None:
+        return False
+    return isinstance(task, base) or (isinstance(app_task, type) and issubclass(app_task, base))
+
+
+class _DjangoTaskMethod:
+    """``delay_on_commit`` / ``apply_async_on_commit`` of Celery's ``DjangoTask``, kept by
+    ``base=StepLockedTask`` when the app's task class is ``DjangoTask``; elsewhere the
+    attribute does not exist (``hasattr`` is False)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, task, owner=None):
+        if task is None:
+            return self
+        if not _is_django_task(task):
+            raise AttributeError(
+                f"{type(task).__name__!r} object has no attribute {self.name!r}: the Celery "
+                f"app's task class is not Celery's DjangoTask (use DjangoStepLockedTask)")
+        from .contrib.django import task as django_task
+
+        return types.MethodType(getattr(django_task, self.name), task)
+
+
 class StepLockedTask(Task):
     """A task whose body runs under an owner-keyed Redis lease; see the module docstring.
 
@@ -130,6 +165,12 @@ class StepLockedTask(Task):
 
     #: Expected outcomes, logged without a traceback by the worker (Celery ``Task.throws``).
     throws = (LockContended, TransitionConflict)
+
+    #: Celery's DjangoTask API when the app's task class is DjangoTask (a Django project on
+    #: Celery 5.4+): publish once the step database's transaction commits (see
+    #: :class:`~celery_steplock.contrib.django.task.DjangoStepLockedTask`).
+    delay_on_commit = _DjangoTaskMethod()
+    apply_async_on_commit = _DjangoTaskMethod()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -492,7 +492,9 @@ def django_setting_problems(app, django_settings=None) -> list[Problem]:
     """W005: Django settings with ``STEPLOCK`` in their name that ``app`` never reads,
     because its configuration does not come from the Django settings (no
     ``app.config_from_object("django.conf:settings", namespace="CELERY")``). A Django
-    settings source the app reads is :func:`unknown_name_problems`'s to judge.
+    settings source the app reads is :func:`unknown_name_problems`'s to judge. Not part of
+    :func:`problems`: the Django checks run it on the project's app (a process may hold
+    other Celery apps that rightly ignore the Django settings).
 
     ``django_settings``: the settings object (default ``django.conf.settings``; nothing is
     judged when Django is not configured)."""
@@ -522,6 +524,8 @@ def _callable_lock_key_problems(task) -> list[Problem]:
     key = getattr(task, "lock_key", None)
     if key is None or not callable(key) or isinstance(key, str):
         return []
+    if inspect.ismethod(key) and key.__self__ is task:
+        key = key.__func__  # given as a class attribute: judged as written
     arguments = argument_names(task.run)
     try:
         signature = inspect.signature(key)
@@ -625,7 +629,7 @@ def problems(app) -> list[Problem]:
             + step_model_problems(app) + recovery_problems(app)
             + visibility_timeout_problems(app)
             + worker_lost_problems(app) + time_limit_problems(app)
-            + unknown_name_problems(app) + django_setting_problems(app))
+            + unknown_name_problems(app))
 
 
 def refuse_to_start(app) -> None:
