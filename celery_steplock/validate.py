@@ -538,7 +538,7 @@ def _callable_lock_key_problems(task) -> list[Problem]:
     except TypeError as exc:
         return [Problem(
             "celery_steplock.E004",
-            f"{task.name}: lock_key {getattr(key, '__qualname__', key)!r} cannot be called "
+            f"{task.name}: lock_key {getattr(key, '__name__', key)!r} cannot be called "
             f"with the task's arguments as keywords ({exc}; arguments: "
             f"{', '.join(sorted(arguments[0])) or 'none'})",
             hint="Give the callable a parameter per task argument (or **kwargs): it is "
