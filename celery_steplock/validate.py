@@ -608,14 +608,18 @@ def recovery_problems(app) -> list[Problem]:
         choices = getattr(status, "flatchoices", None) if status is not None else None
         if choices:
             allowed = {str(value) for value, _ in choices}
-            unknown = sorted({s for pair in moves.items() for s in pair} - allowed)
-            if unknown:
-                problem(label, f"status {', '.join(map(repr, unknown))} is not a choice of "
-                               f"{model._meta.label}.{status.name} "
-                               f"({', '.join(map(repr, sorted(allowed)))}): no row is ever "
-                               f"in it, or recovery would write a status the model refuses.",
-                        "Map in-flight statuses to recovery statuses among the field's "
-                        "choices.")
+            listed = ", ".join(map(repr, sorted(allowed)))
+            where = f"{model._meta.label}.{status.name}"
+            for kind, statuses, effect in (
+                    ("in-flight", set(moves), "no row is ever in it, so none is recovered"),
+                    ("recovery", set(moves.values()),
+                     "the reaper would write a status the field does not allow")):
+                unknown = sorted(statuses - allowed)
+                if unknown:
+                    problem(label, f"{kind} status {', '.join(map(repr, unknown))} is not a "
+                                   f"choice of {where} ({listed}): {effect}.",
+                            "Map in-flight statuses to recovery statuses among the status "
+                            "field's choices.")
     return found
 
 

@@ -329,3 +329,158 @@ def test_unimportable_task_modules_are_w003_once(import_signals):
     # reported again, not retried
     assert ids(checks.check_task_modules(app)) == ["celery_steplock.W003"]
     assert import_signals.count(app) == 1
+
+
+# -- E005: the reaper's recovery models ----------------------------------------------------------
+
+def recovery(**conf):
+    return [(m.id, m.msg) for m in checks.check_recovery(make_app(**conf))]
+
+
+def test_a_recovery_model_the_reaper_can_recover_passes():
+    assert recovery(steplock_reaper_recover={"workflows.Step": {"running": "pending"}},
+                    steplock_reaper_older_than=60) == []
+    assert recovery() == []  # nothing to recover: nothing judged
+
+
+def test_a_recovery_model_that_does_not_exist():
+    assert recovery(steplock_reaper_recover={"workflows.Stepp": {"running": "pending"}}) == [
+        ("celery_steplock.E005", "steplock_reaper_recover: workflows.Stepp: no such model: "
+                                 "the reaper cannot recover its steps.")]
+
+
+def test_a_recovery_model_without_the_columns_recovery_needs():
+    found = recovery(steplock_reaper_recover={"workflows.TransitionRecord": {"a": "b"}},
+                     steplock_reaper_older_than=60)
+    prefix = "steplock_reaper_recover: workflows.TransitionRecord: "
+    assert found == [
+        ("celery_steplock.E005", prefix + "the model has no field 'status' "
+                                          "(steplock_status_field), which recovery needs: the "
+                                          "reaper cannot recover its steps."),
+        ("celery_steplock.E005", prefix + "the model has no field 'lock_owner' "
+                                          "(steplock_owner_field), which recovery needs: the "
+                                          "reaper cannot recover its steps."),
+        ("celery_steplock.E005", prefix + "steplock_reaper_older_than=60 needs an "
+                                          "'updated_at' column (auto_now=True) on the model: "
+                                          "the reaper refuses to recover its steps.")]
+
+
+def test_recovery_statuses_outside_the_status_choices():
+    found = recovery(steplock_reaper_recover={"workflows.Step": {"runing": "pendng",
+                                                                 "running": "pending"}})
+    choices = "('cancelled', 'done', 'failed', 'pending', 'running')"
+    assert found == [
+        ("celery_steplock.E005", f"steplock_reaper_recover: workflows.Step: in-flight status "
+                                 f"'runing' is not a choice of workflows.Step.status "
+                                 f"{choices}: no row is ever in it, so none is recovered."),
+        ("celery_steplock.E005", f"steplock_reaper_recover: workflows.Step: recovery status "
+                                 f"'pendng' is not a choice of workflows.Step.status "
+                                 f"{choices}: the reaper would write a status the field does "
+                                 f"not allow.")]
+
+
+def test_a_model_without_choices_takes_any_status():
+    assert recovery(steplock_reaper_recover={"routing.Invoice": {"anything": "else"}}) == []
+
+
+def test_an_invalid_recovery_setting_is_e003_only():
+    app = make_app(steplock_reaper_recover=["workflows.Step"])
+    assert checks.check_recovery(app) == []
+    assert ids(checks.check_settings(app)) == ["celery_steplock.E003"]
+
+
+# -- W005: Django settings -------------------------------------------------------------------
+
+def test_django_settings_without_the_namespace_are_named(app):
+    from django.test import override_settings
+
+    with override_settings(STEPLOCK_DEFAULT_TTL=3, CELERY_STEPLOCK_LOCK_WAITT=1):
+        found = [(m.id, m.obj, m.msg, m.hint) for m in checks.check_unknown_names(app)]
+    assert found == [
+        ("celery_steplock.W005", "CELERY_STEPLOCK_LOCK_WAITT",
+         "Unknown celery-steplock setting CELERY_STEPLOCK_LOCK_WAITT: it is ignored.",
+         "Did you mean CELERY_STEPLOCK_LOCK_WAIT?"),
+        ("celery_steplock.W005", "STEPLOCK_DEFAULT_TTL",
+         "Setting STEPLOCK_DEFAULT_TTL is never read: the Celery app reads its settings with "
+         "the CELERY_ namespace (config_from_object(..., namespace='CELERY')), so it is "
+         "ignored.", "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?")]
+    assert checks.check_unknown_names(app) == []  # the example project's own settings
+
+
+def test_django_settings_of_an_app_that_does_not_read_them():
+    from django.conf import settings
+
+    other = make_app()
+    found = checks.check_unknown_names(other)
+    expected = sorted(n for n in dir(settings) if n.isupper() and "STEPLOCK" in n)
+    assert expected and [m.obj for m in found] == expected  # the example project's settings
+    assert {m.id for m in found} == {"celery_steplock.W005"}
+    assert found[0].msg == (f"Django setting {expected[0]} is never read: the Celery app "
+                            f"{other.main!r} does not load its configuration from the Django "
+                            f"settings, so it is ignored.")
+
+
+# -- every problem at once: manage.py check and a worker's start -------------------------------
+
+#: What tests/contrib/check_project (settings with several mistakes, a task with bad options)
+#: must produce, in ``manage.py check`` and at a worker's start alike.
+TASK = "tests.contrib.check_project.tasks.charge"
+ERRORS = [
+    ("celery_steplock.E005", "steplock_reaper_recover: workflows.Step: in-flight status "
+                             "'runing' is not a choice of workflows.Step.status"),
+    ("celery_steplock.E003", "Invalid celery-steplock setting steplock_renewal_ratio: "
+                             "steplock_renewal_ratio (CELERY_STEPLOCK_RENEWAL_RATIO in Django "
+                             "settings) must be a number above 0 and at most 0.75"),
+    ("celery_steplock.E004", f"{TASK}: lock_key 'order:{{order}}' names 'order', which is not "
+                             f"an argument of the task (arguments: order_id)"),
+    ("celery_steplock.E004", f"{TASK}: lock_ttl must be > 0 seconds, got -1"),
+    ("celery_steplock.E004", f"{TASK}: on_conflict must be one of 'ignore', 'raise', got "
+                             f"'clobber'"),
+    ("celery_steplock.E004", f"{TASK}: step_id_arg='id' is not an argument of the task "
+                             f"(arguments: order_id)"),
+]
+WARNINGS = [
+    ("celery_steplock.W005", "Unknown celery-steplock setting CELERY_STEPLOCK_DEFUALT_TTL: it "
+                             "is ignored."),
+    ("celery_steplock.W005", "Setting STEPLOCK_ON_CONFLICT is never read: the Celery app reads "
+                             "its settings with the CELERY_ namespace"),
+    ("celery_steplock.W005", f"{TASK}: unknown task option lock_tll: it is ignored."),
+]
+
+
+def run_in_check_project(tmp_path, *command):
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.contrib.check_project.settings",
+           "PYTHONPATH": str(ROOT), "STEPLOCK_VAR_DIR": str(tmp_path / "var"),
+           "REDIS_URL": closed_port_url()}
+    return subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=False,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_manage_py_check_reports_every_mistake_at_once(tmp_path):
+    result = run_in_check_project(tmp_path, "manage.py", "check")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    for check_id, message in ERRORS + WARNINGS:
+        assert f"({check_id}) {message}" in output, (check_id, message, output)
+    assert output.count("(celery_steplock.E") == len(ERRORS)
+    assert output.count("(celery_steplock.W") == len(WARNINGS)
+    assert "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?" in output
+    assert "Did you mean CELERY_STEPLOCK_ON_CONFLICT?" in output
+    assert "Did you mean lock_ttl?" in output
+
+
+def test_a_worker_start_reports_the_same_mistakes_at_once(tmp_path):
+    result = run_in_check_project(tmp_path, "-m", "celery", "-A", "django_app", "worker",
+                                  "-P", "solo", "--loglevel", "WARNING")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    for check_id, message in ERRORS:
+        assert f"event=improperly_configured id={check_id} {message}" in output, (
+            check_id, message, output)
+    for check_id, message in WARNINGS:
+        assert f"event=configuration_warning id={check_id} {message}" in output, (
+            check_id, message, output)
+    assert output.count("event=improperly_configured") == len(ERRORS)
+    [exit_line] = [line for line in output.splitlines() if line.startswith("celery-steplock: ")]
+    for _, message in ERRORS:
+        assert message in exit_line
