@@ -24,9 +24,9 @@ from kombu.utils.json import JSONEncoder
 
 from .exceptions import LockNameError
 
-__all__ = ["bind_arguments", "argument_names", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
+__all__ = ["bind_arguments", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
            "fence_key", "waiters_key", "wake_key", "name_from_key", "check_name",
-           "MAX_NAME_LENGTH"]
+           "MAX_NAME_LENGTH", "argument_names"]
 
 MAX_NAME_LENGTH = 512
 
