@@ -611,7 +611,8 @@ def recovery_problems(app) -> list[Problem]:
             listed = ", ".join(map(repr, sorted(allowed)))
             where = f"{model._meta.label}.{status.name}"
             for kind, statuses, effect in (
-                    ("in-flight", set(moves), "no row is ever in it, so none is recovered"),
+                    ("in-flight", set(moves),
+                     "steps in flight under the real name are never recovered"),
                     ("recovery", set(moves.values()),
                      "the reaper would write a status the field does not allow")):
                 unknown = sorted(statuses - allowed)

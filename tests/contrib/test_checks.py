@@ -372,7 +372,8 @@ def test_recovery_statuses_outside_the_status_choices():
     assert found == [
         ("celery_steplock.E005", f"steplock_reaper_recover: workflows.Step: in-flight status "
                                  f"'runing' is not a choice of workflows.Step.status "
-                                 f"{choices}: no row is ever in it, so none is recovered."),
+                                 f"{choices}: steps in flight under the real name are never "
+                                 f"recovered."),
         ("celery_steplock.E005", f"steplock_reaper_recover: workflows.Step: recovery status "
                                  f"'pendng' is not a choice of workflows.Step.status "
                                  f"{choices}: the reaper would write a status the field does "
@@ -427,7 +428,9 @@ def test_django_settings_of_an_app_that_does_not_read_them():
 TASK = "tests.contrib.check_project.tasks.charge"
 ERRORS = [
     ("celery_steplock.E005", "steplock_reaper_recover: workflows.Step: in-flight status "
-                             "'runing' is not a choice of workflows.Step.status"),
+                             "'runing' is not a choice of workflows.Step.status ('cancelled', "
+                             "'done', 'failed', 'pending', 'running'): steps in flight under "
+                             "the real name are never recovered."),
     ("celery_steplock.E003", "Invalid celery-steplock setting steplock_renewal_ratio: "
                              "steplock_renewal_ratio (CELERY_STEPLOCK_RENEWAL_RATIO in Django "
                              "settings) must be a number above 0 and at most 0.75"),
