@@ -254,7 +254,7 @@ def test_user_project_suite_passes_with_the_plugin(redis_server_url):
     code, output, counts = _pytest(USER_PROJECT, "-v",
                                    env=_clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url))
     print(output)
-    assert (code, counts) == (0, {"passed": 7}), output
+    assert (code, counts) == (0, {"passed": 8}), output
     plugins = next(line for line in output.splitlines() if line.startswith("plugins:"))
     # pytest-celery's plugin (registered as "celery") loads beside ours without a clash.
     assert "celery-steplock-" in plugins and re.search(r"\bcelery-\d", plugins), plugins

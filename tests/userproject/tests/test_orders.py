@@ -53,6 +53,17 @@ def test_a_failing_body_leaves_my_block_usable(steplock_app):
 
 
 @pytest.mark.django_db
+def test_delay_on_commit_runs_once_the_callbacks_run(steplock_app,
+                                                     django_capture_on_commit_callbacks):
+    order = Order.objects.create()
+    with django_capture_on_commit_callbacks(execute=True):
+        with transaction.atomic():
+            charge.delay_on_commit(order.pk)
+            assert Order.objects.get(pk=order.pk).status == "pending"
+    assert Order.objects.get(pk=order.pk).status == "charged" and Charge.objects.count() == 1
+
+
+@pytest.mark.django_db
 def test_a_second_delivery_charges_nothing(steplock_app):
     order = Order.objects.create()
     charge.delay(order.pk)
