@@ -530,8 +530,8 @@ class StepLockedTask(Task):
                       or (request.headers or {}).get("steplock_retries") or 0)
         limit = plan.retry_max
         if limit is None and request.is_eager:
-            # apply() retries at once (eager mode has no later): bounded, as Celery's own
-            # eager retries are by max_retries (3 when that is None too).
+            # apply() retries at once (eager mode has no later): bounded by max_retries, as
+            # Celery's own eager retries are, and by EAGER_RETRY_MAX when that is None.
             limit = self.max_retries if self.max_retries is not None else EAGER_RETRY_MAX
         if request.called_directly or (limit is not None and attempt >= limit):
             raise exc
