@@ -13,7 +13,8 @@ off with ``-p no:celery_steplock``. It defines fixtures only, none autouse:
 ``steplock_key_prefix`` (function)
     A key prefix of this test's own (``steplock-test:<hash of the test id>:<random>``).
 ``steplock_redis`` (function)
-    A redis-py client on ``steplock_redis_url``. After the test it deletes every key under
+    A redis-py client on ``steplock_redis_url`` (replies decoded to ``str``, as the library's
+    own clients). After the test it deletes every key under
     ``steplock_key_prefix`` (``SCAN``, never ``KEYS``).
 ``steplock_celery_app`` (function)
     The Celery app the next fixture configures: ``celery.current_app`` (the app your project
