@@ -63,7 +63,11 @@ class StepStore(Protocol):
     call, e.g. through a router that reads a tenant from the context, fixes it there); the
     task calls it once per execution, before the outer-transaction check, so that the
     check, the precheck, the transaction, the compare-and-swap, its follow-up read and
-    ``on_commit`` all use one database. A store without it is used as it is. On the
+    ``on_commit`` all use one database. A store without it is used as it is.
+    ``in_outer_transaction()`` (bool) and ``savepoint()`` (a context manager nested in the
+    caller's transaction) let an eager execution (``apply()``, ``task_always_eager``) inside
+    the caller's transaction run as a savepoint of it; a store without them refuses it with
+    ``check_not_nested``. On the
     factory: ``databases()`` lists the database names a ``using=`` may take (None: it
     cannot tell), for :func:`load_step_store` to refuse an unknown one by name.
     """

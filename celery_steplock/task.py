@@ -84,6 +84,7 @@ class _Execution:
     lease: Lease | None
     final_cas: bool = False  # the next transition() is the plan's own, after the body
     steps: StepStore | None = None  # the plan's step store, bound to this execution's database
+    nested: bool = False  # eager, inside the caller's transaction: a savepoint of it
 
 
 # The execution of each task running in this context (thread / greenlet), by task name. A
@@ -91,6 +92,11 @@ class _Execution:
 # threads, and a nested call of the same task must restore the outer execution afterwards.
 _executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.ContextVar(
     "steplock_executions", default={})
+
+# The lease retries an eager attempt asked for (their message headers), run by apply()'s loop
+# once the attempt has ended; None outside StepLockedTask.apply().
+_eager_retries: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar(
+    "steplock_eager_retries", default=None)
 
 
 def _is_django_task(task) -> bool:
@@ -260,7 +266,7 @@ class StepLockedTask(Task):
             lease.check()
             if execution.final_cas:
                 execution.final_cas = False
-                if plan.db_deadline:
+                if plan.db_deadline and not execution.nested:
                     # From here to COMMIT the transaction lives no longer than the lease may:
                     # a holder stopped after its CAS can neither commit late nor hold the row.
                     deadline = lease.remaining()
@@ -351,6 +357,7 @@ class StepLockedTask(Task):
         arguments = bind_arguments(self.run, args, kwargs)
         name = name_from_arguments(self.name, arguments, plan.lock_key)
         step_id = None
+        nested = False
         if plan.transition is not None:
             if plan.step_id_arg not in arguments:
                 raise ImproperlyConfigured(
@@ -362,7 +369,9 @@ class StepLockedTask(Task):
             # One database for the whole execution: the router is asked once, here.
             bind = getattr(steps, "bind", None)
             steps = bind() if bind is not None else steps
-            steps.check_not_nested(self.name)
+            nested = self.request.is_eager and _in_caller_transaction(steps)
+            if not nested:
+                steps.check_not_nested(self.name)
         request = self.request
         store = plan.store
         base = {"key": store.key(name), "name": name, "task_id": request.id,
@@ -387,7 +396,7 @@ class StepLockedTask(Task):
                 self.handle_store_error(exc, None)
             except LockStoreUnavailable as refused:
                 return self.steplock_retry(refused)
-            return self._execute(plan, None, step_id, args, kwargs, steps)
+            return self._execute(plan, None, step_id, args, kwargs, steps, nested=nested)
         except LockStoreMisconfigured as exc:
             # Not an outage: neither retried nor run fail-open; the task fails with it.
             logger.error("event=lock_store_misconfigured task_id=%s task_name=%s key=%s "
@@ -409,7 +418,7 @@ class StepLockedTask(Task):
         try:
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self,
                                max_hold=plan.max_hold)
-            return self._execute(plan, lease, step_id, args, kwargs, steps)
+            return self._execute(plan, lease, step_id, args, kwargs, steps, nested=nested)
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
@@ -419,9 +428,9 @@ class StepLockedTask(Task):
             self._release(store, lease)
 
     def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
-                 steps: StepStore | None = None):
+                 steps: StepStore | None = None, nested: bool = False):
         steps = plan.steps if steps is None else steps
-        execution = _Execution(plan, lease, steps=steps)
+        execution = _Execution(plan, lease, steps=steps, nested=nested)
         token = _executions.set({**_executions.get(), self.name: execution})
         body_done = False
         try:
@@ -445,13 +454,13 @@ class StepLockedTask(Task):
                     self._check_owned(plan, lease)
                     self.before_commit(lease, step_id)
                 return result
-            with steps.atomic():
+            with steps.savepoint() if nested else steps.atomic():
                 result = super().__call__(*args, **kwargs)
                 body_done = True
                 if plan.transition is not None:
                     execution.final_cas = True
                     self.transition(step_id, *plan.transition)
-                if lease is not None and plan.db_deadline and (
+                if lease is not None and plan.db_deadline and not nested and (
                         plan.transition is None or execution.final_cas):
                     # No library CAS carried the deadline (a multi-phase body, or a
                     # transition() override that writes by itself): its own statement.
@@ -518,6 +527,31 @@ class StepLockedTask(Task):
 
     # -- outcomes ---------------------------------------------------------------------------
 
+    def apply(self, args=None, kwargs=None, **options):
+        """Celery's :meth:`~celery.app.task.Task.apply` (what ``delay()`` runs under
+        ``task_always_eager``), with the lease retries a worker would receive (a busy lease,
+        a Redis outage, a lost lease) run here, one after another without the countdown,
+        under the same task id: at most ``lock_retry_max`` times, else the task's
+        ``max_retries``, else 3. Returns the :class:`~celery.result.EagerResult` of the last
+        attempt, so a busy lease ends as a worker's does (``LockContended`` once the retries
+        are used up; raised when ``task_eager_propagates``), never as
+        ``celery.exceptions.Retry``.
+
+        Inside the caller's ``transaction.atomic()`` (not Django's TestCase blocks), an
+        eager execution runs its body and compare-and-swap in a savepoint of the caller's
+        transaction instead of refusing with OuterTransactionError: its writes commit with
+        the caller's, after the lease is released. A direct call still refuses."""
+        pending: list[dict] = []
+        token = _eager_retries.set(pending)
+        try:
+            while True:
+                result = super().apply(args, kwargs, **options)
+                if not pending:
+                    return result
+                options = {**options, "task_id": result.id, "headers": pending.pop()}
+        finally:
+            _eager_retries.reset(token)
+
     def steplock_ignore(self):
         """End without storing a state (Celery ``Ignore``); None when called directly."""
         if self.request.called_directly:
@@ -537,13 +571,21 @@ class StepLockedTask(Task):
                       or (request.headers or {}).get("steplock_retries") or 0)
         limit = plan.retry_max
         if limit is None and request.is_eager:
-            limit = self.max_retries  # apply() retries inline: an unbounded loop would recurse
+            # apply() retries at once (eager mode has no later): bounded by max_retries, as
+            # Celery's own eager retries are, and by EAGER_RETRY_MAX when that is None.
+            limit = self.max_retries if self.max_retries is not None else EAGER_RETRY_MAX
         if request.called_directly or (limit is not None and attempt >= limit):
             raise exc
         countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
         logger.info("event=retry_scheduled task_id=%s task_name=%s countdown=%.3f reason=%s",
                     request.id, self.name, countdown, type(exc).__name__)
         headers = {**(request.headers or {}), "steplock_retries": attempt + 1}
+        pending = _eager_retries.get() if request.is_eager else None
+        if pending is not None:
+            # As in a worker: this attempt ends without a state, and apply() runs the retry
+            # once it has (at once, without the countdown, as Celery's eager retries do).
+            pending.append(headers)
+            raise Ignore()
         if request.is_eager:
             retried = self.signature_from_request(request, countdown=countdown,
                                                   retries=request.retries or 0,
@@ -551,6 +593,19 @@ class StepLockedTask(Task):
             raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)
         self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
         raise Ignore()
+
+
+#: Eager lease retries when neither ``lock_retry_max`` nor the task's ``max_retries`` bounds
+#: them (Celery's default ``max_retries``).
+EAGER_RETRY_MAX = 3
+
+
+def _in_caller_transaction(steps: StepStore) -> bool:
+    """Whether the step store's database is inside a caller's transaction that an eager
+    execution may join as a savepoint (the store's optional ``in_outer_transaction()``; a
+    store without it or without ``savepoint()`` keeps refusing)."""
+    probe = getattr(steps, "in_outer_transaction", None)
+    return callable(probe) and callable(getattr(steps, "savepoint", None)) and bool(probe())
 
 
 def backoff(factor: float, retries: int, maximum: float) -> float:

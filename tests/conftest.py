@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Test support, not tests. Collected, its modules would also be imported a second time under
 # another name (``support.servers``), with a registry of started servers of their own.
-collect_ignore = ["support"]
+collect_ignore = ["support", "userproject"]  # userproject: a user's suite, run by test_testing
 
 # pytest-celery 1.x shadows Celery's in-process fixtures with container-based ones; the
 # project runs with ``-p no:celery`` and loads Celery's own fixtures explicitly.

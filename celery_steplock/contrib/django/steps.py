@@ -366,13 +366,23 @@ class DjangoStepStore:
     def on_commit(self, func: Callable[[], None]) -> None:
         transaction.on_commit(func, using=self.using)
 
+    def savepoint(self):
+        """``transaction.atomic()`` on :attr:`using`, nested in the caller's transaction (a
+        savepoint): what an eager execution inside the caller's block runs in."""
+        return transaction.atomic(using=self.using)
+
+    def in_outer_transaction(self) -> bool:
+        """Whether :attr:`using` is inside a caller's ``transaction.atomic()`` (Django's
+        TestCase blocks do not count, as ``atomic(durable=True)`` does not count them)."""
+        connection = transaction.get_connection(self.using)
+        return bool(connection.in_atomic_block and connection.atomic_blocks and not getattr(
+            connection.atomic_blocks[-1], "_from_testcase", False))
+
     def check_not_nested(self, task_name: str) -> None:
         """Refuse to run inside an outer ``transaction.atomic()`` (ATOMIC_REQUESTS, a caller's
         own block): its commit would come after our release. Django's TestCase blocks are
         allowed, as ``atomic(durable=True)`` allows them."""
-        connection = transaction.get_connection(self.using)
-        if connection.in_atomic_block and connection.atomic_blocks and not getattr(
-                connection.atomic_blocks[-1], "_from_testcase", False):
+        if self.in_outer_transaction():
             raise OuterTransactionError(
                 f"{task_name} was called inside transaction.atomic(): its transition would "
                 f"commit after the lease is released. Call it outside the block, or with "
