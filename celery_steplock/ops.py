@@ -254,7 +254,9 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
     key = store.key(name)
     current = store.inspect(name)
     actor_text = actor or "an operator"
-    held = current or {}
+    # The holder's fields only when it is the owner asked for: a refusal names the other
+    # holder in its detail, never as the subject of the record.
+    held = current if current is not None and current.get("owner") == owner else {}
     record = ForcedRelease(
         name=name, key=key, owner=owner, fence=_int(held.get("fence")),
         task_id=held.get("task_id") or None, task_name=held.get("task_name") or None,
@@ -317,7 +319,7 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
         emit(signals.lock_released, sender, logging.WARNING, key=record.key, name=record.name,
              owner=record.owner, fence=record.fence, task_id=record.task_id,
              task_name=record.task_name,
-             ttl=(_int(current.get("ttl_ms")) or 0) / 1000.0 or None, forced=True,
+             ttl=(_int(held.get("ttl_ms")) or 0) / 1000.0 or None, forced=True,
              reason=record.reason, user=actor, actor_host=actor_host, via=via,
              step=record.step, hostname=record.hostname, pid=record.pid,
              worker=record.worker, audit=record.audit)

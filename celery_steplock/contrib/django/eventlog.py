@@ -258,8 +258,8 @@ class LeaseEventAudit(ReleaseAudit):
     (the admin writes its ``LogEntry`` there) in one durable transaction
     (``transaction.atomic(durable=True)``: it commits before returning, and refuses to run
     inside a caller's transaction, where a commit would not be one). :meth:`finished`
-    writes the outcome to that row (or creates one for a refusal found before any
-    request) and runs ``after(record)``, in a transaction of its own. ``using``: the
+    writes the outcome to that row and runs ``after(record)``, in a transaction of its own;
+    a refusal found before any request gets a row of its own (and no ``after``). ``using``: the
     database alias (default: the router's for LeaseEvent).
     """
 
@@ -306,12 +306,12 @@ class LeaseEventAudit(ReleaseAudit):
         using = self._alias()
         with transaction.atomic(using=using, durable=True):
             row = self._row(record)
-            if record.audit_id is None:
+            if record.audit_id is None:  # refused at the first read: nothing was requested
                 row.save(using=using)
                 record.audit_id = row.pk
                 record.audit = f"LeaseEvent {row.pk}"
-            else:
-                LeaseEvent.objects.using(using).filter(pk=record.audit_id).update(
-                    outcome=row.outcome, reason=row.reason)
+                return
+            LeaseEvent.objects.using(using).filter(pk=record.audit_id).update(
+                outcome=row.outcome, reason=row.reason)
             if self.after is not None:
                 self.after(record)
