@@ -76,7 +76,7 @@ def parse_lease(fields: Any) -> dict[str, Any]:
 
     Never raises for what the hash holds. A field that cannot be what it claims is left out
     and described in ``malformed`` (a string, ``"field: why; ..."``, absent when all is
-    well): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal integer within its
+    well; its parts sorted): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal integer within its
     bounds, a ``meta`` that is not a JSON object, a metadata value that is a list or an
     object, text that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing
     ``owner``. Readers show such a lease as malformed (the reaper skips it).
@@ -131,7 +131,7 @@ def parse_lease(fields: Any) -> dict[str, Any]:
     if not info.get("owner"):
         problems.append("owner: missing")
     if problems:
-        info["malformed"] = "; ".join(problems)
+        info["malformed"] = "; ".join(sorted(problems))  # the same whatever the field order
     return info
 
 #: Share of the TTL held back from the local validity for clock drift (as in Redlock).
