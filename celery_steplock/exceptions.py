@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "StepLockError", "ImproperlyConfigured", "LockNameError", "MetadataError", "OuterTransactionError",
-    "LockError", "LockContended",
+    "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
+    "MetadataError", "LockError", "LockContended",
     "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
     "AuditRecordFailed",

@@ -76,10 +76,11 @@ def parse_lease(fields: Any) -> dict[str, Any]:
 
     Never raises for what the hash holds. A field that cannot be what it claims is left out
     and described in ``malformed`` (a string, ``"field: why; ..."``, absent when all is
-    well; its parts sorted): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal integer within its
-    bounds, a ``meta`` that is not a JSON object, a metadata value that is a list or an
-    object, text that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing
-    ``owner``. Readers show such a lease as malformed (the reaper skips it).
+    well; its parts sorted): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal
+    integer within its bounds, a ``meta`` that is not a JSON object, a metadata entry whose
+    key is reserved (:data:`RESERVED_FIELDS`) or whose value is a list or an object, text
+    that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing ``owner``.
+    Readers show such a lease as malformed (the reaper skips it).
     """
     problems: list[str] = []
     info: dict[str, Any] = {}

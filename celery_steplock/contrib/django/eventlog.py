@@ -39,7 +39,8 @@ from ...ops import ReleaseAudit
 from ... import signals
 from ...conf import Settings
 
-__all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record", "flush",
+__all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record",
+           "flush",
            "prune_lease_events"]
 
 logger = logging.getLogger("celery_steplock")
