@@ -80,7 +80,8 @@ def parse_lease(fields: Any) -> dict[str, Any]:
     integer within its bounds, a ``meta`` that is not a JSON object, a metadata entry whose
     key is reserved (:data:`RESERVED_FIELDS`) or whose value is a list or an object, text
     that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing ``owner``.
-    Readers show such a lease as malformed (the reaper skips it).
+    Readers show such a lease as malformed (the reaper skips it). An empty mapping (the
+    key does not exist) gives an empty dict.
     """
     problems: list[str] = []
     info: dict[str, Any] = {}
@@ -88,6 +89,8 @@ def parse_lease(fields: Any) -> dict[str, Any]:
         items = list(fields.items())
     except Exception:  # noqa: BLE001 - not a mapping at all
         return {"malformed": "hash: unreadable"}
+    if not items:
+        return {}  # no hash (HGETALL of a missing key): nothing held, nothing malformed
     for key, value in items:
         info[_text(key)] = _text(value) if value is not None else ""
     meta = info.pop("meta", None)

@@ -176,6 +176,7 @@ def test_parse_lease_never_raises_and_meta_cannot_shadow_the_hash():
         "meta: reserved key 'owner'; owner: missing")
     assert "owner" not in parse_lease({"meta": '{"owner": "b"}'})
     assert parse_lease(None) == {"malformed": "hash: unreadable"}
+    assert parse_lease({}) == {}  # no key: nothing held (callers test it for truth)
     assert parse_lease({"owner": "a", "meta": "{not json"})["malformed"].startswith(
         "meta: not a JSON object")
     long = "x" * 10_000
