@@ -24,6 +24,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -34,7 +35,8 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
 from .exceptions import StepLockError
 from .lock import get_lease_store
-from .ops import ForceReleaseRefused, LeaseHeldByAnother, force_release
+from .ops import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, default_audit,
+                  force_release)
 from .reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
 
 __all__ = ["steplock"]
@@ -141,6 +143,11 @@ def ls(ctx, match, limit, as_json):
     for line in _table(rows):
         click.echo(line)
     click.echo(f"{len(rows)} lease(s)" + (f"; more not shown (--limit {limit})" if more else ""))
+    malformed = [row["name"] for row in rows if row.get("malformed")]
+    if malformed:
+        click.echo(f"{len(malformed)} malformed lease(s), fields left out (see show NAME): "
+                   + ", ".join(json.dumps(name) for name in malformed[:10])
+                   + (" ..." if len(malformed) > 10 else ""))
 
 
 @steplock.command("show", cls=CeleryCommand)
@@ -173,19 +180,60 @@ def show(ctx, name, as_json):
                    "another owner holds the lease now")
 @click.pass_context
 def release(ctx, name, owner):
-    """Release the lease NAME if TOKEN still holds it (exit 1 otherwise)."""
+    """Release the lease NAME if TOKEN still holds it (exit 1 otherwise).
+
+    Audited as the admin's force release (celery_steplock.ops.force_release): the record
+    names the OS user and this host. With a Django project (DJANGO_SETTINGS_MODULE set and
+    celery_steplock.contrib.django installed) a LeaseEvent row is committed before the
+    delete; otherwise the record is the WARNING log line event=force_release_audit (on
+    stderr unless logging is configured) and the force_release_audit signal.
+    """
     lock = _lock(ctx)
+    app = ctx.obj.app
+    _load_django(app)
+    actor, host = _actor(), _host()
     try:
-        released = force_release(lock, name, owner, actor=_actor(), app=ctx.obj.app,
-                                 reason=f"force-released by {_actor()} from the command line")
+        released = force_release(lock, name, owner, actor=actor, actor_host=host, via="cli",
+                                 app=app, auditor=default_audit(app),
+                                 reason=f"force-released by {actor}@{host} from the "
+                                        f"command line")
+    except AuditRecordFailed as failed:
+        raise CeleryCommandException(
+            message=f"not released: {name!r}: the audit record could not be written "
+                    f"({failed.__cause__})", exit_code=EX_FAILURE)
     except ForceReleaseRefused as refused:
         why = (f"it is held by another owner ({refused.holder})"
                if isinstance(refused, LeaseHeldByAnother) else "it is not held")
         raise CeleryCommandException(message=f"not released: {name!r}: {why}",
                                      exit_code=EX_FAILURE)
     except StepLockError as exc:
+        record = getattr(exc, "forced_release", None)
+        if record is not None and record.outcome == "unknown":
+            raise CeleryCommandException(
+                message=f"steplock: Redis stopped answering during the release of {name!r}: "
+                        f"it may or may not be released (recorded as outcome unknown): {exc}",
+                exit_code=EX_UNAVAILABLE)
         raise _unavailable(exc)
-    click.echo(f"released {name!r} (owner {owner}, fence {released.fence})")
+    click.echo(f"released {name!r} (owner {owner}, fence {released.fence}; audit: "
+               f"{released.audit or 'log line event=force_release_audit'})")
+    if not released.outcome_recorded:
+        click.echo(f"warning: the outcome could not be recorded ({released.outcome_error}); "
+                   f"the audit record ({released.audit}) still says 'requested'", err=True)
+
+
+def _load_django(app) -> None:
+    """With a Django project (``DJANGO_SETTINGS_MODULE``), load the app's modules as
+    ``celery report`` does: Celery's Django fix-up runs ``django.setup()``, after which the
+    audit record goes to the database. A failure refuses the release (exit 1)."""
+    if not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:  # noqa: BLE001 - no database record, so no release
+        raise CeleryCommandException(
+            message=f"not released: could not load the app's modules, so the audit record "
+                    f"cannot be written to the database ({type(exc).__name__}: {exc})",
+            exit_code=EX_FAILURE)
 
 
 def _actor() -> str:
@@ -194,6 +242,14 @@ def _actor() -> str:
         return getpass.getuser()
     except Exception:  # noqa: BLE001 - no passwd entry (a container): the uid will do
         return f"uid {os.getuid()}"
+
+
+def _host() -> str:
+    """Where the operator runs the command: this host's name."""
+    try:
+        return socket.gethostname()
+    except OSError:
+        return "?"
 
 
 @steplock.command("reap", cls=CeleryCommand)

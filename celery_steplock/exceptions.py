@@ -5,6 +5,7 @@ Every error the library raises derives from :class:`StepLockError`::
     StepLockError
     ├── ImproperlyConfigured        a setting or task option is invalid (names it)
     ├── LockNameError               an argument cannot enter a lock name (names it)
+    ├── MetadataError               lease metadata names a reserved field (names the keys)
     ├── OuterTransactionError       called inside a caller's transaction.atomic()
     ├── LockError
     │   ├── LockContended           the lease is held by another owner (retryable)
@@ -13,7 +14,8 @@ Every error the library raises derives from :class:`StepLockError`::
     │   ├── LockLost                a held lease expired, was stolen or ran past its max hold
     │   └── ForceReleaseRefused     an operator's force release deleted nothing
     │       ├── LeaseNotHeld        ... because the lease is not held
-    │       └── LeaseHeldByAnother  ... because another owner holds it now
+    │       ├── LeaseHeldByAnother  ... because another owner holds it now
+    │       └── AuditRecordFailed   ... because its audit record could not be written
     └── TransitionError
         ├── InvalidTransition       ``from_ -> to`` is not in the allowed-transition table
         ├── StepNotFound            no row with that primary key
@@ -28,9 +30,10 @@ from typing import Any
 
 __all__ = [
     "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
-    "LockError", "LockContended",
+    "MetadataError", "LockError", "LockContended",
     "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
+    "AuditRecordFailed",
     "RETRYABLE_ERRORS",
 ]
 
@@ -59,6 +62,19 @@ class LockNameError(StepLockError, TypeError):
     def __init__(self, message: str, argument: str | None = None):
         super().__init__(message)
         self.argument = argument
+
+
+class MetadataError(StepLockError, ValueError):
+    """Lease metadata (``RedisLeaseStore.acquire(metadata=...)``, ``holder_metadata``) uses a
+    key reserved for the lease's own fields (``owner``, ``fence``, ``acquired_ms``, ...; see
+    :data:`celery_steplock.lease.RESERVED_FIELDS`). Raised before anything is written.
+
+    ``keys`` holds the refused keys, sorted.
+    """
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 class OuterTransactionError(StepLockError, RuntimeError):
@@ -155,6 +171,12 @@ class LeaseHeldByAnother(ForceReleaseRefused):
     def __init__(self, message: str, **kwargs: Any):
         super().__init__(message, **kwargs)
         self.holder = (self.current or {}).get("owner")
+
+
+class AuditRecordFailed(ForceReleaseRefused):
+    """The audit record of a force release could not be made durable (the database refused
+    the write or its commit): the lease was left as it was (``current``, still held by
+    ``owner``). The error of the audit store is the ``__cause__``."""
 
 
 class TransitionError(StepLockError):

@@ -1,5 +1,5 @@
-"""The :class:`Lease` value object, as its holder sees it, and the owner token and holder
-metadata that go with a grant.
+"""The :class:`Lease` value object, as its holder sees it, the owner token and holder
+metadata that go with a grant, and :func:`parse_lease`, the one reader of a stored lease hash.
 
 A lease's local validity is measured on a monotonic clock (``time.monotonic`` unless another
 is given): the time the acquire or last successful renewal was *sent*, plus the TTL, less a
@@ -7,6 +7,8 @@ drift allowance, so the holder stops trusting the lease before Redis can expire 
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 import threading
@@ -15,9 +17,126 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .exceptions import LockLost
+from .exceptions import LockLost, MetadataError
 
-__all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "holder_metadata"]
+__all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "holder_metadata",
+           "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease"]
+
+logger = logging.getLogger("celery_steplock")
+
+#: Field names metadata may not use: the lease hash's own fields (written by the acquire
+#: script) and the ones readers add (``name``, ``key``, ``ttl``, ``malformed``; ``age`` and
+#: ``renewed_ago`` by ``celery steplock``).
+RESERVED_FIELDS = frozenset({"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "meta",
+                             "name", "key", "ttl", "malformed", "age", "renewed_ago"})
+
+#: Integer fields of a lease and their inclusive bounds: a value outside them (or not a
+#: decimal integer) is malformed. ``pid`` fits a C ``pid_t`` (what ``os.kill`` takes).
+INTEGER_FIELDS = {"fence": (0, 2 ** 63 - 1), "acquired_ms": (0, 2 ** 63 - 1),
+                  "renewed_ms": (0, 2 ** 63 - 1), "ttl_ms": (0, 2 ** 63 - 1),
+                  "renew_ms": (0, 2 ** 63 - 1), "pid": (1, 2 ** 31 - 1),
+                  "retries": (0, 2 ** 31 - 1)}
+
+#: Characters of a malformed value quoted in ``malformed`` at most.
+MALFORMED_EXCERPT = 40
+
+
+def check_metadata(metadata: Any) -> None:
+    """Raise :class:`~celery_steplock.exceptions.MetadataError` when ``metadata`` (a mapping,
+    or None) uses a key of :data:`RESERVED_FIELDS` or a key that is not a string; else
+    return None. Called before any write, so a refused acquire changes nothing."""
+    if not metadata:
+        return
+    bad = sorted(repr(k) if not isinstance(k, str) else k for k in metadata
+                 if not isinstance(k, str) or k in RESERVED_FIELDS)
+    if bad:
+        raise MetadataError(
+            f"lease metadata may not use the key(s) {', '.join(bad)}: reserved for the "
+            f"lease's own fields ({', '.join(sorted(RESERVED_FIELDS))}) or not a string",
+            keys=tuple(bad))
+
+
+def _text(value: Any) -> str:
+    # Clients decode with errors="replace": a byte that is not UTF-8 arrives as U+FFFD.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _excerpt(value: str) -> str:
+    return repr(value if len(value) <= MALFORMED_EXCERPT else value[:MALFORMED_EXCERPT] + "...")
+
+
+def parse_lease(fields: Any) -> dict[str, Any]:
+    """A stored lease hash as every reader sees it (the store's ``inspect``/``scan``, the
+    admin, ``celery steplock``, the reaper), whatever it holds.
+
+    ``fields``: the hash as read (a mapping of str or bytes). The ``meta`` JSON object is
+    spread into top-level fields beside ``owner``, ``fence``, ``acquired_ms``... (a field of
+    the hash wins over a metadata entry of the same name; leases written before ``meta``
+    existed hold those fields directly and come out the same). Returns a dict of strings.
+
+    Never raises for what the hash holds. A field that cannot be what it claims is left out
+    and described in ``malformed`` (a string, ``"field: why; ..."``, absent when all is
+    well; its parts sorted): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal
+    integer within its bounds, a ``meta`` that is not a JSON object, a metadata entry whose
+    key is reserved (:data:`RESERVED_FIELDS`) or whose value is a list or an object, text
+    that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing ``owner``.
+    Readers show such a lease as malformed (the reaper skips it). An empty mapping (the
+    key does not exist) gives an empty dict.
+    """
+    problems: list[str] = []
+    info: dict[str, Any] = {}
+    try:
+        items = list(fields.items())
+    except Exception:  # noqa: BLE001 - not a mapping at all
+        return {"malformed": "hash: unreadable"}
+    if not items:
+        return {}  # no hash (HGETALL of a missing key): nothing held, nothing malformed
+    for key, value in items:
+        info[_text(key)] = _text(value) if value is not None else ""
+    meta = info.pop("meta", None)
+    if meta:
+        try:
+            extra = json.loads(meta)
+        except ValueError:
+            extra = None
+        if not isinstance(extra, dict):
+            problems.append(f"meta: not a JSON object ({_excerpt(meta)})")
+        else:
+            merged: dict[str, Any] = {}
+            for key, value in extra.items():
+                if value is None:
+                    continue
+                if str(key) in RESERVED_FIELDS:
+                    problems.append(f"meta: reserved key {_excerpt(str(key))}")
+                    continue
+                if isinstance(value, (dict, list)):
+                    problems.append(f"{key}: not a string ({type(value).__name__})")
+                    continue
+                merged[str(key)] = value if isinstance(value, str) else (
+                    str(value).lower() if isinstance(value, bool) else str(value))
+            merged.update(info)
+            info = merged
+    for key in list(info):
+        if key in INTEGER_FIELDS:
+            value = info[key]
+            low, high = INTEGER_FIELDS[key]
+            text = value.strip()
+            digits = text[1:] if text[:1] == "-" else text
+            if not (digits.isascii() and digits.isdigit()):
+                problems.append(f"{key}: not an integer ({_excerpt(value)})")
+                del info[key]
+            elif len(digits) > 19 or not low <= int(text) <= high:
+                problems.append(f"{key}: out of range ({_excerpt(value)})")
+                del info[key]
+            else:
+                info[key] = str(int(text))
+        elif "\ufffd" in info[key] or "\ufffd" in key:
+            problems.append(f"{key}: not UTF-8")
+    if not info.get("owner"):
+        problems.append("owner: missing")
+    if problems:
+        info["malformed"] = "; ".join(sorted(problems))  # the same whatever the field order
+    return info
 
 #: Share of the TTL held back from the local validity for clock drift (as in Redlock).
 CLOCK_DRIFT_FACTOR = 0.01
@@ -40,7 +159,10 @@ def holder_metadata(task_id: str | None = None, task_name: str | None = None,
     the reaper (``worker`` is the Celery node name, e.g. ``celery@host``; ``step`` is
     ``"<app_label>.<model>:<pk>"`` of the step the lease guards; ``renew_ms`` the holder's
     renewal interval in milliseconds). Returns a dict without the None values; ``hostname``
-    and ``pid`` are this process's."""
+    and ``pid`` are this process's. Raises
+    :class:`~celery_steplock.exceptions.MetadataError` when ``extra`` uses a key of
+    :data:`RESERVED_FIELDS`."""
+    check_metadata(extra)
     meta = {"task_id": task_id, "task_name": task_name, "hostname": socket.gethostname(),
             "pid": os.getpid(), "retries": retries}
     meta.update(extra)

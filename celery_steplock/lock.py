@@ -35,7 +35,8 @@ from .clients import ClientConfig, make_client
 from .conf import Settings
 from .exceptions import LockError, LockStoreMisconfigured, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
-from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
+from .lease import (CLOCK_DRIFT_FACTOR, Lease, check_metadata, drift, holder_metadata,
+                    new_owner_token, parse_lease)
 
 __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
            "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR",
@@ -114,9 +115,12 @@ logger = logging.getLogger("celery_steplock")
 
 def pack_metadata(metadata: Mapping[str, Any] | None) -> str:
     """The ``meta`` field of a lease: ``metadata`` as one compact JSON object of strings
-    (None becomes ``""``), or ``""`` when there is none."""
+    (None becomes ``""``), or ``""`` when there is none. Raises
+    :class:`~celery_steplock.exceptions.MetadataError` for a key of
+    :data:`~celery_steplock.lease.RESERVED_FIELDS` (``owner``, ``fence``, ...)."""
     if not metadata:
         return ""
+    check_metadata(metadata)
     return _encode_meta({k: "" if v is None else str(v) for k, v in metadata.items()})
 
 
@@ -124,22 +128,10 @@ _encode_meta = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encod
 
 
 def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A lease hash's fields as readers see them: the ``meta`` JSON object spread into
-    top-level string fields beside ``owner``, ``fence``, ``acquired_ms``... (a field of the
-    hash wins over a metadata entry of the same name). Leases written before ``meta``
-    existed hold those fields directly and come out the same."""
-    info = {_wire.text(k): _wire.text(v) for k, v in fields.items()}
-    meta = info.pop("meta", None)
-    if meta:
-        try:
-            extra = json.loads(meta)
-        except ValueError:
-            logger.warning("event=lease_meta_unreadable meta=%.200r", meta)
-        else:
-            if isinstance(extra, dict):
-                extra.update(info)
-                info = extra
-    return info
+    """A lease hash's fields as readers see them: :func:`celery_steplock.lease.parse_lease`
+    (the ``meta`` JSON object spread into top-level string fields, a malformed field left out
+    and described in ``malformed``; never raises)."""
+    return parse_lease(fields)
 
 
 class RedisLeaseStore:
@@ -520,14 +512,21 @@ class RedisLeaseStore:
         found: dict[str, dict[str, Any] | None] = {}
         for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
             doc = _wire.text(doc)
-            fields = json.loads(doc) if doc else None
-            if not fields:
+            unreadable = False
+            try:
+                fields = json.loads(doc) if doc else None
+            except ValueError:
+                fields, unreadable = None, True
+            if unreadable or (fields is not None and not isinstance(fields, dict)):
+                info = {"malformed": "hash: not readable"}
+            elif not fields:
                 if not doc and _wire.text(pttl) != "none":
                     logger.warning("event=scan_skipped key=%s error=WRONGTYPE a %s, not a "
                                    "lease hash", key, _wire.text(pttl))
                 found[key] = None  # else expired between the listing and the read
                 continue
-            info = unpack_fields(fields)
+            else:
+                info = unpack_fields(fields)
             info["key"] = key
             info["name"] = name_from_key(key)
             info["ttl"] = pttl / 1000.0 if isinstance(pttl, int) and pttl > 0 else None

@@ -1,55 +1,87 @@
 """Operator actions on leases, shared by the Django admin and ``celery steplock``.
 
-:func:`force_release` is the one force release: the admin's confirmation page and
-``celery steplock release NAME --owner TOKEN`` both call it. It imports the lease store
-(:mod:`celery_steplock.lock`), never the task module, and no Django.
+:func:`force_release` is the one force release, and the one audited one: the admin's
+confirmation page and ``celery steplock release NAME --owner TOKEN`` both call it. It
+imports the lease store (:mod:`celery_steplock.lock`), never the task module, and no Django
+(the Django audit store is loaded only when Django is set up, see :func:`default_audit`).
 
 A force release is owner-checked: the caller names the owner token it saw holding the lease,
 and the lease is deleted by the store's compare-and-delete
 (:meth:`~celery_steplock.lock.RedisLeaseStore.release`) only while that owner still holds it;
-a lease taken meanwhile by another attempt is never touched. In order:
+a lease taken meanwhile by another attempt is never touched. Every call is audited: a
+:class:`ForcedRelease` record names the operator (``actor``, ``actor_host``, ``via``), the
+lease, its owner and fencing token, and the ``outcome``. In order:
 
-1. read the lease (its holder metadata goes into the record); not held, or held by another
-   owner: :class:`LeaseNotHeld` / :class:`LeaseHeldByAnother`, nothing written;
-2. ``audit(record)``, when given: the durable record comes *before* the release, so there is
-   no release without its record (the Django admin writes its ``LogEntry`` here, inside the
-   database transaction it opened around the call; an exception from the hook propagates and
-   nothing is released);
-3. the compare-and-delete; when it deletes nothing (the holder released, expired or changed
-   between 1 and 3) the error of step 1 is raised, so a caller's transaction around the call
-   rolls the record back: no record for a release that did not happen;
-4. ``lock_released`` with ``forced=True`` and its structured log line (WARNING,
-   ``event=lock_released ... forced=True reason=...``), handed to ``defer`` (default: at
-   once; the admin passes ``transaction.on_commit`` so the event follows the record's
-   commit).
+1. read the lease. Not held, or held by another owner: the record (outcome ``not_held`` /
+   ``held_by_another``) goes to the audit store and the log, and :class:`LeaseNotHeld` /
+   :class:`LeaseHeldByAnother` is raised: nothing released;
+2. the record, outcome ``requested``, is logged (WARNING ``event=force_release_audit
+   outcome=requested ...``), sent with :data:`~celery_steplock.signals.force_release_audit`
+   and made durable by the audit store (``auditor.requested``: the Django store writes and
+   *commits* a ``LeaseEvent`` row, and the admin its ``LogEntry``). If that fails, nothing is
+   released: :class:`AuditRecordFailed` (its cause is the store's error). No record, no
+   release;
+3. the compare-and-delete;
+4. the outcome is recorded (``auditor.finished``; logged and signalled as in 2):
+   ``released``; ``not_held`` / ``held_by_another`` when the delete found the holder changed
+   since 1 (then that refusal is raised); ``failed`` when Redis refused the delete (nothing
+   released) and ``unknown`` when Redis could not be reached during it (it may have run):
+   the store's error is raised, with the record as its ``forced_release`` attribute. When
+   the outcome cannot be recorded after a release, the release still stands and is reported
+   as such: ``record.outcome_recorded`` is False, ``record.outcome_error`` says why, an ERROR
+   line ``event=force_release_outcome_unrecorded`` is logged, and the durable record keeps
+   outcome ``requested`` (read it as "released or not: see the log");
+5. ``lock_released`` with ``forced=True`` and its structured log line, handed to ``defer``
+   (default: at once).
+
+Where the record goes: always the ``celery_steplock`` logger (one logfmt line per stage,
+the fields also in ``extra={"steplock": ...}``) and the ``force_release_audit`` signal; with
+Django set up and ``celery_steplock.contrib.django`` installed, also a ``LeaseEvent`` row
+(event ``force_release``) committed before the delete. Without Django (the CLI on a plain
+Celery app) the log line is the record: ship the ``celery_steplock`` logger's WARNING lines
+to durable storage, or pass an ``auditor`` of your own (:class:`ReleaseAudit`).
 """
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import signals
 from .events import emit
-from .exceptions import ForceReleaseRefused, LeaseHeldByAnother, LeaseNotHeld
+from .exceptions import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother,
+                         LeaseNotHeld, LockStoreUnavailable, StepLockError)
 
 __all__ = ["ForcedRelease", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
-           "force_release", "OPS_SENDER"]
+           "AuditRecordFailed", "ReleaseAudit", "LogAudit", "default_audit", "force_release",
+           "OPS_SENDER", "OUTCOMES"]
 
 logger = logging.getLogger("celery_steplock")
 
 #: Signal sender of a force release when the lease names no task this process knows.
 OPS_SENDER = "celery_steplock.ops"
 
+#: Outcomes of a force release, as recorded: before the delete, ``requested``; after it,
+#: ``released``, ``not_held``, ``held_by_another``, ``failed`` (Redis refused the delete:
+#: nothing released) or ``unknown`` (Redis could not be reached during the delete).
+OUTCOMES = ("requested", "released", "not_held", "held_by_another", "failed", "unknown")
+
 
 @dataclass
 class ForcedRelease:
-    """What :func:`force_release` released (or is about to, when handed to ``audit``).
+    """The audit record of one :func:`force_release` (what it released, or is about to).
 
-    ``name``, ``key``, ``owner`` (the owner token released), ``fence`` (int or None),
+    ``name``, ``key``, ``owner`` (the owner token asked for), ``fence`` (int or None),
     ``task_id``, ``task_name``, ``worker``, ``hostname``, ``pid`` (int or None), ``step``,
-    ``ttl`` (seconds it had left when read), ``actor`` (who asked, e.g. a user name),
-    ``reason`` (sent with the signal), ``lease``: every stored field as read.
+    ``ttl`` (seconds it had left when read), ``actor`` (who asked: the Django user name, the
+    OS user for the CLI), ``actor_host`` (where from: the CLI's host, the admin client's
+    address), ``via`` (``"admin"``, ``"cli"``, ``"api"``), ``reason`` (sent with the
+    signal), ``lease``: every stored field as read; ``outcome``: one of :data:`OUTCOMES`;
+    ``audit``: where the durable record is (e.g. ``"LeaseEvent 42"``; None: the log only);
+    ``audit_id``: the audit store's id of the record; ``outcome_recorded``: False when the
+    outcome could not be recorded (``outcome_error`` says why).
     """
 
     name: str
@@ -66,6 +98,62 @@ class ForcedRelease:
     actor: str | None = None
     reason: str = ""
     lease: dict[str, Any] = field(default_factory=dict)
+    actor_host: str | None = None
+    via: str = "api"
+    outcome: str = "requested"
+    audit: str | None = None
+    audit_id: Any = None
+    outcome_recorded: bool = True
+    outcome_error: str | None = None
+    detail: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The record as a flat dict of its fields (``lease`` left out), for logs and
+        signals."""
+        data = asdict(self)
+        data.pop("lease", None)
+        return data
+
+
+class ReleaseAudit:
+    """Where :func:`force_release` makes its records durable (subclass it for a store of
+    your own; the Django one is
+    :class:`celery_steplock.contrib.django.eventlog.LeaseEventAudit`).
+
+    ``requested(record)`` is called before the delete and must return only once the record
+    is durable (committed); whatever it raises stops the release (nothing is deleted) and
+    becomes the cause of :class:`AuditRecordFailed`. It may set ``record.audit`` and
+    ``record.audit_id``. ``finished(record)`` is called with the outcome set (also for a
+    refusal found at the first read, without ``requested`` before it); what it raises is
+    logged and reported in ``record.outcome_recorded``. This base class keeps nothing:
+    the log line and the signal are the record.
+    """
+
+    def requested(self, record: ForcedRelease) -> None:
+        """Make ``record`` (outcome ``requested``) durable before the delete."""
+
+    def finished(self, record: ForcedRelease) -> None:
+        """Record ``record.outcome``."""
+
+
+#: The audit of an app without Django: the log line and the signal only.
+LogAudit = ReleaseAudit
+
+
+def default_audit(app=None) -> ReleaseAudit:
+    """The audit store of this process: a
+    :class:`~celery_steplock.contrib.django.eventlog.LeaseEventAudit` when Django is set up
+    (its app registry ready) with ``celery_steplock.contrib.django`` installed, else a
+    :class:`ReleaseAudit` that keeps the log line and the signal only. ``app`` is unused
+    (kept for stores chosen per Celery app)."""
+    django_apps = sys.modules.get("django.apps")
+    registry = getattr(django_apps, "apps", None)
+    if registry is not None and registry.ready and registry.is_installed(
+            "celery_steplock.contrib.django"):
+        from .contrib.django.eventlog import LeaseEventAudit
+
+        return LeaseEventAudit()
+    return ReleaseAudit()
 
 
 def _int(value: Any) -> int | None:
@@ -86,44 +174,96 @@ def _refusal(name: str, key: str, owner: str, current: dict[str, Any] | None
         name=name, key=key, owner=owner, current=current)
 
 
+def _logfmt(value: Any) -> str:
+    # Quoted as JSON when it holds spaces, quotes, '=' or anything unprintable: a lock name
+    # or a user name cannot forge a field or a line.
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' "='):
+        return text
+    return json.dumps(text)
+
+
+_LOGGED = ("outcome", "actor", "actor_host", "via", "name", "key", "owner", "fence",
+           "task_id", "task_name", "audit", "reason", "detail")
+
+
+def _log(record: ForcedRelease, sender: Any, level: int = logging.WARNING,
+         event: str = "force_release_audit") -> None:
+    """One audit line (logfmt, every field quoted as needed) and the audit signal."""
+    data = record.fields()
+    try:
+        text = " ".join(f"{k}={_logfmt(data[k])}" for k in _LOGGED
+                        if data.get(k) not in (None, ""))
+        logger.log(level, "event=%s %s", event, text,
+                   extra={"steplock": dict(data, event=event)})
+    except Exception:  # noqa: BLE001 - logging must never break the release
+        pass
+    if event == "force_release_audit":
+        try:
+            signals.force_release_audit.send(sender=sender, event=event, **data)
+        except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
+            logger.exception("event=%s receiver failed", event)
+
+
+def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
+    _log(record, sender)
+    try:
+        auditor.finished(record)
+    except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
+        record.outcome_recorded = False
+        record.outcome_error = f"{type(exc).__name__}: {exc}"
+        logger.error("event=force_release_outcome_unrecorded name=%s owner=%s outcome=%s "
+                     "audit=%s error=%s", _logfmt(record.name), _logfmt(record.owner),
+                     record.outcome, _logfmt(record.audit or "-"),
+                     _logfmt(record.outcome_error), exc_info=True)
+
+
 def force_release(store, name: str, owner: str, *, actor: str | None = None,
                   reason: str | None = None,
                   audit: Callable[[ForcedRelease], Any] | None = None, app=None,
                   sender: Any = None,
-                  defer: Callable[[Callable[[], None]], Any] | None = None) -> ForcedRelease:
-    """Delete the lease ``name`` if ``owner`` still holds it; returns the :class:`ForcedRelease`.
+                  defer: Callable[[Callable[[], None]], Any] | None = None,
+                  auditor: ReleaseAudit | None = None, actor_host: str | None = None,
+                  via: str = "api") -> ForcedRelease:
+    """Delete the lease ``name`` if ``owner`` still holds it, audited; returns the
+    :class:`ForcedRelease` record (outcome ``released``).
 
     ``store``: a :class:`~celery_steplock.lock.RedisLeaseStore` (``lock.get_lease_store(app)``).
-    ``owner``: the owner token the operator saw holding it. ``actor``: who asks, for the
-    record and the reason. ``reason``: the signal's ``reason`` (default ``"force-released by
-    <actor>"``). ``audit``: called with the record before the release (see the module
-    docstring). ``app``: a Celery app whose registered task named by the lease is the signal
-    sender (so receivers connected with ``sender=task`` fire); else ``sender``, else the
-    lease's task name, else :data:`OPS_SENDER`. ``defer``: called with a no-argument callable
-    that sends the signal and logs (default: call it now).
+    ``owner``: the owner token the operator saw holding it. ``actor``, ``actor_host``,
+    ``via``: who asks, from where, through what (``"admin"``, ``"cli"``; default ``"api"``),
+    for the record. ``reason``: the signal's ``reason`` (default ``"force-released by
+    <actor>"``). ``auditor``: the audit store (a :class:`ReleaseAudit`; default
+    :func:`default_audit`). ``audit``: deprecated, a callable called with the record before
+    the release, inside the durable step (its failure also releases nothing). ``app``: a
+    Celery app whose registered task named by the lease is the signal sender (so receivers
+    connected with ``sender=task`` fire); else ``sender``, else the lease's task name, else
+    :data:`OPS_SENDER`. ``defer``: called with a no-argument callable that sends
+    ``lock_released`` and logs it (default: call it now).
 
-    Raises :class:`LeaseNotHeld` or :class:`LeaseHeldByAnother` (nothing released), the
-    store's :class:`~celery_steplock.exceptions.LockStoreUnavailable` (Redis unreachable) or
+    Raises :class:`LeaseNotHeld` or :class:`LeaseHeldByAnother` (nothing released, outcome
+    recorded), :class:`AuditRecordFailed` (the record could not be made durable: nothing
+    released), the store's :class:`~celery_steplock.exceptions.LockStoreUnavailable` (Redis
+    unreachable; during the delete: outcome ``unknown``) or
     :class:`~celery_steplock.exceptions.LockError` (Redis refused, e.g. a key that is not a
-    lease hash), all naming the lease; whatever ``audit`` raises. Never releases a lease
-    held by another owner.
+    lease hash; during the delete: outcome ``failed``), all naming the lease; an error
+    raised during the delete carries the record as ``forced_release``. Never releases a
+    lease held by another owner. See the module docstring for the order of the steps.
     """
+    if auditor is None:
+        auditor = default_audit(app)
     key = store.key(name)
     current = store.inspect(name)
-    if current is None or current.get("owner") != owner:
-        raise _refusal(name, key, owner, current)
     actor_text = actor or "an operator"
+    # The holder's fields only when it is the owner asked for: a refusal names the other
+    # holder in its detail, never as the subject of the record.
+    held = current if current is not None and current.get("owner") == owner else {}
     record = ForcedRelease(
-        name=name, key=key, owner=owner, fence=_int(current.get("fence")),
-        task_id=current.get("task_id") or None, task_name=current.get("task_name") or None,
-        worker=current.get("worker") or None, hostname=current.get("hostname") or None,
-        pid=_int(current.get("pid")), step=current.get("step") or None,
-        ttl=current.get("ttl"), actor=actor,
-        reason=reason or f"force-released by {actor_text}", lease=dict(current))
-    if audit is not None:
-        audit(record)
-    if not store.release(name, owner):
-        raise _refusal(name, key, owner, store.inspect(name))
+        name=name, key=key, owner=owner, fence=_int(held.get("fence")),
+        task_id=held.get("task_id") or None, task_name=held.get("task_name") or None,
+        worker=held.get("worker") or None, hostname=held.get("hostname") or None,
+        pid=_int(held.get("pid")), step=held.get("step") or None,
+        ttl=held.get("ttl"), actor=actor, actor_host=actor_host, via=via,
+        reason=reason or f"force-released by {actor_text}", lease=dict(held))
 
     if sender is None:
         sender = record.task_name or OPS_SENDER
@@ -133,13 +273,56 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
             except Exception:  # noqa: BLE001 - a sender is a nicety; the event must go out
                 pass
 
+    def refuse(now: dict[str, Any] | None) -> ForceReleaseRefused:
+        refusal = _refusal(name, key, owner, now)
+        record.outcome = "not_held" if now is None else "held_by_another"
+        record.detail = (str(refusal) if now is None else
+                         f"held by {now.get('owner')} (fence {now.get('fence')})")
+        _finish(auditor, record, sender)
+        return refusal
+
+    if current is None or current.get("owner") != owner:
+        raise refuse(current)
+
+    _log(record, sender)
+    try:
+        if audit is not None:
+            audit(record)
+        auditor.requested(record)
+    except Exception as exc:  # noqa: BLE001 - no record, no release: whatever the store said
+        logger.error("event=force_release_aborted name=%s owner=%s error=%s",
+                     _logfmt(name), _logfmt(owner), _logfmt(f"{type(exc).__name__}: {exc}"))
+        raise AuditRecordFailed(
+            f"lease {name!r}: the audit record of the force release could not be written "
+            f"({type(exc).__name__}: {exc}): nothing released", name=name, key=key,
+            owner=owner, current=current) from exc
+
+    try:
+        deleted = store.release(name, owner)
+    except StepLockError as exc:
+        record.outcome = "unknown" if isinstance(exc, LockStoreUnavailable) else "failed"
+        record.detail = str(exc)
+        _finish(auditor, record, sender)
+        exc.forced_release = record
+        raise
+    if not deleted:
+        try:
+            now = store.inspect(name)
+        except StepLockError:
+            now = None
+        raise refuse(now)
+
+    record.outcome = "released"
+    _finish(auditor, record, sender)
+
     def announce() -> None:
         emit(signals.lock_released, sender, logging.WARNING, key=record.key, name=record.name,
              owner=record.owner, fence=record.fence, task_id=record.task_id,
              task_name=record.task_name,
-             ttl=(_int(current.get("ttl_ms")) or 0) / 1000.0 or None, forced=True,
-             reason=record.reason, user=actor, step=record.step, hostname=record.hostname,
-             pid=record.pid, worker=record.worker)
+             ttl=(_int(held.get("ttl_ms")) or 0) / 1000.0 or None, forced=True,
+             reason=record.reason, user=actor, actor_host=actor_host, via=via,
+             step=record.step, hostname=record.hostname, pid=record.pid,
+             worker=record.worker, audit=record.audit)
 
     (defer or (lambda send: send()))(announce)
     return record

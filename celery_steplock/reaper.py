@@ -63,6 +63,7 @@ reused pid makes a dead holder look alive, which leaves its lease to the TTL (th
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -114,6 +115,9 @@ class ReapReport:
     ``leases_reaped``: one dict per lease removed (or, with ``dry_run``, that would be):
     ``name``, ``key``, ``owner``, ``fence``, ``task_id``, ``task_name``, ``worker``,
     ``hostname``, ``pid``, ``step``, ``ttl`` (seconds it had left when observed), ``reason``.
+    ``leases_malformed``: one dict per malformed lease seen (``name``, ``key``,
+    ``malformed``: what is wrong, see :func:`~celery_steplock.lease.parse_lease`), skipped:
+    never reaped, left to its TTL (at most :data:`MAX_RECORDS` listed).
     ``steps_recovered``: one dict per step moved (or to move): ``model``
     (``"app_label.Model"``), ``pk``, ``from_``, ``to``, ``owner`` (the dead owner), ``lease``
     (its lease name when reaped in this run, else None), ``reason``. Both lists keep at most
@@ -124,6 +128,7 @@ class ReapReport:
 
     leases_scanned: int = 0
     leases_reaped: list[dict[str, Any]] = field(default_factory=list)
+    leases_malformed: list[dict[str, Any]] = field(default_factory=list)
     steps_recovered: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     dry_run: bool = False
@@ -190,6 +195,8 @@ class ReapReport:
                          f"{step['to']} (owner {_short(step['owner'])}): {step['reason']}")
         if self._recovered_unlisted:
             lines.append(f"... and {self._recovered_unlisted} more step(s) not listed")
+        for lease in self.leases_malformed:
+            lines.append(f"skipped malformed lease {lease['name']}: {lease['malformed']}")
         return lines
 
     def summary_lines(self) -> list[str]:
@@ -200,6 +207,8 @@ class ReapReport:
         return [f"leases scanned: {self.leases_scanned}",
                 f"leases {would}: {self.reaped_count}{suffix}",
                 f"steps {to_recover}: {self.recovered_count}",
+                *([f"leases malformed (skipped): {len(self.leases_malformed)}"]
+                  if self.leases_malformed else []),
                 f"errors: {len(self.errors)}",
                 f"duration: {self.duration:.2f}s"]
 
@@ -230,7 +239,7 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:
+    except (OSError, OverflowError, ValueError):  # OverflowError: beyond a C pid_t
         return True
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
@@ -495,9 +504,10 @@ class Reaper:
             except StepLockError as exc:
                 self.error(f"lease scan failed, no step recovered: {exc}")
                 return False
-            leases = [lease for lease in leases if lease.get("owner")]
+            self.report.leases_scanned += sum(1 for lease in leases if lease.get("owner"))
+            leases = [lease for lease in leases
+                      if not self.malformed(lease) and lease.get("owner")]
             if leases:
-                self.report.leases_scanned += len(leases)
                 now_ms = self.redis_now_ms()
                 ready = []
                 for lease in leases:
@@ -520,12 +530,35 @@ class Reaper:
             if cursor == 0:
                 return True
 
+    def malformed(self, lease: dict[str, Any]) -> bool:
+        """Whether ``lease`` is malformed (then skipped, listed in the report and logged):
+        its holder cannot be judged from fields that are not what they claim to be. Such a
+        lease is never reaped (its TTL still ends it) but its owner counts as live for pass
+        2 when it names one, the safe side."""
+        problems = lease.get("malformed")
+        if not problems:
+            return False
+        logger.warning("event=reaper_malformed_lease key=%s problems=%s",
+                       json.dumps(str(lease.get("key"))), json.dumps(str(problems)))
+        if len(self.report.leases_malformed) < MAX_RECORDS:
+            self.report.leases_malformed.append(
+                {"name": lease.get("name"), "key": lease.get("key"), "malformed": problems})
+        if lease.get("owner"):
+            self.keep_live(lease)
+        return True
+
     def judge(self, leases: list[dict[str, Any]], now_ms: int | None) -> None:
         """Judge one batch of leases, reap the dead ones' in one round trip, and keep what
-        pass 2 needs to know about them."""
+        pass 2 needs to know about them. A lease whose judging fails is an error of the
+        report and is kept; the others of the batch are judged all the same."""
         dead = []
         for lease in leases:
-            reason = self.verdict(lease, self.answered, now_ms)
+            try:
+                reason = self.verdict(lease, self.answered, now_ms)
+            except Exception as exc:  # noqa: BLE001 - one lease must not stop the run
+                self.error(f"could not judge lease {lease.get('name')!r}, kept: "
+                           f"{type(exc).__name__}: {exc}")
+                reason = None
             if reason is None:
                 self.keep_live(lease)
             else:

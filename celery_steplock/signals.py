@@ -11,7 +11,11 @@ carries these keyword arguments:
 
 plus, where it applies: ``holder`` (lock_contended: the current owner), ``reason``
 (lock_lost, lock_expired), ``forced`` (lock_released by an operator), ``step_id``,
-``from_``, ``to``, ``current`` (transition_*), ``policy`` (lock_store_error). Task arguments
+``from_``, ``to``, ``current`` (transition_*), ``policy`` (lock_store_error).
+``force_release_audit`` is the audit trail of an operator's force release
+(:mod:`celery_steplock.ops`): sent once with ``outcome="requested"`` before the delete and
+once with its outcome, with ``actor``, ``actor_host``, ``via`` and ``audit`` besides the
+lease's fields. Task arguments
 are never sent. A receiver that raises is logged and ignored: it never breaks locking.
 ``lock_extended`` and the heartbeat's ``lock_lost`` run on the heartbeat thread, between
 renewals: keep those receivers fast (hand slow work to a queue), or leases can expire.
@@ -20,7 +24,7 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
-           "lock_store_error", "ALL_SIGNALS"]
+           "lock_store_error", "force_release_audit", "ALL_SIGNALS"]
 
 lock_acquired = Signal(name="lock_acquired")
 lock_contended = Signal(name="lock_contended")
@@ -32,6 +36,9 @@ transition_applied = Signal(name="transition_applied")
 transition_conflict = Signal(name="transition_conflict")
 #: Redis could not be reached; ``policy`` says whether the body was refused or ran unlocked.
 lock_store_error = Signal(name="lock_store_error")
+#: An operator's force release: requested (before the delete), then its outcome.
+force_release_audit = Signal(name="force_release_audit")
 
 ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock_expired,
-               lock_lost, transition_applied, transition_conflict, lock_store_error)
+               lock_lost, transition_applied, transition_conflict, lock_store_error,
+               force_release_audit)

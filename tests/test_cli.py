@@ -1,6 +1,7 @@
 """``celery -A django_app steplock ...`` (celery_steplock.cli) run as real subprocesses through
 Celery's ``celery.commands`` entry point, against the session's Redis and the test database."""
 import json
+import os
 import subprocess
 import sys
 
@@ -143,3 +144,94 @@ def test_redis_down_exits_non_zero(cli):
     report = json.loads(reaping.stdout)
     assert not report["ok"] and "lease scan failed" in report["errors"][0]
     assert "error: lease scan failed" in reaping.stderr
+
+
+# -- release is audited (issue 12, finding 3); corrupt leases (finding 5) -------------------
+
+def test_release_is_audited_with_the_os_user_and_host(cli, lease_store):
+    """With a Django project the record is a LeaseEvent row, committed before the delete,
+    naming the OS user and this host; a refused release is recorded too."""
+    import getpass
+    import socket
+
+    from celery_steplock.contrib.django.models import LeaseEvent
+
+    lease = take(lease_store, "order:1")
+    refused = cli("release", "order:1", "--owner", "not-the-owner")
+    assert refused.returncode == 1
+    released = cli("release", "order:1", "--owner", lease.owner)
+    assert released.returncode == 0, released.stderr
+    first, second = LeaseEvent.objects.filter(event="force_release").order_by("id")
+    user, host = getpass.getuser(), socket.gethostname()
+    assert (first.outcome, first.owner, first.actor, first.actor_host, first.via) == (
+        "held_by_another", "not-the-owner", user, host, "cli")
+    assert (second.outcome, second.owner, second.fence, second.actor, second.actor_host,
+            second.via) == ("released", lease.owner, lease.fence, user, host, "cli")
+    assert f"audit: LeaseEvent {second.pk}" in released.stdout
+    assert f"force-released by {user}@{host} from the command line" in second.reason
+
+
+PLAIN_APP = '''
+import os
+from celery import Celery
+
+app = Celery("plain", broker=os.environ["REDIS_URL"])
+app.conf.steplock_redis_url = os.environ["REDIS_URL"]
+'''
+
+
+def test_release_on_a_plain_celery_app_logs_the_record(worker_env, lease_store, tmp_path):
+    """Without Django the audit record is the WARNING line on the celery_steplock logger:
+    requested before the delete, then released, with the OS user and host."""
+    import getpass
+    import shlex
+    import socket
+
+    (tmp_path / "plainapp.py").write_text(PLAIN_APP)
+    env = {k: v for k, v in worker_env.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{worker_env['PYTHONPATH']}"
+    lease = take(lease_store, "order:1")
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "plainapp", "steplock",
+                           "release", "order:1", "--owner", lease.owner], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "audit: log line event=force_release_audit" in done.stdout
+    lines = [shlex.split(line) for line in done.stderr.splitlines()
+             if "event=force_release_audit" in line]
+    fields = [dict(token.split("=", 1) for token in line if "=" in token) for line in lines]
+    assert [f["outcome"] for f in fields] == ["requested", "released"]
+    for f in fields:
+        assert (f["actor"], f["actor_host"], f["via"], f["name"], f["owner"], f["fence"]) == (
+            getpass.getuser(), socket.gethostname(), "cli", "order:1", lease.owner,
+            str(lease.fence))
+    assert lease_store.inspect("order:1") is None
+
+
+def test_ls_and_show_survive_malformed_leases(cli, lease_store, redis_client):
+    import redis
+
+    good = take(lease_store, "order:1", pid=11)
+    take(lease_store, "order:2", pid="9" * 40)
+    redis_client.hset(lease_store.key("order:2"), "acquired_ms", "noon")
+    kwargs = redis_client.connection_pool.connection_kwargs
+    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+    raw.hset(lease_store.key("order:3"), mapping={"owner": b"\xff\xfe", "fence": b"x"})
+    raw.pexpire(lease_store.key("order:3"), 60000)
+    raw.close()
+    table = cli("ls")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:4]] == ["order:1", "order:2", "order:3"]
+    assert lines[-2] == "3 lease(s)"
+    assert lines[-1].startswith('2 malformed lease(s)') and '"order:2"' in lines[-1]
+    assert good.owner[:12] in lines[1]
+    listed = {lease["name"]: lease for lease in json.loads(cli("ls", "--json").stdout)}
+    assert "malformed" not in listed["order:1"]
+    assert "acquired_ms: not an integer" in listed["order:2"]["malformed"]
+    assert "pid" not in listed["order:2"] and listed["order:2"]["age"] is None
+    shown = cli("show", "order:3")
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(line.split(None, 1) for line in shown.stdout.splitlines())
+    assert fields["malformed"] == "fence: not an integer ('x'); owner: not UTF-8"
+    assert json.loads(cli("show", "order:2", "--json").stdout)["malformed"].startswith(
+        "acquired_ms")

@@ -123,3 +123,87 @@ def test_old_import_paths_still_work():
     assert lock.holder_metadata is holder_metadata
     assert lock.CLOCK_DRIFT_FACTOR == CLOCK_DRIFT_FACTOR
     assert lock.RedisLeaseStore is lock.RedisLeaseStore
+
+
+# -- one tolerant reader of a lease hash; reserved fields (issue 12, finding 5) --------------
+
+from celery_steplock.exceptions import MetadataError, StepLockError  # noqa: E402
+from celery_steplock.lease import RESERVED_FIELDS, parse_lease  # noqa: E402
+
+
+def binary_client(redis_client):
+    """A client that writes raw bytes (no decoding), on the same Redis."""
+    import redis
+
+    kwargs = redis_client.connection_pool.connection_kwargs
+    return redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+
+
+def test_malformed_fields_are_left_out_and_described_by_every_reader(lock, redis_client):
+    good = lock.acquire("good", ttl=60.0, metadata={"task_name": "shop.charge", "pid": 42})
+    lock.acquire("bad", ttl=60.0, metadata={"task_name": "shop.charge", "pid": "9" * 30})
+    redis_client.hset(lock.key("bad"), mapping={"acquired_ms": "12abc", "fence": "-5"})
+    raw = binary_client(redis_client)
+    raw.hset(lock.key("bytes"), mapping={"owner": b"o\xff", "fence": b"7",
+                                         "meta": b'{"worker": "w\xfe@box", "retries": 2}'})
+    raw.hset(lock.key("meta"), mapping={"owner": "x", "meta": b"[1, 2]"})
+    raw.close()
+    by_scan = {lease["name"]: lease for lease in lock.scan(0, 1000)[1]}
+    assert sorted(by_scan) == ["bad", "bytes", "good", "meta"]
+    for name in ("good", "bad", "bytes", "meta"):
+        inspected = lock.inspect(name)
+        assert inspected == {**by_scan[name], "ttl": inspected["ttl"]}
+    assert "malformed" not in by_scan["good"] and by_scan["good"]["pid"] == "42"
+    assert by_scan["good"]["fence"] == str(good.fence)
+    bad = by_scan["bad"]
+    assert bad["malformed"] == ("acquired_ms: not an integer ('12abc'); fence: out of "
+                                "range ('-5'); pid: out of range ('" + "9" * 30 + "')")
+    assert not {"fence", "acquired_ms", "pid"} & set(bad) and bad["task_name"] == "shop.charge"
+    assert by_scan["bytes"]["owner"] == "o\ufffd" and by_scan["bytes"]["retries"] == "2"
+    assert by_scan["bytes"]["malformed"] == "owner: not UTF-8; worker: not UTF-8"
+    assert by_scan["meta"]["malformed"] == "meta: not a JSON object ('[1, 2]')"
+    assert all(isinstance(v, str) for lease in by_scan.values() for k, v in lease.items()
+               if k != "ttl")
+
+
+def test_parse_lease_never_raises_and_meta_cannot_shadow_the_hash():
+    assert parse_lease({"owner": "a", "fence": "3", "meta": '{"owner": "b", "fence": "9", '
+                        '"step": "x:1"}'}) == {
+        "owner": "a", "fence": "3", "step": "x:1",
+        "malformed": "meta: reserved key 'fence'; meta: reserved key 'owner'"}
+    # a hash without an owner cannot borrow one from its metadata
+    assert parse_lease({"meta": '{"owner": "b"}'})["malformed"] == (
+        "meta: reserved key 'owner'; owner: missing")
+    assert "owner" not in parse_lease({"meta": '{"owner": "b"}'})
+    assert parse_lease(None) == {"malformed": "hash: unreadable"}
+    assert parse_lease({}) == {}  # no key: nothing held (callers test it for truth)
+    assert parse_lease({"owner": "a", "meta": "{not json"})["malformed"].startswith(
+        "meta: not a JSON object")
+    long = "x" * 10_000
+    assert len(parse_lease({"owner": "a", "pid": long})["malformed"]) < 100
+
+
+@pytest.mark.parametrize("key", sorted(RESERVED_FIELDS))
+def test_metadata_cannot_use_a_reserved_field(lock, key):
+    with pytest.raises(MetadataError) as caught:
+        lock.acquire("order:1", ttl=30.0, metadata={"task_id": "t", key: "forged"})
+    assert caught.value.keys == (key,) and isinstance(caught.value, StepLockError)
+    assert isinstance(caught.value, ValueError) and key in str(caught.value)
+    assert lock.inspect("order:1") is None  # refused before anything was written
+    with pytest.raises(MetadataError):
+        holder_metadata("t", "shop.charge", 0, **{key: "forged"})
+
+
+def test_the_holder_still_releases_after_an_overwrite_attempt(lock):
+    lease = lock.acquire("order:1", ttl=30.0, metadata={"task_name": "shop.charge"})
+    for forged in ({"owner": "evil"}, {"fence": "1"}, {"acquired_ms": "0", "x": "1"},
+                   {1: "not a string key"}):
+        with pytest.raises(MetadataError):
+            lock.acquire("order:1", owner=lease.owner, ttl=30.0, metadata=forged)
+        with pytest.raises(MetadataError):
+            lock.acquire("order:1", owner="another", ttl=30.0, metadata=forged)
+    held = lock.inspect("order:1")
+    assert held["owner"] == lease.owner and held["fence"] == str(lease.fence)
+    assert "malformed" not in held
+    assert lock.release("order:1", lease.owner) is True
+    assert lock.inspect("order:1") is None

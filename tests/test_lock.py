@@ -503,11 +503,16 @@ def test_leases_stored_field_by_field_read_the_same(lock, redis_client):
 
 
 def test_a_field_of_the_hash_wins_over_a_metadata_entry(lock, redis_client):
-    lock.acquire("w", "o1", 5.0, metadata={**TASK_META, "owner": "forged", "fence": "1"})
-    redis_client.hset("t:lease:{w}", "step", "workflows.step:43")
+    lock.acquire("w", "o1", 5.0, metadata=TASK_META)
+    # The API refuses reserved metadata keys (MetadataError); a hash written otherwise:
+    meta = json.loads(redis_client.hget("t:lease:{w}", "meta"))
+    redis_client.hset("t:lease:{w}", mapping={
+        "step": "workflows.step:43", "meta": json.dumps({**meta, "owner": "forged",
+                                                         "fence": "1"})})
     info = lock.inspect("w")
     assert info["owner"] == "o1" and int(info["fence"]) > 1
     assert info["step"] == "workflows.step:43" and info["task_id"] == "6f1c2a47"
+    assert info["malformed"] == "meta: reserved key 'fence'; meta: reserved key 'owner'"
 
 
 def test_fence_counter_has_a_ttl_of_two_periods_when_new(redis_client):

@@ -1,15 +1,26 @@
-"""The force release shared by the admin and the CLI (celery_steplock.ops), on a real Redis."""
+"""The force release shared by the admin and the CLI (celery_steplock.ops), on a real Redis
+and the test database (the audit store of a Django project: LeaseEvent rows)."""
+import getpass
 import logging
+import shlex
+import socket
 
 import pytest
 
 from celery_steplock import signals
-from celery_steplock.exceptions import LockError, LockStoreUnavailable, StepLockError
+from celery_steplock.contrib.django.eventlog import LeaseEventAudit
+from celery_steplock.contrib.django.models import LeaseEvent
+from celery_steplock.exceptions import (AuditRecordFailed, LockError, LockStoreUnavailable,
+                                        StepLockError)
 from celery_steplock.lock import RedisLeaseStore, get_lease_store, make_client
 from celery_steplock.ops import (OPS_SENDER, ForcedRelease, ForceReleaseRefused,
-                                 LeaseHeldByAnother, LeaseNotHeld, force_release)
+                                 LeaseHeldByAnother, LeaseNotHeld, ReleaseAudit,
+                                 default_audit, force_release)
 from django_app.workflows.tasks import advance
 from helpers import closed_port_url
+
+# The default audit store of this (Django) process writes LeaseEvent rows.
+pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
@@ -80,8 +91,11 @@ def test_a_failing_audit_releases_nothing(store, released):
     def audit(record):
         raise RuntimeError("no database")
 
-    with pytest.raises(RuntimeError, match="no database"):
+    with pytest.raises(AuditRecordFailed, match="nothing released") as caught:
         force_release(store, "step:3", lease.owner, audit=audit)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(caught.value, ForceReleaseRefused)
+    assert caught.value.current["owner"] == lease.owner
     assert store.inspect("step:3")["owner"] == lease.owner and released == []
 
 
@@ -157,3 +171,154 @@ def test_a_key_that_is_not_a_lease_is_refused_not_released(store, redis_client):
         force_release(store, "odd", "someone")
     assert "'odd'" in str(caught.value)
     assert redis_client.get(store.key("odd")) == "x"
+
+
+# -- the audit record (issue 12, finding 3) ------------------------------------------------
+
+
+@pytest.fixture
+def audited():
+    """Every ``force_release_audit`` signal sent during the test, as keyword dicts."""
+    seen = []
+
+    def receiver(sender=None, **kwargs):
+        seen.append(dict(kwargs, sender=sender))
+
+    signals.force_release_audit.connect(receiver, weak=False, dispatch_uid="test-ops-audit")
+    yield seen
+    signals.force_release_audit.disconnect(dispatch_uid="test-ops-audit")
+
+
+def audit_rows():
+    return list(LeaseEvent.objects.filter(event="force_release").order_by("id"))
+
+
+def test_the_default_audit_of_a_django_process_is_the_lease_event_table():
+    assert isinstance(default_audit(), LeaseEventAudit)
+
+
+def test_a_release_is_recorded_with_the_operator_before_the_delete(store, released, audited):
+    """The row exists, outcome "requested", while the lease is still held; then it says
+    "released"; the operator, their host and the channel are on it."""
+    lease = take(store, "step:3")
+    seen_during_delete = []
+    real_release = store.release
+
+    def release(name, owner):
+        seen_during_delete.append([(row.outcome, row.actor) for row in audit_rows()])
+        return real_release(name, owner)
+
+    store.release = release
+    try:
+        record = force_release(store, "step:3", lease.owner, actor="bob",
+                               actor_host="ops-box", via="cli")
+    finally:
+        del store.release
+    assert seen_during_delete == [[("requested", "bob")]]
+    [row] = audit_rows()
+    assert (row.outcome, row.actor, row.actor_host, row.via) == (
+        "released", "bob", "ops-box", "cli")
+    assert (row.name, row.key, row.owner, row.fence) == (
+        "step:3", lease.key, lease.owner, lease.fence)
+    assert (row.task_name, row.task_id, row.pid, row.hostname) == (
+        advance.name, "task-1", 77, "box")
+    assert record.outcome == "released" and record.outcome_recorded is True
+    assert record.audit == f"LeaseEvent {row.pk}" and record.audit_id == row.pk
+    assert [a["outcome"] for a in audited] == ["requested", "released"]
+    assert all(a["actor"] == "bob" and a["actor_host"] == "ops-box" and a["via"] == "cli"
+               for a in audited)
+    assert store.inspect("step:3") is None
+    assert released[0]["audit"] == record.audit and released[0]["via"] == "cli"
+
+
+def test_a_refusal_is_recorded_too(store, released):
+    lease = take(store, "step:3")
+    with pytest.raises(LeaseHeldByAnother):
+        force_release(store, "step:3", "stale-owner", actor="bob")
+    with pytest.raises(LeaseNotHeld):
+        force_release(store, "step:404", "someone", actor="carol")
+    first, second = audit_rows()
+    assert (first.outcome, first.actor, first.owner, first.name) == (
+        "held_by_another", "bob", "stale-owner", "step:3")
+    assert lease.owner in first.reason  # the holder found, in the detail
+    assert first.fence is None  # the holder's fence is not the subject of the record
+    assert (second.outcome, second.actor, second.name) == ("not_held", "carol", "step:404")
+    assert store.inspect("step:3")["owner"] == lease.owner and released == []
+
+
+class SwapsHolder(LeaseEventAudit):
+    """Commits the request, then lets another attempt take the lease before the delete."""
+
+    def __init__(self, store, old_owner, **kwargs):
+        super().__init__(**kwargs)
+        self.store, self.old_owner, self.newcomer = store, old_owner, None
+
+    def requested(self, record):
+        super().requested(record)
+        assert self.store.release(record.name, self.old_owner)
+        self.newcomer = take(self.store, record.name)
+
+
+def test_a_request_that_released_nothing_says_so_in_its_record(store, released):
+    old = take(store, "step:3")
+    auditor = SwapsHolder(store, old.owner)
+    with pytest.raises(LeaseHeldByAnother):
+        force_release(store, "step:3", old.owner, actor="bob", auditor=auditor)
+    [row] = audit_rows()
+    assert (row.outcome, row.owner, row.fence) == ("held_by_another", old.owner, old.fence)
+    assert auditor.newcomer.owner in row.reason
+    assert store.inspect("step:3")["owner"] == auditor.newcomer.owner and released == []
+
+
+def test_redis_lost_during_the_delete_is_recorded_as_unknown(private_redis, released):
+    store = RedisLeaseStore(make_client(private_redis.url, socket_timeout=1.0), prefix="t")
+    lease = take(store, "step:3")
+
+    class StopsRedis(LeaseEventAudit):
+        def requested(self, record):
+            super().requested(record)
+            private_redis.stop()
+
+    with pytest.raises(LockStoreUnavailable) as caught:
+        force_release(store, "step:3", lease.owner, actor="bob", auditor=StopsRedis())
+    record = caught.value.forced_release
+    [row] = audit_rows()
+    assert record.outcome == row.outcome == "unknown" and row.owner == lease.owner
+    assert released == []
+
+
+def test_without_django_the_log_line_and_the_signal_are_the_record(store, audited, caplog):
+    lease = take(store, "step:3")
+    user, host = getpass.getuser(), socket.gethostname()
+    with caplog.at_level(logging.WARNING, logger="celery_steplock"):
+        record = force_release(store, "step:3", lease.owner, actor=user, actor_host=host,
+                               via="cli", auditor=ReleaseAudit())
+    lines = [r.getMessage() for r in caplog.records if "event=force_release_audit" in
+             r.getMessage()]
+    assert [line.split()[1] for line in lines] == ["outcome=requested", "outcome=released"]
+    for line in lines:
+        for part in (f"actor={user}", f"actor_host={host}", "via=cli", "name=step:3",
+                     f"owner={lease.owner}", f"fence={lease.fence}"):
+            assert part in line.split(), (part, line)
+    structured = [r.steplock for r in caplog.records if getattr(r, "steplock", {}).get(
+        "event") == "force_release_audit"]
+    assert [s["outcome"] for s in structured] == ["requested", "released"]
+    assert [a["outcome"] for a in audited] == ["requested", "released"]
+    assert record.audit is None and audit_rows() == []
+    assert store.inspect("step:3") is None
+
+
+def test_an_operator_name_cannot_forge_an_audit_line(store, caplog):
+    lease = take(store, "step:3")
+    with caplog.at_level(logging.WARNING, logger="celery_steplock"):
+        force_release(store, "step:3", lease.owner, actor="eve\nevent=force_release_audit "
+                      "outcome=released actor=alice", auditor=ReleaseAudit())
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("event=force_release_audit ")]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    for line in lines:
+        tokens = shlex.split(line)
+        assert [t for t in tokens if t.startswith("outcome=")] in (
+            ["outcome=requested"], ["outcome=released"])
+        [actor] = [t for t in tokens if t.startswith("actor=")]
+        assert actor == "actor=eve\\nevent=force_release_audit outcome=released actor=alice"

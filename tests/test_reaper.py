@@ -88,8 +88,9 @@ def test_pid_alive_tells_live_dead_and_zombie_processes():
 def test_report_as_dict_is_json_ready():
     report = ReapReport(leases_scanned=3, errors=["boom"], dry_run=True, duration=0.5)
     data = report.as_dict()
-    assert data == {"leases_scanned": 3, "leases_reaped": [], "steps_recovered": [],
-                    "errors": ["boom"], "dry_run": True, "duration": 0.5, "ok": False}
+    assert data == {"leases_scanned": 3, "leases_reaped": [], "leases_malformed": [],
+                    "steps_recovered": [], "errors": ["boom"], "dry_run": True,
+                    "duration": 0.5, "ok": False}
     assert report.summary_lines()[:4] == [
         "leases scanned: 3", "leases to reap: 0 (dry run: nothing changed)",
         "steps to recover: 0", "errors: 1"]
@@ -161,6 +162,40 @@ def test_local_pid_decides_for_leases_taken_on_this_host(app, lease_store, redis
     # check_pids=False: only the ping and the heartbeat judge, and "alive" is silent and stale.
     report = reap(app, ping_timeout=PING, check_pids=False)
     assert [r["name"] for r in report.leases_reaped] == ["alive"]
+
+
+def test_one_malformed_lease_does_not_stop_the_run(app, lease_store, redis_client,
+                                                   expired_events):
+    """An oversized pid (OverflowError in os.kill on the landed code) and an unreadable
+    renewal time beside dead holders: the dead ones are reaped, the malformed ones are
+    listed and left to their TTL, and the run is a success."""
+    here = socket.gethostname()
+    names = ("dead-1", "huge-pid", "dead-2", "bad-clock")
+    for name in names:
+        take(lease_store, name, hostname=here, worker=GHOST,
+             pid="9" * 30 if name == "huge-pid" else dead_pid())
+        age(redis_client, lease_store, name, 600)
+    redis_client.hset(lease_store.key("bad-clock"), "renewed_ms", "later")
+    report = reap(app, ping_timeout=PING)
+    assert report.ok, report.errors
+    assert sorted(r["name"] for r in report.leases_reaped) == ["dead-1", "dead-2"]
+    assert sorted(e["name"] for e in expired_events) == ["dead-1", "dead-2"]
+    malformed = {m["name"]: m["malformed"] for m in report.leases_malformed}
+    assert sorted(malformed) == ["bad-clock", "huge-pid"]
+    assert malformed["huge-pid"].startswith("pid: out of range")
+    assert malformed["bad-clock"].startswith("renewed_ms: not an integer")
+    assert report.leases_scanned == 4
+    assert "leases malformed (skipped): 2" in report.summary_lines()
+    assert any(line.startswith("skipped malformed lease huge-pid: pid: out of range")
+               for line in report.detail_lines())
+    assert lease_store.inspect("huge-pid") and lease_store.inspect("bad-clock")
+    assert lease_store.inspect("dead-1") is None and lease_store.inspect("dead-2") is None
+    again = reap(app, ping_timeout=PING)
+    assert again.ok and again.leases_reaped == [] and len(again.leases_malformed) == 2
+
+
+def test_pid_alive_answers_alive_for_a_pid_beyond_the_os_range():
+    assert pid_alive(2 ** 70) is True  # doubt never reaps (was OverflowError)
 
 
 def test_a_renewing_lease_survives_a_pid_that_looks_dead(app, lease_store, redis_client):

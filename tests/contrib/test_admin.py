@@ -8,6 +8,7 @@ page tests assert the bounds ``lease_page`` guarantees, never the figures of one
 from __future__ import annotations
 
 import html as html_lib
+from contextlib import contextmanager
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from celery_steplock import signals
 from celery_steplock.contrib.django.admin import LeaseAdmin
 from celery_steplock.contrib.django.leases import (STOP_BUDGET, STOP_COMPLETE, STOP_FULL,
                                                    STOP_NO_ROOM, STOP_STEPS, lease_page)
-from celery_steplock.contrib.django.models import Lease
+from celery_steplock.contrib.django.models import Lease, LeaseEvent
 from celery_steplock.keys import lease_key
 from celery_steplock.lock import get_lease_store, holder_metadata
 from django_app.workflows.models import Step
@@ -443,7 +444,7 @@ def test_a_fresh_web_process_lists_the_autodiscovered_tasks(store):
         from django.contrib import admin
         from django.contrib.auth.models import User
         from django.test import RequestFactory
-        from celery_steplock.contrib.django.models import Lease
+        from celery_steplock.contrib.django.models import Lease, LeaseEvent
         request = RequestFactory().get("/admin/celery_steplock/lease/")
         request.user = User(username="su", is_superuser=True, is_staff=True, is_active=True)
         response = admin.site._registry[Lease].changelist_view(request)
@@ -569,8 +570,7 @@ def test_stale_owner_releases_nothing(releaser, store, released_signals):
     assert "already gone" in message and "nothing released" in message
 
 
-def test_force_release_by_the_shown_owner(releaser, store, released_signals,
-                                          django_capture_on_commit_callbacks):
+def test_force_release_by_the_shown_owner(releaser, store, released_signals):
     lease = grab(store, "step:1", step="workflows.step:1")
     keep = grab(store, "step:2")
     client = login(releaser, enforce_csrf_checks=True)
@@ -580,13 +580,10 @@ def test_force_release_by_the_shown_owner(releaser, store, released_signals,
     page = client.get(row["release_url"])
     assert page.status_code == 200
     form = page.context["form"].initial
-    with django_capture_on_commit_callbacks(execute=True) as callbacks:
-        response = client.post(row["release_url"], {
-            "name": form["name"], "owner": form["owner"],
-            "changelist_filters": form["changelist_filters"],
-            "csrfmiddlewaretoken": csrf_token_of(page)})
-        assert released_signals == []  # the event follows the audit record's commit
-    assert len(callbacks) == 1
+    response = client.post(row["release_url"], {
+        "name": form["name"], "owner": form["owner"],
+        "changelist_filters": form["changelist_filters"],
+        "csrfmiddlewaretoken": csrf_token_of(page)}, REMOTE_ADDR="192.0.2.7")
     assert response.status_code == 302
     assert response["Location"] == reverse(CHANGELIST) + "?q=workflows"  # filters kept
     assert store.inspect(lease.name) is None
@@ -598,12 +595,18 @@ def test_force_release_by_the_shown_owner(releaser, store, released_signals,
     assert entry.content_type == ContentType.objects.get_for_model(Lease)
     assert entry.object_id == lease.name and entry.object_repr == lease.name
     assert lease.owner in entry.change_message and str(lease.fence) in entry.change_message
+    # the audit record shared with `celery steplock release`
+    [record] = LeaseEvent.objects.filter(event="force_release")
+    assert (record.actor, record.actor_host, record.via, record.outcome) == (
+        "releaser", "192.0.2.7", "admin", "released")
+    assert (record.name, record.owner, record.fence, record.task_name) == (
+        lease.name, lease.owner, lease.fence, ADVANCE)
     [sent] = released_signals
     assert sent["forced"] is True and sent["event"] == "lock_released"
     assert sent["owner"] == lease.owner and sent["fence"] == lease.fence
     assert sent["name"] == lease.name and sent["key"] == lease.key
     assert sent["task_name"] == ADVANCE and sent["task_id"] == lease.task_id
-    assert "releaser" in sent["reason"]
+    assert "releaser" in sent["reason"] and sent["audit"] == f"LeaseEvent {record.pk}"
     # the sender is the holder's registered task when this process knows it
     assert getattr(sent["sender"], "name", None) == ADVANCE
 
@@ -619,3 +622,156 @@ def test_lease_event_admin_is_read_only(admin_client):
     url = reverse("admin:celery_steplock_leaseevent_changelist")
     assert admin_client.get(url).status_code == 200
     assert admin_client.get(reverse("admin:celery_steplock_leaseevent_add")).status_code == 403
+
+
+# -- the audit record commits before the delete (issue 12, finding 3) -----------------------
+
+@contextmanager
+def failing_commit(table, on="INSERT"):
+    """While inside, the COMMIT of a transaction that wrote ``table`` (``on``: INSERT or
+    UPDATE) fails on the test database, as a real database refuses a commit: PostgreSQL
+    through a deferred constraint trigger, SQLite through a deferred foreign key (Django
+    creates them DEFERRABLE INITIALLY DEFERRED) that a trigger breaks. Only the commit
+    fails: the statements themselves succeed."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("CREATE OR REPLACE FUNCTION steplock_test_refuse() RETURNS trigger "
+                           "AS $$ BEGIN RAISE EXCEPTION 'the database refused the commit'; "
+                           "END $$ LANGUAGE plpgsql")
+            cursor.execute(f"CREATE CONSTRAINT TRIGGER steplock_test_refuse AFTER {on} ON "
+                           f"{table} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE "
+                           f"PROCEDURE steplock_test_refuse()")
+        else:
+            cursor.execute(f"CREATE TRIGGER steplock_test_refuse AFTER {on} ON {table} BEGIN "
+                           f"INSERT INTO django_admin_log (action_time, object_id, "
+                           f"object_repr, action_flag, change_message, user_id) VALUES "
+                           f"(CURRENT_TIMESTAMP, 'x', 'x', 1, '', -1); END")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP TRIGGER IF EXISTS steplock_test_refuse"
+                           f"{' ON ' + table if connection.vendor == 'postgresql' else ''}")
+            if connection.vendor == "postgresql":
+                cursor.execute("DROP FUNCTION IF EXISTS steplock_test_refuse()")
+
+
+def post_release(client, lease):
+    page = client.get(reverse(RELEASE), {"name": lease.name})
+    return client.post(reverse(RELEASE), {"name": lease.name, "owner": lease.owner,
+                                          "csrfmiddlewaretoken": csrf_token_of(page)},
+                       follow=True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_record_that_fails_at_commit_releases_nothing(releaser, store, released_signals):
+    """The admin's LogEntry commit fails: the lease is still held, no record, and the page
+    says nothing was released, which is true (the landed code deleted the lease first)."""
+    lease = grab(store, "step:1")
+    client = login(releaser, enforce_csrf_checks=True)
+    with failing_commit(LogEntry._meta.db_table):
+        response = post_release(client, lease)
+    assert response.status_code == 200
+    [message] = messages_of(response)
+    assert "audit record could not be written" in message and "nothing released" in message
+    assert store.inspect(lease.name)["owner"] == lease.owner  # no record, no release
+    assert not LogEntry.objects.exists()
+    assert not LeaseEvent.objects.filter(event="force_release").exists()
+    assert released_signals == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_that_fails_at_commit_is_reported_as_a_release(releaser, store,
+                                                                   released_signals):
+    """The request committed, the lease was deleted, then the outcome's commit fails: the
+    page says it was released and that its record still says "requested"."""
+    lease = grab(store, "step:1")
+    client = login(releaser, enforce_csrf_checks=True)
+    with failing_commit(LeaseEvent._meta.db_table, on="UPDATE"):
+        response = post_release(client, lease)
+    [message] = messages_of(response)
+    assert "Force-released" in message and lease.owner in message
+    assert "outcome could not be recorded" in message and "requested" in message
+    assert store.inspect(lease.name) is None
+    [record] = LeaseEvent.objects.filter(event="force_release")
+    assert (record.outcome, record.actor, record.owner) == (
+        "requested", "releaser", lease.owner)
+    assert f"LeaseEvent {record.pk}" in message
+    entry = LogEntry.objects.get()
+    assert entry.action_flag == DELETION and lease.owner in entry.change_message
+    [sent] = released_signals
+    assert sent["owner"] == lease.owner
+
+
+def test_a_holder_changed_after_the_request_leaves_both_records(releaser, store, monkeypatch):
+    """Between the committed request and the delete another attempt takes the lease: it is
+    spared, the LeaseEvent row says so and a CHANGE LogEntry follows the DELETION one."""
+    from django.contrib.admin.models import CHANGE
+
+    from celery_steplock.contrib.django import eventlog
+
+    lease = grab(store, "step:1")
+    newcomer = []
+    requested = eventlog.LeaseEventAudit.requested
+
+    def swap(self, record):
+        requested(self, record)
+        assert store.release(lease.name, lease.owner)
+        newcomer.append(grab(store, lease.name, task_name=compensate.name))
+
+    monkeypatch.setattr(eventlog.LeaseEventAudit, "requested", swap)
+    response = post_release(login(releaser, enforce_csrf_checks=True), lease)
+    [message] = messages_of(response)
+    assert "now held by another owner" in message and "nothing released" in message
+    [new] = newcomer
+    assert store.inspect(lease.name)["owner"] == new.owner
+    [record] = LeaseEvent.objects.filter(event="force_release")
+    assert record.outcome == "held_by_another" and new.owner in record.reason
+    first, second = LogEntry.objects.order_by("id")
+    assert (first.action_flag, second.action_flag) == (DELETION, CHANGE)
+    assert "did not release it: held_by_another" in second.change_message
+
+
+# -- corrupt leases (issue 12, finding 5) --------------------------------------------------
+
+def corrupt(redis_client, store, name, **fields):
+    """Overwrite fields of the lease hash ``name`` as a buggy or hostile writer would."""
+    redis_client.hset(store.key(name), mapping=fields)
+
+
+def test_malformed_leases_are_shown_as_such_never_a_500(viewer, releaser, store, redis_client):
+    good = grab(store, "step:1")
+    grab(store, "step:2")
+    corrupt(redis_client, store, "step:2", acquired_ms="yesterday", renewed_ms="soon",
+            pid="9" * 40)
+    grab(store, "step:3")
+    corrupt(redis_client, store, "step:3", meta='{"task_name": ["not", "a", "string"]}')
+    raw = redis_client.connection_pool.connection_kwargs.copy()
+    import redis as redis_py
+
+    binary = redis_py.Redis(host=raw["host"], port=raw["port"], db=raw.get("db", 0))
+    binary.hset(store.key("step:4"), mapping={"owner": b"\xff\xfeowner", "fence": b"1",
+                                              "meta": b'{"task_name": "caf\xe9"}'})
+    binary.pexpire(store.key("step:4"), 60000)
+    binary.close()
+    redis_client.hset(store.key("step:5"), mapping={"fence": "12"})  # no owner at all
+    redis_client.pexpire(store.key("step:5"), 60000)
+    for user in (viewer, releaser):
+        response = login(user).get(reverse(CHANGELIST))
+        assert response.status_code == 200
+        rows = {row["lease"].name: row["lease"] for row in response.context["rows"]}
+        assert set(rows) == {"step:1", "step:2", "step:3", "step:4", "step:5"}
+        assert rows["step:1"].malformed == "" and rows["step:1"].owner == good.owner
+        assert "acquired_ms: not an integer" in rows["step:2"].malformed
+        assert "pid: out of range" in rows["step:2"].malformed
+        assert rows["step:2"].pid is None and rows["step:2"].acquired_at is None
+        assert "task_name: not a string" in rows["step:3"].malformed
+        assert "not UTF-8" in rows["step:4"].malformed
+        assert "owner: missing" in rows["step:5"].malformed
+        html = response.content.decode()
+        assert html.count('class="sub lease-malformed') == 4
+    # the confirmation page of a malformed lease opens too
+    page = login(releaser).get(reverse(RELEASE), {"name": "step:2"})
+    assert page.status_code == 200 and page.context["lease"].malformed

@@ -16,10 +16,13 @@ with two views wrapped by ``admin_site.admin_view`` (staff login, ``never_cache`
     token) deletes the lease only if the owner shown on that page still holds it. Both need
     ``celery_steplock.force_release_lease`` *and* ``celery_steplock.view_lease`` (the page
     shows the holder's owner token, task, host and step). Done by
-    :func:`celery_steplock.ops.force_release` (as ``celery steplock release``), audited by an
-    admin ``LogEntry`` (action DELETION) written first, in the transaction the release
-    decides, and the ``lock_released`` signal with ``forced=True`` once it commits. There is
-    deliberately no bulk action.
+    :func:`celery_steplock.ops.force_release` (as ``celery steplock release``), audited by
+    :class:`~.eventlog.LeaseEventAudit`: a ``LeaseEvent`` row (event ``force_release``, the
+    user, the client's address, the lease, its owner and fence) and an admin ``LogEntry``
+    (action DELETION) written and *committed* before the delete, then the outcome on that
+    row (and a CHANGE ``LogEntry`` when nothing was released), then the ``lock_released``
+    signal with ``forced=True``. The view never runs in ``ATOMIC_REQUESTS``' transaction
+    (a commit inside it would not be one). There is deliberately no bulk action.
 ``admin:celery_steplock_lease_change``
     No change page: a redirect to Held leases searching for the lease's name (the admin's
     templates link an object there, e.g. the confirmation page's breadcrumbs).
@@ -38,7 +41,7 @@ from urllib.parse import urlencode
 from django import forms
 from django.apps import apps
 from django.contrib import admin, messages
-from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.admin.utils import quote, unquote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
@@ -58,7 +61,8 @@ from ... import signals
 from ...events import emit
 from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
-from ...ops import ForceReleaseRefused, LeaseHeldByAnother, force_release
+from ...ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
+from .eventlog import LeaseEventAudit
 from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
                      redis_time_ms, steplock_task_names)
 from .models import Lease, LeaseEvent
@@ -267,7 +271,11 @@ class LeaseAdmin(admin.ModelAdmin):
         return [
             path("", self.admin_site.admin_view(self.changelist_view),
                  name="%s_%s_changelist" % info),
-            path("release/", self.admin_site.admin_view(self.release_view),
+            # The audit record must commit before the delete: never inside the request's
+            # transaction (ATOMIC_REQUESTS) of the audit database.
+            path("release/", transaction.non_atomic_requests(
+                using=router.db_for_write(LeaseEvent))(
+                    self.admin_site.admin_view(self.release_view)),
                  name="%s_%s_release" % info),
             # Named like Django's change page, which admin templates link to (the
             # force-release confirmation's breadcrumbs): a lease's row on the list.
@@ -497,23 +505,25 @@ class LeaseAdmin(admin.ModelAdmin):
         name, owner = form.cleaned_data["name"], form.cleaned_data["owner"]
         back = self.changelist_url(QueryDict(form.cleaned_data["changelist_filters"]))
         user = request.user.get_username()
-        using = router.db_for_write(LogEntry)
+        # The audit store commits its LeaseEvent row and this LogEntry *before* the
+        # owner-checked delete (no record, no release), then records the outcome; see
+        # celery_steplock.ops.force_release, shared with `celery steplock release`.
+        auditor = LeaseEventAudit(
+            using=router.db_for_write(LeaseEvent),
+            also=lambda record: self.log_force_release(request, Lease.from_redis(record.lease)),
+            after=lambda record: self.log_force_release_outcome(request, record))
         try:
             store = lease_lock()
             app = celery_app()
             import_task_modules(app)  # once per process: the sender is the holder's task
-            # The audit record is written first, in a transaction that the release decides:
-            # no release without its LogEntry, and no LogEntry for a release that did not
-            # happen (force_release raises, the transaction rolls back). The release itself
-            # is the owner-checked compare-and-delete, so a holder that changed since the
-            # confirmation page is never deleted. The signal goes out once the record commits.
-            with transaction.atomic(using=using):
-                released = force_release(
-                    store, name, owner, actor=user, app=app,
-                    reason=f"force-released by {user} in the Django admin",
-                    audit=lambda record: self.log_force_release(
-                        request, Lease.from_redis(record.lease)),
-                    defer=lambda send: transaction.on_commit(send, using=using))
+            released = force_release(
+                store, name, owner, actor=user, actor_host=request.META.get("REMOTE_ADDR"),
+                via="admin", app=app, reason=f"force-released by {user} in the Django admin",
+                auditor=auditor)
+        except AuditRecordFailed as failed:
+            messages.error(request, _("The audit record could not be written: nothing "
+                                      "released (%(error)s)") % {"error": failed.__cause__})
+            return HttpResponseRedirect(back)
         except ForceReleaseRefused as refused:
             current = refused.current
             if isinstance(refused, LeaseHeldByAnother) and current is not None:
@@ -528,36 +538,67 @@ class LeaseAdmin(admin.ModelAdmin):
                                             "released.") % {"name": name})
             return HttpResponseRedirect(back)
         except StepLockError as exc:
-            messages.error(request, _("The Redis lock store could not be reached: nothing "
-                                      "released (%(error)s)") % {"error": exc})
+            record = getattr(exc, "forced_release", None)
+            if record is not None and record.outcome == "unknown":
+                messages.error(request, _(
+                    "The Redis lock store stopped answering during the release of lease "
+                    "“%(name)s”: it may or may not be released (recorded as outcome "
+                    "“unknown”; %(error)s)") % {"name": name, "error": exc})
+            else:
+                messages.error(request, _("The Redis lock store could not be reached: "
+                                          "nothing released (%(error)s)") % {"error": exc})
             return HttpResponseRedirect(back)
-        except DatabaseError as exc:
+        except (DatabaseError, RuntimeError) as exc:  # pragma: no cover - wrapped by ops
             messages.error(request, _("The audit record could not be written: nothing "
                                       "released (%(error)s)") % {"error": exc})
             return HttpResponseRedirect(back)
-        messages.success(request, _("Force-released lease “%(name)s” (owner %(owner)s, task "
-                                    "%(task)s, fence %(fence)s).") % {
-            "name": name, "owner": owner, "task": released.task_name or "?",
-            "fence": released.fence})
+        text = _("Force-released lease “%(name)s” (owner %(owner)s, task %(task)s, fence "
+                 "%(fence)s).") % {"name": name, "owner": owner,
+                                   "task": released.task_name or "?",
+                                   "fence": released.fence}
+        if released.outcome_recorded:
+            messages.success(request, text)
+        else:
+            messages.warning(request, text + " " + _(
+                "Its outcome could not be recorded: the audit record (%(audit)s) still says "
+                "“requested” (%(error)s).") % {"audit": released.audit or "?",
+                                               "error": released.outcome_error})
         return HttpResponseRedirect(back)
 
     # -- audit --------------------------------------------------------------------------------
 
     def log_force_release(self, request: HttpRequest, lease: Lease) -> LogEntry:
-        """Write the admin ``LogEntry`` (action DELETION) of a force release."""
-        message = (f"Force-released lease {lease.name}: owner {lease.owner}, task "
+        """Write the admin ``LogEntry`` (action DELETION) of a force release, before the
+        delete (in the audit record's transaction)."""
+        message = (f"Force release of lease {lease.name} requested: owner {lease.owner}, task "
                    f"{lease.task_name or '?'} [{lease.task_id or '?'}], fence {lease.fence}, "
                    f"worker {lease.worker or lease.hostname or '?'} pid {lease.pid}")
+        return self._log_entry(request, lease, DELETION, message)
+
+    def log_force_release_outcome(self, request: HttpRequest, record) -> LogEntry | None:
+        """A second ``LogEntry`` (action CHANGE) when a requested force release did not
+        release (the holder changed after the request, or Redis failed); None when it
+        did."""
+        if record.outcome == "released" or record.audit_id is None:
+            return None
+        lease = Lease.from_redis(record.lease)
+        message = (f"Force release of lease {lease.name} (owner {lease.owner}, fence "
+                   f"{lease.fence}) did not release it: {record.outcome}"
+                   + (f" ({record.detail})" if record.detail else ""))
+        return self._log_entry(request, lease, CHANGE, message)
+
+    def _log_entry(self, request: HttpRequest, lease: Lease, flag: int,
+                   message: str) -> LogEntry:
         manager = LogEntry.objects
         if hasattr(manager, "log_actions"):  # Django 5.1+ (log_action is deprecated there)
-            return manager.log_actions(request.user.pk, [lease], DELETION,
+            return manager.log_actions(request.user.pk, [lease], flag,
                                        change_message=message, single_object=True)
         from django.contrib.contenttypes.models import ContentType
 
         return manager.log_action(  # Django 4.2
             user_id=request.user.pk,
             content_type_id=ContentType.objects.get_for_model(lease).pk,
-            object_id=lease.pk, object_repr=str(lease), action_flag=DELETION,
+            object_id=lease.pk, object_repr=str(lease), action_flag=flag,
             change_message=message)
 
     def send_released(self, request: HttpRequest, lease: Lease) -> None:
@@ -578,9 +619,9 @@ class LeaseEventAdmin(admin.ModelAdmin):
     """The durable lease event log, read-only (rows are pruned by ``prune_lease_events``)."""
 
     list_display = ("created_at", "event", "name", "fence", "task_name", "task_id", "step",
-                    "hostname", "pid", "short_owner", "reason")
-    list_filter = ("event", "task_name")
-    search_fields = ("name", "task_id", "task_name", "step", "owner")
+                    "hostname", "pid", "short_owner", "actor", "outcome", "reason")
+    list_filter = ("event", "outcome", "task_name")
+    search_fields = ("name", "task_id", "task_name", "step", "owner", "actor")
     date_hierarchy = "created_at"
     list_per_page = 100
     # COUNT(*) on a large log is slow on PostgreSQL; the paginator shows "Show all" instead.

@@ -16,6 +16,12 @@ so a log write can neither slow down nor break the task's own commit:
   ``task_postrun`` of the task that raised it.
 
 A failing write is logged and dropped: the event log never breaks locking.
+
+:class:`LeaseEventAudit` is the other writer of this table, and the opposite of the above:
+the audit record of an operator's force release (:func:`celery_steplock.ops.force_release`),
+one ``event="force_release"`` row written and *committed* before the lease is deleted, its
+``outcome`` updated once the delete answered; written whatever ``steplock_event_log`` says,
+and a failure to write it stops the release.
 """
 from __future__ import annotations
 
@@ -24,14 +30,17 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from django.db import router, transaction
+
+from ...ops import ReleaseAudit
 
 from ... import signals
 from ...conf import Settings
 
-__all__ = ["LOGGED_SIGNALS", "connect", "disconnect", "enabled", "record", "flush",
+__all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record",
+           "flush",
            "prune_lease_events"]
 
 logger = logging.getLogger("celery_steplock")
@@ -240,3 +249,70 @@ def prune_lease_events(older_than_seconds: float | None = None, *, dry_run: bool
     deleted, _per_model = old.delete()
     return deleted
 
+
+
+class LeaseEventAudit(ReleaseAudit):
+    """The Django audit store of force releases (see
+    :class:`celery_steplock.ops.ReleaseAudit`): one ``LeaseEvent`` row per force release.
+
+    :meth:`requested` creates the row (outcome ``requested``) and runs ``also(record)``
+    (the admin writes its ``LogEntry`` there) in one durable transaction
+    (``transaction.atomic(durable=True)``: it commits before returning, and refuses to run
+    inside a caller's transaction, where a commit would not be one). :meth:`finished`
+    writes the outcome to that row and runs ``after(record)``, in a transaction of its own;
+    a refusal found before any request gets a row of its own (and no ``after``). ``using``: the
+    database alias (default: the router's for LeaseEvent).
+    """
+
+    def __init__(self, *, using: str | None = None,
+                 also: Callable[[Any], Any] | None = None,
+                 after: Callable[[Any], Any] | None = None) -> None:
+        self.using = using
+        self.also = also
+        self.after = after
+
+    def _alias(self) -> str:
+        from .models import LeaseEvent
+
+        return self.using or router.db_for_write(LeaseEvent)
+
+    def _row(self, record):
+        from .models import LeaseEvent
+
+        reason = record.reason
+        if record.detail:
+            reason = f"{reason}; {record.detail}" if reason else record.detail
+        return LeaseEvent(
+            event="force_release", key=_text(record.key, 576), name=_text(record.name, 512),
+            owner=_text(record.owner, 64), fence=record.fence,
+            task_id=_text(record.task_id, 255), task_name=_text(record.task_name, 255),
+            step=_text(record.step, 255), hostname=_text(record.hostname, 255),
+            pid=record.pid, reason=reason, actor=_text(record.actor, 255),
+            actor_host=_text(record.actor_host, 255), via=_text(record.via, 16),
+            outcome=_text(record.outcome, 32))
+
+    def requested(self, record) -> None:
+        using = self._alias()
+        with transaction.atomic(using=using, durable=True):
+            row = self._row(record)
+            row.save(using=using)
+            if self.also is not None:
+                self.also(record)
+        record.audit_id = row.pk
+        record.audit = f"LeaseEvent {row.pk}"
+
+    def finished(self, record) -> None:
+        from .models import LeaseEvent
+
+        using = self._alias()
+        with transaction.atomic(using=using, durable=True):
+            row = self._row(record)
+            if record.audit_id is None:  # refused at the first read: nothing was requested
+                row.save(using=using)
+                record.audit_id = row.pk
+                record.audit = f"LeaseEvent {row.pk}"
+                return
+            LeaseEvent.objects.using(using).filter(pk=record.audit_id).update(
+                outcome=row.outcome, reason=row.reason)
+            if self.after is not None:
+                self.after(record)

@@ -360,9 +360,16 @@ def lease_page(lock: RedisLeaseStore, cursor: int = 0, per_page: int = 100, *,
         count = min(max_count, _next_count(page, filtered, max_count))
     page.next_cursor = position
     page.now_ms, page.db_keys = _time_and_size(lock)
-    page.leases.sort(key=lambda info: (int(info.get("acquired_ms") or 0), info["name"]))
+    page.leases.sort(key=_acquired_order)
     page.elapsed = time.monotonic() - started
     return page
+
+
+def _acquired_order(info: Mapping[str, Any]) -> tuple[int, str]:
+    """Sort key of a page: acquisition time, then name; a malformed lease (see
+    :func:`celery_steplock.lease.parse_lease`) without a readable time sorts first."""
+    acquired = str(info.get("acquired_ms") or "0")
+    return (int(acquired) if acquired.isdigit() else 0, str(info.get("name") or ""))
 
 
 def _time_and_size(lock: RedisLeaseStore) -> tuple[int, int]:

@@ -10,7 +10,8 @@
 ``LeaseEvent``
     One row per lease or transition event, written only when the setting
     ``steplock_event_log`` (Django: ``CELERY_STEPLOCK_EVENT_LOG = True``) is on; see
-    :mod:`celery_steplock.contrib.django.eventlog`. Rows older than
+    :mod:`celery_steplock.contrib.django.eventlog`. The audit record of every force release
+    (``event="force_release"``) is written whatever that setting says. Rows older than
     ``steplock_event_retention`` seconds are deleted by ``manage.py prune_lease_events``.
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ class Lease(models.Model):
 
     Fields mirror the lease hash of :mod:`celery_steplock.lock`; times are aware UTC
     datetimes converted from the Redis server's milliseconds. :meth:`from_redis` also sets
-    ``ttl_left`` (seconds or None) and ``age`` (seconds since acquisition, or None).
+    ``ttl_left`` (seconds or None), ``age`` (seconds since acquisition, or None) and
+    ``malformed`` (what is wrong with the stored hash, ``""`` when nothing).
     """
 
     name = models.CharField(_("lock name"), max_length=MAX_NAME_LENGTH, primary_key=True)
@@ -105,6 +107,9 @@ class Lease(models.Model):
             acquired_at=_ms_to_datetime(info.get("acquired_ms")),
             renewed_at=_ms_to_datetime(info.get("renewed_ms")),
             lease_ttl=ttl_ms / 1000.0 if ttl_ms is not None else None)
+        # What parse_lease found wrong with the stored hash ("" when nothing): shown, so
+        # that one corrupt lease is visible on the page rather than breaking it.
+        lease.malformed = str(info.get("malformed") or "")
         lease.ttl_left = info.get("ttl")
         acquired_ms = _int_or_none(info.get("acquired_ms"))
         renewed_ms = _int_or_none(info.get("renewed_ms"))
@@ -126,10 +131,18 @@ class LeaseEvent(models.Model):
     ``event`` is the signal name (``lock_acquired``, ...); ``created_at`` is when the event
     happened (the signal's wall-clock ``timestamp``), not when the row was written (rows are
     written after the surrounding transaction ends).
+
+    ``event="force_release"`` rows are the audit records of operators' force releases
+    (:class:`~celery_steplock.contrib.django.eventlog.LeaseEventAudit`), written and
+    committed before the delete: ``actor`` (the Django user name, or the OS user of
+    ``celery steplock release``), ``actor_host`` (the admin client's address, the CLI's
+    host), ``via`` (``admin``/``cli``/``api``), ``outcome`` (``requested`` until the delete
+    answered, then one of :data:`celery_steplock.ops.OUTCOMES`). ``hostname``/``pid`` are
+    the lease holder's.
     """
 
     EVENTS = ("lock_acquired", "lock_contended", "lock_released", "lock_expired", "lock_lost",
-              "transition_applied", "transition_conflict")
+              "transition_applied", "transition_conflict", "force_release")
 
     event = models.CharField(_("event"), max_length=32, choices=[(e, e) for e in EVENTS])
     key = models.CharField(_("Redis key"), max_length=MAX_NAME_LENGTH + 64, blank=True)
@@ -143,6 +156,12 @@ class LeaseEvent(models.Model):
     pid = models.IntegerField(_("pid"), null=True, blank=True)
     reason = models.TextField(_("reason"), blank=True)
     created_at = models.DateTimeField(_("time"), default=timezone.now, db_index=True)
+    # An operator's force release (event "force_release", written whatever
+    # steplock_event_log says): who asked, from where, through what, and what came of it.
+    actor = models.CharField(_("operator"), max_length=255, blank=True)
+    actor_host = models.CharField(_("operator host"), max_length=255, blank=True)
+    via = models.CharField(_("via"), max_length=16, blank=True)
+    outcome = models.CharField(_("outcome"), max_length=32, blank=True)
 
     class Meta:
         ordering = ("-created_at", "-id")
