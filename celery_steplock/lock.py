@@ -33,6 +33,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
 from .conf import Settings
+from .events import log_event
 from .exceptions import LockError, LockStoreMisconfigured, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata, new_owner_token
@@ -134,7 +135,7 @@ def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
         try:
             extra = json.loads(meta)
         except ValueError:
-            logger.warning("event=lease_meta_unreadable meta=%.200r", meta)
+            log_event("lease_meta_unreadable", logging.WARNING, meta=meta[:200])
         else:
             if isinstance(extra, dict):
                 extra.update(info)
@@ -523,8 +524,8 @@ class RedisLeaseStore:
             fields = json.loads(doc) if doc else None
             if not fields:
                 if not doc and _wire.text(pttl) != "none":
-                    logger.warning("event=scan_skipped key=%s error=WRONGTYPE a %s, not a "
-                                   "lease hash", key, _wire.text(pttl))
+                    log_event("scan_skipped", logging.WARNING, key=key,
+                              error=f"WRONGTYPE a {_wire.text(pttl)}, not a lease hash")
                 found[key] = None  # else expired between the listing and the read
                 continue
             info = unpack_fields(fields)

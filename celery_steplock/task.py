@@ -60,7 +60,7 @@ from celery.signals import worker_init
 
 from . import signals
 from .conf import Settings, configuration_version
-from .events import emit, lease_fields
+from .events import emit, lease_fields, log_event
 from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
     LockStoreMisconfigured, LockStoreUnavailable, TransitionConflict
 from .heartbeat import get_heartbeat
@@ -349,9 +349,8 @@ class StepLockedTask(Task):
             return self._execute(plan, None, step_id, args, kwargs, steps)
         except LockStoreMisconfigured as exc:
             # Not an outage: neither retried nor run fail-open; the task fails with it.
-            logger.error("event=lock_store_misconfigured task_id=%s task_name=%s key=%s "
-                         "setting=%s error=%s", request.id, self.name, base["key"],
-                         exc.setting, exc)
+            log_event("lock_store_misconfigured", logging.ERROR, task_id=request.id,
+                      task_name=self.name, key=base["key"], setting=exc.setting, error=exc)
             raise
         if lease is None:
             info = self._holder(store, name)
@@ -438,8 +437,8 @@ class StepLockedTask(Task):
             # session whose lease ran out (the deadline): the retry settles it, since its
             # precheck or CAS sees the step as it is. The body's own database errors stay
             # the body's (Celery's autoretry_for).
-            logger.warning("event=commit_failed task_id=%s task_name=%s step_id=%s error=%r",
-                           self.request.id, self.name, step_id, exc)
+            log_event("commit_failed", logging.WARNING, task_id=self.request.id,
+                      task_name=self.name, step_id=step_id, error=exc)
             return self.steplock_retry(exc)
         finally:
             _executions.reset(token)
@@ -463,8 +462,8 @@ class StepLockedTask(Task):
         try:
             released = store.release(lease.name, lease.owner)
         except Exception as exc:  # noqa: BLE001 - must never mask the task's outcome
-            logger.warning("event=release_failed key=%s owner=%s error=%s", lease.key,
-                           lease.owner, exc)
+            log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner,
+                      error=exc)
             return
         if released:
             emit(signals.lock_released, self, forced=False, **lease_fields(lease))
@@ -500,8 +499,8 @@ class StepLockedTask(Task):
         if request.called_directly or (limit is not None and attempt >= limit):
             raise exc
         countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
-        logger.info("event=retry_scheduled task_id=%s task_name=%s countdown=%.3f reason=%s",
-                    request.id, self.name, countdown, type(exc).__name__)
+        log_event("retry_scheduled", task_id=request.id, task_name=self.name,
+                  countdown=round(countdown, 3), reason=type(exc).__name__)
         headers = {**(request.headers or {}), "steplock_retries": attempt + 1}
         if request.is_eager:
             retried = self.signature_from_request(request, countdown=countdown,
