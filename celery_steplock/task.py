@@ -58,7 +58,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_init
 
-from . import signals
+from . import signals, tracing
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
 from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
@@ -227,9 +227,10 @@ class StepLockedTask(Task):
             "key": None, "name": None, "owner": None, "fence": None,
             "task_id": self.request.id, "task_name": self.name, "ttl": None}
         try:
-            result = steps.transition(
-                step_id, from_, to, owner=lease.owner if lease else None,
-                fence=lease.fence if lease else None, updates=updates, deadline=deadline)
+            with tracing.phase("cas") as cas:
+                result = steps.transition(
+                    step_id, from_, to, owner=lease.owner if lease else None,
+                    fence=lease.fence if lease else None, updates=updates, deadline=deadline)
         except TransitionConflict as exc:
             emit(signals.transition_conflict, self, step_id=step_id, from_=from_, to=to,
                  current=exc.current, **fields)
@@ -252,7 +253,8 @@ class StepLockedTask(Task):
                 f"lease's remaining validity", key=lease.key, holder=None,
                 name=lease.name) from exc
         steps.on_commit(lambda: emit(signals.transition_applied, self, step_id=step_id,
-                                     from_=from_, to=to, **fields))
+                                     from_=from_, to=to, cas_seconds=cas.seconds,
+                                     commit_seconds=tracing.commit_seconds(), **fields))
         return result
 
     # -- hooks ------------------------------------------------------------------------------
@@ -306,6 +308,10 @@ class StepLockedTask(Task):
     # -- the execution ------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        with tracing.execution(self):
+            return self._steplock_call(*args, **kwargs)
+
+    def _steplock_call(self, *args, **kwargs):
         plan = self.steplock_plan
         arguments = bind_arguments(self.run, args, kwargs)
         name = name_from_arguments(self.name, arguments, plan.lock_key)
@@ -334,11 +340,12 @@ class StepLockedTask(Task):
                 raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
                                     step_id=step_id, argument=plan.step_id_arg) from exc
         try:
-            lease = store.acquire(name, new_owner_token(), plan.ttl, wait=plan.wait,
-                                  metadata=holder_metadata(
-                                      request.id, self.name, request.retries,
-                                      worker=request.hostname, step=step,
-                                      renew_ms=plan.renew_ms))
+            with tracing.phase("wait", base) as wait:
+                lease = store.acquire(name, new_owner_token(), plan.ttl, wait=plan.wait,
+                                      metadata=holder_metadata(
+                                          request.id, self.name, request.retries,
+                                          worker=request.hostname, step=step,
+                                          renew_ms=plan.renew_ms))
         except LockStoreUnavailable as exc:
             emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
                  policy=plan.on_store_error, owner=None, fence=None, **base)
@@ -355,15 +362,16 @@ class StepLockedTask(Task):
         if lease is None:
             info = self._holder(store, name)
             emit(signals.lock_contended, self, owner=None, fence=None,
-                 holder=info.get("owner"), **base)
+                 holder=info.get("owner"), wait_seconds=wait.seconds, **base)
             who = (f"owner {info['owner']} (task {info.get('task_id')}, "
                    f"{info.get('hostname')} pid {info.get('pid')})" if info.get("owner")
                    else "another owner (released since)")
             return self.handle_contended(LockContended(
                 f"{name!r} is held by {who}", key=base["key"], holder=info.get("owner"),
                 ttl=info.get("ttl"), holder_task_id=info.get("task_id"), name=name))
-        emit(signals.lock_acquired, self, **lease_fields(lease))
+        emit(signals.lock_acquired, self, wait_seconds=wait.seconds, **lease_fields(lease))
         heartbeat = get_heartbeat()
+        held = tracing.hold(lease)
         try:
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self,
                                max_hold=plan.max_hold)
@@ -374,7 +382,8 @@ class StepLockedTask(Task):
             elif lease.lost:
                 emit(signals.lock_lost, self, logging.ERROR, reason=lease.lost_reason,
                      **lease_fields(lease))
-            self._release(store, lease)
+            with tracing.releasing(held):
+                self._release(store, lease)
 
     def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
                  steps: StepStore | None = None):
@@ -397,14 +406,16 @@ class StepLockedTask(Task):
                          **(lease_fields(lease) if lease else {}))
                     raise exc
             if steps is None:
-                result = super().__call__(*args, **kwargs)
+                with tracing.phase("body"):
+                    result = super().__call__(*args, **kwargs)
                 body_done = True
                 if lease is not None:
                     self._check_owned(plan, lease)
                     self.before_commit(lease, step_id)
                 return result
-            with steps.atomic():
-                result = super().__call__(*args, **kwargs)
+            with tracing.committing(steps.atomic(), steps):
+                with tracing.phase("body"):
+                    result = super().__call__(*args, **kwargs)
                 body_done = True
                 if plan.transition is not None:
                     execution.final_cas = True
@@ -466,7 +477,8 @@ class StepLockedTask(Task):
                       error=exc)
             return
         if released:
-            emit(signals.lock_released, self, forced=False, **lease_fields(lease))
+            emit(signals.lock_released, self, forced=False,
+                 hold_seconds=lease.clock() - lease.acquired_at, **lease_fields(lease))
 
     def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:
