@@ -38,7 +38,7 @@ except ImportError:  # the API is optional: tracing is then a no-op
     _trace = None
 
 __all__ = ["TRACER_NAME", "Phase", "execution", "phase", "hold", "releasing", "committing",
-           "commit_seconds", "enabled"]
+           "commit_seconds", "enabled", "use_tracer_provider"]
 
 TRACER_NAME = "celery_steplock"
 
@@ -51,6 +51,14 @@ _ATTRIBUTES = {"task_name": "steplock.task.name", "task_id": "steplock.task.id",
 _CONTROL = {"Ignore": "ignore", "Retry": "retry", "Reject": "reject"}
 
 _tracer_cache: tuple[Any, Any] = (None, None)
+_provider: Any = None
+
+
+def use_tracer_provider(provider: Any = None) -> None:
+    """Record this library's spans with ``provider`` (an OpenTelemetry ``TracerProvider``)
+    instead of the global one; None: the global one again (the default)."""
+    global _provider
+    _provider = provider
 
 
 def _tracer():
@@ -58,7 +66,7 @@ def _tracer():
     global _tracer_cache
     if _trace is None:
         return None
-    provider = _trace.get_tracer_provider()
+    provider = _provider if _provider is not None else _trace.get_tracer_provider()
     cached_provider, tracer = _tracer_cache
     if provider is cached_provider:
         return tracer

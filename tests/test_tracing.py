@@ -26,7 +26,7 @@ SECRET = "4111111111111111"  # an argument value: it must appear in no span
                  step_model="workflows.Step", step_id_arg="step_id",
                  transition=("pending", "done"))
 def charge(self, step_id, card, fail=False):
-    with trace.get_tracer("user").start_as_current_span("user.gateway"):
+    with PROVIDER.get_tracer("user").start_as_current_span("user.gateway"):
         time.sleep(0.01)
     if fail:
         raise ValueError(f"declined {card}")
@@ -38,29 +38,17 @@ def lease_only(self, card):
     return self.lease.fence
 
 
-class _Gate(SimpleSpanProcessor):
-    """Exports while this module runs only (a process has one global tracer provider)."""
-
-    active = False
-
-    def on_end(self, span):
-        if self.active:
-            super().on_end(span)
+# A provider of this module's own (the process's global one stays unset for other tests).
+PROVIDER = TracerProvider()
 
 
 @pytest.fixture(scope="module")
 def exporter():
     exporter = InMemorySpanExporter()
-    gate = _Gate(exporter)
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    provider = trace.get_tracer_provider()
-    provider.add_span_processor(gate)
-    gate.active = True
+    PROVIDER.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_tracer_provider(PROVIDER)
     yield exporter
-    gate.active = False
+    tracing.use_tracer_provider(None)
     exporter.clear()
 
 
@@ -275,6 +263,14 @@ def test_overhead_per_execution_is_printed_and_spans_only_with_a_provider(capsys
             f"{m} {r['us']:.2f} us" for m, r in results.items()))
 
 
-def test_enabled_follows_the_global_provider(exporter):
+def test_enabled_follows_the_provider(exporter):
     assert tracing.enabled() is True
-    assert isinstance(trace.get_tracer_provider(), TracerProvider)
+    tracing.use_tracer_provider(None)
+    try:
+        assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        assert tracing.enabled() is False  # the global default: no provider set
+        tracing.use_tracer_provider(trace.NoOpTracerProvider())
+        assert tracing.enabled() is False
+    finally:
+        tracing.use_tracer_provider(PROVIDER)
+    assert tracing.enabled() is True
