@@ -141,3 +141,55 @@ def test_retry_scheduled_with_a_forged_task_id_stays_one_line(app, caplog):
     assert record.steplock["task_name"] == "tests.events.forged"
     assert record.steplock["reason"] == "LockContended"
     assert 0.05 <= record.steplock["countdown"] <= forged.steplock_plan.retry_backoff_max
+
+
+def readme_json_logging():
+    """The JSON logging block of the README, run as the README shows it."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    block = text.split("<!-- json-logging", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(block, "README.md:json-logging", "exec"), namespace)
+    return namespace
+
+
+def test_the_readme_json_logging_configuration_parses(tmp_path):
+    import io
+    import json
+    import logging.config
+
+    config = readme_json_logging()["LOGGING"]
+    stream = io.StringIO()
+    config["handlers"]["json"]["stream"] = stream
+    logger = logging.getLogger("celery_steplock")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    try:
+        logging.config.dictConfig(config)
+        emit(signals.lock_acquired, None, key="steplock:lease:{a\nb}", name="a\nb", owner="o",
+             fence=12, task_id="t\n1", task_name="tasks.x", ttl=3.0, wait_seconds=0.002)
+        log_event("retry_scheduled", task_id="t\n1", task_name="tasks.x", countdown=0.5,
+                  reason="LockContended")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log_event("reaper_failed", logging.ERROR, exc_info=True, error="x")
+        log_event("reaper_batch", logging.DEBUG, leases=1)  # below the configured INFO
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3
+    first, second, third = (json.loads(line) for line in lines)
+    assert first["level"] == "INFO" and first["logger"] == "celery_steplock"
+    assert first["message"].startswith('event=lock_acquired key="steplock:lease:{a\\nb}"')
+    steplock = first["steplock"]
+    assert {k: steplock[k] for k in ("event", "key", "name", "owner", "fence", "task_id",
+                                     "task_name", "ttl", "wait_seconds")} == {
+        "event": "lock_acquired", "key": "steplock:lease:{a\nb}", "name": "a\nb",
+        "owner": "o", "fence": 12, "task_id": "t\n1", "task_name": "tasks.x", "ttl": 3.0,
+        "wait_seconds": 0.002}
+    assert isinstance(steplock["monotonic"], float) and isinstance(steplock["timestamp"], float)
+    assert second["steplock"] == {"event": "retry_scheduled", "task_id": "t\n1",
+                                  "task_name": "tasks.x", "countdown": 0.5,
+                                  "reason": "LockContended"}
+    assert third["level"] == "ERROR" and third["steplock"] == {"event": "reaper_failed",
+                                                               "error": "x"}
+    assert "ValueError: boom" in third["exc_info"]
