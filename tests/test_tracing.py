@@ -113,6 +113,12 @@ def test_one_execution_is_a_tree_of_phases_with_lease_attributes(spans, events):
     assert found["steplock.wait"].end_time <= found["steplock.hold"].start_time
     assert found["steplock.body"].end_time - found["steplock.body"].start_time >= 10_000_000
     assert all(span.status.status_code is trace.StatusCode.UNSET for span in found.values())
+    by_id = {span.context.span_id: name for name, span in found.items()}
+    print("\nspans of one execution (name <- parent: duration, attributes):")
+    for span in sorted(found.values(), key=lambda s: s.start_time):
+        parent = by_id.get(span.parent.span_id) if span.parent else "-"
+        print(f"  {span.name} <- {parent}: {(span.end_time - span.start_time) / 1e6:.3f} ms "
+              f"{dict(span.attributes)}")
 
 
 def test_signals_carry_the_phase_durations(spans, events):
