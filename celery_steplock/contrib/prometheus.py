@@ -35,6 +35,7 @@ that exits has its gauge files removed on ``worker_process_shutdown``).
 """
 from __future__ import annotations
 
+import glob
 import os
 import threading
 from typing import Any
@@ -47,7 +48,7 @@ from prometheus_client import start_http_server as _start_http_server
 from .. import signals
 
 __all__ = ["install", "uninstall", "serve", "scrape_registry", "multiprocess_dir", "Metrics",
-           "OUTCOMES"]
+           "MultiProcessCollector", "OUTCOMES"]
 
 #: The outcome each signal stands for (``steplock_outcomes_total``).
 OUTCOMES = {"transition_applied": "committed", "transition_conflict": "conflict",
@@ -183,6 +184,22 @@ def uninstall() -> None:
             _server_port.clear()
 
 
+class MultiProcessCollector(multiprocess.MultiProcessCollector):
+    """``prometheus_client``'s collector, but a file that a starting process has created and
+    not yet sized (a prefork child replaced by ``--max-tasks-per-child``, say) is left out of
+    this scrape instead of failing it with HTTP 500 (it holds no sample yet)."""
+
+    def collect(self):
+        files = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(path) >= 8:  # the used-bytes header is written at creation
+                    files.append(path)
+            except OSError:  # removed since the listing (a dead process's live gauge)
+                continue
+        return self.merge(files, accumulate=True)
+
+
 def scrape_registry() -> CollectorRegistry:
     """The registry to expose: in multi-process mode a new one that aggregates every
     process's files, else ``prometheus_client.REGISTRY`` (or the ``registry`` given to
@@ -191,7 +208,7 @@ def scrape_registry() -> CollectorRegistry:
     if path is None:
         return _installed.registry if _installed is not None else REGISTRY
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=path)
+    MultiProcessCollector(registry, path=path)
     return registry
 
 

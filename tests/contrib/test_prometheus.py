@@ -105,6 +105,31 @@ def test_nothing_is_measured_before_install():
         prometheus.install(port=70000)
 
 
+def test_a_file_not_yet_sized_by_a_starting_process_does_not_fail_the_scrape(tmp_path):
+    """A new prefork child creates its file empty and sizes it a moment later; the stock
+    collector fails the whole scrape on it (struct.error: HTTP 500), ours leaves it out."""
+    import struct
+
+    from prometheus_client import generate_latest
+    from prometheus_client import multiprocess as stock
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    written.write_value(mmap_key("steplock_events", "steplock_events_total", ["event", "task"],
+                                 ["lock_acquired", "t"], "help"), 3.0, 0.0)
+    written.close()
+    (tmp_path / "counter_102.db").touch()  # created, not yet sized
+    registry = CollectorRegistry()
+    prometheus.MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("steplock_events_total",
+                                     {"event": "lock_acquired", "task": "t"}) == 3.0
+    assert b"steplock_events_total" in generate_latest(registry)
+    broken = CollectorRegistry()
+    stock.MultiProcessCollector(broken, path=str(tmp_path))
+    with pytest.raises(struct.error):
+        generate_latest(broken)
+
+
 def scrape(port):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
