@@ -13,7 +13,8 @@ plus, where it applies: ``holder`` (lock_contended: the current owner), ``reason
 (lock_lost, lock_expired), ``forced`` (lock_released by an operator), ``step_id``,
 ``from_``, ``to``, ``current`` (transition_*), ``policy`` (lock_store_error), and the
 durations, in seconds (float): ``wait_seconds`` (lock_acquired, lock_contended: the acquire,
-``lock_wait`` included), ``hold_seconds`` (lock_released by the holder: grant to release),
+``lock_wait`` included), ``hold_seconds`` (lock_released by the holder: from the request that was granted,
+``Lease.acquired_at``, to the release's reply),
 ``cas_seconds`` and ``commit_seconds`` (transition_applied: its compare-and-swap and the
 COMMIT that followed; ``commit_seconds`` None outside a task's own transaction). Task
 arguments are never sent. A receiver that raises is logged and ignored: it never breaks locking.

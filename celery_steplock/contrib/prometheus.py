@@ -17,7 +17,7 @@ signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metr
                                                              ``store_error``, ``force_released``,
                                                              ``reaped`` (lock_expired)
 ``steplock_wait_seconds{task}``                   histogram  acquiring a lease (granted or contended)
-``steplock_hold_seconds{task}``                   histogram  a lease from its grant to its release
+``steplock_hold_seconds{task}``                   histogram  a lease from its acquire to its release
 ``steplock_cas_seconds{task}``                    histogram  a compare-and-swap that was committed
 ``steplock_commit_seconds{task}``                 histogram  its COMMIT
 ``steplock_leases_held{task}``                    gauge      leases held now by this process
