@@ -31,7 +31,8 @@ directory, writable by the worker, in the worker's environment before it starts 
 served by ``port`` (or :func:`serve`, or :func:`scrape_registry` in your own exporter)
 aggregates them: counters and histograms summed over every process that ever ran
 (children that exited included), the gauge over live processes only (``livesum``; a child
-that exits has its gauge files removed on ``worker_process_shutdown``).
+that exits has its gauge files removed on ``worker_process_shutdown``, and the scrape leaves
+out the gauge of a process that is gone without it, e.g. SIGKILLed).
 """
 from __future__ import annotations
 
@@ -184,14 +185,32 @@ def uninstall() -> None:
             _server_port.clear()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
 class MultiProcessCollector(multiprocess.MultiProcessCollector):
-    """``prometheus_client``'s collector, but a file that a starting process has created and
-    not yet sized (a prefork child replaced by ``--max-tasks-per-child``, say) is left out of
-    this scrape instead of failing it with HTTP 500 (it holds no sample yet)."""
+    """``prometheus_client``'s collector, with two differences. A file that a starting
+    process has created and not yet sized (a prefork child replaced by
+    ``--max-tasks-per-child``, say) is left out of this scrape instead of failing it with
+    HTTP 500 (it holds no sample yet). A live gauge (``livesum``) of a process that no longer
+    exists is left out: a child killed by SIGKILL or the OOM killer runs no
+    ``worker_process_shutdown``, and its last "leases held" would otherwise count forever
+    (multiprocess mode is per host, so the pids are this host's)."""
 
     def collect(self):
         files = []
         for path in glob.glob(os.path.join(self._path, "*.db")):
+            parts = os.path.basename(path)[:-3].split("_")
+            if parts[0] == "gauge" and parts[1].startswith("live") and parts[-1].isdigit() \
+                    and not _alive(int(parts[-1])):
+                continue
             try:
                 if os.path.getsize(path) >= 8:  # the used-bytes header is written at creation
                     files.append(path)

@@ -203,3 +203,42 @@ def test_scrape_of_a_prefork_worker_in_multiprocess_mode(worker_env, redis_clien
                    timeout=10, what="exited children's gauge files removed")
     finally:
         worker.terminate()
+
+
+@pytest.mark.workers
+def test_a_sigkilled_childs_held_lease_leaves_the_gauge(worker_env, redis_client, tmp_path):
+    """A child SIGKILLed while it holds a lease runs no worker_process_shutdown: its gauge
+    file stays, with "1 lease held", and the scrape leaves it out because its pid is gone."""
+    from celery_steplock.lock import unpack_fields
+    from helpers import lease_key
+
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    port = free_port()
+    worker = servers.celery_worker(
+        app="tests.support.prometheus_app", name="killed", concurrency=1,
+        # A 30 s TTL: the redelivered message cannot take the dead child's lease (and
+        # set the gauge again) before the scrapes below.
+        env={**worker_env, "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+             "STEPLOCK_METRICS_PORT": str(port), "STEPLOCK_TTL": "30"},
+        logfile=tmp_path / "killed.log", cwd=ROOT)
+    try:
+        step = Step.objects.create(name="kill")
+        hold.apply_async((step.pk, 60))
+        holder = wait_until(lambda: unpack_fields(redis_client.hgetall(lease_key(step))),
+                            timeout=30, what="the lease to be taken")
+        pid = int(holder["pid"])
+        wait_until(lambda: sample(scrape(port)[1], "steplock_leases_held",
+                                  task=hold.name) == 1, timeout=10, what="the gauge at 1")
+        os.kill(pid, 9)
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10,
+                   what="the child to be gone")
+        stale = multiproc / f"gauge_livesum_{pid}.db"
+        assert stale.exists()  # nothing removed it: the child never ran its shutdown
+        assert sample(scrape(port)[1], "steplock_leases_held", task=hold.name) == 0
+        assert sample(scrape(port)[1], "steplock_events_total", event="lock_acquired",
+                      task=hold.name) == 1  # the dead child's counters still count
+        assert unpack_fields(redis_client.hgetall(lease_key(step)))["owner"] == \
+            holder["owner"]  # still the dead child's lease: nobody else took it meanwhile
+    finally:
+        worker.kill()
