@@ -22,6 +22,7 @@ import sys
 import types
 from typing import Any, Callable
 
+from .events import log_event
 from .exceptions import ImproperlyConfigured
 
 __all__ = ["green_pool", "native", "native_lock", "native_rlock", "native_sleep",
@@ -227,7 +228,8 @@ class Relay:
             try:
                 function(*args, **kwargs)
             except Exception:  # noqa: BLE001 - one failing call must not stop the others
-                logger.exception("event=heartbeat_error a relayed call failed")
+                log_event("heartbeat_error", logging.ERROR, exc_info=True,
+                          reason="a relayed call failed")
 
     def _loop(self) -> None:
         while True:

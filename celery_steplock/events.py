@@ -1,7 +1,9 @@
 """One structured log line and one signal per lease or transition event.
 
 Log lines go to the ``celery_steplock`` logger as ``event=<name> key=... owner=... fence=...``
-with the same fields in ``extra={"steplock": {...}}`` for JSON formatters.
+with the same fields in ``extra={"steplock": {...}}`` for JSON formatters. Every line the
+library writes goes through :func:`emit` (a signal and its line) or :func:`log_event` (a line
+only), so every line carries ``record.steplock`` and every value in it is escaped.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from celery.utils.dispatch import Signal
 logger = logging.getLogger("celery_steplock")
 
 _FIELDS = ("key", "owner", "fence", "task_id", "task_name", "ttl", "holder", "step_id",
-           "from_", "to", "current", "reason", "forced", "policy")
+           "from_", "to", "current", "reason", "forced", "policy", "wait_seconds",
+           "hold_seconds", "cas_seconds", "commit_seconds")
 
 
 def _value(value: Any) -> str:
@@ -25,6 +28,34 @@ def _value(value: Any) -> str:
     if text and text.isprintable() and not any(c in text for c in ' "='):
         return text
     return json.dumps(text)
+
+
+def _structured(value: Any) -> Any:
+    """A value for ``record.steplock``: JSON types as they are, anything else as text."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, BaseException):
+        return f"{type(value).__name__}: {value}"
+    return str(value)
+
+
+def log_event(event: str, level: int = logging.INFO, *, exc_info: Any = None,
+              **fields: Any) -> None:
+    """Log one line ``event=<event> k=v ...`` (``fields`` in the order given, None left out,
+    each value escaped as in logfmt) to the ``celery_steplock`` logger at ``level``, with
+    ``extra={"steplock": {"event": event, **fields}}``; an exception value is written as
+    ``"<type>: <message>"``. ``exc_info`` as for :meth:`logging.Logger.log`. Never raises."""
+    if not logger.isEnabledFor(level):
+        return
+    try:
+        text = " ".join(f"{k}={_value(_structured(v))}" for k, v in fields.items()
+                        if v is not None)
+        payload = {k: _structured(v) for k, v in fields.items()}
+        payload["event"] = event
+        logger.log(level, "event=%s %s", _value(event), text, exc_info=exc_info,
+                   extra={"steplock": payload})
+    except Exception:  # noqa: BLE001 - logging must never break locking
+        pass
 
 
 def lease_fields(lease) -> dict[str, Any]:
@@ -57,4 +88,4 @@ def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) 
     try:
         signal.send(sender=sender, event=event, **fields)
     except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
-        logger.exception("event=%s receiver failed", event)
+        log_event("receiver_failed", logging.ERROR, exc_info=True, signal=event)

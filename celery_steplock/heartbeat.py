@@ -38,7 +38,7 @@ from typing import Any, Callable
 from celery.signals import worker_init
 
 from . import _green, signals
-from .events import emit, lease_fields, listening, logger
+from .events import emit, lease_fields, listening, log_event
 from .exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
 from .lock import RedisLeaseStore
@@ -145,9 +145,9 @@ class Heartbeat:
         if self._relay is not None:
             self._relay.drain()  # this lease's lock_extended before the caller's release
         if not in_cycle:
-            logger.warning("event=heartbeat_stuck key=%s owner=%s waited=%.3f: a renewal cycle "
-                           "(a lock_extended receiver?) did not finish; unregistered anyway",
-                           lease.key, lease.owner, lease.ttl)
+            log_event("heartbeat_stuck", logging.WARNING, key=lease.key, owner=lease.owner,
+                      waited=lease.ttl, reason="a renewal cycle (a lock_extended receiver?) "
+                      "did not finish; unregistered anyway")
         return present
 
     def _acquire_cycle(self, timeout: float) -> bool:
@@ -220,8 +220,8 @@ class Heartbeat:
                         due = [e for e in due if entries.get(id(e.lease)) is e]
                     self._renew(due)
             except Exception as exc:  # noqa: BLE001 - the thread must survive anything
-                self._report(logger.error, "event=heartbeat_error renewal cycle failed",
-                             exc_info=exc)
+                self._report(log_event, "heartbeat_error", logging.ERROR, exc_info=exc,
+                             reason="renewal cycle failed")
                 if self.green:
                     _green.native_sleep(MIN_RETRY_DELAY)
                 else:
@@ -259,9 +259,9 @@ class Heartbeat:
                 # A refused permission is retried like an outage (the lease is lost when its
                 # validity runs out), logged as the configuration error it is.
                 self.round_trips += 1
-                self._report(logger.error if isinstance(exc, LockStoreMisconfigured)
-                             else logger.warning,
-                             "event=renewal_failed leases=%d error=%s", len(group), exc)
+                self._report(log_event, "renewal_failed",
+                             logging.ERROR if isinstance(exc, LockStoreMisconfigured)
+                             else logging.WARNING, leases=len(group), error=exc)
                 dropped = {id(entry) for entry, _reason in lost}
                 # A cluster store reports what the nodes that answered did (None: unknown).
                 partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))
@@ -372,7 +372,7 @@ def _refuse_green_pool_without_native_renewals(sender=None, **kwargs) -> None:
     try:
         _green.native_store(store, pool)
     except _green.GreenPoolUnsupported as exc:
-        logger.critical("event=improperly_configured pool=%s %s", pool, exc)
+        log_event("improperly_configured", logging.CRITICAL, pool=pool, error=exc)
         raise SystemExit(str(exc)) from exc
-    logger.info("event=heartbeat_native pool=%s the heartbeat renews leases from a native "
-                "thread with unpatched sockets", pool)
+    log_event("heartbeat_native", pool=pool, reason="the heartbeat renews leases from a "
+              "native thread with unpatched sockets")

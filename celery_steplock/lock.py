@@ -33,6 +33,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
 from .conf import Settings
+from .events import log_event
 from .exceptions import LockError, LockStoreMisconfigured, LockStoreUnavailable
 from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import (CLOCK_DRIFT_FACTOR, Lease, check_metadata, drift, holder_metadata,
@@ -521,8 +522,8 @@ class RedisLeaseStore:
                 info = {"malformed": "hash: not readable"}
             elif not fields:
                 if not doc and _wire.text(pttl) != "none":
-                    logger.warning("event=scan_skipped key=%s error=WRONGTYPE a %s, not a "
-                                   "lease hash", key, _wire.text(pttl))
+                    log_event("scan_skipped", logging.WARNING, key=key,
+                              error=f"WRONGTYPE a {_wire.text(pttl)}, not a lease hash")
                 found[key] = None  # else expired between the listing and the read
                 continue
             else:

@@ -77,7 +77,7 @@ from celery.utils.imports import symbol_by_name
 
 from . import signals
 from .conf import Settings, check_seconds
-from .events import emit
+from .events import emit, log_event
 from .exceptions import StepLockError
 from .lock import get_lease_store
 
@@ -290,13 +290,13 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
                now=now, ping_timeout=ping_timeout, check_pids=check_pids, lock=lock,
                step_recovery=step_recovery).run()
     except Exception as exc:  # noqa: BLE001 - the report is the contract: never raise
-        logger.exception("event=reaper_failed error=%s", exc)
+        log_event("reaper_failed", logging.ERROR, exc_info=True, error=exc)
         report.errors.append(f"reaper failed: {type(exc).__name__}: {exc}")
     report.duration = time.monotonic() - started
     level = logging.ERROR if report.errors else logging.INFO
-    logger.log(level, "event=reaper_run dry_run=%s scanned=%d leases=%d steps=%d errors=%d "
-               "duration=%.3f", dry_run, report.leases_scanned, report.reaped_count,
-               report.recovered_count, len(report.errors), report.duration)
+    log_event("reaper_run", level, dry_run=dry_run, scanned=report.leases_scanned,
+              leases=report.reaped_count, steps=report.recovered_count,
+              errors=len(report.errors), duration=round(report.duration, 3))
     return report
 
 
@@ -346,7 +346,7 @@ class Reaper:
         return self.app.tasks.get(task_name, task_name)
 
     def error(self, message: str) -> None:
-        logger.error("event=reaper_error %s", message)
+        log_event("reaper_error", logging.ERROR, error=message)
         self.report.errors.append(message)
 
     def run(self) -> None:
@@ -603,9 +603,8 @@ class Reaper:
                      ttl_left=info["ttl"], reason=f"reaped: {reason}", worker=info["worker"],
                      hostname=info["hostname"], pid=info["pid"], step=info["step"])
             self.report.add_reaped(info)
-        logger.debug("event=reaper_batch leases=%d dead=%d reaped=%d skipped=%d failed=%d "
-                     "dry_run=%s", len(leases), len(dead), reaped, skipped, failed,
-                     self.dry_run)
+        log_event("reaper_batch", logging.DEBUG, leases=len(leases), dead=len(dead),
+                  reaped=reaped, skipped=skipped, failed=failed, dry_run=self.dry_run)
 
     def keep_live(self, lease: dict[str, Any]) -> None:
         owner, step = lease["owner"], lease.get("step")

@@ -11,12 +11,16 @@ carries these keyword arguments:
 
 plus, where it applies: ``holder`` (lock_contended: the current owner), ``reason``
 (lock_lost, lock_expired), ``forced`` (lock_released by an operator), ``step_id``,
-``from_``, ``to``, ``current`` (transition_*), ``policy`` (lock_store_error).
+``from_``, ``to``, ``current`` (transition_*), ``policy`` (lock_store_error), and the
+durations, in seconds (float): ``wait_seconds`` (lock_acquired, lock_contended: the acquire,
+``lock_wait`` included), ``hold_seconds`` (lock_released by the holder: from the request that was granted,
+``Lease.acquired_at``, to the release's reply),
+``cas_seconds`` and ``commit_seconds`` (transition_applied: its compare-and-swap and the
+COMMIT that followed; ``commit_seconds`` None outside a task's own transaction).
 ``force_release_audit`` is the audit trail of an operator's force release
 (:mod:`celery_steplock.ops`): sent once with ``outcome="requested"`` before the delete and
 once with its outcome, with ``actor``, ``actor_host``, ``via`` and ``audit`` besides the
-lease's fields. Task arguments
-are never sent. A receiver that raises is logged and ignored: it never breaks locking.
+lease's fields. Task arguments are never sent. A receiver that raises is logged and ignored: it never breaks locking.
 ``lock_extended`` and the heartbeat's ``lock_lost`` run on the heartbeat thread, between
 renewals: keep those receivers fast (hand slow work to a queue), or leases can expire.
 """

@@ -60,9 +60,9 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_init
 
-from . import signals
+from . import signals, tracing
 from .conf import Settings, configuration_version
-from .events import emit, lease_fields
+from .events import emit, lease_fields, log_event
 from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
     LockStoreMisconfigured, LockStoreUnavailable, TransitionConflict
 from .heartbeat import get_heartbeat
@@ -274,9 +274,10 @@ class StepLockedTask(Task):
             "key": None, "name": None, "owner": None, "fence": None,
             "task_id": self.request.id, "task_name": self.name, "ttl": None}
         try:
-            result = steps.transition(
-                step_id, from_, to, owner=lease.owner if lease else None,
-                fence=lease.fence if lease else None, updates=updates, deadline=deadline)
+            with tracing.phase("cas") as cas:
+                result = steps.transition(
+                    step_id, from_, to, owner=lease.owner if lease else None,
+                    fence=lease.fence if lease else None, updates=updates, deadline=deadline)
         except TransitionConflict as exc:
             emit(signals.transition_conflict, self, step_id=step_id, from_=from_, to=to,
                  current=exc.current, **fields)
@@ -299,7 +300,8 @@ class StepLockedTask(Task):
                 f"lease's remaining validity", key=lease.key, holder=None,
                 name=lease.name) from exc
         steps.on_commit(lambda: emit(signals.transition_applied, self, step_id=step_id,
-                                     from_=from_, to=to, **fields))
+                                     from_=from_, to=to, cas_seconds=cas.seconds,
+                                     commit_seconds=tracing.commit_seconds(), **fields))
         return result
 
     # -- hooks ------------------------------------------------------------------------------
@@ -353,6 +355,10 @@ class StepLockedTask(Task):
     # -- the execution ------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        with tracing.execution(self):
+            return self._steplock_call(*args, **kwargs)
+
+    def _steplock_call(self, *args, **kwargs):
         plan = self.steplock_plan
         arguments = bind_arguments(self.run, args, kwargs)
         name = name_from_arguments(self.name, arguments, plan.lock_key)
@@ -384,11 +390,12 @@ class StepLockedTask(Task):
                 raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
                                     step_id=step_id, argument=plan.step_id_arg) from exc
         try:
-            lease = store.acquire(name, new_owner_token(), plan.ttl, wait=plan.wait,
-                                  metadata=holder_metadata(
-                                      request.id, self.name, request.retries,
-                                      worker=request.hostname, step=step,
-                                      renew_ms=plan.renew_ms))
+            with tracing.phase("wait", base) as wait:
+                lease = store.acquire(name, new_owner_token(), plan.ttl, wait=plan.wait,
+                                      metadata=holder_metadata(
+                                          request.id, self.name, request.retries,
+                                          worker=request.hostname, step=step,
+                                          renew_ms=plan.renew_ms))
         except LockStoreUnavailable as exc:
             emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
                  policy=plan.on_store_error, owner=None, fence=None, **base)
@@ -399,22 +406,22 @@ class StepLockedTask(Task):
             return self._execute(plan, None, step_id, args, kwargs, steps, nested=nested)
         except LockStoreMisconfigured as exc:
             # Not an outage: neither retried nor run fail-open; the task fails with it.
-            logger.error("event=lock_store_misconfigured task_id=%s task_name=%s key=%s "
-                         "setting=%s error=%s", request.id, self.name, base["key"],
-                         exc.setting, exc)
+            log_event("lock_store_misconfigured", logging.ERROR, task_id=request.id,
+                      task_name=self.name, key=base["key"], setting=exc.setting, error=exc)
             raise
         if lease is None:
             info = self._holder(store, name)
             emit(signals.lock_contended, self, owner=None, fence=None,
-                 holder=info.get("owner"), **base)
+                 holder=info.get("owner"), wait_seconds=wait.seconds, **base)
             who = (f"owner {info['owner']} (task {info.get('task_id')}, "
                    f"{info.get('hostname')} pid {info.get('pid')})" if info.get("owner")
                    else "another owner (released since)")
             return self.handle_contended(LockContended(
                 f"{name!r} is held by {who}", key=base["key"], holder=info.get("owner"),
                 ttl=info.get("ttl"), holder_task_id=info.get("task_id"), name=name))
-        emit(signals.lock_acquired, self, **lease_fields(lease))
+        emit(signals.lock_acquired, self, wait_seconds=wait.seconds, **lease_fields(lease))
         heartbeat = get_heartbeat()
+        held = tracing.hold(lease)
         try:
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self,
                                max_hold=plan.max_hold)
@@ -425,7 +432,8 @@ class StepLockedTask(Task):
             elif lease.lost:
                 emit(signals.lock_lost, self, logging.ERROR, reason=lease.lost_reason,
                      **lease_fields(lease))
-            self._release(store, lease)
+            with tracing.releasing(held):
+                self._release(store, lease)
 
     def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
                  steps: StepStore | None = None, nested: bool = False):
@@ -448,14 +456,16 @@ class StepLockedTask(Task):
                          **(lease_fields(lease) if lease else {}))
                     raise exc
             if steps is None:
-                result = super().__call__(*args, **kwargs)
+                with tracing.phase("body"):
+                    result = super().__call__(*args, **kwargs)
                 body_done = True
                 if lease is not None:
                     self._check_owned(plan, lease)
                     self.before_commit(lease, step_id)
                 return result
-            with steps.savepoint() if nested else steps.atomic():
-                result = super().__call__(*args, **kwargs)
+            with tracing.committing(steps.savepoint() if nested else steps.atomic(), steps):
+                with tracing.phase("body"):
+                    result = super().__call__(*args, **kwargs)
                 body_done = True
                 if plan.transition is not None:
                     execution.final_cas = True
@@ -488,8 +498,8 @@ class StepLockedTask(Task):
             # session whose lease ran out (the deadline): the retry settles it, since its
             # precheck or CAS sees the step as it is. The body's own database errors stay
             # the body's (Celery's autoretry_for).
-            logger.warning("event=commit_failed task_id=%s task_name=%s step_id=%s error=%r",
-                           self.request.id, self.name, step_id, exc)
+            log_event("commit_failed", logging.WARNING, task_id=self.request.id,
+                      task_name=self.name, step_id=step_id, error=exc)
             return self.steplock_retry(exc)
         finally:
             _executions.reset(token)
@@ -513,11 +523,12 @@ class StepLockedTask(Task):
         try:
             released = store.release(lease.name, lease.owner)
         except Exception as exc:  # noqa: BLE001 - must never mask the task's outcome
-            logger.warning("event=release_failed key=%s owner=%s error=%s", lease.key,
-                           lease.owner, exc)
+            log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner,
+                      error=exc)
             return
         if released:
-            emit(signals.lock_released, self, forced=False, **lease_fields(lease))
+            emit(signals.lock_released, self, forced=False,
+                 hold_seconds=lease.clock() - lease.acquired_at, **lease_fields(lease))
 
     def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:
@@ -577,8 +588,8 @@ class StepLockedTask(Task):
         if request.called_directly or (limit is not None and attempt >= limit):
             raise exc
         countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
-        logger.info("event=retry_scheduled task_id=%s task_name=%s countdown=%.3f reason=%s",
-                    request.id, self.name, countdown, type(exc).__name__)
+        log_event("retry_scheduled", task_id=request.id, task_name=self.name,
+                  countdown=round(countdown, 3), reason=type(exc).__name__)
         headers = {**(request.headers or {}), "steplock_retries": attempt + 1}
         pending = _eager_retries.get() if request.is_eager else None
         if pending is not None:

@@ -47,6 +47,7 @@ from typing import Any, Iterable
 from celery.utils.imports import symbol_by_name
 
 from .conf import Settings
+from .events import log_event
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
 from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, \
@@ -644,17 +645,18 @@ def refuse_to_start(app) -> None:
     try:
         found = problems(app)
     except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
-        logger.critical("event=improperly_configured validation failed: %r", exc)
+        log_event("improperly_configured", logging.CRITICAL,
+                  reason="validation failed", error=exc)
         raise SystemExit(f"celery-steplock: the configuration could not be validated: "
                          f"{type(exc).__name__}: {exc}") from exc
     for problem in found:
         if problem.is_error:
-            logger.critical("event=improperly_configured id=%s %s", problem.id,
-                            problem.message)
+            log_event("improperly_configured", logging.CRITICAL, id=problem.id,
+                      message=problem.message)
             errors.append(problem.message)
         else:
-            logger.warning("event=configuration_warning id=%s %s", problem.id,
-                           problem.message)
+            log_event("configuration_warning", logging.WARNING, id=problem.id,
+                      message=problem.message)
     if errors:
         raise SystemExit("celery-steplock: " + "; ".join(errors))
 

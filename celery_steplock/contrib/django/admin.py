@@ -58,7 +58,7 @@ from django.utils.translation import gettext_lazy
 from django.views.decorators.cache import never_cache
 
 from ... import signals
-from ...events import emit
+from ...events import emit, log_event
 from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
 from ...ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
@@ -390,7 +390,7 @@ class LeaseAdmin(admin.ModelAdmin):
                 max_steps=self.max_scan_steps)
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
-            logger.warning("event=admin_lock_store_error error=%s", exc)
+            log_event("admin_lock_store_error", logging.WARNING, error=exc)
             messages.error(request, _("The Redis lock store could not be read: %(error)s")
                            % {"error": exc})
 

@@ -38,6 +38,7 @@ from ...ops import ReleaseAudit
 
 from ... import signals
 from ...conf import Settings
+from ...events import log_event
 
 __all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record",
            "flush",
@@ -153,7 +154,7 @@ def _write(rows: list) -> None:
     try:
         LeaseEvent.objects.bulk_create(rows)
     except Exception:  # noqa: BLE001 - the event log never breaks locking
-        logger.warning("event=event_log_write_failed rows=%d", len(rows), exc_info=True)
+        log_event("event_log_write_failed", logging.WARNING, exc_info=True, rows=len(rows))
 
 
 def flush() -> int:
@@ -181,7 +182,7 @@ def record(event: str, sender: Any, fields: dict[str, Any]) -> None:
     if len(rows) > MAX_PENDING:
         dropped = len(rows) - MAX_PENDING
         del rows[:dropped]
-        logger.warning("event=event_log_overflow dropped=%d", dropped)
+        log_event("event_log_overflow", logging.WARNING, dropped=dropped)
     using = router.db_for_write(LeaseEvent)
     if transaction.get_connection(using).in_atomic_block:
         # robust: a failure of this callback must not stop the others (e.g. the task's own
@@ -197,7 +198,7 @@ def _receiver(sender=None, event=None, **fields):
     try:
         record(event, sender, fields)
     except Exception:  # noqa: BLE001 - the event log never breaks locking
-        logger.warning("event=event_log_failed signal=%s", event, exc_info=True)
+        log_event("event_log_failed", logging.WARNING, exc_info=True, signal=event)
 
 
 def _after_task(sender=None, **kwargs):

@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ...events import log_event
 from ...exceptions import LockStoreUnavailable
 from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
 
@@ -93,8 +94,8 @@ def import_task_modules(app=None) -> BaseException | None:
             loader.import_default_modules()
         except Exception as exc:  # noqa: BLE001 - reported (log, W003), never a crash here
             _import_errors[app] = exc
-            logger.error("event=task_modules_import_failed app=%s error=%r", app.main, exc,
-                         exc_info=exc)
+            log_event("task_modules_import_failed", logging.ERROR, exc_info=exc, app=app.main,
+                      error=exc)
         finally:
             set_script_prefix(prefix)
             _importing.discard(app)

@@ -46,7 +46,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, router, transaction
 from django.utils import timezone
 
 from ... import signals
-from ...events import emit
+from ...events import emit, log_event
 from ...exceptions import ImproperlyConfigured, StepLockError
 from .steps import resolve_model
 
@@ -153,8 +153,8 @@ def recover_steps(run) -> StepRecovery | None:
     ``run.error`` and goes on with the other models.
     """
     if not django_apps.ready:
-        logger.warning("event=reaper_no_django steplock_reaper_recover is set but Django "
-                       "is not set up: no step is recovered")
+        log_event("reaper_no_django", logging.WARNING, reason="steplock_reaper_recover is "
+                  "set but Django is not set up: no step is recovered")
         return None
     settings = run.settings
     older_than = run.older_than if run.older_than is not None else settings.reaper_older_than

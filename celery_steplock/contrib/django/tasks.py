@@ -24,6 +24,7 @@ import logging
 
 from celery import shared_task
 
+from celery_steplock.events import log_event
 from celery_steplock.reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
 
 logger = logging.getLogger("celery_steplock")
@@ -43,5 +44,5 @@ def reap_expired_leases(self, dry_run: bool = False, batch_size: int = DEFAULT_B
     report = reap(self.app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
                   ping_timeout=ping_timeout, check_pids=check_pids)
     for message in report.errors:
-        logger.error("event=reaper_error task_id=%s %s", self.request.id, message)
+        log_event("reaper_error", logging.ERROR, task_id=self.request.id, error=message)
     return report.as_dict()

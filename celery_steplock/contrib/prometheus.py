@@ -1,0 +1,248 @@
+"""Prometheus metrics of leases and transitions, from the library's signals.
+
+``pip install 'celery-steplock[prometheus]'`` (brings ``prometheus_client``), then in the
+module that creates the Celery app::
+
+    from celery_steplock.contrib import prometheus
+    prometheus.install(app, port=9808)     # port: serve /metrics from the worker's main process
+
+Nothing is measured until :func:`install` is called: it connects receivers to the
+signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metrics
+(``prefix`` ``"steplock"`` by default; ``task`` is the task name, never an argument):
+
+================================================  =========  ==========================================
+``steplock_events_total{event, task}``            counter    every signal sent (lock_acquired, ...)
+``steplock_outcomes_total{task, outcome}``        counter    ``committed`` (transition_applied),
+                                                             ``conflict``, ``contended``, ``lost``,
+                                                             ``store_error``, ``force_released``,
+                                                             ``reaped`` (lock_expired)
+``steplock_wait_seconds{task}``                   histogram  acquiring a lease (granted or contended)
+``steplock_hold_seconds{task}``                   histogram  a lease from its acquire to its release
+``steplock_cas_seconds{task}``                    histogram  a compare-and-swap that was committed
+``steplock_commit_seconds{task}``                 histogram  its COMMIT
+``steplock_leases_held{task}``                    gauge      leases held now by this process
+                                                             (summed over live processes)
+================================================  =========  ==========================================
+
+Prefork (and any multi-process setup): set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
+directory, writable by the worker, in the worker's environment before it starts (before
+``prometheus_client`` is first imported) and empty it between runs, as
+``prometheus_client`` requires. Each process then writes its own files; the ``/metrics``
+served by ``port`` (or :func:`serve`, or :func:`scrape_registry` in your own exporter)
+aggregates them: counters and histograms summed over every process that ever ran
+(children that exited included), the gauge over live processes only (``livesum``; a child
+that exits has its gauge files removed on ``worker_process_shutdown``, and the scrape leaves
+out the gauge of a process that is gone without it, e.g. SIGKILLed).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+from typing import Any
+
+from celery.signals import worker_process_shutdown, worker_ready
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import multiprocess
+from prometheus_client import start_http_server as _start_http_server
+
+from .. import signals
+
+__all__ = ["install", "uninstall", "serve", "scrape_registry", "multiprocess_dir", "Metrics",
+           "MultiProcessCollector", "OUTCOMES"]
+
+#: The outcome each signal stands for (``steplock_outcomes_total``).
+OUTCOMES = {"transition_applied": "committed", "transition_conflict": "conflict",
+            "lock_contended": "contended", "lock_lost": "lost",
+            "lock_store_error": "store_error", "lock_expired": "reaped"}
+
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0)
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+                3600.0)
+DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` (None: single-process mode)."""
+    return (os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            or os.environ.get("prometheus_multiproc_dir") or None)
+
+
+class Metrics:
+    """The metric objects and the signal receivers of one :func:`install`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "steplock"):
+        self.registry = REGISTRY if registry is None else registry
+        kw = {"registry": self.registry}
+        self.events = Counter(f"{prefix}_events", "celery-steplock signals sent, by event and "
+                              "task", ["event", "task"], **kw)
+        self.outcomes = Counter(f"{prefix}_outcomes", "Outcomes of lease and transition "
+                                "events, by task", ["task", "outcome"], **kw)
+        self.wait = Histogram(f"{prefix}_wait_seconds", "Time to acquire a lease (granted or "
+                              "contended), seconds", ["task"], buckets=WAIT_BUCKETS, **kw)
+        self.hold = Histogram(f"{prefix}_hold_seconds", "Time a lease was held, grant to "
+                              "release, seconds", ["task"], buckets=HOLD_BUCKETS, **kw)
+        self.cas = Histogram(f"{prefix}_cas_seconds", "Duration of a committed "
+                             "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
+        self.commit = Histogram(f"{prefix}_commit_seconds", "Duration of the COMMIT after a "
+                                "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
+        self.held = Gauge(f"{prefix}_leases_held", "Leases held by live processes", ["task"],
+                          multiprocess_mode="livesum", **kw)
+        # (key, owner) of the leases this process holds: a lease lost and then released (or
+        # another process's lease released by an operator) is never counted twice.
+        self._holding: dict[tuple[str, str], str] = {}
+        self._holding_pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def receive(self, sender: Any = None, signal: Any = None, event: str | None = None,
+                **fields: Any) -> None:
+        """The receiver connected to every celery-steplock signal."""
+        event = event or getattr(signal, "name", "")
+        task = fields.get("task_name") or ""
+        self.events.labels(event, task).inc()
+        outcome = OUTCOMES.get(event)
+        if event == "lock_released" and fields.get("forced"):
+            outcome = "force_released"
+        if outcome is not None:
+            self.outcomes.labels(task, outcome).inc()
+        if event in ("lock_acquired", "lock_contended"):
+            self._observe(self.wait, task, fields.get("wait_seconds"))
+        elif event == "lock_released":
+            self._observe(self.hold, task, fields.get("hold_seconds"))
+        elif event == "transition_applied":
+            self._observe(self.cas, task, fields.get("cas_seconds"))
+            self._observe(self.commit, task, fields.get("commit_seconds"))
+        if event == "lock_acquired":
+            self._held(fields, task, add=True)
+        elif event in ("lock_released", "lock_lost"):
+            self._held(fields, task, add=False)
+
+    @staticmethod
+    def _observe(histogram: Histogram, task: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and value >= 0:
+            histogram.labels(task).observe(value)
+
+    def _held(self, fields: dict[str, Any], task: str, add: bool) -> None:
+        lease = (fields.get("key"), fields.get("owner"))
+        if lease[0] is None or lease[1] is None:
+            return
+        with self._lock:
+            if self._holding_pid != os.getpid():  # a forked child holds none of the parent's
+                self._holding.clear()
+                self._holding_pid = os.getpid()
+            if add:
+                self._holding[lease] = task
+                count = sum(1 for t in self._holding.values() if t == task)
+            elif self._holding.pop(lease, None) is not None:
+                count = sum(1 for t in self._holding.values() if t == task)
+            else:
+                return
+            self.held.labels(task).set(count)
+
+
+_installed: Metrics | None = None
+_install_lock = threading.Lock()
+_server_port: dict[str, Any] = {}
+
+
+def install(app=None, *, registry: CollectorRegistry | None = None, port: int | None = None,
+            addr: str = "127.0.0.1", prefix: str = "steplock") -> Metrics:
+    """Start measuring: connect the receivers to every celery-steplock signal (once per
+    process; a second call returns the first call's :class:`Metrics`). ``registry``: where
+    the metrics are registered (default ``prometheus_client.REGISTRY``). ``port``: serve
+    ``/metrics`` on ``addr:port`` from the worker's main process once it is ready
+    (``worker_ready``); multi-process aware. ``app`` is accepted for symmetry with Celery's
+    own helpers and not needed. Raises ValueError for a ``port`` outside 0-65535."""
+    global _installed
+    if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
+        raise ValueError(f"port must be an int in 0-65535, not {port!r}")
+    with _install_lock:
+        if _installed is None:
+            metrics = Metrics(registry, prefix)
+            for signal in signals.ALL_SIGNALS:
+                signal.connect(metrics.receive, weak=False)
+            worker_process_shutdown.connect(_child_exited, weak=False)
+            _installed = metrics
+        if port is not None and not _server_port:
+            _server_port.update(port=port, addr=addr)
+            worker_ready.connect(_serve_when_ready, weak=False)
+        return _installed
+
+
+def uninstall() -> None:
+    """Disconnect the receivers (the metrics stay registered; a later :func:`install`
+    returns new ones only with another ``registry`` or ``prefix``)."""
+    global _installed
+    with _install_lock:
+        if _installed is not None:
+            for signal in signals.ALL_SIGNALS:
+                signal.disconnect(_installed.receive)
+            worker_process_shutdown.disconnect(_child_exited)
+            _installed = None
+        if _server_port:
+            worker_ready.disconnect(_serve_when_ready)
+            _server_port.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+class MultiProcessCollector(multiprocess.MultiProcessCollector):
+    """``prometheus_client``'s collector, with two differences. A file that a starting
+    process has created and not yet sized (a prefork child replaced by
+    ``--max-tasks-per-child``, say) is left out of this scrape instead of failing it with
+    HTTP 500 (it holds no sample yet). A live gauge (``livesum``) of a process that no longer
+    exists is left out: a child killed by SIGKILL or the OOM killer runs no
+    ``worker_process_shutdown``, and its last "leases held" would otherwise count forever
+    (multiprocess mode is per host, so the pids are this host's)."""
+
+    def collect(self):
+        files = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            parts = os.path.basename(path)[:-3].split("_")
+            if parts[0] == "gauge" and parts[1].startswith("live") and parts[-1].isdigit() \
+                    and not _alive(int(parts[-1])):
+                continue
+            try:
+                if os.path.getsize(path) >= 8:  # the used-bytes header is written at creation
+                    files.append(path)
+            except OSError:  # removed since the listing (a dead process's live gauge)
+                continue
+        return self.merge(files, accumulate=True)
+
+
+def scrape_registry() -> CollectorRegistry:
+    """The registry to expose: in multi-process mode a new one that aggregates every
+    process's files, else ``prometheus_client.REGISTRY`` (or the ``registry`` given to
+    :func:`install`)."""
+    path = multiprocess_dir()
+    if path is None:
+        return _installed.registry if _installed is not None else REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=path)
+    return registry
+
+
+def serve(port: int, addr: str = "127.0.0.1"):
+    """Serve ``/metrics`` of :func:`scrape_registry` on ``addr:port`` from a daemon thread
+    of this process; returns ``(server, thread)`` (``server.shutdown()`` stops it)."""
+    return _start_http_server(port, addr=addr, registry=scrape_registry())
+
+
+def _serve_when_ready(sender=None, **kwargs) -> None:
+    if _server_port:
+        serve(_server_port["port"], _server_port["addr"])
+
+
+def _child_exited(sender=None, pid=None, **kwargs) -> None:
+    """A prefork child exits: its live gauge files go (counters and histograms stay)."""
+    if multiprocess_dir() is not None:
+        multiprocess.mark_process_dead(pid or os.getpid())
