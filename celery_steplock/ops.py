@@ -43,14 +43,13 @@ to durable storage, or pass an ``auditor`` of your own (:class:`ReleaseAudit`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import signals
-from .events import emit
+from .events import emit, log_event
 from .exceptions import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother,
                          LeaseNotHeld, LockStoreUnavailable, StepLockError)
 
@@ -58,7 +57,6 @@ __all__ = ["ForcedRelease", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByA
            "AuditRecordFailed", "ReleaseAudit", "LogAudit", "default_audit", "force_release",
            "OPS_SENDER", "OUTCOMES"]
 
-logger = logging.getLogger("celery_steplock")
 
 #: Signal sender of a force release when the lease names no task this process knows.
 OPS_SENDER = "celery_steplock.ops"
@@ -174,15 +172,6 @@ def _refusal(name: str, key: str, owner: str, current: dict[str, Any] | None
         name=name, key=key, owner=owner, current=current)
 
 
-def _logfmt(value: Any) -> str:
-    # Quoted as JSON when it holds spaces, quotes, '=' or anything unprintable: a lock name
-    # or a user name cannot forge a field or a line.
-    text = str(value)
-    if text and text.isprintable() and not any(c in text for c in ' "='):
-        return text
-    return json.dumps(text)
-
-
 _LOGGED = ("outcome", "actor", "actor_host", "via", "name", "key", "owner", "fence",
            "task_id", "task_name", "audit", "reason", "detail")
 
@@ -191,18 +180,12 @@ def _log(record: ForcedRelease, sender: Any, level: int = logging.WARNING,
          event: str = "force_release_audit") -> None:
     """One audit line (logfmt, every field quoted as needed) and the audit signal."""
     data = record.fields()
-    try:
-        text = " ".join(f"{k}={_logfmt(data[k])}" for k in _LOGGED
-                        if data.get(k) not in (None, ""))
-        logger.log(level, "event=%s %s", event, text,
-                   extra={"steplock": dict(data, event=event)})
-    except Exception:  # noqa: BLE001 - logging must never break the release
-        pass
+    log_event(event, level, **{k: data[k] for k in _LOGGED if data.get(k) not in (None, "")})
     if event == "force_release_audit":
         try:
             signals.force_release_audit.send(sender=sender, event=event, **data)
         except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
-            logger.exception("event=%s receiver failed", event)
+            log_event("receiver_failed", logging.ERROR, exc_info=True, signal=event)
 
 
 def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
@@ -212,10 +195,9 @@ def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
         record.outcome_recorded = False
         record.outcome_error = f"{type(exc).__name__}: {exc}"
-        logger.error("event=force_release_outcome_unrecorded name=%s owner=%s outcome=%s "
-                     "audit=%s error=%s", _logfmt(record.name), _logfmt(record.owner),
-                     record.outcome, _logfmt(record.audit or "-"),
-                     _logfmt(record.outcome_error), exc_info=True)
+        log_event("force_release_outcome_unrecorded", logging.ERROR, exc_info=True,
+                  name=record.name, owner=record.owner, outcome=record.outcome,
+                  audit=record.audit, error=record.outcome_error)
 
 
 def force_release(store, name: str, owner: str, *, actor: str | None = None,
@@ -290,8 +272,7 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
             audit(record)
         auditor.requested(record)
     except Exception as exc:  # noqa: BLE001 - no record, no release: whatever the store said
-        logger.error("event=force_release_aborted name=%s owner=%s error=%s",
-                     _logfmt(name), _logfmt(owner), _logfmt(f"{type(exc).__name__}: {exc}"))
+        log_event("force_release_aborted", logging.ERROR, name=name, owner=owner, error=exc)
         raise AuditRecordFailed(
             f"lease {name!r}: the audit record of the force release could not be written "
             f"({type(exc).__name__}: {exc}): nothing released", name=name, key=key,

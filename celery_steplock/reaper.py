@@ -63,7 +63,6 @@ reused pid makes a dead holder look alive, which leaves its lease to the TTL (th
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -538,8 +537,8 @@ class Reaper:
         problems = lease.get("malformed")
         if not problems:
             return False
-        logger.warning("event=reaper_malformed_lease key=%s problems=%s",
-                       json.dumps(str(lease.get("key"))), json.dumps(str(problems)))
+        log_event("reaper_malformed_lease", logging.WARNING, key=lease.get("key"),
+                  problems=problems)
         if len(self.report.leases_malformed) < MAX_RECORDS:
             self.report.leases_malformed.append(
                 {"name": lease.get("name"), "key": lease.get("key"), "malformed": problems})
