@@ -308,7 +308,8 @@ class StepLockedTask(Task):
     def __call__(self, *args, **kwargs):
         plan = self.steplock_plan
         arguments = bind_arguments(self.run, args, kwargs)
-        name = name_from_arguments(self.name, arguments, plan.lock_key)
+        name = name_from_arguments(self.name, arguments, plan.lock_key,
+                                   secret=plan.store.name_secret)
         step_id = None
         if plan.transition is not None:
             if plan.step_id_arg not in arguments:

@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from celery_steplock.keys import idempotency_key
+
 from celery_steplock.exceptions import LockLost, LockStoreUnavailable
 from celery_steplock.lease import drift
 from celery_steplock.lock import RedisLeaseStore, make_client, new_owner_token
@@ -222,12 +224,14 @@ def test_unreachable_store_raises_a_typed_retryable_error():
 
 def test_lease_local_validity_and_check(redis_client):
     now = [500.0]  # the leases' clock, moved by the test (Redis's TTL is long: 30 s)
-    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0])
+    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0],
+                           name_secret="k" * 32)
     lease = lock.acquire("v", "o", 30.0)
     lease.check()
-    assert lease.idempotency_key == "v"
+    assert lease.idempotency_key == idempotency_key(b"k" * 32, None, "v")
     named = lock.acquire("w", "o", 5.0, metadata={"task_name": "shop.charge"})
-    assert named.idempotency_key == "shop.charge:w"
+    assert named.idempotency_key == idempotency_key(b"k" * 32, "shop.charge", "w")
+    assert "shop.charge" not in named.idempotency_key and len(named.idempotency_key) == 64
     now[0] = 500.0 + 30.0 - drift(30.0) - 0.001
     lease.check()  # valid up to the TTL less the drift allowance
     now[0] = lease.valid_until
