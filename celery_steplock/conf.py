@@ -137,8 +137,8 @@ def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
     and at most ``maximum`` (default :data:`MAX_SECONDS`); None only with ``allow_none``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or math.isinf(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and (math.isnan(value) or math.isinf(value))):
         raise ImproperlyConfigured(
             f"{describe(name)} must be a number of seconds, got {shown(value)}", setting=name)
     if minimum is not None and value < minimum:
@@ -190,11 +190,12 @@ def check_ttl(value: Any, name: str) -> float:
     """Return ``value`` as a TTL in seconds within [MIN_TTL, MAX_TTL], else raise."""
     if type(value) is float and MIN_TTL <= value <= MAX_TTL:
         return value  # the common case, on the lease store's hot paths
-    ttl = check_seconds(value, name, maximum=math.inf)
-    if not MIN_TTL <= ttl <= MAX_TTL:
-        raise ImproperlyConfigured(f"{describe(name)} must be between {MIN_TTL} and "
-                                   f"{MAX_TTL:.0f} seconds, got {shown(value)}", setting=name)
-    return ttl
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not MIN_TTL <= value <= MAX_TTL:  # NaN compares false
+        raise ImproperlyConfigured(f"{describe(name)} must be a number of seconds between "
+                                   f"{MIN_TTL} and {MAX_TTL:.0f}, got {shown(value)}",
+                                   setting=name)
+    return float(value)
 
 
 def check_fence_ttl(value: Any, name: str) -> float:
