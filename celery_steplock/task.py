@@ -21,7 +21,7 @@ Task options (class attributes, or keywords of ``@app.task``); None means the se
 default from :mod:`celery_steplock.conf`:
 
 ``lock_key``        str.format template over argument names, or a callable; default: task
-                    name + SHA-256 of the bound arguments
+                    name + HMAC-SHA256 of the bound arguments, keyed with the name secret
 ``lock_ttl``        lease TTL, seconds (``steplock_default_ttl``, 30)
 ``lock_wait``       seconds to wait for a busy lease (``steplock_lock_wait``, 0)
 ``lock_max_hold``   seconds after which renewal stops and the lease is lost (None: no cap)

@@ -333,3 +333,13 @@ def test_rotating_the_secret_gives_a_running_lease_and_a_new_delivery_different_
     [seen] = SEEN_LEASES
     assert seen["name"] != old_name
     assert sorted(seen["listed"]) == sorted([old_name, seen["name"]])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_huge_argument_of_a_task_gives_a_bounded_stored_result(app, redis_client):
+    _, card_by_number = _card_task()
+    result = card_by_number.apply(args=("9" * (10 * 1024 * 1024), "1"))
+    assert result.failed() and isinstance(result.result, LockNameError)
+    assert len(str(result.result)) < 400
+    assert len(result.traceback) < 10_000
+    assert redis_client.dbsize() == 0  # refused before any lease was taken
