@@ -214,6 +214,9 @@ def name_from_arguments(task_name: str, arguments: Mapping[str, Any],
         return check_name(f"{task_name}:{mac.hexdigest()}")
     if callable(lock_key):
         return check_name(lock_key(**arguments))
+    if not isinstance(lock_key, str):
+        raise LockNameError(f"lock_key must be a str.format template or a callable, got "
+                            f"{shown(lock_key)}")
     template_fields(lock_key)
     try:
         return check_name(lock_key.format(**arguments))

@@ -35,7 +35,7 @@ from .clients import ClientConfig, make_client
 from .conf import MAX_OWNER_LENGTH, MAX_SCAN_COUNT, MAX_WAIT, MAX_WAITERS_LIMIT, MAX_TTL, \
     MIN_TTL, Settings, check_count, check_fence_ttl, check_key_prefix, check_name_secret, \
     check_seconds, check_ttl, shown
-from .exceptions import ImproperlyConfigured, InvalidArgument, LockError, \
+from .exceptions import ImproperlyConfigured, InvalidArgument, LockError, LockNameError, \
     LockStoreMisconfigured, LockStoreUnavailable
 from .keys import MAX_NAME_LENGTH, check_name, fence_key, lease_key, name_from_key, wake_key, \
     waiters_key
@@ -486,26 +486,38 @@ class RedisLeaseStore:
         return bool(self._call(self._reap, self._wake_keys(name), [owner, str(renewed_ms)],
                                "reap", name, owner))
 
-    def reap_many(self, items: Iterable[tuple[str, str, str]]) -> list[bool | LockError]:
+    def reap_many(self, items: Iterable[tuple[str, str, str]]
+                  ) -> list[bool | LockError | InvalidArgument | LockNameError]:
         """:meth:`reap` for many leases ``(name, owner, renewed_ms)`` in one pipelined round
         trip. Returns, per item, whether it was deleted, or the :class:`LockError` (with
-        ``name``, ``owner``) of an item Redis refused. Raises LockStoreUnavailable when the
-        round trip fails."""
-        items = [(_name(name), _owner(owner), _renewed_ms(renewed_ms))
-                 for name, owner, renewed_ms in items]
-        if not items:
-            return []
+        ``name``, ``owner``) of an item Redis refused, or the InvalidArgument/LockNameError of
+        an item that cannot be asked for (a malformed lease: it is not sent, the others are).
+        Raises LockStoreUnavailable when the round trip fails."""
+        results: list[Any] = []
+        valid: list[tuple[int, str, str, str]] = []
+        for name, owner, renewed_ms in items:
+            try:
+                valid.append((len(results), _name(name), _owner(owner),
+                              _renewed_ms(renewed_ms)))
+            except (InvalidArgument, LockNameError) as exc:
+                results.append(exc)
+                continue
+            results.append(None)
+        if not valid:
+            return results
         if not self._probed:
             self.check_permissions(what="reap")
-        calls = [(self._wake_keys(name), [owner, str(renewed_ms)])
-                 for name, owner, renewed_ms in items]
+        calls = [(self._wake_keys(name), [owner, renewed_ms])
+                 for _n, name, owner, renewed_ms in valid]
         try:
             replies = _wire.evalsha_many(self.client, self._reap, calls)
         except STORE_ERRORS as exc:
             raise store_error(exc, "reap") from exc
-        return [store_error(reply, "reap", key=self.key(name), name=name, owner=owner)
-                if isinstance(reply, Exception) else bool(reply)
-                for (name, owner, _renewed), reply in zip(items, replies)]
+        for (n, name, owner, _renewed), reply in zip(valid, replies):
+            results[n] = (store_error(reply, "reap", key=self.key(name), name=name,
+                                      owner=owner)
+                          if isinstance(reply, Exception) else bool(reply))
+        return results
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it. Returns False (and
@@ -676,10 +688,11 @@ class RedisLeaseStore:
 
 
 def _renewed_ms(value: Any) -> str:
-    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
-    if not text.isdigit() or len(text) > 20:
-        raise InvalidArgument(f"renewed_ms must be the lease's renewed_ms field (digits), got "
-                              f"{shown(value)}", argument="renewed_ms")
+    # "" is a lease without the field (as the reaper passes it); else Redis milliseconds.
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text is None or (text and not text.isdigit()) or len(text) > 20:
+        raise InvalidArgument(f"renewed_ms must be the lease's renewed_ms field (digits, or "
+                              f"empty), got {shown(value)}", argument="renewed_ms")
     return text
 
 

@@ -663,7 +663,6 @@ BAD_CALLS = [
     ("release owner=None", lambda s: s.release("a", None), "owner"),
     ("owned owner=b''", lambda s: s.owned("a", b""), "owner"),
     ("reap renewed_ms='x'", lambda s: s.reap("a", "o", "x"), "renewed_ms"),
-    ("reap_many renewed_ms=None", lambda s: s.reap_many([("a", "o", None)]), "renewed_ms"),
     ("scan_keys count=0", lambda s: s.scan_keys(0, 0), "count"),
     ("scan_keys count=1e9", lambda s: s.scan_keys(0, 10 ** 9), "count"),
     ("scan cursor=-1", lambda s: s.scan(-1), "cursor"),
@@ -723,6 +722,18 @@ def test_values_at_the_bounds_are_used_as_given_never_clamped(lock, redis_client
     # kept at least fence_ttl after the grant, at most twice that (RedisLeaseStore's doc)
     assert 366 * 24 * 3600 * 1000 - 10_000 < redis_client.pttl("t:fence:{fenced}") \
         <= 2 * 366 * 24 * 3600 * 1000
+
+
+def test_reap_many_refuses_a_malformed_item_alone(lock, redis_client):
+    lease = lock.acquire("dead", "o", 30.0)
+    renewed = redis_client.hget("t:lease:{dead}", "renewed_ms")
+    results = lock.reap_many([("odd", "o" * 300, "1"), ("dead", "o", renewed),
+                              ("gone", "p", None), ("a{b", "o", "1")])
+    assert [type(r).__name__ for r in results] == ["InvalidArgument", "bool",
+                                                   "InvalidArgument", "LockNameError"]
+    assert results[1] is True and lease is not None
+    assert [r.argument for r in (results[0], results[2])] == ["owner", "renewed_ms"]
+    assert redis_client.exists("t:lease:{dead}") == 0
 
 
 def test_deprecated_alias_validates_the_same(redis_client):
