@@ -198,9 +198,10 @@ class RedisLeaseStore:
     [1, 31622400], ``max_waiters`` within [1, 100000], names as lock names, owners non-empty
     printable strings of at most 256 characters; bounds in :mod:`celery_steplock.conf`):
     a value of the wrong type or out of bounds raises :class:`InvalidArgument` naming the
-    argument (a bad lock name :class:`LockNameError`), never clamped. Every method raises :class:`LockStoreUnavailable` when Redis
-    cannot be reached, :class:`LockStoreMisconfigured` when it refuses our credentials or a
-    permission, and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``:
+    argument (a bad lock name :class:`LockNameError`), never clamped.
+
+    Every method raises :class:`LockStoreUnavailable` when Redis cannot be reached,
+    :class:`LockStoreMisconfigured` when it refuses our credentials or a permission, and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``:
     a key of ours holds something else); all carry ``name`` (and ``owner``) where one lease
     is concerned.
 
@@ -599,7 +600,8 @@ class RedisLeaseStore:
     @staticmethod
     def _checked_scan(cursor: Any, count: Any, match: Any) -> tuple[int, int, str]:
         """The arguments of :meth:`scan_keys`, validated."""
-        cursor = _argument(check_count, cursor, "cursor", maximum=2 ** 80)  # a cluster cursor is 79 bits
+        # 2 ** 80: a Redis Cluster cursor carries a slot above Redis's own 64-bit cursor.
+        cursor = _argument(check_count, cursor, "cursor", maximum=2 ** 80)
         count = _argument(check_count, count, "count", minimum=1, maximum=MAX_SCAN_COUNT)
         if not isinstance(match, str) or not match or len(match) > MAX_NAME_LENGTH:
             raise InvalidArgument(f"match must be a glob of 1 to {MAX_NAME_LENGTH} characters, "
@@ -725,8 +727,8 @@ def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
     """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
     client-factory settings of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
     ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
-    ``steplock_max_waiters``, ``steplock_name_secret``), one per distinct configuration and shared by every task,
-    heartbeat and operator tool of the process.
+    ``steplock_max_waiters``, ``steplock_name_secret``), one per distinct configuration and
+    shared by every task, heartbeat and operator tool of the process.
 
     Raises ImproperlyConfigured naming the setting when one of them is invalid.
     """
