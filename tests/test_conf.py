@@ -266,3 +266,16 @@ def test_manage_py_check_deploy_reports_the_insecure_name_secret():
     assert "celery_steplock.W011" in [m.id for m in found]
     assert "celery_steplock.W011" not in [m.id for m in checks.run_checks(
         include_deployment_checks=False, tags=["celery_steplock"])]
+
+
+@pytest.mark.parametrize("options", [{"health_check_interval": 1e300},
+                                     {"health_check_interval": float("nan")},
+                                     {"sentinel_kwargs": {"socket_timeout": 1e9}}])
+def test_transport_option_durations_are_bounded(options):
+    settings = Settings(make_app(steplock_redis_url="sentinel://127.0.0.1:1",
+                                 steplock_redis_transport_options={"master_name": "m",
+                                                                   **options}))
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings.redis_transport_options
+    assert info.value.setting == "steplock_redis_transport_options"
+    assert "at most 600" in str(info.value) and len(str(info.value)) < 400
