@@ -10,6 +10,7 @@ Public API::
 import warnings
 
 from . import exceptions, signals
+from .exceptions import InvalidArgument
 from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepId,
                          InvalidTransition, LeaseHeldByAnother, LeaseNotHeld, LockContended,
                          LockError, LockLost, LockNameError, LockStoreMisconfigured,
@@ -31,7 +32,7 @@ __all__ = [
     "ImproperlyConfigured", "LockNameError", "LockError", "LockContended", "LockLost",
     "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
-    "LeaseNotHeld", "LeaseHeldByAnother",
+    "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
 ]
 
 

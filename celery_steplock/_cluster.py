@@ -470,7 +470,7 @@ class ClusterStoreMixin:
 
         chunk = chunk or EXTEND_CHUNK
         prefix = f"{self.prefix}:lease:{{"
-        items = list(items)
+        items = self._checked_items(items)
         keys = [f"{prefix}{name}}}" for name, _owner, _ttl in items]
         calls: list[_wire.Call] = []
         members: list[list[int]] = []
@@ -528,6 +528,7 @@ class ClusterStoreMixin:
                   ) -> tuple[int, list[str]]:
         """One ``SCAN`` step on one primary (see :func:`scan_keys` for the walk):
         ``(next_cursor, keys)``; ``next_cursor`` 0 when every primary was walked."""
+        cursor, count, match = self._checked_scan(cursor, count, match)
         try:
             return scan_keys(self.client, cursor, count, lease_key(self.prefix, match))
         except _CONNECTION_ERRORS as exc:

@@ -254,10 +254,13 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
 
 
 def _check_seconds(value: Any, key: str, name: str) -> None:
+    from .conf import MAX_SOCKET_TIMEOUT, shown
+
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or value < 0):
+                              or not 0 <= value <= MAX_SOCKET_TIMEOUT):  # NaN: refused
         raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a number of seconds "
-                                   f">= 0, got {value!r}", setting=name)
+                                   f">= 0 and at most {MAX_SOCKET_TIMEOUT:g}, got "
+                                   f"{shown(value)}", setting=name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,10 @@ to ``app.conf`` takes effect on the next task. An invalid value raises
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
+import reprlib
 import sys
 import threading
 import weakref
@@ -54,7 +57,64 @@ DEFAULTS: dict[str, Any] = {
     # The step-store factory (celery_steplock.steps.StepStore), a qualified string.
     "step_store": "celery_steplock.contrib.django.steps:DjangoStepStore",
     "step_database": None,          # None: the step model's write database (Django: the router)
+    # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
+    # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
+    "name_secret": None,
 }
+
+# -- bounds ------------------------------------------------------------------------------------
+# Every setting, task option and argument of the lease store's public methods is checked
+# against these, below and above: a value out of range is refused by name, never clamped.
+
+#: Any duration, seconds: ten years (far inside what Redis PEXPIRE and a float keep exact).
+MAX_SECONDS = 10 * 366 * 24 * 3600.0
+#: ``steplock_lock_wait`` / ``lock_wait`` / ``acquire(wait=)``: one day.
+MAX_WAIT = 24 * 3600.0
+#: ``steplock_max_hold`` / ``lock_max_hold``: thirty days.
+MAX_HOLD = 30 * 24 * 3600.0
+#: ``steplock_retry_backoff`` and ``steplock_retry_backoff_max``: one day.
+MAX_BACKOFF = 24 * 3600.0
+#: ``steplock_retry_max`` / ``lock_retry_max``.
+MAX_RETRIES = 1_000_000
+#: ``steplock_socket_timeout``: ten minutes.
+MAX_SOCKET_TIMEOUT = 600.0
+#: ``steplock_fence_ttl`` / ``RedisLeaseStore(fence_ttl=)``: one second to one year.
+MIN_FENCE_TTL = 1.0
+MAX_FENCE_TTL = 366 * 24 * 3600.0
+#: ``steplock_max_waiters`` / ``RedisLeaseStore(max_waiters=)``.
+MAX_WAITERS_LIMIT = 100_000
+#: ``steplock_reaper_older_than``: one year.
+MAX_REAPER_OLDER_THAN = 366 * 24 * 3600.0
+#: ``steplock_reaper_recover``: models, and statuses per model.
+MAX_RECOVER_MODELS = 1000
+#: ``steplock_key_prefix`` / ``RedisLeaseStore(prefix=)``, characters.
+MAX_PREFIX_LENGTH = 64
+#: Field names, database aliases, qualified names of settings, characters.
+MAX_IDENTIFIER_LENGTH = 255
+#: ``steplock_name_secret``, characters (or bytes).
+MIN_SECRET_LENGTH = 32
+MAX_SECRET_LENGTH = 4096
+#: An owner token given to the lease store, characters (ours are 32).
+MAX_OWNER_LENGTH = 256
+#: ``count`` of one SCAN step of the lease store.
+MAX_SCAN_COUNT = 100_000
+#: How much of an invalid value an error message quotes, characters.
+MAX_SHOWN = 80
+#: The longest message of ImproperlyConfigured and LockNameError, characters.
+MAX_MESSAGE_LENGTH = 2000
+
+_shown = reprlib.Repr()
+_shown.maxstring = _shown.maxother = _shown.maxlong = MAX_SHOWN
+_shown.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to about :data:`MAX_SHOWN` characters, for error messages: a value
+    of 10 MiB gives a message of a line, and a value whose repr fails gives its type."""
+    try:
+        return _shown.repr(value)
+    except Exception:  # an int past the digit limit, a failing __repr__
+        return f"<{type(value).__name__}>"
 
 
 def setting_name(name: str) -> str:
@@ -70,19 +130,52 @@ def describe(name: str) -> str:
 
 
 def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
-                  allow_none: bool = False) -> float | None:
-    """Return ``value`` as float seconds, or raise ImproperlyConfigured naming ``name``."""
+                  allow_none: bool = False, maximum: float = MAX_SECONDS,
+                  minimum: float | None = None) -> float | None:
+    """Return ``value`` as float seconds, or raise ImproperlyConfigured naming ``name``: a
+    number (not a bool), above 0 (or >= 0 with ``allow_zero``; >= ``minimum`` when given)
+    and at most ``maximum`` (default :data:`MAX_SECONDS`); None only with ``allow_none``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or math.isinf(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and (math.isnan(value) or math.isinf(value))):
         raise ImproperlyConfigured(
-            f"{describe(name)} must be a number of seconds, got {value!r}", setting=name)
+            f"{describe(name)} must be a number of seconds, got {shown(value)}", setting=name)
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{describe(name)} must be between {minimum:g} and "
+                                   f"{maximum:g} seconds, got {shown(value)}", setting=name)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ImproperlyConfigured(f"{describe(name)} must be {bound} seconds, got {value!r}",
-                                   setting=name)
+        raise ImproperlyConfigured(f"{describe(name)} must be {bound} seconds, got "
+                                   f"{shown(value)}", setting=name)
+    if value > maximum:
+        raise ImproperlyConfigured(f"{describe(name)} must be at most {maximum:g} seconds, "
+                                   f"got {shown(value)}", setting=name)
     return float(value)
+
+
+def check_count(value: Any, name: str, *, minimum: int = 0, maximum: int,
+                allow_none: bool = False) -> int | None:
+    """Return ``value`` if it is a whole number (not a bool) within [minimum, maximum], or
+    None with ``allow_none``; else raise ImproperlyConfigured naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not minimum <= value <= maximum:
+        none = "None or " if allow_none else ""
+        raise ImproperlyConfigured(f"{describe(name)} must be {none}a whole number from "
+                                   f"{minimum} to {maximum}, got {shown(value)}", setting=name)
+    return value
+
+
+def check_text(value: Any, name: str, *, maximum: int = MAX_IDENTIFIER_LENGTH,
+               what: str = "a non-empty string") -> str:
+    """Return ``value`` if it is a non-empty str of at most ``maximum`` characters, else
+    raise ImproperlyConfigured naming ``name`` (``what`` says what was expected)."""
+    if not isinstance(value, str) or not value or len(value) > maximum:
+        raise ImproperlyConfigured(f"{describe(name)} must be {what} of at most {maximum} "
+                                   f"characters, got {shown(value)}", setting=name)
+    return value
 
 
 #: Bounds of a lease TTL, seconds: below the minimum the drift allowance and one round trip
@@ -95,17 +188,82 @@ MAX_RENEWAL_RATIO = 0.75
 
 def check_ttl(value: Any, name: str) -> float:
     """Return ``value`` as a TTL in seconds within [MIN_TTL, MAX_TTL], else raise."""
-    ttl = check_seconds(value, name)
-    if not MIN_TTL <= ttl <= MAX_TTL:
-        raise ImproperlyConfigured(f"{describe(name)} must be between {MIN_TTL} and "
-                                   f"{MAX_TTL:.0f} seconds, got {value!r}", setting=name)
-    return ttl
+    if type(value) is float and MIN_TTL <= value <= MAX_TTL:
+        return value  # the common case, on the lease store's hot paths
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not MIN_TTL <= value <= MAX_TTL:  # NaN compares false
+        raise ImproperlyConfigured(f"{describe(name)} must be a number of seconds between "
+                                   f"{MIN_TTL} and {MAX_TTL:.0f}, got {shown(value)}",
+                                   setting=name)
+    return float(value)
+
+
+def check_fence_ttl(value: Any, name: str) -> float:
+    """Return ``value`` as a fencing counter's lifetime in seconds within [MIN_FENCE_TTL,
+    MAX_FENCE_TTL], else raise ImproperlyConfigured naming ``name``."""
+    return check_seconds(value, name, minimum=MIN_FENCE_TTL, maximum=MAX_FENCE_TTL)
+
+
+#: The message of the documented derivation of the name secret from Django's SECRET_KEY.
+NAME_SECRET_DERIVATION = b"celery_steplock lock names v1"
+
+
+def derive_name_secret(secret_key: str | bytes) -> bytes:
+    """The name secret derived from a Django ``SECRET_KEY``: HMAC-SHA256 with ``SECRET_KEY``
+    (UTF-8) as the key over :data:`NAME_SECRET_DERIVATION`, 32 bytes. One-way: the lock names
+    and idempotency keys made with it reveal nothing of ``SECRET_KEY``."""
+    key = secret_key.encode() if isinstance(secret_key, str) else bytes(secret_key)
+    return hmac.new(key, NAME_SECRET_DERIVATION, hashlib.sha256).digest()
+
+
+def django_secret_key() -> str | bytes | None:
+    """Django's ``SECRET_KEY`` when Django is imported and configured and it is set, else
+    None (a project without Django, or one whose settings are not configured)."""
+    if "django" not in sys.modules:
+        return None
+    try:
+        from django.conf import settings
+
+        if not settings.configured:
+            return None
+        value = getattr(settings, "SECRET_KEY", None)
+    except Exception:  # Django refuses to give an empty SECRET_KEY
+        return None
+    return value if isinstance(value, (str, bytes)) and value else None
+
+
+def check_name_secret(value: Any, name: str = "steplock_name_secret") -> bytes:
+    """Return ``value`` (str or bytes of MIN_SECRET_LENGTH to MAX_SECRET_LENGTH) as the bytes
+    of the HMAC key, else raise ImproperlyConfigured naming ``name`` (the value is never
+    quoted: it is a secret)."""
+    if not isinstance(value, (str, bytes)) or not MIN_SECRET_LENGTH <= len(value) \
+            <= MAX_SECRET_LENGTH:
+        what = (f"{len(value)} characters" if isinstance(value, (str, bytes))
+                else f"a {type(value).__name__}")
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be a string of {MIN_SECRET_LENGTH} to {MAX_SECRET_LENGTH} "
+            f"characters shared by every worker (e.g. secrets.token_urlsafe(32)), got {what}",
+            setting=name)
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def check_key_prefix(prefix: Any, name: str = "steplock_key_prefix") -> str:
+    """Return ``prefix`` if it can namespace the lease store's keys, else raise
+    ImproperlyConfigured naming ``name``."""
+    if not isinstance(prefix, str) or not prefix or len(prefix) > MAX_PREFIX_LENGTH \
+            or any(c in "{}*?[]\\" or c.isspace() or not c.isprintable() for c in prefix):
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be a non-empty string of at most "
+            f"{MAX_PREFIX_LENGTH} printable characters without "
+            f"braces, glob characters (*?[]\\) or spaces, got {shown(prefix)}",
+            setting=name)
+    return prefix
 
 
 def check_bool(value: Any, name: str) -> bool:
     """Return ``value`` if it is a bool, else raise (``"false"`` is not False)."""
     if not isinstance(value, bool):
-        raise ImproperlyConfigured(f"{describe(name)} must be True or False, got {value!r}",
+        raise ImproperlyConfigured(f"{describe(name)} must be True or False, got {shown(value)}",
                                    setting=name)
     return value
 
@@ -114,7 +272,7 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise ImproperlyConfigured."""
     if value not in choices:
         raise ImproperlyConfigured(
-            f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {value!r}",
+            f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {shown(value)}",
             setting=name)
     return value
 
@@ -124,10 +282,10 @@ def check_database(value: Any, name: str) -> str | None:
     surrounding spaces), else raise ImproperlyConfigured naming ``name``. Whether the
     database exists is the step store's to say."""
     if value is not None and (not isinstance(value, str) or not value
-                              or value != value.strip()):
+                              or value != value.strip() or len(value) > MAX_IDENTIFIER_LENGTH):
         raise ImproperlyConfigured(
             f"{describe(name)} must be None or a database alias (a key of DATABASES), "
-            f"got {value!r}", setting=name)
+            f"got {shown(value)}", setting=name)
     return value
 
 
@@ -299,14 +457,7 @@ class Settings:
 
     @property
     def key_prefix(self) -> str:
-        prefix = self.raw("key_prefix")
-        if not isinstance(prefix, str) or not prefix or any(c in "{}*?[]\\" or c.isspace()
-                                                            for c in prefix):
-            raise ImproperlyConfigured(
-                f"{describe('steplock_key_prefix')} must be a non-empty string without "
-                f"braces, glob characters (*?[]\\) or spaces, got {prefix!r}",
-                setting="steplock_key_prefix")
-        return prefix
+        return check_key_prefix(self.raw("key_prefix"))
 
     @property
     def default_ttl(self) -> float:
@@ -320,16 +471,18 @@ class Settings:
             raise ImproperlyConfigured(
                 f"{describe('steplock_renewal_ratio')} must be a number above 0 and at most "
                 f"{MAX_RENEWAL_RATIO} (the renewal interval must leave time for a retry "
-                f"before the TTL runs out), got {ratio!r}", setting="steplock_renewal_ratio")
+                f"before the TTL runs out), got {shown(ratio)}", setting="steplock_renewal_ratio")
         return float(ratio)
 
     @property
     def lock_wait(self) -> float:
-        return check_seconds(self.raw("lock_wait"), "steplock_lock_wait", allow_zero=True)
+        return check_seconds(self.raw("lock_wait"), "steplock_lock_wait", allow_zero=True,
+                             maximum=MAX_WAIT)
 
     @property
     def max_hold(self) -> float | None:
-        return check_seconds(self.raw("max_hold"), "steplock_max_hold", allow_none=True)
+        return check_seconds(self.raw("max_hold"), "steplock_max_hold", allow_none=True,
+                             maximum=MAX_HOLD)
 
     @property
     def on_contended(self) -> str:
@@ -346,27 +499,25 @@ class Settings:
 
     @property
     def retry_backoff(self) -> float:
-        return check_seconds(self.raw("retry_backoff"), "steplock_retry_backoff")
+        return check_seconds(self.raw("retry_backoff"), "steplock_retry_backoff",
+                             maximum=MAX_BACKOFF)
 
     @property
     def retry_backoff_max(self) -> float:
-        return check_seconds(self.raw("retry_backoff_max"), "steplock_retry_backoff_max")
+        return check_seconds(self.raw("retry_backoff_max"), "steplock_retry_backoff_max",
+                             maximum=MAX_BACKOFF)
 
     @property
     def retry_max(self) -> int | None:
-        value = self.raw("retry_max")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
-            raise ImproperlyConfigured(
-                f"{describe('steplock_retry_max')} must be None or a whole number >= 0, "
-                f"got {value!r}", setting="steplock_retry_max")
-        return value
+        return check_count(self.raw("retry_max"), "steplock_retry_max", maximum=MAX_RETRIES,
+                           allow_none=True)
 
     def _field(self, name: str) -> str:
         value = self.raw(name)
-        if not isinstance(value, str) or not value.isidentifier():
+        if not isinstance(value, str) or not value.isidentifier() \
+                or len(value) > MAX_IDENTIFIER_LENGTH:
             raise ImproperlyConfigured(
-                f"{describe(setting_name(name))} must be a model field name, got {value!r}",
+                f"{describe(setting_name(name))} must be a model field name, got {shown(value)}",
                 setting=setting_name(name))
         return value
 
@@ -392,20 +543,17 @@ class Settings:
 
     @property
     def socket_timeout(self) -> float:
-        return check_seconds(self.raw("socket_timeout"), "steplock_socket_timeout")
+        return check_seconds(self.raw("socket_timeout"), "steplock_socket_timeout",
+                             maximum=MAX_SOCKET_TIMEOUT)
 
     @property
     def max_waiters(self) -> int:
-        value = self.raw("max_waiters")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ImproperlyConfigured(
-                f"{describe('steplock_max_waiters')} must be a whole number >= 1, "
-                f"got {value!r}", setting="steplock_max_waiters")
-        return value
+        return check_count(self.raw("max_waiters"), "steplock_max_waiters", minimum=1,
+                           maximum=MAX_WAITERS_LIMIT)
 
     @property
     def fence_ttl(self) -> float:
-        return check_seconds(self.raw("fence_ttl"), "steplock_fence_ttl")
+        return check_fence_ttl(self.raw("fence_ttl"), "steplock_fence_ttl")
 
     @property
     def event_log(self) -> bool:
@@ -416,30 +564,46 @@ class Settings:
         return check_seconds(self.raw("event_retention"), "steplock_event_retention")
 
     @property
+    def name_secret(self) -> bytes | None:
+        """The HMAC-SHA256 key of default lock names and idempotency keys: the bytes of
+        ``steplock_name_secret`` when set; else, under a configured Django, the key derived
+        from ``SECRET_KEY`` (:func:`derive_name_secret`); else None (names are then made with
+        a public key: anyone can recompute them)."""
+        value = self.raw("name_secret")
+        if value is not None:
+            return check_name_secret(value)
+        secret_key = django_secret_key()
+        return None if secret_key is None else derive_name_secret(secret_key)
+
+    @property
     def reaper_recover(self) -> dict[str, dict[str, str]]:
         value = self.raw("reaper_recover")
-        if not isinstance(value, dict) or not all(
+        if not isinstance(value, dict) or len(value) > MAX_RECOVER_MODELS or not all(
                 isinstance(model, str) and isinstance(moves, dict)
-                and all(isinstance(a, str) and isinstance(b, str) for a, b in moves.items())
+                and len(model) <= MAX_IDENTIFIER_LENGTH and len(moves) <= MAX_RECOVER_MODELS
+                and all(isinstance(a, str) and isinstance(b, str)
+                        and len(a) <= MAX_IDENTIFIER_LENGTH and len(b) <= MAX_IDENTIFIER_LENGTH
+                        for a, b in moves.items())
                 for model, moves in value.items()):
             raise ImproperlyConfigured(
                 f"{describe('steplock_reaper_recover')} must map \"app_label.Model\" to "
-                f"{{in-flight status: recovery status}}, got {value!r}",
+                f"{{in-flight status: recovery status}}, got {shown(value)}",
                 setting="steplock_reaper_recover")
         return value
 
     @property
     def reaper_older_than(self) -> float:
         return check_seconds(self.raw("reaper_older_than"), "steplock_reaper_older_than",
-                             allow_zero=True)
+                             allow_zero=True, maximum=MAX_REAPER_OLDER_THAN)
 
     @property
     def step_store(self) -> Any:
         value = self.raw("step_store")
-        if not (isinstance(value, str) and value.strip()) and not callable(value):
+        if not (isinstance(value, str) and value.strip() and len(value) <= MAX_IDENTIFIER_LENGTH) \
+                and not callable(value):
             raise ImproperlyConfigured(
                 f"{describe('steplock_step_store')} must be a qualified name "
-                f"(\"package.module:Factory\") or a callable, got {value!r}",
+                f"(\"package.module:Factory\") or a callable, got {shown(value)}",
                 setting="steplock_step_store")
         return value
 

@@ -4,6 +4,7 @@ Every error the library raises derives from :class:`StepLockError`::
 
     StepLockError
     ├── ImproperlyConfigured        a setting or task option is invalid (names it)
+    │   └── InvalidArgument         an argument of the public API is invalid (names it)
     ├── LockNameError               an argument cannot enter a lock name (names it)
     ├── MetadataError               lease metadata names a reserved field (names the keys)
     ├── OuterTransactionError       called inside a caller's transaction.atomic()
@@ -29,8 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "StepLockError", "ImproperlyConfigured", "LockNameError", "OuterTransactionError",
-    "MetadataError", "LockError", "LockContended",
+    "StepLockError", "ImproperlyConfigured", "InvalidArgument", "LockNameError",
+    "OuterTransactionError", "MetadataError", "LockError", "LockContended",
     "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
     "AuditRecordFailed",
@@ -42,25 +43,48 @@ class StepLockError(Exception):
     """Base class of every celery-steplock error."""
 
 
+def _bounded(message: str) -> str:
+    # A message can quote caller-controlled values: it stays a few lines however large they
+    # are (it ends up in logs and stored task results).
+    from .conf import MAX_MESSAGE_LENGTH
+
+    if len(message) <= MAX_MESSAGE_LENGTH:
+        return message
+    cut = len(message) - MAX_MESSAGE_LENGTH
+    return f"{message[:MAX_MESSAGE_LENGTH]}... ({cut} more characters)"
+
+
 class ImproperlyConfigured(StepLockError, ValueError):
     """A ``steplock_*`` setting or a task option has an invalid value.
 
-    ``setting`` holds the setting or option name the message is about.
+    ``setting`` holds the setting or option name the message is about. The message is at
+    most ``conf.MAX_MESSAGE_LENGTH`` characters (cut beyond).
     """
 
     def __init__(self, message: str, setting: str | None = None):
-        super().__init__(message)
+        super().__init__(_bounded(str(message)))
         self.setting = setting
+
+
+class InvalidArgument(ImproperlyConfigured, TypeError):
+    """An argument of the library's public API (``RedisLeaseStore.acquire(ttl=...)``, ...) is
+    of the wrong type or out of its bounds. ``argument`` (and ``setting``, the same) names
+    it. Both a ``ValueError`` and a ``TypeError``, as Python raises either for such calls."""
+
+    def __init__(self, message: str, argument: str | None = None):
+        super().__init__(message, setting=argument)
+        self.argument = argument
 
 
 class LockNameError(StepLockError, TypeError):
     """A task argument cannot be turned into a lock name (e.g. it is not serialisable).
 
-    ``argument`` holds the argument's name.
+    ``argument`` holds the argument's name. The message is at most
+    ``conf.MAX_MESSAGE_LENGTH`` characters and quotes at most ``conf.MAX_SHOWN`` of a value.
     """
 
     def __init__(self, message: str, argument: str | None = None):
-        super().__init__(message)
+        super().__init__(_bounded(str(message)))
         self.argument = argument
 
 

@@ -6,8 +6,17 @@ applied, so ``t(1)``, ``t(x=1)`` and ``t(1, y=<default>)`` name the same lock, a
 never matters), encoded as canonical JSON with kombu's encoder (the one Celery's JSON serializer
 uses, so ``UUID``, ``datetime``, ``date``, ``Decimal`` and ``bytes`` work; a ``Decimal``
 keeps its written precision, so ``Decimal("1.1")`` and ``Decimal("1.10")`` name different
-locks), and hashed with SHA-256. Names passed through ``**kwargs`` join the declared ones. A ``lock_key`` task option replaces that with a :meth:`str.format` template over the
-argument names (``"order:{order_id}"``) or a callable receiving the bound arguments as keywords.
+locks), and hashed with HMAC-SHA256 keyed with the name secret (``steplock_name_secret``, see
+:attr:`celery_steplock.conf.Settings.name_secret`): whoever sees a name (the admin, the CLI,
+logs, ``LeaseEvent`` rows) cannot recover the arguments by trying candidates without that
+secret. Names passed through ``**kwargs`` join the declared ones. A ``lock_key`` task option
+replaces that with a :meth:`str.format` template over the argument names
+(``"order:{order_id}"``: plain names only, no attribute or index access; the values appear
+in the name as they are) or a callable receiving the bound arguments as keywords.
+
+Types are kept: ``1``, ``1.0``, ``True`` and ``"1"`` are four JSON values and give four
+default names; a template formats them with :func:`format`, so ``"1"`` and ``1`` give one
+name there, ``1.0`` and ``True`` others (``"1.0"``, ``"True"``).
 
 Redis keys wrap the name in braces, a Redis Cluster hash tag, so that the lease and its fencing
 counter always live in the same slot: ``steplock:lease:{order:42}`` and
@@ -15,18 +24,27 @@ counter always live in the same slot: ``steplock:lease:{order:42}`` and
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import inspect
 import json
+import string
 from typing import Any, Callable, Mapping, Sequence
 
 from kombu.utils.json import JSONEncoder
 
+from .conf import shown
 from .exceptions import LockNameError
 
 __all__ = ["bind_arguments", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
            "fence_key", "waiters_key", "wake_key", "name_from_key", "check_name",
-           "MAX_NAME_LENGTH", "argument_names"]
+           "template_fields", "idempotency_key", "MAX_NAME_LENGTH", "PUBLIC_NAME_KEY",
+           "argument_names"]
+
+#: The HMAC key used when no name secret is configured: public, so such names can be
+#: recomputed by anyone who can guess the arguments (``celery_steplock.W010`` says so).
+PUBLIC_NAME_KEY = b"celery_steplock: no name secret configured"
 
 MAX_NAME_LENGTH = 512
 
@@ -92,70 +110,153 @@ def _signature(fun: Callable) -> inspect.Signature:
 def canonical_json(arguments: Mapping[str, Any]) -> str:
     """Encode ``arguments`` as canonical JSON (sorted keys, no spaces, kombu's type tags).
 
-    Raises :class:`LockNameError` naming the first argument that cannot be encoded.
+    Raises :class:`LockNameError` naming the first argument that cannot be encoded (a type
+    JSON cannot encode, or nesting deeper than the interpreter's recursion limit allows).
     """
     try:
         return json.dumps(arguments, cls=JSONEncoder, sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         for name in sorted(arguments):
             try:
                 json.dumps(arguments[name], cls=JSONEncoder, sort_keys=True)
+            except RecursionError:
+                raise LockNameError(
+                    f"argument {shown(name)} is nested too deep to be part of a lock name "
+                    f"(use lock_key to name the lock explicitly)", argument=name) from None
             except (TypeError, ValueError) as inner:
                 raise LockNameError(
-                    f"argument {name!r} cannot be part of a lock name: {inner} "
+                    f"argument {shown(name)} cannot be part of a lock name: {inner} "
                     f"(use lock_key to name the lock explicitly)",
                     argument=name) from exc
-        raise LockNameError(f"arguments cannot be part of a lock name: {exc}") from exc
+        raise LockNameError(f"arguments cannot be part of a lock name: {exc}") from None
 
 
 def check_name(name: Any) -> str:
     """Return ``name`` if it can be used as a lock name, else raise :class:`LockNameError`:
-    a non-empty string of printable characters, without braces, at most 512 long."""
+    a non-empty string of printable characters, without braces, at most 512 long. The
+    error quotes at most ``conf.MAX_SHOWN`` characters of ``name``."""
+    if type(name) is str and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable() \
+            and "{" not in name and "}" not in name:
+        return name
     if not isinstance(name, str) or not name:
-        raise LockNameError(f"a lock name must be a non-empty string, got {name!r}")
+        raise LockNameError(f"a lock name must be a non-empty string, got {shown(name)}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise LockNameError(f"a lock name is at most {MAX_NAME_LENGTH} characters, "
+                            f"got {len(name)}: {shown(name)}")
     if not name.isprintable():
         raise LockNameError(f"a lock name must be printable (no newlines or control "
-                            f"characters): {name!r}")
+                            f"characters): {shown(name)}")
     if "{" in name or "}" in name:
         raise LockNameError(
             f"a lock name cannot contain braces (they delimit the Redis Cluster hash tag): "
-            f"{name!r}")
-    if len(name) > MAX_NAME_LENGTH:
-        raise LockNameError(f"a lock name is at most {MAX_NAME_LENGTH} characters, "
-                            f"got {len(name)}")
+            f"{shown(name)}")
     return name
 
 
+@functools.lru_cache(maxsize=1024)
+def template_fields(template: str) -> tuple[str, ...]:
+    """The argument names a ``lock_key`` template formats, in order (nested fields of format
+    specs included). Raises :class:`LockNameError` for a template :meth:`str.format` cannot
+    parse, a positional field (``{}``, ``{0}``) and attribute or index access
+    (``{x.__class__}``, ``{x[0]}``): a name is made of the arguments' values only."""
+    found: list[str] = []
+    pending = [template]
+    while pending:
+        text = pending.pop()
+        try:
+            parsed = list(string.Formatter().parse(text))
+        except ValueError as exc:
+            raise LockNameError(f"lock_key {shown(template)} is not a valid format template: "
+                                f"{exc}") from None
+        for _, field_name, format_spec, _ in parsed:
+            if field_name is None:
+                continue
+            if not field_name or field_name.isdigit():
+                raise LockNameError(f"lock_key {shown(template)} has a positional field "
+                                    f"({{{field_name}}}): name an argument")
+            if not field_name.isidentifier():
+                raise LockNameError(
+                    f"lock_key {shown(template)} uses {shown(field_name)}: only plain argument "
+                    f"names are allowed, no attribute or index access (a lock name is made of "
+                    f"the arguments' values)", argument=field_name)
+            found.append(field_name)
+            if format_spec and "{" in format_spec:
+                pending.append(format_spec)
+    return tuple(found)
+
+
 def lock_name(task_name: str, fun: Callable, args: Sequence, kwargs: Mapping,
-              lock_key: LockKey = None) -> str:
+              lock_key: LockKey = None, *, secret: bytes | str | None = None) -> str:
     """Return the lock name of one call ``fun(*args, **kwargs)`` of task ``task_name``.
 
-    ``lock_key`` None: ``"<task_name>:<sha256 hex of the canonical bound arguments>"``.
-    ``lock_key`` str: ``lock_key.format(**bound_arguments)``; a placeholder that names no
-    argument raises :class:`LockNameError`. ``lock_key`` callable: its return value, called
-    with the bound arguments as keywords.
+    ``lock_key`` None: ``"<task_name>:<64 hex digits>"``, the HMAC-SHA256 keyed with
+    ``secret`` (the name secret; None: :data:`PUBLIC_NAME_KEY`) of the task name and the
+    canonical bound arguments. ``lock_key`` str: ``lock_key.format(**bound_arguments)`` (see
+    :func:`template_fields`); a placeholder that names no argument raises
+    :class:`LockNameError`. ``lock_key`` callable: its return value, called with the bound
+    arguments as keywords.
     """
-    return name_from_arguments(task_name, bind_arguments(fun, args, kwargs), lock_key)
+    return name_from_arguments(task_name, bind_arguments(fun, args, kwargs), lock_key,
+                               secret=secret)
+
+
+def _key(secret: bytes | str | None) -> bytes:
+    if secret is None:
+        return PUBLIC_NAME_KEY
+    return secret.encode() if isinstance(secret, str) else secret
+
+
+_prepared: dict[tuple[bytes, bytes], Any] = {}
+
+
+def _keyed(key: bytes, domain: bytes) -> Any:
+    """A fresh HMAC-SHA256 of ``key`` that has read ``domain``: a copy of one prepared per
+    key (copying skips the key schedule: about half the cost of ``hmac.new``)."""
+    prepared = _prepared.get((key, domain))
+    if prepared is None:
+        prepared = hmac.new(key, domain, hashlib.sha256)
+        if len(_prepared) < 64:
+            _prepared[(key, domain)] = prepared
+    return prepared.copy()
 
 
 def name_from_arguments(task_name: str, arguments: Mapping[str, Any],
-                        lock_key: LockKey = None) -> str:
+                        lock_key: LockKey = None, *, secret: bytes | str | None = None) -> str:
     """:func:`lock_name` for arguments already bound by :func:`bind_arguments`."""
     if lock_key is None:
-        digest = hashlib.sha256(canonical_json(arguments).encode()).hexdigest()
-        return check_name(f"{task_name}:{digest}")
+        mac = _keyed(_key(secret), b"lock-name\0")
+        mac.update(b"%s\0%s" % (task_name.encode(), canonical_json(arguments).encode()))
+        return check_name(f"{task_name}:{mac.hexdigest()}")
     if callable(lock_key):
         return check_name(lock_key(**arguments))
+    if not isinstance(lock_key, str):
+        raise LockNameError(f"lock_key must be a str.format template or a callable, got "
+                            f"{shown(lock_key)}")
+    template_fields(lock_key)
     try:
         return check_name(lock_key.format(**arguments))
     except ValueError as exc:
-        raise LockNameError(f"lock_key {lock_key!r} is not a valid format template: "
-                            f"{exc}") from exc
+        raise LockNameError(f"lock_key {shown(lock_key)} cannot format these arguments: "
+                            f"{exc}") from None
+    except RecursionError:
+        raise LockNameError(f"lock_key {shown(lock_key)}: an argument is nested too deep "
+                            f"to be formatted") from None
     except (KeyError, IndexError, AttributeError) as exc:
         missing = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
         raise LockNameError(
-            f"lock_key {lock_key!r} names {exc} which is not an argument of {task_name} "
-            f"(arguments: {', '.join(arguments) or 'none'})", argument=missing) from exc
+            f"lock_key {shown(lock_key)} names {shown(missing)} which is not an argument of "
+            f"{task_name} (arguments: {shown(', '.join(arguments) or 'none')})",
+            argument=missing) from None
+
+
+def idempotency_key(secret: bytes | str, task_name: str | None, name: str) -> str:
+    """The idempotency key of lease ``name`` of task ``task_name`` (see
+    :attr:`celery_steplock.lease.Lease.idempotency_key`): 64 hex digits, HMAC-SHA256 keyed with
+    the name secret over the task and lock names, so a third party that receives it learns
+    neither (a templated lock name carries raw argument values)."""
+    mac = _keyed(_key(secret), b"idempotency-key\0")
+    mac.update(b"%s\0%s" % ((task_name or "").encode(), name.encode()))
+    return mac.hexdigest()
 
 
 def lease_key(prefix: str, name: str) -> str:

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .exceptions import LockLost, MetadataError
+from .exceptions import ImproperlyConfigured, LockLost, MetadataError
 
 __all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "holder_metadata",
            "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease"]
@@ -192,6 +192,8 @@ class Lease:
     max_hold_until: float | None = None
     lost_reason: str | None = None
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    #: The name secret (HMAC key) of :attr:`idempotency_key`; the lease store's.
+    secret: bytes | None = field(default=None, repr=False, compare=False)
     _lost: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -234,9 +236,24 @@ class Lease:
 
     @property
     def idempotency_key(self) -> str:
-        """``"<task name>:<lock name>"``: a key for effects outside the database (HTTP,
-        e-mail, payments) that is the same for every attempt of this task on this step:
-        retries, redeliveries and duplicates alike, so a system that deduplicates on it
-        performs the effect once. Where that system can refuse stale writers, pass it
-        ``fence`` too (Kleppmann 2016): it increases with every grant."""
-        return f"{self.task_name}:{self.name}" if self.task_name else self.name
+        """64 hex digits that are the same for every attempt of this task on this step
+        (retries, redeliveries and duplicates alike), for effects outside the database
+        (HTTP, e-mail, payments): a system that deduplicates on it performs the effect once.
+        It is HMAC-SHA256 keyed with the name secret over the task name and the lock name
+        (:func:`celery_steplock.keys.idempotency_key`), so the system that receives it
+        learns nothing of either (a templated lock name carries raw argument values). Where
+        that system can refuse stale writers, pass it ``fence`` too (Kleppmann 2016): it
+        increases with every grant.
+
+        Raises ImproperlyConfigured (``setting`` ``steplock_name_secret``) when the lease
+        store has no name secret (``RedisLeaseStore(name_secret=...)``; tasks get the
+        setting's, or the one derived from Django's ``SECRET_KEY``).
+        """
+        if self.secret is None:
+            raise ImproperlyConfigured(
+                "lease.idempotency_key needs a name secret: set steplock_name_secret "
+                "(CELERY_STEPLOCK_NAME_SECRET in Django settings), or pass name_secret= to "
+                "RedisLeaseStore", setting="steplock_name_secret")
+        from .keys import idempotency_key
+
+        return idempotency_key(self.secret, self.task_name, self.name)

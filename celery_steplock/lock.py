@@ -32,10 +32,14 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
-from .conf import Settings
+from .conf import MAX_OWNER_LENGTH, MAX_SCAN_COUNT, MAX_WAIT, MAX_WAITERS_LIMIT, MAX_TTL, \
+    MIN_TTL, Settings, check_count, check_fence_ttl, check_key_prefix, check_name_secret, \
+    check_seconds, check_ttl, shown
+from .exceptions import ImproperlyConfigured, InvalidArgument, LockError, LockNameError, \
+    LockStoreMisconfigured, LockStoreUnavailable
+from .keys import MAX_NAME_LENGTH, check_name, fence_key, lease_key, name_from_key, wake_key, \
+    waiters_key
 from .events import log_event
-from .exceptions import LockError, LockStoreMisconfigured, LockStoreUnavailable
-from .keys import fence_key, lease_key, name_from_key, wake_key, waiters_key
 from .lease import (CLOCK_DRIFT_FACTOR, Lease, check_metadata, drift, holder_metadata,
                     new_owner_token, parse_lease)
 
@@ -114,6 +118,42 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
 logger = logging.getLogger("celery_steplock")
 
 
+# -- arguments of the public API: validated as the settings are, by name, never clamped ------
+
+def _argument(check: Callable[..., Any], value: Any, name: str, **kwargs: Any) -> Any:
+    """``check(value, name, **kwargs)`` (a validator of :mod:`celery_steplock.conf`), its
+    ImproperlyConfigured raised as :class:`InvalidArgument` naming the argument."""
+    try:
+        return check(value, name, **kwargs)
+    except ImproperlyConfigured as exc:
+        raise InvalidArgument(str(exc), argument=name) from None
+
+
+def _ttl(ttl: Any, name: str = "ttl") -> float:
+    if type(ttl) is float and MIN_TTL <= ttl <= MAX_TTL:
+        return ttl
+    return _argument(check_ttl, ttl, name)
+
+
+def _owner(owner: Any, name: str = "owner") -> str:
+    if type(owner) is str and 0 < len(owner) <= MAX_OWNER_LENGTH and owner.isprintable():
+        return owner
+    raise InvalidArgument(f"{name} must be a non-empty string of at most {MAX_OWNER_LENGTH} "
+                          f"printable characters (an owner token), got {shown(owner)}",
+                          argument=name)
+
+
+def _name(name: Any) -> str:
+    return check_name(name)
+
+
+def _metadata(metadata: Any) -> Mapping[str, Any] | None:
+    if metadata is None or isinstance(metadata, Mapping):
+        return metadata
+    raise InvalidArgument(f"metadata must be None or a mapping, got {shown(metadata)}",
+                          argument="metadata")
+
+
 def pack_metadata(metadata: Mapping[str, Any] | None) -> str:
     """The ``meta`` field of a lease: ``metadata`` as one compact JSON object of strings
     (None becomes ``""``), or ``""`` when there is none. Raises
@@ -143,9 +183,18 @@ class RedisLeaseStore:
     namespaces the keys; ``fence_ttl`` (seconds, default 7 days) is how long an idle name's
     fencing counter is kept at least (at most twice that); ``clock`` (default
     :func:`time.monotonic`) is the clock of
-    the leases' local validity. Every method raises :class:`LockStoreUnavailable` when Redis
-    cannot be reached, :class:`LockStoreMisconfigured` when it refuses our credentials or a
-    permission, and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``:
+    the leases' local validity; ``name_secret`` (str or bytes, 32 to 4096 long; default None)
+    keys the leases' :attr:`~celery_steplock.lease.Lease.idempotency_key`.
+
+    Every argument of the constructor and of the methods is validated as the settings are
+    (``ttl`` within [0.05, 86400] seconds, ``wait`` within [0, 86400], ``fence_ttl`` within
+    [1, 31622400], ``max_waiters`` within [1, 100000], names as lock names, owners non-empty
+    printable strings of at most 256 characters; bounds in :mod:`celery_steplock.conf`):
+    a value of the wrong type or out of bounds raises :class:`InvalidArgument` naming the
+    argument (a bad lock name :class:`LockNameError`), never clamped.
+
+    Every method raises :class:`LockStoreUnavailable` when Redis cannot be reached,
+    :class:`LockStoreMisconfigured` when it refuses our credentials or a permission, and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``:
     a key of ours holds something else); all carry ``name`` (and ``owner``) where one lease
     is concerned.
 
@@ -167,7 +216,18 @@ class RedisLeaseStore:
     def __init__(self, client: redis.Redis, prefix: str = "steplock",
                  fence_ttl: float = 7 * 24 * 3600.0,
                  clock: Callable[[], float] = time.monotonic, *,
-                 waiter_client: redis.Redis | None = None, max_waiters: int = MAX_WAITERS):
+                 waiter_client: redis.Redis | None = None, max_waiters: int = MAX_WAITERS,
+                 name_secret: bytes | str | None = None):
+        prefix = _argument(check_key_prefix, prefix, "prefix")
+        fence_ttl = _argument(check_fence_ttl, fence_ttl, "fence_ttl")
+        max_waiters = _argument(check_count, max_waiters, "max_waiters", minimum=1,
+                                maximum=MAX_WAITERS_LIMIT)
+        if not callable(clock):
+            raise InvalidArgument(f"clock must be a callable returning seconds, got "
+                                  f"{shown(clock)}", argument="clock")
+        #: The HMAC key of the idempotency keys of the leases it grants (None: they raise).
+        self.name_secret = None if name_secret is None else _argument(
+            check_name_secret, name_secret, "name_secret")
         self.client = client
         self.max_waiters = max_waiters
         self._waiter_client = waiter_client
@@ -281,6 +341,10 @@ class RedisLeaseStore:
         ``(lease, None, None)`` when granted, else ``(None, holder_owner,
         holder_ttl_seconds)``. With ``wait`` (seconds) a refused owner is recorded as waiting
         that long, so that the next release wakes a waiter."""
+        name, owner, ttl = _name(name), _owner(owner), _ttl(ttl)
+        metadata = _metadata(metadata)
+        if wait != 0:
+            wait = _argument(check_seconds, wait, "wait", allow_zero=True, maximum=MAX_WAIT)
         ttl_ms = str(max(1, int(ttl * 1000)))
         args = [owner, ttl_ms, str(max(int(ttl_ms), int(self.fence_ttl * 1000))),
                 str(max(1, int(wait * 1000)) if wait > 0 else 0), pack_metadata(metadata)]
@@ -298,7 +362,7 @@ class RedisLeaseStore:
         return Lease(name=name, key=key, owner=owner, fence=int(reply), ttl=ttl,
                      acquired_at=sent, valid_until=sent + ttl - drift(ttl),
                      task_id=meta.get("task_id"), task_name=meta.get("task_name"),
-                     clock=self.clock), None, None
+                     clock=self.clock, secret=self.name_secret), None, None
 
     def channel(self, name: str) -> str:
         """Deprecated: the pub/sub channel on which releases of ``name`` used to be announced.
@@ -321,7 +385,10 @@ class RedisLeaseStore:
         waiter rather than all of them. A waiter also retries when the holder's TTL runs out
         (a dead holder announces nothing).
         """
-        owner = owner or new_owner_token()
+        owner = new_owner_token() if owner is None else _owner(owner)
+        name, ttl, metadata = _name(name), _ttl(ttl), _metadata(metadata)
+        if wait != 0:
+            wait = _argument(check_seconds, wait, "wait", allow_zero=True, maximum=MAX_WAIT)
         if wait <= 0:
             return self.try_acquire(name, owner, ttl, metadata)[0]
         if not self._enter_waiting():
@@ -399,6 +466,7 @@ class RedisLeaseStore:
         """Delete the lease if ``owner`` holds it, and wake a waiter. Returns False (and
         changes nothing) when the key is gone or another owner holds it; so releasing twice
         is harmless."""
+        name, owner = _name(name), _owner(owner)
         return bool(self._call(self._release, self._wake_keys(name), [owner], "release",
                                name, owner))
 
@@ -407,37 +475,54 @@ class RedisLeaseStore:
         still ``renewed_ms`` (as read before deciding its holder is dead), and wake a
         waiter. Returns False, changing nothing, when it was renewed, released or
         re-acquired since."""
+        name, owner = _name(name), _owner(owner)
+        renewed_ms = _renewed_ms(renewed_ms)
         return bool(self._call(self._reap, self._wake_keys(name), [owner, str(renewed_ms)],
                                "reap", name, owner))
 
-    def reap_many(self, items: Iterable[tuple[str, str, str]]) -> list[bool | LockError]:
+    def reap_many(self, items: Iterable[tuple[str, str, str]]
+                  ) -> list[bool | LockError | InvalidArgument | LockNameError]:
         """:meth:`reap` for many leases ``(name, owner, renewed_ms)`` in one pipelined round
         trip. Returns, per item, whether it was deleted, or the :class:`LockError` (with
-        ``name``, ``owner``) of an item Redis refused. Raises LockStoreUnavailable when the
-        round trip fails."""
-        items = list(items)
-        if not items:
-            return []
+        ``name``, ``owner``) of an item Redis refused, or the InvalidArgument/LockNameError of
+        an item that cannot be asked for (a malformed lease: it is not sent, the others are).
+        Raises LockStoreUnavailable when the round trip fails."""
+        results: list[Any] = []
+        valid: list[tuple[int, str, str, str]] = []
+        for name, owner, renewed_ms in items:
+            try:
+                valid.append((len(results), _name(name), _owner(owner),
+                              _renewed_ms(renewed_ms)))
+            except (InvalidArgument, LockNameError) as exc:
+                results.append(exc)
+                continue
+            results.append(None)
+        if not valid:
+            return results
         if not self._probed:
             self.check_permissions(what="reap")
-        calls = [(self._wake_keys(name), [owner, str(renewed_ms)])
-                 for name, owner, renewed_ms in items]
+        calls = [(self._wake_keys(name), [owner, renewed_ms])
+                 for _n, name, owner, renewed_ms in valid]
         try:
             replies = _wire.evalsha_many(self.client, self._reap, calls)
         except STORE_ERRORS as exc:
             raise store_error(exc, "reap") from exc
-        return [store_error(reply, "reap", key=self.key(name), name=name, owner=owner)
-                if isinstance(reply, Exception) else bool(reply)
-                for (name, owner, _renewed), reply in zip(items, replies)]
+        for (n, name, owner, _renewed), reply in zip(valid, replies):
+            results[n] = (store_error(reply, "reap", key=self.key(name), name=name,
+                                      owner=owner)
+                          if isinstance(reply, Exception) else bool(reply))
+        return results
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it. Returns False (and
         changes nothing) when the key is gone or another owner holds it."""
+        name, owner, ttl = _name(name), _owner(owner), _ttl(ttl)
         return bool(self._call(self._extend, [self.key(name)],
                                [owner, str(max(1, int(ttl * 1000)))], "extend", name, owner))
 
     def owned(self, name: str, owner: str) -> float | None:
         """Seconds left on the lease if ``owner`` holds it, else None. One round trip."""
+        name, owner = _name(name), _owner(owner)
         result = self._call(self._owned, [self.key(name)], [owner], "ownership check",
                             name, owner, writes=False)
         return result / 1000.0 if result is not None and result >= 0 else None
@@ -454,6 +539,8 @@ class RedisLeaseStore:
         credentials.
         """
         prefix = f"{self.prefix}:lease:{{"
+        items = self._checked_items(items)
+        chunk = _argument(check_count, chunk, "chunk", minimum=1, maximum=MAX_SCAN_COUNT)
 
         def calls() -> Iterator[tuple[list[str], list[str]]]:
             keys: list[str] = []
@@ -486,12 +573,33 @@ class RedisLeaseStore:
         """One ``SCAN`` step over the lease keys whose name matches the glob ``match``:
         ``(next_cursor, keys)``, key names only (``next_cursor`` 0: the scan is complete).
         ``count`` is SCAN's hint of keys examined per step. Never ``KEYS``."""
+        cursor, count, match = self._checked_scan(cursor, count, match)
         try:
             cursor, keys = self.client.scan(cursor=cursor, match=lease_key(self.prefix, match),
                                             count=count)
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "scan") from exc
         return int(cursor), [_wire.text(key) for key in keys]
+
+    @staticmethod
+    def _checked_items(items: Iterable[tuple[str, str, float]]) -> list[tuple[str, str, float]]:
+        """``items`` of :meth:`extend_many` as a list, each name, owner and TTL validated."""
+        checked = []
+        for item in items:
+            name, owner, ttl = item
+            checked.append((_name(name), _owner(owner), _ttl(ttl)))
+        return checked
+
+    @staticmethod
+    def _checked_scan(cursor: Any, count: Any, match: Any) -> tuple[int, int, str]:
+        """The arguments of :meth:`scan_keys`, validated."""
+        # 2 ** 80: a Redis Cluster cursor carries a slot above Redis's own 64-bit cursor.
+        cursor = _argument(check_count, cursor, "cursor", maximum=2 ** 80)
+        count = _argument(check_count, count, "count", minimum=1, maximum=MAX_SCAN_COUNT)
+        if not isinstance(match, str) or not match or len(match) > MAX_NAME_LENGTH:
+            raise InvalidArgument(f"match must be a glob of 1 to {MAX_NAME_LENGTH} characters, "
+                                  f"got {shown(match)}", argument="match")
+        return cursor, count, match
 
     def read_leases(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
         """The leases of ``keys`` (as :meth:`inspect` returns them), read by one script call,
@@ -562,7 +670,7 @@ class RedisLeaseStore:
         """The lease's stored fields (``owner``, ``fence``, ``acquired_ms``, ``renewed_ms``,
         ``ttl_ms`` and the metadata entries, all strings) plus ``name``, ``key`` and ``ttl``
         (seconds left, float), or None when not held."""
-        key = self.key(name)
+        key = self.key(_name(name))
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(key)
@@ -579,6 +687,15 @@ class RedisLeaseStore:
         info["key"] = key
         info["ttl"] = pttl / 1000.0 if pttl and pttl > 0 else None
         return info
+
+
+def _renewed_ms(value: Any) -> str:
+    # "" is a lease without the field (as the reaper passes it); else Redis milliseconds.
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text is None or (text and not text.isdigit()) or len(text) > 20:
+        raise InvalidArgument(f"renewed_ms must be the lease's renewed_ms field (digits, or "
+                              f"empty), got {shown(value)}", argument="renewed_ms")
+    return text
 
 
 def _unavailable_unless_misconfigured(exc: BaseException, what: str, *,
@@ -610,14 +727,15 @@ def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
     """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
     client-factory settings of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
     ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
-    ``steplock_max_waiters``), one per distinct configuration and shared by every task,
-    heartbeat and operator tool of the process.
+    ``steplock_max_waiters``, ``steplock_name_secret``), one per distinct configuration and
+    shared by every task, heartbeat and operator tool of the process.
 
     Raises ImproperlyConfigured naming the setting when one of them is invalid.
     """
     settings = settings or Settings(app)
     config = ClientConfig(settings)
-    ident = (config.identity, settings.key_prefix, settings.fence_ttl, settings.max_waiters)
+    ident = (config.identity, settings.key_prefix, settings.fence_ttl, settings.max_waiters,
+             settings.name_secret)
     store = _stores.get(ident)
     if store is None:
         with _stores_guard:
@@ -625,7 +743,7 @@ def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
             if store is None:
                 store = RedisLeaseStore(config.client(), prefix=ident[1], fence_ttl=ident[2],
                                         waiter_client=config.waiter_client(),
-                                        max_waiters=ident[3])
+                                        max_waiters=ident[3], name_secret=ident[4])
                 _stores[ident] = store
     return store
 

@@ -14,13 +14,14 @@ attributes.
 from __future__ import annotations
 
 import inspect
-import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
-    check_choice, check_database, check_seconds, check_ttl, configuration_version
-from .exceptions import ImproperlyConfigured
+    check_choice, check_database, check_seconds, check_ttl, configuration_version, \
+    MAX_HOLD, MAX_RETRIES, MAX_WAIT, check_count, shown
+from .exceptions import ImproperlyConfigured, LockNameError
+from .keys import template_fields
 from .lock import RedisLeaseStore, get_lease_store
 from .steps import StepStore, check_known_database, check_transitions, load_step_store, \
     step_store_factory
@@ -100,7 +101,7 @@ def _transition(task) -> tuple[str, str] | None:
     if (not isinstance(transition, tuple) or len(transition) != 2
             or not all(isinstance(s, str) for s in transition)):
         raise ImproperlyConfigured(f"transition must be a (from_, to) pair of status strings, "
-                                   f"got {transition!r}", setting="transition")
+                                   f"got {shown(transition)}", setting="transition")
     if task.step_model is None or not task.step_id_arg:
         raise ImproperlyConfigured(
             "transition needs step_model and step_id_arg",
@@ -125,7 +126,7 @@ def _step_id_arg(task) -> str | None:
     if name is None:
         return None
     if not isinstance(name, str) or not name.isidentifier():
-        raise ImproperlyConfigured(f"step_id_arg must be an argument name, got {name!r}",
+        raise ImproperlyConfigured(f"step_id_arg must be an argument name, got {shown(name)}",
                                    setting="step_id_arg")
     known = _arguments(task)
     if known is not None and not known[1] and name not in known[0]:
@@ -137,24 +138,26 @@ def _step_id_arg(task) -> str | None:
 
 def _lock_key(task):
     template = task.lock_key
+    if inspect.ismethod(template) and template.__self__ is task:
+        # A function given as a class attribute or an ``@app.task(lock_key=...)`` keyword
+        # (which Celery makes a class attribute) is bound on access: call the function.
+        template = template.__func__
     if template is None or callable(template):
         return template
     if not isinstance(template, str):
         raise ImproperlyConfigured(f"lock_key must be a str.format template or a callable, "
-                                   f"got {template!r}", setting="lock_key")
+                                   f"got {shown(template)}", setting="lock_key")
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as exc:
-        raise ImproperlyConfigured(f"lock_key {template!r} is not a valid format template: "
-                                   f"{exc}", setting="lock_key") from exc
+        fields = template_fields(template)
+    except LockNameError as exc:
+        raise ImproperlyConfigured(str(exc), setting="lock_key") from None
     known = _arguments(task)
     if known is not None and not known[1]:
         for field_name in fields:
-            head = field_name.split(".", 1)[0].split("[", 1)[0]
-            if not head or head.isdigit() or head not in known[0]:
+            if field_name not in known[0]:
                 raise ImproperlyConfigured(
-                    f"lock_key {template!r} names {field_name!r}, which is not an argument of "
-                    f"the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
+                    f"lock_key {shown(template)} names {field_name!r}, which is not an "
+                    f"argument of the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
                     setting="lock_key")
     return template
 
@@ -178,10 +181,7 @@ def _retry_max(task, settings: Settings) -> int | None:
     value = task.lock_retry_max
     if value is None:
         return settings.retry_max
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ImproperlyConfigured(f"lock_retry_max must be None or a whole number >= 0, "
-                                   f"got {value!r}", setting="lock_retry_max")
-    return value
+    return check_count(value, "lock_retry_max", maximum=MAX_RETRIES)
 
 
 def _step_database(task, settings: Settings) -> tuple[str | None, str]:
@@ -231,10 +231,12 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
         "ttl": lambda: _option(task.lock_ttl, lambda: check_ttl(task.lock_ttl, "lock_ttl"),
                                lambda: settings.default_ttl),
         "wait": lambda: _option(
-            task.lock_wait, lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True),
+            task.lock_wait, lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True,
+                                                  maximum=MAX_WAIT),
             lambda: settings.lock_wait),
         "max_hold": lambda: _option(
-            task.lock_max_hold, lambda: check_seconds(task.lock_max_hold, "lock_max_hold"),
+            task.lock_max_hold, lambda: check_seconds(task.lock_max_hold, "lock_max_hold",
+                                                      maximum=MAX_HOLD),
             lambda: settings.max_hold),
         "ratio": lambda: settings.renewal_ratio,
         "on_contended": lambda: _option(

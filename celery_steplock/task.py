@@ -21,7 +21,7 @@ Task options (class attributes, or keywords of ``@app.task``); None means the se
 default from :mod:`celery_steplock.conf`:
 
 ``lock_key``        str.format template over argument names, or a callable; default: task
-                    name + SHA-256 of the bound arguments
+                    name + HMAC-SHA256 of the bound arguments, keyed with the name secret
 ``lock_ttl``        lease TTL, seconds (``steplock_default_ttl``, 30)
 ``lock_wait``       seconds to wait for a busy lease (``steplock_lock_wait``, 0)
 ``lock_max_hold``   seconds after which renewal stops and the lease is lost (None: no cap)
@@ -361,7 +361,8 @@ class StepLockedTask(Task):
     def _steplock_call(self, *args, **kwargs):
         plan = self.steplock_plan
         arguments = bind_arguments(self.run, args, kwargs)
-        name = name_from_arguments(self.name, arguments, plan.lock_key)
+        name = name_from_arguments(self.name, arguments, plan.lock_key,
+                                   secret=plan.store.name_secret)
         step_id = None
         nested = False
         if plan.transition is not None:

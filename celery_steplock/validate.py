@@ -28,6 +28,9 @@ warnings are logged) and Django's system checks (``manage.py check``,
                             ``CELERY_`` namespace, or a configuration not loaded from the
                             Django settings), an unknown ``@app.task`` keyword or task class
                             attribute (``lock_tll=5``); each is otherwise silently ignored.
+``celery_steplock.W010``    no name secret: default lock names use a public HMAC key.
+``celery_steplock.W011``    the name secret derives from an insecure Django ``SECRET_KEY``
+                            while ``DEBUG`` is off.
 ==========================  ==============================================================
 
 Worker start and ``manage.py check`` report every problem at once: each ``*_problems``
@@ -57,7 +60,8 @@ __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings
            "task_problems", "step_model_problems", "step_store_problems", "step_database_problems",
            "visibility_timeout_problems",
            "worker_lost_problems", "time_limit_problems", "unknown_name_problems", "visibility_timeout",
-           "recovery_problems", "django_setting_problems", "REDIS_VISIBILITY_TIMEOUT"]
+           "recovery_problems", "django_setting_problems",
+           "name_secret_problems", "REDIS_VISIBILITY_TIMEOUT"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -625,6 +629,41 @@ def recovery_problems(app) -> list[Problem]:
     return found
 
 
+def name_secret_problems(app) -> list[Problem]:
+    """W010 when there is no name secret (``steplock_name_secret`` unset and no configured
+    Django ``SECRET_KEY``): default lock names and idempotency keys are then made with a public
+    key. W011 when it derives from a Django ``SECRET_KEY`` that Django itself calls insecure
+    (the ``django-insecure-`` prefix of ``startproject``, under 50 characters or under 5
+    distinct ones) and ``DEBUG`` is off. An invalid ``steplock_name_secret`` is an E003."""
+    from .conf import django_secret_key
+
+    if Settings(app).raw("name_secret") is not None:
+        return []
+    secret_key = django_secret_key()
+    hint = ("set steplock_name_secret (CELERY_STEPLOCK_NAME_SECRET) to the same random "
+            "string on every worker, e.g. secrets.token_urlsafe(32); see the README's "
+            "\"Lock names\" for rotating it")
+    if secret_key is None:
+        return [Problem(
+            "celery_steplock.W010",
+            "no name secret: steplock_name_secret is not set and there is no Django "
+            "SECRET_KEY, so default lock names are HMACs with a public key (whoever sees a "
+            "name in the admin, the CLI or the logs can recover guessable arguments by trying "
+            "them) and lease.idempotency_key raises", hint=hint, obj="steplock_name_secret")]
+    from django.conf import settings as django_settings
+
+    text = secret_key if isinstance(secret_key, str) else secret_key.decode("latin-1")
+    weak = text.startswith("django-insecure-") or len(text) < 50 or len(set(text)) < 5
+    if weak and not getattr(django_settings, "DEBUG", False):
+        return [Problem(
+            "celery_steplock.W011",
+            "the name secret is derived from Django's SECRET_KEY, which is insecure (the "
+            "django-insecure- prefix, under 50 characters or under 5 distinct ones) while "
+            "DEBUG is off: whoever knows that key can recover guessable arguments from lock "
+            "names and idempotency keys", hint=hint, obj="steplock_name_secret")]
+    return []
+
+
 def problems(app) -> list[Problem]:
     """Every problem of ``app``'s steplock configuration: settings (E003), task options
     (E004), step models (E002, once the step store's models are loaded), then the warnings
@@ -635,7 +674,7 @@ def problems(app) -> list[Problem]:
             + step_model_problems(app) + recovery_problems(app)
             + visibility_timeout_problems(app)
             + worker_lost_problems(app) + time_limit_problems(app)
-            + unknown_name_problems(app))
+            + unknown_name_problems(app) + name_secret_problems(app))
 
 
 def refuse_to_start(app) -> None:

@@ -115,3 +115,167 @@ def test_a_bad_factory_is_reported_rather_than_the_missing_url(factory, why):
     found = settings.problems()
     assert [exc.setting for exc in found] == ["steplock_redis_client_factory"]
     assert "steplock_redis_url is not set" not in str(found[0])
+
+
+# -- issue 12, finding 6: every setting bounded below and above ----------------------------------
+
+OUT_OF_BOUNDS = [
+    ("steplock_fence_ttl", 1e20), ("steplock_fence_ttl", 0.5),
+    ("steplock_socket_timeout", 1e300), ("steplock_socket_timeout", 601),
+    ("steplock_lock_wait", 1e9), ("steplock_lock_wait", 86400.5),
+    ("steplock_max_hold", 1e12), ("steplock_retry_backoff", 1e9),
+    ("steplock_retry_backoff_max", 1e9), ("steplock_retry_max", 10 ** 12),
+    ("steplock_max_waiters", 10 ** 9), ("steplock_max_waiters", 0),
+    ("steplock_event_retention", 1e20), ("steplock_reaper_older_than", 1e20),
+    ("steplock_default_ttl", 86401), ("steplock_key_prefix", "p" * 65),
+    ("steplock_status_field", "f" * 256), ("steplock_step_database", "d" * 256),
+    ("steplock_step_store", "m" * 256 + ":F"), ("steplock_name_secret", "short"),
+    ("steplock_name_secret", "x" * 4097), ("steplock_name_secret", 12345),
+    ("steplock_socket_timeout", "5"), ("steplock_fence_ttl", True),
+]
+
+
+@pytest.mark.parametrize("setting, value", OUT_OF_BOUNDS,
+                         ids=[f"{s}={str(v)[:12]}" for s, v in OUT_OF_BOUNDS])
+def test_out_of_bounds_settings_are_refused_by_name(setting, value):
+    settings = Settings(make_app(broker_url="redis://h/0", **{setting: value}))
+    with pytest.raises(ImproperlyConfigured) as info:
+        getattr(settings, setting[len("steplock_"):])
+    assert info.value.setting == setting
+    assert f"CELERY_{setting.upper()}" in str(info.value)
+    assert len(str(info.value)) < 400
+    assert [p.setting for p in settings.problems()] == [setting]
+
+
+@pytest.mark.parametrize("setting, value, expected", [
+    ("steplock_fence_ttl", 366 * 24 * 3600, 366 * 24 * 3600.0),
+    ("steplock_fence_ttl", 1, 1.0),
+    ("steplock_socket_timeout", 600, 600.0),
+    ("steplock_lock_wait", 86400, 86400.0),
+    ("steplock_max_hold", 30 * 24 * 3600, 30 * 24 * 3600.0),
+    ("steplock_retry_max", 1_000_000, 1_000_000),
+    ("steplock_max_waiters", 100_000, 100_000),
+    ("steplock_key_prefix", "p" * 64, "p" * 64),
+])
+def test_values_at_the_bounds_are_accepted(setting, value, expected):
+    settings = Settings(make_app(broker_url="redis://h/0", **{setting: value}))
+    assert getattr(settings, setting[len("steplock_"):]) == expected
+
+
+def test_an_invalid_setting_quotes_at_most_a_line_of_a_huge_value():
+    huge = "{" * (10 * 1024 * 1024)
+    with pytest.raises(ImproperlyConfigured) as info:
+        Settings(make_app(steplock_key_prefix=huge)).key_prefix
+    assert len(str(info.value)) < 400
+    with pytest.raises(ImproperlyConfigured) as info:
+        Settings(make_app(steplock_default_ttl=10 ** 10000)).default_ttl  # repr() would fail
+    assert "<int>" in str(info.value)
+
+
+def test_an_invalid_name_secret_is_never_quoted():
+    with pytest.raises(ImproperlyConfigured) as info:
+        Settings(make_app(steplock_name_secret="hunter2-hunter2")).name_secret
+    assert "hunter2" not in str(info.value) and "15 characters" in str(info.value)
+
+
+OPTION_BOUNDS = [("lock_wait", 1e9), ("lock_ttl", 1e20), ("lock_max_hold", 1e12),
+                 ("lock_retry_max", 10 ** 12), ("lock_wait", "2"), ("lock_ttl", True),
+                 ("lock_key", "n:{order_id.__class__}"), ("lock_key", "n:{order_id[0]}")]
+
+
+@pytest.mark.parametrize("index, option, value", [(i, o, v) for i, (o, v) in
+                                                  enumerate(OPTION_BOUNDS)],
+                         ids=[f"{o}={str(v)[:12]}" for o, v in OPTION_BOUNDS])
+def test_out_of_bounds_task_options_are_refused_at_check_time(index, option, value):
+    from celery_steplock.plan import option_problems
+    from celery_steplock.task import StepLockedTask
+
+    app = make_app(broker_url="redis://127.0.0.1:1/0")
+
+    @app.task(base=StepLockedTask, name=f"bounds.{option}.{index}", shared=False,
+              **{option: value})
+    def t(order_id):
+        return order_id
+
+    found = option_problems(t)
+    assert [p.setting for p in found] == [option]
+    assert len(str(found[0])) < 400
+
+
+# -- issue 12, finding 1: the name secret -----------------------------------------------------
+
+def test_the_name_secret_is_the_setting_or_derived_from_django_secret_key():
+    import hashlib
+    import hmac
+
+    from django.conf import settings as django_settings
+
+    derived = hmac.new(django_settings.SECRET_KEY.encode(), b"celery_steplock lock names v1",
+                       hashlib.sha256).digest()
+    assert Settings(make_app()).name_secret == derived
+    assert Settings(make_app(steplock_name_secret="k" * 32)).name_secret == b"k" * 32
+    assert Settings(make_app(steplock_name_secret=b"\x00" * 40)).name_secret == b"\x00" * 40
+
+
+def test_w011_when_the_derived_secret_comes_from_an_insecure_secret_key():
+    from django.test import override_settings
+
+    from celery_steplock.validate import name_secret_problems, problems
+
+    app = make_app(broker_url="redis://127.0.0.1:1/0")
+    strong = "Vq3" + "".join(chr(65 + (i * 7) % 26) for i in range(60))
+    with override_settings(SECRET_KEY="django-insecure-" + "x1y2z3" * 10, DEBUG=False):
+        found = name_secret_problems(app)
+        assert [p.id for p in found] == ["celery_steplock.W011"]
+        assert "celery_steplock.W011" in [p.id for p in problems(app)]
+    with override_settings(SECRET_KEY="django-insecure-" + "x1y2z3" * 10, DEBUG=True):
+        assert name_secret_problems(app) == []
+    with override_settings(SECRET_KEY=strong, DEBUG=False):
+        assert name_secret_problems(app) == []
+    with override_settings(SECRET_KEY="short", DEBUG=False):
+        assert [p.id for p in name_secret_problems(app)] == ["celery_steplock.W011"]
+    app.conf.steplock_name_secret = "k" * 32
+    with override_settings(SECRET_KEY="short", DEBUG=False):
+        assert name_secret_problems(app) == []
+
+
+def test_w010_without_django_and_without_a_name_secret(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "from celery import Celery\n"
+        "from celery_steplock.conf import Settings\n"
+        "from celery_steplock.validate import name_secret_problems\n"
+        "app = Celery('plain', set_as_current=False)\n"
+        "print(Settings(app).name_secret, [p.id for p in name_secret_problems(app)])\n"
+        "app.conf.steplock_name_secret = 'k' * 32\n"
+        "print([p.id for p in name_secret_problems(app)])\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=60, check=True).stdout.splitlines()
+    assert out == ["None ['celery_steplock.W010']", "[]"]
+
+
+def test_manage_py_check_deploy_reports_the_insecure_name_secret():
+    from django.core import checks
+    from django.test import override_settings
+
+    with override_settings(SECRET_KEY="django-insecure-" + "x1y2z3" * 10, DEBUG=False):
+        found = checks.run_checks(include_deployment_checks=True, tags=["celery_steplock"])
+    assert "celery_steplock.W011" in [m.id for m in found]
+    assert "celery_steplock.W011" not in [m.id for m in checks.run_checks(
+        include_deployment_checks=False, tags=["celery_steplock"])]
+
+
+@pytest.mark.parametrize("options", [{"health_check_interval": 1e300},
+                                     {"health_check_interval": float("nan")},
+                                     {"sentinel_kwargs": {"socket_timeout": 1e9}}])
+def test_transport_option_durations_are_bounded(options):
+    settings = Settings(make_app(steplock_redis_url="sentinel://127.0.0.1:1",
+                                 steplock_redis_transport_options={"master_name": "m",
+                                                                   **options}))
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings.redis_transport_options
+    assert info.value.setting == "steplock_redis_transport_options"
+    assert "at most 600" in str(info.value) and len(str(info.value)) < 400

@@ -1,5 +1,6 @@
 """Lock names from task signatures (celery_steplock.keys)."""
 import datetime
+import re
 import decimal
 import uuid
 
@@ -145,3 +146,201 @@ def test_bad_template_and_odd_values_raise_lock_name_errors():
     with pytest.raises(LockNameError) as info:
         name(unbound, {1: "a", "b": 2})
     assert info.value.argument == "x" and "'<' not supported" in str(info.value)
+
+
+# -- issue 12, finding 1: names that reveal no arguments ----------------------------------------
+
+SECRET = b"n" * 32
+
+
+def test_default_name_is_an_hmac_of_the_task_and_arguments_keyed_with_the_secret():
+    import hashlib
+    import hmac
+
+    canonical = canonical_json(bind_arguments(bound.run, (1,), {}))
+    expected = hmac.new(SECRET, b"lock-name\0t.bound\0" + canonical.encode(),
+                        hashlib.sha256).hexdigest()
+    assert lock_name("t.bound", bound.run, (1,), {}, secret=SECRET) == f"t.bound:{expected}"
+    # ... not the unsalted SHA-256 of the landed code, which anyone could recompute
+    assert expected != hashlib.sha256(canonical.encode()).hexdigest()
+    assert lock_name("t.bound", bound.run, (1,), {}, secret=b"m" * 32) != f"t.bound:{expected}"
+    # the task's name is in the message: the same arguments of two tasks do not correlate
+    other = lock_name("t.other", bound.run, (1,), {}, secret=SECRET)
+    assert other.split(":", 1)[1] != expected
+
+
+def test_default_name_without_a_secret_uses_the_public_key():
+    import hashlib
+    import hmac
+
+    from celery_steplock.keys import PUBLIC_NAME_KEY
+
+    canonical = canonical_json({"x": 1, "y": 2, "z": "zz"})
+    assert name(bound, 1) == "t.bound:" + hmac.new(
+        PUBLIC_NAME_KEY, b"lock-name\0t.bound\0" + canonical.encode(),
+        hashlib.sha256).hexdigest()
+
+
+# -- issue 12, finding 6: bounds and types of what enters a name ---------------------------------
+
+def test_a_huge_argument_gives_a_bounded_lock_name_error():
+    huge = "9" * (10 * 1024 * 1024)
+    with pytest.raises(LockNameError) as info:
+        name(bound, huge, lock_key="order:{x}")
+    assert len(str(info.value)) < 400
+    assert "at most 512 characters" in str(info.value) and str(len("order:") + len(huge)) \
+        in str(info.value)
+    with pytest.raises(LockNameError) as info:
+        name(bound, 1, lock_key=lambda **kw: "\n" * (10 * 1024 * 1024))
+    assert len(str(info.value)) < 400
+
+
+def test_an_unencodable_huge_argument_gives_a_bounded_message():
+    class Opaque:
+        def __repr__(self):
+            return "r" * (10 * 1024 * 1024)
+
+    with pytest.raises(LockNameError) as info:
+        name(bound, Opaque())
+    assert info.value.argument == "x" and len(str(info.value)) <= 2100
+
+
+@pytest.mark.parametrize("depth", [1000, 10000])
+def test_deep_nesting_is_a_lock_name_error_not_a_recursion_error(depth):
+    nested = []
+    for _ in range(depth):
+        nested = [nested]
+    with pytest.raises(LockNameError) as info:
+        name(bound, nested)
+    assert info.value.argument == "x" and "nested too deep" in str(info.value)
+    with pytest.raises(LockNameError, match="nested too deep"):
+        name(bound, nested, lock_key="n:{x}")
+
+
+@pytest.mark.parametrize("template", ["n:{x.__class__}", "n:{x[0]}", "n:{x.real}", "n:{}",
+                                      "n:{0}", "n:{y:{x.imag}}"])
+def test_templates_refuse_attribute_index_and_positional_fields(template):
+    with pytest.raises(LockNameError) as info:
+        name(bound, 5, lock_key=template)
+    assert "no attribute or index access" in str(info.value) or "positional" in str(info.value)
+
+
+def test_a_template_may_still_use_conversions_and_format_specs():
+    assert name(bound, 5, lock_key="n:{x:04d}") == "n:0005"
+    assert name(bound, "a", lock_key="n:{x!r}") == "n:'a'"
+    assert name(bound, 5, lock_key="n:{x:>{y}}") == "n: 5"
+
+
+def test_the_documented_rule_for_1_1_0_true_and_the_string_1():
+    # Default names keep JSON's types: four values, four locks.
+    defaults = {name(bound, value) for value in (1, 1.0, True, "1")}
+    assert len(defaults) == 4
+    # A template formats the values: "1" and 1 name one lock, 1.0 and True others.
+    assert [name(bound, value, lock_key="n:{x}") for value in (1, "1", 1.0, True)] == [
+        "n:1", "n:1", "n:1.0", "n:True"]
+
+
+# -- the same against a real task, Redis and database ---------------------------------------------
+
+def _card_task():
+    from celery_steplock.task import StepLockedTask
+    from django_app.celery import app as celery_app
+
+    if "tests.keys.card" in celery_app.tasks:
+        return celery_app.tasks["tests.keys.card"], celery_app.tasks["tests.keys.card_by_number"]
+
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.keys.card")
+    def card(self, number, cvv):
+        store = self.steplock_plan.store
+        SEEN_LEASES.append({"name": self.lease.name, "key": self.lease.idempotency_key,
+                            "listed": [lease["name"] for lease in store.iter_leases()]})
+        return "charged"
+
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.keys.card_by_number",
+                     lock_key="card:{number}")
+    def card_by_number(self, number, cvv):
+        SEEN_LEASES.append({"name": self.lease.name, "key": self.lease.idempotency_key})
+        return "charged"
+
+    return card, card_by_number
+
+
+SEEN_LEASES = []
+CARD = "4111111111111111"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_lock_name_resists_brute_force_of_a_low_entropy_argument(app, redis_client):
+    import hashlib
+    import hmac
+
+    from helpers import set_settings
+
+    card, _ = _card_task()
+    set_settings(app, steplock_name_secret="s" * 32)
+    SEEN_LEASES.clear()
+    assert card.apply(args=(CARD, "123")).get() == "charged"
+    [seen] = SEEN_LEASES
+    assert seen["listed"] == [seen["name"]]  # the name as the admin, ls and logs show it
+    digest = seen["name"].split(":", 1)[1]
+
+    def arguments(cvv):
+        return canonical_json({"number": CARD, "cvv": cvv}).encode()
+
+    candidates = [f"{n:03d}" for n in range(1000)]
+    # What a viewer of names could try on the landed code: the unsalted SHA-256.
+    assert [c for c in candidates if hashlib.sha256(arguments(c)).hexdigest() == digest] == []
+    # Without the secret a guess of it finds nothing either; with it, exactly the CVV.
+    for key, found in ((b"guess" * 8, []), (b"s" * 32, ["123"])):
+        assert [c for c in candidates
+                if hmac.new(key, b"lock-name\0tests.keys.card\0" + arguments(c),
+                            hashlib.sha256).hexdigest() == digest] == found
+    assert re.fullmatch(r"[0-9a-f]{64}", seen["key"]) and CARD not in seen["key"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_templated_name_shows_its_values_but_the_idempotency_key_does_not(app,
+                                                                          redis_client):
+    from helpers import set_settings
+
+    _, card_by_number = _card_task()
+    set_settings(app, steplock_name_secret="s" * 32)
+    SEEN_LEASES.clear()
+    assert card_by_number.apply(args=(CARD, "123")).get() == "charged"
+    [seen] = SEEN_LEASES
+    assert seen["name"] == f"card:{CARD}"  # documented: a template exposes the raw value
+    assert CARD not in seen["key"] and "card" not in seen["key"]
+    assert re.fullmatch(r"[0-9a-f]{64}", seen["key"])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rotating_the_secret_gives_a_running_lease_and_a_new_delivery_different_names(
+        app, redis_client):
+    from helpers import set_settings
+
+    from celery_steplock.keys import name_from_arguments
+
+    card, _ = _card_task()
+    set_settings(app, steplock_name_secret="a" * 32)
+    store = card.steplock_plan.store
+    old_name = name_from_arguments(card.name, {"number": CARD, "cvv": "1"},
+                                   secret=store.name_secret)
+    running = store.acquire(old_name, ttl=30.0)  # a delivery running under the old secret
+    assert running is not None
+    set_settings(app, steplock_name_secret="b" * 32)
+    SEEN_LEASES.clear()
+    assert card.apply(args=(CARD, "1")).get() == "charged"  # not contended: another name
+    [seen] = SEEN_LEASES
+    assert seen["name"] != old_name
+    assert sorted(seen["listed"]) == sorted([old_name, seen["name"]])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_huge_argument_of_a_task_gives_a_bounded_stored_result(app, redis_client):
+    _, card_by_number = _card_task()
+    # a newline too: the name is refused as unprintable, an error that quoted it whole
+    result = card_by_number.apply(args=("9" * (10 * 1024 * 1024) + "\n", "1"))
+    assert result.failed() and isinstance(result.result, LockNameError)
+    assert len(str(result.result)) < 400
+    assert len(result.traceback) < 10_000
+    assert redis_client.dbsize() == 0  # refused before any lease was taken

@@ -96,10 +96,25 @@ def test_lost_is_visible_to_another_thread_at_once():
     assert seen == [True]
 
 
-def test_idempotency_key_names_the_task_and_the_lock():
+def test_idempotency_key_is_keyed_and_reveals_neither_the_task_nor_the_lock():
+    import hashlib
+    import hmac
+
+    from celery_steplock.exceptions import ImproperlyConfigured
+
     clock = Clock()
-    assert make_lease(clock).idempotency_key == "order:42"
-    assert make_lease(clock, task_name="shop.charge").idempotency_key == "shop.charge:order:42"
+    secret = b"s" * 32
+    key = make_lease(clock, task_name="shop.charge", secret=secret).idempotency_key
+    assert key == hmac.new(secret, b"idempotency-key\0shop.charge\0order:42",
+                           hashlib.sha256).hexdigest()
+    assert re.fullmatch(r"[0-9a-f]{64}", key) and "42" not in key
+    assert make_lease(clock, task_name="shop.charge", secret=secret).idempotency_key == key
+    assert make_lease(clock, secret=secret).idempotency_key != key
+    assert make_lease(clock, task_name="shop.charge",
+                      secret=b"t" * 32).idempotency_key != key
+    with pytest.raises(ImproperlyConfigured) as info:
+        make_lease(clock).idempotency_key
+    assert info.value.setting == "steplock_name_secret"
 
 
 def test_owner_tokens_are_32_hex_digits_and_unique():

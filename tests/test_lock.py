@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from celery_steplock.keys import idempotency_key
+
 from celery_steplock.exceptions import LockLost, LockStoreUnavailable
 from celery_steplock.lease import drift
 from celery_steplock.lock import RedisLeaseStore, make_client, new_owner_token
@@ -222,12 +224,14 @@ def test_unreachable_store_raises_a_typed_retryable_error():
 
 def test_lease_local_validity_and_check(redis_client):
     now = [500.0]  # the leases' clock, moved by the test (Redis's TTL is long: 30 s)
-    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0])
+    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0],
+                           name_secret="k" * 32)
     lease = lock.acquire("v", "o", 30.0)
     lease.check()
-    assert lease.idempotency_key == "v"
+    assert lease.idempotency_key == idempotency_key(b"k" * 32, None, "v")
     named = lock.acquire("w", "o", 5.0, metadata={"task_name": "shop.charge"})
-    assert named.idempotency_key == "shop.charge:w"
+    assert named.idempotency_key == idempotency_key(b"k" * 32, "shop.charge", "w")
+    assert "shop.charge" not in named.idempotency_key and len(named.idempotency_key) == 64
     now[0] = 500.0 + 30.0 - drift(30.0) - 0.001
     lease.check()  # valid up to the TTL less the drift allowance
     now[0] = lease.valid_until
@@ -634,3 +638,117 @@ def test_a_flushed_script_is_loaded_again(lock, redis_client):
     assert lock.owned("fl", "o1") is not None
     redis_client.script_flush()
     assert lock.release("fl", lease.owner) is True
+
+
+# -- issue 12, finding 6: the primitive API validates its arguments as the settings are ----------
+
+from celery_steplock.exceptions import InvalidArgument, LockNameError  # noqa: E402
+
+BAD_CALLS = [
+    ("acquire ttl=1e20", lambda s: s.acquire("a", "o", 1e20), "ttl"),
+    ("acquire ttl=0", lambda s: s.acquire("a", "o", 0), "ttl"),
+    ("acquire ttl=-5", lambda s: s.acquire("a", "o", -5.0), "ttl"),
+    ("acquire ttl='10'", lambda s: s.acquire("a", "o", "10"), "ttl"),
+    ("acquire ttl=None", lambda s: s.acquire("a", "o", None), "ttl"),
+    ("acquire ttl=nan", lambda s: s.acquire("a", "o", float("nan")), "ttl"),
+    ("acquire wait=1e9", lambda s: s.acquire("a", "o", 5.0, wait=1e9), "wait"),
+    ("acquire wait=-1", lambda s: s.acquire("a", "o", 5.0, wait=-1), "wait"),
+    ("acquire wait='1'", lambda s: s.acquire("a", "o", 5.0, wait="1"), "wait"),
+    ("acquire owner=''", lambda s: s.acquire("a", "", 5.0), "owner"),
+    ("acquire owner=5", lambda s: s.acquire("a", 5, 5.0), "owner"),
+    ("acquire owner huge", lambda s: s.acquire("a", "o" * 257, 5.0), "owner"),
+    ("acquire metadata=[]", lambda s: s.acquire("a", "o", 5.0, metadata=[1]), "metadata"),
+    ("try_acquire ttl=1e300", lambda s: s.try_acquire("a", "o", 1e300), "ttl"),
+    ("extend ttl=1e20", lambda s: s.extend("a", "o", 1e20), "ttl"),
+    ("extend ttl=0", lambda s: s.extend("a", "o", 0.0), "ttl"),
+    ("extend ttl='x'", lambda s: s.extend("a", "o", "x"), "ttl"),
+    ("extend_many ttl=-1", lambda s: s.extend_many([("a", "o", -1.0)]), "ttl"),
+    ("extend_many owner=None", lambda s: s.extend_many([("a", None, 5.0)]), "owner"),
+    ("extend_many chunk=0", lambda s: s.extend_many([("a", "o", 5.0)], chunk=0), "chunk"),
+    ("release owner=None", lambda s: s.release("a", None), "owner"),
+    ("owned owner=b''", lambda s: s.owned("a", b""), "owner"),
+    ("reap renewed_ms='x'", lambda s: s.reap("a", "o", "x"), "renewed_ms"),
+    ("scan_keys count=0", lambda s: s.scan_keys(0, 0), "count"),
+    ("scan_keys count=1e9", lambda s: s.scan_keys(0, 10 ** 9), "count"),
+    ("scan cursor=-1", lambda s: s.scan(-1), "cursor"),
+    ("scan match=''", lambda s: s.scan(0, 10, ""), "match"),
+]
+
+
+@pytest.mark.parametrize("call, argument", [(c, a) for _, c, a in BAD_CALLS],
+                         ids=[i for i, _, _ in BAD_CALLS])
+def test_bad_arguments_are_refused_by_name_and_nothing_is_written(lock, redis_client, call,
+                                                                   argument):
+    with pytest.raises(InvalidArgument) as info:
+        call(lock)
+    assert info.value.argument == argument == info.value.setting
+    assert argument in str(info.value) and len(str(info.value)) < 400
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    assert redis_client.dbsize() == 0
+
+
+@pytest.mark.parametrize("name", ["", "a{b}", "x" * 513, "a\nb", None, 5])
+def test_bad_lock_names_are_lock_name_errors(lock, redis_client, name):
+    for call in (lambda: lock.acquire(name, "o", 5.0), lambda: lock.release(name, "o"),
+                 lambda: lock.extend(name, "o", 5.0), lambda: lock.inspect(name),
+                 lambda: lock.owned(name, "o")):
+        with pytest.raises(LockNameError) as info:
+            call()
+        assert len(str(info.value)) < 400
+    assert redis_client.dbsize() == 0
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"fence_ttl": 1e20}, "fence_ttl"), ({"fence_ttl": 0.1}, "fence_ttl"),
+    ({"fence_ttl": "7d"}, "fence_ttl"), ({"max_waiters": 0}, "max_waiters"),
+    ({"max_waiters": 10 ** 9}, "max_waiters"), ({"max_waiters": 2.5}, "max_waiters"),
+    ({"prefix": "a b"}, "prefix"), ({"prefix": "p" * 65}, "prefix"), ({"prefix": ""}, "prefix"),
+    ({"clock": 5}, "clock"), ({"name_secret": "short"}, "name_secret"),
+])
+def test_bad_store_arguments_are_refused_by_name(redis_client, kwargs, argument):
+    with pytest.raises(InvalidArgument) as info:
+        RedisLeaseStore(redis_client, **kwargs)
+    assert info.value.argument == argument
+    if argument == "name_secret":
+        assert "short" not in str(info.value)
+
+
+def test_values_at_the_bounds_are_used_as_given_never_clamped(lock, redis_client):
+    lease = lock.acquire("long", "o", 86400)
+    assert lease is not None and lease.ttl == 86400
+    assert 86_390_000 < redis_client.pttl("t:lease:{long}") <= 86_400_000
+    assert lock.extend("long", "o", 0.05) is True
+    assert 0 < redis_client.pttl("t:lease:{long}") <= 50
+    short = lock.acquire("short", "o", 0.05)
+    assert short is not None and short.ttl == 0.05
+    store = RedisLeaseStore(redis_client, prefix="t", fence_ttl=366 * 24 * 3600)
+    assert store.fence_ttl == 366 * 24 * 3600
+    fenced = store.acquire("fenced", "o", 5.0)
+    # kept at least fence_ttl after the grant, at most twice that (RedisLeaseStore's doc)
+    assert 366 * 24 * 3600 * 1000 - 10_000 < redis_client.pttl("t:fence:{fenced}") \
+        <= 2 * 366 * 24 * 3600 * 1000
+
+
+def test_reap_many_refuses_a_malformed_item_alone(lock, redis_client):
+    lease = lock.acquire("dead", "o", 30.0)
+    renewed = redis_client.hget("t:lease:{dead}", "renewed_ms")
+    results = lock.reap_many([("odd", "o" * 300, "1"), ("dead", "o", renewed),
+                              ("gone", "p", None), ("a{b", "o", "1")])
+    assert [type(r).__name__ for r in results] == ["InvalidArgument", "bool",
+                                                   "InvalidArgument", "LockNameError"]
+    assert results[1] is True and lease is not None
+    assert [r.argument for r in (results[0], results[2])] == ["owner", "renewed_ms"]
+    assert redis_client.exists("t:lease:{dead}") == 0
+
+
+def test_deprecated_alias_validates_the_same(redis_client):
+    import warnings
+
+    import celery_steplock.lock as lock_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        alias = lock_module.RedisStepLock
+    with pytest.raises(InvalidArgument) as info:
+        alias(redis_client, prefix="t").acquire("a", "o", 1e20)
+    assert info.value.argument == "ttl"

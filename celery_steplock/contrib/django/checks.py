@@ -244,6 +244,12 @@ def lock_store_check(app_configs=None, **kwargs):
     return check_lock_store(_app())
 
 
+def name_secret_check(app_configs=None, **kwargs):
+    """W010/W011 (deploy check): no name secret, or one derived from an insecure SECRET_KEY
+    (:func:`celery_steplock.validate.name_secret_problems`)."""
+    return render(validate.name_secret_problems(_app()))
+
+
 def register_checks() -> None:
     """Register the checks (idempotent: Django's registry is a set of functions)."""
     checks.register(settings_check, TAG)
@@ -257,3 +263,4 @@ def register_checks() -> None:
     checks.register(recovery_check, TAG)
     # The network check only with --deploy: `manage.py migrate` must not wait on Redis.
     checks.register(lock_store_check, TAG, deploy=True)
+    checks.register(name_secret_check, TAG, deploy=True)

@@ -1,0 +1,130 @@
+"""Every task option form the README's "Task options" table documents, given both ways
+Celery users give options: as a class attribute of a StepLockedTask subclass and as an
+``@app.task(...)`` keyword. Each form runs one real execution (real Redis, the real
+database) and is checked for its effect, not only for being accepted.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from celery_steplock.task import StepLockedTask
+from django_app.celery import app as celery_app
+from django_app.workflows.models import Step
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def key_of_step(step_id):
+    return f"step:{step_id}"
+
+
+#: option -> [(form id, value, what the execution must show)]; "plan" checks compare an
+#: attribute of the task's execution plan, "name" the lease's lock name.
+FORMS = {
+    "lock_key": [("template", "step:{step_id}", ("name", "step:{id}")),
+                 ("function", key_of_step, ("name", "step:{id}")),
+                 ("lambda", lambda step_id: f"step:{step_id}", ("name", "step:{id}")),
+                 ("staticmethod", staticmethod(key_of_step), ("name", "step:{id}")),
+                 ("none", None, ("name", r"forms\.[a-z_.]+:[0-9a-f]{{64}}"))],
+    "lock_ttl": [("int", 10, ("plan", "ttl", 10.0)), ("float", 7.5, ("plan", "ttl", 7.5))],
+    "lock_wait": [("zero", 0, ("plan", "wait", 0.0)), ("float", 2.5, ("plan", "wait", 2.5))],
+    "lock_max_hold": [("none", None, ("plan", "max_hold", None)),
+                      ("seconds", 300, ("plan", "max_hold", 300.0))],
+    "lock_retry_max": [("none", None, ("plan", "retry_max", None)),
+                       ("int", 3, ("plan", "retry_max", 3))],
+    "on_contended": [(v, v, ("plan", "on_contended", v)) for v in ("retry", "skip", "raise")],
+    "on_conflict": [(v, v, ("plan", "on_conflict", v)) for v in ("ignore", "raise")],
+    "on_store_error": [(v, v, ("plan", "on_store_error", v))
+                       for v in ("fail_closed", "fail_open")],
+    "lock_precheck": [("true", True, ("plan", "precheck", True)),
+                      ("false", False, ("plan", "precheck", False))],
+    "step_model": [("label", "workflows.Step", ("model", Step)),
+                   ("class", Step, ("model", Step))],
+    "step_id_arg": [("name", "step_id", ("plan", "step_id_arg", "step_id"))],
+    "transition": [("tuple", ("pending", "done"), ("plan", "transition", ("pending", "done"))),
+                   ("list", ["pending", "done"], ("plan", "transition", ("pending", "done")))],
+    "step_transitions": [("table", {"pending": ["done"]}, ("plan", "transition",
+                                                          ("pending", "done")))],
+    "step_database": [("none", None, ("plan", "transition", ("pending", "done"))),
+                      ("alias", "default", ("plan", "transition", ("pending", "done")))],
+}
+
+#: What every task of this module has unless the option under test replaces it.
+BASE = {"step_model": "workflows.Step", "step_id_arg": "step_id",
+        "transition": ("pending", "done"), "lock_key": "step:{step_id}"}
+
+SEEN = {}
+
+
+def body(self, step_id):
+    SEEN[self.name] = {"name": self.lease.name, "ttl": self.lease.ttl,
+                       "pttl": self.lease_store_pttl(),
+                       "max_hold_until": self.lease.max_hold_until}
+    return "ran"
+
+
+class FormTask(StepLockedTask):
+    """The base of this module's tasks: reads the lease's TTL in Redis from the body."""
+
+    def lease_store_pttl(self):
+        return self.steplock_plan.store.client.pttl(self.lease.key)
+
+
+def documented_options() -> set[str]:
+    """The options of the README's "Task options" table (first column)."""
+    text = README.read_text()
+    section = re.split(r"\n#{2,3} ", text.split("\n### Task options\n", 1)[1], maxsplit=1)[0]
+    return {m.group(1) for m in re.finditer(r"^\| `([a-z_]+)` \|", section, re.M)}
+
+
+def test_every_documented_option_has_its_forms_tested():
+    assert documented_options() == set(FORMS)
+
+
+def make_task(option, form, value, how):
+    options = dict(BASE)
+    options[option] = value
+    name = f"forms.{how}.{option}.{form}"
+    if name in celery_app.tasks:
+        return celery_app.tasks[name]
+    # acks_late and reject_on_worker_lost as the README says: this module's tasks stay in
+    # the example app's registry, and must not add warnings to its checks.
+    if how == "keyword":
+        return celery_app.task(bind=True, base=FormTask, name=name, acks_late=True,
+                               reject_on_worker_lost=True, **options)(body)
+    subclass = type(f"Form_{option}_{form}", (FormTask,), dict(options))
+    return celery_app.task(bind=True, base=subclass, name=name, acks_late=True,
+                           reject_on_worker_lost=True)(body)
+
+
+CASES = [pytest.param(option, form, value, expected, how, id=f"{option}-{form}-{how}")
+         for option, forms in FORMS.items() for form, value, expected in forms
+         for how in ("class_attribute", "keyword")]
+
+
+@pytest.mark.parametrize("option,form,value,expected,how", CASES)
+def test_documented_form(app, option, form, value, expected, how):
+    task = make_task(option, form, value, how)
+    step = Step.objects.create(name="forms")
+    result = task.apply(args=(step.pk,))
+    assert result.successful(), result.traceback
+    assert result.result == "ran"
+    step.refresh_from_db()
+    assert step.status == "done"
+    seen = SEEN.pop(task.name)
+    plan = task.steplock_plan
+    kind = expected[0]
+    if kind == "name":
+        assert re.fullmatch(expected[1].format(id=step.pk), seen["name"]), seen["name"]
+    elif kind == "model":
+        assert plan.steps.model is expected[1]
+    else:
+        assert getattr(plan, expected[1]) == expected[2]
+    if option == "lock_ttl":
+        assert seen["ttl"] == expected[2]
+        assert expected[2] * 1000 - 2000 < seen["pttl"] <= expected[2] * 1000
+    if option == "lock_max_hold":
+        assert (seen["max_hold_until"] is None) == (value is None)
