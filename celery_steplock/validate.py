@@ -23,6 +23,7 @@ only: the first needs the network, the second is what a worker start fails on an
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -32,6 +33,7 @@ from celery.utils.imports import symbol_by_name
 from .conf import Settings
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
+from .redact import redact, secrets_of
 from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, \
     step_store_factory
 
@@ -52,12 +54,19 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "sentin
 @dataclass(frozen=True)
 class Problem:
     """One problem: ``id`` (``"celery_steplock.E003"``), ``message``, ``hint`` (or None),
-    ``obj`` (the setting name, task name or model the problem is about)."""
+    ``obj`` (the setting name, task name or model the problem is about). The message and
+    hint are masked (:func:`celery_steplock.redact.redact`): no URL password or secret
+    option value is ever shown."""
 
     id: str
     message: str
     hint: str | None = None
     obj: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "message", redact(self.message))
+        if self.hint is not None:
+            object.__setattr__(self, "hint", redact(self.hint))
 
     @property
     def is_error(self) -> bool:
@@ -79,6 +88,17 @@ def steplock_tasks(app) -> list:
     return [task for name, task in sorted(tasks.items()) if is_step_locked(task)]
 
 
+def _masked(app, found: list[Problem]) -> list[Problem]:
+    """``found`` with every secret value of ``app``'s settings masked, wherever a message
+    quotes it (beside the URL and key/value forms every Problem masks)."""
+    secrets = secrets_of(app)
+    if not secrets:
+        return found
+    return [dataclasses.replace(p, message=redact(p.message, secrets),
+                                hint=None if p.hint is None else redact(p.hint, secrets))
+            for p in found]
+
+
 def settings_problems(app) -> list[Problem]:
     """E003: one per invalid ``steplock_*`` setting."""
     found = []
@@ -88,7 +108,7 @@ def settings_problems(app) -> list[Problem]:
             "celery_steplock.E003", f"Invalid celery-steplock setting {setting}: {exc}",
             hint=f"Fix {_django_name(setting)} in the Django settings (app.conf.{setting} "
                  f"on the Celery app).", obj=setting))
-    return found
+    return _masked(app, found)
 
 
 def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
@@ -386,11 +406,12 @@ def problems(app) -> list[Problem]:
     (E004), step models (E002, once the step store's models are loaded), then the warnings
     W001, W002, W004 and W005. Reads the tasks ``app`` has registered; imports no task
     module."""
-    return (settings_problems(app) + step_store_problems(app) + step_database_problems(app)
-            + task_problems(app)
-            + step_model_problems(app) + visibility_timeout_problems(app)
-            + worker_lost_problems(app) + time_limit_problems(app)
-            + unknown_name_problems(app))
+    return _masked(app, settings_problems(app) + step_store_problems(app)
+                   + step_database_problems(app)
+                   + task_problems(app)
+                   + step_model_problems(app) + visibility_timeout_problems(app)
+                   + worker_lost_problems(app) + time_limit_problems(app)
+                   + unknown_name_problems(app))
 
 
 def refuse_to_start(app) -> None:
@@ -400,9 +421,11 @@ def refuse_to_start(app) -> None:
     try:
         found = problems(app)
     except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
-        logger.critical("event=improperly_configured validation failed: %r", exc)
+        error = redact(repr(exc), secrets_of(app))
+        logger.critical("event=improperly_configured validation failed: %s", error)
         raise SystemExit(f"celery-steplock: the configuration could not be validated: "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{redact(f'{type(exc).__name__}: {exc}', secrets_of(app))}"
+                         ) from None
     for problem in found:
         if problem.is_error:
             logger.critical("event=improperly_configured id=%s %s", problem.id,

@@ -59,6 +59,7 @@ from ...events import emit
 from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
 from ...ops import ForceReleaseRefused, LeaseHeldByAnother, force_release
+from ...redact import redact, secrets_of
 from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
                      redis_time_ms, steplock_task_names)
 from .models import Lease, LeaseEvent
@@ -67,6 +68,16 @@ __all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm", "LeaseChangeList
            "TaskNameFilter"]
 
 logger = logging.getLogger("celery_steplock")
+
+def _error_text(exc: BaseException) -> str:
+    """An error as the page (seen by view-only staff) and the log may show it: every secret
+    of the Celery app's settings masked (URL passwords, transport options)."""
+    try:
+        secrets = secrets_of(celery_app())
+    except Exception:  # noqa: BLE001 - no app to read: the URL and key/value forms still
+        secrets = ()
+    return redact(exc, secrets)
+
 
 #: Querystring parameters of the changelist that a force release carries back to it
 #: (``scanned``: lease keys examined by the pages before this one, for display only).
@@ -382,9 +393,9 @@ class LeaseAdmin(admin.ModelAdmin):
                 max_steps=self.max_scan_steps)
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
-            logger.warning("event=admin_lock_store_error error=%s", exc)
+            logger.warning("event=admin_lock_store_error error=%s", _error_text(exc))
             messages.error(request, _("The Redis lock store could not be read: %(error)s")
-                           % {"error": exc})
+                           % {"error": _error_text(exc)})
 
         can_release = self.has_force_release_permission(request)
         rows = []
@@ -472,7 +483,7 @@ class LeaseAdmin(admin.ModelAdmin):
             now_ms = redis_time_ms(lock) if info is not None else None
         except StepLockError as exc:
             messages.error(request, _("The Redis lock store could not be read: %(error)s")
-                           % {"error": exc})
+                           % {"error": _error_text(exc)})
             return HttpResponseRedirect(back)
         if info is None:
             messages.warning(request, _("Lease “%(name)s” is already gone: nothing released.")
@@ -529,11 +540,11 @@ class LeaseAdmin(admin.ModelAdmin):
             return HttpResponseRedirect(back)
         except StepLockError as exc:
             messages.error(request, _("The Redis lock store could not be reached: nothing "
-                                      "released (%(error)s)") % {"error": exc})
+                                      "released (%(error)s)") % {"error": _error_text(exc)})
             return HttpResponseRedirect(back)
         except DatabaseError as exc:
             messages.error(request, _("The audit record could not be written: nothing "
-                                      "released (%(error)s)") % {"error": exc})
+                                      "released (%(error)s)") % {"error": _error_text(exc)})
             return HttpResponseRedirect(back)
         messages.success(request, _("Force-released lease “%(name)s” (owner %(owner)s, task "
                                     "%(task)s, fence %(fence)s).") % {

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ...exceptions import LockStoreUnavailable
+from ...redact import redact
 from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
 
 __all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
@@ -139,7 +140,7 @@ def redis_time_ms(lock: RedisLeaseStore) -> int:
     try:
         seconds, micros = lock.client.time()
     except STORE_ERRORS as exc:
-        raise LockStoreUnavailable(f"lock store unavailable: {exc}") from exc
+        raise LockStoreUnavailable(f"lock store unavailable: {redact(exc)}") from exc
     return int(seconds) * 1000 + int(micros) // 1000
 
 
@@ -375,5 +376,5 @@ def _time_and_size(lock: RedisLeaseStore) -> tuple[int, int]:
         pipe.dbsize()
         (seconds, micros), size = pipe.execute()
     except STORE_ERRORS as exc:
-        raise LockStoreUnavailable(f"lock store unavailable: {exc}") from exc
+        raise LockStoreUnavailable(f"lock store unavailable: {redact(exc)}") from exc
     return int(seconds) * 1000 + int(micros) // 1000, int(size)
