@@ -25,7 +25,6 @@ server it is about.
 from __future__ import annotations
 
 import re
-import unicodedata
 from typing import Any, Iterable, Mapping
 from urllib.parse import quote, unquote
 
@@ -39,7 +38,7 @@ MASK = "***"
 MIN_SECRET = 4
 
 # Any scheme, also one missing its colon (``rediss//``): the "//" starts the credentials.
-_SCHEME = r"(?:[A-Za-z][A-Za-z0-9+.\-]*:?)?//"
+_SCHEME = r"(?:(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:?)?//"
 # A URL runs to whitespace, to the next URL of a ";"-separated list, or to a quote that
 # closes it (a quote followed by the end or by punctuation): a quote inside a password
 # does not end it.
@@ -212,21 +211,21 @@ def _escape(char: str) -> str:
 
 
 def _unsafe(char: str) -> bool:
-    # Control characters (ANSI escapes, newlines, carriage returns), format characters
-    # (bidirectional overrides reorder what the terminal shows), line and paragraph
-    # separators, and the backslash, so that an escape in the output is never ambiguous.
-    return char == "\\" or (char != " " and not char.isprintable()) \
-        or unicodedata.category(char) in ("Cf", "Zl", "Zp")
+    # Not printable (str.isprintable): control characters (ANSI escapes, newlines, carriage
+    # returns), format characters (bidirectional overrides reorder what the terminal shows,
+    # zero-width ones hide text), line and paragraph separators; and the backslash, so that
+    # an escape in the output is never ambiguous.
+    return char == "\\" or not char.isprintable()
 
 
 def printable(value: Any) -> str:
     """``value`` (``str()`` of it; None as ``"None"``) as one line a terminal shows as it
-    is: every control character (ANSI escape sequences, ``\\n``, ``\\r``, ``\\t``), format
-    character (bidirectional overrides, zero-width characters), line or paragraph separator,
-    and the backslash written as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``,
-    ``\\\\``). Printable text, spaces and non-ASCII letters stay as they are."""
+    is: every character that is not printable (control characters: ANSI escape sequences,
+    ``\\n``, ``\\r``, ``\\t``; format characters: bidirectional overrides, zero-width
+    characters; line and paragraph separators) and the backslash written as a Python escape
+    (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``). Printable text, spaces and non-ASCII
+    letters stay as they are."""
     text = value if isinstance(value, str) else str(value)
-    if text.isprintable() and "\\" not in text and not any(
-            unicodedata.category(c) == "Cf" for c in text if ord(c) > 0x7f):
+    if text.isprintable() and "\\" not in text:
         return text
     return "".join(_escape(c) if _unsafe(c) else c for c in text)
