@@ -8,7 +8,7 @@ import pytest
 
 from celery_steplock.lock import get_lease_store, make_client
 from django_app.workflows.models import Step
-from helpers import closed_port_url
+from helpers import closed_port_url, free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -174,6 +174,15 @@ def test_store_errors_name_no_password(cli, private_redis):
     refused = cli("ls", STEPLOCK_REDIS_URL=wrong)
     assert refused.returncode == 69, refused.stderr
     assert "authentication failed" in refused.stderr and PW not in refused.stderr
+
+
+@pytest.mark.parametrize("shape", ["tcp", "unix"])
+def test_unreachable_store_errors_name_no_password(cli, tmp_path, shape):
+    url = (f"redis://app:{PW}@127.0.0.1:{free_port()}/0" if shape == "tcp"
+           else f"unix://{tmp_path}/none.sock?password={PW}&db=0")
+    refused = cli("ls", STEPLOCK_REDIS_URL=url)
+    assert refused.returncode == 69, refused.stderr
+    assert "lock store unavailable" in refused.stderr and PW not in refused.stderr
 
 
 def hostile_lease(lock, redis_client, name):

@@ -229,6 +229,69 @@ def test_the_admin_page_shows_no_password(app, django_user_model, redis_client):
     assert_masked(response.content.decode(), "redis+sentinel://")
 
 
+@pytest.mark.django_db
+def test_the_admin_release_pages_show_no_password(app, django_user_model, redis_client):
+    from django.contrib.auth.models import Permission
+    from django.test import Client
+
+    releaser = django_user_model.objects.create_user("releaser", password="x", is_staff=True)
+    for codename in ("view_lease", "force_release_lease"):
+        releaser.user_permissions.add(Permission.objects.get(codename=codename))
+    client = Client()
+    client.force_login(releaser)
+    set_settings(app, steplock_redis_url=REFUSED_URLS[1][0])
+    release = reverse("admin:celery_steplock_lease_release")
+    for response, expected in (
+            (client.get(release, {"name": "order:1"}, follow=True), "could not be read"),
+            (client.post(release, {"name": "order:1", "owner": "o"}, follow=True),
+             "could not be reached: nothing released")):
+        assert response.status_code == 200
+        # The release view's message, then the list's own (the redirect's page).
+        shown = [str(m) for m in response.context["messages"]]
+        assert len(shown) == 2 and expected in shown[0] and "could not be read" in shown[1]
+        for message in shown:
+            assert_masked(message, "redis+sentinel://", "sa:26379", "sb:26380")
+        assert_masked(response.content.decode(), "redis+sentinel://")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_admin_page_in_a_browser_shows_no_password(app, django_user_model, live_server,
+                                                       redis_client):
+    """What view-only staff see in headless Chromium: the error, no password."""
+    from tests.contrib.test_browser import CHROMIUM_ARGS, chromium_path, unavailable
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        unavailable("playwright is not installed (pip install -e '.[dev]')")
+    if chromium_path() is None:
+        unavailable("chromium not found (Debian: apt-get install chromium, or set "
+                    "STEPLOCK_CHROMIUM)")
+    from django.contrib.auth.models import Permission
+
+    viewer = django_user_model.objects.create_user("viewer", password="pw-of-the-viewer",
+                                                   is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_lease"))
+    set_settings(app, steplock_redis_url=REFUSED_URLS[1][0])
+    list_path = "/admin/celery_steplock/lease/"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(),
+                                             args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"{live_server.url}/admin/login/?next={list_path}")
+            page.fill("#id_username", "viewer")
+            page.fill("#id_password", "pw-of-the-viewer")
+            page.click("input[type=submit]")
+            page.wait_for_url(f"{live_server.url}{list_path}")
+            text, html = page.inner_text("body"), page.content()
+        finally:
+            browser.close()
+    assert "could not be read" in text
+    assert_masked(text, "redis+sentinel://:***@sa:26379;redis+sentinel://:***@sb:26380")
+    assert_masked(html, "redis+sentinel://")
+
+
 # -- scripts/demo.py -----------------------------------------------------------------------------
 
 def load_demo():
