@@ -406,12 +406,11 @@ def problems(app) -> list[Problem]:
     (E004), step models (E002, once the step store's models are loaded), then the warnings
     W001, W002, W004 and W005. Reads the tasks ``app`` has registered; imports no task
     module."""
-    return _masked(app, settings_problems(app) + step_store_problems(app)
-                   + step_database_problems(app)
-                   + task_problems(app)
-                   + step_model_problems(app) + visibility_timeout_problems(app)
-                   + worker_lost_problems(app) + time_limit_problems(app)
-                   + unknown_name_problems(app))
+    return (settings_problems(app) + step_store_problems(app) + step_database_problems(app)
+            + task_problems(app)
+            + step_model_problems(app) + visibility_timeout_problems(app)
+            + worker_lost_problems(app) + time_limit_problems(app)
+            + unknown_name_problems(app))
 
 
 def refuse_to_start(app) -> None:
@@ -419,13 +418,13 @@ def refuse_to_start(app) -> None:
     worker that starts anyway would consume acks_late messages only to fail them)."""
     errors = []
     try:
-        found = problems(app)
+        found = _masked(app, problems(app))
     except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
-        error = redact(repr(exc), secrets_of(app))
+        # Its text may quote a setting's value: masked, and not chained to the exit.
+        error = redact(f"{type(exc).__name__}: {exc}", secrets_of(app))
         logger.critical("event=improperly_configured validation failed: %s", error)
         raise SystemExit(f"celery-steplock: the configuration could not be validated: "
-                         f"{redact(f'{type(exc).__name__}: {exc}', secrets_of(app))}"
-                         ) from None
+                         f"{error}") from None
     for problem in found:
         if problem.is_error:
             logger.critical("event=improperly_configured id=%s %s", problem.id,

@@ -173,6 +173,24 @@ def test_refuse_to_start_logs_and_exits_without_the_password(app, caplog):
                   "steplock_redis_transport_options")
 
 
+def test_a_validator_that_breaks_names_no_known_secret(app, caplog, monkeypatch):
+    """The fail-closed path: a validator's own error quoting a setting's password as a
+    bare word (no URL around it) is masked by the app's known secrets."""
+    set_settings(app, steplock_redis_transport_options={"sentinel_kwargs": {"password": PW}})
+
+    def broken(app):
+        raise RuntimeError(f"cannot judge sentinel_kwargs holding {PW}")
+
+    monkeypatch.setattr(validate, "problems", broken)
+    with caplog.at_level(logging.CRITICAL, logger="celery_steplock"), \
+            pytest.raises(SystemExit) as raised:
+        validate.refuse_to_start(app)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert_masked(logged, "validation failed: RuntimeError: cannot judge sentinel_kwargs")
+    assert_masked(str(raised.value.code), "could not be validated: RuntimeError")
+    assert raised.value.__cause__ is None
+
+
 def test_a_worker_with_a_refused_url_exits_without_showing_the_password(worker_env):
     url = REFUSED_URLS[1][0]
     result = subprocess.run(
