@@ -248,3 +248,29 @@ def test_release_and_reap_escape_what_redis_holds(cli, lease_store, redis_client
     assert "reaped lease step:\\x1b[2J" in reaped.stdout
     assert not any(line.startswith(("FORGED", "OVER")) for line in reaped.stdout.splitlines())
     assert lease_store.inspect(name) is None
+
+
+def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
+    """``manage.py reap_expired_leases`` prints the same report lines as ``steplock reap``."""
+    import io
+
+    from django.core.management import call_command
+
+    name = f"step:{HOSTILE}"
+    dead = hostile_lease(lease_store, redis_client, name)
+    redis_client.hset(lease_store.key(name), mapping={
+        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
+    now_s, now_us = redis_client.time()
+    redis_client.hset(lease_store.key(name), "renewed_ms",
+                      now_s * 1000 + now_us // 1000 - 120_000)
+    out = io.StringIO()
+    call_command("reap_expired_leases", "--ping-timeout", "0.3", stdout=out)
+    assert no_raw_controls(out.getvalue())
+    lines = out.getvalue().splitlines()
+    reaped = [line for line in lines if line.startswith("reaped lease ")]
+    assert len(reaped) == 1
+    assert reaped[0].startswith(
+        "reaped lease step:\\x1b[2J\\x1b[31mred\\nFORGED 0 lease(s)\\rOVER\\u202e (owner ")
+    assert "task \\x1b[2J" in reaped[0]  # the task name's last dotted part, escaped
+    assert not any(line.startswith(("FORGED", "OVER")) for line in lines)
+    assert lease_store.inspect(name) is None
