@@ -62,7 +62,8 @@ def assert_masked(text, *shown):
 @pytest.mark.parametrize("text,expected", [
     ("sentinel://:pw@h;sentinel://:pw@h2", "sentinel://:***@h;sentinel://:***@h2"),
     ("redis://user:pw@h:6379/1", "redis://user:***@h:6379/1"),
-    ("rediss://:pw@h:6380/0?ssl_cert_reqs=required", "rediss://:***@h:6380/0?ssl_cert_reqs=required"),
+    ("rediss://:pw@h:6380/0?ssl_cert_reqs=required",
+     "rediss://:***@h:6380/0?ssl_cert_reqs=required"),
     ("unix://:pw@/run/redis.sock", "unix://:***@/run/redis.sock"),
     ("unix:///run/redis.sock?db=1&password=pw", "unix:///run/redis.sock?db=1&password=***"),
     ("redis://h/0?password=pw&db=2", "redis://h/0?password=***&db=2"),
