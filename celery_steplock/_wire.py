@@ -17,6 +17,8 @@ from redis.sentinel import MasterNotFoundError
 from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
                                NoPermissionError, NoScriptError, ReadOnlyError, ResponseError)
 
+from .redact import redact
+
 __all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout", "connection",
            "misconfiguration", "refused_command", "derived_client", "SentinelDiscoveryError",
            "sentinel_discovery_error", "SENTINEL_AUTH", "SENTINEL_UNKNOWN_MASTER"]
@@ -113,8 +115,9 @@ def _closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
 
 
 def _refused_without_client_certificate(exc: BaseException) -> TLSClientCertificateRefused:
-    return TLSClientCertificateRefused(f"{exc} (the server closed a TLS connection made "
-                                       f"without a client certificate: it requires one?)")
+    return TLSClientCertificateRefused(f"{redact(exc)} (the server closed a TLS connection "
+                                       f"made without a client certificate: it requires "
+                                       f"one?)")
 
 
 class Script:

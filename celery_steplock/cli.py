@@ -16,6 +16,12 @@ This module imports the lease store, never the task module. ``reap`` runs :func:
 (``DJANGO_SETTINGS_MODULE`` set, as in Celery's Django layout) it also recovers steps,
 otherwise only leases.
 
+Every value read from Redis or given on the command line is printed through
+:func:`celery_steplock.redact.printable` (control characters, ANSI escape sequences and
+newlines escaped: a lease cannot forge a line or drive the terminal; ``--json`` escapes them
+as JSON does), and every error through :func:`celery_steplock.redact.redact` (no password
+of a URL or of the transport options is shown).
+
 Exit status: 0 on success; 1 when ``show`` finds no lease, ``release`` released nothing, or
 ``reap`` met errors; 69 (``EX_UNAVAILABLE``, as ``celery inspect``) when Redis is unreachable.
 """
@@ -37,6 +43,7 @@ from .exceptions import StepLockError
 from .lock import get_lease_store
 from .ops import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, default_audit,
                   force_release)
+from .redact import printable, redact, secrets_of
 from .reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
 
 __all__ = ["steplock"]
@@ -47,15 +54,24 @@ COLUMNS = (("NAME", "name"), ("OWNER", "owner"), ("FENCE", "fence"), ("TASK", "t
            ("AGE", "age"), ("TTL", "ttl"))
 
 
+def _shown(text: Any) -> str:
+    """``text`` (an error, a message) as it may be printed: the secrets of the current app's
+    settings masked, on one line."""
+    ctx = click.get_current_context(silent=True)
+    app = getattr(getattr(ctx, "obj", None), "app", None)
+    return printable(redact(text, secrets_of(app)))
+
+
 def _lock(ctx):
     try:
         return get_lease_store(ctx.obj.app)
     except StepLockError as exc:
-        raise CeleryCommandException(message=f"steplock: {exc}", exit_code=EX_FAILURE)
+        raise CeleryCommandException(message=f"steplock: {_shown(exc)}", exit_code=EX_FAILURE)
 
 
 def _unavailable(exc: Exception) -> CeleryCommandException:
-    return CeleryCommandException(message=f"steplock: {exc}", exit_code=EX_UNAVAILABLE)
+    return CeleryCommandException(message=f"steplock: {_shown(exc)}",
+                                  exit_code=EX_UNAVAILABLE)
 
 
 def _redis_now_ms(lock) -> int | None:
@@ -92,7 +108,8 @@ def _cell(value: Any, column: str) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
-    cells = [[h for h, _ in COLUMNS]] + [[_cell(r.get(c), c) for _, c in COLUMNS] for r in rows]
+    cells = [[h for h, _ in COLUMNS]] + [[printable(_cell(r.get(c), c)) for _, c in COLUMNS]
+                                         for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
 
@@ -168,9 +185,10 @@ def show(ctx, name, as_json):
     if as_json:
         click.echo(json.dumps(lease, sort_keys=True, default=str))
         return
-    width = max(len(k) for k in lease)
-    for key in sorted(lease):
-        click.echo(f"{key.ljust(width)}  {'-' if lease[key] in (None, '') else lease[key]}")
+    shown = {printable(k): "-" if v in (None, "") else printable(v) for k, v in lease.items()}
+    width = max(len(k) for k in shown)
+    for key in sorted(shown):
+        click.echo(f"{key.ljust(width)}  {shown[key]}")
 
 
 @steplock.command("release", cls=CeleryCommand)
@@ -202,7 +220,7 @@ def release(ctx, name, owner):
             message=f"not released: {name!r}: the audit record could not be written "
                     f"({failed.__cause__})", exit_code=EX_FAILURE)
     except ForceReleaseRefused as refused:
-        why = (f"it is held by another owner ({refused.holder})"
+        why = (f"it is held by another owner ({printable(refused.holder)})"
                if isinstance(refused, LeaseHeldByAnother) else "it is not held")
         raise CeleryCommandException(message=f"not released: {name!r}: {why}",
                                      exit_code=EX_FAILURE)
@@ -214,10 +232,10 @@ def release(ctx, name, owner):
                         f"it may or may not be released (recorded as outcome unknown): {exc}",
                 exit_code=EX_UNAVAILABLE)
         raise _unavailable(exc)
-    click.echo(f"released {name!r} (owner {owner}, fence {released.fence}; audit: "
+    click.echo(f"released {name!r} (owner {printable(owner)}, fence {released.fence}; audit: "
                f"{released.audit or 'log line event=force_release_audit'})")
     if not released.outcome_recorded:
-        click.echo(f"warning: the outcome could not be recorded ({released.outcome_error}); "
+        click.echo(f"warning: the outcome could not be recorded ({printable(released.outcome_error)}); "
                    f"the audit record ({released.audit}) still says 'requested'", err=True)
 
 
@@ -273,8 +291,8 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
     try:
         app.loader.import_default_modules()
     except Exception as exc:  # noqa: BLE001 - a broken import must not stop lease reaping
-        click.echo(f"warning: could not load the app's modules ({exc}); steps may not be "
-                   f"recovered", err=True)
+        click.echo(f"warning: could not load the app's modules ({_shown(exc)}); steps may "
+                   f"not be recovered", err=True)
     started = time.monotonic()
     report = reap(app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
                   ping_timeout=ping_timeout, check_pids=not no_pid_check)
@@ -282,11 +300,11 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
         click.echo(json.dumps(report.as_dict(), sort_keys=True, default=str))
     else:
         for line in report.detail_lines():
-            click.echo(line)
+            click.echo(printable(line))
         for line in report.summary_lines():
-            click.echo(line)
+            click.echo(printable(line))
     for message in report.errors:
-        click.echo(f"error: {message}", err=True)
+        click.echo(f"error: {_shown(message)}", err=True)
     if report.errors:
         raise CeleryCommandException(
             message=f"reap met {len(report.errors)} error(s) in "

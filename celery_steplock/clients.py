@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import re
 import ssl
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -45,6 +44,7 @@ from redis.backoff import FullJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 from .exceptions import ImproperlyConfigured
+from .redact import redact, url_secrets
 
 __all__ = ["URL_SCHEMES", "SENTINEL_OPTIONS", "CONNECTION_OPTIONS", "connection_options",
            "make_client", "ClientConfig", "client_for_settings", "client_identity",
@@ -95,7 +95,7 @@ def check_url(url: Any, name: str = _URL) -> str:
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise ImproperlyConfigured(
             f"{_describe(name)} must be a redis://, rediss://, unix:// or sentinel:// URL, "
-            f"got {url!r}", setting=name)
+            f"got {redact(repr(url))}", setting=name)
     if url.startswith("sentinel://"):
         parse_sentinel_url(url, name)
     else:
@@ -109,8 +109,8 @@ def _check_redis_url(url: str, name: str) -> None:
     from redis.connection import parse_url
 
     def bad(why: str) -> ImproperlyConfigured:
-        return ImproperlyConfigured(f"{_describe(name)}: {why}, got {_redact(url)!r}",
-                                    setting=name)
+        return ImproperlyConfigured(f"{_describe(name)}: {_why(why, url)}, got "
+                                    f"{redact(repr(url))}", setting=name)
 
     try:
         parsed = parse_url(url)
@@ -137,16 +137,16 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
     and database are the primary's (each part may repeat them; they must agree). A missing
     port is 26379. Raises ImproperlyConfigured naming ``name`` for a malformed URL."""
     def bad(why: str) -> ImproperlyConfigured:
-        return ImproperlyConfigured(f"{_describe(name)}: {why} (a sentinel URL is "
-                                    f"sentinel://[:password@]host:port[;sentinel://host:port"
-                                    f"...][/db]), got {_redact(url)!r}", setting=name)
+        return ImproperlyConfigured(f"{_describe(name)}: {_why(why, url)} (a sentinel URL "
+                                    f"is sentinel://[:password@]host:port[;sentinel://host:"
+                                    f"port...][/db]), got {redact(repr(url))}", setting=name)
 
     sentinels: list[tuple[str, int]] = []
     found: dict[str, Any] = {"username": None, "password": None, "db": None}
     for part in url.split(";"):
         part = part.strip()
         if not part.startswith("sentinel://"):
-            raise bad(f"every part must start with sentinel://, not {_redact(part)!r}")
+            raise bad(f"every part must start with sentinel://, not {redact(repr(part))}")
         try:
             split = urlsplit(part)
             host, port = split.hostname, split.port or 26379
@@ -175,9 +175,17 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
     return {"sentinels": sentinels, **found}
 
 
-def _redact(url: str) -> str:
-    """``url`` with every password masked (``sentinel://:**@host...``)."""
-    return re.sub(r"(//[^/@;]*?:)[^/@;]*@", r"\1**@", url)
+def _why(why: str, url: str) -> str:
+    """``why`` (what a parser said about ``url``) without any piece of the URL's secrets.
+    Credentials holding an unencoded ``/``, ``?``, ``#`` or ``;`` make the parsers cut the URL
+    inside them, and their complaint (a port, a database, a part) would quote a piece of
+    the password: say so instead."""
+    secrets = url_secrets(url)
+    if any(c in secret for secret in secrets for c in "/?#;@"):
+        return ("the URL is malformed, or its user name or password holds an unencoded "
+                "'/', '?', '#', ';' or '@' (percent-encode them: "
+                "urllib.parse.quote(password, safe=''))")
+    return redact(why, secrets)
 
 
 def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
@@ -190,8 +198,8 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
     if value is None:
         value = {}
     if not isinstance(value, dict):
-        raise ImproperlyConfigured(f"{_describe(name)} must be a dict, got {value!r}",
-                                   setting=name)
+        raise ImproperlyConfigured(f"{_describe(name)} must be a dict, got "
+                                   f"{redact(repr(value))}", setting=name)
     known = SENTINEL_OPTIONS + CONNECTION_OPTIONS
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown and strict:
@@ -213,7 +221,8 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
     if kwargs is not None and not (isinstance(kwargs, dict)
                                    and all(isinstance(k, str) for k in kwargs)):
         raise ImproperlyConfigured(f"{_describe(name)}: sentinel_kwargs must be a dict of "
-                                   f"connection options, got {kwargs!r}", setting=name)
+                                   f"connection options, got {redact(repr(kwargs))}",
+                                   setting=name)
     if kwargs:
         accepted = _connection_arguments()
         unknown = sorted(k for k in kwargs if k not in accepted)
@@ -298,7 +307,8 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
         return {"ssl": True}
     if not isinstance(value, dict):
         raise ImproperlyConfigured(f"{_describe(name)} must be a dict of ssl_* options "
-                                   f"(as broker_use_ssl), got {value!r}", setting=name)
+                                   f"(as broker_use_ssl), got {redact(repr(value))}",
+                                   setting=name)
     accepted = _ssl_arguments() | {"ssl"}
     unknown = sorted(str(k) for k in value if k not in accepted)
     if unknown and strict:
@@ -543,8 +553,8 @@ class ClientConfig:
             raise
         except Exception as exc:
             raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} raised "
-                                       f"{type(exc).__name__}: {exc}", setting=_FACTORY
-                                       ) from exc
+                                       f"{type(exc).__name__}: {redact(exc)}",
+                                       setting=_FACTORY) from exc
         from redis.cluster import RedisCluster
 
         # Only redis-py's synchronous clients: the library reads their pools (an asyncio

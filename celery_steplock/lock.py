@@ -42,6 +42,7 @@ from .keys import MAX_NAME_LENGTH, check_name, fence_key, lease_key, name_from_k
 from .events import log_event
 from .lease import (CLOCK_DRIFT_FACTOR, Lease, check_metadata, drift, holder_metadata,
                     new_owner_token, parse_lease)
+from .redact import redact
 
 __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
            "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR",
@@ -78,6 +79,8 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
     known); :class:`LockError` when it refused the call otherwise (e.g. ``WRONGTYPE``);
     :class:`LockStoreUnavailable` when it could not be reached."""
     of = f" of {name!r}" if name is not None else ""
+    # redis-py's text may quote a URL or connection options (a client factory's own).
+    error = redact(exc)
     reason = _wire.misconfiguration(exc)
     if reason is not None:
         command = _wire.refused_command(exc)
@@ -105,14 +108,14 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
         else:
             hint = "fix the credentials (user name, password) in steplock_redis_url"
         return LockStoreMisconfigured(
-            f"lock store refused the {what}{of}: {reason} ({exc}): {hint}", key=key,
+            f"lock store refused the {what}{of}: {reason} ({error}): {hint}", key=key,
             name=name, owner=owner, setting=setting, permissions=permissions)
     if isinstance(exc, ResponseError):
         # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
         # an outage, so never a reason to retry or to run fail-open.
-        return LockError(f"lock store refused the {what}{of}: {exc}"
+        return LockError(f"lock store refused the {what}{of}: {error}"
                          f"{_cluster.redirect_hint(exc)}", key=key, name=name, owner=owner)
-    return LockStoreUnavailable(f"lock store unavailable during {what}{of}: {exc}", key=key,
+    return LockStoreUnavailable(f"lock store unavailable during {what}{of}: {error}", key=key,
                                 name=name, owner=owner)
 
 logger = logging.getLogger("celery_steplock")
@@ -706,8 +709,8 @@ def _unavailable_unless_misconfigured(exc: BaseException, what: str, *,
     if isinstance(error, LockStoreMisconfigured):
         return error
     if refused:
-        return LockStoreUnavailable(f"lock store refused the {what}: {exc}")
-    return LockStoreUnavailable(f"lock store unavailable during {what}: {exc}")
+        return LockStoreUnavailable(f"lock store refused the {what}: {redact(exc)}")
+    return LockStoreUnavailable(f"lock store unavailable during {what}: {redact(exc)}")
 
 
 class ClusterLeaseStore(_cluster.ClusterStoreMixin, RedisLeaseStore):

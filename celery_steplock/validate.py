@@ -41,6 +41,7 @@ only: the first needs the network, the second is what a worker start fails on an
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
@@ -53,6 +54,7 @@ from .conf import Settings
 from .events import log_event
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
+from .redact import redact, secrets_of
 from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, \
     step_store_factory
 
@@ -74,12 +76,19 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "sentin
 @dataclass(frozen=True)
 class Problem:
     """One problem: ``id`` (``"celery_steplock.E003"``), ``message``, ``hint`` (or None),
-    ``obj`` (the setting name, task name or model the problem is about)."""
+    ``obj`` (the setting name, task name or model the problem is about). The message and
+    hint are masked (:func:`celery_steplock.redact.redact`): no URL password or secret
+    option value is ever shown."""
 
     id: str
     message: str
     hint: str | None = None
     obj: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "message", redact(self.message))
+        if self.hint is not None:
+            object.__setattr__(self, "hint", redact(self.hint))
 
     @property
     def is_error(self) -> bool:
@@ -101,6 +110,17 @@ def steplock_tasks(app) -> list:
     return [task for name, task in sorted(tasks.items()) if is_step_locked(task)]
 
 
+def _masked(app, found: list[Problem]) -> list[Problem]:
+    """``found`` with every secret value of ``app``'s settings masked, wherever a message
+    quotes it (beside the URL and key/value forms every Problem masks)."""
+    secrets = secrets_of(app)
+    if not secrets:
+        return found
+    return [dataclasses.replace(p, message=redact(p.message, secrets),
+                                hint=None if p.hint is None else redact(p.hint, secrets))
+            for p in found]
+
+
 def settings_problems(app) -> list[Problem]:
     """E003: one per invalid ``steplock_*`` setting."""
     found = []
@@ -110,7 +130,7 @@ def settings_problems(app) -> list[Problem]:
             "celery_steplock.E003", f"Invalid celery-steplock setting {setting}: {exc}",
             hint=f"Fix {_django_name(setting)} in the Django settings (app.conf.{setting} "
                  f"on the Celery app).", obj=setting))
-    return found
+    return _masked(app, found)
 
 
 def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
@@ -682,12 +702,13 @@ def refuse_to_start(app) -> None:
     worker that starts anyway would consume acks_late messages only to fail them)."""
     errors = []
     try:
-        found = problems(app)
+        found = _masked(app, problems(app))
     except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
-        log_event("improperly_configured", logging.CRITICAL,
-                  reason="validation failed", error=exc)
+        # Its text may quote a setting's value: masked, and not chained to the exit.
+        log_event("improperly_configured", logging.CRITICAL, reason="validation failed",
+                  error=redact(f"{type(exc).__name__}: {exc}", secrets_of(app)))
         raise SystemExit(f"celery-steplock: the configuration could not be validated: "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{error}") from None
     for problem in found:
         if problem.is_error:
             log_event("improperly_configured", logging.CRITICAL, id=problem.id,

@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from celery_steplock.redact import redact, url_secrets  # noqa: E402
 from tests.support import servers  # noqa: E402  (needs REPO on sys.path)
 from tests.support.faults import checker  # noqa: E402
 
@@ -61,6 +62,13 @@ STATS_EVENTS = ("lock_acquired", "lock_contended", "lock_extended", "lock_releas
 # kombu's Redis transport keeps priorities 3/6/9 in sibling lists named queue + sep + priority.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+def safe(text: str) -> str:
+    """``text`` with the passwords of ``REDIS_URL`` and ``DATABASE_URL`` masked: what the demo
+    prints about its servers (their URLs, their errors) shows no secret."""
+    return redact(text, url_secrets([os.environ.get("REDIS_URL", ""),
+                                     os.environ.get("DATABASE_URL", "")]))
 
 
 class DemoError(RuntimeError):
@@ -110,7 +118,7 @@ class Demo:
     # -- output ----------------------------------------------------------------------------
 
     def say(self, message: str) -> None:
-        print(f"[{self.clock():6.1f}s] {message}", flush=True)
+        print(safe(f"[{self.clock():6.1f}s] {message}"), flush=True)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -637,7 +645,7 @@ class Demo:
                 try:
                     worker.terminate(timeout=15)
                 except Exception as exc:  # noqa: BLE001
-                    print(f"demo: could not stop worker {name}: {exc}", file=sys.stderr)
+                    print(safe(f"demo: could not stop worker {name}: {exc}"), file=sys.stderr)
         if self.redis is not None and self.shared_redis:
             try:
                 for pattern in (f"{self.key_prefix}:*", f"{self.broker_prefix}*",
@@ -646,7 +654,7 @@ class Demo:
                     for i in range(0, len(keys), 500):
                         self.redis.delete(*keys[i:i + 500])
             except Exception as exc:  # noqa: BLE001
-                print(f"demo: could not clean up Redis keys: {exc}", file=sys.stderr)
+                print(safe(f"demo: could not clean up Redis keys: {exc}"), file=sys.stderr)
         if self.redis_server is not None:
             self.redis_server.stop()
         if not self.args.keep:
@@ -664,7 +672,7 @@ class Demo:
                     for i in range(0, len(ids), 500):
                         TaskResult.objects.filter(task_id__in=ids[i:i + 500]).delete()
                 except Exception as exc:  # noqa: BLE001
-                    print(f"demo: could not delete the demo steps: {exc}", file=sys.stderr)
+                    print(safe(f"demo: could not delete the demo steps: {exc}"), file=sys.stderr)
         elif self.use_sqlite:
             print(f"demo: kept the database {DEMO_SQLITE}")
         if failed:
@@ -706,10 +714,11 @@ def main(argv=None) -> int:
         print("\ndemo: interrupted, stopping everything", file=sys.stderr)
         status = 130
     except Exception as exc:
-        print(f"demo: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         import traceback
 
-        traceback.print_exc()
+        print(safe(f"demo: FAILED: {type(exc).__name__}: {exc}"), file=sys.stderr)
+        # A traceback may quote REDIS_URL or DATABASE_URL (a connection error, a parser's).
+        print(safe(traceback.format_exc()), end="", file=sys.stderr)
         status = 1
     finally:
         try:

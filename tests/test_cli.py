@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from celery_steplock.lock import get_lease_store
+from celery_steplock.lock import get_lease_store, make_client
 from django_app.workflows.models import Step
-from helpers import closed_port_url
+from helpers import closed_port_url, free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -235,3 +235,134 @@ def test_ls_and_show_survive_malformed_leases(cli, lease_store, redis_client):
     assert fields["malformed"] == "fence: not an integer ('x'); owner: not UTF-8"
     assert json.loads(cli("show", "order:2", "--json").stdout)["malformed"].startswith(
         "acquired_ms")
+
+
+# -- no secret, no raw control character on the terminal ------------------------------------------
+
+PW = "s3cr3t-Pw7f"
+HOSTILE = "\x1b[2J\x1b[31mred\nFORGED 0 lease(s)\rOVER\u202e"
+
+
+def no_raw_controls(text):
+    """Nothing but printable characters and the line breaks of the output itself."""
+    return all(c.isprintable() or c == "\n" for c in text) and "\x1b" not in text
+
+
+@pytest.mark.parametrize("command", [("ls",), ("show", "order:1"),
+                                     ("release", "order:1", "--owner", "x")])
+def test_errors_name_no_password(cli, command):
+    url = f"redis+sentinel://:{PW}@sa:26379;redis+sentinel://:{PW}@sb:26380"
+    refused = cli(*command, STEPLOCK_REDIS_URL=url)
+    assert refused.returncode == 1, refused.stderr
+    assert PW not in refused.stdout + refused.stderr and PW[:5] not in refused.stderr
+    assert "redis+sentinel://:***@sa:26379;redis+sentinel://:***@sb:26380" in refused.stderr
+
+
+def test_store_errors_name_no_password(cli, private_redis):
+    admin = make_client(private_redis.url)
+    admin.config_set("requirepass", PW)
+    admin.close()
+    wrong = f"redis://:{PW}-x@127.0.0.1:{private_redis.port}/0"
+    refused = cli("ls", STEPLOCK_REDIS_URL=wrong)
+    assert refused.returncode == 69, refused.stderr
+    assert "authentication failed" in refused.stderr and PW not in refused.stderr
+
+
+@pytest.mark.parametrize("shape", ["tcp", "unix"])
+def test_unreachable_store_errors_name_no_password(cli, tmp_path, shape):
+    url = (f"redis://app:{PW}@127.0.0.1:{free_port()}/0" if shape == "tcp"
+           else f"unix://{tmp_path}/none.sock?password={PW}&db=0")
+    refused = cli("ls", STEPLOCK_REDIS_URL=url)
+    assert refused.returncode == 69, refused.stderr
+    assert "lock store unavailable" in refused.stderr and PW not in refused.stderr
+
+
+def hostile_lease(lock, redis_client, name):
+    """A lease acquired normally, then every field a reader prints overwritten by a real
+    client with control characters, ANSI escapes and newlines."""
+    lease = take(lock, name)
+    redis_client.hset(lock.key(name), mapping={
+        "owner": f"own{HOSTILE}", "task_name": f"proj.tasks.{HOSTILE}",
+        "task_id": f"id{HOSTILE}", "worker": f"w{HOSTILE}", "pid": f"1{HOSTILE}",
+        "step": f"st{HOSTILE}", f"evil{HOSTILE}": HOSTILE})
+    return lease
+
+
+def test_show_and_ls_escape_what_redis_holds(cli, lease_store, redis_client):
+    name = f"order:{HOSTILE}"
+    hostile_lease(lease_store, redis_client, name)
+    fields = len(lease_store.inspect(name)) + 2  # + age and renewed_ago
+
+    shown = cli("show", name)
+    assert shown.returncode == 0, shown.stderr
+    assert no_raw_controls(shown.stdout)
+    lines = shown.stdout.splitlines()
+    assert len(lines) == fields  # one line per field, none forged
+    assert not any(line.startswith(("FORGED", "OVER", "red")) for line in lines)
+    escaped = "\\x1b[2J\\x1b[31mred\\nFORGED 0 lease(s)\\rOVER\\u202e"
+    by_key = dict(line.split(None, 1) for line in lines)
+    assert by_key["worker"] == f"w{escaped}" and by_key["owner"] == f"own{escaped}"
+    assert f"evil{escaped}" in shown.stdout
+
+    listed = cli("ls")
+    assert listed.returncode == 0, listed.stderr
+    assert no_raw_controls(listed.stdout)
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("NAME") and lines[-1] == "1 lease(s)"
+    assert lines[1].startswith(f"order:{escaped}")
+    assert f"w{escaped}" in lines[1] and f"st{escaped}" in lines[1]
+
+    as_json = cli("ls", "--json")  # JSON escapes them itself, and keeps the values exact
+    assert no_raw_controls(as_json.stdout) and len(as_json.stdout.splitlines()) == 1
+    assert json.loads(as_json.stdout)[0]["worker"] == f"w{HOSTILE}"
+
+
+def test_release_and_reap_escape_what_redis_holds(cli, lease_store, redis_client):
+    name = f"step:{HOSTILE}"
+    hostile_lease(lease_store, redis_client, name)
+    refused = cli("release", name, "--owner", "not-the-owner")
+    assert refused.returncode == 1
+    assert no_raw_controls(refused.stderr)
+    assert "held by another owner (own\\x1b[2J" in refused.stderr
+    released = cli("release", name, "--owner", f"own{HOSTILE}")
+    assert released.returncode == 0, released.stderr
+    assert no_raw_controls(released.stdout) and len(released.stdout.splitlines()) == 1
+
+    dead = hostile_lease(lease_store, redis_client, name)
+    redis_client.hset(lease_store.key(name), mapping={
+        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
+    now_s, now_us = redis_client.time()
+    redis_client.hset(lease_store.key(name), "renewed_ms",
+                      now_s * 1000 + now_us // 1000 - 120_000)
+    reaped = cli("reap", "--ping-timeout", "0.3")
+    assert reaped.returncode == 0, reaped.stderr
+    assert no_raw_controls(reaped.stdout)
+    assert "reaped lease step:\\x1b[2J" in reaped.stdout
+    assert not any(line.startswith(("FORGED", "OVER")) for line in reaped.stdout.splitlines())
+    assert lease_store.inspect(name) is None
+
+
+def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
+    """``manage.py reap_expired_leases`` prints the same report lines as ``steplock reap``."""
+    import io
+
+    from django.core.management import call_command
+
+    name = f"step:{HOSTILE}"
+    dead = hostile_lease(lease_store, redis_client, name)
+    redis_client.hset(lease_store.key(name), mapping={
+        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
+    now_s, now_us = redis_client.time()
+    redis_client.hset(lease_store.key(name), "renewed_ms",
+                      now_s * 1000 + now_us // 1000 - 120_000)
+    out = io.StringIO()
+    call_command("reap_expired_leases", "--ping-timeout", "0.3", stdout=out)
+    assert no_raw_controls(out.getvalue())
+    lines = out.getvalue().splitlines()
+    reaped = [line for line in lines if line.startswith("reaped lease ")]
+    assert len(reaped) == 1
+    assert reaped[0].startswith(
+        "reaped lease step:\\x1b[2J\\x1b[31mred\\nFORGED 0 lease(s)\\rOVER\\u202e (owner ")
+    assert "task \\x1b[2J" in reaped[0]  # the task name's last dotted part, escaped
+    assert not any(line.startswith(("FORGED", "OVER")) for line in lines)
+    assert lease_store.inspect(name) is None

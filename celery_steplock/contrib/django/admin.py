@@ -63,6 +63,7 @@ from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
 from ...ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
 from .eventlog import LeaseEventAudit
+from ...redact import redact, secrets_of
 from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
                      redis_time_ms, steplock_task_names)
 from .models import Lease, LeaseEvent
@@ -71,6 +72,16 @@ __all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm", "LeaseChangeList
            "TaskNameFilter"]
 
 logger = logging.getLogger("celery_steplock")
+
+def _error_text(exc: BaseException) -> str:
+    """An error as the page (seen by view-only staff) and the log may show it: every secret
+    of the Celery app's settings masked (URL passwords, transport options)."""
+    try:
+        secrets = secrets_of(celery_app())
+    except Exception:  # noqa: BLE001 - no app to read: the URL and key/value forms still
+        secrets = ()
+    return redact(exc, secrets)
+
 
 #: Querystring parameters of the changelist that a force release carries back to it
 #: (``scanned``: lease keys examined by the pages before this one, for display only).
@@ -390,9 +401,9 @@ class LeaseAdmin(admin.ModelAdmin):
                 max_steps=self.max_scan_steps)
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
-            log_event("admin_lock_store_error", logging.WARNING, error=exc)
+            log_event("admin_lock_store_error", logging.WARNING, error=_error_text(exc))
             messages.error(request, _("The Redis lock store could not be read: %(error)s")
-                           % {"error": exc})
+                           % {"error": _error_text(exc)})
 
         can_release = self.has_force_release_permission(request)
         rows = []
@@ -480,7 +491,7 @@ class LeaseAdmin(admin.ModelAdmin):
             now_ms = redis_time_ms(lock) if info is not None else None
         except StepLockError as exc:
             messages.error(request, _("The Redis lock store could not be read: %(error)s")
-                           % {"error": exc})
+                           % {"error": _error_text(exc)})
             return HttpResponseRedirect(back)
         if info is None:
             messages.warning(request, _("Lease “%(name)s” is already gone: nothing released.")
@@ -543,14 +554,14 @@ class LeaseAdmin(admin.ModelAdmin):
                 messages.error(request, _(
                     "The Redis lock store stopped answering during the release of lease "
                     "“%(name)s”: it may or may not be released (recorded as outcome "
-                    "“unknown”; %(error)s)") % {"name": name, "error": exc})
+                    "“unknown”; %(error)s)") % {"name": name, "error": _error_text(exc)})
             else:
                 messages.error(request, _("The Redis lock store could not be reached: "
-                                          "nothing released (%(error)s)") % {"error": exc})
+                                          "nothing released (%(error)s)") % {"error": _error_text(exc)})
             return HttpResponseRedirect(back)
         except (DatabaseError, RuntimeError) as exc:  # pragma: no cover - wrapped by ops
             messages.error(request, _("The audit record could not be written: nothing "
-                                      "released (%(error)s)") % {"error": exc})
+                                      "released (%(error)s)") % {"error": _error_text(exc)})
             return HttpResponseRedirect(back)
         text = _("Force-released lease “%(name)s” (owner %(owner)s, task %(task)s, fence "
                  "%(fence)s).") % {"name": name, "owner": owner,

@@ -178,9 +178,9 @@ def check_task_modules(app) -> list[checks.CheckMessage]:
 def check_lock_store(app) -> list[checks.CheckMessage]:
     """E001: PING the Redis lock store (one connection, at most ``PING_TIMEOUT`` seconds)."""
     import redis
-    from kombu.utils.url import maybe_sanitize_url
 
     from celery_steplock.clients import client_for_settings
+    from celery_steplock.redact import redact, secrets_of
 
     try:
         settings = Settings(app)
@@ -193,7 +193,7 @@ def check_lock_store(app) -> list[checks.CheckMessage]:
         client.ping()
     except (redis.RedisError, OSError) as exc:
         return [checks.Error(
-            f"The Redis lock store {maybe_sanitize_url(url)} is unreachable: {exc}",
+            redact(f"The Redis lock store {url} is unreachable: {exc}", secrets_of(app)),
             hint="Start Redis or fix CELERY_STEPLOCK_REDIS_URL (default: the broker URL). "
                  "StepLockedTasks fail closed while it is down: their bodies do not run.",
             obj="steplock_redis_url", id="celery_steplock.E001")]

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from ...events import log_event
 from ...exceptions import LockStoreUnavailable
+from ...redact import redact
 from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
 
 __all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
@@ -140,7 +141,7 @@ def redis_time_ms(lock: RedisLeaseStore) -> int:
     try:
         seconds, micros = lock.client.time()
     except STORE_ERRORS as exc:
-        raise LockStoreUnavailable(f"lock store unavailable: {exc}") from exc
+        raise LockStoreUnavailable(f"lock store unavailable: {redact(exc)}") from exc
     return int(seconds) * 1000 + int(micros) // 1000
 
 
@@ -383,5 +384,5 @@ def _time_and_size(lock: RedisLeaseStore) -> tuple[int, int]:
         pipe.dbsize()
         (seconds, micros), size = pipe.execute()
     except STORE_ERRORS as exc:
-        raise LockStoreUnavailable(f"lock store unavailable: {exc}") from exc
+        raise LockStoreUnavailable(f"lock store unavailable: {redact(exc)}") from exc
     return int(seconds) * 1000 + int(micros) // 1000, int(size)

@@ -20,6 +20,7 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_steplock.reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
+from celery_steplock.redact import printable, redact, secrets_of
 
 
 def _positive_int(text: str) -> int:
@@ -88,8 +89,8 @@ class Command(BaseCommand):
         if options["json"]:
             self.stdout.write(json.dumps(report.as_dict(), sort_keys=True, default=str))
         elif options["verbosity"] >= 1:
-            for line in report.detail_lines():
-                self.stdout.write(line)
+            for line in report.detail_lines():  # lease names: what Redis holds, escaped
+                self.stdout.write(printable(line))
             verb = "would reap" if report.dry_run else "reaped"
             recover = "would recover" if report.dry_run else "recovered"
             self.stdout.write(
@@ -98,7 +99,8 @@ class Command(BaseCommand):
                 f"step(s); {len(report.errors)} error(s) in {report.duration:.2f}s"
                 + (" (dry run: nothing changed)." if report.dry_run else "."))
         if report.errors:
-            for message in report.errors:
+            errors = [printable(redact(m, secrets_of(celery_app()))) for m in report.errors]
+            for message in errors:
                 self.stderr.write(f"error: {message}")
-            raise CommandError(f"reap_expired_leases met {len(report.errors)} error(s); the "
-                               f"first: {report.errors[0]}")
+            raise CommandError(f"reap_expired_leases met {len(errors)} error(s); the "
+                               f"first: {errors[0]}")

@@ -1,0 +1,231 @@
+"""What reaches output: secrets masked (:func:`redact`), control characters escaped
+(:func:`printable`).
+
+:func:`redact` is the one masking function of the library. Every message that may carry a
+URL, transport options or the text of an exception raised while using them goes through it
+before it is logged, raised to a worker's exit, shown by ``manage.py check``, printed by the
+``celery steplock`` commands or shown on the admin page. It masks, in any text:
+
+- the password of every URL of any scheme, including schemes the library refuses and typos
+  (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``, ``rediss//``), up to the
+  last ``@`` of the URL, so that a password holding an unencoded ``/``, ``?`` or ``#`` is
+  masked whole; a URL whose credentials are one word (``redis://word@host``) has it
+  masked too, since some clients read that word as the password;
+- query parameters and ``key=value`` / ``'key': value`` pairs whose key names a password or
+  a secret (``password``, ``ssl_password``, ``sentinel_password``, ``passwd``, ``pwd``,
+  ``client_secret``), as in a unix URL's ``?password=``, in the repr of transport options
+  (``sentinel_kwargs={'password': ...}``) or of keyword arguments;
+- every occurrence of the known secret values given (:func:`secrets_of` collects those of a
+  Celery app's settings), in whatever form the text quotes them: values of at least
+  :data:`MIN_SECRET` characters, so that a short value does not mask ordinary words.
+
+The scheme, host, port, database and every other part stay, so a message still says which
+server it is about.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+from urllib.parse import quote, unquote
+
+__all__ = ["MASK", "MIN_SECRET", "redact", "redact_options", "secrets_of", "url_secrets",
+           "printable"]
+
+#: What a masked secret becomes.
+MASK = "***"
+#: Known secret values shorter than this (characters) are masked only where they stand in
+#: a URL or a key/value pair, never as bare words.
+MIN_SECRET = 4
+
+# Any scheme, also one missing its colon (``rediss//``): the "//" starts the credentials.
+_SCHEME = r"(?:(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:?)?//"
+# A URL runs to whitespace, to the next URL of a ";"-separated list, or to a quote that
+# closes it (a quote followed by the end or by punctuation): a quote inside a password
+# does not end it.
+_URL = re.compile(rf"({_SCHEME})((?:(?!;{_SCHEME})(?!['\"](?:[\s,)\]}}:;.]|$))\S)*)")
+_SECRET_KEY = r"(?:\w+_)?(?:password|passwd|pwd|secret)"
+_QUERY_SECRET = re.compile(rf"(?i)([?&;])({_SECRET_KEY})=([^&#]*)")
+_VALUE = r"""b?'(?:[^'\\]|\\.)*'|b?"(?:[^"\\]|\\.)*"|[^\s,&;)}\]]+"""
+# 'password': 'x'   ('password', 'x')   password='x'   password=x
+_PAIR = re.compile(rf"""(?i)(?:(['"])\b({_SECRET_KEY})\1(\s*[:=]\s*|\s*,\s*)"""
+                   rf"""|()\b({_SECRET_KEY})(\s*[:=]\s*))({_VALUE})""")
+
+
+def _mask_value(value: str) -> str:
+    if value[:1] in "'\"":
+        return f"{value[0]}{MASK}{value[0]}"
+    if value[:2] in ("b'", 'b"'):
+        return f"b{value[1]}{MASK}{value[1]}"
+    return MASK
+
+
+def _mask_url(match: re.Match) -> str:
+    scheme, body = match.group(1), match.group(2)
+    body = _QUERY_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}={MASK}", body)
+    at = body.rfind("@")
+    if at >= 0:
+        userinfo = body[:at]
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else None
+        body = (MASK if user is None else f"{user}:{MASK}") + body[at:]
+    return scheme + body
+
+
+def redact(value: Any, secrets: Iterable[str] = ()) -> str:
+    """``value`` as text (a string as it is, an exception as ``str(exc)``, anything else as
+    its ``repr``) with every secret masked as :data:`MASK`: URL passwords, secret query
+    parameters and key/value pairs, and each of ``secrets`` (known values, e.g.
+    :func:`secrets_of`). Never raises."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, BaseException):
+        text = str(value)
+    else:
+        try:
+            text = repr(value)
+        except Exception:  # noqa: BLE001 - a repr that fails shows nothing of the value
+            text = f"<{type(value).__name__}>"
+    for secret in sorted({s for s in _forms(secrets) if len(s) >= MIN_SECRET},
+                         key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    text = _URL.sub(_mask_url, text)
+    return _PAIR.sub(_mask_pair, text)
+
+
+def _mask_pair(match: re.Match) -> str:
+    quote_, key, sep = (match.group(1, 2, 3) if match.group(2) is not None
+                        else match.group(4, 5, 6))
+    return f"{quote_}{key}{quote_}{sep}{_mask_value(match.group(7))}"
+
+
+def _forms(secrets: Iterable[str]) -> Iterable[str]:
+    """Each secret as a text may quote it: as is, URL-encoded, decoded, as in a repr."""
+    for secret in secrets:
+        if not isinstance(secret, str) or not secret:
+            continue
+        yield secret
+        yield quote(secret, safe="")
+        yield unquote(secret)
+        yield repr(secret)[1:-1]
+
+
+def redact_options(options: Any) -> Any:
+    """A copy of ``options`` (transport or TLS options: dicts, lists, tuples, nested) with
+    the value of every key naming a password or secret replaced by :data:`MASK`, and
+    URLs in string values redacted; for showing options as a dict."""
+    if isinstance(options, Mapping):
+        return {k: MASK if isinstance(k, str) and re.fullmatch(_SECRET_KEY, k, re.I)
+                and v is not None else redact_options(v) for k, v in options.items()}
+    if isinstance(options, (list, tuple)):
+        return type(options)(redact_options(v) for v in options)
+    if isinstance(options, str):
+        return redact(options)
+    return options
+
+
+def url_secrets(url: Any) -> list[str]:
+    """The secret values of ``url`` (a string: one URL or a ``;``-separated list; a list or
+    tuple of them): the password of each URL (its whole credentials when they are one
+    word, everything up to the URL's last ``@``) and its secret query parameters."""
+    if isinstance(url, (list, tuple)):
+        return [s for u in url for s in url_secrets(u)]
+    if not isinstance(url, str):
+        return []
+    found = []
+    for word in re.split(r"[\s;]+", url):
+        # Credentials in something that is not URL-shaped at all (``redis:/:pw@host``).
+        if "//" not in word and "@" in word:
+            userinfo = word[:word.rfind("@")]
+            found.append(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
+    for match in _URL.finditer(url):
+        body = match.group(2)
+        for query in _QUERY_SECRET.finditer(body):
+            found.append(query.group(3))
+        body = _QUERY_SECRET.sub("", body)
+        at = body.rfind("@")
+        if at >= 0:
+            userinfo = body[:at]
+            found.append(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
+    return [s for s in found if s]
+
+
+def _option_secrets(options: Any) -> list[str]:
+    found = []
+    if isinstance(options, Mapping):
+        for key, value in options.items():
+            if isinstance(key, str) and re.fullmatch(_SECRET_KEY, key, re.I):
+                if isinstance(value, bytes):
+                    value = value.decode("utf-8", "replace")
+                if isinstance(value, str):
+                    found.append(value)
+            else:
+                found += _option_secrets(value)
+    elif isinstance(options, (list, tuple)):
+        # [("password", "x")]: a pair given where a dict was expected.
+        if len(options) == 2 and isinstance(options[0], str) \
+                and re.fullmatch(_SECRET_KEY, options[0], re.I) and isinstance(options[1], str):
+            found.append(options[1])
+        else:
+            for value in options:
+                found += _option_secrets(value)
+    elif isinstance(options, str):
+        found += url_secrets(options)
+    return found
+
+
+#: The settings whose values may hold secrets (URLs, transport and TLS options).
+_SECRET_SETTINGS = ("steplock_redis_url", "steplock_redis_transport_options",
+                    "steplock_redis_use_ssl", "broker_url", "broker_transport_options",
+                    "broker_use_ssl", "result_backend", "result_backend_transport_options")
+
+
+def secrets_of(app: Any) -> tuple[str, ...]:
+    """The secret values of a Celery app's configuration: the passwords of the lease
+    store's, the broker's and the result backend's URLs and of their transport and TLS
+    options (``password``, ``sentinel_kwargs.password``, ``ssl_password``), read as given
+    (nothing is validated). For :func:`redact`. Never raises."""
+    found: list[str] = []
+    conf = getattr(app, "conf", None)
+    if conf is None:
+        return ()
+    namespace = getattr(app, "namespace", None)
+    for name in _SECRET_SETTINGS:
+        names = [name] + ([f"{namespace}_{name.upper()}"] if namespace else [])
+        for key in names:
+            try:
+                value = conf.get(key)
+            except Exception:  # noqa: BLE001 - a setting that cannot be read has no secret
+                continue
+            found += _option_secrets(value)
+    return tuple(dict.fromkeys(found))
+
+
+def _escape(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(char)
+    if named:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else (f"\\u{code:04x}" if code < 0x10000
+                                                   else f"\\U{code:08x}")
+
+
+def _unsafe(char: str) -> bool:
+    # Not printable (str.isprintable): control characters (ANSI escapes, newlines, carriage
+    # returns), format characters (bidirectional overrides reorder what the terminal shows,
+    # zero-width ones hide text), line and paragraph separators; and the backslash, so that
+    # an escape in the output is never ambiguous.
+    return char == "\\" or not char.isprintable()
+
+
+def printable(value: Any) -> str:
+    """``value`` (``str()`` of it; None as ``"None"``) as one line a terminal shows as it
+    is: every character that is not printable (control characters: ANSI escape sequences,
+    ``\\n``, ``\\r``, ``\\t``; format characters: bidirectional overrides, zero-width
+    characters; line and paragraph separators) and the backslash written as a Python escape
+    (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``). Printable text, spaces and non-ASCII
+    letters stay as they are."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(_escape(c) if _unsafe(c) else c for c in text)
