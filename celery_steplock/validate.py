@@ -705,8 +705,9 @@ def refuse_to_start(app) -> None:
         found = _masked(app, problems(app))
     except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
         # Its text may quote a setting's value: masked, and not chained to the exit.
+        error = redact(f"{type(exc).__name__}: {exc}", secrets_of(app))
         log_event("improperly_configured", logging.CRITICAL, reason="validation failed",
-                  error=redact(f"{type(exc).__name__}: {exc}", secrets_of(app)))
+                  error=error)
         raise SystemExit(f"celery-steplock: the configuration could not be validated: "
                          f"{error}") from None
     for problem in found:
