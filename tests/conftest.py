@@ -27,15 +27,19 @@ pytest_plugins = ("celery.contrib.pytest",)
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``postgresql`` are deselected (not skipped) on SQLite, and tests marked
-    ``redis_shape`` on PostgreSQL: each runs in one pass of ``make test``."""
+    ``redis_shape`` or ``no_database`` on PostgreSQL: each runs in one pass of ``make test``."""
     from django.conf import settings
 
     on_postgresql = "postgresql" in settings.DATABASES["default"]["ENGINE"]
-    other_pass = "redis_shape" if on_postgresql else "postgresql"
-    elsewhere = [item for item in items if item.get_closest_marker(other_pass)]
-    if elsewhere:
-        config.hook.pytest_deselected(items=elsewhere)
-        items[:] = [item for item in items if not item.get_closest_marker(other_pass)]
+    other_pass = ("redis_shape", "no_database") if on_postgresql else ("postgresql",)
+
+    def elsewhere(item) -> bool:
+        return any(item.get_closest_marker(name) for name in other_pass)
+
+    deselected = [item for item in items if elsewhere(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not elsewhere(item)]
 
 
 @pytest.fixture(scope="session")

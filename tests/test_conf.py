@@ -5,6 +5,8 @@ from celery import Celery
 from celery_steplock.conf import DEFAULTS, Settings
 from celery_steplock.exceptions import ImproperlyConfigured, StepLockError
 
+pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
+
 
 def make_app(**conf):
     app = Celery("conf-tests", set_as_current=False)

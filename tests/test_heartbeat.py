@@ -15,6 +15,8 @@ from celery_steplock.lease import drift
 from celery_steplock.lock import RedisLeaseStore, make_client
 from helpers import wait_until
 
+pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
+
 
 class ManualClock:
     """A monotonic clock that moves only when the test sets it.

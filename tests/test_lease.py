@@ -8,6 +8,8 @@ from celery_steplock.exceptions import LockLost
 from celery_steplock.lease import (CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata,
                                    new_owner_token)
 
+pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
+
 
 class Clock:
     """A monotonic clock that moves only when told to."""

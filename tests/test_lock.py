@@ -12,6 +12,8 @@ from celery_steplock.lease import drift
 from celery_steplock.lock import RedisLeaseStore, make_client, new_owner_token
 from helpers import all_keys_have_ttl, wait_until
 
+pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
+
 
 def ttl_left_ok(left: float, ttl: float, since: float, ms: bool = False) -> bool:
     """True when ``left`` lies between ``ttl`` and ``ttl`` less the time elapsed since

@@ -8,6 +8,8 @@ from celery_steplock.exceptions import ImproperlyConfigured
 from celery_steplock.steps import DEFAULT_STEP_STORE, StepStore, TransitionResult, \
     load_step_store
 
+pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
+
 
 def test_the_factory_is_called_with_the_model_and_the_fields():
     calls = []

@@ -12,6 +12,8 @@ from celery_steplock import StepLockedTask
 from celery_steplock.contrib.django import checks
 from celery_steplock.validate import Problem, problems, refuse_to_start
 
+pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
+
 _names = itertools.count()
 
 
