@@ -63,8 +63,8 @@ SKIPPED = "skipped"
 #: Message header of a lease retry whose lease was held by a delivery of its own task id.
 SAME_ID_HEADER = "steplock_same_id"
 
-#: Seconds a same-id duplicate waits for the winner's stored result (polls at 0.05, 0.1,
-#: 0.2, 0.4, 0.8 s) before it takes the winner for dead and stores its own outcome.
+#: Seconds a same-id duplicate waits for the winner's stored result (reads after 0, 0.05,
+#: 0.15, 0.35, 0.75 and 1.55 s) before it takes the winner for dead and stores its outcome.
 STORE_WAIT = 1.55
 
 _KEYS = ("steplock", "task", "step_id", "expected", "found", "committed_by", "held_by")
@@ -164,9 +164,10 @@ def _wait_for_stored_state(task) -> dict[str, Any] | None:
     pause = 0.05
     while True:
         meta = stored_state(task)
-        if meta is not None or time.monotonic() + pause > deadline:
+        remaining = deadline - time.monotonic()
+        if meta is not None or remaining <= 0:
             return meta
-        time.sleep(pause)
+        time.sleep(min(pause, remaining))
         pause *= 2
 
 
