@@ -27,11 +27,15 @@ default from :mod:`celery_steplock.conf`:
 ``lock_max_hold``   seconds after which renewal stops and the lease is lost (None: no cap)
 ``on_contended``    "retry" (Celery retry with a full-jitter countdown; no RETRY state is
                     stored, so a same-id duplicate never overwrites the winner's result),
-                    "skip" (no state update) or "raise" (LockContended)
-``on_conflict``     "ignore" (Celery ``Ignore``: the task's stored result is not overwritten,
-                    so a duplicate delivery never replaces the first outcome; a loser with
-                    its own task id stores nothing and stays PENDING) or "raise"
-                    (TransitionConflict, stored as FAILURE)
+                    "skip" (succeeds with a "skipped" outcome, :mod:`celery_steplock.outcomes`;
+                    ``Ignore`` when the holder has this task id), "ignore" (Celery ``Ignore``:
+                    no state update) or "raise" (LockContended)
+``on_conflict``     "return" (default: succeeds with a "duplicate" outcome, so every task id
+                    ends; a delivery of the winner's own task id ends in ``Ignore`` and never
+                    replaces the winner's result, see :mod:`celery_steplock.outcomes`),
+                    "ignore" (Celery ``Ignore`` always: a loser with its own task id stores
+                    nothing and stays PENDING) or "raise" (TransitionConflict, stored as
+                    FAILURE)
 ``on_store_error``  "fail_closed" (body not run, retried) or "fail_open" (body runs unlocked;
                     the CAS still guards; ``lock_store_error`` is sent every time)
 ``step_model``      "app_label.Model" or model class of the step

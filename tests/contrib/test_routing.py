@@ -188,7 +188,9 @@ def test_a_step_the_replica_lacks_runs_once_on_the_write_database(redis_client, 
     first = pay_invoice.apply(args=(invoice.pk,))
     assert first.successful() and first.result["database"] == "default"
     again = pay_invoice.apply(args=(invoice.pk,))
-    assert again.state == "IGNORED"  # the precheck read the write database: "paid"
+    # the precheck read the write database: "paid"
+    assert (again.state, again.result["steplock"], again.result["found"]) == (
+        "SUCCESS", "duplicate", "paid")
     status, attempts, note = row(Invoice, invoice.pk, "default")
     assert (status, attempts) == ("paid", 1) and note.endswith(first.result["owner"])
     assert row(Invoice, invoice.pk, "replica") is None  # nothing ever wrote the replica
@@ -203,7 +205,7 @@ def test_a_stale_replica_never_runs_a_finished_step(redis_client, events):
     assert Invoice.objects.get(pk=invoice.pk).status == "pending"
     assert DjangoStepStore(Invoice).status(invoice.pk) == "paid"
     result = pay_invoice.apply(args=(invoice.pk,))
-    assert result.state == "IGNORED"
+    assert (result.state, result.result["found"]) == ("SUCCESS", "paid")
     assert row(Invoice, invoice.pk, "default") == ("paid", 1, "committed")  # no body ran
     assert row(Invoice, invoice.pk, "replica") == ("pending", 0, "")
     assert [kw["current"] for kw in named(events, "transition_conflict")] == ["paid"]
@@ -235,7 +237,8 @@ def test_a_step_model_that_lives_on_another_database_commits_once_there(redis_cl
     duplicate = ship_parcel.apply(args=(parcel.pk,), task_id="same-id")
     other_id = ship_parcel.apply(args=(parcel.pk,))
     assert first.successful() and first.result["database"] == "other"
-    assert duplicate.state == other_id.state == "IGNORED"
+    assert duplicate.state == "IGNORED"  # the winner's own task id
+    assert (other_id.state, other_id.result["steplock"]) == ("SUCCESS", "duplicate")
     status, attempts, note = row(Parcel, parcel.pk, "other")
     assert (status, attempts) == ("shipped", 1) and note.endswith(first.result["owner"])
     applied = named(events, "transition_applied")
