@@ -180,7 +180,11 @@ def _remember_stored_state(sender=None, task=None, **kwargs) -> None:
     # Runs before Celery stores STARTED (task_track_started), which a backend without a
     # SUCCESS guard (django-celery-results) writes over the winner's result.
     task = task or sender
-    if not getattr(task, "track_started", False) or not hasattr(task, "steplock_plan"):
+    if not getattr(task, "track_started", False):
+        return
+    from .task import StepLockedTask
+
+    if not isinstance(task, StepLockedTask):
         return
     request = task.request
     delivery = request.delivery_info or {}
@@ -236,8 +240,10 @@ def conflict_outcome(task, exc, steps=None) -> dict[str, Any] | None:
     id's result is, or is about to be, another execution's (the same-id rule)."""
     request = task.request
     writer = _writer(task, steps, exc.step_id)
-    same_id = owner_has_task_id(writer.get("owner"), request.id) or bool(
-        _header(request, SAME_ID_HEADER))
+    if writer.get("owner"):  # the row's own word is better than the lease's of a retry ago
+        same_id = owner_has_task_id(writer["owner"], request.id)
+    else:
+        same_id = bool(_header(request, SAME_ID_HEADER))
     if stored_state(task) is not None:
         return None
     if same_id:

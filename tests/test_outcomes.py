@@ -270,3 +270,10 @@ def test_only_possible_duplicates_read_the_backend_before_they_start(worker_requ
     retry = worker_request("x", steplock_retries=1)
     outcomes._remember_stored_state(sender=finish, task=finish)
     assert retry.steplock_stored_state["status"] == "SUCCESS"
+
+
+def test_the_row_s_writer_outweighs_a_retry_s_same_id_header(worker_request):
+    """The same-id holder a retry met may have died; the row says another id committed."""
+    step = committed_step("y")
+    worker_request("x", **{outcomes.SAME_ID_HEADER: 1})
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(step)
