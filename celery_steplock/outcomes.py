@@ -51,7 +51,8 @@ from celery.signals import task_prerun
 from .lease import owner_has_task_id
 
 __all__ = ["StepOutcome", "DUPLICATE", "SKIPPED", "is_outcome", "SAME_ID_HEADER",
-           "STORE_WAIT", "conflict_outcome", "contended_outcome", "stored_state"]
+           "STORE_WAIT", "conflict_outcome", "contended_outcome", "stored_state",
+           "restore_stored_state"]
 
 logger = logging.getLogger("celery_steplock")
 
