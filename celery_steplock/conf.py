@@ -19,8 +19,10 @@ from typing import Any
 
 from .exceptions import ImproperlyConfigured
 
-ON_CONTENDED = ("retry", "skip", "raise")
-ON_CONFLICT = ("ignore", "raise")
+# "skip" and "return" end the task with a successful outcome that says so
+# (celery_steplock.outcomes); "ignore" is Celery's Ignore (no state stored).
+ON_CONTENDED = ("retry", "skip", "ignore", "raise")
+ON_CONFLICT = ("return", "ignore", "raise")
 ON_STORE_ERROR = ("fail_closed", "fail_open")
 
 #: Every setting with its default. Units are seconds.
@@ -37,7 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "lock_wait": 0.0,
     "max_hold": None,               # None: renew for as long as the task runs
     "on_contended": "retry",
-    "on_conflict": "ignore",
+    "on_conflict": "return",
     "on_store_error": "fail_closed",
     "retry_backoff": 1.0,
     "retry_backoff_max": 60.0,

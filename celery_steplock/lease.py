@@ -7,6 +7,7 @@ drift allowance, so the holder stops trusting the lease before Redis can expire 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,8 +20,8 @@ from typing import Any, Callable
 
 from .exceptions import ImproperlyConfigured, LockLost, MetadataError
 
-__all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "holder_metadata",
-           "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease"]
+__all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "owner_has_task_id",
+           "holder_metadata", "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -148,9 +149,27 @@ def drift(ttl: float) -> float:
     return ttl * CLOCK_DRIFT_FACTOR + 0.002
 
 
-def new_owner_token() -> str:
-    """A fresh owner token: 32 random hex digits, unique per execution attempt."""
-    return uuid.uuid4().hex
+def new_owner_token(task_id: str | None = None) -> str:
+    """A fresh owner token: 32 hex digits, unique per execution attempt. With ``task_id``
+    the last 8 are a digest of the task id (:func:`owner_has_task_id`), so that the step
+    row's owner column tells a redelivery of the same task id from another task; the other
+    24 (96 bits) stay random."""
+    token = uuid.uuid4().hex
+    if task_id is None:
+        return token
+    return token[:24] + _task_digest(task_id)
+
+
+def _task_digest(task_id: str) -> str:
+    return hashlib.sha256(str(task_id).encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def owner_has_task_id(owner: str | None, task_id: str | None) -> bool:
+    """Whether ``owner`` (an owner token) was made by ``new_owner_token(task_id)``; a token
+    made without a task id matches a given one by chance only (1 in 2**32)."""
+    if not owner or not task_id or len(owner) != 32:
+        return False
+    return owner[24:] == _task_digest(task_id)
 
 
 def holder_metadata(task_id: str | None = None, task_name: str | None = None,

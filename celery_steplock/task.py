@@ -27,11 +27,15 @@ default from :mod:`celery_steplock.conf`:
 ``lock_max_hold``   seconds after which renewal stops and the lease is lost (None: no cap)
 ``on_contended``    "retry" (Celery retry with a full-jitter countdown; no RETRY state is
                     stored, so a same-id duplicate never overwrites the winner's result),
-                    "skip" (no state update) or "raise" (LockContended)
-``on_conflict``     "ignore" (Celery ``Ignore``: the task's stored result is not overwritten,
-                    so a duplicate delivery never replaces the first outcome; a loser with
-                    its own task id stores nothing and stays PENDING) or "raise"
-                    (TransitionConflict, stored as FAILURE)
+                    "skip" (succeeds with a "skipped" outcome, :mod:`celery_steplock.outcomes`;
+                    ``Ignore`` when the holder has this task id), "ignore" (Celery ``Ignore``:
+                    no state update) or "raise" (LockContended)
+``on_conflict``     "return" (default: succeeds with a "duplicate" outcome, so every task id
+                    ends; a delivery of the winner's own task id ends in ``Ignore`` and never
+                    replaces the winner's result, see :mod:`celery_steplock.outcomes`),
+                    "ignore" (Celery ``Ignore`` always: a loser with its own task id stores
+                    nothing and stays PENDING) or "raise" (TransitionConflict, stored as
+                    FAILURE)
 ``on_store_error``  "fail_closed" (body not run, retried) or "fail_open" (body runs unlocked;
                     the CAS still guards; ``lock_store_error`` is sent every time)
 ``step_model``      "app_label.Model" or model class of the step
@@ -60,7 +64,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_init
 
-from . import signals, tracing
+from . import outcomes, signals, tracing
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
 from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
@@ -309,14 +313,26 @@ class StepLockedTask(Task):
     def handle_contended(self, exc: LockContended) -> Any:
         """Called when the lease (or the step's row) is held by someone else; the body has
         not run. Its return value is the task's. Default: the ``on_contended`` policy:
-        "retry" (:meth:`steplock_retry`), "skip" (no state stored) or "raise" ``exc``."""
-        policy = self._current_plan().on_contended
+        "retry" (:meth:`steplock_retry`), "skip" (returns a "skipped"
+        :class:`~celery_steplock.outcomes.StepOutcome` dict; ``Ignore`` when the holder is
+        a delivery of this task id), "ignore" (Celery ``Ignore``, no state stored) or
+        "raise" ``exc``."""
+        plan = self._current_plan()
+        policy = plan.on_contended
+        same_id = bool(exc.holder_task_id) and exc.holder_task_id == self.request.id
         if policy == "skip":
+            outcome = outcomes.contended_outcome(
+                self, exc, step_id=self._steplock_step_id(plan),
+                expected=plan.transition[0] if plan.transition else None)
+            return self.steplock_ignore() if outcome is None else outcome
+        if policy == "ignore":
             return self.steplock_ignore()
         if policy == "raise":
             raise exc
         try:
-            return self.steplock_retry(exc)
+            # A retry that later finds the step done knows its lease was held by its own id.
+            return self.steplock_retry(
+                exc, headers={outcomes.SAME_ID_HEADER: 1} if same_id else None)
         except LockContended:
             if exc.holder_task_id and exc.holder_task_id == self.request.id:
                 # Retries exhausted while another delivery of this very task id holds the
@@ -326,11 +342,31 @@ class StepLockedTask(Task):
 
     def handle_conflict(self, exc: TransitionConflict) -> Any:
         """Called when the step already left ``from_`` (precheck or CAS); nothing committed.
-        Default: the ``on_conflict`` policy: "ignore" (Celery ``Ignore``, the stored result
-        is not overwritten) or "raise" ``exc`` (stored as FAILURE)."""
-        if self._current_plan().on_conflict == "ignore":
+        Default: the ``on_conflict`` policy: "return" (the task succeeds with a "duplicate"
+        :class:`~celery_steplock.outcomes.StepOutcome` dict, or ends in ``Ignore`` when its
+        task id's result is another execution's: the same-id rule of
+        :mod:`celery_steplock.outcomes`), "ignore" (Celery ``Ignore`` always: nothing
+        stored) or "raise" ``exc`` (stored as FAILURE)."""
+        policy = self._current_plan().on_conflict
+        if policy == "ignore":
             return self.steplock_ignore()
-        raise exc
+        if policy == "raise":
+            raise exc
+        execution = _executions.get().get(self.name)
+        steps = execution.steps if execution is not None else self._current_plan().steps
+        outcome = outcomes.conflict_outcome(self, exc, steps)
+        return self.steplock_ignore() if outcome is None else outcome
+
+    def _steplock_step_id(self, plan: ExecutionPlan) -> Any:
+        """The running request's step id (``step_id_arg``), or None."""
+        if not plan.step_id_arg:
+            return None
+        try:
+            arguments = bind_arguments(self.run, self.request.args or (),
+                                       self.request.kwargs or {})
+        except Exception:  # noqa: BLE001 - the outcome only reports it
+            return None
+        return arguments.get(plan.step_id_arg)
 
     def handle_store_error(self, exc: LockStoreUnavailable, lease: Lease | None) -> None:
         """Called when Redis does not answer at acquire (``lease`` None) or at the
@@ -392,7 +428,7 @@ class StepLockedTask(Task):
                                     step_id=step_id, argument=plan.step_id_arg) from exc
         try:
             with tracing.phase("wait", base) as wait:
-                lease = store.acquire(name, new_owner_token(), plan.ttl, wait=plan.wait,
+                lease = store.acquire(name, new_owner_token(request.id), plan.ttl, wait=plan.wait,
                                       metadata=holder_metadata(
                                           request.id, self.name, request.retries,
                                           worker=request.hostname, step=step,
@@ -565,18 +601,22 @@ class StepLockedTask(Task):
             _eager_retries.reset(token)
 
     def steplock_ignore(self):
-        """End without storing a state (Celery ``Ignore``); None when called directly."""
+        """End without storing a state (Celery ``Ignore``); None when called directly. A
+        SUCCESS state that this delivery's ``STARTED`` overwrote (``task_track_started``) is
+        put back first (:mod:`celery_steplock.outcomes`)."""
         if self.request.called_directly:
             return None
+        outcomes.restore_stored_state(self)
         raise Ignore()
 
-    def steplock_retry(self, exc: Exception):
+    def steplock_retry(self, exc: Exception, headers: dict[str, Any] | None = None):
         """Retry after a full-jitter exponential countdown (``steplock_retry_backoff``, capped
         by ``steplock_retry_backoff_max``), at most ``lock_retry_max`` times (None: no
         limit); raises ``exc`` once they are used up or when called directly. Lease retries
         keep their own count in the ``steplock_retries`` message header, apart from the
         task's ``retries``/``max_retries``; no RETRY state is stored (a contended duplicate
-        shares its task id with the winner and must not overwrite the winner's result)."""
+        shares its task id with the winner and must not overwrite the winner's result).
+        ``headers`` are added to the retry's message headers."""
         plan = self._current_plan()
         request = self.request
         attempt = int(getattr(request, "steplock_retries", None)
@@ -591,7 +631,8 @@ class StepLockedTask(Task):
         countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
         log_event("retry_scheduled", task_id=request.id, task_name=self.name,
                   countdown=round(countdown, 3), reason=type(exc).__name__)
-        headers = {**(request.headers or {}), "steplock_retries": attempt + 1}
+        headers = {**(request.headers or {}), **(headers or {}),
+                   "steplock_retries": attempt + 1}
         pending = _eager_retries.get() if request.is_eager else None
         if pending is not None:
             # As in a worker: this attempt ends without a state, and apply() runs the retry

@@ -19,7 +19,7 @@ def test_defaults():
     assert settings.default_ttl == 30.0
     assert settings.renewal_ratio == pytest.approx(1 / 3)
     assert settings.on_contended == "retry"
-    assert settings.on_conflict == "ignore"
+    assert settings.on_conflict == "return"
     assert settings.on_store_error == "fail_closed"
     assert settings.key_prefix == "steplock"
     assert settings.redis_url == "redis://127.0.0.1:1/3"

@@ -34,7 +34,7 @@ def test_plan_defaults_come_from_the_settings():
     assert isinstance(plan, ExecutionPlan)
     assert (plan.ttl, plan.wait, plan.max_hold, plan.on_contended, plan.on_conflict,
             plan.on_store_error, plan.precheck, plan.retry_max) == (
-        12.0, 0.0, None, "retry", "ignore", "fail_closed", True, None)
+        12.0, 0.0, None, "retry", "return", "fail_closed", True, None)
     assert plan.renew_ms == 4000 and plan.steps is None
     assert plan.store is get_lease_store(task.app)
 

@@ -172,6 +172,9 @@ def test_contended_skip_and_retry_policies(redis_client):
     get_lease_store(celery_app).acquire(f"step:{step.pk}", "other", 10.0)
     finish.on_contended = "skip"
     try:
+        skipped = finish.apply(args=(step.pk,))
+        assert (skipped.state, skipped.result["steplock"]) == ("SUCCESS", "skipped")
+        finish.on_contended = "ignore"
         assert finish.apply(args=(step.pk,)).state == "IGNORED"
         finish.on_contended = "retry"
         result = finish.apply(args=(step.pk,))

@@ -26,6 +26,7 @@ from celery_steplock.exceptions import ImproperlyConfigured, LockLost, \
 from celery_steplock.lock import get_lease_store
 from celery_steplock.plan import build_plan, option_problems
 from celery_steplock.reaper import Reaper, ReapReport, reap
+from celery_steplock.outcomes import is_outcome
 from celery_steplock.task import StepLockedTask
 from celery_steplock import validate
 from django_app.celery import app as celery_app
@@ -188,7 +189,9 @@ def test_a_step_the_replica_lacks_runs_once_on_the_write_database(redis_client, 
     first = pay_invoice.apply(args=(invoice.pk,))
     assert first.successful() and first.result["database"] == "default"
     again = pay_invoice.apply(args=(invoice.pk,))
-    assert again.state == "IGNORED"  # the precheck read the write database: "paid"
+    # the precheck read the write database: "paid"
+    assert (again.state, again.result["steplock"], again.result["found"]) == (
+        "SUCCESS", "duplicate", "paid")
     status, attempts, note = row(Invoice, invoice.pk, "default")
     assert (status, attempts) == ("paid", 1) and note.endswith(first.result["owner"])
     assert row(Invoice, invoice.pk, "replica") is None  # nothing ever wrote the replica
@@ -203,7 +206,7 @@ def test_a_stale_replica_never_runs_a_finished_step(redis_client, events):
     assert Invoice.objects.get(pk=invoice.pk).status == "pending"
     assert DjangoStepStore(Invoice).status(invoice.pk) == "paid"
     result = pay_invoice.apply(args=(invoice.pk,))
-    assert result.state == "IGNORED"
+    assert (result.state, result.result["found"]) == ("SUCCESS", "paid")
     assert row(Invoice, invoice.pk, "default") == ("paid", 1, "committed")  # no body ran
     assert row(Invoice, invoice.pk, "replica") == ("pending", 0, "")
     assert [kw["current"] for kw in named(events, "transition_conflict")] == ["paid"]
@@ -235,7 +238,8 @@ def test_a_step_model_that_lives_on_another_database_commits_once_there(redis_cl
     duplicate = ship_parcel.apply(args=(parcel.pk,), task_id="same-id")
     other_id = ship_parcel.apply(args=(parcel.pk,))
     assert first.successful() and first.result["database"] == "other"
-    assert duplicate.state == other_id.state == "IGNORED"
+    assert duplicate.state == "IGNORED"  # the winner's own task id
+    assert (other_id.state, other_id.result["steplock"]) == ("SUCCESS", "duplicate")
     status, attempts, note = row(Parcel, parcel.pk, "other")
     assert (status, attempts) == ("shipped", 1) and note.endswith(first.result["owner"])
     applied = named(events, "transition_applied")
@@ -333,7 +337,8 @@ def test_step_models_on_two_databases_commit_each_on_its_own(redis_client):
         thread.start()
     for thread in threads:
         thread.join(60)
-    done = [r.result for r in results if r.successful() and isinstance(r.result, dict)]
+    done = [r.result for r in results if r.successful() and isinstance(r.result, dict)
+            and not is_outcome(r.result)]  # the duplicates return their outcome
     assert sorted(r["database"] for r in done) == ["default"] * 3 + ["other"] * 3
     assert {row(Invoice, i.pk, "default")[:2] for i in invoices} == {("paid", 1)}
     assert {row(Parcel, p.pk, "other")[:2] for p in parcels} == {("shipped", 1)}

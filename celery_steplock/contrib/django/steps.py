@@ -261,6 +261,32 @@ class DjangoStepStore:
                                step_id=step_id)
         return row[0]
 
+    def writer(self, step_id: Any, *, event_log: bool = False) -> dict[str, Any]:
+        """Who wrote the step row last: ``{"owner": <owner token>, "fence": <fencing
+        token>, "task_id": <task id>}`` from the owner and fence columns (each None when
+        the model lacks it or the row holds none) and, with ``event_log``, the task id of
+        the ``transition_applied`` event of that owner (None when not logged). One
+        ``SELECT`` of the row, one of the event log; {} when the model has neither column
+        or the row is gone."""
+        columns = [c for c in (self.owner_field, self.fence_field) if c]
+        if not columns:
+            return {}
+        row = list(self.manager.filter(pk=self._pk_value(step_id)).values_list(*columns)[:1])
+        if not row:
+            return {}
+        values = dict(zip(columns, row[0]))
+        owner = values.get(self.owner_field) if self.owner_field else None
+        task_id = None
+        if event_log and owner and apps.is_installed("celery_steplock.contrib.django"):
+            from .models import LeaseEvent
+
+            task_id = (LeaseEvent.objects.using(router.db_for_read(LeaseEvent))
+                       .filter(event="transition_applied", owner=owner)
+                       .values_list("task_id", flat=True).first()) or None
+        return {"owner": owner or None,
+                "fence": values.get(self.fence_field) if self.fence_field else None,
+                "task_id": task_id}
+
     def check_allowed(self, from_: str, to: str) -> None:
         """Raise InvalidTransition when ``from_ -> to`` is not in the table."""
         if self.transitions is not None and to not in self.transitions.get(from_, ()):

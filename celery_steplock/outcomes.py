@@ -1,0 +1,273 @@
+"""Terminal outcomes of a step task that did not do its step, and the same-id rule.
+
+A duplicate that finds its step already past ``from_`` (the precheck, or a compare-and-swap
+refused because the status moved on) does not do the step again. By default
+(``on_conflict="return"``) it ends *successfully* with a small value that says so, so every
+task id a caller holds reaches a terminal state: ``group()`` and ``chord()`` over duplicates
+complete, a chain re-sent after it completed runs on, Flower shows the message done. The
+same for ``on_contended="skip"``: the lease was busy, the task returns a "skipped" outcome.
+
+The value is :meth:`StepOutcome.to_dict`, plain JSON (every serializer Celery offers can carry
+it)::
+
+    {"steplock": "duplicate",        # or "skipped"
+     "task": "shop.charge",          # the task's name
+     "step_id": 42,                  # the step_id_arg's value (str unless int/float/str/bool)
+     "expected": "pending",          # from_ of the task's transition (None: no transition)
+     "found": "charged",             # the status the step had (None for "skipped")
+     "committed_by": "7c1e...",      # task id of the execution that wrote the step, if known
+     "held_by": None}                # "skipped": task id of the lease's holder, if known
+
+``committed_by`` is known when the step row's owner column (``lock_owner``) carries this
+task's own id (a same-id duplicate that still stores its outcome, see below) or, with the
+event log on (``steplock_event_log``), from the ``transition_applied`` event of the row's
+owner token; else None. :func:`is_outcome` and :meth:`StepOutcome.from_dict` read it back.
+
+**Same task id.** A redelivery of the winner's own message (visibility timeout, a lease
+retry, a re-sent message with the same ``task_id``) shares the winner's task id: the winner's
+result is that id's terminal state, so that delivery ends in Celery's ``Ignore`` (nothing
+stored) instead. It is recognised by the step row's owner column (owner tokens carry a digest
+of their task id, :func:`~celery_steplock.lease.new_owner_token`), by the lease's holder
+(a contended delivery whose holder has its id is retried with the header
+:data:`SAME_ID_HEADER`), and by the result backend already holding a ready state for the id.
+When the row says the same id committed but the backend holds no result yet (the winner
+released its lease and is about to store, or it was killed after its commit), the delivery
+waits up to :data:`STORE_WAIT` seconds for that result: stored, it ends in ``Ignore``; still
+missing, the winner is taken for dead and the delivery stores its outcome (``committed_by``
+is then its own id), so the id still ends. With ``task_track_started`` a possible duplicate
+(redelivered, or a lease retry) reads its id's stored state before Celery overwrites it with
+``STARTED`` and puts it back when it ends in ``Ignore``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from celery import states
+from celery.signals import task_prerun
+
+from .events import log_event
+from .lease import owner_has_task_id
+
+__all__ = ["StepOutcome", "DUPLICATE", "SKIPPED", "is_outcome", "SAME_ID_HEADER",
+           "STORE_WAIT", "conflict_outcome", "contended_outcome", "stored_state",
+           "restore_stored_state"]
+
+
+#: ``kind`` of a duplicate that found its step already past ``from_``.
+DUPLICATE = "duplicate"
+#: ``kind`` of a task that found the lease busy under ``on_contended="skip"``.
+SKIPPED = "skipped"
+
+#: Message header of a lease retry whose lease was held by a delivery of its own task id.
+SAME_ID_HEADER = "steplock_same_id"
+
+#: Seconds a same-id duplicate waits for the winner's stored result (reads after 0, 0.05,
+#: 0.15, 0.35, 0.75 and 1.55 s) before it takes the winner for dead and stores its outcome.
+STORE_WAIT = 1.55
+
+_KEYS = ("steplock", "task", "step_id", "expected", "found", "committed_by", "held_by")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` if JSON carries it as itself, else its ``str`` (a UUID, a Decimal)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a step task that did not do its step returns (see the module docstring).
+
+    ``kind``: :data:`DUPLICATE` or :data:`SKIPPED`. ``task``: the task's name. ``step_id``,
+    ``expected`` (``from_``), ``found`` (the status read), ``committed_by`` and ``held_by``
+    (task ids): each None when unknown or not applicable.
+    """
+
+    kind: str
+    task: str
+    step_id: Any = None
+    expected: str | None = None
+    found: str | None = None
+    committed_by: str | None = None
+    held_by: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The task's return value: a dict of the seven keys, JSON-serialisable."""
+        return {"steplock": self.kind, "task": self.task, "step_id": _plain(self.step_id),
+                "expected": self.expected, "found": self.found,
+                "committed_by": self.committed_by, "held_by": self.held_by}
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> StepOutcome:
+        """The outcome from a stored result; raises ValueError when ``value`` is not one."""
+        if not is_outcome(value):
+            raise ValueError(f"not a celery-steplock outcome: {value!r:.200}")
+        return cls(kind=value["steplock"], task=value["task"], step_id=value["step_id"],
+                   expected=value["expected"], found=value["found"],
+                   committed_by=value["committed_by"], held_by=value["held_by"])
+
+
+def is_outcome(value: Any) -> bool:
+    """Whether a task result is a :class:`StepOutcome` dict (a duplicate or a skip)."""
+    return (isinstance(value, Mapping) and value.get("steplock") in (DUPLICATE, SKIPPED)
+            and all(k in value for k in _KEYS))
+
+
+# -- the result backend --------------------------------------------------------------------
+
+def _readable_backend(task) -> Any:
+    """The task's result backend when it keeps results by task id and this execution stores
+    one (not eager, not ignore_result, not the disabled or the RPC backend), else None."""
+    request = task.request
+    if request.is_eager or request.called_directly:
+        return None
+    ignore = request.ignore_result if request.ignore_result is not None else task.ignore_result
+    if ignore:
+        return None
+    backend = task.backend
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(backend, DisabledBackend):
+        return None
+    try:
+        from celery.backends.rpc import RPCBackend
+    except ImportError:  # pragma: no cover - always there
+        RPCBackend = ()
+    if isinstance(backend, RPCBackend):
+        return None  # results are messages to the caller: nothing to read back
+    return backend
+
+
+def stored_state(task) -> dict[str, Any] | None:
+    """The ready (SUCCESS, FAILURE, REVOKED) state the result backend holds for the running
+    request's task id, as ``backend.get_task_meta`` gives it, else None (also when the
+    backend cannot be read: a read error is logged, never raised)."""
+    backend = _readable_backend(task)
+    if backend is None:
+        return None
+    try:
+        meta = backend.get_task_meta(task.request.id)
+    except Exception as exc:  # noqa: BLE001 - an unreadable backend decides nothing
+        log_event("result_backend_unreadable", logging.WARNING,
+                  task_id=task.request.id, task_name=task.name,
+                  error=exc)
+        return None
+    return meta if meta and meta.get("status") in states.READY_STATES else None
+
+
+def _wait_for_stored_state(task) -> dict[str, Any] | None:
+    if _readable_backend(task) is None:
+        return None
+    deadline = time.monotonic() + STORE_WAIT
+    pause = 0.05
+    while True:
+        meta = stored_state(task)
+        remaining = deadline - time.monotonic()
+        if meta is not None or remaining <= 0:
+            return meta
+        time.sleep(min(pause, remaining))
+        pause *= 2
+
+
+def _header(request, name: str) -> Any:
+    return getattr(request, name, None) or (request.headers or {}).get(name)
+
+
+@task_prerun.connect(weak=False, dispatch_uid="celery_steplock.outcomes.remember")
+def _remember_stored_state(sender=None, task=None, **kwargs) -> None:
+    # Runs before Celery stores STARTED (task_track_started), which a backend without a
+    # SUCCESS guard (django-celery-results) writes over the winner's result.
+    task = task or sender
+    if not getattr(task, "track_started", False):
+        return
+    from .task import StepLockedTask
+
+    if not isinstance(task, StepLockedTask):
+        return
+    request = task.request
+    delivery = request.delivery_info or {}
+    if not (delivery.get("redelivered") or _header(request, "steplock_retries")
+            or _header(request, SAME_ID_HEADER)):
+        return
+    meta = stored_state(task)
+    if meta is not None and meta.get("status") == states.SUCCESS:
+        request.steplock_stored_state = meta
+
+
+def restore_stored_state(task) -> bool:
+    """Put back the SUCCESS state this delivery's ``STARTED`` overwrote (see
+    :func:`_remember_stored_state`); True when it did."""
+    request = task.request
+    meta = getattr(request, "steplock_stored_state", None)
+    if meta is None:
+        return False
+    backend = _readable_backend(task)
+    if backend is None:
+        return False
+    try:
+        current = backend.get_task_meta(request.id, cache=False)
+        if current.get("status") in states.READY_STATES:
+            return False  # the backend kept it (a SUCCESS guard) or the winner stored anew
+        backend.store_result(request.id, meta.get("result"), states.SUCCESS, request=request)
+    except Exception as exc:  # noqa: BLE001 - the outcome is Ignore either way
+        log_event("result_restore_failed", logging.WARNING,
+                  task_id=request.id, task_name=task.name,
+                  error=exc)
+        return False
+    return True
+
+
+# -- deciding ------------------------------------------------------------------------------
+
+def _writer(task, steps, step_id) -> dict[str, Any]:
+    """``{"owner", "fence", "task_id"}`` of the step row's last writer, each None when the
+    store cannot tell (a store without ``writer()``, a model without the columns)."""
+    writer = getattr(steps, "writer", None) if steps is not None else None
+    if writer is None or step_id is None:
+        return {}
+    try:
+        return writer(step_id, event_log=task.steplock_settings.event_log) or {}
+    except Exception as exc:  # noqa: BLE001 - who committed is information, not a decision
+        log_event("step_writer_unreadable", logging.WARNING,
+                  task_id=task.request.id, task_name=task.name,
+                  error=exc)
+        return {}
+
+
+def conflict_outcome(task, exc, steps=None) -> dict[str, Any] | None:
+    """The return value of a duplicate whose step is already past ``from_`` (``exc``, a
+    TransitionConflict), or None when the delivery must end in ``Ignore`` because its task
+    id's result is, or is about to be, another execution's (the same-id rule)."""
+    request = task.request
+    writer = _writer(task, steps, exc.step_id)
+    if writer.get("owner"):  # the row's own word is better than the lease's of a retry ago
+        same_id = owner_has_task_id(writer["owner"], request.id)
+    else:
+        same_id = bool(_header(request, SAME_ID_HEADER))
+    if stored_state(task) is not None:
+        return None
+    if same_id:
+        if _readable_backend(task) is None:
+            return None  # nothing is stored for this id: nothing to end either
+        if _wait_for_stored_state(task) is not None:
+            return None
+        log_event("winner_result_missing", logging.WARNING,
+                  task_id=request.id, task_name=task.name,
+                  waited=round(STORE_WAIT, 2))
+    committed_by = request.id if same_id else writer.get("task_id")
+    return StepOutcome(DUPLICATE, task.name, step_id=exc.step_id, expected=exc.from_,
+                       found=exc.current, committed_by=committed_by).to_dict()
+
+
+def contended_outcome(task, exc, step_id=None, expected=None) -> dict[str, Any] | None:
+    """The return value of ``on_contended="skip"`` for ``exc`` (LockContended), or None
+    when the lease's holder is a delivery of this very task id (it owns the outcome)."""
+    holder = exc.holder_task_id
+    if holder and holder == task.request.id:
+        return None
+    return StepOutcome(SKIPPED, task.name, step_id=step_id, expected=expected,
+                       held_by=holder or None).to_dict()

@@ -1,0 +1,279 @@
+"""celery_steplock.outcomes: the duplicate and skipped outcomes, and the same-id rule, in
+process (``apply()``, and the module's functions under a pushed worker-like request) against
+real Redis, the real database and django-celery-results' backend.
+
+Real workers running group, chord and chain over duplicates: test_outcomes_workers.py.
+"""
+import json
+import pickle
+import threading
+import time
+import uuid
+
+import pytest
+from celery import states
+from django.db import connections
+from kombu.serialization import dumps, loads
+
+from celery_steplock import outcomes
+from celery_steplock.exceptions import TransitionConflict
+from celery_steplock.lease import new_owner_token, owner_has_task_id
+from celery_steplock.lock import get_lease_store
+from celery_steplock.outcomes import DUPLICATE, SKIPPED, StepOutcome, is_outcome
+from celery_steplock.task import StepLockedTask
+from django_app.celery import app as celery_app
+from django_app.workflows.models import Step, TransitionRecord
+from helpers import set_settings
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BODY_RUNS = []
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.outcomes.finish",
+                 lock_key="outcome:{step_id}", step_model="workflows.Step",
+                 step_id_arg="step_id", transition=("pending", "done"), on_contended="skip")
+def finish(self, step_id):
+    BODY_RUNS.append(step_id)
+    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
+                                    owner=self.lease.owner, fence=self.lease.fence,
+                                    task_id=self.request.id or "")
+    return {"winner": self.request.id, "fence": self.lease.fence}
+
+
+@celery_app.task(bind=True, base=StepLockedTask, name="tests.outcomes.blind",
+                 lock_key="outcome:{step_id}", step_model="workflows.Step",
+                 step_id_arg="step_id", transition=("pending", "done"), lock_precheck=False)
+def blind(self, step_id):
+    BODY_RUNS.append(step_id)
+    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
+                                    owner=self.lease.owner, fence=self.lease.fence)
+    return "body done"
+
+
+@pytest.fixture(autouse=True)
+def clean(app, redis_client):
+    BODY_RUNS.clear()
+    yield
+    for task in (finish, blind):
+        for option in ("on_conflict", "track_started"):
+            task.__dict__.pop(option, None)
+
+
+def duplicate(step, found="done", committed_by=None, task="tests.outcomes.finish"):
+    return {"steplock": "duplicate", "task": task, "step_id": step.pk, "expected": "pending",
+            "found": found, "committed_by": committed_by, "held_by": None}
+
+
+# -- the value ---------------------------------------------------------------------------
+
+def test_outcome_is_a_stable_plain_dict_every_serializer_carries():
+    outcome = StepOutcome(DUPLICATE, "shop.charge", step_id=uuid.UUID(int=5),
+                          expected="pending", found="charged", committed_by="t-1")
+    value = outcome.to_dict()
+    assert value == {"steplock": "duplicate", "task": "shop.charge",
+                     "step_id": "00000000-0000-0000-0000-000000000005", "expected": "pending",
+                     "found": "charged", "committed_by": "t-1", "held_by": None}
+    for serializer in ("json", "pickle"):
+        content_type, encoding, data = dumps(value, serializer=serializer)
+        assert loads(data, content_type, encoding, accept=[content_type]) == value
+    assert json.loads(json.dumps(value)) == value and pickle.loads(pickle.dumps(value)) == value
+    assert StepOutcome.from_dict(value) == StepOutcome(
+        DUPLICATE, "shop.charge", step_id="00000000-0000-0000-0000-000000000005",
+        expected="pending", found="charged", committed_by="t-1")
+    assert is_outcome(value) and is_outcome(StepOutcome(SKIPPED, "t").to_dict())
+    assert not is_outcome({"steplock": "duplicate"}) and not is_outcome({"fence": 1})
+    with pytest.raises(ValueError):
+        StepOutcome.from_dict({"winner": "x"})
+
+
+def test_msgpack_carries_the_outcome():
+    pytest.importorskip("msgpack")
+    value = StepOutcome(DUPLICATE, "t", step_id=3, expected="a", found="b").to_dict()
+    content_type, encoding, data = dumps(value, serializer="msgpack")
+    assert loads(data, content_type, encoding, accept=[content_type]) == value
+
+
+def test_owner_token_carries_a_digest_of_its_task_id():
+    token = new_owner_token("task-a")
+    assert len(token) == 32 and int(token, 16) >= 0
+    assert owner_has_task_id(token, "task-a") and not owner_has_task_id(token, "task-b")
+    assert new_owner_token("task-a") != token  # still unique per attempt
+    assert new_owner_token("task-a")[24:] == token[24:]
+    assert not owner_has_task_id(None, "task-a") and not owner_has_task_id(token, None)
+    assert not owner_has_task_id("short", "task-a")
+
+
+# -- through the task (apply) ------------------------------------------------------------
+
+def test_duplicate_with_its_own_task_id_succeeds_with_the_outcome(events):
+    step = Step.objects.create(name="s")
+    first = finish.apply(args=(step.pk,), task_id="winner-id")
+    second = finish.apply(args=(step.pk,), task_id="loser-id")
+    assert first.state == "SUCCESS" and first.result["winner"] == "winner-id"
+    assert second.state == "SUCCESS" and second.result == duplicate(step)
+    assert BODY_RUNS == [step.pk] and TransitionRecord.objects.count() == 1
+    step.refresh_from_db()
+    assert owner_has_task_id(step.lock_owner, "winner-id")  # the row names its writer's id
+
+
+def test_committed_by_comes_from_the_event_log_when_it_is_on(app):
+    set_settings(app, steplock_event_log=True)
+    step = Step.objects.create(name="s")
+    assert finish.apply(args=(step.pk,), task_id="winner-id").successful()
+    assert finish.apply(args=(step.pk,), task_id="loser-id").result == duplicate(
+        step, committed_by="winner-id")
+
+
+def test_same_task_id_after_the_commit_ends_in_ignore():
+    step = Step.objects.create(name="s")
+    assert finish.apply(args=(step.pk,), task_id="same").successful()
+    assert finish.apply(args=(step.pk,), task_id="same").state == "IGNORED"
+    assert BODY_RUNS == [step.pk]
+
+
+def test_refused_compare_and_swap_returns_the_outcome_and_rolls_the_body_back():
+    step = Step.objects.create(name="s", status="cancelled")
+    result = blind.apply(args=(step.pk,), task_id="late")
+    assert result.state == "SUCCESS"
+    assert result.result == duplicate(step, found="cancelled", task="tests.outcomes.blind")
+    assert BODY_RUNS == [step.pk] and TransitionRecord.objects.count() == 0
+
+
+def test_ignore_and_raise_keep_their_meaning(app):
+    step = Step.objects.create(name="s", status="done")
+    finish.on_conflict = "ignore"
+    assert finish.apply(args=(step.pk,)).state == "IGNORED"
+    finish.on_conflict = "raise"
+    failed = finish.apply(args=(step.pk,))
+    assert failed.state == "FAILURE" and isinstance(failed.result, TransitionConflict)
+    del finish.on_conflict
+    set_settings(app, steplock_on_conflict="ignore")  # the setting, for every task
+    assert finish.apply(args=(step.pk,)).state == "IGNORED"
+    assert BODY_RUNS == []
+
+
+def test_skip_returns_the_holder_unless_it_is_the_same_task_id():
+    step = Step.objects.create(name="s")
+    store = get_lease_store(celery_app)
+    store.acquire(f"outcome:{step.pk}", "holder-owner", 10.0, metadata={"task_id": "holder"})
+    skipped = finish.apply(args=(step.pk,), task_id="other")
+    assert skipped.state == "SUCCESS"
+    assert skipped.result == {"steplock": "skipped", "task": "tests.outcomes.finish",
+                              "step_id": step.pk, "expected": "pending", "found": None,
+                              "committed_by": None, "held_by": "holder"}
+    assert finish.apply(args=(step.pk,), task_id="holder").state == "IGNORED"
+    finish.on_contended = "ignore"
+    try:
+        assert finish.apply(args=(step.pk,), task_id="other").state == "IGNORED"
+    finally:
+        finish.on_contended = "skip"
+    assert BODY_RUNS == []
+
+
+# -- the same-id rule against the result backend ---------------------------------------------
+
+@pytest.fixture
+def worker_request():
+    """``finish`` under a request as a worker's (not eager, results stored in the database
+    through django-celery-results); yields a function that pushes one."""
+    pushed = []
+
+    def push(task_id, **extra):
+        finish.push_request(id=task_id, called_directly=False, is_eager=False,
+                            ignore_result=False, args=[], kwargs={}, **extra)
+        pushed.append(1)
+        return finish.request
+
+    yield push
+    for _ in pushed:
+        finish.pop_request()
+
+
+def conflict(step):
+    return TransitionConflict("moved on", step_id=step.pk, from_="pending", to="done",
+                              current="done")
+
+
+def steps():
+    return finish.steplock_plan.steps
+
+
+def committed_step(task_id):
+    return Step.objects.create(name="s", status="done", lock_owner=new_owner_token(task_id),
+                               lock_fence=7)
+
+
+def test_a_stored_result_of_the_same_id_is_never_overwritten(worker_request):
+    step = committed_step("x")
+    celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+    worker_request("x")
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) is None
+    worker_request("y")  # another id: the row says "x" wrote it, "y" has nothing stored
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(step)
+
+
+def test_same_id_waits_for_the_winner_s_result_then_ignores(worker_request):
+    step = committed_step("x")
+    worker_request("x")
+    def store():
+        try:
+            celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+        finally:
+            connections.close_all()  # this thread's connection, before the test DB goes
+
+    storer = threading.Timer(0.2, store)
+    storer.start()
+    try:
+        assert outcomes.conflict_outcome(finish, conflict(step), steps()) is None
+    finally:
+        storer.join()
+
+
+def test_same_id_whose_winner_never_stores_ends_with_its_own_outcome(worker_request):
+    """The winner committed and died before storing (SIGKILL after COMMIT): after
+    STORE_WAIT the delivery stores the outcome, so the id still ends."""
+    step = committed_step("x")
+    worker_request("x")
+    started = time.monotonic()
+    outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
+    assert time.monotonic() - started >= outcomes.STORE_WAIT - 0.1  # it waited
+    assert outcome == duplicate(step, committed_by="x")
+
+
+def test_a_same_id_lease_retry_without_owner_column_evidence_waits_too(worker_request):
+    step = Step.objects.create(name="s", status="done")  # no owner written
+    worker_request("x", **{outcomes.SAME_ID_HEADER: 1})
+    celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) is None
+
+
+def test_started_written_over_the_winner_s_success_is_put_back(worker_request):
+    finish.track_started = True
+    celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+    request = worker_request("x", delivery_info={"redelivered": True})
+    outcomes._remember_stored_state(sender=finish, task=finish)
+    assert request.steplock_stored_state["result"] == {"winner": "x"}
+    celery_app.backend.store_result("x", {"pid": 1}, states.STARTED)  # what Celery writes
+    assert outcomes.restore_stored_state(finish) is True
+    meta = celery_app.backend.get_task_meta("x", cache=False)
+    assert (meta["status"], meta["result"]) == ("SUCCESS", {"winner": "x"})
+    assert outcomes.restore_stored_state(finish) is False  # nothing to put back now
+
+
+def test_only_possible_duplicates_read_the_backend_before_they_start(worker_request):
+    finish.track_started = True
+    celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+    request = worker_request("x", delivery_info={"redelivered": False})
+    outcomes._remember_stored_state(sender=finish, task=finish)
+    assert getattr(request, "steplock_stored_state", None) is None
+    retry = worker_request("x", steplock_retries=1)
+    outcomes._remember_stored_state(sender=finish, task=finish)
+    assert retry.steplock_stored_state["status"] == "SUCCESS"
+
+
+def test_the_row_s_writer_outweighs_a_retry_s_same_id_header(worker_request):
+    """The same-id holder a retry met may have died; the row says another id committed."""
+    step = committed_step("y")
+    worker_request("x", **{outcomes.SAME_ID_HEADER: 1})
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(step)
