@@ -288,43 +288,66 @@ def hostile_lease(lock, redis_client, name):
     return lease
 
 
-def test_show_and_ls_escape_what_redis_holds(cli, lease_store, redis_client):
-    name = f"order:{HOSTILE}"
-    hostile_lease(lease_store, redis_client, name)
-    fields = len(lease_store.inspect(name)) + 2  # + age and renewed_ago
+def hostile_name(lock, redis_client, name):
+    """The lease ``name`` moved to a key whose name holds control characters: the API refuses
+    such names (LockNameError), so only a Redis user writing keys by hand can make one."""
+    hostile = f"order:{HOSTILE}"
+    redis_client.rename(lock.key(name), lock.key(hostile))
+    return hostile
 
-    shown = cli("show", name)
+
+ESCAPED = "\\x1b[2J\\x1b[31mred\\nFORGED 0 lease(s)\\rOVER\\u202e"
+
+
+def test_show_and_ls_escape_what_redis_holds(cli, lease_store, redis_client):
+    hostile_lease(lease_store, redis_client, "order:1")
+    fields = len(lease_store.inspect("order:1")) + 2  # + age and renewed_ago
+
+    shown = cli("show", "order:1")
     assert shown.returncode == 0, shown.stderr
     assert no_raw_controls(shown.stdout)
     lines = shown.stdout.splitlines()
     assert len(lines) == fields  # one line per field, none forged
     assert not any(line.startswith(("FORGED", "OVER", "red")) for line in lines)
-    escaped = "\\x1b[2J\\x1b[31mred\\nFORGED 0 lease(s)\\rOVER\\u202e"
     by_key = dict(line.split(None, 1) for line in lines)
-    assert by_key["worker"] == f"w{escaped}" and by_key["owner"] == f"own{escaped}"
-    assert f"evil{escaped}" in shown.stdout
+    assert by_key["worker"] == f"w{ESCAPED}" and by_key["owner"] == f"own{ESCAPED}"
+    assert f"evil{ESCAPED}" in shown.stdout
 
+    hostile_lease(lease_store, redis_client, "order:2")
+    name = hostile_name(lease_store, redis_client, "order:2")
     listed = cli("ls")
     assert listed.returncode == 0, listed.stderr
     assert no_raw_controls(listed.stdout)
     lines = listed.stdout.splitlines()
-    assert len(lines) == 3 and lines[0].startswith("NAME") and lines[-1] == "1 lease(s)"
-    assert lines[1].startswith(f"order:{escaped}")
-    assert f"w{escaped}" in lines[1] and f"st{escaped}" in lines[1]
+    assert lines[0].startswith("NAME") and "2 lease(s)" in lines
+    assert not any(line.startswith(("FORGED", "OVER", "red")) for line in lines)
+    [row] = [line for line in lines if line.startswith(f"order:{ESCAPED}")]
+    assert f"w{ESCAPED}" in row and f"st{ESCAPED}" in row
 
     as_json = cli("ls", "--json")  # JSON escapes them itself, and keeps the values exact
     assert no_raw_controls(as_json.stdout) and len(as_json.stdout.splitlines()) == 1
-    assert json.loads(as_json.stdout)[0]["worker"] == f"w{HOSTILE}"
+    assert {lease["name"] for lease in json.loads(as_json.stdout)} == {"order:1", name}
+
+    refused = cli("show", name)  # a name the API refuses: an escaped error, nothing forged
+    assert refused.returncode != 0 and no_raw_controls(refused.stderr)
+    assert not any(line.startswith(("FORGED", "OVER")) for line in refused.stderr.splitlines())
 
 
 def test_release_and_reap_escape_what_redis_holds(cli, lease_store, redis_client):
-    name = f"step:{HOSTILE}"
+    name = "step:1"
     hostile_lease(lease_store, redis_client, name)
     refused = cli("release", name, "--owner", "not-the-owner")
     assert refused.returncode == 1
     assert no_raw_controls(refused.stderr)
     assert "held by another owner (own\\x1b[2J" in refused.stderr
-    released = cli("release", name, "--owner", f"own{HOSTILE}")
+    # An owner token the API refuses (unprintable): the release fails, escaped, and is audited.
+    failed = cli("release", name, "--owner", f"own{HOSTILE}")
+    assert failed.returncode != 0 and no_raw_controls(failed.stdout + failed.stderr)
+    assert "owner must be a non-empty string" in failed.stderr
+    assert not any(line.startswith(("FORGED", "OVER")) for line in failed.stderr.splitlines())
+    assert lease_store.inspect(name) is not None
+    redis_client.hset(lease_store.key(name), "owner", "plain-owner")
+    released = cli("release", name, "--owner", "plain-owner")
     assert released.returncode == 0, released.stderr
     assert no_raw_controls(released.stdout) and len(released.stdout.splitlines()) == 1
 
@@ -337,7 +360,7 @@ def test_release_and_reap_escape_what_redis_holds(cli, lease_store, redis_client
     reaped = cli("reap", "--ping-timeout", "0.3")
     assert reaped.returncode == 0, reaped.stderr
     assert no_raw_controls(reaped.stdout)
-    assert "reaped lease step:\\x1b[2J" in reaped.stdout
+    assert f"reaped lease {name} (owner " in reaped.stdout and "task \\x1b[2J" in reaped.stdout
     assert not any(line.startswith(("FORGED", "OVER")) for line in reaped.stdout.splitlines())
     assert lease_store.inspect(name) is None
 
@@ -348,7 +371,7 @@ def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
 
     from django.core.management import call_command
 
-    name = f"step:{HOSTILE}"
+    name = "step:1"
     dead = hostile_lease(lease_store, redis_client, name)
     redis_client.hset(lease_store.key(name), mapping={
         "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
@@ -361,8 +384,7 @@ def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
     lines = out.getvalue().splitlines()
     reaped = [line for line in lines if line.startswith("reaped lease ")]
     assert len(reaped) == 1
-    assert reaped[0].startswith(
-        "reaped lease step:\\x1b[2J\\x1b[31mred\\nFORGED 0 lease(s)\\rOVER\\u202e (owner ")
+    assert reaped[0].startswith(f"reaped lease {name} (owner ")
     assert "task \\x1b[2J" in reaped[0]  # the task name's last dotted part, escaped
     assert not any(line.startswith(("FORGED", "OVER")) for line in lines)
     assert lease_store.inspect(name) is None

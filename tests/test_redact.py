@@ -187,7 +187,7 @@ def test_a_validator_that_breaks_names_no_known_secret(app, caplog, monkeypatch)
             pytest.raises(SystemExit) as raised:
         validate.refuse_to_start(app)
     logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert_masked(logged, "validation failed: RuntimeError: cannot judge sentinel_kwargs")
+    assert_masked(logged, 'error="RuntimeError: cannot judge sentinel_kwargs')
     assert_masked(str(raised.value.code), "could not be validated: RuntimeError")
     assert raised.value.__cause__ is None
 

@@ -132,7 +132,7 @@ def test_every_invalid_option_value_is_one_error_and_worker_start_names_them_all
     assert messages == ["lock_key", "lock_max_hold", "lock_precheck", "lock_retry_max",
                         "lock_ttl", "lock_wait", "on_conflict", "on_contended",
                         "on_store_error", "step_id_arg='order_id'"]
-    assert f"{name}: lock_ttl must be > 0 seconds, got -1" in [p.message for p in found]
+    assert f"{name}: lock_ttl must be a number of seconds between 0.05 and 86400, got -1" in [p.message for p in found]
     assert (f"{name}: lock_key 'order:{{order_id}}' names 'order_id', which is not an "
             f"argument of the task (arguments: step_id)") in [p.message for p in found]
     with pytest.raises(SystemExit) as info:

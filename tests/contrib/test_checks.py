@@ -6,6 +6,7 @@ example project's shared tasks to every app it finalizes, so assertions name the
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -436,8 +437,9 @@ ERRORS = [
                              "settings) must be a number above 0 and at most 0.75"),
     ("celery_steplock.E004", f"{TASK}: lock_key 'order:{{order}}' names 'order', which is not "
                              f"an argument of the task (arguments: order_id)"),
-    ("celery_steplock.E004", f"{TASK}: lock_ttl must be > 0 seconds, got -1"),
-    ("celery_steplock.E004", f"{TASK}: on_conflict must be one of 'ignore', 'raise', got "
+    ("celery_steplock.E004", f"{TASK}: lock_ttl must be a number of seconds between 0.05 and "
+                             f"86400, got -1"),
+    ("celery_steplock.E004", f"{TASK}: on_conflict must be one of 'return', 'ignore', 'raise', got "
                              f"'clobber'"),
     ("celery_steplock.E004", f"{TASK}: step_id_arg='id' is not an argument of the task "
                              f"(arguments: order_id)"),
@@ -478,10 +480,12 @@ def test_a_worker_start_reports_the_same_mistakes_at_once(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     for check_id, message in ERRORS:
-        assert f"event=improperly_configured id={check_id} {message}" in output, (
+        logged = "message=" + json.dumps(message)[:-1]  # logfmt: the message is quoted
+        assert f"event=improperly_configured id={check_id} {logged}" in output, (
             check_id, message, output)
     for check_id, message in WARNINGS:
-        assert f"event=configuration_warning id={check_id} {message}" in output, (
+        logged = "message=" + json.dumps(message)[:-1]
+        assert f"event=configuration_warning id={check_id} {logged}" in output, (
             check_id, message, output)
     assert output.count("event=improperly_configured") == len(ERRORS)
     [exit_line] = [line for line in output.splitlines() if line.startswith("celery-steplock: ")]
