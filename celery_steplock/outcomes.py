@@ -34,9 +34,9 @@ When the row says the same id committed but the backend holds no result yet (the
 released its lease and is about to store, or it was killed after its commit), the delivery
 waits up to :data:`STORE_WAIT` seconds for that result: stored, it ends in ``Ignore``; still
 missing, the winner is taken for dead and the delivery stores its outcome (``committed_by``
-is then its own id), so the id still ends. With ``task_track_started`` a possible duplicate
-(redelivered, or a lease retry) reads its id's stored state before Celery overwrites it with
-``STARTED`` and puts it back when it ends in ``Ignore``.
+is then its own id), so the id still ends. With ``task_track_started`` every delivery of a
+step task reads its id's stored state before Celery overwrites it with ``STARTED`` (one
+result-backend read) and puts it back when it ends in ``Ignore``.
 """
 from __future__ import annotations
 
@@ -188,11 +188,9 @@ def _remember_stored_state(sender=None, task=None, **kwargs) -> None:
 
     if not isinstance(task, StepLockedTask):
         return
+    # Every delivery, not only redeliveries and lease retries: a message re-sent by hand with
+    # a finished task's id is neither. One result-backend read, with track_started only.
     request = task.request
-    delivery = request.delivery_info or {}
-    if not (delivery.get("redelivered") or _header(request, "steplock_retries")
-            or _header(request, SAME_ID_HEADER)):
-        return
     meta = stored_state(task)
     if meta is not None and meta.get("status") == states.SUCCESS:
         request.steplock_stored_state = meta
@@ -248,8 +246,9 @@ def conflict_outcome(task, exc, steps=None) -> dict[str, Any] | None:
         same_id = owner_has_task_id(writer["owner"], request.id)
     else:
         same_id = bool(_header(request, SAME_ID_HEADER))
-    if stored_state(task) is not None:
-        return None
+    if (getattr(request, "steplock_stored_state", None) is not None
+            or stored_state(task) is not None):
+        return None  # a result is stored for this id (before our STARTED overwrote it)
     if same_id:
         if _readable_backend(task) is None:
             return None  # nothing is stored for this id: nothing to end either

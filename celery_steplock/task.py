@@ -392,7 +392,10 @@ class StepLockedTask(Task):
 
     def __call__(self, *args, **kwargs):
         with tracing.execution(self):
-            return self._steplock_call(*args, **kwargs)
+            result = self._steplock_call(*args, **kwargs)
+            if outcomes.is_outcome(result):
+                tracing.outcome(result["steplock"])
+            return result
 
     def _steplock_call(self, *args, **kwargs):
         plan = self.steplock_plan
@@ -450,9 +453,13 @@ class StepLockedTask(Task):
             info = self._holder(store, name)
             emit(signals.lock_contended, self, owner=None, fence=None,
                  holder=info.get("owner"), wait_seconds=wait.seconds, **base)
-            who = (f"owner {info['owner']} (task {info.get('task_id')}, "
-                   f"{info.get('hostname')} pid {info.get('pid')})" if info.get("owner")
-                   else "another owner (released since)")
+            if info.get("owner"):
+                where = ", ".join(f"{label} {info[field]}" for label, field in (
+                    ("task", "task_id"), ("host", "hostname"), ("pid", "pid"))
+                    if info.get(field))
+                who = f"owner {info['owner']}" + (f" ({where})" if where else "")
+            else:
+                who = "another owner (released since)"
             return self.handle_contended(LockContended(
                 f"{name!r} is held by {who}", key=base["key"], holder=info.get("owner"),
                 ttl=info.get("ttl"), holder_task_id=info.get("task_id"), name=name))

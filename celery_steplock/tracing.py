@@ -38,7 +38,7 @@ except ImportError:  # the API is optional: tracing is then a no-op
     _trace = None
 
 __all__ = ["TRACER_NAME", "Phase", "execution", "phase", "hold", "releasing", "committing",
-           "commit_seconds", "enabled", "use_tracer_provider"]
+           "commit_seconds", "enabled", "use_tracer_provider", "outcome"]
 
 TRACER_NAME = "celery_steplock"
 
@@ -306,6 +306,17 @@ class _Execution:
         except Exception:  # noqa: BLE001 - tracing never breaks locking
             pass
         return False
+
+
+def outcome(kind: str) -> None:
+    """Mark the current execution's span with ``steplock.outcome`` (``"duplicate"`` or
+    ``"skipped"``: :mod:`celery_steplock.outcomes`); nothing outside a traced execution."""
+    run = _run.get()
+    if run is not None:
+        try:
+            run.span.set_attribute("steplock.outcome", kind)
+        except Exception:  # noqa: BLE001 - tracing never breaks locking
+            pass
 
 
 def execution(task):

@@ -35,8 +35,8 @@ FORMS = {
                       ("seconds", 300, ("plan", "max_hold", 300.0))],
     "lock_retry_max": [("none", None, ("plan", "retry_max", None)),
                        ("int", 3, ("plan", "retry_max", 3))],
-    "on_contended": [(v, v, ("plan", "on_contended", v)) for v in ("retry", "skip", "raise")],
-    "on_conflict": [(v, v, ("plan", "on_conflict", v)) for v in ("ignore", "raise")],
+    "on_contended": [(v, v, ("plan", "on_contended", v)) for v in ("retry", "skip", "ignore", "raise")],
+    "on_conflict": [(v, v, ("plan", "on_conflict", v)) for v in ("return", "ignore", "raise")],
     "on_store_error": [(v, v, ("plan", "on_store_error", v))
                        for v in ("fail_closed", "fail_open")],
     "lock_precheck": [("true", True, ("plan", "precheck", True)),

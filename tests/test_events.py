@@ -193,3 +193,22 @@ def test_the_readme_json_logging_configuration_parses(tmp_path):
     assert third["level"] == "ERROR" and third["steplock"] == {"event": "reaper_failed",
                                                                "error": "x"}
     assert "ValueError: boom" in third["exc_info"]
+
+
+def test_every_event_line_of_the_package_is_documented_in_the_readme():
+    """Each ``log_event("<name>", ...)`` of the package appears in the README's Logs section."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    names = set()
+    for path in (root / "celery_steplock").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "log_event"
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                names.add(node.args[0].value)
+    readme = (root / "README.md").read_text()
+    section = re.search(r"^### Logs\n(.*?)^#", readme, re.S | re.M).group(1)
+    assert len(names) > 20
+    assert sorted(n for n in names if f"`{n}`" not in section) == []

@@ -261,15 +261,19 @@ def test_started_written_over_the_winner_s_success_is_put_back(worker_request):
     assert outcomes.restore_stored_state(finish) is False  # nothing to put back now
 
 
-def test_only_possible_duplicates_read_the_backend_before_they_start(worker_request):
-    finish.track_started = True
+def test_with_track_started_every_delivery_reads_the_backend_before_it_starts(worker_request):
+    """A message re-sent by hand with a finished id is neither redelivered nor a retry: every
+    delivery remembers a stored SUCCESS before Celery's STARTED overwrites it."""
     celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
-    request = worker_request("x", delivery_info={"redelivered": False})
+    finish.track_started = False
+    plain = worker_request("x", delivery_info={"redelivered": False})
     outcomes._remember_stored_state(sender=finish, task=finish)
-    assert getattr(request, "steplock_stored_state", None) is None
-    retry = worker_request("x", steplock_retries=1)
+    assert getattr(plain, "steplock_stored_state", None) is None  # no track_started: no read
+    finish.track_started = True
+    resent = worker_request("x", delivery_info={"redelivered": False})
     outcomes._remember_stored_state(sender=finish, task=finish)
-    assert retry.steplock_stored_state["status"] == "SUCCESS"
+    assert resent.steplock_stored_state["status"] == "SUCCESS"
+    assert resent.steplock_stored_state["result"] == {"winner": "x"}
 
 
 def test_the_row_s_writer_outweighs_a_retry_s_same_id_header(worker_request):

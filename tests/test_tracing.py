@@ -143,13 +143,27 @@ def test_signals_carry_the_phase_durations(spans, events):
     assert held >= seconds("steplock.body") >= 0.01
 
 
-def test_a_conflict_records_no_body_and_ends_as_ignore(spans):
+def test_a_conflict_records_no_body_and_says_duplicate(spans):
     step = Step.objects.create(name="s", status="done")
     result = charge.apply(args=(step.pk, SECRET))
-    assert result.state == "IGNORED" or result.result is None
+    assert result.successful() and result.result["steplock"] == "duplicate"
     found = spans()
     assert sorted(found) == ["steplock.execution", "steplock.hold", "steplock.release",
                              "steplock.wait"]
+    assert found["steplock.execution"].attributes["steplock.outcome"] == "duplicate"
+    assert "steplock.control" not in found["steplock.execution"].attributes
+    assert found["steplock.execution"].status.status_code is trace.StatusCode.UNSET
+
+
+def test_an_ignored_conflict_ends_as_ignore(spans):
+    step = Step.objects.create(name="s", status="done")
+    charge.on_conflict = "ignore"
+    try:
+        result = charge.apply(args=(step.pk, SECRET))
+    finally:
+        del charge.on_conflict
+    assert result.state == "IGNORED" or result.result is None
+    found = spans()
     assert found["steplock.execution"].attributes["steplock.control"] == "ignore"
     assert found["steplock.execution"].status.status_code is trace.StatusCode.UNSET
 

@@ -37,6 +37,7 @@ out the gauge of a process that is gone without it, e.g. SIGKILLed).
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import threading
 from typing import Any
@@ -47,6 +48,7 @@ from prometheus_client import multiprocess
 from prometheus_client import start_http_server as _start_http_server
 
 from .. import signals
+from ..events import log_event
 
 __all__ = ["install", "uninstall", "serve", "scrape_registry", "multiprocess_dir", "Metrics",
            "MultiProcessCollector", "OUTCOMES"]
@@ -163,6 +165,7 @@ def install(app=None, *, registry: CollectorRegistry | None = None, port: int | 
             for signal in signals.ALL_SIGNALS:
                 signal.connect(metrics.receive, weak=False)
             worker_process_shutdown.connect(_child_exited, weak=False)
+            worker_ready.connect(_warn_without_multiprocess, weak=False)
             _installed = metrics
         if port is not None and not _server_port:
             _server_port.update(port=port, addr=addr)
@@ -179,6 +182,7 @@ def uninstall() -> None:
             for signal in signals.ALL_SIGNALS:
                 signal.disconnect(_installed.receive)
             worker_process_shutdown.disconnect(_child_exited)
+            worker_ready.disconnect(_warn_without_multiprocess)
             _installed = None
         if _server_port:
             worker_ready.disconnect(_serve_when_ready)
@@ -235,6 +239,16 @@ def serve(port: int, addr: str = "127.0.0.1"):
     """Serve ``/metrics`` of :func:`scrape_registry` on ``addr:port`` from a daemon thread
     of this process; returns ``(server, thread)`` (``server.shutdown()`` stops it)."""
     return _start_http_server(port, addr=addr, registry=scrape_registry())
+
+
+def _warn_without_multiprocess(sender=None, **kwargs) -> None:
+    """A prefork worker without ``PROMETHEUS_MULTIPROC_DIR``: its children count in their own
+    memory, which no scrape of the main process sees (an empty ``/metrics``, silently)."""
+    pool = getattr(sender, "pool", None)
+    if multiprocess_dir() is None and "prefork" in type(pool).__module__:
+        log_event("metrics_not_multiprocess", logging.WARNING, pool=type(pool).__name__,
+                  reason="set PROMETHEUS_MULTIPROC_DIR to an empty directory before the worker "
+                         "starts: the prefork children's metrics are not scraped without it")
 
 
 def _serve_when_ready(sender=None, **kwargs) -> None:
