@@ -1,12 +1,14 @@
-# make venv | demo | test | servers | matrix | bench | soak | clean. Pass pytest arguments with
-# ARGS="-k name -x"; `make bench ARGS=--quick` is a small smoke run, ARGS="--only e2e wait" a
-# subset. `make test` also runs the version corners (requirements/corners/*.txt, each in its
-# own venv under .venv-corners/); CORNERS= skips them, CORNERS=newest picks one.
+# make venv | demo | test | corners | servers | matrix | bench | soak | clean. Pass pytest
+# arguments with ARGS="-k name -x"; `make bench ARGS=--quick` is a small smoke run,
+# ARGS="--only e2e wait" a subset. `make corners` runs the version corners
+# (requirements/corners/*.txt, each in its own venv under .venv-corners/; CORNERS=newest picks
+# one); `make test CORNERS=oldest` runs the main passes and then that corner. CI runs both.
 PYTHON ?= python3
 VENV := .venv
-CORNERS ?= oldest,middle,newest
+CORNERS ?=
+ALL_CORNERS := oldest,middle,newest
 
-.PHONY: venv demo test servers matrix bench soak clean
+.PHONY: venv demo test corners servers matrix bench soak clean
 
 venv:
 	@PYTHON="$(PYTHON)" bash scripts/bootstrap.sh
@@ -17,6 +19,10 @@ demo: venv
 test:
 	@PYTHON="$(PYTHON)" STEPLOCK_WANT_POSTGRES=1 STEPLOCK_CORNERS="$(CORNERS)" bash scripts/bootstrap.sh
 	$(VENV)/bin/python scripts/run_tests.py $(if $(CORNERS),--corner $(CORNERS)) $(ARGS)
+
+corners:
+	@PYTHON="$(PYTHON)" STEPLOCK_CORNERS="$(or $(CORNERS),$(ALL_CORNERS))" bash scripts/bootstrap.sh
+	$(VENV)/bin/python scripts/run_tests.py --corners-only --corner $(or $(CORNERS),$(ALL_CORNERS)) $(ARGS)
 
 # Every tox env (tox.ini: Python 3.10-3.13 x Django 5.2/6.0/6.1 x Celery and redis-py
 # series), each the whole suite; hours. ARGS go to tox, e.g. ARGS="-e py312-django60".

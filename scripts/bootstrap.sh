@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the project and requirements/dev.txt, and make sure a redis-server
 # (and, in CI, PostgreSQL) is usable, plus Debian's chromium for the browser test. With
-# STEPLOCK_CORNERS="oldest,newest" (what `make test` sets) also the version corners' venvs
+# STEPLOCK_CORNERS="oldest,newest" (what `make corners` sets) also the version corners' venvs
 # (scripts/corners.py). Idempotent; near-instant when nothing changed.
 set -euo pipefail
 
