@@ -7,10 +7,13 @@ before it is logged, raised to a worker's exit, shown by ``manage.py check``, pr
 ``celery steplock`` commands or shown on the admin page. It masks, in any text:
 
 - the password of every URL of any scheme, including schemes the library refuses and typos
-  (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``, ``rediss//``), up to the
-  last ``@`` of the URL, so that a password holding an unencoded ``/``, ``?`` or ``#`` is
-  masked whole; a URL whose credentials are one word (``redis://word@host``) has it
-  masked too, since some clients read that word as the password;
+  (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``, ``rediss//``, and
+  ``redis:pw@h`` / ``redis:/:pw@h`` from the scheme's colon): everything up to the last
+  ``@`` of the URL, whatever it holds (``/``, ``?``, ``#``, ``;``, quotes, spaces), so that
+  a password is masked whole. A URL ends at the quote that closes it, at the next URL or
+  at the end of the line; when in doubt, more is masked. A URL whose credentials are one
+  word (``redis://word@host``) has it masked too, since some clients read that word as
+  the password;
 - query parameters and ``key=value`` / ``'key': value`` pairs whose key names a password or
   a secret (``password``, ``ssl_password``, ``sentinel_password``, ``passwd``, ``pwd``,
   ``client_secret``), as in a unix URL's ``?password=``, in the repr of transport options
@@ -18,6 +21,9 @@ before it is logged, raised to a worker's exit, shown by ``manage.py check``, pr
 - every occurrence of the known secret values given (:func:`secrets_of` collects those of a
   Celery app's settings), in whatever form the text quotes them: values of at least
   :data:`MIN_SECRET` characters, so that a short value does not mask ordinary words.
+
+Values are masked, never names: a setting's name standing where a value would
+(``steplock_name_secret: steplock_name_secret``) stays.
 
 The scheme, host, port, database and every other part stay, so a message still says which
 server it is about.
