@@ -218,7 +218,7 @@ def release(ctx, name, owner):
     except AuditRecordFailed as failed:
         raise CeleryCommandException(
             message=f"not released: {name!r}: the audit record could not be written "
-                    f"({failed.__cause__})", exit_code=EX_FAILURE)
+                    f"({_shown(failed.__cause__)})", exit_code=EX_FAILURE)
     except ForceReleaseRefused as refused:
         why = (f"it is held by another owner ({printable(refused.holder)})"
                if isinstance(refused, LeaseHeldByAnother) else "it is not held")
@@ -250,16 +250,27 @@ def _load_django(app) -> None:
     except Exception as exc:  # noqa: BLE001 - no database record, so no release
         raise CeleryCommandException(
             message=f"not released: could not load the app's modules, so the audit record "
-                    f"cannot be written to the database ({type(exc).__name__}: {exc})",
+                    f"cannot be written to the database ({_shown(f'{type(exc).__name__}: {exc}')})",
             exit_code=EX_FAILURE)
 
 
 def _actor() -> str:
-    """The operator, for the record: the login name, else the process's user id."""
+    """The operator, for the record: the OS account running the command (its passwd name,
+    which the environment cannot change), else the login name, else the user id; followed
+    by ``$USER``, ``$LOGNAME`` and ``$SUDO_USER`` where they name someone else, as claims
+    (``"root (USER=ceo, SUDO_USER=alice)"``)."""
     try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no passwd entry (a container): the uid will do
-        return f"uid {os.getuid()}"
+        import pwd
+
+        account = pwd.getpwuid(os.getuid()).pw_name
+    except Exception:  # noqa: BLE001 - no pwd module or passwd entry (a container)
+        try:
+            account = getpass.getuser()
+        except Exception:  # noqa: BLE001 - nothing names the user: the uid will do
+            return f"uid {os.getuid()}"
+    claims = [f"{var}={printable(os.environ[var])}" for var in ("USER", "LOGNAME", "SUDO_USER")
+              if os.environ.get(var) and os.environ[var] != account]
+    return f"{account} ({', '.join(claims)})" if claims else account
 
 
 def _host() -> str:

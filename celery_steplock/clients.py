@@ -95,7 +95,7 @@ def check_url(url: Any, name: str = _URL) -> str:
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise ImproperlyConfigured(
             f"{_describe(name)} must be a redis://, rediss://, unix:// or sentinel:// URL, "
-            f"got {redact(repr(url))}", setting=name)
+            f"got {redact(repr(url), url_secrets(url))}", setting=name)
     if url.startswith("sentinel://"):
         parse_sentinel_url(url, name)
     else:
@@ -110,7 +110,7 @@ def _check_redis_url(url: str, name: str) -> None:
 
     def bad(why: str) -> ImproperlyConfigured:
         return ImproperlyConfigured(f"{_describe(name)}: {_why(why, url)}, got "
-                                    f"{redact(repr(url))}", setting=name)
+                                    f"{redact(repr(url), url_secrets(url))}", setting=name)
 
     try:
         parsed = parse_url(url)
@@ -139,7 +139,8 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
     def bad(why: str) -> ImproperlyConfigured:
         return ImproperlyConfigured(f"{_describe(name)}: {_why(why, url)} (a sentinel URL "
                                     f"is sentinel://[:password@]host:port[;sentinel://host:"
-                                    f"port...][/db]), got {redact(repr(url))}", setting=name)
+                                    f"port...][/db]), got "
+                                    f"{redact(repr(url), url_secrets(url))}", setting=name)
 
     sentinels: list[tuple[str, int]] = []
     found: dict[str, Any] = {"username": None, "password": None, "db": None}

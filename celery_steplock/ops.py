@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 from . import signals
 from .events import emit, log_event
+from .redact import redact, secrets_of
 from .exceptions import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother,
                          LeaseNotHeld, LockStoreUnavailable, StepLockError)
 
@@ -134,15 +135,38 @@ class ReleaseAudit:
         """Record ``record.outcome``."""
 
 
-#: The audit of an app without Django: the log line and the signal only.
-LogAudit = ReleaseAudit
+class LogAudit(ReleaseAudit):
+    """The audit of an app without Django: the WARNING log line of the ``celery_steplock``
+    logger and the signal. ``requested`` raises RuntimeError (so the release is refused,
+    :class:`AuditRecordFailed`) when that logger would not emit the line: not enabled for
+    WARNING, or no handler reaching it (with ``logging.lastResort`` counted as one)."""
+
+    def requested(self, record: ForcedRelease) -> None:
+        """Refuse unless the ``celery_steplock`` logger emits WARNING lines."""
+        logger = logging.getLogger("celery_steplock")
+        if not logger.isEnabledFor(logging.WARNING) or not _reaches_a_handler(logger):
+            raise RuntimeError("the log line is the only audit record and the "
+                               "'celery_steplock' logger does not emit WARNING lines: enable "
+                               "it (level WARNING or lower, with a handler)")
+
+
+def _reaches_a_handler(logger: logging.Logger) -> bool:
+    node: logging.Logger | None = logger
+    while node is not None:
+        if any(h.level <= logging.WARNING for h in node.handlers):
+            return True
+        if not node.propagate:
+            return False
+        node = node.parent
+    last = logging.lastResort
+    return last is not None and last.level <= logging.WARNING
 
 
 def default_audit(app=None) -> ReleaseAudit:
     """The audit store of this process: a
     :class:`~celery_steplock.contrib.django.eventlog.LeaseEventAudit` when Django is set up
     (its app registry ready) with ``celery_steplock.contrib.django`` installed, else a
-    :class:`ReleaseAudit` that keeps the log line and the signal only. ``app`` is unused
+    :class:`LogAudit` that keeps the log line and the signal only. ``app`` is unused
     (kept for stores chosen per Celery app)."""
     django_apps = sys.modules.get("django.apps")
     registry = getattr(django_apps, "apps", None)
@@ -151,7 +175,7 @@ def default_audit(app=None) -> ReleaseAudit:
         from .contrib.django.eventlog import LeaseEventAudit
 
         return LeaseEventAudit()
-    return ReleaseAudit()
+    return LogAudit()
 
 
 def _int(value: Any) -> int | None:
@@ -194,7 +218,7 @@ def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
         auditor.finished(record)
     except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
         record.outcome_recorded = False
-        record.outcome_error = f"{type(exc).__name__}: {exc}"
+        record.outcome_error = redact(f"{type(exc).__name__}: {exc}")
         log_event("force_release_outcome_unrecorded", logging.ERROR, exc_info=True,
                   name=record.name, owner=record.owner, outcome=record.outcome,
                   audit=record.audit, error=record.outcome_error)
@@ -272,10 +296,11 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
             audit(record)
         auditor.requested(record)
     except Exception as exc:  # noqa: BLE001 - no record, no release: whatever the store said
-        log_event("force_release_aborted", logging.ERROR, name=name, owner=owner, error=exc)
+        error = redact(f"{type(exc).__name__}: {exc}", secrets_of(app))
+        log_event("force_release_aborted", logging.ERROR, name=name, owner=owner, error=error)
         raise AuditRecordFailed(
             f"lease {name!r}: the audit record of the force release could not be written "
-            f"({type(exc).__name__}: {exc}): nothing released", name=name, key=key,
+            f"({error}): nothing released", name=name, key=key,
             owner=owner, current=current) from exc
 
     try:

@@ -7,10 +7,13 @@ before it is logged, raised to a worker's exit, shown by ``manage.py check``, pr
 ``celery steplock`` commands or shown on the admin page. It masks, in any text:
 
 - the password of every URL of any scheme, including schemes the library refuses and typos
-  (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``, ``rediss//``), up to the
-  last ``@`` of the URL, so that a password holding an unencoded ``/``, ``?`` or ``#`` is
-  masked whole; a URL whose credentials are one word (``redis://word@host``) has it
-  masked too, since some clients read that word as the password;
+  (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``, ``rediss//``, and
+  ``redis:pw@h`` / ``redis:/:pw@h`` from the scheme's colon): everything up to the last
+  ``@`` of the URL, whatever it holds (``/``, ``?``, ``#``, ``;``, quotes, spaces), so that
+  a password is masked whole. A URL ends at the quote that closes it, at the next URL or
+  at the end of the line; when in doubt, more is masked. A URL whose credentials are one
+  word (``redis://word@host``) has it masked too, since some clients read that word as
+  the password;
 - query parameters and ``key=value`` / ``'key': value`` pairs whose key names a password or
   a secret (``password``, ``ssl_password``, ``sentinel_password``, ``passwd``, ``pwd``,
   ``client_secret``), as in a unix URL's ``?password=``, in the repr of transport options
@@ -18,6 +21,9 @@ before it is logged, raised to a worker's exit, shown by ``manage.py check``, pr
 - every occurrence of the known secret values given (:func:`secrets_of` collects those of a
   Celery app's settings), in whatever form the text quotes them: values of at least
   :data:`MIN_SECRET` characters, so that a short value does not mask ordinary words.
+
+Values are masked, never names: a setting's name standing where a value would
+(``steplock_name_secret: steplock_name_secret``) stays.
 
 The scheme, host, port, database and every other part stay, so a message still says which
 server it is about.
@@ -39,10 +45,16 @@ MIN_SECRET = 4
 
 # Any scheme, also one missing its colon (``rediss//``): the "//" starts the credentials.
 _SCHEME = r"(?:(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:?)?//"
-# A URL runs to whitespace, to the next URL of a ";"-separated list, or to a quote that
-# closes it (a quote followed by the end or by punctuation): a quote inside a password
-# does not end it.
-_URL = re.compile(rf"({_SCHEME})((?:(?!;{_SCHEME})(?!['\"](?:[\s,)\]}}:;.]|$))\S)*)")
+# Schemes of servers that take credentials, also written without the "//" (``redis:pw@h``,
+# ``redis:/:pw@h``): the scheme's colon (and one slash) start the credentials.
+_CRED_SCHEME = (r"(?<![A-Za-z0-9+.\-])(?i:(?:[a-z0-9.\-]+\+)?(?:rediss?|sentinel|unix|amqps?|"
+                r"pyamqp|sqs|mongodb|postgres(?:ql)?|mysql|sqla|db|cache)(?:\+[a-z0-9.\-]+)?)"
+                r":/?(?!/)")
+_START = re.compile(rf"{_SCHEME}|{_CRED_SCHEME}")
+# Where an unquoted URL's text ends at the latest: the next URL of a list or of the line.
+_NEXT = re.compile(rf"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://|;{_SCHEME}|\n")
+# The previous form of the pattern, kept for code that imported it.
+_URL = re.compile(rf"({_SCHEME})((?:(?!;{_SCHEME})\S)*)")
 _SECRET_KEY = r"(?:\w+_)?(?:password|passwd|pwd|secret)"
 _QUERY_SECRET = re.compile(rf"(?i)([?&;])({_SECRET_KEY})=([^&#]*)")
 _VALUE = r"""b?'(?:[^'\\]|\\.)*'|b?"(?:[^"\\]|\\.)*"|[^\s,&;)}\]]+"""
@@ -59,15 +71,62 @@ def _mask_value(value: str) -> str:
     return MASK
 
 
-def _mask_url(match: re.Match) -> str:
-    scheme, body = match.group(1), match.group(2)
+def _mask_body(body: str) -> str:
+    """A URL's text after its scheme with its credentials (everything up to its last ``@``,
+    the user name kept) and secret query parameters masked."""
     body = _QUERY_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}={MASK}", body)
     at = body.rfind("@")
     if at >= 0:
         userinfo = body[:at]
         user = userinfo.split(":", 1)[0] if ":" in userinfo else None
         body = (MASK if user is None else f"{user}:{MASK}") + body[at:]
-    return scheme + body
+    return body
+
+
+def _mask_url(match: re.Match) -> str:
+    return match.group(1) + _mask_body(match.group(2))
+
+
+def _url_end(text: str, begin: int, pos: int) -> int:
+    """Where the URL whose scheme starts at ``begin`` and whose credentials start at ``pos``
+    ends: at the quote closing it when a quote opens it (as in a repr: an escaped quote
+    does not close it), else at the next URL or the end of the line. A password may hold
+    quotes, spaces and any punctuation, so nothing else ends it: when in doubt, more is
+    masked."""
+    limit = text.find("\n", pos)
+    limit = len(text) if limit < 0 else limit
+    following = _NEXT.search(text, pos, limit)
+    limit = following.start() if following else limit
+    opening = text[begin - 1] if begin else ""
+    if opening not in ("'", '"'):
+        return limit
+    i = pos
+    while i < limit and text[i] != opening:
+        i += 2 if text[i] == "\\" else 1
+    if i >= limit:
+        return limit
+    # A quote that does not close the URL: text quoted without escaping (``"{url}"``) of a
+    # password holding that quote. The URL then runs on to an "@" after the quote.
+    run = re.match(r"\S*", text[i + 1:limit]).group(0)
+    if "@" in run:
+        return i + 1 + len(run)
+    if "@" not in text[pos:i] and "@" in text[i:limit]:
+        return limit
+    return i
+
+
+def _mask_urls(text: str) -> str:
+    out, done, pos = [], 0, 0
+    while True:
+        match = _START.search(text, pos)
+        if match is None:
+            break
+        end = _url_end(text, match.start(), match.end())
+        if "@" in text[match.end():end] or "=" in text[match.end():end]:
+            out += [text[done:match.end()], _mask_body(text[match.end():end])]
+            done = end
+        pos = max(end, match.end())
+    return "".join(out) + text[done:]
 
 
 def redact(value: Any, secrets: Iterable[str] = ()) -> str:
@@ -87,13 +146,20 @@ def redact(value: Any, secrets: Iterable[str] = ()) -> str:
     for secret in sorted({s for s in _forms(secrets) if len(s) >= MIN_SECRET},
                          key=len, reverse=True):
         text = text.replace(secret, MASK)
-    text = _URL.sub(_mask_url, text)
+    text = _mask_urls(text)
     return _PAIR.sub(_mask_pair, text)
+
+
+# A setting's name standing where a pair's value would (masked values, never names).
+_NAME = re.compile(r"(?i)(?:celery_)?steplock_[a-z_]+")
 
 
 def _mask_pair(match: re.Match) -> str:
     quote_, key, sep = (match.group(1, 2, 3) if match.group(2) is not None
                         else match.group(4, 5, 6))
+    if _NAME.fullmatch(match.group(7)) or match.group(7).lower() == key.lower():
+        # "setting steplock_name_secret: steplock_name_secret (...)": a name, not a value.
+        return match.group(0)
     return f"{quote_}{key}{quote_}{sep}{_mask_value(match.group(7))}"
 
 
@@ -131,21 +197,26 @@ def url_secrets(url: Any) -> list[str]:
     if not isinstance(url, str):
         return []
     found = []
+    # One value: each URL of a ";" list runs to the next one; its credentials are everything
+    # between "//" (or the scheme's colon) and its last "@", whatever they hold.
+    for part in re.split(rf";(?={_SCHEME})", url):
+        start = _START.search(part)
+        found += _credentials(part[start.end():] if start else part)
+    # And each word, for a value that is not one URL (more secrets mask more, never less).
     for word in re.split(r"[\s;]+", url):
-        # Credentials in something that is not URL-shaped at all (``redis:/:pw@host``).
-        if "//" not in word and "@" in word:
-            userinfo = word[:word.rfind("@")]
-            found.append(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
-    for match in _URL.finditer(url):
-        body = match.group(2)
-        for query in _QUERY_SECRET.finditer(body):
-            found.append(query.group(3))
-        body = _QUERY_SECRET.sub("", body)
-        at = body.rfind("@")
-        if at >= 0:
-            userinfo = body[:at]
-            found.append(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
-    return [s for s in found if s]
+        start = _START.search(word)
+        found += _credentials(word[start.end():] if start else word)
+    return [s for s in dict.fromkeys(found) if s]
+
+
+def _credentials(body: str) -> list[str]:
+    found = [query.group(3) for query in _QUERY_SECRET.finditer(body)]
+    body = _QUERY_SECRET.sub("", body)
+    at = body.rfind("@")
+    if at >= 0:
+        userinfo = body[:at]
+        found.append(userinfo.split(":", 1)[1] if ":" in userinfo else userinfo)
+    return found
 
 
 def _option_secrets(options: Any) -> list[str]:

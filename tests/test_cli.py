@@ -162,13 +162,24 @@ def test_release_is_audited_with_the_os_user_and_host(cli, lease_store):
     released = cli("release", "order:1", "--owner", lease.owner)
     assert released.returncode == 0, released.stderr
     first, second = LeaseEvent.objects.filter(event="force_release").order_by("id")
-    user, host = getpass.getuser(), socket.gethostname()
+    user, host = os_actor(), socket.gethostname()
     assert (first.outcome, first.owner, first.actor, first.actor_host, first.via) == (
         "held_by_another", "not-the-owner", user, host, "cli")
     assert (second.outcome, second.owner, second.fence, second.actor, second.actor_host,
             second.via) == ("released", lease.owner, lease.fence, user, host, "cli")
     assert f"audit: LeaseEvent {second.pk}" in released.stdout
     assert f"force-released by {user}@{host} from the command line" in second.reason
+
+
+def os_actor(env=None):
+    """The actor the CLI records for a run with ``env`` (default: this process's)."""
+    import pwd
+
+    env = os.environ if env is None else env
+    account = pwd.getpwuid(os.getuid()).pw_name
+    claims = [f"{var}={env[var]}" for var in ("USER", "LOGNAME", "SUDO_USER")
+              if env.get(var) and env[var] != account]
+    return f"{account} ({', '.join(claims)})" if claims else account
 
 
 PLAIN_APP = '''
@@ -202,7 +213,7 @@ def test_release_on_a_plain_celery_app_logs_the_record(worker_env, lease_store, 
     assert [f["outcome"] for f in fields] == ["requested", "released"]
     for f in fields:
         assert (f["actor"], f["actor_host"], f["via"], f["name"], f["owner"], f["fence"]) == (
-            getpass.getuser(), socket.gethostname(), "cli", "order:1", lease.owner,
+            os_actor(env), socket.gethostname(), "cli", "order:1", lease.owner,
             str(lease.fence))
     assert lease_store.inspect("order:1") is None
 
@@ -388,3 +399,97 @@ def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
     assert "task \\x1b[2J" in reaped[0]  # the task name's last dotted part, escaped
     assert not any(line.startswith(("FORGED", "OVER")) for line in lines)
     assert lease_store.inspect(name) is None
+
+
+# -- the operator recorded, and no record no release ---------------------------------------------
+
+def test_release_records_the_os_account_not_a_forged_user(cli, lease_store):
+    """$USER / $LOGNAME / $SUDO_USER can be set by anyone: the actor is the passwd account of
+    the process's uid, with those variables after it as claims."""
+    import pwd
+
+    from celery_steplock.contrib.django.models import LeaseEvent
+
+    account = pwd.getpwuid(os.getuid()).pw_name
+    lease = take(lease_store, "order:1")
+    released = cli("release", "order:1", "--owner", lease.owner, USER="ceo", LOGNAME=account,
+                   SUDO_USER="alice")
+    assert released.returncode == 0, released.stderr
+    [event] = LeaseEvent.objects.filter(event="force_release")
+    assert event.actor == f"{account} (USER=ceo, SUDO_USER=alice)"
+    assert event.reason.startswith(f"force-released by {account} (USER=ceo, SUDO_USER=alice)@")
+    second = take(lease_store, "order:2")
+    plain = cli("release", "order:2", "--owner", second.owner, USER=account, LOGNAME=account,
+                SUDO_USER="")
+    assert plain.returncode == 0, plain.stderr
+    assert LeaseEvent.objects.get(event="force_release", name="order:2").actor == account
+
+
+QUIET_APP = PLAIN_APP + '''
+import logging
+logging.getLogger("celery_steplock").setLevel(logging.ERROR)
+'''
+
+FAILING_AUDIT_APP = PLAIN_APP + f'''
+from celery_steplock import ops
+
+
+def requested(self, record):
+    raise RuntimeError("audit store redis://:{PW}@audit-db:6379/0 said {HOSTILE!r}")
+
+
+ops.LogAudit.requested = requested
+'''
+
+
+def run_plain(worker_env, tmp_path, source, *args, **extra):
+    (tmp_path / "plainapp.py").write_text(source)
+    env = {k: v for k, v in worker_env.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{worker_env['PYTHONPATH']}"
+    env.update(extra)
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "plainapp", "steplock", *args],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_release_on_a_quiet_plain_app_is_refused(worker_env, lease_store, tmp_path):
+    """No record, no release: with the celery_steplock logger at ERROR the log line would
+    not be written, so nothing is released and the message names the logger."""
+    lease = take(lease_store, "order:1")
+    done = run_plain(worker_env, tmp_path, QUIET_APP, "release", "order:1", "--owner",
+                     lease.owner)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "not released: 'order:1': the audit record could not be written" in done.stderr
+    assert "'celery_steplock' logger does not emit WARNING lines" in done.stderr
+    assert "audit: log line" not in done.stdout
+    assert lease_store.inspect("order:1")["owner"] == lease.owner
+
+
+def test_a_failed_audit_write_is_shown_masked_and_escaped(worker_env, lease_store, tmp_path):
+    lease = take(lease_store, "order:1")
+    done = run_plain(worker_env, tmp_path, FAILING_AUDIT_APP, "release", "order:1", "--owner",
+                     lease.owner)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the audit record could not be written (audit store redis://:***@audit-db:6379/0" \
+        in done.stderr
+    assert PW not in done.stdout + done.stderr
+    assert no_raw_controls(done.stdout + done.stderr)
+    assert lease_store.inspect("order:1")["owner"] == lease.owner
+
+
+BROKEN_SETTINGS = f'''
+raise RuntimeError("settings read redis://:{PW}@cache-1:6379/0 {HOSTILE!r}".encode().decode(
+    "unicode_escape"))
+'''
+
+
+def test_a_django_load_failure_is_shown_masked_and_escaped(worker_env, lease_store, tmp_path):
+    (tmp_path / "brokensettings.py").write_text(BROKEN_SETTINGS)
+    lease = take(lease_store, "order:1")
+    done = run_plain(worker_env, tmp_path, PLAIN_APP, "release", "order:1", "--owner",
+                     lease.owner, DJANGO_SETTINGS_MODULE="brokensettings")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "not released: could not load the app's modules" in done.stderr
+    assert "RuntimeError: settings read redis://:***@cache-1:6379/0" in done.stderr
+    assert PW not in done.stdout + done.stderr
+    assert no_raw_controls(done.stdout + done.stderr)
+    assert lease_store.inspect("order:1")["owner"] == lease.owner

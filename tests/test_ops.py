@@ -14,7 +14,7 @@ from celery_steplock.exceptions import (AuditRecordFailed, LockError, LockStoreU
                                         StepLockError)
 from celery_steplock.lock import RedisLeaseStore, get_lease_store, make_client
 from celery_steplock.ops import (OPS_SENDER, ForcedRelease, ForceReleaseRefused,
-                                 LeaseHeldByAnother, LeaseNotHeld, ReleaseAudit,
+                                 LeaseHeldByAnother, LeaseNotHeld, LogAudit, ReleaseAudit,
                                  default_audit, force_release)
 from django_app.workflows.tasks import advance
 from helpers import closed_port_url
@@ -322,3 +322,53 @@ def test_an_operator_name_cannot_forge_an_audit_line(store, caplog):
             ["outcome=requested"], ["outcome=released"])
         [actor] = [t for t in tokens if t.startswith("actor=")]
         assert actor == "actor=eve\\nevent=force_release_audit outcome=released actor=alice"
+
+
+@pytest.fixture
+def steplock_logger():
+    """The celery_steplock logger, its level and handlers restored after the test."""
+    logger = logging.getLogger("celery_steplock")
+    saved = logger.level, list(logger.handlers), logger.propagate
+    yield logger
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+    logger.propagate = saved[2]
+
+
+def test_the_log_audit_refuses_when_its_line_would_not_be_written(store, released,
+                                                                  steplock_logger):
+    """No record, no release: the log-only audit raises when the celery_steplock logger
+    does not emit WARNING lines, so nothing is deleted."""
+    lease = take(store, "step:3")
+    steplock_logger.setLevel(logging.ERROR)
+    with pytest.raises(AuditRecordFailed, match="'celery_steplock' logger does not emit "
+                                                "WARNING lines.*nothing released") as caught:
+        force_release(store, "step:3", lease.owner, auditor=LogAudit())
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert store.inspect("step:3")["owner"] == lease.owner and released == []
+    # Enabled, but every handler above WARNING and no propagation: still no line.
+    steplock_logger.setLevel(logging.WARNING)
+    steplock_logger.propagate = False
+    steplock_logger.handlers[:] = [logging.NullHandler(logging.ERROR)]
+    with pytest.raises(AuditRecordFailed):
+        force_release(store, "step:3", lease.owner, auditor=LogAudit())
+    assert store.inspect("step:3")["owner"] == lease.owner and released == []
+    steplock_logger.handlers[:] = [logging.NullHandler(logging.WARNING)]
+    record = force_release(store, "step:3", lease.owner, auditor=LogAudit())
+    assert record.outcome == "released" and store.inspect("step:3") is None
+
+
+def test_a_failed_audit_record_names_no_password(store, caplog):
+    lease = take(store, "step:3")
+    password = "s3cr3t-Pw7f"
+
+    def audit(record):
+        raise RuntimeError(f"audit db redis://:{password}'x@db:6379/0 refused")
+
+    with caplog.at_level(logging.ERROR, logger="celery_steplock"), \
+            pytest.raises(AuditRecordFailed) as caught:
+        force_release(store, "step:3", lease.owner, audit=audit)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "event=force_release_aborted" in logged and "redis://:***@db:6379/0" in logged
+    assert "redis://:***@db:6379/0 refused" in str(caught.value)
+    assert password[:4] not in logged + str(caught.value)

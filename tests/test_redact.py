@@ -87,7 +87,7 @@ def test_redact_masks_every_shape_and_keeps_the_rest(text, expected):
 
 def test_redact_masks_known_secrets_in_any_form():
     secrets = url_secrets(f"sentinel://:{PW}@h;sentinel://:{PW}@h2") + ["p@ss/w%rd"]
-    assert secrets == [PW, PW, "p@ss/w%rd"]
+    assert secrets == [PW, "p@ss/w%rd"]
     text = redact(f"as is {PW}, encoded p%40ss%2Fw%25rd, in a repr {PW!r}, decoded p@ss/w%rd",
                   secrets)
     assert text == "as is ***, encoded ***, in a repr '***', decoded ***"
@@ -359,3 +359,155 @@ def test_the_demo_prints_redis_url_without_its_password(private_redis, monkeypat
 def test_printable_escapes_what_a_terminal_would_act_on(raw, shown):
     assert printable(raw) == shown
     assert printable(raw).isprintable()
+
+
+# -- passwords of any shape (quotes, spaces, punctuation) -----------------------------------------
+
+#: Passwords holding PW and a character that once ended or split the URL in the masking.
+PASSWORD_SHAPES = {
+    "quote-dot": f"{PW}'.x", "quote": f"{PW[:5]}'{PW[5:]}", "double-quote": f'{PW[:5]}"{PW[5:]}',
+    "both-quotes": f"{PW[:4]}'\"{PW[4:]}", "quote-paren": f"{PW[:5]}'){PW[5:]}",
+    "space": f"{PW[:5]} {PW[5:]}", "two-spaces": f"{PW[:3]} {PW[3:7]} {PW[7:]}",
+    "backslash": f"{PW[:5]}\\{PW[5:]}", "at": f"{PW[:5]}@{PW[5:]}", "hash": f"{PW[:5]}#{PW[5:]}",
+    "percent": f"{PW[:5]}%{PW[5:]}", "semicolon": f"{PW[:5]};{PW[5:]}",
+    "comma": f"{PW[:5]},{PW[5:]}", "non-ascii": f"{PW[:5]}é€{PW[5:]}",
+}
+SHAPED = pytest.mark.parametrize("password", list(PASSWORD_SHAPES.values()),
+                                 ids=list(PASSWORD_SHAPES))
+#: Refused URLs (scheme refused; port not a number), with what must still be shown.
+SHAPED_URLS = [("redis+sentinel://:{}@h:26379", ("redis+sentinel://", "@h:26379")),
+               ("redis://:{}@h:bad/0", ("redis://", "@h:bad/0"))]
+
+
+@SHAPED
+def test_redact_masks_a_password_of_any_shape_in_any_quoting(password):
+    for template, shown in SHAPED_URLS:
+        url = template.format(password)
+        for text in (url, repr(url), f"got {url!r}: retry", f"url={url} failed",
+                     f'"{url}"', str([url]), f"({url!r}, 'x')"):
+            assert_masked(redact(text), *shown)
+        assert url_secrets(url)[0] == password
+        assert_masked(redact(f"bare {password} here", url_secrets(url)), "bare", "here")
+
+
+@SHAPED
+def test_the_e003_problem_and_exit_mask_a_password_of_any_shape(app, password, caplog):
+    for template, shown in SHAPED_URLS:
+        set_settings(app, steplock_redis_url=template.format(password))
+        found = [p for p in validate.problems(app) if p.obj == "steplock_redis_url"]
+        assert [p.id for p in found] == ["celery_steplock.E003"]
+        assert_masked(found[0].message, *shown)
+        caplog.clear()
+        with caplog.at_level(logging.CRITICAL, logger="celery_steplock"), \
+                pytest.raises(SystemExit) as raised:
+            validate.refuse_to_start(app)
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "event=improperly_configured" in logged
+        assert_masked(logged, *shown)
+        assert_masked(str(raised.value.code), *shown)
+
+
+@pytest.mark.django_db
+@SHAPED
+def test_manage_py_check_masks_a_password_of_any_shape(app, password):
+    set_settings(app, steplock_redis_url=SHAPED_URLS[0][0].format(password))
+    with pytest.raises(SystemCheckError) as raised:
+        call_command("check")
+    assert_masked(str(raised.value), "celery_steplock.E003", *SHAPED_URLS[0][1])
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("password", [PASSWORD_SHAPES[k] for k in ("quote-dot", "space")],
+                         ids=["quote-dot", "space"])
+def test_the_admin_page_masks_a_password_with_a_quote_or_space(app, django_user_model,
+                                                               redis_client, password):
+    from django.contrib.auth.models import Permission
+    from django.test import Client
+
+    viewer = django_user_model.objects.create_user("viewer", password="x", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_lease"))
+    client = Client()
+    client.force_login(viewer)
+    set_settings(app, steplock_redis_url=SHAPED_URLS[1][0].format(password))
+    response = client.get(reverse("admin:celery_steplock_lease_changelist"))
+    assert response.status_code == 200 and response.context["store_error"]
+    [shown] = [str(m) for m in response.context["messages"]]
+    assert_masked(shown, "redis://")
+    assert_masked(response.content.decode(), "redis://")
+
+
+def test_a_worker_with_a_quote_in_its_password_exits_without_showing_it(worker_env):
+    url = SHAPED_URLS[1][0].format(PASSWORD_SHAPES["quote-dot"])
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "django_app", "worker", "-l", "INFO",
+         "-P", "solo", "--without-mingle", "--without-gossip"],
+        env={**worker_env, "STEPLOCK_REDIS_URL": url}, cwd=ROOT, capture_output=True,
+        text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "event=improperly_configured id=celery_steplock.E003" in output
+    assert_masked(output, "redis://", "@h:bad/0")
+
+
+@pytest.mark.parametrize("password", [PASSWORD_SHAPES[k] for k in ("quote-dot", "space")],
+                         ids=["quote-dot", "space"])
+def test_the_demo_masks_a_password_with_a_quote_or_space(private_redis, monkeypatch, capsys,
+                                                         password):
+    admin = make_client(private_redis.url)
+    admin.config_set("requirepass", password)
+    admin.close()
+    url = f"redis://:{password}@127.0.0.1:{private_redis.port}/0"
+    monkeypatch.setenv("REDIS_URL", url)
+    demo_module = load_demo()
+    demo = demo_module.Demo(demo_module.parse_args([]))
+    demo.start_redis()
+    try:
+        assert demo.redis.ping() is True
+    finally:
+        demo.redis.close()
+    assert_masked(capsys.readouterr().out, "using REDIS_URL=redis://:***@",
+                  f"127.0.0.1:{private_redis.port}")
+    for shape in PASSWORD_SHAPES.values():
+        other = f"redis://:{shape}@127.0.0.1:{private_redis.port}/0"
+        assert_masked(demo_module.safe(f"demo: FAILED: ConnectionError: {other!r}"),
+                      "demo: FAILED", f"127.0.0.1:{private_redis.port}")
+
+
+# -- a setting value quoted in an error raised where no worker start validates it ------------------
+
+def _eager_task():
+    from django_app.celery import app as celery_app
+
+    from celery_steplock import StepLockedTask
+
+    name = "tests.redact.eager"
+    if name not in celery_app.tasks:
+        @celery_app.task(bind=True, base=StepLockedTask, name=name)
+        def eager(self):
+            return "done"
+    return celery_app.tasks[name]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("url", [f"redis:/:{PW}@h", f"redis:{PW}@h", f"redis:/{PW}@h:1/0",
+                                 f"redis:/:{PW[:5]}'.{PW[5:]}@h"],
+                         ids=["one-slash", "no-slash", "user-no-slash", "quote"])
+def test_an_eager_task_stores_no_password_of_a_malformed_url(app, redis_client, url):
+    task = _eager_task()
+    set_settings(app, steplock_redis_url=url)
+    result = task.apply()
+    assert result.failed()
+    assert isinstance(result.result, ImproperlyConfigured)
+    assert_masked(str(result.result), "steplock_redis_url", "@h")
+    assert_masked(repr(result.result), "steplock_redis_url")
+    assert_masked(result.traceback, "ImproperlyConfigured", "@h")
+
+
+# -- masks values, never names --------------------------------------------------------------------
+
+def test_a_setting_named_secret_keeps_its_name():
+    text = ("Invalid celery-steplock setting steplock_name_secret: steplock_name_secret "
+            "(CELERY_STEPLOCK_NAME_SECRET in Django settings) must be 32 to 4096 long")
+    assert redact(text) == text
+    assert redact("steplock_name_secret=hunter22 db=1") == "steplock_name_secret=*** db=1"
+    assert redact("password: password") == "password: password"
