@@ -668,7 +668,7 @@ class RedisLeaseStore:
             elif not fields and "\ufffd" in key and _wire.text(pttl) == "none":
                 # SCAN listed a name that was not UTF-8: as decoded it names no key, so it
                 # is shown (escaped) rather than dropped; the reaper skips it.
-                found[key] = {"key": key, "name": _escaped(_name_of(key)), "ttl": None,
+                found[key] = {"key": _escaped(key), "name": _escaped(_name_of(key)), "ttl": None,
                               "malformed": "key: not UTF-8 (cannot be read back)"}
                 continue
             elif not fields:
