@@ -235,7 +235,9 @@ class RedisLeaseStore:
                  clock: Callable[[], float] = time.monotonic, *,
                  waiter_client: redis.Redis | None = None, max_waiters: int = MAX_WAITERS,
                  name_secret: bytes | str | None = None):
-        if client is None or not callable(getattr(client, "execute_command", None)):
+        # Looked up on the type: a deferred cluster client builds itself on attribute access.
+        if not _cluster.is_cluster(client) \
+                and not callable(getattr(type(client), "execute_command", None)):
             raise InvalidArgument(f"client must be a redis.Redis or RedisCluster client, got "
                                   f"{shown(client)}", argument="client")
         prefix = _argument(check_key_prefix, prefix, "prefix")
