@@ -536,6 +536,7 @@ class ClusterStoreMixin:
 
     def read_leases(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
         """As the single-node store's, with one script call per slot (pipelined per node)."""
+        keys = self._checked_keys(keys)
         if not keys:
             return {}
         groups = list(by_slot(keys).values())

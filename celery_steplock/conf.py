@@ -186,6 +186,10 @@ MIN_TTL = 0.05
 MAX_TTL = 24 * 3600.0
 #: The renewal interval may use at most this share of the TTL, leaving time for a retry.
 MAX_RENEWAL_RATIO = 0.75
+#: ... and at least this share (a smaller one is a renewal busy loop), and never less than
+#: MIN_RENEWAL_INTERVAL seconds whatever the TTL (the heartbeat waits at least that long).
+MIN_RENEWAL_RATIO = 0.05
+MIN_RENEWAL_INTERVAL = 0.01
 
 
 def check_ttl(value: Any, name: str) -> float:
@@ -469,9 +473,10 @@ class Settings:
     def renewal_ratio(self) -> float:
         ratio = self.raw("renewal_ratio")
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
-                or not 0 < ratio <= MAX_RENEWAL_RATIO:
+                or not MIN_RENEWAL_RATIO <= ratio <= MAX_RENEWAL_RATIO:
             raise ImproperlyConfigured(
-                f"{describe('steplock_renewal_ratio')} must be a number above 0 and at most "
+                f"{describe('steplock_renewal_ratio')} must be a number between "
+                f"{MIN_RENEWAL_RATIO} and "
                 f"{MAX_RENEWAL_RATIO} (the renewal interval must leave time for a retry "
                 f"before the TTL runs out), got {shown(ratio)}", setting="steplock_renewal_ratio")
         return float(ratio)

@@ -91,13 +91,15 @@ class LockNameError(StepLockError, TypeError):
 class MetadataError(StepLockError, ValueError):
     """Lease metadata (``RedisLeaseStore.acquire(metadata=...)``, ``holder_metadata``) uses a
     key reserved for the lease's own fields (``owner``, ``fence``, ``acquired_ms``, ...; see
-    :data:`celery_steplock.lease.RESERVED_FIELDS`). Raised before anything is written.
+    :data:`celery_steplock.lease.RESERVED_FIELDS`) or breaks a bound of
+    :func:`celery_steplock.lease.check_metadata`. Raised before anything is written.
 
-    ``keys`` holds the refused keys, sorted.
+    ``keys`` holds the refused keys, sorted (each quoted at most 40 characters when a bound
+    is broken). The message is at most ``conf.MAX_MESSAGE_LENGTH`` characters.
     """
 
     def __init__(self, message: str, keys: tuple[str, ...] = ()):
-        super().__init__(message)
+        super().__init__(_bounded(str(message)))
         self.keys = tuple(keys)
 
 

@@ -39,7 +39,8 @@ from celery.signals import worker_init
 
 from . import _green, signals
 from .events import emit, lease_fields, listening, log_event
-from .exceptions import LockStoreMisconfigured, LockStoreUnavailable
+from .conf import MAX_RENEWAL_RATIO, MIN_RENEWAL_INTERVAL, shown
+from .exceptions import InvalidArgument, LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
 from .lock import RedisLeaseStore
 
@@ -97,11 +98,19 @@ class Heartbeat:
 
     def register(self, lease: Lease, lock: RedisLeaseStore, *, ratio: float = 1 / 3,
                  sender: Any = None, max_hold: float | None = None) -> None:
-        """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock``;
-        ``max_hold`` (seconds) stops the renewals that long after the acquisition."""
+        """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock`` (at
+        least :data:`~celery_steplock.conf.MIN_RENEWAL_INTERVAL` seconds apart); ``ratio``
+        is a finite number above 0 and at most
+        :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO` (else :class:`InvalidArgument`,
+        ``argument`` ``"ratio"``, before anything is registered); ``max_hold`` (seconds)
+        stops the renewals that long after the acquisition."""
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+                or not 0 < ratio <= MAX_RENEWAL_RATIO:  # NaN compares false
+            raise InvalidArgument(f"ratio must be a number above 0 and at most "
+                                  f"{MAX_RENEWAL_RATIO}, got {shown(ratio)}", argument="ratio")
         if max_hold is not None:
             lease.max_hold_until = lease.acquired_at + max_hold
-        interval = lease.ttl * ratio
+        interval = max(lease.ttl * ratio, MIN_RENEWAL_INTERVAL)
         entry = _Entry(lease, lock, interval, _next(lease, lease.acquired_at + interval), sender)
         if self.green:
             self.renewal_store(lock)

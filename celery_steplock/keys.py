@@ -62,7 +62,9 @@ def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, 
         signature = _signature(fun)
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise LockNameError(f"cannot bind the task's arguments to its signature: {exc}") from exc
+        # ``from None``: the TypeError quotes the caller's keyword names, however long.
+        raise LockNameError(f"cannot bind the task's arguments to its signature: {exc}"
+                            ) from None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     for parameter in signature.parameters.values():
@@ -127,7 +129,7 @@ def canonical_json(arguments: Mapping[str, Any]) -> str:
                 raise LockNameError(
                     f"argument {shown(name)} cannot be part of a lock name: {inner} "
                     f"(use lock_key to name the lock explicitly)",
-                    argument=name) from exc
+                    argument=name) from None
         raise LockNameError(f"arguments cannot be part of a lock name: {exc}") from None
 
 

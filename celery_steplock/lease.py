@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import socket
 import threading
 import time
@@ -21,7 +23,9 @@ from typing import Any, Callable
 from .exceptions import ImproperlyConfigured, LockLost, MetadataError
 
 __all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "owner_has_task_id",
-           "holder_metadata", "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease"]
+           "holder_metadata", "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease",
+           "bounded_text", "MAX_METADATA_ENTRIES", "MAX_METADATA_KEY", "MAX_METADATA_VALUE",
+           "MAX_METADATA_SIZE", "MAX_META_BYTES", "MAX_HOLDER_TEXT"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -42,19 +46,116 @@ INTEGER_FIELDS = {"fence": (0, 2 ** 63 - 1), "acquired_ms": (0, 2 ** 63 - 1),
 MALFORMED_EXCERPT = 40
 
 
+#: Bounds of lease metadata (``acquire(metadata=...)``, :func:`holder_metadata`), checked
+#: before any write: entries, characters of a key, characters of a string value, and bytes
+#: of the whole encoded ``meta`` field. An integer value must fit a signed 64-bit integer.
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 1024
+MAX_METADATA_SIZE = 16 * 1024
+#: A stored ``meta`` field longer than this (bytes) is malformed, never decoded.
+MAX_META_BYTES = 64 * 1024
+#: Characters at most of the texts :func:`holder_metadata` writes itself (``task_id``,
+#: ``task_name``, ``worker``, ``step``): a longer one is stored as :func:`bounded_text` gives.
+MAX_HOLDER_TEXT = 255
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _refuse(problem: str, key: Any) -> MetadataError:
+    shown_key = _excerpt(key) if isinstance(key, str) else _excerpt(_safe_repr(key))
+    return MetadataError(f"lease metadata {problem} (key {shown_key})", keys=(shown_key,))
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)[:MALFORMED_EXCERPT + 3]
+    except Exception:  # noqa: BLE001 - a repr that fails still gets a message
+        return f"<{type(value).__name__}>"
+
+
 def check_metadata(metadata: Any) -> None:
-    """Raise :class:`~celery_steplock.exceptions.MetadataError` when ``metadata`` (a mapping,
-    or None) uses a key of :data:`RESERVED_FIELDS` or a key that is not a string; else
-    return None. Called before any write, so a refused acquire changes nothing."""
-    if not metadata:
+    """Raise :class:`~celery_steplock.exceptions.MetadataError` (message and ``keys`` quoting
+    at most :data:`MALFORMED_EXCERPT` characters of the key) unless ``metadata`` is None or a
+    mapping of at most :data:`MAX_METADATA_ENTRIES` entries whose keys are strings of 1 to
+    :data:`MAX_METADATA_KEY` characters, not in :data:`RESERVED_FIELDS`, and whose values are
+    None, bool, a float that is finite, an int within [-2**63, 2**63 - 1] or a string of at
+    most :data:`MAX_METADATA_VALUE` characters; no key or string value may hold a control
+    character (U+0000-U+001F, U+007F-U+009F), and the encoded ``meta`` field must fit
+    :data:`MAX_METADATA_SIZE` bytes. Else return None. Called before any write, so a refused
+    acquire changes nothing."""
+    if metadata is None:
         return
-    bad = sorted(repr(k) if not isinstance(k, str) else k for k in metadata
-                 if not isinstance(k, str) or k in RESERVED_FIELDS)
-    if bad:
+    try:
+        items = list(metadata.items())
+    except Exception:  # noqa: BLE001 - not a mapping
+        raise MetadataError(f"lease metadata must be None or a mapping, got "
+                            f"{_safe_repr(metadata)}", keys=()) from None
+    if len(items) > MAX_METADATA_ENTRIES:
+        raise MetadataError(f"lease metadata may hold at most {MAX_METADATA_ENTRIES} entries, "
+                            f"got {len(items)}", keys=())
+    reserved = sorted(k for k, _ in items if isinstance(k, str) and k in RESERVED_FIELDS)
+    if reserved:
         raise MetadataError(
-            f"lease metadata may not use the key(s) {', '.join(bad)}: reserved for the "
-            f"lease's own fields ({', '.join(sorted(RESERVED_FIELDS))}) or not a string",
-            keys=tuple(bad))
+            f"lease metadata may not use the key(s) {', '.join(reserved)}: reserved for the "
+            f"lease's own fields ({', '.join(sorted(RESERVED_FIELDS))})", keys=tuple(reserved))
+    size = 0
+    for key, value in items:
+        if not isinstance(key, str):
+            raise _refuse("keys must be strings", key)
+        if not 0 < len(key) <= MAX_METADATA_KEY:
+            raise _refuse(f"keys must be 1 to {MAX_METADATA_KEY} characters", key)
+        if _CONTROL.search(key):
+            raise _refuse("keys may not hold control characters", key)
+        if value is None:
+            text = ""
+        elif isinstance(value, str):
+            if len(value) > MAX_METADATA_VALUE:
+                raise _refuse(f"strings must be at most {MAX_METADATA_VALUE} characters, got "
+                              f"{len(value)}", key)
+            if _CONTROL.search(value):
+                raise _refuse("strings may not hold control characters", key)
+            text = value
+        elif isinstance(value, bool):
+            text = ""
+        elif isinstance(value, int):
+            if not -2 ** 63 <= value <= 2 ** 63 - 1:
+                raise _refuse("integers must fit 64 bits (within [-2**63, 2**63 - 1])", key)
+            text = ""
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise _refuse("floats must be finite (not NaN or infinite)", key)
+            text = ""
+        else:
+            raise _refuse(f"values must be None, str, int, float or bool, got "
+                          f"{type(value).__name__}", key)
+        size += len(key) + len(text)
+    if size > MAX_METADATA_SIZE // 8:  # small metadata cannot reach the bound: not encoded
+        encoded = len(_encode_meta({k: "" if v is None else str(v) for k, v in items})
+                      .encode("utf-8", "surrogatepass"))
+        if encoded > MAX_METADATA_SIZE:
+            raise MetadataError(f"lease metadata must encode to at most {MAX_METADATA_SIZE} "
+                                f"bytes, got {encoded}", keys=())
+
+
+_encode_meta = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def bounded_text(value: str, limit: int = MAX_HOLDER_TEXT) -> str:
+    """``value`` as :func:`holder_metadata` stores it: unchanged when it has at most
+    ``limit`` characters and no control character; else each control character written as a
+    backslash escape (``\\x1b``), and when still longer than ``limit``, its first
+    ``limit - 45`` characters, ``"..."`` and ``"sha256:"`` with the first 35 hex digits of
+    the SHA-256 of the UTF-8 of the original ``value`` (so two long ids that share their
+    beginning still differ). The result never exceeds ``limit`` characters."""
+    value = str(value)
+    if len(value) <= limit and not _CONTROL.search(value):
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:35]
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value[:limit * 4])
+    if len(text) <= limit and len(value) <= limit:
+        return text
+    return f"{text[:limit - 45]}...sha256:{digest}"
 
 
 def _text(value: Any) -> str:
@@ -78,7 +179,8 @@ def parse_lease(fields: Any) -> dict[str, Any]:
     Never raises for what the hash holds. A field that cannot be what it claims is left out
     and described in ``malformed`` (a string, ``"field: why; ..."``, absent when all is
     well; its parts sorted): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal
-    integer within its bounds, a ``meta`` that is not a JSON object, a metadata entry whose
+    integer within its bounds, a ``meta`` that is not a JSON object (or nested too deep to
+    decode, or longer than :data:`MAX_META_BYTES` bytes: not decoded), a metadata entry whose
     key is reserved (:data:`RESERVED_FIELDS`) or whose value is a list or an object, text
     that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing ``owner``.
     Readers show such a lease as malformed (the reaper skips it). An empty mapping (the
@@ -95,11 +197,14 @@ def parse_lease(fields: Any) -> dict[str, Any]:
     for key, value in items:
         info[_text(key)] = _text(value) if value is not None else ""
     meta = info.pop("meta", None)
-    if meta:
+    if meta and (len(meta) > MAX_META_BYTES
+                 or len(meta.encode("utf-8", "surrogatepass")) > MAX_META_BYTES):
+        problems.append(f"meta: larger than {MAX_META_BYTES} bytes ({len(meta)} characters)")
+    elif meta:
         try:
             extra = json.loads(meta)
-        except ValueError:
-            extra = None
+        except (ValueError, RecursionError, TypeError, MemoryError):
+            extra = None  # deep nesting, a huge integer, not JSON: malformed, never raised
         if not isinstance(extra, dict):
             problems.append(f"meta: not a JSON object ({_excerpt(meta)})")
         else:
@@ -179,13 +284,23 @@ def holder_metadata(task_id: str | None = None, task_name: str | None = None,
     ``"<app_label>.<model>:<pk>"`` of the step the lease guards; ``renew_ms`` the holder's
     renewal interval in milliseconds). Returns a dict without the None values; ``hostname``
     and ``pid`` are this process's. Raises
-    :class:`~celery_steplock.exceptions.MetadataError` when ``extra`` uses a key of
-    :data:`RESERVED_FIELDS`."""
-    check_metadata(extra)
-    meta = {"task_id": task_id, "task_name": task_name, "hostname": socket.gethostname(),
-            "pid": os.getpid(), "retries": retries}
+    :class:`~celery_steplock.exceptions.MetadataError` when ``extra`` breaks a rule of
+    :func:`check_metadata`. ``task_id``, ``task_name`` and the ``worker`` and ``step`` of
+    ``extra`` are client-chosen texts: each is stored as :func:`bounded_text` gives (at most
+    :data:`MAX_HOLDER_TEXT` characters, control characters escaped, a longer one cut and
+    followed by a digest of the whole), never refused."""
+    texts = {"task_id": task_id, "task_name": task_name}
+    for name in ("worker", "step"):
+        if name in extra:
+            texts[name] = extra.pop(name)
+    bounded = {k: None if v is None else bounded_text(v) for k, v in texts.items()}
+    meta = {"task_id": bounded["task_id"], "task_name": bounded["task_name"],
+            "hostname": socket.gethostname(), "pid": os.getpid(), "retries": retries}
+    meta.update({k: bounded[k] for k in ("worker", "step") if k in bounded})
     meta.update(extra)
-    return {k: v for k, v in meta.items() if v is not None}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    check_metadata(meta)
+    return meta
 
 
 @dataclass(eq=False)

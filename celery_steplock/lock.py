@@ -178,6 +178,20 @@ def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     return parse_lease(fields)
 
 
+def _name_of(key: str) -> str:
+    """The lock name of a listed lease key (the key itself when it has no braces)."""
+    try:
+        return name_from_key(key)
+    except LockNameError:
+        return key
+
+
+def _escaped(text: str) -> str:
+    """``text`` with each non-printable character as a backslash escape."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 class RedisLeaseStore:
     """Acquire, extend, release, reap and inspect owner-keyed leases in one Redis.
 
@@ -221,6 +235,11 @@ class RedisLeaseStore:
                  clock: Callable[[], float] = time.monotonic, *,
                  waiter_client: redis.Redis | None = None, max_waiters: int = MAX_WAITERS,
                  name_secret: bytes | str | None = None):
+        # Looked up on the type: a deferred cluster client builds itself on attribute access.
+        if not _cluster.is_cluster(client) \
+                and not callable(getattr(type(client), "execute_command", None)):
+            raise InvalidArgument(f"client must be a redis.Redis or RedisCluster client, got "
+                                  f"{shown(client)}", argument="client")
         prefix = _argument(check_key_prefix, prefix, "prefix")
         fence_ttl = _argument(check_fence_ttl, fence_ttl, "fence_ttl")
         max_waiters = _argument(check_count, max_waiters, "max_waiters", minimum=1,
@@ -608,7 +627,11 @@ class RedisLeaseStore:
         """The leases of ``keys`` (as :meth:`inspect` returns them), read by one script call,
         each hash as one JSON string (parsing thousands of small RESP replies in Python cost
         more than the scan itself); None for a key gone since it was listed or not a lease
-        hash (logged: one stray key cannot blind the admin, `ls` and the reaper)."""
+        hash (logged: one stray key cannot blind the admin, `ls` and the reaper). ``keys``: a
+        list (or other iterable) of key names, as :meth:`scan_keys` gives; a str or bytes
+        raises :class:`InvalidArgument`. A key whose name was not UTF-8 (listed with U+FFFD in
+        place of the bad bytes, so it cannot be read back) comes out malformed."""
+        keys = self._checked_keys(keys)
         if not keys:
             return {}
         try:
@@ -618,6 +641,19 @@ class RedisLeaseStore:
         if isinstance(replies, Exception):
             raise _unavailable_unless_misconfigured(replies, "scan", refused=True)
         return self._parse_scan_fields(keys, replies)
+
+    @staticmethod
+    def _checked_keys(keys: Any) -> list[str]:
+        """The ``keys`` of :meth:`read_leases` as a list of str, validated."""
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise InvalidArgument(f"keys must be a list of key names, got {shown(keys)}",
+                                  argument="keys")
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, str):
+                raise InvalidArgument(f"keys must be a list of key names (str), got an item "
+                                      f"{shown(key)}", argument="keys")
+        return keys
 
     def _parse_scan_fields(self, keys: list[str], replies: list[Any]
                            ) -> dict[str, dict[str, Any] | None]:
@@ -631,6 +667,12 @@ class RedisLeaseStore:
                 fields, unreadable = None, True
             if unreadable or (fields is not None and not isinstance(fields, dict)):
                 info = {"malformed": "hash: not readable"}
+            elif not fields and "\ufffd" in key and _wire.text(pttl) == "none":
+                # SCAN listed a name that was not UTF-8: as decoded it names no key, so it
+                # is shown (escaped) rather than dropped; the reaper skips it.
+                found[key] = {"key": _escaped(key), "name": _escaped(_name_of(key)), "ttl": None,
+                              "malformed": "key: not UTF-8 (cannot be read back)"}
+                continue
             elif not fields:
                 if not doc and _wire.text(pttl) != "none":
                     log_event("scan_skipped", logging.WARNING, key=key,
@@ -640,7 +682,7 @@ class RedisLeaseStore:
             else:
                 info = unpack_fields(fields)
             info["key"] = key
-            info["name"] = name_from_key(key)
+            info["name"] = _name_of(key)
             info["ttl"] = pttl / 1000.0 if isinstance(pttl, int) and pttl > 0 else None
             found[key] = info
         return found

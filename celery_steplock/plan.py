@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
     check_choice, check_database, check_seconds, check_ttl, configuration_version, \
-    MAX_HOLD, MAX_RETRIES, MAX_WAIT, check_count, shown
+    MAX_HOLD, MAX_RETRIES, MAX_WAIT, MIN_RENEWAL_INTERVAL, check_count, shown
 from .exceptions import ImproperlyConfigured, LockNameError
 from .keys import template_fields
 from .lock import RedisLeaseStore, get_lease_store
@@ -74,7 +74,7 @@ class ExecutionPlan:
 
     @property
     def renew_ms(self) -> int:
-        return int(self.ttl * self.ratio * 1000)
+        return int(max(self.ttl * self.ratio, MIN_RENEWAL_INTERVAL) * 1000)
 
     @property
     def key_prefix(self) -> str:

@@ -503,7 +503,8 @@ class Reaper:
             except StepLockError as exc:
                 self.error(f"lease scan failed, no step recovered: {exc}")
                 return False
-            self.report.leases_scanned += sum(1 for lease in leases if lease.get("owner"))
+            self.report.leases_scanned += sum(1 for lease in leases
+                                              if lease.get("owner") or lease.get("malformed"))
             leases = [lease for lease in leases
                       if not self.malformed(lease) and lease.get("owner")]
             if leases:

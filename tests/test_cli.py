@@ -493,3 +493,30 @@ def test_a_django_load_failure_is_shown_masked_and_escaped(worker_env, lease_sto
     assert PW not in done.stdout + done.stderr
     assert no_raw_controls(done.stdout + done.stderr)
     assert lease_store.inspect("order:1")["owner"] == lease.owner
+
+
+def test_ls_and_show_survive_a_deep_meta_and_a_key_that_is_not_utf8(cli, lease_store,
+                                                                     redis_client):
+    import redis
+
+    take(lease_store, "order:1", pid=11)
+    redis_client.hset(lease_store.key("order:deep"), mapping={"owner": "b" * 32, "fence": "1",
+                                                              "meta": "[" * 1200})
+    redis_client.pexpire(lease_store.key("order:deep"), 60_000)
+    kwargs = redis_client.connection_pool.connection_kwargs
+    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+    odd = lease_store.key("").encode()[:-1] + b"\xff\xfe\x1b[2J}"
+    raw.hset(odd, mapping={"owner": "c" * 32, "fence": "1"})
+    raw.pexpire(odd, 60_000)
+    raw.close()
+    table = cli("ls")
+    assert table.returncode == 0, table.stderr
+    assert "\x1b" not in table.stdout and table.stdout.splitlines()[-2] == "3 lease(s)"
+    listed = {lease["name"]: lease for lease in json.loads(cli("ls", "--json").stdout)}
+    assert sorted(listed) == ["order:1", "order:deep", "\ufffd\ufffd\\x1b[2J"]
+    assert listed["order:deep"]["malformed"].startswith("meta: not a JSON object (")
+    assert listed["order:deep"]["owner"] == "b" * 32
+    assert listed["\ufffd\ufffd\\x1b[2J"]["malformed"] == "key: not UTF-8 (cannot be read back)"
+    shown = cli("show", "order:deep", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["malformed"].startswith("meta: not a JSON object (")

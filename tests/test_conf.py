@@ -281,3 +281,17 @@ def test_transport_option_durations_are_bounded(options):
         settings.redis_transport_options
     assert info.value.setting == "steplock_redis_transport_options"
     assert "at most 600" in str(info.value) and len(str(info.value)) < 400
+
+
+# -- hostile review, finding 4: a renewal ratio that makes a busy loop --------------------------
+
+@pytest.mark.parametrize("ratio", [1e-300, 0.049, 5e-324, -0.1])
+def test_a_renewal_ratio_below_its_floor_is_refused(ratio):
+    from celery_steplock.conf import MIN_RENEWAL_RATIO
+
+    settings = Settings(make_app(steplock_renewal_ratio=ratio))
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings.renewal_ratio
+    assert info.value.setting == "steplock_renewal_ratio" and MIN_RENEWAL_RATIO == 0.05
+    assert "between 0.05 and 0.75" in str(info.value)
+    assert Settings(make_app(steplock_renewal_ratio=0.05)).renewal_ratio == 0.05

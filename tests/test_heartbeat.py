@@ -469,3 +469,43 @@ def test_a_stuck_lock_extended_receiver_does_not_hang_unregister(lock, heartbeat
     finally:
         release.set()
         signals.lock_extended.disconnect(stuck)
+
+
+# -- hostile review, finding 4: a ratio that makes a renewal busy loop -------------------------
+
+from celery_steplock.exceptions import InvalidArgument  # noqa: E402
+
+
+@pytest.mark.parametrize("ratio", [0, -0.5, 0.76, 1.5, float("nan"), float("inf"), "0.3",
+                                   None, True])
+def test_register_refuses_a_bad_ratio_before_registering(redis_client, heartbeat, ratio):
+    lock = RedisLeaseStore(redis_client, prefix="t")
+    lease = lock.acquire("hb-bad", "o", 30.0)
+    with pytest.raises(InvalidArgument) as info:
+        heartbeat.register(lease, lock, ratio=ratio)
+    assert info.value.argument == "ratio" and "at most 0.75" in str(info.value)
+    assert heartbeat.leases == [] and heartbeat.thread is None
+
+
+def commands_run(client, name="evalsha"):
+    return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
+
+
+def test_a_tiny_ratio_renews_at_most_every_ten_milliseconds(redis_client, heartbeat):
+    """ratio 1e-6 of a 1 s TTL: 1 us on the landed code (a busy loop of renewals);
+    the interval is floored at MIN_RENEWAL_INTERVAL (0.01 s)."""
+    from celery_steplock import conf
+
+    lock = RedisLeaseStore(redis_client, prefix="t")
+    lease = lock.acquire("hb-tiny", "o", 1.0)
+    lock.extend("hb-tiny", "o", 1.0)  # the store's permission probe runs before counting
+    before, started = commands_run(redis_client), time.monotonic()
+    heartbeat.register(lease, lock, ratio=1e-6)
+    time.sleep(0.5)
+    wait_until(lambda: commands_run(redis_client) > before, timeout=10.0, interval=0.05,
+               what="a renewal")
+    assert heartbeat.unregister(lease) is True
+    elapsed, renewals = time.monotonic() - started, commands_run(redis_client) - before
+    assert 1 <= renewals <= elapsed / 0.01 + 2, f"{renewals} renewals in {elapsed:.2f} s"
+    assert conf.MIN_RENEWAL_INTERVAL == 0.01
+    assert not lease.lost and lock.owned("hb-tiny", "o") is not None

@@ -344,3 +344,26 @@ def test_a_huge_argument_of_a_task_gives_a_bounded_stored_result(app, redis_clie
     assert len(str(result.result)) < 400
     assert len(result.traceback) < 10_000
     assert redis_client.dbsize() == 0  # refused before any lease was taken
+
+
+# -- hostile review, finding 7: a typed error never chains a caller-controlled huge cause ------
+
+def test_a_huge_keyword_name_gives_a_bounded_error_without_its_cause():
+    import traceback
+
+    from celery_steplock.keys import bind_arguments, canonical_json
+
+    def run(a):
+        return a
+
+    with pytest.raises(LockNameError) as caught:
+        bind_arguments(run, (), {"k" * 1_000_000: 1})
+    error = caught.value
+    assert error.__cause__ is None and error.__suppress_context__
+    assert "cannot bind the task's arguments to its signature" in str(error)
+    assert len("".join(traceback.format_exception(error))) < 5000
+    with pytest.raises(LockNameError) as caught:
+        canonical_json({"x": {"k" * 1_000_000: 1j}})
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    assert caught.value.argument == "x"
+    assert len("".join(traceback.format_exception(caught.value))) < 5000

@@ -224,3 +224,118 @@ def test_the_holder_still_releases_after_an_overwrite_attempt(lock):
     assert "malformed" not in held
     assert lock.release("order:1", lease.owner) is True
     assert lock.inspect("order:1") is None
+
+
+# -- hostile review, finding 1: a meta nested too deep or too large; metadata bounds ------------
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+
+from celery_steplock.lease import (MAX_HOLDER_TEXT, MAX_META_BYTES,  # noqa: E402
+                                   MAX_METADATA_ENTRIES, MAX_METADATA_KEY, MAX_METADATA_SIZE,
+                                   MAX_METADATA_VALUE, bounded_text)
+
+
+def test_a_meta_nested_too_deep_or_too_large_is_malformed_and_never_raised(lock, redis_client):
+    lock.acquire("good", ttl=60.0, metadata={"task_name": "shop.charge"})
+    hostile = {"deep": "[" * 1200, "deep-object": '{"a":' * 10_000,
+               "huge-int": '{"x": ' + "1" * 5000 + "}",
+               "too-large": json.dumps({"x": "y" * MAX_META_BYTES})}
+    for name, meta in hostile.items():
+        redis_client.hset(lock.key(name), mapping={"owner": "b" * 32, "fence": "1",
+                                                   "meta": meta})
+        redis_client.pexpire(lock.key(name), 60_000)
+    by_scan = {lease["name"]: lease for lease in lock.iter_leases()}
+    assert sorted(by_scan) == ["deep", "deep-object", "good", "huge-int", "too-large"]
+    assert "malformed" not in by_scan["good"]
+    for name in ("deep", "deep-object", "huge-int"):
+        assert by_scan[name]["malformed"].startswith("meta: not a JSON object (")
+        assert len(by_scan[name]["malformed"]) < 100
+    assert by_scan["too-large"]["malformed"] == (
+        f"meta: larger than {MAX_META_BYTES} bytes ({MAX_META_BYTES + 9} characters)")
+    for name in hostile:
+        inspected = lock.inspect(name)
+        assert inspected["owner"] == "b" * 32 and inspected["fence"] == "1"
+        assert inspected["malformed"] == by_scan[name]["malformed"]
+    # every kind of stored value, directly: a dict of strings, never an exception
+    for meta in ("[" * 100_000, "{" * 100_000, "1e999999", '"\\ud800"', "\x00", "[]" * 10 ** 6):
+        info = parse_lease({"owner": "a", "meta": meta})
+        assert info["owner"] == "a" and info["malformed"].startswith("meta: ")
+
+
+BAD_METADATA = [
+    ("int 10**5000", {"x": 10 ** 5000}, "integers must fit 64 bits"),
+    ("int 2**63", {"x": 2 ** 63}, "integers must fit 64 bits"),
+    ("int -2**63-1", {"x": -2 ** 63 - 1}, "integers must fit 64 bits"),
+    ("nan", {"x": float("nan")}, "floats must be finite"),
+    ("inf", {"x": float("-inf")}, "floats must be finite"),
+    ("list", {"x": [1, 2]}, "got list"),
+    ("dict", {"x": {"y": 1}}, "got dict"),
+    ("deep", {"x": [[[[[]]]]] * 3}, "got list"),
+    ("bytes", {"x": b"raw"}, "got bytes"),
+    ("object", {"x": object()}, "got object"),
+    ("key with newline", {"a\nb": "v"}, "keys may not hold control characters"),
+    ("key with escape", {"\x1b[2J": "v"}, "keys may not hold control characters"),
+    ("value with escape", {"x": "\x1b[2Jgone"}, "strings may not hold control characters"),
+    ("value with C1 control", {"x": "a\x9bb"}, "strings may not hold control characters"),
+    ("empty key", {"": "v"}, "keys must be 1 to 64 characters"),
+    ("long key", {"k" * (MAX_METADATA_KEY + 1): "v"}, "keys must be 1 to 64 characters"),
+    ("long value", {"x": "v" * (MAX_METADATA_VALUE + 1)}, "strings must be at most 1024"),
+    ("huge value", {"x": "v" * 10 ** 6}, "strings must be at most 1024"),
+    ("too many", {f"k{n}": n for n in range(MAX_METADATA_ENTRIES + 1)}, "at most 64 entries"),
+    ("too large", {f"k{n}": "\u20ac" * 1000 for n in range(8)}, "at most 16384 bytes"),
+    ("not a string key", {1: "v"}, "keys must be strings"),
+]
+
+
+@pytest.mark.parametrize("metadata, message", [(m, s) for _, m, s in BAD_METADATA],
+                         ids=[i for i, _, _ in BAD_METADATA])
+def test_metadata_beyond_its_bounds_is_refused_before_any_write(lock, redis_client, metadata,
+                                                                 message):
+    with pytest.raises(MetadataError) as caught:
+        lock.acquire("order:1", ttl=30.0, metadata=metadata)
+    assert type(caught.value) is MetadataError and message in str(caught.value)
+    assert len(str(caught.value)) < 300 and all(len(k) <= 45 for k in caught.value.keys)
+    assert redis_client.dbsize() == 0  # nothing written, not even the fencing counter
+    if all(isinstance(k, str) for k in metadata):  # keyword arguments are strings
+        with pytest.raises(MetadataError) as again:
+            holder_metadata("t", "shop.charge", 0, **metadata)
+        assert len(str(again.value)) < 300
+
+
+def test_metadata_at_its_bounds_is_stored_as_given(lock, redis_client):
+    at_bounds = {"k" * MAX_METADATA_KEY: "v" * MAX_METADATA_VALUE, "big": 2 ** 63 - 1,
+                 "small": -2 ** 63, "ratio": 0.5, "flag": True, "gone": None,
+                 "text": "caf\u00e9 \u20ac tab-free"}
+    lock.acquire("order:1", ttl=30.0, metadata=at_bounds)
+    held = lock.inspect("order:1")
+    assert held["k" * MAX_METADATA_KEY] == "v" * MAX_METADATA_VALUE
+    assert (held["big"], held["small"], held["ratio"], held["flag"]) == (
+        str(2 ** 63 - 1), str(-2 ** 63), "0.5", "True")
+    assert held["text"] == "caf\u00e9 \u20ac tab-free" and "malformed" not in held
+    many = {f"k{n}": "v" * 200 for n in range(MAX_METADATA_ENTRIES)}  # about 13.5 KiB
+    lock.acquire("order:2", ttl=30.0, metadata=many)
+    assert len(redis_client.hget(lock.key("order:2"), "meta").encode()) <= MAX_METADATA_SIZE
+    assert {k: lock.inspect("order:2")[k] for k in many} == many
+
+
+def test_holder_metadata_bounds_the_client_chosen_texts(lock, redis_client):
+    task_id = "A" * 1_000_000
+    meta = holder_metadata(task_id, "shop.charge", 0, worker="celery@w1",
+                           step="workflows.step:" + "9" * 400, renew_ms=3333)
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:35]
+    assert meta["task_id"] == "A" * (MAX_HOLDER_TEXT - 45) + "...sha256:" + digest
+    assert len(meta["task_id"]) == MAX_HOLDER_TEXT == 255
+    assert len(meta["step"]) == 255 and meta["step"].startswith("workflows.step:999")
+    assert (meta["task_name"], meta["worker"], meta["renew_ms"]) == (
+        "shop.charge", "celery@w1", 3333)
+    # two long ids that share their first 210 characters still differ
+    assert bounded_text("A" * 300) != bounded_text("A" * 301)
+    assert bounded_text("t" * 255) == "t" * 255 and bounded_text("ok-id") == "ok-id"
+    assert bounded_text("id\x1b[2J\n") == "id\\x1b[2J\\x0a"
+    escaped = bounded_text("\x00" * 255)  # 1020 characters once escaped: cut, with a digest
+    assert len(escaped) == 255 and escaped.startswith("\\x00\\x00") and "...sha256:" in escaped
+    lease = lock.acquire("order:1", ttl=30.0, metadata=meta)
+    stored = redis_client.hget(lock.key("order:1"), "meta")
+    assert len(stored) < 1024 and lock.inspect("order:1")["task_id"] == meta["task_id"]
+    assert lease.task_id == meta["task_id"]

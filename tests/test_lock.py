@@ -754,3 +754,45 @@ def test_deprecated_alias_validates_the_same(redis_client):
     with pytest.raises(InvalidArgument) as info:
         alias(redis_client, prefix="t").acquire("a", "o", 1e20)
     assert info.value.argument == "ttl"
+
+
+# -- hostile review, findings 7 and 8: store arguments; a lease key that is not UTF-8 ----------
+
+@pytest.mark.parametrize("client", [None, "redis://127.0.0.1:6379/0", 42, object()],
+                         ids=["None", "a URL", "int", "object"])
+def test_a_store_without_a_client_is_refused_by_name(client):
+    with pytest.raises(InvalidArgument) as info:
+        RedisLeaseStore(client)
+    assert info.value.argument == "client" and "client must be" in str(info.value)
+    assert len(str(info.value)) < 300
+
+
+@pytest.mark.parametrize("keys", ["abc", b"t:lease:{a}", [1], ["t:lease:{a}", None], 5],
+                         ids=["str", "bytes", "an int item", "a None item", "int"])
+def test_read_leases_refuses_what_is_not_a_list_of_keys(lock, redis_client, keys):
+    lock.acquire("a", "o", 30.0)
+    with pytest.raises(InvalidArgument) as info:
+        lock.read_leases(keys)
+    assert info.value.argument == "keys" and len(str(info.value)) < 300
+    assert list(lock.read_leases(iter(["t:lease:{a}"]))) == ["t:lease:{a}"]
+
+
+def test_a_lease_key_that_is_not_utf8_is_listed_as_malformed(lock, redis_client):
+    import redis
+
+    kwargs = redis_client.connection_pool.connection_kwargs
+    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+    raw.hset(b"t:lease:{\xff\xfe\x1b[2J}", mapping={"owner": "c" * 32, "fence": "1"})
+    raw.pexpire(b"t:lease:{\xff\xfe\x1b[2J}", 60_000)
+    raw.close()
+    lock.acquire("fine", "o", 30.0)
+    leases = sorted(lock.iter_leases(), key=lambda lease: lease["name"])
+    assert [lease["name"] for lease in leases] == ["fine", "\ufffd\ufffd\\x1b[2J"]
+    odd = leases[1]
+    assert odd == {"key": "t:lease:{\ufffd\ufffd\\x1b[2J}", "name": "\ufffd\ufffd\\x1b[2J",
+                   "ttl": None, "malformed": "key: not UTF-8 (cannot be read back)"}
+    assert all(c.isprintable() for c in odd["name"] + odd["key"])
+    cursor, keys = lock.scan_keys(0, 1000)
+    assert cursor == 0 and len(keys) == 2
+    assert sum(1 for info in lock.read_leases(keys).values() if info is not None) == 2
+    assert "malformed" not in leases[0] and leases[0]["owner"] == "o"

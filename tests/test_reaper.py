@@ -547,3 +547,34 @@ def test_workers_are_pinged_once_for_all_batches(app, lease_store, redis_client,
     assert report.ok and report.reaped_count == 6
     # one broadcast for both silent nodes, one more for those that stayed silent
     assert pinged == [["ghost0@nowhere.invalid", "ghost1@nowhere.invalid"]] * 2
+
+
+def test_a_hostile_meta_or_key_is_skipped_and_the_run_goes_on(app, lease_store, redis_client,
+                                                               expired_events):
+    """A ``meta`` of 1200 ``[`` (RecursionError on the landed code: the whole run aborted)
+    and a lease key that is not UTF-8 (not counted on the landed code) beside dead holders:
+    the dead ones are reaped, the two others counted, listed as malformed and left alone."""
+    import redis
+
+    here = socket.gethostname()
+    for name in ("dead-1", "dead-2"):
+        take(lease_store, name, hostname=here, worker=GHOST, pid=dead_pid())
+        age(redis_client, lease_store, name, 600)
+    redis_client.hset(lease_store.key("deep"), mapping={"owner": "b" * 32, "fence": "1",
+                                                        "meta": "[" * 1200})
+    redis_client.pexpire(lease_store.key("deep"), 60_000)
+    kwargs = redis_client.connection_pool.connection_kwargs
+    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+    odd = lease_store.key("").encode()[:-1] + b"\xff\xfe\x1b[2J}"
+    raw.hset(odd, mapping={"owner": "c" * 32, "fence": "1"})
+    raw.pexpire(odd, 60_000)
+    report = reap(app, ping_timeout=PING)
+    assert report.ok, report.errors
+    assert sorted(r["name"] for r in report.leases_reaped) == ["dead-1", "dead-2"]
+    assert report.leases_scanned == 4
+    malformed = {m["name"]: m["malformed"] for m in report.leases_malformed}
+    assert sorted(malformed) == ["deep", "\ufffd\ufffd\\x1b[2J"]
+    assert malformed["deep"].startswith("meta: not a JSON object (")
+    assert malformed["\ufffd\ufffd\\x1b[2J"] == "key: not UTF-8 (cannot be read back)"
+    assert lease_store.inspect("deep")["owner"] == "b" * 32 and raw.exists(odd) == 1
+    raw.close()

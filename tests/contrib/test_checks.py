@@ -434,7 +434,7 @@ ERRORS = [
                              "the real name are never recovered."),
     ("celery_steplock.E003", "Invalid celery-steplock setting steplock_renewal_ratio: "
                              "steplock_renewal_ratio (CELERY_STEPLOCK_RENEWAL_RATIO in Django "
-                             "settings) must be a number above 0 and at most 0.75"),
+                             "settings) must be a number between 0.05 and 0.75"),
     ("celery_steplock.E004", f"{TASK}: lock_key 'order:{{order}}' names 'order', which is not "
                              f"an argument of the task (arguments: order_id)"),
     ("celery_steplock.E004", f"{TASK}: lock_ttl must be a number of seconds between 0.05 and "
