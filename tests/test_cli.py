@@ -151,7 +151,6 @@ def test_redis_down_exits_non_zero(cli):
 def test_release_is_audited_with_the_os_user_and_host(cli, lease_store):
     """With a Django project the record is a LeaseEvent row, committed before the delete,
     naming the OS user and this host; a refused release is recorded too."""
-    import getpass
     import socket
 
     from celery_steplock.contrib.django.models import LeaseEvent
@@ -194,7 +193,6 @@ app.conf.steplock_redis_url = os.environ["REDIS_URL"]
 def test_release_on_a_plain_celery_app_logs_the_record(worker_env, lease_store, tmp_path):
     """Without Django the audit record is the WARNING line on the celery_steplock logger:
     requested before the delete, then released, with the OS user and host."""
-    import getpass
     import shlex
     import socket
 
