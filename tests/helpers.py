@@ -42,3 +42,23 @@ def drained(client):
 def lease_key(step):
     """The Redis key of a workflow step's lease (default prefix)."""
     return f"steplock:lease:{{step:{step.pk}}}"
+
+
+#: What the CLI and the reaper list for the key :func:`write_hostile_leases` makes unreadable.
+UNREADABLE_NAME = "\ufffd\ufffd\\x1b[2J"
+
+
+def write_hostile_leases(redis_client, lease_store, deep_name):
+    """Write, as a raw Redis user could, a lease ``deep_name`` whose ``meta`` is 1200 ``[``
+    and a lease whose key is not UTF-8; returns ``(raw client, that key)`` (close the client)."""
+    import redis
+
+    redis_client.hset(lease_store.key(deep_name), mapping={"owner": "b" * 32, "fence": "1",
+                                                           "meta": "[" * 1200})
+    redis_client.pexpire(lease_store.key(deep_name), 60_000)
+    kwargs = redis_client.connection_pool.connection_kwargs
+    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+    odd = lease_store.key("").encode()[:-1] + b"\xff\xfe\x1b[2J}"
+    raw.hset(odd, mapping={"owner": "c" * 32, "fence": "1"})
+    raw.pexpire(odd, 60_000)
+    return raw, odd

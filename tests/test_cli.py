@@ -9,7 +9,7 @@ import pytest
 
 from celery_steplock.lock import get_lease_store, make_client
 from django_app.workflows.models import Step
-from helpers import closed_port_url, free_port
+from helpers import UNREADABLE_NAME, closed_port_url, free_port, write_hostile_leases
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -297,6 +297,17 @@ def hostile_lease(lock, redis_client, name):
     return lease
 
 
+def dead_hostile_lease(lock, redis_client, name):
+    """:func:`hostile_lease` held by a worker nobody runs, last renewed two minutes ago: the
+    reaper's to reap."""
+    dead = hostile_lease(lock, redis_client, name)
+    redis_client.hset(lock.key(name), mapping={
+        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
+    now_s, now_us = redis_client.time()
+    redis_client.hset(lock.key(name), "renewed_ms", now_s * 1000 + now_us // 1000 - 120_000)
+    return dead
+
+
 def hostile_name(lock, redis_client, name):
     """The lease ``name`` moved to a key whose name holds control characters: the API refuses
     such names (LockNameError), so only a Redis user writing keys by hand can make one."""
@@ -360,12 +371,7 @@ def test_release_and_reap_escape_what_redis_holds(cli, lease_store, redis_client
     assert released.returncode == 0, released.stderr
     assert no_raw_controls(released.stdout) and len(released.stdout.splitlines()) == 1
 
-    dead = hostile_lease(lease_store, redis_client, name)
-    redis_client.hset(lease_store.key(name), mapping={
-        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
-    now_s, now_us = redis_client.time()
-    redis_client.hset(lease_store.key(name), "renewed_ms",
-                      now_s * 1000 + now_us // 1000 - 120_000)
+    dead_hostile_lease(lease_store, redis_client, name)
     reaped = cli("reap", "--ping-timeout", "0.3")
     assert reaped.returncode == 0, reaped.stderr
     assert no_raw_controls(reaped.stdout)
@@ -381,12 +387,7 @@ def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
     from django.core.management import call_command
 
     name = "step:1"
-    dead = hostile_lease(lease_store, redis_client, name)
-    redis_client.hset(lease_store.key(name), mapping={
-        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
-    now_s, now_us = redis_client.time()
-    redis_client.hset(lease_store.key(name), "renewed_ms",
-                      now_s * 1000 + now_us // 1000 - 120_000)
+    dead_hostile_lease(lease_store, redis_client, name)
     out = io.StringIO()
     call_command("reap_expired_leases", "--ping-timeout", "0.3", stdout=out)
     assert no_raw_controls(out.getvalue())
@@ -495,26 +496,17 @@ def test_a_django_load_failure_is_shown_masked_and_escaped(worker_env, lease_sto
 
 def test_ls_and_show_survive_a_deep_meta_and_a_key_that_is_not_utf8(cli, lease_store,
                                                                      redis_client):
-    import redis
-
     take(lease_store, "order:1", pid=11)
-    redis_client.hset(lease_store.key("order:deep"), mapping={"owner": "b" * 32, "fence": "1",
-                                                              "meta": "[" * 1200})
-    redis_client.pexpire(lease_store.key("order:deep"), 60_000)
-    kwargs = redis_client.connection_pool.connection_kwargs
-    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
-    odd = lease_store.key("").encode()[:-1] + b"\xff\xfe\x1b[2J}"
-    raw.hset(odd, mapping={"owner": "c" * 32, "fence": "1"})
-    raw.pexpire(odd, 60_000)
+    raw, _ = write_hostile_leases(redis_client, lease_store, "order:deep")
     raw.close()
     table = cli("ls")
     assert table.returncode == 0, table.stderr
     assert "\x1b" not in table.stdout and table.stdout.splitlines()[-2] == "3 lease(s)"
     listed = {lease["name"]: lease for lease in json.loads(cli("ls", "--json").stdout)}
-    assert sorted(listed) == ["order:1", "order:deep", "\ufffd\ufffd\\x1b[2J"]
+    assert sorted(listed) == ["order:1", "order:deep", UNREADABLE_NAME]
     assert listed["order:deep"]["malformed"].startswith("meta: not a JSON object (")
     assert listed["order:deep"]["owner"] == "b" * 32
-    assert listed["\ufffd\ufffd\\x1b[2J"]["malformed"] == "key: not UTF-8 (cannot be read back)"
+    assert listed[UNREADABLE_NAME]["malformed"] == "key: not UTF-8 (cannot be read back)"
     shown = cli("show", "order:deep", "--json")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["malformed"].startswith("meta: not a JSON object (")

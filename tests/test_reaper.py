@@ -15,7 +15,7 @@ from celery_steplock.reaper import ReapReport, pid_alive, reap
 from celery_steplock.lock import get_lease_store
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import claim_and_hold, hold
-from helpers import closed_port_url, wait_until
+from helpers import UNREADABLE_NAME, closed_port_url, wait_until, write_hostile_leases
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -554,27 +554,18 @@ def test_a_hostile_meta_or_key_is_skipped_and_the_run_goes_on(app, lease_store, 
     """A ``meta`` of 1200 ``[`` (RecursionError on the landed code: the whole run aborted)
     and a lease key that is not UTF-8 (not counted on the landed code) beside dead holders:
     the dead ones are reaped, the two others counted, listed as malformed and left alone."""
-    import redis
-
     here = socket.gethostname()
     for name in ("dead-1", "dead-2"):
         take(lease_store, name, hostname=here, worker=GHOST, pid=dead_pid())
         age(redis_client, lease_store, name, 600)
-    redis_client.hset(lease_store.key("deep"), mapping={"owner": "b" * 32, "fence": "1",
-                                                        "meta": "[" * 1200})
-    redis_client.pexpire(lease_store.key("deep"), 60_000)
-    kwargs = redis_client.connection_pool.connection_kwargs
-    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
-    odd = lease_store.key("").encode()[:-1] + b"\xff\xfe\x1b[2J}"
-    raw.hset(odd, mapping={"owner": "c" * 32, "fence": "1"})
-    raw.pexpire(odd, 60_000)
+    raw, odd = write_hostile_leases(redis_client, lease_store, "deep")
     report = reap(app, ping_timeout=PING)
     assert report.ok, report.errors
     assert sorted(r["name"] for r in report.leases_reaped) == ["dead-1", "dead-2"]
     assert report.leases_scanned == 4
     malformed = {m["name"]: m["malformed"] for m in report.leases_malformed}
-    assert sorted(malformed) == ["deep", "\ufffd\ufffd\\x1b[2J"]
+    assert sorted(malformed) == ["deep", UNREADABLE_NAME]
     assert malformed["deep"].startswith("meta: not a JSON object (")
-    assert malformed["\ufffd\ufffd\\x1b[2J"] == "key: not UTF-8 (cannot be read back)"
+    assert malformed[UNREADABLE_NAME] == "key: not UTF-8 (cannot be read back)"
     assert lease_store.inspect("deep")["owner"] == "b" * 32 and raw.exists(odd) == 1
     raw.close()
