@@ -22,6 +22,10 @@ Every error the library raises derives from :class:`StepLockError`::
         ├── StepNotFound            no row with that primary key
         ├── InvalidStepId           the step id cannot be a primary key of the step model
         └── TransitionConflict      the compare-and-swap matched no row (another owner won)
+    └── AdmissionDenied             a gate refused the execution for now (retryable later)
+        ├── RateLimited             a cluster-wide rate limit has no quota left
+        ├── ConcurrencyLimited      every slot of a concurrency limit is held
+        └── CircuitOpen             the dependency's circuit breaker is open
 
 ``RETRYABLE_ERRORS`` lists the classes a task may retry safely: the body did not commit.
 """
@@ -34,7 +38,7 @@ __all__ = [
     "OuterTransactionError", "MetadataError", "LockError", "LockContended",
     "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
-    "AuditRecordFailed",
+    "AuditRecordFailed", "AdmissionDenied", "RateLimited", "ConcurrencyLimited", "CircuitOpen",
     "RETRYABLE_ERRORS",
 ]
 
@@ -246,4 +250,48 @@ class TransitionConflict(TransitionError):
         self.stale_fence = stale_fence
 
 
-RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (LockContended, LockStoreUnavailable)
+class AdmissionDenied(StepLockError):
+    """A gate of :mod:`celery_steplock.admission` refused the execution for now; the body did
+    not run. Retryable after ``retry_after`` seconds (a float >= 0: the time until the gate
+    may admit it, e.g. a rate limit's next token).
+
+    ``option`` names the task option (or API argument) of the gate, ``key`` the Redis key it
+    decided on, ``limit`` a short description of the configured limit; ``context`` keeps any
+    other keyword given.
+    """
+
+    def __init__(self, message: str, *, retry_after: float, option: str | None = None,
+                 key: str | None = None, limit: str | None = None, **context):
+        super().__init__(message)
+        self.retry_after = max(0.0, float(retry_after))
+        self.option = option
+        self.key = key
+        self.limit = limit
+        self.context = context
+
+    def __reduce__(self):
+        # Pickled into result backends and across eager retries: keep the figures.
+        return _rebuild_denied, (type(self), str(self), self.retry_after, self.option,
+                                 self.key, self.limit, self.context)
+
+
+def _rebuild_denied(cls, message, retry_after, option, key, limit, context):
+    return cls(message, retry_after=retry_after, option=option, key=key, limit=limit,
+               **context)
+
+
+class RateLimited(AdmissionDenied):
+    """A cluster-wide rate limit (token bucket or sliding window) has no quota left."""
+
+
+class ConcurrencyLimited(AdmissionDenied):
+    """Every slot of a cluster-wide concurrency limit (bulkhead) is held."""
+
+
+class CircuitOpen(AdmissionDenied):
+    """The dependency's shared circuit breaker is open (or its half-open probes are taken):
+    the dependency was not called."""
+
+
+RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (LockContended, LockStoreUnavailable,
+                                                     AdmissionDenied)

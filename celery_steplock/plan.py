@@ -17,6 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import admission
 from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
     check_choice, check_database, check_seconds, check_ttl, configuration_version, \
     MAX_HOLD, MAX_RETRIES, MAX_WAIT, MIN_RENEWAL_INTERVAL, check_count, shown
@@ -33,7 +34,7 @@ __all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "i
 OPTION_NAMES = frozenset({
     "lock_key", "lock_ttl", "lock_wait", "lock_max_hold", "on_contended", "on_conflict",
     "on_store_error", "step_model", "step_id_arg", "step_transition", "step_transitions",
-    "lock_precheck", "lock_retry_max", "step_database"})
+    "lock_precheck", "lock_retry_max", "step_database"}) | admission.gate_options()
 
 
 _OPTION_ORDER = tuple(sorted(OPTION_NAMES))
@@ -48,6 +49,7 @@ class ExecutionPlan:
     ``transition``: ``(from_, to)`` or None. ``steps``: the step store of ``step_model``
     (None without one). ``version``: the configuration version the plan was built for;
     ``options``: the task's option values it was built from (:func:`option_values`).
+    ``gates``: the admission gates its executions pass (:mod:`celery_steplock.admission`).
     """
 
     task_name: str
@@ -71,6 +73,7 @@ class ExecutionPlan:
     settings: Settings
     version: Any
     options: tuple = ()
+    gates: tuple = ()
 
     @property
     def renew_ms(self) -> int:
@@ -264,6 +267,7 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
         "store": lambda: get_lease_store(task.app, settings),
         "step_database": step_database,
         "steps": lambda: _steps(task, settings, step_database),
+        "gates": lambda: admission.build_gates(task, settings),
     }
 
 
@@ -288,6 +292,9 @@ def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfig
         if field_name in ("store", "ratio", "retry_backoff", "retry_backoff_max",
                           "db_deadline"):
             continue  # settings only: the settings' own validation reports them
+        if field_name == "gates":
+            problems.extend(_named(task, exc) for exc in admission.gate_problems(task, settings))
+            continue
         try:
             resolve()
         except ImproperlyConfigured as exc:

@@ -64,10 +64,10 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_init
 
-from . import outcomes, signals, tracing
+from . import admission, outcomes, signals, tracing
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
-from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
+from .exceptions import AdmissionDenied, ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
     LockStoreMisconfigured, LockStoreUnavailable, TransitionConflict
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
@@ -89,6 +89,7 @@ class _Execution:
     final_cas: bool = False  # the next transition() is the plan's own, after the body
     steps: StepStore | None = None  # the plan's step store, bound to this execution's database
     nested: bool = False  # eager, inside the caller's transaction: a savepoint of it
+    body_done: bool = False  # the body returned: errors after it are our CAS or COMMIT's
 
 
 # The execution of each task running in this context (thread / greenlet), by task name. A
@@ -174,7 +175,7 @@ class StepLockedTask(Task):
     lock_retry_max: int | None = None
 
     #: Expected outcomes, logged without a traceback by the worker (Celery ``Task.throws``).
-    throws = (LockContended, TransitionConflict)
+    throws = (LockContended, TransitionConflict, AdmissionDenied)
 
     #: Celery's DjangoTask API when the app's task class is DjangoTask (a Django project on
     #: Celery 5.4+): publish once the step database's transaction commits (see
@@ -383,6 +384,17 @@ class StepLockedTask(Task):
             return self.steplock_retry(exc)
         raise exc
 
+    def handle_denied(self, exc: AdmissionDenied) -> Any:
+        """Called when an admission gate (a rate limit, a concurrency limit, an open circuit
+        breaker: :mod:`celery_steplock.admission`) refused the execution for now; the body
+        has not run and nothing is stored as the task's state. Its return value is the
+        task's. Default: re-queued under the same task id with a countdown drawn uniformly
+        from ``[retry_after, 2 * retry_after]`` (full jitter past the earliest moment the
+        gate may admit it; at least 0.05 s), counted in the lease retries' budget
+        (``lock_retry_max``); ``exc`` is raised once that is used up."""
+        wait = max(0.05, exc.retry_after)
+        return self.steplock_retry(exc, countdown=random.uniform(wait, 2 * wait))
+
     def before_commit(self, lease: Lease | None, step_id: Any) -> None:
         """Called inside the transaction after the body, the compare-and-swap and the
         ownership check, just before COMMIT. Raising rolls everything back (the exception
@@ -443,7 +455,8 @@ class StepLockedTask(Task):
                 self.handle_store_error(exc, None)
             except LockStoreUnavailable as refused:
                 return self.steplock_retry(refused)
-            return self._execute(plan, None, step_id, args, kwargs, steps, nested=nested)
+            return self._execute(plan, None, step_id, args, kwargs, steps, nested=nested,
+                                 arguments=arguments)
         except LockStoreMisconfigured as exc:
             # Not an outage: neither retried nor run fail-open; the task fails with it.
             log_event("lock_store_misconfigured", logging.ERROR, task_id=request.id,
@@ -469,7 +482,8 @@ class StepLockedTask(Task):
         try:
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self,
                                max_hold=plan.max_hold)
-            return self._execute(plan, lease, step_id, args, kwargs, steps, nested=nested)
+            return self._execute(plan, lease, step_id, args, kwargs, steps, nested=nested,
+                                 arguments=arguments)
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
@@ -480,11 +494,11 @@ class StepLockedTask(Task):
                 self._release(store, lease)
 
     def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
-                 steps: StepStore | None = None, nested: bool = False):
+                 steps: StepStore | None = None, nested: bool = False,
+                 arguments: dict[str, Any] | None = None):
         steps = plan.steps if steps is None else steps
         execution = _Execution(plan, lease, steps=steps, nested=nested)
         token = _executions.set({**_executions.get(), self.name: execution})
-        body_done = False
         try:
             if plan.transition is not None and plan.precheck:
                 # Before the transaction: a read needs no write lock (SQLite's BEGIN
@@ -499,43 +513,39 @@ class StepLockedTask(Task):
                          from_=exc.from_, to=exc.to, current=current,
                          **(lease_fields(lease) if lease else {}))
                     raise exc
-            if steps is None:
-                with tracing.phase("body"):
-                    result = super().__call__(*args, **kwargs)
-                body_done = True
-                if lease is not None:
-                    self._check_owned(plan, lease)
-                    self.before_commit(lease, step_id)
-                return result
-            with tracing.committing(steps.savepoint() if nested else steps.atomic(), steps):
-                with tracing.phase("body"):
-                    result = super().__call__(*args, **kwargs)
-                body_done = True
-                if plan.transition is not None:
-                    execution.final_cas = True
-                    self.transition(step_id, *plan.transition)
-                if lease is not None and plan.db_deadline and not nested and (
-                        plan.transition is None or execution.final_cas):
-                    # No library CAS carried the deadline (a multi-phase body, or a
-                    # transition() override that writes by itself): its own statement.
-                    execution.final_cas = False
-                    steps.set_deadline(lease.remaining())
-                if lease is not None:
-                    self._check_owned(plan, lease)
-                self.before_commit(lease, step_id)
+            if not plan.gates:
+                return self._run_body(plan, lease, step_id, args, kwargs, steps, nested,
+                                      execution)
+            try:
+                entered = admission.Entered.enter(admission.AdmissionContext(
+                    task=self, plan=plan, arguments=arguments or {}, lease=lease,
+                    step_id=step_id))
+            except admission.Replay as replay:
+                return replay.result
+            except AdmissionDenied as exc:
+                return self.handle_denied(exc)
+            try:
+                result = self._run_body(plan, lease, step_id, args, kwargs, steps, nested,
+                                        execution)
+            except BaseException as exc:
+                entered.exit(exc, None)
+                raise
+            entered.exit(None, result)
             return result
         except TransitionConflict as exc:
             return self.handle_conflict(exc)
         except LockLost as exc:
             return self.handle_lost_lease(exc)
         except LockStoreUnavailable as exc:
-            # Redis did not answer the pre-commit ownership check: nothing was committed.
+            # Redis did not answer the pre-commit ownership check or a gate (fail closed):
+            # nothing was committed.
             return self.steplock_retry(exc)
         except LockContended as exc:
             return self.handle_contended(exc)  # the step's row, not the lease, was busy
         except Exception as exc:
             if steps is None or not steps.is_lost_connection(exc) or not (
-                    body_done or (lease is not None and (lease.lost or lease.remaining() <= 0))):
+                    execution.body_done or (lease is not None and (
+                        lease.lost or lease.remaining() <= 0))):
                 raise
             # The connection broke in our part of the transaction (CAS, COMMIT: the commit
             # did not happen, or it did and its reply was lost), or the database ended a
@@ -547,6 +557,36 @@ class StepLockedTask(Task):
             return self.steplock_retry(exc)
         finally:
             _executions.reset(token)
+
+    def _run_body(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
+                  steps: StepStore | None, nested: bool, execution: _Execution):
+        """The body, then (with a step store) the compare-and-swap, the ownership check and
+        COMMIT; returns the body's result."""
+        if steps is None:
+            with tracing.phase("body"):
+                result = super().__call__(*args, **kwargs)
+            execution.body_done = True
+            if lease is not None:
+                self._check_owned(plan, lease)
+                self.before_commit(lease, step_id)
+            return result
+        with tracing.committing(steps.savepoint() if nested else steps.atomic(), steps):
+            with tracing.phase("body"):
+                result = super().__call__(*args, **kwargs)
+            execution.body_done = True
+            if plan.transition is not None:
+                execution.final_cas = True
+                self.transition(step_id, *plan.transition)
+            if lease is not None and plan.db_deadline and not nested and (
+                    plan.transition is None or execution.final_cas):
+                # No library CAS carried the deadline (a multi-phase body, or a
+                # transition() override that writes by itself): its own statement.
+                execution.final_cas = False
+                steps.set_deadline(lease.remaining())
+            if lease is not None:
+                self._check_owned(plan, lease)
+            self.before_commit(lease, step_id)
+        return result
 
     def _check_owned(self, plan: ExecutionPlan, lease: Lease) -> None:
         """The pre-commit ownership check: local validity, then one round trip to Redis."""
@@ -616,14 +656,16 @@ class StepLockedTask(Task):
         outcomes.restore_stored_state(self)
         raise Ignore()
 
-    def steplock_retry(self, exc: Exception, headers: dict[str, Any] | None = None):
+    def steplock_retry(self, exc: Exception, headers: dict[str, Any] | None = None,
+                       countdown: float | None = None):
         """Retry after a full-jitter exponential countdown (``steplock_retry_backoff``, capped
         by ``steplock_retry_backoff_max``), at most ``lock_retry_max`` times (None: no
         limit); raises ``exc`` once they are used up or when called directly. Lease retries
         keep their own count in the ``steplock_retries`` message header, apart from the
         task's ``retries``/``max_retries``; no RETRY state is stored (a contended duplicate
         shares its task id with the winner and must not overwrite the winner's result).
-        ``headers`` are added to the retry's message headers."""
+        ``headers`` are added to the retry's message headers; ``countdown`` (seconds)
+        replaces the backoff when given."""
         plan = self._current_plan()
         request = self.request
         attempt = int(getattr(request, "steplock_retries", None)
@@ -635,7 +677,8 @@ class StepLockedTask(Task):
             limit = self.max_retries if self.max_retries is not None else EAGER_RETRY_MAX
         if request.called_directly or (limit is not None and attempt >= limit):
             raise exc
-        countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
+        if countdown is None:
+            countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
         log_event("retry_scheduled", task_id=request.id, task_name=self.name,
                   countdown=round(countdown, 3), reason=type(exc).__name__)
         headers = {**(request.headers or {}), **(headers or {}),
