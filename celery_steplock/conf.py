@@ -24,6 +24,7 @@ from .exceptions import ImproperlyConfigured
 ON_CONTENDED = ("retry", "skip", "ignore", "raise")
 ON_CONFLICT = ("return", "ignore", "raise")
 ON_STORE_ERROR = ("fail_closed", "fail_open")
+IDEMPOTENCY_STORES = ("redis", "database")
 
 #: Every setting with its default. Units are seconds.
 DEFAULTS: dict[str, Any] = {
@@ -62,6 +63,12 @@ DEFAULTS: dict[str, Any] = {
     # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
     # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
     "name_secret": None,
+    # Idempotency records (celery_steplock.idempotency).
+    "idempotency_store": "redis",   # "redis" | "database" (Django model, Redis as its cache)
+    "idempotency_ttl": 24 * 3600.0,  # a completed record's lifetime
+    "idempotency_lock_ttl": 600.0,  # a locked record's lifetime (a crashed holder's)
+    "idempotency_serializer": "json",  # the kombu serializer of recorded results
+    "idempotency_on_store_error": "fail_closed",
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -100,6 +107,9 @@ MAX_SECRET_LENGTH = 4096
 MAX_OWNER_LENGTH = 256
 #: ``count`` of one SCAN step of the lease store.
 MAX_SCAN_COUNT = 100_000
+#: An idempotency record's TTL and lock TTL, seconds: a tenth of a second to one year.
+MIN_IDEMPOTENCY_TTL = 0.1
+MAX_IDEMPOTENCY_TTL = 366 * 24 * 3600.0
 #: How much of an invalid value an error message quotes, characters.
 MAX_SHOWN = 80
 #: The longest message of ImproperlyConfigured and LockNameError, characters.
@@ -617,6 +627,39 @@ class Settings:
     @property
     def step_database(self) -> str | None:
         return check_database(self.raw("step_database"), "steplock_step_database")
+
+    @property
+    def idempotency_store(self) -> str:
+        return check_choice(self.raw("idempotency_store"), "steplock_idempotency_store",
+                            IDEMPOTENCY_STORES)
+
+    @property
+    def idempotency_ttl(self) -> float:
+        return check_seconds(self.raw("idempotency_ttl"), "steplock_idempotency_ttl",
+                             minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
+
+    @property
+    def idempotency_lock_ttl(self) -> float:
+        return check_seconds(self.raw("idempotency_lock_ttl"), "steplock_idempotency_lock_ttl",
+                             minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
+
+    @property
+    def idempotency_serializer(self) -> str:
+        value = check_text(self.raw("idempotency_serializer"), "steplock_idempotency_serializer",
+                           what="a kombu serializer name")
+        from kombu.serialization import registry
+
+        if value not in registry._encoders:
+            raise ImproperlyConfigured(
+                f"{describe('steplock_idempotency_serializer')} must name a registered kombu "
+                f"serializer ({', '.join(sorted(registry._encoders))}), got {shown(value)}",
+                setting="steplock_idempotency_serializer")
+        return value
+
+    @property
+    def idempotency_on_store_error(self) -> str:
+        return check_choice(self.raw("idempotency_on_store_error"),
+                            "steplock_idempotency_on_store_error", ON_STORE_ERROR)
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""

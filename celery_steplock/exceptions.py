@@ -26,6 +26,10 @@ Every error the library raises derives from :class:`StepLockError`::
         ├── RateLimited             a cluster-wide rate limit has no quota left
         ├── ConcurrencyLimited      every slot of a concurrency limit is held
         └── CircuitOpen             the dependency's circuit breaker is open
+    └── IdempotencyError            an idempotency record refused the call
+        ├── IdempotencyKeyReused    the key's record was made with other arguments
+        └── IdempotencyInProgress   another execution holds the key's record (retryable;
+                                    also an AdmissionDenied)
 
 ``RETRYABLE_ERRORS`` lists the classes a task may retry safely: the body did not commit.
 """
@@ -39,6 +43,7 @@ __all__ = [
     "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
     "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
     "AuditRecordFailed", "AdmissionDenied", "RateLimited", "ConcurrencyLimited", "CircuitOpen",
+    "IdempotencyError", "IdempotencyKeyReused", "IdempotencyInProgress",
     "RETRYABLE_ERRORS",
 ]
 
@@ -291,6 +296,56 @@ class ConcurrencyLimited(AdmissionDenied):
 class CircuitOpen(AdmissionDenied):
     """The dependency's shared circuit breaker is open (or its half-open probes are taken):
     the dependency was not called."""
+
+
+class IdempotencyError(StepLockError):
+    """An idempotency record (:mod:`celery_steplock.idempotency`) refused the call; the body
+    did not run. ``key`` is the record key (64 hex digits), ``namespace`` and ``version``
+    the record's namespace and policy version."""
+
+    def __init__(self, message: str, *, key: str | None = None, namespace: str | None = None,
+                 version: str | None = None):
+        super().__init__(_bounded(message))
+        self.key = key
+        self.namespace = namespace
+        self.version = version
+
+    def __reduce__(self):
+        return _rebuild_idempotency, (type(self), str(self), self.key, self.namespace,
+                                      self.version)
+
+
+def _rebuild_idempotency(cls, message, key, namespace, version):
+    return cls(message, key=key, namespace=namespace, version=version)
+
+
+class IdempotencyKeyReused(IdempotencyError, ValueError):
+    """The key's record (locked or completed) was made by a call with other arguments: a
+    key names one call, its arguments included, until it expires or is invalidated. Not
+    retryable (the same call fails the same way)."""
+
+
+class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
+    """Another execution holds the key's record (``locked``): retry after ``retry_after``
+    seconds (the holder's remaining lock TTL at most). A task re-queues itself
+    (:meth:`StepLockedTask.handle_denied`)."""
+
+    def __init__(self, message: str, *, retry_after: float, key: str | None = None,
+                 namespace: str | None = None, version: str | None = None,
+                 option: str | None = "idempotency_key", **context):
+        AdmissionDenied.__init__(self, _bounded(message), retry_after=retry_after,
+                                 option=option, key=key, **context)
+        self.namespace = namespace
+        self.version = version
+
+    def __reduce__(self):
+        return _rebuild_in_progress, (type(self), str(self), self.retry_after, self.key,
+                                      self.namespace, self.version)
+
+
+def _rebuild_in_progress(cls, message, retry_after, key, namespace, version):
+    return cls(message, retry_after=retry_after, key=key, namespace=namespace,
+               version=version)
 
 
 RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (LockContended, LockStoreUnavailable,

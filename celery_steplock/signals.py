@@ -28,7 +28,9 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
-           "lock_store_error", "force_release_audit", "ALL_SIGNALS"]
+           "lock_store_error", "force_release_audit", "idempotency_locked",
+           "idempotency_replayed", "idempotency_completed", "idempotency_failed",
+           "idempotency_conflict", "ALL_SIGNALS"]
 
 lock_acquired = Signal(name="lock_acquired")
 lock_contended = Signal(name="lock_contended")
@@ -43,6 +45,17 @@ lock_store_error = Signal(name="lock_store_error")
 #: An operator's force release: requested (before the delete), then its outcome.
 force_release_audit = Signal(name="force_release_audit")
 
+#: Idempotency records (celery_steplock.idempotency): ``key`` (the record key), ``name``
+#: (the namespace), ``version``, ``task_id``/``task_name`` (None outside a task), ``reason``
+#: (idempotency_conflict: "reused" or "in_progress"; idempotency_failed: the error's type).
+idempotency_locked = Signal(name="idempotency_locked")
+idempotency_replayed = Signal(name="idempotency_replayed")
+idempotency_completed = Signal(name="idempotency_completed")
+idempotency_failed = Signal(name="idempotency_failed")
+idempotency_conflict = Signal(name="idempotency_conflict")
+
 ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock_expired,
                lock_lost, transition_applied, transition_conflict, lock_store_error,
                force_release_audit)
+ALL_SIGNALS += (idempotency_locked, idempotency_replayed, idempotency_completed,
+                idempotency_failed, idempotency_conflict)

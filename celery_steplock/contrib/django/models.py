@@ -7,6 +7,11 @@
     are never saved; :meth:`Lease.from_redis` builds one from a lease hash read from Redis so
     that the admin templates and the admin ``LogEntry`` of a force release have an object.
 
+``IdempotencyRecord``
+    One idempotency record of the database store (``steplock_idempotency_store =
+    "database"``; :mod:`celery_steplock.contrib.django.idempotency`): the truth, with Redis
+    as a cache of its completed rows.
+
 ``LeaseEvent``
     One row per lease or transition event, written only when the setting
     ``steplock_event_log`` (Django: ``CELERY_STEPLOCK_EVENT_LOG = True``) is on; see
@@ -25,7 +30,7 @@ from django.utils.translation import gettext_lazy as _
 
 from ...keys import MAX_NAME_LENGTH
 
-__all__ = ["Lease", "LeaseEvent"]
+__all__ = ["Lease", "LeaseEvent", "IdempotencyRecord"]
 
 
 def _ms_to_datetime(value: Any) -> dt.datetime | None:
@@ -170,3 +175,46 @@ class LeaseEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event} {self.name} (fence {self.fence})"
+
+
+class IdempotencyRecord(models.Model):
+    """One idempotency record (:mod:`celery_steplock.idempotency`) of the database store.
+
+    ``key`` the record key (64 hex digits, the HMAC of namespace, resource key and version);
+    ``status`` locked / completed / failed; ``fingerprint`` the HMAC of the call's arguments
+    (never the arguments); ``owner`` the token of the execution holding a locked record;
+    ``result`` the serialized result of a completed one (as the serializer returned it:
+    ``serializer``, ``content_type``, ``content_encoding``; ``result_b64`` when ``result`` is
+    the base64 of a binary payload); ``error`` the error type of a failed one. A row past
+    ``expires_at`` counts as absent (``manage.py`` users may delete such rows at will).
+    """
+
+    STATUSES = ("locked", "completed", "failed")
+
+    key = models.CharField(_("record key"), max_length=64, unique=True)
+    namespace = models.CharField(_("namespace"), max_length=512, db_index=True)
+    version = models.CharField(_("version"), max_length=64)
+    status = models.CharField(_("status"), max_length=16, choices=[(s, s) for s in STATUSES],
+                              db_index=True)
+    fingerprint = models.CharField(_("arguments' fingerprint"), max_length=64)
+    owner = models.CharField(_("owner token"), max_length=64, blank=True)
+    serializer = models.CharField(_("serializer"), max_length=64, blank=True)
+    content_type = models.CharField(_("content type"), max_length=128, blank=True)
+    content_encoding = models.CharField(_("content encoding"), max_length=64, blank=True)
+    result = models.TextField(_("result"), blank=True)
+    result_b64 = models.BooleanField(_("result is base64"), default=False)
+    error = models.CharField(_("error"), max_length=255, blank=True)
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    locked_at = models.DateTimeField(_("locked"), null=True, blank=True)
+    completed_at = models.DateTimeField(_("completed"), null=True, blank=True)
+    failed_at = models.DateTimeField(_("failed"), null=True, blank=True)
+    expires_at = models.DateTimeField(_("expires"), db_index=True)
+
+    class Meta:
+        ordering = ("-created_at", "-id")
+        verbose_name = _("idempotency record")
+        verbose_name_plural = _("idempotency records")
+
+    def __str__(self) -> str:
+        return f"{self.namespace} {self.key[:12]} ({self.status})"
