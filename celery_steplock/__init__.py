@@ -11,6 +11,7 @@ import warnings
 
 from . import exceptions, signals
 from .exceptions import InvalidArgument
+from .exceptions import IdempotencyError, IdempotencyInProgress, IdempotencyKeyReused
 from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepId,
                          InvalidTransition, LeaseHeldByAnother, LeaseNotHeld, LockContended,
                          LockError, LockLost, LockNameError, LockStoreMisconfigured,
@@ -33,6 +34,8 @@ __all__ = [
     "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
     "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
+    "Idempotency", "idempotent", "IdempotencyError", "IdempotencyKeyReused",
+    "IdempotencyInProgress",
 ]
 
 
@@ -42,6 +45,10 @@ def __getattr__(name: str):
         from .contrib.django.task import DjangoStepLockedTask
 
         return DjangoStepLockedTask
+    if name in ("Idempotency", "idempotent"):
+        from . import idempotency
+
+        return getattr(idempotency, name)
     if name in _RENAMED:
         new_name = _RENAMED[name]
         warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",

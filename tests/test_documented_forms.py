@@ -50,6 +50,13 @@ FORMS = {
                                                           ("pending", "done")))],
     "step_database": [("none", None, ("plan", "transition", ("pending", "done"))),
                       ("alias", "default", ("plan", "transition", ("pending", "done")))],
+    "idempotency_key": [("template", "order:{step_id}", ("gate", "template", "order:{step_id}")),
+                        ("function", key_of_step, ("gate", "template", key_of_step)),
+                        ("true", True, ("gate", "template", True))],
+    "idempotency_version": [("str", "2", ("gate", "version", "2")),
+                            ("int", 3, ("gate", "version", "3"))],
+    "idempotency_ttl": [("none", None, ("gate", "ttl", 86400.0)),
+                        ("seconds", 3600, ("gate", "ttl", 3600.0))],
 }
 
 #: What every task of this module has unless the option under test replaces it.
@@ -87,6 +94,8 @@ def test_every_documented_option_has_its_forms_tested():
 def make_task(option, form, value, how):
     options = dict(BASE)
     options[option] = value
+    if option.startswith("idempotency_") and option != "idempotency_key":
+        options["idempotency_key"] = "idem:{step_id}"  # the pattern's switch
     name = f"forms.{how}.{option}.{form}"
     if name in celery_app.tasks:
         return celery_app.tasks[name]
@@ -106,7 +115,9 @@ CASES = [pytest.param(option, form, value, expected, how, id=f"{option}-{form}-{
 
 
 @pytest.mark.parametrize("option,form,value,expected,how", CASES)
-def test_documented_form(app, option, form, value, expected, how):
+def test_documented_form(app, option, form, value, expected, how, request):
+    if option.startswith("idempotency_"):
+        request.getfixturevalue("redis_client")  # flushed: no record of an earlier run
     task = make_task(option, form, value, how)
     step = Step.objects.create(name="forms")
     result = task.apply(args=(step.pk,))
@@ -121,6 +132,10 @@ def test_documented_form(app, option, form, value, expected, how):
         assert re.fullmatch(expected[1].format(id=step.pk), seen["name"]), seen["name"]
     elif kind == "model":
         assert plan.steps.model is expected[1]
+    elif kind == "gate":
+        gate = plan.gates[0]
+        target = gate if hasattr(gate, expected[1]) else gate.policy
+        assert getattr(target, expected[1]) == expected[2]
     else:
         assert getattr(plan, expected[1]) == expected[2]
     if option == "lock_ttl":

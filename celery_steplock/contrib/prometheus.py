@@ -15,7 +15,13 @@ signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metr
 ``steplock_outcomes_total{task, outcome}``        counter    ``committed`` (transition_applied),
                                                              ``conflict``, ``contended``, ``lost``,
                                                              ``store_error``, ``force_released``,
-                                                             ``reaped`` (lock_expired)
+                                                             ``reaped`` (lock_expired),
+                                                             ``replayed``, ``recorded``,
+                                                             ``idempotency_conflict``,
+                                                             ``idempotency_failed``
+``steplock_idempotency_total{namespace, outcome}``  counter  idempotency decisions: ``locked``,
+                                                             ``replayed``, ``completed``, ``failed``,
+                                                             ``reused``, ``in_progress``
 ``steplock_wait_seconds{task}``                   histogram  acquiring a lease (granted or contended)
 ``steplock_hold_seconds{task}``                   histogram  a lease from its acquire to its release
 ``steplock_cas_seconds{task}``                    histogram  a compare-and-swap that was committed
@@ -56,7 +62,10 @@ __all__ = ["install", "uninstall", "serve", "scrape_registry", "multiprocess_dir
 #: The outcome each signal stands for (``steplock_outcomes_total``).
 OUTCOMES = {"transition_applied": "committed", "transition_conflict": "conflict",
             "lock_contended": "contended", "lock_lost": "lost",
-            "lock_store_error": "store_error", "lock_expired": "reaped"}
+            "lock_store_error": "store_error", "lock_expired": "reaped",
+            "idempotency_replayed": "replayed", "idempotency_completed": "recorded",
+            "idempotency_conflict": "idempotency_conflict",
+            "idempotency_failed": "idempotency_failed"}
 
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)
@@ -89,6 +98,9 @@ class Metrics:
                              "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
         self.commit = Histogram(f"{prefix}_commit_seconds", "Duration of the COMMIT after a "
                                 "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
+        self.idempotency = Counter(f"{prefix}_idempotency", "Idempotency record decisions, by "
+                                   "namespace (task, function or view) and outcome",
+                                   ["namespace", "outcome"], **kw)
         self.held = Gauge(f"{prefix}_leases_held", "Leases held by live processes", ["task"],
                           multiprocess_mode="livesum", **kw)
         # (key, owner) of the leases this process holds: a lease lost and then released (or
@@ -108,6 +120,11 @@ class Metrics:
             outcome = "force_released"
         if outcome is not None:
             self.outcomes.labels(task, outcome).inc()
+        if event.startswith("idempotency_"):
+            kind = event[len("idempotency_"):]
+            if kind == "conflict":
+                kind = str(fields.get("reason") or kind)
+            self.idempotency.labels(str(fields.get("name") or ""), kind).inc()
         if event in ("lock_acquired", "lock_contended"):
             self._observe(self.wait, task, fields.get("wait_seconds"))
         elif event == "lock_released":

@@ -134,16 +134,16 @@ class DatabaseRecords:
         objects = self.model.objects.using(using)
         now = timezone.now()
         until = now + dt.timedelta(seconds=lock_ttl)
-        row = objects.select_for_update().filter(key=key).first()
-        if row is None:
-            try:
-                with transaction.atomic(using=using):
-                    objects.create(key=key, namespace=namespace, version=version,
-                                   status="locked", fingerprint=fingerprint, owner=owner,
-                                   created_at=now, locked_at=now, expires_at=until, attempts=1)
-                return Decision("locked")
-            except IntegrityError:
-                row = objects.select_for_update().get(key=key)
+        try:
+            # A new key is the common case: the unique key decides who locks it.
+            with transaction.atomic(using=using):
+                objects.create(key=key, namespace=namespace, version=version, status="locked",
+                               fingerprint=fingerprint, owner=owner, created_at=now,
+                               locked_at=now, expires_at=until, attempts=1)
+            return Decision("locked")
+        except IntegrityError:
+            pass
+        row = objects.select_for_update().get(key=key)
         live = row.expires_at > now
         if live and row.status in ("completed", "locked"):
             if row.fingerprint != fingerprint:
@@ -165,27 +165,32 @@ class DatabaseRecords:
     def complete(self, key: str, owner: str, fingerprint: str, stored: Stored, ttl: float,
                  namespace: str = "", version: str = "") -> bool:
         using = self._db()
+        now = timezone.now()
         fields = dict(status="completed", fingerprint=fingerprint, owner="",
                       serializer=stored.serializer, content_type=stored.content_type,
                       content_encoding=stored.content_encoding, result=stored.payload,
                       result_b64=stored.b64, error="", failed_at=None, namespace=namespace,
-                      version=version)
+                      version=version, completed_at=now,
+                      expires_at=now + dt.timedelta(seconds=ttl))
+        objects = self.model.objects.using(using)
         try:
-            with transaction.atomic(using=using):
-                objects = self.model.objects.using(using)
-                now = timezone.now()
-                fields.update(completed_at=now, expires_at=now + dt.timedelta(seconds=ttl))
-                row = objects.select_for_update().filter(key=key).first()
-                if row is None:
-                    row = objects.create(key=key, created_at=now, attempts=1, **fields)
-                elif row.status == "locked" and row.owner == owner:
-                    objects.filter(pk=row.pk).update(**fields)
-                    row = objects.get(pk=row.pk)
-                else:
-                    return False
+            # One UPDATE when the caller still holds the row (the common case).
+            done = objects.filter(key=key, owner=owner, status="locked").update(**fields)
+            if not done:
+                with transaction.atomic(using=using):
+                    if objects.select_for_update().filter(key=key).exists():
+                        return False  # another execution holds or completed it
+                    objects.create(key=key, created_at=now, attempts=1, **fields)
+        except IntegrityError:
+            return False
         except DatabaseError as exc:
             raise self._outage(exc, key, "complete") from exc
-        self._put_cache(_record(row))
+        self._put_cache(Record(
+            key=key, status="completed", fingerprint=fingerprint, namespace=namespace,
+            version=version, completed_at=now.timestamp(),
+            expires_at=fields["expires_at"].timestamp(), serializer=stored.serializer,
+            content_type=stored.content_type, content_encoding=stored.content_encoding,
+            payload=stored.raw()))
         return True
 
     def fail(self, key: str, owner: str, error: str, ttl: float) -> bool:
