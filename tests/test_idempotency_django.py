@@ -126,9 +126,8 @@ def test_a_database_outage_fails_closed(redis_client, monkeypatch):
     assert opened.begin("r7", {"a": 1}).unguarded
 
 
+@pytest.mark.postgresql  # SQLite serializes writers: the PostgreSQL pass shows the race
 def test_concurrent_first_calls_on_the_database_store_run_once(redis_client):
-    if connection.vendor == "sqlite":
-        pytest.skip("SQLite serializes writers: the PostgreSQL pass shows the race")
     runs = []
     barrier = threading.Barrier(6)
 
