@@ -16,7 +16,8 @@ TTL. Its fields:
                   Redis server times (``TIME``), ms
 ``attempts``      how many executions locked it
 
-Times come from Redis ``TIME`` inside the scripts, never from the workers' clocks. Times are
+A field that does not apply to the status is the empty string (the scripts never use HDEL:
+the least-privilege ACL of docs/acl.md does not grant it). Times come from Redis ``TIME`` inside the scripts, never from the workers' clocks. Times are
 built as decimal strings (seconds and the zero-padded milliseconds) so that no float
 formatting can round them.
 """
@@ -57,8 +58,8 @@ if status ~= 'failed' and status ~= 'locked' then created = now end
 redis.call('HSET', KEYS[1], 'status', 'locked', 'fp', ARGV[2], 'owner', ARGV[1],
            'ns', ARGV[4], 'ver', ARGV[5], 'created_ms', created, 'locked_ms', now,
            'expires_ms', plus(ARGV[3]), 'attempts', tostring((tonumber(r[12]) or 0) + 1))
-redis.call('HDEL', KEYS[1], 'result', 'ser', 'ctype', 'cenc', 'b64', 'completed_ms',
-           'failed_ms', 'error')
+redis.call('HSET', KEYS[1], 'result', '', 'ser', '', 'ctype', '', 'cenc', '', 'b64', '0',
+           'completed_ms', '', 'failed_ms', '', 'error', '')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'locked', created, now}
 """
@@ -81,7 +82,7 @@ redis.call('HSET', KEYS[1], 'status', 'completed', 'fp', ARGV[2], 'result', ARGV
            'ser', ARGV[4], 'ctype', ARGV[5], 'cenc', ARGV[6], 'b64', ARGV[7],
            'ns', ARGV[9], 'ver', ARGV[10], 'created_ms', r[3] or now, 'completed_ms', now,
            'expires_ms', expires, 'attempts', r[4] or '1')
-redis.call('HDEL', KEYS[1], 'owner', 'error', 'failed_ms')
+redis.call('HSET', KEYS[1], 'owner', '', 'error', '', 'failed_ms', '')
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
 return {code, now, expires}
 """
@@ -94,7 +95,7 @@ local r = redis.call('HMGET', KEYS[1], 'status', 'owner')
 if not (r[1] == 'locked' and r[2] == ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[2], 'failed_ms', now,
            'expires_ms', plus(ARGV[3]))
-redis.call('HDEL', KEYS[1], 'owner')
+redis.call('HSET', KEYS[1], 'owner', '')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """

@@ -311,8 +311,9 @@ def record_from_hash(key: str, fields: Mapping) -> Record | None:
     """A :class:`Record` from a record hash as Redis returns it (None when empty)."""
     if not fields:
         return None
-    f = {_wire.text(k): _wire.text(v) for k, v in fields.items()}
-    payload = f.get("result")
+    # A field that does not apply to the status is stored as "" (no HDEL in the scripts).
+    f = {_wire.text(k): _wire.text(v) for k, v in fields.items() if _wire.text(v) != ""}
+    payload = f.get("result", "") if f.get("status") == "completed" else None
     if payload is not None and f.get("b64") == "1":
         payload = base64.b64decode(payload)
     return Record(key=key, status=f.get("status", ""), fingerprint=f.get("fp", ""),

@@ -404,3 +404,24 @@ def test_bad_task_options_are_reported_by_name(app):
                                   else {}), **{option: value})(echo)
         problems = plan_module.option_problems(task)
         assert [p.setting for p in problems] == [option], (option, value, problems)
+
+
+@pytest.mark.no_database
+def test_every_transition_runs_under_the_least_privilege_acl(private_redis):
+    from tests.support.acl import create_user
+
+    client = make_client(create_user(private_redis))
+    policy = Idempotency("tests.acl", client=client, secret=SECRET, prefix="steplock")
+    failed = policy.begin("a", {"x": 1})
+    assert failed.fail(ValueError("x")) is True
+    again = policy.begin("a", {"x": 1})
+    assert again.complete({"ok": 1}) is True
+    assert policy.begin("a", {"x": 1}).result == {"ok": 1}
+    assert policy.get("a").status == "completed"
+    released = policy.begin("b", {"x": 1})
+    assert released.release() is True and policy.get("b") is None
+    policy.store.cache(policy.get("a"), 10)  # the database store's cache copy
+    assert policy.get("a").payload == '{"ok": 1}'
+    assert policy.invalidate("a") is True
+    with pytest.raises(Exception):  # the user's keys are <prefix>:* only
+        Idempotency("tests.acl", client=client, secret=SECRET, prefix="other").begin("c", {})
