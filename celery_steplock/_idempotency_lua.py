@@ -17,9 +17,9 @@ TTL. Its fields:
 ``attempts``      how many executions locked it
 
 A field that does not apply to the status is the empty string (the scripts never use HDEL:
-the least-privilege ACL of docs/acl.md does not grant it). Times come from Redis ``TIME`` inside the scripts, never from the workers' clocks. Times are
-built as decimal strings (seconds and the zero-padded milliseconds) so that no float
-formatting can round them.
+the least-privilege ACL of docs/acl.md does not grant it). Times come from Redis ``TIME``
+inside the scripts, never from the workers' clocks; they are built as decimal strings
+(seconds and the zero-padded milliseconds) so that no float formatting can round them.
 """
 from __future__ import annotations
 

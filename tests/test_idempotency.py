@@ -425,3 +425,34 @@ def test_every_transition_runs_under_the_least_privilege_acl(private_redis):
     assert policy.invalidate("a") is True
     with pytest.raises(Exception):  # the user's keys are <prefix>:* only
         Idempotency("tests.acl", client=client, secret=SECRET, prefix="other").begin("c", {})
+
+
+@pytest.mark.no_database
+def test_prometheus_counts_the_decisions(redis_client):
+    from prometheus_client import CollectorRegistry
+
+    from celery_steplock.contrib.prometheus import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry=registry)
+    sigs = (signals.idempotency_locked, signals.idempotency_replayed,
+            signals.idempotency_completed, signals.idempotency_failed,
+            signals.idempotency_conflict)
+    for sig in sigs:
+        sig.connect(metrics.receive, weak=False)
+    try:
+        charge, _ = make(redis_client, namespace="tests.metrics")
+        charge(1, 1)
+        charge(1, 1)
+        with pytest.raises(IdempotencyKeyReused):
+            charge(1, 2)
+    finally:
+        for sig in sigs:
+            sig.disconnect(metrics.receive)
+
+    def value(outcome):
+        return registry.get_sample_value("steplock_idempotency_total",
+                                         {"namespace": "tests.metrics", "outcome": outcome})
+    assert [value(o) for o in ("locked", "completed", "replayed", "reused")] == [1, 1, 1, 1]
+    assert registry.get_sample_value("steplock_outcomes_total",
+                                     {"task": "", "outcome": "replayed"}) == 1
