@@ -20,6 +20,9 @@ from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepI
 from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
 from .lock import get_lease_store
 from .task import StepLockedTask
+from .breaker import CircuitBreaker
+from .exceptions import AdmissionDenied, CircuitOpen
+from .retry import NonRetryable, RetryPolicy
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,7 @@ __all__ = [
     "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
     "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
+    "CircuitBreaker", "CircuitOpen", "AdmissionDenied", "RetryPolicy", "NonRetryable",
 ]
 
 

@@ -62,6 +62,8 @@ DEFAULTS: dict[str, Any] = {
     # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
     # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
     "name_secret": None,
+    # The circuit breakers' policy when Redis cannot be reached (celery_steplock.breaker).
+    "breaker_on_store_error": "fail_closed",
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -617,6 +619,11 @@ class Settings:
     @property
     def step_database(self) -> str | None:
         return check_database(self.raw("step_database"), "steplock_step_database")
+
+    @property
+    def breaker_on_store_error(self) -> str:
+        return check_choice(self.raw("breaker_on_store_error"),
+                            "steplock_breaker_on_store_error", ON_STORE_ERROR)
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""
