@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from celery_steplock.breaker import CircuitBreaker
+from celery_steplock.retry import RetryPolicy
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -50,6 +52,12 @@ FORMS = {
                                                           ("pending", "done")))],
     "step_database": [("none", None, ("plan", "transition", ("pending", "done"))),
                       ("alias", "default", ("plan", "transition", ("pending", "done")))],
+    "circuit_breaker": [("name", "forms-payments", ("gates", ["circuit_breaker"])),
+                        ("object", CircuitBreaker("forms-payments", failure_threshold=5),
+                         ("gates", ["circuit_breaker"])),
+                        ("none", None, ("gates", []))],
+    "retry_policy": [("object", RetryPolicy(max_attempts=5, backoff=1.0), ("gates", [])),
+                     ("none", None, ("gates", []))],
 }
 
 #: What every task of this module has unless the option under test replaces it.
@@ -121,6 +129,8 @@ def test_documented_form(app, option, form, value, expected, how):
         assert re.fullmatch(expected[1].format(id=step.pk), seen["name"]), seen["name"]
     elif kind == "model":
         assert plan.steps.model is expected[1]
+    elif kind == "gates":
+        assert [gate.option for gate in plan.gates] == expected[1]
     else:
         assert getattr(plan, expected[1]) == expected[2]
     if option == "lock_ttl":
