@@ -214,7 +214,9 @@ class BreakerState:
     """A breaker as read from Redis: ``state`` (closed/open/half_open), ``forced`` (True:
     opened by an operator), ``failures`` and ``calls`` in the window, ``successes`` (probes
     that succeeded while HALF_OPEN), ``probes`` (live probe permits), ``retry_after``
-    (seconds until an OPEN breaker lets a probe through; 0 otherwise), ``generation``."""
+    (seconds until an OPEN breaker lets a probe through, by this object's
+    ``recovery_timeout``; 0 otherwise), ``generation``, ``opened_ago`` (seconds since it last
+    opened, Redis clock; None when it never did or was closed since)."""
 
     name: str
     key: str
@@ -226,6 +228,7 @@ class BreakerState:
     probes: int
     retry_after: float
     generation: int
+    opened_ago: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -522,8 +525,10 @@ class CircuitBreaker:
         if state == OPEN and s[2]:
             retry_after = (0.0 if s[5] else
                            max(0.0, (int(s[2]) + self.recovery_timeout * 1000 - now) / 1000))
+        opened_ago = (max(0.0, (now - int(s[2])) / 1000) if s[2] and state != CLOSED
+                      else None)
         return BreakerState(self.name, self.key, state, bool(s[5]), ring.count("1"), len(ring),
-                            int(s[4]), int(s[7]), retry_after, int(s[1]))
+                            int(s[4]), int(s[7]), retry_after, int(s[1]), opened_ago)
 
     def override(self, action: str) -> tuple[str, bool]:
         """Force the breaker "open" (until closed by hand) or "close" it (window emptied),
