@@ -75,21 +75,26 @@ MAX_PROBES = 10_000
 # KEYS[1] the breaker hash, KEYS[2] the probe permits (sorted set: owner -> expiry ms).
 # ARGV[1] caller's owner token, ARGV[2] recovery timeout ms, ARGV[3] half-open probes
 # allowed, ARGV[4] probe permit lifetime ms, ARGV[5] idle TTL ms.
-# Returns {verdict, generation, wait ms, moved}: verdict 1 admitted (CLOSED), 2 admitted as a
+# Returns {verdict, generation, wait ms, moved, clean}: verdict 1 admitted (CLOSED), 2 admitted as a
 # probe (HALF_OPEN; also when ARGV[1] already holds a permit), 0 refused (OPEN), -1 refused
 # (HALF_OPEN, every permit taken), -2 refused (forced open by an operator); wait: ms until the
-# earliest moment a call may pass; moved 1 when this call moved the breaker OPEN -> HALF_OPEN.
+# earliest moment a call may pass; moved 1 when this call moved the breaker OPEN -> HALF_OPEN;
+# clean 1 when CLOSED with no failure in the window (a success then changes nothing a
+# count threshold sees, and the caller need not record it).
 ADMIT = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'forced')
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'forced', 'ring')
 local gen = tonumber(s[2]) or 0
-if s[4] then return {-2, gen, tonumber(ARGV[2]), 0} end
-if not s[1] or s[1] == 'closed' then return {1, gen, 0, 0} end
+if s[4] then return {-2, gen, tonumber(ARGV[2]), 0, 0} end
+if not s[1] or s[1] == 'closed' then
+  if not s[5] or not string.find(s[5], '1', 1, true) then return {1, gen, 0, 0, 1} end
+  return {1, gen, 0, 0, 0}
+end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local moved = 0
 if s[1] == 'open' then
   local left = (tonumber(s[3]) or 0) + tonumber(ARGV[2]) - now
-  if left > 0 then return {0, gen, left, 0} end
+  if left > 0 then return {0, gen, left, 0, 0} end
   gen = gen + 1
   redis.call('HSET', KEYS[1], 'state', 'half_open', 'gen', gen, 'successes', 0)
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
@@ -97,14 +102,14 @@ if s[1] == 'open' then
   moved = 1
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved} end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved, 0} end
 if redis.call('ZCARD', KEYS[2]) < tonumber(ARGV[3]) then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  return {2, gen, 0, moved}
+  return {2, gen, 0, moved, 0}
 end
 local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-return {-1, gen, math.max(1, tonumber(first[2]) - now), moved}
+return {-1, gen, math.max(1, tonumber(first[2]) - now), moved, 0}
 """
 
 # KEYS[1] the breaker hash, KEYS[2] the probe permits.
@@ -213,7 +218,9 @@ def default_classifier(exc: BaseException) -> bool:
 class BreakerState:
     """A breaker as read from Redis: ``state`` (closed/open/half_open), ``forced`` (True:
     opened by an operator), ``failures`` and ``calls`` in the window, ``successes`` (probes
-    that succeeded while HALF_OPEN), ``probes`` (live probe permits), ``retry_after``
+    that succeeded while HALF_OPEN; with a count threshold, successes admitted while the
+    window held no failure are not written, so ``calls`` counts from the first failure),
+    ``probes`` (live probe permits), ``retry_after``
     (seconds until an OPEN breaker lets a probe through, by this object's
     ``recovery_timeout``; 0 otherwise), ``generation``, ``opened_ago`` (seconds since it last
     opened, Redis clock; None when it never did or was closed since)."""
@@ -238,7 +245,10 @@ class BreakerState:
 class Ticket:
     """One admitted call: record its outcome once with :meth:`record` (or ``success()`` /
     ``failure()`` / ``release()``). ``probe`` is True for a half-open probe; ``guarded`` False
-    when admitted unguarded (fail open during an outage: nothing is recorded)."""
+    when admitted unguarded (fail open during an outage: nothing is recorded); ``clean``
+    True when admitted CLOSED with no failure in the window: with a count threshold its
+    success is not written (it would change nothing the threshold sees), so a healthy
+    dependency costs one round trip per call."""
 
     breaker: CircuitBreaker
     generation: int
@@ -247,6 +257,7 @@ class Ticket:
     guarded: bool = True
     done: bool = False
     sender: Any = None
+    clean: bool = False
 
     def record(self, exc: BaseException | None) -> None:
         """Record the call's outcome from its exception (None: success) with the breaker's
@@ -278,9 +289,10 @@ class Ticket:
         if self.done:
             return
         self.done = True
-        if not self.guarded or (outcome == "n" and not self.probe):
-            return
         breaker = self.breaker
+        if not self.guarded or (outcome == "n" and not self.probe) or (
+                outcome == "0" and self.clean and breaker.mode == "count"):
+            return
         try:
             reply = breaker._eval(_RECORD, [
                 outcome, str(self.generation), self.owner if self.probe else "",
@@ -464,15 +476,17 @@ class CircuitBreaker:
             if policy == "fail_open":
                 return Ticket(self, 0, owner, False, guarded=False, sender=sender)
             raise
-        verdict, generation, wait_ms, moved = (int(reply[0]), int(reply[1]), int(reply[2]),
-                                               int(reply[3]))
+        verdict, generation, wait_ms, moved, clean = (int(reply[0]), int(reply[1]),
+                                                      int(reply[2]), int(reply[3]),
+                                                      int(reply[4]))
         task_fields = {"task_id": getattr(getattr(sender, "request", None), "id", None),
                        "task_name": getattr(sender, "name", None)}
         if moved:
             emit(signals.circuit_half_opened, sender, key=self.key, name=self.name,
                  state=HALF_OPEN, reason="recovery timeout passed", **task_fields)
         if verdict > 0:
-            return Ticket(self, generation, owner, verdict == 2, sender=sender)
+            return Ticket(self, generation, owner, verdict == 2, sender=sender,
+                          clean=bool(clean))
         retry_after = wait_ms / 1000.0
         state = {0: OPEN, -1: HALF_OPEN, -2: OPEN}[verdict]
         why = {0: "open", -1: "half-open, its probes are taken", -2: "forced open"}[verdict]

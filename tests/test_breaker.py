@@ -201,6 +201,7 @@ def test_the_default_classifier(exc, counts):
 
 def test_business_errors_and_control_exceptions_never_open_it(redis_client):
     breaker = make(redis_client)
+    failures(breaker, 1)  # from here on successes are written (a clean window's are not)
     for exc in (ValueError("bad"), HTTPError(404), NonRetryable("declined"),
                 LockContended("busy", key="k")):
         for _ in range(3):
@@ -235,7 +236,7 @@ def test_decorator_and_context_manager(redis_client):
     assert breaker.state().failures == 2
     with breaker:
         pass
-    assert (breaker.state().failures, breaker.state().calls) == (2, 4)
+    assert (breaker.state().failures, breaker.state().calls) == (2, 3)  # the 1st: clean
     with pytest.raises(ConnectionError):
         flaky(1)
     with pytest.raises(CircuitOpen):
@@ -255,6 +256,19 @@ def test_forced_open_stays_open_until_closed(redis_client):
     assert breaker.override("close") == (OPEN, True)
     assert breaker.admit().probe is False and breaker.state().state == CLOSED
     assert redis_client.pttl("t:breaker:{dep}") > 0
+
+
+def test_a_success_in_a_clean_window_costs_no_write(redis_client):
+    breaker = make(redis_client)
+    for _ in range(3):
+        breaker.call(lambda: None)
+    assert redis_client.exists("t:breaker:{dep}") == 0  # nothing written for a healthy call
+    failures(breaker, 1)
+    breaker.call(lambda: None)
+    assert redis_client.hget("t:breaker:{dep}", "ring") == "10"
+    rate = make(redis_client, name="rate", failure_threshold=0.5, window=4)
+    rate.call(lambda: None)  # a rate counts every call
+    assert redis_client.hget("t:breaker:{rate}", "ring") == "0"
 
 
 def test_keys_share_one_slot_and_expire(redis_client):
