@@ -311,3 +311,33 @@ def test_every_breaker_signal_is_declared():
     assert {s.name for s in signals.ALL_SIGNALS} >= {
         "circuit_opened", "circuit_half_opened", "circuit_closed", "circuit_rejected",
         "circuit_override_audit", "retry_policy_decided"}
+
+
+def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from celery_steplock.contrib import prometheus
+    from celery_steplock.retry import RetryPolicy
+
+    prometheus.uninstall()
+    metrics = prometheus.install(registry=CollectorRegistry())
+    try:
+        breaker = make(redis_client)
+        failures(breaker, 3)
+        with pytest.raises(CircuitOpen):
+            breaker.call(lambda: None)
+        time.sleep(0.35)
+        breaker.call(lambda: None)
+        breaker.override("open")  # unaudited: no signal; the audited path emits circuit_opened
+        with pytest.raises(ValueError):
+            RetryPolicy(sleep=lambda s: None).call(fail, ValueError("bad"))
+
+        def sample(name, **labels):
+            return metrics.registry.get_sample_value(name, labels) or 0.0
+        assert [sample("steplock_circuit_transitions_total", breaker="dep", state=s,
+                       manual="false") for s in (OPEN, HALF_OPEN, CLOSED)] == [1.0, 1.0, 1.0]
+        assert sample("steplock_circuit_rejected_total", breaker="dep") == 1.0
+        assert sample("steplock_retry_decisions_total", task="fail", decision="never") == 1.0
+    finally:
+        prometheus.uninstall()
