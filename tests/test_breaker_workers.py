@@ -207,3 +207,20 @@ def test_retries_while_open_never_call_the_dependency(start_worker, redis_client
     decisions = [v.split(":")[1] for v in
                  redis_client.lrange("brk:retry_policy_decided:brk.retried_open", 0, -1)]
     assert decisions == ["retry", "retry"]
+
+
+@pytest.mark.no_database
+def test_negative_control_the_overlap_record_sees_two_probes_at_once(redis_client):
+    """The record the half-open test checks can fail: two calls made while the breaker
+    reads half-open, the second starting while the first sleeps, leave [1, 2]."""
+    import threading
+
+    redis_client.hset("steplock:breaker:{brk-control}", "state", "half_open")
+    redis_client.set("brk:mode", "ok")
+    first = threading.Thread(target=dependency,
+                             args=("control", "steplock:breaker:{brk-control}"))
+    first.start()
+    _wait(lambda: redis_client.get("brk:inflight:control") == "1", "the first call to start")
+    dependency("control", "steplock:breaker:{brk-control}")
+    first.join()
+    assert _ints(redis_client, "brk:half_open_inflight:control") == [1, 2]
