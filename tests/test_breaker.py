@@ -341,3 +341,17 @@ def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
         assert sample("steplock_retry_decisions_total", task="fail", decision="never") == 1.0
     finally:
         prometheus.uninstall()
+
+
+def test_the_outage_setting_is_validated_and_used(app, redis_client):
+    from celery_steplock.conf import Settings
+    from helpers import set_settings
+
+    assert Settings(app).breaker_on_store_error == "fail_closed"
+    set_settings(app, steplock_breaker_on_store_error="fail_open")
+    assert Settings(app).breaker_on_store_error == "fail_open"
+    dead = CircuitBreaker("dep", app=app)
+    assert dead._target()[2] == "fail_open"
+    set_settings(app, steplock_breaker_on_store_error="sometimes")
+    problems = [p.setting for p in Settings(app).problems()]
+    assert problems == ["steplock_breaker_on_store_error"]
