@@ -289,8 +289,7 @@ class RetryPolicy:
              logging.INFO if decision.decision == "retry" else logging.WARNING,
              decision=decision.decision, reason=decision.reason, kind=decision.kind,
              attempt=decision.attempt, countdown=decision.countdown,
-             retry_after=decision.retry_after, error=type(exc).__name__,
-             policy=decision.decision, **fields)
+             retry_after=decision.retry_after, error=type(exc).__name__, **fields)
 
     # -- the plain form ---------------------------------------------------------------------
 

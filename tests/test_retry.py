@@ -180,3 +180,39 @@ def test_retries_inside_the_breaker_never_call_an_open_dependency(redis_client):
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ImproperlyConfigured):
         RetryPolicy(**kwargs)
+
+
+class _Request:
+    def __init__(self, retries=0, headers=None):
+        self.retries, self.headers, self.id, self.called_directly = retries, headers, "t1", False
+
+
+class _Task:
+    """What retry_task reads of a Celery task, and a retry() that records its arguments."""
+
+    name = "tests.retry.fake"
+
+    def __init__(self, request):
+        self.request = request
+        self.retried = None
+
+    def retry(self, **kwargs):
+        self.retried = kwargs
+        return "retried"
+
+
+def test_the_task_form_carries_the_first_attempts_time_and_caps_elapsed():
+    p = RetryPolicy(max_attempts=5, max_elapsed=60, backoff=0.1)
+    task = _Task(_Request(retries=0, headers={"other": "kept"}))
+    assert p.retry_task(task, ConnectionError()) == "retried"
+    first = float(task.retried["headers"]["steplock_first_attempt"])
+    assert abs(first - time.time()) < 5 and task.retried["headers"]["other"] == "kept"
+    assert task.retried["max_retries"] == 4 and 0 <= task.retried["countdown"] <= 0.1
+    late = _Task(_Request(retries=1, headers={"steplock_first_attempt": repr(time.time() - 61)}))
+    with pytest.raises(ConnectionError):  # past max_elapsed: given up, not retried
+        p.retry_task(late, ConnectionError())
+    assert late.retried is None
+    never = _Task(_Request())
+    with pytest.raises(ValueError):
+        p.retry_task(never, ValueError())
+    assert never.retried is None
