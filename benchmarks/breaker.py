@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from .common import ROOT, Recorder, group_main, percentile, servers, version_of

@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
