@@ -40,6 +40,7 @@ GROUPS = {
     "wait": "benchmarks.blocking_wait",
     "operators": "benchmarks.operators",
     "idempotency": "benchmarks.idempotency",
+    "breaker": "benchmarks.breaker",
 }
 
 

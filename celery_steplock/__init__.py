@@ -21,6 +21,9 @@ from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepI
 from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
 from .lock import get_lease_store
 from .task import StepLockedTask
+from .breaker import CircuitBreaker
+from .exceptions import AdmissionDenied, CircuitOpen
+from .retry import NonRetryable, RetryPolicy
 
 __version__ = "0.1.0"
 
@@ -36,6 +39,7 @@ __all__ = [
     "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
     "Idempotency", "idempotent", "IdempotencyError", "IdempotencyKeyReused",
     "IdempotencyInProgress",
+    "CircuitBreaker", "CircuitOpen", "AdmissionDenied", "RetryPolicy", "NonRetryable",
 ]
 
 

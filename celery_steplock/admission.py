@@ -44,6 +44,7 @@ __all__ = ["GATES", "Gate", "Admission", "AdmissionContext", "Replay", "NOT_RUN"
 #: rate-limit token.
 GATES: tuple[str, ...] = (
     "celery_steplock.idempotency",
+    "celery_steplock.breaker",
 )
 
 

@@ -7,6 +7,7 @@ app of ``celery -A proj`` and its ``steplock_*`` settings::
     celery -A proj steplock show NAME [--json]
     celery -A proj steplock release NAME --owner TOKEN
     celery -A proj steplock reap [--dry-run] [--json] [--batch-size N] [--older-than SECONDS]
+    celery -A proj steplock breaker show|open|close NAME [--json] [--reason TEXT]
 
 ``ls`` reads with SCAN (never KEYS) and stops once ``--limit`` leases were found, so it stays
 quick on a Redis holding many. ``release`` is :func:`celery_steplock.ops.force_release` (as
@@ -321,3 +322,80 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
             message=f"reap met {len(report.errors)} error(s) in "
                     f"{time.monotonic() - started:.1f}s", exit_code=EX_FAILURE)
 
+
+
+# -- circuit breakers ------------------------------------------------------------------------
+
+@steplock.group("breaker")
+def breaker_group():
+    """Circuit breakers (celery_steplock.breaker): show, open, close."""
+
+
+def _breaker(ctx, name):
+    from .breaker import CircuitBreaker
+
+    try:
+        return CircuitBreaker(name, app=ctx.obj.app)
+    except StepLockError as exc:
+        raise CeleryCommandException(message=f"steplock: {_shown(exc)}", exit_code=EX_FAILURE)
+
+
+@breaker_group.command("show", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON object")
+@click.pass_context
+def breaker_show(ctx, name, as_json):
+    """Show the state of the circuit breaker NAME (a dependency name) as Redis holds it."""
+    breaker = _breaker(ctx, name)
+    try:
+        state = breaker.state().as_dict()
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    state.pop("retry_after", None)  # depends on the recovery timeout, which tasks configure
+    if as_json:
+        click.echo(json.dumps(state, sort_keys=True, default=str))
+        return
+    width = max(len(k) for k in state)
+    for key in sorted(state):
+        value = state[key]
+        click.echo(f"{key.ljust(width)}  {'-' if value in (None, '') else printable(value)}")
+
+
+def _override(ctx, name, action, reason):
+    from .ops import override_breaker
+
+    breaker = _breaker(ctx, name)
+    app = ctx.obj.app
+    _load_django(app)
+    actor, host = _actor(), _host()
+    try:
+        record = override_breaker(breaker, action, actor=actor, actor_host=host, via="cli",
+                                  reason=reason or f"{action} by {actor}@{host} from the "
+                                                   f"command line", app=app)
+    except AuditRecordFailed as failed:
+        raise CeleryCommandException(
+            message=f"not changed: circuit breaker {name!r}: the audit record could not be "
+                    f"written ({_shown(failed.__cause__)})", exit_code=EX_FAILURE)
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    click.echo(f"circuit breaker {printable(name)!r}: {record.previous} -> "
+               f"{'open (forced, until closed)' if action == 'open' else 'closed'} (audit: "
+               f"{record.audit or 'log line event=circuit_override_audit'})")
+
+
+@breaker_group.command("open", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--reason", default="", help="why, for the audit record")
+@click.pass_context
+def breaker_open(ctx, name, reason):
+    """Force the circuit breaker NAME open: no call passes until it is closed. Audited."""
+    _override(ctx, name, "open", reason)
+
+
+@breaker_group.command("close", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--reason", default="", help="why, for the audit record")
+@click.pass_context
+def breaker_close(ctx, name, reason):
+    """Close the circuit breaker NAME (its window emptied, a forced open lifted). Audited."""
+    _override(ctx, name, "close", reason)

@@ -69,6 +69,8 @@ DEFAULTS: dict[str, Any] = {
     "idempotency_lock_ttl": 600.0,  # a locked record's lifetime (a crashed holder's)
     "idempotency_serializer": "json",  # the kombu serializer of recorded results
     "idempotency_on_store_error": "fail_closed",
+    # The circuit breakers' policy when Redis cannot be reached (celery_steplock.breaker).
+    "breaker_on_store_error": "fail_closed",
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -660,6 +662,9 @@ class Settings:
     def idempotency_on_store_error(self) -> str:
         return check_choice(self.raw("idempotency_on_store_error"),
                             "steplock_idempotency_on_store_error", ON_STORE_ERROR)
+    def breaker_on_store_error(self) -> str:
+        return check_choice(self.raw("breaker_on_store_error"),
+                            "steplock_breaker_on_store_error", ON_STORE_ERROR)
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""

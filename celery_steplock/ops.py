@@ -56,7 +56,9 @@ from .exceptions import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnot
 
 __all__ = ["ForcedRelease", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
            "AuditRecordFailed", "ReleaseAudit", "LogAudit", "default_audit", "force_release",
-           "OPS_SENDER", "OUTCOMES"]
+           "OPS_SENDER", "OUTCOMES", "BreakerOverride", "BreakerAudit", "LogBreakerAudit",
+           "LeaseEventBreakerAudit", "default_breaker_audit", "override_breaker",
+           "OVERRIDE_OUTCOMES"]
 
 
 #: Signal sender of a force release when the lease names no task this process knows.
@@ -331,4 +333,170 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
              worker=record.worker, audit=record.audit)
 
     (defer or (lambda send: send()))(announce)
+    return record
+
+
+# -- circuit breakers: operators' overrides ---------------------------------------------------
+
+#: Outcomes of a breaker override, as recorded: ``requested`` before the write, then ``done``,
+#: ``failed`` (Redis refused it: nothing changed) or ``unknown`` (Redis could not be reached
+#: during it: it may have happened).
+OVERRIDE_OUTCOMES = ("requested", "done", "failed", "unknown")
+
+
+@dataclass
+class BreakerOverride:
+    """The audit record of one :func:`override_breaker`: ``name`` (the dependency), ``key``,
+    ``action`` ("open": forced open until closed by hand, or "close"), ``actor``,
+    ``actor_host``, ``via``, ``reason``, ``previous`` (the state before, once done),
+    ``forced_before`` (it was forced open before), ``outcome`` (:data:`OVERRIDE_OUTCOMES`),
+    ``audit`` / ``audit_id`` (where the durable record is), ``outcome_recorded``,
+    ``outcome_error``."""
+
+    name: str
+    key: str
+    action: str
+    actor: str | None = None
+    actor_host: str | None = None
+    via: str = "api"
+    reason: str = ""
+    previous: str | None = None
+    forced_before: bool | None = None
+    outcome: str = "requested"
+    audit: str | None = None
+    audit_id: Any = None
+    outcome_recorded: bool = True
+    outcome_error: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BreakerAudit:
+    """Where :func:`override_breaker` makes its records durable: ``requested(record)``
+    before the write (what it raises refuses the override: :class:`AuditRecordFailed`),
+    ``finished(record)`` with the outcome. This base keeps nothing (the log line and the
+    ``circuit_override_audit`` signal are the record)."""
+
+    def requested(self, record: BreakerOverride) -> None:
+        """Make ``record`` durable."""
+
+    def finished(self, record: BreakerOverride) -> None:
+        """Record ``record.outcome``."""
+
+
+class LogBreakerAudit(BreakerAudit):
+    """Without Django: refuses (as :class:`LogAudit`) unless the ``celery_steplock`` logger
+    emits the WARNING audit line."""
+
+    requested = LogAudit.requested
+
+
+class LeaseEventBreakerAudit(BreakerAudit):
+    """With ``celery_steplock.contrib.django``: one ``LeaseEvent`` row (event
+    ``circuit_override``) committed before the write, its outcome written after."""
+
+    def requested(self, record: BreakerOverride) -> None:
+        from django.db import router, transaction
+
+        from .contrib.django.models import LeaseEvent
+
+        using = router.db_for_write(LeaseEvent)
+        with transaction.atomic(using=using, durable=True):
+            row = LeaseEvent(event="circuit_override", key=record.key[:576],
+                             name=record.name[:512], reason=f"{record.action}: {record.reason}",
+                             actor=(record.actor or "")[:255],
+                             actor_host=(record.actor_host or "")[:255], via=record.via[:16],
+                             outcome=record.outcome)
+            row.save(using=using)
+        record.audit_id, record.audit = row.pk, f"LeaseEvent {row.pk}"
+
+    def finished(self, record: BreakerOverride) -> None:
+        if record.audit_id is None:
+            return
+        from django.db import router
+
+        from .contrib.django.models import LeaseEvent
+
+        LeaseEvent.objects.using(router.db_for_write(LeaseEvent)).filter(
+            pk=record.audit_id).update(outcome=record.outcome)
+
+
+def default_breaker_audit(app=None) -> BreakerAudit:
+    """:class:`LeaseEventBreakerAudit` when Django is set up with
+    ``celery_steplock.contrib.django`` installed, else :class:`LogBreakerAudit`."""
+    if isinstance(default_audit(app), LogAudit):
+        return LogBreakerAudit()
+    return LeaseEventBreakerAudit()
+
+
+_OVERRIDE_LOGGED = ("outcome", "action", "actor", "actor_host", "via", "name", "key",
+                    "previous", "audit", "reason")
+
+
+def _log_override(record: BreakerOverride, sender: Any) -> None:
+    data = record.fields()
+    log_event("circuit_override_audit", logging.WARNING,
+              **{k: data[k] for k in _OVERRIDE_LOGGED if data.get(k) not in (None, "")})
+    try:
+        signals.circuit_override_audit.send(sender=sender, event="circuit_override_audit",
+                                            **data)
+    except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
+        log_event("receiver_failed", logging.ERROR, exc_info=True,
+                  signal="circuit_override_audit")
+
+
+def override_breaker(breaker, action: str, *, actor: str | None = None,
+                     actor_host: str | None = None, via: str = "api", reason: str = "",
+                     auditor: BreakerAudit | None = None, sender: Any = None,
+                     app=None) -> BreakerOverride:
+    """Force the circuit breaker ``breaker`` (a
+    :class:`~celery_steplock.breaker.CircuitBreaker`) "open" (it stays open until closed
+    here, whatever its recovery timeout) or "close" it (its window emptied), audited: the
+    record (outcome ``requested``) is logged (WARNING ``event=circuit_override_audit``), sent
+    with ``circuit_override_audit`` and made durable by ``auditor`` (default
+    :func:`default_breaker_audit`) before Redis is written; then the outcome. Returns the
+    :class:`BreakerOverride`. Raises :class:`AuditRecordFailed` (nothing changed) when the
+    record cannot be made durable, LockStoreUnavailable (outcome ``unknown``) or another
+    StepLockError (outcome ``failed``) from Redis."""
+    from .breaker import CLOSED, OPEN
+
+    if action not in ("open", "close"):
+        raise ValueError(f"action must be 'open' or 'close', got {action!r}")
+    auditor = auditor if auditor is not None else default_breaker_audit(app)
+    sender = sender if sender is not None else OPS_SENDER
+    record = BreakerOverride(name=breaker.name, key=breaker.key, action=action, actor=actor,
+                             actor_host=actor_host, via=via, reason=reason or "")
+    _log_override(record, sender)
+    try:
+        auditor.requested(record)
+    except Exception as exc:
+        log_event("circuit_override_aborted", logging.ERROR, name=record.name,
+                  action=action, error=exc)
+        raise AuditRecordFailed(f"circuit breaker {record.name!r}: the audit record could "
+                                f"not be written: nothing changed", name=record.name,
+                                key=record.key, owner="", current=None) from exc
+    try:
+        record.previous, record.forced_before = breaker.override(action)
+        record.outcome = "done"
+    except LockStoreUnavailable:
+        record.outcome = "unknown"
+        raise
+    except StepLockError:
+        record.outcome = "failed"
+        raise
+    finally:
+        _log_override(record, sender)
+        try:
+            auditor.finished(record)
+        except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
+            record.outcome_recorded = False
+            record.outcome_error = redact(f"{type(exc).__name__}: {exc}")
+            log_event("circuit_override_outcome_unrecorded", logging.ERROR, name=record.name,
+                      action=action, outcome=record.outcome, error=record.outcome_error)
+    signal = signals.circuit_opened if action == "open" else signals.circuit_closed
+    emit(signal, sender, logging.WARNING, key=record.key, name=record.name,
+         state=OPEN if action == "open" else CLOSED, manual=True, actor=actor,
+         reason=f"{action} by {actor or 'an operator'} via {via}"
+                + (f": {reason}" if reason else ""))
     return record

@@ -30,7 +30,9 @@ __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
            "lock_store_error", "force_release_audit", "idempotency_locked",
            "idempotency_replayed", "idempotency_completed", "idempotency_failed",
-           "idempotency_conflict", "ALL_SIGNALS"]
+           "idempotency_conflict", "circuit_opened", "circuit_half_opened",
+           "circuit_closed", "circuit_rejected", "circuit_override_audit",
+           "retry_policy_decided", "ALL_SIGNALS"]
 
 lock_acquired = Signal(name="lock_acquired")
 lock_contended = Signal(name="lock_contended")
@@ -59,3 +61,21 @@ ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock
                force_release_audit)
 ALL_SIGNALS += (idempotency_locked, idempotency_replayed, idempotency_completed,
                 idempotency_failed, idempotency_conflict)
+
+#: Circuit breakers (celery_steplock.breaker): ``name`` (the dependency), ``key``, ``state``
+#: (after the event), ``reason``; opened/closed also ``failures``, ``calls``, ``manual``
+#: (an operator's override, then ``actor``), rejected also ``retry_after`` (seconds).
+circuit_opened = Signal(name="circuit_opened")
+circuit_half_opened = Signal(name="circuit_half_opened")
+circuit_closed = Signal(name="circuit_closed")
+circuit_rejected = Signal(name="circuit_rejected")
+#: An operator's override of a circuit breaker (open/close): ``action``, ``actor``,
+#: ``actor_host``, ``via``, ``previous``, ``outcome``.
+circuit_override_audit = Signal(name="circuit_override_audit")
+#: A retry policy (celery_steplock.retry) decided after a failed attempt: ``decision``
+#: ("retry", "give_up", "never"), ``reason``, ``kind``, ``attempt``, ``countdown``
+#: (seconds, None unless retried), ``retry_after``, ``error`` (the exception's type name).
+retry_policy_decided = Signal(name="retry_policy_decided")
+
+ALL_SIGNALS += (circuit_opened, circuit_half_opened, circuit_closed, circuit_rejected,
+                circuit_override_audit, retry_policy_decided)

@@ -48,6 +48,10 @@ default from :mod:`celery_steplock.conf`:
 ``lock_retry_max``  how many times a busy lease, an outage or a lost lease is retried
                     (``steplock_retry_max``, default None: until it clears; these retries
                     are counted apart from the task's own ``max_retries``)
+``circuit_breaker`` a dependency name or a CircuitBreaker: the shared circuit breaker
+                    the body's calls pass (:mod:`celery_steplock.breaker`)
+``retry_policy``    a RetryPolicy retrying what the execution raised, through Celery's
+                    ``retry`` (:mod:`celery_steplock.retry`)
 """
 from __future__ import annotations
 
@@ -173,6 +177,8 @@ class StepLockedTask(Task):
     step_database: str | None = None
     lock_precheck: bool | None = None
     lock_retry_max: int | None = None
+    circuit_breaker: Any = None  # a dependency name or a CircuitBreaker (celery_steplock.breaker)
+    retry_policy: Any = None  # a RetryPolicy (celery_steplock.retry), applied in __call__
 
     #: Expected outcomes, logged without a traceback by the worker (Celery ``Task.throws``).
     throws = (LockContended, TransitionConflict, AdmissionDenied)
@@ -404,7 +410,14 @@ class StepLockedTask(Task):
 
     def __call__(self, *args, **kwargs):
         with tracing.execution(self):
-            result = self._steplock_call(*args, **kwargs)
+            try:
+                result = self._steplock_call(*args, **kwargs)
+            except Exception as exc:
+                # After the lease's release and the gates' exits (a circuit breaker has
+                # recorded the failure): the retry is a new execution through every gate.
+                if self.retry_policy is None:
+                    raise
+                return self.retry_policy.retry_task(self, exc)
             if outcomes.is_outcome(result):
                 tracing.outcome(result["steplock"])
             return result

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from celery_steplock.breaker import CircuitBreaker
+from celery_steplock.retry import RetryPolicy
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -57,6 +59,12 @@ FORMS = {
                             ("int", 3, ("gate", "version", "3"))],
     "idempotency_ttl": [("none", None, ("gate", "ttl", 86400.0)),
                         ("seconds", 3600, ("gate", "ttl", 3600.0))],
+    "circuit_breaker": [("name", "forms-payments", ("gates", ["circuit_breaker"])),
+                        ("object", CircuitBreaker("forms-payments", failure_threshold=5),
+                         ("gates", ["circuit_breaker"])),
+                        ("none", None, ("gates", []))],
+    "retry_policy": [("object", RetryPolicy(max_attempts=5, backoff=1.0), ("gates", [])),
+                     ("none", None, ("gates", []))],
 }
 
 #: What every task of this module has unless the option under test replaces it.
@@ -136,6 +144,8 @@ def test_documented_form(app, option, form, value, expected, how, request):
         gate = plan.gates[0]
         target = gate if hasattr(gate, expected[1]) else gate.policy
         assert getattr(target, expected[1]) == expected[2]
+    elif kind == "gates":
+        assert [gate.option for gate in plan.gates] == expected[1]
     else:
         assert getattr(plan, expected[1]) == expected[2]
     if option == "lock_ttl":

@@ -28,6 +28,11 @@ signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metr
 ``steplock_commit_seconds{task}``                 histogram  its COMMIT
 ``steplock_leases_held{task}``                    gauge      leases held now by this process
                                                              (summed over live processes)
+``steplock_circuit_transitions_total{breaker,     counter    a circuit breaker's state changes
+state, manual}``                                             (open, half_open, closed)
+``steplock_circuit_rejected_total{breaker}``      counter    calls an open breaker refused
+``steplock_retry_decisions_total{task, decision}`` counter   retry policy decisions (retry,
+                                                             give_up, never)
 ================================================  =========  ==========================================
 
 Prefork (and any multi-process setup): set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
@@ -101,6 +106,13 @@ class Metrics:
         self.idempotency = Counter(f"{prefix}_idempotency", "Idempotency record decisions, by "
                                    "namespace (task, function or view) and outcome",
                                    ["namespace", "outcome"], **kw)
+        self.circuit_transitions = Counter(
+            f"{prefix}_circuit_transitions", "Circuit breaker state changes, by breaker, new "
+            "state and whether an operator made it", ["breaker", "state", "manual"], **kw)
+        self.circuit_rejected = Counter(f"{prefix}_circuit_rejected", "Calls refused by an "
+                                        "open circuit breaker", ["breaker"], **kw)
+        self.retry_decisions = Counter(f"{prefix}_retry_decisions", "Retry policy decisions "
+                                       "after a failed attempt", ["task", "decision"], **kw)
         self.held = Gauge(f"{prefix}_leases_held", "Leases held by live processes", ["task"],
                           multiprocess_mode="livesum", **kw)
         # (key, owner) of the leases this process holds: a lease lost and then released (or
@@ -132,6 +144,13 @@ class Metrics:
         elif event == "transition_applied":
             self._observe(self.cas, task, fields.get("cas_seconds"))
             self._observe(self.commit, task, fields.get("commit_seconds"))
+        if event in ("circuit_opened", "circuit_half_opened", "circuit_closed"):
+            self.circuit_transitions.labels(fields.get("name") or "", fields.get("state") or "",
+                                            "true" if fields.get("manual") else "false").inc()
+        elif event == "circuit_rejected":
+            self.circuit_rejected.labels(fields.get("name") or "").inc()
+        elif event == "retry_policy_decided":
+            self.retry_decisions.labels(task, fields.get("decision") or "").inc()
         if event == "lock_acquired":
             self._held(fields, task, add=True)
         elif event in ("lock_released", "lock_lost"):

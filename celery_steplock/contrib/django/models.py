@@ -30,7 +30,7 @@ from django.utils.translation import gettext_lazy as _
 
 from ...keys import MAX_NAME_LENGTH
 
-__all__ = ["Lease", "LeaseEvent", "IdempotencyRecord"]
+__all__ = ["Lease", "LeaseEvent", "IdempotencyRecord", "CircuitBreakerState"]
 
 
 def _ms_to_datetime(value: Any) -> dt.datetime | None:
@@ -218,3 +218,24 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.namespace} {self.key[:12]} ({self.status})"
+class CircuitBreakerState(models.Model):
+    """A circuit breaker as Redis holds it now (never stored in the database: no table).
+
+    Unmanaged, like :class:`Lease`: it gives the admin its "Circuit breakers" page and the
+    permissions ``celery_steplock.view_circuitbreakerstate`` (see the page) and
+    ``celery_steplock.override_circuitbreakerstate`` (force a breaker open, or close it),
+    both audited through :func:`celery_steplock.ops.override_breaker`.
+    """
+
+    name = models.CharField(_("dependency"), max_length=255, primary_key=True)
+
+    class Meta:
+        managed = False
+        default_permissions = ("view",)
+        permissions = [("override_circuitbreakerstate",
+                        "Can force a circuit breaker open or close it")]
+        verbose_name = _("circuit breaker")
+        verbose_name_plural = _("circuit breakers")
+
+    def __str__(self) -> str:
+        return self.name
