@@ -33,6 +33,7 @@ __all__ = [
     "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
     "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
+    "ConcurrencyLimit", "ConcurrencyLimited",
 ]
 
 
@@ -42,6 +43,10 @@ def __getattr__(name: str):
         from .contrib.django.task import DjangoStepLockedTask
 
         return DjangoStepLockedTask
+    if name in ("ConcurrencyLimit", "ConcurrencyLimited"):
+        from . import bulkhead
+
+        return getattr(bulkhead, name)
     if name in _RENAMED:
         new_name = _RENAMED[name]
         warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",

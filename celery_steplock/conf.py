@@ -62,6 +62,10 @@ DEFAULTS: dict[str, Any] = {
     # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
     # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
     "name_secret": None,
+    # Concurrency limits (celery_steplock.bulkhead): the outage policy, and the longest
+    # retry_after (seconds) a denied execution is re-queued past.
+    "bulkhead_on_store_error": "fail_closed",
+    "bulkhead_retry_after": 0.5,
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -617,6 +621,16 @@ class Settings:
     @property
     def step_database(self) -> str | None:
         return check_database(self.raw("step_database"), "steplock_step_database")
+
+    @property
+    def bulkhead_on_store_error(self) -> str:
+        return check_choice(self.raw("bulkhead_on_store_error"),
+                            "steplock_bulkhead_on_store_error", ON_STORE_ERROR)
+
+    @property
+    def bulkhead_retry_after(self) -> float:
+        return check_seconds(self.raw("bulkhead_retry_after"), "steplock_bulkhead_retry_after",
+                             minimum=0.05, maximum=3600.0)
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""
