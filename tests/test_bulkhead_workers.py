@@ -162,3 +162,22 @@ def test_slots_are_listed_and_force_released_by_the_cli(worker_env, app, redis_c
     released = cli("release", "cli}#0", "--owner", slot.owner)
     assert released.returncode == 0, released.stdout + released.stderr
     assert redis_client.exists(slot.lease.key) == 0
+
+
+def test_the_admin_lists_a_slot_and_offers_its_force_release(admin_client, app, redis_client):
+    from django.urls import reverse
+
+    from celery_steplock.bulkhead import ConcurrencyLimit
+    from celery_steplock.lock import get_lease_store
+
+    slot = ConcurrencyLimit(2).try_acquire(
+        get_lease_store(app), "adm", owner="a" * 32, ticket=None, ttl=60.0,
+        metadata={"kind": "slot", "limit": 2, "limit_key": "adm", "task_name": "t.x"})
+    response = admin_client.get(reverse("admin:celery_steplock_lease_changelist"))
+    assert response.status_code == 200
+    rows = {row["lease"].name: row for row in response.context["rows"]}
+    assert set(rows) == {"adm}#0"} and rows["adm}#0"]["lease"].owner == slot.owner
+    confirm = admin_client.get(reverse("admin:celery_steplock_lease_release"),
+                               {"name": "adm}#0"})
+    assert confirm.status_code == 200
+    assert slot.owner in confirm.content.decode()
