@@ -81,7 +81,8 @@ def measure_latency(rec: Recorder, url: str, limit: int, rounds: int) -> None:
     rec.add("bulkhead.server.granted", server, "us/evalsha", limit=limit)
     rec.add("bulkhead.server.refused", refused_server, "us/evalsha", limit=limit)
     rec.say(f"limit {limit}: granted p50 {percentile(granted, 50) * 1000:.3f} ms p99 "
-            f"{percentile(granted, 99) * 1000:.3f} ms (server {server} us per script call, acquire and release); "
+            f"{percentile(granted, 99) * 1000:.3f} ms (server {server} us per script call, "
+            f"acquire and release); "
             f"refused p50 {percentile(refused, 50) * 1000:.3f} ms (server {refused_server} us)")
     client.close()
 

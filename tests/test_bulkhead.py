@@ -8,7 +8,7 @@ import time
 import pytest
 from redis.crc import key_slot
 
-from celery_steplock import bulkhead, signals
+from celery_steplock import bulkhead
 from celery_steplock.bulkhead import ConcurrencyLimit, current_slot, parse_slot_name, slot_name
 from celery_steplock.exceptions import ConcurrencyLimited, ImproperlyConfigured, LockLost, \
     LockStoreUnavailable
@@ -263,8 +263,13 @@ def test_bad_arguments_name_the_option(extra):
     assert bad.value.setting == "concurrency_limit"
 
 
-def test_task_options_are_validated_by_the_plan_and_the_validator(app):
+def test_task_options_are_validated_by_the_plan_and_the_validator(redis_server_url):
+    from celery import Celery
+
     from celery_steplock.validate import problems
+
+    own = Celery("bk-validate", set_as_current=False)  # the example app's registry stays clean
+    own.conf.update(broker_url=redis_server_url, steplock_redis_url=redis_server_url)
 
     def body(n):
         return n
@@ -272,21 +277,19 @@ def test_task_options_are_validated_by_the_plan_and_the_validator(app):
     for name, options in (("bad_key", {"concurrency_limit": 2,
                                        "concurrency_limit_key": "t:{missing}"}),
                           ("zero", {"concurrency_limit": 0}),
-                          ("lonely", {"concurrency_limit_key": "t:{n}"})):
-        celery_app.task(base=StepLockedTask, name=f"tests.bk.{name}", lock_key="bk:{n}",
-                        **options)(body)
-    try:
-        found = {name: p for p in problems(celery_app)
-                 for name in ("bad_key", "zero", "lonely") if p.obj == f"tests.bk.{name}"}
-        assert set(found) == {"bad_key", "zero", "lonely"}
-        assert all(p.is_error for p in found.values())
-        assert "concurrency_limit_key" in found["bad_key"].message
-        assert "'missing'" in found["bad_key"].message
-        assert "concurrency_limit must be an int from 1" in found["zero"].message
-        assert "concurrency_limit is not" in found["lonely"].message
-    finally:
-        for name in ("bad_key", "zero", "lonely"):
-            celery_app.tasks.pop(f"tests.bk.{name}", None)
+                          ("lonely", {"concurrency_limit_key": "t:{n}"}),
+                          ("fine", {"concurrency_limit": 3, "concurrency_limit_key": "t:{n}"})):
+        own.task(base=StepLockedTask, name=f"tests.bk.{name}", lock_key="bk:{n}",
+                 shared=False, **options)(body)
+    own.finalize()
+    found = {p.obj.rsplit(".", 1)[-1]: p for p in problems(own)
+             if str(p.obj).startswith("tests.bk.")}
+    assert set(found) == {"bad_key", "zero", "lonely"}
+    assert all(p.is_error for p in found.values())
+    assert "concurrency_limit_key" in found["bad_key"].message
+    assert "'missing'" in found["bad_key"].message
+    assert "concurrency_limit must be an int from 1" in found["zero"].message
+    assert "concurrency_limit is not" in found["lonely"].message
 
 
 def test_bad_settings_name_the_setting(app):
