@@ -41,6 +41,7 @@ GROUPS = {
     "operators": "benchmarks.operators",
     "idempotency": "benchmarks.idempotency",
     "breaker": "benchmarks.breaker",
+    "bulkhead": "benchmarks.bulkhead",
 }
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "Idempotency", "idempotent", "IdempotencyError", "IdempotencyKeyReused",
     "IdempotencyInProgress",
     "CircuitBreaker", "CircuitOpen", "AdmissionDenied", "RetryPolicy", "NonRetryable",
+    "ConcurrencyLimit", "ConcurrencyLimited",
 ]
 
 
@@ -53,6 +54,10 @@ def __getattr__(name: str):
         from . import idempotency
 
         return getattr(idempotency, name)
+    if name in ("ConcurrencyLimit", "ConcurrencyLimited"):
+        from . import bulkhead
+
+        return getattr(bulkhead, name)
     if name in _RENAMED:
         new_name = _RENAMED[name]
         warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",

@@ -45,6 +45,7 @@ __all__ = ["GATES", "Gate", "Admission", "AdmissionContext", "Replay", "NOT_RUN"
 GATES: tuple[str, ...] = (
     "celery_steplock.idempotency",
     "celery_steplock.breaker",
+    "celery_steplock.bulkhead",
 )
 
 

@@ -158,7 +158,10 @@ def ls(ctx, match, limit, as_json):
     if not rows:
         click.echo(f"no lease held (match {match!r})")
         return
-    for line in _table(rows):
+    # A concurrency limit's slot (celery_steplock.bulkhead) says so where a step would be.
+    shown_rows = [dict(row, step=f"slot of {row.get('limit_key')} (limit {row.get('limit')})")
+                  if row.get("kind") == "slot" and not row.get("step") else row for row in rows]
+    for line in _table(shown_rows):
         click.echo(line)
     click.echo(f"{len(rows)} lease(s)" + (f"; more not shown (--limit {limit})" if more else ""))
     malformed = [row["name"] for row in rows if row.get("malformed")]

@@ -71,6 +71,10 @@ DEFAULTS: dict[str, Any] = {
     "idempotency_on_store_error": "fail_closed",
     # The circuit breakers' policy when Redis cannot be reached (celery_steplock.breaker).
     "breaker_on_store_error": "fail_closed",
+    # Concurrency limits (celery_steplock.bulkhead): the outage policy, and the longest
+    # retry_after (seconds) a denied execution is re-queued past.
+    "bulkhead_on_store_error": "fail_closed",
+    "bulkhead_retry_after": 0.5,
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -665,6 +669,14 @@ class Settings:
     def breaker_on_store_error(self) -> str:
         return check_choice(self.raw("breaker_on_store_error"),
                             "steplock_breaker_on_store_error", ON_STORE_ERROR)
+    def bulkhead_on_store_error(self) -> str:
+        return check_choice(self.raw("bulkhead_on_store_error"),
+                            "steplock_bulkhead_on_store_error", ON_STORE_ERROR)
+
+    @property
+    def bulkhead_retry_after(self) -> float:
+        return check_seconds(self.raw("bulkhead_retry_after"), "steplock_bulkhead_retry_after",
+                             minimum=0.05, maximum=3600.0)
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""

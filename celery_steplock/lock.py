@@ -147,7 +147,17 @@ def _owner(owner: Any, name: str = "owner") -> str:
 
 
 def _name(name: Any) -> str:
+    if type(name) is str and "}" in name and _is_slot_name(name):
+        return name
     return check_name(name)
+
+
+def _is_slot_name(name: str) -> bool:
+    # A slot of a concurrency limit (celery_steplock.bulkhead): "<limit key>}#<index>", so
+    # that its key "<prefix>:lease:{<limit key>}#<index>}" shares the hash tag of its limit.
+    key, mark, index = name.rpartition("}#")
+    return bool(mark) and index.isdigit() and len(index) <= 6 and len(name) <= MAX_NAME_LENGTH \
+        and bool(key) and key.isprintable() and "{" not in key and "}" not in key
 
 
 def _metadata(metadata: Any) -> Mapping[str, Any] | None:

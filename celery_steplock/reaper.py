@@ -602,6 +602,12 @@ class Reaper:
                      ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
                      ttl_left=info["ttl"], reason=f"reaped: {reason}", worker=info["worker"],
                      hostname=info["hostname"], pid=info["pid"], step=info["step"])
+                if lease.get("kind") == "slot":  # a concurrency limit's slot (bulkhead)
+                    emit(signals.slot_expired, self.sender(lease.get("task_name")),
+                         logging.WARNING, key=info["key"], name=info["name"],
+                         owner=info["owner"], fence=info["fence"], task_id=info["task_id"],
+                         task_name=info["task_name"], ttl=info["ttl"],
+                         limit_key=lease.get("limit_key"), reason=f"reaped: {reason}")
             self.report.add_reaped(info)
         log_event("reaper_batch", logging.DEBUG, leases=len(leases), dead=len(dead),
                   reaped=reaped, skipped=skipped, failed=failed, dry_run=self.dry_run)

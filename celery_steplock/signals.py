@@ -28,11 +28,11 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
-           "lock_store_error", "force_release_audit", "idempotency_locked",
-           "idempotency_replayed", "idempotency_completed", "idempotency_failed",
-           "idempotency_conflict", "circuit_opened", "circuit_half_opened",
-           "circuit_closed", "circuit_rejected", "circuit_override_audit",
-           "retry_policy_decided", "ALL_SIGNALS"]
+           "lock_store_error", "force_release_audit", "idempotency_locked", "idempotency_replayed",
+           "idempotency_completed", "idempotency_failed", "idempotency_conflict", "circuit_opened",
+           "circuit_half_opened", "circuit_closed", "circuit_rejected", "circuit_override_audit",
+           "retry_policy_decided", "slot_acquired", "slot_released", "slot_expired",
+           "concurrency_limited", "ALL_SIGNALS"]
 
 lock_acquired = Signal(name="lock_acquired")
 lock_contended = Signal(name="lock_contended")
@@ -79,3 +79,16 @@ retry_policy_decided = Signal(name="retry_policy_decided")
 
 ALL_SIGNALS += (circuit_opened, circuit_half_opened, circuit_closed, circuit_rejected,
                 circuit_override_audit, retry_policy_decided)
+
+#: A slot of a concurrency limit (celery_steplock.bulkhead) was granted, given back, found
+#: expired or taken over (its holder stopped past the TTL, the reaper), or refused: every
+#: slot held (``retry_after`` seconds, ``free``, ``waiting``, ``rank``). Besides the lease
+#: fields of the slot (``key``, ``name``, ``owner``, ``fence``...): ``limit_key``, ``limit``,
+#: ``slot`` (0-based index); ``concurrency_limited``'s ``key`` is the limit key.
+slot_acquired = Signal(name="slot_acquired")
+slot_released = Signal(name="slot_released")
+slot_expired = Signal(name="slot_expired")
+concurrency_limited = Signal(name="concurrency_limited")
+
+ALL_SIGNALS += (slot_acquired, slot_released, slot_expired,
+               concurrency_limited)

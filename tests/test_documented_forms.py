@@ -10,6 +10,7 @@ import pytest
 
 from celery_steplock.breaker import CircuitBreaker
 from celery_steplock.retry import RetryPolicy
+from celery_steplock.bulkhead import ConcurrencyLimit, current_slot
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -21,6 +22,10 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def key_of_step(step_id):
     return f"step:{step_id}"
+
+
+def key_of_tenant(step_id):
+    return f"tenant:{step_id}"
 
 
 #: option -> [(form id, value, what the execution must show)]; "plan" checks compare an
@@ -65,7 +70,17 @@ FORMS = {
                         ("none", None, ("gates", []))],
     "retry_policy": [("object", RetryPolicy(max_attempts=5, backoff=1.0), ("gates", [])),
                      ("none", None, ("gates", []))],
+    "concurrency_limit": [("int", 2, ("slot", r"forms\.[a-z_.]+", 2)),
+                          ("object", ConcurrencyLimit(2), ("slot", r"forms\.[a-z_.]+", 2))],
+    "concurrency_limit_key": [("template", "tenant:{step_id}", ("slot", "tenant:{id}", 1)),
+                              ("function", key_of_tenant, ("slot", "tenant:{id}", 1)),
+                              ("lambda", lambda step_id: f"tenant:{step_id}",
+                               ("slot", "tenant:{id}", 1)),
+                              ("none", None, ("slot", r"forms\.[a-z_.]+", 1))],
 }
+
+#: Options a form needs beside the one under test.
+NEEDS = {"concurrency_limit_key": {"concurrency_limit": 1}}
 
 #: What every task of this module has unless the option under test replaces it.
 BASE = {"step_model": "workflows.Step", "step_id_arg": "step_id",
@@ -77,7 +92,9 @@ SEEN = {}
 def body(self, step_id):
     SEEN[self.name] = {"name": self.lease.name, "ttl": self.lease.ttl,
                        "pttl": self.lease_store_pttl(),
-                       "max_hold_until": self.lease.max_hold_until}
+                       "max_hold_until": self.lease.max_hold_until,
+                       "slot": (lambda slot: slot and (slot.key, slot.limit.limit))(
+                           current_slot())}
     return "ran"
 
 
@@ -100,7 +117,7 @@ def test_every_documented_option_has_its_forms_tested():
 
 
 def make_task(option, form, value, how):
-    options = dict(BASE)
+    options = dict(BASE, **NEEDS.get(option, {}))
     options[option] = value
     if option.startswith("idempotency_") and option != "idempotency_key":
         options["idempotency_key"] = "idem:{step_id}"  # the pattern's switch
@@ -138,6 +155,9 @@ def test_documented_form(app, option, form, value, expected, how, request):
     kind = expected[0]
     if kind == "name":
         assert re.fullmatch(expected[1].format(id=step.pk), seen["name"]), seen["name"]
+    elif kind == "slot":
+        assert re.fullmatch(expected[1].format(id=step.pk), seen["slot"][0]), seen["slot"]
+        assert seen["slot"][1] == expected[2]
     elif kind == "model":
         assert plan.steps.model is expected[1]
     elif kind == "gate":

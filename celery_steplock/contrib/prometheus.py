@@ -22,6 +22,8 @@ signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metr
 ``steplock_idempotency_total{namespace, outcome}``  counter  idempotency decisions: ``locked``,
                                                              ``replayed``, ``completed``, ``failed``,
                                                              ``reused``, ``in_progress``
+                                                             ``concurrency_limited``,
+                                                             ``slot_expired``
 ``steplock_wait_seconds{task}``                   histogram  acquiring a lease (granted or contended)
 ``steplock_hold_seconds{task}``                   histogram  a lease from its acquire to its release
 ``steplock_cas_seconds{task}``                    histogram  a compare-and-swap that was committed
@@ -33,6 +35,8 @@ state, manual}``                                             (open, half_open, c
 ``steplock_circuit_rejected_total{breaker}``      counter    calls an open breaker refused
 ``steplock_retry_decisions_total{task, decision}`` counter   retry policy decisions (retry,
                                                              give_up, never)
+``steplock_slots_held{task}``                     gauge      concurrency-limit slots held now
+                                                             (summed over live processes)
 ================================================  =========  ==========================================
 
 Prefork (and any multi-process setup): set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
@@ -71,6 +75,7 @@ OUTCOMES = {"transition_applied": "committed", "transition_conflict": "conflict"
             "idempotency_replayed": "replayed", "idempotency_completed": "recorded",
             "idempotency_conflict": "idempotency_conflict",
             "idempotency_failed": "idempotency_failed"}
+            "concurrency_limited": "concurrency_limited", "slot_expired": "slot_expired"}
 
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)
@@ -115,6 +120,9 @@ class Metrics:
                                        "after a failed attempt", ["task", "decision"], **kw)
         self.held = Gauge(f"{prefix}_leases_held", "Leases held by live processes", ["task"],
                           multiprocess_mode="livesum", **kw)
+        self.slots = Gauge(f"{prefix}_slots_held", "Concurrency-limit slots held by live "
+                           "processes", ["task"], multiprocess_mode="livesum", **kw)
+        self._slots: dict[tuple[str, str], str] = {}
         # (key, owner) of the leases this process holds: a lease lost and then released (or
         # another process's lease released by an operator) is never counted twice.
         self._holding: dict[tuple[str, str], str] = {}
@@ -155,28 +163,36 @@ class Metrics:
             self._held(fields, task, add=True)
         elif event in ("lock_released", "lock_lost"):
             self._held(fields, task, add=False)
+        if event == "slot_acquired":
+            self._held(fields, task, add=True, gauge=self.slots, holding=self._slots)
+        elif event in ("slot_released", "slot_expired"):
+            self._held(fields, task, add=False, gauge=self.slots, holding=self._slots)
 
     @staticmethod
     def _observe(histogram: Histogram, task: str, value: Any) -> None:
         if isinstance(value, (int, float)) and value >= 0:
             histogram.labels(task).observe(value)
 
-    def _held(self, fields: dict[str, Any], task: str, add: bool) -> None:
+    def _held(self, fields: dict[str, Any], task: str, add: bool, gauge: Any = None,
+              holding: dict[tuple[str, str], str] | None = None) -> None:
+        gauge = self.held if gauge is None else gauge
         lease = (fields.get("key"), fields.get("owner"))
         if lease[0] is None or lease[1] is None:
             return
         with self._lock:
             if self._holding_pid != os.getpid():  # a forked child holds none of the parent's
                 self._holding.clear()
+                self._slots.clear()
                 self._holding_pid = os.getpid()
+            holding = self._holding if holding is None else holding
             if add:
-                self._holding[lease] = task
-                count = sum(1 for t in self._holding.values() if t == task)
-            elif self._holding.pop(lease, None) is not None:
-                count = sum(1 for t in self._holding.values() if t == task)
+                holding[lease] = task
+                count = sum(1 for t in holding.values() if t == task)
+            elif holding.pop(lease, None) is not None:
+                count = sum(1 for t in holding.values() if t == task)
             else:
                 return
-            self.held.labels(task).set(count)
+            gauge.labels(task).set(count)
 
 
 _installed: Metrics | None = None
