@@ -19,6 +19,8 @@ from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepI
                          TransitionConflict, TransitionError)
 from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
 from .lock import get_lease_store
+from .exceptions import AdmissionDenied, RateLimited
+from .ratelimit import Decision, SlidingWindow, TokenBucket
 from .task import StepLockedTask
 
 __version__ = "0.1.0"
@@ -33,6 +35,7 @@ __all__ = [
     "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
     "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
     "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
+    "AdmissionDenied", "RateLimited", "TokenBucket", "SlidingWindow", "Decision",
 ]
 
 

@@ -43,6 +43,7 @@ __all__ = ["GATES", "Gate", "Admission", "AdmissionContext", "Replay", "NOT_RUN"
 #: breaker probe, a refused call no concurrency slot, and a task waiting for a slot no
 #: rate-limit token.
 GATES: tuple[str, ...] = (
+    "celery_steplock.ratelimit",
 )
 
 

@@ -62,6 +62,8 @@ DEFAULTS: dict[str, Any] = {
     # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
     # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
     "name_secret": None,
+    # Redis does not answer a cluster-wide rate limit's decision (celery_steplock.ratelimit)
+    "rate_limit_on_store_error": "fail_closed",
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -503,6 +505,11 @@ class Settings:
     def on_store_error(self) -> str:
         return check_choice(self.raw("on_store_error"), "steplock_on_store_error",
                             ON_STORE_ERROR)
+
+    @property
+    def rate_limit_on_store_error(self) -> str:
+        return check_choice(self.raw("rate_limit_on_store_error"),
+                            "steplock_rate_limit_on_store_error", ON_STORE_ERROR)
 
     @property
     def retry_backoff(self) -> float:

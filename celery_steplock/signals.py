@@ -28,7 +28,8 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
-           "lock_store_error", "force_release_audit", "ALL_SIGNALS"]
+           "lock_store_error", "force_release_audit", "rate_limit_allowed", "rate_limited",
+           "ALL_SIGNALS"]
 
 lock_acquired = Signal(name="lock_acquired")
 lock_contended = Signal(name="lock_contended")
@@ -43,6 +44,13 @@ lock_store_error = Signal(name="lock_store_error")
 #: An operator's force release: requested (before the delete), then its outcome.
 force_release_audit = Signal(name="force_release_audit")
 
+#: A cluster-wide rate limit admitted an execution (``key``, ``name``, ``limit``,
+#: ``remaining``, ``granted_at``: the Redis time of the grant, seconds since the epoch).
+rate_limit_allowed = Signal(name="rate_limit_allowed")
+#: A cluster-wide rate limit refused an execution for now (``key``, ``name``, ``limit``,
+#: ``retry_after`` seconds, ``ticket``: its place in the queue or None, ``queued``).
+rate_limited = Signal(name="rate_limited")
+
 ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock_expired,
                lock_lost, transition_applied, transition_conflict, lock_store_error,
-               force_release_audit)
+               force_release_audit, rate_limit_allowed, rate_limited)

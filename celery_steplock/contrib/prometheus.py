@@ -91,6 +91,9 @@ class Metrics:
                                 "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
         self.held = Gauge(f"{prefix}_leases_held", "Leases held by live processes", ["task"],
                           multiprocess_mode="livesum", **kw)
+        self.rate_decisions = Counter(
+            f"{prefix}_rate_limit_decisions", "Cluster-wide rate-limit decisions, by task, "
+            "limit and decision (allowed, limited)", ["task", "limit", "decision"], **kw)
         # (key, owner) of the leases this process holds: a lease lost and then released (or
         # another process's lease released by an operator) is never counted twice.
         self._holding: dict[tuple[str, str], str] = {}
@@ -108,6 +111,10 @@ class Metrics:
             outcome = "force_released"
         if outcome is not None:
             self.outcomes.labels(task, outcome).inc()
+        if event in ("rate_limit_allowed", "rate_limited"):
+            self.rate_decisions.labels(task, fields.get("limit") or "",
+                                       "allowed" if event == "rate_limit_allowed"
+                                       else "limited").inc()
         if event in ("lock_acquired", "lock_contended"):
             self._observe(self.wait, task, fields.get("wait_seconds"))
         elif event == "lock_released":
