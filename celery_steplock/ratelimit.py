@@ -138,6 +138,8 @@ if now > ts then
   tokens = math.min(cap, tokens + (now - ts) * rate)
   ts = now
 end
+-- a clock that went back (a failover to a primary behind) never refills twice
+now = ts
 local admit = tokens >= pos + 1
 if admit then tokens = tokens - 1 end
 redis.call('HSET', KEYS[1], 'tokens', num(tokens), 'ts', num(ts))
@@ -160,6 +162,9 @@ return denied((pos + 1 - tokens) / rate)
 SLIDING_WINDOW = _QUEUE + """
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
+-- a clock that went back (a failover to a primary behind) counts from the last grant
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if last[2] and tonumber(last[2]) > now then now = tonumber(last[2]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', num(now - window))
 local n = redis.call('ZCARD', KEYS[1])
 local free = limit - n
