@@ -39,6 +39,7 @@ GROUPS = {
     "heartbeat": "benchmarks.heartbeat",
     "wait": "benchmarks.blocking_wait",
     "operators": "benchmarks.operators",
+    "ratelimit": "benchmarks.ratelimit",
 }
 
 
