@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_steplock.ratelimit import SlidingWindow, TokenBucket
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -50,7 +51,18 @@ FORMS = {
                                                           ("pending", "done")))],
     "step_database": [("none", None, ("plan", "transition", ("pending", "done"))),
                       ("alias", "default", ("plan", "transition", ("pending", "done")))],
+    "cluster_rate_limit": [
+        ("string", "10/s", ("gate", ["10/1s window"])),
+        ("multiple", "5/10s", ("gate", ["5/10s window"])),
+        ("bucket", TokenBucket("5/s", capacity=2), ("gate", ["5/s bucket of 2"])),
+        ("window", SlidingWindow(100, 60), ("gate", ["100/60s window"])),
+        ("list", ["10/s", TokenBucket(2.0)], ("gate", ["10/1s window", "2/s bucket of 2"]))],
+    "cluster_rate_limit_key": [("none", None, ("gate_key", None)),
+                               ("template", "rl:{step_id}", ("gate_key", "rl:{step_id}"))],
 }
+
+#: Options a form needs beside its own (the key of a rate limit needs the limit).
+NEEDS = {"cluster_rate_limit_key": {"cluster_rate_limit": "100/s"}}
 
 #: What every task of this module has unless the option under test replaces it.
 BASE = {"step_model": "workflows.Step", "step_id_arg": "step_id",
@@ -85,7 +97,7 @@ def test_every_documented_option_has_its_forms_tested():
 
 
 def make_task(option, form, value, how):
-    options = dict(BASE)
+    options = dict(BASE, **NEEDS.get(option, {}))
     options[option] = value
     name = f"forms.{how}.{option}.{form}"
     if name in celery_app.tasks:
@@ -121,6 +133,10 @@ def test_documented_form(app, option, form, value, expected, how):
         assert re.fullmatch(expected[1].format(id=step.pk), seen["name"]), seen["name"]
     elif kind == "model":
         assert plan.steps.model is expected[1]
+    elif kind == "gate":
+        assert [str(limiter) for limiter in plan.gates[-1].limiters] == expected[1]
+    elif kind == "gate_key":
+        assert plan.gates[-1].key == expected[1]
     else:
         assert getattr(plan, expected[1]) == expected[2]
     if option == "lock_ttl":

@@ -74,6 +74,9 @@ def test_cluster_limits_hold_across_prefork_and_threads_workers(workers, redis_c
     assert max_in_window([r["start"] for r in window], WINDOW - lag)[0] <= LIMIT
     # Denied tasks were re-queued (not slept in their slots) and came back with a ticket.
     assert max(r["retries"] for r in window) >= 1 and max(r["retries"] for r in bucket) >= 1
+    print(f"window: {most} in one {WINDOW:g} s (limit {LIMIT}); bucket excess "
+          f"{bucket_excess([r['granted'] for r in bucket], RATE, CAPACITY):.4f}; lag "
+          f"{lag * 1000:.1f} ms; retries up to {max(r['retries'] for r in window + bucket)}")
     # The run took as long as the limit says: 20 at 5 per second.
     starts = sorted(r["granted"] for r in window)
     assert starts[-1] - starts[0] >= (TASKS - LIMIT) / LIMIT * WINDOW - 0.01
@@ -88,4 +91,5 @@ def test_negative_control_celerys_per_worker_rate_limit_exceeds(workers, redis_c
     assert {r["worker"].split("@")[0] for r in records} == {"rl-prefork", "rl-threads"}
     most, _ = max_in_window([r["start"] for r in records], WINDOW)
     # "5/s" per worker: two workers run up to twice that in a second; the checker flags it.
+    print(f"celery rate_limit, 2 workers: {most} in one {WINDOW:g} s (limit {LIMIT})")
     assert most > LIMIT
