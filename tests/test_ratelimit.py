@@ -360,3 +360,29 @@ def test_an_outage_at_the_gate_follows_the_limit_policy(app, policy, events):
     errors = [kw for name_, kw in events if name_ == "lock_store_error"
               and str(kw.get("reason", "")).startswith("rate limit")]
     assert [kw["policy"] for kw in errors] == [policy, policy]
+
+
+@pytest.mark.no_database
+def test_bad_options_are_task_problems_for_the_checks(celery_app_configured):
+    from celery_steplock import plan as plan_module
+    from celery_steplock.task import StepLockedTask
+
+    app = celery_app_configured
+
+    @app.task(bind=True, base=StepLockedTask, name="tests.rl.bad", lock_key="rl-bad:{n}",
+              cluster_rate_limit="10/x", cluster_rate_limit_key="t:{nope}")
+    def bad(self, n):
+        return n
+
+    try:
+        problems = plan_module.option_problems(bad)
+        # The key is judged first; once it is fixed, the rate is reported.
+        assert [p.setting for p in problems] == ["cluster_rate_limit_key"]
+        assert "tests.rl.bad: cluster_rate_limit_key 't:{nope}' names 'nope'" in str(problems[0])
+        bad.cluster_rate_limit_key = "t:{n}"
+        problems = plan_module.option_problems(bad)
+        assert [p.setting for p in problems] == ["cluster_rate_limit"]
+        assert "'10/x' is not a rate" in str(problems[0])
+        assert {"cluster_rate_limit", "cluster_rate_limit_key"} <= plan_module.OPTION_NAMES
+    finally:
+        app.tasks.pop("tests.rl.bad", None)
