@@ -614,7 +614,7 @@ class RateLimitGate:
 
         task = context.task
         request = task.request
-        store = get_lease_store(task.app)
+        store = getattr(context.plan, "store", None) or get_lease_store(task.app)
         client, prefix = store.client, store.prefix
         tickets = dict(getattr(request, TICKETS_HEADER, None)
                        or (request.headers or {}).get(TICKETS_HEADER) or {})
@@ -688,16 +688,19 @@ def denied_countdown(exc: RateLimited) -> float:
 # -- checking a recorded history ----------------------------------------------------------------
 
 def max_in_window(times: Sequence[float], window: float) -> tuple[int, float | None]:
-    """The largest number of ``times`` (seconds) inside any half-open window
-    ``[t, t + window)``, and a ``t`` where it is reached (None for no times): a sliding
-    window's guarantee is that this never exceeds its ``limit``."""
-    ordered = sorted(times)
+    """The largest number of ``times`` (seconds, compared to the microsecond) inside any
+    half-open window ``[t, t + window)``, and a ``t`` where it is reached (None for no
+    times): a sliding window's guarantee is that this never exceeds its ``limit``."""
+    # In whole microseconds (Redis TIME's resolution): two grants exactly one window apart
+    # are in no common window, which float seconds near 1.8e9 cannot always tell.
+    ordered = sorted(round(t * 1e6) for t in times)
+    span = round(window * 1e6)
     best, where, start = 0, None, 0
     for end, moment in enumerate(ordered):
-        while moment - ordered[start] >= window:
+        while moment - ordered[start] >= span:
             start += 1
         if end - start + 1 > best:
-            best, where = end - start + 1, ordered[start]
+            best, where = end - start + 1, ordered[start] / 1e6
     return best, where
 
 
@@ -705,7 +708,8 @@ def bucket_excess(times: Sequence[float], rate: float, capacity: int) -> float:
     """The largest ``count - (capacity + rate * (last - first))`` over every run of
     consecutive ``times`` (seconds): a token bucket's guarantee is that this is never above
     0 (at most ``capacity + rate * t`` admissions in any interval of ``t`` seconds)."""
-    ordered = sorted(times)
+    # Relative to the first time: rate * (seconds near 1.8e9) would lose the microseconds.
+    ordered = [t - min(times) for t in sorted(times)] if times else []
     worst = -math.inf
     # Over runs ending at j, count - rate*(t_j - t_i) is largest for the i maximising
     # (j - i + 1) - rate*(t_j - t_i), i.e. maximising rate*t_i - i.

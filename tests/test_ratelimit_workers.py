@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.no_database]
 LIMIT, WINDOW = 5, 1.0     # sliding window: 5 per second
 RATE, CAPACITY = 5.0, 2    # token bucket: 5 per second, bursts of 2
 TASKS = 20
+QUEUES = ("q.rl-prefork", "q.rl-threads")
 
 
 @pytest.fixture
@@ -28,10 +29,12 @@ def workers(worker_env, tmp_path):
            "RL_RATE": str(RATE), "RL_CAPACITY": str(CAPACITY), "RL_HISTORY": "rl:history"}
     started = []
     try:
+        # A queue each, so that both certainly run their share of every limit.
         for name, pool in (("rl-prefork", "prefork"), ("rl-threads", "threads")):
             started.append(servers.celery_worker(
                 app="tests.support.ratelimit_app", name=name, concurrency=2, pool=pool,
-                env=env, logfile=tmp_path / f"{name}.log", cwd=ROOT))
+                env=env, logfile=tmp_path / f"{name}.log", cwd=ROOT,
+                extra_args=("-Q", f"q.{name}")))
         yield started
     finally:
         for worker in started:
@@ -53,8 +56,9 @@ def test_cluster_limits_hold_across_prefork_and_threads_workers(workers, redis_c
     from tests.support import ratelimit_app
 
     for i in range(TASKS):
-        ratelimit_app.window.delay(i)
-        ratelimit_app.bucket.delay(i)
+        queue = QUEUES[i % 2]
+        ratelimit_app.window.apply_async((i,), queue=queue)
+        ratelimit_app.bucket.apply_async((i,), queue=queue)
     records = _history(redis_client, 2 * TASKS)
     window = [r for r in records if r["kind"] == "window"]
     bucket = [r for r in records if r["kind"] == "bucket"]
@@ -74,6 +78,8 @@ def test_cluster_limits_hold_across_prefork_and_threads_workers(workers, redis_c
     assert max_in_window([r["start"] for r in window], WINDOW - lag)[0] <= LIMIT
     # Denied tasks were re-queued (not slept in their slots) and came back with a ticket.
     assert max(r["retries"] for r in window) >= 1 and max(r["retries"] for r in bucket) >= 1
+    assert all(r["ticket"] for r in window + bucket if r["retries"])
+    assert not any(r["ticket"] for r in window + bucket if not r["retries"])
     print(f"window: {most} in one {WINDOW:g} s (limit {LIMIT}); bucket excess "
           f"{bucket_excess([r['granted'] for r in bucket], RATE, CAPACITY):.4f}; lag "
           f"{lag * 1000:.1f} ms; retries up to {max(r['retries'] for r in window + bucket)}")
@@ -86,7 +92,7 @@ def test_negative_control_celerys_per_worker_rate_limit_exceeds(workers, redis_c
     from tests.support import ratelimit_app
 
     for i in range(TASKS):
-        ratelimit_app.celery_limited.delay(i)
+        ratelimit_app.celery_limited.apply_async((i,), queue=QUEUES[i % 2])
     records = _history(redis_client, TASKS)
     assert {r["worker"].split("@")[0] for r in records} == {"rl-prefork", "rl-threads"}
     most, _ = max_in_window([r["start"] for r in records], WINDOW)

@@ -3,8 +3,8 @@
 to the Redis list ``RL_HISTORY`` (default ``rl:history``): the task's kind and index, the
 Redis time its rate limit granted it (``granted``, from the ``rate_limit_allowed`` signal;
 None for Celery's own ``rate_limit``), the Redis time its body started (``start``), its
-process and its lease retries. The limits come from the environment: ``RL_LIMIT`` grants per
-``RL_WINDOW`` seconds (sliding window; Celery's per-worker ``rate_limit`` of the same
+process, its lease retries and the rate-limit ticket it was admitted with. The limits come from the environment: ``RL_LIMIT`` grants per
+``RL_WINDOW`` seconds (sliding window; tickets for turns up to 30 s away; Celery's per-worker ``rate_limit`` of the same
 figures for the negative control), ``RL_RATE`` per second with ``RL_CAPACITY`` (bucket)."""
 import json
 import os
@@ -27,8 +27,9 @@ _granted = threading.local()
 
 
 @signals.rate_limit_allowed.connect
-def _remember(sender=None, granted_at=None, **kwargs):
+def _remember(sender=None, granted_at=None, ticket=None, **kwargs):
     _granted.value = granted_at
+    _granted.ticket = ticket
 
 
 def _record(task, kind, index):
@@ -41,8 +42,8 @@ def _record(task, kind, index):
     client.rpush(HISTORY, json.dumps({
         "kind": kind, "i": index, "granted": getattr(_granted, "value", None),
         "start": seconds + micros / 1e6, "pid": os.getpid(), "retries": retries,
-        "worker": request.hostname}))
-    _granted.value = None
+        "worker": request.hostname, "ticket": getattr(_granted, "ticket", None)}))
+    _granted.value = _granted.ticket = None
 
 
 _clients = []
@@ -56,14 +57,14 @@ def _client():
 
 
 @app.task(bind=True, base=StepLockedTask, name="rl.window", lock_key="rl:w:{index}",
-          cluster_rate_limit=SlidingWindow(LIMIT, WINDOW), acks_late=True,
+          cluster_rate_limit=SlidingWindow(LIMIT, WINDOW, max_wait=30), acks_late=True,
           reject_on_worker_lost=True)
 def window(self, index):
     _record(self, "window", index)
 
 
 @app.task(bind=True, base=StepLockedTask, name="rl.bucket", lock_key="rl:b:{index}",
-          cluster_rate_limit=TokenBucket(RATE, CAPACITY), acks_late=True,
+          cluster_rate_limit=TokenBucket(RATE, CAPACITY, max_wait=30), acks_late=True,
           reject_on_worker_lost=True)
 def bucket(self, index):
     _record(self, "bucket", index)
