@@ -42,6 +42,7 @@ GROUPS = {
     "idempotency": "benchmarks.idempotency",
     "breaker": "benchmarks.breaker",
     "bulkhead": "benchmarks.bulkhead",
+    "ratelimit": "benchmarks.ratelimit",
 }
 
 

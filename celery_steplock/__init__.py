@@ -20,6 +20,8 @@ from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepI
                          TransitionConflict, TransitionError)
 from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
 from .lock import get_lease_store
+from .exceptions import AdmissionDenied, RateLimited
+from .ratelimit import Decision, SlidingWindow, TokenBucket
 from .task import StepLockedTask
 from .breaker import CircuitBreaker
 from .exceptions import AdmissionDenied, CircuitOpen
@@ -41,6 +43,7 @@ __all__ = [
     "IdempotencyInProgress",
     "CircuitBreaker", "CircuitOpen", "AdmissionDenied", "RetryPolicy", "NonRetryable",
     "ConcurrencyLimit", "ConcurrencyLimited",
+    "RateLimited", "TokenBucket", "SlidingWindow", "Decision",
 ]
 
 

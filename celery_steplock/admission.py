@@ -46,6 +46,7 @@ GATES: tuple[str, ...] = (
     "celery_steplock.idempotency",
     "celery_steplock.breaker",
     "celery_steplock.bulkhead",
+    "celery_steplock.ratelimit",
 )
 
 

@@ -75,6 +75,8 @@ DEFAULTS: dict[str, Any] = {
     # retry_after (seconds) a denied execution is re-queued past.
     "bulkhead_on_store_error": "fail_closed",
     "bulkhead_retry_after": 0.5,
+    # Redis does not answer a cluster-wide rate limit's decision (celery_steplock.ratelimit)
+    "rate_limit_on_store_error": "fail_closed",
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -519,6 +521,11 @@ class Settings:
     def on_store_error(self) -> str:
         return check_choice(self.raw("on_store_error"), "steplock_on_store_error",
                             ON_STORE_ERROR)
+
+    @property
+    def rate_limit_on_store_error(self) -> str:
+        return check_choice(self.raw("rate_limit_on_store_error"),
+                            "steplock_rate_limit_on_store_error", ON_STORE_ERROR)
 
     @property
     def retry_backoff(self) -> float:

@@ -18,7 +18,7 @@ logger = logging.getLogger("celery_steplock")
 
 _FIELDS = ("key", "owner", "fence", "task_id", "task_name", "ttl", "holder", "step_id",
            "from_", "to", "current", "reason", "forced", "policy", "wait_seconds",
-           "hold_seconds", "cas_seconds", "commit_seconds")
+           "hold_seconds", "cas_seconds", "commit_seconds", "limit", "retry_after")
 
 
 def _value(value: Any) -> str:

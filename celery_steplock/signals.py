@@ -32,7 +32,7 @@ __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "idempotency_completed", "idempotency_failed", "idempotency_conflict", "circuit_opened",
            "circuit_half_opened", "circuit_closed", "circuit_rejected", "circuit_override_audit",
            "retry_policy_decided", "slot_acquired", "slot_released", "slot_expired",
-           "concurrency_limited", "ALL_SIGNALS"]
+           "concurrency_limited", "rate_limit_allowed", "rate_limited", "ALL_SIGNALS"]
 
 lock_acquired = Signal(name="lock_acquired")
 lock_contended = Signal(name="lock_contended")
@@ -92,3 +92,12 @@ concurrency_limited = Signal(name="concurrency_limited")
 
 ALL_SIGNALS += (slot_acquired, slot_released, slot_expired,
                concurrency_limited)
+
+#: A cluster-wide rate limit admitted an execution (``key``, ``name``, ``limit``,
+#: ``remaining``, ``granted_at``: the Redis time of the grant, seconds since the epoch).
+rate_limit_allowed = Signal(name="rate_limit_allowed")
+#: A cluster-wide rate limit refused an execution for now (``key``, ``name``, ``limit``,
+#: ``retry_after`` seconds, ``ticket``: its place in the queue or None, ``queued``).
+rate_limited = Signal(name="rate_limited")
+
+ALL_SIGNALS += (rate_limit_allowed, rate_limited)

@@ -11,6 +11,7 @@ import pytest
 from celery_steplock.breaker import CircuitBreaker
 from celery_steplock.retry import RetryPolicy
 from celery_steplock.bulkhead import ConcurrencyLimit, current_slot
+from celery_steplock.ratelimit import SlidingWindow, TokenBucket
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -77,10 +78,19 @@ FORMS = {
                               ("lambda", lambda step_id: f"tenant:{step_id}",
                                ("slot", "tenant:{id}", 1)),
                               ("none", None, ("slot", r"forms\.[a-z_.]+", 1))],
+    "cluster_rate_limit": [
+        ("string", "10/s", ("limiters", ["10/1s window"])),
+        ("multiple", "5/10s", ("limiters", ["5/10s window"])),
+        ("bucket", TokenBucket("5/s", capacity=2), ("limiters", ["5/s bucket of 2"])),
+        ("window", SlidingWindow(100, 60), ("limiters", ["100/60s window"])),
+        ("list", ["10/s", TokenBucket(2.0)], ("limiters", ["10/1s window", "2/s bucket of 2"]))],
+    "cluster_rate_limit_key": [("none", None, ("gate_key", None)),
+                               ("template", "rl:{step_id}", ("gate_key", "rl:{step_id}"))],
 }
 
-#: Options a form needs beside the one under test.
-NEEDS = {"concurrency_limit_key": {"concurrency_limit": 1}}
+#: Options a form needs beside its own (the key of a limit needs the limit).
+NEEDS = {"concurrency_limit_key": {"concurrency_limit": 1},
+         "cluster_rate_limit_key": {"cluster_rate_limit": "100/s"}}
 
 #: What every task of this module has unless the option under test replaces it.
 BASE = {"step_model": "workflows.Step", "step_id_arg": "step_id",
@@ -166,6 +176,10 @@ def test_documented_form(app, option, form, value, expected, how, request):
         assert getattr(target, expected[1]) == expected[2]
     elif kind == "gates":
         assert [gate.option for gate in plan.gates] == expected[1]
+    elif kind == "limiters":
+        assert [str(limiter) for limiter in plan.gates[-1].limiters] == expected[1]
+    elif kind == "gate_key":
+        assert plan.gates[-1].key == expected[1]
     else:
         assert getattr(plan, expected[1]) == expected[2]
     if option == "lock_ttl":

@@ -123,6 +123,9 @@ class Metrics:
         self.slots = Gauge(f"{prefix}_slots_held", "Concurrency-limit slots held by live "
                            "processes", ["task"], multiprocess_mode="livesum", **kw)
         self._slots: dict[tuple[str, str], str] = {}
+        self.rate_decisions = Counter(
+            f"{prefix}_rate_limit_decisions", "Cluster-wide rate-limit decisions, by task, "
+            "limit and decision (allowed, limited)", ["task", "limit", "decision"], **kw)
         # (key, owner) of the leases this process holds: a lease lost and then released (or
         # another process's lease released by an operator) is never counted twice.
         self._holding: dict[tuple[str, str], str] = {}
@@ -145,6 +148,10 @@ class Metrics:
             if kind == "conflict":
                 kind = str(fields.get("reason") or kind)
             self.idempotency.labels(str(fields.get("name") or ""), kind).inc()
+        if event in ("rate_limit_allowed", "rate_limited"):
+            self.rate_decisions.labels(task, fields.get("limit") or "",
+                                       "allowed" if event == "rate_limit_allowed"
+                                       else "limited").inc()
         if event in ("lock_acquired", "lock_contended"):
             self._observe(self.wait, task, fields.get("wait_seconds"))
         elif event == "lock_released":
