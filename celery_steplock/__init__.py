@@ -10,15 +10,27 @@ Public API::
 import warnings
 
 from . import exceptions, signals
-from .exceptions import InvalidArgument
-from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepId,
-                         InvalidTransition, LeaseHeldByAnother, LeaseNotHeld, LockContended,
-                         LockError, LockLost, LockNameError, LockStoreMisconfigured,
-                         LockStoreUnavailable,
-                         OuterTransactionError, StepLockError, StepNotFound,
-                         TransitionConflict, TransitionError)
-from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
-from .lock import get_lease_store
+from .exceptions import (
+    ForceReleaseRefused,
+    ImproperlyConfigured,
+    InvalidArgument,
+    InvalidStepId,
+    InvalidTransition,
+    LeaseHeldByAnother,
+    LeaseNotHeld,
+    LockContended,
+    LockError,
+    LockLost,
+    LockNameError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+    OuterTransactionError,
+    StepLockError,
+    StepNotFound,
+    TransitionConflict,
+    TransitionError,
+)
+from .lock import Lease, RedisLeaseStore, get_lease_store, make_client, new_owner_token
 from .task import StepLockedTask
 
 __version__ = "0.1.0"

@@ -30,9 +30,17 @@ from redis import __version__ as _redis_version
 from redis.backoff import FullJitterBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import (AskError, ClusterDownError, ClusterError, MovedError,
-                              NoScriptError, RedisClusterException, RedisError, ResponseError,
-                              TryAgainError)
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from . import _wire

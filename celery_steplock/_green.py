@@ -375,7 +375,7 @@ def _native_retry(retry: Any) -> Any:
 _retry_type: list[type] = []
 
 
-def _NativeRetryType() -> type:  # noqa: N802 - a lazily made class
+def _NativeRetryType() -> type:
     from redis import retry as rr
 
     if not _retry_type:

@@ -13,9 +13,15 @@ import ssl
 from typing import Any, Iterable
 
 import redis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+)
 from redis.sentinel import MasterNotFoundError
-from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
-                               NoPermissionError, NoScriptError, ReadOnlyError, ResponseError)
 
 from .redact import redact
 

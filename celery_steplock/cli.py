@@ -41,10 +41,15 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
 from .exceptions import StepLockError
 from .lock import get_lease_store
-from .ops import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, default_audit,
-                  force_release)
-from .redact import printable, redact, secrets_of
+from .ops import (
+    AuditRecordFailed,
+    ForceReleaseRefused,
+    LeaseHeldByAnother,
+    default_audit,
+    force_release,
+)
 from .reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
+from .redact import printable, redact, secrets_of
 
 __all__ = ["steplock"]
 

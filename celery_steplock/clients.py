@@ -273,7 +273,7 @@ def _check_seconds(value: Any, key: str, name: str) -> None:
                                    f"{shown(value)}", setting=name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _connection_arguments() -> frozenset[str]:
     """The keyword arguments ``redis.Redis`` takes (what a sentinel connection is built
     with), minus those that are not connection options."""
@@ -282,7 +282,7 @@ def _connection_arguments() -> frozenset[str]:
                               "kwargs", "args"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ssl_arguments() -> frozenset[str]:
     return frozenset(p for p in inspect.signature(redis.SSLConnection.__init__).parameters
                      if p.startswith("ssl_"))

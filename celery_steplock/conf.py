@@ -115,7 +115,7 @@ def shown(value: Any) -> str:
     of 10 MiB gives a message of a line, and a value whose repr fails gives its type."""
     try:
         return _shown.repr(value)
-    except Exception:  # an int past the digit limit, a failing __repr__
+    except Exception:  # noqa: BLE001 - an int past the digit limit, a failing __repr__
         return f"<{type(value).__name__}>"
 
 
@@ -233,7 +233,7 @@ def django_secret_key() -> str | bytes | None:
         if not settings.configured:
             return None
         value = getattr(settings, "SECRET_KEY", None)
-    except Exception:  # Django refuses to give an empty SECRET_KEY
+    except Exception:  # noqa: BLE001 - Django refuses to give an empty SECRET_KEY
         return None
     return value if isinstance(value, (str, bytes)) and value else None
 

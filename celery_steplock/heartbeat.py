@@ -38,8 +38,8 @@ from typing import Any, Callable
 from celery.signals import worker_init
 
 from . import _green, signals
-from .events import emit, lease_fields, listening, log_event
 from .conf import MAX_RENEWAL_RATIO, MIN_RENEWAL_INTERVAL, shown
+from .events import emit, lease_fields, listening, log_event
 from .exceptions import InvalidArgument, LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
 from .lock import RedisLeaseStore
@@ -251,14 +251,14 @@ class Heartbeat:
 
             def items():
                 # Consumed while the first script calls already run in Redis.
-                for entry in group:
+                for entry in group:  # noqa: B023 - consumed in this iteration of the loop
                     lease = entry.lease
                     if lease.max_hold_until is not None and now >= lease.max_hold_until:
-                        lost.append((entry, "max hold reached: renewal stopped"))
+                        lost.append((entry, "max hold reached: renewal stopped"))  # noqa: B023
                     elif lease.lost:
-                        lost.append((entry, None))
+                        lost.append((entry, None))  # noqa: B023
                     else:
-                        renewing.append(entry)
+                        renewing.append(entry)  # noqa: B023
                         yield lease.name, lease.owner, lease.ttl
 
             sent = self.clock()

@@ -32,16 +32,49 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
-from .conf import MAX_OWNER_LENGTH, MAX_SCAN_COUNT, MAX_WAIT, MAX_WAITERS_LIMIT, MAX_TTL, \
-    MIN_TTL, Settings, check_count, check_fence_ttl, check_key_prefix, check_name_secret, \
-    check_seconds, check_ttl, shown
-from .exceptions import ImproperlyConfigured, InvalidArgument, LockError, LockNameError, \
-    LockStoreMisconfigured, LockStoreUnavailable
-from .keys import MAX_NAME_LENGTH, check_name, fence_key, lease_key, name_from_key, wake_key, \
-    waiters_key
+from .conf import (
+    MAX_OWNER_LENGTH,
+    MAX_SCAN_COUNT,
+    MAX_TTL,
+    MAX_WAIT,
+    MAX_WAITERS_LIMIT,
+    MIN_TTL,
+    Settings,
+    check_count,
+    check_fence_ttl,
+    check_key_prefix,
+    check_name_secret,
+    check_seconds,
+    check_ttl,
+    shown,
+)
 from .events import log_event
-from .lease import (CLOCK_DRIFT_FACTOR, Lease, check_metadata, drift, holder_metadata,
-                    new_owner_token, parse_lease)
+from .exceptions import (
+    ImproperlyConfigured,
+    InvalidArgument,
+    LockError,
+    LockNameError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+)
+from .keys import (
+    MAX_NAME_LENGTH,
+    check_name,
+    fence_key,
+    lease_key,
+    name_from_key,
+    waiters_key,
+    wake_key,
+)
+from .lease import (
+    CLOCK_DRIFT_FACTOR,
+    Lease,
+    check_metadata,
+    drift,
+    holder_metadata,
+    new_owner_token,
+    parse_lease,
+)
 from .redact import redact
 
 __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",

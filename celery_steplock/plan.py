@@ -17,14 +17,34 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
-    check_choice, check_database, check_seconds, check_ttl, configuration_version, \
-    MAX_HOLD, MAX_RETRIES, MAX_WAIT, MIN_RENEWAL_INTERVAL, check_count, shown
+from .conf import (
+    MAX_HOLD,
+    MAX_RETRIES,
+    MAX_WAIT,
+    MIN_RENEWAL_INTERVAL,
+    ON_CONFLICT,
+    ON_CONTENDED,
+    ON_STORE_ERROR,
+    Settings,
+    check_bool,
+    check_choice,
+    check_count,
+    check_database,
+    check_seconds,
+    check_ttl,
+    configuration_version,
+    shown,
+)
 from .exceptions import ImproperlyConfigured, LockNameError
 from .keys import template_fields
 from .lock import RedisLeaseStore, get_lease_store
-from .steps import StepStore, check_known_database, check_transitions, load_step_store, \
-    step_store_factory
+from .steps import (
+    StepStore,
+    check_known_database,
+    check_transitions,
+    load_step_store,
+    step_store_factory,
+)
 
 __all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "is_step_locked",
            "OPTION_NAMES"]

@@ -15,8 +15,7 @@ needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, \
-    runtime_checkable
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, runtime_checkable
 
 from celery.utils.imports import symbol_by_name
 

@@ -67,8 +67,15 @@ from celery.signals import worker_init
 from . import outcomes, signals, tracing
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
-from .exceptions import ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
-    LockStoreMisconfigured, LockStoreUnavailable, TransitionConflict
+from .exceptions import (
+    ImproperlyConfigured,
+    InvalidStepId,
+    LockContended,
+    LockLost,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+    TransitionConflict,
+)
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
 from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
@@ -95,7 +102,7 @@ class _Execution:
 # ContextVar rather than the request: a direct call shares Celery's default request across
 # threads, and a nested call of the same task must restore the outer execution afterwards.
 _executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.ContextVar(
-    "steplock_executions", default={})
+    "steplock_executions", default={})  # noqa: B039 - never mutated: set() gets a new dict
 
 # The lease retries an eager attempt asked for (their message headers), run by apply()'s loop
 # once the attempt has ended; None outside StepLockedTask.apply().

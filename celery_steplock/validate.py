@@ -55,8 +55,7 @@ from .events import log_event
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
 from .redact import redact, secrets_of
-from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, \
-    step_store_factory
+from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, step_store_factory
 
 __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
            "task_problems", "step_model_problems", "step_store_problems", "step_database_problems",
@@ -389,7 +388,7 @@ def _raw_keys(app) -> list[str]:
     found = []
     for source in getattr(app.conf, "maps", None) or [app.conf]:
         try:
-            found += [str(k) for k in source.keys()]
+            found += [str(k) for k in source.keys()]  # noqa: SIM118 - Celery Settings, not a dict
         except Exception:  # noqa: BLE001 - a source that cannot list its keys
             continue
     return found

@@ -43,8 +43,7 @@ import threading
 from typing import Any
 
 from celery.signals import worker_process_shutdown, worker_ready
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import multiprocess
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client import start_http_server as _start_http_server
 
 from .. import signals
@@ -68,7 +67,7 @@ DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 def multiprocess_dir() -> str | None:
     """``PROMETHEUS_MULTIPROC_DIR`` (None: single-process mode)."""
     return (os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-            or os.environ.get("prometheus_multiproc_dir") or None)
+            or os.environ.get("prometheus_multiproc_dir") or None)  # noqa: SIM112 - the old name
 
 
 class Metrics:

@@ -34,11 +34,10 @@ from typing import Any, Callable
 
 from django.db import router, transaction
 
-from ...ops import ReleaseAudit
-
 from ... import signals
 from ...conf import Settings
 from ...events import log_event
+from ...ops import ReleaseAudit
 
 __all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record",
            "flush",

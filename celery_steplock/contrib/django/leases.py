@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping
 
 from ...events import log_event
 from ...exceptions import LockStoreUnavailable
-from ...redact import redact
 from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
+from ...redact import redact
 
 __all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
            "steplock_task_names", "LeasePage", "lease_page", "matches", "redis_time_ms"]

@@ -89,7 +89,7 @@ class Lease(models.Model):
         return self.name
 
     @classmethod
-    def from_redis(cls, info: Mapping[str, Any], now_ms: int | None = None) -> "Lease":
+    def from_redis(cls, info: Mapping[str, Any], now_ms: int | None = None) -> Lease:
         """An unsaved Lease from a dict of :meth:`RedisLeaseStore.inspect`/``scan``.
 
         ``now_ms`` is the Redis server time in milliseconds used to compute ``age``

@@ -45,13 +45,26 @@ from typing import Any, Callable, Iterable, Mapping
 
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ValidationError
-from django.db import (DEFAULT_DB_ALIAS, InterfaceError, InternalError, OperationalError,
-                       connections, router, transaction)
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
 from django.db.models import Model, Q
 from django.utils import timezone
 
-from ...exceptions import ImproperlyConfigured, InvalidStepId, InvalidTransition, \
-    OuterTransactionError, StepNotFound, TransitionConflict
+from ...exceptions import (
+    ImproperlyConfigured,
+    InvalidStepId,
+    InvalidTransition,
+    OuterTransactionError,
+    StepNotFound,
+    TransitionConflict,
+)
 from ...steps import TransitionResult, check_transitions
 
 __all__ = ["DjangoStepStore", "TransitionResult", "resolve_model"]
