@@ -118,7 +118,7 @@ def native(module: str) -> Any:
     return found
 
 
-def native_lock():
+def native_lock() -> Any:
     """A new OS-level lock (``acquire(blocking=True, timeout=-1)``, ``release``)."""
     return native("_thread").allocate_lock()
 

@@ -15,7 +15,8 @@ import reprlib
 import sys
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, cast, overload
 
 from .exceptions import ImproperlyConfigured
 
@@ -131,6 +132,14 @@ def describe(name: str) -> str:
     return name
 
 
+@overload
+def check_seconds(value: Any, name: str, *, allow_zero: bool = ...,
+                  allow_none: Literal[False] = ..., maximum: float = ...,
+                  minimum: float | None = ...) -> float: ...
+@overload
+def check_seconds(value: Any, name: str, *, allow_zero: bool = ...,
+                  allow_none: bool = ..., maximum: float = ...,
+                  minimum: float | None = ...) -> float | None: ...
 def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
                   allow_none: bool = False, maximum: float = MAX_SECONDS,
                   minimum: float | None = None) -> float | None:
@@ -156,6 +165,12 @@ def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
     return float(value)
 
 
+@overload
+def check_count(value: Any, name: str, *, minimum: int = ..., maximum: int,
+                allow_none: Literal[False] = ...) -> int: ...
+@overload
+def check_count(value: Any, name: str, *, minimum: int = ..., maximum: int,
+                allow_none: bool = ...) -> int | None: ...
 def check_count(value: Any, name: str, *, minimum: int = 0, maximum: int,
                 allow_none: bool = False) -> int | None:
     """Return ``value`` if it is a whole number (not a bool) within [minimum, maximum], or
@@ -280,7 +295,7 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
         raise ImproperlyConfigured(
             f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {shown(value)}",
             setting=name)
-    return value
+    return cast(str, value)
 
 
 def check_database(value: Any, name: str) -> str | None:
@@ -296,7 +311,7 @@ def check_database(value: Any, name: str) -> str | None:
 
 
 # app -> (conf, its maps, Django settings version, copy of conf.changes, values, memo)
-_snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_snapshots: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 _snapshots_guard = threading.Lock()
 _django_version = [0]
 _django_watched = False
@@ -320,7 +335,7 @@ def _watch_django() -> None:
                                 dispatch_uid="celery_steplock.conf")
 
 
-def _shared_snapshot(app) -> tuple[dict[str, Any], dict[Any, Any]]:
+def _shared_snapshot(app: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
     """The values read so far and the memo of ``app``'s configuration as it is now: kept
     across executions while ``app.conf`` stays the same object with the same maps, its
     ``changes`` (what ``app.conf.x = y`` and ``update()`` write) compare equal, and Django
@@ -344,7 +359,7 @@ def _shared_snapshot(app) -> tuple[dict[str, Any], dict[Any, Any]]:
     return values, memo
 
 
-def configuration_version(app) -> Any:
+def configuration_version(app: Any) -> Any:
     """A token that stays the same object while ``app``'s configuration is unchanged (see
     :func:`_shared_snapshot`) and is a new one after any change: what the execution plan is
     cached against. Cheap: identity and equality checks, no setting is read."""
@@ -364,7 +379,7 @@ class Settings:
     are not cheap).
     """
 
-    def __init__(self, app, snapshot: bool = False):
+    def __init__(self, app: Any, snapshot: bool = False) -> None:
         self.app = app
         self._snapshot: dict[str, Any] | None = None
         #: Objects built from a snapshot's values (a task's guard), kept as long as it is.
@@ -412,13 +427,14 @@ class Settings:
         except ImproperlyConfigured as exc:
             found.append(exc)
         url = found[0] if isinstance(found[0], str) else None
-        for name, broker_name, check in (
+        checks: tuple[tuple[str, str, Callable[[Any, bool, str], Any]], ...] = (
                 ("redis_transport_options", "broker_transport_options",
                  lambda value, strict, setting: check_transport_options(
                      value, url, strict=strict, name=setting)),
                 ("redis_use_ssl", "broker_use_ssl",
                  lambda value, strict, setting: check_use_ssl(value, strict=strict,
-                                                              name=setting))):
+                                                              name=setting)))
+        for name, broker_name, check in checks:
             value, strict, setting = self.raw(name), True, setting_name(name)
             if value is None and own_url is None:
                 value, strict, setting = self.app.conf.get(broker_name), False, broker_name
@@ -442,14 +458,14 @@ class Settings:
         value = self._redis_inputs()[1]
         if isinstance(value, ImproperlyConfigured):
             raise value
-        return value
+        return cast(dict[str, Any], value)
 
     @property
     def redis_use_ssl(self) -> dict[str, Any]:
         value = self._redis_inputs()[2]
         if isinstance(value, ImproperlyConfigured):
             raise value
-        return value
+        return cast(dict[str, Any], value)
 
     @property
     def redis_client_factory(self) -> Any:

@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from celery.signals import worker_init
 
@@ -116,7 +116,8 @@ class Heartbeat:
             self.renewal_store(lock)
             # The loss flag is set from the native thread: no green lock may guard it.
             if not isinstance(lease._lost, _green.NativeFlag):
-                lease._lost = _green.NativeFlag(lease._lost.is_set())
+                # NativeFlag has the part of threading.Event a lease uses.
+                lease._lost = _green.NativeFlag(lease._lost.is_set())  # type: ignore[assignment]
         with self._cond:
             self._entries[id(lease)] = entry
             if self._thread is None:
@@ -249,7 +250,7 @@ class Heartbeat:
             renewing: list[_Entry] = []
             lost: list[tuple[_Entry, str | None]] = []
 
-            def items():
+            def items() -> Iterator[tuple[str, str, float]]:
                 # Consumed while the first script calls already run in Redis.
                 for entry in group:  # noqa: B023 - consumed in this iteration of the loop
                     lease = entry.lease
@@ -363,7 +364,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @worker_init.connect(weak=False)
-def _refuse_green_pool_without_native_renewals(sender=None, **kwargs) -> None:
+def _refuse_green_pool_without_native_renewals(sender: Any = None, **kwargs: Any) -> None:
     """Under a green pool, a worker whose heartbeat could not renew from a native thread
     (see :mod:`celery_steplock._green`) does not start: its leases would be lost behind any
     body that computes for a TTL. Nothing is checked under prefork, threads or solo."""

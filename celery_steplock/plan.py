@@ -90,7 +90,7 @@ class ExecutionPlan:
     steps: StepStore | None
     settings: Settings
     version: Any
-    options: tuple = ()
+    options: tuple[Any, ...] = ()
 
     @property
     def renew_ms(self) -> int:
@@ -101,7 +101,7 @@ class ExecutionPlan:
         return self.store.prefix
 
 
-def option_values(task: Any) -> tuple:
+def option_values(task: Any) -> tuple[Any, ...]:
     """The task's current option values, in :data:`OPTION_NAMES` order: a plan built from
     other values is stale (an option assigned on the task or its class, deleted, or
     restored by ``mock.patch``). Cheap: attribute reads, compared by identity first."""
@@ -114,7 +114,7 @@ def is_step_locked(task: Any) -> bool:
     return isinstance(getattr(type(task), "steplock_plan", None), property)
 
 
-def _transition(task) -> tuple[str, str] | None:
+def _transition(task: Any) -> tuple[str, str] | None:
     transition = task.step_transition
     if transition is None:
         return None
@@ -129,7 +129,7 @@ def _transition(task) -> tuple[str, str] | None:
     return transition
 
 
-def _arguments(task) -> tuple[set[str], bool] | None:
+def _arguments(task: Any) -> tuple[set[str], bool] | None:
     """The names the task's ``run`` takes and whether it takes ``**kwargs``; None when its
     signature cannot be read."""
     try:
@@ -141,7 +141,7 @@ def _arguments(task) -> tuple[set[str], bool] | None:
     return names, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
-def _step_id_arg(task) -> str | None:
+def _step_id_arg(task: Any) -> str | None:
     name = task.step_id_arg
     if name is None:
         return None
@@ -156,7 +156,7 @@ def _step_id_arg(task) -> str | None:
     return name
 
 
-def _lock_key(task):
+def _lock_key(task: Any) -> Any:
     template = task.lock_key
     if inspect.ismethod(template) and template.__self__ is task:
         # A function given as a class attribute or an ``@app.task(lock_key=...)`` keyword
@@ -182,7 +182,7 @@ def _lock_key(task):
     return template
 
 
-def _transitions(task):
+def _transitions(task: Any) -> Any:
     table = task.step_transitions
     if table is None:
         return None
@@ -197,14 +197,14 @@ def _transitions(task):
     return table
 
 
-def _retry_max(task, settings: Settings) -> int | None:
+def _retry_max(task: Any, settings: Settings) -> int | None:
     value = task.lock_retry_max
     if value is None:
         return settings.retry_max
     return check_count(value, "lock_retry_max", maximum=MAX_RETRIES)
 
 
-def _step_database(task, settings: Settings) -> tuple[str | None, str]:
+def _step_database(task: Any, settings: Settings) -> tuple[str | None, str]:
     """The database the task's step store is told to use (None: the store's choice, the
     router's for Django) and the option or setting it comes from."""
     value = getattr(task, "step_database", None)
@@ -213,7 +213,7 @@ def _step_database(task, settings: Settings) -> tuple[str | None, str]:
     return check_database(value, "step_database"), "step_database"
 
 
-def _checked_step_database(task, settings: Settings) -> tuple[str | None, str]:
+def _checked_step_database(task: Any, settings: Settings) -> tuple[str | None, str]:
     """:func:`_step_database`, refused by name when the step store's factory does not know
     the database (judged only for a task with a step model)."""
     using, source = _step_database(task, settings)
@@ -222,7 +222,7 @@ def _checked_step_database(task, settings: Settings) -> tuple[str | None, str]:
     return using, source
 
 
-def _steps(task, settings: Settings, database: Callable[[], tuple[str | None, str]]
+def _steps(task: Any, settings: Settings, database: Callable[[], tuple[str | None, str]]
            ) -> StepStore | None:
     if task.step_model is None:
         return None
@@ -237,7 +237,7 @@ def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) ->
     return default() if value is None else check()
 
 
-def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
+def _resolvers(task: Any, settings: Settings) -> dict[str, Callable[[], Any]]:
     """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
     database: list[tuple[str | None, str]] = []
 
@@ -287,7 +287,7 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _named(task, exc: ImproperlyConfigured) -> ImproperlyConfigured:
+def _named(task: Any, exc: ImproperlyConfigured) -> ImproperlyConfigured:
     """``exc`` with the task's name in front of its message (once)."""
     message = str(exc)
     if message.startswith(f"{task.name}:"):
@@ -295,7 +295,7 @@ def _named(task, exc: ImproperlyConfigured) -> ImproperlyConfigured:
     return ImproperlyConfigured(f"{task.name}: {message}", setting=exc.setting)
 
 
-def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfigured]:
+def option_problems(task: Any, *, models_ready: bool = True) -> list[ImproperlyConfigured]:
     """Every invalid option of ``task`` (one error each, the task's name in front); an
     option left to an invalid setting is the setting's problem, not listed here. Step models are resolved only when ``models_ready`` (the
     framework's model registry is loaded)."""
@@ -320,7 +320,7 @@ def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfig
     return problems
 
 
-def build_plan(task) -> ExecutionPlan:
+def build_plan(task: Any) -> ExecutionPlan:
     """Resolve ``task``'s plan against its app's current configuration.
 
     Raises ImproperlyConfigured naming the task and the first invalid option or setting.
