@@ -92,7 +92,7 @@ def _with_age(lease: dict[str, Any], now_ms: int | None) -> dict[str, Any]:
     out = dict(lease)
     for field_name, target in (("acquired_ms", "age"), ("renewed_ms", "renewed_ago")):
         try:
-            out[target] = round((now_ms - int(lease[field_name])) / 1000.0, 3)
+            out[target] = round((now_ms - int(lease[field_name])) / 1000.0, 3)  # type: ignore[operator]
         except (TypeError, ValueError, KeyError):
             out[target] = None
     return out

@@ -315,7 +315,7 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
         record.outcome = "unknown" if isinstance(exc, LockStoreUnavailable) else "failed"
         record.detail = str(exc)
         _finish(auditor, record, sender)
-        exc.forced_release = record
+        exc.forced_release = record  # type: ignore[attr-defined]
         raise
     if not deleted:
         try:

@@ -274,6 +274,7 @@ class StepLockedTask(Task):
                  else plan.steps if plan.steps is not None else self._step_store())
         deadline = None
         if lease is not None:
+            assert execution is not None  # a lease comes only from an execution
             lease.check()
             if execution.final_cas:
                 execution.final_cas = False
@@ -427,12 +428,12 @@ class StepLockedTask(Task):
                 steps.check_not_nested(self.name)
         request = self.request
         store = plan.store
-        base = {"key": store.key(name), "name": name, "task_id": request.id,
+        base: dict[str, Any] = {"key": store.key(name), "name": name, "task_id": request.id,
                 "task_name": self.name, "ttl": plan.ttl}
         step = None
         if step_id is not None:
             try:
-                step = steps.step_ref(step_id)  # an impossible key fails before the lease
+                step = steps.step_ref(step_id)  # type: ignore[union-attr]  # fails before the lease
             except InvalidStepId as exc:
                 raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
                                     step_id=step_id, argument=plan.step_id_arg) from exc
@@ -496,7 +497,7 @@ class StepLockedTask(Task):
             if plan.transition is not None and plan.precheck:
                 # Before the transaction: a read needs no write lock (SQLite's BEGIN
                 # IMMEDIATE takes it), and the CAS, not this read, is what decides.
-                current = steps.status(step_id)
+                current = steps.status(step_id)  # type: ignore[union-attr]
                 if current != plan.transition[0]:
                     exc = TransitionConflict(
                         f"step {step_id!r} is {current!r}, not {plan.transition[0]!r}: "
@@ -514,7 +515,8 @@ class StepLockedTask(Task):
                     self._check_owned(plan, lease)
                     self.before_commit(lease, step_id)
                 return result
-            with tracing.committing(steps.savepoint() if nested else steps.atomic(), steps):
+            with tracing.committing(steps.savepoint() if nested  # type: ignore[attr-defined]
+                                    else steps.atomic(), steps):
                 with tracing.phase("body"):
                     result = super().__call__(*args, **kwargs)
                 body_done = True
@@ -589,7 +591,7 @@ class StepLockedTask(Task):
 
     # -- outcomes ---------------------------------------------------------------------------
 
-    def apply(self, args=None, kwargs=None, **options):
+    def apply(self, args=None, kwargs=None, **options):  # type: ignore[override]
         """Celery's :meth:`~celery.app.task.Task.apply` (what ``delay()`` runs under
         ``task_always_eager``), with the lease retries a worker would receive (a busy lease,
         a Redis outage, a lost lease) run here, one after another without the countdown,
@@ -657,7 +659,7 @@ class StepLockedTask(Task):
             retried = self.signature_from_request(request, countdown=countdown,
                                                   retries=request.retries or 0,
                                                   headers=headers)
-            raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)
+            raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)  # type: ignore[arg-type]
         self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
         raise Ignore()
 

@@ -504,7 +504,7 @@ def unknown_name_problems(app) -> list[Problem]:
             "celery_steplock.W005", message,
             hint=f"Did you mean {_spelled(app, close[0])}?" if close else None, obj=raw))
     for task in steplock_tasks(app):
-        for attr, close in _unknown_option_names(task):
+        for attr, close in _unknown_option_names(task):  # type: ignore[assignment]
             found.append(Problem(
                 "celery_steplock.W005", f"{task.name}: unknown task option {attr}: it is "
                 f"ignored.", hint=f"Did you mean {close}?" if close else None,
@@ -633,7 +633,7 @@ def recovery_problems(app) -> list[Problem]:
         if choices:
             allowed = {str(value) for value, _ in choices}
             listed = ", ".join(map(repr, sorted(allowed)))
-            where = f"{model._meta.label}.{status.name}"
+            where = f"{model._meta.label}.{status.name}"  # type: ignore[union-attr]
             for kind, statuses, effect in (
                     ("in-flight", set(moves),
                      "steps in flight under the real name are never recovered"),

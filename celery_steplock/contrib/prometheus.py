@@ -75,7 +75,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "steplock"):
         self.registry = REGISTRY if registry is None else registry
-        kw = {"registry": self.registry}
+        kw: dict[str, Any] = {"registry": self.registry}
         self.events = Counter(f"{prefix}_events", "celery-steplock signals sent, by event and "
                               "task", ["event", "task"], **kw)
         self.outcomes = Counter(f"{prefix}_outcomes", "Outcomes of lease and transition "
@@ -99,7 +99,7 @@ class Metrics:
     def receive(self, sender: Any = None, signal: Any = None, event: str | None = None,
                 **fields: Any) -> None:
         """The receiver connected to every celery-steplock signal."""
-        event = event or getattr(signal, "name", "")
+        event = event or str(getattr(signal, "name", ""))
         task = fields.get("task_name") or ""
         self.events.labels(event, task).inc()
         outcome = OUTCOMES.get(event)
@@ -125,9 +125,10 @@ class Metrics:
             histogram.labels(task).observe(value)
 
     def _held(self, fields: dict[str, Any], task: str, add: bool) -> None:
-        lease = (fields.get("key"), fields.get("owner"))
-        if lease[0] is None or lease[1] is None:
+        key, owner = fields.get("key"), fields.get("owner")
+        if key is None or owner is None:
             return
+        lease: tuple[str, str] = (key, owner)
         with self._lock:
             if self._holding_pid != os.getpid():  # a forked child holds none of the parent's
                 self._holding.clear()

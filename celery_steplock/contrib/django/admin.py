@@ -130,13 +130,13 @@ class TaskNameFilter(admin.ListFilter):
     def has_output(self) -> bool:
         return True
 
-    def choices(self, changelist) -> list[dict]:
+    def choices(self, changelist) -> list[dict]:  # type: ignore[override]
         return self._choices
 
     def queryset(self, request, queryset):
         return queryset
 
-    def expected_parameters(self) -> list[str]:
+    def expected_parameters(self) -> list[str]:  # type: ignore[override]
         return [self.parameter_name]
 
 
@@ -429,9 +429,9 @@ class LeaseAdmin(admin.ModelAdmin):
                     "task_html": _breakable(lease.task_name) if lease.task_name else "",
                     "step_html": _breakable(lease.step) if lease.step else "",
                     "holder_html": _breakable(_holder(lease)),
-                    "age": _duration(lease.age),
-                    "ttl_left": _duration(lease.ttl_left),
-                    "since_renewal": _duration(lease.since_renewal),
+                    "age": _duration(lease.age),  # type: ignore[attr-defined]
+                    "ttl_left": _duration(lease.ttl_left),  # type: ignore[attr-defined]
+                    "since_renewal": _duration(lease.since_renewal),  # type: ignore[attr-defined]
                     "step_url": self.step_url(request, lease, link_cache),
                     "task_url": self.task_result_url(request, lease.task_id, link_cache),
                     "release_url": (self.release_url(lease.name, params)
@@ -463,7 +463,7 @@ class LeaseAdmin(admin.ModelAdmin):
                        scanned=scanned)
         cl = LeaseChangeList(request, self, q=q, task_name=task_name,
                              filter_choices=filter_choices,
-                             clear_filters_url=clear_filters_url, **listing)
+                             clear_filters_url=clear_filters_url, **listing)  # type: ignore[arg-type]
         context = self._context(
             request, _("Held leases"), cl=cl, q=q, task_name=task_name,
             filter_choices=filter_choices, clear_filters_url=clear_filters_url,
@@ -515,7 +515,7 @@ class LeaseAdmin(admin.ModelAdmin):
         context = self._context(
             request, _("Force-release lease “%(name)s”?") % {"name": name},
             lease=lease, form=form, object=lease, changelist_url=back,
-            age=_duration(lease.age), ttl_left=_duration(lease.ttl_left))
+            age=_duration(lease.age), ttl_left=_duration(lease.ttl_left))  # type: ignore[attr-defined]
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.release_confirmation_template, context)
 

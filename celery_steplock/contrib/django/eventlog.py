@@ -212,7 +212,7 @@ def connect() -> None:
 
     for signal in LOGGED_SIGNALS:
         signal.connect(_receiver, weak=False,
-                       dispatch_uid=f"celery_steplock.eventlog.{signal.name}")
+                       dispatch_uid=f"celery_steplock.eventlog.{signal.name}")  # type: ignore[attr-defined]
     task_postrun.connect(_after_task, weak=False, dispatch_uid="celery_steplock.eventlog.flush")
 
 
@@ -221,7 +221,7 @@ def disconnect() -> None:
     from celery.signals import task_postrun
 
     for signal in LOGGED_SIGNALS:
-        signal.disconnect(_receiver, dispatch_uid=f"celery_steplock.eventlog.{signal.name}")
+        signal.disconnect(_receiver, dispatch_uid=f"celery_steplock.eventlog.{signal.name}")  # type: ignore[attr-defined]
     task_postrun.disconnect(_after_task, dispatch_uid="celery_steplock.eventlog.flush")
 
 

@@ -44,7 +44,7 @@ def celery_app():
     """
     from celery import current_app
 
-    return current_app._get_current_object()
+    return current_app._get_current_object()  # type: ignore[attr-defined]
 
 
 # Apps whose task modules this process imported (or tried to), the import errors, and the
