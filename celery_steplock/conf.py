@@ -65,6 +65,71 @@ DEFAULTS: dict[str, Any] = {
     "name_secret": None,
 }
 
+#: One line per setting of :data:`DEFAULTS` (same keys, without the ``steplock_`` prefix): what
+#: it means, its unit. The documentation's settings reference is generated from the two.
+DESCRIPTIONS: dict[str, str] = {
+    "redis_url": "The lock store's URL: ``redis://``, ``rediss://``, ``unix://`` or "
+                 "``sentinel://host:port;sentinel://...``. None: the broker URL when it is a "
+                 "Redis URL.",
+    "redis_transport_options": "What a URL cannot say: Sentinel's ``master_name`` "
+                               "(required), ``sentinel_kwargs``, ``min_other_sentinels``; "
+                               "``health_check_interval``, ``socket_keepalive``, "
+                               "``client_name``. None: ``broker_transport_options`` when the "
+                               "broker URL is used, else ``{}``.",
+    "redis_use_ssl": "TLS options as ``broker_use_ssl`` (``ssl_cert_reqs``, ``ssl_ca_certs``, "
+                     "``ssl_certfile``, ``ssl_keyfile``, any other ``ssl_*`` of redis-py). "
+                     "None: ``broker_use_ssl`` when the broker URL is used, else ``{}``.",
+    "redis_client_factory": "``factory(settings) -> redis.Redis`` or its qualified name, for "
+                            "any other client setup; replaces the three settings above.",
+    "redis_cluster": "True: the URL names one node of a Redis Cluster, the entry point of a "
+                     "``RedisCluster`` client.",
+    "key_prefix": "Key namespace: ``<prefix>:lease:{name}``, ``<prefix>:fence:{name}``.",
+    "default_ttl": "Lease TTL, seconds.",
+    "renewal_ratio": "The heartbeat renews every ``ttl * ratio`` (0.05 to 0.75; never more "
+                     "often than every 0.01 s).",
+    "lock_wait": "Seconds to wait for a busy lease before it counts as contended.",
+    "max_hold": "Seconds after which renewal stops and the lease is lost; None: renew for as "
+                "long as the task runs.",
+    "on_contended": "A busy lease: ``retry``, ``skip`` (succeed with the skipped outcome), "
+                    "``ignore`` (Celery ``Ignore``) or ``raise`` (``LockContended``).",
+    "on_conflict": "A compare-and-swap that updated no row: ``return`` (succeed with the "
+                   "duplicate outcome), ``ignore`` (no state update) or ``raise`` "
+                   "(``TransitionConflict``).",
+    "on_store_error": "Redis unreachable: ``fail_closed`` (refuse the body, retry) or "
+                      "``fail_open`` (run it unlocked).",
+    "retry_backoff": "Seconds: the base of the full-jitter retry countdown.",
+    "retry_backoff_max": "Seconds: the cap of the full-jitter retry countdown.",
+    "retry_max": "Lease retries (busy, outage, lost) before the task fails; None: until it "
+                 "clears.",
+    "status_field": "The step model's status column.",
+    "owner_field": "The step model's column of the owner token (left out when the model has "
+                   "none).",
+    "fence_field": "The step model's column of the fencing token (left out when the model has "
+                   "none).",
+    "precheck": "Read the step's status before the body and skip the body when the step "
+                "already left ``from_``.",
+    "db_deadline": "PostgreSQL: from the compare-and-swap to COMMIT, ``lock_timeout`` and "
+                   "``idle_in_transaction_session_timeout`` are the lease's remaining "
+                   "validity.",
+    "socket_timeout": "Redis socket timeout, seconds.",
+    "fence_ttl": "Seconds an idle name's fencing counter is kept (7 days).",
+    "max_waiters": "Callers of one process that may wait (``lock_wait``) at once; one more "
+                   "fails with ``LockStoreMisconfigured``.",
+    "event_log": "Django: write a ``LeaseEvent`` row per lease event.",
+    "event_retention": "Seconds of event log kept by ``prune_lease_events`` (7 days).",
+    "reaper_recover": "``{\"app_label.Model\": {\"in-flight status\": \"recovery status\"}}``: "
+                      "the reaper moves steps left in flight by dead owners.",
+    "reaper_older_than": "Seconds a step must have been in flight before the reaper recovers "
+                         "it.",
+    "step_store": "The step-store factory (:class:`celery_steplock.steps.StepStore`), a "
+                  "qualified name or a callable.",
+    "step_database": "Database alias of the step statements and their transaction; None: the "
+                     "step model's ``router.db_for_write``.",
+    "name_secret": "The key (32 to 4096 characters, the same on every worker) of default lock "
+                   "names and idempotency keys; None: derived from Django's ``SECRET_KEY`` "
+                   "when Django is configured.",
+}
+
 # -- bounds ------------------------------------------------------------------------------------
 # Every setting, task option and argument of the lease store's public methods is checked
 # against these, below and above: a value out of range is refused by name, never clamped.
