@@ -71,8 +71,14 @@ def _examples() -> list:
             continue
         chain: list[str] = []
         chain_setup = ""
+        tutorial: list[dict] = []
         for line, code, options in blocks(page):
             setup = options.get("setup", "")
+            if setup == "tutorial":
+                # One test per tutorial: its files written into a fresh project, then its
+                # shell steps run there (at the line of the tutorial's last block).
+                tutorial.append({**options, "code": code, "line": line})
+                continue
             if setup == "continue":
                 chain.append(code)
                 code = "\n".join(chain)
@@ -82,6 +88,11 @@ def _examples() -> list:
                 chain_setup = setup
             rel = page.relative_to(ROOT)
             params.append(pytest.param(str(rel), line, code, setup, id=f"{rel}:{line}"))
+        if tutorial:
+            rel = page.relative_to(ROOT)
+            line = tutorial[-1]["line"]
+            params.append(pytest.param(str(rel), line, json.dumps(tutorial), "tutorial",
+                                       id=f"{rel}:tutorial"))
     return params
 
 
@@ -223,6 +234,7 @@ SETUPS = {
     "factory": (_setup_factory, _check_factory),
     "lease-store": (_setup_lease_store, None),
     "userproject": (None, None),
+    "tutorial": (None, None),
 }
 
 
@@ -248,10 +260,70 @@ def _child_env(**extra: str) -> dict:
     return env
 
 
+def _run(args: list[str], cwd: Path, env: dict, where: str) -> str:
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{where}: {' '.join(args[1:])}\n{output}"
+    return output
+
+
+def _tutorial(steps: list[dict], redis_url: str, prefix: str, tmp_path: Path,
+              where: str) -> None:
+    """``django-admin startproject shop``, ``startapp orders``, each ``file=`` block written
+    (``mode=append``: added to the file startproject made), migrations, ``manage.py check``,
+    then each ``run=shell`` block in ``manage.py shell``. The lease keys go under ``prefix``."""
+    env = _child_env()
+    del env["PYTHONPATH"]  # the project alone, as a reader has it
+    _run([sys.executable, "-m", "django", "startproject", "shop"], tmp_path, env, where)
+    project = tmp_path / "shop"
+    manage = [sys.executable, "manage.py"]
+    _run([*manage, "startapp", "orders"], project, env, where)
+    shells = []
+    for step in steps:
+        code = step["code"].replace(EXAMPLE_REDIS, redis_url)
+        if step.get("run") == "shell":
+            shells.append(code)
+            continue
+        path = project / step["file"]
+        if step.get("mode") == "append":
+            code = path.read_text(encoding="utf-8") + "\n" + code
+        path.write_text(code, encoding="utf-8")
+    settings = project / "shop" / "settings.py"
+    settings.write_text(settings.read_text(encoding="utf-8")
+                        + f"\nCELERY_STEPLOCK_KEY_PREFIX = {prefix!r}\n", encoding="utf-8")
+    _run([*manage, "makemigrations", "orders"], project, env, where)
+    _run([*manage, "migrate", "-v", "0"], project, env, where)
+    checked = _run([*manage, "check"], project, env, where)
+    assert "System check identified no issues" in checked, checked
+    assert shells, f"{where}: a tutorial without a run=shell step"
+    for code in shells:
+        _run([*manage, "shell", "-c", code], project, env, where)
+
+
+@pytest.fixture
+def new_redis_keys(redis_server_url):
+    """Deletes, after the test, every key the example left in the tests' Redis."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server_url)
+    before = set(client.scan_iter(count=1000))
+    yield client
+    left = set(client.scan_iter(count=1000)) - before
+    if left:
+        client.delete(*left)
+
+
 @pytest.mark.parametrize(("page", "line", "code", "setup"), _examples())
-def test_example_runs(page, line, code, setup, redis_server_url, tmp_path):
+def test_example_runs(page, line, code, setup, redis_server_url, new_redis_keys, tmp_path):
     assert setup in SETUPS, f"{page}:{line}: unknown setup {setup!r} (see {__name__})"
     where = f"{page}:{line}"
+    if setup == "tutorial":
+        prefix = f"docs-tutorial-{os.getpid()}"
+        _tutorial(json.loads(code), redis_server_url, prefix, tmp_path, where)
+        # The order was charged under a lease of the project's own prefix, then released.
+        keys = sorted(k.decode() for k in new_redis_keys.scan_iter(f"{prefix}:*"))
+        assert keys == [f"{prefix}:fence:{{order:1}}"], keys
+        return
     if setup == "userproject":
         test_file = tmp_path / "test_docs_example.py"
         test_file.write_text(code, encoding="utf-8")
@@ -283,10 +355,14 @@ def test_example_runs(page, line, code, setup, redis_server_url, tmp_path):
 def test_every_page_with_python_has_its_examples_collected():
     """The collector sees the blocks a reader sees: as many as the pages' ```python fences,
     each setup known."""
+    found = [blocks(page) for page in PAGES if "_build" not in page.parts]
     fences = sum(page.read_text(encoding="utf-8").count("\n```python\n")
                  for page in PAGES if "_build" not in page.parts)
+    tutorial = sum(1 for page in found for _, _, o in page if o.get("setup") == "tutorial")
+    pages_with_tutorial = sum(1 for page in found
+                              if any(o.get("setup") == "tutorial" for _, _, o in page))
     examples = _examples()
-    assert len(examples) == fences and fences >= 10
+    assert len(examples) == fences - tutorial + pages_with_tutorial and fences >= 10
     assert {p.values[3] for p in examples} <= set(SETUPS)
 
 
