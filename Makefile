@@ -61,7 +61,7 @@ lint: $(VENV)/.lint-stamp
 # The documentation site into docs/_build/html; warnings are errors. The settings and signals
 # references are generated from conf.DEFAULTS and signals.py by docs/_ext/steplock_reference.py.
 docs: $(VENV)/.docs-stamp
-	$(VENV)/bin/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(VENV)/bin/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 
 # sdist and wheel into dist/, then the index's checks and what must (not) be inside.
 dist: $(VENV)/.lint-stamp

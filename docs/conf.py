@@ -51,6 +51,8 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_preserve_defaults = True
+# Celery's own docstrings (Task.ignore_result, ...) use roles of Celery's documentation.
+autodoc_inherit_docstrings = False
 
 # No network at build time: cross-references to other projects stay plain text.
 intersphinx_mapping: dict[str, tuple[str, str | None]] = {}

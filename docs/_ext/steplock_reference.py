@@ -1,10 +1,12 @@
 """Sphinx directives that generate the settings and signals references from the library.
 
-``steplock-settings``: one row per key of :data:`celery_steplock.conf.DEFAULTS`: the Celery
+``steplock-settings``: one entry per key of :data:`celery_steplock.conf.DEFAULTS`: the Celery
 setting, the Django setting (``namespace="CELERY"``), the default and
 :data:`celery_steplock.conf.DESCRIPTIONS`. ``steplock-signals``: one entry per signal of
 :data:`celery_steplock.signals.ALL_SIGNALS`, described by the ``#:`` comment above its
-declaration. A setting without a description or a signal without a comment is a build error.
+declaration. ``steplock-task-options``: the task options of
+:data:`celery_steplock.plan.OPTION_NAMES`. A setting without a description or a signal
+without a comment is a build error.
 """
 
 from __future__ import annotations
@@ -19,28 +21,25 @@ from sphinx.util.docutils import SphinxDirective
 
 
 def _literal(value: Any) -> str:
-    text = repr(value)
-    return "``" + text.replace("`", "\\`") + "``"
+    return "``" + repr(value) + "``"
 
 
 def _cell(text: str) -> str:
     return " ".join(text.split())
 
 
-def settings_rst() -> list[str]:
-    """The settings table (reStructuredText lines)."""
+def settings_lines() -> list[str]:
+    """The settings as a definition list (MyST Markdown lines)."""
     from celery_steplock import conf
 
     missing = sorted(set(conf.DEFAULTS) - set(conf.DESCRIPTIONS))
     if missing:
         raise ValueError(f"celery_steplock.conf.DESCRIPTIONS lacks {', '.join(missing)}")
-    lines = [".. list-table::", "   :header-rows: 1", "   :widths: 25 15 60", "",
-             "   * - setting", "     - default", "     - meaning"]
+    lines = []
     for name, default in conf.DEFAULTS.items():
-        lines += [f"   * - ``steplock_{name}``", "",
-                  f"       ``CELERY_STEPLOCK_{name.upper()}``",
-                  f"     - {_literal(default)}",
-                  f"     - {_cell(conf.DESCRIPTIONS[name])}"]
+        lines += [f"``steplock_{name}`` (Django: ``CELERY_STEPLOCK_{name.upper()}``), "
+                  f"default {_literal(default)}",
+                  f": {_cell(conf.DESCRIPTIONS[name])}", ""]
     return lines
 
 
@@ -59,12 +58,20 @@ def signal_docs() -> list[tuple[str, str]]:
     return found
 
 
-def signals_rst() -> list[str]:
+def signals_lines() -> list[str]:
+    """One ``py:data`` entry per signal (MyST Markdown lines)."""
     lines = []
     for name, text in signal_docs():
-        lines += [f".. py:data:: celery_steplock.signals.{name}", "   :no-index:", "",
-                  f"   {text}", ""]
+        lines += [f"```{{py:data}} celery_steplock.signals.{name}", ":no-index:", "",
+                  text, "```", ""]
     return lines
+
+
+def task_options_lines() -> list[str]:
+    """The task options (:data:`celery_steplock.plan.OPTION_NAMES`), one bullet each."""
+    from celery_steplock.plan import OPTION_NAMES
+
+    return [f"- ``{name}``" for name in sorted(OPTION_NAMES)]
 
 
 class _Generated(SphinxDirective):
@@ -74,6 +81,7 @@ class _Generated(SphinxDirective):
         raise NotImplementedError
 
     def run(self) -> list[nodes.Node]:
+        # Parsed by the page's own parser: the pages are MyST Markdown.
         container = nodes.container()
         self.state.nested_parse(StringList(self.lines(), source="steplock_reference"),
                                 self.content_offset, container)
@@ -82,15 +90,21 @@ class _Generated(SphinxDirective):
 
 class SettingsDirective(_Generated):
     def lines(self) -> list[str]:
-        return settings_rst()
+        return settings_lines()
 
 
 class SignalsDirective(_Generated):
     def lines(self) -> list[str]:
-        return signals_rst()
+        return signals_lines()
+
+
+class TaskOptionsDirective(_Generated):
+    def lines(self) -> list[str]:
+        return task_options_lines()
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
+    app.add_directive("steplock-task-options", TaskOptionsDirective)
     app.add_directive("steplock-settings", SettingsDirective)
     app.add_directive("steplock-signals", SignalsDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
