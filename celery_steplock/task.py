@@ -101,8 +101,9 @@ class _Execution:
 # The execution of each task running in this context (thread / greenlet), by task name. A
 # ContextVar rather than the request: a direct call shares Celery's default request across
 # threads, and a nested call of the same task must restore the outer execution afterwards.
+_NO_EXECUTIONS: dict[str, _Execution] = {}  # never mutated: set() gets a new dict
 _executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.ContextVar(
-    "steplock_executions", default={})  # noqa: B039 - never mutated: set() gets a new dict
+    "steplock_executions", default=_NO_EXECUTIONS)
 
 # The lease retries an eager attempt asked for (their message headers), run by apply()'s loop
 # once the attempt has ended; None outside StepLockedTask.apply().
@@ -515,8 +516,8 @@ class StepLockedTask(Task):
                     self._check_owned(plan, lease)
                     self.before_commit(lease, step_id)
                 return result
-            with tracing.committing(steps.savepoint() if nested  # type: ignore[attr-defined]
-                                    else steps.atomic(), steps):
+            scope = steps.savepoint() if nested else steps.atomic()  # type: ignore[attr-defined]
+            with tracing.committing(scope, steps):
                 with tracing.phase("body"):
                     result = super().__call__(*args, **kwargs)
                 body_done = True

@@ -66,8 +66,8 @@ DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 def multiprocess_dir() -> str | None:
     """``PROMETHEUS_MULTIPROC_DIR`` (None: single-process mode)."""
-    return (os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-            or os.environ.get("prometheus_multiproc_dir") or None)  # noqa: SIM112 - the old name
+    legacy = os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112 - the old spelling
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or legacy or None
 
 
 class Metrics:

@@ -429,9 +429,9 @@ class LeaseAdmin(admin.ModelAdmin):
                     "task_html": _breakable(lease.task_name) if lease.task_name else "",
                     "step_html": _breakable(lease.step) if lease.step else "",
                     "holder_html": _breakable(_holder(lease)),
-                    "age": _duration(lease.age),  # type: ignore[attr-defined]
-                    "ttl_left": _duration(lease.ttl_left),  # type: ignore[attr-defined]
-                    "since_renewal": _duration(lease.since_renewal),  # type: ignore[attr-defined]
+                    "age": _duration(lease.age),
+                    "ttl_left": _duration(lease.ttl_left),
+                    "since_renewal": _duration(lease.since_renewal),
                     "step_url": self.step_url(request, lease, link_cache),
                     "task_url": self.task_result_url(request, lease.task_id, link_cache),
                     "release_url": (self.release_url(lease.name, params)
@@ -457,13 +457,13 @@ class LeaseAdmin(admin.ModelAdmin):
         # As Django's changelist: "Clear all filters" drops the filter and keeps the search.
         clear_filters_url = (_list_query(params, task_name=None, **restart) if task_name
                              else None)
-        listing = dict(rows=rows, page=page, page_number=page_number, filtered=filtered,
+        listing: dict[str, Any] = dict(rows=rows, page=page, page_number=page_number, filtered=filtered,
                        next_url=next_url, first_url=first_url, can_release=can_release,
                        store_error=page is None, per_page=self.list_per_page,
                        scanned=scanned)
         cl = LeaseChangeList(request, self, q=q, task_name=task_name,
                              filter_choices=filter_choices,
-                             clear_filters_url=clear_filters_url, **listing)  # type: ignore[arg-type]
+                             clear_filters_url=clear_filters_url, **listing)
         context = self._context(
             request, _("Held leases"), cl=cl, q=q, task_name=task_name,
             filter_choices=filter_choices, clear_filters_url=clear_filters_url,
@@ -515,7 +515,7 @@ class LeaseAdmin(admin.ModelAdmin):
         context = self._context(
             request, _("Force-release lease “%(name)s”?") % {"name": name},
             lease=lease, form=form, object=lease, changelist_url=back,
-            age=_duration(lease.age), ttl_left=_duration(lease.ttl_left))  # type: ignore[attr-defined]
+            age=_duration(lease.age), ttl_left=_duration(lease.ttl_left))
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.release_confirmation_template, context)
 

@@ -76,6 +76,12 @@ class Lease(models.Model):
     renewed_at = models.DateTimeField(_("last renewal"), null=True, blank=True)
     lease_ttl = models.FloatField(_("lease TTL (s)"), null=True, blank=True)
 
+    # Set by from_redis (not columns): what the admin shows beside the hash's fields.
+    malformed: str
+    ttl_left: float | None
+    age: float | None
+    since_renewal: float | None
+
     class Meta:
         managed = False
         # Only "view": there is nothing to add or change, and deleting is the separate,
@@ -109,13 +115,13 @@ class Lease(models.Model):
             lease_ttl=ttl_ms / 1000.0 if ttl_ms is not None else None)
         # What parse_lease found wrong with the stored hash ("" when nothing): shown, so
         # that one corrupt lease is visible on the page rather than breaking it.
-        lease.malformed = str(info.get("malformed") or "")  # type: ignore[attr-defined]
-        lease.ttl_left = info.get("ttl")  # type: ignore[attr-defined]
+        lease.malformed = str(info.get("malformed") or "")
+        lease.ttl_left = info.get("ttl")
         acquired_ms = _int_or_none(info.get("acquired_ms"))
         renewed_ms = _int_or_none(info.get("renewed_ms"))
-        lease.age = (max(0, now_ms - acquired_ms) / 1000.0  # type: ignore[attr-defined]
+        lease.age = (max(0, now_ms - acquired_ms) / 1000.0
                      if now_ms is not None and acquired_ms is not None else None)
-        lease.since_renewal = (max(0, now_ms - renewed_ms) / 1000.0  # type: ignore[attr-defined]
+        lease.since_renewal = (max(0, now_ms - renewed_ms) / 1000.0
                                if now_ms is not None and renewed_ms is not None else None)
         return lease
 
