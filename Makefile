@@ -1,4 +1,4 @@
-# make venv | demo | test | corners | servers | matrix | bench | soak | clean. Pass pytest
+# make venv | demo | test | corners | servers | matrix | bench | soak | lint | docs | dist | clean. Pass pytest
 # arguments with ARGS="-k name -x"; `make bench ARGS=--quick` is a small smoke run,
 # ARGS="--only e2e wait" a subset. `make corners` runs the version corners
 # (requirements/corners/*.txt, each in its own venv under .venv-corners/; CORNERS=newest picks
@@ -8,7 +8,7 @@ VENV := .venv
 CORNERS ?=
 ALL_CORNERS := oldest,middle,newest
 
-.PHONY: venv demo test corners servers matrix bench soak clean
+.PHONY: venv demo test corners servers matrix bench soak lint docs dist clean
 
 venv:
 	@PYTHON="$(PYTHON)" bash scripts/bootstrap.sh
@@ -41,6 +41,36 @@ bench: venv
 soak: venv
 	$(VENV)/bin/python scripts/soak.py $(ARGS)
 
+# The lint and docs tools go into .venv only for these targets (never for `make test`); a stamp
+# per requirements file keeps the second run instant.
+$(VENV)/.lint-stamp: requirements/lint.txt | venv
+	$(VENV)/bin/python -m pip install -q -r requirements/lint.txt
+	touch $@
+
+$(VENV)/.docs-stamp: requirements/docs.txt | venv
+	$(VENV)/bin/python -m pip install -q -r requirements/docs.txt
+	touch $@
+
+# ruff (lint rules and formatting) and mypy (django-stubs, celery-types; strict on the core
+# modules); their settings are in pyproject.toml.
+lint: $(VENV)/.lint-stamp
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# The documentation site into docs/_build/html; warnings are errors. The settings and signals
+# references are generated from conf.DEFAULTS and signals.py by docs/_ext/steplock_reference.py.
+docs: $(VENV)/.docs-stamp
+	$(VENV)/bin/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
+
+# sdist and wheel into dist/, then the index's checks and what must (not) be inside.
+dist: $(VENV)/.lint-stamp
+	rm -rf dist build
+	$(VENV)/bin/python -m build -q --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+	$(VENV)/bin/check-wheel-contents dist/*.whl
+	$(VENV)/bin/python scripts/check_dist.py dist
+
 clean:
-	rm -rf $(VENV) .venv-corners .tox .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) .venv-corners .tox .pytest_cache build dist *.egg-info docs/_build
 	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

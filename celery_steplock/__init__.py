@@ -10,22 +10,37 @@ Public API::
 import warnings
 
 from . import exceptions, signals
-from .exceptions import InvalidArgument
-from .exceptions import IdempotencyError, IdempotencyInProgress, IdempotencyKeyReused
-from .exceptions import (ForceReleaseRefused, ImproperlyConfigured, InvalidStepId,
-                         InvalidTransition, LeaseHeldByAnother, LeaseNotHeld, LockContended,
-                         LockError, LockLost, LockNameError, LockStoreMisconfigured,
-                         LockStoreUnavailable,
-                         OuterTransactionError, StepLockError, StepNotFound,
-                         TransitionConflict, TransitionError)
-from .lock import Lease, RedisLeaseStore, make_client, new_owner_token
-from .lock import get_lease_store
-from .exceptions import AdmissionDenied, RateLimited
-from .ratelimit import Decision, SlidingWindow, TokenBucket
-from .task import StepLockedTask
 from .breaker import CircuitBreaker
-from .exceptions import AdmissionDenied, CircuitOpen
+from .exceptions import (
+    AdmissionDenied,
+    CircuitOpen,
+    ForceReleaseRefused,
+    IdempotencyError,
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    ImproperlyConfigured,
+    InvalidArgument,
+    InvalidStepId,
+    InvalidTransition,
+    LeaseHeldByAnother,
+    LeaseNotHeld,
+    LockContended,
+    LockError,
+    LockLost,
+    LockNameError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+    OuterTransactionError,
+    RateLimited,
+    StepLockError,
+    StepNotFound,
+    TransitionConflict,
+    TransitionError,
+)
+from .lock import Lease, RedisLeaseStore, get_lease_store, make_client, new_owner_token
+from .ratelimit import Decision, SlidingWindow, TokenBucket
 from .retry import NonRetryable, RetryPolicy
+from .task import StepLockedTask
 
 __version__ = "0.1.0"
 

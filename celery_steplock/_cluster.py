@@ -23,16 +23,24 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import redis.cluster as _redis_cluster
 from redis import __version__ as _redis_version
 from redis.backoff import FullJitterBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import (AskError, ClusterDownError, ClusterError, MovedError,
-                              NoScriptError, RedisClusterException, RedisError, ResponseError,
-                              TryAgainError)
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from . import _wire
@@ -168,11 +176,11 @@ def socket_timeout(client: RedisCluster) -> float | None:
     return client.nodes_manager.connection_kwargs.get("socket_timeout")
 
 
-_TYPED = {"MOVED": MovedError, "ASK": AskError, "TRYAGAIN": TryAgainError,
+_TYPED: dict[str, type[ResponseError]] = {"MOVED": MovedError, "ASK": AskError, "TRYAGAIN": TryAgainError,
           "CLUSTERDOWN": ClusterDownError, "NOSCRIPT": NoScriptError}
 
 
-def typed(error: BaseException) -> BaseException:
+def typed(error: Exception) -> Exception:
     """``error`` as redis-py's class for its Redis error code (``MOVED``, ``ASK``,
     ``TRYAGAIN``, ``CLUSTERDOWN``, ``NOSCRIPT``) when the connection's parser left it a plain
     ``ResponseError`` (older redis-py versions map them for cluster connections only)."""
@@ -360,7 +368,7 @@ def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wir
                             pass
                     replies[i] = conn.read_response()
                 except ResponseError as exc:
-                    replies[i] = exc = typed(exc)
+                    replies[i] = exc = typed(exc)  # type: ignore[assignment]
                     if isinstance(exc, NoScriptError) and not loaded:
                         loaded = True
                         _load(redis_node, script)
@@ -457,6 +465,9 @@ class ClusterStoreMixin:
     (mixed before :class:`celery_steplock.lock.RedisLeaseStore`, whose one-lease methods
     are routed by :mod:`celery_steplock._wire`)."""
 
+    if TYPE_CHECKING:  # the attributes of RedisLeaseStore, which this is mixed into
+        def __getattr__(self, name: str) -> Any: ...
+
     def extend_many(self, items, chunk: int | None = None) -> list[bool]:
         """Extend many leases ``(name, owner, ttl seconds)``: one script call per slot (at
         most ``chunk`` leases each), pipelined per node, every node at once (one round trip
@@ -540,7 +551,7 @@ class ClusterStoreMixin:
         if not keys:
             return {}
         groups = list(by_slot(keys).values())
-        calls = [([keys[n] for n in group], []) for group in groups]
+        calls: list[_wire.Call] = [([keys[n] for n in group], []) for group in groups]
         try:
             replies = evalsha_many(self.client, self._scan_fields, calls)
         except _CONNECTION_ERRORS as exc:

@@ -118,7 +118,7 @@ def native(module: str) -> Any:
     return found
 
 
-def native_lock():
+def native_lock() -> Any:
     """A new OS-level lock (``acquire(blocking=True, timeout=-1)``, ``release``)."""
     return native("_thread").allocate_lock()
 
@@ -375,7 +375,7 @@ def _native_retry(retry: Any) -> Any:
 _retry_type: list[type] = []
 
 
-def _NativeRetryType() -> type:  # noqa: N802 - a lazily made class
+def _NativeRetryType() -> type:
     from redis import retry as rr
 
     if not _retry_type:
@@ -409,7 +409,8 @@ def native_client(client: Any, pool: str | None = None) -> Any:
     pool = pool or green_pool() or "green"
     # Checked before reading connection_pool: a deferred Cluster client would be built by
     # that read, raising while the cluster is down (and Celery drops errors of worker_init).
-    source = None if _cluster.is_cluster(client) else getattr(client, "connection_pool", None)
+    source: Any = None if _cluster.is_cluster(client) else getattr(client, "connection_pool",
+                                                                    None)
     if type(source) not in (rc.ConnectionPool, rc.BlockingConnectionPool):
         what = ("RedisCluster" if _cluster.is_cluster(client) else type(client).__name__
                 if source is None else type(source).__name__)

@@ -13,9 +13,15 @@ import ssl
 from typing import Any, Iterable
 
 import redis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+)
 from redis.sentinel import MasterNotFoundError
-from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError,
-                               NoPermissionError, NoScriptError, ReadOnlyError, ResponseError)
 
 from .redact import redact
 
@@ -151,7 +157,7 @@ def text(value: Any) -> Any:
 def socket_timeout(client: redis.Redis) -> float | None:
     """The client's per-call socket timeout, seconds (None: none set)."""
     if _cluster.is_cluster(client):
-        return _cluster.socket_timeout(client)
+        return _cluster.socket_timeout(client)  # type: ignore[arg-type]
     return client.connection_pool.connection_kwargs.get("socket_timeout")
 
 
@@ -344,7 +350,7 @@ def derived_client(client: Any, max_connections: int) -> Any:
 
     if _cluster.is_cluster(client):  # a deferred one must not be built here
         return client
-    pool = getattr(client, "connection_pool", None)
+    pool: Any = getattr(client, "connection_pool", None)
     sentinel = type(pool) is SentinelConnectionPool
     if not sentinel and type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
         return client

@@ -42,10 +42,15 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
 from .exceptions import StepLockError
 from .lock import get_lease_store
-from .ops import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, default_audit,
-                  force_release)
-from .redact import printable, redact, secrets_of
+from .ops import (
+    AuditRecordFailed,
+    ForceReleaseRefused,
+    LeaseHeldByAnother,
+    default_audit,
+    force_release,
+)
 from .reaper import DEFAULT_BATCH_SIZE, DEFAULT_PING_TIMEOUT, reap
+from .redact import printable, redact, secrets_of
 
 __all__ = ["steplock"]
 
@@ -88,7 +93,7 @@ def _with_age(lease: dict[str, Any], now_ms: int | None) -> dict[str, Any]:
     out = dict(lease)
     for field_name, target in (("acquired_ms", "age"), ("renewed_ms", "renewed_ago")):
         try:
-            out[target] = round((now_ms - int(lease[field_name])) / 1000.0, 3)
+            out[target] = round((now_ms - int(lease[field_name])) / 1000.0, 3)  # type: ignore[operator]
         except (TypeError, ValueError, KeyError):
             out[target] = None
     return out

@@ -159,7 +159,7 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
             raise bad("query parameters are not read from sentinel URLs; put options in "
                       f"{_OPTIONS} or {_SSL}")
         db = split.path.strip("/")
-        values = {"username": unquote(split.username) if split.username else None,
+        values: dict[str, Any] = {"username": unquote(split.username) if split.username else None,
                   "password": unquote(split.password) if split.password is not None else None,
                   "db": None}
         if db:
@@ -273,7 +273,7 @@ def _check_seconds(value: Any, key: str, name: str) -> None:
                                    f"{shown(value)}", setting=name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _connection_arguments() -> frozenset[str]:
     """The keyword arguments ``redis.Redis`` takes (what a sentinel connection is built
     with), minus those that are not connection options."""
@@ -282,7 +282,7 @@ def _connection_arguments() -> frozenset[str]:
                               "kwargs", "args"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ssl_arguments() -> frozenset[str]:
     return frozenset(p for p in inspect.signature(redis.SSLConnection.__init__).parameters
                      if p.startswith("ssl_"))
@@ -439,7 +439,7 @@ def make_client(url: str, socket_timeout: float = 5.0, *,
         if tls:
             # What the cluster client's node connections are (it does not read ``ssl``).
             passed["connection_class"] = redis.SSLConnection
-        return _cluster.make_client(url, socket_timeout, **passed)
+        return _cluster.make_client(url, socket_timeout, **passed)  # type: ignore[return-value]
     kwargs = connection_options(socket_timeout)
     kwargs.update({k: v for k, v in options.items() if k in CONNECTION_OPTIONS})
     if url.startswith("sentinel://"):
@@ -522,7 +522,9 @@ class ClientConfig:
         self.settings = settings
         self.timeout = settings.socket_timeout if socket_timeout is None else socket_timeout
         self.factory = settings.redis_client_factory
-        self.url = self.options = self.tls = None
+        self.url: Any = None
+        self.options: Any = None
+        self.tls: Any = None
         self.cluster = False
         if self.factory is None:
             self.url, self.options, self.tls = settings.redis_connection()
@@ -565,7 +567,7 @@ class ClientConfig:
                 f"{_describe(_FACTORY)}: {self.factory!r} must return a redis-py client, a "
                 f"synchronous one (redis.Redis or redis.cluster.RedisCluster), got "
                 f"{type(client).__module__}.{type(client).__qualname__}", setting=_FACTORY)
-        return client
+        return client  # type: ignore[return-value]
 
 
     def waiter_client(self) -> redis.Redis | None:

@@ -15,7 +15,8 @@ import reprlib
 import sys
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, cast, overload
 
 from .exceptions import ImproperlyConfigured
 
@@ -79,6 +80,71 @@ DEFAULTS: dict[str, Any] = {
     "rate_limit_on_store_error": "fail_closed",
 }
 
+#: One line per setting of :data:`DEFAULTS` (same keys, without the ``steplock_`` prefix): what
+#: it means, its unit. The documentation's settings reference is generated from the two.
+DESCRIPTIONS: dict[str, str] = {
+    "redis_url": "The lock store's URL: ``redis://``, ``rediss://``, ``unix://`` or "
+                 "``sentinel://host:port;sentinel://...``. None: the broker URL when it is a "
+                 "Redis URL.",
+    "redis_transport_options": "What a URL cannot say: Sentinel's ``master_name`` "
+                               "(required), ``sentinel_kwargs``, ``min_other_sentinels``; "
+                               "``health_check_interval``, ``socket_keepalive``, "
+                               "``client_name``. None: ``broker_transport_options`` when the "
+                               "broker URL is used, else ``{}``.",
+    "redis_use_ssl": "TLS options as ``broker_use_ssl`` (``ssl_cert_reqs``, ``ssl_ca_certs``, "
+                     "``ssl_certfile``, ``ssl_keyfile``, any other ``ssl_*`` of redis-py). "
+                     "None: ``broker_use_ssl`` when the broker URL is used, else ``{}``.",
+    "redis_client_factory": "``factory(settings) -> redis.Redis`` or its qualified name, for "
+                            "any other client setup; replaces the three settings above.",
+    "redis_cluster": "True: the URL names one node of a Redis Cluster, the entry point of a "
+                     "``RedisCluster`` client.",
+    "key_prefix": "Key namespace: ``<prefix>:lease:{name}``, ``<prefix>:fence:{name}``.",
+    "default_ttl": "Lease TTL, seconds.",
+    "renewal_ratio": "The heartbeat renews every ``ttl * ratio`` (0.05 to 0.75; never more "
+                     "often than every 0.01 s).",
+    "lock_wait": "Seconds to wait for a busy lease before it counts as contended.",
+    "max_hold": "Seconds after which renewal stops and the lease is lost; None: renew for as "
+                "long as the task runs.",
+    "on_contended": "A busy lease: ``retry``, ``skip`` (succeed with the skipped outcome), "
+                    "``ignore`` (Celery ``Ignore``) or ``raise`` (``LockContended``).",
+    "on_conflict": "A compare-and-swap that updated no row: ``return`` (succeed with the "
+                   "duplicate outcome), ``ignore`` (no state update) or ``raise`` "
+                   "(``TransitionConflict``).",
+    "on_store_error": "Redis unreachable: ``fail_closed`` (refuse the body, retry) or "
+                      "``fail_open`` (run it unlocked).",
+    "retry_backoff": "Seconds: the base of the full-jitter retry countdown.",
+    "retry_backoff_max": "Seconds: the cap of the full-jitter retry countdown.",
+    "retry_max": "Lease retries (busy, outage, lost) before the task fails; None: until it "
+                 "clears.",
+    "status_field": "The step model's status column.",
+    "owner_field": "The step model's column of the owner token (left out when the model has "
+                   "none).",
+    "fence_field": "The step model's column of the fencing token (left out when the model has "
+                   "none).",
+    "precheck": "Read the step's status before the body and skip the body when the step "
+                "already left ``from_``.",
+    "db_deadline": "PostgreSQL: from the compare-and-swap to COMMIT, ``lock_timeout`` and "
+                   "``idle_in_transaction_session_timeout`` are the lease's remaining "
+                   "validity.",
+    "socket_timeout": "Redis socket timeout, seconds.",
+    "fence_ttl": "Seconds an idle name's fencing counter is kept (7 days).",
+    "max_waiters": "Callers of one process that may wait (``lock_wait``) at once; one more "
+                   "fails with ``LockStoreMisconfigured``.",
+    "event_log": "Django: write a ``LeaseEvent`` row per lease event.",
+    "event_retention": "Seconds of event log kept by ``prune_lease_events`` (7 days).",
+    "reaper_recover": "``{\"app_label.Model\": {\"in-flight status\": \"recovery status\"}}``: "
+                      "the reaper moves steps left in flight by dead owners.",
+    "reaper_older_than": "Seconds a step must have been in flight before the reaper recovers "
+                         "it.",
+    "step_store": "The step-store factory (:class:`celery_steplock.steps.StepStore`), a "
+                  "qualified name or a callable.",
+    "step_database": "Database alias of the step statements and their transaction; None: the "
+                     "step model's ``router.db_for_write``.",
+    "name_secret": "The key (32 to 4096 characters, the same on every worker) of default lock "
+                   "names and idempotency keys; None: derived from Django's ``SECRET_KEY`` "
+                   "when Django is configured.",
+}
+
 # -- bounds ------------------------------------------------------------------------------------
 # Every setting, task option and argument of the lease store's public methods is checked
 # against these, below and above: a value out of range is refused by name, never clamped.
@@ -133,7 +199,7 @@ def shown(value: Any) -> str:
     of 10 MiB gives a message of a line, and a value whose repr fails gives its type."""
     try:
         return _shown.repr(value)
-    except Exception:  # an int past the digit limit, a failing __repr__
+    except Exception:  # noqa: BLE001 - an int past the digit limit, a failing __repr__
         return f"<{type(value).__name__}>"
 
 
@@ -149,6 +215,14 @@ def describe(name: str) -> str:
     return name
 
 
+@overload
+def check_seconds(value: Any, name: str, *, allow_zero: bool = ...,
+                  allow_none: Literal[False] = ..., maximum: float = ...,
+                  minimum: float | None = ...) -> float: ...
+@overload
+def check_seconds(value: Any, name: str, *, allow_zero: bool = ...,
+                  allow_none: bool = ..., maximum: float = ...,
+                  minimum: float | None = ...) -> float | None: ...
 def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
                   allow_none: bool = False, maximum: float = MAX_SECONDS,
                   minimum: float | None = None) -> float | None:
@@ -174,6 +248,12 @@ def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
     return float(value)
 
 
+@overload
+def check_count(value: Any, name: str, *, minimum: int = ..., maximum: int,
+                allow_none: Literal[False] = ...) -> int: ...
+@overload
+def check_count(value: Any, name: str, *, minimum: int = ..., maximum: int,
+                allow_none: bool = ...) -> int | None: ...
 def check_count(value: Any, name: str, *, minimum: int = 0, maximum: int,
                 allow_none: bool = False) -> int | None:
     """Return ``value`` if it is a whole number (not a bool) within [minimum, maximum], or
@@ -251,7 +331,7 @@ def django_secret_key() -> str | bytes | None:
         if not settings.configured:
             return None
         value = getattr(settings, "SECRET_KEY", None)
-    except Exception:  # Django refuses to give an empty SECRET_KEY
+    except Exception:  # noqa: BLE001 - Django refuses to give an empty SECRET_KEY
         return None
     return value if isinstance(value, (str, bytes)) and value else None
 
@@ -298,7 +378,7 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
         raise ImproperlyConfigured(
             f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {shown(value)}",
             setting=name)
-    return value
+    return cast(str, value)
 
 
 def check_database(value: Any, name: str) -> str | None:
@@ -314,7 +394,7 @@ def check_database(value: Any, name: str) -> str | None:
 
 
 # app -> (conf, its maps, Django settings version, copy of conf.changes, values, memo)
-_snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_snapshots: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 _snapshots_guard = threading.Lock()
 _django_version = [0]
 _django_watched = False
@@ -338,7 +418,7 @@ def _watch_django() -> None:
                                 dispatch_uid="celery_steplock.conf")
 
 
-def _shared_snapshot(app) -> tuple[dict[str, Any], dict[Any, Any]]:
+def _shared_snapshot(app: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
     """The values read so far and the memo of ``app``'s configuration as it is now: kept
     across executions while ``app.conf`` stays the same object with the same maps, its
     ``changes`` (what ``app.conf.x = y`` and ``update()`` write) compare equal, and Django
@@ -362,7 +442,7 @@ def _shared_snapshot(app) -> tuple[dict[str, Any], dict[Any, Any]]:
     return values, memo
 
 
-def configuration_version(app) -> Any:
+def configuration_version(app: Any) -> Any:
     """A token that stays the same object while ``app``'s configuration is unchanged (see
     :func:`_shared_snapshot`) and is a new one after any change: what the execution plan is
     cached against. Cheap: identity and equality checks, no setting is read."""
@@ -382,7 +462,7 @@ class Settings:
     are not cheap).
     """
 
-    def __init__(self, app, snapshot: bool = False):
+    def __init__(self, app: Any, snapshot: bool = False) -> None:
         self.app = app
         self._snapshot: dict[str, Any] | None = None
         #: Objects built from a snapshot's values (a task's guard), kept as long as it is.
@@ -430,13 +510,14 @@ class Settings:
         except ImproperlyConfigured as exc:
             found.append(exc)
         url = found[0] if isinstance(found[0], str) else None
-        for name, broker_name, check in (
+        checks: tuple[tuple[str, str, Callable[[Any, bool, str], Any]], ...] = (
                 ("redis_transport_options", "broker_transport_options",
                  lambda value, strict, setting: check_transport_options(
                      value, url, strict=strict, name=setting)),
                 ("redis_use_ssl", "broker_use_ssl",
                  lambda value, strict, setting: check_use_ssl(value, strict=strict,
-                                                              name=setting))):
+                                                              name=setting)))
+        for name, broker_name, check in checks:
             value, strict, setting = self.raw(name), True, setting_name(name)
             if value is None and own_url is None:
                 value, strict, setting = self.app.conf.get(broker_name), False, broker_name
@@ -460,14 +541,14 @@ class Settings:
         value = self._redis_inputs()[1]
         if isinstance(value, ImproperlyConfigured):
             raise value
-        return value
+        return cast(dict[str, Any], value)
 
     @property
     def redis_use_ssl(self) -> dict[str, Any]:
         value = self._redis_inputs()[2]
         if isinstance(value, ImproperlyConfigured):
             raise value
-        return value
+        return cast(dict[str, Any], value)
 
     @property
     def redis_client_factory(self) -> Any:

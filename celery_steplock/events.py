@@ -76,7 +76,7 @@ def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) 
         return
     fields.setdefault("monotonic", time.monotonic())
     fields.setdefault("timestamp", time.time())
-    event = signal.name
+    event = signal.name  # type: ignore[attr-defined]
     try:
         if logger.isEnabledFor(level):
             text = " ".join(f"{k}={_value(fields[k])}" for k in _FIELDS

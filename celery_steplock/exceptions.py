@@ -126,7 +126,7 @@ class LockError(StepLockError):
     """
 
     def __init__(self, message: str, key: str | None = None, *, name: str | None = None,
-                 owner: str | None = None, fence: int | None = None, **context):
+                 owner: str | None = None, fence: int | None = None, **context: Any) -> None:
         super().__init__(message)
         self.key = key
         self.name = name
@@ -168,7 +168,7 @@ class LockStoreMisconfigured(LockError):
     """
 
     def __init__(self, message: str, key: str | None = None, *, setting: str | None = None,
-                 permissions: tuple[str, ...] = (), **kwargs):
+                 permissions: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(message, key, **kwargs)
         self.setting = setting
         self.permissions = tuple(permissions)
@@ -217,7 +217,8 @@ class AuditRecordFailed(ForceReleaseRefused):
 class TransitionError(StepLockError):
     """Base of the errors about a step's status transition."""
 
-    def __init__(self, message: str, step_id=None, from_=None, to=None, current=None):
+    def __init__(self, message: str, step_id: Any = None, from_: Any = None, to: Any = None,
+                 current: Any = None) -> None:
         super().__init__(message)
         self.step_id = step_id
         self.from_ = from_
@@ -238,7 +239,7 @@ class InvalidStepId(TransitionError, ValueError):
     key of the step model, e.g. ``"abc"`` for an integer key. Raised before any lease is
     taken; not retryable."""
 
-    def __init__(self, message: str, step_id=None, argument: str | None = None):
+    def __init__(self, message: str, step_id: Any = None, argument: str | None = None) -> None:
         super().__init__(message, step_id=step_id)
         self.argument = argument
 
@@ -249,8 +250,8 @@ class TransitionConflict(TransitionError):
     (``stale_fence`` True: the status matched and the fenced condition refused).
     """
 
-    def __init__(self, message: str, step_id=None, from_=None, to=None, current=None,
-                 stale_fence: bool = False):
+    def __init__(self, message: str, step_id: Any = None, from_: Any = None, to: Any = None,
+                 current: Any = None, stale_fence: bool = False) -> None:
         super().__init__(message, step_id=step_id, from_=from_, to=to, current=current)
         self.stale_fence = stale_fence
 

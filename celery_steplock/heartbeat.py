@@ -33,13 +33,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from celery.signals import worker_init
 
 from . import _green, signals
-from .events import emit, lease_fields, listening, log_event
 from .conf import MAX_RENEWAL_RATIO, MIN_RENEWAL_INTERVAL, shown
+from .events import emit, lease_fields, listening, log_event
 from .exceptions import InvalidArgument, LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
 from .lock import RedisLeaseStore
@@ -116,7 +116,8 @@ class Heartbeat:
             self.renewal_store(lock)
             # The loss flag is set from the native thread: no green lock may guard it.
             if not isinstance(lease._lost, _green.NativeFlag):
-                lease._lost = _green.NativeFlag(lease._lost.is_set())
+                # NativeFlag has the part of threading.Event a lease uses.
+                lease._lost = _green.NativeFlag(lease._lost.is_set())  # type: ignore[assignment]
         with self._cond:
             self._entries[id(lease)] = entry
             if self._thread is None:
@@ -249,16 +250,16 @@ class Heartbeat:
             renewing: list[_Entry] = []
             lost: list[tuple[_Entry, str | None]] = []
 
-            def items():
+            def items() -> Iterator[tuple[str, str, float]]:
                 # Consumed while the first script calls already run in Redis.
-                for entry in group:
+                for entry in group:  # noqa: B023 - consumed in this iteration of the loop
                     lease = entry.lease
                     if lease.max_hold_until is not None and now >= lease.max_hold_until:
-                        lost.append((entry, "max hold reached: renewal stopped"))
+                        lost.append((entry, "max hold reached: renewal stopped"))  # noqa: B023
                     elif lease.lost:
-                        lost.append((entry, None))
+                        lost.append((entry, None))  # noqa: B023
                     else:
-                        renewing.append(entry)
+                        renewing.append(entry)  # noqa: B023
                         yield lease.name, lease.owner, lease.ttl
 
             sent = self.clock()
@@ -363,7 +364,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @worker_init.connect(weak=False)
-def _refuse_green_pool_without_native_renewals(sender=None, **kwargs) -> None:
+def _refuse_green_pool_without_native_renewals(sender: Any = None, **kwargs: Any) -> None:
     """Under a green pool, a worker whose heartbeat could not renew from a native thread
     (see :mod:`celery_steplock._green`) does not start: its leases would be lost behind any
     body that computes for a TTL. Nothing is checked under prefork, threads or solo."""

@@ -51,7 +51,8 @@ MAX_NAME_LENGTH = 512
 LockKey = str | Callable[..., str] | None
 
 
-def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, Any]:
+def bind_arguments(fun: Callable[..., Any], args: Sequence[Any],
+                   kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Bind ``args``/``kwargs`` to ``fun``'s signature with defaults applied.
 
     ``fun`` is the task's ``run``: for a ``bind=True`` task that is a bound method, so
@@ -75,7 +76,7 @@ def bind_arguments(fun: Callable, args: Sequence, kwargs: Mapping) -> dict[str, 
     return arguments
 
 
-def argument_names(fun: Callable) -> tuple[frozenset[str], bool] | None:
+def argument_names(fun: Callable[..., Any]) -> tuple[frozenset[str], bool] | None:
     """``(names, takes_var_keyword)`` of ``fun``'s signature: the names a call can bind
     (``*args``/``**kwargs`` themselves excluded; ``self`` of a bound method too) and whether
     it takes ``**kwargs``. None when the signature cannot be read (some builtins)."""
@@ -92,7 +93,7 @@ def argument_names(fun: Callable) -> tuple[frozenset[str], bool] | None:
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}
 
 
-def _signature(fun: Callable) -> inspect.Signature:
+def _signature(fun: Callable[..., Any]) -> inspect.Signature:
     """``inspect.signature(fun)``, computed once per function (a task's ``run`` is a new
     bound method at every access, so the cache is keyed on the function)."""
     func = getattr(fun, "__func__", None)
@@ -187,8 +188,8 @@ def template_fields(template: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def lock_name(task_name: str, fun: Callable, args: Sequence, kwargs: Mapping,
-              lock_key: LockKey = None, *, secret: bytes | str | None = None) -> str:
+def lock_name(task_name: str, fun: Callable[..., Any], args: Sequence[Any],
+              kwargs: Mapping[str, Any], lock_key: LockKey = None, *, secret: bytes | str | None = None) -> str:
     """Return the lock name of one call ``fun(*args, **kwargs)`` of task ``task_name``.
 
     ``lock_key`` None: ``"<task_name>:<64 hex digits>"``, the HMAC-SHA256 keyed with
@@ -258,7 +259,7 @@ def idempotency_key(secret: bytes | str, task_name: str | None, name: str) -> st
     neither (a templated lock name carries raw argument values)."""
     mac = _keyed(_key(secret), b"idempotency-key\0")
     mac.update(b"%s\0%s" % ((task_name or "").encode(), name.encode()))
-    return mac.hexdigest()
+    return str(mac.hexdigest())
 
 
 def lease_key(prefix: str, name: str) -> str:

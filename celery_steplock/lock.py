@@ -25,23 +25,56 @@ import logging
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 
 import redis
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from . import _cluster, _lua, _wire
 from .clients import ClientConfig, make_client
-from .conf import MAX_OWNER_LENGTH, MAX_SCAN_COUNT, MAX_WAIT, MAX_WAITERS_LIMIT, MAX_TTL, \
-    MIN_TTL, Settings, check_count, check_fence_ttl, check_key_prefix, check_name_secret, \
-    check_seconds, check_ttl, shown
-from .exceptions import ImproperlyConfigured, InvalidArgument, LockError, LockNameError, \
-    LockStoreMisconfigured, LockStoreUnavailable
-from .keys import MAX_NAME_LENGTH, check_name, fence_key, lease_key, name_from_key, wake_key, \
-    waiters_key
+from .conf import (
+    MAX_OWNER_LENGTH,
+    MAX_SCAN_COUNT,
+    MAX_TTL,
+    MAX_WAIT,
+    MAX_WAITERS_LIMIT,
+    MIN_TTL,
+    Settings,
+    check_count,
+    check_fence_ttl,
+    check_key_prefix,
+    check_name_secret,
+    check_seconds,
+    check_ttl,
+    shown,
+)
 from .events import log_event
-from .lease import (CLOCK_DRIFT_FACTOR, Lease, check_metadata, drift, holder_metadata,
-                    new_owner_token, parse_lease)
+from .exceptions import (
+    ImproperlyConfigured,
+    InvalidArgument,
+    LockError,
+    LockNameError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+)
+from .keys import (
+    MAX_NAME_LENGTH,
+    check_name,
+    fence_key,
+    lease_key,
+    name_from_key,
+    waiters_key,
+    wake_key,
+)
+from .lease import (
+    CLOCK_DRIFT_FACTOR,
+    Lease,
+    check_metadata,
+    drift,
+    holder_metadata,
+    new_owner_token,
+    parse_lease,
+)
 from .redact import redact
 
 __all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
@@ -135,7 +168,7 @@ def _argument(check: Callable[..., Any], value: Any, name: str, **kwargs: Any) -
 def _ttl(ttl: Any, name: str = "ttl") -> float:
     if type(ttl) is float and MIN_TTL <= ttl <= MAX_TTL:
         return ttl
-    return _argument(check_ttl, ttl, name)
+    return cast(float, _argument(check_ttl, ttl, name))
 
 
 def _owner(owner: Any, name: str = "owner") -> str:
@@ -234,7 +267,7 @@ class RedisLeaseStore:
     and are capped below its ``max_connections`` (see :attr:`waiter_limit`).
     """
 
-    def __new__(cls, client: Any = None, *args: Any, **kwargs: Any):
+    def __new__(cls, client: Any = None, *args: Any, **kwargs: Any) -> RedisLeaseStore:
         # A RedisCluster client gets the store whose multi-lease calls are split by slot.
         if cls is RedisLeaseStore and _cluster.is_cluster(client):
             cls = ClusterLeaseStore
@@ -663,7 +696,7 @@ class RedisLeaseStore:
             if not isinstance(key, str):
                 raise InvalidArgument(f"keys must be a list of key names (str), got an item "
                                       f"{shown(key)}", argument="keys")
-        return keys
+        return cast(list[str], keys)
 
     def _parse_scan_fields(self, keys: list[str], replies: list[Any]
                            ) -> dict[str, dict[str, Any] | None]:
@@ -676,7 +709,7 @@ class RedisLeaseStore:
             except ValueError:
                 fields, unreadable = None, True
             if unreadable or (fields is not None and not isinstance(fields, dict)):
-                info = {"malformed": "hash: not readable"}
+                info: dict[str, Any] = {"malformed": "hash: not readable"}
             elif not fields and "\ufffd" in key and _wire.text(pttl) == "none":
                 # SCAN listed a name that was not UTF-8: as decoded it names no key, so it
                 # is shown (escaped) rather than dropped; the reaper skips it.
@@ -774,11 +807,11 @@ class ClusterLeaseStore(_cluster.ClusterStoreMixin, RedisLeaseStore):
 #: The store's former name, kept so that old imports keep working.
 
 
-_stores: dict[tuple, RedisLeaseStore] = {}
+_stores: dict[tuple[Any, ...], RedisLeaseStore] = {}
 _stores_guard = threading.Lock()
 
 
-def get_lease_store(app, settings: Settings | None = None) -> RedisLeaseStore:
+def get_lease_store(app: Any, settings: Settings | None = None) -> RedisLeaseStore:
     """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
     client-factory settings of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
     ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
@@ -808,7 +841,7 @@ _DEPRECATED = {"RedisStepLock": ("RedisLeaseStore", RedisLeaseStore),
                "get_lock": ("get_lease_store", get_lease_store)}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         new_name, value = _DEPRECATED[name]
         warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",

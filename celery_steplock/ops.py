@@ -50,9 +50,15 @@ from typing import Any, Callable
 
 from . import signals
 from .events import emit, log_event
+from .exceptions import (
+    AuditRecordFailed,
+    ForceReleaseRefused,
+    LeaseHeldByAnother,
+    LeaseNotHeld,
+    LockStoreUnavailable,
+    StepLockError,
+)
 from .redact import redact, secrets_of
-from .exceptions import (AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother,
-                         LeaseNotHeld, LockStoreUnavailable, StepLockError)
 
 __all__ = ["ForcedRelease", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
            "AuditRecordFailed", "ReleaseAudit", "LogAudit", "default_audit", "force_release",
@@ -297,7 +303,7 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
         if audit is not None:
             audit(record)
         auditor.requested(record)
-    except Exception as exc:  # noqa: BLE001 - no record, no release: whatever the store said
+    except Exception as exc:
         error = redact(f"{type(exc).__name__}: {exc}", secrets_of(app))
         log_event("force_release_aborted", logging.ERROR, name=name, owner=owner, error=error)
         raise AuditRecordFailed(
@@ -311,7 +317,7 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
         record.outcome = "unknown" if isinstance(exc, LockStoreUnavailable) else "failed"
         record.detail = str(exc)
         _finish(auditor, record, sender)
-        exc.forced_release = record
+        exc.forced_release = record  # type: ignore[attr-defined]
         raise
     if not deleted:
         try:

@@ -136,7 +136,7 @@ def _readable_backend(task) -> Any:
     try:
         from celery.backends.rpc import RPCBackend
     except ImportError:  # pragma: no cover - always there
-        RPCBackend = ()
+        RPCBackend = ()  # type: ignore[assignment, misc]
     if isinstance(backend, RPCBackend):
         return None  # results are messages to the caller: nothing to read back
     return backend
@@ -193,7 +193,7 @@ def _remember_stored_state(sender=None, task=None, **kwargs) -> None:
     request = task.request
     meta = stored_state(task)
     if meta is not None and meta.get("status") == states.SUCCESS:
-        request.steplock_stored_state = meta
+        request.steplock_stored_state = meta  # type: ignore[attr-defined]
 
 
 def restore_stored_state(task) -> bool:

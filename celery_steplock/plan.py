@@ -24,8 +24,13 @@ from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_boo
 from .exceptions import ImproperlyConfigured, LockNameError
 from .keys import template_fields
 from .lock import RedisLeaseStore, get_lease_store
-from .steps import StepStore, check_known_database, check_transitions, load_step_store, \
-    step_store_factory
+from .steps import (
+    StepStore,
+    check_known_database,
+    check_transitions,
+    load_step_store,
+    step_store_factory,
+)
 
 __all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "is_step_locked",
            "OPTION_NAMES"]
@@ -72,8 +77,8 @@ class ExecutionPlan:
     steps: StepStore | None
     settings: Settings
     version: Any
-    options: tuple = ()
-    gates: tuple = ()
+    options: tuple[Any, ...] = ()
+    gates: tuple[Any, ...] = ()
 
     @property
     def renew_ms(self) -> int:
@@ -84,7 +89,7 @@ class ExecutionPlan:
         return self.store.prefix
 
 
-def option_values(task: Any) -> tuple:
+def option_values(task: Any) -> tuple[Any, ...]:
     """The task's current option values, in :data:`OPTION_NAMES` order: a plan built from
     other values is stale (an option assigned on the task or its class, deleted, or
     restored by ``mock.patch``). Cheap: attribute reads, compared by identity first."""
@@ -97,7 +102,7 @@ def is_step_locked(task: Any) -> bool:
     return isinstance(getattr(type(task), "steplock_plan", None), property)
 
 
-def _transition(task) -> tuple[str, str] | None:
+def _transition(task: Any) -> tuple[str, str] | None:
     transition = task.step_transition
     if transition is None:
         return None
@@ -112,7 +117,7 @@ def _transition(task) -> tuple[str, str] | None:
     return transition
 
 
-def _arguments(task) -> tuple[set[str], bool] | None:
+def _arguments(task: Any) -> tuple[set[str], bool] | None:
     """The names the task's ``run`` takes and whether it takes ``**kwargs``; None when its
     signature cannot be read."""
     try:
@@ -124,7 +129,7 @@ def _arguments(task) -> tuple[set[str], bool] | None:
     return names, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
-def _step_id_arg(task) -> str | None:
+def _step_id_arg(task: Any) -> str | None:
     name = task.step_id_arg
     if name is None:
         return None
@@ -139,7 +144,7 @@ def _step_id_arg(task) -> str | None:
     return name
 
 
-def _lock_key(task):
+def _lock_key(task: Any) -> Any:
     template = task.lock_key
     if inspect.ismethod(template) and template.__self__ is task:
         # A function given as a class attribute or an ``@app.task(lock_key=...)`` keyword
@@ -165,7 +170,7 @@ def _lock_key(task):
     return template
 
 
-def _transitions(task):
+def _transitions(task: Any) -> Any:
     table = task.step_transitions
     if table is None:
         return None
@@ -180,14 +185,14 @@ def _transitions(task):
     return table
 
 
-def _retry_max(task, settings: Settings) -> int | None:
+def _retry_max(task: Any, settings: Settings) -> int | None:
     value = task.lock_retry_max
     if value is None:
         return settings.retry_max
     return check_count(value, "lock_retry_max", maximum=MAX_RETRIES)
 
 
-def _step_database(task, settings: Settings) -> tuple[str | None, str]:
+def _step_database(task: Any, settings: Settings) -> tuple[str | None, str]:
     """The database the task's step store is told to use (None: the store's choice, the
     router's for Django) and the option or setting it comes from."""
     value = getattr(task, "step_database", None)
@@ -196,7 +201,7 @@ def _step_database(task, settings: Settings) -> tuple[str | None, str]:
     return check_database(value, "step_database"), "step_database"
 
 
-def _checked_step_database(task, settings: Settings) -> tuple[str | None, str]:
+def _checked_step_database(task: Any, settings: Settings) -> tuple[str | None, str]:
     """:func:`_step_database`, refused by name when the step store's factory does not know
     the database (judged only for a task with a step model)."""
     using, source = _step_database(task, settings)
@@ -205,7 +210,7 @@ def _checked_step_database(task, settings: Settings) -> tuple[str | None, str]:
     return using, source
 
 
-def _steps(task, settings: Settings, database: Callable[[], tuple[str | None, str]]
+def _steps(task: Any, settings: Settings, database: Callable[[], tuple[str | None, str]]
            ) -> StepStore | None:
     if task.step_model is None:
         return None
@@ -220,7 +225,7 @@ def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) ->
     return default() if value is None else check()
 
 
-def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
+def _resolvers(task: Any, settings: Settings) -> dict[str, Callable[[], Any]]:
     """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
     database: list[tuple[str | None, str]] = []
 
@@ -271,7 +276,7 @@ def _resolvers(task, settings: Settings) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _named(task, exc: ImproperlyConfigured) -> ImproperlyConfigured:
+def _named(task: Any, exc: ImproperlyConfigured) -> ImproperlyConfigured:
     """``exc`` with the task's name in front of its message (once)."""
     message = str(exc)
     if message.startswith(f"{task.name}:"):
@@ -279,7 +284,7 @@ def _named(task, exc: ImproperlyConfigured) -> ImproperlyConfigured:
     return ImproperlyConfigured(f"{task.name}: {message}", setting=exc.setting)
 
 
-def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfigured]:
+def option_problems(task: Any, *, models_ready: bool = True) -> list[ImproperlyConfigured]:
     """Every invalid option of ``task`` (one error each, the task's name in front); an
     option left to an invalid setting is the setting's problem, not listed here. Step models are resolved only when ``models_ready`` (the
     framework's model registry is loaded)."""
@@ -307,7 +312,7 @@ def option_problems(task, *, models_ready: bool = True) -> list[ImproperlyConfig
     return problems
 
 
-def build_plan(task) -> ExecutionPlan:
+def build_plan(task: Any) -> ExecutionPlan:
     """Resolve ``task``'s plan against its app's current configuration.
 
     Raises ImproperlyConfigured naming the task and the first invalid option or setting.

@@ -522,7 +522,7 @@ class Reaper:
                 if answered is None:
                     self.answered = None
                 else:
-                    self.answered.update(answered)
+                    self.answered.update(answered)  # type: ignore[union-attr]
                     self.silent.update(lease["worker"] for lease in waiting
                                        if lease["worker"] not in answered)
                 self.judge(waiting, waiting_now_ms)

@@ -107,7 +107,7 @@ def _url_end(text: str, begin: int, pos: int) -> int:
         return limit
     # A quote that does not close the URL: text quoted without escaping (``"{url}"``) of a
     # password holding that quote. The URL then runs on to an "@" after the quote.
-    run = re.match(r"\S*", text[i + 1:limit]).group(0)
+    run = re.match(r"\S*", text[i + 1:limit]).group(0)  # type: ignore[union-attr]
     if "@" in run:
         return i + 1 + len(run)
     if "@" not in text[pos:i] and "@" in text[i:limit]:

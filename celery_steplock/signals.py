@@ -34,13 +34,22 @@ __all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
            "retry_policy_decided", "slot_acquired", "slot_released", "slot_expired",
            "concurrency_limited", "rate_limit_allowed", "rate_limited", "ALL_SIGNALS"]
 
+#: A lease was granted (``wait_seconds``: the acquire, ``lock_wait`` included).
 lock_acquired = Signal(name="lock_acquired")
+#: Another owner holds the lease (``holder``: its owner token; ``wait_seconds``).
 lock_contended = Signal(name="lock_contended")
+#: The heartbeat renewed the lease (sent on the heartbeat thread: keep receivers fast).
 lock_extended = Signal(name="lock_extended")
+#: The lease was released: by its holder (``hold_seconds``) or by an operator (``forced``).
 lock_released = Signal(name="lock_released")
+#: The lease expired before its release (``reason``).
 lock_expired = Signal(name="lock_expired")
+#: The lease is no longer ours (``reason``); any commit that depended on it is refused.
 lock_lost = Signal(name="lock_lost")
+#: The compare-and-swap committed (``step_id``, ``from_``, ``to``, ``cas_seconds``,
+#: ``commit_seconds``); sent after the commit.
 transition_applied = Signal(name="transition_applied")
+#: The compare-and-swap updated no row (``step_id``, ``from_``, ``to``, ``current``).
 transition_conflict = Signal(name="transition_conflict")
 #: Redis could not be reached; ``policy`` says whether the body was refused or ran unlocked.
 lock_store_error = Signal(name="lock_store_error")

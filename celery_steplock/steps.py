@@ -15,8 +15,16 @@ needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, \
-    runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Iterable,
+    Mapping,
+    Protocol,
+    cast,
+    runtime_checkable,
+)
 
 from celery.utils.imports import symbol_by_name
 
@@ -149,11 +157,12 @@ def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: st
     """
     factory = step_store_factory(spec, setting)
     if using is None:
-        return factory(model, status_field=status_field, owner_field=owner_field,
-                       fence_field=fence_field, transitions=transitions)
+        return cast(StepStore, factory(model, status_field=status_field, owner_field=owner_field,
+                                       fence_field=fence_field, transitions=transitions))
     check_known_database(factory, using, using_setting)
-    return factory(model, status_field=status_field, owner_field=owner_field,
-                   fence_field=fence_field, transitions=transitions, using=using)
+    return cast(StepStore, factory(model, status_field=status_field, owner_field=owner_field,
+                                   fence_field=fence_field, transitions=transitions,
+                                   using=using))
 
 
 def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Callable[..., Any]:
@@ -167,7 +176,7 @@ def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Calla
     if not callable(factory):
         raise ImproperlyConfigured(f"{setting} must name a step-store factory, got {spec!r}",
                                    setting=setting)
-    return factory
+    return cast(Callable[..., Any], factory)
 
 
 def check_known_database(factory: Any, using: str, setting: str = "step_database") -> None:

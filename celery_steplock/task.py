@@ -99,8 +99,9 @@ class _Execution:
 # The execution of each task running in this context (thread / greenlet), by task name. A
 # ContextVar rather than the request: a direct call shares Celery's default request across
 # threads, and a nested call of the same task must restore the outer execution afterwards.
+_NO_EXECUTIONS: dict[str, _Execution] = {}  # never mutated: set() gets a new dict
 _executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.ContextVar(
-    "steplock_executions", default={})
+    "steplock_executions", default=_NO_EXECUTIONS)
 
 # The lease retries an eager attempt asked for (their message headers), run by apply()'s loop
 # once the attempt has ended; None outside StepLockedTask.apply().
@@ -274,6 +275,7 @@ class StepLockedTask(Task):
                  else plan.steps if plan.steps is not None else self._step_store())
         deadline = None
         if lease is not None:
+            assert execution is not None  # a lease comes only from an execution
             lease.check()
             if execution.final_cas:
                 execution.final_cas = False
@@ -453,12 +455,12 @@ class StepLockedTask(Task):
                 steps.check_not_nested(self.name)
         request = self.request
         store = plan.store
-        base = {"key": store.key(name), "name": name, "task_id": request.id,
+        base: dict[str, Any] = {"key": store.key(name), "name": name, "task_id": request.id,
                 "task_name": self.name, "ttl": plan.ttl}
         step = None
         if step_id is not None:
             try:
-                step = steps.step_ref(step_id)  # an impossible key fails before the lease
+                step = steps.step_ref(step_id)  # type: ignore[union-attr]  # fails before the lease
             except InvalidStepId as exc:
                 raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
                                     step_id=step_id, argument=plan.step_id_arg) from exc
@@ -524,7 +526,7 @@ class StepLockedTask(Task):
             if plan.transition is not None and plan.precheck:
                 # Before the transaction: a read needs no write lock (SQLite's BEGIN
                 # IMMEDIATE takes it), and the CAS, not this read, is what decides.
-                current = steps.status(step_id)
+                current = steps.status(step_id)  # type: ignore[union-attr]
                 if current != plan.transition[0]:
                     exc = TransitionConflict(
                         f"step {step_id!r} is {current!r}, not {plan.transition[0]!r}: "
@@ -591,7 +593,8 @@ class StepLockedTask(Task):
                 self._check_owned(plan, lease)
                 self.before_commit(lease, step_id)
             return result
-        with tracing.committing(steps.savepoint() if nested else steps.atomic(), steps):
+        scope = steps.savepoint() if nested else steps.atomic()  # type: ignore[attr-defined]
+        with tracing.committing(scope, steps):
             with tracing.phase("body"):
                 result = super().__call__(*args, **kwargs)
             execution.body_done = True
@@ -643,7 +646,7 @@ class StepLockedTask(Task):
 
     # -- outcomes ---------------------------------------------------------------------------
 
-    def apply(self, args=None, kwargs=None, **options):
+    def apply(self, args=None, kwargs=None, **options):  # type: ignore[override]
         """Celery's :meth:`~celery.app.task.Task.apply` (what ``delay()`` runs under
         ``task_always_eager``), with the lease retries a worker would receive (a busy lease,
         a Redis outage, a lost lease) run here, one after another without the countdown,
@@ -714,7 +717,7 @@ class StepLockedTask(Task):
             retried = self.signature_from_request(request, countdown=countdown,
                                                   retries=request.retries or 0,
                                                   headers=headers)
-            raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)
+            raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)  # type: ignore[arg-type]
         self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
         raise Ignore()
 

@@ -249,7 +249,7 @@ def steplock_celery_app():
     """The Celery app :func:`steplock_app` configures: ``celery.current_app``."""
     from celery import current_app
 
-    return current_app._get_current_object()
+    return current_app._get_current_object()  # type: ignore[attr-defined]
 
 
 def _set(app, values: dict[str, Any]) -> Callable[[], None]:

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import contextvars
 import time
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 try:
     from opentelemetry import context as _context
     from opentelemetry import trace as _trace
 except ImportError:  # the API is optional: tracing is then a no-op
-    _context = None
-    _trace = None
+    _context = None  # type: ignore[assignment]
+    _trace = None  # type: ignore[assignment]
 
 __all__ = ["TRACER_NAME", "Phase", "execution", "phase", "hold", "releasing", "committing",
            "commit_seconds", "enabled", "use_tracer_provider", "outcome"]
@@ -137,7 +137,7 @@ class Phase:
         self.started: float | None = None
         self.seconds: float | None = None
         self._span = None
-        self._token = None
+        self._token: Any = None
 
     def start(self) -> Phase:
         run = _run.get()
@@ -171,7 +171,7 @@ class Phase:
     def __enter__(self) -> Phase:
         return self.start()
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         self.end(exc)
         return False
 
@@ -198,7 +198,7 @@ class _Releasing:
     def __enter__(self) -> Phase:
         return self.phase.start()
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         try:
             self.phase.end(exc)
         finally:
@@ -267,7 +267,7 @@ class _NoExecution:
     def __enter__(self):
         return None
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         return False
 
 
@@ -294,7 +294,7 @@ class _Execution:
         except Exception:  # noqa: BLE001 - tracing never breaks locking
             return None
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if self.span is None:
             return False
         try:

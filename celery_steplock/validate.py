@@ -55,8 +55,7 @@ from .events import log_event
 from .exceptions import ImproperlyConfigured
 from .plan import is_step_locked, option_problems
 from .redact import redact, secrets_of
-from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, \
-    step_store_factory
+from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, step_store_factory
 
 __all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
            "task_problems", "step_model_problems", "step_store_problems", "step_database_problems",
@@ -389,7 +388,7 @@ def _raw_keys(app) -> list[str]:
     found = []
     for source in getattr(app.conf, "maps", None) or [app.conf]:
         try:
-            found += [str(k) for k in source.keys()]
+            found += [str(k) for k in source.keys()]  # noqa: SIM118 - Celery Settings, not a dict
         except Exception:  # noqa: BLE001 - a source that cannot list its keys
             continue
     return found
@@ -505,7 +504,7 @@ def unknown_name_problems(app) -> list[Problem]:
             "celery_steplock.W005", message,
             hint=f"Did you mean {_spelled(app, close[0])}?" if close else None, obj=raw))
     for task in steplock_tasks(app):
-        for attr, close in _unknown_option_names(task):
+        for attr, close in _unknown_option_names(task):  # type: ignore[assignment]
             found.append(Problem(
                 "celery_steplock.W005", f"{task.name}: unknown task option {attr}: it is "
                 f"ignored.", hint=f"Did you mean {close}?" if close else None,
@@ -634,7 +633,7 @@ def recovery_problems(app) -> list[Problem]:
         if choices:
             allowed = {str(value) for value, _ in choices}
             listed = ", ".join(map(repr, sorted(allowed)))
-            where = f"{model._meta.label}.{status.name}"
+            where = f"{model._meta.label}.{status.name}"  # type: ignore[union-attr]
             for kind, statuses, effect in (
                     ("in-flight", set(moves),
                      "steps in flight under the real name are never recovered"),

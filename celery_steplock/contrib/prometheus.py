@@ -58,8 +58,7 @@ import threading
 from typing import Any
 
 from celery.signals import worker_process_shutdown, worker_ready
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import multiprocess
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client import start_http_server as _start_http_server
 
 from .. import signals
@@ -74,7 +73,7 @@ OUTCOMES = {"transition_applied": "committed", "transition_conflict": "conflict"
             "lock_store_error": "store_error", "lock_expired": "reaped",
             "idempotency_replayed": "replayed", "idempotency_completed": "recorded",
             "idempotency_conflict": "idempotency_conflict",
-            "idempotency_failed": "idempotency_failed"}
+            "idempotency_failed": "idempotency_failed",
             "concurrency_limited": "concurrency_limited", "slot_expired": "slot_expired"}
 
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -86,8 +85,8 @@ DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 def multiprocess_dir() -> str | None:
     """``PROMETHEUS_MULTIPROC_DIR`` (None: single-process mode)."""
-    return (os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-            or os.environ.get("prometheus_multiproc_dir") or None)
+    legacy = os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112 - the old spelling
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or legacy or None
 
 
 class Metrics:
@@ -95,7 +94,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "steplock"):
         self.registry = REGISTRY if registry is None else registry
-        kw = {"registry": self.registry}
+        kw: dict[str, Any] = {"registry": self.registry}
         self.events = Counter(f"{prefix}_events", "celery-steplock signals sent, by event and "
                               "task", ["event", "task"], **kw)
         self.outcomes = Counter(f"{prefix}_outcomes", "Outcomes of lease and transition "
@@ -135,7 +134,7 @@ class Metrics:
     def receive(self, sender: Any = None, signal: Any = None, event: str | None = None,
                 **fields: Any) -> None:
         """The receiver connected to every celery-steplock signal."""
-        event = event or getattr(signal, "name", "")
+        event = event or str(getattr(signal, "name", ""))
         task = fields.get("task_name") or ""
         self.events.labels(event, task).inc()
         outcome = OUTCOMES.get(event)
@@ -183,9 +182,10 @@ class Metrics:
     def _held(self, fields: dict[str, Any], task: str, add: bool, gauge: Any = None,
               holding: dict[tuple[str, str], str] | None = None) -> None:
         gauge = self.held if gauge is None else gauge
-        lease = (fields.get("key"), fields.get("owner"))
-        if lease[0] is None or lease[1] is None:
+        key, owner = fields.get("key"), fields.get("owner")
+        if key is None or owner is None:
             return
+        lease: tuple[str, str] = (key, owner)
         with self._lock:
             if self._holding_pid != os.getpid():  # a forked child holds none of the parent's
                 self._holding.clear()

@@ -46,8 +46,13 @@ from django.contrib.admin.utils import quote, unquote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError, router, transaction
-from django.http import (HttpRequest, HttpResponse, HttpResponseNotAllowed,
-                         HttpResponseRedirect, QueryDict)
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+    QueryDict,
+)
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, path, reverse
 from django.utils.decorators import method_decorator
@@ -62,8 +67,8 @@ from ...events import emit, log_event
 from ...exceptions import StepLockError
 from ...keys import MAX_NAME_LENGTH
 from ...ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
-from .eventlog import LeaseEventAudit
 from ...redact import redact, secrets_of
+from .eventlog import LeaseEventAudit
 from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
                      redis_time_ms, steplock_task_names)
 from .models import CircuitBreakerState, Lease, LeaseEvent
@@ -118,13 +123,13 @@ class TaskNameFilter(admin.ListFilter):
     def has_output(self) -> bool:
         return True
 
-    def choices(self, changelist) -> list[dict]:
+    def choices(self, changelist) -> list[dict]:  # type: ignore[override]
         return self._choices
 
     def queryset(self, request, queryset):
         return queryset
 
-    def expected_parameters(self) -> list[str]:
+    def expected_parameters(self) -> list[str]:  # type: ignore[override]
         return [self.parameter_name]
 
 
@@ -152,7 +157,7 @@ class LeaseChangeList:
     show_all = False
     search_fields = ("name", "task_name", "task_id", "step")
 
-    def __init__(self, request: HttpRequest, model_admin: "LeaseAdmin", *, q: str,
+    def __init__(self, request: HttpRequest, model_admin: LeaseAdmin, *, q: str,
                  task_name: str, filter_choices: list[dict], rows: list[dict],
                  clear_filters_url: str | None, **page: Any):
         self.model = model_admin.model
@@ -281,17 +286,17 @@ class LeaseAdmin(admin.ModelAdmin):
         info = self.opts.app_label, self.opts.model_name
         return [
             path("", self.admin_site.admin_view(self.changelist_view),
-                 name="%s_%s_changelist" % info),
+                 name="{}_{}_changelist".format(*info)),
             # The audit record must commit before the delete: never inside the request's
             # transaction (ATOMIC_REQUESTS) of the audit database.
             path("release/", transaction.non_atomic_requests(
                 using=router.db_for_write(LeaseEvent))(
                     self.admin_site.admin_view(self.release_view)),
-                 name="%s_%s_release" % info),
+                 name="{}_{}_release".format(*info)),
             # Named like Django's change page, which admin templates link to (the
             # force-release confirmation's breadcrumbs): a lease's row on the list.
             path("<path:object_id>/change/", self.admin_site.admin_view(self.change_view),
-                 name="%s_%s_change" % info),
+                 name="{}_{}_change".format(*info)),
         ]
 
     def changelist_url(self, params: QueryDict | dict | None = None) -> str:
@@ -445,7 +450,7 @@ class LeaseAdmin(admin.ModelAdmin):
         # As Django's changelist: "Clear all filters" drops the filter and keeps the search.
         clear_filters_url = (_list_query(params, task_name=None, **restart) if task_name
                              else None)
-        listing = dict(rows=rows, page=page, page_number=page_number, filtered=filtered,
+        listing: dict[str, Any] = dict(rows=rows, page=page, page_number=page_number, filtered=filtered,
                        next_url=next_url, first_url=first_url, can_release=can_release,
                        store_error=page is None, per_page=self.list_per_page,
                        scanned=scanned)

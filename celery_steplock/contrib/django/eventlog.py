@@ -34,11 +34,10 @@ from typing import Any, Callable
 
 from django.db import router, transaction
 
-from ...ops import ReleaseAudit
-
 from ... import signals
 from ...conf import Settings
 from ...events import log_event
+from ...ops import ReleaseAudit
 
 __all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record",
            "flush",
@@ -212,8 +211,8 @@ def connect() -> None:
     from celery.signals import task_postrun
 
     for signal in LOGGED_SIGNALS:
-        signal.connect(_receiver, weak=False,
-                       dispatch_uid=f"celery_steplock.eventlog.{signal.name}")
+        uid = f"celery_steplock.eventlog.{signal.name}"  # type: ignore[attr-defined]
+        signal.connect(_receiver, weak=False, dispatch_uid=uid)
     task_postrun.connect(_after_task, weak=False, dispatch_uid="celery_steplock.eventlog.flush")
 
 
@@ -222,7 +221,8 @@ def disconnect() -> None:
     from celery.signals import task_postrun
 
     for signal in LOGGED_SIGNALS:
-        signal.disconnect(_receiver, dispatch_uid=f"celery_steplock.eventlog.{signal.name}")
+        uid = f"celery_steplock.eventlog.{signal.name}"  # type: ignore[attr-defined]
+        signal.disconnect(_receiver, dispatch_uid=uid)
     task_postrun.disconnect(_after_task, dispatch_uid="celery_steplock.eventlog.flush")
 
 

@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping
 
 from ...events import log_event
 from ...exceptions import LockStoreUnavailable
-from ...redact import redact
 from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
+from ...redact import redact
 
 __all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
            "steplock_task_names", "LeasePage", "lease_page", "matches", "redis_time_ms"]
@@ -44,7 +44,7 @@ def celery_app():
     """
     from celery import current_app
 
-    return current_app._get_current_object()
+    return current_app._get_current_object()  # type: ignore[attr-defined]
 
 
 # Apps whose task modules this process imported (or tried to), the import errors, and the

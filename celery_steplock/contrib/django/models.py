@@ -81,6 +81,12 @@ class Lease(models.Model):
     renewed_at = models.DateTimeField(_("last renewal"), null=True, blank=True)
     lease_ttl = models.FloatField(_("lease TTL (s)"), null=True, blank=True)
 
+    # Set by from_redis (not columns): what the admin shows beside the hash's fields.
+    malformed: str
+    ttl_left: float | None
+    age: float | None
+    since_renewal: float | None
+
     class Meta:
         managed = False
         # Only "view": there is nothing to add or change, and deleting is the separate,
@@ -94,7 +100,7 @@ class Lease(models.Model):
         return self.name
 
     @classmethod
-    def from_redis(cls, info: Mapping[str, Any], now_ms: int | None = None) -> "Lease":
+    def from_redis(cls, info: Mapping[str, Any], now_ms: int | None = None) -> Lease:
         """An unsaved Lease from a dict of :meth:`RedisLeaseStore.inspect`/``scan``.
 
         ``now_ms`` is the Redis server time in milliseconds used to compute ``age``

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta, timezone as dt_timezone
+from datetime import timedelta
+from datetime import timezone as dt_timezone
 from functools import partial
 from typing import Any
 
@@ -117,7 +118,7 @@ class StepRecovery:
                 if not run.dry_run:
                     updates = {group.status_field: to, group.owner_field: ""}
                     if group.auto_now_field:
-                        updates[group.auto_now_field] = timezone.now()
+                        updates[group.auto_now_field] = timezone.now()  # type: ignore[assignment]
                     try:
                         # CAS on what was observed: a row moved on or re-claimed since (new
                         # status or owner) is not touched. The fence column stays as it is,
@@ -193,7 +194,7 @@ def recover_steps(run) -> StepRecovery | None:
             cutoff = now - timedelta(seconds=older_than)
             if not getattr(django_settings, "USE_TZ", True):
                 cutoff = timezone.make_naive(cutoff, dt_timezone.utc)
-            query[f"{age.name}__lte"] = cutoff
+            query[f"{age.name}__lte"] = cutoff  # type: ignore[assignment]
         auto_now = age.name if age is not None and getattr(age, "auto_now", False) else None
         for using in aliases:
             try:

@@ -45,13 +45,26 @@ from typing import Any, Callable, Iterable, Mapping
 
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ValidationError
-from django.db import (DEFAULT_DB_ALIAS, InterfaceError, InternalError, OperationalError,
-                       connections, router, transaction)
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
 from django.db.models import Model, Q
 from django.utils import timezone
 
-from ...exceptions import ImproperlyConfigured, InvalidStepId, InvalidTransition, \
-    OuterTransactionError, StepNotFound, TransitionConflict
+from ...exceptions import (
+    ImproperlyConfigured,
+    InvalidStepId,
+    InvalidTransition,
+    OuterTransactionError,
+    StepNotFound,
+    TransitionConflict,
+)
 from ...steps import TransitionResult, check_transitions
 
 __all__ = ["DjangoStepStore", "TransitionResult", "resolve_model"]
@@ -130,8 +143,8 @@ class DjangoStepStore:
         owners = {f.model._meta.concrete_model
                   for f in (self._status, self._fence, self._owner, *self._auto_now) if f}
         self._table_model = owners.pop() if len(owners) == 1 else None
-        self._pk = (self._table_model or concrete)._meta.pk
-        self.label = concrete._meta.label_lower
+        self._pk = (self._table_model or concrete)._meta.pk  # type: ignore[union-attr]
+        self.label = concrete._meta.label_lower  # type: ignore[union-attr]
         self._sql: dict[tuple, str] = {}
 
     @staticmethod
@@ -210,20 +223,20 @@ class DjangoStepStore:
         sql = self._sql.get(key)
         if sql is None:
             qn = connection.ops.quote_name
-            table = qn(self._table_model._meta.db_table)
-            pk, status = qn(self._pk.column), qn(self._status.column)
+            table = qn(self._table_model._meta.db_table)  # type: ignore[union-attr]
+            pk, status = qn(self._pk.column), qn(self._status.column)  # type: ignore[union-attr]
             if kind == "status":
                 sql = f"SELECT {status} FROM {table} WHERE {pk} = %s"
             else:
                 sets = [f"{status} = %s"]
                 where = [f"{pk} = %s", f"{status} = %s"]
                 if fenced:
-                    fence = qn(self._fence.column)
+                    fence = qn(self._fence.column)  # type: ignore[union-attr]
                     sets.append(f"{fence} = %s")
                     where.append(f"({fence} IS NULL OR {fence} <= %s)")
                 if owned:
-                    sets.append(f"{qn(self._owner.column)} = %s")
-                sets += [f"{qn(f.column)} = %s" for f in self._auto_now]
+                    sets.append(f"{qn(self._owner.column)} = %s")  # type: ignore[union-attr]
+                sets += [f"{qn(f.column)} = %s" for f in self._auto_now]  # type: ignore[union-attr]
                 if deadline:
                     where.append("set_config('lock_timeout', %s, true) IS NOT NULL")
                     where.append("set_config('idle_in_transaction_session_timeout', %s, true)"
@@ -314,7 +327,7 @@ class DjangoStepStore:
         with_deadline = deadline is not None and connection.vendor == "postgresql"
         if updates or self._table_model is None:
             if with_deadline:
-                self.set_deadline(deadline)
+                self.set_deadline(deadline)  # type: ignore[arg-type]
             applied = self._orm_update(self._pk_value(step_id), from_, to,
                                        owner if owned else None, fence if fenced else None,
                                        updates or {})
@@ -332,7 +345,7 @@ class DjangoStepStore:
             if fenced:
                 params.append(fence)
             if with_deadline:
-                ms = str(max(1, int(deadline * 1000)))
+                ms = str(max(1, int(deadline * 1000)))  # type: ignore[operator]
                 params += [ms, ms]
             with connection.cursor() as cursor:
                 cursor.execute(self._statement(connection, "cas", fenced, owned, with_deadline),
@@ -359,9 +372,9 @@ class DjangoStepStore:
         if fence is not None:
             condition &= (Q(**{f"{self.fence_field}__isnull": True})
                           | Q(**{f"{self.fence_field}__lte": fence}))
-            values[self.fence_field] = fence
+            values[self.fence_field] = fence  # type: ignore[index]
         if owner is not None:
-            values[self.owner_field] = owner
+            values[self.owner_field] = owner  # type: ignore[index]
         for column in self.auto_now_fields:
             # QuerySet.update() skips auto_now, which save() would set: keep it meaningful.
             values.setdefault(column, timezone.now())

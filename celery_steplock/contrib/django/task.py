@@ -12,7 +12,7 @@ from .steps import resolve_model
 try:
     from celery.contrib.django.task import DjangoTask
 except ImportError:  # pragma: no cover - Celery < 5.4
-    from celery import Task as DjangoTask
+    from celery import Task as DjangoTask  # type: ignore[assignment]
 
 __all__ = ["DjangoStepLockedTask", "commit_database", "delay_on_commit",
            "apply_async_on_commit"]
@@ -67,12 +67,12 @@ class DjangoStepLockedTask(StepLockedTask, DjangoTask):
         ``steplock_step_database``."""
         return commit_database(self)
 
-    def delay_on_commit(self, *args, **kwargs) -> None:
+    def delay_on_commit(self, *args, **kwargs) -> None:  # type: ignore[override]
         """Call :meth:`~celery.app.task.Task.delay` once the step database's current
         transaction commits (at once outside one)."""
         delay_on_commit(self, *args, **kwargs)
 
-    def apply_async_on_commit(self, *args, **kwargs) -> None:
+    def apply_async_on_commit(self, *args, **kwargs) -> None:  # type: ignore[override]
         """Call :meth:`~celery.app.task.Task.apply_async` once the step database's current
         transaction commits (at once outside one)."""
         apply_async_on_commit(self, *args, **kwargs)

@@ -53,7 +53,7 @@ def celery_app():
     """The project's Celery app (``celery.current_app``)."""
     from celery import current_app
 
-    return current_app._get_current_object()
+    return current_app._get_current_object()  # type: ignore[attr-defined]
 
 
 class Command(BaseCommand):

@@ -1,0 +1,59 @@
+"""Sphinx configuration of the celery-steplock documentation (``make docs``).
+
+The pages are Markdown (MyST). The settings and signals references are generated from the
+library by ``_ext/steplock_reference.py``; the API reference is autodoc over the modules
+listed in ``reference/api.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE / "_ext")]
+
+# autodoc imports contrib.django (models, admin): the example project's settings, on a
+# throwaway SQLite file (nothing is written to it).
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_app.settings")
+os.environ.setdefault("STEPLOCK_VAR_DIR", str(HERE / "_build" / "var"))
+import django  # noqa: E402
+
+django.setup()
+
+from celery_steplock import __version__ as release  # noqa: E402
+
+project = "celery-steplock"
+author = "the celery-steplock authors"
+copyright = "2026, the celery-steplock authors"
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",
+    "steplock_reference",
+]
+
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "performance-profiles", "_ext"]
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 4
+
+html_theme = "furo"
+html_title = f"celery-steplock {release}"
+
+autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_preserve_defaults = True
+# Celery's own docstrings (Task.ignore_result, ...) use roles of Celery's documentation.
+autodoc_inherit_docstrings = False
+
+# No network at build time: cross-references to other projects stay plain text.
+intersphinx_mapping: dict[str, tuple[str, str | None]] = {}
+nitpicky = False
