@@ -143,6 +143,29 @@ DESCRIPTIONS: dict[str, str] = {
     "name_secret": "The key (32 to 4096 characters, the same on every worker) of default lock "
                    "names and idempotency keys; None: derived from Django's ``SECRET_KEY`` "
                    "when Django is configured.",
+    "idempotency_store": "Where idempotency records live: ``\"redis\"`` (Redis alone) or "
+                         "``\"database\"`` (the ``IdempotencyRecord`` model is the truth, Redis "
+                         "the cache of completed records).",
+    "idempotency_ttl": "Seconds a completed idempotency record is replayed (default 24 h); "
+                       "``idempotency_ttl`` on a task or decorator overrides it.",
+    "idempotency_lock_ttl": "Seconds a ``locked`` idempotency record lives when its holder "
+                            "dies without finishing: the call can run again after it.",
+    "idempotency_serializer": "The kombu serializer name results are recorded with (what a "
+                              "replay returns).",
+    "idempotency_on_store_error": "Idempotency records when the store cannot be reached: "
+                                  "``fail_closed`` (the task is retried) or ``fail_open`` "
+                                  "(the body runs unrecorded).",
+    "breaker_on_store_error": "Circuit breakers when Redis cannot be reached: ``fail_closed`` "
+                              "(the call is refused, the task retried) or ``fail_open`` (the "
+                              "dependency is called).",
+    "bulkhead_on_store_error": "Concurrency limits when Redis cannot be reached: "
+                               "``fail_closed`` (the task is retried) or ``fail_open`` (the "
+                               "body runs without a slot).",
+    "bulkhead_retry_after": "The longest time, in seconds, a task refused by a concurrency "
+                            "limit is re-queued past (before jitter).",
+    "rate_limit_on_store_error": "Cluster-wide rate limits when Redis cannot be reached: "
+                                 "``fail_closed`` (the task is retried) or ``fail_open`` (the "
+                                 "call is allowed).",
 }
 
 # -- bounds ------------------------------------------------------------------------------------

@@ -59,10 +59,16 @@ force_release_audit = Signal(name="force_release_audit")
 #: Idempotency records (celery_steplock.idempotency): ``key`` (the record key), ``name``
 #: (the namespace), ``version``, ``task_id``/``task_name`` (None outside a task), ``reason``
 #: (idempotency_conflict: "reused" or "in_progress"; idempotency_failed: the error's type).
+#: This one: an execution took the record (``locked``) and runs the body.
 idempotency_locked = Signal(name="idempotency_locked")
+#: A completed record's result was returned without running the body.
 idempotency_replayed = Signal(name="idempotency_replayed")
+#: The execution's result was recorded (after its commit).
 idempotency_completed = Signal(name="idempotency_completed")
+#: The execution raised: the record was released (``reason``: the error's type); the key runs
+#: again.
 idempotency_failed = Signal(name="idempotency_failed")
+#: The key is held by another execution or was reused with other arguments.
 idempotency_conflict = Signal(name="idempotency_conflict")
 
 ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock_expired,
@@ -74,9 +80,13 @@ ALL_SIGNALS += (idempotency_locked, idempotency_replayed, idempotency_completed,
 #: Circuit breakers (celery_steplock.breaker): ``name`` (the dependency), ``key``, ``state``
 #: (after the event), ``reason``; opened/closed also ``failures``, ``calls``, ``manual``
 #: (an operator's override, then ``actor``), rejected also ``retry_after`` (seconds).
+#: This one: the failure threshold was reached (or an operator opened it).
 circuit_opened = Signal(name="circuit_opened")
+#: The recovery time passed: the next calls are half-open probes.
 circuit_half_opened = Signal(name="circuit_half_opened")
+#: Enough probes succeeded (or an operator closed it): calls pass again.
 circuit_closed = Signal(name="circuit_closed")
+#: A call was refused while the breaker is open or its probes are taken.
 circuit_rejected = Signal(name="circuit_rejected")
 #: An operator's override of a circuit breaker (open/close): ``action``, ``actor``,
 #: ``actor_host``, ``via``, ``previous``, ``outcome``.
@@ -93,14 +103,17 @@ ALL_SIGNALS += (circuit_opened, circuit_half_opened, circuit_closed, circuit_rej
 #: expired or taken over (its holder stopped past the TTL, the reaper), or refused: every
 #: slot held (``retry_after`` seconds, ``free``, ``waiting``, ``rank``). Besides the lease
 #: fields of the slot (``key``, ``name``, ``owner``, ``fence``...): ``limit_key``, ``limit``,
-#: ``slot`` (0-based index); ``concurrency_limited``'s ``key`` is the limit key.
+#: ``slot`` (0-based index); ``concurrency_limited``'s ``key`` is the limit key. This one:
+#: a slot was granted.
 slot_acquired = Signal(name="slot_acquired")
+#: A slot was given back by its holder.
 slot_released = Signal(name="slot_released")
+#: A slot was found expired or taken over (its holder stopped or died).
 slot_expired = Signal(name="slot_expired")
+#: Every slot was held: the execution was refused for now.
 concurrency_limited = Signal(name="concurrency_limited")
 
-ALL_SIGNALS += (slot_acquired, slot_released, slot_expired,
-               concurrency_limited)
+ALL_SIGNALS += (slot_acquired, slot_released, slot_expired, concurrency_limited)
 
 #: A cluster-wide rate limit admitted an execution (``key``, ``name``, ``limit``,
 #: ``remaining``, ``granted_at``: the Redis time of the grant, seconds since the epoch).

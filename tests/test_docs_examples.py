@@ -225,6 +225,38 @@ def _setup_lease_store(namespace: dict) -> None:
     os.environ.setdefault("STEPLOCK_NAME_SECRET", "docs-example-" + "s" * 32)
 
 
+class _Dependency:
+    """The reader's own client of a remote dependency (a payment provider, a mail API):
+    every method returns a result with an ``id``."""
+
+    def __getattr__(self, name: str):
+        import types
+
+        return lambda *args, **kwargs: types.SimpleNamespace(id=f"{name}-1")
+
+
+def _setup_patterns(namespace: dict) -> None:
+    """The distributed patterns' pages: ``app`` is a Celery app of its own whose lock store
+    is the tests' Redis (a key prefix of its own, a name secret), ``StepLockedTask`` is
+    imported, and the reader's own names are stand-ins: ``provider``, ``client`` and
+    ``gateway`` (a dependency's client: every method returns an object with an ``id``),
+    ``order_id`` (1), ``render()``, ``MyTransientError`` and ``MyPermanentError``. After the
+    block, the validator must find no error in the app's configuration or its tasks."""
+    from celery import Celery
+
+    from celery_steplock import StepLockedTask
+
+    app = Celery("docs_example", set_as_current=False, broker=PROJECT_BROKER)
+    app.conf.steplock_redis_url = os.environ["STEPLOCK_DOCS_REDIS_URL"]
+    app.conf.steplock_key_prefix = f"docs-example-{os.getpid()}"
+    app.conf.steplock_name_secret = "docs-example-" + "s" * 32
+    namespace.update(
+        app=app, StepLockedTask=StepLockedTask, provider=_Dependency(), client=_Dependency(),
+        gateway=_Dependency(), order_id=1, render=lambda: None,
+        MyTransientError=type("MyTransientError", (ConnectionError,), {}),
+        MyPermanentError=type("MyPermanentError", (ValueError,), {}))
+
+
 SETUPS = {
     "": (None, None),
     "settings": (_setup_settings, _check_settings),
@@ -235,6 +267,7 @@ SETUPS = {
     "lease-store": (_setup_lease_store, None),
     "userproject": (None, None),
     "tutorial": (None, None),
+    "patterns": (_setup_patterns, _check_app),
 }
 
 
@@ -345,7 +378,8 @@ def test_example_runs(page, line, code, setup, redis_server_url, new_redis_keys,
         [sys.executable, "-c",
          "import json, sys; from tests.test_docs_examples import run_in_child; "
          "run_in_child(json.loads(sys.argv[1]))", spec],
-        cwd=ROOT, env=_child_env(STEPLOCK_VAR_DIR=str(tmp_path)),
+        cwd=ROOT, env=_child_env(STEPLOCK_VAR_DIR=str(tmp_path),
+                                 STEPLOCK_DOCS_REDIS_URL=redis_server_url),
         capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and proc.stdout.strip().endswith("example ok"), \
