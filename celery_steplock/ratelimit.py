@@ -198,7 +198,8 @@ WINDOW_REFUND = "return redis.call('ZREM', KEYS[1], ARGV[1])"
 BUCKET_REFUND = """
 local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens'))
 if tokens == nil then return 0 end
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', math.min(tonumber(ARGV[1]), tokens + 1)))
+local back = math.min(tonumber(ARGV[1]), tokens + 1)
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', back))
 return 1
 """
 

@@ -263,7 +263,7 @@ def test_outage_fails_closed_by_default_and_open_when_asked():
     assert [opened.try_acquire("down").allowed for _ in range(3)] == [True] * 3
 
 
-# -- the task option --------------------------------------------------------------------------------
+# -- the task option -------------------------------------------------------------------------
 
 class _Task:
     name = "tests.rl"
