@@ -393,3 +393,26 @@ def test_bad_options_are_task_problems_for_the_checks(celery_app_configured):
         assert {"cluster_rate_limit", "cluster_rate_limit_key"} <= plan_module.OPTION_NAMES
     finally:
         app.tasks.pop("tests.rl.bad", None)
+
+
+def test_a_later_limit_refusing_gives_back_the_earlier_admissions(app, redis_client):
+    from celery_steplock.task import StepLockedTask
+
+    @app.task(bind=True, base=StepLockedTask, name="tests.rl.list", lock_key="rl-list:{n}",
+              cluster_rate_limit=[SlidingWindow(5, 60), TokenBucket(0.001, capacity=5),
+                                  SlidingWindow(1, 60)], lock_retry_max=0)
+    def listed(self, n):
+        return n
+
+    try:
+        assert listed.apply(args=(1,)).get() == 1
+        denied = listed.apply(args=(2,))
+        assert isinstance(denied.result, RateLimited)
+        assert denied.result.limit == "1/60s window"
+        prefix = listed.steplock_plan.store.prefix
+        window = SlidingWindow(5, 60).redis_key(prefix, "tests.rl.list")[0]
+        bucket = TokenBucket(0.001, capacity=5).redis_key(prefix, "tests.rl.list")[0]
+        assert redis_client.zcard(window) == 1  # the second grant was given back
+        assert float(redis_client.hget(bucket, "tokens")) == pytest.approx(4, abs=0.01)
+    finally:
+        app.tasks.pop("tests.rl.list", None)
