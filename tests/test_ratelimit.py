@@ -318,7 +318,7 @@ def test_the_option_gates_a_real_execution(app, redis_client, events):
 
     @app.task(bind=True, base=StepLockedTask, name="tests.rl.eager", lock_key="rl:{n}",
               cluster_rate_limit="2/5s", cluster_rate_limit_key="tenant:{tenant}",
-              lock_retry_max=0)
+              lock_retry_max=0, shared=False)
     def limited(self, tenant, n):
         return f"ran {n}"
 
@@ -353,7 +353,7 @@ def test_an_outage_at_the_gate_follows_the_limit_policy(app, policy, events):
     # The lease fails open too, so the execution reaches the gate with Redis down.
     limited = app.tasks.get(name) or app.task(
         bind=True, base=StepLockedTask, name=name, lock_key="rl-outage:{n}",
-        on_store_error="fail_open", lock_retry_max=0,
+        on_store_error="fail_open", lock_retry_max=0, shared=False,
         cluster_rate_limit=SlidingWindow(1, 60, on_store_error=policy))(body)
     set_settings(app, steplock_redis_url=closed_port_url())
     try:
@@ -376,8 +376,9 @@ def test_bad_options_are_task_problems_for_the_checks(celery_app_configured):
 
     app = celery_app_configured
 
+    # shared=False: a shared task would join every app made later (a worker's checks).
     @app.task(bind=True, base=StepLockedTask, name="tests.rl.bad", lock_key="rl-bad:{n}",
-              cluster_rate_limit="10/x", cluster_rate_limit_key="t:{nope}")
+              cluster_rate_limit="10/x", cluster_rate_limit_key="t:{nope}", shared=False)
     def bad(self, n):
         return n
 
@@ -400,7 +401,7 @@ def test_a_later_limit_refusing_gives_back_the_earlier_admissions(app, redis_cli
 
     @app.task(bind=True, base=StepLockedTask, name="tests.rl.list", lock_key="rl-list:{n}",
               cluster_rate_limit=[SlidingWindow(5, 60), TokenBucket(0.001, capacity=5),
-                                  SlidingWindow(1, 60)], lock_retry_max=0)
+                                  SlidingWindow(1, 60)], lock_retry_max=0, shared=False)
     def listed(self, n):
         return n
 
