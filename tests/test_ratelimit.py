@@ -417,3 +417,19 @@ def test_a_later_limit_refusing_gives_back_the_earlier_admissions(app, redis_cli
         assert float(redis_client.hget(bucket, "tokens")) == pytest.approx(4, abs=0.01)
     finally:
         app.tasks.pop("tests.rl.list", None)
+
+
+@pytest.mark.no_database
+def test_decisions_are_counted_by_the_prometheus_metrics():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from celery_steplock.contrib.prometheus import Metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = Metrics(registry=registry)
+    for event in ("rate_limit_allowed", "rate_limit_allowed", "rate_limited"):
+        metrics.receive(event=event, task_name="t", limit="5/1s window", key="k")
+
+    def value(decision):
+        return registry.get_sample_value("steplock_rate_limit_decisions_total", {
+            "task": "t", "limit": "5/1s window", "decision": decision})
+    assert (value("allowed"), value("limited")) == (2.0, 1.0)
