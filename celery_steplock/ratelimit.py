@@ -198,7 +198,8 @@ WINDOW_REFUND = "return redis.call('ZREM', KEYS[1], ARGV[1])"
 BUCKET_REFUND = """
 local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens'))
 if tokens == nil then return 0 end
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', math.min(tonumber(ARGV[1]), tokens + 1)))
+local back = math.min(tonumber(ARGV[1]), tokens + 1)
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', back))
 return 1
 """
 
@@ -462,7 +463,8 @@ class TokenBucket(_Limiter):
     callable of them (default: ``cluster_rate_limit_key``, else the task's name).
     ``on_store_error``: ``"fail_closed"`` (default: ``steplock_rate_limit_on_store_error``)
     refuses and retries when Redis does not answer, ``"fail_open"`` admits. ``max_wait``
-    (seconds, default ``4 * capacity / rate``): the farthest turn a ticket is given for;
+    (seconds, default :func:`default_max_wait` of ``capacity / rate``: four times that, 30
+    to 600 s): the farthest turn a ticket is given for;
     ``ticket_grace`` (seconds, default 2.0): how long past its turn a ticket waits for its
     holder. ``app``/``client``/``prefix``: the Redis of the plain API (see
     :meth:`try_acquire`). Bad values raise :class:`ImproperlyConfigured` naming
@@ -493,7 +495,7 @@ class TokenBucket(_Limiter):
         return [str(self.capacity)]
 
     def _default_max_wait(self) -> float:
-        return min(MAX_WINDOW, 4.0 * self.capacity / self.rate)
+        return default_max_wait(self.capacity / self.rate)
 
     def _ident(self) -> str:
         return f"{self.rate!r}:{self.capacity}"
@@ -513,7 +515,7 @@ class SlidingWindow(_Limiter):
     string (:func:`parse_rate`; the count must then be a whole number).
 
     ``key``, ``on_store_error``, ``ticket_grace``, ``app``/``client``/``prefix`` as for
-    :class:`TokenBucket`; ``max_wait`` (seconds, default four windows)."""
+    :class:`TokenBucket`; ``max_wait`` (seconds, default four windows, 30 to 600 s)."""
 
     kind = "sw"
     _script = _wire.Script(SLIDING_WINDOW)
@@ -537,7 +539,7 @@ class SlidingWindow(_Limiter):
         return [decision.member or ""]
 
     def _default_max_wait(self) -> float:
-        return min(MAX_WINDOW, 4.0 * self.window)
+        return default_max_wait(self.window)
 
     def _ident(self) -> str:
         return f"{self.limit}:{self.window!r}"
@@ -547,6 +549,13 @@ class SlidingWindow(_Limiter):
 
     def __repr__(self) -> str:
         return f"SlidingWindow(limit={self.limit}, window={self.window!r})"
+
+
+def default_max_wait(window: float) -> float:
+    """The default ``max_wait`` of a limit whose window (a bucket: the time to refill it
+    full) is ``window`` seconds: four windows, at least 30 s and at most 600 s (a longer
+    countdown would meet the broker's visibility timeout sooner)."""
+    return min(600.0, max(30.0, 4.0 * window))
 
 
 # -- the gate ----------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 to the Redis list ``RL_HISTORY`` (default ``rl:history``): the task's kind and index, the
 Redis time its rate limit granted it (``granted``, from the ``rate_limit_allowed`` signal;
 None for Celery's own ``rate_limit``), the Redis time its body started (``start``), its
-process, its lease retries and the rate-limit ticket it was admitted with. The limits come from the environment: ``RL_LIMIT`` grants per
-``RL_WINDOW`` seconds (sliding window; tickets for turns up to 30 s away; Celery's per-worker ``rate_limit`` of the same
-figures for the negative control), ``RL_RATE`` per second with ``RL_CAPACITY`` (bucket)."""
+process, its lease retries and the rate-limit ticket it was admitted with. The limits come
+from the environment: ``RL_LIMIT`` grants per ``RL_WINDOW`` seconds (sliding window; tickets
+for turns up to 30 s away; Celery's per-worker ``rate_limit`` of the same figures for the
+negative control), ``RL_RATE`` per second with ``RL_CAPACITY`` (bucket)."""
 import json
 import os
 import threading
