@@ -405,7 +405,7 @@ class _Limiter:
             raise self._denied(decision)
         yield decision
 
-    def limit(self, key: Any = None, *, app: Any = None, client: Any = None,
+    def using(self, key: Any = None, *, app: Any = None, client: Any = None,
               prefix: str | None = None) -> Callable:
         """Decorator: each call is admitted once or raises :class:`RateLimited` without
         running. ``key`` a name, a template over the function's arguments or a callable of

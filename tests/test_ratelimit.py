@@ -239,7 +239,7 @@ def test_context_manager_and_decorator(redis_client):
 
     per_user = TokenBucket(1.0, capacity=1, client=redis_client)
 
-    @per_user.limit("user:{user}")
+    @per_user.using("user:{user}")
     def call(user, payload=None):
         return f"called {user}"
 
