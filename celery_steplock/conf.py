@@ -777,9 +777,13 @@ class Settings:
     def idempotency_on_store_error(self) -> str:
         return check_choice(self.raw("idempotency_on_store_error"),
                             "steplock_idempotency_on_store_error", ON_STORE_ERROR)
+
+    @property
     def breaker_on_store_error(self) -> str:
         return check_choice(self.raw("breaker_on_store_error"),
                             "steplock_breaker_on_store_error", ON_STORE_ERROR)
+
+    @property
     def bulkhead_on_store_error(self) -> str:
         return check_choice(self.raw("bulkhead_on_store_error"),
                             "steplock_bulkhead_on_store_error", ON_STORE_ERROR)
