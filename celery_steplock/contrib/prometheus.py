@@ -10,34 +10,34 @@ Nothing is measured until :func:`install` is called: it connects receivers to th
 signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metrics
 (``prefix`` ``"steplock"`` by default; ``task`` is the task name, never an argument):
 
-================================================  =========  ==========================================
-``steplock_events_total{event, task}``            counter    every signal sent (lock_acquired, ...)
-``steplock_outcomes_total{task, outcome}``        counter    ``committed`` (transition_applied),
-                                                             ``conflict``, ``contended``, ``lost``,
-                                                             ``store_error``, ``force_released``,
-                                                             ``reaped`` (lock_expired),
-                                                             ``replayed``, ``recorded``,
-                                                             ``idempotency_conflict``,
-                                                             ``idempotency_failed``
-``steplock_idempotency_total{namespace, outcome}``  counter  idempotency decisions: ``locked``,
-                                                             ``replayed``, ``completed``, ``failed``,
-                                                             ``reused``, ``in_progress``
-                                                             ``concurrency_limited``,
-                                                             ``slot_expired``
-``steplock_wait_seconds{task}``                   histogram  acquiring a lease (granted or contended)
-``steplock_hold_seconds{task}``                   histogram  a lease from its acquire to its release
-``steplock_cas_seconds{task}``                    histogram  a compare-and-swap that was committed
-``steplock_commit_seconds{task}``                 histogram  its COMMIT
-``steplock_leases_held{task}``                    gauge      leases held now by this process
-                                                             (summed over live processes)
-``steplock_circuit_transitions_total{breaker,     counter    a circuit breaker's state changes
-state, manual}``                                             (open, half_open, closed)
-``steplock_circuit_rejected_total{breaker}``      counter    calls an open breaker refused
-``steplock_retry_decisions_total{task, decision}`` counter   retry policy decisions (retry,
-                                                             give_up, never)
-``steplock_slots_held{task}``                     gauge      concurrency-limit slots held now
-                                                             (summed over live processes)
-================================================  =========  ==========================================
+==============================================================  =========  ============================================
+``steplock_events_total{event, task}``                          counter    every signal sent (lock_acquired, ...)
+``steplock_outcomes_total{task, outcome}``                      counter    ``committed`` (transition_applied),
+                                                                           ``conflict``, ``contended``, ``lost``,
+                                                                           ``store_error``, ``force_released``,
+                                                                           ``reaped`` (lock_expired), ``replayed``,
+                                                                           ``recorded``, ``idempotency_conflict``,
+                                                                           ``idempotency_failed``,
+                                                                           ``concurrency_limited``, ``slot_expired``
+``steplock_idempotency_total{namespace, outcome}``              counter    idempotency decisions: ``locked``,
+                                                                           ``replayed``, ``completed``, ``failed``,
+                                                                           ``reused``, ``in_progress``
+``steplock_wait_seconds{task}``                                 histogram  acquiring a lease (granted or contended)
+``steplock_hold_seconds{task}``                                 histogram  a lease from its acquire to its release
+``steplock_cas_seconds{task}``                                  histogram  a compare-and-swap that was committed
+``steplock_commit_seconds{task}``                               histogram  its COMMIT
+``steplock_leases_held{task}``                                  gauge      leases held now by this process (summed over
+                                                                           live processes)
+``steplock_circuit_transitions_total{breaker, state, manual}``  counter    a circuit breaker's state changes (open,
+                                                                           half_open, closed)
+``steplock_circuit_rejected_total{breaker}``                    counter    calls an open breaker refused
+``steplock_retry_decisions_total{task, decision}``              counter    retry policy decisions (retry, give_up,
+                                                                           never)
+``steplock_slots_held{task}``                                   gauge      concurrency-limit slots held now (summed
+                                                                           over live processes)
+``steplock_rate_limit_decisions_total{task, limit, decision}``  counter    cluster-wide rate-limit decisions (allowed,
+                                                                           limited)
+==============================================================  =========  ============================================
 
 Prefork (and any multi-process setup): set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
 directory, writable by the worker, in the worker's environment before it starts (before
