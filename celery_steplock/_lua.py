@@ -187,8 +187,10 @@ return out
 """
 
 # KEYS[1..4] lease hash, fencing counter, waiters' sorted set and wake-up list of a name no
-# lease uses. Runs every command of the scripts above on them with pcall (each key is given a
-# TTL of 10 s right after it is created, and deleted at the end) and returns the ones the
+# lease uses. Runs every command of the scripts above, and of the patterns' scripts (rate
+# limits, bulkhead slots, circuit breaker, idempotency records: the same kinds of keys under
+# the same prefix), on them with pcall (each key is given a TTL of 10 s right after it is
+# created, and again after the PERSIST, and deleted at the end) and returns the ones the
 # ACL refused as a list of 'command key' strings ('command' alone for TIME); empty when all
 # ran. Any other error (READONLY, OOM...) is returned as the script's error, as the lease
 # scripts would meet it.
@@ -219,13 +221,24 @@ try('HMGET', lease, 'owner', 'renewed_ms')
 try('HGETALL', lease)
 try('TYPE', lease)
 try('PTTL', lease)
+try('HINCRBY', lease, 'count', 1)
+try('HDEL', lease, 'count')
+try('PERSIST', lease)
+try('PEXPIRE', lease, 10000)
 try('SET', fence, '1', 'PX', 10000)
 try('SET', fence, '2', 'KEEPTTL', 'GET')
 try('PEXPIRE', fence, 10000)
+try('GET', fence)
 try('ZADD', waiters, 1, 'probe')
 try('PEXPIRE', waiters, 10000)
 try('ZREMRANGEBYSCORE', waiters, '-inf', 0)
 try('PTTL', waiters)
+try('ZSCORE', waiters, 'probe')
+try('ZRANK', waiters, 'probe')
+try('ZCARD', waiters)
+try('ZCOUNT', waiters, '-inf', '+inf')
+try('ZRANGE', waiters, 0, 0, 'WITHSCORES')
+try('ZRANGEBYSCORE', waiters, '-inf', '+inf', 'LIMIT', 0, 1)
 try('ZREM', waiters, 'probe')
 try('EXISTS', waiters)
 try('RPUSH', wake, 'probe')

@@ -17,12 +17,16 @@ __all__ = ["STEPLOCK_COMMANDS", "acl_rules", "acl_setuser_line", "create_user", 
 
 #: Every command of the lease store, sorted: the client's own (EVALSHA, SCRIPT LOAD after a
 #: NOSCRIPT, BLPOP and ZREM of a waiter, SCAN, HGETALL and PTTL of inspect, TIME of the
-#: reaper/admin/`ls`, DBSIZE of the admin page, PING of the Django check) and those of the
-#: Lua scripts (celery_steplock/_lua.py).
+#: reaper/admin/`ls`, DBSIZE of the admin page, PING of the Django check), those of the
+#: Lua scripts (celery_steplock/_lua.py) and those of the patterns' scripts and calls: GET,
+#: ZCARD, ZRANGEBYSCORE, ZRANK (bulkhead slots), ZCARD, ZRANGE, ZRANGEBYSCORE, ZRANK (rate
+#: limits), HDEL, HINCRBY, PERSIST, ZCARD, ZCOUNT, ZRANGE, ZSCORE (circuit breaker); the
+#: idempotency records need nothing more (DEL and HGETALL of invalidate and get).
 STEPLOCK_COMMANDS = (
-    "blpop", "dbsize", "del", "evalsha", "exists", "hget", "hgetall", "hmget", "hset",
-    "pexpire", "ping", "pttl", "rpush", "scan", "script|load", "set", "time", "type", "zadd",
-    "zrem", "zremrangebyscore",
+    "blpop", "dbsize", "del", "evalsha", "exists", "get", "hdel", "hget", "hgetall",
+    "hincrby", "hmget", "hset", "persist", "pexpire", "ping", "pttl", "rpush", "scan",
+    "script|load", "set", "time", "type", "zadd", "zcard", "zcount", "zrange",
+    "zrangebyscore", "zrank", "zrem", "zremrangebyscore", "zscore",
 )
 
 
