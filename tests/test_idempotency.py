@@ -370,7 +370,7 @@ def test_a_rolled_back_commit_is_not_recorded(app, redis_client, body, monkeypat
 
     def refuse(self, lease, step_id):
         raise RuntimeError("before_commit refused")
-    monkeypatch.setattr(type(advance._get_current_object()), "before_commit", refuse)
+    monkeypatch.setattr(type(celery_app.tasks[advance.name]), "before_commit", refuse)
     assert advance.apply(args=(step.pk,)).failed()
     monkeypatch.undo()
     policy = advance.steplock_plan.gates[0].policy
@@ -391,17 +391,23 @@ def test_an_in_progress_key_re_queues_the_task(app, redis_client, body):
 
 
 def test_bad_task_options_are_reported_by_name(app):
+    from celery import Celery
+
     from celery_steplock import plan as plan_module
+
+    # An app of its own: the example app's registry is validated whole by other tests.
+    private = Celery("tests-idem-bad", set_as_current=False)
+    private.conf.broker_url = app.conf.broker_url
 
     def echo(self, x):
         return x
 
     for option, value in (("idempotency_key", 42), ("idempotency_key", "{nope}"),
                           ("idempotency_version", ""), ("idempotency_ttl", 0)):
-        task = celery_app.task(bind=True, base=StepLockedTask,
-                               name=f"tests.idem.bad.{option}.{value!r}",
-                               **({"idempotency_key": "k"} if option != "idempotency_key"
-                                  else {}), **{option: value})(echo)
+        task = private.task(bind=True, base=StepLockedTask, shared=False,
+                            name=f"tests.idem.bad.{option}.{value!r}",
+                            **({"idempotency_key": "k"} if option != "idempotency_key"
+                               else {}), **{option: value})(echo)
         problems = plan_module.option_problems(task)
         assert [p.setting for p in problems] == [option], (option, value, problems)
 
