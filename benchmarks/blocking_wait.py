@@ -9,6 +9,7 @@ loop, its default ``sleep=0.1``, as pottery's 0-200 ms one), python-redis-lock (
 signal list). Also the Redis commands per second while W threads wait on a lease held for 2 s
 (what waiting costs the server), and overlaps (must be 0).
 """
+
 from __future__ import annotations
 
 import threading
@@ -38,8 +39,14 @@ HOLD = 0.010
 
 def chain(url: str, variant: str, waiters: int, samples: int) -> dict[str, Any]:
     key = f"bench:wait:{variant}:{waiters}:{time.monotonic_ns()}"
-    state = {"released_at": None, "holder": None, "samples": [], "overlaps": 0,
-             "stop": False, "errors": 0}
+    state = {
+        "released_at": None,
+        "holder": None,
+        "samples": [],
+        "overlaps": 0,
+        "stop": False,
+        "errors": 0,
+    }
     guard = threading.Lock()
     handed_over = threading.Condition()
     inside = [0]
@@ -73,8 +80,9 @@ def chain(url: str, variant: str, waiters: int, samples: int) -> dict[str, Any]:
                 # Wait again only once another thread holds it: no barging, so exactly the
                 # W others are waiting at every release (joining 10 ms before the next one).
                 with handed_over:
-                    handed_over.wait_for(lambda: state["holder"] != idx or state["stop"],
-                                         timeout=30)
+                    handed_over.wait_for(
+                        lambda: state["holder"] != idx or state["stop"], timeout=30
+                    )
         except Exception:  # noqa: BLE001
             with guard:
                 state["errors"] += 1
@@ -82,19 +90,23 @@ def chain(url: str, variant: str, waiters: int, samples: int) -> dict[str, Any]:
             with handed_over:
                 handed_over.notify_all()
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True)
-               for i in range(waiters + 1)]
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(waiters + 1)]
     t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     alive = sum(t.is_alive() for t in threads)
-    data = state["samples"][waiters + 2:]
-    return {"p50": percentile(data, 50) * 1000, "p99": percentile(data, 99) * 1000,
-            "mean": (sum(data) / len(data) * 1000) if data else None, "n": len(data),
-            "overlaps": state["overlaps"], "errors": state["errors"] + alive,
-            "elapsed": time.monotonic() - t0}
+    data = state["samples"][waiters + 2 :]
+    return {
+        "p50": percentile(data, 50) * 1000,
+        "p99": percentile(data, 99) * 1000,
+        "mean": (sum(data) / len(data) * 1000) if data else None,
+        "n": len(data),
+        "overlaps": state["overlaps"],
+        "errors": state["errors"] + alive,
+        "elapsed": time.monotonic() - t0,
+    }
 
 
 def _proc_waiter(url, variant, key, idx, shared, wanted):
@@ -142,22 +154,36 @@ def chain_procs(url: str, variant: str, waiters: int, samples: int) -> dict[str,
     key = f"bench:waitp:{variant}:{waiters}:{time.monotonic_ns()}"
     wanted = samples + waiters + 2
     cond = ctx.Condition()
-    shared = (ctx.Value("d", 0.0, lock=False), ctx.Value("i", -1, lock=False),
-              ctx.Value("i", 0, lock=False), ctx.Value("b", 0, lock=False),
-              ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False),
-              ctx.Value("i", 0, lock=False), ctx.Array("d", wanted + 8, lock=False), cond)
-    procs = [ctx.Process(target=_proc_waiter, args=(url, variant, key, i, shared, wanted),
-                         daemon=True) for i in range(waiters + 1)]
+    shared = (
+        ctx.Value("d", 0.0, lock=False),
+        ctx.Value("i", -1, lock=False),
+        ctx.Value("i", 0, lock=False),
+        ctx.Value("b", 0, lock=False),
+        ctx.Value("i", 0, lock=False),
+        ctx.Value("i", 0, lock=False),
+        ctx.Value("i", 0, lock=False),
+        ctx.Array("d", wanted + 8, lock=False),
+        cond,
+    )
+    procs = [
+        ctx.Process(target=_proc_waiter, args=(url, variant, key, i, shared, wanted), daemon=True)
+        for i in range(waiters + 1)
+    ]
     t0 = time.monotonic()
     for p in procs:
         p.start()
     alive = join_or_kill(procs, 120)
     n = shared[2].value
-    data = list(shared[7][:n])[waiters + 2:]
-    return {"p50": percentile(data, 50) * 1000, "p99": percentile(data, 99) * 1000,
-            "mean": (sum(data) / len(data) * 1000) if data else None, "n": len(data),
-            "overlaps": shared[4].value, "errors": shared[6].value + alive,
-            "elapsed": time.monotonic() - t0}
+    data = list(shared[7][:n])[waiters + 2 :]
+    return {
+        "p50": percentile(data, 50) * 1000,
+        "p99": percentile(data, 99) * 1000,
+        "mean": (sum(data) / len(data) * 1000) if data else None,
+        "n": len(data),
+        "overlaps": shared[4].value,
+        "errors": shared[6].value + alive,
+        "elapsed": time.monotonic() - t0,
+    }
 
 
 def waiting_load(url: str, variant: str, waiters: int, hold: float = 2.0) -> float:
@@ -201,30 +227,47 @@ def run(quick: bool = False) -> dict[str, Any]:
                 labels = dict(variant=v, label=VARIANTS[v], waiters=waiters, samples=r["n"])
                 rec.add(f"wait.{v}.{waiters}.p50", round(r["p50"], 3), "ms", **labels)
                 rec.add(f"wait.{v}.{waiters}.p99", round(r["p99"], 3), "ms", **labels)
-                rec.add(f"wait.{v}.{waiters}.mean", round(r["mean"], 3) if r["mean"] else None,
-                        "ms", **labels)
+                rec.add(
+                    f"wait.{v}.{waiters}.mean",
+                    round(r["mean"], 3) if r["mean"] else None,
+                    "ms",
+                    **labels,
+                )
                 rec.add(f"wait.{v}.{waiters}.overlaps", r["overlaps"], "overlaps", **labels)
                 rec.add(f"wait.{v}.{waiters}.errors", r["errors"], "threads", **labels)
-                rec.say(f"{v} x{waiters}: p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms "
-                        f"({r['n']} samples, {r['elapsed']:.1f}s, overlaps {r['overlaps']})")
+                rec.say(
+                    f"{v} x{waiters}: p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms "
+                    f"({r['n']} samples, {r['elapsed']:.1f}s, overlaps {r['overlaps']})"
+                )
         for v in variants:
             r = chain_procs(server.url, v, 32, samples)
-            labels = dict(variant=v, label=VARIANTS[v], waiters=32, samples=r["n"],
-                          waiters_are="processes")
+            labels = dict(
+                variant=v, label=VARIANTS[v], waiters=32, samples=r["n"], waiters_are="processes"
+            )
             rec.add(f"wait.{v}.32p.p50", round(r["p50"], 3), "ms", **labels)
             rec.add(f"wait.{v}.32p.p99", round(r["p99"], 3), "ms", **labels)
             rec.add(f"wait.{v}.32p.overlaps", r["overlaps"], "overlaps", **labels)
             rec.add(f"wait.{v}.32p.errors", r["errors"], "processes", **labels)
-            rec.say(f"{v} x32 processes: p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms "
-                    f"({r['n']} samples, {r['elapsed']:.1f}s, overlaps {r['overlaps']})")
+            rec.say(
+                f"{v} x32 processes: p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms "
+                f"({r['n']} samples, {r['elapsed']:.1f}s, overlaps {r['overlaps']})"
+            )
         for v in variants:
             rate = waiting_load(server.url, v, 32, hold=1.0 if quick else 2.0)
-            rec.add(f"wait.{v}.32.idle_commands", round(rate, 1), "commands/s",
-                    variant=v, label=VARIANTS[v], waiters=32)
+            rec.add(
+                f"wait.{v}.32.idle_commands",
+                round(rate, 1),
+                "commands/s",
+                variant=v,
+                label=VARIANTS[v],
+                waiters=32,
+            )
             rec.say(f"{v}: {rate:.0f} Redis commands/s while 32 threads wait")
-    rec.note(f"Each holder keeps the lease {HOLD * 1000:g} ms; a sample is measured from the "
-             f"moment the holder calls release to the moment the next holder's acquire "
-             f"returns (threads of one process, one perf_counter clock).")
+    rec.note(
+        f"Each holder keeps the lease {HOLD * 1000:g} ms; a sample is measured from the "
+        f"moment the holder calls release to the moment the next holder's acquire "
+        f"returns (threads of one process, one perf_counter clock)."
+    )
     return rec.result(peers=peer_status())
 
 

@@ -19,6 +19,7 @@ includes the commands the script ran); Redis CPU per call (``used_cpu_sys + used
 of the server over the measured calls: parsing, networking and execution). The table is
 printed and saved to ``docs/patterns/breaker.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,9 +62,13 @@ def measure(client, fn: Callable[[], Any], n: int) -> dict[str, float]:
     cpu = server_cpu_us(client) - cpu0
     usec, calls = server_usec(client)
     calls -= 1  # CONFIG RESETSTAT's reply is counted after it
-    return {"p50_us": percentile(samples, 50), "p99_us": percentile(samples, 99),
-            "server_us_per_call": usec / n, "commands_per_call": max(0, calls) / n,
-            "server_cpu_us_per_call": cpu / n}
+    return {
+        "p50_us": percentile(samples, 50),
+        "p99_us": percentile(samples, 99),
+        "server_us_per_call": usec / n,
+        "commands_per_call": max(0, calls) / n,
+        "server_cpu_us_per_call": cpu / n,
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -95,21 +100,42 @@ def run(quick: bool = False) -> dict[str, Any]:
             state["n"] += 1
             if state["n"] % 2:
                 raise Transient("first attempt fails")
+
         return flaky
 
-    ours = CircuitBreaker("bench", failure_threshold=5, window=10, recovery_timeout=3600,
-                          client=ours_client, prefix="bench")
+    ours = CircuitBreaker(
+        "bench",
+        failure_threshold=5,
+        window=10,
+        recovery_timeout=3600,
+        client=ours_client,
+        prefix="bench",
+    )
     theirs = pybreaker.CircuitBreaker(
-        fail_max=5, reset_timeout=3600, name="bench",
-        state_storage=pybreaker.CircuitRedisStorage(pybreaker.STATE_CLOSED, raw_client,
-                                                    namespace="bench-pybreaker"))
-    ours_open = CircuitBreaker("bench-open", failure_threshold=1, window=1,
-                               recovery_timeout=3600, client=ours_client, prefix="bench")
+        fail_max=5,
+        reset_timeout=3600,
+        name="bench",
+        state_storage=pybreaker.CircuitRedisStorage(
+            pybreaker.STATE_CLOSED, raw_client, namespace="bench-pybreaker"
+        ),
+    )
+    ours_open = CircuitBreaker(
+        "bench-open",
+        failure_threshold=1,
+        window=1,
+        recovery_timeout=3600,
+        client=ours_client,
+        prefix="bench",
+    )
     ours_open.override("open")
     theirs_open = pybreaker.CircuitBreaker(
-        fail_max=1, reset_timeout=3600, name="bench-open",
-        state_storage=pybreaker.CircuitRedisStorage(pybreaker.STATE_OPEN, raw_client,
-                                                    namespace="bench-pybreaker-open"))
+        fail_max=1,
+        reset_timeout=3600,
+        name="bench-open",
+        state_storage=pybreaker.CircuitRedisStorage(
+            pybreaker.STATE_OPEN, raw_client, namespace="bench-pybreaker-open"
+        ),
+    )
     theirs_open.open()
 
     def refused(call):
@@ -119,17 +145,25 @@ def run(quick: bool = False) -> dict[str, Any]:
             except (CircuitOpen, pybreaker.CircuitBreakerError):
                 return
             raise AssertionError("the open breaker let a call through")
+
         return attempt
 
     policy = RetryPolicy(max_attempts=3, backoff=0.001, sleep=lambda s: None)
-    policy_breaker = RetryPolicy(max_attempts=3, backoff=0.001, sleep=lambda s: None,
-                                 breaker=CircuitBreaker("bench-retry", failure_threshold=100,
-                                                        window=100, client=ours_client,
-                                                        prefix="bench"))
-    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(3),
-                                 wait=tenacity.wait_random_exponential(multiplier=0.001),
-                                 retry=tenacity.retry_if_exception_type(ConnectionError),
-                                 sleep=lambda s: None, reraise=True)
+    policy_breaker = RetryPolicy(
+        max_attempts=3,
+        backoff=0.001,
+        sleep=lambda s: None,
+        breaker=CircuitBreaker(
+            "bench-retry", failure_threshold=100, window=100, client=ours_client, prefix="bench"
+        ),
+    )
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(3),
+        wait=tenacity.wait_random_exponential(multiplier=0.001),
+        retry=tenacity.retry_if_exception_type(ConnectionError),
+        sleep=lambda s: None,
+        reraise=True,
+    )
     flaky_ours, flaky_tenacity, flaky_both = flaky_factory(), flaky_factory(), flaky_factory()
 
     scenarios = [
@@ -150,44 +184,72 @@ def run(quick: bool = False) -> dict[str, Any]:
         figures = measure(stats_client, fn, n)
         if floor is None:
             floor = figures["p50_us"]
-        row = {"scenario": scenario, "library": library, "calls": n,
-               "overhead_p50_us": round(figures["p50_us"] - floor, 1),
-               "overhead_p99_us": round(figures["p99_us"] - floor, 1),
-               "redis_commands_per_call": round(figures["commands_per_call"], 2),
-               "redis_server_us_per_call": round(figures["server_us_per_call"], 2),
-               "redis_cpu_us_per_call": round(figures["server_cpu_us_per_call"], 1)}
+        row = {
+            "scenario": scenario,
+            "library": library,
+            "calls": n,
+            "overhead_p50_us": round(figures["p50_us"] - floor, 1),
+            "overhead_p99_us": round(figures["p99_us"] - floor, 1),
+            "redis_commands_per_call": round(figures["commands_per_call"], 2),
+            "redis_server_us_per_call": round(figures["server_us_per_call"], 2),
+            "redis_cpu_us_per_call": round(figures["server_cpu_us_per_call"], 1),
+        }
         rows.append(row)
-        for key in ("overhead_p50_us", "overhead_p99_us", "redis_commands_per_call",
-                    "redis_server_us_per_call", "redis_cpu_us_per_call"):
-            rec.add(f"breaker.{key}", row[key], "count" if "commands" in key else "us",
-                    scenario=scenario, library=library)
+        for key in (
+            "overhead_p50_us",
+            "overhead_p99_us",
+            "redis_commands_per_call",
+            "redis_server_us_per_call",
+            "redis_cpu_us_per_call",
+        ):
+            rec.add(
+                f"breaker.{key}",
+                row[key],
+                "count" if "commands" in key else "us",
+                scenario=scenario,
+                library=library,
+            )
     ours_client.close()
     raw_client.close()
     stats_client.close()
     server.stop()
     table = render(rows)
     print(table, flush=True)
-    versions = {"pybreaker": version_of("pybreaker"), "tenacity": version_of("tenacity"),
-                "redis": version_of("redis")}
-    document = {"quick": quick, "calls_per_scenario": n, "versions": versions,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-                "table": table}
+    versions = {
+        "pybreaker": version_of("pybreaker"),
+        "tenacity": version_of("tenacity"),
+        "redis": version_of("redis"),
+    }
+    document = {
+        "quick": quick,
+        "calls_per_scenario": n,
+        "versions": versions,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+        "table": table,
+    }
     if not quick:
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(document, indent=1) + "\n")
-    rec.note("breaker: overhead = call time minus the bare call's median; Redis server time "
-             "from INFO commandstats over the measured calls")
+    rec.note(
+        "breaker: overhead = call time minus the bare call's median; Redis server time "
+        "from INFO commandstats over the measured calls"
+    )
     return rec.result(table=table, versions=versions)
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    head = ("| scenario | library | overhead p50 (µs) | overhead p99 (µs) | round trips "
-            "per call | Redis command µs per call | Redis CPU µs per call |")
+    head = (
+        "| scenario | library | overhead p50 (µs) | overhead p99 (µs) | round trips "
+        "per call | Redis command µs per call | Redis CPU µs per call |"
+    )
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['scenario']} | {r['library']} | {r['overhead_p50_us']} | "
-                     f"{r['overhead_p99_us']} | {r['redis_commands_per_call']} | "
-                     f"{r['redis_server_us_per_call']} | {r['redis_cpu_us_per_call']} |")
+        lines.append(
+            f"| {r['scenario']} | {r['library']} | {r['overhead_p50_us']} | "
+            f"{r['overhead_p99_us']} | {r['redis_commands_per_call']} | "
+            f"{r['redis_server_us_per_call']} | {r['redis_cpu_us_per_call']} |"
+        )
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@
 
 ``python -m benchmarks.bulkhead --out FILE [--quick]``.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,14 +53,19 @@ def measure_latency(rec: Recorder, url: str, limit: int, rounds: int) -> None:
     bulkhead = ConcurrencyLimit(limit)
     meta = {"kind": "slot", "limit": limit, "limit_key": "k"}
     for _ in range(50):  # warm up: script cache, connection
-        store.release(bulkhead.try_acquire(store, "k", owner="warm", ticket=None, ttl=30.0,
-                                           metadata=meta).lease.name, "warm")
+        store.release(
+            bulkhead.try_acquire(
+                store, "k", owner="warm", ticket=None, ttl=30.0, metadata=meta
+            ).lease.name,
+            "warm",
+        )
     client.config_resetstat()
     granted = []
     for i in range(rounds):
         started = time.perf_counter()
-        slot = bulkhead.try_acquire(store, "k", owner=f"o{i}", ticket=None, ttl=30.0,
-                                    metadata=meta)
+        slot = bulkhead.try_acquire(
+            store, "k", owner=f"o{i}", ticket=None, ttl=30.0, metadata=meta
+        )
         granted.append(time.perf_counter() - started)
         store.release(slot.lease.name, slot.owner)
     server = evalsha_usec(client)
@@ -80,10 +86,12 @@ def measure_latency(rec: Recorder, url: str, limit: int, rounds: int) -> None:
         rec.add(f"bulkhead.latency.{name}.p99", percentile(values, 99) * 1000, "ms", limit=limit)
     rec.add("bulkhead.server.granted", server, "us/evalsha", limit=limit)
     rec.add("bulkhead.server.refused", refused_server, "us/evalsha", limit=limit)
-    rec.say(f"limit {limit}: granted p50 {percentile(granted, 50) * 1000:.3f} ms p99 "
-            f"{percentile(granted, 99) * 1000:.3f} ms (server {server} us per script call, "
-            f"acquire and release); "
-            f"refused p50 {percentile(refused, 50) * 1000:.3f} ms (server {refused_server} us)")
+    rec.say(
+        f"limit {limit}: granted p50 {percentile(granted, 50) * 1000:.3f} ms p99 "
+        f"{percentile(granted, 99) * 1000:.3f} ms (server {server} us per script call, "
+        f"acquire and release); "
+        f"refused p50 {percentile(refused, 50) * 1000:.3f} ms (server {refused_server} us)"
+    )
     client.close()
 
 
@@ -113,8 +121,10 @@ def measure_accuracy(rec: Recorder, url: str, processes: int, seconds: float) ->
         client.flushdb()
         key = "bench:acc:runs"
         ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_holder, args=(url, limited, seconds, key))
-                 for _ in range(processes)]
+        procs = [
+            ctx.Process(target=_holder, args=(url, limited, seconds, key))
+            for _ in range(processes)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -122,12 +132,18 @@ def measure_accuracy(rec: Recorder, url: str, processes: int, seconds: float) ->
         intervals = [tuple(json.loads(x)) for x in client.lrange(key, 0, -1)]
         peak = max_overlap(intervals)
         label = "limited" if limited else "unlimited"
-        rec.add(f"bulkhead.accuracy.{label}.max_concurrent", peak, "executions",
-                processes=processes, configured=LIMIT if limited else None)
-        rec.add(f"bulkhead.accuracy.{label}.holds", len(intervals), "holds",
-                processes=processes)
-        rec.say(f"{processes} processes, {label}: {len(intervals)} holds, at most {peak} at "
-                f"once (limit {LIMIT if limited else '-'})")
+        rec.add(
+            f"bulkhead.accuracy.{label}.max_concurrent",
+            peak,
+            "executions",
+            processes=processes,
+            configured=LIMIT if limited else None,
+        )
+        rec.add(f"bulkhead.accuracy.{label}.holds", len(intervals), "holds", processes=processes)
+        rec.say(
+            f"{processes} processes, {label}: {len(intervals)} holds, at most {peak} at "
+            f"once (limit {LIMIT if limited else '-'})"
+        )
     client.close()
 
 
@@ -139,9 +155,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             measure_latency(rec, server.url, limit, rounds)
         for processes in (1, 2, 8):
             measure_accuracy(rec, server.url, processes, 1.0 if quick else 3.0)
-    rec.note(f"Accuracy: each process holds a slot of one key (limit {LIMIT}) for {HOLD * 1000:g}"
-             f" ms at a time with acquire(wait=...), holds recorded with Redis TIME; the "
-             f"unlimited run is the same loop without the limit.")
+    rec.note(
+        f"Accuracy: each process holds a slot of one key (limit {LIMIT}) for {HOLD * 1000:g}"
+        f" ms at a time with acquire(wait=...), holds recorded with Redis TIME; the "
+        f"unlimited run is the same loop without the limit."
+    )
     return rec.result()
 
 

@@ -7,6 +7,7 @@ threads and peak memory of one group never leak into another). The dict it retur
     {"group": "lock", "figures": [{"name", "unit", "value", ...labels}], "notes": [...],
      "context": {...}, "elapsed_s": ...}
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ from tests.support import servers  # noqa: E402  (needs ROOT on sys.path)
 
 #: The peers, by distribution name, and the module each one is imported as.
 PEERS = {
-    "redis": "redis",                      # redis-py's Lock
+    "redis": "redis",  # redis-py's Lock
     "python-redis-lock": "redis_lock",
     "pottery": "pottery",
     "celery-once": "celery_once",
@@ -70,6 +71,7 @@ def peer_ok(dist: str) -> tuple[bool, str | None]:
 
 # -- statistics ------------------------------------------------------------------------------
 
+
 def percentile(values: Iterable[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of ``values``; NaN when empty."""
     data = sorted(values)
@@ -90,6 +92,7 @@ def spread(values: Iterable[float]) -> tuple[float, float]:
 
 
 # -- figures ---------------------------------------------------------------------------------
+
 
 class Recorder:
     """Collects the figures and notes of one group."""
@@ -115,10 +118,16 @@ class Recorder:
         print(f"[{self.group}] {text}", flush=True)
 
     def result(self, **extra: Any) -> dict[str, Any]:
-        return {"group": self.group, "figures": self.figures, "notes": self.notes,
-                "elapsed_s": round(time.monotonic() - self.started, 1),
-                "loadavg_start": self.load_start, "loadavg_end": os.getloadavg(),
-                "peak_rss_mb": peak_rss_mb(), **extra}
+        return {
+            "group": self.group,
+            "figures": self.figures,
+            "notes": self.notes,
+            "elapsed_s": round(time.monotonic() - self.started, 1),
+            "loadavg_start": self.load_start,
+            "loadavg_end": os.getloadavg(),
+            "peak_rss_mb": peak_rss_mb(),
+            **extra,
+        }
 
 
 def peak_rss_mb() -> float:
@@ -130,10 +139,11 @@ def rss_mb() -> float:
     """Current resident set size of this process, MiB."""
     with open("/proc/self/statm") as fh:
         pages = int(fh.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 # -- context ---------------------------------------------------------------------------------
+
 
 def redis_version(url: str) -> str | None:
     import redis
@@ -148,19 +158,23 @@ def redis_version(url: str) -> str | None:
 def machine_context() -> dict[str, Any]:
     """The run's context: machine, interpreter, libraries, load."""
     try:
-        uptime = subprocess.run(["uptime"], capture_output=True, text=True,
-                                timeout=5).stdout.strip()
+        uptime = subprocess.run(
+            ["uptime"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         uptime = None
     try:
-        redis_server = subprocess.run([servers.find_redis_server(), "--version"],
-                                      capture_output=True, text=True, timeout=5).stdout.strip()
+        redis_server = subprocess.run(
+            [servers.find_redis_server(), "--version"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         redis_server = None
+
     def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
@@ -172,17 +186,32 @@ def machine_context() -> dict[str, Any]:
         "python_implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "redis_server": redis_server,
-        "libraries": {name: version_of(name) for name in (
-            "celery-steplock", "celery", "kombu", "redis", "Django", "psycopg", "billiard",
-            "python-redis-lock", "pottery", "celery-once", "celery-singleton", "pyinstrument")},
+        "libraries": {
+            name: version_of(name)
+            for name in (
+                "celery-steplock",
+                "celery",
+                "kombu",
+                "redis",
+                "Django",
+                "psycopg",
+                "billiard",
+                "python-redis-lock",
+                "pottery",
+                "celery-once",
+                "celery-singleton",
+                "pyinstrument",
+            )
+        },
         "loadavg": os.getloadavg(),
         "uptime": uptime,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
 
-def installed_variants(rec: "Recorder", labels: dict[str, str],
-                       peer_of: dict[str, str]) -> list[str]:
+def installed_variants(
+    rec: "Recorder", labels: dict[str, str], peer_of: dict[str, str]
+) -> list[str]:
     """The variants of ``labels`` whose peer library (``peer_of``) is installed; a note on
     ``rec`` for each one left out."""
     peers = peer_status()
@@ -212,6 +241,7 @@ def join_or_kill(procs, timeout: float) -> int:
 
 # -- the group CLI ---------------------------------------------------------------------------
 
+
 def group_main(group: str, run: Callable[..., dict[str, Any]]) -> int:
     """``python -m benchmarks.<group> --out FILE [--quick]``: run the group, write its JSON."""
     parser = argparse.ArgumentParser(description=f"celery-steplock benchmark group {group}")
@@ -229,8 +259,12 @@ def write_result(group: str, run: Callable[[], dict[str, Any]], out: str | None)
         code = 0
     except Exception as exc:  # noqa: BLE001 - the runner reports the failure
         traceback.print_exc()
-        result = {"group": group, "figures": [], "notes": [],
-                  "error": f"{type(exc).__name__}: {exc}"}
+        result = {
+            "group": group,
+            "figures": [],
+            "notes": [],
+            "error": f"{type(exc).__name__}: {exc}",
+        }
         code = 1
     finally:
         servers.stop_all()
@@ -242,8 +276,9 @@ def write_result(group: str, run: Callable[[], dict[str, Any]], out: str | None)
     return code
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.01,
-               what: str = "condition") -> Any:
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, interval: float = 0.01, what: str = "condition"
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -255,6 +290,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
 
 
 # -- Redis command capture -------------------------------------------------------------------
+
 
 class MonitorCapture:
     """Record every command a Redis server executes (``MONITOR``), in phases.
@@ -345,8 +381,10 @@ def commands_processed(client) -> int:
 
 # -- profiles --------------------------------------------------------------------------------
 
-def profile_breakdown(session, categories: dict[str, Callable[[str, str], bool]]
-                      ) -> dict[str, float]:
+
+def profile_breakdown(
+    session, categories: dict[str, Callable[[str, str], bool]]
+) -> dict[str, float]:
     """Share of a pyinstrument session's time spent inside each category of frames.
 
     ``categories`` maps a name to ``predicate(file_path, function)``; a category's time is the

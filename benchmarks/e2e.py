@@ -23,6 +23,7 @@ pass's tasks, so the throughput batches run uninstrumented).
 bodies called in this process (pyinstrument) without starting a worker, for looking at where
 an execution's time goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ KINDS = {
     "singleton": "celery-singleton Singleton",
     "handwritten": "hand-written lease + ORM CAS + shared heartbeat",
     "handwritten_full": "hand-written, the default's work (fenced lease, precheck, fenced CAS, "
-                        "deadline, ownership check)",
+    "deadline, ownership check)",
     "steplock": "StepLockedTask, transition pending->done",
     "steplock_noprecheck": "StepLockedTask, lock_precheck=False",
 }
@@ -97,7 +98,7 @@ def _proc_table() -> dict[int, tuple[int, float]]:
                 data = fh.read()
         except OSError:
             continue  # exited meanwhile
-        fields = data[data.rindex(b")") + 2:].split()
+        fields = data[data.rindex(b")") + 2 :].split()
         # After the command: state, ppid, ..., utime (14th field of the line), stime,
         # cutime, cstime (in clock ticks).
         ticks = sum(int(x) for x in fields[11:15])
@@ -105,8 +106,9 @@ def _proc_table() -> dict[int, tuple[int, float]]:
     return table
 
 
-def tree_cpu(root: int | None, table: dict[int, tuple[int, float]] | None = None
-             ) -> dict[str, float]:
+def tree_cpu(
+    root: int | None, table: dict[int, tuple[int, float]] | None = None
+) -> dict[str, float]:
     """CPU seconds used so far by process ``root`` and its descendants: ``{"total", "root",
     "children"}``. A child that exited and was waited for is counted in its parent's cutime
     and cstime, so deltas stay continuous when a child is replaced."""
@@ -139,8 +141,14 @@ def summary(values: list[float], digits: int = 1) -> dict[str, Any]:
     lo, hi = spread(values)
     q1, q3 = _quartiles(values)
     r = lambda x: round(x, digits)  # noqa: E731
-    return {"value": r(median(values)), "min": r(lo), "max": r(hi), "q1": r(q1), "q3": r(q3),
-            "all": [r(v) for v in values]}
+    return {
+        "value": r(median(values)),
+        "min": r(lo),
+        "max": r(hi),
+        "q1": r(q1),
+        "q3": r(q3),
+        "all": [r(v) for v in values],
+    }
 
 
 class Bench:
@@ -184,8 +192,11 @@ class Bench:
         from benchmarks import e2e_app
 
         self.app = e2e_app.app
-        self.tasks = {name: e2e_app.app.tasks[f"bench.{name}"] for name in KINDS
-                      if f"bench.{name}" in e2e_app.app.tasks}
+        self.tasks = {
+            name: e2e_app.app.tasks[f"bench.{name}"]
+            for name in KINDS
+            if f"bench.{name}" in e2e_app.app.tasks
+        }
         self.mark = e2e_app.app.tasks["bench.mark"]
         import redis
 
@@ -194,12 +205,20 @@ class Bench:
         if not worker:
             return
         self.worker = servers.celery_worker(
-            app="benchmarks.e2e_app", name="bench", concurrency=2, pool="prefork",
-            env=env, logfile=self.workdir / "worker.log", extra_args=("-Q", "bench.ctl"),
-            cwd=ROOT)
+            app="benchmarks.e2e_app",
+            name="bench",
+            concurrency=2,
+            pool="prefork",
+            env=env,
+            logfile=self.workdir / "worker.log",
+            extra_args=("-Q", "bench.ctl"),
+            cwd=ROOT,
+        )
         self.node = f"bench@{socket.gethostname()}"
-        self.rec.say(f"{self.db}: worker pid {self.worker.pid}, broker {self.broker.url}, "
-                     f"lock store {self.lockstore.url}")
+        self.rec.say(
+            f"{self.db}: worker pid {self.worker.pid}, broker {self.broker.url}, "
+            f"lock store {self.lockstore.url}"
+        )
 
     def stop(self) -> None:
         worker = getattr(self, "worker", None)
@@ -217,12 +236,15 @@ class Bench:
             from django_app.workflows.models import Step
 
             steps = Step.objects.bulk_create(
-                [Step(name=f"bench-{kind}-{self.batch_no}-{i}") for i in range(n)])
+                [Step(name=f"bench-{kind}-{self.batch_no}-{i}") for i in range(n)]
+            )
             ids = [s.pk for s in steps]
             if any(i is None for i in ids):  # a backend that returns no primary keys
-                ids = list(Step.objects.filter(
-                    name__startswith=f"bench-{kind}-{self.batch_no}-").values_list("pk",
-                                                                                 flat=True))
+                ids = list(
+                    Step.objects.filter(
+                        name__startswith=f"bench-{kind}-{self.batch_no}-"
+                    ).values_list("pk", flat=True)
+                )
             return ids
         base = self.arg_base
         self.arg_base += n
@@ -256,13 +278,17 @@ class Bench:
         worker = tree_cpu(self.worker.pid, table)
         info = self.lock_client.info("cpu")
         pg = getattr(self, "pg", None)
-        return {"cpu_worker": worker["total"], "cpu_worker_main": worker["root"],
-                "cpu_worker_pool": worker["children"],
-                "cpu_lockstore": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
-                "cpu_db": tree_cpu(pg.pid, table)["total"] if pg is not None else 0.0}
+        return {
+            "cpu_worker": worker["total"],
+            "cpu_worker_main": worker["root"],
+            "cpu_worker_pool": worker["children"],
+            "cpu_lockstore": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+            "cpu_db": tree_cpu(pg.pid, table)["total"] if pg is not None else 0.0,
+        }
 
-    def drain(self, batch: str, n: int, measure_cpu: bool = False
-              ) -> tuple[float, dict[str, float]]:
+    def drain(
+        self, batch: str, n: int, measure_cpu: bool = False
+    ) -> tuple[float, dict[str, float]]:
         key = f"bench:mark:{batch}"
         client = self.broker_client
         queued = client.llen(QUEUE)
@@ -281,75 +307,120 @@ class Bench:
         # running then: wait for its acknowledgement.
         while not client.blpop([key], timeout=1):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"batch {batch} not drained; worker log tail:\n"
-                                   + "\n".join(self.worker.log_text().splitlines()[-30:]))
+                raise TimeoutError(
+                    f"batch {batch} not drained; worker log tail:\n"
+                    + "\n".join(self.worker.log_text().splitlines()[-30:])
+                )
         while client.hlen("unacked") or client.llen(QUEUE):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"batch {batch}: messages left unacknowledged")
             time.sleep(0.0005)
         elapsed = time.perf_counter() - t0
-        cpu = ({k: v - cpu0[k] for k, v in self.cpu_now().items()} if measure_cpu else {})
+        cpu = {k: v - cpu0[k] for k, v in self.cpu_now().items()} if measure_cpu else {}
         self.app.control.cancel_consumer(QUEUE, destination=[self.node], reply=True, timeout=5)
         return elapsed, cpu
 
     # -- the measurement ----------------------------------------------------------------------
 
     #: (a, b) pairs compared by throughput and by CPU per task.
-    RATE_PAIRS = (("steplock", "handwritten"), ("steplock_noprecheck", "handwritten"),
-                  ("steplock", "handwritten_full"), ("handwritten_full", "handwritten"),
-                  ("steplock", "plain"), ("handwritten", "plain"))
-    CPU_PAIRS = (("steplock", "handwritten_full"), ("steplock", "handwritten"),
-                 ("steplock_noprecheck", "handwritten"), ("handwritten_full", "handwritten"),
-                 ("steplock", "plain"))
+    RATE_PAIRS = (
+        ("steplock", "handwritten"),
+        ("steplock_noprecheck", "handwritten"),
+        ("steplock", "handwritten_full"),
+        ("handwritten_full", "handwritten"),
+        ("steplock", "plain"),
+        ("handwritten", "plain"),
+    )
+    CPU_PAIRS = (
+        ("steplock", "handwritten_full"),
+        ("steplock", "handwritten"),
+        ("steplock_noprecheck", "handwritten"),
+        ("handwritten_full", "handwritten"),
+        ("steplock", "plain"),
+    )
 
     def throughput(self, kinds: list[str], n: int, reps: int, warmup: int) -> None:
         for kind in kinds:
             self.run_batch(kind, warmup)
         per_rep: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
         for rep in range(reps):
-            order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
+            order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
             for kind in order:
                 per_rep[kind].append(self.run_batch(kind, n))
-            self.rec.say(f"{self.db} rep {rep + 1}/{reps}: " + ", ".join(
-                f"{k} {per_rep[k][-1]['rate']:.0f}/s "
-                f"{per_rep[k][-1]['cpu_worker'] / n * 1e6:.0f}us" for k in kinds))
+            self.rec.say(
+                f"{self.db} rep {rep + 1}/{reps}: "
+                + ", ".join(
+                    f"{k} {per_rep[k][-1]['rate']:.0f}/s "
+                    f"{per_rep[k][-1]['cpu_worker'] / n * 1e6:.0f}us"
+                    for k in kinds
+                )
+            )
         db = self.db
         for kind in kinds:
             rows = per_rep[kind]
             labels = dict(db=db, kind=kind, label=KINDS[kind], tasks=n, reps=reps)
             rate = summary([r["rate"] for r in rows])
-            self.rec.add(f"e2e.{db}.{kind}.rate", rate.pop("value"), "tasks/s", **labels,
-                         **rate)
-            for key, what in (("cpu_worker", "cpu"), ("cpu_worker_main", "cpu_main"),
-                              ("cpu_worker_pool", "cpu_pool"),
-                              ("cpu_lockstore", "cpu_lockstore"), ("cpu_db", "cpu_db")):
+            self.rec.add(f"e2e.{db}.{kind}.rate", rate.pop("value"), "tasks/s", **labels, **rate)
+            for key, what in (
+                ("cpu_worker", "cpu"),
+                ("cpu_worker_main", "cpu_main"),
+                ("cpu_worker_pool", "cpu_pool"),
+                ("cpu_lockstore", "cpu_lockstore"),
+                ("cpu_db", "cpu_db"),
+            ):
                 if key == "cpu_db" and db != "postgresql":
                     continue
                 stats = summary([r[key] / n * 1e6 for r in rows])
-                self.rec.add(f"e2e.{db}.{kind}.{what}", stats.pop("value"), "us CPU/task",
-                             **labels, **stats)
-            total = summary([(r["cpu_worker"] + r["cpu_lockstore"] + r["cpu_db"]) / n * 1e6
-                             for r in rows])
-            self.rec.add(f"e2e.{db}.{kind}.cpu_total", total.pop("value"), "us CPU/task",
-                         **labels, **total)
-            self.rec.add(f"e2e.{db}.{kind}.publish", round(median(
-                r["publish"] / n * 1e6 for r in rows), 1), "us/task", **labels)
+                self.rec.add(
+                    f"e2e.{db}.{kind}.{what}", stats.pop("value"), "us CPU/task", **labels, **stats
+                )
+            total = summary(
+                [(r["cpu_worker"] + r["cpu_lockstore"] + r["cpu_db"]) / n * 1e6 for r in rows]
+            )
+            self.rec.add(
+                f"e2e.{db}.{kind}.cpu_total", total.pop("value"), "us CPU/task", **labels, **total
+            )
+            self.rec.add(
+                f"e2e.{db}.{kind}.publish",
+                round(median(r["publish"] / n * 1e6 for r in rows), 1),
+                "us/task",
+                **labels,
+            )
             if "plain" in per_rep and kind != "plain":
-                over = [(r["drain"] - p["drain"]) / n * 1000.0
-                        for r, p in zip(rows, per_rep["plain"])]
-                self.rec.add(f"e2e.{db}.{kind}.overhead", round(median(over), 3), "ms/task",
-                             **labels, all=[round(o, 3) for o in over])
+                over = [
+                    (r["drain"] - p["drain"]) / n * 1000.0 for r, p in zip(rows, per_rep["plain"])
+                ]
+                self.rec.add(
+                    f"e2e.{db}.{kind}.overhead",
+                    round(median(over), 3),
+                    "ms/task",
+                    **labels,
+                    all=[round(o, 3) for o in over],
+                )
             if kind in STEP_KINDS:
-                self.rec.add(f"e2e.{db}.{kind}.steps_done", sum(r.get("done", 0) for r in rows),
-                             "steps", **labels, expected=n * reps)
+                self.rec.add(
+                    f"e2e.{db}.{kind}.steps_done",
+                    sum(r.get("done", 0) for r in rows),
+                    "steps",
+                    **labels,
+                    expected=n * reps,
+                )
 
         def ratio(name: str, key: str, a: str, b: str) -> None:
             va = [r[key] for r in per_rep[a]]
             vb = [r[key] for r in per_rep[b]]
             paired = [x / y for x, y in zip(va, vb) if y]
-            self.rec.add(name, round(median(va) / median(vb), 3), "x", db=db, a=a, b=b,
-                         how="ratio of the medians", paired_median=round(median(paired), 3),
-                         paired=[round(r, 3) for r in paired])
+            self.rec.add(
+                name,
+                round(median(va) / median(vb), 3),
+                "x",
+                db=db,
+                a=a,
+                b=b,
+                how="ratio of the medians",
+                paired_median=round(median(paired), 3),
+                paired=[round(r, 3) for r in paired],
+            )
 
         for a, b in self.RATE_PAIRS:
             if a in per_rep and b in per_rep:
@@ -361,17 +432,25 @@ class Bench:
             for rows in per_rep.values():
                 for r in rows:
                     r["cpu_all"] = r["cpu_worker"] + r["cpu_lockstore"] + r["cpu_db"]
-            ratio(f"e2e.{db}.cpu_total_ratio.steplock_vs_handwritten_full", "cpu_all",
-                  "steplock", "handwritten_full")
+            ratio(
+                f"e2e.{db}.cpu_total_ratio.steplock_vs_handwritten_full",
+                "cpu_all",
+                "steplock",
+                "handwritten_full",
+            )
             if "plain" in per_rep:
                 # Net of what Celery costs a plain task (fetch, ack, trace), common to all.
                 base = median(r["cpu_worker"] for r in per_rep["plain"])
                 a = median(r["cpu_worker"] for r in per_rep["steplock"]) - base
                 c = median(r["cpu_worker"] for r in per_rep["handwritten_full"]) - base
                 if c > 0:
-                    self.rec.add(f"e2e.{db}.cpu_net_ratio.steplock_vs_handwritten_full",
-                                 round(a / c, 3), "x", db=db,
-                                 how="(median(a) - median(plain)) / (median(c) - median(plain))")
+                    self.rec.add(
+                        f"e2e.{db}.cpu_net_ratio.steplock_vs_handwritten_full",
+                        round(a / c, 3),
+                        "x",
+                        db=db,
+                        how="(median(a) - median(plain)) / (median(c) - median(plain))",
+                    )
 
     def counting(self, kinds: list[str], k: int) -> None:
         """Redis commands per task on the lock store (MONITOR) and SQL per task."""
@@ -383,8 +462,7 @@ class Bench:
                 args = self.make_args(kind, k)
                 mon.phase(f"{kind}:publish")
                 for a in args:
-                    self.tasks[kind].apply_async((a,), queue=QUEUE,
-                                                 headers={"bench_sql": "1"})
+                    self.tasks[kind].apply_async((a,), queue=QUEUE, headers={"bench_sql": "1"})
                 self.mark.apply_async((batch,), queue=QUEUE)
                 mon.phase(f"{kind}:worker")
                 self.drain(batch, k)
@@ -395,26 +473,42 @@ class Bench:
             inner = mon.count(f"{kind}:worker", lua=True)
             inner_pub = mon.count(f"{kind}:publish", lua=True)
             labels = dict(db=db, kind=kind, label=KINDS[kind], tasks=k)
-            self.rec.add(f"e2e.{db}.{kind}.redis_publish", round(sum(pub.values()) / k, 2),
-                         "commands/task", **labels,
-                         detail={c: round(v / k, 2) for c, v in sorted(pub.items())})
-            self.rec.add(f"e2e.{db}.{kind}.redis_worker", round(sum(work.values()) / k, 2),
-                         "commands/task", **labels,
-                         detail={c: round(v / k, 2) for c, v in sorted(work.items())})
-            self.rec.add(f"e2e.{db}.{kind}.redis_round_trips",
-                         round((sum(pub.values()) + sum(work.values())) / k, 2),
-                         "round trips/task", **labels)
-            self.rec.add(f"e2e.{db}.{kind}.redis_script_inner",
-                         round((sum(inner.values()) + sum(inner_pub.values())) / k, 2),
-                         "commands/task", **labels,
-                         detail={c: round(v / k, 2) for c, v in sorted(inner.items())})
+            self.rec.add(
+                f"e2e.{db}.{kind}.redis_publish",
+                round(sum(pub.values()) / k, 2),
+                "commands/task",
+                **labels,
+                detail={c: round(v / k, 2) for c, v in sorted(pub.items())},
+            )
+            self.rec.add(
+                f"e2e.{db}.{kind}.redis_worker",
+                round(sum(work.values()) / k, 2),
+                "commands/task",
+                **labels,
+                detail={c: round(v / k, 2) for c, v in sorted(work.items())},
+            )
+            self.rec.add(
+                f"e2e.{db}.{kind}.redis_round_trips",
+                round((sum(pub.values()) + sum(work.values())) / k, 2),
+                "round trips/task",
+                **labels,
+            )
+            self.rec.add(
+                f"e2e.{db}.{kind}.redis_script_inner",
+                round((sum(inner.values()) + sum(inner_pub.values())) / k, 2),
+                "commands/task",
+                **labels,
+                detail={c: round(v / k, 2) for c, v in sorted(inner.items())},
+            )
         # A sample of what one StepLockedTask sends, in order.
         for kind in ("steplock", "steplock_noprecheck", "handwritten", "handwritten_full"):
-            seq = [text[:90] for ph, ctype, _n, text in mon.commands
-                   if ph == f"{kind}:worker" and ctype != "lua"][:6]
+            seq = [
+                text[:90]
+                for ph, ctype, _n, text in mon.commands
+                if ph == f"{kind}:worker" and ctype != "lua"
+            ][:6]
             if seq:
-                self.rec.add(f"e2e.{db}.{kind}.redis_sample", seq, "commands", db=db,
-                             kind=kind)
+                self.rec.add(f"e2e.{db}.{kind}.redis_sample", seq, "commands", db=db, kind=kind)
         self.sql_counts(kinds)
 
     def sql_counts(self, kinds: list[str]) -> None:
@@ -423,7 +517,8 @@ class Bench:
             for line in path.read_text().splitlines():
                 name, *fields = line.split("\t")
                 per_task.setdefault(name, []).append(
-                    Counter({k: int(v) for k, v in (f.split("=") for f in fields if f)}))
+                    Counter({k: int(v) for k, v in (f.split("=") for f in fields if f)})
+                )
         for kind in kinds:
             rows = per_task.get(f"bench.{kind}", [])
             if not rows:
@@ -435,24 +530,40 @@ class Bench:
             typical = dict(pattern)
             statements = sum(v for k, v in typical.items() if k not in TXN_KINDS)
             labels = dict(db=self.db, kind=kind, label=KINDS[kind], tasks=len(rows))
-            self.rec.add(f"e2e.{self.db}.{kind}.sql", statements, "statements/task",
-                         **labels, detail={k: v for k, v in typical.items()
-                                           if k not in TXN_KINDS},
-                         share=round(freq / len(rows), 3))
+            self.rec.add(
+                f"e2e.{self.db}.{kind}.sql",
+                statements,
+                "statements/task",
+                **labels,
+                detail={k: v for k, v in typical.items() if k not in TXN_KINDS},
+                share=round(freq / len(rows), 3),
+            )
             txn = {k: typical.get(k, 0) for k in ("BEGIN", "COMMIT", "ROLLBACK")}
             implicit = self.db == "postgresql" and not txn["BEGIN"]
             if implicit:  # the driver sends BEGIN before a transaction's first statement
                 txn["BEGIN"] = txn["COMMIT"] + txn["ROLLBACK"]
-            self.rec.add(f"e2e.{self.db}.{kind}.sql_txn", sum(txn.values()),
-                         "transaction statements/task", **labels, detail=txn,
-                         begin_implicit=implicit)
-            self.rec.add(f"e2e.{self.db}.{kind}.sql_updates", typical.get("UPDATE", 0),
-                         "UPDATE/task", **labels)
-            self.rec.add(f"e2e.{self.db}.{kind}.sql_selects", typical.get("SELECT", 0),
-                         "SELECT/task", **labels)
+            self.rec.add(
+                f"e2e.{self.db}.{kind}.sql_txn",
+                sum(txn.values()),
+                "transaction statements/task",
+                **labels,
+                detail=txn,
+                begin_implicit=implicit,
+            )
+            self.rec.add(
+                f"e2e.{self.db}.{kind}.sql_updates",
+                typical.get("UPDATE", 0),
+                "UPDATE/task",
+                **labels,
+            )
+            self.rec.add(
+                f"e2e.{self.db}.{kind}.sql_selects",
+                typical.get("SELECT", 0),
+                "SELECT/task",
+                **labels,
+            )
             connects = sum(c.get("CONNECT", 0) for c in rows)
-            self.rec.add(f"e2e.{self.db}.{kind}.db_connects", connects, "connections",
-                         **labels)
+            self.rec.add(f"e2e.{self.db}.{kind}.db_connects", connects, "connections", **labels)
 
     def inprocess(self, n: int, reps: int, profile: bool) -> None:
         """The same task bodies called directly in this process (no broker, no worker):
@@ -468,10 +579,14 @@ class Bench:
             self.rec.note(f"in-process: no parked-lease variant ({exc})")
 
         db = self.db
-        kinds = [k for k in ("handwritten", "handwritten_full", "steplock",
-                             "steplock_noprecheck") if k in self.tasks]
-        variants = kinds + (["steplock_parked"] if "steplock" in kinds
-                            and get_heartbeat is not None else [])
+        kinds = [
+            k
+            for k in ("handwritten", "handwritten_full", "steplock", "steplock_noprecheck")
+            if k in self.tasks
+        ]
+        variants = kinds + (
+            ["steplock_parked"] if "steplock" in kinds and get_heartbeat is not None else []
+        )
 
         def call_all(variant: str, ids: list[int]) -> tuple[list[float], float]:
             task = self.tasks["steplock" if variant == "steplock_parked" else variant]
@@ -503,7 +618,7 @@ class Bench:
             unpark(state)
         per_rep: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
         for rep in range(reps):
-            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for variant in order:
                 self.batch_no += 1
                 ids = self.make_args(variant.replace("_parked", ""), n)
@@ -511,28 +626,54 @@ class Bench:
                 times, cpu = call_all(variant, ids)
                 unpark(state)
                 per_rep[variant].append((percentile(times, 50), percentile(times, 99), cpu))
-        labels_of = {**KINDS, "steplock_parked": "StepLockedTask, heartbeat thread kept "
-                                                 "alive by a parked lease"}
+        labels_of = {
+            **KINDS,
+            "steplock_parked": "StepLockedTask, heartbeat thread kept alive by a parked lease",
+        }
         for variant, rows in per_rep.items():
             labels = dict(db=db, kind=variant, label=labels_of[variant], calls=n, reps=reps)
-            self.rec.add(f"e2e.{db}.inproc.{variant}.p50", round(median(r[0] for r in rows), 1),
-                         "us", **labels)
-            self.rec.add(f"e2e.{db}.inproc.{variant}.p99", round(median(r[1] for r in rows), 1),
-                         "us", **labels)
-            self.rec.add(f"e2e.{db}.inproc.{variant}.cpu", round(median(r[2] for r in rows), 1),
-                         "us CPU/call", **labels)
+            self.rec.add(
+                f"e2e.{db}.inproc.{variant}.p50",
+                round(median(r[0] for r in rows), 1),
+                "us",
+                **labels,
+            )
+            self.rec.add(
+                f"e2e.{db}.inproc.{variant}.p99",
+                round(median(r[1] for r in rows), 1),
+                "us",
+                **labels,
+            )
+            self.rec.add(
+                f"e2e.{db}.inproc.{variant}.cpu",
+                round(median(r[2] for r in rows), 1),
+                "us CPU/call",
+                **labels,
+            )
         for a in ("steplock", "steplock_noprecheck", "steplock_parked", "handwritten_full"):
             if a in per_rep and "handwritten" in per_rep:
                 ratios = [ra[0] / rb[0] for ra, rb in zip(per_rep[a], per_rep["handwritten"])]
-                self.rec.add(f"e2e.{db}.inproc.ratio.{a}_vs_handwritten", round(median(ratios), 3),
-                             "x", db=db, all=[round(r, 3) for r in ratios])
+                self.rec.add(
+                    f"e2e.{db}.inproc.ratio.{a}_vs_handwritten",
+                    round(median(ratios), 3),
+                    "x",
+                    db=db,
+                    all=[round(r, 3) for r in ratios],
+                )
         if "steplock" in per_rep and "handwritten_full" in per_rep:
             cpu_a = median(r[2] for r in per_rep["steplock"])
             cpu_c = median(r[2] for r in per_rep["handwritten_full"])
-            self.rec.add(f"e2e.{db}.inproc.cpu_ratio.steplock_vs_handwritten_full",
-                         round(cpu_a / cpu_c, 3), "x", db=db, how="ratio of the medians")
-        self.rec.say(f"{db} in-process p50: " + ", ".join(
-            f"{v} {median(r[0] for r in per_rep[v]):.0f}us" for v in variants))
+            self.rec.add(
+                f"e2e.{db}.inproc.cpu_ratio.steplock_vs_handwritten_full",
+                round(cpu_a / cpu_c, 3),
+                "x",
+                db=db,
+                how="ratio of the medians",
+            )
+        self.rec.say(
+            f"{db} in-process p50: "
+            + ", ".join(f"{v} {median(r[0] for r in per_rep[v]):.0f}us" for v in variants)
+        )
         if profile:
             self.profile(["steplock", "handwritten_full"], n, call_all)
 
@@ -545,9 +686,11 @@ class Bench:
             self.rec.note(f"no profile: pyinstrument is not installed ({exc})")
             return {}
         if call_all is None:
+
             def call_all(kind: str, ids: list[int]) -> None:
                 for step_id in ids:
                     self.tasks[kind](step_id)
+
             for kind in kinds:  # warm-up
                 call_all(kind, self.make_args(kind, 20))
         db = self.db
@@ -564,8 +707,12 @@ class Bench:
                 shares = profile_breakdown(profiler.last_session, TASK_PROFILE_CATEGORIES)
                 for name, share in shares.items():
                     if name != "total_s":
-                        self.rec.add(f"e2e.{db}.profile.steplock.{name}",
-                                     round(share * 100, 1), "% of time", db=db)
+                        self.rec.add(
+                            f"e2e.{db}.profile.steplock.{name}",
+                            round(share * 100, 1),
+                            "% of time",
+                            db=db,
+                        )
         return self.profiles
 
     def steps(self, n: int) -> None:
@@ -576,8 +723,10 @@ class Bench:
         try:
             self._steps(n)
         except (ImportError, AttributeError, TypeError) as exc:
-            self.rec.note(f"{self.db}: per-step timings skipped, the library's internals "
-                          f"changed: {type(exc).__name__}: {exc}")
+            self.rec.note(
+                f"{self.db}: per-step timings skipped, the library's internals "
+                f"changed: {type(exc).__name__}: {exc}"
+            )
 
     def _steps(self, n: int) -> None:
         import redis as redis_py
@@ -616,6 +765,7 @@ class Bench:
                 t0 = time.perf_counter_ns()
                 fn()
                 return time.perf_counter_ns() - t0
+
             return run
 
         name2 = f"bench:steps2:{os.getpid()}"
@@ -635,42 +785,57 @@ class Bench:
 
         def atomic_cas():
             with transaction.atomic(durable=True):
-                guard.transition(step_id, "pending", "pending", owner=lease.owner,
-                                 fence=lease.fence)
+                guard.transition(
+                    step_id, "pending", "pending", owner=lease.owner, fence=lease.fence
+                )
 
         def atomic_update():
             with transaction.atomic(durable=True):
                 Step.objects.filter(pk=step_id, status="pending").update(
-                    status="pending", lock_owner=lease.owner)
+                    status="pending", lock_owner=lease.owner
+                )
 
         library = {
             "steplock_plan (the cached execution plan)": timed(lambda: task.steplock_plan),
             "get_lease_store(app)": timed(lambda: get_lease_store(app)),
             "lock name (bind_arguments + lock_key template)": timed(
-                lambda: name_from_arguments(task.name, bind_arguments(task.run, (1,), {}),
-                                            "bench:{step_id}")),
-            "holder_metadata()": timed(lambda: holder_metadata(
-                "6f1c2a47-3b7e-4d1a-9a55-0c9d8e7f6a5b", task.name, 0, worker="w@h",
-                step="workflows.step:1")),
+                lambda: name_from_arguments(
+                    task.name, bind_arguments(task.run, (1,), {}), "bench:{step_id}"
+                )
+            ),
+            "holder_metadata()": timed(
+                lambda: holder_metadata(
+                    "6f1c2a47-3b7e-4d1a-9a55-0c9d8e7f6a5b",
+                    task.name,
+                    0,
+                    worker="w@h",
+                    step="workflows.step:1",
+                )
+            ),
             "heartbeat register + unregister (its thread idling between leases)": hb_cycle,
             "emit(lock_acquired) (log line + signal)": timed(
-                lambda: emit(signals.lock_acquired, task, **fields)),
+                lambda: emit(signals.lock_acquired, task, **fields)
+            ),
             "acquire round trip (ACQUIRE script)": acquire_only,
             "release round trip (RELEASE script)": release_only,
             "ownership check round trip (OWNED script)": timed(
-                lambda: lock.owned(lease.name, lease.owner)),
+                lambda: lock.owned(lease.name, lease.owner)
+            ),
             "precheck SELECT (guard.status)": timed(lambda: guard.status(step_id)),
             "atomic(durable) + CAS UPDATE with fence (guard.transition)": timed(atomic_cas),
         }
         handwritten = {
-            "SET NX PX round trip": timed(lambda: raw.set(f"bench:steps3:{os.getpid()}", "x",
-                                                          nx=False, px=30000)),
+            "SET NX PX round trip": timed(
+                lambda: raw.set(f"bench:steps3:{os.getpid()}", "x", nx=False, px=30000)
+            ),
             "GET round trip": timed(lambda: raw.get(f"bench:steps3:{os.getpid()}")),
             "atomic(durable) + UPDATE ... WHERE status='pending'": timed(atomic_update),
         }
-        every = [(side, label, fn) for side, steps in (("steplock", library),
-                                                      ("handwritten", handwritten))
-                 for label, fn in steps.items()]
+        every = [
+            (side, label, fn)
+            for side, steps in (("steplock", library), ("handwritten", handwritten))
+            for label, fn in steps.items()
+        ]
         for _side, _label, fn in every:
             for _ in range(min(20, n)):
                 fn()
@@ -680,11 +845,18 @@ class Bench:
             for _side, label, fn in every:
                 samples[label] += [fn() / 1000.0 for _ in range(per_round)]
         for side, label, _fn in every:
-            key = "_".join("".join(c if c.isalnum() else " " for c in
-                                   label.split(" (")[0].lower()).split())
-            self.rec.add(f"e2e.{self.db}.steps.{side}.{key}",
-                         round(percentile(samples[label], 50), 1), "us", db=self.db,
-                         side=side, label=label, calls=len(samples[label]))
+            key = "_".join(
+                "".join(c if c.isalnum() else " " for c in label.split(" (")[0].lower()).split()
+            )
+            self.rec.add(
+                f"e2e.{self.db}.steps.{side}.{key}",
+                round(percentile(samples[label], 50), 1),
+                "us",
+                db=self.db,
+                side=side,
+                label=label,
+                calls=len(samples[label]),
+            )
         lock.release(lease.name, lease.owner)
         raw.close()
 
@@ -716,23 +888,36 @@ class Bench:
         finally:
             conf_cls.get = orig_get
             steplock_task.build_plan = orig_guard
-        self.rec.add(f"e2e.{self.db}.steplock.conf_lookups", counts["conf_lookups"] / 10,
-                     "app.conf lookups/execution", db=self.db)
-        self.rec.add(f"e2e.{self.db}.steplock.plan_builds", counts["plan_builds"] / 10,
-                     "builds/execution", db=self.db)
+        self.rec.add(
+            f"e2e.{self.db}.steplock.conf_lookups",
+            counts["conf_lookups"] / 10,
+            "app.conf lookups/execution",
+            db=self.db,
+        )
+        self.rec.add(
+            f"e2e.{self.db}.steplock.plan_builds",
+            counts["plan_builds"] / 10,
+            "builds/execution",
+            db=self.db,
+        )
 
     def worker_errors(self) -> None:
         text = self.worker.log_text()
-        errors = [line for line in text.splitlines()
-                  if " ERROR" in line or "CRITICAL" in line or "Traceback" in line]
+        errors = [
+            line
+            for line in text.splitlines()
+            if " ERROR" in line or "CRITICAL" in line or "Traceback" in line
+        ]
         self.rec.add(f"e2e.{self.db}.worker_error_lines", len(errors), "lines", db=self.db)
         if errors:
-            self.rec.note(f"{self.db}: worker log has {len(errors)} error lines, first: "
-                          f"{errors[0][:200]}")
+            self.rec.note(
+                f"{self.db}: worker log has {len(errors)} error lines, first: {errors[0][:200]}"
+            )
 
 
-def run_db(db: str, quick: bool, tasks: int | None = None, reps: int | None = None
-           ) -> dict[str, Any]:
+def run_db(
+    db: str, quick: bool, tasks: int | None = None, reps: int | None = None
+) -> dict[str, Any]:
     rec = Recorder("e2e")
     kinds = installed_variants(rec, KINDS, PEER_OF)
     n = tasks or (200 if quick else 2000)
@@ -777,8 +962,7 @@ def profile_only(db: str, kinds: list[str], calls: int, out_dir: Path) -> int:
     return 0
 
 
-def run(quick: bool = False, tasks: int | None = None, reps: int | None = None
-        ) -> dict[str, Any]:
+def run(quick: bool = False, tasks: int | None = None, reps: int | None = None) -> dict[str, Any]:
     """Both databases, each in a subprocess; merged into one group result."""
     rec = Recorder("e2e")
     profiles: dict[str, str] = {}
@@ -812,22 +996,28 @@ def run(quick: bool = False, tasks: int | None = None, reps: int | None = None
         profiles.update(part.get("profiles") or {})
         if part.get("error") or proc.returncode:
             rec.note(f"{db} run failed: {part.get('error') or f'exit {proc.returncode}'}")
-    rec.note("Settings: benchmarks/e2e_settings.py (django_app's, without a result backend, "
-             "database connection kept between tasks, celery_steplock logging at WARNING); "
-             "broker and lock store are two redis-servers on loopback; acks_late, prefetch "
-             "multiplier 1, -O fair, as in django_app.")
-    rec.note("CPU per task: user + system CPU seconds of the worker's processes (the main "
-             "process and its prefork children, from /proc, clock ticks of "
-             f"{1000 // _CLK_TCK} ms) over a batch's drain, divided by its tasks; it includes "
-             "the worker's share of Celery (fetching, acknowledging) common to every kind. "
-             "'total' adds the lock-store Redis (INFO cpu) and, on PostgreSQL, the database "
-             "server's processes. Ratios are ratios of the medians over the repetitions.")
-    rec.note("The hand-written task doing the default configuration's work (c) sets the same "
-             "PostgreSQL deadline as the library (SELECT set_config('lock_timeout', ...), "
-             "set_config('idle_in_transaction_session_timeout', ...) inside the transaction, "
-             "before the CAS), so that both send the same statements; it leaves out holder "
-             "metadata in the lease, events and signals, options and settings, and the "
-             "waiters' wake-up on release: that difference is the abstraction's cost.")
+    rec.note(
+        "Settings: benchmarks/e2e_settings.py (django_app's, without a result backend, "
+        "database connection kept between tasks, celery_steplock logging at WARNING); "
+        "broker and lock store are two redis-servers on loopback; acks_late, prefetch "
+        "multiplier 1, -O fair, as in django_app."
+    )
+    rec.note(
+        "CPU per task: user + system CPU seconds of the worker's processes (the main "
+        "process and its prefork children, from /proc, clock ticks of "
+        f"{1000 // _CLK_TCK} ms) over a batch's drain, divided by its tasks; it includes "
+        "the worker's share of Celery (fetching, acknowledging) common to every kind. "
+        "'total' adds the lock-store Redis (INFO cpu) and, on PostgreSQL, the database "
+        "server's processes. Ratios are ratios of the medians over the repetitions."
+    )
+    rec.note(
+        "The hand-written task doing the default configuration's work (c) sets the same "
+        "PostgreSQL deadline as the library (SELECT set_config('lock_timeout', ...), "
+        "set_config('idle_in_transaction_session_timeout', ...) inside the transaction, "
+        "before the CAS), so that both send the same statements; it leaves out holder "
+        "metadata in the lease, events and signals, options and settings, and the "
+        "waiters' wake-up on release: that difference is the abstraction's cost."
+    )
     return rec.result(profiles=profiles)
 
 
@@ -836,23 +1026,38 @@ def main() -> int:
     parser.add_argument("--db", choices=["sqlite", "postgresql"])
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", help="write the result JSON here (default: stdout)")
-    parser.add_argument("--tasks", type=int, default=None,
-                        help="tasks per batch (default 2000; 200 with --quick)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions of each kind (default 5; 3 with --quick)")
-    parser.add_argument("--profile", nargs="+", metavar="KIND", default=None,
-                        help="only profile these task kinds in-process (pyinstrument), "
-                             f"no worker: {', '.join(KINDS)} (needs --db, default sqlite)")
+    parser.add_argument(
+        "--tasks", type=int, default=None, help="tasks per batch (default 2000; 200 with --quick)"
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="repetitions of each kind (default 5; 3 with --quick)",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        metavar="KIND",
+        default=None,
+        help="only profile these task kinds in-process (pyinstrument), "
+        f"no worker: {', '.join(KINDS)} (needs --db, default sqlite)",
+    )
     parser.add_argument("--calls", type=int, default=400, help="executions per profile")
-    parser.add_argument("--profile-dir", type=Path, default=ROOT / "var" / "profiles",
-                        help="where --profile writes its texts (default var/profiles)")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=ROOT / "var" / "profiles",
+        help="where --profile writes its texts (default var/profiles)",
+    )
     args = parser.parse_args()
     if args.profile:
         return profile_only(args.db or "sqlite", args.profile, args.calls, args.profile_dir)
     if args.db is None:
         return write_result("e2e", lambda: run(args.quick, args.tasks, args.reps), args.out)
-    return write_result("e2e", lambda: run_db(args.db, args.quick, args.tasks, args.reps),
-                        args.out)
+    return write_result(
+        "e2e", lambda: run_db(args.db, args.quick, args.tasks, args.reps), args.out
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ SQLite's does), ``COMMIT``/``ROLLBACK`` of the connection (counted by wrapping
 and database connections opened (``CONNECT``). On PostgreSQL the driver sends each
 transaction's BEGIN itself, so there a transaction shows as its COMMIT or ROLLBACK only.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,14 +53,17 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "benchmarks.e2e_settings")
 app = Celery("benchmarks.e2e_app")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
-LOCK_URL = os.environ.get("STEPLOCK_REDIS_URL") or os.environ.get("REDIS_URL",
-                                                                   "redis://127.0.0.1:6379/0")
+LOCK_URL = os.environ.get("STEPLOCK_REDIS_URL") or os.environ.get(
+    "REDIS_URL", "redis://127.0.0.1:6379/0"
+)
 BROKER_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 LEASE_TTL = 30.0
 
 # celery-once and celery-singleton keep their locks in the lock-store Redis too.
-app.conf.ONCE = {"backend": "celery_once.backends.Redis",
-                 "settings": {"url": LOCK_URL, "default_timeout": 3600}}
+app.conf.ONCE = {
+    "backend": "celery_once.backends.Redis",
+    "settings": {"url": LOCK_URL, "default_timeout": 3600},
+}
 app.conf.singleton_backend_url = LOCK_URL
 app.conf.task_default_queue = "bench.ctl"
 
@@ -87,26 +91,44 @@ def plain(i):
 
 
 if QueueOnce is not None:
+
     @app.task(name="bench.once", base=QueueOnce, once={"graceful": True})
     def once(i):
         return i
 
+
 if Singleton is not None:
+
     @app.task(name="bench.singleton", base=Singleton)
     def singleton(i):
         return i
 
 
-@app.task(name="bench.steplock", bind=True, base=StepLockedTask, lock_key="bench:{step_id}",
-          step_model="workflows.Step", step_id_arg="step_id", transition=("pending", "done"),
-          lock_ttl=LEASE_TTL)
+@app.task(
+    name="bench.steplock",
+    bind=True,
+    base=StepLockedTask,
+    lock_key="bench:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_ttl=LEASE_TTL,
+)
 def steplock(self, step_id):
     return step_id
 
 
-@app.task(name="bench.steplock_noprecheck", bind=True, base=StepLockedTask,
-          lock_key="bench:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-          transition=("pending", "done"), lock_ttl=LEASE_TTL, lock_precheck=False)
+@app.task(
+    name="bench.steplock_noprecheck",
+    bind=True,
+    base=StepLockedTask,
+    lock_key="bench:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_ttl=LEASE_TTL,
+    lock_precheck=False,
+)
 def steplock_noprecheck(self, step_id):
     return step_id
 
@@ -170,8 +192,9 @@ class MiniHeartbeat:
         with self.lock:
             self.leases[key] = owner
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, daemon=True,
-                                               name="bench-heartbeat")
+                self.thread = threading.Thread(
+                    target=self._run, daemon=True, name="bench-heartbeat"
+                )
                 self.thread.start()
 
     def discard(self, key: str) -> None:
@@ -228,8 +251,12 @@ def handwritten(self, step_id):
     state.heartbeat.add(key, owner)
     try:
         with transaction.atomic(durable=True):
-            if Step.objects.filter(pk=step_id, status="pending").update(
-                    status="done", lock_owner=owner) != 1:
+            if (
+                Step.objects.filter(pk=step_id, status="pending").update(
+                    status="done", lock_owner=owner
+                )
+                != 1
+            ):
                 raise _Conflict(step_id)
             if state.client.get(key) != owner:
                 raise _Conflict(f"lease {key} lost")
@@ -279,8 +306,10 @@ def handwritten_full(self, step_id):
     key = f"bench:hwf:{{{step_id}}}"
     owner = uuid.uuid4().hex
     sent = time.monotonic()
-    fence = state.acquire(keys=[key, f"bench:hwf:fence:{{{step_id}}}"],
-                          args=[owner, int(LEASE_TTL * 1000), FENCE_TTL_MS])
+    fence = state.acquire(
+        keys=[key, f"bench:hwf:fence:{{{step_id}}}"],
+        args=[owner, int(LEASE_TTL * 1000), FENCE_TTL_MS],
+    )
     if not fence:
         raise self.retry(countdown=1)
     valid_until = sent + LEASE_TTL * 0.99  # the library's clock-drift allowance
@@ -293,14 +322,21 @@ def handwritten_full(self, step_id):
             if connection.vendor == "postgresql":
                 ms = str(max(1, int((valid_until - time.monotonic()) * 1000)))
                 with connection.cursor() as cursor:
-                    cursor.execute("SELECT set_config('lock_timeout', %s, true), "
-                                   "set_config('idle_in_transaction_session_timeout', %s, "
-                                   "true)", [ms, ms])
-            cas = (Q(pk=step_id, status="pending")
-                   & (Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence)))
-            if Step.objects.filter(cas).update(status="done", lock_owner=owner,
-                                               lock_fence=fence,
-                                               updated_at=timezone.now()) != 1:
+                    cursor.execute(
+                        "SELECT set_config('lock_timeout', %s, true), "
+                        "set_config('idle_in_transaction_session_timeout', %s, "
+                        "true)",
+                        [ms, ms],
+                    )
+            cas = Q(pk=step_id, status="pending") & (
+                Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence)
+            )
+            if (
+                Step.objects.filter(cas).update(
+                    status="done", lock_owner=owner, lock_fence=fence, updated_at=timezone.now()
+                )
+                != 1
+            ):
                 raise _Conflict(step_id)
             if time.monotonic() >= valid_until or state.client.get(key) != owner:
                 raise _Conflict(f"lease {key} lost")
@@ -332,6 +368,7 @@ def _counted(method, kind: str):
     def call(*args, **kwargs):
         _sql[kind] += 1
         return method(*args, **kwargs)
+
     return call
 
 
@@ -346,8 +383,10 @@ def _counting(task) -> bool:
     request = getattr(task, "request", None)
     if request is None:
         return False
-    return bool(getattr(request, "bench_sql", None)
-                or (getattr(request, "headers", None) or {}).get("bench_sql"))
+    return bool(
+        getattr(request, "bench_sql", None)
+        or (getattr(request, "headers", None) or {}).get("bench_sql")
+    )
 
 
 _installed: list = []
@@ -362,8 +401,9 @@ def _sql_prerun(sender=None, **kwargs):
 
     wrapper = connections[DEFAULT_DB_ALIAS]
     if id(wrapper) not in _wrapped:
-        connection_created.connect(_on_connection_created, weak=False,
-                                   dispatch_uid="bench-connections")
+        connection_created.connect(
+            _on_connection_created, weak=False, dispatch_uid="bench-connections"
+        )
         _wrapped.add(id(wrapper))
     wrapper.execute_wrappers.append(_count_sql)
     # Instance attributes shadow the methods (atomic() calls them to end a transaction);
@@ -386,10 +426,15 @@ def _sql_postrun(sender=None, **kwargs):
         wrapper.execute_wrappers.remove(_count_sql)
     for name in ("commit", "rollback"):
         wrapper.__dict__.pop(name, None)
-    line = "\t".join([getattr(sender, "name", "?")] +
-                     [f"{k}={v}" for k, v in sorted(_sql.items())]) + "\n"
+    line = (
+        "\t".join([getattr(sender, "name", "?")] + [f"{k}={v}" for k, v in sorted(_sql.items())])
+        + "\n"
+    )
     fd = _fds.get(os.getpid())
     if fd is None:
-        fd = _fds[os.getpid()] = os.open(os.path.join(_SQL_DIR, f"{os.getpid()}.tsv"),
-                                         os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = _fds[os.getpid()] = os.open(
+            os.path.join(_SQL_DIR, f"{os.getpid()}.tsv"),
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+            0o644,
+        )
     os.write(fd, line.encode())

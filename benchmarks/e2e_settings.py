@@ -9,6 +9,7 @@ changes that keep the measurement about locking:
 * ``celery_steplock`` logs at WARNING unless ``STEPLOCK_LOG_LEVEL`` says otherwise (INFO writes
   three event lines per task).
 """
+
 import os
 
 os.environ.setdefault("STEPLOCK_LOG_LEVEL", "WARNING")
@@ -17,4 +18,4 @@ from django_app.settings import *  # noqa: E402,F401,F403
 
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_DB_REUSE_MAX = 10 ** 9
+CELERY_DB_REUSE_MAX = 10**9

@@ -12,6 +12,7 @@ checked against Redis's EVALSHA count), time per renewal cycle (a subclass times
 leases lost (must be 0). Also 1,000 leases taken one by one over 3 s (renewal phases spread,
 as in a busy worker). For comparison, python-redis-lock's ``auto_renewal`` (a thread per lock).
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,18 +40,29 @@ def evalsha_calls(client) -> int:
 
 #: Where a renewal cycle spends its time (profile categories; they may overlap).
 CYCLE_CATEGORIES = {
-    "encode_and_send": lambda f, fn: f.endswith("celery_steplock/lock.py") and fn in (
-        "calls", "_pack") or "/redis/" in f and fn == "send_packed_command",
+    "encode_and_send": lambda f, fn: (
+        f.endswith("celery_steplock/lock.py")
+        and fn in ("calls", "_pack")
+        or "/redis/" in f
+        and fn == "send_packed_command"
+    ),
     "read_replies": lambda f, fn: "/redis/" in f and fn == "read_response",
     "events": lambda f, fn: f.endswith("celery_steplock/events.py"),
-    "lease_bookkeeping": lambda f, fn: f.endswith("celery_steplock/lock.py") and fn in (
-        "renewed", "lost", "drift", "remaining"),
+    "lease_bookkeeping": lambda f, fn: (
+        f.endswith("celery_steplock/lock.py") and fn in ("renewed", "lost", "drift", "remaining")
+    ),
 }
 
 
-def measure_ours(rec: Recorder, url: str, count: int, window_intervals: int,
-                 profile: bool = False, profiles: dict | None = None,
-                 spread: float = 0.0) -> None:
+def measure_ours(
+    rec: Recorder,
+    url: str,
+    count: int,
+    window_intervals: int,
+    profile: bool = False,
+    profiles: dict | None = None,
+    spread: float = 0.0,
+) -> None:
     import redis
 
     from celery_steplock.heartbeat import Heartbeat
@@ -143,25 +155,29 @@ def measure_ours(rec: Recorder, url: str, count: int, window_intervals: int,
         cycle_rate = (len(inside) - 1) / span
     else:
         rt_rate, cycle_rate = (rt1 - rt0) / intervals, (c1 - c0) / intervals
-    rec.add(f"{p}.round_trips_per_interval", round(rt_rate, 2),
-            "round trips/interval", **labels)
-    rec.add(f"{p}.cycles_per_interval", round(cycle_rate, 2),
-            "cycles/interval", **labels)
-    rec.add(f"{p}.renewals_per_interval", round((ev1 - ev0) / intervals),
-            "EVALSHA/interval", **labels)
-    rec.add(f"{p}.cycle_p50", round(percentile(cycle_times, 50) * 1000, 2),
-            "ms", **labels)
-    rec.add(f"{p}.cycle_max", round(max(cycle_times, default=0) * 1000, 2),
-            "ms", **labels)
+    rec.add(f"{p}.round_trips_per_interval", round(rt_rate, 2), "round trips/interval", **labels)
+    rec.add(f"{p}.cycles_per_interval", round(cycle_rate, 2), "cycles/interval", **labels)
+    rec.add(
+        f"{p}.renewals_per_interval", round((ev1 - ev0) / intervals), "EVALSHA/interval", **labels
+    )
+    rec.add(f"{p}.cycle_p50", round(percentile(cycle_times, 50) * 1000, 2), "ms", **labels)
+    rec.add(f"{p}.cycle_max", round(max(cycle_times, default=0) * 1000, 2), "ms", **labels)
     rec.add(f"{p}.cpu", round(cpu / wall, 4), "CPU s/s", **labels)
-    rec.add(f"{p}.threads", max_threads - threads_before + 1,
-            "threads (heartbeat + this one)", **labels, process_threads=max_threads)
+    rec.add(
+        f"{p}.threads",
+        max_threads - threads_before + 1,
+        "threads (heartbeat + this one)",
+        **labels,
+        process_threads=max_threads,
+    )
     rec.add(f"{p}.lost", lost, "leases", **labels)
     rec.add(f"{p}.acquire_s", round(acquire_s, 2), "s", **labels)
     rec.add(f"{p}.register_s", round(register_s * 1000, 1), "ms", **labels)
-    rec.say(f"{p}: {rt_rate:.2f} RT/interval, cycle p50 "
-            f"{percentile(cycle_times, 50) * 1000:.1f} ms, cpu {cpu / wall:.3f} s/s, "
-            f"threads {max_threads}, lost {lost}")
+    rec.say(
+        f"{p}: {rt_rate:.2f} RT/interval, cycle p50 "
+        f"{percentile(cycle_times, 50) * 1000:.1f} ms, cpu {cpu / wall:.3f} s/s, "
+        f"threads {max_threads}, lost {lost}"
+    )
     if profile:
         hb.profile_next = True
         deadline = time.monotonic() + 3 * INTERVAL
@@ -172,8 +188,9 @@ def measure_ours(rec: Recorder, url: str, count: int, window_intervals: int,
             shares = profile_breakdown(hb.profile.last_session, CYCLE_CATEGORIES)
             for name, share in shares.items():
                 if name != "total_s":
-                    rec.add(f"{p}.profile.{name}", round(share * 100, 1),
-                            "% of cycle", leases=count)
+                    rec.add(
+                        f"{p}.profile.{name}", round(share * 100, 1), "% of cycle", leases=count
+                    )
     for lease in leases:
         hb.unregister(lease)
     deadline = time.monotonic() + 5
@@ -183,8 +200,9 @@ def measure_ours(rec: Recorder, url: str, count: int, window_intervals: int,
     return cycle_times
 
 
-def measure_prl(rec: Recorder, url: str, count: int, window: float,
-                default_pool: bool = False) -> None:
+def measure_prl(
+    rec: Recorder, url: str, count: int, window: float, default_pool: bool = False
+) -> None:
     """python-redis-lock with auto_renewal: one renewal thread per held lock. The client's
     pool is large enough for every thread, unless ``default_pool`` (redis-py 8's default:
     100 connections)."""
@@ -193,8 +211,11 @@ def measure_prl(rec: Recorder, url: str, count: int, window: float,
 
     admin = redis.Redis.from_url(url)
     admin.flushdb()
-    client = (redis.StrictRedis.from_url(url) if default_pool
-              else redis.StrictRedis.from_url(url, max_connections=count + 100))
+    client = (
+        redis.StrictRedis.from_url(url)
+        if default_pool
+        else redis.StrictRedis.from_url(url, max_connections=count + 100)
+    )
     # Renewal threads that die (an exception in python-redis-lock's _lock_renewer) are
     # counted, not printed.
     thread_errors: list[str] = []
@@ -223,16 +244,22 @@ def measure_prl(rec: Recorder, url: str, count: int, window: float,
     wall = time.monotonic() - wall0
     ev1 = evalsha_calls(admin)
     interval = expire * 2 / 3
-    labels = dict(leases=count, interval_s=interval,
-                  pool=client.connection_pool.max_connections)
+    labels = dict(leases=count, interval_s=interval, pool=client.connection_pool.max_connections)
     prl = "prl_default_pool" if default_pool else "prl"
-    rec.add(f"heartbeat.{prl}.{count}.round_trips_per_interval",
-            round((ev1 - ev0) / (wall / interval), 1), "round trips/interval", **labels)
+    rec.add(
+        f"heartbeat.{prl}.{count}.round_trips_per_interval",
+        round((ev1 - ev0) / (wall / interval), 1),
+        "round trips/interval",
+        **labels,
+    )
     rec.add(f"heartbeat.{prl}.{count}.cpu", round(cpu / wall, 4), "CPU s/s", **labels)
-    rec.add(f"heartbeat.{prl}.{count}.threads", max_threads - threads_before + 1,
-            "threads", **labels)
-    rec.say(f"python-redis-lock auto_renewal x{count}: threads {max_threads}, "
-            f"cpu {cpu / wall:.3f} s/s, renewal threads died {len(thread_errors)}")
+    rec.add(
+        f"heartbeat.{prl}.{count}.threads", max_threads - threads_before + 1, "threads", **labels
+    )
+    rec.say(
+        f"python-redis-lock auto_renewal x{count}: threads {max_threads}, "
+        f"cpu {cpu / wall:.3f} s/s, renewal threads died {len(thread_errors)}"
+    )
     lost = 0
     for lk in locks:
         try:
@@ -241,13 +268,20 @@ def measure_prl(rec: Recorder, url: str, count: int, window: float,
             lost += 1
     threading.excepthook = previous_hook
     rec.add(f"heartbeat.{prl}.{count}.lost", lost, "locks", **labels)
-    rec.add(f"heartbeat.{prl}.{count}.thread_errors", len(thread_errors), "renewal threads died",
-            **labels, first=thread_errors[0] if thread_errors else None)
+    rec.add(
+        f"heartbeat.{prl}.{count}.thread_errors",
+        len(thread_errors),
+        "renewal threads died",
+        **labels,
+        first=thread_errors[0] if thread_errors else None,
+    )
     if lost or thread_errors:
-        rec.note(f"python-redis-lock auto_renewal with {count} locks (redis-py pool of "
-                 f"{client.connection_pool.max_connections}): {len(thread_errors)} "
-                 f"renewal threads died ({thread_errors[0] if thread_errors else ''}), "
-                 f"{lost} locks were lost before their release")
+        rec.note(
+            f"python-redis-lock auto_renewal with {count} locks (redis-py pool of "
+            f"{client.connection_pool.max_connections}): {len(thread_errors)} "
+            f"renewal threads died ({thread_errors[0] if thread_errors else ''}), "
+            f"{lost} locks were lost before their release"
+        )
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -258,20 +292,23 @@ def run(quick: bool = False) -> dict[str, Any]:
     profiles: dict[str, str] = {}
     with servers.RedisServer() as server:
         for count in scales:
-            measure_ours(rec, server.url, count, window, profile=count == scales[-1],
-                         profiles=profiles)
+            measure_ours(
+                rec, server.url, count, window, profile=count == scales[-1], profiles=profiles
+            )
         # Renewal phases spread over 3 intervals (the steady state of a busy worker).
         measure_ours(rec, server.url, 1000, window, spread=3.0 * INTERVAL)
         if peers["python-redis-lock"]["ok"]:
-            for count in ([100] if quick else [100, 1000]):
+            for count in [100] if quick else [100, 1000]:
                 measure_prl(rec, server.url, count, 2.0 if quick else 4.0)
             if not quick:
                 measure_prl(rec, server.url, 1000, 4.0, default_pool=True)
         else:
             rec.note(f"python-redis-lock skipped: {peers['python-redis-lock'].get('error')}")
-    rec.note(f"Leases use TTL {TTL:g} s and renewal ratio {INTERVAL / TTL:.4f} (interval "
-             f"{INTERVAL:g} s); python-redis-lock locks expire=3 s (its thread renews every "
-             f"2 s).")
+    rec.note(
+        f"Leases use TTL {TTL:g} s and renewal ratio {INTERVAL / TTL:.4f} (interval "
+        f"{INTERVAL:g} s); python-redis-lock locks expire=3 s (its thread renews every "
+        f"2 s)."
+    )
     return rec.result(peers=peers, profiles=profiles)
 
 

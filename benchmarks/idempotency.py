@@ -14,6 +14,7 @@ Redis). Also the bare call (no idempotency) as the floor.
 Writes ``docs/patterns/idempotency.json`` (the figures and the context) and prints the table;
 registered in ``benchmarks/run.py`` as the group ``idempotency``.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.common import (ROOT, Recorder, group_main, machine_context, percentile,
-                               servers)
+from benchmarks.common import ROOT, Recorder, group_main, machine_context, percentile, servers
 
 SECRET = "b" * 40
 VARIANTS = ("bare", "ours_redis", "ours_database", "handmade_table")
@@ -33,8 +33,12 @@ VARIANTS = ("bare", "ours_redis", "ours_database", "handmade_table")
 def _setup() -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-idem-"))
     redis_server = servers.RedisServer(workdir=workdir / "redis").start()
-    env = {"DJANGO_SETTINGS_MODULE": "django_app.settings", "REDIS_URL": redis_server.url,
-           "STEPLOCK_VAR_DIR": str(workdir), "STEPLOCK_LOG_LEVEL": "WARNING"}
+    env = {
+        "DJANGO_SETTINGS_MODULE": "django_app.settings",
+        "REDIS_URL": redis_server.url,
+        "STEPLOCK_VAR_DIR": str(workdir),
+        "STEPLOCK_LOG_LEVEL": "WARNING",
+    }
     database = "sqlite"
     if servers.PostgresServer.available():
         pg = servers.PostgresServer().start()
@@ -53,12 +57,13 @@ def _setup() -> dict[str, Any]:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("CREATE TABLE IF NOT EXISTS handmade_idem (key varchar(64) PRIMARY KEY, "
-                       "fingerprint varchar(64) NOT NULL, status varchar(16) NOT NULL, "
-                       "result text, created_at timestamp NOT NULL, expires_at timestamp "
-                       "NOT NULL)")
-    return {"redis_url": redis_server.url, "database": database,
-            "vendor": connection.vendor}
+        cursor.execute(
+            "CREATE TABLE IF NOT EXISTS handmade_idem (key varchar(64) PRIMARY KEY, "
+            "fingerprint varchar(64) NOT NULL, status varchar(16) NOT NULL, "
+            "result text, created_at timestamp NOT NULL, expires_at timestamp "
+            "NOT NULL)"
+        )
+    return {"redis_url": redis_server.url, "database": database, "vendor": connection.vendor}
 
 
 def handmade(fun: Callable, ttl: float = 86400.0) -> Callable:
@@ -74,14 +79,17 @@ def handmade(fun: Callable, ttl: float = 86400.0) -> Callable:
         fingerprint = hashlib.sha256(dumps(args).encode()).hexdigest()
         now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute("INSERT INTO handmade_idem (key, fingerprint, status, created_at, "
-                           "expires_at) VALUES (%s, %s, 'locked', %s, %s) ON CONFLICT (key) "
-                           "DO NOTHING RETURNING key",
-                           [key, fingerprint, now, now + dt.timedelta(seconds=ttl)])
+            cursor.execute(
+                "INSERT INTO handmade_idem (key, fingerprint, status, created_at, "
+                "expires_at) VALUES (%s, %s, 'locked', %s, %s) ON CONFLICT (key) "
+                "DO NOTHING RETURNING key",
+                [key, fingerprint, now, now + dt.timedelta(seconds=ttl)],
+            )
             inserted = cursor.fetchone() is not None
             if not inserted:
-                cursor.execute("SELECT status, fingerprint, result FROM handmade_idem WHERE "
-                               "key = %s", [key])
+                cursor.execute(
+                    "SELECT status, fingerprint, result FROM handmade_idem WHERE key = %s", [key]
+                )
                 status, stored, result = cursor.fetchone()
                 if stored != fingerprint:
                     raise ValueError("key reused")
@@ -90,8 +98,10 @@ def handmade(fun: Callable, ttl: float = 86400.0) -> Callable:
                 raise RuntimeError("in progress")
         result = fun(*args)
         with connection.cursor() as cursor:
-            cursor.execute("UPDATE handmade_idem SET status = 'completed', result = %s WHERE "
-                           "key = %s", [dumps(result), key])
+            cursor.execute(
+                "UPDATE handmade_idem SET status = 'completed', result = %s WHERE key = %s",
+                [dumps(result), key],
+            )
         return result
 
     return wrapper
@@ -124,12 +134,18 @@ def build(variant: str, client) -> Callable[[str, int], Any]:
 
 def server_usec(client) -> float:
     stats = client.info("commandstats")
-    return float(sum(v.get("usec", 0) for k, v in stats.items() if k.startswith("cmdstat_")
-                     and k not in ("cmdstat_config", "cmdstat_info")))
+    return float(
+        sum(
+            v.get("usec", 0)
+            for k, v in stats.items()
+            if k.startswith("cmdstat_") and k not in ("cmdstat_config", "cmdstat_info")
+        )
+    )
 
 
-def measure(rec: Recorder, variant: str, call: Callable, client, calls: int, reps: int,
-            tag: str) -> dict[str, Any]:
+def measure(
+    rec: Recorder, variant: str, call: Callable, client, calls: int, reps: int, tag: str
+) -> dict[str, Any]:
     firsts: list[float] = []
     replays: list[float] = []
     first_server = replay_server = 0.0
@@ -148,13 +164,15 @@ def measure(rec: Recorder, variant: str, call: Callable, client, calls: int, rep
             replays.append(time.perf_counter() - t0)
         replay_server += server_usec(client)
     total = calls * reps
-    row = {"variant": variant,
-           "first_p50_us": percentile(firsts, 50) * 1e6,
-           "first_p99_us": percentile(firsts, 99) * 1e6,
-           "replay_p50_us": percentile(replays, 50) * 1e6,
-           "replay_p99_us": percentile(replays, 99) * 1e6,
-           "first_server_us": first_server / total,
-           "replay_server_us": replay_server / total}
+    row = {
+        "variant": variant,
+        "first_p50_us": percentile(firsts, 50) * 1e6,
+        "first_p99_us": percentile(firsts, 99) * 1e6,
+        "replay_p50_us": percentile(replays, 50) * 1e6,
+        "replay_p99_us": percentile(replays, 99) * 1e6,
+        "first_server_us": first_server / total,
+        "replay_server_us": replay_server / total,
+    }
     for name, value in row.items():
         if name != "variant":
             rec.add(f"idempotency.{name}", round(value, 2), "us", variant=variant)
@@ -174,27 +192,47 @@ def run(quick: bool = False) -> dict[str, Any]:
         measure(rec, variant, call, client, 50, 1, "warmup")
         rows.append(measure(rec, variant, call, client, calls, reps, "run"))
         rec.say(f"{variant}: {rows[-1]}")
-    rec.note(f"{calls} calls x {reps} repetitions per decision; database {setup['database']}; "
-             f"body does nothing (the figures are the overhead)")
+    rec.note(
+        f"{calls} calls x {reps} repetitions per decision; database {setup['database']}; "
+        f"body does nothing (the figures are the overhead)"
+    )
     table = render(rows, setup["database"])
     print(table, flush=True)
     out = ROOT / "docs" / "patterns" / "idempotency.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     context = machine_context()
-    out.write_text(json.dumps({"context": {**context, "database": setup["database"],
-                                           "calls": calls, "reps": reps, "quick": quick},
-                               "rows": rows}, indent=1, default=str) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "context": {
+                    **context,
+                    "database": setup["database"],
+                    "calls": calls,
+                    "reps": reps,
+                    "quick": quick,
+                },
+                "rows": rows,
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
     return rec.result(table=table)
 
 
 def render(rows: list[dict[str, Any]], database: str) -> str:
-    head = ("| variant | first call p50 / p99 (µs) | replay p50 / p99 (µs) | Redis server µs "
-            "per first call | per replay |")
+    head = (
+        "| variant | first call p50 / p99 (µs) | replay p50 / p99 (µs) | Redis server µs "
+        "per first call | per replay |"
+    )
     lines = [head, "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['first_p50_us']:.0f} / {r['first_p99_us']:.0f} | "
-                     f"{r['replay_p50_us']:.0f} / {r['replay_p99_us']:.0f} | "
-                     f"{r['first_server_us']:.1f} | {r['replay_server_us']:.1f} |")
+        lines.append(
+            f"| {r['variant']} | {r['first_p50_us']:.0f} / {r['first_p99_us']:.0f} | "
+            f"{r['replay_p50_us']:.0f} / {r['replay_p99_us']:.0f} | "
+            f"{r['first_server_us']:.1f} | {r['replay_server_us']:.1f} |"
+        )
     return "\n".join(lines) + f"\n\n(database: {database})"
 
 

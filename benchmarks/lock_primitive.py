@@ -19,6 +19,7 @@ own blocking acquire; inside the critical section a process-shared counter detec
 (two holders at once: must be 0). Reported: acquisitions/s, overlaps, the busiest process's
 share (fairness), Redis commands/s (what waiting costs the server).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -62,8 +63,12 @@ CONTENDED = {
     "pottery": ("pottery Redlock", "poll, random 0-200 ms"),
     "ours": ("celery-steplock", "BLPOP, one waiter woken per release"),
 }
-PEER_OF = {"redis_py": "redis", "prl": "python-redis-lock", "prl_renewal": "python-redis-lock",
-           "pottery": "pottery"}
+PEER_OF = {
+    "redis_py": "redis",
+    "prl": "python-redis-lock",
+    "prl_renewal": "python-redis-lock",
+    "pottery": "pottery",
+}
 
 RAW_RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -98,6 +103,7 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
                         raise AssertionError("ping2: no PONG")
                 finally:
                     pool.release(conn)
+
         return cycle
     if variant == "raw":
         from celery_steplock.lock import make_client
@@ -111,6 +117,7 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
                 raise AssertionError("raw: not acquired")
             if release(keys=[key], args=[token]) != 1:
                 raise AssertionError("raw: not released")
+
         return cycle
     if variant == "redis_py":
         client = _plain_client(url)
@@ -120,6 +127,7 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
             if not lock.acquire(blocking=False):
                 raise AssertionError("redis-py: not acquired")
             lock.release()
+
         return cycle
     if variant in ("prl", "prl_renewal"):
         import redis
@@ -133,6 +141,7 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
             if not lock.acquire(blocking=False):
                 raise AssertionError("python-redis-lock: not acquired")
             lock.release()
+
         return cycle
     if variant == "pottery":
         from pottery import Redlock
@@ -144,15 +153,24 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
             if not lock.acquire(blocking=False):
                 raise AssertionError("pottery: not acquired")
             lock.release()
+
         return cycle
     if variant in ("ours", "ours_meta", "ours_task"):
         from celery_steplock.lock import RedisLeaseStore, holder_metadata, make_client
 
         lock = RedisLeaseStore(make_client(url), prefix="bench")
-        meta = (holder_metadata("6f1c2a47-3b7e-4d1a-9a55-0c9d8e7f6a5b", "bench.tasks.charge", 0,
-                                worker="celery@bench", step="workflows.step:42",
-                                renew_ms=TTL * 1000 // 3)
-                if variant != "ours" else None)
+        meta = (
+            holder_metadata(
+                "6f1c2a47-3b7e-4d1a-9a55-0c9d8e7f6a5b",
+                "bench.tasks.charge",
+                0,
+                worker="celery@bench",
+                step="workflows.step:42",
+                renew_ms=TTL * 1000 // 3,
+            )
+            if variant != "ours"
+            else None
+        )
         check = variant == "ours_task"
 
         def cycle():
@@ -162,6 +180,7 @@ def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
             if check and lock.owned(lease.name, lease.owner) is None:
                 raise AssertionError("ours: not owned")
             lock.release(lease.name, lease.owner)
+
         return cycle
     raise ValueError(variant)
 
@@ -182,6 +201,7 @@ def build_blocking(variant: str, url: str, key: str):
 
         def release(token):
             release_script(keys=[key], args=[token])
+
         return acquire, release
     if variant == "redis_py":
         client = _plain_client(url)
@@ -190,6 +210,7 @@ def build_blocking(variant: str, url: str, key: str):
             lock = client.lock(key, timeout=TTL, sleep=0.1)
             lock.acquire(blocking=True)
             return lock
+
         return acquire, lambda lock: lock.release()
     if variant in ("prl", "prl_renewal"):
         import redis
@@ -201,6 +222,7 @@ def build_blocking(variant: str, url: str, key: str):
             lock = redis_lock.Lock(client, key, expire=TTL, auto_renewal=variant == "prl_renewal")
             lock.acquire(blocking=True)
             return lock
+
         return acquire, lambda lock: lock.release()
     if variant == "pottery":
         from pottery import Redlock
@@ -211,6 +233,7 @@ def build_blocking(variant: str, url: str, key: str):
             lock = Redlock(key=key, masters={client}, auto_release_time=TTL)
             lock.acquire(blocking=True)
             return lock
+
         return acquire, lambda lock: lock.release()
     if variant == "ours":
         from celery_steplock.lock import RedisLeaseStore, make_client
@@ -222,6 +245,7 @@ def build_blocking(variant: str, url: str, key: str):
             if lease is None:
                 raise AssertionError("ours: wait timed out")
             return lease
+
         return acquire, lambda lease: lock.release(lease.name, lease.owner)
     raise ValueError(variant)
 
@@ -238,18 +262,28 @@ def available(variant: str, peers: dict[str, dict[str, Any]]) -> tuple[bool, str
 
 #: Where one acquire + release of ours spends its time (categories may overlap).
 CYCLE_CATEGORIES = {
-    "socket_wait": lambda f, fn: f.endswith(("redis/_parsers/socket.py", "socket.py"))
-    and fn in ("_read_from_socket", "recv", "recv_into", "sendall"),
+    "socket_wait": lambda f, fn: (
+        f.endswith(("redis/_parsers/socket.py", "socket.py"))
+        and fn in ("_read_from_socket", "recv", "recv_into", "sendall")
+    ),
     "redis_py": lambda f, fn: "/redis/" in f,
     "lease_object": lambda f, fn: f.endswith("celery_steplock/lease.py") and fn == "__init__",
-    "owner_token": lambda f, fn: f.endswith("celery_steplock/lease.py")
-    and fn == "new_owner_token",
+    "owner_token": lambda f, fn: (
+        f.endswith("celery_steplock/lease.py") and fn == "new_owner_token"
+    ),
 }
 
 
-def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
-                variants: list[str], profiles: dict[str, str],
-                server_cycles: int = 10_000) -> None:
+def uncontended(
+    rec: Recorder,
+    url: str,
+    cycles: int,
+    reps: int,
+    warmup: int,
+    variants: list[str],
+    profiles: dict[str, str],
+    server_cycles: int = 10_000,
+) -> None:
     import gc
 
     cyc = {v: build_cycle(v, url, f"bench:uncontended:{v}") for v in variants}
@@ -276,29 +310,64 @@ def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
                     out.append(clock() - t0)
                 busy[v] += clock() - t_block
         for v in variants:
-            per_rep[v].append({"p50": percentile(samples[v], 50) / 1000.0,
-                               "p99": percentile(samples[v], 99) / 1000.0,
-                               "rate": len(samples[v]) / (busy[v] / 1e9)})
-        rec.say(f"uncontended rep {rep + 1}/{reps}: " + ", ".join(
-            f"{v} p50 {per_rep[v][-1]['p50']:.0f}us" for v in variants))
+            per_rep[v].append(
+                {
+                    "p50": percentile(samples[v], 50) / 1000.0,
+                    "p99": percentile(samples[v], 99) / 1000.0,
+                    "rate": len(samples[v]) / (busy[v] / 1e9),
+                }
+            )
+        rec.say(
+            f"uncontended rep {rep + 1}/{reps}: "
+            + ", ".join(f"{v} p50 {per_rep[v][-1]['p50']:.0f}us" for v in variants)
+        )
     for v in variants:
         rows = per_rep[v]
-        rec.add(f"lock.uncontended.{v}.p50", round(median(r["p50"] for r in rows), 1), "us",
-                variant=v, label=UNCONTENDED[v])
-        rec.add(f"lock.uncontended.{v}.p99", round(median(r["p99"] for r in rows), 1), "us",
-                variant=v, label=UNCONTENDED[v])
-        rec.add(f"lock.uncontended.{v}.rate", round(median(r["rate"] for r in rows)),
-                "cycles/s", variant=v, label=UNCONTENDED[v])
-        rec.add(f"lock.uncontended.{v}.p50_reps", [round(r["p50"], 1) for r in rows], "us",
-                variant=v)
+        rec.add(
+            f"lock.uncontended.{v}.p50",
+            round(median(r["p50"] for r in rows), 1),
+            "us",
+            variant=v,
+            label=UNCONTENDED[v],
+        )
+        rec.add(
+            f"lock.uncontended.{v}.p99",
+            round(median(r["p99"] for r in rows), 1),
+            "us",
+            variant=v,
+            label=UNCONTENDED[v],
+        )
+        rec.add(
+            f"lock.uncontended.{v}.rate",
+            round(median(r["rate"] for r in rows)),
+            "cycles/s",
+            variant=v,
+            label=UNCONTENDED[v],
+        )
+        rec.add(
+            f"lock.uncontended.{v}.p50_reps", [round(r["p50"], 1) for r in rows], "us", variant=v
+        )
     # Ratios within each repetition, then their median.
-    for a, b in (("ours", "raw"), ("ours_meta", "raw"), ("ours", "redis_py"), ("ours", "prl"),
-                 ("ours", "pottery"), ("raw", "ping"), ("ours", "ping"), ("ours", "ping2"),
-                 ("ours_meta", "ping2"), ("raw", "ping2")):
+    for a, b in (
+        ("ours", "raw"),
+        ("ours_meta", "raw"),
+        ("ours", "redis_py"),
+        ("ours", "prl"),
+        ("ours", "pottery"),
+        ("raw", "ping"),
+        ("ours", "ping"),
+        ("ours", "ping2"),
+        ("ours_meta", "ping2"),
+        ("raw", "ping2"),
+    ):
         if a in per_rep and b in per_rep:
             ratios = [ra["p50"] / rb["p50"] for ra, rb in zip(per_rep[a], per_rep[b])]
-            rec.add(f"lock.uncontended.ratio.{a}_vs_{b}", round(median(ratios), 3), "x",
-                    reps=[round(r, 3) for r in ratios])
+            rec.add(
+                f"lock.uncontended.ratio.{a}_vs_{b}",
+                round(median(ratios), 3),
+                "x",
+                reps=[round(r, 3) for r in ratios],
+            )
 
     # Where our cycle spends its time, client side.
     if "ours" in cyc:
@@ -313,8 +382,7 @@ def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
                 cyc["ours"]()
             profiler.stop()
             profiles["lock-ours-cycle"] = profile_text(profiler)
-            for name, share in profile_breakdown(profiler.last_session,
-                                                 CYCLE_CATEGORIES).items():
+            for name, share in profile_breakdown(profiler.last_session, CYCLE_CATEGORIES).items():
                 if name != "total_s":
                     rec.add(f"lock.profile.ours.{name}", round(share * 100, 1), "% of time")
 
@@ -330,18 +398,32 @@ def uncontended(rec: Recorder, url: str, cycles: int, reps: int, warmup: int,
         sent = mon.count(v)
         inner = mon.count(v, lua=True)
         sent_by[v] = {name.lower() for name in sent}
-        rec.add(f"lock.uncontended.{v}.commands", round(sum(sent.values()) / n, 2),
-                "commands/cycle", variant=v,
-                detail={k: round(c / n, 2) for k, c in sorted(sent.items())})
-        rec.add(f"lock.uncontended.{v}.script_commands", round(sum(inner.values()) / n, 2),
-                "commands/cycle", variant=v)
+        rec.add(
+            f"lock.uncontended.{v}.commands",
+            round(sum(sent.values()) / n, 2),
+            "commands/cycle",
+            variant=v,
+            detail={k: round(c / n, 2) for k, c in sorted(sent.items())},
+        )
+        rec.add(
+            f"lock.uncontended.{v}.script_commands",
+            round(sum(inner.values()) / n, 2),
+            "commands/cycle",
+            variant=v,
+        )
 
     # Server-side time per cycle (INFO commandstats usec after CONFIG RESETSTAT, INFO cpu).
     server_time(rec, url, cyc, variants, sent_by, server_cycles)
 
 
-def server_time(rec: Recorder, url: str, cyc: dict[str, Callable[[], None]],
-                variants: list[str], sent_by: dict[str, set[str]], n: int) -> None:
+def server_time(
+    rec: Recorder,
+    url: str,
+    cyc: dict[str, Callable[[], None]],
+    variants: list[str],
+    sent_by: dict[str, set[str]],
+    n: int,
+) -> None:
     """Redis's time per cycle of each variant over ``n`` cycles, in blocks of 500 with the
     variants interleaved (a change of load hits them all alike). ``server_us_top``: usec of
     the commands the client sent (``sent_by``); ``server_us``: every command's usec (inner
@@ -383,32 +465,63 @@ def server_time(rec: Recorder, url: str, cyc: dict[str, Callable[[], None]],
     cycles = blocks * block
     for v in variants:
         us_top = top[v] / cycles
-        rec.add(f"lock.uncontended.{v}.server_us", round(summed[v] / cycles, 2), "us/cycle",
-                variant=v, cycles=cycles,
-                detail={c: round(u / cycles, 2) for c, u in sorted(by_command[v].items())})
-        rec.add(f"lock.uncontended.{v}.server_us_top", round(us_top, 2), "us/cycle",
-                variant=v, cycles=cycles, commands=sorted(sent_by.get(v, ())))
+        rec.add(
+            f"lock.uncontended.{v}.server_us",
+            round(summed[v] / cycles, 2),
+            "us/cycle",
+            variant=v,
+            cycles=cycles,
+            detail={c: round(u / cycles, 2) for c, u in sorted(by_command[v].items())},
+        )
+        rec.add(
+            f"lock.uncontended.{v}.server_us_top",
+            round(us_top, 2),
+            "us/cycle",
+            variant=v,
+            cycles=cycles,
+            commands=sorted(sent_by.get(v, ())),
+        )
         if us_top > 0:
-            rec.add(f"lock.uncontended.{v}.cycles_per_core_s", round(1e6 / us_top),
-                    "cycles/s", variant=v, basis="server_us_top")
+            rec.add(
+                f"lock.uncontended.{v}.cycles_per_core_s",
+                round(1e6 / us_top),
+                "cycles/s",
+                variant=v,
+                basis="server_us_top",
+            )
         cpu_us = cpu[v] / cycles * 1e6
         rec.add(f"lock.uncontended.{v}.cpu_us", round(cpu_us, 2), "us/cycle", variant=v)
         if cpu_us > 0:
-            rec.add(f"lock.uncontended.{v}.cycles_per_core_s_cpu", round(1e6 / cpu_us),
-                    "cycles/s", variant=v, basis="cpu_us")
+            rec.add(
+                f"lock.uncontended.{v}.cycles_per_core_s_cpu",
+                round(1e6 / cpu_us),
+                "cycles/s",
+                variant=v,
+                basis="cpu_us",
+            )
     for a in ("ours", "ours_meta", "ours_task"):
         if a in variants and "raw" in variants and top["raw"]:
-            rec.add(f"lock.uncontended.ratio.{a}_vs_raw_server", round(top[a] / top["raw"], 3),
-                    "x", basis="server_us_top")
+            rec.add(
+                f"lock.uncontended.ratio.{a}_vs_raw_server",
+                round(top[a] / top["raw"], 3),
+                "x",
+                basis="server_us_top",
+            )
             if cpu["raw"]:
-                rec.add(f"lock.uncontended.ratio.{a}_vs_raw_cpu", round(cpu[a] / cpu["raw"], 3),
-                        "x", basis="cpu_us")
+                rec.add(
+                    f"lock.uncontended.ratio.{a}_vs_raw_cpu",
+                    round(cpu[a] / cpu["raw"], 3),
+                    "x",
+                    basis="cpu_us",
+                )
 
 
 # -- contended ---------------------------------------------------------------------------------
 
-def _contender(variant, url, key, idx, ready, start, stop_at, inside, overlaps, counts,
-               errors, hold, think):
+
+def _contender(
+    variant, url, key, idx, ready, start, stop_at, inside, overlaps, counts, errors, hold, think
+):
     try:
         acquire, release = build_blocking(variant, url, key)
     except Exception:  # noqa: BLE001
@@ -442,8 +555,14 @@ def _contender(variant, url, key, idx, ready, start, stop_at, inside, overlaps, 
     counts[idx] = n
 
 
-def contended_once(url: str, variant: str, workers: int, duration: float,
-                   hold: float = 0.0002, think: float = 0.001) -> dict[str, Any]:
+def contended_once(
+    url: str,
+    variant: str,
+    workers: int,
+    duration: float,
+    hold: float = 0.0002,
+    think: float = 0.001,
+) -> dict[str, Any]:
     import redis
 
     ctx = mp.get_context("fork")
@@ -455,10 +574,28 @@ def contended_once(url: str, variant: str, workers: int, duration: float,
     overlaps = ctx.Value("i", 0)
     errors = ctx.Value("i", 0)
     counts = ctx.Array("i", workers)
-    procs = [ctx.Process(target=_contender, args=(variant, url, key, i, ready, start, stop_at,
-                                                  inside, overlaps, counts, errors, hold,
-                                                  think), daemon=True)
-             for i in range(workers)]
+    procs = [
+        ctx.Process(
+            target=_contender,
+            args=(
+                variant,
+                url,
+                key,
+                i,
+                ready,
+                start,
+                stop_at,
+                inside,
+                overlaps,
+                counts,
+                errors,
+                hold,
+                think,
+            ),
+            daemon=True,
+        )
+        for i in range(workers)
+    ]
     for p in procs:
         p.start()
     for _ in procs:
@@ -474,40 +611,71 @@ def contended_once(url: str, variant: str, workers: int, duration: float,
     stuck = join_or_kill(procs, 60)
     client.close()
     total = sum(counts)
-    return {"acq_per_s": total / duration, "overlaps": overlaps.value, "errors": errors.value,
-            "stuck": stuck, "max_share": (max(counts) / total) if total else None,
-            "starved": sum(1 for c in counts if c == 0),
-            "redis_cmds_per_s": during / elapsed_cmd}
+    return {
+        "acq_per_s": total / duration,
+        "overlaps": overlaps.value,
+        "errors": errors.value,
+        "stuck": stuck,
+        "max_share": (max(counts) / total) if total else None,
+        "starved": sum(1 for c in counts if c == 0),
+        "redis_cmds_per_s": during / elapsed_cmd,
+    }
 
 
-def contended(rec: Recorder, url: str, levels: list[int], duration: float, reps: int,
-              variants: list[str]) -> None:
+def contended(
+    rec: Recorder, url: str, levels: list[int], duration: float, reps: int, variants: list[str]
+) -> None:
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for rep in range(reps):
         for workers in levels:
-            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for v in order:
                 r = contended_once(url, v, workers, duration)
                 results.setdefault((v, workers), []).append(r)
-                rec.say(f"contended rep {rep + 1}/{reps} {v} x{workers}: "
-                        f"{r['acq_per_s']:.0f} acq/s, overlaps {r['overlaps']}, "
-                        f"max share {r['max_share'] or 0:.2f}, {r['redis_cmds_per_s']:.0f} cmd/s")
+                rec.say(
+                    f"contended rep {rep + 1}/{reps} {v} x{workers}: "
+                    f"{r['acq_per_s']:.0f} acq/s, overlaps {r['overlaps']}, "
+                    f"max share {r['max_share'] or 0:.2f}, {r['redis_cmds_per_s']:.0f} cmd/s"
+                )
     for (v, workers), rows in results.items():
         label, waits = CONTENDED[v]
         labels = dict(variant=v, workers=workers, label=label, waits=waits)
-        rec.add(f"lock.contended.{v}.{workers}.rate", round(median(r["acq_per_s"] for r in rows)),
-                "acquisitions/s", **labels)
-        rec.add(f"lock.contended.{v}.{workers}.overlaps", sum(r["overlaps"] for r in rows),
-                "overlaps", **labels)
-        rec.add(f"lock.contended.{v}.{workers}.max_share",
-                round(median(r["max_share"] for r in rows if r["max_share"] is not None), 3),
-                "share", **labels)
-        rec.add(f"lock.contended.{v}.{workers}.starved",
-                round(median(r["starved"] for r in rows)), "processes", **labels)
-        rec.add(f"lock.contended.{v}.{workers}.redis_cmds",
-                round(median(r["redis_cmds_per_s"] for r in rows)), "commands/s", **labels)
-        rec.add(f"lock.contended.{v}.{workers}.errors",
-                sum(r["errors"] + r["stuck"] for r in rows), "processes", **labels)
+        rec.add(
+            f"lock.contended.{v}.{workers}.rate",
+            round(median(r["acq_per_s"] for r in rows)),
+            "acquisitions/s",
+            **labels,
+        )
+        rec.add(
+            f"lock.contended.{v}.{workers}.overlaps",
+            sum(r["overlaps"] for r in rows),
+            "overlaps",
+            **labels,
+        )
+        rec.add(
+            f"lock.contended.{v}.{workers}.max_share",
+            round(median(r["max_share"] for r in rows if r["max_share"] is not None), 3),
+            "share",
+            **labels,
+        )
+        rec.add(
+            f"lock.contended.{v}.{workers}.starved",
+            round(median(r["starved"] for r in rows)),
+            "processes",
+            **labels,
+        )
+        rec.add(
+            f"lock.contended.{v}.{workers}.redis_cmds",
+            round(median(r["redis_cmds_per_s"] for r in rows)),
+            "commands/s",
+            **labels,
+        )
+        rec.add(
+            f"lock.contended.{v}.{workers}.errors",
+            sum(r["errors"] + r["stuck"] for r in rows),
+            "processes",
+            **labels,
+        )
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -526,22 +694,39 @@ def run(quick: bool = False) -> dict[str, Any]:
         url = server.url
         rec.say(f"redis-server {url} (pid {server.pid})")
         if quick:
-            uncontended(rec, url, cycles=300, reps=2, warmup=30, variants=uncontended_variants,
-                        profiles=profiles, server_cycles=1000)
-            contended(rec, url, levels=[8, 64], duration=0.5, reps=1,
-                      variants=contended_variants)
+            uncontended(
+                rec,
+                url,
+                cycles=300,
+                reps=2,
+                warmup=30,
+                variants=uncontended_variants,
+                profiles=profiles,
+                server_cycles=1000,
+            )
+            contended(rec, url, levels=[8, 64], duration=0.5, reps=1, variants=contended_variants)
         else:
-            uncontended(rec, url, cycles=2000, reps=5, warmup=200,
-                        variants=uncontended_variants, profiles=profiles,
-                        server_cycles=10_000)
-            contended(rec, url, levels=[8, 64], duration=2.0, reps=3,
-                      variants=contended_variants)
-    rec.note("Uncontended: peers use a default redis.Redis client; ours and the raw floor use "
-             "celery_steplock.make_client (decode_responses=True, one retry), the same client "
-             "for both so that their ratio isolates the library's own cost.")
-    rec.note("Contended: each process holds the lock 0.2 ms, then waits 1 ms before asking "
-             "again; overlaps are counted with a process-shared counter inside the critical "
-             "section.")
+            uncontended(
+                rec,
+                url,
+                cycles=2000,
+                reps=5,
+                warmup=200,
+                variants=uncontended_variants,
+                profiles=profiles,
+                server_cycles=10_000,
+            )
+            contended(rec, url, levels=[8, 64], duration=2.0, reps=3, variants=contended_variants)
+    rec.note(
+        "Uncontended: peers use a default redis.Redis client; ours and the raw floor use "
+        "celery_steplock.make_client (decode_responses=True, one retry), the same client "
+        "for both so that their ratio isolates the library's own cost."
+    )
+    rec.note(
+        "Contended: each process holds the lock 0.2 ms, then waits 1 ms before asking "
+        "again; overlaps are counted with a process-shared counter inside the critical "
+        "section."
+    )
     return rec.result(peers=peers, profiles=profiles)
 
 

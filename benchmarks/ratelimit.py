@@ -27,6 +27,7 @@ Figures:
 Writes ``docs/patterns/ratelimit.json`` (a full run; ``--quick`` writes
 ``var/bench-quick/ratelimit.json``) and prints the tables.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import Recorder, group_main, machine_context, percentile, \
-    version_of  # noqa: E402
+from benchmarks.common import Recorder, group_main, machine_context, percentile, version_of  # noqa: E402
 from tests.support import servers  # noqa: E402
 
-LIMIT, WINDOW = 20, 1.0           # accuracy runs: 20 per second
-LATENCY_LIMIT = 1000              # latency runs: 1000 per second
+LIMIT, WINDOW = 20, 1.0  # accuracy runs: 20 per second
+LATENCY_LIMIT = 1000  # latency runs: 1000 per second
 WORKERS = (1, 2, 8)
 
 METHODS = {
@@ -58,8 +58,9 @@ METHODS = {
 }
 
 
-def decider(method: str, url: str, limit: int, window: float, key: str
-            ) -> Callable[[], tuple[bool, float | None]]:
+def decider(
+    method: str, url: str, limit: int, window: float, key: str
+) -> Callable[[], tuple[bool, float | None]]:
     """A fresh decision function of ``method`` (its own client): ``(admitted, the Redis time
     of the decision in seconds, or None when the method does not tell it)``."""
     if method in ("ours_window", "ours_bucket"):
@@ -67,12 +68,16 @@ def decider(method: str, url: str, limit: int, window: float, key: str
         from celery_steplock.ratelimit import SlidingWindow, TokenBucket
 
         client = make_client(url)
-        limiter = (SlidingWindow(limit, window, client=client, prefix="bench")
-                   if method == "ours_window" else
-                   TokenBucket(limit / window, capacity=1, client=client, prefix="bench"))
+        limiter = (
+            SlidingWindow(limit, window, client=client, prefix="bench")
+            if method == "ours_window"
+            else TokenBucket(limit / window, capacity=1, client=client, prefix="bench")
+        )
+
         def decide() -> tuple[bool, float | None]:
             decision = limiter.try_acquire(key)
             return decision.allowed, decision.now
+
         return decide
     if method in ("limits_moving", "limits_fixed"):
         from limits import RateLimitItemPerSecond
@@ -80,8 +85,9 @@ def decider(method: str, url: str, limit: int, window: float, key: str
         from limits.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
 
         storage = storage_from_string(url)
-        strategy = (MovingWindowRateLimiter if method == "limits_moving"
-                    else FixedWindowRateLimiter)(storage)
+        strategy = (
+            MovingWindowRateLimiter if method == "limits_moving" else FixedWindowRateLimiter
+        )(storage)
         item = RateLimitItemPerSecond(limit, int(window))
         return lambda: (strategy.hit(item, key), None)
     if method == "celery":
@@ -101,12 +107,21 @@ def decider(method: str, url: str, limit: int, window: float, key: str
             if count == 1:
                 client.expire(name, ttl)
             return count <= limit, None
+
         return decide
     raise ValueError(method)
 
 
-def _worker(method: str, url: str, key: str, start: float, seconds: float, queue,
-            first: bool = False, pattern: str = "steady") -> None:
+def _worker(
+    method: str,
+    url: str,
+    key: str,
+    start: float,
+    seconds: float,
+    queue,
+    first: bool = False,
+    pattern: str = "steady",
+) -> None:
     decide = decider(method, url, LIMIT, WINDOW, key)
     times = []
     while time.time() < start:
@@ -132,8 +147,9 @@ def _worker(method: str, url: str, key: str, start: float, seconds: float, queue
     queue.put(times)
 
 
-def accuracy(method: str, url: str, workers: int, seconds: float, run: int,
-             pattern: str = "steady") -> list[tuple[float, float, float | None]]:
+def accuracy(
+    method: str, url: str, workers: int, seconds: float, run: int, pattern: str = "steady"
+) -> list[tuple[float, float, float | None]]:
     """Admissions of ``workers`` processes on one limit for ``seconds``, each as ``(sent,
     answered, Redis time or None)``, seconds; ``pattern``
     "steady" (every process asks all along) or "edge" (one request, then every process
@@ -141,9 +157,13 @@ def accuracy(method: str, url: str, workers: int, seconds: float, run: int,
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     start = time.time() + 1.5 + 0.2 * workers  # every process imported and connected
-    procs = [ctx.Process(target=_worker, args=(method, url, f"acc{run}-{pattern}", start,
-                                                seconds, queue, i == 0, pattern))
-             for i in range(workers)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(method, url, f"acc{run}-{pattern}", start, seconds, queue, i == 0, pattern),
+        )
+        for i in range(workers)
+    ]
     for proc in procs:
         proc.start()
     times = []
@@ -181,8 +201,13 @@ def latency(method: str, url: str, count: int) -> dict[str, float]:
         admitted += bool(decide()[0])
         samples.append(time.perf_counter() - began)
     server_us, commands = server_time(admin, decide, min(count, 1000))
-    return {"p50_us": percentile(samples, 50) * 1e6, "p99_us": percentile(samples, 99) * 1e6,
-            "server_us": server_us, "commands": commands, "admitted": admitted / count}
+    return {
+        "p50_us": percentile(samples, 50) * 1e6,
+        "p99_us": percentile(samples, 99) * 1e6,
+        "server_us": server_us,
+        "commands": commands,
+        "admitted": admitted / count,
+    }
 
 
 def server_time(admin, decide: Callable[[], bool], count: int) -> tuple[float, float]:
@@ -237,67 +262,115 @@ def run(quick: bool = False) -> dict[str, Any]:
         for method in methods:
             figures = latency(method, server.url, count)
             tables["latency"][method] = figures
-            for name, unit in (("p50_us", "us"), ("p99_us", "us"), ("server_us", "us"),
-                               ("commands", "commands"), ("admitted", "ratio")):
-                rec.add(f"ratelimit.latency.{name}", round(figures[name], 3), unit,
-                        method=method)
+            for name, unit in (
+                ("p50_us", "us"),
+                ("p99_us", "us"),
+                ("server_us", "us"),
+                ("commands", "commands"),
+                ("admitted", "ratio"),
+            ):
+                rec.add(f"ratelimit.latency.{name}", round(figures[name], 3), unit, method=method)
         for run_no, (method, n) in enumerate((m, n) for m in methods for n in workers):
             times = accuracy(method, server.url, n, seconds, run_no)
             servers_seen = [t[2] for t in times if t[2] is not None]
-            row = {"workers": n, "admitted": len(times), "seconds": seconds,
-                   "mean_rate": len(times) / seconds, "configured_rate": LIMIT / WINDOW,
-                   "proven_max_in_window": proven_max(times, WINDOW), "limit": LIMIT,
-                   "redis_max_in_window": max_in_window(servers_seen, WINDOW)[0]
-                   if servers_seen else None,
-                   "redis_bucket_excess": round(bucket_excess(servers_seen, LIMIT / WINDOW, 1),
-                                                3) if servers_seen else None}
+            row = {
+                "workers": n,
+                "admitted": len(times),
+                "seconds": seconds,
+                "mean_rate": len(times) / seconds,
+                "configured_rate": LIMIT / WINDOW,
+                "proven_max_in_window": proven_max(times, WINDOW),
+                "limit": LIMIT,
+                "redis_max_in_window": max_in_window(servers_seen, WINDOW)[0]
+                if servers_seen
+                else None,
+                "redis_bucket_excess": round(bucket_excess(servers_seen, LIMIT / WINDOW, 1), 3)
+                if servers_seen
+                else None,
+            }
             tables["accuracy"].setdefault(method, []).append(row)
             for name in ("mean_rate", "proven_max_in_window", "redis_max_in_window"):
                 if row[name] is not None:
-                    rec.add(f"ratelimit.accuracy.{name}", round(row[name], 3),
-                            "per s" if name == "mean_rate" else "per window",
-                            method=method, workers=n)
-            rec.say(f"{METHODS[method]}, {n} workers: at least {row['proven_max_in_window']} "
-                    f"in one {WINDOW:g} s window (Redis time: {row['redis_max_in_window']}; "
-                    f"limit {LIMIT}), mean {row['mean_rate']:.1f}/s")
+                    rec.add(
+                        f"ratelimit.accuracy.{name}",
+                        round(row[name], 3),
+                        "per s" if name == "mean_rate" else "per window",
+                        method=method,
+                        workers=n,
+                    )
+            rec.say(
+                f"{METHODS[method]}, {n} workers: at least {row['proven_max_in_window']} "
+                f"in one {WINDOW:g} s window (Redis time: {row['redis_max_in_window']}; "
+                f"limit {LIMIT}), mean {row['mean_rate']:.1f}/s"
+            )
         for method in methods:
             times = accuracy(method, server.url, 2, 1.5 * WINDOW, 99, pattern="edge")
             most = proven_max(times, WINDOW)
-            tables.setdefault("edge", {})[method] = {"workers": 2, "admitted": len(times),
-                                                     "proven_max_in_window": most,
-                                                     "limit": LIMIT}
+            tables.setdefault("edge", {})[method] = {
+                "workers": 2,
+                "admitted": len(times),
+                "proven_max_in_window": most,
+                "limit": LIMIT,
+            }
             rec.add("ratelimit.edge.proven_max_in_window", most, "per window", method=method)
             rec.say(f"{METHODS[method]}, edge burst: at least {most} in one {WINDOW:g} s")
-    rec.note(f"Latency: {count} back-to-back decisions per method, limit {LATENCY_LIMIT}/s; "
-             f"server time from SLOWLOG (every top-level command, a script once). Accuracy: "
-             f"limit {LIMIT} per {WINDOW:g} s, {seconds:g} s per run, a 2 ms pause after a "
-             f"denial. Celery's rate_limit is kombu's per-worker token bucket (capacity 1) "
-             f"in each process, as Celery keeps one per worker.")
+    rec.note(
+        f"Latency: {count} back-to-back decisions per method, limit {LATENCY_LIMIT}/s; "
+        f"server time from SLOWLOG (every top-level command, a script once). Accuracy: "
+        f"limit {LIMIT} per {WINDOW:g} s, {seconds:g} s per run, a 2 ms pause after a "
+        f"denial. Celery's rate_limit is kombu's per-worker token bucket (capacity 1) "
+        f"in each process, as Celery keeps one per worker."
+    )
     text = render(tables, methods, workers)
     print(text, flush=True)
     out = ROOT / ("var/bench-quick" if quick else "docs/patterns") / "ratelimit.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"context": machine_context(), "limit": LIMIT, "window": WINDOW,
-                               "latency_limit": LATENCY_LIMIT, "decisions": count,
-                               "seconds": seconds, "methods": METHODS, "tables": tables,
-                               "versions": {"limits": version_of("limits"),
-                                            "celery": version_of("celery"),
-                                            "kombu": version_of("kombu"),
-                                            "redis": version_of("redis")}},
-                              indent=1, default=str))
+    out.write_text(
+        json.dumps(
+            {
+                "context": machine_context(),
+                "limit": LIMIT,
+                "window": WINDOW,
+                "latency_limit": LATENCY_LIMIT,
+                "decisions": count,
+                "seconds": seconds,
+                "methods": METHODS,
+                "tables": tables,
+                "versions": {
+                    "limits": version_of("limits"),
+                    "celery": version_of("celery"),
+                    "kombu": version_of("kombu"),
+                    "redis": version_of("redis"),
+                },
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return rec.result(tables=tables, text=text)
 
 
 def render(tables: dict[str, Any], methods: list[str], workers) -> str:
-    lines = ["| method | p50 µs | p99 µs | Redis server µs/decision | commands/decision |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| method | p50 µs | p99 µs | Redis server µs/decision | commands/decision |",
+        "|---|---|---|---|---|",
+    ]
     for method in methods:
         f = tables["latency"][method]
-        lines.append(f"| {METHODS[method]} | {f['p50_us']:.0f} | {f['p99_us']:.0f} | "
-                     f"{f['server_us']:.1f} | {f['commands']:.2f} |")
-    lines += ["", "| method | " + " | ".join(
-        f"{n} worker{'s' if n > 1 else ''}: max in one {WINDOW:g} s / mean per s"
-        for n in workers) + " |", "|---|" + "---|" * len(workers)]
+        lines.append(
+            f"| {METHODS[method]} | {f['p50_us']:.0f} | {f['p99_us']:.0f} | "
+            f"{f['server_us']:.1f} | {f['commands']:.2f} |"
+        )
+    lines += [
+        "",
+        "| method | "
+        + " | ".join(
+            f"{n} worker{'s' if n > 1 else ''}: max in one {WINDOW:g} s / mean per s"
+            for n in workers
+        )
+        + " |",
+        "|---|" + "---|" * len(workers),
+    ]
     for method in methods:
         cells = []
         for row in tables["accuracy"][method]:
@@ -309,15 +382,16 @@ def render(tables: dict[str, Any], methods: list[str], workers) -> str:
             cells.append(f"{cell} / {row['mean_rate']:.1f}")
         lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
     if tables.get("edge"):
-        lines += ["", f"| method | edge burst (2 workers): max in one {WINDOW:g} s |",
-                  "|---|---|"]
+        lines += ["", f"| method | edge burst (2 workers): max in one {WINDOW:g} s |", "|---|---|"]
         for method in methods:
             most = tables["edge"][method]["proven_max_in_window"]
             lines.append(f"| {METHODS[method]} | {most}{' **over**' if most > LIMIT else ''} |")
-    lines.append(f"\nconfigured: {LIMIT} per {WINDOW:g} s. \"max in one window\": admissions "
-                 f"whose request and answer both fell inside one window (a lower bound: above "
-                 f"{LIMIT} proves the limit was exceeded); \"Redis time\": the decisions' own "
-                 f"times, where the method reports them (exact).")
+    lines.append(
+        f'\nconfigured: {LIMIT} per {WINDOW:g} s. "max in one window": admissions '
+        f"whose request and answer both fell inside one window (a lower bound: above "
+        f'{LIMIT} proves the limit was exceeded); "Redis time": the decisions\' own '
+        f"times, where the method reports them (exact)."
+    )
     return "\n".join(lines)
 
 

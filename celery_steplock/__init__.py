@@ -7,6 +7,7 @@ Public API::
     from celery_steplock import StepLockedTask, DjangoStepLockedTask, RedisLeaseStore, Lease
     from celery_steplock import signals, exceptions
 """
+
 import warnings
 
 from . import exceptions, signals
@@ -48,17 +49,49 @@ __version__ = "0.1.0"
 _RENAMED = {"RedisStepLock": "RedisLeaseStore", "get_lock": "get_lease_store"}
 
 __all__ = [
-    "StepLockedTask", "DjangoStepLockedTask", "RedisLeaseStore", "Lease", "make_client",
-    "new_owner_token", "get_lease_store", "signals", "exceptions", "StepLockError",
-    "ImproperlyConfigured", "LockNameError", "LockError", "LockContended", "LockLost",
-    "LockStoreUnavailable", "LockStoreMisconfigured", "TransitionError", "TransitionConflict", "InvalidTransition",
-    "StepNotFound", "InvalidStepId", "OuterTransactionError", "ForceReleaseRefused",
-    "LeaseNotHeld", "LeaseHeldByAnother", "InvalidArgument",
-    "Idempotency", "idempotent", "IdempotencyError", "IdempotencyKeyReused",
+    "StepLockedTask",
+    "DjangoStepLockedTask",
+    "RedisLeaseStore",
+    "Lease",
+    "make_client",
+    "new_owner_token",
+    "get_lease_store",
+    "signals",
+    "exceptions",
+    "StepLockError",
+    "ImproperlyConfigured",
+    "LockNameError",
+    "LockError",
+    "LockContended",
+    "LockLost",
+    "LockStoreUnavailable",
+    "LockStoreMisconfigured",
+    "TransitionError",
+    "TransitionConflict",
+    "InvalidTransition",
+    "StepNotFound",
+    "InvalidStepId",
+    "OuterTransactionError",
+    "ForceReleaseRefused",
+    "LeaseNotHeld",
+    "LeaseHeldByAnother",
+    "InvalidArgument",
+    "Idempotency",
+    "idempotent",
+    "IdempotencyError",
+    "IdempotencyKeyReused",
     "IdempotencyInProgress",
-    "CircuitBreaker", "CircuitOpen", "AdmissionDenied", "RetryPolicy", "NonRetryable",
-    "ConcurrencyLimit", "ConcurrencyLimited",
-    "RateLimited", "TokenBucket", "SlidingWindow", "Decision",
+    "CircuitBreaker",
+    "CircuitOpen",
+    "AdmissionDenied",
+    "RetryPolicy",
+    "NonRetryable",
+    "ConcurrencyLimit",
+    "ConcurrencyLimited",
+    "RateLimited",
+    "TokenBucket",
+    "SlidingWindow",
+    "Decision",
 ]
 
 
@@ -78,8 +111,11 @@ def __getattr__(name: str):
         return getattr(bulkhead, name)
     if name in _RENAMED:
         new_name = _RENAMED[name]
-        warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         value = globals()[name] = globals()[new_name]  # warn once: `from x import y` looks twice
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ script on that node; all bounded by :data:`MAX_REDIRECTS` and :data:`TRYAGAIN_WA
 A plain ``redis.Redis`` never reaches this module: :mod:`celery_steplock._wire` hands a
 client over only when it has no ``connection_pool`` (a ``RedisCluster`` has one per node).
 """
+
 from __future__ import annotations
 
 import re
@@ -47,10 +48,26 @@ from . import _wire
 from .exceptions import LockStoreUnavailable
 from .keys import lease_key
 
-__all__ = ["is_cluster", "resolve", "make_client", "DeferredCluster", "socket_timeout",
-           "slot_of", "by_slot", "typed", "redirect_hint", "evalsha", "evalsha_many",
-           "primaries", "scan_keys", "encode_cursor", "decode_cursor", "ClusterStoreMixin",
-           "MAX_REDIRECTS", "TRYAGAIN_WAIT"]
+__all__ = [
+    "is_cluster",
+    "resolve",
+    "make_client",
+    "DeferredCluster",
+    "socket_timeout",
+    "slot_of",
+    "by_slot",
+    "typed",
+    "redirect_hint",
+    "evalsha",
+    "evalsha_many",
+    "primaries",
+    "scan_keys",
+    "encode_cursor",
+    "decode_cursor",
+    "ClusterStoreMixin",
+    "MAX_REDIRECTS",
+    "TRYAGAIN_WAIT",
+]
 
 #: Redirections (MOVED, ASK) and connection failures one call follows before giving up.
 MAX_REDIRECTS = 5
@@ -81,8 +98,10 @@ def resolve(client: Any) -> RedisCluster:
         return client
     if isinstance(client, DeferredCluster):
         return client.get()
-    raise AttributeError(f"{type(client).__name__} has no connection_pool: neither a "
-                         f"redis.Redis nor a redis.cluster.RedisCluster")
+    raise AttributeError(
+        f"{type(client).__name__} has no connection_pool: neither a "
+        f"redis.Redis nor a redis.cluster.RedisCluster"
+    )
 
 
 def make_client(url: str, socket_timeout: float = 5.0, **options: Any) -> RedisCluster:
@@ -107,32 +126,45 @@ def make_client(url: str, socket_timeout: float = 5.0, **options: Any) -> RedisC
     if allowed is not None:
         dropped = sorted(k for k in options if k not in allowed)
         if dropped:
-            setting = ("steplock_redis_use_ssl" if all(k.startswith("ssl") for k in dropped)
-                       else "steplock_redis_transport_options")
+            setting = (
+                "steplock_redis_use_ssl"
+                if all(k.startswith("ssl") for k in dropped)
+                else "steplock_redis_transport_options"
+            )
             raise ImproperlyConfigured(
                 f"{setting}: redis-py's cluster client (redis {_redis_version}) does not "
                 f"pass {', '.join(dropped)} to its connections; remove it with "
-                f"steplock_redis_cluster=True", setting=setting)
+                f"steplock_redis_cluster=True",
+                setting=setting,
+            )
 
     def build() -> RedisCluster:
         try:
             return RedisCluster.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_timeout,
                 retry=Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
-                decode_responses=True, encoding_errors="replace", **options)
+                decode_responses=True,
+                encoding_errors="replace",
+                **options,
+            )
         except RedisClusterException as exc:
             message = str(exc)
             if "cluster mode is not enabled" in message.lower():
                 raise ImproperlyConfigured(
                     f"steplock_redis_cluster is True but the Redis at the lock store's URL "
                     f"is not in cluster mode ({exc}); set it to False",
-                    setting="steplock_redis_cluster") from exc
+                    setting="steplock_redis_cluster",
+                ) from exc
             if _URL_REFUSED.search(message):
                 # Refused before anything connects: no retry can fix it.
                 raise ImproperlyConfigured(
                     f"steplock_redis_url with steplock_redis_cluster=True must be a "
                     f"redis:// or rediss:// URL of database 0 (a cluster has no other): "
-                    f"{exc}", setting="steplock_redis_url") from exc
+                    f"{exc}",
+                    setting="steplock_redis_url",
+                ) from exc
             raise
 
     try:
@@ -176,8 +208,13 @@ def socket_timeout(client: RedisCluster) -> float | None:
     return client.nodes_manager.connection_kwargs.get("socket_timeout")
 
 
-_TYPED: dict[str, type[ResponseError]] = {"MOVED": MovedError, "ASK": AskError, "TRYAGAIN": TryAgainError,
-          "CLUSTERDOWN": ClusterDownError, "NOSCRIPT": NoScriptError}
+_TYPED: dict[str, type[ResponseError]] = {
+    "MOVED": MovedError,
+    "ASK": AskError,
+    "TRYAGAIN": TryAgainError,
+    "CLUSTERDOWN": ClusterDownError,
+    "NOSCRIPT": NoScriptError,
+}
 
 
 def typed(error: Exception) -> Exception:
@@ -199,9 +236,11 @@ def redirect_hint(error: Exception) -> str:
     error = typed(error)
     if isinstance(error, AskError):
         kind = "MOVED" if isinstance(error, MovedError) else "ASK"
-        return (f" ({kind}: the Redis URL names a Redis Cluster node; set "
-                f"steplock_redis_cluster = True, CELERY_STEPLOCK_REDIS_CLUSTER in Django "
-                f"settings)")
+        return (
+            f" ({kind}: the Redis URL names a Redis Cluster node; set "
+            f"steplock_redis_cluster = True, CELERY_STEPLOCK_REDIS_CLUSTER in Django "
+            f"settings)"
+        )
     return ""
 
 
@@ -227,8 +266,7 @@ def _node_at(client: RedisCluster, host: str, port: int):
     return node
 
 
-def evalsha(client: RedisCluster, script: _wire.Script, keys: list[str],
-            args: list[str]) -> Any:
+def evalsha(client: RedisCluster, script: _wire.Script, keys: list[str], args: list[str]) -> Any:
     """:func:`celery_steplock._wire.evalsha` on the primary owning ``keys``' slot (all of
     ``keys`` must share one), redirections followed. Raises ``ResponseError`` when Redis
     refuses the call (``CROSSSLOT`` included), ``RedisError``/``OSError`` when the node cannot
@@ -239,8 +277,9 @@ def evalsha(client: RedisCluster, script: _wire.Script, keys: list[str],
     return reply
 
 
-def evalsha_many(client: RedisCluster, script: _wire.Script,
-                 calls: Iterable[_wire.Call]) -> list[Any]:
+def evalsha_many(
+    client: RedisCluster, script: _wire.Script, calls: Iterable[_wire.Call]
+) -> list[Any]:
     """:func:`celery_steplock._wire.evalsha_many` over a cluster: each call goes to the
     primary owning its keys' slot, the calls of one node pipelined on one connection, every
     node written before any is read (one round trip per node, concurrently). Returns the
@@ -251,17 +290,17 @@ def evalsha_many(client: RedisCluster, script: _wire.Script,
     """
     calls = list(calls)
     replies = _run(client, script, calls)
-    if calls and all(isinstance(r, BaseException) and not isinstance(r, ResponseError)
-                     for r in replies):
+    if calls and all(
+        isinstance(r, BaseException) and not isinstance(r, ResponseError) for r in replies
+    ):
         raise replies[0]
     return replies
 
 
-def _run(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call]
-         ) -> list[Any]:
+def _run(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call]) -> list[Any]:
     replies: list[Any] = [None] * len(calls)
     pending = list(range(len(calls)))
-    asked: dict[int, tuple[str, int]] = {}   # call -> importing node (host, port) after ASK
+    asked: dict[int, tuple[str, int]] = {}  # call -> importing node (host, port) after ASK
     redirects = 0
     tryagain_until = None
     while pending:
@@ -283,7 +322,8 @@ def _run(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call]
             elif isinstance(reply, NoScriptError):
                 pass  # loaded on that node by _round_trip; resending is not a redirection
             elif isinstance(reply, ClusterDownError) or (
-                    not isinstance(reply, ResponseError) and i in failures):
+                not isinstance(reply, ResponseError) and i in failures
+            ):
                 asked.pop(i, None)
                 refresh = True
             else:
@@ -307,9 +347,14 @@ def _run(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call]
     return replies
 
 
-def _round_trip(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call],
-                pending: list[int], asked: dict[int, tuple[str, int]],
-                replies: list[Any]) -> set[int]:
+def _round_trip(
+    client: RedisCluster,
+    script: _wire.Script,
+    calls: Sequence[_wire.Call],
+    pending: list[int],
+    asked: dict[int, tuple[str, int]],
+    replies: list[Any],
+) -> set[int]:
     """Send the ``pending`` calls, grouped by node, then read every reply into ``replies``.
     Returns the calls whose node could not be reached (their reply is the error)."""
     nodes = client.nodes_manager
@@ -420,8 +465,7 @@ def decode_cursor(cursor: int) -> tuple[int, int]:
     return (cursor >> _CURSOR_SHIFT) - 1, cursor & ((1 << _CURSOR_SHIFT) - 1)
 
 
-def scan_keys(client: RedisCluster, cursor: int, count: int, match: str
-              ) -> tuple[int, list[str]]:
+def scan_keys(client: RedisCluster, cursor: int, count: int, match: str) -> tuple[int, list[str]]:
     """One ``SCAN`` step on one primary: ``(next_cursor, keys)``. The walk visits the
     primaries by their lowest slot, each from its cursor 0 to 0 again, and ends (cursor 0)
     after the last; a primary is found again by a slot it serves, so a failover during the
@@ -466,6 +510,7 @@ class ClusterStoreMixin:
     are routed by :mod:`celery_steplock._wire`)."""
 
     if TYPE_CHECKING:  # the attributes of RedisLeaseStore, which this is mixed into
+
         def __getattr__(self, name: str) -> Any: ...
 
     def extend_many(self, items, chunk: int | None = None) -> list[bool]:
@@ -487,7 +532,7 @@ class ClusterStoreMixin:
         members: list[list[int]] = []
         for positions in by_slot(keys).values():
             for start in range(0, len(positions), chunk):
-                part = positions[start:start + chunk]
+                part = positions[start : start + chunk]
                 argv: list[str] = []
                 for n in part:
                     argv.append(items[n][1])
@@ -506,25 +551,29 @@ class ClusterStoreMixin:
             for n, c in zip(part, _wire.text(reply)):
                 results[n] = c == "1"
         if error is not None:
-            what = "refused a renewal" if isinstance(error, ResponseError) else \
-                "unavailable during renewal"
+            what = (
+                "refused a renewal"
+                if isinstance(error, ResponseError)
+                else "unavailable during renewal"
+            )
             raise LockStoreUnavailable(f"lock store {what}: {error}", results=results)
         return results  # type: ignore[return-value]
 
-    def _split_tryagain(self, calls: list[_wire.Call], members: list[list[int]]
-                        ) -> list[Any]:
+    def _split_tryagain(self, calls: list[_wire.Call], members: list[list[int]]) -> list[Any]:
         """The replies of ``calls``; a call of several leases that kept getting TRYAGAIN (a
         migration has moved some of its slot's keys) is resent one lease per call, which
         each follow ASK on their own."""
         try:
             replies = evalsha_many(self.client, self._extend_many, calls)
         except _CONNECTION_ERRORS as exc:
-            raise LockStoreUnavailable(f"lock store unavailable during renewal: {exc}",
-                                       results=[None] * sum(map(len, members))) from exc
+            raise LockStoreUnavailable(
+                f"lock store unavailable during renewal: {exc}",
+                results=[None] * sum(map(len, members)),
+            ) from exc
         for c, reply in enumerate(replies):
             if isinstance(reply, TryAgainError) and len(members[c]) > 1:
                 keys, argv = calls[c]
-                singles = [([key], argv[2 * k:2 * k + 2]) for k, key in enumerate(keys)]
+                singles = [([key], argv[2 * k : 2 * k + 2]) for k, key in enumerate(keys)]
                 try:
                     parts = evalsha_many(self.client, self._extend_many, singles)
                 except _CONNECTION_ERRORS as exc:
@@ -535,8 +584,9 @@ class ClusterStoreMixin:
                     replies[c] = "".join(_wire.text(p) for p in parts)
         return replies
 
-    def scan_keys(self, cursor: int = 0, count: int = 500, match: str = "*"
-                  ) -> tuple[int, list[str]]:
+    def scan_keys(
+        self, cursor: int = 0, count: int = 500, match: str = "*"
+    ) -> tuple[int, list[str]]:
         """One ``SCAN`` step on one primary (see :func:`scan_keys` for the walk):
         ``(next_cursor, keys)``; ``next_cursor`` 0 when every primary was walked."""
         cursor, count, match = self._checked_scan(cursor, count, match)
@@ -569,9 +619,10 @@ class ClusterStoreMixin:
         primary. Raises LockStoreUnavailable."""
         try:
             seconds, micros = self.client.time()
-            size = sum(int(self.client.get_redis_connection(node).dbsize())
-                       for _slot, node in primaries(self.client))
+            size = sum(
+                int(self.client.get_redis_connection(node).dbsize())
+                for _slot, node in primaries(self.client)
+            )
         except _CONNECTION_ERRORS as exc:
             raise LockStoreUnavailable(f"lock store unavailable: {exc}") from exc
         return int(seconds) * 1000 + int(micros) // 1000, size
-

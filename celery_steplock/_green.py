@@ -12,6 +12,7 @@ through a client of its own whose sockets, locks and retry sleeps are the unpatc
 Everything here is looked up when called, never at import, so importing this module neither
 imports gevent or eventlet nor fixes which primitives are used before a worker patches.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,9 +26,20 @@ from typing import Any, Callable
 from .events import log_event
 from .exceptions import ImproperlyConfigured
 
-__all__ = ["green_pool", "native", "native_lock", "native_rlock", "native_sleep",
-           "NativeCondition", "NativeFlag", "NativeThread", "Relay", "native_client",
-           "native_store", "GreenPoolUnsupported"]
+__all__ = [
+    "green_pool",
+    "native",
+    "native_lock",
+    "native_rlock",
+    "native_sleep",
+    "NativeCondition",
+    "NativeFlag",
+    "NativeThread",
+    "Relay",
+    "native_client",
+    "native_store",
+    "GreenPoolUnsupported",
+]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -48,12 +60,14 @@ def green_pool() -> str | None:
     """``"gevent"`` or ``"eventlet"`` when that library has monkey patched threads or sockets
     in this process, else None. Never imports either library."""
     monkey = sys.modules.get("gevent.monkey")
-    if monkey is not None and (monkey.is_module_patched("threading")
-                               or monkey.is_module_patched("socket")):
+    if monkey is not None and (
+        monkey.is_module_patched("threading") or monkey.is_module_patched("socket")
+    ):
         return "gevent"
     patcher = sys.modules.get("eventlet.patcher")
-    if patcher is not None and (patcher.is_monkey_patched("thread")
-                                or patcher.is_monkey_patched("socket")):
+    if patcher is not None and (
+        patcher.is_monkey_patched("thread") or patcher.is_monkey_patched("socket")
+    ):
         return "eventlet"
     return None
 
@@ -228,8 +242,9 @@ class Relay:
             try:
                 function(*args, **kwargs)
             except Exception:  # noqa: BLE001 - one failing call must not stop the others
-                log_event("heartbeat_error", logging.ERROR, exc_info=True,
-                          reason="a relayed call failed")
+                log_event(
+                    "heartbeat_error", logging.ERROR, exc_info=True, reason="a relayed call failed"
+                )
 
     def _loop(self) -> None:
         while True:
@@ -282,14 +297,20 @@ class NativeThread:
 
 # -- the heartbeat's own client ------------------------------------------------------------
 
+
 def _rebind(function: Callable, **names: Any) -> Callable:
     """``function`` with some of its module globals replaced (a copy; the original is
     untouched): how a redis-py method comes to use the unpatched ``socket``/``ssl``/``sleep``
     without any change to redis-py."""
     namespace = dict(function.__globals__)
     namespace.update(names)
-    clone = types.FunctionType(function.__code__, namespace, function.__name__,
-                               function.__defaults__, function.__closure__)
+    clone = types.FunctionType(
+        function.__code__,
+        namespace,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
     clone.__kwdefaults__ = function.__kwdefaults__
     clone.__qualname__ = function.__qualname__
     clone.__doc__ = function.__doc__
@@ -312,10 +333,14 @@ def _native_connection_class(cls: type, pool: str) -> type:
     tcp = _rebind(rc.Connection._connect, socket=socket_module)
     attrs: dict[str, Any] = {}
     bases: tuple[type, ...] = (cls,)
-    if (issubclass(cls, rc.SSLConnection) and cls._connect is rc.SSLConnection._connect
-            and hasattr(rc.SSLConnection, "_wrap_socket_with_ssl")):
-        wrap = _rebind(rc.SSLConnection._wrap_socket_with_ssl, ssl=native("ssl"),
-                       socket=socket_module)
+    if (
+        issubclass(cls, rc.SSLConnection)
+        and cls._connect is rc.SSLConnection._connect
+        and hasattr(rc.SSLConnection, "_wrap_socket_with_ssl")
+    ):
+        wrap = _rebind(
+            rc.SSLConnection._wrap_socket_with_ssl, ssl=native("ssl"), socket=socket_module
+        )
 
         def _connect(self):
             sock = tcp(self)
@@ -336,17 +361,23 @@ def _native_connection_class(cls: type, pool: str) -> type:
             pass
 
         function = _rebind(rc.SSLConnection._connect, ssl=native("ssl"), socket=socket_module)
-        cells = tuple(types.CellType(_SSLCell) if name == "__class__" else cell
-                      for name, cell in zip(function.__code__.co_freevars,
-                                            function.__closure__ or ()))
-        attrs["_connect"] = types.FunctionType(function.__code__, function.__globals__,
-                                               function.__name__, function.__defaults__,
-                                               cells)
+        cells = tuple(
+            types.CellType(_SSLCell) if name == "__class__" else cell
+            for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())
+        )
+        attrs["_connect"] = types.FunctionType(
+            function.__code__,
+            function.__globals__,
+            function.__name__,
+            function.__defaults__,
+            cells,
+        )
         bases = (_SSLCell, cls)
-    elif (issubclass(cls, rc.UnixDomainSocketConnection)
-          and cls._connect is rc.UnixDomainSocketConnection._connect):
-        attrs["_connect"] = _rebind(rc.UnixDomainSocketConnection._connect,
-                                    socket=socket_module)
+    elif (
+        issubclass(cls, rc.UnixDomainSocketConnection)
+        and cls._connect is rc.UnixDomainSocketConnection._connect
+    ):
+        attrs["_connect"] = _rebind(rc.UnixDomainSocketConnection._connect, socket=socket_module)
     elif issubclass(cls, rc.Connection) and cls._connect is rc.Connection._connect:
         attrs["_connect"] = tcp
     else:
@@ -355,7 +386,8 @@ def _native_connection_class(cls: type, pool: str) -> type:
             f"native thread with unpatched sockets, which it cannot do for the lock store's "
             f"connection class {cls.__module__}.{cls.__qualname__}; run this worker with "
             f"-P prefork or -P threads, or use a redis://, rediss:// or unix:// URL",
-            pool=pool)
+            pool=pool,
+        )
     found = type(f"Native{cls.__name__}", bases, attrs)
     _connection_classes[(pool, cls)] = found
     return found
@@ -379,8 +411,13 @@ def _NativeRetryType() -> type:
     from redis import retry as rr
 
     if not _retry_type:
-        _retry_type.append(type("NativeRetry", (rr.Retry,), {
-            "call_with_retry": _rebind(rr.Retry.call_with_retry, sleep=native_sleep)}))
+        _retry_type.append(
+            type(
+                "NativeRetry",
+                (rr.Retry,),
+                {"call_with_retry": _rebind(rr.Retry.call_with_retry, sleep=native_sleep)},
+            )
+        )
     return _retry_type[0]
 
 
@@ -409,20 +446,25 @@ def native_client(client: Any, pool: str | None = None) -> Any:
     pool = pool or green_pool() or "green"
     # Checked before reading connection_pool: a deferred Cluster client would be built by
     # that read, raising while the cluster is down (and Celery drops errors of worker_init).
-    source: Any = None if _cluster.is_cluster(client) else getattr(client, "connection_pool",
-                                                                    None)
+    source: Any = None if _cluster.is_cluster(client) else getattr(client, "connection_pool", None)
     if type(source) not in (rc.ConnectionPool, rc.BlockingConnectionPool):
-        what = ("RedisCluster" if _cluster.is_cluster(client) else type(client).__name__
-                if source is None else type(source).__name__)
+        what = (
+            "RedisCluster"
+            if _cluster.is_cluster(client)
+            else type(client).__name__
+            if source is None
+            else type(source).__name__
+        )
         raise GreenPoolUnsupported(
             f"celery-steplock: under the {pool} pool the heartbeat renews leases from a "
             f"native thread with a client of its own, which it cannot derive from a {what}; "
-            f"run this worker with -P prefork or -P threads", pool=pool)
+            f"run this worker with -P prefork or -P threads",
+            pool=pool,
+        )
     kwargs = dict(source.connection_kwargs)
     kwargs["retry"] = _native_retry(kwargs.get("retry"))
     connection_class = _native_connection_class(source.connection_class, pool)
-    native_pool = rc.ConnectionPool(connection_class=connection_class, max_connections=2,
-                                    **kwargs)
+    native_pool = rc.ConnectionPool(connection_class=connection_class, max_connections=2, **kwargs)
     _nativize_locks(native_pool, "_lock", "_fork_lock")
     derived = redis.Redis(connection_pool=native_pool)
     _nativize_locks(getattr(derived, "_event_dispatcher", None), "_lock")

@@ -21,6 +21,7 @@ the least-privilege ACL of docs/acl.md does not grant it). Times come from Redis
 inside the scripts, never from the workers' clocks; they are built as decimal strings
 (seconds and the zero-padded milliseconds) so that no float formatting can round them.
 """
+
 from __future__ import annotations
 
 __all__ = ["BEGIN", "COMPLETE", "FAIL", "RELEASE", "CACHE"]
@@ -39,7 +40,9 @@ local function plus(ms) return string.format('%.0f', tonumber(now) + tonumber(ms
 #   {"reused", status}                                  locked/completed with another fingerprint
 #   {"in_progress", pttl_ms}                            locked by another owner, same arguments
 # A failed record is locked again whatever its fingerprint: nothing was recorded to replay.
-BEGIN = _NOW + """
+BEGIN = (
+    _NOW
+    + """
 local r = redis.call('HMGET', KEYS[1], 'status', 'fp', 'owner', 'result', 'ser', 'ctype',
                      'cenc', 'b64', 'created_ms', 'completed_ms', 'expires_ms', 'attempts')
 local status = r[1]
@@ -63,13 +66,16 @@ redis.call('HSET', KEYS[1], 'result', '', 'ser', '', 'ctype', '', 'cenc', '', 'b
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'locked', created, now}
 """
+)
 
 # KEYS[1] the record. ARGV: owner, fingerprint, result, ser, ctype, cenc, b64, TTL ms,
 # namespace, version. Records the completion when the caller still holds the record, or when
 # the record is gone (its lock expired and nobody took it since: the body did run).
 # Returns {1, completed_ms, expires_ms} recorded (2 instead of 1: recreated), {0, status}
 # when another execution holds or completed it (nothing written).
-COMPLETE = _NOW + """
+COMPLETE = (
+    _NOW
+    + """
 local r = redis.call('HMGET', KEYS[1], 'status', 'owner', 'created_ms', 'attempts')
 local code = 1
 if r[1] then
@@ -86,11 +92,14 @@ redis.call('HSET', KEYS[1], 'owner', '', 'error', '', 'failed_ms', '')
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
 return {code, now, expires}
 """
+)
 
 # KEYS[1] the record. ARGV: owner, error type, TTL ms. The caller's locked record becomes
 # failed (kept for operators, TTL ms; a failed record is locked again by the next call).
 # Returns 1 when marked, 0 when the caller no longer holds it.
-FAIL = _NOW + """
+FAIL = (
+    _NOW
+    + """
 local r = redis.call('HMGET', KEYS[1], 'status', 'owner')
 if not (r[1] == 'locked' and r[2] == ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[2], 'failed_ms', now,
@@ -99,6 +108,7 @@ redis.call('HSET', KEYS[1], 'owner', '')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+)
 
 # KEYS[1] the record. ARGV: owner. Deletes the caller's locked record (the body never ran).
 # Returns 1 when deleted, 0 when the caller no longer holds it.

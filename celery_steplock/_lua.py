@@ -18,10 +18,10 @@ Scripts get numbers as decimal strings and hand Redis preformatted strings where
 larger than Lua's ``%.14g`` shows exactly (microsecond times). A granted acquire returns a
 bare integer: a table reply costs Redis more to build than the rest of a release.
 """
+
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "RELEASE", "REAP", "EXTEND", "EXTEND_MANY", "OWNED", "SCAN_FIELDS",
-           "PROBE"]
+__all__ = ["ACQUIRE", "RELEASE", "REAP", "EXTEND", "EXTEND_MANY", "OWNED", "SCAN_FIELDS", "PROBE"]
 
 # Redis checks a script's commands against the user's ACL one by one as they run and does
 # not roll back the ones already run: a command refused halfway leaves the earlier writes.

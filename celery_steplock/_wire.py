@@ -5,6 +5,7 @@ Commands are packed here in RESP rather than by redis-py's encoder, which costs 
 more per argument: that counts when a renewal call carries thousands of arguments, and a
 lock cycle's client time is mostly what surrounds its two commands.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,15 +26,29 @@ from redis.sentinel import MasterNotFoundError
 
 from .redact import redact
 
-__all__ = ["Script", "pack", "text", "evalsha", "evalsha_many", "socket_timeout", "connection",
-           "misconfiguration", "refused_command", "derived_client", "SentinelDiscoveryError",
-           "sentinel_discovery_error", "SENTINEL_AUTH", "SENTINEL_UNKNOWN_MASTER"]
+__all__ = [
+    "Script",
+    "pack",
+    "text",
+    "evalsha",
+    "evalsha_many",
+    "socket_timeout",
+    "connection",
+    "misconfiguration",
+    "refused_command",
+    "derived_client",
+    "SentinelDiscoveryError",
+    "sentinel_discovery_error",
+    "SENTINEL_AUTH",
+    "SENTINEL_UNKNOWN_MASTER",
+]
 
 # How Redis and Valkey word an ACL refusal of a command run inside a script (redis-py raises
 # those as a plain ResponseError): "... can't run this command or subcommand" (Redis 6.2,
 # 7.0), "ACL failure in script: ..." (Valkey, Redis 7.2+), "no permissions to ..." (a key).
-_REFUSAL = re.compile(r"NOPERM|can't run this command|ACL failure|no permissions to",
-                      re.IGNORECASE)
+_REFUSAL = re.compile(
+    r"NOPERM|can't run this command|ACL failure|no permissions to", re.IGNORECASE
+)
 _AUTH = re.compile(r"^(WRONGPASS|NOAUTH)\b|invalid username-password|invalid password")
 _COMMAND = re.compile(r"run the '([^']+)' command")
 _POOL_OWN = frozenset({"maint_notifications_pool_handler", "connection_pool"})
@@ -60,8 +75,9 @@ class SentinelDiscoveryError(MasterNotFoundError):
         self.reason = reason
 
 
-def sentinel_discovery_error(sentinel: Any, service_name: str,
-                             exc: MasterNotFoundError) -> SentinelDiscoveryError:
+def sentinel_discovery_error(
+    sentinel: Any, service_name: str, exc: MasterNotFoundError
+) -> SentinelDiscoveryError:
     """The :class:`SentinelDiscoveryError` for ``exc``, raised by ``sentinel``'s (a
     ``redis.sentinel.Sentinel``) ``discover_master(service_name)``. When no sentinel
     reported an error, asks each once more whether it monitors ``service_name``."""
@@ -71,11 +87,12 @@ def sentinel_discovery_error(sentinel: Any, service_name: str,
         addresses.append(f"{kwargs.get('host')}:{kwargs.get('port')}")
     errors = _SENTINEL_ERROR.findall(str(exc))
     where = f"for {service_name!r} from the sentinels at {', '.join(addresses)}"
-    if any(e in ("AuthenticationError", "AuthenticationWrongNumberOfArgsError")
-           for e in errors):
+    if any(e in ("AuthenticationError", "AuthenticationWrongNumberOfArgsError") for e in errors):
         return SentinelDiscoveryError(
             f"No primary found {where}: {errors.count('AuthenticationError')} of "
-            f"{len(addresses)} refused the credentials (sentinel_kwargs)", SENTINEL_AUTH)
+            f"{len(addresses)} refused the credentials (sentinel_kwargs)",
+            SENTINEL_AUTH,
+        )
     if not errors:
         known = False
         for node in sentinel.sentinels:
@@ -88,11 +105,14 @@ def sentinel_discovery_error(sentinel: Any, service_name: str,
         if not known:
             return SentinelDiscoveryError(
                 f"No primary found {where}: none of them monitors a primary of that name "
-                f"(master_name)", SENTINEL_UNKNOWN_MASTER)
+                f"(master_name)",
+                SENTINEL_UNKNOWN_MASTER,
+            )
         return SentinelDiscoveryError(f"No primary found {where}: they report it down")
     listed = ", ".join(sorted(set(errors)))
-    return SentinelDiscoveryError(f"No primary found {where}: {len(errors)} of "
-                                  f"{len(addresses)} did not answer ({listed})")
+    return SentinelDiscoveryError(
+        f"No primary found {where}: {len(errors)} of {len(addresses)} did not answer ({listed})"
+    )
 
 
 class TLSClientCertificateRefused(redis.ConnectionError):
@@ -103,8 +123,7 @@ class TLSClientCertificateRefused(redis.ConnectionError):
     timing. It persists on the retry, which a restarted server would refuse instead."""
 
 
-_CLOSED = ("Connection reset by peer", "EOF occurred in violation of protocol",
-           "Broken pipe")
+_CLOSED = ("Connection reset by peer", "EOF occurred in violation of protocol", "Broken pipe")
 
 
 def _closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
@@ -116,14 +135,20 @@ def _closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
     else:
         tls = isinstance(conn, redis.SSLConnection)
         certfile = getattr(conn, "certfile", None)
-    return (tls and certfile is None and isinstance(exc, redis.ConnectionError)
-            and any(marker in str(exc) for marker in _CLOSED))
+    return (
+        tls
+        and certfile is None
+        and isinstance(exc, redis.ConnectionError)
+        and any(marker in str(exc) for marker in _CLOSED)
+    )
 
 
 def _refused_without_client_certificate(exc: BaseException) -> TLSClientCertificateRefused:
-    return TLSClientCertificateRefused(f"{redact(exc)} (the server closed a TLS connection "
-                                       f"made without a client certificate: it requires "
-                                       f"one?)")
+    return TLSClientCertificateRefused(
+        f"{redact(exc)} (the server closed a TLS connection "
+        f"made without a client certificate: it requires "
+        f"one?)"
+    )
 
 
 class Script:
@@ -168,8 +193,7 @@ _POOL_WANTS_COMMAND = redis.VERSION < (5, 3)
 def connection(pool: redis.ConnectionPool) -> Any:
     """A connection checked out of ``pool`` (give it back with ``pool.release``)."""
     try:
-        return (pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND
-                else pool.get_connection())
+        return pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND else pool.get_connection()
     except redis.ConnectionError as exc:
         if _closed_without_client_certificate(pool, exc):
             raise _refused_without_client_certificate(exc) from exc
@@ -191,9 +215,9 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
         return _cluster.evalsha(_cluster.resolve(client), script, keys, args)
     conn = connection(pool)
     try:
+
         def send() -> Any:
-            conn.send_packed_command(
-                [pack(["EVALSHA", script.sha, str(len(keys))], keys, args)])
+            conn.send_packed_command([pack(["EVALSHA", script.sha, str(len(keys))], keys, args)])
             return conn.read_response()
 
         def fail(_error: Exception) -> None:
@@ -242,14 +266,14 @@ def evalsha_many(client: redis.Redis, script: Script, calls: Iterable[Call]) -> 
     return replies
 
 
-def _pipelined(client: redis.Redis, script: Script, calls: Iterable[Call],
-               sent: list[Call]) -> list[Any]:
+def _pipelined(
+    client: redis.Redis, script: Script, calls: Iterable[Call], sent: list[Call]
+) -> list[Any]:
     pool = client.connection_pool
     conn = connection(pool)
     try:
         for keys, argv in calls:
-            conn.send_packed_command(
-                [pack(["EVALSHA", script.sha, str(len(keys))], keys, argv)])
+            conn.send_packed_command([pack(["EVALSHA", script.sha, str(len(keys))], keys, argv)])
             sent.append((keys, argv))
         replies: list[Any] = []
         for _ in sent:
@@ -358,14 +382,19 @@ def derived_client(client: Any, max_connections: int) -> Any:
     # itself) are the new pool's to make.
     kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in _POOL_OWN}
     if sentinel:
-        own = SentinelConnectionPool(pool.service_name, pool.sentinel_manager,
-                                     connection_class=pool.connection_class,
-                                     is_master=pool.is_master,
-                                     check_connection=pool.check_connection,
-                                     max_connections=max_connections, **kwargs)
+        own = SentinelConnectionPool(
+            pool.service_name,
+            pool.sentinel_manager,
+            connection_class=pool.connection_class,
+            is_master=pool.is_master,
+            check_connection=pool.check_connection,
+            max_connections=max_connections,
+            **kwargs,
+        )
     else:
-        own = type(pool)(connection_class=pool.connection_class,
-                         max_connections=max_connections, **kwargs)
+        own = type(pool)(
+            connection_class=pool.connection_class, max_connections=max_connections, **kwargs
+        )
     try:
         return type(client)(connection_pool=own)
     except TypeError:

@@ -27,6 +27,7 @@ execution (None on success), ``result`` its return value, or :data:`NOT_RUN` whe
 gate refused the execution before its body. ``exit`` must not raise; its errors are logged
 and never mask the task's outcome.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,8 +37,18 @@ from typing import Any, Protocol
 
 from .events import log_event
 
-__all__ = ["GATES", "Gate", "Admission", "AdmissionContext", "Replay", "NOT_RUN",
-           "gate_options", "build_gates", "gate_problems", "Entered"]
+__all__ = [
+    "GATES",
+    "Gate",
+    "Admission",
+    "AdmissionContext",
+    "Replay",
+    "NOT_RUN",
+    "gate_options",
+    "build_gates",
+    "gate_problems",
+    "Entered",
+]
 
 #: The gate modules, in the order an execution enters them: a replayed result costs no
 #: breaker probe, a refused call no concurrency slot, and a task waiting for a slot no
@@ -161,5 +172,11 @@ class Entered:
                 admission.exit(exc, result)
             except Exception as error:  # noqa: BLE001 - never masks the task's outcome
                 request = self.context.task.request
-                log_event("admission_exit_failed", logging.ERROR, task_id=request.id,
-                          task_name=self.context.task.name, gate=option, error=error)
+                log_event(
+                    "admission_exit_failed",
+                    logging.ERROR,
+                    task_id=request.id,
+                    task_name=self.context.task.name,
+                    gate=option,
+                    error=error,
+                )

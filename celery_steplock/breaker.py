@@ -42,6 +42,7 @@ store outage; nothing is called); fail open calls the dependency unguarded (noth
 recorded). A Redis that restarts without persistence forgets the breaker's state: it is
 CLOSED again.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -51,14 +52,36 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import _wire, signals
-from .conf import MAX_IDENTIFIER_LENGTH, MAX_SECONDS, ON_STORE_ERROR, check_choice, check_count, \
-    check_seconds, check_text, configuration_version, shown
+from .conf import (
+    MAX_IDENTIFIER_LENGTH,
+    MAX_SECONDS,
+    ON_STORE_ERROR,
+    check_choice,
+    check_count,
+    check_seconds,
+    check_text,
+    configuration_version,
+    shown,
+)
 from .events import emit, log_event
 from .exceptions import CircuitOpen, ImproperlyConfigured, LockStoreUnavailable
 from .retry import check_policy, classify, is_control
 
-__all__ = ["CircuitBreaker", "BreakerState", "Ticket", "default_classifier", "OPTIONS",
-           "gate", "CLOSED", "OPEN", "HALF_OPEN", "ADMIT", "RECORD", "OVERRIDE", "READ"]
+__all__ = [
+    "CircuitBreaker",
+    "BreakerState",
+    "Ticket",
+    "default_classifier",
+    "OPTIONS",
+    "gate",
+    "CLOSED",
+    "OPEN",
+    "HALF_OPEN",
+    "ADMIT",
+    "RECORD",
+    "OVERRIDE",
+    "READ",
+]
 
 OPTIONS = frozenset({"circuit_breaker", "retry_policy"})
 
@@ -203,8 +226,12 @@ return {s[1] or 'closed', s[2] or '0', s[3] or '', s[4] or '', s[5] or '0', s[6]
         tostring(now), probes}
 """
 
-_ADMIT, _RECORD, _OVERRIDE, _READ = (_wire.Script(ADMIT), _wire.Script(RECORD),
-                                     _wire.Script(OVERRIDE), _wire.Script(READ))
+_ADMIT, _RECORD, _OVERRIDE, _READ = (
+    _wire.Script(ADMIT),
+    _wire.Script(RECORD),
+    _wire.Script(OVERRIDE),
+    _wire.Script(READ),
+)
 
 
 def default_classifier(exc: BaseException) -> bool:
@@ -269,8 +296,9 @@ class Ticket:
             try:
                 failed = self.breaker.classifier(exc)
             except Exception as error:  # noqa: BLE001 - a broken classifier: count it
-                log_event("circuit_classifier_failed", logging.ERROR,
-                          key=self.breaker.key, error=error)
+                log_event(
+                    "circuit_classifier_failed", logging.ERROR, key=self.breaker.key, error=error
+                )
                 failed = True
             self._send("1" if failed else "0", exc)
 
@@ -289,39 +317,78 @@ class Ticket:
             return
         self.done = True
         breaker = self.breaker
-        if not self.guarded or (outcome == "n" and not self.probe) or (
-                outcome == "0" and self.clean and breaker.mode == "count"):
+        if (
+            not self.guarded
+            or (outcome == "n" and not self.probe)
+            or (outcome == "0" and self.clean and breaker.mode == "count")
+        ):
             return
         try:
-            reply = breaker._eval(_RECORD, [
-                outcome, str(self.generation), self.owner if self.probe else "",
-                str(breaker.window), repr(breaker.failure_threshold), breaker.mode,
-                str(breaker.minimum_calls), str(breaker.success_threshold),
-                str(int(IDLE_TTL * 1000))], "record")
+            reply = breaker._eval(
+                _RECORD,
+                [
+                    outcome,
+                    str(self.generation),
+                    self.owner if self.probe else "",
+                    str(breaker.window),
+                    repr(breaker.failure_threshold),
+                    breaker.mode,
+                    str(breaker.minimum_calls),
+                    str(breaker.success_threshold),
+                    str(int(IDLE_TTL * 1000)),
+                ],
+                "record",
+            )
         except Exception as error:  # noqa: BLE001 - recording never breaks the call
-            log_event("circuit_record_failed", logging.ERROR, key=breaker.key,
-                      name=breaker.name, outcome=outcome, error=error)
+            log_event(
+                "circuit_record_failed",
+                logging.ERROR,
+                key=breaker.key,
+                name=breaker.name,
+                outcome=outcome,
+                error=error,
+            )
             return
         state, changed = _wire.text(reply[0]), int(reply[1])
         if not changed:
             return
-        fields = {"key": breaker.key, "name": breaker.name, "state": state,
-                  "failures": int(reply[2]), "calls": int(reply[3]),
-                  "task_id": getattr(getattr(self.sender, "request", None), "id", None),
-                  "task_name": getattr(self.sender, "name", None),
-                  "error": type(exc).__name__ if exc is not None else None}
+        fields = {
+            "key": breaker.key,
+            "name": breaker.name,
+            "state": state,
+            "failures": int(reply[2]),
+            "calls": int(reply[3]),
+            "task_id": getattr(getattr(self.sender, "request", None), "id", None),
+            "task_name": getattr(self.sender, "name", None),
+            "error": type(exc).__name__ if exc is not None else None,
+        }
         if state == OPEN:
-            why = ("a half-open probe failed" if self.probe else
-                   f"{fields['failures']} failures in the last {fields['calls']} calls")
-            emit(signals.circuit_opened, self.sender, logging.WARNING, reason=why,
-                 manual=False, **fields)
+            why = (
+                "a half-open probe failed"
+                if self.probe
+                else f"{fields['failures']} failures in the last {fields['calls']} calls"
+            )
+            emit(
+                signals.circuit_opened,
+                self.sender,
+                logging.WARNING,
+                reason=why,
+                manual=False,
+                **fields,
+            )
         elif state == CLOSED:
-            emit(signals.circuit_closed, self.sender, reason=f"{fields['failures']} "
-                 f"successful probes", manual=False, **fields)
+            emit(
+                signals.circuit_closed,
+                self.sender,
+                reason=f"{fields['failures']} successful probes",
+                manual=False,
+                **fields,
+            )
 
 
-_active: contextvars.ContextVar[tuple] = contextvars.ContextVar("steplock_breaker_tickets",
-                                                                default=())
+_active: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "steplock_breaker_tickets", default=()
+)
 
 
 class CircuitBreaker:
@@ -341,44 +408,65 @@ class CircuitBreaker:
     ``prefix`` (default "steplock"). Raises ImproperlyConfigured for a bad value.
     """
 
-    def __init__(self, name: str, failure_threshold: int | float = 5, window: int = 10,
-                 recovery_timeout: float = 30.0, half_open_probes: int = 1,
-                 success_threshold: int = 2, *, probe_timeout: float = 30.0,
-                 minimum_calls: int | None = None,
-                 classifier: Callable[[BaseException], bool] | None = None,
-                 on_store_error: str | None = None, app: Any = None, client: Any = None,
-                 prefix: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        failure_threshold: int | float = 5,
+        window: int = 10,
+        recovery_timeout: float = 30.0,
+        half_open_probes: int = 1,
+        success_threshold: int = 2,
+        *,
+        probe_timeout: float = 30.0,
+        minimum_calls: int | None = None,
+        classifier: Callable[[BaseException], bool] | None = None,
+        on_store_error: str | None = None,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+    ):
         self.name = check_text(name, "CircuitBreaker(name=)", maximum=MAX_IDENTIFIER_LENGTH)
-        self.window = check_count(window, "CircuitBreaker(window=)", minimum=1,
-                                  maximum=MAX_WINDOW)
+        self.window = check_count(window, "CircuitBreaker(window=)", minimum=1, maximum=MAX_WINDOW)
         if isinstance(failure_threshold, float) and 0 < failure_threshold < 1:
             self.mode = "rate"
             self.failure_threshold = failure_threshold
         else:
             self.mode = "count"
             self.failure_threshold = check_count(
-                failure_threshold, "CircuitBreaker(failure_threshold=) (a count; a rate is a "
-                "float in (0, 1))", minimum=1, maximum=self.window)
+                failure_threshold,
+                "CircuitBreaker(failure_threshold=) (a count; a rate is a float in (0, 1))",
+                minimum=1,
+                maximum=self.window,
+            )
         self.minimum_calls = check_count(
             self.window if minimum_calls is None else minimum_calls,
-            "CircuitBreaker(minimum_calls=)", minimum=1, maximum=self.window)
-        self.recovery_timeout = check_seconds(recovery_timeout,
-                                              "CircuitBreaker(recovery_timeout=)",
-                                              maximum=MAX_SECONDS / 10)
-        self.half_open_probes = check_count(half_open_probes,
-                                            "CircuitBreaker(half_open_probes=)", minimum=1,
-                                            maximum=MAX_PROBES)
-        self.success_threshold = check_count(success_threshold,
-                                             "CircuitBreaker(success_threshold=)", minimum=1,
-                                             maximum=MAX_PROBES)
-        self.probe_timeout = check_seconds(probe_timeout, "CircuitBreaker(probe_timeout=)",
-                                           maximum=MAX_SECONDS / 10)
+            "CircuitBreaker(minimum_calls=)",
+            minimum=1,
+            maximum=self.window,
+        )
+        self.recovery_timeout = check_seconds(
+            recovery_timeout, "CircuitBreaker(recovery_timeout=)", maximum=MAX_SECONDS / 10
+        )
+        self.half_open_probes = check_count(
+            half_open_probes, "CircuitBreaker(half_open_probes=)", minimum=1, maximum=MAX_PROBES
+        )
+        self.success_threshold = check_count(
+            success_threshold, "CircuitBreaker(success_threshold=)", minimum=1, maximum=MAX_PROBES
+        )
+        self.probe_timeout = check_seconds(
+            probe_timeout, "CircuitBreaker(probe_timeout=)", maximum=MAX_SECONDS / 10
+        )
         if classifier is not None and not callable(classifier):
-            raise ImproperlyConfigured(f"CircuitBreaker(classifier=) must be callable, got "
-                                       f"{shown(classifier)}", setting="circuit_breaker")
+            raise ImproperlyConfigured(
+                f"CircuitBreaker(classifier=) must be callable, got {shown(classifier)}",
+                setting="circuit_breaker",
+            )
         self.classifier = classifier or default_classifier
-        self.on_store_error = None if on_store_error is None else check_choice(
-            on_store_error, "CircuitBreaker(on_store_error=)", ON_STORE_ERROR)
+        self.on_store_error = (
+            None
+            if on_store_error is None
+            else check_choice(on_store_error, "CircuitBreaker(on_store_error=)", ON_STORE_ERROR)
+        )
         self.app = app
         self._client = client
         self._prefix = prefix
@@ -391,11 +479,15 @@ class CircuitBreaker:
 
     def describe(self) -> str:
         """The configured limits in a few words."""
-        threshold = (f"{self.failure_threshold:.0%} failures of {self.window} calls"
-                     if self.mode == "rate" else
-                     f"{self.failure_threshold} failures in {self.window} calls")
-        return (f"{threshold}, {self.recovery_timeout:g} s recovery, "
-                f"{self.half_open_probes} probe(s), {self.success_threshold} to close")
+        threshold = (
+            f"{self.failure_threshold:.0%} failures of {self.window} calls"
+            if self.mode == "rate"
+            else f"{self.failure_threshold} failures in {self.window} calls"
+        )
+        return (
+            f"{threshold}, {self.recovery_timeout:g} s recovery, "
+            f"{self.half_open_probes} probe(s), {self.success_threshold} to close"
+        )
 
     def bind(self, app: Any) -> CircuitBreaker:
         """This breaker, bound to ``app`` when it has neither an app nor a client yet."""
@@ -449,13 +541,13 @@ class CircuitBreaker:
         try:
             return _wire.evalsha(client, script, keys, args)
         except STORE_ERRORS as exc:
-            raise store_error(exc, f"circuit breaker {what}", key=keys[0],
-                              name=self.name) from exc
+            raise store_error(exc, f"circuit breaker {what}", key=keys[0], name=self.name) from exc
 
     # -- admission --------------------------------------------------------------------------
 
-    def admit(self, owner: str | None = None, *, sender: Any = None,
-              on_store_error: str | None = None) -> Ticket:
+    def admit(
+        self, owner: str | None = None, *, sender: Any = None, on_store_error: str | None = None
+    ) -> Ticket:
         """Ask to call the dependency. Returns a :class:`Ticket` (record its outcome), or
         raises CircuitOpen (``retry_after``: seconds until a call may pass) or, failing
         closed while Redis cannot be reached, LockStoreUnavailable. ``owner``: the probe
@@ -464,37 +556,77 @@ class CircuitBreaker:
 
         owner = owner or new_owner_token(None)
         try:
-            reply = self._eval(_ADMIT, [owner, str(int(self.recovery_timeout * 1000)),
-                                        str(self.half_open_probes),
-                                        str(int(self.probe_timeout * 1000)),
-                                        str(int(IDLE_TTL * 1000))], "admission")
+            reply = self._eval(
+                _ADMIT,
+                [
+                    owner,
+                    str(int(self.recovery_timeout * 1000)),
+                    str(self.half_open_probes),
+                    str(int(self.probe_timeout * 1000)),
+                    str(int(IDLE_TTL * 1000)),
+                ],
+                "admission",
+            )
         except LockStoreUnavailable as exc:
             policy = on_store_error or self._target()[2]
-            log_event("circuit_store_error", logging.ERROR, key=self.key,
-                      name=self.name, policy=policy, error=exc)
+            log_event(
+                "circuit_store_error",
+                logging.ERROR,
+                key=self.key,
+                name=self.name,
+                policy=policy,
+                error=exc,
+            )
             if policy == "fail_open":
                 return Ticket(self, 0, owner, False, guarded=False, sender=sender)
             raise
-        verdict, generation, wait_ms, moved, clean = (int(reply[0]), int(reply[1]),
-                                                      int(reply[2]), int(reply[3]),
-                                                      int(reply[4]))
-        task_fields = {"task_id": getattr(getattr(sender, "request", None), "id", None),
-                       "task_name": getattr(sender, "name", None)}
+        verdict, generation, wait_ms, moved, clean = (
+            int(reply[0]),
+            int(reply[1]),
+            int(reply[2]),
+            int(reply[3]),
+            int(reply[4]),
+        )
+        task_fields = {
+            "task_id": getattr(getattr(sender, "request", None), "id", None),
+            "task_name": getattr(sender, "name", None),
+        }
         if moved:
-            emit(signals.circuit_half_opened, sender, key=self.key, name=self.name,
-                 state=HALF_OPEN, reason="recovery timeout passed", **task_fields)
+            emit(
+                signals.circuit_half_opened,
+                sender,
+                key=self.key,
+                name=self.name,
+                state=HALF_OPEN,
+                reason="recovery timeout passed",
+                **task_fields,
+            )
         if verdict > 0:
-            return Ticket(self, generation, owner, verdict == 2, sender=sender,
-                          clean=bool(clean))
+            return Ticket(self, generation, owner, verdict == 2, sender=sender, clean=bool(clean))
         retry_after = wait_ms / 1000.0
         state = {0: OPEN, -1: HALF_OPEN, -2: OPEN}[verdict]
         why = {0: "open", -1: "half-open, its probes are taken", -2: "forced open"}[verdict]
-        emit(signals.circuit_rejected, sender, logging.DEBUG, key=self.key, name=self.name,
-             state=state, reason=why, retry_after=retry_after, **task_fields)
-        raise CircuitOpen(f"circuit breaker {self.name!r} is {why}: retry after "
-                          f"{retry_after:.3f} s", retry_after=retry_after,
-                          option="circuit_breaker", key=self.key, limit=self.describe(),
-                          name=self.name, state=state, forced=verdict == -2)
+        emit(
+            signals.circuit_rejected,
+            sender,
+            logging.DEBUG,
+            key=self.key,
+            name=self.name,
+            state=state,
+            reason=why,
+            retry_after=retry_after,
+            **task_fields,
+        )
+        raise CircuitOpen(
+            f"circuit breaker {self.name!r} is {why}: retry after {retry_after:.3f} s",
+            retry_after=retry_after,
+            option="circuit_breaker",
+            key=self.key,
+            limit=self.describe(),
+            name=self.name,
+            state=state,
+            forced=verdict == -2,
+        )
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` through the breaker: raises CircuitOpen (``fn`` not
@@ -511,9 +643,11 @@ class CircuitBreaker:
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator form of :meth:`call`."""
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return self.call(fn, *args, **kwargs)
+
         return wrapper
 
     def __enter__(self) -> Ticket:
@@ -536,25 +670,38 @@ class CircuitBreaker:
         state = s[0]
         retry_after = 0.0
         if state == OPEN and s[2]:
-            retry_after = (0.0 if s[5] else
-                           max(0.0, (int(s[2]) + self.recovery_timeout * 1000 - now) / 1000))
-        opened_ago = (max(0.0, (now - int(s[2])) / 1000) if s[2] and state != CLOSED
-                      else None)
-        return BreakerState(self.name, self.key, state, bool(s[5]), ring.count("1"), len(ring),
-                            int(s[4]), int(s[7]), retry_after, int(s[1]), opened_ago)
+            retry_after = (
+                0.0 if s[5] else max(0.0, (int(s[2]) + self.recovery_timeout * 1000 - now) / 1000)
+            )
+        opened_ago = max(0.0, (now - int(s[2])) / 1000) if s[2] and state != CLOSED else None
+        return BreakerState(
+            self.name,
+            self.key,
+            state,
+            bool(s[5]),
+            ring.count("1"),
+            len(ring),
+            int(s[4]),
+            int(s[7]),
+            retry_after,
+            int(s[1]),
+            opened_ago,
+        )
 
     def override(self, action: str) -> tuple[str, bool]:
         """Force the breaker "open" (until closed by hand) or "close" it (window emptied),
         unaudited: operators use :func:`celery_steplock.ops.override_breaker`. Returns the
         state before and whether it was forced open. Raises LockStoreUnavailable."""
         if action not in ("open", "close"):
-            raise ImproperlyConfigured(f"action must be 'open' or 'close', got "
-                                       f"{shown(action)}", setting="action")
+            raise ImproperlyConfigured(
+                f"action must be 'open' or 'close', got {shown(action)}", setting="action"
+            )
         reply = self._eval(_OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
         return _wire.text(reply[0]), bool(_wire.text(reply[1]))
 
 
 # -- the gate ------------------------------------------------------------------------------
+
 
 class _Admitted:
     __slots__ = ("ticket",)
@@ -582,8 +729,9 @@ class BreakerGate:
 
     def enter(self, context) -> _Admitted | None:
         lease = context.lease
-        ticket = self.breaker.admit(getattr(lease, "owner", None), sender=context.task,
-                                    on_store_error=self.on_store_error)
+        ticket = self.breaker.admit(
+            getattr(lease, "owner", None), sender=context.task, on_store_error=self.on_store_error
+        )
         return _Admitted(ticket) if ticket.guarded else None
 
 
@@ -599,12 +747,16 @@ def gate(task, settings) -> BreakerGate | None:
         try:
             breaker = CircuitBreaker(value, app=task.app)
         except ImproperlyConfigured as exc:
-            raise ImproperlyConfigured(f"circuit_breaker={shown(value)}: {exc}",
-                                       setting="circuit_breaker") from exc
+            raise ImproperlyConfigured(
+                f"circuit_breaker={shown(value)}: {exc}", setting="circuit_breaker"
+            ) from exc
     elif isinstance(value, CircuitBreaker):
         breaker = value.bind(task.app)
     else:
-        raise ImproperlyConfigured(f"circuit_breaker={shown(value)} must be a dependency name "
-                                   f"or a CircuitBreaker(...) object", setting="circuit_breaker")
+        raise ImproperlyConfigured(
+            f"circuit_breaker={shown(value)} must be a dependency name "
+            f"or a CircuitBreaker(...) object",
+            setting="circuit_breaker",
+        )
     policy = breaker.on_store_error or settings.breaker_on_store_error
     return BreakerGate(breaker, policy)

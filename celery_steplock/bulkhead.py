@@ -22,12 +22,13 @@ Keys (``prefix`` is ``steplock_key_prefix``): ``<prefix>:lease:{K}#i}`` (slot ``
 by first-denied time, Redis ms) and ``<prefix>:bulkhead:{K}:alive`` (waiters by the Redis
 ms their entry expires).
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import functools
+import inspect
 import logging
 import random
 import threading
@@ -38,14 +39,34 @@ from typing import Any, Callable
 from . import _wire, signals
 from .conf import ON_STORE_ERROR, check_seconds, check_ttl, shown
 from .events import emit, lease_fields, log_event
-from .exceptions import ConcurrencyLimited, ImproperlyConfigured, LockNameError, \
-    LockStoreUnavailable
-from .keys import MAX_NAME_LENGTH, argument_names, bind_arguments, check_name, lease_key, \
-    template_fields
+from .exceptions import (
+    ConcurrencyLimited,
+    ImproperlyConfigured,
+    LockNameError,
+    LockStoreUnavailable,
+)
+from .keys import (
+    MAX_NAME_LENGTH,
+    argument_names,
+    bind_arguments,
+    check_name,
+    lease_key,
+    template_fields,
+)
 from .lease import Lease, drift, holder_metadata, new_owner_token
 
-__all__ = ["ConcurrencyLimit", "Slot", "current_slot", "slot_name", "parse_slot_name",
-           "OPTIONS", "gate", "MAX_LIMIT", "ACQUIRE_SLOT", "SLOT_KIND"]
+__all__ = [
+    "ConcurrencyLimit",
+    "Slot",
+    "current_slot",
+    "slot_name",
+    "parse_slot_name",
+    "OPTIONS",
+    "gate",
+    "MAX_LIMIT",
+    "ACQUIRE_SLOT",
+    "SLOT_KIND",
+]
 
 #: The task options of this gate (:mod:`celery_steplock.admission`).
 OPTIONS = frozenset({"concurrency_limit", "concurrency_limit_key"})
@@ -215,16 +236,30 @@ class Slot:
             freed = self.store.release(self.lease.name, self.lease.owner)
         except Exception as exc:  # noqa: BLE001 - the TTL frees the slot
             error = exc
-            log_event("release_failed", logging.WARNING, key=self.lease.key,
-                      owner=self.lease.owner, error=exc)
+            log_event(
+                "release_failed",
+                logging.WARNING,
+                key=self.lease.key,
+                owner=self.lease.owner,
+                error=exc,
+            )
         fields = self.limit._fields(self.key, self.lease, slot=self.index)
         if self.lease.lost or (not freed and error is None):
-            emit(signals.slot_expired, self.sender, logging.WARNING,
-                 reason=self.lease.lost_reason or "the slot was gone or taken over at release",
-                 **fields)
+            emit(
+                signals.slot_expired,
+                self.sender,
+                logging.WARNING,
+                reason=self.lease.lost_reason or "the slot was gone or taken over at release",
+                **fields,
+            )
         else:
-            emit(signals.slot_released, self.sender, logging.INFO,
-                 hold_seconds=self.lease.clock() - self.lease.acquired_at, **fields)
+            emit(
+                signals.slot_released,
+                self.sender,
+                logging.INFO,
+                hold_seconds=self.lease.clock() - self.lease.acquired_at,
+                **fields,
+            )
         return freed
 
 
@@ -248,26 +283,43 @@ class ConcurrencyLimit:
     limit, ttl, on_store_error, retry_after, waiter_ttl) or ``concurrency_limit_key``.
     """
 
-    def __init__(self, limit: int, key: str | Callable[..., str] | None = None,
-                 ttl: float | None = None, on_store_error: str | None = None, *,
-                 retry_after: float | None = None, waiter_ttl: float | None = None):
+    def __init__(
+        self,
+        limit: int,
+        key: str | Callable[..., str] | None = None,
+        ttl: float | None = None,
+        on_store_error: str | None = None,
+        *,
+        retry_after: float | None = None,
+        waiter_ttl: float | None = None,
+    ):
         option = "concurrency_limit"
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
             raise ImproperlyConfigured(
                 f"{option} must be an int from 1 to {MAX_LIMIT} (executions at once), or a "
-                f"ConcurrencyLimit, got {shown(limit)}", setting=option)
+                f"ConcurrencyLimit, got {shown(limit)}",
+                setting=option,
+            )
         self.limit = limit
         self.key = check_key_template(key)
         self.ttl = None if ttl is None else _option(check_ttl, ttl, f"{option} ttl")
         if on_store_error is not None and on_store_error not in ON_STORE_ERROR:
             raise ImproperlyConfigured(
                 f"{option} on_store_error must be one of {', '.join(ON_STORE_ERROR)} or None, "
-                f"got {shown(on_store_error)}", setting=option)
+                f"got {shown(on_store_error)}",
+                setting=option,
+            )
         self.on_store_error = on_store_error
-        self.retry_after = None if retry_after is None else _option(
-            check_seconds, retry_after, f"{option} retry_after", maximum=3600.0)
-        self.waiter_ttl = None if waiter_ttl is None else _option(
-            check_seconds, waiter_ttl, f"{option} waiter_ttl", maximum=86400.0)
+        self.retry_after = (
+            None
+            if retry_after is None
+            else _option(check_seconds, retry_after, f"{option} retry_after", maximum=3600.0)
+        )
+        self.waiter_ttl = (
+            None
+            if waiter_ttl is None
+            else _option(check_seconds, waiter_ttl, f"{option} waiter_ttl", maximum=86400.0)
+        )
         self._scripts: dict[int, tuple[Any, _wire.Script, _wire.Script]] = {}
         self._guard = threading.Lock()
 
@@ -279,8 +331,9 @@ class ConcurrencyLimit:
 
     # -- keys ---------------------------------------------------------------------------------
 
-    def render(self, default: str, arguments: dict[str, Any] | None = None,
-               template: Any = None) -> str:
+    def render(
+        self, default: str, arguments: dict[str, Any] | None = None, template: Any = None
+    ) -> str:
         """The limit key for these bound ``arguments``: ``template`` (or this limit's
         ``key``) formatted, or ``default`` without one. Raises :class:`LockNameError`."""
         template = self.key if template is None else template
@@ -291,15 +344,19 @@ class ConcurrencyLimit:
         try:
             return checked_key(template.format(**(arguments or {})))
         except (KeyError, IndexError, AttributeError, ValueError) as exc:
-            raise LockNameError(f"concurrency_limit_key {shown(template)} cannot format these "
-                                f"arguments: {exc!r}") from None
+            raise LockNameError(
+                f"concurrency_limit_key {shown(template)} cannot format these arguments: {exc!r}"
+            ) from None
 
     @staticmethod
     def redis_keys(prefix: str, key: str, limit: int) -> list[str]:
         """The KEYS of :data:`ACQUIRE_SLOT` for ``limit`` slots of ``key``."""
         base = f"{prefix}:bulkhead:{{{key}}}"
         return [lease_key(prefix, slot_name(key, i)) for i in range(limit)] + [
-            f"{base}:fence", f"{base}:queue", f"{base}:alive"]
+            f"{base}:fence",
+            f"{base}:queue",
+            f"{base}:alive",
+        ]
 
     # -- settings -----------------------------------------------------------------------------
 
@@ -319,9 +376,19 @@ class ConcurrencyLimit:
         return max(MIN_WAITER_TTL, 10 * self.max_retry_after(settings))
 
     def _fields(self, key: str, lease: Lease | None, **extra: Any) -> dict[str, Any]:
-        fields = lease_fields(lease) if lease is not None else {
-            "key": None, "name": None, "owner": None, "fence": None, "task_id": None,
-            "task_name": None, "ttl": None}
+        fields = (
+            lease_fields(lease)
+            if lease is not None
+            else {
+                "key": None,
+                "name": None,
+                "owner": None,
+                "fence": None,
+                "task_id": None,
+                "task_name": None,
+                "ttl": None,
+            }
+        )
         fields.update(limit_key=key, limit=self.limit, **extra)
         return fields
 
@@ -335,9 +402,18 @@ class ConcurrencyLimit:
                 self._scripts[id(store)] = entry
         return entry[1], entry[2]
 
-    def try_acquire(self, store: Any, key: str, *, owner: str, ticket: str | None,
-                    ttl: float, metadata: dict[str, Any], settings: Any = None,
-                    sender: Any = None) -> Slot:
+    def try_acquire(
+        self,
+        store: Any,
+        key: str,
+        *,
+        owner: str,
+        ticket: str | None,
+        ttl: float,
+        metadata: dict[str, Any],
+        settings: Any = None,
+        sender: Any = None,
+    ) -> Slot:
         """One decision on ``key`` through the lease store ``store``: the granted
         :class:`Slot` (not yet renewed by a heartbeat), or :class:`ConcurrencyLimited` with
         ``retry_after`` (seconds). ``ticket``: the caller's place in the waiters' queue
@@ -348,9 +424,14 @@ class ConcurrencyLimit:
         acquire, _leave = self._scripts_for(store)
         ttl_ms = max(1, int(ttl * 1000))
         keys = self.redis_keys(store.prefix, key, self.limit)
-        args = [owner, str(ttl_ms), str(max(ttl_ms, int(store.fence_ttl * 1000))),
-                ticket or "", str(int(self.queue_ttl(settings) * 1000)),
-                pack_metadata(metadata)]
+        args = [
+            owner,
+            str(ttl_ms),
+            str(max(ttl_ms, int(store.fence_ttl * 1000))),
+            ticket or "",
+            str(int(self.queue_ttl(settings) * 1000)),
+            pack_metadata(metadata),
+        ]
         if not store._probed:
             store.check_permissions(what="slot acquire", key=keys[0])
         sent = store.clock()
@@ -360,30 +441,56 @@ class ConcurrencyLimit:
             raise store_error(exc, "slot acquire", key=keys[0], name=key) from exc
         if int(reply[0]) == 1:
             index, fence = int(reply[1]), int(reply[2])
-            lease = Lease(name=slot_name(key, index), key=keys[index], owner=owner,
-                          fence=fence, ttl=ttl, acquired_at=sent,
-                          valid_until=sent + ttl - drift(ttl),
-                          task_id=metadata.get("task_id"), task_name=metadata.get("task_name"),
-                          clock=store.clock, secret=store.name_secret)
+            lease = Lease(
+                name=slot_name(key, index),
+                key=keys[index],
+                owner=owner,
+                fence=fence,
+                ttl=ttl,
+                acquired_at=sent,
+                valid_until=sent + ttl - drift(ttl),
+                task_id=metadata.get("task_id"),
+                task_name=metadata.get("task_name"),
+                clock=store.clock,
+                secret=store.name_secret,
+            )
             slot = Slot(self, key, index, lease, store, sender)
-            emit(signals.slot_acquired, sender, logging.INFO,
-                 **self._fields(key, lease, slot=index))
+            emit(
+                signals.slot_acquired, sender, logging.INFO, **self._fields(key, lease, slot=index)
+            )
             return slot
         free, waiting, rank, min_pttl = (int(x) for x in reply[1:5])
         cap = self.max_retry_after(settings)
         retry_after = cap if free or min_pttl < 0 else min(cap, min_pttl / 1000.0)
         retry_after = max(0.05, retry_after)
-        fields = self._fields(key, None, task_id=metadata.get("task_id"),
-                              task_name=metadata.get("task_name"))
-        emit(signals.concurrency_limited, sender, logging.INFO, retry_after=retry_after,
-             free=free, waiting=waiting, rank=None if rank < 0 else rank,
-             **{k: v for k, v in fields.items() if k not in ("key", "name", "owner", "fence")},
-             key=key, name=None, owner=owner, fence=None)
+        fields = self._fields(
+            key, None, task_id=metadata.get("task_id"), task_name=metadata.get("task_name")
+        )
+        emit(
+            signals.concurrency_limited,
+            sender,
+            logging.INFO,
+            retry_after=retry_after,
+            free=free,
+            waiting=waiting,
+            rank=None if rank < 0 else rank,
+            **{k: v for k, v in fields.items() if k not in ("key", "name", "owner", "fence")},
+            key=key,
+            name=None,
+            owner=owner,
+            fence=None,
+        )
         raise ConcurrencyLimited(
             f"concurrency limit {key!r}: all {self.limit} slot(s) held"
             + (f" or kept for {waiting} older waiter(s)" if free else ""),
-            retry_after=retry_after, option="concurrency_limit", key=key,
-            limit=self.describe(), free=free, waiting=waiting, rank=rank)
+            retry_after=retry_after,
+            option="concurrency_limit",
+            key=key,
+            limit=self.describe(),
+            free=free,
+            waiting=waiting,
+            rank=rank,
+        )
 
     def leave_queue(self, store: Any, key: str, ticket: str) -> None:
         """Remove ``ticket`` from ``key``'s waiters (a caller that gave up); never raises."""
@@ -409,15 +516,26 @@ class ConcurrencyLimit:
                     stores[(id(client), prefix)] = store
             return store, None
         if app is None:
-            raise ImproperlyConfigured("ConcurrencyLimit.acquire needs app= (a Celery app) or "
-                                       "client= (a redis client)", setting="concurrency_limit")
+            raise ImproperlyConfigured(
+                "ConcurrencyLimit.acquire needs app= (a Celery app) or client= (a redis client)",
+                setting="concurrency_limit",
+            )
         settings = Settings(app)
         return get_lease_store(app, settings), settings
 
     @contextlib.contextmanager
-    def acquire(self, key: str | None = None, *, app: Any = None, client: Any = None,
-                prefix: str | None = None, wait: float = 0.0, ttl: float | None = None,
-                arguments: dict[str, Any] | None = None, default_key: str | None = None):
+    def acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        wait: float = 0.0,
+        ttl: float | None = None,
+        arguments: dict[str, Any] | None = None,
+        default_key: str | None = None,
+    ):
         """Context manager: hold one slot of ``key`` (or this limit's template rendered over
         ``arguments``) for the block, renewed by the process's heartbeat, released at exit.
 
@@ -438,25 +556,34 @@ class ConcurrencyLimit:
         elif default_key is not None and self.key is None:
             key = checked_key(default_key)
         else:
-            raise ImproperlyConfigured("ConcurrencyLimit.acquire needs key= (the limit key), "
-                                       "or arguments= for its key template",
-                                       setting="concurrency_limit_key")
+            raise ImproperlyConfigured(
+                "ConcurrencyLimit.acquire needs key= (the limit key), "
+                "or arguments= for its key template",
+                setting="concurrency_limit_key",
+            )
         ttl = ttl if ttl is not None else self.ttl
         if ttl is None:
             ttl = settings.default_ttl if settings is not None else 30.0
         ttl = _option(check_ttl, ttl, "ttl")
         ratio = settings.renewal_ratio if settings is not None else 1 / 3
         owner = new_owner_token()
-        metadata = holder_metadata(renew_ms=int(ttl * ratio * 1000), kind=SLOT_KIND,
-                                   limit=self.limit, limit_key=key)
+        metadata = holder_metadata(
+            renew_ms=int(ttl * ratio * 1000), kind=SLOT_KIND, limit=self.limit, limit_key=key
+        )
         deadline = time.monotonic() + wait
         slot = None
         try:
             while True:
                 try:
-                    slot = self.try_acquire(store, key, owner=owner,
-                                            ticket=owner if wait > 0 else None, ttl=ttl,
-                                            metadata=metadata, settings=settings)
+                    slot = self.try_acquire(
+                        store,
+                        key,
+                        owner=owner,
+                        ticket=owner if wait > 0 else None,
+                        ttl=ttl,
+                        metadata=metadata,
+                        settings=settings,
+                    )
                     break
                 except ConcurrencyLimited as exc:
                     left = deadline - time.monotonic()
@@ -466,8 +593,14 @@ class ConcurrencyLimit:
         except LockStoreUnavailable as exc:
             if self.policy(settings) != "fail_open":
                 raise
-            emit(signals.lock_store_error, None, logging.ERROR, reason=str(exc),
-                 policy="fail_open", **self._fields(key, None))
+            emit(
+                signals.lock_store_error,
+                None,
+                logging.ERROR,
+                reason=str(exc),
+                policy="fail_open",
+                **self._fields(key, None),
+            )
             yield None
             return
         finally:
@@ -489,9 +622,11 @@ class ConcurrencyLimit:
         template). Give the store with ``@limit.using(app=...)`` or ``client=``."""
         return self.using()(function)
 
-    def using(self, *, app: Any = None, client: Any = None, prefix: str | None = None,
-              wait: float = 0.0) -> Callable[[Callable], Callable]:
+    def using(
+        self, *, app: Any = None, client: Any = None, prefix: str | None = None, wait: float = 0.0
+    ) -> Callable[[Callable], Callable]:
         """A decorator as :meth:`__call__`, with the store and ``wait`` of :meth:`acquire`."""
+
         def decorate(function: Callable) -> Callable:
             default = f"{function.__module__}.{function.__qualname__}"
 
@@ -501,11 +636,20 @@ class ConcurrencyLimit:
                 target = app
                 if target is None and client is None:
                     from celery import current_app
+
                     target = current_app
-                with self.acquire(app=target, client=client, prefix=prefix, wait=wait,
-                                  arguments=arguments, default_key=default):
+                with self.acquire(
+                    app=target,
+                    client=client,
+                    prefix=prefix,
+                    wait=wait,
+                    arguments=arguments,
+                    default_key=default,
+                ):
                     return function(*args, **kwargs)
+
             return limited
+
         return decorate
 
 
@@ -514,9 +658,11 @@ def checked_key(key: Any) -> str:
     :class:`LockNameError`."""
     key = check_name(key)
     if len(slot_name(key, MAX_LIMIT)) > MAX_NAME_LENGTH:
-        raise LockNameError(f"a concurrency limit key is at most "
-                            f"{MAX_NAME_LENGTH - len(slot_name('', MAX_LIMIT))} characters, "
-                            f"got {len(key)}")
+        raise LockNameError(
+            f"a concurrency limit key is at most "
+            f"{MAX_NAME_LENGTH - len(slot_name('', MAX_LIMIT))} characters, "
+            f"got {len(key)}"
+        )
     return key
 
 
@@ -533,21 +679,28 @@ def check_key_template(key: Any) -> Any:
     if key is None or callable(key):
         return key
     if not isinstance(key, str) or not key:
-        raise ImproperlyConfigured(f"concurrency_limit_key must be a str.format template, a "
-                                   f"callable or None, got {shown(key)}",
-                                   setting="concurrency_limit_key")
+        raise ImproperlyConfigured(
+            f"concurrency_limit_key must be a str.format template, a "
+            f"callable or None, got {shown(key)}",
+            setting="concurrency_limit_key",
+        )
     try:
         template_fields(key)
     except LockNameError as exc:
-        raise ImproperlyConfigured(str(exc).replace("lock_key", "concurrency_limit_key", 1),
-                                   setting="concurrency_limit_key") from None
+        raise ImproperlyConfigured(
+            str(exc).replace("lock_key", "concurrency_limit_key", 1),
+            setting="concurrency_limit_key",
+        ) from None
     if "{" not in key and "}" in key:
-        raise ImproperlyConfigured(f"concurrency_limit_key {shown(key)} cannot contain braces",
-                                   setting="concurrency_limit_key")
+        raise ImproperlyConfigured(
+            f"concurrency_limit_key {shown(key)} cannot contain braces",
+            setting="concurrency_limit_key",
+        )
     return key
 
 
 # -- the gate (celery_steplock.admission) ---------------------------------------------------
+
 
 class _Held:
     def __init__(self, slot: Slot, token: contextvars.Token):
@@ -583,30 +736,55 @@ class BulkheadGate:
         settings = getattr(plan, "settings", None)
         if settings is None:
             from .conf import Settings
+
             settings = Settings(task.app)
         store = plan.store
         key = self.limit.render(self.task_name, context.arguments, self.key)
         request = task.request
         ttl = self.limit.ttl or plan.ttl
-        metadata = holder_metadata(request.id, task.name, request.retries,
-                                   worker=request.hostname, kind=SLOT_KIND,
-                                   renew_ms=int(max(ttl * plan.ratio, 0.01) * 1000),
-                                   limit=self.limit.limit, limit_key=key)
+        metadata = holder_metadata(
+            request.id,
+            task.name,
+            request.retries,
+            worker=request.hostname,
+            kind=SLOT_KIND,
+            renew_ms=int(max(ttl * plan.ratio, 0.01) * 1000),
+            limit=self.limit.limit,
+            limit_key=key,
+        )
         try:
-            slot = self.limit.try_acquire(store, key, owner=new_owner_token(request.id),
-                                          ticket=request.id, ttl=ttl, metadata=metadata,
-                                          settings=settings, sender=task)
+            slot = self.limit.try_acquire(
+                store,
+                key,
+                owner=new_owner_token(request.id),
+                ticket=request.id,
+                ttl=ttl,
+                metadata=metadata,
+                settings=settings,
+                sender=task,
+            )
         except LockStoreUnavailable as exc:
             policy = self.limit.policy(settings)
-            emit(signals.lock_store_error, task, logging.ERROR, reason=str(exc),
-                 policy=policy, task_id=request.id, task_name=task.name,
-                 **{k: v for k, v in self.limit._fields(key, None).items()
-                    if k not in ("task_id", "task_name")})
+            emit(
+                signals.lock_store_error,
+                task,
+                logging.ERROR,
+                reason=str(exc),
+                policy=policy,
+                task_id=request.id,
+                task_name=task.name,
+                **{
+                    k: v
+                    for k, v in self.limit._fields(key, None).items()
+                    if k not in ("task_id", "task_name")
+                },
+            )
             if policy == "fail_open":
                 return None
             raise
-        get_heartbeat().register(slot.lease, store, ratio=plan.ratio, sender=task,
-                                 max_hold=plan.max_hold)
+        get_heartbeat().register(
+            slot.lease, store, ratio=plan.ratio, sender=task, max_hold=plan.max_hold
+        )
         token = _current.set(_current.get() + (slot,))
         return _Held(slot, token)
 
@@ -627,8 +805,10 @@ def gate(task: Any, settings: Any) -> BulkheadGate | None:
     if value is None:
         if key is not None:
             check_key_template(key)
-            raise ImproperlyConfigured(f"{task.name}: concurrency_limit_key is set but "
-                                       f"concurrency_limit is not", setting="concurrency_limit")
+            raise ImproperlyConfigured(
+                f"{task.name}: concurrency_limit_key is set but concurrency_limit is not",
+                setting="concurrency_limit",
+            )
         return None
     if isinstance(value, ConcurrencyLimit):
         limit = value
@@ -643,7 +823,9 @@ def gate(task: Any, settings: Any) -> BulkheadGate | None:
             if missing and not var_keyword:
                 raise ImproperlyConfigured(
                     f"{task.name}: concurrency_limit_key {shown(key)} names {missing[0]!r}, "
-                    f"which is not an argument of the task", setting="concurrency_limit_key")
+                    f"which is not an argument of the task",
+                    setting="concurrency_limit_key",
+                )
     settings.bulkhead_on_store_error  # noqa: B018 - an invalid setting names itself here
     settings.bulkhead_retry_after  # noqa: B018
     return BulkheadGate(task, limit, key)

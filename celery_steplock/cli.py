@@ -26,6 +26,7 @@ of a URL or of the transport options is shown).
 Exit status: 0 on success; 1 when ``show`` finds no lease, ``release`` released nothing, or
 ``reap`` met errors; 69 (``EX_UNAVAILABLE``, as ``celery inspect``) when Redis is unreachable.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -55,9 +56,18 @@ from .redact import printable, redact, secrets_of
 __all__ = ["steplock"]
 
 #: Columns of ``ls``: (header, lease field or computed name).
-COLUMNS = (("NAME", "name"), ("OWNER", "owner"), ("FENCE", "fence"), ("TASK", "task_name"),
-           ("TASK ID", "task_id"), ("WORKER", "worker"), ("PID", "pid"), ("STEP", "step"),
-           ("AGE", "age"), ("TTL", "ttl"))
+COLUMNS = (
+    ("NAME", "name"),
+    ("OWNER", "owner"),
+    ("FENCE", "fence"),
+    ("TASK", "task_name"),
+    ("TASK ID", "task_id"),
+    ("WORKER", "worker"),
+    ("PID", "pid"),
+    ("STEP", "step"),
+    ("AGE", "age"),
+    ("TTL", "ttl"),
+)
 
 
 def _shown(text: Any) -> str:
@@ -76,8 +86,7 @@ def _lock(ctx):
 
 
 def _unavailable(exc: Exception) -> CeleryCommandException:
-    return CeleryCommandException(message=f"steplock: {_shown(exc)}",
-                                  exit_code=EX_UNAVAILABLE)
+    return CeleryCommandException(message=f"steplock: {_shown(exc)}", exit_code=EX_UNAVAILABLE)
 
 
 def _redis_now_ms(lock) -> int | None:
@@ -114,8 +123,9 @@ def _cell(value: Any, column: str) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
-    cells = [[h for h, _ in COLUMNS]] + [[printable(_cell(r.get(c), c)) for _, c in COLUMNS]
-                                         for r in rows]
+    cells = [[h for h, _ in COLUMNS]] + [
+        [printable(_cell(r.get(c), c)) for _, c in COLUMNS] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
 
@@ -128,10 +138,20 @@ def steplock(ctx):
 
 
 @steplock.command("ls", cls=CeleryCommand)
-@click.option("--match", default="*", show_default=True, metavar="GLOB",
-              help="only lease names matching this glob (Redis MATCH syntax)")
-@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=0),
-              help="stop after this many leases (0: all of them)")
+@click.option(
+    "--match",
+    default="*",
+    show_default=True,
+    metavar="GLOB",
+    help="only lease names matching this glob (Redis MATCH syntax)",
+)
+@click.option(
+    "--limit",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="stop after this many leases (0: all of them)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list instead of a table")
 @click.pass_context
 def ls(ctx, match, limit, as_json):
@@ -153,8 +173,7 @@ def ls(ctx, match, limit, as_json):
     except StepLockError as exc:
         raise _unavailable(exc)
     now_ms = _redis_now_ms(lock)
-    rows = sorted((_with_age(lease, now_ms) for lease in found.values()),
-                  key=lambda r: r["name"])
+    rows = sorted((_with_age(lease, now_ms) for lease in found.values()), key=lambda r: r["name"])
     if limit:
         rows = rows[:limit]
     if as_json:
@@ -164,16 +183,22 @@ def ls(ctx, match, limit, as_json):
         click.echo(f"no lease held (match {match!r})")
         return
     # A concurrency limit's slot (celery_steplock.bulkhead) says so where a step would be.
-    shown_rows = [dict(row, step=f"slot of {row.get('limit_key')} (limit {row.get('limit')})")
-                  if row.get("kind") == "slot" and not row.get("step") else row for row in rows]
+    shown_rows = [
+        dict(row, step=f"slot of {row.get('limit_key')} (limit {row.get('limit')})")
+        if row.get("kind") == "slot" and not row.get("step")
+        else row
+        for row in rows
+    ]
     for line in _table(shown_rows):
         click.echo(line)
     click.echo(f"{len(rows)} lease(s)" + (f"; more not shown (--limit {limit})" if more else ""))
     malformed = [row["name"] for row in rows if row.get("malformed")]
     if malformed:
-        click.echo(f"{len(malformed)} malformed lease(s), fields left out (see show NAME): "
-                   + ", ".join(json.dumps(name) for name in malformed[:10])
-                   + (" ..." if len(malformed) > 10 else ""))
+        click.echo(
+            f"{len(malformed)} malformed lease(s), fields left out (see show NAME): "
+            + ", ".join(json.dumps(name) for name in malformed[:10])
+            + (" ..." if len(malformed) > 10 else "")
+        )
 
 
 @steplock.command("show", cls=CeleryCommand)
@@ -188,8 +213,9 @@ def show(ctx, name, as_json):
     except StepLockError as exc:
         raise _unavailable(exc)
     if lease is None:
-        raise CeleryCommandException(message=f"no lease named {name!r} is held",
-                                     exit_code=EX_FAILURE)
+        raise CeleryCommandException(
+            message=f"no lease named {name!r} is held", exit_code=EX_FAILURE
+        )
     lease = _with_age(lease, _redis_now_ms(lock))
     if as_json:
         click.echo(json.dumps(lease, sort_keys=True, default=str))
@@ -202,9 +228,13 @@ def show(ctx, name, as_json):
 
 @steplock.command("release", cls=CeleryCommand)
 @click.argument("name")
-@click.option("--owner", required=True, metavar="TOKEN",
-              help="the owner token you saw holding it (ls / show); nothing is deleted if "
-                   "another owner holds the lease now")
+@click.option(
+    "--owner",
+    required=True,
+    metavar="TOKEN",
+    help="the owner token you saw holding it (ls / show); nothing is deleted if "
+    "another owner holds the lease now",
+)
 @click.pass_context
 def release(ctx, name, owner):
     """Release the lease NAME if TOKEN still holds it (exit 1 otherwise).
@@ -220,32 +250,51 @@ def release(ctx, name, owner):
     _load_django(app)
     actor, host = _actor(), _host()
     try:
-        released = force_release(lock, name, owner, actor=actor, actor_host=host, via="cli",
-                                 app=app, auditor=default_audit(app),
-                                 reason=f"force-released by {actor}@{host} from the "
-                                        f"command line")
+        released = force_release(
+            lock,
+            name,
+            owner,
+            actor=actor,
+            actor_host=host,
+            via="cli",
+            app=app,
+            auditor=default_audit(app),
+            reason=f"force-released by {actor}@{host} from the command line",
+        )
     except AuditRecordFailed as failed:
         raise CeleryCommandException(
             message=f"not released: {name!r}: the audit record could not be written "
-                    f"({_shown(failed.__cause__)})", exit_code=EX_FAILURE)
+            f"({_shown(failed.__cause__)})",
+            exit_code=EX_FAILURE,
+        )
     except ForceReleaseRefused as refused:
-        why = (f"it is held by another owner ({printable(refused.holder)})"
-               if isinstance(refused, LeaseHeldByAnother) else "it is not held")
-        raise CeleryCommandException(message=f"not released: {name!r}: {why}",
-                                     exit_code=EX_FAILURE)
+        why = (
+            f"it is held by another owner ({printable(refused.holder)})"
+            if isinstance(refused, LeaseHeldByAnother)
+            else "it is not held"
+        )
+        raise CeleryCommandException(
+            message=f"not released: {name!r}: {why}", exit_code=EX_FAILURE
+        )
     except StepLockError as exc:
         record = getattr(exc, "forced_release", None)
         if record is not None and record.outcome == "unknown":
             raise CeleryCommandException(
                 message=f"steplock: Redis stopped answering during the release of {name!r}: "
-                        f"it may or may not be released (recorded as outcome unknown): {exc}",
-                exit_code=EX_UNAVAILABLE)
+                f"it may or may not be released (recorded as outcome unknown): {exc}",
+                exit_code=EX_UNAVAILABLE,
+            )
         raise _unavailable(exc)
-    click.echo(f"released {name!r} (owner {printable(owner)}, fence {released.fence}; audit: "
-               f"{released.audit or 'log line event=force_release_audit'})")
+    click.echo(
+        f"released {name!r} (owner {printable(owner)}, fence {released.fence}; audit: "
+        f"{released.audit or 'log line event=force_release_audit'})"
+    )
     if not released.outcome_recorded:
-        click.echo(f"warning: the outcome could not be recorded ({printable(released.outcome_error)}); "
-                   f"the audit record ({released.audit}) still says 'requested'", err=True)
+        click.echo(
+            f"warning: the outcome could not be recorded ({printable(released.outcome_error)}); "
+            f"the audit record ({released.audit}) still says 'requested'",
+            err=True,
+        )
 
 
 def _load_django(app) -> None:
@@ -259,8 +308,9 @@ def _load_django(app) -> None:
     except Exception as exc:  # noqa: BLE001 - no database record, so no release
         raise CeleryCommandException(
             message=f"not released: could not load the app's modules, so the audit record "
-                    f"cannot be written to the database ({_shown(f'{type(exc).__name__}: {exc}')})",
-            exit_code=EX_FAILURE)
+            f"cannot be written to the database ({_shown(f'{type(exc).__name__}: {exc}')})",
+            exit_code=EX_FAILURE,
+        )
 
 
 def _actor() -> str:
@@ -277,8 +327,11 @@ def _actor() -> str:
             account = getpass.getuser()
         except Exception:  # noqa: BLE001 - nothing names the user: the uid will do
             return f"uid {os.getuid()}"
-    claims = [f"{var}={printable(os.environ[var])}" for var in ("USER", "LOGNAME", "SUDO_USER")
-              if os.environ.get(var) and os.environ[var] != account]
+    claims = [
+        f"{var}={printable(os.environ[var])}"
+        for var in ("USER", "LOGNAME", "SUDO_USER")
+        if os.environ.get(var) and os.environ[var] != account
+    ]
     return f"{account} ({', '.join(claims)})" if claims else account
 
 
@@ -293,15 +346,33 @@ def _host() -> str:
 @steplock.command("reap", cls=CeleryCommand)
 @click.option("--dry-run", is_flag=True, help="report what would be done, change nothing")
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
-@click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True,
-              type=click.IntRange(min=1), help="SCAN COUNT hint and database chunk size")
-@click.option("--older-than", default=None, type=click.FloatRange(min=0), metavar="SECONDS",
-              help="recover only steps in flight for longer (default: the setting)")
-@click.option("--ping-timeout", default=DEFAULT_PING_TIMEOUT, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-              help="seconds to wait for workers' ping replies")
-@click.option("--no-pid-check", is_flag=True,
-              help="judge leases by their worker's ping only, not by their pid")
+@click.option(
+    "--batch-size",
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="SCAN COUNT hint and database chunk size",
+)
+@click.option(
+    "--older-than",
+    default=None,
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="recover only steps in flight for longer (default: the setting)",
+)
+@click.option(
+    "--ping-timeout",
+    default=DEFAULT_PING_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="seconds to wait for workers' ping replies",
+)
+@click.option(
+    "--no-pid-check",
+    is_flag=True,
+    help="judge leases by their worker's ping only, not by their pid",
+)
 @click.pass_context
 def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_check):
     """Reap the leases of dead owners and recover the steps they left in flight."""
@@ -311,11 +382,20 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
     try:
         app.loader.import_default_modules()
     except Exception as exc:  # noqa: BLE001 - a broken import must not stop lease reaping
-        click.echo(f"warning: could not load the app's modules ({_shown(exc)}); steps may "
-                   f"not be recovered", err=True)
+        click.echo(
+            f"warning: could not load the app's modules ({_shown(exc)}); steps may "
+            f"not be recovered",
+            err=True,
+        )
     started = time.monotonic()
-    report = reap(app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
-                  ping_timeout=ping_timeout, check_pids=not no_pid_check)
+    report = reap(
+        app,
+        dry_run=dry_run,
+        batch_size=batch_size,
+        older_than=older_than,
+        ping_timeout=ping_timeout,
+        check_pids=not no_pid_check,
+    )
     if as_json:
         click.echo(json.dumps(report.as_dict(), sort_keys=True, default=str))
     else:
@@ -327,12 +407,13 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
         click.echo(f"error: {_shown(message)}", err=True)
     if report.errors:
         raise CeleryCommandException(
-            message=f"reap met {len(report.errors)} error(s) in "
-                    f"{time.monotonic() - started:.1f}s", exit_code=EX_FAILURE)
-
+            message=f"reap met {len(report.errors)} error(s) in {time.monotonic() - started:.1f}s",
+            exit_code=EX_FAILURE,
+        )
 
 
 # -- circuit breakers ------------------------------------------------------------------------
+
 
 @steplock.group("breaker")
 def breaker_group():
@@ -377,18 +458,28 @@ def _override(ctx, name, action, reason):
     _load_django(app)
     actor, host = _actor(), _host()
     try:
-        record = override_breaker(breaker, action, actor=actor, actor_host=host, via="cli",
-                                  reason=reason or f"{action} by {actor}@{host} from the "
-                                                   f"command line", app=app)
+        record = override_breaker(
+            breaker,
+            action,
+            actor=actor,
+            actor_host=host,
+            via="cli",
+            reason=reason or f"{action} by {actor}@{host} from the command line",
+            app=app,
+        )
     except AuditRecordFailed as failed:
         raise CeleryCommandException(
             message=f"not changed: circuit breaker {name!r}: the audit record could not be "
-                    f"written ({_shown(failed.__cause__)})", exit_code=EX_FAILURE)
+            f"written ({_shown(failed.__cause__)})",
+            exit_code=EX_FAILURE,
+        )
     except StepLockError as exc:
         raise _unavailable(exc)
-    click.echo(f"circuit breaker {printable(name)!r}: {record.previous} -> "
-               f"{'open (forced, until closed)' if action == 'open' else 'closed'} (audit: "
-               f"{record.audit or 'log line event=circuit_override_audit'})")
+    click.echo(
+        f"circuit breaker {printable(name)!r}: {record.previous} -> "
+        f"{'open (forced, until closed)' if action == 'open' else 'closed'} (audit: "
+        f"{record.audit or 'log line event=circuit_override_audit'})"
+    )
 
 
 @breaker_group.command("open", cls=CeleryCommand)

@@ -30,6 +30,7 @@ sentinels for the primary when it connects, and a primary that was demoted answe
 ``READONLY``, which drops the connection (redis-py turns it into a ``ConnectionError``) so that
 the retry reaches the new primary.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,10 +47,21 @@ from redis.retry import Retry
 from .exceptions import ImproperlyConfigured
 from .redact import redact, url_secrets
 
-__all__ = ["URL_SCHEMES", "SENTINEL_OPTIONS", "CONNECTION_OPTIONS", "connection_options",
-           "make_client", "ClientConfig", "client_for_settings", "client_identity",
-           "check_url", "parse_sentinel_url", "check_transport_options", "check_use_ssl",
-           "check_client_factory"]
+__all__ = [
+    "URL_SCHEMES",
+    "SENTINEL_OPTIONS",
+    "CONNECTION_OPTIONS",
+    "connection_options",
+    "make_client",
+    "ClientConfig",
+    "client_for_settings",
+    "client_identity",
+    "check_url",
+    "parse_sentinel_url",
+    "check_transport_options",
+    "check_use_ssl",
+    "check_client_factory",
+]
 
 #: The URL schemes the lease store accepts.
 URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
@@ -57,17 +69,26 @@ URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 #: Transport options that only a Sentinel URL uses.
 SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 #: Transport options passed to every connection to the lease store's Redis.
-CONNECTION_OPTIONS = ("health_check_interval", "socket_keepalive", "socket_keepalive_options",
-                      "client_name")
+CONNECTION_OPTIONS = (
+    "health_check_interval",
+    "socket_keepalive",
+    "socket_keepalive_options",
+    "client_name",
+)
 
 _URL = "steplock_redis_url"
 _OPTIONS = "steplock_redis_transport_options"
 _SSL = "steplock_redis_use_ssl"
 _FACTORY = "steplock_redis_client_factory"
 
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
-              "required": ssl.CERT_REQUIRED, "cert_none": ssl.CERT_NONE,
-              "cert_optional": ssl.CERT_OPTIONAL, "cert_required": ssl.CERT_REQUIRED}
+_CERT_REQS = {
+    "none": ssl.CERT_NONE,
+    "optional": ssl.CERT_OPTIONAL,
+    "required": ssl.CERT_REQUIRED,
+    "cert_none": ssl.CERT_NONE,
+    "cert_optional": ssl.CERT_OPTIONAL,
+    "cert_required": ssl.CERT_REQUIRED,
+}
 
 
 def _describe(name: str) -> str:
@@ -82,20 +103,27 @@ def connection_options(socket_timeout: float = 5.0) -> dict[str, Any]:
     about twice the timeout per call, and replies decoded as text. Retrying is safe because
     every script is idempotent for one owner token. A client factory may pass them on
     (``redis.Redis(host=..., **connection_options(settings.socket_timeout))``)."""
-    return {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout,
-            # The delays of ExponentialWithJitterBackoff, which needs redis-py 5.3+.
-            "retry": Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
-            "decode_responses": True, "encoding_errors": "replace"}
+    return {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": socket_timeout,
+        # The delays of ExponentialWithJitterBackoff, which needs redis-py 5.3+.
+        "retry": Retry(FullJitterBackoff(cap=0.2, base=0.05), 1),
+        "decode_responses": True,
+        "encoding_errors": "replace",
+    }
 
 
 # -- validation ---------------------------------------------------------------------------
+
 
 def check_url(url: Any, name: str = _URL) -> str:
     """Return ``url`` if the lease store can use it, else raise ImproperlyConfigured."""
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise ImproperlyConfigured(
             f"{_describe(name)} must be a redis://, rediss://, unix:// or sentinel:// URL, "
-            f"got {redact(repr(url), url_secrets(url))}", setting=name)
+            f"got {redact(repr(url), url_secrets(url))}",
+            setting=name,
+        )
     if url.startswith("sentinel://"):
         parse_sentinel_url(url, name)
     else:
@@ -109,8 +137,10 @@ def _check_redis_url(url: str, name: str) -> None:
     from redis.connection import parse_url
 
     def bad(why: str) -> ImproperlyConfigured:
-        return ImproperlyConfigured(f"{_describe(name)}: {_why(why, url)}, got "
-                                    f"{redact(repr(url), url_secrets(url))}", setting=name)
+        return ImproperlyConfigured(
+            f"{_describe(name)}: {_why(why, url)}, got {redact(repr(url), url_secrets(url))}",
+            setting=name,
+        )
 
     try:
         parsed = parse_url(url)
@@ -119,16 +149,17 @@ def _check_redis_url(url: str, name: str) -> None:
     split = urlsplit(url)
     db = unquote(split.path).strip("/")
     # redis-py silently falls back to database 0 for a path that is not a number.
-    if split.scheme != "unix" and db and "db" not in parse_qs(split.query) \
-            and not db.isdigit():
+    if split.scheme != "unix" and db and "db" not in parse_qs(split.query) and not db.isdigit():
         raise bad(f"the database (the URL's path) must be a number, not {db!r}")
     reqs = parsed.get("ssl_cert_reqs")
     if isinstance(reqs, str) and reqs.lower() not in ("none", "optional", "required"):
         raise bad(f"ssl_cert_reqs must be none, optional or required, not {reqs!r}")
     version = parsed.get("ssl_min_version")
     if version is not None and not isinstance(version, ssl.TLSVersion):
-        raise bad(f"ssl_min_version={version!r} is not read from the URL by this redis-py; "
-                  f"put it in {_SSL}")
+        raise bad(
+            f"ssl_min_version={version!r} is not read from the URL by this redis-py; "
+            f"put it in {_SSL}"
+        )
 
 
 def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
@@ -136,11 +167,15 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
     ``{"sentinels": [(host, port), ...], "username", "password", "db"}``: the credentials
     and database are the primary's (each part may repeat them; they must agree). A missing
     port is 26379. Raises ImproperlyConfigured naming ``name`` for a malformed URL."""
+
     def bad(why: str) -> ImproperlyConfigured:
-        return ImproperlyConfigured(f"{_describe(name)}: {_why(why, url)} (a sentinel URL "
-                                    f"is sentinel://[:password@]host:port[;sentinel://host:"
-                                    f"port...][/db]), got "
-                                    f"{redact(repr(url), url_secrets(url))}", setting=name)
+        return ImproperlyConfigured(
+            f"{_describe(name)}: {_why(why, url)} (a sentinel URL "
+            f"is sentinel://[:password@]host:port[;sentinel://host:"
+            f"port...][/db]), got "
+            f"{redact(repr(url), url_secrets(url))}",
+            setting=name,
+        )
 
     sentinels: list[tuple[str, int]] = []
     found: dict[str, Any] = {"username": None, "password": None, "db": None}
@@ -156,12 +191,16 @@ def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
         if not host:
             raise bad("a sentinel has no host")
         if split.query or split.fragment:
-            raise bad("query parameters are not read from sentinel URLs; put options in "
-                      f"{_OPTIONS} or {_SSL}")
+            raise bad(
+                "query parameters are not read from sentinel URLs; put options in "
+                f"{_OPTIONS} or {_SSL}"
+            )
         db = split.path.strip("/")
-        values: dict[str, Any] = {"username": unquote(split.username) if split.username else None,
-                  "password": unquote(split.password) if split.password is not None else None,
-                  "db": None}
+        values: dict[str, Any] = {
+            "username": unquote(split.username) if split.username else None,
+            "password": unquote(split.password) if split.password is not None else None,
+            "db": None,
+        }
         if db:
             if not db.isdigit():
                 raise bad(f"the database must be a number, not {db!r}")
@@ -183,14 +222,17 @@ def _why(why: str, url: str) -> str:
     the password: say so instead."""
     secrets = url_secrets(url)
     if any(c in secret for secret in secrets for c in "/?#;@"):
-        return ("the URL is malformed, or its user name or password holds an unencoded "
-                "'/', '?', '#', ';' or '@' (percent-encode them: "
-                "urllib.parse.quote(password, safe=''))")
+        return (
+            "the URL is malformed, or its user name or password holds an unencoded "
+            "'/', '?', '#', ';' or '@' (percent-encode them: "
+            "urllib.parse.quote(password, safe=''))"
+        )
     return redact(why, secrets)
 
 
-def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
-                            name: str = _OPTIONS) -> dict[str, Any]:
+def check_transport_options(
+    value: Any, url: str | None, *, strict: bool = True, name: str = _OPTIONS
+) -> dict[str, Any]:
     """The transport options the lease store uses, from ``value`` (a dict). ``url`` is the
     lease store's URL when known (a Sentinel URL needs ``master_name``). ``strict`` (the
     setting was given for the lease store): an unknown key is an error; else (inherited
@@ -199,31 +241,41 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
     if value is None:
         value = {}
     if not isinstance(value, dict):
-        raise ImproperlyConfigured(f"{_describe(name)} must be a dict, got "
-                                   f"{redact(repr(value))}", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)} must be a dict, got {redact(repr(value))}", setting=name
+        )
     known = SENTINEL_OPTIONS + CONNECTION_OPTIONS
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown and strict:
         raise ImproperlyConfigured(
             f"{_describe(name)} has unknown option(s) {', '.join(unknown)}; the lease store "
-            f"reads {', '.join(known)}", setting=name)
+            f"reads {', '.join(known)}",
+            setting=name,
+        )
     options = {k: v for k, v in value.items() if k in known}
     sentinel = isinstance(url, str) and url.startswith("sentinel://")
     master = options.get("master_name")
     if sentinel and not (isinstance(master, str) and master):
         raise ImproperlyConfigured(
             f"{_describe(name)} must name the primary of a sentinel:// URL: "
-            f"{{\"master_name\": \"mymaster\"}} (the name the sentinels monitor), got "
-            f"{master!r}", setting=name)
+            f'{{"master_name": "mymaster"}} (the name the sentinels monitor), got '
+            f"{master!r}",
+            setting=name,
+        )
     if master is not None and not (isinstance(master, str) and master):
-        raise ImproperlyConfigured(f"{_describe(name)}: master_name must be a non-empty "
-                                   f"string, got {master!r}", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: master_name must be a non-empty string, got {master!r}",
+            setting=name,
+        )
     kwargs = options.get("sentinel_kwargs")
-    if kwargs is not None and not (isinstance(kwargs, dict)
-                                   and all(isinstance(k, str) for k in kwargs)):
-        raise ImproperlyConfigured(f"{_describe(name)}: sentinel_kwargs must be a dict of "
-                                   f"connection options, got {redact(repr(kwargs))}",
-                                   setting=name)
+    if kwargs is not None and not (
+        isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)
+    ):
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: sentinel_kwargs must be a dict of "
+            f"connection options, got {redact(repr(kwargs))}",
+            setting=name,
+        )
     if kwargs:
         accepted = _connection_arguments()
         unknown = sorted(k for k in kwargs if k not in accepted)
@@ -231,46 +283,69 @@ def check_transport_options(value: Any, url: str | None, *, strict: bool = True,
             raise ImproperlyConfigured(
                 f"{_describe(name)}: sentinel_kwargs has unknown option(s) "
                 f"{', '.join(unknown)}; it takes the keyword arguments of redis.Redis "
-                f"(password, username, socket_timeout, ssl, ...)", setting=name)
+                f"(password, username, socket_timeout, ssl, ...)",
+                setting=name,
+            )
         for key in ("socket_timeout", "socket_connect_timeout"):
             _check_seconds(kwargs.get(key), f"sentinel_kwargs[{key!r}]", name)
     _check_seconds(options.get("health_check_interval"), "health_check_interval", name)
     keepalive = options.get("socket_keepalive")
     if keepalive is not None and not isinstance(keepalive, bool):
-        raise ImproperlyConfigured(f"{_describe(name)}: socket_keepalive must be True or "
-                                   f"False, got {keepalive!r}", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: socket_keepalive must be True or False, got {keepalive!r}",
+            setting=name,
+        )
     keepalive_options = options.get("socket_keepalive_options")
     if keepalive_options is not None and not (
-            isinstance(keepalive_options, dict)
-            and all(isinstance(k, int) and not isinstance(k, bool)
-                    and isinstance(v, (int, bytes)) and not isinstance(v, bool)
-                    for k, v in keepalive_options.items())):
+        isinstance(keepalive_options, dict)
+        and all(
+            isinstance(k, int)
+            and not isinstance(k, bool)
+            and isinstance(v, (int, bytes))
+            and not isinstance(v, bool)
+            for k, v in keepalive_options.items()
+        )
+    ):
         raise ImproperlyConfigured(
             f"{_describe(name)}: socket_keepalive_options must be a dict of socket option "
             f"numbers to values (e.g. {{socket.TCP_KEEPIDLE: 60}}), got "
-            f"{keepalive_options!r}", setting=name)
+            f"{keepalive_options!r}",
+            setting=name,
+        )
     client_name = options.get("client_name")
-    if client_name is not None and not (isinstance(client_name, str) and client_name
-                                        and not any(c.isspace() for c in client_name)):
-        raise ImproperlyConfigured(f"{_describe(name)}: client_name must be a non-empty "
-                                   f"string without spaces, got {client_name!r}",
-                                   setting=name)
+    if client_name is not None and not (
+        isinstance(client_name, str) and client_name and not any(c.isspace() for c in client_name)
+    ):
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: client_name must be a non-empty "
+            f"string without spaces, got {client_name!r}",
+            setting=name,
+        )
     others = options.get("min_other_sentinels")
-    if others is not None and (isinstance(others, bool) or not isinstance(others, int)
-                               or others < 0):
-        raise ImproperlyConfigured(f"{_describe(name)}: min_other_sentinels must be a whole "
-                                   f"number >= 0, got {others!r}", setting=name)
+    if others is not None and (
+        isinstance(others, bool) or not isinstance(others, int) or others < 0
+    ):
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: min_other_sentinels must be a whole number >= 0, got {others!r}",
+            setting=name,
+        )
     return options
 
 
 def _check_seconds(value: Any, key: str, name: str) -> None:
     from .conf import MAX_SOCKET_TIMEOUT, shown
 
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 <= value <= MAX_SOCKET_TIMEOUT):  # NaN: refused
-        raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a number of seconds "
-                                   f">= 0 and at most {MAX_SOCKET_TIMEOUT:g}, got "
-                                   f"{shown(value)}", setting=name)
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value <= MAX_SOCKET_TIMEOUT
+    ):  # NaN: refused
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: {key} must be a number of seconds "
+            f">= 0 and at most {MAX_SOCKET_TIMEOUT:g}, got "
+            f"{shown(value)}",
+            setting=name,
+        )
 
 
 @functools.cache
@@ -278,14 +353,18 @@ def _connection_arguments() -> frozenset[str]:
     """The keyword arguments ``redis.Redis`` takes (what a sentinel connection is built
     with), minus those that are not connection options."""
     names = set(inspect.signature(redis.Redis.__init__).parameters)
-    return frozenset(names - {"self", "connection_pool", "single_connection_client",
-                              "kwargs", "args"})
+    return frozenset(
+        names - {"self", "connection_pool", "single_connection_client", "kwargs", "args"}
+    )
 
 
 @functools.cache
 def _ssl_arguments() -> frozenset[str]:
-    return frozenset(p for p in inspect.signature(redis.SSLConnection.__init__).parameters
-                     if p.startswith("ssl_"))
+    return frozenset(
+        p
+        for p in inspect.signature(redis.SSLConnection.__init__).parameters
+        if p.startswith("ssl_")
+    )
 
 
 #: ssl_* options that must be booleans.
@@ -307,52 +386,69 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
     if value is True:
         return {"ssl": True}
     if not isinstance(value, dict):
-        raise ImproperlyConfigured(f"{_describe(name)} must be a dict of ssl_* options "
-                                   f"(as broker_use_ssl), got {redact(repr(value))}",
-                                   setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)} must be a dict of ssl_* options "
+            f"(as broker_use_ssl), got {redact(repr(value))}",
+            setting=name,
+        )
     accepted = _ssl_arguments() | {"ssl"}
     unknown = sorted(str(k) for k in value if k not in accepted)
     if unknown and strict:
         raise ImproperlyConfigured(
             f"{_describe(name)} has unknown option(s) {', '.join(unknown)}; redis-py "
-            f"accepts {', '.join(sorted(accepted))}", setting=name)
+            f"accepts {', '.join(sorted(accepted))}",
+            setting=name,
+        )
     options = {k: v for k, v in value.items() if k in accepted}
     reqs = options.get("ssl_cert_reqs")
     if isinstance(reqs, str):
         if reqs.lower() not in _CERT_REQS:
             raise ImproperlyConfigured(
                 f"{_describe(name)}: ssl_cert_reqs must be ssl.CERT_REQUIRED, CERT_OPTIONAL, "
-                f"CERT_NONE or \"required\"/\"optional\"/\"none\", got {reqs!r}", setting=name)
+                f'CERT_NONE or "required"/"optional"/"none", got {reqs!r}',
+                setting=name,
+            )
         options["ssl_cert_reqs"] = _CERT_REQS[reqs.lower()]
-    elif reqs is not None and reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL,
-                                           ssl.CERT_REQUIRED):
-        raise ImproperlyConfigured(f"{_describe(name)}: ssl_cert_reqs must be one of "
-                                   f"ssl.CERT_REQUIRED, CERT_OPTIONAL, CERT_NONE, got {reqs!r}",
-                                   setting=name)
+    elif reqs is not None and reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: ssl_cert_reqs must be one of "
+            f"ssl.CERT_REQUIRED, CERT_OPTIONAL, CERT_NONE, got {reqs!r}",
+            setting=name,
+        )
     for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         path = options.get(key)
-        if path is not None and not (isinstance(path, (str, os.PathLike))
-                                     and os.path.isfile(path)):
-            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be the path of a "
-                                       f"readable file, got {path!r}", setting=name)
+        if path is not None and not (
+            isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
+        ):
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: {key} must be the path of a readable file, got {path!r}",
+                setting=name,
+            )
         if path is not None:
             options[key] = os.fspath(path)
     for key in _SSL_FLAGS:
         if key in options and not isinstance(options[key], bool):
-            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be True or False, "
-                                       f"got {options[key]!r}", setting=name)
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: {key} must be True or False, got {options[key]!r}",
+                setting=name,
+            )
     for key in _SSL_TEXT:
         if options.get(key) is not None and not isinstance(options[key], str):
-            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a string, got "
-                                       f"{options[key]!r}", setting=name)
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: {key} must be a string, got {options[key]!r}", setting=name
+            )
     password = options.get("ssl_password")
     if password is not None and not isinstance(password, (str, bytes)):
-        raise ImproperlyConfigured(f"{_describe(name)}: ssl_password must be a string, got "
-                                   f"{type(password).__name__}", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: ssl_password must be a string, got {type(password).__name__}",
+            setting=name,
+        )
     ca_data = options.get("ssl_ca_data")
     if ca_data is not None and not isinstance(ca_data, (str, bytes)):
-        raise ImproperlyConfigured(f"{_describe(name)}: ssl_ca_data must be PEM text or "
-                                   f"DER bytes, got {ca_data!r}", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: ssl_ca_data must be PEM text or DER bytes, got {ca_data!r}",
+            setting=name,
+        )
     version = options.get("ssl_min_version")
     if isinstance(version, str):
         member = version.strip().replace(".", "_")
@@ -361,21 +457,32 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
         if member not in ssl.TLSVersion.__members__:
             raise ImproperlyConfigured(
                 f"{_describe(name)}: ssl_min_version must be an ssl.TLSVersion or its name "
-                f"(\"TLSv1_2\", \"TLSv1_3\"), got {version!r}", setting=name)
+                f'("TLSv1_2", "TLSv1_3"), got {version!r}',
+                setting=name,
+            )
         options["ssl_min_version"] = ssl.TLSVersion[member]
     elif version is not None and not isinstance(version, ssl.TLSVersion):
-        raise ImproperlyConfigured(f"{_describe(name)}: ssl_min_version must be an "
-                                   f"ssl.TLSVersion (e.g. ssl.TLSVersion.TLSv1_2), got "
-                                   f"{version!r}", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: ssl_min_version must be an "
+            f"ssl.TLSVersion (e.g. ssl.TLSVersion.TLSv1_2), got "
+            f"{version!r}",
+            setting=name,
+        )
     for key in ("ssl_include_verify_flags", "ssl_exclude_verify_flags"):
         flags = options.get(key)
-        if flags is not None and not (isinstance(flags, (list, tuple)) and all(
-                isinstance(f, ssl.VerifyFlags) for f in flags)):
-            raise ImproperlyConfigured(f"{_describe(name)}: {key} must be a list of "
-                                       f"ssl.VerifyFlags, got {flags!r}", setting=name)
+        if flags is not None and not (
+            isinstance(flags, (list, tuple)) and all(isinstance(f, ssl.VerifyFlags) for f in flags)
+        ):
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: {key} must be a list of ssl.VerifyFlags, got {flags!r}",
+                setting=name,
+            )
     if options.get("ssl_keyfile") and not options.get("ssl_certfile"):
-        raise ImproperlyConfigured(f"{_describe(name)}: ssl_keyfile needs ssl_certfile (the "
-                                   f"client certificate of mutual TLS)", setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)}: ssl_keyfile needs ssl_certfile (the "
+            f"client certificate of mutual TLS)",
+            setting=name,
+        )
     if options:
         options["ssl"] = True
     return options
@@ -390,30 +497,40 @@ def check_client_factory(value: Any, name: str = _FACTORY) -> Callable[..., Any]
         return None
     if isinstance(value, str):
         if not value.strip():
-            raise ImproperlyConfigured(f"{_describe(name)} must be a callable or its "
-                                       f"qualified name, got {value!r}", setting=name)
+            raise ImproperlyConfigured(
+                f"{_describe(name)} must be a callable or its qualified name, got {value!r}",
+                setting=name,
+            )
         from celery.utils.imports import symbol_by_name
 
         try:
             factory = symbol_by_name(value.strip())
         except (ImportError, AttributeError, ValueError) as exc:
-            raise ImproperlyConfigured(f"{_describe(name)}: cannot import {value!r}: {exc}",
-                                       setting=name) from exc
+            raise ImproperlyConfigured(
+                f"{_describe(name)}: cannot import {value!r}: {exc}", setting=name
+            ) from exc
     else:
         factory = value
     if not callable(factory):
-        raise ImproperlyConfigured(f"{_describe(name)} must be callable "
-                                   f"(factory(settings) -> redis client), got {factory!r}",
-                                   setting=name)
+        raise ImproperlyConfigured(
+            f"{_describe(name)} must be callable "
+            f"(factory(settings) -> redis client), got {factory!r}",
+            setting=name,
+        )
     return factory
 
 
 # -- clients ------------------------------------------------------------------------------
 
-def make_client(url: str, socket_timeout: float = 5.0, *,
-                transport_options: dict[str, Any] | None = None,
-                use_ssl: dict[str, Any] | bool | None = None,
-                cluster: bool = False) -> redis.Redis:
+
+def make_client(
+    url: str,
+    socket_timeout: float = 5.0,
+    *,
+    transport_options: dict[str, Any] | None = None,
+    use_ssl: dict[str, Any] | bool | None = None,
+    cluster: bool = False,
+) -> redis.Redis:
     """A redis-py client for the lease store at ``url`` (see the module docstring for the
     URL forms): :func:`connection_options` (``socket_timeout`` seconds, one quick retry),
     ``transport_options`` and ``use_ssl`` as the settings take them (validated here).
@@ -460,13 +577,15 @@ def _check_combination(url: str, tls: dict[str, Any], cluster: bool) -> None:
         raise ImproperlyConfigured(
             f"{_describe(_SSL)} is set but steplock_redis_url is a unix:// URL, which "
             f"connects without TLS; remove the TLS options or use a rediss:// URL",
-            setting=_SSL)
+            setting=_SSL,
+        )
     if cluster and url.startswith(("sentinel://", "unix://")):
         raise ImproperlyConfigured(
             "steplock_redis_cluster is True but steplock_redis_url is a "
             f"{url.split(':', 1)[0]}:// URL; a Redis Cluster is reached through "
             "a redis:// or rediss:// URL of one of its nodes",
-            setting="steplock_redis_cluster")
+            setting="steplock_redis_cluster",
+        )
 
 
 def _sentinel_class():
@@ -488,8 +607,9 @@ def _sentinel_class():
     return _Sentinel
 
 
-def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
-                     kwargs: dict[str, Any]) -> redis.Redis:
+def _sentinel_client(
+    url: str, options: dict[str, Any], tls: dict[str, Any], kwargs: dict[str, Any]
+) -> redis.Redis:
     _Sentinel = _sentinel_class()
     parsed = parse_sentinel_url(url)
     primary = dict(kwargs)
@@ -502,12 +622,18 @@ def _sentinel_client(url: str, options: dict[str, Any], tls: dict[str, Any],
         sentinel_kwargs = {}
     # No retry per sentinel: a sentinel that does not answer is skipped for the next one
     # (redis-py's default would retry it with backoff of seconds before moving on).
-    sentinel_kwargs = {"socket_timeout": kwargs["socket_timeout"],
-                       "socket_connect_timeout": kwargs["socket_connect_timeout"],
-                       "retry": Retry(NoBackoff(), 0), **sentinel_kwargs}
-    sentinel = _Sentinel(parsed["sentinels"],
-                        min_other_sentinels=options.get("min_other_sentinels", 0),
-                        sentinel_kwargs=sentinel_kwargs, **primary)
+    sentinel_kwargs = {
+        "socket_timeout": kwargs["socket_timeout"],
+        "socket_connect_timeout": kwargs["socket_connect_timeout"],
+        "retry": Retry(NoBackoff(), 0),
+        **sentinel_kwargs,
+    }
+    sentinel = _Sentinel(
+        parsed["sentinels"],
+        min_other_sentinels=options.get("min_other_sentinels", 0),
+        sentinel_kwargs=sentinel_kwargs,
+        **primary,
+    )
     return sentinel.master_for(options["master_name"])
 
 
@@ -535,29 +661,44 @@ class ClientConfig:
             raise ImproperlyConfigured(
                 f"steplock_redis_cluster is True but {_FACTORY} is set, and the factory's "
                 f"client is used as it is; remove steplock_redis_cluster and return a "
-                f"redis.cluster.RedisCluster from the factory", setting="steplock_redis_cluster")
+                f"redis.cluster.RedisCluster from the factory",
+                setting="steplock_redis_cluster",
+            )
 
     @property
     def identity(self) -> tuple:
         """A hashable key: equal keys, equal clients (a factory counts by its identity)."""
         if self.factory is not None:
             return ("factory", self.factory, self.timeout)
-        return ("url", self.url, _freeze(self.options), _freeze(self.tls), self.timeout,
-                self.cluster)
+        return (
+            "url",
+            self.url,
+            _freeze(self.options),
+            _freeze(self.tls),
+            self.timeout,
+            self.cluster,
+        )
 
     def client(self) -> redis.Redis:
         """A new client (see :func:`client_for_settings`)."""
         if self.factory is None:
-            return make_client(self.url, self.timeout, transport_options=self.options,
-                               use_ssl=self.tls, cluster=self.cluster)
+            return make_client(
+                self.url,
+                self.timeout,
+                transport_options=self.options,
+                use_ssl=self.tls,
+                cluster=self.cluster,
+            )
         try:
             client = self.factory(self.settings)
         except ImproperlyConfigured:
             raise
         except Exception as exc:
-            raise ImproperlyConfigured(f"{_describe(_FACTORY)}: {self.factory!r} raised "
-                                       f"{type(exc).__name__}: {redact(exc)}",
-                                       setting=_FACTORY) from exc
+            raise ImproperlyConfigured(
+                f"{_describe(_FACTORY)}: {self.factory!r} raised "
+                f"{type(exc).__name__}: {redact(exc)}",
+                setting=_FACTORY,
+            ) from exc
         from redis.cluster import RedisCluster
 
         # Only redis-py's synchronous clients: the library reads their pools (an asyncio
@@ -566,9 +707,10 @@ class ClientConfig:
             raise ImproperlyConfigured(
                 f"{_describe(_FACTORY)}: {self.factory!r} must return a redis-py client, a "
                 f"synchronous one (redis.Redis or redis.cluster.RedisCluster), got "
-                f"{type(client).__module__}.{type(client).__qualname__}", setting=_FACTORY)
+                f"{type(client).__module__}.{type(client).__qualname__}",
+                setting=_FACTORY,
+            )
         return client  # type: ignore[return-value]
-
 
     def waiter_client(self) -> redis.Redis | None:
         """A second client for the lease store's waiters when the lease store cannot derive

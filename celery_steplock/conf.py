@@ -6,6 +6,7 @@ Django project that loads its Celery configuration with ``namespace="CELERY"`` s
 to ``app.conf`` takes effect on the next task. An invalid value raises
 :class:`~celery_steplock.exceptions.ImproperlyConfigured` naming the setting.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,43 +30,43 @@ IDEMPOTENCY_STORES = ("redis", "database")
 
 #: Every setting with its default. Units are seconds.
 DEFAULTS: dict[str, Any] = {
-    "redis_url": None,              # None: the broker URL when it is a Redis URL
+    "redis_url": None,  # None: the broker URL when it is a Redis URL
     # None: the broker's broker_transport_options / broker_use_ssl when redis_url is None
     "redis_transport_options": None,  # {"master_name": ..., "sentinel_kwargs": {...}}
-    "redis_use_ssl": None,          # {"ssl_cert_reqs": ..., "ssl_ca_certs": ..., ...}
-    "redis_client_factory": None,   # factory(settings) -> redis client, or its qualified name
-    "redis_cluster": False,         # True: redis_url names one node of a Redis Cluster
+    "redis_use_ssl": None,  # {"ssl_cert_reqs": ..., "ssl_ca_certs": ..., ...}
+    "redis_client_factory": None,  # factory(settings) -> redis client, or its qualified name
+    "redis_cluster": False,  # True: redis_url names one node of a Redis Cluster
     "key_prefix": "steplock",
     "default_ttl": 30.0,
-    "renewal_ratio": 1 / 3,         # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
+    "renewal_ratio": 1 / 3,  # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
     "lock_wait": 0.0,
-    "max_hold": None,               # None: renew for as long as the task runs
+    "max_hold": None,  # None: renew for as long as the task runs
     "on_contended": "retry",
     "on_conflict": "return",
     "on_store_error": "fail_closed",
     "retry_backoff": 1.0,
     "retry_backoff_max": 60.0,
-    "retry_max": None,              # None: retry a busy lease or an outage until it clears
+    "retry_max": None,  # None: retry a busy lease or an outage until it clears
     "status_field": "status",
     "owner_field": "lock_owner",
     "fence_field": "lock_fence",
     "precheck": True,
-    "db_deadline": True,            # PostgreSQL: bound the CAS's lock wait and idle-before-COMMIT
+    "db_deadline": True,  # PostgreSQL: bound the CAS's lock wait and idle-before-COMMIT
     "socket_timeout": 5.0,
-    "fence_ttl": 7 * 24 * 3600.0,   # lifetime of an idle name's fencing counter
-    "max_waiters": 1000,            # callers of one process waiting for leases at once
-    "event_log": False,             # Django: write LeaseEvent rows (contrib.django)
+    "fence_ttl": 7 * 24 * 3600.0,  # lifetime of an idle name's fencing counter
+    "max_waiters": 1000,  # callers of one process waiting for leases at once
+    "event_log": False,  # Django: write LeaseEvent rows (contrib.django)
     "event_retention": 7 * 24 * 3600.0,
-    "reaper_recover": {},           # {"app_label.Model": {"in-flight status": "recovery status"}}
-    "reaper_older_than": 0.0,       # seconds a step must have been in flight before recovery
+    "reaper_recover": {},  # {"app_label.Model": {"in-flight status": "recovery status"}}
+    "reaper_older_than": 0.0,  # seconds a step must have been in flight before recovery
     # The step-store factory (celery_steplock.steps.StepStore), a qualified string.
     "step_store": "celery_steplock.contrib.django.steps:DjangoStepStore",
-    "step_database": None,          # None: the step model's write database (Django: the router)
+    "step_database": None,  # None: the step model's write database (Django: the router)
     # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
     # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
     "name_secret": None,
     # Idempotency records (celery_steplock.idempotency).
-    "idempotency_store": "redis",   # "redis" | "database" (Django model, Redis as its cache)
+    "idempotency_store": "redis",  # "redis" | "database" (Django model, Redis as its cache)
     "idempotency_ttl": 24 * 3600.0,  # a completed record's lifetime
     "idempotency_lock_ttl": 600.0,  # a locked record's lifetime (a crashed holder's)
     "idempotency_serializer": "json",  # the kombu serializer of recorded results
@@ -84,88 +85,87 @@ DEFAULTS: dict[str, Any] = {
 #: it means, its unit. The documentation's settings reference is generated from the two.
 DESCRIPTIONS: dict[str, str] = {
     "redis_url": "The lock store's URL: ``redis://``, ``rediss://``, ``unix://`` or "
-                 "``sentinel://host:port;sentinel://...``. None: the broker URL when it is a "
-                 "Redis URL.",
+    "``sentinel://host:port;sentinel://...``. None: the broker URL when it is a "
+    "Redis URL.",
     "redis_transport_options": "What a URL cannot say: Sentinel's ``master_name`` "
-                               "(required), ``sentinel_kwargs``, ``min_other_sentinels``; "
-                               "``health_check_interval``, ``socket_keepalive``, "
-                               "``client_name``. None: ``broker_transport_options`` when the "
-                               "broker URL is used, else ``{}``.",
+    "(required), ``sentinel_kwargs``, ``min_other_sentinels``; "
+    "``health_check_interval``, ``socket_keepalive``, "
+    "``client_name``. None: ``broker_transport_options`` when the "
+    "broker URL is used, else ``{}``.",
     "redis_use_ssl": "TLS options as ``broker_use_ssl`` (``ssl_cert_reqs``, ``ssl_ca_certs``, "
-                     "``ssl_certfile``, ``ssl_keyfile``, any other ``ssl_*`` of redis-py). "
-                     "None: ``broker_use_ssl`` when the broker URL is used, else ``{}``.",
+    "``ssl_certfile``, ``ssl_keyfile``, any other ``ssl_*`` of redis-py). "
+    "None: ``broker_use_ssl`` when the broker URL is used, else ``{}``.",
     "redis_client_factory": "``factory(settings) -> redis.Redis`` or its qualified name, for "
-                            "any other client setup; replaces the three settings above.",
+    "any other client setup; replaces the three settings above.",
     "redis_cluster": "True: the URL names one node of a Redis Cluster, the entry point of a "
-                     "``RedisCluster`` client.",
+    "``RedisCluster`` client.",
     "key_prefix": "Key namespace: ``<prefix>:lease:{name}``, ``<prefix>:fence:{name}``.",
     "default_ttl": "Lease TTL, seconds.",
     "renewal_ratio": "The heartbeat renews every ``ttl * ratio`` (0.05 to 0.75; never more "
-                     "often than every 0.01 s).",
+    "often than every 0.01 s).",
     "lock_wait": "Seconds to wait for a busy lease before it counts as contended.",
     "max_hold": "Seconds after which renewal stops and the lease is lost; None: renew for as "
-                "long as the task runs.",
+    "long as the task runs.",
     "on_contended": "A busy lease: ``retry``, ``skip`` (succeed with the skipped outcome), "
-                    "``ignore`` (Celery ``Ignore``) or ``raise`` (``LockContended``).",
+    "``ignore`` (Celery ``Ignore``) or ``raise`` (``LockContended``).",
     "on_conflict": "A compare-and-swap that updated no row: ``return`` (succeed with the "
-                   "duplicate outcome), ``ignore`` (no state update) or ``raise`` "
-                   "(``TransitionConflict``).",
+    "duplicate outcome), ``ignore`` (no state update) or ``raise`` "
+    "(``TransitionConflict``).",
     "on_store_error": "Redis unreachable: ``fail_closed`` (refuse the body, retry) or "
-                      "``fail_open`` (run it unlocked).",
+    "``fail_open`` (run it unlocked).",
     "retry_backoff": "Seconds: the base of the full-jitter retry countdown.",
     "retry_backoff_max": "Seconds: the cap of the full-jitter retry countdown.",
     "retry_max": "Lease retries (busy, outage, lost) before the task fails; None: until it "
-                 "clears.",
+    "clears.",
     "status_field": "The step model's status column.",
     "owner_field": "The step model's column of the owner token (left out when the model has "
-                   "none).",
+    "none).",
     "fence_field": "The step model's column of the fencing token (left out when the model has "
-                   "none).",
+    "none).",
     "precheck": "Read the step's status before the body and skip the body when the step "
-                "already left ``from_``.",
+    "already left ``from_``.",
     "db_deadline": "PostgreSQL: from the compare-and-swap to COMMIT, ``lock_timeout`` and "
-                   "``idle_in_transaction_session_timeout`` are the lease's remaining "
-                   "validity.",
+    "``idle_in_transaction_session_timeout`` are the lease's remaining "
+    "validity.",
     "socket_timeout": "Redis socket timeout, seconds.",
     "fence_ttl": "Seconds an idle name's fencing counter is kept (7 days).",
     "max_waiters": "Callers of one process that may wait (``lock_wait``) at once; one more "
-                   "fails with ``LockStoreMisconfigured``.",
+    "fails with ``LockStoreMisconfigured``.",
     "event_log": "Django: write a ``LeaseEvent`` row per lease event.",
     "event_retention": "Seconds of event log kept by ``prune_lease_events`` (7 days).",
-    "reaper_recover": "``{\"app_label.Model\": {\"in-flight status\": \"recovery status\"}}``: "
-                      "the reaper moves steps left in flight by dead owners.",
-    "reaper_older_than": "Seconds a step must have been in flight before the reaper recovers "
-                         "it.",
+    "reaper_recover": '``{"app_label.Model": {"in-flight status": "recovery status"}}``: '
+    "the reaper moves steps left in flight by dead owners.",
+    "reaper_older_than": "Seconds a step must have been in flight before the reaper recovers it.",
     "step_store": "The step-store factory (:class:`celery_steplock.steps.StepStore`), a "
-                  "qualified name or a callable.",
+    "qualified name or a callable.",
     "step_database": "Database alias of the step statements and their transaction; None: the "
-                     "step model's ``router.db_for_write``.",
+    "step model's ``router.db_for_write``.",
     "name_secret": "The key (32 to 4096 characters, the same on every worker) of default lock "
-                   "names and idempotency keys; None: derived from Django's ``SECRET_KEY`` "
-                   "when Django is configured.",
-    "idempotency_store": "Where idempotency records live: ``\"redis\"`` (Redis alone) or "
-                         "``\"database\"`` (the ``IdempotencyRecord`` model is the truth, Redis "
-                         "the cache of completed records).",
+    "names and idempotency keys; None: derived from Django's ``SECRET_KEY`` "
+    "when Django is configured.",
+    "idempotency_store": 'Where idempotency records live: ``"redis"`` (Redis alone) or '
+    '``"database"`` (the ``IdempotencyRecord`` model is the truth, Redis '
+    "the cache of completed records).",
     "idempotency_ttl": "Seconds a completed idempotency record is replayed (default 24 h); "
-                       "``idempotency_ttl`` on a task or decorator overrides it.",
+    "``idempotency_ttl`` on a task or decorator overrides it.",
     "idempotency_lock_ttl": "Seconds a ``locked`` idempotency record lives when its holder "
-                            "dies without finishing: the call can run again after it.",
+    "dies without finishing: the call can run again after it.",
     "idempotency_serializer": "The kombu serializer name results are recorded with (what a "
-                              "replay returns).",
+    "replay returns).",
     "idempotency_on_store_error": "Idempotency records when the store cannot be reached: "
-                                  "``fail_closed`` (the task is retried) or ``fail_open`` "
-                                  "(the body runs unrecorded).",
+    "``fail_closed`` (the task is retried) or ``fail_open`` "
+    "(the body runs unrecorded).",
     "breaker_on_store_error": "Circuit breakers when Redis cannot be reached: ``fail_closed`` "
-                              "(the call is refused, the task retried) or ``fail_open`` (the "
-                              "dependency is called).",
+    "(the call is refused, the task retried) or ``fail_open`` (the "
+    "dependency is called).",
     "bulkhead_on_store_error": "Concurrency limits when Redis cannot be reached: "
-                               "``fail_closed`` (the task is retried) or ``fail_open`` (the "
-                               "body runs without a slot).",
+    "``fail_closed`` (the task is retried) or ``fail_open`` (the "
+    "body runs without a slot).",
     "bulkhead_retry_after": "The longest time, in seconds, a task refused by a concurrency "
-                            "limit is re-queued past (before jitter).",
+    "limit is re-queued past (before jitter).",
     "rate_limit_on_store_error": "Cluster-wide rate limits when Redis cannot be reached: "
-                                 "``fail_closed`` (the task is retried) or ``fail_open`` (the "
-                                 "call is allowed).",
+    "``fail_closed`` (the task is retried) or ``fail_open`` (the "
+    "call is allowed).",
 }
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -239,65 +239,105 @@ def describe(name: str) -> str:
 
 
 @overload
-def check_seconds(value: Any, name: str, *, allow_zero: bool = ...,
-                  allow_none: Literal[False] = ..., maximum: float = ...,
-                  minimum: float | None = ...) -> float: ...
+def check_seconds(
+    value: Any,
+    name: str,
+    *,
+    allow_zero: bool = ...,
+    allow_none: Literal[False] = ...,
+    maximum: float = ...,
+    minimum: float | None = ...,
+) -> float: ...
 @overload
-def check_seconds(value: Any, name: str, *, allow_zero: bool = ...,
-                  allow_none: bool = ..., maximum: float = ...,
-                  minimum: float | None = ...) -> float | None: ...
-def check_seconds(value: Any, name: str, *, allow_zero: bool = False,
-                  allow_none: bool = False, maximum: float = MAX_SECONDS,
-                  minimum: float | None = None) -> float | None:
+def check_seconds(
+    value: Any,
+    name: str,
+    *,
+    allow_zero: bool = ...,
+    allow_none: bool = ...,
+    maximum: float = ...,
+    minimum: float | None = ...,
+) -> float | None: ...
+def check_seconds(
+    value: Any,
+    name: str,
+    *,
+    allow_zero: bool = False,
+    allow_none: bool = False,
+    maximum: float = MAX_SECONDS,
+    minimum: float | None = None,
+) -> float | None:
     """Return ``value`` as float seconds, or raise ImproperlyConfigured naming ``name``: a
     number (not a bool), above 0 (or >= 0 with ``allow_zero``; >= ``minimum`` when given)
     and at most ``maximum`` (default :data:`MAX_SECONDS`); None only with ``allow_none``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or (isinstance(value, float) and (math.isnan(value) or math.isinf(value))):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and (math.isnan(value) or math.isinf(value)))
+    ):
         raise ImproperlyConfigured(
-            f"{describe(name)} must be a number of seconds, got {shown(value)}", setting=name)
+            f"{describe(name)} must be a number of seconds, got {shown(value)}", setting=name
+        )
     if minimum is not None and value < minimum:
-        raise ImproperlyConfigured(f"{describe(name)} must be between {minimum:g} and "
-                                   f"{maximum:g} seconds, got {shown(value)}", setting=name)
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be between {minimum:g} and "
+            f"{maximum:g} seconds, got {shown(value)}",
+            setting=name,
+        )
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ImproperlyConfigured(f"{describe(name)} must be {bound} seconds, got "
-                                   f"{shown(value)}", setting=name)
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be {bound} seconds, got {shown(value)}", setting=name
+        )
     if value > maximum:
-        raise ImproperlyConfigured(f"{describe(name)} must be at most {maximum:g} seconds, "
-                                   f"got {shown(value)}", setting=name)
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be at most {maximum:g} seconds, got {shown(value)}",
+            setting=name,
+        )
     return float(value)
 
 
 @overload
-def check_count(value: Any, name: str, *, minimum: int = ..., maximum: int,
-                allow_none: Literal[False] = ...) -> int: ...
+def check_count(
+    value: Any, name: str, *, minimum: int = ..., maximum: int, allow_none: Literal[False] = ...
+) -> int: ...
 @overload
-def check_count(value: Any, name: str, *, minimum: int = ..., maximum: int,
-                allow_none: bool = ...) -> int | None: ...
-def check_count(value: Any, name: str, *, minimum: int = 0, maximum: int,
-                allow_none: bool = False) -> int | None:
+def check_count(
+    value: Any, name: str, *, minimum: int = ..., maximum: int, allow_none: bool = ...
+) -> int | None: ...
+def check_count(
+    value: Any, name: str, *, minimum: int = 0, maximum: int, allow_none: bool = False
+) -> int | None:
     """Return ``value`` if it is a whole number (not a bool) within [minimum, maximum], or
     None with ``allow_none``; else raise ImproperlyConfigured naming ``name``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or not minimum <= value <= maximum:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         none = "None or " if allow_none else ""
-        raise ImproperlyConfigured(f"{describe(name)} must be {none}a whole number from "
-                                   f"{minimum} to {maximum}, got {shown(value)}", setting=name)
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be {none}a whole number from "
+            f"{minimum} to {maximum}, got {shown(value)}",
+            setting=name,
+        )
     return value
 
 
-def check_text(value: Any, name: str, *, maximum: int = MAX_IDENTIFIER_LENGTH,
-               what: str = "a non-empty string") -> str:
+def check_text(
+    value: Any,
+    name: str,
+    *,
+    maximum: int = MAX_IDENTIFIER_LENGTH,
+    what: str = "a non-empty string",
+) -> str:
     """Return ``value`` if it is a non-empty str of at most ``maximum`` characters, else
     raise ImproperlyConfigured naming ``name`` (``what`` says what was expected)."""
     if not isinstance(value, str) or not value or len(value) > maximum:
-        raise ImproperlyConfigured(f"{describe(name)} must be {what} of at most {maximum} "
-                                   f"characters, got {shown(value)}", setting=name)
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be {what} of at most {maximum} characters, got {shown(value)}",
+            setting=name,
+        )
     return value
 
 
@@ -317,11 +357,16 @@ def check_ttl(value: Any, name: str) -> float:
     """Return ``value`` as a TTL in seconds within [MIN_TTL, MAX_TTL], else raise."""
     if type(value) is float and MIN_TTL <= value <= MAX_TTL:
         return value  # the common case, on the lease store's hot paths
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not MIN_TTL <= value <= MAX_TTL:  # NaN compares false
-        raise ImproperlyConfigured(f"{describe(name)} must be a number of seconds between "
-                                   f"{MIN_TTL} and {MAX_TTL:.0f}, got {shown(value)}",
-                                   setting=name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not MIN_TTL <= value <= MAX_TTL
+    ):  # NaN compares false
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be a number of seconds between "
+            f"{MIN_TTL} and {MAX_TTL:.0f}, got {shown(value)}",
+            setting=name,
+        )
     return float(value)
 
 
@@ -363,35 +408,47 @@ def check_name_secret(value: Any, name: str = "steplock_name_secret") -> bytes:
     """Return ``value`` (str or bytes of MIN_SECRET_LENGTH to MAX_SECRET_LENGTH) as the bytes
     of the HMAC key, else raise ImproperlyConfigured naming ``name`` (the value is never
     quoted: it is a secret)."""
-    if not isinstance(value, (str, bytes)) or not MIN_SECRET_LENGTH <= len(value) \
-            <= MAX_SECRET_LENGTH:
-        what = (f"{len(value)} characters" if isinstance(value, (str, bytes))
-                else f"a {type(value).__name__}")
+    if (
+        not isinstance(value, (str, bytes))
+        or not MIN_SECRET_LENGTH <= len(value) <= MAX_SECRET_LENGTH
+    ):
+        what = (
+            f"{len(value)} characters"
+            if isinstance(value, (str, bytes))
+            else f"a {type(value).__name__}"
+        )
         raise ImproperlyConfigured(
             f"{describe(name)} must be a string of {MIN_SECRET_LENGTH} to {MAX_SECRET_LENGTH} "
             f"characters shared by every worker (e.g. secrets.token_urlsafe(32)), got {what}",
-            setting=name)
+            setting=name,
+        )
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def check_key_prefix(prefix: Any, name: str = "steplock_key_prefix") -> str:
     """Return ``prefix`` if it can namespace the lease store's keys, else raise
     ImproperlyConfigured naming ``name``."""
-    if not isinstance(prefix, str) or not prefix or len(prefix) > MAX_PREFIX_LENGTH \
-            or any(c in "{}*?[]\\" or c.isspace() or not c.isprintable() for c in prefix):
+    if (
+        not isinstance(prefix, str)
+        or not prefix
+        or len(prefix) > MAX_PREFIX_LENGTH
+        or any(c in "{}*?[]\\" or c.isspace() or not c.isprintable() for c in prefix)
+    ):
         raise ImproperlyConfigured(
             f"{describe(name)} must be a non-empty string of at most "
             f"{MAX_PREFIX_LENGTH} printable characters without "
             f"braces, glob characters (*?[]\\) or spaces, got {shown(prefix)}",
-            setting=name)
+            setting=name,
+        )
     return prefix
 
 
 def check_bool(value: Any, name: str) -> bool:
     """Return ``value`` if it is a bool, else raise (``"false"`` is not False)."""
     if not isinstance(value, bool):
-        raise ImproperlyConfigured(f"{describe(name)} must be True or False, got {shown(value)}",
-                                   setting=name)
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be True or False, got {shown(value)}", setting=name
+        )
     return value
 
 
@@ -400,7 +457,8 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ImproperlyConfigured(
             f"{describe(name)} must be one of {', '.join(map(repr, choices))}, got {shown(value)}",
-            setting=name)
+            setting=name,
+        )
     return cast(str, value)
 
 
@@ -408,11 +466,17 @@ def check_database(value: Any, name: str) -> str | None:
     """Return ``value`` if it is None or a database name (a non-empty string without
     surrounding spaces), else raise ImproperlyConfigured naming ``name``. Whether the
     database exists is the step store's to say."""
-    if value is not None and (not isinstance(value, str) or not value
-                              or value != value.strip() or len(value) > MAX_IDENTIFIER_LENGTH):
+    if value is not None and (
+        not isinstance(value, str)
+        or not value
+        or value != value.strip()
+        or len(value) > MAX_IDENTIFIER_LENGTH
+    ):
         raise ImproperlyConfigured(
             f"{describe(name)} must be None or a database alias (a key of DATABASES), "
-            f"got {shown(value)}", setting=name)
+            f"got {shown(value)}",
+            setting=name,
+        )
     return value
 
 
@@ -437,8 +501,9 @@ def _watch_django() -> None:
             from django.core.signals import setting_changed
         except ImportError:
             return
-        setting_changed.connect(_django_setting_changed, weak=False,
-                                dispatch_uid="celery_steplock.conf")
+        setting_changed.connect(
+            _django_setting_changed, weak=False, dispatch_uid="celery_steplock.conf"
+        )
 
 
 def _shared_snapshot(app: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
@@ -454,9 +519,14 @@ def _shared_snapshot(app: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
     if not isinstance(maps, list) or not isinstance(changes, dict):
         return {}, {}
     cached = _snapshots.get(app)
-    if cached is not None and cached[0] is conf and cached[2] == _django_version[0] \
-            and len(cached[1]) == len(maps) and all(a is b for a, b in zip(cached[1], maps)) \
-            and cached[3] == changes:
+    if (
+        cached is not None
+        and cached[0] is conf
+        and cached[2] == _django_version[0]
+        and len(cached[1]) == len(maps)
+        and all(a is b for a, b in zip(cached[1], maps))
+        and cached[3] == changes
+    ):
         return cached[4], cached[5]
     values: dict[str, Any] = {}
     memo: dict[Any, Any] = {}
@@ -516,7 +586,8 @@ class Settings:
             raise ImproperlyConfigured(
                 "steplock_redis_url is not set and the broker URL is not a Redis URL; "
                 "set steplock_redis_url (CELERY_STEPLOCK_REDIS_URL in Django settings)",
-                setting="steplock_redis_url")
+                setting="steplock_redis_url",
+            )
         return check_url(url)
 
     def _redis_inputs(self) -> list[Any]:
@@ -534,12 +605,19 @@ class Settings:
             found.append(exc)
         url = found[0] if isinstance(found[0], str) else None
         checks: tuple[tuple[str, str, Callable[[Any, bool, str], Any]], ...] = (
-                ("redis_transport_options", "broker_transport_options",
-                 lambda value, strict, setting: check_transport_options(
-                     value, url, strict=strict, name=setting)),
-                ("redis_use_ssl", "broker_use_ssl",
-                 lambda value, strict, setting: check_use_ssl(value, strict=strict,
-                                                              name=setting)))
+            (
+                "redis_transport_options",
+                "broker_transport_options",
+                lambda value, strict, setting: check_transport_options(
+                    value, url, strict=strict, name=setting
+                ),
+            ),
+            (
+                "redis_use_ssl",
+                "broker_use_ssl",
+                lambda value, strict, setting: check_use_ssl(value, strict=strict, name=setting),
+            ),
+        )
         for name, broker_name, check in checks:
             value, strict, setting = self.raw(name), True, setting_name(name)
             if value is None and own_url is None:
@@ -594,24 +672,31 @@ class Settings:
     @property
     def renewal_ratio(self) -> float:
         ratio = self.raw("renewal_ratio")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
-                or not MIN_RENEWAL_RATIO <= ratio <= MAX_RENEWAL_RATIO:
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not MIN_RENEWAL_RATIO <= ratio <= MAX_RENEWAL_RATIO
+        ):
             raise ImproperlyConfigured(
                 f"{describe('steplock_renewal_ratio')} must be a number between "
                 f"{MIN_RENEWAL_RATIO} and "
                 f"{MAX_RENEWAL_RATIO} (the renewal interval must leave time for a retry "
-                f"before the TTL runs out), got {shown(ratio)}", setting="steplock_renewal_ratio")
+                f"before the TTL runs out), got {shown(ratio)}",
+                setting="steplock_renewal_ratio",
+            )
         return float(ratio)
 
     @property
     def lock_wait(self) -> float:
-        return check_seconds(self.raw("lock_wait"), "steplock_lock_wait", allow_zero=True,
-                             maximum=MAX_WAIT)
+        return check_seconds(
+            self.raw("lock_wait"), "steplock_lock_wait", allow_zero=True, maximum=MAX_WAIT
+        )
 
     @property
     def max_hold(self) -> float | None:
-        return check_seconds(self.raw("max_hold"), "steplock_max_hold", allow_none=True,
-                             maximum=MAX_HOLD)
+        return check_seconds(
+            self.raw("max_hold"), "steplock_max_hold", allow_none=True, maximum=MAX_HOLD
+        )
 
     @property
     def on_contended(self) -> str:
@@ -623,36 +708,45 @@ class Settings:
 
     @property
     def on_store_error(self) -> str:
-        return check_choice(self.raw("on_store_error"), "steplock_on_store_error",
-                            ON_STORE_ERROR)
+        return check_choice(self.raw("on_store_error"), "steplock_on_store_error", ON_STORE_ERROR)
 
     @property
     def rate_limit_on_store_error(self) -> str:
-        return check_choice(self.raw("rate_limit_on_store_error"),
-                            "steplock_rate_limit_on_store_error", ON_STORE_ERROR)
+        return check_choice(
+            self.raw("rate_limit_on_store_error"),
+            "steplock_rate_limit_on_store_error",
+            ON_STORE_ERROR,
+        )
 
     @property
     def retry_backoff(self) -> float:
-        return check_seconds(self.raw("retry_backoff"), "steplock_retry_backoff",
-                             maximum=MAX_BACKOFF)
+        return check_seconds(
+            self.raw("retry_backoff"), "steplock_retry_backoff", maximum=MAX_BACKOFF
+        )
 
     @property
     def retry_backoff_max(self) -> float:
-        return check_seconds(self.raw("retry_backoff_max"), "steplock_retry_backoff_max",
-                             maximum=MAX_BACKOFF)
+        return check_seconds(
+            self.raw("retry_backoff_max"), "steplock_retry_backoff_max", maximum=MAX_BACKOFF
+        )
 
     @property
     def retry_max(self) -> int | None:
-        return check_count(self.raw("retry_max"), "steplock_retry_max", maximum=MAX_RETRIES,
-                           allow_none=True)
+        return check_count(
+            self.raw("retry_max"), "steplock_retry_max", maximum=MAX_RETRIES, allow_none=True
+        )
 
     def _field(self, name: str) -> str:
         value = self.raw(name)
-        if not isinstance(value, str) or not value.isidentifier() \
-                or len(value) > MAX_IDENTIFIER_LENGTH:
+        if (
+            not isinstance(value, str)
+            or not value.isidentifier()
+            or len(value) > MAX_IDENTIFIER_LENGTH
+        ):
             raise ImproperlyConfigured(
                 f"{describe(setting_name(name))} must be a model field name, got {shown(value)}",
-                setting=setting_name(name))
+                setting=setting_name(name),
+            )
         return value
 
     @property
@@ -677,13 +771,15 @@ class Settings:
 
     @property
     def socket_timeout(self) -> float:
-        return check_seconds(self.raw("socket_timeout"), "steplock_socket_timeout",
-                             maximum=MAX_SOCKET_TIMEOUT)
+        return check_seconds(
+            self.raw("socket_timeout"), "steplock_socket_timeout", maximum=MAX_SOCKET_TIMEOUT
+        )
 
     @property
     def max_waiters(self) -> int:
-        return check_count(self.raw("max_waiters"), "steplock_max_waiters", minimum=1,
-                           maximum=MAX_WAITERS_LIMIT)
+        return check_count(
+            self.raw("max_waiters"), "steplock_max_waiters", minimum=1, maximum=MAX_WAITERS_LIMIT
+        )
 
     @property
     def fence_ttl(self) -> float:
@@ -712,33 +808,51 @@ class Settings:
     @property
     def reaper_recover(self) -> dict[str, dict[str, str]]:
         value = self.raw("reaper_recover")
-        if not isinstance(value, dict) or len(value) > MAX_RECOVER_MODELS or not all(
-                isinstance(model, str) and isinstance(moves, dict)
-                and len(model) <= MAX_IDENTIFIER_LENGTH and len(moves) <= MAX_RECOVER_MODELS
-                and all(isinstance(a, str) and isinstance(b, str)
-                        and len(a) <= MAX_IDENTIFIER_LENGTH and len(b) <= MAX_IDENTIFIER_LENGTH
-                        for a, b in moves.items())
-                for model, moves in value.items()):
+        if (
+            not isinstance(value, dict)
+            or len(value) > MAX_RECOVER_MODELS
+            or not all(
+                isinstance(model, str)
+                and isinstance(moves, dict)
+                and len(model) <= MAX_IDENTIFIER_LENGTH
+                and len(moves) <= MAX_RECOVER_MODELS
+                and all(
+                    isinstance(a, str)
+                    and isinstance(b, str)
+                    and len(a) <= MAX_IDENTIFIER_LENGTH
+                    and len(b) <= MAX_IDENTIFIER_LENGTH
+                    for a, b in moves.items()
+                )
+                for model, moves in value.items()
+            )
+        ):
             raise ImproperlyConfigured(
-                f"{describe('steplock_reaper_recover')} must map \"app_label.Model\" to "
+                f'{describe("steplock_reaper_recover")} must map "app_label.Model" to '
                 f"{{in-flight status: recovery status}}, got {shown(value)}",
-                setting="steplock_reaper_recover")
+                setting="steplock_reaper_recover",
+            )
         return value
 
     @property
     def reaper_older_than(self) -> float:
-        return check_seconds(self.raw("reaper_older_than"), "steplock_reaper_older_than",
-                             allow_zero=True, maximum=MAX_REAPER_OLDER_THAN)
+        return check_seconds(
+            self.raw("reaper_older_than"),
+            "steplock_reaper_older_than",
+            allow_zero=True,
+            maximum=MAX_REAPER_OLDER_THAN,
+        )
 
     @property
     def step_store(self) -> Any:
         value = self.raw("step_store")
-        if not (isinstance(value, str) and value.strip() and len(value) <= MAX_IDENTIFIER_LENGTH) \
-                and not callable(value):
+        if not (
+            isinstance(value, str) and value.strip() and len(value) <= MAX_IDENTIFIER_LENGTH
+        ) and not callable(value):
             raise ImproperlyConfigured(
                 f"{describe('steplock_step_store')} must be a qualified name "
-                f"(\"package.module:Factory\") or a callable, got {shown(value)}",
-                setting="steplock_step_store")
+                f'("package.module:Factory") or a callable, got {shown(value)}',
+                setting="steplock_step_store",
+            )
         return value
 
     @property
@@ -747,51 +861,73 @@ class Settings:
 
     @property
     def idempotency_store(self) -> str:
-        return check_choice(self.raw("idempotency_store"), "steplock_idempotency_store",
-                            IDEMPOTENCY_STORES)
+        return check_choice(
+            self.raw("idempotency_store"), "steplock_idempotency_store", IDEMPOTENCY_STORES
+        )
 
     @property
     def idempotency_ttl(self) -> float:
-        return check_seconds(self.raw("idempotency_ttl"), "steplock_idempotency_ttl",
-                             minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
+        return check_seconds(
+            self.raw("idempotency_ttl"),
+            "steplock_idempotency_ttl",
+            minimum=MIN_IDEMPOTENCY_TTL,
+            maximum=MAX_IDEMPOTENCY_TTL,
+        )
 
     @property
     def idempotency_lock_ttl(self) -> float:
-        return check_seconds(self.raw("idempotency_lock_ttl"), "steplock_idempotency_lock_ttl",
-                             minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
+        return check_seconds(
+            self.raw("idempotency_lock_ttl"),
+            "steplock_idempotency_lock_ttl",
+            minimum=MIN_IDEMPOTENCY_TTL,
+            maximum=MAX_IDEMPOTENCY_TTL,
+        )
 
     @property
     def idempotency_serializer(self) -> str:
-        value = check_text(self.raw("idempotency_serializer"), "steplock_idempotency_serializer",
-                           what="a kombu serializer name")
+        value = check_text(
+            self.raw("idempotency_serializer"),
+            "steplock_idempotency_serializer",
+            what="a kombu serializer name",
+        )
         from kombu.serialization import registry
 
         if value not in registry._encoders:
             raise ImproperlyConfigured(
                 f"{describe('steplock_idempotency_serializer')} must name a registered kombu "
                 f"serializer ({', '.join(sorted(registry._encoders))}), got {shown(value)}",
-                setting="steplock_idempotency_serializer")
+                setting="steplock_idempotency_serializer",
+            )
         return value
 
     @property
     def idempotency_on_store_error(self) -> str:
-        return check_choice(self.raw("idempotency_on_store_error"),
-                            "steplock_idempotency_on_store_error", ON_STORE_ERROR)
+        return check_choice(
+            self.raw("idempotency_on_store_error"),
+            "steplock_idempotency_on_store_error",
+            ON_STORE_ERROR,
+        )
 
     @property
     def breaker_on_store_error(self) -> str:
-        return check_choice(self.raw("breaker_on_store_error"),
-                            "steplock_breaker_on_store_error", ON_STORE_ERROR)
+        return check_choice(
+            self.raw("breaker_on_store_error"), "steplock_breaker_on_store_error", ON_STORE_ERROR
+        )
 
     @property
     def bulkhead_on_store_error(self) -> str:
-        return check_choice(self.raw("bulkhead_on_store_error"),
-                            "steplock_bulkhead_on_store_error", ON_STORE_ERROR)
+        return check_choice(
+            self.raw("bulkhead_on_store_error"), "steplock_bulkhead_on_store_error", ON_STORE_ERROR
+        )
 
     @property
     def bulkhead_retry_after(self) -> float:
-        return check_seconds(self.raw("bulkhead_retry_after"), "steplock_bulkhead_retry_after",
-                             minimum=0.05, maximum=3600.0)
+        return check_seconds(
+            self.raw("bulkhead_retry_after"),
+            "steplock_bulkhead_retry_after",
+            minimum=0.05,
+            maximum=3600.0,
+        )
 
     def problems(self) -> list[ImproperlyConfigured]:
         """Every invalid setting, one error each (empty when all are valid)."""
@@ -816,10 +952,20 @@ class Settings:
             # A factory was given but is invalid: its own error comes first, and the
             # settings it would replace are not read (their absence is not the problem).
             return ["redis_client_factory"] + [
-                name for name in DEFAULTS if name not in (
-                    "redis_client_factory", "redis_url", "redis_transport_options",
-                    "redis_use_ssl")]
+                name
+                for name in DEFAULTS
+                if name
+                not in (
+                    "redis_client_factory",
+                    "redis_url",
+                    "redis_transport_options",
+                    "redis_use_ssl",
+                )
+            ]
         if factory is None:
             return list(DEFAULTS)
-        return [name for name in DEFAULTS
-                if name not in ("redis_url", "redis_transport_options", "redis_use_ssl")]
+        return [
+            name
+            for name in DEFAULTS
+            if name not in ("redis_url", "redis_transport_options", "redis_use_ssl")
+        ]

@@ -5,6 +5,7 @@ with the same fields in ``extra={"steplock": {...}}`` for JSON formatters. Every
 library writes goes through :func:`emit` (a signal and its line) or :func:`log_event` (a line
 only), so every line carries ``record.steplock`` and every value in it is escaped.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,28 @@ from celery.utils.dispatch import Signal
 
 logger = logging.getLogger("celery_steplock")
 
-_FIELDS = ("key", "owner", "fence", "task_id", "task_name", "ttl", "holder", "step_id",
-           "from_", "to", "current", "reason", "forced", "policy", "wait_seconds",
-           "hold_seconds", "cas_seconds", "commit_seconds", "limit", "retry_after")
+_FIELDS = (
+    "key",
+    "owner",
+    "fence",
+    "task_id",
+    "task_name",
+    "ttl",
+    "holder",
+    "step_id",
+    "from_",
+    "to",
+    "current",
+    "reason",
+    "forced",
+    "policy",
+    "wait_seconds",
+    "hold_seconds",
+    "cas_seconds",
+    "commit_seconds",
+    "limit",
+    "retry_after",
+)
 
 
 def _value(value: Any) -> str:
@@ -39,8 +59,9 @@ def _structured(value: Any) -> Any:
     return str(value)
 
 
-def log_event(event: str, level: int = logging.INFO, *, exc_info: Any = None,
-              **fields: Any) -> None:
+def log_event(
+    event: str, level: int = logging.INFO, *, exc_info: Any = None, **fields: Any
+) -> None:
     """Log one line ``event=<event> k=v ...`` (``fields`` in the order given, None left out,
     each value escaped as in logfmt) to the ``celery_steplock`` logger at ``level``, with
     ``extra={"steplock": {"event": event, **fields}}``; an exception value is written as
@@ -48,20 +69,34 @@ def log_event(event: str, level: int = logging.INFO, *, exc_info: Any = None,
     if not logger.isEnabledFor(level):
         return
     try:
-        text = " ".join(f"{k}={_value(_structured(v))}" for k, v in fields.items()
-                        if v is not None)
+        text = " ".join(
+            f"{k}={_value(_structured(v))}" for k, v in fields.items() if v is not None
+        )
         payload = {k: _structured(v) for k, v in fields.items()}
         payload["event"] = event
-        logger.log(level, "event=%s %s", _value(event), text, exc_info=exc_info,
-                   extra={"steplock": payload})
+        logger.log(
+            level,
+            "event=%s %s",
+            _value(event),
+            text,
+            exc_info=exc_info,
+            extra={"steplock": payload},
+        )
     except Exception:  # noqa: BLE001 - logging must never break locking
         pass
 
 
 def lease_fields(lease) -> dict[str, Any]:
     """The payload fields of a :class:`~celery_steplock.lock.Lease`."""
-    return {"key": lease.key, "name": lease.name, "owner": lease.owner, "fence": lease.fence,
-            "task_id": lease.task_id, "task_name": lease.task_name, "ttl": lease.ttl}
+    return {
+        "key": lease.key,
+        "name": lease.name,
+        "owner": lease.owner,
+        "fence": lease.fence,
+        "task_id": lease.task_id,
+        "task_name": lease.task_name,
+        "ttl": lease.ttl,
+    }
 
 
 def listening(signal: Signal, level: int = logging.INFO) -> bool:
@@ -79,10 +114,12 @@ def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) 
     event = signal.name  # type: ignore[attr-defined]
     try:
         if logger.isEnabledFor(level):
-            text = " ".join(f"{k}={_value(fields[k])}" for k in _FIELDS
-                            if fields.get(k) is not None)
-            logger.log(level, "event=%s %s", event, text,
-                       extra={"steplock": dict(fields, event=event)})
+            text = " ".join(
+                f"{k}={_value(fields[k])}" for k in _FIELDS if fields.get(k) is not None
+            )
+            logger.log(
+                level, "event=%s %s", event, text, extra={"steplock": dict(fields, event=event)}
+            )
     except Exception:  # noqa: BLE001 - logging must never break locking
         pass
     try:

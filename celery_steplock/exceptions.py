@@ -33,17 +33,39 @@ Every error the library raises derives from :class:`StepLockError`::
 
 ``RETRYABLE_ERRORS`` lists the classes a task may retry safely: the body did not commit.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 __all__ = [
-    "StepLockError", "ImproperlyConfigured", "InvalidArgument", "LockNameError",
-    "OuterTransactionError", "MetadataError", "LockError", "LockContended",
-    "LockStoreUnavailable", "LockStoreMisconfigured", "LockLost", "TransitionError", "InvalidTransition", "StepNotFound",
-    "TransitionConflict", "InvalidStepId", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
-    "AuditRecordFailed", "AdmissionDenied", "RateLimited", "ConcurrencyLimited", "CircuitOpen",
-    "IdempotencyError", "IdempotencyKeyReused", "IdempotencyInProgress",
+    "StepLockError",
+    "ImproperlyConfigured",
+    "InvalidArgument",
+    "LockNameError",
+    "OuterTransactionError",
+    "MetadataError",
+    "LockError",
+    "LockContended",
+    "LockStoreUnavailable",
+    "LockStoreMisconfigured",
+    "LockLost",
+    "TransitionError",
+    "InvalidTransition",
+    "StepNotFound",
+    "TransitionConflict",
+    "InvalidStepId",
+    "ForceReleaseRefused",
+    "LeaseNotHeld",
+    "LeaseHeldByAnother",
+    "AuditRecordFailed",
+    "AdmissionDenied",
+    "RateLimited",
+    "ConcurrencyLimited",
+    "CircuitOpen",
+    "IdempotencyError",
+    "IdempotencyKeyReused",
+    "IdempotencyInProgress",
     "RETRYABLE_ERRORS",
 ]
 
@@ -125,8 +147,16 @@ class LockError(StepLockError):
     lease concerned, when known. ``context`` keeps any other keyword given.
     """
 
-    def __init__(self, message: str, key: str | None = None, *, name: str | None = None,
-                 owner: str | None = None, fence: int | None = None, **context: Any) -> None:
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        *,
+        name: str | None = None,
+        owner: str | None = None,
+        fence: int | None = None,
+        **context: Any,
+    ) -> None:
         super().__init__(message)
         self.key = key
         self.name = name
@@ -142,9 +172,16 @@ class LockContended(LockError):
     task id, ``ttl`` its remaining lifetime in seconds.
     """
 
-    def __init__(self, message: str, key: str | None = None, holder: str | None = None,
-                 ttl: float | None = None, holder_task_id: str | None = None, *,
-                 name: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        holder: str | None = None,
+        ttl: float | None = None,
+        holder_task_id: str | None = None,
+        *,
+        name: str | None = None,
+    ):
         super().__init__(message, key=key, name=name)
         self.holder = holder
         self.ttl = ttl
@@ -167,8 +204,15 @@ class LockStoreMisconfigured(LockError):
     (lower case, with the key where one was refused) the Redis user lacks, when known.
     """
 
-    def __init__(self, message: str, key: str | None = None, *, setting: str | None = None,
-                 permissions: tuple[str, ...] = (), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        *,
+        setting: str | None = None,
+        permissions: tuple[str, ...] = (),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(message, key, **kwargs)
         self.setting = setting
         self.permissions = tuple(permissions)
@@ -185,13 +229,18 @@ class ForceReleaseRefused(LockError):
     ``current`` is the lease as it is now (a dict as ``RedisLeaseStore.inspect`` returns), or
     None when it is not held."""
 
-    def __init__(self, message: str, *, name: str, key: str, owner: str,
-                 current: dict[str, Any] | None):
+    def __init__(
+        self, message: str, *, name: str, key: str, owner: str, current: dict[str, Any] | None
+    ):
         holder = current or {}
         fence = holder.get("fence")
-        super().__init__(message, key, name=name, owner=owner,
-                         fence=int(fence) if isinstance(fence, str) and fence.isdigit()
-                         else None)
+        super().__init__(
+            message,
+            key,
+            name=name,
+            owner=owner,
+            fence=int(fence) if isinstance(fence, str) and fence.isdigit() else None,
+        )
         self.current = current
 
 
@@ -217,8 +266,14 @@ class AuditRecordFailed(ForceReleaseRefused):
 class TransitionError(StepLockError):
     """Base of the errors about a step's status transition."""
 
-    def __init__(self, message: str, step_id: Any = None, from_: Any = None, to: Any = None,
-                 current: Any = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        step_id: Any = None,
+        from_: Any = None,
+        to: Any = None,
+        current: Any = None,
+    ) -> None:
         super().__init__(message)
         self.step_id = step_id
         self.from_ = from_
@@ -250,8 +305,15 @@ class TransitionConflict(TransitionError):
     (``stale_fence`` True: the status matched and the fenced condition refused).
     """
 
-    def __init__(self, message: str, step_id: Any = None, from_: Any = None, to: Any = None,
-                 current: Any = None, stale_fence: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        step_id: Any = None,
+        from_: Any = None,
+        to: Any = None,
+        current: Any = None,
+        stale_fence: bool = False,
+    ) -> None:
         super().__init__(message, step_id=step_id, from_=from_, to=to, current=current)
         self.stale_fence = stale_fence
 
@@ -266,8 +328,16 @@ class AdmissionDenied(StepLockError):
     other keyword given.
     """
 
-    def __init__(self, message: str, *, retry_after: float, option: str | None = None,
-                 key: str | None = None, limit: str | None = None, **context):
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float,
+        option: str | None = None,
+        key: str | None = None,
+        limit: str | None = None,
+        **context,
+    ):
         super().__init__(message)
         self.retry_after = max(0.0, float(retry_after))
         self.option = option
@@ -277,13 +347,19 @@ class AdmissionDenied(StepLockError):
 
     def __reduce__(self):
         # Pickled into result backends and across eager retries: keep the figures.
-        return _rebuild_denied, (type(self), str(self), self.retry_after, self.option,
-                                 self.key, self.limit, self.context)
+        return _rebuild_denied, (
+            type(self),
+            str(self),
+            self.retry_after,
+            self.option,
+            self.key,
+            self.limit,
+            self.context,
+        )
 
 
 def _rebuild_denied(cls, message, retry_after, option, key, limit, context):
-    return cls(message, retry_after=retry_after, option=option, key=key, limit=limit,
-               **context)
+    return cls(message, retry_after=retry_after, option=option, key=key, limit=limit, **context)
 
 
 class RateLimited(AdmissionDenied):
@@ -304,16 +380,27 @@ class IdempotencyError(StepLockError):
     did not run. ``key`` is the record key (64 hex digits), ``namespace`` and ``version``
     the record's namespace and policy version."""
 
-    def __init__(self, message: str, *, key: str | None = None, namespace: str | None = None,
-                 version: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        namespace: str | None = None,
+        version: str | None = None,
+    ):
         super().__init__(_bounded(message))
         self.key = key
         self.namespace = namespace
         self.version = version
 
     def __reduce__(self):
-        return _rebuild_idempotency, (type(self), str(self), self.key, self.namespace,
-                                      self.version)
+        return _rebuild_idempotency, (
+            type(self),
+            str(self),
+            self.key,
+            self.namespace,
+            self.version,
+        )
 
 
 def _rebuild_idempotency(cls, message, key, namespace, version):
@@ -331,23 +418,40 @@ class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
     seconds (the holder's remaining lock TTL at most). A task re-queues itself
     (:meth:`StepLockedTask.handle_denied`)."""
 
-    def __init__(self, message: str, *, retry_after: float, key: str | None = None,
-                 namespace: str | None = None, version: str | None = None,
-                 option: str | None = "idempotency_key", **context):
-        AdmissionDenied.__init__(self, _bounded(message), retry_after=retry_after,
-                                 option=option, key=key, **context)
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float,
+        key: str | None = None,
+        namespace: str | None = None,
+        version: str | None = None,
+        option: str | None = "idempotency_key",
+        **context,
+    ):
+        AdmissionDenied.__init__(
+            self, _bounded(message), retry_after=retry_after, option=option, key=key, **context
+        )
         self.namespace = namespace
         self.version = version
 
     def __reduce__(self):
-        return _rebuild_in_progress, (type(self), str(self), self.retry_after, self.key,
-                                      self.namespace, self.version)
+        return _rebuild_in_progress, (
+            type(self),
+            str(self),
+            self.retry_after,
+            self.key,
+            self.namespace,
+            self.version,
+        )
 
 
 def _rebuild_in_progress(cls, message, retry_after, key, namespace, version):
-    return cls(message, retry_after=retry_after, key=key, namespace=namespace,
-               version=version)
+    return cls(message, retry_after=retry_after, key=key, namespace=namespace, version=version)
 
 
-RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (LockContended, LockStoreUnavailable,
-                                                     AdmissionDenied)
+RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (
+    LockContended,
+    LockStoreUnavailable,
+    AdmissionDenied,
+)

@@ -2,6 +2,7 @@
 (:class:`~celery_steplock.contrib.django.steps.DjangoStepStore`); ``TransitionResult`` lives in
 :mod:`celery_steplock.steps`. These names stay for one release.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -17,7 +18,10 @@ class StepTransitionGuard(DjangoStepStore):
     """Deprecated alias of :class:`~celery_steplock.contrib.django.steps.DjangoStepStore`."""
 
     def __init__(self, model: Any, **kwargs: Any):
-        warnings.warn("celery_steplock.guard.StepTransitionGuard is deprecated; use "
-                      "celery_steplock.contrib.django.steps.DjangoStepStore",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "celery_steplock.guard.StepTransitionGuard is deprecated; use "
+            "celery_steplock.contrib.django.steps.DjangoStepStore",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         super().__init__(model, **kwargs)

@@ -26,6 +26,7 @@ whose lock store's client cannot be given unpatched sockets refuses to start
 else in a green worker, once the hub gets control; :meth:`Heartbeat.unregister` runs what is
 pending first. See docs/pools.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,9 @@ class Heartbeat:
     store's ``clock``), since renewals are recorded on the lease in its readings.
     """
 
-    def __init__(self, idle_timeout: float = IDLE_TIMEOUT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, idle_timeout: float = IDLE_TIMEOUT, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.pid = os.getpid()
         self.idle_timeout = idle_timeout
         self.clock = clock
@@ -96,18 +98,31 @@ class Heartbeat:
         self.cycles = 0
         self.round_trips = 0
 
-    def register(self, lease: Lease, lock: RedisLeaseStore, *, ratio: float = 1 / 3,
-                 sender: Any = None, max_hold: float | None = None) -> None:
+    def register(
+        self,
+        lease: Lease,
+        lock: RedisLeaseStore,
+        *,
+        ratio: float = 1 / 3,
+        sender: Any = None,
+        max_hold: float | None = None,
+    ) -> None:
         """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock`` (at
         least :data:`~celery_steplock.conf.MIN_RENEWAL_INTERVAL` seconds apart); ``ratio``
         is a finite number above 0 and at most
         :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO` (else :class:`InvalidArgument`,
         ``argument`` ``"ratio"``, before anything is registered); ``max_hold`` (seconds)
         stops the renewals that long after the acquisition."""
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
-                or not 0 < ratio <= MAX_RENEWAL_RATIO:  # NaN compares false
-            raise InvalidArgument(f"ratio must be a number above 0 and at most "
-                                  f"{MAX_RENEWAL_RATIO}, got {shown(ratio)}", argument="ratio")
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not 0 < ratio <= MAX_RENEWAL_RATIO
+        ):  # NaN compares false
+            raise InvalidArgument(
+                f"ratio must be a number above 0 and at most "
+                f"{MAX_RENEWAL_RATIO}, got {shown(ratio)}",
+                argument="ratio",
+            )
         if max_hold is not None:
             lease.max_hold_until = lease.acquired_at + max_hold
         interval = max(lease.ttl * ratio, MIN_RENEWAL_INTERVAL)
@@ -124,8 +139,9 @@ class Heartbeat:
                 if self.green:
                     thread: Any = _green.NativeThread(self._run, "steplock-heartbeat")
                 else:
-                    thread = threading.Thread(target=self._run, name="steplock-heartbeat",
-                                              daemon=True)
+                    thread = threading.Thread(
+                        target=self._run, name="steplock-heartbeat", daemon=True
+                    )
                 try:
                     thread.start()
                 except BaseException:
@@ -155,9 +171,15 @@ class Heartbeat:
         if self._relay is not None:
             self._relay.drain()  # this lease's lock_extended before the caller's release
         if not in_cycle:
-            log_event("heartbeat_stuck", logging.WARNING, key=lease.key, owner=lease.owner,
-                      waited=lease.ttl, reason="a renewal cycle (a lock_extended receiver?) "
-                      "did not finish; unregistered anyway")
+            log_event(
+                "heartbeat_stuck",
+                logging.WARNING,
+                key=lease.key,
+                owner=lease.owner,
+                waited=lease.ttl,
+                reason="a renewal cycle (a lock_extended receiver?) "
+                "did not finish; unregistered anyway",
+            )
         return present
 
     def _acquire_cycle(self, timeout: float) -> bool:
@@ -230,8 +252,13 @@ class Heartbeat:
                         due = [e for e in due if entries.get(id(e.lease)) is e]
                     self._renew(due)
             except Exception as exc:  # noqa: BLE001 - the thread must survive anything
-                self._report(log_event, "heartbeat_error", logging.ERROR, exc_info=exc,
-                             reason="renewal cycle failed")
+                self._report(
+                    log_event,
+                    "heartbeat_error",
+                    logging.ERROR,
+                    exc_info=exc,
+                    reason="renewal cycle failed",
+                )
                 if self.green:
                     _green.native_sleep(MIN_RETRY_DELAY)
                 else:
@@ -269,9 +296,13 @@ class Heartbeat:
                 # A refused permission is retried like an outage (the lease is lost when its
                 # validity runs out), logged as the configuration error it is.
                 self.round_trips += 1
-                self._report(log_event, "renewal_failed",
-                             logging.ERROR if isinstance(exc, LockStoreMisconfigured)
-                             else logging.WARNING, leases=len(group), error=exc)
+                self._report(
+                    log_event,
+                    "renewal_failed",
+                    logging.ERROR if isinstance(exc, LockStoreMisconfigured) else logging.WARNING,
+                    leases=len(group),
+                    error=exc,
+                )
                 dropped = {id(entry) for entry, _reason in lost}
                 # A cluster store reports what the nodes that answered did (None: unknown).
                 partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))
@@ -284,14 +315,16 @@ class Heartbeat:
                             entry.lease.renewed(sent)
                             entry.next_at = _next(entry.lease, sent + entry.interval)
                         else:
-                            self._lose(entry, "renewal found the key gone or held by another "
-                                              "owner")
+                            self._lose(
+                                entry, "renewal found the key gone or held by another owner"
+                            )
                         continue
                     if entry.lease.lost:
                         self._lose(entry, entry.lease.lost_reason)
                     else:
                         entry.next_at = self.clock() + max(
-                            MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4))
+                            MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4)
+                        )
                 results = None
             for entry, reason in lost:
                 self._lose(entry, reason or entry.lease.lost_reason)
@@ -306,8 +339,14 @@ class Heartbeat:
                     entry.lease.renewed(sent)
                     entry.next_at = _next(entry.lease, sent + entry.interval)
                     if announce:
-                        self._report(emit, signals.lock_extended, entry.sender,
-                                     logging.DEBUG, **lease_fields(entry.lease), **stamp)
+                        self._report(
+                            emit,
+                            signals.lock_extended,
+                            entry.sender,
+                            logging.DEBUG,
+                            **lease_fields(entry.lease),
+                            **stamp,
+                        )
                 else:
                     self._lose(entry, "renewal found the key gone or held by another owner")
 
@@ -326,8 +365,14 @@ class Heartbeat:
                 self._idle_since = self.clock()
         lease.mark_lost(reason or "lost")
         if present:
-            self._report(emit, signals.lock_lost, entry.sender, logging.ERROR,
-                         reason=lease.lost_reason, **lease_fields(lease))
+            self._report(
+                emit,
+                signals.lock_lost,
+                entry.sender,
+                logging.ERROR,
+                reason=lease.lost_reason,
+                **lease_fields(lease),
+            )
 
 
 def _next(lease: Lease, renew_at: float) -> float:
@@ -384,5 +429,8 @@ def _refuse_green_pool_without_native_renewals(sender: Any = None, **kwargs: Any
     except _green.GreenPoolUnsupported as exc:
         log_event("improperly_configured", logging.CRITICAL, pool=pool, error=exc)
         raise SystemExit(str(exc)) from exc
-    log_event("heartbeat_native", pool=pool, reason="the heartbeat renews leases from a "
-              "native thread with unpatched sockets")
+    log_event(
+        "heartbeat_native",
+        pool=pool,
+        reason="the heartbeat renews leases from a native thread with unpatched sockets",
+    )

@@ -38,6 +38,7 @@ Forms: the task options ``idempotency_key`` / ``idempotency_version`` / ``idempo
 the :class:`Idempotency` object (``begin``/``call``), and the Django view decorator and
 middleware of :mod:`celery_steplock.contrib.django.idempotency`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -51,16 +52,47 @@ from typing import Any, Callable, Iterator, Mapping
 from . import _wire, signals
 from ._idempotency_lua import BEGIN, CACHE, COMPLETE, FAIL, RELEASE
 from .admission import NOT_RUN, Replay
-from .conf import (MAX_IDEMPOTENCY_TTL, MIN_IDEMPOTENCY_TTL, ON_STORE_ERROR, Settings,
-                   check_choice, check_seconds, shown)
+from .conf import (
+    MAX_IDEMPOTENCY_TTL,
+    MIN_IDEMPOTENCY_TTL,
+    ON_STORE_ERROR,
+    Settings,
+    check_choice,
+    check_seconds,
+    shown,
+)
 from .events import emit, log_event
-from .exceptions import (IdempotencyInProgress, IdempotencyKeyReused, ImproperlyConfigured,
-                         LockNameError, LockStoreUnavailable)
-from .keys import (_key, _keyed, bind_arguments, canonical_json, idempotency_key,
-                   name_from_arguments, template_fields)
+from .exceptions import (
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    ImproperlyConfigured,
+    LockNameError,
+    LockStoreUnavailable,
+)
+from .keys import (
+    _key,
+    _keyed,
+    bind_arguments,
+    canonical_json,
+    idempotency_key,
+    name_from_arguments,
+    template_fields,
+)
 
-__all__ = ["Idempotency", "Record", "Ticket", "RedisRecords", "idempotent", "invalidate",
-           "record_key", "fingerprint", "OPTIONS", "gate", "STATUSES", "MAX_VERSION_LENGTH"]
+__all__ = [
+    "Idempotency",
+    "Record",
+    "Ticket",
+    "RedisRecords",
+    "idempotent",
+    "invalidate",
+    "record_key",
+    "fingerprint",
+    "OPTIONS",
+    "gate",
+    "STATUSES",
+    "MAX_VERSION_LENGTH",
+]
 
 STATUSES = ("locked", "completed", "failed")
 #: ``idempotency_version`` / ``version=``: a str (or int) of 1 to this many printable characters.
@@ -76,20 +108,28 @@ OPTIONS = frozenset({"idempotency_key", "idempotency_version", "idempotency_ttl"
 
 # -- keys ---------------------------------------------------------------------------------------
 
+
 def check_version(value: Any, name: str = "idempotency_version") -> str:
     """``value`` (a str or int, not a bool) as the version string, else ImproperlyConfigured."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
-    if not isinstance(value, str) or not value or len(value) > MAX_VERSION_LENGTH \
-            or not value.isprintable():
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_VERSION_LENGTH
+        or not value.isprintable()
+    ):
         raise ImproperlyConfigured(
             f"{name} must be a str or int of 1 to {MAX_VERSION_LENGTH} printable characters, "
-            f"got {shown(value)}", setting=name)
+            f"got {shown(value)}",
+            setting=name,
+        )
     return value
 
 
-def record_key(namespace: str, resource: str, version: str | int = "1", *,
-               secret: bytes | str | None = None) -> str:
+def record_key(
+    namespace: str, resource: str, version: str | int = "1", *, secret: bytes | str | None = None
+) -> str:
     """The record key of ``resource`` in ``namespace`` under policy ``version``: 64 hex
     digits, :func:`celery_steplock.keys.idempotency_key` (HMAC-SHA256 keyed with the name
     secret; None: the public key) over the namespace and ``"<resource>\\0v<version>"``, so
@@ -115,6 +155,7 @@ def _fingerprint_bytes(parts: list[bytes], secret: bytes | str | None) -> str:
 
 
 # -- records ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Record:
@@ -184,8 +225,13 @@ class Stored:
             except UnicodeDecodeError:
                 text = None
             if text is None:
-                return cls(base64.b64encode(payload).decode(), serializer, content_type,
-                           content_encoding, True)
+                return cls(
+                    base64.b64encode(payload).decode(),
+                    serializer,
+                    content_type,
+                    content_encoding,
+                    True,
+                )
             payload = text
         return cls(payload, serializer, content_type, content_encoding, False)
 
@@ -232,11 +278,24 @@ class RedisRecords:
         except STORE_ERRORS as exc:
             raise store_error(exc, what, key=redis_key) from exc
 
-    def begin(self, key: str, fingerprint: str, owner: str, lock_ttl: float,
-              namespace: str = "", version: str = "") -> Decision:
-        reply = [_wire.text(v) for v in self._eval(
-            self._begin, key, [owner, fingerprint, str(max(1, int(lock_ttl * 1000))),
-                               namespace, version], "idempotency begin")]
+    def begin(
+        self,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> Decision:
+        reply = [
+            _wire.text(v)
+            for v in self._eval(
+                self._begin,
+                key,
+                [owner, fingerprint, str(max(1, int(lock_ttl * 1000))), namespace, version],
+                "idempotency begin",
+            )
+        ]
         outcome = reply[0]
         if outcome == "locked":
             return Decision("locked")
@@ -245,25 +304,58 @@ class RedisRecords:
         if outcome == "reused":
             return Decision("reused", status=reply[1])
         payload, ser, ctype, cenc, b64 = reply[1:6]
-        record = Record(key=key, status="completed", fingerprint=fingerprint,
-                        namespace=namespace, version=version, created_at=_ms(reply[6]),
-                        completed_at=_ms(reply[7]), expires_at=_ms(reply[8]),
-                        serializer=ser, content_type=ctype, content_encoding=cenc,
-                        payload=base64.b64decode(payload) if b64 == "1" else payload)
+        record = Record(
+            key=key,
+            status="completed",
+            fingerprint=fingerprint,
+            namespace=namespace,
+            version=version,
+            created_at=_ms(reply[6]),
+            completed_at=_ms(reply[7]),
+            expires_at=_ms(reply[8]),
+            serializer=ser,
+            content_type=ctype,
+            content_encoding=cenc,
+            payload=base64.b64decode(payload) if b64 == "1" else payload,
+        )
         return Decision("replay", record=record)
 
-    def complete(self, key: str, owner: str, fingerprint: str, stored: Stored, ttl: float,
-                 namespace: str = "", version: str = "") -> bool:
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        stored: Stored,
+        ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> bool:
         """Record the completion; False when another execution holds or completed it."""
-        reply = self._eval(self._complete, key, [
-            owner, fingerprint, stored.payload, stored.serializer, stored.content_type,
-            stored.content_encoding, "1" if stored.b64 else "0", str(max(1, int(ttl * 1000))),
-            namespace, version], "idempotency complete")
+        reply = self._eval(
+            self._complete,
+            key,
+            [
+                owner,
+                fingerprint,
+                stored.payload,
+                stored.serializer,
+                stored.content_type,
+                stored.content_encoding,
+                "1" if stored.b64 else "0",
+                str(max(1, int(ttl * 1000))),
+                namespace,
+                version,
+            ],
+            "idempotency complete",
+        )
         return int(reply[0]) != 0
 
     def fail(self, key: str, owner: str, error: str, ttl: float) -> bool:
-        return bool(self._eval(self._fail, key, [owner, error, str(max(1, int(ttl * 1000)))],
-                               "idempotency fail"))
+        return bool(
+            self._eval(
+                self._fail, key, [owner, error, str(max(1, int(ttl * 1000)))], "idempotency fail"
+            )
+        )
 
     def release(self, key: str, owner: str) -> bool:
         return bool(self._eval(self._release, key, [owner], "idempotency release"))
@@ -290,21 +382,37 @@ class RedisRecords:
     def cache(self, record: Record, ttl: float) -> None:
         """Write ``record`` (completed) as the cache copy of a database record for ``ttl``
         seconds (the database store's fast path)."""
-        pairs = ["status", "completed", "fp", record.fingerprint, "ns", record.namespace,
-                 "ver", record.version, "ser", record.serializer or "",
-                 "ctype", record.content_type or "", "cenc", record.content_encoding or ""]
+        pairs = [
+            "status",
+            "completed",
+            "fp",
+            record.fingerprint,
+            "ns",
+            record.namespace,
+            "ver",
+            record.version,
+            "ser",
+            record.serializer or "",
+            "ctype",
+            record.content_type or "",
+            "cenc",
+            record.content_encoding or "",
+        ]
         payload = record.payload
         if isinstance(payload, bytes):
             pairs += ["result", base64.b64encode(payload).decode(), "b64", "1"]
         else:
             pairs += ["result", payload or "", "b64", "0"]
-        for name, value in (("created_ms", record.created_at),
-                            ("completed_ms", record.completed_at),
-                            ("expires_ms", record.expires_at)):
+        for name, value in (
+            ("created_ms", record.created_at),
+            ("completed_ms", record.completed_at),
+            ("expires_ms", record.expires_at),
+        ):
             if value is not None:
                 pairs += [name, str(int(value * 1000))]
-        self._eval(self._cache, record.key, [str(max(1, int(ttl * 1000)))] + pairs,
-                   "idempotency cache")
+        self._eval(
+            self._cache, record.key, [str(max(1, int(ttl * 1000)))] + pairs, "idempotency cache"
+        )
 
 
 def record_from_hash(key: str, fields: Mapping) -> Record | None:
@@ -316,16 +424,29 @@ def record_from_hash(key: str, fields: Mapping) -> Record | None:
     payload = f.get("result", "") if f.get("status") == "completed" else None
     if payload is not None and f.get("b64") == "1":
         payload = base64.b64decode(payload)
-    return Record(key=key, status=f.get("status", ""), fingerprint=f.get("fp", ""),
-                  namespace=f.get("ns", ""), version=f.get("ver", ""), owner=f.get("owner"),
-                  created_at=_ms(f.get("created_ms")), locked_at=_ms(f.get("locked_ms")),
-                  completed_at=_ms(f.get("completed_ms")), failed_at=_ms(f.get("failed_ms")),
-                  expires_at=_ms(f.get("expires_ms")), serializer=f.get("ser"),
-                  content_type=f.get("ctype"), content_encoding=f.get("cenc"),
-                  payload=payload, error=f.get("error"), attempts=int(f.get("attempts") or 0))
+    return Record(
+        key=key,
+        status=f.get("status", ""),
+        fingerprint=f.get("fp", ""),
+        namespace=f.get("ns", ""),
+        version=f.get("ver", ""),
+        owner=f.get("owner"),
+        created_at=_ms(f.get("created_ms")),
+        locked_at=_ms(f.get("locked_ms")),
+        completed_at=_ms(f.get("completed_ms")),
+        failed_at=_ms(f.get("failed_ms")),
+        expires_at=_ms(f.get("expires_ms")),
+        serializer=f.get("ser"),
+        content_type=f.get("ctype"),
+        content_encoding=f.get("cenc"),
+        payload=payload,
+        error=f.get("error"),
+        attempts=int(f.get("attempts") or 0),
+    )
 
 
 # -- one call -----------------------------------------------------------------------------------
+
 
 class Ticket:
     """One call's hold on its record, from :meth:`Idempotency.begin`.
@@ -338,9 +459,18 @@ class Ticket:
     the record's lock TTL ends it.
     """
 
-    def __init__(self, policy: Idempotency, key: str, fingerprint: str, owner: str | None,
-                 *, replayed: bool = False, result: Any = None, unguarded: bool = False,
-                 task: Any = None):
+    def __init__(
+        self,
+        policy: Idempotency,
+        key: str,
+        fingerprint: str,
+        owner: str | None,
+        *,
+        replayed: bool = False,
+        result: Any = None,
+        unguarded: bool = False,
+        task: Any = None,
+    ):
         self.policy = policy
         self.key = key
         self.fingerprint = fingerprint
@@ -353,9 +483,13 @@ class Ticket:
 
     def _fields(self) -> dict[str, Any]:
         request = getattr(self.task, "request", None)
-        return {"key": self.key, "name": self.policy.namespace, "version": self.policy.version,
-                "task_id": getattr(request, "id", None),
-                "task_name": getattr(self.task, "name", None)}
+        return {
+            "key": self.key,
+            "name": self.policy.namespace,
+            "version": self.policy.version,
+            "task_id": getattr(request, "id", None),
+            "task_name": getattr(self.task, "name", None),
+        }
 
     def complete(self, result: Any) -> bool:
         """Record ``result`` as the call's (serialized now); True when recorded."""
@@ -366,19 +500,38 @@ class Ticket:
         try:
             stored = Stored.dump(result, policy.serializer)
         except Exception as exc:  # noqa: BLE001 - the body's result cannot be recorded
-            log_event("idempotency_record_failed", logging.ERROR, **self._fields(),
-                      reason="unserializable", error=exc)
-            self._safely(lambda: policy.store.fail(self.key, self.owner, "unserializable",
-                                                   policy.ttl))
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="unserializable",
+                error=exc,
+            )
+            self._safely(
+                lambda: policy.store.fail(self.key, self.owner, "unserializable", policy.ttl)
+            )
             return False
-        recorded = self._safely(lambda: policy.store.complete(
-            self.key, self.owner, self.fingerprint, stored, policy.ttl, policy.namespace,
-            policy.version))
+        recorded = self._safely(
+            lambda: policy.store.complete(
+                self.key,
+                self.owner,
+                self.fingerprint,
+                stored,
+                policy.ttl,
+                policy.namespace,
+                policy.version,
+            )
+        )
         if recorded:
             emit(signals.idempotency_completed, self.task, ttl=policy.ttl, **self._fields())
         elif recorded is not None:
-            log_event("idempotency_record_failed", logging.ERROR, **self._fields(),
-                      reason="taken", error="another execution holds or completed the record")
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="taken",
+                error="another execution holds or completed the record",
+            )
         return bool(recorded)
 
     def fail(self, exc: BaseException | None, reason: str | None = None) -> bool:
@@ -389,10 +542,12 @@ class Ticket:
         self.done = True
         if reason is None:
             reason = type(exc).__name__ if exc is not None else "error"
-        marked = self._safely(lambda: self.policy.store.fail(self.key, self.owner, reason,
-                                                             self.policy.ttl))
-        emit(signals.idempotency_failed, self.task, logging.WARNING, reason=reason,
-             **self._fields())
+        marked = self._safely(
+            lambda: self.policy.store.fail(self.key, self.owner, reason, self.policy.ttl)
+        )
+        emit(
+            signals.idempotency_failed, self.task, logging.WARNING, reason=reason, **self._fields()
+        )
         return bool(marked)
 
     def release(self) -> bool:
@@ -415,8 +570,13 @@ class Ticket:
         try:
             return action()
         except Exception as exc:  # noqa: BLE001 - the lock TTL ends the record
-            log_event("idempotency_record_failed", logging.ERROR, **self._fields(),
-                      reason="store_error", error=exc)
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="store_error",
+                error=exc,
+            )
             return None
 
 
@@ -437,40 +597,64 @@ class Idempotency:
     ImproperlyConfigured (InvalidArgument) naming a bad argument.
     """
 
-    def __init__(self, namespace: str, *, version: str | int = "1", ttl: float | None = None,
-                 lock_ttl: float | None = None, serializer: str | None = None,
-                 store: Any = None, on_store_error: str | None = None, app: Any = None,
-                 client: Any = None, prefix: str | None = None,
-                 secret: bytes | str | None = None):
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        version: str | int = "1",
+        ttl: float | None = None,
+        lock_ttl: float | None = None,
+        serializer: str | None = None,
+        store: Any = None,
+        on_store_error: str | None = None,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        secret: bytes | str | None = None,
+    ):
         if not isinstance(namespace, str) or not namespace or len(namespace) > 512:
-            raise ImproperlyConfigured(f"namespace must be a non-empty str of at most 512 "
-                                       f"characters, got {shown(namespace)}",
-                                       setting="namespace")
+            raise ImproperlyConfigured(
+                f"namespace must be a non-empty str of at most 512 "
+                f"characters, got {shown(namespace)}",
+                setting="namespace",
+            )
         self.namespace = namespace
         self.version = check_version(version, "version")
         settings = Settings(app) if app is not None else None
         if app is None and client is None and not hasattr(store, "begin"):
-            raise ImproperlyConfigured("Idempotency needs app= (a Celery app) or client= (a "
-                                       "redis client)", setting="app")
+            raise ImproperlyConfigured(
+                "Idempotency needs app= (a Celery app) or client= (a redis client)", setting="app"
+            )
 
         def setting(name, default):
             return getattr(settings, f"idempotency_{name}") if settings is not None else default
 
-        self.ttl = check_seconds(ttl, "ttl", minimum=MIN_IDEMPOTENCY_TTL,
-                                 maximum=MAX_IDEMPOTENCY_TTL) if ttl is not None \
+        self.ttl = (
+            check_seconds(ttl, "ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
+            if ttl is not None
             else setting("ttl", 24 * 3600.0)
-        self.lock_ttl = check_seconds(lock_ttl, "lock_ttl", minimum=MIN_IDEMPOTENCY_TTL,
-                                      maximum=MAX_IDEMPOTENCY_TTL) if lock_ttl is not None \
+        )
+        self.lock_ttl = (
+            check_seconds(
+                lock_ttl, "lock_ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL
+            )
+            if lock_ttl is not None
             else setting("lock_ttl", 600.0)
-        self.serializer = serializer if serializer is not None else setting("serializer",
-                                                                            "json")
+        )
+        self.serializer = serializer if serializer is not None else setting("serializer", "json")
         from kombu.serialization import registry
 
         if self.serializer not in registry._encoders:
-            raise ImproperlyConfigured(f"serializer must name a registered kombu serializer, "
-                                       f"got {shown(self.serializer)}", setting="serializer")
-        self.on_store_error = check_choice(on_store_error, "on_store_error", ON_STORE_ERROR) \
-            if on_store_error is not None else setting("on_store_error", "fail_closed")
+            raise ImproperlyConfigured(
+                f"serializer must name a registered kombu serializer, "
+                f"got {shown(self.serializer)}",
+                setting="serializer",
+            )
+        self.on_store_error = (
+            check_choice(on_store_error, "on_store_error", ON_STORE_ERROR)
+            if on_store_error is not None
+            else setting("on_store_error", "fail_closed")
+        )
         if client is None and app is not None:
             from .lock import get_lease_store
 
@@ -478,8 +662,7 @@ class Idempotency:
             client, prefix = lease_store.client, lease_store.prefix
             secret = settings.name_secret if secret is None else secret
         self.secret = secret
-        redis_records = RedisRecords(client, prefix or "steplock") if client is not None \
-            else None
+        redis_records = RedisRecords(client, prefix or "steplock") if client is not None else None
         kind = store if store is not None else setting("store", "redis")
         if kind == "redis":
             self.store = redis_records
@@ -490,8 +673,10 @@ class Idempotency:
         elif hasattr(kind, "begin"):
             self.store = kind
         else:
-            raise ImproperlyConfigured(f"store must be 'redis', 'database' or a store object, "
-                                       f"got {shown(kind)}", setting="store")
+            raise ImproperlyConfigured(
+                f"store must be 'redis', 'database' or a store object, got {shown(kind)}",
+                setting="store",
+            )
 
     def key(self, resource: str) -> str:
         """The record key of ``resource`` (:func:`record_key`)."""
@@ -500,8 +685,14 @@ class Idempotency:
     def fingerprint(self, arguments: Mapping[str, Any]) -> str:
         return fingerprint(arguments, secret=self.secret)
 
-    def begin(self, resource: str, arguments: Mapping[str, Any] | None = None, *,
-              fingerprint: str | None = None, task: Any = None) -> Ticket:
+    def begin(
+        self,
+        resource: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        fingerprint: str | None = None,
+        task: Any = None,
+    ) -> Ticket:
         """Lock ``resource``'s record for this call, or find its completed result.
 
         ``arguments``: the call's bound arguments (their fingerprint is recorded; or give
@@ -514,15 +705,26 @@ class Idempotency:
         if fingerprint is None:
             fingerprint = self.fingerprint(arguments or {})
         owner = secrets.token_hex(16)
-        fields = {"key": key, "name": self.namespace, "version": self.version,
-                  "task_id": getattr(getattr(task, "request", None), "id", None),
-                  "task_name": getattr(task, "name", None)}
+        fields = {
+            "key": key,
+            "name": self.namespace,
+            "version": self.version,
+            "task_id": getattr(getattr(task, "request", None), "id", None),
+            "task_name": getattr(task, "name", None),
+        }
         try:
-            decision = self.store.begin(key, fingerprint, owner, self.lock_ttl,
-                                        self.namespace, self.version)
+            decision = self.store.begin(
+                key, fingerprint, owner, self.lock_ttl, self.namespace, self.version
+            )
         except LockStoreUnavailable as exc:
-            emit(signals.lock_store_error, task, logging.ERROR, reason=str(exc),
-                 policy=self.on_store_error, **fields)
+            emit(
+                signals.lock_store_error,
+                task,
+                logging.ERROR,
+                reason=str(exc),
+                policy=self.on_store_error,
+                **fields,
+            )
             if self.on_store_error == "fail_open":
                 return Ticket(self, key, fingerprint, None, unguarded=True, task=task)
             raise
@@ -534,24 +736,41 @@ class Idempotency:
             emit(signals.idempotency_replayed, task, **fields)
             return Ticket(self, key, fingerprint, None, replayed=True, result=result, task=task)
         if decision.outcome == "reused":
-            emit(signals.idempotency_conflict, task, logging.WARNING, reason="reused",
-                 current=decision.status, **fields)
+            emit(
+                signals.idempotency_conflict,
+                task,
+                logging.WARNING,
+                reason="reused",
+                current=decision.status,
+                **fields,
+            )
             raise IdempotencyKeyReused(
                 f"idempotency key {key} of {self.namespace!r} (version {self.version}) is "
-                f"{decision.status} for a call with other arguments", key=key,
-                namespace=self.namespace, version=self.version)
+                f"{decision.status} for a call with other arguments",
+                key=key,
+                namespace=self.namespace,
+                version=self.version,
+            )
         emit(signals.idempotency_conflict, task, reason="in_progress", **fields)
         # A holder usually ends long before its lock TTL: ask again soon (a retry that finds
         # the record completed is a replay), never later than the lock's end.
         raise IdempotencyInProgress(
             f"idempotency key {key} of {self.namespace!r} is held by another execution",
-            retry_after=min(decision.retry_after, IN_PROGRESS_RETRY), key=key,
-            namespace=self.namespace, version=self.version,
-            lock_ttl_left=decision.retry_after)
+            retry_after=min(decision.retry_after, IN_PROGRESS_RETRY),
+            key=key,
+            namespace=self.namespace,
+            version=self.version,
+            lock_ttl_left=decision.retry_after,
+        )
 
     @contextmanager
-    def call(self, resource: str, arguments: Mapping[str, Any] | None = None, *,
-             fingerprint: str | None = None) -> Iterator[Ticket]:
+    def call(
+        self,
+        resource: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        fingerprint: str | None = None,
+    ) -> Iterator[Ticket]:
         """Context manager form of :meth:`begin`::
 
             with policy.call("order:42", {"order_id": 42}) as call:
@@ -580,8 +799,9 @@ class Idempotency:
         return invalidate(self.key(resource), store=self.store)
 
 
-def invalidate(key: str, *, app: Any = None, client: Any = None, prefix: str | None = None,
-               store: Any = None) -> bool:
+def invalidate(
+    key: str, *, app: Any = None, client: Any = None, prefix: str | None = None, store: Any = None
+) -> bool:
     """Delete record ``key`` (64 hex digits, :func:`record_key`) from ``store`` (a store
     object), or from ``app``'s configured store, or from Redis ``client`` (key ``prefix``,
     default "steplock"). True when there was one."""
@@ -591,8 +811,7 @@ def invalidate(key: str, *, app: Any = None, client: Any = None, prefix: str | N
         elif client is not None:
             store = RedisRecords(client, prefix or "steplock")
         else:
-            raise ImproperlyConfigured("invalidate needs app=, client= or store=",
-                                       setting="app")
+            raise ImproperlyConfigured("invalidate needs app=, client= or store=", setting="app")
     removed = store.invalidate(key)
     log_event("idempotency_invalidated", logging.INFO, key=key, removed=removed)
     return removed
@@ -600,10 +819,18 @@ def invalidate(key: str, *, app: Any = None, client: Any = None, prefix: str | N
 
 # -- the decorator ------------------------------------------------------------------------------
 
-def idempotent(key: str | Callable[..., str] | None = None, *, version: str | int = "1",
-               ttl: float | None = None, lock_ttl: float | None = None,
-               namespace: str | None = None, app: Any = None, client: Any = None,
-               **options: Any) -> Callable:
+
+def idempotent(
+    key: str | Callable[..., str] | None = None,
+    *,
+    version: str | int = "1",
+    ttl: float | None = None,
+    lock_ttl: float | None = None,
+    namespace: str | None = None,
+    app: Any = None,
+    client: Any = None,
+    **options: Any,
+) -> Callable:
     """Decorator: ``fun``'s calls with one key run once; later calls with that key and the
     same arguments return the recorded result.
 
@@ -617,8 +844,9 @@ def idempotent(key: str | Callable[..., str] | None = None, *, version: str | in
     """
     if key is not None and not callable(key):
         if not isinstance(key, str):
-            raise ImproperlyConfigured(f"key must be a str.format template or a callable, "
-                                       f"got {shown(key)}", setting="key")
+            raise ImproperlyConfigured(
+                f"key must be a str.format template or a callable, got {shown(key)}", setting="key"
+            )
         try:
             template_fields(key)
         except LockNameError as exc:
@@ -626,8 +854,9 @@ def idempotent(key: str | Callable[..., str] | None = None, *, version: str | in
 
     def decorate(fun: Callable) -> Callable:
         space = namespace or f"{fun.__module__}.{fun.__qualname__}"
-        policy = Idempotency(space, version=version, ttl=ttl, lock_ttl=lock_ttl, app=app,
-                             client=client, **options)
+        policy = Idempotency(
+            space, version=version, ttl=ttl, lock_ttl=lock_ttl, app=app, client=client, **options
+        )
 
         def resource(args, kwargs) -> tuple[str, dict[str, Any]]:
             arguments = bind_arguments(fun, args, kwargs)
@@ -657,6 +886,7 @@ def idempotent(key: str | Callable[..., str] | None = None, *, version: str | in
 
 # -- the admission gate -------------------------------------------------------------------------
 
+
 def _task_key(task) -> Any:
     import inspect
 
@@ -666,13 +896,16 @@ def _task_key(task) -> Any:
     if template is None or callable(template):
         return template
     if not isinstance(template, str):
-        raise ImproperlyConfigured(f"idempotency_key must be a str.format template or a "
-                                   f"callable, got {shown(template)}", setting="idempotency_key")
+        raise ImproperlyConfigured(
+            f"idempotency_key must be a str.format template or a callable, got {shown(template)}",
+            setting="idempotency_key",
+        )
     try:
         fields = template_fields(template)
     except LockNameError as exc:
-        raise ImproperlyConfigured(str(exc).replace("lock_key", "idempotency_key", 1),
-                                   setting="idempotency_key") from None
+        raise ImproperlyConfigured(
+            str(exc).replace("lock_key", "idempotency_key", 1), setting="idempotency_key"
+        ) from None
     from .keys import argument_names
 
     known = argument_names(task.run)
@@ -682,7 +915,8 @@ def _task_key(task) -> Any:
                 raise ImproperlyConfigured(
                     f"idempotency_key {template!r} names {name!r} which is not an argument "
                     f"of the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
-                    setting="idempotency_key")
+                    setting="idempotency_key",
+                )
     return template
 
 
@@ -695,23 +929,29 @@ class IdempotencyGate:
     def __init__(self, task, template, version: str, ttl: float | None, settings: Settings):
         self.task_name = task.name
         self.template = template
-        self.policy = Idempotency(task.name, version=version, ttl=ttl, app=task.app,
-                                  serializer=settings.idempotency_serializer,
-                                  store=settings.idempotency_store,
-                                  lock_ttl=settings.idempotency_lock_ttl,
-                                  on_store_error=settings.idempotency_on_store_error)
+        self.policy = Idempotency(
+            task.name,
+            version=version,
+            ttl=ttl,
+            app=task.app,
+            serializer=settings.idempotency_serializer,
+            store=settings.idempotency_store,
+            lock_ttl=settings.idempotency_lock_ttl,
+            on_store_error=settings.idempotency_on_store_error,
+        )
 
     def resource(self, arguments: Mapping[str, Any]) -> str:
         if self.template == "":
-            raise ImproperlyConfigured("idempotency_key cannot be empty",
-                                       setting="idempotency_key")
+            raise ImproperlyConfigured(
+                "idempotency_key cannot be empty", setting="idempotency_key"
+            )
         template = None if self.template is True else self.template
-        return name_from_arguments(self.task_name, arguments, template,
-                                   secret=self.policy.secret)
+        return name_from_arguments(self.task_name, arguments, template, secret=self.policy.secret)
 
     def enter(self, context) -> Ticket | None:
-        ticket = self.policy.begin(self.resource(context.arguments), context.arguments,
-                                   task=context.task)
+        ticket = self.policy.begin(
+            self.resource(context.arguments), context.arguments, task=context.task
+        )
         if ticket.replayed:
             raise Replay(ticket.result, gate=self.option)
         return None if ticket.unguarded else ticket
@@ -729,6 +969,7 @@ def gate(task, settings: Settings) -> IdempotencyGate | None:
     version = "1" if version is None else check_version(version)
     ttl = getattr(task, "idempotency_ttl", None)
     if ttl is not None:
-        ttl = check_seconds(ttl, "idempotency_ttl", minimum=MIN_IDEMPOTENCY_TTL,
-                            maximum=MAX_IDEMPOTENCY_TTL)
+        ttl = check_seconds(
+            ttl, "idempotency_ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL
+        )
     return IdempotencyGate(task, template, version, ttl, settings)

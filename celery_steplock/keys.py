@@ -22,6 +22,7 @@ Redis keys wrap the name in braces, a Redis Cluster hash tag, so that the lease 
 counter always live in the same slot: ``steplock:lease:{order:42}`` and
 ``steplock:fence:{order:42}``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,10 +38,23 @@ from kombu.utils.json import JSONEncoder
 from .conf import shown
 from .exceptions import LockNameError
 
-__all__ = ["bind_arguments", "canonical_json", "lock_name", "name_from_arguments", "lease_key",
-           "fence_key", "waiters_key", "wake_key", "name_from_key", "check_name",
-           "template_fields", "idempotency_key", "MAX_NAME_LENGTH", "PUBLIC_NAME_KEY",
-           "argument_names"]
+__all__ = [
+    "bind_arguments",
+    "canonical_json",
+    "lock_name",
+    "name_from_arguments",
+    "lease_key",
+    "fence_key",
+    "waiters_key",
+    "wake_key",
+    "name_from_key",
+    "check_name",
+    "template_fields",
+    "idempotency_key",
+    "MAX_NAME_LENGTH",
+    "PUBLIC_NAME_KEY",
+    "argument_names",
+]
 
 #: The HMAC key used when no name secret is configured: public, so such names can be
 #: recomputed by anyone who can guess the arguments (``celery_steplock.W010`` says so).
@@ -51,8 +65,9 @@ MAX_NAME_LENGTH = 512
 LockKey = str | Callable[..., str] | None
 
 
-def bind_arguments(fun: Callable[..., Any], args: Sequence[Any],
-                   kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def bind_arguments(
+    fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
     """Bind ``args``/``kwargs`` to ``fun``'s signature with defaults applied.
 
     ``fun`` is the task's ``run``: for a ``bind=True`` task that is a bound method, so
@@ -64,8 +79,7 @@ def bind_arguments(fun: Callable[..., Any], args: Sequence[Any],
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         # ``from None``: the TypeError quotes the caller's keyword names, however long.
-        raise LockNameError(f"cannot bind the task's arguments to its signature: {exc}"
-                            ) from None
+        raise LockNameError(f"cannot bind the task's arguments to its signature: {exc}") from None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     for parameter in signature.parameters.values():
@@ -85,8 +99,9 @@ def argument_names(fun: Callable[..., Any]) -> tuple[frozenset[str], bool] | Non
     except (TypeError, ValueError):
         return None
     parameters = signature.parameters.values()
-    names = frozenset(p.name for p in parameters
-                      if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    names = frozenset(
+        p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    )
     return names, any(p.kind is p.VAR_KEYWORD for p in parameters)
 
 
@@ -97,8 +112,11 @@ def _signature(fun: Callable[..., Any]) -> inspect.Signature:
     """``inspect.signature(fun)``, computed once per function (a task's ``run`` is a new
     bound method at every access, so the cache is keyed on the function)."""
     func = getattr(fun, "__func__", None)
-    key = (func, True) if func is not None and getattr(fun, "__self__", None) is not None \
+    key = (
+        (func, True)
+        if func is not None and getattr(fun, "__self__", None) is not None
         else (fun, False)
+    )
     try:
         signature = _signatures.get(key)
     except TypeError:  # an unhashable callable
@@ -125,12 +143,15 @@ def canonical_json(arguments: Mapping[str, Any]) -> str:
             except RecursionError:
                 raise LockNameError(
                     f"argument {shown(name)} is nested too deep to be part of a lock name "
-                    f"(use lock_key to name the lock explicitly)", argument=name) from None
+                    f"(use lock_key to name the lock explicitly)",
+                    argument=name,
+                ) from None
             except (TypeError, ValueError) as inner:
                 raise LockNameError(
                     f"argument {shown(name)} cannot be part of a lock name: {inner} "
                     f"(use lock_key to name the lock explicitly)",
-                    argument=name) from None
+                    argument=name,
+                ) from None
         raise LockNameError(f"arguments cannot be part of a lock name: {exc}") from None
 
 
@@ -138,21 +159,29 @@ def check_name(name: Any) -> str:
     """Return ``name`` if it can be used as a lock name, else raise :class:`LockNameError`:
     a non-empty string of printable characters, without braces, at most 512 long. The
     error quotes at most ``conf.MAX_SHOWN`` characters of ``name``."""
-    if type(name) is str and 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable() \
-            and "{" not in name and "}" not in name:
+    if (
+        type(name) is str
+        and 0 < len(name) <= MAX_NAME_LENGTH
+        and name.isprintable()
+        and "{" not in name
+        and "}" not in name
+    ):
         return name
     if not isinstance(name, str) or not name:
         raise LockNameError(f"a lock name must be a non-empty string, got {shown(name)}")
     if len(name) > MAX_NAME_LENGTH:
-        raise LockNameError(f"a lock name is at most {MAX_NAME_LENGTH} characters, "
-                            f"got {len(name)}: {shown(name)}")
+        raise LockNameError(
+            f"a lock name is at most {MAX_NAME_LENGTH} characters, got {len(name)}: {shown(name)}"
+        )
     if not name.isprintable():
-        raise LockNameError(f"a lock name must be printable (no newlines or control "
-                            f"characters): {shown(name)}")
+        raise LockNameError(
+            f"a lock name must be printable (no newlines or control characters): {shown(name)}"
+        )
     if "{" in name or "}" in name:
         raise LockNameError(
             f"a lock name cannot contain braces (they delimit the Redis Cluster hash tag): "
-            f"{shown(name)}")
+            f"{shown(name)}"
+        )
     return name
 
 
@@ -169,27 +198,39 @@ def template_fields(template: str) -> tuple[str, ...]:
         try:
             parsed = list(string.Formatter().parse(text))
         except ValueError as exc:
-            raise LockNameError(f"lock_key {shown(template)} is not a valid format template: "
-                                f"{exc}") from None
+            raise LockNameError(
+                f"lock_key {shown(template)} is not a valid format template: {exc}"
+            ) from None
         for _, field_name, format_spec, _ in parsed:
             if field_name is None:
                 continue
             if not field_name or field_name.isdigit():
-                raise LockNameError(f"lock_key {shown(template)} has a positional field "
-                                    f"({{{field_name}}}): name an argument")
+                raise LockNameError(
+                    f"lock_key {shown(template)} has a positional field "
+                    f"({{{field_name}}}): name an argument"
+                )
             if not field_name.isidentifier():
                 raise LockNameError(
                     f"lock_key {shown(template)} uses {shown(field_name)}: only plain argument "
                     f"names are allowed, no attribute or index access (a lock name is made of "
-                    f"the arguments' values)", argument=field_name)
+                    f"the arguments' values)",
+                    argument=field_name,
+                )
             found.append(field_name)
             if format_spec and "{" in format_spec:
                 pending.append(format_spec)
     return tuple(found)
 
 
-def lock_name(task_name: str, fun: Callable[..., Any], args: Sequence[Any],
-              kwargs: Mapping[str, Any], lock_key: LockKey = None, *, secret: bytes | str | None = None) -> str:
+def lock_name(
+    task_name: str,
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    lock_key: LockKey = None,
+    *,
+    secret: bytes | str | None = None,
+) -> str:
     """Return the lock name of one call ``fun(*args, **kwargs)`` of task ``task_name``.
 
     ``lock_key`` None: ``"<task_name>:<64 hex digits>"``, the HMAC-SHA256 keyed with
@@ -199,8 +240,9 @@ def lock_name(task_name: str, fun: Callable[..., Any], args: Sequence[Any],
     :class:`LockNameError`. ``lock_key`` callable: its return value, called with the bound
     arguments as keywords.
     """
-    return name_from_arguments(task_name, bind_arguments(fun, args, kwargs), lock_key,
-                               secret=secret)
+    return name_from_arguments(
+        task_name, bind_arguments(fun, args, kwargs), lock_key, secret=secret
+    )
 
 
 def _key(secret: bytes | str | None) -> bytes:
@@ -223,8 +265,13 @@ def _keyed(key: bytes, domain: bytes) -> Any:
     return prepared.copy()
 
 
-def name_from_arguments(task_name: str, arguments: Mapping[str, Any],
-                        lock_key: LockKey = None, *, secret: bytes | str | None = None) -> str:
+def name_from_arguments(
+    task_name: str,
+    arguments: Mapping[str, Any],
+    lock_key: LockKey = None,
+    *,
+    secret: bytes | str | None = None,
+) -> str:
     """:func:`lock_name` for arguments already bound by :func:`bind_arguments`."""
     if lock_key is None:
         mac = _keyed(_key(secret), b"lock-name\0")
@@ -233,23 +280,27 @@ def name_from_arguments(task_name: str, arguments: Mapping[str, Any],
     if callable(lock_key):
         return check_name(lock_key(**arguments))
     if not isinstance(lock_key, str):
-        raise LockNameError(f"lock_key must be a str.format template or a callable, got "
-                            f"{shown(lock_key)}")
+        raise LockNameError(
+            f"lock_key must be a str.format template or a callable, got {shown(lock_key)}"
+        )
     template_fields(lock_key)
     try:
         return check_name(lock_key.format(**arguments))
     except ValueError as exc:
-        raise LockNameError(f"lock_key {shown(lock_key)} cannot format these arguments: "
-                            f"{exc}") from None
+        raise LockNameError(
+            f"lock_key {shown(lock_key)} cannot format these arguments: {exc}"
+        ) from None
     except RecursionError:
-        raise LockNameError(f"lock_key {shown(lock_key)}: an argument is nested too deep "
-                            f"to be formatted") from None
+        raise LockNameError(
+            f"lock_key {shown(lock_key)}: an argument is nested too deep to be formatted"
+        ) from None
     except (KeyError, IndexError, AttributeError) as exc:
         missing = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
         raise LockNameError(
             f"lock_key {shown(lock_key)} names {shown(missing)} which is not an argument of "
             f"{task_name} (arguments: {shown(', '.join(arguments) or 'none')})",
-            argument=missing) from None
+            argument=missing,
+        ) from None
 
 
 def idempotency_key(secret: bytes | str, task_name: str | None, name: str) -> str:
@@ -289,4 +340,4 @@ def name_from_key(key: str | bytes) -> str:
     start, end = key.find("{"), key.rfind("}")
     if start < 0 or end < start:
         raise LockNameError(f"not a celery-steplock key: {key!r}")
-    return key[start + 1:end]
+    return key[start + 1 : end]

@@ -5,6 +5,7 @@ A lease's local validity is measured on a monotonic clock (``time.monotonic`` un
 is given): the time the acquire or last successful renewal was *sent*, plus the TTL, less a
 drift allowance, so the holder stops trusting the lease before Redis can expire it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,25 +23,59 @@ from typing import Any, Callable
 
 from .exceptions import ImproperlyConfigured, LockLost, MetadataError
 
-__all__ = ["Lease", "drift", "CLOCK_DRIFT_FACTOR", "new_owner_token", "owner_has_task_id",
-           "holder_metadata", "RESERVED_FIELDS", "INTEGER_FIELDS", "check_metadata", "parse_lease",
-           "bounded_text", "MAX_METADATA_ENTRIES", "MAX_METADATA_KEY", "MAX_METADATA_VALUE",
-           "MAX_METADATA_SIZE", "MAX_META_BYTES", "MAX_HOLDER_TEXT"]
+__all__ = [
+    "Lease",
+    "drift",
+    "CLOCK_DRIFT_FACTOR",
+    "new_owner_token",
+    "owner_has_task_id",
+    "holder_metadata",
+    "RESERVED_FIELDS",
+    "INTEGER_FIELDS",
+    "check_metadata",
+    "parse_lease",
+    "bounded_text",
+    "MAX_METADATA_ENTRIES",
+    "MAX_METADATA_KEY",
+    "MAX_METADATA_VALUE",
+    "MAX_METADATA_SIZE",
+    "MAX_META_BYTES",
+    "MAX_HOLDER_TEXT",
+]
 
 logger = logging.getLogger("celery_steplock")
 
 #: Field names metadata may not use: the lease hash's own fields (written by the acquire
 #: script) and the ones readers add (``name``, ``key``, ``ttl``, ``malformed``; ``age`` and
 #: ``renewed_ago`` by ``celery steplock``).
-RESERVED_FIELDS = frozenset({"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "meta",
-                             "name", "key", "ttl", "malformed", "age", "renewed_ago"})
+RESERVED_FIELDS = frozenset(
+    {
+        "owner",
+        "fence",
+        "acquired_ms",
+        "renewed_ms",
+        "ttl_ms",
+        "meta",
+        "name",
+        "key",
+        "ttl",
+        "malformed",
+        "age",
+        "renewed_ago",
+    }
+)
 
 #: Integer fields of a lease and their inclusive bounds: a value outside them (or not a
 #: decimal integer) is malformed. ``pid`` fits a C ``pid_t`` (what ``os.kill`` takes).
-INTEGER_FIELDS = {"fence": (0, 2 ** 63 - 1), "acquired_ms": (0, 2 ** 63 - 1),
-                  "renewed_ms": (0, 2 ** 63 - 1), "ttl_ms": (0, 2 ** 63 - 1),
-                  "renew_ms": (0, 2 ** 63 - 1), "pid": (1, 2 ** 31 - 1),
-                  "retries": (0, 2 ** 31 - 1)}
+INTEGER_FIELDS = {
+    "fence": (0, 2**63 - 1),
+    "acquired_ms": (0, 2**63 - 1),
+    "renewed_ms": (0, 2**63 - 1),
+    "ttl_ms": (0, 2**63 - 1),
+    "renew_ms": (0, 2**63 - 1),
+    "pid": (1, 2**31 - 1),
+    "retries": (0, 2**31 - 1),
+}
 
 #: Characters of a malformed value quoted in ``malformed`` at most.
 MALFORMED_EXCERPT = 40
@@ -69,7 +104,7 @@ def _refuse(problem: str, key: Any) -> MetadataError:
 
 def _safe_repr(value: Any) -> str:
     try:
-        return repr(value)[:MALFORMED_EXCERPT + 3]
+        return repr(value)[: MALFORMED_EXCERPT + 3]
     except Exception:  # noqa: BLE001 - a repr that fails still gets a message
         return f"<{type(value).__name__}>"
 
@@ -89,16 +124,21 @@ def check_metadata(metadata: Any) -> None:
     try:
         items = list(metadata.items())
     except Exception:  # noqa: BLE001 - not a mapping
-        raise MetadataError(f"lease metadata must be None or a mapping, got "
-                            f"{_safe_repr(metadata)}", keys=()) from None
+        raise MetadataError(
+            f"lease metadata must be None or a mapping, got {_safe_repr(metadata)}", keys=()
+        ) from None
     if len(items) > MAX_METADATA_ENTRIES:
-        raise MetadataError(f"lease metadata may hold at most {MAX_METADATA_ENTRIES} entries, "
-                            f"got {len(items)}", keys=())
+        raise MetadataError(
+            f"lease metadata may hold at most {MAX_METADATA_ENTRIES} entries, got {len(items)}",
+            keys=(),
+        )
     reserved = sorted(k for k, _ in items if isinstance(k, str) and k in RESERVED_FIELDS)
     if reserved:
         raise MetadataError(
             f"lease metadata may not use the key(s) {', '.join(reserved)}: reserved for the "
-            f"lease's own fields ({', '.join(sorted(RESERVED_FIELDS))})", keys=tuple(reserved))
+            f"lease's own fields ({', '.join(sorted(RESERVED_FIELDS))})",
+            keys=tuple(reserved),
+        )
     size = 0
     for key, value in items:
         if not isinstance(key, str):
@@ -111,15 +151,17 @@ def check_metadata(metadata: Any) -> None:
             text = ""
         elif isinstance(value, str):
             if len(value) > MAX_METADATA_VALUE:
-                raise _refuse(f"strings must be at most {MAX_METADATA_VALUE} characters, got "
-                              f"{len(value)}", key)
+                raise _refuse(
+                    f"strings must be at most {MAX_METADATA_VALUE} characters, got {len(value)}",
+                    key,
+                )
             if _CONTROL.search(value):
                 raise _refuse("strings may not hold control characters", key)
             text = value
         elif isinstance(value, bool):
             text = ""
         elif isinstance(value, int):
-            if not -2 ** 63 <= value <= 2 ** 63 - 1:
+            if not -(2**63) <= value <= 2**63 - 1:
                 raise _refuse("integers must fit 64 bits (within [-2**63, 2**63 - 1])", key)
             text = ""
         elif isinstance(value, float):
@@ -127,15 +169,21 @@ def check_metadata(metadata: Any) -> None:
                 raise _refuse("floats must be finite (not NaN or infinite)", key)
             text = ""
         else:
-            raise _refuse(f"values must be None, str, int, float or bool, got "
-                          f"{type(value).__name__}", key)
+            raise _refuse(
+                f"values must be None, str, int, float or bool, got {type(value).__name__}", key
+            )
         size += len(key) + len(text)
     if size > MAX_METADATA_SIZE // 8:  # small metadata cannot reach the bound: not encoded
-        encoded = len(_encode_meta({k: "" if v is None else str(v) for k, v in items})
-                      .encode("utf-8", "surrogatepass"))
+        encoded = len(
+            _encode_meta({k: "" if v is None else str(v) for k, v in items}).encode(
+                "utf-8", "surrogatepass"
+            )
+        )
         if encoded > MAX_METADATA_SIZE:
-            raise MetadataError(f"lease metadata must encode to at most {MAX_METADATA_SIZE} "
-                                f"bytes, got {encoded}", keys=())
+            raise MetadataError(
+                f"lease metadata must encode to at most {MAX_METADATA_SIZE} bytes, got {encoded}",
+                keys=(),
+            )
 
 
 _encode_meta = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -152,10 +200,10 @@ def bounded_text(value: str, limit: int = MAX_HOLDER_TEXT) -> str:
     if len(value) <= limit and not _CONTROL.search(value):
         return value
     digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:35]
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value[:limit * 4])
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value[: limit * 4])
     if len(text) <= limit and len(value) <= limit:
         return text
-    return f"{text[:limit - 45]}...sha256:{digest}"
+    return f"{text[: limit - 45]}...sha256:{digest}"
 
 
 def _text(value: Any) -> str:
@@ -197,8 +245,9 @@ def parse_lease(fields: Any) -> dict[str, Any]:
     for key, value in items:
         info[_text(key)] = _text(value) if value is not None else ""
     meta = info.pop("meta", None)
-    if meta and (len(meta) > MAX_META_BYTES
-                 or len(meta.encode("utf-8", "surrogatepass")) > MAX_META_BYTES):
+    if meta and (
+        len(meta) > MAX_META_BYTES or len(meta.encode("utf-8", "surrogatepass")) > MAX_META_BYTES
+    ):
         problems.append(f"meta: larger than {MAX_META_BYTES} bytes ({len(meta)} characters)")
     elif meta:
         try:
@@ -218,8 +267,11 @@ def parse_lease(fields: Any) -> dict[str, Any]:
                 if isinstance(value, (dict, list)):
                     problems.append(f"{key}: not a string ({type(value).__name__})")
                     continue
-                merged[str(key)] = value if isinstance(value, str) else (
-                    str(value).lower() if isinstance(value, bool) else str(value))
+                merged[str(key)] = (
+                    value
+                    if isinstance(value, str)
+                    else (str(value).lower() if isinstance(value, bool) else str(value))
+                )
             merged.update(info)
             info = merged
     for key in list(info):
@@ -243,6 +295,7 @@ def parse_lease(fields: Any) -> dict[str, Any]:
     if problems:
         info["malformed"] = "; ".join(sorted(problems))  # the same whatever the field order
     return info
+
 
 #: Share of the TTL held back from the local validity for clock drift (as in Redlock).
 CLOCK_DRIFT_FACTOR = 0.01
@@ -277,8 +330,12 @@ def owner_has_task_id(owner: str | None, task_id: str | None) -> bool:
     return owner[24:] == _task_digest(task_id)
 
 
-def holder_metadata(task_id: str | None = None, task_name: str | None = None,
-                    retries: int | None = None, **extra: Any) -> dict[str, Any]:
+def holder_metadata(
+    task_id: str | None = None,
+    task_name: str | None = None,
+    retries: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """The metadata stored beside an owner token: who holds the lease, for people and for
     the reaper (``worker`` is the Celery node name, e.g. ``celery@host``; ``step`` is
     ``"<app_label>.<model>:<pk>"`` of the step the lease guards; ``renew_ms`` the holder's
@@ -294,8 +351,13 @@ def holder_metadata(task_id: str | None = None, task_name: str | None = None,
         if name in extra:
             texts[name] = extra.pop(name)
     bounded = {k: None if v is None else bounded_text(v) for k, v in texts.items()}
-    meta = {"task_id": bounded["task_id"], "task_name": bounded["task_name"],
-            "hostname": socket.gethostname(), "pid": os.getpid(), "retries": retries}
+    meta = {
+        "task_id": bounded["task_id"],
+        "task_name": bounded["task_name"],
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "retries": retries,
+    }
     meta.update({k: bounded[k] for k in ("worker", "step") if k in bounded})
     meta.update(extra)
     meta = {k: v for k, v in meta.items() if v is not None}
@@ -364,9 +426,14 @@ class Lease:
         """Raise :class:`LockLost` (with ``name``, ``key``, ``owner``, ``fence``) if the lease
         is lost; call it between units of work."""
         if self.lost:
-            raise LockLost(f"lease {self.key} (owner {self.owner}, fence {self.fence}) is "
-                           f"lost: {self.lost_reason}", key=self.key, name=self.name,
-                           owner=self.owner, fence=self.fence)
+            raise LockLost(
+                f"lease {self.key} (owner {self.owner}, fence {self.fence}) is "
+                f"lost: {self.lost_reason}",
+                key=self.key,
+                name=self.name,
+                owner=self.owner,
+                fence=self.fence,
+            )
 
     @property
     def idempotency_key(self) -> str:
@@ -387,7 +454,9 @@ class Lease:
             raise ImproperlyConfigured(
                 "lease.idempotency_key needs a name secret: set steplock_name_secret "
                 "(CELERY_STEPLOCK_NAME_SECRET in Django settings), or pass name_secret= to "
-                "RedisLeaseStore", setting="steplock_name_secret")
+                "RedisLeaseStore",
+                setting="steplock_name_secret",
+            )
         from .keys import idempotency_key
 
         return idempotency_key(self.secret, self.task_name, self.name)

@@ -18,6 +18,7 @@ holders; it is not a mutex, and the database compare-and-swap (the step store,
 This module keeps re-exporting :class:`~celery_steplock.lease.Lease`, ``new_owner_token``,
 ``holder_metadata`` and ``CLOCK_DRIFT_FACTOR`` (they live in :mod:`celery_steplock.lease`).
 """
+
 from __future__ import annotations
 
 import json
@@ -77,9 +78,19 @@ from .lease import (
 )
 from .redact import redact
 
-__all__ = ["Lease", "RedisLeaseStore", "ClusterLeaseStore", "new_owner_token",
-           "holder_metadata", "make_client", "get_lease_store", "CLOCK_DRIFT_FACTOR",
-           "STORE_ERRORS", "store_error", "MAX_WAITERS"]
+__all__ = [
+    "Lease",
+    "RedisLeaseStore",
+    "ClusterLeaseStore",
+    "new_owner_token",
+    "holder_metadata",
+    "make_client",
+    "get_lease_store",
+    "CLOCK_DRIFT_FACTOR",
+    "STORE_ERRORS",
+    "store_error",
+    "MAX_WAITERS",
+]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
 EXTEND_CHUNK = 1000
@@ -104,8 +115,14 @@ PROBE_NAME = "steplock-acl-probe"
 ACL_DOC = "docs/acl.md"
 
 
-def store_error(exc: BaseException, what: str, *, key: str | None = None,
-                name: str | None = None, owner: str | None = None) -> LockError:
+def store_error(
+    exc: BaseException,
+    what: str,
+    *,
+    key: str | None = None,
+    name: str | None = None,
+    owner: str | None = None,
+) -> LockError:
     """The library's error for ``exc`` raised by redis-py during ``what`` (e.g. "acquire"):
     :class:`LockStoreMisconfigured` when Redis refused our credentials, a permission or the
     TLS verification (naming the setting ``steplock_redis_url`` and the command refused, when
@@ -120,41 +137,61 @@ def store_error(exc: BaseException, what: str, *, key: str | None = None,
         permissions = (command,) if command else ()
         setting = "steplock_redis_url"
         if reason == "permission refused":
-            hint = (f"grant {'+' + command if command else 'the command'} (and the key "
-                    f"pattern of steplock_key_prefix) to the Redis user of steplock_redis_url; "
-                    f"the least-privilege ACL is in {ACL_DOC}")
+            hint = (
+                f"grant {'+' + command if command else 'the command'} (and the key "
+                f"pattern of steplock_key_prefix) to the Redis user of steplock_redis_url; "
+                f"the least-privilege ACL is in {ACL_DOC}"
+            )
         elif reason in (_wire.SENTINEL_AUTH, _wire.SENTINEL_UNKNOWN_MASTER):
             setting = "steplock_redis_transport_options"
-            hint = ("fix the sentinels' password in sentinel_kwargs of "
-                    "steplock_redis_transport_options" if reason == _wire.SENTINEL_AUTH else
-                    "set master_name in steplock_redis_transport_options to the name the "
-                    "sentinels monitor (SENTINEL MASTERS)")
+            hint = (
+                "fix the sentinels' password in sentinel_kwargs of "
+                "steplock_redis_transport_options"
+                if reason == _wire.SENTINEL_AUTH
+                else "set master_name in steplock_redis_transport_options to the name the "
+                "sentinels monitor (SENTINEL MASTERS)"
+            )
         elif reason.startswith("TLS"):
             setting = "steplock_redis_use_ssl"
-            hint = ("fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
-                    "a rediss:// steplock_redis_url): ssl_ca_certs must hold the CA that "
-                    "signed the server's certificate" if "verification" in reason else
-                    "fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
-                    "a rediss:// steplock_redis_url): ssl_certfile and ssl_keyfile must be "
-                    "the PEM client certificate and its key (required by a server of mutual "
-                    "TLS), ssl_ca_certs a PEM file of CA certificates")
+            hint = (
+                "fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
+                "a rediss:// steplock_redis_url): ssl_ca_certs must hold the CA that "
+                "signed the server's certificate"
+                if "verification" in reason
+                else "fix the TLS options (steplock_redis_use_ssl, or the ssl_* parameters of "
+                "a rediss:// steplock_redis_url): ssl_certfile and ssl_keyfile must be "
+                "the PEM client certificate and its key (required by a server of mutual "
+                "TLS), ssl_ca_certs a PEM file of CA certificates"
+            )
         else:
             hint = "fix the credentials (user name, password) in steplock_redis_url"
         return LockStoreMisconfigured(
-            f"lock store refused the {what}{of}: {reason} ({error}): {hint}", key=key,
-            name=name, owner=owner, setting=setting, permissions=permissions)
+            f"lock store refused the {what}{of}: {reason} ({error}): {hint}",
+            key=key,
+            name=name,
+            owner=owner,
+            setting=setting,
+            permissions=permissions,
+        )
     if isinstance(exc, ResponseError):
         # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
         # an outage, so never a reason to retry or to run fail-open.
-        return LockError(f"lock store refused the {what}{of}: {error}"
-                         f"{_cluster.redirect_hint(exc)}", key=key, name=name, owner=owner)
-    return LockStoreUnavailable(f"lock store unavailable during {what}{of}: {error}", key=key,
-                                name=name, owner=owner)
+        return LockError(
+            f"lock store refused the {what}{of}: {error}{_cluster.redirect_hint(exc)}",
+            key=key,
+            name=name,
+            owner=owner,
+        )
+    return LockStoreUnavailable(
+        f"lock store unavailable during {what}{of}: {error}", key=key, name=name, owner=owner
+    )
+
 
 logger = logging.getLogger("celery_steplock")
 
 
 # -- arguments of the public API: validated as the settings are, by name, never clamped ------
+
 
 def _argument(check: Callable[..., Any], value: Any, name: str, **kwargs: Any) -> Any:
     """``check(value, name, **kwargs)`` (a validator of :mod:`celery_steplock.conf`), its
@@ -174,9 +211,11 @@ def _ttl(ttl: Any, name: str = "ttl") -> float:
 def _owner(owner: Any, name: str = "owner") -> str:
     if type(owner) is str and 0 < len(owner) <= MAX_OWNER_LENGTH and owner.isprintable():
         return owner
-    raise InvalidArgument(f"{name} must be a non-empty string of at most {MAX_OWNER_LENGTH} "
-                          f"printable characters (an owner token), got {shown(owner)}",
-                          argument=name)
+    raise InvalidArgument(
+        f"{name} must be a non-empty string of at most {MAX_OWNER_LENGTH} "
+        f"printable characters (an owner token), got {shown(owner)}",
+        argument=name,
+    )
 
 
 def _name(name: Any) -> str:
@@ -189,15 +228,24 @@ def _is_slot_name(name: str) -> bool:
     # A slot of a concurrency limit (celery_steplock.bulkhead): "<limit key>}#<index>", so
     # that its key "<prefix>:lease:{<limit key>}#<index>}" shares the hash tag of its limit.
     key, mark, index = name.rpartition("}#")
-    return bool(mark) and index.isdigit() and len(index) <= 6 and len(name) <= MAX_NAME_LENGTH \
-        and bool(key) and key.isprintable() and "{" not in key and "}" not in key
+    return (
+        bool(mark)
+        and index.isdigit()
+        and len(index) <= 6
+        and len(name) <= MAX_NAME_LENGTH
+        and bool(key)
+        and key.isprintable()
+        and "{" not in key
+        and "}" not in key
+    )
 
 
 def _metadata(metadata: Any) -> Mapping[str, Any] | None:
     if metadata is None or isinstance(metadata, Mapping):
         return metadata
-    raise InvalidArgument(f"metadata must be None or a mapping, got {shown(metadata)}",
-                          argument="metadata")
+    raise InvalidArgument(
+        f"metadata must be None or a mapping, got {shown(metadata)}", argument="metadata"
+    )
 
 
 def pack_metadata(metadata: Mapping[str, Any] | None) -> str:
@@ -231,8 +279,9 @@ def _name_of(key: str) -> str:
 
 def _escaped(text: str) -> str:
     """``text`` with each non-printable character as a backslash escape."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in text)
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
 
 
 class RedisLeaseStore:
@@ -273,26 +322,40 @@ class RedisLeaseStore:
             cls = ClusterLeaseStore
         return super().__new__(cls)
 
-    def __init__(self, client: redis.Redis, prefix: str = "steplock",
-                 fence_ttl: float = 7 * 24 * 3600.0,
-                 clock: Callable[[], float] = time.monotonic, *,
-                 waiter_client: redis.Redis | None = None, max_waiters: int = MAX_WAITERS,
-                 name_secret: bytes | str | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = "steplock",
+        fence_ttl: float = 7 * 24 * 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        waiter_client: redis.Redis | None = None,
+        max_waiters: int = MAX_WAITERS,
+        name_secret: bytes | str | None = None,
+    ):
         # Looked up on the type: a deferred cluster client builds itself on attribute access.
-        if not _cluster.is_cluster(client) \
-                and not callable(getattr(type(client), "execute_command", None)):
-            raise InvalidArgument(f"client must be a redis.Redis or RedisCluster client, got "
-                                  f"{shown(client)}", argument="client")
+        if not _cluster.is_cluster(client) and not callable(
+            getattr(type(client), "execute_command", None)
+        ):
+            raise InvalidArgument(
+                f"client must be a redis.Redis or RedisCluster client, got {shown(client)}",
+                argument="client",
+            )
         prefix = _argument(check_key_prefix, prefix, "prefix")
         fence_ttl = _argument(check_fence_ttl, fence_ttl, "fence_ttl")
-        max_waiters = _argument(check_count, max_waiters, "max_waiters", minimum=1,
-                                maximum=MAX_WAITERS_LIMIT)
+        max_waiters = _argument(
+            check_count, max_waiters, "max_waiters", minimum=1, maximum=MAX_WAITERS_LIMIT
+        )
         if not callable(clock):
-            raise InvalidArgument(f"clock must be a callable returning seconds, got "
-                                  f"{shown(clock)}", argument="clock")
+            raise InvalidArgument(
+                f"clock must be a callable returning seconds, got {shown(clock)}", argument="clock"
+            )
         #: The HMAC key of the idempotency keys of the leases it grants (None: they raise).
-        self.name_secret = None if name_secret is None else _argument(
-            check_name_secret, name_secret, "name_secret")
+        self.name_secret = (
+            None
+            if name_secret is None
+            else _argument(check_name_secret, name_secret, "name_secret")
+        )
         self.client = client
         self.max_waiters = max_waiters
         self._waiter_client = waiter_client
@@ -340,8 +403,11 @@ class RedisLeaseStore:
             client = self.waiter_client
             limit = self.max_waiters
             # A Cluster client is not capped (a pool per node), nor built here if deferred.
-            size = None if _cluster.is_cluster(client) else getattr(
-                getattr(client, "connection_pool", None), "max_connections", None)
+            size = (
+                None
+                if _cluster.is_cluster(client)
+                else getattr(getattr(client, "connection_pool", None), "max_connections", None)
+            )
             if self._shares_pool and isinstance(size, int) and size > 0:
                 limit = min(limit, max(0, size - max(WAITER_RESERVE, size // 4)))
             self._waiter_limit = limit
@@ -359,8 +425,14 @@ class RedisLeaseStore:
         with self._waiting_guard:
             self._waiting -= 1
 
-    def check_permissions(self, *, what: str = "permission check", key: str | None = None,
-                          name: str | None = None, owner: str | None = None) -> None:
+    def check_permissions(
+        self,
+        *,
+        what: str = "permission check",
+        key: str | None = None,
+        name: str | None = None,
+        owner: str | None = None,
+    ) -> None:
         """Run the permission probe (:data:`celery_steplock._lua.PROBE`): every command of the
         lease scripts on the keys of a reserved name under this prefix, each refusal
         collected. Done once per store before its first write, so that a Redis user lacking
@@ -368,8 +440,12 @@ class RedisLeaseStore:
         LockStoreMisconfigured naming every command (and key) refused, LockStoreUnavailable
         when Redis cannot be reached; ``what``, ``key``, ``name``, ``owner`` describe the call
         the check comes before, for those errors."""
-        keys = [lease_key(self.prefix, PROBE_NAME), fence_key(self.prefix, PROBE_NAME),
-                waiters_key(self.prefix, PROBE_NAME), wake_key(self.prefix, PROBE_NAME)]
+        keys = [
+            lease_key(self.prefix, PROBE_NAME),
+            fence_key(self.prefix, PROBE_NAME),
+            waiters_key(self.prefix, PROBE_NAME),
+            wake_key(self.prefix, PROBE_NAME),
+        ]
         try:
             refused = _wire.evalsha(self.client, self._probe, keys, [])
         except STORE_ERRORS as exc:
@@ -382,13 +458,26 @@ class RedisLeaseStore:
                 f"(needed by the lease scripts): grant "
                 f"{' '.join('+' + c for c in commands)} and the key pattern "
                 f"~{self.prefix}:* (steplock_key_prefix); the least-privilege ACL is in "
-                f"{ACL_DOC}", key=key, name=name, owner=owner, setting="steplock_redis_url",
-                permissions=refused)
+                f"{ACL_DOC}",
+                key=key,
+                name=name,
+                owner=owner,
+                setting="steplock_redis_url",
+                permissions=refused,
+            )
         self._probed = True
 
-    def _call(self, script: _wire.Script, keys: list[str], args: list[str], what: str,
-              name: str, owner: str | None = None, client: redis.Redis | None = None,
-              writes: bool = True) -> Any:
+    def _call(
+        self,
+        script: _wire.Script,
+        keys: list[str],
+        args: list[str],
+        what: str,
+        name: str,
+        owner: str | None = None,
+        client: redis.Redis | None = None,
+        writes: bool = True,
+    ) -> Any:
         # The probe guards scripts that write; a read (the ownership check) never stops
         # halfway, and must work on a replica too.
         if writes and not self._probed:
@@ -398,10 +487,16 @@ class RedisLeaseStore:
         except STORE_ERRORS as exc:
             raise store_error(exc, what, key=keys[0], name=name, owner=owner) from exc
 
-    def try_acquire(self, name: str, owner: str, ttl: float,
-                    metadata: Mapping[str, Any] | None = None, *, wait: float = 0.0,
-                    _client: redis.Redis | None = None
-                    ) -> tuple[Lease | None, str | None, float | None]:
+    def try_acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        wait: float = 0.0,
+        _client: redis.Redis | None = None,
+    ) -> tuple[Lease | None, str | None, float | None]:
         """One acquire attempt of ``name`` for ``owner`` for ``ttl`` seconds. Returns
         ``(lease, None, None)`` when granted, else ``(None, holder_owner,
         holder_ttl_seconds)``. With ``wait`` (seconds) a refused owner is recorded as waiting
@@ -411,8 +506,13 @@ class RedisLeaseStore:
         if wait != 0:
             wait = _argument(check_seconds, wait, "wait", allow_zero=True, maximum=MAX_WAIT)
         ttl_ms = str(max(1, int(ttl * 1000)))
-        args = [owner, ttl_ms, str(max(int(ttl_ms), int(self.fence_ttl * 1000))),
-                str(max(1, int(wait * 1000)) if wait > 0 else 0), pack_metadata(metadata)]
+        args = [
+            owner,
+            ttl_ms,
+            str(max(int(ttl_ms), int(self.fence_ttl * 1000))),
+            str(max(1, int(wait * 1000)) if wait > 0 else 0),
+            pack_metadata(metadata),
+        ]
         key = self.key(name)
         keys = [key, fence_key(self.prefix, name)]
         if wait > 0:
@@ -421,23 +521,49 @@ class RedisLeaseStore:
         reply = self._call(self._acquire, keys, args, "acquire", name, owner, _client)
         if isinstance(reply, list):
             holder, ttl_left = reply
-            return None, _wire.text(holder), (ttl_left / 1000.0 if ttl_left and ttl_left > 0
-                                              else None)
+            return (
+                None,
+                _wire.text(holder),
+                (ttl_left / 1000.0 if ttl_left and ttl_left > 0 else None),
+            )
         meta = metadata or {}
-        return Lease(name=name, key=key, owner=owner, fence=int(reply), ttl=ttl,
-                     acquired_at=sent, valid_until=sent + ttl - drift(ttl),
-                     task_id=meta.get("task_id"), task_name=meta.get("task_name"),
-                     clock=self.clock, secret=self.name_secret), None, None
+        return (
+            Lease(
+                name=name,
+                key=key,
+                owner=owner,
+                fence=int(reply),
+                ttl=ttl,
+                acquired_at=sent,
+                valid_until=sent + ttl - drift(ttl),
+                task_id=meta.get("task_id"),
+                task_name=meta.get("task_name"),
+                clock=self.clock,
+                secret=self.name_secret,
+            ),
+            None,
+            None,
+        )
 
     def channel(self, name: str) -> str:
         """Deprecated: the pub/sub channel on which releases of ``name`` used to be announced.
         Nothing is published any more (waiters block on a wake-up list, see :meth:`acquire`)."""
-        warnings.warn("RedisLeaseStore.channel(): releases are no longer published",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "RedisLeaseStore.channel(): releases are no longer published",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return f"{self.prefix}:released:{{{name}}}"
 
-    def acquire(self, name: str, owner: str | None = None, ttl: float = 30.0, *,
-                wait: float = 0.0, metadata: Mapping[str, Any] | None = None) -> Lease | None:
+    def acquire(
+        self,
+        name: str,
+        owner: str | None = None,
+        ttl: float = 30.0,
+        *,
+        wait: float = 0.0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Lease | None:
         """Acquire the lease ``name`` for ``owner`` (a fresh token when None) for ``ttl``
         seconds. Returns the :class:`Lease`, or None when another owner holds it and ``wait``
         seconds (default 0: one attempt) passed without it being released or expiring.
@@ -470,21 +596,30 @@ class RedisLeaseStore:
                     f"minus {size - limit} kept for renewals and releases, because the "
                     f"waiters share that pool: no pool of their own could be derived from the "
                     f"store's client): give the pool more connections, lower lock_wait or the "
-                    f"pool's concurrency", key=self.key(name), name=name, owner=owner,
-                    setting="steplock_max_waiters")
+                    f"pool's concurrency",
+                    key=self.key(name),
+                    name=name,
+                    owner=owner,
+                    setting="steplock_max_waiters",
+                )
             raise LockStoreMisconfigured(
                 f"cannot wait for {name!r}: {self.max_waiters} callers of this process "
                 f"already wait for leases (steplock_max_waiters; each blocks a connection "
                 f"of the waiters' pool): raise steplock_max_waiters or lower lock_wait or "
-                f"the pool's concurrency", key=self.key(name), name=name, owner=owner,
-                setting="steplock_max_waiters")
+                f"the pool's concurrency",
+                key=self.key(name),
+                name=name,
+                owner=owner,
+                setting="steplock_max_waiters",
+            )
         try:
             return self._wait(name, owner, ttl, wait, metadata)
         finally:
             self._leave_waiting()
 
-    def _wait(self, name: str, owner: str, ttl: float, wait: float,
-              metadata: Mapping[str, Any] | None) -> Lease | None:
+    def _wait(
+        self, name: str, owner: str, ttl: float, wait: float, metadata: Mapping[str, Any] | None
+    ) -> Lease | None:
         # Every command of a waiter goes through the waiters' pool: blocked in BLPOP or not,
         # waiters never take the connections that renewals and releases need.
         client = self.waiter_client
@@ -497,9 +632,9 @@ class RedisLeaseStore:
         try:
             while True:
                 left = deadline - time.monotonic()
-                lease, _holder, holder_ttl = self.try_acquire(name, owner, ttl, metadata,
-                                                              wait=max(left, 0.001),
-                                                              _client=client)
+                lease, _holder, holder_ttl = self.try_acquire(
+                    name, owner, ttl, metadata, wait=max(left, 0.001), _client=client
+                )
                 if lease is not None or left <= 0:
                     return lease
                 timeout = min(left, holder_ttl) if holder_ttl else min(left, 0.01)
@@ -515,8 +650,9 @@ class RedisLeaseStore:
                         # reconnects, and raises if Redis is really gone.
                         interrupted = True
                         continue
-                    raise store_error(exc, "wait", key=self.key(name), name=name,
-                                      owner=owner) from exc
+                    raise store_error(
+                        exc, "wait", key=self.key(name), name=name, owner=owner
+                    ) from exc
         finally:
             if lease is None:
                 try:
@@ -532,8 +668,9 @@ class RedisLeaseStore:
         changes nothing) when the key is gone or another owner holds it; so releasing twice
         is harmless."""
         name, owner = _name(name), _owner(owner)
-        return bool(self._call(self._release, self._wake_keys(name), [owner], "release",
-                               name, owner))
+        return bool(
+            self._call(self._release, self._wake_keys(name), [owner], "release", name, owner)
+        )
 
     def reap(self, name: str, owner: str, renewed_ms: str) -> bool:
         """Delete the lease only if ``owner`` still holds it and its ``renewed_ms`` field is
@@ -542,11 +679,15 @@ class RedisLeaseStore:
         re-acquired since."""
         name, owner = _name(name), _owner(owner)
         renewed_ms = _renewed_ms(renewed_ms)
-        return bool(self._call(self._reap, self._wake_keys(name), [owner, str(renewed_ms)],
-                               "reap", name, owner))
+        return bool(
+            self._call(
+                self._reap, self._wake_keys(name), [owner, str(renewed_ms)], "reap", name, owner
+            )
+        )
 
-    def reap_many(self, items: Iterable[tuple[str, str, str]]
-                  ) -> list[bool | LockError | InvalidArgument | LockNameError]:
+    def reap_many(
+        self, items: Iterable[tuple[str, str, str]]
+    ) -> list[bool | LockError | InvalidArgument | LockNameError]:
         """:meth:`reap` for many leases ``(name, owner, renewed_ms)`` in one pipelined round
         trip. Returns, per item, whether it was deleted, or the :class:`LockError` (with
         ``name``, ``owner``) of an item Redis refused, or the InvalidArgument/LockNameError of
@@ -556,8 +697,7 @@ class RedisLeaseStore:
         valid: list[tuple[int, str, str, str]] = []
         for name, owner, renewed_ms in items:
             try:
-                valid.append((len(results), _name(name), _owner(owner),
-                              _renewed_ms(renewed_ms)))
+                valid.append((len(results), _name(name), _owner(owner), _renewed_ms(renewed_ms)))
             except (InvalidArgument, LockNameError) as exc:
                 results.append(exc)
                 continue
@@ -566,34 +706,47 @@ class RedisLeaseStore:
             return results
         if not self._probed:
             self.check_permissions(what="reap")
-        calls = [(self._wake_keys(name), [owner, renewed_ms])
-                 for _n, name, owner, renewed_ms in valid]
+        calls = [
+            (self._wake_keys(name), [owner, renewed_ms]) for _n, name, owner, renewed_ms in valid
+        ]
         try:
             replies = _wire.evalsha_many(self.client, self._reap, calls)
         except STORE_ERRORS as exc:
             raise store_error(exc, "reap") from exc
         for (n, name, owner, _renewed), reply in zip(valid, replies):
-            results[n] = (store_error(reply, "reap", key=self.key(name), name=name,
-                                      owner=owner)
-                          if isinstance(reply, Exception) else bool(reply))
+            results[n] = (
+                store_error(reply, "reap", key=self.key(name), name=name, owner=owner)
+                if isinstance(reply, Exception)
+                else bool(reply)
+            )
         return results
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it. Returns False (and
         changes nothing) when the key is gone or another owner holds it."""
         name, owner, ttl = _name(name), _owner(owner), _ttl(ttl)
-        return bool(self._call(self._extend, [self.key(name)],
-                               [owner, str(max(1, int(ttl * 1000)))], "extend", name, owner))
+        return bool(
+            self._call(
+                self._extend,
+                [self.key(name)],
+                [owner, str(max(1, int(ttl * 1000)))],
+                "extend",
+                name,
+                owner,
+            )
+        )
 
     def owned(self, name: str, owner: str) -> float | None:
         """Seconds left on the lease if ``owner`` holds it, else None. One round trip."""
         name, owner = _name(name), _owner(owner)
-        result = self._call(self._owned, [self.key(name)], [owner], "ownership check",
-                            name, owner, writes=False)
+        result = self._call(
+            self._owned, [self.key(name)], [owner], "ownership check", name, owner, writes=False
+        )
         return result / 1000.0 if result is not None and result >= 0 else None
 
-    def extend_many(self, items: Iterable[tuple[str, str, float]],
-                    chunk: int = EXTEND_CHUNK) -> list[bool]:
+    def extend_many(
+        self, items: Iterable[tuple[str, str, float]], chunk: int = EXTEND_CHUNK
+    ) -> list[bool]:
         """Extend many leases ``(name, owner, ttl seconds)`` in one pipelined round trip.
 
         The leases go ``chunk`` at a time to one script call each, every call written to
@@ -633,15 +786,17 @@ class RedisLeaseStore:
             results.extend([c == "1" for c in _wire.text(reply)])
         return results
 
-    def scan_keys(self, cursor: int = 0, count: int = 500, match: str = "*"
-                  ) -> tuple[int, list[str]]:
+    def scan_keys(
+        self, cursor: int = 0, count: int = 500, match: str = "*"
+    ) -> tuple[int, list[str]]:
         """One ``SCAN`` step over the lease keys whose name matches the glob ``match``:
         ``(next_cursor, keys)``, key names only (``next_cursor`` 0: the scan is complete).
         ``count`` is SCAN's hint of keys examined per step. Never ``KEYS``."""
         cursor, count, match = self._checked_scan(cursor, count, match)
         try:
-            cursor, keys = self.client.scan(cursor=cursor, match=lease_key(self.prefix, match),
-                                            count=count)
+            cursor, keys = self.client.scan(
+                cursor=cursor, match=lease_key(self.prefix, match), count=count
+            )
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "scan") from exc
         return int(cursor), [_wire.text(key) for key in keys]
@@ -659,11 +814,13 @@ class RedisLeaseStore:
     def _checked_scan(cursor: Any, count: Any, match: Any) -> tuple[int, int, str]:
         """The arguments of :meth:`scan_keys`, validated."""
         # 2 ** 80: a Redis Cluster cursor carries a slot above Redis's own 64-bit cursor.
-        cursor = _argument(check_count, cursor, "cursor", maximum=2 ** 80)
+        cursor = _argument(check_count, cursor, "cursor", maximum=2**80)
         count = _argument(check_count, count, "count", minimum=1, maximum=MAX_SCAN_COUNT)
         if not isinstance(match, str) or not match or len(match) > MAX_NAME_LENGTH:
-            raise InvalidArgument(f"match must be a glob of 1 to {MAX_NAME_LENGTH} characters, "
-                                  f"got {shown(match)}", argument="match")
+            raise InvalidArgument(
+                f"match must be a glob of 1 to {MAX_NAME_LENGTH} characters, got {shown(match)}",
+                argument="match",
+            )
         return cursor, count, match
 
     def read_leases(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
@@ -689,17 +846,21 @@ class RedisLeaseStore:
     def _checked_keys(keys: Any) -> list[str]:
         """The ``keys`` of :meth:`read_leases` as a list of str, validated."""
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-            raise InvalidArgument(f"keys must be a list of key names, got {shown(keys)}",
-                                  argument="keys")
+            raise InvalidArgument(
+                f"keys must be a list of key names, got {shown(keys)}", argument="keys"
+            )
         keys = list(keys)
         for key in keys:
             if not isinstance(key, str):
-                raise InvalidArgument(f"keys must be a list of key names (str), got an item "
-                                      f"{shown(key)}", argument="keys")
+                raise InvalidArgument(
+                    f"keys must be a list of key names (str), got an item {shown(key)}",
+                    argument="keys",
+                )
         return cast(list[str], keys)
 
-    def _parse_scan_fields(self, keys: list[str], replies: list[Any]
-                           ) -> dict[str, dict[str, Any] | None]:
+    def _parse_scan_fields(
+        self, keys: list[str], replies: list[Any]
+    ) -> dict[str, dict[str, Any] | None]:
         found: dict[str, dict[str, Any] | None] = {}
         for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
             doc = _wire.text(doc)
@@ -713,13 +874,21 @@ class RedisLeaseStore:
             elif not fields and "\ufffd" in key and _wire.text(pttl) == "none":
                 # SCAN listed a name that was not UTF-8: as decoded it names no key, so it
                 # is shown (escaped) rather than dropped; the reaper skips it.
-                found[key] = {"key": _escaped(key), "name": _escaped(_name_of(key)), "ttl": None,
-                              "malformed": "key: not UTF-8 (cannot be read back)"}
+                found[key] = {
+                    "key": _escaped(key),
+                    "name": _escaped(_name_of(key)),
+                    "ttl": None,
+                    "malformed": "key: not UTF-8 (cannot be read back)",
+                }
                 continue
             elif not fields:
                 if not doc and _wire.text(pttl) != "none":
-                    log_event("scan_skipped", logging.WARNING, key=key,
-                              error=f"WRONGTYPE a {_wire.text(pttl)}, not a lease hash")
+                    log_event(
+                        "scan_skipped",
+                        logging.WARNING,
+                        key=key,
+                        error=f"WRONGTYPE a {_wire.text(pttl)}, not a lease hash",
+                    )
                 found[key] = None  # else expired between the listing and the read
                 continue
             else:
@@ -730,8 +899,9 @@ class RedisLeaseStore:
             found[key] = info
         return found
 
-    def scan(self, cursor: int = 0, count: int = 500, match: str = "*"
-             ) -> tuple[int, list[dict[str, Any]]]:
+    def scan(
+        self, cursor: int = 0, count: int = 500, match: str = "*"
+    ) -> tuple[int, list[dict[str, Any]]]:
         """One ``SCAN`` step over the lease keys whose name matches the glob ``match``.
 
         Returns ``(next_cursor, leases)``: ``next_cursor`` is 0 when the scan is complete;
@@ -781,13 +951,17 @@ def _renewed_ms(value: Any) -> str:
     # "" is a lease without the field (as the reaper passes it); else Redis milliseconds.
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     if text is None or (text and not text.isdigit()) or len(text) > 20:
-        raise InvalidArgument(f"renewed_ms must be the lease's renewed_ms field (digits, or "
-                              f"empty), got {shown(value)}", argument="renewed_ms")
+        raise InvalidArgument(
+            f"renewed_ms must be the lease's renewed_ms field (digits, or "
+            f"empty), got {shown(value)}",
+            argument="renewed_ms",
+        )
     return text
 
 
-def _unavailable_unless_misconfigured(exc: BaseException, what: str, *,
-                                      refused: bool = False) -> LockError:
+def _unavailable_unless_misconfigured(
+    exc: BaseException, what: str, *, refused: bool = False
+) -> LockError:
     # These paths report any Redis error as LockStoreUnavailable (a renewal, a scan are
     # retried), except a refused permission or credentials: a configuration error.
     error = store_error(exc, what)
@@ -822,29 +996,44 @@ def get_lease_store(app: Any, settings: Settings | None = None) -> RedisLeaseSto
     """
     settings = settings or Settings(app)
     config = ClientConfig(settings)
-    ident = (config.identity, settings.key_prefix, settings.fence_ttl, settings.max_waiters,
-             settings.name_secret)
+    ident = (
+        config.identity,
+        settings.key_prefix,
+        settings.fence_ttl,
+        settings.max_waiters,
+        settings.name_secret,
+    )
     store = _stores.get(ident)
     if store is None:
         with _stores_guard:
             store = _stores.get(ident)
             if store is None:
-                store = RedisLeaseStore(config.client(), prefix=ident[1], fence_ttl=ident[2],
-                                        waiter_client=config.waiter_client(),
-                                        max_waiters=ident[3], name_secret=ident[4])
+                store = RedisLeaseStore(
+                    config.client(),
+                    prefix=ident[1],
+                    fence_ttl=ident[2],
+                    waiter_client=config.waiter_client(),
+                    max_waiters=ident[3],
+                    name_secret=ident[4],
+                )
                 _stores[ident] = store
     return store
 
 
 #: Old names kept for one release; using one warns (DeprecationWarning).
-_DEPRECATED = {"RedisStepLock": ("RedisLeaseStore", RedisLeaseStore),
-               "get_lock": ("get_lease_store", get_lease_store)}
+_DEPRECATED = {
+    "RedisStepLock": ("RedisLeaseStore", RedisLeaseStore),
+    "get_lock": ("get_lease_store", get_lease_store),
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         new_name, value = _DEPRECATED[name]
-        warnings.warn(f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"celery_steplock.{name} is deprecated; use celery_steplock.{new_name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

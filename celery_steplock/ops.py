@@ -41,6 +41,7 @@ Django set up and ``celery_steplock.contrib.django`` installed, also a ``LeaseEv
 Celery app) the log line is the record: ship the ``celery_steplock`` logger's WARNING lines
 to durable storage, or pass an ``auditor`` of your own (:class:`ReleaseAudit`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,11 +61,26 @@ from .exceptions import (
 )
 from .redact import redact, secrets_of
 
-__all__ = ["ForcedRelease", "ForceReleaseRefused", "LeaseNotHeld", "LeaseHeldByAnother",
-           "AuditRecordFailed", "ReleaseAudit", "LogAudit", "default_audit", "force_release",
-           "OPS_SENDER", "OUTCOMES", "BreakerOverride", "BreakerAudit", "LogBreakerAudit",
-           "LeaseEventBreakerAudit", "default_breaker_audit", "override_breaker",
-           "OVERRIDE_OUTCOMES"]
+__all__ = [
+    "ForcedRelease",
+    "ForceReleaseRefused",
+    "LeaseNotHeld",
+    "LeaseHeldByAnother",
+    "AuditRecordFailed",
+    "ReleaseAudit",
+    "LogAudit",
+    "default_audit",
+    "force_release",
+    "OPS_SENDER",
+    "OUTCOMES",
+    "BreakerOverride",
+    "BreakerAudit",
+    "LogBreakerAudit",
+    "LeaseEventBreakerAudit",
+    "default_breaker_audit",
+    "override_breaker",
+    "OVERRIDE_OUTCOMES",
+]
 
 
 #: Signal sender of a force release when the lease names no task this process knows.
@@ -153,9 +169,11 @@ class LogAudit(ReleaseAudit):
         """Refuse unless the ``celery_steplock`` logger emits WARNING lines."""
         logger = logging.getLogger("celery_steplock")
         if not logger.isEnabledFor(logging.WARNING) or not _reaches_a_handler(logger):
-            raise RuntimeError("the log line is the only audit record and the "
-                               "'celery_steplock' logger does not emit WARNING lines: enable "
-                               "it (level WARNING or lower, with a handler)")
+            raise RuntimeError(
+                "the log line is the only audit record and the "
+                "'celery_steplock' logger does not emit WARNING lines: enable "
+                "it (level WARNING or lower, with a handler)"
+            )
 
 
 def _reaches_a_handler(logger: logging.Logger) -> bool:
@@ -178,8 +196,11 @@ def default_audit(app=None) -> ReleaseAudit:
     (kept for stores chosen per Celery app)."""
     django_apps = sys.modules.get("django.apps")
     registry = getattr(django_apps, "apps", None)
-    if registry is not None and registry.ready and registry.is_installed(
-            "celery_steplock.contrib.django"):
+    if (
+        registry is not None
+        and registry.ready
+        and registry.is_installed("celery_steplock.contrib.django")
+    ):
         from .contrib.django.eventlog import LeaseEventAudit
 
         return LeaseEventAudit()
@@ -193,23 +214,50 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def _refusal(name: str, key: str, owner: str, current: dict[str, Any] | None
-             ) -> ForceReleaseRefused:
+def _refusal(
+    name: str, key: str, owner: str, current: dict[str, Any] | None
+) -> ForceReleaseRefused:
     if current is None:
-        return LeaseNotHeld(f"lease {name!r} is not held: nothing released", name=name,
-                            key=key, owner=owner, current=None)
+        return LeaseNotHeld(
+            f"lease {name!r} is not held: nothing released",
+            name=name,
+            key=key,
+            owner=owner,
+            current=None,
+        )
     return LeaseHeldByAnother(
         f"lease {name!r} is held by another owner ({current.get('owner')}, task "
         f"{current.get('task_name') or '?'}, fence {current.get('fence')}): nothing released",
-        name=name, key=key, owner=owner, current=current)
+        name=name,
+        key=key,
+        owner=owner,
+        current=current,
+    )
 
 
-_LOGGED = ("outcome", "actor", "actor_host", "via", "name", "key", "owner", "fence",
-           "task_id", "task_name", "audit", "reason", "detail")
+_LOGGED = (
+    "outcome",
+    "actor",
+    "actor_host",
+    "via",
+    "name",
+    "key",
+    "owner",
+    "fence",
+    "task_id",
+    "task_name",
+    "audit",
+    "reason",
+    "detail",
+)
 
 
-def _log(record: ForcedRelease, sender: Any, level: int = logging.WARNING,
-         event: str = "force_release_audit") -> None:
+def _log(
+    record: ForcedRelease,
+    sender: Any,
+    level: int = logging.WARNING,
+    event: str = "force_release_audit",
+) -> None:
     """One audit line (logfmt, every field quoted as needed) and the audit signal."""
     data = record.fields()
     log_event(event, level, **{k: data[k] for k in _LOGGED if data.get(k) not in (None, "")})
@@ -227,18 +275,33 @@ def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
         record.outcome_recorded = False
         record.outcome_error = redact(f"{type(exc).__name__}: {exc}")
-        log_event("force_release_outcome_unrecorded", logging.ERROR, exc_info=True,
-                  name=record.name, owner=record.owner, outcome=record.outcome,
-                  audit=record.audit, error=record.outcome_error)
+        log_event(
+            "force_release_outcome_unrecorded",
+            logging.ERROR,
+            exc_info=True,
+            name=record.name,
+            owner=record.owner,
+            outcome=record.outcome,
+            audit=record.audit,
+            error=record.outcome_error,
+        )
 
 
-def force_release(store, name: str, owner: str, *, actor: str | None = None,
-                  reason: str | None = None,
-                  audit: Callable[[ForcedRelease], Any] | None = None, app=None,
-                  sender: Any = None,
-                  defer: Callable[[Callable[[], None]], Any] | None = None,
-                  auditor: ReleaseAudit | None = None, actor_host: str | None = None,
-                  via: str = "api") -> ForcedRelease:
+def force_release(
+    store,
+    name: str,
+    owner: str,
+    *,
+    actor: str | None = None,
+    reason: str | None = None,
+    audit: Callable[[ForcedRelease], Any] | None = None,
+    app=None,
+    sender: Any = None,
+    defer: Callable[[Callable[[], None]], Any] | None = None,
+    auditor: ReleaseAudit | None = None,
+    actor_host: str | None = None,
+    via: str = "api",
+) -> ForcedRelease:
     """Delete the lease ``name`` if ``owner`` still holds it, audited; returns the
     :class:`ForcedRelease` record (outcome ``released``).
 
@@ -272,12 +335,23 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
     # holder in its detail, never as the subject of the record.
     held = current if current is not None and current.get("owner") == owner else {}
     record = ForcedRelease(
-        name=name, key=key, owner=owner, fence=_int(held.get("fence")),
-        task_id=held.get("task_id") or None, task_name=held.get("task_name") or None,
-        worker=held.get("worker") or None, hostname=held.get("hostname") or None,
-        pid=_int(held.get("pid")), step=held.get("step") or None,
-        ttl=held.get("ttl"), actor=actor, actor_host=actor_host, via=via,
-        reason=reason or f"force-released by {actor_text}", lease=dict(held))
+        name=name,
+        key=key,
+        owner=owner,
+        fence=_int(held.get("fence")),
+        task_id=held.get("task_id") or None,
+        task_name=held.get("task_name") or None,
+        worker=held.get("worker") or None,
+        hostname=held.get("hostname") or None,
+        pid=_int(held.get("pid")),
+        step=held.get("step") or None,
+        ttl=held.get("ttl"),
+        actor=actor,
+        actor_host=actor_host,
+        via=via,
+        reason=reason or f"force-released by {actor_text}",
+        lease=dict(held),
+    )
 
     if sender is None:
         sender = record.task_name or OPS_SENDER
@@ -290,8 +364,11 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
     def refuse(now: dict[str, Any] | None) -> ForceReleaseRefused:
         refusal = _refusal(name, key, owner, now)
         record.outcome = "not_held" if now is None else "held_by_another"
-        record.detail = (str(refusal) if now is None else
-                         f"held by {now.get('owner')} (fence {now.get('fence')})")
+        record.detail = (
+            str(refusal)
+            if now is None
+            else f"held by {now.get('owner')} (fence {now.get('fence')})"
+        )
         _finish(auditor, record, sender)
         return refusal
 
@@ -308,8 +385,12 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
         log_event("force_release_aborted", logging.ERROR, name=name, owner=owner, error=error)
         raise AuditRecordFailed(
             f"lease {name!r}: the audit record of the force release could not be written "
-            f"({error}): nothing released", name=name, key=key,
-            owner=owner, current=current) from exc
+            f"({error}): nothing released",
+            name=name,
+            key=key,
+            owner=owner,
+            current=current,
+        ) from exc
 
     try:
         deleted = store.release(name, owner)
@@ -330,13 +411,28 @@ def force_release(store, name: str, owner: str, *, actor: str | None = None,
     _finish(auditor, record, sender)
 
     def announce() -> None:
-        emit(signals.lock_released, sender, logging.WARNING, key=record.key, name=record.name,
-             owner=record.owner, fence=record.fence, task_id=record.task_id,
-             task_name=record.task_name,
-             ttl=(_int(held.get("ttl_ms")) or 0) / 1000.0 or None, forced=True,
-             reason=record.reason, user=actor, actor_host=actor_host, via=via,
-             step=record.step, hostname=record.hostname, pid=record.pid,
-             worker=record.worker, audit=record.audit)
+        emit(
+            signals.lock_released,
+            sender,
+            logging.WARNING,
+            key=record.key,
+            name=record.name,
+            owner=record.owner,
+            fence=record.fence,
+            task_id=record.task_id,
+            task_name=record.task_name,
+            ttl=(_int(held.get("ttl_ms")) or 0) / 1000.0 or None,
+            forced=True,
+            reason=record.reason,
+            user=actor,
+            actor_host=actor_host,
+            via=via,
+            step=record.step,
+            hostname=record.hostname,
+            pid=record.pid,
+            worker=record.worker,
+            audit=record.audit,
+        )
 
     (defer or (lambda send: send()))(announce)
     return record
@@ -409,11 +505,16 @@ class LeaseEventBreakerAudit(BreakerAudit):
 
         using = router.db_for_write(LeaseEvent)
         with transaction.atomic(using=using, durable=True):
-            row = LeaseEvent(event="circuit_override", key=record.key[:576],
-                             name=record.name[:512], reason=f"{record.action}: {record.reason}",
-                             actor=(record.actor or "")[:255],
-                             actor_host=(record.actor_host or "")[:255], via=record.via[:16],
-                             outcome=record.outcome)
+            row = LeaseEvent(
+                event="circuit_override",
+                key=record.key[:576],
+                name=record.name[:512],
+                reason=f"{record.action}: {record.reason}",
+                actor=(record.actor or "")[:255],
+                actor_host=(record.actor_host or "")[:255],
+                via=record.via[:16],
+                outcome=record.outcome,
+            )
             row.save(using=using)
         record.audit_id, record.audit = row.pk, f"LeaseEvent {row.pk}"
 
@@ -425,7 +526,8 @@ class LeaseEventBreakerAudit(BreakerAudit):
         from .contrib.django.models import LeaseEvent
 
         LeaseEvent.objects.using(router.db_for_write(LeaseEvent)).filter(
-            pk=record.audit_id).update(outcome=record.outcome)
+            pk=record.audit_id
+        ).update(outcome=record.outcome)
 
 
 def default_breaker_audit(app=None) -> BreakerAudit:
@@ -436,26 +538,45 @@ def default_breaker_audit(app=None) -> BreakerAudit:
     return LeaseEventBreakerAudit()
 
 
-_OVERRIDE_LOGGED = ("outcome", "action", "actor", "actor_host", "via", "name", "key",
-                    "previous", "audit", "reason")
+_OVERRIDE_LOGGED = (
+    "outcome",
+    "action",
+    "actor",
+    "actor_host",
+    "via",
+    "name",
+    "key",
+    "previous",
+    "audit",
+    "reason",
+)
 
 
 def _log_override(record: BreakerOverride, sender: Any) -> None:
     data = record.fields()
-    log_event("circuit_override_audit", logging.WARNING,
-              **{k: data[k] for k in _OVERRIDE_LOGGED if data.get(k) not in (None, "")})
+    log_event(
+        "circuit_override_audit",
+        logging.WARNING,
+        **{k: data[k] for k in _OVERRIDE_LOGGED if data.get(k) not in (None, "")},
+    )
     try:
-        signals.circuit_override_audit.send(sender=sender, event="circuit_override_audit",
-                                            **data)
+        signals.circuit_override_audit.send(sender=sender, event="circuit_override_audit", **data)
     except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
-        log_event("receiver_failed", logging.ERROR, exc_info=True,
-                  signal="circuit_override_audit")
+        log_event("receiver_failed", logging.ERROR, exc_info=True, signal="circuit_override_audit")
 
 
-def override_breaker(breaker, action: str, *, actor: str | None = None,
-                     actor_host: str | None = None, via: str = "api", reason: str = "",
-                     auditor: BreakerAudit | None = None, sender: Any = None,
-                     app=None) -> BreakerOverride:
+def override_breaker(
+    breaker,
+    action: str,
+    *,
+    actor: str | None = None,
+    actor_host: str | None = None,
+    via: str = "api",
+    reason: str = "",
+    auditor: BreakerAudit | None = None,
+    sender: Any = None,
+    app=None,
+) -> BreakerOverride:
     """Force the circuit breaker ``breaker`` (a
     :class:`~celery_steplock.breaker.CircuitBreaker`) "open" (it stays open until closed
     here, whatever its recovery timeout) or "close" it (its window emptied), audited: the
@@ -471,17 +592,30 @@ def override_breaker(breaker, action: str, *, actor: str | None = None,
         raise ValueError(f"action must be 'open' or 'close', got {action!r}")
     auditor = auditor if auditor is not None else default_breaker_audit(app)
     sender = sender if sender is not None else OPS_SENDER
-    record = BreakerOverride(name=breaker.name, key=breaker.key, action=action, actor=actor,
-                             actor_host=actor_host, via=via, reason=reason or "")
+    record = BreakerOverride(
+        name=breaker.name,
+        key=breaker.key,
+        action=action,
+        actor=actor,
+        actor_host=actor_host,
+        via=via,
+        reason=reason or "",
+    )
     _log_override(record, sender)
     try:
         auditor.requested(record)
     except Exception as exc:
-        log_event("circuit_override_aborted", logging.ERROR, name=record.name,
-                  action=action, error=exc)
-        raise AuditRecordFailed(f"circuit breaker {record.name!r}: the audit record could "
-                                f"not be written: nothing changed", name=record.name,
-                                key=record.key, owner="", current=None) from exc
+        log_event(
+            "circuit_override_aborted", logging.ERROR, name=record.name, action=action, error=exc
+        )
+        raise AuditRecordFailed(
+            f"circuit breaker {record.name!r}: the audit record could "
+            f"not be written: nothing changed",
+            name=record.name,
+            key=record.key,
+            owner="",
+            current=None,
+        ) from exc
     try:
         record.previous, record.forced_before = breaker.override(action)
         record.outcome = "done"
@@ -498,11 +632,25 @@ def override_breaker(breaker, action: str, *, actor: str | None = None,
         except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
             record.outcome_recorded = False
             record.outcome_error = redact(f"{type(exc).__name__}: {exc}")
-            log_event("circuit_override_outcome_unrecorded", logging.ERROR, name=record.name,
-                      action=action, outcome=record.outcome, error=record.outcome_error)
+            log_event(
+                "circuit_override_outcome_unrecorded",
+                logging.ERROR,
+                name=record.name,
+                action=action,
+                outcome=record.outcome,
+                error=record.outcome_error,
+            )
     signal = signals.circuit_opened if action == "open" else signals.circuit_closed
-    emit(signal, sender, logging.WARNING, key=record.key, name=record.name,
-         state=OPEN if action == "open" else CLOSED, manual=True, actor=actor,
-         reason=f"{action} by {actor or 'an operator'} via {via}"
-                + (f": {reason}" if reason else ""))
+    emit(
+        signal,
+        sender,
+        logging.WARNING,
+        key=record.key,
+        name=record.name,
+        state=OPEN if action == "open" else CLOSED,
+        manual=True,
+        actor=actor,
+        reason=f"{action} by {actor or 'an operator'} via {via}"
+        + (f": {reason}" if reason else ""),
+    )
     return record

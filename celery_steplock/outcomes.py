@@ -38,6 +38,7 @@ is then its own id), so the id still ends. With ``task_track_started`` every del
 step task reads its id's stored state before Celery overwrites it with ``STARTED`` (one
 result-backend read) and puts it back when it ends in ``Ignore``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,9 +52,18 @@ from celery.signals import task_prerun
 from .events import log_event
 from .lease import owner_has_task_id
 
-__all__ = ["StepOutcome", "DUPLICATE", "SKIPPED", "is_outcome", "SAME_ID_HEADER",
-           "STORE_WAIT", "conflict_outcome", "contended_outcome", "stored_state",
-           "restore_stored_state"]
+__all__ = [
+    "StepOutcome",
+    "DUPLICATE",
+    "SKIPPED",
+    "is_outcome",
+    "SAME_ID_HEADER",
+    "STORE_WAIT",
+    "conflict_outcome",
+    "contended_outcome",
+    "stored_state",
+    "restore_stored_state",
+]
 
 
 #: ``kind`` of a duplicate that found its step already past ``from_``.
@@ -97,27 +107,43 @@ class StepOutcome:
 
     def to_dict(self) -> dict[str, Any]:
         """The task's return value: a dict of the seven keys, JSON-serialisable."""
-        return {"steplock": self.kind, "task": self.task, "step_id": _plain(self.step_id),
-                "expected": self.expected, "found": self.found,
-                "committed_by": self.committed_by, "held_by": self.held_by}
+        return {
+            "steplock": self.kind,
+            "task": self.task,
+            "step_id": _plain(self.step_id),
+            "expected": self.expected,
+            "found": self.found,
+            "committed_by": self.committed_by,
+            "held_by": self.held_by,
+        }
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> StepOutcome:
         """The outcome from a stored result; raises ValueError when ``value`` is not one."""
         if not is_outcome(value):
             raise ValueError(f"not a celery-steplock outcome: {value!r:.200}")
-        return cls(kind=value["steplock"], task=value["task"], step_id=value["step_id"],
-                   expected=value["expected"], found=value["found"],
-                   committed_by=value["committed_by"], held_by=value["held_by"])
+        return cls(
+            kind=value["steplock"],
+            task=value["task"],
+            step_id=value["step_id"],
+            expected=value["expected"],
+            found=value["found"],
+            committed_by=value["committed_by"],
+            held_by=value["held_by"],
+        )
 
 
 def is_outcome(value: Any) -> bool:
     """Whether a task result is a :class:`StepOutcome` dict (a duplicate or a skip)."""
-    return (isinstance(value, Mapping) and value.get("steplock") in (DUPLICATE, SKIPPED)
-            and all(k in value for k in _KEYS))
+    return (
+        isinstance(value, Mapping)
+        and value.get("steplock") in (DUPLICATE, SKIPPED)
+        and all(k in value for k in _KEYS)
+    )
 
 
 # -- the result backend --------------------------------------------------------------------
+
 
 def _readable_backend(task) -> Any:
     """The task's result backend when it keeps results by task id and this execution stores
@@ -152,9 +178,13 @@ def stored_state(task) -> dict[str, Any] | None:
     try:
         meta = backend.get_task_meta(task.request.id)
     except Exception as exc:  # noqa: BLE001 - an unreadable backend decides nothing
-        log_event("result_backend_unreadable", logging.WARNING,
-                  task_id=task.request.id, task_name=task.name,
-                  error=exc)
+        log_event(
+            "result_backend_unreadable",
+            logging.WARNING,
+            task_id=task.request.id,
+            task_name=task.name,
+            error=exc,
+        )
         return None
     return meta if meta and meta.get("status") in states.READY_STATES else None
 
@@ -212,14 +242,19 @@ def restore_stored_state(task) -> bool:
             return False  # the backend kept it (a SUCCESS guard) or the winner stored anew
         backend.store_result(request.id, meta.get("result"), states.SUCCESS, request=request)
     except Exception as exc:  # noqa: BLE001 - the outcome is Ignore either way
-        log_event("result_restore_failed", logging.WARNING,
-                  task_id=request.id, task_name=task.name,
-                  error=exc)
+        log_event(
+            "result_restore_failed",
+            logging.WARNING,
+            task_id=request.id,
+            task_name=task.name,
+            error=exc,
+        )
         return False
     return True
 
 
 # -- deciding ------------------------------------------------------------------------------
+
 
 def _writer(task, steps, step_id) -> dict[str, Any]:
     """``{"owner", "fence", "task_id"}`` of the step row's last writer, each None when the
@@ -230,9 +265,13 @@ def _writer(task, steps, step_id) -> dict[str, Any]:
     try:
         return writer(step_id, event_log=task.steplock_settings.event_log) or {}
     except Exception as exc:  # noqa: BLE001 - who committed is information, not a decision
-        log_event("step_writer_unreadable", logging.WARNING,
-                  task_id=task.request.id, task_name=task.name,
-                  error=exc)
+        log_event(
+            "step_writer_unreadable",
+            logging.WARNING,
+            task_id=task.request.id,
+            task_name=task.name,
+            error=exc,
+        )
         return {}
 
 
@@ -246,20 +285,32 @@ def conflict_outcome(task, exc, steps=None) -> dict[str, Any] | None:
         same_id = owner_has_task_id(writer["owner"], request.id)
     else:
         same_id = bool(_header(request, SAME_ID_HEADER))
-    if (getattr(request, "steplock_stored_state", None) is not None
-            or stored_state(task) is not None):
+    if (
+        getattr(request, "steplock_stored_state", None) is not None
+        or stored_state(task) is not None
+    ):
         return None  # a result is stored for this id (before our STARTED overwrote it)
     if same_id:
         if _readable_backend(task) is None:
             return None  # nothing is stored for this id: nothing to end either
         if _wait_for_stored_state(task) is not None:
             return None
-        log_event("winner_result_missing", logging.WARNING,
-                  task_id=request.id, task_name=task.name,
-                  waited=round(STORE_WAIT, 2))
+        log_event(
+            "winner_result_missing",
+            logging.WARNING,
+            task_id=request.id,
+            task_name=task.name,
+            waited=round(STORE_WAIT, 2),
+        )
     committed_by = request.id if same_id else writer.get("task_id")
-    return StepOutcome(DUPLICATE, task.name, step_id=exc.step_id, expected=exc.from_,
-                       found=exc.current, committed_by=committed_by).to_dict()
+    return StepOutcome(
+        DUPLICATE,
+        task.name,
+        step_id=exc.step_id,
+        expected=exc.from_,
+        found=exc.current,
+        committed_by=committed_by,
+    ).to_dict()
 
 
 def contended_outcome(task, exc, step_id=None, expected=None) -> dict[str, Any] | None:
@@ -268,5 +319,6 @@ def contended_outcome(task, exc, step_id=None, expected=None) -> dict[str, Any] 
     holder = exc.holder_task_id
     if holder and holder == task.request.id:
         return None
-    return StepOutcome(SKIPPED, task.name, step_id=step_id, expected=expected,
-                       held_by=holder or None).to_dict()
+    return StepOutcome(
+        SKIPPED, task.name, step_id=step_id, expected=expected, held_by=holder or None
+    ).to_dict()

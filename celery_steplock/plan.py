@@ -11,6 +11,7 @@ attributes.
 :func:`option_problems` collects every invalid option of a task (for the validator,
 :mod:`celery_steplock.validate`); :func:`build_plan` raises the first one.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,9 +19,24 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import admission
-from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, check_bool, \
-    check_choice, check_database, check_seconds, check_ttl, configuration_version, \
-    MAX_HOLD, MAX_RETRIES, MAX_WAIT, MIN_RENEWAL_INTERVAL, check_count, shown
+from .conf import (
+    MAX_HOLD,
+    MAX_RETRIES,
+    MAX_WAIT,
+    MIN_RENEWAL_INTERVAL,
+    ON_CONFLICT,
+    ON_CONTENDED,
+    ON_STORE_ERROR,
+    Settings,
+    check_bool,
+    check_choice,
+    check_count,
+    check_database,
+    check_seconds,
+    check_ttl,
+    configuration_version,
+    shown,
+)
 from .exceptions import ImproperlyConfigured, LockNameError
 from .keys import template_fields
 from .lock import RedisLeaseStore, get_lease_store
@@ -32,14 +48,37 @@ from .steps import (
     step_store_factory,
 )
 
-__all__ = ["ExecutionPlan", "build_plan", "option_problems", "option_values", "is_step_locked",
-           "OPTION_NAMES"]
+__all__ = [
+    "ExecutionPlan",
+    "build_plan",
+    "option_problems",
+    "option_values",
+    "is_step_locked",
+    "OPTION_NAMES",
+]
 
 #: The task attributes a plan is built from: assigning one on a task drops its plan.
-OPTION_NAMES = frozenset({
-    "lock_key", "lock_ttl", "lock_wait", "lock_max_hold", "on_contended", "on_conflict",
-    "on_store_error", "step_model", "step_id_arg", "step_transition", "step_transitions",
-    "lock_precheck", "lock_retry_max", "step_database"}) | admission.gate_options()
+OPTION_NAMES = (
+    frozenset(
+        {
+            "lock_key",
+            "lock_ttl",
+            "lock_wait",
+            "lock_max_hold",
+            "on_contended",
+            "on_conflict",
+            "on_store_error",
+            "step_model",
+            "step_id_arg",
+            "step_transition",
+            "step_transitions",
+            "lock_precheck",
+            "lock_retry_max",
+            "step_database",
+        }
+    )
+    | admission.gate_options()
+)
 
 
 _OPTION_ORDER = tuple(sorted(OPTION_NAMES))
@@ -106,14 +145,20 @@ def _transition(task: Any) -> tuple[str, str] | None:
     transition = task.step_transition
     if transition is None:
         return None
-    if (not isinstance(transition, tuple) or len(transition) != 2
-            or not all(isinstance(s, str) for s in transition)):
-        raise ImproperlyConfigured(f"transition must be a (from_, to) pair of status strings, "
-                                   f"got {shown(transition)}", setting="transition")
+    if (
+        not isinstance(transition, tuple)
+        or len(transition) != 2
+        or not all(isinstance(s, str) for s in transition)
+    ):
+        raise ImproperlyConfigured(
+            f"transition must be a (from_, to) pair of status strings, got {shown(transition)}",
+            setting="transition",
+        )
     if task.step_model is None or not task.step_id_arg:
         raise ImproperlyConfigured(
             "transition needs step_model and step_id_arg",
-            setting="step_model" if task.step_model is None else "step_id_arg")
+            setting="step_model" if task.step_model is None else "step_id_arg",
+        )
     return transition
 
 
@@ -124,8 +169,11 @@ def _arguments(task: Any) -> tuple[set[str], bool] | None:
         signature = inspect.signature(task.run)
     except (TypeError, ValueError):
         return None
-    names = {p.name for p in signature.parameters.values()
-             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    names = {
+        p.name
+        for p in signature.parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
     return names, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
@@ -134,13 +182,16 @@ def _step_id_arg(task: Any) -> str | None:
     if name is None:
         return None
     if not isinstance(name, str) or not name.isidentifier():
-        raise ImproperlyConfigured(f"step_id_arg must be an argument name, got {shown(name)}",
-                                   setting="step_id_arg")
+        raise ImproperlyConfigured(
+            f"step_id_arg must be an argument name, got {shown(name)}", setting="step_id_arg"
+        )
     known = _arguments(task)
     if known is not None and not known[1] and name not in known[0]:
         raise ImproperlyConfigured(
             f"step_id_arg={name!r} is not an argument of the task (arguments: "
-            f"{', '.join(sorted(known[0])) or 'none'})", setting="step_id_arg")
+            f"{', '.join(sorted(known[0])) or 'none'})",
+            setting="step_id_arg",
+        )
     return name
 
 
@@ -153,8 +204,10 @@ def _lock_key(task: Any) -> Any:
     if template is None or callable(template):
         return template
     if not isinstance(template, str):
-        raise ImproperlyConfigured(f"lock_key must be a str.format template or a callable, "
-                                   f"got {shown(template)}", setting="lock_key")
+        raise ImproperlyConfigured(
+            f"lock_key must be a str.format template or a callable, got {shown(template)}",
+            setting="lock_key",
+        )
     try:
         fields = template_fields(template)
     except LockNameError as exc:
@@ -166,7 +219,8 @@ def _lock_key(task: Any) -> Any:
                 raise ImproperlyConfigured(
                     f"lock_key {shown(template)} names {field_name!r}, which is not an "
                     f"argument of the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
-                    setting="lock_key")
+                    setting="lock_key",
+                )
     return template
 
 
@@ -176,12 +230,16 @@ def _transitions(task: Any) -> Any:
         return None
     check_transitions(table)
     transition = task.step_transition
-    if isinstance(transition, tuple) and len(transition) == 2 \
-            and transition[1] not in table.get(transition[0], ()):
+    if (
+        isinstance(transition, tuple)
+        and len(transition) == 2
+        and transition[1] not in table.get(transition[0], ())
+    ):
         raise ImproperlyConfigured(
             f"transition {transition[0]!r} -> {transition[1]!r} is not allowed by "
             f"step_transitions {table!r}: every execution would fail after its body",
-            setting="step_transitions")
+            setting="step_transitions",
+        )
     return table
 
 
@@ -210,15 +268,22 @@ def _checked_step_database(task: Any, settings: Settings) -> tuple[str | None, s
     return using, source
 
 
-def _steps(task: Any, settings: Settings, database: Callable[[], tuple[str | None, str]]
-           ) -> StepStore | None:
+def _steps(
+    task: Any, settings: Settings, database: Callable[[], tuple[str | None, str]]
+) -> StepStore | None:
     if task.step_model is None:
         return None
     using, source = database()
     return load_step_store(
-        settings.step_store, task.step_model, status_field=settings.status_field,
-        owner_field=settings.owner_field, fence_field=settings.fence_field,
-        transitions=task.step_transitions, using=using, using_setting=source)
+        settings.step_store,
+        task.step_model,
+        status_field=settings.status_field,
+        owner_field=settings.owner_field,
+        fence_field=settings.fence_field,
+        transitions=task.step_transitions,
+        using=using,
+        using_setting=source,
+    )
 
 
 def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) -> Any:
@@ -236,35 +301,45 @@ def _resolvers(task: Any, settings: Settings) -> dict[str, Callable[[], Any]]:
 
     return {
         "lock_key": lambda: _lock_key(task),
-        "ttl": lambda: _option(task.lock_ttl, lambda: check_ttl(task.lock_ttl, "lock_ttl"),
-                               lambda: settings.default_ttl),
+        "ttl": lambda: _option(
+            task.lock_ttl,
+            lambda: check_ttl(task.lock_ttl, "lock_ttl"),
+            lambda: settings.default_ttl,
+        ),
         "wait": lambda: _option(
-            task.lock_wait, lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True,
-                                                  maximum=MAX_WAIT),
-            lambda: settings.lock_wait),
+            task.lock_wait,
+            lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True, maximum=MAX_WAIT),
+            lambda: settings.lock_wait,
+        ),
         "max_hold": lambda: _option(
-            task.lock_max_hold, lambda: check_seconds(task.lock_max_hold, "lock_max_hold",
-                                                      maximum=MAX_HOLD),
-            lambda: settings.max_hold),
+            task.lock_max_hold,
+            lambda: check_seconds(task.lock_max_hold, "lock_max_hold", maximum=MAX_HOLD),
+            lambda: settings.max_hold,
+        ),
         "ratio": lambda: settings.renewal_ratio,
         "on_contended": lambda: _option(
             task.on_contended,
             lambda: check_choice(task.on_contended, "on_contended", ON_CONTENDED),
-            lambda: settings.on_contended),
+            lambda: settings.on_contended,
+        ),
         "on_conflict": lambda: _option(
             task.on_conflict,
             lambda: check_choice(task.on_conflict, "on_conflict", ON_CONFLICT),
-            lambda: settings.on_conflict),
+            lambda: settings.on_conflict,
+        ),
         "on_store_error": lambda: _option(
             task.on_store_error,
             lambda: check_choice(task.on_store_error, "on_store_error", ON_STORE_ERROR),
-            lambda: settings.on_store_error),
+            lambda: settings.on_store_error,
+        ),
         "transition": lambda: _transition(task),
         "step_id_arg": lambda: _step_id_arg(task),
         "step_transitions": lambda: _transitions(task),
         "precheck": lambda: _option(
-            task.lock_precheck, lambda: check_bool(task.lock_precheck, "lock_precheck"),
-            lambda: settings.precheck),
+            task.lock_precheck,
+            lambda: check_bool(task.lock_precheck, "lock_precheck"),
+            lambda: settings.precheck,
+        ),
         "retry_max": lambda: _retry_max(task, settings),
         "retry_backoff": lambda: settings.retry_backoff,
         "retry_backoff_max": lambda: settings.retry_backoff_max,
@@ -294,8 +369,7 @@ def option_problems(task: Any, *, models_ready: bool = True) -> list[ImproperlyC
     for field_name, resolve in _resolvers(task, settings).items():
         if field_name == "steps" and not models_ready:
             continue
-        if field_name in ("store", "ratio", "retry_backoff", "retry_backoff_max",
-                          "db_deadline"):
+        if field_name in ("store", "ratio", "retry_backoff", "retry_backoff_max", "db_deadline"):
             continue  # settings only: the settings' own validation reports them
         if field_name == "gates":
             problems.extend(_named(task, exc) for exc in admission.gate_problems(task, settings))
@@ -331,5 +405,10 @@ def build_plan(task: Any) -> ExecutionPlan:
             raise named from exc
     values.pop("step_transitions")
     values.pop("step_database")
-    return ExecutionPlan(task_name=task.name, settings=Settings(task.app, snapshot=True),
-                         version=version, options=options, **values)
+    return ExecutionPlan(
+        task_name=task.name,
+        settings=Settings(task.app, snapshot=True),
+        version=version,
+        options=options,
+        **values,
+    )

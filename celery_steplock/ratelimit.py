@@ -30,6 +30,7 @@ Task options (see :mod:`celery_steplock.admission`): ``cluster_rate_limit`` (``"
 and ``cluster_rate_limit_key`` (a template over the task's arguments, like ``lock_key``, or
 a callable of them; default: the task's name, one limit per task).
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,12 +47,27 @@ from typing import Any, Callable, Iterator, Sequence
 from . import _wire, signals
 from .conf import ON_STORE_ERROR, shown
 from .events import emit
-from .exceptions import (ImproperlyConfigured, InvalidArgument, LockNameError,
-                         LockStoreUnavailable, RateLimited)
+from .exceptions import (
+    ImproperlyConfigured,
+    InvalidArgument,
+    LockNameError,
+    LockStoreUnavailable,
+    RateLimited,
+)
 from .keys import bind_arguments, check_name, template_fields
 
-__all__ = ["TokenBucket", "SlidingWindow", "Decision", "parse_rate", "OPTIONS", "gate",
-           "RateLimitGate", "TICKETS_HEADER", "MAX_LIMIT", "MAX_WINDOW"]
+__all__ = [
+    "TokenBucket",
+    "SlidingWindow",
+    "Decision",
+    "parse_rate",
+    "OPTIONS",
+    "gate",
+    "RateLimitGate",
+    "TICKETS_HEADER",
+    "MAX_LIMIT",
+    "MAX_WINDOW",
+]
 
 #: The task options this gate reads.
 OPTIONS = frozenset({"cluster_rate_limit", "cluster_rate_limit_key"})
@@ -69,10 +85,23 @@ MAX_RATE = 1_000_000.0
 #: Smallest rate, tokens per second (one a week).
 MIN_RATE = 1 / MAX_WINDOW
 
-_PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
-            "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
-_RATE = re.compile(r"\s*(?P<count>[0-9]+(?:\.[0-9]+)?)\s*/\s*(?P<every>[0-9]+(?:\.[0-9]+)?)?"
-                   r"\s*(?P<unit>[a-z]+?)s?\s*", re.IGNORECASE)
+_PERIODS = {
+    "s": 1.0,
+    "sec": 1.0,
+    "second": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "minute": 60.0,
+    "h": 3600.0,
+    "hour": 3600.0,
+    "d": 86400.0,
+    "day": 86400.0,
+}
+_RATE = re.compile(
+    r"\s*(?P<count>[0-9]+(?:\.[0-9]+)?)\s*/\s*(?P<every>[0-9]+(?:\.[0-9]+)?)?"
+    r"\s*(?P<unit>[a-z]+?)s?\s*",
+    re.IGNORECASE,
+)
 
 # -- Lua ---------------------------------------------------------------------------------------
 # Shared by both scripts: the ticket queue. KEYS[2] is the queue (sorted set: ticket -> the
@@ -127,7 +156,9 @@ end
 #: ('' none), a new ticket id, reserve ('1' to take a ticket when denied), max wait (ms),
 #: ticket grace (ms). Returns {1, tokens left, '', now ms, 0} when admitted, else
 #: {0, wait ms, ticket given ('' none), now ms, place in the queue}; numbers as strings.
-TOKEN_BUCKET = _QUEUE + """
+TOKEN_BUCKET = (
+    _QUEUE
+    + """
 local rate = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
@@ -151,6 +182,7 @@ if admit then
 end
 return denied((pos + 1 - tokens) / rate)
 """
+)
 
 #: Sliding window (exact log) decision.
 #: KEYS[1] the log (sorted set: grant id -> Redis time of the grant, ms), KEYS[2] the ticket
@@ -159,7 +191,9 @@ return denied((pos + 1 - tokens) / rate)
 #: max wait (ms), ticket grace (ms). Returns {1, grants left, '', now ms, 0} when admitted,
 #: else {0, wait ms, ticket given, now ms, place in the queue}; numbers as strings. A grant
 #: at ``g`` counts in every window (g - window, g]; a denial writes nothing to the log.
-SLIDING_WINDOW = _QUEUE + """
+SLIDING_WINDOW = (
+    _QUEUE
+    + """
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
 -- a clock that went back (a failover to a primary behind) counts from the last grant
@@ -188,6 +222,7 @@ end
 if wait < 0 then wait = 0 end
 return denied(wait)
 """
+)
 
 #: Give back an unused grant of the sliding window (a later limit of the same task refused).
 #: KEYS[1] the log; ARGV[1] the grant's id. Returns the number removed.
@@ -206,6 +241,7 @@ return 1
 
 # -- values --------------------------------------------------------------------------------------
 
+
 def parse_rate(value: Any, option: str = "cluster_rate_limit") -> tuple[float, float]:
     """``"N/period"`` -> ``(N, period seconds)``. A period is ``s``, ``m``, ``h`` or ``d``
     (also ``sec``, ``min``, ``hour``, ``day``, plural or not) with an optional multiple
@@ -214,45 +250,63 @@ def parse_rate(value: Any, option: str = "cluster_rate_limit") -> tuple[float, f
     Raises :class:`ImproperlyConfigured` naming ``option`` for anything else (``"10/x"``,
     ``"0/s"``, ``"-1/s"``, ``"ten/s"``, a number without a period)."""
     if not isinstance(value, str):
-        raise ImproperlyConfigured(f"{option} must be a rate string \"N/s|m|h|d\" (e.g. "
-                                   f"\"10/s\", \"5/10s\"), got {shown(value)}", setting=option)
+        raise ImproperlyConfigured(
+            f'{option} must be a rate string "N/s|m|h|d" (e.g. '
+            f'"10/s", "5/10s"), got {shown(value)}',
+            setting=option,
+        )
     match = _RATE.fullmatch(value)
     unit = match and match.group("unit").lower()
     if match is None or unit not in _PERIODS:
         raise ImproperlyConfigured(
-            f"{option}={shown(value)} is not a rate: use \"N/period\" with a period of "
-            f"s, m, h or d, optionally with a multiple (\"10/s\", \"100/m\", \"5/10s\")",
-            setting=option)
+            f'{option}={shown(value)} is not a rate: use "N/period" with a period of '
+            f's, m, h or d, optionally with a multiple ("10/s", "100/m", "5/10s")',
+            setting=option,
+        )
     count = float(match.group("count"))
     every = float(match.group("every") or 1)
     if count <= 0 or every <= 0:
-        raise ImproperlyConfigured(f"{option}={shown(value)}: the count and the period must "
-                                   f"be greater than zero", setting=option)
+        raise ImproperlyConfigured(
+            f"{option}={shown(value)}: the count and the period must be greater than zero",
+            setting=option,
+        )
     period = every * _PERIODS[unit]
     if period > MAX_WINDOW:
-        raise ImproperlyConfigured(f"{option}={shown(value)}: the period is at most "
-                                   f"{MAX_WINDOW:.0f} s (a week)", setting=option)
+        raise ImproperlyConfigured(
+            f"{option}={shown(value)}: the period is at most {MAX_WINDOW:.0f} s (a week)",
+            setting=option,
+        )
     return count, period
 
 
-def _number(value: Any, option: str, what: str, low: float, high: float,
-            integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or (integer and value != int(value)):
+def _number(
+    value: Any, option: str, what: str, low: float, high: float, integer: bool = False
+) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (integer and value != int(value))
+    ):
         kind = "an integer" if integer else "a number"
-        raise ImproperlyConfigured(f"{option}: {what} must be {kind}, got {shown(value)}",
-                                   setting=option)
+        raise ImproperlyConfigured(
+            f"{option}: {what} must be {kind}, got {shown(value)}", setting=option
+        )
     if not low <= value <= high:
-        raise ImproperlyConfigured(f"{option}: {what} must be within [{low:g}, {high:g}], "
-                                   f"got {shown(value)}", setting=option)
+        raise ImproperlyConfigured(
+            f"{option}: {what} must be within [{low:g}, {high:g}], got {shown(value)}",
+            setting=option,
+        )
     return int(value) if integer else float(value)
 
 
 def _policy(value: Any, option: str) -> str | None:
     if value is not None and value not in ON_STORE_ERROR:
-        raise ImproperlyConfigured(f"{option}: on_store_error must be one of "
-                                   f"{', '.join(ON_STORE_ERROR)} or None, got {shown(value)}",
-                                   setting=option)
+        raise ImproperlyConfigured(
+            f"{option}: on_store_error must be one of "
+            f"{', '.join(ON_STORE_ERROR)} or None, got {shown(value)}",
+            setting=option,
+        )
     return value
 
 
@@ -260,8 +314,10 @@ def _key_template(value: Any, option: str) -> Any:
     if value is None or callable(value):
         return value
     if not isinstance(value, str):
-        raise ImproperlyConfigured(f"{option}: the key must be a str.format template or a "
-                                   f"callable, got {shown(value)}", setting=option)
+        raise ImproperlyConfigured(
+            f"{option}: the key must be a str.format template or a callable, got {shown(value)}",
+            setting=option,
+        )
     try:
         template_fields(value)
     except LockNameError as exc:
@@ -298,14 +354,23 @@ class _Limiter:
     _script: _wire.Script
     _refund: _wire.Script
 
-    def __init__(self, key: Any, on_store_error: str | None, max_wait: float | None,
-                 ticket_grace: float, app: Any, client: Any, prefix: str | None,
-                 option: str):
+    def __init__(
+        self,
+        key: Any,
+        on_store_error: str | None,
+        max_wait: float | None,
+        ticket_grace: float,
+        app: Any,
+        client: Any,
+        prefix: str | None,
+        option: str,
+    ):
         self.key = _key_template(key, option)
         self.on_store_error = _policy(on_store_error, option)
         self.ticket_grace = _number(ticket_grace, option, "ticket_grace", 0.0, MAX_WINDOW)
-        self.max_wait = None if max_wait is None else _number(
-            max_wait, option, "max_wait", 0.0, MAX_WINDOW)
+        self.max_wait = (
+            None if max_wait is None else _number(max_wait, option, "max_wait", 0.0, MAX_WINDOW)
+        )
         self.app = app
         self.client = client
         self.prefix = prefix
@@ -336,13 +401,22 @@ class _Limiter:
         app = app if app is not None else self.app
         if app is None:
             from celery import current_app
+
             app = current_app
         from .lock import get_lease_store
+
         store = get_lease_store(app)
         return store.client, prefix or store.prefix
 
-    def decide(self, name: str, *, client: Any, prefix: str, ticket: str | None = None,
-               reserve: bool = False) -> Decision:
+    def decide(
+        self,
+        name: str,
+        *,
+        client: Any,
+        prefix: str,
+        ticket: str | None = None,
+        reserve: bool = False,
+    ) -> Decision:
         """One atomic decision for limit ``name`` (a lock-name-like string) on ``client``
         under ``prefix``. ``ticket`` the place in the queue held from an earlier denial;
         ``reserve`` True to take one when denied. Raises :class:`LockStoreUnavailable` (or
@@ -353,18 +427,37 @@ class _Limiter:
         keys = list(self.redis_key(prefix, name))
         member = uuid.uuid4().hex
         max_wait = self.max_wait if self.max_wait is not None else self._default_max_wait()
-        args = self._args() + [ticket or "", member, "1" if reserve else "0",
-                               repr(max_wait * 1000.0), repr(self.ticket_grace * 1000.0)]
+        args = self._args() + [
+            ticket or "",
+            member,
+            "1" if reserve else "0",
+            repr(max_wait * 1000.0),
+            repr(self.ticket_grace * 1000.0),
+        ]
         try:
             reply = _wire.evalsha(client, self._script, keys, args)
         except STORE_ERRORS as exc:
             raise store_error(exc, "rate limit", key=keys[0], name=name) from exc
         admitted, figure, given, now, place = (_wire.text(part) for part in reply)
         if int(admitted) == 1:
-            return Decision(True, 0.0, keys[0], str(self), remaining=float(figure),
-                            now=float(now) / 1000.0, member=member)
-        return Decision(False, max(0.0, float(figure) / 1000.0), keys[0], str(self),
-                        ticket=given or None, now=float(now) / 1000.0, queued=int(place))
+            return Decision(
+                True,
+                0.0,
+                keys[0],
+                str(self),
+                remaining=float(figure),
+                now=float(now) / 1000.0,
+                member=member,
+            )
+        return Decision(
+            False,
+            max(0.0, float(figure) / 1000.0),
+            keys[0],
+            str(self),
+            ticket=given or None,
+            now=float(now) / 1000.0,
+            queued=int(place),
+        )
 
     def refund(self, decision: Decision, *, client: Any) -> None:
         """Give back an admission that was not used (best effort: errors are ignored)."""
@@ -376,9 +469,16 @@ class _Limiter:
             pass
 
     # -- the plain API ------------------------------------------------------------------------
-    def try_acquire(self, key: str | None = None, *, app: Any = None, client: Any = None,
-                    prefix: str | None = None, ticket: str | None = None,
-                    reserve: bool = False) -> Decision:
+    def try_acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        ticket: str | None = None,
+        reserve: bool = False,
+    ) -> Decision:
         """Decide once for limit ``key`` (a name: printable, no braces, at most 512
         characters; default the limiter's own ``key`` when it is a plain name). The Redis
         is ``client`` (with ``prefix``, default ``"steplock"``), else ``app``'s lock store
@@ -388,16 +488,21 @@ class _Limiter:
         name = self._plain_name(key)
         client, prefix = self._store(app, client, prefix)
         try:
-            return self.decide(name, client=client, prefix=prefix, ticket=ticket,
-                               reserve=reserve)
+            return self.decide(name, client=client, prefix=prefix, ticket=ticket, reserve=reserve)
         except LockStoreUnavailable:
             if self._policy(app) != "fail_open":
                 raise
             return Decision(True, 0.0, self.redis_key(prefix, name)[0], str(self))
 
     @contextmanager
-    def acquire(self, key: str | None = None, *, app: Any = None, client: Any = None,
-                prefix: str | None = None) -> Iterator[Decision]:
+    def acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+    ) -> Iterator[Decision]:
         """Context manager: admit the block once, or raise :class:`RateLimited`
         (``retry_after`` seconds) without running it. Arguments as :meth:`try_acquire`."""
         decision = self.try_acquire(key, app=app, client=client, prefix=prefix)
@@ -405,8 +510,9 @@ class _Limiter:
             raise self._denied(decision)
         yield decision
 
-    def using(self, key: Any = None, *, app: Any = None, client: Any = None,
-              prefix: str | None = None) -> Callable:
+    def using(
+        self, key: Any = None, *, app: Any = None, client: Any = None, prefix: str | None = None
+    ) -> Callable:
         """Decorator: each call is admitted once or raises :class:`RateLimited` without
         running. ``key`` a name, a template over the function's arguments or a callable of
         them (default the limiter's ``key``, else the function's qualified name)."""
@@ -420,16 +526,20 @@ class _Limiter:
                 name = limit_name(template, default, bind_arguments(fun, args, kwargs))
                 with self.acquire(name, app=app, client=client, prefix=prefix):
                     return fun(*args, **kwargs)
+
             return wrapper
+
         return decorate
 
     def _plain_name(self, key: str | None) -> str:
         if key is None:
             if isinstance(self.key, str) and not template_fields(self.key):
                 return self.key
-            raise InvalidArgument(f"{type(self).__name__}.try_acquire needs a key (the "
-                                  f"limiter's own key {shown(self.key)} is no plain name)",
-                                  argument="key")
+            raise InvalidArgument(
+                f"{type(self).__name__}.try_acquire needs a key (the "
+                f"limiter's own key {shown(self.key)} is no plain name)",
+                argument="key",
+            )
         if not isinstance(key, str):
             raise InvalidArgument(f"key must be a str, got {shown(key)}", argument="key")
         return key
@@ -441,14 +551,19 @@ class _Limiter:
         if app is None:
             return "fail_closed"
         from .conf import Settings
+
         return Settings(app).rate_limit_on_store_error
 
     def _denied(self, decision: Decision, option: str | None = None) -> RateLimited:
         return RateLimited(
             f"rate limit {decision.limit} of {decision.key!r}: no quota for "
-            f"{decision.retry_after:.3f} s", retry_after=decision.retry_after,
-            option=option or self.option, key=decision.key, limit=decision.limit,
-            ticket=decision.ticket)
+            f"{decision.retry_after:.3f} s",
+            retry_after=decision.retry_after,
+            option=option or self.option,
+            key=decision.key,
+            limit=decision.limit,
+            ticket=decision.ticket,
+        )
 
 
 class TokenBucket(_Limiter):
@@ -474,10 +589,20 @@ class TokenBucket(_Limiter):
     _script = _wire.Script(TOKEN_BUCKET)
     _refund = _wire.Script(BUCKET_REFUND)
 
-    def __init__(self, rate: Any, capacity: int | None = None, *, key: Any = None,
-                 on_store_error: str | None = None, max_wait: float | None = None,
-                 ticket_grace: float = 2.0, app: Any = None, client: Any = None,
-                 prefix: str | None = None, option: str = "cluster_rate_limit"):
+    def __init__(
+        self,
+        rate: Any,
+        capacity: int | None = None,
+        *,
+        key: Any = None,
+        on_store_error: str | None = None,
+        max_wait: float | None = None,
+        ticket_grace: float = 2.0,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        option: str = "cluster_rate_limit",
+    ):
         if isinstance(rate, str):
             count, period = parse_rate(rate, option)
             rate = count / period
@@ -485,8 +610,7 @@ class TokenBucket(_Limiter):
         if capacity is None:
             capacity = max(1, math.ceil(self.rate))
         self.capacity = _number(capacity, option, "capacity", 1, MAX_CAPACITY, integer=True)
-        super().__init__(key, on_store_error, max_wait, ticket_grace, app, client, prefix,
-                         option)
+        super().__init__(key, on_store_error, max_wait, ticket_grace, app, client, prefix, option)
 
     def _args(self) -> list[str]:
         return [repr(self.rate / 1000.0), str(self.capacity)]
@@ -521,16 +645,25 @@ class SlidingWindow(_Limiter):
     _script = _wire.Script(SLIDING_WINDOW)
     _refund = _wire.Script(WINDOW_REFUND)
 
-    def __init__(self, limit: Any = None, window: float | None = None, *, key: Any = None,
-                 on_store_error: str | None = None, max_wait: float | None = None,
-                 ticket_grace: float = 2.0, app: Any = None, client: Any = None,
-                 prefix: str | None = None, option: str = "cluster_rate_limit"):
+    def __init__(
+        self,
+        limit: Any = None,
+        window: float | None = None,
+        *,
+        key: Any = None,
+        on_store_error: str | None = None,
+        max_wait: float | None = None,
+        ticket_grace: float = 2.0,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        option: str = "cluster_rate_limit",
+    ):
         if isinstance(limit, str) and window is None:
             limit, window = parse_rate(limit, option)
         self.limit = _number(limit, option, "limit", 1, MAX_LIMIT, integer=True)
         self.window = _number(window, option, "window (seconds)", 0.001, MAX_WINDOW)
-        super().__init__(key, on_store_error, max_wait, ticket_grace, app, client, prefix,
-                         option)
+        super().__init__(key, on_store_error, max_wait, ticket_grace, app, client, prefix, option)
 
     def _args(self) -> list[str]:
         return [str(self.limit), repr(self.window * 1000.0)]
@@ -560,6 +693,7 @@ def default_max_wait(window: float) -> float:
 
 # -- the gate ----------------------------------------------------------------------------------
 
+
 def limit_name(template: Any, default: str, arguments: dict[str, Any]) -> str:
     """The limit's name for bound ``arguments``: ``default`` when ``template`` is None, the
     callable's return value, or the template formatted. Raises LockNameError."""
@@ -573,8 +707,9 @@ def limit_name(template: Any, default: str, arguments: dict[str, Any]) -> str:
 def _limiters(value: Any, option: str) -> tuple[_Limiter, ...]:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
-        raise ImproperlyConfigured(f"{option}: an empty list limits nothing (use None)",
-                                   setting=option)
+        raise ImproperlyConfigured(
+            f"{option}: an empty list limits nothing (use None)", setting=option
+        )
     found = []
     for item in items:
         if isinstance(item, str):
@@ -583,8 +718,10 @@ def _limiters(value: Any, option: str) -> tuple[_Limiter, ...]:
             found.append(item)
         else:
             raise ImproperlyConfigured(
-                f"{option} must be a rate string (\"10/s\"), a TokenBucket or SlidingWindow, "
-                f"or a list of them, got {shown(item)}", setting=option)
+                f'{option} must be a rate string ("10/s"), a TokenBucket or SlidingWindow, '
+                f"or a list of them, got {shown(item)}",
+                setting=option,
+            )
     return tuple(found)
 
 
@@ -601,7 +738,8 @@ def _check_fields(task, template: Any, option: str) -> None:
             raise ImproperlyConfigured(
                 f"{option} {shown(template)} names {field_name!r}, which is not an argument "
                 f"of the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
-                setting=option)
+                setting=option,
+            )
 
 
 class RateLimitGate:
@@ -625,21 +763,32 @@ class RateLimitGate:
         request = task.request
         store = getattr(context.plan, "store", None) or get_lease_store(task.app)
         client, prefix = store.client, store.prefix
-        tickets = dict(getattr(request, TICKETS_HEADER, None)
-                       or (request.headers or {}).get(TICKETS_HEADER) or {})
+        tickets = dict(
+            getattr(request, TICKETS_HEADER, None)
+            or (request.headers or {}).get(TICKETS_HEADER)
+            or {}
+        )
         granted: list[tuple[_Limiter, Decision]] = []
         for limiter in self.limiters:
             template = limiter.key if limiter.key is not None else self.key
             name = limit_name(template, task.name, context.arguments)
             redis_key = limiter.redis_key(prefix, name)[0]
             try:
-                decision = limiter.decide(name, client=client, prefix=prefix,
-                                          ticket=tickets.get(redis_key), reserve=True)
+                decision = limiter.decide(
+                    name, client=client, prefix=prefix, ticket=tickets.get(redis_key), reserve=True
+                )
             except LockStoreUnavailable as exc:
                 policy = limiter.on_store_error or self.policy
-                emit(signals.lock_store_error, task, logging.ERROR, key=redis_key,
-                     task_id=request.id, task_name=task.name,
-                     policy=policy, reason=f"rate limit: {exc}")
+                emit(
+                    signals.lock_store_error,
+                    task,
+                    logging.ERROR,
+                    key=redis_key,
+                    task_id=request.id,
+                    task_name=task.name,
+                    policy=policy,
+                    reason=f"rate limit: {exc}",
+                )
                 if policy != "fail_open":
                     for done, given in granted:
                         done.refund(given, client=client)
@@ -647,17 +796,33 @@ class RateLimitGate:
                 continue
             if decision.allowed:
                 granted.append((limiter, decision))
-                emit(signals.rate_limit_allowed, task, key=decision.key, name=name,
-                     task_id=request.id, task_name=task.name, limit=decision.limit,
-                     remaining=decision.remaining, granted_at=decision.now,
-                     ticket=tickets.get(redis_key))
+                emit(
+                    signals.rate_limit_allowed,
+                    task,
+                    key=decision.key,
+                    name=name,
+                    task_id=request.id,
+                    task_name=task.name,
+                    limit=decision.limit,
+                    remaining=decision.remaining,
+                    granted_at=decision.now,
+                    ticket=tickets.get(redis_key),
+                )
                 continue
             for done, given in granted:
                 done.refund(given, client=client)
-            emit(signals.rate_limited, task, key=decision.key, name=name,
-                 task_id=request.id, task_name=task.name, limit=decision.limit,
-                 retry_after=decision.retry_after, ticket=decision.ticket,
-                 queued=decision.queued)
+            emit(
+                signals.rate_limited,
+                task,
+                key=decision.key,
+                name=name,
+                task_id=request.id,
+                task_name=task.name,
+                limit=decision.limit,
+                retry_after=decision.retry_after,
+                ticket=decision.ticket,
+                queued=decision.queued,
+            )
             headers = None
             if decision.ticket:
                 headers = {TICKETS_HEADER: {**tickets, decision.key: decision.ticket}}
@@ -695,6 +860,7 @@ def denied_countdown(exc: RateLimited) -> float:
 
 
 # -- checking a recorded history ----------------------------------------------------------------
+
 
 def max_in_window(times: Sequence[float], window: float) -> tuple[int, float | None]:
     """The largest number of ``times`` (seconds, compared to the microsecond) inside any

@@ -61,6 +61,7 @@ sidecar), a live holder is still safe, since it keeps renewing, but a dead one i
 its worker's ping alone (``check_pids=False`` / ``--no-pid-check`` make that explicit). A
 reused pid makes a dead holder look alive, which leaves its lease to the TTL (the safe side).
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,9 +81,18 @@ from .events import emit, log_event
 from .exceptions import StepLockError
 from .lock import get_lease_store
 
-__all__ = ["ReapReport", "Reaper", "reap", "pid_alive", "REAPER_SENDER", "RENEWAL_GRACE_MS",
-           "DEFAULT_PING_TIMEOUT", "DEFAULT_BATCH_SIZE", "MAX_RECORDS",
-           "DEFAULT_STEP_RECOVERY"]
+__all__ = [
+    "ReapReport",
+    "Reaper",
+    "reap",
+    "pid_alive",
+    "REAPER_SENDER",
+    "RENEWAL_GRACE_MS",
+    "DEFAULT_PING_TIMEOUT",
+    "DEFAULT_BATCH_SIZE",
+    "MAX_RECORDS",
+    "DEFAULT_STEP_RECOVERY",
+]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -186,12 +196,15 @@ class ReapReport:
                 f"{verb_lease} lease {lease['name']} (owner {_short(lease['owner'])}, fence "
                 f"{lease.get('fence')}, task {task}[{_short(lease.get('task_id'), 8)}], worker "
                 f"{lease.get('worker') or '-'}, pid {lease.get('pid') or '-'}): "
-                f"{lease['reason']}")
+                f"{lease['reason']}"
+            )
         if self._reaped_unlisted:
             lines.append(f"... and {self._reaped_unlisted} more lease(s) not listed")
         for step in self.steps_recovered:
-            lines.append(f"{verb_step} {step['model']} pk={step['pk']}: {step['from_']} -> "
-                         f"{step['to']} (owner {_short(step['owner'])}): {step['reason']}")
+            lines.append(
+                f"{verb_step} {step['model']} pk={step['pk']}: {step['from_']} -> "
+                f"{step['to']} (owner {_short(step['owner'])}): {step['reason']}"
+            )
         if self._recovered_unlisted:
             lines.append(f"... and {self._recovered_unlisted} more step(s) not listed")
         for lease in self.leases_malformed:
@@ -203,13 +216,18 @@ class ReapReport:
         suffix = " (dry run: nothing changed)" if self.dry_run else ""
         would = "to reap" if self.dry_run else "reaped"
         to_recover = "to recover" if self.dry_run else "recovered"
-        return [f"leases scanned: {self.leases_scanned}",
-                f"leases {would}: {self.reaped_count}{suffix}",
-                f"steps {to_recover}: {self.recovered_count}",
-                *([f"leases malformed (skipped): {len(self.leases_malformed)}"]
-                  if self.leases_malformed else []),
-                f"errors: {len(self.errors)}",
-                f"duration: {self.duration:.2f}s"]
+        return [
+            f"leases scanned: {self.leases_scanned}",
+            f"leases {would}: {self.reaped_count}{suffix}",
+            f"steps {to_recover}: {self.recovered_count}",
+            *(
+                [f"leases malformed (skipped): {len(self.leases_malformed)}"]
+                if self.leases_malformed
+                else []
+            ),
+            f"errors: {len(self.errors)}",
+            f"duration: {self.duration:.2f}s",
+        ]
 
 
 def _short(value: Any, width: int = 12) -> str:
@@ -252,11 +270,18 @@ def pid_alive(pid: int) -> bool:
     return not (fields and fields[0] in ("Z", "X"))
 
 
-def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
-         older_than: float | None = None, now: datetime | None = None,
-         ping_timeout: float = DEFAULT_PING_TIMEOUT, check_pids: bool = True,
-         lock=None, step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY
-         ) -> ReapReport:
+def reap(
+    app,
+    *,
+    dry_run: bool = False,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    older_than: float | None = None,
+    now: datetime | None = None,
+    ping_timeout: float = DEFAULT_PING_TIMEOUT,
+    check_pids: bool = True,
+    lock=None,
+    step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY,
+) -> ReapReport:
     """Reap the leases of dead owners and recover the steps they left in flight.
 
     ``app``: the Celery app (its ``steplock_*`` settings, its broker for the pings).
@@ -285,17 +310,33 @@ def reap(app, *, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
     started = time.monotonic()
     report = ReapReport(dry_run=dry_run)
     try:
-        Reaper(app, report, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
-               now=now, ping_timeout=ping_timeout, check_pids=check_pids, lock=lock,
-               step_recovery=step_recovery).run()
+        Reaper(
+            app,
+            report,
+            dry_run=dry_run,
+            batch_size=batch_size,
+            older_than=older_than,
+            now=now,
+            ping_timeout=ping_timeout,
+            check_pids=check_pids,
+            lock=lock,
+            step_recovery=step_recovery,
+        ).run()
     except Exception as exc:  # noqa: BLE001 - the report is the contract: never raise
         log_event("reaper_failed", logging.ERROR, exc_info=True, error=exc)
         report.errors.append(f"reaper failed: {type(exc).__name__}: {exc}")
     report.duration = time.monotonic() - started
     level = logging.ERROR if report.errors else logging.INFO
-    log_event("reaper_run", level, dry_run=dry_run, scanned=report.leases_scanned,
-              leases=report.reaped_count, steps=report.recovered_count,
-              errors=len(report.errors), duration=round(report.duration, 3))
+    log_event(
+        "reaper_run",
+        level,
+        dry_run=dry_run,
+        scanned=report.leases_scanned,
+        leases=report.reaped_count,
+        steps=report.recovered_count,
+        errors=len(report.errors),
+        duration=round(report.duration, 3),
+    )
     return report
 
 
@@ -309,10 +350,20 @@ class Reaper:
     problem with :meth:`error` and picks a signal sender with :meth:`sender`.
     """
 
-    def __init__(self, app, report: ReapReport, *, dry_run: bool, batch_size: int,
-                 older_than: float | None, now: datetime | None, ping_timeout: float,
-                 check_pids: bool, lock,
-                 step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY) -> None:
+    def __init__(
+        self,
+        app,
+        report: ReapReport,
+        *,
+        dry_run: bool,
+        batch_size: int,
+        older_than: float | None,
+        now: datetime | None,
+        ping_timeout: float,
+        check_pids: bool,
+        lock,
+        step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY,
+    ) -> None:
         self.app = app
         self.report = report
         self.dry_run = dry_run
@@ -366,9 +417,11 @@ class Reaper:
             dead = self.dead
             # A live lease that names a step (a new attempt holding it) protects the row even
             # if the row still shows the dead owner: that attempt will move it on.
-            recovery.recover(self.live_owners - dead.keys(),
-                             {step for step, owners in self.live_steps.items()
-                              if owners - dead.keys()}, dead)
+            recovery.recover(
+                self.live_owners - dead.keys(),
+                {step for step, owners in self.live_steps.items() if owners - dead.keys()},
+                dead,
+            )
 
     def start_recovery(self):
         """Pass 2's step recovery for this run (its rows read now), or None: no model to
@@ -385,8 +438,10 @@ class Reaper:
             try:
                 factory = symbol_by_name(factory)
             except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, ...
-                self.error(f"step recovery {self.step_recovery!r} could not be loaded, no "
-                           f"step recovered: {type(exc).__name__}: {exc}")
+                self.error(
+                    f"step recovery {self.step_recovery!r} could not be loaded, no "
+                    f"step recovered: {type(exc).__name__}: {exc}"
+                )
                 return None
         return factory(self)
 
@@ -417,9 +472,12 @@ class Reaper:
                 for _attempt in range(2):
                     if not pending:
                         break
-                    replies = self.app.control.ping(destination=pending,
-                                                    timeout=self.ping_timeout,
-                                                    limit=len(pending)) or []
+                    replies = (
+                        self.app.control.ping(
+                            destination=pending, timeout=self.ping_timeout, limit=len(pending)
+                        )
+                        or []
+                    )
                     for reply in replies:
                         answered.update(reply)
                     pending = [w for w in pending if w not in answered]
@@ -432,11 +490,14 @@ class Reaper:
         thread.start()
         thread.join(2 * self.ping_timeout + BROKER_GRACE)
         if thread.is_alive():
-            outcome["error"] = (f"the broker did not answer within "
-                                f"{2 * self.ping_timeout + BROKER_GRACE:g}s")
+            outcome["error"] = (
+                f"the broker did not answer within {2 * self.ping_timeout + BROKER_GRACE:g}s"
+            )
         if "error" in outcome:
-            self.error(f"could not ping the workers through the broker, no lease judged by "
-                       f"its worker: {outcome['error']}")
+            self.error(
+                f"could not ping the workers through the broker, no lease judged by "
+                f"its worker: {outcome['error']}"
+            )
             return None
         return answered
 
@@ -454,14 +515,16 @@ class Reaper:
                 interval = int(ttl_ms * self.settings.renewal_ratio)
             else:
                 if self._default_interval is None:
-                    self._default_interval = int(int(self.settings.default_ttl * 1000)
-                                                 * self.settings.renewal_ratio)
+                    self._default_interval = int(
+                        int(self.settings.default_ttl * 1000) * self.settings.renewal_ratio
+                    )
                 interval = self._default_interval
         idle = now_ms - renewed
         return idle if idle > 1.5 * interval + RENEWAL_GRACE_MS else None
 
-    def verdict(self, lease: dict[str, Any], answered: set[str] | None,
-                now_ms: int | None) -> str | None:
+    def verdict(
+        self, lease: dict[str, Any], answered: set[str] | None, now_ms: int | None
+    ) -> str | None:
         """Why ``lease``'s owner is gone, or None when it is (or may be) alive.
 
         Both tests need the missed renewals: a pid lookup can be wrong (a process in another
@@ -475,22 +538,33 @@ class Reaper:
         if self.check_pids and pid is not None and pid > 0 and lease.get("hostname") == self.host:
             if pid_alive(pid):
                 return None  # the holder process exists: never reap, whatever the ping says
-            return (f"pid {pid} on {self.host} no longer exists and the lease was last "
-                    f"renewed {idle / 1000:.1f}s ago")
+            return (
+                f"pid {pid} on {self.host} no longer exists and the lease was last "
+                f"renewed {idle / 1000:.1f}s ago"
+            )
         worker = lease.get("worker")
         if not worker or answered is None or worker in answered:
             return None
-        return (f"worker {worker} did not answer a ping within {self.ping_timeout:g}s and the "
-                f"lease was last renewed {idle / 1000:.1f}s ago")
+        return (
+            f"worker {worker} did not answer a ping within {self.ping_timeout:g}s and the "
+            f"lease was last renewed {idle / 1000:.1f}s ago"
+        )
 
     def needs_ping(self, lease: dict[str, Any], now_ms: int | None) -> bool:
         """Whether ``lease`` is judged by a ping of its worker not asked yet in this run."""
         worker = lease.get("worker")
-        return bool(worker) and self.answered is not None and worker not in self.answered \
-            and worker not in self.silent and not (
-                self.check_pids and lease.get("hostname") == self.host
-                and (_int(lease.get("pid")) or 0) > 0) \
+        return (
+            bool(worker)
+            and self.answered is not None
+            and worker not in self.answered
+            and worker not in self.silent
+            and not (
+                self.check_pids
+                and lease.get("hostname") == self.host
+                and (_int(lease.get("pid")) or 0) > 0
+            )
             and self.idle_ms(lease, now_ms) is not None
+        )
 
     def reap_leases(self) -> bool:
         """Pass 1, one SCAN batch at a time; False when the scan could not complete."""
@@ -503,10 +577,12 @@ class Reaper:
             except StepLockError as exc:
                 self.error(f"lease scan failed, no step recovered: {exc}")
                 return False
-            self.report.leases_scanned += sum(1 for lease in leases
-                                              if lease.get("owner") or lease.get("malformed"))
-            leases = [lease for lease in leases
-                      if not self.malformed(lease) and lease.get("owner")]
+            self.report.leases_scanned += sum(
+                1 for lease in leases if lease.get("owner") or lease.get("malformed")
+            )
+            leases = [
+                lease for lease in leases if not self.malformed(lease) and lease.get("owner")
+            ]
             if leases:
                 now_ms = self.redis_now_ms()
                 ready = []
@@ -523,8 +599,9 @@ class Reaper:
                     self.answered = None
                 else:
                     self.answered.update(answered)  # type: ignore[union-attr]
-                    self.silent.update(lease["worker"] for lease in waiting
-                                       if lease["worker"] not in answered)
+                    self.silent.update(
+                        lease["worker"] for lease in waiting if lease["worker"] not in answered
+                    )
                 self.judge(waiting, waiting_now_ms)
                 waiting = []
             if cursor == 0:
@@ -538,11 +615,13 @@ class Reaper:
         problems = lease.get("malformed")
         if not problems:
             return False
-        log_event("reaper_malformed_lease", logging.WARNING, key=lease.get("key"),
-                  problems=problems)
+        log_event(
+            "reaper_malformed_lease", logging.WARNING, key=lease.get("key"), problems=problems
+        )
         if len(self.report.leases_malformed) < MAX_RECORDS:
             self.report.leases_malformed.append(
-                {"name": lease.get("name"), "key": lease.get("key"), "malformed": problems})
+                {"name": lease.get("name"), "key": lease.get("key"), "malformed": problems}
+            )
         if lease.get("owner"):
             self.keep_live(lease)
         return True
@@ -556,8 +635,10 @@ class Reaper:
             try:
                 reason = self.verdict(lease, self.answered, now_ms)
             except Exception as exc:  # noqa: BLE001 - one lease must not stop the run
-                self.error(f"could not judge lease {lease.get('name')!r}, kept: "
-                           f"{type(exc).__name__}: {exc}")
+                self.error(
+                    f"could not judge lease {lease.get('name')!r}, kept: "
+                    f"{type(exc).__name__}: {exc}"
+                )
                 reason = None
             if reason is None:
                 self.keep_live(lease)
@@ -573,7 +654,8 @@ class Reaper:
                 # lease re-acquired since, or renewed while we pinged, survives.
                 results = self.lock.reap_many(
                     (lease["name"], lease["owner"], lease.get("renewed_ms") or "")
-                    for lease, _reason in dead)
+                    for lease, _reason in dead
+                )
             except StepLockError as exc:
                 results = [exc] * len(dead)
         reaped = skipped = failed = 0
@@ -584,11 +666,18 @@ class Reaper:
                 self.keep_live(lease)  # recovered on the next run
                 continue
             info = {
-                "name": lease["name"], "key": lease["key"], "owner": lease["owner"],
-                "fence": _int(lease.get("fence")), "task_id": lease.get("task_id"),
-                "task_name": lease.get("task_name"), "worker": lease.get("worker"),
-                "hostname": lease.get("hostname"), "pid": _int(lease.get("pid")),
-                "step": lease.get("step"), "ttl": lease.get("ttl"), "reason": reason,
+                "name": lease["name"],
+                "key": lease["key"],
+                "owner": lease["owner"],
+                "fence": _int(lease.get("fence")),
+                "task_id": lease.get("task_id"),
+                "task_name": lease.get("task_name"),
+                "worker": lease.get("worker"),
+                "hostname": lease.get("hostname"),
+                "pid": _int(lease.get("pid")),
+                "step": lease.get("step"),
+                "ttl": lease.get("ttl"),
+                "reason": reason,
             }
             self.keep_dead(info)
             if not released:
@@ -596,21 +685,50 @@ class Reaper:
                 continue
             reaped += 1
             if not self.dry_run:
-                emit(signals.lock_expired, self.sender(lease.get("task_name")),
-                     logging.DEBUG, key=info["key"], name=info["name"], owner=info["owner"],
-                     fence=info["fence"], task_id=info["task_id"], task_name=info["task_name"],
-                     ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
-                     ttl_left=info["ttl"], reason=f"reaped: {reason}", worker=info["worker"],
-                     hostname=info["hostname"], pid=info["pid"], step=info["step"])
+                emit(
+                    signals.lock_expired,
+                    self.sender(lease.get("task_name")),
+                    logging.DEBUG,
+                    key=info["key"],
+                    name=info["name"],
+                    owner=info["owner"],
+                    fence=info["fence"],
+                    task_id=info["task_id"],
+                    task_name=info["task_name"],
+                    ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
+                    ttl_left=info["ttl"],
+                    reason=f"reaped: {reason}",
+                    worker=info["worker"],
+                    hostname=info["hostname"],
+                    pid=info["pid"],
+                    step=info["step"],
+                )
                 if lease.get("kind") == "slot":  # a concurrency limit's slot (bulkhead)
-                    emit(signals.slot_expired, self.sender(lease.get("task_name")),
-                         logging.WARNING, key=info["key"], name=info["name"],
-                         owner=info["owner"], fence=info["fence"], task_id=info["task_id"],
-                         task_name=info["task_name"], ttl=info["ttl"],
-                         limit_key=lease.get("limit_key"), reason=f"reaped: {reason}")
+                    emit(
+                        signals.slot_expired,
+                        self.sender(lease.get("task_name")),
+                        logging.WARNING,
+                        key=info["key"],
+                        name=info["name"],
+                        owner=info["owner"],
+                        fence=info["fence"],
+                        task_id=info["task_id"],
+                        task_name=info["task_name"],
+                        ttl=info["ttl"],
+                        limit_key=lease.get("limit_key"),
+                        reason=f"reaped: {reason}",
+                    )
             self.report.add_reaped(info)
-        log_event("reaper_batch", logging.DEBUG, leases=len(leases), dead=len(dead),
-                  reaped=reaped, skipped=skipped, failed=failed, dry_run=self.dry_run)
+        log_event(
+            "reaper_batch",
+            logging.DEBUG,
+            leases=len(leases),
+            dead=len(dead),
+            reaped=reaped,
+            skipped=skipped,
+            failed=failed,
+            dry_run=self.dry_run,
+        )
 
     def keep_live(self, lease: dict[str, Any]) -> None:
         owner, step = lease["owner"], lease.get("step")

@@ -28,14 +28,22 @@ Values are masked, never names: a setting's name standing where a value would
 The scheme, host, port, database and every other part stay, so a message still says which
 server it is about.
 """
+
 from __future__ import annotations
 
 import re
 from typing import Any, Iterable, Mapping
 from urllib.parse import quote, unquote
 
-__all__ = ["MASK", "MIN_SECRET", "redact", "redact_options", "secrets_of", "url_secrets",
-           "printable"]
+__all__ = [
+    "MASK",
+    "MIN_SECRET",
+    "redact",
+    "redact_options",
+    "secrets_of",
+    "url_secrets",
+    "printable",
+]
 
 #: What a masked secret becomes.
 MASK = "***"
@@ -47,9 +55,11 @@ MIN_SECRET = 4
 _SCHEME = r"(?:(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*:?)?//"
 # Schemes of servers that take credentials, also written without the "//" (``redis:pw@h``,
 # ``redis:/:pw@h``): the scheme's colon (and one slash) start the credentials.
-_CRED_SCHEME = (r"(?<![A-Za-z0-9+.\-])(?i:(?:[a-z0-9.\-]+\+)?(?:rediss?|sentinel|unix|amqps?|"
-                r"pyamqp|sqs|mongodb|postgres(?:ql)?|mysql|sqla|db|cache)(?:\+[a-z0-9.\-]+)?)"
-                r":/?(?!/)")
+_CRED_SCHEME = (
+    r"(?<![A-Za-z0-9+.\-])(?i:(?:[a-z0-9.\-]+\+)?(?:rediss?|sentinel|unix|amqps?|"
+    r"pyamqp|sqs|mongodb|postgres(?:ql)?|mysql|sqla|db|cache)(?:\+[a-z0-9.\-]+)?)"
+    r":/?(?!/)"
+)
 _START = re.compile(rf"{_SCHEME}|{_CRED_SCHEME}")
 # Where an unquoted URL's text ends at the latest: the next URL of a list or of the line.
 _NEXT = re.compile(rf"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://|;{_SCHEME}|\n")
@@ -59,8 +69,10 @@ _SECRET_KEY = r"(?:\w+_)?(?:password|passwd|pwd|secret)"
 _QUERY_SECRET = re.compile(rf"(?i)([?&;])({_SECRET_KEY})=([^&#]*)")
 _VALUE = r"""b?'(?:[^'\\]|\\.)*'|b?"(?:[^"\\]|\\.)*"|[^\s,&;)}\]]+"""
 # 'password': 'x'   ('password', 'x')   password='x'   password=x
-_PAIR = re.compile(rf"""(?i)(?:(['"])\b({_SECRET_KEY})\1(\s*[:=]\s*|\s*,\s*)"""
-                   rf"""|()\b({_SECRET_KEY})(\s*[:=]\s*))({_VALUE})""")
+_PAIR = re.compile(
+    rf"""(?i)(?:(['"])\b({_SECRET_KEY})\1(\s*[:=]\s*|\s*,\s*)"""
+    rf"""|()\b({_SECRET_KEY})(\s*[:=]\s*))({_VALUE})"""
+)
 
 
 def _mask_value(value: str) -> str:
@@ -107,7 +119,7 @@ def _url_end(text: str, begin: int, pos: int) -> int:
         return limit
     # A quote that does not close the URL: text quoted without escaping (``"{url}"``) of a
     # password holding that quote. The URL then runs on to an "@" after the quote.
-    run = re.match(r"\S*", text[i + 1:limit]).group(0)  # type: ignore[union-attr]
+    run = re.match(r"\S*", text[i + 1 : limit]).group(0)  # type: ignore[union-attr]
     if "@" in run:
         return i + 1 + len(run)
     if "@" not in text[pos:i] and "@" in text[i:limit]:
@@ -122,8 +134,8 @@ def _mask_urls(text: str) -> str:
         if match is None:
             break
         end = _url_end(text, match.start(), match.end())
-        if "@" in text[match.end():end] or "=" in text[match.end():end]:
-            out += [text[done:match.end()], _mask_body(text[match.end():end])]
+        if "@" in text[match.end() : end] or "=" in text[match.end() : end]:
+            out += [text[done : match.end()], _mask_body(text[match.end() : end])]
             done = end
         pos = max(end, match.end())
     return "".join(out) + text[done:]
@@ -143,8 +155,9 @@ def redact(value: Any, secrets: Iterable[str] = ()) -> str:
             text = repr(value)
         except Exception:  # noqa: BLE001 - a repr that fails shows nothing of the value
             text = f"<{type(value).__name__}>"
-    for secret in sorted({s for s in _forms(secrets) if len(s) >= MIN_SECRET},
-                         key=len, reverse=True):
+    for secret in sorted(
+        {s for s in _forms(secrets) if len(s) >= MIN_SECRET}, key=len, reverse=True
+    ):
         text = text.replace(secret, MASK)
     text = _mask_urls(text)
     return _PAIR.sub(_mask_pair, text)
@@ -155,8 +168,7 @@ _NAME = re.compile(r"(?i)(?:celery_)?steplock_[a-z_]+")
 
 
 def _mask_pair(match: re.Match) -> str:
-    quote_, key, sep = (match.group(1, 2, 3) if match.group(2) is not None
-                        else match.group(4, 5, 6))
+    quote_, key, sep = match.group(1, 2, 3) if match.group(2) is not None else match.group(4, 5, 6)
     if _NAME.fullmatch(match.group(7)) or match.group(7).lower() == key.lower():
         # "setting steplock_name_secret: steplock_name_secret (...)": a name, not a value.
         return match.group(0)
@@ -179,8 +191,12 @@ def redact_options(options: Any) -> Any:
     the value of every key naming a password or secret replaced by :data:`MASK`, and
     URLs in string values redacted; for showing options as a dict."""
     if isinstance(options, Mapping):
-        return {k: MASK if isinstance(k, str) and re.fullmatch(_SECRET_KEY, k, re.I)
-                and v is not None else redact_options(v) for k, v in options.items()}
+        return {
+            k: MASK
+            if isinstance(k, str) and re.fullmatch(_SECRET_KEY, k, re.I) and v is not None
+            else redact_options(v)
+            for k, v in options.items()
+        }
     if isinstance(options, (list, tuple)):
         return type(options)(redact_options(v) for v in options)
     if isinstance(options, str):
@@ -201,11 +217,11 @@ def url_secrets(url: Any) -> list[str]:
     # between "//" (or the scheme's colon) and its last "@", whatever they hold.
     for part in re.split(rf";(?={_SCHEME})", url):
         start = _START.search(part)
-        found += _credentials(part[start.end():] if start else part)
+        found += _credentials(part[start.end() :] if start else part)
     # And each word, for a value that is not one URL (more secrets mask more, never less).
     for word in re.split(r"[\s;]+", url):
         start = _START.search(word)
-        found += _credentials(word[start.end():] if start else word)
+        found += _credentials(word[start.end() :] if start else word)
     return [s for s in dict.fromkeys(found) if s]
 
 
@@ -232,8 +248,12 @@ def _option_secrets(options: Any) -> list[str]:
                 found += _option_secrets(value)
     elif isinstance(options, (list, tuple)):
         # [("password", "x")]: a pair given where a dict was expected.
-        if len(options) == 2 and isinstance(options[0], str) \
-                and re.fullmatch(_SECRET_KEY, options[0], re.I) and isinstance(options[1], str):
+        if (
+            len(options) == 2
+            and isinstance(options[0], str)
+            and re.fullmatch(_SECRET_KEY, options[0], re.I)
+            and isinstance(options[1], str)
+        ):
             found.append(options[1])
         else:
             for value in options:
@@ -244,9 +264,16 @@ def _option_secrets(options: Any) -> list[str]:
 
 
 #: The settings whose values may hold secrets (URLs, transport and TLS options).
-_SECRET_SETTINGS = ("steplock_redis_url", "steplock_redis_transport_options",
-                    "steplock_redis_use_ssl", "broker_url", "broker_transport_options",
-                    "broker_use_ssl", "result_backend", "result_backend_transport_options")
+_SECRET_SETTINGS = (
+    "steplock_redis_url",
+    "steplock_redis_transport_options",
+    "steplock_redis_use_ssl",
+    "broker_url",
+    "broker_transport_options",
+    "broker_use_ssl",
+    "result_backend",
+    "result_backend_transport_options",
+)
 
 
 def secrets_of(app: Any) -> tuple[str, ...]:
@@ -277,8 +304,11 @@ def _escape(char: str) -> str:
     if named:
         return named
     code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else (f"\\u{code:04x}" if code < 0x10000
-                                                   else f"\\U{code:08x}")
+    return (
+        f"\\x{code:02x}"
+        if code < 0x100
+        else (f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    )
 
 
 def _unsafe(char: str) -> bool:

@@ -31,6 +31,7 @@ Classification (:meth:`RetryPolicy.classify`; the first rule that applies wins):
    ``ValidationError``, ``PermissionDenied``, ``ObjectDoesNotExist``: ``"never"``;
 9. anything else: ``"unknown"``, retried only with ``retry_unknown=True`` (default False).
 """
+
 from __future__ import annotations
 
 import email.utils
@@ -47,8 +48,15 @@ from .conf import MAX_RETRIES, MAX_SECONDS, check_count, check_seconds, shown
 from .events import emit
 from .exceptions import ImproperlyConfigured, StepLockError
 
-__all__ = ["RetryPolicy", "NonRetryable", "Decision", "classify", "retry_after_of",
-           "http_status_of", "FIRST_ATTEMPT_HEADER"]
+__all__ = [
+    "RetryPolicy",
+    "NonRetryable",
+    "Decision",
+    "classify",
+    "retry_after_of",
+    "http_status_of",
+    "FIRST_ATTEMPT_HEADER",
+]
 
 #: The message header holding the wall-clock time (seconds since the epoch) of a task's first
 #: attempt, for ``max_elapsed``.
@@ -65,18 +73,32 @@ class NonRetryable(Exception):
     retryable = False
 
 
-_NEVER_BUILTIN = (NonRetryable, ValueError, TypeError, LookupError, PermissionError,
-                  NotImplementedError, AssertionError)
-_NEVER_BY_NAME = (("django.core.exceptions", "ValidationError"),
-                  ("django.core.exceptions", "PermissionDenied"),
-                  ("django.core.exceptions", "ObjectDoesNotExist"),
-                  ("django.core.exceptions", "SuspiciousOperation"))
+_NEVER_BUILTIN = (
+    NonRetryable,
+    ValueError,
+    TypeError,
+    LookupError,
+    PermissionError,
+    NotImplementedError,
+    AssertionError,
+)
+_NEVER_BY_NAME = (
+    ("django.core.exceptions", "ValidationError"),
+    ("django.core.exceptions", "PermissionDenied"),
+    ("django.core.exceptions", "ObjectDoesNotExist"),
+    ("django.core.exceptions", "SuspiciousOperation"),
+)
 _TRANSIENT_BUILTIN = (ConnectionError, TimeoutError)
-_TRANSIENT_BY_NAME = (("requests.exceptions", "ConnectionError"),
-                      ("requests.exceptions", "Timeout"),
-                      ("httpx", "TransportError"))
-_CONTROL_BY_NAME = (("celery.exceptions", "Retry"), ("celery.exceptions", "Ignore"),
-                    ("celery.exceptions", "Reject"))
+_TRANSIENT_BY_NAME = (
+    ("requests.exceptions", "ConnectionError"),
+    ("requests.exceptions", "Timeout"),
+    ("httpx", "TransportError"),
+)
+_CONTROL_BY_NAME = (
+    ("celery.exceptions", "Retry"),
+    ("celery.exceptions", "Ignore"),
+    ("celery.exceptions", "Reject"),
+)
 
 
 def _loaded(pairs) -> tuple[type, ...]:
@@ -92,15 +114,19 @@ def _loaded(pairs) -> tuple[type, ...]:
 def is_control(exc: BaseException) -> bool:
     """Whether ``exc`` is the library's or Celery's control flow, not a dependency's error."""
     return isinstance(exc, (StepLockError, KeyboardInterrupt, SystemExit)) or isinstance(
-        exc, _loaded(_CONTROL_BY_NAME))
+        exc, _loaded(_CONTROL_BY_NAME)
+    )
 
 
 def http_status_of(exc: BaseException) -> int | None:
     """The HTTP status an exception carries (``exc.response.status_code``,
     ``exc.status_code`` or ``exc.status``), or None."""
     response = getattr(exc, "response", None)
-    for value in (getattr(response, "status_code", None), getattr(exc, "status_code", None),
-                  getattr(exc, "status", None)):
+    for value in (
+        getattr(response, "status_code", None),
+        getattr(exc, "status_code", None),
+        getattr(exc, "status", None),
+    ):
         if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
             return value
     return None
@@ -140,9 +166,13 @@ def retry_after_of(exc: BaseException, now: float | None = None) -> float | None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-def classify(exc: BaseException, *, retry_on: tuple[type, ...] = (),
-             never_retry: tuple[type, ...] = (),
-             classifier: Callable[[BaseException], bool | None] | None = None) -> str:
+def classify(
+    exc: BaseException,
+    *,
+    retry_on: tuple[type, ...] = (),
+    never_retry: tuple[type, ...] = (),
+    classifier: Callable[[BaseException], bool | None] | None = None,
+) -> str:
     """``"control"``, ``"never"``, ``"retry"`` or ``"unknown"`` for ``exc`` (the rules of
     the module docstring)."""
     if is_control(exc):
@@ -192,8 +222,10 @@ def _types(value: Any, name: str) -> tuple[type, ...]:
     items = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
     for item in items:
         if not (isinstance(item, type) and issubclass(item, BaseException)):
-            raise ImproperlyConfigured(f"RetryPolicy({name}=) must be exception types, got "
-                                       f"{shown(item)}", setting="retry_policy")
+            raise ImproperlyConfigured(
+                f"RetryPolicy({name}=) must be exception types, got {shown(item)}",
+                setting="retry_policy",
+            )
     return tuple(items)
 
 
@@ -214,28 +246,43 @@ class RetryPolicy:
     retried in the plain form). Raises ImproperlyConfigured for a bad value.
     """
 
-    def __init__(self, max_attempts: int = 3, max_elapsed: float | None = None, *,
-                 backoff: float = 1.0, backoff_max: float = 60.0, jitter: str | None = "full",
-                 retry_on: Any = None, never_retry: Any = None,
-                 classifier: Callable[[BaseException], bool | None] | None = None,
-                 retry_unknown: bool = False, honor_retry_after: bool = True,
-                 sleep: Callable[[float], Any] = time.sleep, breaker: Any = None):
-        self.max_attempts = check_count(max_attempts, "RetryPolicy(max_attempts=)", minimum=1,
-                                        maximum=MAX_RETRIES)
-        self.max_elapsed = check_seconds(max_elapsed, "RetryPolicy(max_elapsed=)",
-                                         allow_none=True)
+    def __init__(
+        self,
+        max_attempts: int = 3,
+        max_elapsed: float | None = None,
+        *,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        jitter: str | None = "full",
+        retry_on: Any = None,
+        never_retry: Any = None,
+        classifier: Callable[[BaseException], bool | None] | None = None,
+        retry_unknown: bool = False,
+        honor_retry_after: bool = True,
+        sleep: Callable[[float], Any] = time.sleep,
+        breaker: Any = None,
+    ):
+        self.max_attempts = check_count(
+            max_attempts, "RetryPolicy(max_attempts=)", minimum=1, maximum=MAX_RETRIES
+        )
+        self.max_elapsed = check_seconds(max_elapsed, "RetryPolicy(max_elapsed=)", allow_none=True)
         self.backoff = check_seconds(backoff, "RetryPolicy(backoff=)", allow_zero=True)
-        self.backoff_max = check_seconds(backoff_max, "RetryPolicy(backoff_max=)",
-                                         allow_zero=True, maximum=MAX_SECONDS)
+        self.backoff_max = check_seconds(
+            backoff_max, "RetryPolicy(backoff_max=)", allow_zero=True, maximum=MAX_SECONDS
+        )
         if jitter not in ("full", None):
-            raise ImproperlyConfigured(f"RetryPolicy(jitter=) must be 'full' or None, got "
-                                       f"{shown(jitter)}", setting="retry_policy")
+            raise ImproperlyConfigured(
+                f"RetryPolicy(jitter=) must be 'full' or None, got {shown(jitter)}",
+                setting="retry_policy",
+            )
         self.jitter = jitter
         self.retry_on = _types(retry_on, "retry_on")
         self.never_retry = _types(never_retry, "never_retry")
         if classifier is not None and not callable(classifier):
-            raise ImproperlyConfigured(f"RetryPolicy(classifier=) must be callable, got "
-                                       f"{shown(classifier)}", setting="retry_policy")
+            raise ImproperlyConfigured(
+                f"RetryPolicy(classifier=) must be callable, got {shown(classifier)}",
+                setting="retry_policy",
+            )
         self.classifier = classifier
         self.retry_unknown = bool(retry_unknown)
         self.honor_retry_after = bool(honor_retry_after)
@@ -244,20 +291,25 @@ class RetryPolicy:
             from .breaker import CircuitBreaker
 
             if not isinstance(breaker, CircuitBreaker):
-                raise ImproperlyConfigured(f"RetryPolicy(breaker=) must be a CircuitBreaker, "
-                                           f"got {shown(breaker)}", setting="retry_policy")
+                raise ImproperlyConfigured(
+                    f"RetryPolicy(breaker=) must be a CircuitBreaker, got {shown(breaker)}",
+                    setting="retry_policy",
+                )
         self.breaker = breaker
 
     def __repr__(self) -> str:
-        return (f"RetryPolicy(max_attempts={self.max_attempts}, max_elapsed={self.max_elapsed}, "
-                f"backoff={self.backoff}, backoff_max={self.backoff_max})")
+        return (
+            f"RetryPolicy(max_attempts={self.max_attempts}, max_elapsed={self.max_elapsed}, "
+            f"backoff={self.backoff}, backoff_max={self.backoff_max})"
+        )
 
     # -- deciding ---------------------------------------------------------------------------
 
     def classify(self, exc: BaseException) -> str:
         """``"control"``, ``"never"``, ``"retry"`` or ``"unknown"`` (module docstring)."""
-        return classify(exc, retry_on=self.retry_on, never_retry=self.never_retry,
-                        classifier=self.classifier)
+        return classify(
+            exc, retry_on=self.retry_on, never_retry=self.never_retry, classifier=self.classifier
+        )
 
     def countdown(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (1-based), before Retry-After."""
@@ -271,8 +323,13 @@ class RetryPolicy:
         if kind == "control":
             return Decision("never", None, attempt, kind, "control flow")
         if kind == "never" or (kind == "unknown" and not self.retry_unknown):
-            return Decision("never", None, attempt, kind,
-                            "non-retryable" if kind == "never" else "unknown error")
+            return Decision(
+                "never",
+                None,
+                attempt,
+                kind,
+                "non-retryable" if kind == "never" else "unknown error",
+            )
         if attempt >= self.max_attempts:
             return Decision("give_up", None, attempt, kind, "max_attempts reached")
         wait = self.countdown(attempt)
@@ -283,13 +340,22 @@ class RetryPolicy:
             return Decision("give_up", None, attempt, kind, "max_elapsed reached", asked)
         return Decision("retry", wait, attempt, kind, "retryable", asked)
 
-    def _announce(self, decision: Decision, exc: BaseException, sender: Any = None,
-                  **fields: Any) -> None:
-        emit(signals.retry_policy_decided, sender,
-             logging.INFO if decision.decision == "retry" else logging.WARNING,
-             decision=decision.decision, reason=decision.reason, kind=decision.kind,
-             attempt=decision.attempt, countdown=decision.countdown,
-             retry_after=decision.retry_after, error=type(exc).__name__, **fields)
+    def _announce(
+        self, decision: Decision, exc: BaseException, sender: Any = None, **fields: Any
+    ) -> None:
+        emit(
+            signals.retry_policy_decided,
+            sender,
+            logging.INFO if decision.decision == "retry" else logging.WARNING,
+            decision=decision.decision,
+            reason=decision.reason,
+            kind=decision.kind,
+            attempt=decision.attempt,
+            countdown=decision.countdown,
+            retry_after=decision.retry_after,
+            error=type(exc).__name__,
+            **fields,
+        )
 
     # -- the plain form ---------------------------------------------------------------------
 
@@ -314,9 +380,11 @@ class RetryPolicy:
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator form of :meth:`call`."""
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return self.call(fn, *args, **kwargs)
+
         return wrapper
 
     # -- the task form ----------------------------------------------------------------------
@@ -327,8 +395,7 @@ class RetryPolicy:
         exception is retried, else re-raises ``exc``."""
         request = task.request
         headers = dict(request.headers or {})
-        first = getattr(request, FIRST_ATTEMPT_HEADER, None) or headers.get(
-            FIRST_ATTEMPT_HEADER)
+        first = getattr(request, FIRST_ATTEMPT_HEADER, None) or headers.get(FIRST_ATTEMPT_HEADER)
         try:
             first = float(first)
         except (TypeError, ValueError):
@@ -344,13 +411,18 @@ class RetryPolicy:
         if decision.decision != "retry" or request.called_directly:
             raise exc
         headers[FIRST_ATTEMPT_HEADER] = repr(first)
-        return task.retry(exc=exc, countdown=decision.countdown,
-                          max_retries=self.max_attempts - 1, headers=headers)
+        return task.retry(
+            exc=exc,
+            countdown=decision.countdown,
+            max_retries=self.max_attempts - 1,
+            headers=headers,
+        )
 
 
 def check_policy(value: Any, option: str = "retry_policy") -> RetryPolicy | None:
     """``value`` if it is None or a :class:`RetryPolicy`, else ImproperlyConfigured."""
     if value is None or isinstance(value, RetryPolicy):
         return value
-    raise ImproperlyConfigured(f"{option}={shown(value)} must be a RetryPolicy(...) object",
-                               setting=option)
+    raise ImproperlyConfigured(
+        f"{option}={shown(value)} must be a RetryPolicy(...) object", setting=option
+    )

@@ -24,15 +24,39 @@ lease's fields. Task arguments are never sent. A receiver that raises is logged 
 ``lock_extended`` and the heartbeat's ``lock_lost`` run on the heartbeat thread, between
 renewals: keep those receivers fast (hand slow work to a queue), or leases can expire.
 """
+
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_contended", "lock_extended", "lock_released",
-           "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
-           "lock_store_error", "force_release_audit", "idempotency_locked", "idempotency_replayed",
-           "idempotency_completed", "idempotency_failed", "idempotency_conflict", "circuit_opened",
-           "circuit_half_opened", "circuit_closed", "circuit_rejected", "circuit_override_audit",
-           "retry_policy_decided", "slot_acquired", "slot_released", "slot_expired",
-           "concurrency_limited", "rate_limit_allowed", "rate_limited", "ALL_SIGNALS"]
+__all__ = [
+    "lock_acquired",
+    "lock_contended",
+    "lock_extended",
+    "lock_released",
+    "lock_expired",
+    "lock_lost",
+    "transition_applied",
+    "transition_conflict",
+    "lock_store_error",
+    "force_release_audit",
+    "idempotency_locked",
+    "idempotency_replayed",
+    "idempotency_completed",
+    "idempotency_failed",
+    "idempotency_conflict",
+    "circuit_opened",
+    "circuit_half_opened",
+    "circuit_closed",
+    "circuit_rejected",
+    "circuit_override_audit",
+    "retry_policy_decided",
+    "slot_acquired",
+    "slot_released",
+    "slot_expired",
+    "concurrency_limited",
+    "rate_limit_allowed",
+    "rate_limited",
+    "ALL_SIGNALS",
+]
 
 #: A lease was granted (``wait_seconds``: the acquire, ``lock_wait`` included).
 lock_acquired = Signal(name="lock_acquired")
@@ -71,11 +95,25 @@ idempotency_failed = Signal(name="idempotency_failed")
 #: The key is held by another execution or was reused with other arguments.
 idempotency_conflict = Signal(name="idempotency_conflict")
 
-ALL_SIGNALS = (lock_acquired, lock_contended, lock_extended, lock_released, lock_expired,
-               lock_lost, transition_applied, transition_conflict, lock_store_error,
-               force_release_audit)
-ALL_SIGNALS += (idempotency_locked, idempotency_replayed, idempotency_completed,
-                idempotency_failed, idempotency_conflict)
+ALL_SIGNALS = (
+    lock_acquired,
+    lock_contended,
+    lock_extended,
+    lock_released,
+    lock_expired,
+    lock_lost,
+    transition_applied,
+    transition_conflict,
+    lock_store_error,
+    force_release_audit,
+)
+ALL_SIGNALS += (
+    idempotency_locked,
+    idempotency_replayed,
+    idempotency_completed,
+    idempotency_failed,
+    idempotency_conflict,
+)
 
 #: Circuit breakers (celery_steplock.breaker): ``name`` (the dependency), ``key``, ``state``
 #: (after the event), ``reason``; opened/closed also ``failures``, ``calls``, ``manual``
@@ -96,8 +134,14 @@ circuit_override_audit = Signal(name="circuit_override_audit")
 #: (seconds, None unless retried), ``retry_after``, ``error`` (the exception's type name).
 retry_policy_decided = Signal(name="retry_policy_decided")
 
-ALL_SIGNALS += (circuit_opened, circuit_half_opened, circuit_closed, circuit_rejected,
-                circuit_override_audit, retry_policy_decided)
+ALL_SIGNALS += (
+    circuit_opened,
+    circuit_half_opened,
+    circuit_closed,
+    circuit_rejected,
+    circuit_override_audit,
+    retry_policy_decided,
+)
 
 #: A slot of a concurrency limit (celery_steplock.bulkhead) was granted, given back, found
 #: expired or taken over (its holder stopped past the TTL, the reaper), or refused: every

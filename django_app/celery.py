@@ -4,6 +4,7 @@ Every ``CELERY_*`` Django setting becomes a lowercase Celery setting, so
 ``CELERY_STEPLOCK_DEFAULT_TTL`` is read by the library as
 ``app.conf.steplock_default_ttl``.
 """
+
 import os
 
 from celery import Celery

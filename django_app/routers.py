@@ -32,8 +32,7 @@ class SchemaRouter:
 
     def allow_migrate(self, db, app_label, model_name=None, **hints):
         if app_label == "routing":
-            return db in HOMES.get(model_name, ()) if model_name else db in (
-                "default", *EXTRA)
+            return db in HOMES.get(model_name, ()) if model_name else db in ("default", *EXTRA)
         if db in EXTRA:
             return False
         return None

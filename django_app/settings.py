@@ -9,6 +9,7 @@ subprocesses started by the tests can open it.
 Celery: every ``CELERY_*`` setting maps to the lowercase Celery setting
 (``CELERY_STEPLOCK_DEFAULT_TTL`` -> ``app.conf.steplock_default_ttl``).
 """
+
 import copy
 import json
 import os
@@ -81,9 +82,7 @@ WSGI_APPLICATION = None
 
 # --- Database -----------------------------------------------------------------
 SQLITE_PATH = Path(os.environ.get("STEPLOCK_SQLITE", VAR_DIR / "steplock.sqlite3"))
-SQLITE_TEST_PATH = Path(
-    os.environ.get("STEPLOCK_TEST_SQLITE", VAR_DIR / "test_steplock.sqlite3")
-)
+SQLITE_TEST_PATH = Path(os.environ.get("STEPLOCK_TEST_SQLITE", VAR_DIR / "test_steplock.sqlite3"))
 
 DATABASES = {
     "default": dj_database_url.config(
@@ -129,16 +128,24 @@ for _alias in ("replica", "other"):
         if _extra["ENGINE"] == "django.db.backends.sqlite3":
             _path = Path(_extra["NAME"])
             _extra["NAME"] = str(_path.with_name(f"{_path.stem}_{_alias}{_path.suffix}"))
-            _extra["TEST"] = {"NAME": str(SQLITE_TEST_PATH.with_name(
-                f"{SQLITE_TEST_PATH.stem}_{_alias}{SQLITE_TEST_PATH.suffix}"))}
+            _extra["TEST"] = {
+                "NAME": str(
+                    SQLITE_TEST_PATH.with_name(
+                        f"{SQLITE_TEST_PATH.stem}_{_alias}{SQLITE_TEST_PATH.suffix}"
+                    )
+                )
+            }
         else:
             _extra["NAME"] = f"{_extra['NAME']}_{_alias}"
             _extra.pop("TEST", None)
     DATABASES[_alias] = _extra
 
 DATABASE_ROUTERS = [
-    name for name in os.environ.get(
-        "STEPLOCK_DATABASE_ROUTERS", "django_app.routers.ProjectRouter").split(",") if name
+    name
+    for name in os.environ.get(
+        "STEPLOCK_DATABASE_ROUTERS", "django_app.routers.ProjectRouter"
+    ).split(",")
+    if name
 ]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -199,7 +206,8 @@ if os.environ.get("STEPLOCK_REDIS_URL"):
     CELERY_STEPLOCK_REDIS_URL = os.environ["STEPLOCK_REDIS_URL"]
 if os.environ.get("STEPLOCK_REDIS_TRANSPORT_OPTIONS"):  # JSON, e.g. {"master_name": "..."}
     CELERY_STEPLOCK_REDIS_TRANSPORT_OPTIONS = json.loads(
-        os.environ["STEPLOCK_REDIS_TRANSPORT_OPTIONS"])
+        os.environ["STEPLOCK_REDIS_TRANSPORT_OPTIONS"]
+    )
 # The reaper (manage.py reap_expired_leases, celery steplock reap, the beat task) moves a step
 # whose owner is gone from "running" back to "pending", by compare-and-swap.
 CELERY_STEPLOCK_REAPER_RECOVER = {"workflows.Step": {"running": "pending"}}

@@ -23,8 +23,10 @@ def check_wheel(path: Path) -> list[str]:
         "celery_steplock/contrib/django/migrations/0001_initial.py",
     ]
     problems += [f"missing {n}" for n in wanted if n not in names]
-    if not any(n.startswith("celery_steplock/contrib/django/templates/") and n.endswith(".html")
-               for n in names):
+    if not any(
+        n.startswith("celery_steplock/contrib/django/templates/") and n.endswith(".html")
+        for n in names
+    ):
         problems.append("no admin templates")
     problems += [f"test file {n}" for n in names if n.startswith(("tests/", "django_app/"))]
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))

@@ -14,6 +14,7 @@ on PATH (``python3.10``) and among pyenv's versions (``$(pyenv root)/versions/3.
 it is missing the corner is skipped with a message, except under ``CI=true``, where that is an
 error: CI must run every corner.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,33 +38,52 @@ REPORTED = ("Django", "celery", "kombu", "redis", "django-celery-results")
 #: versioned APIs (redis-py's client and scripts, Celery's task, retry, configuration and
 #: command-line machinery, Django's ORM, transactions, checks and migrations, the interpreter's
 #: threads and fork), not the whole suite, which the main venv runs on SQLite and PostgreSQL.
-TESTS = ("tests/test_lock.py", "tests/test_task.py", "tests/test_plan.py", "tests/test_conf.py",
-         "tests/test_steps.py", "tests/test_validate.py", "tests/test_heartbeat.py",
-         "tests/test_cli.py", "tests/test_task_celery_worker.py",
-         "tests/contrib/test_django_steps.py",
-         "tests/contrib/test_checks.py", "tests/contrib/test_models.py",
-         # redis-py's clients, pools, credentials and ACL errors; Django's routers
-         "tests/test_clients.py", "tests/test_acl.py", "tests/test_connection_pools.py",
-         "tests/contrib/test_routing.py")
+TESTS = (
+    "tests/test_lock.py",
+    "tests/test_task.py",
+    "tests/test_plan.py",
+    "tests/test_conf.py",
+    "tests/test_steps.py",
+    "tests/test_validate.py",
+    "tests/test_heartbeat.py",
+    "tests/test_cli.py",
+    "tests/test_task_celery_worker.py",
+    "tests/contrib/test_django_steps.py",
+    "tests/contrib/test_checks.py",
+    "tests/contrib/test_models.py",
+    # redis-py's clients, pools, credentials and ACL errors; Django's routers
+    "tests/test_clients.py",
+    "tests/test_acl.py",
+    "tests/test_connection_pools.py",
+    "tests/contrib/test_routing.py",
+)
 #: redis-py's Cluster and Sentinel clients at both ends of the redis-py range.
 TOPOLOGIES = ("tests/test_cluster.py", "tests/test_topologies_sentinel_tls.py")
 #: Real prefork workers (Celery's worker, billiard, the worker signals): duplicates commit once,
 #: a child keeps its lease over three TTLs, a SIGKILL leaves the lease to its TTL, a bad setting
 #: stops the worker at start. The rest of tests/test_workers.py runs on the main venv.
-WORKERS = tuple(f"tests/test_workers.py::{name}" for name in (
-    "test_two_workers_on_one_step_commit_once",
-    "test_prefork_child_keeps_its_lease_over_three_ttls",
-    "test_sigkilled_worker_leaves_its_lease_to_the_ttl",
-    "test_worker_with_an_invalid_setting_refuses_to_start"))
+WORKERS = tuple(
+    f"tests/test_workers.py::{name}"
+    for name in (
+        "test_two_workers_on_one_step_commit_once",
+        "test_prefork_child_keeps_its_lease_over_three_ttls",
+        "test_sigkilled_worker_leaves_its_lease_to_the_ttl",
+        "test_worker_with_an_invalid_setting_refuses_to_start",
+    )
+)
 #: Per corner, run in addition to TESTS: the workers at both ends of the Celery range, and the
 #: admin (with the browser) on both Django 6 releases.
 EXTRA_TESTS = {
     "oldest": WORKERS + TOPOLOGIES,
     "middle": ("tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
-    "newest": WORKERS + TOPOLOGIES + (
+    "newest": WORKERS
+    + TOPOLOGIES
+    + (
         # gevent's and eventlet's native renewal thread and unpatched sockets (TCP, Unix, TLS)
         "tests/test_pools.py::test_green_heartbeat_renews_from_a_native_thread_or_refuses",
-        "tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
+        "tests/contrib/test_admin.py",
+        "tests/contrib/test_browser.py",
+    ),
 }
 
 
@@ -128,7 +148,10 @@ def _reports(executable: str, version: str) -> bool:
     try:
         out = subprocess.run(
             [executable, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True, text=True, timeout=30)
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and out.stdout.strip() == version
@@ -159,17 +182,23 @@ def find_python(version: str) -> str:
         candidates.append(on_path)
     root = _pyenv_root()
     if root is not None:
-        installed = [p for p in (root / "versions").glob(f"{version}.*")
-                     if re.fullmatch(rf"{re.escape(version)}\.\d+", p.name)]
-        candidates += [str(p / "bin" / f"python{version}")
-                       for p in sorted(installed, key=_patch_key, reverse=True)]
+        installed = [
+            p
+            for p in (root / "versions").glob(f"{version}.*")
+            if re.fullmatch(rf"{re.escape(version)}\.\d+", p.name)
+        ]
+        candidates += [
+            str(p / "bin" / f"python{version}")
+            for p in sorted(installed, key=_patch_key, reverse=True)
+        ]
     candidates += [f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
     for candidate in candidates:
         if Path(candidate).exists() and _reports(candidate, version):
             return candidate
     raise MissingInterpreter(
         f"no Python {version} found (looked on PATH and in pyenv's versions: "
-        f"install it, e.g. `pyenv install {version}`)")
+        f"install it, e.g. `pyenv install {version}`)"
+    )
 
 
 def _key(corner: Corner, interpreter: str) -> str:
@@ -181,9 +210,13 @@ def _key(corner: Corner, interpreter: str) -> str:
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-                               "PIP_NO_INPUT": "1"})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"},
+    )
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"corners: FAILED: {' '.join(cmd)}")
@@ -195,16 +228,20 @@ def build(corner: Corner) -> bool:
         interpreter = find_python(corner.python)
     except MissingInterpreter as exc:
         if os.environ.get("CI") == "true":
-            raise SystemExit(f"corners: ERROR: corner {corner.name}: {exc}; CI=true requires "
-                             "every corner") from None
+            raise SystemExit(
+                f"corners: ERROR: corner {corner.name}: {exc}; CI=true requires every corner"
+            ) from None
         say(f"{corner.name}: skipped, {exc}")
         return False
     want = _key(corner, interpreter)
     if corner.built() and _reports(str(corner.executable), corner.python):
         try:
             if json.loads(corner.stamp.read_text()).get("key") == want:
-                say(f"{corner.name}: up to date (Python {corner.python}, "
-                    + describe_versions(corner.versions()) + ")")
+                say(
+                    f"{corner.name}: up to date (Python {corner.python}, "
+                    + describe_versions(corner.versions())
+                    + ")"
+                )
                 return True
         except ValueError:
             pass
@@ -213,16 +250,39 @@ def build(corner: Corner) -> bool:
     _run([interpreter, "-m", "venv", str(corner.venv)])
     py = str(corner.executable)
     _run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"])
-    _run([py, "-m", "pip", "install", "-q", "-e", ".[django]", "-r", "requirements/test.txt",
-          "-c", str(corner.constraints.relative_to(ROOT))])
+    _run(
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "-e",
+            ".[django]",
+            "-r",
+            "requirements/test.txt",
+            "-c",
+            str(corner.constraints.relative_to(ROOT)),
+        ]
+    )
     _run([py, "-m", "pip", "check"])
     out = subprocess.run(
-        [py, "-c", "import json, sys; from importlib.metadata import version\n"
-                   "print(json.dumps({n: version(n) for n in sys.argv[1:]}))", *REPORTED],
-        capture_output=True, text=True, check=True)
+        [
+            py,
+            "-c",
+            "import json, sys; from importlib.metadata import version\n"
+            "print(json.dumps({n: version(n) for n in sys.argv[1:]}))",
+            *REPORTED,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     versions = json.loads(out.stdout)
-    corner.stamp.write_text(json.dumps({"key": want, "interpreter": interpreter,
-                                        "versions": versions}, indent=1) + "\n")
+    corner.stamp.write_text(
+        json.dumps({"key": want, "interpreter": interpreter, "versions": versions}, indent=1)
+        + "\n"
+    )
     say(f"{corner.name}: built (Python {corner.python}, {describe_versions(versions)})")
     return True
 
@@ -239,8 +299,11 @@ def main(argv: list[str]) -> int:
     corners = [load(name) for name in names]
     if argv[0] == "list":
         for corner in corners:
-            state = ("built: " + describe_versions(corner.versions())) if corner.built() \
+            state = (
+                ("built: " + describe_versions(corner.versions()))
+                if corner.built()
                 else "not built"
+            )
             print(f"{corner.name}: Python {corner.python}, {state}")
         return 0
     for corner in corners:

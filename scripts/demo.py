@@ -24,6 +24,7 @@ What it does (``make demo`` runs it):
 
 The last line is machine-readable; the exit status is 0 only when every check passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,15 +51,24 @@ VAR = REPO / "var"
 LOG_ROOT = VAR / "demo-logs"
 DEMO_SQLITE = VAR / "demo.sqlite3"
 
-LEASE_TTL = 5            # seconds: STEPLOCK_TTL of the workers
+LEASE_TTL = 5  # seconds: STEPLOCK_TTL of the workers
 VISIBILITY_TIMEOUT = 10  # seconds: broker visibility_timeout of the workers
 LONG_DELAY = LEASE_TTL + 1.0  # body time of the --long steps: outlives the TTL, heartbeat renews
-RESTORE_INTERVAL = 2     # seconds between kombu's sweeps for unacked messages of dead workers
-KEEP_LOG_RUNS = 10       # demo-log directories kept under var/demo-logs
+RESTORE_INTERVAL = 2  # seconds between kombu's sweeps for unacked messages of dead workers
+KEEP_LOG_RUNS = 10  # demo-log directories kept under var/demo-logs
 TERMINAL = tuple(sorted(checker.TERMINAL))
-STATS_EVENTS = ("lock_acquired", "lock_contended", "lock_extended", "lock_released",
-                "lock_expired", "lock_lost", "transition_applied", "transition_conflict",
-                "lock_store_error", "redelivered")
+STATS_EVENTS = (
+    "lock_acquired",
+    "lock_contended",
+    "lock_extended",
+    "lock_released",
+    "lock_expired",
+    "lock_lost",
+    "transition_applied",
+    "transition_conflict",
+    "lock_store_error",
+    "redelivered",
+)
 # kombu's Redis transport keeps priorities 3/6/9 in sibling lists named queue + sep + priority.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
@@ -67,8 +77,9 @@ KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 def safe(text: str) -> str:
     """``text`` with the passwords of ``REDIS_URL`` and ``DATABASE_URL`` masked: what the demo
     prints about its servers (their URLs, their errors) shows no secret."""
-    return redact(text, url_secrets([os.environ.get("REDIS_URL", ""),
-                                     os.environ.get("DATABASE_URL", "")]))
+    return redact(
+        text, url_secrets([os.environ.get("REDIS_URL", ""), os.environ.get("DATABASE_URL", "")])
+    )
 
 
 class DemoError(RuntimeError):
@@ -134,15 +145,18 @@ class Demo:
 
         if self.shared_redis:
             self.redis_url = os.environ["REDIS_URL"]
-            self.say(f"using REDIS_URL={self.redis_url} (key prefix {self.key_prefix!r}, "
-                     f"broker key prefix {self.broker_prefix!r})")
+            self.say(
+                f"using REDIS_URL={self.redis_url} (key prefix {self.key_prefix!r}, "
+                f"broker key prefix {self.broker_prefix!r})"
+            )
         else:
             self.redis_server = servers.RedisServer(workdir=self.log_dir / "redis")
             self.redis_server.start()
             self.redis_url = self.redis_server.url
             self.say(f"started redis-server pid {self.redis_server.pid} at {self.redis_url}")
-        self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True,
-                                          socket_timeout=10, socket_connect_timeout=5)
+        self.redis = redis.Redis.from_url(
+            self.redis_url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
+        )
         self.redis.ping()
 
     def configure_env(self) -> None:
@@ -180,8 +194,12 @@ class Demo:
         with open(log, "wb") as fh:
             result = subprocess.run(
                 [sys.executable, str(REPO / "manage.py"), "migrate", "--noinput"],
-                cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                timeout=300)
+                cwd=REPO,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=300,
+            )
         if result.returncode != 0:
             raise DemoError(f"manage.py migrate failed (exit {result.returncode}); see {log}")
         self.say(f"migrated {where}")
@@ -198,8 +216,13 @@ class Demo:
 
     def start_worker(self, name: str) -> servers.WorkerProcess:
         worker = servers.celery_worker(
-            name=name, concurrency=2, pool="prefork", env=self.worker_env,
-            logfile=self.log_dir / f"{name}.log", timeout=90)
+            name=name,
+            concurrency=2,
+            pool="prefork",
+            env=self.worker_env,
+            logfile=self.log_dir / f"{name}.log",
+            timeout=90,
+        )
         self.workers[name] = worker
         self.say(f"worker {name} ready (pid {worker.pid}, prefork x2)")
         return worker
@@ -253,9 +276,13 @@ class Demo:
 
         Step.objects.bulk_create(
             [Step(name=f"{self.step_prefix}{i:05d}") for i in range(self.args.steps)],
-            batch_size=500)
-        ids = list(Step.objects.filter(name__startswith=self.step_prefix)
-                   .order_by("id").values_list("id", flat=True))
+            batch_size=500,
+        )
+        ids = list(
+            Step.objects.filter(name__startswith=self.step_prefix)
+            .order_by("id")
+            .values_list("id", flat=True)
+        )
         if len(ids) != self.args.steps:
             raise DemoError(f"created {len(ids)} steps, expected {self.args.steps}")
         self.say(f"created {len(ids)} steps (pending)")
@@ -279,8 +306,11 @@ class Demo:
             duplicate, d1, d2 = task_id(), work(), work()
             if long:  # whichever advance wins works past the TTL: the heartbeat must renew
                 d1 = d2 = LONG_DELAY
-            group = [("advance", step_id, d1, duplicate), ("advance", step_id, d1, duplicate),
-                     ("advance", step_id, d2, task_id())]
+            group = [
+                ("advance", step_id, d1, duplicate),
+                ("advance", step_id, d1, duplicate),
+                ("advance", step_id, d2, task_id()),
+            ]
             if rng.random() < 0.25 and not long:
                 self.compensated += 1
                 delay = round(rng.uniform(0.02, 0.2), 3) if rng.random() < 0.5 else 0.0
@@ -297,9 +327,11 @@ class Demo:
             tasks[name].apply_async(args=(step_id,), kwargs={"delay": delay}, task_id=tid)
         self.published = len(messages)
         counts = Counter(m[0] for m in messages)
-        self.say(f"published {len(messages)} messages: {counts['advance']} advance "
-                 f"({self.args.steps} duplicate pairs sharing a task id), "
-                 f"{counts['compensate']} compensate")
+        self.say(
+            f"published {len(messages)} messages: {counts['advance']} advance "
+            f"({self.args.steps} duplicate pairs sharing a task id), "
+            f"{counts['compensate']} compensate"
+        )
 
     def progress(self) -> tuple[int, int]:
         from django_app.workflows.models import Step
@@ -340,13 +372,17 @@ class Demo:
         worker.kill()
         self.killed = victim
         self.kill_at = time.monotonic()
-        self.say(f"SIGKILL worker {victim} (process group {worker.pid}) while it held "
-                 f"{len(held)} lease(s); {unacked} message(s) were unacknowledged broker-wide")
+        self.say(
+            f"SIGKILL worker {victim} (process group {worker.pid}) while it held "
+            f"{len(held)} lease(s); {unacked} message(s) were unacknowledged broker-wide"
+        )
         for key, info in sorted(held.items()):
-            self.say(f"    {key} owner={info.get('owner', '?')[:12]}.. fence={info.get('fence')} "
-                     f"task={info.get('task_name', '?').rsplit('.', 1)[-1]}"
-                     f"[{info.get('task_id', '?')[:8]}] pid={info.get('pid')} "
-                     f"ttl_left={info['pttl'] / 1000:.1f}s")
+            self.say(
+                f"    {key} owner={info.get('owner', '?')[:12]}.. fence={info.get('fence')} "
+                f"task={info.get('task_name', '?').rsplit('.', 1)[-1]}"
+                f"[{info.get('task_id', '?')[:8]}] pid={info.get('pid')} "
+                f"ttl_left={info['pttl'] / 1000:.1f}s"
+            )
         return held
 
     # -- main loop ---------------------------------------------------------------------------
@@ -354,8 +390,10 @@ class Demo:
     def run(self) -> int:
         args = self.args
         self.prepare_dirs()
-        self.say(f"celery-steplock demo: {args.steps} steps, seed {args.seed}, "
-                 f"logs in {self.log_dir.relative_to(REPO)}")
+        self.say(
+            f"celery-steplock demo: {args.steps} steps, seed {args.seed}, "
+            f"logs in {self.log_dir.relative_to(REPO)}"
+        )
         self.start_redis()
         self.configure_env()
         self.prepare_database()
@@ -369,8 +407,8 @@ class Demo:
         self.publish(messages)
 
         held: dict[str, dict] = {}
-        orphans: dict[str, dict] = {}     # lease key -> info, still held by the dead owner
-        expired: dict[str, float] = {}    # lease key -> seconds after the kill it vanished
+        orphans: dict[str, dict] = {}  # lease key -> info, still held by the dead owner
+        expired: dict[str, float] = {}  # lease key -> seconds after the kill it vanished
         kill_threshold = max(1, int(args.steps * args.kill_at))
         deadline = time.monotonic() + args.timeout
         last_report = 0.0
@@ -388,30 +426,40 @@ class Demo:
             stats = self.stats() if self.killed else Counter()
             if self.killed and redelivery_seen_at is None and stats["redelivered"]:
                 redelivery_seen_at = now
-                self.say(f"a message Redis redelivered (visibility_timeout "
-                         f"{VISIBILITY_TIMEOUT}s) started on a live worker "
-                         f"{now - self.kill_at:.1f}s after the kill")
+                self.say(
+                    f"a message Redis redelivered (visibility_timeout "
+                    f"{VISIBILITY_TIMEOUT}s) started on a live worker "
+                    f"{now - self.kill_at:.1f}s after the kill"
+                )
             waiting, unacked = self.queue_depth()
             if now - last_report >= 2.0:
                 last_report = now
-                self.say(f"progress: {terminal}/{total} terminal, queue {waiting}, "
-                         f"unacked {unacked}")
-            if (self.killed and self.replacement is None and redelivery_seen_at is None
-                    and now - self.kill_at > args.redelivery_grace and unacked > 0):
+                self.say(
+                    f"progress: {terminal}/{total} terminal, queue {waiting}, unacked {unacked}"
+                )
+            if (
+                self.killed
+                and self.replacement is None
+                and redelivery_seen_at is None
+                and now - self.kill_at > args.redelivery_grace
+                and unacked > 0
+            ):
                 self.replacement = "w3"
-                note = (f"kombu had not redelivered the dead worker's messages "
-                        f"{args.redelivery_grace:.0f}s after the kill: started a replacement "
-                        f"worker w3")
+                note = (
+                    f"kombu had not redelivered the dead worker's messages "
+                    f"{args.redelivery_grace:.0f}s after the kill: started a replacement "
+                    f"worker w3"
+                )
                 self.notes.append(note)
                 self.say(note)
                 self.start_worker("w3")
-            if terminal == total and waiting == 0 and unacked == 0 and not orphans \
-                    and self.killed:
+            if terminal == total and waiting == 0 and unacked == 0 and not orphans and self.killed:
                 break
             if now > deadline:
                 self.failed_reasons.append(
                     f"timeout after {args.timeout:.0f}s: {terminal}/{total} terminal, queue "
-                    f"{waiting}, unacked {unacked}, {len(orphans)} orphan lease(s)")
+                    f"{waiting}, unacked {unacked}, {len(orphans)} orphan lease(s)"
+                )
                 self.say(self.failed_reasons[-1])
                 break
             time.sleep(0.2)
@@ -442,18 +490,23 @@ class Demo:
             if after + 0.5 < ttl_left:
                 self.failed_reasons.append(
                     f"lease {key} of the dead worker vanished {after:.1f}s after the kill, "
-                    f"before its TTL ({ttl_left:.1f}s left): somebody deleted it")
+                    f"before its TTL ({ttl_left:.1f}s left): somebody deleted it"
+                )
                 continue
             expired[key] = after
-            self.say(f"lease {key} of the dead worker expired {after:.1f}s after the kill "
-                     f"(TTL left at the kill {ttl_left:.1f}s; nobody released it)")
+            self.say(
+                f"lease {key} of the dead worker expired {after:.1f}s after the kill "
+                f"(TTL left at the kill {ttl_left:.1f}s; nobody released it)"
+            )
 
     def leak_check(self) -> tuple[list[str], list[str]]:
         """Lease keys left once all work drained (+ one TTL); steplock keys without a TTL."""
         leftover = checker.lease_keys(self.redis, self.key_prefix)
         if leftover:
-            self.say(f"{len(leftover)} lease(s) still present; waiting one TTL "
-                     f"({LEASE_TTL}s) before calling them leaked")
+            self.say(
+                f"{len(leftover)} lease(s) still present; waiting one TTL "
+                f"({LEASE_TTL}s) before calling them leaked"
+            )
             time.sleep(LEASE_TTL + 1)
             leftover = checker.lease_keys(self.redis, self.key_prefix)
         return leftover, checker.keys_without_ttl(self.redis, self.key_prefix)
@@ -464,21 +517,26 @@ class Demo:
         from django_app.workflows.models import Step, TransitionRecord
 
         steps = list(Step.objects.filter(name__startswith=self.step_prefix))
-        rows = list(TransitionRecord.objects.filter(step__name__startswith=self.step_prefix)
-                    .order_by("id"))
+        rows = list(
+            TransitionRecord.objects.filter(step__name__startswith=self.step_prefix).order_by("id")
+        )
         records = {}
         for rec in rows:
             records.setdefault(rec.step_id, []).append(rec)
         committed = len(rows)
         # No probe history here (the fault suite's receivers are off): the stale-commit
         # check has nothing to look at; the fences along each chain are still checked.
-        violations = checker.check_steps({s.id: s.status for s in steps},
-                                         [checker.Record.of(r) for r in rows],
-                                         body_runs={s.id: s.attempts for s in steps})
+        violations = checker.check_steps(
+            {s.id: s.status for s in steps},
+            [checker.Record.of(r) for r in rows],
+            body_runs={s.id: s.attempts for s in steps},
+        )
         fence_mismatch = sum(
-            1 for s in steps if s.id in records
-            and (s.lock_owner, s.lock_fence) != (records[s.id][-1].owner,
-                                                 records[s.id][-1].fence))
+            1
+            for s in steps
+            if s.id in records
+            and (s.lock_owner, s.lock_fence) != (records[s.id][-1].owner, records[s.id][-1].fence)
+        )
         by_status = Counter(s.status for s in steps)
         stats = self.stats()
         expired_n = len(expired)
@@ -497,48 +555,100 @@ class Demo:
         wall_s = self.clock()
 
         rows = [
-            ("steps", len(steps), f"{by_status['done']} done, {by_status['cancelled']} "
-                                  f"cancelled, {self.compensated} had a racing compensate"),
-            ("messages published", self.published, "3 advance per step (one duplicate id) "
-                                                   "+ compensations"),
-            ("committed transitions", committed, "TransitionRecord rows (written in the CAS "
-                                                 "transaction)"),
+            (
+                "steps",
+                len(steps),
+                f"{by_status['done']} done, {by_status['cancelled']} "
+                f"cancelled, {self.compensated} had a racing compensate",
+            ),
+            (
+                "messages published",
+                self.published,
+                "3 advance per step (one duplicate id) + compensations",
+            ),
+            (
+                "committed transitions",
+                committed,
+                "TransitionRecord rows (written in the CAS transaction)",
+            ),
             ("  by worker", ", ".join(f"{w}={n}" for w, n in sorted(per_worker.items())), ""),
-            ("task results", " ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "-",
-             "stored states (an Ignore()d run stores none; FAILURE: retries exhausted)"),
-            ("winners' results", f"{winners['SUCCESS']}/{committed} SUCCESS",
-             "stored state of each committing task id"
-             + (f"; {committed - winners['SUCCESS']} not SUCCESS "
-                f"({' '.join(f'{k}={v}' for k, v in sorted(winners.items()) if k != 'SUCCESS')}"
-                f"): a same-id duplicate stored over it" if winners['SUCCESS'] != committed
-                else "")),
+            (
+                "task results",
+                " ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "-",
+                "stored states (an Ignore()d run stores none; FAILURE: retries exhausted)",
+            ),
+            (
+                "winners' results",
+                f"{winners['SUCCESS']}/{committed} SUCCESS",
+                "stored state of each committing task id"
+                + (
+                    f"; {committed - winners['SUCCESS']} not SUCCESS "
+                    f"({' '.join(f'{k}={v}' for k, v in sorted(winners.items()) if k != 'SUCCESS')}"
+                    f"): a same-id duplicate stored over it"
+                    if winners["SUCCESS"] != committed
+                    else ""
+                ),
+            ),
             ("locks acquired", stats["lock_acquired"], "lock_acquired signals"),
             ("contended", stats["lock_contended"], "lock_contended: lease busy -> retried"),
-            ("conflicts", stats["transition_conflict"],
-             "transition_conflict: step already left 'pending' -> skipped, rolled back"),
-            ("leases renewed", stats["lock_extended"],
-             f"heartbeat lock_extended signals (every {LEASE_TTL / 3:.1f}s while held)"),
+            (
+                "conflicts",
+                stats["transition_conflict"],
+                "transition_conflict: step already left 'pending' -> skipped, rolled back",
+            ),
+            (
+                "leases renewed",
+                stats["lock_extended"],
+                f"heartbeat lock_extended signals (every {LEASE_TTL / 3:.1f}s while held)",
+            ),
             ("leases released", stats["lock_released"], "released after commit"),
             ("leases lost", stats["lock_lost"], "lock_lost signals"),
-            ("killed worker", self.killed or "-",
-             f"SIGKILL; held {orphaned} lease(s) at the time"),
-            ("leases expired", expired_n,
-             "dead worker's leases that vanished by TTL (never released)"
-             + (f", {min(expired.values()):.1f}-{max(expired.values()):.1f}s after the kill"
-                if expired else "")),
-            ("redelivered", stats["redelivered"],
-             f"messages run again after kombu restored them (visibility_timeout "
-             f"{VISIBILITY_TIMEOUT}s, acks_late)"),
-            ("replacement worker", self.replacement or "none", "survivor finished alone"
-             if not self.replacement else "kombu did not redeliver in time"),
-            ("invariant violations", len(violations), "checker: 1 terminal commit per step, "
-                                                     "legal chain == status, fences rising, "
-                                                     "attempts == commits; killed leases "
-                                                     "expired"),
-            ("owner/fence columns", "match" if not fence_mismatch else
-             f"{fence_mismatch} differ", "step.lock_owner/lock_fence == committing lease"),
-            ("fencing tokens", f"{len(set(fences))} distinct" if fences else "-",
-             "fence of each committed grant (Redis-issued, per lease name)"),
+            (
+                "killed worker",
+                self.killed or "-",
+                f"SIGKILL; held {orphaned} lease(s) at the time",
+            ),
+            (
+                "leases expired",
+                expired_n,
+                "dead worker's leases that vanished by TTL (never released)"
+                + (
+                    f", {min(expired.values()):.1f}-{max(expired.values()):.1f}s after the kill"
+                    if expired
+                    else ""
+                ),
+            ),
+            (
+                "redelivered",
+                stats["redelivered"],
+                f"messages run again after kombu restored them (visibility_timeout "
+                f"{VISIBILITY_TIMEOUT}s, acks_late)",
+            ),
+            (
+                "replacement worker",
+                self.replacement or "none",
+                "survivor finished alone"
+                if not self.replacement
+                else "kombu did not redeliver in time",
+            ),
+            (
+                "invariant violations",
+                len(violations),
+                "checker: 1 terminal commit per step, "
+                "legal chain == status, fences rising, "
+                "attempts == commits; killed leases "
+                "expired",
+            ),
+            (
+                "owner/fence columns",
+                "match" if not fence_mismatch else f"{fence_mismatch} differ",
+                "step.lock_owner/lock_fence == committing lease",
+            ),
+            (
+                "fencing tokens",
+                f"{len(set(fences))} distinct" if fences else "-",
+                "fence of each committed grant (Redis-issued, per lease name)",
+            ),
             ("leaked leases", len(leaked), "lease keys left after drain + one TTL"),
             ("keys without TTL", len(no_ttl), f"under {self.key_prefix}:*"),
             ("work time", f"{work_s:.1f}s", "publish -> all terminal and drained"),
@@ -559,18 +669,26 @@ class Demo:
             print(f"... and {len(violations) - 20} more violations")
         for line in self.failed_reasons:
             print(f"FAILED: {line}")
-        ok = (committed == len(steps) == self.args.steps and not violations and not leaked
-              and not no_ttl and not self.failed_reasons)
+        ok = (
+            committed == len(steps) == self.args.steps
+            and not violations
+            and not leaked
+            and not no_ttl
+            and not self.failed_reasons
+        )
         # The invariants above are settled: the reaper runs last, so it cannot change them,
         # and it does not change the exit status either (it has nothing to do after a clean
         # run: no lease is left and no step is in flight).
         for line in self.run_reaper():
             print(line)
         print()
-        print(f"steps={len(steps)} committed={committed} contended={stats['lock_contended']} "
-              f"conflicts={stats['transition_conflict']} expired={expired_n} "
-              f"violations={len(violations)} leaked={len(leaked) + len(no_ttl)} "
-              f"wall_s={wall_s:.1f}", flush=True)
+        print(
+            f"steps={len(steps)} committed={committed} contended={stats['lock_contended']} "
+            f"conflicts={stats['transition_conflict']} expired={expired_n} "
+            f"violations={len(violations)} leaked={len(leaked) + len(no_ttl)} "
+            f"wall_s={wall_s:.1f}",
+            flush=True,
+        )
         return 0 if ok else 1
 
     def run_reaper(self) -> list[str]:
@@ -588,8 +706,14 @@ class Demo:
             argv.append("--dry-run")
         started = time.monotonic()
         try:
-            result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
-                                    stdin=subprocess.DEVNULL, timeout=120)
+            result = subprocess.run(
+                argv,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                timeout=120,
+            )
         except subprocess.TimeoutExpired:
             return ["reaper: timed out after 120s"]
         took = time.monotonic() - started
@@ -599,19 +723,23 @@ class Demo:
             tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
             return [f"reaper: exit {result.returncode}, no report ({tail})"]
         mode = " --dry-run (shared Redis or database)" if shared else ""
-        lines = [f"reaper: celery -A django_app steplock reap{mode}: exit {result.returncode} "
-                 f"in {took:.1f}s",
-                 f"reaper: leases scanned {report['leases_scanned']}, "
-                 f"{'to reap' if report['dry_run'] else 'reaped'} "
-                 f"{len(report['leases_reaped'])}, steps "
-                 f"{'to recover' if report['dry_run'] else 'recovered'} "
-                 f"{len(report['steps_recovered'])}, errors {len(report['errors'])}"]
-        reaped, recovered = (("would reap", "would recover") if report["dry_run"]
-                             else ("reaped", "recovered"))
-        lines += [f"reaper: {reaped} {r['name']}: {r['reason']}"
-                  for r in report["leases_reaped"]]
-        lines += [f"reaper: {recovered} step {r['pk']}: {r['from_']} -> {r['to']}"
-                  for r in report["steps_recovered"]]
+        lines = [
+            f"reaper: celery -A django_app steplock reap{mode}: exit {result.returncode} "
+            f"in {took:.1f}s",
+            f"reaper: leases scanned {report['leases_scanned']}, "
+            f"{'to reap' if report['dry_run'] else 'reaped'} "
+            f"{len(report['leases_reaped'])}, steps "
+            f"{'to recover' if report['dry_run'] else 'recovered'} "
+            f"{len(report['steps_recovered'])}, errors {len(report['errors'])}",
+        ]
+        reaped, recovered = (
+            ("would reap", "would recover") if report["dry_run"] else ("reaped", "recovered")
+        )
+        lines += [f"reaper: {reaped} {r['name']}: {r['reason']}" for r in report["leases_reaped"]]
+        lines += [
+            f"reaper: {recovered} step {r['pk']}: {r['from_']} -> {r['to']}"
+            for r in report["steps_recovered"]
+        ]
         lines += [f"reaper: error: {e}" for e in report["errors"]]
         return lines
 
@@ -622,8 +750,11 @@ class Demo:
         ids = sorted({m[3] for m in self.messages})
         found = Counter()
         for i in range(0, len(ids), 500):
-            found.update(TaskResult.objects.filter(task_id__in=ids[i:i + 500])
-                         .values_list("status", flat=True))
+            found.update(
+                TaskResult.objects.filter(task_id__in=ids[i : i + 500]).values_list(
+                    "status", flat=True
+                )
+            )
         return found
 
     def winner_outcomes(self, task_ids) -> Counter:
@@ -633,8 +764,11 @@ class Demo:
         ids = sorted(set(task_ids))
         states = {}
         for i in range(0, len(ids), 500):
-            states.update(TaskResult.objects.filter(task_id__in=ids[i:i + 500])
-                          .values_list("task_id", "status"))
+            states.update(
+                TaskResult.objects.filter(task_id__in=ids[i : i + 500]).values_list(
+                    "task_id", "status"
+                )
+            )
         return Counter(states.get(tid, "none") for tid in task_ids)
 
     # -- teardown -----------------------------------------------------------------------------
@@ -648,11 +782,14 @@ class Demo:
                     print(safe(f"demo: could not stop worker {name}: {exc}"), file=sys.stderr)
         if self.redis is not None and self.shared_redis:
             try:
-                for pattern in (f"{self.key_prefix}:*", f"{self.broker_prefix}*",
-                                f"{self.stats_prefix}:*"):
+                for pattern in (
+                    f"{self.key_prefix}:*",
+                    f"{self.broker_prefix}*",
+                    f"{self.stats_prefix}:*",
+                ):
                     keys = self.scan(pattern)
                     for i in range(0, len(keys), 500):
-                        self.redis.delete(*keys[i:i + 500])
+                        self.redis.delete(*keys[i : i + 500])
             except Exception as exc:  # noqa: BLE001
                 print(safe(f"demo: could not clean up Redis keys: {exc}"), file=sys.stderr)
         if self.redis_server is not None:
@@ -670,7 +807,7 @@ class Demo:
                     Step.objects.filter(name__startswith=self.step_prefix).delete()
                     ids = sorted({m[3] for m in getattr(self, "messages", ())})
                     for i in range(0, len(ids), 500):
-                        TaskResult.objects.filter(task_id__in=ids[i:i + 500]).delete()
+                        TaskResult.objects.filter(task_id__in=ids[i : i + 500]).delete()
                 except Exception as exc:  # noqa: BLE001
                     print(safe(f"demo: could not delete the demo steps: {exc}"), file=sys.stderr)
         elif self.use_sqlite:
@@ -685,18 +822,37 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="number of steps (default 200)")
     parser.add_argument("--seed", type=int, default=42, help="RNG seed of the workload")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the demo database (var/demo.sqlite3, or the demo rows)")
-    parser.add_argument("--timeout", type=float, default=180.0,
-                        help="seconds to wait for every step to be terminal (default 180)")
-    parser.add_argument("--long", type=int, default=1,
-                        help=f"steps whose advance works {LONG_DELAY:g}s, longer than "
-                             f"the {LEASE_TTL}s lease TTL, so the heartbeat must renew (1)")
-    parser.add_argument("--kill-at", type=float, default=0.3,
-                        help="share of terminal steps at which a worker is killed (0.3)")
-    parser.add_argument("--redelivery-grace", type=float, default=30.0,
-                        help="seconds to wait for kombu to redeliver the killed worker's "
-                             "messages before starting a replacement worker (30)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the demo database (var/demo.sqlite3, or the demo rows)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=180.0,
+        help="seconds to wait for every step to be terminal (default 180)",
+    )
+    parser.add_argument(
+        "--long",
+        type=int,
+        default=1,
+        help=f"steps whose advance works {LONG_DELAY:g}s, longer than "
+        f"the {LEASE_TTL}s lease TTL, so the heartbeat must renew (1)",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.3,
+        help="share of terminal steps at which a worker is killed (0.3)",
+    )
+    parser.add_argument(
+        "--redelivery-grace",
+        type=float,
+        default=30.0,
+        help="seconds to wait for kombu to redeliver the killed worker's "
+        "messages before starting a replacement worker (30)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")

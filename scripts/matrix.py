@@ -7,6 +7,7 @@ PATH for tox. Arguments go to ``tox run`` (default: the whole envlist); an inter
 missing makes its envs skip (tox.ini's skip_missing_interpreters), and the list of what was
 found is printed first.
 """
+
 from __future__ import annotations
 
 import os

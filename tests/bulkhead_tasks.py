@@ -7,6 +7,7 @@ unit counts only when the slot was still valid after it (``current_slot().check(
 fenced effect would. ``unlimited`` is the negative control: the same body without the
 limit, whose executions wait for each other at a barrier so that they overlap.
 """
+
 import json
 import os
 import time
@@ -36,8 +37,11 @@ def now(r):
 def work(group, n, units, unit_seconds, slot):
     r = client()
     if slot is not None:
-        r.set(f"bk:holder:{group}:{n}", json.dumps({"pid": os.getpid(), "owner": slot.owner,
-                                                    "key": slot.lease.key}), ex=120)
+        r.set(
+            f"bk:holder:{group}:{n}",
+            json.dumps({"pid": os.getpid(), "owner": slot.owner, "key": slot.lease.key}),
+            ex=120,
+        )
     try:
         for _ in range(units):
             start = now(r)
@@ -45,8 +49,10 @@ def work(group, n, units, unit_seconds, slot):
             end = now(r)
             if slot is not None:
                 slot.check()
-            r.rpush(f"bk:runs:{group}", json.dumps(
-                [n, start, end, os.getpid(), slot.fence if slot else None]))
+            r.rpush(
+                f"bk:runs:{group}",
+                json.dumps([n, start, end, os.getpid(), slot.fence if slot else None]),
+            )
     except LockLost:
         r.rpush(f"bk:lost:{group}", n)
         return "lost"
@@ -54,14 +60,26 @@ def work(group, n, units, unit_seconds, slot):
     return "done"
 
 
-@app.task(bind=True, base=StepLockedTask, name="bk.limited", lock_key="bk:{group}:{n}",
-          concurrency_limit=2, concurrency_limit_key="bk:{group}")
+@app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="bk.limited",
+    lock_key="bk:{group}:{n}",
+    concurrency_limit=2,
+    concurrency_limit_key="bk:{group}",
+)
 def limited(self, group, n, units=1, unit_seconds=0.3):
     return work(group, n, units, unit_seconds, current_slot())
 
 
-@app.task(bind=True, base=StepLockedTask, name="bk.single", lock_key="bk:{group}:{n}",
-          concurrency_limit=1, concurrency_limit_key="bk:{group}")
+@app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="bk.single",
+    lock_key="bk:{group}:{n}",
+    concurrency_limit=1,
+    concurrency_limit_key="bk:{group}",
+)
 def single(self, group, n, units=1, unit_seconds=0.3):
     return work(group, n, units, unit_seconds, current_slot())
 

@@ -4,6 +4,7 @@ Servers and workers come from ``tests/support`` (servers.py, processes.py). ``ma
 (scripts/run_tests.py) starts one Redis for the whole run and exports REDIS_URL; a bare
 ``pytest`` starts its own here.
 """
+
 from __future__ import annotations
 
 import os
@@ -132,15 +133,17 @@ def worker_env(transactional_db, redis_client, celery_app_configured, tmp_path):
     from django.db import connection
 
     env = dict(os.environ)
-    env.update({
-        "DATABASE_URL": database_url(connection.settings_dict),
-        "REDIS_URL": celery_app_configured.conf.broker_url,
-        "STEPLOCK_TTL": "2",
-        "STEPLOCK_LOG_LEVEL": "DEBUG",
-        "PYTHONUNBUFFERED": "1",
-        "DJANGO_SETTINGS_MODULE": "django_app.settings",
-        "PYTHONPATH": str(ROOT),
-    })
+    env.update(
+        {
+            "DATABASE_URL": database_url(connection.settings_dict),
+            "REDIS_URL": celery_app_configured.conf.broker_url,
+            "STEPLOCK_TTL": "2",
+            "STEPLOCK_LOG_LEVEL": "DEBUG",
+            "PYTHONUNBUFFERED": "1",
+            "DJANGO_SETTINGS_MODULE": "django_app.settings",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
     return env
 
 
@@ -152,9 +155,15 @@ def start_worker(worker_env, tmp_path):
 
     def start(name="w1", concurrency=2, pool="prefork", extra_args=(), **env):
         worker = servers.celery_worker(
-            app="django_app", name=name, concurrency=concurrency, pool=pool,
+            app="django_app",
+            name=name,
+            concurrency=concurrency,
+            pool=pool,
             env={**worker_env, **{k: str(v) for k, v in env.items()}},
-            logfile=tmp_path / f"{name}.log", extra_args=tuple(extra_args), cwd=ROOT)
+            logfile=tmp_path / f"{name}.log",
+            extra_args=tuple(extra_args),
+            cwd=ROOT,
+        )
         started.append(worker)
         return worker
 

@@ -1,4 +1,5 @@
 """Small helpers shared by the tests."""
+
 from tests.support.processes import wait_until  # noqa: F401 - shared with the tests
 from tests.support.servers import free_port
 
@@ -29,14 +30,19 @@ def set_settings(app, **values):
 
 def stats(client):
     """The demo tasks' counters (``demo:stats:<name>``) as ``{name: int}``."""
-    return {key.rsplit(":", 1)[1]: int(client.get(key))
-            for key in client.scan_iter(match="demo:stats:*")}
+    return {
+        key.rsplit(":", 1)[1]: int(client.get(key))
+        for key in client.scan_iter(match="demo:stats:*")
+    }
 
 
 def drained(client):
     """No message queued, reserved or waiting for an ETA, and no lease held."""
-    return (client.llen("celery") == 0 and client.hlen("unacked") == 0
-            and not list(client.scan_iter(match="steplock:lease:*")))
+    return (
+        client.llen("celery") == 0
+        and client.hlen("unacked") == 0
+        and not list(client.scan_iter(match="steplock:lease:*"))
+    )
 
 
 def lease_key(step):
@@ -53,8 +59,9 @@ def write_hostile_leases(redis_client, lease_store, deep_name):
     and a lease whose key is not UTF-8; returns ``(raw client, that key)`` (close the client)."""
     import redis
 
-    redis_client.hset(lease_store.key(deep_name), mapping={"owner": "b" * 32, "fence": "1",
-                                                           "meta": "[" * 1200})
+    redis_client.hset(
+        lease_store.key(deep_name), mapping={"owner": "b" * 32, "fence": "1", "meta": "[" * 1200}
+    )
     redis_client.pexpire(lease_store.key(deep_name), 60_000)
     kwargs = redis_client.connection_pool.connection_kwargs
     raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))

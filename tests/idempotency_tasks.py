@@ -5,6 +5,7 @@ sees what ran in every worker process. ``IDEM_VERSION`` sets the policy version 
 ``IDEM_LOCK_TTL`` the record's lock TTL of this worker process, ``IDEM_SLEEP`` how long
 ``charge`` sleeps when its ``sleep`` argument is 0.
 """
+
 import os
 import random
 import time
@@ -33,20 +34,34 @@ def _fresh_lock_name(order_id, amount, sleep=0.0):
     return f"idem-charge:{order_id}:{random.getrandbits(64)}"
 
 
-@app.task(bind=True, base=StepLockedTask, name="tests.idem.charge", lock_key=_fresh_lock_name,
-          idempotency_key="order:{order_id}",
-          idempotency_version=os.environ.get("IDEM_VERSION", "1"))
+@app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.idem.charge",
+    lock_key=_fresh_lock_name,
+    idempotency_key="order:{order_id}",
+    idempotency_version=os.environ.get("IDEM_VERSION", "1"),
+)
 def charge(self, order_id, amount, sleep=0.0):
     client = counters()
     client.incr(f"idem:starts:{order_id}")
     time.sleep(sleep or float(os.environ.get("IDEM_SLEEP", 0)))
     client.incr(f"idem:done:{order_id}")
-    return {"order": order_id, "charged": amount, "pid": os.getpid(),
-            "version": self.idempotency_version}
+    return {
+        "order": order_id,
+        "charged": amount,
+        "pid": os.getpid(),
+        "version": self.idempotency_version,
+    }
 
 
-@app.task(bind=True, base=StepLockedTask, name="tests.idem.flaky", lock_key="flaky:{order_id}",
-          idempotency_key="flaky:{order_id}")
+@app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.idem.flaky",
+    lock_key="flaky:{order_id}",
+    idempotency_key="flaky:{order_id}",
+)
 def flaky(self, order_id):
     attempt = counters().incr(f"idem:flaky:{order_id}")
     if attempt == 1:

@@ -1,6 +1,7 @@
 """The lease store and StepLockedTask as a least-privilege Redis ACL user (tests/support/acl.py),
 and as users that lack a permission or log in wrongly: those are configuration errors
 (LockStoreMisconfigured), never outages, and no script leaves half of its writes behind."""
+
 from __future__ import annotations
 
 import socket
@@ -20,12 +21,23 @@ from celery_steplock import _wire, signals
 from celery_steplock.breaker import CircuitBreaker
 from celery_steplock.bulkhead import ConcurrencyLimit
 from celery_steplock.contrib.django.leases import lease_page
-from celery_steplock.exceptions import CircuitOpen, ConcurrencyLimited, LockContended, \
-    LockError, LockStoreMisconfigured, LockStoreUnavailable
+from celery_steplock.exceptions import (
+    CircuitOpen,
+    ConcurrencyLimited,
+    LockContended,
+    LockError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+)
 from celery_steplock.heartbeat import get_heartbeat
 from celery_steplock.idempotency import idempotent
-from celery_steplock.lock import RedisLeaseStore, get_lease_store, holder_metadata, \
-    make_client, store_error
+from celery_steplock.lock import (
+    RedisLeaseStore,
+    get_lease_store,
+    holder_metadata,
+    make_client,
+    store_error,
+)
 from celery_steplock.ops import force_release
 from celery_steplock.ratelimit import SlidingWindow, TokenBucket
 from celery_steplock.reaper import reap
@@ -41,15 +53,24 @@ BODY_RUNS: list = []
 GHOST = "ghost@nowhere.invalid"
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.acl_finish",
-                 lock_key="acl:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), on_contended="raise")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.acl_finish",
+    lock_key="acl:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="raise",
+)
 def acl_finish(self, step_id, hold=0.0):
     BODY_RUNS.append(step_id)
     if hold:
         time.sleep(hold)
-    return {"owner": self.lease.owner if self.lease else None,
-            "fence": self.lease.fence if self.lease else None}
+    return {
+        "owner": self.lease.owner if self.lease else None,
+        "fence": self.lease.fence if self.lease else None,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +160,16 @@ def test_lock_cycle_as_the_user(store, admin, events):
 def test_a_waiter_is_woken_by_a_release_as_the_user(store, admin):
     holder = store.acquire("w", ttl=60.0)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(store.acquire("w", "waiter", 60.0,
-                                                                      wait=20.0)))
+    waiter = threading.Thread(
+        target=lambda: got.append(store.acquire("w", "waiter", 60.0, wait=20.0))
+    )
     waiter.start()
-    servers.wait_until(lambda: admin.zscore("steplock:waiters:{w}", "waiter") is not None,
-                       timeout=10, interval=0.005, what="the waiter to register")
+    servers.wait_until(
+        lambda: admin.zscore("steplock:waiters:{w}", "waiter") is not None,
+        timeout=10,
+        interval=0.005,
+        what="the waiter to register",
+    )
     released_at = time.monotonic()
     assert store.release("w", holder.owner) is True
     waiter.join(30)
@@ -168,9 +194,17 @@ def test_renewal_by_the_heartbeat_as_the_user(store):
 
 def test_reap_scan_and_admin_page_as_the_user(app, user_url, store, admin, events):
     app.conf.steplock_redis_url = user_url
-    lease = store.acquire("ghostly", ttl=60.0, metadata={
-        "task_id": "t-1", "task_name": "tests.fake", "worker": GHOST,
-        "hostname": "elsewhere.invalid", "pid": "4242"})
+    lease = store.acquire(
+        "ghostly",
+        ttl=60.0,
+        metadata={
+            "task_id": "t-1",
+            "task_name": "tests.fake",
+            "worker": GHOST,
+            "hostname": "elsewhere.invalid",
+            "pid": "4242",
+        },
+    )
     keep = store.acquire("kept", ttl=60.0, metadata={"task_name": "tests.fake"})
     page = lease_page(store, 0, 50)
     assert sorted(info["name"] for info in page.leases) == ["ghostly", "kept"]
@@ -178,11 +212,16 @@ def test_reap_scan_and_admin_page_as_the_user(app, user_url, store, admin, event
     now_s, now_us = admin.time()
     admin.hset(store.key("ghostly"), "renewed_ms", now_s * 1000 + now_us // 1000 - 60000)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(
-        store.acquire("ghostly", "waiter", 60.0, wait=20.0)))
+    waiter = threading.Thread(
+        target=lambda: got.append(store.acquire("ghostly", "waiter", 60.0, wait=20.0))
+    )
     waiter.start()
-    servers.wait_until(lambda: admin.zscore("steplock:waiters:{ghostly}", "waiter") is not None,
-                       timeout=10, interval=0.005, what="the waiter to register")
+    servers.wait_until(
+        lambda: admin.zscore("steplock:waiters:{ghostly}", "waiter") is not None,
+        timeout=10,
+        interval=0.005,
+        what="the waiter to register",
+    )
     reaped_at = time.monotonic()
     report = reap(app, ping_timeout=0.3, lock=store)
     assert report.ok, report.errors
@@ -206,29 +245,34 @@ def test_force_release_with_its_record_as_the_user(store, events):
     assert kw["forced"] is True and kw["owner"] == lease.owner
 
 
-def test_admin_force_release_writes_its_log_entry_as_the_user(as_user, django_user_model,
-                                                              events):
+def test_admin_force_release_writes_its_log_entry_as_the_user(as_user, django_user_model, events):
     from django.contrib.auth.models import Permission
 
     store = get_lease_store(as_user)
-    lease = store.acquire("step:9", ttl=60.0, metadata=holder_metadata(
-        "t-9", acl_finish.name, 0, worker="w1@box"))
+    lease = store.acquire(
+        "step:9", ttl=60.0, metadata=holder_metadata("t-9", acl_finish.name, 0, worker="w1@box")
+    )
     user = django_user_model.objects.create_user("ops", password="pw", is_staff=True)
     for codename in ("view_lease", "force_release_lease"):
-        user.user_permissions.add(Permission.objects.get(
-            content_type__app_label="celery_steplock", codename=codename))
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label="celery_steplock", codename=codename)
+        )
     client = Client()
     client.force_login(user)
     listing = client.get(reverse("admin:celery_steplock_lease_changelist"))
     assert listing.status_code == 200
     assert [r["lease"].name for r in listing.context["rows"]] == ["step:9"]
-    response = client.post(reverse("admin:celery_steplock_lease_release"),
-                           {"name": "step:9", "owner": lease.owner})
+    response = client.post(
+        reverse("admin:celery_steplock_lease_release"), {"name": "step:9", "owner": lease.owner}
+    )
     assert response.status_code == 302
     assert store.inspect("step:9") is None
     [entry] = LogEntry.objects.filter(action_flag=DELETION)
-    assert lease.owner in entry.change_message or lease.owner in entry.object_repr \
+    assert (
+        lease.owner in entry.change_message
+        or lease.owner in entry.object_repr
         or "step:9" in entry.object_repr
+    )
     released = [kw for n, kw in events if n == "lock_released"]
     assert [(kw["owner"], kw["forced"]) for kw in released] == [(lease.owner, True)]
 
@@ -334,8 +378,14 @@ def test_a_bulkhead_slot_is_held_and_released_as_the_user(user_client, admin):
 
 
 def test_a_circuit_breaker_records_failures_and_successes_as_the_user(user_client, admin):
-    breaker = CircuitBreaker("acl-dep", failure_threshold=2, window=4, recovery_timeout=0.3,
-                             success_threshold=1, client=user_client)
+    breaker = CircuitBreaker(
+        "acl-dep",
+        failure_threshold=2,
+        window=4,
+        recovery_timeout=0.3,
+        success_threshold=1,
+        client=user_client,
+    )
 
     def fail():
         raise ConnectionError("dependency down")
@@ -418,8 +468,9 @@ def test_missing_command_is_named_before_anything_is_written(acl_server, admin):
 
 
 def test_missing_key_pattern_is_refused_before_anything_is_written(acl_server, admin):
-    url = acl.create_user(acl_server, keys=["steplock:lease:*", "steplock:waiters:*",
-                                            "steplock:wake:*"])
+    url = acl.create_user(
+        acl_server, keys=["steplock:lease:*", "steplock:waiters:*", "steplock:wake:*"]
+    )
     store = RedisLeaseStore(make_client(url))
     with pytest.raises(LockStoreMisconfigured) as caught:
         store.acquire("m", ttl=30.0)
@@ -463,8 +514,9 @@ def test_a_permission_revoked_later_leaves_the_lease_as_it_was(acl_server, admin
 
 
 @pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
-def test_task_fails_with_a_missing_permission_whatever_the_policy(as_user, acl_server,
-                                                                 policy, events):
+def test_task_fails_with_a_missing_permission_whatever_the_policy(
+    as_user, acl_server, policy, events
+):
     as_user.conf.steplock_redis_url = acl.create_user(acl_server, without=["hset"])
     as_user.conf.steplock_on_store_error = policy
     step = Step.objects.create(name="s")
@@ -485,8 +537,7 @@ def _with_credentials(url, userinfo):
 
 
 @pytest.mark.parametrize("userinfo", ["steplock:wrong-password", "nobody:secret"])
-def test_wrong_password_or_unknown_user_is_a_configuration_error(acl_server, user_url,
-                                                                 userinfo):
+def test_wrong_password_or_unknown_user_is_a_configuration_error(acl_server, user_url, userinfo):
     store = RedisLeaseStore(make_client(_with_credentials(acl_server.url, userinfo)))
     with pytest.raises(LockStoreMisconfigured) as caught:
         store.acquire("c", ttl=30.0)
@@ -509,8 +560,9 @@ def password_server(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
-def test_task_without_the_required_password_fails_whatever_the_policy(app, password_server,
-                                                                      policy, events):
+def test_task_without_the_required_password_fails_whatever_the_policy(
+    app, password_server, policy, events
+):
     BODY_RUNS.clear()
     app.conf.steplock_redis_url = password_server.url  # NOAUTH: no password given
     app.conf.steplock_on_store_error = policy
@@ -540,14 +592,33 @@ def test_an_unreachable_server_stays_an_outage():
 
 def _self_signed(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=steplock-test", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=steplock-test",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
-@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode,
-                    reason="needs the openssl command")
+@pytest.mark.skipif(
+    subprocess.run(["which", "openssl"], capture_output=True).returncode,
+    reason="needs the openssl command",
+)
 def test_a_failed_tls_verification_is_a_configuration_error(tmp_path):
     """redis-py wraps the ``ssl.SSLCertVerificationError`` of a server whose certificate no
     trusted CA signed in a ConnectionError: classified by its cause, not as an outage."""
@@ -568,8 +639,9 @@ def test_a_failed_tls_verification_is_a_configuration_error(tmp_path):
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    store = RedisLeaseStore(redis.Redis.from_url(f"rediss://127.0.0.1:{port}/0",
-                                                 socket_timeout=2, retry=None))
+    store = RedisLeaseStore(
+        redis.Redis.from_url(f"rediss://127.0.0.1:{port}/0", socket_timeout=2, retry=None)
+    )
     try:
         with pytest.raises(LockStoreMisconfigured) as caught:
             store.acquire("tls", ttl=5.0)
@@ -586,23 +658,38 @@ def test_classification_of_redis_errors():
     e = redis.exceptions
     assert _wire.misconfiguration(e.NoPermissionError("no permissions")) == "permission refused"
     assert _wire.misconfiguration(e.AuthenticationError("invalid")) == "authentication failed"
-    assert _wire.misconfiguration(
-        e.AuthenticationWrongNumberOfArgsError("wrong")) == "authentication failed"
-    assert _wire.misconfiguration(e.ResponseError(
-        "Error running script: The user executing the script can't run this command or "
-        "subcommand")) == "permission refused"
+    assert (
+        _wire.misconfiguration(e.AuthenticationWrongNumberOfArgsError("wrong"))
+        == "authentication failed"
+    )
+    assert (
+        _wire.misconfiguration(
+            e.ResponseError(
+                "Error running script: The user executing the script can't run this command or "
+                "subcommand"
+            )
+        )
+        == "permission refused"
+    )
     assert _wire.misconfiguration(e.ResponseError("WRONGTYPE Operation")) is None
     assert _wire.misconfiguration(e.ConnectionError("refused")) is None
     assert _wire.misconfiguration(e.TimeoutError("timed out")) is None
     assert type(store_error(e.ResponseError("WRONGTYPE x"), "acquire")) is LockError
     assert type(store_error(e.ConnectionError("x"), "acquire")) is LockStoreUnavailable
-    assert type(store_error(e.NoPermissionError(
-        "this user has no permissions to run the 'zrem' command"), "wait")).__name__ == \
-        "LockStoreMisconfigured"
+    assert (
+        type(
+            store_error(
+                e.NoPermissionError("this user has no permissions to run the 'zrem' command"),
+                "wait",
+            )
+        ).__name__
+        == "LockStoreMisconfigured"
+    )
 
 
-def test_a_server_refusing_writes_for_another_reason_is_not_an_acl_error(acl_server, user_url,
-                                                                        admin):
+def test_a_server_refusing_writes_for_another_reason_is_not_an_acl_error(
+    acl_server, user_url, admin
+):
     """The probe reports only what the ACL refuses: a server out of memory refuses the
     probe's writes as it would the lease scripts' (a LockError, not a permission)."""
     store = RedisLeaseStore(make_client(user_url))
@@ -626,21 +713,29 @@ def test_a_renewal_refused_later_loses_the_lease_once(acl_server, admin, caplog)
     lease = store.acquire("rv", ttl=0.6)
     hb = get_heartbeat()
     lost = []
-    signals.lock_lost.connect(lambda sender=None, **kw: lost.append(kw["owner"]), weak=False,
-                              dispatch_uid="test-acl-lost")
+    signals.lock_lost.connect(
+        lambda sender=None, **kw: lost.append(kw["owner"]),
+        weak=False,
+        dispatch_uid="test-acl-lost",
+    )
     try:
         hb.register(lease, store, ratio=1 / 3)
         acl.create_user(acl_server, without=["hset"])
-        servers.wait_until(lambda: lease.lost, timeout=10, interval=0.02,
-                           what="the lease to be lost")
+        servers.wait_until(
+            lambda: lease.lost, timeout=10, interval=0.02, what="the lease to be lost"
+        )
         servers.wait_until(lambda: lost, timeout=5, interval=0.02, what="lock_lost")
     finally:
         hb.unregister(lease)
         signals.lock_lost.disconnect(dispatch_uid="test-acl-lost")
     assert lost == [lease.owner]
     assert lease not in hb.leases
-    assert any(r.levelname == "ERROR" and "event=renewal_failed" in r.getMessage()
-               and "permission refused" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelname == "ERROR"
+        and "event=renewal_failed" in r.getMessage()
+        and "permission refused" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_celery_steplock_ls_as_the_user(worker_env, store, user_url):
@@ -650,8 +745,12 @@ def test_celery_steplock_ls_as_the_user(worker_env, store, user_url):
     lease = store.acquire("order:1", ttl=60.0, metadata={"task_name": "proj.tasks.charge"})
     proc = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "django_app", "steplock", "ls", "--json"],
-        env={**worker_env, "STEPLOCK_REDIS_URL": user_url}, cwd=worker_env["PYTHONPATH"],
-        capture_output=True, text=True, timeout=120)
+        env={**worker_env, "STEPLOCK_REDIS_URL": user_url},
+        cwd=worker_env["PYTHONPATH"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     [row] = json.loads(proc.stdout)
     assert (row["name"], row["owner"]) == ("order:1", lease.owner)

@@ -2,6 +2,7 @@
 exit after COMMIT in reverse order, a denial re-queues without running the body, a replay
 ends with the recorded result, a failing exit never masks the outcome. The gates here are a
 test module of their own (``toy_gates``), listed in ``admission.GATES`` for these tests."""
+
 import sys
 import types
 
@@ -25,8 +26,15 @@ class ToyGate:
         self.behaviour = behaviour
 
     def enter(self, context):
-        CALLS.append(("enter", self.option, context.step_id, dict(context.arguments),
-                      context.lease is not None))
+        CALLS.append(
+            (
+                "enter",
+                self.option,
+                context.step_id,
+                dict(context.arguments),
+                context.lease is not None,
+            )
+        )
         if self.behaviour == "deny":
             raise RateLimited("toy: no quota", retry_after=2.5, option=self.option)
         if self.behaviour == "replay":
@@ -36,10 +44,12 @@ class ToyGate:
         class Passed:
             def exit(self, exc, result):
                 status = Step.objects.get(pk=context.step_id).status
-                CALLS.append(("exit", gate.option, type(exc).__name__ if exc else None,
-                              result, status))
+                CALLS.append(
+                    ("exit", gate.option, type(exc).__name__ if exc else None, result, status)
+                )
                 if gate.behaviour == "exit_fails":
                     raise RuntimeError("exit broke")
+
         return Passed()
 
 
@@ -54,6 +64,7 @@ def _gate_module(name, option):
         if value not in ("pass", "deny", "replay", "exit_fails"):
             raise ImproperlyConfigured(f"{option}={value!r} is not a toy", setting=option)
         return ToyGate(option, value)
+
     module.gate = gate
     return module
 
@@ -71,9 +82,16 @@ def toy_gates(monkeypatch):
     CALLS.clear()
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.admitted", lock_key="adm:{step_id}",
-                 step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), lock_retry_max=0)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.admitted",
+    lock_key="adm:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_retry_max=0,
+)
 def admitted(self, step_id, fail=False):
     CALLS.append(("body", step_id))
     if fail:
@@ -107,9 +125,11 @@ def test_a_denial_exits_the_entered_gates_and_never_runs_the_body(toy_gates):
     result = _run(admitted, step.pk, "pass", "deny")
     assert isinstance(result.result, RateLimited)  # lock_retry_max=0: the budget is used up
     assert result.result.retry_after == 2.5 and result.result.option == "toy_second"
-    assert [c[:3] for c in CALLS] == [("enter", "toy_first", step.pk),
-                                      ("enter", "toy_second", step.pk),
-                                      ("exit", "toy_first", "RateLimited")]
+    assert [c[:3] for c in CALLS] == [
+        ("enter", "toy_first", step.pk),
+        ("enter", "toy_second", step.pk),
+        ("exit", "toy_first", "RateLimited"),
+    ]
     assert CALLS[-1][3] is admission.NOT_RUN
     assert Step.objects.get(pk=step.pk).status == "pending"
 
@@ -122,6 +142,7 @@ def test_a_denial_re_queues_with_a_countdown_past_retry_after(toy_gates, monkeyp
     def spy(self, exc, headers=None, countdown=None):
         countdowns.append(countdown)
         return real(self, exc, headers=headers, countdown=countdown)
+
     monkeypatch.setattr(StepLockedTask, "steplock_retry", spy)
     admitted.lock_retry_max = 2
     try:
@@ -138,8 +159,11 @@ def test_a_replay_ends_with_its_result_without_the_body(toy_gates):
     step = Step.objects.create(status="pending")
     result = _run(admitted, step.pk, "pass", "replay")
     assert result.get() == {"replayed": True}
-    assert [c[:2] for c in CALLS] == [("enter", "toy_first"), ("enter", "toy_second"),
-                                      ("exit", "toy_first")]
+    assert [c[:2] for c in CALLS] == [
+        ("enter", "toy_first"),
+        ("enter", "toy_second"),
+        ("exit", "toy_first"),
+    ]
     assert Step.objects.get(pk=step.pk).status == "pending"
 
 
@@ -148,8 +172,10 @@ def test_a_body_error_reaches_every_exit_and_stays_the_outcome(toy_gates):
     result = _run(admitted, step.pk, "exit_fails", "pass", fail=True)
     assert isinstance(result.result, ValueError)
     exits = [c for c in CALLS if c[0] == "exit"]
-    assert exits == [("exit", "toy_second", "ValueError", None, "pending"),
-                     ("exit", "toy_first", "ValueError", None, "pending")]
+    assert exits == [
+        ("exit", "toy_second", "ValueError", None, "pending"),
+        ("exit", "toy_first", "ValueError", None, "pending"),
+    ]
 
 
 def test_a_failing_exit_is_logged_and_never_masks_success(toy_gates, caplog):
@@ -172,8 +198,14 @@ def test_gate_options_are_plan_options_and_bad_values_name_the_option(toy_gates)
 
 def test_admission_denied_is_retryable_and_carries_its_figures():
     from celery_steplock.exceptions import RETRYABLE_ERRORS
+
     exc = AdmissionDenied("x", retry_after=-1, option="o", key="k", limit="10/s", extra=1)
     assert isinstance(exc, RETRYABLE_ERRORS)
     assert (exc.retry_after, exc.option, exc.key, exc.limit, exc.context) == (
-        0.0, "o", "k", "10/s", {"extra": 1})
+        0.0,
+        "o",
+        "k",
+        "10/s",
+        {"extra": 1},
+    )
     assert Retry  # the eager path never surfaces celery's Retry (apply() loop)

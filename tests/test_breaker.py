@@ -2,6 +2,7 @@
 states, the rolling window, the cluster-wide half-open probe permits, generations, the
 classifier, operators' overrides, outage policy, signals. Cross-worker evidence is in
 test_breaker_workers.py, the Redis restart in test_breaker_restart.py."""
+
 import threading
 import time
 
@@ -10,8 +11,12 @@ import redis
 
 from celery_steplock import signals
 from celery_steplock.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, default_classifier
-from celery_steplock.exceptions import (CircuitOpen, ImproperlyConfigured, LockContended,
-                                        LockStoreUnavailable)
+from celery_steplock.exceptions import (
+    CircuitOpen,
+    ImproperlyConfigured,
+    LockContended,
+    LockStoreUnavailable,
+)
 from celery_steplock.lock import make_client
 from celery_steplock.retry import NonRetryable
 from helpers import closed_port_url
@@ -93,8 +98,7 @@ def test_half_open_after_recovery_then_a_success_closes(redis_client, events):
     breaker.admit(owner="c").success()
     assert breaker.state().state == CLOSED
     names = [name for name, _ in events if name.startswith("circuit_")]
-    assert names == ["circuit_opened", "circuit_half_opened", "circuit_rejected",
-                     "circuit_closed"]
+    assert names == ["circuit_opened", "circuit_half_opened", "circuit_rejected", "circuit_closed"]
     opened = dict(events)["circuit_opened"]
     assert (opened["name"], opened["failures"], opened["calls"]) == ("dep", 3, 3)
 
@@ -126,6 +130,7 @@ def test_exactly_one_probe_among_many_concurrent_callers(redis_server_url, redis
             admitted.append(own.admit(owner=f"caller-{i}"))
         except CircuitOpen:
             refused.append(i)
+
     threads = [threading.Thread(target=caller, args=(c, i)) for i, c in enumerate(clients)]
     for t in threads:
         t.start()
@@ -188,13 +193,24 @@ def test_a_probe_that_never_reached_the_dependency_gives_its_permit_back(redis_c
     assert breaker.admit(owner="b").probe
 
 
-@pytest.mark.parametrize("exc,counts", [
-    (ConnectionError("x"), True), (TimeoutError("x"), True), (HTTPError(503), True),
-    (HTTPError(429), True), (HTTPError(408), True), (RuntimeError("unknown"), True),
-    (HTTPError(404), False), (HTTPError(422), False), (ValueError("bad input"), False),
-    (PermissionError("no"), False), (NonRetryable("card declined"), False),
-    (LockContended("busy", key="k"), False), (CircuitOpen("open", retry_after=1), False),
-])
+@pytest.mark.parametrize(
+    "exc,counts",
+    [
+        (ConnectionError("x"), True),
+        (TimeoutError("x"), True),
+        (HTTPError(503), True),
+        (HTTPError(429), True),
+        (HTTPError(408), True),
+        (RuntimeError("unknown"), True),
+        (HTTPError(404), False),
+        (HTTPError(422), False),
+        (ValueError("bad input"), False),
+        (PermissionError("no"), False),
+        (NonRetryable("card declined"), False),
+        (LockContended("busy", key="k"), False),
+        (CircuitOpen("open", retry_after=1), False),
+    ],
+)
 def test_the_default_classifier(exc, counts):
     assert default_classifier(exc) is counts
 
@@ -202,8 +218,12 @@ def test_the_default_classifier(exc, counts):
 def test_business_errors_and_control_exceptions_never_open_it(redis_client):
     breaker = make(redis_client)
     failures(breaker, 1)  # from here on successes are written (a clean window's are not)
-    for exc in (ValueError("bad"), HTTPError(404), NonRetryable("declined"),
-                LockContended("busy", key="k")):
+    for exc in (
+        ValueError("bad"),
+        HTTPError(404),
+        NonRetryable("declined"),
+        LockContended("busy", key="k"),
+    ):
         for _ in range(3):
             with pytest.raises(type(exc)):
                 breaker.call(fail, exc)
@@ -227,6 +247,7 @@ def test_decorator_and_context_manager(redis_client):
         if n:
             raise ConnectionError("down")
         return "ok"
+
     assert flaky(0) == "ok"
     with pytest.raises(ConnectionError):
         flaky(1)
@@ -279,13 +300,23 @@ def test_keys_share_one_slot_and_expire(redis_client):
     keys = sorted(k for k in redis_client.scan_iter(match="t:breaker*"))
     assert keys == ["t:breaker-probes:{dep}", "t:breaker:{dep}"]
     assert all(redis_client.pttl(k) > 0 for k in keys)
-    assert len({redis_client.cluster_keyslot(k) if hasattr(redis_client, "cluster_keyslot")
-                else k.split("{")[1] for k in keys}) == 1
+    assert (
+        len(
+            {
+                redis_client.cluster_keyslot(k)
+                if hasattr(redis_client, "cluster_keyslot")
+                else k.split("{")[1]
+                for k in keys
+            }
+        )
+        == 1
+    )
 
 
 def test_store_outage_fails_closed_by_default_and_open_when_asked():
-    client = redis.Redis.from_url(closed_port_url(), socket_connect_timeout=0.2,
-                                  decode_responses=True)
+    client = redis.Redis.from_url(
+        closed_port_url(), socket_connect_timeout=0.2, decode_responses=True
+    )
     called = []
     with pytest.raises(LockStoreUnavailable):
         make(client).call(called.append, 1)
@@ -294,13 +325,19 @@ def test_store_outage_fails_closed_by_default_and_open_when_asked():
     client.close()
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"failure_threshold": 0}, "failure_threshold"),
-    ({"failure_threshold": 11, "window": 10}, "failure_threshold"),
-    ({"window": 0}, "window"), ({"recovery_timeout": -1}, "recovery_timeout"),
-    ({"half_open_probes": 0}, "half_open_probes"), ({"success_threshold": 0}, "success_threshold"),
-    ({"classifier": 3}, "classifier"), ({"on_store_error": "maybe"}, "on_store_error"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"failure_threshold": 0}, "failure_threshold"),
+        ({"failure_threshold": 11, "window": 10}, "failure_threshold"),
+        ({"window": 0}, "window"),
+        ({"recovery_timeout": -1}, "recovery_timeout"),
+        ({"half_open_probes": 0}, "half_open_probes"),
+        ({"success_threshold": 0}, "success_threshold"),
+        ({"classifier": 3}, "classifier"),
+        ({"on_store_error": "maybe"}, "on_store_error"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(kwargs, fragment):
     with pytest.raises(ImproperlyConfigured) as caught:
         CircuitBreaker("dep", **kwargs)
@@ -309,8 +346,13 @@ def test_bad_arguments_are_refused_by_name(kwargs, fragment):
 
 def test_every_breaker_signal_is_declared():
     assert {s.name for s in signals.ALL_SIGNALS} >= {
-        "circuit_opened", "circuit_half_opened", "circuit_closed", "circuit_rejected",
-        "circuit_override_audit", "retry_policy_decided"}
+        "circuit_opened",
+        "circuit_half_opened",
+        "circuit_closed",
+        "circuit_rejected",
+        "circuit_override_audit",
+        "retry_policy_decided",
+    }
 
 
 def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
@@ -335,8 +377,11 @@ def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
 
         def sample(name, **labels):
             return metrics.registry.get_sample_value(name, labels) or 0.0
-        assert [sample("steplock_circuit_transitions_total", breaker="dep", state=s,
-                       manual="false") for s in (OPEN, HALF_OPEN, CLOSED)] == [1.0, 1.0, 1.0]
+
+        assert [
+            sample("steplock_circuit_transitions_total", breaker="dep", state=s, manual="false")
+            for s in (OPEN, HALF_OPEN, CLOSED)
+        ] == [1.0, 1.0, 1.0]
         assert sample("steplock_circuit_rejected_total", breaker="dep") == 1.0
         assert sample("steplock_retry_decisions_total", task="fail", decision="never") == 1.0
     finally:

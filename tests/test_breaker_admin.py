@@ -1,5 +1,6 @@
 """The Django admin's "Circuit breakers" page (celery_steplock.contrib.django): live state
 from Redis, and the audited override (open / close) for users with the permission."""
+
 import pytest
 from django.contrib.auth.models import Permission
 from django.urls import reverse
@@ -19,19 +20,23 @@ def staff(django_user_model, *codenames):
     return user
 
 
-def test_the_page_shows_breakers_and_overrides_them_audited(client, django_user_model, app,
-                                                             redis_client):
+def test_the_page_shows_breakers_and_overrides_them_audited(
+    client, django_user_model, app, redis_client
+):
     breaker = CircuitBreaker("admin-payments", failure_threshold=1, window=1, app=app)
     with pytest.raises(ConnectionError):
         breaker.call(lambda: (_ for _ in ()).throw(ConnectionError("down")))
-    client.force_login(staff(django_user_model, "view_circuitbreakerstate",
-                             "override_circuitbreakerstate"))
+    client.force_login(
+        staff(django_user_model, "view_circuitbreakerstate", "override_circuitbreakerstate")
+    )
     page = client.get(reverse(CHANGELIST))
     assert page.status_code == 200
     html = page.content.decode()
     assert "admin-payments" in html and 'class="breaker-open"' in html
-    done = client.post(reverse(OVERRIDE), {"name": "admin-payments", "action": "close",
-                                           "reason": "provider fixed"})
+    done = client.post(
+        reverse(OVERRIDE),
+        {"name": "admin-payments", "action": "close", "reason": "provider fixed"},
+    )
     assert done.status_code == 302
     assert breaker.state().state == CLOSED
     client.post(reverse(OVERRIDE), {"name": "admin-payments", "action": "open"})
@@ -39,7 +44,8 @@ def test_the_page_shows_breakers_and_overrides_them_audited(client, django_user_
     assert (state.state, state.forced) == (OPEN, True)
     rows = list(LeaseEvent.objects.filter(event="circuit_override").order_by("id"))
     assert [(r.name, r.via, r.actor, r.outcome) for r in rows] == [
-        ("admin-payments", "admin", "ops", "done")] * 2
+        ("admin-payments", "admin", "ops", "done")
+    ] * 2
     assert rows[0].reason == "close: provider fixed"
 
 

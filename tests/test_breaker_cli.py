@@ -2,6 +2,7 @@
 audited override they share with the admin (celery_steplock.ops.override_breaker): the
 LeaseEvent row is committed before Redis is written, and a forced-open breaker refuses calls
 in every process until it is closed."""
+
 import json
 import os
 import socket
@@ -22,8 +23,13 @@ def cli(worker_env, app):
     def run(*args, **env):
         return subprocess.run(
             [sys.executable, "-m", "celery", "-A", "django_app", "steplock", "breaker", *args],
-            env={**worker_env, **env}, cwd=worker_env["PYTHONPATH"], capture_output=True,
-            text=True, timeout=120)
+            env={**worker_env, **env},
+            cwd=worker_env["PYTHONPATH"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     return run
 
 
@@ -52,7 +58,8 @@ def test_open_show_close_from_the_command_line_are_audited(cli, app, redis_clien
     assert breaker.call(lambda: "through") == "through"
     rows = list(LeaseEvent.objects.filter(event="circuit_override").order_by("id"))
     assert [(r.name, r.outcome, r.via, r.actor_host) for r in rows] == [
-        ("payments", "done", "cli", socket.gethostname())] * 2
+        ("payments", "done", "cli", socket.gethostname())
+    ] * 2
     assert rows[0].reason == "open: provider incident 42"
     assert rows[0].actor.split(" ")[0] == os_account()
     assert rows[1].reason.startswith("close: close by ")
@@ -70,12 +77,14 @@ def test_no_record_no_override(app, redis_client, events):
     class Refusing(ops.BreakerAudit):
         def requested(self, record):
             raise RuntimeError("database down")
+
     breaker = CircuitBreaker("payments", app=app)
     with pytest.raises(AuditRecordFailed):
         ops.override_breaker(breaker, "open", actor="alice", auditor=Refusing())
     assert breaker.state().state == CLOSED
-    record = ops.override_breaker(breaker, "open", actor="alice", via="api",
-                                  auditor=ops.BreakerAudit())
+    record = ops.override_breaker(
+        breaker, "open", actor="alice", via="api", auditor=ops.BreakerAudit()
+    )
     assert (record.previous, record.outcome, breaker.state().forced) == (CLOSED, "done", True)
     audits = [kw["outcome"] for name, kw in events if name == "circuit_override_audit"]
     assert audits == ["requested", "requested", "done"]

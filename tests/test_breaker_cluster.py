@@ -1,6 +1,7 @@
 """The circuit breaker's scripts on a real Redis Cluster (3 primaries, tests/support): both
 keys of a breaker in one slot, breakers of several names spread over the primaries, the
 whole cycle CLOSED -> OPEN -> HALF_OPEN (one probe) -> CLOSED, and an override."""
+
 import time
 
 import pytest
@@ -26,8 +27,15 @@ def test_the_breaker_cycle_on_a_cluster(cluster_client):
     names = [f"dep-{i}" for i in range(12)]
     slots = set()
     for name in names:
-        breaker = CircuitBreaker(name, failure_threshold=1, window=1, recovery_timeout=0.2,
-                                 success_threshold=1, client=cluster_client, prefix="cb")
+        breaker = CircuitBreaker(
+            name,
+            failure_threshold=1,
+            window=1,
+            recovery_timeout=0.2,
+            success_threshold=1,
+            client=cluster_client,
+            prefix="cb",
+        )
         with pytest.raises(ConnectionError):
             breaker.call(lambda: (_ for _ in ()).throw(ConnectionError("down")))
         assert breaker.state().state == OPEN
@@ -37,8 +45,15 @@ def test_the_breaker_cycle_on_a_cluster(cluster_client):
     nodes = {cluster_client.nodes_manager.get_node_from_slot(s).name for s in slots}
     assert len(nodes) > 1  # the names reach more than one primary
     time.sleep(0.25)
-    breaker = CircuitBreaker(names[0], failure_threshold=1, window=1, recovery_timeout=0.2,
-                             success_threshold=1, client=cluster_client, prefix="cb")
+    breaker = CircuitBreaker(
+        names[0],
+        failure_threshold=1,
+        window=1,
+        recovery_timeout=0.2,
+        success_threshold=1,
+        client=cluster_client,
+        prefix="cb",
+    )
     probe = breaker.admit(owner="p1")
     assert probe.probe and breaker.state().state == HALF_OPEN
     with pytest.raises(CircuitOpen):

@@ -4,6 +4,7 @@ no second probe is admitted while it lives, callers meeting the outage are refus
 closed: the dependency is not called), the probe's outcome, if it cannot be recorded, is
 logged and never raised, and the permit expires so another probe can close the breaker.
 Without persistence the restarted Redis has forgotten the breaker: it is CLOSED again."""
+
 import time
 
 import pytest
@@ -17,8 +18,16 @@ pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
 
 
 def breaker(client):
-    return CircuitBreaker("dep", failure_threshold=1, window=1, recovery_timeout=0.2,
-                          success_threshold=1, probe_timeout=1.5, client=client, prefix="t")
+    return CircuitBreaker(
+        "dep",
+        failure_threshold=1,
+        window=1,
+        recovery_timeout=0.2,
+        success_threshold=1,
+        probe_timeout=1.5,
+        client=client,
+        prefix="t",
+    )
 
 
 def opened_then_probing(client):
@@ -33,14 +42,16 @@ def opened_then_probing(client):
 
 @pytest.fixture
 def persistent_redis(tmp_path):
-    server = servers.RedisServer(workdir=tmp_path / "redis",
-                                 args=("--appendonly", "yes", "--appendfsync", "always")).start()
+    server = servers.RedisServer(
+        workdir=tmp_path / "redis", args=("--appendonly", "yes", "--appendfsync", "always")
+    ).start()
     yield server
     server.stop()
 
 
 def test_restart_during_a_probe_keeps_one_probe_and_never_calls_in_the_outage(
-        persistent_redis, caplog):
+    persistent_redis, caplog
+):
     client = make_client(persistent_redis.url, socket_timeout=0.5)
     b, probe = opened_then_probing(client)
     persistent_redis.kill()  # the probe is running when Redis goes away

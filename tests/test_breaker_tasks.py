@@ -2,6 +2,7 @@
 real Redis and database): the gate's exit records the body's outcome after COMMIT, an open
 breaker re-queues without running the body, a refusal by a later gate gives the probe permit
 back, bad values are named by the checks, and the retry policy retries through Celery."""
+
 import pytest
 
 from celery_steplock import admission, plan as plan_module
@@ -20,10 +21,17 @@ GUARDED = CircuitBreaker("tasks-dep", failure_threshold=2, window=2, recovery_ti
 RETRYING = CircuitBreaker("tasks-retry", failure_threshold=10, window=10)
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.breaker.guarded",
-                 lock_key="brk-task:{step_id}", step_model="workflows.Step",
-                 step_id_arg="step_id", transition=("pending", "done"), lock_retry_max=0,
-                 circuit_breaker=GUARDED)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.breaker.guarded",
+    lock_key="brk-task:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_retry_max=0,
+    circuit_breaker=GUARDED,
+)
 def guarded(self, step_id, fail=None):
     CALLS.append(step_id)
     if fail == "down":
@@ -33,9 +41,14 @@ def guarded(self, step_id, fail=None):
     return "ran"
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.breaker.retrying",
-                 lock_key="brk-retrying:{n}", circuit_breaker=RETRYING,
-                 retry_policy=RetryPolicy(max_attempts=3, backoff=0.01))
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.breaker.retrying",
+    lock_key="brk-retrying:{n}",
+    circuit_breaker=RETRYING,
+    retry_policy=RetryPolicy(max_attempts=3, backoff=0.01),
+)
 def retrying(self, n, error="down"):
     CALLS.append(n)
     raise ConnectionError("down") if error == "down" else ValueError("rejected")
@@ -79,15 +92,18 @@ def test_a_success_after_commit_and_a_business_error_are_not_failures():
 
 
 def test_a_later_gates_refusal_gives_the_probe_permit_back(redis_client):
-    breaker = CircuitBreaker("tasks-probe", failure_threshold=1, window=1,
-                             recovery_timeout=0.01, app=celery_app)
+    breaker = CircuitBreaker(
+        "tasks-probe", failure_threshold=1, window=1, recovery_timeout=0.01, app=celery_app
+    )
     with pytest.raises(ConnectionError):
         breaker.call(lambda: (_ for _ in ()).throw(ConnectionError()))
     import time
+
     time.sleep(0.03)
     gate = BreakerGate(breaker, "fail_closed")
-    admitted = gate.enter(admission.AdmissionContext(task=guarded, plan=None, arguments={},
-                                                     lease=None))
+    admitted = gate.enter(
+        admission.AdmissionContext(task=guarded, plan=None, arguments={}, lease=None)
+    )
     assert breaker.state().probes == 1
     admitted.exit(RateLimited("later gate", retry_after=1), admission.NOT_RUN)
     assert breaker.state().probes == 0 and breaker.state().calls == 0
@@ -106,11 +122,14 @@ def test_a_non_retryable_error_is_not_retried():
     assert CALLS == [2]
 
 
-@pytest.mark.parametrize("option,value,fragment", [
-    ("circuit_breaker", 42, "circuit_breaker=42 must be a dependency name"),
-    ("circuit_breaker", "", "circuit_breaker=''"),
-    ("retry_policy", {"max_attempts": 3}, "must be a RetryPolicy"),
-])
+@pytest.mark.parametrize(
+    "option,value,fragment",
+    [
+        ("circuit_breaker", 42, "circuit_breaker=42 must be a dependency name"),
+        ("circuit_breaker", "", "circuit_breaker=''"),
+        ("retry_policy", {"max_attempts": 3}, "must be a RetryPolicy"),
+    ],
+)
 def test_bad_values_are_named_by_the_checks(option, value, fragment):
     setattr(guarded, option, value)
     try:

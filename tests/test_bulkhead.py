@@ -1,6 +1,7 @@
 """The concurrency limit (celery_steplock.bulkhead) against a real Redis: at most N slots,
 owner-keyed and fenced, expiring, renewed by the heartbeat, listed and reaped as leases,
 fair to waiters; its gate in a real (eager) execution; its validation and outage policy."""
+
 import socket
 import threading
 import time
@@ -10,8 +11,12 @@ from redis.crc import key_slot
 
 from celery_steplock import bulkhead
 from celery_steplock.bulkhead import ConcurrencyLimit, current_slot, parse_slot_name, slot_name
-from celery_steplock.exceptions import ConcurrencyLimited, ImproperlyConfigured, LockLost, \
-    LockStoreUnavailable
+from celery_steplock.exceptions import (
+    ConcurrencyLimited,
+    ImproperlyConfigured,
+    LockLost,
+    LockStoreUnavailable,
+)
 from celery_steplock.lock import RedisLeaseStore, make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
@@ -30,8 +35,9 @@ def _meta(key, limit, **extra):
 
 
 def grant(limit, store, key, owner, ticket=None, ttl=5.0, **meta):
-    return limit.try_acquire(store, key, owner=owner, ticket=ticket, ttl=ttl,
-                             metadata=_meta(key, limit.limit, **meta))
+    return limit.try_acquire(
+        store, key, owner=owner, ticket=ticket, ttl=ttl, metadata=_meta(key, limit.limit, **meta)
+    )
 
 
 def test_at_most_n_slots_each_fenced_and_the_next_refused(store):
@@ -153,9 +159,11 @@ def test_acquire_with_wait_gets_the_slot_once_it_is_freed(redis_client):
     limit = ConcurrencyLimit(1, retry_after=0.05)
     got = []
     with limit.acquire("w", client=redis_client, prefix="bk"):
+
         def waiter():
             with limit.acquire("w", client=redis_client, prefix="bk", wait=5) as slot:
                 got.append((time.monotonic(), slot.index))
+
         thread = threading.Thread(target=waiter)
         thread.start()
         time.sleep(0.3)
@@ -201,8 +209,16 @@ def test_slots_are_listed_inspected_and_force_released_as_leases(app, redis_clie
     assert (lease["kind"], lease["limit"], lease["limit_key"]) == ("slot", "2", "listed")
     assert lease["owner"] == "o1" and int(lease["fence"]) == slot.fence
     assert store.inspect("listed}#0")["owner"] == "o1"
-    released = force_release(store, "listed}#0", "o1", actor="tester", actor_host="here",
-                             via="cli", reason="test", auditor=LogAudit())
+    released = force_release(
+        store,
+        "listed}#0",
+        "o1",
+        actor="tester",
+        actor_host="here",
+        via="cli",
+        reason="test",
+        auditor=LogAudit(),
+    )
     assert released is not None
     assert store.inspect("listed}#0") is None
 
@@ -215,8 +231,16 @@ def test_the_reaper_frees_the_slot_of_a_dead_holder(app, redis_client, events):
     store = get_lease_store(app)
     limit = ConcurrencyLimit(1)
     dead_pid = _dead_pid()
-    grant(limit, store, "reaped", "dead-owner", ttl=60.0, renew_ms=10, pid=dead_pid,
-          hostname=socket.gethostname())
+    grant(
+        limit,
+        store,
+        "reaped",
+        "dead-owner",
+        ttl=60.0,
+        renew_ms=10,
+        pid=dead_pid,
+        hostname=socket.gethostname(),
+    )
     time.sleep(1.2)  # past 1.5 renewal intervals and the reaper's grace (1 s): not renewed
     report = reap(app, ping_timeout=0.2)
     assert [r["name"] for r in report.leases_reaped] == ["reaped}#0"]
@@ -255,8 +279,9 @@ def test_a_bad_key_template_names_the_option(template):
     assert bad.value.setting == "concurrency_limit_key"
 
 
-@pytest.mark.parametrize("extra", [{"ttl": 0}, {"on_store_error": "maybe"},
-                                   {"retry_after": -1}, {"waiter_ttl": "x"}])
+@pytest.mark.parametrize(
+    "extra", [{"ttl": 0}, {"on_store_error": "maybe"}, {"retry_after": -1}, {"waiter_ttl": "x"}]
+)
 def test_bad_arguments_name_the_option(extra):
     with pytest.raises(ImproperlyConfigured) as bad:
         ConcurrencyLimit(1, **extra)
@@ -274,16 +299,23 @@ def test_task_options_are_validated_by_the_plan_and_the_validator(redis_server_u
     def body(n):
         return n
 
-    for name, options in (("bad_key", {"concurrency_limit": 2,
-                                       "concurrency_limit_key": "t:{missing}"}),
-                          ("zero", {"concurrency_limit": 0}),
-                          ("lonely", {"concurrency_limit_key": "t:{n}"}),
-                          ("fine", {"concurrency_limit": 3, "concurrency_limit_key": "t:{n}"})):
-        own.task(base=StepLockedTask, name=f"tests.bk.{name}", lock_key="bk:{n}",
-                 shared=False, **options)(body)
+    for name, options in (
+        ("bad_key", {"concurrency_limit": 2, "concurrency_limit_key": "t:{missing}"}),
+        ("zero", {"concurrency_limit": 0}),
+        ("lonely", {"concurrency_limit_key": "t:{n}"}),
+        ("fine", {"concurrency_limit": 3, "concurrency_limit_key": "t:{n}"}),
+    ):
+        own.task(
+            base=StepLockedTask,
+            name=f"tests.bk.{name}",
+            lock_key="bk:{n}",
+            shared=False,
+            **options,
+        )(body)
     own.finalize()
-    found = {p.obj.rsplit(".", 1)[-1]: p for p in problems(own)
-             if str(p.obj).startswith("tests.bk.")}
+    found = {
+        p.obj.rsplit(".", 1)[-1]: p for p in problems(own) if str(p.obj).startswith("tests.bk.")
+    }
     assert set(found) == {"bad_key", "zero", "lonely"}
     assert all(p.is_error for p in found.values())
     assert "concurrency_limit_key" in found["bad_key"].message
@@ -316,9 +348,15 @@ def test_an_outage_fails_closed_by_default_and_open_when_asked():
 SEEN = []
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.bk.limited", lock_key="bkt:{n}",
-                 concurrency_limit=1, concurrency_limit_key="tenant:{tenant}",
-                 lock_retry_max=0)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.bk.limited",
+    lock_key="bkt:{n}",
+    concurrency_limit=1,
+    concurrency_limit_key="tenant:{tenant}",
+    lock_retry_max=0,
+)
 def limited(self, tenant, n):
     slot = current_slot()
     SEEN.append(slot and (slot.key, slot.index, slot.lease.task_id, self.request.id))
@@ -336,7 +374,8 @@ def test_the_gate_holds_a_slot_around_the_body_and_releases_it(app, redis_client
 
 
 def test_a_denied_execution_is_re_queued_past_retry_after_without_its_body(
-        app, redis_client, monkeypatch):
+    app, redis_client, monkeypatch
+):
     from celery_steplock.lock import get_lease_store
 
     SEEN.clear()
@@ -348,6 +387,7 @@ def test_a_denied_execution_is_re_queued_past_retry_after_without_its_body(
     def spy(self, exc, headers=None, countdown=None):
         countdowns.append((type(exc).__name__, countdown))
         return real(self, exc, headers=headers, countdown=countdown)
+
     monkeypatch.setattr(StepLockedTask, "steplock_retry", spy)
     result = limited.apply(args=("busy", 2), task_id="t-2")
     assert isinstance(result.result, ConcurrencyLimited)  # lock_retry_max=0: budget used up
@@ -355,15 +395,20 @@ def test_a_denied_execution_is_re_queued_past_retry_after_without_its_body(
     assert len(countdowns) == 1 and countdowns[0][0] == "ConcurrencyLimited"
     assert 0.05 <= countdowns[0][1] <= 1.0
     # The denied task keeps its place: it is the queue's only waiter, under its task id.
-    assert [m for m in redis_client.zrange(
-        "steplock:bulkhead:{tenant:busy}:queue", 0, -1)] == ["t-2"]
+    assert [m for m in redis_client.zrange("steplock:bulkhead:{tenant:busy}:queue", 0, -1)] == [
+        "t-2"
+    ]
 
 
 def test_the_gate_fails_closed_in_an_outage_and_open_when_asked(app):
     SEEN.clear()
     # Redis down, the task's own lease run fail-open: the gate's policy decides alone.
-    set_settings(app, steplock_redis_url=closed_port_url(), steplock_socket_timeout=0.5,
-                 steplock_on_store_error="fail_open")
+    set_settings(
+        app,
+        steplock_redis_url=closed_port_url(),
+        steplock_socket_timeout=0.5,
+        steplock_on_store_error="fail_open",
+    )
     result = limited.apply(args=("down", 3))
     assert isinstance(result.result, LockStoreUnavailable)  # retried, budget 0: used up
     assert SEEN == []

@@ -5,6 +5,7 @@ key at a time, by a checker over the recorded (start, end) of every unit of work
 SIGKILLed leaves its slot to the TTL and the next waiter runs; a holder SIGSTOPped past its
 TTL loses its slot to the next one, stops counting as a holder when it resumes, and its
 release leaves the new holder's slot alone. Tasks: tests/bulkhead_tasks.py."""
+
 import json
 import os
 import signal
@@ -59,8 +60,12 @@ def test_never_more_than_n_at_once_on_prefork_and_threads_workers(start_worker, 
     count = 10
     for n in range(count):
         tasks.limited.delay("lim", n, units=1, unit_seconds=0.3)
-    wait_until(lambda: len(done(redis_client, "lim")) == count, timeout=90,
-               what="every limited task", describe=lambda: done(redis_client, "lim"))
+    wait_until(
+        lambda: len(done(redis_client, "lim")) == count,
+        timeout=90,
+        what="every limited task",
+        describe=lambda: done(redis_client, "lim"),
+    )
     recorded = runs(redis_client, "lim")
     assert sorted(r[0] for r in recorded) == list(range(count))
     observed = max_overlap([(r[1], r[2]) for r in recorded])
@@ -74,30 +79,36 @@ def test_never_more_than_n_at_once_on_prefork_and_threads_workers(start_worker, 
     # waiting for three of them to have started. The checker must flag it.
     for n in range(4):
         tasks.unlimited.delay("free", n, barrier=3, units=1, unit_seconds=0.3)
-    wait_until(lambda: len(done(redis_client, "free")) == 4, timeout=60,
-               what="every unlimited task")
+    wait_until(
+        lambda: len(done(redis_client, "free")) == 4, timeout=60, what="every unlimited task"
+    )
     control = max_overlap([(r[1], r[2]) for r in runs(redis_client, "free")])
     print(f"negative control (no limit): at most {control} at once, flagged: {control > 2}")
     assert control >= 3 > 2
 
 
 def test_a_sigkilled_holder_leaves_its_slot_to_the_ttl_and_the_waiter_runs(
-        start_worker, redis_client):
+    start_worker, redis_client
+):
     doomed = start_worker("bkdoomed", concurrency=1, extra_args=(*INCLUDE, "-Q", "bkdoomed"))
     start_worker("bknext", concurrency=2, pool="threads", extra_args=INCLUDE)
-    tasks.single.apply_async(("kill", 0), {"units": 100, "unit_seconds": 0.1},
-                             queue="bkdoomed")
-    held = wait_until(lambda: holder(redis_client, "kill", 0), timeout=30,
-                      what="the first holder")
+    tasks.single.apply_async(("kill", 0), {"units": 100, "unit_seconds": 0.1}, queue="bkdoomed")
+    held = wait_until(lambda: holder(redis_client, "kill", 0), timeout=30, what="the first holder")
     assert held["pid"] in doomed.children_pids(recursive=True)  # a prefork child holds it
     wait_until(lambda: runs(redis_client, "kill"), what="a unit of the holder")
     tasks.single.delay("kill", 1, units=1, unit_seconds=0.1)
-    wait_until(lambda: redis_client.zcard("steplock:bulkhead:{bk:kill}:queue"), timeout=30,
-               what="the second task to wait")
+    wait_until(
+        lambda: redis_client.zcard("steplock:bulkhead:{bk:kill}:queue"),
+        timeout=30,
+        what="the second task to wait",
+    )
     os.kill(held["pid"], signal.SIGKILL)
     killed_at = tasks.now(redis_client)
-    wait_until(lambda: done(redis_client, "kill") == [1], timeout=60,
-               what="the waiter to run after the holder died")
+    wait_until(
+        lambda: done(redis_client, "kill") == [1],
+        timeout=60,
+        what="the waiter to run after the holder died",
+    )
     recorded = runs(redis_client, "kill")
     # (acks_late: the killed task is redelivered and runs again later, as a newcomer that
     # the waiter, queued first, precedes.)
@@ -113,32 +124,43 @@ def test_a_sigkilled_holder_leaves_its_slot_to_the_ttl_and_the_waiter_runs(
 
 
 def test_a_sigstopped_holder_loses_its_slot_and_its_release_frees_nothing(
-        start_worker, redis_client):
+    start_worker, redis_client
+):
     stopped = start_worker("bkstopped", concurrency=1, extra_args=(*INCLUDE, "-Q", "bkstop"))
     start_worker("bkrunner", concurrency=2, pool="threads", extra_args=INCLUDE)
     tasks.single.apply_async(("stop", 0), {"units": 60, "unit_seconds": 0.1}, queue="bkstop")
-    first = wait_until(lambda: holder(redis_client, "stop", 0), timeout=30,
-                       what="the first holder")
+    first = wait_until(
+        lambda: holder(redis_client, "stop", 0), timeout=30, what="the first holder"
+    )
     assert first["pid"] in stopped.children_pids(recursive=True)
     wait_until(lambda: runs(redis_client, "stop"), what="a unit of the holder")
     os.kill(first["pid"], signal.SIGSTOP)
     try:
         tasks.single.delay("stop", 1, units=40, unit_seconds=0.1)
-        second = wait_until(lambda: holder(redis_client, "stop", 1), timeout=TTL * 10,
-                            what="the slot to pass to the second task")
-        wait_until(lambda: [r for r in runs(redis_client, "stop") if r[0] == 1],
-                   what="a unit of the second holder")
+        second = wait_until(
+            lambda: holder(redis_client, "stop", 1),
+            timeout=TTL * 10,
+            what="the slot to pass to the second task",
+        )
+        wait_until(
+            lambda: [r for r in runs(redis_client, "stop") if r[0] == 1],
+            what="a unit of the second holder",
+        )
         assert second["key"] == first["key"]  # the same slot, taken over after its TTL
     finally:
         os.kill(first["pid"], signal.SIGCONT)
     # Resumed, the first holder finds its slot lost at its next check: it stops counting.
-    wait_until(lambda: redis_client.lrange("bk:lost:stop", 0, -1) == ["0"], timeout=30,
-               what="the resumed holder to see its slot lost")
+    wait_until(
+        lambda: redis_client.lrange("bk:lost:stop", 0, -1) == ["0"],
+        timeout=30,
+        what="the resumed holder to see its slot lost",
+    )
     # Its release (owner-keyed) left the second holder's slot in place.
     assert redis_client.hget(second["key"], "owner") == second["owner"]
     assert 1 not in done(redis_client, "stop")  # the second holder still runs
-    wait_until(lambda: done(redis_client, "stop") == [1], timeout=30,
-               what="the second holder to finish")
+    wait_until(
+        lambda: done(redis_client, "stop") == [1], timeout=30, what="the second holder to finish"
+    )
     recorded = runs(redis_client, "stop")
     assert max_overlap([(r[1], r[2]) for r in recorded]) == 1
     assert {r[0] for r in recorded} == {0, 1}
@@ -149,20 +171,34 @@ def test_slots_are_listed_and_force_released_by_the_cli(worker_env, app, redis_c
     from celery_steplock.lock import get_lease_store
 
     limit = ConcurrencyLimit(3)
-    slot = limit.try_acquire(get_lease_store(app), "cli", owner="o" * 32, ticket=None,
-                             ttl=60.0, metadata={"kind": "slot", "limit": 3,
-                                                 "limit_key": "cli", "task_name": "t.x"})
+    slot = limit.try_acquire(
+        get_lease_store(app),
+        "cli",
+        owner="o" * 32,
+        ticket=None,
+        ttl=60.0,
+        metadata={"kind": "slot", "limit": 3, "limit_key": "cli", "task_name": "t.x"},
+    )
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "celery", "-A", "django_app", "steplock",
-                               *args], env=worker_env, cwd=worker_env["PYTHONPATH"],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "django_app", "steplock", *args],
+            env=worker_env,
+            cwd=worker_env["PYTHONPATH"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     listed = cli("ls", "--json")
     assert listed.returncode == 0, listed.stderr
     [row] = json.loads(listed.stdout)
-    assert (row["name"], row["kind"], row["limit"], row["limit_key"]) == \
-        ("cli}#0", "slot", "3", "cli")
+    assert (row["name"], row["kind"], row["limit"], row["limit_key"]) == (
+        "cli}#0",
+        "slot",
+        "3",
+        "cli",
+    )
     released = cli("release", "cli}#0", "--owner", slot.owner)
     assert released.returncode == 0, released.stdout + released.stderr
     assert redis_client.exists(slot.lease.key) == 0
@@ -175,13 +211,17 @@ def test_the_admin_lists_a_slot_and_offers_its_force_release(admin_client, app, 
     from celery_steplock.lock import get_lease_store
 
     slot = ConcurrencyLimit(2).try_acquire(
-        get_lease_store(app), "adm", owner="a" * 32, ticket=None, ttl=60.0,
-        metadata={"kind": "slot", "limit": 2, "limit_key": "adm", "task_name": "t.x"})
+        get_lease_store(app),
+        "adm",
+        owner="a" * 32,
+        ticket=None,
+        ttl=60.0,
+        metadata={"kind": "slot", "limit": 2, "limit_key": "adm", "task_name": "t.x"},
+    )
     response = admin_client.get(reverse("admin:celery_steplock_lease_changelist"))
     assert response.status_code == 200
     rows = {row["lease"].name: row for row in response.context["rows"]}
     assert set(rows) == {"adm}#0"} and rows["adm}#0"]["lease"].owner == slot.owner
-    confirm = admin_client.get(reverse("admin:celery_steplock_lease_release"),
-                               {"name": "adm}#0"})
+    confirm = admin_client.get(reverse("admin:celery_steplock_lease_release"), {"name": "adm}#0"})
     assert confirm.status_code == 200
     assert slot.owner in confirm.content.decode()

@@ -1,5 +1,6 @@
 """``celery -A django_app steplock ...`` (celery_steplock.cli) run as real subprocesses through
 Celery's ``celery.commands`` entry point, against the session's Redis and the test database."""
+
 import json
 import os
 import subprocess
@@ -23,8 +24,12 @@ def cli(worker_env, app):
     def run(*args, **env):
         return subprocess.run(
             [sys.executable, "-m", "celery", "-A", "django_app", "steplock", *args],
-            env={**worker_env, **env}, cwd=worker_env["PYTHONPATH"], capture_output=True,
-            text=True, timeout=120)
+            env={**worker_env, **env},
+            cwd=worker_env["PYTHONPATH"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     return run
 
@@ -35,8 +40,11 @@ def lease_store(app, redis_client):
 
 
 def take(lock, name, **meta):
-    lease = lock.acquire(name, ttl=60.0, metadata={"task_name": "proj.tasks.charge",
-                                                    "task_id": "1234abcd-task", **meta})
+    lease = lock.acquire(
+        name,
+        ttl=60.0,
+        metadata={"task_name": "proj.tasks.charge", "task_id": "1234abcd-task", **meta},
+    )
     assert lease is not None
     return lease
 
@@ -101,8 +109,9 @@ def test_release_is_owner_checked(cli, lease_store):
 def test_reap_dry_run_then_reap(cli, lease_store, redis_client):
     dead = take(lease_store, "step:dead", worker=GHOST, hostname="elsewhere.invalid", pid=1)
     now_s, now_us = redis_client.time()
-    redis_client.hset(lease_store.key("step:dead"), "renewed_ms",
-                      now_s * 1000 + now_us // 1000 - 120_000)
+    redis_client.hset(
+        lease_store.key("step:dead"), "renewed_ms", now_s * 1000 + now_us // 1000 - 120_000
+    )
     live = take(lease_store, "step:live", worker=GHOST, hostname="elsewhere.invalid", pid=1)
     orphan = Step.objects.create(name="orphan", status="running", lock_owner=dead.owner)
     held = Step.objects.create(name="held", status="running", lock_owner=live.owner)
@@ -148,6 +157,7 @@ def test_redis_down_exits_non_zero(cli):
 
 # -- release is audited (issue 12, finding 3); corrupt leases (finding 5) -------------------
 
+
 def test_release_is_audited_with_the_os_user_and_host(cli, lease_store):
     """With a Django project the record is a LeaseEvent row, committed before the delete,
     naming the OS user and this host; a refused release is recorded too."""
@@ -163,9 +173,20 @@ def test_release_is_audited_with_the_os_user_and_host(cli, lease_store):
     first, second = LeaseEvent.objects.filter(event="force_release").order_by("id")
     user, host = os_actor(), socket.gethostname()
     assert (first.outcome, first.owner, first.actor, first.actor_host, first.via) == (
-        "held_by_another", "not-the-owner", user, host, "cli")
-    assert (second.outcome, second.owner, second.fence, second.actor, second.actor_host,
-            second.via) == ("released", lease.owner, lease.fence, user, host, "cli")
+        "held_by_another",
+        "not-the-owner",
+        user,
+        host,
+        "cli",
+    )
+    assert (
+        second.outcome,
+        second.owner,
+        second.fence,
+        second.actor,
+        second.actor_host,
+        second.via,
+    ) == ("released", lease.owner, lease.fence, user, host, "cli")
     assert f"audit: LeaseEvent {second.pk}" in released.stdout
     assert f"force-released by {user}@{host} from the command line" in second.reason
 
@@ -176,18 +197,21 @@ def os_actor(env=None):
 
     env = os.environ if env is None else env
     account = pwd.getpwuid(os.getuid()).pw_name
-    claims = [f"{var}={env[var]}" for var in ("USER", "LOGNAME", "SUDO_USER")
-              if env.get(var) and env[var] != account]
+    claims = [
+        f"{var}={env[var]}"
+        for var in ("USER", "LOGNAME", "SUDO_USER")
+        if env.get(var) and env[var] != account
+    ]
     return f"{account} ({', '.join(claims)})" if claims else account
 
 
-PLAIN_APP = '''
+PLAIN_APP = """
 import os
 from celery import Celery
 
 app = Celery("plain", broker=os.environ["REDIS_URL"])
 app.conf.steplock_redis_url = os.environ["REDIS_URL"]
-'''
+"""
 
 
 def test_release_on_a_plain_celery_app_logs_the_record(worker_env, lease_store, tmp_path):
@@ -200,19 +224,43 @@ def test_release_on_a_plain_celery_app_logs_the_record(worker_env, lease_store, 
     env = {k: v for k, v in worker_env.items() if k != "DJANGO_SETTINGS_MODULE"}
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{worker_env['PYTHONPATH']}"
     lease = take(lease_store, "order:1")
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "plainapp", "steplock",
-                           "release", "order:1", "--owner", lease.owner], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "plainapp",
+            "steplock",
+            "release",
+            "order:1",
+            "--owner",
+            lease.owner,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "audit: log line event=force_release_audit" in done.stdout
-    lines = [shlex.split(line) for line in done.stderr.splitlines()
-             if "event=force_release_audit" in line]
+    lines = [
+        shlex.split(line)
+        for line in done.stderr.splitlines()
+        if "event=force_release_audit" in line
+    ]
     fields = [dict(token.split("=", 1) for token in line if "=" in token) for line in lines]
     assert [f["outcome"] for f in fields] == ["requested", "released"]
     for f in fields:
         assert (f["actor"], f["actor_host"], f["via"], f["name"], f["owner"], f["fence"]) == (
-            os_actor(env), socket.gethostname(), "cli", "order:1", lease.owner,
-            str(lease.fence))
+            os_actor(env),
+            socket.gethostname(),
+            "cli",
+            "order:1",
+            lease.owner,
+            str(lease.fence),
+        )
     assert lease_store.inspect("order:1") is None
 
 
@@ -232,7 +280,7 @@ def test_ls_and_show_survive_malformed_leases(cli, lease_store, redis_client):
     lines = table.stdout.splitlines()
     assert [line.split()[0] for line in lines[1:4]] == ["order:1", "order:2", "order:3"]
     assert lines[-2] == "3 lease(s)"
-    assert lines[-1].startswith('2 malformed lease(s)') and '"order:2"' in lines[-1]
+    assert lines[-1].startswith("2 malformed lease(s)") and '"order:2"' in lines[-1]
     assert good.owner[:12] in lines[1]
     listed = {lease["name"]: lease for lease in json.loads(cli("ls", "--json").stdout)}
     assert "malformed" not in listed["order:1"]
@@ -243,7 +291,8 @@ def test_ls_and_show_survive_malformed_leases(cli, lease_store, redis_client):
     fields = dict(line.split(None, 1) for line in shown.stdout.splitlines())
     assert fields["malformed"] == "fence: not an integer ('x'); owner: not UTF-8"
     assert json.loads(cli("show", "order:2", "--json").stdout)["malformed"].startswith(
-        "acquired_ms")
+        "acquired_ms"
+    )
 
 
 # -- no secret, no raw control character on the terminal ------------------------------------------
@@ -257,8 +306,9 @@ def no_raw_controls(text):
     return all(c.isprintable() or c == "\n" for c in text) and "\x1b" not in text
 
 
-@pytest.mark.parametrize("command", [("ls",), ("show", "order:1"),
-                                     ("release", "order:1", "--owner", "x")])
+@pytest.mark.parametrize(
+    "command", [("ls",), ("show", "order:1"), ("release", "order:1", "--owner", "x")]
+)
 def test_errors_name_no_password(cli, command):
     url = f"redis+sentinel://:{PW}@sa:26379;redis+sentinel://:{PW}@sb:26380"
     refused = cli(*command, STEPLOCK_REDIS_URL=url)
@@ -279,8 +329,11 @@ def test_store_errors_name_no_password(cli, private_redis):
 
 @pytest.mark.parametrize("shape", ["tcp", "unix"])
 def test_unreachable_store_errors_name_no_password(cli, tmp_path, shape):
-    url = (f"redis://app:{PW}@127.0.0.1:{free_port()}/0" if shape == "tcp"
-           else f"unix://{tmp_path}/none.sock?password={PW}&db=0")
+    url = (
+        f"redis://app:{PW}@127.0.0.1:{free_port()}/0"
+        if shape == "tcp"
+        else f"unix://{tmp_path}/none.sock?password={PW}&db=0"
+    )
     refused = cli("ls", STEPLOCK_REDIS_URL=url)
     assert refused.returncode == 69, refused.stderr
     assert "lock store unavailable" in refused.stderr and PW not in refused.stderr
@@ -290,10 +343,18 @@ def hostile_lease(lock, redis_client, name):
     """A lease acquired normally, then every field a reader prints overwritten by a real
     client with control characters, ANSI escapes and newlines."""
     lease = take(lock, name)
-    redis_client.hset(lock.key(name), mapping={
-        "owner": f"own{HOSTILE}", "task_name": f"proj.tasks.{HOSTILE}",
-        "task_id": f"id{HOSTILE}", "worker": f"w{HOSTILE}", "pid": f"1{HOSTILE}",
-        "step": f"st{HOSTILE}", f"evil{HOSTILE}": HOSTILE})
+    redis_client.hset(
+        lock.key(name),
+        mapping={
+            "owner": f"own{HOSTILE}",
+            "task_name": f"proj.tasks.{HOSTILE}",
+            "task_id": f"id{HOSTILE}",
+            "worker": f"w{HOSTILE}",
+            "pid": f"1{HOSTILE}",
+            "step": f"st{HOSTILE}",
+            f"evil{HOSTILE}": HOSTILE,
+        },
+    )
     return lease
 
 
@@ -301,8 +362,10 @@ def dead_hostile_lease(lock, redis_client, name):
     """:func:`hostile_lease` held by a worker nobody runs, last renewed two minutes ago: the
     reaper's to reap."""
     dead = hostile_lease(lock, redis_client, name)
-    redis_client.hset(lock.key(name), mapping={
-        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner})
+    redis_client.hset(
+        lock.key(name),
+        mapping={"worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "owner": dead.owner},
+    )
     now_s, now_us = redis_client.time()
     redis_client.hset(lock.key(name), "renewed_ms", now_s * 1000 + now_us // 1000 - 120_000)
     return dead
@@ -402,6 +465,7 @@ def test_the_reap_command_escapes_what_redis_holds(lease_store, redis_client):
 
 # -- the operator recorded, and no record no release ---------------------------------------------
 
+
 def test_release_records_the_os_account_not_a_forged_user(cli, lease_store):
     """$USER / $LOGNAME / $SUDO_USER can be set by anyone: the actor is the passwd account of
     the process's uid, with those variables after it as claims."""
@@ -411,25 +475,38 @@ def test_release_records_the_os_account_not_a_forged_user(cli, lease_store):
 
     account = pwd.getpwuid(os.getuid()).pw_name
     lease = take(lease_store, "order:1")
-    released = cli("release", "order:1", "--owner", lease.owner, USER="ceo", LOGNAME=account,
-                   SUDO_USER="alice")
+    released = cli(
+        "release",
+        "order:1",
+        "--owner",
+        lease.owner,
+        USER="ceo",
+        LOGNAME=account,
+        SUDO_USER="alice",
+    )
     assert released.returncode == 0, released.stderr
     [event] = LeaseEvent.objects.filter(event="force_release")
     assert event.actor == f"{account} (USER=ceo, SUDO_USER=alice)"
     assert event.reason.startswith(f"force-released by {account} (USER=ceo, SUDO_USER=alice)@")
     second = take(lease_store, "order:2")
-    plain = cli("release", "order:2", "--owner", second.owner, USER=account, LOGNAME=account,
-                SUDO_USER="")
+    plain = cli(
+        "release", "order:2", "--owner", second.owner, USER=account, LOGNAME=account, SUDO_USER=""
+    )
     assert plain.returncode == 0, plain.stderr
     assert LeaseEvent.objects.get(event="force_release", name="order:2").actor == account
 
 
-QUIET_APP = PLAIN_APP + '''
+QUIET_APP = (
+    PLAIN_APP
+    + """
 import logging
 logging.getLogger("celery_steplock").setLevel(logging.ERROR)
-'''
+"""
+)
 
-FAILING_AUDIT_APP = PLAIN_APP + f'''
+FAILING_AUDIT_APP = (
+    PLAIN_APP
+    + f"""
 from celery_steplock import ops
 
 
@@ -438,7 +515,8 @@ def requested(self, record):
 
 
 ops.LogAudit.requested = requested
-'''
+"""
+)
 
 
 def run_plain(worker_env, tmp_path, source, *args, **extra):
@@ -446,16 +524,21 @@ def run_plain(worker_env, tmp_path, source, *args, **extra):
     env = {k: v for k, v in worker_env.items() if k != "DJANGO_SETTINGS_MODULE"}
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{worker_env['PYTHONPATH']}"
     env.update(extra)
-    return subprocess.run([sys.executable, "-m", "celery", "-A", "plainapp", "steplock", *args],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "plainapp", "steplock", *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_release_on_a_quiet_plain_app_is_refused(worker_env, lease_store, tmp_path):
     """No record, no release: with the celery_steplock logger at ERROR the log line would
     not be written, so nothing is released and the message names the logger."""
     lease = take(lease_store, "order:1")
-    done = run_plain(worker_env, tmp_path, QUIET_APP, "release", "order:1", "--owner",
-                     lease.owner)
+    done = run_plain(worker_env, tmp_path, QUIET_APP, "release", "order:1", "--owner", lease.owner)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "not released: 'order:1': the audit record could not be written" in done.stderr
     assert "'celery_steplock' logger does not emit WARNING lines" in done.stderr
@@ -465,27 +548,38 @@ def test_release_on_a_quiet_plain_app_is_refused(worker_env, lease_store, tmp_pa
 
 def test_a_failed_audit_write_is_shown_masked_and_escaped(worker_env, lease_store, tmp_path):
     lease = take(lease_store, "order:1")
-    done = run_plain(worker_env, tmp_path, FAILING_AUDIT_APP, "release", "order:1", "--owner",
-                     lease.owner)
+    done = run_plain(
+        worker_env, tmp_path, FAILING_AUDIT_APP, "release", "order:1", "--owner", lease.owner
+    )
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "the audit record could not be written (audit store redis://:***@audit-db:6379/0" \
+    assert (
+        "the audit record could not be written (audit store redis://:***@audit-db:6379/0"
         in done.stderr
+    )
     assert PW not in done.stdout + done.stderr
     assert no_raw_controls(done.stdout + done.stderr)
     assert lease_store.inspect("order:1")["owner"] == lease.owner
 
 
-BROKEN_SETTINGS = f'''
+BROKEN_SETTINGS = f"""
 raise RuntimeError("settings read redis://:{PW}@cache-1:6379/0 {HOSTILE!r}".encode().decode(
     "unicode_escape"))
-'''
+"""
 
 
 def test_a_django_load_failure_is_shown_masked_and_escaped(worker_env, lease_store, tmp_path):
     (tmp_path / "brokensettings.py").write_text(BROKEN_SETTINGS)
     lease = take(lease_store, "order:1")
-    done = run_plain(worker_env, tmp_path, PLAIN_APP, "release", "order:1", "--owner",
-                     lease.owner, DJANGO_SETTINGS_MODULE="brokensettings")
+    done = run_plain(
+        worker_env,
+        tmp_path,
+        PLAIN_APP,
+        "release",
+        "order:1",
+        "--owner",
+        lease.owner,
+        DJANGO_SETTINGS_MODULE="brokensettings",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "not released: could not load the app's modules" in done.stderr
     assert "RuntimeError: settings read redis://:***@cache-1:6379/0" in done.stderr
@@ -494,8 +588,9 @@ def test_a_django_load_failure_is_shown_masked_and_escaped(worker_env, lease_sto
     assert lease_store.inspect("order:1")["owner"] == lease.owner
 
 
-def test_ls_and_show_survive_a_deep_meta_and_a_key_that_is_not_utf8(cli, lease_store,
-                                                                     redis_client):
+def test_ls_and_show_survive_a_deep_meta_and_a_key_that_is_not_utf8(
+    cli, lease_store, redis_client
+):
     take(lease_store, "order:1", pid=11)
     raw, _ = write_hostile_leases(redis_client, lease_store, "order:deep")
     raw.close()

@@ -1,6 +1,7 @@
 """The lease store and StepLockedTask over a real Redis Cluster: 3 primaries + 3 replicas on
 loopback (tests/support/cluster.py), with a primary failover and a slot migration while
 leases are held."""
+
 from __future__ import annotations
 
 import threading
@@ -16,8 +17,7 @@ from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured, LockError, LockNameError
 from celery_steplock.heartbeat import Heartbeat
 from celery_steplock.keys import check_name, fence_key, lease_key, wake_key, waiters_key
-from celery_steplock.lock import (ClusterLeaseStore, RedisLeaseStore, get_lease_store,
-                                  make_client)
+from celery_steplock.lock import ClusterLeaseStore, RedisLeaseStore, get_lease_store, make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
@@ -96,12 +96,13 @@ class CountingConnection(Connection):
 
 def test_every_key_of_a_lease_is_in_one_slot():
     for name in ("order:42", "a", "tests.finish:" + "f" * 64, "naïve:ü"):
-        slots = {_cluster.slot_of(key(PREFIX, name))
-                 for key in (lease_key, fence_key, waiters_key, wake_key)}
+        slots = {
+            _cluster.slot_of(key(PREFIX, name))
+            for key in (lease_key, fence_key, waiters_key, wake_key)
+        }
         assert len(slots) == 1, name
     # The hash tag is the whole name: two names never share a tag, whatever they contain.
-    assert _cluster.slot_of(lease_key(PREFIX, "order:42")) == \
-        redis.crc.key_slot(b"order:42")
+    assert _cluster.slot_of(lease_key(PREFIX, "order:42")) == redis.crc.key_slot(b"order:42")
     for bad in ("a{b}", "{x}", "a}b", "a{b"):
         with pytest.raises(LockNameError, match="braces"):
             check_name(bad)
@@ -122,8 +123,11 @@ def test_setting_validated_and_selects_the_cluster_client(cluster_app):
 def test_plain_client_on_a_cluster_node_names_the_setting(cluster, store):
     # A key the URL's node does not serve: the plain client gets MOVED.
     node = cluster.primaries()[0]
-    name = next(f"elsewhere:{n}" for n in range(1000)
-                if primary_of(cluster, lease_key(PREFIX, f"elsewhere:{n}")) is not node)
+    name = next(
+        f"elsewhere:{n}"
+        for n in range(1000)
+        if primary_of(cluster, lease_key(PREFIX, f"elsewhere:{n}")) is not node
+    )
     plain = RedisLeaseStore(make_client(node.url), prefix=PREFIX)
     with pytest.raises(LockError, match="MOVED.*steplock_redis_cluster = True"):
         plain.acquire(name, ttl=5)
@@ -136,9 +140,14 @@ def test_cluster_unreachable_at_start_is_an_outage_not_a_crash(cluster):
     down = RedisLeaseStore(make_client(closed_port_url(), 0.3, cluster=True), prefix=PREFIX)
     assert isinstance(down, ClusterLeaseStore)
     assert isinstance(down.client, _cluster.DeferredCluster)
-    for call in (lambda: down.acquire("a", ttl=5), lambda: down.acquire("a", ttl=5, wait=0.2),
-                 lambda: down.extend_many([("a", "o", 5.0)]), lambda: list(down.iter_leases()),
-                 lambda: down.release("a", "o"), lambda: down.inspect("a")):
+    for call in (
+        lambda: down.acquire("a", ttl=5),
+        lambda: down.acquire("a", ttl=5, wait=0.2),
+        lambda: down.extend_many([("a", "o", 5.0)]),
+        lambda: list(down.iter_leases()),
+        lambda: down.release("a", "o"),
+        lambda: down.inspect("a"),
+    ):
         with pytest.raises(LockStoreUnavailable):
             call()
     # Built at the first use that finds the cluster.
@@ -178,9 +187,11 @@ def test_task_on_a_cluster_url_with_a_database_never_runs(cluster_app, cluster, 
 
 
 def test_cluster_connection_options_reach_every_node(cluster, client):
-    named = make_client(cluster.url, cluster=True,
-                        transport_options={"client_name": "steplock-cluster-x",
-                                           "socket_keepalive": True})
+    named = make_client(
+        cluster.url,
+        cluster=True,
+        transport_options={"client_name": "steplock-cluster-x", "socket_keepalive": True},
+    )
     store = RedisLeaseStore(named, prefix=PREFIX)
     try:
         names = names_on_every_primary(cluster, 12, "named")
@@ -197,8 +208,9 @@ def test_cluster_connection_options_reach_every_node(cluster, client):
             kwargs = node.redis_connection.connection_pool.connection_kwargs
             assert kwargs["client_name"] == "steplock-cluster-x"
             assert kwargs["socket_keepalive"] is True
-        assert [store.release(n, lease.owner) for n, lease in zip(names, leases)] == \
-            [True] * len(names)
+        assert [store.release(n, lease.owner) for n, lease in zip(names, leases)] == [True] * len(
+            names
+        )
     finally:
         named.close()
 
@@ -220,10 +232,13 @@ def test_cluster_options_redis_py_would_drop_are_refused(cluster):
     allowed = getattr(redis.cluster, "REDIS_ALLOWED_KEYS", ())
     dropped = [key for key in ("health_check_interval",) if key not in allowed]
     if not dropped:
-        client = make_client(cluster.url, cluster=True,
-                             transport_options={"health_check_interval": 5})
-        assert all(n.redis_connection.connection_pool.connection_kwargs[
-            "health_check_interval"] == 5 for n in client.get_nodes())
+        client = make_client(
+            cluster.url, cluster=True, transport_options={"health_check_interval": 5}
+        )
+        assert all(
+            n.redis_connection.connection_pool.connection_kwargs["health_check_interval"] == 5
+            for n in client.get_nodes()
+        )
         client.close()
         return
     with pytest.raises(ImproperlyConfigured, match="health_check_interval") as caught:
@@ -247,7 +262,9 @@ def test_ignored_combinations_are_refused(app, tmp_path):
     ca = tmp_path / "ca.pem"
     ca.write_text("")
     set_settings(app, steplock_redis_url="unix:///tmp/redis-none.sock")
-    set_settings(app, steplock_redis_use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(ca)})
+    set_settings(
+        app, steplock_redis_use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(ca)}
+    )
     with pytest.raises(ImproperlyConfigured, match="unix://") as caught:
         ClientConfig(Settings(app))
     assert caught.value.setting == "steplock_redis_use_ssl"
@@ -281,11 +298,10 @@ def test_task_with_the_cluster_down_follows_the_store_error_policy(cluster_app):
     from celery_steplock.exceptions import LockStoreUnavailable
     from tests.helpers import closed_port_url
 
-    set_settings(cluster_app, steplock_redis_url=closed_port_url(),
-                 steplock_socket_timeout=0.3)
+    set_settings(cluster_app, steplock_redis_url=closed_port_url(), steplock_socket_timeout=0.3)
     step = Step.objects.create(name="down")
     result = cluster_finish.apply(args=(step.pk,))
-    assert isinstance(result.result, LockStoreUnavailable)   # fail_closed: retried, then failed
+    assert isinstance(result.result, LockStoreUnavailable)  # fail_closed: retried, then failed
     assert TransitionRecord.objects.filter(step_id=step.pk).count() == 0
     assert Step.objects.get(pk=step.pk).status == "pending"
 
@@ -296,8 +312,8 @@ def test_task_with_the_cluster_down_follows_the_store_error_policy(cluster_app):
 def test_lock_cycle_over_the_cluster(cluster, store):
     lease = store.acquire("order:42", ttl=10, metadata={"task_id": "t-1"})
     assert lease is not None and lease.fence > 0
-    assert store.acquire("order:42", ttl=10) is None                     # contention
-    again = store.acquire("order:42", owner=lease.owner, ttl=10)         # re-entrant
+    assert store.acquire("order:42", ttl=10) is None  # contention
+    again = store.acquire("order:42", owner=lease.owner, ttl=10)  # re-entrant
     assert again is not None and again.fence == lease.fence
     assert 9 < store.owned("order:42", lease.owner) <= 10
     assert store.owned("order:42", "someone-else") is None
@@ -310,11 +326,15 @@ def test_lock_cycle_over_the_cluster(cluster, store):
     # wait/wake: a waiter blocked on the slot's node is woken by the release, long before
     # the holder's TTL (20 s) would have let it in.
     got = []
-    waiter = threading.Thread(target=lambda: got.append(
-        (store.acquire("order:42", ttl=10, wait=8.0), time.monotonic())))
+    waiter = threading.Thread(
+        target=lambda: got.append((store.acquire("order:42", ttl=10, wait=8.0), time.monotonic()))
+    )
     waiter.start()
-    wait_until(lambda: store.client.zcard(waiters_key(PREFIX, "order:42")) == 1, 5,
-               what="the waiter to be recorded")
+    wait_until(
+        lambda: store.client.zcard(waiters_key(PREFIX, "order:42")) == 1,
+        5,
+        what="the waiter to be recorded",
+    )
     released_at = time.monotonic()
     assert store.release("order:42", lease.owner) is True
     waiter.join(10)
@@ -322,7 +342,7 @@ def test_lock_cycle_over_the_cluster(cluster, store):
     assert second is not None and second.owner != lease.owner
     assert second.fence > lease.fence
     assert woke_at - released_at < 5.0
-    assert store.release("order:42", lease.owner) is False               # not ours any more
+    assert store.release("order:42", lease.owner) is False  # not ours any more
 
     # reap: only while owner and renewal time are what was observed
     seen = store.inspect("order:42")
@@ -333,8 +353,9 @@ def test_lock_cycle_over_the_cluster(cluster, store):
 
 def test_one_round_trip_per_node_per_renewal_cycle(cluster):
     CountingConnection.round_trips.clear()
-    client = RedisClusterClient.from_url(cluster.url, connection_class=CountingConnection,
-                                         decode_responses=True)
+    client = RedisClusterClient.from_url(
+        cluster.url, connection_class=CountingConnection, decode_responses=True
+    )
     store = RedisLeaseStore(client, prefix=PREFIX)
     names = names_on_every_primary(cluster, 60, "rt")
     slots = {_cluster.slot_of(lease_key(PREFIX, name)) for name in names}
@@ -349,7 +370,7 @@ def test_one_round_trip_per_node_per_renewal_cycle(cluster):
     heartbeat = Heartbeat()
     CountingConnection.round_trips.clear()
     for lease in leases:
-        heartbeat.register(lease, store, ratio=0.5)     # every 1.5 s
+        heartbeat.register(lease, store, ratio=0.5)  # every 1.5 s
     wait_until(lambda: heartbeat.round_trips >= 1, 10, what="one renewal cycle")
     counted = dict(CountingConnection.round_trips)
     for lease in leases:
@@ -370,7 +391,7 @@ def test_reap_many_and_read_leases_span_slots(cluster, store):
     infos = store.read_leases([lease_key(PREFIX, name) for name in names])
     assert [infos[lease_key(PREFIX, n)]["owner"] for n in names] == [le.owner for le in leases]
     items = [(le.name, le.owner, infos[le.key]["renewed_ms"]) for le in leases]
-    items[0] = (items[0][0], items[0][1], "0")       # renewed since: spared
+    items[0] = (items[0][0], items[0][1], "0")  # renewed since: spared
     assert store.reap_many(items) == [False] + [True] * (len(names) - 1)
     assert store.inspect(names[0]) is not None
     assert all(store.inspect(name) is None for name in names[1:])
@@ -384,8 +405,9 @@ def test_scan_walks_every_primary(cluster, store):
     for name in names:
         assert store.acquire(name, ttl=30, metadata={"task_name": "t"})
     assert sorted(info["name"] for info in store.iter_leases()) == sorted(names)
-    assert sorted(i["name"] for i in store.iter_leases(match="scan:1*")) == \
-        sorted(n for n in names if n.startswith("scan:1"))
+    assert sorted(i["name"] for i in store.iter_leases(match="scan:1*")) == sorted(
+        n for n in names if n.startswith("scan:1")
+    )
 
     # Small steps: the cursor goes through every primary; each step stays on one.
     cursor, seen, primaries_seen, steps = 0, set(), [], 0
@@ -421,7 +443,7 @@ def test_admin_page_walk_sees_leases_on_every_primary(cluster, store):
             break
         assert pages < 100
     assert sorted(set(found)) == sorted(names)
-    assert page.db_keys == 2 * len(names)     # lease + fencing counter, every primary counted
+    assert page.db_keys == 2 * len(names)  # lease + fencing counter, every primary counted
 
 
 def test_cli_ls_and_the_reaper_see_every_primary(cluster, cluster_app, worker_env):
@@ -438,19 +460,32 @@ def test_cli_ls_and_the_reaper_see_every_primary(cluster, cluster_app, worker_en
     env = {**worker_env, "STEPLOCK_REDIS_URL": cluster.url, "STEPLOCK_REDIS_CLUSTER": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "django_app", "steplock", "ls", "--json"],
-        env=env, cwd=worker_env["PYTHONPATH"], capture_output=True, text=True, timeout=120)
+        env=env,
+        cwd=worker_env["PYTHONPATH"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(row["name"] for row in json.loads(done.stdout)) == sorted(names)
 
     # The reaper: silent holders on every primary, last renewed a minute ago, are reaped.
     dead = names_on_every_primary(cluster, 9, "dead", prefix=store.prefix)
     for name in dead:
-        assert store.acquire(name, ttl=60, metadata={
-            "task_name": "t", "worker": "ghost@nowhere.invalid",
-            "hostname": "elsewhere.invalid", "pid": "4242"})
+        assert store.acquire(
+            name,
+            ttl=60,
+            metadata={
+                "task_name": "t",
+                "worker": "ghost@nowhere.invalid",
+                "hostname": "elsewhere.invalid",
+                "pid": "4242",
+            },
+        )
         now_s, now_us = store.client.time()
-        store.client.hset(store.key(name), "renewed_ms",
-                          int(now_s) * 1000 + int(now_us) // 1000 - 60_000)
+        store.client.hset(
+            store.key(name), "renewed_ms", int(now_s) * 1000 + int(now_us) // 1000 - 60_000
+        )
     report = reap(cluster_app, ping_timeout=0.3)
     assert report.ok, report.errors
     assert report.leases_scanned == len(names) + len(dead)
@@ -462,17 +497,30 @@ def test_cli_ls_and_the_reaper_see_every_primary(cluster, cluster_app, worker_en
 # -- faults ---------------------------------------------------------------------------------
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.cluster_finish",
-                 lock_key="cstep:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), on_contended="raise", lock_ttl=3.0)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.cluster_finish",
+    lock_key="cstep:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="raise",
+    lock_ttl=3.0,
+)
 def cluster_finish(self, step_id, hold=0.0):
     deadline = time.monotonic() + hold
     while time.monotonic() < deadline:
         time.sleep(0.05)
         self.lease.check()
-    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
-                                    owner=self.lease.owner, fence=self.lease.fence,
-                                    task_id=self.request.id or "")
+    TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status="pending",
+        to_status="done",
+        owner=self.lease.owner,
+        fence=self.lease.fence,
+        task_id=self.request.id or "",
+    )
     return self.lease.fence
 
 
@@ -499,7 +547,7 @@ def test_step_locked_task_end_to_end_on_the_cluster(cluster_app):
     assert step.status == "done" and step.lock_fence == fence
     assert TransitionRecord.objects.filter(step_id=step.pk).count() == 1
     store = get_lease_store(cluster_app)
-    assert store.inspect(f"cstep:{step.pk}") is None          # released
+    assert store.inspect(f"cstep:{step.pk}") is None  # released
     duplicate = cluster_finish.apply(args=(step.pk,))  # another task id: the body is skipped
     assert (duplicate.state, duplicate.result["steplock"]) == ("SUCCESS", "duplicate")
     assert TransitionRecord.objects.filter(step_id=step.pk).count() == 1
@@ -523,6 +571,7 @@ def _hold_and_run_through(cluster, cluster_app, fault, ttl):
 
     def run(step):
         from django.db import connection
+
         try:
             result = cluster_finish.apply(args=(step.pk,), kwargs={"hold": 1.0})
             outcomes.append(result.state if result.successful() else type(result.result).__name__)
@@ -539,8 +588,9 @@ def _hold_and_run_through(cluster, cluster_app, fault, ttl):
     assert len(outcomes) == len(threads)
     run_until_done(steps)
     cycles = heartbeat.cycles
-    wait_until(lambda: heartbeat.cycles >= cycles + 2, 4 * ttl,
-               what="two renewal cycles after the fault")
+    wait_until(
+        lambda: heartbeat.cycles >= cycles + 2, 4 * ttl, what="two renewal cycles after the fault"
+    )
     try:
         assert heartbeat.thread is not None and heartbeat.thread.is_alive()
         for lease in held:
@@ -575,13 +625,15 @@ def test_killed_primary_while_leases_are_held(cluster_app):
         owners = own.slot_owners()
 
         held, _outcomes = _hold_and_run_through(
-            own, cluster_app, lambda: own.kill_primary(victim), ttl=6.0)
+            own, cluster_app, lambda: own.kill_primary(victim), ttl=6.0
+        )
         # Leases on the surviving primaries were renewed throughout (each cycle renews what
         # the nodes that answered hold); those of the killed one are renewed on its promoted
         # replica or reported lost, never silently kept.
         lost = {lease.name for lease in held if lease.lost}
-        on_victim = {lease.name for lease in held
-                     if owners[_cluster.slot_of(lease.key)] == victim.port}
+        on_victim = {
+            lease.name for lease in held if owners[_cluster.slot_of(lease.key)] == victim.port
+        }
         assert lost <= on_victim
 
 
@@ -590,19 +642,22 @@ def test_slot_migration_while_a_lease_is_held(cluster, store):
     key = lease_key(PREFIX, name)
     slot = _cluster.slot_of(key)
     # A second lease in the same slot: one EXTEND_MANY call carries both.
-    twin = next(f"twin:{n}" for n in range(200000)
-                if _cluster.slot_of(lease_key(PREFIX, f"twin:{n}")) == slot)
+    twin = next(
+        f"twin:{n}"
+        for n in range(200000)
+        if _cluster.slot_of(lease_key(PREFIX, f"twin:{n}")) == slot
+    )
     lease = store.acquire(name, ttl=30)
     other = store.acquire(twin, ttl=30)
     source = primary_of(cluster, key)
     target = next(node for node in cluster.primaries() if node is not source)
     items = [(name, lease.owner, 30.0), (twin, other.owner, 30.0)]
 
-    cluster.begin_migration(slot, target)              # keys still on the source
+    cluster.begin_migration(slot, target)  # keys still on the source
     assert store.extend_many(items) == [True, True]
     assert store.owned(name, lease.owner) is not None
 
-    cluster.move_keys(slot, source, target)            # keys on the target: ASK
+    cluster.move_keys(slot, source, target)  # keys on the target: ASK
     assert store.owned(name, lease.owner) is not None
     assert store.extend(name, lease.owner, 30) is True
     assert store.extend_many(items) == [True, True]
@@ -614,7 +669,7 @@ def test_slot_migration_while_a_lease_is_held(cluster, store):
     releaser = threading.Thread(target=lambda: done.append(store.release(name, lease.owner)))
     releaser.start()
     time.sleep(0.3)
-    cluster.finish_migration(slot, target)             # MOVED from now on
+    cluster.finish_migration(slot, target)  # MOVED from now on
     releaser.join(10)
     assert done == [True]
     assert store.owned(name, lease.owner) is None
@@ -628,8 +683,9 @@ def test_slot_migration_while_a_lease_is_held(cluster, store):
 
 
 @pytest.mark.django_db
-def test_admin_changelist_pages_through_every_primary(cluster, cluster_app, admin_client,
-                                                      monkeypatch):
+def test_admin_changelist_pages_through_every_primary(
+    cluster, cluster_app, admin_client, monkeypatch
+):
     from collections import Counter
 
     from django.urls import reverse
@@ -642,13 +698,14 @@ def test_admin_changelist_pages_through_every_primary(cluster, cluster_app, admi
     store = get_lease_store(cluster_app)
     names = names_on_every_primary(cluster, 35, "page", prefix=store.prefix)
     for n, name in enumerate(names):
-        assert store.acquire(name, ttl=60, metadata=holder_metadata(f"task-{n}", advance.name,
-                                                                    0, worker="w@box"))
+        assert store.acquire(
+            name, ttl=60, metadata=holder_metadata(f"task-{n}", advance.name, 0, worker="w@box")
+        )
     url, seen, query, pages = reverse("admin:celery_steplock_lease_changelist"), Counter(), "?", 0
     while query is not None:
         response = admin_client.get(url + query)
         assert response.status_code == 200
-        assert response.context["page"] is not None          # no store error
+        assert response.context["page"] is not None  # no store error
         seen.update(row["lease"].name for row in response.context["rows"])
         query = response.context["next_url"]
         pages += 1

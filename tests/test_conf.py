@@ -1,4 +1,5 @@
 """Settings read from app.conf (celery_steplock.conf)."""
+
 import pytest
 from celery import Celery
 
@@ -53,31 +54,34 @@ def test_explicit_redis_url_wins_over_broker():
     assert settings.redis_url == "redis://r:1/2"
 
 
-@pytest.mark.parametrize("conf, setting", [
-    ({"steplock_default_ttl": 0}, "steplock_default_ttl"),
-    ({"steplock_default_ttl": -1}, "steplock_default_ttl"),
-    ({"steplock_default_ttl": "30"}, "steplock_default_ttl"),
-    ({"steplock_default_ttl": float("nan")}, "steplock_default_ttl"),
-    ({"steplock_renewal_ratio": 1}, "steplock_renewal_ratio"),
-    ({"steplock_renewal_ratio": 1.5}, "steplock_renewal_ratio"),
-    ({"steplock_renewal_ratio": 0}, "steplock_renewal_ratio"),
-    ({"steplock_on_contended": "wait"}, "steplock_on_contended"),
-    ({"steplock_on_conflict": "overwrite"}, "steplock_on_conflict"),
-    ({"steplock_on_store_error": "open"}, "steplock_on_store_error"),
-    ({"steplock_lock_wait": -0.5}, "steplock_lock_wait"),
-    ({"steplock_key_prefix": "a{b}"}, "steplock_key_prefix"),
-    ({"steplock_key_prefix": "a[b"}, "steplock_key_prefix"),
-    ({"steplock_key_prefix": "a\nb"}, "steplock_key_prefix"),
-    ({"steplock_precheck": "false"}, "steplock_precheck"),
-    ({"steplock_default_ttl": 1e20}, "steplock_default_ttl"),
-    ({"steplock_default_ttl": 0.001}, "steplock_default_ttl"),
-    ({"steplock_renewal_ratio": 0.995}, "steplock_renewal_ratio"),
-    ({"steplock_status_field": "not a field"}, "steplock_status_field"),
-    ({"steplock_redis_url": "http://x"}, "steplock_redis_url"),
-    ({"steplock_retry_max": -1}, "steplock_retry_max"),
-    ({"steplock_retry_max": 2.5}, "steplock_retry_max"),
-    ({"steplock_reaper_recover": {"workflows.Step": "pending"}}, "steplock_reaper_recover"),
-])
+@pytest.mark.parametrize(
+    "conf, setting",
+    [
+        ({"steplock_default_ttl": 0}, "steplock_default_ttl"),
+        ({"steplock_default_ttl": -1}, "steplock_default_ttl"),
+        ({"steplock_default_ttl": "30"}, "steplock_default_ttl"),
+        ({"steplock_default_ttl": float("nan")}, "steplock_default_ttl"),
+        ({"steplock_renewal_ratio": 1}, "steplock_renewal_ratio"),
+        ({"steplock_renewal_ratio": 1.5}, "steplock_renewal_ratio"),
+        ({"steplock_renewal_ratio": 0}, "steplock_renewal_ratio"),
+        ({"steplock_on_contended": "wait"}, "steplock_on_contended"),
+        ({"steplock_on_conflict": "overwrite"}, "steplock_on_conflict"),
+        ({"steplock_on_store_error": "open"}, "steplock_on_store_error"),
+        ({"steplock_lock_wait": -0.5}, "steplock_lock_wait"),
+        ({"steplock_key_prefix": "a{b}"}, "steplock_key_prefix"),
+        ({"steplock_key_prefix": "a[b"}, "steplock_key_prefix"),
+        ({"steplock_key_prefix": "a\nb"}, "steplock_key_prefix"),
+        ({"steplock_precheck": "false"}, "steplock_precheck"),
+        ({"steplock_default_ttl": 1e20}, "steplock_default_ttl"),
+        ({"steplock_default_ttl": 0.001}, "steplock_default_ttl"),
+        ({"steplock_renewal_ratio": 0.995}, "steplock_renewal_ratio"),
+        ({"steplock_status_field": "not a field"}, "steplock_status_field"),
+        ({"steplock_redis_url": "http://x"}, "steplock_redis_url"),
+        ({"steplock_retry_max": -1}, "steplock_retry_max"),
+        ({"steplock_retry_max": 2.5}, "steplock_retry_max"),
+        ({"steplock_reaper_recover": {"workflows.Step": "pending"}}, "steplock_reaper_recover"),
+    ],
+)
 def test_invalid_values_name_the_setting(conf, setting):
     settings = Settings(make_app(broker_url="redis://h/0", **conf))
     with pytest.raises(ImproperlyConfigured) as info:
@@ -99,10 +103,13 @@ def test_every_default_has_a_property():
         getattr(settings, name)
 
 
-@pytest.mark.parametrize("factory, why", [
-    ("no.such:thing", "cannot import 'no.such:thing'"),
-    (5, "must be callable"),
-])
+@pytest.mark.parametrize(
+    "factory, why",
+    [
+        ("no.such:thing", "cannot import 'no.such:thing'"),
+        (5, "must be callable"),
+    ],
+)
 def test_a_bad_factory_is_reported_rather_than_the_missing_url(factory, why):
     # No URL and a broker that is not Redis: the factory was meant to replace the URL, so its
     # own error is the one reported, and the missing URL is not.
@@ -122,46 +129,62 @@ def test_a_bad_factory_is_reported_rather_than_the_missing_url(factory, why):
 # -- issue 12, finding 6: every setting bounded below and above ----------------------------------
 
 OUT_OF_BOUNDS = [
-    ("steplock_fence_ttl", 1e20), ("steplock_fence_ttl", 0.5),
-    ("steplock_socket_timeout", 1e300), ("steplock_socket_timeout", 601),
-    ("steplock_lock_wait", 1e9), ("steplock_lock_wait", 86400.5),
-    ("steplock_max_hold", 1e12), ("steplock_retry_backoff", 1e9),
-    ("steplock_retry_backoff_max", 1e9), ("steplock_retry_max", 10 ** 12),
-    ("steplock_max_waiters", 10 ** 9), ("steplock_max_waiters", 0),
-    ("steplock_event_retention", 1e20), ("steplock_reaper_older_than", 1e20),
-    ("steplock_default_ttl", 86401), ("steplock_key_prefix", "p" * 65),
-    ("steplock_status_field", "f" * 256), ("steplock_step_database", "d" * 256),
-    ("steplock_step_store", "m" * 256 + ":F"), ("steplock_name_secret", "short"),
-    ("steplock_name_secret", "x" * 4097), ("steplock_name_secret", 12345),
-    ("steplock_socket_timeout", "5"), ("steplock_fence_ttl", True),
+    ("steplock_fence_ttl", 1e20),
+    ("steplock_fence_ttl", 0.5),
+    ("steplock_socket_timeout", 1e300),
+    ("steplock_socket_timeout", 601),
+    ("steplock_lock_wait", 1e9),
+    ("steplock_lock_wait", 86400.5),
+    ("steplock_max_hold", 1e12),
+    ("steplock_retry_backoff", 1e9),
+    ("steplock_retry_backoff_max", 1e9),
+    ("steplock_retry_max", 10**12),
+    ("steplock_max_waiters", 10**9),
+    ("steplock_max_waiters", 0),
+    ("steplock_event_retention", 1e20),
+    ("steplock_reaper_older_than", 1e20),
+    ("steplock_default_ttl", 86401),
+    ("steplock_key_prefix", "p" * 65),
+    ("steplock_status_field", "f" * 256),
+    ("steplock_step_database", "d" * 256),
+    ("steplock_step_store", "m" * 256 + ":F"),
+    ("steplock_name_secret", "short"),
+    ("steplock_name_secret", "x" * 4097),
+    ("steplock_name_secret", 12345),
+    ("steplock_socket_timeout", "5"),
+    ("steplock_fence_ttl", True),
 ]
 
 
-@pytest.mark.parametrize("setting, value", OUT_OF_BOUNDS,
-                         ids=[f"{s}={str(v)[:12]}" for s, v in OUT_OF_BOUNDS])
+@pytest.mark.parametrize(
+    "setting, value", OUT_OF_BOUNDS, ids=[f"{s}={str(v)[:12]}" for s, v in OUT_OF_BOUNDS]
+)
 def test_out_of_bounds_settings_are_refused_by_name(setting, value):
     settings = Settings(make_app(broker_url="redis://h/0", **{setting: value}))
     with pytest.raises(ImproperlyConfigured) as info:
-        getattr(settings, setting[len("steplock_"):])
+        getattr(settings, setting[len("steplock_") :])
     assert info.value.setting == setting
     assert f"CELERY_{setting.upper()}" in str(info.value)
     assert len(str(info.value)) < 400
     assert [p.setting for p in settings.problems()] == [setting]
 
 
-@pytest.mark.parametrize("setting, value, expected", [
-    ("steplock_fence_ttl", 366 * 24 * 3600, 366 * 24 * 3600.0),
-    ("steplock_fence_ttl", 1, 1.0),
-    ("steplock_socket_timeout", 600, 600.0),
-    ("steplock_lock_wait", 86400, 86400.0),
-    ("steplock_max_hold", 30 * 24 * 3600, 30 * 24 * 3600.0),
-    ("steplock_retry_max", 1_000_000, 1_000_000),
-    ("steplock_max_waiters", 100_000, 100_000),
-    ("steplock_key_prefix", "p" * 64, "p" * 64),
-])
+@pytest.mark.parametrize(
+    "setting, value, expected",
+    [
+        ("steplock_fence_ttl", 366 * 24 * 3600, 366 * 24 * 3600.0),
+        ("steplock_fence_ttl", 1, 1.0),
+        ("steplock_socket_timeout", 600, 600.0),
+        ("steplock_lock_wait", 86400, 86400.0),
+        ("steplock_max_hold", 30 * 24 * 3600, 30 * 24 * 3600.0),
+        ("steplock_retry_max", 1_000_000, 1_000_000),
+        ("steplock_max_waiters", 100_000, 100_000),
+        ("steplock_key_prefix", "p" * 64, "p" * 64),
+    ],
+)
 def test_values_at_the_bounds_are_accepted(setting, value, expected):
     settings = Settings(make_app(broker_url="redis://h/0", **{setting: value}))
-    assert getattr(settings, setting[len("steplock_"):]) == expected
+    assert getattr(settings, setting[len("steplock_") :]) == expected
 
 
 def test_an_invalid_setting_quotes_at_most_a_line_of_a_huge_value():
@@ -170,7 +193,7 @@ def test_an_invalid_setting_quotes_at_most_a_line_of_a_huge_value():
         Settings(make_app(steplock_key_prefix=huge)).key_prefix
     assert len(str(info.value)) < 400
     with pytest.raises(ImproperlyConfigured) as info:
-        Settings(make_app(steplock_default_ttl=10 ** 10000)).default_ttl  # repr() would fail
+        Settings(make_app(steplock_default_ttl=10**10000)).default_ttl  # repr() would fail
     assert "<int>" in str(info.value)
 
 
@@ -180,22 +203,32 @@ def test_an_invalid_name_secret_is_never_quoted():
     assert "hunter2" not in str(info.value) and "15 characters" in str(info.value)
 
 
-OPTION_BOUNDS = [("lock_wait", 1e9), ("lock_ttl", 1e20), ("lock_max_hold", 1e12),
-                 ("lock_retry_max", 10 ** 12), ("lock_wait", "2"), ("lock_ttl", True),
-                 ("lock_key", "n:{order_id.__class__}"), ("lock_key", "n:{order_id[0]}")]
+OPTION_BOUNDS = [
+    ("lock_wait", 1e9),
+    ("lock_ttl", 1e20),
+    ("lock_max_hold", 1e12),
+    ("lock_retry_max", 10**12),
+    ("lock_wait", "2"),
+    ("lock_ttl", True),
+    ("lock_key", "n:{order_id.__class__}"),
+    ("lock_key", "n:{order_id[0]}"),
+]
 
 
-@pytest.mark.parametrize("index, option, value", [(i, o, v) for i, (o, v) in
-                                                  enumerate(OPTION_BOUNDS)],
-                         ids=[f"{o}={str(v)[:12]}" for o, v in OPTION_BOUNDS])
+@pytest.mark.parametrize(
+    "index, option, value",
+    [(i, o, v) for i, (o, v) in enumerate(OPTION_BOUNDS)],
+    ids=[f"{o}={str(v)[:12]}" for o, v in OPTION_BOUNDS],
+)
 def test_out_of_bounds_task_options_are_refused_at_check_time(index, option, value):
     from celery_steplock.plan import option_problems
     from celery_steplock.task import StepLockedTask
 
     app = make_app(broker_url="redis://127.0.0.1:1/0")
 
-    @app.task(base=StepLockedTask, name=f"bounds.{option}.{index}", shared=False,
-              **{option: value})
+    @app.task(
+        base=StepLockedTask, name=f"bounds.{option}.{index}", shared=False, **{option: value}
+    )
     def t(order_id):
         return order_id
 
@@ -206,14 +239,16 @@ def test_out_of_bounds_task_options_are_refused_at_check_time(index, option, val
 
 # -- issue 12, finding 1: the name secret -----------------------------------------------------
 
+
 def test_the_name_secret_is_the_setting_or_derived_from_django_secret_key():
     import hashlib
     import hmac
 
     from django.conf import settings as django_settings
 
-    derived = hmac.new(django_settings.SECRET_KEY.encode(), b"celery_steplock lock names v1",
-                       hashlib.sha256).digest()
+    derived = hmac.new(
+        django_settings.SECRET_KEY.encode(), b"celery_steplock lock names v1", hashlib.sha256
+    ).digest()
     assert Settings(make_app()).name_secret == derived
     assert Settings(make_app(steplock_name_secret="k" * 32)).name_secret == b"k" * 32
     assert Settings(make_app(steplock_name_secret=b"\x00" * 40)).name_secret == b"\x00" * 40
@@ -252,10 +287,18 @@ def test_w010_without_django_and_without_a_name_secret(tmp_path):
         "app = Celery('plain', set_as_current=False)\n"
         "print(Settings(app).name_secret, [p.id for p in name_secret_problems(app)])\n"
         "app.conf.steplock_name_secret = 'k' * 32\n"
-        "print([p.id for p in name_secret_problems(app)])\n")
+        "print([p.id for p in name_secret_problems(app)])\n"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=60, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
     assert out == ["None ['celery_steplock.W010']", "[]"]
 
 
@@ -266,17 +309,26 @@ def test_manage_py_check_deploy_reports_the_insecure_name_secret():
     with override_settings(SECRET_KEY="django-insecure-" + "x1y2z3" * 10, DEBUG=False):
         found = checks.run_checks(include_deployment_checks=True, tags=["celery_steplock"])
     assert "celery_steplock.W011" in [m.id for m in found]
-    assert "celery_steplock.W011" not in [m.id for m in checks.run_checks(
-        include_deployment_checks=False, tags=["celery_steplock"])]
+    assert "celery_steplock.W011" not in [
+        m.id for m in checks.run_checks(include_deployment_checks=False, tags=["celery_steplock"])
+    ]
 
 
-@pytest.mark.parametrize("options", [{"health_check_interval": 1e300},
-                                     {"health_check_interval": float("nan")},
-                                     {"sentinel_kwargs": {"socket_timeout": 1e9}}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"health_check_interval": 1e300},
+        {"health_check_interval": float("nan")},
+        {"sentinel_kwargs": {"socket_timeout": 1e9}},
+    ],
+)
 def test_transport_option_durations_are_bounded(options):
-    settings = Settings(make_app(steplock_redis_url="sentinel://127.0.0.1:1",
-                                 steplock_redis_transport_options={"master_name": "m",
-                                                                   **options}))
+    settings = Settings(
+        make_app(
+            steplock_redis_url="sentinel://127.0.0.1:1",
+            steplock_redis_transport_options={"master_name": "m", **options},
+        )
+    )
     with pytest.raises(ImproperlyConfigured) as info:
         settings.redis_transport_options
     assert info.value.setting == "steplock_redis_transport_options"
@@ -284,6 +336,7 @@ def test_transport_option_durations_are_bounded(options):
 
 
 # -- hostile review, finding 4: a renewal ratio that makes a busy loop --------------------------
+
 
 @pytest.mark.parametrize("ratio", [1e-300, 0.049, 5e-324, -0.1])
 def test_a_renewal_ratio_below_its_floor_is_refused(ratio):

@@ -1,5 +1,6 @@
 """Waiters block on a pool of their own: many blocked waiters in one process never take the
 connections that its renewals and releases need (steplock_max_waiters)."""
+
 from __future__ import annotations
 
 import threading
@@ -39,6 +40,7 @@ def blocked(redis_client) -> int:
 def start_waiters(store, count, name, wait, results, first=0):
     """``count`` threads waiting for ``name`` (owners ``waiter-<first>``...), each releasing it
     at once when granted."""
+
     def wait_for_it(i):
         try:
             lease = store.acquire(name, f"waiter-{i}", 30.0, wait=wait)
@@ -49,8 +51,10 @@ def start_waiters(store, count, name, wait, results, first=0):
         if lease is not None:
             store.release(name, lease.owner)
 
-    threads = [threading.Thread(target=wait_for_it, args=(i,), daemon=True)
-               for i in range(first, first + count)]
+    threads = [
+        threading.Thread(target=wait_for_it, args=(i,), daemon=True)
+        for i in range(first, first + count)
+    ]
     for thread in threads:
         thread.start()
     return threads
@@ -76,8 +80,12 @@ def test_renewals_and_releases_do_not_wait_behind_150_waiters(redis_client):
     results: list = []
     before = blocked(redis_client)
     threads = start_waiters(store, WAITERS, "busy", 60.0, results)
-    wait_until(lambda: blocked(redis_client) >= before + WAITERS, timeout=30, interval=0.02,
-               what=f"{WAITERS} waiters to block")
+    wait_until(
+        lambda: blocked(redis_client) >= before + WAITERS,
+        timeout=30,
+        interval=0.02,
+        what=f"{WAITERS} waiters to block",
+    )
     heartbeat = Heartbeat()
     ttl = 1.0
     lease = hold_for(store, heartbeat, "mine", ttl, 3 * ttl)  # renewed 9 times or lost
@@ -119,8 +127,12 @@ def test_waiters_sharing_the_store_pool_would_starve_the_heartbeat(redis_client)
             count = blocked(redis_client)
             [thread] = start_waiters(store, 1, "busy", 60.0, results, first=len(threads))
             threads.append(thread)
-            wait_until(lambda: blocked(redis_client) > count or not thread.is_alive(),
-                       timeout=10, interval=0.002, what="the waiter to block or give up")
+            wait_until(
+                lambda: blocked(redis_client) > count or not thread.is_alive(),
+                timeout=10,
+                interval=0.002,
+                what="the waiter to block or give up",
+            )
         assert blocked(redis_client) == before + STORE_POOL
         assert client.connection_pool._created_connections == STORE_POOL
         extra = start_waiters(store, 1, "busy", 60.0, results, first=len(threads))
@@ -142,8 +154,12 @@ def test_one_waiter_more_than_max_waiters_gets_a_clear_error(redis_client):
     results: list = []
     before = blocked(redis_client)
     threads = start_waiters(store, 5, "busy", 60.0, results)
-    wait_until(lambda: blocked(redis_client) >= before + 5, timeout=10, interval=0.01,
-               what="5 waiters to block")
+    wait_until(
+        lambda: blocked(redis_client) >= before + 5,
+        timeout=10,
+        interval=0.01,
+        what="5 waiters to block",
+    )
     with pytest.raises(LockStoreMisconfigured) as caught:
         store.acquire("busy", "sixth", 30.0, wait=5.0)
     assert caught.value.setting == "steplock_max_waiters"
@@ -180,17 +196,20 @@ def test_the_waiters_client_keeps_the_class_and_connection_options():
     class MyRedis(redis.Redis):
         pass
 
-    client = MyRedis.from_url("rediss://user:pw@127.0.0.1:6390/3?ssl_cert_reqs=required",
-                              socket_timeout=2.5, decode_responses=True)
+    client = MyRedis.from_url(
+        "rediss://user:pw@127.0.0.1:6390/3?ssl_cert_reqs=required",
+        socket_timeout=2.5,
+        decode_responses=True,
+    )
     waiters = _wire.derived_client(client, 7)
     assert type(waiters) is MyRedis and waiters is not client
     pool = waiters.connection_pool
     assert pool is not client.connection_pool and pool.max_connections == 7
-    assert pool.connection_class is client.connection_pool.connection_class is \
-        redis.SSLConnection
+    assert pool.connection_class is client.connection_pool.connection_class is redis.SSLConnection
     own = {"maint_notifications_pool_handler"}  # redis-py 7+: each pool's own
-    assert {k: v for k, v in pool.connection_kwargs.items() if k not in own} == \
-        {k: v for k, v in client.connection_pool.connection_kwargs.items() if k not in own}
+    assert {k: v for k, v in pool.connection_kwargs.items() if k not in own} == {
+        k: v for k, v in client.connection_pool.connection_kwargs.items() if k not in own
+    }
     assert (pool.connection_kwargs["username"], pool.connection_kwargs["db"]) == ("user", 3)
 
     class OwnPool(redis.ConnectionPool):
@@ -212,8 +231,15 @@ class UnderivablePool(redis_module.ConnectionPool):
 
 def test_waiters_sharing_an_underivable_pool_are_capped_below_its_size(redis_client):
     conn = redis_client.connection_pool.connection_kwargs
-    pool = UnderivablePool("factory's", host=conn["host"], port=conn["port"], db=0,
-                           max_connections=40, socket_timeout=30.0, decode_responses=True)
+    pool = UnderivablePool(
+        "factory's",
+        host=conn["host"],
+        port=conn["port"],
+        db=0,
+        max_connections=40,
+        socket_timeout=30.0,
+        decode_responses=True,
+    )
     client = redis_module.Redis(connection_pool=pool)
     store = RedisLeaseStore(client, prefix="t")
     assert store.waiter_client is client
@@ -224,8 +250,12 @@ def test_waiters_sharing_an_underivable_pool_are_capped_below_its_size(redis_cli
     results: list = []
     before = blocked(redis_client)
     threads = start_waiters(store, 30, "busy", 60.0, results)
-    wait_until(lambda: blocked(redis_client) >= before + 30, timeout=20, interval=0.01,
-               what="30 waiters to block")
+    wait_until(
+        lambda: blocked(redis_client) >= before + 30,
+        timeout=20,
+        interval=0.01,
+        what="30 waiters to block",
+    )
     with pytest.raises(LockStoreMisconfigured) as caught:
         store.acquire("busy", "one-more", 30.0, wait=5.0)
     assert caught.value.setting == "steplock_max_waiters" and caught.value.name == "busy"
@@ -234,8 +264,7 @@ def test_waiters_sharing_an_underivable_pool_are_capped_below_its_size(redis_cli
     assert "minus 10 kept for renewals and releases" in message
     assert redis_client.zscore("t:waiters:{busy}", "one-more") is None
     # The reserve serves the renewals and releases while the waiters block.
-    assert store.extend_many([("mine", "renewer", 60.0), ("busy", "holder", 60.0)]) == [
-        True, True]
+    assert store.extend_many([("mine", "renewer", 60.0), ("busy", "holder", 60.0)]) == [True, True]
     assert store.release("mine", "renewer") is True
     assert store.release("busy", holder.owner) is True
     for thread in threads:
@@ -271,11 +300,12 @@ def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_pat
 
     group = SentinelGroup(workdir=tmp_path / "sentinel").start()
     try:
+
         def factory(settings):
-            sentinel = Sentinel([("127.0.0.1", s.port) for s in group.sentinels],
-                                socket_timeout=1)
-            return sentinel.master_for(group.master_name, max_connections=10,
-                                       **connection_options(30.0))
+            sentinel = Sentinel([("127.0.0.1", s.port) for s in group.sentinels], socket_timeout=1)
+            return sentinel.master_for(
+                group.master_name, max_connections=10, **connection_options(30.0)
+            )
 
         set_settings(app, steplock_redis_client_factory=factory)
         set_settings(app, steplock_key_prefix="sentinel-waiters")
@@ -283,7 +313,10 @@ def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_pat
         main, waiters = store.client.connection_pool, store.waiter_client.connection_pool
         assert type(waiters) is SentinelConnectionPool and waiters is not main
         assert (waiters.service_name, waiters.sentinel_manager, waiters.max_connections) == (
-            group.master_name, main.sentinel_manager, 1000)
+            group.master_name,
+            main.sentinel_manager,
+            1000,
+        )
         assert waiters.connection_class is main.connection_class
         assert store.waiter_limit == 1000
         holder = store.acquire("busy", "holder", 60.0)
@@ -292,10 +325,16 @@ def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_pat
         results: list = []
         before = blocked(primary)
         threads = start_waiters(store, 20, "busy", 60.0, results)
-        wait_until(lambda: blocked(primary) >= before + 20, timeout=20, interval=0.01,
-                   what="20 waiters to block")
+        wait_until(
+            lambda: blocked(primary) >= before + 20,
+            timeout=20,
+            interval=0.01,
+            what="20 waiters to block",
+        )
         assert store.extend_many([("mine", "renewer", 60.0), ("busy", "holder", 60.0)]) == [
-            True, True]
+            True,
+            True,
+        ]
         assert store.release("mine", mine.owner) is True
         assert main._created_connections <= 3
         assert store.release("busy", holder.owner) is True
@@ -310,7 +349,8 @@ def test_a_factory_s_sentinel_client_gets_a_waiters_pool_of_its_own(app, tmp_pat
 def test_a_cluster_store_s_waiters_are_not_capped_and_a_deferred_client_not_built():
     from tests.helpers import closed_port_url
 
-    down = RedisLeaseStore(make_client(closed_port_url(), 0.3, cluster=True), prefix="t",
-                           max_waiters=50)
+    down = RedisLeaseStore(
+        make_client(closed_port_url(), 0.3, cluster=True), prefix="t", max_waiters=50
+    )
     assert down.waiter_limit == 50  # no node reached to find a pool size
     assert down.waiter_client is down.client

@@ -91,12 +91,16 @@ def _examples() -> list:
         if tutorial:
             rel = page.relative_to(ROOT)
             line = tutorial[-1]["line"]
-            params.append(pytest.param(str(rel), line, json.dumps(tutorial), "tutorial",
-                                       id=f"{rel}:tutorial"))
+            params.append(
+                pytest.param(
+                    str(rel), line, json.dumps(tutorial), "tutorial", id=f"{rel}:tutorial"
+                )
+            )
     return params
 
 
 # -- what runs in the child interpreter ------------------------------------------------------
+
 
 def _problems_of(conf: dict) -> list[str]:
     """The library's validator on an app configured with ``conf``: its errors and its
@@ -107,8 +111,7 @@ def _problems_of(conf: dict) -> list[str]:
 
     app = Celery("docs_example", set_as_current=False, broker=PROJECT_BROKER)
     app.conf.update(conf)
-    return [f"{p.id}: {p.message}" for p in problems(app)
-            if ".E" in p.id or p.id.endswith("W005")]
+    return [f"{p.id}: {p.message}" for p in problems(app) if ".E" in p.id or p.id.endswith("W005")]
 
 
 def _setup_settings(namespace: dict) -> None:
@@ -122,7 +125,7 @@ def _check_settings(namespace: dict) -> None:
     conf = {}
     for name, value in namespace.items():
         if name.startswith("CELERY_STEPLOCK_"):
-            conf[name[len("CELERY_"):].lower()] = value
+            conf[name[len("CELERY_") :].lower()] = value
         elif name.startswith("steplock_"):
             conf[name] = value
     assert conf or "LOGGING" in namespace, "a settings example that sets no steplock setting"
@@ -158,8 +161,11 @@ def _setup_app(namespace: dict) -> None:
 def _check_app(namespace: dict) -> None:
     from celery_steplock.validate import problems
 
-    found = [f"{p.id}: {p.message}" for p in problems(namespace["app"])
-             if ".E" in p.id or p.id.endswith("W005")]
+    found = [
+        f"{p.id}: {p.message}"
+        for p in problems(namespace["app"])
+        if ".E" in p.id or p.id.endswith("W005")
+    ]
     assert found == [], found
 
 
@@ -171,8 +177,9 @@ def _setup_tasks(namespace: dict) -> None:
 
     from celery_steplock import StepLockedTask
 
-    namespace.update(shared_task=shared_task, StepLockedTask=StepLockedTask,
-                     Order=object(), Ledger=object())
+    namespace.update(
+        shared_task=shared_task, StepLockedTask=StepLockedTask, Order=object(), Ledger=object()
+    )
 
 
 def _check_tasks(namespace: dict) -> None:
@@ -251,10 +258,16 @@ def _setup_patterns(namespace: dict) -> None:
     app.conf.steplock_key_prefix = f"docs-example-{os.getpid()}"
     app.conf.steplock_name_secret = "docs-example-" + "s" * 32
     namespace.update(
-        app=app, StepLockedTask=StepLockedTask, provider=_Dependency(), client=_Dependency(),
-        gateway=_Dependency(), order_id=1, render=lambda: None,
+        app=app,
+        StepLockedTask=StepLockedTask,
+        provider=_Dependency(),
+        client=_Dependency(),
+        gateway=_Dependency(),
+        order_id=1,
+        render=lambda: None,
         MyTransientError=type("MyTransientError", (ConnectionError,), {}),
-        MyPermanentError=type("MyPermanentError", (ValueError,), {}))
+        MyPermanentError=type("MyPermanentError", (ValueError,), {}),
+    )
 
 
 SETUPS = {
@@ -285,9 +298,13 @@ def run_in_child(spec: dict) -> None:
 
 # -- the tests -------------------------------------------------------------------------------
 
+
 def _child_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DJANGO_SETTINGS_MODULE", "PYTEST_ADDOPTS", "STEPLOCK_NAME_SECRET")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DJANGO_SETTINGS_MODULE", "PYTEST_ADDOPTS", "STEPLOCK_NAME_SECRET")
+    }
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
     return env
@@ -300,8 +317,7 @@ def _run(args: list[str], cwd: Path, env: dict, where: str) -> str:
     return output
 
 
-def _tutorial(steps: list[dict], redis_url: str, prefix: str, tmp_path: Path,
-              where: str) -> None:
+def _tutorial(steps: list[dict], redis_url: str, prefix: str, tmp_path: Path, where: str) -> None:
     """``django-admin startproject shop``, ``startapp orders``, each ``file=`` block written
     (``mode=append``: added to the file startproject made), migrations, ``manage.py check``,
     then each ``run=shell`` block in ``manage.py shell``. The lease keys go under ``prefix``."""
@@ -322,8 +338,10 @@ def _tutorial(steps: list[dict], redis_url: str, prefix: str, tmp_path: Path,
             code = path.read_text(encoding="utf-8") + "\n" + code
         path.write_text(code, encoding="utf-8")
     settings = project / "shop" / "settings.py"
-    settings.write_text(settings.read_text(encoding="utf-8")
-                        + f"\nCELERY_STEPLOCK_KEY_PREFIX = {prefix!r}\n", encoding="utf-8")
+    settings.write_text(
+        settings.read_text(encoding="utf-8") + f"\nCELERY_STEPLOCK_KEY_PREFIX = {prefix!r}\n",
+        encoding="utf-8",
+    )
     _run([*manage, "makemigrations", "orders"], project, env, where)
     _run([*manage, "migrate", "-v", "0"], project, env, where)
     checked = _run([*manage, "check"], project, env, where)
@@ -361,11 +379,25 @@ def test_example_runs(page, line, code, setup, redis_server_url, new_redis_keys,
         test_file = tmp_path / "test_docs_example.py"
         test_file.write_text(code, encoding="utf-8")
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-             "-c", str(USER_PROJECT / "pytest.ini"), "--rootdir", str(USER_PROJECT),
-             str(test_file)],
-            cwd=USER_PROJECT, env=_child_env(STEPLOCK_TEST_REDIS_URL=redis_server_url),
-            capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "-c",
+                str(USER_PROJECT / "pytest.ini"),
+                "--rootdir",
+                str(USER_PROJECT),
+                str(test_file),
+            ],
+            cwd=USER_PROJECT,
+            env=_child_env(STEPLOCK_TEST_REDIS_URL=redis_server_url),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{where}\n{output}"
         tests = len(re.findall(r"^def test_", code, flags=re.M))
@@ -375,32 +407,45 @@ def test_example_runs(page, line, code, setup, redis_server_url, new_redis_keys,
         code = code.replace(EXAMPLE_REDIS, redis_server_url)
     spec = json.dumps({"code": code, "setup": setup, "where": where})
     proc = subprocess.run(
-        [sys.executable, "-c",
-         "import json, sys; from tests.test_docs_examples import run_in_child; "
-         "run_in_child(json.loads(sys.argv[1]))", spec],
-        cwd=ROOT, env=_child_env(STEPLOCK_VAR_DIR=str(tmp_path),
-                                 STEPLOCK_DOCS_REDIS_URL=redis_server_url),
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "import json, sys; from tests.test_docs_examples import run_in_child; "
+            "run_in_child(json.loads(sys.argv[1]))",
+            spec,
+        ],
+        cwd=ROOT,
+        env=_child_env(STEPLOCK_VAR_DIR=str(tmp_path), STEPLOCK_DOCS_REDIS_URL=redis_server_url),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("example ok"), \
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("example ok"), (
         f"{where}\n{output}"
+    )
 
 
 def test_every_page_with_python_has_its_examples_collected():
     """The collector sees the blocks a reader sees: as many as the pages' ```python fences,
     each setup known."""
     found = [blocks(page) for page in PAGES if "_build" not in page.parts]
-    fences = sum(page.read_text(encoding="utf-8").count("\n```python\n")
-                 for page in PAGES if "_build" not in page.parts)
+    fences = sum(
+        page.read_text(encoding="utf-8").count("\n```python\n")
+        for page in PAGES
+        if "_build" not in page.parts
+    )
     tutorial = sum(1 for page in found for _, _, o in page if o.get("setup") == "tutorial")
-    pages_with_tutorial = sum(1 for page in found
-                              if any(o.get("setup") == "tutorial" for _, _, o in page))
+    pages_with_tutorial = sum(
+        1 for page in found if any(o.get("setup") == "tutorial" for _, _, o in page)
+    )
     examples = _examples()
     assert len(examples) == fences - tutorial + pages_with_tutorial and fences >= 10
     assert {p.values[3] for p in examples} <= set(SETUPS)
 
 
 # -- the generated references' sources --------------------------------------------------------
+
 
 def test_every_setting_has_a_description():
     """The settings reference (docs/reference/settings.md) is generated from conf.DEFAULTS

@@ -3,6 +3,7 @@ Celery users give options: as a class attribute of a StepLockedTask subclass and
 ``@app.task(...)`` keyword. Each form runs one real execution (real Redis, the real
 database) and is checked for its effect, not only for being accepted.
 """
+
 import re
 from pathlib import Path
 
@@ -32,79 +33,121 @@ def key_of_tenant(step_id):
 #: option -> [(form id, value, what the execution must show)]; "plan" checks compare an
 #: attribute of the task's execution plan, "name" the lease's lock name.
 FORMS = {
-    "lock_key": [("template", "step:{step_id}", ("name", "step:{id}")),
-                 ("function", key_of_step, ("name", "step:{id}")),
-                 ("lambda", lambda step_id: f"step:{step_id}", ("name", "step:{id}")),
-                 ("staticmethod", staticmethod(key_of_step), ("name", "step:{id}")),
-                 ("none", None, ("name", r"forms\.[a-z_.]+:[0-9a-f]{{64}}"))],
+    "lock_key": [
+        ("template", "step:{step_id}", ("name", "step:{id}")),
+        ("function", key_of_step, ("name", "step:{id}")),
+        ("lambda", lambda step_id: f"step:{step_id}", ("name", "step:{id}")),
+        ("staticmethod", staticmethod(key_of_step), ("name", "step:{id}")),
+        ("none", None, ("name", r"forms\.[a-z_.]+:[0-9a-f]{{64}}")),
+    ],
     "lock_ttl": [("int", 10, ("plan", "ttl", 10.0)), ("float", 7.5, ("plan", "ttl", 7.5))],
     "lock_wait": [("zero", 0, ("plan", "wait", 0.0)), ("float", 2.5, ("plan", "wait", 2.5))],
-    "lock_max_hold": [("none", None, ("plan", "max_hold", None)),
-                      ("seconds", 300, ("plan", "max_hold", 300.0))],
-    "lock_retry_max": [("none", None, ("plan", "retry_max", None)),
-                       ("int", 3, ("plan", "retry_max", 3))],
-    "on_contended": [(v, v, ("plan", "on_contended", v)) for v in ("retry", "skip", "ignore", "raise")],
+    "lock_max_hold": [
+        ("none", None, ("plan", "max_hold", None)),
+        ("seconds", 300, ("plan", "max_hold", 300.0)),
+    ],
+    "lock_retry_max": [
+        ("none", None, ("plan", "retry_max", None)),
+        ("int", 3, ("plan", "retry_max", 3)),
+    ],
+    "on_contended": [
+        (v, v, ("plan", "on_contended", v)) for v in ("retry", "skip", "ignore", "raise")
+    ],
     "on_conflict": [(v, v, ("plan", "on_conflict", v)) for v in ("return", "ignore", "raise")],
-    "on_store_error": [(v, v, ("plan", "on_store_error", v))
-                       for v in ("fail_closed", "fail_open")],
-    "lock_precheck": [("true", True, ("plan", "precheck", True)),
-                      ("false", False, ("plan", "precheck", False))],
-    "step_model": [("label", "workflows.Step", ("model", Step)),
-                   ("class", Step, ("model", Step))],
+    "on_store_error": [
+        (v, v, ("plan", "on_store_error", v)) for v in ("fail_closed", "fail_open")
+    ],
+    "lock_precheck": [
+        ("true", True, ("plan", "precheck", True)),
+        ("false", False, ("plan", "precheck", False)),
+    ],
+    "step_model": [("label", "workflows.Step", ("model", Step)), ("class", Step, ("model", Step))],
     "step_id_arg": [("name", "step_id", ("plan", "step_id_arg", "step_id"))],
-    "transition": [("tuple", ("pending", "done"), ("plan", "transition", ("pending", "done"))),
-                   ("list", ["pending", "done"], ("plan", "transition", ("pending", "done")))],
-    "step_transitions": [("table", {"pending": ["done"]}, ("plan", "transition",
-                                                          ("pending", "done")))],
-    "step_database": [("none", None, ("plan", "transition", ("pending", "done"))),
-                      ("alias", "default", ("plan", "transition", ("pending", "done")))],
-    "idempotency_key": [("template", "order:{step_id}", ("gate", "template", "order:{step_id}")),
-                        ("function", key_of_step, ("gate", "template", key_of_step)),
-                        ("true", True, ("gate", "template", True))],
-    "idempotency_version": [("str", "2", ("gate", "version", "2")),
-                            ("int", 3, ("gate", "version", "3"))],
-    "idempotency_ttl": [("none", None, ("gate", "ttl", 86400.0)),
-                        ("seconds", 3600, ("gate", "ttl", 3600.0))],
-    "circuit_breaker": [("name", "forms-payments", ("gates", ["circuit_breaker"])),
-                        ("object", CircuitBreaker("forms-payments", failure_threshold=5),
-                         ("gates", ["circuit_breaker"])),
-                        ("none", None, ("gates", []))],
-    "retry_policy": [("object", RetryPolicy(max_attempts=5, backoff=1.0), ("gates", [])),
-                     ("none", None, ("gates", []))],
-    "concurrency_limit": [("int", 2, ("slot", r"forms\.[a-z_.]+", 2)),
-                          ("object", ConcurrencyLimit(2), ("slot", r"forms\.[a-z_.]+", 2))],
-    "concurrency_limit_key": [("template", "tenant:{step_id}", ("slot", "tenant:{id}", 1)),
-                              ("function", key_of_tenant, ("slot", "tenant:{id}", 1)),
-                              ("lambda", lambda step_id: f"tenant:{step_id}",
-                               ("slot", "tenant:{id}", 1)),
-                              ("none", None, ("slot", r"forms\.[a-z_.]+", 1))],
+    "transition": [
+        ("tuple", ("pending", "done"), ("plan", "transition", ("pending", "done"))),
+        ("list", ["pending", "done"], ("plan", "transition", ("pending", "done"))),
+    ],
+    "step_transitions": [
+        ("table", {"pending": ["done"]}, ("plan", "transition", ("pending", "done")))
+    ],
+    "step_database": [
+        ("none", None, ("plan", "transition", ("pending", "done"))),
+        ("alias", "default", ("plan", "transition", ("pending", "done"))),
+    ],
+    "idempotency_key": [
+        ("template", "order:{step_id}", ("gate", "template", "order:{step_id}")),
+        ("function", key_of_step, ("gate", "template", key_of_step)),
+        ("true", True, ("gate", "template", True)),
+    ],
+    "idempotency_version": [
+        ("str", "2", ("gate", "version", "2")),
+        ("int", 3, ("gate", "version", "3")),
+    ],
+    "idempotency_ttl": [
+        ("none", None, ("gate", "ttl", 86400.0)),
+        ("seconds", 3600, ("gate", "ttl", 3600.0)),
+    ],
+    "circuit_breaker": [
+        ("name", "forms-payments", ("gates", ["circuit_breaker"])),
+        (
+            "object",
+            CircuitBreaker("forms-payments", failure_threshold=5),
+            ("gates", ["circuit_breaker"]),
+        ),
+        ("none", None, ("gates", [])),
+    ],
+    "retry_policy": [
+        ("object", RetryPolicy(max_attempts=5, backoff=1.0), ("gates", [])),
+        ("none", None, ("gates", [])),
+    ],
+    "concurrency_limit": [
+        ("int", 2, ("slot", r"forms\.[a-z_.]+", 2)),
+        ("object", ConcurrencyLimit(2), ("slot", r"forms\.[a-z_.]+", 2)),
+    ],
+    "concurrency_limit_key": [
+        ("template", "tenant:{step_id}", ("slot", "tenant:{id}", 1)),
+        ("function", key_of_tenant, ("slot", "tenant:{id}", 1)),
+        ("lambda", lambda step_id: f"tenant:{step_id}", ("slot", "tenant:{id}", 1)),
+        ("none", None, ("slot", r"forms\.[a-z_.]+", 1)),
+    ],
     "cluster_rate_limit": [
         ("string", "10/s", ("limiters", ["10/1s window"])),
         ("multiple", "5/10s", ("limiters", ["5/10s window"])),
         ("bucket", TokenBucket("5/s", capacity=2), ("limiters", ["5/s bucket of 2"])),
         ("window", SlidingWindow(100, 60), ("limiters", ["100/60s window"])),
-        ("list", ["10/s", TokenBucket(2.0)], ("limiters", ["10/1s window", "2/s bucket of 2"]))],
-    "cluster_rate_limit_key": [("none", None, ("gate_key", None)),
-                               ("template", "rl:{step_id}", ("gate_key", "rl:{step_id}"))],
+        ("list", ["10/s", TokenBucket(2.0)], ("limiters", ["10/1s window", "2/s bucket of 2"])),
+    ],
+    "cluster_rate_limit_key": [
+        ("none", None, ("gate_key", None)),
+        ("template", "rl:{step_id}", ("gate_key", "rl:{step_id}")),
+    ],
 }
 
 #: Options a form needs beside its own (the key of a limit needs the limit).
-NEEDS = {"concurrency_limit_key": {"concurrency_limit": 1},
-         "cluster_rate_limit_key": {"cluster_rate_limit": "100/s"}}
+NEEDS = {
+    "concurrency_limit_key": {"concurrency_limit": 1},
+    "cluster_rate_limit_key": {"cluster_rate_limit": "100/s"},
+}
 
 #: What every task of this module has unless the option under test replaces it.
-BASE = {"step_model": "workflows.Step", "step_id_arg": "step_id",
-        "transition": ("pending", "done"), "lock_key": "step:{step_id}"}
+BASE = {
+    "step_model": "workflows.Step",
+    "step_id_arg": "step_id",
+    "transition": ("pending", "done"),
+    "lock_key": "step:{step_id}",
+}
 
 SEEN = {}
 
 
 def body(self, step_id):
-    SEEN[self.name] = {"name": self.lease.name, "ttl": self.lease.ttl,
-                       "pttl": self.lease_store_pttl(),
-                       "max_hold_until": self.lease.max_hold_until,
-                       "slot": (lambda slot: slot and (slot.key, slot.limit.limit))(
-                           current_slot())}
+    SEEN[self.name] = {
+        "name": self.lease.name,
+        "ttl": self.lease.ttl,
+        "pttl": self.lease_store_pttl(),
+        "max_hold_until": self.lease.max_hold_until,
+        "slot": (lambda slot: slot and (slot.key, slot.limit.limit))(current_slot()),
+    }
     return "ran"
 
 
@@ -137,16 +180,26 @@ def make_task(option, form, value, how):
     # acks_late and reject_on_worker_lost as the README says: this module's tasks stay in
     # the example app's registry, and must not add warnings to its checks.
     if how == "keyword":
-        return celery_app.task(bind=True, base=FormTask, name=name, acks_late=True,
-                               reject_on_worker_lost=True, **options)(body)
+        return celery_app.task(
+            bind=True,
+            base=FormTask,
+            name=name,
+            acks_late=True,
+            reject_on_worker_lost=True,
+            **options,
+        )(body)
     subclass = type(f"Form_{option}_{form}", (FormTask,), dict(options))
-    return celery_app.task(bind=True, base=subclass, name=name, acks_late=True,
-                           reject_on_worker_lost=True)(body)
+    return celery_app.task(
+        bind=True, base=subclass, name=name, acks_late=True, reject_on_worker_lost=True
+    )(body)
 
 
-CASES = [pytest.param(option, form, value, expected, how, id=f"{option}-{form}-{how}")
-         for option, forms in FORMS.items() for form, value, expected in forms
-         for how in ("class_attribute", "keyword")]
+CASES = [
+    pytest.param(option, form, value, expected, how, id=f"{option}-{form}-{how}")
+    for option, forms in FORMS.items()
+    for form, value, expected in forms
+    for how in ("class_attribute", "keyword")
+]
 
 
 @pytest.mark.parametrize("option,form,value,expected,how", CASES)

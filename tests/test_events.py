@@ -1,4 +1,5 @@
 """One structured log line per event (celery_steplock.events)."""
+
 import ast
 import logging
 from pathlib import Path
@@ -11,12 +12,20 @@ from celery_steplock.events import emit, log_event
 
 def test_log_line_is_logfmt_and_cannot_be_forged(caplog):
     with caplog.at_level(logging.INFO, logger="celery_steplock"):
-        emit(signals.lock_acquired, None, key='steplock:lease:{a b\nevent=lock_lost}',
-             owner="o1", fence=7, task_name="t", ttl=3.0, name="n")
+        emit(
+            signals.lock_acquired,
+            None,
+            key="steplock:lease:{a b\nevent=lock_lost}",
+            owner="o1",
+            fence=7,
+            task_name="t",
+            ttl=3.0,
+            name="n",
+        )
     (record,) = caplog.records
     text = record.getMessage()
     assert "\n" not in text
-    assert text.startswith("event=lock_acquired key=\"steplock:lease:{a b\\nevent=lock_lost}\"")
+    assert text.startswith('event=lock_acquired key="steplock:lease:{a b\\nevent=lock_lost}"')
     assert " owner=o1 fence=7 task_name=t ttl=3.0" in text
     assert record.steplock["event"] == "lock_acquired" and record.steplock["fence"] == 7
 
@@ -51,11 +60,13 @@ def direct_log_calls(tree):
         target = node.value
         name = getattr(target, "id", getattr(target, "attr", ""))
         if isinstance(target, (ast.Name, ast.Attribute)) and (
-                name in ("logging", "log") or "logger" in name.lower()):
+            name in ("logging", "log") or "logger" in name.lower()
+        ):
             yield node.lineno
-        elif isinstance(target, ast.Call) and getattr(target.func, "attr",
-                                                      getattr(target.func, "id", "")) \
-                == "getLogger":
+        elif (
+            isinstance(target, ast.Call)
+            and getattr(target.func, "attr", getattr(target.func, "id", "")) == "getLogger"
+        ):
             yield node.lineno
 
 
@@ -72,34 +83,53 @@ def test_no_log_line_of_the_package_bypasses_events_py():
 
 
 def test_the_scan_finds_each_form_of_direct_call():
-    source = ("logger.info('x')\nlogging.warning('x')\nself.logger.error('x')\n"
-              "report(logger.error, 'x')\nlogging.getLogger('a').debug('x')\n"
-              "log_event('x')\nlogger.isEnabledFor(10)\n")
+    source = (
+        "logger.info('x')\nlogging.warning('x')\nself.logger.error('x')\n"
+        "report(logger.error, 'x')\nlogging.getLogger('a').debug('x')\n"
+        "log_event('x')\nlogger.isEnabledFor(10)\n"
+    )
     assert sorted(direct_log_calls(ast.parse(source))) == [1, 2, 3, 4, 5]
 
 
 def test_log_event_escapes_every_value_and_carries_the_fields(caplog):
     forged = "tid\nevent=lock_acquired key=steplock:lease:x"
     with caplog.at_level(logging.DEBUG, logger="celery_steplock"):
-        log_event("commit_failed", logging.WARNING, task_id=forged, task_name="t",
-                  step_id='7 "x"=1', error=ValueError("bad\r\nline"), skipped=None,
-                  countdown=0.25)
+        log_event(
+            "commit_failed",
+            logging.WARNING,
+            task_id=forged,
+            task_name="t",
+            step_id='7 "x"=1',
+            error=ValueError("bad\r\nline"),
+            skipped=None,
+            countdown=0.25,
+        )
     (record,) = caplog.records
     text = record.getMessage()
-    assert text == ('event=commit_failed task_id="tid\\nevent=lock_acquired '
-                    'key=steplock:lease:x" task_name=t step_id="7 \\"x\\"=1" '
-                    'error="ValueError: bad\\r\\nline" countdown=0.25')
+    assert text == (
+        'event=commit_failed task_id="tid\\nevent=lock_acquired '
+        'key=steplock:lease:x" task_name=t step_id="7 \\"x\\"=1" '
+        'error="ValueError: bad\\r\\nline" countdown=0.25'
+    )
     assert record.levelno == logging.WARNING
-    assert record.steplock == {"event": "commit_failed", "task_id": forged, "task_name": "t",
-                               "step_id": '7 "x"=1', "error": "ValueError: bad\r\nline",
-                               "skipped": None, "countdown": 0.25}
+    assert record.steplock == {
+        "event": "commit_failed",
+        "task_id": forged,
+        "task_name": "t",
+        "step_id": '7 "x"=1',
+        "error": "ValueError: bad\r\nline",
+        "skipped": None,
+        "countdown": 0.25,
+    }
 
 
 def test_terminal_escapes_are_escaped_too(caplog):
     with caplog.at_level(logging.INFO, logger="celery_steplock"):
         log_event("retry_scheduled", task_id="\x1b[2J\x1b[31mred\u2028x")
-    assert caplog.records[0].getMessage() == \
-        'event=retry_scheduled task_id="\\u001b[2J\\u001b[31mred\\u2028x"'
+    assert (
+        caplog.records[0].getMessage()
+        == 'event=retry_scheduled task_id="\\u001b[2J\\u001b[31mred\\u2028x"'
+    )
 
 
 def test_a_disabled_level_builds_nothing(caplog):
@@ -125,8 +155,15 @@ def test_retry_scheduled_with_a_forged_task_id_stays_one_line(app, caplog):
         return None
 
     task_id = "abc\nevent=lock_released key=steplock:lease:victim forced=True"
-    forged.push_request(id=task_id, args=(), kwargs={}, retries=0, is_eager=True,
-                        called_directly=False, delivery_info={})
+    forged.push_request(
+        id=task_id,
+        args=(),
+        kwargs={},
+        retries=0,
+        is_eager=True,
+        called_directly=False,
+        delivery_info={},
+    )
     try:
         with caplog.at_level(logging.INFO, logger="celery_steplock"):
             with pytest.raises(Retry):
@@ -164,10 +201,25 @@ def test_the_readme_json_logging_configuration_parses(tmp_path):
     saved = (logger.handlers[:], logger.level, logger.propagate)
     try:
         logging.config.dictConfig(config)
-        emit(signals.lock_acquired, None, key="steplock:lease:{a\nb}", name="a\nb", owner="o",
-             fence=12, task_id="t\n1", task_name="tasks.x", ttl=3.0, wait_seconds=0.002)
-        log_event("retry_scheduled", task_id="t\n1", task_name="tasks.x", countdown=0.5,
-                  reason="LockContended")
+        emit(
+            signals.lock_acquired,
+            None,
+            key="steplock:lease:{a\nb}",
+            name="a\nb",
+            owner="o",
+            fence=12,
+            task_id="t\n1",
+            task_name="tasks.x",
+            ttl=3.0,
+            wait_seconds=0.002,
+        )
+        log_event(
+            "retry_scheduled",
+            task_id="t\n1",
+            task_name="tasks.x",
+            countdown=0.5,
+            reason="LockContended",
+        )
         try:
             raise ValueError("boom")
         except ValueError:
@@ -181,17 +233,42 @@ def test_the_readme_json_logging_configuration_parses(tmp_path):
     assert first["level"] == "INFO" and first["logger"] == "celery_steplock"
     assert first["message"].startswith('event=lock_acquired key="steplock:lease:{a\\nb}"')
     steplock = first["steplock"]
-    assert {k: steplock[k] for k in ("event", "key", "name", "owner", "fence", "task_id",
-                                     "task_name", "ttl", "wait_seconds")} == {
-        "event": "lock_acquired", "key": "steplock:lease:{a\nb}", "name": "a\nb",
-        "owner": "o", "fence": 12, "task_id": "t\n1", "task_name": "tasks.x", "ttl": 3.0,
-        "wait_seconds": 0.002}
+    assert {
+        k: steplock[k]
+        for k in (
+            "event",
+            "key",
+            "name",
+            "owner",
+            "fence",
+            "task_id",
+            "task_name",
+            "ttl",
+            "wait_seconds",
+        )
+    } == {
+        "event": "lock_acquired",
+        "key": "steplock:lease:{a\nb}",
+        "name": "a\nb",
+        "owner": "o",
+        "fence": 12,
+        "task_id": "t\n1",
+        "task_name": "tasks.x",
+        "ttl": 3.0,
+        "wait_seconds": 0.002,
+    }
     assert isinstance(steplock["monotonic"], float) and isinstance(steplock["timestamp"], float)
-    assert second["steplock"] == {"event": "retry_scheduled", "task_id": "t\n1",
-                                  "task_name": "tasks.x", "countdown": 0.5,
-                                  "reason": "LockContended"}
-    assert third["level"] == "ERROR" and third["steplock"] == {"event": "reaper_failed",
-                                                               "error": "x"}
+    assert second["steplock"] == {
+        "event": "retry_scheduled",
+        "task_id": "t\n1",
+        "task_name": "tasks.x",
+        "countdown": 0.5,
+        "reason": "LockContended",
+    }
+    assert third["level"] == "ERROR" and third["steplock"] == {
+        "event": "reaper_failed",
+        "error": "x",
+    }
     assert "ValueError: boom" in third["exc_info"]
 
 
@@ -205,8 +282,12 @@ def test_every_event_line_of_the_package_is_documented_in_the_readme():
     names = set()
     for path in (root / "celery_steplock").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "log_event"
-                    and node.args and isinstance(node.args[0], ast.Constant)):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "log_event"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 names.add(node.args[0].value)
     readme = (root / "README.md").read_text()
     section = re.search(r"^### Logs\n(.*?)^#", readme, re.S | re.M).group(1)

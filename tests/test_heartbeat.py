@@ -1,4 +1,5 @@
 """The per-process renewal thread (celery_steplock.heartbeat), against a real redis-server."""
+
 import logging
 import multiprocessing
 import os
@@ -53,6 +54,7 @@ def finished_cycles(hb):
 def settle(hb, clock, timeout=10.0):
     """Wait until the thread has done every renewal due at the clock's time and waits for a
     later one; returns ``(cycles, round_trips)``, exact at that time."""
+
     def waiting():
         with hb._cond:
             # Waiting for the earliest renewal (or, with none, for a notify); its wake-up
@@ -66,8 +68,12 @@ def settle(hb, clock, timeout=10.0):
 
 def wait_cycles(hb, n, timeout=10.0):
     """Wait until ``n`` renewal cycles have finished; returns ``(cycles, round_trips)``."""
-    wait_until(lambda: finished_cycles(hb)[0] >= n, timeout=timeout, interval=0.005,
-               what=f"{n} heartbeat cycles")
+    wait_until(
+        lambda: finished_cycles(hb)[0] >= n,
+        timeout=timeout,
+        interval=0.005,
+        what=f"{n} heartbeat cycles",
+    )
     return finished_cycles(hb)
 
 
@@ -164,8 +170,7 @@ def test_one_round_trip_per_interval_whatever_the_number_of_leases(manual, clock
     assert hb.thread is not None
 
 
-def test_stolen_key_is_noticed_within_one_interval(manual, clock, redis_client, received,
-                                                   caplog):
+def test_stolen_key_is_noticed_within_one_interval(manual, clock, redis_client, received, caplog):
     hb, store = manual
     lease = store.acquire("steal", "o", 30.0)
     hb.register(lease, store, ratio=1 / 3, sender="sender-task")
@@ -176,8 +181,9 @@ def test_stolen_key_is_noticed_within_one_interval(manual, clock, redis_client, 
     assert lease.lost and "another owner" in lease.lost_reason
     lost = [kw for name, kw in received if name == "lock_lost"]
     assert len(lost) == 1 and lost[0]["owner"] == "o" and lost[0]["key"] == "t:lease:{steal}"
-    assert any("event=lock_lost" in r.getMessage() and r.levelno == logging.ERROR
-               for r in caplog.records)
+    assert any(
+        "event=lock_lost" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records
+    )
     assert redis_client.hget("t:lease:{steal}", "owner") == "thief"  # never overwritten
     assert lease not in hb.leases
 
@@ -236,14 +242,22 @@ def test_transient_redis_error_does_not_kill_the_thread(private_redis, heartbeat
     with caplog.at_level(logging.WARNING, logger="celery_steplock"):
         private_redis.pause()
         try:
-            wait_until(lambda: failures() >= 2, timeout=10, interval=0.01,
-                       what="two failed renewal cycles")
+            wait_until(
+                lambda: failures() >= 2,
+                timeout=10,
+                interval=0.01,
+                what="two failed renewal cycles",
+            )
         finally:
             private_redis.resume()
     valid_until = lease.valid_until
     # Renewed again once Redis answers: only a successful reply moves the local validity.
-    wait_until(lambda: lease.valid_until > valid_until, timeout=10, interval=0.01,
-               what="a renewal after the outage")
+    wait_until(
+        lambda: lease.valid_until > valid_until,
+        timeout=10,
+        interval=0.01,
+        what="a renewal after the outage",
+    )
     assert heartbeat.thread is not None and heartbeat.thread.is_alive()
     assert not lease.lost
     assert 0 < lock.owned("pause", "o") <= 6.0
@@ -259,8 +273,9 @@ def test_outage_longer_than_the_ttl_loses_the_lease(private_redis, heartbeat, re
         assert lease.lost and "local validity" in lease.lost_reason
     finally:
         private_redis.resume()
-    wait_until(lambda: any(name == "lock_lost" for name, _ in received), timeout=10,
-               what="lock_lost")
+    wait_until(
+        lambda: any(name == "lock_lost" for name, _ in received), timeout=10, what="lock_lost"
+    )
     assert [kw["owner"] for name, kw in received if name == "lock_lost"] == ["o"]
     assert lease not in heartbeat.leases
 
@@ -297,10 +312,17 @@ def _child_renews(url, queue):
     while finished_cycles(hb)[0] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     stored = lock.client.hgetall(lock.key("child"))
-    queue.put((hb.pid == os.getpid(), inherited, finished_cycles(hb)[0] >= 1, lease.lost,
-               lock.owned("child", "child-owner") is not None,
-               int(stored["renewed_ms"]) > int(stored["acquired_ms"]),
-               hb.thread is not None and hb.thread.is_alive()))
+    queue.put(
+        (
+            hb.pid == os.getpid(),
+            inherited,
+            finished_cycles(hb)[0] >= 1,
+            lease.lost,
+            lock.owned("child", "child-owner") is not None,
+            int(stored["renewed_ms"]) > int(stored["acquired_ms"]),
+            hb.thread is not None and hb.thread.is_alive(),
+        )
+    )
     hb.unregister(lease)
 
 
@@ -332,8 +354,7 @@ def test_process_with_a_held_lease_exits_promptly(redis_server_url):
         "get_heartbeat().register(lease, lock)\n"
         "print('registered', get_heartbeat().thread.daemon, flush=True)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "registered True" in out.stdout
 
 
@@ -344,8 +365,11 @@ def test_max_hold_is_reported_on_time_not_one_interval_late(manual, clock, recei
     clock.set(hb, 3.75)
     assert settle(hb, clock) == (0, 0) and not received
     clock.set(hb, 4.0)  # the thread must wake for the max hold, not sleep until 10 s
-    wait_until(lambda: any(name == "lock_lost" for name, _ in received), timeout=10,
-               what="lock_lost at max hold")
+    wait_until(
+        lambda: any(name == "lock_lost" for name, _ in received),
+        timeout=10,
+        what="lock_lost at max hold",
+    )
     assert lease.lost and "max hold" in lease.lost_reason
     assert [kw["owner"] for name, kw in received if name == "lock_lost"] == ["o"]
     assert finished_cycles(hb) == (1, 0)
@@ -437,8 +461,9 @@ def test_an_unreachable_store_is_retried_at_a_bounded_pace(manual, clock):
     assert not lease.lost
 
 
-def test_a_stuck_lock_extended_receiver_does_not_hang_unregister(lock, heartbeat, caplog,
-                                                                 redis_client):
+def test_a_stuck_lock_extended_receiver_does_not_hang_unregister(
+    lock, heartbeat, caplog, redis_client
+):
     """A receiver blocking the heartbeat thread (found by tests/faults heartbeat-frozen) stops
     renewals, but the task's unregister gives up after one TTL instead of waiting forever."""
     release = threading.Event()
@@ -476,8 +501,9 @@ def test_a_stuck_lock_extended_receiver_does_not_hang_unregister(lock, heartbeat
 from celery_steplock.exceptions import InvalidArgument  # noqa: E402
 
 
-@pytest.mark.parametrize("ratio", [0, -0.5, 0.76, 1.5, float("nan"), float("inf"), "0.3",
-                                   None, True])
+@pytest.mark.parametrize(
+    "ratio", [0, -0.5, 0.76, 1.5, float("nan"), float("inf"), "0.3", None, True]
+)
 def test_register_refuses_a_bad_ratio_before_registering(redis_client, heartbeat, ratio):
     lock = RedisLeaseStore(redis_client, prefix="t")
     lease = lock.acquire("hb-bad", "o", 30.0)
@@ -502,8 +528,9 @@ def test_a_tiny_ratio_renews_at_most_every_ten_milliseconds(redis_client, heartb
     before, started = commands_run(redis_client), time.monotonic()
     heartbeat.register(lease, lock, ratio=1e-6)
     time.sleep(0.5)
-    wait_until(lambda: commands_run(redis_client) > before, timeout=10.0, interval=0.05,
-               what="a renewal")
+    wait_until(
+        lambda: commands_run(redis_client) > before, timeout=10.0, interval=0.05, what="a renewal"
+    )
     assert heartbeat.unregister(lease) is True
     elapsed, renewals = time.monotonic() - started, commands_run(redis_client) - before
     assert 1 <= renewals <= elapsed / 0.01 + 2, f"{renewals} renewals in {elapsed:.2f} s"

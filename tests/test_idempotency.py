@@ -2,6 +2,7 @@
 plain API, the record's life (locked, completed, failed, expiry, invalidation), the key's
 parts (namespace, resource, version), concurrent first calls, outages, and the task option
 as the first admission gate."""
+
 import threading
 import time
 
@@ -9,9 +10,14 @@ import pytest
 from kombu.serialization import dumps
 
 from celery_steplock import admission, idempotency, signals
-from celery_steplock.exceptions import (IdempotencyError, IdempotencyInProgress,
-                                        IdempotencyKeyReused, ImproperlyConfigured,
-                                        LockStoreUnavailable, StepLockError)
+from celery_steplock.exceptions import (
+    IdempotencyError,
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    ImproperlyConfigured,
+    LockStoreUnavailable,
+    StepLockError,
+)
 from celery_steplock.idempotency import Idempotency, RedisRecords, idempotent, record_key
 from celery_steplock.lock import make_client
 from celery_steplock.task import StepLockedTask
@@ -30,9 +36,13 @@ def seen():
     def receiver(sender=None, signal=None, **kw):
         found.append((signal.name, kw))
 
-    sigs = (signals.idempotency_locked, signals.idempotency_replayed,
-            signals.idempotency_completed, signals.idempotency_failed,
-            signals.idempotency_conflict)
+    sigs = (
+        signals.idempotency_locked,
+        signals.idempotency_replayed,
+        signals.idempotency_completed,
+        signals.idempotency_failed,
+        signals.idempotency_conflict,
+    )
     for sig in sigs:
         sig.connect(receiver, weak=False)
     yield found
@@ -43,8 +53,13 @@ def seen():
 def make(redis_client, **kwargs):
     calls = []
 
-    @idempotent(key=kwargs.pop("key", "order:{order_id}"), client=redis_client, secret=SECRET,
-                namespace=kwargs.pop("namespace", "tests.charge"), **kwargs)
+    @idempotent(
+        key=kwargs.pop("key", "order:{order_id}"),
+        client=redis_client,
+        secret=SECRET,
+        namespace=kwargs.pop("namespace", "tests.charge"),
+        **kwargs,
+    )
     def charge(order_id, amount, fail=False):
         calls.append((order_id, amount))
         if fail:
@@ -64,15 +79,19 @@ def test_a_completed_call_replays_its_result_without_running(redis_client, seen)
     again = charge(1, 10)
     assert first == again == {"order": 1, "charged": 10, "call": 1}
     assert calls == [(1, 10)]
-    assert [name for name, _ in seen] == ["idempotency_locked", "idempotency_completed",
-                                          "idempotency_replayed"]
+    assert [name for name, _ in seen] == [
+        "idempotency_locked",
+        "idempotency_completed",
+        "idempotency_replayed",
+    ]
     key = charge.record_key(1, 10)
     assert all(kw["key"] == key and kw["name"] == "tests.charge" for _, kw in seen)
     record = charge.idempotency.store.get(key)
     assert record.status == "completed" and record.serializer == "json"
     assert record.content_type == "application/json"
     assert record.fingerprint == idempotency.fingerprint(
-        {"order_id": 1, "amount": 10, "fail": False}, secret=SECRET)
+        {"order_id": 1, "amount": 10, "fail": False}, secret=SECRET
+    )
     assert record.created_at <= record.completed_at < record.expires_at
     assert record.expires_at - record.completed_at == pytest.approx(24 * 3600, abs=0.01)
     assert record.attempts == 1 and record.owner is None
@@ -129,10 +148,12 @@ def test_the_key_is_deterministic_and_binds_every_part():
     key = record_key("ns", "order:1", "1", secret=SECRET)
     assert key == record_key("ns", "order:1", 1, secret=SECRET)
     assert len(key) == 64 and int(key, 16) >= 0
-    others = {record_key("ns2", "order:1", "1", secret=SECRET),
-              record_key("ns", "order:2", "1", secret=SECRET),
-              record_key("ns", "order:1", "2", secret=SECRET),
-              record_key("ns", "order:1", "1", secret="t" * 40)}
+    others = {
+        record_key("ns2", "order:1", "1", secret=SECRET),
+        record_key("ns", "order:2", "1", secret=SECRET),
+        record_key("ns", "order:1", "2", secret=SECRET),
+        record_key("ns", "order:1", "1", secret="t" * 40),
+    }
     assert key not in others and len(others) == 4
 
 
@@ -240,9 +261,18 @@ def test_a_planted_pickle_payload_is_never_loaded(redis_client):
     key = policy.store.redis_key(policy.key("r"))
     content_type, encoding, payload = dumps({"x": 1}, serializer="pickle")
     import base64
-    redis_client.hset(key, mapping={"ctype": content_type, "cenc": encoding, "b64": "1",
-                                    "result": base64.b64encode(payload)})
+
+    redis_client.hset(
+        key,
+        mapping={
+            "ctype": content_type,
+            "cenc": encoding,
+            "b64": "1",
+            "result": base64.b64encode(payload),
+        },
+    )
     from kombu.exceptions import ContentDisallowed
+
     with pytest.raises(ContentDisallowed):
         policy.begin("r", {"a": 1})
 
@@ -261,11 +291,16 @@ def test_the_store_outage_fails_closed_by_default_and_open_when_asked():
 
 @pytest.mark.no_database
 def test_bad_arguments_are_refused_by_name(redis_client):
-    for kwargs, name in (({"version": ""}, "version"), ({"version": True}, "version"),
-                         ({"ttl": 0}, "ttl"), ({"ttl": "1"}, "ttl"),
-                         ({"lock_ttl": 1e12}, "lock_ttl"), ({"serializer": "nope"}, "serializer"),
-                         ({"on_store_error": "open"}, "on_store_error"),
-                         ({"store": "memcached"}, "store")):
+    for kwargs, name in (
+        ({"version": ""}, "version"),
+        ({"version": True}, "version"),
+        ({"ttl": 0}, "ttl"),
+        ({"ttl": "1"}, "ttl"),
+        ({"lock_ttl": 1e12}, "lock_ttl"),
+        ({"serializer": "nope"}, "serializer"),
+        ({"on_store_error": "open"}, "on_store_error"),
+        ({"store": "memcached"}, "store"),
+    ):
         with pytest.raises(ImproperlyConfigured) as info:
             Idempotency("tests.bad", client=redis_client, **kwargs)
         assert info.value.setting == name, kwargs
@@ -280,11 +315,13 @@ def test_bad_arguments_are_refused_by_name(redis_client):
 def test_settings_are_validated_by_name(app):
     from celery_steplock.conf import Settings
 
-    for name, value in (("steplock_idempotency_store", "memcached"),
-                        ("steplock_idempotency_ttl", -1),
-                        ("steplock_idempotency_lock_ttl", "10"),
-                        ("steplock_idempotency_serializer", "nope"),
-                        ("steplock_idempotency_on_store_error", "open")):
+    for name, value in (
+        ("steplock_idempotency_store", "memcached"),
+        ("steplock_idempotency_ttl", -1),
+        ("steplock_idempotency_lock_ttl", "10"),
+        ("steplock_idempotency_serializer", "nope"),
+        ("steplock_idempotency_on_store_error", "open"),
+    ):
         set_settings(app, **{name: value})
         problems = {p.setting for p in Settings(app).problems()}
         assert name in problems
@@ -303,9 +340,14 @@ def test_one_lua_key_per_decision_with_a_hash_tag(redis_client):
 BODY = []
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.idem.pay",
-                 lock_key="pay:{order_id}", idempotency_key="order:{order_id}",
-                 lock_retry_max=0)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.idem.pay",
+    lock_key="pay:{order_id}",
+    idempotency_key="order:{order_id}",
+    lock_retry_max=0,
+)
 def pay(self, order_id, amount, fail=False):
     BODY.append((order_id, amount))
     if fail:
@@ -313,9 +355,16 @@ def pay(self, order_id, amount, fail=False):
     return {"paid": amount, "n": len(BODY)}
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.idem.advance",
-                 lock_key="adv:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), idempotency_key="advance:{step_id}")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.idem.advance",
+    lock_key="adv:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    idempotency_key="advance:{step_id}",
+)
 def advance(self, step_id):
     BODY.append(step_id)
     return {"advanced": step_id}
@@ -370,6 +419,7 @@ def test_a_rolled_back_commit_is_not_recorded(app, redis_client, body, monkeypat
 
     def refuse(self, lease, step_id):
         raise RuntimeError("before_commit refused")
+
     monkeypatch.setattr(type(celery_app.tasks[advance.name]), "before_commit", refuse)
     assert advance.apply(args=(step.pk,)).failed()
     monkeypatch.undo()
@@ -402,12 +452,20 @@ def test_bad_task_options_are_reported_by_name(app):
     def echo(self, x):
         return x
 
-    for option, value in (("idempotency_key", 42), ("idempotency_key", "{nope}"),
-                          ("idempotency_version", ""), ("idempotency_ttl", 0)):
-        task = private.task(bind=True, base=StepLockedTask, shared=False,
-                            name=f"tests.idem.bad.{option}.{value!r}",
-                            **({"idempotency_key": "k"} if option != "idempotency_key"
-                               else {}), **{option: value})(echo)
+    for option, value in (
+        ("idempotency_key", 42),
+        ("idempotency_key", "{nope}"),
+        ("idempotency_version", ""),
+        ("idempotency_ttl", 0),
+    ):
+        task = private.task(
+            bind=True,
+            base=StepLockedTask,
+            shared=False,
+            name=f"tests.idem.bad.{option}.{value!r}",
+            **({"idempotency_key": "k"} if option != "idempotency_key" else {}),
+            **{option: value},
+        )(echo)
         problems = plan_module.option_problems(task)
         assert [p.setting for p in problems] == [option], (option, value, problems)
 
@@ -441,9 +499,13 @@ def test_prometheus_counts_the_decisions(redis_client):
 
     registry = CollectorRegistry()
     metrics = Metrics(registry=registry)
-    sigs = (signals.idempotency_locked, signals.idempotency_replayed,
-            signals.idempotency_completed, signals.idempotency_failed,
-            signals.idempotency_conflict)
+    sigs = (
+        signals.idempotency_locked,
+        signals.idempotency_replayed,
+        signals.idempotency_completed,
+        signals.idempotency_failed,
+        signals.idempotency_conflict,
+    )
     for sig in sigs:
         sig.connect(metrics.receive, weak=False)
     try:
@@ -457,8 +519,12 @@ def test_prometheus_counts_the_decisions(redis_client):
             sig.disconnect(metrics.receive)
 
     def value(outcome):
-        return registry.get_sample_value("steplock_idempotency_total",
-                                         {"namespace": "tests.metrics", "outcome": outcome})
+        return registry.get_sample_value(
+            "steplock_idempotency_total", {"namespace": "tests.metrics", "outcome": outcome}
+        )
+
     assert [value(o) for o in ("locked", "completed", "replayed", "reused")] == [1, 1, 1, 1]
-    assert registry.get_sample_value("steplock_outcomes_total",
-                                     {"task": "", "outcome": "replayed"}) == 1
+    assert (
+        registry.get_sample_value("steplock_outcomes_total", {"task": "", "outcome": "replayed"})
+        == 1
+    )

@@ -1,6 +1,7 @@
 """Idempotency records in Django: the database store (the row is the truth, Redis a cache of
 completed rows), the admin page, and the view decorator and middleware through Django's test
 client (``Idempotency-Key`` as payment APIs use it)."""
+
 import json
 import threading
 
@@ -12,8 +13,11 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import path
 
-from celery_steplock.contrib.django.idempotency import (REPLAYED_HEADER, DatabaseRecords,
-                                                         idempotent_view)
+from celery_steplock.contrib.django.idempotency import (
+    REPLAYED_HEADER,
+    DatabaseRecords,
+    idempotent_view,
+)
 from celery_steplock.contrib.django.models import IdempotencyRecord
 from celery_steplock.exceptions import IdempotencyKeyReused, LockStoreUnavailable
 from celery_steplock.idempotency import Idempotency, RedisRecords, idempotent
@@ -29,8 +33,7 @@ CALLS = []
 
 
 def database_policy(redis_client, **kwargs):
-    return Idempotency("tests.db", client=redis_client, secret=SECRET, store="database",
-                       **kwargs)
+    return Idempotency("tests.db", client=redis_client, secret=SECRET, store="database", **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +98,7 @@ def test_a_failed_or_expired_row_runs_again(redis_client):
     row = IdempotencyRecord.objects.get(key=policy.key("r5"))
     assert row.status == "locked" and row.attempts == 2
     import time
+
     time.sleep(0.3)  # the holder crashed: its lock expired
     third = policy.begin("r5", {"a": 1})
     assert again.complete("late") is False and third.complete("ok") is True
@@ -105,9 +109,12 @@ def test_a_redis_outage_only_slows_the_database_store_down(redis_client):
     policy = database_policy(redis_client)
     with policy.call("r6", {"a": 1}) as call:
         call.result = "kept"
-    dead = Idempotency("tests.db", client=make_client("redis://127.0.0.1:1/0",
-                                                      socket_timeout=0.2),
-                       secret=SECRET, store="database")
+    dead = Idempotency(
+        "tests.db",
+        client=make_client("redis://127.0.0.1:1/0", socket_timeout=0.2),
+        secret=SECRET,
+        store="database",
+    )
     assert dead.begin("r6", {"a": 1}).result == "kept"  # from the row
 
 
@@ -118,6 +125,7 @@ def test_a_database_outage_fails_closed(redis_client, monkeypatch):
 
     def broken(*args, **kwargs):
         raise OperationalError("server closed the connection")
+
     monkeypatch.setattr(store, "_begin", broken)
     policy = Idempotency("tests.db", store=store, secret=SECRET)
     with pytest.raises(LockStoreUnavailable):
@@ -131,11 +139,17 @@ def test_concurrent_first_calls_on_the_database_store_run_once(redis_client):
     runs = []
     barrier = threading.Barrier(6)
 
-    @idempotent(key="job:{n}", client=redis_client, secret=SECRET, store="database",
-                namespace="tests.db.threads")
+    @idempotent(
+        key="job:{n}",
+        client=redis_client,
+        secret=SECRET,
+        store="database",
+        namespace="tests.db.threads",
+    )
     def job(n):
         runs.append(n)
         import time
+
         time.sleep(0.3)
         return n + 1
 
@@ -143,6 +157,7 @@ def test_concurrent_first_calls_on_the_database_store_run_once(redis_client):
 
     def call():
         from django.db import connections
+
         barrier.wait()
         try:
             while True:
@@ -154,6 +169,7 @@ def test_concurrent_first_calls_on_the_database_store_run_once(redis_client):
                         outcomes.append(repr(exc))
                         return
                     import time
+
                     time.sleep(0.05)
         finally:
             connections.close_all()
@@ -169,8 +185,13 @@ def test_concurrent_first_calls_on_the_database_store_run_once(redis_client):
 def test_the_task_option_with_the_database_store(app, redis_client):
     set_settings(app, steplock_idempotency_store="database")
 
-    @celery_app.task(bind=True, base=StepLockedTask, name="tests.idem.db.task",
-                     lock_key="dbt:{n}", idempotency_key="n:{n}")
+    @celery_app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.idem.db.task",
+        lock_key="dbt:{n}",
+        idempotency_key="n:{n}",
+    )
     def counted(self, n):
         CALLS.append(n)
         return n * 10
@@ -182,6 +203,7 @@ def test_the_task_option_with_the_database_store(app, redis_client):
 
 
 # -- the admin ------------------------------------------------------------------------------------
+
 
 def test_the_admin_lists_filters_and_invalidates(client, redis_client, app):
     policy = Idempotency("tests.admin", app=app, store="database")
@@ -196,8 +218,10 @@ def test_the_admin_lists_filters_and_invalidates(client, redis_client, app):
     text = page.content.decode()
     assert policy.key("a")[:16] in text and policy.key("b")[:16] not in text
     row = IdempotencyRecord.objects.get(key=policy.key("a"))
-    response = client.post("/admin/celery_steplock/idempotencyrecord/",
-                           {"action": "invalidate", "_selected_action": [row.pk]})
+    response = client.post(
+        "/admin/celery_steplock/idempotencyrecord/",
+        {"action": "invalidate", "_selected_action": [row.pk]},
+    )
     assert response.status_code == 302
     assert not IdempotencyRecord.objects.filter(key=policy.key("a")).exists()
     assert RedisRecords(policy.store.cache.client, "steplock").get(policy.key("a")) is None
@@ -206,6 +230,7 @@ def test_the_admin_lists_filters_and_invalidates(client, redis_client, app):
 
 # -- views ----------------------------------------------------------------------------------------
 
+
 @idempotent_view(namespace="tests.views.pay", app=celery_app, lock_ttl=5)
 def pay_view(request):
     CALLS.append(request.body)
@@ -213,8 +238,9 @@ def pay_view(request):
         return JsonResponse({"error": "declined"}, status=402)
     if request.GET.get("crash"):
         raise RuntimeError("view crashed")
-    response = JsonResponse({"paid": json.loads(request.body)["amount"], "n": len(CALLS)},
-                            status=201)
+    response = JsonResponse(
+        {"paid": json.loads(request.body)["amount"], "n": len(CALLS)}, status=201
+    )
     response["Location"] = "/payments/1"
     response.set_cookie("session", "secret")
     return response
@@ -236,15 +262,20 @@ def plain_view(request):
     return HttpResponse(f"n={len(CALLS)}")
 
 
-urlpatterns = [path("pay", pay_view), path("strict", strict_view),
-               path("stream", idempotent_view(app=celery_app)(stream_view)),
-               path("mw/a", plain_view), path("mw/b", plain_view)]
+urlpatterns = [
+    path("pay", pay_view),
+    path("strict", strict_view),
+    path("stream", idempotent_view(app=celery_app)(stream_view)),
+    path("mw/a", plain_view),
+    path("mw/b", plain_view),
+]
 
 
 def post(client, url, body, key, **extra):
     headers = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
-    return client.post(url, data=json.dumps(body), content_type="application/json",
-                       **headers, **extra)
+    return client.post(
+        url, data=json.dumps(body), content_type="application/json", **headers, **extra
+    )
 
 
 @override_settings(ROOT_URLCONF=__name__)
@@ -281,10 +312,12 @@ def test_an_in_progress_key_gets_409_with_retry_after(client, redis_client):
     from celery_steplock.contrib.django.idempotency import _request_fingerprint
     from django.test import RequestFactory
 
-    request = RequestFactory().post("/pay", data=json.dumps({"amount": 5}),
-                                    content_type="application/json")
-    held = policy.begin("anonymous\0busy", fingerprint=_request_fingerprint(request,
-                                                                            policy.secret))
+    request = RequestFactory().post(
+        "/pay", data=json.dumps({"amount": 5}), content_type="application/json"
+    )
+    held = policy.begin(
+        "anonymous\0busy", fingerprint=_request_fingerprint(request, policy.secret)
+    )
     response = post(client, "/pay", {"amount": 5}, "busy")
     assert response.status_code == 409 and 1 <= int(response["Retry-After"]) <= 5
     held.release()
@@ -309,9 +342,11 @@ def test_a_streaming_response_is_released_not_recorded(client, redis_client):
     assert len(CALLS) == 2
 
 
-@override_settings(ROOT_URLCONF=__name__, STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app},
-                   MIDDLEWARE=["celery_steplock.contrib.django.idempotency."
-                               "IdempotencyMiddleware"])
+@override_settings(
+    ROOT_URLCONF=__name__,
+    STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app},
+    MIDDLEWARE=["celery_steplock.contrib.django.idempotency.IdempotencyMiddleware"],
+)
 def test_the_middleware_guards_every_view_per_path(client, redis_client):
     assert client.post("/mw/a", HTTP_IDEMPOTENCY_KEY="m").content == b"n=1"
     assert client.post("/mw/a", HTTP_IDEMPOTENCY_KEY="m").content == b"n=1"

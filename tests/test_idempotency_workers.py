@@ -3,6 +3,7 @@ result in another worker and after a restart, a failed one runs again, a version
 again, concurrent first calls of one key in two workers run the body once, and a worker
 SIGKILLed while holding the record ``locked`` leaves it to its lock TTL, after which the
 call runs again exactly once."""
+
 import pytest
 
 from tests.support.servers import wait_until
@@ -57,13 +58,16 @@ def test_concurrent_first_calls_in_two_workers_run_the_body_once(start_worker, r
 
 
 def test_a_sigkilled_holder_leaves_the_record_to_its_lock_ttl_then_it_runs_once(
-        start_worker, redis_client):
+    start_worker, redis_client
+):
     lock_ttl = 3.0
-    doomed = start_worker("k1", concurrency=1, extra_args=INCLUDE, IDEM_LOCK_TTL=lock_ttl,
-                          IDEM_SLEEP=60)
+    doomed = start_worker(
+        "k1", concurrency=1, extra_args=INCLUDE, IDEM_LOCK_TTL=lock_ttl, IDEM_SLEEP=60
+    )
     charge.apply_async((3, 9))  # the same arguments as the calls below: one fingerprint
-    wait_until(lambda: count(redis_client, "idem:starts:3") == 1, timeout=30,
-               what="the body to start")
+    wait_until(
+        lambda: count(redis_client, "idem:starts:3") == 1, timeout=30, what="the body to start"
+    )
     records = [k for k in redis_client.scan_iter("steplock:idem:*")]
     assert len(records) == 1
     assert redis_client.hget(records[0], "status") == "locked"

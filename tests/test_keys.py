@@ -1,4 +1,5 @@
 """Lock names from task signatures (celery_steplock.keys)."""
+
 import datetime
 import re
 import decimal
@@ -8,8 +9,14 @@ import pytest
 from celery import Celery
 
 from celery_steplock.exceptions import LockNameError
-from celery_steplock.keys import (bind_arguments, canonical_json, fence_key, lease_key,
-                                  lock_name, name_from_key)
+from celery_steplock.keys import (
+    bind_arguments,
+    canonical_json,
+    fence_key,
+    lease_key,
+    lock_name,
+    name_from_key,
+)
 
 app = Celery("keys-tests", set_as_current=False)
 
@@ -62,13 +69,18 @@ def test_unbound_task_binds_all_parameters():
 def test_rich_types_are_encoded_deterministically():
     when = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
     ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
-    first = name(unbound, ident, y=[when, decimal.Decimal("1.50"), b"\x00\xff",
-                                    datetime.date(2026, 1, 2)])
-    again = name(unbound, x=uuid.UUID(str(ident)),
-                 y=[when, decimal.Decimal("1.50"), b"\x00\xff", datetime.date(2026, 1, 2)])
+    first = name(
+        unbound, ident, y=[when, decimal.Decimal("1.50"), b"\x00\xff", datetime.date(2026, 1, 2)]
+    )
+    again = name(
+        unbound,
+        x=uuid.UUID(str(ident)),
+        y=[when, decimal.Decimal("1.50"), b"\x00\xff", datetime.date(2026, 1, 2)],
+    )
     assert first == again
-    assert first != name(unbound, ident, y=[when, decimal.Decimal("1.51"), b"\x00\xff",
-                                            datetime.date(2026, 1, 2)])
+    assert first != name(
+        unbound, ident, y=[when, decimal.Decimal("1.51"), b"\x00\xff", datetime.date(2026, 1, 2)]
+    )
     assert '"__type__":"uuid"' in canonical_json({"u": ident})
 
 
@@ -158,8 +170,9 @@ def test_default_name_is_an_hmac_of_the_task_and_arguments_keyed_with_the_secret
     import hmac
 
     canonical = canonical_json(bind_arguments(bound.run, (1,), {}))
-    expected = hmac.new(SECRET, b"lock-name\0t.bound\0" + canonical.encode(),
-                        hashlib.sha256).hexdigest()
+    expected = hmac.new(
+        SECRET, b"lock-name\0t.bound\0" + canonical.encode(), hashlib.sha256
+    ).hexdigest()
     assert lock_name("t.bound", bound.run, (1,), {}, secret=SECRET) == f"t.bound:{expected}"
     # ... not the unsalted SHA-256 of the landed code, which anyone could recompute
     assert expected != hashlib.sha256(canonical.encode()).hexdigest()
@@ -176,20 +189,26 @@ def test_default_name_without_a_secret_uses_the_public_key():
     from celery_steplock.keys import PUBLIC_NAME_KEY
 
     canonical = canonical_json({"x": 1, "y": 2, "z": "zz"})
-    assert name(bound, 1) == "t.bound:" + hmac.new(
-        PUBLIC_NAME_KEY, b"lock-name\0t.bound\0" + canonical.encode(),
-        hashlib.sha256).hexdigest()
+    assert (
+        name(bound, 1)
+        == "t.bound:"
+        + hmac.new(
+            PUBLIC_NAME_KEY, b"lock-name\0t.bound\0" + canonical.encode(), hashlib.sha256
+        ).hexdigest()
+    )
 
 
 # -- issue 12, finding 6: bounds and types of what enters a name ---------------------------------
+
 
 def test_a_huge_argument_gives_a_bounded_lock_name_error():
     huge = "9" * (10 * 1024 * 1024)
     with pytest.raises(LockNameError) as info:
         name(bound, huge, lock_key="order:{x}")
     assert len(str(info.value)) < 400
-    assert "at most 512 characters" in str(info.value) and str(len("order:") + len(huge)) \
-        in str(info.value)
+    assert "at most 512 characters" in str(info.value) and str(len("order:") + len(huge)) in str(
+        info.value
+    )
     with pytest.raises(LockNameError) as info:
         name(bound, 1, lock_key=lambda **kw: "\n" * (10 * 1024 * 1024))
     assert len(str(info.value)) < 400
@@ -217,8 +236,9 @@ def test_deep_nesting_is_a_lock_name_error_not_a_recursion_error(depth):
         name(bound, nested, lock_key="n:{x}")
 
 
-@pytest.mark.parametrize("template", ["n:{x.__class__}", "n:{x[0]}", "n:{x.real}", "n:{}",
-                                      "n:{0}", "n:{y:{x.imag}}"])
+@pytest.mark.parametrize(
+    "template", ["n:{x.__class__}", "n:{x[0]}", "n:{x.real}", "n:{}", "n:{0}", "n:{y:{x.imag}}"]
+)
 def test_templates_refuse_attribute_index_and_positional_fields(template):
     with pytest.raises(LockNameError) as info:
         name(bound, 5, lock_key=template)
@@ -237,10 +257,15 @@ def test_the_documented_rule_for_1_1_0_true_and_the_string_1():
     assert len(defaults) == 4
     # A template formats the values: "1" and 1 name one lock, 1.0 and True others.
     assert [name(bound, value, lock_key="n:{x}") for value in (1, "1", 1.0, True)] == [
-        "n:1", "n:1", "n:1.0", "n:True"]
+        "n:1",
+        "n:1",
+        "n:1.0",
+        "n:True",
+    ]
 
 
 # -- the same against a real task, Redis and database ---------------------------------------------
+
 
 def _card_task():
     from celery_steplock.task import StepLockedTask
@@ -252,12 +277,18 @@ def _card_task():
     @celery_app.task(bind=True, base=StepLockedTask, name="tests.keys.card")
     def card(self, number, cvv):
         store = self.steplock_plan.store
-        SEEN_LEASES.append({"name": self.lease.name, "key": self.lease.idempotency_key,
-                            "listed": [lease["name"] for lease in store.iter_leases()]})
+        SEEN_LEASES.append(
+            {
+                "name": self.lease.name,
+                "key": self.lease.idempotency_key,
+                "listed": [lease["name"] for lease in store.iter_leases()],
+            }
+        )
         return "charged"
 
-    @celery_app.task(bind=True, base=StepLockedTask, name="tests.keys.card_by_number",
-                     lock_key="card:{number}")
+    @celery_app.task(
+        bind=True, base=StepLockedTask, name="tests.keys.card_by_number", lock_key="card:{number}"
+    )
     def card_by_number(self, number, cvv):
         SEEN_LEASES.append({"name": self.lease.name, "key": self.lease.idempotency_key})
         return "charged"
@@ -292,15 +323,19 @@ def test_a_task_lock_name_resists_brute_force_of_a_low_entropy_argument(app, red
     assert [c for c in candidates if hashlib.sha256(arguments(c)).hexdigest() == digest] == []
     # Without the secret a guess of it finds nothing either; with it, exactly the CVV.
     for key, found in ((b"guess" * 8, []), (b"s" * 32, ["123"])):
-        assert [c for c in candidates
-                if hmac.new(key, b"lock-name\0tests.keys.card\0" + arguments(c),
-                            hashlib.sha256).hexdigest() == digest] == found
+        assert [
+            c
+            for c in candidates
+            if hmac.new(
+                key, b"lock-name\0tests.keys.card\0" + arguments(c), hashlib.sha256
+            ).hexdigest()
+            == digest
+        ] == found
     assert re.fullmatch(r"[0-9a-f]{64}", seen["key"]) and CARD not in seen["key"]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_templated_name_shows_its_values_but_the_idempotency_key_does_not(app,
-                                                                          redis_client):
+def test_a_templated_name_shows_its_values_but_the_idempotency_key_does_not(app, redis_client):
     from helpers import set_settings
 
     _, card_by_number = _card_task()
@@ -315,7 +350,8 @@ def test_a_templated_name_shows_its_values_but_the_idempotency_key_does_not(app,
 
 @pytest.mark.django_db(transaction=True)
 def test_rotating_the_secret_gives_a_running_lease_and_a_new_delivery_different_names(
-        app, redis_client):
+    app, redis_client
+):
     from helpers import set_settings
 
     from celery_steplock.keys import name_from_arguments
@@ -323,8 +359,9 @@ def test_rotating_the_secret_gives_a_running_lease_and_a_new_delivery_different_
     card, _ = _card_task()
     set_settings(app, steplock_name_secret="a" * 32)
     store = card.steplock_plan.store
-    old_name = name_from_arguments(card.name, {"number": CARD, "cvv": "1"},
-                                   secret=store.name_secret)
+    old_name = name_from_arguments(
+        card.name, {"number": CARD, "cvv": "1"}, secret=store.name_secret
+    )
     running = store.acquire(old_name, ttl=30.0)  # a delivery running under the old secret
     assert running is not None
     set_settings(app, steplock_name_secret="b" * 32)
@@ -347,6 +384,7 @@ def test_a_huge_argument_of_a_task_gives_a_bounded_stored_result(app, redis_clie
 
 
 # -- hostile review, finding 7: a typed error never chains a caller-controlled huge cause ------
+
 
 def test_a_huge_keyword_name_gives_a_bounded_error_without_its_cause():
     import traceback

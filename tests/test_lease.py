@@ -1,12 +1,18 @@
 """The Lease value object (celery_steplock.lease), on a clock the test moves."""
+
 import re
 import threading
 
 import pytest
 
 from celery_steplock.exceptions import LockLost
-from celery_steplock.lease import (CLOCK_DRIFT_FACTOR, Lease, drift, holder_metadata,
-                                   new_owner_token)
+from celery_steplock.lease import (
+    CLOCK_DRIFT_FACTOR,
+    Lease,
+    drift,
+    holder_metadata,
+    new_owner_token,
+)
 
 pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
 
@@ -23,8 +29,17 @@ class Clock:
 
 def make_lease(clock, ttl=10.0, **kwargs):
     sent = clock()
-    return Lease(name="order:42", key="t:lease:{order:42}", owner="o" * 32, fence=17, ttl=ttl,
-                 acquired_at=sent, valid_until=sent + ttl - drift(ttl), clock=clock, **kwargs)
+    return Lease(
+        name="order:42",
+        key="t:lease:{order:42}",
+        owner="o" * 32,
+        fence=17,
+        ttl=ttl,
+        acquired_at=sent,
+        valid_until=sent + ttl - drift(ttl),
+        clock=clock,
+        **kwargs,
+    )
 
 
 def test_drift_is_a_share_of_the_ttl_plus_a_round_trip():
@@ -85,7 +100,11 @@ def test_check_raises_lock_lost_with_name_owner_fence():
         lease.check()
     err = info.value
     assert (err.name, err.key, err.owner, err.fence) == (
-        "order:42", "t:lease:{order:42}", "o" * 32, 17)
+        "order:42",
+        "t:lease:{order:42}",
+        "o" * 32,
+        17,
+    )
 
 
 def test_lost_is_visible_to_another_thread_at_once():
@@ -107,13 +126,14 @@ def test_idempotency_key_is_keyed_and_reveals_neither_the_task_nor_the_lock():
     clock = Clock()
     secret = b"s" * 32
     key = make_lease(clock, task_name="shop.charge", secret=secret).idempotency_key
-    assert key == hmac.new(secret, b"idempotency-key\0shop.charge\0order:42",
-                           hashlib.sha256).hexdigest()
+    assert (
+        key
+        == hmac.new(secret, b"idempotency-key\0shop.charge\0order:42", hashlib.sha256).hexdigest()
+    )
     assert re.fullmatch(r"[0-9a-f]{64}", key) and "42" not in key
     assert make_lease(clock, task_name="shop.charge", secret=secret).idempotency_key == key
     assert make_lease(clock, secret=secret).idempotency_key != key
-    assert make_lease(clock, task_name="shop.charge",
-                      secret=b"t" * 32).idempotency_key != key
+    assert make_lease(clock, task_name="shop.charge", secret=b"t" * 32).idempotency_key != key
     with pytest.raises(ImproperlyConfigured) as info:
         make_lease(clock).idempotency_key
     assert info.value.setting == "steplock_name_secret"
@@ -129,8 +149,14 @@ def test_holder_metadata_drops_none_and_names_this_process():
     import socket
 
     meta = holder_metadata("tid", None, 0, worker="celery@w1", step=None, renew_ms=3333)
-    assert meta == {"task_id": "tid", "hostname": socket.gethostname(), "pid": os.getpid(),
-                    "retries": 0, "worker": "celery@w1", "renew_ms": 3333}
+    assert meta == {
+        "task_id": "tid",
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "retries": 0,
+        "worker": "celery@w1",
+        "renew_ms": 3333,
+    }
 
 
 def test_old_import_paths_still_work():
@@ -161,8 +187,14 @@ def test_malformed_fields_are_left_out_and_described_by_every_reader(lock, redis
     lock.acquire("bad", ttl=60.0, metadata={"task_name": "shop.charge", "pid": "9" * 30})
     redis_client.hset(lock.key("bad"), mapping={"acquired_ms": "12abc", "fence": "-5"})
     raw = binary_client(redis_client)
-    raw.hset(lock.key("bytes"), mapping={"owner": b"o\xff", "fence": b"7",
-                                         "meta": b'{"worker": "w\xfe@box", "retries": 2}'})
+    raw.hset(
+        lock.key("bytes"),
+        mapping={
+            "owner": b"o\xff",
+            "fence": b"7",
+            "meta": b'{"worker": "w\xfe@box", "retries": 2}',
+        },
+    )
     raw.hset(lock.key("meta"), mapping={"owner": "x", "meta": b"[1, 2]"})
     raw.close()
     by_scan = {lease["name"]: lease for lease in lock.scan(0, 1000)[1]}
@@ -173,29 +205,38 @@ def test_malformed_fields_are_left_out_and_described_by_every_reader(lock, redis
     assert "malformed" not in by_scan["good"] and by_scan["good"]["pid"] == "42"
     assert by_scan["good"]["fence"] == str(good.fence)
     bad = by_scan["bad"]
-    assert bad["malformed"] == ("acquired_ms: not an integer ('12abc'); fence: out of "
-                                "range ('-5'); pid: out of range ('" + "9" * 30 + "')")
+    assert bad["malformed"] == (
+        "acquired_ms: not an integer ('12abc'); fence: out of "
+        "range ('-5'); pid: out of range ('" + "9" * 30 + "')"
+    )
     assert not {"fence", "acquired_ms", "pid"} & set(bad) and bad["task_name"] == "shop.charge"
     assert by_scan["bytes"]["owner"] == "o\ufffd" and by_scan["bytes"]["retries"] == "2"
     assert by_scan["bytes"]["malformed"] == "owner: not UTF-8; worker: not UTF-8"
     assert by_scan["meta"]["malformed"] == "meta: not a JSON object ('[1, 2]')"
-    assert all(isinstance(v, str) for lease in by_scan.values() for k, v in lease.items()
-               if k != "ttl")
+    assert all(
+        isinstance(v, str) for lease in by_scan.values() for k, v in lease.items() if k != "ttl"
+    )
 
 
 def test_parse_lease_never_raises_and_meta_cannot_shadow_the_hash():
-    assert parse_lease({"owner": "a", "fence": "3", "meta": '{"owner": "b", "fence": "9", '
-                        '"step": "x:1"}'}) == {
-        "owner": "a", "fence": "3", "step": "x:1",
-        "malformed": "meta: reserved key 'fence'; meta: reserved key 'owner'"}
+    assert parse_lease(
+        {"owner": "a", "fence": "3", "meta": '{"owner": "b", "fence": "9", "step": "x:1"}'}
+    ) == {
+        "owner": "a",
+        "fence": "3",
+        "step": "x:1",
+        "malformed": "meta: reserved key 'fence'; meta: reserved key 'owner'",
+    }
     # a hash without an owner cannot borrow one from its metadata
     assert parse_lease({"meta": '{"owner": "b"}'})["malformed"] == (
-        "meta: reserved key 'owner'; owner: missing")
+        "meta: reserved key 'owner'; owner: missing"
+    )
     assert "owner" not in parse_lease({"meta": '{"owner": "b"}'})
     assert parse_lease(None) == {"malformed": "hash: unreadable"}
     assert parse_lease({}) == {}  # no key: nothing held (callers test it for truth)
     assert parse_lease({"owner": "a", "meta": "{not json"})["malformed"].startswith(
-        "meta: not a JSON object")
+        "meta: not a JSON object"
+    )
     long = "x" * 10_000
     assert len(parse_lease({"owner": "a", "pid": long})["malformed"]) < 100
 
@@ -213,8 +254,12 @@ def test_metadata_cannot_use_a_reserved_field(lock, key):
 
 def test_the_holder_still_releases_after_an_overwrite_attempt(lock):
     lease = lock.acquire("order:1", ttl=30.0, metadata={"task_name": "shop.charge"})
-    for forged in ({"owner": "evil"}, {"fence": "1"}, {"acquired_ms": "0", "x": "1"},
-                   {1: "not a string key"}):
+    for forged in (
+        {"owner": "evil"},
+        {"fence": "1"},
+        {"acquired_ms": "0", "x": "1"},
+        {1: "not a string key"},
+    ):
         with pytest.raises(MetadataError):
             lock.acquire("order:1", owner=lease.owner, ttl=30.0, metadata=forged)
         with pytest.raises(MetadataError):
@@ -231,19 +276,27 @@ def test_the_holder_still_releases_after_an_overwrite_attempt(lock):
 import hashlib  # noqa: E402
 import json  # noqa: E402
 
-from celery_steplock.lease import (MAX_HOLDER_TEXT, MAX_META_BYTES,  # noqa: E402
-                                   MAX_METADATA_ENTRIES, MAX_METADATA_KEY, MAX_METADATA_SIZE,
-                                   MAX_METADATA_VALUE, bounded_text)
+from celery_steplock.lease import (
+    MAX_HOLDER_TEXT,
+    MAX_META_BYTES,  # noqa: E402
+    MAX_METADATA_ENTRIES,
+    MAX_METADATA_KEY,
+    MAX_METADATA_SIZE,
+    MAX_METADATA_VALUE,
+    bounded_text,
+)
 
 
 def test_a_meta_nested_too_deep_or_too_large_is_malformed_and_never_raised(lock, redis_client):
     lock.acquire("good", ttl=60.0, metadata={"task_name": "shop.charge"})
-    hostile = {"deep": "[" * 1200, "deep-object": '{"a":' * 10_000,
-               "huge-int": '{"x": ' + "1" * 5000 + "}",
-               "too-large": json.dumps({"x": "y" * MAX_META_BYTES})}
+    hostile = {
+        "deep": "[" * 1200,
+        "deep-object": '{"a":' * 10_000,
+        "huge-int": '{"x": ' + "1" * 5000 + "}",
+        "too-large": json.dumps({"x": "y" * MAX_META_BYTES}),
+    }
     for name, meta in hostile.items():
-        redis_client.hset(lock.key(name), mapping={"owner": "b" * 32, "fence": "1",
-                                                   "meta": meta})
+        redis_client.hset(lock.key(name), mapping={"owner": "b" * 32, "fence": "1", "meta": meta})
         redis_client.pexpire(lock.key(name), 60_000)
     by_scan = {lease["name"]: lease for lease in lock.iter_leases()}
     assert sorted(by_scan) == ["deep", "deep-object", "good", "huge-int", "too-large"]
@@ -252,21 +305,22 @@ def test_a_meta_nested_too_deep_or_too_large_is_malformed_and_never_raised(lock,
         assert by_scan[name]["malformed"].startswith("meta: not a JSON object (")
         assert len(by_scan[name]["malformed"]) < 100
     assert by_scan["too-large"]["malformed"] == (
-        f"meta: larger than {MAX_META_BYTES} bytes ({MAX_META_BYTES + 9} characters)")
+        f"meta: larger than {MAX_META_BYTES} bytes ({MAX_META_BYTES + 9} characters)"
+    )
     for name in hostile:
         inspected = lock.inspect(name)
         assert inspected["owner"] == "b" * 32 and inspected["fence"] == "1"
         assert inspected["malformed"] == by_scan[name]["malformed"]
     # every kind of stored value, directly: a dict of strings, never an exception
-    for meta in ("[" * 100_000, "{" * 100_000, "1e999999", '"\\ud800"', "\x00", "[]" * 10 ** 6):
+    for meta in ("[" * 100_000, "{" * 100_000, "1e999999", '"\\ud800"', "\x00", "[]" * 10**6):
         info = parse_lease({"owner": "a", "meta": meta})
         assert info["owner"] == "a" and info["malformed"].startswith("meta: ")
 
 
 BAD_METADATA = [
-    ("int 10**5000", {"x": 10 ** 5000}, "integers must fit 64 bits"),
-    ("int 2**63", {"x": 2 ** 63}, "integers must fit 64 bits"),
-    ("int -2**63-1", {"x": -2 ** 63 - 1}, "integers must fit 64 bits"),
+    ("int 10**5000", {"x": 10**5000}, "integers must fit 64 bits"),
+    ("int 2**63", {"x": 2**63}, "integers must fit 64 bits"),
+    ("int -2**63-1", {"x": -(2**63) - 1}, "integers must fit 64 bits"),
     ("nan", {"x": float("nan")}, "floats must be finite"),
     ("inf", {"x": float("-inf")}, "floats must be finite"),
     ("list", {"x": [1, 2]}, "got list"),
@@ -281,17 +335,19 @@ BAD_METADATA = [
     ("empty key", {"": "v"}, "keys must be 1 to 64 characters"),
     ("long key", {"k" * (MAX_METADATA_KEY + 1): "v"}, "keys must be 1 to 64 characters"),
     ("long value", {"x": "v" * (MAX_METADATA_VALUE + 1)}, "strings must be at most 1024"),
-    ("huge value", {"x": "v" * 10 ** 6}, "strings must be at most 1024"),
+    ("huge value", {"x": "v" * 10**6}, "strings must be at most 1024"),
     ("too many", {f"k{n}": n for n in range(MAX_METADATA_ENTRIES + 1)}, "at most 64 entries"),
     ("too large", {f"k{n}": "\u20ac" * 1000 for n in range(8)}, "at most 16384 bytes"),
     ("not a string key", {1: "v"}, "keys must be strings"),
 ]
 
 
-@pytest.mark.parametrize("metadata, message", [(m, s) for _, m, s in BAD_METADATA],
-                         ids=[i for i, _, _ in BAD_METADATA])
-def test_metadata_beyond_its_bounds_is_refused_before_any_write(lock, redis_client, metadata,
-                                                                 message):
+@pytest.mark.parametrize(
+    "metadata, message", [(m, s) for _, m, s in BAD_METADATA], ids=[i for i, _, _ in BAD_METADATA]
+)
+def test_metadata_beyond_its_bounds_is_refused_before_any_write(
+    lock, redis_client, metadata, message
+):
     with pytest.raises(MetadataError) as caught:
         lock.acquire("order:1", ttl=30.0, metadata=metadata)
     assert type(caught.value) is MetadataError and message in str(caught.value)
@@ -304,14 +360,24 @@ def test_metadata_beyond_its_bounds_is_refused_before_any_write(lock, redis_clie
 
 
 def test_metadata_at_its_bounds_is_stored_as_given(lock, redis_client):
-    at_bounds = {"k" * MAX_METADATA_KEY: "v" * MAX_METADATA_VALUE, "big": 2 ** 63 - 1,
-                 "small": -2 ** 63, "ratio": 0.5, "flag": True, "gone": None,
-                 "text": "caf\u00e9 \u20ac tab-free"}
+    at_bounds = {
+        "k" * MAX_METADATA_KEY: "v" * MAX_METADATA_VALUE,
+        "big": 2**63 - 1,
+        "small": -(2**63),
+        "ratio": 0.5,
+        "flag": True,
+        "gone": None,
+        "text": "caf\u00e9 \u20ac tab-free",
+    }
     lock.acquire("order:1", ttl=30.0, metadata=at_bounds)
     held = lock.inspect("order:1")
     assert held["k" * MAX_METADATA_KEY] == "v" * MAX_METADATA_VALUE
     assert (held["big"], held["small"], held["ratio"], held["flag"]) == (
-        str(2 ** 63 - 1), str(-2 ** 63), "0.5", "True")
+        str(2**63 - 1),
+        str(-(2**63)),
+        "0.5",
+        "True",
+    )
     assert held["text"] == "caf\u00e9 \u20ac tab-free" and "malformed" not in held
     many = {f"k{n}": "v" * 200 for n in range(MAX_METADATA_ENTRIES)}  # about 13.5 KiB
     lock.acquire("order:2", ttl=30.0, metadata=many)
@@ -321,14 +387,23 @@ def test_metadata_at_its_bounds_is_stored_as_given(lock, redis_client):
 
 def test_holder_metadata_bounds_the_client_chosen_texts(lock, redis_client):
     task_id = "A" * 1_000_000
-    meta = holder_metadata(task_id, "shop.charge", 0, worker="celery@w1",
-                           step="workflows.step:" + "9" * 400, renew_ms=3333)
+    meta = holder_metadata(
+        task_id,
+        "shop.charge",
+        0,
+        worker="celery@w1",
+        step="workflows.step:" + "9" * 400,
+        renew_ms=3333,
+    )
     digest = hashlib.sha256(task_id.encode()).hexdigest()[:35]
     assert meta["task_id"] == "A" * (MAX_HOLDER_TEXT - 45) + "...sha256:" + digest
     assert len(meta["task_id"]) == MAX_HOLDER_TEXT == 255
     assert len(meta["step"]) == 255 and meta["step"].startswith("workflows.step:999")
     assert (meta["task_name"], meta["worker"], meta["renew_ms"]) == (
-        "shop.charge", "celery@w1", 3333)
+        "shop.charge",
+        "celery@w1",
+        3333,
+    )
     # two long ids that share their first 210 characters still differ
     assert bounded_text("A" * 300) != bounded_text("A" * 301)
     assert bounded_text("t" * 255) == "t" * 255 and bounded_text("ok-id") == "ok-id"

@@ -1,4 +1,5 @@
 """RedisLeaseStore against a real redis-server (celery_steplock.lock)."""
+
 import json
 import threading
 import time
@@ -33,8 +34,9 @@ def a_waiter_blocks(client, count: int) -> bool:
 
 def test_acquire_returns_a_lease_with_metadata(lock, redis_client):
     before = time.monotonic()
-    lease = lock.acquire("a", "owner-1", 5.0, metadata={"task_id": "tid", "task_name": "tn",
-                                                        "pid": 42})
+    lease = lock.acquire(
+        "a", "owner-1", 5.0, metadata={"task_id": "tid", "task_name": "tn", "pid": 42}
+    )
     assert lease.owner == "owner-1" and lease.name == "a" and lease.key == "t:lease:{a}"
     assert lease.task_id == "tid" and lease.task_name == "tn"
     assert lease.fence > 0 and not lease.lost
@@ -187,8 +189,7 @@ def test_extend_many_renews_in_one_call(lock, redis_client):
     for i in range(20):
         lock.acquire(f"m{i}", f"o{i}", 1.0)
     before = time.monotonic()
-    results = lock.extend_many([(f"m{i}", f"o{i}" if i % 4 else "wrong", 4.0)
-                                for i in range(20)])
+    results = lock.extend_many([(f"m{i}", f"o{i}" if i % 4 else "wrong", 4.0) for i in range(20)])
     assert results == [bool(i % 4) for i in range(20)]
     assert ttl_left_ok(redis_client.pttl("t:lease:{m1}"), 4000, before, ms=True)
     assert redis_client.pttl("t:lease:{m0}") <= 1000
@@ -226,8 +227,7 @@ def test_unreachable_store_raises_a_typed_retryable_error():
 
 def test_lease_local_validity_and_check(redis_client):
     now = [500.0]  # the leases' clock, moved by the test (Redis's TTL is long: 30 s)
-    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0],
-                           name_secret="k" * 32)
+    lock = RedisLeaseStore(redis_client, prefix="t", clock=lambda: now[0], name_secret="k" * 32)
     lease = lock.acquire("v", "o", 30.0)
     lease.check()
     assert lease.idempotency_key == idempotency_key(b"k" * 32, None, "v")
@@ -261,7 +261,8 @@ def test_scan_pages_through_leases_without_keys(lock, redis_client):
     assert first["owner"] == "o3" and first["task_name"] == "t"
     assert ttl_left_ok(first["ttl"], 5.0, before)
     assert [i["name"] for i in lock.iter_leases(match="s:1?")] and all(
-        i["name"].startswith("s:1") and len(i["name"]) == 4 for i in lock.iter_leases("s:1?"))
+        i["name"].startswith("s:1") and len(i["name"]) == 4 for i in lock.iter_leases("s:1?")
+    )
 
 
 def test_waiter_wakes_on_release_without_polling(lock, redis_client, redis_server_url):
@@ -276,8 +277,12 @@ def test_waiter_wakes_on_release_without_polling(lock, redis_client, redis_serve
     thread = threading.Thread(target=wait)
     redis_client.config_resetstat()
     thread.start()
-    wait_until(lambda: redis_client.zscore("t:waiters:{n}", "waiter") is not None,
-               timeout=10, interval=0.005, what="the waiter to register")
+    wait_until(
+        lambda: redis_client.zscore("t:waiters:{n}", "waiter") is not None,
+        timeout=10,
+        interval=0.005,
+        what="the waiter to register",
+    )
     released_at = time.monotonic()
     assert lock.release("n", "holder") is True
     thread.join(30)
@@ -315,13 +320,16 @@ def test_many_waiters_one_winner_per_release(lock, redis_client, redis_server_ur
     threads = [threading.Thread(target=wait, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    wait_until(lambda: redis_client.zcard("t:waiters:{m}") == 8, timeout=10, interval=0.005,
-               what="8 waiters")
+    wait_until(
+        lambda: redis_client.zcard("t:waiters:{m}") == 8,
+        timeout=10,
+        interval=0.005,
+        what="8 waiters",
+    )
     owner = "holder"
     for k in range(1, 9):  # each release hands the lease to exactly one more waiter
         assert lock.release("m", owner) is True
-        wait_until(lambda: len(winners) >= k, timeout=10, interval=0.005,
-                   what=f"winner {k}")
+        wait_until(lambda: len(winners) >= k, timeout=10, interval=0.005, what=f"winner {k}")
         assert len(winners) == k  # the others still wait: the winner holds it for 60 s
         assert redis_client.zcard("t:waiters:{m}") == 8 - k
         owner = f"w{winners[-1]}"
@@ -400,11 +408,16 @@ def test_reap_many_compares_owner_and_renewal_per_lease(lock, redis_client):
     time.sleep(0.01)
     lock.extend("r2", "o-r2", 5.0)  # renewed since it was read: spared
     redis_client.set("t:lease:{typed}", "not a hash", ex=5)
-    results = lock.reap_many([("r1", "o-r1", seen["r1"]), ("r2", "o-r2", seen["r2"]),
-                              ("r3", "someone-else", seen["r3"]), ("typed", "o", "1")])
+    results = lock.reap_many(
+        [
+            ("r1", "o-r1", seen["r1"]),
+            ("r2", "o-r2", seen["r2"]),
+            ("r3", "someone-else", seen["r3"]),
+            ("typed", "o", "1"),
+        ]
+    )
     assert results[:3] == [True, False, False]
-    assert isinstance(results[3], LockError) and not isinstance(results[3],
-                                                                 LockStoreUnavailable)
+    assert isinstance(results[3], LockError) and not isinstance(results[3], LockStoreUnavailable)
     assert redis_client.exists("t:lease:{r1}") == 0
     assert redis_client.hget("t:lease:{r2}", "owner") == "o-r2"
     assert redis_client.hget("t:lease:{r3}", "owner") == "o-r3"
@@ -432,9 +445,14 @@ def test_a_release_wakes_one_waiter_in_arrival_order(lock, redis_client, redis_s
         threads.append(threading.Thread(target=wait, args=(i,)))
         threads[-1].start()
         # Each one blocks (BLPOP) before the next arrives.
-        wait_until(lambda: a_waiter_blocks(redis_client, blocked + i + 1), timeout=10,
-                   interval=0.005, what=f"waiter {i} to block")
+        wait_until(
+            lambda: a_waiter_blocks(redis_client, blocked + i + 1),
+            timeout=10,
+            interval=0.005,
+            what=f"waiter {i} to block",
+        )
     assert redis_client.zcard("t:waiters:{q}") == 4
+
     def evalsha_calls():  # a first call of a script not loaded yet fails and is repeated
         stats = redis_client.info("commandstats").get("cmdstat_evalsha", {})
         return stats.get("calls", 0) - stats.get("failed_calls", 0)
@@ -461,11 +479,14 @@ def test_a_waiter_that_gives_up_leaves_nothing_behind(lock, redis_client):
 
 def test_wait_keys_expire(lock, redis_client):
     lock.acquire("x", "holder", 60.0)
-    thread = threading.Thread(target=lock.acquire, args=("x", "waiter", 5.0),
-                              kwargs={"wait": 5.0})
+    thread = threading.Thread(target=lock.acquire, args=("x", "waiter", 5.0), kwargs={"wait": 5.0})
     thread.start()
-    wait_until(lambda: redis_client.exists("t:waiters:{x}"), timeout=4, interval=0.005,
-               what="the waiter to register")
+    wait_until(
+        lambda: redis_client.exists("t:waiters:{x}"),
+        timeout=4,
+        interval=0.005,
+        what="the waiter to register",
+    )
     assert 0 < redis_client.pttl("t:waiters:{x}") <= 5000  # as long as the wait, no longer
     lock.release("x", "holder")
     thread.join(10)
@@ -475,11 +496,31 @@ def test_wait_keys_expire(lock, redis_client):
 
 # -- the stored shape, the fencing counter, errors' attributes -------------------------------
 
-TASK_META = {"task_id": "6f1c2a47", "task_name": "shop.charge", "hostname": "web-1", "pid": 4242,
-             "retries": 2, "worker": "celery@web-1", "step": "workflows.step:42",
-             "renew_ms": 10000}
-META_FIELDS = {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms", "task_id", "task_name",
-               "hostname", "pid", "retries", "worker", "step", "renew_ms"}
+TASK_META = {
+    "task_id": "6f1c2a47",
+    "task_name": "shop.charge",
+    "hostname": "web-1",
+    "pid": 4242,
+    "retries": 2,
+    "worker": "celery@web-1",
+    "step": "workflows.step:42",
+    "renew_ms": 10000,
+}
+META_FIELDS = {
+    "owner",
+    "fence",
+    "acquired_ms",
+    "renewed_ms",
+    "ttl_ms",
+    "task_id",
+    "task_name",
+    "hostname",
+    "pid",
+    "retries",
+    "worker",
+    "step",
+    "renew_ms",
+}
 
 
 def test_metadata_round_trips_through_inspect_and_scan(lock):
@@ -503,8 +544,10 @@ def test_leases_stored_field_by_field_read_the_same(lock, redis_client):
     redis_client.pexpire("t:lease:{old}", 5000)
     old = lock.inspect("old")
     assert {k: old[k] for k in META_FIELDS} == {k: new[k] for k in META_FIELDS}
-    assert {i["name"]: i["task_id"] for i in lock.iter_leases()} == {"new": "6f1c2a47",
-                                                                     "old": "6f1c2a47"}
+    assert {i["name"]: i["task_id"] for i in lock.iter_leases()} == {
+        "new": "6f1c2a47",
+        "old": "6f1c2a47",
+    }
     assert lock.release("old", "o1") and lock.release("new", lease.owner)
 
 
@@ -512,9 +555,13 @@ def test_a_field_of_the_hash_wins_over_a_metadata_entry(lock, redis_client):
     lock.acquire("w", "o1", 5.0, metadata=TASK_META)
     # The API refuses reserved metadata keys (MetadataError); a hash written otherwise:
     meta = json.loads(redis_client.hget("t:lease:{w}", "meta"))
-    redis_client.hset("t:lease:{w}", mapping={
-        "step": "workflows.step:43", "meta": json.dumps({**meta, "owner": "forged",
-                                                         "fence": "1"})})
+    redis_client.hset(
+        "t:lease:{w}",
+        mapping={
+            "step": "workflows.step:43",
+            "meta": json.dumps({**meta, "owner": "forged", "fence": "1"}),
+        },
+    )
     info = lock.inspect("w")
     assert info["owner"] == "o1" and int(info["fence"]) > 1
     assert info["step"] == "workflows.step:43" and info["task_id"] == "6f1c2a47"
@@ -594,11 +641,13 @@ def test_errors_carry_the_lock_name_and_owner(lock, redis_client):
     from celery_steplock.exceptions import LockError
 
     redis_client.set("t:lease:{typed}", "not a hash", ex=5)
-    for call in (lambda: lock.acquire("typed", "o7", 5.0),
-                 lambda: lock.release("typed", "o7"),
-                 lambda: lock.extend("typed", "o7", 5.0),
-                 lambda: lock.owned("typed", "o7"),
-                 lambda: lock.reap("typed", "o7", "1")):
+    for call in (
+        lambda: lock.acquire("typed", "o7", 5.0),
+        lambda: lock.release("typed", "o7"),
+        lambda: lock.extend("typed", "o7", 5.0),
+        lambda: lock.owned("typed", "o7"),
+        lambda: lock.reap("typed", "o7", "1"),
+    ):
         with pytest.raises(LockError, match="refused") as info:
             call()
         err = info.value
@@ -671,16 +720,18 @@ BAD_CALLS = [
     ("owned owner=b''", lambda s: s.owned("a", b""), "owner"),
     ("reap renewed_ms='x'", lambda s: s.reap("a", "o", "x"), "renewed_ms"),
     ("scan_keys count=0", lambda s: s.scan_keys(0, 0), "count"),
-    ("scan_keys count=1e9", lambda s: s.scan_keys(0, 10 ** 9), "count"),
+    ("scan_keys count=1e9", lambda s: s.scan_keys(0, 10**9), "count"),
     ("scan cursor=-1", lambda s: s.scan(-1), "cursor"),
     ("scan match=''", lambda s: s.scan(0, 10, ""), "match"),
 ]
 
 
-@pytest.mark.parametrize("call, argument", [(c, a) for _, c, a in BAD_CALLS],
-                         ids=[i for i, _, _ in BAD_CALLS])
-def test_bad_arguments_are_refused_by_name_and_nothing_is_written(lock, redis_client, call,
-                                                                   argument):
+@pytest.mark.parametrize(
+    "call, argument", [(c, a) for _, c, a in BAD_CALLS], ids=[i for i, _, _ in BAD_CALLS]
+)
+def test_bad_arguments_are_refused_by_name_and_nothing_is_written(
+    lock, redis_client, call, argument
+):
     with pytest.raises(InvalidArgument) as info:
         call(lock)
     assert info.value.argument == argument == info.value.setting
@@ -691,22 +742,35 @@ def test_bad_arguments_are_refused_by_name_and_nothing_is_written(lock, redis_cl
 
 @pytest.mark.parametrize("name", ["", "a{b}", "x" * 513, "a\nb", None, 5])
 def test_bad_lock_names_are_lock_name_errors(lock, redis_client, name):
-    for call in (lambda: lock.acquire(name, "o", 5.0), lambda: lock.release(name, "o"),
-                 lambda: lock.extend(name, "o", 5.0), lambda: lock.inspect(name),
-                 lambda: lock.owned(name, "o")):
+    for call in (
+        lambda: lock.acquire(name, "o", 5.0),
+        lambda: lock.release(name, "o"),
+        lambda: lock.extend(name, "o", 5.0),
+        lambda: lock.inspect(name),
+        lambda: lock.owned(name, "o"),
+    ):
         with pytest.raises(LockNameError) as info:
             call()
         assert len(str(info.value)) < 400
     assert redis_client.dbsize() == 0
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    ({"fence_ttl": 1e20}, "fence_ttl"), ({"fence_ttl": 0.1}, "fence_ttl"),
-    ({"fence_ttl": "7d"}, "fence_ttl"), ({"max_waiters": 0}, "max_waiters"),
-    ({"max_waiters": 10 ** 9}, "max_waiters"), ({"max_waiters": 2.5}, "max_waiters"),
-    ({"prefix": "a b"}, "prefix"), ({"prefix": "p" * 65}, "prefix"), ({"prefix": ""}, "prefix"),
-    ({"clock": 5}, "clock"), ({"name_secret": "short"}, "name_secret"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"fence_ttl": 1e20}, "fence_ttl"),
+        ({"fence_ttl": 0.1}, "fence_ttl"),
+        ({"fence_ttl": "7d"}, "fence_ttl"),
+        ({"max_waiters": 0}, "max_waiters"),
+        ({"max_waiters": 10**9}, "max_waiters"),
+        ({"max_waiters": 2.5}, "max_waiters"),
+        ({"prefix": "a b"}, "prefix"),
+        ({"prefix": "p" * 65}, "prefix"),
+        ({"prefix": ""}, "prefix"),
+        ({"clock": 5}, "clock"),
+        ({"name_secret": "short"}, "name_secret"),
+    ],
+)
 def test_bad_store_arguments_are_refused_by_name(redis_client, kwargs, argument):
     with pytest.raises(InvalidArgument) as info:
         RedisLeaseStore(redis_client, **kwargs)
@@ -727,17 +791,25 @@ def test_values_at_the_bounds_are_used_as_given_never_clamped(lock, redis_client
     assert store.fence_ttl == 366 * 24 * 3600
     assert store.acquire("fenced", "o", 5.0) is not None
     # kept at least fence_ttl after the grant, at most twice that (RedisLeaseStore's doc)
-    assert 366 * 24 * 3600 * 1000 - 10_000 < redis_client.pttl("t:fence:{fenced}") \
+    assert (
+        366 * 24 * 3600 * 1000 - 10_000
+        < redis_client.pttl("t:fence:{fenced}")
         <= 2 * 366 * 24 * 3600 * 1000
+    )
 
 
 def test_reap_many_refuses_a_malformed_item_alone(lock, redis_client):
     lease = lock.acquire("dead", "o", 30.0)
     renewed = redis_client.hget("t:lease:{dead}", "renewed_ms")
-    results = lock.reap_many([("odd", "o" * 300, "1"), ("dead", "o", renewed),
-                              ("gone", "p", None), ("a{b", "o", "1")])
-    assert [type(r).__name__ for r in results] == ["InvalidArgument", "bool",
-                                                   "InvalidArgument", "LockNameError"]
+    results = lock.reap_many(
+        [("odd", "o" * 300, "1"), ("dead", "o", renewed), ("gone", "p", None), ("a{b", "o", "1")]
+    )
+    assert [type(r).__name__ for r in results] == [
+        "InvalidArgument",
+        "bool",
+        "InvalidArgument",
+        "LockNameError",
+    ]
     assert results[1] is True and lease is not None
     assert [r.argument for r in (results[0], results[2])] == ["owner", "renewed_ms"]
     assert redis_client.exists("t:lease:{dead}") == 0
@@ -758,8 +830,12 @@ def test_deprecated_alias_validates_the_same(redis_client):
 
 # -- hostile review, findings 7 and 8: store arguments; a lease key that is not UTF-8 ----------
 
-@pytest.mark.parametrize("client", [None, "redis://127.0.0.1:6379/0", 42, object()],
-                         ids=["None", "a URL", "int", "object"])
+
+@pytest.mark.parametrize(
+    "client",
+    [None, "redis://127.0.0.1:6379/0", 42, object()],
+    ids=["None", "a URL", "int", "object"],
+)
 def test_a_store_without_a_client_is_refused_by_name(client):
     with pytest.raises(InvalidArgument) as info:
         RedisLeaseStore(client)
@@ -767,8 +843,11 @@ def test_a_store_without_a_client_is_refused_by_name(client):
     assert len(str(info.value)) < 300
 
 
-@pytest.mark.parametrize("keys", ["abc", b"t:lease:{a}", [1], ["t:lease:{a}", None], 5],
-                         ids=["str", "bytes", "an int item", "a None item", "int"])
+@pytest.mark.parametrize(
+    "keys",
+    ["abc", b"t:lease:{a}", [1], ["t:lease:{a}", None], 5],
+    ids=["str", "bytes", "an int item", "a None item", "int"],
+)
 def test_read_leases_refuses_what_is_not_a_list_of_keys(lock, redis_client, keys):
     lock.acquire("a", "o", 30.0)
     with pytest.raises(InvalidArgument) as info:
@@ -789,8 +868,12 @@ def test_a_lease_key_that_is_not_utf8_is_listed_as_malformed(lock, redis_client)
     leases = sorted(lock.iter_leases(), key=lambda lease: lease["name"])
     assert [lease["name"] for lease in leases] == ["fine", "\ufffd\ufffd\\x1b[2J"]
     odd = leases[1]
-    assert odd == {"key": "t:lease:{\ufffd\ufffd\\x1b[2J}", "name": "\ufffd\ufffd\\x1b[2J",
-                   "ttl": None, "malformed": "key: not UTF-8 (cannot be read back)"}
+    assert odd == {
+        "key": "t:lease:{\ufffd\ufffd\\x1b[2J}",
+        "name": "\ufffd\ufffd\\x1b[2J",
+        "ttl": None,
+        "malformed": "key: not UTF-8 (cannot be read back)",
+    }
     assert all(c.isprintable() for c in odd["name"] + odd["key"])
     cursor, keys = lock.scan_keys(0, 1000)
     assert cursor == 0 and len(keys) == 2

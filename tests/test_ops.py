@@ -1,5 +1,6 @@
 """The force release shared by the admin and the CLI (celery_steplock.ops), on a real Redis
 and the test database (the audit store of a Django project: LeaseEvent rows)."""
+
 import getpass
 import logging
 import shlex
@@ -10,12 +11,24 @@ import pytest
 from celery_steplock import signals
 from celery_steplock.contrib.django.eventlog import LeaseEventAudit
 from celery_steplock.contrib.django.models import LeaseEvent
-from celery_steplock.exceptions import (AuditRecordFailed, LockError, LockStoreUnavailable,
-                                        StepLockError)
+from celery_steplock.exceptions import (
+    AuditRecordFailed,
+    LockError,
+    LockStoreUnavailable,
+    StepLockError,
+)
 from celery_steplock.lock import RedisLeaseStore, get_lease_store, make_client
-from celery_steplock.ops import (OPS_SENDER, ForcedRelease, ForceReleaseRefused,
-                                 LeaseHeldByAnother, LeaseNotHeld, LogAudit, ReleaseAudit,
-                                 default_audit, force_release)
+from celery_steplock.ops import (
+    OPS_SENDER,
+    ForcedRelease,
+    ForceReleaseRefused,
+    LeaseHeldByAnother,
+    LeaseNotHeld,
+    LogAudit,
+    ReleaseAudit,
+    default_audit,
+    force_release,
+)
 from django_app.workflows.tasks import advance
 from helpers import closed_port_url
 
@@ -41,9 +54,19 @@ def released():
 
 
 def take(store, name, task_name=advance.name, **meta):
-    lease = store.acquire(name, ttl=60.0, metadata={
-        "task_name": task_name, "task_id": "task-1", "worker": "w1@box", "pid": 77,
-        "hostname": "box", "step": "workflows.step:3", **meta})
+    lease = store.acquire(
+        name,
+        ttl=60.0,
+        metadata={
+            "task_name": task_name,
+            "task_id": "task-1",
+            "worker": "w1@box",
+            "pid": 77,
+            "hostname": "box",
+            "step": "workflows.step:3",
+            **meta,
+        },
+    )
     assert lease is not None
     return lease
 
@@ -52,13 +75,23 @@ def test_releases_the_named_owner_and_announces_it(app, store, released, caplog)
     lease = take(store, "step:3")
     audited = []
     with caplog.at_level(logging.WARNING, logger="celery_steplock"):
-        record = force_release(store, "step:3", lease.owner, actor="alice", app=app,
-                               audit=audited.append)
+        record = force_release(
+            store, "step:3", lease.owner, actor="alice", app=app, audit=audited.append
+        )
     assert isinstance(record, ForcedRelease)
     assert (record.name, record.key, record.owner, record.fence) == (
-        "step:3", lease.key, lease.owner, lease.fence)
+        "step:3",
+        lease.key,
+        lease.owner,
+        lease.fence,
+    )
     assert (record.task_name, record.task_id, record.worker, record.pid, record.step) == (
-        advance.name, "task-1", "w1@box", 77, "workflows.step:3")
+        advance.name,
+        "task-1",
+        "w1@box",
+        77,
+        "workflows.step:3",
+    )
     assert record.actor == "alice" and record.reason == "force-released by alice"
     assert 0 < record.ttl <= 60 and record.lease["owner"] == lease.owner
     assert audited == [record]
@@ -66,7 +99,11 @@ def test_releases_the_named_owner_and_announces_it(app, store, released, caplog)
     [sent] = released
     assert sent["forced"] is True and sent["event"] == "lock_released"
     assert (sent["name"], sent["key"], sent["owner"], sent["fence"]) == (
-        "step:3", lease.key, lease.owner, lease.fence)
+        "step:3",
+        lease.key,
+        lease.owner,
+        lease.fence,
+    )
     assert sent["sender"] is app.tasks[advance.name]  # per-task receivers fire
     assert sent["user"] == "alice" and sent["ttl"] == 60.0
     [line] = [r.getMessage() for r in caplog.records if "event=lock_released" in r.getMessage()]
@@ -107,8 +144,10 @@ def test_another_owner_is_never_released(store, released):
     error = caught.value
     assert isinstance(error, ForceReleaseRefused) and isinstance(error, LockError)
     assert isinstance(error, StepLockError)
-    assert str(error) == (f"lease 'step:3' is held by another owner ({lease.owner}, task "
-                          f"billing.charge, fence {lease.fence}): nothing released")
+    assert str(error) == (
+        f"lease 'step:3' is held by another owner ({lease.owner}, task "
+        f"billing.charge, fence {lease.fence}): nothing released"
+    )
     assert (error.name, error.key, error.owner) == ("step:3", lease.key, "not-the-owner")
     assert error.holder == lease.owner and error.current["owner"] == lease.owner
     assert error.fence == lease.fence
@@ -210,23 +249,37 @@ def test_a_release_is_recorded_with_the_operator_before_the_delete(store, releas
 
     store.release = release
     try:
-        record = force_release(store, "step:3", lease.owner, actor="bob",
-                               actor_host="ops-box", via="cli")
+        record = force_release(
+            store, "step:3", lease.owner, actor="bob", actor_host="ops-box", via="cli"
+        )
     finally:
         del store.release
     assert seen_during_delete == [[("requested", "bob")]]
     [row] = audit_rows()
     assert (row.outcome, row.actor, row.actor_host, row.via) == (
-        "released", "bob", "ops-box", "cli")
+        "released",
+        "bob",
+        "ops-box",
+        "cli",
+    )
     assert (row.name, row.key, row.owner, row.fence) == (
-        "step:3", lease.key, lease.owner, lease.fence)
+        "step:3",
+        lease.key,
+        lease.owner,
+        lease.fence,
+    )
     assert (row.task_name, row.task_id, row.pid, row.hostname) == (
-        advance.name, "task-1", 77, "box")
+        advance.name,
+        "task-1",
+        77,
+        "box",
+    )
     assert record.outcome == "released" and record.outcome_recorded is True
     assert record.audit == f"LeaseEvent {row.pk}" and record.audit_id == row.pk
     assert [a["outcome"] for a in audited] == ["requested", "released"]
-    assert all(a["actor"] == "bob" and a["actor_host"] == "ops-box" and a["via"] == "cli"
-               for a in audited)
+    assert all(
+        a["actor"] == "bob" and a["actor_host"] == "ops-box" and a["via"] == "cli" for a in audited
+    )
     assert store.inspect("step:3") is None
     assert released[0]["audit"] == record.audit and released[0]["via"] == "cli"
 
@@ -239,7 +292,11 @@ def test_a_refusal_is_recorded_too(store, released):
         force_release(store, "step:404", "someone", actor="carol")
     first, second = audit_rows()
     assert (first.outcome, first.actor, first.owner, first.name) == (
-        "held_by_another", "bob", "stale-owner", "step:3")
+        "held_by_another",
+        "bob",
+        "stale-owner",
+        "step:3",
+    )
     assert lease.owner in first.reason  # the holder found, in the detail
     assert first.fence is None  # the holder's fence is not the subject of the record
     assert (second.outcome, second.actor, second.name) == ("not_held", "carol", "step:404")
@@ -291,17 +348,34 @@ def test_without_django_the_log_line_and_the_signal_are_the_record(store, audite
     lease = take(store, "step:3")
     user, host = getpass.getuser(), socket.gethostname()
     with caplog.at_level(logging.WARNING, logger="celery_steplock"):
-        record = force_release(store, "step:3", lease.owner, actor=user, actor_host=host,
-                               via="cli", auditor=ReleaseAudit())
-    lines = [r.getMessage() for r in caplog.records if "event=force_release_audit" in
-             r.getMessage()]
+        record = force_release(
+            store,
+            "step:3",
+            lease.owner,
+            actor=user,
+            actor_host=host,
+            via="cli",
+            auditor=ReleaseAudit(),
+        )
+    lines = [
+        r.getMessage() for r in caplog.records if "event=force_release_audit" in r.getMessage()
+    ]
     assert [line.split()[1] for line in lines] == ["outcome=requested", "outcome=released"]
     for line in lines:
-        for part in (f"actor={user}", f"actor_host={host}", "via=cli", "name=step:3",
-                     f"owner={lease.owner}", f"fence={lease.fence}"):
+        for part in (
+            f"actor={user}",
+            f"actor_host={host}",
+            "via=cli",
+            "name=step:3",
+            f"owner={lease.owner}",
+            f"fence={lease.fence}",
+        ):
             assert part in line.split(), (part, line)
-    structured = [r.steplock for r in caplog.records if getattr(r, "steplock", {}).get(
-        "event") == "force_release_audit"]
+    structured = [
+        r.steplock
+        for r in caplog.records
+        if getattr(r, "steplock", {}).get("event") == "force_release_audit"
+    ]
     assert [s["outcome"] for s in structured] == ["requested", "released"]
     assert [a["outcome"] for a in audited] == ["requested", "released"]
     assert record.audit is None and audit_rows() == []
@@ -311,15 +385,25 @@ def test_without_django_the_log_line_and_the_signal_are_the_record(store, audite
 def test_an_operator_name_cannot_forge_an_audit_line(store, caplog):
     lease = take(store, "step:3")
     with caplog.at_level(logging.WARNING, logger="celery_steplock"):
-        force_release(store, "step:3", lease.owner, actor="eve\nevent=force_release_audit "
-                      "outcome=released actor=alice", auditor=ReleaseAudit())
-    lines = [r.getMessage() for r in caplog.records
-             if r.getMessage().startswith("event=force_release_audit ")]
+        force_release(
+            store,
+            "step:3",
+            lease.owner,
+            actor="eve\nevent=force_release_audit outcome=released actor=alice",
+            auditor=ReleaseAudit(),
+        )
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("event=force_release_audit ")
+    ]
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     for line in lines:
         tokens = shlex.split(line)
         assert [t for t in tokens if t.startswith("outcome=")] in (
-            ["outcome=requested"], ["outcome=released"])
+            ["outcome=requested"],
+            ["outcome=released"],
+        )
         [actor] = [t for t in tokens if t.startswith("actor=")]
         assert actor == "actor=eve\\nevent=force_release_audit outcome=released actor=alice"
 
@@ -335,14 +419,17 @@ def steplock_logger():
     logger.propagate = saved[2]
 
 
-def test_the_log_audit_refuses_when_its_line_would_not_be_written(store, released,
-                                                                  steplock_logger):
+def test_the_log_audit_refuses_when_its_line_would_not_be_written(
+    store, released, steplock_logger
+):
     """No record, no release: the log-only audit raises when the celery_steplock logger
     does not emit WARNING lines, so nothing is deleted."""
     lease = take(store, "step:3")
     steplock_logger.setLevel(logging.ERROR)
-    with pytest.raises(AuditRecordFailed, match="'celery_steplock' logger does not emit "
-                                                "WARNING lines.*nothing released") as caught:
+    with pytest.raises(
+        AuditRecordFailed,
+        match="'celery_steplock' logger does not emit WARNING lines.*nothing released",
+    ) as caught:
         force_release(store, "step:3", lease.owner, auditor=LogAudit())
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert store.inspect("step:3")["owner"] == lease.owner and released == []
@@ -365,8 +452,10 @@ def test_a_failed_audit_record_names_no_password(store, caplog):
     def audit(record):
         raise RuntimeError(f"audit db redis://:{password}'x@db:6379/0 refused")
 
-    with caplog.at_level(logging.ERROR, logger="celery_steplock"), \
-            pytest.raises(AuditRecordFailed) as caught:
+    with (
+        caplog.at_level(logging.ERROR, logger="celery_steplock"),
+        pytest.raises(AuditRecordFailed) as caught,
+    ):
         force_release(store, "step:3", lease.owner, audit=audit)
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "event=force_release_aborted" in logged and "redis://:***@db:6379/0" in logged

@@ -4,6 +4,7 @@ real Redis, the real database and django-celery-results' backend.
 
 Real workers running group, chord and chain over duplicates: test_outcomes_workers.py.
 """
+
 import json
 import pickle
 import threading
@@ -30,24 +31,48 @@ pytestmark = pytest.mark.django_db(transaction=True)
 BODY_RUNS = []
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.outcomes.finish",
-                 lock_key="outcome:{step_id}", step_model="workflows.Step",
-                 step_id_arg="step_id", transition=("pending", "done"), on_contended="skip")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.outcomes.finish",
+    lock_key="outcome:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="skip",
+)
 def finish(self, step_id):
     BODY_RUNS.append(step_id)
-    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
-                                    owner=self.lease.owner, fence=self.lease.fence,
-                                    task_id=self.request.id or "")
+    TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status="pending",
+        to_status="done",
+        owner=self.lease.owner,
+        fence=self.lease.fence,
+        task_id=self.request.id or "",
+    )
     return {"winner": self.request.id, "fence": self.lease.fence}
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.outcomes.blind",
-                 lock_key="outcome:{step_id}", step_model="workflows.Step",
-                 step_id_arg="step_id", transition=("pending", "done"), lock_precheck=False)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.outcomes.blind",
+    lock_key="outcome:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_precheck=False,
+)
 def blind(self, step_id):
     BODY_RUNS.append(step_id)
-    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
-                                    owner=self.lease.owner, fence=self.lease.fence)
+    TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status="pending",
+        to_status="done",
+        owner=self.lease.owner,
+        fence=self.lease.fence,
+    )
     return "body done"
 
 
@@ -61,26 +86,51 @@ def clean(app, redis_client):
 
 
 def duplicate(step, found="done", committed_by=None, task="tests.outcomes.finish"):
-    return {"steplock": "duplicate", "task": task, "step_id": step.pk, "expected": "pending",
-            "found": found, "committed_by": committed_by, "held_by": None}
+    return {
+        "steplock": "duplicate",
+        "task": task,
+        "step_id": step.pk,
+        "expected": "pending",
+        "found": found,
+        "committed_by": committed_by,
+        "held_by": None,
+    }
 
 
 # -- the value ---------------------------------------------------------------------------
 
+
 def test_outcome_is_a_stable_plain_dict_every_serializer_carries():
-    outcome = StepOutcome(DUPLICATE, "shop.charge", step_id=uuid.UUID(int=5),
-                          expected="pending", found="charged", committed_by="t-1")
+    outcome = StepOutcome(
+        DUPLICATE,
+        "shop.charge",
+        step_id=uuid.UUID(int=5),
+        expected="pending",
+        found="charged",
+        committed_by="t-1",
+    )
     value = outcome.to_dict()
-    assert value == {"steplock": "duplicate", "task": "shop.charge",
-                     "step_id": "00000000-0000-0000-0000-000000000005", "expected": "pending",
-                     "found": "charged", "committed_by": "t-1", "held_by": None}
+    assert value == {
+        "steplock": "duplicate",
+        "task": "shop.charge",
+        "step_id": "00000000-0000-0000-0000-000000000005",
+        "expected": "pending",
+        "found": "charged",
+        "committed_by": "t-1",
+        "held_by": None,
+    }
     for serializer in ("json", "pickle"):
         content_type, encoding, data = dumps(value, serializer=serializer)
         assert loads(data, content_type, encoding, accept=[content_type]) == value
     assert json.loads(json.dumps(value)) == value and pickle.loads(pickle.dumps(value)) == value
     assert StepOutcome.from_dict(value) == StepOutcome(
-        DUPLICATE, "shop.charge", step_id="00000000-0000-0000-0000-000000000005",
-        expected="pending", found="charged", committed_by="t-1")
+        DUPLICATE,
+        "shop.charge",
+        step_id="00000000-0000-0000-0000-000000000005",
+        expected="pending",
+        found="charged",
+        committed_by="t-1",
+    )
     assert is_outcome(value) and is_outcome(StepOutcome(SKIPPED, "t").to_dict())
     assert not is_outcome({"steplock": "duplicate"}) and not is_outcome({"fence": 1})
     with pytest.raises(ValueError):
@@ -106,6 +156,7 @@ def test_owner_token_carries_a_digest_of_its_task_id():
 
 # -- through the task (apply) ------------------------------------------------------------
 
+
 def test_duplicate_with_its_own_task_id_succeeds_with_the_outcome(events):
     step = Step.objects.create(name="s")
     first = finish.apply(args=(step.pk,), task_id="winner-id")
@@ -122,7 +173,8 @@ def test_committed_by_comes_from_the_event_log_when_it_is_on(app):
     step = Step.objects.create(name="s")
     assert finish.apply(args=(step.pk,), task_id="winner-id").successful()
     assert finish.apply(args=(step.pk,), task_id="loser-id").result == duplicate(
-        step, committed_by="winner-id")
+        step, committed_by="winner-id"
+    )
 
 
 def test_same_task_id_after_the_commit_ends_in_ignore():
@@ -159,9 +211,15 @@ def test_skip_returns_the_holder_unless_it_is_the_same_task_id():
     store.acquire(f"outcome:{step.pk}", "holder-owner", 10.0, metadata={"task_id": "holder"})
     skipped = finish.apply(args=(step.pk,), task_id="other")
     assert skipped.state == "SUCCESS"
-    assert skipped.result == {"steplock": "skipped", "task": "tests.outcomes.finish",
-                              "step_id": step.pk, "expected": "pending", "found": None,
-                              "committed_by": None, "held_by": "holder"}
+    assert skipped.result == {
+        "steplock": "skipped",
+        "task": "tests.outcomes.finish",
+        "step_id": step.pk,
+        "expected": "pending",
+        "found": None,
+        "committed_by": None,
+        "held_by": "holder",
+    }
     assert finish.apply(args=(step.pk,), task_id="holder").state == "IGNORED"
     finish.on_contended = "ignore"
     try:
@@ -173,6 +231,7 @@ def test_skip_returns_the_holder_unless_it_is_the_same_task_id():
 
 # -- the same-id rule against the result backend ---------------------------------------------
 
+
 @pytest.fixture
 def worker_request():
     """``finish`` under a request as a worker's (not eager, results stored in the database
@@ -180,8 +239,15 @@ def worker_request():
     pushed = []
 
     def push(task_id, **extra):
-        finish.push_request(id=task_id, called_directly=False, is_eager=False,
-                            ignore_result=False, args=[], kwargs={}, **extra)
+        finish.push_request(
+            id=task_id,
+            called_directly=False,
+            is_eager=False,
+            ignore_result=False,
+            args=[],
+            kwargs={},
+            **extra,
+        )
         pushed.append(1)
         return finish.request
 
@@ -191,8 +257,9 @@ def worker_request():
 
 
 def conflict(step):
-    return TransitionConflict("moved on", step_id=step.pk, from_="pending", to="done",
-                              current="done")
+    return TransitionConflict(
+        "moved on", step_id=step.pk, from_="pending", to="done", current="done"
+    )
 
 
 def steps():
@@ -200,8 +267,9 @@ def steps():
 
 
 def committed_step(task_id):
-    return Step.objects.create(name="s", status="done", lock_owner=new_owner_token(task_id),
-                               lock_fence=7)
+    return Step.objects.create(
+        name="s", status="done", lock_owner=new_owner_token(task_id), lock_fence=7
+    )
 
 
 def test_a_stored_result_of_the_same_id_is_never_overwritten(worker_request):
@@ -216,6 +284,7 @@ def test_a_stored_result_of_the_same_id_is_never_overwritten(worker_request):
 def test_same_id_waits_for_the_winner_s_result_then_ignores(worker_request):
     step = committed_step("x")
     worker_request("x")
+
     def store():
         try:
             celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)

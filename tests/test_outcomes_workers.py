@@ -5,6 +5,7 @@ delivery that shares the winner's task id never overwrites its result.
 
 One worker serves every case of a test (a worker start is most of a test's time).
 """
+
 import time
 
 import pytest
@@ -21,8 +22,13 @@ TIMEOUT = 30.0  # the bound on every .get(): far above what a run takes
 
 
 def start(start_worker):
-    return start_worker("outcomes", concurrency=2, STEPLOCK_DEMO_STATS=1,
-                        STEPLOCK_RETRY_BACKOFF=0.05, STEPLOCK_EVENT_LOG=1)
+    return start_worker(
+        "outcomes",
+        concurrency=2,
+        STEPLOCK_DEMO_STATS=1,
+        STEPLOCK_RETRY_BACKOFF=0.05,
+        STEPLOCK_EVENT_LOG=1,
+    )
 
 
 def commits(step):
@@ -30,16 +36,23 @@ def commits(step):
 
 
 def duplicate_of(step, committed_by):
-    return {"steplock": "duplicate", "task": "django_app.workflows.tasks.advance",
-            "step_id": step.pk, "expected": "pending", "found": "done",
-            "committed_by": committed_by, "held_by": None}
+    return {
+        "steplock": "duplicate",
+        "task": "django_app.workflows.tasks.advance",
+        "step_id": step.pk,
+        "expected": "pending",
+        "found": "done",
+        "committed_by": committed_by,
+        "held_by": None,
+    }
 
 
 def winner_and_losers(step, results, values):
     """The task id of the one winner among ``results`` (AsyncResults) and ``values``
     (their return values); asserts that every other value is the duplicate outcome naming it."""
-    winners = [r.id for r, v in zip(results, values) if v == {"step_id": step.pk,
-                                                              "fence": v.get("fence")}]
+    winners = [
+        r.id for r, v in zip(results, values) if v == {"step_id": step.pk, "fence": v.get("fence")}
+    ]
     assert len(winners) == 1, values
     losers = [v for v in values if v.get("steplock")]
     assert losers == [duplicate_of(step, winners[0])] * (len(values) - 1), values
@@ -99,19 +112,25 @@ def test_same_task_id_never_overwrites_the_winner_s_result(start_worker, redis_c
     advance.apply_async((step.pk,), {"delay": 1.0}, task_id="outcomes-same-id")
     value = first.get(timeout=TIMEOUT)
     assert value == {"step_id": step.pk, "fence": value["fence"]}
-    wait_until(lambda: drained(redis_client)
-               and stats(redis_client).get("transition_conflict", 0) >= 1,
-               timeout=TIMEOUT, what="the second delivery to end")
+    wait_until(
+        lambda: drained(redis_client) and stats(redis_client).get("transition_conflict", 0) >= 1,
+        timeout=TIMEOUT,
+        what="the second delivery to end",
+    )
     stored = TaskResult.objects.get(task_id="outcomes-same-id")
     assert (stored.status, first.backend.get_task_meta(first.id, cache=False)["result"]) == (
-        "SUCCESS", value)
+        "SUCCESS",
+        value,
+    )
     assert stats(redis_client)["lock_contended"] >= 1  # it did meet its own id's lease
 
     # A third delivery after the end: the precheck finds the step done; nothing is stored.
     advance.apply_async((step.pk,), task_id="outcomes-same-id")
-    wait_until(lambda: drained(redis_client)
-               and stats(redis_client).get("transition_conflict", 0) >= 2,
-               timeout=TIMEOUT, what="the third delivery to end")
+    wait_until(
+        lambda: drained(redis_client) and stats(redis_client).get("transition_conflict", 0) >= 2,
+        timeout=TIMEOUT,
+        what="the third delivery to end",
+    )
     again = TaskResult.objects.get(task_id="outcomes-same-id")
     assert (again.status, again.date_done) == ("SUCCESS", stored.date_done)
     assert first.backend.get_task_meta(first.id, cache=False)["result"] == value

@@ -1,5 +1,6 @@
 """The execution plan (celery_steplock.plan): resolved once per (task, configuration
 version), rebuilt on a change, every invalid option reported."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,8 +24,9 @@ def make_task(app=None, **options):
     def body(self, step_id):
         return step_id
 
-    return app.task(bind=True, base=StepLockedTask, name=f"plan.task{next(_names)}", shared=False,
-                    **options)(body)
+    return app.task(
+        bind=True, base=StepLockedTask, name=f"plan.task{next(_names)}", shared=False, **options
+    )(body)
 
 
 def test_plan_defaults_come_from_the_settings():
@@ -32,9 +34,16 @@ def test_plan_defaults_come_from_the_settings():
     task.app.conf.steplock_default_ttl = 12.0
     plan = task.steplock_plan
     assert isinstance(plan, ExecutionPlan)
-    assert (plan.ttl, plan.wait, plan.max_hold, plan.on_contended, plan.on_conflict,
-            plan.on_store_error, plan.precheck, plan.retry_max) == (
-        12.0, 0.0, None, "retry", "return", "fail_closed", True, None)
+    assert (
+        plan.ttl,
+        plan.wait,
+        plan.max_hold,
+        plan.on_contended,
+        plan.on_conflict,
+        plan.on_store_error,
+        plan.precheck,
+        plan.retry_max,
+    ) == (12.0, 0.0, None, "retry", "return", "fail_closed", True, None)
     assert plan.renew_ms == 4000 and plan.steps is None
     assert plan.store is get_lease_store(task.app)
 
@@ -67,13 +76,19 @@ def test_assigning_an_option_rebuilds_the_plan():
 
 @pytest.mark.django_db
 def test_the_step_store_is_built_once_with_the_settings_fields():
-    task = make_task(step_model="workflows.Step", step_id_arg="step_id",
-                     transition=("pending", "done"),
-                     step_transitions={"pending": ["done"]})
+    task = make_task(
+        step_model="workflows.Step",
+        step_id_arg="step_id",
+        transition=("pending", "done"),
+        step_transitions={"pending": ["done"]},
+    )
     plan = task.steplock_plan
     assert isinstance(plan.steps, DjangoStepStore)
     assert (plan.steps.status_field, plan.steps.owner_field, plan.steps.fence_field) == (
-        "status", "lock_owner", "lock_fence")
+        "status",
+        "lock_owner",
+        "lock_fence",
+    )
     assert plan.steps.transitions == {"pending": frozenset({"done"})}
     assert plan.transition == ("pending", "done")
     assert task.steplock_plan.steps is plan.steps
@@ -89,8 +104,17 @@ def test_the_step_store_factory_is_named_by_a_setting():
     task = make_task(step_model="any.Model")
     task.app.conf.steplock_step_store = factory
     assert task.steplock_plan.steps == "store"
-    assert built == [("any.Model", {"status_field": "status", "owner_field": "lock_owner",
-                                    "fence_field": "lock_fence", "transitions": None})]
+    assert built == [
+        (
+            "any.Model",
+            {
+                "status_field": "status",
+                "owner_field": "lock_owner",
+                "fence_field": "lock_fence",
+                "transitions": None,
+            },
+        )
+    ]
 
 
 def test_a_step_store_that_cannot_be_imported_names_the_setting():
@@ -110,11 +134,21 @@ def test_build_plan_raises_the_first_problem_naming_the_task():
 
 
 def test_option_problems_lists_every_invalid_option():
-    task = make_task(lock_ttl=-1, on_contended="wait", lock_precheck="no",
-                     lock_retry_max=-2, transition=("pending",))
+    task = make_task(
+        lock_ttl=-1,
+        on_contended="wait",
+        lock_precheck="no",
+        lock_retry_max=-2,
+        transition=("pending",),
+    )
     found = option_problems(task, models_ready=False)
-    assert [p.setting for p in found] == ["lock_ttl", "on_contended", "transition",
-                                          "lock_precheck", "lock_retry_max"]
+    assert [p.setting for p in found] == [
+        "lock_ttl",
+        "on_contended",
+        "transition",
+        "lock_precheck",
+        "lock_retry_max",
+    ]
     assert all(str(p).startswith(f"{task.name}: ") for p in found)
     assert option_problems(make_task(lock_ttl=3), models_ready=False) == []
 
@@ -154,24 +188,38 @@ def test_class_level_changes_deletion_and_mock_restores_rebuild_the_plan():
 
 
 def test_options_checked_against_the_signature_and_the_transition_table():
-    found = option_problems(make_task(step_id_arg="orderid", lock_key="x:{nope}"),
-                            models_ready=False)
+    found = option_problems(
+        make_task(step_id_arg="orderid", lock_key="x:{nope}"), models_ready=False
+    )
     assert [(p.setting, "orderid" in str(p) or "'nope'" in str(p)) for p in found] == [
-        ("lock_key", True), ("step_id_arg", True)]
-    found = option_problems(make_task(step_model="workflows.Step", step_id_arg="step_id",
-                                      transition=("pending", "done"),
-                                      step_transitions={"pending": ["running"]}),
-                            models_ready=False)
+        ("lock_key", True),
+        ("step_id_arg", True),
+    ]
+    found = option_problems(
+        make_task(
+            step_model="workflows.Step",
+            step_id_arg="step_id",
+            transition=("pending", "done"),
+            step_transitions={"pending": ["running"]},
+        ),
+        models_ready=False,
+    )
     assert [p.setting for p in found] == ["step_transitions"]
     assert "'pending' -> 'done' is not allowed" in str(found[0])
     for table in (["pending"], {"pending": "done"}):
         [problem] = option_problems(make_task(step_transitions=table), models_ready=False)
         assert problem.setting == "step_transitions"
-    [problem] = option_problems(make_task(step_model="workflows.Step", step_id_arg="step_id",
-                                          transition="pending->done"), models_ready=False)
+    [problem] = option_problems(
+        make_task(step_model="workflows.Step", step_id_arg="step_id", transition="pending->done"),
+        models_ready=False,
+    )
     assert problem.setting == "transition" and "'pending->done'" in str(problem)
-    assert option_problems(make_task(lock_key="s:{step_id}", step_id_arg="step_id"),
-                           models_ready=False) == []
+    assert (
+        option_problems(
+            make_task(lock_key="s:{step_id}", step_id_arg="step_id"), models_ready=False
+        )
+        == []
+    )
 
 
 def test_a_package_alias_warns_once_at_the_caller():

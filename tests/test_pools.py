@@ -3,6 +3,7 @@ real Redis and the test database: duplicates commit once, and a lease held for 3
 survives a CPU-bound body (the ``spin`` task: ``lock_ttl=3``, no I/O for 9 s), which under
 the green pools only a native renewal thread can keep (docs/pools.md).
 """
+
 import importlib.util
 import shutil
 import signal
@@ -40,16 +41,25 @@ def records(step):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("pool", POOLS)
 def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body(
-        pool, start_worker, redis_client):
+    pool, start_worker, redis_client
+):
     from django.db import connection
 
     needs(pool)
     # SQLite waits for its write lock inside the C library, which blocks a green pool's
     # whole hub: on SQLite a green worker runs one task at a time (docs/pools.md).
     one = pool == "solo" or (pool in GREEN and connection.vendor == "sqlite")
-    workers = [start_worker(f"{pool}-{i}", concurrency=1 if one else 2, pool=pool,
-                            STEPLOCK_DEMO_STATS=1, STEPLOCK_RETRY_BACKOFF=0.05,
-                            STEPLOCK_RETRY_BACKOFF_MAX=0.2) for i in (1, 2)]
+    workers = [
+        start_worker(
+            f"{pool}-{i}",
+            concurrency=1 if one else 2,
+            pool=pool,
+            STEPLOCK_DEMO_STATS=1,
+            STEPLOCK_RETRY_BACKOFF=0.05,
+            STEPLOCK_RETRY_BACKOFF_MAX=0.2,
+        )
+        for i in (1, 2)
+    ]
     for worker in workers:
         if pool in GREEN:
             assert f"event=heartbeat_native pool={pool}" in worker.log_text()
@@ -62,8 +72,12 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
     result = spin.apply_async((long_step.pk, SPIN_SECONDS))
     # Seen from outside while the body computes: the fence the lease was granted with and
     # every renewal Redis recorded (its server time in ms).
-    first = helpers.wait_until(lambda: redis_client.hgetall(lease_key(long_step)), timeout=60,
-                               interval=0.02, what="the spin lease")
+    first = helpers.wait_until(
+        lambda: redis_client.hgetall(lease_key(long_step)),
+        timeout=60,
+        interval=0.02,
+        what="the spin lease",
+    )
     renewals = []
 
     def finished():
@@ -71,15 +85,15 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
         if fields:
             assert fields["fence"] == first["fence"]  # never re-acquired
             if fields["renewed_ms"] != fields["acquired_ms"] and (
-                    not renewals or renewals[-1] != int(fields["renewed_ms"])):
+                not renewals or renewals[-1] != int(fields["renewed_ms"])
+            ):
                 renewals.append(int(fields["renewed_ms"]))
         return result.ready()
 
     for _ in range(DUPLICATES):
         for step in dup_steps:
             advance.apply_async((step.pk,), {"delay": 0.3})
-    helpers.wait_until(finished, timeout=SPIN_SECONDS + 60, interval=0.02,
-                       what="the spin task")
+    helpers.wait_until(finished, timeout=SPIN_SECONDS + 60, interval=0.02, what="the spin task")
 
     value = result.get(timeout=10)
     assert value["retries"] == 0 and value["fence"] == int(first["fence"])
@@ -89,9 +103,14 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
     assert long_step.attempts == 1
     assert renewals, "Redis never recorded a renewal"
 
-    helpers.wait_until(lambda: drained(redis_client) and stats(redis_client).get(
-        "transition_conflict", 0) >= STEPS * (DUPLICATES - 1), timeout=90,
-        what="every duplicate to finish")
+    helpers.wait_until(
+        lambda: (
+            drained(redis_client)
+            and stats(redis_client).get("transition_conflict", 0) >= STEPS * (DUPLICATES - 1)
+        ),
+        timeout=90,
+        what="every duplicate to finish",
+    )
     for step in dup_steps:
         step.refresh_from_db()
         assert step.status == "done" and records(step) == ["done"] and step.attempts == 1
@@ -106,9 +125,11 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
     gaps = [(b - a) / 1000 for a, b in zip([int(first["acquired_ms"])] + renewals, renewals)]
     for worker in workers:  # stop them together: a green worker's warm shutdown takes ~5 s
         worker.signal(signal.SIGTERM, group=True)
-    print(f"\n{pool}: renewals seen {len(renewals)} during {SPIN_SECONDS:g} s, interval "
-          f"mean {sum(gaps) / len(gaps):.3f} s max {max(gaps):.3f} s (ttl/3 = "
-          f"{SPIN_TTL / 3:.3f} s)")
+    print(
+        f"\n{pool}: renewals seen {len(renewals)} during {SPIN_SECONDS:g} s, interval "
+        f"mean {sum(gaps) / len(gaps):.3f} s max {max(gaps):.3f} s (ttl/3 = "
+        f"{SPIN_TTL / 3:.3f} s)"
+    )
 
 
 NATIVE_CHECK = textwrap.dedent("""
@@ -189,9 +210,18 @@ def redis_on_three_transports(tmp_path_factory):
     if shutil.which("openssl"):
         certs = make_certificates(work / "certs")
         tls_port = helpers.free_port()
-        tls_args = ["--tls-port", tls_port, "--tls-cert-file", certs.server_cert,
-                    "--tls-key-file", certs.server_key, "--tls-ca-cert-file", certs.ca_cert,
-                    "--tls-auth-clients", "no"]
+        tls_args = [
+            "--tls-port",
+            tls_port,
+            "--tls-cert-file",
+            certs.server_cert,
+            "--tls-key-file",
+            certs.server_key,
+            "--tls-ca-cert-file",
+            certs.ca_cert,
+            "--tls-auth-clients",
+            "no",
+        ]
         tls_url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs.ca_cert}"
     server = None
     for args in ([*tls_args, "--unixsocket", sock], ["--unixsocket", sock]):
@@ -206,15 +236,20 @@ def redis_on_three_transports(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool,
-                                                                redis_on_three_transports):
+def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool, redis_on_three_transports):
     needs(pool)
     urls = redis_on_three_transports
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", NATIVE_CHECK, pool, *urls],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", NATIVE_CHECK, pool, *urls],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        f"{url.split(':')[0]} NativeThread renewed True native True" for url in urls] + [
+        f"{url.split(':')[0]} NativeThread renewed True native True" for url in urls
+    ] + [
         f"refused {pool} worker_pool True",
         f"refused {pool} worker_pool True",
         "starts",

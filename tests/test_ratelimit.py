@@ -2,15 +2,20 @@
 validation, the token bucket's and the sliding window's decisions, tickets (first come,
 first served), the outage policy, the task option through a real execution, and the history
 checkers with their negative controls."""
+
 import time
 
 import pytest
 
 from celery_steplock import RateLimited, SlidingWindow, TokenBucket, signals
-from celery_steplock.exceptions import ImproperlyConfigured, InvalidArgument, \
-    LockStoreUnavailable
-from celery_steplock.ratelimit import (TICKETS_HEADER, bucket_excess, gate, max_in_window,
-                                       parse_rate)
+from celery_steplock.exceptions import ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
+from celery_steplock.ratelimit import (
+    TICKETS_HEADER,
+    bucket_excess,
+    gate,
+    max_in_window,
+    parse_rate,
+)
 
 
 def _wait_until(moment: float, client) -> None:
@@ -25,18 +30,29 @@ def _wait_until(moment: float, client) -> None:
 
 # -- parsing and validation --------------------------------------------------------------------
 
+
 @pytest.mark.no_database
-@pytest.mark.parametrize("text,expected", [
-    ("10/s", (10.0, 1.0)), ("100/m", (100.0, 60.0)), ("1000/h", (1000.0, 3600.0)),
-    ("5/d", (5.0, 86400.0)), ("5/10s", (5.0, 10.0)), ("3 / 2 min", (3.0, 120.0)),
-    ("2.5/s", (2.5, 1.0)), ("7/hours", (7.0, 3600.0))])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("10/s", (10.0, 1.0)),
+        ("100/m", (100.0, 60.0)),
+        ("1000/h", (1000.0, 3600.0)),
+        ("5/d", (5.0, 86400.0)),
+        ("5/10s", (5.0, 10.0)),
+        ("3 / 2 min", (3.0, 120.0)),
+        ("2.5/s", (2.5, 1.0)),
+        ("7/hours", (7.0, 3600.0)),
+    ],
+)
 def test_rates_parse(text, expected):
     assert parse_rate(text) == expected
 
 
 @pytest.mark.no_database
-@pytest.mark.parametrize("bad", ["10/x", "0/s", "-1/s", "ten/s", "10", "10/", "/s", "10/0s",
-                                 "10/8d", 10, None, "1e3/s"])
+@pytest.mark.parametrize(
+    "bad", ["10/x", "0/s", "-1/s", "ten/s", "10", "10/", "/s", "10/0s", "10/8d", 10, None, "1e3/s"]
+)
 def test_bad_rates_name_the_option(bad):
     with pytest.raises(ImproperlyConfigured) as info:
         parse_rate(bad, "cluster_rate_limit")
@@ -45,20 +61,29 @@ def test_bad_rates_name_the_option(bad):
 
 
 @pytest.mark.no_database
-@pytest.mark.parametrize("build,needle", [
-    (lambda: TokenBucket(0), "rate"), (lambda: TokenBucket(-1), "rate"),
-    (lambda: TokenBucket("10/x"), "not a rate"), (lambda: TokenBucket(1, capacity=0), "capacity"),
-    (lambda: TokenBucket(1, capacity=1.5), "capacity"),
-    (lambda: TokenBucket(1, capacity=True), "capacity"),
-    (lambda: TokenBucket(float("nan")), "rate"),
-    (lambda: SlidingWindow(0, 1), "limit"), (lambda: SlidingWindow(2.5, 1), "limit"),
-    (lambda: SlidingWindow("2.5/s"), "limit"), (lambda: SlidingWindow(5, 0), "window"),
-    (lambda: SlidingWindow(5, -1), "window"), (lambda: SlidingWindow(10 ** 6, 1), "limit"),
-    (lambda: SlidingWindow(5, 1, key="{x.y}"), "attribute"),
-    (lambda: SlidingWindow(5, 1, key="{}"), "positional"),
-    (lambda: SlidingWindow(5, 1, key=5), "template"),
-    (lambda: SlidingWindow(5, 1, on_store_error="maybe"), "on_store_error"),
-    (lambda: SlidingWindow(5, 1, max_wait=-1), "max_wait")])
+@pytest.mark.parametrize(
+    "build,needle",
+    [
+        (lambda: TokenBucket(0), "rate"),
+        (lambda: TokenBucket(-1), "rate"),
+        (lambda: TokenBucket("10/x"), "not a rate"),
+        (lambda: TokenBucket(1, capacity=0), "capacity"),
+        (lambda: TokenBucket(1, capacity=1.5), "capacity"),
+        (lambda: TokenBucket(1, capacity=True), "capacity"),
+        (lambda: TokenBucket(float("nan")), "rate"),
+        (lambda: SlidingWindow(0, 1), "limit"),
+        (lambda: SlidingWindow(2.5, 1), "limit"),
+        (lambda: SlidingWindow("2.5/s"), "limit"),
+        (lambda: SlidingWindow(5, 0), "window"),
+        (lambda: SlidingWindow(5, -1), "window"),
+        (lambda: SlidingWindow(10**6, 1), "limit"),
+        (lambda: SlidingWindow(5, 1, key="{x.y}"), "attribute"),
+        (lambda: SlidingWindow(5, 1, key="{}"), "positional"),
+        (lambda: SlidingWindow(5, 1, key=5), "template"),
+        (lambda: SlidingWindow(5, 1, on_store_error="maybe"), "on_store_error"),
+        (lambda: SlidingWindow(5, 1, max_wait=-1), "max_wait"),
+    ],
+)
 def test_bad_limits_name_the_option(build, needle):
     with pytest.raises(ImproperlyConfigured) as info:
         build()
@@ -77,6 +102,7 @@ def test_limits_describe_themselves():
 
 # -- token bucket ------------------------------------------------------------------------------
 
+
 @pytest.mark.no_database
 def test_bucket_bursts_to_capacity_then_refills_fractionally(redis_client):
     bucket = TokenBucket(4.0, capacity=3, client=redis_client)
@@ -84,7 +110,8 @@ def test_bucket_bursts_to_capacity_then_refills_fractionally(redis_client):
     assert [d.allowed for d in first] == [True, True, True, False]
     # Each took one token; the bucket refilled 4 per second (Redis time) meanwhile.
     assert [d.remaining for d in first[:3]] == pytest.approx(
-        [2 - k + 4 * (d.now - first[0].now) for k, d in enumerate(first[:3])], abs=1e-4)
+        [2 - k + 4 * (d.now - first[0].now) for k, d in enumerate(first[:3])], abs=1e-4
+    )
     # The next token is due a quarter second after the burst began (by Redis TIME).
     denied = first[3]
     assert denied.retry_after == pytest.approx(0.25 - (denied.now - first[0].now), abs=1e-4)
@@ -121,6 +148,7 @@ def test_bucket_never_exceeds_capacity_plus_rate_t(redis_client):
 
 
 # -- sliding window -------------------------------------------------------------------------------
+
 
 @pytest.mark.no_database
 def test_window_admits_limit_per_any_window_and_denials_consume_nothing(redis_client):
@@ -160,10 +188,13 @@ def test_keys_share_one_cluster_slot_and_differ_per_limit(redis_client):
 
 # -- tickets: first come, first served -------------------------------------------------------------
 
+
 @pytest.mark.no_database
-@pytest.mark.parametrize("limiter,pause", [(SlidingWindow(2, 0.8), 0.2),
-                                           (TokenBucket(5.0, capacity=2), 0.0)],
-                         ids=["window", "bucket"])
+@pytest.mark.parametrize(
+    "limiter,pause",
+    [(SlidingWindow(2, 0.8), 0.2), (TokenBucket(5.0, capacity=2), 0.0)],
+    ids=["window", "bucket"],
+)
 def test_an_early_waiter_runs_before_later_newcomers(redis_client, limiter, pause):
     limiter.client = redis_client
     assert limiter.try_acquire("fair").allowed
@@ -222,6 +253,7 @@ def test_no_ticket_past_max_wait(redis_client):
 
 # -- the plain API ---------------------------------------------------------------------------------
 
+
 @pytest.mark.no_database
 def test_context_manager_and_decorator(redis_client):
     window = SlidingWindow(2, 5, client=redis_client)
@@ -265,6 +297,7 @@ def test_outage_fails_closed_by_default_and_open_when_asked():
 
 # -- the task option -------------------------------------------------------------------------
 
+
 class _Task:
     name = "tests.rl"
 
@@ -282,19 +315,34 @@ class _Settings:
 @pytest.mark.no_database
 def test_gate_reads_the_options_and_names_bad_ones():
     assert gate(_Task(), _Settings()) is None
-    built = gate(_Task(cluster_rate_limit=["10/s", TokenBucket(2, 4)],
-                       cluster_rate_limit_key="tenant:{tenant}"), _Settings())
+    built = gate(
+        _Task(
+            cluster_rate_limit=["10/s", TokenBucket(2, 4)],
+            cluster_rate_limit_key="tenant:{tenant}",
+        ),
+        _Settings(),
+    )
     assert [str(x) for x in built.limiters] == ["10/1s window", "2/s bucket of 4"]
     for options, setting, needle in [
-            ({"cluster_rate_limit": "10/x"}, "cluster_rate_limit", "not a rate"),
-            ({"cluster_rate_limit": 10}, "cluster_rate_limit", "rate string"),
-            ({"cluster_rate_limit": []}, "cluster_rate_limit", "empty"),
-            ({"cluster_rate_limit": "1/s", "cluster_rate_limit_key": "t:{nope}"},
-             "cluster_rate_limit_key", "'nope', which is not an argument"),
-            ({"cluster_rate_limit": SlidingWindow(1, 1, key="t:{nope}")},
-             "cluster_rate_limit", "'nope'"),
-            ({"cluster_rate_limit": "1/s", "cluster_rate_limit_key": 3},
-             "cluster_rate_limit_key", "template")]:
+        ({"cluster_rate_limit": "10/x"}, "cluster_rate_limit", "not a rate"),
+        ({"cluster_rate_limit": 10}, "cluster_rate_limit", "rate string"),
+        ({"cluster_rate_limit": []}, "cluster_rate_limit", "empty"),
+        (
+            {"cluster_rate_limit": "1/s", "cluster_rate_limit_key": "t:{nope}"},
+            "cluster_rate_limit_key",
+            "'nope', which is not an argument",
+        ),
+        (
+            {"cluster_rate_limit": SlidingWindow(1, 1, key="t:{nope}")},
+            "cluster_rate_limit",
+            "'nope'",
+        ),
+        (
+            {"cluster_rate_limit": "1/s", "cluster_rate_limit_key": 3},
+            "cluster_rate_limit_key",
+            "template",
+        ),
+    ]:
         with pytest.raises(ImproperlyConfigured) as info:
             gate(_Task(**options), _Settings())
         assert info.value.setting == setting and needle in str(info.value), options
@@ -316,9 +364,16 @@ def test_history_checkers_flag_a_violation():
 def test_the_option_gates_a_real_execution(app, redis_client, events):
     from celery_steplock.task import StepLockedTask
 
-    @app.task(bind=True, base=StepLockedTask, name="tests.rl.eager", lock_key="rl:{n}",
-              cluster_rate_limit="2/5s", cluster_rate_limit_key="tenant:{tenant}",
-              lock_retry_max=0, shared=False)
+    @app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.rl.eager",
+        lock_key="rl:{n}",
+        cluster_rate_limit="2/5s",
+        cluster_rate_limit_key="tenant:{tenant}",
+        lock_retry_max=0,
+        shared=False,
+    )
     def limited(self, tenant, n):
         return f"ran {n}"
 
@@ -330,11 +385,19 @@ def test_the_option_gates_a_real_execution(app, redis_client, events):
     assert denied.result.option == "cluster_rate_limit"
     assert denied.result.key.endswith(":{tenant:a}") and 3 < denied.result.retry_after <= 5
     assert denied.result.context["headers"] == {
-        TICKETS_HEADER: {denied.result.key: denied.result.context["ticket"]}}
-    seen = [(name, kw.get("name")) for name, kw in events
-            if name in ("rate_limit_allowed", "rate_limited")]
-    assert seen == [("rate_limit_allowed", "tenant:a"), ("rate_limit_allowed", "tenant:a"),
-                    ("rate_limit_allowed", "tenant:b"), ("rate_limited", "tenant:a")]
+        TICKETS_HEADER: {denied.result.key: denied.result.context["ticket"]}
+    }
+    seen = [
+        (name, kw.get("name"))
+        for name, kw in events
+        if name in ("rate_limit_allowed", "rate_limited")
+    ]
+    assert seen == [
+        ("rate_limit_allowed", "tenant:a"),
+        ("rate_limit_allowed", "tenant:a"),
+        ("rate_limit_allowed", "tenant:b"),
+        ("rate_limited", "tenant:a"),
+    ]
     limited_kw = [kw for name, kw in events if name == "rate_limited"][0]
     assert limited_kw["limit"] == "2/5s window" and limited_kw["task_name"] == "tests.rl.eager"
     assert signals.rate_limited in signals.ALL_SIGNALS
@@ -352,9 +415,15 @@ def test_an_outage_at_the_gate_follows_the_limit_policy(app, policy, events):
     name = f"tests.rl.outage.{policy}"
     # The lease fails open too, so the execution reaches the gate with Redis down.
     limited = app.tasks.get(name) or app.task(
-        bind=True, base=StepLockedTask, name=name, lock_key="rl-outage:{n}",
-        on_store_error="fail_open", lock_retry_max=0, shared=False,
-        cluster_rate_limit=SlidingWindow(1, 60, on_store_error=policy))(body)
+        bind=True,
+        base=StepLockedTask,
+        name=name,
+        lock_key="rl-outage:{n}",
+        on_store_error="fail_open",
+        lock_retry_max=0,
+        shared=False,
+        cluster_rate_limit=SlidingWindow(1, 60, on_store_error=policy),
+    )(body)
     set_settings(app, steplock_redis_url=closed_port_url())
     try:
         results = [limited.apply(args=(n,)) for n in (1, 2)]
@@ -364,8 +433,11 @@ def test_an_outage_at_the_gate_follows_the_limit_policy(app, policy, events):
         assert [r.get() for r in results] == ["ran 1", "ran 2"]  # past a 1/60s limit
     else:
         assert all(isinstance(r.result, LockStoreUnavailable) for r in results)
-    errors = [kw for name_, kw in events if name_ == "lock_store_error"
-              and str(kw.get("reason", "")).startswith("rate limit")]
+    errors = [
+        kw
+        for name_, kw in events
+        if name_ == "lock_store_error" and str(kw.get("reason", "")).startswith("rate limit")
+    ]
     assert [kw["policy"] for kw in errors] == [policy, policy]
 
 
@@ -377,8 +449,15 @@ def test_bad_options_are_task_problems_for_the_checks(celery_app_configured):
     app = celery_app_configured
 
     # shared=False: a shared task would join every app made later (a worker's checks).
-    @app.task(bind=True, base=StepLockedTask, name="tests.rl.bad", lock_key="rl-bad:{n}",
-              cluster_rate_limit="10/x", cluster_rate_limit_key="t:{nope}", shared=False)
+    @app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.rl.bad",
+        lock_key="rl-bad:{n}",
+        cluster_rate_limit="10/x",
+        cluster_rate_limit_key="t:{nope}",
+        shared=False,
+    )
     def bad(self, n):
         return n
 
@@ -399,9 +478,19 @@ def test_bad_options_are_task_problems_for_the_checks(celery_app_configured):
 def test_a_later_limit_refusing_gives_back_the_earlier_admissions(app, redis_client):
     from celery_steplock.task import StepLockedTask
 
-    @app.task(bind=True, base=StepLockedTask, name="tests.rl.list", lock_key="rl-list:{n}",
-              cluster_rate_limit=[SlidingWindow(5, 60), TokenBucket(0.001, capacity=5),
-                                  SlidingWindow(1, 60)], lock_retry_max=0, shared=False)
+    @app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.rl.list",
+        lock_key="rl-list:{n}",
+        cluster_rate_limit=[
+            SlidingWindow(5, 60),
+            TokenBucket(0.001, capacity=5),
+            SlidingWindow(1, 60),
+        ],
+        lock_retry_max=0,
+        shared=False,
+    )
     def listed(self, n):
         return n
 
@@ -430,6 +519,9 @@ def test_decisions_are_counted_by_the_prometheus_metrics():
         metrics.receive(event=event, task_name="t", limit="5/1s window", key="k")
 
     def value(decision):
-        return registry.get_sample_value("steplock_rate_limit_decisions_total", {
-            "task": "t", "limit": "5/1s window", "decision": decision})
+        return registry.get_sample_value(
+            "steplock_rate_limit_decisions_total",
+            {"task": "t", "limit": "5/1s window", "decision": decision},
+        )
+
     assert (value("allowed"), value("limited")) == (2.0, 1.0)

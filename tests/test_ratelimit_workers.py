@@ -5,6 +5,7 @@ celery_steplock.ratelimit judge the whole history: no window of the configured l
 more starts than the limit, no interval more than ``capacity + rate * t``. The negative
 control runs the same checker on Celery's own per-worker ``rate_limit`` with the same
 figures, which the two workers together exceed."""
+
 import json
 import time
 
@@ -14,8 +15,8 @@ from celery_steplock.ratelimit import bucket_excess, max_in_window
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.no_database]
 
-LIMIT, WINDOW = 5, 1.0     # sliding window: 5 per second
-RATE, CAPACITY = 5.0, 2    # token bucket: 5 per second, bursts of 2
+LIMIT, WINDOW = 5, 1.0  # sliding window: 5 per second
+RATE, CAPACITY = 5.0, 2  # token bucket: 5 per second, bursts of 2
 TASKS = 20
 QUEUES = ("q.rl-prefork", "q.rl-threads")
 
@@ -25,16 +26,30 @@ def workers(worker_env, tmp_path):
     from tests.conftest import ROOT
     from tests.support import servers
 
-    env = {**worker_env, "RL_LIMIT": str(LIMIT), "RL_WINDOW": str(WINDOW),
-           "RL_RATE": str(RATE), "RL_CAPACITY": str(CAPACITY), "RL_HISTORY": "rl:history"}
+    env = {
+        **worker_env,
+        "RL_LIMIT": str(LIMIT),
+        "RL_WINDOW": str(WINDOW),
+        "RL_RATE": str(RATE),
+        "RL_CAPACITY": str(CAPACITY),
+        "RL_HISTORY": "rl:history",
+    }
     started = []
     try:
         # A queue each, so that both certainly run their share of every limit.
         for name, pool in (("rl-prefork", "prefork"), ("rl-threads", "threads")):
-            started.append(servers.celery_worker(
-                app="tests.support.ratelimit_app", name=name, concurrency=2, pool=pool,
-                env=env, logfile=tmp_path / f"{name}.log", cwd=ROOT,
-                extra_args=("-Q", f"q.{name}")))
+            started.append(
+                servers.celery_worker(
+                    app="tests.support.ratelimit_app",
+                    name=name,
+                    concurrency=2,
+                    pool=pool,
+                    env=env,
+                    logfile=tmp_path / f"{name}.log",
+                    cwd=ROOT,
+                    extra_args=("-Q", f"q.{name}"),
+                )
+            )
         yield started
     finally:
         for worker in started:
@@ -80,9 +95,11 @@ def test_cluster_limits_hold_across_prefork_and_threads_workers(workers, redis_c
     assert max(r["retries"] for r in window) >= 1 and max(r["retries"] for r in bucket) >= 1
     assert all(r["ticket"] for r in window + bucket if r["retries"])
     assert not any(r["ticket"] for r in window + bucket if not r["retries"])
-    print(f"window: {most} in one {WINDOW:g} s (limit {LIMIT}); bucket excess "
-          f"{bucket_excess([r['granted'] for r in bucket], RATE, CAPACITY):.4f}; lag "
-          f"{lag * 1000:.1f} ms; retries up to {max(r['retries'] for r in window + bucket)}")
+    print(
+        f"window: {most} in one {WINDOW:g} s (limit {LIMIT}); bucket excess "
+        f"{bucket_excess([r['granted'] for r in bucket], RATE, CAPACITY):.4f}; lag "
+        f"{lag * 1000:.1f} ms; retries up to {max(r['retries'] for r in window + bucket)}"
+    )
     # The run took as long as the limit says: 20 at 5 per second.
     starts = sorted(r["granted"] for r in window)
     assert starts[-1] - starts[0] >= (TASKS - LIMIT) / LIMIT * WINDOW - 0.01

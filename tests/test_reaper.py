@@ -1,5 +1,6 @@
 """The reaper (celery_steplock.reaper) against a real Redis, the test database and, in the last
 test, real worker processes: one SIGKILLed next to one that keeps running."""
+
 import os
 import socket
 import subprocess
@@ -19,9 +20,9 @@ from helpers import UNREADABLE_NAME, closed_port_url, wait_until, write_hostile_
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-GHOST = "ghost@nowhere.invalid"   # a worker node nobody runs: never answers a ping
-ELSEWHERE = "elsewhere.invalid"   # a host other than this one: pids are not checked there
-PING = 0.3                        # seconds per ping attempt: keeps these tests quick
+GHOST = "ghost@nowhere.invalid"  # a worker node nobody runs: never answers a ping
+ELSEWHERE = "elsewhere.invalid"  # a host other than this one: pids are not checked there
+PING = 0.3  # seconds per ping attempt: keeps these tests quick
 
 
 @pytest.fixture
@@ -54,8 +55,9 @@ def take(lock, name, ttl=30.0, **meta):
 def age(redis_client, lock, name, seconds):
     """Pretend the lease was last renewed ``seconds`` ago (Redis server clock)."""
     now_s, now_us = redis_client.time()
-    redis_client.hset(lock.key(name), "renewed_ms", now_s * 1000 + now_us // 1000
-                      - int(seconds * 1000))
+    redis_client.hset(
+        lock.key(name), "renewed_ms", now_s * 1000 + now_us // 1000 - int(seconds * 1000)
+    )
 
 
 def dead_pid():
@@ -88,12 +90,22 @@ def test_pid_alive_tells_live_dead_and_zombie_processes():
 def test_report_as_dict_is_json_ready():
     report = ReapReport(leases_scanned=3, errors=["boom"], dry_run=True, duration=0.5)
     data = report.as_dict()
-    assert data == {"leases_scanned": 3, "leases_reaped": [], "leases_malformed": [],
-                    "steps_recovered": [], "errors": ["boom"], "dry_run": True,
-                    "duration": 0.5, "ok": False}
+    assert data == {
+        "leases_scanned": 3,
+        "leases_reaped": [],
+        "leases_malformed": [],
+        "steps_recovered": [],
+        "errors": ["boom"],
+        "dry_run": True,
+        "duration": 0.5,
+        "ok": False,
+    }
     assert report.summary_lines()[:4] == [
-        "leases scanned: 3", "leases to reap: 0 (dry run: nothing changed)",
-        "steps to recover: 0", "errors: 1"]
+        "leases scanned: 3",
+        "leases to reap: 0 (dry run: nothing changed)",
+        "steps to recover: 0",
+        "errors: 1",
+    ]
 
 
 def test_invalid_arguments_raise(app):
@@ -106,10 +118,18 @@ def test_invalid_arguments_raise(app):
 # -- pass 1: leases ------------------------------------------------------------------------
 
 
-def test_silent_worker_with_a_stale_heartbeat_is_reaped(app, lease_store, redis_client,
-                                                        expired_events):
-    lease = take(lease_store, "ghostly", worker=GHOST, hostname=ELSEWHERE, pid=4242,
-                 task_id="t-1", step="workflows.step:1")
+def test_silent_worker_with_a_stale_heartbeat_is_reaped(
+    app, lease_store, redis_client, expired_events
+):
+    lease = take(
+        lease_store,
+        "ghostly",
+        worker=GHOST,
+        hostname=ELSEWHERE,
+        pid=4242,
+        task_id="t-1",
+        step="workflows.step:1",
+    )
     age(redis_client, lease_store, "ghostly", 60)
     report = reap(app, ping_timeout=PING)
     assert report.ok, report.errors
@@ -156,24 +176,29 @@ def test_local_pid_decides_for_leases_taken_on_this_host(app, lease_store, redis
     assert report.ok, report.errors
     assert [r["name"] for r in report.leases_reaped] == ["gone"]
     [gone] = report.leases_reaped
-    assert gone["reason"] == (f"pid {gone['pid']} on {here} no longer exists and the lease "
-                              f"was last renewed 600.0s ago")
+    assert gone["reason"] == (
+        f"pid {gone['pid']} on {here} no longer exists and the lease was last renewed 600.0s ago"
+    )
     assert lease_store.inspect("gone") is None and lease_store.inspect("alive")
     # check_pids=False: only the ping and the heartbeat judge, and "alive" is silent and stale.
     report = reap(app, ping_timeout=PING, check_pids=False)
     assert [r["name"] for r in report.leases_reaped] == ["alive"]
 
 
-def test_one_malformed_lease_does_not_stop_the_run(app, lease_store, redis_client,
-                                                   expired_events):
+def test_one_malformed_lease_does_not_stop_the_run(app, lease_store, redis_client, expired_events):
     """An oversized pid (OverflowError in os.kill on the landed code) and an unreadable
     renewal time beside dead holders: the dead ones are reaped, the malformed ones are
     listed and left to their TTL, and the run is a success."""
     here = socket.gethostname()
     names = ("dead-1", "huge-pid", "dead-2", "bad-clock")
     for name in names:
-        take(lease_store, name, hostname=here, worker=GHOST,
-             pid="9" * 30 if name == "huge-pid" else dead_pid())
+        take(
+            lease_store,
+            name,
+            hostname=here,
+            worker=GHOST,
+            pid="9" * 30 if name == "huge-pid" else dead_pid(),
+        )
         age(redis_client, lease_store, name, 600)
     redis_client.hset(lease_store.key("bad-clock"), "renewed_ms", "later")
     report = reap(app, ping_timeout=PING)
@@ -186,8 +211,10 @@ def test_one_malformed_lease_does_not_stop_the_run(app, lease_store, redis_clien
     assert malformed["bad-clock"].startswith("renewed_ms: not an integer")
     assert report.leases_scanned == 4
     assert "leases malformed (skipped): 2" in report.summary_lines()
-    assert any(line.startswith("skipped malformed lease huge-pid: pid: out of range")
-               for line in report.detail_lines())
+    assert any(
+        line.startswith("skipped malformed lease huge-pid: pid: out of range")
+        for line in report.detail_lines()
+    )
     assert lease_store.inspect("huge-pid") and lease_store.inspect("bad-clock")
     assert lease_store.inspect("dead-1") is None and lease_store.inspect("dead-2") is None
     again = reap(app, ping_timeout=PING)
@@ -195,15 +222,16 @@ def test_one_malformed_lease_does_not_stop_the_run(app, lease_store, redis_clien
 
 
 def test_pid_alive_answers_alive_for_a_pid_beyond_the_os_range():
-    assert pid_alive(2 ** 70) is True  # doubt never reaps (was OverflowError)
+    assert pid_alive(2**70) is True  # doubt never reaps (was OverflowError)
 
 
 def test_a_renewing_lease_survives_a_pid_that_looks_dead(app, lease_store, redis_client):
     # The reaper runs in another PID namespace under the same hostname (a pod's sidecar):
     # the pid lookup fails, but the holder's heartbeat keeps renewing, so it is alive.
     here = socket.gethostname()
-    lease = take(lease_store, "sidecar", hostname=here, pid=dead_pid(), worker=GHOST,
-                 renew_ms=10000)
+    lease = take(
+        lease_store, "sidecar", hostname=here, pid=dead_pid(), worker=GHOST, renew_ms=10000
+    )
     age(redis_client, lease_store, "sidecar", 5)
     report = reap(app, ping_timeout=PING)
     assert report.ok and report.leases_reaped == []
@@ -223,8 +251,12 @@ def test_a_hung_broker_bounds_the_run(app, lease_store, redis_client, private_re
     from celery import Celery
 
     hung = Celery("hung-broker", set_as_current=False)
-    hung.conf.update(broker_url=private_redis.url, steplock_redis_url=app.conf.broker_url,
-                     broker_connection_timeout=60, broker_connection_retry=False)
+    hung.conf.update(
+        broker_url=private_redis.url,
+        steplock_redis_url=app.conf.broker_url,
+        broker_connection_timeout=60,
+        broker_connection_retry=False,
+    )
     take(lease_store, "remote", worker=GHOST, hostname=ELSEWHERE)
     age(redis_client, lease_store, "remote", 600)
     private_redis.pause()  # accepts connections, never answers
@@ -243,8 +275,9 @@ def test_a_hung_broker_bounds_the_run(app, lease_store, redis_client, private_re
     assert took < 30
 
 
-def test_a_lease_reacquired_after_the_scan_survives(app, lease_store, redis_client,
-                                                    monkeypatch, expired_events):
+def test_a_lease_reacquired_after_the_scan_survives(
+    app, lease_store, redis_client, monkeypatch, expired_events
+):
     old = take(lease_store, "flip", worker=GHOST, hostname=ELSEWHERE, pid=1)
     age(redis_client, lease_store, "flip", 60)
     real_ping = app.control.ping
@@ -262,8 +295,7 @@ def test_a_lease_reacquired_after_the_scan_survives(app, lease_store, redis_clie
     assert holder and holder["owner"] != old.owner  # compare-and-delete spared the new owner
 
 
-def test_ping_failure_is_an_error_and_judges_nobody(app, lease_store, redis_client,
-                                                    monkeypatch):
+def test_ping_failure_is_an_error_and_judges_nobody(app, lease_store, redis_client, monkeypatch):
     take(lease_store, "ghostly", worker=GHOST, hostname=ELSEWHERE, pid=1)
     age(redis_client, lease_store, "ghostly", 60)
 
@@ -279,19 +311,25 @@ def test_ping_failure_is_an_error_and_judges_nobody(app, lease_store, redis_clie
 # -- pass 2: steps -------------------------------------------------------------------------
 
 
-def test_orphaned_steps_are_recovered_once_by_cas(app, lease_store, redis_client,
-                                                  expired_events):
+def test_orphaned_steps_are_recovered_once_by_cas(app, lease_store, redis_client, expired_events):
     live = take(lease_store, "step:live", worker=GHOST, hostname=ELSEWHERE, pid=1)
-    dead = take(lease_store, "step:dead", worker=GHOST, hostname=ELSEWHERE, pid=1,
-                task_id="dead-task", task_name="tests.dead")
+    dead = take(
+        lease_store,
+        "step:dead",
+        worker=GHOST,
+        hostname=ELSEWHERE,
+        pid=1,
+        task_id="dead-task",
+        task_name="tests.dead",
+    )
     age(redis_client, lease_store, "step:dead", 60)
     newcomer = take(lease_store, "step:retaken", worker=GHOST, hostname=ELSEWHERE, pid=1)
-    orphan = in_flight("orphan", "f" * 32)                   # owner holds no lease at all
+    orphan = in_flight("orphan", "f" * 32)  # owner holds no lease at all
     of_reaped = in_flight("of-reaped", dead.owner, fence=dead.fence)
-    held = in_flight("held", live.owner)                     # owner's lease is live
-    retaken = in_flight("retaken", "e" * 32)                 # a live lease names the step
+    held = in_flight("held", live.owner)  # owner's lease is live
+    retaken = in_flight("retaken", "e" * 32)  # a live lease names the step
     redis_client.hset(lease_store.key("step:retaken"), "step", f"workflows.step:{retaken.pk}")
-    unowned = in_flight("unowned", "")                       # written outside the library
+    unowned = in_flight("unowned", "")  # written outside the library
     pending = Step.objects.create(name="pending", lock_owner="f" * 32)
 
     report = reap(app, ping_timeout=PING)
@@ -301,8 +339,14 @@ def test_orphaned_steps_are_recovered_once_by_cas(app, lease_store, redis_client
     assert sorted(recovered) == sorted([orphan.pk, of_reaped.pk])
     assert recovered[of_reaped.pk]["lease"] == "step:dead"
     assert recovered[orphan.pk] == {
-        "model": "workflows.Step", "pk": orphan.pk, "from_": "running", "to": "pending",
-        "owner": "f" * 32, "lease": None, "reason": "no live lease is held by its owner"}
+        "model": "workflows.Step",
+        "pk": orphan.pk,
+        "from_": "running",
+        "to": "pending",
+        "owner": "f" * 32,
+        "lease": None,
+        "reason": "no live lease is held by its owner",
+    }
     for step in (orphan, of_reaped):
         before_fence = step.lock_fence
         step.refresh_from_db()
@@ -316,8 +360,10 @@ def test_orphaned_steps_are_recovered_once_by_cas(app, lease_store, redis_client
     assert sorted(step_events) == sorted([orphan.pk, of_reaped.pk])
     assert step_events[of_reaped.pk]["task_id"] == "dead-task"
     assert step_events[of_reaped.pk]["sender"] == "tests.dead"
-    assert (step_events[orphan.pk]["from_"], step_events[orphan.pk]["to"]) == ("running",
-                                                                               "pending")
+    assert (step_events[orphan.pk]["from_"], step_events[orphan.pk]["to"]) == (
+        "running",
+        "pending",
+    )
     assert lease_store.inspect("step:live") and lease_store.inspect("step:retaken")
     assert newcomer.owner == lease_store.inspect("step:retaken")["owner"]
 
@@ -336,8 +382,9 @@ def test_older_than_spares_recent_steps(app, lease_store, redis_client):
     assert [r["pk"] for r in reap(app, now=later).steps_recovered] == [step.pk]
 
 
-def test_a_row_changed_after_it_was_read_is_not_touched(app, lease_store, redis_client,
-                                                        monkeypatch):
+def test_a_row_changed_after_it_was_read_is_not_touched(
+    app, lease_store, redis_client, monkeypatch
+):
     step = in_flight("moving", "f" * 32)
     take(lease_store, "ghostly", worker=GHOST, hostname=ELSEWHERE, pid=1)
     age(redis_client, lease_store, "ghostly", 600)  # stale, so its worker gets pinged
@@ -355,8 +402,9 @@ def test_a_row_changed_after_it_was_read_is_not_touched(app, lease_store, redis_
     assert (step.status, step.lock_owner, step.lock_fence) == ("running", "a" * 32, 99)
 
 
-def test_dry_run_changes_nothing_and_finds_the_same(app, lease_store, redis_client,
-                                                    expired_events):
+def test_dry_run_changes_nothing_and_finds_the_same(
+    app, lease_store, redis_client, expired_events
+):
     dead = take(lease_store, "step:dead", worker=GHOST, hostname=ELSEWHERE, pid=1)
     age(redis_client, lease_store, "step:dead", 60)
     step = in_flight("orphan", dead.owner)
@@ -371,9 +419,13 @@ def test_dry_run_changes_nothing_and_finds_the_same(app, lease_store, redis_clie
     assert not real.dry_run
 
     def strip(report):  # seconds left and idle times move on between the two runs
-        return ([{k: v for k, v in r.items() if k not in ("ttl", "reason")}
-                 for r in report.leases_reaped],
-                [{k: v for k, v in r.items() if k != "reason"} for r in report.steps_recovered])
+        return (
+            [
+                {k: v for k, v in r.items() if k not in ("ttl", "reason")}
+                for r in report.leases_reaped
+            ],
+            [{k: v for k, v in r.items() if k != "reason"} for r in report.steps_recovered],
+        )
 
     assert strip(dry) == strip(real) and len(real.steps_recovered) == 1
     assert len(expired_events) == 2  # one lease, one step
@@ -392,8 +444,11 @@ def test_redis_down_is_reported_and_nothing_is_recovered(app, redis_client):
 def test_bad_recover_setting_is_an_error(app, redis_client):
     # An app of its own: the shared one's Django-provided setting must stay as it is.
     other = Celery("reaper-test", set_as_current=False)
-    other.conf.update(broker_url=app.conf.broker_url, steplock_redis_url=app.conf.broker_url,
-                      steplock_reaper_recover={"workflows.Nope": {"running": "pending"}})
+    other.conf.update(
+        broker_url=app.conf.broker_url,
+        steplock_redis_url=app.conf.broker_url,
+        steplock_reaper_recover={"workflows.Nope": {"running": "pending"}},
+    )
     report = reap(other, ping_timeout=PING)
     assert not report.ok and "workflows.Nope" in report.errors[0]
 
@@ -403,40 +458,52 @@ def test_bad_recover_setting_is_an_error(app, redis_client):
 
 @pytest.mark.workers
 def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
-        app, start_worker, redis_client, expired_events):
+    app, start_worker, redis_client, expired_events
+):
     # TTL 30 s: the dead worker's leases are still far from expiring when the reaper runs,
     # so whatever disappears was removed by the reaper, not by Redis. Renewals every 1.5 s
     # (ratio 0.05), so a dead holder's missed renewals show within 1.5 x 1.5 s + 1 s.
     env = {"STEPLOCK_TTL": 30, "STEPLOCK_RENEWAL_RATIO": 0.05}
     doomed = start_worker("doomed", concurrency=2, extra_args=("-Q", "doomed"), **env)
     alive = start_worker("alive", concurrency=2, extra_args=("-Q", "alive"), **env)
-    steps = {name: Step.objects.create(name=name)
-             for name in ("dead-hold", "dead-claim", "live-hold", "live-claim")}
+    steps = {
+        name: Step.objects.create(name=name)
+        for name in ("dead-hold", "dead-claim", "live-hold", "live-claim")
+    }
     hold.apply_async((steps["dead-hold"].pk, 60), queue="doomed")
     claim_and_hold.apply_async((steps["dead-claim"].pk, 60), queue="doomed")
     hold.apply_async((steps["live-hold"].pk, 60), queue="alive")
     claim_and_hold.apply_async((steps["live-claim"].pk, 60), queue="alive")
     lock = get_lease_store(app)
     names = {key: f"step:{step.pk}" for key, step in steps.items()}
-    held = wait_until(lambda: (lambda found: found if len(found) == 4 else None)(
-        {key: lock.inspect(name) for key, name in names.items() if lock.inspect(name)}),
-        what="four leases")
-    wait_until(lambda: Step.objects.filter(status="running").count() == 2,
-               what="both claims to commit")
+    held = wait_until(
+        lambda: (lambda found: found if len(found) == 4 else None)(
+            {key: lock.inspect(name) for key, name in names.items() if lock.inspect(name)}
+        ),
+        what="four leases",
+    )
+    wait_until(
+        lambda: Step.objects.filter(status="running").count() == 2, what="both claims to commit"
+    )
     for key in ("dead-hold", "dead-claim"):
         assert held[key]["worker"].startswith("doomed@")
     for key in ("live-hold", "live-claim"):
         assert held[key]["worker"].startswith("alive@")
 
     # A lease whose recorded worker answers the ping is kept however stale it looks.
-    answering = take(lock, "answering", worker=held["live-hold"]["worker"], hostname=ELSEWHERE,
-                     pid=1)
+    answering = take(
+        lock, "answering", worker=held["live-hold"]["worker"], hostname=ELSEWHERE, pid=1
+    )
     age(redis_client, lock, "answering", 600)
 
     # Kill the doomed worker right after its heartbeat renewed both leases.
     renewed = {k: held[k].get("renewed_ms") for k in ("dead-hold", "dead-claim")}
-    wait_until(lambda: all(lock.inspect(names[k]).get("renewed_ms") not in (None, renewed[k])
-                           for k in renewed), what="a renewal of the doomed leases")
+    wait_until(
+        lambda: all(
+            lock.inspect(names[k]).get("renewed_ms") not in (None, renewed[k]) for k in renewed
+        ),
+        what="a renewal of the doomed leases",
+    )
     last_renewal = min(int(lock.inspect(names[k])["renewed_ms"]) for k in renewed)
     doomed.kill()
 
@@ -453,7 +520,8 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
     dry = reap(app, dry_run=True)
     assert dry.ok, dry.errors
     assert sorted(r["name"] for r in dry.leases_reaped) == sorted(
-        [names["dead-hold"], names["dead-claim"]])
+        [names["dead-hold"], names["dead-claim"]]
+    )
     assert [r["pk"] for r in dry.steps_recovered] == [steps["dead-claim"].pk]
     assert all(lock.inspect(names[k])["owner"] == held[k]["owner"] for k in names)
     assert Step.objects.get(pk=steps["dead-claim"].pk).status == "running"
@@ -484,7 +552,8 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
     lease_events = [e for e in expired_events if not e.get("step_id")]
     step_events = [e for e in expired_events if e.get("step_id")]
     assert sorted(e["owner"] for e in lease_events) == sorted(
-        held[k]["owner"] for k in ("dead-hold", "dead-claim"))
+        held[k]["owner"] for k in ("dead-hold", "dead-claim")
+    )
     assert [e["step_id"] for e in step_events] == [steps["dead-claim"].pk]
 
     assert lock.inspect("answering")["owner"] == answering.owner
@@ -499,7 +568,8 @@ def test_only_the_sigkilled_workers_leases_and_steps_are_reaped(
 
 
 def test_batches_are_judged_as_they_come_and_the_report_keeps_a_sample(
-        app, lease_store, redis_client, expired_events, monkeypatch, caplog):
+    app, lease_store, redis_client, expired_events, monkeypatch, caplog
+):
     import logging
 
     from celery_steplock import reaper as reaper_module
@@ -518,7 +588,8 @@ def test_batches_are_judged_as_they_come_and_the_report_keeps_a_sample(
     assert report.leases_scanned == 12 and report.reaped_count == 9
     assert len(report.leases_reaped) == 4
     assert [r["name"] for r in report.leases_reaped] == sorted(
-        r["name"] for r in report.leases_reaped)
+        r["name"] for r in report.leases_reaped
+    )
     assert len(expired_events) == 9
     assert [i for i in range(9) if lease_store.inspect(f"dead:{i}")] == []
     assert all(lease_store.inspect(f"live:{i}") for i in range(3))
@@ -532,8 +603,13 @@ def test_batches_are_judged_as_they_come_and_the_report_keeps_a_sample(
 
 def test_workers_are_pinged_once_for_all_batches(app, lease_store, redis_client, monkeypatch):
     for i in range(6):
-        take(lease_store, f"remote:{i}", worker=f"ghost{i % 2}@nowhere.invalid",
-             hostname=ELSEWHERE, pid=4242)
+        take(
+            lease_store,
+            f"remote:{i}",
+            worker=f"ghost{i % 2}@nowhere.invalid",
+            hostname=ELSEWHERE,
+            pid=4242,
+        )
         age(redis_client, lease_store, f"remote:{i}", 60)
     pinged = []
     real_ping = app.control.ping
@@ -549,8 +625,9 @@ def test_workers_are_pinged_once_for_all_batches(app, lease_store, redis_client,
     assert pinged == [["ghost0@nowhere.invalid", "ghost1@nowhere.invalid"]] * 2
 
 
-def test_a_hostile_meta_or_key_is_skipped_and_the_run_goes_on(app, lease_store, redis_client,
-                                                               expired_events):
+def test_a_hostile_meta_or_key_is_skipped_and_the_run_goes_on(
+    app, lease_store, redis_client, expired_events
+):
     """A ``meta`` of 1200 ``[`` (RecursionError on the landed code: the whole run aborted)
     and a lease key that is not UTF-8 (not counted on the landed code) beside dead holders:
     the dead ones are reaped, the two others counted, listed as malformed and left alone."""

@@ -1,6 +1,7 @@
 """The retry policy (celery_steplock.retry): classification, backoff with full jitter,
 Retry-After, the caps, the plain form through a circuit breaker (real Redis). The task form
 with real workers is in test_breaker_workers.py."""
+
 import email.utils
 import time
 
@@ -51,16 +52,32 @@ def policy(**kwargs):
     return p, slept
 
 
-@pytest.mark.parametrize("exc,kind", [
-    (ConnectionError(), "retry"), (TimeoutError(), "retry"), (HTTPError(500), "retry"),
-    (HTTPError(503), "retry"), (HTTPError(408), "retry"), (HTTPError(429), "retry"),
-    (HTTPError(400), "never"), (HTTPError(401), "never"), (HTTPError(403), "never"),
-    (HTTPError(404), "never"), (HTTPError(409), "never"), (HTTPError(422), "never"),
-    (ValueError(), "never"), (TypeError(), "never"), (KeyError(), "never"),
-    (PermissionError(), "never"), (NonRetryable("declined"), "never"),
-    (RuntimeError(), "unknown"), (Exception(), "unknown"),
-    (LockContended("busy", key="k"), "control"), (CircuitOpen("x", retry_after=1), "control"),
-])
+@pytest.mark.parametrize(
+    "exc,kind",
+    [
+        (ConnectionError(), "retry"),
+        (TimeoutError(), "retry"),
+        (HTTPError(500), "retry"),
+        (HTTPError(503), "retry"),
+        (HTTPError(408), "retry"),
+        (HTTPError(429), "retry"),
+        (HTTPError(400), "never"),
+        (HTTPError(401), "never"),
+        (HTTPError(403), "never"),
+        (HTTPError(404), "never"),
+        (HTTPError(409), "never"),
+        (HTTPError(422), "never"),
+        (ValueError(), "never"),
+        (TypeError(), "never"),
+        (KeyError(), "never"),
+        (PermissionError(), "never"),
+        (NonRetryable("declined"), "never"),
+        (RuntimeError(), "unknown"),
+        (Exception(), "unknown"),
+        (LockContended("busy", key="k"), "control"),
+        (CircuitOpen("x", retry_after=1), "control"),
+    ],
+)
 def test_classification(exc, kind):
     assert classify(exc) == kind
 
@@ -68,6 +85,7 @@ def test_classification(exc, kind):
 def test_django_and_celery_exceptions_are_classified_by_name():
     from celery.exceptions import Ignore, Retry
     from django.core.exceptions import PermissionDenied, ValidationError
+
     assert classify(ValidationError("bad")) == classify(PermissionDenied()) == "never"
     assert classify(Retry()) == classify(Ignore()) == "control"
 
@@ -76,8 +94,11 @@ def test_the_raisers_flag_and_the_users_rules_come_first():
     flagged = RuntimeError("transient")
     flagged.retryable = True
     assert classify(flagged) == "retry"
-    p = RetryPolicy(retry_on=(ValueError,), never_retry=(ConnectionError,),
-                    classifier=lambda exc: True if isinstance(exc, KeyError) else None)
+    p = RetryPolicy(
+        retry_on=(ValueError,),
+        never_retry=(ConnectionError,),
+        classifier=lambda exc: True if isinstance(exc, KeyError) else None,
+    )
     assert p.classify(ValueError()) == "retry"
     assert p.classify(ConnectionError()) == "never"
     assert p.classify(KeyError()) == "retry"
@@ -105,8 +126,12 @@ def test_retries_a_retryable_error_until_it_succeeds():
 
 def test_a_non_retryable_error_is_never_retried(events):
     p, slept = policy(max_attempts=5)
-    for exc in (ValueError("bad input"), HTTPError(404), NonRetryable("declined"),
-                PermissionError()):
+    for exc in (
+        ValueError("bad input"),
+        HTTPError(404),
+        NonRetryable("declined"),
+        PermissionError(),
+    ):
         fn = Flaky(exc)
         with pytest.raises(type(exc)):
             p.call(fn)
@@ -159,8 +184,9 @@ def test_the_backoff_is_exponential_and_capped():
 
 
 def test_retries_inside_the_breaker_never_call_an_open_dependency(redis_client):
-    breaker = CircuitBreaker("dep", failure_threshold=2, window=2, recovery_timeout=30,
-                             client=redis_client, prefix="t")
+    breaker = CircuitBreaker(
+        "dep", failure_threshold=2, window=2, recovery_timeout=30, client=redis_client, prefix="t"
+    )
     p, slept = policy(max_attempts=10, breaker=breaker)
     fn = Flaky(*[ConnectionError()] * 10)
     with pytest.raises(CircuitOpen):
@@ -174,9 +200,18 @@ def test_retries_inside_the_breaker_never_call_an_open_dependency(redis_client):
     assert fn.calls == 2 and breaker.state().generation == generation
 
 
-@pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"backoff": -1}, {"jitter": "half"},
-                                    {"retry_on": [3]}, {"classifier": "x"},
-                                    {"breaker": "payments"}, {"max_elapsed": -2}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_attempts": 0},
+        {"backoff": -1},
+        {"jitter": "half"},
+        {"retry_on": [3]},
+        {"classifier": "x"},
+        {"breaker": "payments"},
+        {"max_elapsed": -2},
+    ],
+)
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ImproperlyConfigured):
         RetryPolicy(**kwargs)

@@ -1,12 +1,12 @@
 """The step-store protocol and its factory (celery_steplock.steps): no database here, the
 Django store has its own tests (tests/contrib/test_steps.py)."""
+
 from __future__ import annotations
 
 import pytest
 
 from celery_steplock.exceptions import ImproperlyConfigured
-from celery_steplock.steps import DEFAULT_STEP_STORE, StepStore, TransitionResult, \
-    load_step_store
+from celery_steplock.steps import DEFAULT_STEP_STORE, StepStore, TransitionResult, load_step_store
 
 pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
 
@@ -18,20 +18,41 @@ def test_the_factory_is_called_with_the_model_and_the_fields():
         calls.append((model, fields))
         return "a store"
 
-    store = load_step_store(factory, "shop.Order", status_field="state", owner_field="o",
-                            fence_field="f", transitions={"a": ["b"]})
+    store = load_step_store(
+        factory,
+        "shop.Order",
+        status_field="state",
+        owner_field="o",
+        fence_field="f",
+        transitions={"a": ["b"]},
+    )
     assert store == "a store"
-    assert calls == [("shop.Order", {"status_field": "state", "owner_field": "o",
-                                     "fence_field": "f", "transitions": {"a": ["b"]}})]
+    assert calls == [
+        (
+            "shop.Order",
+            {
+                "status_field": "state",
+                "owner_field": "o",
+                "fence_field": "f",
+                "transitions": {"a": ["b"]},
+            },
+        )
+    ]
 
 
 def test_a_qualified_name_is_imported_and_a_bad_one_names_the_setting():
-    store = load_step_store("tests.test_steps:recording_factory", "m", status_field="s",
-                            owner_field="o", fence_field="f")
+    store = load_step_store(
+        "tests.test_steps:recording_factory",
+        "m",
+        status_field="s",
+        owner_field="o",
+        fence_field="f",
+    )
     assert store == ("m", "s")
     with pytest.raises(ImproperlyConfigured) as info:
-        load_step_store("no_such_module.sub:Store", "m", status_field="s", owner_field="o",
-                        fence_field="f")
+        load_step_store(
+            "no_such_module.sub:Store", "m", status_field="s", owner_field="o", fence_field="f"
+        )
     assert info.value.setting == "steplock_step_store" and "no_such_module" in str(info.value)
     with pytest.raises(ImproperlyConfigured) as info:
         load_step_store(42, "m", status_field="s", owner_field="o", fence_field="f")

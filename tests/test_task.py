@@ -2,6 +2,7 @@
 
 Concurrency between real worker processes is in test_workers.py.
 """
+
 import threading
 import time
 
@@ -9,9 +10,14 @@ import pytest
 from celery.exceptions import Retry
 
 from celery_steplock import signals
-from celery_steplock.exceptions import (ImproperlyConfigured, LockContended, LockLost,
-                                        LockNameError, LockStoreUnavailable,
-                                        TransitionConflict)
+from celery_steplock.exceptions import (
+    ImproperlyConfigured,
+    LockContended,
+    LockLost,
+    LockNameError,
+    LockStoreUnavailable,
+    TransitionConflict,
+)
 from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask, backoff
 from django_app.celery import app as celery_app
@@ -24,15 +30,27 @@ BODY_RUNS = []
 
 
 def record(task, step_id, to):
-    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status=to,
-                                    owner=task.lease.owner if task.lease else "",
-                                    fence=task.lease.fence if task.lease else None,
-                                    task_id=task.request.id or "")
+    TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status="pending",
+        to_status=to,
+        owner=task.lease.owner if task.lease else "",
+        fence=task.lease.fence if task.lease else None,
+        task_id=task.request.id or "",
+    )
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.finish", lock_key="step:{step_id}",
-                 step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), on_contended="raise", max_retries=2)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.finish",
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="raise",
+    max_retries=2,
+)
 def finish(self, step_id, hold=0.0, steal=False):
     BODY_RUNS.append(step_id)
     record(self, step_id, "done")
@@ -42,22 +60,36 @@ def finish(self, step_id, hold=0.0, steal=False):
             time.sleep(0.02)
             self.lease.check()
     if steal:
-        get_lease_store(self.app).client.hset(self.lease.key,
-                                       mapping={"owner": "thief", "task_id": "thief-task"})
+        get_lease_store(self.app).client.hset(
+            self.lease.key, mapping={"owner": "thief", "task_id": "thief-task"}
+        )
     return {"fence": self.lease.fence, "owner": self.lease.owner}
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.blind_finish",
-                 lock_key="step:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), lock_precheck=False, on_conflict="raise")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.blind_finish",
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_precheck=False,
+    on_conflict="raise",
+)
 def blind_finish(self, step_id):
     BODY_RUNS.append(step_id)
     record(self, step_id, "done")
     return "body done"
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.phases", lock_key="step:{step_id}",
-                 step_model="workflows.Step")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.phases",
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+)
 def phases(self, step_id, fail_between=False):
     first = self.transition(step_id, "pending", "running")
     if fail_between:
@@ -66,9 +98,16 @@ def phases(self, step_id, fail_between=False):
     return [first.applied, second.applied, self.lease.fence]
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.retrying",
-                 lock_key="step:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), max_retries=3)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.retrying",
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    max_retries=3,
+)
 def retrying(self, step_id):
     BODY_RUNS.append((step_id, self.request.retries))
     if self.request.retries == 0:
@@ -104,8 +143,10 @@ def test_commit_then_release(redis_client, events):
     assert redis_client.exists(f"steplock:lease:{{step:{step.pk}}}") == 0
     assert names(events) == ["lock_acquired", "transition_applied", "lock_released"]
     acquired = events[0][1]
-    assert acquired["task_name"] == "tests.finish" and acquired["key"] == \
-        f"steplock:lease:{{step:{step.pk}}}"
+    assert (
+        acquired["task_name"] == "tests.finish"
+        and acquired["key"] == f"steplock:lease:{{step:{step.pk}}}"
+    )
     assert "step_id" not in acquired and "args" not in acquired
 
 
@@ -156,8 +197,12 @@ def test_cas_conflict_rolls_back_the_body_and_never_overwrites(events):
 def test_contended_lease_raises_without_running_the_body(redis_client, events):
     step = Step.objects.create(name="s")
     lock = get_lease_store(celery_app)
-    holder = lock.acquire(f"step:{step.pk}", "other-owner", 10.0,
-                          metadata={"task_id": "tid-1", "hostname": "h", "pid": 1})
+    holder = lock.acquire(
+        f"step:{step.pk}",
+        "other-owner",
+        10.0,
+        metadata={"task_id": "tid-1", "hostname": "h", "pid": 1},
+    )
     result = finish.apply(args=(step.pk,))
     assert isinstance(result.result, LockContended)
     assert result.result.holder == "other-owner" and "tid-1" in str(result.result)
@@ -200,7 +245,7 @@ def test_a_newer_fence_in_the_row_is_a_lost_lease_not_a_silent_conflict(redis_cl
     """The status matches but the row carries a higher fence (a newer holder wrote it, or the
     fence source went backwards after a failover): LockLost, retried, never Ignore (tests/faults
     review: an ignored refusal would drop the step for good)."""
-    step = Step.objects.create(name="s", lock_fence=2 ** 62)
+    step = Step.objects.create(name="s", lock_fence=2**62)
     result = finish.apply(args=(step.pk,))
     assert isinstance(result.result, LockLost), result.traceback
     assert "newer fencing token" in str(result.result)
@@ -244,8 +289,15 @@ def test_store_outage_is_a_celery_retry_in_a_worker(app):
     app.conf.steplock_socket_timeout = 0.3
     step = Step.objects.create(name="s")
     finish.on_contended = "retry"
-    finish.push_request(id="tid", args=(step.pk,), kwargs={}, retries=0, is_eager=True,
-                        called_directly=False, delivery_info={})
+    finish.push_request(
+        id="tid",
+        args=(step.pk,),
+        kwargs={},
+        retries=0,
+        is_eager=True,
+        called_directly=False,
+        delivery_info={},
+    )
     try:
         with pytest.raises(Retry) as info:
             finish(step.pk)
@@ -300,8 +352,7 @@ def test_release_failure_never_masks_the_exception(private_redis, app):
     app.conf.steplock_socket_timeout = 0.3
     step = Step.objects.create(name="s")
 
-    @celery_app.task(bind=True, base=StepLockedTask, name="tests.boom",
-                     lock_key="b:{step_id}")
+    @celery_app.task(bind=True, base=StepLockedTask, name="tests.boom", lock_key="b:{step_id}")
     def boom(self, step_id):
         private_redis.stop()
         raise ValueError("the body's own error")
@@ -348,15 +399,18 @@ def test_unserialisable_argument_fails_clearly():
     assert isinstance(result.result, LockNameError) and "'a'" in str(result.result)
 
 
-@pytest.mark.parametrize("options, setting", [
-    ({"lock_ttl": 0}, "lock_ttl"),
-    ({"lock_ttl": -3}, "lock_ttl"),
-    ({"on_contended": "wait"}, "on_contended"),
-    ({"on_conflict": "clobber"}, "on_conflict"),
-    ({"step_model": "workflows.Missing"}, "step_model"),
-    ({"step_id_arg": "nope"}, "step_id_arg"),
-    ({"step_transition": ("pending",)}, "transition"),
-])
+@pytest.mark.parametrize(
+    "options, setting",
+    [
+        ({"lock_ttl": 0}, "lock_ttl"),
+        ({"lock_ttl": -3}, "lock_ttl"),
+        ({"on_contended": "wait"}, "on_contended"),
+        ({"on_conflict": "clobber"}, "on_conflict"),
+        ({"step_model": "workflows.Missing"}, "step_model"),
+        ({"step_id_arg": "nope"}, "step_id_arg"),
+        ({"step_transition": ("pending",)}, "transition"),
+    ],
+)
 def test_invalid_task_options_name_the_option(options, setting):
     step = Step.objects.create(name="s")
     saved = {k: finish.__dict__.get(k) for k in options}
@@ -410,6 +464,7 @@ def test_concurrent_threads_commit_once(redis_client):
         result = finish.apply(args=(step.pk,), kwargs={"hold": 0.3})
         outcomes.append(type(result.result).__name__ if result.failed() else result.state)
         from django.db import connection
+
         connection.close()
 
     threads = [threading.Thread(target=run) for _ in range(8)]
@@ -475,9 +530,16 @@ def test_outage_at_the_ownership_check_rolls_back_and_retries(private_redis, app
     app.conf.steplock_socket_timeout = 0.3
     step = Step.objects.create(name="s")
 
-    @celery_app.task(bind=True, base=StepLockedTask, name="tests.outage_at_check",
-                     lock_key="step:{step_id}", step_model="workflows.Step",
-                     step_id_arg="step_id", transition=("pending", "done"), lock_retry_max=0)
+    @celery_app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.outage_at_check",
+        lock_key="step:{step_id}",
+        step_model="workflows.Step",
+        step_id_arg="step_id",
+        transition=("pending", "done"),
+        lock_retry_max=0,
+    )
     def outage_at_check(self, step_id):
         record(self, step_id, "done")
         private_redis.stop()
@@ -506,8 +568,7 @@ def test_backoff_has_full_jitter_and_a_cap():
     assert all(0.05 <= v <= 60.0 for v in capped) and max(capped) > 50.0
 
 
-def test_settings_are_read_once_per_change_and_the_heartbeat_thread_is_kept(app,
-                                                                           redis_client):
+def test_settings_are_read_once_per_change_and_the_heartbeat_thread_is_kept(app, redis_client):
     from celery_steplock.heartbeat import get_heartbeat
 
     conf_type = type(app.conf)
@@ -537,8 +598,9 @@ def test_settings_are_read_once_per_change_and_the_heartbeat_thread_is_kept(app,
     assert run("unchanged") == []  # nothing changed: nothing is looked up again
     assert get_heartbeat().thread is thread  # the same thread served both executions
     ttls = []
-    signals.lock_acquired.connect(lambda sender=None, **kw: ttls.append(kw["ttl"]),
-                                  weak=False, dispatch_uid="test-ttl")
+    signals.lock_acquired.connect(
+        lambda sender=None, **kw: ttls.append(kw["ttl"]), weak=False, dispatch_uid="test-ttl"
+    )
     try:
         set_settings(app, steplock_default_ttl=7.5)  # a change applies to the next execution
         changed = run("changed")
@@ -577,9 +639,15 @@ class HookedTask(StepLockedTask):
             raise RuntimeError("vetoed before the commit")
 
 
-@celery_app.task(bind=True, base=HookedTask, name="tests.hooked", lock_key="step:{step_id}",
-                 step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"))
+@celery_app.task(
+    bind=True,
+    base=HookedTask,
+    name="tests.hooked",
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+)
 def hooked(self, step_id, steal=False):
     BODY_RUNS.append(step_id)
     record(self, step_id, "done")

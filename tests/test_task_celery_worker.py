@@ -1,5 +1,6 @@
 """StepLockedTask under Celery's own pytest fixtures (``celery.contrib.pytest``): an
 in-process worker thread consuming from the real Redis broker."""
+
 import pytest
 
 from celery_steplock import DjangoStepLockedTask, StepLockedTask, signals
@@ -7,9 +8,13 @@ from celery_steplock import DjangoStepLockedTask, StepLockedTask, signals
 
 @pytest.fixture(scope="module")
 def celery_config(redis_server_url):
-    return {"broker_url": redis_server_url, "result_backend": redis_server_url,
-            "steplock_redis_url": redis_server_url, "steplock_key_prefix": "fixture",
-            "steplock_default_ttl": 5.0}
+    return {
+        "broker_url": redis_server_url,
+        "result_backend": redis_server_url,
+        "steplock_redis_url": redis_server_url,
+        "steplock_key_prefix": "fixture",
+        "steplock_default_ttl": 5.0,
+    }
 
 
 @pytest.fixture
@@ -26,12 +31,12 @@ def events():
         sig.disconnect(receiver)
 
 
-def test_in_process_worker_runs_the_task_under_a_lease(celery_app, celery_worker, redis_client,
-                                                       events):
+def test_in_process_worker_runs_the_task_under_a_lease(
+    celery_app, celery_worker, redis_client, events
+):
     @celery_app.task(bind=True, base=StepLockedTask, lock_key="job:{n}", name="fixture.job")
     def job(self, n):
-        return {"n": n, "key": self.lease.key, "held": redis_client.hget(self.lease.key,
-                                                                         "owner")}
+        return {"n": n, "key": self.lease.key, "held": redis_client.hget(self.lease.key, "owner")}
 
     celery_worker.reload()
     result = job.delay(7).get(timeout=20)

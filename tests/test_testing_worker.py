@@ -1,6 +1,7 @@
 """The plugin's fixtures with Celery's own pytest fixtures (``celery.contrib.pytest``, which
 pytest-celery's plugin also provides): an in-process worker and an eager call of the same task
 end alike."""
+
 import pytest
 
 from celery_steplock import StepLockedTask
@@ -9,8 +10,12 @@ from celery_steplock.exceptions import LockContended
 
 @pytest.fixture(scope="module")
 def celery_config(redis_server_url):
-    return {"broker_url": redis_server_url, "result_backend": redis_server_url,
-            "steplock_retry_backoff": 0.05, "steplock_retry_backoff_max": 0.1}
+    return {
+        "broker_url": redis_server_url,
+        "result_backend": redis_server_url,
+        "steplock_retry_backoff": 0.05,
+        "steplock_retry_backoff_max": 0.1,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -23,10 +28,12 @@ def steplock_celery_app(celery_app):
     return celery_app
 
 
-def test_a_worker_and_an_eager_call_end_alike(steplock_app, steplock_leases, steplock_key_prefix,
-                                              celery_worker):
-    @steplock_app.task(bind=True, base=StepLockedTask, name="parity.job", lock_key="job:{n}",
-                       lock_retry_max=1)
+def test_a_worker_and_an_eager_call_end_alike(
+    steplock_app, steplock_leases, steplock_key_prefix, celery_worker
+):
+    @steplock_app.task(
+        bind=True, base=StepLockedTask, name="parity.job", lock_key="job:{n}", lock_retry_max=1
+    )
     def job(self, n):
         return {"n": n, "key": self.lease.key}
 

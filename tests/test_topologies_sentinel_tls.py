@@ -8,6 +8,7 @@ the sentinels (``sentinel_kwargs``). The failover tests force ``SENTINEL FAILOVE
 leases are held and check that renewals, releases and waiters reach the new primary and that
 every step commits once.
 """
+
 import json
 import threading
 import time
@@ -15,8 +16,7 @@ import time
 import pytest
 import redis
 
-from celery_steplock.exceptions import (LockContended,
-                                        LockStoreMisconfigured, LockStoreUnavailable)
+from celery_steplock.exceptions import LockContended, LockStoreMisconfigured, LockStoreUnavailable
 from celery_steplock import _wire
 from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask
@@ -36,22 +36,42 @@ HOLD = {"entered": {}, "go": threading.Event()}
 
 
 def _record(task, step_id):
-    TransitionRecord.objects.create(step_id=step_id, from_status="pending", to_status="done",
-                                    owner=task.lease.owner, fence=task.lease.fence,
-                                    task_id=task.request.id or "")
+    TransitionRecord.objects.create(
+        step_id=step_id,
+        from_status="pending",
+        to_status="done",
+        owner=task.lease.owner,
+        fence=task.lease.fence,
+        task_id=task.request.id or "",
+    )
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.topo_finish",
-                 lock_key="topo:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), on_contended="raise")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.topo_finish",
+    lock_key="topo:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="raise",
+)
 def topo_finish(self, step_id):
     _record(self, step_id)
     return {"fence": self.lease.fence, "owner": self.lease.owner, "key": self.lease.key}
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.topo_held",
-                 lock_key="topo:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), on_contended="raise", max_retries=0)
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.topo_held",
+    lock_key="topo:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="raise",
+    max_retries=0,
+)
 def topo_held(self, step_id):
     """Holds its lease until HOLD["go"] is set, then records the transition."""
     HOLD["entered"][step_id].set()
@@ -61,9 +81,14 @@ def topo_held(self, step_id):
 
 
 def configure(app, url, options=None, use_ssl=None, timeout=2.0):
-    set_settings(app, steplock_redis_url=url, steplock_redis_transport_options=options,
-                 steplock_redis_use_ssl=use_ssl, steplock_socket_timeout=timeout,
-                 steplock_retry_backoff=0.01)
+    set_settings(
+        app,
+        steplock_redis_url=url,
+        steplock_redis_transport_options=options,
+        steplock_redis_use_ssl=use_ssl,
+        steplock_socket_timeout=timeout,
+        steplock_retry_backoff=0.01,
+    )
 
 
 def run_in_thread(target, *args):
@@ -77,6 +102,7 @@ def run_in_thread(target, *args):
             outcome.append(exc)
         finally:
             from django.db import connection
+
             connection.close()
 
     thread = threading.Thread(target=run, daemon=True)
@@ -94,8 +120,10 @@ def lease_cycle(store, primary, prefix):
     assert store.extend(f"{prefix}-a", lease.owner, 25) is True
     assert 20 < store.owned(f"{prefix}-a", lease.owner) <= 25
     others = [store.acquire(f"{prefix}-{n}", ttl=30) for n in range(3)]
-    renewed = store.extend_many([(f"{prefix}-{n}", o.owner, 40) for n, o in enumerate(others)]
-                                + [(f"{prefix}-gone", "nobody", 40)])
+    renewed = store.extend_many(
+        [(f"{prefix}-{n}", o.owner, 40) for n, o in enumerate(others)]
+        + [(f"{prefix}-gone", "nobody", 40)]
+    )
     assert renewed == [True, True, True, False]
     assert all(35_000 < primary.pttl(store.key(f"{prefix}-{n}")) <= 40_000 for n in range(3))
     info = store.inspect(f"{prefix}-a")
@@ -103,10 +131,12 @@ def lease_cycle(store, primary, prefix):
     names = {i["name"] for i in store.iter_leases(match=f"{prefix}-*", count=2)}
     assert names == {f"{prefix}-a", f"{prefix}-0", f"{prefix}-1", f"{prefix}-2"}
     # A waiter blocks until the release wakes it (the TTL, 30 s, is longer than its wait).
-    thread, outcome = run_in_thread(
-        lambda: store.acquire(f"{prefix}-a", ttl=10, wait=20))
-    wait_until(lambda: primary.zcard(f"{store.prefix}:waiters:{{{prefix}-a}}") == 1,
-               timeout=10, what="the waiter to register")
+    thread, outcome = run_in_thread(lambda: store.acquire(f"{prefix}-a", ttl=10, wait=20))
+    wait_until(
+        lambda: primary.zcard(f"{store.prefix}:waiters:{{{prefix}-a}}") == 1,
+        timeout=10,
+        what="the waiter to register",
+    )
     assert store.release(f"{prefix}-a", lease.owner) is True
     thread.join(25)
     [waiter] = outcome
@@ -118,8 +148,9 @@ def lease_cycle(store, primary, prefix):
     assert store.reap(f"{prefix}-0", others[0].owner, "1") is False
     assert store.reap(f"{prefix}-0", others[0].owner, info["renewed_ms"]) is True
     stamps = [store.inspect(f"{prefix}-{n}")["renewed_ms"] for n in (1, 2)]
-    assert store.reap_many([(f"{prefix}-1", others[1].owner, stamps[0]),
-                            (f"{prefix}-2", others[2].owner, stamps[1])]) == [True, True]
+    assert store.reap_many(
+        [(f"{prefix}-1", others[1].owner, stamps[0]), (f"{prefix}-2", others[2].owner, stamps[1])]
+    ) == [True, True]
     assert store.release(f"{prefix}-a", waiter.owner) is True
     assert primary.exists(*(store.key(f"{prefix}-{n}") for n in ("a", 0, 1, 2))) == 0
 
@@ -129,19 +160,23 @@ def run_task_once(step):
     assert result.successful(), result.traceback
     step.refresh_from_db()
     assert step.status == "done"
-    assert (step.lock_owner, step.lock_fence) == (result.result["owner"],
-                                                  result.result["fence"])
-    assert list(TransitionRecord.objects.filter(step=step).values_list(
-        "owner", flat=True)) == [result.result["owner"]]
+    assert (step.lock_owner, step.lock_fence) == (result.result["owner"], result.result["fence"])
+    assert list(TransitionRecord.objects.filter(step=step).values_list("owner", flat=True)) == [
+        result.result["owner"]
+    ]
     return result.result
 
 
 # -- Sentinel ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def sentinel_group(tmp_path_factory):
-    group = SentinelGroup(password=PRIMARY_PASSWORD, sentinel_password=SENTINEL_PASSWORD,
-                          workdir=tmp_path_factory.mktemp("sentinel")).start()
+    group = SentinelGroup(
+        password=PRIMARY_PASSWORD,
+        sentinel_password=SENTINEL_PASSWORD,
+        workdir=tmp_path_factory.mktemp("sentinel"),
+    ).start()
     yield group
     group.stop()
 
@@ -149,8 +184,11 @@ def sentinel_group(tmp_path_factory):
 @pytest.fixture
 def fresh_sentinel_group(tmp_path):
     """A group of the test's own (a failover changes which node is the primary)."""
-    group = SentinelGroup(password=PRIMARY_PASSWORD, sentinel_password=SENTINEL_PASSWORD,
-                          workdir=tmp_path / "sentinel").start()
+    group = SentinelGroup(
+        password=PRIMARY_PASSWORD,
+        sentinel_password=SENTINEL_PASSWORD,
+        workdir=tmp_path / "sentinel",
+    ).start()
     yield group
     group.stop()
 
@@ -188,16 +226,23 @@ def test_sentinel_a_dead_sentinel_is_skipped(app, sentinel_group):
     assert elapsed < 3.0, elapsed  # connection refused on loopback, then the next sentinel
 
 
-@pytest.mark.parametrize("case", ["wrong sentinel password", "no sentinel password",
-                                  "unknown master_name"])
+@pytest.mark.parametrize(
+    "case", ["wrong sentinel password", "no sentinel password", "unknown master_name"]
+)
 def test_sentinel_refusal_is_a_configuration_error(app, sentinel_group, case):
     """The sentinels answer but refuse the credentials or do not know the primary: redis-py
     says only "No master found"; the store error names the setting, briefly."""
-    options = {"wrong sentinel password": {"master_name": sentinel_group.master_name,
-                                           "sentinel_kwargs": {"password": "wrong"}},
-               "no sentinel password": {"master_name": sentinel_group.master_name},
-               "unknown master_name": {"master_name": "nosuch",
-                                       "sentinel_kwargs": {"password": SENTINEL_PASSWORD}}}
+    options = {
+        "wrong sentinel password": {
+            "master_name": sentinel_group.master_name,
+            "sentinel_kwargs": {"password": "wrong"},
+        },
+        "no sentinel password": {"master_name": sentinel_group.master_name},
+        "unknown master_name": {
+            "master_name": "nosuch",
+            "sentinel_kwargs": {"password": SENTINEL_PASSWORD},
+        },
+    }
     configure(app, sentinel_group.url, options[case])
     store = get_lease_store(app)
     with pytest.raises(LockStoreMisconfigured) as info:
@@ -214,8 +259,11 @@ def test_sentinel_refusal_is_a_configuration_error(app, sentinel_group, case):
 
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
 def test_sentinel_refusal_never_runs_the_task_body(app, sentinel_group, policy):
-    configure(app, sentinel_group.url, {"master_name": sentinel_group.master_name,
-                                        "sentinel_kwargs": {"password": "wrong"}})
+    configure(
+        app,
+        sentinel_group.url,
+        {"master_name": sentinel_group.master_name, "sentinel_kwargs": {"password": "wrong"}},
+    )
     app.conf.steplock_on_store_error = policy
     step = Step.objects.create(name="sentinel refused")
     result = topo_finish.apply(args=(step.pk,))
@@ -230,8 +278,12 @@ def test_sentinel_refusal_never_runs_the_task_body(app, sentinel_group, policy):
 def test_sentinels_all_unreachable_stay_an_outage(app):
     from tests.support.servers import free_port
 
-    configure(app, f"sentinel://127.0.0.1:{free_port()};sentinel://127.0.0.1:{free_port()}",
-              {"master_name": "mymaster"}, timeout=0.5)
+    configure(
+        app,
+        f"sentinel://127.0.0.1:{free_port()};sentinel://127.0.0.1:{free_port()}",
+        {"master_name": "mymaster"},
+        timeout=0.5,
+    )
     store = get_lease_store(app)
     with pytest.raises(LockStoreUnavailable) as info:
         store.acquire("sentinel-down", ttl=5)
@@ -275,19 +327,29 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
     held = [store.acquire(f"failover-{n}", ttl=40) for n in range(2)]
     blocker = store.acquire("failover-waited", ttl=60)
     waiter_thread, waiter = run_in_thread(
-        lambda: store.acquire("failover-waited", ttl=30, wait=60))
+        lambda: store.acquire("failover-waited", ttl=30, wait=60)
+    )
     task_key = store.key(f"topo:{held_step.pk}")
-    keys = [task_key] + [store.key(f"failover-{n}") for n in range(2)] + [
-        store.key("failover-waited")]
+    keys = (
+        [task_key]
+        + [store.key(f"failover-{n}") for n in range(2)]
+        + [store.key("failover-waited")]
+    )
     old_port = group.primary_port()
     old = group.node_client(old_port)
     try:
-        wait_until(lambda: old.zcard(f"{store.prefix}:waiters:{{failover-waited}}") == 1,
-                   timeout=10, what="the waiter to register")
+        wait_until(
+            lambda: old.zcard(f"{store.prefix}:waiters:{{failover-waited}}") == 1,
+            timeout=10,
+            what="the waiter to register",
+        )
         replica = group.node_client(next(n.port for n in group.nodes if n.port != old_port))
         try:  # the leases reached the replica before it is promoted
-            wait_until(lambda: replica.exists(*keys) == len(keys), timeout=10,
-                       what="the leases to replicate")
+            wait_until(
+                lambda: replica.exists(*keys) == len(keys),
+                timeout=10,
+                what="the leases to replicate",
+            )
         finally:
             replica.close()
     finally:
@@ -301,12 +363,16 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
         # The heartbeat's renewals reach the new primary: the renewal stamp moves there.
         stamp = new.hget(task_key, "renewed_ms")
         assert stamp
-        wait_until(lambda: new.hget(task_key, "renewed_ms") not in (None, stamp),
-                   timeout=30, what="a renewal on the new primary")
+        wait_until(
+            lambda: new.hget(task_key, "renewed_ms") not in (None, stamp),
+            timeout=30,
+            what="a renewal on the new primary",
+        )
         assert store.client.connection_pool.get_master_address() == ("127.0.0.1", new_port)
         # Pipelined renewals of the store's leases reach it too.
-        assert store.extend_many([(f"failover-{n}", lease.owner, 40)
-                                  for n, lease in enumerate(held)]) == [True, True]
+        assert store.extend_many(
+            [(f"failover-{n}", lease.owner, 40) for n, lease in enumerate(held)]
+        ) == [True, True]
         assert all(35_000 < new.pttl(store.key(f"failover-{n}")) <= 40_000 for n in range(2))
         # A duplicate meets the held lease on the new primary.
         duplicate = topo_finish.apply(args=(held_step.pk,))
@@ -326,8 +392,9 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
         assert result.successful(), result.traceback
         held_step.refresh_from_db()
         assert held_step.status == "done"
-        records = list(TransitionRecord.objects.filter(step=held_step).values_list(
-            "owner", "fence"))
+        records = list(
+            TransitionRecord.objects.filter(step=held_step).values_list("owner", "fence")
+        )
         assert records == [(result.result["owner"], result.result["fence"])]
         assert (held_step.lock_owner, held_step.lock_fence) == records[0]
         # New tasks (after the holder's transaction) run the whole flow on the new primary,
@@ -351,9 +418,11 @@ def test_sentinel_real_workers_commit_once(start_worker, sentinel_group, redis_c
     Sentinel, configured by Django settings) race on one step: one commit."""
     from django_app.workflows.tasks import advance
 
-    env = {"STEPLOCK_REDIS_URL": sentinel_group.url,
-           "STEPLOCK_REDIS_TRANSPORT_OPTIONS": json.dumps(sentinel_group.transport_options),
-           "STEPLOCK_DEMO_STATS": 1}
+    env = {
+        "STEPLOCK_REDIS_URL": sentinel_group.url,
+        "STEPLOCK_REDIS_TRANSPORT_OPTIONS": json.dumps(sentinel_group.transport_options),
+        "STEPLOCK_DEMO_STATS": 1,
+    }
     start_worker("s1", concurrency=1, **env)
     start_worker("s2", concurrency=1, **env)
     primary = sentinel_group.node_client(sentinel_group.primary_port())
@@ -365,15 +434,20 @@ def test_sentinel_real_workers_commit_once(start_worker, sentinel_group, redis_c
             advance.apply_async((step.pk,), {"delay": 0.5})
 
         def settled():
-            return (redis_client.llen("celery") == 0 and redis_client.hlen("unacked") == 0
-                    and all(s.status == "done" for s in Step.objects.filter(
-                        pk__in=[s.pk for s in steps]))
-                    and not list(primary.scan_iter(match="steplock:lease:*")))
+            return (
+                redis_client.llen("celery") == 0
+                and redis_client.hlen("unacked") == 0
+                and all(
+                    s.status == "done" for s in Step.objects.filter(pk__in=[s.pk for s in steps])
+                )
+                and not list(primary.scan_iter(match="steplock:lease:*"))
+            )
 
         wait_until(settled, timeout=90, what="both deliveries of every step to finish")
         for step in steps:
-            assert list(TransitionRecord.objects.filter(step=step).values_list(
-                "to_status", flat=True)) == ["done"]
+            assert list(
+                TransitionRecord.objects.filter(step=step).values_list("to_status", flat=True)
+            ) == ["done"]
         # The leases lived on the Sentinel primary (fence counters there), not the broker.
         assert all(primary.exists(f"steplock:fence:{{step:{s.pk}}}") for s in steps)
         assert not any(redis_client.exists(f"steplock:fence:{{step:{s.pk}}}") for s in steps)
@@ -382,6 +456,7 @@ def test_sentinel_real_workers_commit_once(start_worker, sentinel_group, redis_c
 
 
 # -- TLS and mutual TLS --------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
@@ -399,8 +474,9 @@ def tls_server(certs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mtls_server(certs, tmp_path_factory):
-    server = TLSRedisServer(certs, client_auth=True,
-                            workdir=tmp_path_factory.mktemp("mtls")).start()
+    server = TLSRedisServer(
+        certs, client_auth=True, workdir=tmp_path_factory.mktemp("mtls")
+    ).start()
     yield server
     server.stop()
 
@@ -408,13 +484,21 @@ def mtls_server(certs, tmp_path_factory):
 def plain_tls_client(server):
     import redis
 
-    return redis.Redis(host="127.0.0.1", port=server.port, decode_responses=True,
-                       socket_timeout=2.0, **server.client_kwargs())
+    return redis.Redis(
+        host="127.0.0.1",
+        port=server.port,
+        decode_responses=True,
+        socket_timeout=2.0,
+        **server.client_kwargs(),
+    )
 
 
 def test_tls_lease_cycle_and_task_with_ca_verification(app, tls_server, certs):
-    configure(app, tls_server.url, use_ssl={"ssl_cert_reqs": "required",
-                                            "ssl_ca_certs": str(certs.ca_cert)})
+    configure(
+        app,
+        tls_server.url,
+        use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert)},
+    )
     store = get_lease_store(app)
     pool = store.client.connection_pool
     conn = _wire.connection(pool)
@@ -441,15 +525,19 @@ def test_tls_certificate_options_in_the_url(app, tls_server, certs):
 
 
 def test_tls_wrong_ca_fails_verification(app, tls_server, certs):
-    configure(app, tls_server.url, use_ssl={"ssl_cert_reqs": "required",
-                                            "ssl_ca_certs": str(certs.other_ca_cert)})
+    configure(
+        app,
+        tls_server.url,
+        use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.other_ca_cert)},
+    )
     store = get_lease_store(app)
     started = time.monotonic()
     with pytest.raises(LockStoreMisconfigured) as info:  # not an outage: never retried
         store.acquire("tls-wrong-ca", ttl=5)
     assert info.value.setting == "steplock_redis_use_ssl"
-    print(f"wrong CA: {time.monotonic() - started:.3f}s {info.value!r} <- "
-          f"{info.value.__cause__!r}")
+    print(
+        f"wrong CA: {time.monotonic() - started:.3f}s {info.value!r} <- {info.value.__cause__!r}"
+    )
     assert "CERTIFICATE_VERIFY_FAILED" in str(info.value)
     assert time.monotonic() - started < 20  # a bounded number of attempts, then raised
     primary = plain_tls_client(tls_server)
@@ -460,8 +548,12 @@ def test_tls_wrong_ca_fails_verification(app, tls_server, certs):
 
 
 def test_mtls_client_certificate_required(app, mtls_server, certs):
-    with_cert = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert),
-                 "ssl_certfile": str(certs.client_cert), "ssl_keyfile": str(certs.client_key)}
+    with_cert = {
+        "ssl_cert_reqs": "required",
+        "ssl_ca_certs": str(certs.ca_cert),
+        "ssl_certfile": str(certs.client_cert),
+        "ssl_keyfile": str(certs.client_key),
+    }
     configure(app, mtls_server.url, use_ssl=with_cert)
     store = get_lease_store(app)
     primary = plain_tls_client(mtls_server)
@@ -473,15 +565,20 @@ def test_mtls_client_certificate_required(app, mtls_server, certs):
 
         # Without a certificate the server ends the handshake: a configuration error naming
         # the TLS setting, raised after a bounded number of attempts, and nothing written.
-        configure(app, mtls_server.url, use_ssl={"ssl_cert_reqs": "required",
-                                                 "ssl_ca_certs": str(certs.ca_cert)})
+        configure(
+            app,
+            mtls_server.url,
+            use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert)},
+        )
         refused = get_lease_store(app)
         assert refused is not store
         started = time.monotonic()
         with pytest.raises(LockStoreMisconfigured) as info:
             refused.acquire("mtls-no-cert", ttl=5)
-        print(f"mTLS without a certificate: {time.monotonic() - started:.3f}s "
-              f"{info.value!r} <- {info.value.__cause__!r}")
+        print(
+            f"mTLS without a certificate: {time.monotonic() - started:.3f}s "
+            f"{info.value!r} <- {info.value.__cause__!r}"
+        )
         assert info.value.setting == "steplock_redis_use_ssl"
         assert "client certificate" in str(info.value)
         assert time.monotonic() - started < 20
@@ -489,24 +586,33 @@ def test_mtls_client_certificate_required(app, mtls_server, certs):
         assert primary.exists(refused.key("mtls-no-cert")) == 0
         # The library's own check reports the same store unreachable.
         from celery_steplock.contrib.django.checks import check_lock_store
+
         [error] = check_lock_store(app)
         assert error.id == "celery_steplock.E001"
     finally:
         primary.close()
 
 
-@pytest.mark.parametrize("case", ["client certificate not PEM", "key not the certificate's",
-                                  "CA file not PEM"])
+@pytest.mark.parametrize(
+    "case", ["client certificate not PEM", "key not the certificate's", "CA file not PEM"]
+)
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
-def test_unusable_tls_material_is_a_configuration_error(app, mtls_server, certs, tmp_path,
-                                                        case, policy):
+def test_unusable_tls_material_is_a_configuration_error(
+    app, mtls_server, certs, tmp_path, case, policy
+):
     junk = tmp_path / "junk.pem"
     junk.write_text("not a PEM file\n")
-    base = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert),
-            "ssl_certfile": str(certs.client_cert), "ssl_keyfile": str(certs.client_key)}
-    use_ssl = {"client certificate not PEM": {**base, "ssl_certfile": str(junk)},
-               "key not the certificate's": {**base, "ssl_keyfile": str(certs.server_key)},
-               "CA file not PEM": {**base, "ssl_ca_certs": str(junk)}}[case]
+    base = {
+        "ssl_cert_reqs": "required",
+        "ssl_ca_certs": str(certs.ca_cert),
+        "ssl_certfile": str(certs.client_cert),
+        "ssl_keyfile": str(certs.client_key),
+    }
+    use_ssl = {
+        "client certificate not PEM": {**base, "ssl_certfile": str(junk)},
+        "key not the certificate's": {**base, "ssl_keyfile": str(certs.server_key)},
+        "CA file not PEM": {**base, "ssl_ca_certs": str(junk)},
+    }[case]
     configure(app, mtls_server.url, use_ssl=use_ssl)
     app.conf.steplock_on_store_error = policy
     store = get_lease_store(app)
@@ -514,8 +620,11 @@ def test_unusable_tls_material_is_a_configuration_error(app, mtls_server, certs,
         store.acquire("tls-material", ttl=5)
     print(f"{case}: {info.value!r}")
     assert info.value.setting == "steplock_redis_use_ssl"
-    reason = {"client certificate not PEM": "not PEM", "key not the certificate's":
-              "does not match", "CA file not PEM": "not PEM"}[case]
+    reason = {
+        "client certificate not PEM": "not PEM",
+        "key not the certificate's": "does not match",
+        "CA file not PEM": "not PEM",
+    }[case]
     assert reason in str(info.value)
     step = Step.objects.create(name=f"tls {case}")
     result = topo_finish.apply(args=(step.pk,))
@@ -527,6 +636,7 @@ def test_unusable_tls_material_is_a_configuration_error(app, mtls_server, certs,
 
 # -- a replica behind a fixed address -----------------------------------------------------
 
+
 def test_readonly_reply_drops_the_connection(app, tmp_path):
     """A URL that points at a replica (a demoted primary behind a fixed address): the
     refusal is a LockError, and the connection is dropped so that the next call connects
@@ -535,8 +645,9 @@ def test_readonly_reply_drops_the_connection(app, tmp_path):
     from tests.support.servers import RedisServer
 
     primary = RedisServer(workdir=tmp_path / "primary").start()
-    replica = RedisServer(workdir=tmp_path / "replica",
-                          args=("--replicaof", "127.0.0.1", primary.port)).start()
+    replica = RedisServer(
+        workdir=tmp_path / "replica", args=("--replicaof", "127.0.0.1", primary.port)
+    ).start()
     try:
         configure(app, replica.url)
         store = get_lease_store(app)

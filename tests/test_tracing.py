@@ -1,5 +1,6 @@
 """OpenTelemetry spans of an execution (celery_steplock.tracing), recorded by the SDK's
 in-memory exporter around real executions (``apply()``) on real Redis and the real DB."""
+
 import json
 import subprocess
 import sys
@@ -22,9 +23,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SECRET = "4111111111111111"  # an argument value: it must appear in no span
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.tracing.charge",
-                 step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"))
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.tracing.charge",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+)
 def charge(self, step_id, card, fail=False):
     with PROVIDER.get_tracer("user").start_as_current_span("user.gateway"):
         time.sleep(0.01)
@@ -58,6 +64,7 @@ def spans(exporter, app, redis_client):
 
     def finished():
         return {span.name: span for span in exporter.get_finished_spans()}
+
     yield finished
     exporter.clear()
 
@@ -71,34 +78,53 @@ def test_one_execution_is_a_tree_of_phases_with_lease_attributes(spans, events):
     result = charge.apply(args=(step.pk, SECRET), task_id="tid-1")
     assert result.successful(), result.traceback
     found = spans()
-    assert sorted(found) == ["steplock.body", "steplock.cas", "steplock.commit",
-                             "steplock.execution", "steplock.hold", "steplock.release",
-                             "steplock.wait", "user.gateway"]
+    assert sorted(found) == [
+        "steplock.body",
+        "steplock.cas",
+        "steplock.commit",
+        "steplock.execution",
+        "steplock.hold",
+        "steplock.release",
+        "steplock.wait",
+        "user.gateway",
+    ]
     root = found["steplock.execution"]
-    parents = {name: span.parent.span_id if span.parent else None
-               for name, span in found.items()}
+    parents = {name: span.parent.span_id if span.parent else None for name, span in found.items()}
     ids = {name: span.context.span_id for name, span in found.items()}
-    assert parents == {"steplock.execution": None,
-                       "steplock.wait": ids["steplock.execution"],
-                       "steplock.hold": ids["steplock.execution"],
-                       "steplock.body": ids["steplock.hold"],
-                       "user.gateway": ids["steplock.body"],  # the body's own spans nest
-                       "steplock.cas": ids["steplock.hold"],
-                       "steplock.commit": ids["steplock.hold"],
-                       "steplock.release": ids["steplock.hold"]}
+    assert parents == {
+        "steplock.execution": None,
+        "steplock.wait": ids["steplock.execution"],
+        "steplock.hold": ids["steplock.execution"],
+        "steplock.body": ids["steplock.hold"],
+        "user.gateway": ids["steplock.body"],  # the body's own spans nest
+        "steplock.cas": ids["steplock.hold"],
+        "steplock.commit": ids["steplock.hold"],
+        "steplock.release": ids["steplock.hold"],
+    }
     assert {span.context.trace_id for span in found.values()} == {root.context.trace_id}
     acquired = dict(events)["lock_acquired"]
-    lease = {"steplock.task.name": "tests.tracing.charge", "steplock.task.id": "tid-1",
-             "steplock.lease.name": acquired["name"], "steplock.lease.key": acquired["key"],
-             "steplock.lease.ttl": acquired["ttl"], "steplock.lease.owner": acquired["owner"],
-             "steplock.lease.fence": result.result}
+    lease = {
+        "steplock.task.name": "tests.tracing.charge",
+        "steplock.task.id": "tid-1",
+        "steplock.lease.name": acquired["name"],
+        "steplock.lease.key": acquired["key"],
+        "steplock.lease.ttl": acquired["ttl"],
+        "steplock.lease.owner": acquired["owner"],
+        "steplock.lease.fence": result.result,
+    }
     assert dict(root.attributes) == lease
-    for name in ("steplock.hold", "steplock.body", "steplock.cas", "steplock.commit",
-                 "steplock.release"):
+    for name in (
+        "steplock.hold",
+        "steplock.body",
+        "steplock.cas",
+        "steplock.commit",
+        "steplock.release",
+    ):
         assert dict(found[name].attributes) == lease, name
     wait = dict(found["steplock.wait"].attributes)
-    assert wait == {k: v for k, v in lease.items()
-                    if k not in ("steplock.lease.owner", "steplock.lease.fence")}
+    assert wait == {
+        k: v for k, v in lease.items() if k not in ("steplock.lease.owner", "steplock.lease.fence")
+    }
     for span in found.values():
         assert SECRET not in " ".join(attribute_values(span)), span.name
         assert str(step.pk) not in attribute_values(span), span.name
@@ -107,8 +133,13 @@ def test_one_execution_is_a_tree_of_phases_with_lease_attributes(spans, events):
         if parents[name] is not None:
             parent = next(s for s in found.values() if s.context.span_id == parents[name])
             assert parent.start_time <= span.start_time <= span.end_time <= parent.end_time
-    order = ["steplock.wait", "steplock.body", "steplock.cas", "steplock.commit",
-             "steplock.release"]
+    order = [
+        "steplock.wait",
+        "steplock.body",
+        "steplock.cas",
+        "steplock.commit",
+        "steplock.release",
+    ]
     assert [found[n].start_time for n in order] == sorted(found[n].start_time for n in order)
     assert found["steplock.wait"].end_time <= found["steplock.hold"].start_time
     assert found["steplock.body"].end_time - found["steplock.body"].start_time >= 10_000_000
@@ -117,8 +148,10 @@ def test_one_execution_is_a_tree_of_phases_with_lease_attributes(spans, events):
     print("\nspans of one execution (name <- parent: duration, attributes):")
     for span in sorted(found.values(), key=lambda s: s.start_time):
         parent = by_id.get(span.parent.span_id) if span.parent else "-"
-        print(f"  {span.name} <- {parent}: {(span.end_time - span.start_time) / 1e6:.3f} ms "
-              f"{dict(span.attributes)}")
+        print(
+            f"  {span.name} <- {parent}: {(span.end_time - span.start_time) / 1e6:.3f} ms "
+            f"{dict(span.attributes)}"
+        )
 
 
 def test_signals_carry_the_phase_durations(spans, events):
@@ -148,8 +181,12 @@ def test_a_conflict_records_no_body_and_says_duplicate(spans):
     result = charge.apply(args=(step.pk, SECRET))
     assert result.successful() and result.result["steplock"] == "duplicate"
     found = spans()
-    assert sorted(found) == ["steplock.execution", "steplock.hold", "steplock.release",
-                             "steplock.wait"]
+    assert sorted(found) == [
+        "steplock.execution",
+        "steplock.hold",
+        "steplock.release",
+        "steplock.wait",
+    ]
     assert found["steplock.execution"].attributes["steplock.outcome"] == "duplicate"
     assert "steplock.control" not in found["steplock.execution"].attributes
     assert found["steplock.execution"].status.status_code is trace.StatusCode.UNSET
@@ -190,8 +227,13 @@ def test_a_task_without_step_model_has_body_and_no_commit(spans):
     result = lease_only.apply(args=(SECRET,))
     assert result.successful()
     found = spans()
-    assert sorted(found) == ["steplock.body", "steplock.execution", "steplock.hold",
-                             "steplock.release", "steplock.wait"]
+    assert sorted(found) == [
+        "steplock.body",
+        "steplock.execution",
+        "steplock.hold",
+        "steplock.release",
+        "steplock.wait",
+    ]
     assert found["steplock.execution"].attributes["steplock.lease.fence"] == result.result
 
 
@@ -273,14 +315,25 @@ def test_overhead_per_execution_is_printed_and_spans_only_with_a_provider(capsys
     exporter. Printed, not asserted (machine speed)."""
     results = {}
     for mode in ("absent", "no-provider", "sdk"):
-        out = subprocess.run([sys.executable, "-c", OVERHEAD, mode], cwd=ROOT, check=True,
-                             capture_output=True, text=True, timeout=120).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", OVERHEAD, mode],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
     assert {m: (r["api"], r["enabled"]) for m, r in results.items()} == {
-        "absent": (False, False), "no-provider": (True, False), "sdk": (True, True)}
+        "absent": (False, False),
+        "no-provider": (True, False),
+        "sdk": (True, True),
+    }
     with capsys.disabled():
-        print("\ntracing overhead per execution: " + ", ".join(
-            f"{m} {r['us']:.2f} us" for m, r in results.items()))
+        print(
+            "\ntracing overhead per execution: "
+            + ", ".join(f"{m} {r['us']:.2f} us" for m, r in results.items())
+        )
 
 
 def test_enabled_follows_the_provider(exporter):

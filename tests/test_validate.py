@@ -1,5 +1,6 @@
 """The one validator (celery_steplock.validate): every problem, rendered alike by worker
 start and by Django's checks."""
+
 from __future__ import annotations
 
 import itertools
@@ -39,12 +40,15 @@ def add_task(app, **options):
 def test_every_problem_at_once_with_stable_ids():
     app = make_app(steplock_default_ttl=-1, steplock_on_conflict="clobber")
     bad = add_task(app, lock_ttl=0, on_contended="wait")
-    found = [p for p in problems(app) if p.obj in (bad, "steplock_default_ttl",
-                                                   "steplock_on_conflict")]
+    found = [
+        p for p in problems(app) if p.obj in (bad, "steplock_default_ttl", "steplock_on_conflict")
+    ]
     assert [(p.id, p.obj) for p in found] == [
         ("celery_steplock.E003", "steplock_default_ttl"),
         ("celery_steplock.E003", "steplock_on_conflict"),
-        ("celery_steplock.E004", bad), ("celery_steplock.E004", bad)]
+        ("celery_steplock.E004", bad),
+        ("celery_steplock.E004", bad),
+    ]
     assert "lock_ttl" in found[2].message and "on_contended" in found[3].message
     assert all(p.is_error for p in found)
 
@@ -60,8 +64,9 @@ def test_worker_start_and_checks_render_the_same_problems():
     bad = add_task(app, lock_ttl=0)
     errors = [p for p in problems(app) if p.is_error]
     rendered = checks.check_task_options(app)
-    assert [(m.id, m.msg, m.obj) for m in rendered] == [(p.id, p.message, p.obj)
-                                                        for p in errors if p.obj == bad]
+    assert [(m.id, m.msg, m.obj) for m in rendered] == [
+        (p.id, p.message, p.obj) for p in errors if p.obj == bad
+    ]
     with pytest.raises(SystemExit) as info:
         refuse_to_start(app)
     assert f"{bad}: lock_ttl must be" in str(info.value)
@@ -86,7 +91,8 @@ def test_typos_in_settings_and_options_are_named_with_a_suggestion():
     found = [p for p in problems(app) if p.id == "celery_steplock.W005"]
     assert [(p.obj, p.hint) for p in found] == [
         ("steplock_default_tll", "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?"),
-        (name, "Did you mean lock_ttl?")]
+        (name, "Did you mean lock_ttl?"),
+    ]
 
 
 def test_worker_start_fails_closed_when_validation_itself_breaks(monkeypatch):
@@ -106,35 +112,62 @@ def test_worker_start_fails_closed_when_validation_itself_breaks(monkeypatch):
 
 def test_a_malformed_transition_table_is_an_option_error_not_a_crash():
     app = make_app()
-    name = add_task(app, step_model="workflows.Step", step_id_arg="step_id",
-                    step_transitions=["pending"])
+    name = add_task(
+        app, step_model="workflows.Step", step_id_arg="step_id", step_transitions=["pending"]
+    )
     found = [p for p in problems(app) if p.obj == name]
     assert [(p.id, "step_transitions" in p.message) for p in found] == [
-        ("celery_steplock.E004", True)]
+        ("celery_steplock.E004", True)
+    ]
 
 
 def test_an_unimportable_step_store_is_reported_without_any_task():
     app = make_app(steplock_step_store="no_such_pkg.steps:Store")
     assert [p.obj for p in problems(app) if p.id == "celery_steplock.E003"] == [
-        "steplock_step_store"]
+        "steplock_step_store"
+    ]
 
 
 # -- every option value, each once ---------------------------------------------------------
 
+
 def test_every_invalid_option_value_is_one_error_and_worker_start_names_them_all():
     app = make_app()
-    name = add_task(app, lock_ttl=-1, lock_wait="soon", lock_max_hold=0, on_contended="wait",
-                    on_conflict="clobber", on_store_error="open", lock_precheck="no",
-                    lock_retry_max=-1, lock_key="order:{order_id}", step_id_arg="order_id")
+    name = add_task(
+        app,
+        lock_ttl=-1,
+        lock_wait="soon",
+        lock_max_hold=0,
+        on_contended="wait",
+        on_conflict="clobber",
+        on_store_error="open",
+        lock_precheck="no",
+        lock_retry_max=-1,
+        lock_key="order:{order_id}",
+        step_id_arg="order_id",
+    )
     found = [p for p in problems(app) if p.obj == name]
     assert [p.id for p in found] == ["celery_steplock.E004"] * 10
     messages = sorted(p.message.split(":", 1)[1].split()[0] for p in found)
-    assert messages == ["lock_key", "lock_max_hold", "lock_precheck", "lock_retry_max",
-                        "lock_ttl", "lock_wait", "on_conflict", "on_contended",
-                        "on_store_error", "step_id_arg='order_id'"]
-    assert f"{name}: lock_ttl must be a number of seconds between 0.05 and 86400, got -1" in [p.message for p in found]
-    assert (f"{name}: lock_key 'order:{{order_id}}' names 'order_id', which is not an "
-            f"argument of the task (arguments: step_id)") in [p.message for p in found]
+    assert messages == [
+        "lock_key",
+        "lock_max_hold",
+        "lock_precheck",
+        "lock_retry_max",
+        "lock_ttl",
+        "lock_wait",
+        "on_conflict",
+        "on_contended",
+        "on_store_error",
+        "step_id_arg='order_id'",
+    ]
+    assert f"{name}: lock_ttl must be a number of seconds between 0.05 and 86400, got -1" in [
+        p.message for p in found
+    ]
+    assert (
+        f"{name}: lock_key 'order:{{order_id}}' names 'order_id', which is not an "
+        f"argument of the task (arguments: step_id)"
+    ) in [p.message for p in found]
     with pytest.raises(SystemExit) as info:
         refuse_to_start(app)
     for problem in found:
@@ -150,10 +183,12 @@ def test_a_callable_lock_key_is_checked_against_the_task_signature():
     assert [(p.id, p.obj) for p in found] == [("celery_steplock.E004", bad)]
     assert found[0].message == (
         f"{bad}: lock_key '<lambda>' cannot be called with the task's arguments as keywords "
-        f"(missing a required argument: 'order_id'; arguments: step_id)")
+        f"(missing a required argument: 'order_id'; arguments: step_id)"
+    )
 
 
 # -- unknown names (W005) --------------------------------------------------------------------
+
 
 def unknown(app):
     return [(p.obj, p.message, p.hint) for p in problems(app) if p.id == "celery_steplock.W005"]
@@ -169,25 +204,56 @@ def test_unknown_task_options_anywhere_in_the_task_classes_with_a_suggestion():
     def body(self, step_id):
         return step_id
 
-    app.task(bind=True, base=Base, name=name, shared=False, lock_tll=5, step_id_ar="step_id",
-             on_conflit="raise", transtion=("a", "b"), max_retries=3,
-             autoretry_for=(KeyError,), retry_backoff=True, lock_ttl=5)(body)
+    app.task(
+        bind=True,
+        base=Base,
+        name=name,
+        shared=False,
+        lock_tll=5,
+        step_id_ar="step_id",
+        on_conflit="raise",
+        transtion=("a", "b"),
+        max_retries=3,
+        autoretry_for=(KeyError,),
+        retry_backoff=True,
+        lock_ttl=5,
+    )(body)
     assert [(obj, hint) for obj, _, hint in unknown(app)] == [
-        (name, "Did you mean lock_ttl?"), (name, "Did you mean on_conflict?"),
-        (name, "Did you mean step_id_arg?"), (name, "Did you mean transition?"), (name, None)]
+        (name, "Did you mean lock_ttl?"),
+        (name, "Did you mean on_conflict?"),
+        (name, "Did you mean step_id_arg?"),
+        (name, "Did you mean transition?"),
+        (name, None),
+    ]
     messages = [message for _, message, _ in unknown(app)]
-    assert messages == [f"{name}: unknown task option {attr}: it is ignored."
-                        for attr in ("lock_tll", "on_conflit", "step_id_ar", "transtion",
-                                     "lock_timeout")]
+    assert messages == [
+        f"{name}: unknown task option {attr}: it is ignored."
+        for attr in ("lock_tll", "on_conflit", "step_id_ar", "transtion", "lock_timeout")
+    ]
 
 
 def test_the_options_of_the_library_and_celery_are_not_unknown():
     app = make_app()
-    add_task(app, lock_ttl=5, lock_wait=1, lock_max_hold=60, on_contended="skip",
-             on_conflict="raise", on_store_error="fail_open", lock_precheck=False,
-             lock_retry_max=2, step_id_arg="step_id", lock_key="s:{step_id}",
-             max_retries=3, autoretry_for=(KeyError,), retry_backoff=True,
-             retry_jitter=False, rate_limit="10/s", typing=True, expires=60)
+    add_task(
+        app,
+        lock_ttl=5,
+        lock_wait=1,
+        lock_max_hold=60,
+        on_contended="skip",
+        on_conflict="raise",
+        on_store_error="fail_open",
+        lock_precheck=False,
+        lock_retry_max=2,
+        step_id_arg="step_id",
+        lock_key="s:{step_id}",
+        max_retries=3,
+        autoretry_for=(KeyError,),
+        retry_backoff=True,
+        retry_jitter=False,
+        rate_limit="10/s",
+        typing=True,
+        expires=60,
+    )
     assert unknown(app) == []
 
 
@@ -196,27 +262,34 @@ def test_a_misspelled_setting_of_a_namespaced_configuration():
         CELERY_BROKER_URL = "redis://127.0.0.1:6379/0"
         CELERY_STEPLOCK_DEFUALT_TTL = 10
         CELERY_STEPLOCK_LOCK_WAIT = 1.0  # real: read
-        STEPLOCK_ON_CONFLICT = "raise"   # real name, but without the namespace: never read
+        STEPLOCK_ON_CONFLICT = "raise"  # real name, but without the namespace: never read
 
     app = Celery(f"validate{next(_names)}", set_as_current=False)
     app.config_from_object(Config, namespace="CELERY")
     assert app.conf.get("steplock_lock_wait") == 1.0  # what "read" means here
     assert app.conf.get("steplock_on_conflict") is None
     assert unknown(app) == [
-        ("CELERY_STEPLOCK_DEFUALT_TTL",
-         "Unknown celery-steplock setting CELERY_STEPLOCK_DEFUALT_TTL: it is ignored.",
-         "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?"),
-        ("STEPLOCK_ON_CONFLICT",
-         "Setting STEPLOCK_ON_CONFLICT is never read: the Celery app reads its settings with "
-         "the CELERY_ namespace (config_from_object(..., namespace='CELERY')), so it is "
-         "ignored.", "Did you mean CELERY_STEPLOCK_ON_CONFLICT?")]
+        (
+            "CELERY_STEPLOCK_DEFUALT_TTL",
+            "Unknown celery-steplock setting CELERY_STEPLOCK_DEFUALT_TTL: it is ignored.",
+            "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?",
+        ),
+        (
+            "STEPLOCK_ON_CONFLICT",
+            "Setting STEPLOCK_ON_CONFLICT is never read: the Celery app reads its settings with "
+            "the CELERY_ namespace (config_from_object(..., namespace='CELERY')), so it is "
+            "ignored.",
+            "Did you mean CELERY_STEPLOCK_ON_CONFLICT?",
+        ),
+    ]
 
 
 def test_a_setting_name_that_is_not_a_steplock_one_gets_the_closest():
     app = make_app(steplocks_ttl=3, steplock_lockwait=2)
     assert [(obj, hint) for obj, _, hint in unknown(app)] == [
         ("steplock_lockwait", "Did you mean CELERY_STEPLOCK_LOCK_WAIT?"),
-        ("steplocks_ttl", "Did you mean CELERY_STEPLOCK_FENCE_TTL?")]
+        ("steplocks_ttl", "Did you mean CELERY_STEPLOCK_FENCE_TTL?"),
+    ]
 
 
 def test_steplock_django_settings_an_app_never_reads():
@@ -231,11 +304,13 @@ def test_steplock_django_settings_an_app_never_reads():
     found = django_setting_problems(elsewhere, DjangoSettings)
     assert [(p.id, p.obj) for p in found] == [
         ("celery_steplock.W005", "CELERY_STEPLOCK_LOCK_WAIT"),
-        ("celery_steplock.W005", "STEPLOCK_DEFAULT_TTL")]
+        ("celery_steplock.W005", "STEPLOCK_DEFAULT_TTL"),
+    ]
     assert found[0].message == (
         f"Django setting CELERY_STEPLOCK_LOCK_WAIT is never read: the Celery app "
         f"{elsewhere.main!r} does not load its configuration from the Django settings, so it "
-        f"is ignored.")
+        f"is ignored."
+    )
     reading = Celery(f"validate{next(_names)}", set_as_current=False)
     reading.config_from_object(DjangoSettings, namespace="CELERY")
     assert django_setting_problems(reading, DjangoSettings) == []  # unknown_name_problems'

@@ -4,6 +4,7 @@ Each test starts its workers with ``tests/support/servers.py``; the workers coun
 Redis (``demo:stats:<event>``, django_app/workflows/receivers.py) so the test can read what
 happened inside them.
 """
+
 import random
 import sys
 import time
@@ -24,10 +25,14 @@ TTL = 2.0  # STEPLOCK_TTL given to the workers by the worker_env fixture
 def wait_until(predicate, timeout=60.0, interval=0.05, what="condition", client=None):
     describe = None
     if client is not None:
+
         def describe():
-            return (f"queue {client.llen('celery')}, unacked {client.hlen('unacked')}, "
-                    f"leases {sorted(client.scan_iter(match='steplock:lease:*'))}, "
-                    f"stats {stats(client)}")
+            return (
+                f"queue {client.llen('celery')}, unacked {client.hlen('unacked')}, "
+                f"leases {sorted(client.scan_iter(match='steplock:lease:*'))}, "
+                f"stats {stats(client)}"
+            )
+
     return helpers.wait_until(predicate, timeout, interval, what, describe)
 
 
@@ -36,8 +41,10 @@ def records(step):
 
 
 def two_workers(start_worker, concurrency=1):
-    return (start_worker("w1", concurrency=concurrency, STEPLOCK_DEMO_STATS=1),
-            start_worker("w2", concurrency=concurrency, STEPLOCK_DEMO_STATS=1))
+    return (
+        start_worker("w1", concurrency=concurrency, STEPLOCK_DEMO_STATS=1),
+        start_worker("w2", concurrency=concurrency, STEPLOCK_DEMO_STATS=1),
+    )
 
 
 def test_two_workers_on_one_step_commit_once(start_worker, redis_client):
@@ -45,8 +52,11 @@ def test_two_workers_on_one_step_commit_once(start_worker, redis_client):
     step = Step.objects.create(name="race")
     advance.apply_async((step.pk,), {"delay": 1.0})
     advance.apply_async((step.pk,), {"delay": 1.0})
-    wait_until(lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
-               what="both deliveries to finish", client=redis_client)
+    wait_until(
+        lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
+        what="both deliveries to finish",
+        client=redis_client,
+    )
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     counts = stats(redis_client)
@@ -62,8 +72,11 @@ def test_duplicate_delivery_of_one_task_id_commits_once(start_worker, redis_clie
     step = Step.objects.create(name="dup")
     first = advance.apply_async((step.pk,), {"delay": 1.0}, task_id="dup-task-id")
     advance.apply_async((step.pk,), {"delay": 1.0}, task_id="dup-task-id")
-    wait_until(lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
-               what="the duplicate to finish", client=redis_client)
+    wait_until(
+        lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
+        what="the duplicate to finish",
+        client=redis_client,
+    )
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     assert first.get(timeout=10)["step_id"] == step.pk  # the duplicate never overwrote it
@@ -74,17 +87,23 @@ def test_sigkilled_worker_leaves_its_lease_to_the_ttl(start_worker, redis_client
     worker = start_worker("doomed", concurrency=1, STEPLOCK_DEMO_STATS=1)
     step = Step.objects.create(name="kill")
     hold.apply_async((step.pk, 60))
-    holder = wait_until(lambda: unpack_fields(redis_client.hgetall(lease_key(step))), timeout=30,
-                        what="the lease to be taken")
+    holder = wait_until(
+        lambda: unpack_fields(redis_client.hgetall(lease_key(step))),
+        timeout=30,
+        what="the lease to be taken",
+    )
     assert int(holder["pid"]) in worker.children_pids(recursive=True)
     assert int(holder["pid"]) != worker.pid  # held by the prefork child, not the main process
     worker.kill()  # returns once the whole process group is gone: nobody renews any more
     seen = []  # (renewed_ms, pttl) read together until the key is gone
 
     def expired():
-        renewed_ms, pttl = (redis_client.pipeline(transaction=True)
-                            .hget(lease_key(step), "renewed_ms").pttl(lease_key(step))
-                            .execute())
+        renewed_ms, pttl = (
+            redis_client.pipeline(transaction=True)
+            .hget(lease_key(step), "renewed_ms")
+            .pttl(lease_key(step))
+            .execute()
+        )
         if pttl == -2:
             return True
         seen.append((renewed_ms, pttl))
@@ -103,11 +122,18 @@ def test_prefork_child_keeps_its_lease_over_three_ttls(start_worker, redis_clien
     worker = start_worker("renewer", concurrency=2, STEPLOCK_DEMO_STATS=1)
     step = Step.objects.create(name="long")
     result = hold.apply_async((step.pk, TTL * 3.5))
-    holder = wait_until(lambda: unpack_fields(redis_client.hgetall(lease_key(step))), timeout=30,
-                        what="the lease to be taken")
+    holder = wait_until(
+        lambda: unpack_fields(redis_client.hgetall(lease_key(step))),
+        timeout=30,
+        what="the lease to be taken",
+    )
     renewed = wait_until(
         lambda: (lambda h: h if h and h["renewed_ms"] > h["acquired_ms"] else None)(
-            redis_client.hgetall(lease_key(step))), timeout=TTL, what="a renewal")
+            redis_client.hgetall(lease_key(step))
+        ),
+        timeout=TTL,
+        what="a renewal",
+    )
     assert renewed["owner"] == holder["owner"]
     value = result.get(timeout=30)
     assert value["owner"] == holder["owner"] and value["pid"] in worker.children_pids()
@@ -125,9 +151,15 @@ def test_compensation_racing_the_forward_flow(start_worker, redis_client):
         rng.shuffle(pair)
         for task, kwargs in pair:
             task.apply_async((step.pk,), kwargs)
-    wait_until(lambda: drained(redis_client)
-               and stats(redis_client).get("transition_conflict", 0) >= len(steps),
-               timeout=90, what="every race to finish", client=redis_client)
+    wait_until(
+        lambda: (
+            drained(redis_client)
+            and stats(redis_client).get("transition_conflict", 0) >= len(steps)
+        ),
+        timeout=90,
+        what="every race to finish",
+        client=redis_client,
+    )
     outcomes = []
     for step in steps:
         step.refresh_from_db()
@@ -143,9 +175,12 @@ def test_resume_racing_a_retry_commits_once(start_worker, redis_client):
     retry_once.apply_async((step.pk,), {"countdown": 1.0})
     wait_until(lambda: stats(redis_client).get("lock_released"), what="the first attempt")
     advance.apply_async((step.pk,), {"delay": 0.5})  # the manual resume
-    wait_until(lambda: drained(redis_client)
-               and stats(redis_client).get("transition_conflict"), timeout=60,
-               what="the retry and the resume to finish", client=redis_client)
+    wait_until(
+        lambda: drained(redis_client) and stats(redis_client).get("transition_conflict"),
+        timeout=60,
+        what="the retry and the resume to finish",
+        client=redis_client,
+    )
     step.refresh_from_db()
     assert step.status == "done" and records(step) == ["done"]
     assert stats(redis_client)["transition_applied"] == 1
@@ -154,14 +189,24 @@ def test_resume_racing_a_retry_commits_once(start_worker, redis_client):
 def test_contended_retries_stop_at_the_lease_retry_budget(start_worker, redis_client):
     from celery_steplock.lock import RedisLeaseStore
 
-    start_worker("w1", concurrency=1, STEPLOCK_DEMO_STATS=1, STEPLOCK_RETRY_MAX=2,
-                 STEPLOCK_RETRY_BACKOFF=0.05)
+    start_worker(
+        "w1",
+        concurrency=1,
+        STEPLOCK_DEMO_STATS=1,
+        STEPLOCK_RETRY_MAX=2,
+        STEPLOCK_RETRY_BACKOFF=0.05,
+    )
     step = Step.objects.create(name="busy")
-    RedisLeaseStore(redis_client).acquire(f"step:{step.pk}", "squatter", 60.0,
-                                        metadata={"task_id": "someone-else"})
+    RedisLeaseStore(redis_client).acquire(
+        f"step:{step.pk}", "squatter", 60.0, metadata={"task_id": "someone-else"}
+    )
     result = advance.apply_async((step.pk,))
-    wait_until(lambda: result.state == "FAILURE", timeout=30, what="retries to run out",
-               client=redis_client)
+    wait_until(
+        lambda: result.state == "FAILURE",
+        timeout=30,
+        what="retries to run out",
+        client=redis_client,
+    )
     assert type(result.result).__name__ == "LockContended"
     assert stats(redis_client)["lock_contended"] == 3  # the first try + steplock_retry_max=2
     step.refresh_from_db()
@@ -173,9 +218,26 @@ def test_worker_with_an_invalid_setting_refuses_to_start(worker_env, tmp_path):
 
     env = {**worker_env, "STEPLOCK_TTL": "0"}
     worker = servers.ProcessGroup(
-        [sys.executable, "-m", "celery", "-A", "django_app", "worker", "-l", "INFO", "-c", "1",
-         "-n", "bad@%h", "--without-mingle", "--without-gossip"],
-        env=env, cwd=servers.ROOT, logfile=tmp_path / "bad.log").start()
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "django_app",
+            "worker",
+            "-l",
+            "INFO",
+            "-c",
+            "1",
+            "-n",
+            "bad@%h",
+            "--without-mingle",
+            "--without-gossip",
+        ],
+        env=env,
+        cwd=servers.ROOT,
+        logfile=tmp_path / "bad.log",
+    ).start()
     deadline = time.monotonic() + 60
     while worker.alive() and time.monotonic() < deadline:
         time.sleep(0.1)

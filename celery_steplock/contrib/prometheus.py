@@ -49,6 +49,7 @@ aggregates them: counters and histograms summed over every process that ever ran
 that exits has its gauge files removed on ``worker_process_shutdown``, and the scrape leaves
 out the gauge of a process that is gone without it, e.g. SIGKILLed).
 """
+
 from __future__ import annotations
 
 import glob
@@ -64,22 +65,51 @@ from prometheus_client import start_http_server as _start_http_server
 from .. import signals
 from ..events import log_event
 
-__all__ = ["install", "uninstall", "serve", "scrape_registry", "multiprocess_dir", "Metrics",
-           "MultiProcessCollector", "OUTCOMES"]
+__all__ = [
+    "install",
+    "uninstall",
+    "serve",
+    "scrape_registry",
+    "multiprocess_dir",
+    "Metrics",
+    "MultiProcessCollector",
+    "OUTCOMES",
+]
 
 #: The outcome each signal stands for (``steplock_outcomes_total``).
-OUTCOMES = {"transition_applied": "committed", "transition_conflict": "conflict",
-            "lock_contended": "contended", "lock_lost": "lost",
-            "lock_store_error": "store_error", "lock_expired": "reaped",
-            "idempotency_replayed": "replayed", "idempotency_completed": "recorded",
-            "idempotency_conflict": "idempotency_conflict",
-            "idempotency_failed": "idempotency_failed",
-            "concurrency_limited": "concurrency_limited", "slot_expired": "slot_expired"}
+OUTCOMES = {
+    "transition_applied": "committed",
+    "transition_conflict": "conflict",
+    "lock_contended": "contended",
+    "lock_lost": "lost",
+    "lock_store_error": "store_error",
+    "lock_expired": "reaped",
+    "idempotency_replayed": "replayed",
+    "idempotency_completed": "recorded",
+    "idempotency_conflict": "idempotency_conflict",
+    "idempotency_failed": "idempotency_failed",
+    "concurrency_limited": "concurrency_limited",
+    "slot_expired": "slot_expired",
+}
 
-WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                30.0, 60.0)
-HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
-                3600.0)
+WAIT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -95,44 +125,100 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "steplock"):
         self.registry = REGISTRY if registry is None else registry
         kw: dict[str, Any] = {"registry": self.registry}
-        self.events = Counter(f"{prefix}_events", "celery-steplock signals sent, by event and "
-                              "task", ["event", "task"], **kw)
-        self.outcomes = Counter(f"{prefix}_outcomes", "Outcomes of lease and transition "
-                                "events, by task", ["task", "outcome"], **kw)
-        self.wait = Histogram(f"{prefix}_wait_seconds", "Time to acquire a lease (granted or "
-                              "contended), seconds", ["task"], buckets=WAIT_BUCKETS, **kw)
-        self.hold = Histogram(f"{prefix}_hold_seconds", "Time a lease was held, grant to "
-                              "release, seconds", ["task"], buckets=HOLD_BUCKETS, **kw)
-        self.cas = Histogram(f"{prefix}_cas_seconds", "Duration of a committed "
-                             "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
-        self.commit = Histogram(f"{prefix}_commit_seconds", "Duration of the COMMIT after a "
-                                "compare-and-swap, seconds", ["task"], buckets=DB_BUCKETS, **kw)
-        self.idempotency = Counter(f"{prefix}_idempotency", "Idempotency record decisions, by "
-                                   "namespace (task, function or view) and outcome",
-                                   ["namespace", "outcome"], **kw)
+        self.events = Counter(
+            f"{prefix}_events",
+            "celery-steplock signals sent, by event and task",
+            ["event", "task"],
+            **kw,
+        )
+        self.outcomes = Counter(
+            f"{prefix}_outcomes",
+            "Outcomes of lease and transition events, by task",
+            ["task", "outcome"],
+            **kw,
+        )
+        self.wait = Histogram(
+            f"{prefix}_wait_seconds",
+            "Time to acquire a lease (granted or contended), seconds",
+            ["task"],
+            buckets=WAIT_BUCKETS,
+            **kw,
+        )
+        self.hold = Histogram(
+            f"{prefix}_hold_seconds",
+            "Time a lease was held, grant to release, seconds",
+            ["task"],
+            buckets=HOLD_BUCKETS,
+            **kw,
+        )
+        self.cas = Histogram(
+            f"{prefix}_cas_seconds",
+            "Duration of a committed compare-and-swap, seconds",
+            ["task"],
+            buckets=DB_BUCKETS,
+            **kw,
+        )
+        self.commit = Histogram(
+            f"{prefix}_commit_seconds",
+            "Duration of the COMMIT after a compare-and-swap, seconds",
+            ["task"],
+            buckets=DB_BUCKETS,
+            **kw,
+        )
+        self.idempotency = Counter(
+            f"{prefix}_idempotency",
+            "Idempotency record decisions, by namespace (task, function or view) and outcome",
+            ["namespace", "outcome"],
+            **kw,
+        )
         self.circuit_transitions = Counter(
-            f"{prefix}_circuit_transitions", "Circuit breaker state changes, by breaker, new "
-            "state and whether an operator made it", ["breaker", "state", "manual"], **kw)
-        self.circuit_rejected = Counter(f"{prefix}_circuit_rejected", "Calls refused by an "
-                                        "open circuit breaker", ["breaker"], **kw)
-        self.retry_decisions = Counter(f"{prefix}_retry_decisions", "Retry policy decisions "
-                                       "after a failed attempt", ["task", "decision"], **kw)
-        self.held = Gauge(f"{prefix}_leases_held", "Leases held by live processes", ["task"],
-                          multiprocess_mode="livesum", **kw)
-        self.slots = Gauge(f"{prefix}_slots_held", "Concurrency-limit slots held by live "
-                           "processes", ["task"], multiprocess_mode="livesum", **kw)
+            f"{prefix}_circuit_transitions",
+            "Circuit breaker state changes, by breaker, new state and whether an operator made it",
+            ["breaker", "state", "manual"],
+            **kw,
+        )
+        self.circuit_rejected = Counter(
+            f"{prefix}_circuit_rejected",
+            "Calls refused by an open circuit breaker",
+            ["breaker"],
+            **kw,
+        )
+        self.retry_decisions = Counter(
+            f"{prefix}_retry_decisions",
+            "Retry policy decisions after a failed attempt",
+            ["task", "decision"],
+            **kw,
+        )
+        self.held = Gauge(
+            f"{prefix}_leases_held",
+            "Leases held by live processes",
+            ["task"],
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.slots = Gauge(
+            f"{prefix}_slots_held",
+            "Concurrency-limit slots held by live processes",
+            ["task"],
+            multiprocess_mode="livesum",
+            **kw,
+        )
         self._slots: dict[tuple[str, str], str] = {}
         self.rate_decisions = Counter(
-            f"{prefix}_rate_limit_decisions", "Cluster-wide rate-limit decisions, by task, "
-            "limit and decision (allowed, limited)", ["task", "limit", "decision"], **kw)
+            f"{prefix}_rate_limit_decisions",
+            "Cluster-wide rate-limit decisions, by task, limit and decision (allowed, limited)",
+            ["task", "limit", "decision"],
+            **kw,
+        )
         # (key, owner) of the leases this process holds: a lease lost and then released (or
         # another process's lease released by an operator) is never counted twice.
         self._holding: dict[tuple[str, str], str] = {}
         self._holding_pid = os.getpid()
         self._lock = threading.Lock()
 
-    def receive(self, sender: Any = None, signal: Any = None, event: str | None = None,
-                **fields: Any) -> None:
+    def receive(
+        self, sender: Any = None, signal: Any = None, event: str | None = None, **fields: Any
+    ) -> None:
         """The receiver connected to every celery-steplock signal."""
         event = event or str(getattr(signal, "name", ""))
         task = fields.get("task_name") or ""
@@ -143,14 +229,16 @@ class Metrics:
         if outcome is not None:
             self.outcomes.labels(task, outcome).inc()
         if event.startswith("idempotency_"):
-            kind = event[len("idempotency_"):]
+            kind = event[len("idempotency_") :]
             if kind == "conflict":
                 kind = str(fields.get("reason") or kind)
             self.idempotency.labels(str(fields.get("name") or ""), kind).inc()
         if event in ("rate_limit_allowed", "rate_limited"):
-            self.rate_decisions.labels(task, fields.get("limit") or "",
-                                       "allowed" if event == "rate_limit_allowed"
-                                       else "limited").inc()
+            self.rate_decisions.labels(
+                task,
+                fields.get("limit") or "",
+                "allowed" if event == "rate_limit_allowed" else "limited",
+            ).inc()
         if event in ("lock_acquired", "lock_contended"):
             self._observe(self.wait, task, fields.get("wait_seconds"))
         elif event == "lock_released":
@@ -159,8 +247,11 @@ class Metrics:
             self._observe(self.cas, task, fields.get("cas_seconds"))
             self._observe(self.commit, task, fields.get("commit_seconds"))
         if event in ("circuit_opened", "circuit_half_opened", "circuit_closed"):
-            self.circuit_transitions.labels(fields.get("name") or "", fields.get("state") or "",
-                                            "true" if fields.get("manual") else "false").inc()
+            self.circuit_transitions.labels(
+                fields.get("name") or "",
+                fields.get("state") or "",
+                "true" if fields.get("manual") else "false",
+            ).inc()
         elif event == "circuit_rejected":
             self.circuit_rejected.labels(fields.get("name") or "").inc()
         elif event == "retry_policy_decided":
@@ -179,8 +270,14 @@ class Metrics:
         if isinstance(value, (int, float)) and value >= 0:
             histogram.labels(task).observe(value)
 
-    def _held(self, fields: dict[str, Any], task: str, add: bool, gauge: Any = None,
-              holding: dict[tuple[str, str], str] | None = None) -> None:
+    def _held(
+        self,
+        fields: dict[str, Any],
+        task: str,
+        add: bool,
+        gauge: Any = None,
+        holding: dict[tuple[str, str], str] | None = None,
+    ) -> None:
         gauge = self.held if gauge is None else gauge
         key, owner = fields.get("key"), fields.get("owner")
         if key is None or owner is None:
@@ -207,8 +304,14 @@ _install_lock = threading.Lock()
 _server_port: dict[str, Any] = {}
 
 
-def install(app=None, *, registry: CollectorRegistry | None = None, port: int | None = None,
-            addr: str = "127.0.0.1", prefix: str = "steplock") -> Metrics:
+def install(
+    app=None,
+    *,
+    registry: CollectorRegistry | None = None,
+    port: int | None = None,
+    addr: str = "127.0.0.1",
+    prefix: str = "steplock",
+) -> Metrics:
     """Start measuring: connect the receivers to every celery-steplock signal (once per
     process; a second call returns the first call's :class:`Metrics`). ``registry``: where
     the metrics are registered (default ``prometheus_client.REGISTRY``). ``port``: serve
@@ -271,8 +374,12 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
         files = []
         for path in glob.glob(os.path.join(self._path, "*.db")):
             parts = os.path.basename(path)[:-3].split("_")
-            if parts[0] == "gauge" and parts[1].startswith("live") and parts[-1].isdigit() \
-                    and not _alive(int(parts[-1])):
+            if (
+                parts[0] == "gauge"
+                and parts[1].startswith("live")
+                and parts[-1].isdigit()
+                and not _alive(int(parts[-1]))
+            ):
                 continue
             try:
                 if os.path.getsize(path) >= 8:  # the used-bytes header is written at creation
@@ -305,9 +412,13 @@ def _warn_without_multiprocess(sender=None, **kwargs) -> None:
     memory, which no scrape of the main process sees (an empty ``/metrics``, silently)."""
     pool = getattr(sender, "pool", None)
     if multiprocess_dir() is None and "prefork" in type(pool).__module__:
-        log_event("metrics_not_multiprocess", logging.WARNING, pool=type(pool).__name__,
-                  reason="set PROMETHEUS_MULTIPROC_DIR to an empty directory before the worker "
-                         "starts: the prefork children's metrics are not scraped without it")
+        log_event(
+            "metrics_not_multiprocess",
+            logging.WARNING,
+            pool=type(pool).__name__,
+            reason="set PROMETHEUS_MULTIPROC_DIR to an empty directory before the worker "
+            "starts: the prefork children's metrics are not scraped without it",
+        )
 
 
 def _serve_when_ready(sender=None, **kwargs) -> None:

@@ -15,6 +15,7 @@ blocks on ``faults:go:<step>:<point>`` until the controller pushes an instructio
 ``faults:history`` with ``ev``, ``t`` (wall clock seconds), ``pid``, ``step``, ``owner``,
 ``fence``, ``task_id`` and event fields.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,12 @@ def _redis():
         import redis
 
         url = os.environ.get("STEPLOCK_FAULTS_URL") or os.environ["REDIS_URL"]
-        _client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=BARRIER_TIMEOUT
-                                       + 30, socket_connect_timeout=5)
+        _client = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=BARRIER_TIMEOUT + 30,
+            socket_connect_timeout=5,
+        )
         _client_pid = os.getpid()
     return _client
 
@@ -91,15 +96,23 @@ def barrier(point: str, task, step_id) -> None:
     if not enabled():
         return
     lease = task.lease
-    info = {"step": step_id, "point": point, "task": task.name, "task_id": task.request.id,
-            "owner": lease.owner if lease else None, "fence": lease.fence if lease else None,
-            "backend_pid": _backend_pid()}
+    info = {
+        "step": step_id,
+        "point": point,
+        "task": task.name,
+        "task_id": task.request.id,
+        "owner": lease.owner if lease else None,
+        "fence": lease.fence if lease else None,
+        "backend_pid": _backend_pid(),
+    }
     record("point", **info)
     client = _redis()
     if not client.getdel(f"faults:arm:{step_id}:{point}"):
         return
-    client.rpush(f"faults:arrived:{step_id}:{point}",
-                 json.dumps({**info, "pid": os.getpid(), "t": time.time()}))
+    client.rpush(
+        f"faults:arrived:{step_id}:{point}",
+        json.dumps({**info, "pid": os.getpid(), "t": time.time()}),
+    )
     item = client.blpop(f"faults:go:{step_id}:{point}", timeout=BARRIER_TIMEOUT)
     instruction = item[1] if item else ""
     record("resumed", instruction=instruction, **info)
@@ -118,9 +131,15 @@ def work(task, seconds: float, check: bool = True) -> None:
 
 # -- receivers: library signals into the history ------------------------------------------
 
-_EVENTS = {"lock_acquired": "acquired", "lock_released": "released", "lock_lost": "lost",
-           "lock_contended": "contended", "transition_conflict": "conflict",
-           "transition_applied": "applied", "lock_store_error": "store_error"}
+_EVENTS = {
+    "lock_acquired": "acquired",
+    "lock_released": "released",
+    "lock_lost": "lost",
+    "lock_contended": "contended",
+    "transition_conflict": "conflict",
+    "transition_applied": "applied",
+    "lock_store_error": "store_error",
+}
 
 
 def _receiver(event):
@@ -128,9 +147,17 @@ def _receiver(event):
         step = kw.get("step_id")
         if step is None:
             step = step_of(kw.get("name"))
-        record(event, step=step, owner=kw.get("owner"), fence=kw.get("fence"),
-               task_id=kw.get("task_id"), task=kw.get("task_name"),
-               reason=kw.get("reason"), holder=kw.get("holder"))
+        record(
+            event,
+            step=step,
+            owner=kw.get("owner"),
+            fence=kw.get("fence"),
+            task_id=kw.get("task_id"),
+            task=kw.get("task_name"),
+            reason=kw.get("reason"),
+            holder=kw.get("holder"),
+        )
+
     receive.__name__ = f"faults_{event}"
     return receive
 
@@ -154,8 +181,7 @@ def task_ended(sender=None, task_id=None, task=None, state=None, **kw):
     step = (kw.get("kwargs") or {}).get("step_id")
     if step is None and kw.get("args"):
         step = kw["args"][0]
-    record("task_end", step=step, task_id=task_id, task=getattr(task, "name", None),
-           state=state)
+    record("task_end", step=step, task_id=task_id, task=getattr(task, "name", None), state=state)
 
 
 def connect() -> bool:

@@ -11,6 +11,7 @@ done.
 With ``STEPLOCK_FAULTS_UNGUARDED=1`` (the negative control) the transition is a plain
 ``UPDATE ... WHERE pk=?`` and the pre-check is off: what the suite must catch.
 """
+
 import os
 import socket
 
@@ -30,21 +31,43 @@ class FaultTask(StepLockedTask):
         probe.barrier("before_cas", self, step_id)
         lease = self.lease
         if probe.unguarded():
-            Step.objects.filter(pk=step_id).update(status=to, lock_owner=lease.owner,
-                                                   lock_fence=lease.fence)
+            Step.objects.filter(pk=step_id).update(
+                status=to, lock_owner=lease.owner, lock_fence=lease.fence
+            )
             result = None
         else:
             result = super().transition(step_id, from_, to, **updates)
         TransitionRecord.objects.create(
-            step_id=step_id, from_status=from_, to_status=to, task_name=self.name,
-            task_id=self.request.id or "", owner=lease.owner, fence=lease.fence,
-            hostname=self.request.hostname or socket.gethostname(), pid=os.getpid())
-        probe.record("cas", step=step_id, owner=lease.owner, fence=lease.fence,
-                     task_id=self.request.id, to=to)
+            step_id=step_id,
+            from_status=from_,
+            to_status=to,
+            task_name=self.name,
+            task_id=self.request.id or "",
+            owner=lease.owner,
+            fence=lease.fence,
+            hostname=self.request.hostname or socket.gethostname(),
+            pid=os.getpid(),
+        )
+        probe.record(
+            "cas",
+            step=step_id,
+            owner=lease.owner,
+            fence=lease.fence,
+            task_id=self.request.id,
+            to=to,
+        )
+
         def committed():
-            probe.record("committed", step=step_id, owner=lease.owner, fence=lease.fence,
-                         task_id=self.request.id, to=to)
+            probe.record(
+                "committed",
+                step=step_id,
+                owner=lease.owner,
+                fence=lease.fence,
+                task_id=self.request.id,
+                to=to,
+            )
             probe.barrier("after_commit", self, step_id)
+
         transaction.on_commit(committed)
         probe.barrier("after_cas", self, step_id)
         return result
@@ -56,10 +79,18 @@ class FaultTask(StepLockedTask):
 DB_ERRORS = (OperationalError, InterfaceError)
 
 OPTIONS = dict(
-    bind=True, base=FaultTask, acks_late=True, reject_on_worker_lost=True,
-    lock_key="step:{step_id}", step_model="workflows.Step", step_id_arg="step_id",
+    bind=True,
+    base=FaultTask,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
     lock_precheck=not probe.unguarded(),
-    autoretry_for=DB_ERRORS, retry_backoff=1, retry_backoff_max=4, retry_jitter=True,
+    autoretry_for=DB_ERRORS,
+    retry_backoff=1,
+    retry_backoff_max=4,
+    retry_jitter=True,
     max_retries=20,
 )
 

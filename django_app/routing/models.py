@@ -4,6 +4,7 @@
 step's transaction: a body whose transaction rolled back leaves them as they were, so
 ``attempts`` counts the committed bodies.
 """
+
 from django.db import models
 
 from celery_steplock.contrib.django.mixins import LeaseFencedStep

@@ -7,8 +7,17 @@ class TransitionRecordInline(admin.TabularInline):
     model = TransitionRecord
     extra = 0
     can_delete = False
-    fields = ("from_status", "to_status", "task_name", "task_id", "owner", "fence",
-              "hostname", "pid", "created_at")
+    fields = (
+        "from_status",
+        "to_status",
+        "task_name",
+        "task_id",
+        "owner",
+        "fence",
+        "hostname",
+        "pid",
+        "created_at",
+    )
     readonly_fields = fields
 
     def has_add_permission(self, request, obj=None):
@@ -25,8 +34,18 @@ class StepAdmin(admin.ModelAdmin):
 
 @admin.register(TransitionRecord)
 class TransitionRecordAdmin(admin.ModelAdmin):
-    list_display = ("id", "step", "from_status", "to_status", "task_name", "owner",
-                    "fence", "hostname", "pid", "created_at")
+    list_display = (
+        "id",
+        "step",
+        "from_status",
+        "to_status",
+        "task_name",
+        "owner",
+        "fence",
+        "hostname",
+        "pid",
+        "created_at",
+    )
     list_filter = ("to_status", "task_name")
     search_fields = ("task_id", "owner")
 

@@ -8,6 +8,7 @@
 transaction as the CAS: a transition that rolls back leaves no record, so the
 number of records of a step is the number of committed transitions.
 """
+
 from django.db import models
 
 from celery_steplock.contrib.django.mixins import LeaseFencedStep

@@ -7,6 +7,7 @@ only when the environment variable ``STEPLOCK_DEMO_STATS=1``; the key prefix is
 ``STEPLOCK_DEMO_STATS_URL``, else ``REDIS_URL``, else the Celery broker URL.
 A failing receiver never affects the task (errors are swallowed and logged).
 """
+
 import logging
 import os
 

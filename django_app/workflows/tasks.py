@@ -6,6 +6,7 @@ finds the step no longer ``pending`` (pre-check or CAS conflict) and changes
 nothing. Each writes a ``TransitionRecord`` inside its body, i.e. in the same
 DB transaction as the CAS, so a rolled-back attempt leaves no record.
 """
+
 import os
 import socket
 import time
@@ -58,8 +59,14 @@ def _bump_attempts(step_id):
 
 
 #: Options shared by the tasks that lock a step: they all take the lease ``step:<id>``.
-STEP_TASK = dict(bind=True, base=StepLockedTask, acks_late=True, lock_key="step:{step_id}",
-                 step_model="workflows.Step", step_id_arg="step_id")
+STEP_TASK = dict(
+    bind=True,
+    base=StepLockedTask,
+    acks_late=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+)
 
 
 def _move(task, step_id, delay, to):
@@ -126,8 +133,13 @@ def spin(self, step_id, seconds):
     self.lease.check()
     _record(self, step_id, "pending", "done")
     _bump_attempts(step_id)
-    return {"step_id": step_id, "fence": fence, "owner": self.lease.owner,
-            "retries": self.request.retries, "pid": os.getpid()}
+    return {
+        "step_id": step_id,
+        "fence": fence,
+        "owner": self.lease.owner,
+        "retries": self.request.retries,
+        "pid": os.getpid(),
+    }
 
 
 @shared_task
@@ -170,6 +182,10 @@ def claim_and_hold(self, step_id, seconds):
     with transaction.atomic():
         guard.transition(step_id, "running", "done", owner=lease.owner, fence=lease.fence)
         if get_lease_store(self.app).owned(lease.name, lease.owner) is None:
-            raise LockLost(f"lease {lease.key} lost before the commit", key=lease.key,
-                           owner=lease.owner, fence=lease.fence)
+            raise LockLost(
+                f"lease {lease.key} lost before the commit",
+                key=lease.key,
+                owner=lease.owner,
+                fence=lease.fence,
+            )
     return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}

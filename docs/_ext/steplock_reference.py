@@ -37,9 +37,12 @@ def settings_lines() -> list[str]:
         raise ValueError(f"celery_steplock.conf.DESCRIPTIONS lacks {', '.join(missing)}")
     lines = []
     for name, default in conf.DEFAULTS.items():
-        lines += [f"``steplock_{name}`` (Django: ``CELERY_STEPLOCK_{name.upper()}``), "
-                  f"default {_literal(default)}",
-                  f": {_cell(conf.DESCRIPTIONS[name])}", ""]
+        lines += [
+            f"``steplock_{name}`` (Django: ``CELERY_STEPLOCK_{name.upper()}``), "
+            f"default {_literal(default)}",
+            f": {_cell(conf.DESCRIPTIONS[name])}",
+            "",
+        ]
     return lines
 
 
@@ -62,8 +65,14 @@ def signals_lines() -> list[str]:
     """One ``py:data`` entry per signal (MyST Markdown lines)."""
     lines = []
     for name, text in signal_docs():
-        lines += [f"```{{py:data}} celery_steplock.signals.{name}", ":no-index:", "",
-                  text, "```", ""]
+        lines += [
+            f"```{{py:data}} celery_steplock.signals.{name}",
+            ":no-index:",
+            "",
+            text,
+            "```",
+            "",
+        ]
     return lines
 
 
@@ -83,8 +92,9 @@ class _Generated(SphinxDirective):
     def run(self) -> list[nodes.Node]:
         # Parsed by the page's own parser: the pages are MyST Markdown.
         container = nodes.container()
-        self.state.nested_parse(StringList(self.lines(), source="steplock_reference"),
-                                self.content_offset, container)
+        self.state.nested_parse(
+            StringList(self.lines(), source="steplock_reference"), self.content_offset, container
+        )
         return container.children
 
 

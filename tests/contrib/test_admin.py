@@ -5,6 +5,7 @@ the database is the test database of pytest-django. How many keys one SCAN step 
 depends on the Redis server's per-start hash seed (a step returns whole hash buckets), so the
 page tests assert the bounds ``lease_page`` guarantees, never the figures of one run.
 """
+
 from __future__ import annotations
 
 import html as html_lib
@@ -29,8 +30,14 @@ from django.urls import NoReverseMatch, reverse
 
 from celery_steplock import signals
 from celery_steplock.contrib.django.admin import LeaseAdmin
-from celery_steplock.contrib.django.leases import (STOP_BUDGET, STOP_COMPLETE, STOP_FULL,
-                                                   STOP_NO_ROOM, STOP_STEPS, lease_page)
+from celery_steplock.contrib.django.leases import (
+    STOP_BUDGET,
+    STOP_COMPLETE,
+    STOP_FULL,
+    STOP_NO_ROOM,
+    STOP_STEPS,
+    lease_page,
+)
 from celery_steplock.contrib.django.models import Lease, LeaseEvent
 from celery_steplock.keys import lease_key
 from celery_steplock.lock import get_lease_store, holder_metadata
@@ -54,8 +61,11 @@ def store(app, redis_client):
 
 def grab(store, name, task_name=ADVANCE, step=None, ttl=60.0, worker="w1@box"):
     """Acquire ``name`` with the metadata a StepLockedTask stores; returns the Lease."""
-    lease = store.acquire(name, ttl=ttl, metadata=holder_metadata(
-        uuid.uuid4().hex, task_name, 0, worker=worker, step=step))
+    lease = store.acquire(
+        name,
+        ttl=ttl,
+        metadata=holder_metadata(uuid.uuid4().hex, task_name, 0, worker=worker, step=step),
+    )
     assert lease is not None
     return lease
 
@@ -64,8 +74,9 @@ def staff_user(django_user_model, username, *perms):
     user = django_user_model.objects.create_user(username, password="pw", is_staff=True)
     for perm in perms:
         app_label, codename = perm.split(".")
-        user.user_permissions.add(Permission.objects.get(
-            content_type__app_label=app_label, codename=codename))
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
     return user
 
 
@@ -76,8 +87,12 @@ def viewer(django_user_model):
 
 @pytest.fixture
 def releaser(django_user_model):
-    return staff_user(django_user_model, "releaser", "celery_steplock.view_lease",
-                      "celery_steplock.force_release_lease")
+    return staff_user(
+        django_user_model,
+        "releaser",
+        "celery_steplock.view_lease",
+        "celery_steplock.force_release_lease",
+    )
 
 
 def fill(store, names, task_name=ADVANCE, ttl_ms=600_000):
@@ -88,11 +103,21 @@ def fill(store, names, task_name=ADVANCE, ttl_ms=600_000):
     pipe = store.client.pipeline(transaction=False)
     for i, name in enumerate(names):
         key = lease_key(store.prefix, name)
-        pipe.hset(key, mapping={
-            "owner": uuid.uuid4().hex, "task_name": task_name(i) if callable(task_name)
-            else task_name, "task_id": str(uuid.uuid4()), "hostname": "box", "pid": 1000 + i,
-            "worker": "w1@box", "fence": i + 1, "acquired_ms": now - i, "renewed_ms": now,
-            "ttl_ms": ttl_ms})
+        pipe.hset(
+            key,
+            mapping={
+                "owner": uuid.uuid4().hex,
+                "task_name": task_name(i) if callable(task_name) else task_name,
+                "task_id": str(uuid.uuid4()),
+                "hostname": "box",
+                "pid": 1000 + i,
+                "worker": "w1@box",
+                "fence": i + 1,
+                "acquired_ms": now - i,
+                "renewed_ms": now,
+                "ttl_ms": ttl_ms,
+            },
+        )
         pipe.pexpire(key, ttl_ms)
         if i % 10_000 == 9_999:
             pipe.execute()
@@ -121,13 +146,15 @@ def assert_bounded(page, per_page, key_budget, max_steps):
     assert page.steps <= max_steps
     assert len(page.leases) <= per_page or page.overran
     assert page.examined <= page.read  # every row shown was read by this very page
-    reasons = {STOP_COMPLETE: page.complete,
-               STOP_FULL: len(page.leases) >= per_page - per_page // 20,
-               STOP_NO_ROOM: not page.complete,
-               # spent, or the next step's keys (declined) did not fit in what was left
-               STOP_BUDGET: (page.read == key_budget or page.read + page.declined > key_budget)
-               and not page.complete,
-               STOP_STEPS: page.steps == max_steps and not page.complete}
+    reasons = {
+        STOP_COMPLETE: page.complete,
+        STOP_FULL: len(page.leases) >= per_page - per_page // 20,
+        STOP_NO_ROOM: not page.complete,
+        # spent, or the next step's keys (declined) did not fit in what was left
+        STOP_BUDGET: (page.read == key_budget or page.read + page.declined > key_budget)
+        and not page.complete,
+        STOP_STEPS: page.steps == max_steps and not page.complete,
+    }
     assert page.stop in reasons and reasons[page.stop], (page.stop, page)
 
 
@@ -147,6 +174,7 @@ def messages_of(response):
 
 # -- access ----------------------------------------------------------------------------------
 
+
 def test_anonymous_is_sent_to_the_login_page(client, store):
     url = reverse(CHANGELIST)
     response = client.get(url)
@@ -162,14 +190,15 @@ def test_staff_without_view_lease_gets_403(django_user_model, store):
 
 
 def test_permissions_exist_and_there_is_no_delete_or_add_view(viewer):
-    codenames = set(Permission.objects.filter(
-        content_type=ContentType.objects.get_for_model(Lease)).values_list("codename",
-                                                                           flat=True))
+    codenames = set(
+        Permission.objects.filter(
+            content_type=ContentType.objects.get_for_model(Lease)
+        ).values_list("codename", flat=True)
+    )
     assert codenames == {"view_lease", "force_release_lease"}
     for name in ("add", "delete", "history"):
         with pytest.raises(NoReverseMatch):
-            reverse(f"admin:celery_steplock_lease_{name}", args=("x",) if name != "add"
-                    else ())
+            reverse(f"admin:celery_steplock_lease_{name}", args=("x",) if name != "add" else ())
     assert LeaseAdmin(Lease, None).get_actions(None) == {}
 
 
@@ -197,6 +226,7 @@ def test_admin_index_lists_held_leases_for_a_viewer(viewer, store):
 
 # -- the list --------------------------------------------------------------------------------
 
+
 def test_lists_leases_with_holder_details_never_cached(viewer, store):
     step = Step.objects.create(name="s")
     one = grab(store, f"step:{step.pk}", step=f"workflows.step:{step.pk}")
@@ -206,8 +236,17 @@ def test_lists_leases_with_holder_details_never_cached(viewer, store):
     assert "no-store" in response["Cache-Control"] and "max-age=0" in response["Cache-Control"]
     assert sorted(names_on(response)) == sorted([one.name, two.name])
     html = response.content.decode().replace("<wbr>", "")  # dotted names may wrap
-    for text in (one.name, ADVANCE, "reports.build", "w1@box", "w2@other",
-                 str(one.fence), str(two.fence), f"workflows.step:{step.pk}", one.owner[:8]):
+    for text in (
+        one.name,
+        ADVANCE,
+        "reports.build",
+        "w1@box",
+        "w2@other",
+        str(one.fence),
+        str(two.fence),
+        f"workflows.step:{step.pk}",
+        one.owner[:8],
+    ):
         assert text in html
     rows = {row["lease"].name: row for row in response.context["rows"]}
     lease = rows[one.name]["lease"]
@@ -225,9 +264,14 @@ def test_pages_extend_djangos_own_admin_templates(admin_client, store):
     lease = grab(store, "step:1", task_name="billing.charge")
     response = admin_client.get(reverse(CHANGELIST), {"task_name": "billing.charge"})
     used = [t.name for t in response.templates]
-    for name in ("admin/celery_steplock/lease/change_list.html", "admin/change_list.html",
-                 "admin/base_site.html", "admin/search_form.html", "admin/filter.html",
-                 "admin/celery_steplock/lease/pagination.html"):
+    for name in (
+        "admin/celery_steplock/lease/change_list.html",
+        "admin/change_list.html",
+        "admin/base_site.html",
+        "admin/search_form.html",
+        "admin/filter.html",
+        "admin/celery_steplock/lease/pagination.html",
+    ):
         assert name in used, (name, used)
     assert "admin/pagination.html" not in used  # no numbered pages for a SCAN
     html = response.content.decode()
@@ -236,8 +280,7 @@ def test_pages_extend_djangos_own_admin_templates(admin_client, store):
     # Django's "Clear all filters" drops the filter and keeps the search.
     assert response.context["cl"].clear_all_filters_qs == "?"
     assert 'name="task_name" value="billing.charge"' in html  # the search keeps the filter
-    response = admin_client.get(reverse(CHANGELIST), {"task_name": "billing.charge",
-                                                      "q": "step"})
+    response = admin_client.get(reverse(CHANGELIST), {"task_name": "billing.charge", "q": "step"})
     assert response.context["cl"].clear_all_filters_qs == "?q=step"
     response = admin_client.get(reverse(RELEASE), {"name": lease.name})
     used = [t.name for t in response.templates]
@@ -252,8 +295,7 @@ def test_superuser_gets_step_and_task_result_links(admin_client, store):
     grab(store, "other", step="nosuchapp.model:3")
     response = admin_client.get(reverse(CHANGELIST))
     rows = {row["lease"].name: row for row in response.context["rows"]}
-    assert rows[one.name]["step_url"] == reverse("admin:workflows_step_change",
-                                                 args=(step.pk,))
+    assert rows[one.name]["step_url"] == reverse("admin:workflows_step_change", args=(step.pk,))
     task_id = response.context["rows"][0]["lease"].task_id
     assert task_id
     task_url = rows[one.name]["task_url"]
@@ -284,8 +326,9 @@ def test_search_by_task_name_step_id_and_filter_by_task_name(viewer, store):
     assert names_on(client.get(url, {"q": task_id})) == ["c"]
     response = client.get(url, {"task_name": "mail.send"})
     # the filter sidebar offers the registered StepLockedTasks plus the active filter
-    choices = {str(c["display"]).replace("<wbr>", ""): c
-               for c in response.context["filter_choices"]}
+    choices = {
+        str(c["display"]).replace("<wbr>", ""): c for c in response.context["filter_choices"]
+    }
     assert choices["mail.send"]["selected"] and ADVANCE in choices
     assert "task_name=mail.send" not in choices["All"]["query_string"]
 
@@ -303,8 +346,9 @@ def test_pagination_visits_every_lease_exactly_once(viewer, store, monkeypatch):
         assert response.status_code == 200
         pages += 1
         seen.update(names_on(response))
-        assert_bounded(response.context["page"], 40, LeaseAdmin.scan_key_budget,
-                       LeaseAdmin.max_scan_steps)
+        assert_bounded(
+            response.context["page"], 40, LeaseAdmin.scan_key_budget, LeaseAdmin.max_scan_steps
+        )
         query = response.context["next_url"]
         if query is not None:
             assert f'href="{query.replace("&", "&amp;")}"' in response.content.decode()
@@ -317,9 +361,11 @@ def test_pagination_visits_every_lease_exactly_once(viewer, store, monkeypatch):
 PAGE_BOUNDS = (LeaseAdmin.list_per_page, LeaseAdmin.scan_key_budget, LeaseAdmin.max_scan_steps)
 
 
-@pytest.mark.parametrize("params", [{}, {"q": "bulk"}, {"q": "advance"},
-                                    {"task_name": compensate.name}],
-                         ids=["all", "search-matching-all", "search-half", "task-filter"])
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"q": "bulk"}, {"q": "advance"}, {"task_name": compensate.name}],
+    ids=["all", "search-matching-all", "search-half", "task-filter"],
+)
 def test_1050_leases_each_once_on_pages_of_at_most_100(viewer, store, params):
     """Whole SCAN steps, never more than list_per_page rows: the steps are sized to fit."""
     names = [f"bulk:{i}" for i in range(1050)]
@@ -364,8 +410,10 @@ def test_the_key_budget_holds_on_every_page_of_a_walk(store, budget):
     assert set(seen) == names and set(seen.values()) == {1}
     # every lease was read by the page that shows it; none of it beyond a page's budget
     assert sum(p.read for p in pages) >= 400
-    assert len([p for p in pages if not p.overran]) * budget + sum(
-        p.read for p in pages if p.overran) >= 400
+    assert (
+        len([p for p in pages if not p.overran]) * budget + sum(p.read for p in pages if p.overran)
+        >= 400
+    )
     assert sum(p.examined for p in pages) == 400
 
 
@@ -388,17 +436,20 @@ def test_rare_search_pages_say_how_many_keys_were_examined(viewer, store, monkey
         if not page.complete:
             assert page.stop in (STOP_BUDGET, STOP_STEPS) and page.short
             assert "next page" in text
-            assert (f"Each page reads at most 300 lease keys: this one examined "
-                    f"{page.examined} lease keys in {page.steps} SCAN round trips, and "
-                    f"{len(page.leases)} of them match") in text
+            assert (
+                f"Each page reads at most 300 lease keys: this one examined "
+                f"{page.examined} lease keys in {page.steps} SCAN round trips, and "
+                f"{len(page.leases)} of them match"
+            ) in text
             assert f"{scanned} lease keys examined so far" in text
             assert f"the Redis database holds {store.client.dbsize()} keys" in text
         assert f"({page.read} read, of at most 300)" in text
     assert scanned == 1050
     # a new search starts over: the count of a previous walk is not carried along
     choices = responses[-1].context["filter_choices"]
-    assert all("scanned=" not in c["query_string"] and "cursor=" not in c["query_string"]
-               for c in choices)
+    assert all(
+        "scanned=" not in c["query_string"] and "cursor=" not in c["query_string"] for c in choices
+    )
 
 
 def test_first_page_is_bounded_with_100000_leases(viewer, store):
@@ -407,13 +458,21 @@ def test_first_page_is_bounded_with_100000_leases(viewer, store):
     ``scan_key_budget`` lease hashes in at most ``max_scan_steps`` SCAN round trips and shows
     at most ``list_per_page`` rows, filtered or not; a page that ends at a bound says which,
     and offers the next page."""
-    fill(store, [f"load:{i}" for i in range(100_000)],
-         task_name=lambda i: ADVANCE if i % 2 else compensate.name)
+    fill(
+        store,
+        [f"load:{i}" for i in range(100_000)],
+        task_name=lambda i: ADVANCE if i % 2 else compensate.name,
+    )
     assert store.client.dbsize() >= 100_000
     client = login(viewer)
     figures = {}
-    for params in ({}, {"q": "load"}, {"q": "advance"}, {"task_name": ADVANCE},
-                   {"q": "no-such-task"}):
+    for params in (
+        {},
+        {"q": "load"},
+        {"q": "advance"},
+        {"task_name": ADVANCE},
+        {"q": "no-such-task"},
+    ):
         response = client.get(reverse(CHANGELIST), params)
         assert response.status_code == 200 and response.context["next_url"]
         page = response.context["page"]
@@ -421,7 +480,12 @@ def test_first_page_is_bounded_with_100000_leases(viewer, store):
         assert page.stop != STOP_COMPLETE and page.next_cursor != 0
         assert len(response.context["rows"]) == len(page.leases)
         figures[params.get("q") or params.get("task_name") or "all"] = (
-            page.read, page.steps, page.rescans, len(page.leases), page.stop)
+            page.read,
+            page.steps,
+            page.rescans,
+            len(page.leases),
+            page.stop,
+        )
     print(f"\nfirst page of 100000 leases (read, SCAN steps, rescans, rows, stop): {figures}")
     # a search that matches nothing ends at a bound, and says so
     read, steps, _rescans, rows, stop = figures["no-such-task"]
@@ -454,10 +518,16 @@ def test_a_fresh_web_process_lists_the_autodiscovered_tasks(store):
                         for c in response.context_data["filter_choices"]],
             "imported": "django_app.workflows.tasks" in sys.modules}))
     """
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "django_app.settings",
-           "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=False,
-                            capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "django_app.settings", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout.strip().splitlines()[-1])
     assert shown["imported"]
@@ -473,12 +543,12 @@ def test_redis_unreachable_renders_an_error_not_a_500(app, viewer, releaser):
     response = login(releaser).get(reverse(RELEASE), {"name": "x"}, follow=True)
     assert response.status_code == 200
     assert any("could not be read" in m for m in messages_of(response))
-    response = login(releaser).post(reverse(RELEASE), {"name": "x", "owner": "y"},
-                                    follow=True)
+    response = login(releaser).post(reverse(RELEASE), {"name": "x", "owner": "y"}, follow=True)
     assert any("nothing released" in m for m in messages_of(response))
 
 
 # -- force release -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def released_signals():
@@ -528,8 +598,15 @@ def test_confirmation_page_shows_the_holder_and_get_never_releases(releaser, sto
     response = login(releaser).get(reverse(RELEASE), {"name": lease.name})
     assert response.status_code == 200
     html = response.content.decode()
-    for text in (lease.owner, ADVANCE, lease.task_id, "w1@box", str(lease.fence),
-                 "workflows.step:1", 'method="post"'):
+    for text in (
+        lease.owner,
+        ADVANCE,
+        lease.task_id,
+        "w1@box",
+        str(lease.fence),
+        "workflows.step:1",
+        'method="post"',
+    ):
         assert text in html
     assert response.context["form"].initial["owner"] == lease.owner
     assert f'name="owner" value="{lease.owner}"' in html
@@ -552,9 +629,11 @@ def test_stale_owner_releases_nothing(releaser, store, released_signals):
     # the holder finishes and another attempt takes the lease before the operator confirms
     assert store.release(lease.name, lease.owner)
     newer = grab(store, lease.name, task_name=compensate.name)
-    response = client.post(reverse(RELEASE), {"name": lease.name, "owner": shown,
-                                              "csrfmiddlewaretoken": csrf_token_of(page)},
-                           follow=True)
+    response = client.post(
+        reverse(RELEASE),
+        {"name": lease.name, "owner": shown, "csrfmiddlewaretoken": csrf_token_of(page)},
+        follow=True,
+    )
     assert response.status_code == 200
     [message] = messages_of(response)
     assert "now held by another owner" in message and "nothing released" in message
@@ -563,9 +642,11 @@ def test_stale_owner_releases_nothing(releaser, store, released_signals):
     assert not LogEntry.objects.exists() and released_signals == []
     # and once it is gone altogether
     assert store.release(lease.name, newer.owner)
-    response = client.post(reverse(RELEASE), {"name": lease.name, "owner": newer.owner,
-                                              "csrfmiddlewaretoken": csrf_token_of(page)},
-                           follow=True)
+    response = client.post(
+        reverse(RELEASE),
+        {"name": lease.name, "owner": newer.owner, "csrfmiddlewaretoken": csrf_token_of(page)},
+        follow=True,
+    )
     [message] = messages_of(response)
     assert "already gone" in message and "nothing released" in message
 
@@ -580,10 +661,16 @@ def test_force_release_by_the_shown_owner(releaser, store, released_signals):
     page = client.get(row["release_url"])
     assert page.status_code == 200
     form = page.context["form"].initial
-    response = client.post(row["release_url"], {
-        "name": form["name"], "owner": form["owner"],
-        "changelist_filters": form["changelist_filters"],
-        "csrfmiddlewaretoken": csrf_token_of(page)}, REMOTE_ADDR="192.0.2.7")
+    response = client.post(
+        row["release_url"],
+        {
+            "name": form["name"],
+            "owner": form["owner"],
+            "changelist_filters": form["changelist_filters"],
+            "csrfmiddlewaretoken": csrf_token_of(page),
+        },
+        REMOTE_ADDR="192.0.2.7",
+    )
     assert response.status_code == 302
     assert response["Location"] == reverse(CHANGELIST) + "?q=workflows"  # filters kept
     assert store.inspect(lease.name) is None
@@ -598,9 +685,17 @@ def test_force_release_by_the_shown_owner(releaser, store, released_signals):
     # the audit record shared with `celery steplock release`
     [record] = LeaseEvent.objects.filter(event="force_release")
     assert (record.actor, record.actor_host, record.via, record.outcome) == (
-        "releaser", "192.0.2.7", "admin", "released")
+        "releaser",
+        "192.0.2.7",
+        "admin",
+        "released",
+    )
     assert (record.name, record.owner, record.fence, record.task_name) == (
-        lease.name, lease.owner, lease.fence, ADVANCE)
+        lease.name,
+        lease.owner,
+        lease.fence,
+        ADVANCE,
+    )
     [sent] = released_signals
     assert sent["forced"] is True and sent["event"] == "lock_released"
     assert sent["owner"] == lease.owner and sent["fence"] == lease.fence
@@ -626,6 +721,7 @@ def test_lease_event_admin_is_read_only(admin_client):
 
 # -- the audit record commits before the delete (issue 12, finding 3) -----------------------
 
+
 @contextmanager
 def failing_commit(table, on="INSERT"):
     """While inside, the COMMIT of a transaction that wrote ``table`` (``on``: INSERT or
@@ -637,32 +733,42 @@ def failing_commit(table, on="INSERT"):
 
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute("CREATE OR REPLACE FUNCTION steplock_test_refuse() RETURNS trigger "
-                           "AS $$ BEGIN RAISE EXCEPTION 'the database refused the commit'; "
-                           "END $$ LANGUAGE plpgsql")
-            cursor.execute(f"CREATE CONSTRAINT TRIGGER steplock_test_refuse AFTER {on} ON "
-                           f"{table} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE "
-                           f"PROCEDURE steplock_test_refuse()")
+            cursor.execute(
+                "CREATE OR REPLACE FUNCTION steplock_test_refuse() RETURNS trigger "
+                "AS $$ BEGIN RAISE EXCEPTION 'the database refused the commit'; "
+                "END $$ LANGUAGE plpgsql"
+            )
+            cursor.execute(
+                f"CREATE CONSTRAINT TRIGGER steplock_test_refuse AFTER {on} ON "
+                f"{table} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE "
+                f"PROCEDURE steplock_test_refuse()"
+            )
         else:
-            cursor.execute(f"CREATE TRIGGER steplock_test_refuse AFTER {on} ON {table} BEGIN "
-                           f"INSERT INTO django_admin_log (action_time, object_id, "
-                           f"object_repr, action_flag, change_message, user_id) VALUES "
-                           f"(CURRENT_TIMESTAMP, 'x', 'x', 1, '', -1); END")
+            cursor.execute(
+                f"CREATE TRIGGER steplock_test_refuse AFTER {on} ON {table} BEGIN "
+                f"INSERT INTO django_admin_log (action_time, object_id, "
+                f"object_repr, action_flag, change_message, user_id) VALUES "
+                f"(CURRENT_TIMESTAMP, 'x', 'x', 1, '', -1); END"
+            )
     try:
         yield
     finally:
         with connection.cursor() as cursor:
-            cursor.execute(f"DROP TRIGGER IF EXISTS steplock_test_refuse"
-                           f"{' ON ' + table if connection.vendor == 'postgresql' else ''}")
+            cursor.execute(
+                f"DROP TRIGGER IF EXISTS steplock_test_refuse"
+                f"{' ON ' + table if connection.vendor == 'postgresql' else ''}"
+            )
             if connection.vendor == "postgresql":
                 cursor.execute("DROP FUNCTION IF EXISTS steplock_test_refuse()")
 
 
 def post_release(client, lease):
     page = client.get(reverse(RELEASE), {"name": lease.name})
-    return client.post(reverse(RELEASE), {"name": lease.name, "owner": lease.owner,
-                                          "csrfmiddlewaretoken": csrf_token_of(page)},
-                       follow=True)
+    return client.post(
+        reverse(RELEASE),
+        {"name": lease.name, "owner": lease.owner, "csrfmiddlewaretoken": csrf_token_of(page)},
+        follow=True,
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -683,8 +789,9 @@ def test_a_record_that_fails_at_commit_releases_nothing(releaser, store, release
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_outcome_that_fails_at_commit_is_reported_as_a_release(releaser, store,
-                                                                   released_signals):
+def test_an_outcome_that_fails_at_commit_is_reported_as_a_release(
+    releaser, store, released_signals
+):
     """The request committed, the lease was deleted, then the outcome's commit fails: the
     page says it was released and that its record still says "requested"."""
     lease = grab(store, "step:1")
@@ -696,8 +803,7 @@ def test_an_outcome_that_fails_at_commit_is_reported_as_a_release(releaser, stor
     assert "outcome could not be recorded" in message and "requested" in message
     assert store.inspect(lease.name) is None
     [record] = LeaseEvent.objects.filter(event="force_release")
-    assert (record.outcome, record.actor, record.owner) == (
-        "requested", "releaser", lease.owner)
+    assert (record.outcome, record.actor, record.owner) == ("requested", "releaser", lease.owner)
     assert f"LeaseEvent {record.pk}" in message
     entry = LogEntry.objects.get()
     assert entry.action_flag == DELETION and lease.owner in entry.change_message
@@ -736,6 +842,7 @@ def test_a_holder_changed_after_the_request_leaves_both_records(releaser, store,
 
 # -- corrupt leases (issue 12, finding 5) --------------------------------------------------
 
+
 def corrupt(redis_client, store, name, **fields):
     """Overwrite fields of the lease hash ``name`` as a buggy or hostile writer would."""
     redis_client.hset(store.key(name), mapping=fields)
@@ -744,16 +851,19 @@ def corrupt(redis_client, store, name, **fields):
 def test_malformed_leases_are_shown_as_such_never_a_500(viewer, releaser, store, redis_client):
     good = grab(store, "step:1")
     grab(store, "step:2")
-    corrupt(redis_client, store, "step:2", acquired_ms="yesterday", renewed_ms="soon",
-            pid="9" * 40)
+    corrupt(
+        redis_client, store, "step:2", acquired_ms="yesterday", renewed_ms="soon", pid="9" * 40
+    )
     grab(store, "step:3")
     corrupt(redis_client, store, "step:3", meta='{"task_name": ["not", "a", "string"]}')
     raw = redis_client.connection_pool.connection_kwargs.copy()
     import redis as redis_py
 
     binary = redis_py.Redis(host=raw["host"], port=raw["port"], db=raw.get("db", 0))
-    binary.hset(store.key("step:4"), mapping={"owner": b"\xff\xfeowner", "fence": b"1",
-                                              "meta": b'{"task_name": "caf\xe9"}'})
+    binary.hset(
+        store.key("step:4"),
+        mapping={"owner": b"\xff\xfeowner", "fence": b"1", "meta": b'{"task_name": "caf\xe9"}'},
+    )
     binary.pexpire(store.key("step:4"), 60000)
     binary.close()
     redis_client.hset(store.key("step:5"), mapping={"fence": "12"})  # no owner at all

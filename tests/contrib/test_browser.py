@@ -18,6 +18,7 @@ with apt-get; ``STEPLOCK_CHROMIUM`` names another binary); Playwright only drive
 (``playwright install`` is never needed). Without either, the test skips, except with
 ``CI=true``, where it fails.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,15 +41,23 @@ pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 ROOT = Path(__file__).resolve().parents[2]
 DJANGO = "%d.%d" % django.VERSION[:2]
 SCREENSHOT = ROOT / "docs" / "img" / f"admin-leases-django-{DJANGO}.png"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 HOLD = 30.0  # seconds the worker's tasks hold their leases (released earlier by the test)
 VIEWPORT = {"width": 1400, "height": 900}
 # A lease with names as long as production ones get: the row that needs the most room.
-LONG = {"name": "billing.invoice:customer-000042:2026-12-01:attempt-3",
-        "task_name": "proj.billing.tasks.reconcile_customer_invoices_for_period",
-        "worker": "celery@billing-worker-7f9c4d8b6-x2lqp.eu-west-1.compute.internal"}
+LONG = {
+    "name": "billing.invoice:customer-000042:2026-12-01:attempt-3",
+    "task_name": "proj.billing.tasks.reconcile_customer_invoices_for_period",
+    "worker": "celery@billing-worker-7f9c4d8b6-x2lqp.eu-west-1.compute.internal",
+}
 
 # Boxes (getBoundingClientRect) and computed styles the layout assertions read.
 MEASURE = """() => {
@@ -98,16 +107,18 @@ DJANGO_COLOURS = """() => {
 
 def unavailable(reason: str):
     if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI=true requires the browser test (scripts/bootstrap.sh "
-                    f"installs Debian's chromium when run as root)", pytrace=False)
+        pytest.fail(
+            f"{reason}; CI=true requires the browser test (scripts/bootstrap.sh "
+            f"installs Debian's chromium when run as root)",
+            pytrace=False,
+        )
     pytest.skip(reason)
 
 
 def chromium_path() -> str | None:
     """``STEPLOCK_CHROMIUM``, else ``chromium`` on PATH, else /usr/bin/chromium; None when
     that is not an executable file."""
-    path = (os.environ.get("STEPLOCK_CHROMIUM") or shutil.which("chromium")
-            or "/usr/bin/chromium")
+    path = os.environ.get("STEPLOCK_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
@@ -118,8 +129,9 @@ def sync_playwright():
     except ImportError:
         unavailable("playwright is not installed (pip install -e '.[dev]')")
     if chromium_path() is None:
-        unavailable("chromium not found (Debian: apt-get install chromium, or set "
-                    "STEPLOCK_CHROMIUM)")
+        unavailable(
+            "chromium not found (Debian: apt-get install chromium, or set STEPLOCK_CHROMIUM)"
+        )
     return sync_playwright
 
 
@@ -150,8 +162,16 @@ def assert_layout(m: dict) -> None:
 def assert_breadcrumbs_like_djangos(ours: dict, djangos: dict, colours: dict) -> None:
     """Styled as on Django's own app page: same element, background, padding and colours."""
     assert ours and djangos, (ours, djangos)
-    for key in ("tag", "background", "paddingLeft", "paddingTop", "color", "fontSize",
-                "linkColor", "display"):
+    for key in (
+        "tag",
+        "background",
+        "paddingLeft",
+        "paddingTop",
+        "color",
+        "fontSize",
+        "linkColor",
+        "display",
+    ):
         assert ours[key] == djangos[key], (key, ours, djangos)
     assert ours["background"] == colours["breadcrumbs"] != colours["body"], (ours, colours)
     assert ours["tag"] == ("ol" if django.VERSION >= (6, 1) else "div"), ours
@@ -160,7 +180,8 @@ def assert_breadcrumbs_like_djangos(ours: dict, djangos: dict, colours: dict) ->
 
 
 def test_force_release_a_running_workers_lease_in_the_browser(
-        sync_playwright, live_server, admin_user, start_worker, app, redis_client, tmp_path):
+    sync_playwright, live_server, admin_user, start_worker, app, redis_client, tmp_path
+):
     store = get_lease_store(app)
     worker = start_worker("w1", concurrency=3)
     # `hold` keeps no database transaction open while it holds its lease: on SQLite, a step
@@ -169,22 +190,31 @@ def test_force_release_a_running_workers_lease_in_the_browser(
     for step in steps:
         hold.delay(step.pk, HOLD)
     names = [f"step:{step.pk}" for step in steps]
-    holders = {name: wait_until(lambda name=name: store.inspect(name), what=f"{name} held")
-               for name in names}
+    holders = {
+        name: wait_until(lambda name=name: store.inspect(name), what=f"{name} held")
+        for name in names
+    }
     target = names[0]
     victim = holders[target]
     assert int(victim["pid"]) in worker.children_pids(recursive=True)
     long_step = Step.objects.create(name="reconcile")
-    long_lease = store.acquire(LONG["name"], ttl=120.0, metadata=holder_metadata(
-        uuid.uuid4().hex, LONG["task_name"], 0, worker=LONG["worker"],
-        step=f"workflows.step:{long_step.pk}"))
+    long_lease = store.acquire(
+        LONG["name"],
+        ttl=120.0,
+        metadata=holder_metadata(
+            uuid.uuid4().hex,
+            LONG["task_name"],
+            0,
+            worker=LONG["worker"],
+            step=f"workflows.step:{long_step.pk}",
+        ),
+    )
     assert long_lease is not None
 
     url = live_server.url
     list_url = f"{url}/admin/celery_steplock/lease/"
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path(),
-                                             args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=VIEWPORT)
             page.goto(f"{url}/admin/login/?next=/admin/celery_steplock/lease/")
@@ -225,8 +255,10 @@ def test_force_release_a_running_workers_lease_in_the_browser(
             assert ours["links"] == ["Home", app_name], ours
             assert ours["text"].endswith("Held leases"), ours
             # Django's filter markup: the choices as Django's filter.html draws them.
-            assert page.locator("#changelist-filter details summary").inner_text().strip() \
+            assert (
+                page.locator("#changelist-filter details summary").inner_text().strip()
                 == "By task name"
+            )
             assert page.locator("#changelist-filter li.selected").inner_text().strip() == "All"
             # Every control a person acts on, in every row, is inside the viewport.
             width = layout["innerWidth"]
@@ -234,24 +266,29 @@ def test_force_release_a_running_workers_lease_in_the_browser(
                 row = page.locator(f'tr[data-lease="{name}"]')
                 for link in row.locator("a").all():
                     box = link.bounding_box()
-                    assert box and box["x"] >= 0 and box["x"] + box["width"] <= width, \
-                        (name, link.inner_text(), box, width)
+                    assert box and box["x"] >= 0 and box["x"] + box["width"] <= width, (
+                        name,
+                        link.inner_text(),
+                        box,
+                        width,
+                    )
                 release = row.locator("a.force-release")
                 assert release.count() == 1 and release.is_visible()
                 box = release.bounding_box()
                 assert box["x"] + box["width"] <= layout["results"]["right"] + 1, (name, box)
-            print(f"Django {DJANGO} at {width} px, sidebar open: table "
-                  f"{layout['table']['left']:.0f}-{layout['table']['right']:.0f} px, filter "
-                  f"{layout['filter']['left']:.0f}-{layout['filter']['right']:.0f} px (top "
-                  f"{layout['filter']['top']:.0f} vs table {layout['table']['top']:.0f}), last "
-                  f"Force release ends at {box['x'] + box['width']:.0f} px, page scrollWidth "
-                  f"{layout['scrollWidth']}")
+            print(
+                f"Django {DJANGO} at {width} px, sidebar open: table "
+                f"{layout['table']['left']:.0f}-{layout['table']['right']:.0f} px, filter "
+                f"{layout['filter']['left']:.0f}-{layout['filter']['right']:.0f} px (top "
+                f"{layout['filter']['top']:.0f} vs table {layout['table']['top']:.0f}), last "
+                f"Force release ends at {box['x'] + box['width']:.0f} px, page scrollWidth "
+                f"{layout['scrollWidth']}"
+            )
 
             page.locator(f'tr[data-lease="{target}"] a.force-release').click()
             page.wait_for_selector("#lease-holder")
             holder = page.locator("#lease-holder").inner_text()
-            for text in (victim["owner"], victim["task_name"], victim["worker"],
-                         victim["fence"]):
+            for text in (victim["owner"], victim["task_name"], victim["worker"], victim["fence"]):
                 assert str(text) in holder
             crumbs = page.evaluate(BREADCRUMBS)
             assert_breadcrumbs_like_djangos(crumbs, djangos, colours)
@@ -270,8 +307,9 @@ def test_force_release_a_running_workers_lease_in_the_browser(
     # as a new owner with a higher fence).
     assert store.owned(target, victim["owner"]) is None
     now = store.inspect(target)
-    assert now is None or (now["owner"] != victim["owner"]
-                           and int(now["fence"]) > int(victim["fence"]))
+    assert now is None or (
+        now["owner"] != victim["owner"] and int(now["fence"]) > int(victim["fence"])
+    )
     for name in names[1:]:  # the others are untouched
         assert store.inspect(name)["owner"] == holders[name]["owner"]
     assert store.inspect(LONG["name"])["owner"] == long_lease.owner

@@ -5,6 +5,7 @@ release whose audit record fails at COMMIT releases nothing and says so.
 The browser setup (Debian's chromium driven by Playwright; skipped without it, except with
 ``CI=true``) is test_browser.py's.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -32,25 +33,27 @@ def log_in(page, url, user):
 
 
 def grab(store, name):
-    lease = store.acquire(name, ttl=60.0, metadata=holder_metadata(
-        uuid.uuid4().hex, "proj.tasks.charge", 0, worker="w1@box"))
+    lease = store.acquire(
+        name,
+        ttl=60.0,
+        metadata=holder_metadata(uuid.uuid4().hex, "proj.tasks.charge", 0, worker="w1@box"),
+    )
     assert lease is not None
     return lease
 
 
 def test_corrupt_lease_and_failed_audit_commit_in_the_browser(
-        sync_playwright, live_server, admin_user, app, redis_client, tmp_path):  # noqa: F811
+    sync_playwright, live_server, admin_user, app, redis_client, tmp_path
+):  # noqa: F811
     store = get_lease_store(app)
     good = grab(store, "step:1")
     grab(store, "step:2")
-    redis_client.hset(store.key("step:2"), mapping={"acquired_ms": "not-a-time",
-                                                    "pid": "9" * 40})
+    redis_client.hset(store.key("step:2"), mapping={"acquired_ms": "not-a-time", "pid": "9" * 40})
     # Installed before the browser starts: Playwright's sync API runs an event loop in this
     # thread, where Django refuses database calls. Only the admin's LogEntry table refuses
     # its commits (the login and the session are written elsewhere).
     with failing_commit(LogEntry._meta.db_table), sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path(),
-                                             args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport=VIEWPORT)
             list_url = log_in(page, live_server.url, admin_user)

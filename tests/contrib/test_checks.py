@@ -3,6 +3,7 @@
 Each check function takes a Celery app; most tests build a throwaway app (Celery adds the
 example project's shared tasks to every app it finalizes, so assertions name their own tasks).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,6 +56,7 @@ def about(messages, text):
 
 # -- E003 -------------------------------------------------------------------------------------
 
+
 def test_valid_settings_pass():
     assert checks.check_settings(make_app()) == []
 
@@ -76,6 +78,7 @@ def test_missing_redis_url_with_a_non_redis_broker_is_e003():
 
 # -- W001 -------------------------------------------------------------------------------------
 
+
 def test_ttl_below_the_redis_default_visibility_timeout_passes():
     assert checks.check_visibility_timeout(make_app(steplock_default_ttl=30)) == []
 
@@ -87,8 +90,7 @@ def test_default_ttl_not_below_the_redis_default_warns():
 
 
 def test_configured_visibility_timeout_and_task_lock_ttl():
-    app = make_app(steplock_default_ttl=30,
-                   broker_transport_options={"visibility_timeout": 120})
+    app = make_app(steplock_default_ttl=30, broker_transport_options={"visibility_timeout": 120})
     name = add_task(app, lock_ttl=300)
     [warning] = checks.check_visibility_timeout(app)
     assert f"{name} lock_ttl=300" in warning.msg and "steplock_default_ttl" not in warning.msg
@@ -97,12 +99,16 @@ def test_configured_visibility_timeout_and_task_lock_ttl():
 
 
 def test_non_redis_broker_without_a_visibility_timeout_is_not_judged():
-    app = make_app(broker_url="amqp://guest@localhost//", steplock_default_ttl=7200,
-                   steplock_redis_url="redis://127.0.0.1:6379/0")
+    app = make_app(
+        broker_url="amqp://guest@localhost//",
+        steplock_default_ttl=7200,
+        steplock_redis_url="redis://127.0.0.1:6379/0",
+    )
     assert checks.check_visibility_timeout(app) == []
 
 
 # -- W002 -------------------------------------------------------------------------------------
+
 
 def test_acks_late_and_reject_on_worker_lost_pass():
     app = make_app(task_acks_late=True, task_reject_on_worker_lost=True)
@@ -129,9 +135,13 @@ def test_acks_late_without_reject_on_worker_lost_warns():
 
 # -- W004 -------------------------------------------------------------------------------------
 
+
 def test_soft_below_hard_below_visibility_timeout_passes():
-    app = make_app(task_soft_time_limit=50, task_time_limit=60,
-                   broker_transport_options={"visibility_timeout": 120})
+    app = make_app(
+        task_soft_time_limit=50,
+        task_time_limit=60,
+        broker_transport_options={"visibility_timeout": 120},
+    )
     add_task(app)
     assert checks.check_time_limits(app) == []
 
@@ -146,8 +156,9 @@ def test_soft_time_limit_not_below_time_limit_warns():
 
 
 def test_retry_backoff_max_not_below_the_visibility_timeout_warns():
-    app = make_app(steplock_retry_backoff_max=60,
-                   broker_transport_options={"visibility_timeout": 30})
+    app = make_app(
+        steplock_retry_backoff_max=60, broker_transport_options={"visibility_timeout": 30}
+    )
     [warning] = checks.check_time_limits(app)
     assert warning.id == "celery_steplock.W004"
     assert "lease retries (steplock_retry_backoff_max 60 s)" in warning.msg
@@ -162,6 +173,7 @@ def test_time_limit_not_below_the_visibility_timeout_warns():
 
 
 # -- E002 -------------------------------------------------------------------------------------
+
 
 def test_step_model_with_its_status_field_passes():
     app = make_app()
@@ -183,6 +195,7 @@ def test_missing_step_model_and_missing_status_field():
 
 # -- E001 -------------------------------------------------------------------------------------
 
+
 def test_reachable_lock_store_passes(redis_server_url):
     assert checks.check_lock_store(make_app(steplock_redis_url=redis_server_url)) == []
 
@@ -196,12 +209,17 @@ def test_unreachable_lock_store_is_e001_without_the_password():
 
 # -- registration in the project ---------------------------------------------------------------
 
+
 def test_only_the_network_check_is_a_deployment_check():
     assert checks.lock_store_check in registry.deployment_checks
     assert checks.lock_store_check not in registry.registered_checks
-    for check in (checks.settings_check, checks.visibility_timeout_check,
-                  checks.worker_lost_check, checks.step_model_check,
-                  checks.task_modules_check):
+    for check in (
+        checks.settings_check,
+        checks.visibility_timeout_check,
+        checks.worker_lost_check,
+        checks.step_model_check,
+        checks.task_modules_check,
+    ):
         assert check in registry.registered_checks
         assert checks.TAG in check.tags
 
@@ -225,6 +243,7 @@ def test_an_invalid_setting_fails_every_command(app):
 
 # -- the task modules (autodiscover_tasks() is lazy) ---------------------------------------------
 
+
 def manage_py_check(tmp_path, **settings):
     """Run ``manage.py check`` in a fresh process with the example settings plus ``settings``
     (a settings module written to tmp_path): the process imports no tasks module but those
@@ -233,11 +252,21 @@ def manage_py_check(tmp_path, **settings):
     lines += [f"{name} = {value!r}" for name, value in settings.items()]
     module = f"steplock_check_settings_{next(_names)}"
     (tmp_path / f"{module}.py").write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": module,
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
-           "STEPLOCK_VAR_DIR": str(tmp_path / "var")}
-    return subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
-                          check=False, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": module,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "STEPLOCK_VAR_DIR": str(tmp_path / "var"),
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_manage_py_check_sees_the_autodiscovered_tasks(tmp_path):
@@ -245,8 +274,10 @@ def test_manage_py_check_sees_the_autodiscovered_tasks(tmp_path):
     result = manage_py_check(tmp_path, CELERY_STEPLOCK_STATUS_FIELD="no_such_status")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "celery_steplock.E002" in result.stderr
-    assert ("django_app.workflows.tasks.advance: step_model workflows.Step has no field "
-            "'no_such_status'") in result.stderr
+    assert (
+        "django_app.workflows.tasks.advance: step_model workflows.Step has no field "
+        "'no_such_status'"
+    ) in result.stderr
     # W002 judges the same tasks, not only the task defaults
     result = manage_py_check(tmp_path, CELERY_TASK_REJECT_ON_WORKER_LOST=False)
     assert result.returncode == 0, result.stderr
@@ -334,51 +365,81 @@ def test_unimportable_task_modules_are_w003_once(import_signals):
 
 # -- E005: the reaper's recovery models ----------------------------------------------------------
 
+
 def recovery(**conf):
     return [(m.id, m.msg) for m in checks.check_recovery(make_app(**conf))]
 
 
 def test_a_recovery_model_the_reaper_can_recover_passes():
-    assert recovery(steplock_reaper_recover={"workflows.Step": {"running": "pending"}},
-                    steplock_reaper_older_than=60) == []
+    assert (
+        recovery(
+            steplock_reaper_recover={"workflows.Step": {"running": "pending"}},
+            steplock_reaper_older_than=60,
+        )
+        == []
+    )
     assert recovery() == []  # nothing to recover: nothing judged
 
 
 def test_a_recovery_model_that_does_not_exist():
     assert recovery(steplock_reaper_recover={"workflows.Stepp": {"running": "pending"}}) == [
-        ("celery_steplock.E005", "steplock_reaper_recover: workflows.Stepp: no such model: "
-                                 "the reaper cannot recover its steps.")]
+        (
+            "celery_steplock.E005",
+            "steplock_reaper_recover: workflows.Stepp: no such model: "
+            "the reaper cannot recover its steps.",
+        )
+    ]
 
 
 def test_a_recovery_model_without_the_columns_recovery_needs():
-    found = recovery(steplock_reaper_recover={"workflows.TransitionRecord": {"a": "b"}},
-                     steplock_reaper_older_than=60)
+    found = recovery(
+        steplock_reaper_recover={"workflows.TransitionRecord": {"a": "b"}},
+        steplock_reaper_older_than=60,
+    )
     prefix = "steplock_reaper_recover: workflows.TransitionRecord: "
     assert found == [
-        ("celery_steplock.E005", prefix + "the model has no field 'status' "
-                                          "(steplock_status_field), which recovery needs: the "
-                                          "reaper cannot recover its steps."),
-        ("celery_steplock.E005", prefix + "the model has no field 'lock_owner' "
-                                          "(steplock_owner_field), which recovery needs: the "
-                                          "reaper cannot recover its steps."),
-        ("celery_steplock.E005", prefix + "steplock_reaper_older_than=60 needs an "
-                                          "'updated_at' column (auto_now=True) on the model: "
-                                          "the reaper refuses to recover its steps.")]
+        (
+            "celery_steplock.E005",
+            prefix + "the model has no field 'status' "
+            "(steplock_status_field), which recovery needs: the "
+            "reaper cannot recover its steps.",
+        ),
+        (
+            "celery_steplock.E005",
+            prefix + "the model has no field 'lock_owner' "
+            "(steplock_owner_field), which recovery needs: the "
+            "reaper cannot recover its steps.",
+        ),
+        (
+            "celery_steplock.E005",
+            prefix + "steplock_reaper_older_than=60 needs an "
+            "'updated_at' column (auto_now=True) on the model: "
+            "the reaper refuses to recover its steps.",
+        ),
+    ]
 
 
 def test_recovery_statuses_outside_the_status_choices():
-    found = recovery(steplock_reaper_recover={"workflows.Step": {"runing": "pendng",
-                                                                 "running": "pending"}})
+    found = recovery(
+        steplock_reaper_recover={"workflows.Step": {"runing": "pendng", "running": "pending"}}
+    )
     choices = "('cancelled', 'done', 'failed', 'pending', 'running')"
     assert found == [
-        ("celery_steplock.E005", f"steplock_reaper_recover: workflows.Step: in-flight status "
-                                 f"'runing' is not a choice of workflows.Step.status "
-                                 f"{choices}: steps in flight under the real name are never "
-                                 f"recovered."),
-        ("celery_steplock.E005", f"steplock_reaper_recover: workflows.Step: recovery status "
-                                 f"'pendng' is not a choice of workflows.Step.status "
-                                 f"{choices}: the reaper would write a status the field does "
-                                 f"not allow.")]
+        (
+            "celery_steplock.E005",
+            f"steplock_reaper_recover: workflows.Step: in-flight status "
+            f"'runing' is not a choice of workflows.Step.status "
+            f"{choices}: steps in flight under the real name are never "
+            f"recovered.",
+        ),
+        (
+            "celery_steplock.E005",
+            f"steplock_reaper_recover: workflows.Step: recovery status "
+            f"'pendng' is not a choice of workflows.Step.status "
+            f"{choices}: the reaper would write a status the field does "
+            f"not allow.",
+        ),
+    ]
 
 
 def test_a_model_without_choices_takes_any_status():
@@ -393,19 +454,28 @@ def test_an_invalid_recovery_setting_is_e003_only():
 
 # -- W005: Django settings -------------------------------------------------------------------
 
+
 def test_django_settings_without_the_namespace_are_named(app):
     from django.test import override_settings
 
     with override_settings(STEPLOCK_DEFAULT_TTL=3, CELERY_STEPLOCK_LOCK_WAITT=1):
         found = [(m.id, m.obj, m.msg, m.hint) for m in checks.check_unknown_names(app)]
     assert found == [
-        ("celery_steplock.W005", "CELERY_STEPLOCK_LOCK_WAITT",
-         "Unknown celery-steplock setting CELERY_STEPLOCK_LOCK_WAITT: it is ignored.",
-         "Did you mean CELERY_STEPLOCK_LOCK_WAIT?"),
-        ("celery_steplock.W005", "STEPLOCK_DEFAULT_TTL",
-         "Setting STEPLOCK_DEFAULT_TTL is never read: the Celery app reads its settings with "
-         "the CELERY_ namespace (config_from_object(..., namespace='CELERY')), so it is "
-         "ignored.", "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?")]
+        (
+            "celery_steplock.W005",
+            "CELERY_STEPLOCK_LOCK_WAITT",
+            "Unknown celery-steplock setting CELERY_STEPLOCK_LOCK_WAITT: it is ignored.",
+            "Did you mean CELERY_STEPLOCK_LOCK_WAIT?",
+        ),
+        (
+            "celery_steplock.W005",
+            "STEPLOCK_DEFAULT_TTL",
+            "Setting STEPLOCK_DEFAULT_TTL is never read: the Celery app reads its settings with "
+            "the CELERY_ namespace (config_from_object(..., namespace='CELERY')), so it is "
+            "ignored.",
+            "Did you mean CELERY_STEPLOCK_DEFAULT_TTL?",
+        ),
+    ]
     assert checks.check_unknown_names(app) == []  # the example project's own settings
 
 
@@ -417,9 +487,11 @@ def test_django_settings_of_an_app_that_does_not_read_them():
     expected = sorted(n for n in dir(settings) if n.isupper() and "STEPLOCK" in n)
     assert expected and [m.obj for m in found] == expected  # the example project's settings
     assert {m.id for m in found} == {"celery_steplock.W005"}
-    assert found[0].msg == (f"Django setting {expected[0]} is never read: the Celery app "
-                            f"{other.main!r} does not load its configuration from the Django "
-                            f"settings, so it is ignored.")
+    assert found[0].msg == (
+        f"Django setting {expected[0]} is never read: the Celery app "
+        f"{other.main!r} does not load its configuration from the Django "
+        f"settings, so it is ignored."
+    )
 
 
 # -- every problem at once: manage.py check and a worker's start -------------------------------
@@ -428,37 +500,68 @@ def test_django_settings_of_an_app_that_does_not_read_them():
 #: must produce, in ``manage.py check`` and at a worker's start alike.
 TASK = "tests.contrib.check_project.tasks.charge"
 ERRORS = [
-    ("celery_steplock.E005", "steplock_reaper_recover: workflows.Step: in-flight status "
-                             "'runing' is not a choice of workflows.Step.status ('cancelled', "
-                             "'done', 'failed', 'pending', 'running'): steps in flight under "
-                             "the real name are never recovered."),
-    ("celery_steplock.E003", "Invalid celery-steplock setting steplock_renewal_ratio: "
-                             "steplock_renewal_ratio (CELERY_STEPLOCK_RENEWAL_RATIO in Django "
-                             "settings) must be a number between 0.05 and 0.75"),
-    ("celery_steplock.E004", f"{TASK}: lock_key 'order:{{order}}' names 'order', which is not "
-                             f"an argument of the task (arguments: order_id)"),
-    ("celery_steplock.E004", f"{TASK}: lock_ttl must be a number of seconds between 0.05 and "
-                             f"86400, got -1"),
-    ("celery_steplock.E004", f"{TASK}: on_conflict must be one of 'return', 'ignore', 'raise', got "
-                             f"'clobber'"),
-    ("celery_steplock.E004", f"{TASK}: step_id_arg='id' is not an argument of the task "
-                             f"(arguments: order_id)"),
+    (
+        "celery_steplock.E005",
+        "steplock_reaper_recover: workflows.Step: in-flight status "
+        "'runing' is not a choice of workflows.Step.status ('cancelled', "
+        "'done', 'failed', 'pending', 'running'): steps in flight under "
+        "the real name are never recovered.",
+    ),
+    (
+        "celery_steplock.E003",
+        "Invalid celery-steplock setting steplock_renewal_ratio: "
+        "steplock_renewal_ratio (CELERY_STEPLOCK_RENEWAL_RATIO in Django "
+        "settings) must be a number between 0.05 and 0.75",
+    ),
+    (
+        "celery_steplock.E004",
+        f"{TASK}: lock_key 'order:{{order}}' names 'order', which is not "
+        f"an argument of the task (arguments: order_id)",
+    ),
+    (
+        "celery_steplock.E004",
+        f"{TASK}: lock_ttl must be a number of seconds between 0.05 and 86400, got -1",
+    ),
+    (
+        "celery_steplock.E004",
+        f"{TASK}: on_conflict must be one of 'return', 'ignore', 'raise', got 'clobber'",
+    ),
+    (
+        "celery_steplock.E004",
+        f"{TASK}: step_id_arg='id' is not an argument of the task (arguments: order_id)",
+    ),
 ]
 WARNINGS = [
-    ("celery_steplock.W005", "Unknown celery-steplock setting CELERY_STEPLOCK_DEFUALT_TTL: it "
-                             "is ignored."),
-    ("celery_steplock.W005", "Setting STEPLOCK_ON_CONFLICT is never read: the Celery app reads "
-                             "its settings with the CELERY_ namespace"),
+    (
+        "celery_steplock.W005",
+        "Unknown celery-steplock setting CELERY_STEPLOCK_DEFUALT_TTL: it is ignored.",
+    ),
+    (
+        "celery_steplock.W005",
+        "Setting STEPLOCK_ON_CONFLICT is never read: the Celery app reads "
+        "its settings with the CELERY_ namespace",
+    ),
     ("celery_steplock.W005", f"{TASK}: unknown task option lock_tll: it is ignored."),
 ]
 
 
 def run_in_check_project(tmp_path, *command):
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.contrib.check_project.settings",
-           "PYTHONPATH": str(ROOT), "STEPLOCK_VAR_DIR": str(tmp_path / "var"),
-           "REDIS_URL": closed_port_url()}
-    return subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=False,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.contrib.check_project.settings",
+        "PYTHONPATH": str(ROOT),
+        "STEPLOCK_VAR_DIR": str(tmp_path / "var"),
+        "REDIS_URL": closed_port_url(),
+    }
+    return subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_manage_py_check_reports_every_mistake_at_once(tmp_path):
@@ -475,18 +578,34 @@ def test_manage_py_check_reports_every_mistake_at_once(tmp_path):
 
 
 def test_a_worker_start_reports_the_same_mistakes_at_once(tmp_path):
-    result = run_in_check_project(tmp_path, "-m", "celery", "-A", "django_app", "worker",
-                                  "-P", "solo", "--loglevel", "WARNING")
+    result = run_in_check_project(
+        tmp_path,
+        "-m",
+        "celery",
+        "-A",
+        "django_app",
+        "worker",
+        "-P",
+        "solo",
+        "--loglevel",
+        "WARNING",
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     for check_id, message in ERRORS:
         logged = "message=" + json.dumps(message)[:-1]  # logfmt: the message is quoted
         assert f"event=improperly_configured id={check_id} {logged}" in output, (
-            check_id, message, output)
+            check_id,
+            message,
+            output,
+        )
     for check_id, message in WARNINGS:
         logged = "message=" + json.dumps(message)[:-1]
         assert f"event=configuration_warning id={check_id} {logged}" in output, (
-            check_id, message, output)
+            check_id,
+            message,
+            output,
+        )
     assert output.count("event=improperly_configured") == len(ERRORS)
     [exit_line] = [line for line in output.splitlines() if line.startswith("celery-steplock: ")]
     for _, message in ERRORS:

@@ -1,4 +1,5 @@
 """DjangoStepStore: the compare-and-swap UPDATE (celery_steplock.contrib.django.steps)."""
+
 import contextlib
 import threading
 import time
@@ -6,8 +7,12 @@ import time
 import pytest
 from django.db import transaction
 
-from celery_steplock.exceptions import (ImproperlyConfigured, InvalidTransition, StepNotFound,
-                                        TransitionConflict)
+from celery_steplock.exceptions import (
+    ImproperlyConfigured,
+    InvalidTransition,
+    StepNotFound,
+    TransitionConflict,
+)
 from celery_steplock.contrib.django.steps import DjangoStepStore, resolve_model
 from celery_steplock.steps import StepStore, TransitionResult
 from django_app.workflows.models import Step, TransitionRecord
@@ -58,8 +63,11 @@ def test_conflict_when_status_moved_on(guard):
     step = Step.objects.create(name="s", status="cancelled")
     with pytest.raises(TransitionConflict) as info:
         guard.transition(step.pk, "pending", "done")
-    assert (info.value.current, info.value.from_, info.value.to) == ("cancelled", "pending",
-                                                                     "done")
+    assert (info.value.current, info.value.from_, info.value.to) == (
+        "cancelled",
+        "pending",
+        "done",
+    )
     assert "'cancelled'" in str(info.value)
     step.refresh_from_db()
     assert step.status == "cancelled"
@@ -105,8 +113,9 @@ def test_rollback_undoes_the_transition_and_the_body(guard):
 
 
 def test_allowed_transition_table():
-    table = DjangoStepStore(Step, transitions={"pending": ["running", "cancelled"],
-                                                   "running": ["done"]})
+    table = DjangoStepStore(
+        Step, transitions={"pending": ["running", "cancelled"], "running": ["done"]}
+    )
     step = Step.objects.create(name="s")
     with pytest.raises(InvalidTransition, match="'pending' -> 'done'"):
         table.transition(step.pk, "pending", "done")
@@ -209,8 +218,11 @@ def test_the_deprecated_guard_name_still_works_and_warns():
 
 def _statements(captured) -> list[str]:
     """The statements of a capture, transaction control (BEGIN, SAVEPOINT...) left out."""
-    return [q["sql"] for q in captured.captured_queries
-            if not q["sql"].upper().startswith(("BEGIN", "SAVEPOINT", "RELEASE", "COMMIT"))]
+    return [
+        q["sql"]
+        for q in captured.captured_queries
+        if not q["sql"].upper().startswith(("BEGIN", "SAVEPOINT", "RELEASE", "COMMIT"))
+    ]
 
 
 def test_one_statement_per_cas_built_once(guard):

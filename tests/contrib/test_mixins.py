@@ -1,4 +1,5 @@
 """LeaseFencedStep: the owner and fence columns the guard uses (contrib.django.mixins)."""
+
 import pytest
 
 from celery_steplock.contrib.django.mixins import LeaseFencedStep
@@ -20,6 +21,7 @@ def test_a_stale_fence_is_refused_through_the_mixin_columns():
     step = Step.objects.create(name="s")
     guard = DjangoStepStore(Step)
     assert guard.transition(step.pk, "pending", "running", owner="new", fence=9).applied
-    stale = guard.transition(step.pk, "running", "done", owner="old", fence=3,
-                             raise_on_conflict=False)
+    stale = guard.transition(
+        step.pk, "running", "done", owner="old", fence=3, raise_on_conflict=False
+    )
     assert not stale.applied and stale.current == "running"

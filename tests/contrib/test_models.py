@@ -1,5 +1,6 @@
 """Models of celery_steplock.contrib.django: migrations, the Lease pseudo-model, the optional
 lease event log (LeaseEvent, written after commit) and its retention clean-up."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -26,8 +27,7 @@ from tests.helpers import set_settings
 @pytest.mark.django_db
 def test_migrations_are_complete():
     # Exits with status 1 when a model change has no migration.
-    call_command("makemigrations", "celery_steplock", "--check", "--dry-run",
-                 stdout=io.StringIO())
+    call_command("makemigrations", "celery_steplock", "--check", "--dry-run", stdout=io.StringIO())
 
 
 def test_lease_is_an_unmanaged_pseudo_model():
@@ -35,11 +35,26 @@ def test_lease_is_an_unmanaged_pseudo_model():
     assert not opts.managed and opts.default_permissions == ("view",)
     assert ("force_release_lease", "Can force-release a held lease") in opts.permissions
     assert str(opts.verbose_name) == "held lease"
-    lease = Lease.from_redis({
-        "name": "step:1", "key": "steplock:lease:{step:1}", "owner": "abc", "fence": "17",
-        "task_id": "t1", "task_name": "x.y", "hostname": "box", "pid": "42", "retries": "0",
-        "worker": "w1@box", "step": "workflows.step:1", "acquired_ms": "1700000000000",
-        "renewed_ms": "1700000005000", "ttl_ms": "30000", "ttl": 12.5}, now_ms=1700000010000)
+    lease = Lease.from_redis(
+        {
+            "name": "step:1",
+            "key": "steplock:lease:{step:1}",
+            "owner": "abc",
+            "fence": "17",
+            "task_id": "t1",
+            "task_name": "x.y",
+            "hostname": "box",
+            "pid": "42",
+            "retries": "0",
+            "worker": "w1@box",
+            "step": "workflows.step:1",
+            "acquired_ms": "1700000000000",
+            "renewed_ms": "1700000005000",
+            "ttl_ms": "30000",
+            "ttl": 12.5,
+        },
+        now_ms=1700000010000,
+    )
     assert (lease.pk, lease.fence, lease.pid, lease.lease_ttl) == ("step:1", 17, 42, 30.0)
     assert lease.acquired_at == dt.datetime(2023, 11, 14, 22, 13, 20, tzinfo=dt.timezone.utc)
     assert (lease.age, lease.since_renewal, lease.ttl_left) == (10.0, 5.0, 12.5)
@@ -49,9 +64,17 @@ def test_lease_is_an_unmanaged_pseudo_model():
 
 # -- the event log -------------------------------------------------------------------------------
 
+
 def fire(signal=signals.lock_acquired, sender="some.task", **fields):
-    payload = {"key": "steplock:lease:{step:1}", "name": "step:1", "owner": "o" * 32,
-               "fence": 7, "task_id": "tid", "task_name": "some.task", "ttl": 30.0}
+    payload = {
+        "key": "steplock:lease:{step:1}",
+        "name": "step:1",
+        "owner": "o" * 32,
+        "fence": 7,
+        "task_id": "tid",
+        "task_name": "some.task",
+        "ttl": 30.0,
+    }
     payload.update(fields)
     emit(signal, sender, **payload)
 
@@ -75,21 +98,40 @@ def test_events_are_recorded_when_on(event_log):
     before = time.time()
     fire()
     fire(signals.lock_contended, owner=None, fence=None, holder="h" * 32)
-    fire(signals.lock_released, forced=True, reason="force-released by ops",
-         hostname="worker-host", pid=4242, step="workflows.step:1")
+    fire(
+        signals.lock_released,
+        forced=True,
+        reason="force-released by ops",
+        hostname="worker-host",
+        pid=4242,
+        step="workflows.step:1",
+    )
     fire(signals.lock_extended)  # not a logged event
     fire(signals.lock_lost, reason="key gone")
     rows = list(LeaseEvent.objects.order_by("id"))
-    assert [r.event for r in rows] == ["lock_acquired", "lock_contended", "lock_released",
-                                       "lock_lost"]
+    assert [r.event for r in rows] == [
+        "lock_acquired",
+        "lock_contended",
+        "lock_released",
+        "lock_lost",
+    ]
     acquired, contended, released, lost = rows
-    assert (acquired.name, acquired.key, acquired.fence, acquired.task_id,
-            acquired.task_name) == ("step:1", "steplock:lease:{step:1}", 7, "tid", "some.task")
+    assert (acquired.name, acquired.key, acquired.fence, acquired.task_id, acquired.task_name) == (
+        "step:1",
+        "steplock:lease:{step:1}",
+        7,
+        "tid",
+        "some.task",
+    )
     assert acquired.hostname and acquired.pid  # this process, for a worker's own events
     assert before - 1 <= acquired.created_at.timestamp() <= time.time() + 1
     assert contended.fence is None and contended.reason == f"held by {'h' * 32}"
     assert (released.reason, released.hostname, released.pid, released.step) == (
-        "force-released by ops", "worker-host", 4242, "workflows.step:1")
+        "force-released by ops",
+        "worker-host",
+        4242,
+        "workflows.step:1",
+    )
     assert lost.reason == "key gone"
 
 
@@ -105,8 +147,13 @@ def test_events_inside_a_transaction_are_written_after_commit(event_log):
 def test_a_conflict_in_a_rolled_back_transaction_is_still_recorded(event_log):
     with pytest.raises(RuntimeError):
         with transaction.atomic():
-            fire(signals.transition_conflict, step_id=1, from_="pending", to="done",
-                 current="cancelled")
+            fire(
+                signals.transition_conflict,
+                step_id=1,
+                from_="pending",
+                to="done",
+                current="cancelled",
+            )
             raise RuntimeError("the CAS conflict rolls the transaction back")
     assert not LeaseEvent.objects.exists()
     fire(signals.lock_released)  # the next event outside a transaction writes both
@@ -144,11 +191,17 @@ def test_a_real_task_run_records_its_events(event_log, redis_client):
 
 # -- retention ---------------------------------------------------------------------------------
 
+
 def make_events(ages_seconds):
     now = timezone.now()
-    LeaseEvent.objects.bulk_create([
-        LeaseEvent(event="lock_acquired", name=f"n{i}", created_at=now - dt.timedelta(seconds=s))
-        for i, s in enumerate(ages_seconds)])
+    LeaseEvent.objects.bulk_create(
+        [
+            LeaseEvent(
+                event="lock_acquired", name=f"n{i}", created_at=now - dt.timedelta(seconds=s)
+            )
+            for i, s in enumerate(ages_seconds)
+        ]
+    )
 
 
 @pytest.mark.django_db

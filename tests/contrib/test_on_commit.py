@@ -2,6 +2,7 @@
 app's task class is Celery's ``DjangoTask`` (a Django project on Celery 5.4+, as the example
 project), published once the step database's transaction commits and never after a rollback.
 Messages are counted on the real Redis broker's queue."""
+
 from __future__ import annotations
 
 import itertools
@@ -21,8 +22,13 @@ _names = itertools.count()
 
 
 def register(app, **options):
-    @app.task(bind=True, base=StepLockedTask, name=f"on_commit.task{next(_names)}",
-              shared=False, **options)
+    @app.task(
+        bind=True,
+        base=StepLockedTask,
+        name=f"on_commit.task{next(_names)}",
+        shared=False,
+        **options,
+    )
     def job(self, pk):
         return pk
 
@@ -73,16 +79,19 @@ def test_it_waits_for_the_step_databases_commit(app, redis_client):
 
 
 def test_an_app_whose_task_class_is_not_djangos_has_no_delay_on_commit():
-    plain = Celery(f"on_commit{next(_names)}", set_as_current=False,
-                   task_cls="celery.app.task:Task")
+    plain = Celery(
+        f"on_commit{next(_names)}", set_as_current=False, task_cls="celery.app.task:Task"
+    )
     job = register(plain)
     assert not issubclass(plain.Task, DjangoTask)
     assert not hasattr(job, "delay_on_commit") and not hasattr(job, "apply_async_on_commit")
     with pytest.raises(AttributeError, match="use DjangoStepLockedTask"):
         job.delay_on_commit(1)
+
     # the Django variant keeps them whatever the app's task class
-    @plain.task(bind=True, base=DjangoStepLockedTask, name=f"on_commit.task{next(_names)}",
-                shared=False)
+    @plain.task(
+        bind=True, base=DjangoStepLockedTask, name=f"on_commit.task{next(_names)}", shared=False
+    )
     def django_job(self, pk):
         return pk
 

@@ -1,5 +1,6 @@
 """celery_steplock.contrib.prometheus: metrics from the signals, in this process (apply()) and
 scraped over HTTP from a real prefork worker in Prometheus multiprocess mode."""
+
 import os
 import urllib.request
 
@@ -25,9 +26,16 @@ pytestmark = pytest.mark.django_db(transaction=True)
 TASK = "tests.prometheus.finish"
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name=TASK, lock_key="step:{step_id}",
-                 step_model="workflows.Step", step_id_arg="step_id",
-                 transition=("pending", "done"), on_contended="raise")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name=TASK,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    on_contended="raise",
+)
 def finish(self, step_id):
     metrics = prometheus.install()
     return metrics.registry.get_sample_value("steplock_leases_held", {"task": TASK})
@@ -59,16 +67,34 @@ def test_counters_histograms_and_the_gauge_follow_real_executions(metrics):
         store.release(other.name, other.owner)
     assert isinstance(result.result, LockContended)
 
-    events = {e: value(metrics, "steplock_events_total", event=e, task=TASK)
-              for e in ("lock_acquired", "lock_released", "transition_applied",
-                        "transition_conflict", "lock_contended", "lock_lost")}
-    assert events == {"lock_acquired": 3, "lock_released": 3, "transition_applied": 2,
-                      "transition_conflict": 1, "lock_contended": 1, "lock_lost": 0}
-    outcomes = {o: value(metrics, "steplock_outcomes_total", task=TASK, outcome=o)
-                for o in ("committed", "conflict", "contended", "lost")}
+    events = {
+        e: value(metrics, "steplock_events_total", event=e, task=TASK)
+        for e in (
+            "lock_acquired",
+            "lock_released",
+            "transition_applied",
+            "transition_conflict",
+            "lock_contended",
+            "lock_lost",
+        )
+    }
+    assert events == {
+        "lock_acquired": 3,
+        "lock_released": 3,
+        "transition_applied": 2,
+        "transition_conflict": 1,
+        "lock_contended": 1,
+        "lock_lost": 0,
+    }
+    outcomes = {
+        o: value(metrics, "steplock_outcomes_total", task=TASK, outcome=o)
+        for o in ("committed", "conflict", "contended", "lost")
+    }
     assert outcomes == {"committed": 2, "conflict": 1, "contended": 1, "lost": 0}
-    counts = {h: value(metrics, f"steplock_{h}_seconds_count", task=TASK)
-              for h in ("wait", "hold", "cas", "commit")}
+    counts = {
+        h: value(metrics, f"steplock_{h}_seconds_count", task=TASK)
+        for h in ("wait", "hold", "cas", "commit")
+    }
     assert counts == {"wait": 4, "hold": 3, "cas": 2, "commit": 2}
     for h in ("wait", "hold", "cas", "commit"):
         assert value(metrics, f"steplock_{h}_seconds_sum", task=TASK) > 0, h
@@ -76,8 +102,15 @@ def test_counters_histograms_and_the_gauge_follow_real_executions(metrics):
 
 
 def test_the_gauge_counts_each_of_its_own_leases_once(metrics):
-    lease = {"key": "steplock:lease:x", "name": "x", "owner": "o1", "fence": 1,
-             "task_id": "t", "task_name": TASK, "ttl": 3.0}
+    lease = {
+        "key": "steplock:lease:x",
+        "name": "x",
+        "owner": "o1",
+        "fence": 1,
+        "task_id": "t",
+        "task_name": TASK,
+        "ttl": 3.0,
+    }
     emit(signals.lock_acquired, None, **lease)
     emit(signals.lock_acquired, None, **dict(lease, key="steplock:lease:y", owner="o2"))
     assert value(metrics, "steplock_leases_held", task=TASK) == 2
@@ -115,14 +148,25 @@ def test_a_file_not_yet_sized_by_a_starting_process_does_not_fail_the_scrape(tmp
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
     written = MmapedDict(str(tmp_path / "counter_101.db"))
-    written.write_value(mmap_key("steplock_events", "steplock_events_total", ["event", "task"],
-                                 ["lock_acquired", "t"], "help"), 3.0, 0.0)
+    written.write_value(
+        mmap_key(
+            "steplock_events",
+            "steplock_events_total",
+            ["event", "task"],
+            ["lock_acquired", "t"],
+            "help",
+        ),
+        3.0,
+        0.0,
+    )
     written.close()
     (tmp_path / "counter_102.db").touch()  # created, not yet sized
     registry = CollectorRegistry()
     prometheus.MultiProcessCollector(registry, path=str(tmp_path))
-    assert registry.get_sample_value("steplock_events_total",
-                                     {"event": "lock_acquired", "task": "t"}) == 3.0
+    assert (
+        registry.get_sample_value("steplock_events_total", {"event": "lock_acquired", "task": "t"})
+        == 3.0
+    )
     assert b"steplock_events_total" in generate_latest(registry)
     broken = CollectorRegistry()
     stock.MultiProcessCollector(broken, path=str(tmp_path))
@@ -153,43 +197,89 @@ def test_scrape_of_a_prefork_worker_in_multiprocess_mode(worker_env, redis_clien
     multiproc.mkdir()
     port = free_port()
     worker = servers.celery_worker(
-        app="tests.support.prometheus_app", name="metrics", concurrency=2,
-        env={**worker_env, "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
-             "STEPLOCK_METRICS_PORT": str(port)},
-        logfile=tmp_path / "metrics.log", extra_args=("--max-tasks-per-child", "1"), cwd=ROOT)
+        app="tests.support.prometheus_app",
+        name="metrics",
+        concurrency=2,
+        env={
+            **worker_env,
+            "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+            "STEPLOCK_METRICS_PORT": str(port),
+        },
+        logfile=tmp_path / "metrics.log",
+        extra_args=("--max-tasks-per-child", "1"),
+        cwd=ROOT,
+    )
     try:
         steps = [Step.objects.create(name=f"s{i}") for i in range(3)]
         for step in steps:
             advance.delay(step.pk, delay=0.2)
-        wait_until(lambda: Step.objects.filter(status="done").count() == 3
-                   and drained(redis_client), timeout=60, what="three steps done")
+        wait_until(
+            lambda: Step.objects.filter(status="done").count() == 3 and drained(redis_client),
+            timeout=60,
+            what="three steps done",
+        )
         advance.delay(steps[0].pk)  # a duplicate: the step is done, a conflict
         hold.delay(steps[1].pk, 3.0)
-        wait_until(lambda: redis_client.exists(f"steplock:lease:{{step:{steps[1].pk}}}"),
-                   timeout=30, what="the hold task's lease")
-        wait_until(lambda: sample(scrape(port)[1], "steplock_leases_held",
-                                  task=hold.name) == 1, timeout=10,
-                   what="the gauge to show the held lease")
+        wait_until(
+            lambda: redis_client.exists(f"steplock:lease:{{step:{steps[1].pk}}}"),
+            timeout=30,
+            what="the hold task's lease",
+        )
+        wait_until(
+            lambda: sample(scrape(port)[1], "steplock_leases_held", task=hold.name) == 1,
+            timeout=10,
+            what="the gauge to show the held lease",
+        )
         adv = advance.name
-        wait_until(lambda: drained(redis_client) and sample(
-            scrape(port)[1], "steplock_events_total", event="transition_conflict",
-            task=adv) == 1 and sample(scrape(port)[1], "steplock_events_total",
-                                      event="lock_released", task=hold.name) == 1,
-                   timeout=30, what="every event in the scrape")
+        wait_until(
+            lambda: (
+                drained(redis_client)
+                and sample(
+                    scrape(port)[1], "steplock_events_total", event="transition_conflict", task=adv
+                )
+                == 1
+                and sample(
+                    scrape(port)[1], "steplock_events_total", event="lock_released", task=hold.name
+                )
+                == 1
+            ),
+            timeout=30,
+            what="every event in the scrape",
+        )
         text, samples = scrape(port)
         (tmp_path / "metrics.txt").write_text(text)
-        print("\n" + "\n".join(line for line in text.splitlines()
-                               if line.startswith("steplock_") and "_bucket" not in line))
-        assert {e: sample(samples, "steplock_events_total", event=e, task=adv)
-                for e in ("lock_acquired", "transition_applied", "transition_conflict",
-                          "lock_released", "lock_contended", "lock_lost")} == {
-            "lock_acquired": 4, "transition_applied": 3, "transition_conflict": 1,
-            "lock_released": 4, "lock_contended": 0, "lock_lost": 0}
+        print(
+            "\n"
+            + "\n".join(
+                line
+                for line in text.splitlines()
+                if line.startswith("steplock_") and "_bucket" not in line
+            )
+        )
+        assert {
+            e: sample(samples, "steplock_events_total", event=e, task=adv)
+            for e in (
+                "lock_acquired",
+                "transition_applied",
+                "transition_conflict",
+                "lock_released",
+                "lock_contended",
+                "lock_lost",
+            )
+        } == {
+            "lock_acquired": 4,
+            "transition_applied": 3,
+            "transition_conflict": 1,
+            "lock_released": 4,
+            "lock_contended": 0,
+            "lock_lost": 0,
+        }
         assert sample(samples, "steplock_outcomes_total", task=adv, outcome="committed") == 3
         assert sample(samples, "steplock_outcomes_total", task=adv, outcome="conflict") == 1
-        assert {h: sample(samples, f"steplock_{h}_seconds_count", task=adv)
-                for h in ("wait", "hold", "cas", "commit")} == {
-            "wait": 4, "hold": 4, "cas": 3, "commit": 3}
+        assert {
+            h: sample(samples, f"steplock_{h}_seconds_count", task=adv)
+            for h in ("wait", "hold", "cas", "commit")
+        } == {"wait": 4, "hold": 4, "cas": 3, "commit": 3}
         assert sample(samples, "steplock_hold_seconds_sum", task=adv) >= 3 * 0.2
         assert sample(samples, "steplock_hold_seconds_sum", task=hold.name) >= 3.0
         assert sample(samples, "steplock_leases_held", task=adv) == 0
@@ -198,9 +288,14 @@ def test_scrape_of_a_prefork_worker_in_multiprocess_mode(worker_env, redis_clien
         counter_pids = {p.stem.rsplit("_", 1)[1] for p in multiproc.glob("counter_*.db")}
         assert len(counter_pids) >= 5
         # ... and the live gauge files are those of running processes only.
-        wait_until(lambda: all(os.path.exists(f"/proc/{p.stem.rsplit('_', 1)[1]}")
-                               for p in multiproc.glob("gauge_livesum_*.db")),
-                   timeout=10, what="exited children's gauge files removed")
+        wait_until(
+            lambda: all(
+                os.path.exists(f"/proc/{p.stem.rsplit('_', 1)[1]}")
+                for p in multiproc.glob("gauge_livesum_*.db")
+            ),
+            timeout=10,
+            what="exited children's gauge files removed",
+        )
     finally:
         worker.terminate()
 
@@ -216,29 +311,47 @@ def test_a_sigkilled_childs_held_lease_leaves_the_gauge(worker_env, redis_client
     multiproc.mkdir()
     port = free_port()
     worker = servers.celery_worker(
-        app="tests.support.prometheus_app", name="killed", concurrency=1,
+        app="tests.support.prometheus_app",
+        name="killed",
+        concurrency=1,
         # A 30 s TTL: the redelivered message cannot take the dead child's lease (and
         # set the gauge again) before the scrapes below.
-        env={**worker_env, "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
-             "STEPLOCK_METRICS_PORT": str(port), "STEPLOCK_TTL": "30"},
-        logfile=tmp_path / "killed.log", cwd=ROOT)
+        env={
+            **worker_env,
+            "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+            "STEPLOCK_METRICS_PORT": str(port),
+            "STEPLOCK_TTL": "30",
+        },
+        logfile=tmp_path / "killed.log",
+        cwd=ROOT,
+    )
     try:
         step = Step.objects.create(name="kill")
         hold.apply_async((step.pk, 60))
-        holder = wait_until(lambda: unpack_fields(redis_client.hgetall(lease_key(step))),
-                            timeout=30, what="the lease to be taken")
+        holder = wait_until(
+            lambda: unpack_fields(redis_client.hgetall(lease_key(step))),
+            timeout=30,
+            what="the lease to be taken",
+        )
         pid = int(holder["pid"])
-        wait_until(lambda: sample(scrape(port)[1], "steplock_leases_held",
-                                  task=hold.name) == 1, timeout=10, what="the gauge at 1")
+        wait_until(
+            lambda: sample(scrape(port)[1], "steplock_leases_held", task=hold.name) == 1,
+            timeout=10,
+            what="the gauge at 1",
+        )
         os.kill(pid, 9)
-        wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10,
-                   what="the child to be gone")
+        wait_until(
+            lambda: not os.path.exists(f"/proc/{pid}"), timeout=10, what="the child to be gone"
+        )
         stale = multiproc / f"gauge_livesum_{pid}.db"
         assert stale.exists()  # nothing removed it: the child never ran its shutdown
         assert sample(scrape(port)[1], "steplock_leases_held", task=hold.name) == 0
-        assert sample(scrape(port)[1], "steplock_events_total", event="lock_acquired",
-                      task=hold.name) == 1  # the dead child's counters still count
-        assert unpack_fields(redis_client.hgetall(lease_key(step)))["owner"] == \
-            holder["owner"]  # still the dead child's lease: nobody else took it meanwhile
+        assert (
+            sample(scrape(port)[1], "steplock_events_total", event="lock_acquired", task=hold.name)
+            == 1
+        )  # the dead child's counters still count
+        assert (
+            unpack_fields(redis_client.hgetall(lease_key(step)))["owner"] == holder["owner"]
+        )  # still the dead child's lease: nobody else took it meanwhile
     finally:
         worker.kill()

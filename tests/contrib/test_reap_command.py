@@ -1,5 +1,6 @@
 """``manage.py reap_expired_leases`` and the ``celery_steplock.reap_expired_leases`` beat task
 (celery_steplock.contrib.django.management.commands.reap_expired_leases, .tasks)."""
+
 import json
 from io import StringIO
 
@@ -22,14 +23,22 @@ def orphaned(app, redis_client):
     """A dead worker's lease (silent worker, no renewal for 2 minutes), the step it left
     ``running``, and a live-looking lease that must survive."""
     lock = get_lease_store(app)
-    dead = lock.acquire("step:dead", ttl=60.0, metadata={
-        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "task_name": "t.claim"})
+    dead = lock.acquire(
+        "step:dead",
+        ttl=60.0,
+        metadata={
+            "worker": GHOST,
+            "hostname": "elsewhere.invalid",
+            "pid": 1,
+            "task_name": "t.claim",
+        },
+    )
     now_s, now_us = redis_client.time()
-    redis_client.hset(lock.key("step:dead"), "renewed_ms",
-                      now_s * 1000 + now_us // 1000 - 120_000)
+    redis_client.hset(lock.key("step:dead"), "renewed_ms", now_s * 1000 + now_us // 1000 - 120_000)
     live = lock.acquire("step:live", ttl=60.0, metadata={"task_name": "t.claim"})
-    step = Step.objects.create(name="orphan", status="running", lock_owner=dead.owner,
-                               lock_fence=dead.fence)
+    step = Step.objects.create(
+        name="orphan", status="running", lock_owner=dead.owner, lock_fence=dead.fence
+    )
     return lock, dead, live, step
 
 
@@ -46,9 +55,11 @@ def test_dry_run_json_reports_and_changes_nothing(orphaned):
     assert report["dry_run"] and report["ok"] and report["errors"] == []
     assert report["leases_scanned"] == 2
     assert [(r["name"], r["owner"]) for r in report["leases_reaped"]] == [
-        ("step:dead", dead.owner)]
+        ("step:dead", dead.owner)
+    ]
     assert [(r["pk"], r["from_"], r["to"]) for r in report["steps_recovered"]] == [
-        (step.pk, "running", "pending")]
+        (step.pk, "running", "pending")
+    ]
     assert lock.inspect("step:dead")["owner"] == dead.owner
     step.refresh_from_db()
     assert step.status == "running" and step.lock_owner == dead.owner
@@ -82,8 +93,15 @@ def test_older_than_and_batch_size_options(orphaned):
     assert step.status == "running"
 
 
-@pytest.mark.parametrize("args", [("--batch-size", "0"), ("--older-than", "-1"),
-                                  ("--older-than", "soon"), ("--ping-timeout", "0")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--batch-size", "0"),
+        ("--older-than", "-1"),
+        ("--older-than", "soon"),
+        ("--ping-timeout", "0"),
+    ],
+)
 def test_invalid_options_are_usage_errors(app, args):
     with pytest.raises(CommandError):
         call_command("reap_expired_leases", *args)

@@ -9,6 +9,7 @@ separate database that nothing ever writes: a read replica lagging without end) 
 Everything runs against real Redis and the real databases (SQLite files, or databases of
 one PostgreSQL server), in-process and in real ``celery worker`` processes.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -21,8 +22,12 @@ from django.test import override_settings
 from celery_steplock import signals
 from celery_steplock.contrib.django.steps import DjangoStepStore
 from celery_steplock.contrib.django.task import DjangoStepLockedTask
-from celery_steplock.exceptions import ImproperlyConfigured, LockLost, \
-    OuterTransactionError, TransitionConflict
+from celery_steplock.exceptions import (
+    ImproperlyConfigured,
+    LockLost,
+    OuterTransactionError,
+    TransitionConflict,
+)
 from celery_steplock.lock import get_lease_store
 from celery_steplock.plan import build_plan, option_problems
 from celery_steplock.reaper import Reaper, ReapReport, reap
@@ -54,42 +59,68 @@ def named(events, name):
 
 def row(model, pk, using):
     """(status, attempts, note) of the row on ``using``, None when it has none."""
-    found = list(model._base_manager.db_manager(using).filter(pk=pk)
-                 .values_list("status", "attempts", "note"))
+    found = list(
+        model._base_manager.db_manager(using)
+        .filter(pk=pk)
+        .values_list("status", "attempts", "note")
+    )
     return found[0] if found else None
 
 
 def leases(redis_client):
-    return sorted(k.decode() if isinstance(k, bytes) else k
-                  for k in redis_client.scan_iter(match="steplock:lease:*"))
+    return sorted(
+        k.decode() if isinstance(k, bytes) else k
+        for k in redis_client.scan_iter(match="steplock:lease:*")
+    )
 
 
 # -- tasks of this module (the project's own are in django_app/routing/tasks.py) ---------------
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.routing.blind_pay",
-                 lock_key="invoice:{invoice_id}", step_model="routing.Invoice",
-                 step_id_arg="invoice_id", transition=("pending", "paid"),
-                 lock_precheck=False, on_conflict="raise")
+
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.routing.blind_pay",
+    lock_key="invoice:{invoice_id}",
+    step_model="routing.Invoice",
+    step_id_arg="invoice_id",
+    transition=("pending", "paid"),
+    lock_precheck=False,
+    on_conflict="raise",
+)
 def blind_pay(self, invoice_id):
     Invoice.objects.filter(pk=invoice_id).update(attempts=1, note="blind body")
     return "body done"
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.routing.ship_and_lose",
-                 lock_key="parcel:{parcel_id}", step_model="routing.Parcel",
-                 step_id_arg="parcel_id", transition=("pending", "shipped"),
-                 on_contended="raise")
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.routing.ship_and_lose",
+    lock_key="parcel:{parcel_id}",
+    step_model="routing.Parcel",
+    step_id_arg="parcel_id",
+    transition=("pending", "shipped"),
+    on_contended="raise",
+)
 def ship_and_lose(self, parcel_id, steal=True):
     Parcel.objects.filter(pk=parcel_id).update(attempts=1, note="written by the loser")
     if steal:  # another owner takes the lease before the commit
-        get_lease_store(self.app).client.hset(self.lease.key, mapping={
-            "owner": "thief", "task_id": "thief-task"})
+        get_lease_store(self.app).client.hset(
+            self.lease.key, mapping={"owner": "thief", "task_id": "thief-task"}
+        )
     return "body done"
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.routing.post_default_ledger",
-                 lock_key="ledger:{ledger_id}", step_model="routing.Ledger",
-                 step_id_arg="ledger_id", transition=("pending", "posted"))
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.routing.post_default_ledger",
+    lock_key="ledger:{ledger_id}",
+    step_model="routing.Ledger",
+    step_id_arg="ledger_id",
+    transition=("pending", "posted"),
+)
 def post_routed_ledger(self, ledger_id):
     """No ``step_database``: the setting's, else the router's."""
     return self.steplock_plan.steps.using
@@ -109,9 +140,15 @@ class TenantRouter(ProjectRouter):
     db_for_read = db_for_write
 
 
-@celery_app.task(bind=True, base=StepLockedTask, name="tests.routing.switch_tenant",
-                 lock_key="ledger:{ledger_id}", step_model="routing.Ledger",
-                 step_id_arg="ledger_id", transition=("pending", "posted"))
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.routing.switch_tenant",
+    lock_key="ledger:{ledger_id}",
+    step_model="routing.Ledger",
+    step_id_arg="ledger_id",
+    transition=("pending", "posted"),
+)
 def switch_tenant(self, ledger_id):
     TENANT.set("other")  # the body changes the context: the execution's database stays
     return "switched"
@@ -130,21 +167,34 @@ class Inspecting(StepLockedTask):
                 type(self).seen[alias] = cursor.fetchone()[0]
 
 
-@celery_app.task(bind=True, base=Inspecting, name="tests.routing.inspect_parcel",
-                 lock_key="parcel:{parcel_id}", step_model="routing.Parcel",
-                 step_id_arg="parcel_id", transition=("pending", "shipped"))
+@celery_app.task(
+    bind=True,
+    base=Inspecting,
+    name="tests.routing.inspect_parcel",
+    lock_key="parcel:{parcel_id}",
+    step_model="routing.Parcel",
+    step_id_arg="parcel_id",
+    transition=("pending", "shipped"),
+)
 def inspect_parcel(self, parcel_id):
     return "ok"
 
 
-@celery_app.task(bind=True, base=DjangoStepLockedTask, name="tests.routing.later",
-                 lock_key="parcel:{parcel_id}", step_model="routing.Parcel",
-                 step_id_arg="parcel_id", transition=("pending", "shipped"))
+@celery_app.task(
+    bind=True,
+    base=DjangoStepLockedTask,
+    name="tests.routing.later",
+    lock_key="parcel:{parcel_id}",
+    step_model="routing.Parcel",
+    step_id_arg="parcel_id",
+    transition=("pending", "shipped"),
+)
 def ship_later(self, parcel_id):
     return "ok"
 
 
 # -- where the statements go -----------------------------------------------------------------
+
 
 def test_the_write_database_is_the_routers_and_bind_fixes_it():
     assert DjangoStepStore(Invoice).using == "default"
@@ -183,6 +233,7 @@ def test_a_router_that_names_an_unknown_database_is_a_configuration_error(redis_
 
 # -- (a) reads sent to a lagging replica ---------------------------------------------------------
 
+
 def test_a_step_the_replica_lacks_runs_once_on_the_write_database(redis_client, events):
     invoice = Invoice.objects.create()
     assert not Invoice.objects.filter(pk=invoice.pk).exists()  # the router reads the replica
@@ -191,7 +242,10 @@ def test_a_step_the_replica_lacks_runs_once_on_the_write_database(redis_client, 
     again = pay_invoice.apply(args=(invoice.pk,))
     # the precheck read the write database: "paid"
     assert (again.state, again.result["steplock"], again.result["found"]) == (
-        "SUCCESS", "duplicate", "paid")
+        "SUCCESS",
+        "duplicate",
+        "paid",
+    )
     status, attempts, note = row(Invoice, invoice.pk, "default")
     assert (status, attempts) == ("paid", 1) and note.endswith(first.result["owner"])
     assert row(Invoice, invoice.pk, "replica") is None  # nothing ever wrote the replica
@@ -223,13 +277,15 @@ def test_the_conflict_read_sees_the_write_database_not_the_replica(redis_client,
     assert isinstance(result.result, TransitionConflict)
     assert result.result.current == "paid" and result.result.stale_fence is False
     assert row(Invoice, invoice.pk, "default") == ("paid", 7, "committed")  # rolled back
-    direct = DjangoStepStore(Invoice).transition(invoice.pk, "pending", "paid", fence=1,
-                                                 raise_on_conflict=False)
+    direct = DjangoStepStore(Invoice).transition(
+        invoice.pk, "pending", "paid", fence=1, raise_on_conflict=False
+    )
     assert (direct.applied, direct.current) == (False, "paid")
     assert named(events, "lock_lost") == [] and leases(redis_client) == []
 
 
 # -- (b) a write database that is not default -------------------------------------------------
+
 
 def test_a_step_model_that_lives_on_another_database_commits_once_there(redis_client, events):
     assert "routing_parcel" not in connections["default"].introspection.table_names()
@@ -318,6 +374,7 @@ def test_the_postgresql_deadline_is_set_on_the_steps_database(redis_client):
 
 # -- (c) step models on two databases in one process -----------------------------------------
 
+
 def test_step_models_on_two_databases_commit_each_on_its_own(redis_client):
     invoices = [Invoice.objects.create() for _ in range(3)]
     parcels = [Parcel.objects.create() for _ in range(3)]
@@ -329,16 +386,21 @@ def test_step_models_on_two_databases_commit_each_on_its_own(redis_client):
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=run, args=(task, obj.pk))
-               for _ in range(2)
-               for task, objs in ((pay_invoice, invoices), (ship_parcel, parcels))
-               for obj in objs]
+    threads = [
+        threading.Thread(target=run, args=(task, obj.pk))
+        for _ in range(2)
+        for task, objs in ((pay_invoice, invoices), (ship_parcel, parcels))
+        for obj in objs
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    done = [r.result for r in results if r.successful() and isinstance(r.result, dict)
-            and not is_outcome(r.result)]  # the duplicates return their outcome
+    done = [
+        r.result
+        for r in results
+        if r.successful() and isinstance(r.result, dict) and not is_outcome(r.result)
+    ]  # the duplicates return their outcome
     assert sorted(r["database"] for r in done) == ["default"] * 3 + ["other"] * 3
     assert {row(Invoice, i.pk, "default")[:2] for i in invoices} == {("paid", 1)}
     assert {row(Parcel, p.pk, "other")[:2] for p in parcels} == {("shipped", 1)}
@@ -347,6 +409,7 @@ def test_step_models_on_two_databases_commit_each_on_its_own(redis_client):
 
 
 # -- (d) a holder that lost its lease ------------------------------------------------------------
+
 
 def test_a_holder_that_lost_its_lease_rolls_back_on_the_write_database(redis_client, events):
     parcel = Parcel.objects.create()
@@ -357,19 +420,20 @@ def test_a_holder_that_lost_its_lease_rolls_back_on_the_write_database(redis_cli
 
 
 def test_a_newer_fence_in_the_row_refuses_the_stale_holder_on_the_write_database(
-        redis_client, events):
-    parcel = Parcel.objects.create(lock_fence=2 ** 62)  # a newer holder wrote it
+    redis_client, events
+):
+    parcel = Parcel.objects.create(lock_fence=2**62)  # a newer holder wrote it
     result = ship_and_lose.apply(args=(parcel.pk,), kwargs={"steal": False})
     assert isinstance(result.result, LockLost) and "newer fencing token" in str(result.result)
     assert row(Parcel, parcel.pk, "other") == ("pending", 0, "")
-    assert Parcel.objects.get(pk=parcel.pk).lock_fence == 2 ** 62
+    assert Parcel.objects.get(pk=parcel.pk).lock_fence == 2**62
 
 
 # -- the database named by an option or a setting ----------------------------------------------
 
-def test_step_database_option_commits_there_and_leaves_the_routers_database_alone(
-        redis_client):
-    ledger = Ledger.objects.create()                    # the router's: default
+
+def test_step_database_option_commits_there_and_leaves_the_routers_database_alone(redis_client):
+    ledger = Ledger.objects.create()  # the router's: default
     Ledger.objects.using("other").create(pk=ledger.pk)  # the option's
     result = post_ledger.apply(args=(ledger.pk,))
     assert result.successful() and result.result["database"] == "other"
@@ -437,8 +501,9 @@ def test_the_factory_gets_the_database_and_its_listing_refuses_unknown_ones():
     assert load_step_store(factory, "m", **fields) == "m"
     assert load_step_store(factory, "m", using="archive", **fields) == "m"
     with pytest.raises(ImproperlyConfigured) as info:
-        load_step_store(factory, "m", using="nope", using_setting="steplock_step_database",
-                        **fields)
+        load_step_store(
+            factory, "m", using="nope", using_setting="steplock_step_database", **fields
+        )
     assert info.value.setting == "steplock_step_database"
     assert "'nope' is not a configured database (known: 'main', 'archive')" in str(info.value)
     assert calls == ["<not given>", "archive"]
@@ -455,15 +520,18 @@ def test_an_unknown_database_is_a_configuration_error_naming_the_option(app, red
             build_plan(post_routed_ledger)
         assert info.value.setting == "step_database" and "'nowhere'" in str(info.value)
         assert "'default', 'replica', 'other'" in str(info.value)
-        found = [(exc.setting, str(exc)) for exc in option_problems(post_routed_ledger,
-                                                                    models_ready=False)]
+        found = [
+            (exc.setting, str(exc))
+            for exc in option_problems(post_routed_ledger, models_ready=False)
+        ]
         assert [setting for setting, _ in found] == ["step_database"]
         assert found[0][1].startswith("tests.routing.post_default_ledger: ")
         result = post_routed_ledger.apply(args=(ledger.pk,))
         assert isinstance(result.result, ImproperlyConfigured)
         assert leases(redis_client) == [] and row(Ledger, ledger.pk, "default")[0] == "pending"
-        problems = [p for p in validate.problems(app)
-                    if p.obj == "tests.routing.post_default_ledger"]
+        problems = [
+            p for p in validate.problems(app) if p.obj == "tests.routing.post_default_ledger"
+        ]
         assert [p.id for p in problems] == ["celery_steplock.E004"]
         assert "step_database" in problems[0].message
         post_routed_ledger.step_database = ""
@@ -495,10 +563,19 @@ def test_an_unknown_database_is_a_configuration_error_naming_the_setting(app, re
 
 # -- (e) the reaper's recovery -----------------------------------------------------------------
 
+
 def stale(store, redis_client, name):
     """A lease of a silent worker, last renewed two minutes ago: the reaper reaps it."""
-    lease = store.acquire(name, ttl=60.0, metadata={
-        "worker": GHOST, "hostname": "elsewhere.invalid", "pid": 1, "task_name": "t.claim"})
+    lease = store.acquire(
+        name,
+        ttl=60.0,
+        metadata={
+            "worker": GHOST,
+            "hostname": "elsewhere.invalid",
+            "pid": 1,
+            "task_name": "t.claim",
+        },
+    )
     now_s, now_us = redis_client.time()
     redis_client.hset(store.key(name), "renewed_ms", now_s * 1000 + now_us // 1000 - 120_000)
     return lease
@@ -510,27 +587,47 @@ def test_the_reaper_recovers_steps_on_their_write_databases(app, redis_client):
     parcel = Parcel.objects.create(status="running", lock_owner=dead.owner)
     invoice = Invoice.objects.create(status="running", lock_owner=dead.owner)  # not on replica
     ledger_default = Ledger.objects.create(status="running", lock_owner=dead.owner)
-    ledger_other = Ledger.objects.using("other").create(status="running",
-                                                        lock_owner=dead.owner)
-    set_settings(app, steplock_reaper_recover={
-        "routing.Parcel": {"running": "pending"}, "routing.Invoice": {"running": "pending"},
-        "routing.Ledger": {"running": "pending"}})
-    run = Reaper(app, ReapReport(), dry_run=True, batch_size=100, older_than=None, now=None,
-                 ping_timeout=PING, check_pids=True, lock=store)
+    ledger_other = Ledger.objects.using("other").create(status="running", lock_owner=dead.owner)
+    set_settings(
+        app,
+        steplock_reaper_recover={
+            "routing.Parcel": {"running": "pending"},
+            "routing.Invoice": {"running": "pending"},
+            "routing.Ledger": {"running": "pending"},
+        },
+    )
+    run = Reaper(
+        app,
+        ReapReport(),
+        dry_run=True,
+        batch_size=100,
+        older_than=None,
+        now=None,
+        ping_timeout=PING,
+        check_pids=True,
+        lock=store,
+    )
     watched = run.start_recovery()
     # Ledger's only task writes it on "other" (step_database); a task on it without the
     # option (the router's default) is registered by this module too.
     assert sorted((g.label, g.using) for g in watched.candidates) == [
-        ("routing.Invoice", "default"), ("routing.Ledger", "default"),
-        ("routing.Ledger", "other"), ("routing.Parcel", "other")]
+        ("routing.Invoice", "default"),
+        ("routing.Ledger", "default"),
+        ("routing.Ledger", "other"),
+        ("routing.Parcel", "other"),
+    ]
     report = reap(app, ping_timeout=PING)
     assert report.ok, report.errors
     moved = sorted((s["model"], s["pk"]) for s in report.steps_recovered)
-    assert moved == sorted([("routing.Invoice", invoice.pk), ("routing.Parcel", parcel.pk),
-                            ("routing.Ledger", ledger_default.pk),
-                            ("routing.Ledger", ledger_other.pk)])
-    assert Parcel.objects.values_list("status", "lock_owner").get(pk=parcel.pk) == (
-        "pending", "")
+    assert moved == sorted(
+        [
+            ("routing.Invoice", invoice.pk),
+            ("routing.Parcel", parcel.pk),
+            ("routing.Ledger", ledger_default.pk),
+            ("routing.Ledger", ledger_other.pk),
+        ]
+    )
+    assert Parcel.objects.values_list("status", "lock_owner").get(pk=parcel.pk) == ("pending", "")
     assert Invoice.objects.using("default").get(pk=invoice.pk).status == "pending"
     assert not Invoice.objects.using("replica").exists()
     assert Ledger.objects.using("other").get(pk=ledger_other.pk).status == "pending"
@@ -540,21 +637,27 @@ def test_the_reaper_recovers_steps_on_their_write_databases(app, redis_client):
 def test_the_reaper_reads_in_flight_rows_on_the_setting_s_database(app, redis_client):
     store = get_lease_store(app)
     dead = stale(store, redis_client, "routing:dead")
-    set_settings(app, steplock_step_database="other",
-                 steplock_reaper_recover={"routing.Ledger": {"running": "pending"}})
+    set_settings(
+        app,
+        steplock_step_database="other",
+        steplock_reaper_recover={"routing.Ledger": {"running": "pending"}},
+    )
     on_other = Ledger.objects.using("other").create(status="running", lock_owner=dead.owner)
-    on_default = Ledger.objects.using("default").create(pk=on_other.pk + 100,
-                                                        status="running", lock_owner=dead.owner)
+    on_default = Ledger.objects.using("default").create(
+        pk=on_other.pk + 100, status="running", lock_owner=dead.owner
+    )
     report = reap(app, ping_timeout=PING)
     assert report.ok, report.errors
     assert [(s["model"], s["pk"]) for s in report.steps_recovered] == [
-        ("routing.Ledger", on_other.pk)]
+        ("routing.Ledger", on_other.pk)
+    ]
     assert Ledger.objects.using("other").get(pk=on_other.pk).status == "pending"
     assert Ledger.objects.using("default").get(pk=on_default.pk).status == "running"
 
 
 def test_the_reaper_names_the_router_when_it_routes_recovery_to_an_unknown_database(
-        app, redis_client):
+    app, redis_client
+):
     class Nowhere(ProjectRouter):
         def db_for_write(self, model, **hints):
             return "nowhere" if model is Parcel else super().db_for_write(model, **hints)
@@ -562,8 +665,17 @@ def test_the_reaper_names_the_router_when_it_routes_recovery_to_an_unknown_datab
     store = get_lease_store(app)
     set_settings(app, steplock_reaper_recover={"routing.Parcel": {"running": "pending"}})
     with override_settings(DATABASE_ROUTERS=[Nowhere()]):
-        run = Reaper(app, ReapReport(), dry_run=True, batch_size=100, older_than=None,
-                     now=None, ping_timeout=PING, check_pids=True, lock=store)
+        run = Reaper(
+            app,
+            ReapReport(),
+            dry_run=True,
+            batch_size=100,
+            older_than=None,
+            now=None,
+            ping_timeout=PING,
+            check_pids=True,
+            lock=store,
+        )
         watched = run.start_recovery()
     assert [c for c in watched.candidates if c.label == "routing.Parcel"] == []
     errors = [e for e in run.report.errors if "routing.Parcel" in e]
@@ -574,25 +686,32 @@ def test_the_reaper_names_the_router_when_it_routes_recovery_to_an_unknown_datab
 
 # -- real celery workers --------------------------------------------------------------------
 
+
 @pytest.fixture
 def routed_worker_env():
     """The test databases of ``replica`` and ``other`` for the worker processes (the
     ``worker_env`` fixture gives them ``default``'s)."""
+
     def url(settings):
         if settings["ENGINE"].endswith("sqlite3"):
             return f"sqlite:///{settings['NAME']}"
         password = f":{settings['PASSWORD']}" if settings.get("PASSWORD") else ""
-        return (f"postgresql://{settings.get('USER') or 'postgres'}{password}@"
-                f"{settings.get('HOST') or '127.0.0.1'}:{settings.get('PORT') or 5432}/"
-                f"{settings['NAME']}")
+        return (
+            f"postgresql://{settings.get('USER') or 'postgres'}{password}@"
+            f"{settings.get('HOST') or '127.0.0.1'}:{settings.get('PORT') or 5432}/"
+            f"{settings['NAME']}"
+        )
 
-    return {f"STEPLOCK_{alias.upper()}_DATABASE_URL": url(connections[alias].settings_dict)
-            for alias in ("replica", "other")}
+    return {
+        f"STEPLOCK_{alias.upper()}_DATABASE_URL": url(connections[alias].settings_dict)
+        for alias in ("replica", "other")
+    }
 
 
 @pytest.mark.workers
 def test_real_workers_commit_each_step_once_on_its_write_database(
-        start_worker, routed_worker_env, redis_client):
+    start_worker, routed_worker_env, redis_client
+):
     """Two prefork workers, each step sent twice (half of them as a duplicate delivery of
     one task id): Invoice on default (reads routed to the lagging replica), Parcel on other,
     Ledger on other by step_database."""
@@ -607,25 +726,34 @@ def test_real_workers_commit_each_step_once_on_its_write_database(
     for ledger in ledgers:
         Ledger.objects.using("other").create(pk=ledger.pk)
     first = {}
-    for task, objs in ((pay_invoice, invoices), (ship_parcel, parcels),
-                       (post_ledger, ledgers)):
+    for task, objs in ((pay_invoice, invoices), (ship_parcel, parcels), (post_ledger, ledgers)):
         for i, obj in enumerate(objs):
             task_id = f"{task.name}-{obj.pk}" if i % 2 else None
-            first[(task.name, obj.pk)] = task.apply_async((obj.pk,), {"delay": 0.3},
-                                                          task_id=task_id)
+            first[(task.name, obj.pk)] = task.apply_async(
+                (obj.pk,), {"delay": 0.3}, task_id=task_id
+            )
             task.apply_async((obj.pk,), {"delay": 0.3}, task_id=task_id)
 
     def finished():
-        return (all(row(Invoice, i.pk, "default")[0] == "paid" for i in invoices)
-                and all(row(Parcel, p.pk, "other")[0] == "shipped" for p in parcels)
-                and all(row(Ledger, x.pk, "other")[0] == "posted" for x in ledgers)
-                and redis_client.llen("celery") == 0 and redis_client.hlen("unacked") == 0
-                and leases(redis_client) == [])
+        return (
+            all(row(Invoice, i.pk, "default")[0] == "paid" for i in invoices)
+            and all(row(Parcel, p.pk, "other")[0] == "shipped" for p in parcels)
+            and all(row(Ledger, x.pk, "other")[0] == "posted" for x in ledgers)
+            and redis_client.llen("celery") == 0
+            and redis_client.hlen("unacked") == 0
+            and leases(redis_client) == []
+        )
 
-    wait_until(finished, timeout=90, what="every step to commit and the queue to drain",
-                       describe=lambda: f"queue {redis_client.llen('celery')}, unacked "
-                                        f"{redis_client.hlen('unacked')}, leases "
-                                        f"{leases(redis_client)}")
+    wait_until(
+        finished,
+        timeout=90,
+        what="every step to commit and the queue to drain",
+        describe=lambda: (
+            f"queue {redis_client.llen('celery')}, unacked "
+            f"{redis_client.hlen('unacked')}, leases "
+            f"{leases(redis_client)}"
+        ),
+    )
     assert {row(Invoice, i.pk, "default")[1] for i in invoices} == {1}
     assert {row(Parcel, p.pk, "other")[1] for p in parcels} == {1}
     assert {row(Ledger, x.pk, "other")[1] for x in ledgers} == {1}

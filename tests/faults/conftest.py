@@ -5,6 +5,7 @@ server to terminate connections on, a TCP path to put a proxy on); in the SQLite
 ``make test`` its scenarios are deselected (not skipped) with a note, and run in the
 PostgreSQL pass.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,10 @@ def pytest_collection_modifyitems(config, items):
     if lab_items:
         config.hook.pytest_deselected(items=lab_items)
         items[:] = [item for item in items if not item.get_closest_marker("faults")]
-        print(f"\ntests/faults: {len(lab_items)} tests that need PostgreSQL deselected on "
-              f"SQLite; they run in the PostgreSQL pass")
+        print(
+            f"\ntests/faults: {len(lab_items)} tests that need PostgreSQL deselected on "
+            f"SQLite; they run in the PostgreSQL pass"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The negative control: the same scenarios with the compare-and-swap (and its pre-check)
 disabled must show violations, or the checker proves nothing."""
+
 import pytest
 
 from tests.support.faults import scenarios
@@ -7,8 +8,12 @@ from tests.support.faults.scenarios import SCENARIOS
 
 pytestmark = [pytest.mark.faults, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
-CONTROLS = ("duplicate-task-id", "pause@before_commit", "kill-child@after_commit",
-            "compensation-forward-first")
+CONTROLS = (
+    "duplicate-task-id",
+    "pause@before_commit",
+    "kill-child@after_commit",
+    "compensation-forward-first",
+)
 
 
 @pytest.fixture(scope="module")

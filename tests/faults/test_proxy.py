@@ -4,6 +4,7 @@ Every test talks to a real redis-server (and one to a real PostgreSQL, when inst
 through the proxy with real clients. Timing bounds leave wide margins for a loaded 2-core
 machine: lower bounds are exact (latency can only add), upper bounds are generous.
 """
+
 from __future__ import annotations
 
 import resource
@@ -58,8 +59,13 @@ def client(port: int, timeout: float = 5.0) -> redis.Redis:
 
     (A pooled client would notice a dropped idle connection when taking it from the pool
     and silently reconnect.)"""
-    return redis.Redis(port=port, socket_timeout=timeout, socket_connect_timeout=timeout,
-                       retry=Retry(NoBackoff(), 0), single_connection_client=True)
+    return redis.Redis(
+        port=port,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        single_connection_client=True,
+    )
 
 
 def raw(port: int, timeout: float = 5.0) -> socket.socket:
@@ -132,8 +138,10 @@ def test_url_lifecycle_and_restart(server_a):
     proxy = TcpProxy("127.0.0.1", server_a.port)
     port = proxy.port
     assert proxy.url() == f"redis://127.0.0.1:{port}/0"
-    assert proxy.url("postgresql", "/steplock", user="postgres") == \
-        f"postgresql://postgres@127.0.0.1:{port}/steplock"
+    assert (
+        proxy.url("postgresql", "/steplock", user="postgres")
+        == f"postgresql://postgres@127.0.0.1:{port}/steplock"
+    )
     with proxy as started:
         assert started is proxy
         assert client(port).ping()
@@ -189,12 +197,12 @@ def test_thousands_of_small_chunks_keep_their_order(proxy):
         if i == 1500:
             proxy.set_latency(0)
     assert recv_exactly(sock, len(expected)) == bytes(expected)
-    assert time.monotonic() - start < 15.0   # cumulative delays would take a minute
+    assert time.monotonic() - start < 15.0  # cumulative delays would take a minute
     sock.close()
 
 
 def test_large_values_with_backpressure(proxy, direct):
-    value = bytes(range(256)) * (16 * 1024)   # 4 MiB, more than the proxy buffers
+    value = bytes(range(256)) * (16 * 1024)  # 4 MiB, more than the proxy buffers
     proxy.set_latency(0.01)
     r = client(proxy.port)
     assert r.set("big", value)
@@ -255,16 +263,16 @@ def test_stall_holds_then_delivers_in_order(proxy, direct):
         thread.start()
     wait_until(lambda: proxy.stats["connections_total"] == 2)  # the new one was accepted
     time.sleep(0.5)  # time enough for held data to leak through, if it would
-    assert direct.get("stalled") is None   # nothing reached the server
+    assert direct.get("stalled") is None  # nothing reached the server
     assert not results
     unstalled = time.monotonic()
     proxy.unstall()
     for thread in threads:
         thread.join(10)
     value, done = results["set"]
-    assert value is True and done >= unstalled   # held until unstall(), then delivered
+    assert value is True and done >= unstalled  # held until unstall(), then delivered
     value, done = results["new"]
-    assert value in (b"yes", None)   # ordered per connection, not across connections
+    assert value in (b"yes", None)  # ordered per connection, not across connections
     assert done >= unstalled
     assert direct.get("stalled") == b"yes"
     assert old.ping()
@@ -272,30 +280,30 @@ def test_stall_holds_then_delivers_in_order(proxy, direct):
 
 def test_blackhole_discards_and_unblackhole_closes_corrupt_connections(proxy, direct):
     idle = client(proxy.port)
-    assert idle.ping()                      # connected before, idle during the black hole
+    assert idle.ping()  # connected before, idle during the black hole
     victim = client(proxy.port, timeout=0.5)
     victim.ping()
     proxy.blackhole()
 
     with pytest.raises(redis.TimeoutError):
         victim.set("lost", "1")
-    assert direct.get("lost") is None       # the command never reached the server
+    assert direct.get("lost") is None  # the command never reached the server
 
-    fresh = raw(proxy.port, timeout=0.3)    # a new connection is accepted...
+    fresh = raw(proxy.port, timeout=0.3)  # a new connection is accepted...
     fresh.sendall(PING)
-    with pytest.raises(socket.timeout):     # ...but nothing comes back
+    with pytest.raises(socket.timeout):  # ...but nothing comes back
         fresh.recv(100)
     wait_until(lambda: proxy.stats["bytes_discarded"] > 0)
 
     proxy.unblackhole()
     fresh.settimeout(10)
-    try:                                    # its stream lost bytes: the proxy closes it
+    try:  # its stream lost bytes: the proxy closes it
         assert fresh.recv(100) == b""
     except ConnectionResetError:
         pass
     fresh.close()
-    assert idle.ping()                      # lost nothing: still open and working
-    assert client(proxy.port).ping()        # new connections work
+    assert idle.ping()  # lost nothing: still open and working
+    assert client(proxy.port).ping()  # new connections work
     assert proxy.stats["dropped"] >= 1
 
 
@@ -317,7 +325,7 @@ def test_drop_connections(proxy):
 
 def test_drop_next_reply_loses_the_reply_not_the_write(proxy, direct):
     r = client(proxy.port)
-    assert r.ping()                 # established before arming: SET is its next chunk
+    assert r.ping()  # established before arming: SET is its next chunk
     proxy.drop_next_reply()
     with pytest.raises(redis.ConnectionError):
         r.set("k", "v")
@@ -326,17 +334,17 @@ def test_drop_next_reply_loses_the_reply_not_the_write(proxy, direct):
     assert stats["replies_dropped"] == 1
     assert stats["dropped"] == 1
     proxy.disarm()
-    assert r.get("k") == b"v"       # reconnects through the disarmed proxy
+    assert r.get("k") == b"v"  # reconnects through the disarmed proxy
 
 
 def test_drop_next_reply_match_applies_to_new_connections(proxy, direct):
     proxy.drop_next_reply(match=b"INCR")
     r = client(proxy.port)
-    assert r.ping()                 # handshake and PING do not match: forwarded normally
+    assert r.ping()  # handshake and PING do not match: forwarded normally
     with pytest.raises(redis.ConnectionError):
         r.incr("counter")
     assert direct.get("counter") == b"1"
-    other = client(proxy.port)      # armed too (until disarm), one-shot per connection
+    other = client(proxy.port)  # armed too (until disarm), one-shot per connection
     with pytest.raises(redis.ConnectionError):
         other.incr("counter")
     assert direct.get("counter") == b"2"
@@ -355,12 +363,12 @@ def test_retarget_failover(proxy, server_a, server_b, direct):
 
     proxy.retarget("127.0.0.1", server_b.port, drop=False)
     assert proxy.target == ("127.0.0.1", server_b.port)
-    assert old.get("who") == b"a"   # existing connection still on A
+    assert old.get("who") == b"a"  # existing connection still on A
     new = client(proxy.port)
     assert new.get("who") == b"b"
     assert new.info("server")["process_id"] == server_b.pid
 
-    proxy.retarget("127.0.0.1", server_a.port)   # drop=True: a failover
+    proxy.retarget("127.0.0.1", server_a.port)  # drop=True: a failover
     with pytest.raises(redis.ConnectionError):
         new.get("who")
     with pytest.raises(redis.ConnectionError):
@@ -374,8 +382,8 @@ def test_upstream_refused_closes_the_client(server_a):
     with TcpProxy("127.0.0.1", servers.free_port()) as proxy:
         start = time.monotonic()
         with pytest.raises(redis.ConnectionError):
-            client(proxy.port, timeout=20).ping()   # connects at construction
-        assert time.monotonic() - start < 10   # closed at once, not left to time out (20 s)
+            client(proxy.port, timeout=20).ping()  # connects at construction
+        assert time.monotonic() - start < 10  # closed at once, not left to time out (20 s)
         assert proxy.stats["connect_failures"] >= 1
         wait_until(lambda: proxy.stats["connections_open"] == 0)
         proxy.retarget("127.0.0.1", server_a.port)
@@ -388,7 +396,7 @@ def test_upstream_connect_timeout():
     target.bind(("127.0.0.1", 0))
     target.listen(0)
     fillers = []
-    for _ in range(8):   # fill the accept queue (nobody accepts)
+    for _ in range(8):  # fill the accept queue (nobody accepts)
         sock = socket.socket()
         sock.setblocking(False)
         sock.connect_ex(target.getsockname())
@@ -433,10 +441,10 @@ def test_stop_with_open_connections_is_quick(proxy):
     time.sleep(0.1)  # most likely its PING is held by now; told it is closed either way
     stopping = time.monotonic()
     _, elapsed = timed(proxy.stop)
-    assert elapsed < 5.0             # no waiting for the held data or the clients' timeouts
+    assert elapsed < 5.0  # no waiting for the held data or the clients' timeouts
     thread.join(20)
     assert isinstance(outcome[0], redis.ConnectionError)
-    assert outcome[1] - stopping < 10.0   # the blocked client is told, not left to its 30 s
+    assert outcome[1] - stopping < 10.0  # the blocked client is told, not left to its 30 s
     with pytest.raises(redis.ConnectionError):
         clients[0].ping()
     proxy.stop()
@@ -474,7 +482,7 @@ def test_idle_proxy_uses_no_cpu(proxy):
     proxy.set_latency(0.3)
     proxy.stall()
     held = raw(proxy.port)
-    held.sendall(PING)                 # data waiting in a stalled proxy
+    held.sendall(PING)  # data waiting in a stalled proxy
     time.sleep(0.05)
     before = cpu_seconds()
     time.sleep(0.5)
@@ -495,10 +503,17 @@ def test_postgres_lost_commit_reply():
 
     pg = servers.PostgresServer().start()
     try:
-        params = {"host": "127.0.0.1", "user": pg.user, "dbname": pg.dbname,
-                  "connect_timeout": 5, "sslmode": "disable"}
-        with TcpProxy("127.0.0.1", pg.port) as proxy, \
-                psycopg.connect(port=pg.port, autocommit=True, **params) as direct_pg:
+        params = {
+            "host": "127.0.0.1",
+            "user": pg.user,
+            "dbname": pg.dbname,
+            "connect_timeout": 5,
+            "sslmode": "disable",
+        }
+        with (
+            TcpProxy("127.0.0.1", pg.port) as proxy,
+            psycopg.connect(port=pg.port, autocommit=True, **params) as direct_pg,
+        ):
             direct_pg.execute("CREATE TABLE steps (id int PRIMARY KEY)")
             conn = psycopg.connect(port=proxy.port, **params)
             conn.execute("INSERT INTO steps VALUES (1)")

@@ -3,6 +3,7 @@
 Each trial ends only when the system is quiet again (step terminal, no message queued or
 reserved, no lease held), then the checker's invariants must all hold.
 """
+
 import pytest
 
 from tests.support.faults import scenarios

@@ -5,6 +5,7 @@ Used by the test suite, ``scripts/`` (demo, run_tests, soak, bootstrap's verify 
 ``benchmarks/``, all with the repository root on ``sys.path`` (``import tests.support``).
 pytest does not collect this package (``collect_ignore`` in ``tests/conftest.py``).
 """
+
 from pathlib import Path
 
 #: The repository root.

@@ -6,6 +6,7 @@ which Redis checks against the ACL too); :func:`acl_rules` turns it into the rul
 server (a :class:`~tests.support.servers.RedisServer` or a URL of a user allowed to run
 ``ACL``) and returns the URL to log in as it.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -23,27 +24,66 @@ __all__ = ["STEPLOCK_COMMANDS", "acl_rules", "acl_setuser_line", "create_user", 
 #: limits), HDEL, HINCRBY, PERSIST, ZCARD, ZCOUNT, ZRANGE, ZSCORE (circuit breaker); the
 #: idempotency records need nothing more (DEL and HGETALL of invalidate and get).
 STEPLOCK_COMMANDS = (
-    "blpop", "dbsize", "del", "evalsha", "exists", "get", "hdel", "hget", "hgetall",
-    "hincrby", "hmget", "hset", "persist", "pexpire", "ping", "pttl", "rpush", "scan",
-    "script|load", "set", "time", "type", "zadd", "zcard", "zcount", "zrange",
-    "zrangebyscore", "zrank", "zrem", "zremrangebyscore", "zscore",
+    "blpop",
+    "dbsize",
+    "del",
+    "evalsha",
+    "exists",
+    "get",
+    "hdel",
+    "hget",
+    "hgetall",
+    "hincrby",
+    "hmget",
+    "hset",
+    "persist",
+    "pexpire",
+    "ping",
+    "pttl",
+    "rpush",
+    "scan",
+    "script|load",
+    "set",
+    "time",
+    "type",
+    "zadd",
+    "zcard",
+    "zcount",
+    "zrange",
+    "zrangebyscore",
+    "zrank",
+    "zrem",
+    "zremrangebyscore",
+    "zscore",
 )
 
 
-def acl_rules(prefix: str = "steplock", password: str = "steplock-secret", *,
-              without: Iterable[str] = (), keys: Iterable[str] | None = None) -> list[str]:
+def acl_rules(
+    prefix: str = "steplock",
+    password: str = "steplock-secret",
+    *,
+    without: Iterable[str] = (),
+    keys: Iterable[str] | None = None,
+) -> list[str]:
     """The ``ACL SETUSER`` rules of the least-privilege user: on, ``password``, only the keys
     ``<prefix>:*`` (or the patterns ``keys``), no channel, no command but
     :data:`STEPLOCK_COMMANDS` less ``without``."""
     skipped = {c.lower() for c in without}
     patterns = list(keys) if keys is not None else [f"{prefix}:*"]
-    return (["reset", "on", f">{password}", "resetkeys", *[f"~{p}" for p in patterns],
-             "resetchannels", "-@all"]
-            + [f"+{c}" for c in STEPLOCK_COMMANDS if c not in skipped])
+    return [
+        "reset",
+        "on",
+        f">{password}",
+        "resetkeys",
+        *[f"~{p}" for p in patterns],
+        "resetchannels",
+        "-@all",
+    ] + [f"+{c}" for c in STEPLOCK_COMMANDS if c not in skipped]
 
 
-def acl_setuser_line(user: str = "steplock", prefix: str = "steplock",
-                     password: str = "<password>") -> str:
+def acl_setuser_line(
+    user: str = "steplock", prefix: str = "steplock", password: str = "<password>"
+) -> str:
     """The ``ACL SETUSER`` command line the docs give (without ``reset``)."""
     return " ".join(["ACL SETUSER", user, *acl_rules(prefix, password)[1:]])
 
@@ -53,22 +93,36 @@ def _admin(server) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5)
 
 
-def create_user(server, user: str = "steplock", password: str = "steplock-secret",
-                prefix: str = "steplock", *, without: Iterable[str] = (),
-                keys: Iterable[str] | None = None) -> str:
+def create_user(
+    server,
+    user: str = "steplock",
+    password: str = "steplock-secret",
+    prefix: str = "steplock",
+    *,
+    without: Iterable[str] = (),
+    keys: Iterable[str] | None = None,
+) -> str:
     """Create (or redefine) the ACL user ``user`` on ``server`` with :func:`acl_rules` and
     return the server's URL with that user's credentials."""
     admin = _admin(server)
     try:
-        admin.execute_command("ACL", "SETUSER", user,
-                              *acl_rules(prefix, password, without=without, keys=keys))
+        admin.execute_command(
+            "ACL", "SETUSER", user, *acl_rules(prefix, password, without=without, keys=keys)
+        )
     finally:
         admin.close()
     url = server if isinstance(server, str) else server.url
     parts = urlsplit(url)
     host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, f"{quote(user)}:{quote(password)}@{host}", parts.path,
-                       parts.query, parts.fragment))
+    return urlunsplit(
+        (
+            parts.scheme,
+            f"{quote(user)}:{quote(password)}@{host}",
+            parts.path,
+            parts.query,
+            parts.fragment,
+        )
+    )
 
 
 def drop_user(server, user: str = "steplock") -> None:

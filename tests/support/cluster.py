@@ -10,6 +10,7 @@ Nodes are stopped by PID.
 
 ``python -m tests.support.cluster`` starts one, prints a node URL and runs until Ctrl-C.
 """
+
 from __future__ import annotations
 
 import signal
@@ -32,8 +33,13 @@ class RedisCluster:
     (default False: while one shard fails over, the others keep serving).
     """
 
-    def __init__(self, primaries: int = 3, replicas_per_primary: int = 1,
-                 node_timeout: int = 1000, full_coverage: bool = False):
+    def __init__(
+        self,
+        primaries: int = 3,
+        replicas_per_primary: int = 1,
+        node_timeout: int = 1000,
+        full_coverage: bool = False,
+    ):
         self.full_coverage = full_coverage
         self.n_primaries = primaries
         self.n_replicas = replicas_per_primary
@@ -51,12 +57,20 @@ class RedisCluster:
         try:
             for _ in range(total):
                 bus = free_port()
-                node = RedisServer(args=(
-                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(self.node_timeout),
-                    "--cluster-port", str(bus),
-                    "--cluster-require-full-coverage",
-                    "yes" if self.full_coverage else "no"))
+                node = RedisServer(
+                    args=(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        str(self.node_timeout),
+                        "--cluster-port",
+                        str(bus),
+                        "--cluster-require-full-coverage",
+                        "yes" if self.full_coverage else "no",
+                    )
+                )
                 node.bus_port = bus
                 self.nodes.append(node.start())
             self._build(timeout)
@@ -66,7 +80,7 @@ class RedisCluster:
         return self
 
     def _build(self, timeout: float) -> None:
-        primaries = self.nodes[:self.n_primaries]
+        primaries = self.nodes[: self.n_primaries]
         per = SLOTS // self.n_primaries
         for n, node in enumerate(primaries):
             first = n * per
@@ -76,8 +90,11 @@ class RedisCluster:
         for node in self.nodes[1:]:
             first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
         ids = [self.node_id(node) for node in self.nodes]
-        wait_until(lambda: all(self._known(node) >= len(self.nodes) for node in self.nodes),
-                   timeout, what="every cluster node to know every other")
+        wait_until(
+            lambda: all(self._known(node) >= len(self.nodes) for node in self.nodes),
+            timeout,
+            what="every cluster node to know every other",
+        )
         for r in range(self.n_replicas):
             for n in range(self.n_primaries):
                 replica = self.nodes[self.n_primaries * (1 + r) + n]
@@ -111,8 +128,9 @@ class RedisCluster:
 
     @staticmethod
     def client(node: RedisServer) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5,
-                           decode_responses=True)
+        return redis.Redis(
+            host="127.0.0.1", port=node.port, socket_timeout=5, decode_responses=True
+        )
 
     def node_id(self, node: RedisServer) -> str:
         return _text(self.client(node).execute_command("CLUSTER", "MYID"))
@@ -132,8 +150,9 @@ class RedisCluster:
     def primaries(self) -> list[RedisServer]:
         """The live nodes serving slots, by their lowest slot."""
         owners = self.slot_owners()
-        ports = sorted(set(owners.values()), key=lambda p: min(s for s, o in owners.items()
-                                                                if o == p))
+        ports = sorted(
+            set(owners.values()), key=lambda p: min(s for s, o in owners.items() if o == p)
+        )
         return [self.node_by_port(port) for port in ports]
 
     def replica_of(self, primary: RedisServer) -> RedisServer:
@@ -167,6 +186,7 @@ class RedisCluster:
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node reports ``cluster_state:ok`` and all agree on the slots, with
         every replica attached."""
+
         def ready() -> bool:
             if not all(self._state_ok(n) for n in self.live()) or not self._agreed():
                 return False
@@ -175,6 +195,7 @@ class RedisCluster:
                 if _text(role[0]) == "slave" and _text(role[3]) != "connected":
                     return False
             return True
+
         wait_until(ready, timeout, interval=0.1, what="cluster_state:ok on every node")
 
     # -- faults -----------------------------------------------------------------------------
@@ -186,9 +207,15 @@ class RedisCluster:
         replica = self.replica_of(primary)
         slots = [s for s, p in self.slot_owners().items() if p == primary.port]
         self.client(replica).execute_command("CLUSTER", "FAILOVER")
-        wait_until(lambda: self._agreed() and all(
-            self.slot_owners().get(s) == replica.port for s in slots[:1]), timeout,
-            interval=0.1, what="the replica to take over")
+        wait_until(
+            lambda: (
+                self._agreed()
+                and all(self.slot_owners().get(s) == replica.port for s in slots[:1])
+            ),
+            timeout,
+            interval=0.1,
+            what="the replica to take over",
+        )
         self.wait_ok(timeout)
         return replica
 
@@ -199,10 +226,20 @@ class RedisCluster:
         slots = [s for s, p in self.slot_owners().items() if p == primary.port]
         primary.kill()
         self.stopped.add(primary.port)
-        wait_until(lambda: self._state_ok(replica) and self.slot_owners(replica).get(slots[0])
-                   == replica.port, timeout, interval=0.1, what="the replica to be promoted")
-        wait_until(lambda: all(self._state_ok(n) for n in self.live()) and self._agreed(),
-                   timeout, interval=0.1, what="every live node to see the promotion")
+        wait_until(
+            lambda: (
+                self._state_ok(replica) and self.slot_owners(replica).get(slots[0]) == replica.port
+            ),
+            timeout,
+            interval=0.1,
+            what="the replica to be promoted",
+        )
+        wait_until(
+            lambda: all(self._state_ok(n) for n in self.live()) and self._agreed(),
+            timeout,
+            interval=0.1,
+            what="every live node to see the promotion",
+        )
         return replica
 
     def begin_migration(self, slot: int, target: RedisServer) -> RedisServer:
@@ -210,10 +247,12 @@ class RedisCluster:
         source (keys stay on the source; a command on a missing key is sent ASK). Returns the
         source."""
         source = self.node_by_port(self.slot_owners()[slot])
-        self.client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING",
-                                            self.node_id(source))
-        self.client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING",
-                                            self.node_id(target))
+        self.client(target).execute_command(
+            "CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source)
+        )
+        self.client(source).execute_command(
+            "CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(target)
+        )
         return source
 
     def move_keys(self, slot: int, source: RedisServer, target: RedisServer) -> list[str]:
@@ -225,8 +264,7 @@ class RedisCluster:
             keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
             if not keys:
                 return moved
-            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000,
-                                "KEYS", *keys)
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
             moved.extend(_text(k) for k in keys)
 
     def finish_migration(self, slot: int, target: RedisServer, timeout: float = 30.0) -> None:
@@ -237,8 +275,12 @@ class RedisCluster:
         for node in self.primaries():
             if node is not target:
                 self.client(node).execute_command("CLUSTER", "SETSLOT", slot, "NODE", tid)
-        wait_until(lambda: self._agreed() and self.slot_owners().get(slot) == target.port,
-                   timeout, interval=0.1, what=f"slot {slot} to be served by {target!r}")
+        wait_until(
+            lambda: self._agreed() and self.slot_owners().get(slot) == target.port,
+            timeout,
+            interval=0.1,
+            what=f"slot {slot} to be served by {target!r}",
+        )
 
     def migrate_slot(self, slot: int, target: RedisServer) -> list[str]:
         """All three stages at once. Returns the keys moved."""

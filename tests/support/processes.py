@@ -4,6 +4,7 @@ Every process group started here is stopped by an atexit handler too (with the s
 :mod:`tests.support.servers`, which register here). Processes started from the main thread
 also get a parent-death signal, so they do not outlive a killed parent.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -91,8 +92,13 @@ atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_all)
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition",
-               describe=None):
+def wait_until(
+    predicate,
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "condition",
+    describe=None,
+):
     """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError
     after ``timeout`` seconds naming ``what`` and, when given, ``describe()`` of the state."""
     deadline = time.monotonic() + timeout
@@ -167,7 +173,7 @@ def _proc_stats() -> list[tuple[int, int, int, str]]:
         except OSError:
             continue
         # The command name may contain spaces and parentheses: split after the last ')'.
-        fields = data[data.rfind(")") + 2:].split()
+        fields = data[data.rfind(")") + 2 :].split()
         stats.append((int(entry), int(fields[1]), int(fields[2]), fields[0]))
     return stats
 
@@ -195,8 +201,13 @@ class ProcessGroup:
     that is removed when this Python process exits.
     """
 
-    def __init__(self, argv, env: dict | None = None, cwd: str | os.PathLike | None = None,
-                 logfile: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        argv,
+        env: dict | None = None,
+        cwd: str | os.PathLike | None = None,
+        logfile: str | os.PathLike | None = None,
+    ):
         self.argv = [str(a) for a in argv]
         self.env = dict(env or {})
         self.cwd = Path(cwd) if cwd else ROOT
@@ -224,9 +235,15 @@ class ProcessGroup:
         self.log_offset = len(self.log_text())
         with open(self.logfile, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_death_signal_preexec(signal.SIGTERM))
+                self.argv,
+                env=env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_death_signal_preexec(signal.SIGTERM),
+            )
         _track(self)
         return self
 
@@ -255,11 +272,15 @@ class ProcessGroup:
             if match:
                 return match
             if exited:
-                raise RuntimeError(f"{self!r} exited with code {self.returncode} before its log "
-                                   f"matched {regex.pattern!r}; log tail:\n{_tail(self.logfile)}")
+                raise RuntimeError(
+                    f"{self!r} exited with code {self.returncode} before its log "
+                    f"matched {regex.pattern!r}; log tail:\n{_tail(self.logfile)}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self!r}: log did not match {regex.pattern!r} within "
-                                   f"{timeout:g}s; log tail:\n{_tail(self.logfile)}")
+                raise TimeoutError(
+                    f"{self!r}: log did not match {regex.pattern!r} within "
+                    f"{timeout:g}s; log tail:\n{_tail(self.logfile)}"
+                )
             time.sleep(0.05)
 
     def signal(self, sig: int, group: bool = False) -> None:
@@ -275,8 +296,9 @@ class ProcessGroup:
         """Live (non-zombie) members of the process group."""
         if self.proc is None:
             return []
-        return [pid for pid, _, pgrp, state in _proc_stats()
-                if pgrp == self.proc.pid and state != "Z"]
+        return [
+            pid for pid, _, pgrp, state in _proc_stats() if pgrp == self.proc.pid and state != "Z"
+        ]
 
     def children_pids(self, recursive: bool = False) -> list[int]:
         """PIDs of the main process's children (all descendants when `recursive`)."""
@@ -341,9 +363,15 @@ class ProcessGroup:
 class WorkerProcess(ProcessGroup):
     """A ProcessGroup whose start() waits until the log matches `ready_pattern`."""
 
-    def __init__(self, argv, name: str = "worker", ready_pattern: str = r"\bready\.",
-                 env: dict | None = None, cwd: str | os.PathLike | None = None,
-                 logfile: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        argv,
+        name: str = "worker",
+        ready_pattern: str = r"\bready\.",
+        env: dict | None = None,
+        cwd: str | os.PathLike | None = None,
+        logfile: str | os.PathLike | None = None,
+    ):
         super().__init__(argv, env=env, cwd=cwd, logfile=logfile)
         self.name = name
         self.ready_pattern = ready_pattern
@@ -362,14 +390,39 @@ class WorkerProcess(ProcessGroup):
         return self
 
 
-def celery_worker(app: str = "django_app", name: str = "w1", concurrency: int = 2,
-                  pool: str = "prefork", env: dict | None = None,
-                  logfile: str | os.PathLike | None = None, extra_args=(),
-                  timeout: float = 60.0, cwd: str | os.PathLike | None = None) -> WorkerProcess:
+def celery_worker(
+    app: str = "django_app",
+    name: str = "w1",
+    concurrency: int = 2,
+    pool: str = "prefork",
+    env: dict | None = None,
+    logfile: str | os.PathLike | None = None,
+    extra_args=(),
+    timeout: float = 60.0,
+    cwd: str | os.PathLike | None = None,
+) -> WorkerProcess:
     """Start `celery -A app worker` as `name@host` and return it once it logged "ready."."""
-    argv = [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "INFO",
-            "-n", f"{name}@%h", "-c", str(concurrency), "-P", pool,
-            "--without-mingle", "--without-gossip", "-O", "fair", *extra_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app,
+        "worker",
+        "-l",
+        "INFO",
+        "-n",
+        f"{name}@%h",
+        "-c",
+        str(concurrency),
+        "-P",
+        pool,
+        "--without-mingle",
+        "--without-gossip",
+        "-O",
+        "fair",
+        *extra_args,
+    ]
     if logfile is None:
         logfile = _default_logfile(f"celery-{name}-")
     worker = WorkerProcess(argv, name=name, env=env, cwd=cwd, logfile=logfile)

@@ -7,6 +7,7 @@ process, its lease retries and the rate-limit ticket it was admitted with. The l
 from the environment: ``RL_LIMIT`` grants per ``RL_WINDOW`` seconds (sliding window; tickets
 for turns up to 30 s away; Celery's per-worker ``rate_limit`` of the same figures for the
 negative control), ``RL_RATE`` per second with ``RL_CAPACITY`` (bucket)."""
+
 import json
 import os
 import threading
@@ -34,16 +35,29 @@ def _remember(sender=None, granted_at=None, ticket=None, **kwargs):
 
 
 def _record(task, kind, index):
-    client = task.steplock_plan.store.client if hasattr(task, "steplock_plan") else \
-        _client()
+    client = task.steplock_plan.store.client if hasattr(task, "steplock_plan") else _client()
     seconds, micros = client.time()
     request = task.request
-    retries = int((request.headers or {}).get("steplock_retries")
-                  or getattr(request, "steplock_retries", 0) or 0)
-    client.rpush(HISTORY, json.dumps({
-        "kind": kind, "i": index, "granted": getattr(_granted, "value", None),
-        "start": seconds + micros / 1e6, "pid": os.getpid(), "retries": retries,
-        "worker": request.hostname, "ticket": getattr(_granted, "ticket", None)}))
+    retries = int(
+        (request.headers or {}).get("steplock_retries")
+        or getattr(request, "steplock_retries", 0)
+        or 0
+    )
+    client.rpush(
+        HISTORY,
+        json.dumps(
+            {
+                "kind": kind,
+                "i": index,
+                "granted": getattr(_granted, "value", None),
+                "start": seconds + micros / 1e6,
+                "pid": os.getpid(),
+                "retries": retries,
+                "worker": request.hostname,
+                "ticket": getattr(_granted, "ticket", None),
+            }
+        ),
+    )
     _granted.value = _granted.ticket = None
 
 
@@ -53,20 +67,33 @@ _clients = []
 def _client():
     if not _clients:
         from celery_steplock.lock import make_client
+
         _clients.append(make_client(os.environ["REDIS_URL"]))
     return _clients[0]
 
 
-@app.task(bind=True, base=StepLockedTask, name="rl.window", lock_key="rl:w:{index}",
-          cluster_rate_limit=SlidingWindow(LIMIT, WINDOW, max_wait=30), acks_late=True,
-          reject_on_worker_lost=True)
+@app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="rl.window",
+    lock_key="rl:w:{index}",
+    cluster_rate_limit=SlidingWindow(LIMIT, WINDOW, max_wait=30),
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
 def window(self, index):
     _record(self, "window", index)
 
 
-@app.task(bind=True, base=StepLockedTask, name="rl.bucket", lock_key="rl:b:{index}",
-          cluster_rate_limit=TokenBucket(RATE, CAPACITY, max_wait=30), acks_late=True,
-          reject_on_worker_lost=True)
+@app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="rl.bucket",
+    lock_key="rl:b:{index}",
+    cluster_rate_limit=TokenBucket(RATE, CAPACITY, max_wait=30),
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
 def bucket(self, index):
     _record(self, "bucket", index)
 

@@ -10,6 +10,7 @@ writes, and the old primary replicates from it.
 Run it from the repository root: ``python -m tests.support.sentinel`` starts a group, prints
 its ``sentinel://`` URL and runs until Ctrl-C.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,30 @@ class DataNode(RedisServer):
     def _probe_client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5,
-                           socket_timeout=1.0, password=self.password)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_connect_timeout=0.5,
+            socket_timeout=1.0,
+            password=self.password,
+        )
 
 
 class SentinelServer(RedisServer):
     """A sentinel (``redis-server <config> --sentinel``) monitoring ``master_name`` at
     ``primary_port``; ``quorum`` sentinels must agree that the primary is down."""
 
-    def __init__(self, master_name: str, primary_port: int, quorum: int = 2,
-                 password: str | None = None, sentinel_password: str | None = None,
-                 down_after_ms: int = 1000, failover_timeout_ms: int = 5000, **kwargs):
+    def __init__(
+        self,
+        master_name: str,
+        primary_port: int,
+        quorum: int = 2,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.master_name = master_name
         self.primary_port = primary_port
@@ -65,31 +79,45 @@ class SentinelServer(RedisServer):
         # Sentinel rewrites its config file (the state it learns), so every start gets a
         # fresh one; the file must be the first argument.
         name = self.master_name
-        lines = [f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
-                 f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
-                 f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
-                 f"sentinel parallel-syncs {name} 1",
-                 "sentinel announce-ip 127.0.0.1"]
+        lines = [
+            f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
+            f"sentinel parallel-syncs {name} 1",
+            "sentinel announce-ip 127.0.0.1",
+        ]
         if self.password:
             lines.append(f"sentinel auth-pass {name} {self.password}")
         if self.sentinel_password:
-            lines += [f"requirepass {self.sentinel_password}",
-                      f"sentinel sentinel-pass {self.sentinel_password}"]
+            lines += [
+                f"requirepass {self.sentinel_password}",
+                f"sentinel sentinel-pass {self.sentinel_password}",
+            ]
         self.config_file.write_text("\n".join(lines) + "\n")
         return [str(self.config_file), "--sentinel"]
 
     def _probe_client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5,
-                           socket_timeout=1.0, password=self.sentinel_password)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_connect_timeout=0.5,
+            socket_timeout=1.0,
+            password=self.sentinel_password,
+        )
 
     def client(self):
         """A plain client of this sentinel (text replies)."""
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2.0,
-                           password=self.sentinel_password, decode_responses=True)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_timeout=2.0,
+            password=self.sentinel_password,
+            decode_responses=True,
+        )
 
 
 class SentinelGroup:
@@ -97,9 +125,14 @@ class SentinelGroup:
     ``master_name``. ``password`` protects the data nodes, ``sentinel_password`` the
     sentinels. Use as a context manager or call :meth:`start`/:meth:`stop`."""
 
-    def __init__(self, master_name: str = "steplock-primary", sentinels: int = 3,
-                 password: str | None = None, sentinel_password: str | None = None,
-                 workdir: str | Path | None = None):
+    def __init__(
+        self,
+        master_name: str = "steplock-primary",
+        sentinels: int = 3,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+        workdir: str | Path | None = None,
+    ):
         self.master_name = master_name
         self.password = password
         self.sentinel_password = sentinel_password
@@ -130,8 +163,13 @@ class SentinelGroup:
     def node_client(self, port: int):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0,
-                           password=self.password, decode_responses=True)
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            socket_timeout=2.0,
+            password=self.password,
+            decode_responses=True,
+        )
 
     def primary_port(self) -> int:
         """The port every sentinel reports as the primary's (raises when they disagree)."""
@@ -146,8 +184,7 @@ class SentinelGroup:
     def _reported(self, sentinel: SentinelServer) -> int | None:
         client = sentinel.client()
         try:
-            addr = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME",
-                                          self.master_name)
+            addr = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
         finally:
             client.close()
         return int(addr[1]) if addr else None
@@ -156,21 +193,32 @@ class SentinelGroup:
     def start(self, timeout: float = 30.0) -> SentinelGroup:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="steplock-sentinel-"))
-        auth = ["--requirepass", self.password, "--masterauth", self.password] \
-            if self.password else []
+        auth = (
+            ["--requirepass", self.password, "--masterauth", self.password]
+            if self.password
+            else []
+        )
         try:
-            primary = DataNode(self.password, workdir=self.workdir / "node-0",
-                               args=auth).start()
+            primary = DataNode(self.password, workdir=self.workdir / "node-0", args=auth).start()
             self.nodes.append(primary)
-            replica = DataNode(self.password, workdir=self.workdir / "node-1", args=[
-                *auth, "--replicaof", "127.0.0.1", str(primary.port)]).start()
+            replica = DataNode(
+                self.password,
+                workdir=self.workdir / "node-1",
+                args=[*auth, "--replicaof", "127.0.0.1", str(primary.port)],
+            ).start()
             self.nodes.append(replica)
             self._wait_replicated(primary.port, replica.port, timeout)
             for i in range(self.count):
-                self.sentinels.append(SentinelServer(
-                    self.master_name, primary.port, quorum=min(2, self.count),
-                    password=self.password, sentinel_password=self.sentinel_password,
-                    workdir=self.workdir / f"sentinel-{i}").start())
+                self.sentinels.append(
+                    SentinelServer(
+                        self.master_name,
+                        primary.port,
+                        quorum=min(2, self.count),
+                        password=self.password,
+                        sentinel_password=self.sentinel_password,
+                        workdir=self.workdir / f"sentinel-{i}",
+                    ).start()
+                )
             self._wait_discovered(timeout)
         except BaseException:
             self.stop()
@@ -180,14 +228,18 @@ class SentinelGroup:
     def _wait_replicated(self, primary: int, replica: int, timeout: float) -> None:
         client = self.node_client(replica)
         try:
-            _wait(lambda: client.info("replication").get("master_link_status") == "up",
-                  timeout, f"replica :{replica} to sync from :{primary}")
+            _wait(
+                lambda: client.info("replication").get("master_link_status") == "up",
+                timeout,
+                f"replica :{replica} to sync from :{primary}",
+            )
         finally:
             client.close()
 
     def _wait_discovered(self, timeout: float) -> None:
         """Until every sentinel knows the replica and the other sentinels (hello messages
         every 2 s): before that SENTINEL FAILOVER answers NOGOODSLAVE."""
+
         def ready() -> bool:
             for sentinel in self.sentinels:
                 client = sentinel.client()
@@ -196,8 +248,10 @@ class SentinelGroup:
                 finally:
                     client.close()
                 fields = dict(zip(info[::2], info[1::2])) if isinstance(info, list) else info
-                if int(fields.get("num-slaves", 0)) < 1 or \
-                        int(fields.get("num-other-sentinels", 0)) < self.count - 1:
+                if (
+                    int(fields.get("num-slaves", 0)) < 1
+                    or int(fields.get("num-other-sentinels", 0)) < self.count - 1
+                ):
                     return False
             return True
 
@@ -227,14 +281,20 @@ class SentinelGroup:
             return len(ports) == 1 and ports != {old}
 
         t0 = time.monotonic()
-        _wait(switched, max(deadline - time.monotonic(), 1.0), "every sentinel to report "
-              "the new primary")
+        _wait(
+            switched,
+            max(deadline - time.monotonic(), 1.0),
+            "every sentinel to report the new primary",
+        )
         self.timings = {"switched": time.monotonic() - t0}
         new = self.primary_port()
         primary = self.node_client(new)
         try:
-            _wait(lambda: primary.info("replication").get("role") == "master",
-                  timeout, f"the new primary :{new} to be promoted")
+            _wait(
+                lambda: primary.info("replication").get("role") == "master",
+                timeout,
+                f"the new primary :{new} to be promoted",
+            )
             primary.set("steplock-test:failover-probe", str(time.time()))
         finally:
             primary.close()
@@ -269,8 +329,10 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
         except Exception as exc:  # a node restarting or reconfiguring
             last = exc
         time.sleep(interval)
-    raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}"
-                       + (f" (last error: {last})" if last else ""))
+    raise RuntimeError(
+        f"timed out after {timeout:g}s waiting for {what}"
+        + (f" (last error: {last})" if last else "")
+    )
 
 
 def main(argv=None) -> None:
@@ -278,8 +340,7 @@ def main(argv=None) -> None:
     parser.add_argument("--password")
     parser.add_argument("--sentinel-password")
     args = parser.parse_args(argv)
-    with SentinelGroup(password=args.password,
-                       sentinel_password=args.sentinel_password) as group:
+    with SentinelGroup(password=args.password, sentinel_password=args.sentinel_password) as group:
         print(group.url, group.transport_options, flush=True)
         try:
             while all(s.alive() for s in group.sentinels):

@@ -10,6 +10,7 @@ the main thread they also get a parent-death signal. The process helpers of
 ``stop_all``) are re-exported here, so one import serves a caller that starts servers and
 workers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,8 +91,7 @@ class _PortTaken(RuntimeError):
 class RedisServer:
     """A redis-server on 127.0.0.1 without persistence, in a temporary directory."""
 
-    def __init__(self, port: int | None = None, workdir: str | os.PathLike | None = None,
-                 args=()):
+    def __init__(self, port: int | None = None, workdir: str | os.PathLike | None = None, args=()):
         self.port = port or free_port()
         self.args = [str(a) for a in args]  # extra redis-server options, e.g. ("--replicaof", ...)
         self._port_fixed = port is not None
@@ -144,18 +144,28 @@ class RedisServer:
             find_redis_server(),
             *self._leading_args(),
             *self._port_args(),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self.workdir),
-            "--daemonize", "no",
-            "--logfile", str(self.logfile),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.logfile),
             *self.args,
         ]
         with open(self.logfile, "ab") as log:
             self.proc = subprocess.Popen(
-                argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                argv,
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=_death_signal_preexec(signal.SIGKILL),
             )
         client = self._probe_client()
@@ -167,7 +177,8 @@ class RedisServer:
                     if "Address already in use" in log:
                         raise _PortTaken(f"port {self.port} is taken")
                     raise RuntimeError(
-                        f"redis-server exited with code {self.proc.returncode}; log tail:\n{log}")
+                        f"redis-server exited with code {self.proc.returncode}; log tail:\n{log}"
+                    )
                 try:
                     # Check the pid too: another server may have grabbed the port first.
                     if client.info("server").get("process_id") == self.proc.pid:
@@ -178,7 +189,8 @@ class RedisServer:
                     _stop_popen(self.proc, signal.SIGKILL, 5, group=False)
                     raise RuntimeError(
                         f"redis-server did not answer PING on port {self.port} within "
-                        f"{timeout:g}s; log tail:\n{_tail(self.logfile)}")
+                        f"{timeout:g}s; log tail:\n{_tail(self.logfile)}"
+                    )
                 time.sleep(0.05)
         finally:
             client.close()
@@ -193,8 +205,9 @@ class RedisServer:
     def _probe_client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port,
-                           socket_connect_timeout=0.5, socket_timeout=1.0)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=1.0
+        )
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM the server (SIGKILL after `timeout`) and remove its temporary directory."""
@@ -240,8 +253,11 @@ def _pg_bindir() -> Path | None:
         name = Path(path).parts[-3]
         return tuple(int(p) if p.isdigit() else 0 for p in name.split("."))
 
-    candidates = [p for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")
-                  if os.access(Path(p).parent / "postgres", os.X_OK)]
+    candidates = [
+        p
+        for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")
+        if os.access(Path(p).parent / "postgres", os.X_OK)
+    ]
     if not candidates:
         return None
     return Path(max(candidates, key=version)).parent
@@ -304,12 +320,15 @@ class PostgresServer:
             raise RuntimeError(f"{self!r} is already running")
         bindir = _pg_bindir()
         if bindir is None:
-            raise RuntimeError("PostgreSQL not found (initdb/postgres on PATH or in "
-                               "/usr/lib/postgresql/*/bin): install postgresql")
+            raise RuntimeError(
+                "PostgreSQL not found (initdb/postgres on PATH or in "
+                "/usr/lib/postgresql/*/bin): install postgresql"
+            )
         run_as = self._run_as()
         # /tmp explicitly: `nobody` must be able to traverse every parent directory.
-        self.workdir = Path(tempfile.mkdtemp(prefix="steplock-pg-",
-                                             dir="/tmp" if run_as else None))
+        self.workdir = Path(
+            tempfile.mkdtemp(prefix="steplock-pg-", dir="/tmp" if run_as else None)
+        )
         _track(self)
         if run_as:
             os.chmod(self.workdir, 0o755)
@@ -319,13 +338,29 @@ class PostgresServer:
         data = self.workdir / "data"
         with open(self.logfile, "ab") as log:
             result = subprocess.run(
-                [str(bindir / "initdb"), "-D", str(data), "--auth=trust", "-U", self.user,
-                 "--encoding=UTF8", "--locale=C", "--no-sync"],
-                cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, timeout=120, **run_as)
+                [
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(data),
+                    "--auth=trust",
+                    "-U",
+                    self.user,
+                    "--encoding=UTF8",
+                    "--locale=C",
+                    "--no-sync",
+                ],
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=120,
+                **run_as,
+            )
         if result.returncode != 0:
-            raise RuntimeError(f"initdb failed with code {result.returncode}; log tail:\n"
-                               f"{_tail(self.logfile)}")
+            raise RuntimeError(
+                f"initdb failed with code {result.returncode}; log tail:\n{_tail(self.logfile)}"
+            )
         for attempt in range(5):
             try:
                 self._spawn(bindir, data, env, run_as, timeout)
@@ -353,9 +388,16 @@ class PostgresServer:
             argv += ["-c", f"{name}={value}"]
         with open(self.logfile, "ab") as log:
             self.proc = subprocess.Popen(
-                argv, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_death_signal_preexec(signal.SIGKILL), **run_as)
+                argv,
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_death_signal_preexec(signal.SIGKILL),
+                **run_as,
+            )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -363,10 +405,16 @@ class PostgresServer:
                 if "could not bind" in log or "Address already in use" in log:
                     raise _PortTaken(f"port {self.port} is taken")
                 raise RuntimeError(
-                    f"postgres exited with code {self.proc.returncode}; log tail:\n{log}")
+                    f"postgres exited with code {self.proc.returncode}; log tail:\n{log}"
+                )
             try:
-                with psycopg.connect(host="127.0.0.1", port=self.port, user=self.user,
-                                     dbname="postgres", connect_timeout=2) as conn:
+                with psycopg.connect(
+                    host="127.0.0.1",
+                    port=self.port,
+                    user=self.user,
+                    dbname="postgres",
+                    connect_timeout=2,
+                ) as conn:
                     # Check the data directory: another server may have grabbed the port first.
                     row = conn.execute("SHOW data_directory").fetchone()
                     if row and Path(row[0]) == data:
@@ -375,16 +423,19 @@ class PostgresServer:
                 pass
             if time.monotonic() > deadline:
                 _stop_popen(self.proc, signal.SIGKILL, 5, group=True)
-                raise RuntimeError(f"postgres did not accept connections on port {self.port} "
-                                   f"within {timeout:g}s; log tail:\n{_tail(self.logfile)}")
+                raise RuntimeError(
+                    f"postgres did not accept connections on port {self.port} "
+                    f"within {timeout:g}s; log tail:\n{_tail(self.logfile)}"
+                )
             time.sleep(0.1)
 
     def _create_database(self) -> None:
         import psycopg
         from psycopg import sql
 
-        with psycopg.connect(host="127.0.0.1", port=self.port, user=self.user,
-                             dbname="postgres", autocommit=True) as conn:
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user=self.user, dbname="postgres", autocommit=True
+        ) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.dbname)))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -423,8 +474,11 @@ def main(argv=None) -> int:
         print(server.url, flush=True)
         while not stopping:
             if not server.alive():
-                print(f"servers: {args.kind} server exited unexpectedly; log tail:\n"
-                      f"{_tail(server.logfile)}", file=sys.stderr)
+                print(
+                    f"servers: {args.kind} server exited unexpectedly; log tail:\n"
+                    f"{_tail(server.logfile)}",
+                    file=sys.stderr,
+                )
                 return 1
             time.sleep(0.2)
         return 0

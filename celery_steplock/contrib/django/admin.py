@@ -31,6 +31,7 @@ The pages extend Django's own ``admin/change_list.html`` and
 ``admin/delete_confirmation.html`` (through :class:`LeaseChangeList`, the ``cl`` those
 templates read), so they take the markup and styles of the running Django version.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,14 +70,28 @@ from ...keys import MAX_NAME_LENGTH
 from ...ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
 from ...redact import redact, secrets_of
 from .eventlog import LeaseEventAudit
-from .leases import (celery_app, import_task_modules, lease_lock, lease_page, matches,
-                     redis_time_ms, steplock_task_names)
+from .leases import (
+    celery_app,
+    import_task_modules,
+    lease_lock,
+    lease_page,
+    matches,
+    redis_time_ms,
+    steplock_task_names,
+)
 from .models import CircuitBreakerState, Lease, LeaseEvent
 
-__all__ = ["LeaseAdmin", "LeaseEventAdmin", "ForceReleaseForm", "LeaseChangeList",
-           "TaskNameFilter", "CircuitBreakerAdmin"]
+__all__ = [
+    "LeaseAdmin",
+    "LeaseEventAdmin",
+    "ForceReleaseForm",
+    "LeaseChangeList",
+    "TaskNameFilter",
+    "CircuitBreakerAdmin",
+]
 
 logger = logging.getLogger("celery_steplock")
+
 
 def _error_text(exc: BaseException) -> str:
     """An error as the page (seen by view-only staff) and the log may show it: every secret
@@ -157,9 +172,18 @@ class LeaseChangeList:
     show_all = False
     search_fields = ("name", "task_name", "task_id", "step")
 
-    def __init__(self, request: HttpRequest, model_admin: LeaseAdmin, *, q: str,
-                 task_name: str, filter_choices: list[dict], rows: list[dict],
-                 clear_filters_url: str | None, **page: Any):
+    def __init__(
+        self,
+        request: HttpRequest,
+        model_admin: LeaseAdmin,
+        *,
+        q: str,
+        task_name: str,
+        filter_choices: list[dict],
+        rows: list[dict],
+        clear_filters_url: str | None,
+        **page: Any,
+    ):
         self.model = model_admin.model
         self.opts = model_admin.opts
         self.model_admin = model_admin
@@ -168,9 +192,11 @@ class LeaseChangeList:
         self.params = {"task_name": task_name} if task_name else {}
         self.search_help_text = _(
             "A step id (digits only: exact), or part of a task name, lock name or step "
-            "(app_label.model:pk), or the start of a task id.")
-        self.filter_specs = [TaskNameFilter(request, self.params, self.model, model_admin,
-                                            filter_choices)]
+            "(app_label.model:pk), or the start of a task id."
+        )
+        self.filter_specs = [
+            TaskNameFilter(request, self.params, self.model, model_admin, filter_choices)
+        ]
         self.has_filters = True
         self.has_active_filters = bool(task_name)
         self.clear_all_filters_qs = clear_filters_url or "?"
@@ -274,8 +300,9 @@ class LeaseAdmin(admin.ModelAdmin):
         """``celery_steplock.force_release_lease`` and the view permission: the confirmation
         page shows the holder (owner token, task, host/pid, step) of any lease named."""
         codename = get_permission_codename("force_release", self.opts)
-        return (request.user.has_perm(f"{self.opts.app_label}.{codename}")
-                and self.has_view_permission(request))
+        return request.user.has_perm(
+            f"{self.opts.app_label}.{codename}"
+        ) and self.has_view_permission(request)
 
     def get_actions(self, request: HttpRequest):
         return {}
@@ -285,29 +312,42 @@ class LeaseAdmin(admin.ModelAdmin):
     def get_urls(self):
         info = self.opts.app_label, self.opts.model_name
         return [
-            path("", self.admin_site.admin_view(self.changelist_view),
-                 name="{}_{}_changelist".format(*info)),
+            path(
+                "",
+                self.admin_site.admin_view(self.changelist_view),
+                name="{}_{}_changelist".format(*info),
+            ),
             # The audit record must commit before the delete: never inside the request's
             # transaction (ATOMIC_REQUESTS) of the audit database.
-            path("release/", transaction.non_atomic_requests(
-                using=router.db_for_write(LeaseEvent))(
-                    self.admin_site.admin_view(self.release_view)),
-                 name="{}_{}_release".format(*info)),
+            path(
+                "release/",
+                transaction.non_atomic_requests(using=router.db_for_write(LeaseEvent))(
+                    self.admin_site.admin_view(self.release_view)
+                ),
+                name="{}_{}_release".format(*info),
+            ),
             # Named like Django's change page, which admin templates link to (the
             # force-release confirmation's breadcrumbs): a lease's row on the list.
-            path("<path:object_id>/change/", self.admin_site.admin_view(self.change_view),
-                 name="{}_{}_change".format(*info)),
+            path(
+                "<path:object_id>/change/",
+                self.admin_site.admin_view(self.change_view),
+                name="{}_{}_change".format(*info),
+            ),
         ]
 
     def changelist_url(self, params: QueryDict | dict | None = None) -> str:
-        url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
-                      current_app=self.admin_site.name)
+        url = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
+            current_app=self.admin_site.name,
+        )
         query = _list_query(params or {})
         return url if query == "?" else url + query
 
     def release_url(self, name: str, params: QueryDict | dict) -> str:
-        url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_release",
-                      current_app=self.admin_site.name)
+        url = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_release",
+            current_app=self.admin_site.name,
+        )
         query = {"name": name}
         filters = _list_query(params)[1:]
         if filters:
@@ -325,8 +365,9 @@ class LeaseAdmin(admin.ModelAdmin):
         if not self.admin_site.is_registered(model):
             return None
         get_model_admin = getattr(self.admin_site, "get_model_admin", None)  # Django 5.0+
-        model_admin = (get_model_admin(model) if get_model_admin
-                       else self.admin_site._registry[model])
+        model_admin = (
+            get_model_admin(model) if get_model_admin else self.admin_site._registry[model]
+        )
         if not model_admin.has_view_or_change_permission(request):
             return None
         return model_admin
@@ -344,8 +385,11 @@ class LeaseAdmin(admin.ModelAdmin):
             return None
         opts = model_admin.opts
         try:
-            return reverse(f"admin:{opts.app_label}_{opts.model_name}_change",
-                           args=(quote(pk),), current_app=self.admin_site.name)
+            return reverse(
+                f"admin:{opts.app_label}_{opts.model_name}_change",
+                args=(quote(pk),),
+                current_app=self.admin_site.name,
+            )
         except NoReverseMatch:
             return None
 
@@ -358,14 +402,15 @@ class LeaseAdmin(admin.ModelAdmin):
         if not task_id or not apps.is_installed("django_celery_results"):
             return None
         if "taskresult" not in cache:
-            cache["taskresult"] = self._model_admin(request, "django_celery_results",
-                                                    "taskresult")
+            cache["taskresult"] = self._model_admin(request, "django_celery_results", "taskresult")
         model_admin = cache["taskresult"]
         if model_admin is None:
             return None
         try:
-            url = reverse("admin:django_celery_results_taskresult_changelist",
-                          current_app=self.admin_site.name)
+            url = reverse(
+                "admin:django_celery_results_taskresult_changelist",
+                current_app=self.admin_site.name,
+            )
         except NoReverseMatch:
             return None
         return f"{url}?{urlencode({'task_id': task_id})}"
@@ -373,9 +418,14 @@ class LeaseAdmin(admin.ModelAdmin):
     # -- views ------------------------------------------------------------------------------
 
     def _context(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
-        return {**self.admin_site.each_context(request), "opts": self.opts,
-                "app_label": self.opts.app_label, "title": title,
-                "has_view_permission": True, **extra}
+        return {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "app_label": self.opts.app_label,
+            "title": title,
+            "has_view_permission": True,
+            **extra,
+        }
 
     @method_decorator(never_cache)
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
@@ -400,15 +450,22 @@ class LeaseAdmin(admin.ModelAdmin):
         try:
             task_names = steplock_task_names(celery_app())
             page = lease_page(
-                lease_lock(), cursor, self.list_per_page,
+                lease_lock(),
+                cursor,
+                self.list_per_page,
                 predicate=(lambda info: matches(info, q, task_name)) if filtered else None,
-                key_budget=self.scan_key_budget, max_count=self.filtered_scan_count,
-                max_steps=self.max_scan_steps)
+                key_budget=self.scan_key_budget,
+                max_count=self.filtered_scan_count,
+                max_steps=self.max_scan_steps,
+            )
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
             log_event("admin_lock_store_error", logging.WARNING, error=_error_text(exc))
-            messages.error(request, _("The Redis lock store could not be read: %(error)s")
-                           % {"error": _error_text(exc)})
+            messages.error(
+                request,
+                _("The Redis lock store could not be read: %(error)s")
+                % {"error": _error_text(exc)},
+            )
 
         can_release = self.has_force_release_permission(request)
         rows = []
@@ -416,57 +473,94 @@ class LeaseAdmin(admin.ModelAdmin):
             link_cache: dict = {}
             for info in page.leases:
                 lease = Lease.from_redis(info, page.now_ms)
-                rows.append({
-                    "lease": lease,
-                    "name_html": _breakable(lease.name),
-                    "task_html": _breakable(lease.task_name) if lease.task_name else "",
-                    "step_html": _breakable(lease.step) if lease.step else "",
-                    "holder_html": _breakable(_holder(lease)),
-                    "age": _duration(lease.age),
-                    "ttl_left": _duration(lease.ttl_left),
-                    "since_renewal": _duration(lease.since_renewal),
-                    "step_url": self.step_url(request, lease, link_cache),
-                    "task_url": self.task_result_url(request, lease.task_id, link_cache),
-                    "release_url": (self.release_url(lease.name, params)
-                                    if can_release else None),
-                })
+                rows.append(
+                    {
+                        "lease": lease,
+                        "name_html": _breakable(lease.name),
+                        "task_html": _breakable(lease.task_name) if lease.task_name else "",
+                        "step_html": _breakable(lease.step) if lease.step else "",
+                        "holder_html": _breakable(_holder(lease)),
+                        "age": _duration(lease.age),
+                        "ttl_left": _duration(lease.ttl_left),
+                        "since_renewal": _duration(lease.since_renewal),
+                        "step_url": self.step_url(request, lease, link_cache),
+                        "task_url": self.task_result_url(request, lease.task_id, link_cache),
+                        "release_url": (
+                            self.release_url(lease.name, params) if can_release else None
+                        ),
+                    }
+                )
 
         if task_name and task_name not in task_names:
             task_names.append(task_name)  # a filter from a link for a task not loaded here
         restart = {"cursor": None, "p": None, "scanned": None}
-        filter_choices = [{"display": _("All"), "selected": not task_name,
-                           "query_string": _list_query(params, task_name=None, **restart)}]
-        filter_choices += [{"display": _breakable(name), "selected": name == task_name,
-                            "query_string": _list_query(params, task_name=name, **restart)}
-                           for name in task_names]
+        filter_choices = [
+            {
+                "display": _("All"),
+                "selected": not task_name,
+                "query_string": _list_query(params, task_name=None, **restart),
+            }
+        ]
+        filter_choices += [
+            {
+                "display": _breakable(name),
+                "selected": name == task_name,
+                "query_string": _list_query(params, task_name=name, **restart),
+            }
+            for name in task_names
+        ]
         next_url = first_url = None
         scanned = scanned_before + (page.examined if page is not None else 0)
         if page is not None and not page.complete:
-            next_url = _list_query(params, cursor=page.next_cursor, p=page_number + 1,
-                                   scanned=scanned)
+            next_url = _list_query(
+                params, cursor=page.next_cursor, p=page_number + 1, scanned=scanned
+            )
         if cursor:
             first_url = _list_query(params, **restart)
 
         # As Django's changelist: "Clear all filters" drops the filter and keeps the search.
-        clear_filters_url = (_list_query(params, task_name=None, **restart) if task_name
-                             else None)
-        listing: dict[str, Any] = dict(rows=rows, page=page, page_number=page_number, filtered=filtered,
-                       next_url=next_url, first_url=first_url, can_release=can_release,
-                       store_error=page is None, per_page=self.list_per_page,
-                       scanned=scanned)
-        cl = LeaseChangeList(request, self, q=q, task_name=task_name,
-                             filter_choices=filter_choices,
-                             clear_filters_url=clear_filters_url, **listing)
+        clear_filters_url = _list_query(params, task_name=None, **restart) if task_name else None
+        listing: dict[str, Any] = dict(
+            rows=rows,
+            page=page,
+            page_number=page_number,
+            filtered=filtered,
+            next_url=next_url,
+            first_url=first_url,
+            can_release=can_release,
+            store_error=page is None,
+            per_page=self.list_per_page,
+            scanned=scanned,
+        )
+        cl = LeaseChangeList(
+            request,
+            self,
+            q=q,
+            task_name=task_name,
+            filter_choices=filter_choices,
+            clear_filters_url=clear_filters_url,
+            **listing,
+        )
         context = self._context(
-            request, _("Held leases"), cl=cl, q=q, task_name=task_name,
-            filter_choices=filter_choices, clear_filters_url=clear_filters_url,
-            has_add_permission=False, actions_on_top=False, actions_on_bottom=False,
-            **listing, **(extra_context or {}))
+            request,
+            _("Held leases"),
+            cl=cl,
+            q=q,
+            task_name=task_name,
+            filter_choices=filter_choices,
+            clear_filters_url=clear_filters_url,
+            has_add_permission=False,
+            actions_on_top=False,
+            actions_on_bottom=False,
+            **listing,
+            **(extra_context or {}),
+        )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.change_list_template, context)
 
-    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
-                    extra_context=None) -> HttpResponse:
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context=None
+    ) -> HttpResponse:
         """A lease has no change page: redirect to Held leases searching for its name
         (``object_id`` is the lock name, quoted as the admin quotes primary keys)."""
         if not self.has_view_permission(request):
@@ -495,28 +589,41 @@ class LeaseAdmin(admin.ModelAdmin):
             info = lock.inspect(name)
             now_ms = redis_time_ms(lock) if info is not None else None
         except StepLockError as exc:
-            messages.error(request, _("The Redis lock store could not be read: %(error)s")
-                           % {"error": _error_text(exc)})
+            messages.error(
+                request,
+                _("The Redis lock store could not be read: %(error)s")
+                % {"error": _error_text(exc)},
+            )
             return HttpResponseRedirect(back)
         if info is None:
-            messages.warning(request, _("Lease “%(name)s” is already gone: nothing released.")
-                             % {"name": name})
+            messages.warning(
+                request, _("Lease “%(name)s” is already gone: nothing released.") % {"name": name}
+            )
             return HttpResponseRedirect(back)
         lease = Lease.from_redis(info, now_ms)
-        form = ForceReleaseForm(initial={"name": name, "owner": lease.owner,
-                                         "changelist_filters": filters.urlencode()})
+        form = ForceReleaseForm(
+            initial={"name": name, "owner": lease.owner, "changelist_filters": filters.urlencode()}
+        )
         context = self._context(
-            request, _("Force-release lease “%(name)s”?") % {"name": name},
-            lease=lease, form=form, object=lease, changelist_url=back,
-            age=_duration(lease.age), ttl_left=_duration(lease.ttl_left))
+            request,
+            _("Force-release lease “%(name)s”?") % {"name": name},
+            lease=lease,
+            form=form,
+            object=lease,
+            changelist_url=back,
+            age=_duration(lease.age),
+            ttl_left=_duration(lease.ttl_left),
+        )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.release_confirmation_template, context)
 
     def _release_post(self, request: HttpRequest) -> HttpResponse:
         form = ForceReleaseForm(request.POST)
         if not form.is_valid():
-            messages.error(request, _("Invalid force-release request: %(errors)s")
-                           % {"errors": form.errors.as_text()})
+            messages.error(
+                request,
+                _("Invalid force-release request: %(errors)s") % {"errors": form.errors.as_text()},
+            )
             return HttpResponseRedirect(self.changelist_url())
         name, owner = form.cleaned_data["name"], form.cleaned_data["owner"]
         back = self.changelist_url(QueryDict(form.cleaned_data["changelist_filters"]))
@@ -527,58 +634,99 @@ class LeaseAdmin(admin.ModelAdmin):
         auditor = LeaseEventAudit(
             using=router.db_for_write(LeaseEvent),
             also=lambda record: self.log_force_release(request, Lease.from_redis(record.lease)),
-            after=lambda record: self.log_force_release_outcome(request, record))
+            after=lambda record: self.log_force_release_outcome(request, record),
+        )
         try:
             store = lease_lock()
             app = celery_app()
             import_task_modules(app)  # once per process: the sender is the holder's task
             released = force_release(
-                store, name, owner, actor=user, actor_host=request.META.get("REMOTE_ADDR"),
-                via="admin", app=app, reason=f"force-released by {user} in the Django admin",
-                auditor=auditor)
+                store,
+                name,
+                owner,
+                actor=user,
+                actor_host=request.META.get("REMOTE_ADDR"),
+                via="admin",
+                app=app,
+                reason=f"force-released by {user} in the Django admin",
+                auditor=auditor,
+            )
         except AuditRecordFailed as failed:
-            messages.error(request, _("The audit record could not be written: nothing "
-                                      "released (%(error)s)") % {"error": failed.__cause__})
+            messages.error(
+                request,
+                _("The audit record could not be written: nothing released (%(error)s)")
+                % {"error": failed.__cause__},
+            )
             return HttpResponseRedirect(back)
         except ForceReleaseRefused as refused:
             current = refused.current
             if isinstance(refused, LeaseHeldByAnother) and current is not None:
-                messages.warning(request, _(
-                    "Lease “%(name)s” is now held by another owner (%(owner)s, task "
-                    "%(task)s, fence %(fence)s): nothing released.") % {
-                        "name": name, "owner": current.get("owner"),
+                messages.warning(
+                    request,
+                    _(
+                        "Lease “%(name)s” is now held by another owner (%(owner)s, task "
+                        "%(task)s, fence %(fence)s): nothing released."
+                    )
+                    % {
+                        "name": name,
+                        "owner": current.get("owner"),
                         "task": current.get("task_name") or "?",
-                        "fence": current.get("fence")})
+                        "fence": current.get("fence"),
+                    },
+                )
             else:
-                messages.warning(request, _("Lease “%(name)s” is already gone: nothing "
-                                            "released.") % {"name": name})
+                messages.warning(
+                    request,
+                    _("Lease “%(name)s” is already gone: nothing released.") % {"name": name},
+                )
             return HttpResponseRedirect(back)
         except StepLockError as exc:
             record = getattr(exc, "forced_release", None)
             if record is not None and record.outcome == "unknown":
-                messages.error(request, _(
-                    "The Redis lock store stopped answering during the release of lease "
-                    "“%(name)s”: it may or may not be released (recorded as outcome "
-                    "“unknown”; %(error)s)") % {"name": name, "error": _error_text(exc)})
+                messages.error(
+                    request,
+                    _(
+                        "The Redis lock store stopped answering during the release of lease "
+                        "“%(name)s”: it may or may not be released (recorded as outcome "
+                        "“unknown”; %(error)s)"
+                    )
+                    % {"name": name, "error": _error_text(exc)},
+                )
             else:
-                messages.error(request, _("The Redis lock store could not be reached: "
-                                          "nothing released (%(error)s)") % {"error": _error_text(exc)})
+                messages.error(
+                    request,
+                    _("The Redis lock store could not be reached: nothing released (%(error)s)")
+                    % {"error": _error_text(exc)},
+                )
             return HttpResponseRedirect(back)
         except (DatabaseError, RuntimeError) as exc:  # pragma: no cover - wrapped by ops
-            messages.error(request, _("The audit record could not be written: nothing "
-                                      "released (%(error)s)") % {"error": _error_text(exc)})
+            messages.error(
+                request,
+                _("The audit record could not be written: nothing released (%(error)s)")
+                % {"error": _error_text(exc)},
+            )
             return HttpResponseRedirect(back)
-        text = _("Force-released lease “%(name)s” (owner %(owner)s, task %(task)s, fence "
-                 "%(fence)s).") % {"name": name, "owner": owner,
-                                   "task": released.task_name or "?",
-                                   "fence": released.fence}
+        text = _(
+            "Force-released lease “%(name)s” (owner %(owner)s, task %(task)s, fence %(fence)s)."
+        ) % {
+            "name": name,
+            "owner": owner,
+            "task": released.task_name or "?",
+            "fence": released.fence,
+        }
         if released.outcome_recorded:
             messages.success(request, text)
         else:
-            messages.warning(request, text + " " + _(
-                "Its outcome could not be recorded: the audit record (%(audit)s) still says "
-                "“requested” (%(error)s).") % {"audit": released.audit or "?",
-                                               "error": released.outcome_error})
+            messages.warning(
+                request,
+                text
+                + " "
+                + _(
+                    "Its outcome could not be recorded: the audit record (%(audit)s) still says "
+                    "“requested” (%(error)s)."
+                )
+                % {"audit": released.audit or "?", "error": released.outcome_error},
+            )
         return HttpResponseRedirect(back)
 
     # -- audit --------------------------------------------------------------------------------
@@ -586,9 +734,11 @@ class LeaseAdmin(admin.ModelAdmin):
     def log_force_release(self, request: HttpRequest, lease: Lease) -> LogEntry:
         """Write the admin ``LogEntry`` (action DELETION) of a force release, before the
         delete (in the audit record's transaction)."""
-        message = (f"Force release of lease {lease.name} requested: owner {lease.owner}, task "
-                   f"{lease.task_name or '?'} [{lease.task_id or '?'}], fence {lease.fence}, "
-                   f"worker {lease.worker or lease.hostname or '?'} pid {lease.pid}")
+        message = (
+            f"Force release of lease {lease.name} requested: owner {lease.owner}, task "
+            f"{lease.task_name or '?'} [{lease.task_id or '?'}], fence {lease.fence}, "
+            f"worker {lease.worker or lease.hostname or '?'} pid {lease.pid}"
+        )
         return self._log_entry(request, lease, DELETION, message)
 
     def log_force_release_outcome(self, request: HttpRequest, record) -> LogEntry | None:
@@ -598,44 +748,76 @@ class LeaseAdmin(admin.ModelAdmin):
         if record.outcome == "released" or record.audit_id is None:
             return None
         lease = Lease.from_redis(record.lease)
-        message = (f"Force release of lease {lease.name} (owner {lease.owner}, fence "
-                   f"{lease.fence}) did not release it: {record.outcome}"
-                   + (f" ({record.detail})" if record.detail else ""))
+        message = (
+            f"Force release of lease {lease.name} (owner {lease.owner}, fence "
+            f"{lease.fence}) did not release it: {record.outcome}"
+            + (f" ({record.detail})" if record.detail else "")
+        )
         return self._log_entry(request, lease, CHANGE, message)
 
-    def _log_entry(self, request: HttpRequest, lease: Lease, flag: int,
-                   message: str) -> LogEntry:
+    def _log_entry(self, request: HttpRequest, lease: Lease, flag: int, message: str) -> LogEntry:
         manager = LogEntry.objects
         if hasattr(manager, "log_actions"):  # Django 5.1+ (log_action is deprecated there)
-            return manager.log_actions(request.user.pk, [lease], flag,
-                                       change_message=message, single_object=True)
+            return manager.log_actions(
+                request.user.pk, [lease], flag, change_message=message, single_object=True
+            )
         from django.contrib.contenttypes.models import ContentType
 
         return manager.log_action(  # Django 4.2
             user_id=request.user.pk,
             content_type_id=ContentType.objects.get_for_model(lease).pk,
-            object_id=lease.pk, object_repr=str(lease), action_flag=flag,
-            change_message=message)
+            object_id=lease.pk,
+            object_repr=str(lease),
+            action_flag=flag,
+            change_message=message,
+        )
 
     def send_released(self, request: HttpRequest, lease: Lease) -> None:
         """Deprecated: :func:`celery_steplock.ops.force_release` sends ``lock_released``
         (``forced=True``) itself; the admin no longer calls this."""
-        warnings.warn("LeaseAdmin.send_released is deprecated: celery_steplock.ops."
-                      "force_release sends lock_released", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "LeaseAdmin.send_released is deprecated: celery_steplock.ops."
+            "force_release sends lock_released",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         user = request.user.get_username()
-        emit(signals.lock_released, lease.task_name or "celery_steplock.admin",
-             logging.WARNING, key=lease.key, name=lease.name, owner=lease.owner,
-             fence=lease.fence, task_id=lease.task_id or None,
-             task_name=lease.task_name or None, ttl=lease.lease_ttl, forced=True,
-             reason=f"force-released by {user} in the Django admin", user=user)
+        emit(
+            signals.lock_released,
+            lease.task_name or "celery_steplock.admin",
+            logging.WARNING,
+            key=lease.key,
+            name=lease.name,
+            owner=lease.owner,
+            fence=lease.fence,
+            task_id=lease.task_id or None,
+            task_name=lease.task_name or None,
+            ttl=lease.lease_ttl,
+            forced=True,
+            reason=f"force-released by {user} in the Django admin",
+            user=user,
+        )
 
 
 @admin.register(LeaseEvent)
 class LeaseEventAdmin(admin.ModelAdmin):
     """The durable lease event log, read-only (rows are pruned by ``prune_lease_events``)."""
 
-    list_display = ("created_at", "event", "name", "fence", "task_name", "task_id", "step",
-                    "hostname", "pid", "short_owner", "actor", "outcome", "reason")
+    list_display = (
+        "created_at",
+        "event",
+        "name",
+        "fence",
+        "task_name",
+        "task_id",
+        "step",
+        "hostname",
+        "pid",
+        "short_owner",
+        "actor",
+        "outcome",
+        "reason",
+    )
     list_filter = ("event", "outcome", "task_name")
     search_fields = ("name", "task_id", "task_name", "step", "owner", "actor")
     date_hierarchy = "created_at"
@@ -680,8 +862,17 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):
     namespace; the "Invalidate" action (permission ``delete``) deletes rows and their Redis
     copies so the next call runs again."""
 
-    list_display = ("created_at", "namespace", "version", "status", "short_key", "attempts",
-                    "completed_at", "expires_at", "error")
+    list_display = (
+        "created_at",
+        "namespace",
+        "version",
+        "status",
+        "short_key",
+        "attempts",
+        "completed_at",
+        "expires_at",
+        "error",
+    )
     list_filter = ("status", "namespace")
     search_fields = ("key", "namespace")
     date_hierarchy = "created_at"
@@ -707,8 +898,10 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False
 
-    @admin.action(description=gettext_lazy("Invalidate the selected records (the next call "
-                                           "runs again)"), permissions=["delete"])
+    @admin.action(
+        description=gettext_lazy("Invalidate the selected records (the next call runs again)"),
+        permissions=["delete"],
+    )
     def invalidate(self, request, queryset):
         store = _idempotency_store()
         done = failed = 0
@@ -722,11 +915,17 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):
         if done:
             self.message_user(request, _("%d record(s) invalidated.") % done, messages.SUCCESS)
         if failed:
-            self.message_user(request, _("%d record(s) could not be invalidated (Redis did not "
-                                         "answer); try again.") % failed, messages.ERROR)
+            self.message_user(
+                request,
+                _("%d record(s) could not be invalidated (Redis did not answer); try again.")
+                % failed,
+                messages.ERROR,
+            )
 
     def delete_model(self, request, obj):
         _idempotency_store().invalidate(obj.key)
+
+
 # -- circuit breakers ---------------------------------------------------------------------------
 
 #: Breaker names the page reads at most (the tasks' breakers first, then SCAN's finds).
@@ -761,15 +960,18 @@ def breaker_names(app, limit: int = MAX_BREAKERS) -> dict[str, Any]:
         if len(found) >= limit:
             break
         if key.startswith(head) and key.endswith("}"):
-            found.setdefault(key[len(head):-1], None)
-    return {name: breaker or CircuitBreaker(name, app=app)
-            for name, breaker in sorted(found.items())[:limit]}
+            found.setdefault(key[len(head) : -1], None)
+    return {
+        name: breaker or CircuitBreaker(name, app=app)
+        for name, breaker in sorted(found.items())[:limit]
+    }
 
 
 class BreakerOverrideForm(forms.Form):
     name = forms.CharField(max_length=255, widget=forms.HiddenInput)
-    action = forms.ChoiceField(choices=[("open", "open"), ("close", "close")],
-                               widget=forms.HiddenInput)
+    action = forms.ChoiceField(
+        choices=[("open", "open"), ("close", "close")], widget=forms.HiddenInput
+    )
     reason = forms.CharField(max_length=500, required=False)
 
 
@@ -793,8 +995,9 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
 
     def has_override_permission(self, request: HttpRequest) -> bool:
         codename = get_permission_codename("override", self.opts)
-        return (request.user.has_perm(f"{self.opts.app_label}.{codename}")
-                and self.has_view_permission(request))
+        return request.user.has_perm(
+            f"{self.opts.app_label}.{codename}"
+        ) and self.has_view_permission(request)
 
     def get_actions(self, request: HttpRequest):
         return {}
@@ -802,12 +1005,18 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
     def get_urls(self):
         info = self.opts.app_label, self.opts.model_name
         return [
-            path("", self.admin_site.admin_view(self.changelist_view),
-                 name="%s_%s_changelist" % info),
-            path("override/", transaction.non_atomic_requests(
-                using=router.db_for_write(LeaseEvent))(
-                    self.admin_site.admin_view(self.override_view)),
-                 name="%s_%s_override" % info),
+            path(
+                "",
+                self.admin_site.admin_view(self.changelist_view),
+                name="%s_%s_changelist" % info,
+            ),
+            path(
+                "override/",
+                transaction.non_atomic_requests(using=router.db_for_write(LeaseEvent))(
+                    self.admin_site.admin_view(self.override_view)
+                ),
+                name="%s_%s_override" % info,
+            ),
         ]
 
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
@@ -820,13 +1029,19 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
                 rows.append(breaker.state().as_dict() | {"limits": breaker.describe()})
         except StepLockError as exc:
             error = _error_text(exc)
-        context = {**self.admin_site.each_context(request), "opts": self.opts,
-                   "title": _("Circuit breakers"), "rows": rows, "error": error,
-                   "can_override": self.has_override_permission(request),
-                   "override_url": reverse(
-                       f"admin:{self.opts.app_label}_{self.opts.model_name}_override",
-                       current_app=self.admin_site.name),
-                   **(extra_context or {})}
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": _("Circuit breakers"),
+            "rows": rows,
+            "error": error,
+            "can_override": self.has_override_permission(request),
+            "override_url": reverse(
+                f"admin:{self.opts.app_label}_{self.opts.model_name}_override",
+                current_app=self.admin_site.name,
+            ),
+            **(extra_context or {}),
+        }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.change_list_template, context)
 
@@ -838,30 +1053,49 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
             raise PermissionDenied
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        back = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
-                       current_app=self.admin_site.name)
+        back = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
+            current_app=self.admin_site.name,
+        )
         form = BreakerOverrideForm(request.POST)
         if not form.is_valid():
-            messages.error(request, _("Invalid request: %(errors)s")
-                           % {"errors": form.errors.as_text()})
+            messages.error(
+                request, _("Invalid request: %(errors)s") % {"errors": form.errors.as_text()}
+            )
             return HttpResponseRedirect(back)
         name, action = form.cleaned_data["name"], form.cleaned_data["action"]
         user = request.user.get_username()
         try:
             record = override_breaker(
-                CircuitBreaker(name, app=celery_app()), action, actor=user,
-                actor_host=request.META.get("REMOTE_ADDR"), via="admin",
+                CircuitBreaker(name, app=celery_app()),
+                action,
+                actor=user,
+                actor_host=request.META.get("REMOTE_ADDR"),
+                via="admin",
                 reason=form.cleaned_data["reason"] or f"{action} by {user} in the Django admin",
-                auditor=LeaseEventBreakerAudit())
+                auditor=LeaseEventBreakerAudit(),
+            )
         except AuditRecordFailed as failed:
-            messages.error(request, _("The audit record could not be written: nothing "
-                                      "changed (%(error)s)") % {"error": failed.__cause__})
+            messages.error(
+                request,
+                _("The audit record could not be written: nothing changed (%(error)s)")
+                % {"error": failed.__cause__},
+            )
             return HttpResponseRedirect(back)
         except StepLockError as exc:
-            messages.error(request, _("The Redis lock store could not be reached "
-                                      "(%(error)s)") % {"error": _error_text(exc)})
+            messages.error(
+                request,
+                _("The Redis lock store could not be reached (%(error)s)")
+                % {"error": _error_text(exc)},
+            )
             return HttpResponseRedirect(back)
-        messages.success(request, _("Circuit breaker “%(name)s”: %(previous)s → %(now)s.") % {
-            "name": name, "previous": record.previous,
-            "now": _("forced open") if action == "open" else _("closed")})
+        messages.success(
+            request,
+            _("Circuit breaker “%(name)s”: %(previous)s → %(now)s.")
+            % {
+                "name": name,
+                "previous": record.previous,
+                "now": _("forced open") if action == "open" else _("closed"),
+            },
+        )
         return HttpResponseRedirect(back)

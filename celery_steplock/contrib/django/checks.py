@@ -44,6 +44,7 @@ Every check function is also usable on its own: ``check_lock_store(app)`` etc. t
 app and return a list of :class:`django.core.checks.CheckMessage`; they inspect the tasks
 ``app`` has registered, without importing anything (``check_task_modules(app)`` imports).
 """
+
 from __future__ import annotations
 
 from django.core import checks
@@ -53,10 +54,21 @@ from ...conf import Settings
 from ...exceptions import ImproperlyConfigured
 from ...validate import REDIS_VISIBILITY_TIMEOUT, Problem
 
-__all__ = ["TAG", "REDIS_VISIBILITY_TIMEOUT", "register_checks", "check_lock_store",
-           "check_step_models", "check_settings", "check_task_options",
-           "check_visibility_timeout", "check_worker_lost", "check_time_limits",
-           "check_task_modules", "check_unknown_names", "check_recovery"]
+__all__ = [
+    "TAG",
+    "REDIS_VISIBILITY_TIMEOUT",
+    "register_checks",
+    "check_lock_store",
+    "check_step_models",
+    "check_settings",
+    "check_task_options",
+    "check_visibility_timeout",
+    "check_worker_lost",
+    "check_time_limits",
+    "check_task_modules",
+    "check_unknown_names",
+    "check_recovery",
+]
 
 TAG = "celery_steplock"
 #: PING timeout of E001, seconds (at most; lower when ``steplock_socket_timeout`` is).
@@ -81,17 +93,25 @@ def _app_with_tasks():
 
 def render(problems: list[Problem]) -> list[checks.CheckMessage]:
     """Django check messages of the validator's problems (errors and warnings by id)."""
-    return [(checks.Error if p.is_error else checks.Warning)(
-        p.message, hint=p.hint, obj=p.obj, id=p.id) for p in problems]
+    return [
+        (checks.Error if p.is_error else checks.Warning)(
+            p.message, hint=p.hint, obj=p.obj, id=p.id
+        )
+        for p in problems
+    ]
 
 
 # -- checks on a Celery app ----------------------------------------------------------------
 
+
 def check_settings(app) -> list[checks.CheckMessage]:
     """E003: one Error per invalid ``steplock_*`` setting (and a step store that cannot be
     imported)."""
-    return render(validate.settings_problems(app) + validate.step_store_problems(app)
-                  + validate.step_database_problems(app))
+    return render(
+        validate.settings_problems(app)
+        + validate.step_store_problems(app)
+        + validate.step_database_problems(app)
+    )
 
 
 def check_task_options(app) -> list[checks.CheckMessage]:
@@ -141,8 +161,12 @@ def check_unknown_names(app, django_settings=None) -> list[checks.CheckMessage]:
     ``django.conf.settings``)."""
     from django.conf import settings
 
-    return render(validate.unknown_name_problems(app) + validate.django_setting_problems(
-        app, settings if django_settings is None else django_settings))
+    return render(
+        validate.unknown_name_problems(app)
+        + validate.django_setting_problems(
+            app, settings if django_settings is None else django_settings
+        )
+    )
 
 
 def check_recovery(app) -> list[checks.CheckMessage]:
@@ -165,14 +189,17 @@ def check_task_modules(app) -> list[checks.CheckMessage]:
     error = import_task_modules(app)
     if error is None:
         return []
-    return [checks.Warning(
-        f"The task modules of the Celery app {app.main!r} could not be imported: "
-        f"{type(error).__name__}: {error}. The StepLockedTask checks (E002, E004, W001, "
-        f"W002, W004, W005) only judged the tasks registered anyway, and a worker of this "
-        f"project would fail to start.",
-        hint="Fix the import error (its traceback is logged by the celery_steplock "
-             "logger).",
-        obj=app.main, id="celery_steplock.W003")]
+    return [
+        checks.Warning(
+            f"The task modules of the Celery app {app.main!r} could not be imported: "
+            f"{type(error).__name__}: {error}. The StepLockedTask checks (E002, E004, W001, "
+            f"W002, W004, W005) only judged the tasks registered anyway, and a worker of this "
+            f"project would fail to start.",
+            hint="Fix the import error (its traceback is logged by the celery_steplock logger).",
+            obj=app.main,
+            id="celery_steplock.W003",
+        )
+    ]
 
 
 def check_lock_store(app) -> list[checks.CheckMessage]:
@@ -192,17 +219,22 @@ def check_lock_store(app) -> list[checks.CheckMessage]:
     try:
         client.ping()
     except (redis.RedisError, OSError) as exc:
-        return [checks.Error(
-            redact(f"The Redis lock store {url} is unreachable: {exc}", secrets_of(app)),
-            hint="Start Redis or fix CELERY_STEPLOCK_REDIS_URL (default: the broker URL). "
-                 "StepLockedTasks fail closed while it is down: their bodies do not run.",
-            obj="steplock_redis_url", id="celery_steplock.E001")]
+        return [
+            checks.Error(
+                redact(f"The Redis lock store {url} is unreachable: {exc}", secrets_of(app)),
+                hint="Start Redis or fix CELERY_STEPLOCK_REDIS_URL (default: the broker URL). "
+                "StepLockedTasks fail closed while it is down: their bodies do not run.",
+                obj="steplock_redis_url",
+                id="celery_steplock.E001",
+            )
+        ]
     finally:
         client.close()
     return []
 
 
 # -- registered check functions (Django calls them with app_configs and databases) --------
+
 
 def settings_check(app_configs=None, **kwargs):
     return check_settings(_app_with_tasks())

@@ -23,6 +23,7 @@ one ``event="force_release"`` row written and *committed* before the lease is de
 ``outcome`` updated once the delete answered; written whatever ``steplock_event_log`` says,
 and a failure to write it stops the release.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -39,15 +40,28 @@ from ...conf import Settings
 from ...events import log_event
 from ...ops import ReleaseAudit
 
-__all__ = ["LOGGED_SIGNALS", "LeaseEventAudit", "connect", "disconnect", "enabled", "record",
-           "flush",
-           "prune_lease_events"]
+__all__ = [
+    "LOGGED_SIGNALS",
+    "LeaseEventAudit",
+    "connect",
+    "disconnect",
+    "enabled",
+    "record",
+    "flush",
+    "prune_lease_events",
+]
 
 logger = logging.getLogger("celery_steplock")
 
-LOGGED_SIGNALS = (signals.lock_acquired, signals.lock_contended, signals.lock_released,
-                  signals.lock_expired, signals.lock_lost, signals.transition_applied,
-                  signals.transition_conflict)
+LOGGED_SIGNALS = (
+    signals.lock_acquired,
+    signals.lock_contended,
+    signals.lock_released,
+    signals.lock_expired,
+    signals.lock_lost,
+    signals.transition_applied,
+    signals.transition_conflict,
+)
 
 #: Rows queued in one thread at most while waiting for a transaction to end (the oldest are
 #: dropped beyond it: a runaway loop must not grow memory without bound).
@@ -132,19 +146,31 @@ def build(event: str, sender: Any, fields: dict[str, Any]):
     from .models import LeaseEvent
 
     timestamp = fields.get("timestamp")
-    created = (dt.datetime.fromtimestamp(timestamp, tz=dt.timezone.utc)
-               if isinstance(timestamp, (int, float)) else None)
-    task_name = fields.get("task_name") or getattr(sender, "name", None) or (
-        sender if isinstance(sender, str) else None)
+    created = (
+        dt.datetime.fromtimestamp(timestamp, tz=dt.timezone.utc)
+        if isinstance(timestamp, (int, float))
+        else None
+    )
+    task_name = (
+        fields.get("task_name")
+        or getattr(sender, "name", None)
+        or (sender if isinstance(sender, str) else None)
+    )
     pid = _int(fields.get("pid"))
     return LeaseEvent(
-        event=event, key=_text(fields.get("key"), 576), name=_text(fields.get("name"), 512),
-        owner=_text(fields.get("owner"), 64), fence=_int(fields.get("fence")),
-        task_id=_text(fields.get("task_id"), 255), task_name=_text(task_name, 255),
+        event=event,
+        key=_text(fields.get("key"), 576),
+        name=_text(fields.get("name"), 512),
+        owner=_text(fields.get("owner"), 64),
+        fence=_int(fields.get("fence")),
+        task_id=_text(fields.get("task_id"), 255),
+        task_name=_text(task_name, 255),
         step=_text(_step(sender, fields), 255),
         hostname=_text(fields.get("hostname") or socket.gethostname(), 255),
-        pid=pid if pid is not None else os.getpid(), reason=_reason(event, fields),
-        **({"created_at": created} if created else {}))
+        pid=pid if pid is not None else os.getpid(),
+        reason=_reason(event, fields),
+        **({"created_at": created} if created else {}),
+    )
 
 
 def _write(rows: list) -> None:
@@ -226,8 +252,12 @@ def disconnect() -> None:
     task_postrun.disconnect(_after_task, dispatch_uid="celery_steplock.eventlog.flush")
 
 
-def prune_lease_events(older_than_seconds: float | None = None, *, dry_run: bool = False,
-                       now: dt.datetime | None = None) -> int:
+def prune_lease_events(
+    older_than_seconds: float | None = None,
+    *,
+    dry_run: bool = False,
+    now: dt.datetime | None = None,
+) -> int:
     """Delete LeaseEvent rows created more than ``older_than_seconds`` ago.
 
     ``older_than_seconds`` defaults to ``steplock_event_retention`` (7 days). Returns the
@@ -251,7 +281,6 @@ def prune_lease_events(older_than_seconds: float | None = None, *, dry_run: bool
     return deleted
 
 
-
 class LeaseEventAudit(ReleaseAudit):
     """The Django audit store of force releases (see
     :class:`celery_steplock.ops.ReleaseAudit`): one ``LeaseEvent`` row per force release.
@@ -265,9 +294,13 @@ class LeaseEventAudit(ReleaseAudit):
     database alias (default: the router's for LeaseEvent).
     """
 
-    def __init__(self, *, using: str | None = None,
-                 also: Callable[[Any], Any] | None = None,
-                 after: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        using: str | None = None,
+        also: Callable[[Any], Any] | None = None,
+        after: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.using = using
         self.also = also
         self.after = after
@@ -284,13 +317,22 @@ class LeaseEventAudit(ReleaseAudit):
         if record.detail:
             reason = f"{reason}; {record.detail}" if reason else record.detail
         return LeaseEvent(
-            event="force_release", key=_text(record.key, 576), name=_text(record.name, 512),
-            owner=_text(record.owner, 64), fence=record.fence,
-            task_id=_text(record.task_id, 255), task_name=_text(record.task_name, 255),
-            step=_text(record.step, 255), hostname=_text(record.hostname, 255),
-            pid=record.pid, reason=reason, actor=_text(record.actor, 255),
-            actor_host=_text(record.actor_host, 255), via=_text(record.via, 16),
-            outcome=_text(record.outcome, 32))
+            event="force_release",
+            key=_text(record.key, 576),
+            name=_text(record.name, 512),
+            owner=_text(record.owner, 64),
+            fence=record.fence,
+            task_id=_text(record.task_id, 255),
+            task_name=_text(record.task_name, 255),
+            step=_text(record.step, 255),
+            hostname=_text(record.hostname, 255),
+            pid=record.pid,
+            reason=reason,
+            actor=_text(record.actor, 255),
+            actor_host=_text(record.actor_host, 255),
+            via=_text(record.via, 16),
+            outcome=_text(record.outcome, 32),
+        )
 
     def requested(self, record) -> None:
         using = self._alias()
@@ -314,6 +356,7 @@ class LeaseEventAudit(ReleaseAudit):
                 record.audit = f"LeaseEvent {row.pk}"
                 return
             LeaseEvent.objects.using(using).filter(pk=record.audit_id).update(
-                outcome=row.outcome, reason=row.reason)
+                outcome=row.outcome, reason=row.reason
+            )
             if self.after is not None:
                 self.after(record)

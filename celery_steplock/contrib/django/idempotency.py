@@ -18,6 +18,7 @@ gets the recorded response with the header ``Idempotent-Replayed: true``; the sa
 another request gets 422; while the first still runs, 409 with ``Retry-After``; an error
 response (status >= 400) or an exception is not recorded, and the key runs again.
 """
+
 from __future__ import annotations
 
 import base64
@@ -32,12 +33,21 @@ from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 
 from ...events import log_event
-from ...exceptions import (IdempotencyInProgress, IdempotencyKeyReused, LockError,
-                           LockStoreUnavailable)
+from ...exceptions import (
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    LockError,
+    LockStoreUnavailable,
+)
 from ...idempotency import Decision, Idempotency, Record, Stored, _fingerprint_bytes
 
-__all__ = ["DatabaseRecords", "idempotent_view", "IdempotencyMiddleware", "REPLAYED_HEADER",
-           "UNSAFE_METHODS"]
+__all__ = [
+    "DatabaseRecords",
+    "idempotent_view",
+    "IdempotencyMiddleware",
+    "REPLAYED_HEADER",
+    "UNSAFE_METHODS",
+]
 
 REPLAYED_HEADER = "Idempotent-Replayed"
 UNSAFE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
@@ -54,15 +64,25 @@ def _record(row) -> Record:
     payload: Any = row.result
     if row.result_b64:
         payload = base64.b64decode(payload)
-    return Record(key=row.key, status=row.status, fingerprint=row.fingerprint,
-                  namespace=row.namespace, version=row.version, owner=row.owner or None,
-                  created_at=_seconds(row.created_at), locked_at=_seconds(row.locked_at),
-                  completed_at=_seconds(row.completed_at), failed_at=_seconds(row.failed_at),
-                  expires_at=_seconds(row.expires_at), serializer=row.serializer or None,
-                  content_type=row.content_type or None,
-                  content_encoding=row.content_encoding or None,
-                  payload=payload if row.status == "completed" else None,
-                  error=row.error or None, attempts=row.attempts)
+    return Record(
+        key=row.key,
+        status=row.status,
+        fingerprint=row.fingerprint,
+        namespace=row.namespace,
+        version=row.version,
+        owner=row.owner or None,
+        created_at=_seconds(row.created_at),
+        locked_at=_seconds(row.locked_at),
+        completed_at=_seconds(row.completed_at),
+        failed_at=_seconds(row.failed_at),
+        expires_at=_seconds(row.expires_at),
+        serializer=row.serializer or None,
+        content_type=row.content_type or None,
+        content_encoding=row.content_encoding or None,
+        payload=payload if row.status == "completed" else None,
+        error=row.error or None,
+        attempts=row.attempts,
+    )
 
 
 class DatabaseRecords:
@@ -85,8 +105,11 @@ class DatabaseRecords:
         return self.using or router.db_for_write(self.model)
 
     def _outage(self, exc: BaseException, key: str, what: str) -> LockStoreUnavailable:
-        return LockStoreUnavailable(f"idempotency {what} of {key}: the database did not "
-                                    f"answer ({type(exc).__name__}: {exc})", key=key)
+        return LockStoreUnavailable(
+            f"idempotency {what} of {key}: the database did not "
+            f"answer ({type(exc).__name__}: {exc})",
+            key=key,
+        )
 
     # -- the cache ------------------------------------------------------------------------------
 
@@ -112,8 +135,15 @@ class DatabaseRecords:
 
     # -- transitions ----------------------------------------------------------------------------
 
-    def begin(self, key: str, fingerprint: str, owner: str, lock_ttl: float,
-              namespace: str = "", version: str = "") -> Decision:
+    def begin(
+        self,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> Decision:
         cached = self._cached(key)
         if cached is not None and cached.status == "completed":
             if cached.fingerprint == fingerprint:
@@ -122,8 +152,9 @@ class DatabaseRecords:
         using = self._db()
         try:
             with transaction.atomic(using=using):
-                decision = self._begin(using, key, fingerprint, owner, lock_ttl, namespace,
-                                       version)
+                decision = self._begin(
+                    using, key, fingerprint, owner, lock_ttl, namespace, version
+                )
         except DatabaseError as exc:
             raise self._outage(exc, key, "begin") from exc
         if decision.outcome == "replay":
@@ -137,9 +168,18 @@ class DatabaseRecords:
         try:
             # A new key is the common case: the unique key decides who locks it.
             with transaction.atomic(using=using):
-                objects.create(key=key, namespace=namespace, version=version, status="locked",
-                               fingerprint=fingerprint, owner=owner, created_at=now,
-                               locked_at=now, expires_at=until, attempts=1)
+                objects.create(
+                    key=key,
+                    namespace=namespace,
+                    version=version,
+                    status="locked",
+                    fingerprint=fingerprint,
+                    owner=owner,
+                    created_at=now,
+                    locked_at=now,
+                    expires_at=until,
+                    attempts=1,
+                )
             return Decision("locked")
         except IntegrityError:
             pass
@@ -151,27 +191,57 @@ class DatabaseRecords:
             if row.status == "completed":
                 return Decision("replay", record=_record(row))
             if row.owner != owner:
-                return Decision("in_progress",
-                                retry_after=(row.expires_at - now).total_seconds())
+                return Decision("in_progress", retry_after=(row.expires_at - now).total_seconds())
         fresh = not live or row.status == "completed"
         objects.filter(pk=row.pk).update(
-            status="locked", fingerprint=fingerprint, owner=owner, namespace=namespace,
-            version=version, locked_at=now, expires_at=until, result="", result_b64=False,
-            serializer="", content_type="", content_encoding="", error="", completed_at=None,
-            failed_at=None, created_at=now if fresh else row.created_at,
-            attempts=1 if fresh else row.attempts + 1)
+            status="locked",
+            fingerprint=fingerprint,
+            owner=owner,
+            namespace=namespace,
+            version=version,
+            locked_at=now,
+            expires_at=until,
+            result="",
+            result_b64=False,
+            serializer="",
+            content_type="",
+            content_encoding="",
+            error="",
+            completed_at=None,
+            failed_at=None,
+            created_at=now if fresh else row.created_at,
+            attempts=1 if fresh else row.attempts + 1,
+        )
         return Decision("locked")
 
-    def complete(self, key: str, owner: str, fingerprint: str, stored: Stored, ttl: float,
-                 namespace: str = "", version: str = "") -> bool:
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        stored: Stored,
+        ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> bool:
         using = self._db()
         now = timezone.now()
-        fields = dict(status="completed", fingerprint=fingerprint, owner="",
-                      serializer=stored.serializer, content_type=stored.content_type,
-                      content_encoding=stored.content_encoding, result=stored.payload,
-                      result_b64=stored.b64, error="", failed_at=None, namespace=namespace,
-                      version=version, completed_at=now,
-                      expires_at=now + dt.timedelta(seconds=ttl))
+        fields = dict(
+            status="completed",
+            fingerprint=fingerprint,
+            owner="",
+            serializer=stored.serializer,
+            content_type=stored.content_type,
+            content_encoding=stored.content_encoding,
+            result=stored.payload,
+            result_b64=stored.b64,
+            error="",
+            failed_at=None,
+            namespace=namespace,
+            version=version,
+            completed_at=now,
+            expires_at=now + dt.timedelta(seconds=ttl),
+        )
         objects = self.model.objects.using(using)
         try:
             # One UPDATE when the caller still holds the row (the common case).
@@ -185,29 +255,48 @@ class DatabaseRecords:
             return False
         except DatabaseError as exc:
             raise self._outage(exc, key, "complete") from exc
-        self._put_cache(Record(
-            key=key, status="completed", fingerprint=fingerprint, namespace=namespace,
-            version=version, completed_at=now.timestamp(),
-            expires_at=fields["expires_at"].timestamp(), serializer=stored.serializer,
-            content_type=stored.content_type, content_encoding=stored.content_encoding,
-            payload=stored.raw()))
+        self._put_cache(
+            Record(
+                key=key,
+                status="completed",
+                fingerprint=fingerprint,
+                namespace=namespace,
+                version=version,
+                completed_at=now.timestamp(),
+                expires_at=fields["expires_at"].timestamp(),
+                serializer=stored.serializer,
+                content_type=stored.content_type,
+                content_encoding=stored.content_encoding,
+                payload=stored.raw(),
+            )
+        )
         return True
 
     def fail(self, key: str, owner: str, error: str, ttl: float) -> bool:
         using = self._db()
         now = timezone.now()
         try:
-            return bool(self.model.objects.using(using).filter(
-                key=key, owner=owner, status="locked").update(
-                status="failed", owner="", error=error[:255], failed_at=now,
-                expires_at=now + dt.timedelta(seconds=ttl)))
+            return bool(
+                self.model.objects.using(using)
+                .filter(key=key, owner=owner, status="locked")
+                .update(
+                    status="failed",
+                    owner="",
+                    error=error[:255],
+                    failed_at=now,
+                    expires_at=now + dt.timedelta(seconds=ttl),
+                )
+            )
         except DatabaseError as exc:
             raise self._outage(exc, key, "fail") from exc
 
     def release(self, key: str, owner: str) -> bool:
         try:
-            deleted, _ = self.model.objects.using(self._db()).filter(
-                key=key, owner=owner, status="locked").delete()
+            deleted, _ = (
+                self.model.objects.using(self._db())
+                .filter(key=key, owner=owner, status="locked")
+                .delete()
+            )
         except DatabaseError as exc:
             raise self._outage(exc, key, "release") from exc
         return bool(deleted)
@@ -234,6 +323,7 @@ class DatabaseRecords:
 
 # -- views --------------------------------------------------------------------------------------
 
+
 def _default_scope(request) -> str:
     """Keys are per user (an authenticated user's primary key), else shared by anonymous
     clients."""
@@ -244,17 +334,26 @@ def _default_scope(request) -> str:
 
 
 def _request_fingerprint(request, secret) -> str:
-    return _fingerprint_bytes([request.method.encode(), request.path.encode(),
-                               request.META.get("QUERY_STRING", "").encode(),
-                               request.META.get("CONTENT_TYPE", "").encode(), request.body],
-                              secret)
+    return _fingerprint_bytes(
+        [
+            request.method.encode(),
+            request.path.encode(),
+            request.META.get("QUERY_STRING", "").encode(),
+            request.META.get("CONTENT_TYPE", "").encode(),
+            request.body,
+        ],
+        secret,
+    )
 
 
 def _snapshot(response) -> dict[str, Any]:
-    return {"status": response.status_code,
-            "headers": [[name, value] for name, value in response.items()
-                        if name.lower() not in _NOT_RECORDED],
-            "body": base64.b64encode(response.content).decode()}
+    return {
+        "status": response.status_code,
+        "headers": [
+            [name, value] for name, value in response.items() if name.lower() not in _NOT_RECORDED
+        ],
+        "body": base64.b64encode(response.content).decode(),
+    }
 
 
 def _replayed(snapshot: dict[str, Any]) -> HttpResponse:
@@ -273,8 +372,20 @@ def _error(status: int, message: str, **headers: str) -> JsonResponse:
 
 
 class _ViewPolicy:
-    def __init__(self, namespace: str, *, version, ttl, lock_ttl, methods: Iterable[str],
-                 header: str, required: bool, scope: Callable | None, app, options):
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        version,
+        ttl,
+        lock_ttl,
+        methods: Iterable[str],
+        header: str,
+        required: bool,
+        scope: Callable | None,
+        app,
+        options,
+    ):
         self.namespace = namespace
         self.methods = tuple(m.upper() for m in methods)
         self.header = header
@@ -304,18 +415,24 @@ class _ViewPolicy:
                 return _error(400, f"the {self.header} header is required")
             return call()
         if len(value) > MAX_HEADER_LENGTH or not value.isprintable():
-            return _error(400, f"the {self.header} header must be 1 to {MAX_HEADER_LENGTH} "
-                               f"printable characters")
+            return _error(
+                400,
+                f"the {self.header} header must be 1 to {MAX_HEADER_LENGTH} printable characters",
+            )
         policy = self.policy
         resource = f"{self.scope(request)}\0{resource_prefix}{value}"
         try:
-            ticket = policy.begin(resource,
-                                  fingerprint=_request_fingerprint(request, policy.secret))
+            ticket = policy.begin(
+                resource, fingerprint=_request_fingerprint(request, policy.secret)
+            )
         except IdempotencyKeyReused:
             return _error(422, f"this {self.header} was used for another request")
         except IdempotencyInProgress as exc:
-            return _error(409, f"a request with this {self.header} is in progress",
-                          **{"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
+            return _error(
+                409,
+                f"a request with this {self.header} is in progress",
+                **{"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
+            )
         except LockStoreUnavailable:
             return _error(503, "the idempotency store is unavailable", **{"Retry-After": "1"})
         if ticket.replayed:
@@ -334,12 +451,20 @@ class _ViewPolicy:
         return response
 
 
-def idempotent_view(view: Callable | None = None, *, namespace: str | None = None,
-                    version: str | int = "1", ttl: float | None = None,
-                    lock_ttl: float | None = None, methods: Iterable[str] = UNSAFE_METHODS,
-                    header: str = "Idempotency-Key", required: bool = False,
-                    scope: Callable[[Any], str] | None = None, app: Any = None,
-                    **options: Any):
+def idempotent_view(
+    view: Callable | None = None,
+    *,
+    namespace: str | None = None,
+    version: str | int = "1",
+    ttl: float | None = None,
+    lock_ttl: float | None = None,
+    methods: Iterable[str] = UNSAFE_METHODS,
+    header: str = "Idempotency-Key",
+    required: bool = False,
+    scope: Callable[[Any], str] | None = None,
+    app: Any = None,
+    **options: Any,
+):
     """Decorator of a Django view (function): requests with ``header`` (``methods`` only,
     default POST/PUT/PATCH/DELETE) run once per key; see the module's text for the answers
     (replay with ``Idempotent-Replayed: true``, 422, 409, 503 when the store is down and
@@ -350,10 +475,18 @@ def idempotent_view(view: Callable | None = None, *, namespace: str | None = Non
     :class:`~celery_steplock.idempotency.Idempotency`. Usable bare (``@idempotent_view``)."""
 
     def decorate(fun: Callable) -> Callable:
-        policy = _ViewPolicy(namespace or f"django:{fun.__module__}.{fun.__qualname__}",
-                             version=version, ttl=ttl, lock_ttl=lock_ttl, methods=methods,
-                             header=header, required=required, scope=scope, app=app,
-                             options=options)
+        policy = _ViewPolicy(
+            namespace or f"django:{fun.__module__}.{fun.__qualname__}",
+            version=version,
+            ttl=ttl,
+            lock_ttl=lock_ttl,
+            methods=methods,
+            header=header,
+            required=required,
+            scope=scope,
+            app=app,
+            options=options,
+        )
 
         @functools.wraps(fun)
         def wrapper(request, *args, **kwargs):
@@ -378,13 +511,19 @@ class IdempotencyMiddleware:
         self.get_response = get_response
         config = dict(getattr(settings, "STEPLOCK_IDEMPOTENCY_MIDDLEWARE", {}) or {})
         self.policy = _ViewPolicy(
-            config.pop("namespace", "django"), version=config.pop("version", "1"),
-            ttl=config.pop("ttl", None), lock_ttl=config.pop("lock_ttl", None),
+            config.pop("namespace", "django"),
+            version=config.pop("version", "1"),
+            ttl=config.pop("ttl", None),
+            lock_ttl=config.pop("lock_ttl", None),
             methods=config.pop("methods", UNSAFE_METHODS),
             header=config.pop("header", "Idempotency-Key"),
-            required=config.pop("required", False), scope=config.pop("scope", None),
-            app=config.pop("app", None), options=config)
+            required=config.pop("required", False),
+            scope=config.pop("scope", None),
+            app=config.pop("app", None),
+            options=config,
+        )
 
     def __call__(self, request):
-        return self.policy.handle(request, lambda: self.get_response(request),
-                                  resource_prefix=f"{request.path}\0")
+        return self.policy.handle(
+            request, lambda: self.get_response(request), resource_prefix=f"{request.path}\0"
+        )

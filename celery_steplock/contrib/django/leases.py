@@ -15,6 +15,7 @@ round trips, and at most ``per_page`` rows (a step that would overflow the page 
 again with a smaller ``COUNT``). See :func:`lease_page` for the one exception, which keeps
 the walk moving.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,17 @@ from ...exceptions import LockStoreUnavailable
 from ...lock import STORE_ERRORS, RedisLeaseStore, get_lease_store
 from ...redact import redact
 
-__all__ = ["celery_app", "import_task_modules", "task_import_error", "lease_lock",
-           "steplock_task_names", "LeasePage", "lease_page", "matches", "redis_time_ms"]
+__all__ = [
+    "celery_app",
+    "import_task_modules",
+    "task_import_error",
+    "lease_lock",
+    "steplock_task_names",
+    "LeasePage",
+    "lease_page",
+    "matches",
+    "redis_time_ms",
+]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -95,8 +105,9 @@ def import_task_modules(app=None) -> BaseException | None:
             loader.import_default_modules()
         except Exception as exc:  # noqa: BLE001 - reported (log, W003), never a crash here
             _import_errors[app] = exc
-            log_event("task_modules_import_failed", logging.ERROR, exc_info=exc, app=app.main,
-                      error=exc)
+            log_event(
+                "task_modules_import_failed", logging.ERROR, exc_info=exc, app=app.main, error=exc
+            )
         finally:
             set_script_prefix(prefix)
             _importing.discard(app)
@@ -172,7 +183,12 @@ def matches(info: Mapping[str, Any], q: str = "", task_name: str = "") -> bool:
 
 #: Why a page ended (:attr:`LeasePage.stop`).
 STOP_COMPLETE, STOP_FULL, STOP_NO_ROOM, STOP_BUDGET, STOP_STEPS = (
-    "complete", "full", "no_room", "budget", "steps")
+    "complete",
+    "full",
+    "no_room",
+    "budget",
+    "steps",
+)
 
 
 @dataclass
@@ -260,10 +276,16 @@ def _read_leases(lock: RedisLeaseStore, keys: list[str]) -> dict[str, dict[str, 
     return lock.read_leases(keys)
 
 
-def lease_page(lock: RedisLeaseStore, cursor: int = 0, per_page: int = 100, *,
-               predicate: Callable[[Mapping[str, Any]], bool] | None = None,
-               key_budget: int | None = None, max_count: int | None = None,
-               max_steps: int = 10) -> LeasePage:
+def lease_page(
+    lock: RedisLeaseStore,
+    cursor: int = 0,
+    per_page: int = 100,
+    *,
+    predicate: Callable[[Mapping[str, Any]], bool] | None = None,
+    key_budget: int | None = None,
+    max_count: int | None = None,
+    max_steps: int = 10,
+) -> LeasePage:
     """Read one page of leases starting at SCAN ``cursor``; returns a :class:`LeasePage`.
 
     ``per_page``: rows at most (default 100); ``predicate``: the filter (default: every
@@ -302,8 +324,7 @@ def lease_page(lock: RedisLeaseStore, cursor: int = 0, per_page: int = 100, *,
     per_page = max(1, per_page)
     key_budget = max(1, key_budget if key_budget is not None else 50 * per_page)
     max_count = max(1, min(key_budget, max(per_page, max_count or 10 * per_page)))
-    page = LeasePage(cursor=cursor, next_cursor=cursor, per_page=per_page,
-                     key_budget=key_budget)
+    page = LeasePage(cursor=cursor, next_cursor=cursor, per_page=per_page, key_budget=key_budget)
     seen: set[str] = set()  # keys of the steps on this page
     fetched: dict[str, dict[str, Any] | None] = {}  # hashes this page read, by key
     position, count = cursor, min(max_count, _next_count(page, False, max_count))

@@ -11,6 +11,7 @@ paused past its TTL cannot write after a newer holder has, even when the status 
 (fencing token, as in Kleppmann 2016). The names are the defaults of the settings
 ``steplock_owner_field`` and ``steplock_fence_field``.
 """
+
 from django.db import models
 
 

@@ -19,6 +19,7 @@
     (``event="force_release"``) is written whatever that setting says. Rows older than
     ``steplock_event_retention`` seconds are deleted by ``manage.py prune_lease_events``.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -109,25 +110,37 @@ class Lease(models.Model):
         """
         ttl_ms = _int_or_none(info.get("ttl_ms"))
         lease = cls(
-            name=info.get("name") or "", key=info.get("key") or "",
-            owner=info.get("owner") or "", fence=_int_or_none(info.get("fence")),
-            task_id=info.get("task_id") or "", task_name=info.get("task_name") or "",
-            worker=info.get("worker") or "", hostname=info.get("hostname") or "",
-            pid=_int_or_none(info.get("pid")), retries=_int_or_none(info.get("retries")),
+            name=info.get("name") or "",
+            key=info.get("key") or "",
+            owner=info.get("owner") or "",
+            fence=_int_or_none(info.get("fence")),
+            task_id=info.get("task_id") or "",
+            task_name=info.get("task_name") or "",
+            worker=info.get("worker") or "",
+            hostname=info.get("hostname") or "",
+            pid=_int_or_none(info.get("pid")),
+            retries=_int_or_none(info.get("retries")),
             step=info.get("step") or "",
             acquired_at=_ms_to_datetime(info.get("acquired_ms")),
             renewed_at=_ms_to_datetime(info.get("renewed_ms")),
-            lease_ttl=ttl_ms / 1000.0 if ttl_ms is not None else None)
+            lease_ttl=ttl_ms / 1000.0 if ttl_ms is not None else None,
+        )
         # What parse_lease found wrong with the stored hash ("" when nothing): shown, so
         # that one corrupt lease is visible on the page rather than breaking it.
         lease.malformed = str(info.get("malformed") or "")
         lease.ttl_left = info.get("ttl")
         acquired_ms = _int_or_none(info.get("acquired_ms"))
         renewed_ms = _int_or_none(info.get("renewed_ms"))
-        lease.age = (max(0, now_ms - acquired_ms) / 1000.0
-                     if now_ms is not None and acquired_ms is not None else None)
-        lease.since_renewal = (max(0, now_ms - renewed_ms) / 1000.0
-                               if now_ms is not None and renewed_ms is not None else None)
+        lease.age = (
+            max(0, now_ms - acquired_ms) / 1000.0
+            if now_ms is not None and acquired_ms is not None
+            else None
+        )
+        lease.since_renewal = (
+            max(0, now_ms - renewed_ms) / 1000.0
+            if now_ms is not None and renewed_ms is not None
+            else None
+        )
         return lease
 
     @property
@@ -152,8 +165,16 @@ class LeaseEvent(models.Model):
     the lease holder's.
     """
 
-    EVENTS = ("lock_acquired", "lock_contended", "lock_released", "lock_expired", "lock_lost",
-              "transition_applied", "transition_conflict", "force_release")
+    EVENTS = (
+        "lock_acquired",
+        "lock_contended",
+        "lock_released",
+        "lock_expired",
+        "lock_lost",
+        "transition_applied",
+        "transition_conflict",
+        "force_release",
+    )
 
     event = models.CharField(_("event"), max_length=32, choices=[(e, e) for e in EVENTS])
     key = models.CharField(_("Redis key"), max_length=MAX_NAME_LENGTH + 64, blank=True)
@@ -200,8 +221,9 @@ class IdempotencyRecord(models.Model):
     key = models.CharField(_("record key"), max_length=64, unique=True)
     namespace = models.CharField(_("namespace"), max_length=512, db_index=True)
     version = models.CharField(_("version"), max_length=64)
-    status = models.CharField(_("status"), max_length=16, choices=[(s, s) for s in STATUSES],
-                              db_index=True)
+    status = models.CharField(
+        _("status"), max_length=16, choices=[(s, s) for s in STATUSES], db_index=True
+    )
     fingerprint = models.CharField(_("arguments' fingerprint"), max_length=64)
     owner = models.CharField(_("owner token"), max_length=64, blank=True)
     serializer = models.CharField(_("serializer"), max_length=64, blank=True)
@@ -224,6 +246,8 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.namespace} {self.key[:12]} ({self.status})"
+
+
 class CircuitBreakerState(models.Model):
     """A circuit breaker as Redis holds it now (never stored in the database: no table).
 
@@ -238,8 +262,9 @@ class CircuitBreakerState(models.Model):
     class Meta:
         managed = False
         default_permissions = ("view",)
-        permissions = [("override_circuitbreakerstate",
-                        "Can force a circuit breaker open or close it")]
+        permissions = [
+            ("override_circuitbreakerstate", "Can force a circuit breaker open or close it")
+        ]
         verbose_name = _("circuit breaker")
         verbose_name_plural = _("circuit breakers")
 

@@ -31,6 +31,7 @@ that moved on long ago): the ``step_database`` of each registered task of that m
 ``steplock_step_database``, else the router's ``db_for_write``. A model that tasks write on
 several databases is recovered on each of them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -91,8 +92,9 @@ class StepRecovery:
                 self.owners.add(owner)
                 self.steps.add(f"{label_lower}:{pk}")
 
-    def recover(self, live_owners: set[str], live_steps: set[str],
-                dead: dict[str, dict[str, Any]]) -> None:
+    def recover(
+        self, live_owners: set[str], live_steps: set[str], dead: dict[str, dict[str, Any]]
+    ) -> None:
         """Move orphaned in-flight rows to their recovery status by compare-and-swap.
 
         ``live_owners``: owners of live leases; ``live_steps``: steps a live lease names (a
@@ -110,11 +112,20 @@ class StepRecovery:
                     continue
                 to = group.moves[status]
                 lease = dead.get(owner)
-                reason = (f"its owner's lease {lease['name']} was reaped ({lease['reason']})"
-                          if lease else "no live lease is held by its owner")
-                info = {"model": group.label, "pk": pk, "from_": status, "to": to,
-                        "owner": owner, "lease": lease["name"] if lease else None,
-                        "reason": reason}
+                reason = (
+                    f"its owner's lease {lease['name']} was reaped ({lease['reason']})"
+                    if lease
+                    else "no live lease is held by its owner"
+                )
+                info = {
+                    "model": group.label,
+                    "pk": pk,
+                    "from_": status,
+                    "to": to,
+                    "owner": owner,
+                    "lease": lease["name"] if lease else None,
+                    "reason": reason,
+                }
                 if not run.dry_run:
                     updates = {group.status_field: to, group.owner_field: ""}
                     if group.auto_now_field:
@@ -123,23 +134,36 @@ class StepRecovery:
                         # CAS on what was observed: a row moved on or re-claimed since (new
                         # status or owner) is not touched. The fence column stays as it is,
                         # so the dead holder, should it wake up, still cannot write.
-                        changed = manager.filter(**{"pk": pk, group.status_field: status,
-                                                    group.owner_field: owner}).update(**updates)
+                        changed = manager.filter(
+                            **{"pk": pk, group.status_field: status, group.owner_field: owner}
+                        ).update(**updates)
                     except DatabaseError as exc:
                         run.error(f"could not recover {group.label} pk={pk}: {exc}")
                         continue
                     if changed != 1:
                         continue
-                    transaction.on_commit(partial(
-                        emit, signals.lock_expired,
-                        run.sender((lease or {}).get("task_name")), logging.WARNING,
-                        key=lease["key"] if lease else None,
-                        name=lease["name"] if lease else None, owner=owner,
-                        fence=lease["fence"] if lease else None,
-                        task_id=lease["task_id"] if lease else None,
-                        task_name=lease["task_name"] if lease else None, ttl=None,
-                        step_id=pk, step=f"{label_lower}:{pk}", model=group.label,
-                        from_=status, to=to, reason=f"step recovered: {reason}"), using=using)
+                    transaction.on_commit(
+                        partial(
+                            emit,
+                            signals.lock_expired,
+                            run.sender((lease or {}).get("task_name")),
+                            logging.WARNING,
+                            key=lease["key"] if lease else None,
+                            name=lease["name"] if lease else None,
+                            owner=owner,
+                            fence=lease["fence"] if lease else None,
+                            task_id=lease["task_id"] if lease else None,
+                            task_name=lease["task_name"] if lease else None,
+                            ttl=None,
+                            step_id=pk,
+                            step=f"{label_lower}:{pk}",
+                            model=group.label,
+                            from_=status,
+                            to=to,
+                            reason=f"step recovered: {reason}",
+                        ),
+                        using=using,
+                    )
                 run.report.add_recovered(info)
 
 
@@ -154,8 +178,11 @@ def recover_steps(run) -> StepRecovery | None:
     ``run.error`` and goes on with the other models.
     """
     if not django_apps.ready:
-        log_event("reaper_no_django", logging.WARNING, reason="steplock_reaper_recover is "
-                  "set but Django is not set up: no step is recovered")
+        log_event(
+            "reaper_no_django",
+            logging.WARNING,
+            reason="steplock_reaper_recover is set but Django is not set up: no step is recovered",
+        )
         return None
     settings = run.settings
     older_than = run.older_than if run.older_than is not None else settings.reaper_older_than
@@ -171,8 +198,10 @@ def recover_steps(run) -> StepRecovery | None:
             for name in (status_field, owner_field):
                 model._meta.get_field(name)
         except FieldDoesNotExist as exc:
-            run.error(f"steplock_reaper_recover: {label} cannot be recovered: {exc} (the "
-                      f"owner column tells an orphaned row from a live one)")
+            run.error(
+                f"steplock_reaper_recover: {label} cannot be recovered: {exc} (the "
+                f"owner column tells an orphaned row from a live one)"
+            )
             continue
         except StepLockError as exc:
             run.error(str(exc))
@@ -181,8 +210,10 @@ def recover_steps(run) -> StepRecovery | None:
         if age is None and older_than > 0:
             # Recovering at once would move steps a live multi-phase flow is between phases
             # of: refuse, rather than ignore the grace the operator asked for.
-            run.error(f"steplock_reaper_older_than={older_than:g} needs an {AGE_FIELD!r} "
-                      f"column (auto_now=True) on {label}: its steps are not recovered")
+            run.error(
+                f"steplock_reaper_older_than={older_than:g} needs an {AGE_FIELD!r} "
+                f"column (auto_now=True) on {label}: its steps are not recovered"
+            )
             continue
         try:
             aliases = _databases(run, model)
@@ -199,16 +230,23 @@ def recover_steps(run) -> StepRecovery | None:
         for using in aliases:
             try:
                 rows = list(
-                    model._base_manager.db_manager(using).filter(**query)
-                    .exclude(**{owner_field: ""}).exclude(**{f"{owner_field}__isnull": True})
-                    .order_by("pk").values_list("pk", status_field, owner_field)
-                    .iterator(chunk_size=run.batch_size))
+                    model._base_manager.db_manager(using)
+                    .filter(**query)
+                    .exclude(**{owner_field: ""})
+                    .exclude(**{f"{owner_field}__isnull": True})
+                    .order_by("pk")
+                    .values_list("pk", status_field, owner_field)
+                    .iterator(chunk_size=run.batch_size)
+                )
             except DatabaseError as exc:
                 where = "" if aliases == [DEFAULT_DB_ALIAS] else f" on database {using!r}"
                 run.error(f"could not read in-flight {label} rows{where}: {exc}")
                 continue
-            found.append(_Candidates(label, model, status_field, owner_field, dict(moves),
-                                     rows, auto_now, using))
+            found.append(
+                _Candidates(
+                    label, model, status_field, owner_field, dict(moves), rows, auto_now, using
+                )
+            )
     return StepRecovery(run, found)
 
 
@@ -254,7 +292,8 @@ def _databases(run, model) -> list[str]:
                     f"DATABASE_ROUTERS: the database router sends writes of "
                     f"{model._meta.label} to {using!r}, which is not in DATABASES (set the "
                     f"task's step_database or steplock_step_database, or fix the router)",
-                    setting="DATABASE_ROUTERS") from None
+                    setting="DATABASE_ROUTERS",
+                ) from None
         else:
             check_known_database(DjangoStepStore, using, found[using])
     return sorted(found)

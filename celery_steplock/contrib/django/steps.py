@@ -38,6 +38,7 @@ compare-and-swap, its follow-up read, the deadline and ``on_commit`` all go to t
 router named at the start of the execution, even for a router whose answer depends on the
 context (a tenant, a request).
 """
+
 from __future__ import annotations
 
 import copy
@@ -79,13 +80,17 @@ def resolve_model(model: type[Model] | str, setting: str = "step_model") -> type
         try:
             return apps.get_model(model)
         except (LookupError, ValueError) as exc:
-            raise ImproperlyConfigured(f"{setting} {model!r} does not exist ({exc}); name an "
-                                       f"installed model as \"app_label.ModelName\"",
-                                       setting=setting) from exc
+            raise ImproperlyConfigured(
+                f"{setting} {model!r} does not exist ({exc}); name an "
+                f'installed model as "app_label.ModelName"',
+                setting=setting,
+            ) from exc
     if isinstance(model, type) and issubclass(model, Model):
         return model
-    raise ImproperlyConfigured(f"{setting} must be a Django model or \"app_label.ModelName\", "
-                               f"got {model!r}", setting=setting)
+    raise ImproperlyConfigured(
+        f'{setting} must be a Django model or "app_label.ModelName", got {model!r}',
+        setting=setting,
+    )
 
 
 def _field(model: type[Model], name: str):
@@ -107,29 +112,40 @@ class DjangoStepStore:
     ``using`` is not a configured database.
     """
 
-    def __init__(self, model: type[Model] | str, *, status_field: str = "status",
-                 owner_field: str = "lock_owner", fence_field: str = "lock_fence",
-                 transitions: Mapping[str, Iterable[str]] | None = None,
-                 using: str | None = None):
+    def __init__(
+        self,
+        model: type[Model] | str,
+        *,
+        status_field: str = "status",
+        owner_field: str = "lock_owner",
+        fence_field: str = "lock_fence",
+        transitions: Mapping[str, Iterable[str]] | None = None,
+        using: str | None = None,
+    ):
         self.model = resolve_model(model)
         meta = self.model._meta
         if _field(self.model, status_field) is None:
             raise ImproperlyConfigured(
-                f"step_model {meta.label} has no field {status_field!r} "
-                f"(steplock_status_field)", setting="steplock_status_field")
+                f"step_model {meta.label} has no field {status_field!r} (steplock_status_field)",
+                setting="steplock_status_field",
+            )
         self.status_field = status_field
         self.owner_field = owner_field if _field(self.model, owner_field) else None
         self.fence_field = fence_field if _field(self.model, fence_field) else None
-        self.auto_now_fields = [f.name for f in meta.concrete_fields
-                                if getattr(f, "auto_now", False)]
+        self.auto_now_fields = [
+            f.name for f in meta.concrete_fields if getattr(f, "auto_now", False)
+        ]
         if transitions is not None:
             transitions = check_transitions(transitions)
-        self.transitions = ({k: frozenset(v) for k, v in transitions.items()}
-                            if transitions is not None else None)
+        self.transitions = (
+            {k: frozenset(v) for k, v in transitions.items()} if transitions is not None else None
+        )
         if using is not None and using not in connections.settings:
             raise ImproperlyConfigured(
                 f"using={using!r} is not a configured database (DATABASES has "
-                f"{', '.join(map(repr, connections.settings))})", setting="step_database")
+                f"{', '.join(map(repr, connections.settings))})",
+                setting="step_database",
+            )
         self._using = using
         self._bound: dict[str, DjangoStepStore] = {}
         self._status = meta.get_field(status_field)
@@ -140,8 +156,11 @@ class DjangoStepStore:
         # touches (a multi-table-inheritance parent, when the status lives there; its key
         # has the child's key value). Columns spread over several tables: the ORM's path.
         concrete = meta.concrete_model
-        owners = {f.model._meta.concrete_model
-                  for f in (self._status, self._fence, self._owner, *self._auto_now) if f}
+        owners = {
+            f.model._meta.concrete_model
+            for f in (self._status, self._fence, self._owner, *self._auto_now)
+            if f
+        }
         self._table_model = owners.pop() if len(owners) == 1 else None
         self._pk = (self._table_model or concrete)._meta.pk  # type: ignore[union-attr]
         self.label = concrete._meta.label_lower  # type: ignore[union-attr]
@@ -186,7 +205,9 @@ class DjangoStepStore:
             if alias not in connections.settings:
                 raise ImproperlyConfigured(
                     f"the database router sends writes of {self.model._meta.label} to "
-                    f"{alias!r}, which is not in DATABASES", setting="DATABASE_ROUTERS")
+                    f"{alias!r}, which is not in DATABASES",
+                    setting="DATABASE_ROUTERS",
+                )
             bound = copy.copy(self)
             bound._using = alias
             bound._bound = {}
@@ -211,14 +232,14 @@ class DjangoStepStore:
             return self.model._meta.pk.to_python(step_id)
         except (ValidationError, ValueError, TypeError) as exc:
             message = exc.messages[0] if isinstance(exc, ValidationError) else str(exc)
-            raise InvalidStepId(f"step id {step_id!r} is not a primary key of "
-                                f"{self.model._meta.label}: {message}",
-                                step_id=step_id) from exc
+            raise InvalidStepId(
+                f"step id {step_id!r} is not a primary key of {self.model._meta.label}: {message}",
+                step_id=step_id,
+            ) from exc
 
     # -- the statements ----------------------------------------------------------------
 
-    def _statement(self, connection, kind: str, fenced: bool, owned: bool,
-                   deadline: bool) -> str:
+    def _statement(self, connection, kind: str, fenced: bool, owned: bool, deadline: bool) -> str:
         key = (connection.alias, connection.vendor, kind, fenced, owned, deadline)
         sql = self._sql.get(key)
         if sql is None:
@@ -239,8 +260,9 @@ class DjangoStepStore:
                 sets += [f"{qn(f.column)} = %s" for f in self._auto_now]  # type: ignore[union-attr]
                 if deadline:
                     where.append("set_config('lock_timeout', %s, true) IS NOT NULL")
-                    where.append("set_config('idle_in_transaction_session_timeout', %s, true)"
-                                 " IS NOT NULL")
+                    where.append(
+                        "set_config('idle_in_transaction_session_timeout', %s, true) IS NOT NULL"
+                    )
                 sql = f"UPDATE {table} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
             self._sql[key] = sql
         return sql
@@ -260,18 +282,24 @@ class DjangoStepStore:
         """The step's current status, read on the write database; raises StepNotFound,
         InvalidStepId."""
         if self._table_model is None:
-            found = list(self.manager.filter(pk=self._pk_value(step_id)).values_list(
-                self.status_field, flat=True)[:1])
+            found = list(
+                self.manager.filter(pk=self._pk_value(step_id)).values_list(
+                    self.status_field, flat=True
+                )[:1]
+            )
             row = (found[0],) if found else None
         else:
             connection = connections[self.using]
             with connection.cursor() as cursor:
-                cursor.execute(self._statement(connection, "status", False, False, False),
-                               [self._pk_param(step_id, connection)])
+                cursor.execute(
+                    self._statement(connection, "status", False, False, False),
+                    [self._pk_param(step_id, connection)],
+                )
                 row = cursor.fetchone()
         if row is None or row[0] is None:
-            raise StepNotFound(f"{self.model._meta.label} pk={step_id!r} does not exist",
-                               step_id=step_id)
+            raise StepNotFound(
+                f"{self.model._meta.label} pk={step_id!r} does not exist", step_id=step_id
+            )
         return row[0]
 
     def writer(self, step_id: Any, *, event_log: bool = False) -> dict[str, Any]:
@@ -293,23 +321,39 @@ class DjangoStepStore:
         if event_log and owner and apps.is_installed("celery_steplock.contrib.django"):
             from .models import LeaseEvent
 
-            task_id = (LeaseEvent.objects.using(router.db_for_read(LeaseEvent))
-                       .filter(event="transition_applied", owner=owner)
-                       .values_list("task_id", flat=True).first()) or None
-        return {"owner": owner or None,
-                "fence": values.get(self.fence_field) if self.fence_field else None,
-                "task_id": task_id}
+            task_id = (
+                LeaseEvent.objects.using(router.db_for_read(LeaseEvent))
+                .filter(event="transition_applied", owner=owner)
+                .values_list("task_id", flat=True)
+                .first()
+            ) or None
+        return {
+            "owner": owner or None,
+            "fence": values.get(self.fence_field) if self.fence_field else None,
+            "task_id": task_id,
+        }
 
     def check_allowed(self, from_: str, to: str) -> None:
         """Raise InvalidTransition when ``from_ -> to`` is not in the table."""
         if self.transitions is not None and to not in self.transitions.get(from_, ()):
-            raise InvalidTransition(f"{self.model._meta.label}: {from_!r} -> {to!r} is not an "
-                                    f"allowed transition", from_=from_, to=to)
+            raise InvalidTransition(
+                f"{self.model._meta.label}: {from_!r} -> {to!r} is not an allowed transition",
+                from_=from_,
+                to=to,
+            )
 
-    def transition(self, step_id: Any, from_: str, to: str, *, owner: str | None = None,
-                   fence: int | None = None, updates: Mapping[str, Any] | None = None,
-                   deadline: float | None = None,
-                   raise_on_conflict: bool = True) -> TransitionResult:
+    def transition(
+        self,
+        step_id: Any,
+        from_: str,
+        to: str,
+        *,
+        owner: str | None = None,
+        fence: int | None = None,
+        updates: Mapping[str, Any] | None = None,
+        deadline: float | None = None,
+        raise_on_conflict: bool = True,
+    ) -> TransitionResult:
         """Move step ``step_id`` from ``from_`` to ``to`` by compare-and-swap.
 
         ``owner``/``fence`` are written to (and ``fence`` guards on) the model's owner/fence
@@ -328,9 +372,14 @@ class DjangoStepStore:
         if updates or self._table_model is None:
             if with_deadline:
                 self.set_deadline(deadline)  # type: ignore[arg-type]
-            applied = self._orm_update(self._pk_value(step_id), from_, to,
-                                       owner if owned else None, fence if fenced else None,
-                                       updates or {})
+            applied = self._orm_update(
+                self._pk_value(step_id),
+                from_,
+                to,
+                owner if owned else None,
+                fence if fenced else None,
+                updates or {},
+            )
         else:
             params = [self._db(self._status, to, connection)]
             if fenced:
@@ -340,16 +389,19 @@ class DjangoStepStore:
             if self._auto_now:
                 now = timezone.now()
                 params += [self._db(f, now, connection) for f in self._auto_now]
-            params += [self._pk_param(step_id, connection),
-                       self._db(self._status, from_, connection)]
+            params += [
+                self._pk_param(step_id, connection),
+                self._db(self._status, from_, connection),
+            ]
             if fenced:
                 params.append(fence)
             if with_deadline:
                 ms = str(max(1, int(deadline * 1000)))  # type: ignore[operator]
                 params += [ms, ms]
             with connection.cursor() as cursor:
-                cursor.execute(self._statement(connection, "cas", fenced, owned, with_deadline),
-                               params)
+                cursor.execute(
+                    self._statement(connection, "cas", fenced, owned, with_deadline), params
+                )
                 applied = cursor.rowcount == 1
         if applied:
             return TransitionResult(True, step_id, from_, to, fence=fence)
@@ -357,12 +409,21 @@ class DjangoStepStore:
         result = TransitionResult(False, step_id, from_, to, current=current, fence=fence)
         if raise_on_conflict:
             stale_fence = fenced and current == from_
-            why = (f"its status is {current!r}" if current != from_
-                   else "a newer fencing token already wrote it" if stale_fence
-                   else "it changed meanwhile")
+            why = (
+                f"its status is {current!r}"
+                if current != from_
+                else "a newer fencing token already wrote it"
+                if stale_fence
+                else "it changed meanwhile"
+            )
             raise TransitionConflict(
                 f"{self.model._meta.label} pk={step_id!r}: {from_!r} -> {to!r} refused: {why}",
-                step_id=step_id, from_=from_, to=to, current=current, stale_fence=stale_fence)
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                current=current,
+                stale_fence=stale_fence,
+            )
         return result
 
     def _orm_update(self, step_id, from_, to, owner, fence, updates) -> bool:
@@ -370,8 +431,9 @@ class DjangoStepStore:
         values: dict[str, Any] = dict(updates)
         values[self.status_field] = to
         if fence is not None:
-            condition &= (Q(**{f"{self.fence_field}__isnull": True})
-                          | Q(**{f"{self.fence_field}__lte": fence}))
+            condition &= Q(**{f"{self.fence_field}__isnull": True}) | Q(
+                **{f"{self.fence_field}__lte": fence}
+            )
             values[self.fence_field] = fence  # type: ignore[index]
         if owner is not None:
             values[self.owner_field] = owner  # type: ignore[index]
@@ -390,9 +452,11 @@ class DjangoStepStore:
             return False
         ms = str(max(1, int(seconds * 1000)))
         with connection.cursor() as cursor:
-            cursor.execute("SELECT set_config('lock_timeout', %s, true), "
-                           "set_config('idle_in_transaction_session_timeout', %s, true)",
-                           [ms, ms])
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, true), "
+                "set_config('idle_in_transaction_session_timeout', %s, true)",
+                [ms, ms],
+            )
         return True
 
     # -- the transaction ---------------------------------------------------------------
@@ -414,8 +478,11 @@ class DjangoStepStore:
         """Whether :attr:`using` is inside a caller's ``transaction.atomic()`` (Django's
         TestCase blocks do not count, as ``atomic(durable=True)`` does not count them)."""
         connection = transaction.get_connection(self.using)
-        return bool(connection.in_atomic_block and connection.atomic_blocks and not getattr(
-            connection.atomic_blocks[-1], "_from_testcase", False))
+        return bool(
+            connection.in_atomic_block
+            and connection.atomic_blocks
+            and not getattr(connection.atomic_blocks[-1], "_from_testcase", False)
+        )
 
     def check_not_nested(self, task_name: str) -> None:
         """Refuse to run inside an outer ``transaction.atomic()`` (ATOMIC_REQUESTS, a caller's
@@ -425,7 +492,8 @@ class DjangoStepStore:
             raise OuterTransactionError(
                 f"{task_name} was called inside transaction.atomic(): its transition would "
                 f"commit after the lease is released. Call it outside the block, or with "
-                f"delay_on_commit()/apply_async() (DjangoStepLockedTask).")
+                f"delay_on_commit()/apply_async() (DjangoStepLockedTask)."
+            )
 
     # -- errors ------------------------------------------------------------------------
 
@@ -433,8 +501,10 @@ class DjangoStepStore:
     def is_lock_timeout(exc: BaseException) -> bool:
         """PostgreSQL's lock_not_available (SQLSTATE 55P03), as raised through Django."""
         cause = exc.__cause__
-        return getattr(cause, "sqlstate", None) == "55P03" \
+        return (
+            getattr(cause, "sqlstate", None) == "55P03"
             or getattr(cause, "pgcode", None) == "55P03"
+        )
 
     @staticmethod
     def is_lost_connection(exc: BaseException) -> bool:
@@ -442,6 +512,8 @@ class DjangoStepStore:
         InterfaceError, or PostgreSQL's idle-in-transaction timeout, SQLSTATE 25P03, which
         Django raises as InternalError), as opposed to a refused statement."""
         if isinstance(exc, InternalError):
-            return getattr(exc.__cause__, "sqlstate", None) == "25P03" \
+            return (
+                getattr(exc.__cause__, "sqlstate", None) == "25P03"
                 or getattr(exc.__cause__, "pgcode", None) == "25P03"
+            )
         return isinstance(exc, (OperationalError, InterfaceError))

@@ -1,4 +1,5 @@
 """The Django flavour of the task base: :class:`DjangoStepLockedTask`."""
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,7 @@ try:
 except ImportError:  # pragma: no cover - Celery < 5.4
     from celery import Task as DjangoTask  # type: ignore[assignment]
 
-__all__ = ["DjangoStepLockedTask", "commit_database", "delay_on_commit",
-           "apply_async_on_commit"]
+__all__ = ["DjangoStepLockedTask", "commit_database", "delay_on_commit", "apply_async_on_commit"]
 
 
 def commit_database(task) -> str:
@@ -38,15 +38,17 @@ def commit_database(task) -> str:
 def delay_on_commit(task, *args, **kwargs) -> None:
     """Call ``task.delay(*args, **kwargs)`` once the step database's current transaction
     commits (at once outside one; never after a rollback)."""
-    transaction.on_commit(functools.partial(task.delay, *args, **kwargs),
-                          using=commit_database(task))
+    transaction.on_commit(
+        functools.partial(task.delay, *args, **kwargs), using=commit_database(task)
+    )
 
 
 def apply_async_on_commit(task, *args, **kwargs) -> None:
     """Call ``task.apply_async(*args, **kwargs)`` once the step database's current
     transaction commits (at once outside one; never after a rollback)."""
-    transaction.on_commit(functools.partial(task.apply_async, *args, **kwargs),
-                          using=commit_database(task))
+    transaction.on_commit(
+        functools.partial(task.apply_async, *args, **kwargs), using=commit_database(task)
+    )
 
 
 class DjangoStepLockedTask(StepLockedTask, DjangoTask):

@@ -18,6 +18,7 @@ every change the reaper makes is a compare-and-delete or a compare-and-swap on w
 observed. The task runs in a worker, whose own main process answers the pings, so its own
 live leases stay untouched.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,18 +32,28 @@ logger = logging.getLogger("celery_steplock")
 
 
 @shared_task(bind=True, name="celery_steplock.reap_expired_leases", ignore_result=False)
-def reap_expired_leases(self, dry_run: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
-                        older_than: float | None = None,
-                        ping_timeout: float = DEFAULT_PING_TIMEOUT,
-                        check_pids: bool = True) -> dict:
+def reap_expired_leases(
+    self,
+    dry_run: bool = False,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    older_than: float | None = None,
+    ping_timeout: float = DEFAULT_PING_TIMEOUT,
+    check_pids: bool = True,
+) -> dict:
     """Reap dead owners' leases and recover their steps; returns the report dict.
 
     Arguments as :func:`celery_steplock.reaper.reap` (seconds for ``older_than`` and
     ``ping_timeout``). Errors are in the returned dict (``errors``, ``ok``) and logged at
     ERROR; the task itself succeeds so that beat's next run simply tries again.
     """
-    report = reap(self.app, dry_run=dry_run, batch_size=batch_size, older_than=older_than,
-                  ping_timeout=ping_timeout, check_pids=check_pids)
+    report = reap(
+        self.app,
+        dry_run=dry_run,
+        batch_size=batch_size,
+        older_than=older_than,
+        ping_timeout=ping_timeout,
+        check_pids=check_pids,
+    )
     for message in report.errors:
         log_event("reaper_error", logging.ERROR, task_id=self.request.id, error=message)
     return report.as_dict()

@@ -4,59 +4,72 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Invoice',
+            name="Invoice",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('lock_owner', models.CharField(blank=True, default='', max_length=64)),
-                ('lock_fence', models.BigIntegerField(blank=True, null=True)),
-                ('status', models.CharField(db_index=True, default='pending', max_length=32)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('note', models.CharField(blank=True, default='', max_length=200)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("lock_owner", models.CharField(blank=True, default="", max_length=64)),
+                ("lock_fence", models.BigIntegerField(blank=True, null=True)),
+                ("status", models.CharField(db_index=True, default="pending", max_length=32)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("note", models.CharField(blank=True, default="", max_length=200)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ('id',),
-                'abstract': False,
+                "ordering": ("id",),
+                "abstract": False,
             },
         ),
         migrations.CreateModel(
-            name='Ledger',
+            name="Ledger",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('lock_owner', models.CharField(blank=True, default='', max_length=64)),
-                ('lock_fence', models.BigIntegerField(blank=True, null=True)),
-                ('status', models.CharField(db_index=True, default='pending', max_length=32)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('note', models.CharField(blank=True, default='', max_length=200)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("lock_owner", models.CharField(blank=True, default="", max_length=64)),
+                ("lock_fence", models.BigIntegerField(blank=True, null=True)),
+                ("status", models.CharField(db_index=True, default="pending", max_length=32)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("note", models.CharField(blank=True, default="", max_length=200)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ('id',),
-                'abstract': False,
+                "ordering": ("id",),
+                "abstract": False,
             },
         ),
         migrations.CreateModel(
-            name='Parcel',
+            name="Parcel",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('lock_owner', models.CharField(blank=True, default='', max_length=64)),
-                ('lock_fence', models.BigIntegerField(blank=True, null=True)),
-                ('status', models.CharField(db_index=True, default='pending', max_length=32)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('note', models.CharField(blank=True, default='', max_length=200)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("lock_owner", models.CharField(blank=True, default="", max_length=64)),
+                ("lock_fence", models.BigIntegerField(blank=True, null=True)),
+                ("status", models.CharField(db_index=True, default="pending", max_length=32)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("note", models.CharField(blank=True, default="", max_length=200)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ('id',),
-                'abstract': False,
+                "ordering": ("id",),
+                "abstract": False,
             },
         ),
     ]

@@ -5,45 +5,74 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Step',
+            name="Step",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200)),
-                ('status', models.CharField(choices=[('pending', 'pending'), ('running', 'running'), ('done', 'done'), ('cancelled', 'cancelled'), ('failed', 'failed')], db_index=True, default='pending', max_length=32)),
-                ('lock_owner', models.CharField(blank=True, default='', max_length=64)),
-                ('lock_fence', models.BigIntegerField(blank=True, null=True)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "pending"),
+                            ("running", "running"),
+                            ("done", "done"),
+                            ("cancelled", "cancelled"),
+                            ("failed", "failed"),
+                        ],
+                        db_index=True,
+                        default="pending",
+                        max_length=32,
+                    ),
+                ),
+                ("lock_owner", models.CharField(blank=True, default="", max_length=64)),
+                ("lock_fence", models.BigIntegerField(blank=True, null=True)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ('id',),
+                "ordering": ("id",),
             },
         ),
         migrations.CreateModel(
-            name='TransitionRecord',
+            name="TransitionRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('from_status', models.CharField(max_length=32)),
-                ('to_status', models.CharField(max_length=32)),
-                ('task_name', models.CharField(blank=True, default='', max_length=200)),
-                ('task_id', models.CharField(blank=True, default='', max_length=255)),
-                ('owner', models.CharField(blank=True, default='', max_length=64)),
-                ('fence', models.BigIntegerField(blank=True, null=True)),
-                ('hostname', models.CharField(blank=True, default='', max_length=255)),
-                ('pid', models.IntegerField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('step', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='transitions', to='workflows.step')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("from_status", models.CharField(max_length=32)),
+                ("to_status", models.CharField(max_length=32)),
+                ("task_name", models.CharField(blank=True, default="", max_length=200)),
+                ("task_id", models.CharField(blank=True, default="", max_length=255)),
+                ("owner", models.CharField(blank=True, default="", max_length=64)),
+                ("fence", models.BigIntegerField(blank=True, null=True)),
+                ("hostname", models.CharField(blank=True, default="", max_length=255)),
+                ("pid", models.IntegerField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "step",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="transitions",
+                        to="workflows.step",
+                    ),
+                ),
             ],
             options={
-                'ordering': ('id',),
+                "ordering": ("id",),
             },
         ),
     ]

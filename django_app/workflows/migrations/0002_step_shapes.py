@@ -5,34 +5,48 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('workflows', '0001_initial'),
+        ("workflows", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ArchivableStep',
+            name="ArchivableStep",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('lock_owner', models.CharField(blank=True, default='', max_length=64)),
-                ('lock_fence', models.BigIntegerField(blank=True, null=True)),
-                ('status', models.CharField(default='pending', max_length=32)),
-                ('archived', models.BooleanField(default=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("lock_owner", models.CharField(blank=True, default="", max_length=64)),
+                ("lock_fence", models.BigIntegerField(blank=True, null=True)),
+                ("status", models.CharField(default="pending", max_length=32)),
+                ("archived", models.BooleanField(default=False)),
             ],
             options={
-                'abstract': False,
+                "abstract": False,
             },
         ),
         migrations.CreateModel(
-            name='ChildStep',
+            name="ChildStep",
             fields=[
-                ('step_ptr', models.OneToOneField(auto_created=True, on_delete=django.db.models.deletion.CASCADE, parent_link=True, primary_key=True, serialize=False, to='workflows.step')),
-                ('note', models.CharField(blank=True, default='', max_length=50)),
+                (
+                    "step_ptr",
+                    models.OneToOneField(
+                        auto_created=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        parent_link=True,
+                        primary_key=True,
+                        serialize=False,
+                        to="workflows.step",
+                    ),
+                ),
+                ("note", models.CharField(blank=True, default="", max_length=50)),
             ],
             options={
-                'abstract': False,
+                "abstract": False,
             },
-            bases=('workflows.step',),
+            bases=("workflows.step",),
         ),
     ]

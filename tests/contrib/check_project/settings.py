@@ -1,4 +1,5 @@
 """The example project's settings with mistakes of several kinds (one each)."""
+
 from django_app.settings import *  # noqa: F401,F403
 
 # 1. a misspelled setting name: ignored, W005 with the closest name

@@ -19,18 +19,28 @@ and no lease left once the system is quiet. ``overlap`` (two attempts holding th
 step at once, as each of them saw it) is not a violation: after a pause or a failover it is
 expected, and the checks above must hold anyway.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 TERMINAL = frozenset({"done", "cancelled", "failed"})
-LEGAL = frozenset({("pending", "done"), ("pending", "cancelled"), ("pending", "running"),
-                   ("running", "done"), ("running", "pending"), ("running", "failed")})
+LEGAL = frozenset(
+    {
+        ("pending", "done"),
+        ("pending", "cancelled"),
+        ("pending", "running"),
+        ("running", "done"),
+        ("running", "pending"),
+        ("running", "failed"),
+    }
+)
 
 
 @dataclass
 class Record:
     """One committed transition (a TransitionRecord row)."""
+
     step: int
     from_status: str
     to_status: str
@@ -41,8 +51,13 @@ class Record:
     def of(cls, row) -> Record:
         """The record of a row with ``step_id``, ``from_status``, ``to_status``, ``owner`` and
         ``fence`` attributes (``django_app.workflows.models.TransitionRecord``)."""
-        return cls(step=row.step_id, from_status=row.from_status, to_status=row.to_status,
-                   owner=row.owner, fence=row.fence)
+        return cls(
+            step=row.step_id,
+            from_status=row.from_status,
+            to_status=row.to_status,
+            owner=row.owner,
+            fence=row.fence,
+        )
 
 
 @dataclass
@@ -50,21 +65,22 @@ class Verdict:
     steps: int = 0
     commits: int = 0
     violations: list[str] = field(default_factory=list)
-    overlaps: int = 0           # steps on which two attempts held the lease at once
+    overlaps: int = 0  # steps on which two attempts held the lease at once
     leftover_leases: int = 0
     keys_without_ttl: int = 0
-    stale_rejected: int = 0     # steps where a stale holder tried to commit and was refused
+    stale_rejected: int = 0  # steps where a stale holder tried to commit and was refused
     recovery_s: float | None = None  # seconds from the fault until the system was quiet again
-    resumes: int = 0            # steps the harness had to re-send (an operator's resume)
-    attempts: int = 0           # task runs that took or met the lease (>= 2: a rival existed)
+    resumes: int = 0  # steps the harness had to re-send (an operator's resume)
+    attempts: int = 0  # task runs that took or met the lease (>= 2: a rival existed)
 
     @property
     def ok(self) -> bool:
         return not self.violations and not self.leftover_leases
 
 
-def check_step(step: int, status: str, records: list[Record],
-               body_runs: int | None = None) -> list[str]:
+def check_step(
+    step: int, status: str, records: list[Record], body_runs: int | None = None
+) -> list[str]:
     """Violations of one step's committed transitions (``records`` in commit order, ``status``
     the row's final status); ``body_runs``, when given, is the row's count of committed body
     runs, which must equal the terminal commits."""
@@ -74,27 +90,31 @@ def check_step(step: int, status: str, records: list[Record],
         problems.append(f"step {step}: no terminal transition committed (status {status!r})")
     elif len(terminal) > 1:
         owners = ", ".join(f"{r.to_status} by {r.owner[:8]} fence {r.fence}" for r in terminal)
-        problems.append(f"step {step}: {len(terminal)} terminal transitions committed "
-                        f"({owners})")
+        problems.append(f"step {step}: {len(terminal)} terminal transitions committed ({owners})")
     current = "pending"
     for r in records:
         if r.from_status in TERMINAL:
-            problems.append(f"step {step}: transition out of terminal {r.from_status!r} "
-                            f"-> {r.to_status!r}")
+            problems.append(
+                f"step {step}: transition out of terminal {r.from_status!r} -> {r.to_status!r}"
+            )
         elif r.from_status != current or (r.from_status, r.to_status) not in LEGAL:
-            problems.append(f"step {step}: {r.from_status!r} -> {r.to_status!r} committed "
-                            f"while the chain was at {current!r}")
+            problems.append(
+                f"step {step}: {r.from_status!r} -> {r.to_status!r} committed "
+                f"while the chain was at {current!r}"
+            )
         current = r.to_status
     if status != current:
-        problems.append(f"step {step}: row status {status!r} but the committed chain ends "
-                        f"at {current!r}")
+        problems.append(
+            f"step {step}: row status {status!r} but the committed chain ends at {current!r}"
+        )
     fences = [r.fence for r in records if r.fence is not None]
     if any(b < a for a, b in zip(fences, fences[1:])):
-        problems.append(f"step {step}: a stale holder wrote after a newer one (fences "
-                        f"{fences})")
+        problems.append(f"step {step}: a stale holder wrote after a newer one (fences {fences})")
     if body_runs is not None and terminal and body_runs != len(terminal):
-        problems.append(f"step {step}: {body_runs} committed body runs for {len(terminal)} "
-                        f"terminal commit(s) (a rolled-back body's write survived)")
+        problems.append(
+            f"step {step}: {body_runs} committed body runs for {len(terminal)} "
+            f"terminal commit(s) (a rolled-back body's write survived)"
+        )
     return problems
 
 
@@ -103,24 +123,29 @@ def stale_commits(step: int, history: list[dict]) -> list[str]:
     lease: the stale holder's lease had expired before it committed. A live holder keeps its
     lease until it releases, after its commit, so this only happens to a holder that was
     paused or cut off past its TTL (Kleppmann 2016's case)."""
-    acquired = [(e["t"], e.get("fence") or 0, e["owner"]) for e in history
-                if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")]
+    acquired = [
+        (e["t"], e.get("fence") or 0, e["owner"])
+        for e in history
+        if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")
+    ]
     problems = []
     for e in history:
         if e.get("step") != step or e.get("ev") != "committed" or not e.get("owner"):
             continue
         fence = e.get("fence") or 0
-        newer = [(t, f, o) for t, f, o in acquired if o != e["owner"] and f > fence
-                 and t < e["t"]]
+        newer = [(t, f, o) for t, f, o in acquired if o != e["owner"] and f > fence and t < e["t"]]
         if newer:
-            problems.append(f"step {step}: holder {e['owner'][:8]} (fence {fence}) committed "
-                            f"after {newer[0][2][:8]} (fence {newer[0][1]}) was granted the "
-                            f"lease")
+            problems.append(
+                f"step {step}: holder {e['owner'][:8]} (fence {fence}) committed "
+                f"after {newer[0][2][:8]} (fence {newer[0][1]}) was granted the "
+                f"lease"
+            )
     return problems
 
 
-def lease_intervals(history: list[dict], step: int, end_of_trial: float
-                    ) -> dict[str, tuple[float, float]]:
+def lease_intervals(
+    history: list[dict], step: int, end_of_trial: float
+) -> dict[str, tuple[float, float]]:
     """owner -> (acquired, ended) for ``step``: ended at its release or loss as the holder
     saw it, at the end of its task run in its process (``task_end``: an attempt that gave up
     after a Redis error holds nothing any more, whatever its key does), at a SIGKILL of its
@@ -128,8 +153,7 @@ def lease_intervals(history: list[dict], step: int, end_of_trial: float
     acquired, ended, pid_of = {}, {}, {}
     killed, task_ends = {}, {}
     for e in history:
-        if e.get("ev") == "fault" and e.get("signal") in ("SIGKILL", "SIGQUIT") \
-                and e.get("pid"):
+        if e.get("ev") == "fault" and e.get("signal") in ("SIGKILL", "SIGQUIT") and e.get("pid"):
             for pid in e["pid"] if isinstance(e["pid"], list) else [e["pid"]]:
                 killed.setdefault(pid, e["t"])
         if e.get("ev") == "task_end" and e.get("pid"):
@@ -145,8 +169,11 @@ def lease_intervals(history: list[dict], step: int, end_of_trial: float
     intervals = {}
     for owner, start in acquired.items():
         pid = pid_of.get(owner)
-        stops = [ended.get(owner), killed.get(pid),
-                 min((t for t in task_ends.get(pid, ()) if t >= start), default=None)]
+        stops = [
+            ended.get(owner),
+            killed.get(pid),
+            min((t for t in task_ends.get(pid, ()) if t >= start), default=None),
+        ]
         stops = [t for t in stops if t is not None and t >= start]
         end = min(stops) if stops else None
         intervals[owner] = (start, end if end is not None else end_of_trial)
@@ -158,8 +185,12 @@ def overlapped(intervals: dict[str, tuple[float, float]]) -> bool:
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
-def check_steps(steps: dict[int, str], records: list[Record], history: list[dict] = (),
-                body_runs: dict[int, int] | None = None) -> list[str]:
+def check_steps(
+    steps: dict[int, str],
+    records: list[Record],
+    history: list[dict] = (),
+    body_runs: dict[int, int] | None = None,
+) -> list[str]:
     """Violations of every step: ``steps`` maps step id -> final status, ``records`` are the
     committed transitions (in commit order), ``history`` the probe's entries (none: the stale
     commit check finds nothing), ``body_runs`` maps step id -> the row's committed body runs
@@ -169,8 +200,14 @@ def check_steps(steps: dict[int, str], records: list[Record], history: list[dict
         by_step.setdefault(r.step, []).append(r)
     problems = []
     for step, status in sorted(steps.items()):
-        problems.extend(check_step(step, status, by_step.get(step, []),
-                                   None if body_runs is None else body_runs.get(step)))
+        problems.extend(
+            check_step(
+                step,
+                status,
+                by_step.get(step, []),
+                None if body_runs is None else body_runs.get(step),
+            )
+        )
         problems.extend(stale_commits(step, history))
     return problems
 
@@ -192,15 +229,23 @@ def keys_without_ttl(client, prefix: str = "steplock") -> list[str]:
     return sorted(k for k, pttl in zip(keys, pipe.execute()) if pttl == -1)
 
 
-def check(steps: dict[int, str], records: list[Record], history: list[dict],
-          leftover_leases: int = 0, keys_without_ttl: int = 0,
-          end_of_trial: float | None = None) -> Verdict:
+def check(
+    steps: dict[int, str],
+    records: list[Record],
+    history: list[dict],
+    leftover_leases: int = 0,
+    keys_without_ttl: int = 0,
+    end_of_trial: float | None = None,
+) -> Verdict:
     """The verdict of a trial: ``steps`` maps step id -> final status, ``records`` are the
     committed transitions (in commit order), ``history`` the probe's entries."""
-    end = end_of_trial if end_of_trial is not None else max(
-        (e["t"] for e in history), default=0.0)
-    verdict = Verdict(steps=len(steps), commits=len(records),
-                      leftover_leases=leftover_leases, keys_without_ttl=keys_without_ttl)
+    end = end_of_trial if end_of_trial is not None else max((e["t"] for e in history), default=0.0)
+    verdict = Verdict(
+        steps=len(steps),
+        commits=len(records),
+        leftover_leases=leftover_leases,
+        keys_without_ttl=keys_without_ttl,
+    )
     if keys_without_ttl:
         verdict.violations.append(f"{keys_without_ttl} lock-store key(s) without a TTL")
     verdict.violations.extend(check_steps(steps, records, history))
@@ -208,15 +253,27 @@ def check(steps: dict[int, str], records: list[Record], history: list[dict],
         mine = [r for r in records if r.step == step]
         if overlapped(lease_intervals(history, step, end)):
             verdict.overlaps += 1
-        fences = {e["owner"]: e.get("fence") or 0 for e in history
-                  if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")}
+        fences = {
+            e["owner"]: e.get("fence") or 0
+            for e in history
+            if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")
+        }
         newest = max(fences.values(), default=0)
         committed = {r.owner for r in mine}
-        refused = {e["owner"] for e in history if e.get("step") == step
-                   and e.get("ev") in ("conflict", "lost") and e.get("owner")
-                   and fences.get(e["owner"], newest) < newest
-                   and any(h.get("ev") == "point" and h.get("point") == "before_cas"
-                           and h.get("owner") == e["owner"] for h in history)}
+        refused = {
+            e["owner"]
+            for e in history
+            if e.get("step") == step
+            and e.get("ev") in ("conflict", "lost")
+            and e.get("owner")
+            and fences.get(e["owner"], newest) < newest
+            and any(
+                h.get("ev") == "point"
+                and h.get("point") == "before_cas"
+                and h.get("owner") == e["owner"]
+                for h in history
+            )
+        }
         if committed and refused - committed:
             verdict.stale_rejected += 1
     return verdict

@@ -8,6 +8,7 @@ set up on the same database (the test database under pytest, a fresh one under
 ``scripts/soak.py``): the lab reads steps and transition records through the ORM, directly, not
 through the proxy.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,10 @@ KEY_PREFIX = "steplock"  # the workers' STEPLOCK_KEY_PREFIX (the default)
 def database_url(settings_dict, host: str | None = None, port: int | None = None) -> str:
     """A postgresql:// URL for Django's ``settings_dict``, optionally at another host/port."""
     if "postgresql" not in settings_dict["ENGINE"]:
-        raise RuntimeError("the fault suite runs on PostgreSQL (DATABASE_URL=postgresql://...); "
-                           f"this database is {settings_dict['ENGINE']}")
+        raise RuntimeError(
+            "the fault suite runs on PostgreSQL (DATABASE_URL=postgresql://...); "
+            f"this database is {settings_dict['ENGINE']}"
+        )
     user = settings_dict.get("USER") or "postgres"
     password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
     host = host or settings_dict.get("HOST") or "127.0.0.1"
@@ -49,9 +52,16 @@ class Lab:
     ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check).
     """
 
-    def __init__(self, workdir: Path, db_settings: dict, ttl: float = 2.0,
-                 visibility_timeout: int = 10, max_hold: float = 15.0, unguarded: bool = False,
-                 log=print):
+    def __init__(
+        self,
+        workdir: Path,
+        db_settings: dict,
+        ttl: float = 2.0,
+        visibility_timeout: int = 10,
+        max_hold: float = 15.0,
+        unguarded: bool = False,
+        log=print,
+    ):
         self.workdir = Path(workdir)
         self.db_settings = dict(db_settings)
         self.ttl = ttl
@@ -76,8 +86,7 @@ class Lab:
         self.r = redis.Redis.from_url(self.control.url, decode_responses=True, socket_timeout=30)
         from celery import Celery
 
-        self.publisher = Celery("faults-controller", broker=self.control.url,
-                                set_as_current=False)
+        self.publisher = Celery("faults-controller", broker=self.control.url, set_as_current=False)
         self.publisher.conf.broker_connection_retry_on_startup = True
         return self
 
@@ -85,9 +94,14 @@ class Lab:
         for worker in list(self.workers.values()):
             worker.kill()
         self.workers.clear()
-        for thing in (self.replica, self.repl_proxy, getattr(self, "store_proxy", None),
-                      getattr(self, "pg_proxy", None), getattr(self, "store", None),
-                      getattr(self, "control", None)):
+        for thing in (
+            self.replica,
+            self.repl_proxy,
+            getattr(self, "store_proxy", None),
+            getattr(self, "pg_proxy", None),
+            getattr(self, "store", None),
+            getattr(self, "control", None),
+        ):
             if thing is not None:
                 thing.stop()
 
@@ -136,8 +150,13 @@ class Lab:
             if worker is not None:
                 worker.kill()
             self.workers[name] = servers.celery_worker(
-                app="django_app", name=name, concurrency=1, env=env,
-                logfile=self.workdir / f"{name}.log", cwd=ROOT)
+                app="django_app",
+                name=name,
+                concurrency=1,
+                env=env,
+                logfile=self.workdir / f"{name}.log",
+                cwd=ROOT,
+            )
 
     def worker_of(self, pid: int) -> servers.WorkerProcess:
         for worker in self.workers.values():
@@ -185,8 +204,9 @@ class Lab:
         """Send ``django_app.faults.tasks.<task>(step_id)``; returns the task id."""
         kwargs = options.pop("kwargs", {})
         task_id = task_id or str(uuid.uuid4())
-        self.publisher.send_task(f"{TASKS}.{task}", args=(step_id,), kwargs=kwargs,
-                                 task_id=task_id, **options)
+        self.publisher.send_task(
+            f"{TASKS}.{task}", args=(step_id,), kwargs=kwargs, task_id=task_id, **options
+        )
         self.note("publish", step=step_id, task=task, task_id=task_id)
         return task_id
 
@@ -204,8 +224,9 @@ class Lab:
         owner, fence, backend_pid, task_id)."""
         item = self.r.blpop(f"faults:arrived:{step_id}:{point}", timeout=timeout)
         if item is None:
-            raise TimeoutError(f"no attempt reached {point} of step {step_id} in {timeout}s "
-                               f"({self.describe()})")
+            raise TimeoutError(
+                f"no attempt reached {point} of step {step_id} in {timeout}s ({self.describe()})"
+            )
         return json.loads(item[1])
 
     def go(self, step_id: int, point: str, instruction: str = "") -> None:
@@ -220,11 +241,13 @@ class Lab:
 
     def wait_event(self, ev: str, timeout: float = 30.0, **match) -> dict:
         """The first history entry ``ev`` whose fields equal ``match``, once it exists."""
+
         def find():
             for entry in self.history():
                 if entry.get("ev") == ev and all(entry.get(k) == v for k, v in match.items()):
                     return entry
             return None
+
         return self.wait_for(find, timeout, f"history event {ev} {match}")
 
     def statuses(self, step_ids) -> dict[int, str]:
@@ -277,34 +300,46 @@ class Lab:
             else:
                 idle_since = None
             time.sleep(0.05)
-        raise TimeoutError(f"steps {list(step_ids)} did not settle in {timeout}s "
-                           f"({self.describe(step_ids)})")
+        raise TimeoutError(
+            f"steps {list(step_ids)} did not settle in {timeout}s ({self.describe(step_ids)})"
+        )
 
     def describe(self, step_ids=()) -> str:
         try:
-            return (f"queue {self.r.llen('celery')}, unacked {self.r.hlen('unacked')}, "
-                    f"leases {self.leases()}, statuses {self.statuses(step_ids)}, workers "
-                    f"{ {n: (w.alive(), w.children_pids()) for n, w in self.workers.items()} }")
+            return (
+                f"queue {self.r.llen('celery')}, unacked {self.r.hlen('unacked')}, "
+                f"leases {self.leases()}, statuses {self.statuses(step_ids)}, workers "
+                f"{ {n: (w.alive(), w.children_pids()) for n, w in self.workers.items()} }"
+            )
         except Exception as exc:  # noqa: BLE001
             return f"state unavailable: {exc}"
 
-    def verdict(self, step_ids, fault_at: float | None = None,
-                settled_at: float | None = None) -> checker.Verdict:
+    def verdict(
+        self, step_ids, fault_at: float | None = None, settled_at: float | None = None
+    ) -> checker.Verdict:
         """Check the invariants for ``step_ids`` after :meth:`settle`; leftover leases are
         counted after one more TTL."""
         from django_app.workflows.models import TransitionRecord
 
-        records = [checker.Record.of(r) for r in
-                   TransitionRecord.objects.filter(step_id__in=list(step_ids)).order_by("id")]
+        records = [
+            checker.Record.of(r)
+            for r in TransitionRecord.objects.filter(step_id__in=list(step_ids)).order_by("id")
+        ]
         without_ttl = len(checker.keys_without_ttl(self.store_client(), KEY_PREFIX))
         history = self.history()
-        verdict = checker.check(self.statuses(step_ids), records, history,
-                                leftover_leases=len(getattr(self, "leftover", [])),
-                                keys_without_ttl=without_ttl, end_of_trial=settled_at)
+        verdict = checker.check(
+            self.statuses(step_ids),
+            records,
+            history,
+            leftover_leases=len(getattr(self, "leftover", [])),
+            keys_without_ttl=without_ttl,
+            end_of_trial=settled_at,
+        )
         steps = set(step_ids)
         verdict.resumes = sum(1 for e in history if e["ev"] == "resume" and e["step"] in steps)
-        verdict.attempts = sum(1 for e in history if e["ev"] in ("acquired", "contended")
-                               and e.get("step") in steps)
+        verdict.attempts = sum(
+            1 for e in history if e["ev"] in ("acquired", "contended") and e.get("step") in steps
+        )
         if fault_at and settled_at:
             verdict.recovery_s = max(0.0, settled_at - fault_at)
         return verdict
@@ -338,11 +373,16 @@ class Lab:
         self.repl_proxy = TcpProxy("127.0.0.1", self.store.port).start()
         self.replica = servers.RedisServer(
             workdir=self.workdir / "replica",
-            args=("--replicaof", "127.0.0.1", self.repl_proxy.port)).start()
-        client = redis.Redis(host="127.0.0.1", port=self.replica.port, decode_responses=True,
-                             socket_timeout=5)
-        self.wait_for(lambda: client.info("replication").get("master_link_status") == "up",
-                      30, "the replica to sync")
+            args=("--replicaof", "127.0.0.1", self.repl_proxy.port),
+        ).start()
+        client = redis.Redis(
+            host="127.0.0.1", port=self.replica.port, decode_responses=True, socket_timeout=5
+        )
+        self.wait_for(
+            lambda: client.info("replication").get("master_link_status") == "up",
+            30,
+            "the replica to sync",
+        )
         client.close()
         self.repl_proxy.stall()
 
@@ -358,5 +398,6 @@ class Lab:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_terminate_backend(%s)", [backend_pid])
             done = cursor.fetchone()[0]
-        return self.note("fault", kind="pg_terminate_backend", backend_pid=backend_pid,
-                         terminated=done)
+        return self.note(
+            "fault", kind="pg_terminate_backend", backend_pid=backend_pid, terminated=done
+        )

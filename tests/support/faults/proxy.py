@@ -35,6 +35,7 @@ What a user must know:
 * Bytes counted in ``stats`` are bytes *delivered* (written to the upstream for ``bytes_up``,
   to the client for ``bytes_down``); discarded bytes are counted in ``bytes_discarded``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -56,15 +57,15 @@ log = logging.getLogger("steplock.faults.proxy")
 _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
 _RECV_SIZE = 256 * 1024
-_HIGH_WATER = 1024 * 1024          # per-direction buffered bytes before reading pauses
+_HIGH_WATER = 1024 * 1024  # per-direction buffered bytes before reading pauses
 _ACCEPT_BATCH = 128
-_ACCEPT_BACKOFF = 0.1              # s, after EMFILE & co.
-_CONTROL_TIMEOUT = 30.0            # s, a control call waiting for the loop thread
-_LINGER_RST = struct.pack("ii", 1, 0)   # SO_LINGER on, 0 s: close() sends RST
+_ACCEPT_BACKOFF = 0.1  # s, after EMFILE & co.
+_CONTROL_TIMEOUT = 30.0  # s, a control call waiting for the loop thread
+_LINGER_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 # Markers travelling through a direction's queue, in order with the data.
-_EOF = "EOF"        # the source half-closed: shutdown(SHUT_WR) the destination
-_CLOSE = "CLOSE"    # drop_next_reply: close the connection once earlier data is delivered
+_EOF = "EOF"  # the source half-closed: shutdown(SHUT_WR) the destination
+_CLOSE = "CLOSE"  # drop_next_reply: close the connection once earlier data is delivered
 
 _CLIENT, _UPSTREAM = 0, 1
 _LISTENER = "listener"
@@ -80,22 +81,34 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 class _Direction:
     """One direction of a connection: client->upstream (``upward``) or upstream->client."""
 
-    __slots__ = ("conn", "upward", "queue", "queued", "outbuf", "last_due", "timer_due",
-                 "enqueued_total", "sent_total", "eof_read", "eof_pending", "eof_sent",
-                 "close_pending")
+    __slots__ = (
+        "conn",
+        "upward",
+        "queue",
+        "queued",
+        "outbuf",
+        "last_due",
+        "timer_due",
+        "enqueued_total",
+        "sent_total",
+        "eof_read",
+        "eof_pending",
+        "eof_sent",
+        "close_pending",
+    )
 
     def __init__(self, conn: _Conn, upward: bool):
         self.conn = conn
         self.upward = upward
         self.queue: collections.deque = collections.deque()  # (due, bytes | marker)
-        self.queued = 0                  # bytes in queue
-        self.outbuf = bytearray()        # released, not yet written (partial writes)
-        self.last_due = 0.0              # release time of the newest chunk (keeps order)
+        self.queued = 0  # bytes in queue
+        self.outbuf = bytearray()  # released, not yet written (partial writes)
+        self.last_due = 0.0  # release time of the newest chunk (keeps order)
         self.timer_due: float | None = None
         self.enqueued_total = 0
         self.sent_total = 0
-        self.eof_read = False            # the source gave EOF: stop reading it
-        self.eof_pending = False         # EOF released: shut down the destination's write side
+        self.eof_read = False  # the source gave EOF: stop reading it
+        self.eof_pending = False  # EOF released: shut down the destination's write side
         self.eof_sent = False
         self.close_pending = False
 
@@ -114,8 +127,20 @@ class _Direction:
 
 
 class _Conn:
-    __slots__ = ("id", "client", "upstream", "up", "down", "connecting", "closed",
-                 "lost_data", "drop_state", "drop_end", "draining", "masks")
+    __slots__ = (
+        "id",
+        "client",
+        "upstream",
+        "up",
+        "down",
+        "connecting",
+        "closed",
+        "lost_data",
+        "drop_state",
+        "drop_end",
+        "draining",
+        "masks",
+    )
 
     def __init__(self, conn_id: int, client: socket.socket):
         self.id = conn_id
@@ -125,11 +150,11 @@ class _Conn:
         self.down = _Direction(self, False)
         self.connecting = False
         self.closed = False
-        self.lost_data = False           # the black hole swallowed some of its bytes
+        self.lost_data = False  # the black hole swallowed some of its bytes
         self.drop_state = _IDLE
-        self.drop_end = 0                # up-stream offset just after the triggering chunk
-        self.draining = False            # its reply was dropped: closing, discard everything
-        self.masks = [0, 0]              # registered selector events: client, upstream
+        self.drop_end = 0  # up-stream offset just after the triggering chunk
+        self.draining = False  # its reply was dropped: closing, discard everything
+        self.masks = [0, 0]  # registered selector events: client, upstream
 
 
 class _Command:
@@ -169,8 +194,14 @@ class TcpProxy:
     All control methods are thread-safe and take effect before they return.
     """
 
-    def __init__(self, target_host: str, target_port: int, listen_port: int | None = None,
-                 *, connect_timeout: float = 5.0):
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        listen_port: int | None = None,
+        *,
+        connect_timeout: float = 5.0,
+    ):
         self._target = (target_host, int(target_port))
         self.connect_timeout = float(connect_timeout)
         self._lifecycle_lock = threading.Lock()
@@ -190,8 +221,8 @@ class TcpProxy:
         self._conns: dict[int, _Conn] = {}
         self._ids = itertools.count(1)
         self._seq = itertools.count()
-        self._timers: list = []            # (due, seq, _Direction): latency releases
-        self._deadlines: list = []         # (deadline, seq, _Conn): upstream connects
+        self._timers: list = []  # (due, seq, _Direction): latency releases
+        self._deadlines: list = []  # (deadline, seq, _Conn): upstream connects
         self._accept_resume: float | None = None
         self._latency = 0.0
         self._stalled = False
@@ -248,8 +279,9 @@ class TcpProxy:
             self._stopping = False
             with self._cmd_lock:
                 self._running = True
-            self._thread = threading.Thread(target=self._run, name=f"TcpProxy:{self.port}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"TcpProxy:{self.port}", daemon=True
+            )
             self._thread.start()
             return self
 
@@ -382,8 +414,9 @@ class TcpProxy:
         if not command.done.is_set():
             self._wake()
             if not command.done.wait(_CONTROL_TIMEOUT):
-                raise RuntimeError(f"{self!r}: the loop thread did not answer in "
-                                   f"{_CONTROL_TIMEOUT:g} s")
+                raise RuntimeError(
+                    f"{self!r}: the loop thread did not answer in {_CONTROL_TIMEOUT:g} s"
+                )
         if command.error is not None:
             raise command.error
         return command.result
@@ -551,8 +584,9 @@ class TcpProxy:
         while deadlines and deadlines[0][0] <= now:
             _, _, conn = heapq.heappop(deadlines)
             if not conn.closed and conn.connecting:
-                log.debug("%r: connection %d: connect to %s timed out", self, conn.id,
-                          self._target)
+                log.debug(
+                    "%r: connection %d: connect to %s timed out", self, conn.id, self._target
+                )
                 self._connect_failed(conn)
         if self._accept_resume is not None and self._accept_resume <= now:
             self._accept_resume = None
@@ -621,8 +655,9 @@ class TcpProxy:
             deadline = time.monotonic() + self.connect_timeout
             heapq.heappush(self._deadlines, (deadline, next(self._seq), conn))
         else:
-            log.debug("%r: connect to %s:%s failed: %s", self, host, port, errno.errorcode.get(
-                err, err))
+            log.debug(
+                "%r: connect to %s:%s failed: %s", self, host, port, errno.errorcode.get(err, err)
+            )
             self._connect_failed(conn)
             return
         self._update(conn)
@@ -634,12 +669,17 @@ class TcpProxy:
     def _finish_connect(self, conn: _Conn) -> None:
         err = conn.upstream.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
-            log.debug("%r: connection %d: connect to %s failed: %s", self, conn.id,
-                      self._target, errno.errorcode.get(err, err))
+            log.debug(
+                "%r: connection %d: connect to %s failed: %s",
+                self,
+                conn.id,
+                self._target,
+                errno.errorcode.get(err, err),
+            )
             self._connect_failed(conn)
             return
         conn.connecting = False
-        self._pump(conn.up)   # sends what the client said meanwhile; updates interests
+        self._pump(conn.up)  # sends what the client said meanwhile; updates interests
 
     def _close(self, conn: _Conn, rst_client: bool = True, rst_upstream: bool = True) -> None:
         """Close both sockets (RST unless told otherwise) and forget the connection."""
@@ -647,8 +687,10 @@ class TcpProxy:
             return
         conn.closed = True
         self._conns.pop(conn.id, None)
-        for index, sock, rst in ((_CLIENT, conn.client, rst_client),
-                                 (_UPSTREAM, conn.upstream, rst_upstream)):
+        for index, sock, rst in (
+            (_CLIENT, conn.client, rst_client),
+            (_UPSTREAM, conn.upstream, rst_upstream),
+        ):
             if sock is None:
                 continue
             if conn.masks[index]:
@@ -712,13 +754,13 @@ class TcpProxy:
             if mask & (_WRITE | _READ):
                 self._finish_connect(conn)
             return
-        source_dir = conn.up if side == _CLIENT else conn.down   # this socket is its source
-        sink_dir = conn.down if side == _CLIENT else conn.up     # this socket is its sink
+        source_dir = conn.up if side == _CLIENT else conn.down  # this socket is its source
+        sink_dir = conn.down if side == _CLIENT else conn.up  # this socket is its sink
         if mask & _READ and not source_dir.eof_read:
             self._read(source_dir)
             if conn.closed:
                 return
-        if mask & _WRITE:   # selectors reports errors and hang-ups as READ | WRITE
+        if mask & _WRITE:  # selectors reports errors and hang-ups as READ | WRITE
             self._flush(sink_dir)
 
     def _read(self, d: _Direction) -> None:
@@ -729,8 +771,13 @@ class TcpProxy:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            log.debug("%r: connection %d: %s side: %s", self, conn.id,
-                      "client" if d.upward else "upstream", exc)
+            log.debug(
+                "%r: connection %d: %s side: %s",
+                self,
+                conn.id,
+                "client" if d.upward else "upstream",
+                exc,
+            )
             self._close(conn)
             return
         if data:
@@ -749,8 +796,9 @@ class TcpProxy:
             self._stats["bytes_discarded"] += len(data)
             return
         if d.upward:
-            if conn.drop_state == _ARMED and (self._drop_match is None
-                                              or self._drop_match in data):
+            if conn.drop_state == _ARMED and (
+                self._drop_match is None or self._drop_match in data
+            ):
                 conn.drop_state = _SENDING
                 conn.drop_end = d.enqueued_total + len(data)
         elif conn.drop_state == _AWAITING:
@@ -769,17 +817,17 @@ class TcpProxy:
         d.eof_read = True
         conn = d.conn
         if self._blackholed:
-            self._close(conn)   # the stream is gone either way; do not leak the other side
+            self._close(conn)  # the stream is gone either way; do not leak the other side
             return
         if conn.draining:
-            return              # the pending _CLOSE ends the connection
+            return  # the pending _CLOSE ends the connection
         self._enqueue(d, _EOF)
 
     def _enqueue(self, d: _Direction, item) -> None:
         now = time.monotonic()
         due = now + self._latency
         if due < d.last_due:
-            due = d.last_due     # never overtake an earlier chunk
+            due = d.last_due  # never overtake an earlier chunk
         d.last_due = due
         d.queue.append((due, item))
         if isinstance(item, bytes):
@@ -823,8 +871,13 @@ class TcpProxy:
                 except (BlockingIOError, InterruptedError):
                     sent = 0
                 except OSError as exc:
-                    log.debug("%r: connection %d: sending to %s: %s", self, conn.id,
-                              "upstream" if d.upward else "client", exc)
+                    log.debug(
+                        "%r: connection %d: sending to %s: %s",
+                        self,
+                        conn.id,
+                        "upstream" if d.upward else "client",
+                        exc,
+                    )
                     self._close(conn)
                     return
                 if sent:

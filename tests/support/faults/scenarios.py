@@ -8,6 +8,7 @@ broker redelivery): the first attempt stops at the barrier holding the lease, th
 on the other worker and contends, so after the fault there is always a second attempt ready
 to take over, and a second chance to commit twice.
 """
+
 from __future__ import annotations
 
 import signal
@@ -24,11 +25,11 @@ POINTS = ("after_acquire", "before_cas", "after_cas", "before_commit", "after_co
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    fault: str          # the fault class, a row of docs/reliability.md
-    inject: Callable    # inject(lab, step_id) -> wall-clock time of the fault
+    fault: str  # the fault class, a row of docs/reliability.md
+    inject: Callable  # inject(lab, step_id) -> wall-clock time of the fault
     overlap: bool = False  # two holders at once is expected (pause, failover)
     timeout: float = 90.0
-    resume: bool = False   # the fault fails the task for good: an operator re-sends it
+    resume: bool = False  # the fault fails the task for good: an operator re-sends it
 
 
 @dataclass
@@ -52,6 +53,7 @@ def run(lab, scenario: Scenario) -> Outcome:
 
 # -- building blocks ----------------------------------------------------------------------------
 
+
 def held_pair(lab, step, point, task="forward", duplicate=True, **options) -> tuple[dict, str]:
     """Publish ``task`` for ``step``, stop its first attempt at ``point``, and (``duplicate``)
     deliver the same task id again; returns (the stopped attempt, task id)."""
@@ -68,9 +70,12 @@ def other_owner(lab, step, victim, ev, **match):
     """The first history entry ``ev`` on ``step`` by an owner other than ``victim`` whose
     fields equal ``match``."""
     for entry in lab.history():
-        if entry.get("ev") == ev and entry.get("step") == step \
-                and entry.get("owner") not in (None, victim) \
-                and all(entry.get(k) == v for k, v in match.items()):
+        if (
+            entry.get("ev") == ev
+            and entry.get("step") == step
+            and entry.get("owner") not in (None, victim)
+            and all(entry.get(k) == v for k, v in match.items())
+        ):
             return entry
     return None
 
@@ -90,10 +95,12 @@ def wait_pid_gone(lab, pid, timeout=30.0, why="") -> dict:
 
 # -- process faults -----------------------------------------------------------------------------
 
+
 def kill_child(point):
     def inject(lab, step):
         arrival, _ = held_pair(lab, step, point)
         return lab.signal_pid(arrival["pid"], signal.SIGKILL)["t"]
+
     return inject
 
 
@@ -113,14 +120,19 @@ def pause(point):
     CAS the stopped holder owns the step's row lock: PostgreSQL ends its session when it has
     sat idle for its lease's remaining validity (the deadline of DjangoStepStore.transition), which
     frees the row for the next holder and makes the stale COMMIT fail."""
+
     def inject(lab, step):
         arrival, _ = held_pair(lab, step, point)
         fault = lab.signal_pid(arrival["pid"], signal.SIGSTOP)
         lab.go(step, point)
-        lab.wait_for(lambda: other_owner(lab, step, arrival["owner"], "committed"), 60,
-                     "another attempt to commit the paused holder's step")
+        lab.wait_for(
+            lambda: other_owner(lab, step, arrival["owner"], "committed"),
+            60,
+            "another attempt to commit the paused holder's step",
+        )
         lab.signal_pid(arrival["pid"], signal.SIGCONT)
         return fault["t"]
+
     return inject
 
 
@@ -131,9 +143,14 @@ def heartbeat_frozen(lab, step):
     lab.r.set(f"faults:freeze:{arrival['pid']}", "1")
     fault = lab.note("fault", kind="heartbeat_frozen", pid=arrival["pid"])
     lab.go(step, "before_cas", f"sleep:{2.5 * lab.ttl}")
-    lab.wait_for(lambda: other_owner(lab, step, None, "committed")
-                 and lab.wait_event("task_end", 60, pid=arrival["pid"]), 60,
-                 "a commit and the frozen holder's end")
+    lab.wait_for(
+        lambda: (
+            other_owner(lab, step, None, "committed")
+            and lab.wait_event("task_end", 60, pid=arrival["pid"])
+        ),
+        60,
+        "a commit and the frozen holder's end",
+    )
     lab.r.delete(f"faults:freeze:{arrival['pid']}")
     return fault["t"]
 
@@ -152,20 +169,22 @@ def hung_body(lab, step):
 def time_limit(soft: bool):
     """The body overruns its soft (SoftTimeLimitExceeded in the body) or hard (the pool kills
     the child) time limit inside the critical section."""
+
     def inject(lab, step):
-        limits = ({"soft_time_limit": 1.0, "time_limit": 10.0} if soft
-                  else {"time_limit": 1.5})
+        limits = {"soft_time_limit": 1.0, "time_limit": 10.0} if soft else {"time_limit": 1.5}
         arrival, _ = held_pair(lab, step, "before_cas", duplicate=False, **limits)
         lab.go(step, "before_cas", "sleep:4")
         if soft:
             return lab.wait_event("task_end", 30, pid=arrival["pid"])["t"]
         return wait_pid_gone(lab, arrival["pid"], why="hard time limit")["t"]
+
     return inject
 
 
 def shutdown(sig):
     """SIGTERM (warm: the task finishes) or SIGQUIT (cold: the pool is killed) to the worker
     whose child holds the lease in its critical section."""
+
     def inject(lab, step):
         arrival, _ = held_pair(lab, step, "before_cas")
         worker = lab.worker_of(arrival["pid"])
@@ -175,10 +194,12 @@ def shutdown(sig):
             wait_pid_gone(lab, arrival["pid"], why="cold shutdown")
         lab.wait_for(lambda: not worker.alive(), 60, f"{worker!r} to shut down")
         return fault["t"]
+
     return inject
 
 
 # -- lock-store faults --------------------------------------------------------------------------
+
 
 def redis_restart(lab, step):
     held_pair(lab, step, "before_cas")
@@ -197,6 +218,7 @@ def redis_outage(seconds):
         time.sleep(seconds)
         lab.store.start()
         return fault["t"]
+
     return inject
 
 
@@ -212,9 +234,11 @@ def redis_failover(lab, step):
 
 # -- network faults (TCP proxy on the Redis or the PostgreSQL path) -----------------------------
 
+
 def latency(path, factor):
     """One-way latency of ``factor`` x TTL on the path for max(3 x latency, 2 x TTL) seconds,
     while the holder works for one TTL and its duplicate contends."""
+
     def inject(lab, step):
         point = "after_acquire" if path == "redis" else "before_cas"
         proxy = lab.store_proxy if path == "redis" else lab.pg_proxy
@@ -226,6 +250,7 @@ def latency(path, factor):
         time.sleep(max(3 * delay, 2 * lab.ttl))
         proxy.set_latency(0)
         return fault["t"]
+
     return inject
 
 
@@ -240,19 +265,23 @@ def blackhole(path, factor=1.5):
         time.sleep(factor * lab.ttl)
         proxy.unblackhole()
         return fault["t"]
+
     return inject
 
 
 # -- PostgreSQL faults --------------------------------------------------------------------------
 
+
 def pg_terminate(point):
     """No duplicate: the attempt whose connection died must finish the step itself (the
     library retries a COMMIT lost with its connection)."""
+
     def inject(lab, step):
         arrival, _ = held_pair(lab, step, point, duplicate=False)
         fault = lab.pg_terminate(arrival["backend_pid"])
         lab.go(step, point)
         return fault["t"]
+
     return inject
 
 
@@ -268,6 +297,7 @@ def lost_commit_reply(lab, step):
 
 
 # -- deliveries and races -----------------------------------------------------------------------
+
 
 def duplicate_delivery(lab, step):
     arrival, task_id = held_pair(lab, step, "after_acquire")
@@ -299,7 +329,7 @@ def resume_then_retry(lab, step):
     lab.publish("forward_retry", step, kwargs={"countdown": 0.2})
     first = lab.wait_arrival(step, "after_acquire")
     lab.arm(step, "after_acquire")
-    lab.go(step, "after_acquire")           # first attempt retries and releases
+    lab.go(step, "after_acquire")  # first attempt retries and releases
     lab.wait_event("retry", 30, step=step)
     lab.publish("forward", step)
     resumed = lab.wait_arrival(step, "after_acquire")  # the resume or the retried run holds it
@@ -311,6 +341,7 @@ def resume_then_retry(lab, step):
 def compensation(first):
     """``first`` ("forward"/"compensate") holds the lease before its CAS while the other
     contends; "both" publishes them together with no barrier."""
+
     def inject(lab, step):
         if first == "both":
             lab.publish("forward", step)
@@ -324,6 +355,7 @@ def compensation(first):
         fault = lab.wait_event("contended", 30, step=step)
         lab.go(step, "before_cas")
         return fault["t"]
+
     return inject
 
 
@@ -333,42 +365,69 @@ def _scenarios() -> list[Scenario]:
         s.append(Scenario(f"kill-child@{point}", "SIGKILL worker child", kill_child(point)))
     s.append(Scenario("kill-main@before_cas", "SIGKILL worker main process", kill_main))
     for point in ("before_cas", "after_cas", "before_commit"):
-        s.append(Scenario(f"pause@{point}", "SIGSTOP past TTL, SIGCONT", pause(point),
-                          overlap=True))
-    s.append(Scenario("heartbeat-frozen", "heartbeat thread frozen", heartbeat_frozen,
-                      overlap=True))
+        s.append(
+            Scenario(f"pause@{point}", "SIGSTOP past TTL, SIGCONT", pause(point), overlap=True)
+        )
+    s.append(
+        Scenario("heartbeat-frozen", "heartbeat thread frozen", heartbeat_frozen, overlap=True)
+    )
     s.append(Scenario("hung-body", "hung body past steplock_max_hold", hung_body))
     s.append(Scenario("redis-restart", "Redis restart (data lost)", redis_restart))
-    s.append(Scenario("redis-outage-30s", "Redis outage 30 s", redis_outage(30),
-                      timeout=150))
-    s.append(Scenario("redis-failover", "Redis failover to a stale replica", redis_failover,
-                      overlap=True))
+    s.append(Scenario("redis-outage-30s", "Redis outage 30 s", redis_outage(30), timeout=150))
+    s.append(
+        Scenario(
+            "redis-failover", "Redis failover to a stale replica", redis_failover, overlap=True
+        )
+    )
     for factor, label in ((0, "0"), (1 / 3, "ttl/3"), (1, "ttl"), (2, "2xttl")):
-        s.append(Scenario(f"redis-latency-{label}", f"Redis latency {label}",
-                          latency("redis", factor)))
+        s.append(
+            Scenario(f"redis-latency-{label}", f"Redis latency {label}", latency("redis", factor))
+        )
     s.append(Scenario("redis-blackhole", "Redis black hole 1.5 x ttl", blackhole("redis")))
     for factor, label in ((0, "0"), (1 / 3, "ttl/3"), (1, "ttl"), (2, "2xttl")):
-        s.append(Scenario(f"pg-latency-{label}", f"PostgreSQL latency {label}",
-                          latency("pg", factor)))
+        s.append(
+            Scenario(f"pg-latency-{label}", f"PostgreSQL latency {label}", latency("pg", factor))
+        )
     s.append(Scenario("pg-blackhole", "PostgreSQL black hole 1.5 x ttl", blackhole("pg")))
     for point in ("before_cas", "before_commit"):
-        s.append(Scenario(f"pg-terminate@{point}", "pg_terminate_backend",
-                          pg_terminate(point)))
+        s.append(Scenario(f"pg-terminate@{point}", "pg_terminate_backend", pg_terminate(point)))
     s.append(Scenario("pg-lost-commit-reply", "lost COMMIT reply", lost_commit_reply))
-    s.append(Scenario("duplicate-task-id", "duplicate delivery (same task id)",
-                      duplicate_delivery))
-    s.append(Scenario("countdown-past-visibility", "countdown > visibility_timeout",
-                      countdown_past_visibility))
+    s.append(
+        Scenario("duplicate-task-id", "duplicate delivery (same task id)", duplicate_delivery)
+    )
+    s.append(
+        Scenario(
+            "countdown-past-visibility",
+            "countdown > visibility_timeout",
+            countdown_past_visibility,
+        )
+    )
     s.append(Scenario("retry-then-resume", "retry racing a resume", retry_then_resume))
     s.append(Scenario("resume-then-retry", "retry racing a resume", resume_then_retry))
     for first in ("forward", "compensate", "both"):
-        s.append(Scenario(f"compensation-{first}-first" if first != "both"
-                          else "compensation-simultaneous",
-                          "compensation racing the forward flow", compensation(first)))
-    s.append(Scenario("soft-time-limit", "soft time limit in the critical section",
-                      time_limit(soft=True), resume=True))
-    s.append(Scenario("hard-time-limit", "hard time limit in the critical section",
-                      time_limit(soft=False), resume=True))
+        s.append(
+            Scenario(
+                f"compensation-{first}-first" if first != "both" else "compensation-simultaneous",
+                "compensation racing the forward flow",
+                compensation(first),
+            )
+        )
+    s.append(
+        Scenario(
+            "soft-time-limit",
+            "soft time limit in the critical section",
+            time_limit(soft=True),
+            resume=True,
+        )
+    )
+    s.append(
+        Scenario(
+            "hard-time-limit",
+            "hard time limit in the critical section",
+            time_limit(soft=False),
+            resume=True,
+        )
+    )
     s.append(Scenario("warm-shutdown", "warm shutdown (SIGTERM)", shutdown(signal.SIGTERM)))
     s.append(Scenario("cold-shutdown", "cold shutdown (SIGQUIT)", shutdown(signal.SIGQUIT)))
     return s

@@ -1,4 +1,5 @@
 """Settings of the sample shop: what a project's test settings typically are."""
+
 SECRET_KEY = "sample-shop-tests-only"
 DEBUG = False
 USE_TZ = True

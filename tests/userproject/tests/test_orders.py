@@ -1,5 +1,6 @@
 """The sample shop's own tests: eager tasks, pytest-django's transactions, the plugin's
 fixtures."""
+
 import pytest
 from django.db import transaction
 
@@ -9,12 +10,15 @@ from orders.tasks import charge
 
 
 @pytest.mark.django_db
-def test_charge_commits_under_a_lease_and_releases_it(steplock_app, steplock_leases,
-                                                      steplock_key_prefix):
+def test_charge_commits_under_a_lease_and_releases_it(
+    steplock_app, steplock_leases, steplock_key_prefix
+):
     order = Order.objects.create()
     result = charge.delay(order.pk)
-    assert result.get() == {"order": order.pk,
-                            "key": f"{steplock_key_prefix}:lease:{{order:{order.pk}}}"}
+    assert result.get() == {
+        "order": order.pk,
+        "key": f"{steplock_key_prefix}:lease:{{order:{order.pk}}}",
+    }
     order.refresh_from_db()
     assert order.status == "charged" and order.lock_fence == Charge.objects.get().fence
     assert steplock_leases.inspect(f"order:{order.pk}") is None
@@ -53,8 +57,9 @@ def test_a_failing_body_leaves_my_block_usable(steplock_app):
 
 
 @pytest.mark.django_db
-def test_delay_on_commit_runs_once_the_callbacks_run(steplock_app,
-                                                     django_capture_on_commit_callbacks):
+def test_delay_on_commit_runs_once_the_callbacks_run(
+    steplock_app, django_capture_on_commit_callbacks
+):
     order = Order.objects.create()
     with django_capture_on_commit_callbacks(execute=True):
         with transaction.atomic():

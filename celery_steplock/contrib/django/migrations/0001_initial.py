@@ -5,60 +5,109 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Lease',
+            name="Lease",
             fields=[
-                ('name', models.CharField(max_length=512, primary_key=True, serialize=False, verbose_name='lock name')),
-                ('key', models.CharField(blank=True, max_length=576, verbose_name='Redis key')),
-                ('owner', models.CharField(blank=True, max_length=64, verbose_name='owner token')),
-                ('fence', models.BigIntegerField(blank=True, null=True, verbose_name='fencing token')),
-                ('task_id', models.CharField(blank=True, max_length=255, verbose_name='task id')),
-                ('task_name', models.CharField(blank=True, max_length=255, verbose_name='task name')),
-                ('worker', models.CharField(blank=True, max_length=255, verbose_name='worker')),
-                ('hostname', models.CharField(blank=True, max_length=255, verbose_name='host')),
-                ('pid', models.IntegerField(blank=True, null=True, verbose_name='pid')),
-                ('retries', models.IntegerField(blank=True, null=True, verbose_name='retries')),
-                ('step', models.CharField(blank=True, max_length=255, verbose_name='step')),
-                ('acquired_at', models.DateTimeField(blank=True, null=True, verbose_name='acquired at')),
-                ('renewed_at', models.DateTimeField(blank=True, null=True, verbose_name='last renewal')),
-                ('lease_ttl', models.FloatField(blank=True, null=True, verbose_name='lease TTL (s)')),
+                (
+                    "name",
+                    models.CharField(
+                        max_length=512, primary_key=True, serialize=False, verbose_name="lock name"
+                    ),
+                ),
+                ("key", models.CharField(blank=True, max_length=576, verbose_name="Redis key")),
+                ("owner", models.CharField(blank=True, max_length=64, verbose_name="owner token")),
+                (
+                    "fence",
+                    models.BigIntegerField(blank=True, null=True, verbose_name="fencing token"),
+                ),
+                ("task_id", models.CharField(blank=True, max_length=255, verbose_name="task id")),
+                (
+                    "task_name",
+                    models.CharField(blank=True, max_length=255, verbose_name="task name"),
+                ),
+                ("worker", models.CharField(blank=True, max_length=255, verbose_name="worker")),
+                ("hostname", models.CharField(blank=True, max_length=255, verbose_name="host")),
+                ("pid", models.IntegerField(blank=True, null=True, verbose_name="pid")),
+                ("retries", models.IntegerField(blank=True, null=True, verbose_name="retries")),
+                ("step", models.CharField(blank=True, max_length=255, verbose_name="step")),
+                (
+                    "acquired_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="acquired at"),
+                ),
+                (
+                    "renewed_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="last renewal"),
+                ),
+                (
+                    "lease_ttl",
+                    models.FloatField(blank=True, null=True, verbose_name="lease TTL (s)"),
+                ),
             ],
             options={
-                'verbose_name': 'held lease',
-                'verbose_name_plural': 'held leases',
-                'permissions': [('force_release_lease', 'Can force-release a held lease')],
-                'managed': False,
-                'default_permissions': ('view',),
+                "verbose_name": "held lease",
+                "verbose_name_plural": "held leases",
+                "permissions": [("force_release_lease", "Can force-release a held lease")],
+                "managed": False,
+                "default_permissions": ("view",),
             },
         ),
         migrations.CreateModel(
-            name='LeaseEvent',
+            name="LeaseEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('event', models.CharField(choices=[('lock_acquired', 'lock_acquired'), ('lock_contended', 'lock_contended'), ('lock_released', 'lock_released'), ('lock_expired', 'lock_expired'), ('lock_lost', 'lock_lost'), ('transition_applied', 'transition_applied'), ('transition_conflict', 'transition_conflict')], max_length=32, verbose_name='event')),
-                ('key', models.CharField(blank=True, max_length=576, verbose_name='Redis key')),
-                ('name', models.CharField(blank=True, max_length=512, verbose_name='lock name')),
-                ('owner', models.CharField(blank=True, max_length=64, verbose_name='owner token')),
-                ('fence', models.BigIntegerField(blank=True, null=True, verbose_name='fencing token')),
-                ('task_id', models.CharField(blank=True, max_length=255, verbose_name='task id')),
-                ('task_name', models.CharField(blank=True, max_length=255, verbose_name='task name')),
-                ('step', models.CharField(blank=True, max_length=255, verbose_name='step')),
-                ('hostname', models.CharField(blank=True, max_length=255, verbose_name='host')),
-                ('pid', models.IntegerField(blank=True, null=True, verbose_name='pid')),
-                ('reason', models.TextField(blank=True, verbose_name='reason')),
-                ('created_at', models.DateTimeField(db_index=True, default=django.utils.timezone.now, verbose_name='time')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "event",
+                    models.CharField(
+                        choices=[
+                            ("lock_acquired", "lock_acquired"),
+                            ("lock_contended", "lock_contended"),
+                            ("lock_released", "lock_released"),
+                            ("lock_expired", "lock_expired"),
+                            ("lock_lost", "lock_lost"),
+                            ("transition_applied", "transition_applied"),
+                            ("transition_conflict", "transition_conflict"),
+                        ],
+                        max_length=32,
+                        verbose_name="event",
+                    ),
+                ),
+                ("key", models.CharField(blank=True, max_length=576, verbose_name="Redis key")),
+                ("name", models.CharField(blank=True, max_length=512, verbose_name="lock name")),
+                ("owner", models.CharField(blank=True, max_length=64, verbose_name="owner token")),
+                (
+                    "fence",
+                    models.BigIntegerField(blank=True, null=True, verbose_name="fencing token"),
+                ),
+                ("task_id", models.CharField(blank=True, max_length=255, verbose_name="task id")),
+                (
+                    "task_name",
+                    models.CharField(blank=True, max_length=255, verbose_name="task name"),
+                ),
+                ("step", models.CharField(blank=True, max_length=255, verbose_name="step")),
+                ("hostname", models.CharField(blank=True, max_length=255, verbose_name="host")),
+                ("pid", models.IntegerField(blank=True, null=True, verbose_name="pid")),
+                ("reason", models.TextField(blank=True, verbose_name="reason")),
+                (
+                    "created_at",
+                    models.DateTimeField(
+                        db_index=True, default=django.utils.timezone.now, verbose_name="time"
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'lease event',
-                'verbose_name_plural': 'lease events',
-                'ordering': ('-created_at', '-id'),
+                "verbose_name": "lease event",
+                "verbose_name_plural": "lease events",
+                "ordering": ("-created_at", "-id"),
             },
         ),
     ]

@@ -4,35 +4,47 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('celery_steplock', '0001_initial'),
+        ("celery_steplock", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='leaseevent',
-            name='actor',
-            field=models.CharField(blank=True, max_length=255, verbose_name='operator'),
+            model_name="leaseevent",
+            name="actor",
+            field=models.CharField(blank=True, max_length=255, verbose_name="operator"),
         ),
         migrations.AddField(
-            model_name='leaseevent',
-            name='actor_host',
-            field=models.CharField(blank=True, max_length=255, verbose_name='operator host'),
+            model_name="leaseevent",
+            name="actor_host",
+            field=models.CharField(blank=True, max_length=255, verbose_name="operator host"),
         ),
         migrations.AddField(
-            model_name='leaseevent',
-            name='outcome',
-            field=models.CharField(blank=True, max_length=32, verbose_name='outcome'),
+            model_name="leaseevent",
+            name="outcome",
+            field=models.CharField(blank=True, max_length=32, verbose_name="outcome"),
         ),
         migrations.AddField(
-            model_name='leaseevent',
-            name='via',
-            field=models.CharField(blank=True, max_length=16, verbose_name='via'),
+            model_name="leaseevent",
+            name="via",
+            field=models.CharField(blank=True, max_length=16, verbose_name="via"),
         ),
         migrations.AlterField(
-            model_name='leaseevent',
-            name='event',
-            field=models.CharField(choices=[('lock_acquired', 'lock_acquired'), ('lock_contended', 'lock_contended'), ('lock_released', 'lock_released'), ('lock_expired', 'lock_expired'), ('lock_lost', 'lock_lost'), ('transition_applied', 'transition_applied'), ('transition_conflict', 'transition_conflict'), ('force_release', 'force_release')], max_length=32, verbose_name='event'),
+            model_name="leaseevent",
+            name="event",
+            field=models.CharField(
+                choices=[
+                    ("lock_acquired", "lock_acquired"),
+                    ("lock_contended", "lock_contended"),
+                    ("lock_released", "lock_released"),
+                    ("lock_expired", "lock_expired"),
+                    ("lock_lost", "lock_lost"),
+                    ("transition_applied", "transition_applied"),
+                    ("transition_conflict", "transition_conflict"),
+                    ("force_release", "force_release"),
+                ],
+                max_length=32,
+                verbose_name="event",
+            ),
         ),
     ]

@@ -5,39 +5,81 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('celery_steplock', '0002_force_release_audit'),
+        ("celery_steplock", "0002_force_release_audit"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='IdempotencyRecord',
+            name="IdempotencyRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('key', models.CharField(max_length=64, unique=True, verbose_name='record key')),
-                ('namespace', models.CharField(db_index=True, max_length=512, verbose_name='namespace')),
-                ('version', models.CharField(max_length=64, verbose_name='version')),
-                ('status', models.CharField(choices=[('locked', 'locked'), ('completed', 'completed'), ('failed', 'failed')], db_index=True, max_length=16, verbose_name='status')),
-                ('fingerprint', models.CharField(max_length=64, verbose_name="arguments' fingerprint")),
-                ('owner', models.CharField(blank=True, max_length=64, verbose_name='owner token')),
-                ('serializer', models.CharField(blank=True, max_length=64, verbose_name='serializer')),
-                ('content_type', models.CharField(blank=True, max_length=128, verbose_name='content type')),
-                ('content_encoding', models.CharField(blank=True, max_length=64, verbose_name='content encoding')),
-                ('result', models.TextField(blank=True, verbose_name='result')),
-                ('result_b64', models.BooleanField(default=False, verbose_name='result is base64')),
-                ('error', models.CharField(blank=True, max_length=255, verbose_name='error')),
-                ('attempts', models.PositiveIntegerField(default=0, verbose_name='attempts')),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now, verbose_name='created')),
-                ('locked_at', models.DateTimeField(blank=True, null=True, verbose_name='locked')),
-                ('completed_at', models.DateTimeField(blank=True, null=True, verbose_name='completed')),
-                ('failed_at', models.DateTimeField(blank=True, null=True, verbose_name='failed')),
-                ('expires_at', models.DateTimeField(db_index=True, verbose_name='expires')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("key", models.CharField(max_length=64, unique=True, verbose_name="record key")),
+                (
+                    "namespace",
+                    models.CharField(db_index=True, max_length=512, verbose_name="namespace"),
+                ),
+                ("version", models.CharField(max_length=64, verbose_name="version")),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("locked", "locked"),
+                            ("completed", "completed"),
+                            ("failed", "failed"),
+                        ],
+                        db_index=True,
+                        max_length=16,
+                        verbose_name="status",
+                    ),
+                ),
+                (
+                    "fingerprint",
+                    models.CharField(max_length=64, verbose_name="arguments' fingerprint"),
+                ),
+                ("owner", models.CharField(blank=True, max_length=64, verbose_name="owner token")),
+                (
+                    "serializer",
+                    models.CharField(blank=True, max_length=64, verbose_name="serializer"),
+                ),
+                (
+                    "content_type",
+                    models.CharField(blank=True, max_length=128, verbose_name="content type"),
+                ),
+                (
+                    "content_encoding",
+                    models.CharField(blank=True, max_length=64, verbose_name="content encoding"),
+                ),
+                ("result", models.TextField(blank=True, verbose_name="result")),
+                (
+                    "result_b64",
+                    models.BooleanField(default=False, verbose_name="result is base64"),
+                ),
+                ("error", models.CharField(blank=True, max_length=255, verbose_name="error")),
+                ("attempts", models.PositiveIntegerField(default=0, verbose_name="attempts")),
+                (
+                    "created_at",
+                    models.DateTimeField(
+                        default=django.utils.timezone.now, verbose_name="created"
+                    ),
+                ),
+                ("locked_at", models.DateTimeField(blank=True, null=True, verbose_name="locked")),
+                (
+                    "completed_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="completed"),
+                ),
+                ("failed_at", models.DateTimeField(blank=True, null=True, verbose_name="failed")),
+                ("expires_at", models.DateTimeField(db_index=True, verbose_name="expires")),
             ],
             options={
-                'verbose_name': 'idempotency record',
-                'verbose_name_plural': 'idempotency records',
-                'ordering': ('-created_at', '-id'),
+                "verbose_name": "idempotency record",
+                "verbose_name_plural": "idempotency records",
+                "ordering": ("-created_at", "-id"),
             },
         ),
     ]

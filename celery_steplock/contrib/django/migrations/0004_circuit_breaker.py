@@ -4,23 +4,35 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('celery_steplock', '0003_idempotency_records'),
+        ("celery_steplock", "0003_idempotency_records"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='CircuitBreakerState',
+            name="CircuitBreakerState",
             fields=[
-                ('name', models.CharField(max_length=255, primary_key=True, serialize=False, verbose_name='dependency')),
+                (
+                    "name",
+                    models.CharField(
+                        max_length=255,
+                        primary_key=True,
+                        serialize=False,
+                        verbose_name="dependency",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'circuit breaker',
-                'verbose_name_plural': 'circuit breakers',
-                'permissions': [('override_circuitbreakerstate', 'Can force a circuit breaker open or close it')],
-                'managed': False,
-                'default_permissions': ('view',),
+                "verbose_name": "circuit breaker",
+                "verbose_name_plural": "circuit breakers",
+                "permissions": [
+                    (
+                        "override_circuitbreakerstate",
+                        "Can force a circuit breaker open or close it",
+                    )
+                ],
+                "managed": False,
+                "default_permissions": ("view",),
             },
         ),
     ]

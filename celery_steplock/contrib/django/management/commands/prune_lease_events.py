@@ -5,6 +5,7 @@ Deletes :class:`~celery_steplock.contrib.django.models.LeaseEvent` rows older th
 cron like ``clearsessions``. ``--dry-run`` only counts them. Prints one summary line
 (verbosity >= 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,15 +28,25 @@ def _days(text: str) -> float:
 
 
 class Command(BaseCommand):
-    help = ("Delete lease event log rows (LeaseEvent) older than the retention "
-            "(CELERY_STEPLOCK_EVENT_RETENTION, default 7 days).")
+    help = (
+        "Delete lease event log rows (LeaseEvent) older than the retention "
+        "(CELERY_STEPLOCK_EVENT_RETENTION, default 7 days)."
+    )
 
     def add_arguments(self, parser):
-        parser.add_argument("--days", type=_days, default=None, metavar="N",
-                            help="delete events older than N days (fractions allowed; default "
-                                 "CELERY_STEPLOCK_EVENT_RETENTION)")
-        parser.add_argument("--dry-run", action="store_true",
-                            help="count the events that would be deleted, delete nothing")
+        parser.add_argument(
+            "--days",
+            type=_days,
+            default=None,
+            metavar="N",
+            help="delete events older than N days (fractions allowed; default "
+            "CELERY_STEPLOCK_EVENT_RETENTION)",
+        )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="count the events that would be deleted, delete nothing",
+        )
 
     def handle(self, *args, **options):
         seconds = None if options["days"] is None else options["days"] * 86400.0

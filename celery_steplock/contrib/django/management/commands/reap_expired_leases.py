@@ -12,6 +12,7 @@ and recovered step (verbosity >= 1), then a summary line. Exit status 1 (``Comma
 when the run met any error (Redis or the broker unreachable, a database error, a bad setting);
 with ``--json`` the report is printed first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,15 @@ def _seconds(text: str, *, allow_zero: bool = True) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")) or value < 0 \
-            or (value == 0 and not allow_zero):
+    if (
+        value != value
+        or value in (float("inf"), float("-inf"))
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
         raise argparse.ArgumentTypeError(
-            f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {text}")
+            f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {text}"
+        )
     return value
 
 
@@ -57,35 +63,60 @@ def celery_app():
 
 
 class Command(BaseCommand):
-    help = ("Remove the Redis leases of Celery workers that are gone (owner-checked: a live "
-            "lease is never touched) and move the steps they left in flight back to their "
-            "recovery status (CELERY_STEPLOCK_REAPER_RECOVER). Run it from cron or beat.")
+    help = (
+        "Remove the Redis leases of Celery workers that are gone (owner-checked: a live "
+        "lease is never touched) and move the steps they left in flight back to their "
+        "recovery status (CELERY_STEPLOCK_REAPER_RECOVER). Run it from cron or beat."
+    )
 
     def add_arguments(self, parser):
-        parser.add_argument("--dry-run", action="store_true",
-                            help="report what would be reaped and recovered, change nothing")
-        parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
-                            metavar="N", help="SCAN COUNT hint and database chunk size "
-                                              f"(default {DEFAULT_BATCH_SIZE})")
-        parser.add_argument("--older-than", type=_seconds, default=None, metavar="SECONDS",
-                            help="recover only steps in flight for longer than this (default "
-                                 "CELERY_STEPLOCK_REAPER_OLDER_THAN)")
-        parser.add_argument("--ping-timeout", type=_positive_seconds,
-                            default=DEFAULT_PING_TIMEOUT, metavar="SECONDS",
-                            help=f"seconds to wait for workers' ping replies (default "
-                                 f"{DEFAULT_PING_TIMEOUT:g})")
-        parser.add_argument("--no-pid-check", action="store_true",
-                            help="judge leases by their worker's ping only, not by their pid "
-                                 "(when this host shares its hostname with other PID "
-                                 "namespaces, e.g. a pod's sidecar)")
-        parser.add_argument("--json", action="store_true",
-                            help="print the report as one JSON object")
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="report what would be reaped and recovered, change nothing",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=_positive_int,
+            default=DEFAULT_BATCH_SIZE,
+            metavar="N",
+            help=f"SCAN COUNT hint and database chunk size (default {DEFAULT_BATCH_SIZE})",
+        )
+        parser.add_argument(
+            "--older-than",
+            type=_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="recover only steps in flight for longer than this (default "
+            "CELERY_STEPLOCK_REAPER_OLDER_THAN)",
+        )
+        parser.add_argument(
+            "--ping-timeout",
+            type=_positive_seconds,
+            default=DEFAULT_PING_TIMEOUT,
+            metavar="SECONDS",
+            help=f"seconds to wait for workers' ping replies (default {DEFAULT_PING_TIMEOUT:g})",
+        )
+        parser.add_argument(
+            "--no-pid-check",
+            action="store_true",
+            help="judge leases by their worker's ping only, not by their pid "
+            "(when this host shares its hostname with other PID "
+            "namespaces, e.g. a pod's sidecar)",
+        )
+        parser.add_argument(
+            "--json", action="store_true", help="print the report as one JSON object"
+        )
 
     def handle(self, *args, **options):
-        report = reap(celery_app(), dry_run=options["dry_run"],
-                      batch_size=options["batch_size"], older_than=options["older_than"],
-                      ping_timeout=options["ping_timeout"],
-                      check_pids=not options["no_pid_check"])
+        report = reap(
+            celery_app(),
+            dry_run=options["dry_run"],
+            batch_size=options["batch_size"],
+            older_than=options["older_than"],
+            ping_timeout=options["ping_timeout"],
+            check_pids=not options["no_pid_check"],
+        )
         if options["json"]:
             self.stdout.write(json.dumps(report.as_dict(), sort_keys=True, default=str))
         elif options["verbosity"] >= 1:
@@ -97,10 +128,12 @@ class Command(BaseCommand):
                 f"Scanned {report.leases_scanned} lease(s); {verb} "
                 f"{report.reaped_count}; {recover} {report.recovered_count} "
                 f"step(s); {len(report.errors)} error(s) in {report.duration:.2f}s"
-                + (" (dry run: nothing changed)." if report.dry_run else "."))
+                + (" (dry run: nothing changed)." if report.dry_run else ".")
+            )
         if report.errors:
             errors = [printable(redact(m, secrets_of(celery_app()))) for m in report.errors]
             for message in errors:
                 self.stderr.write(f"error: {message}")
-            raise CommandError(f"reap_expired_leases met {len(errors)} error(s); the "
-                               f"first: {errors[0]}")
+            raise CommandError(
+                f"reap_expired_leases met {len(errors)} error(s); the first: {errors[0]}"
+            )
