@@ -38,6 +38,9 @@ _FIELDS = (
     "commit_seconds",
     "limit",
     "retry_after",
+    "decision",
+    "attempt",
+    "countdown",
 )
 
 
