@@ -488,11 +488,45 @@ class _Limiter:
         name = self._plain_name(key)
         client, prefix = self._store(app, client, prefix)
         try:
-            return self.decide(name, client=client, prefix=prefix, ticket=ticket, reserve=reserve)
-        except LockStoreUnavailable:
-            if self._policy(app) != "fail_open":
+            decision = self.decide(
+                name, client=client, prefix=prefix, ticket=ticket, reserve=reserve
+            )
+        except LockStoreUnavailable as exc:
+            policy = self._policy(app)
+            emit(
+                signals.lock_store_error,
+                None,
+                logging.ERROR,
+                key=self.redis_key(prefix, name)[0],
+                policy=policy,
+                reason=f"rate limit: {exc}",
+            )
+            if policy != "fail_open":
                 raise
             return Decision(True, 0.0, self.redis_key(prefix, name)[0], str(self))
+        if decision.allowed:
+            emit(
+                signals.rate_limit_allowed,
+                None,
+                key=decision.key,
+                name=name,
+                limit=decision.limit,
+                remaining=decision.remaining,
+                granted_at=decision.now,
+                ticket=ticket,
+            )
+        else:
+            emit(
+                signals.rate_limited,
+                None,
+                key=decision.key,
+                name=name,
+                limit=decision.limit,
+                retry_after=decision.retry_after,
+                ticket=decision.ticket,
+                queued=decision.queued,
+            )
+        return decision
 
     @contextmanager
     def acquire(

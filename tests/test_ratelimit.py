@@ -295,6 +295,33 @@ def test_outage_fails_closed_by_default_and_open_when_asked():
     assert [opened.try_acquire("down").allowed for _ in range(3)] == [True] * 3
 
 
+def test_the_plain_api_sends_the_decision_signals(redis_client):
+    """Outside a task too, every decision is a signal (sender None) and a log line."""
+    seen = []
+
+    def receiver(signal=None, sender=None, **fields):
+        seen.append((signal.name, sender, fields["key"], fields["limit"],
+                     fields.get("retry_after")))
+
+    for signal in (signals.rate_limit_allowed, signals.rate_limited):
+        signal.connect(receiver, weak=False)
+    try:
+        limiter = SlidingWindow(1, 5, client=redis_client)
+        limiter.try_acquire("plain-signals")
+        with pytest.raises(RateLimited):
+            with limiter.acquire("plain-signals"):
+                pass
+    finally:
+        for signal in (signals.rate_limit_allowed, signals.rate_limited):
+            signal.disconnect(receiver)
+    key = "steplock:rate:sw:1:5.0:{plain-signals}"
+    assert [(n, s, k, lim) for n, s, k, lim, _ in seen] == [
+        ("rate_limit_allowed", None, key, "1/5s window"),
+        ("rate_limited", None, key, "1/5s window"),
+    ]
+    assert 4 < seen[1][4] <= 5
+
+
 # -- the task option -------------------------------------------------------------------------
 
 
