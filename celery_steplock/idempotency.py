@@ -510,6 +510,13 @@ class Ticket:
             self._safely(
                 lambda: policy.store.fail(self.key, self.owner, "unserializable", policy.ttl)
             )
+            emit(
+                signals.idempotency_failed,
+                self.task,
+                logging.WARNING,
+                reason="unserializable",
+                **self._fields(),
+            )
             return False
         recorded = self._safely(
             lambda: policy.store.complete(

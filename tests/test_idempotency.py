@@ -120,6 +120,24 @@ def test_an_error_is_never_recorded_and_the_call_runs_again(redis_client, seen):
 
 
 @pytest.mark.no_database
+def test_an_unserializable_result_is_not_recorded_and_says_so(redis_client, seen):
+    calls = []
+
+    @idempotent(key="obj:{n}", client=redis_client, secret=SECRET, namespace="tests.obj")
+    def build(n):
+        calls.append(n)
+        return object()  # JSON cannot encode it
+
+    build(1)
+    build(1)
+    assert calls == [1, 1]  # nothing recorded: the body runs again
+    record = build.idempotency.store.get(build.record_key(1))
+    assert record.status == "failed" and record.error == "unserializable"
+    failed = [kw for name, kw in seen if name == "idempotency_failed"]
+    assert [kw["reason"] for kw in failed] == ["unserializable", "unserializable"]
+
+
+@pytest.mark.no_database
 def test_a_key_reused_with_other_arguments_is_refused(redis_client, seen):
     charge, calls = make(redis_client)
     charge(3, 10)
