@@ -652,7 +652,7 @@ class CircuitBreaker:
 
     def __enter__(self) -> Ticket:
         ticket = self.admit()
-        _active.set(_active.get() + (ticket,))
+        _active.set((*_active.get(), ticket))
         return ticket
 
     def __exit__(self, exc_type, exc, tb) -> None:

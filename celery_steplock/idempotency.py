@@ -411,7 +411,7 @@ class RedisRecords:
             if value is not None:
                 pairs += [name, str(int(value * 1000))]
         self._eval(
-            self._cache, record.key, [str(max(1, int(ttl * 1000)))] + pairs, "idempotency cache"
+            self._cache, record.key, [str(max(1, int(ttl * 1000))), *pairs], "idempotency cache"
         )
 
 

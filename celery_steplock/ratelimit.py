@@ -427,7 +427,8 @@ class _Limiter:
         keys = list(self.redis_key(prefix, name))
         member = uuid.uuid4().hex
         max_wait = self.max_wait if self.max_wait is not None else self._default_max_wait()
-        args = self._args() + [
+        args = [
+            *self._args(),
             ticket or "",
             member,
             "1" if reserve else "0",

@@ -113,8 +113,8 @@ def _loaded(pairs) -> tuple[type, ...]:
 
 def is_control(exc: BaseException) -> bool:
     """Whether ``exc`` is the library's or Celery's control flow, not a dependency's error."""
-    return isinstance(exc, (StepLockError, KeyboardInterrupt, SystemExit)) or isinstance(
-        exc, _loaded(_CONTROL_BY_NAME)
+    return isinstance(
+        exc, (StepLockError, KeyboardInterrupt, SystemExit, *_loaded(_CONTROL_BY_NAME))
     )
 
 
