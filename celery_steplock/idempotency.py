@@ -185,7 +185,7 @@ class Record:
         """The recorded result, deserialized; only ``serializer``'s content type (default:
         the one it was recorded with) is accepted (a pickle payload planted in the store is
         refused unless pickle is the configured serializer)."""
-        from kombu.serialization import loads, registry
+        from kombu.serialization import loads, registry  # type: ignore[attr-defined]  # stubs
 
         name = serializer or self.serializer or "json"
         accept = {registry.name_to_type.get(name, name)}
@@ -642,7 +642,7 @@ class Idempotency:
             else setting("lock_ttl", 600.0)
         )
         self.serializer = serializer if serializer is not None else setting("serializer", "json")
-        from kombu.serialization import registry
+        from kombu.serialization import registry  # type: ignore[attr-defined]  # stubs
 
         if self.serializer not in registry._encoders:
             raise ImproperlyConfigured(
