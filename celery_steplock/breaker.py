@@ -505,7 +505,7 @@ class CircuitBreaker:
         if app is None:
             from celery import current_app
 
-            app = current_app._get_current_object()
+            app = current_app._get_current_object()  # type: ignore[attr-defined]
         version = configuration_version(app)
         bound = self._bound
         if bound is not None and bound[0] is app and bound[1] is version:

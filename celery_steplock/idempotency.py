@@ -189,7 +189,13 @@ class Record:
 
         name = serializer or self.serializer or "json"
         accept = {registry.name_to_type.get(name, name)}
-        return loads(self.payload, self.content_type, self.content_encoding, accept=accept)
+        # kombu takes None for each (no payload, its default type and encoding); not its stubs.
+        return loads(
+            self.payload,  # type: ignore[arg-type]
+            self.content_type,  # type: ignore[arg-type]
+            self.content_encoding,  # type: ignore[arg-type]
+            accept=accept,
+        )
 
 
 @dataclass(frozen=True)
@@ -655,7 +661,7 @@ class Idempotency:
             if on_store_error is not None
             else setting("on_store_error", "fail_closed")
         )
-        if client is None and app is not None:
+        if client is None and settings is not None:
             from .lock import get_lease_store
 
             lease_store = get_lease_store(app, settings)
@@ -664,6 +670,8 @@ class Idempotency:
         self.secret = secret
         redis_records = RedisRecords(client, prefix or "steplock") if client is not None else None
         kind = store if store is not None else setting("store", "redis")
+        # RedisRecords, DatabaseRecords or any object with their methods (duck-typed).
+        self.store: Any
         if kind == "redis":
             self.store = redis_records
         elif kind == "database":
@@ -705,7 +713,7 @@ class Idempotency:
         if fingerprint is None:
             fingerprint = self.fingerprint(arguments or {})
         owner = secrets.token_hex(16)
-        fields = {
+        fields: dict[str, Any] = {
             "key": key,
             "name": self.namespace,
             "version": self.version,
@@ -876,9 +884,10 @@ def idempotent(
             ticket.complete(result)
             return result
 
-        wrapper.idempotency = policy
-        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])
-        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])
+        # Function attributes: the typeshed's functools.wraps result does not declare them.
+        wrapper.idempotency = policy  # type: ignore[attr-defined]
+        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])  # type: ignore[attr-defined]
+        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])  # type: ignore[attr-defined]
         return wrapper
 
     return decorate
