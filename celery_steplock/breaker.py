@@ -587,7 +587,7 @@ class CircuitBreaker:
             int(reply[3]),
             int(reply[4]),
         )
-        task_fields = {
+        task_fields: dict[str, Any] = {
             "task_id": getattr(getattr(sender, "request", None), "id", None),
             "task_name": getattr(sender, "name", None),
         }

@@ -376,7 +376,7 @@ class ConcurrencyLimit:
         return max(MIN_WAITER_TTL, 10 * self.max_retry_after(settings))
 
     def _fields(self, key: str, lease: Lease | None, **extra: Any) -> dict[str, Any]:
-        fields = (
+        fields: dict[str, Any] = (
             lease_fields(lease)
             if lease is not None
             else {
