@@ -505,7 +505,7 @@ class CircuitBreaker:
         if app is None:
             from celery import current_app
 
-            app = current_app._get_current_object()
+            app = current_app._get_current_object()  # type: ignore[attr-defined]
         version = configuration_version(app)
         bound = self._bound
         if bound is not None and bound[0] is app and bound[1] is version:
@@ -587,7 +587,7 @@ class CircuitBreaker:
             int(reply[3]),
             int(reply[4]),
         )
-        task_fields = {
+        task_fields: dict[str, Any] = {
             "task_id": getattr(getattr(sender, "request", None), "id", None),
             "task_name": getattr(sender, "name", None),
         }
@@ -652,7 +652,7 @@ class CircuitBreaker:
 
     def __enter__(self) -> Ticket:
         ticket = self.admit()
-        _active.set(_active.get() + (ticket,))
+        _active.set((*_active.get(), ticket))
         return ticket
 
     def __exit__(self, exc_type, exc, tb) -> None:

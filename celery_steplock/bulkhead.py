@@ -376,7 +376,7 @@ class ConcurrencyLimit:
         return max(MIN_WAITER_TTL, 10 * self.max_retry_after(settings))
 
     def _fields(self, key: str, lease: Lease | None, **extra: Any) -> dict[str, Any]:
-        fields = (
+        fields: dict[str, Any] = (
             lease_fields(lease)
             if lease is not None
             else {
@@ -608,7 +608,7 @@ class ConcurrencyLimit:
                 self.leave_queue(store, key, owner)
         heartbeat = get_heartbeat()
         heartbeat.register(slot.lease, store, ratio=ratio)
-        token = _current.set(_current.get() + (slot,))
+        token = _current.set((*_current.get(), slot))
         try:
             yield slot
         finally:
@@ -785,7 +785,7 @@ class BulkheadGate:
         get_heartbeat().register(
             slot.lease, store, ratio=plan.ratio, sender=task, max_hold=plan.max_hold
         )
-        token = _current.set(_current.get() + (slot,))
+        token = _current.set((*_current.get(), slot))
         return _Held(slot, token)
 
 
@@ -810,10 +810,7 @@ def gate(task: Any, settings: Any) -> BulkheadGate | None:
                 setting="concurrency_limit",
             )
         return None
-    if isinstance(value, ConcurrencyLimit):
-        limit = value
-    else:
-        limit = ConcurrencyLimit(value)
+    limit = value if isinstance(value, ConcurrencyLimit) else ConcurrencyLimit(value)
     key = check_key_template(key) if key is not None else limit.key
     if isinstance(key, str):
         names = argument_names(task.run)

@@ -890,7 +890,7 @@ class Settings:
             "steplock_idempotency_serializer",
             what="a kombu serializer name",
         )
-        from kombu.serialization import registry
+        from kombu.serialization import registry  # type: ignore[attr-defined]  # not in the stubs
 
         if value not in registry._encoders:
             raise ImproperlyConfigured(

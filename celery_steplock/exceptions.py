@@ -336,8 +336,8 @@ class AdmissionDenied(StepLockError):
         option: str | None = None,
         key: str | None = None,
         limit: str | None = None,
-        **context,
-    ):
+        **context: Any,
+    ) -> None:
         super().__init__(message)
         self.retry_after = max(0.0, float(retry_after))
         self.option = option
@@ -345,7 +345,7 @@ class AdmissionDenied(StepLockError):
         self.limit = limit
         self.context = context
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Pickled into result backends and across eager retries: keep the figures.
         return _rebuild_denied, (
             type(self),
@@ -358,7 +358,15 @@ class AdmissionDenied(StepLockError):
         )
 
 
-def _rebuild_denied(cls, message, retry_after, option, key, limit, context):
+def _rebuild_denied(
+    cls: type[AdmissionDenied],
+    message: str,
+    retry_after: float,
+    option: str | None,
+    key: str | None,
+    limit: str | None,
+    context: dict[str, Any],
+) -> AdmissionDenied:
     return cls(message, retry_after=retry_after, option=option, key=key, limit=limit, **context)
 
 
@@ -393,7 +401,7 @@ class IdempotencyError(StepLockError):
         self.namespace = namespace
         self.version = version
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _rebuild_idempotency, (
             type(self),
             str(self),
@@ -403,7 +411,13 @@ class IdempotencyError(StepLockError):
         )
 
 
-def _rebuild_idempotency(cls, message, key, namespace, version):
+def _rebuild_idempotency(
+    cls: type[IdempotencyError],
+    message: str,
+    key: str | None,
+    namespace: str | None,
+    version: str | None,
+) -> IdempotencyError:
     return cls(message, key=key, namespace=namespace, version=version)
 
 
@@ -427,15 +441,15 @@ class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
         namespace: str | None = None,
         version: str | None = None,
         option: str | None = "idempotency_key",
-        **context,
-    ):
+        **context: Any,
+    ) -> None:
         AdmissionDenied.__init__(
             self, _bounded(message), retry_after=retry_after, option=option, key=key, **context
         )
         self.namespace = namespace
         self.version = version
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _rebuild_in_progress, (
             type(self),
             str(self),
@@ -446,7 +460,14 @@ class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
         )
 
 
-def _rebuild_in_progress(cls, message, retry_after, key, namespace, version):
+def _rebuild_in_progress(
+    cls: type[IdempotencyInProgress],
+    message: str,
+    retry_after: float,
+    key: str | None,
+    namespace: str | None,
+    version: str | None,
+) -> IdempotencyInProgress:
     return cls(message, retry_after=retry_after, key=key, namespace=namespace, version=version)
 
 

@@ -185,11 +185,17 @@ class Record:
         """The recorded result, deserialized; only ``serializer``'s content type (default:
         the one it was recorded with) is accepted (a pickle payload planted in the store is
         refused unless pickle is the configured serializer)."""
-        from kombu.serialization import loads, registry
+        from kombu.serialization import loads, registry  # type: ignore[attr-defined]  # stubs
 
         name = serializer or self.serializer or "json"
         accept = {registry.name_to_type.get(name, name)}
-        return loads(self.payload, self.content_type, self.content_encoding, accept=accept)
+        # kombu takes None for each (no payload, its default type and encoding); not its stubs.
+        return loads(
+            self.payload,  # type: ignore[arg-type]
+            self.content_type,  # type: ignore[arg-type]
+            self.content_encoding,  # type: ignore[arg-type]
+            accept=accept,
+        )
 
 
 @dataclass(frozen=True)
@@ -411,7 +417,7 @@ class RedisRecords:
             if value is not None:
                 pairs += [name, str(int(value * 1000))]
         self._eval(
-            self._cache, record.key, [str(max(1, int(ttl * 1000)))] + pairs, "idempotency cache"
+            self._cache, record.key, [str(max(1, int(ttl * 1000))), *pairs], "idempotency cache"
         )
 
 
@@ -649,7 +655,7 @@ class Idempotency:
             else setting("lock_ttl", 600.0)
         )
         self.serializer = serializer if serializer is not None else setting("serializer", "json")
-        from kombu.serialization import registry
+        from kombu.serialization import registry  # type: ignore[attr-defined]  # stubs
 
         if self.serializer not in registry._encoders:
             raise ImproperlyConfigured(
@@ -662,7 +668,7 @@ class Idempotency:
             if on_store_error is not None
             else setting("on_store_error", "fail_closed")
         )
-        if client is None and app is not None:
+        if client is None and settings is not None:
             from .lock import get_lease_store
 
             lease_store = get_lease_store(app, settings)
@@ -671,6 +677,8 @@ class Idempotency:
         self.secret = secret
         redis_records = RedisRecords(client, prefix or "steplock") if client is not None else None
         kind = store if store is not None else setting("store", "redis")
+        # RedisRecords, DatabaseRecords or any object with their methods (duck-typed).
+        self.store: Any
         if kind == "redis":
             self.store = redis_records
         elif kind == "database":
@@ -712,7 +720,7 @@ class Idempotency:
         if fingerprint is None:
             fingerprint = self.fingerprint(arguments or {})
         owner = secrets.token_hex(16)
-        fields = {
+        fields: dict[str, Any] = {
             "key": key,
             "name": self.namespace,
             "version": self.version,
@@ -883,9 +891,10 @@ def idempotent(
             ticket.complete(result)
             return result
 
-        wrapper.idempotency = policy
-        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])
-        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])
+        # Function attributes: the typeshed's functools.wraps result does not declare them.
+        wrapper.idempotency = policy  # type: ignore[attr-defined]
+        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])  # type: ignore[attr-defined]
+        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])  # type: ignore[attr-defined]
         return wrapper
 
     return decorate

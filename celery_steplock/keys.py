@@ -303,7 +303,7 @@ def name_from_arguments(
         ) from None
 
 
-def idempotency_key(secret: bytes | str, task_name: str | None, name: str) -> str:
+def idempotency_key(secret: bytes | str | None, task_name: str | None, name: str) -> str:
     """The idempotency key of lease ``name`` of task ``task_name`` (see
     :attr:`celery_steplock.lease.Lease.idempotency_key`): 64 hex digits, HMAC-SHA256 keyed with
     the name secret over the task and lock names, so a third party that receives it learns

@@ -364,8 +364,8 @@ def option_problems(task: Any, *, models_ready: bool = True) -> list[ImproperlyC
     option left to an invalid setting is the setting's problem, not listed here. Step models are resolved only when ``models_ready`` (the
     framework's model registry is loaded)."""
     settings = Settings(task.app)
-    problems = []
-    seen = set()
+    problems: list[ImproperlyConfigured] = []
+    seen: set[tuple[str | None, str]] = set()
     for field_name, resolve in _resolvers(task, settings).items():
         if field_name == "steps" and not models_ready:
             continue

@@ -48,6 +48,7 @@ from . import _wire, signals
 from .conf import ON_STORE_ERROR, shown
 from .events import emit
 from .exceptions import (
+    AdmissionDenied,
     ImproperlyConfigured,
     InvalidArgument,
     LockNameError,
@@ -383,6 +384,9 @@ class _Limiter:
     def _default_max_wait(self) -> float:
         raise NotImplementedError
 
+    def _refund_args(self, decision: Decision) -> list[str]:
+        raise NotImplementedError
+
     def redis_key(self, prefix: str, name: str) -> tuple[str, str, str]:
         """The Redis keys of limit ``name`` under ``prefix``: the state, the ticket queue and
         the tickets' deadlines (one hash tag: one Cluster slot)."""
@@ -427,7 +431,8 @@ class _Limiter:
         keys = list(self.redis_key(prefix, name))
         member = uuid.uuid4().hex
         max_wait = self.max_wait if self.max_wait is not None else self._default_max_wait()
-        args = self._args() + [
+        args = [
+            *self._args(),
             ticket or "",
             member,
             "1" if reserve else "0",
@@ -744,7 +749,7 @@ def _limiters(value: Any, option: str) -> tuple[_Limiter, ...]:
         raise ImproperlyConfigured(
             f"{option}: an empty list limits nothing (use None)", setting=option
         )
-    found = []
+    found: list[_Limiter] = []
     for item in items:
         if isinstance(item, str):
             found.append(SlidingWindow(item, option=option))
@@ -860,9 +865,9 @@ class RateLimitGate:
             headers = None
             if decision.ticket:
                 headers = {TICKETS_HEADER: {**tickets, decision.key: decision.ticket}}
-            exc = limiter._denied(decision, self.option)
-            exc.context["headers"] = headers
-            raise exc
+            denied = limiter._denied(decision, self.option)
+            denied.context["headers"] = headers
+            raise denied
         return None
 
 
@@ -883,7 +888,7 @@ def gate(task, settings) -> RateLimitGate | None:
     return RateLimitGate(task, limiters, key, settings.rate_limit_on_store_error)
 
 
-def denied_countdown(exc: RateLimited) -> float:
+def denied_countdown(exc: AdmissionDenied) -> float:
     """The countdown of a re-queue after ``exc``: a ticket holder comes back when its turn
     is due (a few percent of jitter past it); without a ticket, full jitter in
     ``[retry_after, 2 * retry_after]``. Seconds, at least 0.01."""

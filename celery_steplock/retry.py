@@ -113,8 +113,8 @@ def _loaded(pairs) -> tuple[type, ...]:
 
 def is_control(exc: BaseException) -> bool:
     """Whether ``exc`` is the library's or Celery's control flow, not a dependency's error."""
-    return isinstance(exc, (StepLockError, KeyboardInterrupt, SystemExit)) or isinstance(
-        exc, _loaded(_CONTROL_BY_NAME)
+    return isinstance(
+        exc, (StepLockError, KeyboardInterrupt, SystemExit, *_loaded(_CONTROL_BY_NAME))
     )
 
 
@@ -376,7 +376,7 @@ class RetryPolicy:
                     self._announce(decision, exc, task_name=getattr(fn, "__qualname__", None))
                 if decision.decision != "retry":
                     raise
-            self.sleep(decision.countdown)
+            self.sleep(decision.countdown or 0.0)  # a "retry" decision always has one
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator form of :meth:`call`."""
@@ -395,7 +395,9 @@ class RetryPolicy:
         exception is retried, else re-raises ``exc``."""
         request = task.request
         headers = dict(request.headers or {})
-        first = getattr(request, FIRST_ATTEMPT_HEADER, None) or headers.get(FIRST_ATTEMPT_HEADER)
+        first: Any = getattr(request, FIRST_ATTEMPT_HEADER, None) or headers.get(
+            FIRST_ATTEMPT_HEADER
+        )
         try:
             first = float(first)
         except (TypeError, ValueError):

@@ -95,7 +95,7 @@ idempotency_failed = Signal(name="idempotency_failed")
 #: The key is held by another execution or was reused with other arguments.
 idempotency_conflict = Signal(name="idempotency_conflict")
 
-ALL_SIGNALS = (
+ALL_SIGNALS: tuple[Signal, ...] = (
     lock_acquired,
     lock_contended,
     lock_extended,

@@ -38,8 +38,8 @@ def make(client, name="dep", **kwargs):
     return CircuitBreaker(name, client=client, prefix="t", **kwargs)
 
 
-def fail(exc=ConnectionError("down")):
-    raise exc
+def fail(exc=None):
+    raise exc if exc is not None else ConnectionError("down")
 
 
 def failures(breaker, n, exc=None):

@@ -878,7 +878,7 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):
     date_hierarchy = "created_at"
     list_per_page = 100
     show_full_result_count = False
-    actions = ["invalidate"]
+    actions = ("invalidate",)
 
     @admin.display(description="record key", ordering="key")
     def short_key(self, obj: IdempotencyRecord) -> str:
@@ -1008,14 +1008,14 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
             path(
                 "",
                 self.admin_site.admin_view(self.changelist_view),
-                name="%s_%s_changelist" % info,
+                name="{}_{}_changelist".format(*info),
             ),
             path(
                 "override/",
                 transaction.non_atomic_requests(using=router.db_for_write(LeaseEvent))(
                     self.admin_site.admin_view(self.override_view)
                 ),
-                name="%s_%s_override" % info,
+                name="{}_{}_override".format(*info),
             ),
         ]
 
@@ -1025,7 +1025,7 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
         rows, error = [], None
         try:
             app = celery_app()
-            for name, breaker in breaker_names(app).items():
+            for breaker in breaker_names(app).values():
                 rows.append(breaker.state().as_dict() | {"limits": breaker.describe()})
         except StepLockError as exc:
             error = _error_text(exc)

@@ -157,7 +157,7 @@ class DatabaseRecords:
                 )
         except DatabaseError as exc:
             raise self._outage(exc, key, "begin") from exc
-        if decision.outcome == "replay":
+        if decision.outcome == "replay" and decision.record is not None:
             self._put_cache(decision.record)
         return decision
 
@@ -226,7 +226,7 @@ class DatabaseRecords:
     ) -> bool:
         using = self._db()
         now = timezone.now()
-        fields = dict(
+        fields: dict[str, Any] = dict(
             status="completed",
             fingerprint=fingerprint,
             owner="",
@@ -402,7 +402,7 @@ class _ViewPolicy:
             if app is None and "client" not in self.arguments:
                 from celery import current_app
 
-                app = current_app._get_current_object()
+                app = current_app._get_current_object()  # type: ignore[attr-defined]
             self._policy = Idempotency(self.namespace, app=app, **self.arguments)
         return self._policy
 
@@ -492,7 +492,7 @@ def idempotent_view(
         def wrapper(request, *args, **kwargs):
             return policy.handle(request, lambda: fun(request, *args, **kwargs))
 
-        wrapper.idempotency = policy
+        wrapper.idempotency = policy  # type: ignore[attr-defined]  # a function attribute
         return wrapper
 
     return decorate(view) if view is not None else decorate
