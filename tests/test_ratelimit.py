@@ -300,8 +300,9 @@ def test_the_plain_api_sends_the_decision_signals(redis_client):
     seen = []
 
     def receiver(signal=None, sender=None, **fields):
-        seen.append((signal.name, sender, fields["key"], fields["limit"],
-                     fields.get("retry_after")))
+        seen.append(
+            (signal.name, sender, fields["key"], fields["limit"], fields.get("retry_after"))
+        )
 
     for signal in (signals.rate_limit_allowed, signals.rate_limited):
         signal.connect(receiver, weak=False)
