@@ -64,7 +64,7 @@ from .conf import (
     shown,
 )
 from .events import emit, log_event
-from .exceptions import CircuitOpen, ImproperlyConfigured, LockStoreUnavailable
+from .exceptions import CircuitOpen, ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
 from .retry import check_policy, classify, is_control
 
 __all__ = [
@@ -426,6 +426,13 @@ class CircuitBreaker:
         prefix: str | None = None,
     ):
         self.name = check_text(name, "CircuitBreaker(name=)", maximum=MAX_IDENTIFIER_LENGTH)
+        if not self.name.isprintable() or "{" in self.name or "}" in self.name:
+            # It becomes the keys' hash tag and appears in logs and the CLI, as a lock name.
+            raise InvalidArgument(
+                f"CircuitBreaker(name=) must be printable and without braces, as a lock name "
+                f"is: {shown(self.name)}",
+                argument="CircuitBreaker(name=)",
+            )
         self.window = check_count(window, "CircuitBreaker(window=)", minimum=1, maximum=MAX_WINDOW)
         if isinstance(failure_threshold, float) and 0 < failure_threshold < 1:
             self.mode = "rate"

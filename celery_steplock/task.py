@@ -499,8 +499,8 @@ class StepLockedTask(Task):
             except Exception as exc:
                 # After the lease's release and the gates' exits (a circuit breaker has
                 # recorded the failure): the retry is a new execution through every gate.
-                if self.retry_policy is None:
-                    raise
+                if self.retry_policy is None or isinstance(exc, ImproperlyConfigured):
+                    raise  # a bad option (retry_policy's own included) is never retried
                 return self.retry_policy.retry_task(self, exc)
             if outcomes.is_outcome(result):
                 tracing.outcome(result["steplock"])

@@ -344,6 +344,16 @@ def test_bad_arguments_are_refused_by_name(kwargs, fragment):
     assert fragment in str(caught.value)
 
 
+@pytest.mark.parametrize("name", ["a\x00b", "line\nbreak", "esc\x1b[31m", "x}y", "{tag}"])
+def test_a_name_that_could_not_be_a_lock_name_is_refused(name, redis_client):
+    before = set(redis_client.scan_iter("steplock:breaker*"))
+    with pytest.raises(ImproperlyConfigured) as caught:
+        CircuitBreaker(name, client=redis_client)
+    assert caught.value.setting == "CircuitBreaker(name=)"
+    assert "printable and without braces" in str(caught.value)
+    assert set(redis_client.scan_iter("steplock:breaker*")) == before
+
+
 def test_every_breaker_signal_is_declared():
     assert {s.name for s in signals.ALL_SIGNALS} >= {
         "circuit_opened",

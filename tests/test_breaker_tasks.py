@@ -138,3 +138,18 @@ def test_bad_values_are_named_by_the_checks(option, value, fragment):
         guarded.__dict__.pop(option, None)
     assert [p.setting for p in problems] == [option]
     assert fragment in str(problems[0])
+
+
+def test_a_bad_retry_policy_fails_the_execution_with_its_own_error():
+    """The option's check, not an AttributeError of the retry hook, is the outcome."""
+    from celery_steplock.exceptions import ImproperlyConfigured
+
+    guarded.retry_policy = 5
+    try:
+        result = guarded.apply(args=(Step.objects.create(status="pending").pk,))
+    finally:
+        guarded.__dict__.pop("retry_policy", None)
+    assert isinstance(result.result, ImproperlyConfigured)
+    assert result.result.setting == "retry_policy"
+    assert "must be a RetryPolicy" in str(result.result)
+    assert CALLS == []
