@@ -71,6 +71,7 @@ DEFAULTS: dict[str, Any] = {
     "idempotency_lock_ttl": 600.0,  # a locked record's lifetime (a crashed holder's)
     "idempotency_serializer": "json",  # the kombu serializer of recorded results
     "idempotency_on_store_error": "fail_closed",
+    "idempotency_max_result_bytes": 1024 * 1024,  # a larger recorded result is not recorded
     # The circuit breakers' policy when Redis cannot be reached (celery_steplock.breaker).
     "breaker_on_store_error": "fail_closed",
     # Concurrency limits (celery_steplock.bulkhead): the outage policy, and the longest
@@ -155,6 +156,9 @@ DESCRIPTIONS: dict[str, str] = {
     "idempotency_on_store_error": "Idempotency records when the store cannot be reached: "
     "``fail_closed`` (the task is retried) or ``fail_open`` "
     "(the body runs unrecorded).",
+    "idempotency_max_result_bytes": "The largest serialized result, in bytes, an idempotency "
+    "record keeps (1 KiB to 64 MiB; default 1 MiB): a larger one "
+    "is not recorded and the key runs again.",
     "breaker_on_store_error": "Circuit breakers when Redis cannot be reached: ``fail_closed`` "
     "(the call is refused, the task retried) or ``fail_open`` (the "
     "dependency is called).",
@@ -899,6 +903,15 @@ class Settings:
                 setting="steplock_idempotency_serializer",
             )
         return value
+
+    @property
+    def idempotency_max_result_bytes(self) -> int:
+        return check_count(
+            self.raw("idempotency_max_result_bytes"),
+            "steplock_idempotency_max_result_bytes",
+            minimum=1024,
+            maximum=64 * 1024 * 1024,
+        )
 
     @property
     def idempotency_on_store_error(self) -> str:

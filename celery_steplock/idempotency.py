@@ -58,6 +58,7 @@ from .conf import (
     ON_STORE_ERROR,
     Settings,
     check_choice,
+    check_count,
     check_seconds,
     shown,
 )
@@ -503,24 +504,33 @@ class Ticket:
             return False
         self.done = True
         policy = self.policy
+        reason = None
         try:
             stored = Stored.dump(result, policy.serializer)
         except Exception as exc:  # noqa: BLE001 - the body's result cannot be recorded
+            reason, error = "unserializable", exc
+        else:
+            size = len(stored.payload)
+            if size > policy.max_result_bytes:
+                reason = "too_large"
+                error = (
+                    f"the serialized result is {size} bytes, above max_result_bytes "
+                    f"({policy.max_result_bytes})"
+                )
+        if reason is not None:
             log_event(
                 "idempotency_record_failed",
                 logging.ERROR,
                 **self._fields(),
-                reason="unserializable",
-                error=exc,
+                reason=reason,
+                error=error,
             )
-            self._safely(
-                lambda: policy.store.fail(self.key, self.owner, "unserializable", policy.ttl)
-            )
+            self._safely(lambda: policy.store.fail(self.key, self.owner, reason, policy.ttl))
             emit(
                 signals.idempotency_failed,
                 self.task,
                 logging.WARNING,
-                reason="unserializable",
+                reason=reason,
                 **self._fields(),
             )
             return False
@@ -606,8 +616,11 @@ class Idempotency:
     LockStoreUnavailable) or "fail_open" (run without a record; default
     ``steplock_idempotency_on_store_error``). ``app`` a Celery app whose settings and lease
     store (client, key prefix, name secret) are used; or ``client`` a redis client (with
-    ``prefix``, default "steplock", and ``secret``, default none). Raises
-    ImproperlyConfigured (InvalidArgument) naming a bad argument.
+    ``prefix``, default "steplock", and ``secret``, default none). ``max_result_bytes``
+    (int, 1 KiB to 64 MiB; default ``steplock_idempotency_max_result_bytes``, 1 MiB): a
+    larger serialized result is not recorded (the record is marked failed, reason
+    "too_large"; the key runs again). Raises ImproperlyConfigured (InvalidArgument) naming a
+    bad argument.
     """
 
     def __init__(
@@ -624,6 +637,7 @@ class Idempotency:
         client: Any = None,
         prefix: str | None = None,
         secret: bytes | str | None = None,
+        max_result_bytes: int | None = None,
     ):
         if not isinstance(namespace, str) or not namespace or len(namespace) > 512:
             raise ImproperlyConfigured(
@@ -663,6 +677,13 @@ class Idempotency:
                 f"got {shown(self.serializer)}",
                 setting="serializer",
             )
+        self.max_result_bytes = (
+            check_count(
+                max_result_bytes, "max_result_bytes", minimum=1024, maximum=64 * 1024 * 1024
+            )
+            if max_result_bytes is not None
+            else setting("max_result_bytes", 1024 * 1024)
+        )
         self.on_store_error = (
             check_choice(on_store_error, "on_store_error", ON_STORE_ERROR)
             if on_store_error is not None
@@ -954,6 +975,7 @@ class IdempotencyGate:
             store=settings.idempotency_store,
             lock_ttl=settings.idempotency_lock_ttl,
             on_store_error=settings.idempotency_on_store_error,
+            max_result_bytes=settings.idempotency_max_result_bytes,
         )
 
     def resource(self, arguments: Mapping[str, Any]) -> str:

@@ -138,6 +138,33 @@ def test_an_unserializable_result_is_not_recorded_and_says_so(redis_client, seen
 
 
 @pytest.mark.no_database
+def test_a_result_above_max_result_bytes_is_not_recorded(redis_client, seen):
+    calls = []
+
+    @idempotent(
+        key="big:{n}",
+        client=redis_client,
+        secret=SECRET,
+        namespace="tests.big",
+        max_result_bytes=2048,
+    )
+    def export(n):
+        calls.append(n)
+        return "x" * (4096 if n else 10)
+
+    assert export(0) == export(0) == "x" * 10 and calls == [0]  # small: recorded, replayed
+    assert len(export(1)) == len(export(1)) == 4096
+    assert calls == [0, 1, 1]  # too large: never written, the key runs again
+    record = export.idempotency.store.get(export.record_key(1))
+    assert record.status == "failed" and record.error == "too_large"
+    assert record.payload is None
+    assert [kw["reason"] for n, kw in seen if n == "idempotency_failed"] == ["too_large"] * 2
+    with pytest.raises(ImproperlyConfigured) as caught:
+        idempotent(key="k", client=redis_client, secret=SECRET, max_result_bytes=10)(len)("x")
+    assert caught.value.setting == "max_result_bytes"
+
+
+@pytest.mark.no_database
 def test_a_key_reused_with_other_arguments_is_refused(redis_client, seen):
     charge, calls = make(redis_client)
     charge(3, 10)
