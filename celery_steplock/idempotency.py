@@ -504,7 +504,8 @@ class Ticket:
             return False
         self.done = True
         policy = self.policy
-        reason = None
+        reason: str | None = None
+        error: Exception | str = ""
         try:
             stored = Stored.dump(result, policy.serializer)
         except Exception as exc:  # noqa: BLE001 - the body's result cannot be recorded
