@@ -36,6 +36,7 @@ Every error the library raises derives from :class:`StepLockError`::
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 __all__ = [
@@ -345,6 +346,13 @@ class AdmissionDenied(StepLockError):
         self.limit = limit
         self.context = context
 
+    def countdown(self) -> float:
+        """Seconds to re-queue the refused task after: uniform in ``[retry_after,
+        2 * retry_after]`` (full jitter past the earliest moment the gate may admit it), at
+        least 0.05."""
+        wait = max(0.05, self.retry_after)
+        return random.uniform(wait, 2 * wait)
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Pickled into result backends and across eager retries: keep the figures.
         return _rebuild_denied, (
@@ -371,7 +379,18 @@ def _rebuild_denied(
 
 
 class RateLimited(AdmissionDenied):
-    """A cluster-wide rate limit (token bucket or sliding window) has no quota left."""
+    """A cluster-wide rate limit (token bucket or sliding window) has no quota left.
+    ``context["ticket"]``: the refused request's place in the limit's first-come queue
+    (None without one), ``context["headers"]``: the message headers carrying it."""
+
+    def countdown(self) -> float:
+        """A ticket holder comes back when its turn is due: ``retry_after`` plus at most 5 %
+        (and 50 ms) of jitter, since the quota waits for it there; without a ticket, as
+        :meth:`AdmissionDenied.countdown`."""
+        if not self.context.get("ticket"):
+            return super().countdown()
+        wait = max(0.01, self.retry_after)
+        return wait + random.uniform(0.0, min(0.05, 0.05 * wait)) + 0.002
 
 
 class ConcurrencyLimited(AdmissionDenied):

@@ -37,7 +37,6 @@ import functools
 import inspect
 import logging
 import math
-import random
 import re
 import uuid
 from contextlib import contextmanager
@@ -48,7 +47,6 @@ from . import _wire, signals
 from .conf import ON_STORE_ERROR, shown
 from .events import emit
 from .exceptions import (
-    AdmissionDenied,
     ImproperlyConfigured,
     InvalidArgument,
     LockNameError,
@@ -886,16 +884,6 @@ def gate(task, settings) -> RateLimitGate | None:
     for limiter in limiters:
         _check_fields(task, limiter.key, "cluster_rate_limit")
     return RateLimitGate(task, limiters, key, settings.rate_limit_on_store_error)
-
-
-def denied_countdown(exc: AdmissionDenied) -> float:
-    """The countdown of a re-queue after ``exc``: a ticket holder comes back when its turn
-    is due (a few percent of jitter past it); without a ticket, full jitter in
-    ``[retry_after, 2 * retry_after]``. Seconds, at least 0.01."""
-    wait = max(0.01, exc.retry_after)
-    if exc.context.get("ticket"):
-        return wait + random.uniform(0.0, min(0.05, 0.05 * wait)) + 0.002
-    return random.uniform(wait, 2 * wait)
 
 
 # -- checking a recorded history ----------------------------------------------------------------

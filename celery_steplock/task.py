@@ -472,18 +472,12 @@ class StepLockedTask(Task):
         task's. Default: re-queued under the same task id with a countdown drawn uniformly
         from ``[retry_after, 2 * retry_after]`` (full jitter past the earliest moment the
         gate may admit it; at least 0.05 s), counted in the lease retries' budget
-        (``lock_retry_max``); ``exc`` is raised once that is used up. A denial that holds a
-        rate limit's ticket (``exc.context["headers"]``) is re-queued with those headers
-        at its turn (``retry_after`` plus at most 5 % and 50 ms)."""
-        headers = exc.context.get("headers")
-        if headers:
-            # A rate limit's ticket (celery_steplock.ratelimit): its turn is due at
-            # retry_after, and the quota waits for it there, so no full jitter.
-            from .ratelimit import denied_countdown
-
-            return self.steplock_retry(exc, headers=headers, countdown=denied_countdown(exc))
-        wait = max(0.05, exc.retry_after)
-        return self.steplock_retry(exc, countdown=random.uniform(wait, 2 * wait))
+        (``lock_retry_max``); ``exc`` is raised once that is used up. The countdown is the
+        denial's own (:meth:`AdmissionDenied.countdown`: a rate limit's ticket holder comes
+        back at its turn) and ``exc.context["headers"]`` join the retry's message headers."""
+        return self.steplock_retry(
+            exc, headers=exc.context.get("headers"), countdown=exc.countdown()
+        )
 
     def before_commit(self, lease: Lease | None, step_id: Any) -> None:
         """Called inside the transaction after the body, the compare-and-swap and the
