@@ -56,6 +56,16 @@ TESTS = (
     "tests/test_acl.py",
     "tests/test_connection_pools.py",
     "tests/contrib/test_routing.py",
+    # the distributed patterns: their scripts through redis-py, Celery's retry and headers,
+    # the admission gates in a task, the idempotency records' migration and ORM store
+    "tests/test_admission.py",
+    "tests/test_ratelimit.py",
+    "tests/test_bulkhead.py",
+    "tests/test_breaker.py",
+    "tests/test_breaker_tasks.py",
+    "tests/test_retry.py",
+    "tests/test_idempotency.py",
+    "tests/test_idempotency_django.py",
 )
 #: redis-py's Cluster and Sentinel clients at both ends of the redis-py range.
 TOPOLOGIES = ("tests/test_cluster.py", "tests/test_topologies_sentinel_tls.py")
