@@ -366,8 +366,7 @@ def test_every_breaker_signal_is_declared():
 
 
 def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
-    pytest.importorskip("prometheus_client")
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry  # requirements/test.txt: never skipped
 
     from celery_steplock.contrib import prometheus
     from celery_steplock.retry import RetryPolicy

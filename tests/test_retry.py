@@ -32,7 +32,9 @@ class HTTPError(Exception):
         self.response = Response(status, headers)
 
 
-class Flaky:
+class ScriptedDependency:
+    """A dependency answering with ``outcomes`` in turn (raising the exceptions), then "ok"."""
+
     def __init__(self, *outcomes):
         self.outcomes = list(outcomes)
         self.calls = 0
@@ -118,7 +120,7 @@ def test_retry_after_from_an_attribute_and_from_the_header():
 
 def test_retries_a_retryable_error_until_it_succeeds():
     p, slept = policy(max_attempts=5)
-    fn = Flaky(ConnectionError(), HTTPError(503), "done")
+    fn = ScriptedDependency(ConnectionError(), HTTPError(503), "done")
     assert p.call(fn) == "done"
     assert fn.calls == 3 and len(slept) == 2
     assert 0 <= slept[0] <= 0.1 and 0 <= slept[1] <= 0.2  # full jitter under 0.1 * 2**n
@@ -132,7 +134,7 @@ def test_a_non_retryable_error_is_never_retried(events):
         NonRetryable("declined"),
         PermissionError(),
     ):
-        fn = Flaky(exc)
+        fn = ScriptedDependency(exc)
         with pytest.raises(type(exc)):
             p.call(fn)
         assert fn.calls == 1
@@ -143,18 +145,18 @@ def test_a_non_retryable_error_is_never_retried(events):
 
 def test_unknown_errors_are_not_retried_unless_asked():
     p, _ = policy(max_attempts=3)
-    fn = Flaky(RuntimeError(), "ok")
+    fn = ScriptedDependency(RuntimeError(), "ok")
     with pytest.raises(RuntimeError):
         p.call(fn)
     assert fn.calls == 1
     p, _ = policy(max_attempts=3, retry_unknown=True)
-    fn = Flaky(RuntimeError(), "ok")
+    fn = ScriptedDependency(RuntimeError(), "ok")
     assert p.call(fn) == "ok" and fn.calls == 2
 
 
 def test_max_attempts_caps_the_calls():
     p, slept = policy(max_attempts=3)
-    fn = Flaky(*[ConnectionError()] * 10)
+    fn = ScriptedDependency(*[ConnectionError()] * 10)
     with pytest.raises(ConnectionError):
         p.call(fn)
     assert fn.calls == 3 and len(slept) == 2
@@ -162,10 +164,10 @@ def test_max_attempts_caps_the_calls():
 
 def test_retry_after_is_honoured_and_max_elapsed_gives_up():
     p, slept = policy(max_attempts=5)
-    fn = Flaky(HTTPError(429, {"Retry-After": "2"}), "ok")
+    fn = ScriptedDependency(HTTPError(429, {"Retry-After": "2"}), "ok")
     assert p.call(fn) == "ok" and slept == [2.0]
     p, slept = policy(max_attempts=5, max_elapsed=1.0)
-    fn = Flaky(HTTPError(429, {"Retry-After": "2"}), "ok")
+    fn = ScriptedDependency(HTTPError(429, {"Retry-After": "2"}), "ok")
     with pytest.raises(HTTPError):
         p.call(fn)
     assert fn.calls == 1 and slept == []
@@ -188,7 +190,7 @@ def test_retries_inside_the_breaker_never_call_an_open_dependency(redis_client):
         "dep", failure_threshold=2, window=2, recovery_timeout=30, client=redis_client, prefix="t"
     )
     p, slept = policy(max_attempts=10, breaker=breaker)
-    fn = Flaky(*[ConnectionError()] * 10)
+    fn = ScriptedDependency(*[ConnectionError()] * 10)
     with pytest.raises(CircuitOpen):
         p.call(fn)
     assert fn.calls == 2 and len(slept) == 2  # opened by the 2nd attempt; the 3rd refused
