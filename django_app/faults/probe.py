@@ -42,6 +42,13 @@ def unguarded() -> bool:
     return os.environ.get("STEPLOCK_FAULTS_UNGUARDED") == "1"
 
 
+def guard() -> str:
+    """The guard of the fault workers' CAS: ``"fenced"`` (default) or ``"nofence"`` (the
+    fence-decides family's negative control: status CAS, pre-check and ownership check, no
+    fence condition), from ``STEPLOCK_FAULTS_GUARD``."""
+    return os.environ.get("STEPLOCK_FAULTS_GUARD") or "fenced"
+
+
 def _redis():
     global _client, _client_pid
     if _client is None or _client_pid != os.getpid():
@@ -154,12 +161,23 @@ def _receiver(event):
             fence=kw.get("fence"),
             task_id=kw.get("task_id"),
             task=kw.get("task_name"),
-            reason=kw.get("reason"),
+            reason=kw.get("reason") or _conflict_reason(event, kw),
             holder=kw.get("holder"),
+            current=kw.get("current"),
         )
 
     receive.__name__ = f"faults_{event}"
     return receive
+
+
+def _conflict_reason(event, kw):
+    """A conflict whose row was still at ``from_`` was refused by the fence condition alone
+    (the library's ``TransitionConflict.stale_fence``; the signal carries ``current``)."""
+    if event != "conflict" or kw.get("fence") is None or guard() != "fenced":
+        return None
+    if kw.get("current") is not None and kw.get("current") == kw.get("from_"):
+        return "stale fence: the status matched, the fence refused"
+    return None
 
 
 _receivers = {signal: _receiver(event) for signal, event in _EVENTS.items()}

@@ -10,6 +10,12 @@ done.
 
 With ``STEPLOCK_FAULTS_UNGUARDED=1`` (the negative control) the transition is a plain
 ``UPDATE ... WHERE pk=?`` and the pre-check is off: what the suite must catch.
+
+``start`` (pending -> running) and ``reset`` (running -> pending, as a recovery moves a step
+back) build the fence-decides family's chain. With ``STEPLOCK_FAULTS_GUARD=nofence`` (its
+negative control) the workers' ``steplock_fence_field`` names a column the step model does not
+have, so the CAS keeps its status condition (and the pre-check and the ownership check stay)
+but neither checks nor writes the fence.
 """
 
 import os
@@ -19,9 +25,17 @@ from celery import shared_task
 from django.db import InterfaceError, OperationalError, transaction
 
 from celery_steplock import StepLockedTask
+from celery_steplock.exceptions import LockLost, TransitionConflict
 from django_app.workflows.models import Step, TransitionRecord
 
 from . import probe
+
+NO_FENCE_FIELD = "faults_no_fence_column"  # not a field of Step: the CAS drops its fence
+
+if probe.guard() == "nofence":
+    from django_app.celery import app as _app
+
+    _app.conf.steplock_fence_field = NO_FENCE_FIELD
 
 
 class FaultTask(StepLockedTask):
@@ -36,7 +50,24 @@ class FaultTask(StepLockedTask):
             )
             result = None
         else:
-            result = super().transition(step_id, from_, to, **updates)
+            try:
+                result = super().transition(step_id, from_, to, **updates)
+            except LockLost as exc:
+                cause = exc.__cause__
+                if isinstance(cause, TransitionConflict) and cause.stale_fence:
+                    row = Step.objects.filter(pk=step_id).values("status", "lock_fence").first()
+                    probe.record(
+                        "fence_refused",
+                        step=step_id,
+                        owner=lease.owner,
+                        fence=lease.fence,
+                        task_id=self.request.id,
+                        from_=from_,
+                        to=to,
+                        current=cause.current,
+                        row_fence=(row or {}).get("lock_fence"),
+                    )
+                raise
         TransitionRecord.objects.create(
             step_id=step_id,
             from_status=from_,
@@ -121,3 +152,15 @@ def forward_retry(self, step_id, countdown=0.5):
         probe.record("retry", step=step_id, owner=self.lease.owner, task_id=self.request.id)
         raise self.retry(countdown=countdown)
     return {"step_id": step_id, "owner": self.lease.owner, "fence": self.lease.fence}
+
+
+@shared_task(transition=("pending", "running"), **OPTIONS)
+def start(self, step_id, work=0.0):
+    """The first phase of a two-phase flow: pending -> running."""
+    return _body(self, step_id, work)
+
+
+@shared_task(transition=("running", "pending"), **OPTIONS)
+def reset(self, step_id, work=0.0):
+    """A running step moved back to pending under the lease (as a recovery would)."""
+    return _body(self, step_id, work)

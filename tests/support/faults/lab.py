@@ -49,7 +49,12 @@ class Lab:
 
     ``ttl`` (seconds) is the workers' lease TTL, ``visibility_timeout`` (seconds) the broker's,
     ``max_hold`` (seconds) the longest a lease is renewed (``steplock_max_hold``);
-    ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check).
+    ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check);
+    ``guard="nofence"`` keeps the CAS, the pre-check and the ownership check but drops the
+    fence condition from the CAS (the fence-decides family's negative control; default
+    ``"fenced"``). ``worker_stores=True`` gives each worker its own proxy on the lock-store
+    path, chained in front of ``store_proxy`` (so every fault on ``store_proxy`` still reaches
+    every worker): :meth:`split_store` needs it.
     """
 
     def __init__(
@@ -61,6 +66,8 @@ class Lab:
         max_hold: float = 15.0,
         unguarded: bool = False,
         log=print,
+        guard: str = "fenced",
+        worker_stores: bool = False,
     ):
         self.workdir = Path(workdir)
         self.db_settings = dict(db_settings)
@@ -72,6 +79,12 @@ class Lab:
         self.workers: dict[str, servers.WorkerProcess] = {}
         self.replica: servers.RedisServer | None = None
         self.repl_proxy: TcpProxy | None = None
+        if guard not in ("fenced", "nofence"):
+            raise ValueError(f"guard must be 'fenced' or 'nofence', got {guard!r}")
+        self.guard = guard
+        self.worker_stores = worker_stores
+        self.worker_proxies: dict[str, TcpProxy] = {}  # worker name -> its lock-store proxy
+        self.split: tuple[frozenset, frozenset] | None = None  # (minority, majority) names
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -95,6 +108,7 @@ class Lab:
             worker.kill()
         self.workers.clear()
         for thing in (
+            *self.worker_proxies.values(),
             self.replica,
             self.repl_proxy,
             getattr(self, "store_proxy", None),
@@ -138,7 +152,20 @@ class Lab:
         }
         if self.unguarded:
             env["STEPLOCK_FAULTS_UNGUARDED"] = "1"
+        if self.guard != "fenced":
+            env["STEPLOCK_FAULTS_GUARD"] = self.guard
         return env
+
+    def worker_store_proxy(self, name: str) -> TcpProxy:
+        """The proxy on worker ``name``'s lock-store path (``worker_stores=True``), created on
+        first use, in front of ``store_proxy``."""
+        if not self.worker_stores:
+            raise RuntimeError("this lab shares store_proxy between its workers (worker_stores)")
+        proxy = self.worker_proxies.get(name)
+        if proxy is None:
+            proxy = TcpProxy("127.0.0.1", self.store_proxy.port).start()
+            self.worker_proxies[name] = proxy
+        return proxy
 
     def ensure_workers(self, names=("w1", "w2")) -> None:
         """Start the named workers that are not running (killed by an earlier trial)."""
@@ -149,6 +176,8 @@ class Lab:
                 continue
             if worker is not None:
                 worker.kill()
+            if self.worker_stores:
+                env = {**env, "STEPLOCK_REDIS_URL": self.worker_store_proxy(name).url()}
             self.workers[name] = servers.celery_worker(
                 app="django_app",
                 name=name,
@@ -178,6 +207,8 @@ class Lab:
         self.pg_proxy.unstall()
         self.pg_proxy.unblackhole()
         self.pg_proxy.disarm()
+        if self.split is not None:
+            self.heal_split()
         if self.replica is not None:  # a failover trial moved the store: back to a fresh one
             self.heal_failover()
         if not self.store.alive():
@@ -400,4 +431,60 @@ class Lab:
             done = cursor.fetchone()[0]
         return self.note(
             "fault", kind="pg_terminate_backend", backend_pid=backend_pid, terminated=done
+        )
+
+    # -- split brain of the lock store ---------------------------------------------------------
+
+    def split_store(self, minority=("w1",)) -> dict:
+        """Split brain of the lock store: the replica is promoted and every worker not named in
+        ``minority`` (worker names) is moved to it, while the ``minority`` workers stay on the
+        old primary, where their leases live and their heartbeats go on renewing them.
+
+        Needs ``worker_stores=True`` and a stalled replica (:meth:`start_replica`, before the
+        leases the promoted side must not see are taken). Fencing tokens are Redis-time based
+        and both servers share this host's clock, so a lease granted on the promoted side
+        after the split carries a newer fence than one granted before it on the old primary.
+        The majority's connections are reset (as a failover does); ``store_proxy`` and
+        :meth:`store_client` still mean the old primary until :meth:`heal_split`. Returns the
+        history entry (``kind="split_store"``, ``minority``, ``majority``). Raises
+        RuntimeError without ``worker_stores``, without a replica, or when already split.
+        """
+        if not self.worker_stores:
+            raise RuntimeError("split_store needs Lab(worker_stores=True)")
+        if self.replica is None:
+            raise RuntimeError("split_store needs a replica: call start_replica() first")
+        if self.split is not None:
+            raise RuntimeError("the lock store is split already: heal_split() first")
+        minority = frozenset(minority)
+        majority = frozenset(self.workers) - minority
+        client = redis.Redis(host="127.0.0.1", port=self.replica.port, socket_timeout=5)
+        client.execute_command("REPLICAOF", "NO", "ONE")
+        client.close()
+        for name in sorted(majority):
+            self.worker_store_proxy(name).retarget("127.0.0.1", self.replica.port, drop=True)
+        self.split = (minority, majority)
+        return self.note(
+            "fault",
+            kind="split_store",
+            minority=sorted(minority),
+            majority=sorted(majority),
+            to_port=self.replica.port,
+        )
+
+    def heal_split(self) -> dict:
+        """End :meth:`split_store`: the promoted side wins (as Sentinel decides), so
+        ``store_proxy`` moves to it and every worker goes back through ``store_proxy``; what
+        the minority wrote on the old primary since the split is lost. Every worker's
+        lock-store connections are reset. The replica stays the store until the next trial
+        (``new_trial`` heals the failover). Returns the history entry
+        (``kind="heal_split"``). Raises RuntimeError when the store is not split."""
+        if self.split is None:
+            raise RuntimeError("the lock store is not split")
+        self.store_proxy.retarget("127.0.0.1", self.replica.port, drop=True)
+        for proxy in self.worker_proxies.values():
+            proxy.retarget("127.0.0.1", self.store_proxy.port, drop=True)
+        minority, majority = self.split
+        self.split = None
+        return self.note(
+            "fault", kind="heal_split", minority=sorted(minority), majority=sorted(majority)
         )

@@ -7,6 +7,16 @@ Most scenarios deliver the step's task twice with one task id (a duplicate deliv
 broker redelivery): the first attempt stops at the barrier holding the lease, the second lands
 on the other worker and contends, so after the fault there is always a second attempt ready
 to take over, and a second chance to commit twice.
+
+The fence-decides family (:data:`FENCE_SCENARIOS`, fault class "split brain: the fence
+decides"; it needs ``Lab(worker_stores=True)``) is the one where only the fencing token can
+refuse the stale writer: a split brain of the lock store leaves the stale holder's worker on
+the old primary, where its lease lives on and its ownership check passes, while the other
+worker, on a promoted replica that never saw that lease, takes a newer lease and moves the
+step pending -> running, and a reset (or the reaper) moves it back to pending with a fence
+at least as new. The stale holder's CAS then finds the status it expects: only the fence
+condition refuses it. A guard without the fence (``Lab(guard="nofence")``) commits the stale
+write, and the checker reports decreasing fences and a commit after a newer grant.
 """
 
 from __future__ import annotations
@@ -434,3 +444,141 @@ def _scenarios() -> list[Scenario]:
 
 
 SCENARIOS = {s.name: s for s in _scenarios()}
+
+
+# -- split brain: the fence decides -------------------------------------------------------------
+
+TASKS = "django_app.faults.tasks"
+FENCE_CLASS = "split brain: the fence decides"
+
+
+def _by_owner(lab, step, owner, *events):
+    for entry in lab.history():
+        if entry.get("step") == step and entry.get("owner") == owner and entry["ev"] in events:
+            return entry
+    return None
+
+
+def _reaper_moves_back(lab, step) -> dict:
+    """The library's reaper, run on the majority side of the split (the promoted replica),
+    moves the orphaned running step back to pending (its fence column left as it is); its
+    move is recorded as a transition, as the fault tasks record theirs."""
+    import os
+    import socket
+
+    from celery import Celery
+    from django.db import transaction
+
+    from celery_steplock.reaper import reap
+    from django_app.workflows.models import TransitionRecord
+
+    app = Celery("faults-reaper", broker=lab.control.url, set_as_current=False)
+    app.conf.update(
+        steplock_redis_url=f"redis://127.0.0.1:{lab.replica.port}/0",
+        steplock_reaper_recover={"workflows.Step": {"running": "pending"}},
+    )
+    with transaction.atomic():
+        report = reap(app, ping_timeout=0.3)
+        moved = [r for r in report.steps_recovered if int(r["pk"]) == step]
+        if moved:
+            TransitionRecord.objects.create(
+                step_id=step,
+                from_status=moved[0]["from_"],
+                to_status=moved[0]["to"],
+                task_name="reaper",
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+            )
+    if report.errors or not moved:
+        raise AssertionError(f"the reaper did not move step {step} back: {report.as_dict()}")
+    return lab.note("recovered", step=step, by="reaper", to=moved[0]["to"])
+
+
+def _note_both_sides(lab, step) -> dict:
+    """A history entry of who holds the step's lease on each side of the split (owner,
+    fence, PTTL in ms; None where no lease is): the minority's is the old primary."""
+    import redis
+
+    from celery_steplock.keys import lease_key
+
+    key = lease_key("steplock", f"step:{step}")
+    sides = {}
+    for side, port in (("minority", lab.store_proxy.target[1]), ("majority", lab.replica.port)):
+        client = redis.Redis(host="127.0.0.1", port=port, decode_responses=True, socket_timeout=5)
+        try:
+            owner, fence = client.hmget(key, "owner", "fence")
+            pttl = client.pttl(key)
+        finally:
+            client.close()
+        sides[side] = {
+            "owner": owner,
+            "fence": int(fence) if fence is not None else None,
+            "pttl_ms": pttl if owner is not None else None,
+        }
+    return lab.note("split_view", step=step, **sides)
+
+
+def fence_split(point, stale="forward", back="reset"):
+    """The stale holder (``stale``, pending -> done/cancelled) stops at ``point`` holding its
+    lease (fence f1); the lock store splits with its worker in the minority. On the majority
+    side ``start`` takes a newer lease (f2 > f1) and commits pending -> running, then ``back``
+    ("reset": a task under a lease f3 > f2; "reaper": the library's reaper) moves the step
+    back to pending with a fence >= f2. The stale holder goes on: its CAS finds ``pending``
+    and, its own Redis still renewing its lease, only the fence can refuse it. Its retry is
+    stopped at after_acquire until the split is healed; it (or the one after it) commits."""
+
+    def inject(lab, step):
+        lab.start_replica()
+        arrival, _ = held_pair(lab, step, point, task=stale, duplicate=False)
+        holder = lab.worker_of(arrival["pid"])
+        minority = [name for name, worker in lab.workers.items() if worker is holder]
+        fault = lab.split_store(minority=minority)
+        lab.publish("start", step)
+        lab.wait_event("committed", 30, step=step, to="running")
+        if back == "reaper":
+            lab.wait_event("released", 30, step=step, task=f"{TASKS}.start")
+            _reaper_moves_back(lab, step)
+        else:
+            lab.publish("reset", step)
+            lab.wait_event("committed", 30, step=step, to="pending")
+        lab.arm(step, "after_acquire")  # the stale holder's retry waits for the heal
+        _note_both_sides(lab, step)
+        lab.go(step, point)
+        outcome = lab.wait_for(
+            lambda: _by_owner(lab, step, arrival["owner"], "fence_refused", "committed"),
+            30,
+            "the stale holder's CAS to be refused or to commit",
+        )
+        if outcome["ev"] == "fence_refused":
+            lab.wait_arrival(step, "after_acquire")
+        lab.heal_split()
+        lab.go(step, "after_acquire")
+        return fault["t"]
+
+    return inject
+
+
+def _fence_scenarios() -> list[Scenario]:
+    return [
+        Scenario(
+            "fence-split@after_acquire", FENCE_CLASS, fence_split("after_acquire"), overlap=True
+        ),
+        Scenario("fence-split@before_cas", FENCE_CLASS, fence_split("before_cas"), overlap=True),
+        Scenario(
+            "fence-split-reaper@after_acquire",
+            FENCE_CLASS,
+            fence_split("after_acquire", back="reaper"),
+            overlap=True,
+        ),
+        Scenario(
+            "fence-split-compensate@before_cas",
+            FENCE_CLASS,
+            fence_split("before_cas", stale="compensate"),
+            overlap=True,
+        ),
+    ]
+
+
+#: The fence-decides family; its trials need ``Lab(worker_stores=True)`` (see the module
+#: docstring). Not in :data:`SCENARIOS`: each commits three transitions, not one.
+FENCE_SCENARIOS = {s.name: s for s in _fence_scenarios()}
