@@ -127,3 +127,72 @@ def test_a_guard_without_the_fence_commits_the_stale_write(nofence_lab, name):
         f"step {step}: holder {stale['owner'][:8]} (fence {stale['fence']}) committed after "
     )
     assert verdict.leftover_leases == 0
+
+
+def _get(proxy, key):
+    import redis
+
+    client = redis.Redis(
+        host="127.0.0.1", port=proxy.port, decode_responses=True, socket_timeout=5
+    )
+    try:
+        return client.get(key)
+    finally:
+        client.close()
+
+
+def _open(proxy):
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+    sock.sendall(b"PING\r\n")
+    assert sock.recv(64) == b"+PONG\r\n"
+    return sock
+
+
+def _reset(sock) -> bool:
+    """Whether the proxy chain ended this connection (EOF or RST on the next round trip)."""
+    try:
+        sock.sendall(b"PING\r\n")
+        return sock.recv(64) == b""
+    except OSError:
+        return True
+    finally:
+        sock.close()
+
+
+def test_split_store_moves_only_the_majority_and_heal_split_rejoins_the_winner(fence_lab):
+    lab = fence_lab
+    lab.new_trial()
+    lab.start_replica()
+    lab.store_client().set("faults-split", "old primary")  # the stalled replica never sees it
+    w1, w2 = lab.worker_store_proxy("w1"), lab.worker_store_proxy("w2")
+    assert _get(w1, "faults-split") == _get(w2, "faults-split") == "old primary"
+    held = {name: _open(proxy) for name, proxy in (("w1", w1), ("w2", w2))}
+
+    entry = lab.split_store(minority=("w1",))
+    assert (entry["kind"], entry["minority"], entry["majority"]) == ("split_store", ["w1"], ["w2"])
+    assert entry["to_port"] == lab.replica.port
+    assert _get(w1, "faults-split") == "old primary"
+    assert _get(w2, "faults-split") is None  # the promoted replica
+    assert lab.store_client().get("faults-split") == "old primary"
+    assert _reset(held["w2"]) is True  # the majority's connections were reset
+    held["w2"] = _open(w2)
+    with pytest.raises(RuntimeError, match="split already"):
+        lab.split_store(minority=("w1",))
+
+    entry = lab.heal_split()
+    assert (entry["kind"], entry["minority"], entry["majority"]) == ("heal_split", ["w1"], ["w2"])
+    assert _get(w1, "faults-split") is None and _get(w2, "faults-split") is None  # the winner
+    assert lab.store_client().get("faults-split") is None
+    assert lab.store_proxy.target == ("127.0.0.1", lab.replica.port)
+    assert _reset(held["w1"]) is True and _reset(held["w2"]) is True
+    with pytest.raises(RuntimeError, match="not split"):
+        lab.heal_split()
+
+    lab.new_trial()  # back to the lab's own store for the next trial
+    assert lab.replica is None and lab.split is None
+    assert lab.store_proxy.target == ("127.0.0.1", lab.store.port)
+    lab.store_client().set("faults-split", "store")
+    assert _get(w1, "faults-split") == _get(w2, "faults-split") == "store"
+    lab.store_client().delete("faults-split")
