@@ -7,6 +7,10 @@ example project with the probe on (``django_app/faults``). The caller's process 
 set up on the same database (the test database under pytest, a fresh one under
 ``scripts/soak.py``): the lab reads steps and transition records through the ORM, directly, not
 through the proxy.
+
+With ``worker_stores=True`` each worker reaches the lock store through a proxy of its own in
+front of ``store_proxy``, so :meth:`Lab.split_store` can split the lock store's brain (one side
+on the old primary, the other on a promoted replica) and :meth:`Lab.heal_split` end it.
 """
 
 from __future__ import annotations
