@@ -449,7 +449,9 @@ class Lab:
         and both servers share this host's clock, so a lease granted on the promoted side
         after the split carries a newer fence than one granted before it on the old primary.
         The majority's connections are reset (as a failover does); ``store_proxy`` and
-        :meth:`store_client` still mean the old primary until :meth:`heal_split`. Returns the
+        :meth:`store_client` still mean the old primary until :meth:`heal_split`. A worker
+        restarted meanwhile (:meth:`ensure_workers`) stays on its side; one first started
+        under a new name joins the old primary's. Returns the
         history entry (``kind="split_store"``, ``minority``, ``majority``). Raises
         RuntimeError without ``worker_stores``, without a replica, or when already split.
         """
