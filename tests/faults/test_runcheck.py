@@ -94,7 +94,20 @@ def clean_example() -> Builder:
         task_id="tc1",
         reason="the fence refused: the row carries a newer fencing token",
     )
+    b.ev(
+        "lost",
+        8.15,
+        103,
+        step=3,
+        owner="c1",
+        fence=30,
+        task_id="tc1",
+        reason="the step row carries a newer fencing token than 30",
+    )  # the same refusal, as the task reports it
     b.ev("task_end", 8.2, 103, step=3, task_id="tc1")
+    b.ev("breaker", 8.5, name="dep", state="open", what="opened")
+    b.ev("breaker", 8.6, name="dep", state="open", what="rejected")
+    b.ev("breaker", 8.7, name="dep", state="open", what="rejected")
     b.ev("fault", 9.0, 1, kind="redis_latency", by="controller")
     b.ev("heal", 9.5, 1, kind="redis_latency", fault_t=9.0, by="controller")
     b.attempt(4, "d1", 40, 10.0)
@@ -135,6 +148,7 @@ def test_a_clean_run_passes_and_is_counted():
         "overlaps": 1,
         "stale_rejected": 1,
         "fence_refusals": 1,
+        "breaker": {"opened": 1, "rejected": 2},
         "rate_grants": 4,
         "slot_grants": 3,
         "idem_bodies": 1,
@@ -362,6 +376,30 @@ def test_two_completions_of_one_key():
     verdict = b.verdict()
     assert verdict.violations == ["idempotency idem:k: completed again at 1.600 (first at 1.500)"]
     assert verdict.counts["idem_replays"] == 1
+
+
+def test_fence_refusals_are_counted_once_per_attempt():
+    b = Builder()
+    b.ev("conflict", 1.0, step=1, owner="x", fence=3, stale_fence=True)
+    b.ev(
+        "lost",
+        1.1,
+        step=1,
+        owner="x",
+        fence=3,
+        reason="the step row carries a newer fencing token than 3",
+    )
+    b.ev(
+        "lost",
+        1.2,
+        step=1,
+        owner="y",
+        fence=4,
+        reason="the step row carries a newer fencing token than 4",
+    )
+    b.ev("conflict", 1.3, step=1, owner="z", fence=5, reason=None)  # the status had moved on
+    b.ev("lost", 1.4, step=1, owner="w", fence=6, reason="renewal refused: the lease is gone")
+    assert b.verdict().counts["fence_refusals"] == 2
 
 
 def test_a_threads_worker_ends_a_hold_at_its_own_task_end():

@@ -202,8 +202,8 @@ class _Index:
         self.slots: dict = defaultdict(list)
         self.idem: dict = defaultdict(list)
         self.executions = 0
-        self.fence_refusals = 0
         self.breaker: Counter = Counter()
+        refusals: set = set()
         for i, e in enumerate(history):
             ev = e.get("ev")
             step = e.get("step")
@@ -230,10 +230,8 @@ class _Index:
                     self.ends_by_pid[e["pid"]].append(e["t"])
                 if e.get("task_id"):
                     self.ends_by_task[e["task_id"]].append(e["t"])
-            elif ev == "conflict":
-                reason = str(e.get("reason") or "")
-                if e.get("stale_fence") or "fence" in reason.lower():
-                    self.fence_refusals += 1
+            elif ev in ("conflict", "lost") and _fence_refused(e):
+                refusals.add((e.get("step"), e.get("owner")))
             elif ev == "rate_granted":
                 self.rate[e.get("key")].append(e)
             elif ev in ("slot_acquired", "slot_released", "slot_expired"):
@@ -242,6 +240,7 @@ class _Index:
                 self.idem[e.get("key")].append((i, e))
             elif ev == "breaker":
                 self.breaker[e.get("what") or "?"] += 1
+        self.fence_refusals = len(refusals)
         for table in (self.stops, self.kills, self.ends_by_pid, self.ends_by_task):
             for times in table.values():
                 times.sort()
@@ -259,6 +258,15 @@ class _Index:
         if task_id and task_id in self.ends_by_task:
             return self.first_at_or_after(self.ends_by_task[task_id], start)
         return self.first_at_or_after(self.ends_by_pid.get(entry.get("pid"), []), start)
+
+
+def _fence_refused(entry: dict) -> bool:
+    """A conflict whose reason (or ``stale_fence``) says the fenced compare-and-swap refused,
+    or the loss the task reports after it ("... carries a newer fencing token ...")."""
+    reason = str(entry.get("reason") or "").lower()
+    if entry.get("ev") == "conflict":
+        return bool(entry.get("stale_fence")) or "fence" in reason
+    return "newer fencing token" in reason
 
 
 def _earliest(*times):
@@ -529,6 +537,7 @@ def check_run(run: Run) -> RunVerdict:
         "overlaps": overlaps,
         "stale_rejected": stale_rejected,
         "fence_refusals": index.fence_refusals,
+        "breaker": dict(sorted(index.breaker.items())),
         "rate_grants": rate_grants,
         "slot_grants": slot_grants,
         **idem_counts,
