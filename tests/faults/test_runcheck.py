@@ -279,15 +279,20 @@ def test_the_rate_window_is_half_open():
     ]
 
 
-def test_separate_bursts_are_separate_messages_and_unknown_keys_are_not_judged():
+def test_separate_bursts_and_keys_judged_by_their_window_only():
     b = Builder(limits=RATE)
     for t in (0.0, 0.1, 0.2, 5.0, 5.1, 5.2, 5.3):
         b.grant("r:api", t)
     for t in (0.0, 0.0, 0.0):
-        b.grant("r:other", t)
+        b.grant("r:other", t)  # "2/1s": neither configured nor a sliding window's description
+    for t in (0.0, 0.5, 0.9):
+        b.ev("rate_granted", t, key="r:bucket", granted_at=t, limit="2/s bucket of 2", owner="b")
+    for t in (7.0, 7.5, 7.9):
+        b.ev("rate_granted", t, key="r:described", granted_at=t, limit="2/1s window", owner="d")
     assert b.verdict().violations == [
         "rate r:api: 3 grants in [0.000000, +1 s) for a limit of 2 (o, o, o)",
         "rate r:api: 4 grants in [5.000000, +1 s) for a limit of 2 (o, o, o, o)",
+        "rate r:described: 3 grants in [7.000000, +1 s) for a limit of 2 (d, d, d)",
     ]
 
 

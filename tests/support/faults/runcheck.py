@@ -31,6 +31,7 @@ import argparse
 import bisect
 import gzip
 import json
+import re
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -328,16 +329,27 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
     return problems, overlap, stale_rejected
 
 
+_WINDOW = re.compile(r"^(\d+)/(\d+(?:\.\d+)?)s window$")
+
+
+def _window_of(description) -> dict | None:
+    """The limit of a sliding window's description (``"10/1s window"``); None for another
+    kind (a token bucket bounds no fixed window)."""
+    match = _WINDOW.match(str(description or ""))
+    return {"limit": int(match[1]), "window": float(match[2])} if match else None
+
+
 def check_rates(grants: dict, limits: dict) -> tuple[list[str], int]:
     """Violations of the rate limits and the number of grants: ``grants`` maps a rate key to
     its ``rate_granted`` entries, ``limits`` a rate key to ``{"limit": N, "window": s}``; a
-    key without a configured limit is not judged. One message per burst (a run of window
+    key without a configured limit is judged by its entries' sliding-window description
+    (``limit``: ``"10/1s window"``), else not at all. One message per burst (a run of window
     starts each holding more than ``limit`` grants), naming its fullest window."""
     problems, total = [], 0
     for key in sorted(grants, key=str):
         entries = grants[key]
         total += len(entries)
-        conf = limits.get(key)
+        conf = limits.get(key) or _window_of(entries[0].get("limit"))
         if not conf:
             continue
         limit, width = int(conf["limit"]), round(float(conf["window"]) * MICRO)
