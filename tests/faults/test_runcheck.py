@@ -154,6 +154,7 @@ def test_a_clean_run_passes_and_is_counted():
         "idem_bodies": 1,
         "idem_completions": 1,
         "idem_replays": 1,
+        "after_data_loss": 0,
         "leftovers": 0,
         "keys_without_ttl": 0,
         "history_entries": len(clean_example().history),
@@ -369,6 +370,36 @@ def test_an_idempotent_body_after_its_completion():
         "completion recorded at 1.500"
     ]
     assert (verdict.counts["idem_bodies"], verdict.counts["idem_completions"]) == (2, 1)
+
+
+def test_a_pattern_violation_after_a_redis_data_loss_says_so():
+    b = Builder(limits=RATE)
+    b.ev("idem_body", 1.0, key="idem:k", task_id="t-first", step=7)
+    b.ev("idem_completed", 1.5, key="idem:k")
+    b.ev("fault", 1.7, kind="redis_restart", by="controller")
+    b.ev("idem_body", 2.0, key="idem:k", task_id="t-second", step=7)
+    b.ev("idem_completed", 2.5, key="idem:k")
+    b.slot("slot_acquired", 3.0, "s1", pid=1)
+    b.slot("slot_acquired", 3.1, "s2", slot=1, pid=2)
+    b.ev("fault", 3.2, kind="redis_failover", by="controller")
+    b.slot("slot_acquired", 3.3, "s3", pid=3)
+    for owner, slot, pid in (("s1", 0, 1), ("s2", 1, 2), ("s3", 0, 3)):
+        b.slot("slot_released", 4.0, owner, slot=slot, pid=pid)
+    for owner, pid in (("s4", 4), ("s5", 5), ("s6", 6)):
+        b.slot("slot_acquired", 9.0, owner, pid=pid)  # no Redis fault since they started
+    b.ev("fault", 20.0, kind="redis_restart", by="controller")
+    verdict = b.verdict()
+    assert verdict.violations == [
+        "concurrency c:db: 3 slots held at 3.300 for a limit of 2 (s1 slot 0 fence 1, s2 slot 1 "
+        "fence 1, s3 slot 0 fence 1); after redis_failover at 3.200",
+        "concurrency c:db: 3 slots held at 9.000 for a limit of 2 (s4 slot 0 fence 1, s5 slot 0 "
+        "fence 1, s6 slot 0 fence 1)",
+        "idempotency idem:k: body of task t-second (step 7) started at 2.000, after the "
+        "completion recorded at 1.500; after redis_restart at 1.700",
+        "idempotency idem:k: completed again at 2.500 (first at 1.500); after redis_restart at "
+        "1.700",
+    ]
+    assert verdict.counts["after_data_loss"] == 3
 
 
 def test_two_completions_of_one_key():

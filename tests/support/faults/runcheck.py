@@ -20,6 +20,11 @@ duration, workers, TTL, the configured limits, faults by kind). The checks:
 - per idempotency key, no body started after a completion was recorded, and at most one
   completion.
 
+A pattern violation with a Redis restart or failover inside it (a rate log, a slot or an
+idempotency record may have been lost with Redis's data, the patterns' documented limit) stays
+a violation; its message ends with ``; after <kind> at <t>`` and ``counts["after_data_loss"]``
+counts them.
+
 ``python -m tests.support.faults.runcheck DIR [--write]`` prints the verdict (summary lines,
 then its JSON) and with ``--write`` stores it as ``DIR/verdict.json``; exit status 1 on
 violations or leftovers.
@@ -43,6 +48,9 @@ KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
 STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
 MICRO = 1_000_000  # rate windows are compared in whole microseconds: no float rounding
 MAX_NAMED = 5  # owners or keys named in one message
+# faults after which Redis may have lost data: a rate log, a slot or an idempotency record
+# lost with it lets one more through (the patterns' documented limit); a message says so
+DATA_LOSS = ("redis_restart", "redis_failover")
 
 
 @dataclass
@@ -204,6 +212,7 @@ class _Index:
         self.idem: dict = defaultdict(list)
         self.executions = 0
         self.breaker: Counter = Counter()
+        self.data_loss: list[tuple[float, str]] = []
         refusals: set = set()
         for i, e in enumerate(history):
             ev = e.get("ev")
@@ -217,6 +226,8 @@ class _Index:
                     self.executions += 1
             if ev == "fault":
                 self.faults[e.get("kind") or e.get("signal") or "?"] += 1
+                if e.get("kind") in DATA_LOSS:
+                    self.data_loss.append((e["t"], e["kind"]))
                 if e.get("signal") in STOP_SIGNALS and e.get("pid"):
                     for pid in _pids(e):
                         self.stops[pid].append(e["t"])
@@ -246,11 +257,20 @@ class _Index:
             for times in table.values():
                 times.sort()
         self.commits.sort()
+        self.data_loss.sort()
 
     @staticmethod
     def first_at_or_after(times: list[float], start: float) -> float | None:
         i = bisect.bisect_left(times, start)
         return times[i] if i < len(times) else None
+
+    def data_loss_note(self, start: float, end: float) -> str:
+        """ "" or a note naming the last Redis data-loss fault in ``[start, end]``."""
+        i = bisect.bisect_right(self.data_loss, (end, "\uffff")) - 1
+        if i >= 0 and self.data_loss[i][0] >= start:
+            t, kind = self.data_loss[i]
+            return f"; after {kind} at {t:.3f}"
+        return ""
 
     def task_end_after(self, entry: dict, start: float) -> float | None:
         """The end of the task run of ``entry`` (by its task id when it has one: a threads
@@ -339,12 +359,13 @@ def _window_of(description) -> dict | None:
     return {"limit": int(match[1]), "window": float(match[2])} if match else None
 
 
-def check_rates(grants: dict, limits: dict) -> tuple[list[str], int]:
+def check_rates(grants: dict, limits: dict, index: _Index | None = None) -> tuple[list[str], int]:
     """Violations of the rate limits and the number of grants: ``grants`` maps a rate key to
     its ``rate_granted`` entries, ``limits`` a rate key to ``{"limit": N, "window": s}``; a
     key without a configured limit is judged by its entries' sliding-window description
     (``limit``: ``"10/1s window"``), else not at all. One message per burst (a run of window
-    starts each holding more than ``limit`` grants), naming its fullest window."""
+    starts each holding more than ``limit`` grants), naming its fullest window and (with
+    ``index``) a Redis data-loss fault inside it."""
     problems, total = [], 0
     for key in sorted(grants, key=str):
         entries = grants[key]
@@ -374,9 +395,14 @@ def check_rates(grants: dict, limits: dict) -> tuple[list[str], int]:
             owners = ", ".join(_short(e.get("owner") or e.get("task_id")) for e in inside)
             if count > MAX_NAMED:
                 owners = ", ".join(owners.split(", ")[:MAX_NAMED]) + ", ..."
+            note = (
+                index.data_loss_note(times[best] / MICRO, times[best + count - 1] / MICRO)
+                if index is not None
+                else ""
+            )
             problems.append(
                 f"rate {key}: {count} grants in [{times[best] / MICRO:.6f}, "
-                f"+{width / MICRO:g} s) for a limit of {limit} ({owners})"
+                f"+{width / MICRO:g} s) for a limit of {limit} ({owners}){note}"
             )
     return problems, total
 
@@ -429,26 +455,28 @@ def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
             if kind == 0:
                 held.pop(ident, None)
                 if peak is not None and len(held) <= limit:
-                    problems.append(_concurrency_message(key, limit, peak))
+                    problems.append(_concurrency_message(index, key, limit, peak))
                     peak = None
                 continue
             held[ident] = holds[ident]
             if len(held) > limit and (peak is None or len(held) > peak[0]):
                 peak = (len(held), t, list(held.values()))
         if peak is not None:
-            problems.append(_concurrency_message(key, limit, peak))
+            problems.append(_concurrency_message(index, key, limit, peak))
     return problems, grants
 
 
-def _concurrency_message(key, limit, peak) -> str:
+def _concurrency_message(index: _Index, key, limit, peak) -> str:
     count, t, holders = peak
+    note = index.data_loss_note(min(e["t"] for e in holders), t)
     named = ", ".join(
         f"{_short(e.get('owner'))} slot {e.get('slot')} fence {e.get('fence')}"
         for e in holders[:MAX_NAMED]
     )
     more = ", ..." if len(holders) > MAX_NAMED else ""
     return (
-        f"concurrency {key}: {count} slots held at {t:.3f} for a limit of {limit} ({named}{more})"
+        f"concurrency {key}: {count} slots held at {t:.3f} for a limit of {limit} "
+        f"({named}{more}){note}"
     )
 
 
@@ -468,6 +496,7 @@ def check_idempotency(index: _Index) -> tuple[list[str], dict]:
                         f"idempotency {key}: body of task {_short(e.get('task_id'))} "
                         f"(step {e.get('step')}) started at {e['t']:.3f}, after the completion "
                         f"recorded at {completed['t']:.3f}"
+                        f"{index.data_loss_note(completed['t'], e['t'])}"
                     )
             elif ev == "idem_completed":
                 counts["idem_completions"] += 1
@@ -475,6 +504,7 @@ def check_idempotency(index: _Index) -> tuple[list[str], dict]:
                     problems.append(
                         f"idempotency {key}: completed again at {e['t']:.3f} "
                         f"(first at {completed['t']:.3f})"
+                        f"{index.data_loss_note(completed['t'], e['t'])}"
                     )
                 else:
                     completed = e
@@ -536,10 +566,11 @@ def check_run(run: Run) -> RunVerdict:
         overlaps += overlap
         stale_rejected += stale
     limits = run.meta.get("limits") or {}
-    rate_problems, rate_grants = check_rates(index.rate, limits.get("rate") or {})
+    rate_problems, rate_grants = check_rates(index.rate, limits.get("rate") or {}, index)
     slot_problems, slot_grants = check_concurrency(index, limits.get("concurrency") or {})
     idem_problems, idem_counts = check_idempotency(index)
-    verdict.violations += rate_problems + slot_problems + idem_problems
+    pattern_problems = rate_problems + slot_problems + idem_problems
+    verdict.violations += pattern_problems
     verdict.counts = {
         "steps": len(run.steps),
         "terminal_steps": sum(1 for s in run.steps.values() if s in TERMINAL),
@@ -553,6 +584,7 @@ def check_run(run: Run) -> RunVerdict:
         "rate_grants": rate_grants,
         "slot_grants": slot_grants,
         **idem_counts,
+        "after_data_loss": sum("; after redis_" in p for p in pattern_problems),
         "leftovers": len(verdict.leftovers),
         "keys_without_ttl": len(no_ttl),
         "history_entries": len(run.history),
@@ -592,10 +624,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     verdict = check_run(load(args.dir))
     document = json.dumps(verdict.as_dict(), indent=2) + "\n"
-    print("\n".join(summary_lines(verdict)))
-    print(document, end="")
     if args.write:
         (Path(args.dir) / "verdict.json").write_text(document)
+    print("\n".join(summary_lines(verdict)))
+    print(document, end="")
     return 0 if verdict.ok else 1
 
 
