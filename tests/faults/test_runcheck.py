@@ -350,6 +350,16 @@ def killed_and_finished_holders(kill: bool) -> Builder:
     return b
 
 
+def test_a_hold_ends_when_its_holder_learns_the_slot_is_gone():
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2)
+    b.ev("lost", 1.5, 1, owner="s1", fence=1, reason="renewal refused")  # step None: a slot
+    b.slot("slot_acquired", 1.6, "s3", pid=3)
+    b.ev("slot_expired", 2.0, None, limit_key="c:db", limit=2, owner="s1", reason="reaped")
+    assert b.verdict().violations == []
+
+
 def test_a_killed_holder_and_a_finished_task_hold_no_slot():
     assert killed_and_finished_holders(kill=True).verdict().violations == []
     # without the SIGKILL, s1 holds on (no release, no task end): s2's task end still counts

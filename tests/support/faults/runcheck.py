@@ -213,6 +213,7 @@ class _Index:
         self.executions = 0
         self.breaker: Counter = Counter()
         self.data_loss: list[tuple[float, str]] = []
+        self.lost_at: dict = {}  # owner -> first "lost" (a slot's: the heartbeat found it gone)
         refusals: set = set()
         for i, e in enumerate(history):
             ev = e.get("ev")
@@ -224,6 +225,8 @@ class _Index:
                 self.by_step[normal].append(e)
                 if ev in ("acquired", "contended"):
                     self.executions += 1
+            if ev == "lost" and e.get("owner"):
+                self.lost_at.setdefault(e["owner"], e["t"])
             if ev == "fault":
                 self.faults[e.get("kind") or e.get("signal") or "?"] += 1
                 if e.get("kind") in DATA_LOSS:
@@ -408,13 +411,15 @@ def check_rates(grants: dict, limits: dict, index: _Index | None = None) -> tupl
 
 
 def _slot_ident(e: dict) -> tuple:
-    return (e.get("owner"), e.get("slot"), e.get("fence"))
+    # every grant has a fresh owner token; a reaped slot's slot_expired names no slot
+    return (e["owner"],) if e.get("owner") else (e.get("slot"), e.get("fence"))
 
 
 def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
     """Violations of the concurrency limits and the number of slot grants. A hold starts at
-    ``slot_acquired`` and ends at the first of its ``slot_released``/``slot_expired``, a
-    SIGKILL/SIGQUIT/SIGSTOP of its pid or the end of its task run (else it lasts). The
+    ``slot_acquired`` and ends at the first of its ``slot_released``/``slot_expired``, the
+    ``lost`` of its owner (the heartbeat found the slot gone: its expiry as the holder learnt
+    it), a SIGKILL/SIGQUIT/SIGSTOP of its pid or the end of its task run (else it lasts). The
     limit is ``limits[key]``, else the events' ``limit``. One message per episode above the
     limit, naming the holders at its peak."""
     problems, grants = [], 0
@@ -437,8 +442,10 @@ def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
         marks = []
         for ident, e in holds.items():
             start = e["t"]
+            lost = index.lost_at.get(e.get("owner"))
             stop = _earliest(
                 done.get(ident),
+                lost if lost is not None and lost >= start else None,
                 index.first_at_or_after(index.stops.get(e.get("pid"), []), start),
                 index.task_end_after(e, start),
             )
