@@ -461,6 +461,17 @@ def test_a_threads_worker_ends_a_hold_at_its_own_task_end():
     assert verdict.counts["overlaps"] == 1
 
 
+def test_a_same_id_duplicate_in_another_process_keeps_its_own_hold():
+    b = Builder()
+    b.ev("acquired", 0.0, 60, step=1, owner="first", fence=1, task_id="same")
+    b.ev("task_end", 0.5, 61, step=1, task_id="same")  # the duplicate gave up in pid 61
+    b.ev("acquired", 1.0, 62, step=1, owner="second", fence=2, task_id="other")
+    b.ev("task_end", 1.5, 62, step=1, task_id="other")
+    b.ev("task_end", 2.0, 60, step=1, task_id="same")
+    b.steps[1] = "pending"
+    assert b.verdict().counts["overlaps"] == 1
+
+
 def test_load_reads_a_run_directory_and_a_gzipped_history(tmp_path):
     run = clean_example().run()
     plain = runcheck.load(runcheck.dump(run, tmp_path / "plain"))

@@ -203,7 +203,7 @@ class _Index:
         self.stops: dict = defaultdict(list)  # pid -> times of a SIGKILL/SIGQUIT/SIGSTOP
         self.kills: dict = defaultdict(list)  # pid -> times of a SIGKILL/SIGQUIT
         self.ends_by_pid: dict = defaultdict(list)  # pid -> task_end times
-        self.ends_by_task: dict = defaultdict(list)  # task_id -> task_end times
+        self.ends_by_task: dict = defaultdict(list)  # (task_id, pid) -> task_end times
         self.commits: list[float] = []
         self.heals: list[dict] = []
         self.faults: Counter = Counter()
@@ -244,7 +244,7 @@ class _Index:
                 if e.get("pid") is not None:
                     self.ends_by_pid[e["pid"]].append(e["t"])
                 if e.get("task_id"):
-                    self.ends_by_task[e["task_id"]].append(e["t"])
+                    self.ends_by_task[(e["task_id"], e.get("pid"))].append(e["t"])
             elif ev in ("conflict", "lost") and _fence_refused(e):
                 refusals.add((e.get("step"), e.get("owner")))
             elif ev == "rate_granted":
@@ -276,11 +276,12 @@ class _Index:
         return ""
 
     def task_end_after(self, entry: dict, start: float) -> float | None:
-        """The end of the task run of ``entry`` (by its task id when it has one: a threads
-        pool runs several tasks in one pid) at or after ``start``."""
-        task_id = entry.get("task_id")
-        if task_id and task_id in self.ends_by_task:
-            return self.first_at_or_after(self.ends_by_task[task_id], start)
+        """The end of the task run of ``entry`` at or after ``start``: by its task id and pid
+        when it has a task id (a threads pool runs several tasks in one pid; a same-id
+        duplicate runs in another process), else by its pid."""
+        ident = (entry.get("task_id"), entry.get("pid"))
+        if ident[0] and ident in self.ends_by_task:
+            return self.first_at_or_after(self.ends_by_task[ident], start)
         return self.first_at_or_after(self.ends_by_pid.get(entry.get("pid"), []), start)
 
 
