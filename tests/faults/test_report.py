@@ -108,6 +108,14 @@ def test_render_has_both_tables_and_the_examples():
     )
 
 
+def test_durations_render_in_whole_seconds():
+    run = dict(randomized(), duration_s=1800.0)
+    run["negative_control"] = dict(run["negative_control"], duration_s=120.5)
+    lines = report.render({"deterministic": None, "randomized": [run]}).splitlines()
+    assert "- seed 7, 1,800 s: kill_child 300, pause 250" in lines
+    assert "- seed 7, 120.5 s (negative control): kill_child 20" in lines
+
+
 def test_render_of_an_empty_document():
     text = report.render(report.empty())
     assert "No deterministic soak recorded yet." in text.splitlines()

@@ -232,6 +232,13 @@ def _deterministic_examples(result: dict) -> list[str]:
     return [f"- {name}: {ex}" for name, ex in examples[:MAX_EXAMPLES]]
 
 
+def _seconds(value) -> str:
+    """A duration: whole seconds without a fraction (1,800, not 1800.0)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return fmt(value)
+
+
 def _workers(run: dict) -> str:
     workers = run.get("workers") or []
     if not workers:
@@ -274,12 +281,12 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
     for run in runs:
         neg = run.get("negative_control")
         neg_text = (
-            f"{neg.get('seed')}, {fmt(neg.get('duration_s'))}, **{fmt(neg.get('violations'))}**"
+            f"{neg.get('seed')}, {_seconds(neg.get('duration_s'))}, **{fmt(neg.get('violations'))}**"
             if neg
             else "-"
         )
         lines.append(
-            f"| {run.get('seed')} | {fmt(run.get('duration_s'))} | {run.get('started') or '-'} | "
+            f"| {run.get('seed')} | {_seconds(run.get('duration_s'))} | {run.get('started') or '-'} | "
             f"{run.get('commit') or '-'} | {_workers(run)} | {fmt(run.get('executions'))} | "
             f"{_faults_total(run.get('faults') or {})} | **{fmt(run.get('violations'))}** | "
             f"{fmt(run.get('leftovers'))} | {fmt(run.get('recovery_p50_s'))} | "
@@ -289,13 +296,13 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
     for run in runs:
         kinds = ", ".join(f"{k} {fmt(v)}" for k, v in sorted((run.get("faults") or {}).items()))
         lines.append(
-            f"- seed {run.get('seed')}, {fmt(run.get('duration_s'))} s: {kinds or 'none'}"
+            f"- seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s: {kinds or 'none'}"
         )
         neg = run.get("negative_control")
         if neg and neg.get("faults"):
             kinds = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(neg["faults"].items()))
             lines.append(
-                f"- seed {neg.get('seed')}, {fmt(neg.get('duration_s'))} s (negative control): "
+                f"- seed {neg.get('seed')}, {_seconds(neg.get('duration_s'))} s (negative control): "
                 f"{kinds}"
             )
     return lines
@@ -304,7 +311,7 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
 def _randomized_examples(runs: list[dict]) -> list[str]:
     lines = []
     for run in runs:
-        label = f"nemesis seed {run.get('seed')}, {fmt(run.get('duration_s'))} s"
+        label = f"nemesis seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s"
         lines += [f"- {label}: {ex}" for ex in (run.get("examples") or [])[:MAX_RUN_EXAMPLES]]
         neg = run.get("negative_control") or {}
         lines += [
@@ -360,7 +367,7 @@ def headline(doc: dict) -> str:
         run = doc["randomized"][-1]
         faults = run.get("faults") or {}
         text = (
-            f"a {fmt(run.get('duration_s'))} s randomized run (seed {run.get('seed')}): "
+            f"a {_seconds(run.get('duration_s'))} s randomized run (seed {run.get('seed')}): "
             f"{fmt(run.get('executions'))} step executions, {fmt(sum(faults.values()))} faults "
             f"of {len(faults)} kinds, {fmt(run.get('violations'))} violations, "
             f"{fmt(run.get('leftovers'))} leftovers"
