@@ -251,6 +251,10 @@ def test_a_leftover_lease_and_a_leftover_slot():
         "left in the lock store: steplock:lease:limit:c:db:1",
         "left in the lock store: steplock:lease:step:1",
     ]
+    assert verdict.as_dict()["leftover"] == [
+        "steplock:lease:limit:c:db:1",
+        "steplock:lease:step:1",
+    ]
     assert (verdict.counts["leftovers"], verdict.ok) == (2, False)
 
 
@@ -495,10 +499,13 @@ def test_load_without_a_history_raises(tmp_path):
 def test_the_command_line_prints_and_writes_the_verdict(tmp_path, capsys):
     good = runcheck.dump(clean_example().run(), tmp_path / "good")
     bad = runcheck.dump(unguarded_example().run(), tmp_path / "bad")
-    assert runcheck.main([str(good)]) == 0
+    assert runcheck.main([str(good), "--no-write"]) == 0
     assert not (good / "verdict.json").exists()
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "OK: 0 violation(s), 0 leftover(s)"
+    assert runcheck.main([str(good)]) == 0  # the runner's call: writes verdict.json
+    assert json.loads((good / "verdict.json").read_text())["ok"] is True
+    capsys.readouterr()
     assert runcheck.main([str(bad), "--write"]) == 1
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "FAILED: 2 violation(s), 0 leftover(s)"
@@ -529,7 +536,7 @@ def test_a_recorded_run_gives_its_stored_verdict(path):
     verdict = runcheck.check_run(run)
     stored = json.loads((path / "verdict.json").read_text())
     assert verdict.violations == stored["violations"]
-    assert verdict.leftovers == stored["leftovers"]
+    assert (verdict.leftovers, verdict.leftover) == (stored["leftovers"], stored["leftover"])
     assert verdict.counts == stored["counts"]
     if run.meta.get("unguarded"):
         assert verdict.violations, "a negative control must show violations"

@@ -25,9 +25,10 @@ idempotency record may have been lost with Redis's data, the patterns' documente
 a violation; its message ends with ``; after <kind> at <t>`` and ``counts["after_data_loss"]``
 counts them.
 
-``python -m tests.support.faults.runcheck DIR [--write]`` prints the verdict (summary lines,
-then its JSON) and with ``--write`` stores it as ``DIR/verdict.json``; exit status 1 on
-violations or leftovers.
+``python -m tests.support.faults.runcheck DIR [--write | --no-write]`` prints the verdict
+(summary lines, then its JSON) and stores it as ``DIR/verdict.json`` (the run directory's
+contract: the runner calls it without options; ``--write`` says so explicitly, ``--no-write``
+only prints); exit status 1 on violations or leftovers.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ class Run:
 
 @dataclass
 class RunVerdict:
-    """``violations`` and ``leftovers`` are messages (a leftover names one lease or slot key);
-    ``counts`` maps a name to an int or, for ``faults``, a dict kind -> int; ``recovery``
+    """``violations`` and ``leftovers`` are messages (a leftover names one lease or slot key,
+    ``leftover`` holds those keys); ``counts`` maps a name to an int or, for ``faults``, a dict kind -> int; ``recovery``
     holds seconds from each lasting fault's heal to the next committed transition."""
 
     violations: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
+    leftover: list[str] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
     recovery: dict = field(default_factory=dict)
 
@@ -86,6 +88,7 @@ class RunVerdict:
             "ok": self.ok,
             "violations": list(self.violations),
             "leftovers": list(self.leftovers),
+            "leftover": list(self.leftover),
             "counts": dict(self.counts),
             "recovery": dict(self.recovery),
         }
@@ -554,9 +557,8 @@ def check_run(run: Run) -> RunVerdict:
         verdict.violations.append(
             f"{len(no_ttl)} lock-store key(s) without a TTL ({_key_list(no_ttl)})"
         )
-    verdict.leftovers = [
-        f"left in the lock store: {k}" for k in sorted(run.store.get("leftover", []))
-    ]
+    verdict.leftover = sorted(run.store.get("leftover", []))
+    verdict.leftovers = [f"left in the lock store: {k}" for k in verdict.leftover]
     by_step: dict = defaultdict(list)
     for r in run.records:
         by_step[r.step].append(r)
@@ -628,7 +630,15 @@ def summary_lines(verdict: RunVerdict, limit: int = 20) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Check a randomized fault run's directory.")
     parser.add_argument("dir", help="the run directory")
-    parser.add_argument("--write", action="store_true", help="write DIR/verdict.json")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        default=True,
+        help="write DIR/verdict.json (the default)",
+    )
+    parser.add_argument(
+        "--no-write", dest="write", action="store_false", help="print the verdict only"
+    )
     args = parser.parse_args(argv)
     verdict = check_run(load(args.dir))
     document = json.dumps(verdict.as_dict(), indent=2) + "\n"
