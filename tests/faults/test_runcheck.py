@@ -78,7 +78,7 @@ def clean_example() -> Builder:
     b.attempt(1, "a1", 10, 0.0)
     b.ev("fault", 1.2, kind="kill_child", signal="SIGKILL", pid=101, by="controller")
     b.ev("acquired", 1.1, 101, step=2, owner="b1", fence=20, task_id="tb1")
-    b.attempt(2, "b2", 21, 4.0, pid=102)  # b1 was killed at 1.0: no overlap
+    b.attempt(2, "b2", 21, 4.0, pid=102)  # b1 was killed at 1.2: no overlap
     b.ev("fault", 5.0, kind="pause", signal="SIGSTOP", pid=103, seconds=3, by="controller")
     b.ev("acquired", 4.9, 103, step=3, owner="c1", fence=30, task_id="tc1")
     b.ev("point", 4.95, 103, step=3, point="before_cas", owner="c1", fence=30, task_id="tc1")
@@ -315,6 +315,22 @@ def test_a_concurrency_limit_exceeded():
         "(s1 slot 0 fence 1, s2 slot 1 fence 2, s3 slot 0 fence 3)"
     ]
     assert verdict.counts["slot_grants"] == 3
+
+
+def test_a_release_and_a_grant_at_one_instant_do_not_overlap():
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", slot=0, pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2)
+    b.slot("slot_released", 2.0, "s1", slot=0, pid=1)
+    b.slot("slot_acquired", 2.0, "s3", slot=0, fence=2, pid=3)
+    b.slot("slot_released", 3.0, "s2", slot=1, pid=2)
+    b.slot("slot_released", 3.0, "s3", slot=0, fence=2, pid=3)
+    assert b.verdict().violations == []
+    b.history[2]["t"] = 2.000001  # released just after the next grant: three at once
+    assert b.verdict().violations == [
+        "concurrency c:db: 3 slots held at 2.000 for a limit of 2 "
+        "(s1 slot 0 fence 1, s2 slot 1 fence 1, s3 slot 0 fence 2)"
+    ]
 
 
 def test_the_limit_of_the_events_is_used_when_run_json_has_none():
