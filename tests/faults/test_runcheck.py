@@ -271,6 +271,15 @@ def test_a_rate_limit_exceeded():
     assert verdict.counts["rate_grants"] == 5
 
 
+def test_a_grant_without_its_redis_time_is_counted_not_judged():
+    b = Builder(limits=RATE)
+    for t in (1.0, 1.1):
+        b.grant("r:api", t)
+    b.ev("rate_granted", 1.2, key="r:api", granted_at=None, limit="2/1s window")
+    verdict = b.verdict()
+    assert (verdict.violations, verdict.counts["rate_grants"]) == ([], 3)
+
+
 def test_the_rate_window_is_half_open():
     exact = Builder(limits=RATE)
     for t in (1796006667.068929, 1796006667.5, 1796006668.068929):

@@ -381,7 +381,11 @@ def check_rates(grants: dict, limits: dict, index: _Index | None = None) -> tupl
         if not conf:
             continue
         limit, width = int(conf["limit"]), round(float(conf["window"]) * MICRO)
-        timed = sorted((round(float(e["granted_at"]) * MICRO), n) for n, e in enumerate(entries))
+        timed = sorted(
+            (round(float(e["granted_at"]) * MICRO), n)
+            for n, e in enumerate(entries)
+            if e.get("granted_at") is not None  # a grant without its Redis time: unjudged
+        )
         times = [t for t, _ in timed]
         burst = None  # (first start index, fullest start index, its count)
         bursts = []
