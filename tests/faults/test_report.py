@@ -1,0 +1,223 @@
+"""The reliability report (tests/support/faults/report.py): one JSON document rendered into
+docs/reliability.md, updated in parts by the deterministic soak and the randomized runs. Pure
+functions and temporary files: no servers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.faults.test_runcheck import clean_example, unguarded_example
+from tests.support.faults import report, runcheck
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def row(fault="SIGKILL worker child", trials=2, violations=0, violating=0, examples=()):
+    return {
+        "fault": fault,
+        "trials": trials,
+        "overlaps": 1,
+        "commits": trials,
+        "violations": violations,
+        "violating_trials": violating,
+        "leftover_leases": 0,
+        "keys_without_ttl": 0,
+        "stale_rejected": 0,
+        "resumes": 0,
+        "errors": 0,
+        "examples": list(examples),
+        "recovery_p50_s": 2.5,
+        "recovery_max_s": 4.25,
+        "seconds": 9.0,
+    }
+
+
+def soak_result():
+    return {
+        "started": "2026-12-01 10:00:00",
+        "commit": "abc1234",
+        "seconds": 100.4,
+        "trials": 2,
+        "negative_trials": 1,
+        "ttl": 2.0,
+        "visibility_timeout": 10,
+        "redis": "7.0.15",
+        "postgres": "15.18",
+        "python": "3.11.7",
+        "cpus": 2,
+        "scenarios": {"kill-child@before_cas": row()},
+        "negative_control": {
+            "kill-child@before_cas": row(
+                trials=1, violations=2, violating=1, examples=["step 9: 2 terminal"]
+            )
+        },
+    }
+
+
+def randomized(seed=7, duration=1800, violations=0, negative=3):
+    return {
+        "seed": seed,
+        "duration_s": duration,
+        "started": "2026-12-01 11:00:00",
+        "commit": "def5678",
+        "workers": [
+            {"name": "w1", "pool": "prefork", "concurrency": 2},
+            {"name": "w2", "pool": "threads", "concurrency": 4},
+        ],
+        "executions": 5321,
+        "faults": {"kill_child": 300, "pause": 250},
+        "violations": violations,
+        "leftovers": 0,
+        "recovery_p50_s": 0.4,
+        "recovery_max_s": 6.25,
+        "examples": [],
+        "negative_control": {
+            "seed": seed,
+            "duration_s": 120,
+            "executions": 400,
+            "faults": {"kill_child": 20},
+            "violations": negative,
+            "examples": ["step 5: 2 terminal transitions committed"],
+        },
+    }
+
+
+def test_render_has_both_tables_and_the_examples():
+    text = report.render({"deterministic": soak_result(), "randomized": [randomized()]})
+    lines = text.splitlines()
+    assert (
+        "| kill-child@before_cas | SIGKILL worker child | 2 | 1 | 2 | **0** | 0 | 2.5 | 4.2 | 0 "
+        "| 1 / 1 |" in lines
+    )
+    assert "| **all** | | 2 | 1 | 2 | **0** | 0 | | | 0 | 1 / 1 |" in lines
+    assert "## Randomized runs" in lines
+    assert (
+        "| 7 | 1,800 | 2026-12-01 11:00:00 | def5678 | 2: prefork x2, threads x4 | 5,321 | "
+        "550 (2 kinds) | **0** | 0 | 0.4 | 6.2 | 7, 120, **3** |" in lines
+    )
+    assert "- seed 7, 1,800 s: kill_child 300, pause 250" in lines
+    assert "- seed 7, 120 s (negative control): kill_child 20" in lines
+    assert "- kill-child@before_cas (negative control): step 9: 2 terminal" in lines
+    assert (
+        "- nemesis seed 7, 1,800 s (negative control): step 5: 2 terminal transitions committed"
+        in lines
+    )
+    assert lines.index("## Randomized runs") < lines.index(
+        "## Examples of what the checker reported"
+    )
+
+
+def test_durations_render_in_whole_seconds():
+    run = dict(randomized(), duration_s=1800.0)
+    run["negative_control"] = dict(run["negative_control"], duration_s=120.5)
+    lines = report.render({"deterministic": None, "randomized": [run]}).splitlines()
+    assert "- seed 7, 1,800 s: kill_child 300, pause 250" in lines
+    assert "- seed 7, 120.5 s (negative control): kill_child 20" in lines
+
+
+def test_render_of_an_empty_document():
+    text = report.render(report.empty())
+    assert "No deterministic soak recorded yet." in text.splitlines()
+    assert "No randomized run recorded yet." in text.splitlines()
+    assert "## Examples" not in text
+
+
+def test_the_deterministic_part_renders_as_the_soak_wrote_it():
+    # today's docs/reliability.md was written by scripts/soak.py from today's
+    # reliability.json (flat shape): the same text, with the randomized section inserted
+    stored = json.loads((DOCS / "reliability.json").read_text())
+    if "deterministic" in stored:  # already the new shape: render is the writer now
+        assert report.render(stored) == (DOCS / "reliability.md").read_text()
+        return
+    text = report.render(report.load(DOCS / "reliability.json")).splitlines()
+    start = text.index("## Randomized runs")
+    end = text.index("No randomized run recorded yet.")
+    assert (
+        text[: start - 1] + text[end + 1 :] == (DOCS / "reliability.md").read_text().splitlines()
+    )
+
+
+def test_the_old_flat_shape_loads_as_the_deterministic_part(tmp_path):
+    path = tmp_path / "reliability.json"
+    path.write_text(json.dumps(soak_result()))
+    assert report.load(path) == {"deterministic": soak_result(), "randomized": []}
+    assert report.load(tmp_path / "absent.json") == {"deterministic": None, "randomized": []}
+
+
+def test_merge_keeps_the_other_part():
+    doc = report.merge(report.empty(), deterministic=soak_result())
+    doc = report.merge(doc, randomized_run=randomized(seed=7))
+    assert doc["deterministic"] == soak_result()
+    assert doc["randomized"] == [randomized(seed=7)]
+    newer = dict(soak_result(), commit="fff0000")
+    doc = report.merge(doc, deterministic=newer)
+    assert (doc["deterministic"]["commit"], doc["randomized"]) == ("fff0000", [randomized(seed=7)])
+
+
+def test_merge_replaces_a_run_of_the_same_seed_and_duration_and_adds_others():
+    doc = report.merge(report.empty(), randomized_run=randomized(seed=7))
+    doc = report.merge(doc, randomized_run=randomized(seed=8))
+    doc = report.merge(doc, randomized_run=randomized(seed=7, violations=2))
+    assert [(r["seed"], r["violations"]) for r in doc["randomized"]] == [(8, 0), (7, 2)]
+    doc = report.merge(doc, randomized_run=randomized(seed=7, duration=300))
+    assert [(r["seed"], r["duration_s"]) for r in doc["randomized"]] == [
+        (8, 1800),
+        (7, 1800),
+        (7, 300),
+    ]
+
+
+def test_merge_of_the_old_shape_keeps_it_as_the_deterministic_part():
+    doc = report.merge(soak_result(), randomized_run=randomized())
+    assert doc == {"deterministic": soak_result(), "randomized": [randomized()]}
+
+
+def test_update_writes_both_files_and_keeps_the_other_part(tmp_path):
+    (tmp_path / "reliability.json").write_text(json.dumps(soak_result()))  # old shape
+    doc = report.update(randomized_run=randomized(), docs=tmp_path)
+    assert json.loads((tmp_path / "reliability.json").read_text()) == doc
+    assert doc == {"deterministic": soak_result(), "randomized": [randomized()]}
+    assert (tmp_path / "reliability.md").read_text() == report.render(doc)
+    doc = report.update(deterministic=dict(soak_result(), trials=200), docs=tmp_path)
+    assert doc["randomized"] == [randomized()] and doc["deterministic"]["trials"] == 200
+
+
+def test_summarize_a_run_and_its_negative_control(tmp_path):
+    guarded = runcheck.dump(clean_example().run(), tmp_path / "guarded")
+    negative = runcheck.dump(unguarded_example().run(), tmp_path / "negative")
+    (negative / "verdict.json").write_text(
+        json.dumps(runcheck.check_run(runcheck.load(negative)).as_dict())
+    )
+    summary = report.summarize(guarded, negative)  # guarded: checked now, no verdict.json
+    assert {k: summary[k] for k in ("seed", "duration_s", "executions", "violations")} == {
+        "seed": 1,
+        "duration_s": 10,
+        "executions": 6,
+        "violations": 0,
+    }
+    assert summary["faults"] == {"kill_child": 1, "pause": 1, "redis_latency": 1}
+    assert (summary["recovery_p50_s"], summary["recovery_max_s"]) == (0.7, 2.2)
+    assert summary["negative_control"] == {
+        "seed": 1,
+        "duration_s": 10,
+        "executions": 7,
+        "faults": {"kill_child": 1, "pause": 1, "redis_latency": 1},
+        "violations": 2,
+        "examples": [
+            "step 1: 2 terminal transitions committed (done by a1 fence 10, done by a2 fence 11)",
+            "step 1: 'pending' -> 'done' committed while the chain was at 'done'",
+        ],
+    }
+    assert report.summarize(guarded)["negative_control"] is None
+
+
+def test_headline():
+    doc = {"deterministic": soak_result(), "randomized": [randomized()]}
+    assert report.headline(doc) == (
+        "1 deterministic fault scenarios x 2 trials: 2 trials, 0 violations (negative "
+        "control: violations in 1 of 1 trials); a 1,800 s randomized run (seed 7): 5,321 "
+        "step executions, 550 faults of 2 kinds, 0 violations, 0 leftovers (negative "
+        "control: 3 violations)."
+    )
+    assert report.headline(report.empty()) == "No reliability figures recorded yet."

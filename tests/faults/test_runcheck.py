@@ -1,0 +1,574 @@
+"""The whole-run checker (tests/support/faults/runcheck.py) on hand-made runs: it must accept a
+clean run, name every kind of violation, count what happened, and give the stored verdict of
+every recorded run directory under fixtures/nemesis-*/ again. Pure functions: no servers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.faults import runcheck
+from tests.support.faults.checker import Record
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RATE = {"rate": {"r:api": {"limit": 2, "window": 1.0}}, "concurrency": {"c:db": 2}}
+
+
+class Builder:
+    """A run made by hand: history entries, committed records, final statuses."""
+
+    def __init__(self, limits=None, unguarded=False):
+        self.history: list[dict] = []
+        self.records: list[Record] = []
+        self.steps: dict = {}
+        self.store = {"keys_without_ttl": [], "leftover": []}
+        self.meta = {"seed": 1, "duration_s": 10, "unguarded": unguarded, "limits": limits or {}}
+
+    def ev(self, ev, t, pid=100, **fields):
+        self.history.append({"ev": ev, "t": t, "pid": pid, **fields})
+        return self
+
+    def attempt(self, step, owner, fence, t, pid=100, to="done", commit=True, task_id=None):
+        """One attempt that takes the lease at ``t``, commits ``pending -> to`` (if
+        ``commit``) at t + 0.2 and releases at t + 0.3; its task run ends at t + 0.4."""
+        task_id = task_id or f"task-{owner}"
+        ids = {"step": step, "owner": owner, "fence": fence, "task_id": task_id}
+        self.ev("acquired", t, pid, **ids)
+        self.ev("point", t + 0.1, pid, point="before_cas", **ids)
+        if commit:
+            self.ev("committed", t + 0.2, pid, **ids)
+            self.records.append(Record(step, "pending", to, owner, fence))
+            self.steps[step] = to
+        else:
+            self.steps.setdefault(step, "pending")
+        self.ev("released", t + 0.3, pid, **ids)
+        self.ev("task_end", t + 0.4, pid, step=step, task_id=task_id)
+        return self
+
+    def grant(self, key, granted_at, owner="o"):
+        return self.ev(
+            "rate_granted", granted_at, key=key, granted_at=granted_at, limit="2/1s", owner=owner
+        )
+
+    def slot(self, ev, t, owner, slot=0, fence=1, key="c:db", pid=100, **fields):
+        return self.ev(
+            ev, t, pid, limit_key=key, limit=2, slot=slot, owner=owner, fence=fence, **fields
+        )
+
+    def run(self) -> runcheck.Run:
+        return runcheck.Run(
+            history=list(self.history),
+            steps=dict(self.steps),
+            records=list(self.records),
+            store={k: list(v) for k, v in self.store.items()},
+            meta=dict(self.meta),
+        )
+
+    def verdict(self) -> runcheck.RunVerdict:
+        return runcheck.check_run(self.run())
+
+
+def clean_example() -> Builder:
+    """A small clean run with one of everything: faults with heals, a pause overlap, a stale
+    holder refused by the fence, rates and slots within their limits, idempotency."""
+    b = Builder(limits=RATE)
+    b.attempt(1, "a1", 10, 0.0)
+    b.ev("fault", 1.2, kind="kill_child", signal="SIGKILL", pid=101, by="controller")
+    b.ev("acquired", 1.1, 101, step=2, owner="b1", fence=20, task_id="tb1")
+    b.attempt(2, "b2", 21, 4.0, pid=102)  # b1 was killed at 1.2: no overlap
+    b.ev("fault", 5.0, kind="pause", signal="SIGSTOP", pid=103, seconds=3, by="controller")
+    b.ev("acquired", 4.9, 103, step=3, owner="c1", fence=30, task_id="tc1")
+    b.ev("point", 4.95, 103, step=3, point="before_cas", owner="c1", fence=30, task_id="tc1")
+    b.attempt(3, "c2", 31, 6.0, pid=104)
+    b.ev("heal", 8.0, kind="pause", signal="SIGCONT", pid=103, fault_t=5.0, by="controller")
+    b.ev(
+        "conflict",
+        8.1,
+        103,
+        step=3,
+        owner="c1",
+        fence=30,
+        task_id="tc1",
+        reason="the fence refused: the row carries a newer fencing token",
+    )
+    b.ev(
+        "lost",
+        8.15,
+        103,
+        step=3,
+        owner="c1",
+        fence=30,
+        task_id="tc1",
+        reason="the step row carries a newer fencing token than 30",
+    )  # the same refusal, as the task reports it
+    b.ev("task_end", 8.2, 103, step=3, task_id="tc1")
+    b.ev("breaker", 8.5, name="dep", state="open", what="opened")
+    b.ev("breaker", 8.6, name="dep", state="open", what="rejected")
+    b.ev("breaker", 8.7, name="dep", state="open", what="rejected")
+    b.ev("fault", 9.0, 1, kind="redis_latency", by="controller")
+    b.ev("heal", 9.5, 1, kind="redis_latency", fault_t=9.0, by="controller")
+    b.attempt(4, "d1", 40, 10.0)
+    b.grant("r:api", 100.0).grant("r:api", 100.5).grant("r:api", 101.0).grant("r:api", 101.5)
+    b.slot("slot_acquired", 10.0, "s1", slot=0)
+    b.slot("slot_acquired", 10.1, "s2", slot=1, pid=105)
+    b.slot("slot_released", 10.5, "s1", slot=0)
+    b.slot("slot_acquired", 10.5, "s3", slot=0)  # at the instant s1 released
+    b.slot("slot_expired", 11.0, "s2", slot=1, pid=105)
+    b.slot("slot_released", 11.2, "s3", slot=0)
+    b.ev("idem_body", 12.0, key="idem:k1", task_id="t-i1", step=4)
+    b.ev("idem_completed", 12.3, key="idem:k1")
+    b.ev("idem_replayed", 12.6, key="idem:k1")
+    return b
+
+
+def unguarded_example() -> Builder:
+    """The clean example's negative control: a second terminal commit of step 1."""
+    b = clean_example()
+    b.meta["unguarded"] = True
+    b.attempt(1, "a2", 11, 0.5, pid=106)
+    b.steps[1] = "done"
+    return b
+
+
+EXAMPLES = {"nemesis-example": clean_example, "nemesis-example-unguarded": unguarded_example}
+
+
+def test_a_clean_run_passes_and_is_counted():
+    verdict = clean_example().verdict()
+    assert (verdict.violations, verdict.leftovers, verdict.ok) == ([], [], True)
+    assert verdict.counts == {
+        "steps": 4,
+        "terminal_steps": 4,
+        "executions": 6,
+        "commits": 4,
+        "faults": {"kill_child": 1, "pause": 1, "redis_latency": 1},
+        "overlaps": 1,
+        "stale_rejected": 1,
+        "fence_refusals": 1,
+        "breaker": {"opened": 1, "rejected": 2},
+        "rate_grants": 4,
+        "slot_grants": 3,
+        "idem_bodies": 1,
+        "idem_completions": 1,
+        "idem_replays": 1,
+        "after_data_loss": 0,
+        "leftovers": 0,
+        "keys_without_ttl": 0,
+        "history_entries": len(clean_example().history),
+    }
+
+
+def test_recovery_is_from_each_heal_to_the_next_commit():
+    # heals at 8.0 and 9.5; commits at 0.2, 4.2, 6.2, 10.2
+    assert clean_example().verdict().recovery == {
+        "lasting_faults": 2,
+        "unrecovered": 0,
+        "p50_s": 0.7,
+        "p95_s": 2.2,
+        "max_s": 2.2,
+    }
+    b = Builder().attempt(1, "a", 1, 0.0)
+    b.ev("heal", 5.0, kind="redis_blackhole", fault_t=4.0)
+    assert b.verdict().recovery == {
+        "lasting_faults": 1,
+        "unrecovered": 1,
+        "p50_s": None,
+        "p95_s": None,
+        "max_s": None,
+    }
+
+
+def test_a_double_terminal_commit():
+    b = Builder().attempt(1, "aaaaaaaa1", 1, 0.0).attempt(1, "bbbbbbbb2", 2, 1.0)
+    assert b.verdict().violations == [
+        "step 1: 2 terminal transitions committed (done by aaaaaaaa fence 1, "
+        "done by bbbbbbbb fence 2)",
+        "step 1: 'pending' -> 'done' committed while the chain was at 'done'",
+    ]
+
+
+def test_an_illegal_chain():
+    b = Builder().attempt(1, "a", 1, 0.0, to="running")
+    b.records.append(Record(1, "running", "cancelled", "a", 1))
+    b.steps[1] = "cancelled"
+    assert b.verdict().violations == [
+        "step 1: 'running' -> 'cancelled' committed while the chain was at 'running'"
+    ]
+
+
+def test_a_fence_decrease():
+    b = Builder().attempt(1, "new", 5, 0.0, to="running")
+    b.records.append(Record(1, "running", "done", "old", 3))
+    b.steps[1] = "done"
+    assert b.verdict().violations == [
+        "step 1: a stale holder wrote after a newer one (fences [5, 3])"
+    ]
+
+
+def test_a_stale_commit_after_a_newer_grant():
+    b = Builder()
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1)
+    b.ev("acquired", 2.5, step=1, owner="new-owner", fence=2)
+    b.ev("committed", 3.0, step=1, owner="old-owner", fence=1)
+    b.records.append(Record(1, "pending", "done", "old-owner", 1))
+    b.steps[1] = "done"
+    verdict = b.verdict()
+    assert verdict.violations == [
+        "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted "
+        "the lease"
+    ]
+    assert verdict.counts["overlaps"] == 1
+
+
+def test_every_step_of_steps_json_is_judged_even_without_history():
+    b = Builder()
+    b.steps.update({2: "pending", "x-9": "pending"})
+    assert b.verdict().violations == [
+        "step 2: no terminal transition committed (status 'pending')",
+        "step x-9: no terminal transition committed (status 'pending')",
+    ]
+
+
+def test_keys_without_ttl():
+    b = Builder().attempt(1, "a", 1, 0.0)
+    b.store["keys_without_ttl"] = ["steplock:fence:step:1", "steplock:lease:step:2"]
+    verdict = b.verdict()
+    assert verdict.violations == [
+        "2 lock-store key(s) without a TTL (steplock:fence:step:1, steplock:lease:step:2)"
+    ]
+    assert verdict.counts["keys_without_ttl"] == 2 and not verdict.ok
+
+
+def test_a_leftover_lease_and_a_leftover_slot():
+    b = Builder().attempt(1, "a", 1, 0.0)
+    b.store["leftover"] = ["steplock:lease:step:1", "steplock:lease:limit:c:db:1"]
+    verdict = b.verdict()
+    assert verdict.violations == []
+    assert verdict.leftovers == [
+        "left in the lock store: steplock:lease:limit:c:db:1",
+        "left in the lock store: steplock:lease:step:1",
+    ]
+    assert verdict.as_dict()["leftover"] == [
+        "steplock:lease:limit:c:db:1",
+        "steplock:lease:step:1",
+    ]
+    assert (verdict.counts["leftovers"], verdict.ok) == (2, False)
+
+
+def test_a_rate_limit_exceeded():
+    b = Builder(limits=RATE)
+    for t in (10.0, 10.2, 10.4, 10.6, 12.0):
+        b.grant("r:api", t, owner=f"own{t}")
+    verdict = b.verdict()
+    # the windows from 10.0 (4 grants) and 10.2 (3) are one burst, named by its fullest
+    assert verdict.violations == [
+        "rate r:api: 4 grants in [10.000000, +1 s) for a limit of 2 "
+        "(own10.0, own10.2, own10.4, own10.6)"
+    ]
+    assert verdict.counts["rate_grants"] == 5
+
+
+def test_a_grant_without_its_redis_time_is_counted_not_judged():
+    b = Builder(limits=RATE)
+    for t in (1.0, 1.1):
+        b.grant("r:api", t)
+    b.ev("rate_granted", 1.2, key="r:api", granted_at=None, limit="2/1s window")
+    verdict = b.verdict()
+    assert (verdict.violations, verdict.counts["rate_grants"]) == ([], 3)
+
+
+def test_the_rate_window_is_half_open():
+    exact = Builder(limits=RATE)
+    for t in (1796006667.068929, 1796006667.5, 1796006668.068929):
+        exact.grant("r:api", t)  # the third is exactly one window after the first: allowed
+    assert exact.verdict().violations == []
+    inside = Builder(limits=RATE)
+    for t in (1796006667.068929, 1796006667.5, 1796006668.068928):
+        inside.grant("r:api", t)  # one microsecond inside the window
+    assert inside.verdict().violations == [
+        "rate r:api: 3 grants in [1796006667.068929, +1 s) for a limit of 2 (o, o, o)"
+    ]
+
+
+def test_separate_bursts_and_keys_judged_by_their_window_only():
+    b = Builder(limits=RATE)
+    for t in (0.0, 0.1, 0.2, 5.0, 5.1, 5.2, 5.3):
+        b.grant("r:api", t)
+    for t in (0.0, 0.0, 0.0):
+        b.grant("r:other", t)  # "2/1s": neither configured nor a sliding window's description
+    for t in (0.0, 0.5, 0.9):
+        b.ev("rate_granted", t, key="r:bucket", granted_at=t, limit="2/s bucket of 2", owner="b")
+    for t in (7.0, 7.5, 7.9):
+        b.ev("rate_granted", t, key="r:described", granted_at=t, limit="2/1s window", owner="d")
+    assert b.verdict().violations == [
+        "rate r:api: 3 grants in [0.000000, +1 s) for a limit of 2 (o, o, o)",
+        "rate r:api: 4 grants in [5.000000, +1 s) for a limit of 2 (o, o, o, o)",
+        "rate r:described: 3 grants in [7.000000, +1 s) for a limit of 2 (d, d, d)",
+    ]
+
+
+def test_a_concurrency_limit_exceeded():
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", slot=0, fence=1, pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, fence=2, pid=2)
+    b.slot("slot_acquired", 1.2, "s3", slot=0, fence=3, pid=3)
+    b.slot("slot_released", 2.0, "s1", slot=0, fence=1, pid=1)
+    b.slot("slot_released", 2.0, "s2", slot=1, fence=2, pid=2)
+    b.slot("slot_released", 2.0, "s3", slot=0, fence=3, pid=3)
+    verdict = b.verdict()
+    assert verdict.violations == [
+        "concurrency c:db: 3 slots held at 1.200 for a limit of 2 "
+        "(s1 slot 0 fence 1, s2 slot 1 fence 2, s3 slot 0 fence 3)"
+    ]
+    assert verdict.counts["slot_grants"] == 3
+
+
+def test_a_release_and_a_grant_at_one_instant_do_not_overlap():
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", slot=0, pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2)
+    b.slot("slot_released", 2.0, "s1", slot=0, pid=1)
+    b.slot("slot_acquired", 2.0, "s3", slot=0, fence=2, pid=3)
+    b.slot("slot_released", 3.0, "s2", slot=1, pid=2)
+    b.slot("slot_released", 3.0, "s3", slot=0, fence=2, pid=3)
+    assert b.verdict().violations == []
+    b.history[2]["t"] = 2.000001  # released just after the next grant: three at once
+    assert b.verdict().violations == [
+        "concurrency c:db: 3 slots held at 2.000 for a limit of 2 "
+        "(s1 slot 0 fence 1, s2 slot 1 fence 1, s3 slot 0 fence 2)"
+    ]
+
+
+def test_the_limit_of_the_events_is_used_when_run_json_has_none():
+    b = Builder()
+    for owner in ("s1", "s2", "s3"):
+        b.slot("slot_acquired", 1.0, owner, key="c:other")
+    assert b.verdict().violations == [
+        "concurrency c:other: 3 slots held at 1.000 for a limit of 2 "
+        "(s1 slot 0 fence 1, s2 slot 0 fence 1, s3 slot 0 fence 1)"
+    ]
+
+
+def test_a_paused_holder_is_not_counted_past_its_sigstop():
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", slot=0, pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2)
+    b.ev("fault", 1.5, kind="pause", signal="SIGSTOP", pid=1, seconds=4)
+    b.slot("slot_acquired", 3.5, "s3", slot=0, fence=2, pid=3)  # s1's slot expired meanwhile
+    b.ev("heal", 5.5, kind="pause", signal="SIGCONT", pid=1, fault_t=1.5)
+    b.slot("slot_expired", 5.6, "s1", slot=0, pid=1)
+    b.slot("slot_released", 6.0, "s2", slot=1, pid=2)
+    b.slot("slot_released", 6.0, "s3", slot=0, fence=2, pid=3)
+    assert b.verdict().violations == []
+
+
+def killed_and_finished_holders(kill: bool) -> Builder:
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2, task_id="t2")
+    if kill:
+        b.ev("fault", 1.2, kind="kill_main", signal="SIGKILL", pid=[7, 1])
+    b.ev("task_end", 1.3, 2, task_id="t2")
+    b.slot("slot_acquired", 1.4, "s3", pid=3)
+    b.slot("slot_acquired", 1.5, "s4", slot=1, pid=4)
+    b.slot("slot_released", 2.0, "s3", pid=3)
+    b.slot("slot_released", 2.0, "s4", slot=1, pid=4)
+    return b
+
+
+def test_a_hold_ends_when_its_holder_learns_the_slot_is_gone():
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2)
+    b.ev("lost", 1.5, 1, owner="s1", fence=1, reason="renewal refused")  # step None: a slot
+    b.slot("slot_acquired", 1.6, "s3", pid=3)
+    b.ev("slot_expired", 2.0, None, limit_key="c:db", limit=2, owner="s1", reason="reaped")
+    assert b.verdict().violations == []
+
+
+def test_a_killed_holder_and_a_finished_task_hold_no_slot():
+    assert killed_and_finished_holders(kill=True).verdict().violations == []
+    # without the SIGKILL, s1 holds on (no release, no task end): s2's task end still counts
+    assert killed_and_finished_holders(kill=False).verdict().violations == [
+        "concurrency c:db: 3 slots held at 1.500 for a limit of 2 "
+        "(s1 slot 0 fence 1, s3 slot 0 fence 1, s4 slot 1 fence 1)"
+    ]
+
+
+def test_an_idempotent_body_after_its_completion():
+    b = Builder()
+    b.ev("idem_body", 1.0, key="idem:k", task_id="t-first", step=7)
+    b.ev("idem_completed", 1.5, key="idem:k")
+    b.ev("idem_body", 2.0, key="idem:k", task_id="t-second", step=8)
+    verdict = b.verdict()
+    assert verdict.violations == [
+        "idempotency idem:k: body of task t-second (step 8) started at 2.000, after the "
+        "completion recorded at 1.500"
+    ]
+    assert (verdict.counts["idem_bodies"], verdict.counts["idem_completions"]) == (2, 1)
+
+
+def test_a_pattern_violation_after_a_redis_data_loss_says_so():
+    b = Builder(limits=RATE)
+    b.ev("idem_body", 1.0, key="idem:k", task_id="t-first", step=7)
+    b.ev("idem_completed", 1.5, key="idem:k")
+    b.ev("fault", 1.7, kind="redis_restart", by="controller")
+    b.ev("idem_body", 2.0, key="idem:k", task_id="t-second", step=7)
+    b.ev("idem_completed", 2.5, key="idem:k")
+    b.slot("slot_acquired", 3.0, "s1", pid=1)
+    b.slot("slot_acquired", 3.1, "s2", slot=1, pid=2)
+    b.ev("fault", 3.2, kind="redis_failover", by="controller")
+    b.slot("slot_acquired", 3.3, "s3", pid=3)
+    for owner, slot, pid in (("s1", 0, 1), ("s2", 1, 2), ("s3", 0, 3)):
+        b.slot("slot_released", 4.0, owner, slot=slot, pid=pid)
+    for owner, pid in (("s4", 4), ("s5", 5), ("s6", 6)):
+        b.slot("slot_acquired", 9.0, owner, pid=pid)  # no Redis fault since they started
+    b.ev("fault", 20.0, kind="redis_restart", by="controller")
+    verdict = b.verdict()
+    assert verdict.violations == [
+        "concurrency c:db: 3 slots held at 3.300 for a limit of 2 (s1 slot 0 fence 1, s2 slot 1 "
+        "fence 1, s3 slot 0 fence 1); after redis_failover at 3.200",
+        "concurrency c:db: 3 slots held at 9.000 for a limit of 2 (s4 slot 0 fence 1, s5 slot 0 "
+        "fence 1, s6 slot 0 fence 1)",
+        "idempotency idem:k: body of task t-second (step 7) started at 2.000, after the "
+        "completion recorded at 1.500; after redis_restart at 1.700",
+        "idempotency idem:k: completed again at 2.500 (first at 1.500); after redis_restart at "
+        "1.700",
+    ]
+    assert verdict.counts["after_data_loss"] == 3
+
+
+def test_two_completions_of_one_key():
+    b = Builder()
+    b.ev("idem_body", 1.0, key="idem:k", task_id="t1", step=1)
+    b.ev("idem_body", 1.1, key="idem:k", task_id="t2", step=1)
+    b.ev("idem_completed", 1.5, key="idem:k")
+    b.ev("idem_completed", 1.6, key="idem:k")
+    b.ev("idem_replayed", 2.0, key="idem:k")
+    verdict = b.verdict()
+    assert verdict.violations == ["idempotency idem:k: completed again at 1.600 (first at 1.500)"]
+    assert verdict.counts["idem_replays"] == 1
+
+
+def test_fence_refusals_are_counted_once_per_attempt():
+    b = Builder()
+    b.ev("conflict", 1.0, step=1, owner="x", fence=3, stale_fence=True)
+    b.ev(
+        "lost",
+        1.1,
+        step=1,
+        owner="x",
+        fence=3,
+        reason="the step row carries a newer fencing token than 3",
+    )
+    b.ev(
+        "lost",
+        1.2,
+        step=1,
+        owner="y",
+        fence=4,
+        reason="the step row carries a newer fencing token than 4",
+    )
+    b.ev("conflict", 1.3, step=1, owner="z", fence=5, reason=None)  # the status had moved on
+    b.ev("lost", 1.4, step=1, owner="w", fence=6, reason="renewal refused: the lease is gone")
+    assert b.verdict().counts["fence_refusals"] == 2
+
+
+def test_a_threads_worker_ends_a_hold_at_its_own_task_end():
+    # one pid, two tasks: the end of t-other says nothing about t-mine's hold
+    b = Builder()
+    b.ev("acquired", 0.0, 50, step=1, owner="mine", fence=1, task_id="t-mine")
+    b.ev("task_end", 0.5, 50, step=9, task_id="t-other")
+    b.ev("acquired", 1.0, 51, step=1, owner="next", fence=2, task_id="t-next")
+    b.ev("task_end", 1.5, 51, step=1, task_id="t-next")
+    b.ev("task_end", 2.0, 50, step=1, task_id="t-mine")
+    b.steps[1] = "pending"
+    verdict = b.verdict()
+    assert verdict.counts["overlaps"] == 1
+
+
+def test_a_same_id_duplicate_in_another_process_keeps_its_own_hold():
+    b = Builder()
+    b.ev("acquired", 0.0, 60, step=1, owner="first", fence=1, task_id="same")
+    b.ev("task_end", 0.5, 61, step=1, task_id="same")  # the duplicate gave up in pid 61
+    b.ev("acquired", 1.0, 62, step=1, owner="second", fence=2, task_id="other")
+    b.ev("task_end", 1.5, 62, step=1, task_id="other")
+    b.ev("task_end", 2.0, 60, step=1, task_id="same")
+    b.steps[1] = "pending"
+    assert b.verdict().counts["overlaps"] == 1
+
+
+def test_load_reads_a_run_directory_and_a_gzipped_history(tmp_path):
+    run = clean_example().run()
+    plain = runcheck.load(runcheck.dump(run, tmp_path / "plain"))
+    packed_dir = runcheck.dump(run, tmp_path / "packed", packed=True)
+    assert not (packed_dir / "history.jsonl").exists()
+    with gzip.open(packed_dir / "history.jsonl.gz", "rt") as f:
+        assert len(f.read().splitlines()) == len(run.history)
+    packed = runcheck.load(packed_dir)
+    for loaded in (plain, packed):
+        assert loaded.steps == run.steps and loaded.records == run.records
+        assert loaded.history == run.history and loaded.meta == run.meta
+        assert runcheck.check_run(loaded).as_dict() == runcheck.check_run(run).as_dict()
+
+
+def test_load_without_a_history_raises(tmp_path):
+    (tmp_path / "steps.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no history.jsonl"):
+        runcheck.load(tmp_path)
+
+
+def test_the_command_line_prints_and_writes_the_verdict(tmp_path, capsys):
+    good = runcheck.dump(clean_example().run(), tmp_path / "good")
+    bad = runcheck.dump(unguarded_example().run(), tmp_path / "bad")
+    assert runcheck.main([str(good), "--no-write"]) == 0
+    assert not (good / "verdict.json").exists()
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "OK: 0 violation(s), 0 leftover(s)"
+    assert runcheck.main([str(good)]) == 0  # the runner's call: writes verdict.json
+    assert json.loads((good / "verdict.json").read_text())["ok"] is True
+    capsys.readouterr()
+    assert runcheck.main([str(bad), "--write"]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "FAILED: 2 violation(s), 0 leftover(s)"
+    stored = json.loads((bad / "verdict.json").read_text())
+    assert stored["ok"] is False and len(stored["violations"]) == 2
+    assert json.loads(out[out.index("{") :]) == stored
+
+
+def fixture_dirs() -> list[Path]:
+    return sorted(p for p in FIXTURES.glob("nemesis-*") if p.is_dir())
+
+
+def test_the_example_fixtures_are_what_the_builders_make():
+    for name, build in EXAMPLES.items():
+        stored = runcheck.load(FIXTURES / name)
+        built = build().run()
+        assert (stored.history, stored.steps, stored.records) == (
+            built.history,
+            built.steps,
+            built.records,
+        )
+        assert stored.meta == built.meta
+
+
+@pytest.mark.parametrize("path", fixture_dirs(), ids=lambda p: p.name)
+def test_a_recorded_run_gives_its_stored_verdict(path):
+    run = runcheck.load(path)
+    verdict = runcheck.check_run(run)
+    stored = json.loads((path / "verdict.json").read_text())
+    assert verdict.violations == stored["violations"]
+    assert (verdict.leftovers, verdict.leftover) == (stored["leftovers"], stored["leftover"])
+    assert verdict.counts == stored["counts"]
+    if run.meta.get("unguarded"):
+        assert verdict.violations, "a negative control must show violations"
+    else:
+        assert (verdict.violations, verdict.leftovers) == ([], [])
+
+
+def test_the_fixture_directories_include_the_examples():
+    names = {p.name for p in fixture_dirs()}
+    assert set(EXAMPLES) <= names

@@ -1,0 +1,379 @@
+"""docs/reliability.md and docs/reliability.json: one JSON document, one renderer.
+
+The document::
+
+    {"deterministic": <scripts/soak.py's result: started, commit, seconds, trials,
+                       negative_trials, ttl, visibility_timeout, redis, postgres, python, cpus,
+                       scenarios, negative_control> or None,
+     "randomized": [<a run summary, see summarize()>, ...]}
+
+``scripts/soak.py`` updates the deterministic part and ``scripts/nemesis.py`` adds randomized
+runs, each with :func:`update` (load, :func:`merge`, write both files), so neither erases the
+other's part. A ``reliability.json`` of the older flat shape (the soak result at the top
+level) loads as ``{"deterministic": <it>, "randomized": []}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[3] / "docs"
+MAX_EXAMPLES = 40  # of the deterministic soak, as before
+MAX_RUN_EXAMPLES = 5  # per randomized run and per negative control
+
+
+def empty() -> dict:
+    return {"deterministic": None, "randomized": []}
+
+
+def normalize(doc: dict) -> dict:
+    """``doc`` in the current shape (a copy); the flat shape of older files is the
+    deterministic part."""
+    if "deterministic" not in doc and "scenarios" in doc:
+        return {"deterministic": dict(doc), "randomized": []}
+    return {
+        "deterministic": doc.get("deterministic"),
+        "randomized": list(doc.get("randomized") or []),
+    }
+
+
+def load(path: Path | str | None = None) -> dict:
+    """The document of ``path`` (default docs/reliability.json); an absent file gives
+    :func:`empty`."""
+    path = Path(path) if path is not None else DOCS / "reliability.json"
+    if not path.exists():
+        return empty()
+    return normalize(json.loads(path.read_text()))
+
+
+def save(doc: dict, path: Path | str | None = None) -> Path:
+    """Write ``doc`` as JSON to ``path`` (default docs/reliability.json); returns the path."""
+    path = Path(path) if path is not None else DOCS / "reliability.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(normalize(doc), indent=2) + "\n")
+    return path
+
+
+def _same_run(a: dict, b: dict) -> bool:
+    return (a.get("seed"), a.get("duration_s")) == (b.get("seed"), b.get("duration_s"))
+
+
+def merge(doc: dict, deterministic: dict | None = None, randomized_run: dict | None = None):
+    """A new document: ``doc`` with its deterministic part replaced by ``deterministic`` and
+    ``randomized_run`` added (replacing a run of the same seed and duration), when given."""
+    out = normalize(doc)
+    if deterministic is not None:
+        out["deterministic"] = deterministic
+    if randomized_run is not None:
+        runs = [r for r in out["randomized"] if not _same_run(r, randomized_run)]
+        out["randomized"] = runs + [randomized_run]
+    return out
+
+
+def write(doc: dict, docs: Path | str | None = None) -> None:
+    """Write ``reliability.json`` and ``reliability.md`` (:func:`render`) into ``docs``."""
+    docs = Path(docs) if docs is not None else DOCS
+    save(doc, docs / "reliability.json")
+    (docs / "reliability.md").write_text(render(doc))
+
+
+def update(
+    deterministic: dict | None = None,
+    randomized_run: dict | None = None,
+    docs: Path | str | None = None,
+) -> dict:
+    """Load the document in ``docs`` (default docs/), :func:`merge` in what is given, write
+    both files; returns the new document."""
+    docs = Path(docs) if docs is not None else DOCS
+    doc = merge(load(docs / "reliability.json"), deterministic, randomized_run)
+    write(doc, docs)
+    return doc
+
+
+# -- a randomized run's summary -----------------------------------------------------------
+
+
+def _verdict_of(path: Path) -> dict:
+    stored = path / "verdict.json"
+    if stored.exists():
+        return json.loads(stored.read_text())
+    from tests.support.faults import runcheck
+
+    return runcheck.check_run(runcheck.load(path)).as_dict()
+
+
+def summarize(run_dir, negative_dir=None) -> dict:
+    """The summary of a randomized run for the document, from its directory's ``run.json`` and
+    ``verdict.json`` (checked now when absent), with its negative control's beside it::
+
+        {"seed", "duration_s", "started", "commit", "workers": [{"name", "pool",
+         "concurrency"}], "executions", "faults": {kind: n}, "violations": int,
+         "leftovers": int, "recovery_p50_s", "recovery_p95_s", "recovery_max_s",
+         "examples": [str], "negative_control": {"seed", "duration_s", "executions",
+         "faults", "violations", "examples"} or None}
+
+    ``executions`` and ``faults`` are the checker's counts (history entries), not run.json's.
+    """
+    run_dir = Path(run_dir)
+    meta = json.loads((run_dir / "run.json").read_text())
+    verdict = _verdict_of(run_dir)
+    counts, recovery = verdict["counts"], verdict.get("recovery", {})
+    summary = {
+        "seed": meta.get("seed"),
+        "duration_s": meta.get("duration_s"),
+        "started": meta.get("started"),
+        "commit": meta.get("commit"),
+        "workers": meta.get("workers", []),
+        "executions": counts.get("executions"),
+        "commits": counts.get("commits"),
+        "steps": counts.get("steps"),
+        "faults": counts.get("faults", {}),
+        "violations": len(verdict["violations"]),
+        "leftovers": len(verdict["leftovers"]),
+        "overlaps": counts.get("overlaps"),
+        "fence_refusals": counts.get("fence_refusals"),
+        "recovery_p50_s": recovery.get("p50_s"),
+        "recovery_p95_s": recovery.get("p95_s"),
+        "recovery_max_s": recovery.get("max_s"),
+        "examples": (verdict["violations"] + verdict["leftovers"])[:MAX_RUN_EXAMPLES],
+        "negative_control": None,
+    }
+    if negative_dir is not None:
+        negative_dir = Path(negative_dir)
+        neg_meta = json.loads((negative_dir / "run.json").read_text())
+        neg = _verdict_of(negative_dir)
+        summary["negative_control"] = {
+            "seed": neg_meta.get("seed"),
+            "duration_s": neg_meta.get("duration_s"),
+            "executions": neg["counts"].get("executions"),
+            "faults": neg["counts"].get("faults", {}),
+            "violations": len(neg["violations"]),
+            "examples": neg["violations"][:MAX_RUN_EXAMPLES],
+        }
+    return summary
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def fmt(value, digits=1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return f"{value:,}"
+
+
+def _deterministic_lines(result: dict) -> list[str]:
+    guarded, negative = result["scenarios"], result["negative_control"]
+    lines = [
+        f"Run: {result['started']} UTC, commit {result['commit']}, {result['seconds']:.0f} s; "
+        f"{result['trials']} trials per scenario, {result['negative_trials']} per scenario for "
+        f"the negative control; lease TTL {result['ttl']} s, broker visibility_timeout "
+        f"{result['visibility_timeout']} s; two prefork workers (concurrency 1), Redis "
+        f"{result['redis']}, PostgreSQL {result['postgres']}, Python {result['python']}, "
+        f"{result['cpus']} CPUs.",
+        "",
+        "Each trial: one fresh step, its task delivered (usually twice with one task id), one "
+        "fault at a fixed point of the attempt, then wait until the step is terminal, no "
+        "message is queued or reserved and no lease is held. Checked per trial: exactly one "
+        "terminal transition committed, a legal chain from `pending` matching the row, fences "
+        "never decreasing, no lock-store key without a TTL, no lease left behind. *Overlaps* "
+        "counts trials where two attempts held the lease on the step at once (as each saw "
+        "it): expected after a pause, a frozen heartbeat or a failover, harmless because the "
+        "compare-and-swap refuses the second commit. *Recovery*: seconds from the fault until "
+        "the system was quiet again.",
+        "",
+        "| scenario | fault | trials | overlaps | commits | violations | leases left "
+        "behind | recovery p50 s | recovery max s | errors | negative control: trials with "
+        "violations |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for name, row in guarded.items():
+        neg = negative.get(name)
+        neg_text = f"{neg['violating_trials']} / {neg['trials']}" if neg else "-"
+        lines.append(
+            f"| {name} | {row['fault']} | {fmt(row['trials'])} | {fmt(row['overlaps'])} | "
+            f"{fmt(row['commits'])} | **{fmt(row['violations'])}** | "
+            f"{fmt(row['leftover_leases'])} | {fmt(row['recovery_p50_s'])} | "
+            f"{fmt(row['recovery_max_s'])} | {fmt(row['errors'])} | {neg_text} |"
+        )
+    totals = {
+        k: sum(r[k] for r in guarded.values())
+        for k in ("trials", "commits", "violations", "leftover_leases", "errors", "overlaps")
+    }
+    neg_trials = sum(r["trials"] for r in negative.values())
+    neg_bad = sum(r["violating_trials"] for r in negative.values())
+    lines += [
+        f"| **all** | | {fmt(totals['trials'])} | {fmt(totals['overlaps'])} | "
+        f"{fmt(totals['commits'])} | **{fmt(totals['violations'])}** | "
+        f"{fmt(totals['leftover_leases'])} | | | {fmt(totals['errors'])} | "
+        f"{neg_bad} / {neg_trials} |",
+        "",
+        "The negative control runs the same scenarios with `STEPLOCK_FAULTS_UNGUARDED=1`: the "
+        "transition is a plain `UPDATE ... WHERE pk = ?` and the pre-check is off (the lease, "
+        "its heartbeat and the pre-commit ownership check stay). Violations there show that "
+        "the checker bites and that the lease alone does not prevent a second commit.",
+    ]
+    return lines
+
+
+def _deterministic_examples(result: dict) -> list[str]:
+    guarded, negative = result["scenarios"], result["negative_control"]
+    examples = [
+        (name, ex)
+        for name, row in {
+            **guarded,
+            **{f"{k} (negative control)": v for k, v in negative.items()},
+        }.items()
+        for ex in row["examples"]
+    ]
+    return [f"- {name}: {ex}" for name, ex in examples[:MAX_EXAMPLES]]
+
+
+def _seconds(value) -> str:
+    """A duration: whole seconds without a fraction (1,800, not 1800.0)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return fmt(value)
+
+
+def _workers(run: dict) -> str:
+    workers = run.get("workers") or []
+    if not workers:
+        return "-"
+    return f"{len(workers)}: " + ", ".join(
+        f"{w.get('pool', '?')} x{w.get('concurrency', '?')}" for w in workers
+    )
+
+
+def _faults_total(faults: dict) -> str:
+    return f"{fmt(sum(faults.values()))} ({len(faults)} kinds)" if faults else "0"
+
+
+def _randomized_lines(runs: list[dict]) -> list[str]:
+    lines = [
+        "## Randomized runs",
+        "",
+        "Generated by `make nemesis` (`scripts/nemesis.py`; reproducible from its seed as far "
+        "as the schedule goes: what the client sends and which fault fires when; the "
+        "interleavings of real processes are not). Worker processes of mixed pools run step "
+        "tasks with duplicates, compensations, retries and resumes, and the distributed "
+        "patterns, while a nemesis injects random faults, several at once. The whole history "
+        "is checked by `tests/support/faults/runcheck.py`: per step one terminal commit, a "
+        "legal chain, fences never decreasing and no commit after a newer holder's grant; no "
+        "lock-store key without a TTL; rate limits never exceeded in any window; concurrency "
+        "limits never exceeded (a paused holder's slot may pass on); no idempotent body run "
+        "after its completion. *Leftovers*: leases or slots still held once the run healed. "
+        "*Recovery*: seconds from a lasting fault's heal to the next committed transition. "
+        "The negative control is the same seed with `STEPLOCK_FAULTS_UNGUARDED=1`.",
+        "",
+    ]
+    if not runs:
+        return lines + ["No randomized run recorded yet."]
+    lines += [
+        "| seed | duration s | started | commit | workers | step executions | faults | "
+        "violations | leftovers | recovery p50 s | recovery max s | negative control: seed, "
+        "duration s, violations |",
+        "|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for run in runs:
+        neg = run.get("negative_control")
+        neg_text = (
+            f"{neg.get('seed')}, {_seconds(neg.get('duration_s'))}, **{fmt(neg.get('violations'))}**"
+            if neg
+            else "-"
+        )
+        lines.append(
+            f"| {run.get('seed')} | {_seconds(run.get('duration_s'))} | {run.get('started') or '-'} | "
+            f"{run.get('commit') or '-'} | {_workers(run)} | {fmt(run.get('executions'))} | "
+            f"{_faults_total(run.get('faults') or {})} | **{fmt(run.get('violations'))}** | "
+            f"{fmt(run.get('leftovers'))} | {fmt(run.get('recovery_p50_s'))} | "
+            f"{fmt(run.get('recovery_max_s'))} | {neg_text} |"
+        )
+    lines += ["", "Faults by kind:", ""]
+    for run in runs:
+        kinds = ", ".join(f"{k} {fmt(v)}" for k, v in sorted((run.get("faults") or {}).items()))
+        lines.append(
+            f"- seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s: {kinds or 'none'}"
+        )
+        neg = run.get("negative_control")
+        if neg and neg.get("faults"):
+            kinds = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(neg["faults"].items()))
+            lines.append(
+                f"- seed {neg.get('seed')}, {_seconds(neg.get('duration_s'))} s (negative control): "
+                f"{kinds}"
+            )
+    return lines
+
+
+def _randomized_examples(runs: list[dict]) -> list[str]:
+    lines = []
+    for run in runs:
+        label = f"nemesis seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s"
+        lines += [f"- {label}: {ex}" for ex in (run.get("examples") or [])[:MAX_RUN_EXAMPLES]]
+        neg = run.get("negative_control") or {}
+        lines += [
+            f"- {label} (negative control): {ex}"
+            for ex in (neg.get("examples") or [])[:MAX_RUN_EXAMPLES]
+        ]
+    return lines
+
+
+def render(doc: dict) -> str:
+    """docs/reliability.md of ``doc`` (either shape): the deterministic table, the randomized
+    runs with their negative controls, then examples of what the checkers reported."""
+    doc = normalize(doc)
+    result, runs = doc["deterministic"], doc["randomized"]
+    lines = [
+        "# Reliability under faults",
+        "",
+        "Generated by `make soak` (`scripts/soak.py`; the scenarios are in "
+        "`tests/support/faults/scenarios.py`, the invariants in "
+        "`tests/support/faults/checker.py`, and "
+        "`tests/faults` runs each once in `make test`). Every figure is also in "
+        "`reliability.json` beside this file.",
+        "",
+    ]
+    if result is None:
+        lines.append("No deterministic soak recorded yet.")
+    else:
+        lines += _deterministic_lines(result)
+    lines += ["", *_randomized_lines(runs)]
+    examples = (_deterministic_examples(result) if result else []) + _randomized_examples(runs)
+    if examples:
+        lines += ["", "## Examples of what the checker reported", "", *examples]
+    return "\n".join(lines) + "\n"
+
+
+def headline(doc: dict) -> str:
+    """One sentence of the figures (for the README): trials and violations of the
+    deterministic soak, and of the latest randomized run with its negative control."""
+    doc = normalize(doc)
+    parts = []
+    result = doc["deterministic"]
+    if result:
+        rows = result["scenarios"].values()
+        neg = result["negative_control"].values()
+        parts.append(
+            f"{len(result['scenarios'])} deterministic fault scenarios x {result['trials']} "
+            f"trials: {fmt(sum(r['trials'] for r in rows))} trials, "
+            f"{fmt(sum(r['violations'] for r in rows))} violations (negative control: "
+            f"violations in {sum(r['violating_trials'] for r in neg)} of "
+            f"{sum(r['trials'] for r in neg)} trials)"
+        )
+    if doc["randomized"]:
+        run = doc["randomized"][-1]
+        faults = run.get("faults") or {}
+        text = (
+            f"a {_seconds(run.get('duration_s'))} s randomized run (seed {run.get('seed')}): "
+            f"{fmt(run.get('executions'))} step executions, {fmt(sum(faults.values()))} faults "
+            f"of {len(faults)} kinds, {fmt(run.get('violations'))} violations, "
+            f"{fmt(run.get('leftovers'))} leftovers"
+        )
+        neg = run.get("negative_control")
+        if neg:
+            text += f" (negative control: {fmt(neg.get('violations'))} violations)"
+        parts.append(text)
+    return "; ".join(parts) + "." if parts else "No reliability figures recorded yet."

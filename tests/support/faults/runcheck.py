@@ -1,0 +1,657 @@
+"""The checker of a whole randomized fault run (``scripts/nemesis.py``): reads a run directory
+and judges every step, every limit and every idempotency key of it at once.
+
+A run directory holds ``history.jsonl`` (or ``history.jsonl.gz``: the control Redis list
+``faults:history``, one JSON object a line, in list order), ``steps.json`` (step id -> final
+status), ``records.json`` (the committed transitions in id order), ``store.json`` (lock-store
+keys without a TTL and lease or slot keys left once the run settled) and ``run.json`` (seed,
+duration, workers, TTL, the configured limits, faults by kind). The checks:
+
+- per step, those of :func:`checker.check_step` and :func:`checker.stale_commits` (one
+  terminal commit, a legal chain, fences never decreasing, no commit after a newer holder's
+  grant), on the step's own history entries (indexed once: a run has ~200k entries);
+- no lock-store key without a TTL; no lease or slot left (``leftovers``, apart from the
+  violations, as the deterministic soak keeps them);
+- per rate key, at most ``limit`` grants (by ``granted_at``, the Redis time of the grant) in
+  any half-open window ``[x, x + window)``, exactly, over every ``x``;
+- per concurrency key, at most ``N`` slots held at once, a hold ending at its release or
+  expiry, at a SIGKILL or SIGSTOP of its process (a paused holder's slot may pass on: an
+  overlap as the holder saw it, not a violation) or at the end of its task run;
+- per idempotency key, no body started after a completion was recorded, and at most one
+  completion.
+
+A pattern violation with a Redis restart or failover inside it (a rate log, a slot or an
+idempotency record may have been lost with Redis's data, the patterns' documented limit) stays
+a violation; its message ends with ``; after <kind> at <t>`` and ``counts["after_data_loss"]``
+counts them.
+
+``python -m tests.support.faults.runcheck DIR [--write | --no-write]`` prints the verdict
+(summary lines, then its JSON) and stores it as ``DIR/verdict.json`` (the run directory's
+contract: the runner calls it without options; ``--write`` says so explicitly, ``--no-write``
+only prints); exit status 1 on violations or leftovers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.faults.checker import TERMINAL, Record, check_step, stale_commits
+
+KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
+STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
+MICRO = 1_000_000  # rate windows are compared in whole microseconds: no float rounding
+MAX_NAMED = 5  # owners or keys named in one message
+# faults after which Redis may have lost data: a rate log, a slot or an idempotency record
+# lost with it lets one more through (the patterns' documented limit); a message says so
+DATA_LOSS = ("redis_restart", "redis_failover")
+
+
+@dataclass
+class Run:
+    """A run directory's content; ``steps`` and the records' ``step`` are ints where the ids
+    are numeric."""
+
+    history: list[dict]
+    steps: dict
+    records: list[Record]
+    store: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    path: Path | None = None
+
+
+@dataclass
+class RunVerdict:
+    """``violations`` and ``leftovers`` are messages (a leftover names one lease or slot key,
+    ``leftover`` holds those keys); ``counts`` maps a name to an int or, for ``faults``, a dict kind -> int; ``recovery``
+    holds seconds from each lasting fault's heal to the next committed transition."""
+
+    violations: list[str] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+    leftover: list[str] = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+    recovery: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.leftovers
+
+    def as_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "violations": list(self.violations),
+            "leftovers": list(self.leftovers),
+            "leftover": list(self.leftover),
+            "counts": dict(self.counts),
+            "recovery": dict(self.recovery),
+        }
+
+
+def _id(value):
+    """A step id as an int where it is one (JSON object keys are strings)."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _read_json(path: Path, default):
+    return json.loads(path.read_text()) if path.exists() else default
+
+
+def read_history(path: Path) -> list[dict]:
+    """The entries of ``history.jsonl`` or, when only that exists, ``history.jsonl.gz``
+    (``path`` is the directory)."""
+    plain, packed = path / "history.jsonl", path / "history.jsonl.gz"
+    if plain.exists():
+        lines = plain.read_text().splitlines()
+    elif packed.exists():
+        with gzip.open(packed, "rt") as f:
+            lines = f.read().splitlines()
+    else:
+        raise FileNotFoundError(f"{path}: no history.jsonl or history.jsonl.gz")
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def load(path) -> Run:
+    """The :class:`Run` of a run directory (``str`` or ``Path``). Raises FileNotFoundError
+    without a history or a ``steps.json``; a missing ``records.json``, ``store.json`` or
+    ``run.json`` reads as empty."""
+    path = Path(path)
+    steps_file = path / "steps.json"
+    if not steps_file.exists():
+        raise FileNotFoundError(f"{path}: no steps.json")
+    records = [
+        Record(
+            step=_id(r["step"]),
+            from_status=r["from_status"],
+            to_status=r["to_status"],
+            owner=r["owner"],
+            fence=r.get("fence"),
+        )
+        for r in _read_json(path / "records.json", [])
+    ]
+    return Run(
+        history=read_history(path),
+        steps={_id(k): v for k, v in json.loads(steps_file.read_text()).items()},
+        records=records,
+        store=_read_json(path / "store.json", {}),
+        meta=_read_json(path / "run.json", {}),
+        path=path,
+    )
+
+
+def dump(run: Run, path, packed: bool = False) -> Path:
+    """Write ``run`` as a run directory at ``path`` (created; ``packed``: the history as
+    ``history.jsonl.gz``); returns the directory. The inverse of :func:`load`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(e, sort_keys=True) + "\n" for e in run.history)
+    if packed:
+        with gzip.open(path / "history.jsonl.gz", "wt") as f:
+            f.write(text)
+    else:
+        (path / "history.jsonl").write_text(text)
+    files = {
+        "steps.json": {str(k): v for k, v in run.steps.items()},
+        "records.json": [
+            {
+                "step": r.step,
+                "from_status": r.from_status,
+                "to_status": r.to_status,
+                "owner": r.owner,
+                "fence": r.fence,
+            }
+            for r in run.records
+        ],
+        "store.json": {"keys_without_ttl": [], "leftover": [], **run.store},
+        "run.json": run.meta,
+    }
+    for name, content in files.items():
+        (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0 to 1) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _short(owner) -> str:
+    return str(owner)[:8] if owner else "?"
+
+
+def _pids(entry) -> list:
+    pid = entry.get("pid")
+    return pid if isinstance(pid, list) else [pid]
+
+
+class _Index:
+    """The history grouped once: per step, per pid's stops and task ends, per limit key."""
+
+    def __init__(self, history: list[dict]):
+        self.by_step: dict = defaultdict(list)
+        self.stops: dict = defaultdict(list)  # pid -> times of a SIGKILL/SIGQUIT/SIGSTOP
+        self.kills: dict = defaultdict(list)  # pid -> times of a SIGKILL/SIGQUIT
+        self.ends_by_pid: dict = defaultdict(list)  # pid -> task_end times
+        self.ends_by_task: dict = defaultdict(list)  # (task_id, pid) -> task_end times
+        self.commits: list[float] = []
+        self.heals: list[dict] = []
+        self.faults: Counter = Counter()
+        self.rate: dict = defaultdict(list)
+        self.slots: dict = defaultdict(list)
+        self.idem: dict = defaultdict(list)
+        self.executions = 0
+        self.breaker: Counter = Counter()
+        self.data_loss: list[tuple[float, str]] = []
+        self.lost_at: dict = {}  # owner -> first "lost" (a slot's: the heartbeat found it gone)
+        refusals: set = set()
+        for i, e in enumerate(history):
+            ev = e.get("ev")
+            step = e.get("step")
+            if step is not None:
+                normal = _id(step)
+                if normal != step:
+                    e = {**e, "step": normal}
+                self.by_step[normal].append(e)
+                if ev in ("acquired", "contended"):
+                    self.executions += 1
+            if ev == "lost" and e.get("owner"):
+                self.lost_at.setdefault(e["owner"], e["t"])
+            if ev == "fault":
+                self.faults[e.get("kind") or e.get("signal") or "?"] += 1
+                if e.get("kind") in DATA_LOSS:
+                    self.data_loss.append((e["t"], e["kind"]))
+                if e.get("signal") in STOP_SIGNALS and e.get("pid"):
+                    for pid in _pids(e):
+                        self.stops[pid].append(e["t"])
+                        if e["signal"] in KILL_SIGNALS:
+                            self.kills[pid].append(e["t"])
+            elif ev == "heal":
+                self.heals.append(e)
+            elif ev == "committed":
+                self.commits.append(e["t"])
+            elif ev == "task_end":
+                if e.get("pid") is not None:
+                    self.ends_by_pid[e["pid"]].append(e["t"])
+                if e.get("task_id"):
+                    self.ends_by_task[(e["task_id"], e.get("pid"))].append(e["t"])
+            elif ev in ("conflict", "lost") and _fence_refused(e):
+                refusals.add((e.get("step"), e.get("owner")))
+            elif ev == "rate_granted":
+                self.rate[e.get("key")].append(e)
+            elif ev in ("slot_acquired", "slot_released", "slot_expired"):
+                self.slots[e.get("limit_key")].append((i, e))
+            elif ev in ("idem_body", "idem_completed", "idem_replayed"):
+                self.idem[e.get("key")].append((i, e))
+            elif ev == "breaker":
+                self.breaker[e.get("what") or "?"] += 1
+        self.fence_refusals = len(refusals)
+        for table in (self.stops, self.kills, self.ends_by_pid, self.ends_by_task):
+            for times in table.values():
+                times.sort()
+        self.commits.sort()
+        self.data_loss.sort()
+
+    @staticmethod
+    def first_at_or_after(times: list[float], start: float) -> float | None:
+        i = bisect.bisect_left(times, start)
+        return times[i] if i < len(times) else None
+
+    def data_loss_note(self, start: float, end: float) -> str:
+        """ "" or a note naming the last Redis data-loss fault in ``[start, end]``."""
+        i = bisect.bisect_right(self.data_loss, (end, "\uffff")) - 1
+        if i >= 0 and self.data_loss[i][0] >= start:
+            t, kind = self.data_loss[i]
+            return f"; after {kind} at {t:.3f}"
+        return ""
+
+    def task_end_after(self, entry: dict, start: float) -> float | None:
+        """The end of the task run of ``entry`` at or after ``start``: by its task id and pid
+        when it has a task id (a threads pool runs several tasks in one pid; a same-id
+        duplicate runs in another process), else by its pid."""
+        ident = (entry.get("task_id"), entry.get("pid"))
+        if ident[0] and ident in self.ends_by_task:
+            return self.first_at_or_after(self.ends_by_task[ident], start)
+        return self.first_at_or_after(self.ends_by_pid.get(entry.get("pid"), []), start)
+
+
+def _fence_refused(entry: dict) -> bool:
+    """A conflict whose reason (or ``stale_fence``) says the fenced compare-and-swap refused,
+    or the loss the task reports after it ("... carries a newer fencing token ...")."""
+    reason = str(entry.get("reason") or "").lower()
+    if entry.get("ev") == "conflict":
+        return bool(entry.get("stale_fence")) or "fence" in reason
+    return "newer fencing token" in reason
+
+
+def _earliest(*times):
+    present = [t for t in times if t is not None]
+    return min(present) if present else None
+
+
+def _lease_spans(index: _Index, group: list[dict], end_of_run: float) -> list[tuple]:
+    """(start, end) of each owner's hold of one step, as :func:`checker.lease_intervals`
+    defines it (a SIGSTOP does not end it: a paused holder still believes it holds)."""
+    started, first, ended = {}, {}, {}
+    for e in group:
+        owner = e.get("owner")
+        if not owner:
+            continue
+        if e.get("ev") == "acquired" and owner not in started:
+            started[owner] = e["t"]
+            first[owner] = e
+        elif e.get("ev") in ("released", "lost", "conflict") and owner in started:
+            ended.setdefault(owner, e["t"])
+    spans = []
+    for owner, start in started.items():
+        entry = first[owner]
+        stop = _earliest(
+            ended.get(owner),
+            index.first_at_or_after(index.kills.get(entry.get("pid"), []), start),
+            index.task_end_after(entry, start),
+        )
+        spans.append((start, stop if stop is not None else end_of_run))
+    return sorted(spans)
+
+
+def _check_group(index: _Index, step, status, records: list[Record], group, end_of_run):
+    problems = check_step(step, status, records)
+    problems.extend(stale_commits(step, group))
+    spans = _lease_spans(index, group, end_of_run)
+    overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+    fences = {
+        e["owner"]: e.get("fence") or 0
+        for e in group
+        if e.get("ev") == "acquired" and e.get("owner")
+    }
+    newest = max(fences.values(), default=0)
+    reached_cas = {
+        e.get("owner")
+        for e in group
+        if e.get("ev") == "point" and e.get("point") == "before_cas" and e.get("owner")
+    }
+    refused = {
+        e["owner"]
+        for e in group
+        if e.get("ev") in ("conflict", "lost")
+        and e.get("owner")
+        and fences.get(e["owner"], newest) < newest
+        and e["owner"] in reached_cas
+    }
+    committed = {r.owner for r in records}
+    stale_rejected = bool(committed and refused - committed)
+    return problems, overlap, stale_rejected
+
+
+_WINDOW = re.compile(r"^(\d+)/(\d+(?:\.\d+)?)s window$")
+
+
+def _window_of(description) -> dict | None:
+    """The limit of a sliding window's description (``"10/1s window"``); None for another
+    kind (a token bucket bounds no fixed window)."""
+    match = _WINDOW.match(str(description or ""))
+    return {"limit": int(match[1]), "window": float(match[2])} if match else None
+
+
+def check_rates(grants: dict, limits: dict, index: _Index | None = None) -> tuple[list[str], int]:
+    """Violations of the rate limits and the number of grants: ``grants`` maps a rate key to
+    its ``rate_granted`` entries, ``limits`` a rate key to ``{"limit": N, "window": s}``; a
+    key without a configured limit is judged by its entries' sliding-window description
+    (``limit``: ``"10/1s window"``), else not at all. One message per burst (a run of window
+    starts each holding more than ``limit`` grants), naming its fullest window and (with
+    ``index``) a Redis data-loss fault inside it."""
+    problems, total = [], 0
+    for key in sorted(grants, key=str):
+        entries = grants[key]
+        total += len(entries)
+        conf = limits.get(key) or _window_of(entries[0].get("limit"))
+        if not conf:
+            continue
+        limit, width = int(conf["limit"]), round(float(conf["window"]) * MICRO)
+        timed = sorted(
+            (round(float(e["granted_at"]) * MICRO), n)
+            for n, e in enumerate(entries)
+            if e.get("granted_at") is not None  # a grant without its Redis time: unjudged
+        )
+        times = [t for t, _ in timed]
+        burst = None  # (first start index, fullest start index, its count)
+        bursts = []
+        for i in range(len(times) - limit):
+            if times[i + limit] - times[i] < width:
+                count = bisect.bisect_left(times, times[i] + width) - i
+                if burst is None:
+                    burst = [i, i, count]
+                elif count > burst[2]:
+                    burst[1:] = [i, count]
+            elif burst is not None:
+                bursts.append(burst)
+                burst = None
+        if burst is not None:
+            bursts.append(burst)
+        for _, best, count in bursts:
+            inside = [entries[n] for _, n in timed[best : best + count]]
+            owners = ", ".join(_short(e.get("owner") or e.get("task_id")) for e in inside)
+            if count > MAX_NAMED:
+                owners = ", ".join(owners.split(", ")[:MAX_NAMED]) + ", ..."
+            note = (
+                index.data_loss_note(times[best] / MICRO, times[best + count - 1] / MICRO)
+                if index is not None
+                else ""
+            )
+            problems.append(
+                f"rate {key}: {count} grants in [{times[best] / MICRO:.6f}, "
+                f"+{width / MICRO:g} s) for a limit of {limit} ({owners}){note}"
+            )
+    return problems, total
+
+
+def _slot_ident(e: dict) -> tuple:
+    # every grant has a fresh owner token; a reaped slot's slot_expired names no slot
+    return (e["owner"],) if e.get("owner") else (e.get("slot"), e.get("fence"))
+
+
+def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
+    """Violations of the concurrency limits and the number of slot grants. A hold starts at
+    ``slot_acquired`` and ends at the first of its ``slot_released``/``slot_expired``, the
+    ``lost`` of its owner (the heartbeat found the slot gone: its expiry as the holder learnt
+    it), a SIGKILL/SIGQUIT/SIGSTOP of its pid or the end of its task run (else it lasts). The
+    limit is ``limits[key]``, else the events' ``limit``. One message per episode above the
+    limit, naming the holders at its peak."""
+    problems, grants = [], 0
+    for key in sorted(index.slots, key=str):
+        events = index.slots[key]
+        holds, done = {}, {}
+        limit = limits.get(key)
+        for _, e in events:
+            ident = _slot_ident(e)
+            if e.get("ev") == "slot_acquired":
+                grants += 1
+                holds.setdefault(ident, e)
+                if limit is None and e.get("limit") is not None:
+                    limit = e["limit"]
+            elif ident in holds:
+                done.setdefault(ident, e["t"])
+        if limit is None:
+            continue
+        limit = int(limit)
+        marks = []
+        for ident, e in holds.items():
+            start = e["t"]
+            lost = index.lost_at.get(e.get("owner"))
+            stop = _earliest(
+                done.get(ident),
+                lost if lost is not None and lost >= start else None,
+                index.first_at_or_after(index.stops.get(e.get("pid"), []), start),
+                index.task_end_after(e, start),
+            )
+            # a hold that never ended in the history lasts past its end
+            stop = float("inf") if stop is None else max(stop, start)
+            if stop > start:
+                # half-open [start, stop): at one instant a release counts before a grant
+                marks.append((stop, 0, ident))
+                marks.append((start, 1, ident))
+        marks.sort(key=lambda m: (m[0], m[1]))
+        held: dict = {}
+        peak = None  # (count, time, holders) of the current episode above the limit
+        for t, kind, ident in marks:
+            if kind == 0:
+                held.pop(ident, None)
+                if peak is not None and len(held) <= limit:
+                    problems.append(_concurrency_message(index, key, limit, peak))
+                    peak = None
+                continue
+            held[ident] = holds[ident]
+            if len(held) > limit and (peak is None or len(held) > peak[0]):
+                peak = (len(held), t, list(held.values()))
+        if peak is not None:
+            problems.append(_concurrency_message(index, key, limit, peak))
+    return problems, grants
+
+
+def _concurrency_message(index: _Index, key, limit, peak) -> str:
+    count, t, holders = peak
+    note = index.data_loss_note(min(e["t"] for e in holders), t)
+    named = ", ".join(
+        f"{_short(e.get('owner'))} slot {e.get('slot')} fence {e.get('fence')}"
+        for e in holders[:MAX_NAMED]
+    )
+    more = ", ..." if len(holders) > MAX_NAMED else ""
+    return (
+        f"concurrency {key}: {count} slots held at {t:.3f} for a limit of {limit} "
+        f"({named}{more}){note}"
+    )
+
+
+def check_idempotency(index: _Index) -> tuple[list[str], dict]:
+    """Violations of the idempotency keys (a body started after a completion was recorded;
+    two completions) and the counts of bodies, completions and replays."""
+    problems = []
+    counts = {"idem_bodies": 0, "idem_completions": 0, "idem_replays": 0}
+    for key in sorted(index.idem, key=str):
+        completed = None
+        for _, e in sorted(index.idem[key], key=lambda p: (p[1]["t"], p[0])):
+            ev = e["ev"]
+            if ev == "idem_body":
+                counts["idem_bodies"] += 1
+                if completed is not None:
+                    problems.append(
+                        f"idempotency {key}: body of task {_short(e.get('task_id'))} "
+                        f"(step {e.get('step')}) started at {e['t']:.3f}, after the completion "
+                        f"recorded at {completed['t']:.3f}"
+                        f"{index.data_loss_note(completed['t'], e['t'])}"
+                    )
+            elif ev == "idem_completed":
+                counts["idem_completions"] += 1
+                if completed is not None:
+                    problems.append(
+                        f"idempotency {key}: completed again at {e['t']:.3f} "
+                        f"(first at {completed['t']:.3f})"
+                        f"{index.data_loss_note(completed['t'], e['t'])}"
+                    )
+                else:
+                    completed = e
+            else:
+                counts["idem_replays"] += 1
+    return problems, counts
+
+
+def _recovery(index: _Index) -> dict:
+    waits, unrecovered = [], 0
+    for heal in index.heals:
+        nxt = index.first_at_or_after(index.commits, heal["t"])
+        if nxt is None:
+            unrecovered += 1
+        else:
+            waits.append(round(nxt - heal["t"], 3))
+    return {
+        "lasting_faults": len(index.heals),
+        "unrecovered": unrecovered,
+        "p50_s": percentile(waits, 0.5),
+        "p95_s": percentile(waits, 0.95),
+        "max_s": max(waits) if waits else None,
+    }
+
+
+def _key_list(keys) -> str:
+    keys = sorted(str(k) for k in keys)
+    return ", ".join(keys[:MAX_NAMED]) + (", ..." if len(keys) > MAX_NAMED else "")
+
+
+def check_run(run: Run) -> RunVerdict:
+    """The verdict of a run: every check of the module docstring, in the order lock store,
+    steps (by id), rates, concurrency, idempotency (by key)."""
+    index = _Index(run.history)
+    end_of_run = max((e.get("t", 0.0) for e in run.history), default=0.0)
+    verdict = RunVerdict()
+    no_ttl = list(run.store.get("keys_without_ttl", []))
+    if no_ttl:
+        verdict.violations.append(
+            f"{len(no_ttl)} lock-store key(s) without a TTL ({_key_list(no_ttl)})"
+        )
+    verdict.leftover = sorted(run.store.get("leftover", []))
+    verdict.leftovers = [f"left in the lock store: {k}" for k in verdict.leftover]
+    by_step: dict = defaultdict(list)
+    for r in run.records:
+        by_step[r.step].append(r)
+    overlaps = stale_rejected = 0
+    for step in sorted(run.steps, key=lambda s: (isinstance(s, str), s)):
+        problems, overlap, stale = _check_group(
+            index,
+            step,
+            run.steps[step],
+            by_step.get(step, []),
+            index.by_step.get(step, []),
+            end_of_run,
+        )
+        verdict.violations.extend(problems)
+        overlaps += overlap
+        stale_rejected += stale
+    limits = run.meta.get("limits") or {}
+    rate_problems, rate_grants = check_rates(index.rate, limits.get("rate") or {}, index)
+    slot_problems, slot_grants = check_concurrency(index, limits.get("concurrency") or {})
+    idem_problems, idem_counts = check_idempotency(index)
+    pattern_problems = rate_problems + slot_problems + idem_problems
+    verdict.violations += pattern_problems
+    verdict.counts = {
+        "steps": len(run.steps),
+        "terminal_steps": sum(1 for s in run.steps.values() if s in TERMINAL),
+        "executions": index.executions,
+        "commits": len(run.records),
+        "faults": dict(sorted(index.faults.items())),
+        "overlaps": overlaps,
+        "stale_rejected": stale_rejected,
+        "fence_refusals": index.fence_refusals,
+        "breaker": dict(sorted(index.breaker.items())),
+        "rate_grants": rate_grants,
+        "slot_grants": slot_grants,
+        **idem_counts,
+        "after_data_loss": sum("; after redis_" in p for p in pattern_problems),
+        "leftovers": len(verdict.leftovers),
+        "keys_without_ttl": len(no_ttl),
+        "history_entries": len(run.history),
+    }
+    verdict.recovery = _recovery(index)
+    return verdict
+
+
+def summary_lines(verdict: RunVerdict, limit: int = 20) -> list[str]:
+    c, rec = verdict.counts, verdict.recovery
+    faults = ", ".join(f"{k} {v}" for k, v in c.get("faults", {}).items()) or "none"
+    lines = [
+        f"{'OK' if verdict.ok else 'FAILED'}: {len(verdict.violations)} violation(s), "
+        f"{len(verdict.leftovers)} leftover(s)",
+        f"steps {c.get('steps')}, executions {c.get('executions')}, commits {c.get('commits')}, "
+        f"overlaps {c.get('overlaps')}, stale rejected {c.get('stale_rejected')}, "
+        f"fence refusals {c.get('fence_refusals')}",
+        f"faults: {faults}",
+        f"rate grants {c.get('rate_grants')}, slot grants {c.get('slot_grants')}, idempotent "
+        f"bodies {c.get('idem_bodies')}, completions {c.get('idem_completions')}, replays "
+        f"{c.get('idem_replays')}",
+        f"recovery after {rec.get('lasting_faults')} lasting fault(s): p50 {rec.get('p50_s')} s, "
+        f"p95 {rec.get('p95_s')} s, max {rec.get('max_s')} s, unrecovered "
+        f"{rec.get('unrecovered')}",
+    ]
+    shown = verdict.violations + verdict.leftovers
+    lines += [f"  {p}" for p in shown[:limit]]
+    if len(shown) > limit:
+        lines.append(f"  ... and {len(shown) - limit} more")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Check a randomized fault run's directory.")
+    parser.add_argument("dir", help="the run directory")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        default=True,
+        help="write DIR/verdict.json (the default)",
+    )
+    parser.add_argument(
+        "--no-write", dest="write", action="store_false", help="print the verdict only"
+    )
+    args = parser.parse_args(argv)
+    verdict = check_run(load(args.dir))
+    document = json.dumps(verdict.as_dict(), indent=2) + "\n"
+    if args.write:
+        (Path(args.dir) / "verdict.json").write_text(document)
+    print("\n".join(summary_lines(verdict)))
+    print(document, end="")
+    return 0 if verdict.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
