@@ -49,7 +49,9 @@ class Lab:
 
     ``ttl`` (seconds) is the workers' lease TTL, ``visibility_timeout`` (seconds) the broker's,
     ``max_hold`` (seconds) the longest a lease is renewed (``steplock_max_hold``);
-    ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check).
+    ``unguarded=True`` starts the workers as the negative control (no CAS, no pre-check);
+    ``unacked_mutex_expire`` (whole seconds) bounds how long a worker main process killed while
+    it held the broker's restore mutex delays every redelivery.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class Lab:
         max_hold: float = 15.0,
         unguarded: bool = False,
         log=print,
+        unacked_mutex_expire: int = 30,
     ):
         self.workdir = Path(workdir)
         self.db_settings = dict(db_settings)
@@ -69,6 +72,7 @@ class Lab:
         self.max_hold = max_hold
         self.unguarded = unguarded
         self.log = log
+        self.unacked_mutex_expire = unacked_mutex_expire
         self.workers: dict[str, servers.WorkerProcess] = {}
         self.replica: servers.RedisServer | None = None
         self.repl_proxy: TcpProxy | None = None
@@ -133,7 +137,7 @@ class Lab:
             "STEPLOCK_MAX_HOLD": str(self.max_hold),
             "STEPLOCK_UNACKED_RESTORE_INTERVAL": "1",
             "STEPLOCK_UNACKED_RESTORE_THROTTLE": "1",
-            "STEPLOCK_UNACKED_MUTEX_EXPIRE": "30",
+            "STEPLOCK_UNACKED_MUTEX_EXPIRE": str(self.unacked_mutex_expire),
             "STEPLOCK_LOG_LEVEL": "INFO",
         }
         if self.unguarded:
