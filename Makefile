@@ -37,7 +37,8 @@ bench: venv
 	$(VENV)/bin/python -m pip install -q -r requirements/bench.txt
 	$(VENV)/bin/python benchmarks/run.py $(ARGS)
 
-# The fault scenarios, N trials each (default 200: hours), into docs/reliability.md/.json.
+# The fault scenarios, N trials each (default 200), on labs side by side (--labs, default 6;
+# TTL 1 s: under 2 hours on 2 cores), into docs/reliability.md/.json.
 soak: venv
 	$(VENV)/bin/python scripts/soak.py $(ARGS)
 

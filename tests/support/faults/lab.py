@@ -59,6 +59,8 @@ class Lab:
     ``"fenced"``). ``worker_stores=True`` gives each worker its own proxy on the lock-store
     path, chained in front of ``store_proxy`` (so every fault on ``store_proxy`` still reaches
     every worker): :meth:`split_store` needs it.
+    ``unacked_mutex_expire`` (whole seconds) bounds how long a worker main process killed while
+    it held the broker's restore mutex delays every redelivery.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class Lab:
         log=print,
         guard: str = "fenced",
         worker_stores: bool = False,
+        unacked_mutex_expire: int = 30,
     ):
         self.workdir = Path(workdir)
         self.db_settings = dict(db_settings)
@@ -80,6 +83,7 @@ class Lab:
         self.max_hold = max_hold
         self.unguarded = unguarded
         self.log = log
+        self.unacked_mutex_expire = unacked_mutex_expire
         self.workers: dict[str, servers.WorkerProcess] = {}
         self.replica: servers.RedisServer | None = None
         self.repl_proxy: TcpProxy | None = None
@@ -151,7 +155,7 @@ class Lab:
             "STEPLOCK_MAX_HOLD": str(self.max_hold),
             "STEPLOCK_UNACKED_RESTORE_INTERVAL": "1",
             "STEPLOCK_UNACKED_RESTORE_THROTTLE": "1",
-            "STEPLOCK_UNACKED_MUTEX_EXPIRE": "30",
+            "STEPLOCK_UNACKED_MUTEX_EXPIRE": str(self.unacked_mutex_expire),
             "STEPLOCK_LOG_LEVEL": "INFO",
         }
         if self.unguarded:
