@@ -20,6 +20,7 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 MAX_EXAMPLES = 40  # of the deterministic soak, as before
+FENCE_CLASS = "split brain: the fence decides"  # scenarios.FENCE_CLASS
 MAX_RUN_EXAMPLES = 5  # per randomized run and per negative control
 
 
@@ -171,7 +172,7 @@ def _deterministic_lines(result: dict) -> list[str]:
         f"Run: {result['started']} UTC, commit {result['commit']}, {result['seconds']:.0f} s; "
         f"{result['trials']} trials per scenario, {result['negative_trials']} per scenario for "
         f"the negative control; lease TTL {result['ttl']} s, broker visibility_timeout "
-        f"{result['visibility_timeout']} s; two prefork workers (concurrency 1), Redis "
+        f"{result['visibility_timeout']} s; {_labs(result)}two prefork workers (concurrency 1), Redis "
         f"{result['redis']}, PostgreSQL {result['postgres']}, Python {result['python']}, "
         f"{result['cpus']} CPUs.",
         "",
@@ -216,7 +217,28 @@ def _deterministic_lines(result: dict) -> list[str]:
         "its heartbeat and the pre-commit ownership check stay). Violations there show that "
         "the checker bites and that the lease alone does not prevent a second commit.",
     ]
+    if any(row.get("fault") == FENCE_CLASS for row in guarded.values()):
+        lines += [
+            "",
+            "*Split brain: the fence decides* (the `fence-split` rows). A partition leaves one "
+            "worker on the old Redis primary, where its lease lives and its heartbeat keeps "
+            "renewing it, while the other moves to a promoted replica that never saw that "
+            "lease. There a newer holder (a later, Redis-time fencing token) moves the step "
+            "pending -> running, and a reset task or the reaper moves it back to pending. When "
+            "the stale holder goes on, the status it expects is back and its own Redis still "
+            "says it owns the lease: only the fence condition of the compare-and-swap "
+            "(`lock_fence <= token`) refuses it, and its retry commits once the split heals "
+            "(three commits per trial: running, pending, the terminal one). Their negative "
+            "control is the guard without the fence (`STEPLOCK_FAULTS_GUARD=nofence`: the "
+            "status CAS, the pre-check and the ownership check stay): the stale write commits, "
+            "and the checker reports decreasing fences and a commit after a newer grant.",
+        ]
     return lines
+
+
+def _labs(result: dict) -> str:
+    labs = result.get("labs")
+    return f"{labs} labs side by side, each " if labs and labs > 1 else ""
 
 
 def _deterministic_examples(result: dict) -> list[str]:

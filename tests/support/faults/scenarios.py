@@ -587,3 +587,6 @@ def _fence_scenarios() -> list[Scenario]:
 #: The fence-decides family; its trials need ``Lab(worker_stores=True)`` (see the module
 #: docstring). Not in :data:`SCENARIOS`: each commits three transitions, not one.
 FENCE_SCENARIOS = {s.name: s for s in _fence_scenarios()}
+
+#: Every deterministic scenario, both families (what ``scripts/soak.py`` runs).
+ALL_SCENARIOS = {**SCENARIOS, **FENCE_SCENARIOS}
