@@ -129,9 +129,7 @@ def main(argv=None) -> int:
         "leftover": n_leftover,
         "settled": run["settle"]["settled"],
         "load_avg_1m_mean": round(sum(loads) / len(loads), 2) if loads else None,
-        "controller_cpu_s": round(
-            sum(os.times()[:4]) - sum(cpu_before[:4]), 1
-        ),
+        "controller_cpu_s": round(sum(os.times()[:4]) - sum(cpu_before[:4]), 1),
         "checker": verdict.get("checker"),
         "out": str(out),
     }

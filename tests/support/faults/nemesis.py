@@ -37,6 +37,7 @@ from tests.support.faults.proxy import TcpProxy
 
 PATTERNS = "django_app.faults.patterns"
 DEP_FAILING = "faults:dep:failing"
+WORKER_APP_NAME = "steplock-nemesis-worker"
 
 #: (name, pool, concurrency): what two cores carry beside PostgreSQL, Redis and the proxies.
 WORKERS = (
@@ -271,6 +272,8 @@ class NemesisLab(Lab):
     def worker_env(self) -> dict:
         env = super().worker_env()
         env["STEPLOCK_FAULTS_IDEMPOTENCY_LOCK_TTL"] = str(max(8.0, 4 * self.ttl))
+        # pg_terminate picks among the workers' sessions, never the controller's own.
+        env["DATABASE_URL"] += f"?application_name={WORKER_APP_NAME}"
         return env
 
     def supervise(self) -> None:
@@ -330,9 +333,7 @@ class NemesisLab(Lab):
         client.execute_command("REPLICAOF", "NO", "ONE")
         client.close()
         self.store_proxy.retarget("127.0.0.1", self.replica.port, drop=True)
-        entry = self.note(
-            "fault", kind="redis_failover", to_port=self.replica.port, lag=lag
-        )
+        entry = self.note("fault", kind="redis_failover", to_port=self.replica.port, lag=lag)
         old, old_proxy = self.store, self.repl_proxy
         self.store, self.replica, self.repl_proxy = self.replica, None, None
         old_proxy.stop()
@@ -370,7 +371,8 @@ class NemesisLab(Lab):
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                "AND pid <> pg_backend_pid() AND backend_type = 'client backend' ORDER BY pid"
+                "AND application_name = %s ORDER BY pid",
+                [WORKER_APP_NAME],
             )
             return [row[0] for row in cursor.fetchall()]
 
@@ -381,7 +383,9 @@ class NemesisLab(Lab):
         for active in self.active:
             if active.key == key:
                 active.until = max(active.until, now + seconds)
-                return self.note("fault", kind=kind, seconds=seconds, extends=active.fault_t, **fields)
+                return self.note(
+                    "fault", kind=kind, seconds=seconds, extends=active.fault_t, **fields
+                )
         entry = self.note("fault", kind=kind, seconds=seconds, **fields)
         self.active.append(Active(kind, key, entry["t"], entry["t"] + seconds, heal))
         return entry
@@ -411,13 +415,17 @@ class NemesisLab(Lab):
             if not alive:
                 return None
             worker = alive[target % len(alive)]
-            entry = self.note("fault", kind=kind, signal="SIGKILL", pid=worker.pid, worker=worker.name)
+            entry = self.note(
+                "fault", kind=kind, signal="SIGKILL", pid=worker.pid, worker=worker.name
+            )
             processes._signal_pid(worker.pid, signal.SIGKILL)
             return entry
         if kind in ("pause", "heartbeat_frozen"):
             pids = self.task_processes()
             if fault["target2"] % 4 == 0 and kind == "pause":  # now and then a main process
-                pids = [self.workers[n].pid for n in sorted(self.workers) if self.workers[n].alive()]
+                pids = [
+                    self.workers[n].pid for n in sorted(self.workers) if self.workers[n].alive()
+                ]
             if not pids:
                 return None
             pid = pids[target % len(pids)]
@@ -445,7 +453,9 @@ class NemesisLab(Lab):
         proxy = self.store_proxy if path == "redis" else self.pg_proxy
         if what == "latency":
             proxy.set_latency(fault["latency"])
-            return self._last(kind, kind, seconds, lambda: proxy.set_latency(0), latency=fault["latency"])
+            return self._last(
+                kind, kind, seconds, lambda: proxy.set_latency(0), latency=fault["latency"]
+            )
         if what == "blackhole":
             proxy.blackhole()
             return self._last(kind, kind, seconds, proxy.unblackhole)
@@ -649,15 +659,22 @@ class NemesisLab(Lab):
         operator's resume) to a step that stays idle and not terminal, at most 3 times each;
         then up to one TTL more for the leases to go. Returns ``{"settled": bool, "seconds",
         "leftover": [keys]}``."""
+        from django.db import DatabaseError, connection
+
         began = time.monotonic()
         deadline = began + timeout
         resumed: dict[int, int] = {}
         idle_since = None
         settled = False
         while time.monotonic() < deadline:
-            if self.quiet(self.steps):
-                settled = True
-                break
+            try:
+                if self.quiet(self.steps):
+                    settled = True
+                    break
+            except DatabaseError:  # a session ended under it: open another
+                connection.close()
+                time.sleep(0.2)
+                continue
             if not all(w.alive() for w in self.workers.values()):
                 self.ensure_workers()
             if self.broker_idle() and not self.leases():
