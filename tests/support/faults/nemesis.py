@@ -38,6 +38,7 @@ from tests.support.faults.proxy import TcpProxy
 PATTERNS = "django_app.faults.patterns"
 DEP_FAILING = "faults:dep:failing"
 WORKER_APP_NAME = "steplock-nemesis-worker"
+TARGET_WAIT = 2.0  # seconds a fault waits for a target to exist
 
 #: (name, pool, concurrency): what two cores carry beside PostgreSQL, Redis and the proxies.
 WORKERS = (
@@ -479,26 +480,36 @@ class NemesisLab(Lab):
         raise ValueError(f"unknown fault kind {kind!r}")
 
     def nemesis(self, started: float) -> None:
-        """Apply the planned faults at their times; heal lasting ones when due."""
+        """Apply the planned faults at their times; heal lasting ones when due. A fault with
+        no target at its time (no worker session open, no replica ready yet) is tried again
+        for up to ``TARGET_WAIT`` seconds, then counted in ``skipped``."""
         from django.db import connection
 
         todo = list(self.schedule["faults"])
+        waiting: list[dict] = []
         try:
             while not self.stopping.is_set():
                 now = time.time()
                 with self.lock:
                     self.heal_due()
+                    due = []
                     while todo and started + todo[0]["at"] <= now:
-                        fault = todo.pop(0)
+                        due.append(todo.pop(0))
+                    for fault in waiting + due:
                         try:
                             entry = self.inject(fault)
                         except Exception as exc:  # noqa: BLE001 - a fault that failed is noted
                             self.errors.append(f"{fault['kind']}: {type(exc).__name__}: {exc}")
-                            entry = None
-                        if entry is None:
-                            self.skipped[fault["kind"]] = self.skipped.get(fault["kind"], 0) + 1
+                            entry = False
+                        if fault in waiting:
+                            waiting.remove(fault)
+                        kind = fault["kind"]
+                        if entry:
+                            self.faults[kind] = self.faults.get(kind, 0) + 1
+                        elif entry is None and now < started + fault["at"] + TARGET_WAIT:
+                            waiting.append(fault)
                         else:
-                            self.faults[fault["kind"]] = self.faults.get(fault["kind"], 0) + 1
+                            self.skipped[kind] = self.skipped.get(kind, 0) + 1
                 self.stopping.wait(0.05)
         finally:
             connection.close()
