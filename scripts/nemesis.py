@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -42,7 +43,15 @@ def load() -> float | None:
         return None
 
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv=None) -> int:
+    # SIGTERM (and SIGINT, ignored in a background job) end the run like Ctrl-C: every server
+    # and worker is stopped by its PID on the way out.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults")
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")

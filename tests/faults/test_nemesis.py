@@ -31,6 +31,13 @@ def test_the_plan_is_a_function_of_the_seed():
     assert [c["n"] for c in steps] == list(range(len(steps)))
 
 
+def test_a_shorter_run_on_the_same_seed_plays_the_start_of_a_longer_ones_schedule():
+    short, full = nemesis.plan(SEED, 120, TTL), nemesis.plan(SEED, 300, TTL)
+    for part in ("client", "faults"):
+        assert short[part] == [item for item in full[part] if item["at"] < 120]
+        assert len(full[part]) > len(short[part]) > 0
+
+
 def test_forced_kinds_only():
     faults = nemesis.plan(SEED, 600, TTL, KINDS)["faults"]
     assert {f["kind"] for f in faults} == set(KINDS)

@@ -96,7 +96,8 @@ def plan_client(rng: random.Random, duration: float, mean_gap: float = 0.6) -> l
     """What the client does when: ``{"at": seconds from the start, "action", ...}``, sorted
     by ``at``. Each ``step`` action creates a step (``n``: its index in the run) and sends its
     tasks; ``resume`` re-sends ``forward`` to step ``n`` if it is then idle and not terminal;
-    ``dep_burst`` makes the breaker's fake dependency fail for ``seconds``."""
+    ``dep_burst`` makes the breaker's fake dependency fail for ``seconds``. A breaker step is
+    called again (``task``) a few times while it is not done: its calls fail in a burst."""
     plan = []
     names, weights = zip(*ACTIONS.items())
     at, n = 0.5, 0
@@ -115,7 +116,17 @@ def plan_client(rng: random.Random, duration: float, mean_gap: float = 0.6) -> l
                     "gap": round(rng.uniform(0.0, 0.3), 3),
                 }
             )
-            if rng.random() < 0.25:
+            if action == "breaker":  # a failed call is called again, breaker permitting
+                for delay in (2.0, 5.0, 10.0, 20.0):
+                    plan.append(
+                        {
+                            "at": round(at + delay * rng.uniform(0.8, 1.2), 3),
+                            "action": "resume",
+                            "n": n,
+                            "task": "breaker_forward",
+                        }
+                    )
+            elif rng.random() < 0.25:
                 plan.append(
                     {
                         "at": round(at + rng.uniform(4.0, 15.0), 3),
@@ -126,7 +137,11 @@ def plan_client(rng: random.Random, duration: float, mean_gap: float = 0.6) -> l
             n += 1
         if rng.random() < 0.02:
             plan.append(
-                {"at": round(at, 3), "action": "dep_burst", "seconds": round(rng.uniform(3, 8), 3)}
+                {
+                    "at": round(at, 3),
+                    "action": "dep_burst",
+                    "seconds": round(rng.uniform(4, 10), 3),
+                }
             )
         at += rng.expovariate(1.0 / mean_gap)
     plan = [p for p in plan if p["at"] < duration]
@@ -170,10 +185,14 @@ def plan_faults(
 
 def plan(seed: int, duration: float, ttl: float, kinds: dict | None = None, **gaps) -> dict:
     """The whole schedule of a run: ``{"client": [...], "faults": [...]}``, the same for the
-    same arguments."""
+    same arguments; on one seed, the schedule of a shorter ``duration`` is the part of a
+    longer one's before that time."""
     rng = random.Random(seed)
-    client = plan_client(rng, duration, gaps.get("client_gap", 0.6))
-    faults = plan_faults(rng, duration, ttl, gaps.get("fault_gap", 3.0), kinds)
+    # One stream each, drawn from the seed's: a shorter run's schedule is a prefix of a
+    # longer one's on the same seed (the client's draws do not shift the nemesis's).
+    client_rng, fault_rng = random.Random(rng.getrandbits(64)), random.Random(rng.getrandbits(64))
+    client = plan_client(client_rng, duration, gaps.get("client_gap", 0.6))
+    faults = plan_faults(fault_rng, duration, ttl, gaps.get("fault_gap", 3.0), kinds)
     return {"client": client, "faults": faults}
 
 
@@ -537,8 +556,9 @@ class NemesisLab(Lab):
             status = self.statuses([step]).get(step)
             if status in TERMINAL or self.step_leased(step):
                 return
-            self.note("resume", step=step)
-            self.send("forward", step)
+            task = item.get("task", "forward")
+            self.note("resume", step=step, task=task)
+            self.send(task, step, module=PATTERNS if task != "forward" else "")
             return
         step = self.new_step(f"nemesis-{item['kind']}")
         by_n[item["n"]] = step
