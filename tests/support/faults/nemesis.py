@@ -415,7 +415,11 @@ class NemesisLab(Lab):
         for active in list(self.active):
             if force or active.until <= now:
                 self.active.remove(active)
-                fields = active.heal() or {}
+                try:
+                    fields = active.heal() or {}
+                except Exception as exc:  # noqa: BLE001 - heal_all() heals everything again
+                    self.errors.append(f"heal {active.kind}: {type(exc).__name__}: {exc}")
+                    fields = {"error": f"{type(exc).__name__}: {exc}"}
                 self.note("heal", kind=active.kind, fault_t=active.fault_t, **fields)
 
     def inject(self, fault: dict) -> dict | None:
@@ -631,6 +635,12 @@ class NemesisLab(Lab):
         settle and write the run directory; returns the run description (run.json) with the
         settle outcome (``settled``, ``leftover``)."""
         self.started_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
         for key in self.r.scan_iter(match="faults:*", count=1000):
             self.r.delete(key)
         self.store_client().flushdb()
@@ -759,9 +769,6 @@ class NemesisLab(Lab):
             )
             + "\n"
         )
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
         run = {
             "seed": self.seed,
             "duration_s": self.duration,
@@ -776,7 +783,7 @@ class NemesisLab(Lab):
                 1 for line in history if json.loads(line).get("ev") in ("acquired", "contended")
             ),
             "started": self.started_wall,
-            "commit": commit or "unknown",
+            "commit": self.commit,
             "steps": len(self.steps),
             "faults_skipped": dict(sorted(self.skipped.items())),
             "run_seconds": round(self.run_seconds, 3),
