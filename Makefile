@@ -8,7 +8,7 @@ VENV := .venv
 CORNERS ?=
 ALL_CORNERS := oldest,middle,newest
 
-.PHONY: venv demo test corners servers matrix bench soak lint docs dist clean
+.PHONY: venv demo test corners servers matrix bench soak lint docs dist clean nemesis
 
 venv:
 	@PYTHON="$(PYTHON)" bash scripts/bootstrap.sh
@@ -41,6 +41,10 @@ bench: venv
 # TTL 1 s: under 2 hours on 2 cores), into docs/reliability.md/.json.
 soak: venv
 	$(VENV)/bin/python scripts/soak.py $(ARGS)
+
+# The randomized fault run (30 minutes by default): make nemesis ARGS="--duration 1800 --seed 7"
+nemesis: venv
+	$(VENV)/bin/python scripts/nemesis.py $(ARGS)
 
 # The lint and docs tools go into .venv only for these targets (never for `make test`); a stamp
 # per requirements file keeps the second run instant.

@@ -215,3 +215,99 @@ def connect() -> bool:
     signals.lock_extended.connect(freeze_heartbeat, weak=False, dispatch_uid="faults-freeze")
     task_postrun.connect(task_ended, weak=False, dispatch_uid="faults-task-end")
     return True
+
+
+# -- receivers of the distributed patterns (the randomized run, django_app/faults/patterns.py) --
+
+_idempotency_keys: dict = {}  # task id -> the record key its execution locked
+
+
+def idempotency_key_of(task_id):
+    """The idempotency record key the execution ``task_id`` locked in this process, or None."""
+    return _idempotency_keys.get(task_id)
+
+
+def _lease_owner(sender):
+    lease = getattr(sender, "lease", None)
+    return getattr(lease, "owner", None)
+
+
+def rate_granted(sender=None, **kw):
+    record(
+        "rate_granted",
+        key=kw.get("key"),
+        granted_at=kw.get("granted_at"),
+        limit=str(kw.get("limit")),
+        task_id=kw.get("task_id"),
+        owner=_lease_owner(sender),
+    )
+
+
+def _slot_receiver(event):
+    def receive(sender=None, **kw):
+        record(
+            event,
+            limit_key=kw.get("limit_key"),
+            limit=kw.get("limit"),
+            slot=kw.get("slot"),
+            owner=kw.get("owner"),
+            fence=kw.get("fence"),
+            task_id=kw.get("task_id"),
+        )
+
+    receive.__name__ = f"faults_{event}"
+    return receive
+
+
+def idempotency_locked(sender=None, **kw):
+    if kw.get("task_id"):
+        _idempotency_keys[kw["task_id"]] = kw.get("key")
+
+
+def _idempotency_receiver(event):
+    def receive(sender=None, **kw):
+        record(event, key=kw.get("key"), task_id=kw.get("task_id"))
+
+    receive.__name__ = f"faults_{event}"
+    return receive
+
+
+def _breaker_receiver(what):
+    def receive(sender=None, **kw):
+        record(
+            "breaker",
+            name=kw.get("name"),
+            state=str(kw.get("state")),
+            what=what,
+            task_id=kw.get("task_id"),
+            reason=kw.get("reason"),
+        )
+
+    receive.__name__ = f"faults_breaker_{what}"
+    return receive
+
+
+_pattern_receivers = {
+    "rate_limit_allowed": rate_granted,
+    "slot_acquired": _slot_receiver("slot_acquired"),
+    "slot_released": _slot_receiver("slot_released"),
+    "slot_expired": _slot_receiver("slot_expired"),
+    "idempotency_locked": idempotency_locked,
+    "idempotency_completed": _idempotency_receiver("idem_completed"),
+    "idempotency_replayed": _idempotency_receiver("idem_replayed"),
+    "circuit_opened": _breaker_receiver("opened"),
+    "circuit_closed": _breaker_receiver("closed"),
+    "circuit_half_opened": _breaker_receiver("half_open"),
+    "circuit_rejected": _breaker_receiver("rejected"),
+}
+
+
+def connect_patterns() -> bool:
+    """Connect the pattern receivers (idempotent); nothing unless STEPLOCK_FAULTS=1."""
+    if not enabled():
+        return False
+    from celery_steplock import signals
+
+    for name, receiver in _pattern_receivers.items():
+        getattr(signals, name).connect(receiver, weak=False, dispatch_uid=f"faults-{name}")
+    return True

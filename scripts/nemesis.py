@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""The randomized fault run: a client sends step tasks to workers of mixed pools while a
+nemesis injects random faults, several at once; then everything heals, settles, and the run's
+history is checked as a whole (what `make nemesis` runs).
+
+    make nemesis                                      # 30 minutes, a random seed (printed)
+    make nemesis ARGS="--duration 1800 --seed 7"
+    make nemesis ARGS="--duration 120 --seed 7 --unguarded"   # the negative control
+
+Reproducible from its seed as far as the schedule goes (what the client sends and which fault
+fires when, with which parameters), not the interleavings of the real processes. Starts its
+own PostgreSQL (or uses DATABASE_URL) and every server; stops them all by PID on exit and on
+Ctrl-C. Exit status 1 on violations or leftovers (guarded) or on no violation (--unguarded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.support import processes, servers  # noqa: E402
+
+
+def say(message: str) -> None:
+    print(f"nemesis: {message}", flush=True)
+
+
+def load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv=None) -> int:
+    # SIGTERM (and SIGINT, ignored in a background job) end the run like Ctrl-C: every server
+    # and worker is stopped by its PID on the way out.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults")
+    parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    parser.add_argument(
+        "--unguarded", action="store_true", help="negative control: STEPLOCK_FAULTS_UNGUARDED=1"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="the run directory")
+    parser.add_argument("--ttl", type=float, default=2.0, help="lease TTL of the workers, s")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    label = "unguarded" if args.unguarded else "guarded"
+    out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
+    say(f"seed {seed}, {label}, duration {args.duration:g}s, ttl {args.ttl:g}s, out {out}")
+
+    pg = None
+    began = time.monotonic()
+    cpu_before = os.times()
+    loads = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="steplock-nemesis-") as tmp:
+            if not os.environ.get("DATABASE_URL"):
+                pg = servers.PostgresServer().start()
+                os.environ["DATABASE_URL"] = pg.url
+                say(f"started postgres {pg.url} (pid {pg.pid})")
+            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_app.settings")
+            os.environ.pop("STEPLOCK_FAULTS", None)  # this process is the controller
+            import django
+
+            django.setup()
+            from django.core.management import call_command
+            from django.db import connection
+
+            call_command("migrate", verbosity=0)
+            from tests.support.faults import nemesis
+
+            def log(message):
+                loads.append(load())
+                say(message)
+
+            lab = nemesis.NemesisLab(
+                Path(tmp) / "lab",
+                dict(connection.settings_dict),
+                seed=seed,
+                duration=args.duration,
+                out=out,
+                ttl=args.ttl,
+                unguarded=args.unguarded,
+                log=log,
+            )
+            try:
+                lab.start()
+                run = lab.run()
+            finally:
+                lab.stop()
+            verdict = nemesis.check(out)
+    except KeyboardInterrupt:
+        say("interrupted: every server stopped")
+        return 130
+    finally:
+        if pg is not None:
+            pg.stop()
+        processes.stop_all()
+    wall = time.monotonic() - began
+    violations = verdict.get("violations", [])
+    leftover = verdict.get("leftover", run["settle"]["leftover"])
+    if isinstance(violations, int):
+        n_violations = violations
+    else:
+        n_violations = len(violations)
+        for problem in violations[:10]:
+            say(f"violation: {problem}")
+    n_leftover = leftover if isinstance(leftover, int) else len(leftover)
+    loads = [x for x in loads if x is not None]
+    summary = {
+        "seed": seed,
+        "unguarded": args.unguarded,
+        "duration_s": args.duration,
+        "wall_s": round(wall, 1),
+        "steps": run["steps"],
+        "executions": run["executions"],
+        "faults": sum(run["faults"].values()),
+        "kinds": len(run["faults"]),
+        "violations": n_violations,
+        "leftover": n_leftover,
+        "settled": run["settle"]["settled"],
+        "load_avg_1m_mean": round(sum(loads) / len(loads), 2) if loads else None,
+        "controller_cpu_s": round(sum(os.times()[:4]) - sum(cpu_before[:4]), 1),
+        "checker": verdict.get("checker"),
+        "out": str(out),
+    }
+    say("faults by kind: " + json.dumps(run["faults"]))
+    if run.get("faults_skipped"):
+        say("faults skipped (no target): " + json.dumps(run["faults_skipped"]))
+    say("summary " + json.dumps(summary))
+    if args.unguarded:
+        if not n_violations:
+            say("the negative control showed no violation: the checker proved nothing")
+            return 1
+        return 0
+    return 1 if (n_violations or n_leftover or not run["settle"]["settled"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The randomized fault run (``tests/support/faults/nemesis.py``): its plan is a function of the
+seed, and a short run with a few fault kinds forced writes the run directory of the interface
+and passes the checker."""
+
+import json
+
+import pytest
+
+from tests.support.faults import nemesis
+
+SEED = 16
+DURATION = 40.0
+TTL = 2.0
+KINDS = {"kill_child": 2, "pause": 2, "redis_drop": 1, "pg_drop": 1, "redis_failover": 1}
+
+
+def test_the_plan_is_a_function_of_the_seed():
+    first = nemesis.plan(SEED, 1800, TTL)
+    assert nemesis.plan(SEED, 1800, TTL) == first
+    assert nemesis.plan(SEED + 1, 1800, TTL) != first
+    assert [f["at"] for f in first["faults"]] == sorted(f["at"] for f in first["faults"])
+    assert [c["at"] for c in first["client"]] == sorted(c["at"] for c in first["client"])
+    kinds = {f["kind"] for f in first["faults"]}
+    assert kinds == set(nemesis.KINDS)  # every kind of the catalogue is planned in 30 minutes
+    assert len(first["faults"]) >= 500
+    lasting = [f for f in first["faults"] if f["kind"] in nemesis.LASTING]
+    assert all(0.5 * TTL <= f["seconds"] <= 3 * TTL for f in lasting)
+    assert all(f["seconds"] > TTL for f in first["faults"] if f["kind"] == "pause")
+    steps = [c for c in first["client"] if c["action"] == "step"]
+    assert {c["kind"] for c in steps} == set(nemesis.ACTIONS)
+    assert [c["n"] for c in steps] == list(range(len(steps)))
+
+
+def test_a_shorter_run_on_the_same_seed_plays_the_start_of_a_longer_ones_schedule():
+    short, full = nemesis.plan(SEED, 120, TTL), nemesis.plan(SEED, 300, TTL)
+    for part in ("client", "faults"):
+        assert short[part] == [item for item in full[part] if item["at"] < 120]
+        assert len(full[part]) > len(short[part]) > 0
+
+
+def test_forced_kinds_only():
+    faults = nemesis.plan(SEED, 600, TTL, KINDS)["faults"]
+    assert {f["kind"] for f in faults} == set(KINDS)
+
+
+@pytest.mark.faults
+@pytest.mark.workers
+@pytest.mark.django_db(transaction=True)
+def test_a_short_run_writes_its_directory_and_passes_the_checker(tmp_path):
+    from django.db import connection
+
+    out = tmp_path / "run"
+    lab = nemesis.NemesisLab(
+        tmp_path / "lab",
+        dict(connection.settings_dict),
+        seed=SEED,
+        duration=DURATION,
+        out=out,
+        ttl=TTL,
+        kinds=KINDS,
+        fault_gap=2.0,
+    )
+    assert lab.schedule == nemesis.plan(SEED, DURATION, TTL, KINDS, fault_gap=2.0)
+    try:
+        lab.start()
+        run = lab.run()
+    finally:
+        lab.stop()
+    connection.close()
+
+    assert run["settle"]["settled"] is True
+    for name in ("history.jsonl", "steps.json", "records.json", "store.json", "run.json"):
+        assert (out / name).exists(), name
+    written = json.loads((out / "run.json").read_text())
+    assert written["seed"] == SEED and written["unguarded"] is False and written["ttl"] == TTL
+    assert [w["pool"] for w in written["workers"]] == ["prefork", "prefork", "prefork", "threads"]
+    assert written["limits"]["concurrency"] == {"nemesis-slots": 2}
+    assert list(written["limits"]["rate"].values()) == [{"limit": 5, "window": 1.0}]
+    assert set(written["faults"]) <= set(KINDS) and sum(written["faults"].values()) >= 5
+
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert all({"ev", "t"} <= set(e) for e in history)
+    faults = [e for e in history if e["ev"] == "fault" and not e.get("follow_up")]
+    assert len(faults) == sum(written["faults"].values())
+    for e in faults:
+        if e["kind"] == "kill_child":
+            assert e["signal"] == "SIGKILL" and isinstance(e["pid"], int)
+        if e["kind"] == "pause":
+            assert e["signal"] == "SIGSTOP" and e["seconds"] > TTL
+    heals = [e for e in history if e["ev"] == "heal"]
+    paused = {e["t"] for e in faults if e["kind"] == "pause" and "extends" not in e}
+    assert {h["fault_t"] for h in heals if h["kind"] == "pause"} == paused
+    executions = sum(1 for e in history if e["ev"] in ("acquired", "contended"))
+    assert written["executions"] == executions
+
+    steps = json.loads((out / "steps.json").read_text())
+    assert len(steps) == written["steps"] >= 20
+    assert set(steps.values()) <= {"done", "cancelled"}
+    records = json.loads((out / "records.json").read_text())
+    assert {r["step"] for r in records} == {int(s) for s in steps}
+    assert executions >= len(steps)
+    store = json.loads((out / "store.json").read_text())
+    assert store == {"keys_without_ttl": [], "leftover": []}
+
+    verdict = nemesis.check(out)
+    assert verdict["violations"] in ([], 0)
+    assert verdict["leftover"] in ([], 0)

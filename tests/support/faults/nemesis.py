@@ -1,0 +1,834 @@
+"""The randomized fault run (``make nemesis``, ``scripts/nemesis.py``): a client sends step tasks
+(duplicates, compensations, retries, resumes and the distributed patterns) to a few workers of
+mixed pools while a nemesis injects random faults from the fault suite's catalogue, several at
+once; at the end everything heals, the system settles, and the run directory holds what the
+whole-run checker needs (history, steps, committed records, lock-store leftovers, run.json).
+
+Reproducible from its seed *as far as the schedule goes*: one ``random.Random(seed)`` plans,
+before anything starts, what the client sends when (:func:`plan_client`) and which fault kind
+fires when with which parameters (:func:`plan_faults`). The interleavings of real processes
+(which attempt a fault hits, which pid is a worker's second child, what the network delays)
+are not reproducible, and neither are the outcomes that follow from them.
+
+A planned target is an index (``target``), resolved at the moment of the fault against what
+is alive then (``target % len(candidates)``), so the plan does not depend on pids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from tests.support import processes, servers
+from tests.support.faults import checker
+from tests.support.faults.lab import KEY_PREFIX, ROOT, TERMINAL, Lab
+from tests.support.faults.proxy import TcpProxy
+
+PATTERNS = "django_app.faults.patterns"
+DEP_FAILING = "faults:dep:failing"
+WORKER_APP_NAME = "steplock-nemesis-worker"
+TARGET_WAIT = 2.0  # seconds a fault waits for a target to exist
+
+#: (name, pool, concurrency): what two cores carry beside PostgreSQL, Redis and the proxies.
+WORKERS = (
+    ("n1", "prefork", 2),
+    ("n2", "prefork", 2),
+    ("n3", "prefork", 1),
+    ("n4", "threads", 4),
+)
+
+#: Fault kinds (the names of the run directory's history) and their relative weights.
+KINDS = {
+    "kill_child": 3,
+    "kill_main": 1,
+    "pause": 2,
+    "redis_restart": 1,
+    "redis_failover": 1,
+    "redis_latency": 2,
+    "redis_blackhole": 1,
+    "redis_drop": 2,
+    "pg_latency": 2,
+    "pg_blackhole": 1,
+    "pg_drop": 2,
+    "pg_terminate": 2,
+    "lost_commit_reply": 1,
+    "heartbeat_frozen": 2,
+}
+LASTING = {
+    "pause",
+    "redis_latency",
+    "redis_blackhole",
+    "pg_latency",
+    "pg_blackhole",
+    "lost_commit_reply",
+    "heartbeat_frozen",
+}
+
+#: Client actions per new step and their relative weights.
+ACTIONS = {
+    "forward": 2,
+    "dup_same_id": 3,
+    "dup_new_id": 2,
+    "compensate_race": 3,
+    "forward_retry": 2,
+    "rate": 2,
+    "slots": 2,
+    "breaker": 2,
+    "idempotent": 2,
+}
+
+
+# -- the plan (pure functions of the seed) ------------------------------------------------------
+
+
+def plan_client(rng: random.Random, duration: float, mean_gap: float = 0.6) -> list[dict]:
+    """What the client does when: ``{"at": seconds from the start, "action", ...}``, sorted
+    by ``at``. Each ``step`` action creates a step (``n``: its index in the run) and sends its
+    tasks; ``resume`` re-sends ``forward`` to step ``n`` if it is then idle and not terminal;
+    ``dep_burst`` makes the breaker's fake dependency fail for ``seconds``. A breaker step is
+    called again (``task``) a few times while it is not done: its calls fail in a burst."""
+    plan = []
+    names, weights = zip(*ACTIONS.items())
+    at, n = 0.5, 0
+    while at < duration:
+        action = rng.choices(names, weights)[0]
+        burst = 6 if action == "rate" and rng.random() < 0.2 else 1
+        for _ in range(burst):
+            plan.append(
+                {
+                    "at": round(at, 3),
+                    "action": "step",
+                    "kind": action,
+                    "n": n,
+                    "work": round(rng.uniform(0.0, 0.3), 3),
+                    "slot_work": round(rng.uniform(0.3, 1.2), 3),
+                    "gap": round(rng.uniform(0.0, 0.3), 3),
+                }
+            )
+            if action == "breaker":  # a failed call is called again, breaker permitting
+                for delay in (2.0, 5.0, 10.0, 20.0):
+                    plan.append(
+                        {
+                            "at": round(at + delay * rng.uniform(0.8, 1.2), 3),
+                            "action": "resume",
+                            "n": n,
+                            "task": "breaker_forward",
+                        }
+                    )
+            elif rng.random() < 0.25:
+                plan.append(
+                    {
+                        "at": round(at + rng.uniform(4.0, 15.0), 3),
+                        "action": "resume",
+                        "n": n,
+                    }
+                )
+            n += 1
+        if rng.random() < 0.02:
+            plan.append(
+                {
+                    "at": round(at, 3),
+                    "action": "dep_burst",
+                    "seconds": round(rng.uniform(4, 10), 3),
+                }
+            )
+        at += rng.expovariate(1.0 / mean_gap)
+    plan = [p for p in plan if p["at"] < duration]
+    plan.sort(key=lambda p: p["at"])  # stable: equal times keep their planned order
+    return plan
+
+
+def plan_faults(
+    rng: random.Random,
+    duration: float,
+    ttl: float,
+    mean_gap: float = 3.0,
+    kinds: dict | None = None,
+    start: float = 2.0,
+) -> list[dict]:
+    """When which fault fires: ``{"at", "kind", "target", "target2", "seconds"}`` sorted by
+    ``at``; ``seconds`` is how long a lasting fault lasts (0.5 to 3 TTLs; a pause 1.2 to 3
+    TTLs, past the TTL) or its latency's size for the latency kinds (``latency``). With
+    probability 0.2 a second fault fires at the same moment."""
+    kinds = dict(kinds or KINDS)
+    names, weights = zip(*kinds.items())
+    plan = []
+    at = start + rng.expovariate(1.0 / mean_gap)
+    while at < duration:
+        for _ in range(2 if rng.random() < 0.2 else 1):
+            kind = rng.choices(names, weights)[0]
+            low = 1.2 if kind == "pause" else 0.5
+            fault = {
+                "at": round(at, 3),
+                "kind": kind,
+                "target": rng.randrange(1 << 16),
+                "target2": rng.randrange(1 << 16),
+                "seconds": round(rng.uniform(low, 3.0) * ttl, 3),
+                "latency": round(rng.uniform(0.05, 1.0) * ttl, 3),
+                "lag": round(rng.uniform(0.0, 1.0), 3),
+            }
+            plan.append(fault)
+        at += rng.expovariate(1.0 / mean_gap)
+    return plan
+
+
+def plan(seed: int, duration: float, ttl: float, kinds: dict | None = None, **gaps) -> dict:
+    """The whole schedule of a run: ``{"client": [...], "faults": [...]}``, the same for the
+    same arguments; on one seed, the schedule of a shorter ``duration`` is the part of a
+    longer one's before that time."""
+    rng = random.Random(seed)
+    # One stream each, drawn from the seed's: a shorter run's schedule is a prefix of a
+    # longer one's on the same seed (the client's draws do not shift the nemesis's).
+    client_rng, fault_rng = random.Random(rng.getrandbits(64)), random.Random(rng.getrandbits(64))
+    client = plan_client(client_rng, duration, gaps.get("client_gap", 0.6))
+    faults = plan_faults(fault_rng, duration, ttl, gaps.get("fault_gap", 3.0), kinds)
+    return {"client": client, "faults": faults}
+
+
+# -- the lab ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Active:
+    """A lasting fault being applied: healed at ``until`` (wall seconds)."""
+
+    kind: str
+    key: str
+    fault_t: float
+    until: float
+    heal: object = field(repr=False)
+
+
+class NemesisLab(Lab):
+    """A :class:`Lab` with the workers of ``workers`` (name, pool, concurrency), a replica to
+    fail over to, a client and a nemesis; see the module docstring. ``seed`` and ``duration``
+    (seconds) fix the plan; ``kinds`` restricts or reweights the fault kinds; ``out`` is the
+    run directory."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        db_settings: dict,
+        seed: int,
+        duration: float,
+        out: Path,
+        ttl: float = 2.0,
+        unguarded: bool = False,
+        workers=WORKERS,
+        kinds: dict | None = None,
+        client_gap: float = 0.6,
+        fault_gap: float = 3.0,
+        restart_delay: float = 1.0,
+        log=print,
+    ):
+        super().__init__(
+            workdir, db_settings, ttl=ttl, visibility_timeout=10, unguarded=unguarded, log=log
+        )
+        self.seed = seed
+        self.duration = float(duration)
+        self.out = Path(out)
+        self.spec = {name: (pool, concurrency) for name, pool, concurrency in workers}
+        self.kinds = dict(kinds or KINDS)
+        self.restart_delay = restart_delay
+        self.schedule = plan(
+            seed, self.duration, ttl, self.kinds, client_gap=client_gap, fault_gap=fault_gap
+        )
+        self.steps: list[int] = []
+        self.faults: dict[str, int] = {}
+        self.skipped: dict[str, int] = {}
+        self.active: list[Active] = []
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self.errors: list[str] = []
+        self.replicas = 0
+        self.replica_ready = threading.Event()
+        self.dead_since: dict[str, float] = {}
+
+    # -- workers: mixed pools, a supervisor ---------------------------------------------------
+
+    def ensure_workers(self, names=None) -> None:
+        """Start every worker of the spec that is not running (a killed main process: its
+        orphaned children are SIGKILLed with the group and noted as such)."""
+        env = {**os.environ, **self.worker_env()}
+        for name in names or self.spec:
+            pool, concurrency = self.spec[name]
+            worker = self.workers.get(name)
+            if worker is not None and worker.alive():
+                continue
+            if worker is not None:
+                orphans = worker.group_pids()
+                worker.kill()
+                if orphans:
+                    self.note(
+                        "fault",
+                        kind="kill_main",
+                        follow_up=True,
+                        signal="SIGKILL",
+                        pid=orphans,
+                        why="orphans of a killed main process, ended by the supervisor",
+                    )
+            self.note("restart_workers", worker=name)
+            self.workers[name] = processes.celery_worker(
+                app="django_app",
+                name=name,
+                concurrency=concurrency,
+                pool=pool,
+                env=env,
+                logfile=self.workdir / f"{name}.log",
+                cwd=ROOT,
+            )
+
+    def worker_env(self) -> dict:
+        env = super().worker_env()
+        env["STEPLOCK_FAULTS_IDEMPOTENCY_LOCK_TTL"] = str(max(8.0, 4 * self.ttl))
+        # pg_terminate picks among the workers' sessions, never the controller's own.
+        env["DATABASE_URL"] += f"?application_name={WORKER_APP_NAME}"
+        return env
+
+    def supervise(self) -> None:
+        """A process supervisor: a worker whose main process died is started again after
+        ``restart_delay`` seconds."""
+        while not self.stopping.is_set():
+            for name in list(self.spec):
+                worker = self.workers.get(name)
+                if worker is None or worker.alive():
+                    self.dead_since.pop(name, None)
+                    continue
+                since = self.dead_since.setdefault(name, time.monotonic())
+                if time.monotonic() - since >= self.restart_delay:
+                    try:
+                        self.ensure_workers([name])
+                    except Exception as exc:  # noqa: BLE001 - try again next round
+                        self.errors.append(f"restart {name}: {exc}")
+                    self.dead_since.pop(name, None)
+            self.stopping.wait(0.2)
+
+    # -- the lock store's replica -------------------------------------------------------------
+
+    def prepare_replica(self) -> None:
+        """A replica following the current store through a proxy (not stalled), ready for the
+        next failover."""
+        self.replica_ready.clear()
+        self.replicas += 1
+        repl_proxy = TcpProxy("127.0.0.1", self.store.port).start()
+        # REPLICAOF at run time, not in its arguments: once promoted it stays a primary
+        # across a restart.
+        replica = servers.RedisServer(workdir=self.workdir / f"replica{self.replicas}").start()
+        client = redis.Redis(
+            host="127.0.0.1", port=replica.port, decode_responses=True, socket_timeout=5
+        )
+        try:
+            client.execute_command("REPLICAOF", "127.0.0.1", repl_proxy.port)
+            processes.wait_until(
+                lambda: client.info("replication").get("master_link_status") == "up",
+                30,
+                what="the replica to sync",
+            )
+        finally:
+            client.close()
+        self.repl_proxy, self.replica = repl_proxy, replica
+        self.replica_ready.set()
+
+    def do_failover(self, lag: float) -> dict | None:
+        """Stall the replication feed ``lag`` seconds (the replica misses those writes),
+        promote the replica, move every client to it; the old primary is stopped and a fresh
+        replica of the new one is prepared in the background."""
+        if not self.replica_ready.is_set():
+            return None
+        self.replica_ready.clear()
+        self.repl_proxy.stall()
+        time.sleep(lag)
+        client = redis.Redis(host="127.0.0.1", port=self.replica.port, socket_timeout=5)
+        client.execute_command("REPLICAOF", "NO", "ONE")
+        client.close()
+        self.store_proxy.retarget("127.0.0.1", self.replica.port, drop=True)
+        entry = self.note("fault", kind="redis_failover", to_port=self.replica.port, lag=lag)
+        old, old_proxy = self.store, self.repl_proxy
+        self.store, self.replica, self.repl_proxy = self.replica, None, None
+        old_proxy.stop()
+        old.stop()
+        threading.Thread(target=self._prepare_quietly, daemon=True).start()
+        return entry
+
+    def _prepare_quietly(self) -> None:
+        try:
+            self.prepare_replica()
+        except Exception as exc:  # noqa: BLE001 - the next failover is skipped then
+            self.errors.append(f"replica: {exc}")
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def prefork_children(self) -> list[int]:
+        pids = []
+        for name in sorted(self.workers):
+            worker = self.workers[name]
+            if self.spec[name][0] == "prefork" and worker.alive():
+                pids += worker.children_pids()
+        return pids
+
+    def task_processes(self) -> list[int]:
+        """The processes that run task bodies: prefork children and threads workers' mains."""
+        pids = self.prefork_children()
+        for name in sorted(self.workers):
+            if self.spec[name][0] != "prefork" and self.workers[name].alive():
+                pids.append(self.workers[name].pid)
+        return pids
+
+    def worker_backends(self) -> list[int]:
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = %s ORDER BY pid",
+                [WORKER_APP_NAME],
+            )
+            return [row[0] for row in cursor.fetchall()]
+
+    def _last(self, kind: str, key: str, seconds: float, heal, **fields) -> dict:
+        """Note a lasting fault and schedule its heal; the same fault on a target already
+        under it extends the running one (one heal, at the later end)."""
+        now = time.time()
+        for active in self.active:
+            if active.key == key:
+                active.until = max(active.until, now + seconds)
+                return self.note(
+                    "fault", kind=kind, seconds=seconds, extends=active.fault_t, **fields
+                )
+        entry = self.note("fault", kind=kind, seconds=seconds, **fields)
+        self.active.append(Active(kind, key, entry["t"], entry["t"] + seconds, heal))
+        return entry
+
+    def heal_due(self, force: bool = False) -> None:
+        now = time.time()
+        for active in list(self.active):
+            if force or active.until <= now:
+                self.active.remove(active)
+                try:
+                    fields = active.heal() or {}
+                except Exception as exc:  # noqa: BLE001 - heal_all() heals everything again
+                    self.errors.append(f"heal {active.kind}: {type(exc).__name__}: {exc}")
+                    fields = {"error": f"{type(exc).__name__}: {exc}"}
+                self.note("heal", kind=active.kind, fault_t=active.fault_t, **fields)
+
+    def inject(self, fault: dict) -> dict | None:
+        """Apply one planned fault; returns its history entry, or None when it had no target
+        (no child alive, no replica ready yet): counted in ``skipped``."""
+        kind, target, seconds = fault["kind"], fault["target"], fault["seconds"]
+        if kind == "kill_child":
+            pids = self.prefork_children()
+            if not pids:
+                return None
+            pid = pids[target % len(pids)]
+            entry = self.note("fault", kind=kind, signal="SIGKILL", pid=pid)
+            processes._signal_pid(pid, signal.SIGKILL)
+            return entry
+        if kind == "kill_main":
+            alive = [self.workers[n] for n in sorted(self.workers) if self.workers[n].alive()]
+            if not alive:
+                return None
+            worker = alive[target % len(alive)]
+            entry = self.note(
+                "fault", kind=kind, signal="SIGKILL", pid=worker.pid, worker=worker.name
+            )
+            processes._signal_pid(worker.pid, signal.SIGKILL)
+            return entry
+        if kind in ("pause", "heartbeat_frozen"):
+            pids = self.task_processes()
+            if fault["target2"] % 4 == 0 and kind == "pause":  # now and then a main process
+                pids = [
+                    self.workers[n].pid for n in sorted(self.workers) if self.workers[n].alive()
+                ]
+            if not pids:
+                return None
+            pid = pids[target % len(pids)]
+            if kind == "pause":
+                processes._signal_pid(pid, signal.SIGSTOP)
+
+                def heal(pid=pid):
+                    processes._signal_pid(pid, signal.SIGCONT)
+                    return {"signal": "SIGCONT", "pid": pid}
+
+                return self._last(kind, f"pause:{pid}", seconds, heal, signal="SIGSTOP", pid=pid)
+            self.r.set(f"faults:freeze:{pid}", "1")
+
+            def thaw(pid=pid):
+                self.r.delete(f"faults:freeze:{pid}")
+                return {"pid": pid}
+
+            return self._last(kind, f"freeze:{pid}", seconds, thaw, pid=pid)
+        if kind == "redis_restart":
+            self.store.restart()
+            return self.note("fault", kind=kind, port=self.store.port)
+        if kind == "redis_failover":
+            return self.do_failover(fault["lag"])
+        path, _, what = kind.partition("_")
+        proxy = self.store_proxy if path == "redis" else self.pg_proxy
+        if what == "latency":
+            proxy.set_latency(fault["latency"])
+            return self._last(
+                kind, kind, seconds, lambda: proxy.set_latency(0), latency=fault["latency"]
+            )
+        if what == "blackhole":
+            proxy.blackhole()
+            return self._last(kind, kind, seconds, proxy.unblackhole)
+        if what == "drop":
+            dropped = proxy.drop_connections()
+            return self.note("fault", kind=kind, dropped=dropped)
+        if kind == "pg_terminate":
+            backends = self.worker_backends()
+            if not backends:
+                return None
+            backend = backends[target % len(backends)]
+            from django.db import connection
+
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
+                done = cursor.fetchone()[0]
+            return self.note("fault", kind=kind, backend_pid=backend, terminated=done)
+        if kind == "lost_commit_reply":
+            self.pg_proxy.drop_next_reply(match=b"COMMIT")
+            return self._last(kind, kind, seconds, self.pg_proxy.disarm)
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+    def nemesis(self, started: float) -> None:
+        """Apply the planned faults at their times; heal lasting ones when due. A fault with
+        no target at its time (no worker session open, no replica ready yet) is tried again
+        for up to ``TARGET_WAIT`` seconds, then counted in ``skipped``."""
+        from django.db import connection
+
+        todo = list(self.schedule["faults"])
+        waiting: list[dict] = []
+        try:
+            while not self.stopping.is_set():
+                now = time.time()
+                with self.lock:
+                    self.heal_due()
+                    due = []
+                    while todo and started + todo[0]["at"] <= now:
+                        due.append(todo.pop(0))
+                    for fault in waiting + due:
+                        try:
+                            entry = self.inject(fault)
+                        except Exception as exc:  # noqa: BLE001 - a fault that failed is noted
+                            self.errors.append(f"{fault['kind']}: {type(exc).__name__}: {exc}")
+                            entry = False
+                        if fault in waiting:
+                            waiting.remove(fault)
+                        kind = fault["kind"]
+                        if entry:
+                            self.faults[kind] = self.faults.get(kind, 0) + 1
+                        elif entry is None and now < started + fault["at"] + TARGET_WAIT:
+                            waiting.append(fault)
+                        else:
+                            self.skipped[kind] = self.skipped.get(kind, 0) + 1
+                self.stopping.wait(0.05)
+        finally:
+            connection.close()
+
+    # -- the client ---------------------------------------------------------------------------
+
+    def send(self, task: str, step: int, task_id: str | None = None, module: str = "", **kw):
+        name = f"{module or 'django_app.faults.tasks'}.{task}"
+        task_id = task_id or str(uuid.uuid4())
+        kwargs = kw.pop("kwargs", {})
+        self.publisher.send_task(name, args=(step,), kwargs=kwargs, task_id=task_id, **kw)
+        self.note("publish", step=step, task=task, task_id=task_id)
+        return task_id
+
+    def act(self, item: dict, by_n: dict) -> None:
+        action = item["action"]
+        if action == "dep_burst":
+            self.r.set(DEP_FAILING, "1", px=int(item["seconds"] * 1000))
+            self.note("dep_burst", seconds=item["seconds"])
+            return
+        if action == "resume":
+            step = by_n.get(item["n"])
+            if step is None:
+                return
+            status = self.statuses([step]).get(step)
+            if status in TERMINAL or self.step_leased(step):
+                return
+            task = item.get("task", "forward")
+            self.note("resume", step=step, task=task)
+            self.send(task, step, module=PATTERNS if task != "forward" else "")
+            return
+        step = self.new_step(f"nemesis-{item['kind']}")
+        by_n[item["n"]] = step
+        self.steps.append(step)
+        kind, work = item["kind"], {"work": item["work"]}
+        if kind == "forward":
+            self.send("forward", step, kwargs=work)
+        elif kind == "dup_same_id":
+            task_id = self.send("forward", step, kwargs=work)
+            time.sleep(item["gap"])
+            self.send("forward", step, task_id=task_id, kwargs=work)
+        elif kind == "dup_new_id":
+            self.send("forward", step, kwargs=work)
+            time.sleep(item["gap"])
+            self.send("forward", step, kwargs=work)
+        elif kind == "compensate_race":
+            self.send("forward", step, kwargs=work)
+            time.sleep(item["gap"])
+            self.send("compensate", step, kwargs=work)
+        elif kind == "forward_retry":
+            self.send("forward_retry", step, kwargs={"countdown": 0.5})
+        elif kind == "rate":
+            self.send("rate_forward", step, module=PATTERNS, kwargs=work)
+        elif kind == "slots":
+            self.send("slot_forward", step, module=PATTERNS, kwargs={"work": item["slot_work"]})
+        elif kind == "breaker":
+            self.send("breaker_forward", step, module=PATTERNS, kwargs=work)
+        elif kind == "idempotent":
+            task_id = self.send("idem_forward", step, module=PATTERNS, kwargs=work)
+            time.sleep(item["gap"])
+            self.send("idem_forward", step, task_id=task_id, module=PATTERNS, kwargs=work)
+        else:
+            raise ValueError(f"unknown client action {kind!r}")
+
+    def client(self, started: float) -> None:
+        from django.db import connection
+
+        by_n: dict[int, int] = {}
+        try:
+            for item in self.schedule["client"]:
+                while not self.stopping.is_set() and time.time() < started + item["at"]:
+                    self.stopping.wait(min(0.05, started + item["at"] - time.time()))
+                if self.stopping.is_set():
+                    return
+                try:
+                    self.act(item, by_n)
+                except Exception as exc:  # noqa: BLE001 - the database path may be faulted
+                    self.errors.append(f"client {item['action']}: {type(exc).__name__}: {exc}")
+                    connection.close()
+        finally:
+            connection.close()
+
+    def step_leased(self, step: int) -> bool:
+        try:
+            return bool(self.store_client().exists(f"{KEY_PREFIX}:lease:step:{step}"))
+        except redis.RedisError:
+            return True
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def executions(self) -> int:
+        count = 0
+        for raw in self.r.lrange("faults:history", 0, -1):
+            if '"ev": "acquired"' in raw or '"ev": "contended"' in raw:
+                count += 1
+        return count
+
+    def run(self, progress_every: float = 30.0) -> dict:
+        """Start everything, run the client and the nemesis for ``duration`` seconds, heal,
+        settle and write the run directory; returns the run description (run.json) with the
+        settle outcome (``settled``, ``leftover``)."""
+        self.started_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
+        for key in self.r.scan_iter(match="faults:*", count=1000):
+            self.r.delete(key)
+        self.store_client().flushdb()
+        self.ensure_workers()
+        self.prepare_replica()
+        started = time.time()
+        self.note("run", seed=self.seed, duration_s=self.duration, unguarded=self.unguarded)
+        threads = [
+            threading.Thread(target=self.client, args=(started,), name="client", daemon=True),
+            threading.Thread(target=self.nemesis, args=(started,), name="nemesis", daemon=True),
+            threading.Thread(target=self.supervise, name="supervisor", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        next_progress = started + progress_every
+        while time.time() < started + self.duration:
+            time.sleep(0.2)
+            if time.time() >= next_progress:
+                next_progress += progress_every
+                self.progress(started)
+        self.stopping.set()
+        for thread in threads:
+            thread.join(120)
+        self.run_seconds = time.time() - started
+        self.heal_all()
+        settled = self.settle_all()
+        return self.write(settled)
+
+    def progress(self, started: float) -> None:
+        faults = ", ".join(f"{k}={v}" for k, v in sorted(self.faults.items()))
+        self.log(
+            f"{time.time() - started:.0f}s: steps {len(self.steps)}, executions "
+            f"{self.executions()}, faults {sum(self.faults.values())} ({faults})"
+        )
+
+    def heal_all(self) -> None:
+        """End every fault: heal the lasting ones, resume every stopped process, bring the
+        store and the workers back."""
+        with self.lock:
+            self.heal_due(force=True)
+        self.r.delete(DEP_FAILING)
+        for key in self.r.scan_iter(match="faults:freeze:*"):
+            self.r.delete(key)
+        for proxy in (self.store_proxy, self.pg_proxy):
+            proxy.set_latency(0)
+            proxy.unstall()
+            proxy.unblackhole()
+            proxy.disarm()
+        if not self.store.alive():
+            self.store.start()
+        for worker in self.workers.values():
+            worker.signal(signal.SIGCONT, group=True)
+        self.ensure_workers()
+
+    def settle_all(self, timeout: float = 240.0) -> dict:
+        """Wait until every step is terminal and the broker idle, re-sending ``forward`` (an
+        operator's resume) to a step that stays idle and not terminal, at most 3 times each;
+        then up to one TTL more for the leases to go. Returns ``{"settled": bool, "seconds",
+        "leftover": [keys]}``."""
+        from django.db import DatabaseError, connection
+
+        began = time.monotonic()
+        deadline = began + timeout
+        resumed: dict[int, int] = {}
+        idle_since = None
+        settled = False
+        while time.monotonic() < deadline:
+            try:
+                if self.quiet(self.steps):
+                    settled = True
+                    break
+            except DatabaseError:  # a session ended under it: open another
+                connection.close()
+                time.sleep(0.2)
+                continue
+            if not all(w.alive() for w in self.workers.values()):
+                self.ensure_workers()
+            if self.broker_idle() and not self.leases():
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > 1.5:
+                    for step, status in self.statuses(self.steps).items():
+                        if status not in TERMINAL and resumed.get(step, 0) < 3:
+                            resumed[step] = resumed.get(step, 0) + 1
+                            self.note("resume", step=step, phase="settle")
+                            self.send("forward", step)
+                    idle_since = None
+            else:
+                idle_since = None
+            time.sleep(0.2)
+        grace = time.monotonic() + self.ttl + 1.0
+        while (held := self.leases()) and time.monotonic() < grace:
+            time.sleep(0.05)
+        return {
+            "settled": settled,
+            "seconds": round(time.monotonic() - began, 3),
+            "leftover": held,
+            "resumed": len(resumed),
+        }
+
+    def write(self, settled: dict) -> dict:
+        """Write the run directory (history.jsonl, steps.json, records.json, store.json,
+        run.json); returns run.json's content plus ``settle`` (not written)."""
+        from django_app.faults import patterns
+        from django_app.workflows.models import TransitionRecord
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        history = self.r.lrange("faults:history", 0, -1)
+        (self.out / "history.jsonl").write_text("".join(line + "\n" for line in history))
+        statuses = self.statuses(self.steps)
+        (self.out / "steps.json").write_text(
+            json.dumps({str(k): v for k, v in sorted(statuses.items())}, indent=0) + "\n"
+        )
+        records = [
+            checker.Record.of(r).__dict__
+            for r in TransitionRecord.objects.filter(step_id__in=self.steps).order_by("id")
+        ]
+        (self.out / "records.json").write_text(json.dumps(records) + "\n")
+        store = self.store_client()
+        (self.out / "store.json").write_text(
+            json.dumps(
+                {
+                    "keys_without_ttl": checker.keys_without_ttl(store, KEY_PREFIX),
+                    "leftover": checker.lease_keys(store, KEY_PREFIX),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        run = {
+            "seed": self.seed,
+            "duration_s": self.duration,
+            "unguarded": self.unguarded,
+            "workers": [
+                {"name": n, "pool": p, "concurrency": c} for n, (p, c) in self.spec.items()
+            ],
+            "ttl": self.ttl,
+            "limits": patterns.limits(KEY_PREFIX),
+            "faults": dict(sorted(self.faults.items())),
+            "executions": sum(
+                1 for line in history if json.loads(line).get("ev") in ("acquired", "contended")
+            ),
+            "started": self.started_wall,
+            "commit": self.commit,
+            "steps": len(self.steps),
+            "faults_skipped": dict(sorted(self.skipped.items())),
+            "run_seconds": round(self.run_seconds, 3),
+            "settle": settled,
+            "errors": self.errors[:50],
+        }
+        (self.out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        return run
+
+
+def check(out: Path) -> dict:
+    """The verdict of a run directory: the whole-run checker
+    (``python -m tests.support.faults.runcheck <dir>``, its verdict.json) when it exists, else
+    :func:`checker.check_steps` over every step plus the store's leftovers, written to
+    ``verdict-fallback.json``. Returns ``{"violations": [...], "leftover": [...], "checker"}``."""
+    import importlib.util
+
+    out = Path(out)
+    if importlib.util.find_spec("tests.support.faults.runcheck") is not None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.faults.runcheck", str(out)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        verdict_file = out / "verdict.json"
+        if verdict_file.exists():
+            verdict = json.loads(verdict_file.read_text())
+            verdict.setdefault("checker", "runcheck")
+            verdict["runcheck_returncode"] = proc.returncode
+            return verdict
+        print(proc.stdout[-2000:], proc.stderr[-2000:], file=sys.stderr)
+    steps = {int(k): v for k, v in json.loads((out / "steps.json").read_text()).items()}
+    records = [checker.Record(**r) for r in json.loads((out / "records.json").read_text())]
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    store = json.loads((out / "store.json").read_text())
+    violations = checker.check_steps(steps, records, history)
+    violations += [f"lock-store key without a TTL: {k}" for k in store["keys_without_ttl"]]
+    verdict = {
+        "checker": "checker.check_steps (fallback)",
+        "violations": violations,
+        "leftover": store["leftover"],
+    }
+    (out / "verdict-fallback.json").write_text(json.dumps(verdict, indent=1) + "\n")
+    return verdict
+
+
+__all__ = ["NemesisLab", "plan", "plan_client", "plan_faults", "check", "KINDS", "WORKERS"]
