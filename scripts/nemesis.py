@@ -10,7 +10,8 @@ history is checked as a whole (what `make nemesis` runs).
 Reproducible from its seed as far as the schedule goes (what the client sends and which fault
 fires when, with which parameters), not the interleavings of the real processes. Starts its
 own PostgreSQL (or uses DATABASE_URL) and every server; stops them all by PID on exit and on
-Ctrl-C. Exit status 1 on violations or leftovers (guarded) or on no violation (--unguarded).
+Ctrl-C. Exit status 1 on violations or leftovers (guarded) or on no violation (--unguarded,
+--guard nofence).
 """
 
 from __future__ import annotations
@@ -60,9 +61,30 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="the run directory")
     parser.add_argument("--ttl", type=float, default=2.0, help="lease TTL of the workers, s")
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help="comma-separated fault kinds to draw from, equally weighted (default: all, "
+        "weighted as nemesis.KINDS)",
+    )
+    parser.add_argument(
+        "--guard",
+        choices=("fenced", "nofence"),
+        default="fenced",
+        help="nofence: the compare-and-swap without its fence condition (a negative control "
+        "for the split_brain kind)",
+    )
     args = parser.parse_args(argv)
+    from tests.support.faults.nemesis import KINDS
+
+    kinds = None
+    if args.kinds:
+        kinds = {k.strip(): 1 for k in args.kinds.split(",") if k.strip()}
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            parser.error(f"--kinds: unknown kind(s) {unknown}; known: {', '.join(KINDS)}")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    label = "unguarded" if args.unguarded else "guarded"
+    label = "unguarded" if args.unguarded else "nofence" if args.guard == "nofence" else "guarded"
     out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
     say(f"seed {seed}, {label}, duration {args.duration:g}s, ttl {args.ttl:g}s, out {out}")
 
@@ -99,6 +121,8 @@ def main(argv=None) -> int:
                 out=out,
                 ttl=args.ttl,
                 unguarded=args.unguarded,
+                guard=args.guard,
+                kinds=kinds,
                 log=log,
             )
             try:
@@ -146,7 +170,7 @@ def main(argv=None) -> int:
     if run.get("faults_skipped"):
         say("faults skipped (no target): " + json.dumps(run["faults_skipped"]))
     say("summary " + json.dumps(summary))
-    if args.unguarded:
+    if args.unguarded or args.guard == "nofence":
         if not n_violations:
             say("the negative control showed no violation: the checker proved nothing")
             return 1

@@ -94,7 +94,7 @@ def test_render_has_both_tables_and_the_examples():
     assert "## Randomized runs" in lines
     assert (
         "| 7 | 1,800 | 2026-12-01 11:00:00 | def5678 | 2: prefork x2, threads x4 | 5,321 | "
-        "550 (2 kinds) | **0** | 0 | 0.4 | 6.2 | 7, 120, **3** |" in lines
+        "550 (2 kinds) | **0** | 0 | 0 | 0.4 | 6.2 | 7, 120, **3** |" in lines
     )
     assert "- seed 7, 1,800 s: kill_child 300, pause 250" in lines
     assert "- seed 7, 120 s (negative control): kill_child 20" in lines

@@ -411,7 +411,7 @@ def test_an_idempotent_body_after_its_completion():
     assert (verdict.counts["idem_bodies"], verdict.counts["idem_completions"]) == (2, 1)
 
 
-def test_a_pattern_violation_after_a_redis_data_loss_says_so():
+def test_a_limit_exceeded_after_a_redis_data_loss_is_reported_apart():
     b = Builder(limits=RATE)
     b.ev("idem_body", 1.0, key="idem:k", task_id="t-first", step=7)
     b.ev("idem_completed", 1.5, key="idem:k")
@@ -429,15 +429,18 @@ def test_a_pattern_violation_after_a_redis_data_loss_says_so():
     b.ev("fault", 20.0, kind="redis_restart", by="controller")
     verdict = b.verdict()
     assert verdict.violations == [
-        "concurrency c:db: 3 slots held at 3.300 for a limit of 2 (s1 slot 0 fence 1, s2 slot 1 "
-        "fence 1, s3 slot 0 fence 1); after redis_failover at 3.200",
         "concurrency c:db: 3 slots held at 9.000 for a limit of 2 (s4 slot 0 fence 1, s5 slot 0 "
         "fence 1, s6 slot 0 fence 1)",
+    ]
+    assert verdict.data_loss == [
+        "concurrency c:db: 3 slots held at 3.300 for a limit of 2 (s1 slot 0 fence 1, s2 slot 1 "
+        "fence 1, s3 slot 0 fence 1); after redis_failover at 3.200",
         "idempotency idem:k: body of task t-second (step 7) started at 2.000, after the "
         "completion recorded at 1.500; after redis_restart at 1.700",
         "idempotency idem:k: completed again at 2.500 (first at 1.500); after redis_restart at "
         "1.700",
     ]
+    assert not verdict.ok and verdict.as_dict()["data_loss"] == verdict.data_loss
     assert verdict.counts["after_data_loss"] == 3
 
 

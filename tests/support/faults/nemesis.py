@@ -64,6 +64,7 @@ KINDS = {
     "pg_terminate": 2,
     "lost_commit_reply": 1,
     "heartbeat_frozen": 2,
+    "split_brain": 1,
 }
 LASTING = {
     "pause",
@@ -73,6 +74,7 @@ LASTING = {
     "pg_blackhole",
     "lost_commit_reply",
     "heartbeat_frozen",
+    "split_brain",
 }
 
 #: Client actions per new step and their relative weights.
@@ -86,6 +88,7 @@ ACTIONS = {
     "slots": 2,
     "breaker": 2,
     "idempotent": 2,
+    "stage_reset": 2,
 }
 
 
@@ -225,6 +228,7 @@ class NemesisLab(Lab):
         out: Path,
         ttl: float = 2.0,
         unguarded: bool = False,
+        guard: str = "fenced",
         workers=WORKERS,
         kinds: dict | None = None,
         client_gap: float = 0.6,
@@ -233,7 +237,14 @@ class NemesisLab(Lab):
         log=print,
     ):
         super().__init__(
-            workdir, db_settings, ttl=ttl, visibility_timeout=10, unguarded=unguarded, log=log
+            workdir,
+            db_settings,
+            ttl=ttl,
+            visibility_timeout=10,
+            unguarded=unguarded,
+            log=log,
+            guard=guard,
+            worker_stores=True,  # a lock-store path per worker: the split_brain fault
         )
         self.seed = seed
         self.duration = float(duration)
@@ -279,6 +290,8 @@ class NemesisLab(Lab):
                         why="orphans of a killed main process, ended by the supervisor",
                     )
             self.note("restart_workers", worker=name)
+            # a restarted worker stays on its side of a split
+            env = {**env, "STEPLOCK_REDIS_URL": self.worker_store_proxy(name).url()}
             self.workers[name] = processes.celery_worker(
                 app="django_app",
                 name=name,
@@ -360,6 +373,52 @@ class NemesisLab(Lab):
         old.stop()
         threading.Thread(target=self._prepare_quietly, daemon=True).start()
         return entry
+
+    def do_split(self, fault: dict, seconds: float) -> dict | None:
+        """Split brain of the lock store for ``seconds``: the replica (its feed stalled
+        ``lag`` seconds first, so it misses those writes) is promoted and every worker but one
+        (``target``) moves to it; the one left on the old primary keeps its leases there and
+        renews them. The heal lets the promoted side win (as Sentinel would): every worker
+        moves to it, what the old primary took since the split is lost, and a fresh replica
+        is prepared in the background. See :meth:`Lab.split_store`."""
+        if self.split is not None or not self.replica_ready.is_set():
+            return None
+        self.replica_ready.clear()
+        self.repl_proxy.stall()
+        time.sleep(fault["lag"])
+        names = sorted(self.workers)
+        minority = [names[fault["target"] % len(names)]]
+        majority = [n for n in names if n not in minority]
+        replica = self.replica
+        client = redis.Redis(host="127.0.0.1", port=replica.port, socket_timeout=5)
+        client.execute_command("REPLICAOF", "NO", "ONE")
+        client.close()
+        for name in majority:
+            self.worker_store_proxy(name).retarget("127.0.0.1", replica.port, drop=True)
+        self.split = (frozenset(minority), frozenset(majority))
+
+        def heal():
+            self.store_proxy.retarget("127.0.0.1", replica.port, drop=True)
+            for proxy in self.worker_proxies.values():
+                proxy.retarget("127.0.0.1", self.store_proxy.port, drop=True)
+            self.split = None
+            old, old_proxy = self.store, self.repl_proxy
+            self.store, self.replica, self.repl_proxy = replica, None, None
+            old_proxy.stop()
+            old.stop()
+            threading.Thread(target=self._prepare_quietly, daemon=True).start()
+            return {"minority": minority, "to_port": replica.port}
+
+        return self._last(
+            "split_brain",
+            "split_brain",
+            seconds,
+            heal,
+            minority=minority,
+            majority=majority,
+            to_port=replica.port,
+            lag=fault["lag"],
+        )
 
     def _prepare_quietly(self) -> None:
         try:
@@ -473,6 +532,8 @@ class NemesisLab(Lab):
             return self.note("fault", kind=kind, port=self.store.port)
         if kind == "redis_failover":
             return self.do_failover(fault["lag"])
+        if kind == "split_brain":
+            return self.do_split(fault, seconds)
         path, _, what = kind.partition("_")
         proxy = self.store_proxy if path == "redis" else self.pg_proxy
         if what == "latency":
@@ -561,8 +622,10 @@ class NemesisLab(Lab):
             if status in TERMINAL or self.step_leased(step):
                 return
             task = item.get("task", "forward")
+            if status == "running":
+                task = "reset"  # a stage left behind: back to pending first (the reaper's job)
             self.note("resume", step=step, task=task)
-            self.send(task, step, module=PATTERNS if task != "forward" else "")
+            self.send(task, step, module=PATTERNS if task not in ("forward", "reset") else "")
             return
         step = self.new_step(f"nemesis-{item['kind']}")
         by_n[item["n"]] = step
@@ -590,6 +653,14 @@ class NemesisLab(Lab):
             self.send("slot_forward", step, module=PATTERNS, kwargs={"work": item["slot_work"]})
         elif kind == "breaker":
             self.send("breaker_forward", step, module=PATTERNS, kwargs=work)
+        elif kind == "stage_reset":
+            # a slow forward racing a stage and its reset (as the reaper would move a step
+            # back): under a split brain only the fence refuses the stale forward
+            self.send("forward", step, kwargs={"work": item["slot_work"]})
+            time.sleep(item["gap"])
+            self.send("start", step, kwargs=work)
+            time.sleep(item["gap"])
+            self.send("reset", step, kwargs=work)
         elif kind == "idempotent":
             task_id = self.send("idem_forward", step, module=PATTERNS, kwargs=work)
             time.sleep(item["gap"])
@@ -697,7 +768,8 @@ class NemesisLab(Lab):
 
     def settle_all(self, timeout: float = 240.0) -> dict:
         """Wait until every step is terminal and the broker idle, re-sending ``forward`` (an
-        operator's resume) to a step that stays idle and not terminal, at most 3 times each;
+        operator's resume; "reset" first for a step left "running") to a step that stays idle and
+        not terminal, at most 6 times each;
         then up to one TTL more for the leases to go. Returns ``{"settled": bool, "seconds",
         "leftover": [keys]}``."""
         from django.db import DatabaseError, connection
@@ -722,10 +794,11 @@ class NemesisLab(Lab):
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 1.5:
                     for step, status in self.statuses(self.steps).items():
-                        if status not in TERMINAL and resumed.get(step, 0) < 3:
+                        if status not in TERMINAL and resumed.get(step, 0) < 6:
                             resumed[step] = resumed.get(step, 0) + 1
-                            self.note("resume", step=step, phase="settle")
-                            self.send("forward", step)
+                            task = "reset" if status == "running" else "forward"
+                            self.note("resume", step=step, phase="settle", task=task)
+                            self.send(task, step)
                     idle_since = None
             else:
                 idle_since = None
@@ -773,6 +846,7 @@ class NemesisLab(Lab):
             "seed": self.seed,
             "duration_s": self.duration,
             "unguarded": self.unguarded,
+            "guard": self.guard,
             "workers": [
                 {"name": n, "pool": p, "concurrency": c} for n, (p, c) in self.spec.items()
             ],

@@ -131,6 +131,8 @@ def summarize(run_dir, negative_dir=None) -> dict:
         "steps": counts.get("steps"),
         "faults": counts.get("faults", {}),
         "violations": len(verdict["violations"]),
+        "data_loss": len(verdict.get("data_loss", [])),
+        "data_loss_examples": verdict.get("data_loss", [])[:MAX_RUN_EXAMPLES],
         "leftovers": len(verdict["leftovers"]),
         "overlaps": counts.get("overlaps"),
         "fence_refusals": counts.get("fence_refusals"),
@@ -287,7 +289,12 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
         "legal chain, fences never decreasing and no commit after a newer holder's grant; no "
         "lock-store key without a TTL; rate limits never exceeded in any window; concurrency "
         "limits never exceeded (a paused holder's slot may pass on); no idempotent body run "
-        "after its completion. *Leftovers*: leases or slots still held once the run healed. "
+        "after its completion. *Limits after data loss*: a rate, concurrency or idempotency "
+        "limit exceeded with a lock-store data loss inside the window (a Redis restart, a "
+        "failover to a replica that missed the latest writes, a split brain): what the "
+        "patterns' pages document, no limit kept in an asynchronously replicated store can do "
+        "better, listed apart, never dropped; the step checks have no such exception. "
+        "*Leftovers*: leases or slots still held once the run healed. "
         "*Recovery*: seconds from a lasting fault's heal to the next committed transition. "
         "The negative control is the same seed with `STEPLOCK_FAULTS_UNGUARDED=1`.",
         "",
@@ -296,9 +303,9 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
         return lines + ["No randomized run recorded yet."]
     lines += [
         "| seed | duration s | started | commit | workers | step executions | faults | "
-        "violations | leftovers | recovery p50 s | recovery max s | negative control: seed, "
-        "duration s, violations |",
-        "|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|---|",
+        "violations | limits after data loss | leftovers | recovery p50 s | recovery max s | "
+        "negative control: seed, duration s, violations |",
+        "|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for run in runs:
         neg = run.get("negative_control")
@@ -311,7 +318,7 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
             f"| {run.get('seed')} | {_seconds(run.get('duration_s'))} | {run.get('started') or '-'} | "
             f"{run.get('commit') or '-'} | {_workers(run)} | {fmt(run.get('executions'))} | "
             f"{_faults_total(run.get('faults') or {})} | **{fmt(run.get('violations'))}** | "
-            f"{fmt(run.get('leftovers'))} | {fmt(run.get('recovery_p50_s'))} | "
+            f"{fmt(run.get('data_loss', 0))} | {fmt(run.get('leftovers'))} | {fmt(run.get('recovery_p50_s'))} | "
             f"{fmt(run.get('recovery_max_s'))} | {neg_text} |"
         )
     lines += ["", "Faults by kind:", ""]
@@ -335,6 +342,10 @@ def _randomized_examples(runs: list[dict]) -> list[str]:
     for run in runs:
         label = f"nemesis seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s"
         lines += [f"- {label}: {ex}" for ex in (run.get("examples") or [])[:MAX_RUN_EXAMPLES]]
+        lines += [
+            f"- {label} (a limit after a data loss): {ex}"
+            for ex in (run.get("data_loss_examples") or [])[:MAX_RUN_EXAMPLES]
+        ]
         neg = run.get("negative_control") or {}
         lines += [
             f"- {label} (negative control): {ex}"
