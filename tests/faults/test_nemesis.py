@@ -11,7 +11,14 @@ from tests.support.faults import nemesis
 SEED = 16
 DURATION = 40.0
 TTL = 2.0
-KINDS = {"kill_child": 2, "pause": 2, "redis_drop": 1, "pg_drop": 1, "redis_failover": 1}
+KINDS = {
+    "kill_child": 2,
+    "pause": 2,
+    "redis_drop": 1,
+    "pg_drop": 1,
+    "redis_failover": 1,
+    "split_brain": 1,
+}
 
 
 def test_the_plan_is_a_function_of_the_seed():

@@ -223,6 +223,56 @@ def test_a_stale_commit_after_a_newer_grant():
     assert verdict.counts["overlaps"] == 1
 
 
+def split(b: Builder, start: float, end: float | None) -> Builder:
+    b.ev("fault", start, 1, kind="split_brain", minority=["n1"], by="controller")
+    if end is not None:
+        b.ev("heal", end, 1, kind="split_brain", fault_t=start, by="controller")
+    return b
+
+
+def test_a_grant_made_while_the_store_was_split_orders_no_commit():
+    # the newer holder was granted on the other primary: the old holder's lease was valid on
+    # its own, and its write came first (fences [1]); only the write order is judged
+    b = split(Builder(), 1.0, 4.0)
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1)
+    b.ev("acquired", 2.5, step=1, owner="new-owner", fence=2)
+    b.ev("committed", 3.0, step=1, owner="old-owner", fence=1)
+    b.records.append(Record(1, "pending", "done", "old-owner", 1))
+    b.steps[1] = "done"
+    assert b.verdict().violations == []
+
+
+def test_a_split_does_not_excuse_a_stale_write_or_a_grant_outside_it():
+    b = split(Builder(), 1.0, 2.0)
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1)
+    b.ev("acquired", 1.5, step=1, owner="new-owner", fence=2)  # during the split
+    b.ev("committed", 1.8, step=1, owner="new-owner", fence=2)
+    b.records.append(Record(1, "pending", "running", "new-owner", 2))
+    b.ev("committed", 3.0, step=1, owner="old-owner", fence=1)
+    b.records.append(Record(1, "running", "done", "old-owner", 1))
+    b.ev("acquired", 2.5, step=2, owner="s2-old", fence=3)
+    b.ev("acquired", 2.6, step=2, owner="s2-new", fence=4)  # after the heal
+    b.ev("committed", 2.7, step=2, owner="s2-old", fence=3)
+    b.records.append(Record(2, "pending", "done", "s2-old", 3))
+    b.steps.update({1: "done", 2: "done"})
+    assert b.verdict().violations == [
+        "step 1: a stale holder wrote after a newer one (fences [2, 1])",
+        "step 2: holder s2-old (fence 3) committed after s2-new (fence 4) was granted the "
+        "lease",
+    ]
+
+
+def test_a_limit_exceeded_during_a_split_is_reported_apart():
+    b = split(Builder(limits=RATE), 99.0, 104.0)  # began before the window, lasted into it
+    for t in (100.0, 100.2, 100.4):
+        b.grant("r:api", t)
+    verdict = b.verdict()
+    assert verdict.violations == []
+    assert len(verdict.data_loss) == 1
+    assert verdict.data_loss[0].endswith("; after split_brain at 99.000")
+    assert verdict.counts["after_data_loss"] == 1
+
+
 def test_every_step_of_steps_json_is_judged_even_without_history():
     b = Builder()
     b.steps.update({2: "pending", "x-9": "pending"})
