@@ -257,8 +257,7 @@ def test_a_split_does_not_excuse_a_stale_write_or_a_grant_outside_it():
     b.steps.update({1: "done", 2: "done"})
     assert b.verdict().violations == [
         "step 1: a stale holder wrote after a newer one (fences [2, 1])",
-        "step 2: holder s2-old (fence 3) committed after s2-new (fence 4) was granted the "
-        "lease",
+        "step 2: holder s2-old (fence 3) committed after s2-new (fence 4) was granted the lease",
     ]
 
 
