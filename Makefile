@@ -1,4 +1,4 @@
-# make venv | demo | test | corners | servers | matrix | bench | soak | lint | docs | dist | clean. Pass pytest
+# make venv | demo | test | corners | servers | matrix | bench | soak | nemesis | lint | docs | dist | clean. Pass pytest
 # arguments with ARGS="-k name -x"; `make bench ARGS=--quick` is a small smoke run,
 # ARGS="--only e2e wait" a subset. `make corners` runs the version corners
 # (requirements/corners/*.txt, each in its own venv under .venv-corners/; CORNERS=newest picks

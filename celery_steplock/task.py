@@ -753,7 +753,11 @@ class StepLockedTask(Task):
         execution: _Execution,
     ):
         """The body, then (with a step store) the compare-and-swap, the ownership check and
-        COMMIT; returns the body's result."""
+        COMMIT; returns the body's result. A lease already known lost (the precheck or the
+        admission gates outlasted it on a slow Redis) raises LockLost before the body runs:
+        an idempotent body must not start twice at once."""
+        if lease is not None:
+            lease.check()
         if steps is None:
             with tracing.phase("body"):
                 result = super().__call__(*args, **kwargs)

@@ -6,6 +6,13 @@ history is checked as a whole (what `make nemesis` runs).
     make nemesis                                      # 30 minutes, a random seed (printed)
     make nemesis ARGS="--duration 1800 --seed 7"
     make nemesis ARGS="--duration 120 --seed 7 --unguarded"   # the negative control
+    make nemesis ARGS="--duration 120 --kinds split_brain,pause"  # some kinds only
+
+The run directory (default var/nemesis/<seed>-<guarded|unguarded>) holds the history and
+the checker's verdict.json; to add a run and its control to docs/reliability.md/.json:
+
+    python -m tests.support.faults.report --run var/nemesis/7-guarded \
+        --negative var/nemesis/7-unguarded
 
 Reproducible from its seed as far as the schedule goes (what the client sends and which fault
 fires when, with which parameters), not the interleavings of the real processes. Starts its
@@ -79,10 +86,11 @@ def main(argv=None) -> int:
 
     kinds = None
     if args.kinds:
-        kinds = {k.strip(): 1 for k in args.kinds.split(",") if k.strip()}
-        unknown = sorted(set(kinds) - set(KINDS))
+        asked = {k.strip() for k in args.kinds.split(",") if k.strip()}
+        unknown = sorted(asked - set(KINDS))
         if unknown:
             parser.error(f"--kinds: unknown kind(s) {unknown}; known: {', '.join(KINDS)}")
+        kinds = {k: 1 for k in KINDS if k in asked}  # the catalogue's order: same seed, same plan
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     label = "unguarded" if args.unguarded else "nofence" if args.guard == "nofence" else "guarded"
     out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
@@ -169,7 +177,18 @@ def main(argv=None) -> int:
     say("faults by kind: " + json.dumps(run["faults"]))
     if run.get("faults_skipped"):
         say("faults skipped (no target): " + json.dumps(run["faults_skipped"]))
+    errors = run.get("errors") or []
+    for problem in errors[:10]:
+        say(f"run error: {problem}")
+    # a fault that could not be healed (or a replica that could not be prepared: the later
+    # failovers and splits were skipped) makes the run's figures untrustworthy
+    broken = [e for e in errors if e.startswith(("heal ", "replica:", "split_brain:"))]
+    summary["errors"] = len(errors)
+    summary["faults_skipped"] = sum((run.get("faults_skipped") or {}).values())
     say("summary " + json.dumps(summary))
+    if broken:
+        say(f"{len(broken)} fault(s) not healed or a replica not prepared: the run is not valid")
+        return 1
     if args.unguarded or args.guard == "nofence":
         if not n_violations:
             say("the negative control showed no violation: the checker proved nothing")

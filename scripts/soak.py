@@ -465,9 +465,13 @@ def main(argv=None) -> int:
     bad = sum(r["violations"] + r["leftover_leases"] + r["errors"] for r in guarded.values())
     bad += len(facts["lab_failures"]) + len(negative_facts["lab_failures"])
     caught = sum(r["violating_trials"] for r in negative.values())
-    if negative and not caught:
-        say("the negative control showed no violation: the checker proved nothing")
-        bad += 1
+    # Each control must bite on its own: the unguarded one (no CAS) on the plain scenarios,
+    # the guard without the fence on the fence-decides family.
+    for family, label in ((plain, "no CAS"), (fenced, "no fence")):
+        rows = [negative[n] for n in family if n in negative]
+        if rows and not sum(r["violating_trials"] for r in rows):
+            say(f"the negative control ({label}) showed no violation: the checker proved nothing")
+            bad += 1
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_write:

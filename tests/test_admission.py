@@ -10,7 +10,12 @@ import pytest
 from celery.exceptions import Retry
 
 from celery_steplock import admission, plan as plan_module
-from celery_steplock.exceptions import AdmissionDenied, ImproperlyConfigured, RateLimited
+from celery_steplock.exceptions import (
+    AdmissionDenied,
+    ImproperlyConfigured,
+    LockLost,
+    RateLimited,
+)
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -39,6 +44,8 @@ class ToyGate:
             raise RateLimited("toy: no quota", retry_after=2.5, option=self.option)
         if self.behaviour == "replay":
             raise admission.Replay({"replayed": True}, gate=self.option)
+        if self.behaviour == "lose":  # the gate outlasted the lease (a slow Redis)
+            context.lease.mark_lost("toy: the gate took longer than the lease")
         gate = self
 
         class Passed:
@@ -61,7 +68,7 @@ def _gate_module(name, option):
         value = getattr(task, option, None)
         if value is None:
             return None
-        if value not in ("pass", "deny", "replay", "exit_fails"):
+        if value not in ("pass", "deny", "replay", "exit_fails", "lose"):
             raise ImproperlyConfigured(f"{option}={value!r} is not a toy", setting=option)
         return ToyGate(option, value)
 
@@ -153,6 +160,21 @@ def test_a_denial_re_queues_with_a_countdown_past_retry_after(toy_gates, monkeyp
     assert len(countdowns) == 3  # two re-queues, then the budget is used up
     assert all(2.5 <= c <= 5.0 for c in countdowns)
     assert not [c for c in CALLS if c[0] == "body"]
+
+
+def test_a_lease_lost_in_the_gates_never_runs_the_body(toy_gates):
+    step = Step.objects.create(status="pending")
+    result = _run(admitted, step.pk, "pass", "lose")
+    assert isinstance(result.result, LockLost)  # lock_retry_max=0: no retry left
+    assert [c[:3] for c in CALLS if c[0] != "exit"] == [
+        ("enter", "toy_first", step.pk),
+        ("enter", "toy_second", step.pk),
+    ]
+    assert [c[:3] for c in CALLS if c[0] == "exit"] == [
+        ("exit", "toy_second", "LockLost"),
+        ("exit", "toy_first", "LockLost"),
+    ]
+    assert Step.objects.get(pk=step.pk).status == "pending"
 
 
 def test_a_replay_ends_with_its_result_without_the_body(toy_gates):

@@ -70,10 +70,22 @@ def record(event: str, **fields) -> None:
     if not enabled():
         return
     fields.update(ev=event, t=time.time(), pid=os.getpid())
+    if event == "acquired":  # which lock-store path granted it (a split has two primaries)
+        fields["via"] = _via()
     try:
         _redis().rpush(HISTORY, json.dumps(fields, default=str))
     except Exception:  # noqa: BLE001
         logger.exception("faults: could not record %s", event)
+
+
+def _via():
+    """The port of this worker's lock-store URL (its proxy in the fault suite), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(os.environ.get("STEPLOCK_REDIS_URL", "")).port
+    except ValueError:
+        return None
 
 
 def step_of(name: str | None):

@@ -143,6 +143,7 @@ def test_a_clean_run_passes_and_is_counted():
         "steps": 4,
         "terminal_steps": 4,
         "executions": 6,
+        "acquired": 6,
         "commits": 4,
         "faults": {"kill_child": 1, "pause": 1, "redis_latency": 1},
         "overlaps": 1,
@@ -257,7 +258,110 @@ def test_a_split_does_not_excuse_a_stale_write_or_a_grant_outside_it():
     b.steps.update({1: "done", 2: "done"})
     assert b.verdict().violations == [
         "step 1: a stale holder wrote after a newer one (fences [2, 1])",
+        # committed after the heal: its lease on the old primary was gone by then
+        "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted the "
+        "lease",
         "step 2: holder s2-old (fence 3) committed after s2-new (fence 4) was granted the lease",
+    ]
+
+
+def test_a_split_never_healed_is_a_violation_and_bounds_nothing():
+    b = split(Builder(limits=RATE), 1.0, None)
+    b.attempt(1, "a1", 10, 2.0)
+    assert b.verdict().violations == ["the split brain at 1.000 was never healed"]
+
+
+def test_a_split_excuses_only_grants_on_the_other_side():
+    # both holders went through the same lock-store path (via 7001, the minority's): the
+    # newer grant was on the stale holder's own primary, so the commit is stale
+    b = split(Builder(), 1.0, 4.0)
+    b.history[-2]["minority_via"] = [7001]
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1, via=7001)
+    b.ev("acquired", 2.5, step=1, owner="new-owner", fence=2, via=7001)
+    b.ev("committed", 3.0, step=1, owner="old-owner", fence=1)
+    b.records.append(Record(1, "pending", "done", "old-owner", 1))
+    b.steps[1] = "done"
+    assert b.verdict().violations == [
+        "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted the "
+        "lease"
+    ]
+    b.history[-3]["via"] = 7002  # the newer grant on the majority's path: excused
+    assert b.verdict().violations == []
+
+
+def test_a_commit_missing_from_the_history_is_still_judged():
+    # a lost COMMIT reply: the record exists, no committed entry; the commit came no earlier
+    # than the owner's last entry (its before_commit point), after a newer grant
+    b = Builder()
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1)
+    b.ev("acquired", 2.5, step=1, owner="new-owner", fence=2)
+    b.ev("point", 3.0, step=1, point="before_commit", owner="old-owner", fence=1)
+    b.records.append(Record(1, "pending", "done", "old-owner", 1))
+    b.steps[1] = "done"
+    assert b.verdict().violations == [
+        "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted the "
+        "lease"
+    ]
+
+
+def test_one_fencing_token_written_by_two_owners():
+    b = Builder().attempt(1, "a", 5, 0.0, to="running")
+    b.records.append(Record(1, "running", "done", "b", 5))
+    b.steps[1] = "done"
+    assert b.verdict().violations == ["step 1: one fencing token 5 written by 2 owners (a, b)"]
+
+
+def test_records_of_a_step_missing_from_steps_json_are_judged():
+    b = Builder()
+    b.records += [Record(9, "pending", "done", "a", 1), Record(9, "pending", "done", "b", 2)]
+    violations = b.verdict().violations
+    assert violations[0] == "step 9: committed transitions but not in steps.json"
+    assert any("2 terminal transitions committed" in v for v in violations)
+
+
+def test_a_data_loss_explains_no_more_than_one_limit_per_stretch():
+    # limit 2 per 1 s: 2 before a restart and 2 after it are what a lost log allows; a third
+    # after it (a fresh log counts from the restart) is not
+    b = Builder(limits=RATE)
+    for t in (100.0, 100.1):
+        b.grant("r:api", t)
+    b.ev("fault", 100.2, kind="redis_restart", by="controller")
+    for t in (100.3, 100.4):
+        b.grant("r:api", t)
+    verdict = b.verdict()
+    assert (verdict.violations, len(verdict.data_loss)) == ([], 1)
+    b.grant("r:api", 100.5)
+    verdict = b.verdict()
+    assert len(verdict.violations) == 1 and verdict.data_loss == []
+    assert verdict.violations[0].startswith("rate r:api: 5 grants in [100.000000, +1 s)")
+
+
+def test_an_excess_far_from_a_data_loss_is_a_violation():
+    b = Builder(limits=RATE)
+    for t in (0.0, 0.1, 0.2):  # no fault near: a violation
+        b.grant("r:api", t)
+    b.ev("fault", 5.0, kind="redis_restart", by="controller")
+    for t in (5.1, 5.2, 5.3):  # all after the restart: the fresh log should have held
+        b.grant("r:api", t)
+    verdict = b.verdict()
+    assert [v.split(" for ")[0] for v in verdict.violations] == [
+        "rate r:api: 3 grants in [0.000000, +1 s)",
+        "rate r:api: 3 grants in [5.100000, +1 s)",
+    ]
+    assert verdict.data_loss == []
+
+
+def test_a_short_pause_does_not_end_a_slot_hold():
+    b = Builder(limits=RATE)
+    b.meta["ttl"] = 2.0
+    b.slot("slot_acquired", 1.0, "s1", pid=1)
+    b.ev("fault", 1.5, kind="pause", signal="SIGSTOP", pid=1, by="controller")
+    b.ev("heal", 1.55, kind="pause", signal="SIGCONT", pid=1, fault_t=1.5, by="controller")
+    b.slot("slot_acquired", 2.0, "s2", slot=1, pid=2)
+    b.slot("slot_acquired", 2.1, "s3", slot=0, pid=3)
+    verdict = b.verdict()
+    assert [v.split(" (")[0] for v in verdict.violations] == [
+        "concurrency c:db: 3 slots held at 2.100 for a limit of 2"
     ]
 
 
@@ -501,7 +605,11 @@ def test_two_completions_of_one_key():
     b.ev("idem_completed", 1.6, key="idem:k")
     b.ev("idem_replayed", 2.0, key="idem:k")
     verdict = b.verdict()
-    assert verdict.violations == ["idempotency idem:k: completed again at 1.600 (first at 1.500)"]
+    assert verdict.violations == [
+        "idempotency idem:k: body of task t2 started at 1.100 while the body of task t1 "
+        "(started at 1.000) ran",
+        "idempotency idem:k: completed again at 1.600 (first at 1.500)",
+    ]
     assert verdict.counts["idem_replays"] == 1
 
 
@@ -624,3 +732,26 @@ def test_a_recorded_run_gives_its_stored_verdict(path):
 def test_the_fixture_directories_include_the_examples():
     names = {p.name for p in fixture_dirs()}
     assert set(EXAMPLES) <= names
+
+
+def test_two_bodies_of_one_key_at_once():
+    b = Builder()
+    b.ev("idem_body", 1.0, key="idem:k", task_id="t-first", step=7, pid=1)
+    b.ev("idem_body", 1.2, key="idem:k", task_id="t-second", step=7, pid=2)
+    b.ev("idem_completed", 2.0, key="idem:k")
+    assert b.verdict().violations == [
+        "idempotency idem:k: body of task t-second started at 1.200 while the body of task "
+        "t-first (started at 1.000) ran"
+    ]
+
+
+def test_a_body_after_its_predecessor_was_killed_is_no_violation_and_one_without_a_key_is():
+    b = Builder()
+    b.ev("idem_body", 1.0, key="idem:k", task_id="t-first", step=7, pid=1)
+    b.ev("fault", 1.1, kind="kill_child", signal="SIGKILL", pid=1, by="controller")
+    b.ev("idem_body", 9.0, key="idem:k", task_id="t-second", step=7, pid=2)
+    b.ev("idem_completed", 9.5, key="idem:k")
+    b.ev("idem_body", 10.0, key=None, task_id="t-third", step=8, pid=3)
+    assert b.verdict().violations == [
+        "idempotency: body of task t-third (step 8) at 10.000 ran with no idempotency record"
+    ]

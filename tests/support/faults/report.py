@@ -410,3 +410,22 @@ def headline(doc: dict) -> str:
             text += f" (negative control: {fmt(neg.get('violations'))} violations)"
         parts.append(text)
     return "; ".join(parts) + "." if parts else "No reliability figures recorded yet."
+
+
+def main(argv=None) -> int:
+    """``python -m tests.support.faults.report --run DIR [--negative DIR]``: add a randomized
+    run (and its negative control) to docs/reliability.md/.json, keeping the rest."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, required=True, help="the guarded run's directory")
+    parser.add_argument("--negative", type=Path, default=None, help="its negative control's")
+    parser.add_argument("--docs", type=Path, default=None, help="default: the repository's docs/")
+    args = parser.parse_args(argv)
+    doc = update(randomized_run=summarize(args.run, args.negative), docs=args.docs)
+    print(headline(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -49,7 +49,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.faults.checker import TERMINAL, Record, check_step, stale_commits
+from tests.support.faults.checker import TERMINAL, Record, check_step
 
 KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
 STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
@@ -222,7 +222,10 @@ class _Index:
         self.slots: dict = defaultdict(list)
         self.idem: dict = defaultdict(list)
         self.executions = 0
+        self.acquired = 0
         self.breaker: Counter = Counter()
+        self.split_notes: dict = {}  # split fault time -> its entry (minority/majority paths)
+        self.continued: dict = defaultdict(list)  # pid -> SIGCONT times
         self.data_loss: list[tuple[float, str]] = []
         self.lost_at: dict = {}  # owner -> first "lost" (a slot's: the heartbeat found it gone)
         refusals: set = set()
@@ -236,12 +239,18 @@ class _Index:
                 self.by_step[normal].append(e)
                 if ev in ("acquired", "contended"):
                     self.executions += 1
+                if ev == "acquired":
+                    self.acquired += 1
             if ev == "lost" and e.get("owner"):
                 self.lost_at.setdefault(e["owner"], e["t"])
             if ev == "fault":
-                self.faults[e.get("kind") or e.get("signal") or "?"] += 1
+                if not e.get("follow_up") and not e.get("extends"):
+                    # a supervisor's clean-up of one injection, or one made longer, is no new one
+                    self.faults[e.get("kind") or e.get("signal") or "?"] += 1
                 if e.get("kind") in DATA_LOSS:
                     self.data_loss.append((e["t"], e["kind"]))
+                if e.get("kind") == "split_brain":
+                    self.split_notes[e["t"]] = e
                 if e.get("signal") in STOP_SIGNALS and e.get("pid"):
                     for pid in _pids(e):
                         self.stops[pid].append(e["t"])
@@ -249,6 +258,8 @@ class _Index:
                             self.kills[pid].append(e["t"])
             elif ev == "heal":
                 self.heals.append(e)
+                if e.get("signal") == "SIGCONT" and e.get("pid") is not None:
+                    self.continued[e["pid"]].append(e["t"])
             elif ev == "committed":
                 self.commits.append(e["t"])
             elif ev == "task_end":
@@ -267,25 +278,77 @@ class _Index:
             elif ev == "breaker":
                 self.breaker[e.get("what") or "?"] += 1
         self.fence_refusals = len(refusals)
-        for table in (self.stops, self.kills, self.ends_by_pid, self.ends_by_task):
+        for table in (self.stops, self.kills, self.ends_by_pid, self.ends_by_task, self.continued):
             for times in table.values():
                 times.sort()
         self.commits.sort()
         self.data_loss.sort()
-        # split-brain intervals: from the split to its heal (never healed: to the end)
+        # split-brain intervals: from the split to its heal; one never healed lasts to the
+        # end of the history and is itself a violation (check_run)
         healed = {h.get("fault_t"): h["t"] for h in self.heals if h.get("kind") == "split_brain"}
+        end = max((e.get("t", 0.0) for e in history), default=0.0)
+        self.unhealed = [
+            t for t, kind in self.data_loss if kind == "split_brain" and t not in healed
+        ]
         self.splits = sorted(
-            (t, healed.get(t, float("inf"))) for t, kind in self.data_loss if kind == "split_brain"
+            (t, healed.get(t, end)) for t, kind in self.data_loss if kind == "split_brain"
         )
 
-    def split_at(self, t: float) -> bool:
-        """Whether the lock store was split (two primaries) at ``t``."""
-        return any(start <= t <= end for start, end in self.splits)
+    def split_at(self, t: float) -> tuple[float, float] | None:
+        """The split (start, heal) the lock store was in at ``t``, or None."""
+        for start, end in self.splits:
+            if start <= t <= end:
+                return start, end
+        return None
+
+    def sides_differ(self, split_start: float, a: dict, b: dict) -> bool:
+        """Whether grants ``a`` and ``b`` were made on different sides of the split that
+        began at ``split_start``: by the lock-store path (``via``, the port of the worker's
+        proxy) each grant records and the split's note of each side's paths. Without that
+        information (an older history), assumed different."""
+        note = self.split_notes.get(split_start) or {}
+        minority = set(note.get("minority_via") or ())
+        if not minority or a.get("via") is None or b.get("via") is None:
+            return True
+        return (a["via"] in minority) != (b["via"] in minority)
+
+    def stopped_for(self, pid, start: float, at_least: float) -> float | None:
+        """The first stop (SIGKILL/SIGQUIT/SIGSTOP) of ``pid`` at or after ``start`` that ended
+        the hold: a kill, or a SIGSTOP that lasted ``at_least`` seconds (until its SIGCONT;
+        never continued: it lasted). A shorter pause ended nothing: the holder went on with
+        its lease or slot still valid."""
+        for t in self.stops.get(pid, [])[bisect.bisect_left(self.stops.get(pid, []), start) :]:
+            if t in self.kills.get(pid, []):
+                return t
+            cont = self.first_at_or_after(self.continued.get(pid, []), t)
+            if cont is None or cont - t >= at_least:
+                return t
+        return None
 
     @staticmethod
     def first_at_or_after(times: list[float], start: float) -> float | None:
         i = bisect.bisect_left(times, start)
         return times[i] if i < len(times) else None
+
+    def explained(self, times: list[float], limit: int, start: float, end: float) -> str:
+        """A note naming the lock-store data loss that explains ``times`` (the grants or
+        holders' starts of one window or peak, in ``[start, end]``) exceeding ``limit``, or
+        "" when none does. A loss at ``t`` (restart, stale failover) makes the store forget
+        what came before: each stretch between losses may hold up to ``limit``, no more; a
+        split brain lets each of its two primaries hold ``limit``."""
+        losses = [t for t, kind in self.data_loss if kind != "split_brain" and start <= t <= end]
+        splits = [s for s, e in self.splits if s <= end and e >= start]
+        if not losses and not splits:
+            return ""
+        cap = limit * (2 if splits else 1)
+        cuts = [start] + losses + [end + 1e-9]
+        for lo, hi in zip(cuts, cuts[1:]):
+            if sum(1 for t in times if lo <= t < hi) > cap:
+                return ""
+        if losses:
+            kind = next(k for t, k in self.data_loss if t == losses[-1])
+            return f"; after {kind} at {losses[-1]:.3f}"
+        return f"; after split_brain at {splits[-1]:.3f}"
 
     def data_loss_note(self, start: float, end: float) -> str:
         """ "" or a note naming the last Redis data-loss fault in ``[start, end]``, or a split
@@ -348,16 +411,75 @@ def _lease_spans(index: _Index, group: list[dict], end_of_run: float) -> list[tu
     return sorted(spans)
 
 
-def _check_group(index: _Index, step, status, records: list[Record], group, end_of_run):
+def _commits_in_history(group: list[dict], records: list[Record]) -> list[dict]:
+    """The step's history with a ``committed`` entry for every record that has none (a lost
+    COMMIT reply, a kill after COMMIT: the on-commit callback never ran), dated at the
+    owner's last entry on the step: the commit came no earlier than that."""
+    seen = {e.get("owner") for e in group if e.get("ev") == "committed"}
+    added = []
+    for r in records:
+        if r.owner and r.owner not in seen:
+            mine = [e for e in group if e.get("owner") == r.owner]
+            if mine:
+                last = max(mine, key=lambda e: e.get("t", 0.0))
+                added.append(
+                    {
+                        "ev": "committed",
+                        "t": last["t"],
+                        "step": r.step,
+                        "owner": r.owner,
+                        "fence": r.fence,
+                        "synthetic": True,
+                    }
+                )
+            seen.add(r.owner)
+    return group + added
+
+
+def _check_group(index: _Index, step, status, records: list[Record], group, end_of_run, ttl=0.0):
     problems = check_step(step, status, records)
+    fences_by_owner: dict = {}
+    for r in records:
+        if r.fence is not None:
+            fences_by_owner.setdefault(r.fence, set()).add(r.owner)
+    for fence, owners in sorted(fences_by_owner.items()):
+        if len(owners) > 1:
+            problems.append(
+                f"step {step}: one fencing token {fence} written by {len(owners)} owners "
+                f"({', '.join(sorted(_short(o) for o in owners))})"
+            )
+    history = _commits_in_history(group, records)
     # A grant made while the store was split happened on one of two primaries: it orders
-    # nothing against a holder on the other side, whose lease was valid there. What the
-    # fence guarantees then is the write order (fences never decrease, one terminal commit:
-    # check_step), not the grant order.
-    grants_in_order = [
-        e for e in group if not (e.get("ev") == "acquired" and index.split_at(e.get("t", 0.0)))
-    ]
-    problems.extend(stale_commits(step, grants_in_order))
+    # nothing against a holder on the other side, whose lease was valid there, until the
+    # heal (plus a TTL: the minority's lease ran out by then). What the fence guarantees
+    # then is the write order (fences never decrease, one terminal commit: check_step).
+    grants = [e for e in history if e.get("ev") == "acquired" and e.get("owner")]
+    first_grant = {}
+    for g in grants:
+        first_grant.setdefault(g["owner"], g)
+    for e in history:
+        if e.get("ev") != "committed" or not e.get("owner"):
+            continue
+        fence = e.get("fence") or 0
+        mine = first_grant.get(e["owner"])
+        newer = []
+        for g in grants:
+            if g["owner"] == e["owner"] or (g.get("fence") or 0) <= fence or g["t"] >= e["t"]:
+                continue
+            split = index.split_at(g["t"])
+            if (
+                split is not None
+                and e["t"] <= split[1] + ttl
+                and (mine is None or index.sides_differ(split[0], mine, g))
+            ):
+                continue  # granted on the other primary of a split
+            newer.append(g)
+        if newer:
+            problems.append(
+                f"step {step}: holder {_short(e['owner'])} (fence {fence}) committed "
+                f"after {_short(newer[0]['owner'])} (fence {newer[0].get('fence') or 0}) was "
+                f"granted the lease"
+            )
     spans = _lease_spans(index, group, end_of_run)
     overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
     fences = {
@@ -429,16 +551,26 @@ def check_rates(grants: dict, limits: dict, index: _Index | None = None) -> tupl
                 burst = None
         if burst is not None:
             bursts.append(burst)
-        for _, best, count in bursts:
+        for first, best, count in bursts:
+            note = ""
+            if index is not None:
+                last = first
+                while last + limit < len(times) and times[last + limit] - times[last] < width:
+                    last += 1
+                notes = []
+                for i in range(first, last):
+                    n_in = bisect.bisect_left(times, times[i] + width) - i
+                    window = [t / MICRO for t in times[i : i + n_in]]
+                    notes.append(
+                        index.explained(
+                            window, limit, times[i] / MICRO, (times[i] + width) / MICRO
+                        )
+                    )
+                note = notes[0] if notes and all(notes) else ""
             inside = [entries[n] for _, n in timed[best : best + count]]
             owners = ", ".join(_short(e.get("owner") or e.get("task_id")) for e in inside)
             if count > MAX_NAMED:
                 owners = ", ".join(owners.split(", ")[:MAX_NAMED]) + ", ..."
-            note = (
-                index.data_loss_note(times[best] / MICRO, times[best + count - 1] / MICRO)
-                if index is not None
-                else ""
-            )
             problems.append(
                 f"rate {key}: {count} grants in [{times[best] / MICRO:.6f}, "
                 f"+{width / MICRO:g} s) for a limit of {limit} ({owners}){note}"
@@ -451,7 +583,7 @@ def _slot_ident(e: dict) -> tuple:
     return (e["owner"],) if e.get("owner") else (e.get("slot"), e.get("fence"))
 
 
-def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
+def check_concurrency(index: _Index, limits: dict, ttl: float = 0.0) -> tuple[list[str], int]:
     """Violations of the concurrency limits and the number of slot grants. A hold starts at
     ``slot_acquired`` and ends at the first of its ``slot_released``/``slot_expired``, the
     ``lost`` of its owner (the heartbeat found the slot gone: its expiry as the holder learnt
@@ -482,7 +614,7 @@ def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
             stop = _earliest(
                 done.get(ident),
                 lost if lost is not None and lost >= start else None,
-                index.first_at_or_after(index.stops.get(e.get("pid"), []), start),
+                index.stopped_for(e.get("pid"), start, ttl),
                 index.task_end_after(e, start),
             )
             # a hold that never ended in the history lasts past its end
@@ -511,7 +643,7 @@ def check_concurrency(index: _Index, limits: dict) -> tuple[list[str], int]:
 
 def _concurrency_message(index: _Index, key, limit, peak) -> str:
     count, t, holders = peak
-    note = index.data_loss_note(min(e["t"] for e in holders), t)
+    note = index.explained([e["t"] for e in holders], limit, min(e["t"] for e in holders), t)
     named = ", ".join(
         f"{_short(e.get('owner'))} slot {e.get('slot')} fence {e.get('fence')}"
         for e in holders[:MAX_NAMED]
@@ -524,16 +656,28 @@ def _concurrency_message(index: _Index, key, limit, peak) -> str:
 
 
 def check_idempotency(index: _Index) -> tuple[list[str], dict]:
-    """Violations of the idempotency keys (a body started after a completion was recorded;
-    two completions) and the counts of bodies, completions and replays."""
+    """Violations of the idempotency keys (a body without a key: it ran without a record; two
+    bodies of one key at once; a body started after a completion was recorded; two
+    completions) and the counts of bodies, completions and replays. A body runs from its
+    ``idem_body`` to the key's next completion, the end of its task run or a kill of its
+    process, whichever comes first."""
     problems = []
     counts = {"idem_bodies": 0, "idem_completions": 0, "idem_replays": 0}
     for key in sorted(index.idem, key=str):
+        entries = sorted(index.idem[key], key=lambda p: (p[1]["t"], p[0]))
+        completions = [e["t"] for _, e in entries if e["ev"] == "idem_completed"]
+        running = []  # (end, body) of the bodies started so far
         completed = None
-        for _, e in sorted(index.idem[key], key=lambda p: (p[1]["t"], p[0])):
+        for _, e in entries:
             ev = e["ev"]
             if ev == "idem_body":
                 counts["idem_bodies"] += 1
+                if key is None:
+                    problems.append(
+                        f"idempotency: body of task {_short(e.get('task_id'))} (step "
+                        f"{e.get('step')}) at {e['t']:.3f} ran with no idempotency record"
+                    )
+                    continue
                 if completed is not None:
                     problems.append(
                         f"idempotency {key}: body of task {_short(e.get('task_id'))} "
@@ -541,6 +685,22 @@ def check_idempotency(index: _Index) -> tuple[list[str], dict]:
                         f"recorded at {completed['t']:.3f}"
                         f"{index.data_loss_note(completed['t'], e['t'])}"
                     )
+                for end, body in running:
+                    if end > e["t"]:
+                        problems.append(
+                            f"idempotency {key}: body of task {_short(e.get('task_id'))} "
+                            f"started at {e['t']:.3f} while the body of task "
+                            f"{_short(body.get('task_id'))} (started at {body['t']:.3f}) ran"
+                            f"{index.data_loss_note(body['t'], e['t'])}"
+                        )
+                        break
+                kill = index.first_at_or_after(index.kills.get(e.get("pid"), []), e["t"])
+                end = _earliest(
+                    index.first_at_or_after(completions, e["t"]),
+                    index.task_end_after(e, e["t"]),
+                    kill,
+                )
+                running.append((float("inf") if end is None else end, e))
             elif ev == "idem_completed":
                 counts["idem_completions"] += 1
                 if completed is not None:
@@ -595,21 +755,28 @@ def check_run(run: Run) -> RunVerdict:
     for r in run.records:
         by_step[r.step].append(r)
     overlaps = stale_rejected = 0
-    for step in sorted(run.steps, key=lambda s: (isinstance(s, str), s)):
+    ttl = float(run.meta.get("ttl") or 0.0)
+    for start in index.unhealed:
+        verdict.violations.append(f"the split brain at {start:.3f} was never healed")
+    unlisted = set(by_step) - set(run.steps)
+    for step in sorted(unlisted, key=lambda s: (isinstance(s, str), s)):
+        verdict.violations.append(f"step {step}: committed transitions but not in steps.json")
+    for step in sorted(set(run.steps) | unlisted, key=lambda s: (isinstance(s, str), s)):
         problems, overlap, stale = _check_group(
             index,
             step,
-            run.steps[step],
+            run.steps.get(step, "?"),
             by_step.get(step, []),
             index.by_step.get(step, []),
             end_of_run,
+            ttl,
         )
         verdict.violations.extend(problems)
         overlaps += overlap
         stale_rejected += stale
     limits = run.meta.get("limits") or {}
     rate_problems, rate_grants = check_rates(index.rate, limits.get("rate") or {}, index)
-    slot_problems, slot_grants = check_concurrency(index, limits.get("concurrency") or {})
+    slot_problems, slot_grants = check_concurrency(index, limits.get("concurrency") or {}, ttl)
     idem_problems, idem_counts = check_idempotency(index)
     pattern_problems = rate_problems + slot_problems + idem_problems
     verdict.data_loss = [p for p in pattern_problems if "; after " in p]
@@ -618,6 +785,7 @@ def check_run(run: Run) -> RunVerdict:
         "steps": len(run.steps),
         "terminal_steps": sum(1 for s in run.steps.values() if s in TERMINAL),
         "executions": index.executions,
+        "acquired": index.acquired,
         "commits": len(run.records),
         "faults": dict(sorted(index.faults.items())),
         "overlaps": overlaps,

@@ -474,6 +474,7 @@ def _reaper_moves_back(lab, step) -> dict:
     from celery import Celery
     from django.db import transaction
 
+    from celery_steplock.contrib.django.recovery import StepRecovery, recover_steps
     from celery_steplock.reaper import reap
     from django_app.workflows.models import TransitionRecord
 
@@ -482,8 +483,19 @@ def _reaper_moves_back(lab, step) -> dict:
         steplock_redis_url=f"redis://127.0.0.1:{lab.replica.port}/0",
         steplock_reaper_recover={"workflows.Step": {"running": "pending"}},
     )
+
+    def this_step_only(run):
+        # Labs side by side (scripts/soak.py) share the database: recover this trial's step
+        # and leave another lab's in-flight rows (leased in that lab's store) alone.
+        found = recover_steps(run)
+        if found is not None:
+            for group in found.candidates:
+                group.rows = [row for row in group.rows if int(row[0]) == step]
+            found = StepRecovery(run, found.candidates)
+        return found
+
     with transaction.atomic():
-        report = reap(app, ping_timeout=0.3)
+        report = reap(app, ping_timeout=0.3, step_recovery=this_step_only)
         moved = [r for r in report.steps_recovered if int(r["pk"]) == step]
         if moved:
             TransitionRecord.objects.create(
