@@ -109,6 +109,10 @@ def test_a_short_run_writes_its_directory_and_passes_the_checker(tmp_path):
     store = json.loads((out / "store.json").read_text())
     assert store == {"keys_without_ttl": [], "leftover": []}
 
+    assert written["errors"] == []  # every fault injected and healed, every replica prepared
+
     verdict = nemesis.check(out)
-    assert verdict["violations"] in ([], 0)
-    assert verdict["leftover"] in ([], 0)
+    assert (verdict["checker"], verdict["runcheck_returncode"]) == ("runcheck", 0)
+    assert verdict["violations"] == []
+    assert verdict["leftover"] == []
+    assert verdict["counts"]["steps"] == len(steps)

@@ -127,6 +127,7 @@ def summarize(run_dir, negative_dir=None) -> dict:
         "commit": meta.get("commit"),
         "workers": meta.get("workers", []),
         "executions": counts.get("executions"),
+        "acquired": counts.get("acquired"),
         "commits": counts.get("commits"),
         "steps": counts.get("steps"),
         "faults": counts.get("faults", {}),
@@ -145,6 +146,11 @@ def summarize(run_dir, negative_dir=None) -> dict:
     if negative_dir is not None:
         negative_dir = Path(negative_dir)
         neg_meta = json.loads((negative_dir / "run.json").read_text())
+        if neg_meta.get("seed") != meta.get("seed"):
+            raise ValueError(
+                f"the negative control {negative_dir} ran seed {neg_meta.get('seed')}, the run "
+                f"seed {meta.get('seed')}: a control must replay the same schedule"
+            )
         neg = _verdict_of(negative_dir)
         summary["negative_control"] = {
             "seed": neg_meta.get("seed"),
@@ -230,7 +236,10 @@ def _deterministic_lines(result: dict) -> list[str]:
             "the stale holder goes on, the status it expects is back and its own Redis still "
             "says it owns the lease: only the fence condition of the compare-and-swap "
             "(`lock_fence <= token`) refuses it, and its retry commits once the split heals "
-            "(three commits per trial: running, pending, the terminal one). Their negative "
+            "(three commits per trial: running, pending, the terminal one). The fencing tokens "
+            "come from Redis `TIME`: both primaries share this host's clock here; a promoted "
+            "primary whose clock is behind would hand out lower tokens, and the fence would "
+            "then refuse the new holder instead (safe, not live). Their negative "
             "control is the guard without the fence (`STEPLOCK_FAULTS_GUARD=nofence`: the "
             "status CAS, the pre-check and the ownership check stay): the stale write commits, "
             "and the checker reports decreasing fences and a commit after a newer grant.",
@@ -295,7 +304,10 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
         "patterns' pages document, no limit kept in an asynchronously replicated store can do "
         "better, listed apart, never dropped; the step checks have no such exception. "
         "*Leftovers*: leases or slots still held once the run healed. "
-        "*Recovery*: seconds from a lasting fault's heal to the next committed transition. "
+        "*Recovery*: seconds from a lasting fault's heal to the next committed transition of "
+        "any step (how long the system stayed stuck, not a per-step figure). *Step "
+        "executions*: task runs that took or met a step lease (of them, the lease grants in "
+        "the faults list below). "
         "The negative control is the same seed with `STEPLOCK_FAULTS_UNGUARDED=1`.",
         "",
     ]
@@ -324,8 +336,10 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
     lines += ["", "Faults by kind:", ""]
     for run in runs:
         kinds = ", ".join(f"{k} {fmt(v)}" for k, v in sorted((run.get("faults") or {}).items()))
+        grants = f"; {fmt(run['acquired'])} lease grants" if run.get("acquired") else ""
         lines.append(
             f"- seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s: {kinds or 'none'}"
+            f"{grants}"
         )
         neg = run.get("negative_control")
         if neg and neg.get("faults"):
@@ -405,6 +419,8 @@ def headline(doc: dict) -> str:
             f"of {len(faults)} kinds, {fmt(run.get('violations'))} violations, "
             f"{fmt(run.get('leftovers'))} leftovers"
         )
+        if run.get("data_loss"):
+            text += f", {fmt(run['data_loss'])} limits exceeded after a lock-store data loss"
         neg = run.get("negative_control")
         if neg:
             text += f" (negative control: {fmt(neg.get('violations'))} violations)"
