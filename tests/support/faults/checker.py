@@ -118,13 +118,15 @@ def check_step(
     return problems
 
 
-def stale_commits(step: int, history: list[dict]) -> list[str]:
+def stale_commits(step: int, history: list[dict], excused=None) -> list[str]:
     """Commits by a holder after a newer holder (higher fence) had already been granted the
     lease: the stale holder's lease had expired before it committed. A live holder keeps its
     lease until it releases, after its commit, so this only happens to a holder that was
-    paused or cut off past its TTL (Kleppmann 2016's case)."""
+    paused or cut off past its TTL (Kleppmann 2016's case). ``excused(commit, grant)`` (two
+    history entries), when given, says a newer grant orders nothing against that commit (a
+    grant on the other primary of a split brain: ``runcheck``)."""
     acquired = [
-        (e["t"], e.get("fence") or 0, e["owner"])
+        e
         for e in history
         if e.get("step") == step and e.get("ev") == "acquired" and e.get("owner")
     ]
@@ -133,12 +135,19 @@ def stale_commits(step: int, history: list[dict]) -> list[str]:
         if e.get("step") != step or e.get("ev") != "committed" or not e.get("owner"):
             continue
         fence = e.get("fence") or 0
-        newer = [(t, f, o) for t, f, o in acquired if o != e["owner"] and f > fence and t < e["t"]]
+        newer = [
+            g
+            for g in acquired
+            if g["owner"] != e["owner"]
+            and (g.get("fence") or 0) > fence
+            and g["t"] < e["t"]
+            and not (excused is not None and excused(e, g))
+        ]
         if newer:
             problems.append(
                 f"step {step}: holder {e['owner'][:8]} (fence {fence}) committed "
-                f"after {newer[0][2][:8]} (fence {newer[0][1]}) was granted the "
-                f"lease"
+                f"after {newer[0]['owner'][:8]} (fence {newer[0].get('fence') or 0}) was "
+                f"granted the lease"
             )
     return problems
 

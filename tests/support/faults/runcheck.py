@@ -49,7 +49,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.faults.checker import TERMINAL, Record, check_step
+from tests.support.faults.checker import TERMINAL, Record, check_step, stale_commits
 
 KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
 STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
@@ -453,33 +453,21 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
     # nothing against a holder on the other side, whose lease was valid there, until the
     # heal (plus a TTL: the minority's lease ran out by then). What the fence guarantees
     # then is the write order (fences never decrease, one terminal commit: check_step).
-    grants = [e for e in history if e.get("ev") == "acquired" and e.get("owner")]
-    first_grant = {}
-    for g in grants:
-        first_grant.setdefault(g["owner"], g)
-    for e in history:
-        if e.get("ev") != "committed" or not e.get("owner"):
-            continue
-        fence = e.get("fence") or 0
-        mine = first_grant.get(e["owner"])
-        newer = []
-        for g in grants:
-            if g["owner"] == e["owner"] or (g.get("fence") or 0) <= fence or g["t"] >= e["t"]:
-                continue
-            split = index.split_at(g["t"])
-            if (
-                split is not None
-                and e["t"] <= split[1] + ttl
-                and (mine is None or index.sides_differ(split[0], mine, g))
-            ):
-                continue  # granted on the other primary of a split
-            newer.append(g)
-        if newer:
-            problems.append(
-                f"step {step}: holder {_short(e['owner'])} (fence {fence}) committed "
-                f"after {_short(newer[0]['owner'])} (fence {newer[0].get('fence') or 0}) was "
-                f"granted the lease"
-            )
+    first_grant: dict = {}
+    for g in history:
+        if g.get("ev") == "acquired" and g.get("owner"):
+            first_grant.setdefault(g["owner"], g)
+
+    def on_the_other_primary(commit: dict, grant: dict) -> bool:
+        split = index.split_at(grant["t"])
+        mine = first_grant.get(commit["owner"])
+        return (
+            split is not None
+            and commit["t"] <= split[1] + ttl
+            and (mine is None or index.sides_differ(split[0], mine, grant))
+        )
+
+    problems.extend(stale_commits(step, history, excused=on_the_other_primary))
     spans = _lease_spans(index, group, end_of_run)
     overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
     fences = {
