@@ -151,6 +151,7 @@ def test_a_clean_run_passes_and_is_counted():
         "fence_refusals": 1,
         "breaker": {"opened": 1, "rejected": 2},
         "rate_grants": 4,
+        "rate_unjudged": 0,
         "slot_grants": 3,
         "idem_bodies": 1,
         "idem_completions": 1,
@@ -431,6 +432,7 @@ def test_a_grant_without_its_redis_time_is_counted_not_judged():
     b.ev("rate_granted", 1.2, key="r:api", granted_at=None, limit="2/1s window")
     verdict = b.verdict()
     assert (verdict.violations, verdict.counts["rate_grants"]) == ([], 3)
+    assert verdict.counts["rate_unjudged"] == 1
 
 
 def test_the_rate_window_is_half_open():

@@ -781,6 +781,14 @@ def check_run(run: Run) -> RunVerdict:
         "fence_refusals": index.fence_refusals,
         "breaker": dict(sorted(index.breaker.items())),
         "rate_grants": rate_grants,
+        # grants the window check could not judge (no Redis time, no known limit): should be 0
+        "rate_unjudged": sum(
+            1
+            for key, entries in index.rate.items()
+            for e in entries
+            if e.get("granted_at") is None
+            or not ((limits.get("rate") or {}).get(key) or _window_of(entries[0].get("limit")))
+        ),
         "slot_grants": slot_grants,
         **idem_counts,
         "after_data_loss": len(verdict.data_loss),
