@@ -64,7 +64,7 @@ KINDS = {
     "pg_terminate": 2,
     "lost_commit_reply": 1,
     "heartbeat_frozen": 2,
-    "split_brain": 1,
+    "split_brain": 2,
 }
 LASTING = {
     "pause",
@@ -88,7 +88,7 @@ ACTIONS = {
     "slots": 2,
     "breaker": 2,
     "idempotent": 2,
-    "stage_reset": 2,
+    "stage_reset": 3,
 }
 
 
