@@ -725,6 +725,7 @@ def test_a_recorded_run_gives_its_stored_verdict(path):
     assert verdict.violations == stored["violations"]
     assert (verdict.leftovers, verdict.leftover) == (stored["leftovers"], stored["leftover"])
     assert verdict.counts == stored["counts"]
+    assert verdict.data_loss == stored["data_loss"]
     if run.meta.get("unguarded"):
         assert verdict.violations, "a negative control must show violations"
     else:
@@ -734,6 +735,13 @@ def test_a_recorded_run_gives_its_stored_verdict(path):
 def test_the_fixture_directories_include_the_examples():
     names = {p.name for p in fixture_dirs()}
     assert set(EXAMPLES) <= names
+    # and a recorded run of every fault kind (split brain included) with its negative control
+    # on the same seed
+    assert {"nemesis-seed21-120s", "nemesis-seed21-60s-unguarded"} <= names
+    guarded = json.loads((FIXTURES / "nemesis-seed21-120s" / "verdict.json").read_text())
+    control = json.loads((FIXTURES / "nemesis-seed21-60s-unguarded" / "run.json").read_text())
+    assert len(guarded["counts"]["faults"]) == 15 and guarded["counts"]["faults"]["split_brain"]
+    assert (control["seed"], control["unguarded"]) == (21, True)
 
 
 def test_two_bodies_of_one_key_at_once():
