@@ -765,3 +765,24 @@ def test_a_body_after_its_predecessor_was_killed_is_no_violation_and_one_without
     assert b.verdict().violations == [
         "idempotency: body of task t-third (step 8) at 10.000 ran with no idempotency record"
     ]
+
+
+def test_a_commit_in_flight_on_a_delayed_database_path_is_dated_when_it_was_sent():
+    # the ownership check passed at 3.0 and COMMIT went out; the database path was slow
+    # until 7.0, so the reply (the committed entry) came at 8.0, after a newer grant at 5.0:
+    # the commit may have landed before it, which orders nothing
+    b = Builder()
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1)
+    b.ev("point", 3.0, step=1, point="before_commit", owner="old-owner", fence=1)
+    b.ev("fault", 2.5, kind="pg_latency", by="controller")
+    b.ev("acquired", 5.0, step=1, owner="new-owner", fence=2)
+    b.ev("heal", 7.0, kind="pg_latency", fault_t=2.5, by="controller")
+    b.ev("committed", 8.0, step=1, owner="old-owner", fence=1)
+    b.records.append(Record(1, "pending", "done", "old-owner", 1))
+    b.steps[1] = "done"
+    assert b.verdict().violations == []
+    b.history = [e for e in b.history if e["ev"] not in ("fault", "heal")]  # no delay: stale
+    assert b.verdict().violations == [
+        "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted the "
+        "lease"
+    ]

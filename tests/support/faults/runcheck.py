@@ -290,6 +290,12 @@ class _Index:
         self.unhealed = [
             t for t, kind in self.data_loss if kind == "split_brain" and t not in healed
         ]
+        # delays on the database path: a COMMIT sent inside one lands some time later
+        self.db_delays = sorted(
+            (h["fault_t"], h["t"])
+            for h in self.heals
+            if h.get("kind") in ("pg_latency", "pg_blackhole") and h.get("fault_t") is not None
+        )
         self.splits = sorted(
             (t, healed.get(t, end)) for t, kind in self.data_loss if kind == "split_brain"
         )
@@ -411,10 +417,29 @@ def _lease_spans(index: _Index, group: list[dict], end_of_run: float) -> list[tu
     return sorted(spans)
 
 
-def _commits_in_history(group: list[dict], records: list[Record]) -> list[dict]:
+def _commits_in_history(
+    group: list[dict], records: list[Record], index: _Index | None = None
+) -> list[dict]:
     """The step's history with a ``committed`` entry for every record that has none (a lost
     COMMIT reply, a kill after COMMIT: the on-commit callback never ran), dated at the
-    owner's last entry on the step: the commit came no earlier than that."""
+    owner's last entry on the step: the commit came no earlier than that. A ``committed``
+    entry is written when COMMIT's reply came back; with a delay on the database path between
+    the owner's ``before_commit`` point (its ownership check passed, COMMIT sent next) and
+    that reply, the commit landed somewhere in between: it is dated at the point, the
+    earliest it can have been (a grant after it orders nothing against it)."""
+    if index is not None and index.db_delays:
+        points = {
+            e.get("owner"): e["t"]
+            for e in group
+            if e.get("ev") == "point" and e.get("point") == "before_commit"
+        }
+        dated = []
+        for e in group:
+            sent = points.get(e.get("owner")) if e.get("ev") == "committed" else None
+            if sent is not None and any(a <= e["t"] and b >= sent for a, b in index.db_delays):
+                e = {**e, "t": sent, "reply_t": e["t"]}
+            dated.append(e)
+        group = dated
     seen = {e.get("owner") for e in group if e.get("ev") == "committed"}
     added = []
     for r in records:
@@ -448,7 +473,7 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
                 f"step {step}: one fencing token {fence} written by {len(owners)} owners "
                 f"({', '.join(sorted(_short(o) for o in owners))})"
             )
-    history = _commits_in_history(group, records)
+    history = _commits_in_history(group, records, index)
     # A grant made while the store was split happened on one of two primaries: it orders
     # nothing against a holder on the other side, whose lease was valid there, until the
     # heal (plus a TTL: the minority's lease ran out by then). What the fence guarantees
