@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.support import processes, servers  # noqa: E402
+from tests.support import processes  # noqa: E402
+from tests.support.faults import lab as faults_lab  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -96,25 +97,16 @@ def main(argv=None) -> int:
     out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
     say(f"seed {seed}, {label}, duration {args.duration:g}s, ttl {args.ttl:g}s, out {out}")
 
-    pg = None
     began = time.monotonic()
     cpu_before = os.times()
     loads = []
     try:
-        with tempfile.TemporaryDirectory(prefix="steplock-nemesis-") as tmp:
-            if not os.environ.get("DATABASE_URL"):
-                pg = servers.PostgresServer().start()
-                os.environ["DATABASE_URL"] = pg.url
-                say(f"started postgres {pg.url} (pid {pg.pid})")
-            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_app.settings")
-            os.environ.pop("STEPLOCK_FAULTS", None)  # this process is the controller
-            import django
-
-            django.setup()
-            from django.core.management import call_command
+        with (
+            tempfile.TemporaryDirectory(prefix="steplock-nemesis-") as tmp,
+            faults_lab.controller(say),
+        ):
             from django.db import connection
 
-            call_command("migrate", verbosity=0)
             from tests.support.faults import nemesis
 
             def log(message):
@@ -143,8 +135,6 @@ def main(argv=None) -> int:
         say("interrupted: every server stopped")
         return 130
     finally:
-        if pg is not None:
-            pg.stop()
         processes.stop_all()
     wall = time.monotonic() - began
     violations = verdict.get("violations", [])

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.support import servers  # noqa: E402
+from tests.support.faults import lab as faults_lab  # noqa: E402
 
 DOCS = REPO / "docs"
 
@@ -354,22 +354,10 @@ def main(argv=None) -> int:
 
     started_wall = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     started = time.monotonic()
-    pg = None
     with tempfile.TemporaryDirectory(prefix="steplock-soak-") as tmp:
-        try:
-            if not os.environ.get("DATABASE_URL"):
-                pg = servers.PostgresServer().start()
-                os.environ["DATABASE_URL"] = pg.url
-                say(f"started postgres {pg.url}")
-            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_app.settings")
-            os.environ.pop("STEPLOCK_FAULTS", None)  # this process is the controller
-            import django
-
-            django.setup()
-            from django.core.management import call_command
+        with faults_lab.controller(say):
             from django.db import connection
 
-            call_command("migrate", verbosity=0)
             from tests.support.faults import scenarios
 
             names = args.only or list(scenarios.ALL_SCENARIOS)
@@ -435,9 +423,6 @@ def main(argv=None) -> int:
             with connection.cursor() as cursor:
                 cursor.execute("SHOW server_version")
                 pg_version = cursor.fetchone()[0]
-        finally:
-            if pg is not None:
-                pg.stop()
     commit = (
         subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True

@@ -15,6 +15,7 @@ on the old primary, the other on a promoted replica) and :meth:`Lab.heal_split` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +33,32 @@ ROOT = servers.ROOT
 TERMINAL = checker.TERMINAL
 TASKS = "django_app.faults.tasks"
 KEY_PREFIX = "steplock"  # the workers' STEPLOCK_KEY_PREFIX (the default)
+
+
+@contextlib.contextmanager
+def controller(say=print):
+    """The set-up of a fault run's controller process (``scripts/soak.py``,
+    ``scripts/nemesis.py``): a PostgreSQL server of its own unless ``DATABASE_URL`` names one
+    (stopped by PID on the way out), Django on the example project, migrated, with the probe
+    off in this process. Yields the started server, or None."""
+    pg = None
+    try:
+        if not os.environ.get("DATABASE_URL"):
+            pg = servers.PostgresServer().start()
+            os.environ["DATABASE_URL"] = pg.url
+            say(f"started postgres {pg.url} (pid {pg.pid})")
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_app.settings")
+        os.environ.pop("STEPLOCK_FAULTS", None)  # this process is the controller
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+        yield pg
+    finally:
+        if pg is not None:
+            pg.stop()
 
 
 def database_url(settings_dict, host: str | None = None, port: int | None = None) -> str:
