@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.support.faults.scenarios import FENCE_CLASS
+
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 MAX_EXAMPLES = 40  # of the deterministic soak, as before
-FENCE_CLASS = "split brain: the fence decides"  # scenarios.FENCE_CLASS
 MAX_RUN_EXAMPLES = 5  # per randomized run and per negative control
 
 
