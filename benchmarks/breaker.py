@@ -76,9 +76,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     import redis
     import tenacity
 
-    from celery_steplock.breaker import CircuitBreaker
+    from celery_steplock.patterns.breaker import CircuitBreaker
     from celery_steplock.exceptions import CircuitOpen
-    from celery_steplock.retry import RetryPolicy
+    from celery_steplock.patterns.retry import RetryPolicy
 
     rec = Recorder("breaker")
     n = 500 if quick else 5000

@@ -1,4 +1,4 @@
-"""Benchmark group ``bulkhead``: the concurrency limit (celery_steplock.bulkhead).
+"""Benchmark group ``bulkhead``: the concurrency limit (celery_steplock.patterns.concurrency).
 
 - decision latency (one client, round trip included), p50 and p99, of a granted slot (acquire
   and release) and of a refused one, for limits of 1, 10 and 100 slots; Redis server time per
@@ -44,7 +44,7 @@ def evalsha_usec(client: redis.Redis) -> float | None:
 
 
 def measure_latency(rec: Recorder, url: str, limit: int, rounds: int) -> None:
-    from celery_steplock.bulkhead import ConcurrencyLimit
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit
     from celery_steplock.lock import RedisLeaseStore
 
     client = redis.Redis.from_url(url)
@@ -96,7 +96,7 @@ def measure_latency(rec: Recorder, url: str, limit: int, rounds: int) -> None:
 
 
 def _holder(url: str, limited: bool, seconds: float, out_key: str) -> None:
-    from celery_steplock.bulkhead import ConcurrencyLimit
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit
 
     client = redis.Redis.from_url(url)
     bulkhead = ConcurrencyLimit(LIMIT, retry_after=0.01, waiter_ttl=10.0)

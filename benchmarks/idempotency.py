@@ -112,7 +112,7 @@ def body(n):
 
 
 def build(variant: str, client) -> Callable[[str, int], Any]:
-    from celery_steplock.idempotency import Idempotency
+    from celery_steplock.patterns.idempotency import Idempotency
 
     if variant == "bare":
         return lambda key, n: body(n)

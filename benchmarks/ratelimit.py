@@ -2,7 +2,7 @@
 
     python -m benchmarks.ratelimit [--quick] [--out FILE]   (or benchmarks/run.py --only ratelimit)
 
-Compared: our sliding window and token bucket (celery_steplock.ratelimit), the ``limits``
+Compared: our sliding window and token bucket (celery_steplock.patterns.ratelimit), the ``limits``
 library's Redis storage (moving window, fixed window), Celery's per-worker ``rate_limit``
 (kombu's token bucket, one per worker, as Celery keeps it), and a hand-written
 ``INCR`` + ``EXPIRE`` counter (the window starts at the first ``INCR``).
@@ -20,7 +20,7 @@ Figures:
   admissions certainly inside one 1 s window (:func:`proven_max`: a lower bound, so above 20
   proves a violation however late a loaded client reads its clock), for ours also the
   largest number by the decisions' own Redis times (exact,
-  :func:`celery_steplock.ratelimit.max_in_window`), and the mean rate, against 20;
+  :func:`celery_steplock.patterns.ratelimit.max_in_window`), and the mean rate, against 20;
 * an edge burst: one request opens a window, then two processes flood from 90 % of it on
   (what a fixed window lets through twice).
 
@@ -65,7 +65,7 @@ def decider(
     of the decision in seconds, or None when the method does not tell it)``."""
     if method in ("ours_window", "ours_bucket"):
         from celery_steplock.lock import make_client
-        from celery_steplock.ratelimit import SlidingWindow, TokenBucket
+        from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
 
         client = make_client(url)
         limiter = (
@@ -247,7 +247,7 @@ def _command(entry: dict[str, Any]) -> str:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from celery_steplock.ratelimit import bucket_excess, max_in_window
+    from celery_steplock.patterns.ratelimit import bucket_excess, max_in_window
 
     rec = Recorder("ratelimit")
     count = 1000 if quick else 5000

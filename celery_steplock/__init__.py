@@ -11,7 +11,6 @@ Public API::
 import warnings
 
 from . import exceptions, signals
-from .breaker import CircuitBreaker
 from .exceptions import (
     AdmissionDenied,
     CircuitOpen,
@@ -39,8 +38,9 @@ from .exceptions import (
     TransitionError,
 )
 from .lock import Lease, RedisLeaseStore, get_lease_store, make_client, new_owner_token
-from .ratelimit import Decision, SlidingWindow, TokenBucket
-from .retry import NonRetryable, RetryPolicy
+from .patterns.breaker import CircuitBreaker
+from .patterns.ratelimit import Decision, SlidingWindow, TokenBucket
+from .patterns.retry import NonRetryable, RetryPolicy
 from .task import StepLockedTask
 
 __version__ = "0.1.0"
@@ -102,11 +102,11 @@ def __getattr__(name: str):
 
         return DjangoStepLockedTask
     if name in ("Idempotency", "idempotent"):
-        from . import idempotency
+        from .patterns import idempotency
 
         return getattr(idempotency, name)
     if name in ("ConcurrencyLimit", "ConcurrencyLimited"):
-        from . import bulkhead
+        from .patterns import concurrency as bulkhead
 
         return getattr(bulkhead, name)
     if name in _RENAMED:

@@ -441,16 +441,16 @@ def native_client(client: Any, pool: str | None = None) -> Any:
     import redis
     from redis import connection as rc
 
-    from . import _cluster
+    from ._redis import cluster
 
     pool = pool or green_pool() or "green"
     # Checked before reading connection_pool: a deferred Cluster client would be built by
     # that read, raising while the cluster is down (and Celery drops errors of worker_init).
-    source: Any = None if _cluster.is_cluster(client) else getattr(client, "connection_pool", None)
+    source: Any = None if cluster.is_cluster(client) else getattr(client, "connection_pool", None)
     if type(source) not in (rc.ConnectionPool, rc.BlockingConnectionPool):
         what = (
             "RedisCluster"
-            if _cluster.is_cluster(client)
+            if cluster.is_cluster(client)
             else type(client).__name__
             if source is None
             else type(source).__name__

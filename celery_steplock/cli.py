@@ -182,7 +182,7 @@ def ls(ctx, match, limit, as_json):
     if not rows:
         click.echo(f"no lease held (match {match!r})")
         return
-    # A concurrency limit's slot (celery_steplock.bulkhead) says so where a step would be.
+    # A concurrency limit's slot (celery_steplock.patterns.concurrency) says so where a step would be.
     shown_rows = [
         dict(row, step=f"slot of {row.get('limit_key')} (limit {row.get('limit')})")
         if row.get("kind") == "slot" and not row.get("step")
@@ -417,11 +417,11 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
 
 @steplock.group("breaker")
 def breaker_group():
-    """Circuit breakers (celery_steplock.breaker): show, open, close."""
+    """Circuit breakers (celery_steplock.patterns.breaker): show, open, close."""
 
 
 def _breaker(ctx, name):
-    from .breaker import CircuitBreaker
+    from .patterns.breaker import CircuitBreaker
 
     try:
         return CircuitBreaker(name, app=ctx.obj.app)

@@ -92,7 +92,7 @@ _CERT_REQS = {
 
 
 def _describe(name: str) -> str:
-    from .conf import describe
+    from ._checks import describe
 
     return describe(name)
 
@@ -333,7 +333,7 @@ def check_transport_options(
 
 
 def _check_seconds(value: Any, key: str, name: str) -> None:
-    from .conf import MAX_SOCKET_TIMEOUT, shown
+    from ._checks import MAX_SOCKET_TIMEOUT, shown
 
     if value is not None and (
         isinstance(value, bool)
@@ -538,7 +538,7 @@ def make_client(
     For a ``sentinel://`` URL the client is ``Sentinel(...).master_for(master_name)``: its
     pool is a ``SentinelConnectionPool`` that finds the primary through the sentinels.
     ``cluster=True``: a ``redis.cluster.RedisCluster`` with ``url``'s node as its entry point
-    (see :func:`celery_steplock._cluster.make_client`), the connection options and TLS
+    (see :func:`celery_steplock._redis.cluster.make_client`), the connection options and TLS
     options passed to every node's connections.
     Raises ImproperlyConfigured (naming the setting) for invalid input, e.g. TLS options
     with a ``unix://`` URL; nothing connects before the first command.
@@ -548,7 +548,7 @@ def make_client(
     tls = check_use_ssl(use_ssl)
     _check_combination(url, tls, cluster)
     if cluster:
-        from . import _cluster
+        from ._redis import cluster as redis_cluster
 
         passed = {k: v for k, v in options.items() if k in CONNECTION_OPTIONS}
         query = parse_qs(urlsplit(url).query)
@@ -556,7 +556,7 @@ def make_client(
         if tls:
             # What the cluster client's node connections are (it does not read ``ssl``).
             passed["connection_class"] = redis.SSLConnection
-        return _cluster.make_client(url, socket_timeout, **passed)  # type: ignore[return-value]
+        return redis_cluster.make_client(url, socket_timeout, **passed)  # type: ignore[return-value]
     kwargs = connection_options(socket_timeout)
     kwargs.update({k: v for k, v in options.items() if k in CONNECTION_OPTIONS})
     if url.startswith("sentinel://"):
@@ -591,7 +591,7 @@ def _check_combination(url: str, tls: dict[str, Any], cluster: bool) -> None:
 def _sentinel_class():
     from redis.sentinel import MasterNotFoundError, Sentinel
 
-    from . import _wire
+    from ._redis import wire
 
     class _Sentinel(Sentinel):
         # redis-py's error says neither whether the sentinels answered nor briefly where
@@ -599,10 +599,10 @@ def _sentinel_class():
         def discover_master(self, service_name):
             try:
                 return super().discover_master(service_name)
-            except _wire.SentinelDiscoveryError:
+            except wire.SentinelDiscoveryError:
                 raise
             except MasterNotFoundError as exc:
-                raise _wire.sentinel_discovery_error(self, service_name, exc) from None
+                raise wire.sentinel_discovery_error(self, service_name, exc) from None
 
     return _Sentinel
 

@@ -75,11 +75,13 @@ class StepLockError(Exception):
     """Base class of every celery-steplock error."""
 
 
+#: The longest message of ImproperlyConfigured and LockNameError, characters.
+MAX_MESSAGE_LENGTH = 2000
+
+
 def _bounded(message: str) -> str:
     # A message can quote caller-controlled values: it stays a few lines however large they
     # are (it ends up in logs and stored task results).
-    from .conf import MAX_MESSAGE_LENGTH
-
     if len(message) <= MAX_MESSAGE_LENGTH:
         return message
     cut = len(message) - MAX_MESSAGE_LENGTH
@@ -90,7 +92,7 @@ class ImproperlyConfigured(StepLockError, ValueError):
     """A ``steplock_*`` setting or a task option has an invalid value.
 
     ``setting`` holds the setting or option name the message is about. The message is at
-    most ``conf.MAX_MESSAGE_LENGTH`` characters (cut beyond).
+    most ``MAX_MESSAGE_LENGTH`` characters (cut beyond).
     """
 
     def __init__(self, message: str, setting: str | None = None):
@@ -112,7 +114,7 @@ class LockNameError(StepLockError, TypeError):
     """A task argument cannot be turned into a lock name (e.g. it is not serialisable).
 
     ``argument`` holds the argument's name. The message is at most
-    ``conf.MAX_MESSAGE_LENGTH`` characters and quotes at most ``conf.MAX_SHOWN`` of a value.
+    ``MAX_MESSAGE_LENGTH`` characters and quotes at most ``conf.MAX_SHOWN`` of a value.
     """
 
     def __init__(self, message: str, argument: str | None = None):
@@ -127,7 +129,7 @@ class MetadataError(StepLockError, ValueError):
     :func:`celery_steplock.lease.check_metadata`. Raised before anything is written.
 
     ``keys`` holds the refused keys, sorted (each quoted at most 40 characters when a bound
-    is broken). The message is at most ``conf.MAX_MESSAGE_LENGTH`` characters.
+    is broken). The message is at most ``MAX_MESSAGE_LENGTH`` characters.
     """
 
     def __init__(self, message: str, keys: tuple[str, ...] = ()):
@@ -320,7 +322,7 @@ class TransitionConflict(TransitionError):
 
 
 class AdmissionDenied(StepLockError):
-    """A gate of :mod:`celery_steplock.admission` refused the execution for now; the body did
+    """A gate of :mod:`celery_steplock.patterns.gates` refused the execution for now; the body did
     not run. Retryable after ``retry_after`` seconds (a float >= 0: the time until the gate
     may admit it, e.g. a rate limit's next token).
 
@@ -403,7 +405,7 @@ class CircuitOpen(AdmissionDenied):
 
 
 class IdempotencyError(StepLockError):
-    """An idempotency record (:mod:`celery_steplock.idempotency`) refused the call; the body
+    """An idempotency record (:mod:`celery_steplock.patterns.idempotency`) refused the call; the body
     did not run. ``key`` is the record key (64 hex digits), ``namespace`` and ``version``
     the record's namespace and policy version."""
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .contrib.django.steps import DjangoStepStore, resolve_model
+from . import _django
 from .steps import TransitionResult
+
+_steps = _django.contrib("steps")
+DjangoStepStore = _steps.DjangoStepStore
+resolve_model = _steps.resolve_model
 
 __all__ = ["StepTransitionGuard", "TransitionResult", "resolve_model"]
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 from celery.signals import worker_init
 
 from . import _green, signals
-from .conf import MAX_RENEWAL_RATIO, MIN_RENEWAL_INTERVAL, shown
+from ._checks import MAX_RENEWAL_RATIO, MIN_RENEWAL_INTERVAL, shown
 from .events import emit, lease_fields, listening, log_event
 from .exceptions import InvalidArgument, LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from kombu.utils.json import JSONEncoder
 
-from .conf import shown
+from ._checks import shown
 from .exceptions import LockNameError
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 A lease is a Redis hash ``<prefix>:lease:{<name>}`` with a TTL, holding the owner token of one
 execution attempt and who that is (task id and name, hostname, pid, retries, acquisition and
-renewal times in Redis server milliseconds; see :mod:`celery_steplock._lua` for the fields).
+renewal times in Redis server milliseconds; see :mod:`celery_steplock._redis.scripts.lease` for the fields).
 Acquire, release, extend and the ownership check are each one Lua script, so no client can
 interleave between reading the owner and acting on it (redis-py's ``Lock`` does the same for
 release and extend; a GET-then-DEL does not).
@@ -31,16 +31,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 import redis
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from . import _cluster, _lua, _wire
-from .clients import ClientConfig, make_client
-from .conf import (
+from ._checks import (
     MAX_OWNER_LENGTH,
     MAX_SCAN_COUNT,
     MAX_TTL,
     MAX_WAIT,
     MAX_WAITERS_LIMIT,
     MIN_TTL,
-    Settings,
     check_count,
     check_fence_ttl,
     check_key_prefix,
@@ -49,6 +46,11 @@ from .conf import (
     check_ttl,
     shown,
 )
+from ._redis import cluster, route, wire
+from ._redis.scripts import lease as scripts
+from ._redis.scripts.lease import EXTEND_CHUNK
+from .clients import ClientConfig, make_client
+from .conf import Settings
 from .events import log_event
 from .exceptions import (
     ImproperlyConfigured,
@@ -92,8 +94,6 @@ __all__ = [
     "MAX_WAITERS",
 ]
 
-#: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
-EXTEND_CHUNK = 1000
 
 #: What redis-py raises when Redis cannot be reached (a refusal is a ``ResponseError``, a
 #: subclass of ``RedisError``, told apart where it matters; a ``RedisCluster`` raises
@@ -108,7 +108,7 @@ MAX_WAITERS = 1000
 #: a quarter of its connections, and at least this many, to renewals and releases.
 WAITER_RESERVE = 8
 
-#: The lease name the permission probe uses (``_lua.PROBE``); no task's lock name has it.
+#: The lease name the permission probe uses (``scripts.PROBE``); no task's lock name has it.
 PROBE_NAME = "steplock-acl-probe"
 
 #: Where the least-privilege ACL is documented (named by the permission errors).
@@ -131,9 +131,9 @@ def store_error(
     of = f" of {name!r}" if name is not None else ""
     # redis-py's text may quote a URL or connection options (a client factory's own).
     error = redact(exc)
-    reason = _wire.misconfiguration(exc)
+    reason = wire.misconfiguration(exc)
     if reason is not None:
-        command = _wire.refused_command(exc)
+        command = wire.refused_command(exc)
         permissions = (command,) if command else ()
         setting = "steplock_redis_url"
         if reason == "permission refused":
@@ -142,12 +142,12 @@ def store_error(
                 f"pattern of steplock_key_prefix) to the Redis user of steplock_redis_url; "
                 f"the least-privilege ACL is in {ACL_DOC}"
             )
-        elif reason in (_wire.SENTINEL_AUTH, _wire.SENTINEL_UNKNOWN_MASTER):
+        elif reason in (wire.SENTINEL_AUTH, wire.SENTINEL_UNKNOWN_MASTER):
             setting = "steplock_redis_transport_options"
             hint = (
                 "fix the sentinels' password in sentinel_kwargs of "
                 "steplock_redis_transport_options"
-                if reason == _wire.SENTINEL_AUTH
+                if reason == wire.SENTINEL_AUTH
                 else "set master_name in steplock_redis_transport_options to the name the "
                 "sentinels monitor (SENTINEL MASTERS)"
             )
@@ -177,7 +177,7 @@ def store_error(
         # Redis answered and refused (e.g. WRONGTYPE: something else wrote our key): not
         # an outage, so never a reason to retry or to run fail-open.
         return LockError(
-            f"lock store refused the {what}{of}: {error}{_cluster.redirect_hint(exc)}",
+            f"lock store refused the {what}{of}: {error}{cluster.redirect_hint(exc)}",
             key=key,
             name=name,
             owner=owner,
@@ -225,7 +225,7 @@ def _name(name: Any) -> str:
 
 
 def _is_slot_name(name: str) -> bool:
-    # A slot of a concurrency limit (celery_steplock.bulkhead): "<limit key>}#<index>", so
+    # A slot of a concurrency limit (celery_steplock.patterns.concurrency): "<limit key>}#<index>", so
     # that its key "<prefix>:lease:{<limit key>}#<index>}" shares the hash tag of its limit.
     key, mark, index = name.rpartition("}#")
     return (
@@ -318,7 +318,7 @@ class RedisLeaseStore:
 
     def __new__(cls, client: Any = None, *args: Any, **kwargs: Any) -> RedisLeaseStore:
         # A RedisCluster client gets the store whose multi-lease calls are split by slot.
-        if cls is RedisLeaseStore and _cluster.is_cluster(client):
+        if cls is RedisLeaseStore and cluster.is_cluster(client):
             cls = ClusterLeaseStore
         return super().__new__(cls)
 
@@ -334,7 +334,7 @@ class RedisLeaseStore:
         name_secret: bytes | str | None = None,
     ):
         # Looked up on the type: a deferred cluster client builds itself on attribute access.
-        if not _cluster.is_cluster(client) and not callable(
+        if not cluster.is_cluster(client) and not callable(
             getattr(type(client), "execute_command", None)
         ):
             raise InvalidArgument(
@@ -368,14 +368,14 @@ class RedisLeaseStore:
         self.prefix = prefix
         self.fence_ttl = fence_ttl
         self.clock = clock
-        self._acquire = _wire.Script(_lua.ACQUIRE)
-        self._release = _wire.Script(_lua.RELEASE)
-        self._reap = _wire.Script(_lua.REAP)
-        self._extend = _wire.Script(_lua.EXTEND)
-        self._extend_many = _wire.Script(_lua.EXTEND_MANY)
-        self._scan_fields = _wire.Script(_lua.SCAN_FIELDS)
-        self._owned = _wire.Script(_lua.OWNED)
-        self._probe = _wire.Script(_lua.PROBE)
+        self._acquire = wire.Script(scripts.ACQUIRE)
+        self._release = wire.Script(scripts.RELEASE)
+        self._reap = wire.Script(scripts.REAP)
+        self._extend = wire.Script(scripts.EXTEND)
+        self._extend_many = wire.Script(scripts.EXTEND_MANY)
+        self._scan_fields = wire.Script(scripts.SCAN_FIELDS)
+        self._owned = wire.Script(scripts.OWNED)
+        self._probe = wire.Script(scripts.PROBE)
 
     def key(self, name: str) -> str:
         """The Redis key of the lease ``name``."""
@@ -387,7 +387,7 @@ class RedisLeaseStore:
         if self._waiter_client is None:
             with self._waiter_guard:
                 if self._waiter_client is None:
-                    derived = _wire.derived_client(self.client, self.max_waiters)
+                    derived = route.derived_client(self.client, self.max_waiters)
                     self._shares_pool = derived is self.client
                     self._waiter_client = derived
         return self._waiter_client
@@ -405,7 +405,7 @@ class RedisLeaseStore:
             # A Cluster client is not capped (a pool per node), nor built here if deferred.
             size = (
                 None
-                if _cluster.is_cluster(client)
+                if cluster.is_cluster(client)
                 else getattr(getattr(client, "connection_pool", None), "max_connections", None)
             )
             if self._shares_pool and isinstance(size, int) and size > 0:
@@ -433,7 +433,7 @@ class RedisLeaseStore:
         name: str | None = None,
         owner: str | None = None,
     ) -> None:
-        """Run the permission probe (:data:`celery_steplock._lua.PROBE`): every command of the
+        """Run the permission probe (:data:`celery_steplock._redis.scripts.lease.PROBE`): every command of the
         lease scripts on the keys of a reserved name under this prefix, each refusal
         collected. Done once per store before its first write, so that a Redis user lacking
         a permission is refused before any script can stop halfway. Raises
@@ -447,11 +447,11 @@ class RedisLeaseStore:
             wake_key(self.prefix, PROBE_NAME),
         ]
         try:
-            refused = _wire.evalsha(self.client, self._probe, keys, [])
+            refused = route.evalsha(self.client, self._probe, keys, [])
         except STORE_ERRORS as exc:
             raise store_error(exc, what, key=key, name=name, owner=owner) from exc
         if refused:
-            refused = tuple(_wire.text(r) for r in refused)
+            refused = tuple(wire.text(r) for r in refused)
             commands = sorted({r.split(" ")[0] for r in refused})
             raise LockStoreMisconfigured(
                 f"the Redis user of steplock_redis_url may not run {', '.join(refused)} "
@@ -469,7 +469,7 @@ class RedisLeaseStore:
 
     def _call(
         self,
-        script: _wire.Script,
+        script: wire.Script,
         keys: list[str],
         args: list[str],
         what: str,
@@ -483,7 +483,7 @@ class RedisLeaseStore:
         if writes and not self._probed:
             self.check_permissions(what=what, key=keys[0], name=name, owner=owner)
         try:
-            return _wire.evalsha(client or self.client, script, keys, args)
+            return route.evalsha(client or self.client, script, keys, args)
         except STORE_ERRORS as exc:
             raise store_error(exc, what, key=keys[0], name=name, owner=owner) from exc
 
@@ -523,7 +523,7 @@ class RedisLeaseStore:
             holder, ttl_left = reply
             return (
                 None,
-                _wire.text(holder),
+                wire.text(holder),
                 (ttl_left / 1000.0 if ttl_left and ttl_left > 0 else None),
             )
         meta = metadata or {}
@@ -626,7 +626,7 @@ class RedisLeaseStore:
         deadline = time.monotonic() + wait
         wake = wake_key(self.prefix, name)
         # BLPOP must return before the socket times out (a timeout would be retried).
-        cap = _wire.socket_timeout(client)
+        cap = route.socket_timeout(client)
         lease = None
         interrupted = False
         try:
@@ -710,7 +710,7 @@ class RedisLeaseStore:
             (self._wake_keys(name), [owner, renewed_ms]) for _n, name, owner, renewed_ms in valid
         ]
         try:
-            replies = _wire.evalsha_many(self.client, self._reap, calls)
+            replies = route.evalsha_many(self.client, self._reap, calls)
         except STORE_ERRORS as exc:
             raise store_error(exc, "reap") from exc
         for (n, name, owner, _renewed), reply in zip(valid, replies):
@@ -776,14 +776,14 @@ class RedisLeaseStore:
         try:
             if not self._probed:
                 self.check_permissions(what="renewal")
-            replies = _wire.evalsha_many(self.client, self._extend_many, calls())
+            replies = route.evalsha_many(self.client, self._extend_many, calls())
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "renewal") from exc
         results: list[bool] = []
         for reply in replies:
             if isinstance(reply, Exception):
                 raise _unavailable_unless_misconfigured(reply, "renewal", refused=True)
-            results.extend([c == "1" for c in _wire.text(reply)])
+            results.extend([c == "1" for c in wire.text(reply)])
         return results
 
     def scan_keys(
@@ -799,7 +799,7 @@ class RedisLeaseStore:
             )
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "scan") from exc
-        return int(cursor), [_wire.text(key) for key in keys]
+        return int(cursor), [wire.text(key) for key in keys]
 
     @staticmethod
     def _checked_items(items: Iterable[tuple[str, str, float]]) -> list[tuple[str, str, float]]:
@@ -835,7 +835,7 @@ class RedisLeaseStore:
         if not keys:
             return {}
         try:
-            [replies] = _wire.evalsha_many(self.client, self._scan_fields, [(keys, [])])
+            [replies] = route.evalsha_many(self.client, self._scan_fields, [(keys, [])])
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "scan") from exc
         if isinstance(replies, Exception):
@@ -863,7 +863,7 @@ class RedisLeaseStore:
     ) -> dict[str, dict[str, Any] | None]:
         found: dict[str, dict[str, Any] | None] = {}
         for key, doc, pttl in zip(keys, replies[::2], replies[1::2]):
-            doc = _wire.text(doc)
+            doc = wire.text(doc)
             unreadable = False
             try:
                 fields = json.loads(doc) if doc else None
@@ -871,7 +871,7 @@ class RedisLeaseStore:
                 fields, unreadable = None, True
             if unreadable or (fields is not None and not isinstance(fields, dict)):
                 info: dict[str, Any] = {"malformed": "hash: not readable"}
-            elif not fields and "\ufffd" in key and _wire.text(pttl) == "none":
+            elif not fields and "\ufffd" in key and wire.text(pttl) == "none":
                 # SCAN listed a name that was not UTF-8: as decoded it names no key, so it
                 # is shown (escaped) rather than dropped; the reaper skips it.
                 found[key] = {
@@ -882,12 +882,12 @@ class RedisLeaseStore:
                 }
                 continue
             elif not fields:
-                if not doc and _wire.text(pttl) != "none":
+                if not doc and wire.text(pttl) != "none":
                     log_event(
                         "scan_skipped",
                         logging.WARNING,
                         key=key,
-                        error=f"WRONGTYPE a {_wire.text(pttl)}, not a lease hash",
+                        error=f"WRONGTYPE a {wire.text(pttl)}, not a lease hash",
                     )
                 found[key] = None  # else expired between the listing and the read
                 continue
@@ -972,10 +972,10 @@ def _unavailable_unless_misconfigured(
     return LockStoreUnavailable(f"lock store unavailable during {what}: {redact(exc)}")
 
 
-class ClusterLeaseStore(_cluster.ClusterStoreMixin, RedisLeaseStore):
+class ClusterLeaseStore(cluster.ClusterStoreMixin, RedisLeaseStore):
     """:class:`RedisLeaseStore` over a ``redis.cluster.RedisCluster``: renewals, reaps and
     reads of many leases split by slot and pipelined per node, scans walking every primary
-    (see :mod:`celery_steplock._cluster`). ``RedisLeaseStore(cluster_client)`` makes one."""
+    (see :mod:`celery_steplock._redis.cluster`). ``RedisLeaseStore(cluster_client)`` makes one."""
 
 
 #: The store's former name, kept so that old imports keep working.

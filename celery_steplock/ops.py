@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -76,7 +77,6 @@ __all__ = [
     "BreakerOverride",
     "BreakerAudit",
     "LogBreakerAudit",
-    "LeaseEventBreakerAudit",
     "default_breaker_audit",
     "override_breaker",
     "OVERRIDE_OUTCOMES",
@@ -194,17 +194,8 @@ def default_audit(app=None) -> ReleaseAudit:
     (its app registry ready) with ``celery_steplock.contrib.django`` installed, else a
     :class:`LogAudit` that keeps the log line and the signal only. ``app`` is unused
     (kept for stores chosen per Celery app)."""
-    django_apps = sys.modules.get("django.apps")
-    registry = getattr(django_apps, "apps", None)
-    if (
-        registry is not None
-        and registry.ready
-        and registry.is_installed("celery_steplock.contrib.django")
-    ):
-        from .contrib.django.eventlog import LeaseEventAudit
-
-        return LeaseEventAudit()
-    return LogAudit()
+    durable = _durable_audits()
+    return durable[0]() if durable else LogAudit()
 
 
 def _int(value: Any) -> int | None:
@@ -495,48 +486,48 @@ class LogBreakerAudit(BreakerAudit):
     requested = LogAudit.requested  # type: ignore[assignment]
 
 
-class LeaseEventBreakerAudit(BreakerAudit):
-    """With ``celery_steplock.contrib.django``: one ``LeaseEvent`` row (event
-    ``circuit_override``) committed before the write, its outcome written after."""
-
-    def requested(self, record: BreakerOverride) -> None:
-        from django.db import router, transaction
-
-        from .contrib.django.models import LeaseEvent
-
-        using = router.db_for_write(LeaseEvent)
-        with transaction.atomic(using=using, durable=True):
-            row = LeaseEvent(
-                event="circuit_override",
-                key=record.key[:576],
-                name=record.name[:512],
-                reason=f"{record.action}: {record.reason}",
-                actor=(record.actor or "")[:255],
-                actor_host=(record.actor_host or "")[:255],
-                via=record.via[:16],
-                outcome=record.outcome,
-            )
-            row.save(using=using)
-        record.audit_id, record.audit = row.pk, f"LeaseEvent {row.pk}"
-
-    def finished(self, record: BreakerOverride) -> None:
-        if record.audit_id is None:
-            return
-        from django.db import router
-
-        from .contrib.django.models import LeaseEvent
-
-        LeaseEvent.objects.using(router.db_for_write(LeaseEvent)).filter(
-            pk=record.audit_id
-        ).update(outcome=record.outcome)
-
-
 def default_breaker_audit(app=None) -> BreakerAudit:
-    """:class:`LeaseEventBreakerAudit` when Django is set up with
-    ``celery_steplock.contrib.django`` installed, else :class:`LogBreakerAudit`."""
-    if isinstance(default_audit(app), LogAudit):
-        return LogBreakerAudit()
-    return LeaseEventBreakerAudit()
+    """The durable breaker audit registered by ``celery_steplock.contrib.django``
+    (:class:`~celery_steplock.contrib.django.eventlog.LeaseEventBreakerAudit`) when Django is
+    set up with it installed, else :class:`LogBreakerAudit`."""
+    durable = _durable_audits()
+    return durable[1]() if durable else LogBreakerAudit()
+
+
+#: The durable audit stores (release, breaker override) that an installed Django app
+#: registers in its ``ready()``: the operators' tools never import ``contrib``.
+_registered: list[tuple[type[ReleaseAudit], type[BreakerAudit]]] = []
+
+
+def register_audits(release: type[ReleaseAudit], breaker: type[BreakerAudit]) -> None:
+    """Make ``release``/``breaker`` the audit stores of this process while Django's app
+    registry is ready (called by ``celery_steplock.contrib.django``'s ``ready()``)."""
+    _registered[:] = [(release, breaker)]
+
+
+def _durable_audits() -> tuple[type[ReleaseAudit], type[BreakerAudit]] | None:
+    django_apps = sys.modules.get("django.apps")
+    registry = getattr(django_apps, "apps", None)
+    if _registered and registry is not None and registry.ready:
+        return _registered[0]
+    return None
+
+
+def __getattr__(name: str) -> Any:
+    # Moved beside LeaseEventAudit (it writes LeaseEvent rows); kept here one release.
+    if name == "LeaseEventBreakerAudit":
+        import importlib
+
+        warnings.warn(
+            "celery_steplock.ops.LeaseEventBreakerAudit moved to "
+            "celery_steplock.contrib.django.eventlog",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(
+            "celery_steplock.contrib.django.eventlog"
+        ).LeaseEventBreakerAudit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _OVERRIDE_LOGGED = (
@@ -579,7 +570,7 @@ def override_breaker(
     app=None,
 ) -> BreakerOverride:
     """Force the circuit breaker ``breaker`` (a
-    :class:`~celery_steplock.breaker.CircuitBreaker`) "open" (it stays open until closed
+    :class:`~celery_steplock.patterns.breaker.CircuitBreaker`) "open" (it stays open until closed
     here, whatever its recovery timeout) or "close" it (its window emptied), audited: the
     record (outcome ``requested``) is logged (WARNING ``event=circuit_override_audit``), sent
     with ``circuit_override_audit`` and made durable by ``auditor`` (default
@@ -587,7 +578,7 @@ def override_breaker(
     :class:`BreakerOverride`. Raises :class:`AuditRecordFailed` (nothing changed) when the
     record cannot be made durable, LockStoreUnavailable (outcome ``unknown``) or another
     StepLockError (outcome ``failed``) from Redis."""
-    from .breaker import CLOSED, OPEN
+    from .patterns.breaker import CLOSED, OPEN
 
     if action not in ("open", "close"):
         raise ValueError(f"action must be 'open' or 'close', got {action!r}")

@@ -51,6 +51,7 @@ from celery.signals import task_prerun
 
 from .events import log_event
 from .lease import owner_has_task_id
+from .plan import is_step_locked
 
 __all__ = [
     "StepOutcome",
@@ -214,9 +215,7 @@ def _remember_stored_state(sender=None, task=None, **kwargs) -> None:
     task = task or sender
     if not getattr(task, "track_started", False):
         return
-    from .task import StepLockedTask
-
-    if not isinstance(task, StepLockedTask):
+    if not is_step_locked(task):
         return
     # Every delivery, not only redeliveries and lease retries: a message re-sent by hand with
     # a finished task's id is neither. One result-backend read, with track_started only.

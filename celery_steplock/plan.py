@@ -18,28 +18,24 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import admission
-from .conf import (
+from ._checks import (
     MAX_HOLD,
     MAX_RETRIES,
     MAX_WAIT,
     MIN_RENEWAL_INTERVAL,
-    ON_CONFLICT,
-    ON_CONTENDED,
-    ON_STORE_ERROR,
-    Settings,
     check_bool,
     check_choice,
     check_count,
     check_database,
     check_seconds,
     check_ttl,
-    configuration_version,
     shown,
 )
+from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, configuration_version
 from .exceptions import ImproperlyConfigured, LockNameError
-from .keys import template_fields
+from .keys import argument_names, template_fields
 from .lock import RedisLeaseStore, get_lease_store
+from .patterns import gates as admission
 from .steps import (
     StepStore,
     check_known_database,
@@ -93,7 +89,7 @@ class ExecutionPlan:
     ``transition``: ``(from_, to)`` or None. ``steps``: the step store of ``step_model``
     (None without one). ``version``: the configuration version the plan was built for;
     ``options``: the task's option values it was built from (:func:`option_values`).
-    ``gates``: the admission gates its executions pass (:mod:`celery_steplock.admission`).
+    ``gates``: the admission gates its executions pass (:mod:`celery_steplock.patterns.gates`).
     """
 
     task_name: str
@@ -162,19 +158,10 @@ def _transition(task: Any) -> tuple[str, str] | None:
     return transition
 
 
-def _arguments(task: Any) -> tuple[set[str], bool] | None:
+def _arguments(task: Any) -> tuple[frozenset[str], bool] | None:
     """The names the task's ``run`` takes and whether it takes ``**kwargs``; None when its
     signature cannot be read."""
-    try:
-        signature = inspect.signature(task.run)
-    except (TypeError, ValueError):
-        return None
-    names = {
-        p.name
-        for p in signature.parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    }
-    return names, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    return argument_names(task.run)
 
 
 def _step_id_arg(task: Any) -> str | None:

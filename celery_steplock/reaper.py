@@ -76,7 +76,8 @@ from typing import Any, Callable, Iterable
 from celery.utils.imports import symbol_by_name
 
 from . import signals
-from .conf import Settings, check_seconds
+from ._checks import check_seconds
+from .conf import Settings
 from .events import emit, log_event
 from .exceptions import StepLockError
 from .lock import get_lease_store

@@ -80,7 +80,7 @@ lock_store_error = Signal(name="lock_store_error")
 #: An operator's force release: requested (before the delete), then its outcome.
 force_release_audit = Signal(name="force_release_audit")
 
-#: Idempotency records (celery_steplock.idempotency): ``key`` (the record key), ``name``
+#: Idempotency records (celery_steplock.patterns.idempotency): ``key`` (the record key), ``name``
 #: (the namespace), ``version``, ``task_id``/``task_name`` (None outside a task), ``reason``
 #: (idempotency_conflict: "reused" or "in_progress"; idempotency_failed: the error's type).
 #: This one: an execution took the record (``locked``) and runs the body.
@@ -115,7 +115,7 @@ ALL_SIGNALS += (
     idempotency_conflict,
 )
 
-#: Circuit breakers (celery_steplock.breaker): ``name`` (the dependency), ``key``, ``state``
+#: Circuit breakers (celery_steplock.patterns.breaker): ``name`` (the dependency), ``key``, ``state``
 #: (after the event), ``reason``; opened/closed also ``failures``, ``calls``, ``manual``
 #: (an operator's override, then ``actor``), rejected also ``retry_after`` (seconds).
 #: This one: the failure threshold was reached (or an operator opened it).
@@ -129,7 +129,7 @@ circuit_rejected = Signal(name="circuit_rejected")
 #: An operator's override of a circuit breaker (open/close): ``action``, ``actor``,
 #: ``actor_host``, ``via``, ``previous``, ``outcome``.
 circuit_override_audit = Signal(name="circuit_override_audit")
-#: A retry policy (celery_steplock.retry) decided after a failed attempt: ``decision``
+#: A retry policy (celery_steplock.patterns.retry) decided after a failed attempt: ``decision``
 #: ("retry", "give_up", "never"), ``reason``, ``kind``, ``attempt``, ``countdown``
 #: (seconds, None unless retried), ``retry_after``, ``error`` (the exception's type name).
 retry_policy_decided = Signal(name="retry_policy_decided")
@@ -143,7 +143,7 @@ ALL_SIGNALS += (
     retry_policy_decided,
 )
 
-#: A slot of a concurrency limit (celery_steplock.bulkhead) was granted, given back, found
+#: A slot of a concurrency limit (celery_steplock.patterns.concurrency) was granted, given back, found
 #: expired or taken over (its holder stopped past the TTL, the reaper), or refused: every
 #: slot held (``retry_after`` seconds, ``free``, ``waiting``, ``rank``). Besides the lease
 #: fields of the slot (``key``, ``name``, ``owner``, ``fence``...): ``limit_key``, ``limit``,

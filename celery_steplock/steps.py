@@ -29,7 +29,7 @@ from typing import (
 
 from celery.utils.imports import symbol_by_name
 
-from .conf import describe
+from ._checks import describe
 from .exceptions import ImproperlyConfigured
 
 __all__ = [

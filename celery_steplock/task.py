@@ -49,9 +49,9 @@ default from :mod:`celery_steplock.conf`:
                     (``steplock_retry_max``, default None: until it clears; these retries
                     are counted apart from the task's own ``max_retries``)
 ``circuit_breaker`` a dependency name or a CircuitBreaker: the shared circuit breaker
-                    the body's calls pass (:mod:`celery_steplock.breaker`)
+                    the body's calls pass (:mod:`celery_steplock.patterns.breaker`)
 ``retry_policy``    a RetryPolicy retrying what the execution raised, through Celery's
-                    ``retry`` (:mod:`celery_steplock.retry`)
+                    ``retry`` (:mod:`celery_steplock.patterns.retry`)
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_init
 
-from . import admission, outcomes, signals, tracing
+from . import _django, outcomes, signals, tracing
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
 from .exceptions import (
@@ -85,6 +85,7 @@ from .exceptions import (
 from .heartbeat import get_heartbeat
 from .keys import bind_arguments, name_from_arguments
 from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
+from .patterns import gates as admission
 from .plan import ExecutionPlan, build_plan, option_values
 from .steps import StepStore
 
@@ -149,9 +150,7 @@ class _DjangoTaskMethod:
                 f"{type(task).__name__!r} object has no attribute {self.name!r}: the Celery "
                 f"app's task class is not Celery's DjangoTask (use DjangoStepLockedTask)"
             )
-        from .contrib.django import task as django_task
-
-        return types.MethodType(getattr(django_task, self.name), task)
+        return types.MethodType(getattr(_django.contrib("task"), self.name), task)
 
 
 class StepLockedTask(Task):
@@ -190,8 +189,10 @@ class StepLockedTask(Task):
     step_database: str | None = None
     lock_precheck: bool | None = None
     lock_retry_max: int | None = None
-    circuit_breaker: Any = None  # a dependency name or a CircuitBreaker (celery_steplock.breaker)
-    retry_policy: Any = None  # a RetryPolicy (celery_steplock.retry), applied in __call__
+    circuit_breaker: Any = (
+        None  # a dependency name or a CircuitBreaker (celery_steplock.patterns.breaker)
+    )
+    retry_policy: Any = None  # a RetryPolicy (celery_steplock.patterns.retry), applied in __call__
 
     #: Expected outcomes, logged without a traceback by the worker (Celery ``Task.throws``).
     throws = (LockContended, TransitionConflict, AdmissionDenied)
@@ -467,7 +468,7 @@ class StepLockedTask(Task):
 
     def handle_denied(self, exc: AdmissionDenied) -> Any:
         """Called when an admission gate (a rate limit, a concurrency limit, an open circuit
-        breaker: :mod:`celery_steplock.admission`) refused the execution for now; the body
+        breaker: :mod:`celery_steplock.patterns.gates`) refused the execution for now; the body
         has not run and nothing is stored as the task's state. Its return value is the
         task's. Default: re-queued under the same task id with a countdown drawn uniformly
         from ``[retry_after, 2 * retry_after]`` (full jitter past the earliest moment the
@@ -973,9 +974,7 @@ def __getattr__(name: str):
             DeprecationWarning,
             stacklevel=2,
         )
-        from .contrib.django.task import DjangoStepLockedTask
-
-        return DjangoStepLockedTask
+        return _django.contrib("task").DjangoStepLockedTask
     if name == "get_lock":
         warnings.warn(
             "celery_steplock.task.get_lock is deprecated; use "

@@ -51,6 +51,7 @@ from typing import Any, Iterable
 
 from celery.utils.imports import symbol_by_name
 
+from . import _django
 from .conf import Settings
 from .events import log_event
 from .exceptions import ImproperlyConfigured
@@ -564,7 +565,8 @@ def unknown_name_problems(app) -> list[Problem]:
     """
     import difflib
 
-    from .conf import DEFAULTS, setting_name
+    from ._checks import setting_name
+    from .conf import DEFAULTS
 
     found = []
     known = sorted(setting_name(name) for name in DEFAULTS)
@@ -700,13 +702,11 @@ def recovery_problems(app) -> list[Problem]:
         )
     except ImproperlyConfigured:
         return []  # E003 reports it
-    apps_module = sys.modules.get("django.apps")
-    if not recover or apps_module is None or not apps_module.apps.ready:
+    if not recover or not _django.apps_ready():
         return []
-    from django.core.exceptions import FieldDoesNotExist
-
-    from .contrib.django.recovery import AGE_FIELD
-    from .contrib.django.steps import resolve_model
+    FieldDoesNotExist = _django.field_does_not_exist()
+    AGE_FIELD = _django.contrib("recovery").AGE_FIELD
+    resolve_model = _django.contrib("steps").resolve_model
 
     found = []
 
@@ -793,11 +793,10 @@ def name_secret_problems(app) -> list[Problem]:
     key. W011 when it derives from a Django ``SECRET_KEY`` that Django itself calls insecure
     (the ``django-insecure-`` prefix of ``startproject``, under 50 characters or under 5
     distinct ones) and ``DEBUG`` is off. An invalid ``steplock_name_secret`` is an E003."""
-    from .conf import django_secret_key
 
     if Settings(app).raw("name_secret") is not None:
         return []
-    secret_key = django_secret_key()
+    secret_key = _django.secret_key()
     hint = (
         "set steplock_name_secret (CELERY_STEPLOCK_NAME_SECRET) to the same random "
         "string on every worker, e.g. secrets.token_urlsafe(32); see the README's "
@@ -815,11 +814,9 @@ def name_secret_problems(app) -> list[Problem]:
                 obj="steplock_name_secret",
             )
         ]
-    from django.conf import settings as django_settings
-
     text = secret_key if isinstance(secret_key, str) else secret_key.decode("latin-1")
     weak = text.startswith("django-insecure-") or len(text) < 50 or len(set(text)) < 5
-    if weak and not getattr(django_settings, "DEBUG", False):
+    if weak and not _django.debug():
         return [
             Problem(
                 "celery_steplock.W011",

@@ -15,7 +15,7 @@ import time
 import redis
 
 from celery_steplock import StepLockedTask
-from celery_steplock.bulkhead import current_slot
+from celery_steplock.patterns.concurrency import current_slot
 from celery_steplock.exceptions import LockLost
 from django_app.celery import app
 

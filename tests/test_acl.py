@@ -17,9 +17,10 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.test import Client
 from django.urls import reverse
 
-from celery_steplock import _wire, signals
-from celery_steplock.breaker import CircuitBreaker
-from celery_steplock.bulkhead import ConcurrencyLimit
+from celery_steplock._redis import wire as _wire
+from celery_steplock import signals
+from celery_steplock.patterns.breaker import CircuitBreaker
+from celery_steplock.patterns.concurrency import ConcurrencyLimit
 from celery_steplock.contrib.django.leases import lease_page
 from celery_steplock.exceptions import (
     CircuitOpen,
@@ -30,7 +31,7 @@ from celery_steplock.exceptions import (
     LockStoreUnavailable,
 )
 from celery_steplock.heartbeat import get_heartbeat
-from celery_steplock.idempotency import idempotent
+from celery_steplock.patterns.idempotency import idempotent
 from celery_steplock.lock import (
     RedisLeaseStore,
     get_lease_store,
@@ -39,7 +40,7 @@ from celery_steplock.lock import (
     store_error,
 )
 from celery_steplock.ops import force_release
-from celery_steplock.ratelimit import SlidingWindow, TokenBucket
+from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
 from celery_steplock.reaper import reap
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app

@@ -1,4 +1,4 @@
-"""The admission gates (celery_steplock.admission) around a real execution: entry order,
+"""The admission gates (celery_steplock.patterns.gates) around a real execution: entry order,
 exit after COMMIT in reverse order, a denial re-queues without running the body, a replay
 ends with the recorded result, a failing exit never masks the outcome. The gates here are a
 test module of their own (``toy_gates``), listed in ``admission.GATES`` for these tests."""
@@ -9,13 +9,9 @@ import types
 import pytest
 from celery.exceptions import Retry
 
-from celery_steplock import admission, plan as plan_module
-from celery_steplock.exceptions import (
-    AdmissionDenied,
-    ImproperlyConfigured,
-    LockLost,
-    RateLimited,
-)
+from celery_steplock.patterns import gates as admission
+from celery_steplock import plan as plan_module
+from celery_steplock.exceptions import AdmissionDenied, ImproperlyConfigured, LockLost, RateLimited
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step

@@ -1,4 +1,4 @@
-"""The shared circuit breaker (celery_steplock.breaker) against a real redis-server: its
+"""The shared circuit breaker (celery_steplock.patterns.breaker) against a real redis-server: its
 states, the rolling window, the cluster-wide half-open probe permits, generations, the
 classifier, operators' overrides, outage policy, signals. Cross-worker evidence is in
 test_breaker_workers.py, the Redis restart in test_breaker_restart.py."""
@@ -10,7 +10,13 @@ import pytest
 import redis
 
 from celery_steplock import signals
-from celery_steplock.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, default_classifier
+from celery_steplock.patterns.breaker import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    CircuitBreaker,
+    default_classifier,
+)
 from celery_steplock.exceptions import (
     CircuitOpen,
     ImproperlyConfigured,
@@ -18,7 +24,7 @@ from celery_steplock.exceptions import (
     LockStoreUnavailable,
 )
 from celery_steplock.lock import make_client
-from celery_steplock.retry import NonRetryable
+from celery_steplock.patterns.retry import NonRetryable
 from helpers import closed_port_url
 
 pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
@@ -369,7 +375,7 @@ def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
     from prometheus_client import CollectorRegistry  # requirements/test.txt: never skipped
 
     from celery_steplock.contrib import prometheus
-    from celery_steplock.retry import RetryPolicy
+    from celery_steplock.patterns.retry import RetryPolicy
 
     prometheus.uninstall()
     metrics = prometheus.install(registry=CollectorRegistry())

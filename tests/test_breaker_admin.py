@@ -5,7 +5,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.urls import reverse
 
-from celery_steplock.breaker import CLOSED, OPEN, CircuitBreaker
+from celery_steplock.patterns.breaker import CLOSED, OPEN, CircuitBreaker
 from celery_steplock.contrib.django.models import LeaseEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from celery_steplock import ops
-from celery_steplock.breaker import CLOSED, OPEN, CircuitBreaker
+from celery_steplock.patterns.breaker import CLOSED, OPEN, CircuitBreaker
 from celery_steplock.exceptions import AuditRecordFailed, CircuitOpen
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_steplock.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from celery_steplock.patterns.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from celery_steplock.exceptions import CircuitOpen
 from celery_steplock.lock import make_client
 from tests.support.cluster import RedisCluster

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from celery_steplock.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from celery_steplock.patterns.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from celery_steplock.exceptions import CircuitOpen, LockStoreUnavailable
 from celery_steplock.lock import make_client
 from tests.support import servers

@@ -5,10 +5,11 @@ back, bad values are named by the checks, and the retry policy retries through C
 
 import pytest
 
-from celery_steplock import admission, plan as plan_module
-from celery_steplock.breaker import CLOSED, OPEN, BreakerGate, CircuitBreaker
+from celery_steplock.patterns import gates as admission
+from celery_steplock import plan as plan_module
+from celery_steplock.patterns.breaker import CLOSED, OPEN, BreakerGate, CircuitBreaker
 from celery_steplock.exceptions import CircuitOpen, RateLimited
-from celery_steplock.retry import RetryPolicy
+from celery_steplock.patterns.retry import RetryPolicy
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
@@ -62,7 +63,7 @@ def clean(app, redis_client):
 
 
 def test_the_gate_is_registered_in_its_slot():
-    assert "celery_steplock.breaker" in admission.GATES
+    assert "celery_steplock.patterns.breaker" in admission.GATES
     assert {"circuit_breaker", "retry_policy"} <= plan_module.OPTION_NAMES
     assert [type(g) for g in guarded.steplock_plan.gates] == [BreakerGate]
 

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from celery_steplock import signals
-from celery_steplock.breaker import CircuitBreaker
+from celery_steplock.patterns.breaker import CircuitBreaker
 from celery_steplock.lock import make_client
-from celery_steplock.retry import RetryPolicy
+from celery_steplock.patterns.retry import RetryPolicy
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 

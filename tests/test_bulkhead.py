@@ -1,4 +1,4 @@
-"""The concurrency limit (celery_steplock.bulkhead) against a real Redis: at most N slots,
+"""The concurrency limit (celery_steplock.patterns.concurrency) against a real Redis: at most N slots,
 owner-keyed and fenced, expiring, renewed by the heartbeat, listed and reaped as leases,
 fair to waiters; its gate in a real (eager) execution; its validation and outage policy."""
 
@@ -9,8 +9,13 @@ import time
 import pytest
 from redis.crc import key_slot
 
-from celery_steplock import bulkhead
-from celery_steplock.bulkhead import ConcurrencyLimit, current_slot, parse_slot_name, slot_name
+from celery_steplock.patterns import concurrency as bulkhead
+from celery_steplock.patterns.concurrency import (
+    ConcurrencyLimit,
+    current_slot,
+    parse_slot_name,
+    slot_name,
+)
 from celery_steplock.exceptions import (
     ConcurrencyLimited,
     ImproperlyConfigured,

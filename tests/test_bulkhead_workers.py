@@ -1,4 +1,4 @@
-"""Evidence for the concurrency limit (celery_steplock.bulkhead) with real workers: a
+"""Evidence for the concurrency limit (celery_steplock.patterns.concurrency) with real workers: a
 prefork and a threads worker (four executions at once) never run more than N bodies of one
 key at a time, by a checker over the recorded (start, end) of every unit of work (Redis
 ``TIME``), which flags the same run without the limit (the negative control); a holder
@@ -167,7 +167,7 @@ def test_a_sigstopped_holder_loses_its_slot_and_its_release_frees_nothing(
 
 
 def test_slots_are_listed_and_force_released_by_the_cli(worker_env, app, redis_client):
-    from celery_steplock.bulkhead import ConcurrencyLimit
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit
     from celery_steplock.lock import get_lease_store
 
     limit = ConcurrencyLimit(3)
@@ -207,7 +207,7 @@ def test_slots_are_listed_and_force_released_by_the_cli(worker_env, app, redis_c
 def test_the_admin_lists_a_slot_and_offers_its_force_release(admin_client, app, redis_client):
     from django.urls import reverse
 
-    from celery_steplock.bulkhead import ConcurrencyLimit
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit
     from celery_steplock.lock import get_lease_store
 
     slot = ConcurrencyLimit(2).try_acquire(

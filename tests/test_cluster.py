@@ -12,7 +12,7 @@ import redis
 from redis.cluster import RedisCluster as RedisClusterClient
 from redis.connection import Connection
 
-from celery_steplock import _cluster
+from celery_steplock._redis import cluster as _cluster
 from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured, LockError, LockNameError
 from celery_steplock.heartbeat import Heartbeat

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis as redis_module
 
-from celery_steplock import _wire
+from celery_steplock._redis import route
 from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured, LockStoreMisconfigured
 from celery_steplock.heartbeat import Heartbeat
@@ -27,7 +27,7 @@ def fresh_client(redis_client, **kwargs):
     most STORE_POOL connections (set here: redis-py's default differs across versions)."""
     conn = redis_client.connection_pool.connection_kwargs
     client = make_client(f"redis://{conn['host']}:{conn['port']}/0", **kwargs)
-    sized = _wire.derived_client(client, STORE_POOL)
+    sized = route.derived_client(client, STORE_POOL)
     assert sized is not client
     client.close()
     return sized
@@ -191,8 +191,6 @@ def test_the_max_waiters_setting(app, redis_client):
 def test_the_waiters_client_keeps_the_class_and_connection_options():
     import redis
 
-    from celery_steplock import _wire
-
     class MyRedis(redis.Redis):
         pass
 
@@ -201,7 +199,7 @@ def test_the_waiters_client_keeps_the_class_and_connection_options():
         socket_timeout=2.5,
         decode_responses=True,
     )
-    waiters = _wire.derived_client(client, 7)
+    waiters = route.derived_client(client, 7)
     assert type(waiters) is MyRedis and waiters is not client
     pool = waiters.connection_pool
     assert pool is not client.connection_pool and pool.max_connections == 7
@@ -217,7 +215,7 @@ def test_the_waiters_client_keeps_the_class_and_connection_options():
             super().__init__(**kwargs)
 
     odd = redis.Redis(connection_pool=OwnPool("x"))
-    assert _wire.derived_client(odd, 7) is odd  # cannot be rebuilt: shared
+    assert route.derived_client(odd, 7) is odd  # cannot be rebuilt: shared
 
 
 class UnderivablePool(redis_module.ConnectionPool):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from celery_steplock.breaker import CircuitBreaker
-from celery_steplock.retry import RetryPolicy
-from celery_steplock.bulkhead import ConcurrencyLimit, current_slot
-from celery_steplock.ratelimit import SlidingWindow, TokenBucket
+from celery_steplock.patterns.breaker import CircuitBreaker
+from celery_steplock.patterns.retry import RetryPolicy
+from celery_steplock.patterns.concurrency import ConcurrencyLimit, current_slot
+from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step

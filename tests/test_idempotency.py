@@ -1,4 +1,4 @@
-"""Idempotency records (celery_steplock.idempotency) on a real Redis: the decorator and the
+"""Idempotency records (celery_steplock.patterns.idempotency) on a real Redis: the decorator and the
 plain API, the record's life (locked, completed, failed, expiry, invalidation), the key's
 parts (namespace, resource, version), concurrent first calls, outages, and the task option
 as the first admission gate."""
@@ -9,7 +9,8 @@ import time
 import pytest
 from kombu.serialization import dumps
 
-from celery_steplock import admission, idempotency, signals
+from celery_steplock.patterns import gates as admission, idempotency
+from celery_steplock import signals
 from celery_steplock.exceptions import (
     IdempotencyError,
     IdempotencyInProgress,
@@ -18,7 +19,7 @@ from celery_steplock.exceptions import (
     LockStoreUnavailable,
     StepLockError,
 )
-from celery_steplock.idempotency import Idempotency, RedisRecords, idempotent, record_key
+from celery_steplock.patterns.idempotency import Idempotency, RedisRecords, idempotent, record_key
 from celery_steplock.lock import make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
@@ -424,7 +425,7 @@ def body():
 
 @pytest.mark.django_db(transaction=True)
 def test_the_task_option_replays_and_is_the_first_gate(app, redis_client, body, seen):
-    assert admission.GATES[0] == "celery_steplock.idempotency"
+    assert admission.GATES[0] == "celery_steplock.patterns.idempotency"
     assert pay.apply(args=(1, 10)).get() == {"paid": 10, "n": 1}
     assert pay.apply(args=(1, 10)).get() == {"paid": 10, "n": 1}
     assert body == [(1, 10)]

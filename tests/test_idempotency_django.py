@@ -20,7 +20,7 @@ from celery_steplock.contrib.django.idempotency import (
 )
 from celery_steplock.contrib.django.models import IdempotencyRecord
 from celery_steplock.exceptions import IdempotencyKeyReused, LockStoreUnavailable
-from celery_steplock.idempotency import Idempotency, RedisRecords, idempotent
+from celery_steplock.patterns.idempotency import Idempotency, RedisRecords, idempotent
 from celery_steplock.lock import make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app

@@ -278,7 +278,7 @@ import json  # noqa: E402
 
 from celery_steplock.lease import (
     MAX_HOLDER_TEXT,
-    MAX_META_BYTES,  # noqa: E402
+    MAX_META_BYTES,
     MAX_METADATA_ENTRIES,
     MAX_METADATA_KEY,
     MAX_METADATA_SIZE,

@@ -1,4 +1,4 @@
-"""Cluster-wide rate limits (celery_steplock.ratelimit) against a real Redis: parsing and
+"""Cluster-wide rate limits (celery_steplock.patterns.ratelimit) against a real Redis: parsing and
 validation, the token bucket's and the sliding window's decisions, tickets (first come,
 first served), the outage policy, the task option through a real execution, and the history
 checkers with their negative controls."""
@@ -9,7 +9,7 @@ import pytest
 
 from celery_steplock import RateLimited, SlidingWindow, TokenBucket, signals
 from celery_steplock.exceptions import ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
-from celery_steplock.ratelimit import (
+from celery_steplock.patterns.ratelimit import (
     TICKETS_HEADER,
     bucket_excess,
     gate,

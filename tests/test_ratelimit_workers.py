@@ -1,7 +1,7 @@
 """Cluster-wide rate limits across real workers: two ``celery worker`` instances (one
 prefork, one threads pool; two processes or threads each) run rate-limited tasks, every
 execution appends its grant and start times (Redis TIME) to a list, and the checkers of
-celery_steplock.ratelimit judge the whole history: no window of the configured length holds
+celery_steplock.patterns.ratelimit judge the whole history: no window of the configured length holds
 more starts than the limit, no interval more than ``capacity + rate * t``. The negative
 control runs the same checker on Celery's own per-worker ``rate_limit`` with the same
 figures, which the two workers together exceed."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from celery_steplock.ratelimit import bucket_excess, max_in_window
+from celery_steplock.patterns.ratelimit import bucket_excess, max_in_window
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.no_database]
 

@@ -1,4 +1,4 @@
-"""The retry policy (celery_steplock.retry): classification, backoff with full jitter,
+"""The retry policy (celery_steplock.patterns.retry): classification, backoff with full jitter,
 Retry-After, the caps, the plain form through a circuit breaker (real Redis). The task form
 with real workers is in test_breaker_workers.py."""
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from celery_steplock.breaker import OPEN, CircuitBreaker
+from celery_steplock.patterns.breaker import OPEN, CircuitBreaker
 from celery_steplock.exceptions import CircuitOpen, ImproperlyConfigured, LockContended
-from celery_steplock.retry import NonRetryable, RetryPolicy, classify, retry_after_of
+from celery_steplock.patterns.retry import NonRetryable, RetryPolicy, classify, retry_after_of
 
 pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
 

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from celery_steplock.exceptions import LockContended, LockStoreMisconfigured, LockStoreUnavailable
-from celery_steplock import _wire
+from celery_steplock._redis import wire as _wire
 from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app

@@ -14,6 +14,7 @@ class StepLockConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
+        from ... import ops
         from . import checks, eventlog
 
         # celery_steplock.E001-E004, W001-W005 (E001, which connects to Redis, only with
@@ -22,3 +23,5 @@ class StepLockConfig(AppConfig):
         # The receivers read steplock_event_log at every event, so connecting them always
         # costs nothing while the log is off and lets the setting change at run time.
         eventlog.connect()
+        # The operators' tools (force release, breaker overrides) audit into LeaseEvent.
+        ops.register_audits(eventlog.LeaseEventAudit, eventlog.LeaseEventBreakerAudit)

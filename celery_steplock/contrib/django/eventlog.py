@@ -38,11 +38,12 @@ from django.db import router, transaction
 from ... import signals
 from ...conf import Settings
 from ...events import log_event
-from ...ops import ReleaseAudit
+from ...ops import BreakerAudit, BreakerOverride, ReleaseAudit
 
 __all__ = [
     "LOGGED_SIGNALS",
     "LeaseEventAudit",
+    "LeaseEventBreakerAudit",
     "connect",
     "disconnect",
     "enabled",
@@ -266,7 +267,7 @@ def prune_lease_events(
     """
     from django.utils import timezone
 
-    from ...conf import check_seconds
+    from ..._checks import check_seconds
     from .leases import celery_app
     from .models import LeaseEvent
 
@@ -360,3 +361,35 @@ class LeaseEventAudit(ReleaseAudit):
             )
             if self.after is not None:
                 self.after(record)
+
+
+class LeaseEventBreakerAudit(BreakerAudit):
+    """With ``celery_steplock.contrib.django``: one ``LeaseEvent`` row (event
+    ``circuit_override``) committed before the write, its outcome written after."""
+
+    def requested(self, record: BreakerOverride) -> None:
+        from .models import LeaseEvent
+
+        using = router.db_for_write(LeaseEvent)
+        with transaction.atomic(using=using, durable=True):
+            row = LeaseEvent(
+                event="circuit_override",
+                key=record.key[:576],
+                name=record.name[:512],
+                reason=f"{record.action}: {record.reason}",
+                actor=(record.actor or "")[:255],
+                actor_host=(record.actor_host or "")[:255],
+                via=record.via[:16],
+                outcome=record.outcome,
+            )
+            row.save(using=using)
+        record.audit_id, record.audit = row.pk, f"LeaseEvent {row.pk}"
+
+    def finished(self, record: BreakerOverride) -> None:
+        if record.audit_id is None:
+            return
+        from .models import LeaseEvent
+
+        LeaseEvent.objects.using(router.db_for_write(LeaseEvent)).filter(
+            pk=record.audit_id
+        ).update(outcome=record.outcome)

@@ -39,7 +39,7 @@ from ...exceptions import (
     LockError,
     LockStoreUnavailable,
 )
-from ...idempotency import Decision, Idempotency, Record, Stored, _fingerprint_bytes
+from ...patterns.idempotency import Decision, Idempotency, Record, Stored, _fingerprint_bytes
 
 __all__ = [
     "DatabaseRecords",
@@ -87,7 +87,7 @@ def _record(row) -> Record:
 
 class DatabaseRecords:
     """The database store of idempotency records (see the module's text for the
-    consistency rule). ``cache``: a :class:`~celery_steplock.idempotency.RedisRecords` for
+    consistency rule). ``cache``: a :class:`~celery_steplock.patterns.idempotency.RedisRecords` for
     the copies of completed rows (None: no cache); ``using``: a database alias (default the
     model's ``router.db_for_write``). A database error raises LockStoreUnavailable."""
 
@@ -472,7 +472,7 @@ def idempotent_view(
     -> str`` separates keys of different clients (default: the authenticated user's pk, else
     one anonymous scope). ``namespace`` default ``"django:<module>.<qualname>"``; ``app`` the
     Celery app (default the current one); other keywords as
-    :class:`~celery_steplock.idempotency.Idempotency`. Usable bare (``@idempotent_view``)."""
+    :class:`~celery_steplock.patterns.idempotency.Idempotency`. Usable bare (``@idempotent_view``)."""
 
     def decorate(fun: Callable) -> Callable:
         policy = _ViewPolicy(

@@ -205,7 +205,7 @@ class LeaseEvent(models.Model):
 
 
 class IdempotencyRecord(models.Model):
-    """One idempotency record (:mod:`celery_steplock.idempotency`) of the database store.
+    """One idempotency record (:mod:`celery_steplock.patterns.idempotency`) of the database store.
 
     ``key`` the record key (64 hex digits, the HMAC of namespace, resource key and version);
     ``status`` locked / completed / failed; ``fingerprint`` the HMAC of the call's arguments

@@ -6,7 +6,8 @@ import functools
 
 from django.db import DEFAULT_DB_ALIAS, router, transaction
 
-from ...conf import Settings, check_database
+from ..._checks import check_database
+from ...conf import Settings
 from ...task import StepLockedTask
 from .steps import resolve_model
 

@@ -24,7 +24,7 @@ from redis.exceptions import (
 )
 from redis.sentinel import MasterNotFoundError
 
-from .redact import redact
+from ..redact import redact
 
 __all__ = [
     "Script",
@@ -180,9 +180,7 @@ def text(value: Any) -> Any:
 
 
 def socket_timeout(client: redis.Redis) -> float | None:
-    """The client's per-call socket timeout, seconds (None: none set)."""
-    if _cluster.is_cluster(client):
-        return _cluster.socket_timeout(client)  # type: ignore[arg-type]
+    """The single-node client's per-call socket timeout, seconds (None: none set)."""
     return client.connection_pool.connection_kwargs.get("socket_timeout")
 
 
@@ -206,13 +204,10 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
     (``NOSCRIPT``: a restart, a failover, ``SCRIPT FLUSH``). Returns the decoded reply.
 
     Raises ``ResponseError`` when Redis refuses the call, ``RedisError``/``OSError`` when it
-    cannot be reached. A ``RedisCluster`` client: the call goes to the primary owning the
-    keys' slot, ``MOVED``/``ASK`` followed (see :mod:`celery_steplock._cluster`).
+    cannot be reached. Single node only: :func:`celery_steplock._redis.route.evalsha` takes
+    either kind of client.
     """
-    try:
-        pool = client.connection_pool
-    except AttributeError:  # no per-call check on the single-node path
-        return _cluster.evalsha(_cluster.resolve(client), script, keys, args)
+    pool = client.connection_pool
     conn = connection(pool)
     try:
 
@@ -252,12 +247,9 @@ def evalsha_many(client: redis.Redis, script: Script, calls: Iterable[Call]) -> 
     its ``ResponseError`` instance (not raised). A ``NOSCRIPT`` reply loads the script and
     sends the whole batch again (each of our scripts is idempotent for its arguments).
 
-    Raises ``RedisError``/``OSError`` when the round trip fails; not retried. A
-    ``RedisCluster`` client: each call goes to the primary owning its keys' slot, one
-    pipeline per node (see :func:`celery_steplock._cluster.evalsha_many`).
+    Raises ``RedisError``/``OSError`` when the round trip fails; not retried. Single node
+    only: :func:`celery_steplock._redis.route.evalsha_many` takes either kind of client.
     """
-    if not hasattr(client, "connection_pool"):
-        return _cluster.evalsha_many(_cluster.resolve(client), script, calls)
     sent: list[Call] = []
     replies = _pipelined(client, script, calls, sent)
     if any(isinstance(r, NoScriptError) for r in replies):
@@ -368,12 +360,10 @@ def derived_client(client: Any, max_connections: int) -> Any:
     """A client like ``client`` (same class, server, credentials, TLS and timeouts: its
     pool's connection class and keyword arguments) on a pool of its own of at most
     ``max_connections`` connections; or ``client`` itself when its pool cannot be rebuilt
-    that way (a Cluster client, a pool class of unknown signature). A Sentinel pool
+    that way (a pool class of unknown signature). A Sentinel pool
     (``SentinelConnectionPool``) is rebuilt on the same sentinels and service name."""
     from redis.sentinel import SentinelConnectionPool
 
-    if _cluster.is_cluster(client):  # a deferred one must not be built here
-        return client
     pool: Any = getattr(client, "connection_pool", None)
     sentinel = type(pool) is SentinelConnectionPool
     if not sentinel and type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
@@ -400,6 +390,3 @@ def derived_client(client: Any, max_connections: int) -> Any:
     except TypeError:
         own.disconnect()
         return client
-
-
-from . import _cluster  # noqa: E402  (it uses this module's pack/Script)

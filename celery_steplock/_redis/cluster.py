@@ -15,7 +15,7 @@ path cannot pipeline our packed calls): ``MOVED`` refreshes the slot table and r
 while a migration has moved some of its keys) waits and resends, ``NOSCRIPT`` loads the
 script on that node; all bounded by :data:`MAX_REDIRECTS` and :data:`TRYAGAIN_WAIT`.
 
-A plain ``redis.Redis`` never reaches this module: :mod:`celery_steplock._wire` hands a
+A plain ``redis.Redis`` never reaches this module: :mod:`celery_steplock._redis.wire` hands a
 client over only when it has no ``connection_pool`` (a ``RedisCluster`` has one per node).
 """
 
@@ -44,9 +44,10 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from . import _wire
-from .exceptions import LockStoreUnavailable
-from .keys import lease_key
+from ..exceptions import LockStoreUnavailable
+from ..keys import lease_key
+from . import wire
+from .scripts.lease import EXTEND_CHUNK
 
 __all__ = [
     "is_cluster",
@@ -120,7 +121,7 @@ def make_client(url: str, socket_timeout: float = 5.0, **options: Any) -> RedisC
     a Unix socket, and (``steplock_redis_use_ssl``/``steplock_redis_transport_options``)
     when redis-py's cluster client does not pass one of ``options`` to its connections.
     """
-    from .exceptions import ImproperlyConfigured
+    from ..exceptions import ImproperlyConfigured
 
     allowed = getattr(_redis_cluster, "REDIS_ALLOWED_KEYS", None)
     if allowed is not None:
@@ -266,8 +267,8 @@ def _node_at(client: RedisCluster, host: str, port: int):
     return node
 
 
-def evalsha(client: RedisCluster, script: _wire.Script, keys: list[str], args: list[str]) -> Any:
-    """:func:`celery_steplock._wire.evalsha` on the primary owning ``keys``' slot (all of
+def evalsha(client: RedisCluster, script: wire.Script, keys: list[str], args: list[str]) -> Any:
+    """:func:`celery_steplock._redis.wire.evalsha` on the primary owning ``keys``' slot (all of
     ``keys`` must share one), redirections followed. Raises ``ResponseError`` when Redis
     refuses the call (``CROSSSLOT`` included), ``RedisError``/``OSError`` when the node cannot
     be reached or the redirections run out."""
@@ -278,9 +279,9 @@ def evalsha(client: RedisCluster, script: _wire.Script, keys: list[str], args: l
 
 
 def evalsha_many(
-    client: RedisCluster, script: _wire.Script, calls: Iterable[_wire.Call]
+    client: RedisCluster, script: wire.Script, calls: Iterable[wire.Call]
 ) -> list[Any]:
-    """:func:`celery_steplock._wire.evalsha_many` over a cluster: each call goes to the
+    """:func:`celery_steplock._redis.wire.evalsha_many` over a cluster: each call goes to the
     primary owning its keys' slot, the calls of one node pipelined on one connection, every
     node written before any is read (one round trip per node, concurrently). Returns the
     replies in order, a call that failed as its exception instance (a refusal's
@@ -297,7 +298,7 @@ def evalsha_many(
     return replies
 
 
-def _run(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call]) -> list[Any]:
+def _run(client: RedisCluster, script: wire.Script, calls: Sequence[wire.Call]) -> list[Any]:
     replies: list[Any] = [None] * len(calls)
     pending = list(range(len(calls)))
     asked: dict[int, tuple[str, int]] = {}  # call -> importing node (host, port) after ASK
@@ -349,8 +350,8 @@ def _run(client: RedisCluster, script: _wire.Script, calls: Sequence[_wire.Call]
 
 def _round_trip(
     client: RedisCluster,
-    script: _wire.Script,
-    calls: Sequence[_wire.Call],
+    script: wire.Script,
+    calls: Sequence[wire.Call],
     pending: list[int],
     asked: dict[int, tuple[str, int]],
     replies: list[Any],
@@ -385,14 +386,14 @@ def _round_trip(
             pool = redis_node.connection_pool
             conn = None
             try:
-                conn = _wire.connection(pool)
+                conn = wire.connection(pool)
                 open_.append((redis_node, conn, members))
                 packed: list[bytes] = []
                 for i in members:
                     keys, argv = calls[i]
                     if i in asked:
-                        packed.append(_wire.pack(["ASKING"]))
-                    packed.append(_wire.pack(["EVALSHA", sha, str(len(keys))], keys, argv))
+                        packed.append(wire.pack(["ASKING"]))
+                    packed.append(wire.pack(["EVALSHA", sha, str(len(keys))], keys, argv))
                 conn.send_packed_command([b"".join(packed)])  # one write per node
             except _CONNECTION_ERRORS as exc:
                 if conn is not None:
@@ -433,7 +434,7 @@ def _round_trip(
     return failed
 
 
-def _load(redis_node: Any, script: _wire.Script) -> None:
+def _load(redis_node: Any, script: wire.Script) -> None:
     try:
         redis_node.script_load(script.source)
     except _CONNECTION_ERRORS:
@@ -486,9 +487,9 @@ def scan_keys(client: RedisCluster, cursor: int, count: int, match: str) -> tupl
         raise
     next_cursor = int(next_cursor)
     if next_cursor:
-        return encode_cursor(slot, next_cursor), [_wire.text(k) for k in keys]
+        return encode_cursor(slot, next_cursor), [wire.text(k) for k in keys]
     later = [s for s, other in walk if s > slot and other.name != node.name]
-    return (encode_cursor(later[0], 0) if later else 0), [_wire.text(k) for k in keys]
+    return (encode_cursor(later[0], 0) if later else 0), [wire.text(k) for k in keys]
 
 
 def by_slot(keys: Iterable[str]) -> dict[int, list[int]]:
@@ -507,7 +508,7 @@ def by_slot(keys: Iterable[str]) -> dict[int, list[int]]:
 class ClusterStoreMixin:
     """The lease store's methods that span leases, split by slot for a ``RedisCluster``
     (mixed before :class:`celery_steplock.lock.RedisLeaseStore`, whose one-lease methods
-    are routed by :mod:`celery_steplock._wire`)."""
+    are routed by :mod:`celery_steplock._redis.wire`)."""
 
     if TYPE_CHECKING:  # the attributes of RedisLeaseStore, which this is mixed into
 
@@ -522,13 +523,11 @@ class ClusterStoreMixin:
         ``context["results"]`` then holds, per item, True/False as above for the nodes that
         answered and None for the others (unknown: neither renewed nor lost).
         """
-        from .lock import EXTEND_CHUNK  # not at the top: lock.py imports this module
-
         chunk = chunk or EXTEND_CHUNK
         prefix = f"{self.prefix}:lease:{{"
         items = self._checked_items(items)
         keys = [f"{prefix}{name}}}" for name, _owner, _ttl in items]
-        calls: list[_wire.Call] = []
+        calls: list[wire.Call] = []
         members: list[list[int]] = []
         for positions in by_slot(keys).values():
             for start in range(0, len(positions), chunk):
@@ -548,7 +547,7 @@ class ClusterStoreMixin:
             if isinstance(reply, BaseException):
                 error = error or reply
                 continue
-            for n, c in zip(part, _wire.text(reply)):
+            for n, c in zip(part, wire.text(reply)):
                 results[n] = c == "1"
         if error is not None:
             what = (
@@ -559,7 +558,7 @@ class ClusterStoreMixin:
             raise LockStoreUnavailable(f"lock store {what}: {error}", results=results)
         return results  # type: ignore[return-value]
 
-    def _split_tryagain(self, calls: list[_wire.Call], members: list[list[int]]) -> list[Any]:
+    def _split_tryagain(self, calls: list[wire.Call], members: list[list[int]]) -> list[Any]:
         """The replies of ``calls``; a call of several leases that kept getting TRYAGAIN (a
         migration has moved some of its slot's keys) is resent one lease per call, which
         each follow ASK on their own."""
@@ -581,7 +580,7 @@ class ClusterStoreMixin:
                 if any(isinstance(p, BaseException) for p in parts):
                     replies[c] = next(p for p in parts if isinstance(p, BaseException))
                 else:
-                    replies[c] = "".join(_wire.text(p) for p in parts)
+                    replies[c] = "".join(wire.text(p) for p in parts)
         return replies
 
     def scan_keys(
@@ -601,7 +600,7 @@ class ClusterStoreMixin:
         if not keys:
             return {}
         groups = list(by_slot(keys).values())
-        calls: list[_wire.Call] = [([keys[n] for n in group], []) for group in groups]
+        calls: list[wire.Call] = [([keys[n] for n in group], []) for group in groups]
         try:
             replies = evalsha_many(self.client, self._scan_fields, calls)
         except _CONNECTION_ERRORS as exc:

@@ -63,14 +63,14 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 from django.views.decorators.cache import never_cache
 
-from ... import signals
-from ...events import emit, log_event
-from ...exceptions import StepLockError
-from ...keys import MAX_NAME_LENGTH
-from ...ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
-from ...redact import redact, secrets_of
-from .eventlog import LeaseEventAudit
-from .leases import (
+from .... import signals
+from ....events import emit, log_event
+from ....exceptions import StepLockError
+from ....keys import MAX_NAME_LENGTH
+from ....ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
+from ....redact import redact, secrets_of
+from ..eventlog import LeaseEventAudit
+from ..leases import (
     celery_app,
     import_task_modules,
     lease_lock,
@@ -79,7 +79,7 @@ from .leases import (
     redis_time_ms,
     steplock_task_names,
 )
-from .models import CircuitBreakerState, Lease, LeaseEvent
+from ..models import CircuitBreakerState, Lease, LeaseEvent
 
 __all__ = [
     "LeaseAdmin",
@@ -842,15 +842,15 @@ class LeaseEventAdmin(admin.ModelAdmin):
         return False
 
 
-from .models import IdempotencyRecord  # noqa: E402 - appended with its admin below
+from ..models import IdempotencyRecord  # noqa: E402 - appended with its admin below
 
 
 def _idempotency_store():
     """The database store of the project's app, with its Redis cache (the lease store's
     client and prefix), so an invalidation drops both copies."""
-    from ...idempotency import RedisRecords
-    from ...lock import get_lease_store
-    from .idempotency import DatabaseRecords
+    from ....lock import get_lease_store
+    from ....patterns.idempotency import RedisRecords
+    from ..idempotency import DatabaseRecords
 
     lease_store = get_lease_store(celery_app())
     return DatabaseRecords(cache=RedisRecords(lease_store.client, lease_store.prefix))
@@ -934,7 +934,7 @@ MAX_BREAKERS = 500
 
 def _task_breakers(app) -> dict[str, Any]:
     """``{name: CircuitBreaker}`` of the app's StepLockedTasks' ``circuit_breaker`` options."""
-    from ...breaker import CircuitBreaker
+    from ....patterns.breaker import CircuitBreaker
 
     found: dict[str, Any] = {}
     for task_name in steplock_task_names(app):
@@ -950,7 +950,7 @@ def breaker_names(app, limit: int = MAX_BREAKERS) -> dict[str, Any]:
     """The breakers to show: those the app's tasks name, then those Redis holds (SCAN of
     ``<prefix>:breaker:{*}``, never KEYS), at most ``limit``; ``{name: CircuitBreaker or
     None}``."""
-    from ...breaker import CircuitBreaker
+    from ....patterns.breaker import CircuitBreaker
 
     found = _task_breakers(app)
     store = lease_lock(app)
@@ -977,7 +977,7 @@ class BreakerOverrideForm(forms.Form):
 
 @admin.register(CircuitBreakerState)
 class CircuitBreakerAdmin(admin.ModelAdmin):
-    """Circuit breakers, read live from Redis (celery_steplock.breaker): their state, and
+    """Circuit breakers, read live from Redis (celery_steplock.patterns.breaker): their state, and
     for users with ``celery_steplock.override_circuitbreakerstate`` a button to force one
     open or close it, audited by :func:`celery_steplock.ops.override_breaker` (a
     ``LeaseEvent`` row, event ``circuit_override``, committed before Redis is written)."""
@@ -1046,8 +1046,9 @@ class CircuitBreakerAdmin(admin.ModelAdmin):
         return TemplateResponse(request, self.change_list_template, context)
 
     def override_view(self, request: HttpRequest) -> HttpResponse:
-        from ...breaker import CircuitBreaker
-        from ...ops import LeaseEventBreakerAudit, override_breaker
+        from ....ops import override_breaker
+        from ....patterns.breaker import CircuitBreaker
+        from ..eventlog import LeaseEventBreakerAudit
 
         if not self.has_override_permission(request):
             raise PermissionDenied

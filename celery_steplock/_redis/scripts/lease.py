@@ -21,7 +21,20 @@ bare integer: a table reply costs Redis more to build than the rest of a release
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "RELEASE", "REAP", "EXTEND", "EXTEND_MANY", "OWNED", "SCAN_FIELDS", "PROBE"]
+__all__ = [
+    "ACQUIRE",
+    "RELEASE",
+    "REAP",
+    "EXTEND",
+    "EXTEND_MANY",
+    "EXTEND_CHUNK",
+    "OWNED",
+    "SCAN_FIELDS",
+    "PROBE",
+]
+
+#: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
+EXTEND_CHUNK = 1000
 
 # Redis checks a script's commands against the user's ACL one by one as they run and does
 # not roll back the ones already run: a command refused halfway leaves the earlier writes.

@@ -1,0 +1,769 @@
+"""A circuit breaker per dependency name, held in Redis and shared by every worker.
+
+States: CLOSED (calls pass; their outcomes fill a rolling window of the last ``window``
+calls), OPEN (no call passes until ``recovery_timeout`` seconds after it opened), HALF_OPEN
+(at most ``half_open_probes`` calls cluster-wide pass as probes; ``success_threshold``
+successful probes close it, one failed probe opens it again). Every decision (admission,
+recording a success or a failure, an operator's override) is one Lua script, atomic on the
+breaker's keys, with the time from Redis ``TIME``: workers' clocks never decide.
+
+Half-open probe permits are owner-keyed and expire (``probe_timeout``): a prober that dies
+frees its permit when it expires, so a dead prober never wedges the breaker. A probe whose
+outcome arrives after its permit expired is ignored. Each state change starts a new
+*generation*: the outcome of a call admitted in an earlier generation (a call admitted while
+CLOSED that ends after the breaker opened) is ignored, so neither a late success closes an
+open breaker nor a late failure re-opens a closed one. Outcomes while OPEN never count
+(retries refused by an open breaker are not failures).
+
+Keys (one hash slot: ``{name}``): ``<prefix>:breaker:{<name>}`` (hash: ``state``, ``gen``,
+``opened_ms``, ``ring`` (the window, one character per call, ``1`` a failure),
+``successes``, ``forced``) and ``<prefix>:breaker-probes:{<name>}`` (sorted set of probe
+owner tokens by expiry, ms).
+
+Use it as the ``circuit_breaker`` task option (a dependency name, or a
+:class:`CircuitBreaker`), or directly::
+
+    payments = CircuitBreaker("payments", failure_threshold=5, window=10, app=app)
+    payments.call(charge, order)          # raises CircuitOpen while open
+    @payments
+    def charge(order): ...
+    with payments:
+        charge(order)
+
+Which exceptions count as failures (:func:`default_classifier`): every exception except the
+library's and Celery's control exceptions and the errors the retry classifier calls
+non-retryable (:func:`celery_steplock.patterns.retry.classify`: validation, permission, business
+rejection, HTTP 4xx other than 408/429): those show the dependency answered. Unknown errors
+count as failures. Pass ``classifier=exc -> bool`` (True: a failure) to decide otherwise.
+
+Redis outage (``on_store_error``, default ``steplock_breaker_on_store_error``,
+"fail_closed"): fail closed raises LockStoreUnavailable (a task is retried as for any lock
+store outage; nothing is called); fail open calls the dependency unguarded (nothing
+recorded). A Redis that restarts without persistence forgets the breaker's state: it is
+CLOSED again.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import signals
+from .._checks import (
+    MAX_IDENTIFIER_LENGTH,
+    MAX_SECONDS,
+    check_choice,
+    check_count,
+    check_seconds,
+    check_text,
+    shown,
+)
+from .._redis import route, wire
+from ..conf import ON_STORE_ERROR, configuration_version
+from ..events import emit, log_event
+from ..exceptions import CircuitOpen, ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
+from .retry import check_policy, classify, is_control
+
+__all__ = [
+    "CircuitBreaker",
+    "BreakerState",
+    "Ticket",
+    "default_classifier",
+    "OPTIONS",
+    "gate",
+    "CLOSED",
+    "OPEN",
+    "HALF_OPEN",
+    "ADMIT",
+    "RECORD",
+    "OVERRIDE",
+    "READ",
+]
+
+OPTIONS = frozenset({"circuit_breaker", "retry_policy"})
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+#: A breaker's keys live this long after their last write (a forced-open breaker: forever).
+IDLE_TTL = 7 * 24 * 3600.0
+#: Largest ``window`` (calls kept in the rolling window).
+MAX_WINDOW = 10_000
+#: Largest ``half_open_probes``.
+MAX_PROBES = 10_000
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits (sorted set: owner -> expiry ms).
+# ARGV[1] caller's owner token, ARGV[2] recovery timeout ms, ARGV[3] half-open probes
+# allowed, ARGV[4] probe permit lifetime ms, ARGV[5] idle TTL ms.
+# Returns {verdict, generation, wait ms, moved, clean}: verdict 1 admitted (CLOSED), 2 admitted as a
+# probe (HALF_OPEN; also when ARGV[1] already holds a permit), 0 refused (OPEN), -1 refused
+# (HALF_OPEN, every permit taken), -2 refused (forced open by an operator); wait: ms until the
+# earliest moment a call may pass; moved 1 when this call moved the breaker OPEN -> HALF_OPEN;
+# clean 1 when CLOSED with no failure in the window (a success then changes nothing a
+# count threshold sees, and the caller need not record it).
+ADMIT = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'forced', 'ring')
+local gen = tonumber(s[2]) or 0
+if s[4] then return {-2, gen, tonumber(ARGV[2]), 0, 0} end
+if not s[1] or s[1] == 'closed' then
+  if not s[5] or not string.find(s[5], '1', 1, true) then return {1, gen, 0, 0, 1} end
+  return {1, gen, 0, 0, 0}
+end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local moved = 0
+if s[1] == 'open' then
+  local left = (tonumber(s[3]) or 0) + tonumber(ARGV[2]) - now
+  if left > 0 then return {0, gen, left, 0, 0} end
+  gen = gen + 1
+  redis.call('HSET', KEYS[1], 'state', 'half_open', 'gen', gen, 'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  redis.call('DEL', KEYS[2])
+  moved = 1
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved, 0} end
+if redis.call('ZCARD', KEYS[2]) < tonumber(ARGV[3]) then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  return {2, gen, 0, moved, 0}
+end
+local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+return {-1, gen, math.max(1, tonumber(first[2]) - now), moved, 0}
+"""
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits.
+# ARGV[1] outcome: '1' a failure, '0' a success, 'n' neither (the call did not reach the
+# dependency: its probe permit, if any, is given back); ARGV[2] the generation the call was
+# admitted in; ARGV[3] its probe owner token ('' not a probe); ARGV[4] window (calls);
+# ARGV[5] failure threshold (a count, or a rate in (0, 1] with ARGV[6] 'rate');
+# ARGV[6] 'count' or 'rate'; ARGV[7] calls the window must hold before a rate trips;
+# ARGV[8] successful probes that close it; ARGV[9] idle TTL ms.
+# Returns {state, changed (1: this outcome changed the state), failures in the window (or
+# successful probes when HALF_OPEN), calls in the window}. Outcomes of another generation, of
+# a forced breaker, or while OPEN change nothing.
+RECORD = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'ring', 'forced')
+local state = s[1] or 'closed'
+local gen = tonumber(s[2]) or 0
+if s[4] or tonumber(ARGV[2]) ~= gen or state == 'open' then return {state, 0, 0, 0} end
+local function trip(next_gen)
+  local t = redis.call('TIME')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  redis.call('HSET', KEYS[1], 'state', 'open', 'gen', next_gen, 'opened_ms', now, 'ring', '',
+             'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[9])
+  redis.call('DEL', KEYS[2])
+end
+if state == 'closed' then
+  if ARGV[1] == 'n' then return {state, 0, 0, 0} end
+  local ring = (s[3] or '') .. ARGV[1]
+  local size = tonumber(ARGV[4])
+  if #ring > size then ring = string.sub(ring, #ring - size + 1) end
+  local _, fails = string.gsub(ring, '1', '')
+  local open
+  if ARGV[6] == 'rate' then
+    open = fails > 0 and #ring >= tonumber(ARGV[7]) and fails >= tonumber(ARGV[5]) * #ring
+  else
+    open = fails >= tonumber(ARGV[5])
+  end
+  if open then
+    trip(gen + 1)
+    return {'open', 1, fails, #ring}
+  end
+  redis.call('HSET', KEYS[1], 'ring', ring, 'gen', gen)
+  redis.call('PEXPIRE', KEYS[1], ARGV[9])
+  return {state, 0, fails, #ring}
+end
+if ARGV[3] == '' or redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return {state, 0, 0, 0} end
+if ARGV[1] == 'n' then return {state, 0, 0, 0} end
+if ARGV[1] == '1' then
+  trip(gen + 1)
+  return {'open', 1, 1, 1}
+end
+local n = redis.call('HINCRBY', KEYS[1], 'successes', 1)
+if n >= tonumber(ARGV[8]) then
+  redis.call('HSET', KEYS[1], 'state', 'closed', 'gen', gen + 1, 'ring', '', 'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[9])
+  redis.call('DEL', KEYS[2])
+  return {'closed', 1, n, 0}
+end
+return {state, 0, n, 0}
+"""
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits.
+# ARGV[1] 'open' (forced open until closed: no TTL) or 'close' (CLOSED, window emptied),
+# ARGV[2] idle TTL ms.
+# Returns {state before, forced before ('' none), new generation}.
+OVERRIDE = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'forced')
+local gen = (tonumber(s[2]) or 0) + 1
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('DEL', KEYS[2])
+if ARGV[1] == 'open' then
+  redis.call('HSET', KEYS[1], 'state', 'open', 'gen', gen, 'opened_ms', now, 'forced', 'open',
+             'ring', '', 'successes', 0)
+  redis.call('PERSIST', KEYS[1])
+else
+  redis.call('HDEL', KEYS[1], 'forced')
+  redis.call('HSET', KEYS[1], 'state', 'closed', 'gen', gen, 'ring', '', 'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return {s[1] or 'closed', s[3] or '', gen}
+"""
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits. No ARGV.
+# Returns {state, generation, opened_ms, ring, successes, forced, now_ms, live probe count}.
+READ = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'ring', 'successes', 'forced')
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local probes = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
+return {s[1] or 'closed', s[2] or '0', s[3] or '', s[4] or '', s[5] or '0', s[6] or '',
+        tostring(now), probes}
+"""
+
+_ADMIT, _RECORD, _OVERRIDE, _READ = (
+    wire.Script(ADMIT),
+    wire.Script(RECORD),
+    wire.Script(OVERRIDE),
+    wire.Script(READ),
+)
+
+
+def default_classifier(exc: BaseException) -> bool:
+    """True when ``exc`` counts as a failure of the dependency: anything but the control
+    exceptions and what :func:`celery_steplock.patterns.retry.classify` calls non-retryable."""
+    return classify(exc) not in ("control", "never")
+
+
+@dataclass(frozen=True)
+class BreakerState:
+    """A breaker as read from Redis: ``state`` (closed/open/half_open), ``forced`` (True:
+    opened by an operator), ``failures`` and ``calls`` in the window, ``successes`` (probes
+    that succeeded while HALF_OPEN; with a count threshold, successes admitted while the
+    window held no failure are not written, so ``calls`` counts from the first failure),
+    ``probes`` (live probe permits), ``retry_after``
+    (seconds until an OPEN breaker lets a probe through, by this object's
+    ``recovery_timeout``; 0 otherwise), ``generation``, ``opened_ago`` (seconds since it last
+    opened, Redis clock; None when it never did or was closed since)."""
+
+    name: str
+    key: str
+    state: str
+    forced: bool
+    failures: int
+    calls: int
+    successes: int
+    probes: int
+    retry_after: float
+    generation: int
+    opened_ago: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Ticket:
+    """One admitted call: record its outcome once with :meth:`record` (or ``success()`` /
+    ``failure()`` / ``release()``). ``probe`` is True for a half-open probe; ``guarded`` False
+    when admitted unguarded (fail open during an outage: nothing is recorded); ``clean``
+    True when admitted CLOSED with no failure in the window: with a count threshold its
+    success is not written (it would change nothing the threshold sees), so a healthy
+    dependency costs one round trip per call."""
+
+    breaker: CircuitBreaker
+    generation: int
+    owner: str
+    probe: bool
+    guarded: bool = True
+    done: bool = False
+    sender: Any = None
+    clean: bool = False
+
+    def record(self, exc: BaseException | None) -> None:
+        """Record the call's outcome from its exception (None: success) with the breaker's
+        classifier; control exceptions record nothing. Never raises."""
+        if exc is None:
+            self._send("0")
+        elif is_control(exc):
+            self._send("n")
+        else:
+            try:
+                failed = self.breaker.classifier(exc)
+            except Exception as error:  # noqa: BLE001 - a broken classifier: count it
+                log_event(
+                    "circuit_classifier_failed", logging.ERROR, key=self.breaker.key, error=error
+                )
+                failed = True
+            self._send("1" if failed else "0", exc)
+
+    def success(self) -> None:
+        self._send("0")
+
+    def failure(self, exc: BaseException | None = None) -> None:
+        self._send("1", exc)
+
+    def release(self) -> None:
+        """The call never reached the dependency: give the probe permit back."""
+        self._send("n")
+
+    def _send(self, outcome: str, exc: BaseException | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        breaker = self.breaker
+        if (
+            not self.guarded
+            or (outcome == "n" and not self.probe)
+            or (outcome == "0" and self.clean and breaker.mode == "count")
+        ):
+            return
+        try:
+            reply = breaker._eval(
+                _RECORD,
+                [
+                    outcome,
+                    str(self.generation),
+                    self.owner if self.probe else "",
+                    str(breaker.window),
+                    repr(breaker.failure_threshold),
+                    breaker.mode,
+                    str(breaker.minimum_calls),
+                    str(breaker.success_threshold),
+                    str(int(IDLE_TTL * 1000)),
+                ],
+                "record",
+            )
+        except Exception as error:  # noqa: BLE001 - recording never breaks the call
+            log_event(
+                "circuit_record_failed",
+                logging.ERROR,
+                key=breaker.key,
+                name=breaker.name,
+                outcome=outcome,
+                error=error,
+            )
+            return
+        state, changed = wire.text(reply[0]), int(reply[1])
+        if not changed:
+            return
+        fields = {
+            "key": breaker.key,
+            "name": breaker.name,
+            "state": state,
+            "failures": int(reply[2]),
+            "calls": int(reply[3]),
+            "task_id": getattr(getattr(self.sender, "request", None), "id", None),
+            "task_name": getattr(self.sender, "name", None),
+            "error": type(exc).__name__ if exc is not None else None,
+        }
+        if state == OPEN:
+            why = (
+                "a half-open probe failed"
+                if self.probe
+                else f"{fields['failures']} failures in the last {fields['calls']} calls"
+            )
+            emit(
+                signals.circuit_opened,
+                self.sender,
+                logging.WARNING,
+                reason=why,
+                manual=False,
+                **fields,
+            )
+        elif state == CLOSED:
+            emit(
+                signals.circuit_closed,
+                self.sender,
+                reason=f"{fields['failures']} successful probes",
+                manual=False,
+                **fields,
+            )
+
+
+_active: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "steplock_breaker_tickets", default=()
+)
+
+
+class CircuitBreaker:
+    """A circuit breaker shared through Redis; see the module docstring.
+
+    ``name`` (str: the dependency), ``failure_threshold`` (int >= 1: failures among the last
+    ``window`` calls that open it; or a float in (0, 1): the failure rate over them, once
+    ``minimum_calls`` calls (default ``window``) are in the window; default 5), ``window``
+    (calls, default 10), ``recovery_timeout`` (seconds OPEN before a probe may pass,
+    default 30.0), ``half_open_probes`` (probes at once cluster-wide, default 1),
+    ``success_threshold`` (successful probes that close it, default 2), ``probe_timeout``
+    (seconds a probe permit lives: a prober that dies frees it then; default 30.0),
+    ``classifier`` (``exc -> bool``, True: a failure; default :func:`default_classifier`),
+    ``on_store_error`` ("fail_closed" or "fail_open"; None: the setting
+    ``steplock_breaker_on_store_error``), ``app`` (a Celery app: its lease store's client
+    and key prefix; None: Celery's current app) or ``client`` (a redis client) with
+    ``prefix`` (default "steplock"). Raises ImproperlyConfigured for a bad value.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        failure_threshold: int | float = 5,
+        window: int = 10,
+        recovery_timeout: float = 30.0,
+        half_open_probes: int = 1,
+        success_threshold: int = 2,
+        *,
+        probe_timeout: float = 30.0,
+        minimum_calls: int | None = None,
+        classifier: Callable[[BaseException], bool] | None = None,
+        on_store_error: str | None = None,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+    ):
+        self.name = check_text(name, "CircuitBreaker(name=)", maximum=MAX_IDENTIFIER_LENGTH)
+        if not self.name.isprintable() or "{" in self.name or "}" in self.name:
+            # It becomes the keys' hash tag and appears in logs and the CLI, as a lock name.
+            raise InvalidArgument(
+                f"CircuitBreaker(name=) must be printable and without braces, as a lock name "
+                f"is: {shown(self.name)}",
+                argument="CircuitBreaker(name=)",
+            )
+        self.window = check_count(window, "CircuitBreaker(window=)", minimum=1, maximum=MAX_WINDOW)
+        if isinstance(failure_threshold, float) and 0 < failure_threshold < 1:
+            self.mode = "rate"
+            self.failure_threshold = failure_threshold
+        else:
+            self.mode = "count"
+            self.failure_threshold = check_count(
+                failure_threshold,
+                "CircuitBreaker(failure_threshold=) (a count; a rate is a float in (0, 1))",
+                minimum=1,
+                maximum=self.window,
+            )
+        self.minimum_calls = check_count(
+            self.window if minimum_calls is None else minimum_calls,
+            "CircuitBreaker(minimum_calls=)",
+            minimum=1,
+            maximum=self.window,
+        )
+        self.recovery_timeout = check_seconds(
+            recovery_timeout, "CircuitBreaker(recovery_timeout=)", maximum=MAX_SECONDS / 10
+        )
+        self.half_open_probes = check_count(
+            half_open_probes, "CircuitBreaker(half_open_probes=)", minimum=1, maximum=MAX_PROBES
+        )
+        self.success_threshold = check_count(
+            success_threshold, "CircuitBreaker(success_threshold=)", minimum=1, maximum=MAX_PROBES
+        )
+        self.probe_timeout = check_seconds(
+            probe_timeout, "CircuitBreaker(probe_timeout=)", maximum=MAX_SECONDS / 10
+        )
+        if classifier is not None and not callable(classifier):
+            raise ImproperlyConfigured(
+                f"CircuitBreaker(classifier=) must be callable, got {shown(classifier)}",
+                setting="circuit_breaker",
+            )
+        self.classifier = classifier or default_classifier
+        self.on_store_error = (
+            None
+            if on_store_error is None
+            else check_choice(on_store_error, "CircuitBreaker(on_store_error=)", ON_STORE_ERROR)
+        )
+        self.app = app
+        self._client = client
+        self._prefix = prefix
+        if prefix is not None:
+            check_text(prefix, "CircuitBreaker(prefix=)", maximum=64)
+        self._bound: tuple | None = None
+
+    def __repr__(self) -> str:
+        return f"CircuitBreaker({self.name!r}, {self.describe()})"
+
+    def describe(self) -> str:
+        """The configured limits in a few words."""
+        threshold = (
+            f"{self.failure_threshold:.0%} failures of {self.window} calls"
+            if self.mode == "rate"
+            else f"{self.failure_threshold} failures in {self.window} calls"
+        )
+        return (
+            f"{threshold}, {self.recovery_timeout:g} s recovery, "
+            f"{self.half_open_probes} probe(s), {self.success_threshold} to close"
+        )
+
+    def bind(self, app: Any) -> CircuitBreaker:
+        """This breaker, bound to ``app`` when it has neither an app nor a client yet."""
+        if self.app is None and self._client is None:
+            self.app = app
+        return self
+
+    # -- Redis ------------------------------------------------------------------------------
+
+    def _target(self) -> tuple[Any, str, str]:
+        if self._client is not None:
+            prefix = self._prefix or "steplock"
+            return self._client, prefix, self._store_policy(None)
+        app = self.app
+        if app is None:
+            from celery import current_app
+
+            app = current_app._get_current_object()  # type: ignore[attr-defined]
+        version = configuration_version(app)
+        bound = self._bound
+        if bound is not None and bound[0] is app and bound[1] is version:
+            return bound[2], bound[3], bound[4]
+        from ..conf import Settings
+        from ..lock import get_lease_store
+
+        settings = Settings(app)
+        store = get_lease_store(app, settings)
+        prefix = self._prefix or store.prefix
+        policy = self._store_policy(settings)
+        self._bound = (app, version, store.client, prefix, policy)
+        return store.client, prefix, policy
+
+    def _store_policy(self, settings: Any) -> str:
+        if self.on_store_error is not None:
+            return self.on_store_error
+        return settings.breaker_on_store_error if settings is not None else "fail_closed"
+
+    @property
+    def key(self) -> str:
+        """The Redis key of the breaker's hash."""
+        return f"{self._target()[1]}:breaker:{{{self.name}}}"
+
+    def _keys(self, prefix: str) -> list[str]:
+        return [f"{prefix}:breaker:{{{self.name}}}", f"{prefix}:breaker-probes:{{{self.name}}}"]
+
+    def _eval(self, script: wire.Script, args: list[str], what: str) -> Any:
+        from ..lock import STORE_ERRORS, store_error
+
+        client, prefix, _ = self._target()
+        keys = self._keys(prefix)
+        try:
+            return route.evalsha(client, script, keys, args)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, f"circuit breaker {what}", key=keys[0], name=self.name) from exc
+
+    # -- admission --------------------------------------------------------------------------
+
+    def admit(
+        self, owner: str | None = None, *, sender: Any = None, on_store_error: str | None = None
+    ) -> Ticket:
+        """Ask to call the dependency. Returns a :class:`Ticket` (record its outcome), or
+        raises CircuitOpen (``retry_after``: seconds until a call may pass) or, failing
+        closed while Redis cannot be reached, LockStoreUnavailable. ``owner``: the probe
+        permit's owner token (default: a new one)."""
+        from ..lock import new_owner_token
+
+        owner = owner or new_owner_token(None)
+        try:
+            reply = self._eval(
+                _ADMIT,
+                [
+                    owner,
+                    str(int(self.recovery_timeout * 1000)),
+                    str(self.half_open_probes),
+                    str(int(self.probe_timeout * 1000)),
+                    str(int(IDLE_TTL * 1000)),
+                ],
+                "admission",
+            )
+        except LockStoreUnavailable as exc:
+            policy = on_store_error or self._target()[2]
+            log_event(
+                "circuit_store_error",
+                logging.ERROR,
+                key=self.key,
+                name=self.name,
+                policy=policy,
+                error=exc,
+            )
+            if policy == "fail_open":
+                return Ticket(self, 0, owner, False, guarded=False, sender=sender)
+            raise
+        verdict, generation, wait_ms, moved, clean = (
+            int(reply[0]),
+            int(reply[1]),
+            int(reply[2]),
+            int(reply[3]),
+            int(reply[4]),
+        )
+        task_fields: dict[str, Any] = {
+            "task_id": getattr(getattr(sender, "request", None), "id", None),
+            "task_name": getattr(sender, "name", None),
+        }
+        if moved:
+            emit(
+                signals.circuit_half_opened,
+                sender,
+                key=self.key,
+                name=self.name,
+                state=HALF_OPEN,
+                reason="recovery timeout passed",
+                **task_fields,
+            )
+        if verdict > 0:
+            return Ticket(self, generation, owner, verdict == 2, sender=sender, clean=bool(clean))
+        retry_after = wait_ms / 1000.0
+        state = {0: OPEN, -1: HALF_OPEN, -2: OPEN}[verdict]
+        why = {0: "open", -1: "half-open, its probes are taken", -2: "forced open"}[verdict]
+        emit(
+            signals.circuit_rejected,
+            sender,
+            logging.DEBUG,
+            key=self.key,
+            name=self.name,
+            state=state,
+            reason=why,
+            retry_after=retry_after,
+            **task_fields,
+        )
+        raise CircuitOpen(
+            f"circuit breaker {self.name!r} is {why}: retry after {retry_after:.3f} s",
+            retry_after=retry_after,
+            option="circuit_breaker",
+            key=self.key,
+            limit=self.describe(),
+            name=self.name,
+            state=state,
+            forced=verdict == -2,
+        )
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` through the breaker: raises CircuitOpen (``fn`` not
+        called) while open; records the outcome; returns ``fn``'s result or raises its
+        exception."""
+        ticket = self.admit()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            ticket.record(exc)
+            raise
+        ticket.record(None)
+        return result
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator form of :meth:`call`."""
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return self.call(fn, *args, **kwargs)
+
+        return wrapper
+
+    def __enter__(self) -> Ticket:
+        ticket = self.admit()
+        _active.set((*_active.get(), ticket))
+        return ticket
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        stack = _active.get()
+        ticket = stack[-1]
+        _active.set(stack[:-1])
+        ticket.record(exc)
+
+    # -- reading and overriding -------------------------------------------------------------
+
+    def state(self) -> BreakerState:
+        """The breaker as Redis holds it now. Raises LockStoreUnavailable."""
+        s = [wire.text(v) for v in self._eval(_READ, [], "read")]
+        ring, now = s[3], int(s[6])
+        state = s[0]
+        retry_after = 0.0
+        if state == OPEN and s[2]:
+            retry_after = (
+                0.0 if s[5] else max(0.0, (int(s[2]) + self.recovery_timeout * 1000 - now) / 1000)
+            )
+        opened_ago = max(0.0, (now - int(s[2])) / 1000) if s[2] and state != CLOSED else None
+        return BreakerState(
+            self.name,
+            self.key,
+            state,
+            bool(s[5]),
+            ring.count("1"),
+            len(ring),
+            int(s[4]),
+            int(s[7]),
+            retry_after,
+            int(s[1]),
+            opened_ago,
+        )
+
+    def override(self, action: str) -> tuple[str, bool]:
+        """Force the breaker "open" (until closed by hand) or "close" it (window emptied),
+        unaudited: operators use :func:`celery_steplock.ops.override_breaker`. Returns the
+        state before and whether it was forced open. Raises LockStoreUnavailable."""
+        if action not in ("open", "close"):
+            raise ImproperlyConfigured(
+                f"action must be 'open' or 'close', got {shown(action)}", setting="action"
+            )
+        reply = self._eval(_OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
+        return wire.text(reply[0]), bool(wire.text(reply[1]))
+
+
+# -- the gate ------------------------------------------------------------------------------
+
+
+class _Admitted:
+    __slots__ = ("ticket",)
+
+    def __init__(self, ticket: Ticket):
+        self.ticket = ticket
+
+    def exit(self, exc: BaseException | None, result: Any) -> None:
+        from .gates import NOT_RUN
+
+        if result is NOT_RUN:
+            self.ticket.release()
+        else:
+            self.ticket.record(exc)
+
+
+class BreakerGate:
+    """The ``circuit_breaker`` gate of one task (:mod:`celery_steplock.patterns.gates`)."""
+
+    option = "circuit_breaker"
+
+    def __init__(self, breaker: CircuitBreaker, on_store_error: str):
+        self.breaker = breaker
+        self.on_store_error = on_store_error
+
+    def enter(self, context) -> _Admitted | None:
+        lease = context.lease
+        ticket = self.breaker.admit(
+            getattr(lease, "owner", None), sender=context.task, on_store_error=self.on_store_error
+        )
+        return _Admitted(ticket) if ticket.guarded else None
+
+
+def gate(task, settings) -> BreakerGate | None:
+    """The task's breaker gate from ``circuit_breaker`` (a dependency name or a
+    :class:`CircuitBreaker`); None when unset. Also checks ``retry_policy`` (the retry
+    policy is applied by the task around the whole execution, not by a gate)."""
+    check_policy(getattr(task, "retry_policy", None))
+    value = getattr(task, "circuit_breaker", None)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            breaker = CircuitBreaker(value, app=task.app)
+        except ImproperlyConfigured as exc:
+            raise ImproperlyConfigured(
+                f"circuit_breaker={shown(value)}: {exc}", setting="circuit_breaker"
+            ) from exc
+    elif isinstance(value, CircuitBreaker):
+        breaker = value.bind(task.app)
+    else:
+        raise ImproperlyConfigured(
+            f"circuit_breaker={shown(value)} must be a dependency name "
+            f"or a CircuitBreaker(...) object",
+            setting="circuit_breaker",
+        )
+    policy = breaker.on_store_error or settings.breaker_on_store_error
+    return BreakerGate(breaker, policy)

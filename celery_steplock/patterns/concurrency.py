@@ -1,0 +1,830 @@
+"""Cluster-wide concurrency limit (bulkhead): at most N executions per key at once, across
+every worker of the cluster.
+
+A limit of N on the key ``K`` is N possible **slots**, each an ordinary lease of the lease
+store named ``"K}#i"`` (``i`` in ``0 .. N-1``), whose Redis key
+``<prefix>:lease:{K}#i}`` has the hash tag ``K``: every slot of one limit, its fencing
+counter and its waiters live in one Redis Cluster slot, so one script decides. A slot is
+owner-keyed (a fresh owner token per execution), expires with its TTL, carries a fencing
+token, is renewed by the process's heartbeat like any lease, listed by ``celery steplock ls``
+and the admin (its metadata says ``kind=slot``, ``limit``, ``limit_key``), reaped when its
+holder died, and can be force-released. A slot name holds ``}``, which no lock name may, so
+slots and task leases never share a name.
+
+Fairness: a denied caller that will come back (a re-queued task: its task id; a waiting
+:meth:`ConcurrencyLimit.acquire`: its owner token) is a *waiter*, queued by the time it was
+first denied. A free slot goes to one of the ``free`` oldest waiters, or to a newcomer only
+when fewer callers wait than slots are free; a waiter that stops coming back for
+``waiter_ttl`` seconds leaves the queue. So a newcomer never overtakes a waiter.
+
+Keys (``prefix`` is ``steplock_key_prefix``): ``<prefix>:lease:{K}#i}`` (slot ``i``),
+``<prefix>:bulkhead:{K}:fence`` (fencing counter), ``<prefix>:bulkhead:{K}:queue`` (waiters
+by first-denied time, Redis ms) and ``<prefix>:bulkhead:{K}:alive`` (waiters by the Redis
+ms their entry expires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .. import signals
+from .._checks import check_seconds, check_ttl, shown
+from .._redis import route, wire
+from ..conf import ON_STORE_ERROR
+from ..events import emit, lease_fields, log_event
+from ..exceptions import (
+    ConcurrencyLimited,
+    ImproperlyConfigured,
+    LockNameError,
+    LockStoreUnavailable,
+)
+from ..keys import (
+    MAX_NAME_LENGTH,
+    argument_names,
+    bind_arguments,
+    check_name,
+    lease_key,
+    template_fields,
+)
+from ..lease import Lease, drift, holder_metadata, new_owner_token
+
+__all__ = [
+    "ConcurrencyLimit",
+    "Slot",
+    "current_slot",
+    "slot_name",
+    "parse_slot_name",
+    "OPTIONS",
+    "gate",
+    "MAX_LIMIT",
+    "ACQUIRE_SLOT",
+    "SLOT_KIND",
+]
+
+#: The task options of this gate (:mod:`celery_steplock.patterns.gates`).
+OPTIONS = frozenset({"concurrency_limit", "concurrency_limit_key"})
+
+#: The largest limit (slots per key): each decision reads every slot of its key.
+MAX_LIMIT = 1000
+
+#: ``kind`` in a slot's lease metadata.
+SLOT_KIND = "slot"
+
+#: Seconds at least a waiter's queue entry lives without the waiter coming back.
+MIN_WAITER_TTL = 10.0
+
+# KEYS[1..n] the slot leases (n = the limit), KEYS[n+1] the fencing counter, KEYS[n+2] the
+# waiters' queue (score: first-denied ms), KEYS[n+3] the waiters' liveness (score: expiry ms).
+# ARGV[1] owner token, ARGV[2] slot TTL ms, ARGV[3] fencing counter period ms, ARGV[4] the
+# caller's waiter ticket ('' : the caller does not come back, it never waits), ARGV[5]
+# waiter entry TTL ms, ARGV[6] the slot's metadata JSON.
+# Returns {1, slot index (0-based), fencing token} when granted (or already held by
+# ARGV[1]: only its TTL is reset), else {0, free slots, waiters, the caller's rank among
+# them (-1: none), smallest remaining TTL ms of the held slots (-1: none held)}. A refused
+# caller with a ticket is queued (first denial) and its entry's expiry pushed back; a
+# granted one leaves the queue. Fencing token: max(counter + 1, Redis time in us).
+ACQUIRE_SLOT = """
+local n = #KEYS - 3
+local fence_key, queue, alive = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local first_free = nil
+local free = 0
+local min_pttl = -1
+for i = 1, n do
+  local holder = redis.call('HGET', KEYS[i], 'owner')
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    return {1, i - 1, tonumber(redis.call('HGET', KEYS[i], 'fence'))}
+  elseif holder then
+    local left = redis.call('PTTL', KEYS[i])
+    if min_pttl < 0 or left < min_pttl then min_pttl = left end
+  else
+    free = free + 1
+    if not first_free then first_free = i end
+  end
+end
+local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_ms, 'LIMIT', 0, 100)
+if #gone > 0 then
+  redis.call('ZREM', queue, unpack(gone))
+  redis.call('ZREM', alive, unpack(gone))
+end
+local waiting = redis.call('ZCARD', queue)
+local rank = nil
+if ARGV[4] ~= '' then rank = redis.call('ZRANK', queue, ARGV[4]) end
+local granted = false
+if free > 0 then
+  if rank then granted = rank < free else granted = waiting < free end
+end
+if not granted then
+  if ARGV[4] ~= '' then
+    local wttl = tonumber(ARGV[5])
+    if not rank then
+      redis.call('ZADD', queue, now_ms, ARGV[4])
+      rank = waiting
+      waiting = waiting + 1
+    end
+    redis.call('ZADD', alive, now_ms + wttl, ARGV[4])
+    redis.call('PEXPIRE', queue, wttl * 2)
+    redis.call('PEXPIRE', alive, wttl * 2)
+  end
+  return {0, free, waiting, rank or -1, min_pttl}
+end
+if rank then
+  redis.call('ZREM', queue, ARGV[4])
+  redis.call('ZREM', alive, ARGV[4])
+end
+local fence = t[1] * 1000000 + t[2]
+local prev = tonumber(redis.call('GET', fence_key) or '0')
+if prev >= fence then fence = prev + 1 end
+local fence_s = string.format('%d', fence)
+redis.call('SET', fence_key, fence_s, 'PX', ARGV[3] * 2)
+local now_s = string.format('%d', now_ms)
+local slot = KEYS[first_free]
+redis.call('HSET', slot, 'owner', ARGV[1], 'fence', fence_s, 'acquired_ms', now_s,
+           'renewed_ms', now_s, 'ttl_ms', ARGV[2], 'meta', ARGV[6])
+redis.call('PEXPIRE', slot, ARGV[2])
+return {1, first_free - 1, fence}
+"""
+
+# KEYS[1] the waiters' queue, KEYS[2] their liveness. ARGV[1] the ticket. Returns the
+# number of entries removed (a waiter that gave up leaves the queue at once).
+LEAVE_QUEUE = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+_SLOT_SUFFIX = "}#"
+
+
+def slot_name(key: str, index: int) -> str:
+    """The lease name of slot ``index`` (0-based) of the limit key ``key``: ``"key}#index"``."""
+    return f"{key}{_SLOT_SUFFIX}{index}"
+
+
+def parse_slot_name(name: str) -> tuple[str, int] | None:
+    """``(limit key, index)`` of a slot's lease name, or None when ``name`` is no slot."""
+    if not isinstance(name, str) or _SLOT_SUFFIX not in name:
+        return None
+    key, _, index = name.rpartition(_SLOT_SUFFIX)
+    if not key or not index.isdigit() or "{" in key or "}" in key:
+        return None
+    return key, int(index)
+
+
+_current: contextvars.ContextVar[tuple] = contextvars.ContextVar("steplock_slots", default=())
+
+
+def current_slot() -> Slot | None:
+    """The :class:`Slot` the running task holds (its ``concurrency_limit``), or the innermost
+    one of :meth:`ConcurrencyLimit.acquire`; None outside of either. A body that works in
+    units calls ``current_slot().check()`` between them: a slot lost (its holder stopped past
+    its TTL, or the heartbeat found it taken over) raises :class:`LockLost`."""
+    held = _current.get()
+    return held[-1] if held else None
+
+
+@dataclass(eq=False)
+class Slot:
+    """One held slot of a :class:`ConcurrencyLimit`: ``key`` (the limit key), ``index``
+    (0-based), ``lease`` (the slot's :class:`~celery_steplock.lease.Lease`: ``owner``,
+    ``fence``, ``ttl`` seconds, ``lost``)."""
+
+    limit: ConcurrencyLimit
+    key: str
+    index: int
+    lease: Lease
+    store: Any = field(repr=False)
+    sender: Any = field(default=None, repr=False)
+    released: bool = False
+
+    @property
+    def owner(self) -> str:
+        return self.lease.owner
+
+    @property
+    def fence(self) -> int:
+        return self.lease.fence
+
+    @property
+    def lost(self) -> bool:
+        return self.lease.lost
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` if the slot can no longer be trusted (see
+        :meth:`celery_steplock.lease.Lease.check`)."""
+        self.lease.check()
+
+    def release(self) -> bool:
+        """Give the slot back (owner-checked: a slot taken over since is left to its new
+        holder). Returns whether this call freed it; never raises (a Redis error is logged:
+        the TTL frees the slot). Emits ``slot_released``, or ``slot_expired`` when the slot
+        was lost before."""
+        if self.released:
+            return False
+        self.released = True
+        freed = False
+        error = None
+        try:
+            freed = self.store.release(self.lease.name, self.lease.owner)
+        except Exception as exc:  # noqa: BLE001 - the TTL frees the slot
+            error = exc
+            log_event(
+                "release_failed",
+                logging.WARNING,
+                key=self.lease.key,
+                owner=self.lease.owner,
+                error=exc,
+            )
+        fields = self.limit._fields(self.key, self.lease, slot=self.index)
+        if self.lease.lost or (not freed and error is None):
+            emit(
+                signals.slot_expired,
+                self.sender,
+                logging.WARNING,
+                reason=self.lease.lost_reason or "the slot was gone or taken over at release",
+                **fields,
+            )
+        else:
+            emit(
+                signals.slot_released,
+                self.sender,
+                logging.INFO,
+                hold_seconds=self.lease.clock() - self.lease.acquired_at,
+                **fields,
+            )
+        return freed
+
+
+class ConcurrencyLimit:
+    """At most ``limit`` executions per key across the cluster at once.
+
+    ``limit``: int, 1 to :data:`MAX_LIMIT`. ``key``: the limit key: a :meth:`str.format`
+    template over the task's (or decorated function's) argument names (plain names only,
+    as ``lock_key``), a callable of the bound arguments returning a str, or None (one limit
+    per task name; for the plain API, the ``key=`` given to :meth:`acquire` or the
+    function's qualified name). ``ttl``: seconds (0.05 to 86400) a slot lives without
+    renewal; None: the task's lease TTL (``lock_ttl``), or ``steplock_default_ttl`` for the
+    plain API. ``on_store_error``: ``"fail_closed"`` (Redis down: the task is retried, the
+    plain API raises :class:`LockStoreUnavailable`) or ``"fail_open"`` (it runs without a
+    slot); None: ``steplock_bulkhead_on_store_error``. ``retry_after``: seconds at most a
+    denied execution is told to wait (None: ``steplock_bulkhead_retry_after``).
+    ``waiter_ttl``: seconds a waiter's place is kept without it coming back (None: ten
+    times ``retry_after``, at least 10).
+
+    Invalid values raise :class:`ImproperlyConfigured` naming ``concurrency_limit`` (the
+    limit, ttl, on_store_error, retry_after, waiter_ttl) or ``concurrency_limit_key``.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        key: str | Callable[..., str] | None = None,
+        ttl: float | None = None,
+        on_store_error: str | None = None,
+        *,
+        retry_after: float | None = None,
+        waiter_ttl: float | None = None,
+    ):
+        option = "concurrency_limit"
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise ImproperlyConfigured(
+                f"{option} must be an int from 1 to {MAX_LIMIT} (executions at once), or a "
+                f"ConcurrencyLimit, got {shown(limit)}",
+                setting=option,
+            )
+        self.limit = limit
+        self.key = check_key_template(key)
+        self.ttl = None if ttl is None else _option(check_ttl, ttl, f"{option} ttl")
+        if on_store_error is not None and on_store_error not in ON_STORE_ERROR:
+            raise ImproperlyConfigured(
+                f"{option} on_store_error must be one of {', '.join(ON_STORE_ERROR)} or None, "
+                f"got {shown(on_store_error)}",
+                setting=option,
+            )
+        self.on_store_error = on_store_error
+        self.retry_after = (
+            None
+            if retry_after is None
+            else _option(check_seconds, retry_after, f"{option} retry_after", maximum=3600.0)
+        )
+        self.waiter_ttl = (
+            None
+            if waiter_ttl is None
+            else _option(check_seconds, waiter_ttl, f"{option} waiter_ttl", maximum=86400.0)
+        )
+        self._scripts: dict[int, tuple[Any, wire.Script, wire.Script]] = {}
+        self._guard = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ConcurrencyLimit({self.limit}, key={self.key!r})"
+
+    def describe(self) -> str:
+        return f"{self.limit} at once"
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def render(
+        self, default: str, arguments: dict[str, Any] | None = None, template: Any = None
+    ) -> str:
+        """The limit key for these bound ``arguments``: ``template`` (or this limit's
+        ``key``) formatted, or ``default`` without one. Raises :class:`LockNameError`."""
+        template = self.key if template is None else template
+        if template is None:
+            return checked_key(default)
+        if callable(template):
+            return checked_key(template(**(arguments or {})))
+        try:
+            return checked_key(template.format(**(arguments or {})))
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise LockNameError(
+                f"concurrency_limit_key {shown(template)} cannot format these arguments: {exc!r}"
+            ) from None
+
+    @staticmethod
+    def redis_keys(prefix: str, key: str, limit: int) -> list[str]:
+        """The KEYS of :data:`ACQUIRE_SLOT` for ``limit`` slots of ``key``."""
+        base = f"{prefix}:bulkhead:{{{key}}}"
+        return [lease_key(prefix, slot_name(key, i)) for i in range(limit)] + [
+            f"{base}:fence",
+            f"{base}:queue",
+            f"{base}:alive",
+        ]
+
+    # -- settings -----------------------------------------------------------------------------
+
+    def policy(self, settings: Any = None) -> str:
+        if self.on_store_error is not None:
+            return self.on_store_error
+        return settings.bulkhead_on_store_error if settings is not None else "fail_closed"
+
+    def max_retry_after(self, settings: Any = None) -> float:
+        if self.retry_after is not None:
+            return self.retry_after
+        return settings.bulkhead_retry_after if settings is not None else 0.5
+
+    def queue_ttl(self, settings: Any = None) -> float:
+        if self.waiter_ttl is not None:
+            return self.waiter_ttl
+        return max(MIN_WAITER_TTL, 10 * self.max_retry_after(settings))
+
+    def _fields(self, key: str, lease: Lease | None, **extra: Any) -> dict[str, Any]:
+        fields: dict[str, Any] = (
+            lease_fields(lease)
+            if lease is not None
+            else {
+                "key": None,
+                "name": None,
+                "owner": None,
+                "fence": None,
+                "task_id": None,
+                "task_name": None,
+                "ttl": None,
+            }
+        )
+        fields.update(limit_key=key, limit=self.limit, **extra)
+        return fields
+
+    # -- one decision -------------------------------------------------------------------------
+
+    def _scripts_for(self, store: Any) -> tuple[wire.Script, wire.Script]:
+        entry = self._scripts.get(id(store))
+        if entry is None or entry[0] is not store:
+            with self._guard:
+                entry = (store, wire.Script(ACQUIRE_SLOT), wire.Script(LEAVE_QUEUE))
+                self._scripts[id(store)] = entry
+        return entry[1], entry[2]
+
+    def try_acquire(
+        self,
+        store: Any,
+        key: str,
+        *,
+        owner: str,
+        ticket: str | None,
+        ttl: float,
+        metadata: dict[str, Any],
+        settings: Any = None,
+        sender: Any = None,
+    ) -> Slot:
+        """One decision on ``key`` through the lease store ``store``: the granted
+        :class:`Slot` (not yet renewed by a heartbeat), or :class:`ConcurrencyLimited` with
+        ``retry_after`` (seconds). ``ticket``: the caller's place in the waiters' queue
+        (None: a newcomer that will not come back). Raises LockStoreUnavailable (Redis
+        down), LockError (Redis refused)."""
+        from ..lock import STORE_ERRORS, pack_metadata, store_error
+
+        acquire, _leave = self._scripts_for(store)
+        ttl_ms = max(1, int(ttl * 1000))
+        keys = self.redis_keys(store.prefix, key, self.limit)
+        args = [
+            owner,
+            str(ttl_ms),
+            str(max(ttl_ms, int(store.fence_ttl * 1000))),
+            ticket or "",
+            str(int(self.queue_ttl(settings) * 1000)),
+            pack_metadata(metadata),
+        ]
+        if not store._probed:
+            store.check_permissions(what="slot acquire", key=keys[0])
+        sent = store.clock()
+        try:
+            reply = route.evalsha(store.client, acquire, keys, args)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "slot acquire", key=keys[0], name=key) from exc
+        if int(reply[0]) == 1:
+            index, fence = int(reply[1]), int(reply[2])
+            lease = Lease(
+                name=slot_name(key, index),
+                key=keys[index],
+                owner=owner,
+                fence=fence,
+                ttl=ttl,
+                acquired_at=sent,
+                valid_until=sent + ttl - drift(ttl),
+                task_id=metadata.get("task_id"),
+                task_name=metadata.get("task_name"),
+                clock=store.clock,
+                secret=store.name_secret,
+            )
+            slot = Slot(self, key, index, lease, store, sender)
+            emit(
+                signals.slot_acquired, sender, logging.INFO, **self._fields(key, lease, slot=index)
+            )
+            return slot
+        free, waiting, rank, min_pttl = (int(x) for x in reply[1:5])
+        cap = self.max_retry_after(settings)
+        retry_after = cap if free or min_pttl < 0 else min(cap, min_pttl / 1000.0)
+        retry_after = max(0.05, retry_after)
+        fields = self._fields(
+            key, None, task_id=metadata.get("task_id"), task_name=metadata.get("task_name")
+        )
+        emit(
+            signals.concurrency_limited,
+            sender,
+            logging.INFO,
+            retry_after=retry_after,
+            free=free,
+            waiting=waiting,
+            rank=None if rank < 0 else rank,
+            **{k: v for k, v in fields.items() if k not in ("key", "name", "owner", "fence")},
+            key=key,
+            name=None,
+            owner=owner,
+            fence=None,
+        )
+        raise ConcurrencyLimited(
+            f"concurrency limit {key!r}: all {self.limit} slot(s) held"
+            + (f" or kept for {waiting} older waiter(s)" if free else ""),
+            retry_after=retry_after,
+            option="concurrency_limit",
+            key=key,
+            limit=self.describe(),
+            free=free,
+            waiting=waiting,
+            rank=rank,
+        )
+
+    def leave_queue(self, store: Any, key: str, ticket: str) -> None:
+        """Remove ``ticket`` from ``key``'s waiters (a caller that gave up); never raises."""
+        _acquire, leave = self._scripts_for(store)
+        base = f"{store.prefix}:bulkhead:{{{key}}}"
+        try:
+            route.evalsha(store.client, leave, [f"{base}:queue", f"{base}:alive"], [ticket])
+        except Exception:  # noqa: BLE001 - the entry expires with its waiter TTL
+            pass
+
+    # -- the plain API ------------------------------------------------------------------------
+
+    def _store(self, app: Any, client: Any, prefix: str | None):
+        from ..conf import Settings
+        from ..lock import RedisLeaseStore, get_lease_store
+
+        if client is not None:
+            with self._guard:
+                stores = self.__dict__.setdefault("_client_stores", {})
+                store = stores.get((id(client), prefix))
+                if store is None or store.client is not client:
+                    store = RedisLeaseStore(client, prefix=prefix or "steplock")
+                    stores[(id(client), prefix)] = store
+            return store, None
+        if app is None:
+            raise ImproperlyConfigured(
+                "ConcurrencyLimit.acquire needs app= (a Celery app) or client= (a redis client)",
+                setting="concurrency_limit",
+            )
+        settings = Settings(app)
+        return get_lease_store(app, settings), settings
+
+    @contextlib.contextmanager
+    def acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        wait: float = 0.0,
+        ttl: float | None = None,
+        arguments: dict[str, Any] | None = None,
+        default_key: str | None = None,
+    ):
+        """Context manager: hold one slot of ``key`` (or this limit's template rendered over
+        ``arguments``) for the block, renewed by the process's heartbeat, released at exit.
+
+        ``app``: a Celery app (its lease store and settings), or ``client``: a redis client
+        (keys under ``prefix``, default ``"steplock"``). ``wait``: seconds to keep trying
+        (0: one decision; a waiting caller keeps its place in the queue). ``ttl``: seconds.
+        Yields the :class:`Slot` (None when Redis is down and the policy is fail_open).
+        Raises :class:`ConcurrencyLimited` (``retry_after``) when no slot came within
+        ``wait``, LockStoreUnavailable (fail_closed), ImproperlyConfigured."""
+        from ..heartbeat import get_heartbeat
+
+        store, settings = self._store(app, client, prefix)
+        wait = _option(check_seconds, wait, "wait", allow_zero=True, maximum=86400.0)
+        if key is not None:
+            key = checked_key(key)
+        elif self.key is not None and (arguments is not None or callable(self.key)):
+            key = self.render("", arguments)
+        elif default_key is not None and self.key is None:
+            key = checked_key(default_key)
+        else:
+            raise ImproperlyConfigured(
+                "ConcurrencyLimit.acquire needs key= (the limit key), "
+                "or arguments= for its key template",
+                setting="concurrency_limit_key",
+            )
+        ttl = ttl if ttl is not None else self.ttl
+        if ttl is None:
+            ttl = settings.default_ttl if settings is not None else 30.0
+        ttl = _option(check_ttl, ttl, "ttl")
+        ratio = settings.renewal_ratio if settings is not None else 1 / 3
+        owner = new_owner_token()
+        metadata = holder_metadata(
+            renew_ms=int(ttl * ratio * 1000), kind=SLOT_KIND, limit=self.limit, limit_key=key
+        )
+        deadline = time.monotonic() + wait
+        slot = None
+        try:
+            while True:
+                try:
+                    slot = self.try_acquire(
+                        store,
+                        key,
+                        owner=owner,
+                        ticket=owner if wait > 0 else None,
+                        ttl=ttl,
+                        metadata=metadata,
+                        settings=settings,
+                    )
+                    break
+                except ConcurrencyLimited as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    time.sleep(min(left, random.uniform(0.5, 1.0) * exc.retry_after))
+        except LockStoreUnavailable as exc:
+            if self.policy(settings) != "fail_open":
+                raise
+            emit(
+                signals.lock_store_error,
+                None,
+                logging.ERROR,
+                reason=str(exc),
+                policy="fail_open",
+                **self._fields(key, None),
+            )
+            yield None
+            return
+        finally:
+            if slot is None and wait > 0:
+                self.leave_queue(store, key, owner)
+        heartbeat = get_heartbeat()
+        heartbeat.register(slot.lease, store, ratio=ratio)
+        token = _current.set((*_current.get(), slot))
+        try:
+            yield slot
+        finally:
+            _current.reset(token)
+            heartbeat.unregister(slot.lease)
+            slot.release()
+
+    def __call__(self, function: Callable) -> Callable:
+        """Decorator: each call of ``function`` holds a slot (:meth:`acquire`) of the key
+        rendered over its bound arguments (the function's qualified name without a
+        template). Give the store with ``@limit.using(app=...)`` or ``client=``."""
+        return self.using()(function)
+
+    def using(
+        self, *, app: Any = None, client: Any = None, prefix: str | None = None, wait: float = 0.0
+    ) -> Callable[[Callable], Callable]:
+        """A decorator as :meth:`__call__`, with the store and ``wait`` of :meth:`acquire`."""
+
+        def decorate(function: Callable) -> Callable:
+            default = f"{function.__module__}.{function.__qualname__}"
+
+            @functools.wraps(function)
+            def limited(*args: Any, **kwargs: Any) -> Any:
+                arguments = bind_arguments(function, args, kwargs) if self.key else None
+                target = app
+                if target is None and client is None:
+                    from celery import current_app
+
+                    target = current_app
+                with self.acquire(
+                    app=target,
+                    client=client,
+                    prefix=prefix,
+                    wait=wait,
+                    arguments=arguments,
+                    default_key=default,
+                ):
+                    return function(*args, **kwargs)
+
+            return limited
+
+        return decorate
+
+
+def checked_key(key: Any) -> str:
+    """``key`` if it can be a limit key (a lock name short enough for its slot names), else
+    :class:`LockNameError`."""
+    key = check_name(key)
+    if len(slot_name(key, MAX_LIMIT)) > MAX_NAME_LENGTH:
+        raise LockNameError(
+            f"a concurrency limit key is at most "
+            f"{MAX_NAME_LENGTH - len(slot_name('', MAX_LIMIT))} characters, "
+            f"got {len(key)}"
+        )
+    return key
+
+
+def _option(check: Callable[..., Any], value: Any, name: str, **kwargs: Any) -> Any:
+    try:
+        return check(value, name, **kwargs)
+    except ImproperlyConfigured as exc:
+        raise ImproperlyConfigured(str(exc), setting="concurrency_limit") from None
+
+
+def check_key_template(key: Any) -> Any:
+    """``key`` if it can be a ``concurrency_limit_key`` (None, a callable, or a str.format
+    template of plain argument names), else ImproperlyConfigured naming the option."""
+    if key is None or callable(key):
+        return key
+    if not isinstance(key, str) or not key:
+        raise ImproperlyConfigured(
+            f"concurrency_limit_key must be a str.format template, a "
+            f"callable or None, got {shown(key)}",
+            setting="concurrency_limit_key",
+        )
+    try:
+        template_fields(key)
+    except LockNameError as exc:
+        raise ImproperlyConfigured(
+            str(exc).replace("lock_key", "concurrency_limit_key", 1),
+            setting="concurrency_limit_key",
+        ) from None
+    if "{" not in key and "}" in key:
+        raise ImproperlyConfigured(
+            f"concurrency_limit_key {shown(key)} cannot contain braces",
+            setting="concurrency_limit_key",
+        )
+    return key
+
+
+# -- the gate (celery_steplock.patterns.gates) ---------------------------------------------------
+
+
+class _Held:
+    def __init__(self, slot: Slot, token: contextvars.Token):
+        self.slot = slot
+        self.token = token
+
+    def exit(self, exc: BaseException | None, result: Any) -> None:
+        from ..heartbeat import get_heartbeat
+
+        try:
+            _current.reset(self.token)
+        except ValueError:  # exited from another context: nothing of ours is set there
+            pass
+        get_heartbeat().unregister(self.slot.lease)
+        self.slot.release()
+
+
+class BulkheadGate:
+    """The ``concurrency_limit`` gate of one task: a slot taken after the step lease,
+    renewed by the heartbeat with the lease, released after COMMIT."""
+
+    option = "concurrency_limit"
+
+    def __init__(self, task: Any, limit: ConcurrencyLimit, key: Any):
+        self.task_name = task.name
+        self.limit = limit
+        self.key = key
+
+    def enter(self, context: Any) -> _Held | None:
+        from ..heartbeat import get_heartbeat
+
+        task, plan = context.task, context.plan
+        settings = getattr(plan, "settings", None)
+        if settings is None:
+            from ..conf import Settings
+
+            settings = Settings(task.app)
+        store = plan.store
+        key = self.limit.render(self.task_name, context.arguments, self.key)
+        request = task.request
+        ttl = self.limit.ttl or plan.ttl
+        metadata = holder_metadata(
+            request.id,
+            task.name,
+            request.retries,
+            worker=request.hostname,
+            kind=SLOT_KIND,
+            renew_ms=int(max(ttl * plan.ratio, 0.01) * 1000),
+            limit=self.limit.limit,
+            limit_key=key,
+        )
+        try:
+            slot = self.limit.try_acquire(
+                store,
+                key,
+                owner=new_owner_token(request.id),
+                ticket=request.id,
+                ttl=ttl,
+                metadata=metadata,
+                settings=settings,
+                sender=task,
+            )
+        except LockStoreUnavailable as exc:
+            policy = self.limit.policy(settings)
+            emit(
+                signals.lock_store_error,
+                task,
+                logging.ERROR,
+                reason=str(exc),
+                policy=policy,
+                task_id=request.id,
+                task_name=task.name,
+                **{
+                    k: v
+                    for k, v in self.limit._fields(key, None).items()
+                    if k not in ("task_id", "task_name")
+                },
+            )
+            if policy == "fail_open":
+                return None
+            raise
+        get_heartbeat().register(
+            slot.lease, store, ratio=plan.ratio, sender=task, max_hold=plan.max_hold
+        )
+        token = _current.set((*_current.get(), slot))
+        return _Held(slot, token)
+
+
+def _task_option(task: Any, name: str) -> Any:
+    value = getattr(task, name, None)
+    if inspect.ismethod(value) and value.__self__ is task:
+        value = value.__func__  # a function given as a class attribute or a keyword
+    return value
+
+
+def gate(task: Any, settings: Any) -> BulkheadGate | None:
+    """The task's gate, or None without ``concurrency_limit``. Raises ImproperlyConfigured
+    naming ``concurrency_limit`` or ``concurrency_limit_key``; a setting of this pattern
+    that is invalid (``steplock_bulkhead_*``) raises naming it."""
+    value = _task_option(task, "concurrency_limit")
+    key = _task_option(task, "concurrency_limit_key")
+    if value is None:
+        if key is not None:
+            check_key_template(key)
+            raise ImproperlyConfigured(
+                f"{task.name}: concurrency_limit_key is set but concurrency_limit is not",
+                setting="concurrency_limit",
+            )
+        return None
+    limit = value if isinstance(value, ConcurrencyLimit) else ConcurrencyLimit(value)
+    key = check_key_template(key) if key is not None else limit.key
+    if isinstance(key, str):
+        names = argument_names(task.run)
+        if names is not None:
+            declared, var_keyword = names
+            missing = [f for f in template_fields(key) if f not in declared]
+            if missing and not var_keyword:
+                raise ImproperlyConfigured(
+                    f"{task.name}: concurrency_limit_key {shown(key)} names {missing[0]!r}, "
+                    f"which is not an argument of the task",
+                    setting="concurrency_limit_key",
+                )
+    settings.bulkhead_on_store_error  # noqa: B018 - an invalid setting names itself here
+    settings.bulkhead_retry_after  # noqa: B018
+    return BulkheadGate(task, limit, key)

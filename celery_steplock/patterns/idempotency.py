@@ -1,0 +1,1013 @@
+"""Idempotency records: a call whose key completed returns its recorded result without
+running again.
+
+A record key is deterministic: the HMAC-SHA256 (keyed with ``steplock_name_secret``, 64 hex
+digits, :func:`record_key`) of a *namespace* (the task's name, a function's qualified name, a
+view's), a *resource key* (the rendered ``idempotency_key`` template, or the keyed hash of
+every argument) and the policy *version*, so a result recorded under another version is never
+replayed. A record is
+
+``locked``
+    an execution holds it (owner-keyed, with the lock TTL ``steplock_idempotency_lock_ttl``,
+    600 s by default): a concurrent call with the same key and arguments gets
+    :class:`~celery_steplock.exceptions.IdempotencyInProgress` (a task re-queues itself); a
+    crashed holder's record expires and the next call runs, once.
+``completed``
+    the body returned: the result as the serializer returned it (kombu's, ``"json"`` by
+    default), the serializer, content type and encoding, the fingerprint of the arguments,
+    created/completed/expiry times (Redis server time). A call with the key and the same
+    arguments returns the recorded result without running its body until the record expires
+    (``idempotency_ttl``, 24 h by default) or is invalidated (:meth:`Idempotency.invalidate`,
+    :func:`invalidate`).
+``failed``
+    the body raised: errors are never recorded as results; the record keeps the error's type
+    for operators and the next call runs again.
+
+A call with a key whose locked or completed record was made with other arguments is refused
+with :class:`~celery_steplock.exceptions.IdempotencyKeyReused`. Results are stored as the
+serializer returns them: never return credentials, secrets or personal data from an
+idempotent call; return hashes or opaque references.
+
+Stores (``steplock_idempotency_store``): ``"redis"``, one hash per record, every transition
+one Lua script (:mod:`celery_steplock._redis.scripts.idempotency`); or ``"database"``, the Django model
+:class:`~celery_steplock.contrib.django.models.IdempotencyRecord` as the truth with Redis as a
+cache of completed records (:mod:`celery_steplock.contrib.django.idempotency`).
+
+Forms: the task options ``idempotency_key`` / ``idempotency_version`` / ``idempotency_ttl``
+(the first admission gate: a replay costs nothing else), the decorator :func:`idempotent`,
+the :class:`Idempotency` object (``begin``/``call``), and the Django view decorator and
+middleware of :mod:`celery_steplock.contrib.django.idempotency`.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import logging
+import secrets
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from .. import _django, signals
+from .._checks import (
+    MAX_IDEMPOTENCY_TTL,
+    MIN_IDEMPOTENCY_TTL,
+    check_choice,
+    check_count,
+    check_seconds,
+    shown,
+)
+from .._redis import route, wire
+from .._redis.scripts.idempotency import BEGIN, CACHE, COMPLETE, FAIL, RELEASE
+from ..conf import ON_STORE_ERROR, Settings
+from ..events import emit, log_event
+from ..exceptions import (
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    ImproperlyConfigured,
+    LockNameError,
+    LockStoreUnavailable,
+)
+from ..keys import (
+    _key,
+    _keyed,
+    bind_arguments,
+    canonical_json,
+    idempotency_key,
+    name_from_arguments,
+    template_fields,
+)
+from .gates import NOT_RUN, Replay
+
+__all__ = [
+    "Idempotency",
+    "Record",
+    "Ticket",
+    "RedisRecords",
+    "idempotent",
+    "invalidate",
+    "record_key",
+    "fingerprint",
+    "OPTIONS",
+    "gate",
+    "STATUSES",
+    "MAX_VERSION_LENGTH",
+]
+
+STATUSES = ("locked", "completed", "failed")
+#: ``idempotency_version`` / ``version=``: a str (or int) of 1 to this many printable characters.
+MAX_VERSION_LENGTH = 64
+
+#: The ``retry_after`` of IdempotencyInProgress at most, seconds (the holder's remaining
+#: lock TTL when shorter; the exception's ``context["lock_ttl_left"]`` has that).
+IN_PROGRESS_RETRY = 1.0
+
+#: The task options of the gate (:mod:`celery_steplock.patterns.gates`).
+OPTIONS = frozenset({"idempotency_key", "idempotency_version", "idempotency_ttl"})
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+
+def check_version(value: Any, name: str = "idempotency_version") -> str:
+    """``value`` (a str or int, not a bool) as the version string, else ImproperlyConfigured."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_VERSION_LENGTH
+        or not value.isprintable()
+    ):
+        raise ImproperlyConfigured(
+            f"{name} must be a str or int of 1 to {MAX_VERSION_LENGTH} printable characters, "
+            f"got {shown(value)}",
+            setting=name,
+        )
+    return value
+
+
+def record_key(
+    namespace: str, resource: str, version: str | int = "1", *, secret: bytes | str | None = None
+) -> str:
+    """The record key of ``resource`` in ``namespace`` under policy ``version``: 64 hex
+    digits, :func:`celery_steplock.keys.idempotency_key` (HMAC-SHA256 keyed with the name
+    secret; None: the public key) over the namespace and ``"<resource>\\0v<version>"``, so
+    a version bump gives another key and whoever sees a key learns neither part."""
+    return idempotency_key(secret, namespace, f"{resource}\0v{check_version(version, 'version')}")
+
+
+def fingerprint(arguments: Mapping[str, Any], *, secret: bytes | str | None = None) -> str:
+    """The fingerprint of a call's bound arguments: 64 hex digits, HMAC-SHA256 keyed with the
+    name secret over their canonical JSON (:func:`celery_steplock.keys.canonical_json`:
+    ``LockNameError`` for an argument JSON cannot encode). The record keeps it, never the
+    arguments."""
+    mac = _keyed(_key(secret), b"idempotency-fingerprint\0")
+    mac.update(canonical_json(arguments).encode())
+    return mac.hexdigest()
+
+
+def _fingerprint_bytes(parts: list[bytes], secret: bytes | str | None) -> str:
+    mac = _keyed(_key(secret), b"idempotency-fingerprint\0")
+    for part in parts:
+        mac.update(b"%d:%s" % (len(part), part))
+    return mac.hexdigest()
+
+
+# -- records ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """One idempotency record as a store holds it. Times are seconds since the epoch (float;
+    Redis server time for the Redis store, the database's clock for the database store),
+    None when not reached. ``payload`` is the serialized result (``completed`` only)."""
+
+    key: str
+    status: str
+    fingerprint: str
+    namespace: str = ""
+    version: str = ""
+    owner: str | None = None
+    created_at: float | None = None
+    locked_at: float | None = None
+    completed_at: float | None = None
+    failed_at: float | None = None
+    expires_at: float | None = None
+    serializer: str | None = None
+    content_type: str | None = None
+    content_encoding: str | None = None
+    payload: bytes | str | None = None
+    error: str | None = None
+    attempts: int = 0
+
+    def result(self, serializer: str | None = None) -> Any:
+        """The recorded result, deserialized; only ``serializer``'s content type (default:
+        the one it was recorded with) is accepted (a pickle payload planted in the store is
+        refused unless pickle is the configured serializer)."""
+        from kombu.serialization import loads, registry  # type: ignore[attr-defined]  # stubs
+
+        name = serializer or self.serializer or "json"
+        accept = {registry.name_to_type.get(name, name)}
+        # kombu takes None for each (no payload, its default type and encoding); not its stubs.
+        return loads(
+            self.payload,  # type: ignore[arg-type]
+            self.content_type,  # type: ignore[arg-type]
+            self.content_encoding,  # type: ignore[arg-type]
+            accept=accept,
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a store's ``begin`` decided: ``outcome`` "locked" (the caller holds the record),
+    "replay" (``record`` is completed), "reused" (``status`` is the record's), "in_progress"
+    (``retry_after`` seconds left on the holder's lock)."""
+
+    outcome: str
+    record: Record | None = None
+    status: str | None = None
+    retry_after: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A serialized result: what a store writes for a completion."""
+
+    payload: str
+    serializer: str
+    content_type: str
+    content_encoding: str
+    b64: bool
+
+    @classmethod
+    def dump(cls, result: Any, serializer: str) -> Stored:
+        from kombu.serialization import dumps
+
+        content_type, content_encoding, payload = dumps(result, serializer=serializer)
+        if isinstance(payload, bytes):
+            try:
+                text = payload.decode() if content_encoding != "binary" else None
+            except UnicodeDecodeError:
+                text = None
+            if text is None:
+                return cls(
+                    base64.b64encode(payload).decode(),
+                    serializer,
+                    content_type,
+                    content_encoding,
+                    True,
+                )
+            payload = text
+        return cls(payload, serializer, content_type, content_encoding, False)
+
+    def raw(self) -> bytes | str:
+        return base64.b64decode(self.payload) if self.b64 else self.payload
+
+
+def _ms(value: Any) -> float | None:
+    value = wire.text(value)
+    if value in (None, ""):
+        return None
+    return int(value) / 1000.0
+
+
+class RedisRecords:
+    """Idempotency records in Redis: the hash ``<prefix>:idem:{<record key>}`` with a TTL,
+    every transition one Lua script (Redis server time; one key, so one slot on Cluster).
+
+    ``client`` a redis-py client (or ``RedisCluster``); ``prefix`` the key prefix (the lease
+    store's, ``steplock_key_prefix``). Raises LockStoreUnavailable (or LockStoreMisconfigured)
+    when Redis cannot be reached or refuses.
+    """
+
+    _begin = wire.Script(BEGIN)
+    _complete = wire.Script(COMPLETE)
+    _fail = wire.Script(FAIL)
+    _release = wire.Script(RELEASE)
+    _cache = wire.Script(CACHE)
+
+    def __init__(self, client: Any, prefix: str = "steplock"):
+        self.client = client
+        self.prefix = prefix
+
+    def redis_key(self, key: str) -> str:
+        """The Redis key of record ``key``."""
+        return f"{self.prefix}:idem:{{{key}}}"
+
+    def _eval(self, script: wire.Script, key: str, args: list[str], what: str) -> Any:
+        from ..lock import STORE_ERRORS, store_error
+
+        redis_key = self.redis_key(key)
+        try:
+            return route.evalsha(self.client, script, [redis_key], args)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, what, key=redis_key) from exc
+
+    def begin(
+        self,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> Decision:
+        reply = [
+            wire.text(v)
+            for v in self._eval(
+                self._begin,
+                key,
+                [owner, fingerprint, str(max(1, int(lock_ttl * 1000))), namespace, version],
+                "idempotency begin",
+            )
+        ]
+        outcome = reply[0]
+        if outcome == "locked":
+            return Decision("locked")
+        if outcome == "in_progress":
+            return Decision("in_progress", retry_after=max(0.0, int(reply[1]) / 1000.0))
+        if outcome == "reused":
+            return Decision("reused", status=reply[1])
+        payload, ser, ctype, cenc, b64 = reply[1:6]
+        record = Record(
+            key=key,
+            status="completed",
+            fingerprint=fingerprint,
+            namespace=namespace,
+            version=version,
+            created_at=_ms(reply[6]),
+            completed_at=_ms(reply[7]),
+            expires_at=_ms(reply[8]),
+            serializer=ser,
+            content_type=ctype,
+            content_encoding=cenc,
+            payload=base64.b64decode(payload) if b64 == "1" else payload,
+        )
+        return Decision("replay", record=record)
+
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        stored: Stored,
+        ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> bool:
+        """Record the completion; False when another execution holds or completed it."""
+        reply = self._eval(
+            self._complete,
+            key,
+            [
+                owner,
+                fingerprint,
+                stored.payload,
+                stored.serializer,
+                stored.content_type,
+                stored.content_encoding,
+                "1" if stored.b64 else "0",
+                str(max(1, int(ttl * 1000))),
+                namespace,
+                version,
+            ],
+            "idempotency complete",
+        )
+        return int(reply[0]) != 0
+
+    def fail(self, key: str, owner: str, error: str, ttl: float) -> bool:
+        return bool(
+            self._eval(
+                self._fail, key, [owner, error, str(max(1, int(ttl * 1000)))], "idempotency fail"
+            )
+        )
+
+    def release(self, key: str, owner: str) -> bool:
+        return bool(self._eval(self._release, key, [owner], "idempotency release"))
+
+    def invalidate(self, key: str) -> bool:
+        """Delete the record whatever its status; True when there was one."""
+        from ..lock import STORE_ERRORS, store_error
+
+        try:
+            return bool(self.client.delete(self.redis_key(key)))
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "idempotency invalidate", key=self.redis_key(key)) from exc
+
+    def get(self, key: str) -> Record | None:
+        """The record of ``key``, or None."""
+        from ..lock import STORE_ERRORS, store_error
+
+        try:
+            fields = self.client.hgetall(self.redis_key(key))
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "idempotency read", key=self.redis_key(key)) from exc
+        return record_from_hash(key, fields)
+
+    def cache(self, record: Record, ttl: float) -> None:
+        """Write ``record`` (completed) as the cache copy of a database record for ``ttl``
+        seconds (the database store's fast path)."""
+        pairs = [
+            "status",
+            "completed",
+            "fp",
+            record.fingerprint,
+            "ns",
+            record.namespace,
+            "ver",
+            record.version,
+            "ser",
+            record.serializer or "",
+            "ctype",
+            record.content_type or "",
+            "cenc",
+            record.content_encoding or "",
+        ]
+        payload = record.payload
+        if isinstance(payload, bytes):
+            pairs += ["result", base64.b64encode(payload).decode(), "b64", "1"]
+        else:
+            pairs += ["result", payload or "", "b64", "0"]
+        for name, value in (
+            ("created_ms", record.created_at),
+            ("completed_ms", record.completed_at),
+            ("expires_ms", record.expires_at),
+        ):
+            if value is not None:
+                pairs += [name, str(int(value * 1000))]
+        self._eval(
+            self._cache, record.key, [str(max(1, int(ttl * 1000))), *pairs], "idempotency cache"
+        )
+
+
+def record_from_hash(key: str, fields: Mapping) -> Record | None:
+    """A :class:`Record` from a record hash as Redis returns it (None when empty)."""
+    if not fields:
+        return None
+    # A field that does not apply to the status is stored as "" (no HDEL in the scripts).
+    f = {wire.text(k): wire.text(v) for k, v in fields.items() if wire.text(v) != ""}
+    payload = f.get("result", "") if f.get("status") == "completed" else None
+    if payload is not None and f.get("b64") == "1":
+        payload = base64.b64decode(payload)
+    return Record(
+        key=key,
+        status=f.get("status", ""),
+        fingerprint=f.get("fp", ""),
+        namespace=f.get("ns", ""),
+        version=f.get("ver", ""),
+        owner=f.get("owner"),
+        created_at=_ms(f.get("created_ms")),
+        locked_at=_ms(f.get("locked_ms")),
+        completed_at=_ms(f.get("completed_ms")),
+        failed_at=_ms(f.get("failed_ms")),
+        expires_at=_ms(f.get("expires_ms")),
+        serializer=f.get("ser"),
+        content_type=f.get("ctype"),
+        content_encoding=f.get("cenc"),
+        payload=payload,
+        error=f.get("error"),
+        attempts=int(f.get("attempts") or 0),
+    )
+
+
+# -- one call -----------------------------------------------------------------------------------
+
+
+class Ticket:
+    """One call's hold on its record, from :meth:`Idempotency.begin`.
+
+    ``replayed`` True: ``result`` is the recorded result (do not run the body). Otherwise
+    the caller holds the record (``locked``; or nothing at all when ``unguarded``: the store
+    did not answer and the policy is fail open) and ends it with exactly one of
+    :meth:`complete`, :meth:`fail`, :meth:`release`, or :meth:`exit` (the admission gate's
+    form). None of them raises: a store error is logged (``idempotency_record_failed``) and
+    the record's lock TTL ends it.
+    """
+
+    def __init__(
+        self,
+        policy: Idempotency,
+        key: str,
+        fingerprint: str,
+        owner: str | None,
+        *,
+        replayed: bool = False,
+        result: Any = None,
+        unguarded: bool = False,
+        task: Any = None,
+    ):
+        self.policy = policy
+        self.key = key
+        self.fingerprint = fingerprint
+        self.owner = owner
+        self.replayed = replayed
+        self.result = result
+        self.unguarded = unguarded
+        self.task = task
+        self.done = replayed or unguarded
+
+    def _fields(self) -> dict[str, Any]:
+        request = getattr(self.task, "request", None)
+        return {
+            "key": self.key,
+            "name": self.policy.namespace,
+            "version": self.policy.version,
+            "task_id": getattr(request, "id", None),
+            "task_name": getattr(self.task, "name", None),
+        }
+
+    def complete(self, result: Any) -> bool:
+        """Record ``result`` as the call's (serialized now); True when recorded."""
+        if self.done:
+            return False
+        self.done = True
+        policy = self.policy
+        reason: str | None = None
+        error: Exception | str = ""
+        try:
+            stored = Stored.dump(result, policy.serializer)
+        except Exception as exc:  # noqa: BLE001 - the body's result cannot be recorded
+            reason, error = "unserializable", exc
+        else:
+            size = len(stored.payload)
+            if size > policy.max_result_bytes:
+                reason = "too_large"
+                error = (
+                    f"the serialized result is {size} bytes, above max_result_bytes "
+                    f"({policy.max_result_bytes})"
+                )
+        if reason is not None:
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason=reason,
+                error=error,
+            )
+            self._safely(lambda: policy.store.fail(self.key, self.owner, reason, policy.ttl))
+            emit(
+                signals.idempotency_failed,
+                self.task,
+                logging.WARNING,
+                reason=reason,
+                **self._fields(),
+            )
+            return False
+        recorded = self._safely(
+            lambda: policy.store.complete(
+                self.key,
+                self.owner,
+                self.fingerprint,
+                stored,
+                policy.ttl,
+                policy.namespace,
+                policy.version,
+            )
+        )
+        if recorded:
+            emit(signals.idempotency_completed, self.task, ttl=policy.ttl, **self._fields())
+        elif recorded is not None:
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="taken",
+                error="another execution holds or completed the record",
+            )
+        return bool(recorded)
+
+    def fail(self, exc: BaseException | None, reason: str | None = None) -> bool:
+        """Mark the record failed (kept for operators, with ``reason``, default the error's
+        type; the next call runs again)."""
+        if self.done:
+            return False
+        self.done = True
+        if reason is None:
+            reason = type(exc).__name__ if exc is not None else "error"
+        marked = self._safely(
+            lambda: self.policy.store.fail(self.key, self.owner, reason, self.policy.ttl)
+        )
+        emit(
+            signals.idempotency_failed, self.task, logging.WARNING, reason=reason, **self._fields()
+        )
+        return bool(marked)
+
+    def release(self) -> bool:
+        """Drop the lock without recording anything (the body never ran)."""
+        if self.done:
+            return False
+        self.done = True
+        return bool(self._safely(lambda: self.policy.store.release(self.key, self.owner)))
+
+    def exit(self, exc: BaseException | None, result: Any) -> None:
+        """The admission gate's exit: NOT_RUN releases, an exception fails, else completes."""
+        if result is NOT_RUN:
+            self.release()
+        elif exc is not None:
+            self.fail(exc)
+        else:
+            self.complete(result)
+
+    def _safely(self, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except Exception as exc:  # noqa: BLE001 - the lock TTL ends the record
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="store_error",
+                error=exc,
+            )
+            return None
+
+
+class Idempotency:
+    """The idempotency policy of one namespace: its version, TTLs, serializer and store.
+
+    ``namespace`` (str): what the keys are made in (a task's or function's name).
+    ``version`` (str or int, default "1"): part of every key. ``ttl`` seconds a completed
+    record lasts (default ``steplock_idempotency_ttl``, 24 h), ``lock_ttl`` seconds a
+    locked one (default ``steplock_idempotency_lock_ttl``, 600 s: above the body's longest
+    run), both 0.1 s to 366 days; ``serializer`` a kombu serializer name (default
+    ``steplock_idempotency_serializer``, "json"); ``store`` "redis", "database" or a store
+    object (default ``steplock_idempotency_store``); ``on_store_error`` "fail_closed" (raise
+    LockStoreUnavailable) or "fail_open" (run without a record; default
+    ``steplock_idempotency_on_store_error``). ``app`` a Celery app whose settings and lease
+    store (client, key prefix, name secret) are used; or ``client`` a redis client (with
+    ``prefix``, default "steplock", and ``secret``, default none). ``max_result_bytes``
+    (int, 1 KiB to 64 MiB; default ``steplock_idempotency_max_result_bytes``, 1 MiB): a
+    larger serialized result is not recorded (the record is marked failed, reason
+    "too_large"; the key runs again). Raises ImproperlyConfigured (InvalidArgument) naming a
+    bad argument.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        version: str | int = "1",
+        ttl: float | None = None,
+        lock_ttl: float | None = None,
+        serializer: str | None = None,
+        store: Any = None,
+        on_store_error: str | None = None,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        secret: bytes | str | None = None,
+        max_result_bytes: int | None = None,
+    ):
+        if not isinstance(namespace, str) or not namespace or len(namespace) > 512:
+            raise ImproperlyConfigured(
+                f"namespace must be a non-empty str of at most 512 "
+                f"characters, got {shown(namespace)}",
+                setting="namespace",
+            )
+        self.namespace = namespace
+        self.version = check_version(version, "version")
+        settings = Settings(app) if app is not None else None
+        if app is None and client is None and not hasattr(store, "begin"):
+            raise ImproperlyConfigured(
+                "Idempotency needs app= (a Celery app) or client= (a redis client)", setting="app"
+            )
+
+        def setting(name, default):
+            return getattr(settings, f"idempotency_{name}") if settings is not None else default
+
+        self.ttl = (
+            check_seconds(ttl, "ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
+            if ttl is not None
+            else setting("ttl", 24 * 3600.0)
+        )
+        self.lock_ttl = (
+            check_seconds(
+                lock_ttl, "lock_ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL
+            )
+            if lock_ttl is not None
+            else setting("lock_ttl", 600.0)
+        )
+        self.serializer = serializer if serializer is not None else setting("serializer", "json")
+        from kombu.serialization import registry  # type: ignore[attr-defined]  # stubs
+
+        if self.serializer not in registry._encoders:
+            raise ImproperlyConfigured(
+                f"serializer must name a registered kombu serializer, "
+                f"got {shown(self.serializer)}",
+                setting="serializer",
+            )
+        self.max_result_bytes = (
+            check_count(
+                max_result_bytes, "max_result_bytes", minimum=1024, maximum=64 * 1024 * 1024
+            )
+            if max_result_bytes is not None
+            else setting("max_result_bytes", 1024 * 1024)
+        )
+        self.on_store_error = (
+            check_choice(on_store_error, "on_store_error", ON_STORE_ERROR)
+            if on_store_error is not None
+            else setting("on_store_error", "fail_closed")
+        )
+        if client is None and settings is not None:
+            from ..lock import get_lease_store
+
+            lease_store = get_lease_store(app, settings)
+            client, prefix = lease_store.client, lease_store.prefix
+            secret = settings.name_secret if secret is None else secret
+        self.secret = secret
+        redis_records = RedisRecords(client, prefix or "steplock") if client is not None else None
+        kind = store if store is not None else setting("store", "redis")
+        # RedisRecords, DatabaseRecords or any object with their methods (duck-typed).
+        self.store: Any
+        if kind == "redis":
+            self.store = redis_records
+        elif kind == "database":
+            database_records = _django.contrib("idempotency").DatabaseRecords
+            self.store = database_records(cache=redis_records)
+        elif hasattr(kind, "begin"):
+            self.store = kind
+        else:
+            raise ImproperlyConfigured(
+                f"store must be 'redis', 'database' or a store object, got {shown(kind)}",
+                setting="store",
+            )
+
+    def key(self, resource: str) -> str:
+        """The record key of ``resource`` (:func:`record_key`)."""
+        return record_key(self.namespace, resource, self.version, secret=self.secret)
+
+    def fingerprint(self, arguments: Mapping[str, Any]) -> str:
+        return fingerprint(arguments, secret=self.secret)
+
+    def begin(
+        self,
+        resource: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        fingerprint: str | None = None,
+        task: Any = None,
+    ) -> Ticket:
+        """Lock ``resource``'s record for this call, or find its completed result.
+
+        ``arguments``: the call's bound arguments (their fingerprint is recorded; or give
+        ``fingerprint``, a str, directly). Returns a :class:`Ticket` (``replayed`` with the
+        recorded ``result``, or holding the lock). Raises IdempotencyKeyReused (the record
+        was made with other arguments), IdempotencyInProgress (another execution holds it;
+        ``retry_after`` seconds), LockStoreUnavailable (the store did not answer; fail
+        closed)."""
+        key = self.key(resource)
+        if fingerprint is None:
+            fingerprint = self.fingerprint(arguments or {})
+        owner = secrets.token_hex(16)
+        fields: dict[str, Any] = {
+            "key": key,
+            "name": self.namespace,
+            "version": self.version,
+            "task_id": getattr(getattr(task, "request", None), "id", None),
+            "task_name": getattr(task, "name", None),
+        }
+        try:
+            decision = self.store.begin(
+                key, fingerprint, owner, self.lock_ttl, self.namespace, self.version
+            )
+        except LockStoreUnavailable as exc:
+            emit(
+                signals.lock_store_error,
+                task,
+                logging.ERROR,
+                reason=str(exc),
+                policy=self.on_store_error,
+                **fields,
+            )
+            if self.on_store_error == "fail_open":
+                return Ticket(self, key, fingerprint, None, unguarded=True, task=task)
+            raise
+        if decision.outcome == "locked":
+            emit(signals.idempotency_locked, task, ttl=self.lock_ttl, owner=owner, **fields)
+            return Ticket(self, key, fingerprint, owner, task=task)
+        if decision.outcome == "replay":
+            result = decision.record.result(self.serializer)
+            emit(signals.idempotency_replayed, task, **fields)
+            return Ticket(self, key, fingerprint, None, replayed=True, result=result, task=task)
+        if decision.outcome == "reused":
+            emit(
+                signals.idempotency_conflict,
+                task,
+                logging.WARNING,
+                reason="reused",
+                current=decision.status,
+                **fields,
+            )
+            raise IdempotencyKeyReused(
+                f"idempotency key {key} of {self.namespace!r} (version {self.version}) is "
+                f"{decision.status} for a call with other arguments",
+                key=key,
+                namespace=self.namespace,
+                version=self.version,
+            )
+        emit(signals.idempotency_conflict, task, reason="in_progress", **fields)
+        # A holder usually ends long before its lock TTL: ask again soon (a retry that finds
+        # the record completed is a replay), never later than the lock's end.
+        raise IdempotencyInProgress(
+            f"idempotency key {key} of {self.namespace!r} is held by another execution",
+            retry_after=min(decision.retry_after, IN_PROGRESS_RETRY),
+            key=key,
+            namespace=self.namespace,
+            version=self.version,
+            lock_ttl_left=decision.retry_after,
+        )
+
+    @contextmanager
+    def call(
+        self,
+        resource: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        fingerprint: str | None = None,
+    ) -> Iterator[Ticket]:
+        """Context manager form of :meth:`begin`::
+
+            with policy.call("order:42", {"order_id": 42}) as call:
+                if not call.replayed:
+                    call.result = charge(42)
+            use(call.result)
+
+        A block that raises marks the record failed (and the exception propagates); one that
+        ends records ``call.result``."""
+        ticket = self.begin(resource, arguments, fingerprint=fingerprint)
+        try:
+            yield ticket
+        except BaseException as exc:
+            ticket.fail(exc)
+            raise
+        if not ticket.done:
+            ticket.complete(ticket.result)
+
+    def get(self, resource: str) -> Record | None:
+        """The record of ``resource``, or None."""
+        return self.store.get(self.key(resource))
+
+    def invalidate(self, resource: str) -> bool:
+        """Delete the record of ``resource`` (whatever its status): the next call runs.
+        True when there was one."""
+        return invalidate(self.key(resource), store=self.store)
+
+
+def invalidate(
+    key: str, *, app: Any = None, client: Any = None, prefix: str | None = None, store: Any = None
+) -> bool:
+    """Delete record ``key`` (64 hex digits, :func:`record_key`) from ``store`` (a store
+    object), or from ``app``'s configured store, or from Redis ``client`` (key ``prefix``,
+    default "steplock"). True when there was one."""
+    if store is None:
+        if app is not None:
+            store = Idempotency("invalidate", app=app).store
+        elif client is not None:
+            store = RedisRecords(client, prefix or "steplock")
+        else:
+            raise ImproperlyConfigured("invalidate needs app=, client= or store=", setting="app")
+    removed = store.invalidate(key)
+    log_event("idempotency_invalidated", logging.INFO, key=key, removed=removed)
+    return removed
+
+
+# -- the decorator ------------------------------------------------------------------------------
+
+
+def idempotent(
+    key: str | Callable[..., str] | None = None,
+    *,
+    version: str | int = "1",
+    ttl: float | None = None,
+    lock_ttl: float | None = None,
+    namespace: str | None = None,
+    app: Any = None,
+    client: Any = None,
+    **options: Any,
+) -> Callable:
+    """Decorator: ``fun``'s calls with one key run once; later calls with that key and the
+    same arguments return the recorded result.
+
+    ``key``: a :meth:`str.format` template over ``fun``'s argument names
+    (``"payment:{payment_id}"``), a callable of the bound arguments returning the resource
+    key, or None (the keyed hash of every argument). ``namespace`` defaults to
+    ``"<module>.<qualname>"``. Other keywords as :class:`Idempotency` (``app`` or ``client``
+    required). The wrapper raises what :meth:`Idempotency.begin` raises, plus ``fun``'s own
+    errors (recorded as failed, never as results). ``wrapper.idempotency`` is the policy;
+    ``wrapper.invalidate(*args, **kwargs)`` deletes one call's record.
+    """
+    if key is not None and not callable(key):
+        if not isinstance(key, str):
+            raise ImproperlyConfigured(
+                f"key must be a str.format template or a callable, got {shown(key)}", setting="key"
+            )
+        try:
+            template_fields(key)
+        except LockNameError as exc:
+            raise ImproperlyConfigured(str(exc), setting="key") from None
+
+    def decorate(fun: Callable) -> Callable:
+        space = namespace or f"{fun.__module__}.{fun.__qualname__}"
+        policy = Idempotency(
+            space, version=version, ttl=ttl, lock_ttl=lock_ttl, app=app, client=client, **options
+        )
+
+        def resource(args, kwargs) -> tuple[str, dict[str, Any]]:
+            arguments = bind_arguments(fun, args, kwargs)
+            return name_from_arguments(space, arguments, key, secret=policy.secret), arguments
+
+        @functools.wraps(fun)
+        def wrapper(*args, **kwargs):
+            name, arguments = resource(args, kwargs)
+            ticket = policy.begin(name, arguments)
+            if ticket.replayed:
+                return ticket.result
+            try:
+                result = fun(*args, **kwargs)
+            except BaseException as exc:
+                ticket.fail(exc)
+                raise
+            ticket.complete(result)
+            return result
+
+        # Function attributes: the typeshed's functools.wraps result does not declare them.
+        wrapper.idempotency = policy  # type: ignore[attr-defined]
+        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])  # type: ignore[attr-defined]
+        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+# -- the admission gate -------------------------------------------------------------------------
+
+
+def _task_key(task) -> Any:
+    import inspect
+
+    template = getattr(task, "idempotency_key", None)
+    if inspect.ismethod(template) and template.__self__ is task:
+        template = template.__func__  # a function given as a class attribute
+    if template is None or callable(template):
+        return template
+    if not isinstance(template, str):
+        raise ImproperlyConfigured(
+            f"idempotency_key must be a str.format template or a callable, got {shown(template)}",
+            setting="idempotency_key",
+        )
+    try:
+        fields = template_fields(template)
+    except LockNameError as exc:
+        raise ImproperlyConfigured(
+            str(exc).replace("lock_key", "idempotency_key", 1), setting="idempotency_key"
+        ) from None
+    from ..keys import argument_names
+
+    known = argument_names(task.run)
+    if known is not None and not known[1]:
+        for name in fields:
+            if name not in known[0]:
+                raise ImproperlyConfigured(
+                    f"idempotency_key {template!r} names {name!r} which is not an argument "
+                    f"of the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
+                    setting="idempotency_key",
+                )
+    return template
+
+
+class IdempotencyGate:
+    """The admission gate of a task with ``idempotency_key``: the first gate, so a replay
+    costs no breaker probe, concurrency slot or rate-limit token."""
+
+    option = "idempotency_key"
+
+    def __init__(self, task, template, version: str, ttl: float | None, settings: Settings):
+        self.task_name = task.name
+        self.template = template
+        self.policy = Idempotency(
+            task.name,
+            version=version,
+            ttl=ttl,
+            app=task.app,
+            serializer=settings.idempotency_serializer,
+            store=settings.idempotency_store,
+            lock_ttl=settings.idempotency_lock_ttl,
+            on_store_error=settings.idempotency_on_store_error,
+            max_result_bytes=settings.idempotency_max_result_bytes,
+        )
+
+    def resource(self, arguments: Mapping[str, Any]) -> str:
+        if self.template == "":
+            raise ImproperlyConfigured(
+                "idempotency_key cannot be empty", setting="idempotency_key"
+            )
+        template = None if self.template is True else self.template
+        return name_from_arguments(self.task_name, arguments, template, secret=self.policy.secret)
+
+    def enter(self, context) -> Ticket | None:
+        ticket = self.policy.begin(
+            self.resource(context.arguments), context.arguments, task=context.task
+        )
+        if ticket.replayed:
+            raise Replay(ticket.result, gate=self.option)
+        return None if ticket.unguarded else ticket
+
+
+def gate(task, settings: Settings) -> IdempotencyGate | None:
+    """The task's idempotency gate, or None without ``idempotency_key``. ``idempotency_key``
+    True keys the record on every argument (their keyed hash). Raises ImproperlyConfigured
+    naming the option."""
+    raw = getattr(task, "idempotency_key", None)
+    if raw is None or raw is False:
+        return None
+    template = True if raw is True else _task_key(task)
+    version = getattr(task, "idempotency_version", None)
+    version = "1" if version is None else check_version(version)
+    ttl = getattr(task, "idempotency_ttl", None)
+    if ttl is not None:
+        ttl = check_seconds(
+            ttl, "idempotency_ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL
+        )
+    return IdempotencyGate(task, template, version, ttl, settings)

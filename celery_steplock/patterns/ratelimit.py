@@ -1,0 +1,922 @@
+"""Cluster-wide rate limits: a token bucket and a sliding window shared by every worker.
+
+Each decision is one atomic Lua script on the lock store's Redis, with the time read from
+Redis ``TIME`` (never a worker's clock), so every worker of every host sees one limit.
+
+:class:`TokenBucket`
+    ``capacity`` tokens, refilled continuously (fractionally) at ``rate`` tokens per second;
+    an admission takes one. Over any interval of ``t`` seconds at most
+    ``capacity + rate * t`` admissions are granted.
+:class:`SlidingWindow`
+    at most ``limit`` admissions in any window of ``window`` seconds: an exact log of the
+    grants' times (a sorted set), so the bound holds for *every* window, not only for
+    windows aligned to a clock. A denied request records nothing in the log.
+
+Fairness: a denied request may take a *ticket*, a place in a first-come queue kept next to
+the limit. While tickets are queued, quota that frees goes to the ticket holders in queue
+order: a newcomer is admitted only when more quota is free than there are tickets ahead of
+it. A task re-queued by a denial carries its ticket in a message header
+(``steplock_rate_tickets``) and comes back when its turn is due (``retry_after``), so an
+early waiter runs before later newcomers. Tickets are not quota (a denied request never
+consumes any): the admission is still decided, at the holder's real arrival, against the
+limit itself, so a late holder can never push the count over it. A ticket whose holder does
+not come back by its deadline (its expected turn plus ``ticket_grace``) is dropped; no
+ticket is given when the turn would be more than ``max_wait`` seconds away (a flood cannot
+queue forever), and that request is denied without a place in the queue.
+
+Task options (see :mod:`celery_steplock.patterns.gates`): ``cluster_rate_limit`` (``"10/s"``,
+``"100/m"``, ``"1000/h"``, ``"5/10s"``: a sliding window of that limit per period; or a
+:class:`TokenBucket` / :class:`SlidingWindow`; or a list of them, all of which must admit)
+and ``cluster_rate_limit_key`` (a template over the task's arguments, like ``lock_key``, or
+a callable of them; default: the task's name, one limit per task).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import re
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from .. import signals
+from .._checks import shown
+from .._redis import route, wire
+from ..conf import ON_STORE_ERROR
+from ..events import emit
+from ..exceptions import (
+    ImproperlyConfigured,
+    InvalidArgument,
+    LockNameError,
+    LockStoreUnavailable,
+    RateLimited,
+)
+from ..keys import argument_names, bind_arguments, check_name, template_fields
+
+__all__ = [
+    "TokenBucket",
+    "SlidingWindow",
+    "Decision",
+    "parse_rate",
+    "OPTIONS",
+    "gate",
+    "RateLimitGate",
+    "TICKETS_HEADER",
+    "MAX_LIMIT",
+    "MAX_WINDOW",
+]
+
+#: The task options this gate reads.
+OPTIONS = frozenset({"cluster_rate_limit", "cluster_rate_limit_key"})
+
+#: The message header a re-queued task carries its tickets in: ``{redis key: ticket}``.
+TICKETS_HEADER = "steplock_rate_tickets"
+
+#: Largest sliding-window limit (its log holds one entry per grant in the window).
+MAX_LIMIT = 100_000
+#: Largest window or ``max_wait``, seconds: one week.
+MAX_WINDOW = 7 * 24 * 3600.0
+#: Largest token-bucket capacity and rate (tokens, tokens per second).
+MAX_CAPACITY = 1_000_000_000
+MAX_RATE = 1_000_000.0
+#: Smallest rate, tokens per second (one a week).
+MIN_RATE = 1 / MAX_WINDOW
+
+_PERIODS = {
+    "s": 1.0,
+    "sec": 1.0,
+    "second": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "minute": 60.0,
+    "h": 3600.0,
+    "hour": 3600.0,
+    "d": 86400.0,
+    "day": 86400.0,
+}
+_RATE = re.compile(
+    r"\s*(?P<count>[0-9]+(?:\.[0-9]+)?)\s*/\s*(?P<every>[0-9]+(?:\.[0-9]+)?)?"
+    r"\s*(?P<unit>[a-z]+?)s?\s*",
+    re.IGNORECASE,
+)
+
+# -- Lua ---------------------------------------------------------------------------------------
+# Shared by both scripts: the ticket queue. KEYS[2] is the queue (sorted set: ticket -> the
+# Redis time it was first given, ms), KEYS[3] the tickets' deadlines (ticket -> ms).
+_QUEUE = """
+-- numbers cross into Redis and back as text with every digit (tostring keeps 14)
+local function num(x) return string.format('%.17g', x) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', num(now))
+for i = 1, #gone do redis.call('ZREM', KEYS[2], gone[i]) end
+if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', num(now)) end
+local ticket = ARGV[3]
+local rank = false
+if ticket ~= '' then rank = redis.call('ZRANK', KEYS[2], ticket) end
+local pos = rank or redis.call('ZCARD', KEYS[2])
+local function admitted()
+  if rank then
+    redis.call('ZREM', KEYS[2], ticket)
+    redis.call('ZREM', KEYS[3], ticket)
+  end
+end
+local function denied(wait)
+  -- wait: ms until the quota of this place in the queue is due
+  local given = ''
+  if ARGV[5] == '1' and wait <= tonumber(ARGV[6]) then
+    given = ticket
+    if not rank then
+      given = ARGV[4]
+      redis.call('ZADD', KEYS[2], num(now), given)
+    end
+    redis.call('ZADD', KEYS[3], num(now + wait + tonumber(ARGV[7])), given)
+    local keep = math.ceil(wait + tonumber(ARGV[7])) + 1000
+    if redis.call('PTTL', KEYS[2]) < keep then
+      redis.call('PEXPIRE', KEYS[2], keep)
+      redis.call('PEXPIRE', KEYS[3], keep)
+    end
+  elseif rank and ARGV[5] == '1' then
+    -- its turn is too far now: the place is given up
+    redis.call('ZREM', KEYS[2], ticket)
+    redis.call('ZREM', KEYS[3], ticket)
+  elseif rank then
+    given = ticket
+  end
+  return {0, num(wait), given, num(now), tostring(pos)}
+end
+"""
+
+#: Token bucket decision.
+#: KEYS[1] the bucket (hash: tokens, ts in ms), KEYS[2] the ticket queue, KEYS[3] the
+#: tickets' deadlines (same hash tag). ARGV: rate (tokens per ms), capacity, the ticket held
+#: ('' none), a new ticket id, reserve ('1' to take a ticket when denied), max wait (ms),
+#: ticket grace (ms). Returns {1, tokens left, '', now ms, 0} when admitted, else
+#: {0, wait ms, ticket given ('' none), now ms, place in the queue}; numbers as strings.
+TOKEN_BUCKET = (
+    _QUEUE
+    + """
+local rate = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1])
+local ts = tonumber(state[2])
+if tokens == nil or ts == nil then tokens = cap ts = now end
+if now > ts then
+  tokens = math.min(cap, tokens + (now - ts) * rate)
+  ts = now
+end
+-- a clock that went back (a failover to a primary behind) never refills twice
+now = ts
+local admit = tokens >= pos + 1
+if admit then tokens = tokens - 1 end
+redis.call('HSET', KEYS[1], 'tokens', num(tokens), 'ts', num(ts))
+-- idle until full, then the bucket is as good as absent
+redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) / rate) + 1000)
+if admit then
+  admitted()
+  return {1, num(tokens), '', num(now), '0'}
+end
+return denied((pos + 1 - tokens) / rate)
+"""
+)
+
+#: Sliding window (exact log) decision.
+#: KEYS[1] the log (sorted set: grant id -> Redis time of the grant, ms), KEYS[2] the ticket
+#: queue, KEYS[3] the tickets' deadlines (same hash tag). ARGV: limit, window (ms), the
+#: ticket held ('' none), a new id (the grant's log member, or the new ticket), reserve,
+#: max wait (ms), ticket grace (ms). Returns {1, grants left, '', now ms, 0} when admitted,
+#: else {0, wait ms, ticket given, now ms, place in the queue}; numbers as strings. A grant
+#: at ``g`` counts in every window (g - window, g]; a denial writes nothing to the log.
+SLIDING_WINDOW = (
+    _QUEUE
+    + """
+local limit = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+-- a clock that went back (a failover to a primary behind) counts from the last grant
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if last[2] and tonumber(last[2]) > now then now = tonumber(last[2]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', num(now - window))
+local n = redis.call('ZCARD', KEYS[1])
+local free = limit - n
+if free > pos then
+  redis.call('ZADD', KEYS[1], num(now), ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], math.ceil(window) + 1000)
+  admitted()
+  return {1, tostring(free - 1), '', num(now), '0'}
+end
+-- the grant whose expiry frees this place's quota; past the log, whole windows later
+local need = pos + 1 - free
+local wait
+if n == 0 then
+  wait = window
+else
+  local laps = math.floor((need - 1) / n)
+  local idx = (need - 1) % n
+  local entry = redis.call('ZRANGE', KEYS[1], idx, idx, 'WITHSCORES')
+  wait = tonumber(entry[2]) + window * (laps + 1) - now
+end
+if wait < 0 then wait = 0 end
+return denied(wait)
+"""
+)
+
+#: Give back an unused grant of the sliding window (a later limit of the same task refused).
+#: KEYS[1] the log; ARGV[1] the grant's id. Returns the number removed.
+WINDOW_REFUND = "return redis.call('ZREM', KEYS[1], ARGV[1])"
+
+#: Give back an unused token of the bucket. KEYS[1] the bucket; ARGV[1] capacity. Returns 1
+#: when a token went back, 0 when the bucket is gone (it refilled to full and expired).
+BUCKET_REFUND = """
+local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens'))
+if tokens == nil then return 0 end
+local back = math.min(tonumber(ARGV[1]), tokens + 1)
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', back))
+return 1
+"""
+
+
+# -- values --------------------------------------------------------------------------------------
+
+
+def parse_rate(value: Any, option: str = "cluster_rate_limit") -> tuple[float, float]:
+    """``"N/period"`` -> ``(N, period seconds)``. A period is ``s``, ``m``, ``h`` or ``d``
+    (also ``sec``, ``min``, ``hour``, ``day``, plural or not) with an optional multiple
+    before it: ``"10/s"``, ``"100/m"``, ``"1000/h"``, ``"5/10s"`` (5 per 10 seconds).
+    ``N`` and the multiple are > 0 (``N`` may be fractional for a token bucket's rate).
+    Raises :class:`ImproperlyConfigured` naming ``option`` for anything else (``"10/x"``,
+    ``"0/s"``, ``"-1/s"``, ``"ten/s"``, a number without a period)."""
+    if not isinstance(value, str):
+        raise ImproperlyConfigured(
+            f'{option} must be a rate string "N/s|m|h|d" (e.g. '
+            f'"10/s", "5/10s"), got {shown(value)}',
+            setting=option,
+        )
+    match = _RATE.fullmatch(value)
+    unit = match and match.group("unit").lower()
+    if match is None or unit not in _PERIODS:
+        raise ImproperlyConfigured(
+            f'{option}={shown(value)} is not a rate: use "N/period" with a period of '
+            f's, m, h or d, optionally with a multiple ("10/s", "100/m", "5/10s")',
+            setting=option,
+        )
+    count = float(match.group("count"))
+    every = float(match.group("every") or 1)
+    if count <= 0 or every <= 0:
+        raise ImproperlyConfigured(
+            f"{option}={shown(value)}: the count and the period must be greater than zero",
+            setting=option,
+        )
+    period = every * _PERIODS[unit]
+    if period > MAX_WINDOW:
+        raise ImproperlyConfigured(
+            f"{option}={shown(value)}: the period is at most {MAX_WINDOW:.0f} s (a week)",
+            setting=option,
+        )
+    return count, period
+
+
+def _number(
+    value: Any, option: str, what: str, low: float, high: float, integer: bool = False
+) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (integer and value != int(value))
+    ):
+        kind = "an integer" if integer else "a number"
+        raise ImproperlyConfigured(
+            f"{option}: {what} must be {kind}, got {shown(value)}", setting=option
+        )
+    if not low <= value <= high:
+        raise ImproperlyConfigured(
+            f"{option}: {what} must be within [{low:g}, {high:g}], got {shown(value)}",
+            setting=option,
+        )
+    return int(value) if integer else float(value)
+
+
+def _policy(value: Any, option: str) -> str | None:
+    if value is not None and value not in ON_STORE_ERROR:
+        raise ImproperlyConfigured(
+            f"{option}: on_store_error must be one of "
+            f"{', '.join(ON_STORE_ERROR)} or None, got {shown(value)}",
+            setting=option,
+        )
+    return value
+
+
+def _key_template(value: Any, option: str) -> Any:
+    if value is None or callable(value):
+        return value
+    if not isinstance(value, str):
+        raise ImproperlyConfigured(
+            f"{option}: the key must be a str.format template or a callable, got {shown(value)}",
+            setting=option,
+        )
+    try:
+        template_fields(value)
+    except LockNameError as exc:
+        raise ImproperlyConfigured(f"{option}: {exc}", setting=option) from None
+    return value
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One rate-limit decision. ``allowed`` (bool); ``retry_after`` (seconds, 0.0 when
+    allowed): the time until this request's quota is due (the bucket's next token, the
+    window's next free moment, behind the queued tickets); ``key`` the Redis key decided
+    on; ``limit`` the limit's description (``"10/1s window"``); ``ticket`` the place in the
+    queue this denial holds (None: none given); ``remaining`` tokens or grants left after an
+    admission; ``now`` the Redis time of the decision (seconds since the epoch); ``queued``
+    the number of tickets ahead of this request when it was denied."""
+
+    allowed: bool
+    retry_after: float
+    key: str
+    limit: str
+    ticket: str | None = None
+    remaining: float | None = None
+    now: float = 0.0
+    queued: int = 0
+    member: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.allowed
+
+
+class _Limiter:
+    kind = ""
+    _script: wire.Script
+    _refund: wire.Script
+
+    def __init__(
+        self,
+        key: Any,
+        on_store_error: str | None,
+        max_wait: float | None,
+        ticket_grace: float,
+        app: Any,
+        client: Any,
+        prefix: str | None,
+        option: str,
+    ):
+        self.key = _key_template(key, option)
+        self.on_store_error = _policy(on_store_error, option)
+        self.ticket_grace = _number(ticket_grace, option, "ticket_grace", 0.0, MAX_WINDOW)
+        self.max_wait = (
+            None if max_wait is None else _number(max_wait, option, "max_wait", 0.0, MAX_WINDOW)
+        )
+        self.app = app
+        self.client = client
+        self.prefix = prefix
+        self.option = option
+
+    # -- what subclasses give ---------------------------------------------------------------
+    def _args(self) -> list[str]:
+        raise NotImplementedError
+
+    def _default_max_wait(self) -> float:
+        raise NotImplementedError
+
+    def _refund_args(self, decision: Decision) -> list[str]:
+        raise NotImplementedError
+
+    def redis_key(self, prefix: str, name: str) -> tuple[str, str, str]:
+        """The Redis keys of limit ``name`` under ``prefix``: the state, the ticket queue and
+        the tickets' deadlines (one hash tag: one Cluster slot)."""
+        base = f"{prefix}:rate:{self.kind}:{self._ident()}"
+        return f"{base}:{{{name}}}", f"{base}:queue:{{{name}}}", f"{base}:due:{{{name}}}"
+
+    def _ident(self) -> str:
+        raise NotImplementedError
+
+    # -- deciding ---------------------------------------------------------------------------
+    def _store(self, app: Any = None, client: Any = None, prefix: str | None = None):
+        client = client if client is not None else self.client
+        prefix = prefix if prefix is not None else self.prefix
+        if client is not None:
+            return client, prefix or "steplock"
+        app = app if app is not None else self.app
+        if app is None:
+            from celery import current_app
+
+            app = current_app
+        from ..lock import get_lease_store
+
+        store = get_lease_store(app)
+        return store.client, prefix or store.prefix
+
+    def decide(
+        self,
+        name: str,
+        *,
+        client: Any,
+        prefix: str,
+        ticket: str | None = None,
+        reserve: bool = False,
+    ) -> Decision:
+        """One atomic decision for limit ``name`` (a lock-name-like string) on ``client``
+        under ``prefix``. ``ticket`` the place in the queue held from an earlier denial;
+        ``reserve`` True to take one when denied. Raises :class:`LockStoreUnavailable` (or
+        LockStoreMisconfigured) when Redis does not answer or refuses."""
+        from ..lock import STORE_ERRORS, store_error
+
+        name = check_name(name)
+        keys = list(self.redis_key(prefix, name))
+        member = uuid.uuid4().hex
+        max_wait = self.max_wait if self.max_wait is not None else self._default_max_wait()
+        args = [
+            *self._args(),
+            ticket or "",
+            member,
+            "1" if reserve else "0",
+            repr(max_wait * 1000.0),
+            repr(self.ticket_grace * 1000.0),
+        ]
+        try:
+            reply = route.evalsha(client, self._script, keys, args)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "rate limit", key=keys[0], name=name) from exc
+        admitted, figure, given, now, place = (wire.text(part) for part in reply)
+        if int(admitted) == 1:
+            return Decision(
+                True,
+                0.0,
+                keys[0],
+                str(self),
+                remaining=float(figure),
+                now=float(now) / 1000.0,
+                member=member,
+            )
+        return Decision(
+            False,
+            max(0.0, float(figure) / 1000.0),
+            keys[0],
+            str(self),
+            ticket=given or None,
+            now=float(now) / 1000.0,
+            queued=int(place),
+        )
+
+    def refund(self, decision: Decision, *, client: Any) -> None:
+        """Give back an admission that was not used (best effort: errors are ignored)."""
+        from ..lock import STORE_ERRORS
+
+        try:
+            route.evalsha(client, self._refund, [decision.key], self._refund_args(decision))
+        except STORE_ERRORS:
+            pass
+
+    # -- the plain API ------------------------------------------------------------------------
+    def try_acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        ticket: str | None = None,
+        reserve: bool = False,
+    ) -> Decision:
+        """Decide once for limit ``key`` (a name: printable, no braces, at most 512
+        characters; default the limiter's own ``key`` when it is a plain name). The Redis
+        is ``client`` (with ``prefix``, default ``"steplock"``), else ``app``'s lock store
+        (:func:`celery_steplock.lock.get_lease_store`), else the current Celery app's.
+        Returns a :class:`Decision`; raises LockStoreUnavailable when Redis does not answer
+        and the policy is fail_closed (fail_open: an allowed Decision with ``now`` 0.0)."""
+        name = self._plain_name(key)
+        client, prefix = self._store(app, client, prefix)
+        try:
+            decision = self.decide(
+                name, client=client, prefix=prefix, ticket=ticket, reserve=reserve
+            )
+        except LockStoreUnavailable as exc:
+            policy = self._policy(app)
+            emit(
+                signals.lock_store_error,
+                None,
+                logging.ERROR,
+                key=self.redis_key(prefix, name)[0],
+                policy=policy,
+                reason=f"rate limit: {exc}",
+            )
+            if policy != "fail_open":
+                raise
+            return Decision(True, 0.0, self.redis_key(prefix, name)[0], str(self))
+        if decision.allowed:
+            emit(
+                signals.rate_limit_allowed,
+                None,
+                key=decision.key,
+                name=name,
+                limit=decision.limit,
+                remaining=decision.remaining,
+                granted_at=decision.now,
+                ticket=ticket,
+            )
+        else:
+            emit(
+                signals.rate_limited,
+                None,
+                key=decision.key,
+                name=name,
+                limit=decision.limit,
+                retry_after=decision.retry_after,
+                ticket=decision.ticket,
+                queued=decision.queued,
+            )
+        return decision
+
+    @contextmanager
+    def acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+    ) -> Iterator[Decision]:
+        """Context manager: admit the block once, or raise :class:`RateLimited`
+        (``retry_after`` seconds) without running it. Arguments as :meth:`try_acquire`."""
+        decision = self.try_acquire(key, app=app, client=client, prefix=prefix)
+        if not decision.allowed:
+            raise self._denied(decision)
+        yield decision
+
+    def using(
+        self, key: Any = None, *, app: Any = None, client: Any = None, prefix: str | None = None
+    ) -> Callable:
+        """Decorator: each call is admitted once or raises :class:`RateLimited` without
+        running. ``key`` a name, a template over the function's arguments or a callable of
+        them (default the limiter's ``key``, else the function's qualified name)."""
+        template = _key_template(key if key is not None else self.key, self.option)
+
+        def decorate(fun: Callable) -> Callable:
+            default = f"{fun.__module__}.{fun.__qualname__}"
+
+            @functools.wraps(fun)
+            def wrapper(*args, **kwargs):
+                name = limit_name(template, default, bind_arguments(fun, args, kwargs))
+                with self.acquire(name, app=app, client=client, prefix=prefix):
+                    return fun(*args, **kwargs)
+
+            return wrapper
+
+        return decorate
+
+    def _plain_name(self, key: str | None) -> str:
+        if key is None:
+            if isinstance(self.key, str) and not template_fields(self.key):
+                return self.key
+            raise InvalidArgument(
+                f"{type(self).__name__}.try_acquire needs a key (the "
+                f"limiter's own key {shown(self.key)} is no plain name)",
+                argument="key",
+            )
+        if not isinstance(key, str):
+            raise InvalidArgument(f"key must be a str, got {shown(key)}", argument="key")
+        return key
+
+    def _policy(self, app: Any = None) -> str:
+        if self.on_store_error is not None:
+            return self.on_store_error
+        app = app if app is not None else self.app
+        if app is None:
+            return "fail_closed"
+        from ..conf import Settings
+
+        return Settings(app).rate_limit_on_store_error
+
+    def _denied(self, decision: Decision, option: str | None = None) -> RateLimited:
+        return RateLimited(
+            f"rate limit {decision.limit} of {decision.key!r}: no quota for "
+            f"{decision.retry_after:.3f} s",
+            retry_after=decision.retry_after,
+            option=option or self.option,
+            key=decision.key,
+            limit=decision.limit,
+            ticket=decision.ticket,
+        )
+
+
+class TokenBucket(_Limiter):
+    """A token bucket shared by every worker: ``capacity`` tokens (int >= 1, default: the
+    rate per second rounded up, at least 1), refilled fractionally at ``rate`` tokens per
+    second: a float (``2.5``) or a string ``"N/period"`` (:func:`parse_rate`: ``"10/s"``,
+    ``"600/m"``). Each admission takes one token; a full bucket admits a burst of
+    ``capacity``. Over any interval of ``t`` seconds at most ``capacity + rate * t`` are
+    admitted. State: one Redis hash per key, expiring once it would be full again.
+
+    ``key``: a name, a template over the task's (or decorated function's) arguments, or a
+    callable of them (default: ``cluster_rate_limit_key``, else the task's name).
+    ``on_store_error``: ``"fail_closed"`` (default: ``steplock_rate_limit_on_store_error``)
+    refuses and retries when Redis does not answer, ``"fail_open"`` admits. ``max_wait``
+    (seconds, default :func:`default_max_wait` of ``capacity / rate``: four times that, 30
+    to 600 s): the farthest turn a ticket is given for;
+    ``ticket_grace`` (seconds, default 2.0): how long past its turn a ticket waits for its
+    holder. ``app``/``client``/``prefix``: the Redis of the plain API (see
+    :meth:`try_acquire`). Bad values raise :class:`ImproperlyConfigured` naming
+    ``cluster_rate_limit``."""
+
+    kind = "tb"
+    _script = wire.Script(TOKEN_BUCKET)
+    _refund = wire.Script(BUCKET_REFUND)
+
+    def __init__(
+        self,
+        rate: Any,
+        capacity: int | None = None,
+        *,
+        key: Any = None,
+        on_store_error: str | None = None,
+        max_wait: float | None = None,
+        ticket_grace: float = 2.0,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        option: str = "cluster_rate_limit",
+    ):
+        if isinstance(rate, str):
+            count, period = parse_rate(rate, option)
+            rate = count / period
+        self.rate = _number(rate, option, "rate (tokens per second)", MIN_RATE, MAX_RATE)
+        if capacity is None:
+            capacity = max(1, math.ceil(self.rate))
+        self.capacity = _number(capacity, option, "capacity", 1, MAX_CAPACITY, integer=True)
+        super().__init__(key, on_store_error, max_wait, ticket_grace, app, client, prefix, option)
+
+    def _args(self) -> list[str]:
+        return [repr(self.rate / 1000.0), str(self.capacity)]
+
+    def _refund_args(self, decision: Decision) -> list[str]:
+        return [str(self.capacity)]
+
+    def _default_max_wait(self) -> float:
+        return default_max_wait(self.capacity / self.rate)
+
+    def _ident(self) -> str:
+        return f"{self.rate!r}:{self.capacity}"
+
+    def __str__(self) -> str:
+        return f"{self.rate:g}/s bucket of {self.capacity}"
+
+    def __repr__(self) -> str:
+        return f"TokenBucket(rate={self.rate!r}, capacity={self.capacity})"
+
+
+class SlidingWindow(_Limiter):
+    """At most ``limit`` admissions (int, 1 to :data:`MAX_LIMIT`) in any window of
+    ``window`` seconds (0.001 to a week), shared by every worker: an exact log of the
+    grants' Redis times in one sorted set per key (it expires a window after the last
+    grant). A denied request records nothing. ``SlidingWindow("10/s")`` parses a rate
+    string (:func:`parse_rate`; the count must then be a whole number).
+
+    ``key``, ``on_store_error``, ``ticket_grace``, ``app``/``client``/``prefix`` as for
+    :class:`TokenBucket`; ``max_wait`` (seconds, default four windows, 30 to 600 s)."""
+
+    kind = "sw"
+    _script = wire.Script(SLIDING_WINDOW)
+    _refund = wire.Script(WINDOW_REFUND)
+
+    def __init__(
+        self,
+        limit: Any = None,
+        window: float | None = None,
+        *,
+        key: Any = None,
+        on_store_error: str | None = None,
+        max_wait: float | None = None,
+        ticket_grace: float = 2.0,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        option: str = "cluster_rate_limit",
+    ):
+        if isinstance(limit, str) and window is None:
+            limit, window = parse_rate(limit, option)
+        self.limit = _number(limit, option, "limit", 1, MAX_LIMIT, integer=True)
+        self.window = _number(window, option, "window (seconds)", 0.001, MAX_WINDOW)
+        super().__init__(key, on_store_error, max_wait, ticket_grace, app, client, prefix, option)
+
+    def _args(self) -> list[str]:
+        return [str(self.limit), repr(self.window * 1000.0)]
+
+    def _refund_args(self, decision: Decision) -> list[str]:
+        return [decision.member or ""]
+
+    def _default_max_wait(self) -> float:
+        return default_max_wait(self.window)
+
+    def _ident(self) -> str:
+        return f"{self.limit}:{self.window!r}"
+
+    def __str__(self) -> str:
+        return f"{self.limit}/{self.window:g}s window"
+
+    def __repr__(self) -> str:
+        return f"SlidingWindow(limit={self.limit}, window={self.window!r})"
+
+
+def default_max_wait(window: float) -> float:
+    """The default ``max_wait`` of a limit whose window (a bucket: the time to refill it
+    full) is ``window`` seconds: four windows, at least 30 s and at most 600 s (a longer
+    countdown would meet the broker's visibility timeout sooner)."""
+    return min(600.0, max(30.0, 4.0 * window))
+
+
+# -- the gate ----------------------------------------------------------------------------------
+
+
+def limit_name(template: Any, default: str, arguments: dict[str, Any]) -> str:
+    """The limit's name for bound ``arguments``: ``default`` when ``template`` is None, the
+    callable's return value, or the template formatted. Raises LockNameError."""
+    from ..keys import name_from_arguments
+
+    if template is None:
+        return check_name(default)
+    return name_from_arguments(default, arguments, template)
+
+
+def _limiters(value: Any, option: str) -> tuple[_Limiter, ...]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ImproperlyConfigured(
+            f"{option}: an empty list limits nothing (use None)", setting=option
+        )
+    found: list[_Limiter] = []
+    for item in items:
+        if isinstance(item, str):
+            found.append(SlidingWindow(item, option=option))
+        elif isinstance(item, _Limiter):
+            found.append(item)
+        else:
+            raise ImproperlyConfigured(
+                f'{option} must be a rate string ("10/s"), a TokenBucket or SlidingWindow, '
+                f"or a list of them, got {shown(item)}",
+                setting=option,
+            )
+    return tuple(found)
+
+
+def _check_fields(task, template: Any, option: str) -> None:
+    if not isinstance(template, str):
+        return
+    known = argument_names(task.run)
+    if known is None or known[1]:
+        return
+    for field_name in template_fields(template):
+        if field_name not in known[0]:
+            raise ImproperlyConfigured(
+                f"{option} {shown(template)} names {field_name!r}, which is not an argument "
+                f"of the task (arguments: {', '.join(sorted(known[0])) or 'none'})",
+                setting=option,
+            )
+
+
+class RateLimitGate:
+    """The ``cluster_rate_limit`` gate of one task: every limiter must admit. A denial
+    gives back the admissions of the limiters before it and raises :class:`RateLimited`
+    with the ticket (``context["ticket"]``) and the message headers
+    (``context["headers"]``) its retry carries."""
+
+    option = "cluster_rate_limit"
+
+    def __init__(self, task, limiters: Sequence[_Limiter], key: Any, policy: str):
+        self.task = task
+        self.limiters = tuple(limiters)
+        self.key = key
+        self.policy = policy
+
+    def enter(self, context):
+        from ..lock import get_lease_store
+
+        task = context.task
+        request = task.request
+        store = getattr(context.plan, "store", None) or get_lease_store(task.app)
+        client, prefix = store.client, store.prefix
+        tickets = dict(
+            getattr(request, TICKETS_HEADER, None)
+            or (request.headers or {}).get(TICKETS_HEADER)
+            or {}
+        )
+        granted: list[tuple[_Limiter, Decision]] = []
+        for limiter in self.limiters:
+            template = limiter.key if limiter.key is not None else self.key
+            name = limit_name(template, task.name, context.arguments)
+            redis_key = limiter.redis_key(prefix, name)[0]
+            try:
+                decision = limiter.decide(
+                    name, client=client, prefix=prefix, ticket=tickets.get(redis_key), reserve=True
+                )
+            except LockStoreUnavailable as exc:
+                policy = limiter.on_store_error or self.policy
+                emit(
+                    signals.lock_store_error,
+                    task,
+                    logging.ERROR,
+                    key=redis_key,
+                    task_id=request.id,
+                    task_name=task.name,
+                    policy=policy,
+                    reason=f"rate limit: {exc}",
+                )
+                if policy != "fail_open":
+                    for done, given in granted:
+                        done.refund(given, client=client)
+                    raise
+                continue
+            if decision.allowed:
+                granted.append((limiter, decision))
+                emit(
+                    signals.rate_limit_allowed,
+                    task,
+                    key=decision.key,
+                    name=name,
+                    task_id=request.id,
+                    task_name=task.name,
+                    limit=decision.limit,
+                    remaining=decision.remaining,
+                    granted_at=decision.now,
+                    ticket=tickets.get(redis_key),
+                )
+                continue
+            for done, given in granted:
+                done.refund(given, client=client)
+            emit(
+                signals.rate_limited,
+                task,
+                key=decision.key,
+                name=name,
+                task_id=request.id,
+                task_name=task.name,
+                limit=decision.limit,
+                retry_after=decision.retry_after,
+                ticket=decision.ticket,
+                queued=decision.queued,
+            )
+            headers = None
+            if decision.ticket:
+                headers = {TICKETS_HEADER: {**tickets, decision.key: decision.ticket}}
+            denied = limiter._denied(decision, self.option)
+            denied.context["headers"] = headers
+            raise denied
+        return None
+
+
+def gate(task, settings) -> RateLimitGate | None:
+    """The task's rate-limit gate (None without ``cluster_rate_limit``). Raises
+    ImproperlyConfigured naming ``cluster_rate_limit`` or ``cluster_rate_limit_key``."""
+    value = getattr(task, "cluster_rate_limit", None)
+    key = getattr(task, "cluster_rate_limit_key", None)
+    if inspect.ismethod(key) and key.__self__ is task:
+        key = key.__func__  # a function given as a class attribute or keyword
+    key = _key_template(key, "cluster_rate_limit_key")
+    _check_fields(task, key, "cluster_rate_limit_key")
+    if value is None:
+        return None
+    limiters = _limiters(value, "cluster_rate_limit")
+    for limiter in limiters:
+        _check_fields(task, limiter.key, "cluster_rate_limit")
+    return RateLimitGate(task, limiters, key, settings.rate_limit_on_store_error)
+
+
+# -- checking a recorded history ----------------------------------------------------------------
+
+
+def max_in_window(times: Sequence[float], window: float) -> tuple[int, float | None]:
+    """The largest number of ``times`` (seconds, compared to the microsecond) inside any
+    half-open window ``[t, t + window)``, and a ``t`` where it is reached (None for no
+    times): a sliding window's guarantee is that this never exceeds its ``limit``."""
+    # In whole microseconds (Redis TIME's resolution): two grants exactly one window apart
+    # are in no common window, which float seconds near 1.8e9 cannot always tell.
+    ordered = sorted(round(t * 1e6) for t in times)
+    span = round(window * 1e6)
+    best, where, start = 0, None, 0
+    for end, moment in enumerate(ordered):
+        while moment - ordered[start] >= span:
+            start += 1
+        if end - start + 1 > best:
+            best, where = end - start + 1, ordered[start] / 1e6
+    return best, where
+
+
+def bucket_excess(times: Sequence[float], rate: float, capacity: int) -> float:
+    """The largest ``count - (capacity + rate * (last - first))`` over every run of
+    consecutive ``times`` (seconds): a token bucket's guarantee is that this is never above
+    0 (at most ``capacity + rate * t`` admissions in any interval of ``t`` seconds)."""
+    # Relative to the first time: rate * (seconds near 1.8e9) would lose the microseconds.
+    ordered = [t - min(times) for t in sorted(times)] if times else []
+    worst = -math.inf
+    # Over runs ending at j, count - rate*(t_j - t_i) is largest for the i maximising
+    # (j - i + 1) - rate*(t_j - t_i), i.e. maximising rate*t_i - i.
+    best_start = -math.inf
+    for j, moment in enumerate(ordered):
+        best_start = max(best_start, rate * moment - j)
+        worst = max(worst, (j + 1) - rate * moment + best_start - capacity)
+    return worst if ordered else 0.0

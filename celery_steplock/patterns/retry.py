@@ -1,0 +1,428 @@
+"""A retry policy: exponential backoff with full jitter, caps on attempts and on elapsed
+time, ``Retry-After`` honoured, and a classifier so that what must not be retried never is.
+
+``RetryPolicy(...)`` is used three ways:
+
+- as the ``retry_policy`` task option of a :class:`~celery_steplock.task.StepLockedTask`:
+  an exception out of the execution (the body's, after the lease is released and the gates
+  exited, so the circuit breaker has recorded it) is classified; a retryable one is retried
+  with Celery's ``self.retry(exc=..., countdown=..., max_retries=...)``, the time of the
+  first attempt travelling in the ``steplock_first_attempt`` message header. The worker never
+  sleeps in its slot: the countdown is the broker's;
+- as a plain call, ``policy.call(fn, *args, **kwargs)``, sleeping between attempts;
+- as a decorator, ``@policy``.
+
+Classification (:meth:`RetryPolicy.classify`; the first rule that applies wins):
+
+1. the library's control exceptions (:class:`~celery_steplock.exceptions.StepLockError`:
+   contention, a lost lease, a conflict, an admission denial, configuration) and Celery's
+   ``Retry``/``Ignore``/``Reject``: ``"control"``, never touched (their own policies apply);
+2. ``never_retry`` (exception types): ``"never"``;
+3. ``retry_on`` (exception types): ``"retry"``;
+4. ``classifier(exc)``: True ``"retry"``, False ``"never"``, None: go on;
+5. an attribute ``exc.retryable`` (bool) set by the raiser;
+6. an HTTP status (``exc.response.status_code`` of requests/httpx errors, or
+   ``exc.status_code`` / ``exc.status``): 408, 429 and 5xx ``"retry"``, other 4xx ``"never"``;
+7. transient transport errors (``ConnectionError``, ``TimeoutError``, requests'
+   ``ConnectionError``/``Timeout``, httpx's ``TransportError``, found by module name: no
+   hard dependency): ``"retry"``;
+8. business errors: :class:`NonRetryable` (subclass it for a business rejection),
+   ``ValueError``, ``TypeError``, ``LookupError``, ``PermissionError``, Django's
+   ``ValidationError``, ``PermissionDenied``, ``ObjectDoesNotExist``: ``"never"``;
+9. anything else: ``"unknown"``, retried only with ``retry_unknown=True`` (default False).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import functools
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import signals
+from .._checks import MAX_RETRIES, MAX_SECONDS, check_count, check_seconds, shown
+from ..events import emit
+from ..exceptions import ImproperlyConfigured, StepLockError
+
+__all__ = [
+    "RetryPolicy",
+    "NonRetryable",
+    "Decision",
+    "classify",
+    "retry_after_of",
+    "http_status_of",
+    "FIRST_ATTEMPT_HEADER",
+]
+
+#: The message header holding the wall-clock time (seconds since the epoch) of a task's first
+#: attempt, for ``max_elapsed``.
+FIRST_ATTEMPT_HEADER = "steplock_first_attempt"
+
+#: The decisions of :meth:`RetryPolicy.decide` (``retry_policy_decided``'s ``decision``).
+DECISIONS = ("retry", "give_up", "never")
+
+
+class NonRetryable(Exception):
+    """Base class of business errors that must never be retried (a rejected payment, a
+    refused order): the dependency answered, and asking again gives the same answer."""
+
+    retryable = False
+
+
+_NEVER_BUILTIN = (
+    NonRetryable,
+    ValueError,
+    TypeError,
+    LookupError,
+    PermissionError,
+    NotImplementedError,
+    AssertionError,
+)
+_NEVER_BY_NAME = (
+    ("django.core.exceptions", "ValidationError"),
+    ("django.core.exceptions", "PermissionDenied"),
+    ("django.core.exceptions", "ObjectDoesNotExist"),
+    ("django.core.exceptions", "SuspiciousOperation"),
+)
+_TRANSIENT_BUILTIN = (ConnectionError, TimeoutError)
+_TRANSIENT_BY_NAME = (
+    ("requests.exceptions", "ConnectionError"),
+    ("requests.exceptions", "Timeout"),
+    ("httpx", "TransportError"),
+)
+_CONTROL_BY_NAME = (
+    ("celery.exceptions", "Retry"),
+    ("celery.exceptions", "Ignore"),
+    ("celery.exceptions", "Reject"),
+)
+
+
+def _loaded(pairs) -> tuple[type, ...]:
+    """The classes of ``(module, name)`` pairs whose module is already imported."""
+    found = []
+    for module, name in pairs:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def is_control(exc: BaseException) -> bool:
+    """Whether ``exc`` is the library's or Celery's control flow, not a dependency's error."""
+    return isinstance(
+        exc, (StepLockError, KeyboardInterrupt, SystemExit, *_loaded(_CONTROL_BY_NAME))
+    )
+
+
+def http_status_of(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries (``exc.response.status_code``,
+    ``exc.status_code`` or ``exc.status``), or None."""
+    response = getattr(exc, "response", None)
+    for value in (
+        getattr(response, "status_code", None),
+        getattr(exc, "status_code", None),
+        getattr(exc, "status", None),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    return None
+
+
+def _header(response: Any, name: str) -> Any:
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    try:
+        return headers.get(name)
+    except Exception:  # noqa: BLE001 - a headers object without get()
+        return None
+
+
+def retry_after_of(exc: BaseException, now: float | None = None) -> float | None:
+    """Seconds the raiser asked to wait, or None: ``exc.retry_after`` (a number of seconds),
+    else the ``Retry-After`` header of ``exc.response`` (delta-seconds or an HTTP date)."""
+    value = getattr(exc, "retry_after", None)
+    if value is None:
+        value = _header(getattr(exc, "response", None), "Retry-After")
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return max(0.0, float(value)) if value == value else None
+    text = str(value).strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def classify(
+    exc: BaseException,
+    *,
+    retry_on: tuple[type, ...] = (),
+    never_retry: tuple[type, ...] = (),
+    classifier: Callable[[BaseException], bool | None] | None = None,
+) -> str:
+    """``"control"``, ``"never"``, ``"retry"`` or ``"unknown"`` for ``exc`` (the rules of
+    the module docstring)."""
+    if is_control(exc):
+        return "control"
+    if never_retry and isinstance(exc, never_retry):
+        return "never"
+    if retry_on and isinstance(exc, retry_on):
+        return "retry"
+    if classifier is not None:
+        verdict = classifier(exc)
+        if verdict is not None:
+            return "retry" if verdict else "never"
+    flag = getattr(exc, "retryable", None)
+    if isinstance(flag, bool):
+        return "retry" if flag else "never"
+    status = http_status_of(exc)
+    if status is not None:
+        if status in (408, 429) or status >= 500:
+            return "retry"
+        if 400 <= status < 500:
+            return "never"
+    if isinstance(exc, _TRANSIENT_BUILTIN + _loaded(_TRANSIENT_BY_NAME)):
+        return "retry"
+    if isinstance(exc, _NEVER_BUILTIN + _loaded(_NEVER_BY_NAME)):
+        return "never"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`RetryPolicy.decide` concluded: ``decision`` ("retry", "give_up",
+    "never"), ``countdown`` (seconds before the next attempt; None unless "retry"),
+    ``attempt`` (1-based number of the attempt that failed), ``kind`` (the classification),
+    ``reason`` (why, in a few words), ``retry_after`` (what the raiser asked, seconds)."""
+
+    decision: str
+    countdown: float | None
+    attempt: int
+    kind: str
+    reason: str
+    retry_after: float | None = None
+
+
+def _types(value: Any, name: str) -> tuple[type, ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+    for item in items:
+        if not (isinstance(item, type) and issubclass(item, BaseException)):
+            raise ImproperlyConfigured(
+                f"RetryPolicy({name}=) must be exception types, got {shown(item)}",
+                setting="retry_policy",
+            )
+    return tuple(items)
+
+
+class RetryPolicy:
+    """Exponential backoff with full jitter; see the module docstring.
+
+    ``max_attempts`` (int >= 1, default 3: the first call and two retries), ``max_elapsed``
+    (seconds from the first attempt after which no retry is started, None: no cap; default
+    None), ``backoff`` (seconds, the base: attempt n waits uniform in
+    ``[0, min(backoff_max, backoff * 2**(n-1))]``; default 1.0), ``backoff_max`` (seconds,
+    default 60.0), ``jitter`` ("full", or None for the bare exponential), ``retry_on`` /
+    ``never_retry`` (exception types), ``classifier`` (``exc -> True | False | None``),
+    ``retry_unknown`` (retry what no rule knows; default False), ``honor_retry_after``
+    (wait at least what the raiser asked; default True; a wait past ``max_elapsed`` gives
+    up), ``sleep`` (the plain form's sleep function, default :func:`time.sleep`),
+    ``breaker`` (a :class:`~celery_steplock.patterns.breaker.CircuitBreaker` every plain attempt
+    passes: an open circuit raises CircuitOpen at once, without calling ``fn``, and is never
+    retried in the plain form). Raises ImproperlyConfigured for a bad value.
+    """
+
+    def __init__(
+        self,
+        max_attempts: int = 3,
+        max_elapsed: float | None = None,
+        *,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        jitter: str | None = "full",
+        retry_on: Any = None,
+        never_retry: Any = None,
+        classifier: Callable[[BaseException], bool | None] | None = None,
+        retry_unknown: bool = False,
+        honor_retry_after: bool = True,
+        sleep: Callable[[float], Any] = time.sleep,
+        breaker: Any = None,
+    ):
+        self.max_attempts = check_count(
+            max_attempts, "RetryPolicy(max_attempts=)", minimum=1, maximum=MAX_RETRIES
+        )
+        self.max_elapsed = check_seconds(max_elapsed, "RetryPolicy(max_elapsed=)", allow_none=True)
+        self.backoff = check_seconds(backoff, "RetryPolicy(backoff=)", allow_zero=True)
+        self.backoff_max = check_seconds(
+            backoff_max, "RetryPolicy(backoff_max=)", allow_zero=True, maximum=MAX_SECONDS
+        )
+        if jitter not in ("full", None):
+            raise ImproperlyConfigured(
+                f"RetryPolicy(jitter=) must be 'full' or None, got {shown(jitter)}",
+                setting="retry_policy",
+            )
+        self.jitter = jitter
+        self.retry_on = _types(retry_on, "retry_on")
+        self.never_retry = _types(never_retry, "never_retry")
+        if classifier is not None and not callable(classifier):
+            raise ImproperlyConfigured(
+                f"RetryPolicy(classifier=) must be callable, got {shown(classifier)}",
+                setting="retry_policy",
+            )
+        self.classifier = classifier
+        self.retry_unknown = bool(retry_unknown)
+        self.honor_retry_after = bool(honor_retry_after)
+        self.sleep = sleep
+        # Duck-typed: the breaker module sits above this one (it imports the classifier).
+        if breaker is not None and not callable(getattr(breaker, "call", None)):
+            raise ImproperlyConfigured(
+                f"RetryPolicy(breaker=) must be a CircuitBreaker, got {shown(breaker)}",
+                setting="retry_policy",
+            )
+        self.breaker = breaker
+
+    def __repr__(self) -> str:
+        return (
+            f"RetryPolicy(max_attempts={self.max_attempts}, max_elapsed={self.max_elapsed}, "
+            f"backoff={self.backoff}, backoff_max={self.backoff_max})"
+        )
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    def classify(self, exc: BaseException) -> str:
+        """``"control"``, ``"never"``, ``"retry"`` or ``"unknown"`` (module docstring)."""
+        return classify(
+            exc, retry_on=self.retry_on, never_retry=self.never_retry, classifier=self.classifier
+        )
+
+    def countdown(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based), before Retry-After."""
+        ceiling = min(self.backoff_max, self.backoff * (2 ** min(attempt - 1, 62)))
+        return random.uniform(0, ceiling) if self.jitter == "full" else ceiling
+
+    def decide(self, exc: BaseException, attempt: int, elapsed: float) -> Decision:
+        """Whether to retry after attempt ``attempt`` (1-based) failed with ``exc``,
+        ``elapsed`` seconds after the first attempt started."""
+        kind = self.classify(exc)
+        if kind == "control":
+            return Decision("never", None, attempt, kind, "control flow")
+        if kind == "never" or (kind == "unknown" and not self.retry_unknown):
+            return Decision(
+                "never",
+                None,
+                attempt,
+                kind,
+                "non-retryable" if kind == "never" else "unknown error",
+            )
+        if attempt >= self.max_attempts:
+            return Decision("give_up", None, attempt, kind, "max_attempts reached")
+        wait = self.countdown(attempt)
+        asked = retry_after_of(exc) if self.honor_retry_after else None
+        if asked is not None:
+            wait = max(wait, asked)
+        if self.max_elapsed is not None and elapsed + wait > self.max_elapsed:
+            return Decision("give_up", None, attempt, kind, "max_elapsed reached", asked)
+        return Decision("retry", wait, attempt, kind, "retryable", asked)
+
+    def _announce(
+        self, decision: Decision, exc: BaseException, sender: Any = None, **fields: Any
+    ) -> None:
+        emit(
+            signals.retry_policy_decided,
+            sender,
+            logging.INFO if decision.decision == "retry" else logging.WARNING,
+            decision=decision.decision,
+            reason=decision.reason,
+            kind=decision.kind,
+            attempt=decision.attempt,
+            countdown=decision.countdown,
+            retry_after=decision.retry_after,
+            error=type(exc).__name__,
+            **fields,
+        )
+
+    # -- the plain form ---------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(*args, **kwargs)``, retrying as decided, sleeping between attempts;
+        returns its result or raises its last exception (CircuitOpen from ``breaker``)."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if self.breaker is not None:
+                    return self.breaker.call(fn, *args, **kwargs)
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                decision = self.decide(exc, attempt, time.monotonic() - started)
+                if decision.kind != "control":
+                    self._announce(decision, exc, task_name=getattr(fn, "__qualname__", None))
+                if decision.decision != "retry":
+                    raise
+            self.sleep(decision.countdown or 0.0)  # a "retry" decision always has one
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator form of :meth:`call`."""
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return self.call(fn, *args, **kwargs)
+
+        return wrapper
+
+    # -- the task form ----------------------------------------------------------------------
+
+    def retry_task(self, task: Any, exc: Exception) -> Any:
+        """Called by :class:`~celery_steplock.task.StepLockedTask` with the exception that
+        ended an execution: raises Celery's ``Retry`` (through ``task.retry``) when the
+        exception is retried, else re-raises ``exc``."""
+        request = task.request
+        headers = dict(request.headers or {})
+        first: Any = getattr(request, FIRST_ATTEMPT_HEADER, None) or headers.get(
+            FIRST_ATTEMPT_HEADER
+        )
+        try:
+            first = float(first)
+        except (TypeError, ValueError):
+            first = None
+        now = time.time()
+        if first is None:
+            first = now
+        attempt = int(request.retries or 0) + 1
+        decision = self.decide(exc, attempt, max(0.0, now - first))
+        if decision.kind == "control":
+            raise exc
+        self._announce(decision, exc, task, task_id=request.id, task_name=task.name)
+        if decision.decision != "retry" or request.called_directly:
+            raise exc
+        headers[FIRST_ATTEMPT_HEADER] = repr(first)
+        return task.retry(
+            exc=exc,
+            countdown=decision.countdown,
+            max_retries=self.max_attempts - 1,
+            headers=headers,
+        )
+
+
+def check_policy(value: Any, option: str = "retry_policy") -> RetryPolicy | None:
+    """``value`` if it is None or a :class:`RetryPolicy`, else ImproperlyConfigured."""
+    if value is None or isinstance(value, RetryPolicy):
+        return value
+    raise ImproperlyConfigured(
+        f"{option}={shown(value)} must be a RetryPolicy(...) object", setting=option
+    )
