@@ -56,11 +56,13 @@ $(VENV)/.docs-stamp: requirements/docs.txt | venv
 	$(VENV)/bin/python -m pip install -q -r requirements/docs.txt
 	touch $@
 
-# ruff (lint rules and formatting) and mypy (django-stubs, celery-types; strict on the core
-# modules); their settings are in pyproject.toml.
+# ruff (lint rules and formatting), mypy (django-stubs, celery-types; strict on the core
+# modules) and import-linter (the floors of the package: no upward import, no circle, no Django
+# below contrib); their settings are in pyproject.toml.
 lint: $(VENV)/.lint-stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
 # The documentation site into docs/_build/html; warnings are errors. The settings and signals

@@ -11,6 +11,7 @@ Public API::
 import warnings
 
 from . import exceptions, signals
+from ._version import __version__ as __version__
 from .exceptions import (
     AdmissionDenied,
     CircuitOpen,
@@ -42,8 +43,6 @@ from .patterns.breaker import CircuitBreaker
 from .patterns.ratelimit import Decision, SlidingWindow, TokenBucket
 from .patterns.retry import NonRetryable, RetryPolicy
 from .task import StepLockedTask
-
-__version__ = "0.1.0"
 
 #: Old names kept for one release (DeprecationWarning on first use).
 _RENAMED = {"RedisStepLock": "RedisLeaseStore", "get_lock": "get_lease_store"}

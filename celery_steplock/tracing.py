@@ -31,6 +31,8 @@ import contextvars
 import time
 from typing import Any, Literal, Mapping
 
+from ._version import __version__
+
 try:
     from opentelemetry import context as _context
     from opentelemetry import trace as _trace
@@ -90,8 +92,6 @@ def _tracer():
     if isinstance(provider, (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider)):
         tracer = None
     else:
-        from . import __version__
-
         tracer = provider.get_tracer(TRACER_NAME, __version__)
     _tracer_cache = (provider, tracer)
     return tracer
