@@ -40,7 +40,7 @@ from .exceptions import (
 )
 from .lock import Lease, RedisLeaseStore, get_lease_store, make_client, new_owner_token
 from .patterns.breaker import CircuitBreaker
-from .patterns.ratelimit import Decision, SlidingWindow, TokenBucket
+from .patterns.ratelimit import RateDecision, SlidingWindow, TokenBucket
 from .patterns.retry import NonRetryable, RetryPolicy
 from .task import StepLockedTask
 
@@ -90,8 +90,12 @@ __all__ = [
     "RateLimited",
     "TokenBucket",
     "SlidingWindow",
+    "RateDecision",
     "Decision",
 ]
+
+#: The former name of :class:`RateDecision`, kept for one release.
+Decision = RateDecision
 
 
 def __getattr__(name: str):

@@ -1,34 +1,10 @@
 """The redis-py client of the lease store, built from the settings: the one place that knows
 how a URL, transport options and TLS options become a client.
 
-Configured the way Celery's Redis broker is:
-
-- ``steplock_redis_url``: ``redis://``, ``rediss://`` (TLS), ``unix://``, or
-  ``sentinel://[:password@]host:port[;sentinel://host2:port2...][/db]`` (kombu's form: the
-  password and database are the primary's; the sentinels are asked where the primary is).
-  Default: the broker URL when it is one of these.
-- ``steplock_redis_transport_options``: what a URL cannot say. For Sentinel ``master_name``
-  (required), ``sentinel_kwargs`` (connection options for the sentinels, e.g.
-  ``{"password": ...}``) and ``min_other_sentinels``; for any URL ``health_check_interval``,
-  ``socket_keepalive``, ``socket_keepalive_options`` and ``client_name``. Default: the
-  broker's ``broker_transport_options`` when the lease store uses the broker URL (keys of
-  other meaning there, e.g. ``visibility_timeout``, are ignored), else ``{}``.
-- ``steplock_redis_use_ssl``: TLS options as Celery's ``broker_use_ssl`` for Redis takes
-  them (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, and any
-  other ``ssl_*`` argument of redis-py's ``SSLConnection``). Used with ``rediss://`` URLs
-  (query parameters of the URL win over it) and, with a Sentinel URL, for the connections
-  to the primary. Default: the broker's ``broker_use_ssl`` when the lease store uses the
-  broker URL, else ``{}``.
-- ``steplock_redis_client_factory``: a callable ``factory(settings) -> redis.Redis`` (or its
-  qualified name, ``"package.module:function"``) for anything else; ``settings`` is the
-  app's :class:`~celery_steplock.conf.Settings`. When set, the three settings above are not
-  read by the library. :func:`connection_options` gives the timeouts and retry policy the
-  library's own clients use.
-
-Sentinel goes through redis-py's ``Sentinel(...).master_for(...)``: a connection asks the
-sentinels for the primary when it connects, and a primary that was demoted answers
-``READONLY``, which drops the connection (redis-py turns it into a ``ConnectionError``) so that
-the retry reaches the new primary.
+Configured the way Celery's Redis broker is (``steplock_redis_url``,
+``steplock_redis_transport_options``, ``steplock_redis_use_ssl``, or
+``steplock_redis_client_factory`` for anything else): docs/redis.md, with Sentinel, TLS and
+client factories, and the settings reference.
 """
 
 from __future__ import annotations
@@ -98,11 +74,19 @@ def _describe(name: str) -> str:
 
 
 def connection_options(socket_timeout: float = 5.0) -> dict[str, Any]:
-    """The keyword arguments of every client the library builds: ``socket_timeout`` seconds
-    per attempt (connecting too) and one quick retry, so that a hung Redis costs at most
-    about twice the timeout per call, and replies decoded as text. Retrying is safe because
-    every script is idempotent for one owner token. A client factory may pass them on
-    (``redis.Redis(host=..., **connection_options(settings.socket_timeout))``)."""
+    """The keyword arguments of every client the library builds.
+
+    One quick retry, so that a hung Redis costs at most about twice the timeout per call;
+    retrying is safe because every script is idempotent for one owner token. A client
+    factory may pass them on (``redis.Redis(host=..., **connection_options(
+    settings.socket_timeout))``).
+
+    Args:
+        socket_timeout: Seconds per attempt, connecting too.
+
+    Returns:
+        ``redis.Redis`` keyword arguments: the timeouts, the retry, replies decoded as text.
+    """
     return {
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": socket_timeout,
@@ -117,7 +101,19 @@ def connection_options(socket_timeout: float = 5.0) -> dict[str, Any]:
 
 
 def check_url(url: Any, name: str = _URL) -> str:
-    """Return ``url`` if the lease store can use it, else raise ImproperlyConfigured."""
+    """Check a lease store URL the way redis-py will parse it.
+
+    Args:
+        url: A ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` URL.
+        name: The setting named by the error.
+
+    Returns:
+        ``url``.
+
+    Raises:
+        ImproperlyConfigured: The lease store cannot use ``url`` (naming ``name``; the
+            URL's secrets masked).
+    """
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise ImproperlyConfigured(
             f"{_describe(name)} must be a redis://, rediss://, unix:// or sentinel:// URL, "
@@ -163,10 +159,20 @@ def _check_redis_url(url: str, name: str) -> None:
 
 
 def parse_sentinel_url(url: str, name: str = _URL) -> dict[str, Any]:
-    """``sentinel://[user:password@]host:port[;sentinel://host2:port2...][/db]`` as
-    ``{"sentinels": [(host, port), ...], "username", "password", "db"}``: the credentials
-    and database are the primary's (each part may repeat them; they must agree). A missing
-    port is 26379. Raises ImproperlyConfigured naming ``name`` for a malformed URL."""
+    """Parse kombu's Sentinel URL form.
+
+    Args:
+        url: ``sentinel://[user:password@]host:port[;sentinel://host2:port2...][/db]``; the
+            credentials and database are the primary's (each part may repeat them; they
+            must agree). A missing port is 26379.
+        name: The setting named by the error.
+
+    Returns:
+        ``{"sentinels": [(host, port), ...], "username", "password", "db"}``.
+
+    Raises:
+        ImproperlyConfigured: ``url`` is malformed (naming ``name``).
+    """
 
     def bad(why: str) -> ImproperlyConfigured:
         return ImproperlyConfigured(
@@ -233,11 +239,23 @@ def _why(why: str, url: str) -> str:
 def check_transport_options(
     value: Any, url: str | None, *, strict: bool = True, name: str = _OPTIONS
 ) -> dict[str, Any]:
-    """The transport options the lease store uses, from ``value`` (a dict). ``url`` is the
-    lease store's URL when known (a Sentinel URL needs ``master_name``). ``strict`` (the
-    setting was given for the lease store): an unknown key is an error; else (inherited
-    from ``broker_transport_options``) keys the lease store does not use are dropped.
-    Raises ImproperlyConfigured naming ``name``."""
+    """The transport options the lease store uses.
+
+    Args:
+        value: A dict of :data:`SENTINEL_OPTIONS` and :data:`CONNECTION_OPTIONS` (None:
+            none).
+        url: The lease store's URL when known (a Sentinel URL needs ``master_name``).
+        strict: True when the setting was given for the lease store: an unknown key is an
+            error; False when inherited from ``broker_transport_options``: keys the lease
+            store does not use are dropped.
+        name: The setting named by the errors.
+
+    Returns:
+        The options the lease store reads, checked.
+
+    Raises:
+        ImproperlyConfigured: A key or value is invalid (naming ``name``).
+    """
     if value is None:
         value = {}
     if not isinstance(value, dict):
@@ -374,13 +392,23 @@ _SSL_TEXT = ("ssl_ca_path", "ssl_ciphers", "ssl_ocsp_expected_cert")
 
 
 def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[str, Any]:
-    """The TLS options (``ssl_*`` keyword arguments of redis-py's ``SSLConnection``) from
-    ``value``: a dict as Celery's ``broker_use_ssl`` takes it, ``True`` (TLS with redis-py's
-    defaults: the server certificate verified against the system's CAs), or None/``False``/
-    ``{}`` (none). ``ssl_cert_reqs`` may be an ``ssl.VerifyMode`` or ``"required"``,
-    ``"optional"``, ``"none"`` (``"CERT_REQUIRED"``... too). A certificate or key file must
-    exist. ``strict`` as in :func:`check_transport_options`. Raises ImproperlyConfigured
-    naming ``name``."""
+    """The TLS options: ``ssl_*`` keyword arguments of redis-py's ``SSLConnection``.
+
+    Args:
+        value: A dict as Celery's ``broker_use_ssl`` takes it, ``True`` (TLS with
+            redis-py's defaults: the server certificate verified against the system's CAs),
+            or None/``False``/``{}`` (none). ``ssl_cert_reqs`` may be an ``ssl.VerifyMode``
+            or ``"required"``, ``"optional"``, ``"none"`` (``"CERT_REQUIRED"``... too). A
+            certificate or key file must exist.
+        strict: As in :func:`check_transport_options`.
+        name: The setting named by the errors.
+
+    Returns:
+        The options, with ``ssl`` True when there are any; ``{}`` for none.
+
+    Raises:
+        ImproperlyConfigured: An option is unknown or invalid (naming ``name``).
+    """
     if value is None or value is False:
         return {}
     if value is True:
@@ -489,10 +517,20 @@ def check_use_ssl(value: Any, *, strict: bool = True, name: str = _SSL) -> dict[
 
 
 def check_client_factory(value: Any, name: str = _FACTORY) -> Callable[..., Any] | None:
-    """The client factory: None, a callable, or the qualified name of one
-    (``"package.module:function"`` or ``"package.module.function"``), imported here.
-    Raises ImproperlyConfigured naming ``name`` when it cannot be imported or is not
-    callable."""
+    """The client factory of ``steplock_redis_client_factory``.
+
+    Args:
+        value: None, a callable ``factory(settings) -> redis client``, or the qualified
+            name of one (``"package.module:function"`` or ``"package.module.function"``),
+            imported here.
+        name: The setting named by the errors.
+
+    Returns:
+        The callable, or None.
+
+    Raises:
+        ImproperlyConfigured: It cannot be imported or is not callable (naming ``name``).
+    """
     if value is None:
         return None
     if isinstance(value, str):
@@ -531,17 +569,30 @@ def make_client(
     use_ssl: dict[str, Any] | bool | None = None,
     cluster: bool = False,
 ) -> redis.Redis:
-    """A redis-py client for the lease store at ``url`` (see the module docstring for the
-    URL forms): :func:`connection_options` (``socket_timeout`` seconds, one quick retry),
-    ``transport_options`` and ``use_ssl`` as the settings take them (validated here).
+    """A redis-py client for the lease store; nothing connects before the first command.
 
     For a ``sentinel://`` URL the client is ``Sentinel(...).master_for(master_name)``: its
-    pool is a ``SentinelConnectionPool`` that finds the primary through the sentinels.
-    ``cluster=True``: a ``redis.cluster.RedisCluster`` with ``url``'s node as its entry point
-    (see :func:`celery_steplock._redis.cluster.make_client`), the connection options and TLS
-    options passed to every node's connections.
-    Raises ImproperlyConfigured (naming the setting) for invalid input, e.g. TLS options
-    with a ``unix://`` URL; nothing connects before the first command.
+    pool is a ``SentinelConnectionPool`` that finds the primary through the sentinels, and a
+    demoted primary's ``READONLY`` drops the connection so that the retry reaches the new
+    one.
+
+    Args:
+        url: A ``redis://``, ``rediss://`` (TLS), ``unix://`` or ``sentinel://`` URL
+            (docs/redis.md).
+        socket_timeout: Seconds per attempt (:func:`connection_options`: one quick retry).
+        transport_options: As ``steplock_redis_transport_options`` takes them.
+        use_ssl: As ``steplock_redis_use_ssl`` takes them; with a ``rediss://`` URL its
+            query parameters win.
+        cluster: True for a ``redis.cluster.RedisCluster`` with ``url``'s node as its entry
+            point (see :func:`celery_steplock._redis.cluster.make_client`), the connection
+            and TLS options passed to every node's connections.
+
+    Returns:
+        The client.
+
+    Raises:
+        ImproperlyConfigured: Invalid input, e.g. TLS options with a ``unix://`` URL
+            (naming the setting).
     """
     check_url(url)
     options = check_transport_options(transport_options, url)
@@ -638,9 +689,23 @@ def _sentinel_client(
 
 
 class ClientConfig:
-    """The client inputs of one :class:`~celery_steplock.conf.Settings`, each setting read
-    once: the factory, or the URL, transport options and TLS options; and the socket
-    timeout (seconds). Raises ImproperlyConfigured naming the first invalid setting."""
+    """The client inputs of one :class:`~celery_steplock.conf.Settings`, each setting read once.
+
+    Args:
+        settings: The app's settings.
+        socket_timeout: Seconds; overrides ``steplock_socket_timeout`` when given.
+
+    Attributes:
+        factory: The client factory, or None.
+        url: The URL (None with a factory).
+        options: The transport options (None with a factory).
+        tls: The TLS options (None with a factory).
+        timeout: The socket timeout, seconds.
+        cluster: Whether the client is a Redis Cluster client.
+
+    Raises:
+        ImproperlyConfigured: Naming the first invalid setting.
+    """
 
     __slots__ = ("settings", "factory", "url", "options", "tls", "timeout", "cluster")
 
@@ -680,7 +745,15 @@ class ClientConfig:
         )
 
     def client(self) -> redis.Redis:
-        """A new client (see :func:`client_for_settings`)."""
+        """A new client (see :func:`client_for_settings`).
+
+        Returns:
+            The factory's client, or :func:`make_client`'s.
+
+        Raises:
+            ImproperlyConfigured: The factory raised, or returned no synchronous redis-py
+                client (``redis.Redis`` or ``redis.cluster.RedisCluster``).
+        """
         if self.factory is None:
             return make_client(
                 self.url,
@@ -713,9 +786,13 @@ class ClientConfig:
         return client  # type: ignore[return-value]
 
     def waiter_client(self) -> redis.Redis | None:
-        """A second client for the lease store's waiters when the lease store cannot derive
-        one from :meth:`client`'s pool itself (a Sentinel client: its pool finds the primary
-        through the sentinels), else None. A Cluster or factory client is shared."""
+        """A second client for the lease store's waiters, when the store cannot derive one.
+
+        Returns:
+            A new client for a Sentinel URL (its pool finds the primary through the
+            sentinels, so no pool can be derived from it), else None: a Cluster or factory
+            client is shared.
+        """
         if self.factory is None and not self.cluster and self.url.startswith("sentinel://"):
             return self.client()
         return None
@@ -734,18 +811,34 @@ def _freeze(value: Any) -> Any:
 
 
 def client_identity(settings) -> tuple:
-    """A hashable key of what :func:`client_for_settings` builds from ``settings``: equal
-    keys, equal clients (a factory counts by its identity). Raises ImproperlyConfigured."""
+    """A hashable key of what :func:`client_for_settings` builds.
+
+    Args:
+        settings: A :class:`~celery_steplock.conf.Settings`.
+
+    Returns:
+        Equal keys for equal clients (a factory counts by its identity).
+
+    Raises:
+        ImproperlyConfigured: A client setting is invalid.
+    """
     return ClientConfig(settings).identity
 
 
 def client_for_settings(settings, socket_timeout: float | None = None) -> redis.Redis:
-    """The lease store's client for ``settings`` (a :class:`~celery_steplock.conf.Settings`):
-    the client factory's when ``steplock_redis_client_factory`` is set, else
-    :func:`make_client` of the URL, transport options and TLS options. ``socket_timeout``
-    (seconds) overrides ``steplock_socket_timeout`` for a URL-built client.
+    """The lease store's client for the settings.
 
-    Raises ImproperlyConfigured naming the setting when one is invalid, or when the factory
-    fails or returns something that is not a redis client.
+    Args:
+        settings: A :class:`~celery_steplock.conf.Settings`.
+        socket_timeout: Seconds; overrides ``steplock_socket_timeout`` for a URL-built
+            client.
+
+    Returns:
+        The client factory's client when ``steplock_redis_client_factory`` is set, else
+        :func:`make_client` of the URL, transport options and TLS options.
+
+    Raises:
+        ImproperlyConfigured: A setting is invalid (naming it), or the factory fails or
+            returns something that is not a redis client.
     """
     return ClientConfig(settings, socket_timeout).client()

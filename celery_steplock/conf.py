@@ -1,18 +1,26 @@
-"""Settings: every ``steplock_*`` setting, its default and its validation, in one place.
+"""Settings: every ``steplock_*`` setting in one table, read and validated through
+:class:`Settings`.
 
 Settings live on the Celery app's configuration (``app.conf.steplock_default_ttl = 30``); a
 Django project that loads its Celery configuration with ``namespace="CELERY"`` sets them as
 ``CELERY_STEPLOCK_DEFAULT_TTL`` in ``settings.py``. They are read at access time, so a change
 to ``app.conf`` takes effect on the next task. An invalid value raises
 :class:`~celery_steplock.exceptions.ImproperlyConfigured` naming the setting.
+
+:data:`SETTINGS` declares each setting once (name, default, check, description, unit), the
+way Celery's ``celery/app/defaults.py`` declares its own; :data:`DEFAULTS`,
+:data:`DESCRIPTIONS`, the attributes of :class:`Settings`, :meth:`Settings.problems` (worker
+start, ``manage.py check``) and the generated settings reference (``docs/_ext``) all read it.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar, cast
 
 from . import _django
 from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bounds
@@ -57,6 +65,13 @@ from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bou
     setting_name,
     shown,
 )
+from .clients import (
+    URL_SCHEMES,
+    check_client_factory,
+    check_transport_options,
+    check_url,
+    check_use_ssl,
+)
 from .exceptions import MAX_MESSAGE_LENGTH, ImproperlyConfigured  # noqa: F401
 
 # "skip" and "return" end the task with a successful outcome that says so
@@ -66,151 +81,468 @@ ON_CONFLICT = ("return", "ignore", "raise")
 ON_STORE_ERROR = ("fail_closed", "fail_open")
 IDEMPOTENCY_STORES = ("redis", "database")
 
-#: Every setting with its default. Units are seconds.
-DEFAULTS: dict[str, Any] = {
-    "redis_url": None,  # None: the broker URL when it is a Redis URL
-    # None: the broker's broker_transport_options / broker_use_ssl when redis_url is None
-    "redis_transport_options": None,  # {"master_name": ..., "sentinel_kwargs": {...}}
-    "redis_use_ssl": None,  # {"ssl_cert_reqs": ..., "ssl_ca_certs": ..., ...}
-    "redis_client_factory": None,  # factory(settings) -> redis client, or its qualified name
-    "redis_cluster": False,  # True: redis_url names one node of a Redis Cluster
-    "key_prefix": "steplock",
-    "default_ttl": 30.0,
-    "renewal_ratio": 1 / 3,  # renew every ttl * ratio (Redisson's watchdog: ttl / 3)
-    "lock_wait": 0.0,
-    "max_hold": None,  # None: renew for as long as the task runs
-    "on_contended": "retry",
-    "on_conflict": "return",
-    "on_store_error": "fail_closed",
-    "retry_backoff": 1.0,
-    "retry_backoff_max": 60.0,
-    "retry_max": None,  # None: retry a busy lease or an outage until it clears
-    "status_field": "status",
-    "owner_field": "lock_owner",
-    "fence_field": "lock_fence",
-    "precheck": True,
-    "db_deadline": True,  # PostgreSQL: bound the CAS's lock wait and idle-before-COMMIT
-    "socket_timeout": 5.0,
-    "fence_ttl": 7 * 24 * 3600.0,  # lifetime of an idle name's fencing counter
-    "max_waiters": 1000,  # callers of one process waiting for leases at once
-    "event_log": False,  # Django: write LeaseEvent rows (contrib.django)
-    "event_retention": 7 * 24 * 3600.0,
-    "reaper_recover": {},  # {"app_label.Model": {"in-flight status": "recovery status"}}
-    "reaper_older_than": 0.0,  # seconds a step must have been in flight before recovery
-    # The step-store factory (celery_steplock.steps.StepStore), a qualified string.
-    "step_store": "celery_steplock.contrib.django.steps:DjangoStepStore",
-    "step_database": None,  # None: the step model's write database (Django: the router)
-    # The key of default lock names and idempotency keys (HMAC-SHA256); None: derived from
-    # Django's SECRET_KEY when Django is configured (see name_secret below), else none.
-    "name_secret": None,
+#: A setting's check: ``check(value, qualified setting name)`` returns the value as the
+#: library uses it, or raises ImproperlyConfigured naming that setting.
+Check = Callable[[Any, str], Any]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``steplock_*`` setting, declared once.
+
+    Attributes:
+        name: The name without the ``steplock_`` prefix (``"default_ttl"``).
+        default: The value when the setting is unset (None on ``app.conf`` counts as unset).
+        check: ``check(value, qualified name) -> value``: the value as the library uses it;
+            raises ImproperlyConfigured naming the setting. The rule of the value alone: a
+            setting judged against another (the transport options against the URL) adds
+            that in its :class:`Settings` property.
+        description: What it means, for the settings reference (sentences, MyST inline
+            markup).
+        unit: ``"seconds"``, ``"count"``, ``"bytes"``, ``"ratio"`` or None (not a number).
+        renamed_from: Former names (without the prefix), still read for one release when
+            this one is unset; the validator warns about them (``celery_steplock.W006``).
+    """
+
+    name: str
+    default: Any
+    check: Check = field(repr=False)
+    description: str = field(repr=False)
+    unit: str | None = None
+    renamed_from: tuple[str, ...] = ()
+    #: ``"steplock_" + name``: what app.conf is read under and errors are named by.
+    qualified: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qualified", setting_name(self.name))
+
+
+# -- checks of the table's settings -------------------------------------------------------------
+
+
+def _seconds(**bounds: Any) -> Check:
+    """:func:`check_seconds` with ``bounds``."""
+
+    def check(value: Any, name: str) -> Any:  # float, or None with allow_none
+        return check_seconds(value, name, **bounds)
+
+    return check
+
+
+def _count(**bounds: Any) -> Check:
+    """:func:`check_count` with ``bounds``."""
+
+    def check(value: Any, name: str) -> Any:  # int, or None with allow_none
+        return check_count(value, name, **bounds)
+
+    return check
+
+
+def _choice(choices: tuple[str, ...]) -> Check:
+    """:func:`check_choice` among ``choices``."""
+
+    def check(value: Any, name: str) -> str:
+        return check_choice(value, name, choices)
+
+    return check
+
+
+def _check_renewal_ratio(value: Any, name: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not MIN_RENEWAL_RATIO <= value <= MAX_RENEWAL_RATIO
+    ):
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be a number between {MIN_RENEWAL_RATIO} and "
+            f"{MAX_RENEWAL_RATIO} (the renewal interval must leave time for a retry "
+            f"before the TTL runs out), got {shown(value)}",
+            setting=name,
+        )
+    return float(value)
+
+
+def _check_field(value: Any, name: str) -> str:
+    if (
+        not isinstance(value, str)
+        or not value.isidentifier()
+        or len(value) > MAX_IDENTIFIER_LENGTH
+    ):
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be a model field name, got {shown(value)}", setting=name
+        )
+    return value
+
+
+def _check_reaper_recover(value: Any, name: str) -> dict[str, dict[str, str]]:
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_RECOVER_MODELS
+        or not all(
+            isinstance(model, str)
+            and isinstance(moves, dict)
+            and len(model) <= MAX_IDENTIFIER_LENGTH
+            and len(moves) <= MAX_RECOVER_MODELS
+            and all(
+                isinstance(a, str)
+                and isinstance(b, str)
+                and len(a) <= MAX_IDENTIFIER_LENGTH
+                and len(b) <= MAX_IDENTIFIER_LENGTH
+                for a, b in moves.items()
+            )
+            for model, moves in value.items()
+        )
+    ):
+        raise ImproperlyConfigured(
+            f'{describe(name)} must map "app_label.Model" to '
+            f"{{in-flight status: recovery status}}, got {shown(value)}",
+            setting=name,
+        )
+    return value
+
+
+def _check_step_store(value: Any, name: str) -> Any:
+    if not (
+        isinstance(value, str) and value.strip() and len(value) <= MAX_IDENTIFIER_LENGTH
+    ) and not callable(value):
+        raise ImproperlyConfigured(
+            f"{describe(name)} must be a qualified name "
+            f'("package.module:Factory") or a callable, got {shown(value)}',
+            setting=name,
+        )
+    return value
+
+
+def _check_serializer(value: Any, name: str) -> str:
+    text = check_text(value, name, what="a kombu serializer name")
+    from kombu.serialization import registry  # type: ignore[attr-defined]  # not in the stubs
+
+    if text not in registry._encoders:
+        raise ImproperlyConfigured(
+            f"{describe(name)} must name a registered kombu "
+            f"serializer ({', '.join(sorted(registry._encoders))}), got {shown(text)}",
+            setting=name,
+        )
+    return text
+
+
+def _check_transport_options(value: Any, name: str) -> dict[str, Any]:
+    return check_transport_options(value, None, name=name)
+
+
+def _check_use_ssl(value: Any, name: str) -> dict[str, Any]:
+    return check_use_ssl(value, name=name)
+
+
+_ON_STORE_ERROR = _choice(ON_STORE_ERROR)
+_WEEK = 7 * 24 * 3600.0
+
+#: Every setting, in the order of the reference. Units are seconds.
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "redis_url",
+        None,  # the broker URL when it is a Redis URL (Settings.redis_url)
+        check_url,
+        "The lock store's URL: ``redis://``, ``rediss://``, ``unix://`` or "
+        "``sentinel://host:port;sentinel://...``. None: the broker URL when it is a Redis URL.",
+    ),
+    Setting(
+        "redis_transport_options",
+        None,  # the broker's broker_transport_options when redis_url is None
+        _check_transport_options,
+        "What a URL cannot say: Sentinel's ``master_name`` (required), ``sentinel_kwargs``, "
+        "``min_other_sentinels``; ``health_check_interval``, ``socket_keepalive``, "
+        "``client_name``. None: ``broker_transport_options`` when the broker URL is used, else "
+        "``{}``.",
+    ),
+    Setting(
+        "redis_use_ssl",
+        None,  # the broker's broker_use_ssl when redis_url is None
+        _check_use_ssl,
+        "TLS options as ``broker_use_ssl`` (``ssl_cert_reqs``, ``ssl_ca_certs``, "
+        "``ssl_certfile``, ``ssl_keyfile``, any other ``ssl_*`` of redis-py). None: "
+        "``broker_use_ssl`` when the broker URL is used, else ``{}``.",
+    ),
+    Setting(
+        "redis_client_factory",
+        None,
+        check_client_factory,
+        "``factory(settings) -> redis.Redis`` or its qualified name, for any other client setup; "
+        "replaces the three settings above.",
+    ),
+    Setting(
+        "redis_cluster",
+        False,
+        check_bool,
+        "True: the URL names one node of a Redis Cluster, the entry point of a ``RedisCluster`` "
+        "client.",
+    ),
+    Setting(
+        "key_prefix",
+        "steplock",
+        check_key_prefix,
+        "Key namespace: ``<prefix>:lease:{name}``, ``<prefix>:fence:{name}``.",
+    ),
+    Setting("default_ttl", 30.0, check_ttl, "Lease TTL, seconds.", "seconds"),
+    Setting(
+        "renewal_ratio",
+        1 / 3,  # Redisson's watchdog renews at ttl / 3
+        _check_renewal_ratio,
+        "The heartbeat renews every ``ttl * ratio`` (0.05 to 0.75; never more often than every "
+        "0.01 s).",
+        "ratio",
+    ),
+    Setting(
+        "lock_wait",
+        0.0,
+        _seconds(allow_zero=True, maximum=MAX_WAIT),
+        "Seconds to wait for a busy lease before it counts as contended.",
+        "seconds",
+    ),
+    Setting(
+        "max_hold",
+        None,
+        _seconds(allow_none=True, maximum=MAX_HOLD),
+        "Seconds after which renewal stops and the lease is lost; None: renew for as long as the "
+        "task runs.",
+        "seconds",
+    ),
+    Setting(
+        "on_contended",
+        "retry",
+        _choice(ON_CONTENDED),
+        "A busy lease: ``retry``, ``skip`` (succeed with the skipped outcome), ``ignore`` "
+        "(Celery ``Ignore``) or ``raise`` (``LockContended``).",
+    ),
+    Setting(
+        "on_conflict",
+        "return",
+        _choice(ON_CONFLICT),
+        "A compare-and-swap that updated no row: ``return`` (succeed with the duplicate "
+        "outcome), ``ignore`` (no state update) or ``raise`` (``TransitionConflict``).",
+    ),
+    Setting(
+        "on_store_error",
+        "fail_closed",
+        _ON_STORE_ERROR,
+        "Redis unreachable: ``fail_closed`` (refuse the body, retry) or ``fail_open`` (run it "
+        "unlocked).",
+    ),
+    Setting(
+        "retry_backoff",
+        1.0,
+        _seconds(maximum=MAX_BACKOFF),
+        "Seconds: the base of the full-jitter retry countdown.",
+        "seconds",
+    ),
+    Setting(
+        "retry_backoff_max",
+        60.0,
+        _seconds(maximum=MAX_BACKOFF),
+        "Seconds: the cap of the full-jitter retry countdown.",
+        "seconds",
+    ),
+    Setting(
+        "retry_max",
+        None,  # retry a busy lease or an outage until it clears
+        _count(maximum=MAX_RETRIES, allow_none=True),
+        "Lease retries (busy, outage, lost) before the task fails; None: until it clears.",
+        "count",
+    ),
+    Setting("status_field", "status", _check_field, "The step model's status column."),
+    Setting(
+        "owner_field",
+        "lock_owner",
+        _check_field,
+        "The step model's column of the owner token (left out when the model has none).",
+    ),
+    Setting(
+        "fence_field",
+        "lock_fence",
+        _check_field,
+        "The step model's column of the fencing token (left out when the model has none).",
+    ),
+    Setting(
+        "precheck",
+        True,
+        check_bool,
+        "Read the step's status before the body and skip the body when the step already left "
+        "``from_``.",
+    ),
+    Setting(
+        "db_deadline",
+        True,
+        check_bool,
+        "PostgreSQL: from the compare-and-swap to COMMIT, ``lock_timeout`` and "
+        "``idle_in_transaction_session_timeout`` are the lease's remaining validity.",
+    ),
+    Setting(
+        "socket_timeout",
+        5.0,
+        _seconds(maximum=MAX_SOCKET_TIMEOUT),
+        "Redis socket timeout, seconds.",
+        "seconds",
+    ),
+    Setting(
+        "fence_ttl",
+        _WEEK,
+        check_fence_ttl,
+        "Seconds an idle name's fencing counter is kept (7 days).",
+        "seconds",
+    ),
+    Setting(
+        "max_waiters",
+        1000,
+        _count(minimum=1, maximum=MAX_WAITERS_LIMIT),
+        "Callers of one process that may wait (``lock_wait``) at once; one more fails with "
+        "``LockStoreMisconfigured``. Waiters that must share the store's pool (a client "
+        "factory's own pool) are capped at its ``max_connections`` minus a reserve of a quarter "
+        "of them (at least 8).",
+        "count",
+    ),
+    Setting(
+        "event_log",
+        False,
+        check_bool,
+        "Django: write a ``LeaseEvent`` row per lease event.",
+    ),
+    Setting(
+        "event_retention",
+        _WEEK,
+        _seconds(),
+        "Seconds of event log kept by ``prune_lease_events`` (7 days).",
+        "seconds",
+    ),
+    Setting(
+        "reaper_recover",
+        {},
+        _check_reaper_recover,
+        '``{"app_label.Model": {"in-flight status": "recovery status"}}``: the reaper moves '
+        "steps left in flight by dead owners.",
+    ),
+    Setting(
+        "reaper_older_than",
+        0.0,
+        _seconds(allow_zero=True, maximum=MAX_REAPER_OLDER_THAN),
+        "Seconds a step must have been in flight before the reaper recovers it.",
+        "seconds",
+    ),
+    Setting(
+        "step_store",
+        "celery_steplock.contrib.django.steps:DjangoStepStore",
+        _check_step_store,
+        "The step-store factory (:class:`celery_steplock.steps.StepStore`), a qualified name or "
+        "a callable.",
+    ),
+    Setting(
+        "step_database",
+        None,  # the step model's write database (Django: the router)
+        check_database,
+        "Database alias of the step statements and their transaction; None: the step model's "
+        "``router.db_for_write``.",
+    ),
+    Setting(
+        "name_secret",
+        None,  # derived from Django's SECRET_KEY when Django is configured (Settings.name_secret)
+        check_name_secret,
+        "The key (32 to 4096 characters, the same on every worker) of default lock names and "
+        "idempotency keys; None: derived from Django's ``SECRET_KEY`` when Django is configured.",
+    ),
     # Idempotency records (celery_steplock.patterns.idempotency).
-    "idempotency_store": "redis",  # "redis" | "database" (Django model, Redis as its cache)
-    "idempotency_ttl": 24 * 3600.0,  # a completed record's lifetime
-    "idempotency_lock_ttl": 600.0,  # a locked record's lifetime (a crashed holder's)
-    "idempotency_serializer": "json",  # the kombu serializer of recorded results
-    "idempotency_on_store_error": "fail_closed",
-    "idempotency_max_result_bytes": 1024 * 1024,  # a larger recorded result is not recorded
-    # The circuit breakers' policy when Redis cannot be reached (celery_steplock.patterns.breaker).
-    "breaker_on_store_error": "fail_closed",
-    # Concurrency limits (celery_steplock.patterns.concurrency): the outage policy, and the longest
-    # retry_after (seconds) a denied execution is re-queued past.
-    "bulkhead_on_store_error": "fail_closed",
-    "bulkhead_retry_after": 0.5,
-    # Redis does not answer a cluster-wide rate limit's decision (celery_steplock.patterns.ratelimit)
-    "rate_limit_on_store_error": "fail_closed",
-}
+    Setting(
+        "idempotency_store",
+        "redis",
+        _choice(IDEMPOTENCY_STORES),
+        'Where idempotency records live: ``"redis"`` (Redis alone) or ``"database"`` (the '
+        "``IdempotencyRecord`` model is the truth, Redis the cache of completed records).",
+    ),
+    Setting(
+        "idempotency_ttl",
+        24 * 3600.0,
+        _seconds(minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL),
+        "Seconds a completed idempotency record is replayed (default 24 h; 0.1 s to 366 days); "
+        "``idempotency_ttl`` on a task or decorator overrides it.",
+        "seconds",
+    ),
+    Setting(
+        "idempotency_lock_ttl",
+        600.0,
+        _seconds(minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL),
+        "Seconds a ``locked`` idempotency record lives when its holder dies without finishing: "
+        "the call can run again after it (set it above the body's longest run).",
+        "seconds",
+    ),
+    Setting(
+        "idempotency_serializer",
+        "json",
+        _check_serializer,
+        "The kombu serializer name results are recorded with (what a replay returns).",
+    ),
+    Setting(
+        "idempotency_on_store_error",
+        "fail_closed",
+        _ON_STORE_ERROR,
+        "Idempotency records when the store cannot be reached: ``fail_closed`` (the task is "
+        "retried) or ``fail_open`` (the body runs unrecorded).",
+    ),
+    Setting(
+        "idempotency_max_result_bytes",
+        1024 * 1024,
+        _count(minimum=1024, maximum=64 * 1024 * 1024),
+        "The largest serialized result, in bytes, an idempotency record keeps (1 KiB to 64 MiB; "
+        "default 1 MiB): a larger one is not recorded and the key runs again.",
+        "bytes",
+    ),
+    Setting(
+        "breaker_on_store_error",
+        "fail_closed",
+        _ON_STORE_ERROR,
+        "Circuit breakers when Redis cannot be reached: ``fail_closed`` (the call is refused, "
+        "the task retried) or ``fail_open`` (the dependency is called).",
+    ),
+    Setting(
+        "concurrency_limit_on_store_error",
+        "fail_closed",
+        _ON_STORE_ERROR,
+        "Concurrency limits when Redis cannot be reached: ``fail_closed`` (the task is retried) "
+        "or ``fail_open`` (the body runs without a slot).",
+        renamed_from=("bulkhead_on_store_error",),
+    ),
+    Setting(
+        "concurrency_limit_retry_after",
+        0.5,
+        _seconds(minimum=0.05, maximum=3600.0),
+        "The longest time, in seconds, a task refused by a concurrency limit is re-queued past "
+        "(before jitter; 0.05 to 3600).",
+        "seconds",
+        renamed_from=("bulkhead_retry_after",),
+    ),
+    Setting(
+        "rate_limit_on_store_error",
+        "fail_closed",
+        _ON_STORE_ERROR,
+        "Cluster-wide rate limits when Redis cannot be reached: ``fail_closed`` (the task is "
+        "retried) or ``fail_open`` (the call is allowed); a limit's own ``on_store_error=`` wins.",
+    ),
+)
 
-#: One line per setting of :data:`DEFAULTS` (same keys, without the ``steplock_`` prefix): what
-#: it means, its unit. The documentation's settings reference is generated from the two.
-DESCRIPTIONS: dict[str, str] = {
-    "redis_url": "The lock store's URL: ``redis://``, ``rediss://``, ``unix://`` or "
-    "``sentinel://host:port;sentinel://...``. None: the broker URL when it is a "
-    "Redis URL.",
-    "redis_transport_options": "What a URL cannot say: Sentinel's ``master_name`` "
-    "(required), ``sentinel_kwargs``, ``min_other_sentinels``; "
-    "``health_check_interval``, ``socket_keepalive``, "
-    "``client_name``. None: ``broker_transport_options`` when the "
-    "broker URL is used, else ``{}``.",
-    "redis_use_ssl": "TLS options as ``broker_use_ssl`` (``ssl_cert_reqs``, ``ssl_ca_certs``, "
-    "``ssl_certfile``, ``ssl_keyfile``, any other ``ssl_*`` of redis-py). "
-    "None: ``broker_use_ssl`` when the broker URL is used, else ``{}``.",
-    "redis_client_factory": "``factory(settings) -> redis.Redis`` or its qualified name, for "
-    "any other client setup; replaces the three settings above.",
-    "redis_cluster": "True: the URL names one node of a Redis Cluster, the entry point of a "
-    "``RedisCluster`` client.",
-    "key_prefix": "Key namespace: ``<prefix>:lease:{name}``, ``<prefix>:fence:{name}``.",
-    "default_ttl": "Lease TTL, seconds.",
-    "renewal_ratio": "The heartbeat renews every ``ttl * ratio`` (0.05 to 0.75; never more "
-    "often than every 0.01 s).",
-    "lock_wait": "Seconds to wait for a busy lease before it counts as contended.",
-    "max_hold": "Seconds after which renewal stops and the lease is lost; None: renew for as "
-    "long as the task runs.",
-    "on_contended": "A busy lease: ``retry``, ``skip`` (succeed with the skipped outcome), "
-    "``ignore`` (Celery ``Ignore``) or ``raise`` (``LockContended``).",
-    "on_conflict": "A compare-and-swap that updated no row: ``return`` (succeed with the "
-    "duplicate outcome), ``ignore`` (no state update) or ``raise`` "
-    "(``TransitionConflict``).",
-    "on_store_error": "Redis unreachable: ``fail_closed`` (refuse the body, retry) or "
-    "``fail_open`` (run it unlocked).",
-    "retry_backoff": "Seconds: the base of the full-jitter retry countdown.",
-    "retry_backoff_max": "Seconds: the cap of the full-jitter retry countdown.",
-    "retry_max": "Lease retries (busy, outage, lost) before the task fails; None: until it "
-    "clears.",
-    "status_field": "The step model's status column.",
-    "owner_field": "The step model's column of the owner token (left out when the model has "
-    "none).",
-    "fence_field": "The step model's column of the fencing token (left out when the model has "
-    "none).",
-    "precheck": "Read the step's status before the body and skip the body when the step "
-    "already left ``from_``.",
-    "db_deadline": "PostgreSQL: from the compare-and-swap to COMMIT, ``lock_timeout`` and "
-    "``idle_in_transaction_session_timeout`` are the lease's remaining "
-    "validity.",
-    "socket_timeout": "Redis socket timeout, seconds.",
-    "fence_ttl": "Seconds an idle name's fencing counter is kept (7 days).",
-    "max_waiters": "Callers of one process that may wait (``lock_wait``) at once; one more "
-    "fails with ``LockStoreMisconfigured``.",
-    "event_log": "Django: write a ``LeaseEvent`` row per lease event.",
-    "event_retention": "Seconds of event log kept by ``prune_lease_events`` (7 days).",
-    "reaper_recover": '``{"app_label.Model": {"in-flight status": "recovery status"}}``: '
-    "the reaper moves steps left in flight by dead owners.",
-    "reaper_older_than": "Seconds a step must have been in flight before the reaper recovers it.",
-    "step_store": "The step-store factory (:class:`celery_steplock.steps.StepStore`), a "
-    "qualified name or a callable.",
-    "step_database": "Database alias of the step statements and their transaction; None: the "
-    "step model's ``router.db_for_write``.",
-    "name_secret": "The key (32 to 4096 characters, the same on every worker) of default lock "
-    "names and idempotency keys; None: derived from Django's ``SECRET_KEY`` "
-    "when Django is configured.",
-    "idempotency_store": 'Where idempotency records live: ``"redis"`` (Redis alone) or '
-    '``"database"`` (the ``IdempotencyRecord`` model is the truth, Redis '
-    "the cache of completed records).",
-    "idempotency_ttl": "Seconds a completed idempotency record is replayed (default 24 h); "
-    "``idempotency_ttl`` on a task or decorator overrides it.",
-    "idempotency_lock_ttl": "Seconds a ``locked`` idempotency record lives when its holder "
-    "dies without finishing: the call can run again after it.",
-    "idempotency_serializer": "The kombu serializer name results are recorded with (what a "
-    "replay returns).",
-    "idempotency_on_store_error": "Idempotency records when the store cannot be reached: "
-    "``fail_closed`` (the task is retried) or ``fail_open`` "
-    "(the body runs unrecorded).",
-    "idempotency_max_result_bytes": "The largest serialized result, in bytes, an idempotency "
-    "record keeps (1 KiB to 64 MiB; default 1 MiB): a larger one "
-    "is not recorded and the key runs again.",
-    "breaker_on_store_error": "Circuit breakers when Redis cannot be reached: ``fail_closed`` "
-    "(the call is refused, the task retried) or ``fail_open`` (the "
-    "dependency is called).",
-    "bulkhead_on_store_error": "Concurrency limits when Redis cannot be reached: "
-    "``fail_closed`` (the task is retried) or ``fail_open`` (the "
-    "body runs without a slot).",
-    "bulkhead_retry_after": "The longest time, in seconds, a task refused by a concurrency "
-    "limit is re-queued past (before jitter).",
-    "rate_limit_on_store_error": "Cluster-wide rate limits when Redis cannot be reached: "
-    "``fail_closed`` (the task is retried) or ``fail_open`` (the "
-    "call is allowed).",
-}
+#: Every setting with its default (same keys as :data:`SETTINGS`, without the ``steplock_``
+#: prefix). Units are seconds.
+DEFAULTS: dict[str, Any] = {s.name: s.default for s in SETTINGS}
 
-# -- bounds ------------------------------------------------------------------------------------
+#: One line per setting of :data:`DEFAULTS`: what it means, its unit.
+DESCRIPTIONS: dict[str, str] = {s.name: s.description for s in SETTINGS}
+
+#: Deprecated setting names (without the prefix) -> the name that replaced them; the old name
+#: is read when the new one is unset, for one release (``celery_steplock.W006`` warns).
+RENAMED: dict[str, str] = {old: s.name for s in SETTINGS for old in s.renamed_from}
+
+_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+_BY_NAME.update({old: _BY_NAME[new] for old, new in RENAMED.items()})
+
+#: The settings a client factory replaces (not read while one is set).
+_REPLACED_BY_FACTORY = ("redis_url", "redis_transport_options", "redis_use_ssl")
+
 #: Django's SECRET_KEY, or None (see :func:`celery_steplock._django.secret_key`).
 django_secret_key = _django.secret_key
 
@@ -271,10 +603,53 @@ def configuration_version(app: Any) -> Any:
     return memo
 
 
+class _Read:
+    """The :class:`Settings` attribute of a setting without logic of its own: its value on
+    ``app.conf``, checked on every access (read-only, like a property)."""
+
+    def __init__(self, setting: Setting) -> None:
+        self.setting = setting
+        self.__doc__ = setting.description
+
+    def __get__(self, obj: Settings | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value, name = obj._read(self.setting)
+        return self.setting.check(value, name)
+
+    def __set__(self, obj: Settings, value: Any) -> NoReturn:
+        raise AttributeError(
+            f"{self.setting.name} is read from app.conf.{self.setting.qualified}: set it there"
+        )
+
+
+_S = TypeVar("_S", bound=type)
+
+
+def _from_table(cls: _S) -> _S:
+    """Give ``cls`` a :class:`_Read` attribute per setting of :data:`SETTINGS` it does not
+    define itself. Each must be annotated with its type in the class body (what a type
+    checker sees), and each annotation must be a setting: a setting added to the table
+    without its attribute fails at import."""
+    annotations = set(inspect.get_annotations(cls))
+    defined = {s.name for s in SETTINGS if s.name in vars(cls)}
+    wanted = set(_BY_NAME) - set(RENAMED) - defined
+    if annotations != wanted:
+        raise TypeError(
+            f"Settings: annotate exactly the settings without a property of their own: "
+            f"missing {sorted(wanted - annotations)}, not settings {sorted(annotations - wanted)}"
+        )
+    for name in sorted(wanted):
+        setattr(cls, name, _Read(_BY_NAME[name]))
+    return cls
+
+
+@_from_table
 class Settings:
     """The ``steplock_*`` settings of one Celery app, validated on access.
 
-    ``Settings(app).default_ttl`` reads ``app.conf.steplock_default_ttl`` (default 30.0).
+    ``Settings(app).default_ttl`` reads ``app.conf.steplock_default_ttl`` (default 30.0):
+    one attribute per setting of :data:`SETTINGS`, checked by the setting's check.
     With ``snapshot=True`` each setting is read from ``app.conf`` once and kept, and so are
     the values for the next snapshot as long as the configuration is unchanged (see
     :func:`_shared_snapshot`; a value changed in place, e.g. a dict mutated rather than
@@ -283,30 +658,92 @@ class Settings:
     are not cheap).
     """
 
+    # The settings read and checked straight from the table (a _Read each, set by
+    # _from_table); these annotations are their types for the type checker. The four with
+    # logic of their own (redis_url, redis_transport_options, redis_use_ssl, name_secret)
+    # are properties below.
+    redis_client_factory: Any
+    redis_cluster: bool
+    key_prefix: str
+    default_ttl: float
+    renewal_ratio: float
+    lock_wait: float
+    max_hold: float | None
+    on_contended: str
+    on_conflict: str
+    on_store_error: str
+    retry_backoff: float
+    retry_backoff_max: float
+    retry_max: int | None
+    status_field: str
+    owner_field: str
+    fence_field: str
+    precheck: bool
+    db_deadline: bool
+    socket_timeout: float
+    fence_ttl: float
+    max_waiters: int
+    event_log: bool
+    event_retention: float
+    reaper_recover: dict[str, dict[str, str]]
+    reaper_older_than: float
+    step_store: Any
+    step_database: str | None
+    idempotency_store: str
+    idempotency_ttl: float
+    idempotency_lock_ttl: float
+    idempotency_serializer: str
+    idempotency_on_store_error: str
+    idempotency_max_result_bytes: int
+    breaker_on_store_error: str
+    concurrency_limit_on_store_error: str
+    concurrency_limit_retry_after: float
+    rate_limit_on_store_error: str
+
     def __init__(self, app: Any, snapshot: bool = False) -> None:
         self.app = app
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: dict[str, tuple[Any, str]] | None = None
         #: Objects built from a snapshot's values (a task's guard), kept as long as it is.
         self.memo: dict[Any, Any] | None = None
         if snapshot:
             self._snapshot, self.memo = _shared_snapshot(app)
 
+    def _read(self, setting: Setting) -> tuple[Any, str]:
+        """``(value, qualified name it was read under)`` of ``setting``: its own name, else
+        (unset) a former name of :attr:`Setting.renamed_from` that is set, else its default
+        under its own name. A check then names the setting the user wrote."""
+        snapshot = self._snapshot
+        if snapshot is not None:
+            found = snapshot.get(setting.name)
+            if found is not None:
+                return found
+        get = self.app.conf.get
+        value, name = get(setting.qualified), setting.qualified
+        if value is None:
+            for old in setting.renamed_from:
+                value, name = get(setting_name(old)), setting_name(old)
+                if value is not None:
+                    break
+            else:
+                value, name = setting.default, setting.qualified
+        if snapshot is not None:
+            snapshot[setting.name] = (value, name)
+        return value, name
+
     def raw(self, name: str) -> Any:
-        if self._snapshot is not None and name in self._snapshot:
-            return self._snapshot[name]
-        value = self.app.conf.get(setting_name(name))
-        value = DEFAULTS[name] if value is None else value
-        if self._snapshot is not None:
-            self._snapshot[name] = value
-        return value
+        """The unchecked value of setting ``name`` (without the prefix; a former name reads
+        the setting that replaced it): its value on ``app.conf``, else its default.
+
+        Raises:
+            KeyError: ``name`` is no setting.
+        """
+        return self._read(_BY_NAME[name])[0]
 
     @property
     def redis_url(self) -> str:
         return self._redis_url(self.raw("redis_url"))
 
     def _redis_url(self, url: Any) -> str:
-        from .clients import URL_SCHEMES, check_url
-
         if url is None:
             broker = self.app.conf.broker_url or ""
             if isinstance(broker, str) and broker.startswith(URL_SCHEMES):
@@ -316,15 +753,13 @@ class Settings:
                 "set steplock_redis_url (CELERY_STEPLOCK_REDIS_URL in Django settings)",
                 setting="steplock_redis_url",
             )
-        return check_url(url)
+        return cast(str, _BY_NAME["redis_url"].check(url, "steplock_redis_url"))
 
     def _redis_inputs(self) -> list[Any]:
         """``[url, transport options, TLS options]`` of the lease store, each a value or the
         ImproperlyConfigured it raised, each setting read once. Unset, the options are the
         broker's (``broker_transport_options``, ``broker_use_ssl``) when the lease store
         uses the broker URL; keys the lease store does not use are then dropped."""
-        from .clients import check_transport_options, check_use_ssl
-
         own_url = self.raw("redis_url")
         found: list[Any] = []
         try:
@@ -358,7 +793,11 @@ class Settings:
 
     def redis_connection(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
         """``(url, transport options, TLS options)`` of the lease store, validated, each
-        setting read once. Raises ImproperlyConfigured naming the first invalid one."""
+        setting read once.
+
+        Raises:
+            ImproperlyConfigured: naming the first invalid one.
+        """
         found = self._redis_inputs()
         for value in found:
             if isinstance(value, ImproperlyConfigured):
@@ -380,294 +819,33 @@ class Settings:
         return cast(dict[str, Any], value)
 
     @property
-    def redis_client_factory(self) -> Any:
-        from .clients import check_client_factory
-
-        return check_client_factory(self.raw("redis_client_factory"))
-
-    @property
-    def redis_cluster(self) -> bool:
-        return check_bool(self.raw("redis_cluster"), "steplock_redis_cluster")
-
-    @property
-    def key_prefix(self) -> str:
-        return check_key_prefix(self.raw("key_prefix"))
-
-    @property
-    def default_ttl(self) -> float:
-        return check_ttl(self.raw("default_ttl"), "steplock_default_ttl")
-
-    @property
-    def renewal_ratio(self) -> float:
-        ratio = self.raw("renewal_ratio")
-        if (
-            isinstance(ratio, bool)
-            or not isinstance(ratio, (int, float))
-            or not MIN_RENEWAL_RATIO <= ratio <= MAX_RENEWAL_RATIO
-        ):
-            raise ImproperlyConfigured(
-                f"{describe('steplock_renewal_ratio')} must be a number between "
-                f"{MIN_RENEWAL_RATIO} and "
-                f"{MAX_RENEWAL_RATIO} (the renewal interval must leave time for a retry "
-                f"before the TTL runs out), got {shown(ratio)}",
-                setting="steplock_renewal_ratio",
-            )
-        return float(ratio)
-
-    @property
-    def lock_wait(self) -> float:
-        return check_seconds(
-            self.raw("lock_wait"), "steplock_lock_wait", allow_zero=True, maximum=MAX_WAIT
-        )
-
-    @property
-    def max_hold(self) -> float | None:
-        return check_seconds(
-            self.raw("max_hold"), "steplock_max_hold", allow_none=True, maximum=MAX_HOLD
-        )
-
-    @property
-    def on_contended(self) -> str:
-        return check_choice(self.raw("on_contended"), "steplock_on_contended", ON_CONTENDED)
-
-    @property
-    def on_conflict(self) -> str:
-        return check_choice(self.raw("on_conflict"), "steplock_on_conflict", ON_CONFLICT)
-
-    @property
-    def on_store_error(self) -> str:
-        return check_choice(self.raw("on_store_error"), "steplock_on_store_error", ON_STORE_ERROR)
-
-    @property
-    def rate_limit_on_store_error(self) -> str:
-        return check_choice(
-            self.raw("rate_limit_on_store_error"),
-            "steplock_rate_limit_on_store_error",
-            ON_STORE_ERROR,
-        )
-
-    @property
-    def retry_backoff(self) -> float:
-        return check_seconds(
-            self.raw("retry_backoff"), "steplock_retry_backoff", maximum=MAX_BACKOFF
-        )
-
-    @property
-    def retry_backoff_max(self) -> float:
-        return check_seconds(
-            self.raw("retry_backoff_max"), "steplock_retry_backoff_max", maximum=MAX_BACKOFF
-        )
-
-    @property
-    def retry_max(self) -> int | None:
-        return check_count(
-            self.raw("retry_max"), "steplock_retry_max", maximum=MAX_RETRIES, allow_none=True
-        )
-
-    def _field(self, name: str) -> str:
-        value = self.raw(name)
-        if (
-            not isinstance(value, str)
-            or not value.isidentifier()
-            or len(value) > MAX_IDENTIFIER_LENGTH
-        ):
-            raise ImproperlyConfigured(
-                f"{describe(setting_name(name))} must be a model field name, got {shown(value)}",
-                setting=setting_name(name),
-            )
-        return value
-
-    @property
-    def status_field(self) -> str:
-        return self._field("status_field")
-
-    @property
-    def owner_field(self) -> str:
-        return self._field("owner_field")
-
-    @property
-    def fence_field(self) -> str:
-        return self._field("fence_field")
-
-    @property
-    def precheck(self) -> bool:
-        return check_bool(self.raw("precheck"), "steplock_precheck")
-
-    @property
-    def db_deadline(self) -> bool:
-        return check_bool(self.raw("db_deadline"), "steplock_db_deadline")
-
-    @property
-    def socket_timeout(self) -> float:
-        return check_seconds(
-            self.raw("socket_timeout"), "steplock_socket_timeout", maximum=MAX_SOCKET_TIMEOUT
-        )
-
-    @property
-    def max_waiters(self) -> int:
-        return check_count(
-            self.raw("max_waiters"), "steplock_max_waiters", minimum=1, maximum=MAX_WAITERS_LIMIT
-        )
-
-    @property
-    def fence_ttl(self) -> float:
-        return check_fence_ttl(self.raw("fence_ttl"), "steplock_fence_ttl")
-
-    @property
-    def event_log(self) -> bool:
-        return check_bool(self.raw("event_log"), "steplock_event_log")
-
-    @property
-    def event_retention(self) -> float:
-        return check_seconds(self.raw("event_retention"), "steplock_event_retention")
-
-    @property
     def name_secret(self) -> bytes | None:
         """The HMAC-SHA256 key of default lock names and idempotency keys: the bytes of
         ``steplock_name_secret`` when set; else, under a configured Django, the key derived
         from ``SECRET_KEY`` (:func:`derive_name_secret`); else None (names are then made with
         a public key: anyone can recompute them)."""
-        value = self.raw("name_secret")
+        value, name = self._read(_BY_NAME["name_secret"])
         if value is not None:
-            return check_name_secret(value)
+            return cast(bytes, _BY_NAME["name_secret"].check(value, name))
         secret_key = django_secret_key()
         return None if secret_key is None else derive_name_secret(secret_key)
 
     @property
-    def reaper_recover(self) -> dict[str, dict[str, str]]:
-        value = self.raw("reaper_recover")
-        if (
-            not isinstance(value, dict)
-            or len(value) > MAX_RECOVER_MODELS
-            or not all(
-                isinstance(model, str)
-                and isinstance(moves, dict)
-                and len(model) <= MAX_IDENTIFIER_LENGTH
-                and len(moves) <= MAX_RECOVER_MODELS
-                and all(
-                    isinstance(a, str)
-                    and isinstance(b, str)
-                    and len(a) <= MAX_IDENTIFIER_LENGTH
-                    and len(b) <= MAX_IDENTIFIER_LENGTH
-                    for a, b in moves.items()
-                )
-                for model, moves in value.items()
-            )
-        ):
-            raise ImproperlyConfigured(
-                f'{describe("steplock_reaper_recover")} must map "app_label.Model" to '
-                f"{{in-flight status: recovery status}}, got {shown(value)}",
-                setting="steplock_reaper_recover",
-            )
-        return value
-
-    @property
-    def reaper_older_than(self) -> float:
-        return check_seconds(
-            self.raw("reaper_older_than"),
-            "steplock_reaper_older_than",
-            allow_zero=True,
-            maximum=MAX_REAPER_OLDER_THAN,
-        )
-
-    @property
-    def step_store(self) -> Any:
-        value = self.raw("step_store")
-        if not (
-            isinstance(value, str) and value.strip() and len(value) <= MAX_IDENTIFIER_LENGTH
-        ) and not callable(value):
-            raise ImproperlyConfigured(
-                f"{describe('steplock_step_store')} must be a qualified name "
-                f'("package.module:Factory") or a callable, got {shown(value)}',
-                setting="steplock_step_store",
-            )
-        return value
-
-    @property
-    def step_database(self) -> str | None:
-        return check_database(self.raw("step_database"), "steplock_step_database")
-
-    @property
-    def idempotency_store(self) -> str:
-        return check_choice(
-            self.raw("idempotency_store"), "steplock_idempotency_store", IDEMPOTENCY_STORES
-        )
-
-    @property
-    def idempotency_ttl(self) -> float:
-        return check_seconds(
-            self.raw("idempotency_ttl"),
-            "steplock_idempotency_ttl",
-            minimum=MIN_IDEMPOTENCY_TTL,
-            maximum=MAX_IDEMPOTENCY_TTL,
-        )
-
-    @property
-    def idempotency_lock_ttl(self) -> float:
-        return check_seconds(
-            self.raw("idempotency_lock_ttl"),
-            "steplock_idempotency_lock_ttl",
-            minimum=MIN_IDEMPOTENCY_TTL,
-            maximum=MAX_IDEMPOTENCY_TTL,
-        )
-
-    @property
-    def idempotency_serializer(self) -> str:
-        value = check_text(
-            self.raw("idempotency_serializer"),
-            "steplock_idempotency_serializer",
-            what="a kombu serializer name",
-        )
-        from kombu.serialization import registry  # type: ignore[attr-defined]  # not in the stubs
-
-        if value not in registry._encoders:
-            raise ImproperlyConfigured(
-                f"{describe('steplock_idempotency_serializer')} must name a registered kombu "
-                f"serializer ({', '.join(sorted(registry._encoders))}), got {shown(value)}",
-                setting="steplock_idempotency_serializer",
-            )
-        return value
-
-    @property
-    def idempotency_max_result_bytes(self) -> int:
-        return check_count(
-            self.raw("idempotency_max_result_bytes"),
-            "steplock_idempotency_max_result_bytes",
-            minimum=1024,
-            maximum=64 * 1024 * 1024,
-        )
-
-    @property
-    def idempotency_on_store_error(self) -> str:
-        return check_choice(
-            self.raw("idempotency_on_store_error"),
-            "steplock_idempotency_on_store_error",
-            ON_STORE_ERROR,
-        )
-
-    @property
-    def breaker_on_store_error(self) -> str:
-        return check_choice(
-            self.raw("breaker_on_store_error"), "steplock_breaker_on_store_error", ON_STORE_ERROR
-        )
-
-    @property
     def bulkhead_on_store_error(self) -> str:
-        return check_choice(
-            self.raw("bulkhead_on_store_error"), "steplock_bulkhead_on_store_error", ON_STORE_ERROR
-        )
+        """Deprecated alias of :attr:`concurrency_limit_on_store_error` (one release)."""
+        return self.concurrency_limit_on_store_error
 
     @property
     def bulkhead_retry_after(self) -> float:
-        return check_seconds(
-            self.raw("bulkhead_retry_after"),
-            "steplock_bulkhead_retry_after",
-            minimum=0.05,
-            maximum=3600.0,
-        )
+        """Deprecated alias of :attr:`concurrency_limit_retry_after` (one release)."""
+        return self.concurrency_limit_retry_after
 
     def problems(self) -> list[ImproperlyConfigured]:
-        """Every invalid setting, one error each (empty when all are valid)."""
+        """Every invalid setting of :data:`SETTINGS`, one error each.
+
+        Returns:
+            The errors, in the table's order (empty when every setting is valid).
+        """
         found = []
         for name in self._read_names():
             try:
@@ -677,32 +855,27 @@ class Settings:
         return found
 
     def validate(self) -> None:
-        """Read every setting once, raising ImproperlyConfigured on the first invalid one."""
+        """Read every setting of :data:`SETTINGS` once.
+
+        Raises:
+            ImproperlyConfigured: naming the first invalid setting.
+        """
         for name in self._read_names():
             getattr(self, name)
 
     def _read_names(self) -> list[str]:
-        """The settings the library reads: with a client factory, not those it replaces."""
+        """The settings the library reads, in the table's order: with a client factory, not
+        those it replaces."""
         try:
             factory = self.redis_client_factory
         except ImproperlyConfigured:
             # A factory was given but is invalid: its own error comes first, and the
             # settings it would replace are not read (their absence is not the problem).
             return ["redis_client_factory"] + [
-                name
-                for name in DEFAULTS
-                if name
-                not in (
-                    "redis_client_factory",
-                    "redis_url",
-                    "redis_transport_options",
-                    "redis_use_ssl",
-                )
+                s.name
+                for s in SETTINGS
+                if s.name != "redis_client_factory" and s.name not in _REPLACED_BY_FACTORY
             ]
         if factory is None:
-            return list(DEFAULTS)
-        return [
-            name
-            for name in DEFAULTS
-            if name not in ("redis_url", "redis_transport_options", "redis_use_ssl")
-        ]
+            return [s.name for s in SETTINGS]
+        return [s.name for s in SETTINGS if s.name not in _REPLACED_BY_FACTORY]

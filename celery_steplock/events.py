@@ -65,10 +65,17 @@ def _structured(value: Any) -> Any:
 def log_event(
     event: str, level: int = logging.INFO, *, exc_info: Any = None, **fields: Any
 ) -> None:
-    """Log one line ``event=<event> k=v ...`` (``fields`` in the order given, None left out,
-    each value escaped as in logfmt) to the ``celery_steplock`` logger at ``level``, with
-    ``extra={"steplock": {"event": event, **fields}}``; an exception value is written as
-    ``"<type>: <message>"``. ``exc_info`` as for :meth:`logging.Logger.log`. Never raises."""
+    """Log one line ``event=<event> k=v ...`` to the ``celery_steplock`` logger; never raises.
+
+    The line carries ``extra={"steplock": {"event": event, **fields}}``.
+
+    Args:
+        event: The event's name.
+        level: The logging level.
+        exc_info: As for :meth:`logging.Logger.log`.
+        **fields: In the order given, None left out, each value escaped as in logfmt; an
+            exception value is written as ``"<type>: <message>"``.
+    """
     if not logger.isEnabledFor(level):
         return
     try:
@@ -90,7 +97,14 @@ def log_event(
 
 
 def lease_fields(lease) -> dict[str, Any]:
-    """The payload fields of a :class:`~celery_steplock.lock.Lease`."""
+    """The payload fields of a lease.
+
+    Args:
+        lease: A :class:`~celery_steplock.lease.Lease`.
+
+    Returns:
+        Its ``key``, ``name``, ``owner``, ``fence``, ``task_id``, ``task_name`` and ``ttl``.
+    """
     return {
         "key": lease.key,
         "name": lease.name,
@@ -103,13 +117,32 @@ def lease_fields(lease) -> dict[str, Any]:
 
 
 def listening(signal: Signal, level: int = logging.INFO) -> bool:
-    """Whether :func:`emit` of ``signal`` at ``level`` would log or reach a receiver (a
-    caller sending many events can skip building their payloads when it would not)."""
+    """Whether :func:`emit` would log or reach a receiver.
+
+    A caller sending many events can skip building their payloads when it would not.
+
+    Args:
+        signal: The signal.
+        level: The logging level of its line.
+
+    Returns:
+        True when the signal has receivers or the logger is enabled for ``level``.
+    """
     return bool(signal.receivers) or logger.isEnabledFor(level)
 
 
 def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) -> None:
-    """Log ``fields`` as one line and send ``signal``; never raises."""
+    """Log ``fields`` as one line and send ``signal``; never raises.
+
+    ``monotonic`` and ``timestamp`` are added when not given. A receiver that raises is
+    logged (``event=receiver_failed``) and ignored.
+
+    Args:
+        signal: One of :mod:`celery_steplock.signals`.
+        sender: The signal's sender.
+        level: The logging level of the line.
+        **fields: The signal's keyword arguments.
+    """
     if not signal.receivers and not logger.isEnabledFor(level):
         return
     fields.setdefault("monotonic", time.monotonic())

@@ -1,14 +1,16 @@
 """The celery-steplock exception tree.
 
-Every error the library raises derives from :class:`StepLockError`::
+Every error the library raises derives from :class:`StepLockError` (tests/test_exceptions.py
+checks this drawing against the classes: each once, under its first base of the tree)::
 
     StepLockError
     ├── ImproperlyConfigured        a setting or task option is invalid (names it)
-    │   └── InvalidArgument         an argument of the public API is invalid (names it)
+    │   ├── InvalidArgument         an argument of the public API is invalid (names it)
+    │   └── GreenPoolUnsupported    the heartbeat cannot renew natively (_green)
     ├── LockNameError               an argument cannot enter a lock name (names it)
     ├── MetadataError               lease metadata names a reserved field (names the keys)
     ├── OuterTransactionError       called inside a caller's transaction.atomic()
-    ├── LockError
+    ├── LockError                   an error about one lease (names it)
     │   ├── LockContended           the lease is held by another owner (retryable)
     │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
     │   ├── LockStoreMisconfigured  Redis refused our credentials or a permission (not retried)
@@ -17,27 +19,27 @@ Every error the library raises derives from :class:`StepLockError`::
     │       ├── LeaseNotHeld        ... because the lease is not held
     │       ├── LeaseHeldByAnother  ... because another owner holds it now
     │       └── AuditRecordFailed   ... because its audit record could not be written
-    └── TransitionError
-        ├── InvalidTransition       ``from_ -> to`` is not in the allowed-transition table
-        ├── StepNotFound            no row with that primary key
-        ├── InvalidStepId           the step id cannot be a primary key of the step model
-        └── TransitionConflict      the compare-and-swap matched no row (another owner won)
-    └── AdmissionDenied             a gate refused the execution for now (retryable later)
-        ├── RateLimited             a cluster-wide rate limit has no quota left
-        ├── ConcurrencyLimited      every slot of a concurrency limit is held
-        └── CircuitOpen             the dependency's circuit breaker is open
+    ├── TransitionError             a step's status transition did not happen
+    │   ├── InvalidTransition       ``from_ -> to`` is not in the allowed-transition table
+    │   ├── StepNotFound            no row with that primary key
+    │   ├── InvalidStepId           the step id cannot be a primary key of the step model
+    │   └── TransitionConflict      the compare-and-swap matched no row (another owner won)
+    ├── AdmissionDenied             a gate refused the execution for now (retryable later)
+    │   ├── RateLimited             a cluster-wide rate limit has no quota left
+    │   ├── ConcurrencyLimited      every slot of a concurrency limit is held
+    │   └── CircuitOpen             the dependency's circuit breaker is open
     └── IdempotencyError            an idempotency record refused the call
         ├── IdempotencyKeyReused    the key's record was made with other arguments
-        └── IdempotencyInProgress   another execution holds the key's record (retryable;
-                                    also an AdmissionDenied)
+        └── IdempotencyInProgress   another execution holds the key (also an AdmissionDenied)
 
-``RETRYABLE_ERRORS`` lists the classes a task may retry safely: the body did not commit.
+:data:`RETRYABLE_ERRORS` lists the classes a task may retry safely: the body did not commit.
 """
 
 from __future__ import annotations
 
-import random
 from typing import Any
+
+from ._jitter import full_jitter
 
 __all__ = [
     "StepLockError",
@@ -72,7 +74,7 @@ __all__ = [
 
 
 class StepLockError(Exception):
-    """Base class of every celery-steplock error."""
+    """Base class of every celery-steplock error (the tree is in the module docstring)."""
 
 
 #: The longest message of ImproperlyConfigured and LockNameError, characters.
@@ -91,8 +93,10 @@ def _bounded(message: str) -> str:
 class ImproperlyConfigured(StepLockError, ValueError):
     """A ``steplock_*`` setting or a task option has an invalid value.
 
-    ``setting`` holds the setting or option name the message is about. The message is at
-    most ``MAX_MESSAGE_LENGTH`` characters (cut beyond).
+    The message is at most :data:`MAX_MESSAGE_LENGTH` characters (cut beyond).
+
+    Attributes:
+        setting: The setting or option name the message is about, or None.
     """
 
     def __init__(self, message: str, setting: str | None = None):
@@ -101,9 +105,14 @@ class ImproperlyConfigured(StepLockError, ValueError):
 
 
 class InvalidArgument(ImproperlyConfigured, TypeError):
-    """An argument of the library's public API (``RedisLeaseStore.acquire(ttl=...)``, ...) is
-    of the wrong type or out of its bounds. ``argument`` (and ``setting``, the same) names
-    it. Both a ``ValueError`` and a ``TypeError``, as Python raises either for such calls."""
+    """An argument of the library's public API is of the wrong type or out of its bounds.
+
+    E.g. ``RedisLeaseStore.acquire(ttl=...)``. Both a ``ValueError`` and a ``TypeError``, as
+    Python raises either for such calls.
+
+    Attributes:
+        argument: The argument's name (``setting`` holds the same).
+    """
 
     def __init__(self, message: str, argument: str | None = None):
         super().__init__(message, setting=argument)
@@ -113,8 +122,11 @@ class InvalidArgument(ImproperlyConfigured, TypeError):
 class LockNameError(StepLockError, TypeError):
     """A task argument cannot be turned into a lock name (e.g. it is not serialisable).
 
-    ``argument`` holds the argument's name. The message is at most
-    ``MAX_MESSAGE_LENGTH`` characters and quotes at most ``conf.MAX_SHOWN`` of a value.
+    The message is at most :data:`MAX_MESSAGE_LENGTH` characters and quotes at most
+    ``conf.MAX_SHOWN`` characters of a value.
+
+    Attributes:
+        argument: The argument's name, or None.
     """
 
     def __init__(self, message: str, argument: str | None = None):
@@ -123,13 +135,17 @@ class LockNameError(StepLockError, TypeError):
 
 
 class MetadataError(StepLockError, ValueError):
-    """Lease metadata (``RedisLeaseStore.acquire(metadata=...)``, ``holder_metadata``) uses a
-    key reserved for the lease's own fields (``owner``, ``fence``, ``acquired_ms``, ...; see
-    :data:`celery_steplock.lease.RESERVED_FIELDS`) or breaks a bound of
-    :func:`celery_steplock.lease.check_metadata`. Raised before anything is written.
+    """Lease metadata uses a reserved key or breaks a bound; raised before anything is written.
 
-    ``keys`` holds the refused keys, sorted (each quoted at most 40 characters when a bound
-    is broken). The message is at most ``MAX_MESSAGE_LENGTH`` characters.
+    The metadata of ``RedisLeaseStore.acquire(metadata=...)`` or ``holder_metadata`` may not
+    use a key reserved for the lease's own fields (``owner``, ``fence``, ``acquired_ms``, ...;
+    see :data:`celery_steplock.lease.RESERVED_FIELDS`) nor break a bound of
+    :func:`celery_steplock.lease.check_metadata`. The message is at most
+    :data:`MAX_MESSAGE_LENGTH` characters.
+
+    Attributes:
+        keys: The refused keys, sorted (each quoted at most 40 characters when a bound is
+            broken).
     """
 
     def __init__(self, message: str, keys: tuple[str, ...] = ()):
@@ -138,16 +154,22 @@ class MetadataError(StepLockError, ValueError):
 
 
 class OuterTransactionError(StepLockError, RuntimeError):
-    """A step-locked task was called inside an outer ``transaction.atomic()``: its commit
-    would happen after the lease is released ("commit first, release after")."""
+    """A step-locked task was called inside an outer ``transaction.atomic()``.
+
+    Its commit would happen after the lease is released, against the rule "commit first,
+    release after".
+    """
 
 
 class LockError(StepLockError):
     """Base of the errors about a lease.
 
-    ``name`` is the lock name (as in redis-py's ``LockError.lock_name``), ``key`` the Redis
-    key holding the lease, ``owner`` and ``fence`` the owner token and fencing token of the
-    lease concerned, when known. ``context`` keeps any other keyword given.
+    Attributes:
+        name: The lock name (as in redis-py's ``LockError.lock_name``), or None.
+        key: The Redis key holding the lease, or None.
+        owner: The owner token of the lease concerned, when known.
+        fence: The fencing token (int) of the lease concerned, when known.
+        context: Any other keyword given to the constructor (a dict).
     """
 
     def __init__(
@@ -171,8 +193,10 @@ class LockError(StepLockError):
 class LockContended(LockError):
     """Another owner holds the lease. Retryable: nothing ran.
 
-    ``holder`` is the owner token of the current holder when known, ``holder_task_id`` its
-    task id, ``ttl`` its remaining lifetime in seconds.
+    Attributes:
+        holder: The owner token of the current holder, when known.
+        holder_task_id: The current holder's task id, when known.
+        ttl: The holder's remaining lifetime in seconds (float), when known.
     """
 
     def __init__(
@@ -192,19 +216,25 @@ class LockContended(LockError):
 
 
 class LockStoreUnavailable(LockError):
-    """Redis did not answer (connection refused, timeout). Retryable: nothing committed."""
+    """Redis did not answer (connection refused, timeout). Retryable: nothing committed.
+
+    Attributes are those of :class:`LockError`.
+    """
 
 
 class LockStoreMisconfigured(LockError):
-    """Redis answered but refused us for a reason a retry cannot fix: a command or key the
-    Redis user is not permitted (ACL ``NOPERM``), a wrong password or unknown user
-    (``WRONGPASS``, ``NOAUTH``), a failed TLS certificate verification, or more waiters in
-    one process than its waiter pool holds. Not retryable and never a reason to run a body
-    without its lease: the task fails with it.
+    """Redis answered but refused us for a reason a retry cannot fix.
 
-    ``setting`` names the setting to fix (e.g. ``steplock_redis_url`` for the credentials
-    or the Redis user's ACL, ``steplock_max_waiters``); ``permissions`` lists the commands
-    (lower case, with the key where one was refused) the Redis user lacks, when known.
+    A command or key the Redis user is not permitted (ACL ``NOPERM``), a wrong password or
+    unknown user (``WRONGPASS``, ``NOAUTH``), a failed TLS certificate verification, or more
+    waiters in one process than its waiter pool holds. Not retryable and never a reason to
+    run a body without its lease: the task fails with it.
+
+    Attributes:
+        setting: The setting to fix, e.g. ``steplock_redis_url`` (the credentials or the
+            Redis user's ACL) or ``steplock_max_waiters``.
+        permissions: The commands the Redis user lacks (a tuple, lower case, with the key
+            where one was refused), when known.
     """
 
     def __init__(
@@ -222,15 +252,23 @@ class LockStoreMisconfigured(LockError):
 
 
 class LockLost(LockError):
-    """The lease is no longer ours: it expired locally, the key vanished, another owner took
-    it, or it ran past ``lock_max_hold``. Any commit that depended on it is refused.
+    """The lease is no longer ours; any commit that depended on it is refused.
+
+    It expired locally, the key vanished, another owner took it, or it ran past
+    ``lock_max_hold``. Attributes are those of :class:`LockError`.
     """
 
 
 class ForceReleaseRefused(LockError):
-    """A force release deleted nothing. ``name``/``key``/``owner`` are those asked for;
-    ``current`` is the lease as it is now (a dict as ``RedisLeaseStore.inspect`` returns), or
-    None when it is not held."""
+    """A force release deleted nothing.
+
+    Attributes:
+        name: The lock name asked for.
+        key: The Redis key of that lease.
+        owner: The owner token asked for.
+        current: The lease as it is now (a dict as ``RedisLeaseStore.inspect`` returns), or
+            None when it is not held.
+    """
 
     def __init__(
         self, message: str, *, name: str, key: str, owner: str, current: dict[str, Any] | None
@@ -253,7 +291,10 @@ class LeaseNotHeld(ForceReleaseRefused):
 
 class LeaseHeldByAnother(ForceReleaseRefused):
     """Another owner holds the lease now (``current``): the compare-and-delete spared it.
-    ``holder`` is its owner token."""
+
+    Attributes:
+        holder: The owner token of the lease's holder now.
+    """
 
     def __init__(self, message: str, **kwargs: Any):
         super().__init__(message, **kwargs)
@@ -261,13 +302,22 @@ class LeaseHeldByAnother(ForceReleaseRefused):
 
 
 class AuditRecordFailed(ForceReleaseRefused):
-    """The audit record of a force release could not be made durable (the database refused
-    the write or its commit): the lease was left as it was (``current``, still held by
-    ``owner``). The error of the audit store is the ``__cause__``."""
+    """The audit record of a force release could not be made durable: nothing released.
+
+    The database refused the write or its commit; the lease was left as it was (``current``,
+    still held by ``owner``). The error of the audit store is the ``__cause__``.
+    """
 
 
 class TransitionError(StepLockError):
-    """Base of the errors about a step's status transition."""
+    """Base of the errors about a step's status transition.
+
+    Attributes:
+        step_id: The step's primary key.
+        from_: The status the transition expected.
+        to: The status it was to write.
+        current: The step's status when it was read, when known.
+    """
 
     def __init__(
         self,
@@ -293,9 +343,14 @@ class StepNotFound(TransitionError):
 
 
 class InvalidStepId(TransitionError, ValueError):
-    """The step id (the task argument ``argument``, e.g. ``step_id_arg``) cannot be a primary
-    key of the step model, e.g. ``"abc"`` for an integer key. Raised before any lease is
-    taken; not retryable."""
+    """The step id cannot be a primary key of the step model, e.g. ``"abc"`` for an integer.
+
+    Raised before any lease is taken; not retryable.
+
+    Attributes:
+        argument: The name of the task argument holding the step id (the task's
+            ``step_id_arg``).
+    """
 
     def __init__(self, message: str, step_id: Any = None, argument: str | None = None) -> None:
         super().__init__(message, step_id=step_id)
@@ -303,9 +358,13 @@ class InvalidStepId(TransitionError, ValueError):
 
 
 class TransitionConflict(TransitionError):
-    """The compare-and-swap updated no row: the step left ``from_`` (``current`` holds its
-    status at the time of the check) or a newer fencing token already wrote it
-    (``stale_fence`` True: the status matched and the fenced condition refused).
+    """The compare-and-swap updated no row.
+
+    The step left ``from_`` (``current`` holds its status at the time of the check), or a
+    newer fencing token already wrote it.
+
+    Attributes:
+        stale_fence: True when the status matched and the fenced condition refused.
     """
 
     def __init__(
@@ -322,13 +381,17 @@ class TransitionConflict(TransitionError):
 
 
 class AdmissionDenied(StepLockError):
-    """A gate of :mod:`celery_steplock.patterns.gates` refused the execution for now; the body did
-    not run. Retryable after ``retry_after`` seconds (a float >= 0: the time until the gate
-    may admit it, e.g. a rate limit's next token).
+    """A gate refused the execution for now; the body did not run. Retryable.
 
-    ``option`` names the task option (or API argument) of the gate, ``key`` the Redis key it
-    decided on, ``limit`` a short description of the configured limit; ``context`` keeps any
-    other keyword given.
+    The gates are those of :mod:`celery_steplock.patterns.gates`.
+
+    Attributes:
+        retry_after: Seconds (a float >= 0) until the gate may admit it, e.g. a rate
+            limit's next token.
+        option: The task option (or API argument) of the gate.
+        key: The Redis key the gate decided on.
+        limit: A short description of the configured limit.
+        context: Any other keyword given to the constructor (a dict).
     """
 
     def __init__(
@@ -349,11 +412,15 @@ class AdmissionDenied(StepLockError):
         self.context = context
 
     def countdown(self) -> float:
-        """Seconds to re-queue the refused task after: uniform in ``[retry_after,
-        2 * retry_after]`` (full jitter past the earliest moment the gate may admit it), at
-        least 0.05."""
+        """Seconds to re-queue the refused task after.
+
+        Returns:
+            Seconds drawn uniformly from ``[retry_after, 2 * retry_after]`` (full jitter
+            past the earliest moment the gate may admit it:
+            :func:`celery_steplock._jitter.full_jitter`), ``retry_after`` at least 0.05.
+        """
         wait = max(0.05, self.retry_after)
-        return random.uniform(wait, 2 * wait)
+        return full_jitter(wait, after=wait)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Pickled into result backends and across eager retries: keep the figures.
@@ -382,17 +449,25 @@ def _rebuild_denied(
 
 class RateLimited(AdmissionDenied):
     """A cluster-wide rate limit (token bucket or sliding window) has no quota left.
-    ``context["ticket"]``: the refused request's place in the limit's first-come queue
-    (None without one), ``context["headers"]``: the message headers carrying it."""
+
+    Attributes:
+        context: ``context["ticket"]`` is the refused request's place in the limit's
+            first-come queue (None without one), ``context["headers"]`` the message headers
+            carrying it.
+    """
 
     def countdown(self) -> float:
-        """A ticket holder comes back when its turn is due: ``retry_after`` plus at most 5 %
-        (and 50 ms) of jitter, since the quota waits for it there; without a ticket, as
-        :meth:`AdmissionDenied.countdown`."""
+        """Seconds to re-queue the refused task after.
+
+        Returns:
+            With a ticket, the time its turn is due: ``retry_after`` (at least 0.01) plus
+            2 ms plus at most 5 % (and 50 ms) of jitter, since the quota waits for it there;
+            without one, as :meth:`AdmissionDenied.countdown`.
+        """
         if not self.context.get("ticket"):
             return super().countdown()
         wait = max(0.01, self.retry_after)
-        return wait + random.uniform(0.0, min(0.05, 0.05 * wait)) + 0.002
+        return full_jitter(min(0.05, 0.05 * wait), after=wait + 0.002)
 
 
 class ConcurrencyLimited(AdmissionDenied):
@@ -400,14 +475,22 @@ class ConcurrencyLimited(AdmissionDenied):
 
 
 class CircuitOpen(AdmissionDenied):
-    """The dependency's shared circuit breaker is open (or its half-open probes are taken):
-    the dependency was not called."""
+    """The dependency's shared circuit breaker is open: the dependency was not called.
+
+    Also raised while its half-open probes are taken.
+    """
 
 
 class IdempotencyError(StepLockError):
-    """An idempotency record (:mod:`celery_steplock.patterns.idempotency`) refused the call; the body
-    did not run. ``key`` is the record key (64 hex digits), ``namespace`` and ``version``
-    the record's namespace and policy version."""
+    """An idempotency record refused the call; the body did not run.
+
+    The records are those of :mod:`celery_steplock.patterns.idempotency`.
+
+    Attributes:
+        key: The record key (64 hex digits).
+        namespace: The record's namespace.
+        version: The record's policy version.
+    """
 
     def __init__(
         self,
@@ -443,15 +526,21 @@ def _rebuild_idempotency(
 
 
 class IdempotencyKeyReused(IdempotencyError, ValueError):
-    """The key's record (locked or completed) was made by a call with other arguments: a
-    key names one call, its arguments included, until it expires or is invalidated. Not
-    retryable (the same call fails the same way)."""
+    """The key's record (locked or completed) was made by a call with other arguments.
+
+    A key names one call, its arguments included, until it expires or is invalidated. Not
+    retryable: the same call fails the same way.
+    """
 
 
 class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
-    """Another execution holds the key's record (``locked``): retry after ``retry_after``
-    seconds (the holder's remaining lock TTL at most). A task re-queues itself
-    (:meth:`StepLockedTask.handle_denied`)."""
+    """Another execution holds the key's record (``locked``); also an :class:`AdmissionDenied`.
+
+    Retry after ``retry_after`` seconds (at most the holder's remaining lock TTL). A task
+    re-queues itself (:meth:`StepLockedTask.handle_denied`). Attributes are those of
+    :class:`IdempotencyError` and :class:`AdmissionDenied` (``option`` defaults to
+    ``"idempotency_key"``).
+    """
 
     def __init__(
         self,
@@ -492,6 +581,7 @@ def _rebuild_in_progress(
     return cls(message, retry_after=retry_after, key=key, namespace=namespace, version=version)
 
 
+#: The errors a task may retry safely: the body did not commit.
 RETRYABLE_ERRORS: tuple[type[StepLockError], ...] = (
     LockContended,
     LockStoreUnavailable,

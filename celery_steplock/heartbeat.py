@@ -1,30 +1,12 @@
 """The heartbeat: one renewal thread per worker process for every lease it holds.
 
-Like Redisson's lock watchdog, a single scheduler renews all of the process's leases, each
-every ``ttl * renewal_ratio`` seconds (default ttl/3), sending all renewals that are due in one
-pipelined round trip. The thread starts lazily with the first registered lease and exits once
-it has had no lease for :data:`IDLE_TIMEOUT` seconds (noticed at its next wake-up, so a worker
-that runs one task after another keeps one thread rather than starting one per task). It is a
-daemon (no process hangs at exit) and is re-created in a forked child (a prefork pool child
-never inherits the parent's thread or its registry: ``os.register_at_fork`` resets it and a
-pid check guards the rest).
-
-A renewal that finds the key gone or owned by someone else marks the lease lost, logs at ERROR
-and sends ``lock_lost``; it is then no longer renewed. A Redis error does not stop the thread:
-the renewal is retried sooner, and a lease whose local validity runs out meanwhile is lost.
-``max_hold`` (seconds) caps how long a lease is renewed at all. The holder observes all of this
-through ``lease.lost`` / ``lease.check()``; no exception is ever injected into the task's
-thread (python-redis-lock's pitfall list and Celery's own design both argue against it).
-
-Under a green pool (gevent, eventlet: :mod:`celery_steplock._green`) the thread is a native
-OS thread, its locks are OS-level locks and it renews through a client of its own with
-unpatched sockets, so a task body that computes without yielding cannot starve it; a worker
-whose lock store's client cannot be given unpatched sockets refuses to start
-(:class:`~celery_steplock._green.GreenPoolUnsupported`). Its log lines and its
-``lock_extended`` / ``lock_lost`` signals are handed to the hub
-(:class:`~celery_steplock._green.Relay`): handlers and receivers run on a greenlet, as all
-else in a green worker, once the hub gets control; :meth:`Heartbeat.unregister` runs what is
-pending first. See docs/pools.md.
+Like Redisson's lock watchdog, one scheduler renews all of the process's leases, each every
+``ttl * renewal_ratio`` seconds, the due ones in one pipelined round trip; a lease a renewal
+finds gone is lost (ERROR log, ``lock_lost``). The holder sees it through ``lease.lost`` /
+``lease.check()``: no exception is ever injected into the task's thread (python-redis-lock's
+pitfall list and Celery's own design both argue against it). Lifecycle, forks and loss:
+docs/design.md ("Heartbeat"); under gevent and eventlet (a native thread, signals relayed to
+the hub): docs/pools.md.
 """
 
 from __future__ import annotations
@@ -63,12 +45,24 @@ class _Entry:
 
 
 class Heartbeat:
-    """Renews the leases registered with it from one daemon thread; see the module docstring.
+    """Renews the leases registered with it from one daemon thread.
 
-    Use :func:`get_heartbeat` for the process's instance. ``idle_timeout`` (seconds) is
-    how long the thread outlives its last lease. ``clock`` (default :func:`time.monotonic`,
-    seconds) schedules the renewals; it must be the clock of the leases registered (their
-    store's ``clock``), since renewals are recorded on the lease in its readings.
+    Use :func:`get_heartbeat` for the process's instance. The thread starts with the first
+    registered lease and exits once it has had no lease for ``idle_timeout`` seconds
+    (noticed at its next wake-up, so back-to-back tasks share one thread). It is a daemon (no
+    process hangs at exit) and is re-created in a forked child (``os.register_at_fork``
+    resets the registry and a pid check guards the rest). A Redis error does not stop it:
+    the renewal is retried sooner, and a lease whose local validity runs out meanwhile is
+    lost. Under a green pool (:mod:`celery_steplock._green`) the thread is a native OS
+    thread renewing through a client with unpatched sockets, and its log lines and signals
+    run on the hub (:class:`~celery_steplock._green.Relay`).
+
+    Args:
+        idle_timeout: Seconds the thread outlives its last lease (default
+            :data:`IDLE_TIMEOUT`).
+        clock: Schedules the renewals, in seconds (default :func:`time.monotonic`); it must
+            be the clock of the leases registered (their store's ``clock``), since renewals
+            are recorded on the lease in its readings.
     """
 
     def __init__(
@@ -107,12 +101,25 @@ class Heartbeat:
         sender: Any = None,
         max_hold: float | None = None,
     ) -> None:
-        """Start renewing ``lease`` every ``lease.ttl * ratio`` seconds through ``lock`` (at
-        least :data:`~celery_steplock.conf.MIN_RENEWAL_INTERVAL` seconds apart); ``ratio``
-        is a finite number above 0 and at most
-        :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO` (else :class:`InvalidArgument`,
-        ``argument`` ``"ratio"``, before anything is registered); ``max_hold`` (seconds)
-        stops the renewals that long after the acquisition."""
+        """Start renewing a lease every ``lease.ttl * ratio`` seconds.
+
+        Renewals are at least :data:`~celery_steplock.conf.MIN_RENEWAL_INTERVAL` seconds
+        apart.
+
+        Args:
+            lease: The lease.
+            lock: The store it was granted by, which renews it.
+            ratio: A finite number above 0 and at most
+                :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO`.
+            sender: The sender of its ``lock_extended`` and ``lock_lost`` signals.
+            max_hold: Seconds after the acquisition at which the renewals stop, or None.
+
+        Raises:
+            InvalidArgument: ``ratio`` is out of bounds (``argument`` ``"ratio"``), raised
+                before anything is registered.
+            GreenPoolUnsupported: Under a green pool, ``lock`` cannot be given a client with
+                unpatched sockets.
+        """
         if (
             isinstance(ratio, bool)
             or not isinstance(ratio, (int, float))
@@ -152,12 +159,19 @@ class Heartbeat:
                 self._cond.notify()
 
     def unregister(self, lease: Lease) -> bool:
-        """Stop renewing ``lease``.
+        """Stop renewing a lease.
 
-        Returns False when the lease was not registered (e.g. the heartbeat already dropped it
-        as lost, and so already sent ``lock_lost``). Waits for a renewal cycle in flight, so
-        that no ``lock_extended`` of this lease follows the caller's release, but at most one
-        TTL: a cycle stuck in a ``lock_extended`` receiver must not hang the task too.
+        Waits for a renewal cycle in flight, so that no ``lock_extended`` of this lease
+        follows the caller's release, but at most one TTL: a cycle stuck in a
+        ``lock_extended`` receiver must not hang the task too. Under a green pool, runs the
+        log lines and signals pending on the hub first.
+
+        Args:
+            lease: The lease.
+
+        Returns:
+            False when the lease was not registered (e.g. the heartbeat already dropped it as
+            lost, and so already sent ``lock_lost``), else True.
         """
         in_cycle = self._acquire_cycle(max(MIN_RETRY_DELAY, lease.ttl))
         try:
@@ -195,9 +209,18 @@ class Heartbeat:
         return True
 
     def renewal_store(self, lock: RedisLeaseStore) -> RedisLeaseStore:
-        """The store the thread renews ``lock``'s leases through: ``lock`` itself, or under a
-        green pool its copy on an unpatched client (:func:`celery_steplock._green.native_store`;
-        raises :class:`~celery_steplock._green.GreenPoolUnsupported` when there can be none)."""
+        """The store the thread renews a store's leases through.
+
+        Args:
+            lock: The store the leases were granted by.
+
+        Returns:
+            ``lock`` itself, or under a green pool its copy on an unpatched client
+            (:func:`celery_steplock._green.native_store`).
+
+        Raises:
+            GreenPoolUnsupported: Under a green pool, when there can be no such copy.
+        """
         if not self.green:
             return lock
         pair = self._native_stores.get(id(lock))
@@ -208,11 +231,13 @@ class Heartbeat:
 
     @property
     def leases(self) -> list[Lease]:
+        """The leases registered now."""
         with self._cond:
             return [e.lease for e in self._entries.values()]
 
     @property
     def thread(self) -> threading.Thread | _green.NativeThread | None:
+        """The renewal thread, while it runs."""
         return self._thread
 
     def _due(self) -> list[_Entry] | None:
@@ -388,7 +413,11 @@ _heartbeat_guard = threading.Lock()
 
 
 def get_heartbeat() -> Heartbeat:
-    """The current process's :class:`Heartbeat` (a new one after a fork)."""
+    """The current process's heartbeat.
+
+    Returns:
+        Its :class:`Heartbeat` (a new one after a fork).
+    """
     global _heartbeat
     hb = _heartbeat
     if hb is None or hb.pid != os.getpid():

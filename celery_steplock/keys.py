@@ -1,23 +1,8 @@
 """Lock names and Redis keys.
 
-A lock name identifies the step a task execution mutates. By default it is derived from the
-task's signature: the call's arguments are bound with :func:`inspect.signature` (defaults
-applied, so ``t(1)``, ``t(x=1)`` and ``t(1, y=<default>)`` name the same lock, and keyword order
-never matters), encoded as canonical JSON with kombu's encoder (the one Celery's JSON serializer
-uses, so ``UUID``, ``datetime``, ``date``, ``Decimal`` and ``bytes`` work; a ``Decimal``
-keeps its written precision, so ``Decimal("1.1")`` and ``Decimal("1.10")`` name different
-locks), and hashed with HMAC-SHA256 keyed with the name secret (``steplock_name_secret``, see
-:attr:`celery_steplock.conf.Settings.name_secret`): whoever sees a name (the admin, the CLI,
-logs, ``LeaseEvent`` rows) cannot recover the arguments by trying candidates without that
-secret. Names passed through ``**kwargs`` join the declared ones. A ``lock_key`` task option
-replaces that with a :meth:`str.format` template over the argument names
-(``"order:{order_id}"``: plain names only, no attribute or index access; the values appear
-in the name as they are) or a callable receiving the bound arguments as keywords.
-
-Types are kept: ``1``, ``1.0``, ``True`` and ``"1"`` are four JSON values and give four
-default names; a template formats them with :func:`format`, so ``"1"`` and ``1`` give one
-name there, ``1.0`` and ``True`` others (``"1.0"``, ``"True"``).
-
+A lock name identifies the step a task execution mutates: by default a keyed hash of the
+task's bound arguments, or a ``lock_key`` template or callable (:func:`lock_name` says how;
+who sees names and what they reveal: docs/security.md, "Lock names and idempotency keys").
 Redis keys wrap the name in braces, a Redis Cluster hash tag, so that the lease and its fencing
 counter always live in the same slot: ``steplock:lease:{order:42}`` and
 ``steplock:fence:{order:42}``.
@@ -31,7 +16,7 @@ import hmac
 import inspect
 import json
 import string
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from kombu.utils.json import JSONEncoder
 
@@ -54,6 +39,19 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "PUBLIC_NAME_KEY",
     "argument_names",
+    "lease_keys",
+    "released_channel",
+    "breaker_key",
+    "breaker_probes_key",
+    "breaker_keys",
+    "breaker_name_from_key",
+    "SLOT_SUFFIX",
+    "slot_name",
+    "parse_slot_name",
+    "slot_key",
+    "concurrency_keys",
+    "rate_limit_keys",
+    "idempotency_record_key",
 ]
 
 #: The HMAC key used when no name secret is configured: public, so such names can be
@@ -68,11 +66,21 @@ LockKey = str | Callable[..., str] | None
 def bind_arguments(
     fun: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Bind ``args``/``kwargs`` to ``fun``'s signature with defaults applied.
+    """Bind a call's arguments to ``fun``'s signature, defaults applied.
 
-    ``fun`` is the task's ``run``: for a ``bind=True`` task that is a bound method, so
-    ``self`` is never part of the result. Raises :class:`LockNameError` when the call does
-    not match the signature.
+    Names passed through ``**kwargs`` join the declared ones.
+
+    Args:
+        fun: The task's ``run``: for a ``bind=True`` task a bound method, so ``self`` is
+            never part of the result.
+        args: The call's positional arguments.
+        kwargs: The call's keyword arguments.
+
+    Returns:
+        Argument name -> value.
+
+    Raises:
+        LockNameError: The call does not match the signature.
     """
     try:
         signature = _signature(fun)
@@ -91,9 +99,16 @@ def bind_arguments(
 
 
 def argument_names(fun: Callable[..., Any]) -> tuple[frozenset[str], bool] | None:
-    """``(names, takes_var_keyword)`` of ``fun``'s signature: the names a call can bind
-    (``*args``/``**kwargs`` themselves excluded; ``self`` of a bound method too) and whether
-    it takes ``**kwargs``. None when the signature cannot be read (some builtins)."""
+    """The argument names a call of ``fun`` can bind.
+
+    Args:
+        fun: A callable.
+
+    Returns:
+        ``(names, takes_var_keyword)``: the names (``*args``/``**kwargs`` themselves
+        excluded; ``self`` of a bound method too) and whether it takes ``**kwargs``; None
+        when the signature cannot be read (some builtins).
+    """
     try:
         signature = _signature(fun)
     except (TypeError, ValueError):
@@ -129,10 +144,17 @@ def _signature(fun: Callable[..., Any]) -> inspect.Signature:
 
 
 def canonical_json(arguments: Mapping[str, Any]) -> str:
-    """Encode ``arguments`` as canonical JSON (sorted keys, no spaces, kombu's type tags).
+    """Encode arguments as canonical JSON.
 
-    Raises :class:`LockNameError` naming the first argument that cannot be encoded (a type
-    JSON cannot encode, or nesting deeper than the interpreter's recursion limit allows).
+    Args:
+        arguments: Bound arguments.
+
+    Returns:
+        JSON with sorted keys, no spaces and kombu's type tags.
+
+    Raises:
+        LockNameError: Naming the first argument that cannot be encoded (a type JSON cannot
+            encode, or nesting deeper than the interpreter's recursion limit allows).
     """
     try:
         return json.dumps(arguments, cls=JSONEncoder, sort_keys=True, separators=(",", ":"))
@@ -156,9 +178,19 @@ def canonical_json(arguments: Mapping[str, Any]) -> str:
 
 
 def check_name(name: Any) -> str:
-    """Return ``name`` if it can be used as a lock name, else raise :class:`LockNameError`:
-    a non-empty string of printable characters, without braces, at most 512 long. The
-    error quotes at most ``conf.MAX_SHOWN`` characters of ``name``."""
+    """Check a lock name.
+
+    Args:
+        name: A non-empty string of printable characters, without braces (they delimit
+            the Redis Cluster hash tag), at most :data:`MAX_NAME_LENGTH` (512) long.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        LockNameError: ``name`` cannot be a lock name (quoting at most ``conf.MAX_SHOWN``
+            characters of it).
+    """
     if (
         type(name) is str
         and 0 < len(name) <= MAX_NAME_LENGTH
@@ -187,10 +219,19 @@ def check_name(name: Any) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def template_fields(template: str) -> tuple[str, ...]:
-    """The argument names a ``lock_key`` template formats, in order (nested fields of format
-    specs included). Raises :class:`LockNameError` for a template :meth:`str.format` cannot
-    parse, a positional field (``{}``, ``{0}``) and attribute or index access
-    (``{x.__class__}``, ``{x[0]}``): a name is made of the arguments' values only."""
+    """The argument names a ``lock_key`` template formats.
+
+    Args:
+        template: A :meth:`str.format` template over argument names.
+
+    Returns:
+        The names in order, nested fields of format specs included.
+
+    Raises:
+        LockNameError: A template :meth:`str.format` cannot parse, a positional field
+            (``{}``, ``{0}``) or attribute or index access (``{x.__class__}``, ``{x[0]}``):
+            a name is made of the arguments' values only.
+    """
     found: list[str] = []
     pending = [template]
     while pending:
@@ -231,14 +272,40 @@ def lock_name(
     *,
     secret: bytes | str | None = None,
 ) -> str:
-    """Return the lock name of one call ``fun(*args, **kwargs)`` of task ``task_name``.
+    """The lock name of one call ``fun(*args, **kwargs)`` of a task.
 
-    ``lock_key`` None: ``"<task_name>:<64 hex digits>"``, the HMAC-SHA256 keyed with
-    ``secret`` (the name secret; None: :data:`PUBLIC_NAME_KEY`) of the task name and the
-    canonical bound arguments. ``lock_key`` str: ``lock_key.format(**bound_arguments)`` (see
-    :func:`template_fields`); a placeholder that names no argument raises
-    :class:`LockNameError`. ``lock_key`` callable: its return value, called with the bound
-    arguments as keywords.
+    By default the arguments are bound with :func:`inspect.signature` (defaults applied, so
+    ``t(1)``, ``t(x=1)`` and ``t(1, y=<default>)`` name the same lock, and keyword order
+    never matters; names passed through ``**kwargs`` join the declared ones), encoded as
+    canonical JSON with kombu's encoder (the one Celery's JSON serializer uses, so ``UUID``,
+    ``datetime``, ``date``, ``Decimal`` and ``bytes`` work; a ``Decimal`` keeps its written
+    precision, so ``Decimal("1.1")`` and ``Decimal("1.10")`` name different locks), and
+    hashed with HMAC-SHA256 keyed with the name secret (``steplock_name_secret``, see
+    :attr:`celery_steplock.conf.Settings.name_secret`): whoever sees a name (the admin, the
+    CLI, logs, ``LeaseEvent`` rows) cannot recover the arguments by trying candidates
+    without that secret. Types are kept: ``1``, ``1.0``, ``True`` and ``"1"`` are four JSON
+    values and give four default names; a template formats them with :func:`format`, so
+    ``"1"`` and ``1`` give one name there, ``1.0`` and ``True`` others (``"1.0"``,
+    ``"True"``).
+
+    Args:
+        task_name: The task's name.
+        fun: The task's ``run``.
+        args: The call's positional arguments.
+        kwargs: The call's keyword arguments.
+        lock_key: None: ``"<task_name>:<64 hex digits>"``, the HMAC-SHA256 keyed with
+            ``secret`` of the task name and the canonical bound arguments. A str:
+            ``lock_key.format(**bound_arguments)`` (``"order:{order_id}"``: plain names
+            only, see :func:`template_fields`; the values appear in the name as they are).
+            A callable: its return value, called with the bound arguments as keywords.
+        secret: The name secret; None: :data:`PUBLIC_NAME_KEY`.
+
+    Returns:
+        The lock name (checked by :func:`check_name`).
+
+    Raises:
+        LockNameError: The call does not match the signature, an argument cannot be
+            encoded, a placeholder names no argument, or the result is no lock name.
     """
     return name_from_arguments(
         task_name, bind_arguments(fun, args, kwargs), lock_key, secret=secret
@@ -272,7 +339,20 @@ def name_from_arguments(
     *,
     secret: bytes | str | None = None,
 ) -> str:
-    """:func:`lock_name` for arguments already bound by :func:`bind_arguments`."""
+    """:func:`lock_name` for arguments already bound by :func:`bind_arguments`.
+
+    Args:
+        task_name: The task's name.
+        arguments: The bound arguments.
+        lock_key: As for :func:`lock_name`.
+        secret: As for :func:`lock_name`.
+
+    Returns:
+        The lock name.
+
+    Raises:
+        LockNameError: As :func:`lock_name`.
+    """
     if lock_key is None:
         mac = _keyed(_key(secret), b"lock-name\0")
         mac.update(b"%s\0%s" % (task_name.encode(), canonical_json(arguments).encode()))
@@ -304,40 +384,275 @@ def name_from_arguments(
 
 
 def idempotency_key(secret: bytes | str | None, task_name: str | None, name: str) -> str:
-    """The idempotency key of lease ``name`` of task ``task_name`` (see
-    :attr:`celery_steplock.lease.Lease.idempotency_key`): 64 hex digits, HMAC-SHA256 keyed with
-    the name secret over the task and lock names, so a third party that receives it learns
-    neither (a templated lock name carries raw argument values)."""
+    """The idempotency key of a lease (:attr:`celery_steplock.lease.Lease.idempotency_key`).
+
+    Args:
+        secret: The name secret; None: :data:`PUBLIC_NAME_KEY`.
+        task_name: The task's name.
+        name: The lock name.
+
+    Returns:
+        64 hex digits, HMAC-SHA256 keyed with the name secret over the task and lock names,
+        so a third party that receives it learns neither (a templated lock name carries raw
+        argument values).
+    """
     mac = _keyed(_key(secret), b"idempotency-key\0")
     mac.update(b"%s\0%s" % ((task_name or "").encode(), name.encode()))
     return str(mac.hexdigest())
 
 
 def lease_key(prefix: str, name: str) -> str:
-    """Redis key of the lease hash of ``name``."""
+    """The Redis key of a lease hash.
+
+    Args:
+        prefix: The key prefix (``steplock_key_prefix``).
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:lease:{<name>}``.
+    """
     return f"{prefix}:lease:{{{name}}}"
 
 
 def fence_key(prefix: str, name: str) -> str:
-    """Redis key of the fencing counter of ``name`` (same hash slot as the lease)."""
+    """The Redis key of a name's fencing counter (the lease's hash slot).
+
+    Args:
+        prefix: The key prefix.
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:fence:{<name>}``.
+    """
     return f"{prefix}:fence:{{{name}}}"
 
 
 def waiters_key(prefix: str, name: str) -> str:
-    """Redis key of the sorted set of owners waiting for ``name`` (same hash slot)."""
+    """The Redis key of the sorted set of owners waiting for a name (the lease's hash slot).
+
+    Args:
+        prefix: The key prefix.
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:waiters:{<name>}``.
+    """
     return f"{prefix}:waiters:{{{name}}}"
 
 
 def wake_key(prefix: str, name: str) -> str:
-    """Redis key of the list a release of ``name`` pushes one waiter's wake-up to."""
+    """The Redis key of the list a release pushes one waiter's wake-up to.
+
+    Args:
+        prefix: The key prefix.
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:wake:{<name>}``.
+    """
     return f"{prefix}:wake:{{{name}}}"
 
 
 def name_from_key(key: str | bytes) -> str:
-    """Inverse of :func:`lease_key`/:func:`fence_key`: the name between the braces."""
+    """Inverse of :func:`lease_key` and :func:`fence_key`.
+
+    Args:
+        key: A key of this module's layouts (str or bytes).
+
+    Returns:
+        The name between the braces.
+
+    Raises:
+        LockNameError: ``key`` has no braces: not a celery-steplock key.
+    """
     if isinstance(key, bytes):
         key = key.decode()
     start, end = key.find("{"), key.rfind("}")
     if start < 0 or end < start:
         raise LockNameError(f"not a celery-steplock key: {key!r}")
     return key[start + 1 : end]
+
+
+# -- every other Redis key layout, by owner -----------------------------------------------------
+# The strings below are what running deployments hold: changing one orphans their state
+# (tests/test_keys.py pins each). Every key of one name or limit carries one hash tag, so a
+# script's keys share a Redis Cluster slot.
+
+
+def lease_keys(prefix: str, names: Iterable[str]) -> list[str]:
+    """The lease keys of many names at once (a renewal batch).
+
+    Args:
+        prefix: The key prefix (``steplock_key_prefix``).
+        names: Lock names.
+
+    Returns:
+        ``[lease_key(prefix, name) for name in names]``, built without a call per name.
+    """
+    head = f"{prefix}:lease:{{"
+    return [f"{head}{name}}}" for name in names]
+
+
+def released_channel(prefix: str, name: str) -> str:
+    """The pub/sub channel releases of ``name`` were announced on (nothing publishes on it
+    any more; kept for :meth:`celery_steplock.lock.RedisLeaseStore.channel`).
+
+    Args:
+        prefix: The key prefix.
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:released:{<name>}``.
+    """
+    return f"{prefix}:released:{{{name}}}"
+
+
+def breaker_key(prefix: str, name: str) -> str:
+    """The hash of circuit breaker ``name``: ``state``, ``gen``, ``opened_ms``, ``ring``,
+    ``successes``, ``forced`` (:mod:`celery_steplock._redis.scripts.breaker`). TTL: a week
+    after its last write (``IDLE_TTL``); none while an operator forces it open.
+
+    Args:
+        prefix: The key prefix.
+        name: The dependency's name.
+
+    Returns:
+        ``<prefix>:breaker:{<name>}``.
+    """
+    return f"{prefix}:breaker:{{{name}}}"
+
+
+def breaker_probes_key(prefix: str, name: str) -> str:
+    """The sorted set of breaker ``name``'s half-open probe permits (owner token -> expiry,
+    Redis ms). TTL: the probe timeout, from the last permit given; deleted at every state
+    change.
+
+    Args:
+        prefix: The key prefix.
+        name: The dependency's name.
+
+    Returns:
+        ``<prefix>:breaker-probes:{<name>}`` (the hash tag of :func:`breaker_key`).
+    """
+    return f"{prefix}:breaker-probes:{{{name}}}"
+
+
+def breaker_keys(prefix: str, name: str) -> list[str]:
+    """The KEYS of every breaker script: ``[breaker_key, breaker_probes_key]``.
+
+    Args:
+        prefix: The key prefix.
+        name: The dependency's name.
+
+    Returns:
+        The breaker's hash and its probe permits, one Cluster slot.
+    """
+    return [breaker_key(prefix, name), breaker_probes_key(prefix, name)]
+
+
+def breaker_name_from_key(prefix: str, key: str) -> str | None:
+    """Inverse of :func:`breaker_key` (for a SCAN of ``breaker_key(prefix, "*")``).
+
+    Args:
+        prefix: The key prefix.
+        key: A Redis key.
+
+    Returns:
+        The breaker's name, or None when ``key`` is no breaker hash under ``prefix``.
+    """
+    head = f"{prefix}:breaker:{{"
+    if key.startswith(head) and key.endswith("}"):
+        return key[len(head) : -1]
+    return None
+
+
+#: What joins a concurrency limit's key and a slot's index in the slot's lease name.
+SLOT_SUFFIX = "}#"
+
+
+def slot_name(key: str, index: int) -> str:
+    """The lease name of slot ``index`` (0-based) of the limit key ``key``: ``"key}#index"``."""
+    return f"{key}{SLOT_SUFFIX}{index}"
+
+
+def parse_slot_name(name: str) -> tuple[str, int] | None:
+    """``(limit key, index)`` of a slot's lease name, or None when ``name`` is no slot."""
+    if not isinstance(name, str) or SLOT_SUFFIX not in name:
+        return None
+    key, _, index = name.rpartition(SLOT_SUFFIX)
+    if not key or not index.isdigit() or "{" in key or "}" in key:
+        return None
+    return key, int(index)
+
+
+def slot_key(prefix: str, key: str, index: int) -> str:
+    """The lease hash of slot ``index`` of concurrency limit ``key``: an ordinary lease (the
+    fields of :mod:`celery_steplock._redis.scripts.lease`) with the slot's TTL, whose hash
+    tag is the limit's key.
+
+    Args:
+        prefix: The key prefix.
+        key: The limit key.
+        index: The slot's index, 0-based.
+
+    Returns:
+        ``<prefix>:lease:{<key>}#<index>}``.
+    """
+    return lease_key(prefix, slot_name(key, index))
+
+
+def concurrency_keys(prefix: str, key: str) -> tuple[str, str, str]:
+    """The keys of concurrency limit ``key`` beside its slots (the hash tag of its slots).
+
+    ``fence``: the slots' fencing counter (a string, Redis us); TTL two periods (the fencing
+    counter period or the slot TTL, whichever is longer) from the last grant. ``queue``: the
+    waiters (sorted set: ticket -> first-denied time, Redis ms) and ``alive``: their
+    liveness (ticket -> expiry, Redis ms); TTL twice the waiter TTL from the last denial.
+
+    Args:
+        prefix: The key prefix.
+        key: The limit key.
+
+    Returns:
+        ``(<prefix>:bulkhead:{<key>}:fence, ...:queue, ...:alive)``.
+    """
+    base = f"{prefix}:bulkhead:{{{key}}}"
+    return f"{base}:fence", f"{base}:queue", f"{base}:alive"
+
+
+def rate_limit_keys(prefix: str, kind: str, ident: str, name: str) -> tuple[str, str, str]:
+    """The keys of rate limit ``name`` of one limiter (one hash tag: one Cluster slot).
+
+    The state: a token bucket's hash (``tokens``, ``ts``; TTL until it is full again, plus
+    1 s) or a sliding window's log (sorted set: grant id -> Redis ms; TTL the window plus
+    1 s). The ticket queue (sorted set: ticket -> the Redis ms it was first given) and the
+    tickets' deadlines (ticket -> Redis ms); TTL the longest wait given plus the ticket
+    grace and 1 s.
+
+    Args:
+        prefix: The key prefix.
+        kind: ``"tb"`` (token bucket) or ``"sw"`` (sliding window).
+        ident: The limiter's parameters as text (``"<rate>:<capacity>"``,
+            ``"<limit>:<window>"``), so two limits of one name never share state.
+        name: The limit's name (the rendered limit key).
+
+    Returns:
+        ``(<prefix>:rate:<kind>:<ident>:{<name>}, ...:queue:{<name>}, ...:due:{<name>})``.
+    """
+    base = f"{prefix}:rate:{kind}:{ident}"
+    return f"{base}:{{{name}}}", f"{base}:queue:{{{name}}}", f"{base}:due:{{{name}}}"
+
+
+def idempotency_record_key(prefix: str, key: str) -> str:
+    """The hash of idempotency record ``key`` (fields in
+    :mod:`celery_steplock._redis.scripts.idempotency`; also the Redis cache copy of a
+    database record). TTL: the lock TTL while locked, the record TTL once completed or failed.
+
+    Args:
+        prefix: The key prefix.
+        key: The record key (:func:`celery_steplock.patterns.idempotency.record_key`).
+
+    Returns:
+        ``<prefix>:idem:{<key>}``.
+    """
+    return f"{prefix}:idem:{{{key}}}"

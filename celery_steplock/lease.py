@@ -110,15 +110,21 @@ def _safe_repr(value: Any) -> str:
 
 
 def check_metadata(metadata: Any) -> None:
-    """Raise :class:`~celery_steplock.exceptions.MetadataError` (message and ``keys`` quoting
-    at most :data:`MALFORMED_EXCERPT` characters of the key) unless ``metadata`` is None or a
-    mapping of at most :data:`MAX_METADATA_ENTRIES` entries whose keys are strings of 1 to
-    :data:`MAX_METADATA_KEY` characters, not in :data:`RESERVED_FIELDS`, and whose values are
-    None, bool, a float that is finite, an int within [-2**63, 2**63 - 1] or a string of at
-    most :data:`MAX_METADATA_VALUE` characters; no key or string value may hold a control
-    character (U+0000-U+001F, U+007F-U+009F), and the encoded ``meta`` field must fit
-    :data:`MAX_METADATA_SIZE` bytes. Else return None. Called before any write, so a refused
-    acquire changes nothing."""
+    """Check lease metadata before any write, so a refused acquire changes nothing.
+
+    Args:
+        metadata: None, or a mapping of at most :data:`MAX_METADATA_ENTRIES` entries whose
+            keys are strings of 1 to :data:`MAX_METADATA_KEY` characters, not in
+            :data:`RESERVED_FIELDS`, and whose values are None, bool, a finite float, an int
+            within [-2**63, 2**63 - 1] or a string of at most :data:`MAX_METADATA_VALUE`
+            characters; no key or string value may hold a control character
+            (U+0000-U+001F, U+007F-U+009F), and the encoded ``meta`` field must fit
+            :data:`MAX_METADATA_SIZE` bytes.
+
+    Raises:
+        MetadataError: ``metadata`` breaks one of those rules (its message and ``keys``
+            quote at most :data:`MALFORMED_EXCERPT` characters of the key).
+    """
     if metadata is None:
         return
     try:
@@ -190,12 +196,20 @@ _encode_meta = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encod
 
 
 def bounded_text(value: str, limit: int = MAX_HOLDER_TEXT) -> str:
-    """``value`` as :func:`holder_metadata` stores it: unchanged when it has at most
-    ``limit`` characters and no control character; else each control character written as a
-    backslash escape (``\\x1b``), and when still longer than ``limit``, its first
-    ``limit - 45`` characters, ``"..."`` and ``"sha256:"`` with the first 35 hex digits of
-    the SHA-256 of the UTF-8 of the original ``value`` (so two long ids that share their
-    beginning still differ). The result never exceeds ``limit`` characters."""
+    """A client-chosen text as :func:`holder_metadata` stores it.
+
+    Args:
+        value: The text.
+        limit: Characters at most of the result.
+
+    Returns:
+        ``value`` unchanged when it has at most ``limit`` characters and no control
+        character; else each control character written as a backslash escape
+        (``\\x1b``), and when still longer than ``limit``, its first ``limit - 45``
+        characters, ``"..."`` and ``"sha256:"`` with the first 35 hex digits of the SHA-256
+        of the UTF-8 of the original ``value`` (so two long ids that share their beginning
+        still differ). Never longer than ``limit`` characters.
+    """
     value = str(value)
     if len(value) <= limit and not _CONTROL.search(value):
         return value
@@ -216,23 +230,27 @@ def _excerpt(value: str) -> str:
 
 
 def parse_lease(fields: Any) -> dict[str, Any]:
-    """A stored lease hash as every reader sees it (the store's ``inspect``/``scan``, the
-    admin, ``celery steplock``, the reaper), whatever it holds.
+    """A stored lease hash as every reader sees it, whatever it holds; never raises for it.
 
-    ``fields``: the hash as read (a mapping of str or bytes). The ``meta`` JSON object is
-    spread into top-level fields beside ``owner``, ``fence``, ``acquired_ms``... (a field of
-    the hash wins over a metadata entry of the same name; leases written before ``meta``
-    existed hold those fields directly and come out the same). Returns a dict of strings.
+    The readers: the store's ``inspect``/``scan``, the admin, ``celery steplock``, the
+    reaper. A field that cannot be what it claims is left out and described in
+    ``malformed``: an integer field (:data:`INTEGER_FIELDS`) that is not a decimal integer
+    within its bounds, a ``meta`` that is not a JSON object (or nested too deep to decode,
+    or longer than :data:`MAX_META_BYTES` bytes: not decoded), a metadata entry whose key is
+    reserved (:data:`RESERVED_FIELDS`) or whose value is a list or an object, text that was
+    not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing ``owner``. Readers
+    show such a lease as malformed (the reaper skips it).
 
-    Never raises for what the hash holds. A field that cannot be what it claims is left out
-    and described in ``malformed`` (a string, ``"field: why; ..."``, absent when all is
-    well; its parts sorted): an integer field (:data:`INTEGER_FIELDS`) that is not a decimal
-    integer within its bounds, a ``meta`` that is not a JSON object (or nested too deep to
-    decode, or longer than :data:`MAX_META_BYTES` bytes: not decoded), a metadata entry whose
-    key is reserved (:data:`RESERVED_FIELDS`) or whose value is a list or an object, text
-    that was not UTF-8 (kept, with U+FFFD in place of the bad bytes), a missing ``owner``.
-    Readers show such a lease as malformed (the reaper skips it). An empty mapping (the
-    key does not exist) gives an empty dict.
+    Args:
+        fields: The hash as read (a mapping of str or bytes).
+
+    Returns:
+        A dict of strings: the ``meta`` JSON object spread into top-level fields beside
+        ``owner``, ``fence``, ``acquired_ms``... (a field of the hash wins over a metadata
+        entry of the same name; leases written before ``meta`` existed hold those fields
+        directly and come out the same), plus ``malformed`` (``"field: why; ..."``, its
+        parts sorted) when something is wrong. An empty mapping (the key does not exist)
+        gives an empty dict.
     """
     problems: list[str] = []
     info: dict[str, Any] = {}
@@ -302,16 +320,28 @@ CLOCK_DRIFT_FACTOR = 0.01
 
 
 def drift(ttl: float) -> float:
-    """Seconds of a ``ttl`` (seconds) held back for clock drift and the acquire round trip:
-    ``ttl * CLOCK_DRIFT_FACTOR + 0.002``."""
+    """Seconds of a TTL held back for clock drift and the acquire round trip.
+
+    Args:
+        ttl: The lease's TTL in seconds.
+
+    Returns:
+        ``ttl * CLOCK_DRIFT_FACTOR + 0.002`` seconds.
+    """
     return ttl * CLOCK_DRIFT_FACTOR + 0.002
 
 
 def new_owner_token(task_id: str | None = None) -> str:
-    """A fresh owner token: 32 hex digits, unique per execution attempt. With ``task_id``
-    the last 8 are a digest of the task id (:func:`owner_has_task_id`), so that the step
-    row's owner column tells a redelivery of the same task id from another task; the other
-    24 (96 bits) stay random."""
+    """A fresh owner token, unique per execution attempt.
+
+    Args:
+        task_id: The Celery task id of the attempt, when there is one.
+
+    Returns:
+        32 hex digits. With ``task_id`` the last 8 are a digest of the task id
+        (:func:`owner_has_task_id`), so that the step row's owner column tells a redelivery
+        of the same task id from another task; the other 24 (96 bits) stay random.
+    """
     token = uuid.uuid4().hex
     if task_id is None:
         return token
@@ -323,8 +353,16 @@ def _task_digest(task_id: str) -> str:
 
 
 def owner_has_task_id(owner: str | None, task_id: str | None) -> bool:
-    """Whether ``owner`` (an owner token) was made by ``new_owner_token(task_id)``; a token
-    made without a task id matches a given one by chance only (1 in 2**32)."""
+    """Whether an owner token was made by ``new_owner_token(task_id)``.
+
+    Args:
+        owner: The owner token.
+        task_id: The task id.
+
+    Returns:
+        True when its last 8 hex digits are the task id's digest; a token made without a
+        task id matches a given one by chance only (1 in 2**32).
+    """
     if not owner or not task_id or len(owner) != 32:
         return False
     return owner[24:] == _task_digest(task_id)
@@ -336,16 +374,27 @@ def holder_metadata(
     retries: int | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """The metadata stored beside an owner token: who holds the lease, for people and for
-    the reaper (``worker`` is the Celery node name, e.g. ``celery@host``; ``step`` is
-    ``"<app_label>.<model>:<pk>"`` of the step the lease guards; ``renew_ms`` the holder's
-    renewal interval in milliseconds). Returns a dict without the None values; ``hostname``
-    and ``pid`` are this process's. Raises
-    :class:`~celery_steplock.exceptions.MetadataError` when ``extra`` breaks a rule of
-    :func:`check_metadata`. ``task_id``, ``task_name`` and the ``worker`` and ``step`` of
-    ``extra`` are client-chosen texts: each is stored as :func:`bounded_text` gives (at most
-    :data:`MAX_HOLDER_TEXT` characters, control characters escaped, a longer one cut and
-    followed by a digest of the whole), never refused."""
+    """The metadata stored beside an owner token: who holds the lease, for people and the reaper.
+
+    ``task_id``, ``task_name`` and the ``worker`` and ``step`` of ``extra`` are client-chosen
+    texts: each is stored as :func:`bounded_text` gives (at most :data:`MAX_HOLDER_TEXT`
+    characters, control characters escaped, a longer one cut and followed by a digest of the
+    whole), never refused.
+
+    Args:
+        task_id: The Celery task id.
+        task_name: The task's name.
+        retries: The task's retry count.
+        **extra: More entries, e.g. ``worker`` (the Celery node name, ``celery@host``),
+            ``step`` (``"<app_label>.<model>:<pk>"`` of the step the lease guards),
+            ``renew_ms`` (the holder's renewal interval, in milliseconds).
+
+    Returns:
+        A dict without the None values, with this process's ``hostname`` and ``pid``.
+
+    Raises:
+        MetadataError: ``extra`` breaks a rule of :func:`check_metadata`.
+    """
     texts = {"task_id": task_id, "task_name": task_name}
     for name in ("worker", "step"):
         if name in extra:
@@ -369,11 +418,24 @@ def holder_metadata(
 class Lease:
     """One granted lease, as seen by its holder.
 
-    ``ttl`` is in seconds. ``acquired_at`` and ``valid_until`` are readings of ``clock``
-    (default :func:`time.monotonic`, seconds): ``valid_until`` is when the acquire (or last
-    successful renewal) was *sent* plus the TTL less :func:`drift`. ``lost`` turns true when
-    that deadline passes, when a renewal finds the key gone or owned by someone else, or when
-    ``max_hold_until`` passes; it never turns back.
+    :attr:`lost` turns true when ``valid_until`` passes, when a renewal finds the key gone
+    or owned by someone else, or when ``max_hold_until`` passes; it never turns back.
+
+    Attributes:
+        name: The lock name.
+        key: The Redis key of the lease.
+        owner: The owner token.
+        fence: The fencing token of the grant.
+        ttl: The TTL in seconds.
+        acquired_at: When the acquire was sent, a reading of ``clock``.
+        valid_until: When the acquire (or the last successful renewal) was *sent* plus the
+            TTL less :func:`drift`, a reading of ``clock``.
+        task_id: The holder's task id, when known.
+        task_name: The holder's task name, when known.
+        max_hold_until: The reading of ``clock`` after which the lease is no longer
+            renewed (``lock_max_hold``), or None.
+        lost_reason: Why the lease was lost, once it is.
+        clock: The clock of the readings, in seconds (default :func:`time.monotonic`).
     """
 
     name: str
@@ -404,7 +466,14 @@ class Lease:
         return self._lost.is_set()
 
     def mark_lost(self, reason: str) -> bool:
-        """Flag the lease lost with ``reason``; returns False if it already was."""
+        """Flag the lease lost.
+
+        Args:
+            reason: Why, kept in :attr:`lost_reason`.
+
+        Returns:
+            False if it already was lost, else True.
+        """
         if self._lost.is_set():
             return False
         self.lost_reason = reason
@@ -412,8 +481,12 @@ class Lease:
         return True
 
     def renewed(self, sent_at: float, ttl: float | None = None) -> None:
-        """Record a successful renewal sent at ``sent_at`` (a ``clock`` reading); ``ttl``
-        (seconds) replaces the TTL when given."""
+        """Record a successful renewal.
+
+        Args:
+            sent_at: When the renewal was sent, a ``clock`` reading.
+            ttl: A new TTL in seconds, when it changed.
+        """
         if ttl is not None:
             self.ttl = ttl
         self.valid_until = sent_at + self.ttl - drift(self.ttl)
@@ -423,8 +496,11 @@ class Lease:
         return 0.0 if self.lost else max(0.0, self.valid_until - self.clock())
 
     def check(self) -> None:
-        """Raise :class:`LockLost` (with ``name``, ``key``, ``owner``, ``fence``) if the lease
-        is lost; call it between units of work."""
+        """Check the lease between units of work.
+
+        Raises:
+            LockLost: The lease is lost (with ``name``, ``key``, ``owner``, ``fence``).
+        """
         if self.lost:
             raise LockLost(
                 f"lease {self.key} (owner {self.owner}, fence {self.fence}) is "
@@ -437,18 +513,24 @@ class Lease:
 
     @property
     def idempotency_key(self) -> str:
-        """64 hex digits that are the same for every attempt of this task on this step
-        (retries, redeliveries and duplicates alike), for effects outside the database
-        (HTTP, e-mail, payments): a system that deduplicates on it performs the effect once.
-        It is HMAC-SHA256 keyed with the name secret over the task name and the lock name
+        """A key for effects outside the database (HTTP, e-mail, payments), one per step.
+
+        The same for every attempt of this task on this step (retries, redeliveries and
+        duplicates alike): a system that deduplicates on it performs the effect once. It is
+        HMAC-SHA256 keyed with the name secret over the task name and the lock name
         (:func:`celery_steplock.keys.idempotency_key`), so the system that receives it
         learns nothing of either (a templated lock name carries raw argument values). Where
         that system can refuse stale writers, pass it ``fence`` too (Kleppmann 2016): it
         increases with every grant.
 
-        Raises ImproperlyConfigured (``setting`` ``steplock_name_secret``) when the lease
-        store has no name secret (``RedisLeaseStore(name_secret=...)``; tasks get the
-        setting's, or the one derived from Django's ``SECRET_KEY``).
+        Returns:
+            64 hex digits.
+
+        Raises:
+            ImproperlyConfigured: The lease store has no name secret
+                (``RedisLeaseStore(name_secret=...)``; tasks get the setting's, or the one
+                derived from Django's ``SECRET_KEY``); ``setting`` is
+                ``steplock_name_secret``.
         """
         if self.secret is None:
             raise ImproperlyConfigured(

@@ -1,22 +1,15 @@
 """The lease store: owner-keyed Redis leases with fencing tokens.
 
-A lease is a Redis hash ``<prefix>:lease:{<name>}`` with a TTL, holding the owner token of one
-execution attempt and who that is (task id and name, hostname, pid, retries, acquisition and
-renewal times in Redis server milliseconds; see :mod:`celery_steplock._redis.scripts.lease` for the fields).
-Acquire, release, extend and the ownership check are each one Lua script, so no client can
-interleave between reading the owner and acting on it (redis-py's ``Lock`` does the same for
-release and extend; a GET-then-DEL does not).
+A lease is a Redis hash ``<prefix>:lease:{<name>}`` with a TTL (its fields:
+:mod:`celery_steplock._redis.scripts.lease`); acquire, release, extend and the ownership check
+are each one Lua script, so no client can interleave between reading the owner and acting on
+it. Every grant returns a fencing token (Kleppmann, "How to do distributed locking", 2016),
+``max(previous + 1, Redis server time in microseconds)``, which orders holders; the step
+store's compare-and-swap refuses a stale commit. The reasoning is in docs/safety.md ("The
+fencing token") and docs/design.md.
 
-Every grant returns a **fencing token** (Kleppmann, "How to do distributed locking", 2016)
-that strictly increases per name: ``max(previous + 1, Redis server time in microseconds)``.
-The previous value lives in ``<prefix>:fence:{<name>}``, kept at least ``fence_ttl`` after
-the name's last grant, and the time floor keeps the sequence increasing when that counter
-expired or was lost in a failover, as long as the Redis clock moves forward. The token orders
-holders; it is not a mutex, and the database compare-and-swap (the step store,
-:mod:`celery_steplock.steps`) is what refuses a stale commit.
-
-This module keeps re-exporting :class:`~celery_steplock.lease.Lease`, ``new_owner_token``,
-``holder_metadata`` and ``CLOCK_DRIFT_FACTOR`` (they live in :mod:`celery_steplock.lease`).
+Re-exports :class:`~celery_steplock.lease.Lease`, ``new_owner_token``, ``holder_metadata`` and
+``CLOCK_DRIFT_FACTOR`` from :mod:`celery_steplock.lease`.
 """
 
 from __future__ import annotations
@@ -65,7 +58,9 @@ from .keys import (
     check_name,
     fence_key,
     lease_key,
+    lease_keys,
     name_from_key,
+    released_channel,
     waiters_key,
     wake_key,
 )
@@ -123,11 +118,22 @@ def store_error(
     name: str | None = None,
     owner: str | None = None,
 ) -> LockError:
-    """The library's error for ``exc`` raised by redis-py during ``what`` (e.g. "acquire"):
-    :class:`LockStoreMisconfigured` when Redis refused our credentials, a permission or the
-    TLS verification (naming the setting ``steplock_redis_url`` and the command refused, when
-    known); :class:`LockError` when it refused the call otherwise (e.g. ``WRONGTYPE``);
-    :class:`LockStoreUnavailable` when it could not be reached."""
+    """The library's error for an error redis-py raised; every message is redacted.
+
+    Args:
+        exc: What redis-py raised.
+        what: The call it raised during, for the message (e.g. ``"acquire"``).
+        key: The Redis key concerned, when one is.
+        name: The lock name concerned, when one is.
+        owner: The owner token concerned, when one is.
+
+    Returns:
+        :class:`LockStoreMisconfigured` when Redis refused our credentials, a permission or
+        the TLS verification (naming the setting to fix, e.g. ``steplock_redis_url``, and
+        the command refused, when known); :class:`LockError` when it refused the call
+        otherwise (e.g. ``WRONGTYPE``); :class:`LockStoreUnavailable` when it could not be
+        reached.
+    """
     of = f" of {name!r}" if name is not None else ""
     # redis-py's text may quote a URL or connection options (a client factory's own).
     error = redact(exc)
@@ -249,10 +255,20 @@ def _metadata(metadata: Any) -> Mapping[str, Any] | None:
 
 
 def pack_metadata(metadata: Mapping[str, Any] | None) -> str:
-    """The ``meta`` field of a lease: ``metadata`` as one compact JSON object of strings
-    (None becomes ``""``), or ``""`` when there is none. Raises
-    :class:`~celery_steplock.exceptions.MetadataError` for a key of
-    :data:`~celery_steplock.lease.RESERVED_FIELDS` (``owner``, ``fence``, ...)."""
+    """The ``meta`` field of a lease.
+
+    Args:
+        metadata: The lease's metadata, or None.
+
+    Returns:
+        ``metadata`` as one compact JSON object of strings (a None value becomes ``""``), or
+        ``""`` when there is none.
+
+    Raises:
+        MetadataError: A key of :data:`~celery_steplock.lease.RESERVED_FIELDS` (``owner``,
+            ``fence``, ...) or a broken bound of
+            :func:`~celery_steplock.lease.check_metadata`.
+    """
     if not metadata:
         return ""
     check_metadata(metadata)
@@ -263,9 +279,16 @@ _encode_meta = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encod
 
 
 def unpack_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A lease hash's fields as readers see them: :func:`celery_steplock.lease.parse_lease`
-    (the ``meta`` JSON object spread into top-level string fields, a malformed field left out
-    and described in ``malformed``; never raises)."""
+    """A lease hash's fields as readers see them; never raises.
+
+    Args:
+        fields: The hash as read.
+
+    Returns:
+        :func:`celery_steplock.lease.parse_lease` of them: the ``meta`` JSON object spread
+        into top-level string fields, a malformed field left out and described in
+        ``malformed``.
+    """
     return parse_lease(fields)
 
 
@@ -287,33 +310,40 @@ def _escaped(text: str) -> str:
 class RedisLeaseStore:
     """Acquire, extend, release, reap and inspect owner-keyed leases in one Redis.
 
-    ``client`` is a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (see
-    :func:`make_client`; a cluster client makes a :class:`ClusterLeaseStore`); ``prefix``
-    namespaces the keys; ``fence_ttl`` (seconds, default 7 days) is how long an idle name's
-    fencing counter is kept at least (at most twice that); ``clock`` (default
-    :func:`time.monotonic`) is the clock of
-    the leases' local validity; ``name_secret`` (str or bytes, 32 to 4096 long; default None)
-    keys the leases' :attr:`~celery_steplock.lease.Lease.idempotency_key`.
-
     Every argument of the constructor and of the methods is validated as the settings are
     (``ttl`` within [0.05, 86400] seconds, ``wait`` within [0, 86400], ``fence_ttl`` within
     [1, 31622400], ``max_waiters`` within [1, 100000], names as lock names, owners non-empty
-    printable strings of at most 256 characters; bounds in :mod:`celery_steplock.conf`):
-    a value of the wrong type or out of bounds raises :class:`InvalidArgument` naming the
-    argument (a bad lock name :class:`LockNameError`), never clamped.
-
-    Every method raises :class:`LockStoreUnavailable` when Redis cannot be reached,
-    :class:`LockStoreMisconfigured` when it refuses our credentials or a permission, and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``:
-    a key of ours holds something else); all carry ``name`` (and ``owner``) where one lease
-    is concerned.
+    printable strings of at most 256 characters; bounds in :mod:`celery_steplock._checks`),
+    never clamped. Every method raises :class:`LockStoreUnavailable` when Redis cannot be
+    reached, :class:`LockStoreMisconfigured` when it refuses our credentials or a permission,
+    and :class:`LockError` when it refuses a call otherwise (e.g. ``WRONGTYPE``: a key of
+    ours holds something else); all carry ``name`` (and ``owner``) where one lease is
+    concerned.
 
     Waiters (``acquire(wait=...)``) block on ``waiter_client``, by default a client derived
-    from ``client`` with a pool of its own of ``max_waiters`` connections (default
-    :data:`MAX_WAITERS`), so that renewals and releases never wait for a connection behind
-    them; a caller that would be waiter number ``max_waiters + 1`` gets
-    LockStoreMisconfigured naming ``steplock_max_waiters``. When no pool can be derived
-    (a custom pool class from a client factory) the waiters share the store's pool,
-    and are capped below its ``max_connections`` (see :attr:`waiter_limit`).
+    from ``client`` with a pool of its own of ``max_waiters`` connections, so that renewals
+    and releases never wait for a connection behind them; a caller that would be waiter
+    number ``max_waiters + 1`` gets :class:`LockStoreMisconfigured` naming
+    ``steplock_max_waiters``. When no pool can be derived (a custom pool class from a client
+    factory) the waiters share the store's pool and are capped below its
+    ``max_connections`` (see :attr:`waiter_limit`).
+
+    Args:
+        client: A ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (see
+            :func:`make_client`); a cluster client makes a :class:`ClusterLeaseStore`.
+        prefix: Namespaces the keys (``steplock_key_prefix``).
+        fence_ttl: Seconds an idle name's fencing counter is kept at least (at most twice
+            that); default 7 days.
+        clock: The clock of the leases' local validity, in seconds (default
+            :func:`time.monotonic`).
+        waiter_client: The client waiters block on; default one derived from ``client``.
+        max_waiters: How many callers of this store may wait at once (default
+            :data:`MAX_WAITERS`).
+        name_secret: The HMAC key (str or bytes, 32 to 4096 long) of the leases'
+            :attr:`~celery_steplock.lease.Lease.idempotency_key`; default None (they raise).
+
+    Raises:
+        InvalidArgument: An argument of the wrong type or out of its bounds (naming it).
     """
 
     def __new__(cls, client: Any = None, *args: Any, **kwargs: Any) -> RedisLeaseStore:
@@ -378,7 +408,14 @@ class RedisLeaseStore:
         self._probe = wire.Script(scripts.PROBE)
 
     def key(self, name: str) -> str:
-        """The Redis key of the lease ``name``."""
+        """The Redis key of a lease.
+
+        Args:
+            name: The lock name.
+
+        Returns:
+            ``<prefix>:lease:{<name>}``.
+        """
         return lease_key(self.prefix, name)
 
     @property
@@ -394,11 +431,14 @@ class RedisLeaseStore:
 
     @property
     def waiter_limit(self) -> int:
-        """How many callers of this store may wait at once: ``max_waiters``; but when the
-        waiters' client could not be derived from the store's (it is the store's client
-        itself, so the waiters share its pool), at most that pool's ``max_connections``
-        minus a reserve of a quarter of them (at least :data:`WAITER_RESERVE`), which the
-        renewals and releases keep. A ``waiter_client`` passed in is not capped."""
+        """How many callers of this store may wait at once.
+
+        ``max_waiters``; but when the waiters' client could not be derived from the store's
+        (it is the store's client itself, so the waiters share its pool), at most that
+        pool's ``max_connections`` minus a reserve of a quarter of them (at least
+        :data:`WAITER_RESERVE`), which the renewals and releases keep. A ``waiter_client``
+        passed in is not capped.
+        """
         if self._waiter_limit is None:
             client = self.waiter_client
             limit = self.max_waiters
@@ -433,13 +473,23 @@ class RedisLeaseStore:
         name: str | None = None,
         owner: str | None = None,
     ) -> None:
-        """Run the permission probe (:data:`celery_steplock._redis.scripts.lease.PROBE`): every command of the
-        lease scripts on the keys of a reserved name under this prefix, each refusal
-        collected. Done once per store before its first write, so that a Redis user lacking
-        a permission is refused before any script can stop halfway. Raises
-        LockStoreMisconfigured naming every command (and key) refused, LockStoreUnavailable
-        when Redis cannot be reached; ``what``, ``key``, ``name``, ``owner`` describe the call
-        the check comes before, for those errors."""
+        """Run the permission probe once, before the store's first write.
+
+        The probe (:data:`celery_steplock._redis.scripts.lease.PROBE`) runs every command of
+        the lease scripts on the keys of a reserved name under this prefix, each refusal
+        collected, so that a Redis user lacking a permission is refused before any script
+        can stop halfway.
+
+        Args:
+            what: The call the check comes before, for the errors' messages.
+            key: The Redis key of that call, for the errors.
+            name: The lock name of that call, for the errors.
+            owner: The owner token of that call, for the errors.
+
+        Raises:
+            LockStoreMisconfigured: Naming every command (and key) refused.
+            LockStoreUnavailable: Redis cannot be reached.
+        """
         keys = [
             lease_key(self.prefix, PROBE_NAME),
             fence_key(self.prefix, PROBE_NAME),
@@ -497,10 +547,25 @@ class RedisLeaseStore:
         wait: float = 0.0,
         _client: redis.Redis | None = None,
     ) -> tuple[Lease | None, str | None, float | None]:
-        """One acquire attempt of ``name`` for ``owner`` for ``ttl`` seconds. Returns
-        ``(lease, None, None)`` when granted, else ``(None, holder_owner,
-        holder_ttl_seconds)``. With ``wait`` (seconds) a refused owner is recorded as waiting
-        that long, so that the next release wakes a waiter."""
+        """One acquire attempt.
+
+        Args:
+            name: The lock name.
+            owner: The owner token.
+            ttl: The lease's lifetime in seconds.
+            metadata: Stored beside the owner (see :meth:`acquire`).
+            wait: Seconds a refused owner is recorded as waiting, so that the next release
+                wakes a waiter (default 0: not recorded).
+
+        Returns:
+            ``(lease, None, None)`` when granted, else ``(None, holder_owner,
+            holder_ttl_seconds)``.
+
+        Raises:
+            InvalidArgument: An argument of the wrong type or out of bounds.
+            LockNameError: ``name`` cannot be a lock name.
+            MetadataError: ``metadata`` uses a reserved key or breaks a bound.
+        """
         name, owner, ttl = _name(name), _owner(owner), _ttl(ttl)
         metadata = _metadata(metadata)
         if wait != 0:
@@ -547,13 +612,21 @@ class RedisLeaseStore:
 
     def channel(self, name: str) -> str:
         """Deprecated: the pub/sub channel on which releases of ``name`` used to be announced.
-        Nothing is published any more (waiters block on a wake-up list, see :meth:`acquire`)."""
+
+        Nothing is published any more (waiters block on a wake-up list, see :meth:`acquire`).
+
+        Args:
+            name: The lock name.
+
+        Returns:
+            The channel's name.
+        """
         warnings.warn(
             "RedisLeaseStore.channel(): releases are no longer published",
             DeprecationWarning,
             stacklevel=2,
         )
-        return f"{self.prefix}:released:{{{name}}}"
+        return released_channel(self.prefix, name)
 
     def acquire(
         self,
@@ -564,17 +637,33 @@ class RedisLeaseStore:
         wait: float = 0.0,
         metadata: Mapping[str, Any] | None = None,
     ) -> Lease | None:
-        """Acquire the lease ``name`` for ``owner`` (a fresh token when None) for ``ttl``
-        seconds. Returns the :class:`Lease`, or None when another owner holds it and ``wait``
-        seconds (default 0: one attempt) passed without it being released or expiring.
-        ``metadata`` (task_id, task_name, hostname, pid, ...; see :func:`holder_metadata`) is
-        stored beside the owner and returned by :meth:`inspect` and :meth:`scan` as strings.
+        """Acquire a lease, waiting for it at most ``wait`` seconds.
 
         A waiter does not poll: a refused attempt records it as waiting (in the same script),
         and it blocks on the name's wake-up list (``BLPOP``). A release pushes one wake-up
         when anyone waits, which the waiter blocked longest takes, so a release wakes one
         waiter rather than all of them. A waiter also retries when the holder's TTL runs out
         (a dead holder announces nothing).
+
+        Args:
+            name: The lock name.
+            owner: The owner token; a fresh one when None.
+            ttl: The lease's lifetime in seconds.
+            wait: Seconds to wait for a lease another owner holds (default 0: one attempt).
+            metadata: Stored beside the owner (task_id, task_name, hostname, pid, ...; see
+                :func:`holder_metadata`), returned by :meth:`inspect` and :meth:`scan` as
+                strings.
+
+        Returns:
+            The :class:`Lease`, or None when another owner holds it and ``wait`` seconds
+            passed without it being released or expiring.
+
+        Raises:
+            InvalidArgument: An argument of the wrong type or out of bounds.
+            LockNameError: ``name`` cannot be a lock name.
+            MetadataError: ``metadata`` uses a reserved key or breaks a bound.
+            LockStoreMisconfigured: Also when this caller would be one waiter more than
+                the store allows (naming ``steplock_max_waiters``).
         """
         owner = new_owner_token() if owner is None else _owner(owner)
         name, ttl, metadata = _name(name), _ttl(ttl), _metadata(metadata)
@@ -664,19 +753,38 @@ class RedisLeaseStore:
         return [self.key(name), waiters_key(self.prefix, name), wake_key(self.prefix, name)]
 
     def release(self, name: str, owner: str) -> bool:
-        """Delete the lease if ``owner`` holds it, and wake a waiter. Returns False (and
-        changes nothing) when the key is gone or another owner holds it; so releasing twice
-        is harmless."""
+        """Delete the lease if ``owner`` holds it, and wake a waiter.
+
+        Args:
+            name: The lock name.
+            owner: The owner token.
+
+        Returns:
+            True when deleted; False (nothing changed) when the key is gone or another owner
+            holds it, so releasing twice is harmless.
+        """
         name, owner = _name(name), _owner(owner)
         return bool(
             self._call(self._release, self._wake_keys(name), [owner], "release", name, owner)
         )
 
     def reap(self, name: str, owner: str, renewed_ms: str) -> bool:
-        """Delete the lease only if ``owner`` still holds it and its ``renewed_ms`` field is
-        still ``renewed_ms`` (as read before deciding its holder is dead), and wake a
-        waiter. Returns False, changing nothing, when it was renewed, released or
-        re-acquired since."""
+        """Delete a dead holder's lease unless it changed since it was read, and wake a waiter.
+
+        Args:
+            name: The lock name.
+            owner: The owner token that must still hold it.
+            renewed_ms: The lease's ``renewed_ms`` field as read before deciding its holder
+                is dead (``""`` for a lease without the field).
+
+        Returns:
+            True when deleted; False (nothing changed) when it was renewed, released or
+            re-acquired since.
+
+        Raises:
+            InvalidArgument: ``renewed_ms`` is not digits (or empty), or another argument
+                is invalid.
+        """
         name, owner = _name(name), _owner(owner)
         renewed_ms = _renewed_ms(renewed_ms)
         return bool(
@@ -688,11 +796,20 @@ class RedisLeaseStore:
     def reap_many(
         self, items: Iterable[tuple[str, str, str]]
     ) -> list[bool | LockError | InvalidArgument | LockNameError]:
-        """:meth:`reap` for many leases ``(name, owner, renewed_ms)`` in one pipelined round
-        trip. Returns, per item, whether it was deleted, or the :class:`LockError` (with
-        ``name``, ``owner``) of an item Redis refused, or the InvalidArgument/LockNameError of
-        an item that cannot be asked for (a malformed lease: it is not sent, the others are).
-        Raises LockStoreUnavailable when the round trip fails."""
+        """:meth:`reap` for many leases in one pipelined round trip.
+
+        Args:
+            items: ``(name, owner, renewed_ms)`` per lease.
+
+        Returns:
+            Per item: whether it was deleted; or the :class:`LockError` (with ``name``,
+            ``owner``) of an item Redis refused; or the :class:`InvalidArgument` /
+            :class:`LockNameError` of an item that cannot be asked for (a malformed lease: it
+            is not sent, the others are).
+
+        Raises:
+            LockStoreUnavailable: The round trip failed.
+        """
         results: list[Any] = []
         valid: list[tuple[int, str, str, str]] = []
         for name, owner, renewed_ms in items:
@@ -722,8 +839,17 @@ class RedisLeaseStore:
         return results
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
-        """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it. Returns False (and
-        changes nothing) when the key is gone or another owner holds it."""
+        """Reset the lease's TTL if ``owner`` holds it.
+
+        Args:
+            name: The lock name.
+            owner: The owner token.
+            ttl: The new TTL in seconds.
+
+        Returns:
+            True when extended; False (nothing changed) when the key is gone or another
+            owner holds it.
+        """
         name, owner, ttl = _name(name), _owner(owner), _ttl(ttl)
         return bool(
             self._call(
@@ -737,7 +863,15 @@ class RedisLeaseStore:
         )
 
     def owned(self, name: str, owner: str) -> float | None:
-        """Seconds left on the lease if ``owner`` holds it, else None. One round trip."""
+        """Whether ``owner`` holds the lease, in one round trip (a read: a replica answers).
+
+        Args:
+            name: The lock name.
+            owner: The owner token.
+
+        Returns:
+            Seconds left on the lease if ``owner`` holds it, else None.
+        """
         name, owner = _name(name), _owner(owner)
         result = self._call(
             self._owned, [self.key(name)], [owner], "ownership check", name, owner, writes=False
@@ -747,31 +881,38 @@ class RedisLeaseStore:
     def extend_many(
         self, items: Iterable[tuple[str, str, float]], chunk: int = EXTEND_CHUNK
     ) -> list[bool]:
-        """Extend many leases ``(name, owner, ttl seconds)`` in one pipelined round trip.
+        """Extend many leases in one pipelined round trip (the heartbeat's renewals).
 
         The leases go ``chunk`` at a time to one script call each, every call written to
         one connection before any reply is read (Redis runs the first call while the next
-        is encoded), so Redis is never blocked for long by one call. Returns one bool per
-        item, as :meth:`extend`. Raises LockStoreUnavailable when the round trip fails or
-        Redis refuses a call, LockStoreMisconfigured when it refuses a permission or our
-        credentials.
+        is encoded), so Redis is never blocked for long by one call.
+
+        Args:
+            items: ``(name, owner, ttl seconds)`` per lease.
+            chunk: Leases per script call.
+
+        Returns:
+            One bool per item, as :meth:`extend`.
+
+        Raises:
+            LockStoreUnavailable: The round trip failed or Redis refused a call.
+            LockStoreMisconfigured: Redis refused a permission or our credentials.
         """
-        prefix = f"{self.prefix}:lease:{{"
         items = self._checked_items(items)
         chunk = _argument(check_count, chunk, "chunk", minimum=1, maximum=MAX_SCAN_COUNT)
 
         def calls() -> Iterator[tuple[list[str], list[str]]]:
-            keys: list[str] = []
+            names: list[str] = []
             argv: list[str] = []
             for name, owner, ttl in items:
-                keys.append(f"{prefix}{name}}}")
+                names.append(name)
                 argv.append(owner)
                 argv.append(str(max(1, int(ttl * 1000))))
-                if len(keys) >= chunk:
-                    yield keys, argv
-                    keys, argv = [], []
-            if keys:
-                yield keys, argv
+                if len(names) >= chunk:
+                    yield lease_keys(self.prefix, names), argv
+                    names, argv = [], []
+            if names:
+                yield lease_keys(self.prefix, names), argv
 
         try:
             if not self._probed:
@@ -789,9 +930,16 @@ class RedisLeaseStore:
     def scan_keys(
         self, cursor: int = 0, count: int = 500, match: str = "*"
     ) -> tuple[int, list[str]]:
-        """One ``SCAN`` step over the lease keys whose name matches the glob ``match``:
-        ``(next_cursor, keys)``, key names only (``next_cursor`` 0: the scan is complete).
-        ``count`` is SCAN's hint of keys examined per step. Never ``KEYS``."""
+        """One ``SCAN`` step over the lease keys, key names only. Never ``KEYS``.
+
+        Args:
+            cursor: The cursor of the previous step (0 to start).
+            count: SCAN's hint of keys examined per step.
+            match: A glob the lock names must match.
+
+        Returns:
+            ``(next_cursor, keys)``; ``next_cursor`` 0: the scan is complete.
+        """
         cursor, count, match = self._checked_scan(cursor, count, match)
         try:
             cursor, keys = self.client.scan(
@@ -824,13 +972,23 @@ class RedisLeaseStore:
         return cursor, count, match
 
     def read_leases(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
-        """The leases of ``keys`` (as :meth:`inspect` returns them), read by one script call,
-        each hash as one JSON string (parsing thousands of small RESP replies in Python cost
-        more than the scan itself); None for a key gone since it was listed or not a lease
-        hash (logged: one stray key cannot blind the admin, `ls` and the reaper). ``keys``: a
-        list (or other iterable) of key names, as :meth:`scan_keys` gives; a str or bytes
-        raises :class:`InvalidArgument`. A key whose name was not UTF-8 (listed with U+FFFD in
-        place of the bad bytes, so it cannot be read back) comes out malformed."""
+        """Read many leases by one script call.
+
+        Each hash comes back as one JSON string (parsing thousands of small RESP replies in
+        Python cost more than the scan itself).
+
+        Args:
+            keys: A list (or other iterable) of key names, as :meth:`scan_keys` gives.
+
+        Returns:
+            Key -> the lease as :meth:`inspect` returns it; None for a key gone since it was
+            listed or not a lease hash (logged: one stray key cannot blind the admin, ``ls``
+            and the reaper). A key whose name was not UTF-8 (listed with U+FFFD in place of
+            the bad bytes, so it cannot be read back) comes out malformed.
+
+        Raises:
+            InvalidArgument: ``keys`` is a str or bytes, or holds something else than str.
+        """
         keys = self._checked_keys(keys)
         if not keys:
             return {}
@@ -902,21 +1060,37 @@ class RedisLeaseStore:
     def scan(
         self, cursor: int = 0, count: int = 500, match: str = "*"
     ) -> tuple[int, list[dict[str, Any]]]:
-        """One ``SCAN`` step over the lease keys whose name matches the glob ``match``.
+        """One ``SCAN`` step over the leases (:meth:`scan_keys`, then :meth:`read_leases`).
 
-        Returns ``(next_cursor, leases)``: ``next_cursor`` is 0 when the scan is complete;
-        each lease is a dict as :meth:`inspect` returns (:meth:`scan_keys`, then
-        :meth:`read_leases`). ``count`` is SCAN's hint of keys examined per step, not a page
-        size; a step can return fewer or more leases. Never ``KEYS``: memory stays flat
-        however many leases Redis holds.
+        Never ``KEYS``: memory stays flat however many leases Redis holds.
+
+        Args:
+            cursor: The cursor of the previous step (0 to start).
+            count: SCAN's hint of keys examined per step, not a page size; a step can
+                return fewer or more leases.
+            match: A glob the lock names must match.
+
+        Returns:
+            ``(next_cursor, leases)``: ``next_cursor`` is 0 when the scan is complete; each
+            lease is a dict as :meth:`inspect` returns.
         """
         cursor, keys = self.scan_keys(cursor, count, match)
         found = self.read_leases(keys)
         return cursor, [info for info in found.values() if info is not None]
 
     def iter_leases(self, match: str = "*", count: int = 1000) -> Iterator[dict[str, Any]]:
-        """Every held lease matching ``match``, as :meth:`scan` returns them (a lease that is
-        acquired or released during the iteration may or may not be seen, as with SCAN)."""
+        """Every held lease, as :meth:`scan` returns them.
+
+        A lease acquired or released during the iteration may or may not be seen, as with
+        SCAN.
+
+        Args:
+            match: A glob the lock names must match.
+            count: SCAN's hint of keys examined per step.
+
+        Yields:
+            One dict per lease.
+        """
         cursor = 0
         while True:
             cursor, leases = self.scan(cursor, count, match)
@@ -925,9 +1099,16 @@ class RedisLeaseStore:
                 return
 
     def inspect(self, name: str) -> dict[str, Any] | None:
-        """The lease's stored fields (``owner``, ``fence``, ``acquired_ms``, ``renewed_ms``,
-        ``ttl_ms`` and the metadata entries, all strings) plus ``name``, ``key`` and ``ttl``
-        (seconds left, float), or None when not held."""
+        """Read one lease.
+
+        Args:
+            name: The lock name.
+
+        Returns:
+            The lease's stored fields (``owner``, ``fence``, ``acquired_ms``,
+            ``renewed_ms``, ``ttl_ms`` and the metadata entries, all strings) plus ``name``,
+            ``key`` and ``ttl`` (seconds left, float); None when not held.
+        """
         key = self.key(_name(name))
         try:
             pipe = self.client.pipeline(transaction=False)
@@ -973,9 +1154,12 @@ def _unavailable_unless_misconfigured(
 
 
 class ClusterLeaseStore(cluster.ClusterStoreMixin, RedisLeaseStore):
-    """:class:`RedisLeaseStore` over a ``redis.cluster.RedisCluster``: renewals, reaps and
-    reads of many leases split by slot and pipelined per node, scans walking every primary
-    (see :mod:`celery_steplock._redis.cluster`). ``RedisLeaseStore(cluster_client)`` makes one."""
+    """:class:`RedisLeaseStore` over a ``redis.cluster.RedisCluster``.
+
+    Renewals, reaps and reads of many leases are split by slot and pipelined per node, scans
+    walk every primary (see :mod:`celery_steplock._redis.cluster`).
+    ``RedisLeaseStore(cluster_client)`` makes one.
+    """
 
 
 #: The store's former name, kept so that old imports keep working.
@@ -986,13 +1170,22 @@ _stores_guard = threading.Lock()
 
 
 def get_lease_store(app: Any, settings: Settings | None = None) -> RedisLeaseStore:
-    """The lease store for ``app``'s settings (``steplock_redis_url``, the transport, TLS and
-    client-factory settings of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
-    ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
-    ``steplock_max_waiters``, ``steplock_name_secret``), one per distinct configuration and
-    shared by every task, heartbeat and operator tool of the process.
+    """The lease store of an app's settings, one per distinct configuration per process.
 
-    Raises ImproperlyConfigured naming the setting when one of them is invalid.
+    Shared by every task, heartbeat and operator tool of the process.
+
+    Args:
+        app: The Celery app.
+        settings: Its :class:`~celery_steplock.conf.Settings`, when already made.
+
+    Returns:
+        The store of ``steplock_redis_url``, the transport, TLS and client-factory settings
+        of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
+        ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
+        ``steplock_max_waiters`` and ``steplock_name_secret``.
+
+    Raises:
+        ImproperlyConfigured: One of those settings is invalid (naming it).
     """
     settings = settings or Settings(app)
     config = ClientConfig(settings)

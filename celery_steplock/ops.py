@@ -1,45 +1,9 @@
-"""Operator actions on leases, shared by the Django admin and ``celery steplock``.
+"""Operator actions, audited: force releases of leases and circuit breaker overrides.
 
-:func:`force_release` is the one force release, and the one audited one: the admin's
-confirmation page and ``celery steplock release NAME --owner TOKEN`` both call it. It
-imports the lease store (:mod:`celery_steplock.lock`), never the task module, and no Django
-(the Django audit store is loaded only when Django is set up, see :func:`default_audit`).
-
-A force release is owner-checked: the caller names the owner token it saw holding the lease,
-and the lease is deleted by the store's compare-and-delete
-(:meth:`~celery_steplock.lock.RedisLeaseStore.release`) only while that owner still holds it;
-a lease taken meanwhile by another attempt is never touched. Every call is audited: a
-:class:`ForcedRelease` record names the operator (``actor``, ``actor_host``, ``via``), the
-lease, its owner and fencing token, and the ``outcome``. In order:
-
-1. read the lease. Not held, or held by another owner: the record (outcome ``not_held`` /
-   ``held_by_another``) goes to the audit store and the log, and :class:`LeaseNotHeld` /
-   :class:`LeaseHeldByAnother` is raised: nothing released;
-2. the record, outcome ``requested``, is logged (WARNING ``event=force_release_audit
-   outcome=requested ...``), sent with :data:`~celery_steplock.signals.force_release_audit`
-   and made durable by the audit store (``auditor.requested``: the Django store writes and
-   *commits* a ``LeaseEvent`` row, and the admin its ``LogEntry``). If that fails, nothing is
-   released: :class:`AuditRecordFailed` (its cause is the store's error). No record, no
-   release;
-3. the compare-and-delete;
-4. the outcome is recorded (``auditor.finished``; logged and signalled as in 2):
-   ``released``; ``not_held`` / ``held_by_another`` when the delete found the holder changed
-   since 1 (then that refusal is raised); ``failed`` when Redis refused the delete (nothing
-   released) and ``unknown`` when Redis could not be reached during it (it may have run):
-   the store's error is raised, with the record as its ``forced_release`` attribute. When
-   the outcome cannot be recorded after a release, the release still stands and is reported
-   as such: ``record.outcome_recorded`` is False, ``record.outcome_error`` says why, an ERROR
-   line ``event=force_release_outcome_unrecorded`` is logged, and the durable record keeps
-   outcome ``requested`` (read it as "released or not: see the log");
-5. ``lock_released`` with ``forced=True`` and its structured log line, handed to ``defer``
-   (default: at once).
-
-Where the record goes: always the ``celery_steplock`` logger (one logfmt line per stage,
-the fields also in ``extra={"steplock": ...}``) and the ``force_release_audit`` signal; with
-Django set up and ``celery_steplock.contrib.django`` installed, also a ``LeaseEvent`` row
-(event ``force_release``) committed before the delete. Without Django (the CLI on a plain
-Celery app) the log line is the record: ship the ``celery_steplock`` logger's WARNING lines
-to durable storage, or pass an ``auditor`` of your own (:class:`ReleaseAudit`).
+Shared by the Django admin and ``celery steplock``. Imports the lease store, never the task
+module, and no Django: the Django audit stores are registered by
+``celery_steplock.contrib.django`` (:func:`register_audits`). The steps of a force release
+and where its record goes: docs/security.md ("Operator actions are audited").
 """
 
 from __future__ import annotations
@@ -48,7 +12,7 @@ import logging
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import signals
 from .events import emit, log_event
@@ -61,6 +25,10 @@ from .exceptions import (
     StepLockError,
 )
 from .redact import redact, secrets_of
+
+if TYPE_CHECKING:
+    from .lock import RedisLeaseStore
+    from .patterns.breaker import CircuitBreaker
 
 __all__ = [
     "ForcedRelease",
@@ -96,15 +64,30 @@ OUTCOMES = ("requested", "released", "not_held", "held_by_another", "failed", "u
 class ForcedRelease:
     """The audit record of one :func:`force_release` (what it released, or is about to).
 
-    ``name``, ``key``, ``owner`` (the owner token asked for), ``fence`` (int or None),
-    ``task_id``, ``task_name``, ``worker``, ``hostname``, ``pid`` (int or None), ``step``,
-    ``ttl`` (seconds it had left when read), ``actor`` (who asked: the Django user name, the
-    OS user for the CLI), ``actor_host`` (where from: the CLI's host, the admin client's
-    address), ``via`` (``"admin"``, ``"cli"``, ``"api"``), ``reason`` (sent with the
-    signal), ``lease``: every stored field as read; ``outcome``: one of :data:`OUTCOMES`;
-    ``audit``: where the durable record is (e.g. ``"LeaseEvent 42"``; None: the log only);
-    ``audit_id``: the audit store's id of the record; ``outcome_recorded``: False when the
-    outcome could not be recorded (``outcome_error`` says why).
+    Attributes:
+        name: The lock name.
+        key: The lease's Redis key.
+        owner: The owner token asked for.
+        fence: The lease's fencing token (int or None).
+        task_id: The holder's task id.
+        task_name: The holder's task name.
+        worker: The holder's Celery node.
+        hostname: The holder's host.
+        pid: The holder's pid (int or None).
+        step: The step the lease guards.
+        ttl: Seconds the lease had left when read.
+        actor: Who asked: the Django user name, the OS user for the CLI.
+        actor_host: Where from: the CLI's host, the admin client's address.
+        via: Through what: ``"admin"``, ``"cli"``, ``"api"``.
+        reason: Sent with the signal.
+        lease: Every stored field of the lease as read.
+        outcome: One of :data:`OUTCOMES`.
+        audit: Where the durable record is (e.g. ``"LeaseEvent 42"``; None: the log only).
+        audit_id: The audit store's id of the record.
+        outcome_recorded: False when the outcome could not be recorded after the release
+            (which stands; the durable record keeps outcome ``requested``).
+        outcome_error: Why the outcome could not be recorded.
+        detail: What a refusal or an error said.
     """
 
     name: str
@@ -131,42 +114,68 @@ class ForcedRelease:
     detail: str = ""
 
     def fields(self) -> dict[str, Any]:
-        """The record as a flat dict of its fields (``lease`` left out), for logs and
-        signals."""
+        """The record for logs and signals.
+
+        Returns:
+            A flat dict of its fields, ``lease`` left out.
+        """
         data = asdict(self)
         data.pop("lease", None)
         return data
 
 
 class ReleaseAudit:
-    """Where :func:`force_release` makes its records durable (subclass it for a store of
-    your own; the Django one is
-    :class:`celery_steplock.contrib.django.eventlog.LeaseEventAudit`).
+    """Where :func:`force_release` makes its records durable.
 
-    ``requested(record)`` is called before the delete and must return only once the record
-    is durable (committed); whatever it raises stops the release (nothing is deleted) and
-    becomes the cause of :class:`AuditRecordFailed`. It may set ``record.audit`` and
-    ``record.audit_id``. ``finished(record)`` is called with the outcome set (also for a
-    refusal found at the first read, without ``requested`` before it); what it raises is
-    logged and reported in ``record.outcome_recorded``. This base class keeps nothing:
-    the log line and the signal are the record.
+    Subclass it for a store of your own; the Django one is
+    :class:`celery_steplock.contrib.django.eventlog.LeaseEventAudit`. This base class keeps
+    nothing: the log line and the signal are the record.
     """
 
     def requested(self, record: ForcedRelease) -> None:
-        """Make ``record`` (outcome ``requested``) durable before the delete."""
+        """Make the record durable before the delete; return only once it is (committed).
+
+        May set ``record.audit`` and ``record.audit_id``.
+
+        Args:
+            record: The record, outcome ``requested``.
+
+        Raises:
+            Exception: Anything: it stops the release (nothing is deleted) and becomes the
+                cause of :class:`AuditRecordFailed`.
+        """
 
     def finished(self, record: ForcedRelease) -> None:
-        """Record ``record.outcome``."""
+        """Record the outcome (also of a refusal found at the first read, without
+        :meth:`requested` before it).
+
+        Args:
+            record: The record, its outcome set.
+
+        Raises:
+            Exception: Anything: logged and reported in ``record.outcome_recorded``; the
+                outcome stands.
+        """
 
 
 class LogAudit(ReleaseAudit):
-    """The audit of an app without Django: the WARNING log line of the ``celery_steplock``
-    logger and the signal. ``requested`` raises RuntimeError (so the release is refused,
-    :class:`AuditRecordFailed`) when that logger would not emit the line: not enabled for
-    WARNING, or no handler reaching it (with ``logging.lastResort`` counted as one)."""
+    """The audit of an app without Django: the log line and the signal.
+
+    The record is the ``celery_steplock`` logger's WARNING line: ship those lines to durable
+    storage.
+    """
 
     def requested(self, record: ForcedRelease) -> None:
-        """Refuse unless the ``celery_steplock`` logger emits WARNING lines."""
+        """Refuse unless the ``celery_steplock`` logger emits WARNING lines.
+
+        Args:
+            record: The record, outcome ``requested``.
+
+        Raises:
+            RuntimeError: The logger would not emit the line: not enabled for WARNING, or no
+                handler reaching it (``logging.lastResort`` counts as one); the release is
+                refused (:class:`AuditRecordFailed`).
+        """
         logger = logging.getLogger("celery_steplock")
         if not logger.isEnabledFor(logging.WARNING) or not _reaches_a_handler(logger):
             raise RuntimeError(
@@ -188,12 +197,17 @@ def _reaches_a_handler(logger: logging.Logger) -> bool:
     return last is not None and last.level <= logging.WARNING
 
 
-def default_audit(app=None) -> ReleaseAudit:
-    """The audit store of this process: a
-    :class:`~celery_steplock.contrib.django.eventlog.LeaseEventAudit` when Django is set up
-    (its app registry ready) with ``celery_steplock.contrib.django`` installed, else a
-    :class:`LogAudit` that keeps the log line and the signal only. ``app`` is unused
-    (kept for stores chosen per Celery app)."""
+def default_audit(app: Any = None) -> ReleaseAudit:
+    """The force releases' audit store of this process.
+
+    Args:
+        app: Unused (kept for stores chosen per Celery app).
+
+    Returns:
+        A :class:`~celery_steplock.contrib.django.eventlog.LeaseEventAudit` when Django is
+        set up (its app registry ready) with ``celery_steplock.contrib.django`` installed,
+        else a :class:`LogAudit` that keeps the log line and the signal only.
+    """
     durable = _durable_audits()
     return durable[0]() if durable else LogAudit()
 
@@ -279,43 +293,60 @@ def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
 
 
 def force_release(
-    store,
+    store: RedisLeaseStore,
     name: str,
     owner: str,
     *,
     actor: str | None = None,
     reason: str | None = None,
     audit: Callable[[ForcedRelease], Any] | None = None,
-    app=None,
+    app: Any = None,
     sender: Any = None,
     defer: Callable[[Callable[[], None]], Any] | None = None,
     auditor: ReleaseAudit | None = None,
     actor_host: str | None = None,
     via: str = "api",
 ) -> ForcedRelease:
-    """Delete the lease ``name`` if ``owner`` still holds it, audited; returns the
-    :class:`ForcedRelease` record (outcome ``released``).
+    """Delete a lease if the owner the operator saw still holds it, audited.
 
-    ``store``: a :class:`~celery_steplock.lock.RedisLeaseStore` (``lock.get_lease_store(app)``).
-    ``owner``: the owner token the operator saw holding it. ``actor``, ``actor_host``,
-    ``via``: who asks, from where, through what (``"admin"``, ``"cli"``; default ``"api"``),
-    for the record. ``reason``: the signal's ``reason`` (default ``"force-released by
-    <actor>"``). ``auditor``: the audit store (a :class:`ReleaseAudit`; default
-    :func:`default_audit`). ``audit``: deprecated, a callable called with the record before
-    the release, inside the durable step (its failure also releases nothing). ``app``: a
-    Celery app whose registered task named by the lease is the signal sender (so receivers
-    connected with ``sender=task`` fire); else ``sender``, else the lease's task name, else
-    :data:`OPS_SENDER`. ``defer``: called with a no-argument callable that sends
-    ``lock_released`` and logs it (default: call it now).
+    Never releases a lease held by another owner: the delete is the store's
+    compare-and-delete. The record (outcome ``requested``) is logged (WARNING
+    ``event=force_release_audit``), sent with
+    :data:`~celery_steplock.signals.force_release_audit` and made durable by ``auditor``
+    before the delete: no record, no release. Then the outcome is recorded the same way,
+    and ``lock_released`` (``forced=True``) is sent. The steps in full: docs/security.md.
 
-    Raises :class:`LeaseNotHeld` or :class:`LeaseHeldByAnother` (nothing released, outcome
-    recorded), :class:`AuditRecordFailed` (the record could not be made durable: nothing
-    released), the store's :class:`~celery_steplock.exceptions.LockStoreUnavailable` (Redis
-    unreachable; during the delete: outcome ``unknown``) or
-    :class:`~celery_steplock.exceptions.LockError` (Redis refused, e.g. a key that is not a
-    lease hash; during the delete: outcome ``failed``), all naming the lease; an error
-    raised during the delete carries the record as ``forced_release``. Never releases a
-    lease held by another owner. See the module docstring for the order of the steps.
+    Args:
+        store: A :class:`~celery_steplock.lock.RedisLeaseStore`
+            (``lock.get_lease_store(app)``).
+        name: The lock name.
+        owner: The owner token the operator saw holding it.
+        actor: Who asks, for the record.
+        reason: The signal's ``reason`` (default ``"force-released by <actor>"``).
+        audit: Deprecated: a callable called with the record before the release, inside
+            the durable step (its failure also releases nothing).
+        app: A Celery app whose registered task named by the lease is the signal sender
+            (so receivers connected with ``sender=task`` fire).
+        sender: The signal sender without such a task; else the lease's task name, else
+            :data:`OPS_SENDER`.
+        defer: Called with a no-argument callable that sends ``lock_released`` and logs it
+            (default: call it now).
+        auditor: The audit store (a :class:`ReleaseAudit`; default :func:`default_audit`).
+        actor_host: Where the actor asks from, for the record.
+        via: Through what: ``"admin"``, ``"cli"``; default ``"api"``.
+
+    Returns:
+        The :class:`ForcedRelease` record, outcome ``released``.
+
+    Raises:
+        LeaseNotHeld: The lease is not held (nothing released, outcome recorded).
+        LeaseHeldByAnother: Another owner holds it (nothing released, outcome recorded).
+        AuditRecordFailed: The record could not be made durable: nothing released.
+        LockStoreUnavailable: Redis unreachable; during the delete: outcome ``unknown``
+            (it may have run).
+        LockError: Redis refused, e.g. a key that is not a lease hash; during the delete:
+            outcome ``failed``. An error raised during the delete carries the record as
+            ``forced_release``; all name the lease.
     """
     if auditor is None:
         auditor = default_audit(app)
@@ -439,12 +470,24 @@ OVERRIDE_OUTCOMES = ("requested", "done", "failed", "unknown")
 
 @dataclass
 class BreakerOverride:
-    """The audit record of one :func:`override_breaker`: ``name`` (the dependency), ``key``,
-    ``action`` ("open": forced open until closed by hand, or "close"), ``actor``,
-    ``actor_host``, ``via``, ``reason``, ``previous`` (the state before, once done),
-    ``forced_before`` (it was forced open before), ``outcome`` (:data:`OVERRIDE_OUTCOMES`),
-    ``audit`` / ``audit_id`` (where the durable record is), ``outcome_recorded``,
-    ``outcome_error``."""
+    """The audit record of one :func:`override_breaker`.
+
+    Attributes:
+        name: The dependency's name.
+        key: The breaker's Redis key.
+        action: ``"open"`` (forced open until closed by hand) or ``"close"``.
+        actor: Who asked.
+        actor_host: Where from.
+        via: Through what (``"admin"``, ``"cli"``, ``"api"``).
+        reason: Why, as given.
+        previous: The state before, once done.
+        forced_before: Whether it was forced open before, once done.
+        outcome: One of :data:`OVERRIDE_OUTCOMES`.
+        audit: Where the durable record is.
+        audit_id: The audit store's id of the record.
+        outcome_recorded: False when the outcome could not be recorded.
+        outcome_error: Why it could not.
+    """
 
     name: str
     key: str
@@ -462,34 +505,61 @@ class BreakerOverride:
     outcome_error: str | None = None
 
     def fields(self) -> dict[str, Any]:
+        """The record for logs and signals.
+
+        Returns:
+            A flat dict of its fields.
+        """
         return asdict(self)
 
 
 class BreakerAudit:
-    """Where :func:`override_breaker` makes its records durable: ``requested(record)``
-    before the write (what it raises refuses the override: :class:`AuditRecordFailed`),
-    ``finished(record)`` with the outcome. This base keeps nothing (the log line and the
-    ``circuit_override_audit`` signal are the record)."""
+    """Where :func:`override_breaker` makes its records durable.
+
+    This base keeps nothing: the log line and the ``circuit_override_audit`` signal are the
+    record.
+    """
 
     def requested(self, record: BreakerOverride) -> None:
-        """Make ``record`` durable."""
+        """Make the record durable before the write.
+
+        Args:
+            record: The record, outcome ``requested``.
+
+        Raises:
+            Exception: Anything: it refuses the override (:class:`AuditRecordFailed`).
+        """
 
     def finished(self, record: BreakerOverride) -> None:
-        """Record ``record.outcome``."""
+        """Record the outcome.
+
+        Args:
+            record: The record, its outcome set.
+        """
 
 
 class LogBreakerAudit(BreakerAudit):
-    """Without Django: refuses (as :class:`LogAudit`) unless the ``celery_steplock`` logger
-    emits the WARNING audit line."""
+    """The breaker audit without Django: the log line and the signal.
+
+    Refuses (as :class:`LogAudit`) unless the ``celery_steplock`` logger emits the WARNING
+    audit line.
+    """
 
     # The same check (it reads nothing of the record): one refusal text for both.
     requested = LogAudit.requested  # type: ignore[assignment]
 
 
-def default_breaker_audit(app=None) -> BreakerAudit:
-    """The durable breaker audit registered by ``celery_steplock.contrib.django``
-    (:class:`~celery_steplock.contrib.django.eventlog.LeaseEventBreakerAudit`) when Django is
-    set up with it installed, else :class:`LogBreakerAudit`."""
+def default_breaker_audit(app: Any = None) -> BreakerAudit:
+    """The breaker overrides' audit store of this process.
+
+    Args:
+        app: Unused (kept for stores chosen per Celery app).
+
+    Returns:
+        The durable one registered by ``celery_steplock.contrib.django``
+        (:class:`~celery_steplock.contrib.django.eventlog.LeaseEventBreakerAudit`) when
+        Django is set up with it installed, else a :class:`LogBreakerAudit`.
+    """
     durable = _durable_audits()
     return durable[1]() if durable else LogBreakerAudit()
 
@@ -500,8 +570,14 @@ _registered: list[tuple[type[ReleaseAudit], type[BreakerAudit]]] = []
 
 
 def register_audits(release: type[ReleaseAudit], breaker: type[BreakerAudit]) -> None:
-    """Make ``release``/``breaker`` the audit stores of this process while Django's app
-    registry is ready (called by ``celery_steplock.contrib.django``'s ``ready()``)."""
+    """Register the durable audit stores, used while Django's app registry is ready.
+
+    Called by ``celery_steplock.contrib.django``'s ``ready()``.
+
+    Args:
+        release: The force releases' audit store class.
+        breaker: The breaker overrides' audit store class.
+    """
     _registered[:] = [(release, breaker)]
 
 
@@ -558,7 +634,7 @@ def _log_override(record: BreakerOverride, sender: Any) -> None:
 
 
 def override_breaker(
-    breaker,
+    breaker: CircuitBreaker,
     action: str,
     *,
     actor: str | None = None,
@@ -567,17 +643,35 @@ def override_breaker(
     reason: str = "",
     auditor: BreakerAudit | None = None,
     sender: Any = None,
-    app=None,
+    app: Any = None,
 ) -> BreakerOverride:
-    """Force the circuit breaker ``breaker`` (a
-    :class:`~celery_steplock.patterns.breaker.CircuitBreaker`) "open" (it stays open until closed
-    here, whatever its recovery timeout) or "close" it (its window emptied), audited: the
-    record (outcome ``requested``) is logged (WARNING ``event=circuit_override_audit``), sent
-    with ``circuit_override_audit`` and made durable by ``auditor`` (default
-    :func:`default_breaker_audit`) before Redis is written; then the outcome. Returns the
-    :class:`BreakerOverride`. Raises :class:`AuditRecordFailed` (nothing changed) when the
-    record cannot be made durable, LockStoreUnavailable (outcome ``unknown``) or another
-    StepLockError (outcome ``failed``) from Redis."""
+    """Force a circuit breaker open or close it, audited.
+
+    The record (outcome ``requested``) is logged (WARNING ``event=circuit_override_audit``),
+    sent with ``circuit_override_audit`` and made durable by ``auditor`` before Redis is
+    written; then the outcome, and ``circuit_opened`` / ``circuit_closed`` (``manual``).
+
+    Args:
+        breaker: The :class:`~celery_steplock.patterns.breaker.CircuitBreaker`.
+        action: ``"open"`` (it stays open until closed here, whatever its recovery
+            timeout) or ``"close"`` (its window emptied).
+        actor: Who asks, for the record.
+        actor_host: From where.
+        via: Through what (default ``"api"``).
+        reason: Why, for the record and the signal.
+        auditor: The audit store (default :func:`default_breaker_audit`).
+        sender: The signal sender (default :data:`OPS_SENDER`).
+        app: Passed to :func:`default_breaker_audit`.
+
+    Returns:
+        The :class:`BreakerOverride` record.
+
+    Raises:
+        ValueError: ``action`` is neither ``"open"`` nor ``"close"``.
+        AuditRecordFailed: The record cannot be made durable: nothing changed.
+        LockStoreUnavailable: Redis unreachable (outcome ``unknown``).
+        StepLockError: Another error from Redis (outcome ``failed``).
+    """
     from .patterns.breaker import CLOSED, OPEN
 
     if action not in ("open", "close"):

@@ -222,7 +222,7 @@ def _remember_stored_state(sender=None, task=None, **kwargs) -> None:
     request = task.request
     meta = stored_state(task)
     if meta is not None and meta.get("status") == states.SUCCESS:
-        request.steplock_stored_state = meta  # type: ignore[attr-defined]
+        request.steplock_stored_state = meta
 
 
 def restore_stored_state(task) -> bool:

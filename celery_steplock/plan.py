@@ -18,6 +18,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import patterns
 from ._checks import (
     MAX_HOLD,
     MAX_RETRIES,
@@ -35,7 +36,6 @@ from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, configura
 from .exceptions import ImproperlyConfigured, LockNameError
 from .keys import argument_names, template_fields
 from .lock import RedisLeaseStore, get_lease_store
-from .patterns import gates as admission
 from .steps import (
     StepStore,
     check_known_database,
@@ -73,7 +73,7 @@ OPTION_NAMES = (
             "step_database",
         }
     )
-    | admission.gate_options()
+    | patterns.gate_options()
 )
 
 
@@ -133,8 +133,9 @@ def option_values(task: Any) -> tuple[Any, ...]:
 
 def is_step_locked(task: Any) -> bool:
     """Whether ``task`` is a StepLockedTask (it has an execution plan), without importing
-    the task module."""
-    return isinstance(getattr(type(task), "steplock_plan", None), property)
+    the task module. ``__class__``, as ``isinstance`` reads it: a task still behind the
+    app's proxy (before the app finalizes) answers for the task."""
+    return isinstance(getattr(task.__class__, "steplock_plan", None), property)
 
 
 def _transition(task: Any) -> tuple[str, str] | None:
@@ -334,7 +335,7 @@ def _resolvers(task: Any, settings: Settings) -> dict[str, Callable[[], Any]]:
         "store": lambda: get_lease_store(task.app, settings),
         "step_database": step_database,
         "steps": lambda: _steps(task, settings, step_database),
-        "gates": lambda: admission.build_gates(task, settings),
+        "gates": lambda: patterns.build_gates(task, settings),
     }
 
 
@@ -359,7 +360,7 @@ def option_problems(task: Any, *, models_ready: bool = True) -> list[ImproperlyC
         if field_name in ("store", "ratio", "retry_backoff", "retry_backoff_max", "db_deadline"):
             continue  # settings only: the settings' own validation reports them
         if field_name == "gates":
-            problems.extend(_named(task, exc) for exc in admission.gate_problems(task, settings))
+            problems.extend(_named(task, exc) for exc in patterns.gate_problems(task, settings))
             continue
         try:
             resolve()

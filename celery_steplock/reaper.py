@@ -1,65 +1,12 @@
 """The reaper: remove leases whose holder is gone and recover the steps it left in flight.
 
-A SIGKILL, a hard time limit or an OOM kill runs no ``finally``: the holder's lease stays in
-Redis until its TTL runs out, and a step it had already committed into an in-flight status
-(``running``) stays there for good, because nothing will ever move it on. :func:`reap` is the
-clean-up, run by ``manage.py reap_expired_leases``, ``celery steplock reap`` and the
-``celery_steplock.reap_expired_leases`` task (celery beat). Two passes:
-
-1. **Leases whose owner is gone.** One ``SCAN`` over the lease keys (never ``KEYS``), each
-   batch judged and reaped as it comes (memory stays flat however many leases Redis holds),
-   with a verdict per lease from its metadata:
-
-   First of all, the lease must have missed its renewals: not renewed for more than one and
-   a half of its holder's renewal intervals (``renew_ms``) plus :data:`RENEWAL_GRACE_MS`,
-   both sides on the Redis server clock. A heartbeat that keeps renewing proves the holder
-   alive, whatever else is observed. Then:
-
-   - the lease was taken on *this* host (``hostname``) and its ``pid`` no longer exists (or is
-     a zombie): the holder is dead;
-   - otherwise, its Celery node (``worker``, e.g. ``w1@host``) did not answer a ping (one
-     ``app.control.ping`` for all distinct nodes not asked yet in this run, the silent ones
-     asked once more, bounded in time even when the broker hangs; the leases waiting for it
-     are buffered, at most :data:`PING_BUFFER` of them, so a run pings once unless its
-     stale leases name new nodes beyond that).
-
-   A lease whose holder process exists on this host, whose worker answers, or which carries
-   no worker/pid metadata at all is never touched. A dead owner's lease is removed by
-   :meth:`~celery_steplock.lock.RedisLeaseStore.reap`, a compare-and-delete on the owner token
-   *and* the renewal time observed in the scan: a lease re-acquired since, or renewed while
-   the reaper was pinging, survives. A holder that was only paused (SIGSTOP, a long GC or VM
-   pause) and missed its renewals is judged dead: it finds its lease lost when it wakes, and
-   its commit is refused by the compare-and-swap. The deletes of one batch go in one pipelined
-   round trip. Each removal sends ``lock_expired`` (``reason`` says why) and logs it at DEBUG;
-   each batch logs one DEBUG line and the run one INFO summary.
-   python-redis-lock's ``reset_all`` (``KEYS`` + delete everything, live locks included) is
-   the reaper this is not.
-
-2. **Steps left in flight.** For the models of ``steplock_reaper_recover``
-   (``{"app_label.Model": {"running": "pending"}}``), in-flight rows whose owner holds no
-   live lease (and that no live lease names as its ``step``) are moved to their recovery
-   status by compare-and-swap. The core knows no ORM: the step recovery is loaded by a
-   qualified name, ``step_recovery`` (default :data:`DEFAULT_STEP_RECOVERY`, the Django one
-   in :mod:`celery_steplock.contrib.django.recovery`, which documents the rules), and only
-   when the setting names models, so this module imports no Django. A step recovery is a
-   callable ``recover(run) -> obj | None`` called with the :class:`Reaper` *before* the
-   scan (it reads its rows then: a holder writes its owner into a row only while it holds
-   the lease, so an owner live when the row is read is still seen by the scan that
-   follows); ``obj.owners`` and ``obj.steps`` (sets of owner tokens and
-   ``"app_label.model:pk"``) name what the scan must report on, and
-   ``obj.recover(live_owners, live_steps, dead)`` runs once the scan completed (``dead``:
-   the reaped leases' records by owner). Pass 2 runs only when the scan of pass 1 completed:
-   without the full set of live owners nothing can be called orphaned.
-
-Idempotent: a second run finds nothing more. Safe to run concurrently with itself and with the
-workers: every change is a compare-and-delete or a compare-and-swap on what was observed.
-Errors (Redis or the broker unreachable, a database error, a bad setting) are collected in
-:attr:`ReapReport.errors`, never raised, so callers can report them and exit non-zero.
-
-Limits: the pid check assumes one PID namespace per hostname; where that is not so (a pod's
-sidecar), a live holder is still safe, since it keeps renewing, but a dead one is judged by
-its worker's ping alone (``check_pids=False`` / ``--no-pid-check`` make that explicit). A
-reused pid makes a dead holder look alive, which leaves its lease to the TTL (the safe side).
+A SIGKILL, a hard time limit or an OOM kill runs no ``finally``: the lease waits for its TTL
+and a step already moved to an in-flight status stays there. :func:`reap` cleans up both
+(``manage.py reap_expired_leases``, ``celery steplock reap``, the
+``celery_steplock.reap_expired_leases`` task), only ever by compare-and-delete or
+compare-and-swap on what it observed. Unlike python-redis-lock's ``reset_all`` (``KEYS`` and
+delete everything, live locks included), it never touches a live lease. Operating it:
+docs/howto/operating.md; its two passes: docs/design.md ("Reaper").
 """
 
 from __future__ import annotations
@@ -80,7 +27,7 @@ from ._checks import check_seconds
 from .conf import Settings
 from .events import emit, log_event
 from .exceptions import StepLockError
-from .lock import get_lease_store
+from .lock import RedisLeaseStore, get_lease_store
 
 __all__ = [
     "ReapReport",
@@ -120,20 +67,25 @@ DEFAULT_STEP_RECOVERY = "celery_steplock.contrib.django.recovery:recover_steps"
 class ReapReport:
     """What one :func:`reap` run found and did.
 
-    ``leases_scanned``: leases seen by the scan (SCAN can return a key twice while Redis
-    resizes its table; a key reaped at its first sighting is not seen again).
-    ``leases_reaped``: one dict per lease removed (or, with ``dry_run``, that would be):
-    ``name``, ``key``, ``owner``, ``fence``, ``task_id``, ``task_name``, ``worker``,
-    ``hostname``, ``pid``, ``step``, ``ttl`` (seconds it had left when observed), ``reason``.
-    ``leases_malformed``: one dict per malformed lease seen (``name``, ``key``,
-    ``malformed``: what is wrong, see :func:`~celery_steplock.lease.parse_lease`), skipped:
-    never reaped, left to its TTL (at most :data:`MAX_RECORDS` listed).
-    ``steps_recovered``: one dict per step moved (or to move): ``model``
-    (``"app_label.Model"``), ``pk``, ``from_``, ``to``, ``owner`` (the dead owner), ``lease``
-    (its lease name when reaped in this run, else None), ``reason``. Both lists keep at most
-    :data:`MAX_RECORDS` entries (sorted by key / model and pk); :attr:`reaped_count` and
-    :attr:`recovered_count` count them all. ``errors``: messages; the run is a failure when
-    there is any. ``duration``: seconds.
+    Attributes:
+        leases_scanned: Leases seen by the scan (SCAN can return a key twice while Redis
+            resizes its table; a key reaped at its first sighting is not seen again).
+        leases_reaped: One dict per lease removed (or, with ``dry_run``, that would be):
+            ``name``, ``key``, ``owner``, ``fence``, ``task_id``, ``task_name``,
+            ``worker``, ``hostname``, ``pid``, ``step``, ``ttl`` (seconds it had left when
+            observed), ``reason``. At most :data:`MAX_RECORDS`, sorted by key;
+            :attr:`reaped_count` counts them all.
+        leases_malformed: One dict per malformed lease seen (``name``, ``key``,
+            ``malformed``: what is wrong, see :func:`~celery_steplock.lease.parse_lease`),
+            skipped: never reaped, left to its TTL (at most :data:`MAX_RECORDS` listed).
+        steps_recovered: One dict per step moved (or to move): ``model``
+            (``"app_label.Model"``), ``pk``, ``from_``, ``to``, ``owner`` (the dead owner),
+            ``lease`` (its lease name when reaped in this run, else None), ``reason``. At
+            most :data:`MAX_RECORDS`, sorted by model and pk; :attr:`recovered_count`
+            counts them all.
+        errors: Messages; the run is a failure when there is any.
+        dry_run: Whether nothing was changed.
+        duration: Seconds the run took.
     """
 
     leases_scanned: int = 0
@@ -164,20 +116,34 @@ class ReapReport:
         return len(self.steps_recovered) + self._recovered_unlisted
 
     def add_reaped(self, info: dict[str, Any]) -> None:
+        """List a reaped lease (counted only, beyond :data:`MAX_RECORDS`).
+
+        Args:
+            info: The lease's dict, as :attr:`leases_reaped` holds them.
+        """
         if len(self.leases_reaped) < MAX_RECORDS:
             self.leases_reaped.append(info)
         else:
             self._reaped_unlisted += 1
 
     def add_recovered(self, info: dict[str, Any]) -> None:
+        """List a recovered step (counted only, beyond :data:`MAX_RECORDS`).
+
+        Args:
+            info: The step's dict, as :attr:`steps_recovered` holds them.
+        """
         if len(self.steps_recovered) < MAX_RECORDS:
             self.steps_recovered.append(info)
         else:
             self._recovered_unlisted += 1
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of every field (plus ``ok``, and
-        ``leases_reaped_total`` / ``steps_recovered_total`` when a list is not complete)."""
+        """The report as data.
+
+        Returns:
+            A JSON-serialisable dict of every field, plus ``ok``, and
+            ``leases_reaped_total`` / ``steps_recovered_total`` when a list is not complete.
+        """
         data = asdict(self)
         data["ok"] = self.ok
         if self._reaped_unlisted:
@@ -187,7 +153,11 @@ class ReapReport:
         return data
 
     def detail_lines(self) -> list[str]:
-        """One line per listed reaped lease and recovered step, for people."""
+        """The report's details, for people.
+
+        Returns:
+            One line per listed reaped lease, recovered step and skipped malformed lease.
+        """
         verb_lease = "would reap" if self.dry_run else "reaped"
         verb_step = "would recover" if self.dry_run else "recovered"
         lines = []
@@ -213,7 +183,11 @@ class ReapReport:
         return lines
 
     def summary_lines(self) -> list[str]:
-        """The run's counts, one per line (what ``make demo`` prints)."""
+        """The run's counts, for people (what ``make demo`` prints).
+
+        Returns:
+            One line per count, and the duration.
+        """
         suffix = " (dry run: nothing changed)" if self.dry_run else ""
         would = "to reap" if self.dry_run else "reaped"
         to_recover = "to recover" if self.dry_run else "recovered"
@@ -244,12 +218,19 @@ def _int(value: Any) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and has not exited.
+    """Whether a process exists on this host and has not exited.
 
     ``os.kill(pid, 0)`` probes without signalling; a process owned by another user answers
     ``PermissionError`` and exists. A zombie (exited, not yet waited for by its parent) still
     owns its pid, so ``/proc/<pid>/stat`` is read where it exists and state ``Z``/``X`` counts
-    as gone. Anything unexpected answers True: doubt must never reap a lease.
+    as gone.
+
+    Args:
+        pid: The process id (0 and negatives, which address process groups, count as alive).
+
+    Returns:
+        False only when the process is known to be gone; anything unexpected answers True:
+        doubt must never reap a lease.
     """
     if pid <= 0:
         return True  # 0 and negatives address process groups: never a holder's pid
@@ -272,7 +253,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def reap(
-    app,
+    app: Any,
     *,
     dry_run: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -280,28 +261,62 @@ def reap(
     now: datetime | None = None,
     ping_timeout: float = DEFAULT_PING_TIMEOUT,
     check_pids: bool = True,
-    lock=None,
-    step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY,
+    lock: RedisLeaseStore | None = None,
+    step_recovery: str | Callable[..., Any] | None = DEFAULT_STEP_RECOVERY,
 ) -> ReapReport:
     """Reap the leases of dead owners and recover the steps they left in flight.
 
-    ``app``: the Celery app (its ``steplock_*`` settings, its broker for the pings).
-    ``dry_run``: find and report, change nothing, send no signal. ``batch_size``: SCAN's
-    ``COUNT`` hint and the database chunk size (> 0, default 500). ``older_than``: seconds a
-    step must have been in flight before it is recovered (default the setting
-    ``steplock_reaper_older_than``, 0). ``now``: the reference time of that age (an aware
-    datetime; default the current time). ``ping_timeout``: seconds per ping attempt.
-    ``check_pids``: judge leases taken on this host by their pid (see the module docstring).
-    ``lock``: a :class:`~celery_steplock.lock.RedisLeaseStore` (default
-    ``lock.get_lease_store(app)``). ``step_recovery``: the step recovery of pass 2, a
-    callable or its qualified name (``"module:attribute"``, loaded with Celery's
-    ``symbol_by_name``; default :data:`DEFAULT_STEP_RECOVERY`); None skips pass 2. It is
-    loaded only when ``steplock_reaper_recover`` names models; a name that cannot be loaded
-    is an error of the report.
+    Pass 1, leases: one ``SCAN`` (never ``KEYS``), each batch judged and reaped as it comes,
+    so memory stays flat. A lease is reaped only when it missed its renewals (not renewed
+    for more than 1.5 of its holder's renewal intervals, ``renew_ms``, plus
+    :data:`RENEWAL_GRACE_MS`, both on the Redis server clock: a heartbeat that keeps
+    renewing proves the holder alive) *and* either it was taken on this host and its
+    ``pid`` is gone (or a zombie), or its Celery node (``worker``) answers no ping (one
+    ``app.control.ping`` for the nodes not asked yet in this run, the silent ones asked once
+    more, bounded in time even when the broker hangs; the leases waiting for it buffered, at
+    most :data:`PING_BUFFER`). A lease without worker/pid metadata is never touched. The
+    delete (:meth:`~celery_steplock.lock.RedisLeaseStore.reap`, one pipelined round trip per
+    batch) compares the owner *and* the renewal seen, so a lease renewed or re-acquired
+    since survives. A holder only paused (SIGSTOP, a long GC or VM pause) is judged dead: it
+    finds its lease lost when it wakes and its commit is refused. Each removal sends
+    ``lock_expired`` and logs at DEBUG; each batch one DEBUG line, the run one INFO line.
 
-    Returns a :class:`ReapReport`; never raises for Redis, broker or database errors (they
-    are in ``report.errors``). Raises ValueError for an invalid ``batch_size``/``older_than``
-    /``ping_timeout`` argument (a caller's bug, not an operational error).
+    Pass 2, steps: for the models of ``steplock_reaper_recover``, in-flight rows whose owner
+    holds no live lease (and that no live lease names as its ``step``) go back by
+    compare-and-swap (see :class:`Reaper` for the step recovery); only after a complete scan,
+    since without every live owner nothing can be called orphaned.
+
+    Idempotent (a second run finds nothing more), and safe to run concurrently with itself
+    and with the workers.
+
+    Args:
+        app: The Celery app (its ``steplock_*`` settings, its broker for the pings).
+        dry_run: Find and report, change nothing, send no signal.
+        batch_size: SCAN's ``COUNT`` hint and the database chunk size (> 0).
+        older_than: Seconds a step must have been in flight before it is recovered
+            (default the setting ``steplock_reaper_older_than``, 0).
+        now: The reference time of that age (an aware datetime; default the current time).
+        ping_timeout: Seconds per ping attempt.
+        check_pids: Judge leases taken on this host by their pid. The pid check assumes
+            one PID namespace per hostname; where that is not so (a pod's sidecar), a live
+            holder is still safe, since it keeps renewing, but a dead one is judged by its
+            worker's ping alone: False (``--no-pid-check``) makes that explicit. A reused
+            pid makes a dead holder look alive, which leaves its lease to the TTL (the safe
+            side).
+        lock: The lease store (default ``lock.get_lease_store(app)``).
+        step_recovery: The step recovery of pass 2, a callable or its qualified name
+            (``"module:attribute"``, loaded with Celery's ``symbol_by_name``; default
+            :data:`DEFAULT_STEP_RECOVERY`); None skips pass 2. Loaded only when
+            ``steplock_reaper_recover`` names models; a name that cannot be loaded is an
+            error of the report.
+
+    Returns:
+        A :class:`ReapReport`. Redis, broker and database errors and bad settings are in
+        ``report.errors``, never raised, so callers can report them and exit non-zero.
+
+    Raises:
+        ValueError: An invalid ``batch_size``, ``older_than`` or ``ping_timeout`` (a
+            caller's bug, not an operational error).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -344,16 +359,33 @@ def reap(
 class Reaper:
     """One run of :func:`reap`; holds the run's state so each step stays small.
 
-    A step recovery reads: ``app``, ``settings`` (a :class:`~celery_steplock.conf.Settings`
-    snapshot), ``recover`` (the validated ``steplock_reaper_recover`` mapping), ``report``
-    (its :meth:`ReapReport.add_recovered`), ``dry_run``, ``batch_size``, ``older_than``
-    (seconds or None for the setting), ``now`` (an aware datetime or None); it reports a
-    problem with :meth:`error` and picks a signal sender with :meth:`sender`.
+    The core knows no ORM: pass 2 is a step recovery loaded by qualified name (default
+    :data:`DEFAULT_STEP_RECOVERY`, the Django one in
+    :mod:`celery_steplock.contrib.django.recovery`, which documents its rules), so this
+    module imports no Django. A step recovery is a callable ``recover(run) -> obj | None``
+    called with the run *before* the scan: it reads its rows then (a holder writes its owner
+    into a row only while it holds the lease, so an owner live when the row is read is
+    still seen by the scan that follows). ``obj.owners`` and ``obj.steps`` (sets of owner
+    tokens and ``"app_label.model:pk"``) name what the scan must report on, and
+    ``obj.recover(live_owners, live_steps, dead)`` runs once the scan completed (``dead``:
+    the reaped leases' records by owner). It reports a problem with :meth:`error` and picks
+    a signal sender with :meth:`sender`.
+
+    Attributes:
+        app: The Celery app.
+        settings: A :class:`~celery_steplock.conf.Settings` snapshot.
+        recover: The validated ``steplock_reaper_recover`` mapping.
+        report: The :class:`ReapReport` (a recovery lists steps with
+            :meth:`ReapReport.add_recovered`).
+        dry_run: Change nothing.
+        batch_size: The database chunk size.
+        older_than: Seconds, or None for the setting.
+        now: An aware datetime, or None.
     """
 
     def __init__(
         self,
-        app,
+        app: Any,
         report: ReapReport,
         *,
         dry_run: bool,
@@ -362,8 +394,8 @@ class Reaper:
         now: datetime | None,
         ping_timeout: float,
         check_pids: bool,
-        lock,
-        step_recovery: str | Callable | None = DEFAULT_STEP_RECOVERY,
+        lock: RedisLeaseStore | None,
+        step_recovery: str | Callable[..., Any] | None = DEFAULT_STEP_RECOVERY,
     ) -> None:
         self.app = app
         self.report = report
@@ -373,7 +405,7 @@ class Reaper:
         self.now = now
         self.ping_timeout = ping_timeout
         self.check_pids = check_pids
-        self.lock = lock
+        self.lock: RedisLeaseStore | None = lock
         self.step_recovery = step_recovery
         self.recover: dict[str, dict[str, str]] = {}
         self.settings = Settings(app, snapshot=True)
@@ -389,19 +421,40 @@ class Reaper:
         self.live_steps: dict[str, set[str]] = {}
         self.dead: dict[str, dict[str, Any]] = {}
 
-    def sender(self, task_name: str | None):
-        """The signal sender: the task object when this app knows it (so receivers connected
-        with ``sender=task`` see the reaper's events), else its name, else the reaper."""
+    @property
+    def store(self) -> RedisLeaseStore:
+        """The lease store of the run: ``lock``, or the app's, resolved by :meth:`run`."""
+        if self.lock is None:
+            self.lock = get_lease_store(self.app)
+        return self.lock
+
+    def sender(self, task_name: str | None) -> Any:
+        """The signal sender of a lease's events.
+
+        Args:
+            task_name: The lease's task name, when it has one.
+
+        Returns:
+            The task object when this app knows it (so receivers connected with
+            ``sender=task`` see the reaper's events), else its name, else
+            :data:`REAPER_SENDER`.
+        """
         if not task_name:
             return REAPER_SENDER
         return self.app.tasks.get(task_name, task_name)
 
     def error(self, message: str) -> None:
+        """Report a problem: an ERROR line and an entry of ``report.errors`` (a failed run).
+
+        Args:
+            message: What went wrong.
+        """
         log_event("reaper_error", logging.ERROR, error=message)
         self.report.errors.append(message)
 
     def run(self) -> None:
-        recovery = self.start_recovery()  # before the scan: see the module docstring
+        """Run both passes; errors go to the report."""
+        recovery = self.start_recovery()  # before the scan: see the class docstring
         if self.lock is None:
             try:
                 self.lock = get_lease_store(self.app)
@@ -424,9 +477,13 @@ class Reaper:
                 dead,
             )
 
-    def start_recovery(self):
-        """Pass 2's step recovery for this run (its rows read now), or None: no model to
-        recover, no step recovery, or one that cannot be loaded (an error of the report)."""
+    def start_recovery(self) -> Any:
+        """Start pass 2's step recovery for this run: its rows are read now.
+
+        Returns:
+            The step recovery's object, or None: no model to recover, no step recovery, or
+            one that cannot be loaded (an error of the report).
+        """
         try:
             self.recover = self.settings.reaper_recover
         except StepLockError as exc:
@@ -451,7 +508,7 @@ class Reaper:
     def redis_now_ms(self) -> int | None:
         """Redis server time in ms: the clock ``renewed_ms`` was written with."""
         try:
-            seconds, micros = self.lock.client.time()
+            seconds, micros = self.store.client.time()
         except Exception as exc:  # noqa: BLE001 - redis errors and OSError alike
             self.error(f"could not read the Redis server time: {exc}")
             return None
@@ -574,7 +631,7 @@ class Reaper:
         cursor = 0
         while True:
             try:
-                cursor, leases = self.lock.scan(cursor, self.batch_size)
+                cursor, leases = self.store.scan(cursor, self.batch_size)
             except StepLockError as exc:
                 self.error(f"lease scan failed, no step recovered: {exc}")
                 return False
@@ -653,7 +710,7 @@ class Reaper:
             try:
                 # Compare-and-delete on the owner and the renewal observed in the scan: a
                 # lease re-acquired since, or renewed while we pinged, survives.
-                results = self.lock.reap_many(
+                results = self.store.reap_many(
                     (lease["name"], lease["owner"], lease.get("renewed_ms") or "")
                     for lease, _reason in dead
                 )

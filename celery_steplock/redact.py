@@ -1,32 +1,11 @@
 """What reaches output: secrets masked (:func:`redact`), control characters escaped
 (:func:`printable`).
 
-:func:`redact` is the one masking function of the library. Every message that may carry a
+:func:`redact` is the one masking function of the library: every message that may carry a
 URL, transport options or the text of an exception raised while using them goes through it
 before it is logged, raised to a worker's exit, shown by ``manage.py check``, printed by the
-``celery steplock`` commands or shown on the admin page. It masks, in any text:
-
-- the password of every URL of any scheme, including schemes the library refuses and typos
-  (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``, ``rediss//``, and
-  ``redis:pw@h`` / ``redis:/:pw@h`` from the scheme's colon): everything up to the last
-  ``@`` of the URL, whatever it holds (``/``, ``?``, ``#``, ``;``, quotes, spaces), so that
-  a password is masked whole. A URL ends at the quote that closes it, at the next URL or
-  at the end of the line; when in doubt, more is masked. A URL whose credentials are one
-  word (``redis://word@host``) has it masked too, since some clients read that word as
-  the password;
-- query parameters and ``key=value`` / ``'key': value`` pairs whose key names a password or
-  a secret (``password``, ``ssl_password``, ``sentinel_password``, ``passwd``, ``pwd``,
-  ``client_secret``), as in a unix URL's ``?password=``, in the repr of transport options
-  (``sentinel_kwargs={'password': ...}``) or of keyword arguments;
-- every occurrence of the known secret values given (:func:`secrets_of` collects those of a
-  Celery app's settings), in whatever form the text quotes them: values of at least
-  :data:`MIN_SECRET` characters, so that a short value does not mask ordinary words.
-
-Values are masked, never names: a setting's name standing where a value would
-(``steplock_name_secret: steplock_name_secret``) stays.
-
-The scheme, host, port, database and every other part stay, so a message still says which
-server it is about.
+``celery steplock`` commands or shown on the admin page. What it masks, and where:
+docs/security.md ("Secrets in output").
 """
 
 from __future__ import annotations
@@ -142,10 +121,30 @@ def _mask_urls(text: str) -> str:
 
 
 def redact(value: Any, secrets: Iterable[str] = ()) -> str:
-    """``value`` as text (a string as it is, an exception as ``str(exc)``, anything else as
-    its ``repr``) with every secret masked as :data:`MASK`: URL passwords, secret query
-    parameters and key/value pairs, and each of ``secrets`` (known values, e.g.
-    :func:`secrets_of`). Never raises."""
+    """A value as text with every secret masked as :data:`MASK`; never raises.
+
+    Masked: the credentials of every URL of any scheme, including schemes the library
+    refuses and typos (``sentinel://:pw@h;sentinel://:pw@h2``, ``redis+sentinel://``,
+    ``rediss//``, ``redis:pw@h``, ``redis:/:pw@h``): everything up to the URL's last ``@``,
+    the user name kept, whatever the password holds; a URL ends at the quote that closes it,
+    at the next URL or at the end of the line (when in doubt, more is masked), and a one-word
+    credential (``redis://word@host``) is masked too. Query parameters and ``key=value`` /
+    ``'key': value`` pairs whose key names a password or a secret (``password``,
+    ``ssl_password``, ``sentinel_password``, ``passwd``, ``pwd``, ``client_secret``). Each of
+    ``secrets`` of at least :data:`MIN_SECRET` characters, in whatever form the text quotes
+    it (as is, URL-encoded, decoded, as a repr shows it). Values are masked, never names: a
+    setting's name standing where a value would (``steplock_name_secret:
+    steplock_name_secret``) stays; the scheme, host, port and database stay, so a message
+    still says which server it is about.
+
+    Args:
+        value: A string (as it is), an exception (``str(exc)``) or anything else (its
+            ``repr``).
+        secrets: Known secret values, e.g. :func:`secrets_of`.
+
+    Returns:
+        The masked text.
+    """
     if isinstance(value, str):
         text = value
     elif isinstance(value, BaseException):
@@ -187,9 +186,15 @@ def _forms(secrets: Iterable[str]) -> Iterable[str]:
 
 
 def redact_options(options: Any) -> Any:
-    """A copy of ``options`` (transport or TLS options: dicts, lists, tuples, nested) with
-    the value of every key naming a password or secret replaced by :data:`MASK`, and
-    URLs in string values redacted; for showing options as a dict."""
+    """Options with their secrets masked, for showing them as a dict.
+
+    Args:
+        options: Transport or TLS options: dicts, lists, tuples, nested.
+
+    Returns:
+        A copy with the value of every key naming a password or secret replaced by
+        :data:`MASK`, and URLs in string values redacted.
+    """
     if isinstance(options, Mapping):
         return {
             k: MASK
@@ -205,9 +210,16 @@ def redact_options(options: Any) -> Any:
 
 
 def url_secrets(url: Any) -> list[str]:
-    """The secret values of ``url`` (a string: one URL or a ``;``-separated list; a list or
-    tuple of them): the password of each URL (its whole credentials when they are one
-    word, everything up to the URL's last ``@``) and its secret query parameters."""
+    """The secret values of a URL, for :func:`redact`.
+
+    Args:
+        url: One URL or a ``;``-separated list of them, or a list or tuple of those.
+
+    Returns:
+        The password of each URL (its whole credentials when they are one word, everything
+        up to the URL's last ``@``) and its secret query parameters; ``[]`` for anything
+        else than a string, list or tuple.
+    """
     if isinstance(url, (list, tuple)):
         return [s for u in url for s in url_secrets(u)]
     if not isinstance(url, str):
@@ -277,10 +289,16 @@ _SECRET_SETTINGS = (
 
 
 def secrets_of(app: Any) -> tuple[str, ...]:
-    """The secret values of a Celery app's configuration: the passwords of the lease
-    store's, the broker's and the result backend's URLs and of their transport and TLS
-    options (``password``, ``sentinel_kwargs.password``, ``ssl_password``), read as given
-    (nothing is validated). For :func:`redact`. Never raises."""
+    """The secret values of a Celery app's configuration, for :func:`redact`; never raises.
+
+    Args:
+        app: The Celery app.
+
+    Returns:
+        The passwords of the lease store's, the broker's and the result backend's URLs and
+        of their transport and TLS options (``password``, ``sentinel_kwargs.password``,
+        ``ssl_password``), read as given (nothing is validated).
+    """
     found: list[str] = []
     conf = getattr(app, "conf", None)
     if conf is None:
@@ -320,12 +338,18 @@ def _unsafe(char: str) -> bool:
 
 
 def printable(value: Any) -> str:
-    """``value`` (``str()`` of it; None as ``"None"``) as one line a terminal shows as it
-    is: every character that is not printable (control characters: ANSI escape sequences,
-    ``\\n``, ``\\r``, ``\\t``; format characters: bidirectional overrides, zero-width
-    characters; line and paragraph separators) and the backslash written as a Python escape
-    (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``). Printable text, spaces and non-ASCII
-    letters stay as they are."""
+    """A value as one line a terminal shows as it is.
+
+    Args:
+        value: Anything (``str()`` of it; None as ``"None"``).
+
+    Returns:
+        The text with every character that is not printable (control characters: ANSI
+        escape sequences, ``\\n``, ``\\r``, ``\\t``; format characters: bidirectional
+        overrides, zero-width characters; line and paragraph separators) and the backslash
+        written as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``).
+        Printable text, spaces and non-ASCII letters stay as they are.
+    """
     text = value if isinstance(value, str) else str(value)
     if text.isprintable() and "\\" not in text:
         return text

@@ -1,28 +1,11 @@
-"""Celery signals sent for every lease and transition event.
+"""Celery signals sent for every lease, transition and pattern event.
 
 Each is a :class:`celery.utils.dispatch.Signal`; connect with ``@lock_acquired.connect`` (or
-``connect(receiver, sender=task)`` for one task). The sender is the task instance (the
-heartbeat and the reaper send with the task name when no instance is at hand). Every signal
-carries these keyword arguments:
-
-``event`` (str), ``key`` (Redis key), ``name`` (lock name), ``owner`` (owner token), ``fence``
-(int or None), ``task_id``, ``task_name``, ``ttl`` (seconds), ``monotonic``
-(:func:`time.monotonic` of the event), ``timestamp`` (wall-clock seconds since the epoch),
-
-plus, where it applies: ``holder`` (lock_contended: the current owner), ``reason``
-(lock_lost, lock_expired), ``forced`` (lock_released by an operator), ``step_id``,
-``from_``, ``to``, ``current`` (transition_*), ``policy`` (lock_store_error), and the
-durations, in seconds (float): ``wait_seconds`` (lock_acquired, lock_contended: the acquire,
-``lock_wait`` included), ``hold_seconds`` (lock_released by the holder: from the request that was granted,
-``Lease.acquired_at``, to the release's reply),
-``cas_seconds`` and ``commit_seconds`` (transition_applied: its compare-and-swap and the
-COMMIT that followed; ``commit_seconds`` None outside a task's own transaction).
-``force_release_audit`` is the audit trail of an operator's force release
-(:mod:`celery_steplock.ops`): sent once with ``outcome="requested"`` before the delete and
-once with its outcome, with ``actor``, ``actor_host``, ``via`` and ``audit`` besides the
-lease's fields. Task arguments are never sent. A receiver that raises is logged and ignored: it never breaks locking.
-``lock_extended`` and the heartbeat's ``lock_lost`` run on the heartbeat thread, between
-renewals: keep those receivers fast (hand slow work to a queue), or leases can expire.
+``connect(receiver, sender=task)`` for one task). Every one carries ``event``, ``key``,
+``name``, ``owner``, ``fence``, ``task_id``, ``task_name``, ``ttl`` (seconds), ``monotonic``
+and ``timestamp``; the ``#:`` comment above each declaration says what it adds (durations in
+seconds, float) and is its entry in docs/reference/signals.md, which says who sends them and
+on which thread. Task arguments are never sent; a receiver that raises is logged and ignored.
 """
 
 from celery.utils.dispatch import Signal
@@ -62,22 +45,28 @@ __all__ = [
 lock_acquired = Signal(name="lock_acquired")
 #: Another owner holds the lease (``holder``: its owner token; ``wait_seconds``).
 lock_contended = Signal(name="lock_contended")
-#: The heartbeat renewed the lease (sent on the heartbeat thread: keep receivers fast).
+#: The heartbeat renewed the lease (sent on the heartbeat thread between renewals, as is the
+#: heartbeat's ``lock_lost``: keep receivers fast, hand slow work to a queue, or leases can
+#: expire).
 lock_extended = Signal(name="lock_extended")
-#: The lease was released: by its holder (``hold_seconds``) or by an operator (``forced``).
+#: The lease was released: by its holder (``hold_seconds``: from the request that was
+#: granted, ``Lease.acquired_at``, to the release's reply) or by an operator (``forced``).
 lock_released = Signal(name="lock_released")
 #: The lease expired before its release (``reason``).
 lock_expired = Signal(name="lock_expired")
 #: The lease is no longer ours (``reason``); any commit that depended on it is refused.
 lock_lost = Signal(name="lock_lost")
-#: The compare-and-swap committed (``step_id``, ``from_``, ``to``, ``cas_seconds``,
-#: ``commit_seconds``); sent after the commit.
+#: The compare-and-swap committed (``step_id``, ``from_``, ``to``, ``cas_seconds``: the
+#: compare-and-swap, ``commit_seconds``: the COMMIT that followed, None outside a task's own
+#: transaction); sent after the commit.
 transition_applied = Signal(name="transition_applied")
 #: The compare-and-swap updated no row (``step_id``, ``from_``, ``to``, ``current``).
 transition_conflict = Signal(name="transition_conflict")
 #: Redis could not be reached; ``policy`` says whether the body was refused or ran unlocked.
 lock_store_error = Signal(name="lock_store_error")
-#: An operator's force release: requested (before the delete), then its outcome.
+#: An operator's force release (:func:`celery_steplock.ops.force_release`): sent once with
+#: ``outcome="requested"`` before the delete, then once with its outcome; ``actor``,
+#: ``actor_host``, ``via`` and ``audit`` besides the lease's fields.
 force_release_audit = Signal(name="force_release_audit")
 
 #: Idempotency records (celery_steplock.patterns.idempotency): ``key`` (the record key), ``name``
@@ -115,10 +104,10 @@ ALL_SIGNALS += (
     idempotency_conflict,
 )
 
-#: Circuit breakers (celery_steplock.patterns.breaker): ``name`` (the dependency), ``key``, ``state``
-#: (after the event), ``reason``; opened/closed also ``failures``, ``calls``, ``manual``
-#: (an operator's override, then ``actor``), rejected also ``retry_after`` (seconds).
-#: This one: the failure threshold was reached (or an operator opened it).
+#: Circuit breakers (celery_steplock.patterns.breaker): ``name`` (the dependency), ``key``,
+#: ``state`` (after the event), ``reason``; opened/closed also ``failures``, ``calls``,
+#: ``manual`` (an operator's override, then ``actor``), rejected also ``retry_after``
+#: (seconds). This one: the failure threshold was reached (or an operator opened it).
 circuit_opened = Signal(name="circuit_opened")
 #: The recovery time passed: the next calls are half-open probes.
 circuit_half_opened = Signal(name="circuit_half_opened")
@@ -143,12 +132,12 @@ ALL_SIGNALS += (
     retry_policy_decided,
 )
 
-#: A slot of a concurrency limit (celery_steplock.patterns.concurrency) was granted, given back, found
-#: expired or taken over (its holder stopped past the TTL, the reaper), or refused: every
-#: slot held (``retry_after`` seconds, ``free``, ``waiting``, ``rank``). Besides the lease
-#: fields of the slot (``key``, ``name``, ``owner``, ``fence``...): ``limit_key``, ``limit``,
-#: ``slot`` (0-based index); ``concurrency_limited``'s ``key`` is the limit key. This one:
-#: a slot was granted.
+#: A slot of a concurrency limit (celery_steplock.patterns.concurrency) was granted, given
+#: back, found expired or taken over (its holder stopped past the TTL, the reaper), or
+#: refused: every slot held (``retry_after`` seconds, ``free``, ``waiting``, ``rank``).
+#: Besides the lease fields of the slot (``key``, ``name``, ``owner``, ``fence``...):
+#: ``limit_key``, ``limit``, ``slot`` (0-based index); ``concurrency_limited``'s ``key`` is
+#: the limit key. This one: a slot was granted.
 slot_acquired = Signal(name="slot_acquired")
 #: A slot was given back by its holder.
 slot_released = Signal(name="slot_released")

@@ -50,8 +50,13 @@ DEFAULT_STEP_STORE = "celery_steplock.contrib.django.steps:DjangoStepStore"
 class TransitionResult:
     """The outcome of one compare-and-swap. Truthy when applied.
 
-    ``current`` is the status read after a conflict (None when applied); ``fence`` the
-    fencing token written with the transition, if any.
+    Attributes:
+        applied: Whether the row was updated.
+        step_id: The step's primary key.
+        from_: The status the transition expected.
+        to: The status it wrote (or was to write).
+        current: The status read after a conflict (None when applied).
+        fence: The fencing token written with the transition, if any.
     """
 
     applied: bool
@@ -69,10 +74,6 @@ class TransitionResult:
 class StepStore(Protocol):
     """The steps of one model, as the task's execution needs them.
 
-    ``label`` names the model (``"app_label.model"``, lower case), ``using`` the database
-    every call goes to (the model's write database: the precheck included, so a lagging
-    replica can never decide anything).
-
     Optional, looked up with ``getattr``: ``bind()`` returns a store whose every call goes
     to the database ``using`` names at that moment (a store that picks its database per
     call, e.g. through a router that reads a tenant from the context, fixes it there); the
@@ -82,21 +83,44 @@ class StepStore(Protocol):
     ``in_outer_transaction()`` (bool) and ``savepoint()`` (a context manager nested in the
     caller's transaction) let an eager execution (``apply()``, ``task_always_eager``) inside
     the caller's transaction run as a savepoint of it; a store without them refuses it with
-    ``check_not_nested``. On the
-    factory: ``databases()`` lists the database names a ``using=`` may take (None: it
-    cannot tell), for :func:`load_step_store` to refuse an unknown one by name.
+    ``check_not_nested``. On the factory: ``databases()`` lists the database names a
+    ``using=`` may take (None: it cannot tell), for :func:`load_step_store` to refuse an
+    unknown one by name.
+
+    Attributes:
+        label: The model (``"app_label.model"``, lower case).
+        using: The database every call goes to: the model's write database, the precheck
+            included, so a lagging replica can never decide anything.
     """
 
     label: str
     using: str
 
     def status(self, step_id: Any) -> str:
-        """The step's current status. Raises StepNotFound."""
+        """The step's current status.
+
+        Args:
+            step_id: The step's primary key.
+
+        Returns:
+            Its status.
+
+        Raises:
+            StepNotFound: No row has that key.
+        """
 
     def step_ref(self, step_id: Any) -> str:
-        """``"<label>:<key>"``, the step's identity as the store's rows spell it (the reaper
-        compares it with what it reads). Raises InvalidStepId for a key the model cannot
-        have."""
+        """The step's identity as the store's rows spell it (the reaper compares it).
+
+        Args:
+            step_id: The step's primary key.
+
+        Returns:
+            ``"<label>:<key>"``.
+
+        Raises:
+            InvalidStepId: A key the model cannot have.
+        """
 
     def transition(
         self,
@@ -110,42 +134,105 @@ class StepStore(Protocol):
         deadline: float | None = None,
         raise_on_conflict: bool = True,
     ) -> TransitionResult:
-        """Compare-and-swap ``from_ -> to``, writing ``owner``/``fence`` and ``updates``.
+        """Compare-and-swap ``from_ -> to``, inside :meth:`atomic`.
 
-        ``deadline`` (seconds, optional): from this statement to COMMIT the transaction may
-        wait for the row and sit idle for at most that long (the lease's remaining
-        validity), where the database supports it. Raises TransitionConflict (when
-        ``raise_on_conflict``), InvalidTransition, StepNotFound.
+        Updates the row only while it is still in ``from_`` and carries no newer fencing
+        token than ``fence``.
+
+        Args:
+            step_id: The step's primary key.
+            from_: The status the row must be in.
+            to: The status to write.
+            owner: The owner token to write.
+            fence: The fencing token to write (and to compare).
+            updates: More columns to write.
+            deadline: Seconds (optional): from this statement to COMMIT the transaction may
+                wait for the row and sit idle for at most that long (the lease's remaining
+                validity), where the database supports it.
+            raise_on_conflict: Raise on a conflict rather than return it.
+
+        Returns:
+            The :class:`TransitionResult`.
+
+        Raises:
+            TransitionConflict: No row updated (when ``raise_on_conflict``).
+            InvalidTransition: ``from_ -> to`` is not allowed.
+            StepNotFound: No row has that key.
         """
 
     def set_deadline(self, seconds: float) -> bool:
-        """Within the current transaction, bound the wait for row locks and the time idle
-        before COMMIT by ``seconds``, as a statement of its own; False where the database
-        has no such bound."""
+        """Bound the current transaction's waits, as a statement of its own.
+
+        Args:
+            seconds: The bound of the wait for row locks and of the time idle before
+                COMMIT.
+
+        Returns:
+            False where the database has no such bound, else True.
+        """
 
     def atomic(self) -> ContextManager[Any]:
-        """A durable transaction on :attr:`using`: it really commits when it exits."""
+        """A durable transaction on :attr:`using`.
+
+        Returns:
+            A context manager that really commits when it exits.
+        """
 
     def on_commit(self, func: Callable[[], None]) -> None:
-        """Run ``func`` after the current transaction commits (at once outside one)."""
+        """Run a callable after the current transaction commits (at once outside one).
+
+        Args:
+            func: Called without arguments.
+        """
 
     def check_not_nested(self, task_name: str) -> None:
-        """Raise OuterTransactionError when called inside a caller's transaction, whose
-        commit would come after the lease's release."""
+        """Refuse to run inside a caller's transaction.
+
+        Args:
+            task_name: The task, for the message.
+
+        Raises:
+            OuterTransactionError: Called inside a caller's transaction, whose commit would
+                come after the lease's release.
+        """
 
     def is_lost_connection(self, exc: BaseException) -> bool:
-        """Whether ``exc`` means the connection broke (the commit may not have happened)."""
+        """Whether an error means the connection broke (the commit may not have happened).
+
+        Args:
+            exc: The error.
+
+        Returns:
+            True when the connection broke.
+        """
 
     def is_lock_timeout(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is the row-lock wait running past ``deadline``."""
+        """Whether an error is the row-lock wait running past ``deadline``.
+
+        Args:
+            exc: The error.
+
+        Returns:
+            True when it is.
+        """
 
 
 def check_transitions(
     table: Any, setting: str = "step_transitions"
 ) -> Mapping[str, Iterable[str]]:
-    """``table`` if it is ``{from_: [to, ...]}`` with status strings, else raise
-    ImproperlyConfigured naming ``setting`` (a bare string as the targets would be read as
-    its letters)."""
+    """Check an allowed-transition table.
+
+    Args:
+        table: ``{from_: [to, ...]}`` with status strings (a bare string as the targets
+            would be read as its letters).
+        setting: The setting or option named by the error.
+
+    Returns:
+        ``table``.
+
+    Raises:
+        ImproperlyConfigured: ``table`` is not such a mapping (naming ``setting``).
+    """
     if not isinstance(table, Mapping) or not all(
         isinstance(k, str)
         and not isinstance(v, (str, bytes))
@@ -173,16 +260,32 @@ def load_step_store(
     using: str | None = None,
     using_setting: str = "step_database",
 ) -> StepStore:
-    """Build the step store for ``model`` with the factory ``spec`` names.
+    """Build the step store of a model with the factory ``spec`` names.
 
-    ``spec``: a qualified string ``"package.module:Name"`` (or ``package.module.Name``) or
-    the factory itself, called as ``factory(model, status_field=..., owner_field=...,
-    fence_field=..., transitions=...)``, plus ``using=`` when ``using`` (a database name,
-    e.g. the task's ``step_database``) is given; None leaves the choice to the store (the
-    Django store: the router's write database). Raises ImproperlyConfigured naming
-    ``setting`` when the factory cannot be imported, naming ``using_setting`` when the
-    factory's ``databases()`` does not list ``using``, and whatever the factory raises
-    about the model.
+    The factory is called as ``factory(model, status_field=..., owner_field=...,
+    fence_field=..., transitions=...)``, plus ``using=`` when ``using`` is given.
+
+    Args:
+        spec: A qualified string ``"package.module:Name"`` (or ``package.module.Name``) or
+            the factory itself.
+        model: The step model.
+        status_field: The status column.
+        owner_field: The owner token column.
+        fence_field: The fencing token column.
+        transitions: The allowed-transition table, or None.
+        setting: The setting named when the factory cannot be imported.
+        using: A database name (e.g. the task's ``step_database``); None leaves the choice
+            to the store (the Django store: the router's write database).
+        using_setting: The option named when the factory's ``databases()`` does not list
+            ``using``.
+
+    Returns:
+        The :class:`StepStore`.
+
+    Raises:
+        ImproperlyConfigured: The factory cannot be imported (naming ``setting``) or does
+            not know ``using`` (naming ``using_setting``); and whatever the factory raises
+            about the model.
     """
     factory = step_store_factory(spec, setting)
     if using is None:
@@ -211,8 +314,19 @@ def load_step_store(
 
 
 def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Callable[..., Any]:
-    """The factory ``spec`` names (a qualified string, or the factory itself); raises
-    ImproperlyConfigured naming ``setting`` when it cannot be imported or is not callable."""
+    """The step-store factory a spec names.
+
+    Args:
+        spec: A qualified string, or the factory itself.
+        setting: The setting named by the error.
+
+    Returns:
+        The factory.
+
+    Raises:
+        ImproperlyConfigured: It cannot be imported or is not callable (naming
+            ``setting``).
+    """
     try:
         factory = symbol_by_name(spec) if isinstance(spec, str) else spec
     except (ImportError, AttributeError, ValueError) as exc:
@@ -227,8 +341,17 @@ def step_store_factory(spec: Any, setting: str = "steplock_step_store") -> Calla
 
 
 def check_known_database(factory: Any, using: str, setting: str = "step_database") -> None:
-    """Raise ImproperlyConfigured naming ``setting`` when ``factory.databases()`` (if the
-    factory has it and it can tell) does not list ``using``."""
+    """Refuse a database the step-store factory does not know.
+
+    Args:
+        factory: The step-store factory.
+        using: The database name.
+        setting: The option named by the error.
+
+    Raises:
+        ImproperlyConfigured: ``factory.databases()`` (if the factory has it and it can
+            tell) does not list ``using`` (naming ``setting``).
+    """
     listing = getattr(factory, "databases", None)
     known = listing() if callable(listing) else None
     if known is not None and using not in known:

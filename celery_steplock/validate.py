@@ -28,6 +28,9 @@ warnings are logged) and Django's system checks (``manage.py check``,
                             ``CELERY_`` namespace, or a configuration not loaded from the
                             Django settings), an unknown ``@app.task`` keyword or task class
                             attribute (``lock_tll=5``); each is otherwise silently ignored.
+``celery_steplock.W006``    a setting set under its former name (``steplock_bulkhead_*``,
+                            now ``steplock_concurrency_limit_*``): still read for one
+                            release while the new name is unset, ignored beside it.
 ``celery_steplock.W010``    no name secret: default lock names use a public HMAC key.
 ``celery_steplock.W011``    the name secret derives from an insecure Django ``SECRET_KEY``
                             while ``DEBUG`` is off.
@@ -73,6 +76,7 @@ __all__ = [
     "worker_lost_problems",
     "time_limit_problems",
     "unknown_name_problems",
+    "deprecated_name_problems",
     "visibility_timeout",
     "recovery_problems",
     "django_setting_problems",
@@ -100,7 +104,7 @@ class Problem:
     hint: str | None = None
     obj: Any = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "message", redact(self.message))
         if self.hint is not None:
             object.__setattr__(self, "hint", redact(self.hint))
@@ -115,7 +119,7 @@ def _django_name(name: str) -> str:
     return f"CELERY_{name.upper()}"
 
 
-def steplock_tasks(app) -> list:
+def steplock_tasks(app: Any) -> list[Any]:
     """The StepLockedTask instances registered on the app, by name (finalizes the app,
     which registers the tasks of the modules imported so far; it imports none)."""
     try:
@@ -125,7 +129,7 @@ def steplock_tasks(app) -> list:
     return [task for name, task in sorted(tasks.items()) if is_step_locked(task)]
 
 
-def _masked(app, found: list[Problem]) -> list[Problem]:
+def _masked(app: Any, found: list[Problem]) -> list[Problem]:
     """``found`` with every secret value of ``app``'s settings masked, wherever a message
     quotes it (beside the URL and key/value forms every Problem masks)."""
     secrets = secrets_of(app)
@@ -141,7 +145,7 @@ def _masked(app, found: list[Problem]) -> list[Problem]:
     ]
 
 
-def settings_problems(app) -> list[Problem]:
+def settings_problems(app: Any) -> list[Problem]:
     """E003: one per invalid ``steplock_*`` setting."""
     found = []
     for exc in Settings(app).problems():
@@ -158,7 +162,7 @@ def settings_problems(app) -> list[Problem]:
     return _masked(app, found)
 
 
-def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
+def task_problems(app: Any, tasks: Iterable[Any] | None = None) -> list[Problem]:
     """E004: one per invalid option of each StepLockedTask (step models aside: E002)."""
     found = []
     for task in steplock_tasks(app) if tasks is None else tasks:
@@ -176,7 +180,7 @@ def task_problems(app, tasks: Iterable | None = None) -> list[Problem]:
     return found
 
 
-def step_model_problems(app) -> list[Problem]:
+def step_model_problems(app: Any) -> list[Problem]:
     """E002: StepLockedTasks whose ``step_model`` the step store refuses (a missing model,
     no status field), judged by building each task's step store. Nothing is judged while the
     step store's models are not loaded yet (its factory's ``models_ready()`` says False)."""
@@ -224,7 +228,7 @@ def step_model_problems(app) -> list[Problem]:
     return found
 
 
-def step_store_problems(app) -> list[Problem]:
+def step_store_problems(app: Any) -> list[Problem]:
     """E003: a ``steplock_step_store`` that cannot be imported (the default one only when a
     task has a step model: it needs Django)."""
     try:
@@ -253,7 +257,7 @@ def step_store_problems(app) -> list[Problem]:
     return []
 
 
-def step_database_problems(app) -> list[Problem]:
+def step_database_problems(app: Any) -> list[Problem]:
     """E003: a ``steplock_step_database`` the step store does not know (judged when a task
     has a step model, through the factory's ``databases()``)."""
     try:
@@ -279,14 +283,14 @@ def step_database_problems(app) -> list[Problem]:
     return []
 
 
-def _broker_urls(app) -> list[str]:
+def _broker_urls(app: Any) -> list[str]:
     url = app.conf.broker_url or ""
     if isinstance(url, (list, tuple)):
         return [u for u in url if isinstance(u, str)]
     return [u.strip() for u in url.split(";")] if isinstance(url, str) else []
 
 
-def visibility_timeout(app) -> float | None:
+def visibility_timeout(app: Any) -> float | None:
     """The broker's ``visibility_timeout`` in seconds (kombu's Redis default when unset on a
     Redis broker); None when the transport has none we know or the value is not a number."""
     options = app.conf.broker_transport_options or {}
@@ -301,7 +305,7 @@ def visibility_timeout(app) -> float | None:
         return None
 
 
-def visibility_timeout_problems(app) -> list[Problem]:
+def visibility_timeout_problems(app: Any) -> list[Problem]:
     """W001: lease TTLs that are not below the broker's ``visibility_timeout``.
 
     Only the TTL frees the lease of a killed worker, while the broker redelivers that
@@ -340,7 +344,7 @@ def visibility_timeout_problems(app) -> list[Problem]:
     ]
 
 
-def worker_lost_problems(app) -> list[Problem]:
+def worker_lost_problems(app: Any) -> list[Problem]:
     """W002: StepLockedTasks whose message is acknowledged although their worker died.
 
     Without ``acks_late`` the message is acknowledged before the body runs; with
@@ -400,7 +404,7 @@ def worker_lost_problems(app) -> list[Problem]:
     return found
 
 
-def time_limit_problems(app) -> list[Problem]:
+def time_limit_problems(app: Any) -> list[Problem]:
     """W004: time limits that do not pair with the lease.
 
     ``soft_time_limit`` must be below ``time_limit``: the soft limit raises
@@ -459,7 +463,7 @@ def time_limit_problems(app) -> list[Problem]:
     return found
 
 
-def _raw_keys(app) -> list[str]:
+def _raw_keys(app: Any) -> list[str]:
     """The configuration keys ``app`` has, as each source spells them (``app.conf``'s own
     changes in lower case, a Django settings module in upper case, with its namespace)."""
     found = []
@@ -471,12 +475,12 @@ def _raw_keys(app) -> list[str]:
     return found
 
 
-def _names(app) -> list[str]:
+def _names(app: Any) -> list[str]:
     """The configuration keys ``app`` has, lower-cased."""
     return [key.lower() for key in _raw_keys(app)]
 
 
-def _read_keys(app, name: str) -> tuple[str, ...]:
+def _read_keys(app: Any, name: str) -> tuple[str, ...]:
     """The keys Celery looks ``name`` up under, the namespaced one first
     (``("CELERY_STEPLOCK_DEFAULT_TTL", "steplock_default_ttl")`` for ``namespace="CELERY"``)."""
     to_keys = getattr(app.conf, "_to_keys", None)
@@ -486,12 +490,12 @@ def _read_keys(app, name: str) -> tuple[str, ...]:
         return (name,)
 
 
-def _prefix(app) -> str:
+def _prefix(app: Any) -> str:
     prefix = getattr(app.conf, "prefix", None)
     return prefix if isinstance(prefix, str) else ""
 
 
-def _spelled(app, name: str) -> str:
+def _spelled(app: Any, name: str) -> str:
     """How the user writes setting ``name``: the namespaced key when the app reads a
     namespace (Django's ``CELERY_STEPLOCK_...``), else both spellings."""
     if _prefix(app):
@@ -499,7 +503,7 @@ def _spelled(app, name: str) -> str:
     return _django_name(name) if name.startswith("steplock_") else name
 
 
-def _library_attributes(cls) -> set[str]:
+def _library_attributes(cls: type) -> set[str]:
     """The attributes the library's and Celery's task classes in ``cls``'s MRO define."""
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -518,7 +522,7 @@ def _library_attributes(cls) -> set[str]:
 _OPTION_SPELLINGS = frozenset({"transition"})
 
 
-def _unknown_option_names(task) -> list[tuple[str, str | None]]:
+def _unknown_option_names(task: Any) -> list[tuple[str, str | None]]:
     """``(attribute, closest option or None)`` of each attribute of the task's own classes
     (``@app.task`` keywords, a user base class) that looks like a steplock option but is
     none: a ``lock_*``/``step_*`` name, or one close to an option's name."""
@@ -554,7 +558,7 @@ def _unknown_option_names(task) -> list[tuple[str, str | None]]:
     return found
 
 
-def unknown_name_problems(app) -> list[Problem]:
+def unknown_name_problems(app: Any) -> list[Problem]:
     """W005: settings and task options that do not exist, each with the closest real name.
 
     Settings: every configuration key with ``steplock`` in its name (any case) that no
@@ -566,19 +570,25 @@ def unknown_name_problems(app) -> list[Problem]:
     import difflib
 
     from ._checks import setting_name
-    from .conf import DEFAULTS
+    from .conf import DEFAULTS, RENAMED
 
     found = []
     known = sorted(setting_name(name) for name in DEFAULTS)
-    read = {key for name in known for key in _read_keys(app, name)}
+    # A former name is still read (W006 says it is deprecated): never unknown, and the
+    # closest name to it is the one that replaced it.
+    renamed = {setting_name(old): setting_name(new) for old, new in RENAMED.items()}
+    read = {key for name in (*known, *renamed) for key in _read_keys(app, name)}
     prefix = _prefix(app)
     for raw in sorted(set(_raw_keys(app))):
         if "steplock" not in raw.lower() or raw in read:
             continue
         name = raw[len(prefix) :] if prefix and raw.upper().startswith(prefix.upper()) else raw
         name = name.lower()
-        close = [name] if name in known else difflib.get_close_matches(name, known, n=1)
-        if name not in known and raw in _read_keys(app, name):
+        if name in renamed:
+            close = [renamed[name]]
+        else:
+            close = [name] if name in known else difflib.get_close_matches(name, known, n=1)
+        if name not in known and name not in renamed and raw in _read_keys(app, name):
             # read as written: the name itself is wrong (a typo)
             message = (
                 f"Unknown celery-steplock setting {raw}: it is ignored."
@@ -618,7 +628,57 @@ def unknown_name_problems(app) -> list[Problem]:
     return found
 
 
-def django_setting_problems(app, django_settings=None) -> list[Problem]:
+def deprecated_name_problems(app: Any) -> list[Problem]:
+    """W006: settings set under a former name (:data:`celery_steplock.conf.RENAMED`).
+
+    The former name is read, for one release, while the name that replaced it is unset;
+    beside it, the former one is ignored.
+
+    Args:
+        app: The Celery app.
+
+    Returns:
+        One warning per former name that is set, in the order of ``RENAMED``.
+    """
+    from ._checks import setting_name
+    from .conf import RENAMED
+
+    prefix = _prefix(app)
+
+    def key(name: str) -> str:
+        return _spelled(app, name) if prefix else name
+
+    def spelled(name: str) -> str:
+        return key(name) if prefix else f"{name} ({_django_name(name)})"
+
+    found: list[Problem] = []
+    for old, new in RENAMED.items():
+        old_name, new_name = setting_name(old), setting_name(new)
+        if app.conf.get(old_name) is None:
+            continue
+        if app.conf.get(new_name) is None:
+            message = (
+                f"Setting {spelled(old_name)} is deprecated: it is read as {key(new_name)} "
+                f"until the next release."
+            )
+            hint = f"Rename it to {spelled(new_name)}."
+        else:
+            message = (
+                f"Setting {spelled(old_name)} is deprecated and ignored: {key(new_name)} is set."
+            )
+            hint = f"Remove it: {spelled(new_name)} is the one read."
+        found.append(
+            Problem(
+                "celery_steplock.W006",
+                message,
+                hint=hint,
+                obj=key(old_name),
+            )
+        )
+    return found
+
+
+def django_setting_problems(app: Any, django_settings: Any = None) -> list[Problem]:
     """W005: Django settings with ``STEPLOCK`` in their name that ``app`` never reads,
     because its configuration does not come from the Django settings (no
     ``app.config_from_object("django.conf:settings", namespace="CELERY")``). A Django
@@ -651,7 +711,7 @@ def django_setting_problems(app, django_settings=None) -> list[Problem]:
     ]
 
 
-def _callable_lock_key_problems(task) -> list[Problem]:
+def _callable_lock_key_problems(task: Any) -> list[Problem]:
     """E004: a callable ``lock_key`` that cannot take the task's arguments as keywords (it
     is called with every bound argument, ``lock_key(**arguments)``)."""
     from .keys import argument_names
@@ -685,7 +745,7 @@ def _callable_lock_key_problems(task) -> list[Problem]:
     return []
 
 
-def recovery_problems(app) -> list[Problem]:
+def recovery_problems(app: Any) -> list[Problem]:
     """E005: a model of ``steplock_reaper_recover`` the reaper cannot recover: it does not
     exist, lacks the status or owner column (``steplock_status_field``,
     ``steplock_owner_field``), or the age column (``updated_at``) while
@@ -710,7 +770,7 @@ def recovery_problems(app) -> list[Problem]:
 
     found = []
 
-    def problem(label, message, hint):
+    def problem(label: str, message: str, hint: str | None) -> None:
         found.append(
             Problem(
                 "celery_steplock.E005",
@@ -787,7 +847,7 @@ def recovery_problems(app) -> list[Problem]:
     return found
 
 
-def name_secret_problems(app) -> list[Problem]:
+def name_secret_problems(app: Any) -> list[Problem]:
     """W010 when there is no name secret (``steplock_name_secret`` unset and no configured
     Django ``SECRET_KEY``): default lock names and idempotency keys are then made with a public
     key. W011 when it derives from a Django ``SECRET_KEY`` that Django itself calls insecure
@@ -831,10 +891,10 @@ def name_secret_problems(app) -> list[Problem]:
     return []
 
 
-def problems(app) -> list[Problem]:
+def problems(app: Any) -> list[Problem]:
     """Every problem of ``app``'s steplock configuration: settings (E003), task options
     (E004), step models (E002, once the step store's models are loaded), then the warnings
-    W001, W002, W004 and W005. Reads the tasks ``app`` has registered; imports no task
+    W001, W002, W004, W005 and W006. Reads the tasks ``app`` has registered; imports no task
     module."""
     return (
         settings_problems(app)
@@ -847,11 +907,12 @@ def problems(app) -> list[Problem]:
         + worker_lost_problems(app)
         + time_limit_problems(app)
         + unknown_name_problems(app)
+        + deprecated_name_problems(app)
         + name_secret_problems(app)
     )
 
 
-def refuse_to_start(app) -> None:
+def refuse_to_start(app: Any) -> None:
     """Worker start: log each warning, and raise SystemExit listing the errors, if any (a
     worker that starts anyway would consume acks_late messages only to fail them)."""
     errors = []

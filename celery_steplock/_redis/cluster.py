@@ -45,7 +45,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from ..exceptions import LockStoreUnavailable
-from ..keys import lease_key
+from ..keys import lease_key, lease_keys
 from . import wire
 from .scripts.lease import EXTEND_CHUNK
 
@@ -524,9 +524,8 @@ class ClusterStoreMixin:
         answered and None for the others (unknown: neither renewed nor lost).
         """
         chunk = chunk or EXTEND_CHUNK
-        prefix = f"{self.prefix}:lease:{{"
         items = self._checked_items(items)
-        keys = [f"{prefix}{name}}}" for name, _owner, _ttl in items]
+        keys = lease_keys(self.prefix, [name for name, _owner, _ttl in items])
         calls: list[wire.Call] = []
         members: list[list[int]] = []
         for positions in by_slot(keys).values():

@@ -55,21 +55,23 @@ from .. import signals
 from .._checks import (
     MAX_IDENTIFIER_LENGTH,
     MAX_SECONDS,
-    check_choice,
     check_count,
     check_seconds,
     check_text,
     shown,
 )
-from .._redis import route, wire
-from ..conf import ON_STORE_ERROR, configuration_version
+from .._redis import wire
+from .._redis.scripts.breaker import ADMIT, OVERRIDE, READ, RECORD
 from ..events import emit, log_event
 from ..exceptions import CircuitOpen, ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
+from ..keys import breaker_key, breaker_keys
+from ._base import Target, call, check_on_store_error, outage, resolve_policy, target
 from .retry import check_policy, classify, is_control
 
 __all__ = [
     "CircuitBreaker",
     "BreakerState",
+    "AdmittedCall",
     "Ticket",
     "default_classifier",
     "OPTIONS",
@@ -93,138 +95,6 @@ IDLE_TTL = 7 * 24 * 3600.0
 MAX_WINDOW = 10_000
 #: Largest ``half_open_probes``.
 MAX_PROBES = 10_000
-
-# KEYS[1] the breaker hash, KEYS[2] the probe permits (sorted set: owner -> expiry ms).
-# ARGV[1] caller's owner token, ARGV[2] recovery timeout ms, ARGV[3] half-open probes
-# allowed, ARGV[4] probe permit lifetime ms, ARGV[5] idle TTL ms.
-# Returns {verdict, generation, wait ms, moved, clean}: verdict 1 admitted (CLOSED), 2 admitted as a
-# probe (HALF_OPEN; also when ARGV[1] already holds a permit), 0 refused (OPEN), -1 refused
-# (HALF_OPEN, every permit taken), -2 refused (forced open by an operator); wait: ms until the
-# earliest moment a call may pass; moved 1 when this call moved the breaker OPEN -> HALF_OPEN;
-# clean 1 when CLOSED with no failure in the window (a success then changes nothing a
-# count threshold sees, and the caller need not record it).
-ADMIT = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'forced', 'ring')
-local gen = tonumber(s[2]) or 0
-if s[4] then return {-2, gen, tonumber(ARGV[2]), 0, 0} end
-if not s[1] or s[1] == 'closed' then
-  if not s[5] or not string.find(s[5], '1', 1, true) then return {1, gen, 0, 0, 1} end
-  return {1, gen, 0, 0, 0}
-end
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local moved = 0
-if s[1] == 'open' then
-  local left = (tonumber(s[3]) or 0) + tonumber(ARGV[2]) - now
-  if left > 0 then return {0, gen, left, 0, 0} end
-  gen = gen + 1
-  redis.call('HSET', KEYS[1], 'state', 'half_open', 'gen', gen, 'successes', 0)
-  redis.call('PEXPIRE', KEYS[1], ARGV[5])
-  redis.call('DEL', KEYS[2])
-  moved = 1
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved, 0} end
-if redis.call('ZCARD', KEYS[2]) < tonumber(ARGV[3]) then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  return {2, gen, 0, moved, 0}
-end
-local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-return {-1, gen, math.max(1, tonumber(first[2]) - now), moved, 0}
-"""
-
-# KEYS[1] the breaker hash, KEYS[2] the probe permits.
-# ARGV[1] outcome: '1' a failure, '0' a success, 'n' neither (the call did not reach the
-# dependency: its probe permit, if any, is given back); ARGV[2] the generation the call was
-# admitted in; ARGV[3] its probe owner token ('' not a probe); ARGV[4] window (calls);
-# ARGV[5] failure threshold (a count, or a rate in (0, 1] with ARGV[6] 'rate');
-# ARGV[6] 'count' or 'rate'; ARGV[7] calls the window must hold before a rate trips;
-# ARGV[8] successful probes that close it; ARGV[9] idle TTL ms.
-# Returns {state, changed (1: this outcome changed the state), failures in the window (or
-# successful probes when HALF_OPEN), calls in the window}. Outcomes of another generation, of
-# a forced breaker, or while OPEN change nothing.
-RECORD = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'ring', 'forced')
-local state = s[1] or 'closed'
-local gen = tonumber(s[2]) or 0
-if s[4] or tonumber(ARGV[2]) ~= gen or state == 'open' then return {state, 0, 0, 0} end
-local function trip(next_gen)
-  local t = redis.call('TIME')
-  local now = t[1] * 1000 + math.floor(t[2] / 1000)
-  redis.call('HSET', KEYS[1], 'state', 'open', 'gen', next_gen, 'opened_ms', now, 'ring', '',
-             'successes', 0)
-  redis.call('PEXPIRE', KEYS[1], ARGV[9])
-  redis.call('DEL', KEYS[2])
-end
-if state == 'closed' then
-  if ARGV[1] == 'n' then return {state, 0, 0, 0} end
-  local ring = (s[3] or '') .. ARGV[1]
-  local size = tonumber(ARGV[4])
-  if #ring > size then ring = string.sub(ring, #ring - size + 1) end
-  local _, fails = string.gsub(ring, '1', '')
-  local open
-  if ARGV[6] == 'rate' then
-    open = fails > 0 and #ring >= tonumber(ARGV[7]) and fails >= tonumber(ARGV[5]) * #ring
-  else
-    open = fails >= tonumber(ARGV[5])
-  end
-  if open then
-    trip(gen + 1)
-    return {'open', 1, fails, #ring}
-  end
-  redis.call('HSET', KEYS[1], 'ring', ring, 'gen', gen)
-  redis.call('PEXPIRE', KEYS[1], ARGV[9])
-  return {state, 0, fails, #ring}
-end
-if ARGV[3] == '' or redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return {state, 0, 0, 0} end
-if ARGV[1] == 'n' then return {state, 0, 0, 0} end
-if ARGV[1] == '1' then
-  trip(gen + 1)
-  return {'open', 1, 1, 1}
-end
-local n = redis.call('HINCRBY', KEYS[1], 'successes', 1)
-if n >= tonumber(ARGV[8]) then
-  redis.call('HSET', KEYS[1], 'state', 'closed', 'gen', gen + 1, 'ring', '', 'successes', 0)
-  redis.call('PEXPIRE', KEYS[1], ARGV[9])
-  redis.call('DEL', KEYS[2])
-  return {'closed', 1, n, 0}
-end
-return {state, 0, n, 0}
-"""
-
-# KEYS[1] the breaker hash, KEYS[2] the probe permits.
-# ARGV[1] 'open' (forced open until closed: no TTL) or 'close' (CLOSED, window emptied),
-# ARGV[2] idle TTL ms.
-# Returns {state before, forced before ('' none), new generation}.
-OVERRIDE = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'forced')
-local gen = (tonumber(s[2]) or 0) + 1
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('DEL', KEYS[2])
-if ARGV[1] == 'open' then
-  redis.call('HSET', KEYS[1], 'state', 'open', 'gen', gen, 'opened_ms', now, 'forced', 'open',
-             'ring', '', 'successes', 0)
-  redis.call('PERSIST', KEYS[1])
-else
-  redis.call('HDEL', KEYS[1], 'forced')
-  redis.call('HSET', KEYS[1], 'state', 'closed', 'gen', gen, 'ring', '', 'successes', 0)
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return {s[1] or 'closed', s[3] or '', gen}
-"""
-
-# KEYS[1] the breaker hash, KEYS[2] the probe permits. No ARGV.
-# Returns {state, generation, opened_ms, ring, successes, forced, now_ms, live probe count}.
-READ = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'ring', 'successes', 'forced')
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local probes = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
-return {s[1] or 'closed', s[2] or '0', s[3] or '', s[4] or '', s[5] or '0', s[6] or '',
-        tostring(now), probes}
-"""
 
 _ADMIT, _RECORD, _OVERRIDE, _READ = (
     wire.Script(ADMIT),
@@ -268,7 +138,7 @@ class BreakerState:
 
 
 @dataclass
-class Ticket:
+class AdmittedCall:
     """One admitted call: record its outcome once with :meth:`record` (or ``success()`` /
     ``failure()`` / ``release()``). ``probe`` is True for a half-open probe; ``guarded`` False
     when admitted unguarded (fail open during an outage: nothing is recorded); ``clean``
@@ -386,6 +256,10 @@ class Ticket:
             )
 
 
+#: The former name of :class:`AdmittedCall`, kept for one release.
+Ticket = AdmittedCall
+
+
 _active: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "steplock_breaker_tickets", default=()
 )
@@ -469,17 +343,14 @@ class CircuitBreaker:
                 setting="circuit_breaker",
             )
         self.classifier = classifier or default_classifier
-        self.on_store_error = (
-            None
-            if on_store_error is None
-            else check_choice(on_store_error, "CircuitBreaker(on_store_error=)", ON_STORE_ERROR)
+        self.on_store_error = check_on_store_error(
+            on_store_error, "CircuitBreaker(on_store_error=)"
         )
         self.app = app
         self._client = client
         self._prefix = prefix
         if prefix is not None:
             check_text(prefix, "CircuitBreaker(prefix=)", maximum=64)
-        self._bound: tuple | None = None
 
     def __repr__(self) -> str:
         return f"CircuitBreaker({self.name!r}, {self.describe()})"
@@ -504,58 +375,32 @@ class CircuitBreaker:
 
     # -- Redis ------------------------------------------------------------------------------
 
-    def _target(self) -> tuple[Any, str, str]:
-        if self._client is not None:
-            prefix = self._prefix or "steplock"
-            return self._client, prefix, self._store_policy(None)
-        app = self.app
-        if app is None:
-            from celery import current_app
+    def _target(self) -> Target:
+        return target(self.app, client=self._client, prefix=self._prefix)
 
-            app = current_app._get_current_object()  # type: ignore[attr-defined]
-        version = configuration_version(app)
-        bound = self._bound
-        if bound is not None and bound[0] is app and bound[1] is version:
-            return bound[2], bound[3], bound[4]
-        from ..conf import Settings
-        from ..lock import get_lease_store
-
-        settings = Settings(app)
-        store = get_lease_store(app, settings)
-        prefix = self._prefix or store.prefix
-        policy = self._store_policy(settings)
-        self._bound = (app, version, store.client, prefix, policy)
-        return store.client, prefix, policy
-
-    def _store_policy(self, settings: Any) -> str:
-        if self.on_store_error is not None:
-            return self.on_store_error
-        return settings.breaker_on_store_error if settings is not None else "fail_closed"
+    def _policy(self, choice: str | None = None) -> str:
+        choice = choice or self.on_store_error
+        return resolve_policy(choice, self._target().settings, "breaker_on_store_error")
 
     @property
     def key(self) -> str:
         """The Redis key of the breaker's hash."""
-        return f"{self._target()[1]}:breaker:{{{self.name}}}"
+        return breaker_key(self._target().prefix, self.name)
 
     def _keys(self, prefix: str) -> list[str]:
-        return [f"{prefix}:breaker:{{{self.name}}}", f"{prefix}:breaker-probes:{{{self.name}}}"]
+        return breaker_keys(prefix, self.name)
 
     def _eval(self, script: wire.Script, args: list[str], what: str) -> Any:
-        from ..lock import STORE_ERRORS, store_error
-
-        client, prefix, _ = self._target()
-        keys = self._keys(prefix)
-        try:
-            return route.evalsha(client, script, keys, args)
-        except STORE_ERRORS as exc:
-            raise store_error(exc, f"circuit breaker {what}", key=keys[0], name=self.name) from exc
+        where = self._target()
+        keys = self._keys(where.prefix)
+        return call(where.client, script, keys, args, f"circuit breaker {what}", name=self.name)
 
     # -- admission --------------------------------------------------------------------------
 
     def admit(
         self, owner: str | None = None, *, sender: Any = None, on_store_error: str | None = None
-    ) -> Ticket:
-        """Ask to call the dependency. Returns a :class:`Ticket` (record its outcome), or
+    ) -> AdmittedCall:
+        """Ask to call the dependency. Returns a :class:`AdmittedCall` (record its outcome), or
         raises CircuitOpen (``retry_after``: seconds until a call may pass) or, failing
         closed while Redis cannot be reached, LockStoreUnavailable. ``owner``: the probe
         permit's owner token (default: a new one)."""
@@ -575,18 +420,17 @@ class CircuitBreaker:
                 "admission",
             )
         except LockStoreUnavailable as exc:
-            policy = on_store_error or self._target()[2]
-            log_event(
-                "circuit_store_error",
-                logging.ERROR,
+            policy = self._policy(on_store_error)
+            unguarded = AdmittedCall(self, 0, owner, False, guarded=False, sender=sender)
+            return outage(
+                exc,
+                policy,
+                unguarded,
+                pattern="circuit breaker",
+                sender=sender,
                 key=self.key,
                 name=self.name,
-                policy=policy,
-                error=exc,
             )
-            if policy == "fail_open":
-                return Ticket(self, 0, owner, False, guarded=False, sender=sender)
-            raise
         verdict, generation, wait_ms, moved, clean = (
             int(reply[0]),
             int(reply[1]),
@@ -609,7 +453,9 @@ class CircuitBreaker:
                 **task_fields,
             )
         if verdict > 0:
-            return Ticket(self, generation, owner, verdict == 2, sender=sender, clean=bool(clean))
+            return AdmittedCall(
+                self, generation, owner, verdict == 2, sender=sender, clean=bool(clean)
+            )
         retry_after = wait_ms / 1000.0
         state = {0: OPEN, -1: HALF_OPEN, -2: OPEN}[verdict]
         why = {0: "open", -1: "half-open, its probes are taken", -2: "forced open"}[verdict]
@@ -657,7 +503,7 @@ class CircuitBreaker:
 
         return wrapper
 
-    def __enter__(self) -> Ticket:
+    def __enter__(self) -> AdmittedCall:
         ticket = self.admit()
         _active.set((*_active.get(), ticket))
         return ticket
@@ -713,7 +559,7 @@ class CircuitBreaker:
 class _Admitted:
     __slots__ = ("ticket",)
 
-    def __init__(self, ticket: Ticket):
+    def __init__(self, ticket: AdmittedCall):
         self.ticket = ticket
 
     def exit(self, exc: BaseException | None, result: Any) -> None:

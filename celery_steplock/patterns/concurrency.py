@@ -30,7 +30,6 @@ import contextvars
 import functools
 import inspect
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,8 +37,9 @@ from typing import Any, Callable
 
 from .. import signals
 from .._checks import check_seconds, check_ttl, shown
-from .._redis import route, wire
-from ..conf import ON_STORE_ERROR
+from .._jitter import full_jitter
+from .._redis import wire
+from .._redis.scripts.concurrency import ACQUIRE_SLOT, LEAVE_QUEUE
 from ..events import emit, lease_fields, log_event
 from ..exceptions import (
     ConcurrencyLimited,
@@ -52,10 +52,15 @@ from ..keys import (
     argument_names,
     bind_arguments,
     check_name,
-    lease_key,
+    concurrency_keys,
+    parse_slot_name,
+    slot_key,
+    slot_name,
     template_fields,
 )
 from ..lease import Lease, drift, holder_metadata, new_owner_token
+from ..lock import RedisLeaseStore, pack_metadata
+from ._base import call, check_on_store_error, outage, resolve_policy, target
 
 __all__ = [
     "ConcurrencyLimit",
@@ -81,105 +86,6 @@ SLOT_KIND = "slot"
 
 #: Seconds at least a waiter's queue entry lives without the waiter coming back.
 MIN_WAITER_TTL = 10.0
-
-# KEYS[1..n] the slot leases (n = the limit), KEYS[n+1] the fencing counter, KEYS[n+2] the
-# waiters' queue (score: first-denied ms), KEYS[n+3] the waiters' liveness (score: expiry ms).
-# ARGV[1] owner token, ARGV[2] slot TTL ms, ARGV[3] fencing counter period ms, ARGV[4] the
-# caller's waiter ticket ('' : the caller does not come back, it never waits), ARGV[5]
-# waiter entry TTL ms, ARGV[6] the slot's metadata JSON.
-# Returns {1, slot index (0-based), fencing token} when granted (or already held by
-# ARGV[1]: only its TTL is reset), else {0, free slots, waiters, the caller's rank among
-# them (-1: none), smallest remaining TTL ms of the held slots (-1: none held)}. A refused
-# caller with a ticket is queued (first denial) and its entry's expiry pushed back; a
-# granted one leaves the queue. Fencing token: max(counter + 1, Redis time in us).
-ACQUIRE_SLOT = """
-local n = #KEYS - 3
-local fence_key, queue, alive = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
-local first_free = nil
-local free = 0
-local min_pttl = -1
-for i = 1, n do
-  local holder = redis.call('HGET', KEYS[i], 'owner')
-  if holder == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[2])
-    return {1, i - 1, tonumber(redis.call('HGET', KEYS[i], 'fence'))}
-  elseif holder then
-    local left = redis.call('PTTL', KEYS[i])
-    if min_pttl < 0 or left < min_pttl then min_pttl = left end
-  else
-    free = free + 1
-    if not first_free then first_free = i end
-  end
-end
-local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_ms, 'LIMIT', 0, 100)
-if #gone > 0 then
-  redis.call('ZREM', queue, unpack(gone))
-  redis.call('ZREM', alive, unpack(gone))
-end
-local waiting = redis.call('ZCARD', queue)
-local rank = nil
-if ARGV[4] ~= '' then rank = redis.call('ZRANK', queue, ARGV[4]) end
-local granted = false
-if free > 0 then
-  if rank then granted = rank < free else granted = waiting < free end
-end
-if not granted then
-  if ARGV[4] ~= '' then
-    local wttl = tonumber(ARGV[5])
-    if not rank then
-      redis.call('ZADD', queue, now_ms, ARGV[4])
-      rank = waiting
-      waiting = waiting + 1
-    end
-    redis.call('ZADD', alive, now_ms + wttl, ARGV[4])
-    redis.call('PEXPIRE', queue, wttl * 2)
-    redis.call('PEXPIRE', alive, wttl * 2)
-  end
-  return {0, free, waiting, rank or -1, min_pttl}
-end
-if rank then
-  redis.call('ZREM', queue, ARGV[4])
-  redis.call('ZREM', alive, ARGV[4])
-end
-local fence = t[1] * 1000000 + t[2]
-local prev = tonumber(redis.call('GET', fence_key) or '0')
-if prev >= fence then fence = prev + 1 end
-local fence_s = string.format('%d', fence)
-redis.call('SET', fence_key, fence_s, 'PX', ARGV[3] * 2)
-local now_s = string.format('%d', now_ms)
-local slot = KEYS[first_free]
-redis.call('HSET', slot, 'owner', ARGV[1], 'fence', fence_s, 'acquired_ms', now_s,
-           'renewed_ms', now_s, 'ttl_ms', ARGV[2], 'meta', ARGV[6])
-redis.call('PEXPIRE', slot, ARGV[2])
-return {1, first_free - 1, fence}
-"""
-
-# KEYS[1] the waiters' queue, KEYS[2] their liveness. ARGV[1] the ticket. Returns the
-# number of entries removed (a waiter that gave up leaves the queue at once).
-LEAVE_QUEUE = """
-redis.call('ZREM', KEYS[2], ARGV[1])
-return redis.call('ZREM', KEYS[1], ARGV[1])
-"""
-
-_SLOT_SUFFIX = "}#"
-
-
-def slot_name(key: str, index: int) -> str:
-    """The lease name of slot ``index`` (0-based) of the limit key ``key``: ``"key}#index"``."""
-    return f"{key}{_SLOT_SUFFIX}{index}"
-
-
-def parse_slot_name(name: str) -> tuple[str, int] | None:
-    """``(limit key, index)`` of a slot's lease name, or None when ``name`` is no slot."""
-    if not isinstance(name, str) or _SLOT_SUFFIX not in name:
-        return None
-    key, _, index = name.rpartition(_SLOT_SUFFIX)
-    if not key or not index.isdigit() or "{" in key or "}" in key:
-        return None
-    return key, int(index)
-
 
 _current: contextvars.ContextVar[tuple] = contextvars.ContextVar("steplock_slots", default=())
 
@@ -305,13 +211,9 @@ class ConcurrencyLimit:
         self.limit = limit
         self.key = check_key_template(key)
         self.ttl = None if ttl is None else _option(check_ttl, ttl, f"{option} ttl")
-        if on_store_error is not None and on_store_error not in ON_STORE_ERROR:
-            raise ImproperlyConfigured(
-                f"{option} on_store_error must be one of {', '.join(ON_STORE_ERROR)} or None, "
-                f"got {shown(on_store_error)}",
-                setting=option,
-            )
-        self.on_store_error = on_store_error
+        self.on_store_error = check_on_store_error(
+            on_store_error, f"{option} on_store_error", setting=option
+        )
         self.retry_after = (
             None
             if retry_after is None
@@ -353,19 +255,23 @@ class ConcurrencyLimit:
     @staticmethod
     def redis_keys(prefix: str, key: str, limit: int) -> list[str]:
         """The KEYS of :data:`ACQUIRE_SLOT` for ``limit`` slots of ``key``."""
-        base = f"{prefix}:bulkhead:{{{key}}}"
-        return [lease_key(prefix, slot_name(key, i)) for i in range(limit)] + [
-            f"{base}:fence",
-            f"{base}:queue",
-            f"{base}:alive",
-        ]
+        return [slot_key(prefix, key, i) for i in range(limit)] + list(
+            concurrency_keys(prefix, key)
+        )
 
     # -- settings -----------------------------------------------------------------------------
 
     def policy(self, settings: Any = None) -> str:
-        if self.on_store_error is not None:
-            return self.on_store_error
-        return settings.bulkhead_on_store_error if settings is not None else "fail_closed"
+        """The outage policy of this limit.
+
+        Args:
+            settings: the app's settings (None: no app).
+
+        Returns:
+            ``on_store_error``, else ``steplock_bulkhead_on_store_error``, else
+            ``"fail_closed"``.
+        """
+        return resolve_policy(self.on_store_error, settings, "bulkhead_on_store_error")
 
     def max_retry_after(self, settings: Any = None) -> float:
         if self.retry_after is not None:
@@ -376,6 +282,15 @@ class ConcurrencyLimit:
         if self.waiter_ttl is not None:
             return self.waiter_ttl
         return max(MIN_WAITER_TTL, 10 * self.max_retry_after(settings))
+
+    def _outage_fields(self, exc: LockStoreUnavailable, key: str) -> dict[str, Any]:
+        return {
+            "pattern": "concurrency limit",
+            "key": exc.key,
+            "name": key,
+            "limit_key": key,
+            "limit": self.limit,
+        }
 
     def _fields(self, key: str, lease: Lease | None, **extra: Any) -> dict[str, Any]:
         fields: dict[str, Any] = (
@@ -421,8 +336,6 @@ class ConcurrencyLimit:
         ``retry_after`` (seconds). ``ticket``: the caller's place in the waiters' queue
         (None: a newcomer that will not come back). Raises LockStoreUnavailable (Redis
         down), LockError (Redis refused)."""
-        from ..lock import STORE_ERRORS, pack_metadata, store_error
-
         acquire, _leave = self._scripts_for(store)
         ttl_ms = max(1, int(ttl * 1000))
         keys = self.redis_keys(store.prefix, key, self.limit)
@@ -437,10 +350,7 @@ class ConcurrencyLimit:
         if not store._probed:
             store.check_permissions(what="slot acquire", key=keys[0])
         sent = store.clock()
-        try:
-            reply = route.evalsha(store.client, acquire, keys, args)
-        except STORE_ERRORS as exc:
-            raise store_error(exc, "slot acquire", key=keys[0], name=key) from exc
+        reply = call(store.client, acquire, keys, args, "slot acquire", name=key)
         if int(reply[0]) == 1:
             index, fence = int(reply[1]), int(reply[2])
             lease = Lease(
@@ -497,33 +407,30 @@ class ConcurrencyLimit:
     def leave_queue(self, store: Any, key: str, ticket: str) -> None:
         """Remove ``ticket`` from ``key``'s waiters (a caller that gave up); never raises."""
         _acquire, leave = self._scripts_for(store)
-        base = f"{store.prefix}:bulkhead:{{{key}}}"
+        _fence, queue, alive = concurrency_keys(store.prefix, key)
         try:
-            route.evalsha(store.client, leave, [f"{base}:queue", f"{base}:alive"], [ticket])
+            call(store.client, leave, [queue, alive], [ticket], "slot queue leave", name=key)
         except Exception:  # noqa: BLE001 - the entry expires with its waiter TTL
             pass
 
     # -- the plain API ------------------------------------------------------------------------
 
     def _store(self, app: Any, client: Any, prefix: str | None):
-        from ..conf import Settings
-        from ..lock import RedisLeaseStore, get_lease_store
-
-        if client is not None:
-            with self._guard:
-                stores = self.__dict__.setdefault("_client_stores", {})
-                store = stores.get((id(client), prefix))
-                if store is None or store.client is not client:
-                    store = RedisLeaseStore(client, prefix=prefix or "steplock")
-                    stores[(id(client), prefix)] = store
-            return store, None
-        if app is None:
+        if app is None and client is None:
             raise ImproperlyConfigured(
                 "ConcurrencyLimit.acquire needs app= (a Celery app) or client= (a redis client)",
                 setting="concurrency_limit",
             )
-        settings = Settings(app)
-        return get_lease_store(app, settings), settings
+        where = target(app, client=client, prefix=prefix)
+        if where.store is not None:
+            return where.store, where.settings
+        with self._guard:  # a bare client's slots are leases of a store of its own
+            stores = self.__dict__.setdefault("_client_stores", {})
+            store = stores.get((id(client), prefix))
+            if store is None or store.client is not client:
+                store = RedisLeaseStore(client, prefix=where.prefix)
+                stores[(id(client), prefix)] = store
+        return store, where.settings
 
     @contextlib.contextmanager
     def acquire(
@@ -591,18 +498,10 @@ class ConcurrencyLimit:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise
-                    time.sleep(min(left, random.uniform(0.5, 1.0) * exc.retry_after))
+                    half = 0.5 * exc.retry_after
+                    time.sleep(min(left, full_jitter(half, after=half)))
         except LockStoreUnavailable as exc:
-            if self.policy(settings) != "fail_open":
-                raise
-            emit(
-                signals.lock_store_error,
-                None,
-                logging.ERROR,
-                reason=str(exc),
-                policy="fail_open",
-                **self._fields(key, None),
-            )
+            outage(exc, self.policy(settings), **self._outage_fields(exc, key))
             yield None
             return
         finally:
@@ -766,24 +665,8 @@ class BulkheadGate:
                 sender=task,
             )
         except LockStoreUnavailable as exc:
-            policy = self.limit.policy(settings)
-            emit(
-                signals.lock_store_error,
-                task,
-                logging.ERROR,
-                reason=str(exc),
-                policy=policy,
-                task_id=request.id,
-                task_name=task.name,
-                **{
-                    k: v
-                    for k, v in self.limit._fields(key, None).items()
-                    if k not in ("task_id", "task_name")
-                },
-            )
-            if policy == "fail_open":
-                return None
-            raise
+            fields = self.limit._outage_fields(exc, key)
+            return outage(exc, self.limit.policy(settings), sender=task, **fields)
         get_heartbeat().register(
             slot.lease, store, ratio=plan.ratio, sender=task, max_hold=plan.max_hold
         )

@@ -2,15 +2,16 @@
 
 The distributed patterns (idempotency records, the circuit breaker, the concurrency limit,
 the cluster-wide rate limits) each contribute one gate per task, built by the execution plan
-from the task's options. An execution enters the gates in :data:`GATES` order after its lease
-is acquired and the precheck passed, runs its body and transaction, then exits the gates in
-reverse order: after COMMIT (or the rollback, or the body's exception).
+from the task's options. An execution enters the gates in the order of
+:data:`celery_steplock.patterns.GATE_REGISTRY` after its lease is acquired and the precheck
+passed, runs its body and transaction, then exits the gates in reverse order: after COMMIT
+(or the rollback, or the body's exception).
 
-A gate module (listed in :data:`GATES`) provides:
+A gate module (registered in :data:`celery_steplock.patterns.GATE_REGISTRY`) provides:
 
 ``OPTIONS``
-    frozenset of the task option names it reads (they join the plan's option names, so
-    assigning one drops the plan, and the validator knows them).
+    frozenset of the task option names it reads, as registered (they join the plan's option
+    names, so assigning one drops the plan, and the validator knows them).
 ``gate(task, settings) -> Gate | None``
     the task's gate, or None when its options leave the pattern off; raises
     ImproperlyConfigured naming the option for a bad value.
@@ -30,7 +31,6 @@ and never mask the task's outcome.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,27 +38,13 @@ from typing import Any, Protocol
 from ..events import log_event
 
 __all__ = [
-    "GATES",
     "Gate",
     "Admission",
     "AdmissionContext",
     "Replay",
     "NOT_RUN",
-    "gate_options",
-    "build_gates",
-    "gate_problems",
     "Entered",
 ]
-
-#: The gate modules, in the order an execution enters them: a replayed result costs no
-#: breaker probe, a refused call no concurrency slot, and a task waiting for a slot no
-#: rate-limit token.
-GATES: tuple[str, ...] = (
-    "celery_steplock.patterns.idempotency",
-    "celery_steplock.patterns.breaker",
-    "celery_steplock.patterns.concurrency",
-    "celery_steplock.patterns.ratelimit",
-)
 
 
 class _NotRun:
@@ -102,44 +88,6 @@ class Gate(Protocol):
     option: str
 
     def enter(self, context: AdmissionContext) -> Admission | None: ...
-
-
-def _module(name: str):
-    return importlib.import_module(name)
-
-
-def gate_options() -> frozenset[str]:
-    """The task options of every gate module."""
-    names: set[str] = set()
-    for module in GATES:
-        names |= set(_module(module).OPTIONS)
-    return frozenset(names)
-
-
-def build_gates(task, settings) -> tuple[Gate, ...]:
-    """The task's gates in entry order (empty when no pattern is on). Raises
-    ImproperlyConfigured naming the first invalid option."""
-    gates = []
-    for module in GATES:
-        gate = _module(module).gate(task, settings)
-        if gate is not None:
-            gates.append(gate)
-    return tuple(gates)
-
-
-def gate_problems(task, settings) -> list:
-    """Every gate module's first invalid option of ``task`` (ImproperlyConfigured each); an
-    option left to an invalid ``steplock_*`` setting is the setting's problem, not listed."""
-    from ..exceptions import ImproperlyConfigured
-
-    problems = []
-    for module in GATES:
-        try:
-            _module(module).gate(task, settings)
-        except ImproperlyConfigured as exc:
-            if not (exc.setting and exc.setting.startswith("steplock_")):
-                problems.append(exc)
-    return problems
 
 
 @dataclass

@@ -53,14 +53,13 @@ from .. import _django, signals
 from .._checks import (
     MAX_IDEMPOTENCY_TTL,
     MIN_IDEMPOTENCY_TTL,
-    check_choice,
     check_count,
     check_seconds,
     shown,
 )
-from .._redis import route, wire
+from .._redis import wire
 from .._redis.scripts.idempotency import BEGIN, CACHE, COMPLETE, FAIL, RELEASE
-from ..conf import ON_STORE_ERROR, Settings
+from ..conf import Settings
 from ..events import emit, log_event
 from ..exceptions import (
     IdempotencyInProgress,
@@ -75,14 +74,17 @@ from ..keys import (
     bind_arguments,
     canonical_json,
     idempotency_key,
+    idempotency_record_key,
     name_from_arguments,
     template_fields,
 )
+from ._base import call, check_on_store_error, outage, resolve_policy, target, translated
 from .gates import NOT_RUN, Replay
 
 __all__ = [
     "Idempotency",
     "Record",
+    "IdempotentCall",
     "Ticket",
     "RedisRecords",
     "idempotent",
@@ -200,7 +202,7 @@ class Record:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RecordDecision:
     """What a store's ``begin`` decided: ``outcome`` "locked" (the caller holds the record),
     "replay" (``record`` is completed), "reused" (``status`` is the record's), "in_progress"
     (``retry_after`` seconds left on the holder's lock)."""
@@ -209,6 +211,10 @@ class Decision:
     record: Record | None = None
     status: str | None = None
     retry_after: float = 0.0
+
+
+#: The former name of :class:`RecordDecision`, kept for one release.
+Decision = RecordDecision
 
 
 @dataclass(frozen=True)
@@ -274,16 +280,10 @@ class RedisRecords:
 
     def redis_key(self, key: str) -> str:
         """The Redis key of record ``key``."""
-        return f"{self.prefix}:idem:{{{key}}}"
+        return idempotency_record_key(self.prefix, key)
 
     def _eval(self, script: wire.Script, key: str, args: list[str], what: str) -> Any:
-        from ..lock import STORE_ERRORS, store_error
-
-        redis_key = self.redis_key(key)
-        try:
-            return route.evalsha(self.client, script, [redis_key], args)
-        except STORE_ERRORS as exc:
-            raise store_error(exc, what, key=redis_key) from exc
+        return call(self.client, script, [self.redis_key(key)], args, what)
 
     def begin(
         self,
@@ -293,7 +293,7 @@ class RedisRecords:
         lock_ttl: float,
         namespace: str = "",
         version: str = "",
-    ) -> Decision:
+    ) -> RecordDecision:
         reply = [
             wire.text(v)
             for v in self._eval(
@@ -305,11 +305,11 @@ class RedisRecords:
         ]
         outcome = reply[0]
         if outcome == "locked":
-            return Decision("locked")
+            return RecordDecision("locked")
         if outcome == "in_progress":
-            return Decision("in_progress", retry_after=max(0.0, int(reply[1]) / 1000.0))
+            return RecordDecision("in_progress", retry_after=max(0.0, int(reply[1]) / 1000.0))
         if outcome == "reused":
-            return Decision("reused", status=reply[1])
+            return RecordDecision("reused", status=reply[1])
         payload, ser, ctype, cenc, b64 = reply[1:6]
         record = Record(
             key=key,
@@ -325,7 +325,7 @@ class RedisRecords:
             content_encoding=cenc,
             payload=base64.b64decode(payload) if b64 == "1" else payload,
         )
-        return Decision("replay", record=record)
+        return RecordDecision("replay", record=record)
 
     def complete(
         self,
@@ -369,21 +369,15 @@ class RedisRecords:
 
     def invalidate(self, key: str) -> bool:
         """Delete the record whatever its status; True when there was one."""
-        from ..lock import STORE_ERRORS, store_error
-
-        try:
-            return bool(self.client.delete(self.redis_key(key)))
-        except STORE_ERRORS as exc:
-            raise store_error(exc, "idempotency invalidate", key=self.redis_key(key)) from exc
+        redis_key = self.redis_key(key)
+        with translated("idempotency invalidate", key=redis_key):
+            return bool(self.client.delete(redis_key))
 
     def get(self, key: str) -> Record | None:
         """The record of ``key``, or None."""
-        from ..lock import STORE_ERRORS, store_error
-
-        try:
-            fields = self.client.hgetall(self.redis_key(key))
-        except STORE_ERRORS as exc:
-            raise store_error(exc, "idempotency read", key=self.redis_key(key)) from exc
+        redis_key = self.redis_key(key)
+        with translated("idempotency read", key=redis_key):
+            fields = self.client.hgetall(redis_key)
         return record_from_hash(key, fields)
 
     def cache(self, record: Record, ttl: float) -> None:
@@ -455,7 +449,7 @@ def record_from_hash(key: str, fields: Mapping) -> Record | None:
 # -- one call -----------------------------------------------------------------------------------
 
 
-class Ticket:
+class IdempotentCall:
     """One call's hold on its record, from :meth:`Idempotency.begin`.
 
     ``replayed`` True: ``result`` is the recorded result (do not run the body). Otherwise
@@ -604,6 +598,10 @@ class Ticket:
             return None
 
 
+#: The former name of :class:`IdempotentCall`, kept for one release.
+Ticket = IdempotentCall
+
+
 class Idempotency:
     """The idempotency policy of one namespace: its version, TTLs, serializer and store.
 
@@ -685,16 +683,14 @@ class Idempotency:
             if max_result_bytes is not None
             else setting("max_result_bytes", 1024 * 1024)
         )
-        self.on_store_error = (
-            check_choice(on_store_error, "on_store_error", ON_STORE_ERROR)
-            if on_store_error is not None
-            else setting("on_store_error", "fail_closed")
+        self.on_store_error = resolve_policy(
+            check_on_store_error(on_store_error, "on_store_error"),
+            settings,
+            "idempotency_on_store_error",
         )
         if client is None and settings is not None:
-            from ..lock import get_lease_store
-
-            lease_store = get_lease_store(app, settings)
-            client, prefix = lease_store.client, lease_store.prefix
+            where = target(app)
+            client, prefix = where.client, where.prefix
             secret = settings.name_secret if secret is None else secret
         self.secret = secret
         redis_records = RedisRecords(client, prefix or "steplock") if client is not None else None
@@ -728,11 +724,11 @@ class Idempotency:
         *,
         fingerprint: str | None = None,
         task: Any = None,
-    ) -> Ticket:
+    ) -> IdempotentCall:
         """Lock ``resource``'s record for this call, or find its completed result.
 
         ``arguments``: the call's bound arguments (their fingerprint is recorded; or give
-        ``fingerprint``, a str, directly). Returns a :class:`Ticket` (``replayed`` with the
+        ``fingerprint``, a str, directly). Returns a :class:`IdempotentCall` (``replayed`` with the
         recorded ``result``, or holding the lock). Raises IdempotencyKeyReused (the record
         was made with other arguments), IdempotencyInProgress (another execution holds it;
         ``retry_after`` seconds), LockStoreUnavailable (the store did not answer; fail
@@ -753,24 +749,26 @@ class Idempotency:
                 key, fingerprint, owner, self.lock_ttl, self.namespace, self.version
             )
         except LockStoreUnavailable as exc:
-            emit(
-                signals.lock_store_error,
-                task,
-                logging.ERROR,
-                reason=str(exc),
-                policy=self.on_store_error,
-                **fields,
+            unguarded = IdempotentCall(self, key, fingerprint, None, unguarded=True, task=task)
+            return outage(
+                exc,
+                self.on_store_error,
+                unguarded,
+                pattern="idempotency",
+                sender=task,
+                key=key,
+                name=self.namespace,
+                version=self.version,
             )
-            if self.on_store_error == "fail_open":
-                return Ticket(self, key, fingerprint, None, unguarded=True, task=task)
-            raise
         if decision.outcome == "locked":
             emit(signals.idempotency_locked, task, ttl=self.lock_ttl, owner=owner, **fields)
-            return Ticket(self, key, fingerprint, owner, task=task)
+            return IdempotentCall(self, key, fingerprint, owner, task=task)
         if decision.outcome == "replay":
             result = decision.record.result(self.serializer)
             emit(signals.idempotency_replayed, task, **fields)
-            return Ticket(self, key, fingerprint, None, replayed=True, result=result, task=task)
+            return IdempotentCall(
+                self, key, fingerprint, None, replayed=True, result=result, task=task
+            )
         if decision.outcome == "reused":
             emit(
                 signals.idempotency_conflict,
@@ -806,7 +804,7 @@ class Idempotency:
         arguments: Mapping[str, Any] | None = None,
         *,
         fingerprint: str | None = None,
-    ) -> Iterator[Ticket]:
+    ) -> Iterator[IdempotentCall]:
         """Context manager form of :meth:`begin`::
 
             with policy.call("order:42", {"order_id": 42}) as call:
@@ -986,7 +984,7 @@ class IdempotencyGate:
         template = None if self.template is True else self.template
         return name_from_arguments(self.task_name, arguments, template, secret=self.policy.secret)
 
-    def enter(self, context) -> Ticket | None:
+    def enter(self, context) -> IdempotentCall | None:
         ticket = self.policy.begin(
             self.resource(context.arguments), context.arguments, task=context.task
         )

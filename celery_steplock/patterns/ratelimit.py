@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import math
 import re
 import uuid
@@ -45,21 +44,35 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .. import signals
 from .._checks import shown
-from .._redis import route, wire
-from ..conf import ON_STORE_ERROR
+from .._redis import wire
+from .._redis.scripts.ratelimit import (
+    BUCKET_REFUND,
+    SLIDING_WINDOW,
+    TOKEN_BUCKET,
+    WINDOW_REFUND,
+)
 from ..events import emit
 from ..exceptions import (
     ImproperlyConfigured,
     InvalidArgument,
+    LockError,
     LockNameError,
     LockStoreUnavailable,
     RateLimited,
 )
-from ..keys import argument_names, bind_arguments, check_name, template_fields
+from ..keys import (
+    argument_names,
+    bind_arguments,
+    check_name,
+    rate_limit_keys,
+    template_fields,
+)
+from ._base import Target, call, check_on_store_error, outage, resolve_policy, target
 
 __all__ = [
     "TokenBucket",
     "SlidingWindow",
+    "RateDecision",
     "Decision",
     "parse_rate",
     "OPTIONS",
@@ -103,142 +116,6 @@ _RATE = re.compile(
     r"\s*(?P<unit>[a-z]+?)s?\s*",
     re.IGNORECASE,
 )
-
-# -- Lua ---------------------------------------------------------------------------------------
-# Shared by both scripts: the ticket queue. KEYS[2] is the queue (sorted set: ticket -> the
-# Redis time it was first given, ms), KEYS[3] the tickets' deadlines (ticket -> ms).
-_QUEUE = """
--- numbers cross into Redis and back as text with every digit (tostring keeps 14)
-local function num(x) return string.format('%.17g', x) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', num(now))
-for i = 1, #gone do redis.call('ZREM', KEYS[2], gone[i]) end
-if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', num(now)) end
-local ticket = ARGV[3]
-local rank = false
-if ticket ~= '' then rank = redis.call('ZRANK', KEYS[2], ticket) end
-local pos = rank or redis.call('ZCARD', KEYS[2])
-local function admitted()
-  if rank then
-    redis.call('ZREM', KEYS[2], ticket)
-    redis.call('ZREM', KEYS[3], ticket)
-  end
-end
-local function denied(wait)
-  -- wait: ms until the quota of this place in the queue is due
-  local given = ''
-  if ARGV[5] == '1' and wait <= tonumber(ARGV[6]) then
-    given = ticket
-    if not rank then
-      given = ARGV[4]
-      redis.call('ZADD', KEYS[2], num(now), given)
-    end
-    redis.call('ZADD', KEYS[3], num(now + wait + tonumber(ARGV[7])), given)
-    local keep = math.ceil(wait + tonumber(ARGV[7])) + 1000
-    if redis.call('PTTL', KEYS[2]) < keep then
-      redis.call('PEXPIRE', KEYS[2], keep)
-      redis.call('PEXPIRE', KEYS[3], keep)
-    end
-  elseif rank and ARGV[5] == '1' then
-    -- its turn is too far now: the place is given up
-    redis.call('ZREM', KEYS[2], ticket)
-    redis.call('ZREM', KEYS[3], ticket)
-  elseif rank then
-    given = ticket
-  end
-  return {0, num(wait), given, num(now), tostring(pos)}
-end
-"""
-
-#: Token bucket decision.
-#: KEYS[1] the bucket (hash: tokens, ts in ms), KEYS[2] the ticket queue, KEYS[3] the
-#: tickets' deadlines (same hash tag). ARGV: rate (tokens per ms), capacity, the ticket held
-#: ('' none), a new ticket id, reserve ('1' to take a ticket when denied), max wait (ms),
-#: ticket grace (ms). Returns {1, tokens left, '', now ms, 0} when admitted, else
-#: {0, wait ms, ticket given ('' none), now ms, place in the queue}; numbers as strings.
-TOKEN_BUCKET = (
-    _QUEUE
-    + """
-local rate = tonumber(ARGV[1])
-local cap = tonumber(ARGV[2])
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1])
-local ts = tonumber(state[2])
-if tokens == nil or ts == nil then tokens = cap ts = now end
-if now > ts then
-  tokens = math.min(cap, tokens + (now - ts) * rate)
-  ts = now
-end
--- a clock that went back (a failover to a primary behind) never refills twice
-now = ts
-local admit = tokens >= pos + 1
-if admit then tokens = tokens - 1 end
-redis.call('HSET', KEYS[1], 'tokens', num(tokens), 'ts', num(ts))
--- idle until full, then the bucket is as good as absent
-redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) / rate) + 1000)
-if admit then
-  admitted()
-  return {1, num(tokens), '', num(now), '0'}
-end
-return denied((pos + 1 - tokens) / rate)
-"""
-)
-
-#: Sliding window (exact log) decision.
-#: KEYS[1] the log (sorted set: grant id -> Redis time of the grant, ms), KEYS[2] the ticket
-#: queue, KEYS[3] the tickets' deadlines (same hash tag). ARGV: limit, window (ms), the
-#: ticket held ('' none), a new id (the grant's log member, or the new ticket), reserve,
-#: max wait (ms), ticket grace (ms). Returns {1, grants left, '', now ms, 0} when admitted,
-#: else {0, wait ms, ticket given, now ms, place in the queue}; numbers as strings. A grant
-#: at ``g`` counts in every window (g - window, g]; a denial writes nothing to the log.
-SLIDING_WINDOW = (
-    _QUEUE
-    + """
-local limit = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
--- a clock that went back (a failover to a primary behind) counts from the last grant
-local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-if last[2] and tonumber(last[2]) > now then now = tonumber(last[2]) end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', num(now - window))
-local n = redis.call('ZCARD', KEYS[1])
-local free = limit - n
-if free > pos then
-  redis.call('ZADD', KEYS[1], num(now), ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], math.ceil(window) + 1000)
-  admitted()
-  return {1, tostring(free - 1), '', num(now), '0'}
-end
--- the grant whose expiry frees this place's quota; past the log, whole windows later
-local need = pos + 1 - free
-local wait
-if n == 0 then
-  wait = window
-else
-  local laps = math.floor((need - 1) / n)
-  local idx = (need - 1) % n
-  local entry = redis.call('ZRANGE', KEYS[1], idx, idx, 'WITHSCORES')
-  wait = tonumber(entry[2]) + window * (laps + 1) - now
-end
-if wait < 0 then wait = 0 end
-return denied(wait)
-"""
-)
-
-#: Give back an unused grant of the sliding window (a later limit of the same task refused).
-#: KEYS[1] the log; ARGV[1] the grant's id. Returns the number removed.
-WINDOW_REFUND = "return redis.call('ZREM', KEYS[1], ARGV[1])"
-
-#: Give back an unused token of the bucket. KEYS[1] the bucket; ARGV[1] capacity. Returns 1
-#: when a token went back, 0 when the bucket is gone (it refilled to full and expired).
-BUCKET_REFUND = """
-local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens'))
-if tokens == nil then return 0 end
-local back = math.min(tonumber(ARGV[1]), tokens + 1)
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', back))
-return 1
-"""
-
 
 # -- values --------------------------------------------------------------------------------------
 
@@ -301,16 +178,6 @@ def _number(
     return int(value) if integer else float(value)
 
 
-def _policy(value: Any, option: str) -> str | None:
-    if value is not None and value not in ON_STORE_ERROR:
-        raise ImproperlyConfigured(
-            f"{option}: on_store_error must be one of "
-            f"{', '.join(ON_STORE_ERROR)} or None, got {shown(value)}",
-            setting=option,
-        )
-    return value
-
-
 def _key_template(value: Any, option: str) -> Any:
     if value is None or callable(value):
         return value
@@ -327,7 +194,7 @@ def _key_template(value: Any, option: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RateDecision:
     """One rate-limit decision. ``allowed`` (bool); ``retry_after`` (seconds, 0.0 when
     allowed): the time until this request's quota is due (the bucket's next token, the
     window's next free moment, behind the queued tickets); ``key`` the Redis key decided
@@ -350,6 +217,10 @@ class Decision:
         return self.allowed
 
 
+#: The former name of :class:`RateDecision`, kept for one release.
+Decision = RateDecision
+
+
 class _Limiter:
     kind = ""
     _script: wire.Script
@@ -367,7 +238,9 @@ class _Limiter:
         option: str,
     ):
         self.key = _key_template(key, option)
-        self.on_store_error = _policy(on_store_error, option)
+        self.on_store_error = check_on_store_error(
+            on_store_error, f"{option} on_store_error", setting=option
+        )
         self.ticket_grace = _number(ticket_grace, option, "ticket_grace", 0.0, MAX_WINDOW)
         self.max_wait = (
             None if max_wait is None else _number(max_wait, option, "max_wait", 0.0, MAX_WINDOW)
@@ -384,33 +257,24 @@ class _Limiter:
     def _default_max_wait(self) -> float:
         raise NotImplementedError
 
-    def _refund_args(self, decision: Decision) -> list[str]:
+    def _refund_args(self, decision: RateDecision) -> list[str]:
         raise NotImplementedError
 
     def redis_key(self, prefix: str, name: str) -> tuple[str, str, str]:
         """The Redis keys of limit ``name`` under ``prefix``: the state, the ticket queue and
         the tickets' deadlines (one hash tag: one Cluster slot)."""
-        base = f"{prefix}:rate:{self.kind}:{self._ident()}"
-        return f"{base}:{{{name}}}", f"{base}:queue:{{{name}}}", f"{base}:due:{{{name}}}"
+        return rate_limit_keys(prefix, self.kind, self._ident(), name)
 
     def _ident(self) -> str:
         raise NotImplementedError
 
     # -- deciding ---------------------------------------------------------------------------
-    def _store(self, app: Any = None, client: Any = None, prefix: str | None = None):
-        client = client if client is not None else self.client
-        prefix = prefix if prefix is not None else self.prefix
-        if client is not None:
-            return client, prefix or "steplock"
-        app = app if app is not None else self.app
-        if app is None:
-            from celery import current_app
-
-            app = current_app
-        from ..lock import get_lease_store
-
-        store = get_lease_store(app)
-        return store.client, prefix or store.prefix
+    def _target(self, app: Any = None, client: Any = None, prefix: str | None = None) -> Target:
+        return target(
+            app if app is not None else self.app,
+            client=client if client is not None else self.client,
+            prefix=prefix if prefix is not None else self.prefix,
+        )
 
     def decide(
         self,
@@ -420,13 +284,11 @@ class _Limiter:
         prefix: str,
         ticket: str | None = None,
         reserve: bool = False,
-    ) -> Decision:
+    ) -> RateDecision:
         """One atomic decision for limit ``name`` (a lock-name-like string) on ``client``
         under ``prefix``. ``ticket`` the place in the queue held from an earlier denial;
         ``reserve`` True to take one when denied. Raises :class:`LockStoreUnavailable` (or
         LockStoreMisconfigured) when Redis does not answer or refuses."""
-        from ..lock import STORE_ERRORS, store_error
-
         name = check_name(name)
         keys = list(self.redis_key(prefix, name))
         member = uuid.uuid4().hex
@@ -439,13 +301,10 @@ class _Limiter:
             repr(max_wait * 1000.0),
             repr(self.ticket_grace * 1000.0),
         ]
-        try:
-            reply = route.evalsha(client, self._script, keys, args)
-        except STORE_ERRORS as exc:
-            raise store_error(exc, "rate limit", key=keys[0], name=name) from exc
+        reply = call(client, self._script, keys, args, "rate limit", name=name)
         admitted, figure, given, now, place = (wire.text(part) for part in reply)
         if int(admitted) == 1:
-            return Decision(
+            return RateDecision(
                 True,
                 0.0,
                 keys[0],
@@ -454,7 +313,7 @@ class _Limiter:
                 now=float(now) / 1000.0,
                 member=member,
             )
-        return Decision(
+        return RateDecision(
             False,
             max(0.0, float(figure) / 1000.0),
             keys[0],
@@ -464,13 +323,11 @@ class _Limiter:
             queued=int(place),
         )
 
-    def refund(self, decision: Decision, *, client: Any) -> None:
+    def refund(self, decision: RateDecision, *, client: Any) -> None:
         """Give back an admission that was not used (best effort: errors are ignored)."""
-        from ..lock import STORE_ERRORS
-
         try:
-            route.evalsha(client, self._refund, [decision.key], self._refund_args(decision))
-        except STORE_ERRORS:
+            call(client, self._refund, [decision.key], self._refund_args(decision), "refund")
+        except LockError:
             pass
 
     # -- the plain API ------------------------------------------------------------------------
@@ -483,32 +340,26 @@ class _Limiter:
         prefix: str | None = None,
         ticket: str | None = None,
         reserve: bool = False,
-    ) -> Decision:
+    ) -> RateDecision:
         """Decide once for limit ``key`` (a name: printable, no braces, at most 512
         characters; default the limiter's own ``key`` when it is a plain name). The Redis
         is ``client`` (with ``prefix``, default ``"steplock"``), else ``app``'s lock store
         (:func:`celery_steplock.lock.get_lease_store`), else the current Celery app's.
-        Returns a :class:`Decision`; raises LockStoreUnavailable when Redis does not answer
-        and the policy is fail_closed (fail_open: an allowed Decision with ``now`` 0.0)."""
+        Returns a :class:`RateDecision`; raises LockStoreUnavailable when Redis does not answer
+        and the policy is fail_closed (fail_open: an allowed RateDecision with ``now`` 0.0)."""
         name = self._plain_name(key)
-        client, prefix = self._store(app, client, prefix)
+        where = self._target(app, client, prefix)
         try:
             decision = self.decide(
-                name, client=client, prefix=prefix, ticket=ticket, reserve=reserve
+                name, client=where.client, prefix=where.prefix, ticket=ticket, reserve=reserve
             )
         except LockStoreUnavailable as exc:
-            policy = self._policy(app)
-            emit(
-                signals.lock_store_error,
-                None,
-                logging.ERROR,
-                key=self.redis_key(prefix, name)[0],
-                policy=policy,
-                reason=f"rate limit: {exc}",
+            policy = resolve_policy(
+                self.on_store_error, where.settings, "rate_limit_on_store_error"
             )
-            if policy != "fail_open":
-                raise
-            return Decision(True, 0.0, self.redis_key(prefix, name)[0], str(self))
+            redis_key = self.redis_key(where.prefix, name)[0]
+            admitted = RateDecision(True, 0.0, redis_key, str(self))
+            return outage(exc, policy, admitted, pattern="rate limit", key=redis_key, name=name)
         if decision.allowed:
             emit(
                 signals.rate_limit_allowed,
@@ -541,7 +392,7 @@ class _Limiter:
         app: Any = None,
         client: Any = None,
         prefix: str | None = None,
-    ) -> Iterator[Decision]:
+    ) -> Iterator[RateDecision]:
         """Context manager: admit the block once, or raise :class:`RateLimited`
         (``retry_after`` seconds) without running it. Arguments as :meth:`try_acquire`."""
         decision = self.try_acquire(key, app=app, client=client, prefix=prefix)
@@ -583,17 +434,7 @@ class _Limiter:
             raise InvalidArgument(f"key must be a str, got {shown(key)}", argument="key")
         return key
 
-    def _policy(self, app: Any = None) -> str:
-        if self.on_store_error is not None:
-            return self.on_store_error
-        app = app if app is not None else self.app
-        if app is None:
-            return "fail_closed"
-        from ..conf import Settings
-
-        return Settings(app).rate_limit_on_store_error
-
-    def _denied(self, decision: Decision, option: str | None = None) -> RateLimited:
+    def _denied(self, decision: RateDecision, option: str | None = None) -> RateLimited:
         return RateLimited(
             f"rate limit {decision.limit} of {decision.key!r}: no quota for "
             f"{decision.retry_after:.3f} s",
@@ -654,7 +495,7 @@ class TokenBucket(_Limiter):
     def _args(self) -> list[str]:
         return [repr(self.rate / 1000.0), str(self.capacity)]
 
-    def _refund_args(self, decision: Decision) -> list[str]:
+    def _refund_args(self, decision: RateDecision) -> list[str]:
         return [str(self.capacity)]
 
     def _default_max_wait(self) -> float:
@@ -707,7 +548,7 @@ class SlidingWindow(_Limiter):
     def _args(self) -> list[str]:
         return [str(self.limit), repr(self.window * 1000.0)]
 
-    def _refund_args(self, decision: Decision) -> list[str]:
+    def _refund_args(self, decision: RateDecision) -> list[str]:
         return [decision.member or ""]
 
     def _default_max_wait(self) -> float:
@@ -779,6 +620,11 @@ def _check_fields(task, template: Any, option: str) -> None:
             )
 
 
+def _refund(granted: Sequence[tuple[_Limiter, RateDecision]], client: Any) -> None:
+    for limiter, decision in granted:
+        limiter.refund(decision, client=client)
+
+
 class RateLimitGate:
     """The ``cluster_rate_limit`` gate of one task: every limiter must admit. A denial
     gives back the admissions of the limiters before it and raises :class:`RateLimited`
@@ -794,18 +640,16 @@ class RateLimitGate:
         self.policy = policy
 
     def enter(self, context):
-        from ..lock import get_lease_store
-
         task = context.task
         request = task.request
-        store = getattr(context.plan, "store", None) or get_lease_store(task.app)
+        store = getattr(context.plan, "store", None) or target(task.app).store
         client, prefix = store.client, store.prefix
         tickets = dict(
             getattr(request, TICKETS_HEADER, None)
             or (request.headers or {}).get(TICKETS_HEADER)
             or {}
         )
-        granted: list[tuple[_Limiter, Decision]] = []
+        granted: list[tuple[_Limiter, RateDecision]] = []
         for limiter in self.limiters:
             template = limiter.key if limiter.key is not None else self.key
             name = limit_name(template, task.name, context.arguments)
@@ -815,21 +659,15 @@ class RateLimitGate:
                     name, client=client, prefix=prefix, ticket=tickets.get(redis_key), reserve=True
                 )
             except LockStoreUnavailable as exc:
-                policy = limiter.on_store_error or self.policy
-                emit(
-                    signals.lock_store_error,
-                    task,
-                    logging.ERROR,
+                outage(
+                    exc,
+                    limiter.on_store_error or self.policy,
+                    pattern="rate limit",
+                    sender=task,
                     key=redis_key,
-                    task_id=request.id,
-                    task_name=task.name,
-                    policy=policy,
-                    reason=f"rate limit: {exc}",
+                    name=name,
+                    cleanup=functools.partial(_refund, granted, client),
                 )
-                if policy != "fail_open":
-                    for done, given in granted:
-                        done.refund(given, client=client)
-                    raise
                 continue
             if decision.allowed:
                 granted.append((limiter, decision))
@@ -846,8 +684,7 @@ class RateLimitGate:
                     ticket=tickets.get(redis_key),
                 )
                 continue
-            for done, given in granted:
-                done.refund(given, client=client)
+            _refund(granted, client)
             emit(
                 signals.rate_limited,
                 task,
@@ -884,39 +721,3 @@ def gate(task, settings) -> RateLimitGate | None:
     for limiter in limiters:
         _check_fields(task, limiter.key, "cluster_rate_limit")
     return RateLimitGate(task, limiters, key, settings.rate_limit_on_store_error)
-
-
-# -- checking a recorded history ----------------------------------------------------------------
-
-
-def max_in_window(times: Sequence[float], window: float) -> tuple[int, float | None]:
-    """The largest number of ``times`` (seconds, compared to the microsecond) inside any
-    half-open window ``[t, t + window)``, and a ``t`` where it is reached (None for no
-    times): a sliding window's guarantee is that this never exceeds its ``limit``."""
-    # In whole microseconds (Redis TIME's resolution): two grants exactly one window apart
-    # are in no common window, which float seconds near 1.8e9 cannot always tell.
-    ordered = sorted(round(t * 1e6) for t in times)
-    span = round(window * 1e6)
-    best, where, start = 0, None, 0
-    for end, moment in enumerate(ordered):
-        while moment - ordered[start] >= span:
-            start += 1
-        if end - start + 1 > best:
-            best, where = end - start + 1, ordered[start] / 1e6
-    return best, where
-
-
-def bucket_excess(times: Sequence[float], rate: float, capacity: int) -> float:
-    """The largest ``count - (capacity + rate * (last - first))`` over every run of
-    consecutive ``times`` (seconds): a token bucket's guarantee is that this is never above
-    0 (at most ``capacity + rate * t`` admissions in any interval of ``t`` seconds)."""
-    # Relative to the first time: rate * (seconds near 1.8e9) would lose the microseconds.
-    ordered = [t - min(times) for t in sorted(times)] if times else []
-    worst = -math.inf
-    # Over runs ending at j, count - rate*(t_j - t_i) is largest for the i maximising
-    # (j - i + 1) - rate*(t_j - t_i), i.e. maximising rate*t_i - i.
-    best_start = -math.inf
-    for j, moment in enumerate(ordered):
-        best_start = max(best_start, rate * moment - j)
-        worst = max(worst, (j + 1) - rate * moment + best_start - capacity)
-    return worst if ordered else 0.0

@@ -37,7 +37,6 @@ from __future__ import annotations
 import email.utils
 import functools
 import logging
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -45,12 +44,14 @@ from typing import Any, Callable
 
 from .. import signals
 from .._checks import MAX_RETRIES, MAX_SECONDS, check_count, check_seconds, shown
+from .._jitter import backoff_ceiling, full_jitter
 from ..events import emit
 from ..exceptions import ImproperlyConfigured, StepLockError
 
 __all__ = [
     "RetryPolicy",
     "NonRetryable",
+    "RetryDecision",
     "Decision",
     "classify",
     "retry_after_of",
@@ -202,7 +203,7 @@ def classify(
 
 
 @dataclass(frozen=True)
-class Decision:
+class RetryDecision:
     """What :meth:`RetryPolicy.decide` concluded: ``decision`` ("retry", "give_up",
     "never"), ``countdown`` (seconds before the next attempt; None unless "retry"),
     ``attempt`` (1-based number of the attempt that failed), ``kind`` (the classification),
@@ -214,6 +215,10 @@ class Decision:
     kind: str
     reason: str
     retry_after: float | None = None
+
+
+#: The former name of :class:`RetryDecision`, kept for one release.
+Decision = RetryDecision
 
 
 def _types(value: Any, name: str) -> tuple[type, ...]:
@@ -310,18 +315,26 @@ class RetryPolicy:
         )
 
     def countdown(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt ``attempt`` (1-based), before Retry-After."""
-        ceiling = min(self.backoff_max, self.backoff * (2 ** min(attempt - 1, 62)))
-        return random.uniform(0, ceiling) if self.jitter == "full" else ceiling
+        """Seconds to wait after a failed attempt, before Retry-After.
 
-    def decide(self, exc: BaseException, attempt: int, elapsed: float) -> Decision:
+        Args:
+            attempt: the failed attempt (1-based).
+
+        Returns:
+            ``min(backoff_max, backoff * 2**(attempt - 1))``, or with ``jitter="full"`` a
+            time drawn uniformly under it (:func:`celery_steplock._jitter.full_jitter`).
+        """
+        ceiling = backoff_ceiling(self.backoff, attempt - 1, self.backoff_max)
+        return full_jitter(ceiling) if self.jitter == "full" else ceiling
+
+    def decide(self, exc: BaseException, attempt: int, elapsed: float) -> RetryDecision:
         """Whether to retry after attempt ``attempt`` (1-based) failed with ``exc``,
         ``elapsed`` seconds after the first attempt started."""
         kind = self.classify(exc)
         if kind == "control":
-            return Decision("never", None, attempt, kind, "control flow")
+            return RetryDecision("never", None, attempt, kind, "control flow")
         if kind == "never" or (kind == "unknown" and not self.retry_unknown):
-            return Decision(
+            return RetryDecision(
                 "never",
                 None,
                 attempt,
@@ -329,17 +342,17 @@ class RetryPolicy:
                 "non-retryable" if kind == "never" else "unknown error",
             )
         if attempt >= self.max_attempts:
-            return Decision("give_up", None, attempt, kind, "max_attempts reached")
+            return RetryDecision("give_up", None, attempt, kind, "max_attempts reached")
         wait = self.countdown(attempt)
         asked = retry_after_of(exc) if self.honor_retry_after else None
         if asked is not None:
             wait = max(wait, asked)
         if self.max_elapsed is not None and elapsed + wait > self.max_elapsed:
-            return Decision("give_up", None, attempt, kind, "max_elapsed reached", asked)
-        return Decision("retry", wait, attempt, kind, "retryable", asked)
+            return RetryDecision("give_up", None, attempt, kind, "max_elapsed reached", asked)
+        return RetryDecision("retry", wait, attempt, kind, "retryable", asked)
 
     def _announce(
-        self, decision: Decision, exc: BaseException, sender: Any = None, **fields: Any
+        self, decision: RetryDecision, exc: BaseException, sender: Any = None, **fields: Any
     ) -> None:
         emit(
             signals.retry_policy_decided,

@@ -21,6 +21,8 @@ bare integer: a table reply costs Redis more to build than the rest of a release
 
 from __future__ import annotations
 
+from .fragments import FENCE, GRANT, WAKE_ONE
+
 __all__ = [
     "ACQUIRE",
     "RELEASE",
@@ -57,12 +59,12 @@ EXTEND_CHUNK = 1000
 # the TTL is reset); else the table {holder's owner token, holder's remaining TTL ms}. A
 # refused waiter is added to KEYS[3] (scored by its deadline), a granted one removed.
 #
-# Fencing token: max(counter + 1, Redis time in us). The counter is written with KEEPTTL
-# (setting its TTL costs Redis about as much as the write) and given a TTL of two periods
-# when it is new, when the grant is the first of a new period, or when the clock lagged
-# behind it: so an idle name's counter lives at least one period after its last grant
-# (less the clock's lag, if it went back) and at most two.
-ACQUIRE = """
+# The grant is fragments.FENCE and fragments.GRANT (shared with a concurrency slot's grant):
+# fencing token max(counter + 1, Redis time in us); the counter's TTL is reset only when it is
+# new, when the grant is the first of a new period, or when the clock lagged behind it, so an
+# idle name's counter lives at least one period after its last grant and at most two.
+ACQUIRE = (
+    """
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder then
   if holder == ARGV[1] then
@@ -80,61 +82,54 @@ if holder then
   return {holder, redis.call('PTTL', KEYS[1])}
 end
 local t = redis.call('TIME')
-local now_us = t[1] * 1000000 + t[2]
-local fence = now_us
-local fence_s = string.format('%d', fence)
-local prev = redis.call('SET', KEYS[2], fence_s, 'KEEPTTL', 'GET')
-local period = ARGV[3] * 1000
-if prev then prev = tonumber(prev) end
-if prev and prev >= fence then
-  fence = prev + 1
-  fence_s = string.format('%d', fence)
-  redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[3] * 2)
-elseif not prev or math.floor(prev / period) ~= math.floor(fence / period) then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3] * 2)
-end
-local now_s = string.format('%d', math.floor(now_us / 1000))
+local lease, counter, owner, ttl_ms, period_ms, meta =
+  KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[5]
+local refresh_counter = false
+"""
+    + FENCE
+    + """
 if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence_s, 'acquired_ms', now_s,
-           'renewed_ms', now_s, 'ttl_ms', ARGV[2], 'meta', ARGV[5])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+    + GRANT
+    + """
 return fence
 """
+)
 
 # KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list. ARGV[1] owner token.
 # Returns 1 if the lease was deleted, 0 if it is absent or another owner's.
 # A deletion wakes one waiter when anyone waits: the wake-up list keeps at most one element,
 # which the waiter blocked longest in BLPOP takes.
-RELEASE = """
+RELEASE = (
+    """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  if redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('DEL', KEYS[3])
-    redis.call('RPUSH', KEYS[3], ARGV[1])
-    redis.call('PEXPIRE', KEYS[3], 60000)
-  end
+"""
+    + WAKE_ONE
+    + """
   redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
 """
+)
 
 # KEYS as RELEASE. ARGV[1] owner token, ARGV[2] renewed_ms observed.
 # Returns 1 if deleted (and wakes one waiter, as RELEASE), 0 otherwise. Deletes only if the
 # owner AND the last renewal are still what was observed: the reaper's delete, which must
 # spare a holder that renewed after it looked.
-REAP = """
+REAP = (
+    """
 local f = redis.call('HMGET', KEYS[1], 'owner', 'renewed_ms')
 if f[1] == ARGV[1] and f[2] == ARGV[2] then
-  if redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('DEL', KEYS[3])
-    redis.call('RPUSH', KEYS[3], ARGV[1])
-    redis.call('PEXPIRE', KEYS[3], 60000)
-  end
+"""
+    + WAKE_ONE
+    + """
   redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
 """
+)
 
 # KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] new TTL ms.
 # Returns 1 if the TTL was reset (and renewed_ms, ttl_ms written), 0 if the key is gone or

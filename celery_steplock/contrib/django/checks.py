@@ -32,6 +32,9 @@
                             ``time_limit``, or its ``time_limit`` (or the lease retries'
                             ``steplock_retry_backoff_max``) is not below the broker's
                             ``visibility_timeout``.
+``celery_steplock.W006``    a setting set under its former name (``steplock_bulkhead_*``,
+                            now ``steplock_concurrency_limit_*``): still read for one
+                            release while the new name is unset, ignored beside it.
 ==========================  ==============================================================
 
 Every check but E001 and W003 renders the problems of :mod:`celery_steplock.validate`, the
@@ -158,11 +161,12 @@ def _model_app_config(app, task_name: str):
 def check_unknown_names(app, django_settings=None) -> list[checks.CheckMessage]:
     """W005: settings and task options that do not exist, and Django settings that name
     steplock but that the Celery app never reads (``django_settings``: default
-    ``django.conf.settings``)."""
+    ``django.conf.settings``); W006: settings set under a former name."""
     from django.conf import settings
 
     return render(
         validate.unknown_name_problems(app)
+        + validate.deprecated_name_problems(app)
         + validate.django_setting_problems(
             app, settings if django_settings is None else django_settings
         )

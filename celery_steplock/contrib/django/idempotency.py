@@ -39,7 +39,13 @@ from ...exceptions import (
     LockError,
     LockStoreUnavailable,
 )
-from ...patterns.idempotency import Decision, Idempotency, Record, Stored, _fingerprint_bytes
+from ...patterns.idempotency import (
+    Idempotency,
+    Record,
+    RecordDecision,
+    Stored,
+    _fingerprint_bytes,
+)
 
 __all__ = [
     "DatabaseRecords",
@@ -143,12 +149,12 @@ class DatabaseRecords:
         lock_ttl: float,
         namespace: str = "",
         version: str = "",
-    ) -> Decision:
+    ) -> RecordDecision:
         cached = self._cached(key)
         if cached is not None and cached.status == "completed":
             if cached.fingerprint == fingerprint:
-                return Decision("replay", record=cached)
-            return Decision("reused", status="completed")
+                return RecordDecision("replay", record=cached)
+            return RecordDecision("reused", status="completed")
         using = self._db()
         try:
             with transaction.atomic(using=using):
@@ -161,7 +167,9 @@ class DatabaseRecords:
             self._put_cache(decision.record)
         return decision
 
-    def _begin(self, using, key, fingerprint, owner, lock_ttl, namespace, version) -> Decision:
+    def _begin(
+        self, using, key, fingerprint, owner, lock_ttl, namespace, version
+    ) -> RecordDecision:
         objects = self.model.objects.using(using)
         now = timezone.now()
         until = now + dt.timedelta(seconds=lock_ttl)
@@ -180,18 +188,20 @@ class DatabaseRecords:
                     expires_at=until,
                     attempts=1,
                 )
-            return Decision("locked")
+            return RecordDecision("locked")
         except IntegrityError:
             pass
         row = objects.select_for_update().get(key=key)
         live = row.expires_at > now
         if live and row.status in ("completed", "locked"):
             if row.fingerprint != fingerprint:
-                return Decision("reused", status=row.status)
+                return RecordDecision("reused", status=row.status)
             if row.status == "completed":
-                return Decision("replay", record=_record(row))
+                return RecordDecision("replay", record=_record(row))
             if row.owner != owner:
-                return Decision("in_progress", retry_after=(row.expires_at - now).total_seconds())
+                return RecordDecision(
+                    "in_progress", retry_after=(row.expires_at - now).total_seconds()
+                )
         fresh = not live or row.status == "completed"
         objects.filter(pk=row.pk).update(
             status="locked",
@@ -212,7 +222,7 @@ class DatabaseRecords:
             created_at=now if fresh else row.created_at,
             attempts=1 if fresh else row.attempts + 1,
         )
-        return Decision("locked")
+        return RecordDecision("locked")
 
     def complete(
         self,

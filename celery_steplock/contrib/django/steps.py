@@ -42,6 +42,7 @@ context (a tenant, a request).
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 from django.apps import apps
@@ -517,3 +518,16 @@ class DjangoStepStore:
                 or getattr(exc.__cause__, "pgcode", None) == "25P03"
             )
         return isinstance(exc, (OperationalError, InterfaceError))
+
+
+class StepTransitionGuard(DjangoStepStore):
+    """Deprecated alias of :class:`DjangoStepStore` (``celery_steplock.guard``, one release)."""
+
+    def __init__(self, model: Any, **kwargs: Any):
+        warnings.warn(
+            "celery_steplock.guard.StepTransitionGuard is deprecated; use "
+            "celery_steplock.contrib.django.steps.DjangoStepStore",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(model, **kwargs)

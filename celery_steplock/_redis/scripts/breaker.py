@@ -1,0 +1,146 @@
+"""The circuit breaker's Lua scripts, each with its KEYS/ARGV/returns contract.
+
+A breaker is the hash ``<prefix>:breaker:{<name>}`` and the sorted set of its half-open
+probe permits ``<prefix>:breaker-probes:{<name>}`` (one hash tag: one Cluster slot; laid out
+by :func:`celery_steplock.keys.breaker_keys`). The hash's fields: ``state`` (``closed``,
+``open``, ``half_open``; absent: closed), ``gen`` (the generation, advanced at every state
+change), ``opened_ms`` (Redis time it last opened, ms), ``ring`` (the rolling window, one
+character per call, ``1`` a failure), ``successes`` (successful probes while half-open) and
+``forced`` (``open`` while an operator forces it open).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ADMIT", "RECORD", "OVERRIDE", "READ"]
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits (sorted set: owner -> expiry ms).
+# ARGV[1] caller's owner token, ARGV[2] recovery timeout ms, ARGV[3] half-open probes
+# allowed, ARGV[4] probe permit lifetime ms, ARGV[5] idle TTL ms.
+# Returns {verdict, generation, wait ms, moved, clean}: verdict 1 admitted (CLOSED), 2 admitted
+# as a probe (HALF_OPEN; also when ARGV[1] already holds a permit), 0 refused (OPEN), -1 refused
+# (HALF_OPEN, every permit taken), -2 refused (forced open by an operator); wait: ms until the
+# earliest moment a call may pass; moved 1 when this call moved the breaker OPEN -> HALF_OPEN;
+# clean 1 when CLOSED with no failure in the window (a success then changes nothing a
+# count threshold sees, and the caller need not record it).
+ADMIT = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'forced', 'ring')
+local gen = tonumber(s[2]) or 0
+if s[4] then return {-2, gen, tonumber(ARGV[2]), 0, 0} end
+if not s[1] or s[1] == 'closed' then
+  if not s[5] or not string.find(s[5], '1', 1, true) then return {1, gen, 0, 0, 1} end
+  return {1, gen, 0, 0, 0}
+end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local moved = 0
+if s[1] == 'open' then
+  local left = (tonumber(s[3]) or 0) + tonumber(ARGV[2]) - now
+  if left > 0 then return {0, gen, left, 0, 0} end
+  gen = gen + 1
+  redis.call('HSET', KEYS[1], 'state', 'half_open', 'gen', gen, 'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  redis.call('DEL', KEYS[2])
+  moved = 1
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved, 0} end
+if redis.call('ZCARD', KEYS[2]) < tonumber(ARGV[3]) then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  return {2, gen, 0, moved, 0}
+end
+local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+return {-1, gen, math.max(1, tonumber(first[2]) - now), moved, 0}
+"""
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits.
+# ARGV[1] outcome: '1' a failure, '0' a success, 'n' neither (the call did not reach the
+# dependency: its probe permit, if any, is given back); ARGV[2] the generation the call was
+# admitted in; ARGV[3] its probe owner token ('' not a probe); ARGV[4] window (calls);
+# ARGV[5] failure threshold (a count, or a rate in (0, 1] with ARGV[6] 'rate');
+# ARGV[6] 'count' or 'rate'; ARGV[7] calls the window must hold before a rate trips;
+# ARGV[8] successful probes that close it; ARGV[9] idle TTL ms.
+# Returns {state, changed (1: this outcome changed the state), failures in the window (or
+# successful probes when HALF_OPEN), calls in the window}. Outcomes of another generation, of
+# a forced breaker, or while OPEN change nothing.
+RECORD = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'ring', 'forced')
+local state = s[1] or 'closed'
+local gen = tonumber(s[2]) or 0
+if s[4] or tonumber(ARGV[2]) ~= gen or state == 'open' then return {state, 0, 0, 0} end
+local function trip(next_gen)
+  local t = redis.call('TIME')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  redis.call('HSET', KEYS[1], 'state', 'open', 'gen', next_gen, 'opened_ms', now, 'ring', '',
+             'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[9])
+  redis.call('DEL', KEYS[2])
+end
+if state == 'closed' then
+  if ARGV[1] == 'n' then return {state, 0, 0, 0} end
+  local ring = (s[3] or '') .. ARGV[1]
+  local size = tonumber(ARGV[4])
+  if #ring > size then ring = string.sub(ring, #ring - size + 1) end
+  local _, fails = string.gsub(ring, '1', '')
+  local open
+  if ARGV[6] == 'rate' then
+    open = fails > 0 and #ring >= tonumber(ARGV[7]) and fails >= tonumber(ARGV[5]) * #ring
+  else
+    open = fails >= tonumber(ARGV[5])
+  end
+  if open then
+    trip(gen + 1)
+    return {'open', 1, fails, #ring}
+  end
+  redis.call('HSET', KEYS[1], 'ring', ring, 'gen', gen)
+  redis.call('PEXPIRE', KEYS[1], ARGV[9])
+  return {state, 0, fails, #ring}
+end
+if ARGV[3] == '' or redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return {state, 0, 0, 0} end
+if ARGV[1] == 'n' then return {state, 0, 0, 0} end
+if ARGV[1] == '1' then
+  trip(gen + 1)
+  return {'open', 1, 1, 1}
+end
+local n = redis.call('HINCRBY', KEYS[1], 'successes', 1)
+if n >= tonumber(ARGV[8]) then
+  redis.call('HSET', KEYS[1], 'state', 'closed', 'gen', gen + 1, 'ring', '', 'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[9])
+  redis.call('DEL', KEYS[2])
+  return {'closed', 1, n, 0}
+end
+return {state, 0, n, 0}
+"""
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits.
+# ARGV[1] 'open' (forced open until closed: no TTL) or 'close' (CLOSED, window emptied),
+# ARGV[2] idle TTL ms.
+# Returns {state before, forced before ('' none), new generation}.
+OVERRIDE = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'forced')
+local gen = (tonumber(s[2]) or 0) + 1
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('DEL', KEYS[2])
+if ARGV[1] == 'open' then
+  redis.call('HSET', KEYS[1], 'state', 'open', 'gen', gen, 'opened_ms', now, 'forced', 'open',
+             'ring', '', 'successes', 0)
+  redis.call('PERSIST', KEYS[1])
+else
+  redis.call('HDEL', KEYS[1], 'forced')
+  redis.call('HSET', KEYS[1], 'state', 'closed', 'gen', gen, 'ring', '', 'successes', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return {s[1] or 'closed', s[3] or '', gen}
+"""
+
+# KEYS[1] the breaker hash, KEYS[2] the probe permits. No ARGV.
+# Returns {state, generation, opened_ms, ring, successes, forced, now_ms, live probe count}.
+READ = """
+local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'ring', 'successes', 'forced')
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local probes = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
+return {s[1] or 'closed', s[2] or '0', s[3] or '', s[4] or '', s[5] or '0', s[6] or '',
+        tostring(now), probes}
+"""

@@ -1,0 +1,97 @@
+"""What the admin pages share: error text safe for staff, the audited-view wrapper, and two
+bases (pages read live from Redis, and read-only database logs)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from django.contrib import admin
+from django.contrib.auth import get_permission_codename
+from django.db import router, transaction
+from django.http import HttpRequest
+
+from ....redact import redact, secrets_of
+from ..leases import celery_app
+from ..models import LeaseEvent
+
+logger = logging.getLogger("celery_steplock")
+
+
+def _error_text(exc: BaseException) -> str:
+    """An error as the page (seen by view-only staff) and the log may show it: every secret
+    of the Celery app's settings masked (URL passwords, transport options)."""
+    try:
+        secrets = secrets_of(celery_app())
+    except Exception:  # noqa: BLE001 - no app to read: the URL and key/value forms still
+        secrets = ()
+    return redact(exc, secrets)
+
+
+def audited_view(admin_site: admin.AdminSite, view: Callable[..., Any]) -> Callable[..., Any]:
+    """An operator action's view, wrapped by ``admin_site.admin_view`` and kept out of the
+    request's transaction (``ATOMIC_REQUESTS``) on the audit database.
+
+    Args:
+        admin_site: The site the page is registered on.
+        view: The bound view method.
+
+    Returns:
+        The view to put in the page's URL patterns: its audit record commits before Redis is
+        written, which a commit inside the request's transaction would not do.
+    """
+    return transaction.non_atomic_requests(using=router.db_for_write(LeaseEvent))(
+        admin_site.admin_view(view)
+    )
+
+
+class LiveModelAdmin(admin.ModelAdmin):
+    """A page over an unmanaged model whose rows live in Redis: no add, change or delete
+    views and no bulk actions; its operator action needs a permission of its own."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        # Redis state changes only through the page's audited action, never by Django's
+        # delete views or a bulk action.
+        return False
+
+    def get_actions(self, request: HttpRequest):
+        return {}
+
+    def has_operator_permission(self, request: HttpRequest, action: str) -> bool:
+        """The model's ``<action>`` permission and the view permission.
+
+        Args:
+            request: The admin request.
+            action: The permission's action, e.g. ``"force_release"`` for
+                ``celery_steplock.force_release_lease``.
+
+        Returns:
+            Whether the user holds both.
+        """
+        codename = get_permission_codename(action, self.opts)
+        return request.user.has_perm(
+            f"{self.opts.app_label}.{codename}"
+        ) and self.has_view_permission(request)
+
+
+class ReadOnlyModelAdmin(admin.ModelAdmin):
+    """A database table shown read-only: every field read-only, no add or change."""
+
+    list_per_page = 100
+    # COUNT(*) on a large log is slow on PostgreSQL; the paginator shows "Show all" instead.
+    show_full_result_count = False
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.opts.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False

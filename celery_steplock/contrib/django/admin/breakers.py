@@ -1,0 +1,174 @@
+"""The circuit breakers page: each breaker's state, read live from Redis, and the audited
+"force open" / "close" override."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.translation import gettext as _
+
+from ....exceptions import StepLockError
+from ....keys import breaker_key, breaker_name_from_key
+from ....ops import AuditRecordFailed, override_breaker
+from ....patterns.breaker import CircuitBreaker
+from ..eventlog import LeaseEventBreakerAudit
+from ..leases import celery_app, lease_lock, steplock_task_names
+from ..models import CircuitBreakerState
+from ._common import LiveModelAdmin, _error_text, audited_view
+
+__all__ = ["CircuitBreakerAdmin", "BreakerOverrideForm", "breaker_names"]
+
+
+#: Breaker names the page reads at most (the tasks' breakers first, then SCAN's finds).
+MAX_BREAKERS = 500
+
+
+def _task_breakers(app) -> dict[str, Any]:
+    """``{name: CircuitBreaker}`` of the app's StepLockedTasks' ``circuit_breaker`` options."""
+    found: dict[str, Any] = {}
+    for task_name in steplock_task_names(app):
+        value = getattr(app.tasks[task_name], "circuit_breaker", None)
+        if isinstance(value, CircuitBreaker):
+            found.setdefault(value.name, value.bind(app))
+        elif isinstance(value, str) and value:
+            found.setdefault(value, None)
+    return found
+
+
+def breaker_names(app, limit: int = MAX_BREAKERS) -> dict[str, Any]:
+    """The breakers to show: those the app's tasks name, then those Redis holds (SCAN of
+    ``<prefix>:breaker:{*}``, never KEYS), at most ``limit``; ``{name: CircuitBreaker or
+    None}``."""
+    found = _task_breakers(app)
+    store = lease_lock(app)
+    for key in store.client.scan_iter(match=breaker_key(store.prefix, "*"), count=1000):
+        key = key.decode() if isinstance(key, bytes) else key
+        if len(found) >= limit:
+            break
+        name = breaker_name_from_key(store.prefix, key)
+        if name is not None:
+            found.setdefault(name, None)
+    return {
+        name: breaker or CircuitBreaker(name, app=app)
+        for name, breaker in sorted(found.items())[:limit]
+    }
+
+
+class BreakerOverrideForm(forms.Form):
+    name = forms.CharField(max_length=255, widget=forms.HiddenInput)
+    action = forms.ChoiceField(
+        choices=[("open", "open"), ("close", "close")], widget=forms.HiddenInput
+    )
+    reason = forms.CharField(max_length=500, required=False)
+
+
+@admin.register(CircuitBreakerState)
+class CircuitBreakerAdmin(LiveModelAdmin):
+    """Circuit breakers, read live from Redis (celery_steplock.patterns.breaker): their state, and
+    for users with ``celery_steplock.override_circuitbreakerstate`` a button to force one
+    open or close it, audited by :func:`celery_steplock.ops.override_breaker` (a
+    ``LeaseEvent`` row, event ``circuit_override``, committed before Redis is written)."""
+
+    change_list_template = "admin/celery_steplock/circuitbreakerstate/change_list.html"
+
+    def has_override_permission(self, request: HttpRequest) -> bool:
+        return self.has_operator_permission(request, "override")
+
+    def get_urls(self):
+        info = self.opts.app_label, self.opts.model_name
+        return [
+            path(
+                "",
+                self.admin_site.admin_view(self.changelist_view),
+                name="{}_{}_changelist".format(*info),
+            ),
+            path(
+                "override/",
+                audited_view(self.admin_site, self.override_view),
+                name="{}_{}_override".format(*info),
+            ),
+        ]
+
+    def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        rows, error = [], None
+        try:
+            app = celery_app()
+            for breaker in breaker_names(app).values():
+                rows.append(breaker.state().as_dict() | {"limits": breaker.describe()})
+        except StepLockError as exc:
+            error = _error_text(exc)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": _("Circuit breakers"),
+            "rows": rows,
+            "error": error,
+            "can_override": self.has_override_permission(request),
+            "override_url": reverse(
+                f"admin:{self.opts.app_label}_{self.opts.model_name}_override",
+                current_app=self.admin_site.name,
+            ),
+            **(extra_context or {}),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.change_list_template, context)
+
+    def override_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_override_permission(request):
+            raise PermissionDenied
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        back = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
+            current_app=self.admin_site.name,
+        )
+        form = BreakerOverrideForm(request.POST)
+        if not form.is_valid():
+            messages.error(
+                request, _("Invalid request: %(errors)s") % {"errors": form.errors.as_text()}
+            )
+            return HttpResponseRedirect(back)
+        name, action = form.cleaned_data["name"], form.cleaned_data["action"]
+        user = request.user.get_username()
+        try:
+            record = override_breaker(
+                CircuitBreaker(name, app=celery_app()),
+                action,
+                actor=user,
+                actor_host=request.META.get("REMOTE_ADDR"),
+                via="admin",
+                reason=form.cleaned_data["reason"] or f"{action} by {user} in the Django admin",
+                auditor=LeaseEventBreakerAudit(),
+            )
+        except AuditRecordFailed as failed:
+            messages.error(
+                request,
+                _("The audit record could not be written: nothing changed (%(error)s)")
+                % {"error": failed.__cause__},
+            )
+            return HttpResponseRedirect(back)
+        except StepLockError as exc:
+            messages.error(
+                request,
+                _("The Redis lock store could not be reached (%(error)s)")
+                % {"error": _error_text(exc)},
+            )
+            return HttpResponseRedirect(back)
+        messages.success(
+            request,
+            _("Circuit breaker “%(name)s”: %(previous)s → %(now)s.")
+            % {
+                "name": name,
+                "previous": record.previous,
+                "now": _("forced open") if action == "open" else _("closed"),
+            },
+        )
+        return HttpResponseRedirect(back)

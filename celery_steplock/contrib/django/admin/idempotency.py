@@ -1,0 +1,87 @@
+"""The idempotency records page: rows of the database store, read-only, with an "Invalidate"
+action that drops a record and its Redis copy."""
+
+from __future__ import annotations
+
+import logging
+
+from django.contrib import admin, messages
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
+
+from ....events import log_event
+from ....exceptions import StepLockError
+from ....lock import get_lease_store
+from ....patterns.idempotency import RedisRecords
+from ..idempotency import DatabaseRecords
+from ..leases import celery_app
+from ..models import IdempotencyRecord
+from ._common import ReadOnlyModelAdmin
+
+__all__ = ["IdempotencyRecordAdmin"]
+
+
+def _idempotency_store():
+    """The database store of the project's app, with its Redis cache (the lease store's
+    client and prefix), so an invalidation drops both copies."""
+    lease_store = get_lease_store(celery_app())
+    return DatabaseRecords(cache=RedisRecords(lease_store.client, lease_store.prefix))
+
+
+@admin.register(IdempotencyRecord)
+class IdempotencyRecordAdmin(ReadOnlyModelAdmin):
+    """Idempotency records of the database store: read-only, filtered by status and
+    namespace; the "Invalidate" action (permission ``delete``) deletes rows and their Redis
+    copies so the next call runs again."""
+
+    list_display = (
+        "created_at",
+        "namespace",
+        "version",
+        "status",
+        "short_key",
+        "attempts",
+        "completed_at",
+        "expires_at",
+        "error",
+    )
+    list_filter = ("status", "namespace")
+    search_fields = ("key", "namespace")
+    date_hierarchy = "created_at"
+    actions = ("invalidate",)
+
+    @admin.display(description="record key", ordering="key")
+    def short_key(self, obj: IdempotencyRecord) -> str:
+        return obj.key[:16]
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)  # it would leave the Redis copies
+        return actions
+
+    @admin.action(
+        description=gettext_lazy("Invalidate the selected records (the next call runs again)"),
+        permissions=["delete"],
+    )
+    def invalidate(self, request, queryset):
+        store = _idempotency_store()
+        done = failed = 0
+        for key in list(queryset.values_list("key", flat=True)):
+            try:
+                store.invalidate(key)
+                done += 1
+            except StepLockError as exc:
+                failed += 1
+                log_event("admin_lock_store_error", logging.ERROR, key=key, error=exc)
+        if done:
+            self.message_user(request, _("%d record(s) invalidated.") % done, messages.SUCCESS)
+        if failed:
+            self.message_user(
+                request,
+                _("%d record(s) could not be invalidated (Redis did not answer); try again.")
+                % failed,
+                messages.ERROR,
+            )
+
+    def delete_model(self, request, obj):
+        _idempotency_store().invalidate(obj.key)
