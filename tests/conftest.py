@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 collect_ignore = ["support", "userproject"]  # userproject: a user's suite, run by test_testing
 
 # pytest-celery 1.x shadows Celery's in-process fixtures with container-based ones; the
-# project runs with ``-p no:celery`` and loads Celery's own fixtures explicitly.
-pytest_plugins = ("celery.contrib.pytest",)
+# project runs with ``-p no:celery`` and loads Celery's own fixtures explicitly. The Sentinel,
+# Cluster and ACL servers are session fixtures of tests/support/topologies.py.
+pytest_plugins = ("celery.contrib.pytest", "tests.support.topologies")
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
@@ -71,12 +72,12 @@ def celery_app_configured(redis_server_url):
 @pytest.fixture
 def app(celery_app_configured):
     """The Celery app, with every steplock setting restored to its value before the test."""
-    from celery_steplock.conf import DEFAULTS, setting_name
+    from celery_steplock.conf import DEFAULTS, RENAMED, setting_name
 
     app = celery_app_configured
     # Named reads only: while Django settings are overridden (live_server), iterating
-    # Celery's view of them lists keys it cannot get.
-    names = [setting_name(name) for name in DEFAULTS]
+    # Celery's view of them lists keys it cannot get. Former names are still read.
+    names = [setting_name(name) for name in (*DEFAULTS, *RENAMED)]
     saved = {name: app.conf.get(name) for name in names}
     yield app
     namespace = getattr(app, "namespace", None)
@@ -153,7 +154,7 @@ def start_worker(worker_env, tmp_path):
     process (prefork), stopped at the end of the test."""
     started = []
 
-    def start(name="w1", concurrency=2, pool="prefork", extra_args=(), **env):
+    def start(name="w1", concurrency=2, pool="prefork", extra_args=(), wait=True, **env):
         worker = servers.celery_worker(
             app="django_app",
             name=name,
@@ -163,13 +164,30 @@ def start_worker(worker_env, tmp_path):
             logfile=tmp_path / f"{name}.log",
             extra_args=tuple(extra_args),
             cwd=ROOT,
+            wait=wait,
         )
         started.append(worker)
         return worker
 
     yield start
+    # The test is over: SIGKILL rather than a warm shutdown (about 1.2 s a worker, in both
+    # passes). What a worker leaves behind, the next test's fixtures flush (its Redis, its
+    # database); a test about shutting down calls worker.terminate() itself.
     for worker in started:
-        worker.terminate()
+        worker.kill()
+
+
+@pytest.fixture
+def start_workers(start_worker):
+    """Factory: ``start_workers(dict(name="w1", ...), dict(name="w2", ...))`` -> the workers of
+    those ``start_worker`` arguments, started side by side (a start is mostly the interpreter
+    importing Celery and Django: on two cores two of them take the time of one)."""
+
+    def start(*specs):
+        workers = [start_worker(**spec, wait=False) for spec in specs]
+        return [worker.wait_ready() for worker in workers]
+
+    return start
 
 
 @pytest.fixture

@@ -19,19 +19,15 @@ from django.urls import reverse
 
 from celery_steplock._redis import wire as _wire
 from celery_steplock import signals
-from celery_steplock.patterns.breaker import CircuitBreaker
 from celery_steplock.patterns.concurrency import ConcurrencyLimit
 from celery_steplock.contrib.django.leases import lease_page
 from celery_steplock.exceptions import (
-    CircuitOpen,
-    ConcurrencyLimited,
     LockContended,
     LockError,
     LockStoreMisconfigured,
     LockStoreUnavailable,
 )
 from celery_steplock.heartbeat import get_heartbeat
-from celery_steplock.patterns.idempotency import idempotent
 from celery_steplock.lock import (
     RedisLeaseStore,
     get_lease_store,
@@ -40,7 +36,6 @@ from celery_steplock.lock import (
     store_error,
 )
 from celery_steplock.ops import force_release
-from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
 from celery_steplock.reaper import reap
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
@@ -72,14 +67,6 @@ def acl_finish(self, step_id, hold=0.0):
         "owner": self.lease.owner if self.lease else None,
         "fence": self.lease.fence if self.lease else None,
     }
-
-
-@pytest.fixture(scope="module")
-def acl_server():
-    """A redis-server of this module's own: its users are created and changed here."""
-    server = servers.RedisServer().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -321,120 +308,7 @@ def test_task_renewed_past_its_ttl_as_the_user(as_user, events):
     assert Step.objects.get(pk=step.pk).status == "done"
 
 
-# -- the patterns as that user -------------------------------------------------------------
-
-
-@pytest.fixture
-def user_client(user_url):
-    client = make_client(user_url)
-    yield client
-    client.close()
-
-
-def _ours(admin):
-    """Every key on the server, after checking that each is under the user's prefix."""
-    keys = admin.keys("*")
-    assert all(k.startswith("steplock:") for k in keys), keys
-    return keys
-
-
-def test_token_bucket_and_sliding_window_decide_as_the_user(user_client, admin):
-    bucket = TokenBucket("1/h", capacity=2, max_wait=7200.0, client=user_client)
-    first, second = bucket.try_acquire("tb"), bucket.try_acquire("tb")
-    assert (first.allowed, second.allowed) == (True, True)
-    # What is left after each: the tokens refill by a fraction meanwhile (1 an hour).
-    assert 1.0 <= first.remaining < 1.01 and 0.0 <= second.remaining < 0.01
-    denied = bucket.try_acquire("tb", reserve=True)  # ZCARD of the queue, a ticket given
-    assert not denied.allowed and 0 < denied.retry_after <= 3600.0
-    assert denied.ticket is not None and denied.queued == 0
-    again = bucket.try_acquire("tb", ticket=denied.ticket, reserve=True)  # ZRANK of it
-    assert not again.allowed and again.ticket == denied.ticket and again.queued == 0
-
-    window = SlidingWindow(2, 3600.0, client=user_client)
-    grants = [window.try_acquire("sw") for _ in range(2)]
-    assert [(g.allowed, g.remaining) for g in grants] == [(True, 1.0), (True, 0.0)]
-    refused = window.try_acquire("sw")  # ZRANGE of the log's oldest grant
-    assert not refused.allowed and 3500.0 < refused.retry_after <= 3600.0
-    assert admin.zcard(window.redis_key("steplock", "sw")[0]) == 2
-    assert admin.exists(bucket.redis_key("steplock", "tb")[0]) == 1
-    _ours(admin)
-
-
-def test_a_bulkhead_slot_is_held_and_released_as_the_user(user_client, admin):
-    limit = ConcurrencyLimit(1, ttl=30.0)
-    with limit.acquire("bh", client=user_client) as slot:
-        assert slot.index == 0 and slot.fence > 0
-        assert admin.hget(slot.lease.key, "owner") == slot.owner
-        # A waiting caller queues (ZCARD, ZRANK, ZADD), is refused and leaves the queue.
-        with pytest.raises(ConcurrencyLimited) as caught:
-            with limit.acquire("bh", client=user_client, wait=0.3):
-                pytest.fail("a second slot of a limit of 1")
-        assert caught.value.retry_after > 0
-        held = slot
-    assert held.released and admin.exists(held.lease.key) == 0
-    with limit.acquire("bh", client=user_client) as later:
-        assert later.index == 0 and later.fence > held.fence  # the GET of the counter
-    assert admin.zcard("steplock:bulkhead:{bh}:queue") == 0
-    _ours(admin)
-
-
-def test_a_circuit_breaker_records_failures_and_successes_as_the_user(user_client, admin):
-    breaker = CircuitBreaker(
-        "acl-dep",
-        failure_threshold=2,
-        window=4,
-        recovery_timeout=0.3,
-        success_threshold=1,
-        client=user_client,
-    )
-
-    def fail():
-        raise ConnectionError("dependency down")
-
-    with pytest.raises(ConnectionError):
-        breaker.call(fail)
-    assert breaker.call(lambda: "ok") == "ok"
-    state = breaker.state()
-    assert (state.state, state.failures, state.calls) == ("closed", 1, 2)
-    with pytest.raises(ConnectionError):
-        breaker.call(fail)
-    assert breaker.state().state == "open"
-    time.sleep(0.4)  # past the recovery timeout (Redis clock; the breaker's own rule)
-    probe = breaker.admit()  # HALF_OPEN: ZSCORE, ZCARD, ZADD of the probe permit
-    assert probe.probe is True
-    with pytest.raises(CircuitOpen) as caught:
-        breaker.admit()  # the one permit is taken: ZRANGE of its expiry
-    assert caught.value.context["state"] == "half_open" and caught.value.retry_after > 0
-    assert breaker.state().probes == 1  # ZCOUNT
-    probe.record(None)  # HINCRBY of the successes: closes it
-    assert breaker.state().state == "closed"
-    assert breaker.override("open") == ("closed", False)  # PERSIST: forced open
-    with pytest.raises(CircuitOpen) as caught:
-        breaker.call(lambda: "never run")
-    assert caught.value.context["forced"] is True
-    assert admin.pttl(breaker.key) == -1
-    assert breaker.override("close") == ("open", True)  # HDEL of the force
-    assert breaker.call(lambda: "ok") == "ok"
-    assert admin.pttl(breaker.key) > 0
-    _ours(admin)
-
-
-def test_an_idempotent_function_runs_then_replays_as_the_user(user_client, admin):
-    runs = []
-
-    @idempotent("acl:{n}", client=user_client, store="redis", secret="s" * 40)
-    def charge(n):
-        runs.append(n)
-        return {"charged": n}
-
-    assert charge(7) == {"charged": 7}
-    assert charge(7) == {"charged": 7}  # replayed from the record
-    assert runs == [7]
-    assert charge.idempotency.get("acl:7").status == "completed"
-    assert admin.exists(charge.idempotency.store.redis_key(charge.record_key(7))) == 1
-    assert charge.invalidate(7) is True
-    assert charge(7) == {"charged": 7} and runs == [7, 7]
-    _ours(admin)
+# -- the patterns as that user: tests/patterns/test_topologies.py ([acl]) --------------------
 
 
 def test_a_pattern_without_one_of_its_commands_is_refused_before_it_writes(acl_server, admin):

@@ -30,10 +30,11 @@ pytestmark = pytest.mark.redis_shape
 PREFIX = "ct"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with RedisCluster(primaries=3, replicas_per_primary=1, node_timeout=1000) as started:
-        yield started
+@pytest.fixture
+def cluster(redis_cluster):
+    """The session's cluster (tests/support/topologies.py), shared with the patterns' tests:
+    a failover or a slot migration here leaves it serving every slot."""
+    return redis_cluster
 
 
 @pytest.fixture

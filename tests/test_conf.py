@@ -348,3 +348,179 @@ def test_a_renewal_ratio_below_its_floor_is_refused(ratio):
     assert info.value.setting == "steplock_renewal_ratio" and MIN_RENEWAL_RATIO == 0.05
     assert "between 0.05 and 0.75" in str(info.value)
     assert Settings(make_app(steplock_renewal_ratio=0.05)).renewal_ratio == 0.05
+
+
+# -- issue 23: one settings table ---------------------------------------------------------------
+
+
+def test_the_table_is_the_only_source():
+    from celery_steplock.conf import DESCRIPTIONS, RENAMED, SETTINGS
+
+    names = [s.name for s in SETTINGS]
+    assert len(names) == len(set(names)) == 41
+    assert DEFAULTS == {s.name: s.default for s in SETTINGS} and list(DEFAULTS) == names
+    assert DESCRIPTIONS == {s.name: s.description for s in SETTINGS}
+    assert list(DESCRIPTIONS) == names
+    for setting in SETTINGS:
+        assert setting.description.strip().endswith("."), setting.name
+        assert callable(setting.check), setting.name
+        assert setting.unit in (None, "seconds", "count", "bytes", "ratio"), setting.name
+        assert setting.qualified == f"steplock_{setting.name}"
+    assert RENAMED == {
+        "bulkhead_on_store_error": "concurrency_limit_on_store_error",
+        "bulkhead_retry_after": "concurrency_limit_retry_after",
+    }
+    assert not set(RENAMED) & set(DEFAULTS)
+
+
+def test_every_setting_attribute_resolves_through_the_table():
+    import inspect
+
+    from celery_steplock.conf import SETTINGS
+
+    settings = Settings(make_app(broker_url="redis://h/0"))
+    # Typed attributes are settings, and only settings.
+    assert set(inspect.get_annotations(Settings)) <= set(DEFAULTS)
+    for setting in SETTINGS:
+        attribute = inspect.getattr_static(Settings, setting.name)
+        value = getattr(settings, setting.name)
+        if not isinstance(attribute, property):  # generated: the table's check of the default
+            assert value == setting.check(setting.default, setting.qualified), setting.name
+    # The former property names are aliases of the new ones.
+    assert settings.bulkhead_on_store_error == settings.concurrency_limit_on_store_error
+    assert settings.bulkhead_retry_after == settings.concurrency_limit_retry_after == 0.5
+    with pytest.raises(AttributeError):
+        settings.default_ttl = 5
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_every_setting_is_checked_by_name(name):
+    settings = Settings(make_app(broker_url="redis://h/0", **{f"steplock_{name}": object()}))
+    found = settings.problems()
+    assert [exc.setting for exc in found] == [f"steplock_{name}"]
+    assert f"CELERY_STEPLOCK_{name.upper()}" in str(found[0])
+
+
+def test_a_former_setting_name_is_read_and_warned_about():
+    from celery_steplock.validate import problems
+
+    app = make_app(
+        broker_url="redis://h/0",
+        steplock_bulkhead_retry_after=2,
+        steplock_bulkhead_on_store_error="fail_open",
+    )
+    settings = Settings(app)
+    assert settings.concurrency_limit_retry_after == settings.bulkhead_retry_after == 2.0
+    assert settings.concurrency_limit_on_store_error == "fail_open"
+    assert settings.raw("bulkhead_retry_after") == 2
+    found = [
+        (p.id, p.obj, p.message, p.hint)
+        for p in problems(app)
+        if p.id in ("celery_steplock.W005", "celery_steplock.W006")
+    ]
+    assert found == [
+        (
+            "celery_steplock.W006",
+            "steplock_bulkhead_on_store_error",
+            "Setting steplock_bulkhead_on_store_error (CELERY_STEPLOCK_BULKHEAD_ON_STORE_ERROR) "
+            "is deprecated: it is read as steplock_concurrency_limit_on_store_error until the "
+            "next release.",
+            "Rename it to steplock_concurrency_limit_on_store_error "
+            "(CELERY_STEPLOCK_CONCURRENCY_LIMIT_ON_STORE_ERROR).",
+        ),
+        (
+            "celery_steplock.W006",
+            "steplock_bulkhead_retry_after",
+            "Setting steplock_bulkhead_retry_after (CELERY_STEPLOCK_BULKHEAD_RETRY_AFTER) is "
+            "deprecated: it is read as steplock_concurrency_limit_retry_after until the next "
+            "release.",
+            "Rename it to steplock_concurrency_limit_retry_after "
+            "(CELERY_STEPLOCK_CONCURRENCY_LIMIT_RETRY_AFTER).",
+        ),
+    ]  # and no W005: a former name is not unknown
+    assert "celery_steplock.E003" not in [p.id for p in problems(app)]
+
+    # Beside the new name, the former one is ignored (and said to be).
+    app.conf.steplock_concurrency_limit_retry_after = 3
+    assert Settings(app).concurrency_limit_retry_after == 3.0
+    assert Settings(app).bulkhead_retry_after == 3.0
+    ignored = [p for p in problems(app) if p.obj == "steplock_bulkhead_retry_after"]
+    assert [p.message for p in ignored] == [
+        "Setting steplock_bulkhead_retry_after (CELERY_STEPLOCK_BULKHEAD_RETRY_AFTER) is "
+        "deprecated and ignored: steplock_concurrency_limit_retry_after is set."
+    ]
+
+    # An invalid value under the former name is refused naming the name it was set under.
+    bad = Settings(make_app(broker_url="redis://h/0", steplock_bulkhead_retry_after=0))
+    assert [exc.setting for exc in bad.problems()] == ["steplock_bulkhead_retry_after"]
+
+
+def test_a_former_setting_name_in_django_settings():
+    from celery_steplock.contrib.django import checks
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+        CELERY_STEPLOCK_BULKHEAD_RETRY_AFTER = 1.5
+        STEPLOCK_BULKHEAD_ON_STORE_ERROR = "fail_open"  # no namespace: never read
+
+    app = Celery("renamed", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    assert Settings(app).concurrency_limit_retry_after == 1.5
+    assert Settings(app).concurrency_limit_on_store_error == "fail_closed"
+    found = [(m.id, m.obj, m.hint) for m in checks.check_unknown_names(app, DjangoSettings)]
+    assert found == [
+        (
+            "celery_steplock.W005",
+            "STEPLOCK_BULKHEAD_ON_STORE_ERROR",
+            "Did you mean CELERY_STEPLOCK_CONCURRENCY_LIMIT_ON_STORE_ERROR?",
+        ),
+        (
+            "celery_steplock.W006",
+            "CELERY_STEPLOCK_BULKHEAD_RETRY_AFTER",
+            "Rename it to CELERY_STEPLOCK_CONCURRENCY_LIMIT_RETRY_AFTER.",
+        ),
+    ]
+
+
+def _reference():
+    """docs/_ext/steplock_reference.py, which generates the settings reference (it imports no
+    Sphinx until Sphinx calls its setup)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "_ext" / "steplock_reference.py"
+    spec = importlib.util.spec_from_file_location("steplock_reference_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generated_reference_lists_every_setting_with_an_anchor():
+    from celery_steplock.conf import RENAMED, SETTINGS
+
+    reference = _reference()
+    lines = reference.settings_lines()
+    targets = [line.split()[1] for line in lines if line.startswith("```{setting} ")]
+    assert targets == [s.qualified for s in SETTINGS]
+    for setting in SETTINGS:
+        term = lines[lines.index(f"```{{setting}} {setting.qualified}") + 3]
+        assert term.startswith(f"{{setting}}`{setting.qualified}` ")
+        assert f"``CELERY_{setting.qualified.upper()}``" in term
+        assert f"default ``{setting.default!r}``" in term
+        assert (setting.unit or "") in term
+        definition = lines[lines.index(term) + 1]
+        assert definition == ": " + " ".join(setting.description.split())
+    renamed = reference.renamed_settings_lines()
+    assert [line.split()[1] for line in renamed if line.startswith("```{setting} ")] == [
+        f"steplock_{old}" for old in RENAMED
+    ]
+    assert reference.setting_anchor("steplock_default_ttl") == "setting-steplock_default_ttl"
+
+
+def test_the_readme_points_to_the_reference_instead_of_a_table_of_its_own():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/reference/settings.md)" in section
+    assert "| `steplock_" not in section

@@ -405,3 +405,102 @@ def test_a_huge_keyword_name_gives_a_bounded_error_without_its_cause():
     assert caught.value.__cause__ is None and caught.value.__suppress_context__
     assert caught.value.argument == "x"
     assert len("".join(traceback.format_exception(caught.value))) < 5000
+
+
+# -- issue 23: every Redis key layout in keys.py, pinned to the strings deployments hold ----------
+
+
+def test_every_key_layout_is_pinned_to_todays_string():
+    from celery_steplock import keys
+
+    assert keys.lease_key("steplock", "order:42") == "steplock:lease:{order:42}"
+    assert keys.fence_key("steplock", "order:42") == "steplock:fence:{order:42}"
+    assert keys.waiters_key("steplock", "order:42") == "steplock:waiters:{order:42}"
+    assert keys.wake_key("steplock", "order:42") == "steplock:wake:{order:42}"
+    assert keys.lease_keys("p", ["a", "b:1"]) == ["p:lease:{a}", "p:lease:{b:1}"]
+    assert keys.released_channel("steplock", "order:42") == "steplock:released:{order:42}"
+    assert keys.breaker_key("steplock", "payments") == "steplock:breaker:{payments}"
+    assert keys.breaker_probes_key("steplock", "payments") == "steplock:breaker-probes:{payments}"
+    assert keys.breaker_keys("steplock", "payments") == [
+        "steplock:breaker:{payments}",
+        "steplock:breaker-probes:{payments}",
+    ]
+    assert keys.slot_name("tenant:42", 7) == "tenant:42}#7"
+    assert keys.slot_key("steplock", "tenant:42", 7) == "steplock:lease:{tenant:42}#7}"
+    assert keys.concurrency_keys("steplock", "tenant:42") == (
+        "steplock:bulkhead:{tenant:42}:fence",
+        "steplock:bulkhead:{tenant:42}:queue",
+        "steplock:bulkhead:{tenant:42}:alive",
+    )
+    assert keys.rate_limit_keys("steplock", "sw", "5:10.0", "t.a") == (
+        "steplock:rate:sw:5:10.0:{t.a}",
+        "steplock:rate:sw:5:10.0:queue:{t.a}",
+        "steplock:rate:sw:5:10.0:due:{t.a}",
+    )
+    assert keys.idempotency_record_key("steplock", "ab12") == "steplock:idem:{ab12}"
+
+
+def test_the_inverses_of_the_layouts():
+    from celery_steplock import keys
+
+    assert keys.name_from_key("steplock:lease:{tenant:42}#7}") == "tenant:42}#7"
+    assert keys.parse_slot_name(keys.slot_name("tenant:42", 7)) == ("tenant:42", 7)
+    assert keys.parse_slot_name("tenant:42") is None and keys.parse_slot_name("a}#x") is None
+    assert keys.breaker_name_from_key("p", keys.breaker_key("p", "pay")) == "pay"
+    assert keys.breaker_name_from_key("p", "p:breaker-probes:{pay}") is None
+    assert keys.breaker_name_from_key("p", "q:breaker:{pay}") is None
+
+
+def test_the_patterns_build_their_keys_with_todays_layouts(redis_client):
+    """The keys each pattern and the lease store hand Redis, byte for byte as before issue 23
+    (what a running deployment holds must stay readable)."""
+    import warnings
+
+    from celery_steplock.lock import RedisLeaseStore
+    from celery_steplock.patterns.breaker import CircuitBreaker
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit
+    from celery_steplock.patterns.idempotency import RedisRecords
+    from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
+
+    breaker = CircuitBreaker("payments", client=redis_client)
+    assert breaker.key == "steplock:breaker:{payments}"
+    assert breaker._keys("steplock") == [
+        "steplock:breaker:{payments}",
+        "steplock:breaker-probes:{payments}",
+    ]
+    assert ConcurrencyLimit.redis_keys("steplock", "tenant:42", 2) == [
+        "steplock:lease:{tenant:42}#0}",
+        "steplock:lease:{tenant:42}#1}",
+        "steplock:bulkhead:{tenant:42}:fence",
+        "steplock:bulkhead:{tenant:42}:queue",
+        "steplock:bulkhead:{tenant:42}:alive",
+    ]
+    assert SlidingWindow(5, 10).redis_key("steplock", "t.a") == (
+        "steplock:rate:sw:5:10.0:{t.a}",
+        "steplock:rate:sw:5:10.0:queue:{t.a}",
+        "steplock:rate:sw:5:10.0:due:{t.a}",
+    )
+    assert SlidingWindow(5, 1.5).redis_key("s", "n")[0] == "s:rate:sw:5:1.5:{n}"
+    assert TokenBucket(0.5, capacity=3).redis_key("steplock", "t.a") == (
+        "steplock:rate:tb:0.5:3:{t.a}",
+        "steplock:rate:tb:0.5:3:queue:{t.a}",
+        "steplock:rate:tb:0.5:3:due:{t.a}",
+    )
+    assert (
+        TokenBucket(1 / 3, capacity=3).redis_key("s", "n")[0]
+        == "s:rate:tb:0.3333333333333333:3:{n}"
+    )
+    assert RedisRecords(redis_client, "steplock").redis_key("abc") == "steplock:idem:{abc}"
+    store = RedisLeaseStore(redis_client, prefix="t")
+    assert store.key("order:42") == "t:lease:{order:42}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert store.channel("order:42") == "t:released:{order:42}"
+    # a renewal batch writes the same keys (seen in Redis: the hash it renews)
+    lease = store.acquire("order:42", ttl=5.0)
+    assert store.extend_many([("order:42", lease.owner, 9.0)]) == [True]
+    assert 5000 < redis_client.pttl("t:lease:{order:42}") <= 9000
+    assert sorted(redis_client.keys("t:*")) == [
+        "t:fence:{order:42}",
+        "t:lease:{order:42}",
+    ]

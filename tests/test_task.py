@@ -717,3 +717,192 @@ def test_an_impossible_step_id_fails_before_any_lease(redis_client, events):
     assert result.result.argument == "step_id" and "step_id='abc'" in str(result.result)
     assert events == [] and BODY_RUNS == []
     assert list(redis_client.scan_iter("steplock:*")) == []
+
+
+# -- one execution object, one table from exception to hook, the plan's CAS on its own path --
+
+from celery_steplock.contrib.django.steps import DjangoStepStore  # noqa: E402
+from celery_steplock.exceptions import AdmissionDenied  # noqa: E402
+from celery_steplock.execution import HOOKS, Execution, hook_for  # noqa: E402
+
+
+def test_one_table_names_the_hook_of_every_ending():
+    class Refused(AdmissionDenied):
+        pass
+
+    assert hook_for(LockContended("busy")) == "handle_contended"
+    assert hook_for(TransitionConflict("left from_")) == "handle_conflict"
+    assert hook_for(LockLost("lost")) == "handle_lost_lease"
+    assert hook_for(LockStoreUnavailable("down")) == "steplock_retry"
+    refused = Refused("later", retry_after=1.0)
+    assert hook_for(refused, gate=True) == "handle_denied"
+    assert hook_for(refused) is None  # the body's own AdmissionDenied is the body's outcome
+    assert hook_for(RuntimeError("the body's")) is None
+    assert all(callable(getattr(StepLockedTask, row.method)) for row in HOOKS.values())
+
+
+class SeeingTask(StepLockedTask):
+    """Records the execution each hook and the body see."""
+
+    seen = []
+
+    def handle_conflict(self, exc):
+        SeeingTask.seen.append(("conflict", self.steplock_execution))
+        return "already"
+
+    def before_commit(self, lease, step_id):
+        SeeingTask.seen.append(("before_commit", self.steplock_execution))
+
+
+@celery_app.task(
+    bind=True,
+    base=SeeingTask,
+    name="tests.seeing",
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+)
+def seeing(self, step_id, note="n"):
+    SeeingTask.seen.append(("body", self.steplock_execution))
+    return "body"
+
+
+def test_the_body_and_the_hooks_share_one_execution(redis_client):
+    SeeingTask.seen = []
+    step = Step.objects.create(name="s")
+    assert seeing.apply(args=(step.pk,)).get() == "body"
+    [(first, in_body), (second, in_hook)] = SeeingTask.seen
+    assert (first, second) == ("body", "before_commit")
+    assert isinstance(in_body, Execution) and in_hook is in_body
+    assert in_body.arguments == {"step_id": step.pk, "note": "n"}
+    assert (in_body.name, in_body.step_id, in_body.step) == (
+        f"step:{step.pk}",
+        step.pk,
+        f"workflows.step:{step.pk}",
+    )
+    assert in_body.lease.owner == in_body.owner and in_body.steps is not None
+    assert in_body.wait.seconds >= 0 and in_body.held.seconds >= 0
+    assert seeing.steplock_execution is None  # none outside a call
+
+    SeeingTask.seen = []
+    done = Step.objects.create(name="d", status="done")
+    assert seeing.apply(args=(done.pk,)).get() == "already"
+    [(hook, in_conflict)] = SeeingTask.seen
+    assert hook == "conflict"
+    assert in_conflict.step_id == done.pk and in_conflict.lease is not None
+
+
+def test_self_lease_is_the_body_s_window_not_the_signals_around_it(redis_client):
+    seen = []
+
+    def receiver(sender=None, signal=None, **kw):
+        seen.append((signal.name, sender.lease))
+
+    for signal in (signals.lock_acquired, signals.lock_released):
+        signal.connect(receiver, weak=False)
+    try:
+        step = Step.objects.create(name="s")
+        finish.apply(args=(step.pk,)).get()
+    finally:
+        for signal in (signals.lock_acquired, signals.lock_released):
+            signal.disconnect(receiver)
+    assert seen == [("lock_acquired", None), ("lock_released", None)]
+
+
+class DeadlineStore(DjangoStepStore):
+    """The Django store, recording the deadline of every CAS and every set_deadline."""
+
+    calls = []
+
+    def transition(self, step_id, from_, to, **kwargs):
+        DeadlineStore.calls.append(("cas", to, kwargs.get("deadline") is not None))
+        return super().transition(step_id, from_, to, **kwargs)
+
+    def set_deadline(self, seconds):
+        DeadlineStore.calls.append(("set_deadline", seconds > 0))
+        return super().set_deadline(seconds)
+
+
+class WrappingTask(StepLockedTask):
+    """Wraps the library's CAS, as the fault suite's barriers do."""
+
+    def transition(self, step_id, from_, to, **updates):
+        DeadlineStore.calls.append(("wrapped", to))
+        return super().transition(step_id, from_, to, **updates)
+
+
+class WritingTask(StepLockedTask):
+    """A transition() that writes by itself, without the library's CAS."""
+
+    def transition(self, step_id, from_, to, **updates):
+        DeadlineStore.calls.append(("wrote", to))
+        Step.objects.filter(pk=step_id, status=from_).update(status=to)
+
+
+STEP_OPTIONS = dict(
+    bind=True,
+    lock_key="step:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("running", "done"),
+    lock_precheck=False,  # the body moves the step to from_
+)
+
+
+@celery_app.task(base=StepLockedTask, name="tests.deadline_plain", **STEP_OPTIONS)
+def deadline_plain(self, step_id):
+    self.transition(step_id, "pending", "running")  # the body's own: no deadline
+
+
+@celery_app.task(base=WrappingTask, name="tests.deadline_wrapped", **STEP_OPTIONS)
+def deadline_wrapped(self, step_id):
+    Step.objects.filter(pk=step_id).update(status="running")
+
+
+@celery_app.task(base=WritingTask, name="tests.deadline_written", **STEP_OPTIONS)
+def deadline_written(self, step_id):
+    Step.objects.filter(pk=step_id).update(status="running")
+
+
+@pytest.fixture
+def deadline_calls(app):
+    set_settings(app, steplock_step_store=DeadlineStore)
+    DeadlineStore.calls = []
+    yield DeadlineStore.calls
+
+
+@pytest.mark.parametrize(
+    "task, expected",
+    [
+        # The plan's CAS (after the body) carries the deadline; the body's own does not.
+        (deadline_plain, [("cas", "running", False), ("cas", "done", True)]),
+        # Through a subclass's transition() calling the library's: still carried by the CAS.
+        (deadline_wrapped, [("wrapped", "done"), ("cas", "done", True)]),
+        # A transition() that writes by itself: the deadline is its own statement.
+        (deadline_written, [("wrote", "done"), ("set_deadline", True)]),
+    ],
+    ids=["plain", "wrapped", "written"],
+)
+def test_the_plan_s_cas_carries_the_deadline(redis_client, deadline_calls, task, expected):
+    step = Step.objects.create(name="s")
+    assert task.apply(args=(step.pk,)).get() is None
+    assert deadline_calls == expected
+    step.refresh_from_db()
+    assert step.status == "done"
+    assert list(redis_client.scan_iter("steplock:lease:*")) == []
+
+
+def test_without_a_transition_the_deadline_is_its_own_statement(redis_client, deadline_calls, app):
+    step = Step.objects.create(name="s")
+    assert phases.apply(args=(step.pk,)).get()[:2] == [True, True]
+    assert deadline_calls == [
+        ("cas", "running", False),
+        ("cas", "done", False),
+        ("set_deadline", True),
+    ]
+    set_settings(app, steplock_db_deadline=False)
+    DeadlineStore.calls.clear()
+    other = Step.objects.create(name="o")
+    deadline_plain.apply(args=(other.pk,)).get()
+    assert deadline_calls == [("cas", "running", False), ("cas", "done", False)]

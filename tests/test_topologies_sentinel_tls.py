@@ -22,15 +22,14 @@ from celery_steplock.lock import get_lease_store
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
-from helpers import wait_until
-from helpers import set_settings
+from tests.helpers import set_settings, wait_until
 from tests.support.sentinel import SentinelGroup
+from tests.support.topologies import PRIMARY_PASSWORD, SENTINEL_PASSWORD
 from tests.support.tls import TLSRedisServer, make_certificates, redis_has_tls
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_shape]
 
-PRIMARY_PASSWORD = "primary-secret"
-SENTINEL_PASSWORD = "sentinel-secret"
+# The session's group (``sentinel_group``) is tests/support/topologies.py's.
 
 HOLD = {"entered": {}, "go": threading.Event()}
 
@@ -168,17 +167,6 @@ def run_task_once(step):
 
 
 # -- Sentinel ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sentinel_group(tmp_path_factory):
-    group = SentinelGroup(
-        password=PRIMARY_PASSWORD,
-        sentinel_password=SENTINEL_PASSWORD,
-        workdir=tmp_path_factory.mktemp("sentinel"),
-    ).start()
-    yield group
-    group.stop()
 
 
 @pytest.fixture
@@ -413,7 +401,7 @@ def test_sentinel_failover_while_tasks_hold_leases(app, fresh_sentinel_group):
 
 
 @pytest.mark.workers
-def test_sentinel_real_workers_commit_once(start_worker, sentinel_group, redis_client):
+def test_sentinel_real_workers_commit_once(start_workers, sentinel_group, redis_client):
     """Two prefork workers (the broker on the session's Redis, the lease store through
     Sentinel, configured by Django settings) race on one step: one commit."""
     from django_app.workflows.tasks import advance
@@ -423,8 +411,7 @@ def test_sentinel_real_workers_commit_once(start_worker, sentinel_group, redis_c
         "STEPLOCK_REDIS_TRANSPORT_OPTIONS": json.dumps(sentinel_group.transport_options),
         "STEPLOCK_DEMO_STATS": 1,
     }
-    start_worker("s1", concurrency=1, **env)
-    start_worker("s2", concurrency=1, **env)
+    start_workers(dict(name="s1", concurrency=1, **env), dict(name="s2", concurrency=1, **env))
     primary = sentinel_group.node_client(sentinel_group.primary_port())
     try:
         primary.flushdb()

@@ -379,9 +379,16 @@ class WorkerProcess(ProcessGroup):
     def __repr__(self) -> str:
         return f"<WorkerProcess {self.name} pid={self.pid}>"
 
-    def start(self, timeout: float = 60.0) -> WorkerProcess:
-        """Start and wait for the ready line; on failure stop it and re-raise."""
+    def start(self, timeout: float = 60.0, wait: bool = True) -> WorkerProcess:
+        """Start and (unless ``wait`` is false) wait for the ready line; on failure stop it
+        and re-raise."""
         super().start()
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> WorkerProcess:
+        """Wait for the ready line of the last start(); on failure stop it and re-raise."""
         try:
             self.wait_for_log(self.ready_pattern, timeout)
         except BaseException:
@@ -400,8 +407,11 @@ def celery_worker(
     extra_args=(),
     timeout: float = 60.0,
     cwd: str | os.PathLike | None = None,
+    wait: bool = True,
 ) -> WorkerProcess:
-    """Start `celery -A app worker` as `name@host` and return it once it logged "ready."."""
+    """Start `celery -A app worker` as `name@host` and return it once it logged "ready."
+    (with ``wait=False`` at once: call its wait_ready() later, so that several workers start
+    side by side)."""
     argv = [
         sys.executable,
         "-m",
@@ -426,4 +436,4 @@ def celery_worker(
     if logfile is None:
         logfile = _default_logfile(f"celery-{name}-")
     worker = WorkerProcess(argv, name=name, env=env, cwd=cwd, logfile=logfile)
-    return worker.start(timeout)
+    return worker.start(timeout, wait=wait)

@@ -1,7 +1,8 @@
 """The admission gates (celery_steplock.patterns.gates) around a real execution: entry order,
 exit after COMMIT in reverse order, a denial re-queues without running the body, a replay
 ends with the recorded result, a failing exit never masks the outcome. The gates here are a
-test module of their own (``toy_gates``), listed in ``admission.GATES`` for these tests."""
+test module of their own (``toy_gates``), the only ones in ``patterns.GATE_REGISTRY`` for
+these tests."""
 
 import sys
 import types
@@ -9,6 +10,7 @@ import types
 import pytest
 from celery.exceptions import Retry
 
+from celery_steplock import patterns
 from celery_steplock.patterns import gates as admission
 from celery_steplock import plan as plan_module
 from celery_steplock.exceptions import AdmissionDenied, ImproperlyConfigured, LockLost, RateLimited
@@ -73,11 +75,15 @@ def _gate_module(name, option):
 
 
 @pytest.fixture
-def toy_gates(monkeypatch):
+def toy_gates(monkeypatch, app):  # app: the lease store on the session's Redis
     for name, option in (("toy_gates_first", "toy_first"), ("toy_gates_second", "toy_second")):
         monkeypatch.setitem(sys.modules, name, _gate_module(name, option))
-    monkeypatch.setattr(admission, "GATES", ("toy_gates_first", "toy_gates_second"))
-    names = plan_module.OPTION_NAMES | admission.gate_options()
+    toys = {
+        "toy_first": ("toy_gates_first", frozenset({"toy_first"})),
+        "toy_second": ("toy_gates_second", frozenset({"toy_second"})),
+    }
+    monkeypatch.setattr(patterns, "GATE_REGISTRY", toys)
+    names = plan_module.OPTION_NAMES | patterns.gate_options()
     monkeypatch.setattr(plan_module, "OPTION_NAMES", names)
     monkeypatch.setattr(plan_module, "_OPTION_ORDER", tuple(sorted(names)))
     CALLS.clear()

@@ -25,7 +25,7 @@ from celery_steplock.exceptions import (
 from celery_steplock.lock import RedisLeaseStore, make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
-from helpers import closed_port_url, set_settings
+from tests.helpers import closed_port_url, set_settings
 
 pytestmark = pytest.mark.no_database  # Redis only: runs once, in the SQLite pass
 

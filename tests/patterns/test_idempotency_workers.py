@@ -7,11 +7,11 @@ call runs again exactly once."""
 import pytest
 
 from tests.support.servers import wait_until
-from tests.idempotency_tasks import charge, flaky
+from tests.patterns.idempotency_tasks import charge, flaky
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-INCLUDE = ("--include", "tests.idempotency_tasks")
+INCLUDE = ("--include", "tests.patterns.idempotency_tasks")
 
 
 def count(redis_client, name):
@@ -47,9 +47,11 @@ def test_a_failed_call_runs_again_in_a_worker(start_worker, redis_client):
     assert count(redis_client, "idem:flaky:5") == 2
 
 
-def test_concurrent_first_calls_in_two_workers_run_the_body_once(start_worker, redis_client):
-    start_worker("c1", concurrency=2, extra_args=INCLUDE)
-    start_worker("c2", concurrency=2, extra_args=INCLUDE)
+def test_concurrent_first_calls_in_two_workers_run_the_body_once(start_workers, redis_client):
+    start_workers(
+        dict(name="c1", concurrency=2, extra_args=INCLUDE),
+        dict(name="c2", concurrency=2, extra_args=INCLUDE),
+    )
     results = [charge.apply_async((2, 7), {"sleep": 1.0}) for _ in range(6)]
     values = [r.get(timeout=60) for r in results]
     assert count(redis_client, "idem:starts:2") == 1

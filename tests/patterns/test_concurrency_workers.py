@@ -4,7 +4,7 @@ key at a time, by a checker over the recorded (start, end) of every unit of work
 ``TIME``), which flags the same run without the limit (the negative control); a holder
 SIGKILLed leaves its slot to the TTL and the next waiter runs; a holder SIGSTOPped past its
 TTL loses its slot to the next one, stops counting as a holder when it resumes, and its
-release leaves the new holder's slot alone. Tasks: tests/bulkhead_tasks.py."""
+release leaves the new holder's slot alone. Tasks: tests/patterns/concurrency_tasks.py."""
 
 import json
 import os
@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from tests import bulkhead_tasks as tasks
+from tests.patterns import concurrency_tasks as tasks
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-INCLUDE = ("-I", "tests.bulkhead_tasks")
+INCLUDE = ("-I", "tests.patterns.concurrency_tasks")
 TTL = 2.0  # the workers' lease TTL (STEPLOCK_TTL in worker_env): the slots' too
 
 
@@ -54,9 +54,11 @@ def holder(redis_client, group, n):
     return json.loads(value) if value else None
 
 
-def test_never_more_than_n_at_once_on_prefork_and_threads_workers(start_worker, redis_client):
-    start_worker("bkp", concurrency=2, extra_args=INCLUDE)
-    start_worker("bkt", concurrency=2, pool="threads", extra_args=INCLUDE)
+def test_never_more_than_n_at_once_on_prefork_and_threads_workers(start_workers, redis_client):
+    start_workers(
+        dict(name="bkp", concurrency=2, extra_args=INCLUDE),
+        dict(name="bkt", concurrency=2, pool="threads", extra_args=INCLUDE),
+    )
     count = 10
     for n in range(count):
         tasks.limited.delay("lim", n, units=1, unit_seconds=0.3)
@@ -88,10 +90,12 @@ def test_never_more_than_n_at_once_on_prefork_and_threads_workers(start_worker, 
 
 
 def test_a_sigkilled_holder_leaves_its_slot_to_the_ttl_and_the_waiter_runs(
-    start_worker, redis_client
+    start_workers, redis_client
 ):
-    doomed = start_worker("bkdoomed", concurrency=1, extra_args=(*INCLUDE, "-Q", "bkdoomed"))
-    start_worker("bknext", concurrency=2, pool="threads", extra_args=INCLUDE)
+    doomed, _ = start_workers(
+        dict(name="bkdoomed", concurrency=1, extra_args=(*INCLUDE, "-Q", "bkdoomed")),
+        dict(name="bknext", concurrency=2, pool="threads", extra_args=INCLUDE),
+    )
     tasks.single.apply_async(("kill", 0), {"units": 100, "unit_seconds": 0.1}, queue="bkdoomed")
     held = wait_until(lambda: holder(redis_client, "kill", 0), timeout=30, what="the first holder")
     assert held["pid"] in doomed.children_pids(recursive=True)  # a prefork child holds it
@@ -124,10 +128,12 @@ def test_a_sigkilled_holder_leaves_its_slot_to_the_ttl_and_the_waiter_runs(
 
 
 def test_a_sigstopped_holder_loses_its_slot_and_its_release_frees_nothing(
-    start_worker, redis_client
+    start_workers, redis_client
 ):
-    stopped = start_worker("bkstopped", concurrency=1, extra_args=(*INCLUDE, "-Q", "bkstop"))
-    start_worker("bkrunner", concurrency=2, pool="threads", extra_args=INCLUDE)
+    stopped, _ = start_workers(
+        dict(name="bkstopped", concurrency=1, extra_args=(*INCLUDE, "-Q", "bkstop")),
+        dict(name="bkrunner", concurrency=2, pool="threads", extra_args=INCLUDE),
+    )
     tasks.single.apply_async(("stop", 0), {"units": 60, "unit_seconds": 0.1}, queue="bkstop")
     first = wait_until(
         lambda: holder(redis_client, "stop", 0), timeout=30, what="the first holder"

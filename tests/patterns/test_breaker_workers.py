@@ -4,7 +4,8 @@ of another; exactly one half-open probe runs at a time across workers while many
 compete; a non-retryable error is never retried, a retryable one is, up to max_attempts;
 retries while the breaker is OPEN never call the dependency.
 
-The tasks below are imported by the workers too (``-I test_breaker_workers``). The
+The tasks below are imported by the workers too (``-I test_breaker_workers``, this folder
+on their path). The
 "dependency" they call is a Redis counter, so the test reads what every process did.
 """
 
@@ -20,7 +21,8 @@ from celery_steplock.patterns.retry import RetryPolicy
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 OPENED = CircuitBreaker("brk-open", failure_threshold=3, window=3, recovery_timeout=120)
 PROBED = CircuitBreaker(
@@ -138,18 +140,23 @@ def retried_open_call(self, n):
 workers = pytest.mark.workers
 
 
-def _worker(start_worker, name, concurrency=1):
-    return start_worker(
-        name,
+def _spec(name, concurrency=1):
+    """start_worker's arguments for a worker that imports this module's tasks."""
+    return dict(
+        name=name,
         concurrency=concurrency,
         BRK_WORKER=1,
-        PYTHONPATH=f"{os.path.dirname(TESTS)}{os.pathsep}{TESTS}",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}",
         extra_args=("-I", "test_breaker_workers"),
     )
 
 
+def _worker(start_worker, name, concurrency=1):
+    return start_worker(**_spec(name, concurrency))
+
+
 def _wait(predicate, what, timeout=60.0):
-    from helpers import wait_until
+    from tests.helpers import wait_until
 
     return wait_until(predicate, timeout, 0.05, what)
 
@@ -189,11 +196,10 @@ def test_a_breaker_opened_by_one_worker_stops_the_calls_of_another(start_worker,
 @workers
 @pytest.mark.django_db(transaction=True)
 def test_exactly_one_half_open_probe_at_a_time_across_workers(
-    start_worker, redis_client, celery_app_configured
+    start_workers, redis_client, celery_app_configured
 ):
     redis_client.set("brk:mode", "ok")
-    _worker(start_worker, "w1", concurrency=3)
-    _worker(start_worker, "w2", concurrency=3)
+    start_workers(_spec("w1", concurrency=3), _spec("w2", concurrency=3))
     with pytest.raises(ConnectionError):  # opened from here: one failure of a window of one
         PROBED.bind(celery_app_configured).call(
             lambda: (_ for _ in ()).throw(ConnectionError("down"))

@@ -25,7 +25,7 @@ from celery_steplock.exceptions import (
 )
 from celery_steplock.lock import make_client
 from celery_steplock.patterns.retry import NonRetryable
-from helpers import closed_port_url
+from tests.helpers import closed_port_url
 
 pytestmark = pytest.mark.no_database  # runs once, in the SQLite pass
 
@@ -405,13 +405,13 @@ def test_prometheus_counts_transitions_rejections_and_decisions(redis_client):
 
 def test_the_outage_setting_is_validated_and_used(app, redis_client):
     from celery_steplock.conf import Settings
-    from helpers import set_settings
+    from tests.helpers import set_settings
 
     assert Settings(app).breaker_on_store_error == "fail_closed"
     set_settings(app, steplock_breaker_on_store_error="fail_open")
     assert Settings(app).breaker_on_store_error == "fail_open"
     dead = CircuitBreaker("dep", app=app)
-    assert dead._target()[2] == "fail_open"
+    assert dead._policy() == "fail_open"
     set_settings(app, steplock_breaker_on_store_error="sometimes")
     problems = [p.setting for p in Settings(app).problems()]
     assert problems == ["steplock_breaker_on_store_error"]

@@ -5,6 +5,7 @@ back, bad values are named by the checks, and the retry policy retries through C
 
 import pytest
 
+from celery_steplock import patterns
 from celery_steplock.patterns import gates as admission
 from celery_steplock import plan as plan_module
 from celery_steplock.patterns.breaker import CLOSED, OPEN, BreakerGate, CircuitBreaker
@@ -63,7 +64,7 @@ def clean(app, redis_client):
 
 
 def test_the_gate_is_registered_in_its_slot():
-    assert "celery_steplock.patterns.breaker" in admission.GATES
+    assert "celery_steplock.patterns.breaker" in patterns.GATES
     assert {"circuit_breaker", "retry_policy"} <= plan_module.OPTION_NAMES
     assert [type(g) for g in guarded.steplock_plan.gates] == [BreakerGate]
 

@@ -9,13 +9,8 @@ import pytest
 
 from celery_steplock import RateLimited, SlidingWindow, TokenBucket, signals
 from celery_steplock.exceptions import ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
-from celery_steplock.patterns.ratelimit import (
-    TICKETS_HEADER,
-    bucket_excess,
-    gate,
-    max_in_window,
-    parse_rate,
-)
+from celery_steplock.patterns.ratelimit import TICKETS_HEADER, gate, parse_rate
+from tests.support.oracles import bucket_excess, max_in_window
 
 
 def _wait_until(moment: float, client) -> None:

@@ -9,7 +9,8 @@ import time
 import pytest
 from kombu.serialization import dumps
 
-from celery_steplock.patterns import gates as admission, idempotency
+from celery_steplock import patterns
+from celery_steplock.patterns import idempotency
 from celery_steplock import signals
 from celery_steplock.exceptions import (
     IdempotencyError,
@@ -425,7 +426,7 @@ def body():
 
 @pytest.mark.django_db(transaction=True)
 def test_the_task_option_replays_and_is_the_first_gate(app, redis_client, body, seen):
-    assert admission.GATES[0] == "celery_steplock.patterns.idempotency"
+    assert patterns.GATES[0] == "celery_steplock.patterns.idempotency"
     assert pay.apply(args=(1, 10)).get() == {"paid": 10, "n": 1}
     assert pay.apply(args=(1, 10)).get() == {"paid": 10, "n": 1}
     assert body == [(1, 10)]
@@ -514,27 +515,6 @@ def test_bad_task_options_are_reported_by_name(app):
         )(echo)
         problems = plan_module.option_problems(task)
         assert [p.setting for p in problems] == [option], (option, value, problems)
-
-
-@pytest.mark.no_database
-def test_every_transition_runs_under_the_least_privilege_acl(private_redis):
-    from tests.support.acl import create_user
-
-    client = make_client(create_user(private_redis))
-    policy = Idempotency("tests.acl", client=client, secret=SECRET, prefix="steplock")
-    failed = policy.begin("a", {"x": 1})
-    assert failed.fail(ValueError("x")) is True
-    again = policy.begin("a", {"x": 1})
-    assert again.complete({"ok": 1}) is True
-    assert policy.begin("a", {"x": 1}).result == {"ok": 1}
-    assert policy.get("a").status == "completed"
-    released = policy.begin("b", {"x": 1})
-    assert released.release() is True and policy.get("b") is None
-    policy.store.cache(policy.get("a"), 10)  # the database store's cache copy
-    assert policy.get("a").payload == '{"ok": 1}'
-    assert policy.invalidate("a") is True
-    with pytest.raises(Exception):  # the user's keys are <prefix>:* only
-        Idempotency("tests.acl", client=client, secret=SECRET, prefix="other").begin("c", {})
 
 
 @pytest.mark.no_database

@@ -1,7 +1,7 @@
 """Cluster-wide rate limits across real workers: two ``celery worker`` instances (one
 prefork, one threads pool; two processes or threads each) run rate-limited tasks, every
 execution appends its grant and start times (Redis TIME) to a list, and the checkers of
-celery_steplock.patterns.ratelimit judge the whole history: no window of the configured length holds
+tests/support/oracles.py judge the whole history: no window of the configured length holds
 more starts than the limit, no interval more than ``capacity + rate * t``. The negative
 control runs the same checker on Celery's own per-worker ``rate_limit`` with the same
 figures, which the two workers together exceed."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from celery_steplock.patterns.ratelimit import bucket_excess, max_in_window
+from tests.support.oracles import bucket_excess, max_in_window
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.no_database]
 
@@ -36,7 +36,8 @@ def workers(worker_env, tmp_path):
     }
     started = []
     try:
-        # A queue each, so that both certainly run their share of every limit.
+        # A queue each, so that both certainly run their share of every limit; started side
+        # by side, then waited for.
         for name, pool in (("rl-prefork", "prefork"), ("rl-threads", "threads")):
             started.append(
                 servers.celery_worker(
@@ -48,12 +49,15 @@ def workers(worker_env, tmp_path):
                     logfile=tmp_path / f"{name}.log",
                     cwd=ROOT,
                     extra_args=("-Q", f"q.{name}"),
+                    wait=False,
                 )
             )
+        for worker in started:
+            worker.wait_ready()
         yield started
     finally:
         for worker in started:
-            worker.terminate()
+            worker.kill()  # the test is over: no warm shutdown (tests/conftest.py)
 
 
 def _history(redis_client, count, timeout=45.0):

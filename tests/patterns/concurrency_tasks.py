@@ -1,5 +1,5 @@
-"""Tasks of the concurrency-limit evidence (tests/test_bulkhead_workers.py), loaded by the
-real workers with ``--include tests.bulkhead_tasks``.
+"""Tasks of the concurrency-limit evidence (tests/patterns/test_concurrency_workers.py), loaded by
+the real workers with ``--include tests.patterns.concurrency_tasks``.
 
 Each body works in units and records every unit it completed while holding its slot as
 ``[n, start, end, pid, fence]`` (Redis ``TIME`` seconds) in the list ``bk:runs:<group>``: a
