@@ -109,9 +109,9 @@ def __getattr__(name: str):
 
         return getattr(idempotency, name)
     if name in ("ConcurrencyLimit", "ConcurrencyLimited"):
-        from .patterns import concurrency as bulkhead
+        from .patterns import concurrency
 
-        return getattr(bulkhead, name)
+        return getattr(concurrency, name)
     if name in _RENAMED:
         new_name = _RENAMED[name]
         warnings.warn(

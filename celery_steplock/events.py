@@ -96,15 +96,30 @@ def log_event(
         pass
 
 
-def lease_fields(lease) -> dict[str, Any]:
+def lease_fields(
+    lease, task_id: str | None = None, task_name: str | None = None
+) -> dict[str, Any]:
     """The payload fields of a lease.
 
     Args:
-        lease: A :class:`~celery_steplock.lease.Lease`.
+        lease: A :class:`~celery_steplock.lease.Lease`, or None (no lease held).
+        task_id: The ``task_id`` without a lease.
+        task_name: The ``task_name`` without a lease.
 
     Returns:
-        Its ``key``, ``name``, ``owner``, ``fence``, ``task_id``, ``task_name`` and ``ttl``.
+        Its ``key``, ``name``, ``owner``, ``fence``, ``task_id``, ``task_name`` and ``ttl``;
+        without a lease, None but for ``task_id`` and ``task_name``.
     """
+    if lease is None:
+        return {
+            "key": None,
+            "name": None,
+            "owner": None,
+            "fence": None,
+            "task_id": task_id,
+            "task_name": task_name,
+            "ttl": None,
+        }
     return {
         "key": lease.key,
         "name": lease.name,

@@ -76,6 +76,17 @@ __all__ = [
 class StepLockError(Exception):
     """Base class of every celery-steplock error (the tree is in the module docstring)."""
 
+    # A subclass with keyword-only attributes pickles them, in this order, through the
+    # module function named by _rebuilder (pickles of earlier releases name it too).
+    _pickled: tuple[str, ...] = ()
+    _rebuilder = ""
+
+    def __reduce__(self) -> Any:
+        if not self._pickled:
+            return super().__reduce__()
+        values = tuple(getattr(self, name) for name in self._pickled)
+        return globals()[self._rebuilder], (type(self), str(self), *values)
+
 
 #: The longest message of ImproperlyConfigured and LockNameError, characters.
 MAX_MESSAGE_LENGTH = 2000
@@ -422,29 +433,9 @@ class AdmissionDenied(StepLockError):
         wait = max(0.05, self.retry_after)
         return full_jitter(wait, after=wait)
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Pickled into result backends and across eager retries: keep the figures.
-        return _rebuild_denied, (
-            type(self),
-            str(self),
-            self.retry_after,
-            self.option,
-            self.key,
-            self.limit,
-            self.context,
-        )
-
-
-def _rebuild_denied(
-    cls: type[AdmissionDenied],
-    message: str,
-    retry_after: float,
-    option: str | None,
-    key: str | None,
-    limit: str | None,
-    context: dict[str, Any],
-) -> AdmissionDenied:
-    return cls(message, retry_after=retry_after, option=option, key=key, limit=limit, **context)
+    # Pickled into result backends and across eager retries: keep the figures.
+    _pickled: tuple[str, ...] = ("retry_after", "option", "key", "limit", "context")
+    _rebuilder = "_rebuild_denied"
 
 
 class RateLimited(AdmissionDenied):
@@ -505,24 +496,8 @@ class IdempotencyError(StepLockError):
         self.namespace = namespace
         self.version = version
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _rebuild_idempotency, (
-            type(self),
-            str(self),
-            self.key,
-            self.namespace,
-            self.version,
-        )
-
-
-def _rebuild_idempotency(
-    cls: type[IdempotencyError],
-    message: str,
-    key: str | None,
-    namespace: str | None,
-    version: str | None,
-) -> IdempotencyError:
-    return cls(message, key=key, namespace=namespace, version=version)
+    _pickled: tuple[str, ...] = ("key", "namespace", "version")
+    _rebuilder = "_rebuild_idempotency"
 
 
 class IdempotencyKeyReused(IdempotencyError, ValueError):
@@ -559,26 +534,28 @@ class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
         self.namespace = namespace
         self.version = version
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _rebuild_in_progress, (
-            type(self),
-            str(self),
-            self.retry_after,
-            self.key,
-            self.namespace,
-            self.version,
-        )
+    _pickled = ("retry_after", "key", "namespace", "version")
+    _rebuilder = "_rebuild_in_progress"
+
+
+def _rebuild(cls: type[StepLockError], message: str, values: tuple[Any, ...]) -> StepLockError:
+    fields = dict(zip(cls._pickled, values))
+    return cls(message, **fields.pop("context", {}), **fields)
+
+
+# One function per family of fields, under the names pickles of earlier releases hold.
+def _rebuild_denied(cls: type[AdmissionDenied], message: str, *values: Any) -> StepLockError:
+    return _rebuild(cls, message, values)
+
+
+def _rebuild_idempotency(cls: type[IdempotencyError], message: str, *values: Any) -> StepLockError:
+    return _rebuild(cls, message, values)
 
 
 def _rebuild_in_progress(
-    cls: type[IdempotencyInProgress],
-    message: str,
-    retry_after: float,
-    key: str | None,
-    namespace: str | None,
-    version: str | None,
-) -> IdempotencyInProgress:
-    return cls(message, retry_after=retry_after, key=key, namespace=namespace, version=version)
+    cls: type[IdempotencyInProgress], message: str, *values: Any
+) -> StepLockError:
+    return _rebuild(cls, message, values)
 
 
 #: The errors a task may retry safely: the body did not commit.

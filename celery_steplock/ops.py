@@ -257,33 +257,44 @@ _LOGGED = (
 )
 
 
-def _log(
-    record: ForcedRelease,
-    sender: Any,
-    level: int = logging.WARNING,
-    event: str = "force_release_audit",
-) -> None:
-    """One audit line (logfmt, every field quoted as needed) and the audit signal."""
+def _audit_line(record: Any, sender: Any, signal: Any, logged: tuple[str, ...]) -> None:
+    """One audit line (WARNING, logfmt: the ``logged`` fields that have a value) and the
+    audit ``signal`` with every field of ``record``."""
+    event = signal.name
     data = record.fields()
-    log_event(event, level, **{k: data[k] for k in _LOGGED if data.get(k) not in (None, "")})
-    if event == "force_release_audit":
-        try:
-            signals.force_release_audit.send(sender=sender, event=event, **data)
-        except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
-            log_event("receiver_failed", logging.ERROR, exc_info=True, signal=event)
+    log_event(
+        event, logging.WARNING, **{k: data[k] for k in logged if data.get(k) not in (None, "")}
+    )
+    try:
+        signal.send(sender=sender, event=event, **data)
+    except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
+        log_event("receiver_failed", logging.ERROR, exc_info=True, signal=event)
 
 
-def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
-    _log(record, sender)
+def _record_outcome(auditor: Any, record: Any) -> Exception | None:
+    """``auditor.finished(record)``; its error (None: recorded) is noted on ``record``:
+    the outcome stands, its record failed."""
     try:
         auditor.finished(record)
     except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
         record.outcome_recorded = False
         record.outcome_error = redact(f"{type(exc).__name__}: {exc}")
+        return exc
+    return None
+
+
+def _log(record: ForcedRelease, sender: Any) -> None:
+    _audit_line(record, sender, signals.force_release_audit, _LOGGED)
+
+
+def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
+    _log(record, sender)
+    failed = _record_outcome(auditor, record)
+    if failed is not None:
         log_event(
             "force_release_outcome_unrecorded",
             logging.ERROR,
-            exc_info=True,
+            exc_info=failed,
             name=record.name,
             owner=record.owner,
             outcome=record.outcome,
@@ -621,16 +632,7 @@ _OVERRIDE_LOGGED = (
 
 
 def _log_override(record: BreakerOverride, sender: Any) -> None:
-    data = record.fields()
-    log_event(
-        "circuit_override_audit",
-        logging.WARNING,
-        **{k: data[k] for k in _OVERRIDE_LOGGED if data.get(k) not in (None, "")},
-    )
-    try:
-        signals.circuit_override_audit.send(sender=sender, event="circuit_override_audit", **data)
-    except Exception:  # noqa: BLE001 - Celery's send is robust; this guards the rest
-        log_event("receiver_failed", logging.ERROR, exc_info=True, signal="circuit_override_audit")
+    _audit_line(record, sender, signals.circuit_override_audit, _OVERRIDE_LOGGED)
 
 
 def override_breaker(
@@ -713,11 +715,7 @@ def override_breaker(
         raise
     finally:
         _log_override(record, sender)
-        try:
-            auditor.finished(record)
-        except Exception as exc:  # noqa: BLE001 - the outcome stands; its record failed
-            record.outcome_recorded = False
-            record.outcome_error = redact(f"{type(exc).__name__}: {exc}")
+        if _record_outcome(auditor, record) is not None:
             log_event(
                 "circuit_override_outcome_unrecorded",
                 logging.ERROR,

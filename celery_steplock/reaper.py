@@ -63,6 +63,14 @@ MAX_RECORDS = 1000
 DEFAULT_STEP_RECOVERY = "celery_steplock.contrib.django.recovery:recover_steps"
 
 
+def _listed(records: list[dict[str, Any]], info: dict[str, Any]) -> int:
+    """Append ``info`` to ``records`` below :data:`MAX_RECORDS`; 1 when it is only counted."""
+    if len(records) < MAX_RECORDS:
+        records.append(info)
+        return 0
+    return 1
+
+
 @dataclass
 class ReapReport:
     """What one :func:`reap` run found and did.
@@ -121,10 +129,7 @@ class ReapReport:
         Args:
             info: The lease's dict, as :attr:`leases_reaped` holds them.
         """
-        if len(self.leases_reaped) < MAX_RECORDS:
-            self.leases_reaped.append(info)
-        else:
-            self._reaped_unlisted += 1
+        self._reaped_unlisted += _listed(self.leases_reaped, info)
 
     def add_recovered(self, info: dict[str, Any]) -> None:
         """List a recovered step (counted only, beyond :data:`MAX_RECORDS`).
@@ -132,10 +137,7 @@ class ReapReport:
         Args:
             info: The step's dict, as :attr:`steps_recovered` holds them.
         """
-        if len(self.steps_recovered) < MAX_RECORDS:
-            self.steps_recovered.append(info)
-        else:
-            self._recovered_unlisted += 1
+        self._recovered_unlisted += _listed(self.steps_recovered, info)
 
     def as_dict(self) -> dict[str, Any]:
         """The report as data.
@@ -743,16 +745,15 @@ class Reaper:
                 continue
             reaped += 1
             if not self.dry_run:
+                sender = self.sender(lease.get("task_name"))
+                held = {
+                    k: info[k] for k in ("key", "name", "owner", "fence", "task_id", "task_name")
+                }
                 emit(
                     signals.lock_expired,
-                    self.sender(lease.get("task_name")),
+                    sender,
                     logging.DEBUG,
-                    key=info["key"],
-                    name=info["name"],
-                    owner=info["owner"],
-                    fence=info["fence"],
-                    task_id=info["task_id"],
-                    task_name=info["task_name"],
+                    **held,
                     ttl=(_int(lease.get("ttl_ms")) or 0) / 1000.0 or None,
                     ttl_left=info["ttl"],
                     reason=f"reaped: {reason}",
@@ -764,14 +765,9 @@ class Reaper:
                 if lease.get("kind") == "slot":  # a concurrency limit's slot (bulkhead)
                     emit(
                         signals.slot_expired,
-                        self.sender(lease.get("task_name")),
+                        sender,
                         logging.WARNING,
-                        key=info["key"],
-                        name=info["name"],
-                        owner=info["owner"],
-                        fence=info["fence"],
-                        task_id=info["task_id"],
-                        task_name=info["task_name"],
+                        **held,
                         ttl=info["ttl"],
                         limit_key=lease.get("limit_key"),
                         reason=f"reaped: {reason}",

@@ -288,18 +288,10 @@ def load_step_store(
             about the model.
     """
     factory = step_store_factory(spec, setting)
-    if using is None:
-        return cast(
-            StepStore,
-            factory(
-                model,
-                status_field=status_field,
-                owner_field=owner_field,
-                fence_field=fence_field,
-                transitions=transitions,
-            ),
-        )
-    check_known_database(factory, using, using_setting)
+    database: dict[str, str] = {}
+    if using is not None:
+        check_known_database(factory, using, using_setting)
+        database["using"] = using
     return cast(
         StepStore,
         factory(
@@ -308,7 +300,7 @@ def load_step_store(
             owner_field=owner_field,
             fence_field=fence_field,
             transitions=transitions,
-            using=using,
+            **database,
         ),
     )
 

@@ -331,19 +331,7 @@ class StepLockedTask(_TaskBase):
                     # From here to COMMIT the transaction lives no longer than the lease may:
                     # a holder stopped after its CAS can neither commit late nor hold the row.
                     deadline = lease.remaining()
-        fields = (
-            lease_fields(lease)
-            if lease is not None
-            else {
-                "key": None,
-                "name": None,
-                "owner": None,
-                "fence": None,
-                "task_id": self.request.id,
-                "task_name": self.name,
-                "ttl": None,
-            }
-        )
+        fields = lease_fields(lease, self.request.id, self.name)
         try:
             with tracing.phase("cas") as cas:
                 result = steps.transition(

@@ -124,91 +124,88 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "steplock"):
         self.registry = REGISTRY if registry is None else registry
-        kw: dict[str, Any] = {"registry": self.registry}
-        self.events = Counter(
-            f"{prefix}_events",
-            "celery-steplock signals sent, by event and task",
-            ["event", "task"],
-            **kw,
+
+        def metric(kind: Any, name: str, doc: str, labels: list[str], **options: Any) -> Any:
+            return kind(f"{prefix}_{name}", doc, labels, registry=self.registry, **options)
+
+        self.events = metric(
+            Counter, "events", "celery-steplock signals sent, by event and task", ["event", "task"]
         )
-        self.outcomes = Counter(
-            f"{prefix}_outcomes",
+        self.outcomes = metric(
+            Counter,
+            "outcomes",
             "Outcomes of lease and transition events, by task",
             ["task", "outcome"],
-            **kw,
         )
-        self.wait = Histogram(
-            f"{prefix}_wait_seconds",
+        self.wait = metric(
+            Histogram,
+            "wait_seconds",
             "Time to acquire a lease (granted or contended), seconds",
             ["task"],
             buckets=WAIT_BUCKETS,
-            **kw,
         )
-        self.hold = Histogram(
-            f"{prefix}_hold_seconds",
+        self.hold = metric(
+            Histogram,
+            "hold_seconds",
             "Time a lease was held, grant to release, seconds",
             ["task"],
             buckets=HOLD_BUCKETS,
-            **kw,
         )
-        self.cas = Histogram(
-            f"{prefix}_cas_seconds",
+        self.cas = metric(
+            Histogram,
+            "cas_seconds",
             "Duration of a committed compare-and-swap, seconds",
             ["task"],
             buckets=DB_BUCKETS,
-            **kw,
         )
-        self.commit = Histogram(
-            f"{prefix}_commit_seconds",
+        self.commit = metric(
+            Histogram,
+            "commit_seconds",
             "Duration of the COMMIT after a compare-and-swap, seconds",
             ["task"],
             buckets=DB_BUCKETS,
-            **kw,
         )
-        self.idempotency = Counter(
-            f"{prefix}_idempotency",
+        self.idempotency = metric(
+            Counter,
+            "idempotency",
             "Idempotency record decisions, by namespace (task, function or view) and outcome",
             ["namespace", "outcome"],
-            **kw,
         )
-        self.circuit_transitions = Counter(
-            f"{prefix}_circuit_transitions",
+        self.circuit_transitions = metric(
+            Counter,
+            "circuit_transitions",
             "Circuit breaker state changes, by breaker, new state and whether an operator made it",
             ["breaker", "state", "manual"],
-            **kw,
         )
-        self.circuit_rejected = Counter(
-            f"{prefix}_circuit_rejected",
-            "Calls refused by an open circuit breaker",
-            ["breaker"],
-            **kw,
+        self.circuit_rejected = metric(
+            Counter, "circuit_rejected", "Calls refused by an open circuit breaker", ["breaker"]
         )
-        self.retry_decisions = Counter(
-            f"{prefix}_retry_decisions",
+        self.retry_decisions = metric(
+            Counter,
+            "retry_decisions",
             "Retry policy decisions after a failed attempt",
             ["task", "decision"],
-            **kw,
         )
-        self.held = Gauge(
-            f"{prefix}_leases_held",
+        self.held = metric(
+            Gauge,
+            "leases_held",
             "Leases held by live processes",
             ["task"],
             multiprocess_mode="livesum",
-            **kw,
         )
-        self.slots = Gauge(
-            f"{prefix}_slots_held",
+        self.slots = metric(
+            Gauge,
+            "slots_held",
             "Concurrency-limit slots held by live processes",
             ["task"],
             multiprocess_mode="livesum",
-            **kw,
         )
         self._slots: dict[tuple[str, str], str] = {}
-        self.rate_decisions = Counter(
-            f"{prefix}_rate_limit_decisions",
+        self.rate_decisions = metric(
+            Counter,
+            "rate_limit_decisions",
             "Cluster-wide rate-limit decisions, by task, limit and decision (allowed, limited)",
             ["task", "limit", "decision"],
-            **kw,
         )
         # (key, owner) of the leases this process holds: a lease lost and then released (or
         # another process's lease released by an operator) is never counted twice.

@@ -1,4 +1,4 @@
-"""Cluster-wide concurrency limit (bulkhead): at most N executions per key at once, across
+"""Cluster-wide concurrency limit (the bulkhead pattern): at most N executions per key at once, across
 every worker of the cluster.
 
 A limit of N on the key ``K`` is N possible **slots**, each an ordinary lease of the lease
@@ -182,8 +182,8 @@ class ConcurrencyLimit:
     renewal; None: the task's lease TTL (``lock_ttl``), or ``steplock_default_ttl`` for the
     plain API. ``on_store_error``: ``"fail_closed"`` (Redis down: the task is retried, the
     plain API raises :class:`LockStoreUnavailable`) or ``"fail_open"`` (it runs without a
-    slot); None: ``steplock_bulkhead_on_store_error``. ``retry_after``: seconds at most a
-    denied execution is told to wait (None: ``steplock_bulkhead_retry_after``).
+    slot); None: ``steplock_concurrency_limit_on_store_error``. ``retry_after``: seconds at most a
+    denied execution is told to wait (None: ``steplock_concurrency_limit_retry_after``).
     ``waiter_ttl``: seconds a waiter's place is kept without it coming back (None: ten
     times ``retry_after``, at least 10).
 
@@ -268,15 +268,15 @@ class ConcurrencyLimit:
             settings: the app's settings (None: no app).
 
         Returns:
-            ``on_store_error``, else ``steplock_bulkhead_on_store_error``, else
+            ``on_store_error``, else ``steplock_concurrency_limit_on_store_error``, else
             ``"fail_closed"``.
         """
-        return resolve_policy(self.on_store_error, settings, "bulkhead_on_store_error")
+        return resolve_policy(self.on_store_error, settings, "concurrency_limit_on_store_error")
 
     def max_retry_after(self, settings: Any = None) -> float:
         if self.retry_after is not None:
             return self.retry_after
-        return settings.bulkhead_retry_after if settings is not None else 0.5
+        return settings.concurrency_limit_retry_after if settings is not None else 0.5
 
     def queue_ttl(self, settings: Any = None) -> float:
         if self.waiter_ttl is not None:
@@ -293,19 +293,7 @@ class ConcurrencyLimit:
         }
 
     def _fields(self, key: str, lease: Lease | None, **extra: Any) -> dict[str, Any]:
-        fields: dict[str, Any] = (
-            lease_fields(lease)
-            if lease is not None
-            else {
-                "key": None,
-                "name": None,
-                "owner": None,
-                "fence": None,
-                "task_id": None,
-                "task_name": None,
-                "ttl": None,
-            }
-        )
+        fields = lease_fields(lease)
         fields.update(limit_key=key, limit=self.limit, **extra)
         return fields
 
@@ -619,7 +607,7 @@ class _Held:
         self.slot.release()
 
 
-class BulkheadGate:
+class ConcurrencyLimitGate:
     """The ``concurrency_limit`` gate of one task: a slot taken after the step lease,
     renewed by the heartbeat with the lease, released after COMMIT."""
 
@@ -681,10 +669,10 @@ def _task_option(task: Any, name: str) -> Any:
     return value
 
 
-def gate(task: Any, settings: Any) -> BulkheadGate | None:
+def gate(task: Any, settings: Any) -> ConcurrencyLimitGate | None:
     """The task's gate, or None without ``concurrency_limit``. Raises ImproperlyConfigured
     naming ``concurrency_limit`` or ``concurrency_limit_key``; a setting of this pattern
-    that is invalid (``steplock_bulkhead_*``) raises naming it."""
+    that is invalid (``steplock_concurrency_limit_*``) raises naming it."""
     value = _task_option(task, "concurrency_limit")
     key = _task_option(task, "concurrency_limit_key")
     if value is None:
@@ -708,6 +696,10 @@ def gate(task: Any, settings: Any) -> BulkheadGate | None:
                     f"which is not an argument of the task",
                     setting="concurrency_limit_key",
                 )
-    settings.bulkhead_on_store_error  # noqa: B018 - an invalid setting names itself here
-    settings.bulkhead_retry_after  # noqa: B018
-    return BulkheadGate(task, limit, key)
+    settings.concurrency_limit_on_store_error  # noqa: B018 - an invalid setting names itself here
+    settings.concurrency_limit_retry_after  # noqa: B018
+    return ConcurrencyLimitGate(task, limit, key)
+
+
+#: Former name, kept one release.
+BulkheadGate = ConcurrencyLimitGate

@@ -360,28 +360,7 @@ class _Limiter:
             redis_key = self.redis_key(where.prefix, name)[0]
             admitted = RateDecision(True, 0.0, redis_key, str(self))
             return outage(exc, policy, admitted, pattern="rate limit", key=redis_key, name=name)
-        if decision.allowed:
-            emit(
-                signals.rate_limit_allowed,
-                None,
-                key=decision.key,
-                name=name,
-                limit=decision.limit,
-                remaining=decision.remaining,
-                granted_at=decision.now,
-                ticket=ticket,
-            )
-        else:
-            emit(
-                signals.rate_limited,
-                None,
-                key=decision.key,
-                name=name,
-                limit=decision.limit,
-                retry_after=decision.retry_after,
-                ticket=decision.ticket,
-                queued=decision.queued,
-            )
+        _announce(decision, None, name, ticket)
         return decision
 
     @contextmanager
@@ -620,6 +599,38 @@ def _check_fields(task, template: Any, option: str) -> None:
             )
 
 
+def _announce(
+    decision: RateDecision, sender: Any, name: str, held: str | None, **task: Any
+) -> None:
+    """Send ``rate_limit_allowed`` or ``rate_limited`` for ``decision`` on limit ``name``:
+    ``held`` the ticket the request came with, ``task`` its ``task_id`` and ``task_name``
+    (none on the plain API)."""
+    if decision.allowed:
+        emit(
+            signals.rate_limit_allowed,
+            sender,
+            key=decision.key,
+            name=name,
+            **task,
+            limit=decision.limit,
+            remaining=decision.remaining,
+            granted_at=decision.now,
+            ticket=held,
+        )
+    else:
+        emit(
+            signals.rate_limited,
+            sender,
+            key=decision.key,
+            name=name,
+            **task,
+            limit=decision.limit,
+            retry_after=decision.retry_after,
+            ticket=decision.ticket,
+            queued=decision.queued,
+        )
+
+
 def _refund(granted: Sequence[tuple[_Limiter, RateDecision]], client: Any) -> None:
     for limiter, decision in granted:
         limiter.refund(decision, client=client)
@@ -654,9 +665,10 @@ class RateLimitGate:
             template = limiter.key if limiter.key is not None else self.key
             name = limit_name(template, task.name, context.arguments)
             redis_key = limiter.redis_key(prefix, name)[0]
+            held = tickets.get(redis_key)
             try:
                 decision = limiter.decide(
-                    name, client=client, prefix=prefix, ticket=tickets.get(redis_key), reserve=True
+                    name, client=client, prefix=prefix, ticket=held, reserve=True
                 )
             except LockStoreUnavailable as exc:
                 outage(
@@ -671,32 +683,10 @@ class RateLimitGate:
                 continue
             if decision.allowed:
                 granted.append((limiter, decision))
-                emit(
-                    signals.rate_limit_allowed,
-                    task,
-                    key=decision.key,
-                    name=name,
-                    task_id=request.id,
-                    task_name=task.name,
-                    limit=decision.limit,
-                    remaining=decision.remaining,
-                    granted_at=decision.now,
-                    ticket=tickets.get(redis_key),
-                )
+                _announce(decision, task, name, held, task_id=request.id, task_name=task.name)
                 continue
             _refund(granted, client)
-            emit(
-                signals.rate_limited,
-                task,
-                key=decision.key,
-                name=name,
-                task_id=request.id,
-                task_name=task.name,
-                limit=decision.limit,
-                retry_after=decision.retry_after,
-                ticket=decision.ticket,
-                queued=decision.queued,
-            )
+            _announce(decision, task, name, held, task_id=request.id, task_name=task.name)
             headers = None
             if decision.ticket:
                 headers = {TICKETS_HEADER: {**tickets, decision.key: decision.ticket}}

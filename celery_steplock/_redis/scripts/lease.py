@@ -96,6 +96,18 @@ return fence
 """
 )
 
+# The then-branch of a compare-and-delete (RELEASE, REAP): wake one waiter, delete the lease
+# (KEYS[1]), return 1; else return 0.
+_DELETE_WAKING = (
+    WAKE_ONE
+    + """
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+)
+
 # KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list. ARGV[1] owner token.
 # Returns 1 if the lease was deleted, 0 if it is absent or another owner's.
 # A deletion wakes one waiter when anyone waits: the wake-up list keeps at most one element,
@@ -104,13 +116,7 @@ RELEASE = (
     """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
 """
-    + WAKE_ONE
-    + """
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
+    + _DELETE_WAKING
 )
 
 # KEYS as RELEASE. ARGV[1] owner token, ARGV[2] renewed_ms observed.
@@ -122,13 +128,7 @@ REAP = (
 local f = redis.call('HMGET', KEYS[1], 'owner', 'renewed_ms')
 if f[1] == ARGV[1] and f[2] == ARGV[2] then
 """
-    + WAKE_ONE
-    + """
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
+    + _DELETE_WAKING
 )
 
 # KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] new TTL ms.

@@ -10,6 +10,7 @@ from django.contrib import admin
 from django.contrib.auth import get_permission_codename
 from django.db import router, transaction
 from django.http import HttpRequest
+from django.urls import URLPattern, path, reverse
 
 from ....redact import redact, secrets_of
 from ..leases import celery_app
@@ -62,6 +63,40 @@ class LiveModelAdmin(admin.ModelAdmin):
 
     def get_actions(self, request: HttpRequest):
         return {}
+
+    def page_url(
+        self, route: str, view: Callable[..., Any], page: str, *, audited: bool = False
+    ) -> URLPattern:
+        """One URL pattern of the page, named ``<app_label>_<model_name>_<page>``.
+
+        Args:
+            route: The route below the model's admin URL (``""`` for the list).
+            view: The bound view method.
+            page: The last part of the URL's name (``"changelist"``, ``"release"``).
+            audited: True for an operator action (:func:`audited_view`), else a plain
+                ``admin_view``.
+
+        Returns:
+            The pattern for :meth:`get_urls`.
+        """
+        wrapped = (
+            audited_view(self.admin_site, view) if audited else self.admin_site.admin_view(view)
+        )
+        return path(route, wrapped, name=f"{self.opts.app_label}_{self.opts.model_name}_{page}")
+
+    def page_reverse(self, page: str) -> str:
+        """The path of one of the page's URLs (:meth:`page_url`) on this admin site.
+
+        Args:
+            page: The last part of the URL's name.
+
+        Returns:
+            The reversed path.
+        """
+        return reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_{page}",
+            current_app=self.admin_site.name,
+        )
 
     def has_operator_permission(self, request: HttpRequest, action: str) -> bool:
         """The model's ``<action>`` permission and the view permission.

@@ -10,7 +10,6 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import path, reverse
 from django.utils.translation import gettext as _
 
 from ....exceptions import StepLockError
@@ -20,7 +19,7 @@ from ....patterns.breaker import CircuitBreaker
 from ..eventlog import LeaseEventBreakerAudit
 from ..leases import celery_app, lease_lock, steplock_task_names
 from ..models import CircuitBreakerState
-from ._common import LiveModelAdmin, _error_text, audited_view
+from ._common import LiveModelAdmin, _error_text
 
 __all__ = ["CircuitBreakerAdmin", "BreakerOverrideForm", "breaker_names"]
 
@@ -81,18 +80,9 @@ class CircuitBreakerAdmin(LiveModelAdmin):
         return self.has_operator_permission(request, "override")
 
     def get_urls(self):
-        info = self.opts.app_label, self.opts.model_name
         return [
-            path(
-                "",
-                self.admin_site.admin_view(self.changelist_view),
-                name="{}_{}_changelist".format(*info),
-            ),
-            path(
-                "override/",
-                audited_view(self.admin_site, self.override_view),
-                name="{}_{}_override".format(*info),
-            ),
+            self.page_url("", self.changelist_view, "changelist"),
+            self.page_url("override/", self.override_view, "override", audited=True),
         ]
 
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
@@ -112,10 +102,7 @@ class CircuitBreakerAdmin(LiveModelAdmin):
             "rows": rows,
             "error": error,
             "can_override": self.has_override_permission(request),
-            "override_url": reverse(
-                f"admin:{self.opts.app_label}_{self.opts.model_name}_override",
-                current_app=self.admin_site.name,
-            ),
+            "override_url": self.page_reverse("override"),
             **(extra_context or {}),
         }
         request.current_app = self.admin_site.name
@@ -126,10 +113,7 @@ class CircuitBreakerAdmin(LiveModelAdmin):
             raise PermissionDenied
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        back = reverse(
-            f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
-            current_app=self.admin_site.name,
-        )
+        back = self.page_reverse("changelist")
         form = BreakerOverrideForm(request.POST)
         if not form.is_valid():
             messages.error(

@@ -54,7 +54,7 @@ from django.http import (
     QueryDict,
 )
 from django.template.response import TemplateResponse
-from django.urls import NoReverseMatch, path, reverse
+from django.urls import NoReverseMatch, reverse
 from django.utils.decorators import method_decorator
 from django.utils.html import escape
 from django.utils.safestring import mark_safe
@@ -78,7 +78,7 @@ from ..leases import (
     steplock_task_names,
 )
 from ..models import Lease, LeaseEvent
-from ._common import LiveModelAdmin, _error_text, audited_view
+from ._common import LiveModelAdmin, _error_text
 
 __all__ = ["LeaseAdmin", "ForceReleaseForm", "LeaseChangeList", "TaskNameFilter"]
 
@@ -275,42 +275,23 @@ class LeaseAdmin(LiveModelAdmin):
     # -- URLs -----------------------------------------------------------------------------
 
     def get_urls(self):
-        info = self.opts.app_label, self.opts.model_name
         return [
-            path(
-                "",
-                self.admin_site.admin_view(self.changelist_view),
-                name="{}_{}_changelist".format(*info),
-            ),
+            self.page_url("", self.changelist_view, "changelist"),
             # The audit record must commit before the delete: never inside the request's
             # transaction (ATOMIC_REQUESTS) of the audit database.
-            path(
-                "release/",
-                audited_view(self.admin_site, self.release_view),
-                name="{}_{}_release".format(*info),
-            ),
+            self.page_url("release/", self.release_view, "release", audited=True),
             # Named like Django's change page, which admin templates link to (the
             # force-release confirmation's breadcrumbs): a lease's row on the list.
-            path(
-                "<path:object_id>/change/",
-                self.admin_site.admin_view(self.change_view),
-                name="{}_{}_change".format(*info),
-            ),
+            self.page_url("<path:object_id>/change/", self.change_view, "change"),
         ]
 
     def changelist_url(self, params: QueryDict | dict | None = None) -> str:
-        url = reverse(
-            f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
-            current_app=self.admin_site.name,
-        )
+        url = self.page_reverse("changelist")
         query = _list_query(params or {})
         return url if query == "?" else url + query
 
     def release_url(self, name: str, params: QueryDict | dict) -> str:
-        url = reverse(
-            f"admin:{self.opts.app_label}_{self.opts.model_name}_release",
-            current_app=self.admin_site.name,
-        )
+        url = self.page_reverse("release")
         query = {"name": name}
         filters = _list_query(params)[1:]
         if filters:
