@@ -145,7 +145,8 @@ NATIVE_CHECK = textwrap.dedent("""
     import socket
     import redis
     from redis.connection import Connection, ConnectionPool
-    from celery_steplock import _green, _wire
+    from celery_steplock import _green
+    from celery_steplock._redis import wire as _wire
     from celery_steplock.heartbeat import Heartbeat
     from celery_steplock.lock import RedisLeaseStore, make_client
 
