@@ -231,7 +231,7 @@ def test_the_admin_lists_filters_and_invalidates(client, redis_client, app):
 # -- views ----------------------------------------------------------------------------------------
 
 
-@idempotent_view(namespace="tests.views.pay", app=celery_app, lock_ttl=5)
+@idempotent_view(namespace="tests.views.pay", app=celery_app, lock_ttl=5, anonymous=True)
 def pay_view(request):
     CALLS.append(request.body)
     if request.GET.get("fail"):
@@ -265,7 +265,7 @@ def plain_view(request):
 urlpatterns = [
     path("pay", pay_view),
     path("strict", strict_view),
-    path("stream", idempotent_view(app=celery_app)(stream_view)),
+    path("stream", idempotent_view(app=celery_app, anonymous=True)(stream_view)),
     path("mw/a", plain_view),
     path("mw/b", plain_view),
 ]
@@ -316,7 +316,8 @@ def test_an_in_progress_key_gets_409_with_retry_after(client, redis_client):
         "/pay", data=json.dumps({"amount": 5}), content_type="application/json"
     )
     held = policy.begin(
-        "anonymous\0busy", fingerprint=_request_fingerprint(request, policy.secret)
+        pay_view.idempotency.resource(request, "busy"),
+        fingerprint=_request_fingerprint(request, policy.secret),
     )
     response = post(client, "/pay", {"amount": 5}, "busy")
     assert response.status_code == 409 and 1 <= int(response["Retry-After"]) <= 5
@@ -344,7 +345,7 @@ def test_a_streaming_response_is_released_not_recorded(client, redis_client):
 
 @override_settings(
     ROOT_URLCONF=__name__,
-    STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app},
+    STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app, "anonymous": True},
     MIDDLEWARE=["celery_steplock.contrib.django.idempotency.IdempotencyMiddleware"],
 )
 def test_the_middleware_guards_every_view_per_path(client, redis_client):

@@ -17,6 +17,14 @@ repeat with the same key and the same request (method, path, query, content type
 gets the recorded response with the header ``Idempotent-Replayed: true``; the same key with
 another request gets 422; while the first still runs, 409 with ``Retry-After``; an error
 response (status >= 400) or an exception is not recorded, and the key runs again.
+
+A record belongs to the request's host and principal (``scope``, default the authenticated
+``request.user``): a replay only ever reaches the principal that recorded it, and a key
+without a principal is refused with 403 unless the view opts in to an anonymous scope. On a
+DRF handler method the guard runs after DRF's authentication and permissions. A response is
+recorded once rendered and once every transaction open around the view has committed
+(``transaction.on_commit``); a rollback, a failed COMMIT or a rendering error fails the
+record (docs/patterns/idempotency.md, "Whose key it is" and "When a response is recorded").
 """
 
 from __future__ import annotations
@@ -26,16 +34,21 @@ import datetime as dt
 import functools
 import logging
 import math
+import re
 from typing import Any, Callable, Iterable
 
-from django.db import DatabaseError, IntegrityError, router, transaction
-from django.http import HttpResponse, JsonResponse
+from django.core.signals import got_request_exception
+from django.db import DatabaseError, IntegrityError, connections, router, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import Resolver404, resolve
 from django.utils import timezone
 
+from ..._checks import shown
 from ...events import log_event
 from ...exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyReused,
+    ImproperlyConfigured,
     LockError,
     LockStoreUnavailable,
 )
@@ -50,7 +63,10 @@ from ...patterns.idempotency import (
 __all__ = [
     "DatabaseRecords",
     "idempotent_view",
+    "idempotency_exempt",
+    "default_scope",
     "IdempotencyMiddleware",
+    "ANONYMOUS_SCOPE",
     "REPLAYED_HEADER",
     "UNSAFE_METHODS",
 ]
@@ -128,7 +144,13 @@ class DatabaseRecords:
             log_event("idempotency_cache_error", logging.WARNING, key=key, error=exc)
             return None
 
-    def _put_cache(self, record: Record) -> None:
+    def _put_cache(self, record: Record, using: str) -> None:
+        """Copy ``record`` to Redis once ``using``'s transaction commits (at once outside one):
+        a copy written before a COMMIT that then fails would replay a row that never was."""
+        if self.cache is not None and record.expires_at is not None:
+            transaction.on_commit(functools.partial(self._copy, record), using=using)
+
+    def _copy(self, record: Record) -> None:
         if self.cache is None or record.expires_at is None:
             return
         left = record.expires_at - timezone.now().timestamp()
@@ -164,7 +186,7 @@ class DatabaseRecords:
         except DatabaseError as exc:
             raise self._outage(exc, key, "begin") from exc
         if decision.outcome == "replay" and decision.record is not None:
-            self._put_cache(decision.record)
+            self._put_cache(decision.record, using)
         return decision
 
     def _begin(
@@ -278,7 +300,8 @@ class DatabaseRecords:
                 content_type=stored.content_type,
                 content_encoding=stored.content_encoding,
                 payload=stored.raw(),
-            )
+            ),
+            using,
         )
         return True
 
@@ -333,17 +356,49 @@ class DatabaseRecords:
 
 # -- views --------------------------------------------------------------------------------------
 
+#: The principal of a request without one, when the view or middleware opts in
+#: (``anonymous=True``): every anonymous client of a host shares it.
+ANONYMOUS_SCOPE = "anonymous"
+#: The attribute of Django's request listing its guarded responses not yet settled.
+_PENDING = "_steplock_idempotency_pending"
 
-def _default_scope(request) -> str:
-    """Keys are per user (an authenticated user's primary key), else shared by anonymous
-    clients."""
+
+def _http_request(request) -> HttpRequest:
+    """Django's request: ``request`` itself, or the one a DRF ``Request`` wraps."""
+    inner = getattr(request, "_request", None)
+    return inner if isinstance(inner, HttpRequest) else request
+
+
+def _is_request(value: Any) -> bool:
+    return isinstance(_http_request(value), HttpRequest)
+
+
+def default_scope(request) -> str | None:
+    """The default ``scope``: the authenticated user (``"user:<model label>:<pk>"``) that
+    ``request.user`` holds, or None (no principal). Inside a DRF view's handler that is the
+    user DRF's authentication classes found; in a plain Django view, the user of
+    ``AuthenticationMiddleware`` (a header credential the view checks itself is not seen:
+    give ``scope=``).
+
+    Args:
+        request: A Django ``HttpRequest`` or a DRF ``Request``.
+
+    Returns:
+        The principal's scope, or None when there is no authenticated user with a primary key.
+    """
     user = getattr(request, "user", None)
-    if user is not None and getattr(user, "is_authenticated", False):
-        return f"user:{user.pk}"
-    return "anonymous"
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    pk = getattr(user, "pk", None)
+    if pk is None:
+        return None
+    meta = getattr(user, "_meta", None)
+    label = meta.label_lower if meta is not None else type(user).__qualname__
+    return f"user:{label}:{pk}"
 
 
 def _request_fingerprint(request, secret) -> str:
+    request = _http_request(request)
     return _fingerprint_bytes(
         [
             request.method.encode(),
@@ -381,6 +436,92 @@ def _error(status: int, message: str, **headers: str) -> JsonResponse:
     return response
 
 
+class _Outcome:
+    """The end of one guarded response. Its record completes once the response is rendered
+    (a ``TemplateResponse`` or DRF ``Response`` is rendered after the view returns) and every
+    database transaction open around the view has committed (``ATOMIC_REQUESTS``); it fails
+    when one rolls back, when the rendering raises, or when recording does, so the retry
+    runs the view again at once instead of meeting a ``locked`` record."""
+
+    def __init__(self, ticket: Any, request: HttpRequest):
+        self.ticket = ticket
+        self.request = request
+        self.snapshot: dict[str, Any] | None = None
+        self.waiting: set[str] = set()
+
+    def settle(self, response) -> None:
+        if getattr(response, "streaming", False):
+            self.ticket.release()
+            return
+        if response.status_code >= 400:
+            self.ticket.fail(None, reason=f"http_{response.status_code}")
+            return
+        self.waiting = {
+            c.alias for c in connections.all(initialized_only=True) if c.in_atomic_block
+        }
+        # What ends the response without a COMMIT or a rendering: an exception after the view
+        # (the COMMIT itself, the rendering: Django's got_request_exception), or a rollback
+        # without one (set_rollback: the response's close).
+        pending = getattr(self.request, _PENDING, None)
+        if pending is None:
+            pending = []
+            setattr(self.request, _PENDING, pending)
+        pending.append(self)
+        closers = getattr(response, "_resource_closers", None)
+        if isinstance(closers, list):
+            closers.append(self.abandon)
+        for alias in sorted(self.waiting):
+            transaction.on_commit(functools.partial(self._committed, alias), using=alias)
+        if getattr(response, "is_rendered", True) is False:
+            response.add_post_render_callback(self._rendered)
+        else:
+            self._rendered(response)
+
+    def _rendered(self, response) -> None:
+        try:
+            if response.status_code >= 400:
+                self.ticket.fail(None, reason=f"http_{response.status_code}")
+                return
+            self.snapshot = _snapshot(response)
+        except Exception as exc:  # noqa: BLE001 - the response stands; the record must not
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                key=self.ticket.key,
+                reason="unrecordable",
+                error=exc,
+            )
+            self.ticket.fail(exc, reason="unrecordable")
+            return
+        self._finish()
+
+    def _committed(self, alias: str) -> None:
+        self.waiting.discard(alias)
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.snapshot is not None and not self.waiting:
+            self.ticket.complete(self.snapshot)
+
+    def abandon(self) -> None:
+        """Fail the record unless it was completed (the transaction rolled back, or the
+        response never rendered)."""
+        if not self.ticket.done:
+            self.ticket.fail(None, reason="rolled_back" if self.waiting else "not_rendered")
+
+
+def _abandon_pending(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    for outcome in getattr(request, _PENDING, None) or ():
+        outcome.abandon()
+
+
+got_request_exception.connect(_abandon_pending, dispatch_uid="celery_steplock.idempotency")
+
+
+def _part(text: str) -> str:
+    return f"{len(text)}:{text}"
+
+
 class _ViewPolicy:
     def __init__(
         self,
@@ -393,14 +534,25 @@ class _ViewPolicy:
         header: str,
         required: bool,
         scope: Callable | None,
+        anonymous: bool,
         app,
         options,
     ):
+        if scope is not None and not callable(scope):
+            raise ImproperlyConfigured(
+                f"scope must be a callable(request) -> str | None, got {shown(scope)}",
+                setting="scope",
+            )
+        if not isinstance(anonymous, bool):
+            raise ImproperlyConfigured(
+                f"anonymous must be True or False, got {shown(anonymous)}", setting="anonymous"
+            )
         self.namespace = namespace
         self.methods = tuple(m.upper() for m in methods)
         self.header = header
         self.required = required
-        self.scope = scope or _default_scope
+        self.scope = scope or default_scope
+        self.anonymous = anonymous
         self.app = app
         self.arguments = dict(version=version, ttl=ttl, lock_ttl=lock_ttl, **options)
         self._policy: Idempotency | None = None
@@ -416,10 +568,35 @@ class _ViewPolicy:
             self._policy = Idempotency(self.namespace, app=app, **self.arguments)
         return self._policy
 
+    def principal(self, request) -> str | None:
+        """The request's principal for the record's resource: ``"p:<scope>"``, the anonymous
+        scope when opted in, else None (the layer refuses the key). A scope function that
+        raises propagates (the view does not run)."""
+        scope = self.scope(request)
+        if scope is not None and not isinstance(scope, str):
+            raise ImproperlyConfigured(
+                f"scope must return a str or None, got {shown(scope)}", setting="scope"
+            )
+        if scope:
+            return f"p:{scope}"
+        return ANONYMOUS_SCOPE if self.anonymous else None
+
+    def resource(self, request, value: str, prefix: str = "") -> str:
+        """The resource of key ``value``: the host (``request.get_host()``, checked against
+        ``ALLOWED_HOSTS``), the principal and the key, each length-prefixed (no two requests
+        of different hosts or principals share one). Raises ImproperlyConfigured when there
+        is no principal."""
+        principal = self.principal(request)
+        if principal is None:
+            raise ImproperlyConfigured("no authenticated principal", setting="anonymous")
+        host = _http_request(request).get_host().lower()
+        return _part(host) + _part(principal) + _part(f"{prefix}{value}")
+
     def handle(self, request, call: Callable[[], Any], resource_prefix: str = ""):
-        if request.method not in self.methods:
+        http = _http_request(request)
+        if http.method not in self.methods:
             return call()
-        value = request.headers.get(self.header)
+        value = http.headers.get(self.header)
         if not value:
             if self.required:
                 return _error(400, f"the {self.header} header is required")
@@ -429,8 +606,14 @@ class _ViewPolicy:
                 400,
                 f"the {self.header} header must be 1 to {MAX_HEADER_LENGTH} printable characters",
             )
+        if self.principal(request) is None:
+            return _error(
+                403,
+                f"the {self.header} header needs an authenticated client: its recorded "
+                f"response is only replayed to the client that made it",
+            )
         policy = self.policy
-        resource = f"{self.scope(request)}\0{resource_prefix}{value}"
+        resource = self.resource(request, value, resource_prefix)
         try:
             ticket = policy.begin(
                 resource, fingerprint=_request_fingerprint(request, policy.secret)
@@ -452,12 +635,17 @@ class _ViewPolicy:
         except BaseException as exc:
             ticket.fail(exc)
             raise
-        if getattr(response, "streaming", False):
-            ticket.release()
-        elif response.status_code >= 400:
-            ticket.fail(None, reason=f"http_{response.status_code}")
-        else:
-            ticket.complete(_snapshot(response))
+        try:
+            _Outcome(ticket, http).settle(response)
+        except Exception as exc:  # noqa: BLE001 - the view ran: answer, and let the key rerun
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                key=ticket.key,
+                reason="unrecordable",
+                error=exc,
+            )
+            ticket.fail(exc, reason="unrecordable")
         return response
 
 
@@ -471,18 +659,46 @@ def idempotent_view(
     methods: Iterable[str] = UNSAFE_METHODS,
     header: str = "Idempotency-Key",
     required: bool = False,
-    scope: Callable[[Any], str] | None = None,
+    scope: Callable[[Any], str | None] | None = None,
+    anonymous: bool = False,
     app: Any = None,
     **options: Any,
 ):
-    """Decorator of a Django view (function): requests with ``header`` (``methods`` only,
-    default POST/PUT/PATCH/DELETE) run once per key; see the module's text for the answers
-    (replay with ``Idempotent-Replayed: true``, 422, 409, 503 when the store is down and
-    fails closed). ``required`` True: a request without the header gets 400. ``scope(request)
-    -> str`` separates keys of different clients (default: the authenticated user's pk, else
-    one anonymous scope). ``namespace`` default ``"django:<module>.<qualname>"``; ``app`` the
-    Celery app (default the current one); other keywords as
-    :class:`~celery_steplock.patterns.idempotency.Idempotency`. Usable bare (``@idempotent_view``)."""
+    """Decorator of a Django view function, or of a view method (``def post(self, request)``
+    of a DRF ``APIView`` or a Django class-based view): requests with ``header`` (``methods``
+    only) run once per host, principal and key; see the module's text for the answers.
+
+    On a DRF handler method (or under ``@api_view``), the guard runs inside DRF's dispatch,
+    after its authentication, permission and throttle checks: ``request.user`` is the user
+    DRF authenticated, and a client DRF refuses never reaches a recorded response.
+
+    Args:
+        view: The view (the decorator is usable bare, ``@idempotent_view``).
+        namespace: Default ``"django:<module>.<qualname>"``.
+        version: Part of every record key (str or int).
+        ttl: Seconds a completed record replays (default ``steplock_idempotency_ttl``).
+        lock_ttl: Seconds a ``locked`` record lives (default
+            ``steplock_idempotency_lock_ttl``).
+        methods: The guarded methods (default POST, PUT, PATCH, DELETE).
+        header: The request header holding the key.
+        required: True: a guarded method's request without the header gets 400.
+        scope: ``scope(request) -> str | None``: the principal a record belongs to (default
+            :func:`default_scope`, the authenticated user). None means no principal, and the
+            request's key is refused with 403 (fail closed); an exception propagates.
+        anonymous: True: a request without a principal is guarded in one anonymous scope per
+            host (any client that knows a key gets its response: keys must be unguessable
+            and responses public).
+        app: The Celery app (default the current one).
+        **options: As :class:`~celery_steplock.patterns.idempotency.Idempotency` (``store``,
+            ``on_store_error``, ``serializer``...).
+
+    Returns:
+        The wrapped view (``wrapper.idempotency`` is its policy).
+
+    Raises:
+        ImproperlyConfigured: ``scope`` is not callable or ``anonymous`` not a bool (at
+            decoration); ``scope`` returned neither a str nor None (at the request).
+    """
 
     def decorate(fun: Callable) -> Callable:
         policy = _ViewPolicy(
@@ -494,13 +710,16 @@ def idempotent_view(
             header=header,
             required=required,
             scope=scope,
+            anonymous=anonymous,
             app=app,
             options=options,
         )
 
         @functools.wraps(fun)
-        def wrapper(request, *args, **kwargs):
-            return policy.handle(request, lambda: fun(request, *args, **kwargs))
+        def wrapper(*args, **kwargs):
+            # A view function's request comes first; a view method's after ``self``.
+            request = args[0] if _is_request(args[0]) else args[1]
+            return policy.handle(request, lambda: fun(*args, **kwargs))
 
         wrapper.idempotency = policy  # type: ignore[attr-defined]  # a function attribute
         return wrapper
@@ -508,18 +727,55 @@ def idempotent_view(
     return decorate(view) if view is not None else decorate
 
 
+def idempotency_exempt(view: Callable) -> Callable:
+    """Mark a view (function, or a class-based view's class) that
+    :class:`IdempotencyMiddleware` never guards, even with ``"required": True`` (a login
+    form, a webhook with its own deduplication).
+
+    Args:
+        view: The view function or class.
+
+    Returns:
+        ``view`` itself, marked.
+    """
+    view.idempotency_exempt = True  # type: ignore[attr-defined]  # a function attribute
+    return view
+
+
+def _exempt_view(func: Any) -> bool:
+    return bool(
+        getattr(func, "idempotency_exempt", False)
+        or getattr(getattr(func, "view_class", None), "idempotency_exempt", False)
+        or getattr(getattr(func, "cls", None), "idempotency_exempt", False)
+    )
+
+
 class IdempotencyMiddleware:
     """Middleware form of :func:`idempotent_view` for every view: a request of an unsafe
-    method with an ``Idempotency-Key`` header runs once per key, path and client scope.
-    Settings (Django): ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE = {"version": ..., "ttl": ...,
-    "methods": [...], "header": ..., "required": False, "namespace": "django"}``
-    (all optional)."""
+    method with an ``Idempotency-Key`` header runs once per key, path, host and principal.
+    Place it after ``AuthenticationMiddleware`` (check ``celery_steplock.E010``): it reads
+    ``request.user`` before the view runs, so a client a view or DRF authenticates by a
+    header has no principal here and its key is refused (403; guard DRF views with
+    :func:`idempotent_view` on the handler instead). Settings (Django):
+    ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE = {"version": ..., "ttl": ..., "methods": [...],
+    "header": ..., "required": False, "namespace": "django", "scope": ..., "anonymous":
+    False, "exempt_paths": [regex, ...]}`` (all optional). Views marked
+    :func:`idempotency_exempt`, paths one of ``exempt_paths`` matches (``re.search`` on
+    ``request.path_info``) and paths that resolve to no view are never guarded."""
 
     def __init__(self, get_response: Callable):
         from django.conf import settings
 
         self.get_response = get_response
         config = dict(getattr(settings, "STEPLOCK_IDEMPOTENCY_MIDDLEWARE", {}) or {})
+        exempt = config.pop("exempt_paths", None) or ()
+        if isinstance(exempt, str) or not all(isinstance(p, str) for p in exempt):
+            raise ImproperlyConfigured(
+                f"STEPLOCK_IDEMPOTENCY_MIDDLEWARE['exempt_paths'] must be a list of regular "
+                f"expressions, got {shown(exempt)}",
+                setting="STEPLOCK_IDEMPOTENCY_MIDDLEWARE",
+            )
+        self.exempt_paths = [re.compile(pattern) for pattern in exempt]
         self.policy = _ViewPolicy(
             config.pop("namespace", "django"),
             version=config.pop("version", "1"),
@@ -529,11 +785,25 @@ class IdempotencyMiddleware:
             header=config.pop("header", "Idempotency-Key"),
             required=config.pop("required", False),
             scope=config.pop("scope", None),
+            anonymous=config.pop("anonymous", False),
             app=config.pop("app", None),
             options=config,
         )
 
+    def _exempt(self, request) -> bool:
+        if request.method not in self.policy.methods:
+            return True
+        if any(pattern.search(request.path_info) for pattern in self.exempt_paths):
+            return True
+        try:
+            match = resolve(request.path_info, getattr(request, "urlconf", None))
+        except Resolver404:
+            return True  # no view: nothing to guard (Django answers 404)
+        return _exempt_view(match.func)
+
     def __call__(self, request):
+        if self._exempt(request):
+            return self.get_response(request)
         return self.policy.handle(
             request, lambda: self.get_response(request), resource_prefix=f"{request.path}\0"
         )
