@@ -1,5 +1,7 @@
 from django.contrib import admin
 
+from celery_steplock.contrib.django.mixins import GuardedStepAdminMixin
+
 from .models import Step, TransitionRecord
 
 
@@ -25,7 +27,13 @@ class TransitionRecordInline(admin.TabularInline):
 
 
 @admin.register(Step)
-class StepAdmin(admin.ModelAdmin):
+class StepAdmin(GuardedStepAdminMixin, admin.ModelAdmin):
+    """Steps: the status, owner and fence are read-only; a status change ("Change status
+    to") is a guarded transition under the lease the step's tasks take (``step:<id>``)."""
+
+    # By name: importing the tasks module here would import it in every web process at
+    # django.setup() (the admin's autodiscovery); the mixin imports it when first needed.
+    steplock_task = "django_app.workflows.tasks.advance"
     list_display = ("id", "name", "status", "lock_owner", "lock_fence", "updated_at")
     list_filter = ("status",)
     search_fields = ("name", "lock_owner")

@@ -37,13 +37,22 @@ execution, so the outer-transaction check, the precheck, the transaction, the
 compare-and-swap, its follow-up read, the deadline and ``on_commit`` all go to the alias the
 router named at the start of the execution, even for a router whose answer depends on the
 context (a tenant, a request).
+
+Writers outside Celery (views, the admin, management commands, serializers):
+:func:`guarded_transition` (one transition) and :func:`guarded_step` (a ``with`` block) run a
+task's flow without the task: the lease of the step's lock name (:func:`step_lock_name`: the
+one its tasks take), the fenced compare-and-swap in a durable transaction, the ownership check
+before COMMIT, the release after it, and a task's signals and outcomes. A plain ``save()``
+writes the status and the fence back as it loaded them (docs/howto/external-writers.md).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import time
 import warnings
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ValidationError
@@ -59,17 +68,45 @@ from django.db import (
 from django.db.models import Model, Q
 from django.utils import timezone
 
+from ... import signals, tracing
+from ..._checks import (
+    MAX_WAIT,
+    MIN_RENEWAL_INTERVAL,
+    check_choice,
+    check_seconds,
+    check_ttl,
+    shown,
+)
+from ...conf import Settings
+from ...events import emit, lease_fields, log_event
 from ...exceptions import (
     ImproperlyConfigured,
+    InvalidArgument,
     InvalidStepId,
     InvalidTransition,
+    LockContended,
+    LockLost,
+    LockStoreUnavailable,
     OuterTransactionError,
     StepNotFound,
     TransitionConflict,
 )
+from ...heartbeat import get_heartbeat
+from ...keys import bind_arguments, check_name, name_from_arguments, template_fields
+from ...lock import get_lease_store, holder_metadata, new_owner_token
+from ...plan import is_step_locked
 from ...steps import TransitionResult, check_transitions
 
-__all__ = ["DjangoStepStore", "TransitionResult", "resolve_model"]
+__all__ = [
+    "DjangoStepStore",
+    "TransitionResult",
+    "resolve_model",
+    "GuardedStep",
+    "guarded_step",
+    "guarded_transition",
+    "step_lock_name",
+    "DEFAULT_ACTOR",
+]
 
 
 def resolve_model(model: type[Model] | str, setting: str = "step_model") -> type[Model]:
@@ -531,3 +568,672 @@ class StepTransitionGuard(DjangoStepStore):
             stacklevel=2,
         )
         super().__init__(model, **kwargs)
+
+
+# -- writers outside Celery ------------------------------------------------------------------
+
+#: Who writes, when a guarded transition's caller names no ``actor``: stored as the lease's
+#: ``task_name`` (the admin's "Held leases" page, a contended task's message) and sent as the
+#: signals' ``task_name``.
+DEFAULT_ACTOR = "guarded_transition"
+
+#: What :func:`guarded_transition` accepts as ``on_conflict``.
+ON_CONFLICT = ("raise", "return")
+
+
+def _celery_app(app: Any) -> Any:
+    if app is not None:
+        return app
+    from .leases import celery_app
+
+    return celery_app()
+
+
+def _step_locked_task(task: Any, app: Any) -> Any:
+    """``task`` (a StepLockedTask, or the name of one of ``app``'s tasks) as a task."""
+    if isinstance(task, str):
+        from .leases import import_task_modules
+
+        import_task_modules(app)
+        try:
+            task = app.tasks[task]
+        except KeyError:
+            raise ImproperlyConfigured(
+                f"task={task!r} is not a task of the Celery app {app.main!r}", setting="task"
+            ) from None
+    if not is_step_locked(task):
+        raise ImproperlyConfigured(
+            f"task={shown(task)} is not a StepLockedTask: only a StepLockedTask names the "
+            f"lease of a step",
+            setting="task",
+        )
+    return task
+
+
+def _same_model(spec: Any, model: type[Model]) -> bool:
+    try:
+        other = resolve_model(spec)
+    except ImproperlyConfigured:
+        return False
+    return other._meta.label_lower == model._meta.label_lower
+
+
+def _pk_of(model: type[Model], pk: Any) -> Any:
+    try:
+        return model._meta.pk.to_python(pk)
+    except (ValidationError, ValueError, TypeError) as exc:
+        message = exc.messages[0] if isinstance(exc, ValidationError) else str(exc)
+        raise InvalidStepId(
+            f"step id {pk!r} is not a primary key of {model._meta.label}: {message}",
+            step_id=pk,
+        ) from exc
+
+
+def step_lock_name(
+    model: type[Model] | str,
+    pk: Any,
+    *,
+    task: Any = None,
+    arguments: Mapping[str, Any] | None = None,
+    app: Any = None,
+) -> str:
+    """The lock name a StepLockedTask takes for step ``pk``: the lease a writer outside
+    Celery must hold to exclude that task.
+
+    A task's lock name comes from its arguments (:func:`celery_steplock.keys.lock_name`), so
+    it is derivable from the step alone only when its ``lock_key`` is a template naming no
+    argument but ``step_id_arg`` (``"step:{step_id}"``). With ``task``, the name that task
+    takes for a call with ``step_id_arg=pk`` and ``arguments`` (defaults applied) is
+    returned, whatever its ``lock_key``; without it, the name every such template task of
+    ``app`` with this ``step_model`` agrees on.
+
+    Args:
+        model: The step model, or ``"app_label.ModelName"``.
+        pk: The step's primary key (converted as the model's key field does: ``"5"`` and
+            ``5`` name the same lease of an integer key).
+        task: A StepLockedTask, or the name of one of ``app``'s tasks.
+        arguments: With ``task``, its other arguments (those its ``lock_key`` reads).
+        app: The Celery app; default the task's, else ``celery.current_app``.
+
+    Returns:
+        The lock name.
+
+    Raises:
+        ImproperlyConfigured: ``task`` is no StepLockedTask of this model (naming
+            ``task``), or no single name is derivable without it (naming ``lock_name``:
+            pass it, or ``task``).
+        LockNameError: The task's ``lock_key`` cannot name a lock from these arguments.
+        InvalidStepId: ``pk`` is not a key of the model.
+    """
+    model = resolve_model(model, setting="model")
+    pk = _pk_of(model, pk)
+    if task is not None:
+        task = _step_locked_task(task, app if app is not None else _celery_app(None))
+        plan = task.steplock_plan
+        if not _same_model(task.step_model, model) or plan.step_id_arg is None:
+            raise ImproperlyConfigured(
+                f"task {task.name} does not guard {model._meta.label} steps (its step_model "
+                f"is {shown(task.step_model)}, its step_id_arg {shown(plan.step_id_arg)})",
+                setting="task",
+            )
+        bound = bind_arguments(task.run, (), {**(arguments or {}), plan.step_id_arg: pk})
+        return name_from_arguments(task.name, bound, plan.lock_key, secret=plan.store.name_secret)
+    app = _celery_app(app)
+    from .leases import import_task_modules
+
+    import_task_modules(app)
+    names: dict[str, list[str]] = {}
+    opaque: list[str] = []
+    for name, candidate in sorted(app.tasks.items()):
+        if not is_step_locked(candidate) or not _same_model(candidate.step_model, model):
+            continue
+        try:
+            plan = candidate.steplock_plan
+        except ImproperlyConfigured:
+            continue  # E004 reports it
+        key = plan.lock_key
+        if (
+            plan.step_id_arg is not None
+            and isinstance(key, str)
+            and set(template_fields(key)) <= {plan.step_id_arg}
+        ):
+            lock = name_from_arguments(name, {plan.step_id_arg: pk}, key)
+            names.setdefault(lock, []).append(name)
+        else:
+            opaque.append(name)
+    if len(names) == 1:
+        return next(iter(names))
+    found = "; ".join(f"{n!r} by {', '.join(t)}" for n, t in names.items()) or "none"
+    raise ImproperlyConfigured(
+        f"cannot derive the lock name of {model._meta.label} pk={pk!r}: the StepLockedTasks "
+        f"of the Celery app {app.main!r} whose lock_key names only the step give {found}"
+        + (f" (not derivable from the step alone: {', '.join(opaque)})" if opaque else "")
+        + "; pass lock_name=, or task= to take the name that task uses",
+        setting="lock_name",
+    )
+
+
+class GuardedStep:
+    """One step held under its lease by code outside Celery (a view, the admin, a command).
+
+    Made by :func:`guarded_step`; ``with`` it, the flow is a task's: the lease is acquired
+    (``lock_acquired``, or ``lock_contended`` and LockContended), renewed by the process's
+    heartbeat, a durable transaction opened; the block's :meth:`transition` calls are the
+    fenced compare-and-swaps; on leaving, the lease is checked in Redis before COMMIT, and
+    released after it. An exception in the block, a conflict, a lost lease or an outage at
+    the check rolls everything back: nothing is half-applied.
+
+    It is the sender of the signals it sends (``sender.step_model`` and ``sender.app`` are
+    what the event log reads).
+
+    Attributes:
+        step_model: The step model.
+        step_id: The step's primary key, as the model's key field converts it.
+        lock_name: The lock name.
+        actor: Who writes (the lease's and the signals' ``task_name``).
+        steps: The step store, bound to one database.
+        app: The Celery app whose settings and lease store are used.
+        steplock_settings: Its settings.
+        ttl: The lease TTL, seconds.
+        wait: Seconds to wait for a busy lease.
+        lease: The lease while held (None before and after).
+        results: The transitions applied in the block.
+    """
+
+    def __init__(
+        self,
+        *,
+        steps: DjangoStepStore,
+        step_id: Any,
+        lock_name: str,
+        store: Any,
+        settings: Any,
+        app: Any,
+        actor: str,
+        ttl: float,
+        wait: float,
+    ) -> None:
+        self.steps = steps
+        self.step_model = steps.model
+        self.step_id = step_id
+        self.lock_name = lock_name
+        self.store = store
+        self.steplock_settings = settings
+        self.app = app
+        self.actor = actor
+        self.ttl = ttl
+        self.wait = wait
+        self.lease: Any = None
+        self.results: list[TransitionResult] = []
+        self._committing: Any = None
+        self._deadline_set = False
+        self._used = False
+
+    def __repr__(self) -> str:
+        return f"<GuardedStep {self.steps.label}:{self.step_id} lock {self.lock_name!r}>"
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "key": self.store.key(self.lock_name),
+            "name": self.lock_name,
+            "owner": None,
+            "fence": None,
+            "task_id": None,
+            "task_name": self.actor,
+            "ttl": self.ttl,
+        }
+
+    def __enter__(self) -> GuardedStep:
+        if self._used:
+            raise InvalidArgument("a GuardedStep is entered once", argument="step")
+        self._used = True
+        if self.steps.in_outer_transaction():
+            raise OuterTransactionError(
+                f"a guarded transition of {self.steps.label}:{self.step_id} was called inside "
+                f"transaction.atomic() on {self.steps.using!r}: its commit would come after "
+                f"the lease is released. Call it outside the block (a view under "
+                f"ATOMIC_REQUESTS: decorate it with transaction.non_atomic_requests)."
+            )
+        settings = self.steplock_settings
+        renew = max(self.ttl * settings.renewal_ratio, MIN_RENEWAL_INTERVAL)
+        started = time.monotonic()
+        try:
+            lease = self.store.acquire(
+                self.lock_name,
+                new_owner_token(),
+                self.ttl,
+                wait=self.wait,
+                metadata=holder_metadata(
+                    None,
+                    self.actor,
+                    None,
+                    step=self.steps.step_ref(self.step_id),
+                    renew_ms=int(renew * 1000),
+                ),
+            )
+        except LockStoreUnavailable as exc:
+            self._store_error(exc, self._fields())
+            raise
+        waited = time.monotonic() - started
+        if lease is None:
+            raise self._contended(waited)
+        self.lease = lease
+        # Renewed before any receiver of lock_acquired runs (a slow one must not let the
+        # lease expire), as a task's (StepLockedTask._acquire).
+        get_heartbeat().register(
+            lease,
+            self.store,
+            ratio=settings.renewal_ratio,
+            sender=self,
+            max_hold=settings.max_hold,
+        )
+        emit(signals.lock_acquired, self, wait_seconds=waited, **lease_fields(lease))
+        try:
+            committing = tracing.committing(self.steps.atomic(), self.steps)
+            committing.__enter__()
+        except BaseException:
+            self._end()
+            raise
+        self._committing = committing
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: Any,
+    ) -> Literal[False]:
+        committing, self._committing = self._committing, None
+        try:
+            if exc_type is not None:
+                committing.__exit__(exc_type, exc, tb)  # ROLLBACK
+                return False
+            try:
+                self._check_owned()
+            except BaseException as error:
+                committing.__exit__(type(error), error, error.__traceback__)
+                raise
+            committing.__exit__(None, None, None)  # COMMIT (a failure raises: nothing applied)
+            return False
+        finally:
+            self._end()
+
+    def status(self) -> str:
+        """The step's status now, read in the block's transaction. Raises StepNotFound."""
+        return self.steps.status(self.step_id)
+
+    def transition(self, from_: str, to: str, **updates: Any) -> TransitionResult:
+        """Move the step from ``from_`` to ``to`` by the fenced compare-and-swap, inside the
+        block's transaction (committed when the block ends well).
+
+        Args:
+            from_: The status the step must still have.
+            to: The status to write.
+            **updates: Extra column values written by the same statement.
+
+        Returns:
+            The applied :class:`~celery_steplock.steps.TransitionResult` (the conflicts
+            raise).
+
+        Raises:
+            TransitionConflict: The step left ``from_`` (``transition_conflict`` sent).
+            LockLost: The lease is lost, or the row carries a newer fencing token.
+            LockContended: The row stayed locked by another transaction past the lease's
+                validity (PostgreSQL, ``steplock_db_deadline``).
+            InvalidTransition: ``from_ -> to`` is not in the transition table.
+            StepNotFound: The row is gone.
+            InvalidArgument: Called outside the ``with`` block.
+        """
+        return self._transition(from_, to, updates, final=False)
+
+    def _transition(
+        self, from_: str, to: str, updates: Mapping[str, Any], *, final: bool
+    ) -> TransitionResult:
+        lease = self.lease
+        if lease is None or self._committing is None:
+            raise InvalidArgument(
+                "GuardedStep.transition() runs inside `with guarded_step(...) as step:`",
+                argument="step",
+            )
+        lease.check()
+        deadline = None
+        if final and self.steplock_settings.db_deadline:
+            # From here to COMMIT the transaction lives no longer than the lease may.
+            deadline = lease.remaining()
+            self._deadline_set = connections[self.steps.using].vendor == "postgresql"
+        fields = lease_fields(lease)
+        step_id = self.step_id
+        try:
+            with tracing.phase("cas") as cas:
+                result = self.steps.transition(
+                    step_id,
+                    from_,
+                    to,
+                    owner=lease.owner,
+                    fence=lease.fence,
+                    updates=updates,
+                    deadline=deadline,
+                )
+        except TransitionConflict as exc:
+            emit(
+                signals.transition_conflict,
+                self,
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                current=exc.current,
+                **fields,
+            )
+            if exc.stale_fence:
+                lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
+                raise LockLost(
+                    f"{exc} (fence {lease.fence})",
+                    key=lease.key,
+                    name=lease.name,
+                    owner=lease.owner,
+                    fence=lease.fence,
+                ) from exc
+            raise
+        except Exception as exc:
+            if not self.steps.is_lock_timeout(exc):
+                raise
+            raise LockContended(
+                f"step {step_id!r}: its row stayed locked by another transaction for the "
+                f"lease's remaining validity",
+                key=lease.key,
+                name=lease.name,
+            ) from exc
+        self.steps.on_commit(
+            lambda: emit(
+                signals.transition_applied,
+                self,
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                cas_seconds=cas.seconds,
+                commit_seconds=tracing.commit_seconds(),
+                **fields,
+            )
+        )
+        self.results.append(result)
+        return result
+
+    def _check_owned(self) -> None:
+        """Before COMMIT: the deadline (unless the last CAS carried it), local validity,
+        then one round trip to Redis."""
+        lease = self.lease
+        lease.check()
+        if self.steplock_settings.db_deadline and not self._deadline_set:
+            self.steps.set_deadline(lease.remaining())
+        try:
+            left = self.store.owned(lease.name, lease.owner)
+        except LockStoreUnavailable as exc:
+            self._store_error(exc, lease_fields(lease))
+            raise
+        if left is None:
+            lease.mark_lost("pre-commit check found the key gone or held by another owner")
+            lease.check()
+
+    def _store_error(self, exc: LockStoreUnavailable, fields: dict[str, Any]) -> None:
+        # Fail closed: a writer outside Celery has no retry of its own to fall back on.
+        emit(
+            signals.lock_store_error,
+            self,
+            logging.ERROR,
+            reason=str(exc),
+            policy="fail_closed",
+            **fields,
+        )
+
+    def _contended(self, waited: float) -> LockContended:
+        try:
+            info = self.store.inspect(self.lock_name) or {}
+        except LockStoreUnavailable:
+            info = {}
+        fields = self._fields()
+        emit(
+            signals.lock_contended,
+            self,
+            holder=info.get("owner"),
+            wait_seconds=waited,
+            **fields,
+        )
+        who = info.get("owner") or "another owner (released since)"
+        if info.get("task_name"):
+            who = f"{who} ({info['task_name']})"
+        return LockContended(
+            f"{self.lock_name!r} is held by {who}",
+            key=fields["key"],
+            holder=info.get("owner"),
+            ttl=info.get("ttl"),
+            holder_task_id=info.get("task_id"),
+            name=self.lock_name,
+        )
+
+    def _end(self) -> None:
+        """Stop renewing, report a loss, release (errors logged, never raised)."""
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        if not get_heartbeat().unregister(lease) and lease.lost:
+            pass  # the heartbeat already sent lock_lost
+        elif lease.lost:
+            emit(
+                signals.lock_lost,
+                self,
+                logging.ERROR,
+                reason=lease.lost_reason,
+                **lease_fields(lease),
+            )
+        try:
+            released = self.store.release(lease.name, lease.owner)
+        except Exception as exc:  # noqa: BLE001 - must never mask the block's outcome
+            log_event(
+                "release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=exc
+            )
+            return
+        if released:
+            emit(
+                signals.lock_released,
+                self,
+                forced=False,
+                hold_seconds=lease.clock() - lease.acquired_at,
+                **lease_fields(lease),
+            )
+
+
+def guarded_step(
+    model: type[Model] | str,
+    pk: Any,
+    *,
+    lock_name: str | None = None,
+    task: Any = None,
+    arguments: Mapping[str, Any] | None = None,
+    ttl: float | None = None,
+    wait: float | None = None,
+    transitions: Mapping[str, Iterable[str]] | None = None,
+    using: str | None = None,
+    app: Any = None,
+    actor: str | None = None,
+) -> GuardedStep:
+    """A step to change outside Celery under the same guard as a task:
+    ``with guarded_step(Order, pk, task=charge) as step: step.transition("pending", "held")``.
+
+    See :class:`GuardedStep` for what the ``with`` block does; :func:`guarded_transition`
+    is the one-transition form.
+
+    Args:
+        model: The step model, or ``"app_label.ModelName"``.
+        pk: The step's primary key.
+        lock_name: The lock name to hold: the one the step's tasks take. Default: derived
+            by :func:`step_lock_name` (from ``task`` when given).
+        task: A StepLockedTask of this step model (or its name): its lock name, TTL, wait,
+            transition table and step database are the defaults.
+        arguments: With ``task``, its other arguments, for a ``lock_key`` that reads them.
+        ttl: The lease TTL, seconds (default: the task's ``lock_ttl``, else
+            ``steplock_default_ttl``).
+        wait: Seconds to wait for a busy lease (default: the task's ``lock_wait``, else
+            ``steplock_lock_wait``).
+        transitions: ``{from_: [to, ...]}`` of allowed transitions (default: the task's
+            ``step_transitions``, else any).
+        using: The database alias (default: the task's ``step_database``, else
+            ``steplock_step_database``, else the router's ``db_for_write``).
+        app: The Celery app whose settings and lock store to use (default: the task's, else
+            ``celery.current_app``).
+        actor: Who writes, for people reading the lease and the signals (the lease's
+            ``task_name``; default :data:`DEFAULT_ACTOR`), e.g. ``"admin:alice"``.
+
+    Returns:
+        The :class:`GuardedStep`, not yet entered: nothing is taken before ``with``.
+
+    Raises:
+        ImproperlyConfigured: A setting or argument is invalid, or the lock name is not
+            derivable (naming it).
+        InvalidArgument: ``ttl``, ``wait`` or ``actor`` is out of bounds.
+        LockNameError: ``lock_name`` is no lock name.
+        InvalidStepId: ``pk`` is not a key of the model.
+    """
+    model = resolve_model(model, setting="model")
+    app = _celery_app(app if app is not None or task is None else getattr(task, "app", None))
+    settings = Settings(app)
+    plan = None
+    if task is not None:
+        task = _step_locked_task(task, app)
+        plan = task.steplock_plan
+        if not _same_model(task.step_model, model):
+            raise ImproperlyConfigured(
+                f"task {task.name} does not guard {model._meta.label} steps (its step_model "
+                f"is {shown(task.step_model)})",
+                setting="task",
+            )
+    ttl = check_ttl(ttl, "ttl") if ttl is not None else plan.ttl if plan else settings.default_ttl
+    if wait is not None:
+        wait = check_seconds(wait, "wait", allow_zero=True, maximum=MAX_WAIT)
+    else:
+        wait = plan.wait if plan else settings.lock_wait
+    if actor is None:
+        actor = DEFAULT_ACTOR
+    elif not isinstance(actor, str) or not actor:
+        raise InvalidArgument(f"actor must be a non-empty str, got {shown(actor)}", "actor")
+    if using is None:
+        using = getattr(task, "step_database", None) or settings.step_database
+    if transitions is None and task is not None:
+        transitions = task.step_transitions
+    steps = DjangoStepStore(
+        model,
+        status_field=settings.status_field,
+        owner_field=settings.owner_field,
+        fence_field=settings.fence_field,
+        transitions=transitions,
+        using=using,
+    ).bind()
+    step_id = steps._pk_value(pk)
+    if lock_name is None:
+        lock_name = step_lock_name(model, step_id, task=task, arguments=arguments, app=app)
+    else:
+        lock_name = check_name(lock_name)
+    return GuardedStep(
+        steps=steps,
+        step_id=step_id,
+        lock_name=lock_name,
+        store=get_lease_store(app, settings),
+        settings=settings,
+        app=app,
+        actor=actor,
+        ttl=ttl,
+        wait=wait,
+    )
+
+
+def guarded_transition(
+    model: type[Model] | str,
+    pk: Any,
+    from_: str,
+    to: str,
+    *,
+    lock_name: str | None = None,
+    task: Any = None,
+    arguments: Mapping[str, Any] | None = None,
+    on_conflict: str = "raise",
+    updates: Mapping[str, Any] | None = None,
+    ttl: float | None = None,
+    wait: float | None = None,
+    transitions: Mapping[str, Iterable[str]] | None = None,
+    using: str | None = None,
+    app: Any = None,
+    actor: str | None = None,
+) -> TransitionResult:
+    """Move step ``pk`` from ``from_`` to ``to`` from code outside Celery (a view, the admin,
+    a management command, a serializer), under the guard a task's transition has.
+
+    The lease of the step's lock name is acquired (the one its tasks take, so neither runs
+    while the other holds it), the fenced compare-and-swap runs in a durable transaction
+    (it writes the lease's owner and fencing token, and is refused by a row a newer holder
+    wrote), the lease is checked in Redis before COMMIT and released after it. The signals
+    are a task's: ``lock_acquired``/``lock_contended``, ``transition_applied`` (after
+    COMMIT) or ``transition_conflict``, ``lock_lost``, ``lock_store_error``,
+    ``lock_released``; their sender is the :class:`GuardedStep`. Nothing is ever
+    half-applied: any error leaves the row as it was.
+
+    Args:
+        model: The step model, or ``"app_label.ModelName"``.
+        pk: The step's primary key.
+        from_: The status the step must still have.
+        to: The status to write.
+        lock_name: As for :func:`guarded_step`.
+        task: As for :func:`guarded_step`.
+        arguments: As for :func:`guarded_step`.
+        on_conflict: ``"raise"`` (default: TransitionConflict) or ``"return"`` (the
+            TransitionResult, not applied, ``current`` the step's status).
+        updates: Extra column values written by the same statement.
+        ttl: As for :func:`guarded_step`.
+        wait: As for :func:`guarded_step`.
+        transitions: As for :func:`guarded_step`.
+        using: As for :func:`guarded_step`.
+        app: As for :func:`guarded_step`.
+        actor: As for :func:`guarded_step`.
+
+    Returns:
+        The :class:`~celery_steplock.steps.TransitionResult` (applied: its ``fence`` is the
+        token now in the row).
+
+    Raises:
+        LockContended: Another owner (a task, another writer) holds the lease after
+            ``wait`` seconds; nothing ran.
+        TransitionConflict: The step left ``from_`` (with ``on_conflict="raise"``).
+        LockLost: The lease was lost before COMMIT, or the row carries a newer fencing
+            token; nothing committed.
+        LockStoreUnavailable: Redis did not answer (at acquire or at the check before
+            COMMIT); nothing committed (fail closed).
+        LockStoreMisconfigured: Redis refused our credentials or a permission.
+        OuterTransactionError: Called inside ``transaction.atomic()`` (ATOMIC_REQUESTS).
+        InvalidTransition: ``from_ -> to`` is not in the transition table (before any
+            lease is taken).
+        StepNotFound: No such step.
+        ImproperlyConfigured: An invalid argument or setting, or a lock name that is not
+            derivable (naming ``lock_name``).
+    """
+    on_conflict = check_choice(on_conflict, "on_conflict", ON_CONFLICT)
+    step = guarded_step(
+        model,
+        pk,
+        lock_name=lock_name,
+        task=task,
+        arguments=arguments,
+        ttl=ttl,
+        wait=wait,
+        transitions=transitions,
+        using=using,
+        app=app,
+        actor=actor,
+    )
+    step.steps.check_allowed(from_, to)
+    fence = None
+    try:
+        with step:
+            fence = step.lease.fence
+            return step._transition(from_, to, updates or {}, final=True)
+    except TransitionConflict as exc:
+        if on_conflict == "raise":
+            raise
+        return TransitionResult(False, step.step_id, from_, to, current=exc.current, fence=fence)
