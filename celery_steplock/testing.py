@@ -296,19 +296,22 @@ def steplock_redis(steplock_redis_url, steplock_key_prefix):
     """A redis-py client on ``steplock_redis_url``, replies decoded to ``str``.
 
     After the test it deletes every key under ``steplock_key_prefix`` (``SCAN``, never
-    ``KEYS``).
+    ``KEYS``), that prefix matched literally: an overridden prefix with glob characters
+    (``app*``) deletes no other key (``appserver:sessions:42``).
 
     Yields:
         The client.
     """
     from .clients import make_client
+    from .keys import glob_escape
 
     client = make_client(steplock_redis_url)
     try:
         yield client
     finally:
         try:
-            keys = list(client.scan_iter(match=f"{steplock_key_prefix}:*", count=1000))
+            pattern = f"{glob_escape(steplock_key_prefix)}:*"
+            keys = list(client.scan_iter(match=pattern, count=1000))
             for start in range(0, len(keys), 500):
                 client.delete(*keys[start : start + 500])
         finally:

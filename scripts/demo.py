@@ -661,14 +661,15 @@ class Demo:
         print(f"{'-' * width}  {'-' * vwidth}  {'-' * 40}")
         for label, value, note in rows:
             print(f"{label.ljust(width)}  {str(value).rjust(vwidth)}  {note}")
+        # Notes, violations and the reaper's lines may quote an error, and an error a URL.
         for note in self.notes:
-            print(f"note: {note}")
+            print(safe(f"note: {note}"))
         for line in violations[:20]:
-            print(f"VIOLATION: {line}")
+            print(safe(f"VIOLATION: {line}"))
         if len(violations) > 20:
             print(f"... and {len(violations) - 20} more violations")
         for line in self.failed_reasons:
-            print(f"FAILED: {line}")
+            print(safe(f"FAILED: {line}"))
         ok = (
             committed == len(steps) == self.args.steps
             and not violations
@@ -680,7 +681,7 @@ class Demo:
         # and it does not change the exit status either (it has nothing to do after a clean
         # run: no lease is left and no step is in flight).
         for line in self.run_reaper():
-            print(line)
+            print(safe(line))
         print()
         print(
             f"steps={len(steps)} committed={committed} contended={stats['lock_contended']} "

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Run pytest against SQLite and then PostgreSQL, with a throwaway Redis (what `make test` runs).
 
-Extra arguments are passed to pytest. A REDIS_URL already set is used instead of starting a
-Redis server; a DATABASE_URL already set makes a single run against that database.
+Extra arguments are passed to pytest. The tests wipe their servers (FLUSHDB, test databases
+created and dropped), so they use only servers this script starts, unless a test-only variable
+names one: STEPLOCK_TEST_REDIS_URL is used instead of starting a Redis server, and
+STEPLOCK_TEST_DATABASE_URL makes a single run against that database. REDIS_URL and
+DATABASE_URL (the demo's) are ignored: this script sets them for pytest and its workers. No
+URL is printed with its password.
 
 Leading options of this script (before any pytest argument):
 
@@ -26,12 +30,22 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.servers import ROOT, PostgresServer, RedisServer  # noqa: E402
+from celery_steplock.redact import redact, url_secrets  # noqa: E402
+from tests.support.servers import (  # noqa: E402
+    ROOT,
+    TEST_DATABASE_URL_ENV,
+    TEST_REDIS_URL_ENV,
+    TEST_URL_ENV,
+    PostgresServer,
+    RedisServer,
+    foreign_urls,
+)
 
 import corners as corner_venvs  # noqa: E402  (scripts/corners.py)
 
 PG_MISSING = (
-    "PostgreSQL not found: skipped the PostgreSQL run (install postgresql or set DATABASE_URL)"
+    "PostgreSQL not found: skipped the PostgreSQL run (install postgresql or set "
+    f"{TEST_DATABASE_URL_ENV})"
 )
 
 
@@ -47,8 +61,28 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+#: The passwords of the server URLs this script was given, masked wherever they appear.
+_SECRETS = url_secrets(
+    [os.environ.get(name, "") for name in (*TEST_URL_ENV, *TEST_URL_ENV.values())]
+)
+
+
 def say(message: str) -> None:
-    print(f"run_tests: {message}", flush=True)
+    print(f"run_tests: {redact(message, _SECRETS)}", flush=True)
+
+
+def suite_environment(environ: dict) -> dict:
+    """``environ`` as the passes start from: the user's REDIS_URL and DATABASE_URL (the
+    demo's) dropped, each noted; a server named by a test-only variable is REDIS_URL or
+    DATABASE_URL for pytest and the workers it starts."""
+    env = dict(environ)
+    for name, url in foreign_urls(env).items():
+        say(f"ignoring {name}={url}: the tests use servers of their own or {TEST_URL_ENV[name]}")
+        env.pop(name)
+    for name, test_name in TEST_URL_ENV.items():
+        if env.get(test_name):
+            env[name] = env[test_name]
+    return env
 
 
 def _stop_pytest(proc: subprocess.Popen, signum: int) -> None:
@@ -139,7 +173,7 @@ def main(args: list[str]) -> int:
     corners = [corner_venvs.load(name) for name in corner_names]
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
-    base_env = dict(os.environ)
+    base_env = suite_environment(dict(os.environ))
     results: list[tuple[str, str, str]] = []  # (label, "ok" | "FAILED" | "skipped", detail)
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     redis_server = pg_server = None
@@ -157,17 +191,18 @@ def main(args: list[str]) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="steplock-run-tests-") as tmp:
             workdir = Path(tmp)
-            if base_env.get("REDIS_URL"):
-                say(f"using REDIS_URL={base_env['REDIS_URL']}")
+            if base_env.get(TEST_REDIS_URL_ENV):
+                say(f"using {TEST_REDIS_URL_ENV}={base_env[TEST_REDIS_URL_ENV]}")
             else:
                 redis_server = RedisServer().start()
-                base_env["REDIS_URL"] = redis_server.url
+                base_env["REDIS_URL"] = base_env[TEST_REDIS_URL_ENV] = redis_server.url
                 say(f"started redis-server {redis_server.url} (pid {redis_server.pid})")
 
             if corners_only:
                 runs = []
-            elif base_env.get("DATABASE_URL"):
-                runs = ["DATABASE_URL"]
+            elif base_env.get(TEST_DATABASE_URL_ENV):
+                say(f"using {TEST_DATABASE_URL_ENV}={base_env[TEST_DATABASE_URL_ENV]}")
+                runs = [TEST_DATABASE_URL_ENV]
             else:
                 runs = ["sqlite", "postgresql"]
 
@@ -175,12 +210,13 @@ def main(args: list[str]) -> int:
                 env = dict(base_env)
                 if label == "sqlite":
                     env.pop("DATABASE_URL", None)
+                    env.pop(TEST_DATABASE_URL_ENV, None)
                 elif label == "postgresql":
                     if not PostgresServer.available():
                         if os.environ.get("CI") == "true":
                             say(
                                 "ERROR: PostgreSQL not found, and CI=true requires the "
-                                "PostgreSQL run (install postgresql or set DATABASE_URL)"
+                                f"PostgreSQL run (install postgresql or set {TEST_DATABASE_URL_ENV})"
                             )
                             results.append((label, "FAILED", "PostgreSQL not found"))
                         else:
@@ -193,7 +229,7 @@ def main(args: list[str]) -> int:
                         say(f"ERROR: could not start PostgreSQL: {exc}")
                         results.append((label, "FAILED", "PostgreSQL did not start"))
                         continue
-                    env["DATABASE_URL"] = pg_server.url
+                    env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = pg_server.url
                     say(f"started postgres {pg_server.url} (pid {pg_server.pid})")
                 if redis_server is not None and results:  # a clean Redis for each run
                     import redis
@@ -223,6 +259,7 @@ def main(args: list[str]) -> int:
                     continue
                 env = dict(base_env)
                 env.pop("DATABASE_URL", None)
+                env.pop(TEST_DATABASE_URL_ENV, None)
                 if redis_server is not None and results:
                     import redis
 

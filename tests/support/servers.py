@@ -47,6 +47,10 @@ __all__ = [
     "find_redis_server",
     "RedisServer",
     "PostgresServer",
+    "TEST_REDIS_URL_ENV",
+    "TEST_DATABASE_URL_ENV",
+    "TEST_URL_ENV",
+    "foreign_urls",
     # re-exported from tests.support.processes
     "ProcessGroup",
     "WorkerProcess",
@@ -56,6 +60,32 @@ __all__ = [
 ]
 
 _VENV_REDIS = ROOT / ".venv" / "bin" / "redis-server"
+
+#: The test-only variables naming an existing server the tests may use (and flush, and create
+#: and drop databases on). The README tells users to export REDIS_URL and DATABASE_URL for the
+#: demo: the suite never reads those as the user's, it sets them for its own processes.
+TEST_REDIS_URL_ENV = "STEPLOCK_TEST_REDIS_URL"
+TEST_DATABASE_URL_ENV = "STEPLOCK_TEST_DATABASE_URL"
+#: The example project's variable -> the test-only variable that may name its server.
+TEST_URL_ENV = {"REDIS_URL": TEST_REDIS_URL_ENV, "DATABASE_URL": TEST_DATABASE_URL_ENV}
+
+
+def foreign_urls(environ) -> dict[str, str]:
+    """The example project's server URLs in ``environ`` that no test-only variable names.
+
+    Args:
+        environ: An environment (``os.environ``).
+
+    Returns:
+        ``{"REDIS_URL": url, ...}``: each of REDIS_URL and DATABASE_URL that is set and
+        differs from its test-only variable (:data:`TEST_URL_ENV`), a user's server the
+        suite must not touch.
+    """
+    return {
+        name: environ[name]
+        for name, test_name in TEST_URL_ENV.items()
+        if environ.get(name) and environ.get(name) != environ.get(test_name)
+    }
 
 
 def free_port() -> int:
