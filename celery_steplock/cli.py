@@ -23,8 +23,17 @@ newlines escaped: a lease cannot forge a line or drive the terminal; ``--json`` 
 as JSON does), and every error through :func:`celery_steplock.redact.redact` (no password
 of a URL or of the transport options is shown).
 
-Exit status: 0 on success; 1 when ``show`` finds no lease, ``release`` released nothing, or
-``reap`` met errors; 69 (``EX_UNAVAILABLE``, as ``celery inspect``) when Redis is unreachable.
+Corrupt data never ends a command with a traceback: a malformed lease is listed by ``ls``
+(named below the table) and printed by ``show`` with its ``malformed`` field, exit 0; a
+corrupt breaker (fields that are not what they claim, or a key of the wrong type) is printed
+by ``breaker show`` with its ``malformed`` field, exit 0
+(:meth:`celery_steplock.patterns.breaker.CircuitBreaker.state`), and ``breaker open|close``
+refused by a key of the wrong type exits 1, changing nothing.
+
+Exit status: 0 on success; 1 when ``show`` finds no lease, ``release`` released nothing,
+``reap`` met errors, or Redis refused a breaker override (``WRONGTYPE``); 69
+(``EX_UNAVAILABLE``, as ``celery inspect``) when Redis is unreachable or refuses our
+credentials.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
-from .exceptions import StepLockError
+from .exceptions import LockStoreMisconfigured, LockStoreUnavailable, StepLockError
 from .lock import get_lease_store
 from .ops import (
     AuditRecordFailed,
@@ -434,7 +443,10 @@ def _breaker(ctx, name):
 @click.option("--json", "as_json", is_flag=True, help="print a JSON object")
 @click.pass_context
 def breaker_show(ctx, name, as_json):
-    """Show the state of the circuit breaker NAME (a dependency name) as Redis holds it."""
+    """Show the state of the circuit breaker NAME (a dependency name) as Redis holds it.
+
+    A corrupt breaker is shown too (exit 0): its ``malformed`` line says what is wrong.
+    """
     breaker = _breaker(ctx, name)
     try:
         state = breaker.state().as_dict()
@@ -473,8 +485,13 @@ def _override(ctx, name, action, reason):
             f"written ({_shown(failed.__cause__)})",
             exit_code=EX_FAILURE,
         )
-    except StepLockError as exc:
+    except (LockStoreUnavailable, LockStoreMisconfigured) as exc:
         raise _unavailable(exc)
+    except StepLockError as exc:  # Redis answered and refused: a key of the wrong type
+        raise CeleryCommandException(
+            message=f"not changed: circuit breaker {name!r}: {_shown(exc)} (see show {name})",
+            exit_code=EX_FAILURE,
+        )
     click.echo(
         f"circuit breaker {printable(name)!r}: {record.previous} -> "
         f"{'open (forced, until closed)' if action == 'open' else 'closed'} (audit: "

@@ -15,6 +15,7 @@ checks this drawing against the classes: each once, under its first base of the 
     │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
     │   ├── LockStoreMisconfigured  Redis refused our credentials or a permission (not retried)
     │   ├── LockLost                a held lease expired, was stolen or ran past its max hold
+    │   │   └── FenceAhead          the step row's fence is ahead of the store's (clock went back)
     │   └── ForceReleaseRefused     an operator's force release deleted nothing
     │       ├── LeaseNotHeld        ... because the lease is not held
     │       ├── LeaseHeldByAnother  ... because another owner holds it now
@@ -53,6 +54,7 @@ __all__ = [
     "LockStoreUnavailable",
     "LockStoreMisconfigured",
     "LockLost",
+    "FenceAhead",
     "TransitionError",
     "InvalidTransition",
     "StepNotFound",
@@ -268,6 +270,46 @@ class LockLost(LockError):
     It expired locally, the key vanished, another owner took it, or it ran past
     ``lock_max_hold``. Attributes are those of :class:`LockError`.
     """
+
+
+class FenceAhead(LockLost):
+    """The step row carries a fencing token ahead of the one the lock store just granted.
+
+    Raised when the fenced compare-and-swap is refused while the lease is still valid: no
+    newer holder of the lease can exist, so the fence in the row came from a store whose
+    clock (or counter) was ahead, e.g. before a failover to a primary whose clock is behind
+    (fencing tokens are ``max(counter + 1, Redis time in microseconds)``,
+    :data:`celery_steplock._redis.scripts.fragments.FENCE`), or from a writer under another
+    lock name. Every grant stays behind the row until the store's clock passes it: a task
+    retries it after the skew at most ``task.FENCE_AHEAD_RETRY_MAX`` times (not at all when
+    the skew exceeds ``steplock_retry_backoff_max``), then fails with it.
+
+    Attributes:
+        row_fence: The fencing token in the step row (int), or None when unread.
+        skew: Seconds the row's fence is ahead of the granted one (a lower bound of the
+            clock offset), or None when unread.
+        step_id: The step's primary key.
+    """
+
+    _pickled = ("key", "name", "owner", "fence", "row_fence", "skew", "step_id")
+    _rebuilder = "_rebuild_fence_ahead"
+
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        *,
+        name: str | None = None,
+        owner: str | None = None,
+        fence: int | None = None,
+        row_fence: int | None = None,
+        skew: float | None = None,
+        step_id: Any = None,
+    ) -> None:
+        super().__init__(message, key, name=name, owner=owner, fence=fence)
+        self.row_fence = row_fence
+        self.skew = skew
+        self.step_id = step_id
 
 
 class ForceReleaseRefused(LockError):
@@ -555,6 +597,10 @@ def _rebuild_idempotency(cls: type[IdempotencyError], message: str, *values: Any
 def _rebuild_in_progress(
     cls: type[IdempotencyInProgress], message: str, *values: Any
 ) -> StepLockError:
+    return _rebuild(cls, message, values)
+
+
+def _rebuild_fence_ahead(cls: type[FenceAhead], message: str, *values: Any) -> StepLockError:
     return _rebuild(cls, message, values)
 
 

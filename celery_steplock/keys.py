@@ -34,6 +34,8 @@ __all__ = [
     "wake_key",
     "name_from_key",
     "check_name",
+    "glob_escape",
+    "PROBE_NAME",
     "template_fields",
     "idempotency_key",
     "MAX_NAME_LENGTH",
@@ -59,6 +61,10 @@ __all__ = [
 PUBLIC_NAME_KEY = b"celery_steplock: no name secret configured"
 
 MAX_NAME_LENGTH = 512
+
+#: The lock name the lease store's permission probe runs on (``lock.PROBE_NAME``); reserved,
+#: so that no lease can have it (:func:`check_name`).
+PROBE_NAME = "steplock-acl-probe"
 
 LockKey = str | Callable[..., str] | None
 
@@ -182,14 +188,15 @@ def check_name(name: Any) -> str:
 
     Args:
         name: A non-empty string of printable characters, without braces (they delimit
-            the Redis Cluster hash tag), at most :data:`MAX_NAME_LENGTH` (512) long.
+            the Redis Cluster hash tag), at most :data:`MAX_NAME_LENGTH` (512) long, other
+            than :data:`PROBE_NAME`.
 
     Returns:
         ``name``.
 
     Raises:
         LockNameError: ``name`` cannot be a lock name (quoting at most ``conf.MAX_SHOWN``
-            characters of it).
+            characters of it), or is the reserved :data:`PROBE_NAME`.
     """
     if (
         type(name) is str
@@ -197,6 +204,7 @@ def check_name(name: Any) -> str:
         and name.isprintable()
         and "{" not in name
         and "}" not in name
+        and name != PROBE_NAME
     ):
         return name
     if not isinstance(name, str) or not name:
@@ -214,7 +222,34 @@ def check_name(name: Any) -> str:
             f"a lock name cannot contain braces (they delimit the Redis Cluster hash tag): "
             f"{shown(name)}"
         )
+    if name == PROBE_NAME:
+        raise LockNameError(
+            f"the lock name {PROBE_NAME!r} is reserved: the lease store's permission probe "
+            f"writes and deletes its keys"
+        )
     return name
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob (``SCAN MATCH``, ``KEYS``).
+
+    Redis's glob (``stringmatchlen`` in its ``util.c``) gives ``*``, ``?``, ``[``, ``]``
+    and ``\\`` a meaning, and a backslash makes the next character literal; a prefix or name
+    put into a pattern unescaped matches other keys (prefix ``app*`` matches
+    ``appserver:sessions:42``).
+
+    Args:
+        text: A key prefix or name.
+
+    Returns:
+        ``text`` with a backslash before each of those five characters.
+    """
+    if not any(c in _GLOB_SPECIAL for c in text):
+        return text
+    return "".join(f"\\{c}" if c in _GLOB_SPECIAL else c for c in text)
+
+
+_GLOB_SPECIAL = frozenset("*?[]\\")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 
@@ -55,8 +56,10 @@ from .exceptions import (
 )
 from .keys import (
     MAX_NAME_LENGTH,
+    PROBE_NAME,  # the permission probe's reserved name; lock.PROBE_NAME stays valid
     check_name,
     fence_key,
+    glob_escape,
     lease_key,
     lease_keys,
     name_from_key,
@@ -102,9 +105,6 @@ MAX_WAITERS = 1000
 #: Waiters that share the store's own pool (see :attr:`RedisLeaseStore.waiter_limit`) leave
 #: a quarter of its connections, and at least this many, to renewals and releases.
 WAITER_RESERVE = 8
-
-#: The lease name the permission probe uses (``scripts.PROBE``); no task's lock name has it.
-PROBE_NAME = "steplock-acl-probe"
 
 #: Where the least-privilege ACL is documented (named by the permission errors).
 ACL_DOC = "docs/acl.md"
@@ -490,16 +490,32 @@ class RedisLeaseStore:
             LockStoreMisconfigured: Naming every command (and key) refused.
             LockStoreUnavailable: Redis cannot be reached.
         """
-        keys = [
-            lease_key(self.prefix, PROBE_NAME),
-            fence_key(self.prefix, PROBE_NAME),
-            waiters_key(self.prefix, PROBE_NAME),
-            wake_key(self.prefix, PROBE_NAME),
-        ]
-        try:
-            refused = route.evalsha(self.client, self._probe, keys, [])
-        except STORE_ERRORS as exc:
-            raise store_error(exc, what, key=key, name=name, owner=owner) from exc
+        # The probe leaves alone any of its keys that exists (it returns 1): a lease of the
+        # reserved name that an older version took, or a key written by hand, is never
+        # touched; then it runs on a name of its own instead.
+        for probe_name in (PROBE_NAME, f"{PROBE_NAME}:{uuid.uuid4().hex}"):
+            keys = [
+                lease_key(self.prefix, probe_name),
+                fence_key(self.prefix, probe_name),
+                waiters_key(self.prefix, probe_name),
+                wake_key(self.prefix, probe_name),
+            ]
+            try:
+                refused = route.evalsha(self.client, self._probe, keys, [])
+            except STORE_ERRORS as exc:
+                raise store_error(exc, what, key=key, name=name, owner=owner) from exc
+            if refused != 1:
+                break
+        else:
+            raise LockStoreMisconfigured(
+                f"the permission probe found its keys taken ({keys[0]} and a random name's): "
+                f"keys under {self.prefix}:* are written by something else than "
+                f"celery-steplock",
+                key=key,
+                name=name,
+                owner=owner,
+                setting="steplock_key_prefix",
+            )
         if refused:
             refused = tuple(wire.text(r) for r in refused)
             commands = sorted({r.split(" ")[0] for r in refused})
@@ -943,7 +959,7 @@ class RedisLeaseStore:
         cursor, count, match = self._checked_scan(cursor, count, match)
         try:
             cursor, keys = self.client.scan(
-                cursor=cursor, match=lease_key(self.prefix, match), count=count
+                cursor=cursor, match=lease_key(glob_escape(self.prefix), match), count=count
             )
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "scan") from exc

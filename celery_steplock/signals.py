@@ -20,6 +20,7 @@ __all__ = [
     "transition_applied",
     "transition_conflict",
     "lock_store_error",
+    "fence_ahead",
     "force_release_audit",
     "idempotency_locked",
     "idempotency_replayed",
@@ -64,6 +65,13 @@ transition_applied = Signal(name="transition_applied")
 transition_conflict = Signal(name="transition_conflict")
 #: Redis could not be reached; ``policy`` says whether the body was refused or ran unlocked.
 lock_store_error = Signal(name="lock_store_error")
+#: The step row's fencing token is ahead of the one the lock store just granted, the lease
+#: still valid: the store's clock went back (a failover to a primary whose clock is behind)
+#: or another lock name writes the row (``step_id``, ``row_fence``, ``skew``: seconds the
+#: row is ahead, ``attempt``: the lease retries of this kind so far, ``reason``). Sent before
+#: the task's ``FenceAhead`` (a ``LockLost``); the task is retried after the skew, a bounded
+#: number of times.
+fence_ahead = Signal(name="fence_ahead")
 #: An operator's force release (:func:`celery_steplock.ops.force_release`): sent once with
 #: ``outcome="requested"`` before the delete, then once with its outcome; ``actor``,
 #: ``actor_host``, ``via`` and ``audit`` besides the lease's fields.
@@ -94,6 +102,7 @@ ALL_SIGNALS: tuple[Signal, ...] = (
     transition_applied,
     transition_conflict,
     lock_store_error,
+    fence_ahead,
     force_release_audit,
 )
 ALL_SIGNALS += (

@@ -70,12 +70,13 @@ from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
 from celery.signals import worker_init
 
-from . import _django, outcomes, signals, tracing
+from . import _django, _startup, outcomes, signals, tracing
 from ._jitter import backoff_ceiling, full_jitter
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
 from .exceptions import (
     AdmissionDenied,
+    FenceAhead,
     ImproperlyConfigured,
     LockContended,
     LockLost,
@@ -90,7 +91,7 @@ from .patterns import gates as admission
 from .plan import ExecutionPlan, build_plan, option_values
 from .steps import StepStore, TransitionResult
 
-__all__ = ["StepLockedTask", "backoff"]
+__all__ = ["StepLockedTask", "backoff", "FENCE_AHEAD_RETRY_MAX"]
 
 logger = logging.getLogger("celery_steplock")
 
@@ -344,6 +345,13 @@ class StepLockedTask(_TaskBase):
                     deadline=deadline,
                 )
         except TransitionConflict as exc:
+            ahead = None
+            if lease is not None and exc.stale_fence:
+                # The status matched, the fence did not, and the lease was valid just before
+                # (lease.check()): no newer holder exists, so the fence source went backwards
+                # (a failover to a node whose clock is behind). Never ignored (the step would
+                # be dropped silently), never retried without end: FenceAhead.
+                ahead = self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
             emit(
                 signals.transition_conflict,
                 self,
@@ -354,12 +362,10 @@ class StepLockedTask(_TaskBase):
                 **fields,
             )
             if lease is not None and exc.stale_fence:
-                # The status matched, the fence did not: the row carries a newer fencing
-                # token. Either a newer holder wrote it (this lease is stale), or the fence
-                # source went backwards (a failover to a node whose clock is behind): retry
-                # rather than ignore, so the step is never dropped silently.
                 lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
-                raise LockLost(
+                if ahead is not None:
+                    raise ahead from exc
+                raise LockLost(  # the row changed again since: a plain lost lease
                     f"{exc} (fence {lease.fence})",
                     key=lease.key,
                     name=lease.name,
@@ -457,10 +463,87 @@ class StepLockedTask(_TaskBase):
 
     def handle_lost_lease(self, exc: LockLost) -> Any:
         """Called when the lease was lost before the commit; nothing committed. Default:
-        retried when ``on_contended`` is "retry", else ``exc`` is raised."""
-        if self._current_plan().on_contended == "retry":
+        retried when ``on_contended`` is "retry", else ``exc`` is raised. A
+        :class:`~celery_steplock.exceptions.FenceAhead` is retried after its skew at most
+        :data:`FENCE_AHEAD_RETRY_MAX` times, and not at all when the skew exceeds
+        ``steplock_retry_backoff_max``: then ``exc`` is raised."""
+        plan = self._current_plan()
+        if plan.on_contended != "retry":
+            raise exc
+        if not isinstance(exc, FenceAhead):
             return self.steplock_retry(exc)
-        raise exc
+        attempt = self._fence_ahead_attempts()
+        if attempt >= FENCE_AHEAD_RETRY_MAX or (
+            exc.skew is not None and exc.skew > plan.retry_backoff_max
+        ):
+            raise exc
+        # Fences follow the store's clock: after the skew it grants one past the row's.
+        wait = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
+        return self.steplock_retry(
+            exc, headers={FENCE_AHEAD_HEADER: attempt + 1}, countdown=(exc.skew or 0.0) + wait
+        )
+
+    def _fence_ahead_attempts(self) -> int:
+        """The FenceAhead retries of this message so far (its FENCE_AHEAD_HEADER)."""
+        request = self.request
+        value = getattr(request, FENCE_AHEAD_HEADER, None) or (request.headers or {}).get(
+            FENCE_AHEAD_HEADER
+        )
+        try:
+            return max(0, int(value or 0))
+        except (TypeError, ValueError):
+            return 0
+
+    def _fence_ahead(
+        self, lease: Lease, steps: StepStore, step_id: Any, cause: str
+    ) -> FenceAhead | None:
+        """The FenceAhead of a row whose fencing token is ahead of ``lease``'s (its
+        ``fence_ahead`` signal sent), or None when the row's token is known and not ahead.
+        The row's token is read with the step store's ``writer()`` when it has one."""
+        row_fence = None
+        writer = getattr(steps, "writer", None)
+        if writer is not None:
+            try:
+                value = writer(step_id).get("fence")
+                row_fence = int(value) if value is not None else None
+            except Exception:  # noqa: BLE001 - unread: reported without the figure
+                row_fence = None
+        if row_fence is not None and lease.fence is not None and row_fence <= lease.fence:
+            return None
+        skew = None
+        if row_fence is not None and lease.fence is not None:
+            skew = (row_fence - lease.fence) / 1_000_000  # fences are Redis microseconds
+        ahead = (
+            f"the row's fence {row_fence} is {skew:.3f} s ahead of the granted one"
+            if skew is not None
+            else "the row's fence is ahead of the granted one"
+        )
+        reason = (
+            f"{ahead}: the lock store's clock went back (a failover to a primary whose clock "
+            f"is behind?) or another lock name writes this step"
+        )
+        attempt = self._fence_ahead_attempts()
+        emit(
+            signals.fence_ahead,
+            self,
+            logging.ERROR,
+            step_id=step_id,
+            row_fence=row_fence,
+            skew=skew,
+            attempt=attempt,
+            reason=reason,
+            **lease_fields(lease, self.request.id, self.name),
+        )
+        return FenceAhead(
+            f"{cause}; {reason}",
+            key=lease.key,
+            name=lease.name,
+            owner=lease.owner,
+            fence=lease.fence,
+            row_fence=row_fence,
+            skew=skew,
+            step_id=step_id,
+        )
 
     def handle_denied(self, exc: AdmissionDenied) -> Any:
         """Called when an admission gate (a rate limit, a concurrency limit, an open circuit
@@ -560,16 +643,19 @@ class StepLockedTask(_TaskBase):
         if lease is None:
             return self._end(self._contended(execution))
         execution.lease = lease
-        emit(
-            signals.lock_acquired,
-            self,
-            wait_seconds=execution.wait.seconds,
-            **lease_fields(lease),
-        )
         heartbeat = get_heartbeat()
         held = execution.held = tracing.hold(lease)
         try:
+            # Renewed before any receiver of lock_acquired runs: one that blocks (the event
+            # log's write on a locked SQLite file) must not let the lease expire before the
+            # body.
             heartbeat.register(lease, store, ratio=plan.ratio, sender=self, max_hold=plan.max_hold)
+            emit(
+                signals.lock_acquired,
+                self,
+                wait_seconds=execution.wait.seconds,
+                **lease_fields(lease),
+            )
             return self._run(execution)
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
@@ -710,6 +796,14 @@ class StepLockedTask(_TaskBase):
                 **(lease_fields(lease) if lease else {}),
             )
             raise exc
+        lease = execution.lease
+        if lease is not None and self._fence_ahead_attempts():
+            # A retry after FenceAhead: while the row is still ahead of the new lease's
+            # fence, the CAS would refuse again; the body does not run again.
+            ahead = self._fence_ahead(lease, steps, step_id, f"step {step_id!r}: body skipped")
+            if ahead is not None:
+                lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
+                raise ahead
 
     def _commit_failed(self, execution: Execution, exc: Exception) -> bool:
         """Whether ``exc`` is the step database's connection breaking in our part of the
@@ -900,6 +994,12 @@ class StepLockedTask(_TaskBase):
         raise Ignore()
 
 
+#: How many times a FenceAhead (the step row's fence ahead of the store's) is retried
+#: before the task fails with it; each retry waits out the skew first.
+FENCE_AHEAD_RETRY_MAX = 2
+#: The message header counting those retries.
+FENCE_AHEAD_HEADER = "steplock_fence_ahead"
+
 #: Eager lease retries when neither ``lock_retry_max`` nor the task's ``max_retries`` bounds
 #: them (Celery's default ``max_retries``).
 EAGER_RETRY_MAX = 3
@@ -939,13 +1039,15 @@ def validate_app(app: Any) -> list[str]:
 @worker_init.connect(weak=False)
 def _refuse_to_start_misconfigured(sender: Any = None, **kwargs: Any) -> None:
     """A worker with invalid steplock settings or task options does not start (it would
-    consume acks_late messages only to fail them); warnings are logged."""
+    consume acks_late messages only to fail them); warnings are logged. Then one PING of the
+    lock store: a WARNING when it does not answer (the worker still starts)."""
     app = getattr(sender, "app", None)
     if app is None:
         return
     from .validate import refuse_to_start
 
     refuse_to_start(app)
+    _startup.ping_lock_store(app)
 
 
 def __getattr__(name: str) -> Any:

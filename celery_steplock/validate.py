@@ -558,6 +558,10 @@ def _unknown_option_names(task: Any) -> list[tuple[str, str | None]]:
     return found
 
 
+#: Django settings the library reads itself (not through the Celery app): never "unknown".
+DJANGO_SETTINGS_READ = frozenset({"STEPLOCK_IDEMPOTENCY_MIDDLEWARE"})
+
+
 def unknown_name_problems(app: Any) -> list[Problem]:
     """W005: settings and task options that do not exist, each with the closest real name.
 
@@ -580,7 +584,7 @@ def unknown_name_problems(app: Any) -> list[Problem]:
     read = {key for name in (*known, *renamed) for key in _read_keys(app, name)}
     prefix = _prefix(app)
     for raw in sorted(set(_raw_keys(app))):
-        if "steplock" not in raw.lower() or raw in read:
+        if "steplock" not in raw.lower() or raw in read or raw in DJANGO_SETTINGS_READ:
             continue
         name = raw[len(prefix) :] if prefix and raw.upper().startswith(prefix.upper()) else raw
         name = name.lower()
@@ -693,7 +697,11 @@ def django_setting_problems(app: Any, django_settings: Any = None) -> list[Probl
         django_settings = getattr(conf_module, "settings", None)
         if django_settings is None or not django_settings.configured:
             return []
-    names = [n for n in dir(django_settings) if n.isupper() and "STEPLOCK" in n]
+    names = [
+        n
+        for n in dir(django_settings)
+        if n.isupper() and "STEPLOCK" in n and n not in DJANGO_SETTINGS_READ
+    ]
     if not names:
         return []
     raw = set(_raw_keys(app))

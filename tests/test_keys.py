@@ -504,3 +504,35 @@ def test_the_patterns_build_their_keys_with_todays_layouts(redis_client):
         "t:fence:{order:42}",
         "t:lease:{order:42}",
     ]
+
+
+# -- issue 24: globs built from a prefix or a name match it literally -----------------------------
+
+
+def test_glob_escape_makes_every_redis_glob_character_literal(redis_client):
+    from celery_steplock.keys import glob_escape
+
+    assert glob_escape("app*") == "app\\*"
+    assert glob_escape("a?[b]\\c") == "a\\?\\[b\\]\\\\c"
+    assert glob_escape("plain:prefix-1") == "plain:prefix-1"
+    literals = ["app*", "a?p", "[ab]pp", "ap\\p", "x]y", "^!-"]
+    neighbours = ["appserver", "a-p", "app", "bpp", "aXp", "ap\\\\p", "xy", "-"]
+    for text in literals + neighbours:
+        redis_client.set(f"{text}:k", "1")
+    for text in literals:
+        found = list(redis_client.scan_iter(match=f"{glob_escape(text)}:*", count=1000))
+        assert found == [f"{text}:k"], (text, found)
+
+
+def test_the_probes_reserved_name_is_refused_naming_it():
+    from celery_steplock.keys import PROBE_NAME, check_name
+
+    assert PROBE_NAME == "steplock-acl-probe"
+    with pytest.raises(LockNameError) as caught:
+        check_name(PROBE_NAME)
+    assert PROBE_NAME in str(caught.value) and "reserved" in str(caught.value)
+    assert check_name(f"{PROBE_NAME}-2") == f"{PROBE_NAME}-2"  # only the name itself
+    with pytest.raises(LockNameError, match="reserved"):
+        name(unbound, PROBE_NAME, lock_key="{x}")
+    with pytest.raises(LockNameError, match="reserved"):
+        name(unbound, "steplock-acl", lock_key=lambda x, y: f"{x}-probe")

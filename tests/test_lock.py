@@ -879,3 +879,99 @@ def test_a_lease_key_that_is_not_utf8_is_listed_as_malformed(lock, redis_client)
     assert cursor == 0 and len(keys) == 2
     assert sum(1 for info in lock.read_leases(keys).values() if info is not None) == 2
     assert "malformed" not in leases[0] and leases[0]["owner"] == "o"
+
+
+# -- issue 24: the permission probe's reserved name --------------------------------------------
+
+
+def test_the_probes_reserved_name_is_refused_by_every_call(lock, redis_client):
+    from celery_steplock.lock import PROBE_NAME
+
+    for call in (
+        lambda: lock.acquire(PROBE_NAME, "o", 5.0),
+        lambda: lock.try_acquire(PROBE_NAME, "o", 5.0),
+        lambda: lock.release(PROBE_NAME, "o"),
+        lambda: lock.extend(PROBE_NAME, "o", 5.0),
+        lambda: lock.inspect(PROBE_NAME),
+        lambda: lock.owned(PROBE_NAME, "o"),
+    ):
+        with pytest.raises(LockNameError) as info:
+            call()
+        assert PROBE_NAME in str(info.value) and "reserved" in str(info.value)
+    assert redis_client.dbsize() == 0
+
+
+def test_the_probe_never_touches_a_lease_it_does_not_own(redis_client):
+    """A lease of the reserved name written by another version or by hand, and its fencing
+    counter, waiters and wake list: a starting store's probe leaves each as it was."""
+    from celery_steplock.lock import PROBE_NAME
+
+    theirs = {
+        f"t:lease:{{{PROBE_NAME}}}": ("hash", {"owner": "theirs", "fence": "7"}),
+        f"t:fence:{{{PROBE_NAME}}}": ("string", "7"),
+        f"t:waiters:{{{PROBE_NAME}}}": ("zset", {"someone": 1.0}),
+        f"t:wake:{{{PROBE_NAME}}}": ("list", ["someone"]),
+    }
+
+    def snapshot(key):
+        kind = redis_client.type(key)
+        read = {
+            "hash": redis_client.hgetall,
+            "string": redis_client.get,
+            "zset": lambda k: redis_client.zrange(k, 0, -1, withscores=True),
+            "list": lambda k: redis_client.lrange(k, 0, -1),
+            "none": lambda k: None,
+        }[kind]
+        return kind, read(key)
+
+    for present in [*theirs, "all"]:  # each key alone, then all of them
+        redis_client.flushdb()
+        for key, (kind, value) in theirs.items():
+            if key != present and present != "all":
+                continue
+            if kind == "hash":
+                redis_client.hset(key, mapping=value)
+            elif kind == "string":
+                redis_client.set(key, value)
+            elif kind == "zset":
+                redis_client.zadd(key, value)
+            else:
+                redis_client.rpush(key, *value)
+            redis_client.expire(key, 60)
+        before = {key: snapshot(key) for key in redis_client.keys("*")}
+        store = RedisLeaseStore(redis_client, prefix="t")
+        lease = store.acquire("mine", "o1", 5.0)  # the probe runs before the first write
+        assert lease is not None and store._probed
+        after = {key: snapshot(key) for key in before}
+        assert after == before, present
+        assert all(redis_client.ttl(key) > 50 for key in before)
+        assert set(redis_client.keys("*")) == {*before, "t:lease:{mine}", "t:fence:{mine}"}
+        assert store.release("mine", "o1")
+
+
+def test_the_probe_as_a_restricted_user_names_what_is_missing_and_touches_no_lease(acl_server):
+    """With the reserved name's lease held by someone else, a user lacking HSET is still told
+    so (the probe ran on a name of its own); a user lacking EXISTS is refused before the
+    probe writes anything, since nothing then says its keys are free."""
+    from celery_steplock.exceptions import LockStoreMisconfigured
+    from celery_steplock.lock import PROBE_NAME
+    from tests.support import acl
+
+    admin = make_client(acl_server.url)
+    admin.flushdb()
+    theirs = f"steplock:lease:{{{PROBE_NAME}}}"
+    try:
+        admin.hset(theirs, mapping={"owner": "theirs", "fence": "7"})
+        for without, named in (("hset", "hset steplock:lease:{"), ("exists", "exists ")):
+            client = make_client(acl.create_user(acl_server, without=[without]))
+            try:
+                with pytest.raises(LockStoreMisconfigured) as caught:
+                    RedisLeaseStore(client).acquire("m", "o", 30.0)
+            finally:
+                client.close()
+            assert any(p.startswith(named) for p in caught.value.permissions), caught.value
+            assert admin.hgetall(theirs) == {"owner": "theirs", "fence": "7"}
+            assert admin.keys("*") == [theirs]
+    finally:
+        admin.flushdb()
+        admin.close()

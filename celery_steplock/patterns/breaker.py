@@ -63,9 +63,17 @@ from .._checks import (
 from .._redis import wire
 from .._redis.scripts.breaker import ADMIT, OVERRIDE, READ, RECORD
 from ..events import emit, log_event
-from ..exceptions import CircuitOpen, ImproperlyConfigured, InvalidArgument, LockStoreUnavailable
+from ..exceptions import (
+    CircuitOpen,
+    ImproperlyConfigured,
+    InvalidArgument,
+    LockError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+)
 from ..keys import breaker_key, breaker_keys
-from ._base import Target, call, check_on_store_error, outage, resolve_policy, target
+from ..lease import MALFORMED_EXCERPT
+from ._base import Target, call, check_on_store_error, outage, resolve_policy, target, translated
 from .retry import check_policy, classify, is_control
 
 __all__ = [
@@ -119,7 +127,11 @@ class BreakerState:
     ``probes`` (live probe permits), ``retry_after``
     (seconds until an OPEN breaker lets a probe through, by this object's
     ``recovery_timeout``; 0 otherwise), ``generation``, ``opened_ago`` (seconds since it last
-    opened, Redis clock; None when it never did or was closed since)."""
+    opened, Redis clock; None when it never did or was closed since), ``malformed`` (what is
+    wrong with the stored keys, ``"field: why; ..."`` with its parts sorted, as a lease's
+    :func:`~celery_steplock.lease.parse_lease` says it; ``""`` when nothing): a field that
+    cannot be what it claims is read as the scripts read it (see :meth:`CircuitBreaker.state`).
+    """
 
     name: str
     key: str
@@ -132,6 +144,7 @@ class BreakerState:
     retry_after: float
     generation: int
     opened_ago: float | None = None
+    malformed: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -517,28 +530,113 @@ class CircuitBreaker:
     # -- reading and overriding -------------------------------------------------------------
 
     def state(self) -> BreakerState:
-        """The breaker as Redis holds it now. Raises LockStoreUnavailable."""
-        s = [wire.text(v) for v in self._eval(_READ, [], "read")]
-        ring, now = s[3], int(s[6])
-        state = s[0]
-        retry_after = 0.0
-        if state == OPEN and s[2]:
-            retry_after = (
-                0.0 if s[5] else max(0.0, (int(s[2]) + self.recovery_timeout * 1000 - now) / 1000)
+        """The breaker as Redis holds it now; never raises for what the keys hold.
+
+        Corrupt keys (written by anything but this library's scripts) come back described in
+        ``malformed``, each field read as the scripts read it: an integer field (``gen``,
+        ``opened_ms``, ``successes``) that is not a decimal integer in [0, 2**63 - 1] as 0
+        (``opened_ms``: as absent), a ``state`` other than closed/open/half_open as half_open
+        (the admission script lets probes through then), a ``forced`` other than ``open``
+        as forced; a ``ring`` with other characters than ``0``/``1`` or longer than
+        :data:`MAX_WINDOW`, and text that was not UTF-8, are noted; a key of the wrong type
+        (a string or a list where the hash or the probes' sorted set belongs) gives the
+        hash's fields when it is the probes' key, else a closed state with zero counts.
+
+        Returns:
+            The :class:`BreakerState`.
+
+        Raises:
+            LockStoreUnavailable: Redis could not be reached.
+            LockStoreMisconfigured: Redis refused our credentials or a permission.
+            LockError: Redis refused the read for another reason than a key's type.
+        """
+        try:
+            reply = self._eval(_READ, [], "read")
+        except (LockStoreUnavailable, LockStoreMisconfigured):
+            raise
+        except LockError:
+            # WRONGTYPE inside the script: find which key, and read what still can be.
+            hash_type, probes_type = self._key_types()
+            problems = []
+            if hash_type not in ("hash", "none"):
+                problems.append(f"key: a {hash_type}, not a hash")
+            if probes_type not in ("zset", "none"):
+                problems.append(f"probes key: a {probes_type}, not a sorted set")
+            if not problems:
+                raise
+            reply = self._read_plain(hash_ok=hash_type == "hash")
+            return self._parse(reply, problems)
+        return self._parse(reply, [])
+
+    def _key_types(self) -> tuple[str, str]:
+        """The Redis types of the breaker's hash and probes' key (``"none"``: absent)."""
+        where = self._target()
+        hash_key, probes_key = self._keys(where.prefix)
+        with translated("circuit breaker read", key=hash_key, name=self.name):
+            return _decoded(where.client.type(hash_key)), _decoded(where.client.type(probes_key))
+
+    def _read_plain(self, *, hash_ok: bool) -> list[Any]:
+        """What :data:`READ` returns, read with plain commands when a key has the wrong
+        type: the hash's fields when it is one, no live probe."""
+        where = self._target()
+        key = self._keys(where.prefix)[0]
+        with translated("circuit breaker read", key=key, name=self.name):
+            fields = (
+                where.client.hmget(key, _READ_FIELDS) if hash_ok else [None] * len(_READ_FIELDS)
             )
-        opened_ago = max(0.0, (now - int(s[2])) / 1000) if s[2] and state != CLOSED else None
+            seconds, micros = where.client.time()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        return [
+            default if value is None else value for value, default in zip(fields, _READ_DEFAULTS)
+        ] + [str(now), 0]
+
+    def _parse(self, reply: list[Any], problems: list[str]) -> BreakerState:
+        """A :class:`BreakerState` from a :data:`READ` reply, whatever the hash holds."""
+        raw = [_decoded(v) for v in reply]
+        for field_name, value in zip(_READ_FIELDS, raw):
+            if "\ufffd" in value:
+                problems.append(f"{field_name}: not UTF-8")
+        state, forced, ring = raw[0], raw[5], raw[3]
+        if state not in (CLOSED, OPEN, HALF_OPEN):
+            problems.append(
+                f"state: not closed, open or half_open ({_excerpt(state)}), read as half_open"
+            )
+            state = HALF_OPEN
+        if forced and forced != "open":
+            problems.append(f"forced: not 'open' ({_excerpt(forced)}), read as forced")
+        if ring.strip("01"):
+            problems.append(f"ring: not 0s and 1s ({_excerpt(ring)})")
+        if len(ring) > MAX_WINDOW:
+            problems.append(f"ring: longer than the largest window ({len(ring)} > {MAX_WINDOW})")
+        generation = _integer(raw[1], "gen", problems) or 0
+        successes = _integer(raw[4], "successes", problems) or 0
+        # Unreadable: as absent, as the admission script reads it (tonumber(...) or 0).
+        opened_ms = _integer(raw[2], "opened_ms", problems) if raw[2] else None
+        if not raw[2] and state == OPEN:
+            problems.append("opened_ms: missing (the breaker is open)")
+        now = _integer(raw[6], "now", problems) or 0
+        probes = _integer(raw[7], "probes", problems) or 0
+        retry_after = 0.0
+        if state == OPEN and opened_ms is not None and not forced:
+            retry_after = max(0.0, (opened_ms + self.recovery_timeout * 1000 - now) / 1000)
+        opened_ago = (
+            max(0.0, (now - opened_ms) / 1000)
+            if opened_ms is not None and state != CLOSED
+            else None
+        )
         return BreakerState(
             self.name,
             self.key,
             state,
-            bool(s[5]),
+            bool(forced),
             ring.count("1"),
             len(ring),
-            int(s[4]),
-            int(s[7]),
+            successes,
+            probes,
             retry_after,
-            int(s[1]),
+            generation,
             opened_ago,
+            "; ".join(sorted(problems)),
         )
 
     def override(self, action: str) -> tuple[str, bool]:
@@ -551,6 +649,35 @@ class CircuitBreaker:
             )
         reply = self._eval(_OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
         return wire.text(reply[0]), bool(wire.text(reply[1]))
+
+
+#: The hash fields :data:`READ` returns, in its order, and what it returns for an absent one.
+_READ_FIELDS = ("state", "gen", "opened_ms", "ring", "successes", "forced")
+_READ_DEFAULTS = (CLOSED, "0", "", "", "0", "")
+#: Largest value of a stored integer field (a signed 64-bit integer, as Redis keeps them).
+_MAX_INTEGER = 2**63 - 1
+
+
+def _decoded(value: Any) -> str:
+    # A client that does not decode hands bytes over; a byte that is not UTF-8 becomes
+    # U+FFFD, as the library's own clients decode (encoding_errors="replace").
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _excerpt(value: str) -> str:
+    return repr(value if len(value) <= MALFORMED_EXCERPT else value[:MALFORMED_EXCERPT] + "...")
+
+
+def _integer(text: str, field_name: str, problems: list[str]) -> int | None:
+    """``text`` as a stored integer field; None (and a problem noted) when it is none."""
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        problems.append(f"{field_name}: not an integer ({_excerpt(text)})")
+        return None
+    if len(digits) > 19 or int(digits) > _MAX_INTEGER:
+        problems.append(f"{field_name}: out of range ({_excerpt(text)})")
+        return None
+    return int(digits)
 
 
 # -- the gate ------------------------------------------------------------------------------

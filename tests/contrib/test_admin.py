@@ -885,3 +885,73 @@ def test_malformed_leases_are_shown_as_such_never_a_500(viewer, releaser, store,
     # the confirmation page of a malformed lease opens too
     page = login(releaser).get(reverse(RELEASE), {"name": "step:2"})
     assert page.status_code == 200 and page.context["lease"].malformed
+
+
+def test_every_redis_backed_page_survives_corrupt_data(
+    app, django_user_model, store, redis_client
+):
+    """Corrupt data in every key family the library writes (a lease, a concurrency slot, a
+    key of the wrong type where a lease belongs, breakers, an idempotency record's Redis copy,
+    rate-limit keys): every admin page of the app answers 200, a corrupt lease, slot or
+    breaker is a row marked malformed with its key, and the operator actions still work."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from celery_steplock.contrib.django.models import IdempotencyRecord
+    from celery_steplock.keys import breaker_key, idempotency_record_key, rate_limit_keys
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit
+
+    grab(store, "step:1")
+    corrupt(redis_client, store, "step:1", acquired_ms="soon")
+    redis_client.set(store.key("stray"), "a string where a lease hash belongs", ex=60)
+    redis_client.hset(
+        breaker_key(store.prefix, "pay"), mapping={"state": "open", "gen": "7" * 10_000}
+    )
+    redis_client.rpush(breaker_key(store.prefix, "mail"), "a list")
+    redis_client.set(breaker_key(store.prefix, "sms\x1b"), "not a hash")
+    record = "ab" * 32
+    IdempotencyRecord.objects.create(
+        key=record,
+        namespace="orders",
+        version="1",
+        status="completed",
+        fingerprint="f" * 64,
+        expires_at=timezone.now() + timedelta(hours=1),
+    )
+    redis_client.rpush(idempotency_record_key(store.prefix, record), "a list")
+    for rate_key in rate_limit_keys(store.prefix, "tb", "t", "api"):
+        redis_client.set(rate_key, "\xff" * 100)
+    admin = django_user_model.objects.create_superuser("root", "root@example.com", "pw")
+    client = login(admin)
+    with ConcurrencyLimit(2).acquire("reports", app=app) as held:
+        corrupt(redis_client, store, held.lease.name, fence="x", limit="many")
+        pages = [
+            "admin:celery_steplock_lease_changelist",
+            "admin:celery_steplock_circuitbreakerstate_changelist",
+            "admin:celery_steplock_idempotencyrecord_changelist",
+            "admin:celery_steplock_leaseevent_changelist",
+        ]
+        responses = {page: client.get(reverse(page)) for page in pages}
+        assert {page: r.status_code for page, r in responses.items()} == dict.fromkeys(pages, 200)
+        leases = {row["lease"].name: row["lease"] for row in responses[pages[0]].context["rows"]}
+        assert "acquired_ms: not an integer" in leases["step:1"].malformed
+        assert "fence: not an integer" in leases[held.lease.name].malformed
+        assert "stray" not in leases  # a key of another type: skipped and logged, as before
+        breakers = {row["name"]: row for row in responses[pages[1]].context["rows"]}
+        assert responses[pages[1]].context["error"] is None
+        assert "gen: out of range" in breakers["pay"]["malformed"]
+        assert breakers["mail"]["malformed"] == "key: a list, not a hash"
+        assert breakers["mail"]["key"] == breaker_key(store.prefix, "mail")
+        assert breakers["sms\\x1b"]["malformed"].startswith("name: ")
+        assert "\x1b" not in responses[pages[1]].content.decode()
+    invalidated = client.post(
+        reverse(pages[2]),
+        {
+            "action": "invalidate",
+            "_selected_action": [IdempotencyRecord.objects.get(key=record).pk],
+        },
+    )
+    assert invalidated.status_code == 302
+    assert not IdempotencyRecord.objects.filter(key=record).exists()
+    assert not redis_client.exists(idempotency_record_key(store.prefix, record))

@@ -90,3 +90,63 @@ def test_no_record_no_override(app, redis_client, events):
     assert audits == ["requested", "requested", "done"]
     opened = [kw for name, kw in events if name == "circuit_opened"]
     assert len(opened) == 1 and opened[0]["manual"] is True and opened[0]["actor"] == "alice"
+
+
+def corrupt(app, redis_client):
+    """Breakers corrupted by a foreign client: ``{name: what show must name}``."""
+    import redis as redis_py
+
+    from celery_steplock.keys import breaker_key, breaker_probes_key
+    from celery_steplock.lock import get_lease_store
+
+    prefix = get_lease_store(app).prefix
+    key = {
+        name: breaker_key(prefix, name)
+        for name in ("words", "string", "list", "huge", "bytes", "probes")
+    }
+    redis_client.hset(
+        key["words"], mapping={"state": "open", "gen": "x", "opened_ms": "yesterday"}
+    )
+    redis_client.set(key["string"], "not a hash")
+    redis_client.rpush(key["list"], "a")
+    redis_client.hset(key["huge"], mapping={"gen": "9" * 5000, "ring": "1" * 100_000})
+    redis_client.hset(key["probes"], "state", "half_open")
+    redis_client.set(breaker_probes_key(prefix, "probes"), "x")
+    raw = redis_client.connection_pool.connection_kwargs
+    binary = redis_py.Redis(host=raw["host"], port=raw["port"], db=raw.get("db", 0))
+    binary.hset(key["bytes"], mapping={"state": b"\xff\x1b[2J", "successes": b"\xfe"})
+    binary.close()
+    return {
+        "words": "gen: not an integer",
+        "string": "key: a string, not a hash",
+        "list": "key: a list, not a hash",
+        "huge": "gen: out of range",
+        "bytes": "state: not UTF-8",
+        "probes": "probes key: a string, not a sorted set",
+    }
+
+
+def test_show_prints_a_corrupt_breaker_as_malformed_never_a_traceback(cli, app, redis_client):
+    for name, problem in corrupt(app, redis_client).items():
+        shown = cli("show", name)
+        assert shown.returncode == 0, (name, shown.stderr)
+        assert "Traceback" not in shown.stderr, name
+        lines = dict(line.split(None, 1) for line in shown.stdout.splitlines())
+        assert problem in lines["malformed"], (name, lines)
+        assert lines["key"].endswith("{" + name + "}")
+        assert "\x1b" not in shown.stdout
+        as_json = cli("show", name, "--json")
+        assert as_json.returncode == 0, (name, as_json.stderr)
+        assert problem in json.loads(as_json.stdout)["malformed"]
+    healthy = cli("show", "healthy", "--json")
+    assert json.loads(healthy.stdout)["malformed"] == ""
+
+
+def test_an_override_refused_by_a_corrupt_key_exits_1_never_a_traceback(cli, app, redis_client):
+    corrupt(app, redis_client)
+    refused = cli("close", "string")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert "not changed: circuit breaker 'string'" in refused.stderr
+    assert "show string" in refused.stderr
+    assert redis_client.get(CircuitBreaker("string", app=app).key) == "not a hash"

@@ -222,6 +222,18 @@ local function try(...)
 end
 try('TIME')
 local lease, fence, waiters, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- The keys are a reserved name's, yet one may exist (a lease of an older version, a key
+-- written by hand): then touch none (return 1, the caller probes another name); nor when
+-- EXISTS is refused, since nothing then says the keys are free.
+for _, key in ipairs(KEYS) do
+  local found = redis.pcall('EXISTS', key)
+  if type(found) == 'table' then
+    try('EXISTS', key)
+    if other then return redis.error_reply(other) end
+    return refused
+  end
+  if found == 1 then return 1 end
+end
 try('HSET', lease, 'probe', '1')
 try('PEXPIRE', lease, 10000)
 try('HGET', lease, 'owner')

@@ -16,6 +16,11 @@
                             (missing, no status or owner column, no ``updated_at`` with
                             ``steplock_reaper_older_than`` > 0, a status not among the
                             status field's choices).
+``celery_steplock.E010``    ``IdempotencyMiddleware`` is in ``MIDDLEWARE`` before
+                            ``AuthenticationMiddleware`` (or without it) while it scopes
+                            keys by ``request.user`` (no ``scope`` in
+                            ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE``): every request would be
+                            anonymous to it, and keys refused.
 ``celery_steplock.W001``    a lease TTL (``steplock_default_ttl`` or a task's ``lock_ttl``)
                             is not below the broker's ``visibility_timeout`` (Redis
                             transport default: 3600 s).
@@ -35,6 +40,12 @@
 ``celery_steplock.W006``    a setting set under its former name (``steplock_bulkhead_*``,
                             now ``steplock_concurrency_limit_*``): still read for one
                             release while the new name is unset, ignored beside it.
+``celery_steplock.W008``    a step model (the ``step_model`` of a registered
+                            StepLockedTask, or a model with the
+                            ``steplock_fence_field`` column) registered in an admin site
+                            by a ModelAdmin without ``GuardedStepAdminMixin``: its plain
+                            ``save()`` writes the status, owner and fence columns back as
+                            the form loaded them (issue 24, "Writers outside Celery").
 ==========================  ==============================================================
 
 Every check but E001 and W003 renders the problems of :mod:`celery_steplock.validate`, the
@@ -71,6 +82,7 @@ __all__ = [
     "check_task_modules",
     "check_unknown_names",
     "check_recovery",
+    "check_step_admins",
 ]
 
 TAG = "celery_steplock"
@@ -237,6 +249,146 @@ def check_lock_store(app) -> list[checks.CheckMessage]:
     return []
 
 
+def _step_models(app, settings: Settings) -> dict[str, list[str]]:
+    """Label -> the StepLockedTasks naming it as ``step_model`` (empty for a model that is a
+    step model by its fence column alone)."""
+    from django.apps import apps
+
+    from ...plan import is_step_locked
+
+    found: dict[str, list[str]] = {}
+    for name, task in sorted(app.tasks.items()):
+        spec = getattr(task, "step_model", None)
+        if spec is None or not is_step_locked(task):
+            continue
+        try:
+            model = apps.get_model(spec) if isinstance(spec, str) else spec
+            label = model._meta.label
+        except (LookupError, ValueError, AttributeError):
+            continue  # E002 reports it
+        found.setdefault(label, []).append(name)
+    for model in apps.get_models():
+        if any(f.name == settings.fence_field for f in model._meta.concrete_fields):
+            found.setdefault(model._meta.label, [])
+    return found
+
+
+def check_step_admins(app, sites=None) -> list[checks.CheckMessage]:
+    """W008: step models an admin site saves with a plain ``ModelAdmin.save_model()``.
+
+    Args:
+        app: The Celery app (its tasks name the step models).
+        sites: The admin sites to judge (default: every ``AdminSite`` instance,
+            ``django.contrib.admin.sites.all_sites``).
+
+    Returns:
+        One Warning per (site, step model) whose ModelAdmin lacks
+        :class:`~celery_steplock.contrib.django.mixins.GuardedStepAdminMixin`.
+    """
+    from django.apps import apps
+
+    if sites is None:
+        if not apps.is_installed("django.contrib.admin"):
+            return []
+        from django.contrib.admin.sites import all_sites
+
+        sites = sorted(all_sites, key=lambda site: site.name)
+    from .mixins import GuardedStepAdminMixin
+
+    try:
+        settings = Settings(app)
+        names = (settings.status_field, settings.owner_field, settings.fence_field)
+        step_models = _step_models(app, settings)
+    except ImproperlyConfigured:
+        return []  # E003 reports it
+    found: list[checks.CheckMessage] = []
+    for site in sites:
+        for model, model_admin in sorted(
+            site._registry.items(), key=lambda item: item[0]._meta.label
+        ):
+            label = model._meta.label
+            if label not in step_models or isinstance(model_admin, GuardedStepAdminMixin):
+                continue
+            columns = [f.name for f in model._meta.concrete_fields if f.name in names]
+            tasks = step_models[label]
+            whose = f" (the step model of {', '.join(tasks)})" if tasks else ""
+            admin_class = type(model_admin)
+            found.append(
+                checks.Warning(
+                    f"{admin_class.__module__}.{admin_class.__qualname__} registers {label}"
+                    f"{whose} in the admin site {site.name!r} with a plain ModelAdmin save: "
+                    f"its save() writes {', '.join(columns) or 'the status'} back as the form "
+                    f"loaded them, so a form saved after a task committed restores the old "
+                    f"status and erases the fencing token, and a redelivery of the same "
+                    f"message commits the same transition again.",
+                    hint=(
+                        "Add celery_steplock.contrib.django.mixins.GuardedStepAdminMixin "
+                        f"before ModelAdmin in the bases of {admin_class.__qualname__}: the "
+                        "status, owner and fence become read-only and a status change goes "
+                        "through guarded_transition under the step's lease."
+                    ),
+                    obj=model,
+                    id="celery_steplock.W008",
+                )
+            )
+    return found
+
+
+def check_idempotency_middleware(django_settings=None) -> list[checks.CheckMessage]:
+    """E010: ``IdempotencyMiddleware`` placed where ``request.user`` is not yet set.
+
+    Args:
+        django_settings: The settings object (default ``django.conf.settings``).
+
+    Returns:
+        One Error when the middleware comes before ``AuthenticationMiddleware`` (a subclass
+        counts) or runs without it, unless ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE`` names a
+        ``scope`` of its own; else none.
+    """
+    from django.conf import settings
+    from django.contrib.auth.middleware import AuthenticationMiddleware
+    from django.utils.module_loading import import_string
+
+    from .idempotency import IdempotencyMiddleware
+
+    django_settings = settings if django_settings is None else django_settings
+    config = getattr(django_settings, "STEPLOCK_IDEMPOTENCY_MIDDLEWARE", None) or {}
+    if isinstance(config, dict) and config.get("scope") is not None:
+        return []
+
+    def position(kind: type) -> int | None:
+        for index, path in enumerate(getattr(django_settings, "MIDDLEWARE", None) or ()):
+            try:
+                found = import_string(path)
+            except ImportError:
+                continue
+            if isinstance(found, type) and issubclass(found, kind):
+                return index
+        return None
+
+    ours, auth = position(IdempotencyMiddleware), position(AuthenticationMiddleware)
+    if ours is None or (auth is not None and auth < ours):
+        return []
+    where = "without" if auth is None else "before"
+    return [
+        checks.Error(
+            f"IdempotencyMiddleware is in MIDDLEWARE {where} AuthenticationMiddleware: "
+            f"request.user is not set when it runs, so every request has no principal and "
+            f"its Idempotency-Key is refused (403), and a request is not yet known to "
+            f"@login_required when a replay would be served.",
+            hint="Move celery_steplock.contrib.django.idempotency.IdempotencyMiddleware "
+            "after django.contrib.auth.middleware.AuthenticationMiddleware, or give "
+            "STEPLOCK_IDEMPOTENCY_MIDDLEWARE a 'scope' function.",
+            obj="MIDDLEWARE",
+            id="celery_steplock.E010",
+        )
+    ]
+
+
+def idempotency_middleware_check(app_configs=None, **kwargs):
+    return check_idempotency_middleware()
+
+
 # -- registered check functions (Django calls them with app_configs and databases) --------
 
 
@@ -276,6 +428,10 @@ def step_model_check(app_configs=None, **kwargs):
     return check_step_models(_app_with_tasks(), app_configs)
 
 
+def step_admin_check(app_configs=None, **kwargs):
+    return check_step_admins(_app_with_tasks())
+
+
 def lock_store_check(app_configs=None, **kwargs):
     return check_lock_store(_app())
 
@@ -297,6 +453,8 @@ def register_checks() -> None:
     checks.register(unknown_names_check, TAG)
     checks.register(step_model_check, TAG)
     checks.register(recovery_check, TAG)
+    checks.register(idempotency_middleware_check, TAG)
+    checks.register(step_admin_check, TAG, checks.Tags.admin)
     # The network check only with --deploy: `manage.py migrate` must not wait on Redis.
     checks.register(lock_store_check, TAG, deploy=True)
     checks.register(name_secret_check, TAG, deploy=True)
