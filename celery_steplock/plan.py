@@ -50,34 +50,55 @@ __all__ = [
     "option_problems",
     "option_values",
     "is_step_locked",
-    "OPTION_NAMES",
+    "option_names",
 ]
 
-#: The task attributes a plan is built from: assigning one on a task drops its plan.
-OPTION_NAMES = (
-    frozenset(
-        {
-            "lock_key",
-            "lock_ttl",
-            "lock_wait",
-            "lock_max_hold",
-            "on_contended",
-            "on_conflict",
-            "on_store_error",
-            "step_model",
-            "step_id_arg",
-            "step_transition",
-            "step_transitions",
-            "lock_precheck",
-            "lock_retry_max",
-            "step_database",
-        }
-    )
-    | patterns.gate_options()
+#: The task attributes of the lease and the step a plan is built from.
+_CORE_OPTIONS = frozenset(
+    {
+        "lock_key",
+        "lock_ttl",
+        "lock_wait",
+        "lock_max_hold",
+        "on_contended",
+        "on_conflict",
+        "on_store_error",
+        "step_model",
+        "step_id_arg",
+        "step_transition",
+        "step_transitions",
+        "lock_precheck",
+        "lock_retry_max",
+        "step_database",
+    }
 )
 
 
-_OPTION_ORDER = tuple(sorted(OPTION_NAMES))
+_names: tuple[tuple[int, int], frozenset[str], tuple[str, ...]] | None = None
+
+
+def option_names() -> frozenset[str]:
+    """The task attributes a plan is built from: the lease's and the step's options and every
+    registered gate's (:func:`celery_steplock.patterns.register_gate`). Assigning one on a
+    task drops its plan."""
+    return _option_names()[1]
+
+
+def _option_names() -> tuple[tuple[int, int], frozenset[str], tuple[str, ...]]:
+    global _names
+    version = patterns.registry_version()
+    names = _names
+    if names is None or names[0] != version:
+        found = _CORE_OPTIONS | patterns.gate_options()
+        names = _names = (version, found, tuple(sorted(found)))
+    return names
+
+
+def __getattr__(name: str) -> Any:
+    # OPTION_NAMES follows the gate registry (read on use, never at import).
+    if name == "OPTION_NAMES":
+        return option_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -128,7 +149,7 @@ def option_values(task: Any) -> tuple[Any, ...]:
     """The task's current option values, in :data:`OPTION_NAMES` order: a plan built from
     other values is stale (an option assigned on the task or its class, deleted, or
     restored by ``mock.patch``). Cheap: attribute reads, compared by identity first."""
-    return tuple(getattr(task, name, None) for name in _OPTION_ORDER)
+    return tuple(getattr(task, name, None) for name in _option_names()[2])
 
 
 def is_step_locked(task: Any) -> bool:

@@ -528,11 +528,12 @@ def _unknown_option_names(task: Any) -> list[tuple[str, str | None]]:
     none: a ``lock_*``/``step_*`` name, or one close to an option's name."""
     import difflib
 
-    from .plan import OPTION_NAMES
+    from .plan import option_names
 
+    names = option_names()
     cls = type(task)
-    known = OPTION_NAMES | _OPTION_SPELLINGS | {"lock_name"} | _library_attributes(cls)
-    options = sorted(OPTION_NAMES | _OPTION_SPELLINGS)
+    known = names | _OPTION_SPELLINGS | {"lock_name"} | _library_attributes(cls)
+    options = sorted(names | _OPTION_SPELLINGS)
     found, seen = [], set()
     for klass in cls.__mro__:
         module = getattr(klass, "__module__", "") or ""

@@ -18,6 +18,7 @@ An entry point's module may set ``GATE_BEFORE`` to the name of the gate it enter
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from collections.abc import Iterable
 from importlib import metadata
@@ -31,6 +32,7 @@ __all__ = [
     "GATES",
     "ENTRY_POINT_GROUP",
     "register_gate",
+    "registry_version",
     "gate_options",
     "build_gates",
     "gate_problems",
@@ -69,6 +71,8 @@ GATE_REGISTRY: dict[str, tuple[str, frozenset[str]]] = {
 
 _guard = threading.RLock()
 _entry_points_read = False
+#: Bumped by every registration: the plan's option names follow it (:func:`registry_version`).
+_version = [0]
 
 
 def register_gate(
@@ -76,9 +80,8 @@ def register_gate(
 ) -> None:
     """Add a gate to the registry, or replace the gate of that name.
 
-    Register before the tasks' execution plans are built: the plan's option names
-    (:data:`celery_steplock.plan.OPTION_NAMES`) are read from the registry when
-    :mod:`celery_steplock.plan` is imported.
+    The gate's options join the plan's option names (:func:`celery_steplock.plan.option_names`)
+    at once, so a plan built before the registration is rebuilt at its task's next execution.
 
     Args:
         name: the gate's name (``"ratelimit"``).
@@ -103,11 +106,24 @@ def register_gate(
         )
     if isinstance(options, str):
         options = (options,)
+    if not isinstance(options, Iterable):
+        raise InvalidArgument(
+            f"register_gate(options=) must be task option names, got {options!r}",
+            argument="options",
+        )
     found = frozenset(options)
     if not all(isinstance(o, str) and o.isidentifier() for o in found):
         raise InvalidArgument(
             f"register_gate(options=) must be task option names, got {sorted(map(repr, found))}",
             argument="options",
+        )
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise InvalidArgument(
+            f"register_gate(module=) names no importable module: {module!r}", argument="module"
         )
     with _guard:
         _read_entry_points()
@@ -138,6 +154,7 @@ def _register(name: str, module: str, found: frozenset[str], before: str | None)
             entries.insert(at, (name, (module, found)))
         GATE_REGISTRY.clear()
         GATE_REGISTRY.update(entries)
+        _version[0] += 1
 
 
 def _read_entry_points() -> None:
@@ -172,6 +189,14 @@ def __getattr__(name: str) -> Any:
         # The gate modules in entry order (the former closed tuple of gates.py).
         return tuple(module for _name, (module, _options) in _registered())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def registry_version() -> tuple[int, int]:
+    """A value that changes with every registration (entry points read included) and with a
+    registry replaced whole (tests do)."""
+    with _guard:
+        _read_entry_points()
+        return _version[0], id(GATE_REGISTRY)
 
 
 def gate_options() -> frozenset[str]:

@@ -132,7 +132,8 @@ def test_the_gate_options_need_no_gate_module(monkeypatch):
 
 def test_register_gate_adds_moves_and_refuses(monkeypatch):
     monkeypatch.setattr(patterns, "GATE_REGISTRY", dict(patterns.GATE_REGISTRY))
-    patterns.register_gate("quota", "tests.quota_gate", {"quota"}, before="concurrency")
+    # Stand-in gate modules: any importable module (they are imported only when a plan is built).
+    patterns.register_gate("quota", "tests.support.oracles", {"quota"}, before="concurrency")
     assert list(patterns.GATE_REGISTRY) == [
         "idempotency",
         "breaker",
@@ -141,16 +142,20 @@ def test_register_gate_adds_moves_and_refuses(monkeypatch):
         "ratelimit",
     ]
     assert "quota" in patterns.gate_options()
-    patterns.register_gate("quota", "tests.quota_gate2", ["quota"])  # replaced in place
+    patterns.register_gate("quota", "tests.support.servers", ["quota"])  # replaced in place
     assert list(patterns.GATE_REGISTRY)[2] == "quota"
-    assert patterns.GATE_REGISTRY["quota"][0] == "tests.quota_gate2"
+    assert patterns.GATE_REGISTRY["quota"][0] == "tests.support.servers"
     for kwargs, argument in (
         ({"name": "x-y"}, "name"),
         ({"module": "not a module"}, "module"),
+        ({"module": "tests.no_such_gate_module"}, "module"),  # would fail every task later
         ({"options": {"circuit_breaker"}}, "options"),  # the breaker's already
+        ({"options": 5}, "options"),
+        ({"options": None}, "options"),
         ({"before": "nowhere"}, "before"),
     ):
-        call = {"name": "other", "module": "m", "options": {"other"}, **kwargs}
+        call = {"name": "other", "module": "tests.support.oracles", "options": {"other"}}
+        call.update(kwargs)
         with pytest.raises(InvalidArgument) as bad:
             patterns.register_gate(**call)
         assert bad.value.argument == argument
@@ -182,3 +187,23 @@ def test_an_entry_point_registers_its_gate_once(monkeypatch):
     with pytest.raises(ImproperlyConfigured) as bad:
         patterns.gate_options()
     assert bad.value.setting == patterns.ENTRY_POINT_GROUP and "broken" in str(bad.value)
+
+
+def test_a_gate_registered_after_import_joins_the_plans_options(monkeypatch, app):
+    from celery_steplock import plan as plan_module
+    from celery_steplock.task import StepLockedTask
+
+    monkeypatch.setattr(patterns, "GATE_REGISTRY", dict(patterns.GATE_REGISTRY))
+
+    @app.task(base=StepLockedTask, shared=False)
+    def quota_task():
+        return None
+
+    first = quota_task.steplock_plan
+    assert "quota" not in plan_module.option_names()
+    # A real gate module: the breaker's gate() finds no breaker on this task and adds none.
+    patterns.register_gate("quota", "celery_steplock.patterns.breaker", {"quota"})
+    assert "quota" in plan_module.option_names() and "quota" in plan_module.OPTION_NAMES
+    # Assigning the new option drops the plan built before the registration.
+    quota_task.quota = 3
+    assert quota_task.steplock_plan is not first
