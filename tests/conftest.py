@@ -52,11 +52,12 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``postgresql`` are deselected (not skipped) on SQLite, and tests marked
-    ``redis_shape`` or ``no_database`` on PostgreSQL: each runs in one pass of ``make test``."""
+    ``redis_shape``, ``no_database`` or ``sqlite`` on PostgreSQL: each runs in one pass of
+    ``make test``."""
     from django.conf import settings
 
     on_postgresql = "postgresql" in settings.DATABASES["default"]["ENGINE"]
-    other_pass = ("redis_shape", "no_database") if on_postgresql else ("postgresql",)
+    other_pass = ("redis_shape", "no_database", "sqlite") if on_postgresql else ("postgresql",)
 
     def elsewhere(item) -> bool:
         return any(item.get_closest_marker(name) for name in other_pass)

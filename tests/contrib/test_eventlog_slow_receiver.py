@@ -86,9 +86,7 @@ def test_a_receiver_slower_than_the_ttl_never_expires_the_lease(app, events):
     assert "wait_seconds" in acquired
 
 
-@pytest.mark.skipif(
-    connection.vendor != "sqlite", reason="the write lock of an SQLite file is the slow write"
-)
+@pytest.mark.sqlite  # the write lock of an SQLite file is the slow write
 def test_an_event_log_write_blocked_past_the_ttl_never_expires_the_lease(app, events):
     set_settings(app, steplock_event_log=True)
     step = Step.objects.create(name="slow event log")
