@@ -943,12 +943,71 @@ def md_operators(F: Figures, result: dict) -> list[str]:
     return out + [""]
 
 
+def md_wire(F: Figures, result: dict) -> list[str]:
+    """Our hand-packed EVALSHA against redis-py's ``Script`` and pipelines (issue 23)."""
+    out = [
+        "## Wire: hand-packed EVALSHA against redis-py's Script and pipelines",
+        "",
+        "Per call, the same script and arguments on the same client; ratio ours / redis-py "
+        "within each repetition (median), its verdict against the A/A control's band "
+        "(`benchmarks/wire.py`).",
+        "",
+    ]
+    rows = []
+    for fig in F.all():
+        name = fig["name"]
+        if not (name.startswith("wire.") and name.endswith(".conclusion")):
+            continue
+        base = name.removesuffix(".conclusion")
+        others = sorted(
+            {
+                f["variant"]
+                for f in F.all()
+                if f["name"].startswith(base + ".redis_py_") and f["name"].endswith(".p50")
+            }
+        )
+        for other in ["redis_py", *others]:
+            tag = "" if other == "redis_py" else f".vs_{other}"
+            p50, cpu = F.fig(f"{base}.ratio{tag}.p50"), F.fig(f"{base}.ratio{tag}.cpu")
+            if p50 is None or cpu is None:
+                continue
+            rows.append(
+                [
+                    fig.get("topology", ""),
+                    fig.get("label", "") if other == "redis_py" else "",
+                    (F.fig(f"{base}.{other}.p50") or {}).get("label", other),
+                    f"{fmt(F.v(base + '.ours.p50'), 1)} / {fmt(F.v(f'{base}.{other}.p50'), 1)}",
+                    f"{fmt(p50['value'], 3)} ({p50.get('verdict')})",
+                    f"{fmt(F.v(base + '.ours.cpu'), 1)} / {fmt(F.v(f'{base}.{other}.cpu'), 1)}",
+                    f"{fmt(cpu['value'], 3)} ({cpu.get('verdict')})",
+                    f"{min(cpu['aa_reps']):.3f}..{max(cpu['aa_reps']):.3f}",
+                    fig["value"] if other == "redis_py" else "",
+                ]
+            )
+    out += table(
+        [
+            "topology",
+            "call",
+            "against",
+            "p50 µs ours / theirs",
+            "ratio",
+            "client CPU µs ours / theirs",
+            "ratio",
+            "A/A CPU band",
+            "conclusion",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
 SECTIONS = {
     "lock": md_lock,
     "e2e": md_e2e,
     "heartbeat": md_heartbeat,
     "wait": md_wait,
     "operators": md_operators,
+    "wire": md_wire,
 }
 
 

@@ -44,6 +44,7 @@ GROUPS = {
     "breaker": "benchmarks.breaker",
     "bulkhead": "benchmarks.bulkhead",
     "ratelimit": "benchmarks.ratelimit",
+    "wire": "benchmarks.wire",
 }
 
 
