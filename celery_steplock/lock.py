@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 import redis
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from . import signals
 from ._checks import (
     MAX_OWNER_LENGTH,
     MAX_SCAN_COUNT,
@@ -45,7 +46,7 @@ from ._redis.scripts import lease as scripts
 from ._redis.scripts.lease import EXTEND_CHUNK
 from .clients import ClientConfig, make_client
 from .conf import Settings
-from .events import log_event
+from .events import emit, lease_fields, log_event
 from .exceptions import (
     ImproperlyConfigured,
     InvalidArgument,
@@ -1234,6 +1235,31 @@ _DEPRECATED = {
     "RedisStepLock": ("RedisLeaseStore", RedisLeaseStore),
     "get_lock": ("get_lease_store", get_lease_store),
 }
+
+
+def release_after_commit(store: RedisLeaseStore, lease: Lease, sender: Any) -> None:
+    """Release ``lease`` once its holder committed, and send ``lock_released`` when it was
+    still held. Errors are logged (``release_failed``), never raised: a failed release only
+    delays the next holder by the lease's TTL (commit first, release after).
+
+    Args:
+        store: the lease store the lease was acquired from.
+        lease: the lease.
+        sender: the sender of the signal (the task, or a guarded step).
+    """
+    try:
+        released = store.release(lease.name, lease.owner)
+    except Exception as exc:  # noqa: BLE001 - must never mask the holder's outcome
+        log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=exc)
+        return
+    if released:
+        emit(
+            signals.lock_released,
+            sender,
+            forced=False,
+            hold_seconds=lease.clock() - lease.acquired_at,
+            **lease_fields(lease),
+        )
 
 
 def __getattr__(name: str) -> Any:

@@ -86,7 +86,7 @@ from .exceptions import (
 )
 from .execution import Execution, current, hook_for
 from .heartbeat import get_heartbeat
-from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata
+from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, release_after_commit
 from .patterns import gates as admission
 from .plan import ExecutionPlan, build_plan, option_values
 from .steps import StepStore, TransitionResult
@@ -881,21 +881,7 @@ class StepLockedTask(_TaskBase):
 
     def _release(self, store: RedisLeaseStore, lease: Lease) -> None:
         """Release after the commit; errors are logged, never raised (the TTL frees it)."""
-        try:
-            released = store.release(lease.name, lease.owner)
-        except Exception as exc:  # noqa: BLE001 - must never mask the task's outcome
-            log_event(
-                "release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=exc
-            )
-            return
-        if released:
-            emit(
-                signals.lock_released,
-                self,
-                forced=False,
-                hold_seconds=lease.clock() - lease.acquired_at,
-                **lease_fields(lease),
-            )
+        release_after_commit(store, lease, self)
 
     def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:

@@ -78,7 +78,7 @@ from ..._checks import (
     shown,
 )
 from ...conf import Settings
-from ...events import emit, lease_fields, log_event
+from ...events import emit, lease_fields
 from ...exceptions import (
     ImproperlyConfigured,
     InvalidArgument,
@@ -93,7 +93,7 @@ from ...exceptions import (
 )
 from ...heartbeat import get_heartbeat
 from ...keys import bind_arguments, check_name, name_from_arguments, template_fields
-from ...lock import get_lease_store, holder_metadata, new_owner_token
+from ...lock import get_lease_store, holder_metadata, new_owner_token, release_after_commit
 from ...plan import is_step_locked
 from ...steps import TransitionResult, check_transitions
 
@@ -1025,21 +1025,7 @@ class GuardedStep:
                 reason=lease.lost_reason,
                 **lease_fields(lease),
             )
-        try:
-            released = self.store.release(lease.name, lease.owner)
-        except Exception as exc:  # noqa: BLE001 - must never mask the block's outcome
-            log_event(
-                "release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=exc
-            )
-            return
-        if released:
-            emit(
-                signals.lock_released,
-                self,
-                forced=False,
-                hold_seconds=lease.clock() - lease.acquired_at,
-                **lease_fields(lease),
-            )
+        release_after_commit(self.store, lease, self)
 
 
 def guarded_step(
