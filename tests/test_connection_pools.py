@@ -95,7 +95,14 @@ def test_renewals_and_releases_do_not_wait_behind_150_waiters(redis_client):
     # The waiters never touched the store's own pool: the holder, the heartbeat, this thread.
     assert client.connection_pool._created_connections <= 3
     assert store.waiter_client.connection_pool is not client.connection_pool
-    assert blocked(redis_client) >= before + WAITERS  # they were blocked all along
+    # Still waiting (none was granted: checked below). Polled, not read once: a waiter whose
+    # BLPOP slice just ended is unblocked for an instant before it blocks again.
+    wait_until(
+        lambda: blocked(redis_client) >= before + WAITERS,
+        timeout=10,
+        interval=0.02,
+        what=f"{WAITERS} waiters to be blocked",
+    )
     assert store.release("busy", holder.owner) is True
     for thread in threads:
         thread.join(60)
@@ -133,7 +140,12 @@ def test_waiters_sharing_the_store_pool_would_starve_the_heartbeat(redis_client)
                 interval=0.002,
                 what="the waiter to block or give up",
             )
-        assert blocked(redis_client) == before + STORE_POOL
+        wait_until(  # polled: a waiter between two BLPOP slices is unblocked for an instant
+            lambda: blocked(redis_client) == before + STORE_POOL,
+            timeout=10,
+            interval=0.02,
+            what=f"{STORE_POOL} waiters to be blocked",
+        )
         assert client.connection_pool._created_connections == STORE_POOL
         extra = start_waiters(store, 1, "busy", 60.0, results, first=len(threads))
         extra[0].join(10)
