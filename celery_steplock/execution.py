@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextvars
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from celery import Task
 
-from .events import lease_fields
+from . import signals, tracing
+from .events import emit, lease_fields
 from .exceptions import (
     AdmissionDenied,
     ImproperlyConfigured,
@@ -32,10 +33,10 @@ from .keys import bind_arguments, name_from_arguments
 from .lock import Lease, new_owner_token
 from .patterns.gates import Entered
 from .plan import ExecutionPlan
-from .steps import StepStore
+from .steps import StepStore, TransitionResult
 from .tracing import Phase
 
-__all__ = ["Execution", "Hook", "HOOKS", "hook_for", "current"]
+__all__ = ["Execution", "Hook", "HOOKS", "hook_for", "current", "fenced_cas"]
 
 
 class Hook(NamedTuple):
@@ -281,3 +282,106 @@ def _in_caller_transaction(steps: StepStore) -> bool:
     store without it or without ``savepoint()`` keeps refusing)."""
     probe = getattr(steps, "in_outer_transaction", None)
     return callable(probe) and callable(getattr(steps, "savepoint", None)) and bool(probe())
+
+
+def fenced_cas(
+    sender: Any,
+    steps: StepStore,
+    step_id: Any,
+    from_: str,
+    to: str,
+    *,
+    lease: Lease | None,
+    fields: dict[str, Any],
+    updates: Mapping[str, Any] | None = None,
+    deadline: float | None = None,
+    stale: Callable[[TransitionConflict], BaseException | None] | None = None,
+) -> TransitionResult:
+    """The fenced compare-and-swap of a step, with its signals: one path for a task's
+    transitions and for a guarded transition outside Celery.
+
+    ``transition_conflict`` is sent when the step left ``from_``; ``transition_applied`` once
+    the transaction commits. A refusal by the fence alone (the status matched, a newer
+    fencing token is on the row) loses the lease, as in Kleppmann 2016.
+
+    Args:
+        sender: The signals' sender (the task, or the guarded step).
+        steps: The step store.
+        step_id: The step.
+        from_: The status the step must still have.
+        to: The status to write.
+        lease: The lease held (None: a fail-open execution, no guard columns written).
+        fields: The lease fields of the signals.
+        updates: Extra column values of the same statement.
+        deadline: Seconds the transaction may live from the statement to COMMIT (None:
+            none set here).
+        stale: Called on a refusal by the fence, before ``transition_conflict`` is sent:
+            the exception to raise instead of the plain :class:`LockLost`, or None.
+
+    Returns:
+        The applied transition.
+
+    Raises:
+        TransitionConflict: The step left ``from_``.
+        LockLost: The row carries a newer fencing token (or what ``stale`` returned).
+        LockContended: The row stayed locked by another transaction for the lease's
+            remaining validity (the deadline's lock timeout).
+    """
+    try:
+        with tracing.phase("cas") as cas:
+            result = steps.transition(
+                step_id,
+                from_,
+                to,
+                owner=lease.owner if lease else None,
+                fence=lease.fence if lease else None,
+                updates=updates,
+                deadline=deadline,
+            )
+    except TransitionConflict as exc:
+        instead = stale(exc) if lease is not None and exc.stale_fence and stale else None
+        emit(
+            signals.transition_conflict,
+            sender,
+            step_id=step_id,
+            from_=from_,
+            to=to,
+            current=exc.current,
+            **fields,
+        )
+        if lease is not None and exc.stale_fence:
+            lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
+            if instead is not None:
+                raise instead from exc
+            raise LockLost(
+                f"{exc} (fence {lease.fence})",
+                key=lease.key,
+                name=lease.name,
+                owner=lease.owner,
+                fence=lease.fence,
+            ) from exc
+        raise
+    except Exception as exc:
+        if lease is None or not steps.is_lock_timeout(exc):
+            raise
+        # Another transaction (e.g. a stopped holder's) kept the row: contention, back off.
+        raise LockContended(
+            f"step {step_id!r}: its row stayed locked by another transaction for the "
+            f"lease's remaining validity",
+            key=lease.key,
+            holder=None,
+            name=lease.name,
+        ) from exc
+    steps.on_commit(
+        lambda: emit(
+            signals.transition_applied,
+            sender,
+            step_id=step_id,
+            from_=from_,
+            to=to,
+            cas_seconds=cas.seconds,
+            commit_seconds=tracing.commit_seconds(),
+            **fields,
+        )
+    )
+    return result

@@ -94,7 +94,11 @@ class StepStore(Protocol):
     """
 
     label: str
-    using: str
+
+    @property
+    def using(self) -> str:
+        """The database every call goes to (read-only for callers)."""
+        ...
 
     def status(self, step_id: Any) -> str:
         """The step's current status.

@@ -84,7 +84,7 @@ from .exceptions import (
     LockStoreUnavailable,
     TransitionConflict,
 )
-from .execution import Execution, current, hook_for
+from .execution import Execution, current, fenced_cas, hook_for
 from .heartbeat import get_heartbeat
 from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, release_after_commit
 from .patterns import gates as admission
@@ -333,71 +333,27 @@ class StepLockedTask(_TaskBase):
                     # a holder stopped after its CAS can neither commit late nor hold the row.
                     deadline = lease.remaining()
         fields = lease_fields(lease, self.request.id, self.name)
-        try:
-            with tracing.phase("cas") as cas:
-                result = steps.transition(
-                    step_id,
-                    from_,
-                    to,
-                    owner=lease.owner if lease else None,
-                    fence=lease.fence if lease else None,
-                    updates=updates,
-                    deadline=deadline,
-                )
-        except TransitionConflict as exc:
-            ahead = None
-            if lease is not None and exc.stale_fence:
-                # The status matched, the fence did not, and the lease was valid just before
-                # (lease.check()): no newer holder exists, so the fence source went backwards
-                # (a failover to a node whose clock is behind). Never ignored (the step would
-                # be dropped silently), never retried without end: FenceAhead.
-                ahead = self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
-            emit(
-                signals.transition_conflict,
-                self,
-                step_id=step_id,
-                from_=from_,
-                to=to,
-                current=exc.current,
-                **fields,
-            )
-            if lease is not None and exc.stale_fence:
-                lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
-                if ahead is not None:
-                    raise ahead from exc
-                raise LockLost(  # the row changed again since: a plain lost lease
-                    f"{exc} (fence {lease.fence})",
-                    key=lease.key,
-                    name=lease.name,
-                    owner=lease.owner,
-                    fence=lease.fence,
-                ) from exc
-            raise
-        except Exception as exc:
-            if lease is None or not steps.is_lock_timeout(exc):
-                raise
-            # The row stayed locked past the lease's validity (the deadline's lock_timeout):
-            # another transaction, e.g. a stopped holder's, has it. Contention: back off.
-            raise LockContended(
-                f"step {step_id!r}: its row stayed locked by another transaction for the "
-                f"lease's remaining validity",
-                key=lease.key,
-                holder=None,
-                name=lease.name,
-            ) from exc
-        steps.on_commit(
-            lambda: emit(
-                signals.transition_applied,
-                self,
-                step_id=step_id,
-                from_=from_,
-                to=to,
-                cas_seconds=cas.seconds,
-                commit_seconds=tracing.commit_seconds(),
-                **fields,
-            )
+
+        def stale(exc: TransitionConflict) -> BaseException | None:
+            # The status matched, the fence did not, and the lease was valid just before
+            # (lease.check()): no newer holder exists, so the fence source went backwards
+            # (a failover to a node whose clock is behind). Never ignored (the step would
+            # be dropped silently), never retried without end: FenceAhead.
+            assert lease is not None
+            return self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
+
+        return fenced_cas(
+            self,
+            steps,
+            step_id,
+            from_,
+            to,
+            lease=lease,
+            fields=fields,
+            updates=updates,
+            deadline=deadline,
+            stale=stale,
         )
-        return result
 
     # -- hooks ------------------------------------------------------------------------------
 

@@ -85,12 +85,12 @@ from ...exceptions import (
     InvalidStepId,
     InvalidTransition,
     LockContended,
-    LockLost,
     LockStoreUnavailable,
     OuterTransactionError,
     StepNotFound,
     TransitionConflict,
 )
+from ...execution import fenced_cas
 from ...heartbeat import get_heartbeat
 from ...keys import bind_arguments, check_name, name_from_arguments, template_fields
 from ...lock import get_lease_store, holder_metadata, new_owner_token, release_after_commit
@@ -901,59 +901,16 @@ class GuardedStep:
             # From here to COMMIT the transaction lives no longer than the lease may.
             deadline = lease.remaining()
             self._deadline_set = connections[self.steps.using].vendor == "postgresql"
-        fields = lease_fields(lease)
-        step_id = self.step_id
-        try:
-            with tracing.phase("cas") as cas:
-                result = self.steps.transition(
-                    step_id,
-                    from_,
-                    to,
-                    owner=lease.owner,
-                    fence=lease.fence,
-                    updates=updates,
-                    deadline=deadline,
-                )
-        except TransitionConflict as exc:
-            emit(
-                signals.transition_conflict,
-                self,
-                step_id=step_id,
-                from_=from_,
-                to=to,
-                current=exc.current,
-                **fields,
-            )
-            if exc.stale_fence:
-                lease.mark_lost(f"the step row carries a newer fencing token than {lease.fence}")
-                raise LockLost(
-                    f"{exc} (fence {lease.fence})",
-                    key=lease.key,
-                    name=lease.name,
-                    owner=lease.owner,
-                    fence=lease.fence,
-                ) from exc
-            raise
-        except Exception as exc:
-            if not self.steps.is_lock_timeout(exc):
-                raise
-            raise LockContended(
-                f"step {step_id!r}: its row stayed locked by another transaction for the "
-                f"lease's remaining validity",
-                key=lease.key,
-                name=lease.name,
-            ) from exc
-        self.steps.on_commit(
-            lambda: emit(
-                signals.transition_applied,
-                self,
-                step_id=step_id,
-                from_=from_,
-                to=to,
-                cas_seconds=cas.seconds,
-                commit_seconds=tracing.commit_seconds(),
-                **fields,
-            )
+        result = fenced_cas(
+            self,
+            self.steps,
+            self.step_id,
+            from_,
+            to,
+            lease=lease,
+            fields=lease_fields(lease),
+            updates=updates,
+            deadline=deadline,
         )
         self.results.append(result)
         return result
