@@ -153,11 +153,12 @@ def steps_of(call: str, tag: str) -> list[tuple[str, list[str], list[str]]]:
             "0",
             repr(4.0 * 1000.0),
             repr(2.0 * 1000.0),
+            repr(1.0 * 1000.0),  # the clock skew tolerance
         ]
         return [(ratelimit.TOKEN_BUCKET, keys, args)]
     if call == "breaker":
         keys = breaker_keys(PREFIX, f"payments:{tag}")
-        return [(breaker.ADMIT, keys, [owner, "30000", "1", "30000", str(86_400_000)])]
+        return [(breaker.ADMIT, keys, [owner, "30000", "1", "30000", str(86_400_000), "1000"])]
     if call == "idempotency":
         keys = [idempotency_record_key(PREFIX, f"charge:v1:{tag}:order-42")]
         fingerprint = "3f" * 32  # an HMAC-SHA256, hex
@@ -166,7 +167,7 @@ def steps_of(call: str, tag: str) -> list[tuple[str, list[str], list[str]]]:
         key, limit = f"exports:{tag}", 10
         slots = [slot_key(PREFIX, key, i) for i in range(limit)]
         keys = slots + list(concurrency_keys(PREFIX, key))
-        args = [owner, str(TTL_MS), str(max(TTL_MS, 2 * 86_400_000)), "", "60000", meta]
+        args = [owner, str(TTL_MS), str(max(TTL_MS, 2 * 86_400_000)), "", "60000", meta, "1000"]
         name = slot_name(key, 0)
         wake = [slots[0], waiters_key(PREFIX, name), wake_key(PREFIX, name)]
         return [(concurrency.ACQUIRE_SLOT, keys, args), (lease.RELEASE, wake, [owner])]

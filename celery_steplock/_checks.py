@@ -50,6 +50,15 @@ MAX_SCAN_COUNT = 100_000
 #: An idempotency record's TTL and lock TTL, seconds: a tenth of a second to one year.
 MIN_IDEMPOTENCY_TTL = 0.1
 MAX_IDEMPOTENCY_TTL = 366 * 24 * 3600.0
+#: The live idempotency records one principal of the HTTP layer may hold
+#: (``steplock_idempotency_max_records``, ``max_records=``): one to a million.
+MIN_IDEMPOTENCY_MAX_RECORDS = 1
+MAX_IDEMPOTENCY_MAX_RECORDS = 1_000_000
+#: How far a Redis time stored by a pattern (a bucket's refill time, a sliding window's
+#: grants, a breaker's ``opened_ms``, ticket, waiter and probe permit times) may be ahead of
+#: Redis ``TIME`` before it is taken for the state of a clock that ran ahead (a failover to a
+#: primary whose clock is behind): clamped to now and reported (``clock_skew``), seconds.
+CLOCK_SKEW_TOLERANCE = 1.0
 #: How much of an invalid value an error message quotes, characters.
 MAX_SHOWN = 80
 

@@ -27,6 +27,7 @@ from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bou
     MAX_BACKOFF,
     MAX_FENCE_TTL,
     MAX_HOLD,
+    MAX_IDEMPOTENCY_MAX_RECORDS,
     MAX_IDEMPOTENCY_TTL,
     MAX_IDENTIFIER_LENGTH,
     MAX_OWNER_LENGTH,
@@ -44,6 +45,7 @@ from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bou
     MAX_WAIT,
     MAX_WAITERS_LIMIT,
     MIN_FENCE_TTL,
+    MIN_IDEMPOTENCY_MAX_RECORDS,
     MIN_IDEMPOTENCY_TTL,
     MIN_RENEWAL_INTERVAL,
     MIN_RENEWAL_RATIO,
@@ -469,7 +471,9 @@ SETTINGS: tuple[Setting, ...] = (
         600.0,
         _seconds(minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL),
         "Seconds a ``locked`` idempotency record lives when its holder dies without finishing: "
-        "the call can run again after it (set it above the body's longest run).",
+        "the call can run again after it. A running body's record is renewed by its "
+        "process's heartbeat (every lock TTL * ``steplock_renewal_ratio``), so this bounds "
+        "how long a dead holder blocks its key, not how long a body may run.",
         "seconds",
     ),
     Setting(
@@ -492,6 +496,16 @@ SETTINGS: tuple[Setting, ...] = (
         "The largest serialized result, in bytes, an idempotency record keeps (1 KiB to 64 MiB; "
         "default 1 MiB): a larger one is not recorded and the key runs again.",
         "bytes",
+    ),
+    Setting(
+        "idempotency_max_records",
+        10_000,
+        _count(minimum=MIN_IDEMPOTENCY_MAX_RECORDS, maximum=MAX_IDEMPOTENCY_MAX_RECORDS),
+        "The live records one principal (per host) of the HTTP ``Idempotency-Key`` layer may "
+        "hold (1 to 1,000,000; default 10,000): a request with a new key beyond it is refused "
+        "with 429 before the view runs. ``max_records=`` on a view or the middleware "
+        "overrides it; the anonymous scope is one principal.",
+        "count",
     ),
     Setting(
         "breaker_on_store_error",
@@ -695,6 +709,7 @@ class Settings:
     idempotency_serializer: str
     idempotency_on_store_error: str
     idempotency_max_result_bytes: int
+    idempotency_max_records: int
     breaker_on_store_error: str
     concurrency_limit_on_store_error: str
     concurrency_limit_retry_after: float

@@ -41,6 +41,7 @@ _FIELDS = (
     "decision",
     "attempt",
     "countdown",
+    "skew",
 )
 
 

@@ -31,7 +31,8 @@ checks this drawing against the classes: each once, under its first base of the 
     │   └── CircuitOpen             the dependency's circuit breaker is open
     └── IdempotencyError            an idempotency record refused the call
         ├── IdempotencyKeyReused    the key's record was made with other arguments
-        └── IdempotencyInProgress   another execution holds the key (also an AdmissionDenied)
+        ├── IdempotencyInProgress   another execution holds the key (also an AdmissionDenied)
+        └── IdempotencyQuotaExceeded  live records at the client's cap (also an AdmissionDenied)
 
 :data:`RETRYABLE_ERRORS` lists the classes a task may retry safely: the body did not commit.
 """
@@ -71,6 +72,7 @@ __all__ = [
     "IdempotencyError",
     "IdempotencyKeyReused",
     "IdempotencyInProgress",
+    "IdempotencyQuotaExceeded",
     "RETRYABLE_ERRORS",
 ]
 
@@ -577,6 +579,45 @@ class IdempotencyInProgress(IdempotencyError, AdmissionDenied):
         self.version = version
 
     _pickled = ("retry_after", "key", "namespace", "version")
+    _rebuilder = "_rebuild_in_progress"
+
+
+class IdempotencyQuotaExceeded(IdempotencyError, AdmissionDenied):
+    """The principal already holds its cap of live idempotency records (the HTTP layer's
+    ``max_records``, default ``steplock_idempotency_max_records``); also an
+    :class:`AdmissionDenied`. No record was made and the view did not run.
+
+    Retry after ``retry_after`` seconds (when the principal's oldest record stops counting).
+    ``limit`` is the cap (``"<n> live records"``); other attributes are those of
+    :class:`IdempotencyError` and :class:`AdmissionDenied` (``option`` defaults to
+    ``"max_records"``). The HTTP layer answers 429 with ``Retry-After``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float,
+        key: str | None = None,
+        namespace: str | None = None,
+        version: str | None = None,
+        limit: str | None = None,
+        option: str | None = "max_records",
+        **context: Any,
+    ) -> None:
+        AdmissionDenied.__init__(
+            self,
+            _bounded(message),
+            retry_after=retry_after,
+            option=option,
+            key=key,
+            limit=limit,
+            **context,
+        )
+        self.namespace = namespace
+        self.version = version
+
+    _pickled = ("retry_after", "key", "namespace", "version", "limit")
     _rebuilder = "_rebuild_in_progress"
 
 

@@ -1,4 +1,5 @@
-"""The heartbeat: one renewal thread per worker process for every lease it holds.
+"""The heartbeat: one renewal thread per worker process for every lease it holds (and
+every ``locked`` idempotency record of a body it runs, :mod:`celery_steplock.patterns.idempotency`).
 
 Like Redisson's lock watchdog, one scheduler renews all of the process's leases, each every
 ``ttl * renewal_ratio`` seconds, the due ones in one pipelined round trip; a lease a renewal
@@ -38,10 +39,14 @@ IDLE_TIMEOUT = 0.5
 @dataclass(eq=False)
 class _Entry:
     lease: Lease
-    lock: RedisLeaseStore
+    # A RedisLeaseStore, or a store of other holds (idempotency records) with its
+    # extend_many.
+    lock: Any
     interval: float
     next_at: float
     sender: Any
+    # None for a lease (lock_extended, lock_lost); else called instead of lock_lost.
+    on_lost: Callable[[Lease], Any] | None = None
 
 
 class Heartbeat:
@@ -100,6 +105,7 @@ class Heartbeat:
         ratio: float = 1 / 3,
         sender: Any = None,
         max_hold: float | None = None,
+        on_lost: Callable[[Lease], Any] | None = None,
     ) -> None:
         """Start renewing a lease every ``lease.ttl * ratio`` seconds.
 
@@ -108,11 +114,19 @@ class Heartbeat:
 
         Args:
             lease: The lease.
-            lock: The store it was granted by, which renews it.
+            lock: The store it was granted by, which renews it: a
+                :class:`~celery_steplock.lock.RedisLeaseStore`, or any store with its
+                ``extend_many(items) -> list[bool]`` (owner-checked: True when extended),
+                e.g. the idempotency records' stores, whose ``locked`` records are renewed
+                like leases (``lease.name`` is then the record key).
             ratio: A finite number above 0 and at most
                 :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO`.
             sender: The sender of its ``lock_extended`` and ``lock_lost`` signals.
             max_hold: Seconds after the acquisition at which the renewals stop, or None.
+            on_lost: For a hold that is not a lease of the lease store: called with the
+                lease, from the renewal thread (on the hub under a green pool), when the
+                hold is lost, instead of sending ``lock_lost``; no ``lock_extended`` is
+                sent for it. None (the default): a lease.
 
         Raises:
             InvalidArgument: ``ratio`` is out of bounds (``argument`` ``"ratio"``), raised
@@ -133,7 +147,9 @@ class Heartbeat:
         if max_hold is not None:
             lease.max_hold_until = lease.acquired_at + max_hold
         interval = max(lease.ttl * ratio, MIN_RENEWAL_INTERVAL)
-        entry = _Entry(lease, lock, interval, _next(lease, lease.acquired_at + interval), sender)
+        entry = _Entry(
+            lease, lock, interval, _next(lease, lease.acquired_at + interval), sender, on_lost
+        )
         if self.green:
             self.renewal_store(lock)
             # The loss flag is set from the native thread: no green lock may guard it.
@@ -221,8 +237,8 @@ class Heartbeat:
         Raises:
             GreenPoolUnsupported: Under a green pool, when there can be no such copy.
         """
-        if not self.green:
-            return lock
+        if not self.green or not hasattr(lock, "client"):
+            return lock  # a store without a redis client (the database records) as it is
         pair = self._native_stores.get(id(lock))
         if pair is None or pair[0] is not lock:
             pair = (lock, _green.native_store(lock, self.green))
@@ -363,7 +379,7 @@ class Heartbeat:
                 if ok:
                     entry.lease.renewed(sent)
                     entry.next_at = _next(entry.lease, sent + entry.interval)
-                    if announce:
+                    if announce and entry.on_lost is None:
                         self._report(
                             emit,
                             signals.lock_extended,
@@ -389,7 +405,9 @@ class Heartbeat:
             if present and not self._entries:
                 self._idle_since = self.clock()
         lease.mark_lost(reason or "lost")
-        if present:
+        if present and entry.on_lost is not None:
+            self._report(entry.on_lost, lease)
+        elif present:
             self._report(
                 emit,
                 signals.lock_lost,

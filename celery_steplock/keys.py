@@ -10,11 +10,14 @@ counter always live in the same slot: ``steplock:lease:{order:42}`` and
 
 from __future__ import annotations
 
+import decimal
 import functools
 import hashlib
 import hmac
 import inspect
 import json
+import math
+import re
 import string
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -37,6 +40,8 @@ __all__ = [
     "glob_escape",
     "PROBE_NAME",
     "template_fields",
+    "render_template",
+    "KEY_ESCAPE",
     "idempotency_key",
     "MAX_NAME_LENGTH",
     "PUBLIC_NAME_KEY",
@@ -53,7 +58,9 @@ __all__ = [
     "slot_key",
     "concurrency_keys",
     "rate_limit_keys",
+    "rate_ticket_binding",
     "idempotency_record_key",
+    "idempotency_quota_key",
 ]
 
 #: The HMAC key used when no name secret is configured: public, so such names can be
@@ -265,7 +272,10 @@ def template_fields(template: str) -> tuple[str, ...]:
     Raises:
         LockNameError: A template :meth:`str.format` cannot parse, a positional field
             (``{}``, ``{0}``) or attribute or index access (``{x.__class__}``, ``{x[0]}``):
-            a name is made of the arguments' values only.
+            a name is made of the arguments' values only; or an ambiguous template
+            (:func:`render_template`: two fields with nothing between them, text between
+            fields that starts with the escape ``\\``, a format spec other than a whole
+            number's, or one that names an argument).
     """
     found: list[str] = []
     pending = [template]
@@ -295,7 +305,161 @@ def template_fields(template: str) -> tuple[str, ...]:
             found.append(field_name)
             if format_spec and "{" in format_spec:
                 pending.append(format_spec)
+    _template_parts(template)
     return tuple(found)
+
+
+#: What escapes a character of a value in a templated name (:func:`render_template`).
+KEY_ESCAPE = "\\"
+
+# A format spec a templated name allows: a whole number's, without a fill character (a
+# digit as fill would make 7 and 17 one text) or a precision (it cuts), at most 3 digits wide.
+_SPEC = re.compile(r"[<>=^]?[-+ ]?#?0?(?:[1-9][0-9]{0,2})?[,_]?[bdoxX]?")
+
+# Whole numbers longer than a name can be are refused before they are written out.
+_MAX_BITS = MAX_NAME_LENGTH * 4
+
+
+@functools.lru_cache(maxsize=1024)
+def _template_parts(
+    template: str,
+) -> tuple[tuple[tuple[str, str | None, str | None, str], ...], frozenset[str]]:
+    """``template`` as ``(literal, field, conversion, spec)`` parts and the characters its
+    values escape; LockNameError for an ambiguous template (see :func:`render_template`)."""
+    parts: list[tuple[str, str | None, str | None, str]] = []
+    literal = ""
+    for text, field_name, format_spec, conversion in string.Formatter().parse(template):
+        literal += text
+        if field_name is None:
+            continue
+        if format_spec and not _SPEC.fullmatch(format_spec):
+            raise LockNameError(
+                f"lock_key {shown(template)}: the format spec of {{{field_name}:"
+                f"{shown(format_spec)[1:-1]}}} is not allowed: a templated name takes a whole "
+                f"number's spec only ([align][sign][#][0][width][,_][b|d|o|x|X]), no fill "
+                f"character, precision or argument in it (it could give two values one name)",
+                argument=field_name,
+            )
+        parts.append((literal, field_name, conversion, format_spec or ""))
+        literal = ""
+    parts.append((literal, None, None, ""))
+    fields = [part for part in parts if part[1] is not None]
+    if len(fields) < 2:
+        return tuple(parts), frozenset()
+    separators = [part[0] for part in fields[1:]]
+    for separator, part in zip(separators, fields[1:]):
+        if not separator or separator.startswith(KEY_ESCAPE):
+            raise LockNameError(
+                f"lock_key {shown(template)} is ambiguous: the text before {{{part[1]}}} "
+                + ("is empty" if not separator else f"starts with the escape {KEY_ESCAPE!r}")
+                + " (two values could give one name): put a separator such as ':' between "
+                "the fields",
+                argument=part[1],
+            )
+    return tuple(parts), frozenset(KEY_ESCAPE + "".join(s[0] for s in separators))
+
+
+def render_template(template: str, arguments: Mapping[str, Any], option: str = "lock_key") -> str:
+    """``template`` (a :meth:`str.format` template over argument names) formatted with the
+    bound ``arguments`` so that two different value tuples never give one name.
+
+    The rules (docs/security.md, "Lock names and idempotency keys"):
+
+    - Numbers are canonical: an int as its digits; a float or ``Decimal`` with a whole value
+      as that int (``7``, ``7.0``, ``Decimal("7.00")``: ``"7"``). A number with a fraction,
+      NaN or infinity, and a bool are refused: they have no canonical whole value.
+    - A string is used as it is, so ``"7"`` and ``7`` give one name while ``"07"`` and
+      ``7`` give two (normalise such values before the call); a string (or another value's
+      text) with leading or trailing whitespace is refused. Other values (``UUID``,
+      ``datetime``) give their :func:`format` text.
+    - With two fields or more, each value's text escapes :data:`KEY_ESCAPE` and the first
+      character of each text between two fields (``"{tenant}:{user}"``: ``:``) with a
+      backslash, so ``("acme:bob", "x")`` gives ``acme\\:bob:x`` and ``("acme", "bob:x")``
+      ``acme:bob\\:x``. A value without those characters is written as it is (the names
+      of earlier releases); a template of one field never escapes.
+    - A format spec applies to whole numbers only (``{n:04d}``), and a template whose
+      fields touch or whose text between fields starts with the escape is refused.
+
+    Args:
+        template: The template (checked by :func:`template_fields`).
+        arguments: The bound arguments.
+        option: The option the template is given as, for messages.
+
+    Returns:
+        The name (checked by :func:`check_name`).
+
+    Raises:
+        LockNameError: Naming the argument (``argument``) whose value a name cannot hold,
+            or the template's problem. KeyError: a field names no argument.
+    """
+    parts, escapes = _template_parts(template)
+    out: list[str] = []
+    for literal, field_name, conversion, spec in parts:
+        out.append(literal)
+        if field_name is not None:
+            text = _field_text(
+                template, option, field_name, arguments[field_name], conversion, spec
+            )
+            if escapes and any(c in escapes for c in text):
+                text = "".join(KEY_ESCAPE + c if c in escapes else c for c in text)
+            out.append(text)
+    return check_name("".join(out))
+
+
+def _field_text(
+    template: str, option: str, name: str, value: Any, conversion: str | None, spec: str
+) -> str:
+    def refused(why: str) -> LockNameError:
+        return LockNameError(f"{option} {shown(template)}: argument {name!r} {why}", argument=name)
+
+    if isinstance(value, bool):
+        raise refused(
+            f"is a bool ({value}): a templated name takes whole numbers and strings "
+            f"(pass 1/0 or a word)"
+        )
+    if isinstance(value, (float, decimal.Decimal)):
+        if isinstance(value, float):
+            whole = math.isfinite(value) and value.is_integer()
+        else:
+            whole = value.is_finite() and value.adjusted() < MAX_NAME_LENGTH
+            whole = whole and value == value.to_integral_value()
+        if not whole:
+            raise refused(
+                f"is {shown(value)}: a number in a templated name must have a whole value "
+                f"(7.0 is written 7; round or format it before the call)"
+            )
+        value = int(value)
+    elif isinstance(value, int):
+        value = int(value)
+    if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+        raise refused(f"has {value.bit_length()} bits: longer than a name can be")
+    if isinstance(value, str) and value != value.strip():
+        raise refused(
+            f"{shown(value)} has leading or trailing whitespace (it would name another "
+            f"limit or lock than the value without it)"
+        )
+    if conversion == "r":
+        value = repr(value)
+    elif conversion == "a":
+        value = ascii(value)
+    elif conversion == "s":
+        value = str(value)
+    elif conversion is not None:
+        raise refused(f"has the conversion !{conversion}: only !r, !s and !a exist")
+    if spec and type(value) is not int:
+        raise refused(
+            f"is formatted with {{{name}:{spec}}}: a format spec applies to whole numbers "
+            f"only (a padded string could name another value)"
+        )
+    try:
+        text = format(value, spec)
+    except RecursionError:
+        raise refused("is nested too deep to be formatted") from None
+    except (ValueError, TypeError) as exc:
+        raise refused(f"cannot be formatted: {type(exc).__name__}: {exc}") from None
+    if type(value) is not int and text != text.strip():
+        raise refused("is written with leading or trailing whitespace")
+    return text
 
 
 def lock_name(
@@ -400,7 +564,7 @@ def name_from_arguments(
         )
     template_fields(lock_key)
     try:
-        return check_name(lock_key.format(**arguments))
+        return render_template(lock_key, arguments)
     except ValueError as exc:
         raise LockNameError(
             f"lock_key {shown(lock_key)} cannot format these arguments: {exc}"
@@ -678,6 +842,43 @@ def rate_limit_keys(prefix: str, kind: str, ident: str, name: str) -> tuple[str,
     return f"{base}:{{{name}}}", f"{base}:queue:{{{name}}}", f"{base}:due:{{{name}}}"
 
 
+def rate_ticket_binding(
+    secret: bytes | str | None,
+    task_name: str,
+    task_id: str | None,
+    key: str,
+    arguments: Mapping[str, Any],
+) -> str:
+    """What a rate-limit ticket a task's denial took is bound to: its queue member is
+    ``"<ticket>.<binding>"``, so a ticket copied into another message (another task id,
+    other arguments, another limit) names no member of the queue and is no ticket there.
+
+    Args:
+        secret: The name secret; None: :data:`PUBLIC_NAME_KEY`.
+        task_name: The task's name.
+        task_id: The message's task id (a re-queued task keeps its id).
+        key: The limit's Redis key (:func:`rate_limit_keys`' first).
+        arguments: The bound arguments; arguments canonical JSON cannot encode bind
+            through the task id and the limit only.
+
+    Returns:
+        32 hex digits: HMAC-SHA256 keyed with the name secret (the queue, readable by Redis
+        users, reveals nothing of the arguments), cut to 128 bits.
+    """
+    try:
+        encoded = canonical_json(arguments)
+    except LockNameError:
+        encoded = ""
+    mac = _keyed(_key(secret), b"rate-ticket\0")
+    mac.update(
+        b"\0".join(
+            part.encode("utf-8", "surrogatepass")
+            for part in (task_name or "", "" if task_id is None else str(task_id), key, encoded)
+        )
+    )
+    return str(mac.hexdigest()[:32])
+
+
 def idempotency_record_key(prefix: str, key: str) -> str:
     """The hash of idempotency record ``key`` (fields in
     :mod:`celery_steplock._redis.scripts.idempotency`; also the Redis cache copy of a
@@ -691,3 +892,19 @@ def idempotency_record_key(prefix: str, key: str) -> str:
         ``<prefix>:idem:{<key>}``.
     """
     return f"{prefix}:idem:{{{key}}}"
+
+
+def idempotency_quota_key(prefix: str, principal: str) -> str:
+    """The sorted set of the live idempotency records of one principal of the HTTP layer
+    (members: record keys; scores: when each stops counting, Redis server time in ms). Its
+    TTL ends with its last member.
+
+    Args:
+        prefix: The key prefix.
+        principal: The keyed hash (hex) of the principal's host and scope, never the scope
+            itself.
+
+    Returns:
+        ``<prefix>:idemq:{<principal>}``.
+    """
+    return f"{prefix}:idemq:{{{principal}}}"

@@ -21,12 +21,14 @@ __all__ = [
     "transition_conflict",
     "lock_store_error",
     "fence_ahead",
+    "clock_skew",
     "force_release_audit",
     "idempotency_locked",
     "idempotency_replayed",
     "idempotency_completed",
     "idempotency_failed",
     "idempotency_conflict",
+    "idempotency_lost",
     "circuit_opened",
     "circuit_half_opened",
     "circuit_closed",
@@ -72,6 +74,15 @@ lock_store_error = Signal(name="lock_store_error")
 #: the task's ``FenceAhead`` (a ``LockLost``); the task is retried after the skew, a bounded
 #: number of times.
 fence_ahead = Signal(name="fence_ahead")
+#: A pattern found a Redis time it stored ahead of Redis ``TIME`` by more than
+#: ``CLOCK_SKEW_TOLERANCE`` (one second): the state was written by a primary whose clock ran
+#: ahead, then a failover to one whose clock is behind. The time was clamped to now and
+#: written back in the same script, so the wait is bounded by the configured refill, window,
+#: recovery or lifetime, never by the skew. ``pattern`` ("rate limit", "circuit breaker",
+#: "concurrency limit"), ``field`` (the clamped time: ``ts``, ``log``, ``tickets``,
+#: ``opened_ms``, ``probes``, ``waiters``), ``skew`` (seconds ahead), ``reason``. Sent once
+#: per clamp, as a WARNING line.
+clock_skew = Signal(name="clock_skew")
 #: An operator's force release (:func:`celery_steplock.ops.force_release`): sent once with
 #: ``outcome="requested"`` before the delete, then once with its outcome; ``actor``,
 #: ``actor_host``, ``via`` and ``audit`` besides the lease's fields.
@@ -91,6 +102,11 @@ idempotency_completed = Signal(name="idempotency_completed")
 idempotency_failed = Signal(name="idempotency_failed")
 #: The key is held by another execution or was reused with other arguments.
 idempotency_conflict = Signal(name="idempotency_conflict")
+#: The heartbeat found a running body's ``locked`` record completed, failed, invalidated,
+#: expired or locked by another owner (``owner``: the body's owner token, ``reason``, ``ttl``:
+#: the lock TTL), and stopped renewing it; sent as an ERROR line, on the heartbeat thread.
+#: The body is not interrupted: its completion is refused if another execution took the key.
+idempotency_lost = Signal(name="idempotency_lost")
 
 ALL_SIGNALS: tuple[Signal, ...] = (
     lock_acquired,
@@ -103,6 +119,7 @@ ALL_SIGNALS: tuple[Signal, ...] = (
     transition_conflict,
     lock_store_error,
     fence_ahead,
+    clock_skew,
     force_release_audit,
 )
 ALL_SIGNALS += (
@@ -111,6 +128,7 @@ ALL_SIGNALS += (
     idempotency_completed,
     idempotency_failed,
     idempotency_conflict,
+    idempotency_lost,
 )
 
 #: Circuit breakers (celery_steplock.patterns.breaker): ``name`` (the dependency), ``key``,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run pytest against SQLite and then PostgreSQL, with a throwaway Redis (what `make test` runs).
+"""Run pytest against SQLite and PostgreSQL, with throwaway servers (what `make test` runs).
 
 Extra arguments are passed to pytest. The tests wipe their servers (FLUSHDB, test databases
 created and dropped), so they use only servers this script starts, unless a test-only variable
@@ -15,6 +15,10 @@ Leading options of this script (before any pytest argument):
                      SQLite. It runs the corner's modules, or the pytest arguments given when
                      they name test paths. Repeatable; ``--corner oldest,newest`` too.
     --corners-only   skip the main passes (SQLite, PostgreSQL): run the corners only.
+    --jobs N         passes side by side (default 2 on two cores or more, else 1). Each pass has
+                     a redis-server, a PostgreSQL (when it needs one), SQLite files and a pytest
+                     temporary directory of its own, and its output lines carry its label. With
+                     STEPLOCK_TEST_REDIS_URL the passes share that server and run one at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -118,20 +124,55 @@ def _counts(junit: Path) -> dict | None:
     return {"passed": max(total - failed - skipped, 0), "failed": failed, "skipped": skipped}
 
 
+def _pump(stream, label: str, log: Path) -> None:
+    """Copy a pass's output line by line, each line prefixed by the pass's label, to this
+    process's stdout and to ``log``."""
+    with open(log, "w", encoding="utf-8", errors="replace") as out:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            out.write(line)
+            sys.stdout.write(f"[{label}] {line}" if line.strip() else line)
+            sys.stdout.flush()
+
+
 def run_pytest(
-    label: str, args: list[str], env: dict, workdir: Path, python: str = sys.executable
+    label: str,
+    args: list[str],
+    env: dict,
+    workdir: Path,
+    python: str = sys.executable,
+    prefixed: bool = False,
+    running: list | None = None,
 ) -> tuple[int, dict | None]:
-    """Run pytest once; returns its exit code and its counts."""
+    """Run pytest once; returns its exit code and its counts. ``prefixed``: its output goes
+    through :func:`_pump` (passes side by side), else straight to the terminal. ``running``
+    gets the process while it runs (the interrupt handler stops what is in it)."""
     junit = workdir / f"{label}.xml"
     # Ours goes first so that a --junitxml among `args` wins.
     cmd = [python, "-m", "pytest", f"--junitxml={junit}", *args]
     say(f"{label}: python -m pytest {shlex.join(args)}".rstrip())
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    pipe = subprocess.PIPE if prefixed else None
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=pipe, stderr=subprocess.STDOUT if prefixed else None
+    )
+    if running is not None:
+        running.append(proc)
+    pump = None
+    if prefixed:
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, label, workdir / f"{label}.log"), daemon=True
+        )
+        pump.start()
     try:
         code = proc.wait()
     except Interrupted as exc:
         _stop_pytest(proc, exc.signum)
         raise
+    finally:
+        if pump is not None:
+            pump.join(timeout=10)
+        if running is not None and proc in running:
+            running.remove(proc)
     return code, _counts(junit)
 
 
@@ -141,10 +182,12 @@ def describe(counts: dict | None) -> str:
     return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
 
 
-def parse_options(args: list[str]) -> tuple[list[str], bool, list[str]]:
-    """(corner names, corners only, pytest arguments) from the leading options of `args`."""
+def parse_options(args: list[str]) -> tuple[list[str], bool, int | None, list[str]]:
+    """(corner names, corners only, jobs or None, pytest arguments) from the leading options
+    of `args`."""
     names: list[str] = []
     only = False
+    jobs: int | None = None
     while args:
         head = args[0]
         if head == "--corner" and len(args) > 1:
@@ -156,11 +199,17 @@ def parse_options(args: list[str]) -> tuple[list[str], bool, list[str]]:
         elif head == "--corners-only":
             only = True
             args = args[1:]
+        elif head in ("--jobs", "-j") and len(args) > 1 or head.startswith("--jobs="):
+            value = head.split("=", 1)[1] if "=" in head else args[1]
+            args = args[1:] if "=" in head else args[2:]
+            if not value.isdigit() or int(value) < 1:
+                raise SystemExit(f"run_tests: --jobs takes a whole number above 0, got {value!r}")
+            jobs = int(value)
         else:
             break
     if only and not names:
         raise SystemExit("run_tests: --corners-only needs --corner NAME")
-    return list(dict.fromkeys(names)), only, args
+    return list(dict.fromkeys(names)), only, jobs, args
 
 
 def names_tests(args: list[str]) -> bool:
@@ -168,131 +217,230 @@ def names_tests(args: list[str]) -> bool:
     return any(not a.startswith("-") and a.split("::")[0].startswith("tests") for a in args)
 
 
+@dataclass
+class Pass:
+    """One pytest run of ``make test``: its label, arguments, environment and interpreter;
+    ``postgres``: it needs a PostgreSQL server of its own; ``note``: said before it starts."""
+
+    label: str
+    args: list[str]
+    env: dict
+    python: str = sys.executable
+    postgres: bool = False
+    note: str = ""
+
+
+def default_jobs() -> int:
+    """Passes side by side: two where there are two cores or more (each pass spends much of
+    its time waiting on worker processes and servers), else one."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
 def main(args: list[str]) -> int:
-    corner_names, corners_only, args = parse_options(args)
+    corner_names, corners_only, jobs, args = parse_options(args)
     corners = [corner_venvs.load(name) for name in corner_names]
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
     base_env = suite_environment(dict(os.environ))
-    results: list[tuple[str, str, str]] = []  # (label, "ok" | "FAILED" | "skipped", detail)
+    results: dict[str, tuple[str, str]] = {}  # label -> ("ok" | "FAILED" | ..., detail)
+    order: list[str] = []
     totals = {"passed": 0, "failed": 0, "skipped": 0}
-    redis_server = pg_server = None
+    lock = threading.Lock()
+    running: list[subprocess.Popen] = []
+    shared_redis = base_env.get(TEST_REDIS_URL_ENV)
 
     def record(label: str, code: int | None, counts: dict | None, elapsed: float) -> None:
-        if counts:
-            for key in totals:
-                totals[key] += counts[key]
-        # 5: nothing selected in this pass (e.g. ARGS=tests/faults on SQLite, where the fault
-        # scenarios are deselected); fine unless no pass ran anything.
-        note = " (no tests selected in this pass)" if code == 5 else ""
-        status = "ok" if code == 0 else "empty" if code == 5 else "FAILED"
-        results.append((label, status, f"{describe(counts)}, exit {code}, {elapsed:.1f}s{note}"))
+        with lock:
+            if counts:
+                for key in totals:
+                    totals[key] += counts[key]
+            # 5: nothing selected in this pass (e.g. ARGS=tests/faults on SQLite, where the
+            # fault scenarios are deselected); fine unless no pass ran anything.
+            note = " (no tests selected in this pass)" if code == 5 else ""
+            status = "ok" if code == 0 else "empty" if code == 5 else "FAILED"
+            detail = f"{describe(counts)}, exit {code}, {elapsed:.1f}s{note}"
+            results[label] = (status, detail)
+
+    def note(label: str, status: str, detail: str) -> None:
+        with lock:
+            results[label] = (status, detail)
+
+    passes: list[Pass] = []
+    if shared_redis:
+        say(f"using {TEST_REDIS_URL_ENV}={shared_redis}")
+    if not corners_only:
+        if base_env.get(TEST_DATABASE_URL_ENV):
+            say(f"using {TEST_DATABASE_URL_ENV}={base_env[TEST_DATABASE_URL_ENV]}")
+            passes.append(Pass(TEST_DATABASE_URL_ENV, args, dict(base_env)))
+        else:
+            sqlite_env = dict(base_env)
+            sqlite_env.pop("DATABASE_URL", None)
+            passes.append(Pass("sqlite", args, sqlite_env))
+            if PostgresServer.available():
+                passes.append(Pass("postgresql", args, dict(base_env), postgres=True))
+            elif os.environ.get("CI") == "true":
+                say(
+                    "ERROR: PostgreSQL not found, and CI=true requires the PostgreSQL run "
+                    f"(install postgresql or set {TEST_DATABASE_URL_ENV})"
+                )
+                note("postgresql", "FAILED", "PostgreSQL not found")
+                order.append("postgresql")
+            else:
+                say(PG_MISSING)
+                note("postgresql", "skipped", PG_MISSING)
+                order.append("postgresql")
+    for corner in corners:
+        label = f"corner-{corner.name}"
+        if not corner.built():
+            why = (
+                f"venv {corner.venv.relative_to(ROOT)} not built "
+                f"(Python {corner.python} missing? run scripts/corners.py build)"
+            )
+            if os.environ.get("CI") == "true":
+                say(f"ERROR: {label}: {why}; CI=true requires every corner")
+                note(label, "FAILED", why)
+            else:
+                say(f"{label}: skipped, {why}")
+                note(label, "skipped", why)
+            order.append(label)
+            continue
+        env = dict(base_env)
+        env.pop("DATABASE_URL", None)
+        env.pop(TEST_DATABASE_URL_ENV, None)
+        passes.append(
+            Pass(
+                label,
+                args if names_tests(args) else [*corner.tests, *args],
+                env,
+                python=str(corner.executable),
+                note=(
+                    f"{label}: Python {corner.python}, "
+                    f"{corner_venvs.describe_versions(corner.versions())}, SQLite"
+                ),
+            )
+        )
+    order += [p.label for p in passes]
+    # Side by side only with a Redis of each pass's own: the tests flush their server.
+    jobs = 1 if shared_redis else (jobs or default_jobs())
+    jobs = max(1, min(jobs, len(passes)))
+    prefixed = jobs > 1
 
     try:
         with tempfile.TemporaryDirectory(prefix="steplock-run-tests-") as tmp:
             workdir = Path(tmp)
-            if base_env.get(TEST_REDIS_URL_ENV):
-                say(f"using {TEST_REDIS_URL_ENV}={base_env[TEST_REDIS_URL_ENV]}")
-            else:
-                redis_server = RedisServer().start()
-                base_env["REDIS_URL"] = base_env[TEST_REDIS_URL_ENV] = redis_server.url
-                say(f"started redis-server {redis_server.url} (pid {redis_server.pid})")
-
-            if corners_only:
-                runs = []
-            elif base_env.get(TEST_DATABASE_URL_ENV):
-                say(f"using {TEST_DATABASE_URL_ENV}={base_env[TEST_DATABASE_URL_ENV]}")
-                runs = [TEST_DATABASE_URL_ENV]
-            else:
-                runs = ["sqlite", "postgresql"]
-
-            for label in runs:
-                env = dict(base_env)
-                if label == "sqlite":
-                    env.pop("DATABASE_URL", None)
-                    env.pop(TEST_DATABASE_URL_ENV, None)
-                elif label == "postgresql":
-                    if not PostgresServer.available():
-                        if os.environ.get("CI") == "true":
-                            say(
-                                "ERROR: PostgreSQL not found, and CI=true requires the "
-                                f"PostgreSQL run (install postgresql or set {TEST_DATABASE_URL_ENV})"
-                            )
-                            results.append((label, "FAILED", "PostgreSQL not found"))
-                        else:
-                            say(PG_MISSING)
-                            results.append((label, "skipped", PG_MISSING))
-                        continue
-                    try:
-                        pg_server = PostgresServer().start()
-                    except Exception as exc:
-                        say(f"ERROR: could not start PostgreSQL: {exc}")
-                        results.append((label, "FAILED", "PostgreSQL did not start"))
-                        continue
-                    env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = pg_server.url
-                    say(f"started postgres {pg_server.url} (pid {pg_server.pid})")
-                if redis_server is not None and results:  # a clean Redis for each run
-                    import redis
-
-                    with redis.Redis.from_url(redis_server.url) as client:
-                        client.flushall()
-                started = time.monotonic()
-                code, counts = run_pytest(label, args, env, workdir)
-                record(label, code, counts, time.monotonic() - started)
-                if pg_server is not None:
-                    pg_server.stop()
-                    pg_server = None
-
-            for corner in corners:
-                label = f"corner-{corner.name}"
-                if not corner.built():
-                    why = (
-                        f"venv {corner.venv.relative_to(ROOT)} not built "
-                        f"(Python {corner.python} missing? run scripts/corners.py build)"
-                    )
-                    if os.environ.get("CI") == "true":
-                        say(f"ERROR: {label}: {why}; CI=true requires every corner")
-                        results.append((label, "FAILED", why))
-                    else:
-                        say(f"{label}: skipped, {why}")
-                        results.append((label, "skipped", why))
-                    continue
-                env = dict(base_env)
-                env.pop("DATABASE_URL", None)
-                env.pop(TEST_DATABASE_URL_ENV, None)
-                if redis_server is not None and results:
-                    import redis
-
-                    with redis.Redis.from_url(redis_server.url) as client:
-                        client.flushall()
-                corner_args = args if names_tests(args) else [*corner.tests, *args]
+            if prefixed:
                 say(
-                    f"{label}: Python {corner.python}, "
-                    f"{corner_venvs.describe_versions(corner.versions())}, SQLite"
+                    f"{len(passes)} passes, {jobs} side by side (--jobs 1 for one at a time); "
+                    "each line is prefixed with its pass"
                 )
-                started = time.monotonic()
-                code, counts = run_pytest(
-                    label, corner_args, env, workdir, python=str(corner.executable)
-                )
-                record(label, code, counts, time.monotonic() - started)
+            slots = threading.Semaphore(jobs)
+            failures: list[BaseException] = []
+
+            def run(p: Pass) -> None:
+                with slots:
+                    try:
+                        run_pass(p, workdir, shared_redis, prefixed, running, record, note)
+                    except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                        failures.append(exc)
+                        note(p.label, "FAILED", f"{type(exc).__name__}: {exc}")
+
+            threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in passes]
+            try:
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    while thread.is_alive():
+                        thread.join(0.5)
+            except Interrupted as exc:
+                _stop_all(list(running), exc.signum)
+                for thread in threads:
+                    thread.join(60)
+                raise
     except Interrupted as exc:
         say(f"interrupted by signal {exc.signum}")
         return 128 + exc.signum
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    print(flush=True)
+    for label in order:
+        if label in results:
+            status, detail = results[label]
+            say(f"{label}: {status} ({detail})")
+    print(f"total: {describe(totals)}", flush=True)
+    statuses = [results[label][0] for label in order if label in results]
+    if statuses and all(status == "empty" for status in statuses):
+        say("no test was selected in any pass")
+        return 1
+    return 0 if all(status != "FAILED" for status in statuses) else 1
+
+
+def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, note) -> None:
+    """Run one pass with servers of its own (a redis-server unless ``shared_redis``, and
+    PostgreSQL when it needs one), its own SQLite files and pytest temporary directory, and
+    stop them after."""
+    home = workdir / p.label
+    (home / "var").mkdir(parents=True)
+    env = dict(p.env)
+    env.update(
+        STEPLOCK_VAR_DIR=str(home / "var"),
+        STEPLOCK_SQLITE=str(home / "var" / "steplock.sqlite3"),
+        STEPLOCK_TEST_SQLITE=str(home / "var" / "test_steplock.sqlite3"),
+        PYTEST_DEBUG_TEMPROOT=str(home),
+    )
+    redis_server = pg_server = None
+    try:
+        if shared_redis:
+            import redis
+
+            with redis.Redis.from_url(shared_redis) as client:  # a clean Redis for each pass
+                client.flushall()
+        else:
+            redis_server = RedisServer(workdir=home / "redis").start()
+            env["REDIS_URL"] = env[TEST_REDIS_URL_ENV] = redis_server.url
+            say(f"{p.label}: started redis-server {redis_server.url} (pid {redis_server.pid})")
+        if p.postgres:
+            try:
+                pg_server = PostgresServer().start()
+            except Exception as exc:  # noqa: BLE001 - reported as this pass's failure
+                say(f"ERROR: could not start PostgreSQL: {exc}")
+                note(p.label, "FAILED", "PostgreSQL did not start")
+                return
+            env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = pg_server.url
+            say(f"{p.label}: started postgres {pg_server.url} (pid {pg_server.pid})")
+        if p.note:
+            say(p.note)
+        started = time.monotonic()
+        code, counts = run_pytest(
+            p.label, p.args, env, workdir, python=p.python, prefixed=prefixed, running=running
+        )
+        record(p.label, code, counts, time.monotonic() - started)
+    finally:
         for server in (pg_server, redis_server):
             if server is not None:
                 server.stop()
 
-    print(flush=True)
-    for label, status, detail in results:
-        say(f"{label}: {status} ({detail})")
-    print(f"total: {describe(totals)}", flush=True)
-    if results and all(status == "empty" for _, status, _ in results):
-        say("no test was selected in any pass")
-        return 1
-    return 0 if all(status != "FAILED" for _, status, _ in results) else 1
+
+def _stop_all(procs: list[subprocess.Popen], signum: int) -> None:
+    """Stop every running pass as :func:`_stop_pytest` stops one: SIGINT, then SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    waits = [(10, None)] if signum == signal.SIGINT else []
+    waits += [(20, signal.SIGINT), (5, signal.SIGKILL)]
+    for timeout, sig in waits:
+        alive = [proc for proc in procs if proc.poll() is None]
+        if not alive:
+            return
+        for proc in alive:
+            if sig is not None:
+                proc.send_signal(sig)
+        deadline = time.monotonic() + timeout
+        for proc in alive:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 if __name__ == "__main__":

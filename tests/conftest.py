@@ -1,7 +1,7 @@
 """Shared fixtures: a real redis-server, the Django test database, real celery workers.
 
 Servers and workers come from ``tests/support`` (servers.py, processes.py). ``make test``
-(scripts/run_tests.py) starts one Redis for the whole run and names it in
+(scripts/run_tests.py) starts a Redis for each pass and names it in
 STEPLOCK_TEST_REDIS_URL; a bare ``pytest`` starts its own here. The suite never touches a
 server it did not start unless a test-only variable names it: a REDIS_URL or DATABASE_URL of
 the user's (the demo's) is refused before anything connects.

@@ -248,20 +248,20 @@ def test_templates_refuse_attribute_index_and_positional_fields(template):
 def test_a_template_may_still_use_conversions_and_format_specs():
     assert name(bound, 5, lock_key="n:{x:04d}") == "n:0005"
     assert name(bound, "a", lock_key="n:{x!r}") == "n:'a'"
-    assert name(bound, 5, lock_key="n:{x:>{y}}") == "n: 5"
 
 
 def test_the_documented_rule_for_1_1_0_true_and_the_string_1():
     # Default names keep JSON's types: four values, four locks.
     defaults = {name(bound, value) for value in (1, 1.0, True, "1")}
     assert len(defaults) == 4
-    # A template formats the values: "1" and 1 name one lock, 1.0 and True others.
-    assert [name(bound, value, lock_key="n:{x}") for value in (1, "1", 1.0, True)] == [
+    # A template formats the values: "1", 1 and 1.0 name one lock; a bool names none.
+    assert [name(bound, value, lock_key="n:{x}") for value in (1, "1", 1.0)] == [
         "n:1",
         "n:1",
-        "n:1.0",
-        "n:True",
+        "n:1",
     ]
+    with pytest.raises(LockNameError):
+        name(bound, True, lock_key="n:{x}")
 
 
 # -- the same against a real task, Redis and database ---------------------------------------------
@@ -536,3 +536,189 @@ def test_the_probes_reserved_name_is_refused_naming_it():
         name(unbound, PROBE_NAME, lock_key="{x}")
     with pytest.raises(LockNameError, match="reserved"):
         name(unbound, "steplock-acl", lock_key=lambda x, y: f"{x}-probe")
+
+
+# -- issue 24: a template's names are injective -------------------------------------------------
+
+
+@app.task(name="t.three")
+def three(x, y=None, z=None):
+    return x
+
+
+def test_template_values_cannot_forge_the_separator():
+    def two(x, y, template="{x}:{y}"):
+        return lock_name("t", three.run, (x, y), {}, template)
+
+    assert two("acme:bob", "x") != two("acme", "bob:x")
+    assert two("a\\", ":b") != two("a\\:", "b")
+    # Every pair of short values over an alphabet of the separators and the escape gives
+    # its own name, for a few templates.
+    alphabet = ["", "a", ":", "\\", "-", "/", "7"]
+    values = {a + b for a in alphabet for b in alphabet}
+    for template in ("{x}:{y}", "t:{x}-{y}/", "{x}/x/{y}", "{x}::{y}"):
+        names = {}
+        for x in values:
+            for y in values:
+                name = two(x, y, template)
+                assert names.setdefault(name, (x, y)) == (x, y), (template, name)
+    three_names = {
+        lock_name("t", three.run, (x, y, z), {}, "{x}:{y}-{z}")
+        for x in ("a", "a:b", "a-b")
+        for y in ("", ":", "-")
+        for z in ("b", "-b", "b:")
+    }
+    assert len(three_names) == 27
+
+
+def test_ordinary_values_keep_todays_names():
+    def named(*args, template):
+        return lock_name("t", three.run, args, {}, template)
+
+    assert named("acme", "bob", template="{x}:{y}") == "acme:bob"
+    assert named(7, 9, template="order:{x}:{y}") == "order:7:9"
+    assert named("a.b", "c-d", template="{x}:{y}") == "a.b:c-d"
+    # One field: nothing can be confused, the value is written as it is.
+    assert named("order:42", template="{x}") == "order:42"
+    assert named("a\\b:c", template="n:{x}") == "n:a\\b:c"
+    # Two fields: ':' (what stands between them) and the escape are escaped.
+    assert named("acme:bob", "x", template="{x}:{y}") == "acme\\:bob:x"
+    assert named("a\\b", "x", template="{x}:{y}") == "a\\\\b:x"
+    assert named("a-b:c", "x", template="{x}-{y}") == "a\\-b:c-x"
+
+
+def test_numbers_are_canonical():
+    def tenant(value):
+        return lock_name("t", three.run, (value,), {}, "tenant:{x}")
+
+    for value in (7, 7.0, decimal.Decimal("7"), decimal.Decimal("7.00"), decimal.Decimal("7E0")):
+        assert tenant(value) == "tenant:7", value
+    assert tenant(-0.0) == tenant(0) == "tenant:0"
+    assert tenant(10**20) == tenant(1e20) == "tenant:100000000000000000000"
+    # A string is a string: "07" is not 7 (normalise before the call to make it so).
+    assert tenant("07") == "tenant:07" and tenant("7") == "tenant:7"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        True,
+        False,
+        7.5,
+        float("nan"),
+        float("inf"),
+        decimal.Decimal("7.5"),
+        decimal.Decimal("NaN"),
+        " 7",
+        "7 ",
+        "\u20037",
+        "7\u00a0",
+    ],
+)
+def test_values_that_could_escape_a_limit_are_refused_naming_the_argument(value):
+    with pytest.raises(LockNameError) as info:
+        lock_name("t", three.run, (value,), {}, "tenant:{x}")
+    assert info.value.argument == "x" and "'x'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{x}{y}",
+        "a{x}{y}b",
+        "{x}\\{y}",
+        "n:{x:>{y}}",
+        "n:{x:*>5}",
+        "n:{x:0>5}",
+        "n:{x:.3}",
+        "n:{x:.2f}",
+        "n:{x:e}",
+        "n:{x:9999d}",
+    ],
+)
+def test_ambiguous_templates_are_refused(template):
+    from celery_steplock.keys import template_fields
+
+    with pytest.raises(LockNameError):
+        template_fields(template)
+    with pytest.raises(LockNameError):
+        lock_name("t", three.run, (5, 6), {}, template)
+
+
+def test_a_format_spec_applies_to_whole_numbers_only():
+    def named(value, template):
+        return lock_name("t", three.run, (value,), {}, template)
+
+    assert named(5, "n:{x:04d}") == named(5.0, "n:{x:04d}") == "n:0005"
+    assert named(5, "n:{x:>3}") == "n:  5"
+    assert named(255, "n:{x:#x}") == "n:0xff"
+    for value, template in (("ab", "n:{x:>5}"), ("ab", "n:{x:05}"), ("ab", "n:{x!r:>6}")):
+        with pytest.raises(LockNameError) as info:
+            named(value, template)
+        assert info.value.argument == "x"
+
+
+def test_the_patterns_options_refuse_an_ambiguous_template_naming_themselves():
+    from celery_steplock.exceptions import ImproperlyConfigured
+    from celery_steplock.patterns.concurrency import ConcurrencyLimit, check_key_template
+    from celery_steplock.patterns.ratelimit import SlidingWindow
+
+    with pytest.raises(ImproperlyConfigured) as info:
+        check_key_template("{x}{y}")
+    assert info.value.setting == "concurrency_limit_key"
+    with pytest.raises(ImproperlyConfigured) as info:
+        SlidingWindow(1, 1, key="{x}{y}")
+    assert info.value.setting == "cluster_rate_limit"
+    limit = ConcurrencyLimit(1, key="{x}:{y}")
+    assert limit.render("", {"x": "acme:bob", "y": "x"}) != limit.render(
+        "", {"x": "acme", "y": "bob:x"}
+    )
+    assert limit.render("", {"x": 7.0, "y": "b"}) == limit.render("", {"x": 7, "y": "b"})
+    with pytest.raises(LockNameError) as info:
+        limit.render("", {"x": True, "y": "b"})
+    assert info.value.argument == "x"
+
+
+def test_a_rate_limit_key_template_gives_one_limit_per_value_pair(app, redis_client):
+    from celery_steplock import RateLimited, SlidingWindow
+    from celery_steplock.task import StepLockedTask
+
+    @app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.keys.rl",
+        lock_key="tests.keys.rl:{n}",
+        cluster_rate_limit=SlidingWindow(1, 60),
+        cluster_rate_limit_key="{tenant}:{user}",
+        lock_retry_max=0,
+        shared=False,
+    )
+    def limited(self, tenant, user, n):
+        return n
+
+    try:
+        assert limited.apply(args=("acme:bob", "x", 1)).get() == 1
+        assert limited.apply(args=("acme", "bob:x", 2)).get() == 2  # another pair, its own limit
+        assert limited.apply(args=(7, "u", 3)).get() == 3
+        for tenant in (7.0, decimal.Decimal("7")):  # the same tenant 7: its limit is used up
+            assert isinstance(limited.apply(args=(tenant, "u", 4)).result, RateLimited)
+        refused = limited.apply(args=(" 7", "u", 5)).result
+        assert isinstance(refused, LockNameError) and refused.argument == "tenant"
+    finally:
+        app.tasks.pop("tests.keys.rl", None)
+
+
+def test_an_idempotency_key_template_never_confuses_two_value_pairs(redis_client):
+    from celery_steplock.patterns.idempotency import idempotent
+
+    calls = []
+
+    @idempotent(key="{a}:{b}", client=redis_client)
+    def pay(a, b):
+        calls.append((a, b))
+        return f"{a}|{b}"
+
+    assert pay("acme:bob", "x") == "acme:bob|x"
+    assert pay("acme", "bob:x") == "acme|bob:x"  # not a replay, not a key reused
+    assert pay("acme:bob", "x") == "acme:bob|x"  # the replay of the first
+    assert calls == [("acme:bob", "x"), ("acme", "bob:x")]

@@ -34,6 +34,20 @@ def test_inner_flushes_its_own_redis(redis_client):
     redis_client.set("inner-test-ran", "1")
 
 
+def test_inner_reports_what_its_pass_gave_it(redis_server_url):
+    """The inner test of the side-by-side run below: writes the servers and files its pass
+    gave it to the file named in STEPLOCK_TEST_REPORT (nothing when unset)."""
+    from django.conf import settings
+
+    report = os.environ.get("STEPLOCK_TEST_REPORT")
+    if report:
+        engine = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
+        line = " ".join([engine, redis_server_url, os.environ["STEPLOCK_VAR_DIR"]])
+        with open(f"{report}.{engine}", "w") as out:
+            out.write(line)
+    assert os.environ["REDIS_URL"] == redis_server_url
+
+
 @pytest.fixture
 def users_redis(private_redis):
     """A user's own Redis, with a password and a key of theirs; ``(url, admin client)``."""
@@ -146,3 +160,24 @@ def test_which_urls_are_a_users_own():
         {"DATABASE_URL": "sqlite:///a", "STEPLOCK_TEST_DATABASE_URL": "sqlite:///b"}
     ) == {"DATABASE_URL": "sqlite:///a"}
     assert servers.foreign_urls({"REDIS_URL": "", "STEPLOCK_TEST_REDIS_URL": named}) == {}
+
+
+@pytest.mark.no_database  # runs once, in the SQLite pass
+@pytest.mark.skipif(not servers.PostgresServer.available(), reason="needs PostgreSQL")
+def test_the_two_passes_run_side_by_side_on_servers_of_their_own(tmp_path):
+    report = tmp_path / "pass"
+    env = _env(tmp_path, STEPLOCK_TEST_REPORT=str(report))
+    inner = "tests/test_run_tests.py::test_inner_reports_what_its_pass_gave_it"
+    code, output = _run(_runner("--jobs", "2", "-p", "no:cacheprovider", inner), env)
+    assert code == 0, output
+    assert "2 passes, 2 side by side" in output, output
+    for label in ("sqlite", "postgresql"):
+        lines = [line for line in output.splitlines() if line.startswith(f"[{label}] ")]
+        assert any(" 1 passed" in line for line in lines), output
+    seen = {
+        engine: (report.parent / f"pass.{engine}").read_text().split()
+        for engine in ("sqlite3", "postgresql")
+    }
+    (_, sqlite_redis, sqlite_var), (_, pg_redis, pg_var) = seen["sqlite3"], seen["postgresql"]
+    assert sqlite_redis != pg_redis and sqlite_var != pg_var
+    assert "total: 2 passed, 0 failed, 0 skipped" in output, output

@@ -31,6 +31,7 @@ __all__ = [
     "translated",
     "check_on_store_error",
     "outage",
+    "clock_skew",
 ]
 
 #: The key prefix of a pattern given a bare client and no prefix.
@@ -253,3 +254,61 @@ def outage(
     if cleanup is not None:
         cleanup()
     raise exc
+
+
+def clock_skew(
+    skew: float,
+    field: str,
+    *,
+    pattern: str,
+    sender: Any = None,
+    key: str | None = None,
+    name: str | None = None,
+    **fields: Any,
+) -> float | None:
+    """Report a stored Redis time that a pattern's script found ahead of Redis ``TIME`` by
+    more than :data:`~celery_steplock._checks.CLOCK_SKEW_TOLERANCE` and clamped to now.
+
+    Sends ``clock_skew`` (one signal and one WARNING line ``event=clock_skew``) with the
+    fields :func:`outage` sends (``owner``, ``fence``, ``ttl`` None; ``task_id`` and
+    ``task_name`` of ``sender`` unless given in ``fields``) plus ``pattern``, ``field``,
+    ``skew`` (seconds) and ``reason``. Nothing when ``skew`` is 0. The script already
+    clamped the time and wrote it back, so each clamp is reported once.
+
+    Args:
+        skew: how far the stored time was ahead, seconds (the script's figure).
+        field: the clamped time's name the script returned (``ts``, ``opened_ms``...).
+        pattern: the pattern (``"rate limit"``).
+        sender: the task (None: the plain API).
+        key: the Redis key the pattern decided on.
+        name: the pattern's name for it (a limit key, a dependency).
+        **fields: more fields of the pattern's own.
+
+    Returns:
+        The skew in seconds, or None when there was none.
+    """
+    if skew <= 0:
+        return None
+    request = getattr(sender, "request", None)
+    fields.setdefault("task_id", getattr(request, "id", None))
+    fields.setdefault("task_name", getattr(sender, "name", None))
+    emit(
+        signals.clock_skew,
+        sender,
+        logging.WARNING,
+        key=key,
+        name=name,
+        owner=None,
+        fence=None,
+        ttl=None,
+        pattern=pattern,
+        field=field,
+        skew=skew,
+        reason=(
+            f"{pattern}: its stored {field} was {skew:.3f} s ahead of Redis TIME, clamped "
+            f"to now: the lock store's clock went back (a failover to a primary whose clock "
+            f"is behind?)"
+        ),
+        **fields,
+    )
+    return skew

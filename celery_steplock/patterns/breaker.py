@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 from .. import signals
 from .._checks import (
+    CLOCK_SKEW_TOLERANCE,
     MAX_IDENTIFIER_LENGTH,
     MAX_SECONDS,
     check_count,
@@ -73,7 +74,16 @@ from ..exceptions import (
 )
 from ..keys import breaker_key, breaker_keys
 from ..lease import MALFORMED_EXCERPT
-from ._base import Target, call, check_on_store_error, outage, resolve_policy, target, translated
+from ._base import (
+    Target,
+    call,
+    check_on_store_error,
+    clock_skew,
+    outage,
+    resolve_policy,
+    target,
+    translated,
+)
 from .retry import check_policy, classify, is_control
 
 __all__ = [
@@ -416,7 +426,10 @@ class CircuitBreaker:
         """Ask to call the dependency. Returns a :class:`AdmittedCall` (record its outcome), or
         raises CircuitOpen (``retry_after``: seconds until a call may pass) or, failing
         closed while Redis cannot be reached, LockStoreUnavailable. ``owner``: the probe
-        permit's owner token (default: a new one)."""
+        permit's owner token (default: a new one). An ``opened_ms`` or probe permit stored
+        ahead of Redis ``TIME`` by more than ``CLOCK_SKEW_TOLERANCE`` (a clock that went
+        back) counts from now, so the wait is at most ``recovery_timeout`` or
+        ``probe_timeout``; that admission sends ``clock_skew`` first."""
         from ..lock import new_owner_token
 
         owner = owner or new_owner_token(None)
@@ -429,6 +442,7 @@ class CircuitBreaker:
                     str(self.half_open_probes),
                     str(int(self.probe_timeout * 1000)),
                     str(int(IDLE_TTL * 1000)),
+                    str(int(CLOCK_SKEW_TOLERANCE * 1000)),
                 ],
                 "admission",
             )
@@ -455,6 +469,16 @@ class CircuitBreaker:
             "task_id": getattr(getattr(sender, "request", None), "id", None),
             "task_name": getattr(sender, "name", None),
         }
+        if len(reply) > 6 and int(reply[5]) > 0:
+            clock_skew(
+                int(reply[5]) / 1000.0,
+                wire.text(reply[6]),
+                pattern="circuit breaker",
+                sender=sender,
+                key=self.key,
+                name=self.name,
+                **task_fields,
+            )
         if moved:
             emit(
                 signals.circuit_half_opened,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import signals
-from .._checks import check_seconds, check_ttl, shown
+from .._checks import CLOCK_SKEW_TOLERANCE, check_seconds, check_ttl, shown
 from .._jitter import full_jitter
 from .._redis import wire
 from .._redis.scripts.concurrency import ACQUIRE_SLOT, LEAVE_QUEUE
@@ -54,13 +54,14 @@ from ..keys import (
     check_name,
     concurrency_keys,
     parse_slot_name,
+    render_template,
     slot_key,
     slot_name,
     template_fields,
 )
 from ..lease import Lease, drift, holder_metadata, new_owner_token
 from ..lock import RedisLeaseStore, pack_metadata
-from ._base import call, check_on_store_error, outage, resolve_policy, target
+from ._base import call, check_on_store_error, clock_skew, outage, resolve_policy, target
 
 __all__ = [
     "ConcurrencyLimit",
@@ -246,7 +247,7 @@ class ConcurrencyLimit:
         if callable(template):
             return checked_key(template(**(arguments or {})))
         try:
-            return checked_key(template.format(**(arguments or {})))
+            return checked_key(render_template(template, arguments or {}, "concurrency_limit_key"))
         except (KeyError, IndexError, AttributeError, ValueError) as exc:
             raise LockNameError(
                 f"concurrency_limit_key {shown(template)} cannot format these arguments: {exc!r}"
@@ -334,11 +335,26 @@ class ConcurrencyLimit:
             ticket or "",
             str(int(self.queue_ttl(settings) * 1000)),
             pack_metadata(metadata),
+            str(int(CLOCK_SKEW_TOLERANCE * 1000)),
         ]
         if not store._probed:
             store.check_permissions(what="slot acquire", key=keys[0])
         sent = store.clock()
         reply = call(store.client, acquire, keys, args, "slot acquire", name=key)
+        skew = int(reply[-1]) / 1000.0
+        if skew > 0:
+            clock_skew(
+                skew,
+                "waiters",
+                pattern="concurrency limit",
+                sender=sender,
+                key=key,
+                name=None,
+                task_id=metadata.get("task_id"),
+                task_name=metadata.get("task_name"),
+                limit_key=key,
+                limit=self.limit,
+            )
         if int(reply[0]) == 1:
             index, fence = int(reply[1]), int(reply[2])
             lease = Lease(

@@ -10,8 +10,11 @@ replayed. A record is
 ``locked``
     an execution holds it (owner-keyed, with the lock TTL ``steplock_idempotency_lock_ttl``,
     600 s by default): a concurrent call with the same key and arguments gets
-    :class:`~celery_steplock.exceptions.IdempotencyInProgress` (a task re-queues itself); a
-    crashed holder's record expires and the next call runs, once.
+    :class:`~celery_steplock.exceptions.IdempotencyInProgress` (a task re-queues itself). The
+    process's heartbeat (:mod:`celery_steplock.heartbeat`) renews the record every
+    ``lock TTL * steplock_renewal_ratio`` seconds while the body runs, owner-checked, as it
+    renews leases, so a body may run longer than the lock TTL; a crashed holder's renewals
+    stop, its record expires after the lock TTL and the next call runs, once.
 ``completed``
     the body returned: the result as the serializer returned it (kombu's, ``"json"`` by
     default), the serializer, content type and encoding, the fingerprint of the arguments,
@@ -45,9 +48,10 @@ import base64
 import functools
 import logging
 import secrets
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .. import _django, signals
 from .._checks import (
@@ -57,8 +61,8 @@ from .._checks import (
     check_seconds,
     shown,
 )
-from .._redis import wire
-from .._redis.scripts.idempotency import BEGIN, CACHE, COMPLETE, FAIL, RELEASE
+from .._redis import route, wire
+from .._redis.scripts.idempotency import BEGIN, CACHE, COMPLETE, EXTEND, FAIL, RELEASE
 from ..conf import Settings
 from ..events import emit, log_event
 from ..exceptions import (
@@ -66,6 +70,7 @@ from ..exceptions import (
     IdempotencyKeyReused,
     ImproperlyConfigured,
     LockNameError,
+    LockStoreMisconfigured,
     LockStoreUnavailable,
 )
 from ..keys import (
@@ -78,6 +83,8 @@ from ..keys import (
     name_from_arguments,
     template_fields,
 )
+from ..lease import Lease, drift
+from ..lock import STORE_ERRORS, store_error
 from ._base import call, check_on_store_error, outage, resolve_policy, target, translated
 from .gates import NOT_RUN, Replay
 
@@ -272,6 +279,7 @@ class RedisRecords:
     _complete = wire.Script(COMPLETE)
     _fail = wire.Script(FAIL)
     _release = wire.Script(RELEASE)
+    _extend = wire.Script(EXTEND)
     _cache = wire.Script(CACHE)
 
     def __init__(self, client: Any, prefix: str = "steplock"):
@@ -367,6 +375,37 @@ class RedisRecords:
     def release(self, key: str, owner: str) -> bool:
         return bool(self._eval(self._release, key, [owner], "idempotency release"))
 
+    def extend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
+        """Renew running bodies' ``locked`` records (the heartbeat's renewals), one script
+        call per record (each lives in its own Cluster slot), pipelined in one round trip.
+
+        Args:
+            items: ``(record key, owner token, lock TTL seconds)`` per record.
+
+        Returns:
+            One bool per item: True when the record was the owner's and ``locked``, and now
+            lives another lock TTL; False (nothing written) when it was completed, failed,
+            invalidated, expired or locked by another owner.
+
+        Raises:
+            LockStoreUnavailable: The round trip failed or Redis refused a call.
+            LockStoreMisconfigured: Redis refused a permission or our credentials.
+        """
+        calls = [
+            ([self.redis_key(key)], [owner, str(max(1, int(ttl * 1000)))])
+            for key, owner, ttl in items
+        ]
+        if not calls:
+            return []
+        try:
+            replies = route.evalsha_many(self.client, self._extend, calls)
+        except STORE_ERRORS as exc:
+            raise _renewal_error(exc) from exc
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise _renewal_error(reply)
+        return [int(reply) == 1 for reply in replies]
+
     def invalidate(self, key: str) -> bool:
         """Delete the record whatever its status; True when there was one."""
         redis_key = self.redis_key(key)
@@ -416,6 +455,15 @@ class RedisRecords:
         )
 
 
+def _renewal_error(exc: BaseException) -> LockStoreUnavailable | LockStoreMisconfigured:
+    # The heartbeat retries an unavailable store and reports a misconfigured one; any other
+    # refusal is retried like an outage (the record is lost when its validity runs out).
+    error = store_error(exc, "idempotency renewal")
+    if isinstance(error, (LockStoreUnavailable, LockStoreMisconfigured)):
+        return error
+    return LockStoreUnavailable(f"lock store refused the idempotency renewal: {error}")
+
+
 def record_from_hash(key: str, fields: Mapping) -> Record | None:
     """A :class:`Record` from a record hash as Redis returns it (None when empty)."""
     if not fields:
@@ -458,6 +506,12 @@ class IdempotentCall:
     :meth:`complete`, :meth:`fail`, :meth:`release`, or :meth:`exit` (the admission gate's
     form). None of them raises: a store error is logged (``idempotency_record_failed``) and
     the record's lock TTL ends it.
+
+    ``lease``: while the caller holds the record, the process's heartbeat renews it through
+    this :class:`~celery_steplock.lease.Lease` (``name`` the record key, ``ttl`` the lock
+    TTL, ``fence`` 0); ``lease.lost`` turns true when a renewal found the record no longer
+    the caller's (signal ``idempotency_lost``); the body is never interrupted. Each of the
+    four methods above stops the renewals first. None when replayed or unguarded.
     """
 
     def __init__(
@@ -471,6 +525,7 @@ class IdempotentCall:
         result: Any = None,
         unguarded: bool = False,
         task: Any = None,
+        lease: Lease | None = None,
     ):
         self.policy = policy
         self.key = key
@@ -480,6 +535,7 @@ class IdempotentCall:
         self.result = result
         self.unguarded = unguarded
         self.task = task
+        self.lease = lease
         self.done = replayed or unguarded
 
     def _fields(self) -> dict[str, Any]:
@@ -497,6 +553,7 @@ class IdempotentCall:
         if self.done:
             return False
         self.done = True
+        self._stop_renewal()
         policy = self.policy
         reason: str | None = None
         error: Exception | str = ""
@@ -558,6 +615,7 @@ class IdempotentCall:
         if self.done:
             return False
         self.done = True
+        self._stop_renewal()
         if reason is None:
             reason = type(exc).__name__ if exc is not None else "error"
         marked = self._safely(
@@ -573,6 +631,7 @@ class IdempotentCall:
         if self.done:
             return False
         self.done = True
+        self._stop_renewal()
         return bool(self._safely(lambda: self.policy.store.release(self.key, self.owner)))
 
     def exit(self, exc: BaseException | None, result: Any) -> None:
@@ -583,6 +642,49 @@ class IdempotentCall:
             self.fail(exc)
         else:
             self.complete(result)
+
+    def _renew(self, ratio: float) -> None:
+        """Register :attr:`lease` with the process's heartbeat, unless the call already
+        ended (the database store registers once the record's row is committed)."""
+        from ..heartbeat import get_heartbeat
+
+        if self.done or self.lease is None:
+            return
+        get_heartbeat().register(
+            self.lease, self.policy.store, ratio=ratio, sender=self.task, on_lost=self._lost
+        )
+        if self.done:  # ended meanwhile on another thread: never renew an ended record
+            self._stop_renewal()
+
+    def _stop_renewal(self) -> None:
+        """Stop the heartbeat's renewals of the record before it is completed, failed or
+        released (a renewal after it would find the record no longer locked)."""
+        if self.lease is None:
+            return
+        from ..heartbeat import get_heartbeat
+
+        try:
+            get_heartbeat().unregister(self.lease)
+        except Exception as exc:  # noqa: BLE001 - the record is ended all the same
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="renewal_stop",
+                error=exc,
+            )
+
+    def _lost(self, lease: Lease) -> None:
+        """The heartbeat found the record no longer ours: say so (never raise into the body)."""
+        emit(
+            signals.idempotency_lost,
+            self.task,
+            logging.ERROR,
+            owner=lease.owner,
+            ttl=lease.ttl,
+            reason=lease.lost_reason,
+            **self._fields(),
+        )
 
     def _safely(self, action: Callable[[], Any]) -> Any:
         try:
@@ -608,8 +710,10 @@ class Idempotency:
     ``namespace`` (str): what the keys are made in (a task's or function's name).
     ``version`` (str or int, default "1"): part of every key. ``ttl`` seconds a completed
     record lasts (default ``steplock_idempotency_ttl``, 24 h), ``lock_ttl`` seconds a
-    locked one (default ``steplock_idempotency_lock_ttl``, 600 s: above the body's longest
-    run), both 0.1 s to 366 days; ``serializer`` a kombu serializer name (default
+    locked one outlives its holder (default ``steplock_idempotency_lock_ttl``, 600 s; the
+    process's heartbeat renews it while the body runs, every ``lock_ttl *
+    steplock_renewal_ratio`` seconds, so it bounds how long a dead holder blocks the key,
+    not the body's length), both 0.1 s to 366 days; ``serializer`` a kombu serializer name (default
     ``steplock_idempotency_serializer``, "json"); ``store`` "redis", "database" or a store
     object (default ``steplock_idempotency_store``); ``on_store_error`` "fail_closed" (raise
     LockStoreUnavailable) or "fail_open" (run without a record; default
@@ -667,6 +771,9 @@ class Idempotency:
             if lock_ttl is not None
             else setting("lock_ttl", 600.0)
         )
+        #: Renewals of a running body's record come every ``lock_ttl * renewal_ratio``
+        #: seconds (``steplock_renewal_ratio``, as the leases'; 1/3 without an app).
+        self.renewal_ratio = settings.renewal_ratio if settings is not None else 1 / 3
         self.serializer = serializer if serializer is not None else setting("serializer", "json")
         from kombu.serialization import registry  # type: ignore[attr-defined]  # stubs
 
@@ -732,11 +839,17 @@ class Idempotency:
         recorded ``result``, or holding the lock). Raises IdempotencyKeyReused (the record
         was made with other arguments), IdempotencyInProgress (another execution holds it;
         ``retry_after`` seconds), LockStoreUnavailable (the store did not answer; fail
-        closed)."""
+        closed).
+
+        A locked record is renewed by the process's heartbeat until the call ends
+        (:class:`IdempotentCall`): end every call this returns, or its record stays locked
+        while the process lives. A store object without ``extend_many`` is not renewed (its
+        record lives its lock TTL)."""
         key = self.key(resource)
         if fingerprint is None:
             fingerprint = self.fingerprint(arguments or {})
         owner = secrets.token_hex(16)
+        sent = time.monotonic()
         fields: dict[str, Any] = {
             "key": key,
             "name": self.namespace,
@@ -762,7 +875,7 @@ class Idempotency:
             )
         if decision.outcome == "locked":
             emit(signals.idempotency_locked, task, ttl=self.lock_ttl, owner=owner, **fields)
-            return IdempotentCall(self, key, fingerprint, owner, task=task)
+            return self._held(key, fingerprint, owner, sent, task)
         if decision.outcome == "replay":
             result = decision.record.result(self.serializer)
             emit(signals.idempotency_replayed, task, **fields)
@@ -796,6 +909,39 @@ class Idempotency:
             version=self.version,
             lock_ttl_left=decision.retry_after,
         )
+
+    def _held(
+        self, key: str, fingerprint: str, owner: str, sent: float, task: Any
+    ) -> IdempotentCall:
+        """The call holding record ``key``, its renewals started (``sent``: when the begin
+        was sent, a ``time.monotonic`` reading)."""
+        lease = None
+        if hasattr(self.store, "extend_many"):
+            lease = Lease(
+                name=key,
+                key=key,
+                owner=owner,
+                fence=0,
+                ttl=self.lock_ttl,
+                acquired_at=sent,
+                valid_until=sent + self.lock_ttl - drift(self.lock_ttl),
+                task_id=getattr(getattr(task, "request", None), "id", None),
+                task_name=getattr(task, "name", None),
+            )
+        held = IdempotentCall(self, key, fingerprint, owner, task=task, lease=lease)
+        if lease is None:
+            return held
+        try:
+            # The database store's row is seen by others (and renewed) once committed.
+            when_committed = getattr(self.store, "on_commit", None)
+            if when_committed is not None:
+                when_committed(functools.partial(held._renew, self.renewal_ratio))
+            else:
+                held._renew(self.renewal_ratio)
+        except BaseException:
+            held.release()  # no record is left locked behind a call that never started
+            raise
+        return held
 
     @contextmanager
     def call(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import re
 import uuid
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from .. import signals
-from .._checks import shown
+from .._checks import CLOCK_SKEW_TOLERANCE, shown
 from .._redis import wire
 from .._redis.scripts.ratelimit import (
     BUCKET_REFUND,
@@ -51,7 +52,7 @@ from .._redis.scripts.ratelimit import (
     TOKEN_BUCKET,
     WINDOW_REFUND,
 )
-from ..events import emit
+from ..events import emit, log_event
 from ..exceptions import (
     ImproperlyConfigured,
     InvalidArgument,
@@ -65,9 +66,18 @@ from ..keys import (
     bind_arguments,
     check_name,
     rate_limit_keys,
+    rate_ticket_binding,
     template_fields,
 )
-from ._base import Target, call, check_on_store_error, outage, resolve_policy, target
+from ._base import (
+    Target,
+    call,
+    check_on_store_error,
+    clock_skew,
+    outage,
+    resolve_policy,
+    target,
+)
 
 __all__ = [
     "TokenBucket",
@@ -79,6 +89,7 @@ __all__ = [
     "gate",
     "RateLimitGate",
     "TICKETS_HEADER",
+    "TICKET",
     "MAX_LIMIT",
     "MAX_WINDOW",
 ]
@@ -87,7 +98,13 @@ __all__ = [
 OPTIONS = frozenset({"cluster_rate_limit", "cluster_rate_limit_key"})
 
 #: The message header a re-queued task carries its tickets in: ``{redis key: ticket}``.
+#: A value that is not such a dict, or a ticket that is not :data:`TICKET`, is no ticket
+#: (logged ``event=rate_limit_ticket_refused``), never an error of the task.
 TICKETS_HEADER = "steplock_rate_tickets"
+
+#: A ticket as given: 32 lowercase hex digits (its queue member adds the binding,
+#: :func:`celery_steplock.keys.rate_ticket_binding`).
+TICKET = re.compile(r"[0-9a-f]{32}")
 
 #: Largest sliding-window limit (its log holds one entry per grant in the window).
 MAX_LIMIT = 100_000
@@ -178,6 +195,57 @@ def _number(
     return int(value) if integer else float(value)
 
 
+def check_ticket(ticket: Any) -> str | None:
+    """``ticket`` if it is None or a ticket (:data:`TICKET`), else :class:`InvalidArgument`
+    naming ``ticket``."""
+    if ticket is None or (type(ticket) is str and TICKET.fullmatch(ticket)):
+        return ticket
+    raise InvalidArgument(
+        f"ticket must be None or the 32 hex digits of an earlier RateDecision.ticket, "
+        f"got {shown(ticket)}",
+        argument="ticket",
+    )
+
+
+def held_tickets(raw: Any, keys: Sequence[str], **task: Any) -> dict[str, str]:
+    """The tickets of the header value ``raw`` (:data:`TICKETS_HEADER`) for the limits of
+    Redis ``keys``: a dict of ``{key: ticket}``. Anything else (another type, a ticket that
+    is not :data:`TICKET`) is no ticket and logged as ``event=rate_limit_ticket_refused``
+    with ``task`` (its ``task_id``, ``task_name``), the type and the size, never the value;
+    entries for other keys are dropped (a denial carries on only this task's tickets)."""
+    if not raw:
+        return {}
+    if not isinstance(raw, dict):
+        _refused(None, f"the header is a {type(raw).__name__}, not a dict", raw, **task)
+        return {}
+    held: dict[str, str] = {}
+    for key in keys:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if type(value) is str and TICKET.fullmatch(value):
+            held[key] = value
+        else:
+            _refused(
+                key, f"the ticket is a {type(value).__name__}, not 32 hex digits", value, **task
+            )
+    return held
+
+
+def _refused(key: str | None, reason: str, value: Any, **task: Any) -> None:
+    try:
+        size = len(value)
+    except TypeError:
+        size = None
+    log_event(
+        "rate_limit_ticket_refused",
+        logging.WARNING,
+        key=key,
+        **task,
+        reason=f"{TICKETS_HEADER}: {reason}" + (f" (length {size})" if size is not None else ""),
+    )
+
+
 def _key_template(value: Any, option: str) -> Any:
     if value is None or callable(value):
         return value
@@ -201,7 +269,9 @@ class RateDecision:
     on; ``limit`` the limit's description (``"10/1s window"``); ``ticket`` the place in the
     queue this denial holds (None: none given); ``remaining`` tokens or grants left after an
     admission; ``now`` the Redis time of the decision (seconds since the epoch); ``queued``
-    the number of tickets ahead of this request when it was denied."""
+    the number of tickets ahead of this request when it was denied; ``skew`` the seconds a
+    stored time of the limit (``skew_field``: ``ts``, ``log``, ``tickets``) was ahead of Redis
+    ``TIME`` and clamped to now by this decision (0.0: none; see ``clock_skew``)."""
 
     allowed: bool
     retry_after: float
@@ -212,6 +282,8 @@ class RateDecision:
     now: float = 0.0
     queued: int = 0
     member: str | None = None
+    skew: float = 0.0
+    skew_field: str = ""
 
     def __bool__(self) -> bool:
         return self.allowed
@@ -284,25 +356,37 @@ class _Limiter:
         prefix: str,
         ticket: str | None = None,
         reserve: bool = False,
+        binding: str | None = None,
     ) -> RateDecision:
         """One atomic decision for limit ``name`` (a lock-name-like string) on ``client``
-        under ``prefix``. ``ticket`` the place in the queue held from an earlier denial;
-        ``reserve`` True to take one when denied. Raises :class:`LockStoreUnavailable` (or
-        LockStoreMisconfigured) when Redis does not answer or refuses."""
+        under ``prefix``. ``ticket`` the place in the queue held from an earlier denial
+        (:data:`TICKET` 32 hex digits, else :class:`InvalidArgument`); ``reserve`` True to
+        take one when denied; ``binding`` what the ticket is bound to
+        (:func:`celery_steplock.keys.rate_ticket_binding`; None: unbound, the plain API):
+        the queue member is ``"<ticket>.<binding>"``, so the script finds a ticket only
+        when presented with the binding it was given with. Raises
+        :class:`LockStoreUnavailable` (or LockStoreMisconfigured) when Redis does not answer
+        or refuses."""
         name = check_name(name)
+        ticket = check_ticket(ticket)
         keys = list(self.redis_key(prefix, name))
-        member = uuid.uuid4().hex
+        bound = f".{binding}" if binding else ""
+        member = uuid.uuid4().hex + bound
         max_wait = self.max_wait if self.max_wait is not None else self._default_max_wait()
         args = [
             *self._args(),
-            ticket or "",
+            ticket + bound if ticket else "",
             member,
             "1" if reserve else "0",
             repr(max_wait * 1000.0),
             repr(self.ticket_grace * 1000.0),
+            repr(CLOCK_SKEW_TOLERANCE * 1000.0),
         ]
         reply = call(client, self._script, keys, args, "rate limit", name=name)
-        admitted, figure, given, now, place = (wire.text(part) for part in reply)
+        admitted, figure, given, now, place, skew_ms, skew_field = (
+            wire.text(part) for part in reply
+        )
+        skew = float(skew_ms) / 1000.0
         if int(admitted) == 1:
             return RateDecision(
                 True,
@@ -312,15 +396,19 @@ class _Limiter:
                 remaining=float(figure),
                 now=float(now) / 1000.0,
                 member=member,
+                skew=skew,
+                skew_field=skew_field,
             )
         return RateDecision(
             False,
             max(0.0, float(figure) / 1000.0),
             keys[0],
             str(self),
-            ticket=given or None,
+            ticket=given.partition(".")[0] or None,
             now=float(now) / 1000.0,
             queued=int(place),
+            skew=skew,
+            skew_field=skew_field,
         )
 
     def refund(self, decision: RateDecision, *, client: Any) -> None:
@@ -345,9 +433,13 @@ class _Limiter:
         characters; default the limiter's own ``key`` when it is a plain name). The Redis
         is ``client`` (with ``prefix``, default ``"steplock"``), else ``app``'s lock store
         (:func:`celery_steplock.lock.get_lease_store`), else the current Celery app's.
+        ``ticket``: an earlier denial's :attr:`RateDecision.ticket` (else
+        :class:`InvalidArgument` naming ``ticket``, before anything is written); ``reserve``
+        True to take a place in the queue when denied.
         Returns a :class:`RateDecision`; raises LockStoreUnavailable when Redis does not answer
         and the policy is fail_closed (fail_open: an allowed RateDecision with ``now`` 0.0)."""
         name = self._plain_name(key)
+        ticket = check_ticket(ticket)
         where = self._target(app, client, prefix)
         try:
             decision = self.decide(
@@ -604,7 +696,18 @@ def _announce(
 ) -> None:
     """Send ``rate_limit_allowed`` or ``rate_limited`` for ``decision`` on limit ``name``:
     ``held`` the ticket the request came with, ``task`` its ``task_id`` and ``task_name``
-    (none on the plain API)."""
+    (none on the plain API); first ``clock_skew`` when the decision clamped a stored time."""
+    if decision.skew:
+        clock_skew(
+            decision.skew,
+            decision.skew_field,
+            pattern="rate limit",
+            sender=sender,
+            key=decision.key,
+            name=name,
+            **task,
+            limit=decision.limit,
+        )
     if decision.allowed:
         emit(
             signals.rate_limit_allowed,
@@ -640,7 +743,12 @@ class RateLimitGate:
     """The ``cluster_rate_limit`` gate of one task: every limiter must admit. A denial
     gives back the admissions of the limiters before it and raises :class:`RateLimited`
     with the ticket (``context["ticket"]``) and the message headers
-    (``context["headers"]``) its retry carries."""
+    (``context["headers"]``) its retry carries: this task's valid tickets only.
+
+    A ticket is bound to the message it was given to (the task's name and id, its
+    arguments, the limit: :func:`celery_steplock.keys.rate_ticket_binding`): the same
+    header in another message is no ticket there. The header is read with
+    :func:`held_tickets`: a malformed one is no ticket, logged, never the task's error."""
 
     option = "cluster_rate_limit"
 
@@ -655,20 +763,30 @@ class RateLimitGate:
         request = task.request
         store = getattr(context.plan, "store", None) or target(task.app).store
         client, prefix = store.client, store.prefix
-        tickets = dict(
-            getattr(request, TICKETS_HEADER, None)
-            or (request.headers or {}).get(TICKETS_HEADER)
-            or {}
-        )
-        granted: list[tuple[_Limiter, RateDecision]] = []
+        limits = []
         for limiter in self.limiters:
             template = limiter.key if limiter.key is not None else self.key
             name = limit_name(template, task.name, context.arguments)
-            redis_key = limiter.redis_key(prefix, name)[0]
+            limits.append((limiter, name, limiter.redis_key(prefix, name)[0]))
+        raw = getattr(request, TICKETS_HEADER, None) or (request.headers or {}).get(TICKETS_HEADER)
+        tickets = held_tickets(
+            raw, [key for _, _, key in limits], task_id=request.id, task_name=task.name
+        )
+        secret = getattr(store, "name_secret", None)
+        granted: list[tuple[_Limiter, RateDecision]] = []
+        for limiter, name, redis_key in limits:
             held = tickets.get(redis_key)
+            binding = rate_ticket_binding(
+                secret, task.name, request.id, redis_key, context.arguments
+            )
             try:
                 decision = limiter.decide(
-                    name, client=client, prefix=prefix, ticket=held, reserve=True
+                    name,
+                    client=client,
+                    prefix=prefix,
+                    ticket=held,
+                    reserve=True,
+                    binding=binding,
                 )
             except LockStoreUnavailable as exc:
                 outage(
@@ -687,11 +805,12 @@ class RateLimitGate:
                 continue
             _refund(granted, client)
             _announce(decision, task, name, held, task_id=request.id, task_name=task.name)
-            headers = None
+            # Always set: the retry's headers start from this message's, whatever they held.
+            carried = {key: ticket for key, ticket in tickets.items() if key != decision.key}
             if decision.ticket:
-                headers = {TICKETS_HEADER: {**tickets, decision.key: decision.ticket}}
+                carried[decision.key] = decision.ticket
             denied = limiter._denied(decision, self.option)
-            denied.context["headers"] = headers
+            denied.context["headers"] = {TICKETS_HEADER: carried}
             raise denied
         return None
 

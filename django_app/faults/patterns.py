@@ -32,7 +32,8 @@ BREAKER_NAME = "nemesis-dep"
 DEP_FAILING = "faults:dep:failing"
 
 # A killed idempotent holder keeps its record locked for this long (600 s by default): a run
-# that must settle within a bound needs it short; still above the longest body.
+# that must settle within a bound needs it short (a live body's record is renewed by its
+# heartbeat, so it need not outlast the longest body).
 if probe.enabled():
     current_app.conf.steplock_idempotency_lock_ttl = float(
         os.environ.get("STEPLOCK_FAULTS_IDEMPOTENCY_LOCK_TTL", "8")

@@ -21,6 +21,7 @@ from celery_steplock.exceptions import (
     StepLockError,
 )
 from celery_steplock.patterns.idempotency import Idempotency, RedisRecords, idempotent, record_key
+from celery_steplock.heartbeat import get_heartbeat
 from celery_steplock.lock import make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
@@ -237,7 +238,8 @@ def test_a_concurrent_holder_refuses_with_in_progress_and_a_crashed_lock_expires
     assert 0 < info.value.retry_after <= 0.5 and info.value.option == "idempotency_key"
     with pytest.raises(IdempotencyKeyReused):  # other arguments while locked: refused too
         policy.begin("r", {"a": 2})
-    time.sleep(0.6)  # the holder "crashed": its lock expires
+    get_heartbeat().unregister(held.lease)  # the holder "crashed": its heartbeat stops
+    time.sleep(0.6)  # and its lock expires
     second = policy.begin("r", {"a": 1})
     assert not second.replayed
     assert held.complete("late") is False  # the old holder no longer owns it
@@ -249,10 +251,116 @@ def test_a_concurrent_holder_refuses_with_in_progress_and_a_crashed_lock_expires
 def test_a_late_completion_is_kept_when_nobody_took_the_expired_lock(redis_client):
     policy = Idempotency("tests.late", client=redis_client, secret=SECRET, lock_ttl=0.2)
     held = policy.begin("r", {"a": 1})
+    get_heartbeat().unregister(held.lease)  # a holder stalled past its lock TTL
     time.sleep(0.3)
     assert policy.get("r") is None
     assert held.complete({"done": True}) is True  # the body ran: its result is recorded
     assert policy.begin("r", {"a": 1}).result == {"done": True}
+
+
+@pytest.mark.no_database
+def test_a_body_longer_than_the_lock_ttl_keeps_its_record(redis_client, seen):
+    """Issue 24: the heartbeat renews a running body's ``locked`` record, so a second call
+    after the lock TTL is refused (in progress, or reused with other arguments) instead of
+    running the body again; the record then completes once."""
+    lock_ttl = 1.0
+    started, finish = threading.Event(), threading.Event()
+    calls, results = [], []
+
+    @idempotent(
+        key="order:{order_id}",
+        client=redis_client,
+        secret=SECRET,
+        namespace="tests.long",
+        lock_ttl=lock_ttl,
+    )
+    def charge(order_id, amount):
+        calls.append((order_id, amount))
+        started.set()
+        finish.wait(30)
+        return {"order": order_id, "charged": amount, "call": len(calls)}
+
+    thread = threading.Thread(target=lambda: results.append(charge(1, 10)))
+    thread.start()
+    try:
+        assert started.wait(10)
+        held = charge.idempotency.store.get(charge.record_key(1, 10))
+        assert held.status == "locked"
+        since = time.monotonic()
+        while time.monotonic() - since < 3 * lock_ttl:  # three lock TTLs of a running body
+            with pytest.raises(IdempotencyInProgress):
+                charge(1, 10)
+            with pytest.raises(IdempotencyKeyReused):  # other arguments: refused, not run
+                charge(1, 11)
+            time.sleep(0.1)
+        record = charge.idempotency.store.get(charge.record_key(1, 10))
+        assert record.status == "locked" and record.owner == held.owner
+        assert record.expires_at > held.expires_at  # renewed, not a new lock
+        assert record.attempts == 1
+    finally:
+        finish.set()
+        thread.join(30)
+    assert calls == [(1, 10)] and results == [{"order": 1, "charged": 10, "call": 1}]
+    assert charge(1, 10) == results[0]
+    assert [name for name, _ in seen].count("idempotency_locked") == 1
+    assert all(lease.name != held.key for lease in get_heartbeat().leases)  # renewal ended
+
+
+@pytest.mark.no_database
+def test_renewal_is_owner_checked_and_stops_when_the_record_is_taken(redis_client):
+    """A renewal extends only its owner's ``locked`` record; a record completed, failed,
+    invalidated or held by another owner is left as it is, and once the heartbeat finds it
+    so, it sends ``idempotency_lost`` and stops renewing (the holder's thread is never
+    interrupted: ``call.lease.lost`` says it)."""
+    store = RedisRecords(redis_client, "steplock")
+    assert store.begin("k1", "fp", "owner-1", 0.5).outcome == "locked"
+    assert store.extend_many([("k1", "owner-1", 30.0)]) == [True]
+    assert 29_000 < redis_client.pttl(store.redis_key("k1")) <= 30_000
+    assert store.get("k1").expires_at - store.get("k1").locked_at == pytest.approx(30, abs=1)
+    # Another owner, a completed, a failed and a missing record: nothing is touched.
+    assert store.extend_many([("k1", "owner-2", 300.0)]) == [False]
+    assert redis_client.pttl(store.redis_key("k1")) <= 30_000
+    stored = idempotency.Stored.dump("done", "json")
+    assert store.complete("k1", "owner-1", "fp", stored, 5.0) is True
+    assert store.begin("k2", "fp", "owner-1", 5.0).outcome == "locked"
+    assert store.fail("k2", "owner-1", "ValueError", 5.0) is True
+    replies = store.extend_many(
+        [("k1", "owner-1", 300.0), ("k2", "owner-1", 300.0), ("k3", "owner-1", 300.0)]
+    )
+    assert replies == [False, False, False]
+    assert store.get("k1").status == "completed" and store.get("k2").status == "failed"
+    assert redis_client.pttl(store.redis_key("k1")) <= 5_000
+    assert redis_client.pttl(store.redis_key("k2")) <= 5_000
+    assert not redis_client.exists(store.redis_key("k3"))
+    assert store.extend_many([]) == []
+
+    lost = []
+
+    def receiver(sender=None, signal=None, **kw):
+        lost.append(kw)
+
+    signals.idempotency_lost.connect(receiver, weak=False)
+    try:
+        policy = Idempotency("tests.taken", client=redis_client, secret=SECRET, lock_ttl=0.3)
+        held = policy.begin("r", {"a": 1})
+        assert held.lease in get_heartbeat().leases
+        policy.invalidate("r")  # an operator deletes it: the next call takes it over
+        taker = policy.begin("r", {"a": 1})
+        from tests.support.servers import wait_until
+
+        wait_until(lambda: held.lease.lost, timeout=10, what="the renewal to find it taken")
+        assert held.lease not in get_heartbeat().leases and taker.lease in get_heartbeat().leases
+        assert [kw["key"] for kw in lost] == [held.key]
+        assert lost[0]["name"] == "tests.taken" and lost[0]["owner"] == held.owner
+        assert "another owner" in lost[0]["reason"]
+        record = policy.get("r")
+        assert record.status == "locked" and record.owner == taker.owner
+        assert held.complete("late") is False  # the taker's record is not overwritten
+        assert taker.complete("ok") is True
+        assert taker.lease not in get_heartbeat().leases
+    finally:
+        signals.idempotency_lost.disconnect(receiver)
+    assert policy.begin("r", {"a": 1}).result == "ok"
 
 
 @pytest.mark.no_database

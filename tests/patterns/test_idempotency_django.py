@@ -4,6 +4,7 @@ client (``Idempotency-Key`` as payment APIs use it)."""
 
 import json
 import threading
+import time
 
 import pytest
 from django.contrib.auth.models import User
@@ -19,12 +20,19 @@ from celery_steplock.contrib.django.idempotency import (
     idempotent_view,
 )
 from celery_steplock.contrib.django.models import IdempotencyRecord
-from celery_steplock.exceptions import IdempotencyKeyReused, LockStoreUnavailable
+from celery_steplock import signals
+from celery_steplock.exceptions import (
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    LockStoreUnavailable,
+)
+from celery_steplock.heartbeat import get_heartbeat
 from celery_steplock.patterns.idempotency import Idempotency, RedisRecords, idempotent
 from celery_steplock.lock import make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from tests.helpers import set_settings
+from tests.support.servers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,7 +94,9 @@ def test_invalidate_deletes_the_row_and_the_copy(redis_client):
     assert policy.invalidate("r4") is True
     assert not IdempotencyRecord.objects.filter(key=policy.key("r4")).exists()
     assert RedisRecords(redis_client, "steplock").get(policy.key("r4")) is None
-    assert not policy.begin("r4", {"a": 1}).replayed
+    again = policy.begin("r4", {"a": 1})
+    assert not again.replayed
+    again.release()  # ended: its renewals stop
 
 
 def test_a_failed_or_expired_row_runs_again(redis_client):
@@ -97,12 +107,52 @@ def test_a_failed_or_expired_row_runs_again(redis_client):
     assert not again.replayed
     row = IdempotencyRecord.objects.get(key=policy.key("r5"))
     assert row.status == "locked" and row.attempts == 2
-    import time
-
-    time.sleep(0.3)  # the holder crashed: its lock expired
+    get_heartbeat().unregister(again.lease)  # the holder crashed: its heartbeat stopped
+    time.sleep(0.3)  # and its lock expired
     third = policy.begin("r5", {"a": 1})
     assert again.complete("late") is False and third.complete("ok") is True
     assert policy.begin("r5", {"a": 1}).result == "ok"
+
+
+def test_the_database_store_renews_a_running_body_owner_checked(redis_client):
+    """Issue 24: the heartbeat renews a ``locked`` row while its holder lives (its own
+    connection, one owner-checked UPDATE), so the key stays refused past the lock TTL;
+    a completed, deleted or foreign row is never extended, and a lost one is reported."""
+    lock_ttl = 1.0
+    policy = database_policy(redis_client, lock_ttl=lock_ttl)
+    held = policy.begin("r8", {"a": 1})
+    first = IdempotencyRecord.objects.get(key=policy.key("r8"))
+    since = time.monotonic()
+    while time.monotonic() - since < 3 * lock_ttl:
+        with pytest.raises(IdempotencyInProgress):
+            policy.begin("r8", {"a": 1})
+        with pytest.raises(IdempotencyKeyReused):
+            policy.begin("r8", {"a": 2})
+        time.sleep(0.1)
+    row = IdempotencyRecord.objects.get(key=policy.key("r8"))
+    assert row.status == "locked" and row.owner == held.owner and row.attempts == 1
+    assert row.expires_at > first.expires_at
+    assert held.complete("done") is True
+    assert held.lease not in get_heartbeat().leases
+    store = policy.store
+    completed = IdempotencyRecord.objects.get(key=policy.key("r8"))
+    assert store.extend_many([(policy.key("r8"), held.owner, 300.0)]) == [False]
+    assert IdempotencyRecord.objects.get(key=policy.key("r8")).expires_at == completed.expires_at
+    other = policy.begin("r9", {"a": 1})
+    assert store.extend_many([(policy.key("r9"), "someone-else", 300.0)]) == [False]
+    assert store.extend_many([(policy.key("r9"), other.owner, 300.0)]) == [True]
+    lost = []
+    receiver = lambda sender=None, **kw: lost.append(kw)  # noqa: E731
+    signals.idempotency_lost.connect(receiver, weak=False)
+    try:
+        policy.invalidate("r9")  # deleted under its holder
+        wait_until(lambda: other.lease.lost, timeout=20, what="the renewal to find it gone")
+        assert [kw["key"] for kw in lost] == [policy.key("r9")]
+    finally:
+        signals.idempotency_lost.disconnect(receiver)
+    assert other.lease not in get_heartbeat().leases
+    fresh = policy.begin("r9", {"a": 1})
+    assert fresh.replayed is False and fresh.release() is True
 
 
 def test_a_redis_outage_only_slows_the_database_store_down(redis_client):
@@ -225,7 +275,9 @@ def test_the_admin_lists_filters_and_invalidates(client, redis_client, app):
     assert response.status_code == 302
     assert not IdempotencyRecord.objects.filter(key=policy.key("a")).exists()
     assert RedisRecords(policy.store.cache.client, "steplock").get(policy.key("a")) is None
-    assert not policy.begin("a", {"x": 1}).replayed
+    again = policy.begin("a", {"x": 1})
+    assert not again.replayed
+    again.release()
 
 
 # -- views ----------------------------------------------------------------------------------------
@@ -252,6 +304,16 @@ def strict_view(request):
     return HttpResponse("ok")
 
 
+LONG = {"started": threading.Event(), "finish": threading.Event()}
+
+
+def long_body(request):
+    CALLS.append(request.body)
+    LONG["started"].set()
+    LONG["finish"].wait(30)
+    return JsonResponse({"paid": json.loads(request.body)["amount"], "n": len(CALLS)}, status=201)
+
+
 def stream_view(request):
     CALLS.append(1)
     return StreamingHttpResponse(iter([b"a", b"b"]))
@@ -266,6 +328,22 @@ urlpatterns = [
     path("pay", pay_view),
     path("strict", strict_view),
     path("stream", idempotent_view(app=celery_app, anonymous=True)(stream_view)),
+    path(
+        "long/redis",
+        idempotent_view(namespace="tests.views.long", app=celery_app, lock_ttl=1, anonymous=True)(
+            long_body
+        ),
+    ),
+    path(
+        "long/database",
+        idempotent_view(
+            namespace="tests.views.long_db",
+            app=celery_app,
+            lock_ttl=1,
+            anonymous=True,
+            store="database",
+        )(long_body),
+    ),
     path("mw/a", plain_view),
     path("mw/b", plain_view),
 ]
@@ -323,6 +401,45 @@ def test_an_in_progress_key_gets_409_with_retry_after(client, redis_client):
     assert response.status_code == 409 and 1 <= int(response["Retry-After"]) <= 5
     held.release()
     assert post(client, "/pay", {"amount": 5}, "busy").status_code == 201
+
+
+@pytest.mark.parametrize("store", ["redis", "database"])
+@override_settings(ROOT_URLCONF=__name__)
+def test_a_view_longer_than_its_lock_ttl_answers_409_to_a_repeat(client, redis_client, store):
+    """Issue 24: a request whose view runs past the lock TTL keeps its record (the
+    heartbeat renews it), so a repeat gets 409 (422 with another body), never a second 201."""
+    from django.db import connections
+    from django.test import Client
+
+    lock_ttl = 1.0
+    url = f"/long/{store}"
+    LONG["started"].clear()
+    LONG["finish"].clear()
+    first = []
+
+    def run():
+        try:
+            first.append(post(Client(), url, {"amount": 5}, "slow"))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert LONG["started"].wait(20)
+        since = time.monotonic()
+        while time.monotonic() - since < 3 * lock_ttl:
+            again = post(client, url, {"amount": 5}, "slow")
+            assert again.status_code == 409, (again.status_code, again.content)
+            time.sleep(0.2)
+        assert post(client, url, {"amount": 6}, "slow").status_code == 422
+    finally:
+        LONG["finish"].set()
+        thread.join(30)
+    assert first[0].status_code == 201 and first[0].json() == {"paid": 5, "n": 1}
+    replay = post(client, url, {"amount": 5}, "slow")
+    assert replay[REPLAYED_HEADER] == "true" and replay.json() == {"paid": 5, "n": 1}
+    assert len(CALLS) == 1
 
 
 @override_settings(ROOT_URLCONF=__name__)

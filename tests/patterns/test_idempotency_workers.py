@@ -4,6 +4,8 @@ again, concurrent first calls of one key in two workers run the body once, and a
 SIGKILLed while holding the record ``locked`` leaves it to its lock TTL, after which the
 call runs again exactly once."""
 
+import time
+
 import pytest
 
 from tests.support.servers import wait_until
@@ -84,3 +86,61 @@ def test_a_sigkilled_holder_leaves_the_record_to_its_lock_ttl_then_it_runs_once(
     assert count(redis_client, "idem:done:3") == 1
     assert redis_client.hget(records[0], "status") == "completed"
     assert redis_client.hget(records[0], "attempts") == "1"  # expired, then a new record
+
+
+def records(redis_client):
+    return list(redis_client.scan_iter("steplock:idem:*"))
+
+
+def test_a_body_longer_than_the_lock_ttl_keeps_its_record_in_a_worker(start_worker, redis_client):
+    """Issue 24: a worker's heartbeat renews its running body's record, so deliveries of the
+    key after the lock TTL are refused (other arguments: IdempotencyKeyReused; the same:
+    re-queued, then the first's result) instead of running the body a second time."""
+    lock_ttl = 1.0
+    start_worker("l1", concurrency=2, extra_args=INCLUDE, IDEM_LOCK_TTL=lock_ttl, IDEM_SLEEP=6)
+    first = charge.apply_async((4, 9))
+    wait_until(
+        lambda: count(redis_client, "idem:starts:4") == 1, timeout=30, what="the body to start"
+    )
+    since = time.monotonic()
+    (record,) = records(redis_client)
+    wait_until(lambda: time.monotonic() - since > 2 * lock_ttl, timeout=10, what="two lock TTLs")
+    reused = charge.apply_async((4, 10))  # the other worker process takes it
+    same = charge.apply_async((4, 9))
+    reused.get(timeout=60, propagate=False)
+    assert (reused.state, type(reused.result).__name__) == ("FAILURE", "IdempotencyKeyReused")
+    assert redis_client.hget(record, "status") == "locked"  # renewed past its lock TTL
+    value = first.get(timeout=60)
+    assert same.get(timeout=60) == value  # re-queued while in progress, then replayed
+    assert count(redis_client, "idem:starts:4") == 1
+    assert count(redis_client, "idem:done:4") == 1
+    assert redis_client.hget(record, "status") == "completed"
+    assert redis_client.hget(record, "attempts") == "1"
+
+
+def test_a_renewed_record_expires_after_its_lock_ttl_once_its_worker_is_killed(
+    start_worker, redis_client
+):
+    """The renewals stop with the process: a worker SIGKILLed mid-body leaves its record to
+    expire within one lock TTL, after which the key runs again, once."""
+    lock_ttl = 1.0
+    doomed = start_worker(
+        "d1", concurrency=1, extra_args=INCLUDE, IDEM_LOCK_TTL=lock_ttl, IDEM_SLEEP=120
+    )
+    charge.apply_async((6, 9))
+    wait_until(
+        lambda: count(redis_client, "idem:starts:6") == 1, timeout=30, what="the body to start"
+    )
+    (record,) = records(redis_client)
+    since = time.monotonic()
+    while time.monotonic() - since < 3 * lock_ttl:  # three lock TTLs into the body
+        assert redis_client.hget(record, "status") == "locked"
+        time.sleep(0.1)
+    doomed.kill()  # SIGKILL, the whole process group: no renewal, completion or release
+    assert redis_client.pttl(record) <= lock_ttl * 1000  # at most one lock TTL left (-2: gone)
+    wait_until(lambda: not redis_client.exists(record), timeout=30, what="the record to expire")
+    start_worker("d2", concurrency=1, extra_args=INCLUDE, IDEM_LOCK_TTL=lock_ttl, IDEM_SLEEP=0)
+    value = charge.apply_async((6, 9)).get(timeout=60)
+    assert value["charged"] == 9 and charge.apply_async((6, 9)).get(timeout=60) == value
+    assert count(redis_client, "idem:starts:6") == 2  # the killed body, then exactly one more
+    assert count(redis_client, "idem:done:6") == 1

@@ -549,3 +549,126 @@ def test_decisions_are_counted_by_the_prometheus_metrics():
         )
 
     assert (value("allowed"), value("limited")) == (2.0, 1.0)
+
+
+# -- the ticket header: malformed, copied ------------------------------------------------------
+
+
+def _refused(caplog) -> list[dict]:
+    return [
+        r.steplock
+        for r in caplog.records
+        if getattr(r, "steplock", {}).get("event") == "rate_limit_ticket_refused"
+    ]
+
+
+def _ticketed_task(app, name, **options):
+    from celery_steplock.task import StepLockedTask
+
+    def body(self, tenant, n):
+        return f"ran {n}"
+
+    return app.task(
+        bind=True,
+        base=StepLockedTask,
+        name=name,
+        lock_key=name + ":{n}",
+        cluster_rate_limit_key="tenant:{tenant}",
+        lock_retry_max=0,
+        shared=False,
+        **options,
+    )(body)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "forged",
+        ["a", "b"],
+        [("k", "v")],
+        12345,
+        {"KEY": 123},
+        {"KEY": ["x"]},
+        {"KEY": "f" * 100_000},
+        {"KEY": "not a ticket"},
+        {"KEY": "ABCDEF0123456789ABCDEF0123456789"},
+    ],
+    ids=["str", "list", "pairs", "int", "int-ticket", "list-ticket", "huge", "text", "upper"],
+)
+def test_a_malformed_ticket_header_is_no_ticket_and_is_logged(app, redis_client, caplog, header):
+    name = "tests.rl.malformed"
+    limited = _ticketed_task(app, name, cluster_rate_limit=SlidingWindow(5, 60))
+    try:
+        key = limited.steplock_plan.store.prefix
+        redis_key = SlidingWindow(5, 60).redis_key(key, "tenant:a")[0]
+        if isinstance(header, dict):
+            header = {redis_key: header["KEY"]}
+        caplog.set_level("INFO", logger="celery_steplock")
+        result = limited.apply(args=("a", 1), headers={TICKETS_HEADER: header})
+        assert result.get() == "ran 1"  # admitted against the limit, as a newcomer
+        refused = _refused(caplog)
+        assert len(refused) == 1, refused
+        assert refused[0]["task_name"] == name and refused[0]["reason"]
+        assert len(str(refused[0])) < 2000  # the value is never logged whole
+        assert redis_client.zcard(SlidingWindow(5, 60).redis_key(key, "tenant:a")[1]) == 0
+    finally:
+        app.tasks.pop(name, None)
+
+
+def test_a_denial_never_carries_a_malformed_header_forward(app, redis_client, caplog):
+    name = "tests.rl.malformed.forward"
+    limited = _ticketed_task(app, name, cluster_rate_limit=SlidingWindow(1, 60))
+    try:
+        assert limited.apply(args=("a", 1)).get() == "ran 1"
+        forged = {"other-key": "f" * 100_000, "x": ["y"]}
+        denied = limited.apply(args=("a", 2), headers={TICKETS_HEADER: forged})
+        assert isinstance(denied.result, RateLimited)
+        carried = denied.result.context["headers"][TICKETS_HEADER]
+        assert carried == {denied.result.key: denied.result.context["ticket"]}
+    finally:
+        app.tasks.pop(name, None)
+
+
+def _queued(events) -> int:
+    return [kw for name, kw in events if name == "rate_limited"][-1]["queued"]
+
+
+def test_a_copied_ticket_does_not_take_the_waiters_place(app, redis_client, events):
+    name = "tests.rl.copied"
+    limiter = SlidingWindow(1, 1.0, ticket_grace=60.0, max_wait=60.0)
+    limited = _ticketed_task(app, name, cluster_rate_limit=limiter)
+    try:
+        assert limited.apply(args=("a", 1), task_id="holder").get() == "ran 1"
+        waiter = limited.apply(args=("a", 2), task_id="waiter")
+        assert isinstance(waiter.result, RateLimited)
+        ticket = waiter.result.context["ticket"]
+        header = waiter.result.context["headers"]
+        assert ticket and _queued(events) == 0
+        now = redis_client.time()
+        _wait_until(now[0] + now[1] / 1e6 + waiter.result.retry_after, redis_client)
+        # The waiter's header copied into messages of another task id, and of the waiter's
+        # task id with other arguments (same limit key): newcomers behind the waiter.
+        for task_id, args in (("thief", ("a", 2)), ("waiter", ("a", 99))):
+            copy = limited.apply(args=args, task_id=task_id, headers=header)
+            assert isinstance(copy.result, RateLimited), (task_id, args, copy.result)
+            assert copy.result.context["ticket"] != ticket
+            assert _queued(events) >= 1
+        # A ticket of tenant a presented for tenant b's limit is no ticket there.
+        assert limited.apply(args=("b", 7), task_id="b-holder").get() == "ran 7"
+        other = {TICKETS_HEADER: {waiter.result.key.replace("{tenant:a}", "{tenant:b}"): ticket}}
+        moved = limited.apply(args=("b", 2), task_id="waiter", headers=other)
+        assert isinstance(moved.result, RateLimited) and moved.result.context["ticket"] != ticket
+        # The waiter itself comes back with its ticket and is admitted at its turn.
+        assert limited.apply(args=("a", 2), task_id="waiter", headers=header).get() == "ran 2"
+    finally:
+        app.tasks.pop(name, None)
+
+
+@pytest.mark.no_database
+@pytest.mark.parametrize("bad", [123, ["x"], "f" * 100_000, "not a ticket", b"f" * 32])
+def test_the_plain_api_refuses_a_ticket_that_is_no_ticket(redis_client, bad):
+    window = SlidingWindow(1, 60, client=redis_client)
+    with pytest.raises(InvalidArgument) as info:
+        window.try_acquire("plain", ticket=bad)
+    assert info.value.argument == "ticket" and len(str(info.value)) < 500
+    assert redis_client.keys("*") == []  # refused before any write

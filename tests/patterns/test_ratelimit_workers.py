@@ -107,6 +107,47 @@ def test_cluster_limits_hold_across_prefork_and_threads_workers(workers, redis_c
     # The run took as long as the limit says: 20 at 5 per second.
     starts = sorted(r["granted"] for r in window)
     assert starts[-1] - starts[0] >= (TASKS - LIMIT) / LIMIT * WINDOW - 0.01
+    # Every ticket was found again by its own re-queued message (bound to its task id,
+    # arguments and limit) and used up: none is left waiting in a queue.
+    from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
+
+    for limiter, name in (
+        (SlidingWindow(LIMIT, WINDOW), "rl.window"),
+        (TokenBucket(RATE, CAPACITY), "rl.bucket"),
+    ):
+        queue = limiter.redis_key(ratelimit_app.window.steplock_plan.store.prefix, name)[1]
+        assert redis_client.zcard(queue) == 0, redis_client.zrange(queue, 0, -1)
+
+
+def test_a_forged_ticket_header_is_no_ticket_on_a_real_worker(workers, redis_client, tmp_path):
+    from celery_steplock.patterns.ratelimit import TICKETS_HEADER
+    from tests.support import ratelimit_app
+
+    prefix = ratelimit_app.window.steplock_plan.store.prefix
+    key = ratelimit_app.SlidingWindow(LIMIT, WINDOW).redis_key(prefix, "rl.window")[0]
+    forged = ["forged", {key: ["x"]}, {key: 12345}, {key: "f" * 100_000}]
+    for i, header in enumerate(forged):
+        ratelimit_app.window.apply_async(
+            (i,), queue=QUEUES[i % 2], headers={TICKETS_HEADER: header}
+        )
+    records = _history(redis_client, len(forged), timeout=30.0)
+    # Each ran (admitted as a newcomer), on both workers; none failed with a raw error.
+    assert sorted(r["i"] for r in records) == list(range(len(forged)))
+    assert {r["worker"].split("@")[0] for r in records} == {"rl-prefork", "rl-threads"}
+    # And each was logged as a structured event, the value never whole.
+    deadline = time.monotonic() + 15
+    while True:
+        lines = [
+            line
+            for log in tmp_path.glob("rl-*.log")
+            for line in log.read_text(errors="replace").splitlines()
+            if "event=rate_limit_ticket_refused" in line
+        ]
+        if len(lines) >= len(forged) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(lines) == len(forged), lines
+    assert all(len(line) < 1000 for line in lines)
 
 
 def test_negative_control_celerys_per_worker_rate_limit_exceeds(workers, redis_client):

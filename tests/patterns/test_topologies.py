@@ -202,6 +202,17 @@ def test_every_idempotency_transition(topology, app):
     assert released.release() is True and policy.get("b") is None
     policy.store.cache(policy.get("a"), 10)  # the database store's cache copy
     assert policy.get("a").payload == '{"ok": 1}'
+    # The heartbeat's renewal (issue 24): records in two slots, one round trip, owner-checked.
+    first, second = policy.begin("d", {"x": 1}), policy.begin("e", {"x": 1})
+    items = [
+        (first.key, first.owner, 30.0),
+        (second.key, "not-the-owner", 30.0),
+        (second.key, second.owner, 30.0),
+        (policy.key("a"), "not-the-owner", 30.0),  # completed: never extended
+    ]
+    assert policy.store.extend_many(items) == [True, False, True, False]
+    assert 0 < topology.admin.pttl(policy.store.redis_key(first.key)) <= 30_000
+    assert first.release() is True and second.release() is True
     ours(topology)
     assert policy.invalidate("a") is True and policy.get("a") is None
     if topology.name == "acl":  # the user's keys are <prefix>:* only

@@ -20,8 +20,8 @@ __all__ = ["STEPLOCK_COMMANDS", "acl_rules", "acl_setuser_line", "create_user", 
 #: NOSCRIPT, BLPOP and ZREM of a waiter, SCAN, HGETALL and PTTL of inspect, TIME of the
 #: reaper/admin/`ls`, DBSIZE of the admin page, PING of the Django check), those of the
 #: Lua scripts (celery_steplock/_lua.py) and those of the patterns' scripts and calls: GET,
-#: ZCARD, ZRANGEBYSCORE, ZRANK (bulkhead slots), ZCARD, ZRANGE, ZRANGEBYSCORE, ZRANK (rate
-#: limits), HDEL, HINCRBY, PERSIST, ZCARD, ZCOUNT, ZRANGE, ZSCORE (circuit breaker); the
+#: ZCARD, ZRANGEBYSCORE, ZRANK (bulkhead slots), ZCARD, ZRANGE, ZRANGEBYSCORE, ZRANK, ZSCORE
+#: (rate limits), HDEL, HINCRBY, PERSIST, ZCARD, ZCOUNT, ZRANGE, ZSCORE (circuit breaker); the
 #: idempotency records need nothing more (DEL and HGETALL of invalidate and get).
 STEPLOCK_COMMANDS = (
     "blpop",

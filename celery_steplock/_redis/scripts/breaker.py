@@ -15,13 +15,19 @@ __all__ = ["ADMIT", "RECORD", "OVERRIDE", "READ"]
 
 # KEYS[1] the breaker hash, KEYS[2] the probe permits (sorted set: owner -> expiry ms).
 # ARGV[1] caller's owner token, ARGV[2] recovery timeout ms, ARGV[3] half-open probes
-# allowed, ARGV[4] probe permit lifetime ms, ARGV[5] idle TTL ms.
-# Returns {verdict, generation, wait ms, moved, clean}: verdict 1 admitted (CLOSED), 2 admitted
+# allowed, ARGV[4] probe permit lifetime ms, ARGV[5] idle TTL ms, ARGV[6] clock skew
+# tolerance ms.
+# Returns {verdict, generation, wait ms, moved, clean, skew ms, field}: verdict 1 admitted
+# (CLOSED), 2 admitted
 # as a probe (HALF_OPEN; also when ARGV[1] already holds a permit), 0 refused (OPEN), -1 refused
 # (HALF_OPEN, every permit taken), -2 refused (forced open by an operator); wait: ms until the
 # earliest moment a call may pass; moved 1 when this call moved the breaker OPEN -> HALF_OPEN;
 # clean 1 when CLOSED with no failure in the window (a success then changes nothing a
-# count threshold sees, and the caller need not record it).
+# count threshold sees, and the caller need not record it). skew and field (absent when the
+# breaker is CLOSED or forced: no time is read): an ``opened_ms`` ahead of now by more than
+# the tolerance (written by a clock that ran ahead, then a failover to a primary whose clock
+# is behind) counts from now, a probe permit expiring later than its lifetime from now
+# expires then (field ``probes``); both written back, the largest skew returned.
 ADMIT = """
 local s = redis.call('HMGET', KEYS[1], 'state', 'gen', 'opened_ms', 'forced', 'ring')
 local gen = tonumber(s[2]) or 0
@@ -33,9 +39,17 @@ end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local moved = 0
+local tol = tonumber(ARGV[6])
+local skew, skewed = 0, ''
 if s[1] == 'open' then
-  local left = (tonumber(s[3]) or 0) + tonumber(ARGV[2]) - now
-  if left > 0 then return {0, gen, left, 0, 0} end
+  local opened = tonumber(s[3]) or 0
+  if opened > now + tol then
+    skew, skewed = opened - now, 'opened_ms'
+    opened = now
+    redis.call('HSET', KEYS[1], 'opened_ms', now)
+  end
+  local left = opened + tonumber(ARGV[2]) - now
+  if left > 0 then return {0, gen, left, 0, 0, skew, skewed} end
   gen = gen + 1
   redis.call('HSET', KEYS[1], 'state', 'half_open', 'gen', gen, 'successes', 0)
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
@@ -43,14 +57,22 @@ if s[1] == 'open' then
   moved = 1
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved, 0} end
+local horizon = now + tonumber(ARGV[4])
+local late = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. (horizon + tol), '+inf', 'WITHSCORES')
+for i = 1, #late, 2 do
+  if tonumber(late[i + 1]) - horizon > skew then
+    skew, skewed = tonumber(late[i + 1]) - horizon, 'probes'
+  end
+  redis.call('ZADD', KEYS[2], horizon, late[i])
+end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {2, gen, 0, moved, 0, skew, skewed} end
 if redis.call('ZCARD', KEYS[2]) < tonumber(ARGV[3]) then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
+  redis.call('ZADD', KEYS[2], horizon, ARGV[1])
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  return {2, gen, 0, moved, 0}
+  return {2, gen, 0, moved, 0, skew, skewed}
 end
 local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-return {-1, gen, math.max(1, tonumber(first[2]) - now), moved, 0}
+return {-1, gen, math.max(1, tonumber(first[2]) - now), moved, 0, skew, skewed}
 """
 
 # KEYS[1] the breaker hash, KEYS[2] the probe permits.

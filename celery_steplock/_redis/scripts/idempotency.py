@@ -24,7 +24,7 @@ inside the scripts, never from the workers' clocks; they are built as decimal st
 
 from __future__ import annotations
 
-__all__ = ["BEGIN", "COMPLETE", "FAIL", "RELEASE", "CACHE"]
+__all__ = ["BEGIN", "COMPLETE", "FAIL", "RELEASE", "EXTEND", "CACHE"]
 
 _NOW = """
 local t = redis.call('TIME')
@@ -118,6 +118,21 @@ if not (r[1] == 'locked' and r[2] == ARGV[1]) then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 """
+
+# KEYS[1] the record. ARGV: owner, lock TTL ms. The heartbeat's renewal of a running body's
+# record: the caller's locked record lives another lock TTL from now (``expires_ms`` and the
+# key's TTL). Returns 1 when extended, 0 (nothing written) when the caller no longer holds it:
+# completed, failed, invalidated, expired, or locked by another owner.
+EXTEND = (
+    _NOW
+    + """
+local r = redis.call('HMGET', KEYS[1], 'status', 'owner')
+if not (r[1] == 'locked' and r[2] == ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'expires_ms', plus(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+)
 
 # KEYS[1] the cache copy of a completed database record. ARGV: TTL ms, then field/value pairs.
 # Replaces the copy (HSET of every field, PEXPIRE) in one step. Returns 1.

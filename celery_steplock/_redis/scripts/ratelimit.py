@@ -13,11 +13,28 @@ __all__ = ["TOKEN_BUCKET", "SLIDING_WINDOW", "WINDOW_REFUND", "BUCKET_REFUND"]
 
 # Shared by both scripts: the ticket queue. KEYS[2] is the queue (sorted set: ticket -> the
 # Redis time it was first given, ms), KEYS[3] the tickets' deadlines (ticket -> ms).
+# ARGV[8] the clock skew tolerance (ms): a stored time further ahead of now than that was
+# written by a clock that ran ahead (a failover to a primary whose clock is behind). It is
+# clamped to now (a ticket's deadline moves back as much as its given time) and the largest
+# skew is returned with the field it was found in.
 _QUEUE = """
 -- numbers cross into Redis and back as text with every digit (tostring keeps 14)
 local function num(x) return string.format('%.17g', x) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local tol = tonumber(ARGV[8])
+local skew, skewed = 0, ''
+local function ahead(by, field)
+  if by > skew then skew = by skewed = field end
+end
+local given_at = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. num(now + tol), '+inf', 'WITHSCORES')
+for i = 1, #given_at, 2 do
+  local by = tonumber(given_at[i + 1]) - now
+  ahead(by, 'tickets')
+  redis.call('ZADD', KEYS[2], num(now), given_at[i])
+  local due = tonumber(redis.call('ZSCORE', KEYS[3], given_at[i]))
+  if due then redis.call('ZADD', KEYS[3], num(due - by), given_at[i]) end
+end
 local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', num(now))
 for i = 1, #gone do redis.call('ZREM', KEYS[2], gone[i]) end
 if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', num(now)) end
@@ -53,7 +70,7 @@ local function denied(wait)
   elseif rank then
     given = ticket
   end
-  return {0, num(wait), given, num(now), tostring(pos)}
+  return {0, num(wait), given, num(now), tostring(pos), num(skew), skewed}
 end
 """
 
@@ -61,8 +78,11 @@ end
 #: KEYS[1] the bucket (hash: tokens, ts in ms), KEYS[2] the ticket queue, KEYS[3] the
 #: tickets' deadlines (same hash tag). ARGV: rate (tokens per ms), capacity, the ticket held
 #: ('' none), a new ticket id, reserve ('1' to take a ticket when denied), max wait (ms),
-#: ticket grace (ms). Returns {1, tokens left, '', now ms, 0} when admitted, else
-#: {0, wait ms, ticket given ('' none), now ms, place in the queue}; numbers as strings.
+#: ticket grace (ms), clock skew tolerance (ms). Returns {1, tokens left, '', now ms, 0, skew
+#: ms, field} when admitted, else {0, wait ms, ticket given ('' none), now ms, place in the
+#: queue, skew ms, field}; numbers as strings; skew 0 and field '' unless a stored time
+#: (``ts``, ``tickets``) was clamped. A ``ts`` ahead of now by more than the tolerance
+#: counts from now: the bucket refills from now, its tokens kept.
 TOKEN_BUCKET = (
     _QUEUE
     + """
@@ -72,6 +92,10 @@ local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens = tonumber(state[1])
 local ts = tonumber(state[2])
 if tokens == nil or ts == nil then tokens = cap ts = now end
+if ts > now + tol then
+  ahead(ts - now, 'ts')
+  ts = now
+end
 if now > ts then
   tokens = math.min(cap, tokens + (now - ts) * rate)
   ts = now
@@ -85,7 +109,7 @@ redis.call('HSET', KEYS[1], 'tokens', num(tokens), 'ts', num(ts))
 redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) / rate) + 1000)
 if admit then
   admitted()
-  return {1, num(tokens), '', num(now), '0'}
+  return {1, num(tokens), '', num(now), '0', num(skew), skewed}
 end
 return denied((pos + 1 - tokens) / rate)
 """
@@ -95,9 +119,11 @@ return denied((pos + 1 - tokens) / rate)
 #: KEYS[1] the log (sorted set: grant id -> Redis time of the grant, ms), KEYS[2] the ticket
 #: queue, KEYS[3] the tickets' deadlines (same hash tag). ARGV: limit, window (ms), the
 #: ticket held ('' none), a new id (the grant's log member, or the new ticket), reserve,
-#: max wait (ms), ticket grace (ms). Returns {1, grants left, '', now ms, 0} when admitted,
-#: else {0, wait ms, ticket given, now ms, place in the queue}; numbers as strings. A grant
-#: at ``g`` counts in every window (g - window, g]; a denial writes nothing to the log.
+#: max wait (ms), ticket grace (ms), clock skew tolerance (ms). Returns {1, grants left, '',
+#: now ms, 0, skew ms, field} when admitted, else {0, wait ms, ticket given, now ms, place in
+#: the queue, skew ms, field}; numbers as strings. A grant at ``g`` counts in every window
+#: (g - window, g]; a denial writes nothing to the log. Grants ahead of now by more than the
+#: tolerance (field ``log``) count as granted now: each for one window from now.
 SLIDING_WINDOW = (
     _QUEUE
     + """
@@ -105,6 +131,12 @@ local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
 -- a clock that went back (a failover to a primary behind) counts from the last grant
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if last[2] and tonumber(last[2]) > now + tol then
+  ahead(tonumber(last[2]) - now, 'log')
+  local future = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. num(now), '+inf')
+  for i = 1, #future do redis.call('ZADD', KEYS[1], num(now), future[i]) end
+  last[2] = nil
+end
 if last[2] and tonumber(last[2]) > now then now = tonumber(last[2]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', num(now - window))
 local n = redis.call('ZCARD', KEYS[1])
@@ -113,7 +145,7 @@ if free > pos then
   redis.call('ZADD', KEYS[1], num(now), ARGV[4])
   redis.call('PEXPIRE', KEYS[1], math.ceil(window) + 1000)
   admitted()
-  return {1, tostring(free - 1), '', num(now), '0'}
+  return {1, tostring(free - 1), '', num(now), '0', num(skew), skewed}
 end
 -- the grant whose expiry frees this place's quota; past the log, whole windows later
 local need = pos + 1 - free

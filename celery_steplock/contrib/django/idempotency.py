@@ -16,7 +16,11 @@ and records its response (status < 400, not streaming; ``Set-Cookie`` never reco
 repeat with the same key and the same request (method, path, query, content type and body)
 gets the recorded response with the header ``Idempotent-Replayed: true``; the same key with
 another request gets 422; while the first still runs, 409 with ``Retry-After``; an error
-response (status >= 400) or an exception is not recorded, and the key runs again.
+response (status >= 400) or an exception is not recorded, and the key runs again: a refused
+request (4xx, or an exception Django or DRF answers with one: ``Http404``,
+``PermissionDenied``...) deletes its record at once, a server error (5xx, any other
+exception) leaves it ``failed`` for operators. A principal holds at most ``max_records``
+live records (default ``steplock_idempotency_max_records``): a new key beyond it gets 429.
 
 A record belongs to the request's host and principal (``scope``, default the authenticated
 ``request.user``): a replay only ever reaches the principal that recorded it, and a key
@@ -32,36 +36,59 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import functools
+import hashlib
 import logging
 import math
 import re
 from typing import Any, Callable, Iterable
 
+from django.conf import settings
+from django.core.exceptions import (
+    BadRequest,
+    PermissionDenied,
+    RequestDataTooBig,
+    SuspiciousOperation,
+)
 from django.core.signals import got_request_exception
 from django.db import DatabaseError, IntegrityError, connections, router, transaction
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.urls import Resolver404, resolve
 from django.utils import timezone
 
-from ..._checks import shown
+from ..._checks import (
+    MAX_IDEMPOTENCY_MAX_RECORDS,
+    MIN_IDEMPOTENCY_MAX_RECORDS,
+    check_count,
+    check_seconds,
+    shown,
+)
+from ..._redis import wire
+from ..._redis.scripts.idempotency_quota import ADMIT
 from ...events import log_event
 from ...exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyReused,
+    IdempotencyQuotaExceeded,
     ImproperlyConfigured,
     LockError,
     LockStoreUnavailable,
 )
+from ...keys import idempotency_key, idempotency_quota_key
+from ...patterns._base import call as run_script
+from ...patterns._base import translated
 from ...patterns.idempotency import (
     Idempotency,
     Record,
     RecordDecision,
+    RedisRecords,
     Stored,
     _fingerprint_bytes,
 )
 
 __all__ = [
     "DatabaseRecords",
+    "prune_expired_records",
     "idempotent_view",
     "idempotency_exempt",
     "default_scope",
@@ -72,6 +99,8 @@ __all__ = [
 ]
 
 REPLAYED_HEADER = "Idempotent-Replayed"
+#: Seconds a renewal of the database store waits for a lock at most (then retried).
+RENEWAL_WAIT = 0.5
 UNSAFE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 #: Response headers never recorded (a replay must not hand a session to another client).
 _NOT_RECORDED = {"set-cookie", "content-length", REPLAYED_HEADER.lower()}
@@ -213,7 +242,9 @@ class DatabaseRecords:
             return RecordDecision("locked")
         except IntegrityError:
             pass
-        row = objects.select_for_update().get(key=key)
+        row = objects.select_for_update().filter(key=key).first()
+        if row is None:  # deleted since the INSERT (pruned, invalidated): lock a new one
+            return self._begin(using, key, fingerprint, owner, lock_ttl, namespace, version)
         live = row.expires_at > now
         if live and row.status in ("completed", "locked"):
             if row.fingerprint != fingerprint:
@@ -334,6 +365,69 @@ class DatabaseRecords:
             raise self._outage(exc, key, "release") from exc
         return bool(deleted)
 
+    def on_commit(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` once the transaction open on the store's database commits (at
+        once outside one): a row locked inside the caller's transaction is seen by no one
+        else, and cannot be renewed, before its COMMIT (the policy starts the renewals so)."""
+        transaction.on_commit(callback, using=self._db())
+
+    def extend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
+        """Renew running bodies' ``locked`` rows (the heartbeat's renewals, on its thread and
+        its own connection): one ``UPDATE ... SET expires_at = now + lock TTL WHERE key AND
+        owner AND status = 'locked' AND expires_at > now`` per row, in autocommit. A lock
+        wait is bounded by :data:`RENEWAL_WAIT` (SQLite's ``busy_timeout``, PostgreSQL's
+        ``lock_timeout``): a writer holding SQLite's write lock (a body in ``BEGIN
+        IMMEDIATE``) must not stall the heartbeat's other renewals; the renewal is retried.
+
+        Args:
+            items: ``(record key, owner token, lock TTL seconds)`` per row.
+
+        Returns:
+            One bool per item: True when extended; False (nothing written) when the row is
+            completed, failed, deleted, expired or locked by another owner.
+
+        Raises:
+            LockStoreUnavailable: The database did not answer, or the wait ran out.
+        """
+        using = self._db()
+        connection = connections[using]
+        objects = self.model.objects.using(using)
+        results: list[bool] = []
+        key = ""
+        restore = None
+        try:
+            bounded = not connection.in_atomic_block
+            if bounded and connection.vendor == "sqlite":
+                with connection.cursor() as cursor:
+                    cursor.execute("PRAGMA busy_timeout")
+                    restore = cursor.fetchone()[0]
+                    cursor.execute(f"PRAGMA busy_timeout = {int(RENEWAL_WAIT * 1000)}")
+            for key, owner, ttl in items:
+                with transaction.atomic(using=using):
+                    if bounded and connection.vendor == "postgresql":
+                        with connection.cursor() as cursor:
+                            cursor.execute(
+                                "SELECT set_config('lock_timeout', %s, true)",
+                                [f"{int(RENEWAL_WAIT * 1000)}ms"],
+                            )
+                    now = timezone.now()
+                    updated = objects.filter(
+                        key=key, owner=owner, status="locked", expires_at__gt=now
+                    ).update(expires_at=now + dt.timedelta(seconds=ttl))
+                results.append(bool(updated))
+        except DatabaseError as exc:
+            raise self._outage(exc, key, "renewal") from exc
+        finally:
+            if restore is not None:
+                try:
+                    with connection.cursor() as cursor:
+                        cursor.execute(f"PRAGMA busy_timeout = {int(restore)}")
+                except DatabaseError:
+                    pass
+            if not connection.in_atomic_block:
+                connection.close_if_unusable_or_obsolete()  # the heartbeat's, per CONN_MAX_AGE
+        return results
+
     def invalidate(self, key: str) -> bool:
         """Delete the row, then the cache copy (a Redis error raises after the row is gone:
         call again once Redis answers, or the copy replays until its TTL)."""
@@ -352,6 +446,55 @@ class DatabaseRecords:
         if row is None or row.expires_at <= timezone.now():
             return None
         return _record(row)
+
+
+def prune_expired_records(
+    *,
+    older_than: float = 0.0,
+    batch_size: int = 1000,
+    dry_run: bool = False,
+    using: str | None = None,
+    now: dt.datetime | None = None,
+) -> tuple[int, int]:
+    """Delete the database store's rows that expired more than ``older_than`` seconds ago
+    (an expired row already counts as absent: deleting it changes no decision).
+
+    Each batch is one short ``DELETE`` of at most ``batch_size`` rows by primary key, in its
+    own transaction, that checks the expiry again (a row locked anew meanwhile is kept).
+    Run it from cron, like ``clearsessions`` (``manage.py prune_idempotency_records``).
+
+    Args:
+        older_than: Seconds past ``expires_at`` (>= 0; default 0).
+        batch_size: Rows per ``DELETE`` (1 to 100,000; default 1000).
+        dry_run: Only count the rows.
+        using: A database alias (default the model's ``router.db_for_write``).
+        now: The current time (default ``timezone.now()``).
+
+    Returns:
+        ``(rows, batches)``: rows deleted (with ``dry_run``: that would be) and the number
+        of ``DELETE`` statements.
+
+    Raises:
+        ImproperlyConfigured: ``older_than`` or ``batch_size`` is out of its bounds.
+    """
+    from .models import IdempotencyRecord
+
+    older_than = check_seconds(older_than, "older_than", allow_zero=True)
+    batch_size = check_count(batch_size, "batch_size", minimum=1, maximum=100_000)
+    using = using or router.db_for_write(IdempotencyRecord)
+    cutoff = (now or timezone.now()) - dt.timedelta(seconds=older_than)
+    expired = IdempotencyRecord.objects.using(using).filter(expires_at__lte=cutoff)
+    if dry_run:
+        return expired.count(), 0
+    rows = batches = 0
+    while True:
+        pks = list(expired.order_by("pk").values_list("pk", flat=True)[:batch_size])
+        if not pks:
+            return rows, batches
+        with transaction.atomic(using=using):
+            deleted, _ = expired.filter(pk__in=pks).delete()
+        rows += deleted
+        batches += 1
 
 
 # -- views --------------------------------------------------------------------------------------
@@ -397,15 +540,58 @@ def default_scope(request) -> str | None:
     return f"user:{label}:{pk}"
 
 
+#: The form field of Django's CSRF token: no part of a request's meaning (it is masked
+#: anew each time a form is rendered), so never part of its fingerprint.
+_CSRF_FIELD = "csrfmiddlewaretoken"
+#: Bytes an uploaded file is hashed by at a time.
+_FILE_CHUNK = 64 * 1024
+
+
+def _form_parts(request: HttpRequest) -> list[bytes]:
+    """A multipart request's fields and files as Django parsed them (``request.POST``,
+    ``request.FILES``; files hashed in chunks and rewound): the body may be gone already (a
+    CSRF check reads ``request.POST`` first) and its files may be far larger than memory."""
+    parts: list[bytes] = []
+    for name, values in request.POST.lists():
+        if name != _CSRF_FIELD:
+            parts += [b"field", name.encode(), b"%d" % len(values)]
+            parts += [value.encode() for value in values]
+    for name, files in request.FILES.lists():
+        parts += [b"files", name.encode(), b"%d" % len(files)]
+        for upload in files:
+            digest = hashlib.sha256()
+            for chunk in upload.chunks(_FILE_CHUNK):
+                digest.update(chunk)
+            upload.seek(0)
+            name_of = (upload.name or "").encode()
+            parts += [name_of, (upload.content_type or "").encode(), digest.digest()]
+    return parts
+
+
 def _request_fingerprint(request, secret) -> str:
+    """The fingerprint of method, path, query, media type and body. A multipart body is
+    its parsed fields (but the CSRF token) and files, and its media type has no boundary
+    (a retry's boundary differs); another body is read whole (``request.body``).
+
+    Raises:
+        RequestDataTooBig: the body (a multipart one's fields) is above Django's
+            ``DATA_UPLOAD_MAX_MEMORY_SIZE``.
+        MultiPartParserError: the multipart body cannot be parsed.
+    """
     request = _http_request(request)
+    content_type = request.META.get("CONTENT_TYPE", "")
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type == "multipart/form-data":
+        head, body = [media_type.encode()], _form_parts(request)
+    else:
+        head, body = [content_type.encode()], [request.body]
     return _fingerprint_bytes(
         [
             request.method.encode(),
             request.path.encode(),
             request.META.get("QUERY_STRING", "").encode(),
-            request.META.get("CONTENT_TYPE", "").encode(),
-            request.body,
+            *head,
+            *body,
         ],
         secret,
     )
@@ -436,6 +622,82 @@ def _error(status: int, message: str, **headers: str) -> JsonResponse:
     return response
 
 
+#: Exceptions Django (or DRF) answers with a 4xx: the request was refused.
+_REFUSALS: tuple[tuple[type[BaseException], int], ...] = (
+    (Http404, 404),
+    (PermissionDenied, 403),
+    (BadRequest, 400),
+    (SuspiciousOperation, 400),
+)
+
+
+def _refusal_status(exc: BaseException) -> int | None:
+    """The 4xx Django or DRF answers ``exc`` with (DRF's exceptions carry ``status_code``),
+    else None (a server error)."""
+    for kind, status in _REFUSALS:
+        if isinstance(exc, kind):
+            return status
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
+        return code
+    return None
+
+
+def _settle_error(ticket: Any, quota: _Quota | None, status: int | None, exc=None) -> None:
+    if status is not None and 400 <= status < 500:
+        if ticket.release() and quota is not None:
+            quota.forget(ticket.key)
+        log_event("idempotency_released", logging.INFO, key=ticket.key, reason=f"http_{status}")
+        return
+    ticket.fail(exc, reason=None if exc is not None else f"http_{status}")
+
+
+class _Quota:
+    """One principal's cap of live records (``max_records``) in Redis
+    (:mod:`celery_steplock._redis.scripts.idempotency_quota`): each record key counts from
+    its first lock for ``lock_ttl + ttl`` seconds (no shorter than the record lives),
+    unless its request was refused (4xx). A Redis error is logged and admits (the store's
+    own call then decides: the Redis store is down too, the database store runs on)."""
+
+    _admit = wire.Script(ADMIT)
+
+    def __init__(self, client: Any, redis_key: str, limit: int, hold: float):
+        self.client = client
+        self.redis_key = redis_key
+        self.limit = limit
+        self.hold = hold
+
+    def admit(self, key: str) -> None:
+        """Count record ``key``. Raises IdempotencyQuotaExceeded when the principal holds
+        ``limit`` other live records (nothing is counted then)."""
+        try:
+            admitted, wait_ms = run_script(
+                self.client,
+                self._admit,
+                [self.redis_key],
+                [key, str(self.limit), str(max(1, int(self.hold * 1000)))],
+                "idempotency quota",
+            )
+        except LockError as exc:
+            log_event("idempotency_quota_error", logging.WARNING, key=key, error=exc)
+            return
+        if not int(admitted):
+            raise IdempotencyQuotaExceeded(
+                f"the principal holds its max_records ({self.limit}) live idempotency records",
+                retry_after=int(wait_ms) / 1000.0,
+                key=key,
+                limit=f"{self.limit} live records",
+            )
+
+    def forget(self, key: str) -> None:
+        """Stop counting record ``key`` (its request was refused and the record deleted)."""
+        try:
+            with translated("idempotency quota", key=self.redis_key):
+                self.client.zrem(self.redis_key, key)
+        except LockError as exc:
+            log_event("idempotency_quota_error", logging.WARNING, key=key, error=exc)
+
+
 class _Outcome:
     """The end of one guarded response. Its record completes once the response is rendered
     (a ``TemplateResponse`` or DRF ``Response`` is rendered after the view returns) and every
@@ -443,18 +705,24 @@ class _Outcome:
     when one rolls back, when the rendering raises, or when recording does, so the retry
     runs the view again at once instead of meeting a ``locked`` record."""
 
-    def __init__(self, ticket: Any, request: HttpRequest):
+    def __init__(self, ticket: Any, request: HttpRequest, quota: _Quota | None = None):
         self.ticket = ticket
         self.request = request
+        self.quota = quota
         self.snapshot: dict[str, Any] | None = None
         self.waiting: set[str] = set()
+
+    def refused(self, status: int) -> None:
+        """An error answer: a 4xx (the request refused) deletes the record and its place in
+        the principal's cap; a 5xx marks it failed (kept for operators, binding nothing)."""
+        _settle_error(self.ticket, self.quota, status)
 
     def settle(self, response) -> None:
         if getattr(response, "streaming", False):
             self.ticket.release()
             return
         if response.status_code >= 400:
-            self.ticket.fail(None, reason=f"http_{response.status_code}")
+            self.refused(response.status_code)
             return
         self.waiting = {
             c.alias for c in connections.all(initialized_only=True) if c.in_atomic_block
@@ -480,7 +748,7 @@ class _Outcome:
     def _rendered(self, response) -> None:
         try:
             if response.status_code >= 400:
-                self.ticket.fail(None, reason=f"http_{response.status_code}")
+                self.refused(response.status_code)
                 return
             self.snapshot = _snapshot(response)
         except Exception as exc:  # noqa: BLE001 - the response stands; the record must not
@@ -537,6 +805,7 @@ class _ViewPolicy:
         anonymous: bool,
         app,
         options,
+        max_records: int | None = None,
     ):
         if scope is not None and not callable(scope):
             raise ImproperlyConfigured(
@@ -547,6 +816,16 @@ class _ViewPolicy:
             raise ImproperlyConfigured(
                 f"anonymous must be True or False, got {shown(anonymous)}", setting="anonymous"
             )
+        self.max_records = (
+            check_count(
+                max_records,
+                "max_records",
+                minimum=MIN_IDEMPOTENCY_MAX_RECORDS,
+                maximum=MAX_IDEMPOTENCY_MAX_RECORDS,
+            )
+            if max_records is not None
+            else None
+        )
         self.namespace = namespace
         self.methods = tuple(m.upper() for m in methods)
         self.header = header
@@ -556,6 +835,7 @@ class _ViewPolicy:
         self.app = app
         self.arguments = dict(version=version, ttl=ttl, lock_ttl=lock_ttl, **options)
         self._policy: Idempotency | None = None
+        self._app: Any = None
 
     @property
     def policy(self) -> Idempotency:
@@ -566,7 +846,33 @@ class _ViewPolicy:
 
                 app = current_app._get_current_object()  # type: ignore[attr-defined]
             self._policy = Idempotency(self.namespace, app=app, **self.arguments)
+            self._app = app
         return self._policy
+
+    def quota(self, request) -> _Quota | None:
+        """The cap of the request's principal (host and scope), or None when the policy's
+        store has no Redis (a store object without one)."""
+        policy = self.policy
+        store = policy.store
+        records = store if isinstance(store, RedisRecords) else getattr(store, "cache", None)
+        if not isinstance(records, RedisRecords):
+            return None
+        limit = self.max_records
+        if limit is None:
+            from ...conf import DEFAULTS, Settings
+
+            app = self._app
+            limit = (
+                Settings(app).idempotency_max_records
+                if app is not None
+                else DEFAULTS["idempotency_max_records"]
+            )
+        host = _http_request(request).get_host().lower()
+        principal = _part(host) + _part(self.principal(request) or "")
+        redis_key = idempotency_quota_key(
+            records.prefix, idempotency_key(policy.secret, "http-quota", principal)
+        )
+        return _Quota(records.client, redis_key, limit, policy.lock_ttl + policy.ttl)
 
     def principal(self, request) -> str | None:
         """The request's principal for the record's resource: ``"p:<scope>"``, the anonymous
@@ -614,9 +920,27 @@ class _ViewPolicy:
             )
         policy = self.policy
         resource = self.resource(request, value, resource_prefix)
+        quota = self.quota(request)
         try:
-            ticket = policy.begin(
-                resource, fingerprint=_request_fingerprint(request, policy.secret)
+            fingerprint = _request_fingerprint(request, policy.secret)
+            if quota is not None:
+                quota.admit(policy.key(resource))
+            ticket = policy.begin(resource, fingerprint=fingerprint)
+        except RequestDataTooBig:
+            return _error(
+                413,
+                f"the request body is larger than DATA_UPLOAD_MAX_MEMORY_SIZE "
+                f"({settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes) a request with a "
+                f"{self.header} may have (files of a multipart body do not count)",
+            )
+        except MultiPartParserError as exc:
+            return _error(400, f"the multipart body cannot be parsed: {exc}")
+        except IdempotencyQuotaExceeded as exc:
+            return _error(
+                429,
+                f"too many live {self.header} records for this client (max_records "
+                f"{quota.limit if quota is not None else ''}): retry later",
+                **{"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
             )
         except IdempotencyKeyReused:
             return _error(422, f"this {self.header} was used for another request")
@@ -633,10 +957,10 @@ class _ViewPolicy:
         try:
             response = call()
         except BaseException as exc:
-            ticket.fail(exc)
+            _settle_error(ticket, quota, _refusal_status(exc), exc)
             raise
         try:
-            _Outcome(ticket, http).settle(response)
+            _Outcome(ticket, http, quota).settle(response)
         except Exception as exc:  # noqa: BLE001 - the view ran: answer, and let the key rerun
             log_event(
                 "idempotency_record_failed",
@@ -661,6 +985,7 @@ def idempotent_view(
     required: bool = False,
     scope: Callable[[Any], str | None] | None = None,
     anonymous: bool = False,
+    max_records: int | None = None,
     app: Any = None,
     **options: Any,
 ):
@@ -687,7 +1012,13 @@ def idempotent_view(
             request's key is refused with 403 (fail closed); an exception propagates.
         anonymous: True: a request without a principal is guarded in one anonymous scope per
             host (any client that knows a key gets its response: keys must be unguessable
-            and responses public).
+            and responses public). Every anonymous client of a host is then one principal,
+            and shares one ``max_records``.
+        max_records: The live records one principal (per host) may hold (1 to 1,000,000;
+            default ``steplock_idempotency_max_records``, 10,000): a request with a new key
+            beyond it gets 429 with ``Retry-After`` and the view does not run. A record
+            counts from its first request for ``lock_ttl + ttl``, unless the request was
+            refused (4xx: its record is deleted at once).
         app: The Celery app (default the current one).
         **options: As :class:`~celery_steplock.patterns.idempotency.Idempotency` (``store``,
             ``on_store_error``, ``serializer``...).
@@ -696,8 +1027,8 @@ def idempotent_view(
         The wrapped view (``wrapper.idempotency`` is its policy).
 
     Raises:
-        ImproperlyConfigured: ``scope`` is not callable or ``anonymous`` not a bool (at
-            decoration); ``scope`` returned neither a str nor None (at the request).
+        ImproperlyConfigured: ``scope`` is not callable, ``anonymous`` not a bool or
+            ``max_records`` out of its bounds (at decoration); ``scope`` returned neither a str nor None (at the request).
     """
 
     def decorate(fun: Callable) -> Callable:
@@ -713,6 +1044,7 @@ def idempotent_view(
             anonymous=anonymous,
             app=app,
             options=options,
+            max_records=max_records,
         )
 
         @functools.wraps(fun)
@@ -759,7 +1091,7 @@ class IdempotencyMiddleware:
     :func:`idempotent_view` on the handler instead). Settings (Django):
     ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE = {"version": ..., "ttl": ..., "methods": [...],
     "header": ..., "required": False, "namespace": "django", "scope": ..., "anonymous":
-    False, "exempt_paths": [regex, ...]}`` (all optional). Views marked
+    False, "max_records": ..., "exempt_paths": [regex, ...]}`` (all optional). Views marked
     :func:`idempotency_exempt`, paths one of ``exempt_paths`` matches (``re.search`` on
     ``request.path_info``) and paths that resolve to no view are never guarded."""
 
@@ -787,6 +1119,7 @@ class IdempotencyMiddleware:
             scope=config.pop("scope", None),
             anonymous=config.pop("anonymous", False),
             app=config.pop("app", None),
+            max_records=config.pop("max_records", None),
             options=config,
         )
 

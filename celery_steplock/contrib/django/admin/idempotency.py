@@ -1,8 +1,13 @@
 """The idempotency records page: rows of the database store, read-only, with an "Invalidate"
-action that drops a record and its Redis copy."""
+action that drops a record and its Redis copy. A recorded result (an HTTP response's body
+and headers) is shown only to users with ``celery_steplock.change_idempotencyrecord``; the
+view permission alone shows its size."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 
 from django.contrib import admin, messages
@@ -32,7 +37,9 @@ def _idempotency_store():
 class IdempotencyRecordAdmin(ReadOnlyModelAdmin):
     """Idempotency records of the database store: read-only, filtered by status and
     namespace; the "Invalidate" action (permission ``delete``) deletes rows and their Redis
-    copies so the next call runs again."""
+    copies so the next call runs again. The recorded result (for a view: the response's
+    status, headers and body) is shown to users with the ``change`` permission; with
+    ``view`` alone, its size."""
 
     list_display = (
         "created_at",
@@ -49,6 +56,40 @@ class IdempotencyRecordAdmin(ReadOnlyModelAdmin):
     search_fields = ("key", "namespace")
     date_hierarchy = "created_at"
     actions = ("invalidate",)
+
+    def shows_results(self, request) -> bool:
+        """Whether ``request``'s user may read recorded results (bodies, headers): the
+        change permission of the model (the page itself never changes a row)."""
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+    def get_readonly_fields(self, request, obj=None):
+        names = list(super().get_readonly_fields(request, obj))
+        if self.shows_results(request):
+            return names
+        return ["result_size" if name == "result" else name for name in names]
+
+    def get_fields(self, request, obj=None):
+        # Only the read-only fields, so no form field ever carries ``result``.
+        return self.get_readonly_fields(request, obj)
+
+    @admin.display(description="result")
+    def result_size(self, obj: IdempotencyRecord) -> str:
+        """The recorded result's size only (what the view permission may see)."""
+        if not obj.result:
+            return "–"
+        hidden = _("hidden: reading it needs the change permission")
+        try:
+            snapshot = json.loads(obj.result)
+            body = base64.b64decode(snapshot["body"], validate=True)
+            shape = _("HTTP %(status)s, %(headers)d header(s), body %(size)d bytes") % {
+                "status": int(snapshot["status"]),
+                "headers": len(snapshot["headers"]),
+                "size": len(body),
+            }
+        except (ValueError, TypeError, KeyError, binascii.Error):
+            shape = _("%d characters") % len(obj.result)
+        return f"{shape} ({hidden})"
 
     @admin.display(description="record key", ordering="key")
     def short_key(self, obj: IdempotencyRecord) -> str:
