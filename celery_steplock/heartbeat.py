@@ -5,7 +5,10 @@ Like Redisson's lock watchdog, one scheduler renews all of the process's leases,
 ``ttl * renewal_ratio`` seconds, the due ones in one pipelined round trip; a lease a renewal
 finds gone is lost (ERROR log, ``lock_lost``). The holder sees it through ``lease.lost`` /
 ``lease.check()``: no exception is ever injected into the task's thread (python-redis-lock's
-pitfall list and Celery's own design both argue against it). Lifecycle, forks and loss:
+pitfall list and Celery's own design both argue against it). A store whose renewals can block
+for reasons outside Redis (the idempotency records' database store) says so with its
+``renewal_lane`` and is renewed by a heartbeat of that lane, on a thread of its own: a database
+that stops answering never delays the renewal of a Redis lease. Lifecycle, forks and loss:
 docs/design.md ("Heartbeat"); under gevent and eventlet (a native thread, signals relayed to
 the hub): docs/pools.md.
 """
@@ -28,12 +31,16 @@ from .exceptions import InvalidArgument, LockStoreMisconfigured, LockStoreUnavai
 from .lease import Lease
 from .lock import RedisLeaseStore
 
-__all__ = ["Heartbeat", "get_heartbeat"]
+__all__ = ["Heartbeat", "get_heartbeat", "heartbeat_for", "store_lane", "DEFAULT_LANE"]
 
 #: The shortest pause between two renewal attempts of one lease, seconds.
 MIN_RETRY_DELAY = 0.05
 #: Seconds the thread stays up without any lease before it exits.
 IDLE_TIMEOUT = 0.5
+#: The lane of a store without a ``renewal_lane`` attribute: the Redis leases' own.
+DEFAULT_LANE = "redis"
+#: A lost hold's reason once its local validity ran out (as :attr:`Lease.lost` says it).
+_RAN_OUT = "local validity ran out without a successful renewal"
 
 
 @dataclass(eq=False)
@@ -47,6 +54,8 @@ class _Entry:
     sender: Any
     # None for a lease (lock_extended, lock_lost); else called instead of lock_lost.
     on_lost: Callable[[Lease], Any] | None = None
+    # The error of the last renewal attempt when it failed, until one succeeds.
+    failure: str | None = None
 
 
 class Heartbeat:
@@ -65,15 +74,21 @@ class Heartbeat:
     Args:
         idle_timeout: Seconds the thread outlives its last lease (default
             :data:`IDLE_TIMEOUT`).
+        lane: The ``renewal_lane`` of the stores it renews (default :data:`DEFAULT_LANE`:
+            the stores without one); :func:`get_heartbeat` keeps one heartbeat per lane.
         clock: Schedules the renewals, in seconds (default :func:`time.monotonic`); it must
             be the clock of the leases registered (their store's ``clock``), since renewals
             are recorded on the lease in its readings.
     """
 
     def __init__(
-        self, idle_timeout: float = IDLE_TIMEOUT, clock: Callable[[], float] = time.monotonic
+        self,
+        idle_timeout: float = IDLE_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+        lane: str = DEFAULT_LANE,
     ) -> None:
         self.pid = os.getpid()
+        self.lane = _lane(lane)
         self.idle_timeout = idle_timeout
         self.clock = clock
         #: "gevent"/"eventlet" when the thread is a native one beside a green pool, else None.
@@ -118,7 +133,9 @@ class Heartbeat:
                 :class:`~celery_steplock.lock.RedisLeaseStore`, or any store with its
                 ``extend_many(items) -> list[bool]`` (owner-checked: True when extended),
                 e.g. the idempotency records' stores, whose ``locked`` records are renewed
-                like leases (``lease.name`` is then the record key).
+                like leases (``lease.name`` is then the record key). Its ``renewal_lane``
+                (default :data:`DEFAULT_LANE`) must be this heartbeat's lane: register
+                through :func:`heartbeat_for`.
             ratio: A finite number above 0 and at most
                 :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO`.
             sender: The sender of its ``lock_extended`` and ``lock_lost`` signals.
@@ -129,8 +146,9 @@ class Heartbeat:
                 sent for it. None (the default): a lease.
 
         Raises:
-            InvalidArgument: ``ratio`` is out of bounds (``argument`` ``"ratio"``), raised
-                before anything is registered.
+            InvalidArgument: ``ratio`` is out of bounds (``argument`` ``"ratio"``), or
+                ``lock`` belongs to another lane (``argument`` ``"lock"``), raised before
+                anything is registered.
             GreenPoolUnsupported: Under a green pool, ``lock`` cannot be given a client with
                 unpatched sockets.
         """
@@ -143,6 +161,14 @@ class Heartbeat:
                 f"ratio must be a number above 0 and at most "
                 f"{MAX_RENEWAL_RATIO}, got {shown(ratio)}",
                 argument="ratio",
+            )
+        lane = store_lane(lock)
+        if lane != self.lane:
+            # A store that can block elsewhere must never share the Redis leases' thread.
+            raise InvalidArgument(
+                f"lock {type(lock).__name__} renews on the {lane!r} lane, not on this "
+                f"heartbeat's {self.lane!r} lane: register it with heartbeat_for(lock)",
+                argument="lock",
             )
         if max_hold is not None:
             lease.max_hold_until = lease.acquired_at + max_hold
@@ -159,12 +185,13 @@ class Heartbeat:
         with self._cond:
             self._entries[id(lease)] = entry
             if self._thread is None:
+                name = "steplock-heartbeat"
+                if self.lane != DEFAULT_LANE:
+                    name = f"{name}-{self.lane}"
                 if self.green:
-                    thread: Any = _green.NativeThread(self._run, "steplock-heartbeat")
+                    thread: Any = _green.NativeThread(self._run, name)
                 else:
-                    thread = threading.Thread(
-                        target=self._run, name="steplock-heartbeat", daemon=True
-                    )
+                    thread = threading.Thread(target=self._run, name=name, daemon=True)
                 try:
                     thread.start()
                 except BaseException:
@@ -324,6 +351,8 @@ class Heartbeat:
                     lease = entry.lease
                     if lease.max_hold_until is not None and now >= lease.max_hold_until:
                         lost.append((entry, "max hold reached: renewal stopped"))  # noqa: B023
+                    elif (ran_out := self._ran_out(entry)) is not None:
+                        lost.append((entry, ran_out))  # noqa: B023
                     elif lease.lost:
                         lost.append((entry, None))  # noqa: B023
                     else:
@@ -345,6 +374,7 @@ class Heartbeat:
                     error=exc,
                 )
                 dropped = {id(entry) for entry, _reason in lost}
+                failure = f"{type(exc).__name__}: {exc}"
                 # A cluster store reports what the nodes that answered did (None: unknown).
                 partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))
                 for entry in group:
@@ -353,14 +383,17 @@ class Heartbeat:
                     done = partial.get(id(entry))
                     if done is not None:
                         if done:
+                            entry.failure = None
                             entry.lease.renewed(sent)
                             entry.next_at = _next(entry.lease, sent + entry.interval)
                         else:
-                            self._lose(
-                                entry, "renewal found the key gone or held by another owner"
-                            )
+                            self._lose(entry, self._refused(entry, sent))
                         continue
-                    if entry.lease.lost:
+                    entry.failure = failure
+                    ran_out = self._ran_out(entry)
+                    if ran_out is not None:
+                        self._lose(entry, ran_out)
+                    elif entry.lease.lost:
                         self._lose(entry, entry.lease.lost_reason)
                     else:
                         entry.next_at = self.clock() + max(
@@ -377,6 +410,7 @@ class Heartbeat:
             stamp = {"monotonic": time.monotonic(), "timestamp": time.time()}
             for entry, ok in zip(renewing, results):
                 if ok:
+                    entry.failure = None
                     entry.lease.renewed(sent)
                     entry.next_at = _next(entry.lease, sent + entry.interval)
                     if announce and entry.on_lost is None:
@@ -389,7 +423,30 @@ class Heartbeat:
                             **stamp,
                         )
                 else:
-                    self._lose(entry, "renewal found the key gone or held by another owner")
+                    self._lose(entry, self._refused(entry, sent))
+
+    def _ran_out(self, entry: _Entry) -> str | None:
+        """The loss reason of a hold whose local validity ran out while its renewals failed,
+        naming the failure (None: not that case; :attr:`Lease.lost` gives the plain one)."""
+        lease = entry.lease
+        if entry.failure is None or lease._lost.is_set() or lease.clock() < lease.valid_until:
+            return None
+        return f"{_RAN_OUT}: the store could not be reached ({entry.failure})"
+
+    def _refused(self, entry: _Entry, sent: float) -> str:
+        """The loss reason of a hold a renewal did not extend. When its local validity ran
+        out before the answer came, the store expired it because it did not answer in time
+        (an outage, a stopped server), which is not another owner taking it."""
+        lease = entry.lease
+        if lease._lost.is_set() or lease.clock() < lease.valid_until:
+            return "renewal found the key gone or held by another owner"
+        if entry.failure is not None:
+            return (
+                f"{_RAN_OUT}: the store could not be reached ({entry.failure}), then answered "
+                f"too late"
+            )
+        took = self.clock() - sent
+        return f"{_RAN_OUT}: the store did not answer in time (the renewal took {took:.1f} s)"
 
     def _report(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Log or emit from the renewal thread: at once, or under a green pool on the hub."""
@@ -426,29 +483,66 @@ def _next(lease: Lease, renew_at: float) -> float:
     return renew_at
 
 
-_heartbeat: Heartbeat | None = None
+def _lane(lane: Any) -> str:
+    if not isinstance(lane, str) or not lane:
+        raise InvalidArgument(
+            f"lane must be a non-empty string, got {shown(lane)}", argument="lane"
+        )
+    return lane
+
+
+def store_lane(lock: Any) -> str:
+    """The renewal lane of a store: its ``renewal_lane`` attribute, else :data:`DEFAULT_LANE`.
+
+    Raises:
+        InvalidArgument: The attribute is not a non-empty string (``argument`` ``"lane"``).
+    """
+    return _lane(getattr(lock, "renewal_lane", DEFAULT_LANE))
+
+
+_heartbeats: dict[str, Heartbeat] = {}
 _heartbeat_guard = threading.Lock()
 
 
-def get_heartbeat() -> Heartbeat:
-    """The current process's heartbeat.
+def get_heartbeat(lane: str = DEFAULT_LANE) -> Heartbeat:
+    """The current process's heartbeat of one renewal lane.
+
+    Each lane has its own renewal thread, so a store whose renewals can block for reasons
+    outside Redis (``renewal_lane = "database"``) never delays the Redis leases'.
+
+    Args:
+        lane: The lane (default :data:`DEFAULT_LANE`, the Redis leases').
 
     Returns:
         Its :class:`Heartbeat` (a new one after a fork).
+
+    Raises:
+        InvalidArgument: ``lane`` is not a non-empty string (``argument`` ``"lane"``).
     """
-    global _heartbeat
-    hb = _heartbeat
+    hb = _heartbeats.get(_lane(lane))
     if hb is None or hb.pid != os.getpid():
         with _heartbeat_guard:
-            if _heartbeat is None or _heartbeat.pid != os.getpid():
-                _heartbeat = Heartbeat()
-            hb = _heartbeat
+            hb = _heartbeats.get(lane)
+            if hb is None or hb.pid != os.getpid():
+                hb = _heartbeats[lane] = Heartbeat(lane=lane)
     return hb
 
 
+def heartbeat_for(lock: Any) -> Heartbeat:
+    """The current process's heartbeat that renews ``lock``'s holds (its lane's).
+
+    Args:
+        lock: A store with ``extend_many`` (see :meth:`Heartbeat.register`).
+
+    Returns:
+        ``get_heartbeat(store_lane(lock))``.
+    """
+    return get_heartbeat(store_lane(lock))
+
+
 def _after_fork_in_child() -> None:
-    global _heartbeat, _heartbeat_guard
-    _heartbeat = None
+    global _heartbeats, _heartbeat_guard
+    _heartbeats = {}
     _heartbeat_guard = threading.Lock()
 
 

@@ -272,7 +272,8 @@ def template_fields(template: str) -> tuple[str, ...]:
     Raises:
         LockNameError: A template :meth:`str.format` cannot parse, a positional field
             (``{}``, ``{0}``) or attribute or index access (``{x.__class__}``, ``{x[0]}``):
-            a name is made of the arguments' values only; or an ambiguous template
+            a name is made of the arguments' values only; a conversion (``{x!r}``); or an
+            ambiguous template
             (:func:`render_template`: two fields with nothing between them, text between
             fields that starts with the escape ``\\``, a format spec other than a whole
             number's, or one that names an argument).
@@ -287,9 +288,16 @@ def template_fields(template: str) -> tuple[str, ...]:
             raise LockNameError(
                 f"lock_key {shown(template)} is not a valid format template: {exc}"
             ) from None
-        for _, field_name, format_spec, _ in parsed:
+        for _, field_name, format_spec, conversion in parsed:
             if field_name is None:
                 continue
+            if conversion is not None:
+                raise LockNameError(
+                    f"lock_key {shown(template)} uses {{{field_name}!{conversion}}}: a "
+                    f"conversion is not allowed (!r writes 1 and '1' as two names of one "
+                    f"value): name the argument plainly",
+                    argument=field_name,
+                )
             if not field_name or field_name.isdigit():
                 raise LockNameError(
                     f"lock_key {shown(template)} has a positional field "
@@ -389,10 +397,19 @@ def render_template(template: str, arguments: Mapping[str, Any], option: str = "
         The name (checked by :func:`check_name`).
 
     Raises:
-        LockNameError: Naming the argument (``argument``) whose value a name cannot hold,
-            or the template's problem. KeyError: a field names no argument.
+        LockNameError: Naming the argument (``argument``) whose value a name cannot hold
+            (its ``__format__`` or ``__repr__`` raising included), a field that names no
+            argument, or the template's problem (a conversion such as ``{x!r}`` included).
     """
+    template_fields(template)
     parts, escapes = _template_parts(template)
+    missing = [p[1] for p in parts if p[1] is not None and p[1] not in arguments]
+    if missing:
+        raise LockNameError(
+            f"{option} {shown(template)} names {shown(missing[0])}, which is not an argument "
+            f"of the call (arguments: {', '.join(arguments) or 'none'})",
+            argument=missing[0],
+        )
     out: list[str] = []
     for literal, field_name, conversion, spec in parts:
         out.append(literal)
@@ -421,7 +438,7 @@ def _field_text(
         if isinstance(value, float):
             whole = math.isfinite(value) and value.is_integer()
         else:
-            whole = value.is_finite() and value.adjusted() < MAX_NAME_LENGTH
+            whole = value.is_finite() and (value.is_zero() or value.adjusted() < MAX_NAME_LENGTH)
             whole = whole and value == value.to_integral_value()
         if not whole:
             raise refused(
@@ -438,25 +455,20 @@ def _field_text(
             f"{shown(value)} has leading or trailing whitespace (it would name another "
             f"limit or lock than the value without it)"
         )
-    if conversion == "r":
-        value = repr(value)
-    elif conversion == "a":
-        value = ascii(value)
-    elif conversion == "s":
-        value = str(value)
-    elif conversion is not None:
-        raise refused(f"has the conversion !{conversion}: only !r, !s and !a exist")
+    if conversion is not None:  # template_fields refused it first; kept for direct callers
+        raise refused(f"is written with the conversion !{conversion}: name it plainly")
     if spec and type(value) is not int:
         raise refused(
             f"is formatted with {{{name}:{spec}}}: a format spec applies to whole numbers "
             f"only (a padded string could name another value)"
         )
+    # A value's own __format__ may raise anything: it is the caller's bad argument.
     try:
         text = format(value, spec)
     except RecursionError:
         raise refused("is nested too deep to be formatted") from None
-    except (ValueError, TypeError) as exc:
-        raise refused(f"cannot be formatted: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - reported as the argument's error
+        raise refused(f"cannot be formatted: {type(exc).__name__}: {shown(str(exc))}") from None
     if type(value) is not int and text != text.strip():
         raise refused("is written with leading or trailing whitespace")
     return text

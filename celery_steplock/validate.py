@@ -563,6 +563,23 @@ def _unknown_option_names(task: Any) -> list[tuple[str, str | None]]:
 DJANGO_SETTINGS_READ = frozenset({"STEPLOCK_IDEMPOTENCY_MIDDLEWARE"})
 
 
+def _django_only_match(name: str, close: str | None) -> str | None:
+    """The Django-only setting (:data:`DJANGO_SETTINGS_READ`, no ``CELERY_`` prefix) that
+    ``name`` (lower case, without the app's namespace) is closer to than to ``close``, the
+    closest ``steplock_*`` setting: ``STEPLOCK_IDEMPOTENCY_MIDDLEWAR`` and
+    ``CELERY_STEPLOCK_IDEMPOTENCY_MIDDLEWARE`` mean ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE``."""
+    import difflib
+
+    if close == name:
+        return None
+    best = difflib.get_close_matches(name.upper(), sorted(DJANGO_SETTINGS_READ), n=1)
+    if not best:
+        return None
+    ours = difflib.SequenceMatcher(None, name.upper(), best[0]).ratio()
+    theirs = difflib.SequenceMatcher(None, name, close).ratio() if close else 0.0
+    return best[0] if ours > theirs else None
+
+
 def unknown_name_problems(app: Any) -> list[Problem]:
     """W005: settings and task options that do not exist, each with the closest real name.
 
@@ -593,6 +610,7 @@ def unknown_name_problems(app: Any) -> list[Problem]:
             close = [renamed[name]]
         else:
             close = [name] if name in known else difflib.get_close_matches(name, known, n=1)
+        django_close = _django_only_match(name, close[0] if close else None)
         if name not in known and name not in renamed and raw in _read_keys(app, name):
             # read as written: the name itself is wrong (a typo)
             message = (
@@ -616,7 +634,13 @@ def unknown_name_problems(app: Any) -> list[Problem]:
             Problem(
                 "celery_steplock.W005",
                 message,
-                hint=f"Did you mean {_spelled(app, close[0])}?" if close else None,
+                hint=(
+                    f"Did you mean {django_close} (a Django setting, without CELERY_)?"
+                    if django_close
+                    else f"Did you mean {_spelled(app, close[0])}?"
+                    if close
+                    else None
+                ),
                 obj=raw,
             )
         )

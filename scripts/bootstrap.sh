@@ -61,7 +61,7 @@ EOF
 link_redis() {
     ln -sfn "$1" "$REDIS_LINK"
     if verify_redis; then
-        say "redis-server: .venv/bin/redis-server runs $1 (one redis binary that acts by the name it is called with)"
+        say "redis-server: .venv/bin/redis-server (Debian's redis-tools, linked from $1)"
         return 0
     fi
     say "$1 does not run as a redis server"

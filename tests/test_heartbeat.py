@@ -536,3 +536,74 @@ def test_a_tiny_ratio_renews_at_most_every_ten_milliseconds(redis_client, heartb
     assert 1 <= renewals <= elapsed / 0.01 + 2, f"{renewals} renewals in {elapsed:.2f} s"
     assert conf.MIN_RENEWAL_INTERVAL == 0.01
     assert not lease.lost and lock.owned("hb-tiny", "o") is not None
+
+
+class UnreachableStore:
+    """A store of other holds on a lane of its own, like the idempotency records' database
+    store, whose database does not answer: a renewal blocks until ``answer`` is set, then
+    raises the store's outage error."""
+
+    renewal_lane = "test-unreachable"
+
+    def __init__(self):
+        self.answer = threading.Event()
+        self.calls = 0
+
+    def extend_many(self, items):
+        list(items)
+        self.calls += 1
+        self.answer.wait(30)
+        from celery_steplock.exceptions import LockStoreUnavailable
+
+        raise LockStoreUnavailable("the database did not answer (OperationalError)", key="rec")
+
+
+def _hold(ttl):
+    from celery_steplock.lease import Lease
+
+    now = time.monotonic()
+    return Lease("rec", "rec", "owner", 0, ttl, now, now + ttl - drift(ttl))
+
+
+def test_a_store_that_blocks_renews_on_its_own_lane(lock):
+    """A store whose renewals block outside Redis never delays the Redis leases: it has a
+    heartbeat (and thread) of its own lane; its hold, once its validity ran out, is lost with
+    a reason naming the outage (not "held by another owner")."""
+    from celery_steplock.heartbeat import heartbeat_for
+
+    store = UnreachableStore()
+    records = heartbeat_for(store)
+    assert records is get_heartbeat("test-unreachable") and records is not get_heartbeat()
+    with pytest.raises(InvalidArgument) as refused:
+        get_heartbeat().register(_hold(0.6), store)  # the Redis leases' lane: refused
+    assert refused.value.argument == "lock" and "test-unreachable" in str(refused.value)
+    lost = []
+    hold = _hold(0.6)
+    records.register(hold, store, on_lost=lost.append)
+    lease = lock.acquire("beside-a-blocked-store", "o", 1.0)
+    get_heartbeat().register(lease, lock)
+    try:
+        wait_until(lambda: store.calls >= 1, what="the blocked renewal")
+        blocked_at = time.monotonic()
+        while time.monotonic() - blocked_at < 2.5:  # more than twice the lease's TTL
+            assert not lease.lost, lease.lost_reason
+            time.sleep(0.05)
+        assert lock.owned("beside-a-blocked-store", "o") is not None
+        assert records.thread is not get_heartbeat().thread
+        store.answer.set()
+        wait_until(lambda: lost, what="the hold's loss")
+        assert lost == [hold] and "another owner" not in hold.lost_reason
+        assert "could not be reached" in hold.lost_reason, hold.lost_reason
+        assert "did not answer" in hold.lost_reason
+    finally:
+        store.answer.set()
+        records.unregister(hold)
+        get_heartbeat().unregister(lease)
+        lock.release("beside-a-blocked-store", "o")
+
+
+def test_get_heartbeat_refuses_a_lane_that_is_no_name():
+    for lane in ("", None, 3, ["redis"]):
+        with pytest.raises(InvalidArgument) as refused:
+            get_heartbeat(lane)
+        assert refused.value.argument == "lane"

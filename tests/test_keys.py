@@ -9,6 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_steplock.exceptions import LockNameError
+from celery_steplock import keys
 from celery_steplock.keys import (
     bind_arguments,
     canonical_json,
@@ -245,9 +246,12 @@ def test_templates_refuse_attribute_index_and_positional_fields(template):
     assert "no attribute or index access" in str(info.value) or "positional" in str(info.value)
 
 
-def test_a_template_may_still_use_conversions_and_format_specs():
+def test_a_template_may_use_a_whole_numbers_format_spec_but_no_conversion():
     assert name(bound, 5, lock_key="n:{x:04d}") == "n:0005"
-    assert name(bound, "a", lock_key="n:{x!r}") == "n:'a'"
+    # !r would write 1 and "1" as two names of one value (and !s is the plain field).
+    for template in ("n:{x!r}", "n:{x!s}", "n:{x!a}"):
+        with pytest.raises(LockNameError, match="conversion is not allowed"):
+            name(bound, "a", lock_key=template)
 
 
 def test_the_documented_rule_for_1_1_0_true_and_the_string_1():
@@ -722,3 +726,33 @@ def test_an_idempotency_key_template_never_confuses_two_value_pairs(redis_client
     assert pay("acme", "bob:x") == "acme|bob:x"  # not a replay, not a key reused
     assert pay("acme:bob", "x") == "acme:bob|x"  # the replay of the first
     assert calls == [("acme:bob", "x"), ("acme", "bob:x")]
+
+
+@pytest.mark.parametrize(
+    "template, arguments, says",
+    [
+        ("order:{a!r}", {"a": "1"}, "conversion is not allowed"),
+        ("order:{a!s}", {"a": 1}, "conversion is not allowed"),
+        ("{a.x}", {"a": 1}, "only plain argument names"),
+        ("{0}", {"a": 1}, "positional field"),
+        ("{}", {"a": 1}, "positional field"),
+        ("{a", {"a": 1}, "not a valid format template"),
+        ("order:{b}", {"a": 1}, "not an argument"),
+    ],
+)
+def test_render_template_refuses_what_a_task_option_refuses(template, arguments, says):
+    """Called directly (the README names it), render_template raises LockNameError for
+    every template the task options refuse at check time, never a bare KeyError."""
+    with pytest.raises(LockNameError, match=says):
+        keys.render_template(template, arguments)
+
+
+def test_a_value_whose_format_raises_is_the_arguments_error():
+    class Hostile:
+        def __format__(self, spec):
+            raise RuntimeError("no")
+
+    with pytest.raises(LockNameError, match="cannot be formatted: RuntimeError") as caught:
+        keys.render_template("order:{a}:{b}", {"a": Hostile(), "b": 1})
+    assert caught.value.argument == "a"
+    assert keys.render_template("n:{a}:{b}", {"a": decimal.Decimal("0E+1000"), "b": 1}) == "n:0:1"

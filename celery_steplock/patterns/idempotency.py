@@ -646,11 +646,12 @@ class IdempotentCall:
     def _renew(self, ratio: float) -> None:
         """Register :attr:`lease` with the process's heartbeat, unless the call already
         ended (the database store registers once the record's row is committed)."""
-        from ..heartbeat import get_heartbeat
+        from ..heartbeat import heartbeat_for
 
         if self.done or self.lease is None:
             return
-        get_heartbeat().register(
+        # The store's lane: a database store's renewals run on their own thread.
+        heartbeat_for(self.policy.store).register(
             self.lease, self.policy.store, ratio=ratio, sender=self.task, on_lost=self._lost
         )
         if self.done:  # ended meanwhile on another thread: never renew an ended record
@@ -661,10 +662,10 @@ class IdempotentCall:
         released (a renewal after it would find the record no longer locked)."""
         if self.lease is None:
             return
-        from ..heartbeat import get_heartbeat
+        from ..heartbeat import heartbeat_for
 
         try:
-            get_heartbeat().unregister(self.lease)
+            heartbeat_for(self.policy.store).unregister(self.lease)
         except Exception as exc:  # noqa: BLE001 - the record is ended all the same
             log_event(
                 "idempotency_record_failed",
@@ -702,6 +703,81 @@ class IdempotentCall:
 
 #: The former name of :class:`IdempotentCall`, kept for one release.
 Ticket = IdempotentCall
+
+
+#: The keyword arguments of :class:`Idempotency` that :func:`check_argument` judges alone
+#: (``app``, ``client`` and ``secret`` are judged with the app they come from).
+ARGUMENTS = (
+    "namespace",
+    "version",
+    "ttl",
+    "lock_ttl",
+    "serializer",
+    "store",
+    "on_store_error",
+    "max_result_bytes",
+)
+#: Every keyword argument of :class:`Idempotency` but ``namespace``.
+KEYWORDS = (*ARGUMENTS[1:], "app", "client", "prefix", "secret")
+
+
+def check_argument(name: str, value: Any, label: str | None = None) -> Any:
+    """Check one argument of :class:`Idempotency` (one of :data:`ARGUMENTS`, not None) and
+    return it (``version`` as a str, ``ttl`` and ``lock_ttl`` as float seconds): the one
+    place their bounds live, used by the policy and by the HTTP layer at decoration and at
+    the middleware's load (``manage.py check`` E011).
+
+    Args:
+        name: The argument's name.
+        value: Its value.
+        label: What an error names (default ``name``), e.g.
+            ``'STEPLOCK_IDEMPOTENCY_MIDDLEWARE["ttl"]'``.
+
+    Raises:
+        ImproperlyConfigured: ``value`` is of the wrong type or out of its bounds:
+            ``namespace`` a str of 1 to 512 characters; ``version`` a str or int
+            (:func:`check_version`); ``ttl`` and ``lock_ttl`` 0.1 s to 366 days;
+            ``serializer`` a registered kombu serializer; ``store`` "redis", "database" or
+            an object with the store's methods; ``on_store_error`` "fail_closed" or
+            "fail_open"; ``max_result_bytes`` 1 KiB to 64 MiB.
+    """
+    label = label or name
+    if name == "namespace":
+        if not isinstance(value, str) or not value or len(value) > 512:
+            raise ImproperlyConfigured(
+                f"{label} must be a non-empty str of at most 512 characters, got {shown(value)}",
+                setting=label,
+            )
+        return value
+    if name == "version":
+        return check_version(value, label)
+    if name in ("ttl", "lock_ttl"):
+        return check_seconds(
+            value, label, minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL
+        )
+    if name == "serializer":
+        from kombu.serialization import registry  # type: ignore[attr-defined]  # stubs
+
+        if not isinstance(value, str) or value not in registry._encoders:
+            raise ImproperlyConfigured(
+                f"{label} must name a registered kombu serializer, got {shown(value)}",
+                setting=label,
+            )
+        return value
+    if name == "store":
+        if value not in ("redis", "database") and (
+            isinstance(value, str) or not hasattr(value, "begin")
+        ):
+            raise ImproperlyConfigured(
+                f"{label} must be 'redis', 'database' or a store object, got {shown(value)}",
+                setting=label,
+            )
+        return value
+    if name == "on_store_error":
+        return check_on_store_error(value, label)
+    if name == "max_result_bytes":
+        return check_count(value, label, minimum=1024, maximum=64 * 1024 * 1024)
+    raise ValueError(f"check_argument: no argument {name!r}")  # a caller's bug
 
 
 class Idempotency:
@@ -742,14 +818,8 @@ class Idempotency:
         secret: bytes | str | None = None,
         max_result_bytes: int | None = None,
     ):
-        if not isinstance(namespace, str) or not namespace or len(namespace) > 512:
-            raise ImproperlyConfigured(
-                f"namespace must be a non-empty str of at most 512 "
-                f"characters, got {shown(namespace)}",
-                setting="namespace",
-            )
-        self.namespace = namespace
-        self.version = check_version(version, "version")
+        self.namespace = check_argument("namespace", namespace)
+        self.version = check_argument("version", version)
         settings = Settings(app) if app is not None else None
         if app is None and client is None and not hasattr(store, "begin"):
             raise ImproperlyConfigured(
@@ -759,39 +829,25 @@ class Idempotency:
         def setting(name, default):
             return getattr(settings, f"idempotency_{name}") if settings is not None else default
 
-        self.ttl = (
-            check_seconds(ttl, "ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL)
-            if ttl is not None
-            else setting("ttl", 24 * 3600.0)
-        )
+        self.ttl = check_argument("ttl", ttl) if ttl is not None else setting("ttl", 24 * 3600.0)
         self.lock_ttl = (
-            check_seconds(
-                lock_ttl, "lock_ttl", minimum=MIN_IDEMPOTENCY_TTL, maximum=MAX_IDEMPOTENCY_TTL
-            )
+            check_argument("lock_ttl", lock_ttl)
             if lock_ttl is not None
             else setting("lock_ttl", 600.0)
         )
         #: Renewals of a running body's record come every ``lock_ttl * renewal_ratio``
         #: seconds (``steplock_renewal_ratio``, as the leases'; 1/3 without an app).
         self.renewal_ratio = settings.renewal_ratio if settings is not None else 1 / 3
-        self.serializer = serializer if serializer is not None else setting("serializer", "json")
-        from kombu.serialization import registry  # type: ignore[attr-defined]  # stubs
-
-        if self.serializer not in registry._encoders:
-            raise ImproperlyConfigured(
-                f"serializer must name a registered kombu serializer, "
-                f"got {shown(self.serializer)}",
-                setting="serializer",
-            )
+        self.serializer = check_argument(
+            "serializer", serializer if serializer is not None else setting("serializer", "json")
+        )
         self.max_result_bytes = (
-            check_count(
-                max_result_bytes, "max_result_bytes", minimum=1024, maximum=64 * 1024 * 1024
-            )
+            check_argument("max_result_bytes", max_result_bytes)
             if max_result_bytes is not None
             else setting("max_result_bytes", 1024 * 1024)
         )
         self.on_store_error = resolve_policy(
-            check_on_store_error(on_store_error, "on_store_error"),
+            check_argument("on_store_error", on_store_error),
             settings,
             "idempotency_on_store_error",
         )
@@ -801,7 +857,7 @@ class Idempotency:
             secret = settings.name_secret if secret is None else secret
         self.secret = secret
         redis_records = RedisRecords(client, prefix or "steplock") if client is not None else None
-        kind = store if store is not None else setting("store", "redis")
+        kind = check_argument("store", store if store is not None else setting("store", "redis"))
         # RedisRecords, DatabaseRecords or any object with their methods (duck-typed).
         self.store: Any
         if kind == "redis":
@@ -809,13 +865,8 @@ class Idempotency:
         elif kind == "database":
             database_records = _django.contrib("idempotency").DatabaseRecords
             self.store = database_records(cache=redis_records)
-        elif hasattr(kind, "begin"):
-            self.store = kind
         else:
-            raise ImproperlyConfigured(
-                f"store must be 'redis', 'database' or a store object, got {shown(kind)}",
-                setting="store",
-            )
+            self.store = kind
 
     def key(self, resource: str) -> str:
         """The record key of ``resource`` (:func:`record_key`)."""

@@ -610,3 +610,28 @@ def test_a_worker_start_reports_the_same_mistakes_at_once(tmp_path):
     [exit_line] = [line for line in output.splitlines() if line.startswith("celery-steplock: ")]
     for _, message in ERRORS:
         assert message in exit_line
+
+
+# -- W005: the one Django-only setting --------------------------------------------------------
+
+
+def test_a_misspelled_middleware_setting_suggests_the_django_only_name(app):
+    from django.test import override_settings
+
+    with override_settings(
+        STEPLOCK_IDEMPOTENCY_MIDDLEWAR={}, CELERY_STEPLOCK_IDEMPOTENCY_MIDDLEWARE={}
+    ):
+        found = {m.obj: m.hint for m in checks.check_unknown_names(app)}
+    hint = "Did you mean STEPLOCK_IDEMPOTENCY_MIDDLEWARE (a Django setting, without CELERY_)?"
+    assert found == {
+        "STEPLOCK_IDEMPOTENCY_MIDDLEWAR": hint,
+        "CELERY_STEPLOCK_IDEMPOTENCY_MIDDLEWARE": hint,
+    }
+
+
+def test_e011_is_registered():
+    from django.test import override_settings
+
+    with override_settings(STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"max_record": 5}):
+        found = [m for m in registry.run_checks(tags=["celery_steplock"]) if m.id.endswith("E011")]
+    assert len(found) == 1 and "max_records" in found[0].msg

@@ -3,6 +3,8 @@ completed rows), the admin page, and the view decorator and middleware through D
 client (``Idempotency-Key`` as payment APIs use it)."""
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -26,9 +28,9 @@ from celery_steplock.exceptions import (
     IdempotencyKeyReused,
     LockStoreUnavailable,
 )
-from celery_steplock.heartbeat import get_heartbeat
+from celery_steplock.heartbeat import get_heartbeat, heartbeat_for
 from celery_steplock.patterns.idempotency import Idempotency, RedisRecords, idempotent
-from celery_steplock.lock import make_client
+from celery_steplock.lock import RedisLeaseStore, make_client
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from tests.helpers import set_settings
@@ -107,7 +109,8 @@ def test_a_failed_or_expired_row_runs_again(redis_client):
     assert not again.replayed
     row = IdempotencyRecord.objects.get(key=policy.key("r5"))
     assert row.status == "locked" and row.attempts == 2
-    get_heartbeat().unregister(again.lease)  # the holder crashed: its heartbeat stopped
+    # The holder crashed: its heartbeat stopped.
+    heartbeat_for(policy.store).unregister(again.lease)
     time.sleep(0.3)  # and its lock expired
     third = policy.begin("r5", {"a": 1})
     assert again.complete("late") is False and third.complete("ok") is True
@@ -133,7 +136,7 @@ def test_the_database_store_renews_a_running_body_owner_checked(redis_client):
     assert row.status == "locked" and row.owner == held.owner and row.attempts == 1
     assert row.expires_at > first.expires_at
     assert held.complete("done") is True
-    assert held.lease not in get_heartbeat().leases
+    assert held.lease not in heartbeat_for(policy.store).leases
     store = policy.store
     completed = IdempotencyRecord.objects.get(key=policy.key("r8"))
     assert store.extend_many([(policy.key("r8"), held.owner, 300.0)]) == [False]
@@ -150,9 +153,57 @@ def test_the_database_store_renews_a_running_body_owner_checked(redis_client):
         assert [kw["key"] for kw in lost] == [policy.key("r9")]
     finally:
         signals.idempotency_lost.disconnect(receiver)
-    assert other.lease not in get_heartbeat().leases
+    assert other.lease not in heartbeat_for(store).leases
     fresh = policy.begin("r9", {"a": 1})
     assert fresh.replayed is False and fresh.release() is True
+
+
+def _postmaster_pid() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW data_directory")
+        data_directory = cursor.fetchone()[0]
+    with open(os.path.join(data_directory, "postmaster.pid")) as pidfile:
+        return int(pidfile.readline())
+
+
+@pytest.mark.postgresql  # stops the pass's PostgreSQL server for a few seconds
+def test_a_database_that_stops_answering_never_delays_the_redis_leases(redis_client):
+    """A renewal of the database store that hangs (the postmaster is stopped: each renewal
+    opens a connection, CONN_MAX_AGE=0) runs on a thread of its own: the process's Redis
+    leases are renewed all along, and the record, once its lock TTL has run out, is lost
+    with a reason naming the store that did not answer, not "held by another owner"."""
+    policy = database_policy(redis_client, lock_ttl=0.9)
+    held = policy.begin("pg-pause", {"a": 1})
+    assert held.lease in heartbeat_for(policy.store).leases
+    assert heartbeat_for(policy.store) is not get_heartbeat()  # a renewal thread of its own
+    store = RedisLeaseStore(redis_client, prefix="t-pg-pause")
+    lease = store.acquire("pg-pause", "o", 2.0)
+    get_heartbeat().register(lease, store)
+    lost = []
+    receiver = lambda sender=None, **kw: lost.append(kw)  # noqa: E731
+    signals.idempotency_lost.connect(receiver, weak=False)
+    postmaster = _postmaster_pid()
+    try:
+        wait_until(lambda: lease.valid_until > lease.acquired_at + 2.0, what="a renewal")
+        os.kill(postmaster, signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            while time.monotonic() - stopped_at < 4.0:  # twice the lease's TTL
+                assert not lease.lost, lease.lost_reason
+                time.sleep(0.1)
+            assert store.owned("pg-pause", "o") is not None
+        finally:
+            os.kill(postmaster, signal.SIGCONT)
+        wait_until(lambda: lost, timeout=20, what="the record's loss")
+        reason = lost[0]["reason"]
+        assert "another owner" not in reason, reason
+        assert "did not answer" in reason or "could not be reached" in reason, reason
+        assert not lease.lost and store.owned("pg-pause", "o") is not None
+    finally:
+        signals.idempotency_lost.disconnect(receiver)
+        get_heartbeat().unregister(lease)
+        store.release("pg-pause", "o")
+        held.release()
 
 
 def test_a_redis_outage_only_slows_the_database_store_down(redis_client):

@@ -12,6 +12,7 @@ import datetime as dt
 import io
 import json
 import pickle
+import re
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from django.contrib.auth.models import Permission, User
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.exceptions import PermissionDenied
 from django.core.management import CommandError, call_command
-from django.http import Http404, HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.test import Client, override_settings
 from django.urls import path, reverse
 from django.utils import timezone
@@ -463,3 +464,313 @@ def test_a_body_above_the_upload_limit_gets_413(client, users):
     small = post(client, "/raw", {"pad": "x" * 100}, "b-2")
     assert small.status_code == 201 and small.json()["size"] > 100
     assert post(client, "/raw", {"pad": "x" * 100}, "b-2")[REPLAYED_HEADER] == "true"
+
+
+# -- 5. review findings: the host's port, completion, streaming, async views, refusals -------
+
+
+@idempotent_view(app=celery_app, namespace="tests.bounds.slow", max_records=1, ttl=4, lock_ttl=0.5)
+def slow_view(request):
+    CALLS.append(1)
+    time.sleep(2)  # four lock TTLs: the heartbeat keeps the record locked meanwhile
+    return JsonResponse({"n": len(CALLS)}, status=201)
+
+
+@idempotent_view(app=celery_app, namespace="tests.bounds.streams", max_records=1)
+def streaming_view(request):
+    CALLS.append(1)
+    return StreamingHttpResponse(iter([b"a", b"b"]), status=201)
+
+
+class UpstreamRefused(Exception):
+    """An SDK's error for its upstream's 429: Django answers it with 500."""
+
+    status_code = 429
+
+
+@idempotent_view(app=celery_app, namespace="tests.bounds.upstream")
+def upstream_view(request):
+    CALLS.append(1)
+    raise UpstreamRefused("the payment provider is rate limiting")
+
+
+urlpatterns += [
+    path("slow", slow_view),
+    path("streams", streaming_view),
+    path("upstream", upstream_view),
+]
+
+
+@override_settings(ROOT_URLCONF=__name__, ALLOWED_HOSTS=["a.example", "[::1]", "[2001:db8::1]"])
+def test_the_port_and_a_trailing_dot_name_no_other_host(client):
+    """Django accepts any digits as a port (``:1``, ``:01``): each port used to be another
+    host, so a fresh cap and fresh keys (a retry through another port ran the view again)."""
+    assert post(client, "/anonymous", {}, "a-1", HTTP_HOST="a.example").status_code == 201
+    for host in ("a.example:1", "a.example:01", "A.EXAMPLE.", "a.example.:8080"):
+        again = post(client, "/anonymous", {}, "a-1", HTTP_HOST=host)
+        assert again.status_code == 201 and again[REPLAYED_HEADER] == "true", host
+    assert post(client, "/anonymous", {}, "a-2", HTTP_HOST="a.example:2").status_code == 201
+    assert post(client, "/anonymous", {}, "a-3", HTTP_HOST="a.example:3").status_code == 429
+    assert CALLS == [1, 1]
+    # IPv6 literals keep their colons: [::1] and [2001:db8::1] are two hosts.
+    assert post(client, "/anonymous", {}, "v-1", HTTP_HOST="[::1]:8000").status_code == 201
+    assert post(client, "/anonymous", {}, "v-1", HTTP_HOST="[::1]")[REPLAYED_HEADER] == "true"
+    other = post(client, "/anonymous", {}, "v-1", HTTP_HOST="[2001:db8::1]:8000")
+    assert other.status_code == 201 and REPLAYED_HEADER not in other
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_a_record_the_heartbeat_kept_counts_until_it_ends(client, users, redis_client):
+    """A view running longer than its lock TTL (renewed by the heartbeat) completes late:
+    its quota entry used to end ``lock_ttl + ttl`` after the first request, before the
+    record; then a new key was admitted beyond max_records and the retry of the live key
+    got 429 instead of its replay. The entry now counts ``ttl`` from completion."""
+    client.force_login(users[0])
+    started = time.time()
+    assert post(client, "/slow", {}, "k-1").status_code == 201
+    ends = (
+        min(int(redis_client.pttl(key)) for key in redis_client.scan_iter("steplock:idem:*"))
+        / 1000.0
+        + time.time()
+    )
+    entry = redis_client.zrange(
+        next(redis_client.scan_iter("steplock:idemq:*")), 0, -1, withscores=True
+    )
+    # The quota entry counts as long as the record lives (not lock_ttl + ttl from the start).
+    assert len(entry) == 1 and entry[0][1] / 1000.0 >= ends - 1.0
+    # Past the old end (first request + lock_ttl + ttl), while the record still lives:
+    while time.time() < started + 0.5 + 4 + 0.3:
+        time.sleep(0.1)
+    assert time.time() < ends - 0.2, "the machine was too slow to see the record live"
+    refused = post(client, "/slow", {}, "k-2")
+    assert refused.status_code == 429, refused.content[:300]
+    replay = post(client, "/slow", {}, "k-1")
+    assert replay.status_code == 201 and replay[REPLAYED_HEADER] == "true"
+    assert CALLS == [1]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_a_key_with_a_record_is_never_refused_by_the_cap(client, users, redis_client):
+    """The cap only applies to a new key: a retry of a key that has a live record (replay,
+    409, 422) gets its answer even when the principal's quota entries are gone."""
+    client.force_login(users[0])
+    assert post(client, "/capped", {}, "k-1").status_code == 201
+    for quota in redis_client.scan_iter("steplock:idemq:*"):  # as if the entry had ended
+        redis_client.zadd(quota, {"other-1": 2**50, "other-2": 2**50, "other-3": 2**50})
+        redis_client.zremrangebyscore(quota, "-inf", 2**49)
+    replay = post(client, "/capped", {}, "k-1")
+    assert replay.status_code == 201 and replay[REPLAYED_HEADER] == "true", replay.content
+    assert post(client, "/capped", {"other": 1}, "k-1").status_code == 422
+    assert post(client, "/capped", {}, "k-2").status_code == 429
+    assert CALLS == ["alice"]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_a_streaming_response_gives_its_slot_back(client, users, redis_client):
+    """A streaming response is not recorded: its record is released, and now its place in
+    the cap too (it used to hold the slot for lock_ttl + ttl)."""
+    client.force_login(users[0])
+    for n in range(3):
+        response = post(client, "/streams", {}, f"s-{n}")
+        assert response.status_code == 201 and b"".join(response.streaming_content) == b"ab"
+    assert CALLS == [1, 1, 1] and live_records(redis_client, "redis") == 0
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_an_exception_that_only_carries_a_status_code_is_a_server_error(
+    client, users, redis_client
+):
+    """Django answers an exception of its own refusals (or DRF's APIException) with a 4xx;
+    any other exception is a 500 whatever ``status_code`` it carries (an SDK's error for its
+    upstream's 429). Its record used to be deleted as refused; it is now kept failed."""
+    client.force_login(users[0])
+    client.raise_request_exception = False
+    assert post(client, "/upstream", {}, "u-1").status_code == 500
+    assert live_records(redis_client, "redis") == 1
+    record = next(redis_client.scan_iter("steplock:idem:*"))
+    assert redis_client.hget(record, "status") in (b"failed", "failed")
+
+
+async def async_function_view(request):
+    return HttpResponse("async")
+
+
+class AsyncView(View):
+    async def post(self, request):
+        return HttpResponse("async")
+
+
+def test_an_async_view_is_refused_at_decoration():
+    """``idempotent_view`` calls its view synchronously: an ``async def`` view's coroutine
+    was never awaited (500, and a failed record counted against the cap)."""
+    for view in (async_function_view, AsyncView.as_view(), AsyncView.post):
+        with pytest.raises(ImproperlyConfigured, match="async views are not supported") as info:
+            idempotent_view(app=celery_app)(view)
+        assert "IdempotencyMiddleware" in str(info.value) and info.value.setting == "view"
+
+
+@override_settings(
+    ROOT_URLCONF=__name__,
+    MIDDLEWARE=[
+        "django.contrib.sessions.middleware.SessionMiddleware",
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "celery_steplock.contrib.django.idempotency.IdempotencyMiddleware",
+    ],
+    STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app},
+)
+def test_the_middleware_guards_an_async_view(client, users):
+    """The middleware is synchronous: Django adapts an async view under it, so it guards
+    async views (what the decorator's refusal points to)."""
+    client.force_login(users[0])
+    first = post(client, "/async", {}, "a-1")
+    assert first.status_code == 200 and first.content == b"async"
+    assert post(client, "/async", {}, "a-1")[REPLAYED_HEADER] == "true"
+
+
+urlpatterns += [path("async", async_function_view)]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_the_cap_is_shared_by_every_guarded_view(client, users):
+    """The cap counts a principal's live records on a host across every guarded view (one
+    count); each view checks its own ``max_records`` against it (documented)."""
+    client.force_login(users[0])
+    for n in range(3):
+        assert post(client, "/default-cap", {}, f"d-{n}").status_code == 201
+    assert post(client, "/capped", {}, "c-1").status_code == 429
+
+
+# -- the middleware's setting and the decorator's arguments are checked once, up front --------
+
+MIDDLEWARE_STACK = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "celery_steplock.contrib.django.idempotency.IdempotencyMiddleware",
+]
+
+BAD_MIDDLEWARE_SETTINGS = [
+    ({"max_record": 5}, r'\["max_record"\]: unknown option; did you mean "max_records"\?'),
+    ({"max_records": 0}, r'\["max_records"\]'),
+    ({"ttl": -1}, r'\["ttl"\]'),
+    ({"ttl": "60"}, r'\["ttl"\]'),
+    ({"lock_ttl": 0}, r'\["lock_ttl"\]'),
+    ({"version": [1]}, r'\["version"\]'),
+    ({"exempt_paths": ["("]}, r'\["exempt_paths"\]'),
+    ({"exempt_paths": "^/x"}, r'\["exempt_paths"\]'),
+    (["bad"], r"STEPLOCK_IDEMPOTENCY_MIDDLEWARE must be a dict"),
+    ({"required": "yes"}, r'\["required"\]'),
+    ({"anonymous": 1}, r'\["anonymous"\]'),
+    ({"methods": "POST"}, r'\["methods"\]'),
+    ({"methods": ["POST", 1]}, r'\["methods"\]'),
+    ({"header": ""}, r'\["header"\]'),
+    ({"header": "Idempotency Key"}, r'\["header"\]'),
+    ({"namespace": ""}, r'\["namespace"\]'),
+    ({"scope": "myapp.scope"}, r'\["scope"\]'),
+    ({"store": "memcached"}, r'\["store"\]'),
+    ({"on_store_error": "open"}, r'\["on_store_error"\]'),
+    ({"serializer": "nope"}, r'\["serializer"\]'),
+    ({"max_result_bytes": 10}, r'\["max_result_bytes"\]'),
+]
+
+
+@pytest.mark.parametrize("config, message", BAD_MIDDLEWARE_SETTINGS)
+def test_a_bad_middleware_setting_is_refused_at_load_naming_the_option(config, message):
+    from celery_steplock.contrib.django.idempotency import IdempotencyMiddleware
+
+    with override_settings(STEPLOCK_IDEMPOTENCY_MIDDLEWARE=config):
+        with pytest.raises(ImproperlyConfigured, match=message) as caught:
+            IdempotencyMiddleware(lambda request: HttpResponse())
+    assert "STEPLOCK_IDEMPOTENCY_MIDDLEWARE" in str(caught.value)
+    assert caught.value.setting == "STEPLOCK_IDEMPOTENCY_MIDDLEWARE"
+
+
+@pytest.mark.parametrize("config, message", BAD_MIDDLEWARE_SETTINGS)
+def test_a_bad_middleware_setting_is_check_e011(config, message):
+    from celery_steplock.contrib.django.checks import check_idempotency_settings
+
+    with override_settings(STEPLOCK_IDEMPOTENCY_MIDDLEWARE=config):
+        [error] = check_idempotency_settings()
+    assert error.id == "celery_steplock.E011" and error.obj == "STEPLOCK_IDEMPOTENCY_MIDDLEWARE"
+    assert re.search(message, error.msg)
+
+
+def test_a_good_middleware_setting_passes_the_check():
+    from celery_steplock.contrib.django.checks import check_idempotency_settings
+
+    good = {
+        "app": celery_app,
+        "ttl": 60,
+        "lock_ttl": 30.5,
+        "version": 2,
+        "methods": ["post", "PUT"],
+        "header": "X-Request-Id",
+        "required": True,
+        "anonymous": False,
+        "max_records": 10,
+        "exempt_paths": [r"^/login/"],
+        "namespace": "api",
+        "store": "database",
+        "on_store_error": "fail_open",
+    }
+    for config in (good, {}, None):
+        with override_settings(STEPLOCK_IDEMPOTENCY_MIDDLEWARE=config):
+            assert check_idempotency_settings() == []
+
+
+@override_settings(ROOT_URLCONF=__name__, MIDDLEWARE=MIDDLEWARE_STACK)
+def test_a_misspelled_middleware_option_fails_before_any_request(client, users):
+    client.force_login(users[0])
+    client.raise_request_exception = True
+    with override_settings(STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app, "max_record": 5}):
+        with pytest.raises(ImproperlyConfigured, match="max_record"):
+            post(client, "/capped", {}, None)  # no key: it used to pass, and keyed ones 500
+    assert CALLS == []
+
+
+@pytest.mark.parametrize(
+    "arguments, name",
+    [
+        ({"ttl": -1}, "ttl"),
+        ({"ttl": "60"}, "ttl"),
+        ({"lock_ttl": 10**12}, "lock_ttl"),
+        ({"version": [1]}, "version"),
+        ({"required": "yes"}, "required"),
+        ({"methods": "POST"}, "methods"),
+        ({"header": "a b"}, "header"),
+        ({"store": "memcached"}, "store"),
+        ({"on_store_error": "open"}, "on_store_error"),
+        ({"max_result_bytes": 1}, "max_result_bytes"),
+        ({"ttll": 5}, "ttll"),
+    ],
+)
+def test_bad_decorator_arguments_are_refused_at_decoration(arguments, name):
+    with pytest.raises(ImproperlyConfigured, match=name):
+        idempotent_view(app=celery_app, **arguments)(lambda request: None)
+
+
+def test_an_unknown_decorator_argument_is_a_type_error_with_a_suggestion():
+    with pytest.raises(TypeError, match=r"ttll.*did you mean 'ttl'"):
+        idempotent_view(app=celery_app, ttll=5)(lambda request: None)
+
+
+# -- an empty key is a bad key, not no key ----------------------------------------------------
+
+
+@override_settings(ROOT_URLCONF=__name__)
+@pytest.mark.parametrize("value", ["", " ", "\t "])
+def test_an_empty_key_gets_400(client, users, value):
+    client.force_login(users[0])
+    response = client.post(
+        "/capped", data="{}", content_type="application/json", HTTP_IDEMPOTENCY_KEY=value
+    )
+    assert response.status_code == 400
+    assert "must be 1 to 255 printable characters" in response.json()["error"]
+    assert CALLS == []
+
+
+# -- prune_idempotency_records --database ------------------------------------------------------
+
+
+def test_the_prune_command_names_an_unknown_database():
+    with pytest.raises(CommandError, match=r"--database 'nope'.*default"):
+        call_command("prune_idempotency_records", "--database", "nope")

@@ -21,6 +21,10 @@
                             keys by ``request.user`` (no ``scope`` in
                             ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE``): every request would be
                             anonymous to it, and keys refused.
+``celery_steplock.E011``    ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE`` is invalid: not a dict, an
+                            unknown option (with a did-you-mean), or an option of the wrong
+                            type or out of its bounds (the validation the middleware runs
+                            at its load).
 ``celery_steplock.W001``    a lease TTL (``steplock_default_ttl`` or a task's ``lock_ttl``)
                             is not below the broker's ``visibility_timeout`` (Redis
                             transport default: 3600 s).
@@ -385,8 +389,38 @@ def check_idempotency_middleware(django_settings=None) -> list[checks.CheckMessa
     ]
 
 
+def check_idempotency_settings(django_settings=None) -> list[checks.CheckMessage]:
+    """E011: an invalid ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE``, judged by the middleware's own
+    validation (:func:`~.idempotency.middleware_policy`), whether or not the middleware is
+    in ``MIDDLEWARE`` (the setting is read by no one else).
+
+    Args:
+        django_settings: The settings object (default ``django.conf.settings``).
+
+    Returns:
+        One Error naming the first bad option, or none.
+    """
+    from django.conf import settings
+
+    from .idempotency import MIDDLEWARE_SETTING, middleware_policy
+
+    django_settings = settings if django_settings is None else django_settings
+    try:
+        middleware_policy(getattr(django_settings, MIDDLEWARE_SETTING, None))
+    except ImproperlyConfigured as exc:
+        return [
+            checks.Error(
+                f"Invalid {MIDDLEWARE_SETTING}: {exc}",
+                hint="See IdempotencyMiddleware for its options.",
+                obj=MIDDLEWARE_SETTING,
+                id="celery_steplock.E011",
+            )
+        ]
+    return []
+
+
 def idempotency_middleware_check(app_configs=None, **kwargs):
-    return check_idempotency_middleware()
+    return check_idempotency_middleware() + check_idempotency_settings()
 
 
 # -- registered check functions (Django calls them with app_configs and databases) --------

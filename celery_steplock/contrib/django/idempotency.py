@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import difflib
 import functools
 import hashlib
+import inspect
 import logging
 import math
 import re
 from typing import Any, Callable, Iterable
 
+from asgiref.sync import iscoroutinefunction
 from django.conf import settings
 from django.core.exceptions import (
     BadRequest,
@@ -59,24 +62,28 @@ from django.utils import timezone
 from ..._checks import (
     MAX_IDEMPOTENCY_MAX_RECORDS,
     MIN_IDEMPOTENCY_MAX_RECORDS,
+    check_bool,
     check_count,
     check_seconds,
     shown,
 )
 from ..._redis import wire
-from ..._redis.scripts.idempotency_quota import ADMIT
+from ..._redis.scripts.idempotency_quota import ADMIT, COMPLETED
 from ...events import log_event
 from ...exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyReused,
     IdempotencyQuotaExceeded,
     ImproperlyConfigured,
+    InvalidArgument,
     LockError,
     LockStoreUnavailable,
 )
 from ...keys import idempotency_key, idempotency_quota_key
 from ...patterns._base import call as run_script
 from ...patterns._base import translated
+from ...patterns.idempotency import ARGUMENTS as POLICY_ARGUMENTS
+from ...patterns.idempotency import KEYWORDS as POLICY_KEYWORDS
 from ...patterns.idempotency import (
     Idempotency,
     Record,
@@ -84,6 +91,7 @@ from ...patterns.idempotency import (
     RedisRecords,
     Stored,
     _fingerprint_bytes,
+    check_argument,
 )
 
 __all__ = [
@@ -93,6 +101,7 @@ __all__ = [
     "idempotency_exempt",
     "default_scope",
     "IdempotencyMiddleware",
+    "middleware_policy",
     "ANONYMOUS_SCOPE",
     "REPLAYED_HEADER",
     "UNSAFE_METHODS",
@@ -105,6 +114,22 @@ UNSAFE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 #: Response headers never recorded (a replay must not hand a session to another client).
 _NOT_RECORDED = {"set-cookie", "content-length", REPLAYED_HEADER.lower()}
 MAX_HEADER_LENGTH = 255
+#: An HTTP token (RFC 9110, 5.6.2): a method or a header name.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: The Django setting of :class:`IdempotencyMiddleware`.
+MIDDLEWARE_SETTING = "STEPLOCK_IDEMPOTENCY_MIDDLEWARE"
+#: The options of :func:`idempotent_view` (and keys of :data:`MIDDLEWARE_SETTING`, with
+#: ``exempt_paths``).
+VIEW_OPTIONS = (
+    "namespace",
+    "methods",
+    "header",
+    "required",
+    "scope",
+    "anonymous",
+    "max_records",
+    *POLICY_KEYWORDS,
+)
 
 
 def _seconds(value: dt.datetime | None) -> float | None:
@@ -141,6 +166,11 @@ class DatabaseRecords:
     consistency rule). ``cache``: a :class:`~celery_steplock.patterns.idempotency.RedisRecords` for
     the copies of completed rows (None: no cache); ``using``: a database alias (default the
     model's ``router.db_for_write``). A database error raises LockStoreUnavailable."""
+
+    #: The heartbeat renews the records on a thread of their own
+    #: (:func:`celery_steplock.heartbeat.heartbeat_for`): a database that stops answering
+    #: must never delay the renewal of the process's Redis leases.
+    renewal_lane = "database"
 
     def __init__(self, cache=None, using: str | None = None):
         self.cache = cache
@@ -372,12 +402,17 @@ class DatabaseRecords:
         transaction.on_commit(callback, using=self._db())
 
     def extend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
-        """Renew running bodies' ``locked`` rows (the heartbeat's renewals, on its thread and
-        its own connection): one ``UPDATE ... SET expires_at = now + lock TTL WHERE key AND
-        owner AND status = 'locked' AND expires_at > now`` per row, in autocommit. A lock
-        wait is bounded by :data:`RENEWAL_WAIT` (SQLite's ``busy_timeout``, PostgreSQL's
-        ``lock_timeout``): a writer holding SQLite's write lock (a body in ``BEGIN
-        IMMEDIATE``) must not stall the heartbeat's other renewals; the renewal is retried.
+        """Renew running bodies' ``locked`` rows (the heartbeat's renewals, on the thread of
+        its ``"database"`` lane and its own connection): one ``UPDATE ... SET expires_at =
+        now + lock TTL WHERE key AND owner AND status = 'locked' AND expires_at > now`` per
+        row, in autocommit. A lock wait is bounded by :data:`RENEWAL_WAIT` (SQLite's
+        ``busy_timeout``, PostgreSQL's ``lock_timeout``, and its ``statement_timeout`` for
+        the whole statement): a writer holding SQLite's write lock (a body in ``BEGIN
+        IMMEDIATE``) must not stall the other records' renewals; the renewal is retried. A
+        connection attempt is bounded only by the database's own options (PostgreSQL:
+        ``OPTIONS={"connect_timeout": ...}``); a hang delays the records' lane alone, and a
+        record whose local validity runs out meanwhile is lost with a reason saying the
+        database did not answer.
 
         Args:
             items: ``(record key, owner token, lock TTL seconds)`` per row.
@@ -406,9 +441,11 @@ class DatabaseRecords:
                 with transaction.atomic(using=using):
                     if bounded and connection.vendor == "postgresql":
                         with connection.cursor() as cursor:
+                            wait = f"{int(RENEWAL_WAIT * 1000)}ms"
                             cursor.execute(
-                                "SELECT set_config('lock_timeout', %s, true)",
-                                [f"{int(RENEWAL_WAIT * 1000)}ms"],
+                                "SELECT set_config('lock_timeout', %s, true), "
+                                "set_config('statement_timeout', %s, true)",
+                                [wait, wait],
                             )
                     now = timezone.now()
                     updated = objects.filter(
@@ -628,25 +665,49 @@ _REFUSALS: tuple[tuple[type[BaseException], int], ...] = (
     (PermissionDenied, 403),
     (BadRequest, 400),
     (SuspiciousOperation, 400),
+    (MultiPartParserError, 400),
 )
 
 
 def _refusal_status(exc: BaseException) -> int | None:
-    """The 4xx Django or DRF answers ``exc`` with (DRF's exceptions carry ``status_code``),
-    else None (a server error)."""
+    """The 4xx Django answers ``exc`` with (its refusal exceptions: ``Http404``,
+    ``PermissionDenied``, ``BadRequest``, ``SuspiciousOperation``, ``MultiPartParserError``)
+    or DRF does (an ``APIException``'s ``status_code``, when DRF is installed), else None: a
+    server error. Another exception's ``status_code`` (an SDK's error for its upstream's 429)
+    is no refusal: Django answers it with 500."""
     for kind, status in _REFUSALS:
         if isinstance(exc, kind):
             return status
-    code = getattr(exc, "status_code", None)
-    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
-        return code
+    try:
+        from rest_framework.exceptions import APIException  # type: ignore[import-untyped]
+    except ImportError:  # DRF is optional
+        return None
+    if isinstance(exc, APIException):
+        code = getattr(exc, "status_code", None)
+        if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
+            return code
     return None
+
+
+def _has_record(policy: Idempotency, resource: str) -> bool:
+    """True when ``resource`` has a live completed or locked record (a store error: False)."""
+    try:
+        record = policy.get(resource)
+    except LockError as exc:
+        log_event("idempotency_quota_error", logging.WARNING, key=policy.key(resource), error=exc)
+        return False
+    return record is not None and record.status in ("completed", "locked")
+
+
+def _release(ticket: Any, quota: _Quota | None) -> None:
+    """Delete the record (nothing recorded) and its place in the principal's cap."""
+    if ticket.release() and quota is not None:
+        quota.forget(ticket.key)
 
 
 def _settle_error(ticket: Any, quota: _Quota | None, status: int | None, exc=None) -> None:
     if status is not None and 400 <= status < 500:
-        if ticket.release() and quota is not None:
-            quota.forget(ticket.key)
+        _release(ticket, quota)
         log_event("idempotency_released", logging.INFO, key=ticket.key, reason=f"http_{status}")
         return
     ticket.fail(exc, reason=None if exc is not None else f"http_{status}")
@@ -655,11 +716,14 @@ def _settle_error(ticket: Any, quota: _Quota | None, status: int | None, exc=Non
 class _Quota:
     """One principal's cap of live records (``max_records``) in Redis
     (:mod:`celery_steplock._redis.scripts.idempotency_quota`): each record key counts from
-    its first lock for ``lock_ttl + ttl`` seconds (no shorter than the record lives),
-    unless its request was refused (4xx). A Redis error is logged and admits (the store's
-    own call then decides: the Redis store is down too, the database store runs on)."""
+    its first lock for ``lock_ttl + ttl`` seconds, then from its completion for ``ttl``
+    (the heartbeat may keep a record locked past its lock TTL: it never counts shorter than
+    the record lives), unless its record was released (a refused request, a streaming
+    response). A Redis error is logged and admits (the store's own call then decides: the
+    Redis store is down too, the database store runs on)."""
 
     _admit = wire.Script(ADMIT)
+    _completed = wire.Script(COMPLETED)
 
     def __init__(self, client: Any, redis_key: str, limit: int, hold: float):
         self.client = client
@@ -689,8 +753,21 @@ class _Quota:
                 limit=f"{self.limit} live records",
             )
 
+    def completed(self, key: str, ttl: float) -> None:
+        """Count record ``key`` for ``ttl`` seconds from now (it completed now)."""
+        try:
+            run_script(
+                self.client,
+                self._completed,
+                [self.redis_key],
+                [key, str(max(1, int(ttl * 1000)))],
+                "idempotency quota",
+            )
+        except LockError as exc:
+            log_event("idempotency_quota_error", logging.WARNING, key=key, error=exc)
+
     def forget(self, key: str) -> None:
-        """Stop counting record ``key`` (its request was refused and the record deleted)."""
+        """Stop counting record ``key`` (its record was released: nothing recorded)."""
         try:
             with translated("idempotency quota", key=self.redis_key):
                 self.client.zrem(self.redis_key, key)
@@ -719,7 +796,7 @@ class _Outcome:
 
     def settle(self, response) -> None:
         if getattr(response, "streaming", False):
-            self.ticket.release()
+            _release(self.ticket, self.quota)
             return
         if response.status_code >= 400:
             self.refused(response.status_code)
@@ -768,8 +845,10 @@ class _Outcome:
         self._finish()
 
     def _finish(self) -> None:
-        if self.snapshot is not None and not self.waiting:
-            self.ticket.complete(self.snapshot)
+        if self.snapshot is None or self.waiting:
+            return
+        if self.ticket.complete(self.snapshot) and self.quota is not None:
+            self.quota.completed(self.ticket.key, self.ticket.policy.ttl)
 
     def abandon(self) -> None:
         """Fail the record unless it was completed (the transaction rolled back, or the
@@ -790,6 +869,17 @@ def _part(text: str) -> str:
     return f"{len(text)}:{text}"
 
 
+def _host(request) -> str:
+    """The request's host as records and caps are keyed on: ``request.get_host()`` (checked
+    against ``ALLOWED_HOSTS``) in lower case, without its port and trailing dot. Django
+    accepts any digits as a port (``:1``, ``:01``): with the port, each would be another
+    host, with a fresh cap and fresh keys. An IPv6 literal keeps its brackets."""
+    host = _http_request(request).get_host().lower()
+    if host.startswith("["):
+        return host[: host.index("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0].removesuffix(".")
+
+
 class _ViewPolicy:
     def __init__(
         self,
@@ -806,20 +896,55 @@ class _ViewPolicy:
         app,
         options,
         max_records: int | None = None,
+        label: Callable[[str], str] = str,
     ):
+        # Every argument is judged here, at decoration (or the middleware's load), by the
+        # policy's own checks: the policy itself is only built at the first request.
+        for name in options:
+            if name not in POLICY_KEYWORDS:
+                close = difflib.get_close_matches(name, VIEW_OPTIONS, n=1)
+                raise InvalidArgument(
+                    f"{label(name)}: unknown argument"
+                    + (f"; did you mean {close[0]!r}?" if close else ""),
+                    label(name),
+                )
+        for name, value in (("version", version), ("ttl", ttl), ("lock_ttl", lock_ttl)):
+            if value is not None:
+                check_argument(name, value, label(name))
+        for name, value in options.items():
+            if name in POLICY_ARGUMENTS and value is not None:
+                check_argument(name, value, label(name))
+        check_argument("namespace", namespace, label("namespace"))
         if scope is not None and not callable(scope):
             raise ImproperlyConfigured(
-                f"scope must be a callable(request) -> str | None, got {shown(scope)}",
-                setting="scope",
+                f"{label('scope')} must be a callable(request) -> str | None, got {shown(scope)}",
+                setting=label("scope"),
             )
-        if not isinstance(anonymous, bool):
+        check_bool(anonymous, label("anonymous"))
+        check_bool(required, label("required"))
+        if (
+            isinstance(methods, (str, bytes))
+            or not isinstance(methods, Iterable)
+            or not (methods := tuple(methods))
+            or not all(isinstance(m, str) and _TOKEN.fullmatch(m) for m in methods)
+        ):
             raise ImproperlyConfigured(
-                f"anonymous must be True or False, got {shown(anonymous)}", setting="anonymous"
+                f"{label('methods')} must be a list of HTTP method names, got {shown(methods)}",
+                setting=label("methods"),
+            )
+        if (
+            not isinstance(header, str)
+            or len(header) > MAX_HEADER_LENGTH
+            or not _TOKEN.fullmatch(header)
+        ):
+            raise ImproperlyConfigured(
+                f"{label('header')} must be an HTTP header name, got {shown(header)}",
+                setting=label("header"),
             )
         self.max_records = (
             check_count(
                 max_records,
-                "max_records",
+                label("max_records"),
                 minimum=MIN_IDEMPOTENCY_MAX_RECORDS,
                 maximum=MAX_IDEMPOTENCY_MAX_RECORDS,
             )
@@ -867,8 +992,7 @@ class _ViewPolicy:
                 if app is not None
                 else DEFAULTS["idempotency_max_records"]
             )
-        host = _http_request(request).get_host().lower()
-        principal = _part(host) + _part(self.principal(request) or "")
+        principal = _part(_host(request)) + _part(self.principal(request) or "")
         redis_key = idempotency_quota_key(
             records.prefix, idempotency_key(policy.secret, "http-quota", principal)
         )
@@ -889,25 +1013,25 @@ class _ViewPolicy:
 
     def resource(self, request, value: str, prefix: str = "") -> str:
         """The resource of key ``value``: the host (``request.get_host()``, checked against
-        ``ALLOWED_HOSTS``), the principal and the key, each length-prefixed (no two requests
-        of different hosts or principals share one). Raises ImproperlyConfigured when there
-        is no principal."""
+        ``ALLOWED_HOSTS``, without its port and trailing dot: :func:`_host`), the principal
+        and the key, each length-prefixed (no two requests of different hosts or principals
+        share one). Raises ImproperlyConfigured when there is no principal."""
         principal = self.principal(request)
         if principal is None:
             raise ImproperlyConfigured("no authenticated principal", setting="anonymous")
-        host = _http_request(request).get_host().lower()
-        return _part(host) + _part(principal) + _part(f"{prefix}{value}")
+        return _part(_host(request)) + _part(principal) + _part(f"{prefix}{value}")
 
     def handle(self, request, call: Callable[[], Any], resource_prefix: str = ""):
         http = _http_request(request)
         if http.method not in self.methods:
             return call()
         value = http.headers.get(self.header)
-        if not value:
+        if value is None:
             if self.required:
                 return _error(400, f"the {self.header} header is required")
             return call()
-        if len(value) > MAX_HEADER_LENGTH or not value.isprintable():
+        # An empty key is a bad key, not no key: it must not turn the guard off.
+        if not value.strip() or len(value) > MAX_HEADER_LENGTH or not value.isprintable():
             return _error(
                 400,
                 f"the {self.header} header must be 1 to {MAX_HEADER_LENGTH} printable characters",
@@ -923,9 +1047,20 @@ class _ViewPolicy:
         quota = self.quota(request)
         try:
             fingerprint = _request_fingerprint(request, policy.secret)
+            refusal = None
             if quota is not None:
-                quota.admit(policy.key(resource))
+                try:
+                    quota.admit(policy.key(resource))
+                except IdempotencyQuotaExceeded as exc:
+                    # The cap is for new keys: one with a live record gets its answer
+                    # (replay, 409, 422) even if its quota entry is gone.
+                    if not _has_record(policy, resource):
+                        raise
+                    refusal = exc
             ticket = policy.begin(resource, fingerprint=fingerprint)
+            if refusal is not None and not ticket.replayed:
+                _release(ticket, None)  # the record ended meanwhile: the key is new again
+                raise refusal
         except RequestDataTooBig:
             return _error(
                 413,
@@ -1014,11 +1149,15 @@ def idempotent_view(
             host (any client that knows a key gets its response: keys must be unguessable
             and responses public). Every anonymous client of a host is then one principal,
             and shares one ``max_records``.
-        max_records: The live records one principal (per host) may hold (1 to 1,000,000;
-            default ``steplock_idempotency_max_records``, 10,000): a request with a new key
-            beyond it gets 429 with ``Retry-After`` and the view does not run. A record
-            counts from its first request for ``lock_ttl + ttl``, unless the request was
-            refused (4xx: its record is deleted at once).
+        max_records: The live records one principal (per host, the port aside) may hold
+            (1 to 1,000,000; default ``steplock_idempotency_max_records``, 10,000): a
+            request with a new key beyond it gets 429 with ``Retry-After`` and the view does
+            not run; a key that has a live record is never refused (replay, 409, 422). The
+            count is one per principal and host across every guarded view (and the
+            middleware): this view checks its ``max_records`` against that shared count. A
+            record counts from its first request for ``lock_ttl + ttl``, then from its
+            completion for ``ttl``, unless it was released (a refused request, 4xx, or a
+            streaming response: deleted at once).
         app: The Celery app (default the current one).
         **options: As :class:`~celery_steplock.patterns.idempotency.Idempotency` (``store``,
             ``on_store_error``, ``serializer``...).
@@ -1027,11 +1166,26 @@ def idempotent_view(
         The wrapped view (``wrapper.idempotency`` is its policy).
 
     Raises:
-        ImproperlyConfigured: ``scope`` is not callable, ``anonymous`` not a bool or
-            ``max_records`` out of its bounds (at decoration); ``scope`` returned neither a str nor None (at the request).
+        ImproperlyConfigured: ``scope`` is not callable, ``anonymous`` or ``required``
+            not a bool, ``methods`` not a list of method names, ``header`` no header name,
+            ``version``, ``ttl``, ``lock_ttl``, ``max_records`` or an ``**options`` value of
+            the wrong type or out of its bounds
+            (:func:`celery_steplock.patterns.idempotency.check_argument`), an unknown
+            keyword (an :class:`~celery_steplock.exceptions.InvalidArgument`, also a
+            TypeError), or ``view`` is async (``async def``, or a
+            class-based view whose handlers are: ``setting`` is ``"view"``; use
+            :class:`IdempotencyMiddleware`) (at decoration); ``scope`` returned neither a
+            str nor None (at the request).
     """
 
     def decorate(fun: Callable) -> Callable:
+        if iscoroutinefunction(fun) or inspect.iscoroutinefunction(fun):
+            raise ImproperlyConfigured(
+                f"idempotent_view: async views are not supported ({shown(fun)} is async; its "
+                f"coroutine would never be awaited): decorate a sync view, or guard the "
+                f"async view with IdempotencyMiddleware (Django runs an async view under it)",
+                setting="view",
+            )
         policy = _ViewPolicy(
             namespace or f"django:{fun.__module__}.{fun.__qualname__}",
             version=version,
@@ -1082,6 +1236,77 @@ def _exempt_view(func: Any) -> bool:
     )
 
 
+def middleware_policy(config: Any) -> tuple[_ViewPolicy, list[re.Pattern]]:
+    """The policy and the compiled ``exempt_paths`` of :class:`IdempotencyMiddleware` for
+    ``config``, the value of ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE``: its one validation, run
+    at the middleware's load and by ``manage.py check`` (``celery_steplock.E011``).
+
+    Args:
+        config: A dict of the middleware's options, or None (every default).
+
+    Returns:
+        The view policy (its :class:`Idempotency` is built at the first request) and the
+        compiled ``exempt_paths``.
+
+    Raises:
+        ImproperlyConfigured: ``config`` is not a dict, names an unknown option (with the
+            closest real one), or an option's value is of the wrong type or out of its
+            bounds (those of :func:`idempotent_view`). The message names the setting and
+            the option (``STEPLOCK_IDEMPOTENCY_MIDDLEWARE["ttl"]``); ``setting`` is
+            ``"STEPLOCK_IDEMPOTENCY_MIDDLEWARE"``.
+    """
+
+    def label(name: str) -> str:
+        return f'{MIDDLEWARE_SETTING}["{name}"]'
+
+    def refuse(message: str) -> ImproperlyConfigured:
+        return ImproperlyConfigured(message, setting=MIDDLEWARE_SETTING)
+
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise refuse(f"{MIDDLEWARE_SETTING} must be a dict of options, got {shown(config)}")
+    known = (*VIEW_OPTIONS, "exempt_paths")
+    for name in config:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f'; did you mean "{close[0]}"?' if close else ""
+            raise refuse(f"{label(str(name))}: unknown option{hint}")
+    config = dict(config)
+    exempt = config.pop("exempt_paths", None) or ()
+    if isinstance(exempt, (str, bytes)) or not isinstance(exempt, (list, tuple)):
+        raise refuse(
+            f"{label('exempt_paths')} must be a list of regular expressions, got {shown(exempt)}"
+        )
+    compiled = []
+    for pattern in exempt:
+        try:
+            compiled.append(re.compile(pattern))
+        except (re.error, TypeError) as exc:
+            raise refuse(
+                f"{label('exempt_paths')}: {shown(pattern)} is not a regular expression ({exc})"
+            ) from None
+    try:
+        policy = _ViewPolicy(
+            config.pop("namespace", "django"),
+            version=config.pop("version", "1"),
+            ttl=config.pop("ttl", None),
+            lock_ttl=config.pop("lock_ttl", None),
+            methods=config.pop("methods", UNSAFE_METHODS),
+            header=config.pop("header", "Idempotency-Key"),
+            required=config.pop("required", False),
+            scope=config.pop("scope", None),
+            anonymous=config.pop("anonymous", False),
+            app=config.pop("app", None),
+            max_records=config.pop("max_records", None),
+            options=config,
+            label=label,
+        )
+    except ImproperlyConfigured as exc:
+        raise refuse(str(exc)) from None
+    return policy, compiled
+
+
 class IdempotencyMiddleware:
     """Middleware form of :func:`idempotent_view` for every view: a request of an unsafe
     method with an ``Idempotency-Key`` header runs once per key, path, host and principal.
@@ -1099,29 +1324,8 @@ class IdempotencyMiddleware:
         from django.conf import settings
 
         self.get_response = get_response
-        config = dict(getattr(settings, "STEPLOCK_IDEMPOTENCY_MIDDLEWARE", {}) or {})
-        exempt = config.pop("exempt_paths", None) or ()
-        if isinstance(exempt, str) or not all(isinstance(p, str) for p in exempt):
-            raise ImproperlyConfigured(
-                f"STEPLOCK_IDEMPOTENCY_MIDDLEWARE['exempt_paths'] must be a list of regular "
-                f"expressions, got {shown(exempt)}",
-                setting="STEPLOCK_IDEMPOTENCY_MIDDLEWARE",
-            )
-        self.exempt_paths = [re.compile(pattern) for pattern in exempt]
-        self.policy = _ViewPolicy(
-            config.pop("namespace", "django"),
-            version=config.pop("version", "1"),
-            ttl=config.pop("ttl", None),
-            lock_ttl=config.pop("lock_ttl", None),
-            methods=config.pop("methods", UNSAFE_METHODS),
-            header=config.pop("header", "Idempotency-Key"),
-            required=config.pop("required", False),
-            scope=config.pop("scope", None),
-            anonymous=config.pop("anonymous", False),
-            app=config.pop("app", None),
-            max_records=config.pop("max_records", None),
-            options=config,
-        )
+        config = getattr(settings, MIDDLEWARE_SETTING, None)
+        self.policy, self.exempt_paths = middleware_policy(config)
 
     def _exempt(self, request) -> bool:
         if request.method not in self.policy.methods:

@@ -15,6 +15,7 @@ import argparse
 import math
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 
 from celery_steplock.contrib.django.idempotency import prune_expired_records
 from celery_steplock.exceptions import ImproperlyConfigured
@@ -73,6 +74,12 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options):
+        using = options["database"]
+        if using is not None and using not in connections:
+            raise CommandError(
+                f"--database {using!r} is not a database alias; DATABASES has: "
+                f"{', '.join(sorted(connections.settings))}"
+            )
         try:
             rows, batches = prune_expired_records(
                 older_than=options["older_than"],
