@@ -525,7 +525,7 @@ class IdempotentCall:
         result: Any = None,
         unguarded: bool = False,
         task: Any = None,
-        lease: Lease | None = None,
+        lease: Any = None,  # a Lease: a bare "Lease" is ambiguous in the API reference
     ):
         self.policy = policy
         self.key = key
