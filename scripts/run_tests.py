@@ -91,24 +91,6 @@ def suite_environment(environ: dict) -> dict:
     return env
 
 
-def _stop_pytest(proc: subprocess.Popen, signum: int) -> None:
-    """Give pytest the chance to run its teardown (it handles SIGINT), then kill it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # On Ctrl-C the terminal already sent SIGINT to pytest: let it finish on its own first.
-    waits = [(10, None)] if signum == signal.SIGINT else []
-    waits += [(20, signal.SIGINT), (5, signal.SIGKILL)]
-    for timeout, sig in waits:
-        if proc.poll() is not None:
-            return
-        if sig is not None:
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def _counts(junit: Path) -> dict | None:
     """passed/failed/skipped from pytest's JUnit XML report, or None if there is none."""
     try:
@@ -146,7 +128,8 @@ def run_pytest(
 ) -> tuple[int, dict | None]:
     """Run pytest once; returns its exit code and its counts. ``prefixed``: its output goes
     through :func:`_pump` (passes side by side), else straight to the terminal. ``running``
-    gets the process while it runs (the interrupt handler stops what is in it)."""
+    gets the process while it runs (the interrupt handler stops what is in it: a pass runs
+    on a thread of its own, and only the main thread receives signals)."""
     junit = workdir / f"{label}.xml"
     # Ours goes first so that a --junitxml among `args` wins.
     cmd = [python, "-m", "pytest", f"--junitxml={junit}", *args]
@@ -164,10 +147,7 @@ def run_pytest(
         )
         pump.start()
     try:
-        code = proc.wait()
-    except Interrupted as exc:
-        _stop_pytest(proc, exc.signum)
-        raise
+        code = proc.wait()  # on a pass's thread: the main thread stops it (_stop_all)
     finally:
         if pump is not None:
             pump.join(timeout=10)
@@ -334,14 +314,12 @@ def main(args: list[str]) -> int:
                     "each line is prefixed with its pass"
                 )
             slots = threading.Semaphore(jobs)
-            failures: list[BaseException] = []
 
             def run(p: Pass) -> None:
                 with slots:
                     try:
                         run_pass(p, workdir, shared_redis, prefixed, running, record, note)
-                    except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                        failures.append(exc)
+                    except BaseException as exc:  # noqa: BLE001 - reported in the summary
                         note(p.label, "FAILED", f"{type(exc).__name__}: {exc}")
 
             threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in passes]
@@ -423,7 +401,8 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
 
 
 def _stop_all(procs: list[subprocess.Popen], signum: int) -> None:
-    """Stop every running pass as :func:`_stop_pytest` stops one: SIGINT, then SIGKILL."""
+    """Give every running pass the chance to run its teardown (pytest handles SIGINT), then
+    kill it. On Ctrl-C the terminal already sent SIGINT to each: let them finish first."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     waits = [(10, None)] if signum == signal.SIGINT else []

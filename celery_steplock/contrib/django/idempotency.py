@@ -974,9 +974,10 @@ class _ViewPolicy:
             self._app = app
         return self._policy
 
-    def quota(self, request) -> _Quota | None:
-        """The cap of the request's principal (host and scope), or None when the policy's
-        store has no Redis (a store object without one)."""
+    def quota(self, request, principal: str | None = None) -> _Quota | None:
+        """The cap of the request's principal (host and scope; ``principal``: the request's
+        :meth:`principal` when already known), or None when the policy's store has no Redis
+        (a store object without one)."""
         policy = self.policy
         store = policy.store
         records = store if isinstance(store, RedisRecords) else getattr(store, "cache", None)
@@ -992,9 +993,11 @@ class _ViewPolicy:
                 if app is not None
                 else DEFAULTS["idempotency_max_records"]
             )
-        principal = _part(_host(request)) + _part(self.principal(request) or "")
+        if principal is None:
+            principal = self.principal(request)
+        holder = _part(_host(request)) + _part(principal or "")
         redis_key = idempotency_quota_key(
-            records.prefix, idempotency_key(policy.secret, "http-quota", principal)
+            records.prefix, idempotency_key(policy.secret, "http-quota", holder)
         )
         return _Quota(records.client, redis_key, limit, policy.lock_ttl + policy.ttl)
 
@@ -1011,12 +1014,14 @@ class _ViewPolicy:
             return f"p:{scope}"
         return ANONYMOUS_SCOPE if self.anonymous else None
 
-    def resource(self, request, value: str, prefix: str = "") -> str:
+    def resource(self, request, value: str, prefix: str = "", principal: str | None = None) -> str:
         """The resource of key ``value``: the host (``request.get_host()``, checked against
         ``ALLOWED_HOSTS``, without its port and trailing dot: :func:`_host`), the principal
-        and the key, each length-prefixed (no two requests of different hosts or principals
-        share one). Raises ImproperlyConfigured when there is no principal."""
-        principal = self.principal(request)
+        (``principal``: the request's :meth:`principal` when already known) and the key,
+        each length-prefixed (no two requests of different hosts or principals share one).
+        Raises ImproperlyConfigured when there is no principal."""
+        if principal is None:
+            principal = self.principal(request)
         if principal is None:
             raise ImproperlyConfigured("no authenticated principal", setting="anonymous")
         return _part(_host(request)) + _part(principal) + _part(f"{prefix}{value}")
@@ -1036,15 +1041,17 @@ class _ViewPolicy:
                 400,
                 f"the {self.header} header must be 1 to {MAX_HEADER_LENGTH} printable characters",
             )
-        if self.principal(request) is None:
+        # The scope function runs once per request (it may query the database).
+        principal = self.principal(request)
+        if principal is None:
             return _error(
                 403,
                 f"the {self.header} header needs an authenticated client: its recorded "
                 f"response is only replayed to the client that made it",
             )
         policy = self.policy
-        resource = self.resource(request, value, resource_prefix)
-        quota = self.quota(request)
+        resource = self.resource(request, value, resource_prefix, principal)
+        quota = self.quota(request, principal)
         try:
             fingerprint = _request_fingerprint(request, policy.secret)
             refusal = None
