@@ -17,7 +17,7 @@ demo: venv
 	$(VENV)/bin/python scripts/demo.py
 
 test:
-	@PYTHON="$(PYTHON)" STEPLOCK_WANT_POSTGRES=1 STEPLOCK_CORNERS="$(CORNERS)" bash scripts/bootstrap.sh
+	@PYTHON="$(PYTHON)" STEPLOCK_WANT_POSTGRES=1 STEPLOCK_WANT_MYSQL=1 STEPLOCK_WANT_RABBITMQ=1 STEPLOCK_CORNERS="$(CORNERS)" bash scripts/bootstrap.sh
 	$(VENV)/bin/python scripts/run_tests.py $(if $(CORNERS),--corner $(CORNERS)) $(ARGS)
 
 corners:
@@ -29,7 +29,9 @@ corners:
 matrix: venv
 	$(VENV)/bin/python scripts/matrix.py $(ARGS)
 
-# The lock, task, ACL and pool tests once per server: Redis 6.2, the system's Redis 7.x, Valkey.
+# The lock, task, ACL and pool tests once per server: Redis 6.2, the system's Redis 7.x, Redis 8.0
+# (built once from Debian's source package: minutes), Valkey 8.0 (Debian backports), Valkey 9.x;
+# ARGS="--only redis-8" picks one (repeatable).
 servers: venv
 	$(VENV)/bin/python scripts/server_matrix.py $(ARGS)
 

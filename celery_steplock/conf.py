@@ -351,6 +351,18 @@ SETTINGS: tuple[Setting, ...] = (
         "Lease retries (busy, outage, lost) before the task fails; None: until it clears.",
         "count",
     ),
+    Setting(
+        "broker_consumer_timeout",
+        1800.0,  # RabbitMQ's default consumer_timeout (30 minutes)
+        _seconds(allow_zero=True, maximum=MAX_SECONDS),
+        "Seconds: the AMQP broker's ``consumer_timeout`` (RabbitMQ's ``rabbitmq.conf``, "
+        "milliseconds there), which a client cannot read from the server; set it to match. "
+        "RabbitMQ closes the channel of a delivery unacknowledged that long and redelivers "
+        "it, so the checks (``celery_steplock.W004``) warn about countdowns, ``max_hold``, "
+        "``lock_wait`` and time limits not below it. 0: the server has no timeout. Read only "
+        "with an ``amqp://``, ``amqps://``, ``pyamqp://`` or ``librabbitmq://`` broker.",
+        "seconds",
+    ),
     Setting("status_field", "status", _check_field, "The step model's status column."),
     Setting(
         "owner_field",
@@ -689,6 +701,7 @@ class Settings:
     retry_backoff: float
     retry_backoff_max: float
     retry_max: int | None
+    broker_consumer_timeout: float
     status_field: str
     owner_field: str
     fence_field: str

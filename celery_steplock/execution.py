@@ -325,7 +325,8 @@ def fenced_cas(
         TransitionConflict: The step left ``from_``.
         LockLost: The row carries a newer fencing token (or what ``stale`` returned).
         LockContended: The row stayed locked by another transaction for the lease's
-            remaining validity (the deadline's lock timeout).
+            remaining validity (the deadline's lock timeout, PostgreSQL), or past the
+            database's own lock wait bound (MySQL's ``innodb_lock_wait_timeout``).
     """
     try:
         with tracing.phase("cas") as cas:
@@ -366,8 +367,8 @@ def fenced_cas(
             raise
         # Another transaction (e.g. a stopped holder's) kept the row: contention, back off.
         raise LockContended(
-            f"step {step_id!r}: its row stayed locked by another transaction for the "
-            f"lease's remaining validity",
+            f"step {step_id!r}: its row stayed locked by another transaction for as long as "
+            f"the wait for a row lock may last (on PostgreSQL, the lease's remaining validity)",
             key=lease.key,
             holder=None,
             name=lease.name,

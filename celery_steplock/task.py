@@ -11,6 +11,8 @@ or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
         body                                  # self.lease, self.transition(...)
         CAS from_ -> to (+ fence guard)       # 0 rows -> TransitionConflict, rollback
         ownership check in Redis              # lost -> LockLost, rollback
+    # a deadlock / serialization failure in it: rolled back, the step read again:
+    # moved on -> TransitionConflict (duplicate), else LockContended (lease retry)
     # committed
     heartbeat.unregister(lease); release      # commit first, release after
 
@@ -154,7 +156,8 @@ class StepLockedTask(_TaskBase):
     table, :data:`celery_steplock.execution.HOOKS`.
 
     Raises (as the task's outcome): LockContended (on_contended="raise" or retries
-    exhausted), LockStoreUnavailable (fail-closed, retries exhausted),
+    exhausted; also for a step transaction the database rolled back with a deadlock or a
+    serialization failure while the step stayed in ``from_``), LockStoreUnavailable (fail-closed, retries exhausted),
     LockStoreMisconfigured (Redis refused our credentials, a permission or the TLS
     verification, or ``steplock_max_waiters`` waiters already wait: never retried, never
     run fail-open; the body does not run, or its transaction rolls back), LockLost (the lease
@@ -791,15 +794,87 @@ class StepLockedTask(_TaskBase):
                 self.before_commit(lease, execution.step_id)
             return result
         scope = steps.savepoint() if execution.nested else steps.atomic()  # type: ignore[attr-defined]
-        with tracing.committing(scope, steps):
-            with tracing.phase("body"):
-                result = super().__call__(*execution.args, **execution.kwargs)
-            execution.body_done = True
-            self._commit_transition(execution, steps)
-            if lease is not None:
-                self._check_owned(execution, lease)
-            self.before_commit(lease, execution.step_id)
+        try:
+            with tracing.committing(scope, steps):
+                with tracing.phase("body"):
+                    result = super().__call__(*execution.args, **execution.kwargs)
+                execution.body_done = True
+                self._commit_transition(execution, steps)
+                if lease is not None:
+                    self._check_owned(execution, lease)
+                self.before_commit(lease, execution.step_id)
+        except Exception as exc:
+            # Rolled back, never committed: a deadlock or serialization failure anywhere in
+            # the transaction (body, CAS, COMMIT) is contention. Nested in a caller's
+            # transaction, it is the caller's to retry (MySQL rolled all of it back).
+            transient = getattr(steps, "is_transient_conflict", None)
+            if execution.nested or transient is None or not transient(exc):
+                raise
+            raise self._rolled_back(execution, exc) from exc
         return result
+
+    def _rolled_back(self, execution: Execution, exc: Exception) -> Exception:
+        """What a step transaction the database rolled back for another one's sake (``exc``:
+        a deadlock or serialization failure) ends in. The step is read again once the
+        winner's transaction has ended: past ``from_``, a TransitionConflict (the duplicate
+        outcome, ``transition_conflict`` sent); else (or unread, or without a transition)
+        a LockContended, which :meth:`handle_contended` retries (``lock_retry_max``).
+        Logs ``step_transaction_conflict`` (WARNING)."""
+        plan, steps, lease = execution.plan, execution.steps, execution.lease
+        assert steps is not None  # a step transaction needs a step store
+        step_id = execution.step_id
+        code_of = getattr(steps, "error_code", None)
+        code = code_of(exc) if code_of is not None else None
+        found = unread = None
+        if plan.transition is not None:
+            wait = lease.remaining() if lease is not None else plan.ttl
+            settled = getattr(steps, "settled_status", None)
+            try:
+                found = settled(step_id, max(0.0, wait)) if settled else steps.status(step_id)
+            except Exception as error:  # noqa: BLE001 - unread: the lease retry decides
+                unread = error
+        duplicate = (
+            found is not None and plan.transition is not None and found != plan.transition[0]
+        )
+        log_event(
+            "step_transaction_conflict",
+            logging.WARNING,
+            task_id=self.request.id,
+            task_name=self.name,
+            step_id=step_id,
+            code=code,
+            current=found,
+            decision="duplicate" if duplicate else "contended",
+            error=exc,
+            read_error=unread,
+        )
+        if duplicate:
+            assert plan.transition is not None
+            from_, to = plan.transition
+            emit(
+                signals.transition_conflict,
+                self,
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                current=found,
+                **execution.lease_fields(),
+            )
+            return TransitionConflict(
+                f"step {step_id!r} is {found!r}, not {from_!r}: the database rolled back this "
+                f"execution's transaction ({code}) for the one that moved it",
+                step_id=step_id,
+                from_=from_,
+                to=to,
+                current=found,
+            )
+        return LockContended(
+            f"step {step_id!r}: the database rolled back this execution's transaction "
+            f"({code}: a deadlock or serialization failure) for another one's",
+            key=execution.fields["key"],
+            holder=None,
+            name=execution.name,
+        )
 
     def _commit_transition(self, execution: Execution, steps: StepStore) -> None:
         """The plan's compare-and-swap after the body (when it has a transition), carrying

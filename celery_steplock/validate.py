@@ -21,7 +21,10 @@ warnings are logged) and Django's system checks (``manage.py check``,
 ``celery_steplock.W001``    a lease TTL is not below the broker's ``visibility_timeout``.
 ``celery_steplock.W002``    StepLockedTasks without ``acks_late`` + ``reject_on_worker_lost``.
 ``celery_steplock.W004``    ``soft_time_limit`` not below ``time_limit``, or a time limit or
-                            the lease retries' backoff cap not below ``visibility_timeout``.
+                            the lease retries' backoff cap not below ``visibility_timeout``;
+                            on an AMQP broker, a time limit, the backoff cap, a ``max_hold``
+                            or a ``lock_wait`` not below its ``consumer_timeout``
+                            (``steplock_broker_consumer_timeout``).
 ``celery_steplock.W005``    a setting or task option that does not exist, with the closest
                             real name: a misspelled ``CELERY_STEPLOCK_*`` / ``steplock_*``
                             key, a ``STEPLOCK_*`` Django setting the app never reads (no
@@ -78,6 +81,7 @@ __all__ = [
     "unknown_name_problems",
     "deprecated_name_problems",
     "visibility_timeout",
+    "consumer_timeout",
     "recovery_problems",
     "django_setting_problems",
     "name_secret_problems",
@@ -90,6 +94,7 @@ logger = logging.getLogger("celery_steplock")
 REDIS_VISIBILITY_TIMEOUT = 3600
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "sentinel://")
+_AMQP_SCHEMES = ("amqp://", "amqps://", "pyamqp://", "librabbitmq://")
 
 
 @dataclass(frozen=True)
@@ -305,6 +310,61 @@ def visibility_timeout(app: Any) -> float | None:
         return None
 
 
+def consumer_timeout(app: Any) -> float | None:
+    """The AMQP broker's ``consumer_timeout`` in seconds, as ``steplock_broker_consumer_timeout``
+    declares it (the server's value cannot be read by a client; default 1800, RabbitMQ's);
+    None when the broker is not AMQP, the setting is 0 (no timeout) or invalid (E003)."""
+    if not any(u.startswith(_AMQP_SCHEMES) for u in _broker_urls(app)):
+        return None
+    try:
+        timeout = Settings(app).broker_consumer_timeout
+    except ImproperlyConfigured:
+        return None
+    return timeout or None
+
+
+def _seconds_option(task: Any, name: str) -> float | None:
+    value = getattr(task, name, None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None  # unset, or E004 reports it
+
+
+def consumer_timeout_offenders(app: Any, timeout: float) -> list[str]:
+    """What keeps one AMQP delivery unacknowledged for ``timeout`` seconds or longer: the
+    lease retries' countdown cap (a countdown message waits in the worker, unacknowledged,
+    until its ETA), a ``max_hold`` or ``lock_wait`` (setting or task option) and a task's
+    ``time_limit``; each as ``"name (setting value s)"``."""
+    found = []
+    try:
+        settings = Settings(app)
+        defaults = {
+            "steplock_retry_backoff_max": settings.retry_backoff_max,
+            "steplock_max_hold": settings.max_hold,
+            "steplock_lock_wait": settings.lock_wait,
+        }
+    except ImproperlyConfigured:
+        return []  # E003 reports it
+    labels = {"steplock_retry_backoff_max": "lease retries"}
+    for name, value in defaults.items():
+        if value is not None and value >= timeout:
+            found.append(f"{labels.get(name, 'task defaults')} ({name} {value:g} s)")
+    conf = app.conf
+    for task in steplock_tasks(app):
+        for option in ("lock_max_hold", "lock_wait"):
+            value = _seconds_option(task, option)
+            if value is not None and value >= timeout:
+                found.append(f"{task.name} ({option} {value:g} s)")
+        hard = task.time_limit if task.time_limit is not None else conf.task_time_limit
+        if isinstance(hard, (int, float)) and hard >= timeout:
+            found.append(f"{task.name} (time_limit {hard:g} s)")
+    if not steplock_tasks(app):
+        hard = conf.task_time_limit
+        if isinstance(hard, (int, float)) and hard >= timeout:
+            found.append(f"task defaults (time_limit {hard:g} s)")
+    return found
+
+
 def visibility_timeout_problems(app: Any) -> list[Problem]:
     """W001: lease TTLs that are not below the broker's ``visibility_timeout``.
 
@@ -411,7 +471,8 @@ def time_limit_problems(app: Any) -> list[Problem]:
     SoftTimeLimitExceeded in the body, so its transaction rolls back and the lease is released
     at once; at the hard limit the pool kills the process and the lease waits for its TTL. A
     ``time_limit`` not below the broker's ``visibility_timeout`` lets the broker hand the
-    message of a still-running task to another worker.
+    message of a still-running task to another worker. On an AMQP broker the same goes for
+    RabbitMQ's ``consumer_timeout`` (:func:`consumer_timeout_offenders`).
     """
     conf = app.conf
     tasks = steplock_tasks(app)
@@ -458,6 +519,26 @@ def time_limit_problems(app: Any) -> list[Problem]:
                 "longest time_limit and countdown, or lower them "
                 "(CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns).",
                 obj="task_time_limit",
+            )
+        )
+    consumer = consumer_timeout(app)
+    held = consumer_timeout_offenders(app, consumer) if consumer is not None else []
+    if held:
+        found.append(
+            Problem(
+                "celery_steplock.W004",
+                f"Countdowns, holds or time limits not below the AMQP broker's "
+                f"consumer_timeout ({consumer:g} s, steplock_broker_consumer_timeout): "
+                f"{', '.join(held)}. RabbitMQ closes the channel of a delivery left "
+                f"unacknowledged that long and requeues the message: another worker runs the "
+                f"task while it still runs or waits for its countdown, the duplicate waits on "
+                f"the lease, and the Celery worker whose channel was closed stops.",
+                hint="Raise consumer_timeout in rabbitmq.conf (milliseconds; per queue with the "
+                "x-consumer-timeout queue argument on RabbitMQ 3.12+) above your longest task "
+                "and countdown, and set CELERY_STEPLOCK_BROKER_CONSUMER_TIMEOUT (seconds) to "
+                "match; or lower them (CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease "
+                "retries' countdowns).",
+                obj="steplock_broker_consumer_timeout",
             )
         )
     return found

@@ -1,7 +1,8 @@
 """Settings of the celery-steplock example/test project.
 
-Database: ``DATABASE_URL`` (PostgreSQL via psycopg 3, or any URL dj-database-url
-understands); default a SQLite file under ``var/``. SQLite is configured for
+Database: ``DATABASE_URL`` (PostgreSQL via psycopg 3, MariaDB/MySQL via mysqlclient with a
+``mysql://`` URL, or any URL dj-database-url understands); default a SQLite file under
+``var/``. SQLite is configured for
 several worker *processes* writing at once (WAL, busy timeout, ``BEGIN
 IMMEDIATE``), and its test database is a real file so that ``celery worker``
 subprocesses started by the tests can open it.
@@ -110,12 +111,28 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = 0
 
+
+def _mysql(database):
+    """MariaDB/MySQL through mysqlclient (requirements/mysql.txt). utf8mb4: the 3-byte "utf8"
+    cannot hold every character. Django runs MySQL sessions at READ COMMITTED unless told;
+    STEPLOCK_MYSQL_ISOLATION ("repeatable read", ...) picks another level for a test run."""
+    if database["ENGINE"] != "django.db.backends.mysql":
+        return
+    options = database.setdefault("OPTIONS", {})
+    options.setdefault("charset", "utf8mb4")
+    if os.environ.get("STEPLOCK_MYSQL_ISOLATION"):
+        options["isolation_level"] = os.environ["STEPLOCK_MYSQL_ISOLATION"].strip().lower()
+    database.setdefault("TEST", {}).update(CHARSET="utf8mb4", COLLATION="utf8mb4_unicode_ci")
+
+
+_mysql(DATABASES["default"])
+
 # Two more databases for the router tests (django_app/routers.py, docs/databases.md):
 # "replica", which nothing writes (a read replica lagging without end), and "other", a second
 # primary. Same engine as default: SQLite files beside its file, or databases of the same
-# PostgreSQL server ("<name>_replica", "<name>_other"); STEPLOCK_<ALIAS>_DATABASE_URL points
-# one elsewhere (the tests' worker processes get their test databases that way). Only the
-# tests that declare them create their test databases.
+# PostgreSQL or MariaDB/MySQL server ("<name>_replica", "<name>_other");
+# STEPLOCK_<ALIAS>_DATABASE_URL points one elsewhere (the tests' worker processes get their test
+# databases that way). Only the tests that declare them create their test databases.
 for _alias in ("replica", "other"):
     _url = os.environ.get(f"STEPLOCK_{_alias.upper()}_DATABASE_URL")
     if _url:
@@ -138,6 +155,7 @@ for _alias in ("replica", "other"):
         else:
             _extra["NAME"] = f"{_extra['NAME']}_{_alias}"
             _extra.pop("TEST", None)
+    _mysql(_extra)
     DATABASES[_alias] = _extra
 
 DATABASE_ROUTERS = [

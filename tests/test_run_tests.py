@@ -164,20 +164,39 @@ def test_which_urls_are_a_users_own():
 
 @pytest.mark.no_database  # runs once, in the SQLite pass
 @pytest.mark.skipif(not servers.PostgresServer.available(), reason="needs PostgreSQL")
-def test_the_two_passes_run_side_by_side_on_servers_of_their_own(tmp_path):
+def test_the_passes_run_side_by_side_on_servers_of_their_own(tmp_path):
     report = tmp_path / "pass"
     env = _env(tmp_path, STEPLOCK_TEST_REPORT=str(report))
     inner = "tests/test_run_tests.py::test_inner_reports_what_its_pass_gave_it"
     code, output = _run(_runner("--jobs", "2", "-p", "no:cacheprovider", inner), env)
     assert code == 0, output
-    assert "2 passes, 2 side by side" in output, output
-    for label in ("sqlite", "postgresql"):
+    passes = {"sqlite": "sqlite3", "postgresql": "postgresql"}
+    if servers.MariaDBServer.available():
+        passes["mariadb"] = "mysql"
+    assert f"{len(passes)} passes, 2 side by side" in output, output
+    for label in passes:
         lines = [line for line in output.splitlines() if line.startswith(f"[{label}] ")]
         assert any(" 1 passed" in line for line in lines), output
     seen = {
         engine: (report.parent / f"pass.{engine}").read_text().split()
-        for engine in ("sqlite3", "postgresql")
+        for engine in passes.values()
     }
-    (_, sqlite_redis, sqlite_var), (_, pg_redis, pg_var) = seen["sqlite3"], seen["postgresql"]
-    assert sqlite_redis != pg_redis and sqlite_var != pg_var
-    assert "total: 2 passed, 0 failed, 0 skipped" in output, output
+    assert len({redis for _, redis, _ in seen.values()}) == len(passes)
+    assert len({var for _, _, var in seen.values()}) == len(passes)
+    assert f"total: {len(passes)} passed, 0 failed, 0 skipped" in output, output
+
+
+@pytest.mark.no_database  # runs once, in the SQLite pass
+@pytest.mark.skipif(not servers.MariaDBServer.available(), reason="needs MariaDB and mysqlclient")
+def test_only_runs_the_named_pass_on_its_own_mariadb(tmp_path):
+    report = tmp_path / "pass"
+    env = _env(tmp_path, STEPLOCK_TEST_REPORT=str(report))
+    inner = "tests/test_run_tests.py::test_inner_reports_what_its_pass_gave_it"
+    code, output = _run(_runner("--only", "mariadb", "-p", "no:cacheprovider", inner), env)
+    assert code == 0, output
+    assert "started mariadbd mysql://" in output and "started postgres" not in output
+    assert [p.name for p in tmp_path.glob("pass.*")] == ["pass.mysql"]
+    assert "run_tests: mariadb: ok (1 passed, 0 failed, 0 skipped" in output, output
+    assert "total: 1 passed, 0 failed, 0 skipped" in output, output
+    code, output = _run(_runner("--only", "oracle", inner), env)
+    assert code != 0 and "--only takes one of sqlite, postgresql, mariadb" in output, output

@@ -314,3 +314,88 @@ def test_steplock_django_settings_an_app_never_reads():
     reading = Celery(f"validate{next(_names)}", set_as_current=False)
     reading.config_from_object(DjangoSettings, namespace="CELERY")
     assert django_setting_problems(reading, DjangoSettings) == []  # unknown_name_problems'
+
+
+# -- W004 on an AMQP broker: RabbitMQ's consumer_timeout ----------------------------------------
+
+AMQP = dict(broker_url="amqp://guest@127.0.0.1:5672//", steplock_redis_url="redis://127.0.0.1/0")
+
+
+def consumer_timeout_warnings(app):
+    return [p for p in problems(app) if p.obj == "steplock_broker_consumer_timeout"]
+
+
+def test_rabbitmq_defaults_pass_and_redis_ignores_the_consumer_timeout():
+    app = make_app(**AMQP)  # backoff cap 60 s, no max_hold, no lock_wait: below 1800 s
+    add_task(app, lock_ttl=30)
+    assert consumer_timeout_warnings(app) == []
+    # A Redis broker has no consumer_timeout: a small one there is never judged.
+    redis_app = make_app(steplock_broker_consumer_timeout=5)
+    assert consumer_timeout_warnings(redis_app) == []
+
+
+@pytest.mark.parametrize("scheme", ["amqp", "amqps", "pyamqp", "librabbitmq"])
+def test_countdown_max_hold_lock_wait_and_time_limit_past_consumer_timeout_warn(scheme):
+    app = make_app(
+        **{**AMQP, "broker_url": f"{scheme}://guest@127.0.0.1:5672//"},
+        steplock_broker_consumer_timeout=120,
+        steplock_retry_backoff_max=300,
+        steplock_max_hold=120,
+    )
+    held = add_task(app, lock_wait=600, time_limit=3600)
+    fine = add_task(app, lock_wait=5, lock_max_hold=60, time_limit=100)
+    [warning] = consumer_timeout_warnings(app)
+    assert warning.id == "celery_steplock.W004" and not warning.is_error
+    head = (
+        "Countdowns, holds or time limits not below the AMQP broker's consumer_timeout "
+        "(120 s, steplock_broker_consumer_timeout): "
+    )
+    tail = (
+        ". RabbitMQ closes the channel of a delivery left unacknowledged that long and requeues "
+        "the message: another worker runs the task while it still runs or waits for its "
+        "countdown, the duplicate waits on the lease, and the Celery worker whose channel was "
+        "closed stops."
+    )
+    assert warning.message.startswith(head) and warning.message.endswith(tail)
+    # The settings first, then each task's (other test modules' shared tasks may be listed).
+    items = warning.message[len(head) : -len(tail)].split(", ")
+    assert items[:2] == [
+        "lease retries (steplock_retry_backoff_max 300 s)",
+        "task defaults (steplock_max_hold 120 s)",
+    ]
+    assert [i for i in items if i.startswith(f"{held} (")] == [
+        f"{held} (lock_wait 600 s)",
+        f"{held} (time_limit 3600 s)",
+    ]
+    assert fine not in warning.message
+    assert warning.hint == (
+        "Raise consumer_timeout in rabbitmq.conf (milliseconds; per queue with the "
+        "x-consumer-timeout queue argument on RabbitMQ 3.12+) above your longest task and "
+        "countdown, and set CELERY_STEPLOCK_BROKER_CONSUMER_TIMEOUT (seconds) to match; or "
+        "lower them (CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns)."
+    )
+    # Django's check renders the same warning.
+    rendered = [m for m in checks.check_time_limits(app) if m.obj == warning.obj]
+    assert [(m.id, m.msg, m.hint) for m in rendered] == [
+        (warning.id, warning.message, warning.hint)
+    ]
+
+
+def test_rabbitmq_default_consumer_timeout_and_a_disabled_one():
+    app = make_app(**AMQP, task_time_limit=1800)  # RabbitMQ's default: 1800 s
+    [warning] = consumer_timeout_warnings(app)
+    assert "consumer_timeout (1800 s," in warning.message
+    assert "(time_limit 1800 s)" in warning.message
+    app = make_app(**AMQP, task_time_limit=1800, steplock_broker_consumer_timeout=3600)
+    assert consumer_timeout_warnings(app) == []
+    # 0: the server's consumer_timeout is off (consumer_timeout = undefined).
+    app = make_app(**AMQP, steplock_retry_backoff_max=7200, steplock_broker_consumer_timeout=0)
+    assert consumer_timeout_warnings(app) == []
+
+
+def test_an_invalid_consumer_timeout_is_e003_not_a_crash():
+    app = make_app(**AMQP, steplock_broker_consumer_timeout="30 minutes")
+    found = [p for p in problems(app) if "steplock_broker_consumer_timeout" in p.message]
+    assert [(p.id, p.obj) for p in found] == [
+        ("celery_steplock.E003", "steplock_broker_consumer_timeout")
+    ]

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -728,7 +729,12 @@ def failing_commit(table, on="INSERT"):
     UPDATE) fails on the test database, as a real database refuses a commit: PostgreSQL
     through a deferred constraint trigger, SQLite through a deferred foreign key (Django
     creates them DEFERRABLE INITIALLY DEFERRED) that a trigger breaks. Only the commit
-    fails: the statements themselves succeed."""
+    fails: the statements themselves succeed.
+
+    MariaDB/MySQL have no deferred constraint: a trigger there marks the session (a user
+    variable), and at that session's COMMIT a second session kills it (``KILL CONNECTION``)
+    and waits until the server has ended it and rolled its transaction back, so the COMMIT
+    fails as on a connection lost at the commit (an OperationalError)."""
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -743,6 +749,11 @@ def failing_commit(table, on="INSERT"):
                 f"{table} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE "
                 f"PROCEDURE steplock_test_refuse()"
             )
+        elif connection.vendor == "mysql":
+            cursor.execute(
+                f"CREATE TRIGGER steplock_test_refuse AFTER {on} ON {table} "
+                f"FOR EACH ROW SET @steplock_refuse_commit = 1"
+            )
         else:
             cursor.execute(
                 f"CREATE TRIGGER steplock_test_refuse AFTER {on} ON {table} BEGIN "
@@ -750,9 +761,12 @@ def failing_commit(table, on="INSERT"):
                 f"object_repr, action_flag, change_message, user_id) VALUES "
                 f"(CURRENT_TIMESTAMP, 'x', 'x', 1, '', -1); END"
             )
+    restore = _kill_at_marked_commits() if connection.vendor == "mysql" else None
     try:
         yield
     finally:
+        if restore is not None:
+            restore()
         with connection.cursor() as cursor:
             cursor.execute(
                 f"DROP TRIGGER IF EXISTS steplock_test_refuse"
@@ -760,6 +774,49 @@ def failing_commit(table, on="INSERT"):
             )
             if connection.vendor == "postgresql":
                 cursor.execute("DROP FUNCTION IF EXISTS steplock_test_refuse()")
+
+
+def _kill_at_marked_commits():
+    """MariaDB/MySQL half of :func:`failing_commit`: every connection's commit (the test's and
+    the live server's threads alike, so the backend's class) first asks its session whether
+    the trigger marked it; a marked session is killed from a second one before the COMMIT is
+    sent. Returns the function that undoes it."""
+    import MySQLdb
+    from django.db.backends.mysql.base import DatabaseWrapper
+
+    original = DatabaseWrapper._commit
+
+    def _commit(self):
+        if self.connection is not None:
+            with self.connection.cursor() as cursor:
+                cursor.execute("SELECT @steplock_refuse_commit, CONNECTION_ID()")
+                marked, victim = cursor.fetchone()
+            if marked:
+                killer = MySQLdb.connect(**self.get_connection_params())
+                try:
+                    with killer.cursor() as cursor:
+                        cursor.execute("KILL CONNECTION %s", (victim,))
+                        for _ in range(500):  # until the server has ended it (10 s at most)
+                            cursor.execute(
+                                "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                                "WHERE ID = %s",
+                                (victim,),
+                            )
+                            if cursor.fetchone()[0] == 0:
+                                break
+                            time.sleep(0.02)
+                        else:
+                            raise AssertionError(f"session {victim} outlived KILL CONNECTION")
+                finally:
+                    killer.close()
+        return original(self)
+
+    DatabaseWrapper._commit = _commit
+
+    def restore():
+        DatabaseWrapper._commit = original
+
+    return restore
 
 
 def post_release(client, lease):

@@ -691,19 +691,10 @@ def test_the_reaper_names_the_router_when_it_routes_recovery_to_an_unknown_datab
 def routed_worker_env():
     """The test databases of ``replica`` and ``other`` for the worker processes (the
     ``worker_env`` fixture gives them ``default``'s)."""
-
-    def url(settings):
-        if settings["ENGINE"].endswith("sqlite3"):
-            return f"sqlite:///{settings['NAME']}"
-        password = f":{settings['PASSWORD']}" if settings.get("PASSWORD") else ""
-        return (
-            f"postgresql://{settings.get('USER') or 'postgres'}{password}@"
-            f"{settings.get('HOST') or '127.0.0.1'}:{settings.get('PORT') or 5432}/"
-            f"{settings['NAME']}"
-        )
+    from tests.conftest import database_url
 
     return {
-        f"STEPLOCK_{alias.upper()}_DATABASE_URL": url(connections[alias].settings_dict)
+        f"STEPLOCK_{alias.upper()}_DATABASE_URL": database_url(connections[alias].settings_dict)
         for alias in ("replica", "other")
     }
 

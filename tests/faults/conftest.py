@@ -29,9 +29,14 @@ def pytest_collection_modifyitems(config, items):
     if lab_items:
         config.hook.pytest_deselected(items=lab_items)
         items[:] = [item for item in items if not item.get_closest_marker("faults")]
+        from django.conf import settings
+
+        vendor = (
+            "MariaDB/MySQL" if "mysql" in settings.DATABASES["default"]["ENGINE"] else "SQLite"
+        )
         print(
             f"\ntests/faults: {len(lab_items)} tests that need PostgreSQL deselected on "
-            f"SQLite; they run in the PostgreSQL pass"
+            f"{vendor}; they run in the PostgreSQL pass"
         )
 
 

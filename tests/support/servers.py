@@ -1,8 +1,9 @@
-"""Throwaway Redis and PostgreSQL servers on free loopback ports, for tests, benchmarks and demos.
+"""Throwaway Redis, PostgreSQL and MariaDB servers on free loopback ports, for tests, benchmarks
+and demos.
 
 Import it (``from tests.support.servers import RedisServer``) or run it from the repository
-root: ``python -m tests.support.servers redis|postgres`` starts a server, prints its URL and
-runs until Ctrl-C or SIGTERM.
+root: ``python -m tests.support.servers redis|postgres|mariadb`` starts a server, prints its
+URL and runs until Ctrl-C or SIGTERM.
 
 Servers are stopped by their PID (never by name), and by an atexit handler too; started from
 the main thread they also get a parent-death signal. The process helpers of
@@ -47,6 +48,7 @@ __all__ = [
     "find_redis_server",
     "RedisServer",
     "PostgresServer",
+    "MariaDBServer",
     "TEST_REDIS_URL_ENV",
     "TEST_DATABASE_URL_ENV",
     "TEST_URL_ENV",
@@ -485,9 +487,227 @@ class PostgresServer:
         self.stop()
 
 
+def _mariadb_binaries() -> tuple[str, str] | None:
+    """Paths of (mariadb-install-db, mariadbd): PATH, then /usr/sbin (Debian's mariadbd)."""
+    install_db = shutil.which("mariadb-install-db")
+    server = shutil.which("mariadbd") or (
+        "/usr/sbin/mariadbd" if os.access("/usr/sbin/mariadbd", os.X_OK) else None
+    )
+    if install_db and server:
+        return install_db, server
+    return None
+
+
+class MariaDBServer:
+    """A MariaDB server on 127.0.0.1 in a temporary directory, user ``root`` without a password,
+    database `steplock`.
+
+    Never the system's service: ``--no-defaults`` (no /etc/mysql/*.cnf), a data directory and
+    socket of its own, a free port (never 3306). Tuned for tests, not durability: the redo log
+    is flushed once a second, no binary log, a small buffer pool.
+    """
+
+    user = "root"
+
+    def __init__(self, port: int | None = None, dbname: str = "steplock"):
+        self.port = port or free_port()
+        self._port_fixed = port is not None
+        self.dbname = dbname
+        self.workdir: Path | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def __repr__(self) -> str:
+        return f"<MariaDBServer {self.url} pid={self.pid}>"
+
+    @staticmethod
+    def available() -> bool:
+        """True when mariadb-install-db and mariadbd are installed and MySQLdb (mysqlclient,
+        requirements/mysql.txt) imports."""
+        if _mariadb_binaries() is None:
+            return False
+        try:
+            import MySQLdb  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @property
+    def url(self) -> str:
+        return f"mysql://{self.user}@127.0.0.1:{self.port}/{self.dbname}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def logfile(self) -> Path | None:
+        return self.workdir / "mariadb.log" if self.workdir else None
+
+    @property
+    def socket(self) -> Path | None:
+        return self.workdir / "mariadb.sock" if self.workdir else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _user_args(self) -> list[str]:
+        # mariadbd refuses to run as root unless told to; it never switches user here.
+        return ["--user=root"] if os.geteuid() == 0 else []
+
+    def start(self, timeout: float = 60.0) -> MariaDBServer:
+        """mariadb-install-db, start mariadbd, wait until it accepts connections, create the
+        database.
+
+        Raises:
+            RuntimeError: MariaDB is not installed, or did not start within ``timeout``
+                seconds (the log's tail is in the message).
+        """
+        if self.alive():
+            raise RuntimeError(f"{self!r} is already running")
+        binaries = _mariadb_binaries()
+        if binaries is None:
+            raise RuntimeError(
+                "MariaDB not found (mariadb-install-db and mariadbd): install mariadb-server"
+            )
+        install_db, server = binaries
+        self.workdir = Path(tempfile.mkdtemp(prefix="steplock-mariadb-"))
+        _track(self)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MYSQL")}
+        env.update(LC_ALL="C", LANG="C", HOME=str(self.workdir))
+        data = self.workdir / "data"
+        with open(self.logfile, "ab") as log:
+            result = subprocess.run(
+                [
+                    install_db,
+                    "--no-defaults",
+                    f"--datadir={data}",
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                    *self._user_args(),
+                ],
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=120,
+            )
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"mariadb-install-db failed with code {result.returncode}; "
+                f"log tail:\n{_tail(self.logfile)}"
+            )
+        for attempt in range(5):
+            try:
+                self._spawn(server, data, env, timeout)
+                break
+            except _PortTaken:
+                if self._port_fixed or attempt == 4:
+                    raise
+                self.port = free_port()
+        self._create_database()
+        return self
+
+    def _connect(self, **kwargs):
+        import MySQLdb
+
+        return MySQLdb.connect(
+            host="127.0.0.1", port=self.port, user=self.user, connect_timeout=2, **kwargs
+        )
+
+    def _spawn(self, server: str, data: Path, env: dict, timeout: float) -> None:
+        import MySQLdb
+
+        argv = [
+            server,
+            "--no-defaults",
+            f"--datadir={data}",
+            f"--socket={self.socket}",
+            f"--pid-file={self.workdir / 'mariadb.pid'}",
+            f"--port={self.port}",
+            "--bind-address=127.0.0.1",
+            "--skip-networking=0",
+            *self._user_args(),
+            "--skip-log-bin",
+            "--innodb-flush-log-at-trx-commit=2",
+            "--innodb-doublewrite=0",
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-log-file-size=32M",
+            "--character-set-server=utf8mb4",
+            "--collation-server=utf8mb4_unicode_ci",
+            "--max-connections=300",
+            "--skip-name-resolve",
+            f"--log-error={self.logfile}",
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=self.workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_death_signal_preexec(signal.SIGKILL),
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                log = _tail(self.logfile)
+                if "Address already in use" in log or "Can't start server: Bind" in log:
+                    raise _PortTaken(f"port {self.port} is taken")
+                raise RuntimeError(
+                    f"mariadbd exited with code {self.proc.returncode}; log tail:\n{log}"
+                )
+            try:
+                conn = self._connect()
+                try:
+                    cursor = conn.cursor()
+                    cursor.execute("SELECT @@datadir")
+                    row = cursor.fetchone()
+                finally:
+                    conn.close()
+                # Check the data directory: another server may have grabbed the port first.
+                if row and Path(row[0]) == data:
+                    return
+            except MySQLdb.Error:
+                pass
+            if time.monotonic() > deadline:
+                _stop_popen(self.proc, signal.SIGKILL, 5, group=True)
+                raise RuntimeError(
+                    f"mariadbd did not accept connections on port {self.port} "
+                    f"within {timeout:g}s; log tail:\n{_tail(self.logfile)}"
+                )
+            time.sleep(0.1)
+
+    def _create_database(self) -> None:
+        conn = self._connect()
+        try:
+            conn.cursor().execute(
+                f"CREATE DATABASE `{self.dbname}` CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
+            )
+        finally:
+            conn.close()
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Shut down (SIGTERM, SIGKILL to its group after `timeout` seconds); remove its files."""
+        _stop_popen(self.proc, signal.SIGTERM, timeout, group=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        _untrack(self)
+
+    def __enter__(self) -> MariaDBServer:
+        if not self.alive():
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["redis", "postgres"])
+    parser.add_argument("kind", choices=["redis", "postgres", "mariadb"])
     parser.add_argument("--port", type=int, default=None)
     args = parser.parse_args(argv)
 
@@ -498,7 +718,8 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = RedisServer(args.port) if args.kind == "redis" else PostgresServer(args.port)
+    kinds = {"redis": RedisServer, "postgres": PostgresServer, "mariadb": MariaDBServer}
+    server = kinds[args.kind](args.port)
     try:
         server.start()
         print(server.url, flush=True)

@@ -48,16 +48,19 @@ writes the status and the fence back as it loaded them (docs/howto/external-writ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import math
 import time
 import warnings
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db import (
     DEFAULT_DB_ALIAS,
+    DatabaseError,
     InterfaceError,
     InternalError,
     OperationalError,
@@ -286,6 +289,8 @@ class DjangoStepStore:
             pk, status = qn(self._pk.column), qn(self._status.column)  # type: ignore[union-attr]
             if kind == "status":
                 sql = f"SELECT {status} FROM {table} WHERE {pk} = %s"
+            elif kind == "latest":
+                sql = f"SELECT {status} FROM {table} WHERE {pk} = %s FOR UPDATE"
             else:
                 sets = [f"{status} = %s"]
                 where = [f"{pk} = %s", f"{status} = %s"]
@@ -319,18 +324,29 @@ class DjangoStepStore:
     def status(self, step_id: Any) -> str:
         """The step's current status, read on the write database; raises StepNotFound,
         InvalidStepId."""
+        return self._read_status(step_id, latest=False)
+
+    def _locking(self, connection) -> bool:
+        """Whether a read in the current transaction must be a locking one to see the latest
+        committed row: inside a transaction, on a database with ``SELECT ... FOR UPDATE``
+        (a plain read of a REPEATABLE READ transaction sees its snapshot)."""
+        return bool(connection.in_atomic_block and connection.features.has_select_for_update)
+
+    def _read_status(self, step_id: Any, *, latest: bool) -> str:
+        connection = connections[self.using]
+        latest = latest and self._locking(connection)
         if self._table_model is None:
-            found = list(
-                self.manager.filter(pk=self._pk_value(step_id)).values_list(
-                    self.status_field, flat=True
-                )[:1]
-            )
+            rows = self.manager.filter(pk=self._pk_value(step_id))
+            if latest:
+                rows = rows.select_for_update()
+            found = list(rows.values_list(self.status_field, flat=True)[:1])
             row = (found[0],) if found else None
         else:
-            connection = connections[self.using]
             with connection.cursor() as cursor:
                 cursor.execute(
-                    self._statement(connection, "status", False, False, False),
+                    self._statement(
+                        connection, "latest" if latest else "status", False, False, False
+                    ),
                     [self._pk_param(step_id, connection)],
                 )
                 row = cursor.fetchone()
@@ -350,7 +366,10 @@ class DjangoStepStore:
         columns = [c for c in (self.owner_field, self.fence_field) if c]
         if not columns:
             return {}
-        row = list(self.manager.filter(pk=self._pk_value(step_id)).values_list(*columns)[:1])
+        rows = self.manager.filter(pk=self._pk_value(step_id))
+        if self._locking(connections[self.using]):
+            rows = rows.select_for_update()  # the latest row, not a snapshot's
+        row = list(rows.values_list(*columns)[:1])
         if not row:
             return {}
         values = dict(zip(columns, row[0]))
@@ -443,7 +462,11 @@ class DjangoStepStore:
                 applied = cursor.rowcount == 1
         if applied:
             return TransitionResult(True, step_id, from_, to, fence=fence)
-        current = self.status(step_id)
+        # The UPDATE read the latest committed row; a plain SELECT of a REPEATABLE READ
+        # transaction (MySQL's default) would read its snapshot, where the status a rival
+        # just committed is still ``from_``: a plain conflict would look like a newer
+        # fencing token. PostgreSQL at REPEATABLE READ raises a serialization failure here.
+        current = self._read_status(step_id, latest=True)
         result = TransitionResult(False, step_id, from_, to, current=current, fence=fence)
         if raise_on_conflict:
             stale_fence = fenced and current == from_
@@ -497,6 +520,61 @@ class DjangoStepStore:
             )
         return True
 
+    def settled_status(self, step_id: Any, wait: float) -> str:
+        """After the step's transaction rolled back: the step's status once a transaction
+        that holds its row (the one that won a deadlock) has ended, in a short transaction
+        of its own. A locking read waits for that holder at most ``wait`` seconds (the row
+        lock wait bound of PostgreSQL and MySQL); when it cannot say (the wait ran out, a
+        serialization failure of REPEATABLE READ), a plain read outside any transaction.
+
+        Args:
+            step_id: The step.
+            wait: Seconds the read may wait for a row lock (at least 1 on MySQL).
+
+        Returns:
+            The step's status as last committed.
+
+        Raises:
+            StepNotFound: No such step.
+            InvalidStepId: ``step_id`` is no key of the model.
+        """
+        connection = connections[self.using]
+        if connection.features.has_select_for_update and not connection.in_atomic_block:
+            try:
+                with (
+                    transaction.atomic(using=self.using),
+                    self._row_lock_wait(connection, wait),
+                ):
+                    return self._read_status(step_id, latest=True)
+            except DatabaseError as exc:  # the plain read below decides
+                if not (self.is_transient_conflict(exc) or self.is_lock_timeout(exc)):
+                    raise
+        return self.status(step_id)
+
+    @contextlib.contextmanager
+    def _row_lock_wait(self, connection, seconds: float) -> Iterator[None]:
+        """Bound the row lock waits of the current transaction: PostgreSQL's
+        transaction-local ``lock_timeout``; MySQL's session ``innodb_lock_wait_timeout``
+        (whole seconds), put back afterwards."""
+        if connection.vendor == "postgresql":
+            self.set_deadline(seconds)
+            yield
+            return
+        if connection.vendor != "mysql":
+            yield
+            return
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+            saved = cursor.fetchone()[0]
+            cursor.execute(
+                "SET SESSION innodb_lock_wait_timeout = %s", [max(1, math.ceil(seconds))]
+            )
+        try:
+            yield
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = %s", [saved])
+
     # -- the transaction ---------------------------------------------------------------
 
     def atomic(self):
@@ -536,25 +614,54 @@ class DjangoStepStore:
     # -- errors ------------------------------------------------------------------------
 
     @staticmethod
-    def is_lock_timeout(exc: BaseException) -> bool:
-        """PostgreSQL's lock_not_available (SQLSTATE 55P03), as raised through Django."""
+    def error_code(exc: BaseException) -> str | None:
+        """The database's own code of an error raised through Django: PostgreSQL's SQLSTATE
+        (``"40001"``), MySQL's error number as text (``"1213"``); None for anything else."""
+        if not isinstance(exc, DatabaseError):
+            return None
         cause = exc.__cause__
-        return (
-            getattr(cause, "sqlstate", None) == "55P03"
-            or getattr(cause, "pgcode", None) == "55P03"
-        )
+        code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+        if code:
+            return str(code)
+        args = getattr(cause, "args", None)
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            return str(args[0])  # MySQLdb / PyMySQL: (errno, message)
+        return None
 
-    @staticmethod
-    def is_lost_connection(exc: BaseException) -> bool:
+    @classmethod
+    def is_lock_timeout(cls, exc: BaseException) -> bool:
+        """The wait for a row lock ran out: PostgreSQL's lock_not_available (SQLSTATE 55P03,
+        the deadline's ``lock_timeout``) or MySQL's lock wait timeout (1205,
+        ``innodb_lock_wait_timeout``), as raised through Django."""
+        return cls.error_code(exc) in LOCK_TIMEOUT_CODES
+
+    @classmethod
+    def is_transient_conflict(cls, exc: BaseException) -> bool:
+        """The database gave up the transaction for another one's sake, and a new attempt
+        may succeed: a deadlock (PostgreSQL SQLSTATE 40P01, MySQL 1213) or a serialization
+        failure (PostgreSQL 40001; MariaDB's 1020, "Record has changed since last read",
+        with ``innodb_snapshot_isolation``), as raised through Django."""
+        return cls.error_code(exc) in TRANSIENT_CONFLICT_CODES
+
+    @classmethod
+    def is_lost_connection(cls, exc: BaseException) -> bool:
         """A database error that means the connection broke (Django's OperationalError or
         InterfaceError, or PostgreSQL's idle-in-transaction timeout, SQLSTATE 25P03, which
-        Django raises as InternalError), as opposed to a refused statement."""
+        Django raises as InternalError), as opposed to a refused statement: a deadlock, a
+        serialization failure or a lock wait timeout (OperationalError too) is not one."""
+        code = cls.error_code(exc)
         if isinstance(exc, InternalError):
-            return (
-                getattr(exc.__cause__, "sqlstate", None) == "25P03"
-                or getattr(exc.__cause__, "pgcode", None) == "25P03"
-            )
+            return code == "25P03"
+        if code in TRANSIENT_CONFLICT_CODES or code in LOCK_TIMEOUT_CODES:
+            return False
         return isinstance(exc, (OperationalError, InterfaceError))
+
+
+#: Codes of :meth:`DjangoStepStore.is_lock_timeout`: PostgreSQL's SQLSTATE, MySQL's errno.
+LOCK_TIMEOUT_CODES = frozenset({"55P03", "1205"})
+#: Codes of :meth:`DjangoStepStore.is_transient_conflict`: deadlocks and serialization
+#: failures (PostgreSQL 40001, 40P01; MySQL/MariaDB 1213, 1020).
+TRANSIENT_CONFLICT_CODES = frozenset({"40001", "40P01", "1213", "1020"})
 
 
 class StepTransitionGuard(DjangoStepStore):
