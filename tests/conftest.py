@@ -49,24 +49,44 @@ def pytest_configure(config):
         )
 
 
+#: Markers of the tests whose database is incidental: they run once, on SQLite.
+SINGLE_PASS = ("redis_shape", "no_database", "sqlite", "rabbitmq", "db_incidental")
+#: ``make test`` splits the SQLite run in two passes (scripts/run_tests.py), named in
+#: ``servers.TEST_SCOPE_ENV``: ``database`` runs the SQLite tests about the step database,
+#: ``common`` the ones marked with one of ``SINGLE_PASS`` but ``sqlite``. Unset (a bare pytest,
+#: a corner): both.
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m, so the count is of what would have run
 def pytest_collection_modifyitems(config, items):
     """Each test runs in one pass of ``make test`` or several; elsewhere it is deselected (not
     skipped). Tests marked ``postgresql`` run on PostgreSQL only, ``mysql`` on MariaDB/MySQL
-    only; ``redis_shape``, ``no_database``, ``sqlite`` and ``rabbitmq`` on SQLite only."""
+    only, ``row_locks`` on both; ``redis_shape``, ``no_database``, ``sqlite``, ``rabbitmq`` and
+    ``db_incidental`` on SQLite only (with ``STEPLOCK_TEST_SCOPE=common``, only those but
+    ``sqlite``; with ``database``, all but those)."""
     from django.conf import settings
 
     engine = settings.DATABASES["default"]["ENGINE"]
-    single_pass = ("redis_shape", "no_database", "sqlite", "rabbitmq")
     if "postgresql" in engine:
-        other_pass = (*single_pass, "mysql")
+        other_pass = (*SINGLE_PASS, "mysql")
     elif "mysql" in engine:
-        other_pass = (*single_pass, "postgresql")
+        other_pass = (*SINGLE_PASS, "postgresql")
     else:
-        other_pass = ("postgresql", "mysql")
+        other_pass = ("postgresql", "mysql", "row_locks")
+    scope = os.environ.get(servers.TEST_SCOPE_ENV, "")
+    common = tuple(name for name in SINGLE_PASS if name != "sqlite")
+
+    def marked(item, names) -> bool:
+        return any(item.get_closest_marker(name) for name in names)
 
     def elsewhere(item) -> bool:
-        return any(item.get_closest_marker(name) for name in other_pass)
+        if marked(item, other_pass):
+            return True
+        if scope == "database":
+            return marked(item, common)
+        if scope == "common":
+            return not marked(item, common)
+        return False
 
     deselected = [item for item in items if elsewhere(item)]
     if deselected:

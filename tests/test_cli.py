@@ -12,7 +12,8 @@ from celery_steplock.lock import get_lease_store, make_client
 from django_app.workflows.models import Step
 from helpers import UNREADABLE_NAME, closed_port_url, free_port, write_hostile_leases
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# The database holds at most audit rows here: one pass (db_incidental).
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.db_incidental]
 
 GHOST = "ghost@nowhere.invalid"
 

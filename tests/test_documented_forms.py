@@ -17,7 +17,8 @@ from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# The database holds at most audit rows here: one pass (db_incidental).
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.db_incidental]
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

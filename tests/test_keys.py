@@ -19,6 +19,9 @@ from celery_steplock.keys import (
     name_from_key,
 )
 
+# Key formats: the database holds at most a row to name (db_incidental).
+pytestmark = pytest.mark.db_incidental
+
 app = Celery("keys-tests", set_as_current=False)
 
 

@@ -173,7 +173,13 @@ def test_the_passes_run_side_by_side_on_servers_of_their_own(tmp_path):
     passes = {"sqlite": "sqlite3", "postgresql": "postgresql"}
     if servers.MariaDBServer.available():
         passes["mariadb"] = "mysql"
-    assert f"{len(passes)} passes, 2 side by side" in output, output
+    # The fourth, ``common``, runs the tests whose database is incidental: not this one.
+    assert f"{len(passes) + 1} passes, 2 side by side" in output, output
+    assert "run_tests: common: empty (0 passed, 0 failed, 0 skipped" in output, output
+    started = [
+        line.split(":")[1].strip() for line in output.splitlines() if " python -m pytest" in line
+    ]
+    assert set(started[:2]) == {"postgresql", "sqlite"}, started  # the longest first
     for label in passes:
         lines = [line for line in output.splitlines() if line.startswith(f"[{label}] ")]
         assert any(" 1 passed" in line for line in lines), output
@@ -199,4 +205,6 @@ def test_only_runs_the_named_pass_on_its_own_mariadb(tmp_path):
     assert "run_tests: mariadb: ok (1 passed, 0 failed, 0 skipped" in output, output
     assert "total: 1 passed, 0 failed, 0 skipped" in output, output
     code, output = _run(_runner("--only", "oracle", inner), env)
-    assert code != 0 and "--only takes one of sqlite, postgresql, mariadb" in output, output
+    assert code != 0 and "--only takes one of postgresql, sqlite, mariadb, common" in output, (
+        output
+    )

@@ -453,6 +453,7 @@ def test_rare_search_pages_say_how_many_keys_were_examined(viewer, store, monkey
     )
 
 
+@pytest.mark.db_incidental  # Redis paging: one pass
 def test_first_page_is_bounded_with_100000_leases(viewer, store):
     """SCAN, never KEYS: whatever Redis holds and however SCAN's steps fall (whole hash
     buckets, sized by the server's per-start hash seed), one request reads at most

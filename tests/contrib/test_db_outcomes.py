@@ -271,6 +271,7 @@ def _insert_child_then_update_the_step(barrier):
     return body
 
 
+@pytest.mark.row_locks
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_deadlock_between_two_lock_names_ends_in_the_duplicate_outcome(
     level, events, steplock_log
@@ -280,8 +281,6 @@ def test_a_deadlock_between_two_lock_names_ends_in_the_duplicate_outcome(
     (1213) that rolls one back; PostgreSQL: the second update waits for the first commit
     (READ COMMITTED) or fails to serialize (REPEATABLE READ, 40001). The loser ends in the
     duplicate outcome, never FAILURE."""
-    if connection.vendor == "sqlite":
-        pytest.skip("SQLite: one writer at a time (BEGIN IMMEDIATE), no row locks")
     step = Step.objects.create(name="s")
     barrier = threading.Barrier(2)
     HOOKS["left"] = HOOKS["right"] = _insert_child_then_update_the_step(barrier)

@@ -24,6 +24,7 @@ from celery_steplock.contrib.django.steps import DjangoStepStore
 from celery_steplock.contrib.django.task import DjangoStepLockedTask
 from celery_steplock.exceptions import (
     ImproperlyConfigured,
+    LockContended,
     LockLost,
     OuterTransactionError,
     TransitionConflict,
@@ -319,7 +320,16 @@ def test_concurrent_duplicates_on_another_database_commit_once(redis_client):
     for thread in threads:
         thread.join(30)
     assert len(results) == 4
-    assert sum(1 for r in results if r.successful() and isinstance(r.result, dict)) == 1
+    # One body's value; every other delivery is the duplicate outcome (it got the lease after
+    # the commit) or LockContended (its eager retries ran out first): which, the timing says.
+    bodies = [r for r in results if r.successful() and r.result.get("database") == "other"]
+    others = [r for r in results if r not in bodies]
+    assert len(bodies) == 1
+    assert all(
+        (r.successful() and r.result.get("steplock") == "duplicate")
+        or isinstance(r.result, LockContended)
+        for r in others
+    ), [r.result for r in others]
     assert row(Parcel, parcel.pk, "other")[:2] == ("shipped", 1)
     assert leases(redis_client) == []
 

@@ -15,7 +15,8 @@ from celery_steplock import ops
 from celery_steplock.patterns.breaker import CLOSED, OPEN, CircuitBreaker
 from celery_steplock.exceptions import AuditRecordFailed, CircuitOpen
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# The database holds at most audit rows here: one pass (db_incidental).
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.db_incidental]
 
 
 @pytest.fixture

@@ -70,6 +70,9 @@ TEST_REDIS_URL_ENV = "STEPLOCK_TEST_REDIS_URL"
 TEST_DATABASE_URL_ENV = "STEPLOCK_TEST_DATABASE_URL"
 #: The example project's variable -> the test-only variable that may name its server.
 TEST_URL_ENV = {"REDIS_URL": TEST_REDIS_URL_ENV, "DATABASE_URL": TEST_DATABASE_URL_ENV}
+#: Which part of the SQLite tests a pass runs (tests/conftest.py): ``database`` the tests about
+#: the step database, ``common`` those whose database is incidental; unset, both.
+TEST_SCOPE_ENV = "STEPLOCK_TEST_SCOPE"
 
 
 def foreign_urls(environ) -> dict[str, str]:

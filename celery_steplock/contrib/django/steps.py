@@ -326,15 +326,23 @@ class DjangoStepStore:
         InvalidStepId."""
         return self._read_status(step_id, latest=False)
 
-    def _locking(self, connection) -> bool:
-        """Whether a read in the current transaction must be a locking one to see the latest
-        committed row: inside a transaction, on a database with ``SELECT ... FOR UPDATE``
-        (a plain read of a REPEATABLE READ transaction sees its snapshot)."""
-        return bool(connection.in_atomic_block and connection.features.has_select_for_update)
+    @staticmethod
+    def _snapshot_reads(connection) -> bool:
+        """Whether a plain read in the current transaction may see a snapshot older than the
+        latest committed row: inside a transaction on MySQL/MariaDB, whose REPEATABLE READ
+        (InnoDB's default) reads the snapshot of its first read. PostgreSQL's does not
+        matter here: at READ COMMITTED a plain read sees the latest row, and at REPEATABLE
+        READ an ``UPDATE`` of a row changed after the snapshot fails to serialize (40001)
+        before any read; a locking read there would only wait on others' row locks."""
+        return bool(connection.in_atomic_block and connection.vendor == "mysql")
 
     def _read_status(self, step_id: Any, *, latest: bool) -> str:
         connection = connections[self.using]
-        latest = latest and self._locking(connection)
+        # A locking read (SELECT ... FOR UPDATE) reads the latest committed row and waits for
+        # a transaction that holds it.
+        latest = (
+            latest and connection.in_atomic_block and connection.features.has_select_for_update
+        )
         if self._table_model is None:
             rows = self.manager.filter(pk=self._pk_value(step_id))
             if latest:
@@ -367,7 +375,7 @@ class DjangoStepStore:
         if not columns:
             return {}
         rows = self.manager.filter(pk=self._pk_value(step_id))
-        if self._locking(connections[self.using]):
+        if self._snapshot_reads(connections[self.using]):
             rows = rows.select_for_update()  # the latest row, not a snapshot's
         row = list(rows.values_list(*columns)[:1])
         if not row:
@@ -466,7 +474,7 @@ class DjangoStepStore:
         # transaction (MySQL's default) would read its snapshot, where the status a rival
         # just committed is still ``from_``: a plain conflict would look like a newer
         # fencing token. PostgreSQL at REPEATABLE READ raises a serialization failure here.
-        current = self._read_status(step_id, latest=True)
+        current = self._read_status(step_id, latest=self._snapshot_reads(connection))
         result = TransitionResult(False, step_id, from_, to, current=current, fence=fence)
         if raise_on_conflict:
             stale_fence = fenced and current == from_
