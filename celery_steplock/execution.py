@@ -137,6 +137,8 @@ class Execution:
         commit_cas: Set while a subclass's own ``transition()`` makes the plan's
             compare-and-swap: the first library compare-and-swap it reaches is the plan's
             and carries the deadline.
+        committed: The step's transaction committed, and an on-commit callback raised:
+            neither a rollback nor a broken COMMIT, nothing to redo.
     """
 
     task: Task[Any, Any]
@@ -158,6 +160,7 @@ class Execution:
     held: Phase | None = None
     body_done: bool = False
     commit_cas: bool = False
+    committed: bool = False
     _token: contextvars.Token[dict[str, Execution]] | None = field(
         default=None, init=False, repr=False
     )
@@ -373,7 +376,8 @@ def fenced_cas(
             holder=None,
             name=lease.name,
         ) from exc
-    steps.on_commit(
+    tracing.after_commit(
+        steps,
         lambda: emit(
             signals.transition_applied,
             sender,
@@ -383,6 +387,6 @@ def fenced_cas(
             cas_seconds=cas.seconds,
             commit_seconds=tracing.commit_seconds(),
             **fields,
-        )
+        ),
     )
     return result

@@ -770,6 +770,7 @@ class StepLockedTask(_TaskBase):
         lease = execution.lease
         return (
             execution.steps is not None
+            and not execution.committed  # an on-commit callback's broken connection
             and execution.steps.is_lost_connection(exc)
             and (
                 execution.body_done
@@ -794,8 +795,9 @@ class StepLockedTask(_TaskBase):
                 self.before_commit(lease, execution.step_id)
             return result
         scope = steps.savepoint() if execution.nested else steps.atomic()  # type: ignore[attr-defined]
+        committing = tracing.committing(scope, steps)
         try:
-            with tracing.committing(scope, steps):
+            with committing:
                 with tracing.phase("body"):
                     result = super().__call__(*execution.args, **execution.kwargs)
                 execution.body_done = True
@@ -804,6 +806,10 @@ class StepLockedTask(_TaskBase):
                     self._check_owned(execution, lease)
                 self.before_commit(lease, execution.step_id)
         except Exception as exc:
+            if committing.committed:
+                # An on-commit callback's error: the transaction committed, nothing to redo.
+                execution.committed = True
+                raise
             # Rolled back, never committed: a deadlock or serialization failure anywhere in
             # the transaction (body, CAS, COMMIT) is contention. Nested in a caller's
             # transaction, it is the caller's to retry (MySQL rolled all of it back).

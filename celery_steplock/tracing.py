@@ -28,8 +28,9 @@ or its no-op provider), no span is created: each phase costs two ``time.monotoni
 from __future__ import annotations
 
 import contextvars
+import logging
 import time
-from typing import Any, ContextManager, Literal, Mapping
+from typing import Any, Callable, ContextManager, Literal, Mapping
 
 from ._version import __version__
 
@@ -125,9 +126,14 @@ class _Run:
             self.span.set_attributes(found)
 
 
+logger = logging.getLogger("celery_steplock")
+
 _run: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("steplock_trace", default=None)
 _commit: contextvars.ContextVar[Phase | None] = contextvars.ContextVar(
     "steplock_commit", default=None
+)
+_committing: contextvars.ContextVar[_Committing | None] = contextvars.ContextVar(
+    "steplock_committing", default=None
 )
 
 
@@ -234,12 +240,18 @@ class _Committing:
     """Wraps the step store's ``atomic()``: the commit phase is its exit, up to the first
     on-commit callback (registered on entry, so it runs before the body's own callbacks)."""
 
-    __slots__ = ("atomic", "steps", "phase", "_token")
+    __slots__ = ("atomic", "steps", "phase", "committed", "after", "_token", "_current")
 
     def __init__(self, atomic, steps):
         self.atomic = atomic
         self.steps = steps
         self.phase = Phase("commit")
+        #: The COMMIT happened (its first on-commit callback ran): an error from the exit now
+        #: is an on-commit callback's, not the transaction's.
+        self.committed = False
+        #: The library's own callbacks (:func:`after_commit`): run by the first on-commit
+        #: callback, before the body's, which a raising one would skip.
+        self.after: list[Callable[[], None]] = []
 
     def __enter__(self):
         entered = self.atomic.__enter__()
@@ -249,10 +261,17 @@ class _Committing:
             self.atomic.__exit__(None, None, None)
             raise
         self._token = _commit.set(self.phase)
+        self._current = _committing.set(self)
         return entered
 
     def _committed(self) -> None:
+        self.committed = True
         self.phase.end()  # never raises: a raising callback would stop Django's others
+        for func in self.after:
+            try:
+                func()
+            except Exception:  # as Django's robust callbacks: logged, go on
+                logger.exception("celery-steplock: an after-commit callback raised")
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
@@ -266,12 +285,24 @@ class _Committing:
         finally:
             self.phase.end(exc)
             _commit.reset(self._token)
+            _committing.reset(self._current)
 
 
 def committing(atomic, steps) -> _Committing:
     """``with committing(steps.atomic(), steps):`` is ``with steps.atomic():`` with its
     COMMIT timed (and traced as ``steplock.commit``)."""
     return _Committing(atomic, steps)
+
+
+def after_commit(steps, func: Callable[[], None]) -> None:
+    """Run ``func`` once the step's transaction commits: inside :func:`committing`, from its
+    first on-commit callback (before any the body registered, so a body's raising callback
+    cannot skip it); elsewhere ``steps.on_commit(func)``."""
+    current = _committing.get()
+    if current is not None and current.steps is steps:
+        current.after.append(func)
+    else:
+        steps.on_commit(func)
 
 
 def commit_seconds() -> float | None:

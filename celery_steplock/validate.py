@@ -295,6 +295,20 @@ def _broker_urls(app: Any) -> list[str]:
     return [u.strip() for u in url.split(";")] if isinstance(url, str) else []
 
 
+def _consumed_urls(app: Any) -> list[str]:
+    """The URLs a worker consumes from: ``broker_read_url`` when set, else ``broker_url``;
+    unset, Celery's default (``broker_transport``'s scheme, else ``amqp``)."""
+    conf = app.conf
+    read = conf.broker_read_url
+    if read:
+        urls = list(read) if isinstance(read, (list, tuple)) else str(read).split(";")
+        return [u.strip() for u in urls if isinstance(u, str)]
+    urls = _broker_urls(app)
+    if not any(urls):
+        return [f"{conf.broker_transport or 'amqp'}://"]
+    return urls
+
+
 def visibility_timeout(app: Any) -> float | None:
     """The broker's ``visibility_timeout`` in seconds (kombu's Redis default when unset on a
     Redis broker); None when the transport has none we know or the value is not a number."""
@@ -314,7 +328,7 @@ def consumer_timeout(app: Any) -> float | None:
     """The AMQP broker's ``consumer_timeout`` in seconds, as ``steplock_broker_consumer_timeout``
     declares it (the server's value cannot be read by a client; default 1800, RabbitMQ's);
     None when the broker is not AMQP, the setting is 0 (no timeout) or invalid (E003)."""
-    if not any(u.startswith(_AMQP_SCHEMES) for u in _broker_urls(app)):
+    if not any(u.lower().startswith(_AMQP_SCHEMES) for u in _consumed_urls(app)):
         return None
     try:
         timeout = Settings(app).broker_consumer_timeout
@@ -533,8 +547,8 @@ def time_limit_problems(app: Any) -> list[Problem]:
                 f"unacknowledged that long and requeues the message: another worker runs the "
                 f"task while it still runs or waits for its countdown, the duplicate waits on "
                 f"the lease, and the Celery worker whose channel was closed stops.",
-                hint="Raise consumer_timeout in rabbitmq.conf (milliseconds; per queue with the "
-                "x-consumer-timeout queue argument on RabbitMQ 3.12+) above your longest task "
+                hint="Raise consumer_timeout in rabbitmq.conf (milliseconds; per queue with a "
+                "consumer-timeout policy on RabbitMQ 3.12+) above your longest task "
                 "and countdown, and set CELERY_STEPLOCK_BROKER_CONSUMER_TIMEOUT (seconds) to "
                 "match; or lower them (CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease "
                 "retries' countdowns).",

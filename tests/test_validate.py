@@ -334,6 +334,27 @@ def test_rabbitmq_defaults_pass_and_redis_ignores_the_consumer_timeout():
     assert consumer_timeout_warnings(redis_app) == []
 
 
+@pytest.mark.parametrize(
+    "broker",
+    [
+        {"broker_url": None},  # Celery's default broker is AMQP
+        {"broker_url": None, "broker_transport": "pyamqp"},
+        {"broker_url": "AMQP://guest@127.0.0.1:5672//"},
+        # The worker consumes from the read URL.
+        {"broker_url": "redis://127.0.0.1/0", "broker_read_url": "amqp://guest@127.0.0.1//"},
+    ],
+    ids=["default", "transport", "upper-case", "read-url"],
+)
+def test_the_amqp_broker_a_worker_consumes_from_is_judged_however_it_is_named(broker):
+    app = make_app(
+        **{**AMQP, **broker}, steplock_broker_consumer_timeout=600, task_time_limit=4000
+    )
+    add_task(app)
+    [warning] = consumer_timeout_warnings(app)
+    assert "(600 s, steplock_broker_consumer_timeout)" in warning.message
+    assert "(time_limit 4000 s)" in warning.message, warning.message
+
+
 @pytest.mark.parametrize("scheme", ["amqp", "amqps", "pyamqp", "librabbitmq"])
 def test_countdown_max_hold_lock_wait_and_time_limit_past_consumer_timeout_warn(scheme):
     app = make_app(
@@ -369,8 +390,8 @@ def test_countdown_max_hold_lock_wait_and_time_limit_past_consumer_timeout_warn(
     ]
     assert fine not in warning.message
     assert warning.hint == (
-        "Raise consumer_timeout in rabbitmq.conf (milliseconds; per queue with the "
-        "x-consumer-timeout queue argument on RabbitMQ 3.12+) above your longest task and "
+        "Raise consumer_timeout in rabbitmq.conf (milliseconds; per queue with a "
+        "consumer-timeout policy on RabbitMQ 3.12+) above your longest task and "
         "countdown, and set CELERY_STEPLOCK_BROKER_CONSUMER_TIMEOUT (seconds) to match; or "
         "lower them (CELERY_STEPLOCK_RETRY_BACKOFF_MAX caps the lease retries' countdowns)."
     )

@@ -15,9 +15,10 @@ import threading
 import time
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import InterfaceError, OperationalError, connection, connections, transaction
 from django.db.models import F
 
+from celery_steplock.contrib.django.steps import DjangoStepStore as StepStore
 from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step, TransitionRecord
@@ -125,8 +126,10 @@ def _isolation_now() -> str:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute("SHOW transaction_isolation")
-        else:
+        elif connection.mysql_is_mariadb and connection.mysql_version < (11, 1):
             cursor.execute("SELECT @@SESSION.tx_isolation")
+        else:  # MySQL 8 removed tx_isolation, MariaDB 11.1 added transaction_isolation
+            cursor.execute("SELECT @@SESSION.transaction_isolation")
         return cursor.fetchone()[0].lower().replace("-", " ")
 
 
@@ -472,3 +475,108 @@ def test_mysql_a_lock_wait_timeout_is_a_lock_timeout_not_a_lost_connection():
         connection.close()  # the session's bound back to the server's default
     assert store.settled_status(step.pk, 1.0) == "pending"
     assert Step.objects.get(pk=step.pk).name == "held"
+
+
+def _waiting_for_a_row_lock() -> int:
+    """Statements of the test database waiting for a row lock, as the server sees them."""
+    with connections["default"].cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+        else:
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.processlist "
+                "WHERE state = 'Updating' AND info LIKE 'UPDATE %%'"
+            )
+        return cursor.fetchone()[0]
+
+
+def _the_body_loses_a_deadlock_and_swallows_it(a, b, fillers):
+    """A hook for ``left``'s first run: it writes its record and row ``a``; a rival writes
+    ``fillers`` (heavier, so InnoDB never picks it) and ``b``; the body asks for ``b`` and
+    waits first (so PostgreSQL's detector, which runs in the longest waiter, picks it too);
+    the rival asks for ``a``: a deadlock the body loses, catches and ignores."""
+    ready = threading.Event()
+    rival_done: list = []
+
+    def rival():
+        with transaction.atomic():
+            Step.objects.filter(pk__in=fillers).update(name="rival")
+            Step.objects.filter(pk=b).update(name="rival")
+            ready.set()
+            deadline = time.monotonic() + 20
+            while not _waiting_for_a_row_lock():
+                assert time.monotonic() < deadline, "the body never waited for b"
+                time.sleep(0.01)
+            Step.objects.filter(pk=a).update(name="rival")
+
+    def hook(task, step_id):
+        _record(task, step_id)
+        if rival_done:
+            return  # the retry: only its record
+        Step.objects.filter(pk=a).update(name="body")
+        rival_done.append(in_thread(rival))
+        assert ready.wait(20)
+        try:  # a plain cursor: Django's ORM would mark the block for rollback on its own
+            with connection.cursor() as cursor:
+                cursor.execute("UPDATE workflows_step SET name = 'body' WHERE id = %s", [b])
+        except OperationalError as exc:
+            HOOKS["swallowed"] = StepStore.error_code(exc)
+
+    return hook, rival_done
+
+
+@pytest.mark.row_locks
+def test_a_body_that_swallows_a_deadlock_commits_nothing_of_that_transaction(steplock_log):
+    """The deadlock already rolled the step's transaction back (MySQL: all of it; PostgreSQL
+    aborted it). A body that catches the error and goes on must not commit the rest: on
+    MySQL the compare-and-swap would run in a new transaction and commit without the body's
+    record. The transaction ends there; the lease retry runs the body again and commits."""
+    step = Step.objects.create(name="s")
+    a, b = (Step.objects.create(name=n).pk for n in ("a", "b"))
+    Step.objects.bulk_create([Step(name=f"f{i}") for i in range(200)])
+    fillers = list(Step.objects.filter(name__startswith="f").values_list("pk", flat=True))
+    hook, rival_done = _the_body_loses_a_deadlock_and_swallows_it(a, b, fillers)
+    HOOKS["left"] = hook
+    result = left.apply(args=(step.pk,), task_id="swallow")
+    for join in rival_done:
+        join()
+    assert HOOKS["swallowed"] in ("1213", "40P01")
+    step.refresh_from_db()
+    assert result.state == "SUCCESS" and result.result == {"winner": "swallow"}
+    assert RUNS == ["left", "left"]  # the first run's transaction ended at the deadlock
+    assert step.status == "done"
+    # All or nothing: the record of the run that committed, none of the first run's.
+    assert TransitionRecord.objects.filter(step_id=step.pk).count() == 1
+    [line] = [m for _, m in steplock_log("step_transaction_conflict")]
+    assert "decision=contended" in line and f"code={HOOKS['swallowed']}" in line
+
+
+def _kill_my_own_session() -> None:
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        else:
+            cursor.execute("SELECT CONNECTION_ID()")
+            cursor.execute(f"KILL CONNECTION {cursor.fetchone()[0]}")
+
+
+@pytest.mark.row_locks
+def test_an_on_commit_callback_that_fails_after_the_commit_never_reruns_the_step(
+    events, steplock_log
+):
+    """Django runs on-commit callbacks after the COMMIT, inside the block's exit: their
+    errors leave the step's ``with`` block. One whose connection breaks there is neither a
+    broken COMMIT (``commit_failed``, a retry) nor a rolled-back transaction: the step
+    committed once, ``transition_applied`` is sent, and the error is the task's."""
+    step = Step.objects.create(name="s")
+    HOOKS["left"] = lambda task, step_id: transaction.on_commit(_kill_my_own_session)
+    result = left.apply(args=(step.pk,), task_id="committed")
+    connection.close()
+    step.refresh_from_db()
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, (OperationalError, InterfaceError)), repr(result.result)
+    assert RUNS == ["left"] and step.status == "done"
+    assert [kw["current"] for _, kw in _signals(events, "transition_conflict")] == []
+    assert len(_signals(events, "transition_applied")) == 1
+    assert steplock_log("commit_failed") == [] and steplock_log("retry_scheduled") == []
+    assert steplock_log("step_transaction_conflict") == []

@@ -585,10 +585,12 @@ class DjangoStepStore:
 
     # -- the transaction ---------------------------------------------------------------
 
-    def atomic(self):
+    def atomic(self) -> StepTransaction:
         """``transaction.atomic(durable=True)`` on :attr:`using`: the commit really happens
-        when the block exits, before the lease is released."""
-        return transaction.atomic(using=self.using, durable=True)
+        when the block exits, before the lease is released. A deadlock or serialization
+        failure inside it ends it, even when the code inside caught the error
+        (:class:`StepTransaction`)."""
+        return StepTransaction(self)
 
     def on_commit(self, func: Callable[[], None]) -> None:
         transaction.on_commit(func, using=self.using)
@@ -670,6 +672,56 @@ LOCK_TIMEOUT_CODES = frozenset({"55P03", "1205"})
 #: Codes of :meth:`DjangoStepStore.is_transient_conflict`: deadlocks and serialization
 #: failures (PostgreSQL 40001, 40P01; MySQL/MariaDB 1213, 1020).
 TRANSIENT_CONFLICT_CODES = frozenset({"40001", "40P01", "1213", "1020"})
+
+
+class StepTransaction:
+    """The step's transaction: ``transaction.atomic(durable=True)`` on the store's database
+    that remembers a deadlock or serialization failure (:meth:`DjangoStepStore.is_transient_conflict`)
+    raised by any statement inside it, caught or not.
+
+    The database already rolled the transaction back (MySQL/MariaDB: all of it) or aborted it
+    (PostgreSQL), but Django's ``atomic`` learns of it only from an error that leaves the
+    block. Code that catches the error and goes on would, on MySQL, run the rest (the
+    compare-and-swap included) in a new transaction and commit it without the writes before
+    the error. So once one was raised, every later statement raises it again, and the block
+    rolls back and raises it at its end instead of committing.
+    """
+
+    __slots__ = ("store", "error", "_atomic", "_watching")
+
+    def __init__(self, store: DjangoStepStore):
+        self.store = store
+        self.error: BaseException | None = None
+        self._atomic = transaction.atomic(using=store.using, durable=True)
+        self._watching: Any = None
+
+    def __enter__(self) -> StepTransaction:
+        self._atomic.__enter__()
+        try:
+            self._watching = connections[self.store.using].execute_wrapper(self._watch)
+            self._watching.__enter__()
+        except BaseException as exc:
+            self._atomic.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def _watch(self, execute, sql, params, many, context):
+        if self.error is not None:
+            raise self.error
+        try:
+            return execute(sql, params, many, context)
+        except DatabaseError as exc:
+            if self.store.is_transient_conflict(exc):
+                self.error = exc
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._watching.__exit__(None, None, None)
+        if exc_type is None and self.error is not None:
+            error = self.error
+            self._atomic.__exit__(type(error), error, error.__traceback__)
+            raise error
+        self._atomic.__exit__(exc_type, exc, tb)
 
 
 class StepTransitionGuard(DjangoStepStore):
