@@ -28,7 +28,6 @@ or its no-op provider), no span is created: each phase costs two ``time.monotoni
 from __future__ import annotations
 
 import contextvars
-import logging
 import time
 from typing import Any, Callable, ContextManager, Literal, Mapping
 
@@ -125,8 +124,6 @@ class _Run:
             self.attributes.update(found)
             self.span.set_attributes(found)
 
-
-logger = logging.getLogger("celery_steplock")
 
 _run: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("steplock_trace", default=None)
 _commit: contextvars.ContextVar[Phase | None] = contextvars.ContextVar(
@@ -268,10 +265,7 @@ class _Committing:
         self.committed = True
         self.phase.end()  # never raises: a raising callback would stop Django's others
         for func in self.after:
-            try:
-                func()
-            except Exception:  # as Django's robust callbacks: logged, go on
-                logger.exception("celery-steplock: an after-commit callback raised")
+            func()
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
@@ -297,7 +291,8 @@ def committing(atomic, steps) -> _Committing:
 def after_commit(steps, func: Callable[[], None]) -> None:
     """Run ``func`` once the step's transaction commits: inside :func:`committing`, from its
     first on-commit callback (before any the body registered, so a body's raising callback
-    cannot skip it); elsewhere ``steps.on_commit(func)``."""
+    cannot skip it); elsewhere ``steps.on_commit(func)``. ``func`` must not raise (as
+    :func:`celery_steplock.events.emit` never does): it would stop the callbacks after it."""
     current = _committing.get()
     if current is not None and current.steps is steps:
         current.after.append(func)
