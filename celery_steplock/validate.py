@@ -288,21 +288,23 @@ def step_database_problems(app: Any) -> list[Problem]:
     return []
 
 
+def _split_urls(value: Any) -> list[str]:
+    """A broker URL setting (a string, ``;``-separated failover URLs, or a list) as URLs."""
+    if isinstance(value, (list, tuple)):
+        return [u.strip() for u in value if isinstance(u, str)]
+    return [u.strip() for u in value.split(";")] if isinstance(value, str) else []
+
+
 def _broker_urls(app: Any) -> list[str]:
-    url = app.conf.broker_url or ""
-    if isinstance(url, (list, tuple)):
-        return [u for u in url if isinstance(u, str)]
-    return [u.strip() for u in url.split(";")] if isinstance(url, str) else []
+    return _split_urls(app.conf.broker_url or "")
 
 
 def _consumed_urls(app: Any) -> list[str]:
     """The URLs a worker consumes from: ``broker_read_url`` when set, else ``broker_url``;
     unset, Celery's default (``broker_transport``'s scheme, else ``amqp``)."""
     conf = app.conf
-    read = conf.broker_read_url
-    if read:
-        urls = list(read) if isinstance(read, (list, tuple)) else str(read).split(";")
-        return [u.strip() for u in urls if isinstance(u, str)]
+    if conf.broker_read_url:
+        return _split_urls(conf.broker_read_url)
     urls = _broker_urls(app)
     if not any(urls):
         return [f"{conf.broker_transport or 'amqp'}://"]

@@ -447,7 +447,7 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
         STEPLOCK_TEST_SQLITE=str(home / "var" / "test_steplock.sqlite3"),
         PYTEST_DEBUG_TEMPROOT=str(home),
     )
-    redis_server = pg_server = mariadb_server = None
+    redis_server = db_server = None
     try:
         if shared_redis:
             import redis
@@ -458,24 +458,20 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
             redis_server = RedisServer(workdir=home / "redis").start()
             env["REDIS_URL"] = env[TEST_REDIS_URL_ENV] = redis_server.url
             say(f"{p.label}: started redis-server {redis_server.url} (pid {redis_server.pid})")
-        if p.postgres:
+        for wanted, server_class, name, program in (
+            (p.postgres, PostgresServer, "PostgreSQL", "postgres"),
+            (p.mariadb, MariaDBServer, "MariaDB", "mariadbd"),
+        ):
+            if not wanted:
+                continue
             try:
-                pg_server = PostgresServer().start()
+                db_server = server_class().start()
             except Exception as exc:  # noqa: BLE001 - reported as this pass's failure
-                say(f"ERROR: could not start PostgreSQL: {exc}")
-                note(p.label, "FAILED", "PostgreSQL did not start")
+                say(f"ERROR: could not start {name}: {exc}")
+                note(p.label, "FAILED", f"{name} did not start")
                 return
-            env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = pg_server.url
-            say(f"{p.label}: started postgres {pg_server.url} (pid {pg_server.pid})")
-        if p.mariadb:
-            try:
-                mariadb_server = MariaDBServer().start()
-            except Exception as exc:  # noqa: BLE001 - reported as this pass's failure
-                say(f"ERROR: could not start MariaDB: {exc}")
-                note(p.label, "FAILED", "MariaDB did not start")
-                return
-            env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = mariadb_server.url
-            say(f"{p.label}: started mariadbd {mariadb_server.url} (pid {mariadb_server.pid})")
+            env["DATABASE_URL"] = env[TEST_DATABASE_URL_ENV] = db_server.url
+            say(f"{p.label}: started {program} {db_server.url} (pid {db_server.pid})")
         if p.note:
             say(p.note)
         started = time.monotonic()
@@ -484,7 +480,7 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
         )
         record(p.label, code, counts, time.monotonic() - started)
     finally:
-        for server in (mariadb_server, pg_server, redis_server):
+        for server in (db_server, redis_server):
             if server is not None:
                 server.stop()
 

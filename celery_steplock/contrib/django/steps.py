@@ -672,6 +672,8 @@ LOCK_TIMEOUT_CODES = frozenset({"55P03", "1205"})
 #: Codes of :meth:`DjangoStepStore.is_transient_conflict`: deadlocks and serialization
 #: failures (PostgreSQL 40001, 40P01; MySQL/MariaDB 1213, 1020).
 TRANSIENT_CONFLICT_CODES = frozenset({"40001", "40P01", "1213", "1020"})
+#: The databases whose errors can carry one of those codes.
+_TRANSIENT_CONFLICT_VENDORS = frozenset({"postgresql", "mysql"})
 
 
 class StepTransaction:
@@ -697,8 +699,11 @@ class StepTransaction:
 
     def __enter__(self) -> StepTransaction:
         self._atomic.__enter__()
+        connection = connections[self.store.using]
+        if connection.vendor not in _TRANSIENT_CONFLICT_VENDORS:
+            return self  # no such error there (SQLite): no wrapper on every statement
         try:
-            self._watching = connections[self.store.using].execute_wrapper(self._watch)
+            self._watching = connection.execute_wrapper(self._watch)
             self._watching.__enter__()
         except BaseException as exc:
             self._atomic.__exit__(type(exc), exc, exc.__traceback__)
@@ -716,7 +721,8 @@ class StepTransaction:
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._watching.__exit__(None, None, None)
+        if self._watching is not None:
+            self._watching.__exit__(None, None, None)
         if exc_type is None and self.error is not None:
             error = self.error
             self._atomic.__exit__(type(error), error, error.__traceback__)
