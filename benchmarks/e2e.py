@@ -64,8 +64,15 @@ KINDS = {
     "deadline, ownership check)",
     "steplock": "StepLockedTask, transition pending->done",
     "steplock_noprecheck": "StepLockedTask, lock_precheck=False",
+    "steplock_wait": "StepLockedTask, waiting for the release's reply (steplock_release_wait)",
 }
-STEP_KINDS = ("handwritten", "handwritten_full", "steplock", "steplock_noprecheck")
+STEP_KINDS = (
+    "handwritten",
+    "handwritten_full",
+    "steplock",
+    "steplock_noprecheck",
+    "steplock_wait",
+)
 #: Short names of the three compared in the targets.
 SHORT = {"steplock": "(a)", "handwritten": "(b)", "handwritten_full": "(c)"}
 PEER_OF = {"once": "celery-once", "singleton": "celery-singleton"}
@@ -152,7 +159,11 @@ def summary(values: list[float], digits: int = 1) -> dict[str, Any]:
 
 
 class Bench:
-    def __init__(self, rec: Recorder, db: str, workdir: Path):
+    def __init__(self, rec: Recorder, db: str, workdir: Path, lock_latency_ms: float = 0.0):
+        #: Round-trip latency (ms) added between the worker and the lock store by a
+        #: userspace proxy (benchmarks/latency_proxy.py): a lock store in another zone.
+        self.lock_latency_ms = lock_latency_ms
+        self.proxy: Any = None
         self.rec = rec
         self.db = db
         self.workdir = workdir
@@ -165,10 +176,19 @@ class Bench:
     def start(self, worker: bool = True) -> None:
         self.broker = servers.RedisServer().start()
         self.lockstore = servers.RedisServer().start()
+        lock_url = self.lockstore.url
+        if self.lock_latency_ms:
+            from benchmarks.latency_proxy import LatencyProxy
+
+            # Half the added round trip each way; MONITOR and INFO stay direct.
+            self.proxy = LatencyProxy(
+                ("127.0.0.1", self.lockstore.port), self.lock_latency_ms / 2000
+            ).start()
+            lock_url = self.proxy.url
         env = {
             "DJANGO_SETTINGS_MODULE": "benchmarks.e2e_settings",
             "REDIS_URL": self.broker.url,
-            "STEPLOCK_REDIS_URL": self.lockstore.url,
+            "STEPLOCK_REDIS_URL": lock_url,
             "STEPLOCK_VAR_DIR": str(self.workdir),
             "STEPLOCK_LOG_LEVEL": "WARNING",
             "BENCH_SQL_DIR": str(self.workdir / "sql"),
@@ -224,6 +244,8 @@ class Bench:
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.terminate()
+        if self.proxy is not None:
+            self.proxy.stop()
         for name in ("pg", "lockstore", "broker"):
             server = getattr(self, name, None)
             if server is not None:
@@ -326,6 +348,8 @@ class Bench:
     RATE_PAIRS = (
         ("steplock", "handwritten"),
         ("steplock_noprecheck", "handwritten"),
+        ("steplock_wait", "handwritten"),
+        ("steplock", "steplock_wait"),
         ("steplock", "handwritten_full"),
         ("handwritten_full", "handwritten"),
         ("steplock", "plain"),
@@ -335,6 +359,7 @@ class Bench:
         ("steplock", "handwritten_full"),
         ("steplock", "handwritten"),
         ("steplock_noprecheck", "handwritten"),
+        ("steplock", "steplock_wait"),
         ("handwritten_full", "handwritten"),
         ("steplock", "plain"),
     )
@@ -916,18 +941,32 @@ class Bench:
 
 
 def run_db(
-    db: str, quick: bool, tasks: int | None = None, reps: int | None = None
+    db: str,
+    quick: bool,
+    tasks: int | None = None,
+    reps: int | None = None,
+    only: list[str] | None = None,
+    lock_latency_ms: float = 0.0,
+    throughput_only: bool = False,
 ) -> dict[str, Any]:
     rec = Recorder("e2e")
     kinds = installed_variants(rec, KINDS, PEER_OF)
+    if only:
+        kinds = [k for k in kinds if k in only]
     n = tasks or (200 if quick else 2000)
     r = reps or (3 if quick else 5)
     with tempfile.TemporaryDirectory(prefix=f"steplock-bench-e2e-{db}-") as tmp:
-        bench = Bench(rec, db, Path(tmp))
+        bench = Bench(rec, db, Path(tmp), lock_latency_ms=lock_latency_ms)
         try:
             bench.start()
+            if lock_latency_ms:
+                rec.note(
+                    f"{db}: {lock_latency_ms} ms of round-trip latency added to the lock store"
+                )
             bench.throughput(kinds, n=n, reps=r, warmup=20 if quick else 50)
-            if quick:
+            if throughput_only:
+                bench.worker_errors()
+            elif quick:
                 bench.counting(kinds, k=20)
                 bench.inprocess(n=100, reps=2, profile=True)
                 bench.steps(n=100)
@@ -1050,13 +1089,37 @@ def main() -> int:
         default=ROOT / "var" / "profiles",
         help="where --profile writes its texts (default var/profiles)",
     )
+    parser.add_argument(
+        "--kinds", nargs="+", metavar="KIND", default=None, help="only these task kinds"
+    )
+    parser.add_argument(
+        "--lock-latency-ms",
+        type=float,
+        default=0.0,
+        help="round-trip latency added to the lock store by a userspace proxy (needs --db)",
+    )
+    parser.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="only the interleaved batches (no counting, in-process or steps sections)",
+    )
     args = parser.parse_args()
     if args.profile:
         return profile_only(args.db or "sqlite", args.profile, args.calls, args.profile_dir)
     if args.db is None:
         return write_result("e2e", lambda: run(args.quick, args.tasks, args.reps), args.out)
     return write_result(
-        "e2e", lambda: run_db(args.db, args.quick, args.tasks, args.reps), args.out
+        "e2e",
+        lambda: run_db(
+            args.db,
+            args.quick,
+            args.tasks,
+            args.reps,
+            only=args.kinds,
+            lock_latency_ms=args.lock_latency_ms,
+            throughput_only=args.throughput_only,
+        ),
+        args.out,
     )
 
 

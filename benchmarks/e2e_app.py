@@ -26,6 +26,8 @@ of ``django_app`` where they touch the database:
                            and signals, settings and options, waiters' wake-up on release
 ``bench.steplock``         ``StepLockedTask`` with ``transition=("pending", "done")``
 ``bench.steplock_noprecheck``  the same with ``lock_precheck=False``
+``bench.steplock_wait``    ``bench.steplock`` waiting for its release's reply after COMMIT
+                           (``steplock_release_wait=True``): 3 blocking round trips, not 2
 ``bench.mark``             end-of-batch marker (SET in the broker Redis)
 
 Per task, the worker appends one line to ``$BENCH_SQL_DIR/<pid>.tsv``: task name, SQL
@@ -83,6 +85,7 @@ else:
     SINGLETON_ERROR = None
 
 from celery_steplock import StepLockedTask  # noqa: E402
+from celery_steplock.lock import release_after_commit  # noqa: E402
 
 
 @app.task(name="bench.plain")
@@ -130,6 +133,28 @@ def steplock(self, step_id):
     lock_precheck=False,
 )
 def steplock_noprecheck(self, step_id):
+    return step_id
+
+
+class _WaitingRelease(StepLockedTask):
+    """``StepLockedTask`` waiting for its release's reply after COMMIT, as before issue 26
+    (``steplock_release_wait=True`` for this task alone): the third blocking round trip."""
+
+    def _release(self, store, lease):
+        release_after_commit(store, lease, self, wait=True)
+
+
+@app.task(
+    name="bench.steplock_wait",
+    bind=True,
+    base=_WaitingRelease,
+    lock_key="bench:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    lock_ttl=LEASE_TTL,
+)
+def steplock_wait(self, step_id):
     return step_id
 
 

@@ -2,17 +2,35 @@
 
 Uncontended (one thread, one connection, one name): a cycle is acquire + release; each variant
 runs ``cycles`` timed cycles per repetition after a warm-up, in blocks of 50 cycles with the
-variants interleaved block by block in a rotating order, repeated ``reps`` times. Reported:
-the median over the repetitions of each repetition's p50, p99 and cycles/s, and the ratios
-of p50s taken *within* each repetition (then their median). The physical floor of a cycle of
-two round trips is "two PINGs": two sequential PINGs on one pooled connection, packed as our
-EVALSHA calls are (so the ratio ours / two PINGs is the cost of everything but the network).
+variants interleaved block by block in a rotating order (a *round* is one block of each
+variant, back to back: a few ms), repeated ``reps`` times. Reported: p50 is the median over
+the repetitions of the median of each repetition's block medians (a burst of load from this
+shared machine's neighbours slows some blocks; the median of block medians moves less than
+the median of all samples); p99 and cycles/s are over all of a repetition's samples. A ratio
+a / b is the median over a repetition's rounds of (a's block median / b's block median), the
+two blocks of a round having run under the same load, then the median over the repetitions
+(each repetition's value in ``reps``).
+
+The floors: "PING" (one round trip) and "two PINGs" (the physical floor of a cycle of two
+round trips: the ratio ours / two PINGs is the cost of everything but the network) run the
+*same* client code, sequential PINGs on a pooled connection of ``make_client``, packed as
+our EVALSHA calls are, and differ only in the count. Each round trip waits for the previous
+reply, as an acquire and its release do, so pipelining them would measure something else.
+With one code path, two PINGs / one PING (``ratio.ping2_vs_ping``, just under 2: a cycle's
+own timing overhead is counted once) and server-side (``ratio.ping2_vs_ping_server``: 2
+commands against 1) check the floors; they once came from two clients (redis-py's
+``Redis.ping`` for one PING), and a loaded run put two PINGs at 70 us against one at 53 us.
 The round trips per cycle are counted once with ``MONITOR``; Redis's own time per cycle with
-``INFO commandstats`` (after ``CONFIG RESETSTAT``) over ``server_cycles`` cycles: ``server_us``
-sums every command's usec, scripts' inner commands included (counted twice: inside their
-script's EVALSHA and on their own); ``server_us_top`` sums only the commands the client sent,
-which is Redis's execution time per cycle; ``cpu_us`` is Redis's process CPU time
-(``INFO cpu``) per cycle, network I/O and protocol parsing included.
+``INFO commandstats`` (``CONFIG RESETSTAT`` before each block of 100 cycles, the variants
+interleaved block by block) over ``server_cycles`` cycles: ``server_us`` sums every command's
+usec, scripts' inner commands included (counted twice: inside their script's EVALSHA and on
+their own); ``server_us_top`` sums only the commands the client sent, which is Redis's
+execution time per cycle; ``cpu_us`` is Redis's process CPU time (``INFO cpu``) per cycle,
+network I/O and protocol parsing included. Each is the median of the blocks' figures (the
+whole run's mean beside it), and the server-side ratios the median of the rounds' ratios:
+``usec`` is wall time around each command, so a neighbour taking Redis's core for a few ms
+lands on whichever command it interrupts, and sums over thousands of sub-microsecond PINGs
+were at its mercy.
 
 Contended: 8 and 64 processes (fork) loop on *one* name for a fixed time with each library's
 own blocking acquire; inside the critical section a process-shared counter detects overlaps
@@ -22,6 +40,7 @@ share (fairness), Redis commands/s (what waiting costs the server).
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import time
 import uuid
@@ -83,28 +102,35 @@ def _plain_client(url: str):
     return redis.Redis.from_url(url)
 
 
+def _pings(url: str, n: int) -> Callable[[], None]:
+    """``n`` sequential PINGs, each a round trip on a pooled connection of
+    :func:`~celery_steplock.lock.make_client`, the command packed once: as our EVALSHA calls
+    go out. The one-PING and two-PING floors share this path (only ``n`` differs), so their
+    ratio is the cost of one more round trip and nothing of two clients' code paths (the
+    one-PING floor was once redis-py's ``Redis.ping``, a heavier path than the two-PING one,
+    which put one PING at 53 us against two at 70 us)."""
+    from celery_steplock.lock import make_client
+
+    pool = make_client(url).connection_pool
+    ping = b"*1\r\n$4\r\nPING\r\n"
+
+    def cycle():
+        for _ in range(n):
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command([ping])
+                if conn.read_response() != "PONG":
+                    raise AssertionError("ping: no PONG")
+            finally:
+                pool.release(conn)
+
+    return cycle
+
+
 def build_cycle(variant: str, url: str, key: str) -> Callable[[], None]:
     """An uncontended acquire + release cycle of ``variant`` on its own client and key."""
-    if variant == "ping":
-        client = _plain_client(url)
-        return client.ping
-    if variant == "ping2":
-        from celery_steplock.lock import make_client
-
-        pool = make_client(url).connection_pool
-        ping = b"*1\r\n$4\r\nPING\r\n"
-
-        def cycle():
-            for _ in range(2):  # as our EVALSHA calls: a pooled connection, a packed command
-                conn = pool.get_connection()
-                try:
-                    conn.send_packed_command([ping])
-                    if conn.read_response() != "PONG":
-                        raise AssertionError("ping2: no PONG")
-                finally:
-                    pool.release(conn)
-
-        return cycle
+    if variant in ("ping", "ping2"):
+        return _pings(url, 1 if variant == "ping" else 2)
     if variant == "raw":
         from celery_steplock.lock import make_client
 
@@ -288,6 +314,9 @@ def uncontended(
 
     cyc = {v: build_cycle(v, url, f"bench:uncontended:{v}") for v in variants}
     per_rep: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    # rounds[rep][i][v]: the median of variant v's block in round i of repetition rep; the
+    # blocks of one round run back to back (a few ms), so they share the machine's load.
+    rounds: list[list[dict[str, float]]] = []
     clock = time.perf_counter_ns
     block = 50  # cycles of one variant in a row: the variants interleave every few ms, so a
     #             change of load on this shared machine hits them all alike
@@ -297,22 +326,30 @@ def uncontended(
     for rep in range(reps):
         samples: dict[str, list[int]] = {v: [] for v in variants}
         busy: dict[str, int] = {v: 0 for v in variants}
+        rep_rounds: list[dict[str, float]] = []
         gc.collect()
         for b in range(max(1, cycles // block)):
             k = (rep + b) % len(variants)
+            medians: dict[str, float] = {}
             for v in variants[k:] + variants[:k]:
                 cycle = cyc[v]
-                out = samples[v]
+                out: list[int] = []
                 t_block = clock()
                 for _ in range(block):
                     t0 = clock()
                     cycle()
                     out.append(clock() - t0)
                 busy[v] += clock() - t_block
+                samples[v].extend(out)
+                medians[v] = median(out) / 1000.0
+            rep_rounds.append(medians)
+        rounds.append(rep_rounds)
         for v in variants:
             per_rep[v].append(
                 {
-                    "p50": percentile(samples[v], 50) / 1000.0,
+                    # The median of the blocks' medians: a burst of load that slows some
+                    # blocks moves it less than it moves the median of all samples.
+                    "p50": median(r[v] for r in rep_rounds),
                     "p99": percentile(samples[v], 99) / 1000.0,
                     "rate": len(samples[v]) / (busy[v] / 1e9),
                 }
@@ -329,6 +366,7 @@ def uncontended(
             "us",
             variant=v,
             label=UNCONTENDED[v],
+            basis="median over repetitions of the median of 50-cycle blocks' medians",
         )
         rec.add(
             f"lock.uncontended.{v}.p99",
@@ -347,7 +385,8 @@ def uncontended(
         rec.add(
             f"lock.uncontended.{v}.p50_reps", [round(r["p50"], 1) for r in rows], "us", variant=v
         )
-    # Ratios within each repetition, then their median.
+    # Ratios of block medians within each round (the blocks of one round share the load),
+    # their median per repetition, then the median over the repetitions.
     for a, b in (
         ("ours", "raw"),
         ("ours_meta", "raw"),
@@ -359,9 +398,10 @@ def uncontended(
         ("ours", "ping2"),
         ("ours_meta", "ping2"),
         ("raw", "ping2"),
+        ("ping2", "ping"),
     ):
         if a in per_rep and b in per_rep:
-            ratios = [ra["p50"] / rb["p50"] for ra, rb in zip(per_rep[a], per_rep[b])]
+            ratios = [median(r[a] / r[b] for r in rep_rounds) for rep_rounds in rounds]
             rec.add(
                 f"lock.uncontended.ratio.{a}_vs_{b}",
                 round(median(ratios), 3),
@@ -424,17 +464,28 @@ def server_time(
     sent_by: dict[str, set[str]],
     n: int,
 ) -> None:
-    """Redis's time per cycle of each variant over ``n`` cycles, in blocks of 500 with the
-    variants interleaved (a change of load hits them all alike). ``server_us_top``: usec of
-    the commands the client sent (``sent_by``); ``server_us``: every command's usec (inner
-    commands of scripts counted twice); ``cpu_us``: the process's CPU time."""
+    """Redis's time per cycle of each variant over ``n`` cycles, in blocks of 100 with the
+    variants interleaved block by block in a rotating order (a round: one block of each).
+    ``server_us_top``: usec of the commands the client sent (``sent_by``); ``server_us``:
+    every command's usec (inner commands of scripts counted twice); ``cpu_us``: the process's
+    CPU time. Each is the median over the blocks of the block's figure per cycle (``mean``
+    beside it: the whole run's sum per cycle); a ratio is the median over the rounds of the
+    two blocks' ratio. ``usec`` is wall time around each command: a neighbour that takes
+    Redis's core for a few ms adds them to the command it interrupts, and a sum over
+    thousands of sub-microsecond PINGs is at the mercy of a few such interruptions, which
+    the median of blocks is not."""
     import redis
 
     admin = redis.Redis.from_url(url)
-    block = 500
+    block = 100
+    blocks_top: dict[str, list[float]] = {v: [] for v in variants}
+    blocks_all: dict[str, list[float]] = {v: [] for v in variants}
+    blocks_cpu: dict[str, list[float]] = {v: [] for v in variants}
+    rounds: list[dict[str, tuple[float, float]]] = []
     top = {v: 0 for v in variants}
     summed = {v: 0 for v in variants}
     cpu = {v: 0.0 for v in variants}
+    calls = {v: 0 for v in variants}
     by_command: dict[str, dict[str, int]] = {v: {} for v in variants}
 
     def cpu_s() -> float:
@@ -444,33 +495,45 @@ def server_time(
     blocks = max(1, n // block)
     for b in range(blocks):
         k = b % len(variants)
+        this_round: dict[str, tuple[float, float]] = {}
         for v in variants[k:] + variants[:k]:
             cycle = cyc[v]
             admin.config_resetstat()
             cpu0 = cpu_s()
             for _ in range(block):
                 cycle()
-            cpu[v] += cpu_s() - cpu0
+            used = cpu_s() - cpu0
+            cpu[v] += used
             stats = admin.info("commandstats")
+            b_top = b_all = 0
             for name, st in stats.items():
                 command = name.removeprefix("cmdstat_")
                 if command.startswith(("config", "info")):
                     continue
                 usec = int(st.get("usec", 0))
-                summed[v] += usec
+                b_all += usec
                 by_command[v][command] = by_command[v].get(command, 0) + usec
                 if command in sent_by.get(v, ()):
-                    top[v] += usec
+                    b_top += usec
+                    calls[v] += int(st.get("calls", 0))
+            top[v] += b_top
+            summed[v] += b_all
+            blocks_top[v].append(b_top / block)
+            blocks_all[v].append(b_all / block)
+            blocks_cpu[v].append(used / block * 1e6)
+            this_round[v] = (b_top / block, used / block * 1e6)
+        rounds.append(this_round)
     admin.close()
     cycles = blocks * block
     for v in variants:
-        us_top = top[v] / cycles
+        us_top = median(blocks_top[v])
         rec.add(
             f"lock.uncontended.{v}.server_us",
-            round(summed[v] / cycles, 2),
+            round(median(blocks_all[v]), 2),
             "us/cycle",
             variant=v,
             cycles=cycles,
+            mean=round(summed[v] / cycles, 2),
             detail={c: round(u / cycles, 2) for c, u in sorted(by_command[v].items())},
         )
         rec.add(
@@ -479,6 +542,8 @@ def server_time(
             "us/cycle",
             variant=v,
             cycles=cycles,
+            mean=round(top[v] / cycles, 2),
+            calls=round(calls[v] / cycles, 2),
             commands=sorted(sent_by.get(v, ())),
         )
         if us_top > 0:
@@ -489,8 +554,14 @@ def server_time(
                 variant=v,
                 basis="server_us_top",
             )
-        cpu_us = cpu[v] / cycles * 1e6
-        rec.add(f"lock.uncontended.{v}.cpu_us", round(cpu_us, 2), "us/cycle", variant=v)
+        cpu_us = median(blocks_cpu[v])
+        rec.add(
+            f"lock.uncontended.{v}.cpu_us",
+            round(cpu_us, 2),
+            "us/cycle",
+            variant=v,
+            mean=round(cpu[v] / cycles * 1e6, 2),
+        )
         if cpu_us > 0:
             rec.add(
                 f"lock.uncontended.{v}.cycles_per_core_s_cpu",
@@ -499,21 +570,34 @@ def server_time(
                 variant=v,
                 basis="cpu_us",
             )
+
+    def ratio(a: str, b: str, i: int) -> float:
+        values = [r[a][i] / r[b][i] for r in rounds if r[b][i] > 0]
+        return round(median(values), 3) if values else math.nan
+
+    if "ping" in variants and "ping2" in variants:
+        rec.add(
+            "lock.uncontended.ratio.ping2_vs_ping_server",
+            ratio("ping2", "ping", 0),
+            "x",
+            basis="server_us_top",
+            calls={v: round(calls[v] / cycles, 2) for v in ("ping", "ping2")},
+        )
     for a in ("ours", "ours_meta", "ours_task"):
-        if a in variants and "raw" in variants and top["raw"]:
+        if a in variants and "raw" in variants:
             rec.add(
                 f"lock.uncontended.ratio.{a}_vs_raw_server",
-                round(top[a] / top["raw"], 3),
+                ratio(a, "raw", 0),
                 "x",
                 basis="server_us_top",
+                mean=round(top[a] / top["raw"], 3) if top["raw"] else None,
             )
-            if cpu["raw"]:
-                rec.add(
-                    f"lock.uncontended.ratio.{a}_vs_raw_cpu",
-                    round(cpu[a] / cpu["raw"], 3),
-                    "x",
-                    basis="cpu_us",
-                )
+            rec.add(
+                f"lock.uncontended.ratio.{a}_vs_raw_cpu",
+                ratio(a, "raw", 1),
+                "x",
+                basis="cpu_us",
+            )
 
 
 # -- contended ---------------------------------------------------------------------------------

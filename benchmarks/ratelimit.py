@@ -15,6 +15,11 @@ Figures:
   from ``SLOWLOG`` (``slowlog-log-slower-than 0``; a script counts once, its inner commands
   included, and network and parsing are left out), summed and divided by the decisions
   (:func:`server_time`);
+* Redis CPU per decision (microseconds): the server process's CPU time (``INFO cpu``:
+  ``used_cpu_user + used_cpu_sys``, so its network reads and writes too) over back-to-back
+  decisions, SLOWLOG off, the methods taken in turn for a few rounds (so a load on the shared
+  machine falls on each alike), the median round (:func:`redis_cpu`); and its inverse, the
+  decisions one Redis core can take per second;
 * accuracy: 1, 2 and 8 worker processes each asking as fast as they can (a 2 ms pause after a
   denial) for a few seconds against one limit of 20 per second: the largest number of
   admissions certainly inside one 1 s window (:func:`proven_max`: a lower bound, so above 20
@@ -46,6 +51,8 @@ from tests.support import servers  # noqa: E402
 
 LIMIT, WINDOW = 20, 1.0  # accuracy runs: 20 per second
 LATENCY_LIMIT = 1000  # latency runs: 1000 per second
+#: Methods that ask no Redis (their Redis CPU per decision is 0, their decisions per core None).
+NO_REDIS = frozenset({"celery"})
 WORKERS = (1, 2, 8)
 
 METHODS = {
@@ -241,6 +248,41 @@ def server_time(admin, decide: Callable[[], bool], count: int) -> tuple[float, f
     return total_us / count, total_commands / count
 
 
+def redis_cpu(url: str, methods: list[str], count: int, rounds: int) -> dict[str, float]:
+    """Redis CPU time per decision of each method (microseconds): ``used_cpu_user +
+    used_cpu_sys`` of ``INFO cpu`` (the server process, its network reads and writes
+    included) before and after ``count`` back-to-back decisions, SLOWLOG at its default.
+    The methods take turns, ``rounds`` times (each with its own client and key, made and
+    warmed first), and each method's figure is its median round: a load on the shared
+    machine falls on every method alike, and one unlucky round does not move the figure."""
+    import statistics
+
+    import redis
+
+    admin = redis.Redis.from_url(url)
+    deciders = {}
+    for method in methods:
+        decide = decider(method, url, LATENCY_LIMIT, 1.0, f"cpu-{method}")
+        for _ in range(50):
+            decide()  # connections made, scripts loaded
+        deciders[method] = decide
+    rounds_us: dict[str, list[float]] = {method: [] for method in methods}
+    for _ in range(rounds):
+        for method in methods:
+            decide = deciders[method]
+            before = _cpu_seconds(admin)
+            for _ in range(count):
+                decide()
+            used = _cpu_seconds(admin) - before
+            rounds_us[method].append(0.0 if method in NO_REDIS else used * 1e6 / count)
+    return {method: statistics.median(figures) for method, figures in rounds_us.items()}
+
+
+def _cpu_seconds(admin) -> float:
+    cpu = admin.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
 def _command(entry: dict[str, Any]) -> str:
     command = entry.get("command", b"")
     return command.decode(errors="replace") if isinstance(command, bytes) else str(command)
@@ -258,18 +300,30 @@ def run(quick: bool = False) -> dict[str, Any]:
         methods = [m for m in methods if not m.startswith("limits_")]
         rec.note("the limits library is not installed (requirements/bench.txt): skipped")
     tables: dict[str, Any] = {"latency": {}, "accuracy": {}}
+    cpu_rounds = 3 if quick else 5
     with servers.RedisServer() as server:
         for method in methods:
-            figures = latency(method, server.url, count)
-            tables["latency"][method] = figures
+            tables["latency"][method] = latency(method, server.url, count)
+        cpu = redis_cpu(server.url, methods, count, cpu_rounds)
+        for method in methods:
+            figures = tables["latency"][method]
+            figures["redis_cpu_us"] = cpu[method]
+            figures["decisions_per_redis_core_s"] = (
+                None if method in NO_REDIS or cpu[method] <= 0 else 1e6 / cpu[method]
+            )
             for name, unit in (
                 ("p50_us", "us"),
                 ("p99_us", "us"),
                 ("server_us", "us"),
                 ("commands", "commands"),
                 ("admitted", "ratio"),
+                ("redis_cpu_us", "us"),
+                ("decisions_per_redis_core_s", "per s"),
             ):
-                rec.add(f"ratelimit.latency.{name}", round(figures[name], 3), unit, method=method)
+                if figures[name] is not None:
+                    rec.add(
+                        f"ratelimit.latency.{name}", round(figures[name], 3), unit, method=method
+                    )
         for run_no, (method, n) in enumerate((m, n) for m in methods for n in workers):
             times = accuracy(method, server.url, n, seconds, run_no)
             servers_seen = [t[2] for t in times if t[2] is not None]
@@ -316,7 +370,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             rec.say(f"{METHODS[method]}, edge burst: at least {most} in one {WINDOW:g} s")
     rec.note(
         f"Latency: {count} back-to-back decisions per method, limit {LATENCY_LIMIT}/s; "
-        f"server time from SLOWLOG (every top-level command, a script once). Accuracy: "
+        f"server time from SLOWLOG (every top-level command, a script once); Redis CPU "
+        f"from INFO cpu (user + sys) over {count} decisions per method, {cpu_rounds} "
+        f"interleaved rounds, the median. Accuracy: "
         f"limit {LIMIT} per {WINDOW:g} s, {seconds:g} s per run, a 2 ms pause after a "
         f"denial. Celery's rate_limit is kombu's per-worker token bucket (capacity 1) "
         f"in each process, as Celery keeps one per worker."
@@ -352,14 +408,17 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def render(tables: dict[str, Any], methods: list[str], workers) -> str:
     lines = [
-        "| method | p50 µs | p99 µs | Redis server µs/decision | commands/decision |",
-        "|---|---|---|---|---|",
+        "| method | p50 µs | p99 µs | Redis server µs/decision | commands/decision "
+        "| Redis CPU µs/decision | decisions per Redis core-second |",
+        "|---|---|---|---|---|---|---|",
     ]
     for method in methods:
         f = tables["latency"][method]
+        per_core = f.get("decisions_per_redis_core_s")
         lines.append(
             f"| {METHODS[method]} | {f['p50_us']:.0f} | {f['p99_us']:.0f} | "
-            f"{f['server_us']:.1f} | {f['commands']:.2f} |"
+            f"{f['server_us']:.1f} | {f['commands']:.2f} | {f.get('redis_cpu_us', 0.0):.1f} | "
+            f"{'n/a' if per_core is None else f'{per_core:,.0f}'} |"
         )
     lines += [
         "",

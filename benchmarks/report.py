@@ -1,7 +1,9 @@
 """Render the groups' figures: ``performance.json``, ``performance.md`` and the profiles.
 
-The targets of issue 5 are evaluated here from the figures of the same run (ratios were taken
-within each repetition by the groups). The commentary at the end of ``performance.md`` is
+The targets of issues 5 and 26 are evaluated here from the figures of the same run (ratios were
+taken within each repetition by the groups). The pattern groups (rate limits, breaker and retry,
+idempotency) keep their tables in ``docs/patterns/<group>.json``; :func:`pattern_group` turns
+those rows into figures named ``<group>.<row>.<field>`` beside the lease groups'. The commentary at the end of ``performance.md`` is
 ``benchmarks/commentary.md``, written by hand for the run it names; everything else is
 generated.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +66,16 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _target(
-    tid: str, text: str, measured: Any, met: bool | None, by: str, figure: str | None = None
+    tid: str,
+    text: str,
+    measured: Any,
+    met: bool | None,
+    by: str,
+    figure: str | None = None,
+    issues: tuple[int, ...] = (5,),
 ) -> dict[str, Any]:
+    """One target's verdict; ``issues``: the issues that set it (the report has a table per
+    issue). The id starts with the group name (``run.py`` keeps ``previous`` by group)."""
     return {
         "id": tid,
         "target": text,
@@ -72,16 +83,17 @@ def _target(
         "met": met,
         "by": by,
         "figure": figure,
+        "issues": list(issues),
     }
 
 
 def evaluate(F: Figures) -> list[dict[str, Any]]:
     t: list[dict[str, Any]] = []
 
-    def ratio_target(tid, text, name, limit, lower_is_better=True):
+    def ratio_target(tid, text, name, limit, lower_is_better=True, issues=(5,)):
         r = F.v(name)
         if r is None:
-            t.append(_target(tid, text, None, None, "not measured", name))
+            t.append(_target(tid, text, None, None, "not measured", name, issues))
             return
         met = r <= limit if lower_is_better else r >= limit
         rel = (r / limit - 1) * 100
@@ -90,7 +102,7 @@ def evaluate(F: Figures) -> list[dict[str, Any]]:
             if lower_is_better
             else f"{abs(rel):.1f}% {'over' if rel >= 0 else 'under'} the floor"
         )
-        t.append(_target(tid, text, f"{r:.3f}x", met, by, name))
+        t.append(_target(tid, text, f"{r:.3f}x", met, by, name, issues))
 
     ratio_target(
         "lock.floor",
@@ -139,6 +151,7 @@ def evaluate(F: Figures) -> list[dict[str, Any]]:
                 f"{fmt(per_core)} cycles per Redis core-second; a default task's 3 "
                 f"scripts {fmt(task_us, 1)} µs",
                 "lock.uncontended.ours.server_us_top",
+                issues=(5, 26),
             )
         )
     overlaps = [
@@ -168,6 +181,7 @@ def evaluate(F: Figures) -> list[dict[str, Any]]:
             name,
             0.95,
             lower_is_better=False,
+            issues=(5, 26) if db == "postgresql" else (5,),
         )
         cpu = f"e2e.{db}.cpu_ratio.steplock_vs_handwritten_full"
         if F.fig(cpu) is not None:
@@ -337,6 +351,704 @@ def evaluate(F: Figures) -> list[dict[str, Any]]:
                     f"operators.{big}.{key}",
                 )
             )
+    return t + evaluate_patterns(F)
+
+
+# -- the pattern groups (issue 26) -----------------------------------------------------------
+#
+# The pattern groups (``ratelimit``, ``breaker``, ``idempotency``) keep their tables in
+# ``docs/patterns/<group>.json``, one row per method / scenario / variant. Here each row becomes
+# figures named ``<group>.<row>.<field>`` (the group's own ``Recorder`` figures share one
+# name per field, told apart by labels), so that ``performance.json`` holds them beside the
+# lease groups' and ``previous`` works by name alike.
+
+PATTERN_GROUPS = ("ratelimit", "breaker", "idempotency")
+
+#: The breaker group's scenarios and libraries, shortened for the figures' names (an unknown
+#: one is slugged).
+BREAKER_SCENARIOS = {
+    "bare call": "bare",
+    "breaker, closed (success)": "closed",
+    "breaker, open (refused)": "open",
+    "retry, success at once": "retry_first",
+    "retry, one retry": "retry_one",
+    "retry + breaker, one retry": "retry_breaker_one",
+}
+BREAKER_LIBRARIES = {
+    "floor": "floor",
+    "celery-steplock": "ours",
+    "pybreaker+redis": "pybreaker",
+    "tenacity": "tenacity",
+}
+IDEMPOTENCY_LABELS = {
+    "bare": "bare call (no idempotency)",
+    "ours_redis": "ours: Redis store",
+    "ours_database": "ours: database store (Redis cache)",
+    "handmade_table": "hand-written table (INSERT … ON CONFLICT DO NOTHING)",
+}
+#: Row fields that are labels, not figures.
+_ROW_LABELS = {"scenario", "library", "variant", "method", "calls", "workers", "limit"}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "row"
+
+
+def _is_figure(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _unit(field: str) -> str:
+    if field.endswith("_core_s"):
+        return "decisions/s"
+    if field.endswith(("_us", "_us_per_call")):
+        return "us"
+    if "commands" in field or "round_trips" in field:
+        return "round trips"
+    if "max_in_window" in field:
+        return "per window"
+    if "mean_rate" in field:
+        return "per s"
+    if field == "admitted":
+        return "ratio"
+    return ""
+
+
+def _breaker_key(scenario: str, library: str) -> str:
+    return (
+        f"{BREAKER_SCENARIOS.get(scenario, _slug(scenario))}."
+        f"{BREAKER_LIBRARIES.get(library, _slug(library))}"
+    )
+
+
+def _row(rows: dict[str, dict], key: str, label: str, **labels: Any) -> dict[str, Any]:
+    row = rows.setdefault(key, {"label": label, "labels": {}, "fields": {}})
+    row["labels"].update({k: v for k, v in labels.items() if v is not None})
+    return row
+
+
+def pattern_rows(group: str, doc: dict[str, Any]) -> dict[str, dict]:
+    """The rows of a pattern group's ``docs/patterns/<group>.json``: ``{row key: {"label",
+    "labels", "fields": {field: number or None}}}``. Every numeric (or null) field of a row is
+    kept, whatever its name, so fields added to the groups later come through."""
+    rows: dict[str, dict] = {}
+    if group == "ratelimit":
+        methods = doc.get("methods") or {}
+        tables = doc.get("tables") or {}
+        for method, fields in (tables.get("latency") or {}).items():
+            row = _row(rows, method, methods.get(method, method), method=method)
+            row["fields"].update({k: v for k, v in fields.items() if _is_figure(v)})
+        for method, runs in (tables.get("accuracy") or {}).items():
+            row = _row(rows, method, methods.get(method, method), method=method)
+            for run in runs or []:
+                w = run.get("workers")
+                row["labels"]["limit"] = run.get("limit")
+                for k in ("mean_rate", "proven_max_in_window", "redis_max_in_window"):
+                    if k in run and _is_figure(run[k]):
+                        row["fields"][f"{k}_{w}w"] = run[k]
+        for method, run in (tables.get("edge") or {}).items():
+            row = _row(rows, method, methods.get(method, method), method=method)
+            if _is_figure(run.get("proven_max_in_window")):
+                row["fields"]["edge_proven_max_in_window"] = run["proven_max_in_window"]
+    elif group == "breaker":
+        for r in doc.get("rows") or []:
+            key = _breaker_key(r.get("scenario", ""), r.get("library", ""))
+            row = _row(
+                rows,
+                key,
+                f"{r.get('scenario')}: {r.get('library')}",
+                scenario=r.get("scenario"),
+                library=r.get("library"),
+                calls=r.get("calls"),
+            )
+            row["fields"].update(
+                {k: v for k, v in r.items() if k not in _ROW_LABELS and _is_figure(v)}
+            )
+    elif group == "idempotency":
+        database = (doc.get("context") or {}).get("database")
+        for r in doc.get("rows") or []:
+            variant = r.get("variant", "")
+            row = _row(
+                rows,
+                variant,
+                IDEMPOTENCY_LABELS.get(variant, variant),
+                variant=variant,
+                database=database,
+            )
+            row["fields"].update(
+                {k: v for k, v in r.items() if k not in _ROW_LABELS and _is_figure(v)}
+            )
+    return rows
+
+
+def recorder_rows(group: str, figures: list[dict]) -> dict[str, dict]:
+    """The same rows from a pattern group's own ``Recorder`` figures (``ratelimit.latency.p50_us``
+    with ``method=...``, ``breaker.overhead_p50_us`` with ``scenario``/``library``,
+    ``idempotency.first_p50_us`` with ``variant``): what a run left when its group wrote no
+    ``docs/patterns`` file (a quick run)."""
+    rows: dict[str, dict] = {}
+    for fig in figures:
+        parts = fig.get("name", "").split(".")
+        if len(parts) < 2 or parts[0] != group or not _is_figure(fig.get("value")):
+            continue
+        field = parts[-1]
+        if "scenario" in fig or "library" in fig:
+            key = _breaker_key(fig.get("scenario", ""), fig.get("library", ""))
+            label = f"{fig.get('scenario')}: {fig.get('library')}"
+            labels = {"scenario": fig.get("scenario"), "library": fig.get("library")}
+        elif "variant" in fig:
+            key = fig["variant"]
+            label = IDEMPOTENCY_LABELS.get(key, key)
+            labels = {"variant": key}
+        elif "method" in fig:
+            key = fig["method"]
+            label = key
+            labels = {"method": key}
+        else:
+            continue
+        if group == "ratelimit" and len(parts) == 3 and parts[1] == "edge":
+            field = f"edge_{field}"
+        elif fig.get("workers") is not None:
+            field = f"{field}_{fig['workers']}w"
+        _row(rows, key, label, **labels)["fields"][field] = fig["value"]
+    return rows
+
+
+def pattern_figures(group: str, *sources: dict[str, dict]) -> list[dict[str, Any]]:
+    """Figures ``<group>.<row>.<field>`` from rows (:func:`pattern_rows`,
+    :func:`recorder_rows`); a later source's field wins over an earlier one's."""
+    merged: dict[str, dict] = {}
+    for rows in sources:
+        for key, row in rows.items():
+            into = _row(merged, key, row["label"], **row["labels"])
+            if row["label"] != key:
+                into["label"] = row["label"]
+            into["fields"].update(row["fields"])
+    figures = []
+    for key, row in merged.items():
+        for field, value in row["fields"].items():
+            figures.append(
+                {
+                    "name": f"{group}.{key}.{field}",
+                    "unit": _unit(field),
+                    "value": value,
+                    "row": key,
+                    "label": row["label"],
+                    **row["labels"],
+                }
+            )
+    return figures
+
+
+def doc_from_result(group: str, result: dict[str, Any]) -> dict[str, Any] | None:
+    """The rows a pattern group's run returned beside its figures (``rows``; ``tables`` for
+    the rate limits), in the shape of its ``docs/patterns`` document: what a quick run, which
+    writes no document, leaves."""
+    if result.get("rows"):
+        return {"rows": result["rows"]}
+    if group == "ratelimit" and result.get("tables"):
+        methods = result.get("methods")
+        if not methods:
+            try:
+                from .ratelimit import METHODS as methods
+            except ImportError:
+                methods = {}
+        return {"tables": result["tables"], "methods": methods}
+    return None
+
+
+def pattern_group(
+    group: str,
+    doc: dict[str, Any] | None,
+    result: dict[str, Any] | None = None,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A pattern group's entry of ``performance.json`` from its ``docs/patterns`` document
+    ``doc`` and/or the result its run returned (``result``): the figures of both (the
+    document's win), the notes and the context of the run (time, load, quick), and
+    ``source`` (the document's path and sha256, so that a rerun of the group alone is picked
+    up by ``run.py``)."""
+    result = dict(result or {})
+    doc = doc or doc_from_result(group, result) or {}
+    ctx = doc.get("context") or {}
+    figures = pattern_figures(
+        group, recorder_rows(group, result.get("figures") or []), pattern_rows(group, doc)
+    )
+    dropped = ("figures", "tables", "table", "text", "rows", "methods")
+    entry = {k: v for k, v in result.items() if k not in dropped}
+    # A figure of the run's own that is not a row's (no method / variant / scenario label)
+    # is kept under its name.
+    names = {f["name"] for f in figures}
+    for fig in result.get("figures") or []:
+        labelled = any(k in fig for k in ("method", "variant", "scenario", "library"))
+        if not labelled and fig.get("name") not in names:
+            figures.append(fig)
+            names.add(fig.get("name"))
+    entry["figures"] = figures
+    entry.setdefault("group", group)
+    entry.setdefault("notes", [])
+    entry["context"] = {
+        **(result.get("context") or {}),
+        **{
+            k: v
+            for k, v in {
+                "time": ctx.get("time") or doc.get("time"),
+                "loadavg_start": ctx.get("loadavg"),
+                "quick": ctx.get("quick", doc.get("quick")),
+                "git_commit": ctx.get("git_commit"),
+            }.items()
+            if v is not None and not (result.get("context") or {}).get(k)
+        },
+    }
+    for key in ("versions", "methods"):
+        if doc.get(key):
+            entry[key] = doc[key]
+    if source:
+        entry["source"] = source
+    return entry
+
+
+def _pattern_keys(F: Figures, group: str) -> dict[str, str]:
+    """The rows of a pattern group in this report, in their order: ``{row key: label}``."""
+    keys: dict[str, str] = {}
+    for fig in F.all():
+        if fig.get("group") == group and fig.get("row") is not None:
+            keys.setdefault(fig["row"], fig.get("label") or fig["row"])
+    return keys
+
+
+def _pv(F: Figures, prefix: str, *fields: str) -> Any:
+    """The first of ``fields`` under ``prefix`` with a value (None when none has)."""
+    for field in fields:
+        value = F.v(prefix + field)
+        if value is not None:
+            return value
+    return None
+
+
+def _pname(F: Figures, prefix: str, *fields: str) -> str:
+    """The name of the first of ``fields`` under ``prefix`` that exists (for ``previous``)."""
+    return next((prefix + f for f in fields if F.fig(prefix + f) is not None), prefix + fields[0])
+
+
+def _phased(field: str, phase: str) -> list[str]:
+    """The names a field of one phase of an idempotency row may have: a first call's is
+    ``first_<field>`` or the plain ``<field>``, a replay's ``replay_<field>`` only; without a
+    phase, the plain field."""
+    if phase == "first_":
+        return [f"first_{field}", field]
+    if phase:
+        return [f"{phase}{field}"]
+    return [field]
+
+
+def _per_core(F: Figures, prefix: str, store: str, phase: str = "") -> tuple[Any, Any, bool]:
+    """(CPU µs per decision, decisions per core-second, derived) of ``store`` ("redis" or
+    "db") for the row ``prefix``: the row's ``decisions_per_<store>_core_s`` when it has one,
+    else 1e6 / its ``<store>_cpu_us`` (``derived`` True; not under 1 µs); ``phase``
+    ("first_", "replay_"): see :func:`_phased`."""
+    cpu_fields = [f"{store}_cpu_us", f"{store}_cpu_us_per_call"]
+    cpu = _pv(F, prefix, *[n for f in cpu_fields for n in _phased(f, phase)])
+    per = _pv(F, prefix, *_phased(f"decisions_per_{store}_core_s", phase))
+    if per is None and isinstance(cpu, (int, float)) and cpu >= 1.0:
+        # Below 1 µs the CPU figure is under the resolution of INFO cpu over the run.
+        return cpu, 1e6 / cpu, True
+    return cpu, per, False
+
+
+def _split(F: Figures, prefix: str, field: str) -> bool:
+    """Whether an idempotency row has ``field`` apart for first calls and replays."""
+    return any(F.fig(f"{prefix}{phase}{field}") for phase in ("first_", "replay_"))
+
+
+def _pair(F: Figures, prefix: str, field: str, digits: int = 0) -> str:
+    """``first / replay`` of an idempotency row's field when it has the two apart, else the
+    plain field."""
+    if _split(F, prefix, field):
+        a = _pv(F, prefix, *_phased(field, "first_"))
+        return f"{fmt(a, digits)} / {fmt(F.v(f'{prefix}replay_{field}'), digits)}"
+    return fmt(F.v(prefix + field), digits)
+
+
+def _cores(F: Figures, prefix: str, store: str, phase: str = "") -> list[str]:
+    cpu, per, derived = _per_core(F, prefix, store, phase)
+    return [fmt(cpu, 1), fmt(per) + (" (1e6 / CPU µs)" if derived and per is not None else "")]
+
+
+def md_ratelimit(F: Figures, result: dict) -> list[str]:
+    out = [
+        "## 6. Rate limits: one decision against the peers",
+        "",
+        "One process deciding back to back (`benchmarks/ratelimit.py`, table also in "
+        "`patterns/ratelimit.json`): p50/p99 µs per decision; round trips (top-level "
+        "commands sent) and Redis server µs per decision from `SLOWLOG` (a script once, its "
+        "inner commands included); Redis CPU (`INFO cpu`) and decisions per Redis "
+        "core-second where the group measured them. Accuracy: the most admissions certainly "
+        "inside one window, 1 / 2 / 8 worker processes on one limit, and the edge burst "
+        "(two processes flooding from 90 % of a window); above the limit is a violation.",
+        "",
+    ]
+    keys = _pattern_keys(F, "ratelimit")
+    workers = sorted(
+        {
+            int(m.group(1))
+            for f in F.all()
+            if f.get("group") == "ratelimit"
+            and (m := re.search(r"proven_max_in_window_(\d+)w$", f["name"]))
+        }
+    )
+    rows = []
+    for key, label in keys.items():
+        p = f"ratelimit.{key}."
+        limit = (F.fig(p + "p50_us") or F.fig(p + "server_us") or {}).get("limit")
+        cells = []
+        for w in workers:
+            most = F.v(f"{p}proven_max_in_window_{w}w")
+            over = most is not None and limit is not None and most > limit
+            cells.append(fmt(most) + (" **over**" if over else ""))
+        edge = F.v(p + "edge_proven_max_in_window")
+        rows.append(
+            [
+                label,
+                fmt(F.v(p + "p50_us"), 1),
+                fmt(F.v(p + "p99_us"), 1),
+                fmt(_pv(F, p, "round_trips", "commands"), 2),
+                fmt(F.v(p + "server_us"), 1),
+                _prev(F, p + "server_us", 1),
+                *_cores(F, p, "redis"),
+                " / ".join(cells) if cells else "–",
+                fmt(edge) + (" **over**" if edge is not None and limit and edge > limit else ""),
+            ]
+        )
+    if not rows:
+        return out + ["No figures in this run.", ""]
+    limit = next((f.get("limit") for f in F.all() if f.get("group") == "ratelimit"), None)
+    out += table(
+        [
+            "method",
+            "p50 µs",
+            "p99 µs",
+            "round trips",
+            "Redis server µs",
+            "previous",
+            "Redis CPU µs",
+            "decisions / Redis core-s",
+            f"most in one window, {' / '.join(str(w) for w in workers) or '–'} workers"
+            + (f" (limit {limit})" if limit else ""),
+            "edge burst",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def md_breaker(F: Figures, result: dict) -> list[str]:
+    out = [
+        "## 7. Circuit breaker and retry against pybreaker and tenacity",
+        "",
+        "Calls of a function that does nothing (`benchmarks/breaker.py`, table also in "
+        "`patterns/breaker.json`): the overhead per call (p50/p99 µs over the bare call's "
+        "median); round trips per call and Redis command µs per call (`INFO commandstats`; "
+        "a script's EVALSHA includes the commands it ran); Redis CPU µs per call (`INFO cpu`) "
+        "and calls per Redis core-second. Retries sleep in a no-op.",
+        "",
+    ]
+    rows = []
+    for key in _pattern_keys(F, "breaker"):
+        p = f"breaker.{key}."
+        fig = next((f for f in F.all() if f["name"].startswith(p)), {})
+        rows.append(
+            [
+                str(fig.get("scenario", key)),
+                str(fig.get("library", "")),
+                fmt(_pv(F, p, "overhead_p50_us", "p50_us"), 1),
+                fmt(_pv(F, p, "overhead_p99_us", "p99_us"), 1),
+                fmt(_pv(F, p, "round_trips", "redis_commands_per_call", "commands"), 2),
+                fmt(_pv(F, p, "redis_server_us_per_call", "server_us"), 2),
+                _prev(F, _pname(F, p, "redis_server_us_per_call", "server_us"), 2),
+                *_cores(F, p, "redis"),
+            ]
+        )
+    if not rows:
+        return out + ["No figures in this run.", ""]
+    out += table(
+        [
+            "scenario",
+            "library",
+            "overhead p50 µs",
+            "overhead p99 µs",
+            "round trips / call",
+            "Redis server µs / call",
+            "previous",
+            "Redis CPU µs / call",
+            "calls / Redis core-s",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def md_idempotency(F: Figures, result: dict) -> list[str]:
+    keys = _pattern_keys(F, "idempotency")
+    database = next((f.get("database") for f in F.all() if f.get("group") == "idempotency"), None)
+    out = [
+        "## 8. Idempotency records against a hand-written table",
+        "",
+        "A body that does nothing, so the figures are the overhead (`benchmarks/"
+        "idempotency.py`, table also in `patterns/idempotency.json`); database "
+        f"{database or '–'}. A *first call* takes a new key (lock, run, record the result), a "
+        "*replay* a completed one. Redis server µs per decision from `INFO commandstats` "
+        "(every command); CPU per decision and decisions per core-second of Redis and of the "
+        "database primary where the group measured them (first / replay when it measured "
+        "both).",
+        "",
+    ]
+    base = F.v("idempotency.handmade_table.first_p50_us")
+    rows = []
+    for key, label in keys.items():
+        p = f"idempotency.{key}."
+        first = F.v(p + "first_p50_us")
+        rows.append(
+            [
+                label,
+                f"{fmt(first)} / {fmt(F.v(p + 'first_p99_us'))}",
+                f"{fmt(F.v(p + 'replay_p50_us'))} / {fmt(F.v(p + 'replay_p99_us'))}",
+                fmt(first / base, 2, "x") if first is not None and base else "–",
+                _pair(F, p, "round_trips", 2)
+                if F.fig(p + "first_round_trips") or F.fig(p + "round_trips")
+                else _pair(F, p, "commands", 2),
+                f"{fmt(F.v(p + 'first_server_us'), 1)} / {fmt(F.v(p + 'replay_server_us'), 1)}",
+                _prev(F, p + "first_p50_us"),
+                _pair(F, p, "redis_cpu_us", 1),
+                _pair(F, p, "decisions_per_redis_core_s"),
+                _pair(F, p, "db_cpu_us", 1),
+                _pair(F, p, "decisions_per_db_core_s"),
+            ]
+        )
+    if not rows:
+        return out + ["No figures in this run.", ""]
+    out += table(
+        [
+            "variant",
+            "first call p50 / p99 µs",
+            "replay p50 / p99 µs",
+            "first p50 / hand-written",
+            "round trips first / replay",
+            "Redis server µs first / replay",
+            "previous first p50",
+            "Redis CPU µs (first / replay)",
+            "decisions / Redis core-s",
+            "database CPU µs (first / replay)",
+            "decisions / database core-s",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+def md_per_core(F: Figures) -> list[str]:
+    """One row per kind of decision, across the groups: CPU per decision and decisions per
+    Redis core-second and per database-primary core-second, where the figure exists."""
+    rows: list[list[str]] = []
+
+    def add(what: str, redis: tuple, db: tuple, source: str) -> None:
+        (rcpu, rper, rder), (dcpu, dper, dder) = redis, db
+        if rper is None and dper is None:
+            return
+        rows.append(
+            [
+                what,
+                fmt(rcpu, 1),
+                fmt(rper) + (" (1e6 / CPU µs)" if rder and rper is not None else ""),
+                fmt(dcpu, 1),
+                fmt(dper) + (" (1e6 / CPU µs)" if dder and dper is not None else ""),
+                source,
+            ]
+        )
+
+    none = (None, None, False)
+
+    def inverse(cpu: Any) -> tuple[Any, Any, bool]:
+        ok = isinstance(cpu, (int, float)) and cpu >= 1.0
+        return (cpu, 1e6 / cpu if ok else None, ok)
+
+    for v, what in (
+        ("ours", "Lease cycle (acquire + release)"),
+        ("ours_task", "A default task's three lease scripts"),
+    ):
+        per = F.v(f"lock.uncontended.{v}.cycles_per_core_s_cpu")
+        add(
+            what,
+            (1e6 / per if per else None, per, False),
+            none,
+            f"lock: `INFO cpu` over 10,000 cycles (by command time alone: "
+            f"{fmt(F.v(f'lock.uncontended.{v}.cycles_per_core_s'))}/s)",
+        )
+    for db, name in (("postgresql", "PostgreSQL"), ("sqlite", "SQLite")):
+        add(
+            f"Default task end to end (StepLockedTask, {name})",
+            inverse(F.v(f"e2e.{db}.steplock.cpu_lockstore")),
+            inverse(F.v(f"e2e.{db}.steplock.cpu_db")) if db == "postgresql" else none,
+            "e2e: lock-store Redis `INFO cpu`"
+            + (" and the PostgreSQL processes' CPU" if db == "postgresql" else "")
+            + " per task (medians)",
+        )
+    for key, label in _pattern_keys(F, "ratelimit").items():
+        if key.startswith("ours"):
+            add(
+                f"Rate limit: {label}",
+                _per_core(F, f"ratelimit.{key}.", "redis"),
+                _per_core(F, f"ratelimit.{key}.", "db"),
+                "ratelimit",
+            )
+    for key, label in _pattern_keys(F, "breaker").items():
+        if key.endswith(".ours"):
+            add(
+                f"Breaker / retry: {label}",
+                _per_core(F, f"breaker.{key}.", "redis"),
+                _per_core(F, f"breaker.{key}.", "db"),
+                "breaker",
+            )
+    phased = ("redis_cpu_us", "decisions_per_redis_core_s", "db_cpu_us", "decisions_per_db_core_s")
+    for key, label in _pattern_keys(F, "idempotency").items():
+        if key.startswith("ours"):
+            p = f"idempotency.{key}."
+            split = any(_split(F, p, f) for f in phased)
+            phases = (("first_", "first call"), ("replay_", "replay")) if split else (("", ""),)
+            for phase, text in phases:
+                add(
+                    f"Idempotency, {label}" + (f", {text}" if text else ""),
+                    _per_core(F, f"idempotency.{key}.", "redis", phase),
+                    _per_core(F, f"idempotency.{key}.", "db", phase),
+                    "idempotency",
+                )
+    if not rows:
+        return []
+    return [
+        "## Decisions per Redis core-second and per database-primary core-second",
+        "",
+        "What one core of the shared servers sustains, from the CPU each decision costs them "
+        "in this run (a group's own figure where it has one, else 1e6 / its CPU µs).",
+        "",
+        *table(
+            [
+                "decision",
+                "Redis CPU µs",
+                "per Redis core-second",
+                "database CPU µs",
+                "per database-primary core-second",
+                "from",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def evaluate_patterns(F: Figures) -> list[dict[str, Any]]:
+    """The issue-26 targets of the pattern groups, from the figures of the same run."""
+    t: list[dict[str, Any]] = []
+
+    def ratio(tid: str, text: str, a: str, b: str, limit: float, what: str) -> None:
+        va, vb = F.v(a), F.v(b)
+        if va is None or vb is None:
+            if F.fig(a) is not None or F.fig(b) is not None:
+                t.append(_target(tid, text, None, None, "not measured", a, issues=(26,)))
+            return
+        if not vb:
+            t.append(_target(tid, text, None, None, f"{b} is 0", a, issues=(26,)))
+            return
+        r = va / vb
+        rel = (r / limit - 1) * 100
+        t.append(
+            _target(
+                tid,
+                text,
+                f"{r:.2f}x",
+                r <= limit,
+                f"{va:,.1f} vs {vb:,.1f} {what}; {abs(rel):.1f}% "
+                f"{'under' if rel <= 0 else 'over'} the limit",
+                a,
+                issues=(26,),
+            )
+        )
+
+    ratio(
+        "ratelimit.window_server",
+        "Sliding window: Redis server µs per decision ≤ 1.5 × `limits` moving window",
+        "ratelimit.ours_window.server_us",
+        "ratelimit.limits_moving.server_us",
+        1.5,
+        "µs",
+    )
+    ratio(
+        "ratelimit.bucket_server",
+        "Token bucket: Redis server µs per decision ≤ 1.5 × `limits` fixed window",
+        "ratelimit.ours_bucket.server_us",
+        "ratelimit.limits_fixed.server_us",
+        1.5,
+        "µs",
+    )
+    rt_name = _pname(F, "breaker.closed.ours.", "round_trips", "redis_commands_per_call")
+    rt = F.v(rt_name)
+    if F.fig(rt_name) is not None:
+        t.append(
+            _target(
+                "breaker.closed_rt",
+                "Breaker, closed, successful call: 0 Redis round trips",
+                None if rt is None else f"{rt:g}",
+                None if rt is None else rt == 0,
+                "not measured"
+                if rt is None
+                else f"{rt:g} round trips per call (pybreaker with Redis storage: "
+                f"{fmt(_pv(F, 'breaker.closed.pybreaker.', 'round_trips', 'redis_commands_per_call'), 2)})",
+                rt_name,
+                issues=(26,),
+            )
+        )
+    ratio(
+        "idempotency.db_first",
+        "Idempotency, database store: first call p50 ≤ 1.5 × the hand-written table",
+        "idempotency.ours_database.first_p50_us",
+        "idempotency.handmade_table.first_p50_us",
+        1.5,
+        "µs",
+    )
+    ratio(
+        "idempotency.redis_first",
+        "Idempotency, Redis store: first call p50 ≤ 1.2 × the hand-written table",
+        "idempotency.ours_redis.first_p50_us",
+        "idempotency.handmade_table.first_p50_us",
+        1.2,
+        "µs",
+    )
+    replays = {
+        key: F.v(f"idempotency.{key}.replay_p50_us")
+        for key in _pattern_keys(F, "idempotency")
+        if key != "bare"
+    }
+    ours = {k: v for k, v in replays.items() if k.startswith("ours")}
+    others = {k: v for k, v in replays.items() if not k.startswith("ours")}
+    if ours and others:
+        known = [v for v in ours.values() if v is not None]
+        theirs = [v for v in others.values() if v is not None]
+        met = None if len(known) < len(ours) or not theirs else max(known) <= min(theirs)
+        t.append(
+            _target(
+                "idempotency.replay_fastest",
+                "Idempotency: replays of ours (both stores) the fastest rows but the bare call",
+                "not measured"
+                if met is None
+                else f"{max(known):,.0f} µs (slowest of ours) vs {min(theirs):,.0f} µs",
+                met,
+                "replay p50: "
+                + ", ".join(
+                    f"{IDEMPOTENCY_LABELS.get(k, k)} {fmt(v)} µs" for k, v in replays.items()
+                ),
+                "idempotency.*.replay_p50_us",
+                issues=(26,),
+            )
+        )
     return t
 
 
@@ -1007,6 +1719,9 @@ SECTIONS = {
     "heartbeat": md_heartbeat,
     "wait": md_wait,
     "operators": md_operators,
+    "ratelimit": md_ratelimit,
+    "breaker": md_breaker,
+    "idempotency": md_idempotency,
     "wire": md_wire,
 }
 
@@ -1067,7 +1782,13 @@ def render(doc: dict[str, Any]) -> str:
                     "Groups rerun since: "
                     + "; ".join(
                         f"{', '.join(r['groups'])} at {r['time']} (commit {r['git_commit']}, load "
-                        f"{', '.join(f'{x:.2f}' for x in r['loadavg'])})"
+                        f"{', '.join(f'{x:.2f}' for x in r.get('loadavg') or []) or '–'}"
+                        + (
+                            f"; taken in from {', '.join(f'`{p}`' for p in r['imported'])}"
+                            if r.get("imported")
+                            else ""
+                        )
+                        + ")"
                         for r in ctx["reruns"]
                     )
                     + "."
@@ -1082,8 +1803,12 @@ def render(doc: dict[str, Any]) -> str:
         + ".",
         "",
     ]
-    lines += ["## Targets (issue 5), from this run", ""]
-    lines += md_targets(doc["targets"], F) + [""]
+    for issue in (5, 26):
+        chosen = [t for t in doc["targets"] if issue in (t.get("issues") or [5])]
+        if chosen:
+            lines += [f"## Targets (issue {issue}), from this run", ""]
+            lines += md_targets(chosen, F) + [""]
+    lines += md_per_core(F)
     for name, render_section in SECTIONS.items():
         if name not in groups_full:
             continue
@@ -1094,9 +1819,12 @@ def render(doc: dict[str, Any]) -> str:
         gctx = g.get("context") or {}
         load = gctx.get("loadavg_start")
         lines += [
-            f"<sub>{name}: {fmt(g.get('wall_s'))} s, load average "
+            f"<sub>{name}: "
+            + (f"{fmt(g.get('wall_s'))} s, " if g.get("wall_s") is not None else "")
+            + "load average "
             f"{', '.join(f'{x:.2f}' for x in load) if load else '–'} at its start"
-            f"{', quick run' if gctx.get('quick') else ''}, {gctx.get('time', '')}.</sub>",
+            f"{', quick run' if gctx.get('quick') else ''}, {gctx.get('time', '')}"
+            f"{'; figures from `' + g['source']['path'] + '`' if g.get('source') else ''}.</sub>",
             "",
         ]
     notes = [(name, n) for name, g in groups_full.items() for n in g.get("notes", [])]

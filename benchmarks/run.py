@@ -5,6 +5,7 @@
     python benchmarks/run.py --quick         # a small smoke run: var/bench-quick/performance.*
     python benchmarks/run.py --only e2e wait # some groups; the others keep their last figures
     python benchmarks/run.py --render-only   # re-render performance.md, re-judge the targets
+    python benchmarks/run.py --only ratelimit breaker idempotency   # the pattern groups
     python benchmarks/run.py --only e2e --e2e-tasks 500 --e2e-reps 5   # a shorter e2e run
 
 Each group runs in a subprocess of its own (``python -m benchmarks.<module>``) that starts and
@@ -13,11 +14,18 @@ plus the run's context in ``performance.json``, profiles in ``performance-profil
 rendered by :mod:`benchmarks.report`. The figures of the groups that ran are kept from the
 JSON this run replaces under ``previous`` (values, time and commit), so the report shows the
 previous figure beside the new one.
+
+The pattern groups (``ratelimit``, ``breaker``, ``idempotency``) also write their tables to
+``docs/patterns/<group>.json``; their figures in ``performance.json`` are taken from those rows
+(:func:`benchmarks.report.pattern_group`). A pattern file written since ``performance.json``
+took it in (its sha256 differs; e.g. ``python -m benchmarks.ratelimit`` run alone) is taken in
+by any run or ``--render-only``, its group's last figures moving to ``previous``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -73,6 +81,115 @@ def run_group(name: str, quick: bool, extra: list[str] | None = None) -> dict:
     return result
 
 
+def read_pattern(path: Path) -> tuple[dict | None, dict | None]:
+    """A pattern group's ``docs/patterns/<group>.json`` and its source record (``{"path",
+    "sha256"}``); ``(None, None)`` when it is missing or not JSON."""
+    try:
+        data = path.read_bytes()
+        doc = json.loads(data)
+    except (OSError, ValueError):
+        return None, None
+    try:
+        shown = str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        shown = str(path)
+    return doc, {"path": shown, "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def adopt_pattern_run(name: str, result: dict, started: float, dirs: list[Path]) -> dict:
+    """The entry of a pattern group that just ran: its result's figures merged with the rows
+    of the ``<name>.json`` it wrote (in one of ``dirs``, modified since ``started``, a
+    ``time.time()``); the result's alone when it wrote none (``--quick`` for some groups, a
+    failure), the file left in ``dirs[0]`` then marked as seen (``seen_sha256``) so that the
+    next report does not take its older figures in."""
+    for folder in dirs:
+        path = folder / f"{name}.json"
+        try:
+            fresh = path.stat().st_mtime >= started
+        except OSError:
+            continue
+        if fresh:
+            doc, source = read_pattern(path)
+            if doc is not None:
+                return report.pattern_group(name, doc, result, source)
+    entry = report.pattern_group(name, None, result, None)
+    _, stale = read_pattern(dirs[0] / f"{name}.json")
+    if stale is not None:
+        entry["seen_sha256"] = stale["sha256"]
+    return entry
+
+
+def sync_patterns(groups: dict, patterns_dir: Path, skip: list[str]) -> list[tuple[str, dict]]:
+    """Take in the pattern files of ``patterns_dir`` whose content ``groups`` (the report's
+    groups, figures included) does not hold yet (sha256), but for the groups in ``skip``;
+    replaces their entries in ``groups``. Returns ``[(group, source)]`` taken in."""
+    adopted = []
+    for name in report.PATTERN_GROUPS:
+        if name in skip:
+            continue
+        doc, source = read_pattern(patterns_dir / f"{name}.json")
+        if doc is None or source is None:
+            continue
+        held = groups.get(name) or {}
+        if source["sha256"] in ((held.get("source") or {}).get("sha256"), held.get("seen_sha256")):
+            continue
+        groups[name] = report.pattern_group(name, doc, None, source)
+        adopted.append((name, source))
+    return adopted
+
+
+def import_reruns(groups: dict, adopted: list[tuple[str, dict]]) -> list[dict]:
+    """The ``reruns`` entries (one per group) of pattern files taken in without running
+    their groups."""
+    out = []
+    for name, source in adopted:
+        ctx = groups[name].get("context") or {}
+        out.append(
+            {
+                "groups": [name],
+                "time": ctx.get("time"),
+                "git_commit": ctx.get("git_commit"),
+                "loadavg": ctx.get("loadavg_start") or [],
+                "imported": [source["path"]],
+            }
+        )
+    return out
+
+
+def merge_previous(doc: dict, previous: dict, replaced: list[str]) -> None:
+    """Set ``doc["previous"]``: the figures ``previous`` (the JSON being replaced) had for the
+    groups in ``replaced``, and the ``previous`` values it kept for the other groups."""
+    held = previous.get("previous") or {}
+    if not replaced:
+        if held:
+            doc["previous"] = held
+        return
+    earlier = previous_values(previous, replaced)
+    kept = {
+        k: v
+        for k, v in (held.get("values") or {}).items()
+        if k.removeprefix("target:").split(".", 1)[0] not in replaced
+    }
+    if not (earlier["values"] or kept):
+        return
+    by_group = dict(held.get("by_group") or {})
+    for g in replaced:
+        one = previous_values(previous, [g])
+        if one["values"]:
+            by_group[g] = {"time": one["time"], "git_commit": one["git_commit"]}
+    top = earlier
+    if held and set(replaced) <= set(report.PATTERN_GROUPS):
+        # Only pattern groups replaced: the time and commit shown for the lease groups'
+        # previous figures stay theirs (each group's is under "by_group").
+        top = {**earlier, "time": held.get("time"), "git_commit": held.get("git_commit")}
+    doc["previous"] = {
+        **top,
+        "groups": sorted(set(held.get("groups") or []) | set(replaced)),
+        "values": {**kept, **earlier["values"]},
+        "by_group": by_group,
+    }
+
+
 def previous_values(previous: dict, groups: list[str]) -> dict:
     """The figures of ``groups`` in the JSON about to be replaced: ``{"time", "git_commit",
     "values": {name: value}}`` (the targets' measured values under ``target:<id>``)."""
@@ -93,6 +210,8 @@ def previous_values(previous: dict, groups: list[str]) -> dict:
     for rerun in ctx.get("reruns") or []:
         if set(rerun.get("groups") or []) & set(groups):
             commit = rerun.get("git_commit") or commit
+    own = [(((previous.get("groups") or {}).get(g) or {}).get("context") or {}) for g in groups]
+    commit = next((c["git_commit"] for c in own if c.get("git_commit")), commit)
     return {
         "time": next((t for t in times if t), ctx.get("time")),
         "git_commit": commit,
@@ -141,22 +260,36 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="e2e: interleaved repetitions of each kind (default 5)",
     )
+    parser.add_argument(
+        "--patterns-dir",
+        type=Path,
+        default=None,
+        help="where the pattern groups' <group>.json are read (default docs/patterns, or "
+        "var/bench-quick/ with --quick)",
+    )
     args = parser.parse_args(argv)
     out_dir = args.out_dir or (ROOT / "var" / "bench-quick" if args.quick else ROOT / "docs")
     out_dir.mkdir(parents=True, exist_ok=True)
+    patterns_dir = args.patterns_dir or (
+        ROOT / "var" / "bench-quick" if args.quick else ROOT / "docs" / "patterns"
+    )
     json_path = out_dir / "performance.json"
     if args.render_only:
-        doc = json.loads(json_path.read_text())
-        doc["targets"] = report.evaluate(
-            report.Figures(
-                {
-                    g: {"figures": [f for f in doc["figures"] if f["group"] == g]}
-                    for g in doc["groups"]
-                }
-            )
-        )  # targets added since the run are judged too
-        json_path.write_text(json.dumps(doc, indent=1) + "\n")
-        (out_dir / "performance.md").write_text(report.render(doc) + "\n")
+        held = json.loads(json_path.read_text())
+        groups = {
+            name: {**g, "figures": [f for f in held["figures"] if f.get("group") == name]}
+            for name, g in (held.get("groups") or {}).items()
+        }
+        adopted = sync_patterns(groups, patterns_dir, skip=[])
+        context = held.get("context") or {}
+        if adopted:
+            context.setdefault("reruns", []).extend(import_reruns(groups, adopted))
+        # Rebuilt from the figures: targets added since the run are judged too.
+        doc = report.build(groups, context)
+        merge_previous(doc, held, [name for name, _ in adopted])
+        report.write(doc, out_dir)
+        for name, source in adopted:
+            print(f"took in {source['path']} ({name})")
         print(f"rendered {out_dir / 'performance.md'} from {json_path}")
         return 0
 
@@ -178,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         else {}
     )
     ran = args.only or list(GROUPS)
-    earlier = previous_values(previous, ran)
     started = time.monotonic()
     context = machine_context()
     print(
@@ -190,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         "e2e": ([f"--tasks={args.e2e_tasks}"] if args.e2e_tasks else [])
         + ([f"--reps={args.e2e_reps}"] if args.e2e_reps else [])
     }
+    pattern_dirs = list(
+        dict.fromkeys([patterns_dir, ROOT / "docs" / "patterns", ROOT / "var" / "bench-quick"])
+    )
     for name in ran:
+        group_started = time.time()
         result = run_group(name, args.quick, extra.get(name))
         result["context"] = {
             "loadavg_start": result.get("loadavg_start"),
@@ -198,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
+        if name in report.PATTERN_GROUPS:
+            result = adopt_pattern_run(name, result, group_started, pattern_dirs)
         groups[name] = result
+    # Pattern files written since the last report by a group run alone are taken in too.
+    adopted = sync_patterns(groups, patterns_dir, skip=ran) if args.only else []
     wall = round(time.monotonic() - started, 1)
     if args.only and previous.get("context"):
         # A partial rerun: the report keeps the context of the run it updates and lists the
@@ -214,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         context = previous["context"]
         context.setdefault("reruns", []).append(rerun)
+        if adopted:
+            context["reruns"].extend(import_reruns(groups, adopted))
     else:
         context["run_wall_s"] = wall
         context["quick"] = args.quick
@@ -223,14 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         for stale in (out_dir / "performance-profiles").glob("*.txt"):
             stale.unlink()
     doc = report.build(groups, context)
-    # The groups that did not run keep the "previous" figures they had.
-    kept = {
-        k: v
-        for k, v in (previous.get("previous") or {}).get("values", {}).items()
-        if k.removeprefix("target:").split(".", 1)[0] not in ran
-    }
-    if earlier["values"] or kept:
-        doc["previous"] = {**earlier, "values": {**kept, **earlier["values"]}}
+    # The groups that ran (or were taken in) get the figures they replaced as "previous"; the
+    # others keep the "previous" figures they had.
+    merge_previous(doc, previous, [*ran, *(name for name, _ in adopted)])
     report.write(doc, out_dir)
     print(f"wrote {out_dir / 'performance.md'} and {json_path} ({wall:.0f}s)", flush=True)
     failed = [name for name, g in groups.items() if g.get("error")]

@@ -398,6 +398,17 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds",
     ),
     Setting(
+        "release_wait",
+        False,
+        check_bool,
+        "Wait for the reply of a worker task's release after COMMIT. Off: the release is "
+        "written without waiting (Redis deletes the lease and wakes a waiter as it reads "
+        "it) and its reply is read later, on a connection of its own, where ``lock_released`` "
+        "or ``release_failed`` is sent; a task's visible cost is its two other round trips. "
+        "Eager and direct calls, a cluster, TLS, Sentinel, a client factory's own pool and "
+        "green pools always wait.",
+    ),
+    Setting(
         "fence_ttl",
         _WEEK,
         check_fence_ttl,
@@ -525,6 +536,18 @@ SETTINGS: tuple[Setting, ...] = (
         _ON_STORE_ERROR,
         "Circuit breakers when Redis cannot be reached: ``fail_closed`` (the call is refused, "
         "the task retried) or ``fail_open`` (the dependency is called).",
+    ),
+    Setting(
+        "breaker_state_cache",
+        1.0,
+        _seconds(allow_zero=True, maximum=60.0),
+        "How long, in seconds, a process trusts its cached copy of a circuit breaker's state "
+        "(0 to 60; default 1.0; 0: every call asks Redis). While it holds, a closed breaker's "
+        "successful call sends nothing (successes are counted locally and written at the next "
+        "refresh, failures at once) and an open one refuses without a round trip; a trip, "
+        "a probe's outcome or an operator's override on another worker is seen within it. "
+        "``CircuitBreaker(state_cache=)`` overrides it.",
+        "seconds",
     ),
     Setting(
         "concurrency_limit_on_store_error",
@@ -708,6 +731,7 @@ class Settings:
     precheck: bool
     db_deadline: bool
     socket_timeout: float
+    release_wait: bool
     fence_ttl: float
     max_waiters: int
     event_log: bool
@@ -724,6 +748,7 @@ class Settings:
     idempotency_max_result_bytes: int
     idempotency_max_records: int
     breaker_on_store_error: str
+    breaker_state_cache: float
     concurrency_limit_on_store_error: str
     concurrency_limit_retry_after: float
     rate_limit_on_store_error: str

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 import redis
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from . import signals
+from . import _green, signals
 from ._checks import (
     MAX_OWNER_LENGTH,
     MAX_SCAN_COUNT,
@@ -91,6 +91,7 @@ __all__ = [
     "STORE_ERRORS",
     "store_error",
     "MAX_WAITERS",
+    "drain_releases",
 ]
 
 
@@ -407,6 +408,10 @@ class RedisLeaseStore:
         self._scan_fields = wire.Script(scripts.SCAN_FIELDS)
         self._owned = wire.Script(scripts.OWNED)
         self._probe = wire.Script(scripts.PROBE)
+        # The releases written without waiting (release_later): built on first use; None
+        # when the client's shape keeps waiting (route.deferred).
+        self._deferred: wire.Deferred | None = None
+        self._deferred_built = False
 
     def key(self, name: str) -> str:
         """The Redis key of a lease.
@@ -599,6 +604,11 @@ class RedisLeaseStore:
         keys = [key, fence_key(self.prefix, name)]
         if wait > 0:
             keys.append(waiters_key(self.prefix, name))
+        deferred = self._deferred
+        if deferred is not None and deferred.pending:
+            # This process's own release of the name, written but unread, reaches Redis on
+            # another connection: its reply is read first, so that Redis ran it before.
+            deferred.settle(key)
         sent = self.clock()
         reply = self._call(self._acquire, keys, args, "acquire", name, owner, _client)
         if isinstance(reply, list):
@@ -784,6 +794,53 @@ class RedisLeaseStore:
         return bool(
             self._call(self._release, self._wake_keys(name), [owner], "release", name, owner)
         )
+
+    @property
+    def deferred(self) -> wire.Deferred | None:
+        """The connection of :meth:`release_later` (:class:`~celery_steplock._redis.wire.Deferred`),
+        or None when this store's client cannot defer: a cluster, TLS, Sentinel, a factory's
+        own pool class (:func:`~celery_steplock._redis.route.deferred`), or a green pool (its
+        hub, not a thread, owns the sockets)."""
+        if not self._deferred_built:
+            with self._waiter_guard:
+                if not self._deferred_built:
+                    self._deferred = None if _green.green_pool() else route.deferred(self.client)
+                    self._deferred_built = True
+        return self._deferred
+
+    def release_later(
+        self,
+        name: str,
+        owner: str,
+        done: Callable[[bool | None, LockError | None], Any],
+    ) -> bool:
+        """:meth:`release`, written to Redis without waiting for its reply, when this store
+        can (see :attr:`deferred`): Redis runs it (and wakes a waiter) as soon as it reads
+        it; its reply is read later, on a connection of its own, and handed to ``done``:
+        ``done(released, None)`` (``released`` as :meth:`release` returns it) or
+        ``done(None, error)`` (the :class:`LockError` of :func:`store_error`). ``done`` runs
+        in the thread that reads the reply (the next :meth:`release_later` of this process,
+        :func:`drain_releases`, or the worker's shutdown) and must not raise.
+
+        Returns:
+            True when the release was written (or its write failed and ``done`` got the
+            error); False when this store cannot defer, or its permission probe has not run
+            yet: nothing was sent, call :meth:`release`.
+        """
+        deferred = self.deferred
+        if deferred is None or not self._probed:
+            return False
+        name, owner = _name(name), _owner(owner)
+        keys = self._wake_keys(name)
+
+        def replied(reply: Any, error: BaseException | None) -> None:
+            if error is None:
+                done(bool(reply), None)
+            else:
+                done(None, store_error(error, "release", key=keys[0], name=name, owner=owner))
+
+        deferred.send(self._release, keys, [owner], replied)
+        return True
 
     def reap(self, name: str, owner: str, renewed_ms: str) -> bool:
         """Delete a dead holder's lease unless it changed since it was read, and wake a waiter.
@@ -1237,29 +1294,68 @@ _DEPRECATED = {
 }
 
 
-def release_after_commit(store: RedisLeaseStore, lease: Lease, sender: Any) -> None:
+def release_after_commit(
+    store: RedisLeaseStore, lease: Lease, sender: Any, *, wait: bool = True
+) -> None:
     """Release ``lease`` once its holder committed, and send ``lock_released`` when it was
     still held. Errors are logged (``release_failed``), never raised: a failed release only
     delays the next holder by the lease's TTL (commit first, release after).
+
+    With ``wait=False`` (``steplock_release_wait`` off) the release is written without
+    waiting for its reply (:meth:`RedisLeaseStore.release_later`) where the store can; the
+    holder's visible cost is then its acquire and its ownership check. Redis deletes the
+    lease and wakes a waiter as soon as it reads the command; ``lock_released`` (with the
+    ``hold_seconds`` up to the write) or ``release_failed`` follows when the reply is read:
+    at the process's next release, :func:`drain_releases`, or the worker's shutdown.
 
     Args:
         store: the lease store the lease was acquired from.
         lease: the lease.
         sender: the sender of the signal (the task, or a guarded step).
+        wait: False: do not wait for the reply where the store can defer it.
     """
+    if not wait:
+        held = lease.clock() - lease.acquired_at
+
+        def done(released: bool | None, error: LockError | None) -> None:
+            _released(lease, sender, released, error, held)
+
+        try:
+            if store.release_later(lease.name, lease.owner, done):
+                return
+        except Exception as exc:  # noqa: BLE001 - must never mask the holder's outcome
+            _released(lease, sender, None, exc, held)
+            return
     try:
         released = store.release(lease.name, lease.owner)
     except Exception as exc:  # noqa: BLE001 - must never mask the holder's outcome
-        log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=exc)
+        _released(lease, sender, None, exc, 0.0)
         return
-    if released:
-        emit(
-            signals.lock_released,
-            sender,
-            forced=False,
-            hold_seconds=lease.clock() - lease.acquired_at,
-            **lease_fields(lease),
-        )
+    _released(lease, sender, released, None, lease.clock() - lease.acquired_at)
+
+
+def _released(
+    lease: Lease, sender: Any, released: bool | None, error: BaseException | None, held: float
+) -> None:
+    # The outcome of a release after commit: logged when it failed, signalled when it
+    # deleted the lease; never raises (a receiver's error is logged by emit).
+    if error is not None:
+        log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=error)
+    elif released:
+        emit(signals.lock_released, sender, forced=False, hold_seconds=held, **lease_fields(lease))
+
+
+def drain_releases(block: bool = True) -> int:
+    """Read the replies of this process's releases written without waiting
+    (:meth:`RedisLeaseStore.release_later`), so that their ``lock_released`` signals and
+    ``release_failed`` lines are sent now; ``block``: wait for the replies not yet arrived
+    (each at most the socket timeout), else only read those arrived. Called at a worker's
+    (or pool process's) warm shutdown. Returns how many replies were read; never raises."""
+    try:
+        return wire.drain_all(block)
+    except Exception as exc:  # noqa: BLE001 - a shutdown path
+        log_event("release_failed", logging.WARNING, error=exc)
+        return 0
 
 
 def __getattr__(name: str) -> Any:

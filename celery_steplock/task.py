@@ -14,7 +14,9 @@ or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
     # a deadlock / serialization failure in it: rolled back, the step read again:
     # moved on -> TransitionConflict (duplicate), else LockContended (lease retry)
     # committed
-    heartbeat.unregister(lease); release      # commit first, release after
+    heartbeat.unregister(lease); release      # commit first, release after; in a worker
+                                              # not waited for (steplock_release_wait):
+                                              # 2 blocking round trips a task, not 3
 
 Nothing in this order can commit twice: a duplicate that slips past the lease (pause,
 failover, expiry) finds the step no longer in ``from_`` and its CAS updates no row. Every step
@@ -70,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
-from celery.signals import worker_init
+from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 
 from . import _django, _startup, outcomes, signals, tracing
 from ._jitter import backoff_ceiling, full_jitter
@@ -88,7 +90,14 @@ from .exceptions import (
 )
 from .execution import Execution, current, fenced_cas, hook_for
 from .heartbeat import get_heartbeat
-from .lock import Lease, RedisLeaseStore, get_lease_store, holder_metadata, release_after_commit
+from .lock import (
+    Lease,
+    RedisLeaseStore,
+    drain_releases,
+    get_lease_store,
+    holder_metadata,
+    release_after_commit,
+)
 from .patterns import gates as admission
 from .plan import ExecutionPlan, build_plan, option_values
 from .steps import StepStore, TransitionResult
@@ -917,8 +926,13 @@ class StepLockedTask(_TaskBase):
             lease.check()
 
     def _release(self, store: RedisLeaseStore, lease: Lease) -> None:
-        """Release after the commit; errors are logged, never raised (the TTL frees it)."""
-        release_after_commit(store, lease, self)
+        """Release after the commit; errors are logged, never raised (the TTL frees it).
+        In a worker, without ``steplock_release_wait``, the release is written without
+        waiting for its reply where the store can (:func:`~celery_steplock.lock.release_after_commit`);
+        an eager or direct call always waits (its caller reads the lock store next)."""
+        request = self.request
+        wait = request.is_eager or request.called_directly or self.steplock_settings.release_wait
+        release_after_commit(store, lease, self, wait=bool(wait))
 
     def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:
@@ -1071,6 +1085,19 @@ def _refuse_to_start_misconfigured(sender: Any = None, **kwargs: Any) -> None:
 
     refuse_to_start(app)
     _startup.ping_lock_store(app)
+
+
+@worker_process_shutdown.connect(weak=False)
+def _drain_releases_at_process_exit(sender: Any = None, **kwargs: Any) -> None:
+    """A prefork pool process's warm exit: the replies of its releases written without
+    waiting are read (their ``lock_released``/``release_failed`` sent)."""
+    drain_releases()
+
+
+@worker_shutdown.connect(weak=False)
+def _drain_releases_at_shutdown(sender: Any = None, **kwargs: Any) -> None:
+    """A worker's warm shutdown (solo, threads, and the main process): as above."""
+    drain_releases()
 
 
 def __getattr__(name: str) -> Any:

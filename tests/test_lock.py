@@ -975,3 +975,77 @@ def test_the_probe_as_a_restricted_user_names_what_is_missing_and_touches_no_lea
     finally:
         admin.flushdb()
         admin.close()
+
+
+def _grant_script(t1: str, t2: str) -> str:
+    # fragments.FENCE and fragments.GRANT run on a TIME reply given by the test (KEYS[1]
+    # lease, KEYS[2] counter; ARGV[1] owner, ARGV[2] ttl ms, ARGV[3] period ms, ARGV[4] meta).
+    from celery_steplock._redis.scripts.fragments import FENCE, GRANT
+
+    return (
+        f"local t = {{'{t1}', '{t2}'}}\n"
+        "local lease, counter, owner, ttl_ms, period_ms, meta ="
+        " KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4]\n"
+        "local refresh_counter = false\n" + FENCE + GRANT + "return {fence_s, now_s, fence}\n"
+    )
+
+
+@pytest.mark.parametrize("usec", ["0", "5", "999", "1000", "100000", "123456", "999999"])
+def test_fence_and_grant_times_are_spliced_from_time_exactly(redis_client, usec):
+    # The token and acquired_ms are spliced from TIME's strings (no strtod/sprintf): every
+    # width of the microseconds gives the same digits as the arithmetic would.
+    sec = "1764700000"
+    script = _grant_script(sec, usec)
+    fence_s, now_s, fence = redis_client.eval(
+        script, 2, "t:lease:{s}", "t:fence:{s}", "o1", "5000", "60000", ""
+    )
+    expected = int(sec) * 1_000_000 + int(usec)
+    assert fence_s == str(expected) and fence == expected
+    assert now_s == str(int(sec) * 1000 + int(usec) // 1000)
+    assert redis_client.get("t:fence:{s}") == str(expected)
+    stored = redis_client.hgetall("t:lease:{s}")
+    assert stored == {
+        "owner": "o1",
+        "fence": str(expected),
+        "acquired_ms": now_s,
+        "renewed_ms": now_s,
+        "ttl_ms": "5000",
+    }
+    # A second grant in the same microsecond (or with the clock behind): counter + 1.
+    redis_client.delete("t:lease:{s}")
+    fence_s, _now_s, fence = redis_client.eval(
+        script, 2, "t:lease:{s}", "t:fence:{s}", "o2", "5000", "60000", '{"a": "b"}'
+    )
+    assert fence == expected + 1 and fence_s == str(expected + 1)
+    assert redis_client.hget("t:lease:{s}", "meta") == '{"a": "b"}'
+
+
+def test_fence_and_acquired_ms_come_from_redis_time(lock, redis_client):
+    sec, usec = redis_client.time()
+    lease = lock.acquire("clock", "o1", 5.0)
+    sec2, usec2 = redis_client.time()
+    assert sec * 1_000_000 + usec <= lease.fence <= sec2 * 1_000_000 + usec2
+    stored = redis_client.hgetall("t:lease:{clock}")
+    assert int(stored["acquired_ms"]) == lease.fence // 1000 == int(stored["renewed_ms"])
+    assert lock.extend("clock", "o1", 5.0)
+    sec3, usec3 = redis_client.time()
+    renewed = int(redis_client.hget("t:lease:{clock}", "renewed_ms"))
+    assert lease.fence // 1000 <= renewed <= sec3 * 1000 + usec3 // 1000
+
+
+def test_a_lease_without_metadata_has_no_meta_field_and_reads_as_an_empty_one(lock, redis_client):
+    lease = lock.acquire("bare", "o1", 5.0)
+    stored = redis_client.hgetall("t:lease:{bare}")
+    assert set(stored) == {"owner", "fence", "acquired_ms", "renewed_ms", "ttl_ms"}
+    info = lock.inspect("bare")
+    # The same hash with an empty meta field (as earlier versions wrote it) reads the same.
+    redis_client.hset("t:lease:{bare2}", mapping={**stored, "meta": ""})
+    redis_client.pexpire("t:lease:{bare2}", 5000)
+    other = lock.inspect("bare2")
+    assert info is not None and other is not None
+    assert {k: v for k, v in info.items() if k not in ("name", "key", "ttl")} == {
+        k: v for k, v in other.items() if k not in ("name", "key", "ttl")
+    }
+    assert info["owner"] == "o1" and info["fence"] == str(lease.fence)
+    [scanned] = lock.iter_leases("bare")
+    assert "malformed" not in scanned

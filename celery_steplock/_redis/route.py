@@ -50,3 +50,13 @@ def derived_client(client: Any, max_connections: int) -> Any:
     if cluster.is_cluster(client):
         return client
     return wire.derived_client(client, max_connections)
+
+
+def deferred(client: Any) -> wire.Deferred | None:
+    """A :class:`wire.Deferred` (calls written now, replies read later) on ``client``'s
+    server, or None when its shape keeps waiting for each reply: a cluster (a connection per
+    node, ``MOVED`` followed per call), TLS, Sentinel or a pool of a client factory's own
+    (:func:`wire.deferred_for`)."""
+    if cluster.is_cluster(client):
+        return None
+    return wire.deferred_for(client)

@@ -9,9 +9,14 @@ lock cycle's client time is mostly what surrounds its two commands.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import ssl
-from typing import Any, Iterable
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable, Iterable
 
 import redis
 from redis.exceptions import (
@@ -41,6 +46,9 @@ __all__ = [
     "sentinel_discovery_error",
     "SENTINEL_AUTH",
     "SENTINEL_UNKNOWN_MASTER",
+    "Deferred",
+    "deferred_for",
+    "drain_all",
 ]
 
 # How Redis and Valkey word an ACL refusal of a command run inside a script (redis-py raises
@@ -390,3 +398,230 @@ def derived_client(client: Any, max_connections: int) -> Any:
     except TypeError:
         own.disconnect()
         return client
+
+
+# -- calls whose replies are read later --------------------------------------------------------
+
+#: A :class:`Deferred` reads its replies with a blocking read once this many are pending.
+MAX_PENDING = 64
+
+#: Seconds a :class:`Deferred`'s drainer thread waits after a write before it reads the
+#: replies arrived (at most one wake-up per that interval, whatever the rate of calls).
+DRAIN_AFTER = 0.01
+
+#: Called with ``(reply, error)`` when a deferred call's reply is read: the decoded reply
+#: and None, or None and what redis-py raised (a refusal, or the connection's failure).
+Done = Callable[[Any, "BaseException | None"], None]
+
+
+class Deferred:
+    """EVALSHA calls written without waiting for their replies, on a connection of their own
+    (never one of ``client``'s pool, so an unread reply is never read by another caller as
+    its own). A reply is read later: before the next call is written (only the replies
+    already arrived: no wait), by a daemon thread of its own :data:`DRAIN_AFTER` seconds
+    after a write (those arrived by then: an idle process still hears of its last call), by
+    :meth:`drain_ready`, or by :meth:`drain` (blocking, at a worker's shutdown); each is
+    handed to the call's ``done`` in that reader's thread.
+
+    A ``NOSCRIPT`` reply (Redis restarted, failed over or flushed its scripts) runs the call
+    again at once with :func:`evalsha`, which loads the script: the call's effect (a
+    release's waiter wake-up) is never lost to it. A write or read that fails closes the
+    connection and hands the error to every pending call; none is raised into a later call.
+
+    Only for a single node reached by plain TCP or a Unix socket (``redis.Connection``,
+    ``redis.UnixDomainSocketConnection``, see :func:`deferred_for`); forks: a child starts
+    with no connection and no pending call (its parent's replies are the parent's).
+    """
+
+    def __init__(self, client: redis.Redis):
+        self.client = client
+        self.pid = os.getpid()
+        self._guard = threading.Lock()
+        self._conn: Any = None
+        self._pending: deque[tuple[Script, list[str], list[str], Done]] = deque()
+        self._wake = threading.Event()
+        self._drainer: threading.Thread | None = None
+        #: Calls written, replies read (for tests and benchmarks).
+        self.sent = 0
+        self.read = 0
+        _deferreds.add(self)
+
+    @property
+    def pending(self) -> int:
+        """Calls written whose reply is not read yet."""
+        return len(self._pending)
+
+    def _forked(self) -> None:
+        # The parent's connection and replies are not this process's: dropped, not closed
+        # (redis-py's disconnect only shuts a socket down in the process that opened it).
+        self.pid = os.getpid()
+        self._guard = threading.Lock()
+        self._conn = None
+        self._pending = deque()
+        self._wake = threading.Event()
+        self._drainer = None
+
+    def _drain_later(self) -> None:
+        # The drainer thread: DRAIN_AFTER after a write, read what arrived; again while
+        # replies are pending. A daemon: a process exits without waiting for it.
+        wake = self._wake
+        while self.pid == os.getpid() and wake is self._wake:
+            wake.wait()
+            time.sleep(DRAIN_AFTER)
+            wake.clear()
+            try:
+                self._drain(block=False)
+            except BaseException:  # noqa: BLE001 - a done's error must not end the thread
+                pass
+            if self._pending:
+                wake.set()
+
+    def send(self, script: Script, keys: list[str], args: list[str], done: Done) -> None:
+        """Write one EVALSHA of ``script`` and return without reading its reply; ``done``
+        gets it later. Never raises a Redis error: a failed write is handed to ``done``."""
+        if self.pid != os.getpid():
+            self._forked()
+        failed: list[tuple[Done, BaseException]] = []
+        ready: list[tuple[Done, Any, BaseException | None]] = []
+        with self._guard:
+            if len(self._pending) >= MAX_PENDING:
+                self._read(ready, failed, block=True)
+            elif self._pending:
+                self._read(ready, failed, block=False)
+            if self._conn is None:
+                pool = self.client.connection_pool
+                self._conn = pool.connection_class(
+                    **{k: v for k, v in pool.connection_kwargs.items() if k not in _POOL_OWN}
+                )
+            conn = self._conn
+            try:
+                conn.send_packed_command(
+                    [pack(["EVALSHA", script.sha, str(len(keys))], keys, args)],
+                    check_health=False,
+                )
+                self._pending.append((script, keys, args, done))
+                self.sent += 1
+                if self._drainer is None:
+                    self._drainer = threading.Thread(
+                        target=self._drain_later, name="steplock-deferred-replies", daemon=True
+                    )
+                    self._drainer.start()
+                self._wake.set()
+            except BaseException as exc:  # noqa: BLE001 - handed to every pending call
+                failed.extend(self._fail(exc))
+                failed.append((done, exc))
+        self._deliver(ready, failed)
+
+    def settle(self, key: str) -> None:
+        """When a pending call's first key is ``key``, read the replies up to it (waiting):
+        Redis has then run it, before any command sent after this returns. Calls on other
+        connections are not ordered with ours otherwise."""
+        if any(entry[1][:1] == [key] for entry in list(self._pending)):
+            self._drain(block=True)
+
+    def drain_ready(self) -> int:
+        """Read the replies already arrived (no wait); returns how many were read."""
+        return self._drain(block=False)
+
+    def drain(self) -> int:
+        """Read every pending reply, each waiting at most the client's socket timeout;
+        returns how many were read (or failed)."""
+        return self._drain(block=True)
+
+    def _drain(self, block: bool) -> int:
+        if self.pid != os.getpid():
+            self._forked()
+            return 0
+        if not self._pending:
+            return 0
+        failed: list[tuple[Done, BaseException]] = []
+        ready: list[tuple[Done, Any, BaseException | None]] = []
+        with self._guard:
+            self._read(ready, failed, block=block)
+        self._deliver(ready, failed)
+        return len(ready) + len(failed)
+
+    def _read(
+        self,
+        ready: list[tuple[Done, Any, BaseException | None]],
+        failed: list[tuple[Done, BaseException]],
+        block: bool,
+    ) -> None:
+        # Under the guard: the replies in the order the calls were written.
+        conn = self._conn
+        while self._pending:
+            try:
+                if not block and not conn.can_read(timeout=0):
+                    return
+                reply = conn.read_response()
+                error: BaseException | None = None
+            except ResponseError as exc:
+                reply, error = None, exc
+            except BaseException as exc:  # noqa: BLE001 - handed to every pending call
+                failed.extend(self._fail(exc))
+                return
+            self.read += 1
+            script, keys, args, done = self._pending.popleft()
+            if isinstance(error, NoScriptError):
+                # The script is gone from Redis: run the call again, loading it first.
+                try:
+                    reply, error = evalsha(self.client, script, keys, args), None
+                except BaseException as exc:  # noqa: BLE001 - handed to done
+                    error = exc
+            ready.append((done, reply, error))
+
+    def _fail(self, exc: BaseException) -> list[tuple[Done, BaseException]]:
+        # Under the guard: the connection closed, every pending call failed with ``exc``.
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+        failed = [(entry[3], exc) for entry in self._pending]
+        self.read += len(failed)
+        self._pending.clear()
+        return failed
+
+    @staticmethod
+    def _deliver(
+        ready: list[tuple[Done, Any, BaseException | None]],
+        failed: list[tuple[Done, BaseException]],
+    ) -> None:
+        # Outside the guard: a callback may send again.
+        for done, reply, error in ready:
+            done(reply, error)
+        for done, exc in failed:
+            done(None, exc)
+
+
+#: The connection classes a :class:`Deferred` may use: plain TCP and Unix sockets. A TLS
+#: socket is not read and written by two threads at once safely, a Sentinel connection
+#: finds its primary per pool, a cluster has one per node: those keep waiting.
+_DEFERRABLE = (redis.Connection, redis.UnixDomainSocketConnection)
+
+_deferreds: weakref.WeakSet[Deferred] = weakref.WeakSet()
+
+
+def deferred_for(client: Any) -> Deferred | None:
+    """A :class:`Deferred` on ``client``'s server, or None when its shape cannot defer
+    safely: a pool of another class than redis-py's own two, a connection class other than
+    ``redis.Connection``/``redis.UnixDomainSocketConnection`` (TLS, Sentinel, a factory's
+    own) or a client-side cache."""
+    pool: Any = getattr(client, "connection_pool", None)
+    if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return None
+    if pool.connection_class not in _DEFERRABLE or getattr(pool, "cache", None) is not None:
+        return None
+    return Deferred(client)
+
+
+def drain_all(block: bool = True) -> int:
+    """Read the pending replies of every :class:`Deferred` of this process (``block``:
+    waiting for them, else only those arrived); returns how many."""
+    return sum(d._drain(block) for d in list(_deferreds))
+
+
+def _after_fork_in_child() -> None:
+    for deferred in list(_deferreds):
+        deferred._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

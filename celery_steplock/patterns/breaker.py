@@ -3,9 +3,27 @@
 States: CLOSED (calls pass; their outcomes fill a rolling window of the last ``window``
 calls), OPEN (no call passes until ``recovery_timeout`` seconds after it opened), HALF_OPEN
 (at most ``half_open_probes`` calls cluster-wide pass as probes; ``success_threshold``
-successful probes close it, one failed probe opens it again). Every decision (admission,
-recording a success or a failure, an operator's override) is one Lua script, atomic on the
-breaker's keys, with the time from Redis ``TIME``: workers' clocks never decide.
+successful probes close it, one failed probe opens it again). Every decision Redis makes
+(admission, recording a success or a failure, an operator's override) is one Lua script,
+atomic on the breaker's keys, with the time from Redis ``TIME``: workers' clocks never decide.
+
+The state cache (``state_cache``, default the setting ``steplock_breaker_state_cache``,
+1.0 s; 0 turns it off): each process keeps a copy of each breaker's state (per client, key
+prefix and name) for at most that long, counted from the request that read it. While the
+copy holds, a CLOSED breaker admits and an OPEN one refuses (``retry_after`` from the cached
+open time, in Redis time through the offset measured at the read) without a round trip;
+successes of calls admitted CLOSED are counted in the process (at most ``window``) and
+written with the next request, failures are written at once together with the successes
+counted before them, so the shared window holds every worker's calls. The first admission
+after the copy expires runs the admission script, which writes the counted successes
+first (with a rate threshold they may trip the breaker: that call is then refused). A
+HALF_OPEN breaker, and an OPEN one past its recovery time, always ask Redis: the probe
+permits stay cluster-wide. So a trip, a probe's outcome or an operator's override made
+elsewhere reaches a process within the staleness; a trip or an override made by the
+process itself at once. :meth:`CircuitBreaker.state` writes the process's counted successes
+before it reads. A forked child starts with no copy (``os.register_at_fork``); the
+successes a process counted in its last staleness are lost if it exits before writing them
+(at most ``window`` calls each).
 
 Half-open probe permits are owner-keyed and expire (``probe_timeout``): a prober that dies
 frees its permit when it expires, so a dead prober never wedges the breaker. A probe whose
@@ -39,7 +57,9 @@ count as failures. Pass ``classifier=exc -> bool`` (True: a failure) to decide o
 Redis outage (``on_store_error``, default ``steplock_breaker_on_store_error``,
 "fail_closed"): fail closed raises LockStoreUnavailable (a task is retried as for any lock
 store outage; nothing is called); fail open calls the dependency unguarded (nothing
-recorded). A Redis that restarts without persistence forgets the breaker's state: it is
+recorded). The policy applies to the admissions that ask Redis: while a cached copy holds,
+calls are decided by it (a failure that cannot be written is logged and its counted
+successes kept for the next write). A Redis that restarts without persistence forgets the breaker's state: it is
 CLOSED again.
 """
 
@@ -48,8 +68,12 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import os
+import threading
+import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from .. import signals
 from .._checks import (
@@ -63,6 +87,7 @@ from .._checks import (
 )
 from .._redis import wire
 from .._redis.scripts.breaker import ADMIT, OVERRIDE, READ, RECORD
+from ..conf import DEFAULTS
 from ..events import emit, log_event
 from ..exceptions import (
     CircuitOpen,
@@ -92,6 +117,7 @@ __all__ = [
     "AdmittedCall",
     "Ticket",
     "default_classifier",
+    "forget_cached_states",
     "OPTIONS",
     "gate",
     "CLOSED",
@@ -113,6 +139,8 @@ IDLE_TTL = 7 * 24 * 3600.0
 MAX_WINDOW = 10_000
 #: Largest ``half_open_probes``.
 MAX_PROBES = 10_000
+#: Largest ``state_cache`` (seconds), as for the setting ``steplock_breaker_state_cache``.
+MAX_STATE_CACHE = 60.0
 
 _ADMIT, _RECORD, _OVERRIDE, _READ = (
     wire.Script(ADMIT),
@@ -166,8 +194,11 @@ class AdmittedCall:
     ``failure()`` / ``release()``). ``probe`` is True for a half-open probe; ``guarded`` False
     when admitted unguarded (fail open during an outage: nothing is recorded); ``clean``
     True when admitted CLOSED with no failure in the window: with a count threshold its
-    success is not written (it would change nothing the threshold sees), so a healthy
-    dependency costs one round trip per call."""
+    success is not written (it would change nothing the threshold sees). ``owner`` is ""
+    for a call admitted from the cache (never a probe). ``cache``: the
+    process's cached state of the breaker when it has one (``state_cache`` > 0): a success
+    of a call admitted CLOSED is then counted there and written at the next refresh, a
+    failure written at once with the successes counted before it."""
 
     breaker: CircuitBreaker
     generation: int
@@ -177,6 +208,7 @@ class AdmittedCall:
     done: bool = False
     sender: Any = None
     clean: bool = False
+    cache: _CachedState | None = None
 
     def record(self, exc: BaseException | None) -> None:
         """Record the call's outcome from its exception (None: success) with the breaker's
@@ -210,12 +242,18 @@ class AdmittedCall:
             return
         self.done = True
         breaker = self.breaker
-        if (
-            not self.guarded
-            or (outcome == "n" and not self.probe)
-            or (outcome == "0" and self.clean and breaker.mode == "count")
-        ):
+        if not self.guarded or (outcome == "n" and not self.probe):
             return
+        cache = self.cache
+        before = 0
+        if cache is not None and not self.probe:
+            if outcome == "0":
+                cache.count_success(self.generation, breaker.window)
+                return
+            before = cache.take(self.generation)
+        elif outcome == "0" and self.clean and breaker.mode == "count":
+            return
+        asked = time.monotonic()
         try:
             reply = breaker._eval(
                 _RECORD,
@@ -229,10 +267,13 @@ class AdmittedCall:
                     str(breaker.minimum_calls),
                     str(breaker.success_threshold),
                     str(int(IDLE_TTL * 1000)),
+                    str(before),
                 ],
                 "record",
             )
         except Exception as error:  # noqa: BLE001 - recording never breaks the call
+            if cache is not None:
+                cache.give_back(before, self.generation, breaker.window)
             log_event(
                 "circuit_record_failed",
                 logging.ERROR,
@@ -243,6 +284,8 @@ class AdmittedCall:
             )
             return
         state, changed = wire.text(reply[0]), int(reply[1])
+        if cache is not None:
+            cache.recorded(asked, state, bool(changed), int(reply[4]), int(reply[5]))
         if not changed:
             return
         fields = {
@@ -283,6 +326,180 @@ class AdmittedCall:
 Ticket = AdmittedCall
 
 
+class _CachedState:
+    """One process's copy of a breaker's state, shared by every :class:`CircuitBreaker` of
+    the process with the same client, prefix and name (:func:`_cached_state`).
+
+    ``state`` (None: nothing read yet), ``forced``, ``generation``, ``opened_ms`` (Redis
+    time it opened, ms) and ``offset_ms`` (Redis time minus this process's monotonic
+    clock, ms, at the reply) as the last reply said; ``expires`` (monotonic seconds: the
+    request's send time plus the staleness) and ``asked`` (the send time of the request
+    whose reply is held: an older reply arriving later is not applied); ``pending``
+    (successes of generation ``pending_generation`` counted here and not yet written, at
+    most the window); ``ttl`` (the staleness, seconds, of the last reply). Every field is read and written under ``lock``.
+    """
+
+    __slots__ = (
+        "lock",
+        "state",
+        "forced",
+        "generation",
+        "opened_ms",
+        "offset_ms",
+        "expires",
+        "asked",
+        "pending",
+        "pending_generation",
+        "ttl",
+    )
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.state: str | None = None
+        self.forced = False
+        self.generation = 0
+        self.opened_ms = 0
+        self.offset_ms = 0.0
+        self.expires = 0.0
+        self.asked = float("-inf")
+        self.pending = 0
+        self.pending_generation = 0
+        self.ttl = 0.0
+
+    def count_success(self, generation: int, window: int) -> None:
+        """A success of a call admitted CLOSED in ``generation``: counted when that is still
+        the state held (else dropped: Redis would ignore it too)."""
+        with self.lock:
+            if self.state != CLOSED or generation != self.generation:
+                return
+            if self.pending_generation != generation:
+                self.pending, self.pending_generation = 0, generation
+            if self.pending < window:
+                self.pending += 1
+
+    def take(self, generation: int) -> int:
+        """The successes counted in ``generation``, handed to a write (and forgotten here)."""
+        with self.lock:
+            if self.pending_generation != generation:
+                return 0
+            taken, self.pending = self.pending, 0
+            return taken
+
+    def take_all(self) -> tuple[int, int]:
+        """``(successes, their generation)`` counted, handed to a write."""
+        with self.lock:
+            taken, self.pending = self.pending, 0
+            return taken, self.pending_generation
+
+    def give_back(self, count: int, generation: int, window: int) -> None:
+        """Successes taken for a write that failed: counted again (same generation only)."""
+        if not count:
+            return
+        with self.lock:
+            if self.pending and self.pending_generation != generation:
+                return
+            self.pending = min(window, self.pending + count)
+            self.pending_generation = generation
+
+    def apply(
+        self,
+        asked: float,
+        ttl: float,
+        state: str,
+        generation: int,
+        *,
+        forced: bool = False,
+        opened_ms: int = 0,
+        now_ms: int = 0,
+    ) -> None:
+        """What a reply to a request sent at ``asked`` (monotonic seconds) said; held until
+        ``asked + ttl``. A reply to a request sent before the one held is dropped."""
+        received = time.monotonic()
+        with self.lock:
+            if asked < self.asked:
+                return
+            self.asked = asked
+            self.state, self.generation, self.forced = state, generation, forced
+            self.opened_ms = opened_ms
+            if now_ms:
+                self.offset_ms = now_ms - received * 1000.0
+            self.expires = asked + ttl
+            self.ttl = ttl
+
+    def recorded(
+        self, asked: float, state: str, changed: bool, generation: int, now_ms: int
+    ) -> None:
+        """After a RECORD: a trip is held as OPEN (this process refuses at once); any other
+        change, or a reply that is not the CLOSED generation held, makes the next admission
+        ask Redis."""
+        if changed and state == OPEN:
+            self.apply(asked, self.ttl, OPEN, generation, opened_ms=now_ms, now_ms=now_ms)
+            return
+        with self.lock:
+            if changed or state != CLOSED or generation != self.generation:
+                self.expires = 0.0
+
+    def invalidate(self) -> None:
+        """The next admission asks Redis."""
+        with self.lock:
+            self.expires = 0.0
+
+
+# Per process: the cached states by client (weakly: a client's states go with it), then by
+# (prefix, name); clients that take no weak reference by id, kept alive with their states.
+_caches: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], _CachedState]] = (
+    weakref.WeakKeyDictionary()
+)
+_caches_by_id: dict[int, tuple[Any, dict[tuple[str, str], _CachedState]]] = {}
+_caches_guard = threading.Lock()
+#: Advanced in a forked child: a breaker's memo of its cached state from before is stale.
+_fork_epoch = 0
+
+
+def _cached_state(client: Any, prefix: str, name: str) -> _CachedState:
+    """This process's cached state of breaker ``name`` under ``prefix`` on ``client``."""
+    with _caches_guard:
+        try:
+            table = _caches.get(client)
+            if table is None:
+                table = _caches[client] = {}
+        except TypeError:  # no weak reference to it
+            held = _caches_by_id.get(id(client))
+            if held is None or held[0] is not client:
+                held = _caches_by_id[id(client)] = (client, {})
+            table = held[1]
+        found = table.get((prefix, name))
+        if found is None:
+            found = table[(prefix, name)] = _CachedState()
+        return found
+
+
+def forget_cached_states() -> None:
+    """Drop every breaker state this process cached (and the successes it counted and has
+    not written): the next admission of each breaker asks Redis. For tests, and after
+    Redis lost its data (FLUSHDB, a restart without persistence) when the staleness
+    (``steplock_breaker_state_cache``) is long."""
+    global _fork_epoch
+    with _caches_guard:
+        _caches.clear()
+        _caches_by_id.clear()
+    _fork_epoch += 1  # breakers' memos of the dropped states are stale too
+
+
+def _after_fork_in_child() -> None:
+    # A child starts with no cached state: the parent's could be stale by the time the child
+    # runs, its counted successes are the parent's to write, and a lock held by another
+    # thread of the parent at the fork would never be released here.
+    global _caches, _caches_by_id, _caches_guard, _fork_epoch
+    _caches = weakref.WeakKeyDictionary()
+    _caches_by_id = {}
+    _caches_guard = threading.Lock()
+    _fork_epoch += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 _active: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "steplock_breaker_tickets", default=()
 )
@@ -300,9 +517,12 @@ class CircuitBreaker:
     (seconds a probe permit lives: a prober that dies frees it then; default 30.0),
     ``classifier`` (``exc -> bool``, True: a failure; default :func:`default_classifier`),
     ``on_store_error`` ("fail_closed" or "fail_open"; None: the setting
-    ``steplock_breaker_on_store_error``), ``app`` (a Celery app: its lease store's client
-    and key prefix; None: Celery's current app) or ``client`` (a redis client) with
-    ``prefix`` (default "steplock"). Raises ImproperlyConfigured for a bad value.
+    ``steplock_breaker_on_store_error``), ``state_cache`` (seconds, 0 to 60, this process
+    trusts its cached copy of the state: see "The state cache" in the module docstring; 0:
+    every call asks Redis; None: the setting ``steplock_breaker_state_cache``, default
+    1.0), ``app`` (a Celery app: its lease store's client and key prefix; None: Celery's
+    current app) or ``client`` (a redis client) with ``prefix`` (default "steplock").
+    Raises ImproperlyConfigured for a bad value.
     """
 
     def __init__(
@@ -318,6 +538,7 @@ class CircuitBreaker:
         minimum_calls: int | None = None,
         classifier: Callable[[BaseException], bool] | None = None,
         on_store_error: str | None = None,
+        state_cache: float | None = None,
         app: Any = None,
         client: Any = None,
         prefix: str | None = None,
@@ -369,6 +590,14 @@ class CircuitBreaker:
         self.on_store_error = check_on_store_error(
             on_store_error, "CircuitBreaker(on_store_error=)"
         )
+        self.state_cache = check_seconds(
+            state_cache,
+            "CircuitBreaker(state_cache=)",
+            allow_zero=True,
+            allow_none=True,
+            maximum=MAX_STATE_CACHE,
+        )
+        self._cache_memo: tuple[Any, ...] | None = None
         self.app = app
         self._client = client
         self._prefix = prefix
@@ -405,6 +634,30 @@ class CircuitBreaker:
         choice = choice or self.on_store_error
         return resolve_policy(choice, self._target().settings, "breaker_on_store_error")
 
+    def _cache(self, where: Target) -> tuple[_CachedState | None, float]:
+        """``(cached state, staleness in seconds)`` of this process for ``where``; ``(None,
+        0.0)`` when the staleness is 0 (every call asks Redis)."""
+        memo = self._cache_memo
+        if (
+            memo is not None
+            and memo[0] is where.client
+            and memo[1] == where.prefix
+            and memo[2] == _fork_epoch
+            and (memo[3] is where or where.settings is None)
+        ):
+            return memo[4], memo[5]
+        ttl = self.state_cache
+        if ttl is None:
+            settings = where.settings
+            ttl = (
+                settings.breaker_state_cache
+                if settings is not None
+                else float(DEFAULTS["breaker_state_cache"])
+            )
+        cache = _cached_state(where.client, where.prefix, self.name) if ttl > 0 else None
+        self._cache_memo = (where.client, where.prefix, _fork_epoch, where, cache, ttl)
+        return cache, ttl
+
     @property
     def key(self) -> str:
         """The Redis key of the breaker's hash."""
@@ -429,24 +682,74 @@ class CircuitBreaker:
         permit's owner token (default: a new one). An ``opened_ms`` or probe permit stored
         ahead of Redis ``TIME`` by more than ``CLOCK_SKEW_TOLERANCE`` (a clock that went
         back) counts from now, so the wait is at most ``recovery_timeout`` or
-        ``probe_timeout``; that admission sends ``clock_skew`` first."""
+        ``probe_timeout``; that admission sends ``clock_skew`` first.
+
+        With a state cache (``state_cache`` > 0) held and not older than the staleness: a
+        CLOSED breaker admits and an OPEN one (recovery time not passed, or forced) refuses
+        without a round trip, ``retry_after`` from the cached ``opened_ms`` in Redis time.
+        Otherwise (nothing cached, expired, HALF_OPEN, or OPEN past its recovery time) the
+        admission script runs, writing the successes counted since the last refresh first."""
+        where = self._target()
+        cache, ttl = self._cache(where)
+        flush = (0, 0)
+        asked = 0.0
+        if cache is not None:
+            asked = time.monotonic()
+            refused: tuple[int, float] | None = None
+            with cache.lock:
+                if asked < cache.expires:
+                    if cache.state == CLOSED:
+                        return AdmittedCall(
+                            self, cache.generation, owner or "", False, sender=sender, cache=cache
+                        )
+                    if cache.state == OPEN:
+                        if cache.forced:
+                            refused = (-2, self.recovery_timeout)
+                        else:
+                            left = (
+                                cache.opened_ms
+                                + self.recovery_timeout * 1000.0
+                                - (asked * 1000.0 + cache.offset_ms)
+                            ) / 1000.0
+                            if left > 0:
+                                refused = (0, left)
+            if refused is not None:
+                self._refuse(refused[0], refused[1], sender)
+            flush = cache.take_all()
         from ..lock import new_owner_token
 
         owner = owner or new_owner_token(None)
+        args = [
+            owner,
+            str(int(self.recovery_timeout * 1000)),
+            str(self.half_open_probes),
+            str(int(self.probe_timeout * 1000)),
+            str(int(IDLE_TTL * 1000)),
+            str(int(CLOCK_SKEW_TOLERANCE * 1000)),
+        ]
+        if flush[0]:
+            args += [
+                str(flush[0]),
+                str(flush[1]),
+                str(self.window),
+                repr(self.failure_threshold),
+                self.mode,
+                str(self.minimum_calls),
+            ]
         try:
-            reply = self._eval(
+            reply = call(
+                where.client,
                 _ADMIT,
-                [
-                    owner,
-                    str(int(self.recovery_timeout * 1000)),
-                    str(self.half_open_probes),
-                    str(int(self.probe_timeout * 1000)),
-                    str(int(IDLE_TTL * 1000)),
-                    str(int(CLOCK_SKEW_TOLERANCE * 1000)),
-                ],
-                "admission",
+                self._keys(where.prefix),
+                args,
+                "circuit breaker admission",
+                name=self.name,
             )
-        except LockStoreUnavailable as exc:
+        except Exception as exc:
+            if cache is not None:
+                cache.give_back(flush[0], flush[1], self.window)
+            if not isinstance(exc, LockStoreUnavailable):
+                raise
             policy = self._policy(on_store_error)
             unguarded = AdmittedCall(self, 0, owner, False, guarded=False, sender=sender)
             return outage(
@@ -469,6 +772,32 @@ class CircuitBreaker:
             "task_id": getattr(getattr(sender, "request", None), "id", None),
             "task_name": getattr(sender, "name", None),
         }
+        extra = len(reply) > 11
+        if cache is not None:
+            cache.apply(
+                asked,
+                ttl,
+                {1: CLOSED, 2: HALF_OPEN, -1: HALF_OPEN}.get(verdict, OPEN),
+                generation,
+                forced=verdict == -2,
+                opened_ms=int(reply[8]) if extra else 0,
+                now_ms=int(reply[7]) if extra else 0,
+            )
+        if extra and int(reply[9]):
+            emit(
+                signals.circuit_opened,
+                sender,
+                logging.WARNING,
+                key=self.key,
+                name=self.name,
+                state=OPEN,
+                failures=int(reply[10]),
+                calls=int(reply[11]),
+                error=None,
+                reason=f"{int(reply[10])} failures in the last {int(reply[11])} calls",
+                manual=False,
+                **task_fields,
+            )
         if len(reply) > 6 and int(reply[5]) > 0:
             clock_skew(
                 int(reply[5]) / 1000.0,
@@ -491,9 +820,19 @@ class CircuitBreaker:
             )
         if verdict > 0:
             return AdmittedCall(
-                self, generation, owner, verdict == 2, sender=sender, clean=bool(clean)
+                self,
+                generation,
+                owner,
+                verdict == 2,
+                sender=sender,
+                clean=bool(clean),
+                cache=cache if verdict == 1 else None,
             )
-        retry_after = wait_ms / 1000.0
+        self._refuse(verdict, wait_ms / 1000.0, sender)
+
+    def _refuse(self, verdict: int, retry_after: float, sender: Any) -> NoReturn:
+        """Send ``circuit_rejected`` and raise CircuitOpen for a refusal (``verdict`` as
+        :data:`ADMIT` returns it: 0, -1 or -2)."""
         state = {0: OPEN, -1: HALF_OPEN, -2: OPEN}[verdict]
         why = {0: "open", -1: "half-open, its probes are taken", -2: "forced open"}[verdict]
         emit(
@@ -505,7 +844,8 @@ class CircuitBreaker:
             state=state,
             reason=why,
             retry_after=retry_after,
-            **task_fields,
+            task_id=getattr(getattr(sender, "request", None), "id", None),
+            task_name=getattr(sender, "name", None),
         )
         raise CircuitOpen(
             f"circuit breaker {self.name!r} is {why}: retry after {retry_after:.3f} s",
@@ -554,7 +894,10 @@ class CircuitBreaker:
     # -- reading and overriding -------------------------------------------------------------
 
     def state(self) -> BreakerState:
-        """The breaker as Redis holds it now; never raises for what the keys hold.
+        """The breaker as Redis holds it now; never raises for what the keys hold. The
+        successes this process's state cache counted and has not written yet are written
+        first (one round trip still): another process's are not, so ``calls`` may be behind
+        by what other workers counted within their staleness.
 
         Corrupt keys (written by anything but this library's scripts) come back described in
         ``malformed``, each field read as the scripts read it: an integer field (``gen``,
@@ -574,9 +917,24 @@ class CircuitBreaker:
             LockStoreMisconfigured: Redis refused our credentials or a permission.
             LockError: Redis refused the read for another reason than a key's type.
         """
+        cache = self._cache(self._target())[0]
+        flush = cache.take_all() if cache is not None else (0, 0)
+        args = []
+        if flush[0]:
+            args = [
+                str(flush[0]),
+                str(flush[1]),
+                str(self.window),
+                repr(self.failure_threshold),
+                self.mode,
+                str(self.minimum_calls),
+                str(int(IDLE_TTL * 1000)),
+            ]
         try:
-            reply = self._eval(_READ, [], "read")
+            reply = self._eval(_READ, args, "read")
         except (LockStoreUnavailable, LockStoreMisconfigured):
+            if cache is not None:
+                cache.give_back(flush[0], flush[1], self.window)
             raise
         except LockError:
             # WRONGTYPE inside the script: find which key, and read what still can be.
@@ -590,6 +948,24 @@ class CircuitBreaker:
                 raise
             reply = self._read_plain(hash_ok=hash_type == "hash")
             return self._parse(reply, problems)
+        if len(reply) > 10 and int(reply[8]):
+            if cache is not None:
+                cache.invalidate()
+            emit(
+                signals.circuit_opened,
+                None,
+                logging.WARNING,
+                key=self.key,
+                name=self.name,
+                state=OPEN,
+                failures=int(reply[9]),
+                calls=int(reply[10]),
+                task_id=None,
+                task_name=None,
+                error=None,
+                reason=f"{int(reply[9])} failures in the last {int(reply[10])} calls",
+                manual=False,
+            )
         return self._parse(reply, [])
 
     def _key_types(self) -> tuple[str, str]:
@@ -666,12 +1042,17 @@ class CircuitBreaker:
     def override(self, action: str) -> tuple[str, bool]:
         """Force the breaker "open" (until closed by hand) or "close" it (window emptied),
         unaudited: operators use :func:`celery_steplock.ops.override_breaker`. Returns the
-        state before and whether it was forced open. Raises LockStoreUnavailable."""
+        state before and whether it was forced open. Raises LockStoreUnavailable. Seen by
+        this process's next admission, by other processes' within their state cache's
+        staleness (``state_cache``, default 1 s)."""
         if action not in ("open", "close"):
             raise ImproperlyConfigured(
                 f"action must be 'open' or 'close', got {shown(action)}", setting="action"
             )
         reply = self._eval(_OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
+        cache = self._cache(self._target())[0]
+        if cache is not None:
+            cache.invalidate()  # this process sees it at once; others within the staleness
         return wire.text(reply[0]), bool(wire.text(reply[1]))
 
 

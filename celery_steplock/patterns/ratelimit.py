@@ -383,29 +383,37 @@ class _Limiter:
             repr(CLOCK_SKEW_TOLERANCE * 1000.0),
         ]
         reply = call(client, self._script, keys, args, "rate limit", name=name)
-        admitted, figure, given, now, place, skew_ms, skew_field = (
-            wire.text(part) for part in reply
-        )
+        return self._decision(reply, keys[0], member)
+
+    def _decision(self, reply: Sequence[Any], key: str, member: str) -> RateDecision:
+        """The :class:`RateDecision` of a decision script's ``reply`` (the contract of
+        :data:`~celery_steplock._redis.scripts.ratelimit.TOKEN_BUCKET`): ``{admitted, figure,
+        now, now_us[, place, ticket given[, skew ms, field]]}``."""
+        admitted, figure, now, now_us, *rest = (wire.text(part) for part in reply)
+        # an admission stops at now_us, a denial at the ticket given, unless a skew follows
+        place, given, skew_ms, skew_field = (*rest, 0, "", 0, "")[:4]
+        # now: Redis TIME's seconds and microseconds, or ms when the script moved it past TIME
+        now_ms = float(now) if now_us == "" else int(now) * 1000 + int(now_us) / 1000
         skew = float(skew_ms) / 1000.0
         if int(admitted) == 1:
             return RateDecision(
                 True,
                 0.0,
-                keys[0],
+                key,
                 str(self),
                 remaining=float(figure),
-                now=float(now) / 1000.0,
+                now=now_ms / 1000.0,
                 member=member,
                 skew=skew,
                 skew_field=skew_field,
             )
         return RateDecision(
             False,
-            max(0.0, float(figure) / 1000.0),
-            keys[0],
+            max(0, int(figure)) / 1e6,
+            key,
             str(self),
             ticket=given.partition(".")[0] or None,
-            now=float(now) / 1000.0,
+            now=now_ms / 1000.0,
             queued=int(place),
             skew=skew,
             skew_field=skew_field,

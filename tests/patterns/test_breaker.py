@@ -286,14 +286,16 @@ def test_forced_open_stays_open_until_closed(redis_client):
 
 
 def test_a_success_in_a_clean_window_costs_no_write(redis_client):
-    breaker = make(redis_client)
+    # Without a state cache (each outcome written at once); the cached path is in
+    # test_breaker_cache.py.
+    breaker = make(redis_client, state_cache=0)
     for _ in range(3):
         breaker.call(lambda: None)
     assert redis_client.exists("t:breaker:{dep}") == 0  # nothing written for a healthy call
     failures(breaker, 1)
     breaker.call(lambda: None)
     assert redis_client.hget("t:breaker:{dep}", "ring") == "10"
-    rate = make(redis_client, name="rate", failure_threshold=0.5, window=4)
+    rate = make(redis_client, name="rate", failure_threshold=0.5, window=4, state_cache=0)
     rate.call(lambda: None)  # a rate counts every call
     assert redis_client.hget("t:breaker:{rate}", "ring") == "0"
 

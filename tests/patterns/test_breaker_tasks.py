@@ -8,7 +8,13 @@ import pytest
 from celery_steplock import patterns
 from celery_steplock.patterns import gates as admission
 from celery_steplock import plan as plan_module
-from celery_steplock.patterns.breaker import CLOSED, OPEN, BreakerGate, CircuitBreaker
+from celery_steplock.patterns.breaker import (
+    CLOSED,
+    OPEN,
+    BreakerGate,
+    CircuitBreaker,
+    forget_cached_states,
+)
 from celery_steplock.exceptions import CircuitOpen, RateLimited
 from celery_steplock.patterns.retry import RetryPolicy
 from celery_steplock.task import StepLockedTask
@@ -59,6 +65,7 @@ def retrying(self, n, error="down"):
 @pytest.fixture(autouse=True)
 def clean(app, redis_client):
     CALLS.clear()
+    forget_cached_states()  # Redis was flushed: what this process cached is gone too
     yield
     CALLS.clear()
 

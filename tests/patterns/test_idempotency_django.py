@@ -117,6 +117,72 @@ def test_a_failed_or_expired_row_runs_again(redis_client):
     assert policy.begin("r5", {"a": 1}).result == "ok"
 
 
+def test_a_first_call_is_one_insert_and_one_update_in_autocommit(redis_client):
+    """Issue 26: outside an atomic block, a new key costs two statements, each its own
+    durable transaction (the lock row before the body, the result after): no savepoint, no
+    SELECT; the row is committed (seen by another connection) before the body runs."""
+    policy = database_policy(redis_client)
+    key = policy.key("r10")
+    with CaptureQueriesContext(connection) as queries:
+        held = policy.begin("r10", {"a": 1})
+        seen = _row_elsewhere(key)
+        assert held.complete({"ok": True}) is True
+    statements = [q["sql"].split()[0].upper() for q in queries.captured_queries]
+    assert statements == ["INSERT", "UPDATE"]
+    assert seen == ("locked", held.owner)
+    row = IdempotencyRecord.objects.get(key=key)
+    assert (row.status, row.owner, row.error, row.attempts) == ("completed", "", "", 1)
+    assert (row.namespace, row.version, row.fingerprint) == ("tests.db", "1", held.fingerprint)
+    assert json.loads(row.result) == {"ok": True} and row.result_b64 is False
+    assert row.created_at == row.locked_at <= row.completed_at < row.expires_at
+    assert row.failed_at is None and row.serializer == "json"
+    assert policy.begin("r10", {"a": 1}).result == {"ok": True}
+
+
+def _row_elsewhere(key):
+    """The (status, owner) of ``key``'s row as another thread's connection sees it."""
+    from django.db import connections
+
+    seen = []
+
+    def read():
+        try:
+            seen.extend(IdempotencyRecord.objects.filter(key=key).values_list("status", "owner"))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join(10)
+    return seen[0] if seen else None
+
+
+def test_inside_an_atomic_block_the_row_is_the_callers_and_a_conflict_keeps_it_usable(
+    redis_client,
+):
+    """Issue 26: inside ``atomic()`` the row joins the caller's transaction (a rollback
+    leaves no record), and a refused key (held, reused) leaves that transaction usable."""
+    from django.db import transaction
+
+    policy = database_policy(redis_client)
+    holder = policy.begin("r11", {"a": 1})
+    with transaction.atomic():
+        with pytest.raises(IdempotencyInProgress):
+            policy.begin("r11", {"a": 1})
+        with pytest.raises(IdempotencyKeyReused):
+            policy.begin("r11", {"a": 2})
+        inner = policy.begin("r12", {"a": 1})
+        assert IdempotencyRecord.objects.filter(key=policy.key("r12")).count() == 1
+        transaction.set_rollback(True)
+    inner.release()  # its row went with the rollback: nothing to release
+    assert not IdempotencyRecord.objects.filter(key=policy.key("r12")).exists()
+    assert holder.complete(1) is True
+    with transaction.atomic():
+        replay = policy.begin("r11", {"a": 1})
+        assert replay.replayed and replay.result == 1
+        assert IdempotencyRecord.objects.filter(key=policy.key("r11")).count() == 1
+
+
 def test_the_database_store_renews_a_running_body_owner_checked(redis_client):
     """Issue 24: the heartbeat renews a ``locked`` row while its holder lives (its own
     connection, one owner-checked UPDATE), so the key stays refused past the lock TTL;

@@ -181,6 +181,111 @@ def test_keys_share_one_cluster_slot_and_differ_per_limit(redis_client):
         SlidingWindow(3, 1, client=redis_client).try_acquire("a{b}")
 
 
+# -- what a decision costs Redis ---------------------------------------------------------------
+
+
+def _commands(client, decide) -> dict[str, int]:
+    """The Redis commands ``decide()`` ran, a script's inner ones included (INFO
+    commandstats, lower case: ``{"zcard": 1, ...}``), INFO and CONFIG left out."""
+
+    def calls() -> dict[str, int]:
+        return {
+            name.split("_", 1)[1]: stats["calls"]
+            for name, stats in client.info("commandstats").items()
+            if not name.startswith(("cmdstat_info", "cmdstat_config"))
+        }
+
+    before = calls()
+    decide()
+    after = calls()
+    return {name: n - before.get(name, 0) for name, n in after.items() if n > before.get(name, 0)}
+
+
+@pytest.mark.no_database
+def test_without_tickets_the_queue_costs_one_zcard_and_denials_write_nothing(redis_client):
+    """While no ticket waits, the queue is one ZCARD (no clamp, trim or rank); a bucket's
+    denial writes nothing; a window's denial reads one log entry by rank, and only an
+    admission to a full log trims it."""
+    bucket = TokenBucket(1.0, capacity=1, client=redis_client)
+    window = SlidingWindow(2, 60.0, client=redis_client)
+    bucket.try_acquire("warm"), window.try_acquire("warm")  # scripts loaded
+    base = {"evalsha": 1, "time": 1}
+    assert _commands(redis_client, lambda: bucket.try_acquire("b")) == {
+        **base,
+        "zcard": 1,
+        "hmget": 1,
+        "hset": 1,
+        "pexpire": 1,
+    }
+    key = bucket.redis_key("steplock", "b")[0]
+    state = redis_client.hgetall(key)
+    assert _commands(redis_client, lambda: bucket.try_acquire("b")) == {
+        **base,
+        "zcard": 1,
+        "hmget": 1,
+    }
+    assert redis_client.hgetall(key) == state
+    # an admission to a log shorter than the limit counts it, with no trim
+    assert _commands(redis_client, lambda: window.try_acquire("w")) == {
+        **base,
+        "zcard": 1,
+        "zrange": 2,
+        "zcount": 1,
+        "zadd": 1,
+        "pexpire": 1,
+    }
+    assert window.try_acquire("w").allowed
+    assert _commands(redis_client, lambda: window.try_acquire("w")) == {
+        **base,
+        "zcard": 1,
+        "zrange": 1,
+    }
+    assert redis_client.zcard(window.redis_key("steplock", "w")[0]) == 2
+    # a full log whose oldest grants left the window is trimmed by the admission
+    short = SlidingWindow(2, 0.05, client=redis_client)
+    first = [short.try_acquire("t") for _ in range(2)]
+    _wait_until(max(d.now for d in first) + 0.05, redis_client)
+    assert _commands(redis_client, lambda: short.try_acquire("t")) == {
+        **base,
+        "zcard": 2,
+        "zrange": 2,
+        "zremrangebyscore": 1,
+        "zadd": 1,
+        "pexpire": 1,
+    }
+    assert redis_client.zcard(short.redis_key("steplock", "t")[0]) == 1
+
+
+@pytest.mark.no_database
+def test_a_window_denial_waits_for_the_grant_that_frees_its_place(redis_client):
+    """Behind ``p`` tickets the wait is the expiry of the log's ``(limit - p)``-th latest
+    grant (read by rank), and past the limit's worth of tickets whole windows later (the
+    full count): both against the grants' own Redis times."""
+    window = SlidingWindow(3, 5.0, client=redis_client)
+    grants = sorted(window.try_acquire("places").now for _ in range(3))
+    places = [window.try_acquire("places", reserve=True) for _ in range(7)]
+    assert [d.allowed for d in places] == [False] * 7
+    assert [d.queued for d in places] == list(range(7))
+    for place, denied in enumerate(places):
+        due = grants[place % 3] + 5.0 * (place // 3 + 1)
+        assert denied.retry_after == pytest.approx(due - denied.now, abs=2e-6), place
+
+
+@pytest.mark.no_database
+def test_a_window_whose_last_grant_is_a_little_ahead_counts_from_it(redis_client):
+    """A clock that went back by less than the tolerance: the admission is recorded at the
+    last grant's time, not before it, and reported with that time; no skew."""
+    window = SlidingWindow(2, 10.0, client=redis_client)
+    log = window.redis_key("steplock", "back")[0]
+    seconds, micros = redis_client.time()
+    ahead = seconds * 1000.0 + micros / 1000.0 + 500.0
+    redis_client.zadd(log, {"earlier": ahead})
+    decision = window.try_acquire("back")
+    assert decision.allowed and decision.skew == 0.0 and decision.remaining == 0
+    assert decision.now == ahead / 1000.0
+    assert redis_client.zscore(log, decision.member) == ahead
+
+
 # -- tickets: first come, first served -------------------------------------------------------------
 
 

@@ -224,7 +224,9 @@ def test_every_idempotency_transition(topology, app):
 
 # -- every gate of one task --------------------------------------------------------------------
 
-GATED_BREAKER = CircuitBreaker("topo-gated", failure_threshold=2, window=4, recovery_timeout=30)
+GATED_BREAKER = CircuitBreaker(
+    "topo-gated", failure_threshold=2, window=4, recovery_timeout=30, app=celery_app
+)
 GATED_RUNS: list = []
 
 

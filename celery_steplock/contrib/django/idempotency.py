@@ -42,6 +42,7 @@ import inspect
 import logging
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from asgiref.sync import iscoroutinefunction
@@ -161,6 +162,84 @@ def _record(row) -> Record:
     )
 
 
+#: The columns of a new ``locked`` row and their SQL values: ``%s`` a parameter of
+#: :meth:`DatabaseRecords._insert`, in this order; else a constant (fewer parameters to
+#: adapt per call). ``completed_at`` and ``failed_at`` are left NULL.
+_INSERT_COLUMNS = (
+    ("key", "%s"),
+    ("namespace", "%s"),
+    ("version", "%s"),
+    ("status", "'locked'"),
+    ("fingerprint", "%s"),
+    ("owner", "%s"),
+    ("serializer", "''"),
+    ("content_type", "''"),
+    ("content_encoding", "''"),
+    ("result", "''"),
+    ("result_b64", "%s"),
+    ("error", "''"),
+    ("attempts", "1"),
+    ("created_at", "%s"),
+    ("locked_at", "%s"),
+    ("expires_at", "%s"),
+)
+#: The columns a completion sets (then ``owner = ''``, ``error = ''``, ``failed_at = NULL``).
+_COMPLETE_COLUMNS = (
+    "fingerprint",
+    "serializer",
+    "content_type",
+    "content_encoding",
+    "result",
+    "result_b64",
+    "namespace",
+    "version",
+    "completed_at",
+    "expires_at",
+)
+
+
+@dataclass(frozen=True)
+class _Statements:
+    """The raw SQL of the database store's hot path for one vendor and table: the ORM
+    compiles a statement per call (about as long as the round trip on PostgreSQL), these are
+    built once. ``on_conflict``: ``insert`` ends with ``ON CONFLICT (key) DO NOTHING``
+    (PostgreSQL, SQLite 3.24+); else it is a plain INSERT (MySQL, MariaDB, other vendors),
+    whose IntegrityError says the key has a row (``INSERT IGNORE`` would also silence a
+    truncation, and MySQL's row count of ``ON DUPLICATE KEY UPDATE`` under Django's
+    ``FOUND_ROWS`` flag does not tell an insert from a conflict)."""
+
+    insert: str
+    complete: str
+    on_conflict: bool
+
+    @classmethod
+    def build(cls, connection, model) -> _Statements:
+        quote = connection.ops.quote_name
+        column = {f.name: quote(f.column) for f in model._meta.concrete_fields}
+        table = quote(model._meta.db_table)
+        on_conflict = connection.vendor == "postgresql" or (
+            connection.vendor == "sqlite" and connection.Database.sqlite_version_info >= (3, 24, 0)
+        )
+        insert = (
+            f"INSERT INTO {table} ({', '.join(column[c] for c, _ in _INSERT_COLUMNS)}) "
+            f"VALUES ({', '.join(value for _, value in _INSERT_COLUMNS)})"
+        )
+        if on_conflict:
+            insert += f" ON CONFLICT ({column['key']}) DO NOTHING"
+        sets = ", ".join(f"{column[c]} = %s" for c in _COMPLETE_COLUMNS)
+        complete = (
+            f"UPDATE {table} SET {column['status']} = 'completed', {column['owner']} = '', "
+            f"{column['error']} = '', {column['failed_at']} = NULL, {sets} "
+            f"WHERE {column['key']} = %s AND {column['owner']} = %s "
+            f"AND {column['status']} = 'locked'"
+        )
+        return cls(insert, complete, on_conflict)
+
+
+#: Built statements per (vendor, table).
+_STATEMENTS: dict[tuple[str, str], _Statements] = {}
+
+
 class DatabaseRecords:
     """The database store of idempotency records (see the module's text for the
     consistency rule). ``cache``: a :class:`~celery_steplock.patterns.idempotency.RedisRecords` for
@@ -220,6 +299,44 @@ class DatabaseRecords:
         except LockError as exc:
             log_event("idempotency_cache_error", logging.WARNING, key=record.key, error=exc)
 
+    # -- raw SQL of the hot path ----------------------------------------------------------------
+
+    def _sql(self, connection) -> _Statements:
+        """The hot path's statements for ``connection``'s vendor and table (built once)."""
+        model = self.model
+        cache_key = (connection.vendor, model._meta.db_table)
+        statements = _STATEMENTS.get(cache_key)
+        if statements is None:
+            statements = _STATEMENTS[cache_key] = _Statements.build(connection, model)
+        return statements
+
+    def _insert(self, using, key, fingerprint, owner, namespace, version, now, until) -> bool:
+        """INSERT the ``locked`` row of a new key in one statement; True when inserted, False
+        when the key has a row. Outside an atomic block the statement is its own transaction
+        (autocommit: committed, so durable, when this returns; no savepoint, no BEGIN); inside
+        one, it joins the caller's transaction. PostgreSQL and SQLite (3.24+) use ``ON
+        CONFLICT (key) DO NOTHING``; another vendor a plain ``INSERT`` whose IntegrityError
+        (the unique key) says the key has a row (inside an atomic block, in a savepoint)."""
+        connection = connections[using]
+        sql = self._sql(connection)
+        adapt = connection.ops.adapt_datetimefield_value
+        at = adapt(now)
+        params = [key, namespace, version, fingerprint, owner, False, at, at, adapt(until)]
+        if sql.on_conflict:
+            with transaction.mark_for_rollback_on_error(using), connection.cursor() as cursor:
+                cursor.execute(sql.insert, params)
+                return cursor.rowcount == 1
+        try:
+            if connection.in_atomic_block:
+                with transaction.atomic(using=using), connection.cursor() as cursor:
+                    cursor.execute(sql.insert, params)
+            else:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql.insert, params)
+        except IntegrityError:
+            return False
+        return True
+
     # -- transitions ----------------------------------------------------------------------------
 
     def begin(
@@ -238,7 +355,13 @@ class DatabaseRecords:
             return RecordDecision("reused", status="completed")
         using = self._db()
         try:
-            with transaction.atomic(using=using):
+            if connections[using].in_atomic_block:
+                # A savepoint: a database error leaves the caller's transaction usable.
+                with transaction.atomic(using=using):
+                    decision = self._begin(
+                        using, key, fingerprint, owner, lock_ttl, namespace, version
+                    )
+            else:
                 decision = self._begin(
                     using, key, fingerprint, owner, lock_ttl, namespace, version
                 )
@@ -251,30 +374,27 @@ class DatabaseRecords:
     def _begin(
         self, using, key, fingerprint, owner, lock_ttl, namespace, version
     ) -> RecordDecision:
-        objects = self.model.objects.using(using)
-        now = timezone.now()
-        until = now + dt.timedelta(seconds=lock_ttl)
-        try:
-            # A new key is the common case: the unique key decides who locks it.
-            with transaction.atomic(using=using):
-                objects.create(
-                    key=key,
-                    namespace=namespace,
-                    version=version,
-                    status="locked",
-                    fingerprint=fingerprint,
-                    owner=owner,
-                    created_at=now,
-                    locked_at=now,
-                    expires_at=until,
-                    attempts=1,
+        while True:
+            now = timezone.now()
+            until = now + dt.timedelta(seconds=lock_ttl)
+            # A new key is the common case: one INSERT, and the unique key decides who locks it.
+            if self._insert(using, key, fingerprint, owner, namespace, version, now, until):
+                return RecordDecision("locked")
+            with transaction.atomic(using=using, savepoint=False):
+                decision = self._take(
+                    using, key, fingerprint, owner, namespace, version, now, until
                 )
-            return RecordDecision("locked")
-        except IntegrityError:
-            pass
+            if decision is not None:
+                return decision
+            # The row was deleted since the INSERT (pruned, invalidated): lock a new one.
+
+    def _take(self, using, key, fingerprint, owner, namespace, version, now, until):
+        """Decide on the existing row of ``key`` (locked FOR UPDATE, in a transaction); None
+        when it is gone."""
+        objects = self.model.objects.using(using)
         row = objects.select_for_update().filter(key=key).first()
-        if row is None:  # deleted since the INSERT (pruned, invalidated): lock a new one
-            return self._begin(using, key, fingerprint, owner, lock_ttl, namespace, version)
+        if row is None:
+            return None
         live = row.expires_at > now
         if live and row.status in ("completed", "locked"):
             if row.fingerprint != fingerprint:
@@ -319,31 +439,55 @@ class DatabaseRecords:
     ) -> bool:
         using = self._db()
         now = timezone.now()
-        fields: dict[str, Any] = dict(
-            status="completed",
-            fingerprint=fingerprint,
-            owner="",
-            serializer=stored.serializer,
-            content_type=stored.content_type,
-            content_encoding=stored.content_encoding,
-            result=stored.payload,
-            result_b64=stored.b64,
-            error="",
-            failed_at=None,
-            namespace=namespace,
-            version=version,
-            completed_at=now,
-            expires_at=now + dt.timedelta(seconds=ttl),
-        )
-        objects = self.model.objects.using(using)
+        expires_at = now + dt.timedelta(seconds=ttl)
+        connection = connections[using]
         try:
-            # One UPDATE when the caller still holds the row (the common case).
-            done = objects.filter(key=key, owner=owner, status="locked").update(**fields)
+            # One UPDATE when the caller still holds the row (the common case), raw SQL: in
+            # autocommit it is its own transaction, committed when it returns.
+            adapt = connection.ops.adapt_datetimefield_value
+            with transaction.mark_for_rollback_on_error(using), connection.cursor() as cursor:
+                cursor.execute(
+                    self._sql(connection).complete,
+                    [
+                        fingerprint,
+                        stored.serializer,
+                        stored.content_type,
+                        stored.content_encoding,
+                        stored.payload,
+                        stored.b64,
+                        namespace,
+                        version,
+                        adapt(now),
+                        adapt(expires_at),
+                        key,
+                        owner,
+                    ],
+                )
+                done = cursor.rowcount
             if not done:
+                objects = self.model.objects.using(using)
                 with transaction.atomic(using=using):
                     if objects.select_for_update().filter(key=key).exists():
                         return False  # another execution holds or completed it
-                    objects.create(key=key, created_at=now, attempts=1, **fields)
+                    objects.create(
+                        key=key,
+                        created_at=now,
+                        attempts=1,
+                        status="completed",
+                        fingerprint=fingerprint,
+                        owner="",
+                        serializer=stored.serializer,
+                        content_type=stored.content_type,
+                        content_encoding=stored.content_encoding,
+                        result=stored.payload,
+                        result_b64=stored.b64,
+                        error="",
+                        failed_at=None,
+                        namespace=namespace,
+                        version=version,
+                        completed_at=now,
+                        expires_at=expires_at,
+                    )
         except IntegrityError:
             return False
         except DatabaseError as exc:
@@ -356,7 +500,7 @@ class DatabaseRecords:
                 namespace=namespace,
                 version=version,
                 completed_at=now.timestamp(),
-                expires_at=fields["expires_at"].timestamp(),
+                expires_at=expires_at.timestamp(),
                 serializer=stored.serializer,
                 content_type=stored.content_type,
                 content_encoding=stored.content_encoding,
