@@ -1760,6 +1760,14 @@ def render(doc: dict[str, Any]) -> str:
         "Every figure, with its unit and this run's context, is in "
         "`performance.json` beside this file; profiles are in `performance-profiles/`.",
         "",
+        "How to read a ratio: `A / B = 0.87x` is A's figure divided by B's, both from this "
+        "run. For a time, a CPU cost or a count of commands, below 1 means A is cheaper; for "
+        "a rate (tasks/s, cycles/s, decisions per core-second), above 1 means A is faster. "
+        "In the end-to-end tables (a) is `StepLockedTask`, (b) the minimal hand-written lease "
+        "+ compare-and-swap, (c) a hand-written task doing the default's work. The load "
+        "average is the machine's run queue (2 cores here): above 2, other jobs competed "
+        "for the CPU.",
+        "",
         f"Run: {ctx.get('time')}, commit {ctx.get('git_commit')}"
         + (
             " (library files modified in the work tree: "

@@ -401,10 +401,14 @@ SETTINGS: tuple[Setting, ...] = (
         "release_wait",
         False,
         check_bool,
-        "Wait for the reply of a worker task's release after COMMIT. Off: the release is "
-        "written without waiting (Redis deletes the lease and wakes a waiter as it reads "
-        "it) and its reply is read later, on a connection of its own, where ``lock_released`` "
-        "or ``release_failed`` is sent; a task's visible cost is its two other round trips. "
+        "Wait for the reply of a worker task's release after COMMIT. Safety is the same "
+        "either way: the commit came first, and a release that never arrives leaves the "
+        "lease to its TTL. Off (the default) saves one blocking round trip per task: the "
+        "release is written on a connection of its own (Redis deletes the lease and wakes a "
+        "waiter as it reads it) and its reply is read about 10 ms later by a background "
+        "thread, the next release or a warm shutdown, so ``lock_released`` and "
+        "``release_failed`` are sent from that thread, after the task returned. Turn it on "
+        "when a ``lock_released`` receiver must run in the task's thread before it returns. "
         "Eager and direct calls, a cluster, TLS, Sentinel, a client factory's own pool and "
         "green pools always wait.",
     ),
@@ -545,8 +549,10 @@ SETTINGS: tuple[Setting, ...] = (
         "(0 to 60; default 1.0; 0: every call asks Redis). While it holds, a closed breaker's "
         "successful call sends nothing (successes are counted locally and written at the next "
         "refresh, failures at once) and an open one refuses without a round trip; a trip, "
-        "a probe's outcome or an operator's override on another worker is seen within it. "
-        "``CircuitBreaker(state_cache=)`` overrides it.",
+        "a probe's outcome or an operator's override on another worker is seen within it, so "
+        "after another worker trips the breaker each process may still call the dependency "
+        "for up to this long (its call rate times this many calls). Half-open probes always "
+        "ask Redis. ``CircuitBreaker(state_cache=)`` overrides it.",
         "seconds",
     ),
     Setting(

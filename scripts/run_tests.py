@@ -429,7 +429,15 @@ def main(args: list[str]) -> int:
     print(f"total: {describe(totals)}", flush=True)
     statuses = [results[label][0] for label in order if label in results]
     if statuses and all(status == "empty" for status in statuses):
-        say("no test was selected in any pass")
+        say(
+            "no test was selected in any pass"
+            + (
+                f" (--only {','.join(chosen)}: tests that need no particular database run in "
+                "the common pass; try --only common, or leave --only out)"
+                if chosen
+                else ""
+            )
+        )
         return 1
     return 0 if all(status != "FAILED" for status in statuses) else 1
 

@@ -4,6 +4,7 @@ redis-server."""
 
 import logging
 import os
+import select
 import threading
 import time
 import uuid
@@ -263,3 +264,56 @@ def test_a_warm_shutdown_reads_the_pending_replies(lock, redis_client, events):
         assert released["key"] == lease.key
     finally:
         wire.DRAIN_AFTER = before
+
+
+def _kill(client, conn):
+    """The server closes ``conn`` (as its idle ``timeout``, a CLIENT KILL or a restart
+    would); its close has reached this side when this returns."""
+    host, port = conn._sock.getsockname()[:2]
+    assert client.client_kill(f"{host}:{port}")
+    deadline = time.monotonic() + 10.0
+    while not select.select([conn._sock], [], [], 0.05)[0]:  # the close (EOF) is readable
+        assert time.monotonic() < deadline, "the server's close never arrived"
+
+
+def test_a_connection_the_server_closed_while_idle_still_releases(lock, redis_client):
+    assert lock.acquire("idle1", "o1", 5.0) is not None
+    got = []
+    assert lock.release_later("idle1", "o1", lambda released, error: got.append(released))
+    lock.deferred.drain()
+    assert got == [True]
+    conn = lock.deferred._conn
+    _kill(redis_client, conn)
+    lease = lock.acquire("idle2", "o2", 5.0)
+    done = []
+    assert lock.release_later(
+        "idle2", "o2", lambda released, error: done.append((released, error))
+    )
+    lock.deferred.drain()
+    assert done == [(True, None)]
+    assert redis_client.exists(lease.key) == 0  # not left to its TTL
+
+
+def test_a_release_run_again_after_noscript_is_waited_for_by_a_same_name_acquire(
+    lock, redis_client, monkeypatch
+):
+    # The drainer thread reads NOSCRIPT and runs the release again: an acquire of the same
+    # name in this process meanwhile must wait for that run, not find its own lease busy.
+    real = wire.evalsha
+    running = threading.Event()
+
+    def slow(client, script, keys, args):
+        if threading.current_thread().name == "steplock-deferred-replies":
+            running.set()
+            time.sleep(0.3)
+        return real(client, script, keys, args)
+
+    assert lock.acquire("ns", "o1", 5.0) is not None
+    lock.release("ns", "o1")
+    assert lock.acquire("ns", "o1", 5.0) is not None
+    monkeypatch.setattr(wire, "evalsha", slow)
+    redis_client.script_flush()
+    assert lock.release_later("ns", "o1", lambda released, error: None)
+    assert running.wait(2.0)  # the drainer thread read NOSCRIPT and runs it again
+    lease, holder, _ = lock.try_acquire("ns", "o2", 5.0)
+    assert holder is None and lease is not None and lease.owner == "o2"

@@ -488,6 +488,11 @@ class Deferred:
                 self._read(ready, failed, block=True)
             elif self._pending:
                 self._read(ready, failed, block=False)
+            if self._conn is not None and not self._pending and self._closed(self._conn):
+                # The server closed it while no reply was due (its idle ``timeout``, a
+                # CLIENT KILL, a restart): a write would be lost with it, so a new one.
+                self._conn.disconnect()
+                self._conn = None
             if self._conn is None:
                 pool = self.client.connection_pool
                 self._conn = pool.connection_class(
@@ -561,14 +566,24 @@ class Deferred:
                 failed.extend(self._fail(exc))
                 return
             self.read += 1
-            script, keys, args, done = self._pending.popleft()
+            script, keys, args, done = self._pending[0]
             if isinstance(error, NoScriptError):
-                # The script is gone from Redis: run the call again, loading it first.
+                # The script is gone from Redis: run the call again, loading it first. The
+                # call stays pending meanwhile, so that settle() waits for this run.
                 try:
                     reply, error = evalsha(self.client, script, keys, args), None
                 except BaseException as exc:  # noqa: BLE001 - handed to done
                     error = exc
+            self._pending.popleft()
             ready.append((done, reply, error))
+
+    @staticmethod
+    def _closed(conn: Any) -> bool:
+        # With no reply due, anything readable is the server's close (or a stray byte).
+        try:
+            return bool(conn.can_read(timeout=0))
+        except Exception:  # noqa: BLE001 - the close itself, as redis-py raises it
+            return True
 
     def _fail(self, exc: BaseException) -> list[tuple[Done, BaseException]]:
         # Under the guard: the connection closed, every pending call failed with ``exc``.

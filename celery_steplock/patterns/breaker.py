@@ -288,6 +288,13 @@ class AdmittedCall:
             cache.recorded(asked, state, bool(changed), int(reply[4]), int(reply[5]))
         if not changed:
             return
+        if cache is None:
+            # A probe's outcome, or a breaker object without a cache: the copy another
+            # object of the process holds for this name asks Redis at its next admission.
+            where = breaker._target()
+            held = _held_state(where.client, where.prefix, breaker.name)
+            if held is not None:
+                held.invalidate()
         fields = {
             "key": breaker.key,
             "name": breaker.name,
@@ -472,6 +479,17 @@ def _cached_state(client: Any, prefix: str, name: str) -> _CachedState:
         if found is None:
             found = table[(prefix, name)] = _CachedState()
         return found
+
+
+def _held_state(client: Any, prefix: str, name: str) -> _CachedState | None:
+    """This process's cached state of breaker ``name`` when one exists (never made here)."""
+    with _caches_guard:
+        try:
+            table = _caches.get(client)
+        except TypeError:  # no weak reference to it
+            held = _caches_by_id.get(id(client))
+            table = held[1] if held is not None and held[0] is client else None
+        return None if table is None else table.get((prefix, name))
 
 
 def forget_cached_states() -> None:
@@ -697,7 +715,9 @@ class CircuitBreaker:
             asked = time.monotonic()
             refused: tuple[int, float] | None = None
             with cache.lock:
-                if asked < cache.expires:
+                # Within this breaker's own staleness too: the copy may have been read by
+                # another breaker of the name with a longer one.
+                if asked < cache.expires and asked < cache.asked + ttl:
                     if cache.state == CLOSED:
                         return AdmittedCall(
                             self, cache.generation, owner or "", False, sender=sender, cache=cache
@@ -1050,7 +1070,8 @@ class CircuitBreaker:
                 f"action must be 'open' or 'close', got {shown(action)}", setting="action"
             )
         reply = self._eval(_OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
-        cache = self._cache(self._target())[0]
+        where = self._target()
+        cache = self._cache(where)[0] or _held_state(where.client, where.prefix, self.name)
         if cache is not None:
             cache.invalidate()  # this process sees it at once; others within the staleness
         return wire.text(reply[0]), bool(wire.text(reply[1]))

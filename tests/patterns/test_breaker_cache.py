@@ -321,3 +321,39 @@ def test_the_setting_and_the_argument(app, redis_client):
     for bad in (-1, 61, "1", True):
         with pytest.raises(ImproperlyConfigured):
             CircuitBreaker("bad", client=redis_client, state_cache=bad)
+
+
+def test_a_shorter_staleness_is_not_stretched_by_a_longer_one_on_the_same_copy(private):
+    # Two breakers of one name in one process share the cached copy: the one with the
+    # shorter state_cache must not trust a copy older than its own staleness because the
+    # other one (longer) made the last refresh.
+    _, client = private
+    mine = client()
+    slow = make(mine, name="shared", failure_threshold=1, window=1, state_cache=30.0)
+    fast = make(mine, name="shared", failure_threshold=1, window=1, state_cache=0.2)
+    other = make(client(), name="shared", failure_threshold=1, window=1, state_cache=0)
+    assert slow.call(ok) == "ok"  # the copy: CLOSED, refreshed by the 30 s breaker
+    with pytest.raises(ConnectionError):
+        other.call(fail)  # another worker trips it
+    time.sleep(0.3)
+    with pytest.raises(CircuitOpen):
+        fast.call(ok)  # older than 0.2 s: asks Redis
+
+
+def test_a_trip_or_override_by_an_uncached_breaker_of_the_process_is_seen_at_once(private):
+    # "a trip or an override made by the process itself at once", whichever of the
+    # process's breaker objects of that name made it.
+    _, client = private
+    mine = client()
+    cached = make(mine, name="own", failure_threshold=1, window=1, state_cache=30.0)
+    direct = make(mine, name="own", failure_threshold=1, window=1, state_cache=0)
+    assert cached.call(ok) == "ok"  # held CLOSED for 30 s
+    direct.override("open")
+    with pytest.raises(CircuitOpen):
+        cached.call(ok)
+    direct.override("close")
+    assert cached.call(ok) == "ok"
+    with pytest.raises(ConnectionError):
+        direct.call(fail)  # trips it
+    with pytest.raises(CircuitOpen):
+        cached.call(ok)

@@ -777,3 +777,27 @@ def test_the_plain_api_refuses_a_ticket_that_is_no_ticket(redis_client, bad):
         window.try_acquire("plain", ticket=bad)
     assert info.value.argument == "ticket" and len(str(info.value)) < 500
     assert redis_client.keys("*") == []  # refused before any write
+
+
+# -- corrupt state (issue 26 review) -----------------------------------------------------------
+
+
+@pytest.mark.no_database
+@pytest.mark.parametrize("tokens", ["-1e30", "nan", "inf"])
+def test_a_corrupt_bucket_never_answers_retry_now_and_heals(redis_client, tokens):
+    """A bucket hash whose ``tokens`` no decision could have written (below zero, NaN, infinite) is
+    not trusted: a denial's ``retry_after`` is never 0 nor a wrapped-around integer, and
+    the bucket admits again once its refill is due (a denial that writes nothing must not
+    leave a corrupt state to deny forever)."""
+    bucket = TokenBucket(10.0, capacity=2, client=redis_client)
+    key = bucket.redis_key("steplock", "corrupt")[0]
+    seconds, micros = redis_client.time()
+    # a moment just ahead of now (inside the skew tolerance): no refill on the next decision
+    redis_client.hset(
+        key, mapping={"tokens": tokens, "ts": repr(seconds * 1000.0 + micros / 1000.0 + 300.0)}
+    )
+    decision = bucket.try_acquire("corrupt")
+    assert decision.allowed or 0.0 < decision.retry_after <= 0.5, decision
+    _wait_until(decision.now + decision.retry_after + 0.001, redis_client)
+    assert bucket.try_acquire("corrupt").allowed
+    assert float(redis_client.hget(key, "tokens")) >= 0.0

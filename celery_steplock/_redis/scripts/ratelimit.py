@@ -119,7 +119,9 @@ end
 #: queue (integer), ticket given ('' none)}, the last two left off when 0 and ''; both
 #: followed by {skew ms, field} (the place 0 and the ticket '' filled in) when a stored time
 #: (``ts``, ``tickets``) was clamped; now and now_us as the shared reply above says. A ``ts`` ahead of now by more than the
-#: tolerance counts from now: the bucket refills from now, its tokens kept. A denial writes
+#: tolerance counts from now: the bucket refills from now, its tokens kept. A stored state no
+#: decision writes reads as the nearest one that could be (a field no number or NaN: no
+#: bucket; tokens below 0: 0, written back; above the capacity: the capacity). A denial writes
 #: nothing unless it clamped ``ts``: the refilled state it would write (and its TTL, the
 #: moment it is full again) is what the stored one reads as at any later time.
 TOKEN_BUCKET = (
@@ -131,7 +133,17 @@ local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens = tonumber(state[1])
 local ts = tonumber(state[2])
 local write = false
-if tokens == nil or ts == nil then tokens = cap ts = now end
+-- what no decision writes is not trusted: a field that is no number (or NaN) reads as no
+-- bucket; tokens below zero as none left (written back: a denial that writes nothing would
+-- keep them, and a wait from them overflows the integer reply), above the capacity as full
+if tokens == nil or ts == nil or tokens ~= tokens or ts ~= ts then
+  tokens = cap ts = now
+elseif tokens < 0 then
+  tokens = 0
+  write = true
+elseif tokens > cap then
+  tokens = cap -- a capacity lowered since (or inf): what a refill would leave
+end
 if ts > now + tol then
   ahead(ts - now, 'ts')
   ts = now

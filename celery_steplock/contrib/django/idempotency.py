@@ -355,8 +355,11 @@ class DatabaseRecords:
             return RecordDecision("reused", status="completed")
         using = self._db()
         try:
-            if connections[using].in_atomic_block:
-                # A savepoint: a database error leaves the caller's transaction usable.
+            connection = connections[using]
+            if connection.in_atomic_block or not connection.get_autocommit():
+                # A savepoint: a database error leaves the caller's transaction usable (an
+                # atomic block, or autocommit turned off: a transaction with no atomic block,
+                # which a failed statement on PostgreSQL would otherwise abort).
                 with transaction.atomic(using=using):
                     decision = self._begin(
                         using, key, fingerprint, owner, lock_ttl, namespace, version
