@@ -54,6 +54,9 @@ lock_contended = Signal(name="lock_contended")
 lock_extended = Signal(name="lock_extended")
 #: The lease was released: by its holder (``hold_seconds``: from the request that was
 #: granted, ``Lease.acquired_at``, to the release's reply) or by an operator (``forced``).
+#: A worker task's release after COMMIT is not waited for (``steplock_release_wait`` off,
+#: the default): this is then sent about 10 ms later from the thread that reads the reply,
+#: so read the task from ``task_id``, not from ``sender.request``.
 lock_released = Signal(name="lock_released")
 #: The lease expired before its release (``reason``).
 lock_expired = Signal(name="lock_expired")

@@ -1,5 +1,7 @@
 """Small helpers shared by the tests."""
 
+import time
+
 from tests.support.processes import wait_until  # noqa: F401 - shared with the tests
 from tests.support.servers import free_port
 
@@ -34,6 +36,20 @@ def stats(client):
         key.rsplit(":", 1)[1]: int(client.get(key))
         for key in client.scan_iter(match="demo:stats:*")
     }
+
+
+def stats_settled(client, timeout=30.0):
+    """:func:`stats` once every ``lock_acquired`` has its ``lock_released`` (or a
+    ``lock_lost``/``lock_expired``): a worker's release after COMMIT is not waited for
+    (``steplock_release_wait`` off), so its ``lock_released`` is sent when the reply is read,
+    about 10 ms after the task ended. Returns the last counters read after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = stats(client)
+        ended = sum(counts.get(k, 0) for k in ("lock_released", "lock_lost", "lock_expired"))
+        if counts.get("lock_acquired", 0) <= ended or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
 
 
 def drained(client):

@@ -13,7 +13,7 @@ import textwrap
 
 import helpers
 import pytest
-from helpers import drained, lease_key, stats
+from helpers import drained, lease_key, stats, stats_settled
 
 from django_app.workflows.models import Step, TransitionRecord
 from django_app.workflows.tasks import advance, spin
@@ -114,7 +114,7 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
     for step in dup_steps:
         step.refresh_from_db()
         assert step.status == "done" and records(step) == ["done"] and step.attempts == 1
-    counts = stats(redis_client)
+    counts = stats_settled(redis_client)
     # Each delivery ends once: committed, or found its step already done.
     assert counts["transition_applied"] == STEPS + 1
     assert counts["transition_conflict"] == STEPS * (DUPLICATES - 1)
