@@ -107,31 +107,22 @@ if Singleton is not None:
         return i
 
 
-@app.task(
-    name="bench.steplock",
-    bind=True,
-    base=StepLockedTask,
-    lock_key="bench:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-    transition=("pending", "done"),
-    lock_ttl=LEASE_TTL,
-)
+_STEP = {
+    "bind": True,
+    "lock_key": "bench:{step_id}",
+    "step_model": "workflows.Step",
+    "step_id_arg": "step_id",
+    "transition": ("pending", "done"),
+    "lock_ttl": LEASE_TTL,
+}
+
+
+@app.task(name="bench.steplock", base=StepLockedTask, **_STEP)
 def steplock(self, step_id):
     return step_id
 
 
-@app.task(
-    name="bench.steplock_noprecheck",
-    bind=True,
-    base=StepLockedTask,
-    lock_key="bench:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-    transition=("pending", "done"),
-    lock_ttl=LEASE_TTL,
-    lock_precheck=False,
-)
+@app.task(name="bench.steplock_noprecheck", base=StepLockedTask, lock_precheck=False, **_STEP)
 def steplock_noprecheck(self, step_id):
     return step_id
 
@@ -144,16 +135,7 @@ class _WaitingRelease(StepLockedTask):
         release_after_commit(store, lease, self, wait=True)
 
 
-@app.task(
-    name="bench.steplock_wait",
-    bind=True,
-    base=_WaitingRelease,
-    lock_key="bench:{step_id}",
-    step_model="workflows.Step",
-    step_id_arg="step_id",
-    transition=("pending", "done"),
-    lock_ttl=LEASE_TTL,
-)
+@app.task(name="bench.steplock_wait", base=_WaitingRelease, **_STEP)
 def steplock_wait(self, step_id):
     return step_id
 

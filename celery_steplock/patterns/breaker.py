@@ -804,20 +804,7 @@ class CircuitBreaker:
                 now_ms=int(reply[7]) if extra else 0,
             )
         if extra and int(reply[9]):
-            emit(
-                signals.circuit_opened,
-                sender,
-                logging.WARNING,
-                key=self.key,
-                name=self.name,
-                state=OPEN,
-                failures=int(reply[10]),
-                calls=int(reply[11]),
-                error=None,
-                reason=f"{int(reply[10])} failures in the last {int(reply[11])} calls",
-                manual=False,
-                **task_fields,
-            )
+            self._opened_by_flush(sender, int(reply[10]), int(reply[11]), task_fields)
         if len(reply) > 6 and int(reply[5]) > 0:
             clock_skew(
                 int(reply[5]) / 1000.0,
@@ -971,22 +958,30 @@ class CircuitBreaker:
         if len(reply) > 10 and int(reply[8]):
             if cache is not None:
                 cache.invalidate()
-            emit(
-                signals.circuit_opened,
-                None,
-                logging.WARNING,
-                key=self.key,
-                name=self.name,
-                state=OPEN,
-                failures=int(reply[9]),
-                calls=int(reply[10]),
-                task_id=None,
-                task_name=None,
-                error=None,
-                reason=f"{int(reply[9])} failures in the last {int(reply[10])} calls",
-                manual=False,
+            self._opened_by_flush(
+                None, int(reply[9]), int(reply[10]), {"task_id": None, "task_name": None}
             )
         return self._parse(reply, [])
+
+    def _opened_by_flush(
+        self, sender: Any, failures: int, calls: int, task_fields: dict[str, Any]
+    ) -> None:
+        """``circuit_opened`` for a trip made by writing a process's counted successes (with
+        a rate threshold they can trip it), in an admission or a :meth:`state` read."""
+        emit(
+            signals.circuit_opened,
+            sender,
+            logging.WARNING,
+            key=self.key,
+            name=self.name,
+            state=OPEN,
+            failures=failures,
+            calls=calls,
+            error=None,
+            reason=f"{failures} failures in the last {calls} calls",
+            manual=False,
+            **task_fields,
+        )
 
     def _key_types(self) -> tuple[str, str]:
         """The Redis types of the breaker's hash and probes' key (``"none"``: absent)."""
