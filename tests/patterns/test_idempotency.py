@@ -349,6 +349,8 @@ def test_renewal_is_owner_checked_and_stops_when_the_record_is_taken(redis_clien
         from tests.support.servers import wait_until
 
         wait_until(lambda: held.lease.lost, timeout=10, what="the renewal to find it taken")
+        # The heartbeat marks the lease lost, then sends the signal: wait for both.
+        wait_until(lambda: lost, timeout=10, what="idempotency_lost")
         assert held.lease not in get_heartbeat().leases and taker.lease in get_heartbeat().leases
         assert [kw["key"] for kw in lost] == [held.key]
         assert lost[0]["name"] == "tests.taken" and lost[0]["owner"] == held.owner

@@ -216,6 +216,8 @@ def test_the_database_store_renews_a_running_body_owner_checked(redis_client):
     try:
         policy.invalidate("r9")  # deleted under its holder
         wait_until(lambda: other.lease.lost, timeout=20, what="the renewal to find it gone")
+        # The heartbeat marks the lease lost, then sends the signal: wait for both.
+        wait_until(lambda: lost, timeout=20, what="idempotency_lost")
         assert [kw["key"] for kw in lost] == [policy.key("r9")]
     finally:
         signals.idempotency_lost.disconnect(receiver)
