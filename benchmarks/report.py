@@ -1,6 +1,6 @@
 """Render the groups' figures: ``performance.json``, ``performance.md`` and the profiles.
 
-The targets of issues 5 and 26 are evaluated here from the figures of the same run (ratios were
+The targets of issues 5, 26 and 27 are evaluated here from the figures of the same run (ratios were
 taken within each repetition by the groups). The pattern groups (rate limits, breaker and retry,
 idempotency) keep their tables in ``docs/patterns/<group>.json``; :func:`pattern_group` turns
 those rows into figures named ``<group>.<row>.<field>`` beside the lease groups'. The commentary at the end of ``performance.md`` is
@@ -351,7 +351,7 @@ def evaluate(F: Figures) -> list[dict[str, Any]]:
                     f"operators.{big}.{key}",
                 )
             )
-    return t + evaluate_patterns(F)
+    return t + evaluate_patterns(F) + evaluate_aio(F)
 
 
 # -- the pattern groups (issue 26) -----------------------------------------------------------
@@ -1052,6 +1052,71 @@ def evaluate_patterns(F: Figures) -> list[dict[str, Any]]:
     return t
 
 
+def evaluate_aio(F: Figures) -> list[dict[str, Any]]:
+    """The issue-27 targets of the ``aio`` group (the asyncio API), from the same run's
+    ratios (each taken within rounds by the group). None when the group did not run; a
+    target reads "not measured" when the group ran without our side (a placeholder run)."""
+    if not any(f["name"].startswith("aio.") for f in F.all()):
+        return []
+    t: list[dict[str, Any]] = []
+    for tid, text, name, limit in (
+        (
+            "aio.floor",
+            "Async lease cycle p50 (one task) ≤ 1.10 × the raw async SET NX PX + EVALSHA pair",
+            "aio.lease.ratio.ours_vs_raw",
+            1.10,
+        ),
+        (
+            "aio.redis_py",
+            "Async lease cycle p50 (one task) at least as fast as redis-py's `redis.asyncio` Lock",
+            "aio.lease.ratio.ours_vs_redis_py",
+            1.0,
+        ),
+        (
+            "aio.floor_concurrent",
+            "Async lease cycles, 50 concurrent tasks: client CPU per cycle ≤ 1.10 × the raw pair",
+            "aio.lease.concurrent.ratio.ours_vs_raw_cpu",
+            1.10,
+        ),
+        (
+            "aio.redis_py_concurrent",
+            "Async lease cycles, 50 concurrent tasks: client CPU per cycle at most redis-py's "
+            "`redis.asyncio` Lock's",
+            "aio.lease.concurrent.ratio.ours_vs_redis_py_cpu",
+            1.0,
+        ),
+        (
+            "aio.window",
+            "Async sliding-window decision p50 (`atry_acquire`) at least as fast as "
+            "`limits`' async moving window",
+            "aio.decision.ratio.ours_window_vs_limits_moving",
+            1.0,
+        ),
+        (
+            "aio.window_server",
+            "Async sliding-window decision: Redis server µs ≤ 1.5 × `limits`' async "
+            "moving window (issue 26's bar)",
+            "aio.decision.ratio.ours_window_vs_limits_moving_server",
+            1.5,
+        ),
+    ):
+        r = F.v(name)
+        if r is None:
+            t.append(_target(tid, text, None, None, "not measured", name, issues=(27,)))
+            continue
+        rel = (r / limit - 1) * 100
+        fig = F.fig(name) or {}
+        spread = fig.get("reps") or fig.get("rounds")
+        by = f"{abs(rel):.1f}% {'under' if rel <= 0 else 'over'} the limit" + (
+            f"; per repetition/round {min(spread):.3f}..{max(spread):.3f}" if spread else ""
+        )
+        wall = F.v(name.removesuffix("_cpu")) if name.endswith("_cpu") else None
+        if wall is not None:
+            by += f"; wall µs per cycle {wall:.3f}x"
+        t.append(_target(tid, text, f"{r:.3f}x", r <= limit, by, name, issues=(27,)))
+    return t
+
+
 # -- markdown ----------------------------------------------------------------------------------
 
 
@@ -1713,6 +1778,126 @@ def md_wire(F: Figures, result: dict) -> list[str]:
     return out + [""]
 
 
+def md_aio(F: Figures, result: dict) -> list[str]:
+    """The asyncio API (issue 27): the lease cycle and a rate-limit decision on one event
+    loop against redis-py's asyncio Lock, the raw async pair and ``limits``' async
+    storage (``benchmarks/aio.py``)."""
+    from .aio import DECISION_RATIOS, DECISIONS, LEASE, LEASE_RATIOS
+
+    out = [
+        "## 9. Async (issue 27): lease cycle and rate-limit decision on one event loop",
+        "",
+        "One `redis.asyncio` client for ours, the raw pair, redis-py's asyncio `Lock` and the "
+        "PING floor; one task awaiting cycle after cycle (blocks of 50 interleaved), and 50 "
+        "concurrent tasks of the loop (wall time and this process's CPU per cycle); Redis "
+        "server µs from `INFO commandstats` of the commands sent (`benchmarks/aio.py`).",
+        "",
+    ]
+    for side, why in (result.get("missing") or {}).items():
+        out += [f"**Placeholder: ours ({side}) not measured in this run** ({why}).", ""]
+    rows = []
+    for v, label in LEASE.items():
+        base = f"aio.lease.{v}"
+        if F.fig(f"{base}.p50") is None and F.fig(f"{base}.server_us") is None:
+            continue
+        rows.append(
+            [
+                label,
+                fmt(F.v(f"{base}.p50"), 1),
+                fmt(F.v(f"{base}.p99"), 1),
+                _prev(F, f"{base}.p50", 1),
+                fmt(F.v(f"aio.lease.concurrent.{v}.us_per_cycle"), 1),
+                fmt(F.v(f"aio.lease.concurrent.{v}.rate")),
+                fmt(F.v(f"aio.lease.concurrent.{v}.cpu_us"), 1),
+                fmt(F.v(f"{base}.commands"), 2),
+                fmt(F.v(f"{base}.server_us"), 2),
+                fmt(F.v(f"{base}.redis_cpu_us"), 1),
+            ]
+        )
+    out += table(
+        [
+            "lease cycle (acquire + release)",
+            "p50 µs",
+            "p99 µs",
+            "previous p50",
+            "50 tasks: µs/cycle",
+            "cycles/s",
+            "client CPU µs/cycle",
+            "commands",
+            "Redis server µs",
+            "Redis CPU µs",
+        ],
+        rows,
+    )
+    rows = []
+    for a, b in LEASE_RATIOS:
+        names = (
+            f"aio.lease.ratio.{a}_vs_{b}",
+            f"aio.lease.concurrent.ratio.{a}_vs_{b}",
+            f"aio.lease.concurrent.ratio.{a}_vs_{b}_cpu",
+            f"aio.lease.ratio.{a}_vs_{b}_server",
+        )
+        if all(F.fig(n) is None for n in names):
+            continue
+        rows.append([f"{a} / {b}", *(fmt(F.v(n), 3) for n in names)])
+    if rows:
+        out += [""] + table(
+            [
+                "ratio (within the run)",
+                "one task p50",
+                "50 tasks µs/cycle",
+                "50 tasks client CPU",
+                "Redis server µs",
+            ],
+            rows,
+        )
+    rows = []
+    for v, label in DECISIONS.items():
+        base = f"aio.decision.{v}"
+        if F.fig(f"{base}.p50") is None:
+            continue
+        rows.append(
+            [
+                label,
+                fmt(F.v(f"{base}.p50"), 1),
+                fmt(F.v(f"{base}.p99"), 1),
+                _prev(F, f"{base}.p50", 1),
+                fmt(F.v(f"{base}.admitted"), 2),
+                fmt(F.v(f"{base}.commands"), 2),
+                fmt(F.v(f"{base}.server_us"), 2),
+                fmt(F.v(f"{base}.redis_cpu_us"), 1),
+                fmt(F.v(f"{base}.per_redis_core_s")),
+            ]
+        )
+    if rows:
+        out += [""] + table(
+            [
+                "rate-limit decision (one task)",
+                "p50 µs",
+                "p99 µs",
+                "previous p50",
+                "admitted",
+                "commands",
+                "Redis server µs",
+                "Redis CPU µs",
+                "decisions per Redis core-s (server µs)",
+            ],
+            rows,
+        )
+        rows = []
+        for a, b in DECISION_RATIOS:
+            p50, server = (
+                F.v(f"aio.decision.ratio.{a}_vs_{b}"),
+                F.v(f"aio.decision.ratio.{a}_vs_{b}_server"),
+            )
+            if p50 is None and server is None:
+                continue
+            rows.append([f"{a} / {b}", fmt(p50, 3), fmt(server, 3)])
+        if rows:
+            out += [""] + table(["ratio (within the run)", "p50", "Redis server µs"], rows)
+    return out + [""]
+
+
 SECTIONS = {
     "lock": md_lock,
     "e2e": md_e2e,
@@ -1723,6 +1908,7 @@ SECTIONS = {
     "breaker": md_breaker,
     "idempotency": md_idempotency,
     "wire": md_wire,
+    "aio": md_aio,
 }
 
 
@@ -1811,7 +1997,7 @@ def render(doc: dict[str, Any]) -> str:
         + ".",
         "",
     ]
-    for issue in (5, 26):
+    for issue in (5, 26, 27):
         chosen = [t for t in doc["targets"] if issue in (t.get("issues") or [5])]
         if chosen:
             lines += [f"## Targets (issue {issue}), from this run", ""]

@@ -53,6 +53,7 @@ GROUPS = {
     "bulkhead": "benchmarks.bulkhead",
     "ratelimit": "benchmarks.ratelimit",
     "wire": "benchmarks.wire",
+    "aio": "benchmarks.aio",
 }
 
 

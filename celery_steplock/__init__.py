@@ -5,6 +5,7 @@ step twice.
 Public API::
 
     from celery_steplock import StepLockedTask, DjangoStepLockedTask, RedisLeaseStore, Lease
+    from celery_steplock import AsyncRedisLeaseStore, get_async_lease_store  # asyncio
     from celery_steplock import signals, exceptions
 """
 
@@ -52,6 +53,8 @@ __all__ = [
     "StepLockedTask",
     "DjangoStepLockedTask",
     "RedisLeaseStore",
+    "AsyncRedisLeaseStore",
+    "get_async_lease_store",
     "Lease",
     "make_client",
     "new_owner_token",
@@ -110,6 +113,10 @@ def __getattr__(name: str):
         from .patterns import idempotency
 
         return getattr(idempotency, name)
+    if name in ("AsyncRedisLeaseStore", "get_async_lease_store"):
+        from .aio import lock as aio_lock
+
+        return getattr(aio_lock, name)
     if name in ("ConcurrencyLimit", "ConcurrencyLimited"):
         from .patterns import concurrency
 

@@ -9,10 +9,12 @@ client factories, and the settings reference.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import os
 import ssl
+import weakref
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -37,6 +39,8 @@ __all__ = [
     "check_transport_options",
     "check_use_ssl",
     "check_client_factory",
+    "async_client_for",
+    "async_twin",
 ]
 
 #: The URL schemes the lease store accepts.
@@ -842,3 +846,161 @@ def client_for_settings(settings, socket_timeout: float | None = None) -> redis.
             returns something that is not a redis client.
     """
     return ClientConfig(settings, socket_timeout).client()
+
+
+# -- the asyncio clients ------------------------------------------------------------------
+
+# Per event loop (a redis.asyncio connection belongs to the loop that opened it): the async
+# twin of each synchronous client, by the client's id (with a weak reference to tell a
+# reused id apart).
+_ASYNC_TWINS: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def async_client_for(client: Any) -> Any:
+    """The ``redis.asyncio`` client of the running event loop that reaches what ``client``
+    reaches (:func:`async_twin`, built once per loop and client).
+
+    Args:
+        client: A synchronous redis-py client (the lease store's, or one given to a
+            pattern), or an asyncio client (returned as it is).
+
+    Returns:
+        A ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``.
+
+    Raises:
+        RuntimeError: No event loop is running.
+        InvalidArgument: ``client`` has a shape no asyncio client can copy (naming
+            ``client``).
+    """
+    if _is_async(client):
+        return client
+    loop = asyncio.get_running_loop()
+    twins = _ASYNC_TWINS.get(loop)
+    if twins is None:
+        twins = _ASYNC_TWINS[loop] = {}
+    found = twins.get(id(client))
+    if found is not None and found[0]() is client:
+        return found[1]
+    twin = async_twin(client)
+    twins[id(client)] = (weakref.ref(client), twin)
+    return twin
+
+
+def _is_async(client: Any) -> bool:
+    from ._redis import aio
+
+    return aio.is_async_client(client)
+
+
+@functools.cache
+def _accepted(*classes: type) -> frozenset[str]:
+    names: set[str] = set()
+    for cls in classes:
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                names.update(inspect.signature(init).parameters)
+    return frozenset(names) - {"self", "args", "kwargs"}
+
+
+def _async_retry(retry: Any) -> Any:
+    from redis.asyncio.retry import Retry as AsyncRetry
+
+    if retry is None or isinstance(retry, AsyncRetry):
+        return retry
+    return AsyncRetry(retry._backoff, retry._retries, tuple(retry._supported_errors))
+
+
+def _async_kwargs(kwargs: dict[str, Any], *classes: type) -> dict[str, Any]:
+    accepted = _accepted(*classes)
+    out = {k: v for k, v in kwargs.items() if k in accepted and not k.startswith("maint_")}
+    if "retry" in out:
+        out["retry"] = _async_retry(out["retry"])
+    return out
+
+
+def async_twin(client: Any) -> Any:
+    """A new ``redis.asyncio`` client with ``client``'s address, credentials, database, TLS,
+    timeouts, retry policy and pool size: the same server through the same settings
+    (``steplock_redis_url``, ``..._transport_options``, ``..._use_ssl``,
+    ``..._cluster``). A Sentinel client's twin finds the primary through the same
+    sentinels; a ``RedisCluster``'s twin is a ``redis.asyncio.cluster.RedisCluster`` from
+    the same startup nodes.
+
+    Args:
+        client: A synchronous ``redis.Redis`` or ``redis.cluster.RedisCluster``.
+
+    Returns:
+        The asyncio client (nothing connects before its first command).
+
+    Raises:
+        InvalidArgument: ``client`` is neither (a client factory's look-alike): pass a
+            ``redis.asyncio`` client instead (naming ``client``).
+    """
+    import redis.asyncio as aredis
+    import redis.asyncio.connection as aconn
+
+    from ._redis import cluster
+    from .exceptions import InvalidArgument
+
+    if cluster.is_cluster(client):
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        sync = cluster.resolve(client)
+        manager = sync.nodes_manager
+        nodes = [ClusterNode(n.host, n.port) for n in manager.startup_nodes.values()]
+        kwargs = _async_kwargs(dict(manager.connection_kwargs), RedisCluster)
+        kwargs.pop("host", None)
+        kwargs.pop("port", None)
+        if issubclass(
+            manager.connection_kwargs.get("connection_class", object), redis.SSLConnection
+        ):
+            kwargs["ssl"] = True
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(client, redis.Redis) or pool is None:
+        raise InvalidArgument(
+            f"client: no asyncio client can be built like {type(client).__module__}."
+            f"{type(client).__qualname__}; pass a redis.asyncio client to the async API",
+            argument="client",
+        )
+    from redis.sentinel import SentinelConnectionPool
+
+    if isinstance(pool, SentinelConnectionPool):
+        from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+        manager = pool.sentinel_manager
+        addresses = []
+        sentinel_kwargs: dict[str, Any] = {}
+        for sentinel in manager.sentinels:
+            skw = sentinel.connection_pool.connection_kwargs
+            addresses.append((skw["host"], skw["port"]))
+            # The sentinels' own clients take Redis() arguments; the primary's, a connection's.
+            sentinel_kwargs = _async_kwargs(skw, aredis.Redis)
+        sentinel_kwargs.pop("host", None)
+        sentinel_kwargs.pop("port", None)
+        primary = _async_kwargs(dict(manager.connection_kwargs), aconn.SSLConnection)
+        primary = {k: v for k, v in primary.items() if k in _accepted(aredis.Redis)}
+        if "ssl" in manager.connection_kwargs:
+            primary["ssl"] = manager.connection_kwargs["ssl"]
+        return AsyncSentinel(
+            addresses,
+            min_other_sentinels=manager.min_other_sentinels,
+            sentinel_kwargs=sentinel_kwargs,
+            **primary,
+        ).master_for(pool.service_name)
+    classes = {
+        redis.SSLConnection: aconn.SSLConnection,
+        redis.UnixDomainSocketConnection: aconn.UnixDomainSocketConnection,
+    }
+    cls = next(
+        (a for s, a in classes.items() if issubclass(pool.connection_class, s)), aconn.Connection
+    )
+    kwargs = _async_kwargs(dict(pool.connection_kwargs), cls)
+    return aredis.Redis(
+        connection_pool=aredis.ConnectionPool(
+            connection_class=cls, max_connections=pool.max_connections, **kwargs
+        )
+    )

@@ -58,7 +58,146 @@ class _Entry:
     failure: str | None = None
 
 
-class Heartbeat:
+class Renewals:
+    """The renewal cycle's decisions, shared by :class:`Heartbeat` (a thread) and
+    :class:`celery_steplock.aio.heartbeat.AsyncHeartbeat` (an asyncio task): which due hold
+    is renewed or lost, what a failed round trip or a refusal means for each, the signals
+    and log lines sent. A subclass has ``clock``, ``round_trips`` and :meth:`_drop`."""
+
+    clock: Callable[[], float]
+    round_trips: int
+
+    def _drop(self, lease: Lease) -> bool:
+        """Remove ``lease``'s entry; whether it was registered."""
+        raise NotImplementedError
+
+    def _report(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Log or emit a renewal's event."""
+        function(*args, **kwargs)
+
+    def _sort(self, entry: _Entry, now: float, lost: list[tuple[_Entry, str | None]]) -> bool:
+        """True when the due ``entry`` is to be renewed; else its loss is put in ``lost``."""
+        lease = entry.lease
+        if lease.max_hold_until is not None and now >= lease.max_hold_until:
+            lost.append((entry, "max hold reached: renewal stopped"))
+        elif (ran_out := self._ran_out(entry)) is not None:
+            lost.append((entry, ran_out))
+        elif lease.lost:
+            lost.append((entry, None))
+        else:
+            return True
+        return False
+
+    def _failed(
+        self,
+        group: list[_Entry],
+        renewing: list[_Entry],
+        lost: list[tuple[_Entry, str | None]],
+        exc: LockStoreUnavailable | LockStoreMisconfigured,
+        sent: float,
+    ) -> None:
+        """A round trip of ``group`` failed: retried sooner, lost when validity ran out."""
+        # A refused permission is retried like an outage (the lease is lost when its
+        # validity runs out), logged as the configuration error it is.
+        self.round_trips += 1
+        self._report(
+            log_event,
+            "renewal_failed",
+            logging.ERROR if isinstance(exc, LockStoreMisconfigured) else logging.WARNING,
+            leases=len(group),
+            error=exc,
+        )
+        dropped = {id(entry) for entry, _reason in lost}
+        failure = f"{type(exc).__name__}: {exc}"
+        # A cluster store reports what the nodes that answered did (None: unknown).
+        partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))
+        for entry in group:
+            if id(entry) in dropped:
+                continue
+            done = partial.get(id(entry))
+            if done is not None:
+                if done:
+                    entry.failure = None
+                    entry.lease.renewed(sent)
+                    entry.next_at = _next(entry.lease, sent + entry.interval)
+                else:
+                    self._lose(entry, self._refused(entry, sent))
+                continue
+            entry.failure = failure
+            ran_out = self._ran_out(entry)
+            if ran_out is not None:
+                self._lose(entry, ran_out)
+            elif entry.lease.lost:
+                self._lose(entry, entry.lease.lost_reason)
+            else:
+                entry.next_at = self.clock() + max(
+                    MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4)
+                )
+
+    def _succeeded(self, renewing: list[_Entry], results: list[bool], sent: float) -> None:
+        """The replies of a round trip: each hold renewed (``lock_extended``) or lost."""
+        if renewing:
+            self.round_trips += 1
+        announce = listening(signals.lock_extended, logging.DEBUG)
+        stamp = {"monotonic": time.monotonic(), "timestamp": time.time()}
+        for entry, ok in zip(renewing, results):
+            if ok:
+                entry.failure = None
+                entry.lease.renewed(sent)
+                entry.next_at = _next(entry.lease, sent + entry.interval)
+                if announce and entry.on_lost is None:
+                    self._report(
+                        emit,
+                        signals.lock_extended,
+                        entry.sender,
+                        logging.DEBUG,
+                        **lease_fields(entry.lease),
+                        **stamp,
+                    )
+            else:
+                self._lose(entry, self._refused(entry, sent))
+
+    def _ran_out(self, entry: _Entry) -> str | None:
+        """The loss reason of a hold whose local validity ran out while its renewals failed,
+        naming the failure (None: not that case; :attr:`Lease.lost` gives the plain one)."""
+        lease = entry.lease
+        if entry.failure is None or lease._lost.is_set() or lease.clock() < lease.valid_until:
+            return None
+        return f"{_RAN_OUT}: the store could not be reached ({entry.failure})"
+
+    def _refused(self, entry: _Entry, sent: float) -> str:
+        """The loss reason of a hold a renewal did not extend. When its local validity ran
+        out before the answer came, the store expired it because it did not answer in time
+        (an outage, a stopped server), which is not another owner taking it."""
+        lease = entry.lease
+        if lease._lost.is_set() or lease.clock() < lease.valid_until:
+            return "renewal found the key gone or held by another owner"
+        if entry.failure is not None:
+            return (
+                f"{_RAN_OUT}: the store could not be reached ({entry.failure}), then answered "
+                f"too late"
+            )
+        took = self.clock() - sent
+        return f"{_RAN_OUT}: the store did not answer in time (the renewal took {took:.1f} s)"
+
+    def _lose(self, entry: _Entry, reason: str | None) -> None:
+        lease = entry.lease
+        present = self._drop(lease)
+        lease.mark_lost(reason or "lost")
+        if present and entry.on_lost is not None:
+            self._report(entry.on_lost, lease)
+        elif present:
+            self._report(
+                emit,
+                signals.lock_lost,
+                entry.sender,
+                logging.ERROR,
+                reason=lease.lost_reason,
+                **lease_fields(lease),
+            )
+
+
+class Heartbeat(Renewals):
     """Renews the leases registered with it from one daemon thread.
 
     Use :func:`get_heartbeat` for the process's instance. The thread starts with the first
@@ -152,16 +291,7 @@ class Heartbeat:
             GreenPoolUnsupported: Under a green pool, ``lock`` cannot be given a client with
                 unpatched sockets.
         """
-        if (
-            isinstance(ratio, bool)
-            or not isinstance(ratio, (int, float))
-            or not 0 < ratio <= MAX_RENEWAL_RATIO
-        ):  # NaN compares false
-            raise InvalidArgument(
-                f"ratio must be a number above 0 and at most "
-                f"{MAX_RENEWAL_RATIO}, got {shown(ratio)}",
-                argument="ratio",
-            )
+        check_ratio(ratio)
         lane = store_lane(lock)
         if lane != self.lane:
             # A store that can block elsewhere must never share the Redis leases' thread.
@@ -170,12 +300,7 @@ class Heartbeat:
                 f"heartbeat's {self.lane!r} lane: register it with heartbeat_for(lock)",
                 argument="lock",
             )
-        if max_hold is not None:
-            lease.max_hold_until = lease.acquired_at + max_hold
-        interval = max(lease.ttl * ratio, MIN_RENEWAL_INTERVAL)
-        entry = _Entry(
-            lease, lock, interval, _next(lease, lease.acquired_at + interval), sender, on_lost
-        )
+        entry = new_entry(lease, lock, ratio, sender, max_hold, on_lost)
         if self.green:
             self.renewal_store(lock)
             # The loss flag is set from the native thread: no green lock may guard it.
@@ -348,105 +473,21 @@ class Heartbeat:
             def items() -> Iterator[tuple[str, str, float]]:
                 # Consumed while the first script calls already run in Redis.
                 for entry in group:  # noqa: B023 - consumed in this iteration of the loop
-                    lease = entry.lease
-                    if lease.max_hold_until is not None and now >= lease.max_hold_until:
-                        lost.append((entry, "max hold reached: renewal stopped"))  # noqa: B023
-                    elif (ran_out := self._ran_out(entry)) is not None:
-                        lost.append((entry, ran_out))  # noqa: B023
-                    elif lease.lost:
-                        lost.append((entry, None))  # noqa: B023
-                    else:
+                    if self._sort(entry, now, lost):  # noqa: B023
                         renewing.append(entry)  # noqa: B023
+                        lease = entry.lease
                         yield lease.name, lease.owner, lease.ttl
 
             sent = self.clock()
             try:
                 results = self.renewal_store(group[0].lock).extend_many(items())
             except (LockStoreUnavailable, LockStoreMisconfigured) as exc:
-                # A refused permission is retried like an outage (the lease is lost when its
-                # validity runs out), logged as the configuration error it is.
-                self.round_trips += 1
-                self._report(
-                    log_event,
-                    "renewal_failed",
-                    logging.ERROR if isinstance(exc, LockStoreMisconfigured) else logging.WARNING,
-                    leases=len(group),
-                    error=exc,
-                )
-                dropped = {id(entry) for entry, _reason in lost}
-                failure = f"{type(exc).__name__}: {exc}"
-                # A cluster store reports what the nodes that answered did (None: unknown).
-                partial = dict(zip(map(id, renewing), exc.context.get("results") or ()))
-                for entry in group:
-                    if id(entry) in dropped:
-                        continue
-                    done = partial.get(id(entry))
-                    if done is not None:
-                        if done:
-                            entry.failure = None
-                            entry.lease.renewed(sent)
-                            entry.next_at = _next(entry.lease, sent + entry.interval)
-                        else:
-                            self._lose(entry, self._refused(entry, sent))
-                        continue
-                    entry.failure = failure
-                    ran_out = self._ran_out(entry)
-                    if ran_out is not None:
-                        self._lose(entry, ran_out)
-                    elif entry.lease.lost:
-                        self._lose(entry, entry.lease.lost_reason)
-                    else:
-                        entry.next_at = self.clock() + max(
-                            MIN_RETRY_DELAY, min(entry.interval / 3, entry.lease.remaining() / 4)
-                        )
+                self._failed(group, renewing, lost, exc, sent)
                 results = None
             for entry, reason in lost:
                 self._lose(entry, reason or entry.lease.lost_reason)
-            if results is None:
-                continue
-            if renewing:
-                self.round_trips += 1
-            announce = listening(signals.lock_extended, logging.DEBUG)
-            stamp = {"monotonic": time.monotonic(), "timestamp": time.time()}
-            for entry, ok in zip(renewing, results):
-                if ok:
-                    entry.failure = None
-                    entry.lease.renewed(sent)
-                    entry.next_at = _next(entry.lease, sent + entry.interval)
-                    if announce and entry.on_lost is None:
-                        self._report(
-                            emit,
-                            signals.lock_extended,
-                            entry.sender,
-                            logging.DEBUG,
-                            **lease_fields(entry.lease),
-                            **stamp,
-                        )
-                else:
-                    self._lose(entry, self._refused(entry, sent))
-
-    def _ran_out(self, entry: _Entry) -> str | None:
-        """The loss reason of a hold whose local validity ran out while its renewals failed,
-        naming the failure (None: not that case; :attr:`Lease.lost` gives the plain one)."""
-        lease = entry.lease
-        if entry.failure is None or lease._lost.is_set() or lease.clock() < lease.valid_until:
-            return None
-        return f"{_RAN_OUT}: the store could not be reached ({entry.failure})"
-
-    def _refused(self, entry: _Entry, sent: float) -> str:
-        """The loss reason of a hold a renewal did not extend. When its local validity ran
-        out before the answer came, the store expired it because it did not answer in time
-        (an outage, a stopped server), which is not another owner taking it."""
-        lease = entry.lease
-        if lease._lost.is_set() or lease.clock() < lease.valid_until:
-            return "renewal found the key gone or held by another owner"
-        if entry.failure is not None:
-            return (
-                f"{_RAN_OUT}: the store could not be reached ({entry.failure}), then answered "
-                f"too late"
-            )
-        took = self.clock() - sent
-        return f"{_RAN_OUT}: the store did not answer in time (the renewal took {took:.1f} s)"
+            if results is not None:
+                self._succeeded(renewing, results, sent)
 
     def _report(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Log or emit from the renewal thread: at once, or under a green pool on the hub."""
@@ -455,24 +496,12 @@ class Heartbeat:
         else:
             self._relay.call(function, *args, **kwargs)
 
-    def _lose(self, entry: _Entry, reason: str | None) -> None:
-        lease = entry.lease
+    def _drop(self, lease: Lease) -> bool:
         with self._cond:
             present = self._entries.pop(id(lease), None) is not None
             if present and not self._entries:
                 self._idle_since = self.clock()
-        lease.mark_lost(reason or "lost")
-        if present and entry.on_lost is not None:
-            self._report(entry.on_lost, lease)
-        elif present:
-            self._report(
-                emit,
-                signals.lock_lost,
-                entry.sender,
-                logging.ERROR,
-                reason=lease.lost_reason,
-                **lease_fields(lease),
-            )
+        return present
 
 
 def _next(lease: Lease, renew_at: float) -> float:
@@ -481,6 +510,43 @@ def _next(lease: Lease, renew_at: float) -> float:
     if lease.max_hold_until is not None:
         return min(renew_at, lease.max_hold_until)
     return renew_at
+
+
+def check_ratio(ratio: Any) -> float:
+    """``ratio`` of a registration, validated: a finite number above 0 and at most
+    :data:`~celery_steplock.conf.MAX_RENEWAL_RATIO`.
+
+    Raises:
+        InvalidArgument: Naming ``ratio``.
+    """
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, (int, float))
+        or not 0 < ratio <= MAX_RENEWAL_RATIO
+    ):  # NaN compares false
+        raise InvalidArgument(
+            f"ratio must be a number above 0 and at most {MAX_RENEWAL_RATIO}, got {shown(ratio)}",
+            argument="ratio",
+        )
+    return float(ratio)
+
+
+def new_entry(
+    lease: Lease,
+    lock: Any,
+    ratio: float,
+    sender: Any,
+    max_hold: float | None,
+    on_lost: Callable[[Lease], Any] | None,
+) -> _Entry:
+    """The registration of ``lease`` (sets its ``max_hold_until``): renewed every
+    ``ttl * ratio`` seconds, at least :data:`~celery_steplock.conf.MIN_RENEWAL_INTERVAL`."""
+    if max_hold is not None:
+        lease.max_hold_until = lease.acquired_at + max_hold
+    interval = max(lease.ttl * ratio, MIN_RENEWAL_INTERVAL)
+    return _Entry(
+        lease, lock, interval, _next(lease, lease.acquired_at + interval), sender, on_lost
+    )
 
 
 def _lane(lane: Any) -> str:

@@ -210,6 +210,27 @@ def _argument(check: Callable[..., Any], value: Any, name: str, **kwargs: Any) -
         raise InvalidArgument(str(exc), argument=name) from None
 
 
+def _store_arguments(
+    prefix: Any, fence_ttl: Any, max_waiters: Any, clock: Any, name_secret: Any
+) -> tuple[str, float, int, Callable[[], float], bytes | None]:
+    """The checked settings of a lease store (the sync :class:`RedisLeaseStore` and
+    :class:`~celery_steplock.aio.lock.AsyncRedisLeaseStore` alike): ``(prefix, fence_ttl,
+    max_waiters, clock, name_secret)``. Raises :class:`InvalidArgument` naming the first
+    argument that is off."""
+    prefix = _argument(check_key_prefix, prefix, "prefix")
+    fence_ttl = _argument(check_fence_ttl, fence_ttl, "fence_ttl")
+    max_waiters = _argument(
+        check_count, max_waiters, "max_waiters", minimum=1, maximum=MAX_WAITERS_LIMIT
+    )
+    if not callable(clock):
+        raise InvalidArgument(
+            f"clock must be a callable returning seconds, got {shown(clock)}", argument="clock"
+        )
+    if name_secret is not None:
+        name_secret = _argument(check_name_secret, name_secret, "name_secret")
+    return prefix, fence_ttl, max_waiters, clock, name_secret
+
+
 def _ttl(ttl: Any, name: str = "ttl") -> float:
     if type(ttl) is float and MIN_TTL <= ttl <= MAX_TTL:
         return ttl
@@ -309,6 +330,219 @@ def _escaped(text: str) -> str:
     )
 
 
+# -- shared by RedisLeaseStore and celery_steplock.aio.lock.AsyncRedisLeaseStore: one
+# -- argument building, one reply parsing, one set of error messages for both forms.
+
+
+def _wait_seconds(wait: Any) -> float:
+    """``wait`` of an acquire, validated (seconds within [0, :data:`MAX_WAIT`])."""
+    if wait != 0:
+        return cast(
+            float, _argument(check_seconds, wait, "wait", allow_zero=True, maximum=MAX_WAIT)
+        )
+    return wait  # type: ignore[no-any-return]
+
+
+def _acquire_request(
+    prefix: str,
+    fence_ttl: float,
+    name: str,
+    owner: str,
+    ttl: float,
+    wait: float,
+    metadata: Mapping[str, Any] | None,
+) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of :data:`~celery_steplock._redis.scripts.lease.ACQUIRE` for validated
+    arguments (``wait`` above 0: the refused owner is recorded as waiting that long)."""
+    ttl_ms = str(max(1, int(ttl * 1000)))
+    args = [
+        owner,
+        ttl_ms,
+        str(max(int(ttl_ms), int(fence_ttl * 1000))),
+        str(max(1, int(wait * 1000)) if wait > 0 else 0),
+        pack_metadata(metadata),
+    ]
+    keys = [lease_key(prefix, name), fence_key(prefix, name)]
+    if wait > 0:
+        keys.append(waiters_key(prefix, name))
+    return keys, args
+
+
+def _granted(
+    reply: Any,
+    store: Any,
+    name: str,
+    key: str,
+    owner: str,
+    ttl: float,
+    sent: float,
+    metadata: Mapping[str, Any] | None,
+) -> tuple[Lease | None, str | None, float | None]:
+    """ACQUIRE's reply as ``try_acquire`` returns it: ``(lease, None, None)`` when granted
+    (``sent``: the store's ``clock`` reading before the call), else ``(None, holder,
+    holder_ttl_seconds)``."""
+    if isinstance(reply, list):
+        holder, ttl_left = reply
+        return (
+            None,
+            wire.text(holder),
+            (ttl_left / 1000.0 if ttl_left and ttl_left > 0 else None),
+        )
+    meta = metadata or {}
+    return (
+        Lease(
+            name=name,
+            key=key,
+            owner=owner,
+            fence=int(reply),
+            ttl=ttl,
+            acquired_at=sent,
+            valid_until=sent + ttl - drift(ttl),
+            task_id=meta.get("task_id"),
+            task_name=meta.get("task_name"),
+            clock=store.clock,
+            secret=store.name_secret,
+        ),
+        None,
+        None,
+    )
+
+
+def _ttl_ms(ttl: float) -> str:
+    """A validated TTL in seconds as the scripts' milliseconds (at least 1)."""
+    return str(max(1, int(ttl * 1000)))
+
+
+def _owned_seconds(result: Any) -> float | None:
+    """OWNED's reply as seconds left, or None when not held by the owner."""
+    return result / 1000.0 if result is not None and result >= 0 else None
+
+
+def _probe_keys(prefix: str, probe_name: str) -> list[str]:
+    """KEYS of the permission probe on ``probe_name``."""
+    return [
+        lease_key(prefix, probe_name),
+        fence_key(prefix, probe_name),
+        waiters_key(prefix, probe_name),
+        wake_key(prefix, probe_name),
+    ]
+
+
+def _probe_names() -> tuple[str, str]:
+    """The names the probe tries in turn: the reserved one, then a random one of its own."""
+    return (PROBE_NAME, f"{PROBE_NAME}:{uuid.uuid4().hex}")
+
+
+def _probe_error(
+    prefix: str,
+    refused: Any,
+    keys: list[str],
+    *,
+    key: str | None,
+    name: str | None,
+    owner: str | None,
+) -> LockStoreMisconfigured | None:
+    """The error of the probe's last reply (1: both names' keys were taken; a list: the
+    commands refused), or None when it found every permission."""
+    if refused == 1:
+        return LockStoreMisconfigured(
+            f"the permission probe found its keys taken ({keys[0]} and a random name's): "
+            f"keys under {prefix}:* are written by something else than "
+            f"celery-steplock",
+            key=key,
+            name=name,
+            owner=owner,
+            setting="steplock_key_prefix",
+        )
+    if not refused:
+        return None
+    refused = tuple(wire.text(r) for r in refused)
+    commands = sorted({r.split(" ")[0] for r in refused})
+    return LockStoreMisconfigured(
+        f"the Redis user of steplock_redis_url may not run {', '.join(refused)} "
+        f"(needed by the lease scripts): grant "
+        f"{' '.join('+' + c for c in commands)} and the key pattern "
+        f"~{prefix}:* (steplock_key_prefix); the least-privilege ACL is in "
+        f"{ACL_DOC}",
+        key=key,
+        name=name,
+        owner=owner,
+        setting="steplock_redis_url",
+        permissions=refused,
+    )
+
+
+def _waiters_full(
+    store: Any, name: str, owner: str, limit: int, size: int | None
+) -> LockStoreMisconfigured:
+    """The error of a caller that would be one waiter more than ``store`` allows
+    (``limit``; ``size``: the shared pool's max_connections when the waiters share it)."""
+    if limit < store.max_waiters:
+        return LockStoreMisconfigured(
+            f"cannot wait for {name!r}: {limit} callers of this process already wait "
+            f"for leases, the most the store's pool allows (steplock_max_waiters, "
+            f"{store.max_waiters}, is capped to the pool's max_connections, {size}, "
+            f"minus {(size or 0) - limit} kept for renewals and releases, because the "
+            f"waiters share that pool: no pool of their own could be derived from the "
+            f"store's client): give the pool more connections, lower lock_wait or the "
+            f"pool's concurrency",
+            key=store.key(name),
+            name=name,
+            owner=owner,
+            setting="steplock_max_waiters",
+        )
+    return LockStoreMisconfigured(
+        f"cannot wait for {name!r}: {store.max_waiters} callers of this process "
+        f"already wait for leases (steplock_max_waiters; each blocks a connection "
+        f"of the waiters' pool): raise steplock_max_waiters or lower lock_wait or "
+        f"the pool's concurrency",
+        key=store.key(name),
+        name=name,
+        owner=owner,
+        setting="steplock_max_waiters",
+    )
+
+
+def _wait_timeout(left: float, holder_ttl: float | None, cap: float | None) -> float:
+    """Seconds a waiter blocks in BLPOP: until its deadline or the holder's TTL runs out
+    (a dead holder announces nothing), within the socket timeout (a timeout is retried)."""
+    timeout = min(left, holder_ttl) if holder_ttl else min(left, 0.01)
+    if cap:
+        timeout = min(timeout, cap * 0.8)
+    return max(round(timeout, 3), 0.001)
+
+
+def _extend_many_calls(
+    prefix: str, items: list[tuple[str, str, float]], chunk: int
+) -> Iterator[tuple[list[str], list[str]]]:
+    """The EXTEND_MANY calls of validated ``items``, ``chunk`` leases per call."""
+    names: list[str] = []
+    argv: list[str] = []
+    for name, owner, ttl in items:
+        names.append(name)
+        argv.append(owner)
+        argv.append(str(max(1, int(ttl * 1000))))
+        if len(names) >= chunk:
+            yield lease_keys(prefix, names), argv
+            names, argv = [], []
+    if names:
+        yield lease_keys(prefix, names), argv
+
+
+def _extend_many_results(replies: list[Any]) -> list[bool]:
+    """EXTEND_MANY's replies (one string of 0/1 per call) as one bool per lease.
+
+    Raises:
+        LockStoreUnavailable, LockStoreMisconfigured: Redis refused a call.
+    """
+    results: list[bool] = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise _unavailable_unless_misconfigured(reply, "renewal", refused=True)
+        results.extend([c == "1" for c in wire.text(reply)])
+    return results
+
+
 class RedisLeaseStore:
     """Acquire, extend, release, reap and inspect owner-keyed leases in one Redis.
 
@@ -373,21 +607,11 @@ class RedisLeaseStore:
                 f"client must be a redis.Redis or RedisCluster client, got {shown(client)}",
                 argument="client",
             )
-        prefix = _argument(check_key_prefix, prefix, "prefix")
-        fence_ttl = _argument(check_fence_ttl, fence_ttl, "fence_ttl")
-        max_waiters = _argument(
-            check_count, max_waiters, "max_waiters", minimum=1, maximum=MAX_WAITERS_LIMIT
+        prefix, fence_ttl, max_waiters, clock, name_secret = _store_arguments(
+            prefix, fence_ttl, max_waiters, clock, name_secret
         )
-        if not callable(clock):
-            raise InvalidArgument(
-                f"clock must be a callable returning seconds, got {shown(clock)}", argument="clock"
-            )
         #: The HMAC key of the idempotency keys of the leases it grants (None: they raise).
-        self.name_secret = (
-            None
-            if name_secret is None
-            else _argument(check_name_secret, name_secret, "name_secret")
-        )
+        self.name_secret = name_secret
         self.client = client
         self.max_waiters = max_waiters
         self._waiter_client = waiter_client
@@ -499,44 +723,17 @@ class RedisLeaseStore:
         # The probe leaves alone any of its keys that exists (it returns 1): a lease of the
         # reserved name that an older version took, or a key written by hand, is never
         # touched; then it runs on a name of its own instead.
-        for probe_name in (PROBE_NAME, f"{PROBE_NAME}:{uuid.uuid4().hex}"):
-            keys = [
-                lease_key(self.prefix, probe_name),
-                fence_key(self.prefix, probe_name),
-                waiters_key(self.prefix, probe_name),
-                wake_key(self.prefix, probe_name),
-            ]
+        for probe_name in _probe_names():
+            keys = _probe_keys(self.prefix, probe_name)
             try:
                 refused = route.evalsha(self.client, self._probe, keys, [])
             except STORE_ERRORS as exc:
                 raise store_error(exc, what, key=key, name=name, owner=owner) from exc
             if refused != 1:
                 break
-        else:
-            raise LockStoreMisconfigured(
-                f"the permission probe found its keys taken ({keys[0]} and a random name's): "
-                f"keys under {self.prefix}:* are written by something else than "
-                f"celery-steplock",
-                key=key,
-                name=name,
-                owner=owner,
-                setting="steplock_key_prefix",
-            )
-        if refused:
-            refused = tuple(wire.text(r) for r in refused)
-            commands = sorted({r.split(" ")[0] for r in refused})
-            raise LockStoreMisconfigured(
-                f"the Redis user of steplock_redis_url may not run {', '.join(refused)} "
-                f"(needed by the lease scripts): grant "
-                f"{' '.join('+' + c for c in commands)} and the key pattern "
-                f"~{self.prefix}:* (steplock_key_prefix); the least-privilege ACL is in "
-                f"{ACL_DOC}",
-                key=key,
-                name=name,
-                owner=owner,
-                setting="steplock_redis_url",
-                permissions=refused,
-            )
+        error = _probe_error(self.prefix, refused, keys, key=key, name=name, owner=owner)
+        if error is not None:
+            raise error
         self._probed = True
 
     def _call(
@@ -590,52 +787,18 @@ class RedisLeaseStore:
         """
         name, owner, ttl = _name(name), _owner(owner), _ttl(ttl)
         metadata = _metadata(metadata)
-        if wait != 0:
-            wait = _argument(check_seconds, wait, "wait", allow_zero=True, maximum=MAX_WAIT)
-        ttl_ms = str(max(1, int(ttl * 1000)))
-        args = [
-            owner,
-            ttl_ms,
-            str(max(int(ttl_ms), int(self.fence_ttl * 1000))),
-            str(max(1, int(wait * 1000)) if wait > 0 else 0),
-            pack_metadata(metadata),
-        ]
-        key = self.key(name)
-        keys = [key, fence_key(self.prefix, name)]
-        if wait > 0:
-            keys.append(waiters_key(self.prefix, name))
+        wait = _wait_seconds(wait)
+        keys, args = _acquire_request(
+            self.prefix, self.fence_ttl, name, owner, ttl, wait, metadata
+        )
         deferred = self._deferred
         if deferred is not None and deferred.pending:
             # This process's own release of the name, written but unread, reaches Redis on
             # another connection: its reply is read first, so that Redis ran it before.
-            deferred.settle(key)
+            deferred.settle(keys[0])
         sent = self.clock()
         reply = self._call(self._acquire, keys, args, "acquire", name, owner, _client)
-        if isinstance(reply, list):
-            holder, ttl_left = reply
-            return (
-                None,
-                wire.text(holder),
-                (ttl_left / 1000.0 if ttl_left and ttl_left > 0 else None),
-            )
-        meta = metadata or {}
-        return (
-            Lease(
-                name=name,
-                key=key,
-                owner=owner,
-                fence=int(reply),
-                ttl=ttl,
-                acquired_at=sent,
-                valid_until=sent + ttl - drift(ttl),
-                task_id=meta.get("task_id"),
-                task_name=meta.get("task_name"),
-                clock=self.clock,
-                secret=self.name_secret,
-            ),
-            None,
-            None,
-        )
+        return _granted(reply, self, name, keys[0], owner, ttl, sent, metadata)
 
     def channel(self, name: str) -> str:
         """Deprecated: the pub/sub channel on which releases of ``name`` used to be announced.
@@ -694,8 +857,7 @@ class RedisLeaseStore:
         """
         owner = new_owner_token() if owner is None else _owner(owner)
         name, ttl, metadata = _name(name), _ttl(ttl), _metadata(metadata)
-        if wait != 0:
-            wait = _argument(check_seconds, wait, "wait", allow_zero=True, maximum=MAX_WAIT)
+        wait = _wait_seconds(wait)
         if wait <= 0:
             return self.try_acquire(name, owner, ttl, metadata)[0]
         if not self._enter_waiting():
@@ -703,31 +865,10 @@ class RedisLeaseStore:
             if lease is not None:
                 return lease
             limit = self.waiter_limit
-            if limit < self.max_waiters:
-                size = self.client.connection_pool.max_connections
-                raise LockStoreMisconfigured(
-                    f"cannot wait for {name!r}: {limit} callers of this process already wait "
-                    f"for leases, the most the store's pool allows (steplock_max_waiters, "
-                    f"{self.max_waiters}, is capped to the pool's max_connections, {size}, "
-                    f"minus {size - limit} kept for renewals and releases, because the "
-                    f"waiters share that pool: no pool of their own could be derived from the "
-                    f"store's client): give the pool more connections, lower lock_wait or the "
-                    f"pool's concurrency",
-                    key=self.key(name),
-                    name=name,
-                    owner=owner,
-                    setting="steplock_max_waiters",
-                )
-            raise LockStoreMisconfigured(
-                f"cannot wait for {name!r}: {self.max_waiters} callers of this process "
-                f"already wait for leases (steplock_max_waiters; each blocks a connection "
-                f"of the waiters' pool): raise steplock_max_waiters or lower lock_wait or "
-                f"the pool's concurrency",
-                key=self.key(name),
-                name=name,
-                owner=owner,
-                setting="steplock_max_waiters",
+            size = (
+                self.client.connection_pool.max_connections if limit < self.max_waiters else None
             )
+            raise _waiters_full(self, name, owner, limit, size)
         try:
             return self._wait(name, owner, ttl, wait, metadata)
         finally:
@@ -753,11 +894,8 @@ class RedisLeaseStore:
                 )
                 if lease is not None or left <= 0:
                     return lease
-                timeout = min(left, holder_ttl) if holder_ttl else min(left, 0.01)
-                if cap:
-                    timeout = min(timeout, cap * 0.8)
                 try:
-                    client.blpop([wake], timeout=max(round(timeout, 3), 0.001))
+                    client.blpop([wake], timeout=_wait_timeout(left, holder_ttl, cap))
                     interrupted = False
                 except STORE_ERRORS as exc:
                     if isinstance(exc, redis.ConnectionError) and not interrupted:
@@ -929,7 +1067,7 @@ class RedisLeaseStore:
             self._call(
                 self._extend,
                 [self.key(name)],
-                [owner, str(max(1, int(ttl * 1000)))],
+                [owner, _ttl_ms(ttl)],
                 "extend",
                 name,
                 owner,
@@ -950,7 +1088,7 @@ class RedisLeaseStore:
         result = self._call(
             self._owned, [self.key(name)], [owner], "ownership check", name, owner, writes=False
         )
-        return result / 1000.0 if result is not None and result >= 0 else None
+        return _owned_seconds(result)
 
     def extend_many(
         self, items: Iterable[tuple[str, str, float]], chunk: int = EXTEND_CHUNK
@@ -974,32 +1112,15 @@ class RedisLeaseStore:
         """
         items = self._checked_items(items)
         chunk = _argument(check_count, chunk, "chunk", minimum=1, maximum=MAX_SCAN_COUNT)
-
-        def calls() -> Iterator[tuple[list[str], list[str]]]:
-            names: list[str] = []
-            argv: list[str] = []
-            for name, owner, ttl in items:
-                names.append(name)
-                argv.append(owner)
-                argv.append(str(max(1, int(ttl * 1000))))
-                if len(names) >= chunk:
-                    yield lease_keys(self.prefix, names), argv
-                    names, argv = [], []
-            if names:
-                yield lease_keys(self.prefix, names), argv
-
         try:
             if not self._probed:
                 self.check_permissions(what="renewal")
-            replies = route.evalsha_many(self.client, self._extend_many, calls())
+            replies = route.evalsha_many(
+                self.client, self._extend_many, _extend_many_calls(self.prefix, items, chunk)
+            )
         except STORE_ERRORS as exc:
             raise _unavailable_unless_misconfigured(exc, "renewal") from exc
-        results: list[bool] = []
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise _unavailable_unless_misconfigured(reply, "renewal", refused=True)
-            results.extend([c == "1" for c in wire.text(reply)])
-        return results
+        return _extend_many_results(replies)
 
     def scan_keys(
         self, cursor: int = 0, count: int = 500, match: str = "*"

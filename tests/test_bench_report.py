@@ -356,3 +356,86 @@ def test_a_quick_run_without_a_document_uses_the_rows_it_returned():
     entry = report.pattern_group("ratelimit", None, {"figures": [], "tables": doc["tables"]})
     labels = {f["row"]: f["label"] for f in entry["figures"]}
     assert labels["ours_window"] == "ours: SlidingWindow (exact log, Lua)"  # the group's own
+
+
+def aio_group(ours: bool = True) -> dict[str, Any]:
+    """An ``aio`` group's result as ``benchmarks/aio.py`` returns it (``ours`` False: the
+    placeholder run, our side not importable yet)."""
+
+    def fig(name, value, unit="x", **labels):
+        return {"name": name, "unit": unit, "value": value, **labels}
+
+    figures = [
+        fig("aio.lease.raw.p50", 380.0, "us", variant="raw"),
+        fig("aio.lease.redis_py.p50", 426.0, "us", variant="redis_py"),
+        fig("aio.lease.raw.server_us", 9.7, "us", variant="raw"),
+        fig("aio.lease.concurrent.raw.us_per_cycle", 273.6, "us", variant="raw"),
+        fig("aio.decision.limits_moving.p50", 198.0, "us", variant="limits_moving"),
+        fig("aio.decision.ours_window.p50", 310.0, "us", variant="ours_window"),
+        fig("aio.decision.ratio.ours_window_vs_limits_moving", 1.586, reps=[1.528, 1.643]),
+        fig("aio.decision.ratio.ours_window_vs_limits_moving_server", 1.2),
+    ]
+    missing = {}
+    if ours:
+        figures += [
+            fig("aio.lease.ours.p50", 400.0, "us", variant="ours"),
+            fig("aio.lease.ours.server_us", 12.0, "us", variant="ours"),
+            fig("aio.lease.ratio.ours_vs_raw", 1.05, reps=[1.02, 1.08]),
+            fig("aio.lease.ratio.ours_vs_redis_py", 0.94, reps=[0.93, 0.95]),
+            fig("aio.lease.concurrent.ratio.ours_vs_raw", 1.2, rounds=[1.1, 1.3]),
+            fig("aio.lease.concurrent.ratio.ours_vs_raw_cpu", 1.15, rounds=[1.1, 1.2]),
+            fig("aio.lease.concurrent.ratio.ours_vs_redis_py_cpu", 1.0, rounds=[0.9, 1.1]),
+            fig("aio.lease.ratio.ours_vs_raw_server", 1.24),
+        ]
+    else:
+        missing = {"lease": "ModuleNotFoundError: No module named 'celery_steplock.aio.lock'"}
+    return {"group": "aio", "figures": figures, "notes": [], "missing": missing}
+
+
+def test_aio_targets_are_issue_27s_met_missed_or_not_measured():
+    targets = {t["id"]: t for t in report.evaluate(report.Figures({"aio": aio_group()}))}
+    assert (targets["aio.floor"]["measured"], targets["aio.floor"]["met"]) == ("1.050x", True)
+    assert "4.5% under the limit; per repetition/round 1.020..1.080" == targets["aio.floor"]["by"]
+    assert targets["aio.redis_py"]["met"] is True
+    assert targets["aio.floor_concurrent"]["by"].endswith("; wall µs per cycle 1.200x")
+    assert (targets["aio.floor_concurrent"]["met"], targets["aio.redis_py_concurrent"]["met"]) == (
+        False,
+        True,
+    )
+    assert (targets["aio.window"]["measured"], targets["aio.window"]["met"]) == ("1.586x", False)
+    assert targets["aio.window_server"]["met"] is True
+    assert {tuple(t["issues"]) for tid, t in targets.items() if tid.startswith("aio.")} == {(27,)}
+
+    placeholder = {
+        t["id"]: t for t in report.evaluate(report.Figures({"aio": aio_group(ours=False)}))
+    }
+    assert placeholder["aio.floor"]["met"] is None
+    assert placeholder["aio.floor"]["by"] == "not measured"
+    assert placeholder["aio.window"]["met"] is False  # the rate-limit side did run
+    # No aio group at all: no aio target.
+    assert not [t for t in report.evaluate(report.Figures({})) if t["id"].startswith("aio.")]
+
+
+def test_aio_section_and_issue_27_targets_rendered(tmp_path):
+    for ours in (True, False):
+        group = aio_group(ours)
+        doc = report.build({"aio": group}, {"time": "2026-12-03 04:00:00 UTC"})
+        report.write(doc, tmp_path)
+        md = (tmp_path / "performance.md").read_text()
+        assert "## Targets (issue 27), from this run" in md
+        assert "## 9. Async (issue 27)" in md
+        row = next(line for line in md.splitlines() if line.startswith("| raw async SET NX"))
+        assert row.startswith("| raw async SET NX PX + EVALSHA release | 380.0 | – | – | 273.6 |")
+        assert ("**Placeholder: ours (lease) not measured" in md) is not ours
+        ratios = next(
+            line for line in md.splitlines() if line.startswith("| ours_window / limits_moving")
+        )
+        assert ratios == "| ours_window / limits_moving | 1.586 | 1.200 |"
+        if ours:
+            assert "| ours / raw | 1.050 | 1.200 | 1.150 | 1.240 |" in md
+        else:
+            assert "| ours / raw |" not in md
+
+
+def test_aio_group_is_registered():
+    assert run.GROUPS["aio"] == "benchmarks.aio"

@@ -13,6 +13,7 @@ from redis.cluster import RedisCluster as RedisClusterClient
 from redis.connection import Connection
 
 from celery_steplock._redis import cluster as _cluster
+from celery_steplock._redis import wire as _wire
 from celery_steplock.conf import Settings
 from celery_steplock.exceptions import ImproperlyConfigured, LockError, LockNameError
 from celery_steplock.heartbeat import Heartbeat
@@ -713,3 +714,56 @@ def test_admin_changelist_pages_through_every_primary(
         assert pages < 100
     assert set(seen) == set(names) and set(seen.values()) == {1}
     assert pages >= 4
+
+
+# -- the asyncio client ---------------------------------------------------------------------
+
+
+def test_async_client_of_a_cluster_routes_each_call_to_its_slot(cluster, store):
+    """The asyncio twin of the cluster client (redis.asyncio.cluster.RedisCluster, from the
+    same startup node and options) runs the lease scripts on the primary owning each name's
+    slot, one call and a pipelined batch spanning every primary."""
+    import asyncio
+
+    from celery_steplock import calls
+    from celery_steplock._redis.scripts import lease as lease_scripts
+    from celery_steplock.clients import async_client_for
+
+    names = names_on_every_primary(cluster, 12, "async")
+    owners = [f"owner-{n}" for n in range(len(names))]
+    extend = _wire.Script(lease_scripts.EXTEND)
+
+    def steps():
+        replies = []
+        for name, owner in zip(names, owners):
+            key = lease_key(PREFIX, name)
+            replies.append((yield calls.Command(("HSET", key, "owner", owner), "seed", key=key)))
+            yield calls.Command(("PEXPIRE", key, 60000), "seed", key=key)
+        one = yield calls.Eval(
+            extend, [lease_key(PREFIX, names[0])], [owners[0], "30000"], "extend"
+        )
+        many = yield calls.EvalMany(
+            extend,
+            [([lease_key(PREFIX, n)], [o, "40000"]) for n, o in zip(names, owners)],
+            "renewal",
+        )
+        return replies, one, many
+
+    async def main():
+        client = async_client_for(store.client)
+        try:
+            return await calls.arun(steps(), client)
+        finally:
+            await client.aclose()
+
+    replies, one, many = asyncio.run(main())
+    assert replies == [1] * len(names)
+    assert one == 1 and many == [1] * len(names)
+    for name, owner in zip(names, owners):
+        key = lease_key(PREFIX, name)
+        node = cluster.client(primary_of(cluster, key))
+        try:
+            assert node.hget(key, "owner") == owner
+            assert 30_000 < node.pttl(key) <= 40_000
+        finally:
+            node.close()

@@ -650,3 +650,83 @@ def test_readonly_reply_drops_the_connection(app, tmp_path):
     finally:
         replica.stop()
         primary.stop()
+
+
+# -- the asyncio clients: the same settings, the same server, the same errors --------------
+
+
+def async_round_trip(store, key):
+    """A script call and a read through the asyncio twin of ``store``'s client (built from
+    the same settings), in a fresh event loop; returns ``(script reply, value read)``."""
+    import asyncio
+
+    from celery_steplock import calls
+    from celery_steplock.clients import async_client_for
+
+    script = _wire.Script("return redis.call('SET', KEYS[1], ARGV[1], 'PX', 60000)")
+
+    def steps():
+        reply = yield calls.Eval(script, [key], ["async"], "async check", name=key)
+        value = yield calls.Command(("GET", key), "async read", key=key)
+        return reply, value
+
+    async def main():
+        return await calls.arun(steps(), async_client_for(store.client))
+
+    return asyncio.run(main())
+
+
+def test_sentinel_async_client_reaches_the_primary(app, sentinel_group):
+    store = sentinel_store(app, sentinel_group)
+    primary = sentinel_group.node_client(sentinel_group.primary_port())
+    try:
+        assert async_round_trip(store, "async:sentinel") == ("OK", "async")
+        assert primary.get("async:sentinel") == "async"
+    finally:
+        primary.delete("async:sentinel")
+        primary.close()
+
+
+def test_tls_async_client_verifies_the_ca(app, tls_server, certs):
+    configure(
+        app,
+        tls_server.url,
+        use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert)},
+    )
+    assert async_round_trip(get_lease_store(app), "async:tls") == ("OK", "async")
+    configure(
+        app,
+        tls_server.url,
+        use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.other_ca_cert)},
+    )
+    with pytest.raises(LockStoreMisconfigured) as info:
+        async_round_trip(get_lease_store(app), "async:tls-wrong-ca")
+    assert info.value.setting == "steplock_redis_use_ssl"
+    assert "CERTIFICATE_VERIFY_FAILED" in str(info.value)
+    primary = plain_tls_client(tls_server)
+    try:
+        assert primary.get("async:tls") == "async"
+        assert primary.exists("async:tls-wrong-ca") == 0
+    finally:
+        primary.close()
+
+
+def test_mtls_async_client_sends_the_client_certificate(app, mtls_server, certs):
+    with_cert = {
+        "ssl_cert_reqs": "required",
+        "ssl_ca_certs": str(certs.ca_cert),
+        "ssl_certfile": str(certs.client_cert),
+        "ssl_keyfile": str(certs.client_key),
+    }
+    configure(app, mtls_server.url, use_ssl=with_cert)
+    assert async_round_trip(get_lease_store(app), "async:mtls") == ("OK", "async")
+    configure(
+        app,
+        mtls_server.url,
+        use_ssl={"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert)},
+    )
+    with pytest.raises((LockStoreMisconfigured, LockStoreUnavailable)) as info:
+        async_round_trip(get_lease_store(app), "async:mtls-no-cert")
+    print(f"async mTLS without a certificate: {info.value!r} <- {info.value.__cause__!r}")
+    assert isinstance(info.value, LockStoreMisconfigured)
+    assert info.value.setting == "steplock_redis_use_ssl"

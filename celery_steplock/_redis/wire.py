@@ -193,13 +193,13 @@ def socket_timeout(client: redis.Redis) -> float | None:
 
 
 #: redis-py before 5.3 requires a command name for ``get_connection``; 5.3+ deprecates passing one.
-_POOL_WANTS_COMMAND = redis.VERSION < (5, 3)
+POOL_WANTS_COMMAND = redis.VERSION < (5, 3)
 
 
 def connection(pool: redis.ConnectionPool) -> Any:
     """A connection checked out of ``pool`` (give it back with ``pool.release``)."""
     try:
-        return pool.get_connection("EVALSHA") if _POOL_WANTS_COMMAND else pool.get_connection()
+        return pool.get_connection("EVALSHA") if POOL_WANTS_COMMAND else pool.get_connection()
     except redis.ConnectionError as exc:
         if _closed_without_client_certificate(pool, exc):
             raise _refused_without_client_certificate(exc) from exc

@@ -48,6 +48,18 @@ Use it as the ``circuit_breaker`` task option (a dependency name, or a
     with payments:
         charge(order)
 
+The same object serves asyncio code, on the same keys, scripts and process cache (a sync
+Celery task and an async view share one breaker): ``await payments.acall(acharge, order)``,
+``@payments`` on an ``async def`` (the wrapper is a coroutine function), ``async with
+payments:``, ``call = await payments.aadmit()`` then ``await call.asuccess()`` /
+``afailure(exc)`` / ``arelease()``, ``await payments.astate()``. Each operation that talks to
+Redis is written once as :mod:`celery_steplock.calls` steps, run by ``calls.run`` on the
+breaker's client or by ``calls.arun`` on its ``redis.asyncio`` twin for the running loop
+(:func:`celery_steplock.clients.async_client_for`): the event loop is never blocked, and a
+cancellation records no outcome (a half-open probe's permit is given back). Over a
+:class:`~celery_steplock.patterns.retry.RetryPolicy` decorator (``@payments`` above
+``@policy``) every attempt is admitted by the breaker, and its refusal is never retried.
+
 Which exceptions count as failures (:func:`default_classifier`): every exception except the
 library's and Celery's control exceptions and the errors the retry classifier calls
 non-retryable (:func:`celery_steplock.patterns.retry.classify`: validation, permission, business
@@ -65,6 +77,7 @@ CLOSED again.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import logging
@@ -73,9 +86,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, Awaitable, Callable, NoReturn
 
-from .. import signals
+from .. import calls, signals
 from .._checks import (
     CLOCK_SKEW_TOLERANCE,
     MAX_IDENTIFIER_LENGTH,
@@ -87,6 +100,7 @@ from .._checks import (
 )
 from .._redis import wire
 from .._redis.scripts.breaker import ADMIT, OVERRIDE, READ, RECORD
+from ..clients import async_client_for
 from ..conf import DEFAULTS
 from ..events import emit, log_event
 from ..exceptions import (
@@ -101,15 +115,13 @@ from ..keys import breaker_key, breaker_keys
 from ..lease import MALFORMED_EXCERPT
 from ._base import (
     Target,
-    call,
     check_on_store_error,
     clock_skew,
     outage,
     resolve_policy,
     target,
-    translated,
 )
-from .retry import check_policy, classify, is_control
+from .retry import check_policy, classify, is_async_callable, is_control
 
 __all__ = [
     "CircuitBreaker",
@@ -212,20 +224,20 @@ class AdmittedCall:
 
     def record(self, exc: BaseException | None) -> None:
         """Record the call's outcome from its exception (None: success) with the breaker's
-        classifier; control exceptions record nothing. Never raises."""
+        classifier; control exceptions and a cancellation (``asyncio.CancelledError``: the
+        outcome is unknown) record nothing (a probe's permit is given back). Never raises."""
         if exc is None:
             self._send("0")
-        elif is_control(exc):
-            self._send("n")
-        else:
-            try:
-                failed = self.breaker.classifier(exc)
-            except Exception as error:  # noqa: BLE001 - a broken classifier: count it
-                log_event(
-                    "circuit_classifier_failed", logging.ERROR, key=self.breaker.key, error=error
-                )
-                failed = True
-            self._send("1" if failed else "0", exc)
+            return
+        outcome = self._outcome_of(exc)
+        self._send(outcome, exc if outcome != "n" else None)
+
+    async def arecord(self, exc: BaseException | None) -> None:
+        """:meth:`record`, writing on the breaker's ``redis.asyncio`` client (the twin of its
+        client for the running loop, :func:`celery_steplock.clients.async_client_for`).
+        Never raises (a cancellation while it writes propagates)."""
+        outcome = self._outcome_of(exc)
+        await self._asend(outcome, exc if outcome != "n" else None)
 
     def success(self) -> None:
         self._send("0")
@@ -237,25 +249,93 @@ class AdmittedCall:
         """The call never reached the dependency: give the probe permit back."""
         self._send("n")
 
+    async def asuccess(self) -> None:
+        """:meth:`success` on the asyncio client."""
+        await self._asend("0")
+
+    async def afailure(self, exc: BaseException | None = None) -> None:
+        """:meth:`failure` on the asyncio client."""
+        await self._asend("1", exc)
+
+    async def arelease(self) -> None:
+        """:meth:`release` on the asyncio client."""
+        await self._asend("n")
+
+    def _outcome_of(self, exc: BaseException | None) -> str:
+        """``"0"`` (a success), ``"1"`` (a failure) or ``"n"`` (nothing) for ``exc``."""
+        if exc is None:
+            return "0"
+        if is_control(exc) or isinstance(exc, asyncio.CancelledError):
+            return "n"
+        try:
+            failed = self.breaker.classifier(exc)
+        except Exception as error:  # noqa: BLE001 - a broken classifier: count it
+            log_event(
+                "circuit_classifier_failed", logging.ERROR, key=self.breaker.key, error=error
+            )
+            failed = True
+        return "1" if failed else "0"
+
     def _send(self, outcome: str, exc: BaseException | None = None) -> None:
+        steps = self._outcome_steps(outcome, exc)
+        if steps is None:
+            return
+        try:
+            calls.run(steps, self.breaker._target().client)
+        except Exception as error:  # noqa: BLE001 - recording never breaks the call
+            steps.close()  # gives the counted successes back
+            self._record_failed(outcome, error)
+
+    async def _asend(self, outcome: str, exc: BaseException | None = None) -> None:
+        steps = self._outcome_steps(outcome, exc)
+        if steps is None:
+            return
+        try:
+            await calls.arun(steps, async_client_for(self.breaker._target().client))
+        except Exception as error:  # noqa: BLE001 - recording never breaks the call
+            steps.close()
+            self._record_failed(outcome, error)
+
+    def _record_failed(self, outcome: str, error: BaseException) -> None:
+        log_event(
+            "circuit_record_failed",
+            logging.ERROR,
+            key=self.breaker.key,
+            name=self.breaker.name,
+            outcome=outcome,
+            error=error,
+        )
+
+    def _outcome_steps(self, outcome: str, exc: BaseException | None) -> calls.Steps[None] | None:
+        """What recording ``outcome`` takes: None when nothing goes to Redis (recorded once;
+        unguarded; a released non-probe; a success counted in the process's cache or not
+        written), else the steps of the write (:meth:`_record_steps`)."""
         if self.done:
-            return
+            return None
         self.done = True
-        breaker = self.breaker
         if not self.guarded or (outcome == "n" and not self.probe):
-            return
+            return None
         cache = self.cache
-        before = 0
         if cache is not None and not self.probe:
             if outcome == "0":
-                cache.count_success(self.generation, breaker.window)
-                return
-            before = cache.take(self.generation)
-        elif outcome == "0" and self.clean and breaker.mode == "count":
-            return
+                cache.count_success(self.generation, self.breaker.window)
+                return None
+        elif outcome == "0" and self.clean and self.breaker.mode == "count":
+            return None
+        return self._record_steps(outcome, exc)
+
+    def _record_steps(self, outcome: str, exc: BaseException | None) -> calls.Steps[None]:
+        """The :data:`RECORD` write of ``outcome`` (with the successes the cache counted
+        before it), then the cache's update and the signals of a state change. A write that
+        fails is logged (``circuit_record_failed``) and its successes counted again."""
+        breaker = self.breaker
+        cache = self.cache
+        before = cache.take(self.generation) if cache is not None and not self.probe else 0
         asked = time.monotonic()
         try:
-            reply = breaker._eval(
+            where = breaker._target()
+            reply = yield breaker._step(
+                where,
                 _RECORD,
                 [
                     outcome,
@@ -271,17 +351,14 @@ class AdmittedCall:
                 ],
                 "record",
             )
+        except GeneratorExit:  # cancelled, or the driver failed: the successes stay counted
+            if cache is not None:
+                cache.give_back(before, self.generation, breaker.window)
+            raise
         except Exception as error:  # noqa: BLE001 - recording never breaks the call
             if cache is not None:
                 cache.give_back(before, self.generation, breaker.window)
-            log_event(
-                "circuit_record_failed",
-                logging.ERROR,
-                key=breaker.key,
-                name=breaker.name,
-                outcome=outcome,
-                error=error,
-            )
+            self._record_failed(outcome, error)
             return
         state, changed = wire.text(reply[0]), int(reply[1])
         if cache is not None:
@@ -291,7 +368,6 @@ class AdmittedCall:
         if cache is None:
             # A probe's outcome, or a breaker object without a cache: the copy another
             # object of the process holds for this name asks Redis at its next admission.
-            where = breaker._target()
             held = _held_state(where.client, where.prefix, breaker.name)
             if held is not None:
                 held.invalidate()
@@ -616,6 +692,7 @@ class CircuitBreaker:
             maximum=MAX_STATE_CACHE,
         )
         self._cache_memo: tuple[Any, ...] | None = None
+        self._target_memo: Target | None = None
         self.app = app
         self._client = client
         self._prefix = prefix
@@ -646,7 +723,13 @@ class CircuitBreaker:
     # -- Redis ------------------------------------------------------------------------------
 
     def _target(self) -> Target:
-        return target(self.app, client=self._client, prefix=self._prefix)
+        memo = self._target_memo
+        if memo is not None and self.app is None:
+            return memo
+        where = target(self.app, client=self._client, prefix=self._prefix)
+        if self._client is not None and self.app is None:
+            self._target_memo = where  # a bare client and prefix: it never changes
+        return where
 
     def _policy(self, choice: str | None = None) -> str:
         choice = choice or self.on_store_error
@@ -684,10 +767,16 @@ class CircuitBreaker:
     def _keys(self, prefix: str) -> list[str]:
         return breaker_keys(prefix, self.name)
 
+    def _step(self, where: Target, script: wire.Script, args: list[str], what: str) -> calls.Eval:
+        """The step running ``script`` on the breaker's keys under ``where``'s prefix."""
+        return calls.Eval(
+            script, self._keys(where.prefix), args, f"circuit breaker {what}", name=self.name
+        )
+
     def _eval(self, script: wire.Script, args: list[str], what: str) -> Any:
+        """Run ``script`` on the breaker's keys with the sync client (errors translated)."""
         where = self._target()
-        keys = self._keys(where.prefix)
-        return call(where.client, script, keys, args, f"circuit breaker {what}", name=self.name)
+        return calls.run(_one(self._step(where, script, args, what)), where.client)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -706,35 +795,98 @@ class CircuitBreaker:
         CLOSED breaker admits and an OPEN one (recovery time not passed, or forced) refuses
         without a round trip, ``retry_after`` from the cached ``opened_ms`` in Redis time.
         Otherwise (nothing cached, expired, HALF_OPEN, or OPEN past its recovery time) the
-        admission script runs, writing the successes counted since the last refresh first."""
+        admission script runs, writing the successes counted since the last refresh first.
+        The cache is the process's: sync and async callers (:meth:`aadmit`) share it."""
+        where, cache, ttl, held = self._cached_admission(owner, sender)
+        if held is not None:
+            return held
+        return calls.run(
+            self._admit_steps(where, cache, ttl, owner, sender, on_store_error), where.client
+        )
+
+    async def aadmit(
+        self, owner: str | None = None, *, sender: Any = None, on_store_error: str | None = None
+    ) -> AdmittedCall:
+        """:meth:`admit` for asyncio code: the same cache, script, permits, signals and outage
+        policy, the round trip (when the cache does not decide) on the ``redis.asyncio`` twin
+        of the breaker's client for the running loop
+        (:func:`celery_steplock.clients.async_client_for`). Record the outcome with
+        ``await call.asuccess()`` / ``afailure(exc)`` / ``arelease()`` / ``arecord(exc)``.
+
+        Returns:
+            The :class:`AdmittedCall`.
+
+        Raises:
+            CircuitOpen: The breaker refuses the call.
+            LockStoreUnavailable: Redis could not be reached and the policy is fail closed.
+            RuntimeError: No event loop is running.
+        """
+        where, cache, ttl, held = self._cached_admission(owner, sender)
+        if held is not None:
+            return held
+        return await calls.arun(
+            self._admit_steps(where, cache, ttl, owner, sender, on_store_error),
+            async_client_for(where.client),
+        )
+
+    def _cached_admission(
+        self, owner: str | None, sender: Any
+    ) -> tuple[Target, _CachedState | None, float, AdmittedCall | None]:
+        """What :meth:`admit` and :meth:`aadmit` decide without Redis: the target, its
+        state cache (None: no cache) and staleness (seconds), and the admission the cache
+        decided (None: the admission script decides; raises CircuitOpen when the cache
+        refuses)."""
         where = self._target()
         cache, ttl = self._cache(where)
-        flush = (0, 0)
+        held = self._from_cache(cache, ttl, owner, sender) if cache is not None else None
+        return where, cache, ttl, held
+
+    def _from_cache(
+        self, cache: _CachedState, ttl: float, owner: str | None, sender: Any
+    ) -> AdmittedCall | None:
+        """The admission the process's cached state decides without a round trip: an
+        :class:`AdmittedCall` (CLOSED), CircuitOpen raised (OPEN, recovery not passed, or
+        forced), or None (ask Redis)."""
+        asked = time.monotonic()
+        refused: tuple[int, float] | None = None
+        with cache.lock:
+            # Within this breaker's own staleness too: the copy may have been read by
+            # another breaker of the name with a longer one.
+            if asked < cache.expires and asked < cache.asked + ttl:
+                if cache.state == CLOSED:
+                    return AdmittedCall(
+                        self, cache.generation, owner or "", False, sender=sender, cache=cache
+                    )
+                if cache.state == OPEN:
+                    if cache.forced:
+                        refused = (-2, self.recovery_timeout)
+                    else:
+                        left = (
+                            cache.opened_ms
+                            + self.recovery_timeout * 1000.0
+                            - (asked * 1000.0 + cache.offset_ms)
+                        ) / 1000.0
+                        if left > 0:
+                            refused = (0, left)
+        if refused is not None:
+            self._refuse(refused[0], refused[1], sender)
+        return None
+
+    def _admit_steps(
+        self,
+        where: Target,
+        cache: _CachedState | None,
+        ttl: float,
+        owner: str | None,
+        sender: Any,
+        on_store_error: str | None,
+    ) -> calls.Steps[AdmittedCall]:
+        """The admission script's round trip (the successes the cache counted written
+        first), the cache updated from its reply, its signals, and the outage policy."""
         asked = 0.0
+        flush = (0, 0)
         if cache is not None:
             asked = time.monotonic()
-            refused: tuple[int, float] | None = None
-            with cache.lock:
-                # Within this breaker's own staleness too: the copy may have been read by
-                # another breaker of the name with a longer one.
-                if asked < cache.expires and asked < cache.asked + ttl:
-                    if cache.state == CLOSED:
-                        return AdmittedCall(
-                            self, cache.generation, owner or "", False, sender=sender, cache=cache
-                        )
-                    if cache.state == OPEN:
-                        if cache.forced:
-                            refused = (-2, self.recovery_timeout)
-                        else:
-                            left = (
-                                cache.opened_ms
-                                + self.recovery_timeout * 1000.0
-                                - (asked * 1000.0 + cache.offset_ms)
-                            ) / 1000.0
-                            if left > 0:
-                                refused = (0, left)
-            if refused is not None:
-                self._refuse(refused[0], refused[1], sender)
             flush = cache.take_all()
         from ..lock import new_owner_token
 
@@ -757,14 +909,11 @@ class CircuitBreaker:
                 str(self.minimum_calls),
             ]
         try:
-            reply = call(
-                where.client,
-                _ADMIT,
-                self._keys(where.prefix),
-                args,
-                "circuit breaker admission",
-                name=self.name,
-            )
+            reply = yield self._step(where, _ADMIT, args, "admission")
+        except GeneratorExit:  # cancelled while asking: the counted successes stay counted
+            if cache is not None:
+                cache.give_back(flush[0], flush[1], self.window)
+            raise
         except Exception as exc:
             if cache is not None:
                 cache.give_back(flush[0], flush[1], self.window)
@@ -868,7 +1017,9 @@ class CircuitBreaker:
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` through the breaker: raises CircuitOpen (``fn`` not
         called) while open; records the outcome; returns ``fn``'s result or raises its
-        exception."""
+        exception. A coroutine function ``fn`` gets :meth:`acall`'s coroutine (await it)."""
+        if is_async_callable(fn):
+            return self.acall(fn, *args, **kwargs)
         ticket = self.admit()
         try:
             result = fn(*args, **kwargs)
@@ -878,8 +1029,44 @@ class CircuitBreaker:
         ticket.record(None)
         return result
 
+    async def acall(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """``await fn(*args, **kwargs)`` through the breaker (:meth:`aadmit`, then the
+        outcome recorded on the asyncio client); a cancellation while ``fn`` runs records
+        nothing (a probe's permit is given back at once); one during the admission's round
+        trip leaves a permit it was granted to expire (``probe_timeout``).
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            CircuitOpen: The breaker is open (``fn`` not called).
+            LockStoreUnavailable: Redis could not be reached and the policy is fail closed.
+            Exception: What ``fn`` raised.
+        """
+        ticket = await self.aadmit()
+        try:
+            result = await fn(*args, **kwargs)
+        except BaseException as exc:
+            await ticket.arecord(exc)
+            raise
+        await ticket.arecord(None)
+        return result
+
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator form of :meth:`call`."""
+        """Decorator form of :meth:`call` (of :meth:`acall` for an ``async def``: the
+        wrapper is a coroutine function). Over a :class:`~celery_steplock.patterns.retry.RetryPolicy`
+        decorator (``@breaker`` above ``@policy``) every attempt passes the breaker: the
+        retries run inside it, and its refusal (CircuitOpen) is never retried."""
+        composed = getattr(fn, "__steplock_retry__", None)
+        if composed is not None and composed.wrapper is fn:
+            return composed.through(self)
+        if is_async_callable(fn):
+
+            @functools.wraps(fn)
+            async def awrapper(*args: Any, **kwargs: Any) -> Any:
+                return await self.acall(fn, *args, **kwargs)
+
+            return awrapper
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -897,6 +1084,19 @@ class CircuitBreaker:
         ticket = stack[-1]
         _active.set(stack[:-1])
         ticket.record(exc)
+
+    async def __aenter__(self) -> AdmittedCall:
+        """``async with breaker:`` as ``with breaker:``, admitted with :meth:`aadmit` (each
+        asyncio task holds its own stack of admitted calls)."""
+        ticket = await self.aadmit()
+        _active.set((*_active.get(), ticket))
+        return ticket
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        stack = _active.get()
+        ticket = stack[-1]
+        _active.set(stack[:-1])
+        await ticket.arecord(exc)
 
     # -- reading and overriding -------------------------------------------------------------
 
@@ -924,7 +1124,26 @@ class CircuitBreaker:
             LockStoreMisconfigured: Redis refused our credentials or a permission.
             LockError: Redis refused the read for another reason than a key's type.
         """
-        cache = self._cache(self._target())[0]
+        where = self._target()
+        return calls.run(self._state_steps(where), where.client)
+
+    async def astate(self) -> BreakerState:
+        """:meth:`state` on the ``redis.asyncio`` twin of the breaker's client (the same read,
+        the same flush of this process's counted successes).
+
+        Returns:
+            The :class:`BreakerState`.
+
+        Raises:
+            LockStoreUnavailable, LockStoreMisconfigured, LockError: As :meth:`state`.
+        """
+        where = self._target()
+        return await calls.arun(self._state_steps(where), async_client_for(where.client))
+
+    def _state_steps(self, where: Target) -> calls.Steps[BreakerState]:
+        """The :data:`READ` round trip of :meth:`state` (the cache's counted successes written
+        first), a plain read when a key has the wrong type."""
+        cache = self._cache(where)[0]
         flush = cache.take_all() if cache is not None else (0, 0)
         args = []
         if flush[0]:
@@ -938,14 +1157,14 @@ class CircuitBreaker:
                 str(int(IDLE_TTL * 1000)),
             ]
         try:
-            reply = self._eval(_READ, args, "read")
-        except (LockStoreUnavailable, LockStoreMisconfigured):
+            reply = yield self._step(where, _READ, args, "read")
+        except (LockStoreUnavailable, LockStoreMisconfigured, GeneratorExit):
             if cache is not None:
                 cache.give_back(flush[0], flush[1], self.window)
             raise
         except LockError:
             # WRONGTYPE inside the script: find which key, and read what still can be.
-            hash_type, probes_type = self._key_types()
+            hash_type, probes_type = yield from self._key_types_steps(where)
             problems = []
             if hash_type not in ("hash", "none"):
                 problems.append(f"key: a {hash_type}, not a hash")
@@ -953,7 +1172,7 @@ class CircuitBreaker:
                 problems.append(f"probes key: a {probes_type}, not a sorted set")
             if not problems:
                 raise
-            reply = self._read_plain(hash_ok=hash_type == "hash")
+            reply = yield from self._read_plain_steps(where, hash_ok=hash_type == "hash")
             return self._parse(reply, problems)
         if len(reply) > 10 and int(reply[8]):
             if cache is not None:
@@ -983,23 +1202,38 @@ class CircuitBreaker:
             **task_fields,
         )
 
-    def _key_types(self) -> tuple[str, str]:
+    def _key_types_steps(self, where: Target) -> calls.Steps[tuple[str, str]]:
         """The Redis types of the breaker's hash and probes' key (``"none"``: absent)."""
-        where = self._target()
         hash_key, probes_key = self._keys(where.prefix)
-        with translated("circuit breaker read", key=hash_key, name=self.name):
-            return _decoded(where.client.type(hash_key)), _decoded(where.client.type(probes_key))
+        what = "circuit breaker read"
+        hash_type = yield calls.Command(
+            ("TYPE", hash_key), what, key=hash_key, name=self.name, options={"keys": [hash_key]}
+        )
+        probes_type = yield calls.Command(
+            ("TYPE", probes_key),
+            what,
+            key=hash_key,
+            name=self.name,
+            options={"keys": [probes_key]},
+        )
+        return _decoded(hash_type), _decoded(probes_type)
 
-    def _read_plain(self, *, hash_ok: bool) -> list[Any]:
+    def _read_plain_steps(self, where: Target, *, hash_ok: bool) -> calls.Steps[list[Any]]:
         """What :data:`READ` returns, read with plain commands when a key has the wrong
         type: the hash's fields when it is one, no live probe."""
-        where = self._target()
         key = self._keys(where.prefix)[0]
-        with translated("circuit breaker read", key=key, name=self.name):
-            fields = (
-                where.client.hmget(key, _READ_FIELDS) if hash_ok else [None] * len(_READ_FIELDS)
+        what = "circuit breaker read"
+        if hash_ok:
+            fields = yield calls.Command(
+                ("HMGET", key, *_READ_FIELDS),
+                what,
+                key=key,
+                name=self.name,
+                options={"keys": [key]},
             )
-            seconds, micros = where.client.time()
+        else:
+            fields = [None] * len(_READ_FIELDS)
+        seconds, micros = yield calls.Command(("TIME",), what, key=key, name=self.name)
         now = int(seconds) * 1000 + int(micros) // 1000
         return [
             default if value is None else value for value, default in zip(fields, _READ_DEFAULTS)
@@ -1060,16 +1294,32 @@ class CircuitBreaker:
         state before and whether it was forced open. Raises LockStoreUnavailable. Seen by
         this process's next admission, by other processes' within their state cache's
         staleness (``state_cache``, default 1 s)."""
+        where = self._target()
+        return calls.run(self._override_steps(where, action), where.client)
+
+    async def aoverride(self, action: str) -> tuple[str, bool]:
+        """:meth:`override` on the ``redis.asyncio`` twin of the breaker's client."""
+        where = self._target()
+        return await calls.arun(
+            self._override_steps(where, action), async_client_for(where.client)
+        )
+
+    def _override_steps(self, where: Target, action: str) -> calls.Steps[tuple[str, bool]]:
+        """The :data:`OVERRIDE` round trip; this process's cached state asks Redis next."""
         if action not in ("open", "close"):
             raise ImproperlyConfigured(
                 f"action must be 'open' or 'close', got {shown(action)}", setting="action"
             )
-        reply = self._eval(_OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
-        where = self._target()
+        reply = yield self._step(where, _OVERRIDE, [action, str(int(IDLE_TTL * 1000))], "override")
         cache = self._cache(where)[0] or _held_state(where.client, where.prefix, self.name)
         if cache is not None:
             cache.invalidate()  # this process sees it at once; others within the staleness
         return wire.text(reply[0]), bool(wire.text(reply[1]))
+
+
+def _one(step: calls.Step) -> calls.Steps[Any]:
+    """The steps of one call: its reply is the result."""
+    return (yield step)
 
 
 #: The hash fields :data:`READ` returns, in its order, and what it returns for an absent one.

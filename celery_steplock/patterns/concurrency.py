@@ -21,11 +21,20 @@ Keys (``prefix`` is ``steplock_key_prefix``): ``<prefix>:lease:{K}#i}`` (slot ``
 ``<prefix>:bulkhead:{K}:fence`` (fencing counter), ``<prefix>:bulkhead:{K}:queue`` (waiters
 by first-denied time, Redis ms) and ``<prefix>:bulkhead:{K}:alive`` (waiters by the Redis
 ms their entry expires).
+
+Async: the same :class:`ConcurrencyLimit` serves asyncio code on the same slots (a sync
+holder and an async one share one limit): ``async with limit.acquire(...)``, ``await
+limit.aacquire(...)`` / ``await slot.arelease()``, ``@limit.using(...)`` on an ``async
+def``. Its slots are leases of the asyncio twin of the same lease store
+(:class:`celery_steplock.aio.lock.AsyncRedisLeaseStore`), renewed across awaits by the
+event loop's heartbeat (:func:`celery_steplock.aio.heartbeat.get_async_heartbeat`); a wait
+pauses with ``asyncio.sleep``. The decision and the wait are written once as
+:mod:`celery_steplock.calls` steps for both forms.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -35,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import signals
+from .. import calls, signals
 from .._checks import CLOCK_SKEW_TOLERANCE, check_seconds, check_ttl, shown
 from .._jitter import full_jitter
 from .._redis import wire
@@ -61,11 +70,12 @@ from ..keys import (
 )
 from ..lease import Lease, drift, holder_metadata, new_owner_token
 from ..lock import RedisLeaseStore, pack_metadata
-from ._base import call, check_on_store_error, clock_skew, outage, resolve_policy, target
+from ._base import check_on_store_error, clock_skew, outage, resolve_policy, target
 
 __all__ = [
     "ConcurrencyLimit",
     "Slot",
+    "SlotHold",
     "current_slot",
     "slot_name",
     "parse_slot_name",
@@ -113,6 +123,9 @@ class Slot:
     store: Any = field(repr=False)
     sender: Any = field(default=None, repr=False)
     released: bool = False
+    #: The asyncio heartbeat renewing the slot (:meth:`ConcurrencyLimit.aacquire`), which
+    #: :meth:`arelease` unregisters it from; None otherwise.
+    heartbeat: Any = field(default=None, repr=False)
 
     @property
     def owner(self) -> str:
@@ -135,7 +148,7 @@ class Slot:
         """Give the slot back (owner-checked: a slot taken over since is left to its new
         holder). Returns whether this call freed it; never raises (a Redis error is logged:
         the TTL frees the slot). Emits ``slot_released``, or ``slot_expired`` when the slot
-        was lost before."""
+        was lost before. From a coroutine, use :meth:`arelease`."""
         if self.released:
             return False
         self.released = True
@@ -145,12 +158,39 @@ class Slot:
             freed = self.store.release(self.lease.name, self.lease.owner)
         except Exception as exc:  # noqa: BLE001 - the TTL frees the slot
             error = exc
+        return self._report(freed, error)
+
+    async def arelease(self) -> bool:
+        """:meth:`release` as a coroutine, on the ``redis.asyncio`` lease store (a slot
+        taken by the sync API is released through its store's asyncio twin); first stops
+        the asyncio heartbeat's renewals of it. The release is shielded: a caller cancelled
+        meanwhile still frees the slot (the release finishes in the background). Returns
+        whether this call freed it; never raises but ``CancelledError``."""
+        if self.released:
+            return False
+        self.released = True
+        if self.heartbeat is not None:
+            self.heartbeat.unregister(self.lease)
+        freed = False
+        error = None
+        try:
+            store = _async_store(self.store)
+            pending = _background(store.release(self.lease.name, self.lease.owner))
+            freed = await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the TTL frees the slot
+            error = exc
+        return self._report(freed, error)
+
+    def _report(self, freed: bool, error: BaseException | None) -> bool:
+        if error is not None:
             log_event(
                 "release_failed",
                 logging.WARNING,
                 key=self.lease.key,
                 owner=self.lease.owner,
-                error=exc,
+                error=error,
             )
         fields = self.limit._fields(self.key, self.lease, slot=self.index)
         if self.lease.lost or (not freed and error is None):
@@ -169,7 +209,13 @@ class Slot:
                 hold_seconds=self.lease.clock() - self.lease.acquired_at,
                 **fields,
             )
-        return freed
+        return bool(freed)
+
+    async def __aenter__(self) -> Slot:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.arelease()
 
 
 class ConcurrencyLimit:
@@ -301,6 +347,9 @@ class ConcurrencyLimit:
     # -- one decision -------------------------------------------------------------------------
 
     def _scripts_for(self, store: Any) -> tuple[wire.Script, wire.Script]:
+        if not isinstance(store, RedisLeaseStore):
+            # asyncio stores (one per event loop) share one pair: none is kept alive here
+            store = None
         entry = self._scripts.get(id(store))
         if entry is None or entry[0] is not store:
             with self._guard:
@@ -324,7 +373,57 @@ class ConcurrencyLimit:
         :class:`Slot` (not yet renewed by a heartbeat), or :class:`ConcurrencyLimited` with
         ``retry_after`` (seconds). ``ticket``: the caller's place in the waiters' queue
         (None: a newcomer that will not come back). Raises LockStoreUnavailable (Redis
-        down), LockError (Redis refused)."""
+        down), LockError (Redis refused). The coroutine form is :meth:`atry_acquire`."""
+        steps = self._acquire_steps(store, key, owner, ticket, ttl, metadata, settings, sender)
+        if not store._probed:
+            store.check_permissions(what="slot acquire", key=slot_key(store.prefix, key, 0))
+        return calls.run(steps, store.client)
+
+    async def atry_acquire(
+        self,
+        store: Any,
+        key: str,
+        *,
+        owner: str,
+        ticket: str | None,
+        ttl: float,
+        metadata: dict[str, Any],
+        settings: Any = None,
+        sender: Any = None,
+    ) -> Slot:
+        """:meth:`try_acquire` as a coroutine: the same decision, keys and signals through
+        an :class:`~celery_steplock.aio.lock.AsyncRedisLeaseStore` (a synchronous store is
+        replaced by its asyncio twin on the running loop: same client settings, prefix,
+        fencing). The granted :class:`Slot` is not renewed yet (register it with
+        :func:`celery_steplock.aio.heartbeat.get_async_heartbeat`, or use :meth:`aacquire`).
+
+        Raises:
+            ConcurrencyLimited: No slot for this caller now (``retry_after`` seconds).
+            LockStoreUnavailable: Redis does not answer.
+            LockError: Redis refused the call.
+        """
+        store = _async_store(store)
+        steps = self._acquire_steps(store, key, owner, ticket, ttl, metadata, settings, sender)
+        await self._aprobe(store, key)
+        return await calls.arun(steps, store.client)
+
+    @staticmethod
+    async def _aprobe(store: Any, key: str) -> None:
+        if not getattr(store, "_probed", False):
+            await store.check_permissions(what="slot acquire", key=slot_key(store.prefix, key, 0))
+
+    def _acquire_steps(
+        self,
+        store: Any,
+        key: str,
+        owner: str,
+        ticket: str | None,
+        ttl: float,
+        metadata: dict[str, Any],
+        settings: Any,
+        sender: Any,
+    ) -> calls.Steps[Slot]:
+        """One decision, written once (:mod:`celery_steplock.calls`) for both forms."""
         acquire, _leave = self._scripts_for(store)
         ttl_ms = max(1, int(ttl * 1000))
         keys = self.redis_keys(store.prefix, key, self.limit)
@@ -337,10 +436,8 @@ class ConcurrencyLimit:
             pack_metadata(metadata),
             str(int(CLOCK_SKEW_TOLERANCE * 1000)),
         ]
-        if not store._probed:
-            store.check_permissions(what="slot acquire", key=keys[0])
         sent = store.clock()
-        reply = call(store.client, acquire, keys, args, "slot acquire", name=key)
+        reply = yield calls.Eval(acquire, keys, args, "slot acquire", name=key)
         skew = int(reply[-1]) / 1000.0
         if skew > 0:
             clock_skew(
@@ -410,12 +507,46 @@ class ConcurrencyLimit:
 
     def leave_queue(self, store: Any, key: str, ticket: str) -> None:
         """Remove ``ticket`` from ``key``'s waiters (a caller that gave up); never raises."""
+        calls.run(self._leave_steps(store, key, ticket), store.client)
+
+    async def aleave_queue(self, store: Any, key: str, ticket: str) -> None:
+        """:meth:`leave_queue` as a coroutine (on ``store``'s asyncio twin); never raises."""
+        store = _async_store(store)
+        await calls.arun(self._leave_steps(store, key, ticket), store.client)
+
+    def _leave_steps(self, store: Any, key: str, ticket: str) -> calls.Steps[None]:
         _acquire, leave = self._scripts_for(store)
         _fence, queue, alive = concurrency_keys(store.prefix, key)
         try:
-            call(store.client, leave, [queue, alive], [ticket], "slot queue leave", name=key)
+            yield calls.Eval(leave, [queue, alive], [ticket], "slot queue leave", name=key)
         except Exception:  # noqa: BLE001 - the entry expires with its waiter TTL
             pass
+
+    def _wait_steps(self, store: Any, hold: _Request) -> calls.Steps[Slot]:
+        """Decide until a slot is granted or ``hold.wait`` seconds passed, pausing half
+        to all of the denial's ``retry_after`` (jittered) between decisions: written once,
+        the pause is ``time.sleep`` in the sync form, ``asyncio.sleep`` in the async one."""
+        deadline = time.monotonic() + hold.wait
+        while True:
+            try:
+                return (
+                    yield from self._acquire_steps(
+                        store,
+                        hold.key,
+                        hold.owner,
+                        hold.owner if hold.wait > 0 else None,
+                        hold.ttl,
+                        hold.metadata,
+                        hold.settings,
+                        None,
+                    )
+                )
+            except ConcurrencyLimited as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                half = 0.5 * exc.retry_after
+                yield calls.Sleep(min(left, full_jitter(half, after=half)))
 
     # -- the plain API ------------------------------------------------------------------------
 
@@ -436,30 +567,18 @@ class ConcurrencyLimit:
                 stores[(id(client), prefix)] = store
         return store, where.settings
 
-    @contextlib.contextmanager
-    def acquire(
+    def _request(
         self,
-        key: str | None = None,
-        *,
-        app: Any = None,
-        client: Any = None,
-        prefix: str | None = None,
-        wait: float = 0.0,
-        ttl: float | None = None,
-        arguments: dict[str, Any] | None = None,
-        default_key: str | None = None,
-    ):
-        """Context manager: hold one slot of ``key`` (or this limit's template rendered over
-        ``arguments``) for the block, renewed by the process's heartbeat, released at exit.
-
-        ``app``: a Celery app (its lease store and settings), or ``client``: a redis client
-        (keys under ``prefix``, default ``"steplock"``). ``wait``: seconds to keep trying
-        (0: one decision; a waiting caller keeps its place in the queue). ``ttl``: seconds.
-        Yields the :class:`Slot` (None when Redis is down and the policy is fail_open).
-        Raises :class:`ConcurrencyLimited` (``retry_after``) when no slot came within
-        ``wait``, LockStoreUnavailable (fail_closed), ImproperlyConfigured."""
-        from ..heartbeat import get_heartbeat
-
+        key: str | None,
+        app: Any,
+        client: Any,
+        prefix: str | None,
+        wait: float,
+        ttl: float | None,
+        arguments: dict[str, Any] | None,
+        default_key: str | None,
+    ) -> _Request:
+        """The checked arguments of one :meth:`acquire` (nothing sent to Redis yet)."""
         store, settings = self._store(app, client, prefix)
         wait = _option(check_seconds, wait, "wait", allow_zero=True, maximum=86400.0)
         if key is not None:
@@ -479,47 +598,137 @@ class ConcurrencyLimit:
             ttl = settings.default_ttl if settings is not None else 30.0
         ttl = _option(check_ttl, ttl, "ttl")
         ratio = settings.renewal_ratio if settings is not None else 1 / 3
-        owner = new_owner_token()
         metadata = holder_metadata(
             renew_ms=int(ttl * ratio * 1000), kind=SLOT_KIND, limit=self.limit, limit_key=key
         )
-        deadline = time.monotonic() + wait
+        return _Request(store, settings, key, wait, ttl, ratio, new_owner_token(), metadata)
+
+    def _held(self, hold: _Request) -> Slot | None:
+        """The sync form of :meth:`aacquire`: a slot renewed by the process's heartbeat."""
+        from ..heartbeat import get_heartbeat
+
+        store = hold.store
         slot = None
         try:
-            while True:
-                try:
-                    slot = self.try_acquire(
-                        store,
-                        key,
-                        owner=owner,
-                        ticket=owner if wait > 0 else None,
-                        ttl=ttl,
-                        metadata=metadata,
-                        settings=settings,
-                    )
-                    break
-                except ConcurrencyLimited as exc:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise
-                    half = 0.5 * exc.retry_after
-                    time.sleep(min(left, full_jitter(half, after=half)))
+            if not store._probed:
+                store.check_permissions(
+                    what="slot acquire", key=slot_key(store.prefix, hold.key, 0)
+                )
+            slot = calls.run(self._wait_steps(store, hold), store.client)
         except LockStoreUnavailable as exc:
-            outage(exc, self.policy(settings), **self._outage_fields(exc, key))
-            yield None
-            return
+            return outage(exc, self.policy(hold.settings), **self._outage_fields(exc, hold.key))
         finally:
-            if slot is None and wait > 0:
-                self.leave_queue(store, key, owner)
-        heartbeat = get_heartbeat()
-        heartbeat.register(slot.lease, store, ratio=ratio)
-        token = _current.set((*_current.get(), slot))
+            if slot is None and hold.wait > 0:
+                self.leave_queue(store, hold.key, hold.owner)
+        get_heartbeat().register(slot.lease, store, ratio=hold.ratio)
+        return slot
+
+    def acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        wait: float = 0.0,
+        ttl: float | None = None,
+        arguments: dict[str, Any] | None = None,
+        default_key: str | None = None,
+    ) -> SlotHold:
+        """Context manager: hold one slot of ``key`` (or this limit's template rendered over
+        ``arguments``) for the block, renewed while it runs, released at exit.
+
+        ``with limit.acquire(...) as slot:`` waits with ``time.sleep`` and is renewed by the
+        process's heartbeat thread; ``async with limit.acquire(...) as slot:`` waits with
+        ``asyncio.sleep`` and is renewed by the event loop's heartbeat
+        (:func:`celery_steplock.aio.heartbeat.get_async_heartbeat`), on the asyncio twin of
+        the same store (one slot set for both forms). Arguments are checked on entry.
+
+        ``app``: a Celery app (its lease store and settings), or ``client``: a redis client
+        (keys under ``prefix``, default ``"steplock"``). ``wait``: seconds to keep trying
+        (0: one decision; a waiting caller keeps its place in the queue). ``ttl``: seconds.
+        Yields the :class:`Slot` (None when Redis is down and the policy is fail_open).
+        Raises :class:`ConcurrencyLimited` (``retry_after``) when no slot came within
+        ``wait``, LockStoreUnavailable (fail_closed), ImproperlyConfigured."""
+        return SlotHold(
+            self,
+            dict(
+                key=key,
+                app=app,
+                client=client,
+                prefix=prefix,
+                wait=wait,
+                ttl=ttl,
+                arguments=arguments,
+                default_key=default_key,
+            ),
+        )
+
+    async def aacquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        wait: float = 0.0,
+        ttl: float | None = None,
+        arguments: dict[str, Any] | None = None,
+        default_key: str | None = None,
+    ) -> Slot | None:
+        """Take one slot as :meth:`acquire` does under ``async with``, and return it: the
+        caller gives it back with ``await slot.arelease()`` (or ``async with slot:``).
+        Waits (``wait`` seconds) with ``asyncio.sleep``, never blocking the loop; the slot
+        is renewed by the event loop's heartbeat until released. A caller cancelled while
+        it waits leaves the queue; one cancelled while the slot's grant is in flight
+        leaves that slot to its TTL (owner-keyed: never to another holder).
+
+        Returns:
+            The :class:`Slot`, or None when Redis is down and the policy is fail_open.
+
+        Raises:
+            ConcurrencyLimited: No slot came within ``wait`` (``retry_after`` seconds).
+            LockStoreUnavailable: Redis does not answer and the policy is fail_closed.
+            ImproperlyConfigured: A bad key, ``wait`` or ``ttl``; no ``app``/``client``.
+        """
+        hold = self._request(key, app, client, prefix, wait, ttl, arguments, default_key)
+        return await self._aheld(hold)
+
+    async def _forget(self, store: Any, hold: _Request) -> None:
+        """After a cancelled :meth:`aacquire`: free whatever slot ``hold.owner`` may have
+        been granted (owner-checked releases, one per slot name, concurrently) and its
+        place in the queue. Never raises: what fails is left to the TTLs."""
+        names = [slot_name(hold.key, index) for index in range(self.limit)]
+        await asyncio.gather(
+            *(store.release(name, hold.owner) for name in names), return_exceptions=True
+        )
+        if hold.wait > 0:
+            await self.aleave_queue(store, hold.key, hold.owner)
+
+    async def _aheld(self, hold: _Request) -> Slot | None:
+        from ..aio.heartbeat import get_async_heartbeat
+
+        store = _async_store(hold.store)
+        slot = None
+        cancelled = False
         try:
-            yield slot
+            await self._aprobe(store, hold.key)
+            slot = await calls.arun(self._wait_steps(store, hold), store.client)
+        except LockStoreUnavailable as exc:
+            return outage(exc, self.policy(hold.settings), **self._outage_fields(exc, hold.key))
+        except asyncio.CancelledError:
+            # A grant may be in flight (its reply never read): in the background, release
+            # any slot of this owner (owner-checked) and leave the queue.
+            cancelled = True
+            _background(self._forget(store, hold))
+            raise
         finally:
-            _current.reset(token)
-            heartbeat.unregister(slot.lease)
-            slot.release()
+            if slot is None and hold.wait > 0 and not cancelled:
+                await self.aleave_queue(store, hold.key, hold.owner)
+        heartbeat = get_async_heartbeat()
+        heartbeat.register(slot.lease, store, ratio=hold.ratio)
+        slot.heartbeat = heartbeat
+        return slot
 
     def __call__(self, function: Callable) -> Callable:
         """Decorator: each call of ``function`` holds a slot (:meth:`acquire`) of the key
@@ -530,32 +739,122 @@ class ConcurrencyLimit:
     def using(
         self, *, app: Any = None, client: Any = None, prefix: str | None = None, wait: float = 0.0
     ) -> Callable[[Callable], Callable]:
-        """A decorator as :meth:`__call__`, with the store and ``wait`` of :meth:`acquire`."""
+        """A decorator as :meth:`__call__`, with the store and ``wait`` of :meth:`acquire`.
+        An ``async def`` gets a coroutine function holding its slot with ``async with``."""
 
         def decorate(function: Callable) -> Callable:
             default = f"{function.__module__}.{function.__qualname__}"
 
-            @functools.wraps(function)
-            def limited(*args: Any, **kwargs: Any) -> Any:
+            def hold(args: tuple, kwargs: dict) -> SlotHold:
                 arguments = bind_arguments(function, args, kwargs) if self.key else None
                 target = app
                 if target is None and client is None:
                     from celery import current_app
 
                     target = current_app
-                with self.acquire(
+                return self.acquire(
                     app=target,
                     client=client,
                     prefix=prefix,
                     wait=wait,
                     arguments=arguments,
                     default_key=default,
-                ):
+                )
+
+            if inspect.iscoroutinefunction(function):
+
+                @functools.wraps(function)
+                async def alimited(*args: Any, **kwargs: Any) -> Any:
+                    async with hold(args, kwargs):
+                        return await function(*args, **kwargs)
+
+                return alimited
+
+            @functools.wraps(function)
+            def limited(*args: Any, **kwargs: Any) -> Any:
+                with hold(args, kwargs):
                     return function(*args, **kwargs)
 
             return limited
 
         return decorate
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The checked arguments of one plain-API acquire (:meth:`ConcurrencyLimit._request`)."""
+
+    store: Any
+    settings: Any
+    key: str
+    wait: float
+    ttl: float
+    ratio: float
+    owner: str
+    metadata: dict[str, Any]
+
+
+class SlotHold:
+    """What :meth:`ConcurrencyLimit.acquire` returns: a context manager for ``with``
+    (sync: the heartbeat thread renews the slot) and ``async with`` (asyncio: the event
+    loop's heartbeat renews it). Entering takes the slot (or raises), sets
+    :func:`current_slot`, and yields the :class:`Slot` (None: fail_open in an outage);
+    exiting unregisters and releases it, whatever the block raised (a cancelled block
+    too). One object may be entered again after it exited, not twice at once."""
+
+    def __init__(self, limit: ConcurrencyLimit, arguments: dict[str, Any]):
+        self.limit = limit
+        self.arguments = arguments
+        self._held: list[tuple[Slot | None, contextvars.Token | None]] = []
+
+    def _request(self) -> _Request:
+        return self.limit._request(**self.arguments)
+
+    def __enter__(self) -> Slot | None:
+        slot = self.limit._held(self._request())
+        self._push(slot)
+        return slot
+
+    def __exit__(self, *exc_info: Any) -> None:
+        from ..heartbeat import get_heartbeat
+
+        slot, token = self._held.pop()
+        if slot is None:
+            return
+        _current.reset(token)  # type: ignore[arg-type]
+        get_heartbeat().unregister(slot.lease)
+        slot.release()
+
+    async def __aenter__(self) -> Slot | None:
+        slot = await self.limit._aheld(self._request())
+        self._push(slot)
+        return slot
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        slot, token = self._held.pop()
+        if slot is None:
+            return
+        try:
+            _current.reset(token)  # type: ignore[arg-type]
+        except ValueError:  # exited in another context: nothing of ours is set there
+            pass
+        await slot.arelease()
+
+    def _push(self, slot: Slot | None) -> None:
+        token = None if slot is None else _current.set((*_current.get(), slot))
+        self._held.append((slot, token))
+
+
+def _async_store(store: Any) -> Any:
+    from ..aio.lock import async_store_for
+
+    return async_store_for(store)
+
+
+def _background(work: Any) -> Any:
+    from ..aio.lock import background
+
+    return background(work)
 
 
 def checked_key(key: Any) -> str:

@@ -44,16 +44,17 @@ middleware of :mod:`celery_steplock.contrib.django.idempotency`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
+import inspect
 import logging
 import secrets
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
-from .. import _django, signals
+from .. import _django, calls, signals
 from .._checks import (
     MAX_IDEMPOTENCY_TTL,
     MIN_IDEMPOTENCY_TTL,
@@ -61,14 +62,16 @@ from .._checks import (
     check_seconds,
     shown,
 )
-from .._redis import route, wire
+from .._redis import wire
 from .._redis.scripts.idempotency import BEGIN, CACHE, COMPLETE, EXTEND, FAIL, RELEASE
+from ..clients import async_client_for
 from ..conf import Settings
 from ..events import emit, log_event
 from ..exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyReused,
     ImproperlyConfigured,
+    LockError,
     LockNameError,
     LockStoreMisconfigured,
     LockStoreUnavailable,
@@ -84,18 +87,20 @@ from ..keys import (
     template_fields,
 )
 from ..lease import Lease, drift
-from ..lock import STORE_ERRORS, store_error
-from ._base import call, check_on_store_error, outage, resolve_policy, target, translated
+from ..lock import store_error
+from ._base import check_on_store_error, outage, resolve_policy, target
 from .gates import NOT_RUN, Replay
 
 __all__ = [
     "Idempotency",
     "Record",
     "IdempotentCall",
+    "IdempotentBlock",
     "Ticket",
     "RedisRecords",
     "idempotent",
     "invalidate",
+    "ainvalidate",
     "record_key",
     "fingerprint",
     "OPTIONS",
@@ -290,10 +295,17 @@ class RedisRecords:
         """The Redis key of record ``key``."""
         return idempotency_record_key(self.prefix, key)
 
-    def _eval(self, script: wire.Script, key: str, args: list[str], what: str) -> Any:
-        return call(self.client, script, [self.redis_key(key)], args, what)
+    def _eval(self, script: wire.Script, key: str, args: list[str], what: str) -> calls.Steps[Any]:
+        return (yield calls.Eval(script, [self.redis_key(key)], args, what))
 
-    def begin(
+    def _aclient(self) -> Any:
+        """The ``redis.asyncio`` twin of :attr:`client` for the running event loop
+        (:func:`celery_steplock.clients.async_client_for`)."""
+        return async_client_for(self.client)
+
+    # -- the operations, written once as steps (celery_steplock.calls) ------------------------
+
+    def begin_steps(
         self,
         key: str,
         fingerprint: str,
@@ -301,41 +313,18 @@ class RedisRecords:
         lock_ttl: float,
         namespace: str = "",
         version: str = "",
-    ) -> RecordDecision:
-        reply = [
-            wire.text(v)
-            for v in self._eval(
-                self._begin,
-                key,
-                [owner, fingerprint, str(max(1, int(lock_ttl * 1000))), namespace, version],
-                "idempotency begin",
-            )
-        ]
-        outcome = reply[0]
-        if outcome == "locked":
-            return RecordDecision("locked")
-        if outcome == "in_progress":
-            return RecordDecision("in_progress", retry_after=max(0.0, int(reply[1]) / 1000.0))
-        if outcome == "reused":
-            return RecordDecision("reused", status=reply[1])
-        payload, ser, ctype, cenc, b64 = reply[1:6]
-        record = Record(
-            key=key,
-            status="completed",
-            fingerprint=fingerprint,
-            namespace=namespace,
-            version=version,
-            created_at=_ms(reply[6]),
-            completed_at=_ms(reply[7]),
-            expires_at=_ms(reply[8]),
-            serializer=ser,
-            content_type=ctype,
-            content_encoding=cenc,
-            payload=base64.b64decode(payload) if b64 == "1" else payload,
+    ) -> calls.Steps[RecordDecision]:
+        """The steps of :meth:`begin` (one script call), for :func:`celery_steplock.calls.run`
+        and :func:`~celery_steplock.calls.arun`."""
+        reply = yield from self._eval(
+            self._begin,
+            key,
+            [owner, fingerprint, str(max(1, int(lock_ttl * 1000))), namespace, version],
+            "idempotency begin",
         )
-        return RecordDecision("replay", record=record)
+        return _decision([wire.text(v) for v in reply], key, fingerprint, namespace, version)
 
-    def complete(
+    def complete_steps(
         self,
         key: str,
         owner: str,
@@ -344,9 +333,9 @@ class RedisRecords:
         ttl: float,
         namespace: str = "",
         version: str = "",
-    ) -> bool:
-        """Record the completion; False when another execution holds or completed it."""
-        reply = self._eval(
+    ) -> calls.Steps[bool]:
+        """The steps of :meth:`complete`."""
+        reply = yield from self._eval(
             self._complete,
             key,
             [
@@ -365,15 +354,105 @@ class RedisRecords:
         )
         return int(reply[0]) != 0
 
-    def fail(self, key: str, owner: str, error: str, ttl: float) -> bool:
-        return bool(
-            self._eval(
-                self._fail, key, [owner, error, str(max(1, int(ttl * 1000)))], "idempotency fail"
-            )
+    def fail_steps(self, key: str, owner: str, error: str, ttl: float) -> calls.Steps[bool]:
+        """The steps of :meth:`fail`."""
+        reply = yield from self._eval(
+            self._fail, key, [owner, error, str(max(1, int(ttl * 1000)))], "idempotency fail"
+        )
+        return bool(reply)
+
+    def release_steps(self, key: str, owner: str) -> calls.Steps[bool]:
+        """The steps of :meth:`release`."""
+        return bool((yield from self._eval(self._release, key, [owner], "idempotency release")))
+
+    def extend_many_steps(
+        self, items: Iterable[tuple[str, str, float]]
+    ) -> calls.Steps[list[bool]]:
+        """The steps of :meth:`extend_many` (one pipelined batch)."""
+        batch = [
+            ([self.redis_key(key)], [owner, str(max(1, int(ttl * 1000)))])
+            for key, owner, ttl in items
+        ]
+        if not batch:
+            return []
+        try:
+            replies = yield calls.EvalMany(self._extend, batch, "idempotency renewal")
+        except LockError as exc:  # translated by the driver, with its cause
+            raise _renewal_error(exc) from exc.__cause__
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise _renewal_error(reply)
+        return [int(reply) == 1 for reply in replies]
+
+    def invalidate_steps(self, key: str) -> calls.Steps[bool]:
+        """The steps of :meth:`invalidate` (one ``DEL``)."""
+        redis_key = self.redis_key(key)
+        deleted = yield calls.Command(("DEL", redis_key), "idempotency invalidate", key=redis_key)
+        return bool(deleted)
+
+    def get_steps(self, key: str) -> calls.Steps[Record | None]:
+        """The steps of :meth:`get` (one ``HGETALL``)."""
+        redis_key = self.redis_key(key)
+        fields = yield calls.Command(("HGETALL", redis_key), "idempotency read", key=redis_key)
+        return record_from_hash(key, _pairs(fields))
+
+    def cache_steps(self, record: Record, ttl: float) -> calls.Steps[None]:
+        """The steps of :meth:`cache`."""
+        yield from self._eval(
+            self._cache,
+            record.key,
+            [str(max(1, int(ttl * 1000))), *_cache_pairs(record)],
+            "idempotency cache",
         )
 
+    # -- synchronous ------------------------------------------------------------------------
+
+    def begin(
+        self,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> RecordDecision:
+        """Lock record ``key`` for ``owner`` (``lock_ttl`` seconds), or find it completed,
+        locked by another owner, or made with another ``fingerprint``.
+
+        Returns:
+            The :class:`RecordDecision`.
+
+        Raises:
+            LockStoreUnavailable, LockStoreMisconfigured, LockError: Redis did not answer or
+                refused.
+        """
+        return calls.run(
+            self.begin_steps(key, fingerprint, owner, lock_ttl, namespace, version), self.client
+        )
+
+    def complete(
+        self,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        stored: Stored,
+        ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> bool:
+        """Record the completion; False when another execution holds or completed it."""
+        return calls.run(
+            self.complete_steps(key, owner, fingerprint, stored, ttl, namespace, version),
+            self.client,
+        )
+
+    def fail(self, key: str, owner: str, error: str, ttl: float) -> bool:
+        """Mark ``owner``'s locked record failed for ``ttl`` seconds; False when not its."""
+        return calls.run(self.fail_steps(key, owner, error, ttl), self.client)
+
     def release(self, key: str, owner: str) -> bool:
-        return bool(self._eval(self._release, key, [owner], "idempotency release"))
+        """Delete ``owner``'s locked record; False when not its."""
+        return calls.run(self.release_steps(key, owner), self.client)
 
     def extend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
         """Renew running bodies' ``locked`` records (the heartbeat's renewals), one script
@@ -391,74 +470,177 @@ class RedisRecords:
             LockStoreUnavailable: The round trip failed or Redis refused a call.
             LockStoreMisconfigured: Redis refused a permission or our credentials.
         """
-        calls = [
-            ([self.redis_key(key)], [owner, str(max(1, int(ttl * 1000)))])
-            for key, owner, ttl in items
-        ]
-        if not calls:
-            return []
-        try:
-            replies = route.evalsha_many(self.client, self._extend, calls)
-        except STORE_ERRORS as exc:
-            raise _renewal_error(exc) from exc
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise _renewal_error(reply)
-        return [int(reply) == 1 for reply in replies]
+        return calls.run(self.extend_many_steps(items), self.client)
 
     def invalidate(self, key: str) -> bool:
         """Delete the record whatever its status; True when there was one."""
-        redis_key = self.redis_key(key)
-        with translated("idempotency invalidate", key=redis_key):
-            return bool(self.client.delete(redis_key))
+        return calls.run(self.invalidate_steps(key), self.client)
 
     def get(self, key: str) -> Record | None:
         """The record of ``key``, or None."""
-        redis_key = self.redis_key(key)
-        with translated("idempotency read", key=redis_key):
-            fields = self.client.hgetall(redis_key)
-        return record_from_hash(key, fields)
+        return calls.run(self.get_steps(key), self.client)
 
     def cache(self, record: Record, ttl: float) -> None:
         """Write ``record`` (completed) as the cache copy of a database record for ``ttl``
         seconds (the database store's fast path)."""
-        pairs = [
-            "status",
-            "completed",
-            "fp",
-            record.fingerprint,
-            "ns",
-            record.namespace,
-            "ver",
-            record.version,
-            "ser",
-            record.serializer or "",
-            "ctype",
-            record.content_type or "",
-            "cenc",
-            record.content_encoding or "",
-        ]
-        payload = record.payload
-        if isinstance(payload, bytes):
-            pairs += ["result", base64.b64encode(payload).decode(), "b64", "1"]
-        else:
-            pairs += ["result", payload or "", "b64", "0"]
-        for name, value in (
-            ("created_ms", record.created_at),
-            ("completed_ms", record.completed_at),
-            ("expires_ms", record.expires_at),
-        ):
-            if value is not None:
-                pairs += [name, str(int(value * 1000))]
-        self._eval(
-            self._cache, record.key, [str(max(1, int(ttl * 1000))), *pairs], "idempotency cache"
+        calls.run(self.cache_steps(record, ttl), self.client)
+
+    # -- asyncio: the same steps on the async twin of the client ----------------------------
+
+    async def abegin(
+        self,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> RecordDecision:
+        """:meth:`begin` on the ``redis.asyncio`` twin of the client (same script, same
+        decision, same errors)."""
+        return await calls.arun(
+            self.begin_steps(key, fingerprint, owner, lock_ttl, namespace, version),
+            self._aclient(),
         )
+
+    async def acomplete(
+        self,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        stored: Stored,
+        ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> bool:
+        """:meth:`complete` under asyncio."""
+        return await calls.arun(
+            self.complete_steps(key, owner, fingerprint, stored, ttl, namespace, version),
+            self._aclient(),
+        )
+
+    async def afail(self, key: str, owner: str, error: str, ttl: float) -> bool:
+        """:meth:`fail` under asyncio."""
+        return await calls.arun(self.fail_steps(key, owner, error, ttl), self._aclient())
+
+    async def arelease(self, key: str, owner: str) -> bool:
+        """:meth:`release` under asyncio."""
+        return await calls.arun(self.release_steps(key, owner), self._aclient())
+
+    async def aextend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
+        """:meth:`extend_many` under asyncio: the asyncio heartbeat renews the ``locked``
+        records of the running loop's calls through it (:attr:`async_renewals`)."""
+        return await calls.arun(self.extend_many_steps(items), self._aclient())
+
+    async def ainvalidate(self, key: str) -> bool:
+        """:meth:`invalidate` under asyncio."""
+        return await calls.arun(self.invalidate_steps(key), self._aclient())
+
+    async def aget(self, key: str) -> Record | None:
+        """:meth:`get` under asyncio."""
+        return await calls.arun(self.get_steps(key), self._aclient())
+
+    async def acache(self, record: Record, ttl: float) -> None:
+        """:meth:`cache` under asyncio."""
+        await calls.arun(self.cache_steps(record, ttl), self._aclient())
+
+    @property
+    def async_renewals(self) -> _AsyncRenewals:
+        """What the asyncio heartbeat renews these records' ``locked`` holds through: an
+        object whose coroutine ``extend_many`` is :meth:`aextend_many` (the asyncio store
+        convention: the sync method names, as coroutines); one per store, so the heartbeat
+        batches every record of the loop in one round trip."""
+        renewals = self.__dict__.get("_async_renewals")
+        if renewals is None:
+            renewals = self.__dict__["_async_renewals"] = _AsyncRenewals(self)
+        return renewals
+
+
+class _AsyncRenewals:
+    """A :class:`RedisRecords`' renewals as the asyncio heartbeat calls them."""
+
+    def __init__(self, records: RedisRecords):
+        self.records = records
+
+    async def extend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
+        return await self.records.aextend_many(list(items))
+
+
+def _decision(
+    reply: list[Any], key: str, fingerprint: str, namespace: str, version: str
+) -> RecordDecision:
+    """The :class:`RecordDecision` of a ``BEGIN`` script reply (texts)."""
+    outcome = reply[0]
+    if outcome == "locked":
+        return RecordDecision("locked")
+    if outcome == "in_progress":
+        return RecordDecision("in_progress", retry_after=max(0.0, int(reply[1]) / 1000.0))
+    if outcome == "reused":
+        return RecordDecision("reused", status=reply[1])
+    payload, ser, ctype, cenc, b64 = reply[1:6]
+    record = Record(
+        key=key,
+        status="completed",
+        fingerprint=fingerprint,
+        namespace=namespace,
+        version=version,
+        created_at=_ms(reply[6]),
+        completed_at=_ms(reply[7]),
+        expires_at=_ms(reply[8]),
+        serializer=ser,
+        content_type=ctype,
+        content_encoding=cenc,
+        payload=base64.b64decode(payload) if b64 == "1" else payload,
+    )
+    return RecordDecision("replay", record=record)
+
+
+def _pairs(fields: Any) -> Mapping:
+    """An ``HGETALL`` reply as a mapping (a client without its response callback, or a RESP
+    version without a map type, gives the flat list)."""
+    if isinstance(fields, Mapping):
+        return fields
+    items = list(fields or ())
+    return dict(zip(items[::2], items[1::2]))
+
+
+def _cache_pairs(record: Record) -> list[str]:
+    """The hash fields of a completed record's cache copy (``CACHE``'s ARGV after the TTL)."""
+    pairs = [
+        "status",
+        "completed",
+        "fp",
+        record.fingerprint,
+        "ns",
+        record.namespace,
+        "ver",
+        record.version,
+        "ser",
+        record.serializer or "",
+        "ctype",
+        record.content_type or "",
+        "cenc",
+        record.content_encoding or "",
+    ]
+    payload = record.payload
+    if isinstance(payload, bytes):
+        pairs += ["result", base64.b64encode(payload).decode(), "b64", "1"]
+    else:
+        pairs += ["result", payload or "", "b64", "0"]
+    for name, value in (
+        ("created_ms", record.created_at),
+        ("completed_ms", record.completed_at),
+        ("expires_ms", record.expires_at),
+    ):
+        if value is not None:
+            pairs += [name, str(int(value * 1000))]
+    return pairs
 
 
 def _renewal_error(exc: BaseException) -> LockStoreUnavailable | LockStoreMisconfigured:
     # The heartbeat retries an unavailable store and reports a misconfigured one; any other
     # refusal is retried like an outage (the record is lost when its validity runs out).
-    error = store_error(exc, "idempotency renewal")
+    error = exc if isinstance(exc, LockError) else store_error(exc, "idempotency renewal")
     if isinstance(error, (LockStoreUnavailable, LockStoreMisconfigured)):
         return error
     return LockStoreUnavailable(f"lock store refused the idempotency renewal: {error}")
@@ -498,20 +680,28 @@ def record_from_hash(key: str, fields: Mapping) -> Record | None:
 
 
 class IdempotentCall:
-    """One call's hold on its record, from :meth:`Idempotency.begin`.
+    """One call's hold on its record, from :meth:`Idempotency.begin` or
+    :meth:`Idempotency.abegin`.
 
     ``replayed`` True: ``result`` is the recorded result (do not run the body). Otherwise
     the caller holds the record (``locked``; or nothing at all when ``unguarded``: the store
     did not answer and the policy is fail open) and ends it with exactly one of
     :meth:`complete`, :meth:`fail`, :meth:`release`, or :meth:`exit` (the admission gate's
-    form). None of them raises: a store error is logged (``idempotency_record_failed``) and
-    the record's lock TTL ends it.
+    form), or, under asyncio, their coroutine forms :meth:`acomplete`, :meth:`afail`,
+    :meth:`arelease`, :meth:`aexit` (same signals, same log events). None of them raises:
+    a store error is logged (``idempotency_record_failed``) and the record's lock TTL ends
+    it. End a call from :meth:`Idempotency.abegin` with the ``a`` forms: the sync forms
+    would block the event loop on a Redis round trip.
 
-    ``lease``: while the caller holds the record, the process's heartbeat renews it through
-    this :class:`~celery_steplock.lease.Lease` (``name`` the record key, ``ttl`` the lock
-    TTL, ``fence`` 0); ``lease.lost`` turns true when a renewal found the record no longer
-    the caller's (signal ``idempotency_lost``); the body is never interrupted. Each of the
-    four methods above stops the renewals first. None when replayed or unguarded.
+    ``lease``: while the caller holds the record, a heartbeat renews it through this
+    :class:`~celery_steplock.lease.Lease` (``name`` the record key, ``ttl`` the lock TTL,
+    ``fence`` 0): the process's heartbeat thread (:mod:`celery_steplock.heartbeat`) for a
+    call from :meth:`Idempotency.begin`; for one from :meth:`Idempotency.abegin`, the
+    running event loop's asyncio heartbeat (:mod:`celery_steplock.aio.heartbeat`) for the
+    Redis store, the heartbeat thread's ``"database"`` lane for the database store.
+    ``lease.lost`` turns true when a renewal found the record no longer the caller's (signal
+    ``idempotency_lost``); the body is never interrupted. Each of the methods above stops
+    the renewals first. None when replayed or unguarded.
     """
 
     def __init__(
@@ -537,6 +727,9 @@ class IdempotentCall:
         self.task = task
         self.lease = lease
         self.done = replayed or unguarded
+        # The heartbeat renewing :attr:`lease` (None: not registered, or not yet).
+        self._heartbeat: Any = None
+        self._async_heartbeat = False
 
     def _fields(self) -> dict[str, Any]:
         request = getattr(self.task, "request", None)
@@ -548,6 +741,8 @@ class IdempotentCall:
             "task_name": getattr(self.task, "name", None),
         }
 
+    # -- the ends, sync ------------------------------------------------------------------------
+
     def complete(self, result: Any) -> bool:
         """Record ``result`` as the call's (serialized now); True when recorded."""
         if self.done:
@@ -555,59 +750,14 @@ class IdempotentCall:
         self.done = True
         self._stop_renewal()
         policy = self.policy
-        reason: str | None = None
-        error: Exception | str = ""
-        try:
-            stored = Stored.dump(result, policy.serializer)
-        except Exception as exc:  # noqa: BLE001 - the body's result cannot be recorded
-            reason, error = "unserializable", exc
-        else:
-            size = len(stored.payload)
-            if size > policy.max_result_bytes:
-                reason = "too_large"
-                error = (
-                    f"the serialized result is {size} bytes, above max_result_bytes "
-                    f"({policy.max_result_bytes})"
-                )
-        if reason is not None:
-            log_event(
-                "idempotency_record_failed",
-                logging.ERROR,
-                **self._fields(),
-                reason=reason,
-                error=error,
-            )
+        stored, reason, error = self._dump(result)
+        if stored is None:
+            self._unrecordable(reason, error)
             self._safely(lambda: policy.store.fail(self.key, self.owner, reason, policy.ttl))
-            emit(
-                signals.idempotency_failed,
-                self.task,
-                logging.WARNING,
-                reason=reason,
-                **self._fields(),
-            )
+            self._failed(reason)
             return False
-        recorded = self._safely(
-            lambda: policy.store.complete(
-                self.key,
-                self.owner,
-                self.fingerprint,
-                stored,
-                policy.ttl,
-                policy.namespace,
-                policy.version,
-            )
-        )
-        if recorded:
-            emit(signals.idempotency_completed, self.task, ttl=policy.ttl, **self._fields())
-        elif recorded is not None:
-            log_event(
-                "idempotency_record_failed",
-                logging.ERROR,
-                **self._fields(),
-                reason="taken",
-                error="another execution holds or completed the record",
-            )
-        return bool(recorded)
+        recorded = self._safely(lambda: policy.store.complete(*self._completion(stored)))
+        return self._completed(recorded)
 
     def fail(self, exc: BaseException | None, reason: str | None = None) -> bool:
         """Mark the record failed (kept for operators, with ``reason``, default the error's
@@ -616,14 +766,11 @@ class IdempotentCall:
             return False
         self.done = True
         self._stop_renewal()
-        if reason is None:
-            reason = type(exc).__name__ if exc is not None else "error"
+        reason = _reason(exc, reason)
         marked = self._safely(
             lambda: self.policy.store.fail(self.key, self.owner, reason, self.policy.ttl)
         )
-        emit(
-            signals.idempotency_failed, self.task, logging.WARNING, reason=reason, **self._fields()
-        )
+        self._failed(reason)
         return bool(marked)
 
     def release(self) -> bool:
@@ -643,6 +790,131 @@ class IdempotentCall:
         else:
             self.complete(result)
 
+    # -- the ends, asyncio ---------------------------------------------------------------------
+
+    async def acomplete(self, result: Any) -> bool:
+        """:meth:`complete` under asyncio: the store's ``acomplete`` (the Redis store on the
+        ``redis.asyncio`` twin of its client; the database store hops to a thread,
+        :class:`~celery_steplock.contrib.django.idempotency.DatabaseRecords`). Returns True
+        when recorded; never raises but ``asyncio.CancelledError`` (a completion cancelled
+        in flight may or may not be recorded; the record is never left renewed)."""
+        if self.done:
+            return False
+        self.done = True
+        await self._astop_renewal()
+        policy = self.policy
+        stored, reason, error = self._dump(result)
+        if stored is None:
+            self._unrecordable(reason, error)
+            await self._asafely(
+                lambda: _astore(policy.store, "fail")(self.key, self.owner, reason, policy.ttl)
+            )
+            self._failed(reason)
+            return False
+        recorded = await self._asafely(
+            lambda: _astore(policy.store, "complete")(*self._completion(stored))
+        )
+        return self._completed(recorded)
+
+    async def afail(self, exc: BaseException | None, reason: str | None = None) -> bool:
+        """:meth:`fail` under asyncio."""
+        if self.done:
+            return False
+        self.done = True
+        await self._astop_renewal()
+        reason = _reason(exc, reason)
+        marked = await self._asafely(
+            lambda: _astore(self.policy.store, "fail")(
+                self.key, self.owner, reason, self.policy.ttl
+            )
+        )
+        self._failed(reason)
+        return bool(marked)
+
+    async def arelease(self) -> bool:
+        """:meth:`release` under asyncio."""
+        if self.done:
+            return False
+        self.done = True
+        await self._astop_renewal()
+        return bool(
+            await self._asafely(
+                lambda: _astore(self.policy.store, "release")(self.key, self.owner)
+            )
+        )
+
+    async def aexit(self, exc: BaseException | None, result: Any) -> None:
+        """:meth:`exit` under asyncio: NOT_RUN or a cancellation (``asyncio.CancelledError``)
+        releases, another exception fails, else completes."""
+        if result is NOT_RUN or isinstance(exc, asyncio.CancelledError):
+            await self.arelease()
+        elif exc is not None:
+            await self.afail(exc)
+        else:
+            await self.acomplete(result)
+
+    # -- shared by both forms ------------------------------------------------------------------
+
+    def _completion(self, stored: Stored) -> tuple[str, Any, str, Stored, float, str, str]:
+        """The store's ``complete``/``acomplete`` arguments: ``(key, owner, fingerprint,
+        stored, ttl seconds, namespace, version)``."""
+        policy = self.policy
+        return (
+            self.key,
+            self.owner,
+            self.fingerprint,
+            stored,
+            policy.ttl,
+            policy.namespace,
+            policy.version,
+        )
+
+    def _dump(self, result: Any) -> tuple[Stored | None, str, Exception | str]:
+        """``result`` serialized, or None with the reason it cannot be recorded."""
+        policy = self.policy
+        try:
+            stored = Stored.dump(result, policy.serializer)
+        except Exception as exc:  # noqa: BLE001 - the body's result cannot be recorded
+            return None, "unserializable", exc
+        size = len(stored.payload)
+        if size > policy.max_result_bytes:
+            return (
+                None,
+                "too_large",
+                f"the serialized result is {size} bytes, above max_result_bytes "
+                f"({policy.max_result_bytes})",
+            )
+        return stored, "", ""
+
+    def _unrecordable(self, reason: str, error: Exception | str) -> None:
+        log_event(
+            "idempotency_record_failed",
+            logging.ERROR,
+            **self._fields(),
+            reason=reason,
+            error=error,
+        )
+
+    def _failed(self, reason: str) -> None:
+        emit(
+            signals.idempotency_failed, self.task, logging.WARNING, reason=reason, **self._fields()
+        )
+
+    def _completed(self, recorded: Any) -> bool:
+        if recorded:
+            emit(signals.idempotency_completed, self.task, ttl=self.policy.ttl, **self._fields())
+        elif recorded is not None:
+            log_event(
+                "idempotency_record_failed",
+                logging.ERROR,
+                **self._fields(),
+                reason="taken",
+                error="another execution holds or completed the record",
+            )
+        return bool(recorded)
+
+    # -- renewals ------------------------------------------------------------------------------
+
     def _renew(self, ratio: float) -> None:
         """Register :attr:`lease` with the process's heartbeat, unless the call already
         ended (the database store registers once the record's row is committed)."""
@@ -651,11 +923,30 @@ class IdempotentCall:
         if self.done or self.lease is None:
             return
         # The store's lane: a database store's renewals run on their own thread.
-        heartbeat_for(self.policy.store).register(
+        heartbeat = heartbeat_for(self.policy.store)
+        heartbeat.register(
             self.lease, self.policy.store, ratio=ratio, sender=self.task, on_lost=self._lost
         )
+        self._heartbeat = heartbeat
         if self.done:  # ended meanwhile on another thread: never renew an ended record
             self._stop_renewal()
+
+    async def _arenew(self, ratio: float) -> None:
+        """Register :attr:`lease` with the running loop's asyncio heartbeat through the
+        store's ``async_renewals`` (the Redis store); a store without them (the database
+        store, whose renewals must never share the loop) with the heartbeat thread of its
+        lane (:meth:`_renew`: a registration takes a lock, never a round trip)."""
+        if self.done or self.lease is None:
+            return
+        renewals = getattr(self.policy.store, "async_renewals", None)
+        if renewals is None:
+            self._renew(ratio)
+            return
+        from ..aio.heartbeat import get_async_heartbeat
+
+        heartbeat = get_async_heartbeat()
+        heartbeat.register(self.lease, renewals, ratio=ratio, sender=self.task, on_lost=self._lost)
+        self._heartbeat, self._async_heartbeat = heartbeat, True
 
     def _stop_renewal(self) -> None:
         """Stop the heartbeat's renewals of the record before it is completed, failed or
@@ -665,15 +956,37 @@ class IdempotentCall:
         from ..heartbeat import heartbeat_for
 
         try:
+            if self._async_heartbeat:
+                # A call from abegin ended by a sync method: the loop's heartbeat drops it.
+                self._heartbeat.unregister(self.lease)
+                return
             heartbeat_for(self.policy.store).unregister(self.lease)
         except Exception as exc:  # noqa: BLE001 - the record is ended all the same
-            log_event(
-                "idempotency_record_failed",
-                logging.ERROR,
-                **self._fields(),
-                reason="renewal_stop",
-                error=exc,
-            )
+            self._stop_failed(exc)
+
+    async def _astop_renewal(self) -> None:
+        """:meth:`_stop_renewal` under asyncio: the asyncio heartbeat's unregistration is
+        a plain call (nothing to cancel: an ended record is never left renewed); the
+        heartbeat thread's (which waits for a renewal cycle in flight) runs on a thread."""
+        if self.lease is None or self._heartbeat is None:
+            # Never registered, or not yet: a registration after the end undoes itself.
+            return
+        try:
+            if self._async_heartbeat:
+                self._heartbeat.unregister(self.lease)
+            else:
+                await asyncio.to_thread(self._heartbeat.unregister, self.lease)
+        except Exception as exc:  # noqa: BLE001 - the record is ended all the same
+            self._stop_failed(exc)
+
+    def _stop_failed(self, exc: Exception) -> None:
+        log_event(
+            "idempotency_record_failed",
+            logging.ERROR,
+            **self._fields(),
+            reason="renewal_stop",
+            error=exc,
+        )
 
     def _lost(self, lease: Lease) -> None:
         """The heartbeat found the record no longer ours: say so (never raise into the body)."""
@@ -691,14 +1004,40 @@ class IdempotentCall:
         try:
             return action()
         except Exception as exc:  # noqa: BLE001 - the lock TTL ends the record
-            log_event(
-                "idempotency_record_failed",
-                logging.ERROR,
-                **self._fields(),
-                reason="store_error",
-                error=exc,
-            )
+            self._store_failed(exc)
             return None
+
+    async def _asafely(self, action: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            return await action()
+        except Exception as exc:  # noqa: BLE001 - the lock TTL ends the record
+            self._store_failed(exc)
+            return None
+
+    def _store_failed(self, exc: Exception) -> None:
+        log_event(
+            "idempotency_record_failed",
+            logging.ERROR,
+            **self._fields(),
+            reason="store_error",
+            error=exc,
+        )
+
+
+def _reason(exc: BaseException | None, reason: str | None) -> str:
+    if reason is not None:
+        return reason
+    return type(exc).__name__ if exc is not None else "error"
+
+
+def _astore(store: Any, method: str) -> Callable[..., Awaitable[Any]]:
+    """A store's coroutine form of ``method``: its ``a<method>`` (:class:`RedisRecords`,
+    :class:`~celery_steplock.contrib.django.idempotency.DatabaseRecords`), else the sync
+    method run on a thread (``asyncio.to_thread``: a custom store never blocks the loop)."""
+    found = getattr(store, f"a{method}", None)
+    if found is not None:
+        return found
+    return functools.partial(asyncio.to_thread, getattr(store, method))
 
 
 #: The former name of :class:`IdempotentCall`, kept for one release.
@@ -896,92 +1235,14 @@ class Idempotency:
         (:class:`IdempotentCall`): end every call this returns, or its record stays locked
         while the process lives. A store object without ``extend_many`` is not renewed (its
         record lives its lock TTL)."""
-        key = self.key(resource)
-        if fingerprint is None:
-            fingerprint = self.fingerprint(arguments or {})
-        owner = secrets.token_hex(16)
-        sent = time.monotonic()
-        fields: dict[str, Any] = {
-            "key": key,
-            "name": self.namespace,
-            "version": self.version,
-            "task_id": getattr(getattr(task, "request", None), "id", None),
-            "task_name": getattr(task, "name", None),
-        }
+        begun = _Begun(self, resource, arguments, fingerprint, task)
         try:
-            decision = self.store.begin(
-                key, fingerprint, owner, self.lock_ttl, self.namespace, self.version
-            )
+            decision = self.store.begin(*begun.request())
         except LockStoreUnavailable as exc:
-            unguarded = IdempotentCall(self, key, fingerprint, None, unguarded=True, task=task)
-            return outage(
-                exc,
-                self.on_store_error,
-                unguarded,
-                pattern="idempotency",
-                sender=task,
-                key=key,
-                name=self.namespace,
-                version=self.version,
-            )
-        if decision.outcome == "locked":
-            emit(signals.idempotency_locked, task, ttl=self.lock_ttl, owner=owner, **fields)
-            return self._held(key, fingerprint, owner, sent, task)
-        if decision.outcome == "replay":
-            result = decision.record.result(self.serializer)
-            emit(signals.idempotency_replayed, task, **fields)
-            return IdempotentCall(
-                self, key, fingerprint, None, replayed=True, result=result, task=task
-            )
-        if decision.outcome == "reused":
-            emit(
-                signals.idempotency_conflict,
-                task,
-                logging.WARNING,
-                reason="reused",
-                current=decision.status,
-                **fields,
-            )
-            raise IdempotencyKeyReused(
-                f"idempotency key {key} of {self.namespace!r} (version {self.version}) is "
-                f"{decision.status} for a call with other arguments",
-                key=key,
-                namespace=self.namespace,
-                version=self.version,
-            )
-        emit(signals.idempotency_conflict, task, reason="in_progress", **fields)
-        # A holder usually ends long before its lock TTL: ask again soon (a retry that finds
-        # the record completed is a replay), never later than the lock's end.
-        raise IdempotencyInProgress(
-            f"idempotency key {key} of {self.namespace!r} is held by another execution",
-            retry_after=min(decision.retry_after, IN_PROGRESS_RETRY),
-            key=key,
-            namespace=self.namespace,
-            version=self.version,
-            lock_ttl_left=decision.retry_after,
-        )
-
-    def _held(
-        self, key: str, fingerprint: str, owner: str, sent: float, task: Any
-    ) -> IdempotentCall:
-        """The call holding record ``key``, its renewals started (``sent``: when the begin
-        was sent, a ``time.monotonic`` reading)."""
-        lease = None
-        if hasattr(self.store, "extend_many"):
-            lease = Lease(
-                name=key,
-                key=key,
-                owner=owner,
-                fence=0,
-                ttl=self.lock_ttl,
-                acquired_at=sent,
-                valid_until=sent + self.lock_ttl - drift(self.lock_ttl),
-                task_id=getattr(getattr(task, "request", None), "id", None),
-                task_name=getattr(task, "name", None),
-            )
-        held = IdempotentCall(self, key, fingerprint, owner, task=task, lease=lease)
-        if lease is None:
-            return held
+            return begun.outage(exc)
+        held = begun.settled(decision)
+        if held.lease is None:
+            return held  # a replay, or a record no heartbeat renews
         try:
             # The database store's row is seen by others (and renewed) once committed.
             when_committed = getattr(self.store, "on_commit", None)
@@ -994,40 +1255,314 @@ class Idempotency:
             raise
         return held
 
-    @contextmanager
+    async def abegin(
+        self,
+        resource: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        fingerprint: str | None = None,
+        task: Any = None,
+    ) -> IdempotentCall:
+        """:meth:`begin` under asyncio: the same record, decision, signals and errors, so a
+        sync caller (a Celery task, a WSGI view) and an async one (an async view, an asyncio
+        worker) with one key and policy run the body once between them.
+
+        The store's ``abegin``: the Redis store's script on the ``redis.asyncio`` twin of its
+        client (:func:`celery_steplock.clients.async_client_for`); the database store reads
+        its Redis cache copy without leaving the loop and hops to a thread for the ORM
+        (:class:`~celery_steplock.contrib.django.idempotency.DatabaseRecords`). A locked
+        record is renewed while the call holds it, across any number of ``await`` points: by
+        the running loop's asyncio heartbeat (:mod:`celery_steplock.aio.heartbeat`, every
+        ``lock_ttl * renewal_ratio`` seconds, one pipelined round trip for every record and
+        lease of the loop) for the Redis store; by the heartbeat thread's ``"database"`` lane
+        for the database store. End the call with :meth:`IdempotentCall.acomplete`,
+        :meth:`~IdempotentCall.afail` or :meth:`~IdempotentCall.arelease` (or use
+        :meth:`acall` / ``@idempotent``, which do).
+
+        Args:
+            resource: The resource key (``"order:42"``).
+            arguments: The call's bound arguments (their fingerprint is recorded).
+            fingerprint: Or the fingerprint itself (a str).
+            task: The sender of the signals (a Celery task), or None.
+
+        Returns:
+            A :class:`IdempotentCall`: ``replayed`` with the recorded ``result``, holding
+            the record, or ``unguarded`` (the store did not answer, the policy fails open).
+
+        Raises:
+            IdempotencyKeyReused: The record was made with other arguments.
+            IdempotencyInProgress: Another execution (sync or async) holds it
+                (``retry_after`` seconds, at most 1).
+            LockStoreUnavailable: The store did not answer (fail closed).
+            asyncio.CancelledError: Cancelled; a record locked meanwhile is released (or
+                left to its lock TTL), never renewed.
+        """
+        begun = _Begun(self, resource, arguments, fingerprint, task)
+        try:
+            decision = await _astore(self.store, "begin")(*begun.request())
+        except LockStoreUnavailable as exc:
+            return begun.outage(exc)
+        held = begun.settled(decision)
+        if held.lease is None:
+            return held  # a replay, or a record no heartbeat renews
+        try:
+            when_committed = getattr(self.store, "on_commit", None)
+            if when_committed is not None:
+                await _astore(self.store, "on_commit")(
+                    functools.partial(held._renew, self.renewal_ratio)
+                )
+            else:
+                await held._arenew(self.renewal_ratio)
+        except BaseException:
+            # no record is left locked behind a call that never started (shielded: a
+            # cancellation here still releases it)
+            await asyncio.shield(held.arelease())
+            raise
+        return held
+
     def call(
         self,
         resource: str,
         arguments: Mapping[str, Any] | None = None,
         *,
         fingerprint: str | None = None,
-    ) -> Iterator[IdempotentCall]:
-        """Context manager form of :meth:`begin`::
+    ) -> IdempotentBlock:
+        """Context manager form of :meth:`begin` (``with``) and of :meth:`abegin`
+        (``async with``)::
 
             with policy.call("order:42", {"order_id": 42}) as call:
                 if not call.replayed:
                     call.result = charge(42)
             use(call.result)
 
-        A block that raises marks the record failed (and the exception propagates); one that
-        ends records ``call.result``."""
-        ticket = self.begin(resource, arguments, fingerprint=fingerprint)
-        try:
-            yield ticket
-        except BaseException as exc:
-            ticket.fail(exc)
-            raise
-        if not ticket.done:
-            ticket.complete(ticket.result)
+        A block that raises marks the record failed (and the exception propagates; under
+        ``async with`` a cancellation releases it instead); one that ends records
+        ``call.result``."""
+        return IdempotentBlock(self, resource, arguments, fingerprint)
+
+    def acall(
+        self,
+        resource: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        fingerprint: str | None = None,
+    ) -> IdempotentBlock:
+        """:meth:`call` for ``async with`` (the same object)::
+
+        async with policy.acall("order:42", {"order_id": 42}) as call:
+            if not call.replayed:
+                call.result = await charge(42)
+        """
+        return IdempotentBlock(self, resource, arguments, fingerprint)
 
     def get(self, resource: str) -> Record | None:
         """The record of ``resource``, or None."""
         return self.store.get(self.key(resource))
 
+    async def aget(self, resource: str) -> Record | None:
+        """:meth:`get` under asyncio."""
+        return await _astore(self.store, "get")(self.key(resource))
+
     def invalidate(self, resource: str) -> bool:
         """Delete the record of ``resource`` (whatever its status): the next call runs.
         True when there was one."""
         return invalidate(self.key(resource), store=self.store)
+
+    async def ainvalidate(self, resource: str) -> bool:
+        """:meth:`invalidate` under asyncio."""
+        return await ainvalidate(self.key(resource), store=self.store)
+
+
+class _Begun:
+    """One begin of :class:`Idempotency`, sync or async: its key, fingerprint, owner token
+    and signal fields, and what each decision of the store makes of it."""
+
+    def __init__(
+        self,
+        policy: Idempotency,
+        resource: str,
+        arguments: Mapping[str, Any] | None,
+        fingerprint: str | None,
+        task: Any,
+    ):
+        self.policy = policy
+        self.task = task
+        self.key = policy.key(resource)
+        self.fingerprint = (
+            policy.fingerprint(arguments or {}) if fingerprint is None else fingerprint
+        )
+        self.owner = secrets.token_hex(16)
+        self.sent = time.monotonic()
+        self.fields: dict[str, Any] = {
+            "key": self.key,
+            "name": policy.namespace,
+            "version": policy.version,
+            "task_id": getattr(getattr(task, "request", None), "id", None),
+            "task_name": getattr(task, "name", None),
+        }
+
+    def request(self) -> tuple[str, str, str, float, str, str]:
+        """The store's ``begin``/``abegin`` arguments: ``(key, fingerprint, owner, lock_ttl
+        seconds, namespace, version)``."""
+        policy = self.policy
+        return (
+            self.key,
+            self.fingerprint,
+            self.owner,
+            policy.lock_ttl,
+            policy.namespace,
+            policy.version,
+        )
+
+    def settled(self, decision: RecordDecision) -> IdempotentCall:
+        """The call ``decision`` makes: the replayed call (its ``lease`` None), or the call
+        holding the record (:meth:`held`, not yet renewed); raises as :meth:`decided`."""
+        replayed = self.decided(decision)
+        return replayed if replayed is not None else self.held()
+
+    def outage(self, exc: LockStoreUnavailable) -> IdempotentCall:
+        policy = self.policy
+        unguarded = IdempotentCall(
+            policy, self.key, self.fingerprint, None, unguarded=True, task=self.task
+        )
+        return outage(
+            exc,
+            policy.on_store_error,
+            unguarded,
+            pattern="idempotency",
+            sender=self.task,
+            key=self.key,
+            name=policy.namespace,
+            version=policy.version,
+        )
+
+    def decided(self, decision: RecordDecision) -> IdempotentCall | None:
+        """The replayed call, or None when the caller holds the record (its lock signal
+        sent); raises IdempotencyKeyReused or IdempotencyInProgress."""
+        policy, task, key, fields = self.policy, self.task, self.key, self.fields
+        if decision.outcome == "locked":
+            emit(signals.idempotency_locked, task, ttl=policy.lock_ttl, owner=self.owner, **fields)
+            return None
+        if decision.outcome == "replay":
+            assert decision.record is not None
+            result = decision.record.result(policy.serializer)
+            emit(signals.idempotency_replayed, task, **fields)
+            return IdempotentCall(
+                policy, key, self.fingerprint, None, replayed=True, result=result, task=task
+            )
+        if decision.outcome == "reused":
+            emit(
+                signals.idempotency_conflict,
+                task,
+                logging.WARNING,
+                reason="reused",
+                current=decision.status,
+                **fields,
+            )
+            raise IdempotencyKeyReused(
+                f"idempotency key {key} of {policy.namespace!r} (version {policy.version}) is "
+                f"{decision.status} for a call with other arguments",
+                key=key,
+                namespace=policy.namespace,
+                version=policy.version,
+            )
+        emit(signals.idempotency_conflict, task, reason="in_progress", **fields)
+        # A holder usually ends long before its lock TTL: ask again soon (a retry that finds
+        # the record completed is a replay), never later than the lock's end.
+        raise IdempotencyInProgress(
+            f"idempotency key {key} of {policy.namespace!r} is held by another execution",
+            retry_after=min(decision.retry_after, IN_PROGRESS_RETRY),
+            key=key,
+            namespace=policy.namespace,
+            version=policy.version,
+            lock_ttl_left=decision.retry_after,
+        )
+
+    def held(self) -> IdempotentCall:
+        """The call holding the record, with the :class:`~celery_steplock.lease.Lease` its
+        renewals go through (None for a store without ``extend_many``); not yet renewed."""
+        policy, task = self.policy, self.task
+        lease = None
+        if hasattr(policy.store, "extend_many"):
+            lease = Lease(
+                name=self.key,
+                key=self.key,
+                owner=self.owner,
+                fence=0,
+                ttl=policy.lock_ttl,
+                acquired_at=self.sent,
+                valid_until=self.sent + policy.lock_ttl - drift(policy.lock_ttl),
+                task_id=getattr(getattr(task, "request", None), "id", None),
+                task_name=getattr(task, "name", None),
+            )
+        return IdempotentCall(
+            policy, self.key, self.fingerprint, self.owner, task=task, lease=lease
+        )
+
+
+class IdempotentBlock:
+    """:meth:`Idempotency.call`'s context manager, for ``with`` (:meth:`Idempotency.begin`)
+    and ``async with`` (:meth:`Idempotency.abegin`); entering gives the
+    :class:`IdempotentCall`.
+
+    Leaving: an exception marks the record failed and propagates (under ``async with``, an
+    ``asyncio.CancelledError`` releases the record instead, shielded, and propagates); a
+    normal end records ``call.result`` unless the call was replayed or already ended.
+    """
+
+    def __init__(
+        self,
+        policy: Idempotency,
+        resource: str,
+        arguments: Mapping[str, Any] | None,
+        fingerprint: str | None,
+    ):
+        self.policy = policy
+        self.resource = resource
+        self.arguments = arguments
+        self.fingerprint = fingerprint
+        self.ticket: IdempotentCall | None = None
+
+    def __enter__(self) -> IdempotentCall:
+        self.ticket = self.policy.begin(
+            self.resource, self.arguments, fingerprint=self.fingerprint
+        )
+        return self.ticket
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        ticket = self.ticket
+        assert ticket is not None
+        if exc is not None:
+            ticket.fail(exc)
+            return
+        if not ticket.done:
+            ticket.complete(ticket.result)
+
+    async def __aenter__(self) -> IdempotentCall:
+        self.ticket = await self.policy.abegin(
+            self.resource, self.arguments, fingerprint=self.fingerprint
+        )
+        return self.ticket
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        ticket = self.ticket
+        assert ticket is not None
+        if isinstance(exc, asyncio.CancelledError):
+            await asyncio.shield(ticket.arelease())
+        elif exc is not None:
+            await ticket.afail(exc)
+        elif not ticket.done:
+            await ticket.acomplete(ticket.result)
+
+
+def _store_for(app: Any, client: Any, prefix: str | None, store: Any) -> Any:
+    if store is not None:
+        return store
+    if app is not None:
+        return Idempotency("invalidate", app=app).store
+    if client is not None:
+        return RedisRecords(client, prefix or "steplock")
+    raise ImproperlyConfigured("invalidate needs app=, client= or store=", setting="app")
 
 
 def invalidate(
@@ -1036,14 +1571,17 @@ def invalidate(
     """Delete record ``key`` (64 hex digits, :func:`record_key`) from ``store`` (a store
     object), or from ``app``'s configured store, or from Redis ``client`` (key ``prefix``,
     default "steplock"). True when there was one."""
-    if store is None:
-        if app is not None:
-            store = Idempotency("invalidate", app=app).store
-        elif client is not None:
-            store = RedisRecords(client, prefix or "steplock")
-        else:
-            raise ImproperlyConfigured("invalidate needs app=, client= or store=", setting="app")
-    removed = store.invalidate(key)
+    removed = _store_for(app, client, prefix, store).invalidate(key)
+    log_event("idempotency_invalidated", logging.INFO, key=key, removed=removed)
+    return removed
+
+
+async def ainvalidate(
+    key: str, *, app: Any = None, client: Any = None, prefix: str | None = None, store: Any = None
+) -> bool:
+    """:func:`invalidate` under asyncio (the store's ``ainvalidate``; ``client`` a sync
+    redis-py client, whose ``redis.asyncio`` twin is used, or an asyncio one)."""
+    removed = await _astore(_store_for(app, client, prefix, store), "invalidate")(key)
     log_event("idempotency_invalidated", logging.INFO, key=key, removed=removed)
     return removed
 
@@ -1071,7 +1609,15 @@ def idempotent(
     ``"<module>.<qualname>"``. Other keywords as :class:`Idempotency` (``app`` or ``client``
     required). The wrapper raises what :meth:`Idempotency.begin` raises, plus ``fun``'s own
     errors (recorded as failed, never as results). ``wrapper.idempotency`` is the policy;
-    ``wrapper.invalidate(*args, **kwargs)`` deletes one call's record.
+    ``wrapper.invalidate(*args, **kwargs)`` deletes one call's record
+    (``await wrapper.ainvalidate(...)`` under asyncio).
+
+    On an ``async def`` (or a function marked with asgiref's ``markcoroutinefunction``)
+    the wrapper is a coroutine function over :meth:`Idempotency.abegin`: the same record,
+    replay, signals and errors (a concurrent duplicate, sync or async, gets
+    IdempotencyInProgress), the record renewed across the body's ``await`` points by the
+    loop's asyncio heartbeat; a cancelled body (``asyncio.CancelledError``) releases its
+    record (shielded) and is never recorded.
     """
     if key is not None and not callable(key):
         if not isinstance(key, str):
@@ -1093,27 +1639,64 @@ def idempotent(
             arguments = bind_arguments(fun, args, kwargs)
             return name_from_arguments(space, arguments, key, secret=policy.secret), arguments
 
-        @functools.wraps(fun)
-        def wrapper(*args, **kwargs):
-            name, arguments = resource(args, kwargs)
-            ticket = policy.begin(name, arguments)
-            if ticket.replayed:
-                return ticket.result
-            try:
-                result = fun(*args, **kwargs)
-            except BaseException as exc:
-                ticket.fail(exc)
-                raise
-            ticket.complete(result)
-            return result
+        wrapper: Any
+        if _is_coroutine_function(fun):
+
+            @functools.wraps(fun)
+            async def wrapper(*args, **kwargs):
+                name, arguments = resource(args, kwargs)
+                ticket = await policy.abegin(name, arguments)
+                if ticket.replayed:
+                    return ticket.result
+                try:
+                    result = await fun(*args, **kwargs)
+                except asyncio.CancelledError:
+                    # the body did not finish: release (shielded), never record
+                    await asyncio.shield(ticket.arelease())
+                    raise
+                except BaseException as exc:
+                    await ticket.afail(exc)
+                    raise
+                await ticket.acomplete(result)
+                return result
+
+        else:
+
+            @functools.wraps(fun)
+            def wrapper(*args, **kwargs):
+                name, arguments = resource(args, kwargs)
+                ticket = policy.begin(name, arguments)
+                if ticket.replayed:
+                    return ticket.result
+                try:
+                    result = fun(*args, **kwargs)
+                except BaseException as exc:
+                    ticket.fail(exc)
+                    raise
+                ticket.complete(result)
+                return result
 
         # Function attributes: the typeshed's functools.wraps result does not declare them.
-        wrapper.idempotency = policy  # type: ignore[attr-defined]
-        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])  # type: ignore[attr-defined]
-        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])  # type: ignore[attr-defined]
+        wrapper.idempotency = policy
+        wrapper.invalidate = lambda *a, **kw: policy.invalidate(resource(a, kw)[0])
+        wrapper.ainvalidate = lambda *a, **kw: policy.ainvalidate(resource(a, kw)[0])
+        wrapper.record_key = lambda *a, **kw: policy.key(resource(a, kw)[0])
         return wrapper
 
     return decorate
+
+
+def _is_coroutine_function(fun: Callable) -> bool:
+    """Whether calling ``fun`` gives a coroutine: an ``async def`` (through
+    ``functools.partial`` and ``functools.wraps`` layers), or one marked so by asgiref's
+    ``markcoroutinefunction`` (read without importing asgiref: on Python 3.12+ its mark is
+    :func:`inspect.markcoroutinefunction`'s, before it asyncio's ``_is_coroutine``)."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    if inspect.iscoroutinefunction(fun):
+        return True
+    marker = getattr(asyncio.coroutines, "_is_coroutine", None)
+    return marker is not None and getattr(fun, "_is_coroutine", None) is marker
 
 
 # -- the admission gate -------------------------------------------------------------------------

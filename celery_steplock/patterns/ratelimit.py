@@ -29,6 +29,13 @@ Task options (see :mod:`celery_steplock.patterns.gates`): ``cluster_rate_limit``
 :class:`TokenBucket` / :class:`SlidingWindow`; or a list of them, all of which must admit)
 and ``cluster_rate_limit_key`` (a template over the task's arguments, like ``lock_key``, or
 a callable of them; default: the task's name, one limit per task).
+
+Async: the same limiter objects serve asyncio code on the same Redis state (a sync Celery
+task and an async view share one limit): ``await limiter.atry_acquire(key)``, ``async with
+limiter.acquire(key)`` (or ``await limiter.acquire(key)``) and ``@limiter.using(...)`` on an
+``async def``. Each Redis operation is written once as :mod:`celery_steplock.calls` steps,
+driven by a redis-py client (sync) or its ``redis.asyncio`` twin
+(:func:`celery_steplock.clients.async_client_for`).
 """
 
 from __future__ import annotations
@@ -39,11 +46,10 @@ import logging
 import math
 import re
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
-from .. import signals
+from .. import calls, signals
 from .._checks import CLOCK_SKEW_TOLERANCE, shown
 from .._redis import wire
 from .._redis.scripts.ratelimit import (
@@ -52,6 +58,7 @@ from .._redis.scripts.ratelimit import (
     TOKEN_BUCKET,
     WINDOW_REFUND,
 )
+from ..clients import async_client_for
 from ..events import emit, log_event
 from ..exceptions import (
     ImproperlyConfigured,
@@ -71,7 +78,6 @@ from ..keys import (
 )
 from ._base import (
     Target,
-    call,
     check_on_store_error,
     clock_skew,
     outage,
@@ -83,6 +89,7 @@ __all__ = [
     "TokenBucket",
     "SlidingWindow",
     "RateDecision",
+    "Admission",
     "Decision",
     "parse_rate",
     "OPTIONS",
@@ -366,7 +373,35 @@ class _Limiter:
         the queue member is ``"<ticket>.<binding>"``, so the script finds a ticket only
         when presented with the binding it was given with. Raises
         :class:`LockStoreUnavailable` (or LockStoreMisconfigured) when Redis does not answer
-        or refuses."""
+        or refuses. The async form is :meth:`adecide` (the same steps)."""
+        return calls.run(self._decide_steps(name, prefix, ticket, reserve, binding), client)
+
+    async def adecide(
+        self,
+        name: str,
+        *,
+        client: Any,
+        prefix: str,
+        ticket: str | None = None,
+        reserve: bool = False,
+        binding: str | None = None,
+    ) -> RateDecision:
+        """:meth:`decide` on a ``redis.asyncio`` client (a synchronous one is replaced by
+        its asyncio twin, :func:`celery_steplock.clients.async_client_for`)."""
+        return await calls.arun(
+            self._decide_steps(name, prefix, ticket, reserve, binding),
+            async_client_for(client),
+        )
+
+    def _decide_steps(
+        self,
+        name: str,
+        prefix: str,
+        ticket: str | None,
+        reserve: bool,
+        binding: str | None,
+    ) -> calls.Steps[RateDecision]:
+        """The decision, written once (:mod:`celery_steplock.calls`): one script call."""
         name = check_name(name)
         ticket = check_ticket(ticket)
         keys = list(self.redis_key(prefix, name))
@@ -382,7 +417,7 @@ class _Limiter:
             repr(self.ticket_grace * 1000.0),
             repr(CLOCK_SKEW_TOLERANCE * 1000.0),
         ]
-        reply = call(client, self._script, keys, args, "rate limit", name=name)
+        reply = yield calls.Eval(self._script, keys, args, "rate limit", name=name)
         return self._decision(reply, keys[0], member)
 
     def _decision(self, reply: Sequence[Any], key: str, member: str) -> RateDecision:
@@ -421,8 +456,15 @@ class _Limiter:
 
     def refund(self, decision: RateDecision, *, client: Any) -> None:
         """Give back an admission that was not used (best effort: errors are ignored)."""
+        calls.run(self._refund_steps(decision), client)
+
+    async def arefund(self, decision: RateDecision, *, client: Any) -> None:
+        """:meth:`refund` on a ``redis.asyncio`` client (or a synchronous one's twin)."""
+        await calls.arun(self._refund_steps(decision), async_client_for(client))
+
+    def _refund_steps(self, decision: RateDecision) -> calls.Steps[None]:
         try:
-            call(client, self._refund, [decision.key], self._refund_args(decision), "refund")
+            yield calls.Eval(self._refund, [decision.key], self._refund_args(decision), "refund")
         except LockError:
             pass
 
@@ -445,14 +487,58 @@ class _Limiter:
         :class:`InvalidArgument` naming ``ticket``, before anything is written); ``reserve``
         True to take a place in the queue when denied.
         Returns a :class:`RateDecision`; raises LockStoreUnavailable when Redis does not answer
-        and the policy is fail_closed (fail_open: an allowed RateDecision with ``now`` 0.0)."""
+        and the policy is fail_closed (fail_open: an allowed RateDecision with ``now`` 0.0).
+        The coroutine form is :meth:`atry_acquire`."""
+        where, steps = self._try_steps(key, app, client, prefix, ticket, reserve)
+        return calls.run(steps, where.client)
+
+    async def atry_acquire(
+        self,
+        key: str | None = None,
+        *,
+        app: Any = None,
+        client: Any = None,
+        prefix: str | None = None,
+        ticket: str | None = None,
+        reserve: bool = False,
+    ) -> RateDecision:
+        """:meth:`try_acquire` as a coroutine: the same arguments, decision, Redis state,
+        outage policy and signals, on the ``redis.asyncio`` twin of the client
+        (:func:`celery_steplock.clients.async_client_for`; ``client`` may be a
+        ``redis.asyncio`` client itself). Never blocks the event loop. A sync caller and an
+        async caller of equal limiters on one Redis share one limit.
+
+        Returns:
+            The :class:`RateDecision` (truthy when admitted).
+
+        Raises:
+            LockStoreUnavailable: Redis does not answer and the policy is fail_closed.
+            InvalidArgument: ``key`` or ``ticket`` is no name/ticket.
+        """
+        where, steps = self._try_steps(key, app, client, prefix, ticket, reserve)
+        return await calls.arun(steps, async_client_for(where.client))
+
+    def _try_steps(
+        self,
+        key: str | None,
+        app: Any,
+        client: Any,
+        prefix: str | None,
+        ticket: str | None,
+        reserve: bool,
+    ) -> tuple[Target, calls.Steps[RateDecision]]:
         name = self._plain_name(key)
         ticket = check_ticket(ticket)
         where = self._target(app, client, prefix)
+        return where, self._plain_steps(name, where, ticket, reserve)
+
+    def _plain_steps(
+        self, name: str, where: Target, ticket: str | None, reserve: bool
+    ) -> calls.Steps[RateDecision]:
+        """The plain API's decision, written once: the outage policy around the script
+        call, then the decision's signals."""
         try:
-            decision = self.decide(
-                name, client=where.client, prefix=where.prefix, ticket=ticket, reserve=reserve
-            )
+            decision = yield from self._decide_steps(name, where.prefix, ticket, reserve, None)
         except LockStoreUnavailable as exc:
             policy = resolve_policy(
                 self.on_store_error, where.settings, "rate_limit_on_store_error"
@@ -463,7 +549,6 @@ class _Limiter:
         _announce(decision, None, name, ticket)
         return decision
 
-    @contextmanager
     def acquire(
         self,
         key: str | None = None,
@@ -471,24 +556,40 @@ class _Limiter:
         app: Any = None,
         client: Any = None,
         prefix: str | None = None,
-    ) -> Iterator[RateDecision]:
-        """Context manager: admit the block once, or raise :class:`RateLimited`
-        (``retry_after`` seconds) without running it. Arguments as :meth:`try_acquire`."""
-        decision = self.try_acquire(key, app=app, client=client, prefix=prefix)
-        if not decision.allowed:
-            raise self._denied(decision)
-        yield decision
+    ) -> Admission:
+        """Admit a block once, or raise :class:`RateLimited` (``retry_after`` seconds)
+        without running it; arguments as :meth:`try_acquire`. The decision is taken when
+        the block is entered: ``with limiter.acquire(key) as decision:`` (sync) or ``async
+        with limiter.acquire(key) as decision:`` (asyncio, :meth:`atry_acquire`);
+        ``await limiter.acquire(key)`` decides without a block. An admission is not given
+        back at exit (a rate limit counts starts, not holders).
+
+        Returns:
+            An :class:`Admission` (a sync and async context manager, and awaitable).
+        """
+        return Admission(self, key, app, client, prefix)
 
     def using(
         self, key: Any = None, *, app: Any = None, client: Any = None, prefix: str | None = None
     ) -> Callable:
         """Decorator: each call is admitted once or raises :class:`RateLimited` without
         running. ``key`` a name, a template over the function's arguments or a callable of
-        them (default the limiter's ``key``, else the function's qualified name)."""
+        them (default the limiter's ``key``, else the function's qualified name). An
+        ``async def`` gets a coroutine function deciding with :meth:`atry_acquire`."""
         template = _key_template(key if key is not None else self.key, self.option)
 
         def decorate(fun: Callable) -> Callable:
             default = f"{fun.__module__}.{fun.__qualname__}"
+
+            if inspect.iscoroutinefunction(fun):
+
+                @functools.wraps(fun)
+                async def awrapper(*args, **kwargs):
+                    name = limit_name(template, default, bind_arguments(fun, args, kwargs))
+                    async with self.acquire(name, app=app, client=client, prefix=prefix):
+                        return await fun(*args, **kwargs)
+
+                return awrapper
 
             @functools.wraps(fun)
             def wrapper(*args, **kwargs):
@@ -523,6 +624,50 @@ class _Limiter:
             limit=decision.limit,
             ticket=decision.ticket,
         )
+
+
+class Admission:
+    """What :meth:`TokenBucket.acquire` / :meth:`SlidingWindow.acquire` return: one
+    decision, taken on entering the block (``with``: :meth:`~_Limiter.try_acquire`;
+    ``async with`` or ``await``: :meth:`~_Limiter.atry_acquire`). Entering yields the
+    allowed :class:`RateDecision`; a denial raises :class:`RateLimited` and the block does
+    not run. Exiting gives nothing back and lets every exception through. Each entry is a
+    new decision."""
+
+    __slots__ = ("limiter", "key", "app", "client", "prefix")
+
+    def __init__(self, limiter: _Limiter, key: str | None, app: Any, client: Any, prefix: Any):
+        self.limiter = limiter
+        self.key = key
+        self.app = app
+        self.client = client
+        self.prefix = prefix
+
+    def _admitted(self, decision: RateDecision) -> RateDecision:
+        if not decision.allowed:
+            raise self.limiter._denied(decision)
+        return decision
+
+    def __enter__(self) -> RateDecision:
+        decision = self.limiter.try_acquire(
+            self.key, app=self.app, client=self.client, prefix=self.prefix
+        )
+        return self._admitted(decision)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
+
+    async def __aenter__(self) -> RateDecision:
+        decision = await self.limiter.atry_acquire(
+            self.key, app=self.app, client=self.client, prefix=self.prefix
+        )
+        return self._admitted(decision)
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, RateDecision]:
+        return self.__aenter__().__await__()
 
 
 class TokenBucket(_Limiter):

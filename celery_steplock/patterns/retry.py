@@ -9,8 +9,13 @@ time, ``Retry-After`` honoured, and a classifier so that what must not be retrie
   with Celery's ``self.retry(exc=..., countdown=..., max_retries=...)``, the time of the
   first attempt travelling in the ``steplock_first_attempt`` message header. The worker never
   sleeps in its slot: the countdown is the broker's;
-- as a plain call, ``policy.call(fn, *args, **kwargs)``, sleeping between attempts;
-- as a decorator, ``@policy``.
+- as a plain call, ``policy.call(fn, *args, **kwargs)``, sleeping between attempts, or
+  ``await policy.acall(afn, *args, **kwargs)`` for a coroutine function, waiting with
+  ``asyncio.sleep`` (never ``time.sleep``: the event loop runs on);
+- as a decorator, ``@policy``, on a ``def`` or an ``async def`` (the wrapper is then a
+  coroutine function). Under a circuit breaker's decorator (``@breaker`` above ``@policy``)
+  the retries run inside the breaker: every attempt is admitted by it, as with
+  ``RetryPolicy(breaker=...)``, and its refusal (CircuitOpen, control flow) is never retried.
 
 Classification (:meth:`RetryPolicy.classify`; the first rule that applies wins):
 
@@ -34,13 +39,18 @@ Classification (:meth:`RetryPolicy.classify`; the first rule that applies wins):
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import functools
+import inspect
 import logging
 import sys
 import time
+import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
+
+from asgiref.sync import iscoroutinefunction
 
 from .. import signals
 from .._checks import MAX_RETRIES, MAX_SECONDS, check_count, check_seconds, shown
@@ -54,6 +64,7 @@ __all__ = [
     "RetryDecision",
     "Decision",
     "classify",
+    "is_async_callable",
     "retry_after_of",
     "http_status_of",
     "FIRST_ATTEMPT_HEADER",
@@ -110,6 +121,22 @@ def _loaded(pairs) -> tuple[type, ...]:
         if isinstance(cls, type):
             found.append(cls)
     return tuple(found)
+
+
+def is_async_callable(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine to await: a coroutine function (also a
+    ``functools.partial`` of one, or one marked with asgiref's ``markcoroutinefunction``,
+    as Django's decorators do), or an object whose class's ``__call__`` is one."""
+    if type(fn) is types.FunctionType:  # the common case, fast: a plain def, unmarked
+        if fn.__code__.co_flags & inspect.CO_COROUTINE:
+            return True
+        if not fn.__dict__:
+            return False
+    if iscoroutinefunction(fn):
+        return True
+    if isinstance(fn, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)):
+        return False
+    return callable(fn) and iscoroutinefunction(type(fn).__call__)  # an async __call__
 
 
 def is_control(exc: BaseException) -> bool:
@@ -246,9 +273,11 @@ class RetryPolicy:
     ``retry_unknown`` (retry what no rule knows; default False), ``honor_retry_after``
     (wait at least what the raiser asked; default True; a wait past ``max_elapsed`` gives
     up), ``sleep`` (the plain form's sleep function, default :func:`time.sleep`),
-    ``breaker`` (a :class:`~celery_steplock.patterns.breaker.CircuitBreaker` every plain attempt
-    passes: an open circuit raises CircuitOpen at once, without calling ``fn``, and is never
-    retried in the plain form). Raises ImproperlyConfigured for a bad value.
+    ``asleep`` (the async form's, a coroutine function, default :func:`asyncio.sleep`:
+    the event loop is never blocked), ``breaker`` (a
+    :class:`~celery_steplock.patterns.breaker.CircuitBreaker` every plain attempt passes,
+    sync or async: an open circuit raises CircuitOpen at once, without calling ``fn``, and
+    is never retried in the plain form). Raises ImproperlyConfigured for a bad value.
     """
 
     def __init__(
@@ -266,6 +295,7 @@ class RetryPolicy:
         honor_retry_after: bool = True,
         sleep: Callable[[float], Any] = time.sleep,
         breaker: Any = None,
+        asleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ):
         self.max_attempts = check_count(
             max_attempts, "RetryPolicy(max_attempts=)", minimum=1, maximum=MAX_RETRIES
@@ -292,6 +322,12 @@ class RetryPolicy:
         self.retry_unknown = bool(retry_unknown)
         self.honor_retry_after = bool(honor_retry_after)
         self.sleep = sleep
+        if not callable(asleep):
+            raise ImproperlyConfigured(
+                f"RetryPolicy(asleep=) must be a coroutine function, got {shown(asleep)}",
+                setting="retry_policy",
+            )
+        self.asleep = asleep
         # Duck-typed: the breaker module sits above this one (it imports the classifier).
         if breaker is not None and not callable(getattr(breaker, "call", None)):
             raise ImproperlyConfigured(
@@ -372,31 +408,89 @@ class RetryPolicy:
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)``, retrying as decided, sleeping between attempts;
-        returns its result or raises its last exception (CircuitOpen from ``breaker``)."""
+        returns its result or raises its last exception (CircuitOpen from ``breaker``).
+        A coroutine function ``fn`` gets :meth:`acall`'s coroutine (await it)."""
+        if is_async_callable(fn):
+            return self.acall(fn, *args, **kwargs)
+        return self._call(fn, args, kwargs, ())
+
+    async def acall(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """``await fn(*args, **kwargs)``, retrying as :meth:`call` decides (the same
+        :meth:`decide`, :meth:`countdown` and ``retry_policy_decided`` signal), waiting with
+        ``asleep`` (default :func:`asyncio.sleep`: the event loop is never blocked). Each
+        attempt passes ``breaker`` (its :meth:`~celery_steplock.patterns.breaker.CircuitBreaker.acall`)
+        when one is set; CircuitOpen is control flow, never retried.
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            Exception: The last attempt's exception, at once for one that is not retried
+                (non-retryable, unknown without ``retry_unknown``, control flow).
+        """
+        return await self._acall(fn, args, kwargs, ())
+
+    def _through(self, fn: Callable[..., Any], breakers: tuple[Any, ...], method: str) -> Any:
+        """``fn`` as an attempt calls it: through the breakers every attempt passes,
+        outermost first (the decorators' above this policy's, ``@breaker`` over
+        ``@policy``, then its own ``breaker``), each by its ``method`` (``"call"``, or
+        ``"acall"`` for a coroutine function)."""
+        chain = (*breakers, self.breaker) if self.breaker is not None else breakers
+        for breaker in reversed(chain):
+            fn = functools.partial(getattr(breaker, method), fn)
+        return fn
+
+    def _failed(self, exc: BaseException, attempt: int, started: float, fn: Any) -> RetryDecision:
+        decision = self.decide(exc, attempt, time.monotonic() - started)
+        if decision.kind != "control":
+            self._announce(decision, exc, task_name=getattr(fn, "__qualname__", None))
+        return decision
+
+    def _call(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        breakers: tuple[Any, ...],
+    ) -> Any:
+        attempt_fn = self._through(fn, breakers, "call")
         started = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             try:
-                if self.breaker is not None:
-                    return self.breaker.call(fn, *args, **kwargs)
-                return fn(*args, **kwargs)
+                return attempt_fn(*args, **kwargs)
             except Exception as exc:
-                decision = self.decide(exc, attempt, time.monotonic() - started)
-                if decision.kind != "control":
-                    self._announce(decision, exc, task_name=getattr(fn, "__qualname__", None))
+                decision = self._failed(exc, attempt, started, fn)
                 if decision.decision != "retry":
                     raise
             self.sleep(decision.countdown or 0.0)  # a "retry" decision always has one
 
+    async def _acall(
+        self,
+        fn: Callable[..., Awaitable[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        breakers: tuple[Any, ...],
+    ) -> Any:
+        attempt_fn: Callable[..., Awaitable[Any]] = self._through(fn, breakers, "acall")
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await attempt_fn(*args, **kwargs)
+            except Exception as exc:
+                decision = self._failed(exc, attempt, started, fn)
+                if decision.decision != "retry":
+                    raise
+            await self.asleep(decision.countdown or 0.0)
+
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator form of :meth:`call`."""
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return self.call(fn, *args, **kwargs)
-
-        return wrapper
+        """Decorator form of :meth:`call` (of :meth:`acall` for an ``async def``: the
+        wrapper is a coroutine function). A circuit breaker decorating the result
+        (``@breaker`` above ``@policy``) is passed by every attempt, as ``breaker`` is."""
+        return _wrap(self, fn, ())
 
     # -- the task form ----------------------------------------------------------------------
 
@@ -439,3 +533,44 @@ def check_policy(value: Any, option: str = "retry_policy") -> RetryPolicy | None
     raise ImproperlyConfigured(
         f"{option}={shown(value)} must be a RetryPolicy(...) object", setting=option
     )
+
+
+@dataclass(frozen=True, eq=False)
+class _Composed:
+    """What a :class:`RetryPolicy` decorator wraps: ``policy`` retrying ``fn`` through
+    ``breakers`` (outermost first); ``wrapper`` the decorated function it describes (a copy
+    of the attribute made by another decorator's ``functools.wraps`` is not it)."""
+
+    policy: RetryPolicy
+    fn: Callable[..., Any]
+    breakers: tuple[Any, ...]
+    wrapper: Callable[..., Any]
+
+    def through(self, breaker: Any) -> Callable[..., Any]:
+        """The decorated function with every attempt also passing ``breaker`` (outermost)."""
+        return _wrap(self.policy, self.fn, (breaker, *self.breakers))
+
+
+def _wrap(
+    policy: RetryPolicy, fn: Callable[..., Any], breakers: tuple[Any, ...]
+) -> Callable[..., Any]:
+    """``fn`` decorated by ``policy``, every attempt passing ``breakers``: a coroutine
+    function for a coroutine function."""
+    wrapper: Callable[..., Any]
+    if is_async_callable(fn):
+
+        @functools.wraps(fn)
+        async def awrapper(*args: Any, **kwargs: Any) -> Any:
+            return await policy._acall(fn, args, kwargs, breakers)
+
+        wrapper = awrapper
+    else:
+
+        @functools.wraps(fn)
+        def swrapper(*args: Any, **kwargs: Any) -> Any:
+            return policy._call(fn, args, kwargs, breakers)
+
+        wrapper = swrapper
+    marked: Any = wrapper
+    marked.__steplock_retry__ = _Composed(policy, fn, breakers, wrapper)
+    return wrapper

@@ -7,9 +7,11 @@ Real Redis (the session's server), the real test database (transactions committe
 
 from __future__ import annotations
 
+import asyncio
 from html.parser import HTMLParser
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.contrib import admin as django_admin
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -20,12 +22,16 @@ from celery_steplock.contrib.django.checks import check_step_admins
 from celery_steplock.contrib.django.mixins import GuardedStepAdminMixin
 from celery_steplock.contrib.django.steps import (
     DEFAULT_ACTOR,
+    AsyncGuardedStep,
+    aguarded_step,
+    aguarded_transition,
     guarded_step,
     guarded_transition,
     step_lock_name,
 )
 from celery_steplock.exceptions import (
     ImproperlyConfigured,
+    InvalidArgument,
     InvalidTransition,
     LockContended,
     LockLost,
@@ -39,6 +45,7 @@ from django_app.workflows.admin import StepAdmin
 from django_app.workflows.models import ArchivableStep, Step, TransitionRecord
 from django_app.workflows.tasks import advance
 from tests.helpers import closed_port_url, set_settings
+from tests.support.loop import LagProbe
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -135,9 +142,25 @@ def names(events):
     return [name for name, _ in events]
 
 
-def test_an_applied_transition_holds_the_tasks_lease_and_commits_before_release(steps_app, events):
+def _from_asyncio(*args, **kwargs):
+    """``aguarded_transition`` from a fresh event loop: its database part runs on a thread
+    (and a connection) of its own."""
+    return asyncio.run(aguarded_transition(*args, **kwargs))
+
+
+@pytest.fixture(params=["sync", "async"])
+def guarded(request):
+    """The guarded transition in both forms (issue 27): ``guarded_transition``, and
+    ``aguarded_transition`` run by ``asyncio.run``; the same arguments, answers, errors
+    and signals."""
+    return guarded_transition if request.param == "sync" else _from_asyncio
+
+
+def test_an_applied_transition_holds_the_tasks_lease_and_commits_before_release(
+    guarded, steps_app, events
+):
     step = Step.objects.create(name="s")
-    result = guarded_transition(Step, str(step.pk), "pending", "cancelled", task=advance)
+    result = guarded(Step, str(step.pk), "pending", "cancelled", task=advance)
     assert result.applied and result.step_id == step.pk and result.to == "cancelled"
     step.refresh_from_db()
     assert step.status == "cancelled" and step.lock_fence == result.fence
@@ -154,39 +177,37 @@ def test_an_applied_transition_holds_the_tasks_lease_and_commits_before_release(
     assert get_lease_store(steps_app).inspect(f"step:{step.pk}") is None
 
 
-def test_a_task_after_the_guarded_transition_is_a_duplicate(steps_app):
+def test_a_task_after_the_guarded_transition_is_a_duplicate(guarded, steps_app):
     step = Step.objects.create(name="s")
-    guarded_transition(Step, step.pk, "pending", "cancelled", task=advance)
+    guarded(Step, step.pk, "pending", "cancelled", task=advance)
     result = advance.apply(args=(step.pk,))
     assert result.successful() and result.result["steplock"] == "duplicate"
     assert TransitionRecord.objects.filter(step=step).count() == 0
 
 
-def test_a_conflict_raises_or_returns_and_writes_nothing(steps_app, events):
+def test_a_conflict_raises_or_returns_and_writes_nothing(guarded, steps_app, events):
     step = Step.objects.create(name="s", status="done")
     with pytest.raises(TransitionConflict) as info:
-        guarded_transition(Step, step.pk, "pending", "cancelled", task=advance)
+        guarded(Step, step.pk, "pending", "cancelled", task=advance)
     assert info.value.current == "done" and not info.value.stale_fence
     assert names(events) == ["lock_acquired", "transition_conflict", "lock_released"]
     events.clear()
-    result = guarded_transition(
-        Step, step.pk, "pending", "cancelled", task=advance, on_conflict="return"
-    )
+    result = guarded(Step, step.pk, "pending", "cancelled", task=advance, on_conflict="return")
     assert not result.applied and result.current == "done"
     assert names(events) == ["lock_acquired", "transition_conflict", "lock_released"]
     step.refresh_from_db()
     assert (step.status, step.lock_owner, step.lock_fence) == ("done", "", None)
     with pytest.raises(ImproperlyConfigured) as bad:
-        guarded_transition(Step, step.pk, "pending", "x", task=advance, on_conflict="skip")
+        guarded(Step, step.pk, "pending", "x", task=advance, on_conflict="skip")
     assert bad.value.setting == "on_conflict"
 
 
-def test_a_busy_lease_is_contended_and_nothing_runs(steps_app, events):
+def test_a_busy_lease_is_contended_and_nothing_runs(guarded, steps_app, events):
     step = Step.objects.create(name="s")
     store = get_lease_store(steps_app)
     assert store.acquire(f"step:{step.pk}", "a-worker", 30.0) is not None
     with pytest.raises(LockContended) as info:
-        guarded_transition(Step, step.pk, "pending", "cancelled", task=advance, wait=0.2)
+        guarded(Step, step.pk, "pending", "cancelled", task=advance, wait=0.2)
     assert info.value.holder == "a-worker" and info.value.name == f"step:{step.pk}"
     assert names(events) == ["lock_contended"]
     assert dict(events)["lock_contended"]["holder"] == "a-worker"
@@ -209,19 +230,127 @@ def test_a_lease_lost_before_commit_rolls_the_whole_block_back(steps_app, events
     assert names(events)[-1] == "lock_lost"
 
 
-def test_a_row_with_a_newer_fence_loses_the_lease(steps_app):
+def test_an_async_block_is_one_transaction_its_own_async_orm_calls_included(steps_app, events):
+    """``async with aguarded_step(...)``: the block's own async ORM calls (thread-sensitive
+    hops) run on the block's thread, inside its transaction: a lease lost before COMMIT
+    rolls them back with the transition, as the sync block does; a block that ends well
+    commits both, then releases the lease."""
+    step = Step.objects.create(name="s")
+
+    async def lost():
+        async with aguarded_step(Step, step.pk, task=advance) as held:
+            assert isinstance(held, AsyncGuardedStep)
+            assert await held.astatus() == "pending"
+            await Step.objects.filter(pk=step.pk).aupdate(name="renamed in the block")
+            assert (await held.atransition("pending", "running")).applied
+            await held._astore.client.hset(held.lease.key, mapping={"owner": "thief"})
+
+    with pytest.raises(LockLost):
+        asyncio.run(lost())
+    step.refresh_from_db()
+    assert (step.name, step.status, step.lock_fence) == ("s", "pending", None)
+    assert "transition_applied" not in names(events) and names(events)[-1] == "lock_lost"
+
+    step = Step.objects.create(name="s")  # the other's lease is the thief's now
+
+    async def kept():
+        async with aguarded_step(Step, step.pk, task=advance) as held:
+            await Step.objects.filter(pk=step.pk).aupdate(name="renamed")
+            result = await held.atransition("pending", "running")
+        return result
+
+    events.clear()
+    result = asyncio.run(kept())
+    step.refresh_from_db()
+    assert (step.name, step.status, step.lock_fence) == ("renamed", "running", result.fence)
+    assert names(events) == ["lock_acquired", "transition_applied", "lock_released"]
+    assert get_lease_store(steps_app).inspect(f"step:{step.pk}") is None
+
+
+def test_an_async_wait_for_a_busy_step_never_blocks_the_loop(steps_app):
+    """A task's lease holds the step; ``aguarded_transition`` waits for it on the loop (the
+    async store's wait) while a probe task of the loop sleeping 5 ms at a time keeps
+    running: its largest overshoot stays under 50 ms, and the transition applies once the
+    holder releases (its fencing token after the holder's)."""
+    step = Step.objects.create(name="s")
+    store = get_lease_store(steps_app)
+    holder = store.acquire(f"step:{step.pk}", "a-worker", 30.0)
+
+    async def scenario():
+        async def holder_releases():
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(store.release, holder.name, holder.owner)
+
+        async with LagProbe() as probe:
+            releasing = asyncio.ensure_future(holder_releases())
+            result = await aguarded_transition(
+                Step, step.pk, "pending", "cancelled", task=advance, wait=5
+            )
+        await releasing
+        return result, probe.max_lag, probe.ticks
+
+    result, lag, ticks = asyncio.run(scenario())
+    assert result.applied and result.fence > holder.fence
+    assert ticks >= 40 and lag < 0.05, (lag, ticks)
+
+
+def test_a_cancelled_async_writer_leaves_no_lease_and_no_write(steps_app, events):
+    """Cancelled while it waits for the task's lease: nothing of it stays (the task still
+    holds its lease). Cancelled inside its block: the block's writes roll back and its
+    lease is released (not left to its TTL)."""
+    step = Step.objects.create(name="s")
+    store = get_lease_store(steps_app)
+    holder = store.acquire(f"step:{step.pk}", "a-worker", 30.0)
+
+    async def waits():
+        task = asyncio.ensure_future(
+            aguarded_transition(Step, step.pk, "pending", "cancelled", task=advance, wait=5)
+        )
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(waits())
+    assert store.inspect(f"step:{step.pk}")["owner"] == "a-worker"
+    assert store.release(holder.name, holder.owner)
+
+    async def holds():
+        entered = asyncio.Event()
+
+        async def block():
+            async with aguarded_step(Step, step.pk, task=advance) as held:
+                await held.atransition("pending", "running")
+                entered.set()
+                await asyncio.sleep(30)
+
+        task = asyncio.ensure_future(block())
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    events.clear()
+    asyncio.run(holds())
+    step.refresh_from_db()
+    assert (step.status, step.lock_fence) == ("pending", None)
+    assert store.inspect(f"step:{step.pk}") is None
+    assert names(events) == ["lock_acquired", "lock_released"]
+
+
+def test_a_row_with_a_newer_fence_loses_the_lease(guarded, steps_app):
     step = Step.objects.create(name="s", lock_fence=2**62)
     with pytest.raises(LockLost):
-        guarded_transition(Step, step.pk, "pending", "cancelled", task=advance)
+        guarded(Step, step.pk, "pending", "cancelled", task=advance)
     step.refresh_from_db()
     assert step.status == "pending" and step.lock_fence == 2**62
 
 
-def test_an_unreachable_lock_store_fails_closed(steps_app, events):
+def test_an_unreachable_lock_store_fails_closed(guarded, steps_app, events):
     step = Step.objects.create(name="s")
     set_settings(steps_app, steplock_redis_url=closed_port_url(), steplock_socket_timeout=0.5)
     with pytest.raises(LockStoreUnavailable):
-        guarded_transition(Step, step.pk, "pending", "cancelled", lock_name=f"step:{step.pk}")
+        guarded(Step, step.pk, "pending", "cancelled", lock_name=f"step:{step.pk}")
     assert names(events) == ["lock_store_error"]
     assert dict(events)["lock_store_error"]["policy"] == "fail_closed"
     step.refresh_from_db()
@@ -239,6 +368,29 @@ def test_refusals_before_any_lease(steps_app, redis_client):
         )
     with pytest.raises(StepNotFound):
         guarded_transition(Step, step.pk + 1000, "pending", "cancelled", task=advance)
+    # The async form called from sync code inside a block (async_to_sync: its hops go to
+    # this thread, whose atomic() it sees), and entered without `async with`.
+    with pytest.raises(OuterTransactionError, match="non_atomic_requests"):
+        with transaction.atomic():
+            async_to_sync(aguarded_transition)(Step, step.pk, "pending", "cancelled", task=advance)
+    with pytest.raises(InvalidTransition):
+        asyncio.run(
+            aguarded_transition(
+                Step,
+                step.pk,
+                "pending",
+                "done",
+                task=advance,
+                transitions={"pending": ["running"]},
+            )
+        )
+    with pytest.raises(StepNotFound):
+        asyncio.run(
+            aguarded_transition(Step, step.pk + 1000, "pending", "cancelled", task=advance)
+        )
+    with pytest.raises(InvalidArgument, match="async with"):
+        with aguarded_step(Step, step.pk, task=advance):
+            pass
     assert list(redis_client.scan_iter("steplock:lease:*")) == []
 
 

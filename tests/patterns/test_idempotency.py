@@ -27,30 +27,9 @@ from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
 from tests.helpers import set_settings
+from tests.support.idempotency import seen  # noqa: F401 - the fixture
 
 SECRET = "s" * 40
-
-
-@pytest.fixture
-def seen():
-    """Every idempotency signal sent during the test, as (name, kwargs)."""
-    found = []
-
-    def receiver(sender=None, signal=None, **kw):
-        found.append((signal.name, kw))
-
-    sigs = (
-        signals.idempotency_locked,
-        signals.idempotency_replayed,
-        signals.idempotency_completed,
-        signals.idempotency_failed,
-        signals.idempotency_conflict,
-    )
-    for sig in sigs:
-        sig.connect(receiver, weak=False)
-    yield found
-    for sig in sigs:
-        sig.disconnect(receiver)
 
 
 def make(redis_client, **kwargs):

@@ -33,6 +33,7 @@ record (docs/patterns/idempotency.md, "Whose key it is" and "When a response is 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import difflib
@@ -43,9 +44,9 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Generator, Iterable
 
-from asgiref.sync import iscoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import (
     BadRequest,
@@ -59,7 +60,9 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.http.multipartparser import MultiPartParserError
 from django.urls import Resolver404, resolve
 from django.utils import timezone
+from django.utils.functional import empty
 
+from ... import calls
 from ..._checks import (
     MAX_IDEMPOTENCY_MAX_RECORDS,
     MIN_IDEMPOTENCY_MAX_RECORDS,
@@ -70,6 +73,7 @@ from ..._checks import (
 )
 from ..._redis import wire
 from ..._redis.scripts.idempotency_quota import ADMIT, COMPLETED
+from ...clients import async_client_for
 from ...events import log_event
 from ...exceptions import (
     IdempotencyInProgress,
@@ -81,8 +85,6 @@ from ...exceptions import (
     LockStoreUnavailable,
 )
 from ...keys import idempotency_key, idempotency_quota_key
-from ...patterns._base import call as run_script
-from ...patterns._base import translated
 from ...patterns.idempotency import ARGUMENTS as POLICY_ARGUMENTS
 from ...patterns.idempotency import KEYWORDS as POLICY_KEYWORDS
 from ...patterns.idempotency import (
@@ -101,6 +103,7 @@ __all__ = [
     "idempotent_view",
     "idempotency_exempt",
     "default_scope",
+    "adefault_scope",
     "IdempotencyMiddleware",
     "middleware_policy",
     "ANONYMOUS_SCOPE",
@@ -244,7 +247,19 @@ class DatabaseRecords:
     """The database store of idempotency records (see the module's text for the
     consistency rule). ``cache``: a :class:`~celery_steplock.patterns.idempotency.RedisRecords` for
     the copies of completed rows (None: no cache); ``using``: a database alias (default the
-    model's ``router.db_for_write``). A database error raises LockStoreUnavailable."""
+    model's ``router.db_for_write``). A database error raises LockStoreUnavailable.
+
+    Asyncio: ``abegin``, ``acomplete``, ``afail``, ``arelease``, ``aextend_many``,
+    ``ainvalidate``, ``aget`` and ``aon_commit`` are the coroutine forms (same arguments,
+    results and errors). Each runs its synchronous method in one
+    ``asgiref.sync.sync_to_async(..., thread_sensitive=True)`` hop (Django's own thread for
+    sync ORM work called from async code): Django's ORM has no asynchronous transactions
+    (``atomic``, ``select_for_update``, ``on_commit``), and every transition here needs
+    one. The exception is :meth:`abegin`'s first step: the Redis cache copy of a completed
+    record is read on the event loop (``redis.asyncio``), so a replay costs no hop. The
+    renewals of a record locked from async code run on the heartbeat thread's
+    ``"database"`` lane, as the sync ones do (never on the event loop).
+    """
 
     #: The heartbeat renews the records on a thread of their own
     #: (:func:`celery_steplock.heartbeat.heartbeat_for`): a database that stops answering
@@ -348,11 +363,14 @@ class DatabaseRecords:
         namespace: str = "",
         version: str = "",
     ) -> RecordDecision:
-        cached = self._cached(key)
-        if cached is not None and cached.status == "completed":
-            if cached.fingerprint == fingerprint:
-                return RecordDecision("replay", record=cached)
-            return RecordDecision("reused", status="completed")
+        decision = _from_cache(self._cached(key), fingerprint)
+        if decision is not None:
+            return decision
+        return self._begin_in_database(key, fingerprint, owner, lock_ttl, namespace, version)
+
+    def _begin_in_database(
+        self, key, fingerprint, owner, lock_ttl, namespace, version
+    ) -> RecordDecision:
         using = self._db()
         try:
             connection = connections[using]
@@ -631,6 +649,104 @@ class DatabaseRecords:
             return None
         return _record(row)
 
+    # -- asyncio: one sync_to_async(thread_sensitive=True) hop each ------------------------------
+
+    async def _acached(self, key: str) -> Record | None:
+        if self.cache is None:
+            return None
+        try:
+            return await self.cache.aget(key)
+        except LockError as exc:
+            log_event("idempotency_cache_error", logging.WARNING, key=key, error=exc)
+            return None
+
+    async def abegin(
+        self,
+        key: str,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> RecordDecision:
+        """:meth:`begin` under asyncio: the Redis cache copy is read on the event loop (a
+        replay or a reused key is decided without a thread hop); otherwise the database
+        transition runs in one ``sync_to_async(thread_sensitive=True)`` hop (the ORM has no
+        async ``atomic``/``select_for_update``).
+
+        Raises:
+            LockStoreUnavailable: The database did not answer.
+        """
+        decision = _from_cache(await self._acached(key), fingerprint)
+        if decision is not None:
+            return decision
+        return await _hop(self._begin_in_database)(
+            key, fingerprint, owner, lock_ttl, namespace, version
+        )
+
+    async def acomplete(
+        self,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        stored: Stored,
+        ttl: float,
+        namespace: str = "",
+        version: str = "",
+    ) -> bool:
+        """:meth:`complete` in one ``sync_to_async(thread_sensitive=True)`` hop (the cache
+        copy is written after the row's COMMIT, on that thread)."""
+        return await _hop(self.complete)(key, owner, fingerprint, stored, ttl, namespace, version)
+
+    async def afail(self, key: str, owner: str, error: str, ttl: float) -> bool:
+        """:meth:`fail` in one ``sync_to_async(thread_sensitive=True)`` hop."""
+        return await _hop(self.fail)(key, owner, error, ttl)
+
+    async def arelease(self, key: str, owner: str) -> bool:
+        """:meth:`release` in one ``sync_to_async(thread_sensitive=True)`` hop."""
+        return await _hop(self.release)(key, owner)
+
+    async def aon_commit(self, callback: Callable[[], Any]) -> None:
+        """:meth:`on_commit` in one ``sync_to_async(thread_sensitive=True)`` hop: the
+        callback runs when the transaction open on that thread commits (at once outside one,
+        the usual case under an async view), on that thread."""
+        await _hop(self.on_commit)(callback)
+
+    async def aextend_many(self, items: Iterable[tuple[str, str, float]]) -> list[bool]:
+        """:meth:`extend_many` in one ``sync_to_async(thread_sensitive=True)`` hop. The
+        policy does not renew through it (a record locked from async code is renewed on the
+        heartbeat thread's ``"database"`` lane, which a slow database cannot stall for
+        anyone else); it serves callers that renew records themselves."""
+        return await _hop(self.extend_many)(list(items))
+
+    async def ainvalidate(self, key: str) -> bool:
+        """:meth:`invalidate` in one ``sync_to_async(thread_sensitive=True)`` hop (the row,
+        then the cache copy)."""
+        return await _hop(self.invalidate)(key)
+
+    async def aget(self, key: str) -> Record | None:
+        """:meth:`get` in one ``sync_to_async(thread_sensitive=True)`` hop."""
+        return await _hop(self.get)(key)
+
+
+def _hop(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` as a coroutine function run on Django's thread for sync code called from
+    async code (``sync_to_async(thread_sensitive=True)``: the ORM's connections belong to
+    threads, and Django's ORM has no async transaction)."""
+    from asgiref.sync import sync_to_async
+
+    return sync_to_async(method, thread_sensitive=True)
+
+
+def _from_cache(cached: Record | None, fingerprint: str) -> RecordDecision | None:
+    """The decision a cache copy gives alone (a completed record: replay or reused), or
+    None (go to the database)."""
+    if cached is not None and cached.status == "completed":
+        if cached.fingerprint == fingerprint:
+            return RecordDecision("replay", record=cached)
+        return RecordDecision("reused", status="completed")
+    return None
+
 
 def prune_expired_records(
     *,
@@ -713,7 +829,38 @@ def default_scope(request) -> str | None:
     Returns:
         The principal's scope, or None when there is no authenticated user with a primary key.
     """
-    user = getattr(request, "user", None)
+    return _user_scope(getattr(request, "user", None))
+
+
+async def adefault_scope(request) -> str | None:
+    """The async form of :func:`default_scope`, the default ``scope`` of an async view: the
+    same principal, found without blocking the event loop. A Django request's user comes
+    from ``await request.auser()`` (``AuthenticationMiddleware``; Django's own async lookup
+    of the session's user) unless ``request.user`` is already a loaded user; a DRF
+    request's is the one its authentication found before the handler ran (an async adapter
+    such as adrf authenticates in its dispatch; if it has not yet, its ``request.user`` is
+    read in a thread, ``sync_to_async``).
+
+    Args:
+        request: A Django ``HttpRequest`` or a DRF ``Request``.
+
+    Returns:
+        The principal's scope, or None when there is no authenticated user with a primary key.
+    """
+    http = _http_request(request)
+    if http is not request:  # a DRF Request: its authenticators decide
+        if hasattr(request, "_user"):
+            return _user_scope(request.user)
+        return _user_scope(await sync_to_async(lambda: request.user)())
+    user = http.__dict__.get("user")
+    wrapped = getattr(user, "_wrapped", None)
+    auser = getattr(http, "auser", None)
+    if auser is not None and (user is None or wrapped is empty):
+        user = await auser()
+    return _user_scope(user)
+
+
+def _user_scope(user: Any) -> str | None:
     if user is None or not getattr(user, "is_authenticated", False):
         return None
     pk = getattr(user, "pk", None)
@@ -836,14 +983,31 @@ def _refusal_status(exc: BaseException) -> int | None:
     return None
 
 
+def _live(policy: Idempotency, resource: str, record: Record | None, error) -> bool:
+    if error is not None:
+        log_event(
+            "idempotency_quota_error", logging.WARNING, key=policy.key(resource), error=error
+        )
+        return False
+    return record is not None and record.status in ("completed", "locked")
+
+
 def _has_record(policy: Idempotency, resource: str) -> bool:
     """True when ``resource`` has a live completed or locked record (a store error: False)."""
     try:
         record = policy.get(resource)
     except LockError as exc:
-        log_event("idempotency_quota_error", logging.WARNING, key=policy.key(resource), error=exc)
-        return False
-    return record is not None and record.status in ("completed", "locked")
+        return _live(policy, resource, None, exc)
+    return _live(policy, resource, record, None)
+
+
+async def _ahas_record(policy: Idempotency, resource: str) -> bool:
+    """:func:`_has_record` with the policy's async read (``Idempotency.aget``)."""
+    try:
+        record = await policy.aget(resource)
+    except LockError as exc:
+        return _live(policy, resource, None, exc)
+    return _live(policy, resource, record, None)
 
 
 def _release(ticket: Any, quota: _Quota | None) -> None:
@@ -852,12 +1016,37 @@ def _release(ticket: Any, quota: _Quota | None) -> None:
         quota.forget(ticket.key)
 
 
+async def _arelease(ticket: Any, quota: _Quota | None) -> None:
+    """:func:`_release` with the async forms."""
+    if await ticket.arelease() and quota is not None:
+        await quota.aforget(ticket.key)
+
+
+def _refused(status: int | None) -> bool:
+    """Whether an error answer ``status`` is a refusal (4xx: the record is deleted) rather
+    than a server error (5xx, or an exception Django answers with 500: marked failed)."""
+    return status is not None and 400 <= status < 500
+
+
+def _released_event(ticket: Any, status: int | None) -> None:
+    log_event("idempotency_released", logging.INFO, key=ticket.key, reason=f"http_{status}")
+
+
 def _settle_error(ticket: Any, quota: _Quota | None, status: int | None, exc=None) -> None:
-    if status is not None and 400 <= status < 500:
+    if _refused(status):
         _release(ticket, quota)
-        log_event("idempotency_released", logging.INFO, key=ticket.key, reason=f"http_{status}")
+        _released_event(ticket, status)
         return
     ticket.fail(exc, reason=None if exc is not None else f"http_{status}")
+
+
+async def _asettle_error(ticket: Any, quota: _Quota | None, status: int | None, exc=None) -> None:
+    """:func:`_settle_error` with the async forms."""
+    if _refused(status):
+        await _arelease(ticket, quota)
+        _released_event(ticket, status)
+        return
+    await ticket.afail(exc, reason=None if exc is not None else f"http_{status}")
 
 
 class _Quota:
@@ -878,12 +1067,9 @@ class _Quota:
         self.limit = limit
         self.hold = hold
 
-    def admit(self, key: str) -> None:
-        """Count record ``key``. Raises IdempotencyQuotaExceeded when the principal holds
-        ``limit`` other live records (nothing is counted then)."""
+    def _admit_steps(self, key: str) -> calls.Steps[None]:
         try:
-            admitted, wait_ms = run_script(
-                self.client,
+            admitted, wait_ms = yield calls.Eval(
                 self._admit,
                 [self.redis_key],
                 [key, str(self.limit), str(max(1, int(self.hold * 1000)))],
@@ -900,11 +1086,9 @@ class _Quota:
                 limit=f"{self.limit} live records",
             )
 
-    def completed(self, key: str, ttl: float) -> None:
-        """Count record ``key`` for ``ttl`` seconds from now (it completed now)."""
+    def _completed_steps(self, key: str, ttl: float) -> calls.Steps[None]:
         try:
-            run_script(
-                self.client,
+            yield calls.Eval(
                 self._completed,
                 [self.redis_key],
                 [key, str(max(1, int(ttl * 1000)))],
@@ -913,13 +1097,38 @@ class _Quota:
         except LockError as exc:
             log_event("idempotency_quota_error", logging.WARNING, key=key, error=exc)
 
-    def forget(self, key: str) -> None:
-        """Stop counting record ``key`` (its record was released: nothing recorded)."""
+    def _forget_steps(self, key: str) -> calls.Steps[None]:
         try:
-            with translated("idempotency quota", key=self.redis_key):
-                self.client.zrem(self.redis_key, key)
+            yield calls.Command(
+                ("ZREM", self.redis_key, key), "idempotency quota", key=self.redis_key
+            )
         except LockError as exc:
             log_event("idempotency_quota_error", logging.WARNING, key=key, error=exc)
+
+    def admit(self, key: str) -> None:
+        """Count record ``key``. Raises IdempotencyQuotaExceeded when the principal holds
+        ``limit`` other live records (nothing is counted then)."""
+        calls.run(self._admit_steps(key), self.client)
+
+    def completed(self, key: str, ttl: float) -> None:
+        """Count record ``key`` for ``ttl`` seconds from now (it completed now)."""
+        calls.run(self._completed_steps(key, ttl), self.client)
+
+    def forget(self, key: str) -> None:
+        """Stop counting record ``key`` (its record was released: nothing recorded)."""
+        calls.run(self._forget_steps(key), self.client)
+
+    async def aadmit(self, key: str) -> None:
+        """:meth:`admit` on the running loop's asyncio client (the same script and key)."""
+        await calls.arun(self._admit_steps(key), async_client_for(self.client))
+
+    async def acompleted(self, key: str, ttl: float) -> None:
+        """:meth:`completed` on the running loop's asyncio client."""
+        await calls.arun(self._completed_steps(key, ttl), async_client_for(self.client))
+
+    async def aforget(self, key: str) -> None:
+        """:meth:`forget` on the running loop's asyncio client."""
+        await calls.arun(self._forget_steps(key), async_client_for(self.client))
 
 
 class _Outcome:
@@ -936,14 +1145,24 @@ class _Outcome:
         self.snapshot: dict[str, Any] | None = None
         self.waiting: set[str] = set()
 
+    def _io(self, run: Callable[[], Any], arun: Callable[[], Awaitable[Any]]) -> None:
+        """Run one store operation: ``run()`` here; :class:`_AsyncOutcome` runs ``arun()``
+        on the view's event loop."""
+        run()
+
     def refused(self, status: int) -> None:
         """An error answer: a 4xx (the request refused) deletes the record and its place in
         the principal's cap; a 5xx marks it failed (kept for operators, binding nothing)."""
-        _settle_error(self.ticket, self.quota, status)
+        ticket, quota = self.ticket, self.quota
+        self._io(
+            lambda: _settle_error(ticket, quota, status),
+            lambda: _asettle_error(ticket, quota, status),
+        )
 
     def settle(self, response) -> None:
         if getattr(response, "streaming", False):
-            _release(self.ticket, self.quota)
+            ticket, quota = self.ticket, self.quota
+            self._io(lambda: _release(ticket, quota), lambda: _arelease(ticket, quota))
             return
         if response.status_code >= 400:
             self.refused(response.status_code)
@@ -976,14 +1195,12 @@ class _Outcome:
                 return
             self.snapshot = _snapshot(response)
         except Exception as exc:  # noqa: BLE001 - the response stands; the record must not
-            log_event(
-                "idempotency_record_failed",
-                logging.ERROR,
-                key=self.ticket.key,
-                reason="unrecordable",
-                error=exc,
+            _unrecordable(self.ticket, exc)
+            ticket, error = self.ticket, exc
+            self._io(
+                lambda: ticket.fail(error, reason="unrecordable"),
+                lambda: ticket.afail(error, reason="unrecordable"),
             )
-            self.ticket.fail(exc, reason="unrecordable")
             return
         self._finish()
 
@@ -994,14 +1211,56 @@ class _Outcome:
     def _finish(self) -> None:
         if self.snapshot is None or self.waiting:
             return
+        self._io(self._complete, self._acomplete)
+
+    def _complete(self) -> None:
         if self.ticket.complete(self.snapshot) and self.quota is not None:
             self.quota.completed(self.ticket.key, self.ticket.policy.ttl)
+
+    async def _acomplete(self) -> None:
+        if await self.ticket.acomplete(self.snapshot) and self.quota is not None:
+            await self.quota.acompleted(self.ticket.key, self.ticket.policy.ttl)
 
     def abandon(self) -> None:
         """Fail the record unless it was completed (the transaction rolled back, or the
         response never rendered)."""
         if not self.ticket.done:
-            self.ticket.fail(None, reason="rolled_back" if self.waiting else "not_rendered")
+            ticket = self.ticket
+            reason = "rolled_back" if self.waiting else "not_rendered"
+            self._io(
+                lambda: ticket.fail(None, reason=reason), lambda: ticket.afail(None, reason=reason)
+            )
+
+
+class _AsyncOutcome(_Outcome):
+    """The end of a guarded async view's response that is rendered after the view returns
+    (a ``TemplateResponse``, a DRF ``Response``). Django renders it in a thread
+    (``sync_to_async(response.render)``, its own hop, not ours), where the post-render
+    callback runs: the record is then completed (or failed) with the async forms on the
+    view's event loop (``asyncio.run_coroutine_threadsafe``; that thread waits for it). A
+    callback that runs on the loop itself (an ``async`` render, the response's close)
+    starts a task of the loop instead. A response rendered when the view returns (an
+    ``HttpResponse``, a ``JsonResponse``: the common case) never gets here: it is recorded
+    at once, on the loop, by :meth:`_ViewPolicy.ahandle`."""
+
+    def __init__(self, ticket: Any, request: HttpRequest, quota: _Quota | None = None):
+        super().__init__(ticket, request, quota)
+        self.loop = asyncio.get_running_loop()
+
+    def _io(self, run: Callable[[], Any], arun: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            from ...aio.lock import background
+
+            background(arun())
+            return
+        if self.loop.is_closed():
+            run()  # the view's loop is gone: the sync form, from this thread
+            return
+        asyncio.run_coroutine_threadsafe(arun(), self.loop).result()  # type: ignore[arg-type]
 
 
 def _abandon_pending(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
@@ -1152,7 +1411,23 @@ class _ViewPolicy:
         """The request's principal for the record's resource: ``"p:<scope>"``, the anonymous
         scope when opted in, else None (the layer refuses the key). A scope function that
         raises propagates (the view does not run)."""
-        scope = self.scope(request)
+        return self._principal(self.scope(request))
+
+    async def aprincipal(self, request) -> str | None:
+        """:meth:`principal` in an async view: the default scope is :func:`adefault_scope`
+        (no blocking lookup of the user), an ``async def`` scope function is awaited, a sync
+        one is called on the event loop (it must not query the database there: give an
+        ``async def`` one that uses Django's async ORM)."""
+        scope = self.scope
+        if scope is default_scope:
+            found = await adefault_scope(request)
+        elif iscoroutinefunction(scope) or inspect.iscoroutinefunction(scope):
+            found = await scope(request)
+        else:
+            found = scope(request)
+        return self._principal(found)
+
+    def _principal(self, scope: Any) -> str | None:
         if scope is not None and not isinstance(scope, str):
             raise ImproperlyConfigured(
                 f"scope must return a str or None, got {shown(scope)}", setting="scope"
@@ -1173,47 +1448,68 @@ class _ViewPolicy:
             raise ImproperlyConfigured("no authenticated principal", setting="anonymous")
         return _part(_host(request)) + _part(principal) + _part(f"{prefix}{value}")
 
-    def handle(self, request, call: Callable[[], Any], resource_prefix: str = ""):
-        http = _http_request(request)
+    def _screen(self, http: HttpRequest) -> tuple[HttpResponse | None, str | None]:
+        """The request's key, before any I/O: ``(None, None)`` when it is not guarded (another
+        method, no header and not required: the view just runs), ``(answer, None)`` when it
+        is answered without the view (400), ``(None, key)`` when it is guarded."""
         if http.method not in self.methods:
-            return call()
+            return None, None
         value = http.headers.get(self.header)
         if value is None:
             if self.required:
-                return _error(400, f"the {self.header} header is required")
-            return call()
+                return _error(400, f"the {self.header} header is required"), None
+            return None, None
         # An empty key is a bad key, not no key: it must not turn the guard off.
         if not value.strip() or len(value) > MAX_HEADER_LENGTH or not value.isprintable():
             return _error(
                 400,
                 f"the {self.header} header must be 1 to {MAX_HEADER_LENGTH} printable characters",
-            )
-        # The scope function runs once per request (it may query the database).
-        principal = self.principal(request)
-        if principal is None:
-            return _error(
-                403,
-                f"the {self.header} header needs an authenticated client: its recorded "
-                f"response is only replayed to the client that made it",
-            )
+            ), None
+        return None, value
+
+    def _no_principal(self) -> JsonResponse:
+        return _error(
+            403,
+            f"the {self.header} header needs an authenticated client: its recorded "
+            f"response is only replayed to the client that made it",
+        )
+
+    def _admission(
+        self, request, value: str, principal: str, prefix: str, quota: _Quota | None
+    ) -> Generator[_Io, Any, Any]:
+        """The guard's decision for a request with key ``value``, written once for both
+        forms (as :mod:`celery_steplock.calls` writes a Redis operation): it yields each
+        store operation as an :class:`_Io` (the quota's admission, the record read, the
+        begin, a release), which :func:`_drive` runs with the sync forms and :func:`_adrive`
+        with the async ones, sending back the result or throwing the error in. Returns the
+        :class:`~celery_steplock.patterns.idempotency.IdempotentCall`, or the answer given
+        without the view (413, 400, 429, 422, 409, 503)."""
         policy = self.policy
-        resource = self.resource(request, value, resource_prefix, principal)
-        quota = self.quota(request, principal)
+        resource = self.resource(request, value, prefix, principal)
         try:
             fingerprint = _request_fingerprint(request, policy.secret)
             refusal = None
             if quota is not None:
+                key = policy.key(resource)
                 try:
-                    quota.admit(policy.key(resource))
+                    yield _Io(lambda: quota.admit(key), lambda: quota.aadmit(key))
                 except IdempotencyQuotaExceeded as exc:
                     # The cap is for new keys: one with a live record gets its answer
                     # (replay, 409, 422) even if its quota entry is gone.
-                    if not _has_record(policy, resource):
+                    live = yield _Io(
+                        lambda: _has_record(policy, resource),
+                        lambda: _ahas_record(policy, resource),
+                    )
+                    if not live:
                         raise
                     refusal = exc
-            ticket = policy.begin(resource, fingerprint=fingerprint)
+            ticket = yield _Io(
+                lambda: policy.begin(resource, fingerprint=fingerprint),
+                lambda: policy.abegin(resource, fingerprint=fingerprint),
+            )
             if refusal is not None and not ticket.replayed:
-                _release(ticket, None)  # the record ended meanwhile: the key is new again
+                # the record ended meanwhile: the key is new again
+                yield _Io(lambda: _release(ticket, None), lambda: _arelease(ticket, None))
                 raise refusal
         except RequestDataTooBig:
             return _error(
@@ -1243,6 +1539,23 @@ class _ViewPolicy:
             return _error(503, "the idempotency store is unavailable", **{"Retry-After": "1"})
         if ticket.replayed:
             return _replayed(ticket.result)
+        return ticket
+
+    def handle(self, request, call: Callable[[], Any], resource_prefix: str = ""):
+        """Guard one request of a sync view: ``call()`` runs the view (see the module's
+        text for the answers)."""
+        http = _http_request(request)
+        answer, value = self._screen(http)
+        if value is None:
+            return answer if answer is not None else call()
+        # The scope function runs once per request (it may query the database).
+        principal = self.principal(request)
+        if principal is None:
+            return self._no_principal()
+        quota = self.quota(request, principal)
+        ticket = _drive(self._admission(request, value, principal, resource_prefix, quota))
+        if isinstance(ticket, HttpResponse):
+            return ticket
         try:
             response = call()
         except BaseException as exc:
@@ -1251,15 +1564,109 @@ class _ViewPolicy:
         try:
             _Outcome(ticket, http, quota).settle(response)
         except Exception as exc:  # noqa: BLE001 - the view ran: answer, and let the key rerun
-            log_event(
-                "idempotency_record_failed",
-                logging.ERROR,
-                key=ticket.key,
-                reason="unrecordable",
-                error=exc,
-            )
+            _unrecordable(ticket, exc)
             ticket.fail(exc, reason="unrecordable")
         return response
+
+    async def ahandle(
+        self, request, call: Callable[[], Awaitable[Any]], resource_prefix: str = ""
+    ):
+        """Guard one request of an async view (``await call()`` runs it): :meth:`handle`'s
+        decisions and answers, on the event loop with the async forms of the policy
+        (``abegin``, ``acomplete``, ``afail``, ``arelease``) and of the cap. With the Redis
+        store nothing hops to a thread: the key's checks, the fingerprint (the body Django's
+        ASGI handler already read), the cap, the record, the view and the recording of a
+        response rendered when the view returns. What does hop: Django's own user lookup
+        when the default scope needs it (``request.auser()``), the database store's
+        operations (``DatabaseRecords``' async forms), and the recording of a response
+        Django renders after the view (:class:`_AsyncOutcome`)."""
+        http = _http_request(request)
+        answer, value = self._screen(http)
+        if value is None:
+            return answer if answer is not None else await call()
+        principal = await self.aprincipal(request)
+        if principal is None:
+            return self._no_principal()
+        quota = self.quota(request, principal)
+        ticket = await _adrive(self._admission(request, value, principal, resource_prefix, quota))
+        if isinstance(ticket, HttpResponse):
+            return ticket
+        try:
+            response = await call()
+        except asyncio.CancelledError:
+            await asyncio.shield(_arelease(ticket, quota))  # the view never finished
+            raise
+        except BaseException as exc:
+            await _asettle_error(ticket, quota, _refusal_status(exc), exc)
+            raise
+        try:
+            if getattr(response, "streaming", False):
+                await _arelease(ticket, quota)
+            elif response.status_code >= 400:
+                await _asettle_error(ticket, quota, response.status_code)
+            elif getattr(response, "is_rendered", True) is False:
+                _AsyncOutcome(ticket, http, quota).settle(response)
+            else:
+                snapshot = _snapshot(response)
+                if await ticket.acomplete(snapshot) and quota is not None:
+                    await quota.acompleted(ticket.key, ticket.policy.ttl)
+        except Exception as exc:  # noqa: BLE001 - the view ran: answer, and let the key rerun
+            _unrecordable(ticket, exc)
+            await ticket.afail(exc, reason="unrecordable")
+        return response
+
+
+def _unrecordable(ticket: Any, exc: BaseException) -> None:
+    log_event(
+        "idempotency_record_failed",
+        logging.ERROR,
+        key=ticket.key,
+        reason="unrecordable",
+        error=exc,
+    )
+
+
+class _Io:
+    """One store operation of :meth:`_ViewPolicy._admission`, in both forms: ``run()``
+    (sync) and ``arun()`` (a coroutine)."""
+
+    __slots__ = ("run", "arun")
+
+    def __init__(self, run: Callable[[], Any], arun: Callable[[], Awaitable[Any]]):
+        self.run = run
+        self.arun = arun
+
+
+def _drive(steps: Generator[_Io, Any, Any]) -> Any:
+    """Run ``steps`` with the sync forms; an error is thrown back in where it was yielded."""
+    send: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(send) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        send, error = None, None
+        try:
+            send = step.run()
+        except Exception as exc:  # noqa: BLE001 - thrown into the generator
+            error = exc
+
+
+async def _adrive(steps: Generator[_Io, Any, Any]) -> Any:
+    """Run ``steps`` with the async forms, as :func:`_drive`."""
+    send: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(send) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        send, error = None, None
+        try:
+            send = await step.arun()
+        except Exception as exc:  # noqa: BLE001 - thrown into the generator
+            error = exc
 
 
 def idempotent_view(
@@ -1286,6 +1693,14 @@ def idempotent_view(
     after its authentication, permission and throttle checks: ``request.user`` is the user
     DRF authenticated, and a client DRF refuses never reaches a recorded response.
 
+    An async view (an ``async def`` function or handler method, a class-based view whose
+    handlers are async, the ``async def post`` of a DRF async adapter's ``APIView`` such as
+    adrf's) gets a coroutine function with the same answers, guarded on the event loop with
+    the async forms of the policy: with the Redis store, no thread hop. Its ``scope`` may
+    be an ``async def``; the default awaits Django's ``request.auser()``
+    (:func:`adefault_scope`). A cancelled view (Django cancels it when the client
+    disconnects) releases its record.
+
     Args:
         view: The view (the decorator is usable bare, ``@idempotent_view``).
         namespace: Default ``"django:<module>.<qualname>"``.
@@ -1297,7 +1712,8 @@ def idempotent_view(
         header: The request header holding the key.
         required: True: a guarded method's request without the header gets 400.
         scope: ``scope(request) -> str | None``: the principal a record belongs to (default
-            :func:`default_scope`, the authenticated user). None means no principal, and the
+            :func:`default_scope`, the authenticated user; an async view's may be ``async
+            def``). None means no principal, and the
             request's key is refused with 403 (fail closed); an exception propagates.
         anonymous: True: a request without a principal is guarded in one anonymous scope per
             host (any client that knows a key gets its response: keys must be unguessable
@@ -1326,20 +1742,11 @@ def idempotent_view(
             the wrong type or out of its bounds
             (:func:`celery_steplock.patterns.idempotency.check_argument`), an unknown
             keyword (an :class:`~celery_steplock.exceptions.InvalidArgument`, also a
-            TypeError), or ``view`` is async (``async def``, or a
-            class-based view whose handlers are: ``setting`` is ``"view"``; use
-            :class:`IdempotencyMiddleware`) (at decoration); ``scope`` returned neither a
-            str nor None (at the request).
+            TypeError) (at decoration); ``scope`` returned neither a str nor None (at the
+            request).
     """
 
     def decorate(fun: Callable) -> Callable:
-        if iscoroutinefunction(fun) or inspect.iscoroutinefunction(fun):
-            raise ImproperlyConfigured(
-                f"idempotent_view: async views are not supported ({shown(fun)} is async; its "
-                f"coroutine would never be awaited): decorate a sync view, or guard the "
-                f"async view with IdempotencyMiddleware (Django runs an async view under it)",
-                setting="view",
-            )
         policy = _ViewPolicy(
             namespace or f"django:{fun.__module__}.{fun.__qualname__}",
             version=version,
@@ -1355,11 +1762,22 @@ def idempotent_view(
             max_records=max_records,
         )
 
-        @functools.wraps(fun)
-        def wrapper(*args, **kwargs):
-            # A view function's request comes first; a view method's after ``self``.
-            request = args[0] if _is_request(args[0]) else args[1]
-            return policy.handle(request, lambda: fun(*args, **kwargs))
+        wrapper: Callable
+        if iscoroutinefunction(fun) or inspect.iscoroutinefunction(fun):
+            # An ``async def`` view, or a class-based view whose handlers are (its
+            # ``as_view()`` is marked so): a coroutine function, guarded on the loop.
+            @functools.wraps(fun)
+            async def wrapper(*args, **kwargs):
+                request = args[0] if _is_request(args[0]) else args[1]
+                return await policy.ahandle(request, lambda: fun(*args, **kwargs))
+
+        else:
+
+            @functools.wraps(fun)
+            def wrapper(*args, **kwargs):
+                # A view function's request comes first; a view method's after ``self``.
+                request = args[0] if _is_request(args[0]) else args[1]
+                return policy.handle(request, lambda: fun(*args, **kwargs))
 
         wrapper.idempotency = policy  # type: ignore[attr-defined]  # a function attribute
         return wrapper
@@ -1472,7 +1890,17 @@ class IdempotencyMiddleware:
     "header": ..., "required": False, "namespace": "django", "scope": ..., "anonymous":
     False, "max_records": ..., "exempt_paths": [regex, ...]}`` (all optional). Views marked
     :func:`idempotency_exempt`, paths one of ``exempt_paths`` matches (``re.search`` on
-    ``request.path_info``) and paths that resolve to no view are never guarded."""
+    ``request.path_info``) and paths that resolve to no view are never guarded.
+
+    Sync and async (Django's ``sync_capable``/``async_capable`` middleware): under ASGI,
+    Django builds it with an async ``get_response`` and it guards each request on the event
+    loop, so an async view below it runs with no ``sync_to_async`` hop of ours (with the
+    Redis store; a sync view below it is adapted by Django as always); under WSGI it is the
+    sync middleware it always was. The default scope of an async request is
+    :func:`adefault_scope` (``request.auser()``)."""
+
+    sync_capable = True
+    async_capable = True
 
     def __init__(self, get_response: Callable):
         from django.conf import settings
@@ -1480,6 +1908,9 @@ class IdempotencyMiddleware:
         self.get_response = get_response
         config = getattr(settings, MIDDLEWARE_SETTING, None)
         self.policy, self.exempt_paths = middleware_policy(config)
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
 
     def _exempt(self, request) -> bool:
         if request.method not in self.policy.methods:
@@ -1493,8 +1924,17 @@ class IdempotencyMiddleware:
         return _exempt_view(match.func)
 
     def __call__(self, request):
+        if self.is_async:
+            return self.__acall__(request)
         if self._exempt(request):
             return self.get_response(request)
         return self.policy.handle(
+            request, lambda: self.get_response(request), resource_prefix=f"{request.path}\0"
+        )
+
+    async def __acall__(self, request):
+        if self._exempt(request):
+            return await self.get_response(request)
+        return await self.policy.ahandle(
             request, lambda: self.get_response(request), resource_prefix=f"{request.path}\0"
         )

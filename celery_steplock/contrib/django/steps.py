@@ -48,7 +48,9 @@ writes the status and the fence back as it loaded them (docs/howto/external-writ
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import copy
 import logging
 import math
@@ -56,6 +58,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db import (
@@ -96,6 +99,7 @@ from ...exceptions import (
 from ...execution import fenced_cas
 from ...heartbeat import get_heartbeat
 from ...keys import bind_arguments, check_name, name_from_arguments, template_fields
+from ...lock import _released as released_after_commit
 from ...lock import get_lease_store, holder_metadata, new_owner_token, release_after_commit
 from ...plan import is_step_locked
 from ...steps import TransitionResult, check_transitions
@@ -107,6 +111,9 @@ __all__ = [
     "GuardedStep",
     "guarded_step",
     "guarded_transition",
+    "AsyncGuardedStep",
+    "aguarded_step",
+    "aguarded_transition",
     "step_lock_name",
     "DEFAULT_ACTOR",
 ]
@@ -957,18 +964,9 @@ class GuardedStep:
         }
 
     def __enter__(self) -> GuardedStep:
-        if self._used:
-            raise InvalidArgument("a GuardedStep is entered once", argument="step")
-        self._used = True
-        if self.steps.in_outer_transaction():
-            raise OuterTransactionError(
-                f"a guarded transition of {self.steps.label}:{self.step_id} was called inside "
-                f"transaction.atomic() on {self.steps.using!r}: its commit would come after "
-                f"the lease is released. Call it outside the block (a view under "
-                f"ATOMIC_REQUESTS: decorate it with transaction.non_atomic_requests)."
-            )
+        self._first_use()
+        self._check_outer()
         settings = self.steplock_settings
-        renew = max(self.ttl * settings.renewal_ratio, MIN_RENEWAL_INTERVAL)
         started = time.monotonic()
         try:
             lease = self.store.acquire(
@@ -976,20 +974,14 @@ class GuardedStep:
                 new_owner_token(),
                 self.ttl,
                 wait=self.wait,
-                metadata=holder_metadata(
-                    None,
-                    self.actor,
-                    None,
-                    step=self.steps.step_ref(self.step_id),
-                    renew_ms=int(renew * 1000),
-                ),
+                metadata=self._metadata(),
             )
         except LockStoreUnavailable as exc:
             self._store_error(exc, self._fields())
             raise
         waited = time.monotonic() - started
         if lease is None:
-            raise self._contended(waited)
+            raise self._contended(waited, self._holder(self.store.inspect))
         self.lease = lease
         # Renewed before any receiver of lock_acquired runs (a slow one must not let the
         # lease expire), as a task's (StepLockedTask._acquire).
@@ -1002,13 +994,41 @@ class GuardedStep:
         )
         emit(signals.lock_acquired, self, wait_seconds=waited, **lease_fields(lease))
         try:
-            committing = tracing.committing(self.steps.atomic(), self.steps)
-            committing.__enter__()
+            self._open()
         except BaseException:
             self._end()
             raise
-        self._committing = committing
         return self
+
+    def _first_use(self) -> None:
+        if self._used:
+            raise InvalidArgument("a GuardedStep is entered once", argument="step")
+        self._used = True
+
+    def _check_outer(self) -> None:
+        if self.steps.in_outer_transaction():
+            raise OuterTransactionError(
+                f"a guarded transition of {self.steps.label}:{self.step_id} was called inside "
+                f"transaction.atomic() on {self.steps.using!r}: its commit would come after "
+                f"the lease is released. Call it outside the block (a view under "
+                f"ATOMIC_REQUESTS: decorate it with transaction.non_atomic_requests)."
+            )
+
+    def _metadata(self) -> dict[str, Any]:
+        renew = max(self.ttl * self.steplock_settings.renewal_ratio, MIN_RENEWAL_INTERVAL)
+        return holder_metadata(
+            None,
+            self.actor,
+            None,
+            step=self.steps.step_ref(self.step_id),
+            renew_ms=int(renew * 1000),
+        )
+
+    def _open(self) -> None:
+        """Open the durable transaction (the lease is held)."""
+        committing = tracing.committing(self.steps.atomic(), self.steps)
+        committing.__enter__()
+        self._committing = committing
 
     def __exit__(
         self,
@@ -1091,16 +1111,24 @@ class GuardedStep:
     def _check_owned(self) -> None:
         """Before COMMIT: the deadline (unless the last CAS carried it), local validity,
         then one round trip to Redis."""
-        lease = self.lease
-        lease.check()
-        if self.steplock_settings.db_deadline and not self._deadline_set:
-            self.steps.set_deadline(lease.remaining())
+        lease = self._before_owned()
         try:
             left = self.store.owned(lease.name, lease.owner)
         except LockStoreUnavailable as exc:
             self._store_error(exc, lease_fields(lease))
             raise
+        self._after_owned(left)
+
+    def _before_owned(self) -> Any:
+        lease = self.lease
+        lease.check()
+        if self.steplock_settings.db_deadline and not self._deadline_set:
+            self.steps.set_deadline(lease.remaining())
+        return lease
+
+    def _after_owned(self, left: float | None) -> None:
         if left is None:
+            lease = self.lease
             lease.mark_lost("pre-commit check found the key gone or held by another owner")
             lease.check()
 
@@ -1115,11 +1143,13 @@ class GuardedStep:
             **fields,
         )
 
-    def _contended(self, waited: float) -> LockContended:
+    def _holder(self, inspect: Callable[[str], Any]) -> dict[str, Any]:
         try:
-            info = self.store.inspect(self.lock_name) or {}
+            return inspect(self.lock_name) or {}
         except LockStoreUnavailable:
-            info = {}
+            return {}
+
+    def _contended(self, waited: float, info: dict[str, Any]) -> LockContended:
         fields = self._fields()
         emit(
             signals.lock_contended,
@@ -1145,9 +1175,15 @@ class GuardedStep:
         lease, self.lease = self.lease, None
         if lease is None:
             return
-        if not get_heartbeat().unregister(lease) and lease.lost:
-            pass  # the heartbeat already sent lock_lost
-        elif lease.lost:
+        self._report_loss(lease, get_heartbeat().unregister(lease))
+        release_after_commit(self.store, lease, self)
+
+    def _report_loss(self, lease: Any, unregistered: bool) -> None:
+        """Send ``lock_lost`` for a lease lost in the block, unless its heartbeat already
+        did (it was no longer registered)."""
+        if not unregistered and lease.lost:
+            return  # the heartbeat already sent lock_lost
+        if lease.lost:
             emit(
                 signals.lock_lost,
                 self,
@@ -1155,7 +1191,6 @@ class GuardedStep:
                 reason=lease.lost_reason,
                 **lease_fields(lease),
             )
-        release_after_commit(self.store, lease, self)
 
 
 def guarded_step(
@@ -1209,6 +1244,38 @@ def guarded_step(
         LockNameError: ``lock_name`` is no lock name.
         InvalidStepId: ``pk`` is not a key of the model.
     """
+    return _make_step(
+        GuardedStep,
+        model,
+        pk,
+        lock_name=lock_name,
+        task=task,
+        arguments=arguments,
+        ttl=ttl,
+        wait=wait,
+        transitions=transitions,
+        using=using,
+        app=app,
+        actor=actor,
+    )
+
+
+def _make_step(
+    cls: type[GuardedStep],
+    model: type[Model] | str,
+    pk: Any,
+    *,
+    lock_name: str | None,
+    task: Any,
+    arguments: Mapping[str, Any] | None,
+    ttl: float | None,
+    wait: float | None,
+    transitions: Mapping[str, Iterable[str]] | None,
+    using: str | None,
+    app: Any,
+    actor: str | None,
+) -> Any:
+    """The arguments of :func:`guarded_step` judged once, for both forms (``cls``)."""
     model = resolve_model(model, setting="model")
     app = _celery_app(app if app is not None or task is None else getattr(task, "app", None))
     settings = Settings(app)
@@ -1248,7 +1315,7 @@ def guarded_step(
         lock_name = step_lock_name(model, step_id, task=task, arguments=arguments, app=app)
     else:
         lock_name = check_name(lock_name)
-    return GuardedStep(
+    return cls(
         steps=steps,
         step_id=step_id,
         lock_name=lock_name,
@@ -1349,6 +1416,296 @@ def guarded_transition(
         with step:
             fence = step.lease.fence
             return step._transition(from_, to, updates or {}, final=True)
+    except TransitionConflict as exc:
+        if on_conflict == "raise":
+            raise
+        return TransitionResult(False, step.step_id, from_, to, current=exc.current, fence=fence)
+
+
+# -- writers outside Celery, from async code -------------------------------------------------
+
+
+class AsyncGuardedStep(GuardedStep):
+    """:class:`GuardedStep` for async code (an async view, an asyncio consumer), made by
+    :func:`aguarded_step`: ``async with aguarded_step(Order, pk) as step: await
+    step.atransition("pending", "held")``. The same flow, signals and errors; what runs
+    where:
+
+    - On the event loop (never blocking it): the lease, with the app's async lease store
+      (:func:`celery_steplock.aio.lock.get_async_lease_store`, the same key, fencing token
+      and waiter queue as the tasks' sync store), its renewal by the loop's
+      :class:`~celery_steplock.aio.heartbeat.AsyncHeartbeat`, the ownership check before
+      COMMIT (``await store.owned``), the release after it, and the contention report.
+    - In a thread, through ``sync_to_async(thread_sensitive=True)``: everything that touches
+      the database. Django has no async transaction (``atomic`` is sync only, and its async
+      ORM methods such as ``aupdate`` are each a ``sync_to_async`` hop of their own, so a
+      transaction cannot span two of them on another thread), and the fenced
+      compare-and-swap must run inside the durable transaction that the ownership check
+      precedes. So the block runs in an ``asgiref.sync.ThreadSensitiveContext`` of its own:
+      every thread-sensitive hop inside it (ours, and the block's own async ORM calls, which
+      are thread-sensitive hops too) goes to one thread, which holds the block's connection
+      and transaction. The hops: (1) on entry, the outer-transaction check and
+      ``atomic(durable=True)``'s BEGIN; (2) each :meth:`atransition` (the CAS, its
+      follow-up read, the signals) and :meth:`astatus`; (3) on exit, the lease's local
+      validity and the deadline before the Redis check; (4) COMMIT or ROLLBACK, then the
+      thread's connections are closed when the block opened them (a fresh thread: a fresh
+      connection per block).
+
+    Called from sync code through ``async_to_sync`` (a thread that already has a sync
+    caller), asgiref sends the hops to that caller's thread instead: the outer-transaction
+    check then sees its ``atomic()`` blocks, as the sync form does.
+    """
+
+    _astore: Any = None
+    _context: Any = None
+    _contextvars: contextvars.Context
+    _opened_connections = False
+
+    async def __aenter__(self) -> AsyncGuardedStep:
+        self._first_use()
+        from ...aio.heartbeat import get_async_heartbeat
+        from ...aio.lock import get_async_lease_store
+
+        self._contextvars = contextvars.copy_context()
+        context = ThreadSensitiveContext()
+        await context.__aenter__()
+        self._context = context
+        try:
+            await self._hop(self._check_outer_here)
+            self._astore = store = get_async_lease_store(self.app)
+            settings = self.steplock_settings
+            started = time.monotonic()
+            try:
+                lease = await store.acquire(
+                    self.lock_name,
+                    new_owner_token(),
+                    self.ttl,
+                    wait=self.wait,
+                    metadata=self._metadata(),
+                )
+            except LockStoreUnavailable as exc:
+                self._store_error(exc, self._fields())
+                raise
+            waited = time.monotonic() - started
+            if lease is None:
+                try:
+                    info = await store.inspect(self.lock_name) or {}
+                except LockStoreUnavailable:
+                    info = {}
+                raise self._contended(waited, info)
+            self.lease = lease
+            get_async_heartbeat().register(
+                lease,
+                store,
+                ratio=settings.renewal_ratio,
+                sender=self,
+                max_hold=settings.max_hold,
+            )
+            emit(signals.lock_acquired, self, wait_seconds=waited, **lease_fields(lease))
+            await self._hop(self._open)
+        except BaseException:
+            await self._aend()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: Any,
+    ) -> Literal[False]:
+        committing, self._committing = self._committing, None
+        try:
+            if exc_type is not None:
+                await self._hop(committing.__exit__, exc_type, exc, tb)  # ROLLBACK
+                return False
+            try:
+                lease = await self._hop(self._before_owned)
+                try:
+                    left = await self._astore.owned(lease.name, lease.owner)
+                except LockStoreUnavailable as error:
+                    self._store_error(error, lease_fields(lease))
+                    raise
+                self._after_owned(left)
+            except BaseException as error:
+                await self._hop(committing.__exit__, type(error), error, error.__traceback__)
+                raise
+            await self._hop(committing.__exit__, None, None, None)  # COMMIT
+            return False
+        finally:
+            await self._aend()
+
+    def __enter__(self) -> GuardedStep:
+        raise InvalidArgument(
+            "an AsyncGuardedStep is entered with `async with` (guarded_step() makes the sync one)",
+            argument="step",
+        )
+
+    async def _hop(self, func: Callable[..., Any], *args: Any) -> Any:
+        """``func(*args)`` on the block's thread (``sync_to_async(thread_sensitive=True)``
+        inside the block's ``ThreadSensitiveContext``), in the block's one
+        ``contextvars.Context``: the transaction's tracing state, set at BEGIN, is reset at
+        COMMIT in the context that set it."""
+        return await sync_to_async(self._contextvars.run, thread_sensitive=True)(func, *args)
+
+    def _check_outer_here(self) -> None:
+        # On the block's thread: a fresh one has no connection (closed at the end).
+        self._opened_connections = not connections.all(initialized_only=True)
+        self._check_outer()
+
+    def _close_here(self) -> None:
+        if self._opened_connections:
+            connections.close_all()  # this thread's alone: a fresh thread's connections
+
+    async def astatus(self) -> str:
+        """The step's status now, read in the block's transaction (a hop). Raises
+        StepNotFound."""
+        return await self._hop(self.status)
+
+    async def atransition(self, from_: str, to: str, **updates: Any) -> TransitionResult:
+        """:meth:`GuardedStep.transition` from the ``async with`` block: the fenced
+        compare-and-swap inside the block's transaction, on its thread (one hop).
+
+        Raises:
+            TransitionConflict, LockLost, LockContended, InvalidTransition, StepNotFound,
+            InvalidArgument: As :meth:`GuardedStep.transition`.
+        """
+        return await self._hop(self._transition_kw, from_, to, updates, False)
+
+    def _transition_kw(
+        self, from_: str, to: str, updates: Mapping[str, Any], final: bool
+    ) -> TransitionResult:
+        return self._transition(from_, to, updates, final=final)
+
+    def transition(self, from_: str, to: str, **updates: Any) -> TransitionResult:
+        raise InvalidArgument(
+            "in `async with aguarded_step(...) as step:` use `await step.atransition(...)`",
+            argument="step",
+        )
+
+    async def _aend(self) -> None:
+        """Close the block's connections, leave its thread, stop renewing, report a loss,
+        release with the async store (errors logged, never raised; shielded: a cancelled
+        caller still sends the release, else the lease is left to its TTL)."""
+        from ...aio.heartbeat import get_async_heartbeat
+
+        context, self._context = self._context, None
+        try:
+            if context is not None:
+                try:
+                    await self._hop(self._close_here)
+                finally:
+                    await context.__aexit__(None, None, None)
+        finally:
+            lease, self.lease = self.lease, None
+            if lease is not None:
+                self._report_loss(lease, get_async_heartbeat().unregister(lease))
+                try:
+                    released = await asyncio.shield(self._astore.release(lease.name, lease.owner))
+                except Exception as exc:  # noqa: BLE001 - must never mask the holder's outcome
+                    released_after_commit(lease, self, None, exc, 0.0)
+                else:
+                    held = lease.clock() - lease.acquired_at
+                    released_after_commit(lease, self, released, None, held)
+
+
+def aguarded_step(
+    model: type[Model] | str,
+    pk: Any,
+    *,
+    lock_name: str | None = None,
+    task: Any = None,
+    arguments: Mapping[str, Any] | None = None,
+    ttl: float | None = None,
+    wait: float | None = None,
+    transitions: Mapping[str, Iterable[str]] | None = None,
+    using: str | None = None,
+    app: Any = None,
+    actor: str | None = None,
+) -> AsyncGuardedStep:
+    """The async form of :func:`guarded_step`: ``async with aguarded_step(Order, pk,
+    task=charge) as step: await step.atransition("pending", "held")``. Same arguments,
+    defaults and errors; :class:`AsyncGuardedStep` says what runs on the loop and what
+    hops to a thread. Nothing is taken before ``async with`` (this call does no I/O).
+
+    Returns:
+        The :class:`AsyncGuardedStep`, not yet entered.
+
+    Raises:
+        ImproperlyConfigured, InvalidArgument, LockNameError, InvalidStepId: As
+            :func:`guarded_step`.
+    """
+    return _make_step(
+        AsyncGuardedStep,
+        model,
+        pk,
+        lock_name=lock_name,
+        task=task,
+        arguments=arguments,
+        ttl=ttl,
+        wait=wait,
+        transitions=transitions,
+        using=using,
+        app=app,
+        actor=actor,
+    )
+
+
+async def aguarded_transition(
+    model: type[Model] | str,
+    pk: Any,
+    from_: str,
+    to: str,
+    *,
+    lock_name: str | None = None,
+    task: Any = None,
+    arguments: Mapping[str, Any] | None = None,
+    on_conflict: str = "raise",
+    updates: Mapping[str, Any] | None = None,
+    ttl: float | None = None,
+    wait: float | None = None,
+    transitions: Mapping[str, Iterable[str]] | None = None,
+    using: str | None = None,
+    app: Any = None,
+    actor: str | None = None,
+) -> TransitionResult:
+    """The async form of :func:`guarded_transition` (an async view, an asyncio consumer):
+    ``await aguarded_transition(Order, pk, "pending", "held")``.
+
+    The lease is taken, renewed, checked before COMMIT and released on the event loop with
+    the async lease store (a wait for a busy lease never blocks the loop); the database
+    part hops to one thread with ``sync_to_async(thread_sensitive=True)``, in a
+    ``ThreadSensitiveContext`` of its own: BEGIN of the durable transaction (with the
+    outer-transaction check), then the fenced compare-and-swap (and the PostgreSQL
+    deadline), then, after ``await store.owned(...)`` on the loop, COMMIT and the close of
+    that thread's connection (:class:`AsyncGuardedStep`). Django's async ORM is not used
+    for the CAS: ``aupdate`` is itself a hop of its own with no transaction around it, and
+    the CAS must run inside the transaction the ownership check precedes.
+
+    Args, Returns, Raises: As :func:`guarded_transition` (the same signals, sender the
+    :class:`AsyncGuardedStep`; nothing is ever half-applied). A cancellation while the
+    lease is awaited or held rolls back and releases the lease (or leaves it to its TTL).
+    """
+    on_conflict = check_choice(on_conflict, "on_conflict", ON_CONFLICT)
+    step = aguarded_step(
+        model,
+        pk,
+        lock_name=lock_name,
+        task=task,
+        arguments=arguments,
+        ttl=ttl,
+        wait=wait,
+        transitions=transitions,
+        using=using,
+        app=app,
+        actor=actor,
+    )
+    step.steps.check_allowed(from_, to)
+    fence = None
+    try:
+        async with step:
+            fence = step.lease.fence
+            return await step._hop(step._transition_kw, from_, to, updates or {}, True)
     except TransitionConflict as exc:
         if on_conflict == "raise":
             raise
