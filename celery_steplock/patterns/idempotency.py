@@ -1347,12 +1347,9 @@ class Idempotency:
         *,
         fingerprint: str | None = None,
     ) -> IdempotentBlock:
-        """:meth:`call` for ``async with`` (the same object)::
-
-        async with policy.acall("order:42", {"order_id": 42}) as call:
-            if not call.replayed:
-                call.result = await charge(42)
-        """
+        """:meth:`call` for ``async with`` (the same object): ``async with
+        policy.acall("order:42", {"order_id": 42}) as call:``, then set ``call.result``
+        unless ``call.replayed``."""
         return IdempotentBlock(self, resource, arguments, fingerprint)
 
     def get(self, resource: str) -> Record | None:
