@@ -918,6 +918,14 @@ def _async_kwargs(kwargs: dict[str, Any], *classes: type) -> dict[str, Any]:
     out = {k: v for k, v in kwargs.items() if k in accepted and not k.startswith("maint_")}
     if "retry" in out:
         out["retry"] = _async_retry(out["retry"])
+    if isinstance(out.get("ssl_cert_reqs"), int):
+        # redis-py 5.0's asyncio TLS context reads this option only as a name.
+        names = {
+            ssl.CERT_NONE: "none",
+            ssl.CERT_OPTIONAL: "optional",
+            ssl.CERT_REQUIRED: "required",
+        }
+        out["ssl_cert_reqs"] = names[out["ssl_cert_reqs"]]
     return out
 
 

@@ -702,7 +702,7 @@ def test_tls_async_client_verifies_the_ca(app, tls_server, certs):
     with pytest.raises(LockStoreMisconfigured) as info:
         async_round_trip(get_lease_store(app), "async:tls-wrong-ca")
     assert info.value.setting == "steplock_redis_use_ssl"
-    assert "CERTIFICATE_VERIFY_FAILED" in str(info.value)
+    assert "certificate verification failed" in str(info.value).lower()  # any redis-py
     primary = plain_tls_client(tls_server)
     try:
         assert primary.get("async:tls") == "async"
