@@ -97,18 +97,39 @@ def read_pattern(path: Path) -> tuple[dict | None, dict | None]:
     return doc, {"path": shown, "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def adopt_pattern_run(name: str, result: dict, started: float, dirs: list[Path]) -> dict:
+def file_state(path: Path) -> tuple[int, int, int, str] | None:
+    """What identifies the content of ``path`` now: ``(inode, mtime in ns, size, sha256)``,
+    or None when it cannot be read. Compared before and after a run, it tells whether the
+    run wrote the file; a timestamp alone cannot, the file system's clock being coarser than
+    ``time.time()`` (a file written just after a start can carry an earlier time)."""
+    try:
+        stat = path.stat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    return (stat.st_ino, stat.st_mtime_ns, stat.st_size, digest)
+
+
+def pattern_files(name: str, dirs: list[Path]) -> dict[Path, tuple[int, int, int, str] | None]:
+    """The :func:`file_state` of ``<name>.json`` in each of ``dirs``."""
+    return {folder / f"{name}.json": file_state(folder / f"{name}.json") for folder in dirs}
+
+
+def adopt_pattern_run(
+    name: str, result: dict, before: dict[Path, tuple[int, int, int, str] | None], dirs: list[Path]
+) -> dict:
     """The entry of a pattern group that just ran: its result's figures merged with the rows
-    of the ``<name>.json`` it wrote (in one of ``dirs``, modified since ``started``, a
-    ``time.time()``); the result's alone when it wrote none (``--quick`` for some groups, a
-    failure), the file left in ``dirs[0]`` then marked as seen (``seen_sha256``) so that the
-    next report does not take its older figures in."""
+    of the ``<name>.json`` it wrote (in one of ``dirs``: a file whose state differs from
+    ``before``, the :func:`pattern_files` taken before the run); the result's alone when it
+    wrote none (``--quick`` for some groups, a failure), the file left in ``dirs[0]`` then
+    marked as seen (``seen_sha256``) so that the next report does not take its older figures
+    in."""
     for folder in dirs:
         path = folder / f"{name}.json"
-        try:
-            fresh = path.stat().st_mtime >= started
-        except OSError:
+        now = file_state(path)
+        if now is None:
             continue
+        fresh = now != before.get(path)
         if fresh:
             doc, source = read_pattern(path)
             if doc is not None:
@@ -327,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         dict.fromkeys([patterns_dir, ROOT / "docs" / "patterns", ROOT / "var" / "bench-quick"])
     )
     for name in ran:
-        group_started = time.time()
+        before = pattern_files(name, pattern_dirs) if name in report.PATTERN_GROUPS else {}
         result = run_group(name, args.quick, extra.get(name))
         result["context"] = {
             "loadavg_start": result.get("loadavg_start"),
@@ -336,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         if name in report.PATTERN_GROUPS:
-            result = adopt_pattern_run(name, result, group_started, pattern_dirs)
+            result = adopt_pattern_run(name, result, before, pattern_dirs)
         groups[name] = result
     # Pattern files written since the last report by a group run alone are taken in too.
     adopted = sync_patterns(groups, patterns_dir, skip=ran) if args.only else []

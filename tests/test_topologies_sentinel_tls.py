@@ -730,3 +730,42 @@ def test_mtls_async_client_sends_the_client_certificate(app, mtls_server, certs)
     print(f"async mTLS without a certificate: {info.value!r} <- {info.value.__cause__!r}")
     assert isinstance(info.value, LockStoreMisconfigured)
     assert info.value.setting == "steplock_redis_use_ssl"
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Error while reading from 127.0.0.1:37659 : (104, 'Connection reset by peer')",
+        "Error UNEXPECTED_EOF_WHILE_READING: EOF occurred in violation of protocol",
+    ],
+)
+def test_a_reset_of_a_tls_connection_without_a_client_certificate_is_a_refusal(
+    flavour, message, certs
+):
+    # Under TLS 1.3 the server checks the client's certificate after the handshake: whether
+    # the client then reads the alert or finds the socket reset is a race, and either way
+    # the answer must be the configuration error, from both clients.
+    import redis.asyncio
+
+    module = redis if flavour == "sync" else redis.asyncio
+    tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(certs.ca_cert)}
+    without = module.ConnectionPool(connection_class=module.SSLConnection, **tls)
+    with_cert = module.ConnectionPool(
+        connection_class=module.SSLConnection,
+        ssl_certfile=str(certs.client_cert),
+        ssl_keyfile=str(certs.client_key),
+        **tls,
+    )
+    plain = module.ConnectionPool()
+    reset = redis.ConnectionError(message)
+    assert _wire.closed_without_client_certificate(without, reset)
+    assert _wire.closed_without_client_certificate(without.make_connection(), reset)
+    assert not _wire.closed_without_client_certificate(with_cert, reset)
+    assert not _wire.closed_without_client_certificate(with_cert.make_connection(), reset)
+    assert not _wire.closed_without_client_certificate(plain, reset)
+    refusal = _wire.refused_without_client_certificate(reset)
+    assert _wire.misconfiguration(refusal) == (
+        "TLS connection closed by the server (a client certificate it requires?)"
+    )
+    assert not _wire.closed_without_client_certificate(without, redis.TimeoutError("Timeout"))

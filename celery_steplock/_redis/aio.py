@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable
 
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, ReadOnlyError, ResponseError
 
 from . import wire
 
@@ -39,6 +39,15 @@ async def _dropped(client: Any) -> None:
     pool = getattr(client, "connection_pool", None)
     if pool is not None:
         await pool.disconnect(inuse_connections=False)
+
+
+def _refusal(client: Any, exc: ConnectionError) -> ConnectionError:
+    # The server closing a TLS connection made without the client certificate it requires
+    # is a configuration error, as on the synchronous path (wire.connection).
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None and wire.closed_without_client_certificate(pool, exc):
+        return wire.refused_without_client_certificate(exc)
+    return exc
 
 
 async def evalsha(client: Any, script: wire.Script, keys: list[str], args: list[str]) -> Any:
@@ -77,6 +86,11 @@ async def evalsha(client: Any, script: wire.Script, keys: list[str], args: list[
     except ReadOnlyError:
         await _dropped(client)
         raise
+    except ConnectionError as exc:
+        refusal = _refusal(client, exc)
+        if refusal is exc:
+            raise
+        raise refusal from exc
 
 
 def _packs(client: Any) -> bool:
@@ -132,10 +146,16 @@ async def evalsha_many(client: Any, script: wire.Script, calls: Iterable[wire.Ca
     sent = list(calls)
     if not sent:
         return []
-    replies = await _pipelined(client, script, sent)
-    if any(isinstance(r, NoScriptError) for r in replies):
-        script.sha = wire.text(await _load(client, script))
+    try:
         replies = await _pipelined(client, script, sent)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            script.sha = wire.text(await _load(client, script))
+            replies = await _pipelined(client, script, sent)
+    except ConnectionError as exc:
+        refusal = _refusal(client, exc)
+        if refusal is exc:
+            raise
+        raise refusal from exc
     if any(isinstance(r, ReadOnlyError) for r in replies):
         await _dropped(client)
     return replies
@@ -164,4 +184,10 @@ async def command(client: Any, *args: Any, **options: Any) -> Any:
     Raises:
         ResponseError, RedisError, OSError: as redis-py raises them.
     """
-    return await client.execute_command(*args, **options)
+    try:
+        return await client.execute_command(*args, **options)
+    except ConnectionError as exc:
+        refusal = _refusal(client, exc)
+        if refusal is exc:
+            raise
+        raise refusal from exc

@@ -8,7 +8,9 @@ lock cycle's client time is mostly what surrounds its two commands.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import os
 import re
 import ssl
@@ -134,15 +136,19 @@ class TLSClientCertificateRefused(redis.ConnectionError):
 _CLOSED = ("Connection reset by peer", "EOF occurred in violation of protocol", "Broken pipe")
 
 
-def _closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
+def closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
     """Whether ``exc`` is the server closing ``conn`` (a connection, or the pool it would
-    come from) made over TLS without a client certificate."""
-    if isinstance(conn, redis.ConnectionPool):
-        tls = issubclass(conn.connection_class, redis.SSLConnection)
+    come from; sync or asyncio) made over TLS without a client certificate."""
+    import redis.asyncio
+
+    ssl_classes = (redis.SSLConnection, redis.asyncio.SSLConnection)
+    if isinstance(conn, (redis.ConnectionPool, redis.asyncio.ConnectionPool)):
+        tls = issubclass(conn.connection_class, ssl_classes)
         certfile = conn.connection_kwargs.get("ssl_certfile")
     else:
-        tls = isinstance(conn, redis.SSLConnection)
-        certfile = getattr(conn, "certfile", None)
+        tls = isinstance(conn, ssl_classes)
+        context = getattr(conn, "ssl_context", None)  # an asyncio connection keeps it there
+        certfile = getattr(conn, "certfile", getattr(context, "certfile", None))
     return (
         tls
         and certfile is None
@@ -151,7 +157,7 @@ def _closed_without_client_certificate(conn: Any, exc: BaseException) -> bool:
     )
 
 
-def _refused_without_client_certificate(exc: BaseException) -> TLSClientCertificateRefused:
+def refused_without_client_certificate(exc: BaseException) -> TLSClientCertificateRefused:
     return TLSClientCertificateRefused(
         f"{redact(exc)} (the server closed a TLS connection "
         f"made without a client certificate: it requires "
@@ -188,8 +194,30 @@ def text(value: Any) -> Any:
 
 
 def socket_timeout(client: redis.Redis) -> float | None:
-    """The single-node client's per-call socket timeout, seconds (None: none set)."""
-    return client.connection_pool.connection_kwargs.get("socket_timeout")
+    """The single-node client's per-call socket timeout, seconds (None: none): its pool's
+    ``socket_timeout``, else the connection class's default (redis-py 6+ gives a client
+    built by ``from_url`` without one a 5 s timeout that its pool's arguments do not show)."""
+    pool = client.connection_pool
+    return effective_socket_timeout(pool.connection_kwargs, pool.connection_class)
+
+
+def effective_socket_timeout(kwargs: dict[str, Any], connection_class: type) -> float | None:
+    """The socket timeout, seconds, that connections of ``connection_class`` made with
+    ``kwargs`` have (None or 0: none)."""
+    value = kwargs["socket_timeout"] if "socket_timeout" in kwargs else _default(connection_class)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+@functools.cache
+def _default(connection_class: type) -> Any:
+    for klass in connection_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameter = inspect.signature(init).parameters.get("socket_timeout")
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            return parameter.default
+    return None
 
 
 #: redis-py before 5.3 requires a command name for ``get_connection``; 5.3+ deprecates passing one.
@@ -201,8 +229,8 @@ def connection(pool: redis.ConnectionPool) -> Any:
     try:
         return pool.get_connection("EVALSHA") if POOL_WANTS_COMMAND else pool.get_connection()
     except redis.ConnectionError as exc:
-        if _closed_without_client_certificate(pool, exc):
-            raise _refused_without_client_certificate(exc) from exc
+        if closed_without_client_certificate(pool, exc):
+            raise refused_without_client_certificate(exc) from exc
         raise
 
 
@@ -241,8 +269,8 @@ def evalsha(client: redis.Redis, script: Script, keys: list[str], args: list[str
         raise
     except BaseException as exc:
         conn.disconnect()
-        if _closed_without_client_certificate(conn, exc):
-            raise _refused_without_client_certificate(exc) from exc
+        if closed_without_client_certificate(conn, exc):
+            raise refused_without_client_certificate(exc) from exc
         raise
     finally:
         pool.release(conn)
@@ -286,8 +314,8 @@ def _pipelined(
         return replies
     except BaseException as exc:
         conn.disconnect()
-        if _closed_without_client_certificate(conn, exc):
-            raise _refused_without_client_certificate(exc) from exc
+        if closed_without_client_certificate(conn, exc):
+            raise refused_without_client_certificate(exc) from exc
         raise
     finally:
         pool.release(conn)
