@@ -63,7 +63,15 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .common import MonitorCapture, Recorder, group_main, median, percentile, servers, version_of
+from .common import (
+    MonitorCapture,
+    Recorder,
+    group_main,
+    median,
+    rep_figures,
+    servers,
+    version_of,
+)
 
 #: Lease-cycle variants, in table order: key -> label.
 LEASE = {
@@ -274,13 +282,7 @@ async def sequential(
             rep_rounds.append(medians)
         rounds.append(rep_rounds)
         for v in variants:
-            per_rep[v].append(
-                {
-                    "p50": median(r[v] for r in rep_rounds),
-                    "p99": percentile(samples[v], 99) / 1000.0,
-                    "rate": len(samples[v]) / (busy[v] / 1e9),
-                }
-            )
+            per_rep[v].append(rep_figures(rep_rounds, samples[v], busy[v], v))
         rec.say(
             f"{table} sequential rep {rep + 1}/{reps}: "
             + ", ".join(f"{v} p50 {per_rep[v][-1]['p50']:.0f}us" for v in variants)

@@ -86,6 +86,20 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(data) if data else math.nan
 
 
+def rep_figures(
+    rep_rounds: list[dict[str, float]], samples: list[float], busy_ns: float, variant: str
+) -> dict[str, float]:
+    """One repetition's figures of ``variant``: ``p50``, the median of its blocks' medians
+    (µs; a burst of load that slows some blocks moves it less than it moves the median of
+    all samples), ``p99`` of every sample (``samples`` in ns, given in µs) and ``rate``
+    (cycles per busy second, ``busy_ns`` the time spent in its blocks)."""
+    return {
+        "p50": median(r[variant] for r in rep_rounds),
+        "p99": percentile(samples, 99) / 1000.0,
+        "rate": len(samples) / (busy_ns / 1e9),
+    }
+
+
 def spread(values: Iterable[float]) -> tuple[float, float]:
     data = [v for v in values if v is not None and not math.isnan(v)]
     return (min(data), max(data)) if data else (math.nan, math.nan)

@@ -54,9 +54,9 @@ from .common import (
     median,
     MonitorCapture,
     peer_status,
-    percentile,
     profile_breakdown,
     profile_text,
+    rep_figures,
     Recorder,
     servers,
 )
@@ -345,15 +345,7 @@ def uncontended(
             rep_rounds.append(medians)
         rounds.append(rep_rounds)
         for v in variants:
-            per_rep[v].append(
-                {
-                    # The median of the blocks' medians: a burst of load that slows some
-                    # blocks moves it less than it moves the median of all samples.
-                    "p50": median(r[v] for r in rep_rounds),
-                    "p99": percentile(samples[v], 99) / 1000.0,
-                    "rate": len(samples[v]) / (busy[v] / 1e9),
-                }
-            )
+            per_rep[v].append(rep_figures(rep_rounds, samples[v], busy[v], v))
         rec.say(
             f"uncontended rep {rep + 1}/{reps}: "
             + ", ".join(f"{v} p50 {per_rep[v][-1]['p50']:.0f}us" for v in variants)
