@@ -301,9 +301,15 @@ def test_an_anonymous_scope_is_an_explicit_opt_in(client):
     STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app},
 )
 def test_the_middleware_refuses_a_key_without_a_principal(client, users):
-    assert post(client, "/drf", {"amount": 5}, "k-1", HTTP_X_API_KEY="alice").status_code == 403
     assert post(client, "/mw/plain", {}, "k-1").status_code == 403
     assert CALLS == []
+    # A DRF view guarded on its handler is left to that guard, which runs after DRF's
+    # authentication: the client its header authenticates is the principal.
+    assert post(client, "/drf", {"amount": 5}, "k-1", HTTP_X_API_KEY="alice").status_code == 201
+    again = post(client, "/drf", {"amount": 5}, "k-1", HTTP_X_API_KEY="alice")
+    assert again[REPLAYED_HEADER] == "true"
+    assert CALLS == ["alice"]
+    CALLS.clear()
     client.force_login(users[0])
     assert post(client, "/mw/plain", {}, "k-1").content == b"n=1"
     assert post(client, "/mw/plain", {}, "k-1")[REPLAYED_HEADER] == "true"
@@ -412,6 +418,23 @@ def test_required_keys_spare_exempt_views_and_paths(client, users):
     assert client.post("/admin-like/login/").content == b"n=2"  # exempt_paths
     assert post(client, "/mw/exempt", {}, "k-1").content == b"n=3"  # never guarded
     assert post(client, "/mw/exempt", {}, "k-1").content == b"n=4"
+
+
+@override_settings(
+    ROOT_URLCONF=__name__,
+    MIDDLEWARE=[SESSION_MIDDLEWARE, AUTH_MIDDLEWARE, MIDDLEWARE],
+    STEPLOCK_IDEMPOTENCY_MIDDLEWARE={"app": celery_app, "required": True},
+)
+def test_a_view_with_its_own_guard_is_guarded_once_with_its_options(client, users, redis_client):
+    client.force_login(users[0])
+    # The middleware's "required" is not the view's: a request without a key runs.
+    assert client.post("/commit/redis").status_code == 201
+    first = post(client, "/commit/redis", {}, "k-own")
+    again = post(client, "/commit/redis", {}, "k-own")
+    assert first.content == again.content == b'{"n": 2}'
+    assert again[REPLAYED_HEADER] == "true"
+    # One record: the view's (the middleware took none of its own).
+    assert len(list(redis_client.scan_iter("steplock:idem:*"))) == 1
 
 
 def test_the_middlewares_setting_is_not_reported_as_unknown(app):

@@ -139,6 +139,7 @@ urlpatterns = [
     path("short", short_view),
     path("anonymous", anonymous_capped_view),
     path("sometimes", sometimes_view),
+    path("plain/500", answers(500)),  # no guard of its own: the middleware's
 ]
 
 
@@ -206,8 +207,8 @@ def test_live_records_per_principal_are_capped(client, users, redis_client):
 )
 def test_the_middleware_takes_max_records(client, users):
     client.force_login(users[0])
-    assert post(client, "/redis/500", {}, "m-1").status_code == 500  # a failed record counts
-    refused = post(client, "/redis/500", {}, "m-2")
+    assert post(client, "/plain/500", {}, "m-1").status_code == 500  # a failed record counts
+    refused = post(client, "/plain/500", {}, "m-2")
     assert refused.status_code == 429 and CALLS == [500]
 
 

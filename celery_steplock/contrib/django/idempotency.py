@@ -1253,7 +1253,7 @@ class _AsyncOutcome(_Outcome):
         except RuntimeError:
             running = None
         if running is self.loop:
-            from ...aio.lock import background
+            from ..._loops import background
 
             background(arun())
             return
@@ -1808,6 +1808,17 @@ def _exempt_view(func: Any) -> bool:
     )
 
 
+def _guarded_by_view(func: Any, method: str) -> bool:
+    # A view with its own @idempotent_view (on the function, or on the class-based view's
+    # handler of this method) is guarded by it alone: its options are the ones that hold,
+    # and one request takes one record, not two.
+    if getattr(func, "idempotency", None) is not None:
+        return True
+    cls = getattr(func, "view_class", None) or getattr(func, "cls", None)
+    handler = getattr(cls, method.lower(), None) if cls is not None else None
+    return getattr(handler, "idempotency", None) is not None
+
+
 def middleware_policy(config: Any) -> tuple[_ViewPolicy, list[re.Pattern]]:
     """The policy and the compiled ``exempt_paths`` of :class:`IdempotencyMiddleware` for
     ``config``, the value of ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE``: its one validation, run
@@ -1885,12 +1896,15 @@ class IdempotencyMiddleware:
     Place it after ``AuthenticationMiddleware`` (check ``celery_steplock.E010``): it reads
     ``request.user`` before the view runs, so a client a view or DRF authenticates by a
     header has no principal here and its key is refused (403; guard DRF views with
-    :func:`idempotent_view` on the handler instead). Settings (Django):
+    :func:`idempotent_view` on the handler instead, which the middleware then leaves to
+    that guard). Settings (Django):
     ``STEPLOCK_IDEMPOTENCY_MIDDLEWARE = {"version": ..., "ttl": ..., "methods": [...],
     "header": ..., "required": False, "namespace": "django", "scope": ..., "anonymous":
     False, "max_records": ..., "exempt_paths": [regex, ...]}`` (all optional). Views marked
     :func:`idempotency_exempt`, paths one of ``exempt_paths`` matches (``re.search`` on
-    ``request.path_info``) and paths that resolve to no view are never guarded.
+    ``request.path_info``) and paths that resolve to no view are never guarded. A view with
+    its own :func:`idempotent_view` (the function, or a class-based view's handler of the
+    request's method) is left to it: one guard, with the view's options, per request.
 
     Sync and async (Django's ``sync_capable``/``async_capable`` middleware): under ASGI,
     Django builds it with an async ``get_response`` and it guards each request on the event
@@ -1921,7 +1935,7 @@ class IdempotencyMiddleware:
             match = resolve(request.path_info, getattr(request, "urlconf", None))
         except Resolver404:
             return True  # no view: nothing to guard (Django answers 404)
-        return _exempt_view(match.func)
+        return _exempt_view(match.func) or _guarded_by_view(match.func, request.method)
 
     def __call__(self, request):
         if self.is_async:
