@@ -21,7 +21,7 @@ from typing import Any, Generator, Iterable, TypeVar
 from ._redis import aio, route, wire
 from .lock import STORE_ERRORS, store_error
 
-__all__ = ["Eval", "EvalMany", "Command", "Sleep", "Step", "Steps", "run", "arun"]
+__all__ = ["Eval", "EvalMany", "Command", "Sleep", "Step", "Steps", "Flight", "run", "arun"]
 
 T = TypeVar("T")
 
@@ -85,6 +85,25 @@ Step = Eval | EvalMany | Command | Sleep
 Steps = Generator[Step, Any, T]
 
 
+class Flight:
+    """The :class:`Eval` step :func:`arun` has in flight, for a cancelled caller's cleanup.
+
+    Given to :func:`arun` (``flight=``), it makes each :class:`Eval` step's call a task of
+    its own, shielded from the caller's cancellation: a script, once sent, runs to its end
+    and its reply is kept. ``step`` and ``call`` (that task) are set from when the call is
+    sent until its reply (or error) has been handed to the generator, None otherwise; so
+    after a cancellation they name the script whose reply the caller never read, if any, and
+    the caller's cleanup must await ``call`` (its reply, or the untranslated redis-py error
+    it raises) to learn what the script did.
+    """
+
+    __slots__ = ("step", "call")
+
+    def __init__(self) -> None:
+        self.step: Eval | None = None
+        self.call: asyncio.Future[Any] | None = None
+
+
 def _error(step: Step, exc: BaseException) -> BaseException:
     if isinstance(step, Eval):
         return store_error(
@@ -134,12 +153,20 @@ def run(steps: Steps[T], client: Any) -> T:
             error.__cause__ = exc
 
 
-async def arun(steps: Steps[T], client: Any) -> T:
+async def arun(steps: Steps[T], client: Any, *, flight: Flight | None = None) -> T:
     """Drive ``steps`` with a ``redis.asyncio`` client; as :func:`run`, never blocking the
     event loop. On a cancellation (``asyncio.CancelledError``) the generator is closed, so
     its ``finally`` blocks run (they must not yield: a cleanup that needs Redis is the
     caller's, e.g. a shielded release), and the cancellation propagates; also when the
     step's Redis call completed before the cancellation was seen.
+
+    Args:
+        steps: The operation.
+        client: A ``redis.asyncio`` ``Redis`` or ``RedisCluster``.
+        flight: When given, each :class:`Eval` step runs shielded and is recorded there
+            while its reply is unread (see :class:`Flight`): a cleanup after a cancellation
+            learns what the script in flight did. Default None: a cancellation aborts the
+            call (redis-py drops the connection; whether the script ran is unknown).
 
     Returns:
         The value the generator returns.
@@ -164,7 +191,14 @@ async def arun(steps: Steps[T], client: Any) -> T:
         send = None
         try:
             if isinstance(step, Eval):
-                send = await aio.evalsha(client, step.script, step.keys, step.args)
+                if flight is None:
+                    send = await aio.evalsha(client, step.script, step.keys, step.args)
+                else:
+                    call = asyncio.ensure_future(
+                        aio.evalsha(client, step.script, step.keys, step.args)
+                    )
+                    flight.step, flight.call = step, call
+                    send = await asyncio.shield(call)
             elif isinstance(step, Sleep):
                 await asyncio.sleep(max(0.0, step.seconds))
             elif isinstance(step, EvalMany):
@@ -173,10 +207,14 @@ async def arun(steps: Steps[T], client: Any) -> T:
                 send = await client.execute_command(*step.args, **step.options)
             if cancelling is not None and cancelling() > pending:
                 raise asyncio.CancelledError("cancelled during a Redis call that completed")
+            if flight is not None:
+                flight.step = flight.call = None  # the reply goes to the generator
         except STORE_ERRORS as exc:
             if cancelling is not None and cancelling() > pending:
                 steps.close()
                 raise asyncio.CancelledError("cancelled during a Redis call that failed") from exc
+            if flight is not None:
+                flight.step = flight.call = None
             error = _error(step, exc)
             error.__cause__ = exc
         except asyncio.CancelledError as exc:

@@ -9,7 +9,6 @@ client factories, and the settings reference.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import os
@@ -22,6 +21,7 @@ import redis
 from redis.backoff import FullJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from . import _loops
 from .exceptions import ImproperlyConfigured
 from .redact import redact, url_secrets
 
@@ -850,13 +850,6 @@ def client_for_settings(settings, socket_timeout: float | None = None) -> redis.
 
 # -- the asyncio clients ------------------------------------------------------------------
 
-# Per event loop (a redis.asyncio connection belongs to the loop that opened it): the async
-# twin of each synchronous client, by the client's id (with a weak reference to tell a
-# reused id apart).
-_ASYNC_TWINS: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 def async_client_for(client: Any) -> Any:
     """The ``redis.asyncio`` client of the running event loop that reaches what ``client``
@@ -876,16 +869,23 @@ def async_client_for(client: Any) -> Any:
     """
     if _is_async(client):
         return client
-    loop = asyncio.get_running_loop()
-    twins = _ASYNC_TWINS.get(loop)
-    if twins is None:
-        twins = _ASYNC_TWINS[loop] = {}
-    found = twins.get(id(client))
+    # Kept in the loop's room (a redis.asyncio connection belongs to the loop that opened
+    # it), by the client's id with a weak reference to tell a reused id apart, and closed
+    # when the loop shuts down.
+    kept = _loops.room()
+    found = kept.values.get(("client", id(client)))
     if found is not None and found[0]() is client:
         return found[1]
     twin = async_twin(client)
-    twins[id(client)] = (weakref.ref(client), twin)
+    kept.values[("client", id(client))] = (weakref.ref(client), twin)
+    kept.on_close(functools.partial(_aclose, twin))
     return twin
+
+
+async def _aclose(client: Any) -> None:
+    # redis-py 5.0.1+ names it aclose; 5.0's cluster client has close only.
+    close = getattr(client, "aclose", None) or client.close
+    await close()
 
 
 def _is_async(client: Any) -> bool:

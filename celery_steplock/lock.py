@@ -379,8 +379,8 @@ def _granted(
     metadata: Mapping[str, Any] | None,
 ) -> tuple[Lease | None, str | None, float | None]:
     """ACQUIRE's reply as ``try_acquire`` returns it: ``(lease, None, None)`` when granted
-    (``sent``: the store's ``clock`` reading before the call), else ``(None, holder,
-    holder_ttl_seconds)``."""
+    (``sent``: the store's ``clock`` reading before the call; a fresh grant and a re-grant
+    alike, see :func:`_fresh_grant`), else ``(None, holder, holder_ttl_seconds)``."""
     if isinstance(reply, list):
         holder, ttl_left = reply
         return (
@@ -388,13 +388,25 @@ def _granted(
             wire.text(holder),
             (ttl_left / 1000.0 if ttl_left and ttl_left > 0 else None),
         )
+    try:
+        fence = int(reply)
+    except (TypeError, ValueError):
+        # Only a re-grant reads the token back from the hash (a fresh one is computed).
+        raise LockError(
+            f"lease {key!r} is held by this owner but its fencing token is not a number "
+            f"({shown(reply)}): the hash is corrupt. Release it (`celery steplock release "
+            f"{name} --owner {owner}`) or let its TTL run out",
+            key,
+            name=name,
+            owner=owner,
+        ) from None
     meta = metadata or {}
     return (
         Lease(
             name=name,
             key=key,
             owner=owner,
-            fence=int(reply),
+            fence=fence,
             ttl=ttl,
             acquired_at=sent,
             valid_until=sent + ttl - drift(ttl),
@@ -406,6 +418,12 @@ def _granted(
         None,
         None,
     )
+
+
+def _fresh_grant(reply: Any) -> bool:
+    """Whether ACQUIRE's ``reply`` is a grant that call made: an integer token (a re-grant to
+    an owner that already held the lease is its token as a string, a refusal a table)."""
+    return isinstance(reply, int) and not isinstance(reply, bool)
 
 
 def _ttl_ms(ttl: float) -> str:
@@ -1302,25 +1320,27 @@ class RedisLeaseStore:
         Returns:
             The lease's stored fields (``owner``, ``fence``, ``acquired_ms``,
             ``renewed_ms``, ``ttl_ms`` and the metadata entries, all strings) plus ``name``,
-            ``key`` and ``ttl`` (seconds left, float); None when not held.
+            ``key`` and ``ttl`` (seconds left, float); None when not held, or when the key
+            is not a lease hash (logged ``scan_skipped``, as a scan does). A hash that cannot
+            be read as a lease comes out with a ``malformed`` entry saying why.
+
+        Raises:
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the read (ACL).
         """
         key = self.key(_name(name))
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            fields, pttl = pipe.execute()
-        except STORE_ERRORS as exc:
-            error = _unavailable_unless_misconfigured(exc, f"inspect of {name!r}")
-            error.key, error.name = key, name
-            raise error from exc
-        if not fields:
-            return None
-        info = unpack_fields(fields)
+        reply = self._call(self._scan_fields, [key], [], "inspect", name, writes=False)
+        return _inspected(self, key, name, reply)
+
+
+def _inspected(store: Any, key: str, name: str, reply: Any) -> dict[str, Any] | None:
+    """SCAN_FIELDS's reply for one lease as ``inspect`` returns it (the sync and the async
+    store's one reading: a key that is not a lease hash reads as none, logged, as in a
+    scan; a hash that is not readable comes out ``malformed``)."""
+    info = RedisLeaseStore._parse_scan_fields(store, [key], reply).get(key)
+    if info is not None:
         info["name"] = name
-        info["key"] = key
-        info["ttl"] = pttl / 1000.0 if pttl and pttl > 0 else None
-        return info
+    return info
 
 
 def _renewed_ms(value: Any) -> str:

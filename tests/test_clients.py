@@ -630,3 +630,25 @@ def test_problems_lists_each_bad_new_setting_once(pem):
     )
     found = sorted(problem.setting for problem in Settings(app).problems())
     assert found == ["steplock_redis_transport_options", "steplock_redis_use_ssl"]
+
+
+def test_the_waiters_cap_is_the_socket_timeout_connections_really_have():
+    """A client built by hand (``from_url`` without a timeout) has the connection class's
+    default timeout (5 s from redis-py 6): a BLPOP longer than it would time out, so the
+    store must see it, sync and asyncio alike."""
+    import redis.asyncio
+
+    from celery_steplock._redis import wire
+    from celery_steplock.aio.lock import _socket_timeout
+
+    url = "redis://127.0.0.1:1/0"
+    for client, read in (
+        (redis.Redis.from_url(url), wire.socket_timeout),
+        (redis.asyncio.Redis.from_url(url), _socket_timeout),
+    ):
+        real = client.connection_pool.make_connection().socket_timeout
+        assert read(client) == (float(real) if real else None)
+        assert read(type(client).from_url(url, socket_timeout=30)) == 30.0
+        assert read(type(client).from_url(url, socket_timeout=None)) is None
+    if redis.VERSION >= (6,):
+        assert wire.socket_timeout(redis.Redis.from_url(url)) == 5.0

@@ -211,6 +211,41 @@ def test_inspect_shows_the_holder(lock):
     assert lock.inspect("nobody") is None
 
 
+def test_inspect_of_a_key_that_is_not_a_lease_hash_reads_as_none(lock, redis_client, caplog):
+    # Corrupt data where a lease should be: read as a scan reads it (none, logged), by the
+    # sync and the async store alike, never a raw redis-py error.
+    redis_client.set("t:lease:{str}", "x", px=5000)
+    with caplog.at_level("WARNING", logger="celery_steplock"):
+        assert lock.inspect("str") is None
+    assert "WRONGTYPE a string" in caplog.text
+    redis_client.hset("t:lease:{odd}", mapping={"owner": "o1", "fence": "not a number"})
+    info = lock.inspect("odd")
+    assert info is not None
+    assert (info["owner"], info["name"], info["ttl"]) == ("o1", "odd", None)
+    assert "fence" not in info and "fence" in info["malformed"]
+
+
+@pytest.mark.parametrize("fence", ["not a number", None])
+def test_a_regrant_of_a_hash_with_no_readable_fence_is_a_typed_error(lock, redis_client, fence):
+    from celery_steplock.exceptions import LockError
+
+    lock.acquire("bad-fence", "o1", 5.0)
+    if fence is None:
+        redis_client.hdel("t:lease:{bad-fence}", "fence")
+    else:
+        redis_client.hset("t:lease:{bad-fence}", "fence", fence)
+    with pytest.raises(LockError) as info:
+        lock.acquire("bad-fence", "o1", 5.0)
+    assert (info.value.key, info.value.name, info.value.owner) == (
+        "t:lease:{bad-fence}",
+        "bad-fence",
+        "o1",
+    )
+    assert "fencing token is not a number" in str(info.value)
+    assert "celery steplock release bad-fence --owner o1" in str(info.value)
+    assert lock.acquire("bad-fence", "o2", 5.0) is None  # still held: nothing changed hands
+
+
 def test_unreachable_store_raises_a_typed_retryable_error():
     from helpers import closed_port_url
 
@@ -1049,3 +1084,29 @@ def test_a_lease_without_metadata_has_no_meta_field_and_reads_as_an_empty_one(lo
     assert info["owner"] == "o1" and info["fence"] == str(lease.fence)
     [scanned] = lock.iter_leases("bare")
     assert "malformed" not in scanned
+
+
+def test_a_wait_is_cut_to_the_socket_timeout_a_connection_class_defaults_to(
+    lock, redis_client, redis_server_url
+):
+    # A client built by hand whose connections time out by their class's default (5 s in
+    # redis-py 6+, invisible in the pool's arguments; 0.5 s here): a BLPOP as long as the
+    # holder's TTL would outlast the socket and fail the wait.
+    import redis
+
+    class QuickConnection(redis.Connection):
+        def __init__(self, socket_timeout=0.5, **kwargs):
+            super().__init__(socket_timeout=socket_timeout, **kwargs)
+
+    pool = redis.ConnectionPool.from_url(
+        redis_server_url, connection_class=QuickConnection, decode_responses=True
+    )
+    assert "socket_timeout" not in pool.connection_kwargs
+    waiter = RedisLeaseStore(redis.Redis(connection_pool=pool), prefix="t")
+    holder = lock.acquire("cut", "holder", 5.0)
+    threading.Timer(1.5, lock.release, args=("cut", "holder")).start()
+    started = time.monotonic()
+    lease = waiter.acquire("cut", "waiter", 5.0, wait=4.0)
+    assert lease is not None and lease.owner == "waiter" and lease.fence > holder.fence
+    assert 1.0 < time.monotonic() - started < 3.5
+    pool.disconnect()

@@ -206,7 +206,11 @@ def socket_timeout(client: RedisCluster) -> float | None:
     """The per-call socket timeout of ``client``'s node connections, seconds (None: none)."""
     if isinstance(client, DeferredCluster):
         return client.socket_timeout
-    return client.nodes_manager.connection_kwargs.get("socket_timeout")
+    manager = client.nodes_manager
+    return wire.effective_socket_timeout(
+        manager.connection_kwargs,
+        manager.connection_kwargs.get("connection_class", _redis_cluster.Connection),
+    )
 
 
 _TYPED: dict[str, type[ResponseError]] = {

@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from typing import Any, Callable
 
+from .. import _loops
 from ..events import log_event
 from ..exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from ..heartbeat import IDLE_TIMEOUT, MIN_RETRY_DELAY, Renewals, _Entry, check_ratio, new_entry
@@ -176,6 +176,14 @@ class AsyncHeartbeat(Renewals):
         if task.cancelled():
             self._cancelled()
 
+    async def aclose(self) -> None:
+        """Cancel the renewal task, if running, and wait for it (the loop is shutting
+        down): its holds are marked lost, as for any cancellation."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+
     def _cancelled(self) -> None:
         entries = list(self._entries.values())
         if entries:
@@ -230,19 +238,15 @@ def _kept(
     return exc
 
 
-_heartbeats: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncHeartbeat] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def get_async_heartbeat() -> AsyncHeartbeat:
     """The running event loop's :class:`AsyncHeartbeat` (one per loop).
 
     Raises:
         RuntimeError: No event loop is running.
     """
-    loop = asyncio.get_running_loop()
-    hb = _heartbeats.get(loop)
+    kept = _loops.room()
+    hb = kept.values.get("heartbeat")
     if hb is None:
-        hb = _heartbeats[loop] = AsyncHeartbeat(loop)
+        hb = kept.values["heartbeat"] = AsyncHeartbeat(asyncio.get_running_loop())
+        kept.on_close(hb.aclose)
     return hb

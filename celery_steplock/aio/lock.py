@@ -17,12 +17,13 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping
 
-from .. import calls
+from .. import _loops, calls
 from .._checks import (
     MAX_SCAN_COUNT,
     check_count,
     shown,
 )
+from .._loops import background
 from .._redis import aio, cluster, wire
 from .._redis.scripts import lease as scripts
 from .._redis.scripts.lease import EXTEND_CHUNK
@@ -39,7 +40,9 @@ from ..lock import (
     _argument,
     _extend_many_calls,
     _extend_many_results,
+    _fresh_grant,
     _granted,
+    _inspected,
     _metadata,
     _name,
     _owned_seconds,
@@ -59,34 +62,6 @@ from ..lock import (
 from .heartbeat import get_async_heartbeat
 
 __all__ = ["AsyncRedisLeaseStore", "get_async_lease_store"]
-
-# The cleanups and releases still running after their caller was cancelled (the loop keeps
-# only weak references to its tasks).
-_background: set[asyncio.Future[Any]] = set()
-
-
-def background(work: Any) -> asyncio.Future[Any]:
-    """Run ``work`` (a coroutine) as a task of the running loop that nothing can cancel by
-    cancelling its caller, kept referenced until it ends; its error, if any, is read (the
-    lease it was freeing runs out with its TTL). Await it through ``asyncio.shield`` to wait
-    for it without exposing it to the caller's cancellation.
-
-    Args:
-        work: A coroutine (a release, a ZREM of a waiter entry).
-
-    Returns:
-        The task.
-    """
-    task = asyncio.ensure_future(work)
-    _background.add(task)
-    task.add_done_callback(_settled)
-    return task
-
-
-def _settled(task: asyncio.Future[Any]) -> None:
-    _background.discard(task)
-    if not task.cancelled():
-        task.exception()
 
 
 def _derived(client: Any, max_connections: int) -> Any:
@@ -176,6 +151,7 @@ class AsyncRedisLeaseStore:
         self._probed = False
         self._acquire = wire.Script(scripts.ACQUIRE)
         self._release = wire.Script(scripts.RELEASE)
+        self._forget_waiter = wire.Script(scripts.FORGET_WAITER)
         self._extend = wire.Script(scripts.EXTEND)
         self._extend_many = wire.Script(scripts.EXTEND_MANY)
         self._owned = wire.Script(scripts.OWNED)
@@ -327,13 +303,24 @@ class AsyncRedisLeaseStore:
         )
         return bool(reply)
 
-    def _cancelled_steps(self, name: str, owner: str, waited: bool) -> calls.Steps[None]:
-        # After a cancelled acquire: its grant may have been written with its reply unread,
-        # so it is released (owner-checked: never another owner's), and its waiter entry
-        # dropped.
-        yield from self._release_steps(name, owner)
-        if waited:
-            yield from self._forget_steps(name, owner)
+    def _cancelled_steps(
+        self, name: str, owner: str, waited: bool, granted: bool | None, generated: bool
+    ) -> calls.Steps[None]:
+        # After a cancelled acquire. granted: whether the ACQUIRE whose reply the cancellation
+        # cut off granted the lease afresh (False: refused, a re-grant of a lease the owner
+        # already held, or no ACQUIRE in flight; None: unknown, the call failed).
+        # Only a grant of this call is released: a re-grant is the earlier holder's, whose
+        # hold must outlive this call. An unknown outcome is released only for an owner
+        # token this call generated (no one else can hold the lease with it); else the
+        # grant, if any, runs out with its TTL, as after a failed uncancelled acquire.
+        if granted or (granted is None and generated):
+            yield from self._release_steps(name, owner)  # wakes a waiter when it deletes
+        if waited and not granted:
+            # Its waiter entry dropped, and a wake-up its cut-off BLPOP may have taken passed
+            # on when the lease is free.
+            yield from self._call_steps(
+                self._forget_waiter, self._wake_keys(name), [owner], "wait", name, owner
+            )
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -376,7 +363,12 @@ class AsyncRedisLeaseStore:
         metadata = _metadata(metadata)
         wait = _wait_seconds(wait)
         return await self._run_acquire(
-            self._try_steps(name, owner, ttl, metadata, wait), self.client, name, owner, wait > 0
+            self._try_steps(name, owner, ttl, metadata, wait),
+            self.client,
+            name,
+            owner,
+            wait > 0,
+            False,
         )
 
     async def acquire(
@@ -391,9 +383,14 @@ class AsyncRedisLeaseStore:
         """Acquire a lease, waiting for it at most ``wait`` seconds without blocking the
         event loop (as :meth:`RedisLeaseStore.acquire`: a release wakes one waiter).
 
-        A cancelled call (``asyncio.CancelledError``) leaves nothing to another owner: a
-        task of the loop sends the owner-checked release of what the call may have been
-        granted with its reply unread, and drops its waiter entry (else both expire).
+        A cancelled call (``asyncio.CancelledError``) leaves nothing behind: a task of the
+        loop releases what the call may have been granted, drops its waiter entry and, when
+        the lease is free and others wait, wakes one (the wake-up the cancelled wait may
+        have taken). With an ``owner`` of the caller's, which may hold the lease already, an
+        acquire script already sent runs to its end and the lease is released only if that
+        script granted it afresh (a re-grant is left as it was; a reply lost to an error
+        leaves any grant to its TTL). With a generated owner (None) no one else can hold
+        the lease under that token, and it is released by owner.
 
         Args:
             name: The lock name.
@@ -421,16 +418,17 @@ class AsyncRedisLeaseStore:
         wait: float,
         metadata: Mapping[str, Any] | None,
     ) -> tuple[Lease | None, str | None, float | None]:
+        generated = owner is None
         owner = new_owner_token() if owner is None else _owner(owner)
         name, ttl, metadata = _name(name), _ttl(ttl), _metadata(metadata)
         wait = _wait_seconds(wait)
         if wait <= 0:
             steps = self._try_steps(name, owner, ttl, metadata, 0.0)
-            return await self._run_acquire(steps, self.client, name, owner, False)
+            return await self._run_acquire(steps, self.client, name, owner, False, generated)
         limit = self.waiter_limit
         if self._waiting >= limit:
             steps = self._try_steps(name, owner, ttl, metadata, 0.0)
-            result = await self._run_acquire(steps, self.client, name, owner, False)
+            result = await self._run_acquire(steps, self.client, name, owner, False, generated)
             if result[0] is not None:
                 return result
             size = (
@@ -440,7 +438,7 @@ class AsyncRedisLeaseStore:
         self._waiting += 1
         try:
             steps = self._wait_steps(name, owner, ttl, wait, metadata)
-            return await self._run_acquire(steps, self.waiter_client, name, owner, True)
+            return await self._run_acquire(steps, self.waiter_client, name, owner, True, generated)
         finally:
             self._waiting -= 1
 
@@ -451,17 +449,43 @@ class AsyncRedisLeaseStore:
         name: str,
         owner: str,
         waited: bool,
+        generated: bool,
     ) -> tuple[Lease | None, str | None, float | None]:
+        # With a caller's owner token (which may hold the lease already), the ACQUIRE
+        # script runs shielded (calls.Flight): once sent, a cancellation leaves it running,
+        # and the cleanup reads its reply to release only a grant of this call. A token this
+        # call generated holds nothing else: releasing by owner is right, and the shield's
+        # task per call (some 30-40 us) is not paid.
+        flight = None if generated else calls.Flight()
         try:
-            return await calls.arun(steps, client)
+            return await calls.arun(steps, client, flight=flight)
         except asyncio.CancelledError:
-            self._after_cancel(name, owner, waited)
+            self._after_cancel(name, owner, waited, flight, generated)
             raise
 
-    def _after_cancel(self, name: str, owner: str, waited: bool) -> None:
+    async def _in_flight_grant(self, flight: calls.Flight | None) -> bool | None:
+        """Whether the ACQUIRE a cancellation cut off granted the lease afresh: False when
+        none was in flight (or it refused, or re-granted), None when it failed or was not
+        followed (no ``flight``)."""
+        if flight is None:
+            return None
+        step, call = flight.step, flight.call
+        if call is None or step is None or step.script is not self._acquire:
+            return False
+        try:
+            reply = await call
+        except Exception:  # noqa: BLE001 - what the script did is unknown
+            return None
+        return _fresh_grant(reply)
+
+    def _after_cancel(
+        self, name: str, owner: str, waited: bool, flight: calls.Flight | None, generated: bool
+    ) -> None:
         async def clean() -> None:
             try:
-                await calls.arun(self._cancelled_steps(name, owner, waited), self.client)
+                granted = await self._in_flight_grant(flight)
+                steps = self._cancelled_steps(name, owner, waited, granted, generated)
+                await calls.arun(steps, self.client)
             except Exception as exc:  # noqa: BLE001 - a background task: logged, left to the TTL
                 log_event(
                     "release_failed",
@@ -580,7 +604,7 @@ class AsyncRedisLeaseStore:
         reply = await calls.arun(
             _one(calls.Eval(self._scan_fields, [key], [], "inspect", name=name)), self.client
         )
-        return RedisLeaseStore._parse_scan_fields(self, [key], reply).get(key)  # type: ignore[arg-type]
+        return _inspected(self, key, name, reply)
 
     def lease(
         self,
@@ -714,12 +738,17 @@ def _dropped(error: LockError) -> bool:
 
 def _socket_timeout(client: Any) -> float | None:
     """The asyncio client's per-call socket timeout, seconds (None: none set)."""
+    import redis.asyncio
+
     if aio.is_async_cluster(client):
-        value = client.get_connection_kwargs().get("socket_timeout")
-    else:
-        pool = getattr(client, "connection_pool", None)
-        value = getattr(pool, "connection_kwargs", {}).get("socket_timeout")
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+        kwargs = client.get_connection_kwargs()
+        return wire.effective_socket_timeout(
+            kwargs, kwargs.get("connection_class", redis.asyncio.Connection)
+        )
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return None
+    return wire.effective_socket_timeout(pool.connection_kwargs, pool.connection_class)
 
 
 def _by_slot(
@@ -740,12 +769,6 @@ def _by_slot(
             batch.append(([keys[n] for n in part], argv))
             members.append(part)
     return members, batch
-
-
-# (running loop) -> id(sync store) -> (weakref to the sync store, its async store)
-_stores: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, AsyncRedisLeaseStore]]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def get_async_lease_store(app: Any = None) -> AsyncRedisLeaseStore:
@@ -790,11 +813,10 @@ def async_store_for(store: Any) -> AsyncRedisLeaseStore:
     """
     if isinstance(store, AsyncRedisLeaseStore):
         return store
-    loop = asyncio.get_running_loop()
-    stores = _stores.get(loop)
-    if stores is None:
-        stores = _stores[loop] = {}
-    found = stores.get(id(store))
+    # In the loop's room, by the sync store's id with a weak reference to tell a reused id
+    # apart; its client (the twin) is closed with the loop.
+    stores = _loops.room().values
+    found = stores.get(("store", id(store)))
     if found is not None and found[0]() is store:
         return found[1]
     twin = AsyncRedisLeaseStore(
@@ -805,5 +827,5 @@ def async_store_for(store: Any) -> AsyncRedisLeaseStore:
         max_waiters=store.max_waiters,
         name_secret=store.name_secret,
     )
-    stores[id(store)] = (weakref.ref(store), twin)
+    stores[("store", id(store))] = (weakref.ref(store), twin)
     return twin

@@ -98,6 +98,7 @@ from .._checks import (
     check_text,
     shown,
 )
+from .._loops import background
 from .._redis import wire
 from .._redis.scripts.breaker import ADMIT, OVERRIDE, READ, RECORD
 from ..clients import async_client_for
@@ -813,6 +814,17 @@ class CircuitBreaker:
         (:func:`celery_steplock.clients.async_client_for`). Record the outcome with
         ``await call.asuccess()`` / ``afailure(exc)`` / ``arelease()`` / ``arecord(exc)``.
 
+        A cancelled call (``asyncio.CancelledError``) never keeps a probe permit: the
+        admission script may have granted one with its reply unread, so a task of the loop
+        (one its caller's cancellation cannot stop) then removes the permit of this
+        call's owner token from the probe set (one ``ZREM``: never another owner's permit;
+        nothing when none was granted), as the lease store releases a cancelled acquire's
+        grant, so the other callers may probe at once rather than after ``probe_timeout``.
+        A removal that fails is logged (``circuit_record_failed``, ``outcome=n``): the
+        permit expires with ``probe_timeout``. (The permit is the owner token's: a caller
+        passing the ``owner`` of a permit it already holds gives that permit back by
+        cancelling.)
+
         Returns:
             The :class:`AdmittedCall`.
 
@@ -820,14 +832,46 @@ class CircuitBreaker:
             CircuitOpen: The breaker refuses the call.
             LockStoreUnavailable: Redis could not be reached and the policy is fail closed.
             RuntimeError: No event loop is running.
+            asyncio.CancelledError: Cancelled.
         """
         where, cache, ttl, held = self._cached_admission(owner, sender)
         if held is not None:
             return held
-        return await calls.arun(
-            self._admit_steps(where, cache, ttl, owner, sender, on_store_error),
-            async_client_for(where.client),
+        from ..lock import new_owner_token
+
+        owner = owner or new_owner_token(None)
+        client = async_client_for(where.client)
+        try:
+            return await calls.arun(
+                self._admit_steps(where, cache, ttl, owner, sender, on_store_error), client
+            )
+        except asyncio.CancelledError:
+            background(self._give_back(client, self._keys(where.prefix)[1], owner))
+            raise
+
+    async def _give_back(self, client: Any, probes: str, owner: str) -> None:
+        """After a cancelled :meth:`aadmit`: remove ``owner``'s probe permit from the probe
+        set ``probes`` (the RECORD script's ``n`` outcome without its generation check: a
+        permit of another generation was dropped when the generation moved); logged
+        (``circuit_record_failed``) when Redis refuses or does not answer."""
+        step = calls.Command(
+            ("ZREM", probes, owner),
+            "circuit breaker probe give-back",
+            key=probes,
+            name=self.name,
+            owner=owner,
         )
+        try:
+            await calls.arun(_one(step), client)
+        except Exception as error:  # noqa: BLE001 - a background task: logged, left to expire
+            log_event(
+                "circuit_record_failed",
+                logging.ERROR,
+                key=self.key,
+                name=self.name,
+                outcome="n",
+                error=error,
+            )
 
     def _cached_admission(
         self, owner: str | None, sender: Any

@@ -47,6 +47,7 @@ from typing import Any, Callable
 from .. import calls, signals
 from .._checks import CLOCK_SKEW_TOLERANCE, check_seconds, check_ttl, shown
 from .._jitter import full_jitter
+from .._loops import background
 from .._redis import wire
 from .._redis.scripts.concurrency import ACQUIRE_SLOT, LEAVE_QUEUE
 from ..events import emit, lease_fields, log_event
@@ -175,7 +176,7 @@ class Slot:
         error = None
         try:
             store = _async_store(self.store)
-            pending = _background(store.release(self.lease.name, self.lease.owner))
+            pending = background(store.release(self.lease.name, self.lease.owner))
             freed = await asyncio.shield(pending)
         except asyncio.CancelledError:
             raise
@@ -720,7 +721,7 @@ class ConcurrencyLimit:
             # A grant may be in flight (its reply never read): in the background, release
             # any slot of this owner (owner-checked) and leave the queue.
             cancelled = True
-            _background(self._forget(store, hold))
+            background(self._forget(store, hold))
             raise
         finally:
             if slot is None and hold.wait > 0 and not cancelled:
@@ -849,12 +850,6 @@ def _async_store(store: Any) -> Any:
     from ..aio.lock import async_store_for
 
     return async_store_for(store)
-
-
-def _background(work: Any) -> Any:
-    from ..aio.lock import background
-
-    return background(work)
 
 
 def checked_key(key: Any) -> str:

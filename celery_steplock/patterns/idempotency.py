@@ -62,6 +62,7 @@ from .._checks import (
     check_seconds,
     shown,
 )
+from .._loops import background
 from .._redis import wire
 from .._redis.scripts.idempotency import BEGIN, CACHE, COMPLETE, EXTEND, FAIL, RELEASE
 from ..clients import async_client_for
@@ -497,11 +498,24 @@ class RedisRecords:
         version: str = "",
     ) -> RecordDecision:
         """:meth:`begin` on the ``redis.asyncio`` twin of the client (same script, same
-        decision, same errors)."""
-        return await calls.arun(
-            self.begin_steps(key, fingerprint, owner, lock_ttl, namespace, version),
-            self._aclient(),
-        )
+        decision, same errors).
+
+        Raises:
+            asyncio.CancelledError: Cancelled. The script may have locked the record for
+                ``owner`` with its reply unread: a task of the loop
+                (one its caller's cancellation cannot stop) then sends the owner-checked
+                release (:data:`RELEASE`: only a record ``locked`` by ``owner``, never
+                another caller's), as the lease store does for a cancelled acquire, so the
+                record is not left locked for ``lock_ttl``. A release that fails is logged
+                (``release_failed``): the lock TTL frees the record.
+        """
+        steps = self.begin_steps(key, fingerprint, owner, lock_ttl, namespace, version)
+        try:
+            return await calls.arun(steps, self._aclient())
+        except asyncio.CancelledError:
+            release = functools.partial(self.arelease, key, owner)
+            background(_release_after(None, release, key, owner))
+            raise
 
     async def acomplete(
         self,
@@ -1040,6 +1054,79 @@ def _astore(store: Any, method: str) -> Callable[..., Awaitable[Any]]:
     return functools.partial(asyncio.to_thread, getattr(store, method))
 
 
+async def _begin_or_release(
+    begin: Awaitable[RecordDecision],
+    release: Callable[[], Awaitable[Any]],
+    key: str,
+    owner: str,
+) -> RecordDecision:
+    """Await a store's ``begin`` for ``owner`` in a task a cancellation of the caller does
+    not stop: the caller's cancellation (``asyncio.CancelledError``) propagates at once,
+    and a task of the loop (one its caller's cancellation cannot stop) then waits for the
+    begin's decision and, when it locked the record, awaits ``release`` (the store's
+    owner-checked release of ``owner``'s locked record: never another caller's). For a
+    store other than :class:`RedisRecords` (which releases blindly, owner-checked, after a
+    cancelled script): the database store's transition runs on a thread, which a
+    cancellation does not stop, so a release sent at once could reach the database before
+    the row it should free. A begin that ended in another decision, or failed, leaves
+    nothing to release. A release that fails is logged (``release_failed``): the lock TTL
+    frees the record.
+
+    Args:
+        begin: The store's ``abegin(...)`` (a coroutine or awaitable, not yet awaited).
+        release: Returns the awaitable of the owner-checked release (``arelease(key,
+            owner)``).
+        key: The record key (in the log line).
+        owner: The begin's owner token (in the log line).
+
+    Returns:
+        The begin's :class:`RecordDecision`.
+
+    Raises:
+        asyncio.CancelledError: The caller was cancelled.
+        Exception: What the begin raised.
+    """
+    task = asyncio.ensure_future(begin)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        background(_release_after(task, release, key, owner))
+        raise
+
+
+async def _release_after(
+    task: asyncio.Future[RecordDecision] | None,
+    release: Callable[[], Awaitable[Any]],
+    key: str,
+    owner: str,
+) -> None:
+    """After a cancelled begin: wait for its decision (``task``), then release the record
+    it locked; released blindly (owner-checked) when ``task`` is None (the Redis store: its
+    reply lost with the cancellation) or was cancelled too (the loop closing)."""
+    if task is not None:
+        try:
+            decision = await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # noqa: BLE001 - the begin failed: it locked nothing (error read)
+            return
+        else:
+            if decision.outcome != "locked":
+                return
+    try:
+        await release()
+    except Exception as exc:  # noqa: BLE001 - a background task: logged, left to the lock TTL
+        log_event(
+            "release_failed",
+            logging.WARNING,
+            key=key,
+            owner=owner,
+            error=exc,
+            reason="after a cancelled idempotency begin; the record stays locked until its "
+            "lock TTL",
+        )
+
+
 #: The former name of :class:`IdempotentCall`, kept for one release.
 Ticket = IdempotentCall
 
@@ -1294,12 +1381,29 @@ class Idempotency:
             IdempotencyInProgress: Another execution (sync or async) holds it
                 (``retry_after`` seconds, at most 1).
             LockStoreUnavailable: The store did not answer (fail closed).
-            asyncio.CancelledError: Cancelled; a record locked meanwhile is released (or
-                left to its lock TTL), never renewed.
+            asyncio.CancelledError: Cancelled; a record locked meanwhile is released,
+                owner-checked (never another caller's), never renewed: the Redis store
+                sends the release of this call's owner token from a task of the loop
+                (:meth:`RedisRecords.abegin`); another store's begin (the database one's,
+                on its thread) ends in a task of its own, and what it locked is released
+                then (:func:`_begin_or_release`). Left to its lock TTL only when that
+                release fails or the loop closes first.
         """
         begun = _Begun(self, resource, arguments, fingerprint, task)
+        store = self.store
         try:
-            decision = await _astore(self.store, "begin")(*begun.request())
+            if isinstance(store, RedisRecords):  # releases what a cancelled script locked
+                decision = await store.abegin(*begun.request())
+            else:
+                # Another store (the database one hops to a thread, which a cancellation
+                # does not stop): its begin ends in a task of its own, then a record it
+                # locked is released (owner-checked).
+                decision = await _begin_or_release(
+                    _astore(store, "begin")(*begun.request()),
+                    functools.partial(_astore(store, "release"), begun.key, begun.owner),
+                    begun.key,
+                    begun.owner,
+                )
         except LockStoreUnavailable as exc:
             return begun.outage(exc)
         held = begun.settled(decision)

@@ -364,3 +364,133 @@ def test_a_cancelled_probe_gives_its_permit_back(redis_client):
     assert (held.state, held.probes) == (HALF_OPEN, 1)
     assert (after.state, after.probes) == (HALF_OPEN, 0)  # not a failure: no new opening
     assert probe_result == "ok"  # the next caller is the probe, at once
+
+
+# -- an admission cancelled while its reply is in flight -----------------------------------------
+
+
+#: A Lua loop that keeps Redis busy ARGV[1] microseconds: it reads no other connection
+#: meanwhile (under the 5 s busy-script threshold).
+BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
+"""
+
+
+def _busy(url, seconds: float) -> threading.Thread:
+    """Keep the Redis of ``url`` busy ``seconds`` (:data:`BUSY` from a thread), returning
+    once it is (a PING with a 50 ms timeout goes unanswered)."""
+    import redis
+
+    client = make_client(url, socket_timeout=seconds + 5)
+    thread = threading.Thread(
+        target=lambda: (client.eval(BUSY, 0, int(seconds * 1e6)), client.close())
+    )
+    thread.start()
+    probe = make_client(url, socket_timeout=0.05)
+    try:
+        while True:
+            try:
+                probe.ping()
+            except redis.TimeoutError:
+                return thread
+            time.sleep(0.005)
+    finally:
+        probe.close()
+
+
+async def _until(predicate, what: str, timeout: float = 10.0) -> float:
+    """Seconds until ``predicate()`` holds; fails naming ``what`` after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - start
+
+
+async def _reply_lost(url, admission):
+    """Run ``admission`` (an ``aadmit()`` coroutine) while Redis is busy (:func:`_busy`):
+    its script is sent but not read yet; cancel it there (CancelledError at once), then let
+    Redis go on: the script runs, its reply going to nobody."""
+    thread = _busy(url, 1.0)
+    task = asyncio.create_task(admission)
+    await asyncio.sleep(0.1)  # the script is written to the socket; Redis reads nothing yet
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(thread.join)
+
+
+def _calls(redis_client, command) -> int:
+    """Calls of ``command`` Redis served (INFO commandstats)."""
+    return redis_client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+def test_a_probe_admission_cancelled_with_its_reply_in_flight_gives_the_permit_back(
+    redis_client, redis_server_url
+):
+    # Half-open: the admission script grants the cancelled call the one probe permit, its
+    # reply going to nobody. Before the fix the permit was held for probe_timeout (30 s).
+    breaker = make(redis_client, recovery_timeout=0.2, probe_timeout=30, state_cache=0)
+    probes = breaker._keys("t")[1]
+
+    async def main():
+        await atrip(breaker)
+        await asyncio.sleep(0.25)  # past the recovery time: the next admission is a probe
+        fired, removed = _calls(redis_client, "evalsha"), _calls(redis_client, "zrem")
+        await _reply_lost(redis_server_url, breaker.aadmit())
+        # the admission ran (it took the permit), then the permit was given back
+        await _until(lambda: _calls(redis_client, "evalsha") > fired, "the admission")
+        freed = await _until(lambda: redis_client.zcard(probes) == 0, "the permit back", 2.0)
+        assert _calls(redis_client, "evalsha") == fired + 1
+        assert _calls(redis_client, "zrem") == removed + 1  # the give-back
+        state = await breaker.astate()
+        probe = await breaker.aadmit()  # the next caller probes at once
+        await probe.asuccess()
+        return freed, state, await breaker.astate()
+
+    freed, state, after = asyncio.run(main())
+    assert freed < 2.0
+    assert (state.state, state.probes) == (HALF_OPEN, 0)  # given back, not a failure
+    assert after.state == CLOSED
+
+
+def test_a_cancelled_admission_never_gives_back_another_callers_permit(
+    redis_client, redis_server_url
+):
+    # A's aadmit completed (A holds a probe permit). B's admission, cancelled in flight,
+    # is refused (one probe allowed), or granted its own permit (two allowed) and gives
+    # back only that one: A's stays.
+    async def scenario(allowed):
+        breaker = make(
+            redis_client,
+            name=f"dep{allowed}",
+            recovery_timeout=0.2,
+            probe_timeout=30,
+            half_open_probes=allowed,
+            state_cache=0,
+        )
+        probes = breaker._keys("t")[1]
+        await atrip(breaker)
+        await asyncio.sleep(0.25)
+        held = await breaker.aadmit()
+        assert held.probe and redis_client.zscore(probes, held.owner) is not None
+        fired, removed = _calls(redis_client, "evalsha"), _calls(redis_client, "zrem")
+        await _reply_lost(redis_server_url, breaker.aadmit())
+        await _until(lambda: _calls(redis_client, "evalsha") > fired, "the admission")
+        await _until(lambda: _calls(redis_client, "zrem") > removed, "the give-back")
+        await _until(lambda: redis_client.zcard(probes) == 1, "B's permit back", 2.0)
+        await asyncio.sleep(0.1)  # nothing more is given back
+        assert redis_client.zrange(probes, 0, -1) == [held.owner]
+        state = await breaker.astate()
+        assert (state.state, state.probes) == (HALF_OPEN, 1)
+        await held.asuccess()
+        assert (await breaker.astate()).state == CLOSED
+
+    async def main():
+        await scenario(1)
+        await scenario(2)
+
+    asyncio.run(main())

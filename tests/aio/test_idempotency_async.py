@@ -397,3 +397,202 @@ def test_an_unreachable_store_fails_closed_by_default_and_open_when_asked():
 
     asyncio.run(main())
     assert runs == [1, 1]  # unguarded: it ran each time
+
+
+# -- a cancellation that lands while the begin's reply is in flight ----------------------------
+
+
+#: A Lua loop that keeps Redis busy ARGV[1] microseconds: it reads no other connection
+#: meanwhile (under the 5 s busy-script threshold).
+BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
+"""
+
+
+def _busy(url, seconds: float) -> threading.Thread:
+    """Keep the Redis of ``url`` busy ``seconds`` (:data:`BUSY` from a thread), returning
+    once it is (a PING with a 50 ms timeout goes unanswered)."""
+    import redis
+
+    client = make_client(url, socket_timeout=seconds + 5)
+    thread = threading.Thread(
+        target=lambda: (client.eval(BUSY, 0, int(seconds * 1e6)), client.close())
+    )
+    thread.start()
+    probe = make_client(url, socket_timeout=0.05)
+    try:
+        while True:
+            try:
+                probe.ping()
+            except redis.TimeoutError:
+                return thread
+            time.sleep(0.005)
+    finally:
+        probe.close()
+
+
+def _ours(task, keep) -> bool:
+    """A task of a cancelled begin (its round trip, the release after it): not ``keep``'s
+    (the tasks that ran before), nor the heartbeat's (its loop, its wake-up wait)."""
+    coro = task.get_coro()
+    name = getattr(coro, "__qualname__", "")
+    heartbeat = task.get_name().startswith("steplock-") or name == "Event.wait"
+    return task not in keep and not heartbeat
+
+
+async def _cleanups_done(keep, timeout: float = 5.0) -> None:
+    """Wait until the loop runs no task of a cancelled begin: the begins' round trips and
+    the releases after them have ended."""
+    deadline = time.monotonic() + timeout
+    current = asyncio.current_task()
+    while others := [t for t in asyncio.all_tasks() if t is not current and _ours(t, keep)]:
+        assert time.monotonic() < deadline, f"still running: {others}"
+        await asyncio.sleep(0.005)
+
+
+async def _reply_lost(url, begin):
+    """Run ``begin`` (a coroutine) while Redis is busy (:func:`_busy`): its script is sent
+    but not read yet; cancel it there (CancelledError at once), then let Redis go on: the
+    script runs, its reply going to nobody. Returns the tasks that ran before (for
+    :func:`_cleanups_done`)."""
+    keep = set(asyncio.all_tasks())
+    thread = _busy(url, 1.0)
+    task = asyncio.create_task(begin)
+    await asyncio.sleep(0.1)  # the script is written to the socket; Redis reads nothing yet
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(thread.join)
+    return keep
+
+
+def _record_hash(redis_client, policy, resource):
+    return redis_client.hgetall(policy.store.redis_key(policy.key(resource)))
+
+
+async def _freed(predicate, bound: float = 2.0) -> float:
+    """Seconds until ``predicate()`` (a read of the record) holds; fails after ``bound``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < bound, "the record is still locked"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.mark.no_database
+def test_a_begin_cancelled_with_its_reply_in_flight_leaves_the_record_free(
+    redis_client, redis_server_url
+):
+    # The script locks the record for the cancelled call (Redis runs it once no longer
+    # busy); its reply goes to nobody. Before the fix the record stayed locked for lock_ttl (600 s).
+    policy = Idempotency("tests.aio.lost", client=redis_client, secret=SECRET, lock_ttl=600)
+
+    async def main():
+        warm = await policy.abegin("warm", {"a": 0})  # connected, scripts loaded
+        await warm.arelease()
+        fired = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+        keep = await _reply_lost(redis_server_url, policy.abegin("r", {"a": 1}))
+        waited = await _freed(lambda: not _record_hash(redis_client, policy, "r"))
+        await _cleanups_done(keep)
+        # the begin and the release after it ran (the begin's reply went to its own task)
+        stats = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+        assert stats - fired >= 2
+        # the next call with the key runs at once
+        call = await policy.abegin("r", {"a": 1})
+        assert not call.replayed and call.lease is not None
+        await call.acomplete("done")
+        return waited
+
+    assert run(main()) < 2.0
+
+
+@pytest.mark.no_database
+def test_the_store_abegin_cancelled_in_flight_releases_what_it_locked(
+    redis_client, redis_server_url
+):
+    # RedisRecords.abegin itself (the store's coroutine, called directly).
+    store = RedisRecords(redis_client, "steplock")
+
+    async def main():
+        assert (await store.abegin("w" * 64, "fp", "warm", 30.0)).outcome == "locked"
+        keep = await _reply_lost(redis_server_url, store.abegin("s" * 64, "fp", "o-1", 600.0))
+        await _freed(lambda: not redis_client.exists(store.redis_key("s" * 64)))
+        await _cleanups_done(keep)
+        assert await store.aget("s" * 64) is None
+
+    run(main())
+
+
+@pytest.mark.no_database
+def test_a_cancelled_begin_never_releases_another_callers_record(redis_client, redis_server_url):
+    # A holds the record (its abegin completed); B's begin, cancelled in flight, was told
+    # "in progress": nothing of A's is released. Same for the store's abegin with A's record.
+    policy = Idempotency("tests.aio.owner", client=redis_client, secret=SECRET, lock_ttl=600)
+    store = policy.store
+
+    async def main():
+        held = await policy.abegin("r", {"a": 1})
+        before = _record_hash(redis_client, policy, "r")
+        assert before["status"] == "locked" and before["owner"] == held.owner
+        keep = await _reply_lost(redis_server_url, policy.abegin("r", {"a": 1}))
+        key = policy.key("r")
+        await _reply_lost(redis_server_url, store.abegin(key, held.fingerprint, "b", 60.0))
+        await _cleanups_done(keep)
+        after = _record_hash(redis_client, policy, "r")
+        assert (after["status"], after["owner"]) == ("locked", held.owner)
+        assert after["expires_ms"] == before["expires_ms"]
+        assert await held.acomplete("done") is True
+        # a completed record is not touched either: the cancelled begin replayed it
+        keep = await _reply_lost(redis_server_url, policy.abegin("r", {"a": 1}))
+        await _cleanups_done(keep)
+        assert _record_hash(redis_client, policy, "r")["status"] == "completed"
+        replay = await policy.abegin("r", {"a": 1})
+        assert replay.replayed and replay.result == "done"
+
+    run(main())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_begin_cancelled_on_its_thread_leaves_the_row_free(redis_client):
+    # The database store's begin hops to a thread, which a cancellation does not stop: the
+    # row is locked on that thread after the caller was cancelled. It is released then.
+    from celery_steplock.contrib.django.idempotency import DatabaseRecords
+
+    entered, go = threading.Event(), threading.Event()
+
+    class Held(DatabaseRecords):
+        def _begin_in_database(self, *args):
+            decision = super()._begin_in_database(*args)
+            entered.set()
+            go.wait(10)  # the row is locked (committed); the caller is cancelled meanwhile
+            return decision
+
+    store = Held()
+    policy = Idempotency("tests.aio.dbcancel", client=redis_client, secret=SECRET, store=store)
+    rows = store.model.objects
+
+    async def main():
+        keep = set(asyncio.all_tasks())
+        task = asyncio.create_task(policy.abegin("r", {"a": 1}))
+        await until(entered.is_set, what="the row locked on the store's thread")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        start = time.monotonic()
+        while await policy.aget("r") is not None:
+            assert time.monotonic() - start < 2.0, "the row is still locked"
+            await asyncio.sleep(0.01)
+        await _cleanups_done(keep)
+        call = await policy.abegin("r", {"a": 1})  # runs at once
+        assert not call.replayed
+        await call.arelease()
+        assert not await asyncio.to_thread(closing(rows.filter(key=policy.key("r")).exists))
+
+    try:
+        run(main())
+    finally:
+        go.set()

@@ -14,6 +14,7 @@ import asyncio
 import importlib.util
 import inspect
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from celery_steplock.exceptions import (
     LockStoreMisconfigured,
     LockStoreUnavailable,
 )
+from celery_steplock.keys import lease_key, waiters_key, wake_key
 from celery_steplock.lock import RedisLeaseStore, make_client
 
 pytestmark = pytest.mark.no_database  # runs once, in the common pass
@@ -122,6 +124,8 @@ SHARED = [
     "test_extend_many_renews_in_one_call",
     "test_extend_many_reloads_flushed_scripts",
     "test_inspect_shows_the_holder",
+    "test_inspect_of_a_key_that_is_not_a_lease_hash_reads_as_none",
+    "test_a_regrant_of_a_hash_with_no_readable_fence_is_a_typed_error",
     "test_a_refusal_is_not_an_outage",
     "test_extend_many_renews_each_lease_as_extend_would",
     "test_extend_many_reloads_a_script_redis_lost",
@@ -455,6 +459,167 @@ def test_a_grant_whose_reply_a_cancellation_lost_is_released(redis_client, redis
         return lost_replies
 
     assert asyncio.run(main()) >= 1
+
+
+async def _until(condition, what: str, timeout: float = 10.0) -> None:
+    """Poll ``condition()`` (a read of Redis) until true; fail naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)
+
+
+async def _cleanups_done(*keep: asyncio.Task) -> None:
+    """Wait until the loop runs no task but the current one and ``keep``: the cancelled
+    calls' cleanups (and the scripts they wait for) have ended."""
+
+    def others():
+        return [
+            t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in keep
+        ]
+
+    deadline = time.monotonic() + 10.0
+    while others():
+        assert time.monotonic() < deadline, f"still running: {others()}"
+        await asyncio.sleep(0.005)
+
+
+def _blocked(redis_client) -> int:
+    """Clients Redis holds blocked (in BLPOP, or postponed by CLIENT PAUSE)."""
+    return redis_client.info("clients")["blocked_clients"]
+
+
+@pytest.mark.parametrize("wait", [0.0, 5.0])
+def test_a_cancelled_reentrant_acquire_keeps_the_owners_earlier_hold(
+    redis_client, redis_server_url, wait
+):
+    # Owner O holds the lease; a second acquire by O (a re-grant) is cancelled before it is
+    # sent, while it is sent, and with its script held by Redis (CLIENT PAUSE WRITE): the
+    # earlier hold is never released, its fence and fields unchanged.
+    async def main():
+        store = await _build(redis_server_url, socket_timeout=30.0)
+        held = await store.acquire("r", "O", 60.0)
+        key = lease_key("t", "r")
+        before = redis_client.hgetall(key)
+        assert before["owner"] == "O" and int(before["fence"]) == held.fence
+        outcomes = []
+        for k in range(6):
+            task = asyncio.create_task(store.acquire("r", "O", 30.0, wait=wait))
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                lease = await task
+                assert lease.fence == held.fence
+                outcomes.append("returned")
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+            await _cleanups_done()
+            assert redis_client.hgetall(key) == before, k
+        # The script in flight, held in Redis: the cancellation lands before its reply.
+        redis_client.execute_command("CLIENT", "PAUSE", 20000, "WRITE")
+        try:
+            task = asyncio.create_task(store.acquire("r", "O", 30.0, wait=wait))
+            await _until(lambda: _blocked(redis_client) == 1, "the acquire held by the pause")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert redis_client.hgetall(key) == before
+        finally:
+            redis_client.execute_command("CLIENT", "UNPAUSE")
+        await _cleanups_done()
+        assert redis_client.hgetall(key) == before
+        assert 0 < redis_client.pttl(key) <= 30000  # the re-grant ran (it resets the TTL)
+        assert redis_client.exists(waiters_key("t", "r")) == 0
+        assert await store.release("r", "O") is True
+        await _close(store)
+        return outcomes
+
+    assert "cancelled" in asyncio.run(main())
+
+
+def test_a_waiter_cancelled_in_blpop_keeps_its_owners_other_hold(redis_client, redis_server_url):
+    # Two calls of owner O: one waits in BLPOP, the other gets the lease afresh (the holder's
+    # lease vanished without a wake-up, as on expiry). Cancelling the waiter releases nothing.
+    async def main():
+        store = await _build(redis_server_url, socket_timeout=30.0)
+        await store.acquire("s", "H", 60.0)
+        waiter = asyncio.create_task(store.acquire("s", "O", 30.0, wait=30.0))
+        await _until(lambda: _blocked(redis_client) == 1, "the waiter's BLPOP")
+        redis_client.delete(lease_key("t", "s"))
+        other = await store.acquire("s", "O", 30.0)
+        before = redis_client.hgetall(lease_key("t", "s"))
+        assert before["owner"] == "O" and int(before["fence"]) == other.fence
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await _cleanups_done()
+        assert redis_client.hgetall(lease_key("t", "s")) == before
+        assert redis_client.zscore(waiters_key("t", "s"), "O") is None
+        await _close(store)
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_as_its_wake_up_arrives_passes_it_on(redis_client, redis_server_url):
+    # H (TTL 60 s) holds; W1 then W2 wait in BLPOP (timeouts ~30 s). H's release pushes the
+    # one wake-up, which Redis hands to W1 (blocked longest) before the release's reply;
+    # W1 is cancelled in the same loop iteration, before the loop reads its BLPOP reply.
+    # W2 gets the lease at once, not when its BLPOP times out.
+    async def main():
+        store = await _build(redis_server_url, socket_timeout=30.0)
+        sync = RedisLeaseStore(redis_client, prefix="t")
+        await store.acquire("w", "H", 60.0)
+        w1 = asyncio.create_task(store.acquire("w", "W1", 30.0, wait=30.0))
+        await _until(lambda: _blocked(redis_client) == 1, "W1's BLPOP")
+        w2 = asyncio.create_task(store.acquire("w", "W2", 30.0, wait=30.0))
+        await _until(lambda: _blocked(redis_client) == 2, "W2's BLPOP")
+        assert sync.release("w", "H") is True
+        assert _blocked(redis_client) == 1  # W1's BLPOP returned: it took the wake-up
+        assert redis_client.llen(wake_key("t", "w")) == 0
+        w1.cancel()  # no await since the release: its reply is unread
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await w1
+        lease = await asyncio.wait_for(w2, 5.0)
+        elapsed = time.monotonic() - started
+        assert lease.owner == "W2"
+        assert elapsed < 2.0, elapsed
+        await _cleanups_done()
+        assert redis_client.zscore(waiters_key("t", "w"), "W1") is None
+        assert redis_client.hget(lease_key("t", "w"), "owner") == "W2"
+        assert await store.release("w", "W2") is True
+        await _close(store)
+        return elapsed
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_wakes_no_one_while_the_lease_is_held(redis_client, redis_server_url):
+    # The wake-up is passed on only when the lease is free: a waiter cancelled while H still
+    # holds leaves the wake-up list empty and the other waiter blocked.
+    async def main():
+        store = await _build(redis_server_url, socket_timeout=30.0)
+        await store.acquire("h", "H", 60.0)
+        w1 = asyncio.create_task(store.acquire("h", "W1", 30.0, wait=30.0))
+        w2 = asyncio.create_task(store.acquire("h", "W2", 30.0, wait=30.0))
+        await _until(lambda: _blocked(redis_client) == 2, "both BLPOPs")
+        redis_client.config_resetstat()
+        w1.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await w1
+        await _cleanups_done(w2)
+        assert redis_client.zrange(waiters_key("t", "h"), 0, -1) == ["W2"]
+        assert redis_client.exists(wake_key("t", "h")) == 0
+        assert _blocked(redis_client) == 1
+        assert "cmdstat_rpush" not in redis_client.info("commandstats")  # no wake-up pushed
+        assert await store.release("h", "H") is True
+        assert (await asyncio.wait_for(w2, 5.0)).owner == "W2"
+        await store.release("h", "W2")
+        await _close(store)
+
+    asyncio.run(main())
 
 
 def test_get_async_lease_store_is_the_apps_store_per_loop(app, redis_client):

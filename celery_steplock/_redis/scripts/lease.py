@@ -22,8 +22,8 @@ strings of ``TIME`` (seconds, then the microseconds zero-padded) rather than com
 Redis 7.0 each string-to-number conversion (``strtod``) or ``string.format`` in a script
 costs about as much as a command (callgrind: ~1,700 and ~2,000 instructions, a ``HGET`` of
 a missing key ~3,200 with the script call's own overhead), and the grant runs at every
-acquire. A granted acquire returns a bare integer: a table reply costs Redis more to build
-than the rest of a release.
+acquire. A granted acquire returns a bare integer (a re-grant the stored string): a table
+reply costs Redis more to build than the rest of a release.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .fragments import FENCE, GRANT, WAKE_ONE
 __all__ = [
     "ACQUIRE",
     "RELEASE",
+    "FORGET_WAITER",
     "REAP",
     "EXTEND",
     "EXTEND_MANY",
@@ -62,9 +63,12 @@ EXTEND_CHUNK = 1000
 # waiters' sorted set.
 # ARGV[1] owner token, ARGV[2] lease TTL ms, ARGV[3] fencing counter period ms (fence_ttl),
 # ARGV[4] ms the caller waits at most (with KEYS[3]), ARGV[5] static metadata JSON ('' none).
-# Returns the fencing token (an integer) when granted or already held by ARGV[1] (then only
-# the TTL is reset); else the table {holder's owner token, holder's remaining TTL ms}. A
-# refused waiter is added to KEYS[3] (scored by its deadline), a granted one removed.
+# Returns the fencing token: as an integer when this call granted the lease, as its decimal
+# string (the stored field, unconverted) when ARGV[1] already held it (a re-grant: only the
+# TTL is reset); else the table {holder's owner token, holder's remaining TTL ms}. A refused
+# waiter is added to KEYS[3] (scored by its deadline), a granted one removed. The reply's
+# type tells a cancelled asyncio caller's cleanup whether the grant is its own to release
+# (celery_steplock.lock._fresh_grant); the readers take both as the token.
 #
 # The grant is fragments.FENCE and fragments.GRANT (shared with a concurrency slot's grant):
 # fencing token max(counter + 1, Redis time in us); the counter's TTL is reset only when it is
@@ -76,7 +80,7 @@ local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder then
   if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return tonumber(redis.call('HGET', KEYS[1], 'fence'))
+    return redis.call('HGET', KEYS[1], 'fence')
   end
   if KEYS[3] then
     local t = redis.call('TIME')
@@ -124,6 +128,22 @@ RELEASE = (
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
 """
     + _DELETE_WAKING
+)
+
+# KEYS as RELEASE. ARGV[1] the owner token of a waiter that gave up (a cancelled asyncio
+# acquire). Drops its waiter entry; then, when the lease is free and someone still waits,
+# wakes one (WAKE_ONE, pushing ARGV[1]): the wake-up a cancelled BLPOP may have taken with its
+# reply unread is passed on, so the others do not sleep until their BLPOP times out. A
+# wake-up too many costs a waiter one refused attempt. Returns nothing.
+FORGET_WAITER = (
+    """
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+"""
+    + WAKE_ONE
+    + """
+end
+"""
 )
 
 # KEYS as RELEASE. ARGV[1] owner token, ARGV[2] renewed_ms observed.

@@ -1478,7 +1478,7 @@ class AsyncGuardedStep(GuardedStep):
             try:
                 lease = await store.acquire(
                     self.lock_name,
-                    new_owner_token(),
+                    None,  # a token of the store's making: a cancellation releases by it
                     self.ttl,
                     wait=self.wait,
                     metadata=self._metadata(),
@@ -1684,7 +1684,10 @@ async def aguarded_transition(
 
     Args, Returns, Raises: As :func:`guarded_transition` (the same signals, sender the
     :class:`AsyncGuardedStep`; nothing is ever half-applied). A cancellation while the
-    lease is awaited or held rolls back and releases the lease (or leaves it to its TTL).
+    lease is awaited or held rolls back and releases the lease (or leaves it to its TTL);
+    one that arrives once COMMIT is under way on the block's thread cannot stop it (a
+    thread cannot be cancelled): the transition is then committed although the caller
+    gets ``asyncio.CancelledError``, so a caller that must know reads the step again.
     """
     on_conflict = check_choice(on_conflict, "on_conflict", ON_CONFLICT)
     step = aguarded_step(
