@@ -648,6 +648,7 @@ class RedisLeaseStore:
         self._extend = wire.Script(scripts.EXTEND)
         self._extend_many = wire.Script(scripts.EXTEND_MANY)
         self._scan_fields = wire.Script(scripts.SCAN_FIELDS)
+        self._forget_waiter = wire.Script(scripts.FORGET_WAITER)
         self._owned = wire.Script(scripts.OWNED)
         self._probe = wire.Script(scripts.PROBE)
         # The releases written without waiting (release_later): built on first use; None
@@ -927,8 +928,11 @@ class RedisLeaseStore:
                     ) from exc
         finally:
             if lease is None:
+                # The waiter entry dropped; and a wake-up this wait may have taken from BLPOP
+                # before an exception cut it short (a soft time limit) passed on when the
+                # lease is free, else another waiter sleeps until its BLPOP times out.
                 try:
-                    client.zrem(waiters_key(self.prefix, name), owner)
+                    route.evalsha(client, self._forget_waiter, self._wake_keys(name), [owner])
                 except STORE_ERRORS:
                     pass  # the entry expires with its deadline
 

@@ -1110,3 +1110,55 @@ def test_a_wait_is_cut_to_the_socket_timeout_a_connection_class_defaults_to(
     assert lease is not None and lease.owner == "waiter" and lease.fence > holder.fence
     assert 1.0 < time.monotonic() - started < 3.5
     pool.disconnect()
+
+
+def test_a_wait_cut_short_after_taking_a_wake_up_passes_it_on(
+    lock, redis_client, redis_server_url
+):
+    # A wait interrupted by an exception (Celery's soft time limit) right after its BLPOP
+    # took the one wake-up a release pushed: the next waiter is woken at once, not when its
+    # own BLPOP times out. The interruption is injected where a signal would raise it.
+    import redis
+
+    class Interrupted(Exception):
+        pass
+
+    class InterruptedAfterWakeUp(redis.Redis):
+        def blpop(self, *args, **kwargs):
+            reply = super().blpop(*args, **kwargs)
+            if reply:
+                raise Interrupted
+            return reply
+
+    def blocked() -> int:
+        return int(redis_client.info("clients")["blocked_clients"])
+
+    interrupted_client = InterruptedAfterWakeUp.from_url(redis_server_url, decode_responses=True)
+    first = RedisLeaseStore(interrupted_client, prefix="t")
+    lock.acquire("passed-on", "holder", 60.0)
+    outcome = {}
+
+    def wait_first():
+        try:
+            first.acquire("passed-on", "first", 5.0, wait=20.0)
+        except Interrupted:
+            outcome["first"] = "interrupted"
+
+    def wait_second():
+        outcome["second"] = lock.acquire("passed-on", "second", 5.0, wait=20.0)
+        outcome["second_at"] = time.monotonic()
+
+    threads = [threading.Thread(target=wait_first), threading.Thread(target=wait_second)]
+    threads[0].start()
+    wait_until(lambda: blocked() == 1, timeout=5)
+    threads[1].start()
+    wait_until(lambda: blocked() == 2, timeout=5)
+    released_at = time.monotonic()
+    assert lock.release("passed-on", "holder")
+    for thread in threads:
+        thread.join(25)
+    assert outcome["first"] == "interrupted"
+    assert outcome["second"] is not None and outcome["second"].owner == "second"
+    assert outcome["second_at"] - released_at < 2.0
+    assert redis_client.zscore("t:waiters:{passed-on}", "first") is None
+    interrupted_client.close()
