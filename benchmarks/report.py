@@ -1085,30 +1085,36 @@ def evaluate_aio(F: Figures) -> list[dict[str, Any]]:
             "aio.lease.concurrent.ratio.ours_vs_redis_py_cpu",
             1.0,
         ),
+        # Issue 27 asks for these two ratios and sets them no bar: reported, neither met nor
+        # missed (the decisions differ: an exact log of every grant against limits' list).
         (
             "aio.window",
-            "Async sliding-window decision p50 (`atry_acquire`) at least as fast as "
-            "`limits`' async moving window",
+            "Async sliding-window decision p50 (`atry_acquire`) / `limits`' async moving "
+            "window (reported, no target)",
             "aio.decision.ratio.ours_window_vs_limits_moving",
-            1.0,
+            None,
         ),
         (
             "aio.window_server",
-            "Async sliding-window decision: Redis server µs ≤ 1.5 × `limits`' async "
-            "moving window (issue 26's bar)",
+            "Async sliding-window decision: Redis server µs / `limits`' async moving window "
+            "(reported, no target)",
             "aio.decision.ratio.ours_window_vs_limits_moving_server",
-            1.5,
+            None,
         ),
     ):
         r = F.v(name)
         if r is None:
             t.append(_target(tid, text, None, None, "not measured", name, issues=(27,)))
             continue
-        rel = (r / limit - 1) * 100
         fig = F.fig(name) or {}
         spread = fig.get("reps") or fig.get("rounds")
+        rounds = f"per repetition/round {min(spread):.3f}..{max(spread):.3f}" if spread else ""
+        if limit is None:
+            t.append(_target(tid, text, f"{r:.3f}x", None, rounds or "-", name, issues=(27,)))
+            continue
+        rel = (r / limit - 1) * 100
         by = f"{abs(rel):.1f}% {'under' if rel <= 0 else 'over'} the limit" + (
-            f"; per repetition/round {min(spread):.3f}..{max(spread):.3f}" if spread else ""
+            f"; {rounds}" if rounds else ""
         )
         wall = F.v(name.removesuffix("_cpu")) if name.endswith("_cpu") else None
         if wall is not None:
