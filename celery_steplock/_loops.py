@@ -5,7 +5,8 @@ lease stores and heartbeat are kept per loop, in the loop's :class:`Room`. A roo
 what it holds (the clients' connections) when its loop shuts down: ``asyncio.run``,
 asgiref's ``async_to_sync`` and uvicorn call ``loop.shutdown_asyncgens()`` before closing a
 loop, which closes the room's keeper (an async generator started on the loop), whose
-``finally`` runs the room's closers on the loop. The room of a loop closed without that
+``finally`` lets the cleanups still running finish (:func:`background`: the releases of
+cancelled callers), then runs the room's closers on the loop. The room of a loop closed without that
 (``run_until_complete`` then ``close``) is dropped when the next room is made, and what it
 held is left to the garbage collector. Nothing here holds a loop but through its room, so a
 finished loop, its connections and their file descriptors do not outlive it.
@@ -14,6 +15,7 @@ finished loop, its connections and their file descriptors do not outlive it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -21,14 +23,21 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 __all__ = ["Room", "room", "background"]
 
 
-class Room:
-    """What one event loop keeps: ``values`` by key (the caller's own keys), and the
-    closers run, last registered first, when the loop shuts down."""
+#: Seconds a shutting-down loop gives the cleanups still running (a release, a waiter entry
+#: dropped: a round trip or two each) before it cancels them and closes the connections.
+CLEANUP_GRACE = 5.0
 
-    __slots__ = ("values", "_closers", "_keeper", "__weakref__")
+
+class Room:
+    """What one event loop keeps: ``values`` by key (the caller's own keys), the
+    :func:`background` tasks still running, and the closers run, last registered first,
+    when the loop shuts down."""
+
+    __slots__ = ("values", "tasks", "_closers", "_keeper", "__weakref__")
 
     def __init__(self) -> None:
         self.values: dict[Any, Any] = {}
+        self.tasks: set[asyncio.Future[Any]] = set()
         self._closers: list[Callable[[], Awaitable[Any]]] = []
         self._keeper: Any = None
 
@@ -37,8 +46,20 @@ class Room:
         self._closers.append(closer)
 
     async def aclose(self) -> None:
-        """Forget every value and run every closer (an error of one does not stop the
-        others: the loop is ending)."""
+        """Let the background tasks finish (at most :data:`CLEANUP_GRACE` seconds, then
+        cancel them), then forget every value and run every closer (an error of one does
+        not stop the others: the loop is ending)."""
+        deadline = asyncio.get_running_loop().time() + CLEANUP_GRACE
+        while True:
+            pending = {task for task in self.tasks if not task.done()}
+            left = deadline - asyncio.get_running_loop().time()
+            if not pending or left <= 0:
+                break
+            await asyncio.wait(pending, timeout=left)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
         closers, self._closers = self._closers, []
         self.values.clear()
         for closer in reversed(closers):
@@ -86,11 +107,13 @@ async def _keeper(ident: int, kept: Room) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        with _guard:
-            found = _rooms.get(ident)
-            if found is not None and found[1] is kept:
-                del _rooms[ident]
-        await kept.aclose()
+        try:
+            await kept.aclose()  # the room still answers room() meanwhile
+        finally:
+            with _guard:
+                found = _rooms.get(ident)
+                if found is not None and found[1] is kept:
+                    del _rooms[ident]
 
 
 def rooms() -> int:
@@ -98,30 +121,31 @@ def rooms() -> int:
     return len(_rooms)
 
 
-# The cleanups and releases still running after their caller was cancelled (the loop keeps
-# only weak references to its tasks).
-_background: set[asyncio.Future[Any]] = set()
-
-
 def background(work: Any) -> asyncio.Future[Any]:
     """Run ``work`` (a coroutine) as a task of the running loop that nothing can cancel by
-    cancelling its caller, kept referenced until it ends; its error, if any, is read (the
-    lease it was freeing runs out with its TTL). Await it through ``asyncio.shield`` to wait
-    for it without exposing it to the caller's cancellation.
+    cancelling its caller, kept (in the loop's :class:`Room`) until it ends, and waited for
+    when the loop shuts down (``asyncio.run`` cancels its caller's task, whose cleanup this
+    is, just before); its error, if any, is read (the lease it was freeing runs out with
+    its TTL). Await it through ``asyncio.shield`` to wait for it without exposing it to the
+    caller's cancellation.
 
     Args:
         work: A coroutine (a release, a ZREM of a waiter entry).
 
     Returns:
         The task.
+
+    Raises:
+        RuntimeError: No event loop is running.
     """
+    kept = room()
     task = asyncio.ensure_future(work)
-    _background.add(task)
-    task.add_done_callback(_settled)
+    kept.tasks.add(task)
+    task.add_done_callback(functools.partial(_settled, kept.tasks))
     return task
 
 
-def _settled(task: asyncio.Future[Any]) -> None:
-    _background.discard(task)
+def _settled(tasks: set[asyncio.Future[Any]], task: asyncio.Future[Any]) -> None:
+    tasks.discard(task)
     if not task.cancelled():
         task.exception()

@@ -878,14 +878,27 @@ def async_client_for(client: Any) -> Any:
         return found[1]
     twin = async_twin(client)
     kept.values[("client", id(client))] = (weakref.ref(client), twin)
-    kept.on_close(functools.partial(_aclose, twin))
+    kept.on_close(functools.partial(aclose_client, twin))
     return twin
 
 
-async def _aclose(client: Any) -> None:
-    # redis-py 5.0.1+ names it aclose; 5.0's cluster client has close only.
+async def aclose_client(client: Any) -> None:
+    """Close a ``redis.asyncio`` client and every connection it opened: its pool's (a
+    client built on a pool of its own making leaves the pool open on a plain ``aclose``),
+    a Cluster client's nodes', a Sentinel client's connections to the sentinels.
+
+    Args:
+        client: A redis-py asyncio client.
+    """
+    # redis-py 5.0.1+ names it aclose (5.0: close); a Cluster client's takes no argument.
     close = getattr(client, "aclose", None) or client.close
-    await close()
+    if "close_connection_pool" in inspect.signature(close).parameters:
+        await close(close_connection_pool=True)
+    else:
+        await close()
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        await aclose_client(sentinel)
 
 
 def _is_async(client: Any) -> bool:

@@ -521,6 +521,33 @@ def _waiters_full(
     )
 
 
+#: Seconds a waiter whose wait a failover dropped keeps trying to reach the new primary
+#: (Sentinel promotes a replica within seconds; a Redis really gone is reported after it).
+FAILOVER_GRACE = 10.0
+
+
+class _FailoverGrace:
+    """The acquire attempts of a waiter after its wait was dropped: each refused for a lost
+    connection (a primary demoted, not yet replaced) is tried again after a pause growing
+    from 0.1 s to 1 s, until :data:`FAILOVER_GRACE` seconds passed or the wait's deadline."""
+
+    __slots__ = ("until", "delay")
+
+    def __init__(self) -> None:
+        self.until = time.monotonic() + FAILOVER_GRACE
+        self.delay = 0.1
+
+    def pause(self, error: LockError, deadline: float) -> float | None:
+        """Seconds to pause before the next attempt, or None: raise ``error``."""
+        now = time.monotonic()
+        if not isinstance(error.__cause__, redis.ConnectionError):
+            return None
+        if now + self.delay >= min(self.until, deadline):
+            return None
+        pause, self.delay = self.delay, min(self.delay * 2, 1.0)
+        return pause
+
+
 def _wait_timeout(left: float, holder_ttl: float | None, cap: float | None) -> float:
     """Seconds a waiter blocks in BLPOP: until its deadline or the holder's TTL runs out
     (a dead holder announces nothing), within the socket timeout (a timeout is retried)."""
@@ -905,12 +932,20 @@ class RedisLeaseStore:
         cap = route.socket_timeout(client)
         lease = None
         interrupted = False
+        failover: _FailoverGrace | None = None
         try:
             while True:
                 left = deadline - time.monotonic()
-                lease, _holder, holder_ttl = self.try_acquire(
-                    name, owner, ttl, metadata, wait=max(left, 0.001), _client=client
-                )
+                try:
+                    lease, _holder, holder_ttl = self.try_acquire(
+                        name, owner, ttl, metadata, wait=max(left, 0.001), _client=client
+                    )
+                except LockStoreUnavailable as exc:
+                    pause = failover.pause(exc, deadline) if failover is not None else None
+                    if pause is None:
+                        raise
+                    time.sleep(pause)
+                    continue
                 if lease is not None or left <= 0:
                     return lease
                 try:
@@ -920,8 +955,10 @@ class RedisLeaseStore:
                     if isinstance(exc, redis.ConnectionError) and not interrupted:
                         # One dropped wait (a failover closed the connection, or a demoted
                         # primary answered READONLY) goes back to the acquire attempt, which
-                        # reconnects, and raises if Redis is really gone.
+                        # reconnects, and keeps trying while the failover lasts (at most
+                        # FAILOVER_GRACE seconds): it raises if Redis is really gone.
                         interrupted = True
+                        failover = _FailoverGrace()
                         continue
                     raise store_error(
                         exc, "wait", key=self.key(name), name=name, owner=owner

@@ -161,3 +161,27 @@ def test_the_async_twin_is_cached_per_loop_and_client(redis_client):
     for name in ("host", "port", "db", "socket_timeout", "decode_responses"):
         assert kwargs[name] == sync_kwargs[name], name
     assert a1.connection_pool.max_connections == redis_client.connection_pool.max_connections
+
+
+def test_a_pooled_connection_the_server_closed_is_opened_again(private_redis):
+    # A restart (or the server's idle timeout) closes a connection while it sits in the
+    # pool: the next script call reopens it, as the sync pool does (redis-py 8's asyncio
+    # pool keeps it when maintenance notifications are on, and the call would fail).
+    # A client of the caller's, without the retries the settings' clients have.
+    import redis.asyncio
+
+    async def main():
+        aclient = redis.asyncio.Redis.from_url(private_redis.url, decode_responses=True)
+        try:
+            first = await calls.arun(set_once("calls:stale"), aclient)
+            await asyncio.to_thread(private_redis.restart)
+            return first, await calls.arun(set_once("calls:stale"), aclient)
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(main()) == ("OK", "OK")
+
+
+def set_once(key: str):
+    """One script call."""
+    return (yield calls.Eval(SET, [key], ["v"], "test set", name=key))

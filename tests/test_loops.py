@@ -46,6 +46,8 @@ def cycle(store: RedisLeaseStore, loops: list, observer=None):
         assert get_async_heartbeat() is get_async_heartbeat()
         async with twin.lease("loops:one", ttl=5) as lease:
             assert lease.fence >= 1
+            # A wait behind it: the store's waiter client (a pool of its own) connects too.
+            assert await twin.acquire("loops:one", ttl=5, wait=0.05) is None
         if observer is not None:
             assert connections(observer) >= 1
         return async_client_for(store.client)
@@ -61,8 +63,8 @@ def test_twenty_finished_loops_leave_no_connection_and_no_loop(named, redis_clie
         asyncio.run(cycle(store, loops, redis_client)())
     for _ in range(20):
         async_to_sync(cycle(store, loops, redis_client))()
+    assert connections(redis_client) == 0  # closed with their loops, not by the collector
     gc.collect()
-    assert connections(redis_client) == 0
     assert _loops.rooms() == before
     assert [ref for ref in loops if ref() is not None] == []
 
@@ -93,3 +95,25 @@ def test_a_room_is_one_per_loop_and_keeps_its_values():
     assert a.values == {}  # cleared when its loop shut down
     c, _ = asyncio.run(main())
     assert c is not a
+
+
+def test_the_cleanups_of_callers_cancelled_by_the_loops_end_are_finished(named, redis_client):
+    # asyncio.run cancels the tasks still running when main returns: a waiter's cleanup
+    # (its waiter entry dropped) runs before the loop's connections are closed.
+    store = RedisLeaseStore(named)
+    holder = RedisLeaseStore(redis_client)  # its connection is not one of the counted
+    holder.acquire("loops:held", "holder", 30.0)
+
+    async def main():
+        twin = async_store_for(store)
+        waiter = asyncio.ensure_future(twin.acquire("loops:held", "waiter", 5.0, wait=20.0))
+        while not redis_client.zscore("steplock:waiters:{loops:held}", "waiter"):
+            await asyncio.sleep(0.01)
+        return waiter
+
+    waiter = asyncio.run(main())
+    assert waiter.cancelled()
+    assert redis_client.zscore("steplock:waiters:{loops:held}", "waiter") is None
+    assert connections(redis_client) == 0
+    assert redis_client.hget("steplock:lease:{loops:held}", "owner") == "holder"
+    holder.release("loops:held", "holder")

@@ -105,6 +105,16 @@ async def _packed(client: Any, script: wire.Script, keys: list[str], args: list[
         pool.get_connection("EVALSHA") if wire.POOL_WANTS_COMMAND else pool.get_connection()
     )
     command = wire.pack(["EVALSHA", script.sha, str(len(keys))], keys, args)
+    try:
+        stale = await _readable(conn)
+    except (ConnectionError, OSError):
+        stale = True
+    if stale:
+        # The server closed it while it sat in the pool (a restart, its idle timeout): opened
+        # again before the call is written, as the sync pool does. redis-py's asyncio pool
+        # reads the same end of stream as "readable" and keeps the connection when
+        # maintenance notifications are on (redis-py 8's default), so the call would fail.
+        await conn.disconnect()
 
     async def send() -> Any:
         await conn.send_packed_command(command)
@@ -123,6 +133,12 @@ async def _packed(client: Any, script: wire.Script, keys: list[str], args: list[
         raise
     finally:
         await pool.release(conn)
+
+
+async def _readable(conn: Any) -> bool:
+    # redis-py 8 names it can_read; earlier versions can_read_destructive.
+    check = getattr(conn, "can_read", None) or conn.can_read_destructive
+    return bool(await check())
 
 
 async def _load(client: Any, script: wire.Script) -> Any:

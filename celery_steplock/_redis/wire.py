@@ -189,8 +189,10 @@ def pack(*parts: list[str]) -> bytes:
 
 
 def text(value: Any) -> Any:
-    """``value`` decoded when it is bytes, else unchanged."""
-    return value.decode() if isinstance(value, bytes) else value
+    """``value`` decoded when it is bytes (a client without ``decode_responses``), else
+    unchanged; a byte that is not UTF-8 becomes U+FFFD, as the clients the settings build
+    decode (``encoding_errors="replace"``), and readers then call the field malformed."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def socket_timeout(client: redis.Redis) -> float | None:

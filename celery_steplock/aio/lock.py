@@ -12,6 +12,7 @@ waiter blocks in ``BLPOP`` on a connection of its own, not in ``time.sleep``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import weakref
@@ -27,7 +28,7 @@ from .._loops import background
 from .._redis import aio, cluster, wire
 from .._redis.scripts import lease as scripts
 from .._redis.scripts.lease import EXTEND_CHUNK
-from ..clients import async_client_for
+from ..clients import aclose_client, async_client_for
 from ..events import log_event
 from ..exceptions import InvalidArgument, LockContended, LockError, LockStoreUnavailable
 from ..keys import lease_key, lease_keys, waiters_key, wake_key
@@ -40,6 +41,7 @@ from ..lock import (
     _argument,
     _extend_many_calls,
     _extend_many_results,
+    _FailoverGrace,
     _fresh_grant,
     _granted,
     _inspected,
@@ -169,6 +171,9 @@ class AsyncRedisLeaseStore:
             derived = _derived(self.client, self.max_waiters)
             self._shares_pool = derived is self.client
             self._waiter_client = derived
+            if not self._shares_pool:
+                # Its pool is ours: its connections end with the loop that opened them.
+                _loops.room().on_close(functools.partial(aclose_client, derived))
         return self._waiter_client
 
     @property
@@ -253,10 +258,20 @@ class AsyncRedisLeaseStore:
         wake = wake_key(self.prefix, name)
         cap = _socket_timeout(self.waiter_client)
         interrupted = False
+        failover: _FailoverGrace | None = None
         try:
             while True:
                 left = deadline - time.monotonic()
-                result = yield from self._try_steps(name, owner, ttl, metadata, max(left, 0.001))
+                try:
+                    result = yield from self._try_steps(
+                        name, owner, ttl, metadata, max(left, 0.001)
+                    )
+                except LockStoreUnavailable as exc:
+                    pause = failover.pause(exc, deadline) if failover is not None else None
+                    if pause is None:
+                        raise
+                    yield calls.Sleep(pause)
+                    continue
                 if result[0] is not None or left <= 0:
                     break
                 try:
@@ -271,8 +286,10 @@ class AsyncRedisLeaseStore:
                 except LockError as exc:
                     if _dropped(exc) and not interrupted:
                         # One dropped wait (a failover) goes back to the acquire attempt,
-                        # which reconnects, and raises if Redis is really gone.
+                        # which reconnects, and keeps trying while the failover lasts (as
+                        # the sync store's): it raises if Redis is really gone.
                         interrupted = True
+                        failover = _FailoverGrace()
                         continue
                     raise
         except LockError:

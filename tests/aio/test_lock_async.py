@@ -738,3 +738,29 @@ def test_async_store_through_sentinel(app, sentinel_group):
     keys, without = all_keys_have_ttl(primary, f"{prefix}:*")
     assert keys and without == []
     primary.close()
+
+
+def test_an_async_waiter_rides_out_a_primary_that_is_gone_for_a_second(private_redis):
+    # As the sync store's waiter (tests/test_lock.py): after a dropped wait, the acquire
+    # attempts are tried again while no primary answers, for at most FAILOVER_GRACE seconds.
+    sync = RedisLeaseStore(make_client(private_redis.url), prefix="t")
+    sync.acquire("ride", "holder", 30.0)
+
+    async def main():
+        store = AsyncRedisLeaseStore(async_twin(sync.client), prefix="t")
+        waiter = asyncio.ensure_future(store.acquire("ride", "waiter", 5.0, wait=20.0))
+        probe = make_client(private_redis.url)
+        while probe.zscore("t:waiters:{ride}", "waiter") is None:
+            await asyncio.sleep(0.02)
+        probe.close()
+        await asyncio.to_thread(private_redis.kill)
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(private_redis.start)
+        try:
+            return await asyncio.wait_for(waiter, 15)
+        finally:
+            await store.client.aclose()
+
+    lease = asyncio.run(main())
+    assert lease is not None and lease.owner == "waiter"
+    sync.client.close()

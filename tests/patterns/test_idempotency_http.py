@@ -23,6 +23,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
+from rest_framework.viewsets import ViewSet
 
 from celery_steplock.contrib.django.checks import check_idempotency_middleware
 from celery_steplock.contrib.django.idempotency import (
@@ -126,6 +127,17 @@ class Payments(APIView):
         return Response({"charged": request.data["amount"], "n": len(CALLS)}, status=201)
 
 
+class PaymentViewSet(ViewSet):
+    authentication_classes = [HeaderToken]
+    permission_classes = [IsAuthenticated]
+    renderer_classes = [JSONRenderer]
+
+    @idempotent_view(app=celery_app, namespace="tests.http.viewset")
+    def create(self, request):
+        CALLS.append(request.user.username)
+        return Response({"n": len(CALLS)}, status=201)
+
+
 @api_view(["POST"])
 @authentication_classes([HeaderToken])
 @permission_classes([IsAuthenticated])
@@ -200,6 +212,7 @@ urlpatterns = [
     path("broken-scope", broken_scope_view),
     path("bad-scope", bad_scope_view),
     path("drf", Payments.as_view()),
+    path("viewset", PaymentViewSet.as_view({"post": "create"})),
     path("drf-function", drf_function),
     path("anonymous", anonymous_view),
     path("commit/redis", commit_redis),
@@ -305,10 +318,11 @@ def test_the_middleware_refuses_a_key_without_a_principal(client, users):
     assert CALLS == []
     # A DRF view guarded on its handler is left to that guard, which runs after DRF's
     # authentication: the client its header authenticates is the principal.
-    assert post(client, "/drf", {"amount": 5}, "k-1", HTTP_X_API_KEY="alice").status_code == 201
-    again = post(client, "/drf", {"amount": 5}, "k-1", HTTP_X_API_KEY="alice")
-    assert again[REPLAYED_HEADER] == "true"
-    assert CALLS == ["alice"]
+    for url in ("/drf", "/viewset"):  # a handler method, a ViewSet's action
+        assert post(client, url, {"amount": 5}, "k-1", HTTP_X_API_KEY="alice").status_code == 201
+        again = post(client, url, {"amount": 5}, "k-1", HTTP_X_API_KEY="alice")
+        assert again[REPLAYED_HEADER] == "true"
+    assert CALLS == ["alice", "alice"]
     CALLS.clear()
     client.force_login(users[0])
     assert post(client, "/mw/plain", {}, "k-1").content == b"n=1"

@@ -1815,7 +1815,11 @@ def _guarded_by_view(func: Any, method: str) -> bool:
     if getattr(func, "idempotency", None) is not None:
         return True
     cls = getattr(func, "view_class", None) or getattr(func, "cls", None)
-    handler = getattr(cls, method.lower(), None) if cls is not None else None
+    if cls is None:
+        return False
+    # A DRF ViewSet routes a method to its action (``{"post": "create"}``).
+    actions = getattr(func, "actions", None) or {}
+    handler = getattr(cls, actions.get(method.lower(), method.lower()), None)
     return getattr(handler, "idempotency", None) is not None
 
 
@@ -1903,8 +1907,9 @@ class IdempotencyMiddleware:
     False, "max_records": ..., "exempt_paths": [regex, ...]}`` (all optional). Views marked
     :func:`idempotency_exempt`, paths one of ``exempt_paths`` matches (``re.search`` on
     ``request.path_info``) and paths that resolve to no view are never guarded. A view with
-    its own :func:`idempotent_view` (the function, or a class-based view's handler of the
-    request's method) is left to it: one guard, with the view's options, per request.
+    its own :func:`idempotent_view` (the function, a class-based view's handler of the
+    request's method, a DRF ViewSet's action) is left to it: one guard, with the view's
+    options, per request.
 
     Sync and async (Django's ``sync_capable``/``async_capable`` middleware): under ASGI,
     Django builds it with an async ``get_response`` and it guards each request on the event
