@@ -200,9 +200,10 @@ def merge_previous(doc: dict, previous: dict, replaced: list[str]) -> None:
         if one["values"]:
             by_group[g] = {"time": one["time"], "git_commit": one["git_commit"]}
     top = earlier
-    if held and set(replaced) <= set(report.PATTERN_GROUPS):
-        # Only pattern groups replaced: the time and commit shown for the lease groups'
-        # previous figures stay theirs (each group's is under "by_group").
+    if held and "e2e" not in replaced:
+        # The time and commit of the top "previous" are the ones the end-to-end section
+        # shows for its previous figures: kept unless e2e ran again (each group's own are
+        # under "by_group").
         top = {**earlier, "time": held.get("time"), "git_commit": held.get("git_commit")}
     doc["previous"] = {
         **top,
