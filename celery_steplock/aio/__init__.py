@@ -2,7 +2,7 @@
 ``redis.asyncio``, with the synchronous store's scripts, keys, fencing tokens and errors) and
 the per-event-loop heartbeat. The patterns' async forms are methods of the patterns' own
 objects (``a``-prefixed, as Django's async ORM names them) and their decorators accept
-``async def``. docs/async.md has the table of which API has which form.
+``async def``. docs/howto/async.md has the table of which API has which form.
 """
 
 from .heartbeat import AsyncHeartbeat, get_async_heartbeat
