@@ -78,6 +78,16 @@ def test_pool_commits_duplicates_once_and_keeps_a_lease_through_a_cpu_bound_body
         interval=0.02,
         what="the spin lease",
     )
+    # The duplicates go out once the body computes. Sent earlier, while the spin's precheck
+    # waits on the database, a green worker could start one beside it whose acquire reply
+    # then waits out the 9 s of computing: a lease granted and expired before it was ever
+    # registered for renewal, reported lost (rightly; the CAS still commits once).
+    helpers.wait_until(
+        lambda: redis_client.exists(f"tests:spin-body:{long_step.pk}"),
+        timeout=60,
+        interval=0.02,
+        what="the spin body to start",
+    )
     renewals = []
 
     def finished():

@@ -129,6 +129,9 @@ def spin(self, step_id, seconds):
     """``pending -> done`` after a CPU-bound body of ``seconds`` (no I/O) under a 3 s TTL:
     the lease must outlive the body by renewals alone (the pools tests)."""
     fence = self.lease.fence
+    # Told before the computing starts (its last I/O): a test sends its next tasks once the
+    # body blocks its worker, not while a green pool may still start one beside it.
+    get_lease_store(self.app).client.set(f"tests:spin-body:{step_id}", "1", ex=120)
     _spin(seconds)
     self.lease.check()
     _record(self, step_id, "pending", "done")
