@@ -650,5 +650,3 @@ def test_the_waiters_cap_is_the_socket_timeout_connections_really_have():
         assert read(client) == (float(real) if real else None)
         assert read(type(client).from_url(url, socket_timeout=30)) == 30.0
         assert read(type(client).from_url(url, socket_timeout=None)) is None
-    if redis.VERSION >= (6,):
-        assert wire.socket_timeout(redis.Redis.from_url(url)) == 5.0

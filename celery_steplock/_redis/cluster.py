@@ -30,6 +30,7 @@ import redis.cluster as _redis_cluster
 from redis import __version__ as _redis_version
 from redis.backoff import FullJitterBackoff
 from redis.cluster import RedisCluster
+from redis.connection import Connection
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -209,7 +210,7 @@ def socket_timeout(client: RedisCluster) -> float | None:
     manager = client.nodes_manager
     return wire.effective_socket_timeout(
         manager.connection_kwargs,
-        manager.connection_kwargs.get("connection_class", _redis_cluster.Connection),
+        manager.connection_kwargs.get("connection_class", Connection),
     )
 
 
