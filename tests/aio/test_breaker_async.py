@@ -20,6 +20,7 @@ from celery_steplock.patterns.breaker import (
     AdmittedCall,
 )
 from tests.patterns.test_breaker import fail, make  # the sync suite's breakers
+from tests.support.busy import keep_busy
 
 pytestmark = [
     pytest.mark.no_database,  # runs once, in the SQLite pass
@@ -369,37 +370,6 @@ def test_a_cancelled_probe_gives_its_permit_back(redis_client):
 # -- an admission cancelled while its reply is in flight -----------------------------------------
 
 
-#: A Lua loop that keeps Redis busy ARGV[1] microseconds: it reads no other connection
-#: meanwhile (under the 5 s busy-script threshold).
-BUSY = """
-local t = redis.call('TIME')
-local start = t[1] * 1000000 + t[2]
-repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
-"""
-
-
-def _busy(url, seconds: float) -> threading.Thread:
-    """Keep the Redis of ``url`` busy ``seconds`` (:data:`BUSY` from a thread), returning
-    once it is (a PING with a 50 ms timeout goes unanswered)."""
-    import redis
-
-    client = make_client(url, socket_timeout=seconds + 5)
-    thread = threading.Thread(
-        target=lambda: (client.eval(BUSY, 0, int(seconds * 1e6)), client.close())
-    )
-    thread.start()
-    probe = make_client(url, socket_timeout=0.05)
-    try:
-        while True:
-            try:
-                probe.ping()
-            except redis.TimeoutError:
-                return thread
-            time.sleep(0.005)
-    finally:
-        probe.close()
-
-
 async def _until(predicate, what: str, timeout: float = 10.0) -> float:
     """Seconds until ``predicate()`` holds; fails naming ``what`` after ``timeout``."""
     start = time.monotonic()
@@ -410,10 +380,10 @@ async def _until(predicate, what: str, timeout: float = 10.0) -> float:
 
 
 async def _reply_lost(url, admission):
-    """Run ``admission`` (an ``aadmit()`` coroutine) while Redis is busy (:func:`_busy`):
+    """Run ``admission`` (an ``aadmit()`` coroutine) while Redis is busy (:func:`keep_busy`):
     its script is sent but not read yet; cancel it there (CancelledError at once), then let
     Redis go on: the script runs, its reply going to nobody."""
-    thread = _busy(url, 1.0)
+    thread = keep_busy(url, 1.0)
     task = asyncio.create_task(admission)
     await asyncio.sleep(0.1)  # the script is written to the socket; Redis reads nothing yet
     assert not task.done()

@@ -25,6 +25,7 @@ from celery_steplock.lock import make_client
 from celery_steplock.patterns.idempotency import Idempotency, RedisRecords, Stored, idempotent
 from tests.support.idempotency import seen  # noqa: F401 - the fixture
 from tests.support.loop import LagProbe
+from tests.support.busy import keep_busy
 
 SECRET = "a" * 40
 
@@ -402,37 +403,6 @@ def test_an_unreachable_store_fails_closed_by_default_and_open_when_asked():
 # -- a cancellation that lands while the begin's reply is in flight ----------------------------
 
 
-#: A Lua loop that keeps Redis busy ARGV[1] microseconds: it reads no other connection
-#: meanwhile (under the 5 s busy-script threshold).
-BUSY = """
-local t = redis.call('TIME')
-local start = t[1] * 1000000 + t[2]
-repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
-"""
-
-
-def _busy(url, seconds: float) -> threading.Thread:
-    """Keep the Redis of ``url`` busy ``seconds`` (:data:`BUSY` from a thread), returning
-    once it is (a PING with a 50 ms timeout goes unanswered)."""
-    import redis
-
-    client = make_client(url, socket_timeout=seconds + 5)
-    thread = threading.Thread(
-        target=lambda: (client.eval(BUSY, 0, int(seconds * 1e6)), client.close())
-    )
-    thread.start()
-    probe = make_client(url, socket_timeout=0.05)
-    try:
-        while True:
-            try:
-                probe.ping()
-            except redis.TimeoutError:
-                return thread
-            time.sleep(0.005)
-    finally:
-        probe.close()
-
-
 def _ours(task, keep) -> bool:
     """A task of a cancelled begin (its round trip, the release after it): not ``keep``'s
     (the tasks that ran before), nor the heartbeat's (its loop, its wake-up wait)."""
@@ -453,12 +423,12 @@ async def _cleanups_done(keep, timeout: float = 5.0) -> None:
 
 
 async def _reply_lost(url, begin):
-    """Run ``begin`` (a coroutine) while Redis is busy (:func:`_busy`): its script is sent
+    """Run ``begin`` (a coroutine) while Redis is busy (:func:`keep_busy`): its script is sent
     but not read yet; cancel it there (CancelledError at once), then let Redis go on: the
     script runs, its reply going to nobody. Returns the tasks that ran before (for
     :func:`_cleanups_done`)."""
     keep = set(asyncio.all_tasks())
-    thread = _busy(url, 1.0)
+    thread = keep_busy(url, 1.0)
     task = asyncio.create_task(begin)
     await asyncio.sleep(0.1)  # the script is written to the socket; Redis reads nothing yet
     assert not task.done()
