@@ -1,4 +1,4 @@
-# make venv | demo | test | corners | servers | matrix | bench | soak | nemesis | lint | docs | dist | clean. Pass pytest
+# make venv | demo | test | corners | servers | matrix | bench | soak | nemesis | overlap | lint | docs | dist | clean. Pass pytest
 # arguments with ARGS="-k name -x"; `make bench ARGS=--quick` is a small smoke run,
 # ARGS="--only e2e wait" a subset. `make corners` runs the version corners
 # (requirements/corners/*.txt, each in its own venv under .venv-corners/; CORNERS=newest picks
@@ -8,7 +8,7 @@ VENV := .venv
 CORNERS ?=
 ALL_CORNERS := oldest,middle,newest
 
-.PHONY: venv demo test corners servers matrix bench soak lint docs dist clean nemesis
+.PHONY: venv demo test corners servers matrix bench soak lint docs dist clean nemesis overlap
 
 venv:
 	@PYTHON="$(PYTHON)" bash scripts/bootstrap.sh
@@ -47,6 +47,11 @@ soak: venv
 # The randomized fault run (30 minutes by default): make nemesis ARGS="--duration 1800 --seed 7"
 nemesis: venv
 	$(VENV)/bin/python scripts/nemesis.py $(ARGS)
+
+# The overlap guard with two real celery beat processes, 60 s of beat per policy (the default
+# test gives each 15 s); prints the figures (runs, sends, skipped, max concurrent).
+overlap: venv
+	OVERLAP_BEAT_SECONDS=60 OVERLAP_REPORT=1 $(VENV)/bin/python scripts/run_tests.py --only common --jobs 1 tests/test_overlap_beat.py -s $(ARGS)
 
 # The lint and docs tools go into .venv only for these targets (never for `make test`); a stamp
 # per requirements file keeps the second run instant.

@@ -54,6 +54,7 @@ GROUPS = {
     "ratelimit": "benchmarks.ratelimit",
     "wire": "benchmarks.wire",
     "aio": "benchmarks.aio",
+    "outbox": "benchmarks.outbox",
 }
 
 

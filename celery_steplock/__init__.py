@@ -7,15 +7,17 @@ Public API::
     from celery_steplock import StepLockedTask, DjangoStepLockedTask, RedisLeaseStore, Lease
     from celery_steplock import AsyncRedisLeaseStore, get_async_lease_store  # asyncio
     from celery_steplock import signals, exceptions
+    from celery_steplock import effects  # effects that go out once (effects.publish, ...)
 """
 
 import warnings
 
-from . import exceptions, signals
+from . import effects, exceptions, signals
 from ._version import __version__ as __version__
 from .exceptions import (
     AdmissionDenied,
     CircuitOpen,
+    EffectsUnavailable,
     ForceReleaseRefused,
     IdempotencyError,
     IdempotencyInProgress,
@@ -23,6 +25,7 @@ from .exceptions import (
     IdempotencyQuotaExceeded,
     ImproperlyConfigured,
     InvalidArgument,
+    InvalidEffect,
     InvalidStepId,
     InvalidTransition,
     LeaseHeldByAnother,
@@ -61,6 +64,9 @@ __all__ = [
     "get_lease_store",
     "signals",
     "exceptions",
+    "effects",
+    "EffectsUnavailable",
+    "InvalidEffect",
     "StepLockError",
     "ImproperlyConfigured",
     "LockNameError",

@@ -13,7 +13,15 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-__all__ = ["CONTRIB", "contrib", "apps_ready", "secret_key", "debug", "watch_settings"]
+__all__ = [
+    "CONTRIB",
+    "contrib",
+    "apps_ready",
+    "installed",
+    "secret_key",
+    "debug",
+    "watch_settings",
+]
 
 #: The Django app of this package (``INSTALLED_APPS``).
 CONTRIB = "celery_steplock.contrib.django"
@@ -29,6 +37,15 @@ def apps_ready() -> bool:
     """Whether Django is imported and its app registry is ready (models usable)."""
     registry = getattr(sys.modules.get("django.apps"), "apps", None)
     return registry is not None and bool(registry.ready)
+
+
+def installed() -> bool:
+    """Whether Django's app registry is ready and :data:`CONTRIB` is in ``INSTALLED_APPS``
+    (its models, the effects outbox's among them, are usable); False without Django."""
+    if not apps_ready():
+        return False
+    registry = sys.modules["django.apps"].apps
+    return bool(registry.is_installed(CONTRIB))
 
 
 def secret_key() -> str | bytes | None:

@@ -7,21 +7,32 @@ app of ``celery -A proj`` and its ``steplock_*`` settings::
     celery -A proj steplock show NAME [--json]
     celery -A proj steplock release NAME --owner TOKEN
     celery -A proj steplock reap [--dry-run] [--json] [--batch-size N] [--older-than SECONDS]
+                                 [--no-effects]
+    celery -A proj steplock breaker ls [--limit N] [--json]
     celery -A proj steplock breaker show|open|close NAME [--json] [--reason TEXT]
+
+``celery steplock --help`` lists every command with its one-line summary.
 
 ``ls`` reads with SCAN (never KEYS) and stops once ``--limit`` leases were found, so it stays
 quick on a Redis holding many. ``release`` is :func:`celery_steplock.ops.force_release` (as
 the Django admin's force release): owner-checked (compare-and-delete), it deletes the lease
 only while ``TOKEN`` still holds it, and sends ``lock_released`` with ``forced=True``.
 This module imports the lease store, never the task module. ``reap`` runs :func:`celery_steplock.reaper.reap`; with a Django project
-(``DJANGO_SETTINGS_MODULE`` set, as in Celery's Django layout) it also recovers steps,
-otherwise only leases.
+(``DJANGO_SETTINGS_MODULE`` set, as in Celery's Django layout) it also recovers steps and
+relays the effects outbox once (``--no-effects``: not), otherwise only leases.
 
 Every value read from Redis or given on the command line is printed through
 :func:`celery_steplock.redact.printable` (control characters, ANSI escape sequences and
 newlines escaped: a lease cannot forge a line or drive the terminal; ``--json`` escapes them
 as JSON does), and every error through :func:`celery_steplock.redact.redact` (no password
 of a URL or of the transport options is shown).
+
+Every ``--json`` prints typed values: the integer fields of a lease (``fence``, ``pid``,
+``acquired_ms``, ``renewed_ms``, ``ttl_ms``, ``renew_ms``, ``retries``, a slot's ``limit``) as
+JSON numbers, ``ttl``, ``age`` and ``renewed_ago`` as numbers of seconds (null when unknown),
+a breaker's counts as numbers and ``forced`` as a boolean; a lease's other metadata entries
+are strings, as stored. ``reap`` prints the same report as ``manage.py reap_expired_leases``
+(:meth:`celery_steplock.reaper.ReapReport.human_lines`).
 
 Corrupt data never ends a command with a traceback: a malformed lease is listed by ``ls``
 (named below the table) and printed by ``show`` with its ``malformed`` field, exit 0; a
@@ -51,11 +62,14 @@ from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
 from .exceptions import LockStoreMisconfigured, LockStoreUnavailable, StepLockError
+from .lease import INTEGER_FIELDS
 from .lock import get_lease_store
 from .ops import (
+    MAX_BREAKERS,
     AuditRecordFailed,
     ForceReleaseRefused,
     LeaseHeldByAnother,
+    breaker_rows,
     default_audit,
     force_release,
 )
@@ -117,6 +131,25 @@ def _with_age(lease: dict[str, Any], now_ms: int | None) -> dict[str, Any]:
     return out
 
 
+#: Metadata entries the library writes as integers besides :data:`INTEGER_FIELDS` (a
+#: concurrency limit's slot: ``limit``).
+_INTEGER_METADATA = ("limit",)
+
+
+def _typed(lease: dict[str, Any]) -> dict[str, Any]:
+    """``lease`` for ``--json``: its integer fields as ints (``parse_lease`` left them as
+    checked decimal strings; one that is not one is left as it is)."""
+    out = dict(lease)
+    for key in (*INTEGER_FIELDS, *_INTEGER_METADATA):
+        value = out.get(key)
+        if isinstance(value, str):
+            text = value.strip()
+            digits = text[1:] if text[:1] == "-" else text
+            if digits.isascii() and digits.isdigit() and len(digits) <= 19:
+                out[key] = int(text)
+    return out
+
+
 def _cell(value: Any, column: str) -> str:
     if value is None or value == "":
         return "-"
@@ -139,14 +172,15 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
 
 
-@click.group()
+@click.group(short_help="Leases and circuit breakers: ls, show, release, reap, breaker.")
 @click.pass_context
 @handle_preload_options
 def steplock(ctx):
-    """celery-steplock leases: ls, show, release, reap."""
+    """celery-steplock: look at, release and reap leases; look at, open and close circuit
+    breakers (breaker ls|show|open|close)."""
 
 
-@steplock.command("ls", cls=CeleryCommand)
+@steplock.command("ls", cls=CeleryCommand, short_help="List held leases (SCAN, never KEYS).")
 @click.option(
     "--match",
     default="*",
@@ -186,7 +220,7 @@ def ls(ctx, match, limit, as_json):
     if limit:
         rows = rows[:limit]
     if as_json:
-        click.echo(json.dumps(rows, sort_keys=True, default=str))
+        click.echo(json.dumps([_typed(row) for row in rows], sort_keys=True, default=str))
         return
     if not rows:
         click.echo(f"no lease held (match {match!r})")
@@ -210,7 +244,7 @@ def ls(ctx, match, limit, as_json):
         )
 
 
-@steplock.command("show", cls=CeleryCommand)
+@steplock.command("show", cls=CeleryCommand, short_help="Show every field of the lease NAME.")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON object")
 @click.pass_context
@@ -227,7 +261,7 @@ def show(ctx, name, as_json):
         )
     lease = _with_age(lease, _redis_now_ms(lock))
     if as_json:
-        click.echo(json.dumps(lease, sort_keys=True, default=str))
+        click.echo(json.dumps(_typed(lease), sort_keys=True, default=str))
         return
     shown = {printable(k): "-" if v in (None, "") else printable(v) for k, v in lease.items()}
     width = max(len(k) for k in shown)
@@ -235,7 +269,9 @@ def show(ctx, name, as_json):
         click.echo(f"{key.ljust(width)}  {shown[key]}")
 
 
-@steplock.command("release", cls=CeleryCommand)
+@steplock.command(
+    "release", cls=CeleryCommand, short_help="Release the lease NAME if TOKEN still holds it."
+)
 @click.argument("name")
 @click.option(
     "--owner",
@@ -352,7 +388,9 @@ def _host() -> str:
         return "?"
 
 
-@steplock.command("reap", cls=CeleryCommand)
+@steplock.command(
+    "reap", cls=CeleryCommand, short_help="Reap dead owners' leases, recover steps, relay effects."
+)
 @click.option("--dry-run", is_flag=True, help="report what would be done, change nothing")
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 @click.option(
@@ -382,9 +420,15 @@ def _host() -> str:
     is_flag=True,
     help="judge leases by their worker's ping only, not by their pid",
 )
+@click.option(
+    "--no-effects",
+    is_flag=True,
+    help="do not relay the effects outbox (nor report on it)",
+)
 @click.pass_context
-def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_check):
-    """Reap the leases of dead owners and recover the steps they left in flight."""
+def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_check, no_effects):
+    """Reap the leases of dead owners, recover the steps they left in flight and relay the
+    effects they left in the outbox."""
     app = ctx.obj.app
     # Load the app's modules as `celery report` does: with Celery's Django fixup this runs
     # django.setup(), without which no step model can be read (pass 1 still runs).
@@ -404,14 +448,13 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
         older_than=older_than,
         ping_timeout=ping_timeout,
         check_pids=not no_pid_check,
+        effects=not no_effects,
     )
     if as_json:
         click.echo(json.dumps(report.as_dict(), sort_keys=True, default=str))
     else:
-        for line in report.detail_lines():
-            click.echo(printable(line))
-        for line in report.summary_lines():
-            click.echo(printable(line))
+        for line in report.human_lines():
+            click.echo(line)
     for message in report.errors:
         click.echo(f"error: {_shown(message)}", err=True)
     if report.errors:
@@ -424,9 +467,9 @@ def reap_(ctx, dry_run, as_json, batch_size, older_than, ping_timeout, no_pid_ch
 # -- circuit breakers ------------------------------------------------------------------------
 
 
-@steplock.group("breaker")
+@steplock.group("breaker", short_help="Circuit breakers: ls, show, open, close.")
 def breaker_group():
-    """Circuit breakers (celery_steplock.patterns.breaker): show, open, close."""
+    """Circuit breakers (celery_steplock.patterns.breaker): ls, show, open, close."""
 
 
 def _breaker(ctx, name):
@@ -438,7 +481,80 @@ def _breaker(ctx, name):
         raise CeleryCommandException(message=f"steplock: {_shown(exc)}", exit_code=EX_FAILURE)
 
 
-@breaker_group.command("show", cls=CeleryCommand)
+#: Columns of ``breaker ls``: (header, state field).
+BREAKER_COLUMNS = (
+    ("NAME", "name"),
+    ("STATE", "state"),
+    ("FORCED", "forced"),
+    ("FAILURES", "failures"),
+    ("CALLS", "calls"),
+    ("PROBES", "probes"),
+    ("OPENED AGO", "opened_ago"),
+)
+
+
+def _breaker_cell(value: Any, column: str) -> str:
+    if value is None or value == "":
+        return "-"
+    if column == "opened_ago":
+        return f"{float(value):.1f}s"
+    if column == "forced":
+        return "yes" if value else "no"
+    return str(value)
+
+
+@breaker_group.command("ls", cls=CeleryCommand, short_help="List the circuit breakers.")
+@click.option(
+    "--limit",
+    default=MAX_BREAKERS,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="breakers at most",
+)
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list instead of a table")
+@click.pass_context
+def breaker_ls(ctx, limit, as_json):
+    """List the circuit breakers: those the app's tasks name, then those Redis holds (SCAN,
+    never KEYS), each with its state; the listing of the Django admin's breaker page
+    (celery_steplock.ops.breaker_rows). A corrupt one is listed with what is wrong below.
+    """
+    app = ctx.obj.app
+    try:  # the tasks' circuit_breaker options: load the app's modules as `reap` does
+        app.loader.import_default_modules()
+    except Exception as exc:  # noqa: BLE001 - Redis still lists the breakers it holds
+        click.echo(
+            f"warning: could not load the app's modules ({_shown(exc)}); only the "
+            f"breakers Redis holds are listed",
+            err=True,
+        )
+    try:
+        rows = breaker_rows(app, limit)
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    for row in rows:  # as `show`: these depend on options the tasks configure
+        row.pop("retry_after", None)
+        row.pop("limits", None)
+    if as_json:
+        click.echo(json.dumps(rows, sort_keys=True, default=str))
+        return
+    if not rows:
+        click.echo("no circuit breaker")
+        return
+    cells = [[h for h, _ in BREAKER_COLUMNS]] + [
+        [printable(_breaker_cell(r.get(c), c)) for _, c in BREAKER_COLUMNS] for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(BREAKER_COLUMNS))]
+    for cell_row in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(cell_row, widths)).rstrip())
+    click.echo(f"{len(rows)} circuit breaker(s)")
+    malformed = [row for row in rows if row.get("malformed")]
+    for row in malformed:
+        click.echo(f"malformed {printable(row['name'])}: {printable(row['malformed'])}")
+
+
+@breaker_group.command(
+    "show", cls=CeleryCommand, short_help="Show the state of the circuit breaker NAME."
+)
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON object")
 @click.pass_context
@@ -499,7 +615,9 @@ def _override(ctx, name, action, reason):
     )
 
 
-@breaker_group.command("open", cls=CeleryCommand)
+@breaker_group.command(
+    "open", cls=CeleryCommand, short_help="Force the circuit breaker NAME open (audited)."
+)
 @click.argument("name")
 @click.option("--reason", default="", help="why, for the audit record")
 @click.pass_context
@@ -508,7 +626,9 @@ def breaker_open(ctx, name, reason):
     _override(ctx, name, "open", reason)
 
 
-@breaker_group.command("close", cls=CeleryCommand)
+@breaker_group.command(
+    "close", cls=CeleryCommand, short_help="Close the circuit breaker NAME (audited)."
+)
 @click.argument("name")
 @click.option("--reason", default="", help="why, for the audit record")
 @click.pass_context

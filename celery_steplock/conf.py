@@ -81,6 +81,8 @@ from .exceptions import MAX_MESSAGE_LENGTH, ImproperlyConfigured  # noqa: F401
 ON_CONTENDED = ("retry", "skip", "ignore", "raise")
 ON_CONFLICT = ("return", "ignore", "raise")
 ON_STORE_ERROR = ("fail_closed", "fail_open")
+#: The overlap guard of periodic runs (task option ``overlap``; None: off).
+OVERLAP = ("skip", "coalesce", "queue")
 IDEMPOTENCY_STORES = ("redis", "database")
 
 #: A setting's check: ``check(value, qualified setting name)`` returns the value as the
@@ -237,6 +239,13 @@ def _check_use_ssl(value: Any, name: str) -> dict[str, Any]:
 
 
 _ON_STORE_ERROR = _choice(ON_STORE_ERROR)
+
+
+def _overlap(value: Any, name: str) -> str | None:
+    """None (the guard off) or one of :data:`OVERLAP`."""
+    return None if value is None else check_choice(value, name, OVERLAP)
+
+
 _WEEK = 7 * 24 * 3600.0
 
 #: Every setting, in the order of the reference. Units are seconds.
@@ -315,6 +324,15 @@ SETTINGS: tuple[Setting, ...] = (
         _choice(ON_CONTENDED),
         "A busy lease: ``retry``, ``skip`` (succeed with the skipped outcome), ``ignore`` "
         "(Celery ``Ignore``) or ``raise`` (``LockContended``).",
+    ),
+    Setting(
+        "overlap",
+        None,
+        _overlap,
+        "The overlap guard of tasks that leave ``overlap`` unset (periodic runs that never "
+        "overlap): None (off), ``skip`` (a send finding the lease held ends skipped), "
+        "``coalesce`` (at most one more run after the current one) or ``queue`` (waits its "
+        "turn). A task's own ``on_contended`` or ``lock_wait`` wins over it.",
     ),
     Setting(
         "on_conflict",
@@ -579,6 +597,40 @@ SETTINGS: tuple[Setting, ...] = (
         "Cluster-wide rate limits when Redis cannot be reached: ``fail_closed`` (the task is "
         "retried) or ``fail_open`` (the call is allowed); a limit's own ``on_store_error=`` wins.",
     ),
+    # The effects outbox (celery_steplock.effects, celery_steplock.contrib.django.outbox).
+    Setting(
+        "effect_max_attempts",
+        10,
+        _count(minimum=1, maximum=MAX_RETRIES),
+        "Dispatch attempts of one effect of the outbox before it is marked ``dead`` (an "
+        "operator may retry it); a permanent refusal (an HTTP 4xx other than 408, 409, 425, "
+        "429; ``NonRetryable``) is dead at once.",
+        "count",
+    ),
+    Setting(
+        "effect_relay_delay",
+        10.0,
+        _seconds(allow_zero=True, maximum=MAX_SECONDS),
+        "Seconds the periodic relay leaves a freshly written effect to the process that "
+        "committed it (which dispatches it on commit) before taking it over.",
+        "seconds",
+    ),
+    Setting(
+        "effect_claim_timeout",
+        60.0,
+        _seconds(maximum=MAX_SECONDS),
+        "Seconds a relay's claim of an effect holds: a relay that died while dispatching it "
+        "leaves it to another after this.",
+        "seconds",
+    ),
+    Setting(
+        "effect_http_timeout",
+        10.0,
+        _seconds(maximum=MAX_SECONDS),
+        "Seconds an ``http`` effect's request may take (connect and each read) unless the "
+        "effect names its own ``timeout``; a timeout is retried.",
+        "seconds",
+    ),
 )
 
 #: Every setting with its default (same keys as :data:`SETTINGS`, without the ``steplock_``
@@ -725,6 +777,7 @@ class Settings:
     lock_wait: float
     max_hold: float | None
     on_contended: str
+    overlap: str | None
     on_conflict: str
     on_store_error: str
     retry_backoff: float
@@ -758,6 +811,10 @@ class Settings:
     concurrency_limit_on_store_error: str
     concurrency_limit_retry_after: float
     rate_limit_on_store_error: str
+    effect_max_attempts: int
+    effect_relay_delay: float
+    effect_claim_timeout: float
+    effect_http_timeout: float
 
     def __init__(self, app: Any, snapshot: bool = False) -> None:
         self.app = app

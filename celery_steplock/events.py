@@ -42,6 +42,11 @@ _FIELDS = (
     "attempt",
     "countdown",
     "skew",
+    "follower",
+    "kind",
+    "step",
+    "attempts",
+    "error",
 )
 
 

@@ -6,10 +6,12 @@ checks this drawing against the classes: each once, under its first base of the 
     StepLockError
     ├── ImproperlyConfigured        a setting or task option is invalid (names it)
     │   ├── InvalidArgument         an argument of the public API is invalid (names it)
-    │   └── GreenPoolUnsupported    the heartbeat cannot renew natively (_green)
+    │   ├── GreenPoolUnsupported    the heartbeat cannot renew natively (_green)
+    │   └── EffectsUnavailable      an effect declared outside a step's transaction (effects)
     ├── LockNameError               an argument cannot enter a lock name (names it)
     ├── MetadataError               lease metadata names a reserved field (names the keys)
     ├── OuterTransactionError       called inside a caller's transaction.atomic()
+    ├── InvalidEffect               an effect's argument cannot be stored (names it)
     ├── LockError                   an error about one lease (names it)
     │   ├── LockContended           the lease is held by another owner (retryable)
     │   ├── LockStoreUnavailable    Redis could not be reached (retryable)
@@ -50,6 +52,8 @@ __all__ = [
     "LockNameError",
     "OuterTransactionError",
     "MetadataError",
+    "EffectsUnavailable",
+    "InvalidEffect",
     "LockError",
     "LockContended",
     "LockStoreUnavailable",
@@ -174,6 +178,33 @@ class OuterTransactionError(StepLockError, RuntimeError):
     Its commit would happen after the lease is released, against the rule "commit first,
     release after".
     """
+
+
+class EffectsUnavailable(ImproperlyConfigured):
+    """An effect was declared (:mod:`celery_steplock.effects`) where none can be written.
+
+    Effects are declared inside the body of a step-locked task that has a ``step_model``
+    (from the body to its compare-and-swap) or inside a ``guarded_step`` block; anywhere
+    else there is no transaction for them to commit with. Raised too, at COMMIT time,
+    when effects were declared but no transition applied in the transaction (the key
+    names the transition), or when the step store cannot write them (no
+    ``write_effects``); the transaction then rolls back.
+    """
+
+
+class InvalidEffect(StepLockError, ValueError):
+    """An argument of an effect cannot be stored in the outbox (not JSON, wrong type, or
+    empty where a value is needed); raised at declaration, before anything is written.
+
+    The message is at most :data:`MAX_MESSAGE_LENGTH` characters.
+
+    Attributes:
+        argument: The argument's name (``"kwargs"``, ``"url"``, ...).
+    """
+
+    def __init__(self, message: str, argument: str | None = None):
+        super().__init__(_bounded(str(message)))
+        self.argument = argument
 
 
 class LockError(StepLockError):

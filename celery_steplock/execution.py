@@ -133,12 +133,21 @@ class Execution:
         entered: The admission gates entered (None without gates or before entering them).
         wait: The phase of acquiring the lease (its ``seconds`` once ended).
         held: The phase of holding the lease, granted to released.
+        body_started: The body was called: a lost connection before it (the precheck, the
+            fence read, the transaction's BEGIN) wrote nothing and is retried.
         body_done: The body returned: a lost connection after it is our CAS's or COMMIT's.
         commit_cas: Set while a subclass's own ``transition()`` makes the plan's
             compare-and-swap: the first library compare-and-swap it reaches is the plan's
             and carries the deadline.
         committed: The step's transaction committed, and an on-commit callback raised:
             neither a rollback nor a broken COMMIT, nothing to redo.
+        applied_to: The ``to`` of the last transition applied in the step's transaction
+            (the plan's or the body's; None before one): the key of its effects
+            (:mod:`celery_steplock.effects`).
+        applied_step_id: The step id of that transition.
+        outbox: The step transaction's :class:`~celery_steplock.effects.Outbox` (None
+            before the body, and without a step store): with a lease, its on-commit sends
+            wait for the release (:meth:`~celery_steplock.effects.Outbox.release_dispatch`).
     """
 
     task: Task[Any, Any]
@@ -158,9 +167,13 @@ class Execution:
     entered: Entered | None = None
     wait: Phase | None = None
     held: Phase | None = None
+    body_started: bool = False
     body_done: bool = False
     commit_cas: bool = False
     committed: bool = False
+    applied_to: str | None = None
+    applied_step_id: Any = None
+    outbox: Any = None
     _token: contextvars.Token[dict[str, Execution]] | None = field(
         default=None, init=False, repr=False
     )

@@ -48,6 +48,10 @@ __all__ = [
     "default_breaker_audit",
     "override_breaker",
     "OVERRIDE_OUTCOMES",
+    "MAX_BREAKERS",
+    "task_breakers",
+    "find_breakers",
+    "breaker_rows",
 ]
 
 
@@ -738,3 +742,154 @@ def override_breaker(
         + (f": {reason}" if reason else ""),
     )
     return record
+
+
+# -- circuit breakers: which exist, and their state ------------------------------------------
+
+#: Circuit breakers :func:`find_breakers` returns at most by default (the tasks' breakers
+#: first, then what SCAN finds): the admin's page and ``celery steplock breaker ls``.
+MAX_BREAKERS = 500
+
+
+def task_breakers(tasks: Any) -> dict[str, CircuitBreaker | None]:
+    """The circuit breakers that tasks name in their ``circuit_breaker`` option.
+
+    Args:
+        tasks: Task objects (the app's StepLockedTasks).
+
+    Returns:
+        ``{name: CircuitBreaker bound to the task's app}`` for a breaker given as an object,
+        ``{name: None}`` for one given by name.
+    """
+    from .patterns.breaker import CircuitBreaker
+
+    found: dict[str, CircuitBreaker | None] = {}
+    for task in tasks:
+        value = getattr(task, "circuit_breaker", None)
+        if isinstance(value, CircuitBreaker):
+            found.setdefault(value.name, value.bind(task.app))
+        elif isinstance(value, str) and value:
+            found.setdefault(value, None)
+    return found
+
+
+def _steplocked_tasks(app: Any) -> list[Any]:
+    # The task module is never imported from here: when nothing imported it, no task of the
+    # app can be a StepLockedTask.
+    task_module = sys.modules.get("celery_steplock.task")
+    if task_module is None:
+        return []
+    base = task_module.StepLockedTask
+    return [task for _, task in sorted(app.tasks.items()) if isinstance(task, base)]
+
+
+def find_breakers(
+    app: Any,
+    limit: int = MAX_BREAKERS,
+    *,
+    tasks: Any = None,
+    malformed: dict[str, str] | None = None,
+) -> dict[str, CircuitBreaker]:
+    """The circuit breakers there are: those the app's tasks name, then those Redis holds
+    (SCAN of ``<prefix>:breaker:{*}``, never KEYS), at most ``limit``, sorted by name. The
+    one listing of the Django admin's breaker page and ``celery steplock breaker ls``.
+
+    Args:
+        app: The Celery app (its lease store's client and prefix).
+        limit: Breakers at most (the malformed keys count too).
+        tasks: Task objects whose ``circuit_breaker`` option names breakers (default: the
+            StepLockedTasks of ``app.tasks`` as registered now).
+        malformed: When given, each key that names no possible breaker (its name was not
+            UTF-8, or holds a brace or a control character) is put there, its name escaped
+            (:func:`~celery_steplock.redact.printable`) -> what is wrong; otherwise it is
+            left out.
+
+    Returns:
+        ``{name: CircuitBreaker}``.
+
+    Raises:
+        LockStoreUnavailable: Redis could not be reached.
+        LockStoreMisconfigured: Redis refused our credentials or the SCAN.
+    """
+    from .keys import breaker_key, breaker_name_from_key, glob_escape
+    from .lock import get_lease_store
+    from .patterns._base import translated
+    from .patterns.breaker import CircuitBreaker
+    from .redact import printable
+
+    found = task_breakers(_steplocked_tasks(app) if tasks is None else tasks)
+    store = get_lease_store(app)
+    with translated("circuit breaker scan", key=breaker_key(store.prefix, "*")):
+        for key in store.client.scan_iter(
+            match=breaker_key(glob_escape(store.prefix), "*"), count=1000
+        ):
+            if len(found) >= limit:
+                break
+            # A client that does not decode gives bytes; a name that was not UTF-8 then
+            # reads with U+FFFD, as the library's own clients decode it.
+            key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            name = breaker_name_from_key(store.prefix, key)
+            if name is not None:
+                found.setdefault(name, None)
+    shown: dict[str, CircuitBreaker] = {}
+    for name, breaker in sorted(found.items())[:limit]:
+        problem = None
+        if breaker is not None:
+            shown[name] = breaker
+        elif "\ufffd" in name:
+            problem = "key: not UTF-8 (cannot be read back)"
+        else:
+            try:
+                shown[name] = CircuitBreaker(name, app=app)
+            except StepLockError as exc:
+                problem = f"name: {exc}"
+        if problem is not None and malformed is not None:
+            malformed[printable(name)] = printable(problem)
+    return shown
+
+
+def breaker_rows(
+    app: Any, limit: int = MAX_BREAKERS, *, tasks: Any = None
+) -> list[dict[str, Any]]:
+    """Every breaker of :func:`find_breakers` with its state as Redis holds it now, sorted by
+    name: what the admin's page and ``celery steplock breaker ls`` show.
+
+    Args:
+        app: The Celery app.
+        limit: Breakers at most.
+        tasks: As :func:`find_breakers`.
+
+    Returns:
+        One dict per breaker: :meth:`BreakerState.as_dict
+        <celery_steplock.patterns.breaker.BreakerState.as_dict>` (typed: ints, floats,
+        a bool ``forced``; ``malformed`` says what is wrong with its keys) plus ``limits``
+        (:meth:`~celery_steplock.patterns.breaker.CircuitBreaker.describe`); for a key that
+        names no possible breaker, or a breaker whose read Redis refused alone, only
+        ``name``, ``key`` and ``malformed`` (the error, its secrets masked).
+
+    Raises:
+        LockStoreUnavailable: Redis could not be reached.
+        LockStoreMisconfigured: Redis refused our credentials or the SCAN.
+    """
+    from .exceptions import LockStoreMisconfigured
+    from .keys import breaker_key
+    from .lock import get_lease_store
+    from .redact import printable
+
+    unnamed: dict[str, str] = {}
+    rows: list[dict[str, Any]] = []
+    for name, breaker in find_breakers(app, limit, tasks=tasks, malformed=unnamed).items():
+        try:
+            rows.append(breaker.state().as_dict() | {"limits": breaker.describe()})
+        except (LockStoreUnavailable, LockStoreMisconfigured):
+            raise
+        except StepLockError as exc:  # Redis refused this breaker's read alone
+            malformed = redact(exc, secrets_of(app))
+            rows.append({"name": name, "key": breaker.key, "malformed": malformed})
+    prefix = get_lease_store(app).prefix
+    rows.extend(
+        {"name": name, "key": printable(breaker_key(prefix, name)), "malformed": why}
+        for name, why in unnamed.items()
+    )
+    rows.sort(key=lambda row: row["name"])
+    return rows

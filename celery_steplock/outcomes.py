@@ -37,6 +37,20 @@ missing, the winner is taken for dead and the delivery stores its outcome (``com
 is then its own id), so the id still ends. With ``task_track_started`` every delivery of a
 step task reads its id's stored state before Celery overwrites it with ``STARTED`` (one
 result-backend read) and puts it back when it ends in ``Ignore``.
+
+**Overlap guard.** A task's ``overlap`` option (``steplock_overlap``) makes periodic sends
+of it never run at once, whichever scheduler (or how many) sent them: the guard is the run's
+lease. ``"skip"``: a send finding the lease held ends with the "skipped" outcome
+(``overlap_skipped``). ``"queue"``: it waits its turn (``on_contended="retry"``).
+``"coalesce"``: at most one more run after the current one. A send finding the lease held
+tries to become *the* follower: :data:`~celery_steplock._redis.scripts.overlap.CLAIM_FOLLOWER`
+sets the marker ``<prefix>:overlap:{<lock name>}`` to its task id unless another send holds
+it (``overlap_coalesced``); the follower is retried (:meth:`StepLockedTask.steplock_retry
+<celery_steplock.task.StepLockedTask.steplock_retry>`, header :data:`FOLLOWER_HEADER`, its
+countdown capped by the lease TTL) and refreshes the marker at each retry, until it holds
+the lease: then it deletes its own marker (compare-and-delete) and runs. Any other send ends
+"skipped" (``overlap_skipped``, ``reason="follower"``). The marker lives the follower's
+countdown plus one lease TTL past each refresh, so a follower that died frees it then.
 """
 
 from __future__ import annotations
@@ -49,7 +63,12 @@ from typing import Any, Mapping
 from celery import states
 from celery.signals import task_prerun
 
-from .events import log_event
+from . import calls, signals
+from ._jitter import backoff_ceiling, full_jitter
+from ._redis.scripts.overlap import CLAIM_FOLLOWER, CLEAR_FOLLOWER
+from ._redis.wire import Script
+from .events import emit, lease_fields, log_event
+from .exceptions import LockContended, LockStoreUnavailable
 from .lease import owner_has_task_id
 from .plan import is_step_locked
 
@@ -64,6 +83,12 @@ __all__ = [
     "contended_outcome",
     "stored_state",
     "restore_stored_state",
+    "FOLLOWER_HEADER",
+    "overlap_key",
+    "claim_follower",
+    "clear_follower",
+    "overlap_contended",
+    "follower_acquired",
 ]
 
 
@@ -321,3 +346,163 @@ def contended_outcome(task, exc, step_id=None, expected=None) -> dict[str, Any] 
     return StepOutcome(
         SKIPPED, task.name, step_id=step_id, expected=expected, held_by=holder or None
     ).to_dict()
+
+
+# -- the overlap guard ---------------------------------------------------------------------
+
+#: Message header of a coalesce follower's retries (it holds the follower marker).
+FOLLOWER_HEADER = "steplock_overlap_follower"
+
+_claim = Script(CLAIM_FOLLOWER)
+_clear = Script(CLEAR_FOLLOWER)
+
+
+def overlap_key(prefix: str, name: str) -> str:
+    """The follower marker of lock name ``name``: ``<prefix>:overlap:{<name>}`` (the
+    lease's hash slot)."""
+    return f"{prefix}:overlap:{{{name}}}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _claim_steps(key: str, task_id: str, ttl_ms: int, name: str) -> calls.Steps[Any]:
+    reply = yield calls.Eval(
+        _claim, [key], [task_id, str(ttl_ms)], "overlap follower claim", name=name
+    )
+    return int(reply[0]), (_text(reply[1]) or None)
+
+
+def _clear_steps(key: str, task_id: str, name: str) -> calls.Steps[bool]:
+    reply = yield calls.Eval(_clear, [key], [task_id], "overlap follower clear", name=name)
+    return bool(int(reply))
+
+
+def claim_follower(store: Any, name: str, task_id: str, ttl: float) -> tuple[int, str | None]:
+    """Try to make ``task_id`` the follower of lock name ``name``, in one round trip.
+
+    Args:
+        store: The lease store (a :class:`~celery_steplock.lock.RedisLeaseStore`: its
+            ``client`` and ``prefix``).
+        name: The lock name.
+        task_id: The send's task id.
+        ttl: Seconds the marker lives (from now; at least 1 ms).
+
+    Returns:
+        ``(1, None)`` it became the follower, ``(2, task_id)`` it already was (the marker's
+        TTL refreshed), ``(0, other)`` the task id ``other`` is the follower.
+
+    Raises:
+        LockStoreUnavailable, LockStoreMisconfigured: Redis did not answer or refused.
+    """
+    key = overlap_key(store.prefix, name)
+    return calls.run(_claim_steps(key, task_id, max(1, int(ttl * 1000)), name), store.client)
+
+
+def clear_follower(store: Any, name: str, task_id: str) -> bool:
+    """Delete the follower marker of ``name`` if ``task_id`` holds it (compare-and-delete);
+    True when it did. Raises as :func:`claim_follower`."""
+    key = overlap_key(store.prefix, name)
+    return calls.run(_clear_steps(key, task_id, name), store.client)
+
+
+def _lease_retries(request: Any) -> int:
+    return int(
+        getattr(request, "steplock_retries", None)
+        or (request.headers or {}).get("steplock_retries")
+        or 0
+    )
+
+
+def overlap_contended(task: Any, exc: LockContended, plan: Any, execution: Any = None) -> Any:
+    """What a busy lease ends in under ``overlap="skip"`` or ``"coalesce"`` (the holder is
+    not a delivery of this task id: that case is the ``on_contended`` policy's): a retry as
+    the follower (coalesce; ``Ignore`` raised by the retry) or the "skipped" outcome dict.
+    Raises ``exc`` when a follower's retries (``lock_retry_max``) are used up (its marker
+    deleted first)."""
+    request = task.request
+    fields = (
+        execution.lease_fields()
+        if execution is not None
+        else lease_fields(None, request.id, task.name)
+    )
+    name = exc.name or fields.get("name")
+    holder = exc.holder_task_id or None
+    follower = None
+    reason = "held"
+    if plan.overlap == "coalesce" and name:
+        # The follower polls at most a lease TTL apart: a run is followed within one.
+        attempt = _lease_retries(request)
+        ceiling = backoff_ceiling(
+            plan.retry_backoff, attempt, min(plan.retry_backoff_max, plan.ttl), max_exponent=32
+        )
+        countdown = max(0.05, full_jitter(ceiling))
+        try:
+            state, follower = claim_follower(plan.store, name, request.id, countdown + plan.ttl)
+        except LockStoreUnavailable as error:
+            log_event(
+                "overlap_marker_failed",
+                logging.WARNING,
+                task_id=request.id,
+                task_name=task.name,
+                key=fields.get("key"),
+                error=error,
+            )
+            return task.steplock_retry(exc, countdown=countdown)  # as "queue" until it answers
+        if state:
+            if state == 1:
+                emit(
+                    signals.overlap_coalesced,
+                    task,
+                    policy="coalesce",
+                    holder=holder,
+                    follower=request.id,
+                    countdown=round(countdown, 3),
+                    **fields,
+                )
+            try:
+                return task.steplock_retry(exc, headers={FOLLOWER_HEADER: 1}, countdown=countdown)
+            except LockContended:
+                _clear_quietly(task, plan, name)
+                raise
+        reason = "follower"
+    emit(
+        signals.overlap_skipped,
+        task,
+        policy=plan.overlap,
+        holder=holder,
+        follower=follower,
+        reason=reason,
+        **fields,
+    )
+    return StepOutcome(
+        SKIPPED,
+        task.name,
+        step_id=execution.step_argument if execution is not None else None,
+        expected=plan.transition[0] if plan.transition else None,
+        held_by=holder,
+    ).to_dict()
+
+
+def _clear_quietly(task: Any, plan: Any, name: str) -> bool:
+    try:
+        return clear_follower(plan.store, name, task.request.id)
+    except Exception as error:  # noqa: BLE001 - the marker's TTL frees it
+        log_event(
+            "overlap_marker_failed",
+            logging.WARNING,
+            task_id=task.request.id,
+            task_name=task.name,
+            key=overlap_key(plan.store.prefix, name),
+            error=error,
+        )
+        return False
+
+
+def follower_acquired(task: Any, plan: Any, name: str) -> None:
+    """A coalesce send was granted the lease: when it is the follower (its message carries
+    :data:`FOLLOWER_HEADER`), its marker is deleted (compare-and-delete, one round trip), so
+    that the next send may follow this run. Never raises (the marker's TTL frees it)."""
+    if _header(task.request, FOLLOWER_HEADER):
+        _clear_quietly(task, plan, name)

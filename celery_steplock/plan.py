@@ -32,7 +32,14 @@ from ._checks import (
     check_ttl,
     shown,
 )
-from .conf import ON_CONFLICT, ON_CONTENDED, ON_STORE_ERROR, Settings, configuration_version
+from .conf import (
+    ON_CONFLICT,
+    ON_CONTENDED,
+    ON_STORE_ERROR,
+    OVERLAP,
+    Settings,
+    configuration_version,
+)
 from .exceptions import ImproperlyConfigured, LockNameError
 from .keys import argument_names, template_fields
 from .lock import RedisLeaseStore, get_lease_store
@@ -61,6 +68,7 @@ _CORE_OPTIONS = frozenset(
         "lock_wait",
         "lock_max_hold",
         "on_contended",
+        "overlap",
         "on_conflict",
         "on_store_error",
         "step_model",
@@ -111,6 +119,8 @@ class ExecutionPlan:
     (None without one). ``version``: the configuration version the plan was built for;
     ``options``: the task's option values it was built from (:func:`option_values`).
     ``gates``: the admission gates its executions pass (:mod:`celery_steplock.patterns.gates`).
+    ``overlap``: the overlap guard (None, "skip", "coalesce" or "queue", :func:`_overlap`);
+    with one, ``on_contended`` and ``wait`` are the guard's.
     """
 
     task_name: str
@@ -135,6 +145,7 @@ class ExecutionPlan:
     version: Any
     options: tuple[Any, ...] = ()
     gates: tuple[Any, ...] = ()
+    overlap: str | None = None
 
     @property
     def renew_ms(self) -> int:
@@ -295,6 +306,56 @@ def _steps(
     )
 
 
+#: The ``on_contended`` each overlap policy runs with (and the one a task may also set).
+_OVERLAP_CONTENDED = {"skip": "skip", "coalesce": "retry", "queue": "retry"}
+
+
+def _overlap(task: Any, settings: Settings) -> str | None:
+    """The task's overlap guard: its ``overlap`` option, else ``steplock_overlap``.
+
+    A policy decides what a busy lease does, so it conflicts with an ``on_contended`` other
+    than its own ("skip" for skip, "retry" for coalesce and queue) and, for skip and
+    coalesce (which never wait), with a ``lock_wait`` above 0. Set on the task, a conflict
+    raises ImproperlyConfigured naming ``overlap``; from the setting, the task's own options
+    win (the guard is off for that task), as every task option wins over its setting.
+    """
+    value = getattr(task, "overlap", None)
+    if value is None:
+        policy = settings.overlap
+        if policy is None or _overlap_conflict(task, policy) is None:
+            return policy
+        return None
+    policy = check_choice(value, "overlap", OVERLAP)
+    conflict = _overlap_conflict(task, policy)
+    if conflict is not None:
+        raise ImproperlyConfigured(f"overlap={policy!r} {conflict}", setting="overlap")
+    return policy
+
+
+def _overlap_conflict(task: Any, policy: str) -> str | None:
+    """Why the task's own ``on_contended`` or ``lock_wait`` contradicts ``policy`` (None:
+    they do not)."""
+    own = _OVERLAP_CONTENDED[policy]
+    if task.on_contended is not None and task.on_contended != own:
+        return (
+            f"decides what a busy lease does (on_contended={own!r}); on_contended="
+            f"{shown(task.on_contended)} contradicts it: leave on_contended unset"
+        )
+    wait = task.lock_wait
+    if (
+        policy != "queue"
+        and wait is not None
+        and not isinstance(wait, bool)
+        and isinstance(wait, (int, float))
+        and wait > 0
+    ):
+        return (
+            f"never waits for a busy lease; lock_wait={shown(wait)} contradicts it: leave "
+            f"lock_wait unset or 0 (or use overlap='queue')"
+        )
+    return None
+
+
 def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) -> Any:
     return default() if value is None else check()
 
@@ -302,11 +363,42 @@ def _option(value: Any, check: Callable[[], Any], default: Callable[[], Any]) ->
 def _resolvers(task: Any, settings: Settings) -> dict[str, Callable[[], Any]]:
     """One zero-argument resolver per plan field, each raising ImproperlyConfigured."""
     database: list[tuple[str | None, str]] = []
+    guard: list[str | None] = []
 
     def step_database() -> tuple[str | None, str]:
         if not database:  # read once: the step store's resolver needs it too
             database.append(_checked_step_database(task, settings))
         return database[0]
+
+    def overlap() -> str | None:
+        if not guard:  # read once: on_contended and wait follow it
+            guard.append(_overlap(task, settings))
+        return guard[0]
+
+    def policy() -> str | None:
+        # For on_contended and wait: an invalid overlap is the "overlap" resolver's to report.
+        try:
+            return overlap()
+        except ImproperlyConfigured:
+            return None
+
+    def wait() -> Any:
+        seconds = _option(
+            task.lock_wait,
+            lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True, maximum=MAX_WAIT),
+            lambda: settings.lock_wait,
+        )
+        return seconds if policy() in (None, "queue") else 0.0  # skip, coalesce never wait
+
+    def on_contended() -> Any:
+        chosen = policy()
+        if chosen is not None:
+            return _OVERLAP_CONTENDED[chosen]
+        return _option(
+            task.on_contended,
+            lambda: check_choice(task.on_contended, "on_contended", ON_CONTENDED),
+            lambda: settings.on_contended,
+        )
 
     return {
         "lock_key": lambda: _lock_key(task),
@@ -315,22 +407,15 @@ def _resolvers(task: Any, settings: Settings) -> dict[str, Callable[[], Any]]:
             lambda: check_ttl(task.lock_ttl, "lock_ttl"),
             lambda: settings.default_ttl,
         ),
-        "wait": lambda: _option(
-            task.lock_wait,
-            lambda: check_seconds(task.lock_wait, "lock_wait", allow_zero=True, maximum=MAX_WAIT),
-            lambda: settings.lock_wait,
-        ),
+        "wait": wait,
         "max_hold": lambda: _option(
             task.lock_max_hold,
             lambda: check_seconds(task.lock_max_hold, "lock_max_hold", maximum=MAX_HOLD),
             lambda: settings.max_hold,
         ),
         "ratio": lambda: settings.renewal_ratio,
-        "on_contended": lambda: _option(
-            task.on_contended,
-            lambda: check_choice(task.on_contended, "on_contended", ON_CONTENDED),
-            lambda: settings.on_contended,
-        ),
+        "on_contended": on_contended,
+        "overlap": overlap,
         "on_conflict": lambda: _option(
             task.on_conflict,
             lambda: check_choice(task.on_conflict, "on_conflict", ON_CONFLICT),

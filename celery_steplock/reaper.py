@@ -1,7 +1,9 @@
 """The reaper: remove leases whose holder is gone and recover the steps it left in flight.
 
 A SIGKILL, a hard time limit or an OOM kill runs no ``finally``: the lease waits for its TTL
-and a step already moved to an in-flight status stays there. :func:`reap` cleans up both
+and a step already moved to an in-flight status stays there; a process that dies between a
+step's COMMIT and the dispatch of its effects leaves them pending in the outbox. :func:`reap`
+cleans up all three
 (``manage.py reap_expired_leases``, ``celery steplock reap``, the
 ``celery_steplock.reap_expired_leases`` task), only ever by compare-and-delete or
 compare-and-swap on what it observed. Unlike python-redis-lock's ``reset_all`` (``KEYS`` and
@@ -22,12 +24,13 @@ from typing import Any, Callable, Iterable
 
 from celery.utils.imports import symbol_by_name
 
-from . import signals
+from . import _django, signals
 from ._checks import check_seconds
 from .conf import Settings
 from .events import emit, log_event
 from .exceptions import StepLockError
 from .lock import RedisLeaseStore, get_lease_store
+from .redact import printable
 
 __all__ = [
     "ReapReport",
@@ -40,6 +43,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "MAX_RECORDS",
     "DEFAULT_STEP_RECOVERY",
+    "relay_effects",
 ]
 
 logger = logging.getLogger("celery_steplock")
@@ -94,6 +98,16 @@ class ReapReport:
         errors: Messages; the run is a failure when there is any.
         dry_run: Whether nothing was changed.
         duration: Seconds the run took.
+        effects: What pass 3 did with the effects outbox, or None when it did not run
+            (``effects=False``, no Django, or ``celery_steplock.contrib.django`` not
+            installed): ``relayed`` (effects dispatched), ``retried`` (failed, waiting for
+            their next attempt), ``dead`` (failed for good in this run), ``pending`` (still
+            pending after it) and ``oldest_pending_seconds`` (age of the oldest of them, None
+            when none), as :class:`celery_steplock.contrib.django.outbox.RelayReport` gives
+            them, and ``skipped`` (aliases of the databases the relay skipped: no table, or
+            unreachable; its log lines say which); with ``dry_run`` nothing is relayed and
+            the three counts are 0. Not a
+            dataclass field: :meth:`as_dict` has the key ``effects`` only when it ran.
     """
 
     leases_scanned: int = 0
@@ -107,6 +121,7 @@ class ReapReport:
     def __post_init__(self) -> None:
         self._reaped_unlisted = 0
         self._recovered_unlisted = 0
+        self.effects: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -143,11 +158,14 @@ class ReapReport:
         """The report as data.
 
         Returns:
-            A JSON-serialisable dict of every field, plus ``ok``, and
-            ``leases_reaped_total`` / ``steps_recovered_total`` when a list is not complete.
+            A JSON-serialisable dict of every field, plus ``ok``, ``effects`` when pass 3
+            ran, and ``leases_reaped_total`` / ``steps_recovered_total`` when a list is not
+            complete.
         """
         data = asdict(self)
         data["ok"] = self.ok
+        if self.effects is not None:
+            data["effects"] = dict(self.effects)
         if self._reaped_unlisted:
             data["leases_reaped_total"] = self.reaped_count
         if self._recovered_unlisted:
@@ -184,6 +202,40 @@ class ReapReport:
             lines.append(f"skipped malformed lease {lease['name']}: {lease['malformed']}")
         return lines
 
+    def effects_line(self) -> str | None:
+        """Pass 3's counts in one line, for people (the one summary of the effects outbox
+        that ``celery steplock reap`` and ``manage.py reap_expired_leases`` print).
+
+        Returns:
+            ``"effects relayed: 3, retried: 1, dead: 0; still pending: 2 (oldest 12.3s)"``
+            (with ``dry_run``: ``"effects pending: 2 (oldest 12.3s); dry run: none
+            relayed"``), or None when pass 3 did not run.
+        """
+        effects = self.effects
+        if effects is None:
+            return None
+        oldest = effects.get("oldest_pending_seconds")
+        age = f" (oldest {oldest:.1f}s)" if isinstance(oldest, (int, float)) else ""
+        skipped = effects.get("skipped") or []
+        tail = f"; databases skipped: {', '.join(skipped)}" if skipped else ""
+        if self.dry_run:
+            return f"effects pending: {effects['pending']}{age}; dry run: none relayed{tail}"
+        return (
+            f"effects relayed: {effects['relayed']}, retried: {effects['retried']}, "
+            f"dead: {effects['dead']}; still pending: {effects['pending']}{age}{tail}"
+        )
+
+    def human_lines(self) -> list[str]:
+        """The report for people: what ``celery steplock reap`` and ``manage.py
+        reap_expired_leases`` both print (the one format of the two commands).
+
+        Returns:
+            :meth:`detail_lines` then :meth:`summary_lines`, each through
+            :func:`~celery_steplock.redact.printable` (a lease's fields are what Redis
+            holds: a control character or a newline cannot forge a line).
+        """
+        return [printable(line) for line in (*self.detail_lines(), *self.summary_lines())]
+
     def summary_lines(self) -> list[str]:
         """The run's counts, for people (what ``make demo`` prints).
 
@@ -197,6 +249,7 @@ class ReapReport:
             f"leases scanned: {self.leases_scanned}",
             f"leases {would}: {self.reaped_count}{suffix}",
             f"steps {to_recover}: {self.recovered_count}",
+            *([line] if (line := self.effects_line()) is not None else []),
             *(
                 [f"leases malformed (skipped): {len(self.leases_malformed)}"]
                 if self.leases_malformed
@@ -265,6 +318,7 @@ def reap(
     check_pids: bool = True,
     lock: RedisLeaseStore | None = None,
     step_recovery: str | Callable[..., Any] | None = DEFAULT_STEP_RECOVERY,
+    effects: bool = True,
 ) -> ReapReport:
     """Reap the leases of dead owners and recover the steps they left in flight.
 
@@ -287,6 +341,15 @@ def reap(
     holds no live lease (and that no live lease names as its ``step``) go back by
     compare-and-swap (see :class:`Reaper` for the step recovery); only after a complete scan,
     since without every live owner nothing can be called orphaned.
+
+    Pass 3, effects (with Django, when ``celery_steplock.contrib.django`` is installed): one
+    run of the effects outbox's relay
+    (:func:`celery_steplock.contrib.django.outbox.relay`, every database with its table, at
+    most ``batch_size`` effects): it dispatches the effects that their committing process
+    left behind (pending and due: a fresh row is left to its process for
+    ``steplock_effect_relay_delay`` seconds) and reports what is still pending
+    (:attr:`ReapReport.effects`). It runs whatever passes 1 and 2 found (it needs neither
+    Redis nor the scan). With ``dry_run`` it only counts the pending effects.
 
     Idempotent (a second run finds nothing more), and safe to run concurrently with itself
     and with the workers.
@@ -311,6 +374,7 @@ def reap(
             :data:`DEFAULT_STEP_RECOVERY`); None skips pass 2. Loaded only when
             ``steplock_reaper_recover`` names models; a name that cannot be loaded is an
             error of the report.
+        effects: Run pass 3 (False: ``--no-effects``).
 
     Returns:
         A :class:`ReapReport`. Redis, broker and database errors and bad settings are in
@@ -343,6 +407,8 @@ def reap(
     except Exception as exc:  # noqa: BLE001 - the report is the contract: never raise
         log_event("reaper_failed", logging.ERROR, exc_info=True, error=exc)
         report.errors.append(f"reaper failed: {type(exc).__name__}: {exc}")
+    if effects:
+        relay_effects(app, report, limit=batch_size)
     report.duration = time.monotonic() - started
     level = logging.ERROR if report.errors else logging.INFO
     log_event(
@@ -352,10 +418,53 @@ def reap(
         scanned=report.leases_scanned,
         leases=report.reaped_count,
         steps=report.recovered_count,
+        effects=report.effects_line(),
         errors=len(report.errors),
         duration=round(report.duration, 3),
     )
     return report
+
+
+def relay_effects(app: Any, report: ReapReport, *, limit: int = DEFAULT_BATCH_SIZE) -> None:
+    """Pass 3 of :func:`reap`: relay the effects outbox once and put its counts in
+    ``report.effects``; nothing without Django or without ``celery_steplock.contrib.django``
+    installed (the core imports no Django: the outbox is reached by name through
+    :mod:`celery_steplock._django`).
+
+    Args:
+        app: The Celery app (what a ``task`` effect is sent with).
+        report: The run's report; ``report.dry_run`` only counts the pending effects.
+        limit: Due effects claimed at most per database (the rest wait for the next run or the periodic
+            ``celery_steplock.relay_effects`` task).
+
+    A failure (a database error) is an error of the report, never raised.
+    """
+    if not _django.installed():
+        return
+    try:
+        outbox = _django.contrib("outbox")
+        if report.dry_run:
+            pending, oldest = outbox.pending_stats()
+            relayed = retried = dead = 0
+            skipped: tuple[str, ...] = ()
+        else:
+            done = outbox.relay(limit=limit, app=app)
+            relayed, retried, dead = done.dispatched, done.retried, done.dead
+            pending, oldest = done.pending, done.oldest_pending_seconds
+            skipped = tuple(done.skipped)
+    except Exception as exc:  # noqa: BLE001 - the report is the contract: never raise
+        message = f"effects relay failed: {type(exc).__name__}: {exc}"
+        log_event("reaper_error", logging.ERROR, exc_info=True, error=message)
+        report.errors.append(message)
+        return
+    report.effects = {
+        "relayed": relayed,
+        "retried": retried,
+        "dead": dead,
+        "pending": pending,
+        "oldest_pending_seconds": oldest,
+        "skipped": list(skipped),
+    }
 
 
 class Reaper:

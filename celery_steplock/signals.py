@@ -41,6 +41,11 @@ __all__ = [
     "concurrency_limited",
     "rate_limit_allowed",
     "rate_limited",
+    "overlap_skipped",
+    "overlap_coalesced",
+    "effect_dispatched",
+    "effect_retry",
+    "effect_dead",
     "ALL_SIGNALS",
 ]
 
@@ -186,3 +191,31 @@ rate_limit_allowed = Signal(name="rate_limit_allowed")
 rate_limited = Signal(name="rate_limited")
 
 ALL_SIGNALS += (rate_limit_allowed, rate_limited)
+
+#: The overlap guard of periodic runs (a task's ``overlap`` option, ``steplock_overlap``):
+#: ``policy`` ("skip" or "coalesce"), ``holder`` (task id of the run holding the lease, None
+#: when unknown), ``follower`` (task id of the send that runs next, None: none). This one: a
+#: send found the lease held and ended with the "skipped" outcome (``reason``: "held" under
+#: skip; "follower" under coalesce, another send being the follower already).
+overlap_skipped = Signal(name="overlap_skipped")
+#: Under coalesce, a send found the lease held and became the one follower (``follower``:
+#: its task id; ``countdown``: seconds until its retry): it runs once the lease is free.
+overlap_coalesced = Signal(name="overlap_coalesced")
+
+ALL_SIGNALS += (overlap_skipped, overlap_coalesced)
+
+#: The effects outbox (celery_steplock.contrib.django.outbox): ``key`` (the effect's
+#: deterministic key, given to its receiver), ``kind`` ("task", "http", "email", "call"),
+#: ``target``, ``step``, ``attempts`` (dispatch attempts so far, this one included),
+#: ``error`` (``"<type>: <message>"``, None on success), ``effect_id``, ``using`` (the
+#: database alias). This one: the receiver accepted it (``outcome``: what it answered), sent
+#: by the relay or the committing process, after its row was marked.
+effect_dispatched = Signal(name="effect_dispatched")
+#: A dispatch failed with a retryable error: the effect waits until its next attempt
+#: (``countdown``: seconds, from the retry policy's backoff; ``next_attempt_at``).
+effect_retry = Signal(name="effect_retry")
+#: The effect will not be dispatched again without an operator (``reason``: "permanent" for a
+#: refusal that asking again would not change, "max_attempts" when its attempts ran out).
+effect_dead = Signal(name="effect_dead")
+
+ALL_SIGNALS += (effect_dispatched, effect_retry, effect_dead)

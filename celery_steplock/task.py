@@ -10,6 +10,7 @@ or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
     with transaction.atomic():                # when a step model is set (Django)
         body                                  # self.lease, self.transition(...)
         CAS from_ -> to (+ fence guard)       # 0 rows -> TransitionConflict, rollback
+        declared effects written              # celery_steplock.effects
         ownership check in Redis              # lost -> LockLost, rollback
     # a deadlock / serialization failure in it: rolled back, the step read again:
     # moved on -> TransitionConflict (duplicate), else LockContended (lease retry)
@@ -17,6 +18,8 @@ or not at all on retry, so the lease lives in ``__call__`` with try/finally)::
     heartbeat.unregister(lease); release      # commit first, release after; in a worker
                                               # not waited for (steplock_release_wait):
                                               # 2 blocking round trips a task, not 3
+    declared effects sent                     # after the release (without a lease, or
+                                              # in a caller's transaction: at its COMMIT)
 
 Nothing in this order can commit twice: a duplicate that slips past the lease (pause,
 failover, expiry) finds the step no longer in ``from_`` and its CAS updates no row. Every step
@@ -36,6 +39,10 @@ default from :mod:`celery_steplock.conf`:
                     "skip" (succeeds with a "skipped" outcome, :mod:`celery_steplock.outcomes`;
                     ``Ignore`` when the holder has this task id), "ignore" (Celery ``Ignore``:
                     no state update) or "raise" (LockContended)
+``overlap``         periodic runs that never overlap (``steplock_overlap``, default None:
+                    off): "skip" (a send finding the lease held ends "skipped"),
+                    "coalesce" (at most one more run after the current one) or "queue"
+                    (waits its turn); see :mod:`celery_steplock.outcomes`
 ``on_conflict``     "return" (default: succeeds with a "duplicate" outcome, so every task id
                     ends; a delivery of the winner's own task id ends in ``Ignore`` and never
                     replaces the winner's result, see :mod:`celery_steplock.outcomes`),
@@ -74,7 +81,7 @@ from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 
-from . import _django, _startup, outcomes, signals, tracing
+from . import _django, _startup, effects, outcomes, signals, tracing
 from ._jitter import backoff_ceiling, full_jitter
 from .conf import Settings, configuration_version
 from .events import emit, lease_fields, log_event
@@ -180,6 +187,7 @@ class StepLockedTask(_TaskBase):
     lock_wait: float | None = None
     lock_max_hold: float | None = None
     on_contended: str | None = None
+    overlap: str | None = None  # None | "skip" | "coalesce" | "queue" (steplock_overlap)
     on_conflict: str | None = None
     on_store_error: str | None = None
     step_model: Any = None
@@ -354,7 +362,7 @@ class StepLockedTask(_TaskBase):
             assert lease is not None
             return self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
 
-        return fenced_cas(
+        result = fenced_cas(
             self,
             steps,
             step_id,
@@ -366,6 +374,10 @@ class StepLockedTask(_TaskBase):
             deadline=deadline,
             stale=stale,
         )
+        if execution is not None:
+            # The key of the transaction's effects names its last applied transition.
+            execution.applied_to, execution.applied_step_id = to, step_id
+        return result
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -380,6 +392,8 @@ class StepLockedTask(_TaskBase):
         plan = execution.plan if execution is not None else self.steplock_plan
         policy = plan.on_contended
         same_id = bool(exc.holder_task_id) and exc.holder_task_id == self.request.id
+        if plan.overlap in ("skip", "coalesce") and not same_id:
+            return outcomes.overlap_contended(self, exc, plan, execution)
         if policy == "skip":
             outcome = outcomes.contended_outcome(
                 self,
@@ -611,6 +625,8 @@ class StepLockedTask(_TaskBase):
         if lease is None:
             return self._end(self._contended(execution))
         execution.lease = lease
+        if plan.overlap == "coalesce":
+            outcomes.follower_acquired(self, plan, name)  # clears this send's marker, if any
         heartbeat = get_heartbeat()
         held = execution.held = tracing.hold(lease)
         try:
@@ -638,6 +654,8 @@ class StepLockedTask(_TaskBase):
                 )
             with tracing.releasing(held):
                 self._release(store, lease)
+            if execution.outbox is not None:
+                execution.outbox.release_dispatch()
 
     def _contended(self, execution: Execution) -> LockContended:
         """The refusal of a busy lease, its holder read back (lock_contended sent)."""
@@ -721,19 +739,23 @@ class StepLockedTask(_TaskBase):
                 return hook(exc)
             if not self._commit_failed(execution, exc):
                 raise
-            # The connection broke in our part of the transaction (CAS, COMMIT: the commit
-            # did not happen, or it did and its reply was lost), or the database ended a
-            # session whose lease ran out (the deadline): the retry settles it, since its
-            # precheck or CAS sees the step as it is. The body's own database errors stay
-            # the body's (Celery's autoretry_for).
+            # The connection broke in our part of the execution (before the body: nothing
+            # written; CAS, COMMIT: the commit did not happen, or it did and its reply was
+            # lost), or the database ended a session whose lease ran out (the deadline):
+            # the retry settles it, since its precheck or CAS sees the step as it is. The
+            # body's own database errors stay the body's (Celery's autoretry_for).
             log_event(
                 "commit_failed",
                 logging.WARNING,
                 task_id=self.request.id,
                 task_name=self.name,
                 step_id=execution.step_id,
+                phase="commit" if execution.body_started else "before_body",
                 error=exc,
             )
+            reset = getattr(execution.steps, "close_if_unusable", None)
+            if reset is not None:
+                reset()  # an eager retry (or the thread's next task) gets a fresh connection
             return self.steplock_retry(exc)
         finally:
             execution.running = False
@@ -775,14 +797,18 @@ class StepLockedTask(_TaskBase):
 
     def _commit_failed(self, execution: Execution, exc: Exception) -> bool:
         """Whether ``exc`` is the step database's connection breaking in our part of the
-        transaction (after the body), or ending a session whose lease ran out."""
+        execution (before the body: the precheck, the fence read, BEGIN; after it: the CAS,
+        COMMIT), or ending a session whose lease ran out. Celery's ``autoretry_for`` wraps
+        only the body, and a failure before it would be acknowledged (``acks_late``) with
+        the step never run."""
         lease = execution.lease
         return (
             execution.steps is not None
             and not execution.committed  # an on-commit callback's broken connection
             and execution.steps.is_lost_connection(exc)
             and (
-                execution.body_done
+                not execution.body_started
+                or execution.body_done
                 or (lease is not None and (lease.lost or lease.remaining() <= 0))
             )
         )
@@ -796,7 +822,14 @@ class StepLockedTask(_TaskBase):
         if lease is not None:
             lease.check()
         if steps is None:
-            with tracing.phase("body"):
+            # No transaction to write effects in: declaring one raises EffectsUnavailable
+            # naming the task (an outer task's outbox is hidden).
+            no_steps = effects.Outbox(
+                unavailable=f"the task {self.name} has no step_model (set step_model= and a "
+                f"transition=(from_, to) on it, or declare them in a guarded_step block)"
+            )
+            with tracing.phase("body"), effects.collecting(no_steps):
+                execution.body_started = True
                 result = super().__call__(*execution.args, **execution.kwargs)
             execution.body_done = True
             if lease is not None:
@@ -805,12 +838,25 @@ class StepLockedTask(_TaskBase):
             return result
         scope = steps.savepoint() if execution.nested else steps.atomic()  # type: ignore[attr-defined]
         committing = tracing.committing(scope, steps)
+        outbox = effects.Outbox(
+            unavailable=None
+            if hasattr(steps, "write_effects")
+            else f"the step store {type(steps).__name__} has no write_effects",
+            scope=getattr(steps, "effect_scope", None),
+        )
+        if lease is not None and not execution.nested:
+            # Sent once the lease is released (_acquire): the step's other deliveries end
+            # as duplicates at once instead of waiting on a slow receiver.
+            outbox.hold_dispatch()
+        execution.outbox = outbox
         try:
-            with committing:
+            with committing, effects.collecting(outbox):
                 with tracing.phase("body"):
+                    execution.body_started = True
                     result = super().__call__(*execution.args, **execution.kwargs)
                 execution.body_done = True
                 self._commit_transition(execution, steps)
+                self._write_effects(execution, steps, outbox)
                 if lease is not None:
                     self._check_owned(execution, lease)
                 self.before_commit(lease, execution.step_id)
@@ -912,6 +958,28 @@ class StepLockedTask(_TaskBase):
                 carried, execution.commit_cas = not execution.commit_cas, False
         if lease is not None and plan.db_deadline and not execution.nested and not carried:
             steps.set_deadline(lease.remaining())
+
+    def _write_effects(
+        self, execution: Execution, steps: StepStore, outbox: effects.Outbox
+    ) -> None:
+        """The effects the body declared, written in the step's transaction after its
+        last transition and before the ownership check and COMMIT (dispatched once it
+        commits): rows if and only if the fenced compare-and-swap commits. Their key's
+        fence part is the lease's token, or ``"t<task id>"`` without a lease (fail open).
+        Raises EffectsUnavailable when effects were declared but no transition applied."""
+        lease = execution.lease
+        task_id = self.request.id
+        effects.write_declared(
+            outbox,
+            steps,
+            step_id=execution.applied_step_id,
+            to=execution.applied_to,
+            fence=lease.fence if lease is not None else None,
+            tag=f"t{task_id}" if task_id else f"o{execution.owner}",
+            owner=lease.owner if lease is not None else execution.owner,
+            task_id=task_id,
+            task_name=self.name,
+        )
 
     def _check_owned(self, execution: Execution, lease: Lease) -> None:
         """The pre-commit ownership check: local validity, then one round trip to Redis."""

@@ -13,7 +13,9 @@ warnings are logged) and Django's system checks (``manage.py check``,
                             option judged): a value out of range or of the wrong type, a
                             ``lock_key`` placeholder or a ``step_id_arg`` that is no argument
                             of the task, a callable ``lock_key`` that cannot take the task's
-                            arguments, a ``transition`` its ``step_transitions`` forbid.
+                            arguments, a ``transition`` its ``step_transitions`` forbid,
+                            an ``overlap`` contradicted by the task's ``on_contended`` or
+                            ``lock_wait`` (named ``overlap``).
 ``celery_steplock.E005``    a model of ``steplock_reaper_recover`` the reaper cannot recover:
                             missing, without the status or owner column (or ``updated_at``
                             with ``steplock_reaper_older_than`` > 0), or a status that is not

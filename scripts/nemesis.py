@@ -7,6 +7,8 @@ history is checked as a whole (what `make nemesis` runs).
     make nemesis ARGS="--duration 1800 --seed 7"
     make nemesis ARGS="--duration 120 --seed 7 --unguarded"   # the negative control
     make nemesis ARGS="--duration 120 --kinds split_brain,pause"  # some kinds only
+    make nemesis ARGS="--duration 120 --seed 7 --workload outbox"          # the effects outbox
+    make nemesis ARGS="--duration 120 --seed 7 --workload outbox-in-body"  # and its control
 
 The run directory (default var/nemesis/<seed>-<guarded|unguarded>) holds the history and
 the checker's verdict.json; to add a run and its control to docs/reliability.md/.json:
@@ -18,7 +20,7 @@ Reproducible from its seed as far as the schedule goes (what the client sends an
 fires when, with which parameters), not the interleavings of the real processes. Starts its
 own PostgreSQL (or uses DATABASE_URL) and every server; stops them all by PID on exit and on
 Ctrl-C. Exit status 1 on violations or leftovers (guarded) or on no violation (--unguarded,
---guard nofence).
+--guard nofence, --workload outbox-in-body).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -82,8 +85,19 @@ def main(argv=None) -> int:
         help="nofence: the compare-and-swap without its fence condition (a negative control "
         "for the split_brain kind)",
     )
+    parser.add_argument(
+        "--workload",
+        choices=("patterns", "outbox", "outbox-in-body"),
+        default="patterns",
+        help="outbox: the client also sends steps whose bodies declare effects (an HTTP call to "
+        "a receiver on loopback, a publication), a relay runs in the controller and the "
+        "fault kinds gain receiver_down; outbox-in-body: its negative control (the body "
+        "performs them)",
+    )
     args = parser.parse_args(argv)
-    from tests.support.faults.nemesis import KINDS
+    from tests.support.faults.nemesis import kinds_of
+
+    KINDS = kinds_of(args.workload)  # noqa: N806 - the catalogue of this workload
 
     kinds = None
     if args.kinds:
@@ -94,6 +108,9 @@ def main(argv=None) -> int:
         kinds = {k: 1 for k in KINDS if k in asked}  # the catalogue's order: same seed, same plan
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     label = "unguarded" if args.unguarded else "nofence" if args.guard == "nofence" else "guarded"
+    if args.workload != "patterns":
+        label += f"-{args.workload}"
+    control = args.unguarded or args.guard == "nofence" or args.workload == "outbox-in-body"
     out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
     say(f"seed {seed}, {label}, duration {args.duration:g}s, ttl {args.ttl:g}s, out {out}")
 
@@ -124,12 +141,19 @@ def main(argv=None) -> int:
                 guard=args.guard,
                 kinds=kinds,
                 log=log,
+                workload=args.workload,
             )
             try:
                 lab.start()
                 run = lab.run()
             finally:
                 lab.stop()
+                # the workers' logs outlive the lab's temporary directory: what a violation's
+                # task did is in them
+                logs = out / "worker-logs"
+                for log_file in sorted((Path(tmp) / "lab").glob("*.log")):
+                    logs.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(log_file, logs / log_file.name)
             verdict = nemesis.check(out)
     except KeyboardInterrupt:
         say("interrupted: every server stopped")
@@ -162,6 +186,8 @@ def main(argv=None) -> int:
         "load_avg_1m_mean": round(sum(loads) / len(loads), 2) if loads else None,
         "controller_cpu_s": round(sum(os.times()[:4]) - sum(cpu_before[:4]), 1),
         "checker": verdict.get("checker"),
+        "workload": args.workload,
+        "effects": (verdict.get("counts") or {}).get("effects"),
         "out": str(out),
     }
     say("faults by kind: " + json.dumps(run["faults"]))
@@ -179,7 +205,7 @@ def main(argv=None) -> int:
     if broken:
         say(f"{len(broken)} fault(s) not healed or a replica not prepared: the run is not valid")
         return 1
-    if args.unguarded or args.guard == "nofence":
+    if control:
         if not n_violations:
             say("the negative control showed no violation: the checker proved nothing")
             return 1

@@ -70,7 +70,7 @@ def test_ls_lists_held_leases(cli, lease_store):
 
     listed = json.loads(cli("ls", "--json", "--match", "order:*").stdout)
     assert [lease["name"] for lease in listed] == ["order:1", "order:2"]
-    assert listed[0]["owner"] == first.owner and listed[0]["fence"] == str(first.fence)
+    assert listed[0]["owner"] == first.owner and listed[0]["fence"] == first.fence
     assert 0 <= listed[0]["age"] < 60 and 0 < listed[0]["ttl"] <= 60
 
     limited = cli("ls", "--limit", "1")
@@ -87,7 +87,7 @@ def test_show_prints_one_lease(cli, lease_store):
     assert fields["owner"] == lease.owner and fields["fence"] == str(lease.fence)
     assert fields["worker"] == "w1@host" and fields["key"] == "steplock:lease:{order:1}"
     as_json = json.loads(cli("show", "order:1", "--json").stdout)
-    assert as_json["owner"] == lease.owner and as_json["pid"] == "11"
+    assert as_json["owner"] == lease.owner and as_json["pid"] == 11
     missing = cli("show", "order:404")
     assert missing.returncode == 1 and "no lease named 'order:404'" in missing.stderr
 
@@ -606,3 +606,156 @@ def test_ls_and_show_survive_a_deep_meta_and_a_key_that_is_not_utf8(
     shown = cli("show", "order:deep", "--json")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["malformed"].startswith("meta: not a JSON object (")
+
+
+# -- issue 29: typed JSON, breaker ls, one reap summary, --help lists every command ------------
+
+
+def test_json_numbers_are_numbers(cli, lease_store, redis_client):
+    """``ls --json`` and ``show --json``: the integer fields are JSON numbers, the seconds
+    numbers (not strings), metadata entries strings as stored."""
+    lease = take(lease_store, "order:1", worker="w1@host", pid=11, step="shop.order:1")
+    stored = redis_client.hgetall(lease_store.key("order:1"))
+    acquired, renewed = int(stored["acquired_ms"]), int(stored["renewed_ms"])
+    [listed] = json.loads(cli("ls", "--json").stdout)
+    shown = json.loads(cli("show", "order:1", "--json").stdout)
+    for row in (listed, shown):
+        assert (row["fence"], row["pid"], "retries" in row) == (lease.fence, 11, False)
+        assert (row["acquired_ms"], row["renewed_ms"], row["ttl_ms"]) == (
+            acquired,
+            renewed,
+            60_000,
+        )
+        for key in ("fence", "pid", "acquired_ms", "renewed_ms", "ttl_ms"):
+            assert type(row[key]) is int, key
+        for key in ("ttl", "age", "renewed_ago"):
+            assert type(row[key]) is float, key
+        assert 0 < row["ttl"] <= 60.0 and 0 <= row["age"] < 60.0
+        assert (row["worker"], row["step"], row["task_id"]) == (
+            "w1@host",
+            "shop.order:1",
+            "1234abcd-task",
+        )
+
+
+def test_a_slots_limit_is_a_number(cli, lease_store):
+    take(lease_store, "slot:1", kind="slot", limit=3, limit_key="api")
+    [row] = json.loads(cli("ls", "--json").stdout)
+    assert (row["kind"], row["limit"], row["limit_key"]) == ("slot", 3, "api")
+
+
+def test_help_lists_every_command_with_one_line(cli):
+    """``celery steplock --help`` and ``breaker --help``: every command, each with its whole
+    one-line summary (none cut with "...")."""
+    from celery_steplock.cli import breaker_group, steplock
+
+    def listed(*args):
+        out = cli(*args, "--help")
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        commands = lines[lines.index("Commands:") + 1 :]
+        return {line.split(None, 1)[0]: line.split(None, 1)[1] for line in commands}
+
+    top = listed()
+    assert top == {name: cmd.short_help for name, cmd in steplock.commands.items()}
+    assert sorted(top) == ["breaker", "ls", "reap", "release", "show"]
+    assert top["breaker"] == "Circuit breakers: ls, show, open, close."
+    inner = listed("breaker")
+    assert inner == {name: cmd.short_help for name, cmd in breaker_group.commands.items()}
+    assert sorted(inner) == ["close", "ls", "open", "show"]
+    assert not any("..." in text for text in (*top.values(), *inner.values()))
+
+
+def test_breaker_ls_lists_the_tasks_and_redis_breakers(cli, app, redis_client):
+    """``breaker ls``: the breaker a task names (never used: closed, zero counts), those Redis
+    holds, a forced one, and a key that names no possible breaker, below the table."""
+    from celery_steplock.patterns.breaker import CircuitBreaker
+    from django_app.faults.patterns import BREAKER_NAME
+
+    payments = CircuitBreaker("payments", app=app, failure_threshold=2, window=4)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            payments.call(_fail)
+    CircuitBreaker("search", app=app).override("open")
+    redis_client.hset("steplock:breaker:{bad{name}", "state", "closed")
+
+    as_json = cli("breaker", "ls", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    rows = {row["name"]: row for row in json.loads(as_json.stdout)}
+    assert sorted(rows) == sorted([BREAKER_NAME, "bad{name", "payments", "search"])
+    assert rows[BREAKER_NAME] == {
+        "name": BREAKER_NAME,
+        "key": f"steplock:breaker:{{{BREAKER_NAME}}}",
+        "state": "closed",
+        "forced": False,
+        "failures": 0,
+        "calls": 0,
+        "successes": 0,
+        "probes": 0,
+        "generation": 0,
+        "opened_ago": None,
+        "malformed": "",
+    }
+    pay = rows["payments"]
+    # Opening empties the window: a new generation, its counts from zero.
+    assert (pay["state"], pay["forced"], pay["failures"], pay["calls"], pay["generation"]) == (
+        "open",
+        False,
+        0,
+        0,
+        1,
+    )
+    assert type(pay["opened_ago"]) is float and 0 <= pay["opened_ago"] < 60
+    assert (rows["search"]["state"], rows["search"]["forced"]) == ("open", True)
+    assert rows["bad{name"]["key"] == "steplock:breaker:{bad{name}"
+    assert rows["bad{name"]["malformed"].startswith("name: ")
+    assert set(rows["bad{name"]) == {"name", "key", "malformed"}
+
+    table = cli("breaker", "ls")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == [
+        "NAME",
+        "STATE",
+        "FORCED",
+        "FAILURES",
+        "CALLS",
+        "PROBES",
+        "OPENED",
+        "AGO",
+    ]
+    by_name = {line.split()[0]: line.split() for line in lines[1:5]}
+    assert by_name[BREAKER_NAME][1:] == ["closed", "no", "0", "0", "0", "-"]
+    assert by_name["payments"][1:6] == ["open", "no", "0", "0", "0"]
+    assert by_name["search"][1:3] == ["open", "yes"]
+    assert lines[5] == "4 circuit breaker(s)"
+    assert lines[6].startswith("malformed bad{name: name: ")
+
+    limited = json.loads(cli("breaker", "ls", "--json", "--limit", "1").stdout)
+    assert len(limited) == 1
+
+
+def _fail():
+    raise RuntimeError("dependency down")
+
+
+def test_breaker_ls_with_redis_down_exits_69(cli):
+    down = cli("breaker", "ls", STEPLOCK_REDIS_URL=closed_port_url())
+    assert down.returncode == 69 and "unavailable" in down.stderr
+
+
+def test_both_reap_commands_print_one_summary(cli):
+    """``celery steplock reap`` and ``manage.py reap_expired_leases``: the same lines
+    (ReapReport.human_lines), but the run's duration."""
+    import io
+
+    from django.core.management import call_command
+
+    from_cli = cli("reap", "--ping-timeout", "0.3")
+    assert from_cli.returncode == 0, from_cli.stderr
+    out = io.StringIO()
+    call_command("reap_expired_leases", "--ping-timeout", "0.3", stdout=out)
+    cli_lines, command_lines = from_cli.stdout.splitlines(), out.getvalue().splitlines()
+    assert cli_lines[:3] == ["leases scanned: 0", "leases reaped: 0", "steps recovered: 0"]
+    assert cli_lines[:-1] == command_lines[:-1]
+    assert cli_lines[-1].startswith("duration: ") and command_lines[-1].startswith("duration: ")

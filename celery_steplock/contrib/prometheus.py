@@ -37,7 +37,24 @@ signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metr
                                                                            over live processes)
 ``steplock_rate_limit_decisions_total{task, limit, decision}``  counter    cluster-wide rate-limit decisions (allowed,
                                                                            limited)
+``steplock_effects_total{kind, result}``                        counter    effects outbox dispatches: ``dispatched``,
+                                                                           ``retry``, ``dead`` (the ``effect_*``
+                                                                           signals; ``kind``: task, http, email, call)
+``steplock_overlap_total{task, policy, decision}``              counter    periodic sends the overlap guard skipped
+                                                                           or queued as the one follower
+                                                                           (``skipped``, ``coalesced``)
+``steplock_effects_pending``                                    gauge      effects waiting in the outbox (status
+                                                                           pending), read at scrape
+``steplock_effects_oldest_pending_seconds``                     gauge      age of the oldest of them (0 when none),
+                                                                           read at scrape
 ==============================================================  =========  ============================================
+
+The two outbox gauges are read from the database at each scrape
+(:func:`celery_steplock.contrib.django.outbox.pending_stats`: one indexed query per database
+with the table), only when Django is set up with ``celery_steplock.contrib.django`` installed
+(otherwise they are absent); a database error leaves them out of that scrape (a WARNING line
+``metrics_effects_unavailable``), never fails it. A connection the scrape opened is closed
+after it (the exporter's threads are not Django's request cycle).
 
 Prefork (and any multi-process setup): set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
 directory, writable by the worker, in the worker's environment before it starts (before
@@ -61,8 +78,9 @@ from typing import Any
 from celery.signals import worker_process_shutdown, worker_ready
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client import start_http_server as _start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
-from .. import signals
+from .. import _django, signals
 from ..events import log_event
 
 __all__ = [
@@ -73,7 +91,9 @@ __all__ = [
     "multiprocess_dir",
     "Metrics",
     "MultiProcessCollector",
+    "OutboxCollector",
     "OUTCOMES",
+    "EFFECT_RESULTS",
 ]
 
 #: The outcome each signal stands for (``steplock_outcomes_total``).
@@ -90,6 +110,13 @@ OUTCOMES = {
     "idempotency_failed": "idempotency_failed",
     "concurrency_limited": "concurrency_limited",
     "slot_expired": "slot_expired",
+}
+
+#: The result each effects outbox signal stands for (``steplock_effects_total``).
+EFFECT_RESULTS = {
+    "effect_dispatched": "dispatched",
+    "effect_retry": "retry",
+    "effect_dead": "dead",
 }
 
 WAIT_BUCKETS = (
@@ -124,6 +151,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "steplock"):
         self.registry = REGISTRY if registry is None else registry
+        self.prefix = prefix
 
         def metric(kind: Any, name: str, doc: str, labels: list[str], **options: Any) -> Any:
             return kind(f"{prefix}_{name}", doc, labels, registry=self.registry, **options)
@@ -207,6 +235,22 @@ class Metrics:
             "Cluster-wide rate-limit decisions, by task, limit and decision (allowed, limited)",
             ["task", "limit", "decision"],
         )
+        self.effects = metric(
+            Counter,
+            "effects",
+            "Effects outbox dispatches, by kind and result (dispatched, retry, dead)",
+            ["kind", "result"],
+        )
+        self.overlap = metric(
+            Counter,
+            "overlap",
+            "Sends the overlap guard skipped or queued as the one follower, by task, policy "
+            "and decision (skipped, coalesced)",
+            ["task", "policy", "decision"],
+        )
+        # Read at scrape from the database (single-process mode: here; multi-process mode:
+        # on the registry scrape_registry() builds).
+        self.registry.register(OutboxCollector(prefix))
         # (key, owner) of the leases this process holds: a lease lost and then released (or
         # another process's lease released by an operator) is never counted twice.
         self._holding: dict[tuple[str, str], str] = {}
@@ -253,6 +297,10 @@ class Metrics:
             self.circuit_rejected.labels(fields.get("name") or "").inc()
         elif event == "retry_policy_decided":
             self.retry_decisions.labels(task, fields.get("decision") or "").inc()
+        elif event in ("overlap_skipped", "overlap_coalesced"):
+            self.overlap.labels(task, str(fields.get("policy") or ""), event[8:]).inc()
+        elif event in EFFECT_RESULTS:
+            self.effects.labels(str(fields.get("kind") or ""), EFFECT_RESULTS[event]).inc()
         if event == "lock_acquired":
             self._held(fields, task, add=True)
         elif event in ("lock_released", "lock_lost"):
@@ -386,15 +434,92 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
         return self.merge(files, accumulate=True)
 
 
+class OutboxCollector:
+    """The effects outbox's depth and age, read from the database at each scrape.
+
+    ``<prefix>_effects_pending`` (effects with status pending, every database with the
+    table) and ``<prefix>_effects_oldest_pending_seconds`` (the oldest one's age, 0 when
+    none), from :func:`celery_steplock.contrib.django.outbox.pending_stats`. Nothing (the
+    gauges absent) without Django set up and ``celery_steplock.contrib.django`` installed,
+    or when the database fails (one WARNING line ``metrics_effects_unavailable``): a scrape
+    never fails for them. A database connection the scrape opened in this thread is closed
+    afterwards.
+
+    Args:
+        prefix: The metric names' prefix (``"steplock"``).
+    """
+
+    def __init__(self, prefix: str = "steplock"):
+        self.prefix = prefix
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                f"{self.prefix}_effects_pending",
+                "Effects waiting in the outbox (status pending), read at scrape",
+            ),
+            GaugeMetricFamily(
+                f"{self.prefix}_effects_oldest_pending_seconds",
+                "Age of the oldest pending effect in the outbox, seconds (0 when none)",
+            ),
+        )
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        """The families without samples (registration reads no database)."""
+        return list(self._families())
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        """The two gauges, or none (see the class docstring)."""
+        if not _django.installed():
+            return []
+        try:
+            with _closing_new_connections():
+                count, oldest = _django.contrib("outbox").pending_stats()
+        except Exception as exc:  # noqa: BLE001 - a scrape never fails for the outbox
+            log_event("metrics_effects_unavailable", logging.WARNING, error=exc)
+            return []
+        pending, age = self._families()
+        pending.add_metric([], float(count))
+        age.add_metric([], float(oldest or 0.0))
+        return [pending, age]
+
+
+class _closing_new_connections:
+    """Close, on exit, the Django database connections this thread opened inside the block
+    (an exporter thread's; a connection open before it, a request's, is left alone)."""
+
+    def __enter__(self) -> None:
+        from django.db import connections
+
+        self.opened_before = {
+            alias for alias in connections if connections[alias].connection is not None
+        }
+
+    def __exit__(self, *exc_info: Any) -> None:
+        from django.db import connections
+
+        for alias in connections:
+            connection = connections[alias]
+            if (
+                alias not in self.opened_before
+                and connection.connection is not None
+                and not connection.in_atomic_block
+            ):
+                connection.close()
+
+
 def scrape_registry() -> CollectorRegistry:
     """The registry to expose: in multi-process mode a new one that aggregates every
-    process's files, else ``prometheus_client.REGISTRY`` (or the ``registry`` given to
+    process's files (and reads the effects outbox's gauges, :class:`OutboxCollector`, once
+    :func:`install` ran), else ``prometheus_client.REGISTRY`` (or the ``registry`` given to
     :func:`install`)."""
     path = multiprocess_dir()
     if path is None:
         return _installed.registry if _installed is not None else REGISTRY
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
+    if _installed is not None:
+        registry.register(OutboxCollector(_installed.prefix))
     return registry
 
 

@@ -15,7 +15,7 @@ from celery import shared_task
 from django.db import transaction
 from django.db.models import F
 
-from celery_steplock import StepLockedTask
+from celery_steplock import StepLockedTask, effects
 from celery_steplock.lock import get_lease_store
 from celery_steplock.exceptions import LockLost
 from celery_steplock.contrib.django.steps import DjangoStepStore
@@ -192,3 +192,36 @@ def claim_and_hold(self, step_id, seconds):
                 fence=lease.fence,
             )
     return {"step_id": step_id, "owner": lease.owner, "fence": lease.fence, "pid": os.getpid()}
+
+
+@effects.register("workflows.effect_seen")
+def effect_seen(*args, idempotency_key, **kwargs):
+    """A registered effect callable (``effects.call``): records the key it was called with
+    in Redis, so a test sees the dispatch and its key."""
+    from celery import current_app
+
+    get_lease_store(current_app).client.rpush("tests:effects-seen", idempotency_key)
+
+
+@shared_task(transition=("pending", "done"), **STEP_TASK)
+def declare_effects(self, step_id, count=2, fail=False, lose_lease=False):
+    """``pending -> done`` declaring ``count`` effects (a published task and registered
+    calls) in its body: they are written with the transition, or not at all. ``fail``
+    raises after declaring; ``lose_lease`` deletes the lease's key, so the ownership check
+    before COMMIT finds it gone."""
+    for position in range(count):
+        if position % 2:
+            effects.call("workflows.effect_seen", step_id, position=position)
+        else:
+            effects.publish("workflows.tasks.noop_effect", args=[step_id, position])
+    if lose_lease:
+        get_lease_store(self.app).client.delete(self.lease.key)
+    if fail:
+        raise RuntimeError("the body failed after declaring its effects")
+    return {"step_id": step_id, "fence": self.lease.fence}
+
+
+@shared_task(name="workflows.tasks.noop_effect")
+def noop_effect(step_id, position):
+    """The task ``declare_effects`` publishes (does nothing)."""
+    return [step_id, position]

@@ -292,7 +292,10 @@ class LeaseEventAudit(ReleaseAudit):
     inside a caller's transaction, where a commit would not be one). :meth:`finished`
     writes the outcome to that row and runs ``after(record)``, in a transaction of its own;
     a refusal found before any request gets a row of its own (and no ``after``). ``using``: the
-    database alias (default: the router's for LeaseEvent).
+    database alias (default: the router's for LeaseEvent). ``event``: the rows' event (default
+    ``"force_release"``; the effects outbox's operator actions,
+    :func:`celery_steplock.contrib.django.outbox.retry_effects` and ``discard_effects``, are
+    audited through these same steps as ``"effect_retried"`` / ``"effect_discarded"``).
     """
 
     def __init__(
@@ -301,10 +304,12 @@ class LeaseEventAudit(ReleaseAudit):
         using: str | None = None,
         also: Callable[[Any], Any] | None = None,
         after: Callable[[Any], Any] | None = None,
+        event: str = "force_release",
     ) -> None:
         self.using = using
         self.also = also
         self.after = after
+        self.event = event
 
     def _alias(self) -> str:
         from .models import LeaseEvent
@@ -318,7 +323,7 @@ class LeaseEventAudit(ReleaseAudit):
         if record.detail:
             reason = f"{reason}; {record.detail}" if reason else record.detail
         return LeaseEvent(
-            event="force_release",
+            event=self.event,
             key=_text(record.key, 576),
             name=_text(record.name, 512),
             owner=_text(record.owner, 64),

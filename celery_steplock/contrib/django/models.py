@@ -12,6 +12,12 @@
     "database"``; :mod:`celery_steplock.contrib.django.idempotency`): the truth, with Redis
     as a cache of its completed rows.
 
+``Effect``
+    One side effect declared by a step's body (or a guarded step) in the transaction of its
+    fenced compare-and-swap: the effects outbox (:mod:`celery_steplock.effects`,
+    :mod:`celery_steplock.contrib.django.outbox`). The row exists if and only if the
+    transition committed; the relay dispatches it after COMMIT with its deterministic key.
+
 ``LeaseEvent``
     One row per lease or transition event, written only when the setting
     ``steplock_event_log`` (Django: ``CELERY_STEPLOCK_EVENT_LOG = True``) is on; see
@@ -30,8 +36,9 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from ...keys import MAX_NAME_LENGTH
+from ...redact import redact
 
-__all__ = ["Lease", "LeaseEvent", "IdempotencyRecord", "CircuitBreakerState"]
+__all__ = ["Lease", "LeaseEvent", "IdempotencyRecord", "CircuitBreakerState", "Effect"]
 
 
 def _ms_to_datetime(value: Any) -> dt.datetime | None:
@@ -174,6 +181,8 @@ class LeaseEvent(models.Model):
         "transition_applied",
         "transition_conflict",
         "force_release",
+        "effect_retried",
+        "effect_discarded",
     )
 
     event = models.CharField(_("event"), max_length=32, choices=[(e, e) for e in EVENTS])
@@ -270,3 +279,63 @@ class CircuitBreakerState(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class Effect(models.Model):
+    """One declared side effect of a committed step transition (the effects outbox).
+
+    Written in the step's database, in the transaction of the fenced compare-and-swap that
+    declared it, so it exists if and only if that transition committed (a refused CAS, a lost
+    lease, a duplicate delivery or a rollback leaves none). The relay
+    (:mod:`celery_steplock.contrib.django.outbox`) dispatches it after COMMIT.
+
+    ``key`` the deterministic key given to the receiver (step, fencing token, position:
+    ``<step>:<fence>:<to>:<position>``, ``to`` the status
+    the transition wrote); ``kind`` ``task`` / ``http`` / ``email`` / ``call``;
+    ``target`` the task name, URL, recipients or registered callable name; ``payload`` the
+    JSON of its arguments; ``status`` ``pending`` (waiting for dispatch, or for its next
+    attempt at ``next_attempt_at``), ``dispatched`` (the receiver accepted it; ``outcome``
+    says what it answered), ``dead`` (retries exhausted or a permanent refusal; an operator
+    may retry or discard it) or ``discarded`` (an operator's decision, audited);
+    ``attempts`` dispatch attempts made; ``claimed_by`` the relay holding the attempt now.
+    """
+
+    KINDS = ("task", "http", "email", "call")
+    STATUSES = ("pending", "dispatched", "dead", "discarded")
+
+    key = models.CharField(_("effect key"), max_length=255, unique=True)
+    step = models.CharField(_("step"), max_length=255)
+    fence = models.BigIntegerField(_("fencing token"), null=True, blank=True)
+    position = models.PositiveIntegerField(_("position"))
+    kind = models.CharField(_("kind"), max_length=16, choices=[(k, k) for k in KINDS])
+    target = models.CharField(_("target"), max_length=1024)
+    payload = models.JSONField(_("payload"), default=dict, blank=True)
+    status = models.CharField(
+        _("status"),
+        max_length=16,
+        choices=[(s, s) for s in STATUSES],
+        default="pending",
+    )
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    max_attempts = models.PositiveIntegerField(_("max attempts"), default=10)
+    next_attempt_at = models.DateTimeField(_("next attempt"), default=timezone.now)
+    claimed_by = models.CharField(_("claimed by"), max_length=64, blank=True)
+    task_id = models.CharField(_("declared by task"), max_length=255, blank=True)
+    task_name = models.CharField(_("declared by"), max_length=255, blank=True)
+    owner = models.CharField(_("owner token"), max_length=64, blank=True)
+    outcome = models.TextField(_("outcome"), blank=True)
+    last_error = models.TextField(_("last error"), blank=True)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    dispatched_at = models.DateTimeField(_("dispatched"), null=True, blank=True)
+
+    class Meta:
+        ordering = ("-created_at", "-id")
+        indexes = [
+            models.Index(fields=["status", "next_attempt_at"], name="steplock_effect_due"),
+        ]
+        permissions = [("replay_effect", "Can retry or discard an effect of the outbox")]
+        verbose_name = _("effect")
+        verbose_name_plural = _("effects outbox")
+
+    def __str__(self) -> str:
+        return f"{self.kind} {redact(self.target)} ({self.status})"

@@ -74,7 +74,7 @@ from django.db import (
 from django.db.models import Model, Q
 from django.utils import timezone
 
-from ... import signals, tracing
+from ... import effects, signals, tracing
 from ..._checks import (
     MAX_WAIT,
     MIN_RENEWAL_INTERVAL,
@@ -602,6 +602,69 @@ class DjangoStepStore:
     def on_commit(self, func: Callable[[], None]) -> None:
         transaction.on_commit(func, using=self.using)
 
+    # -- the effects outbox ------------------------------------------------------------
+
+    def write_effects(
+        self,
+        declared: list[Any],
+        *,
+        step: str,
+        fence: int | None,
+        key_base: str,
+        owner: str,
+        task_id: str,
+        task_name: str,
+    ) -> list[int]:
+        """Write declared effects (:class:`celery_steplock.effects.Declared`) as rows of the
+        outbox on :attr:`using`, inside the step's transaction (one ``bulk_create``; the
+        key of each is ``f"{key_base}:{position}"``). Returns their ids.
+        :func:`celery_steplock.contrib.django.outbox.write` does it."""
+        from . import outbox
+
+        ids: list[int] = outbox.write(
+            self.using,
+            declared,
+            step=step,
+            fence=fence,
+            key_base=key_base,
+            owner=owner,
+            task_id=task_id,
+            task_name=task_name,
+            max_attempts=None,
+        )
+        return ids
+
+    def effect_scope(self) -> Callable[[], bool] | None:
+        """Called at each effect declaration (:class:`celery_steplock.effects.Outbox`):
+        a callable telling, when the effects are written, whether the savepoints open at
+        the declaration still stand; None outside a transaction on :attr:`using` (an async
+        block's own thread among them: nothing to roll back there).
+
+        It rides Django's own bookkeeping: a no-op ``on_commit`` marker registered now is
+        dropped by Django when a savepoint around it rolls back (as the block's other
+        on-commit callbacks are), so "the marker is still queued" is "the work around the
+        declaration still stands"."""
+        connection = transaction.get_connection(self.using)
+        if not connection.in_atomic_block:
+            return None
+
+        def marker() -> None:  # runs (doing nothing) at COMMIT
+            return None
+
+        connection.on_commit(marker)
+        return lambda: any(entry[1] is marker for entry in connection.run_on_commit)
+
+    def dispatch_effects(self, ids: list[int]) -> None:
+        """Send the effects of rows ``ids`` at once (called on commit of the transaction
+        that wrote them); never raises: what is not sent stays pending for the relay
+        (:func:`celery_steplock.contrib.django.outbox.dispatch`)."""
+        try:
+            from . import outbox
+
+            outbox.dispatch(self.using, ids)
+        except Exception:  # noqa: BLE001 - the rows stay pending: the relay sends them
+            pass
+
     def savepoint(self):
         """``transaction.atomic()`` on :attr:`using`, nested in the caller's transaction (a
         savepoint): what an eager execution inside the caller's block runs in."""
@@ -672,6 +735,18 @@ class DjangoStepStore:
         if code in TRANSIENT_CONFLICT_CODES or code in LOCK_TIMEOUT_CODES:
             return False
         return isinstance(exc, (OperationalError, InterfaceError))
+
+    def close_if_unusable(self) -> None:
+        """Close :attr:`using`'s connection when it broke (outside a transaction only: a
+        caller's is the caller's), so that what runs next in this thread (an eager retry,
+        the next task of a thread pool) opens a fresh one; Django otherwise does it at the
+        end of a request or task. Never raises."""
+        try:
+            connection = connections[self.using]
+            if not connection.in_atomic_block:
+                connection.close_if_unusable_or_obsolete()
+        except Exception:  # noqa: BLE001 - a broken connection may refuse even its close
+            pass
 
 
 #: Codes of :meth:`DjangoStepStore.is_lock_timeout`: PostgreSQL's SQLSTATE, MySQL's errno.
@@ -918,6 +993,10 @@ class GuardedStep:
         wait: Seconds to wait for a busy lease.
         lease: The lease while held (None before and after).
         results: The transitions applied in the block.
+        outbox: The effects declared in the block (:mod:`celery_steplock.effects`; None
+            before it): written after its transitions, before the ownership check and
+            COMMIT, sent once it commits; an exception, a conflict or a lost lease leaves
+            none.
     """
 
     def __init__(
@@ -945,6 +1024,8 @@ class GuardedStep:
         self.wait = wait
         self.lease: Any = None
         self.results: list[TransitionResult] = []
+        self.outbox: effects.Outbox | None = None
+        self._collecting: Any = None
         self._committing: Any = None
         self._deadline_set = False
         self._used = False
@@ -998,6 +1079,7 @@ class GuardedStep:
         except BaseException:
             self._end()
             raise
+        self._collect()
         return self
 
     def _first_use(self) -> None:
@@ -1030,6 +1112,42 @@ class GuardedStep:
         committing.__enter__()
         self._committing = committing
 
+    def _collect(self) -> None:
+        """Make the block's outbox the current one, in the block's own context (the
+        caller's: an async block's hops run in a copy of it)."""
+        self.outbox = effects.Outbox(scope=getattr(self.steps, "effect_scope", None))
+        if not isinstance(self, AsyncGuardedStep):
+            # The sync block sends its effects after its release (__exit__); the async one
+            # at COMMIT, on the block's thread (its connections are closed at the release).
+            self.outbox.hold_dispatch()
+        collecting = effects.collecting(self.outbox)
+        collecting.__enter__()
+        self._collecting = collecting
+
+    def _uncollect(self) -> None:
+        collecting, self._collecting = self._collecting, None
+        if collecting is not None:
+            collecting.__exit__(None, None, None)
+
+    def _write_effects(self) -> None:
+        """Inside the transaction, after the block's transitions, before the ownership
+        check: the block's effects written, dispatched on commit
+        (:func:`celery_steplock.effects.write_declared`)."""
+        lease, last = self.lease, (self.results[-1] if self.results else None)
+        if self.outbox is None:
+            return
+        effects.write_declared(
+            self.outbox,
+            self.steps,
+            step_id=self.step_id,
+            to=last.to if last is not None else None,
+            fence=lease.fence,
+            tag="",
+            owner=lease.owner,
+            task_id=None,
+            task_name=self.actor,
+        )
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -1037,11 +1155,13 @@ class GuardedStep:
         tb: Any,
     ) -> Literal[False]:
         committing, self._committing = self._committing, None
+        self._uncollect()
         try:
             if exc_type is not None:
                 committing.__exit__(exc_type, exc, tb)  # ROLLBACK
                 return False
             try:
+                self._write_effects()
                 self._check_owned()
             except BaseException as error:
                 committing.__exit__(type(error), error, error.__traceback__)
@@ -1050,6 +1170,8 @@ class GuardedStep:
             return False
         finally:
             self._end()
+            if self.outbox is not None:
+                self.outbox.release_dispatch()  # sent once the lease is released
 
     def status(self) -> str:
         """The step's status now, read in the block's transaction. Raises StepNotFound."""
@@ -1506,6 +1628,7 @@ class AsyncGuardedStep(GuardedStep):
         except BaseException:
             await self._aend()
             raise
+        self._collect()
         return self
 
     async def __aexit__(
@@ -1515,11 +1638,13 @@ class AsyncGuardedStep(GuardedStep):
         tb: Any,
     ) -> Literal[False]:
         committing, self._committing = self._committing, None
+        self._uncollect()
         try:
             if exc_type is not None:
                 await self._hop(committing.__exit__, exc_type, exc, tb)  # ROLLBACK
                 return False
             try:
+                await self._hop(self._write_effects)
                 lease = await self._hop(self._before_owned)
                 try:
                     left = await self._astore.owned(lease.name, lease.owner)

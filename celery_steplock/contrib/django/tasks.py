@@ -1,4 +1,6 @@
-"""The reaper as a Celery task, for celery beat.
+"""The reaper and the effects relay as Celery tasks, for celery beat.
+
+``celery_steplock.relay_effects`` sends the outbox's due effects (:func:`relay_effects`).
 
 ``celery_steplock.reap_expired_leases`` runs :func:`celery_steplock.reaper.reap` and returns its
 report as a dict (``ReapReport.as_dict()``). Celery's ``autodiscover_tasks()`` finds this
@@ -39,11 +41,13 @@ def reap_expired_leases(
     older_than: float | None = None,
     ping_timeout: float = DEFAULT_PING_TIMEOUT,
     check_pids: bool = True,
+    effects: bool = True,
 ) -> dict:
-    """Reap dead owners' leases and recover their steps; returns the report dict.
+    """Reap dead owners' leases, recover their steps and relay the effects they left behind;
+    returns the report dict.
 
     Arguments as :func:`celery_steplock.reaper.reap` (seconds for ``older_than`` and
-    ``ping_timeout``). Errors are in the returned dict (``errors``, ``ok``) and logged at
+    ``ping_timeout``; ``effects=False`` leaves the outbox to ``celery_steplock.relay_effects``). Errors are in the returned dict (``errors``, ``ok``) and logged at
     ERROR; the task itself succeeds so that beat's next run simply tries again.
     """
     report = reap(
@@ -53,7 +57,30 @@ def reap_expired_leases(
         older_than=older_than,
         ping_timeout=ping_timeout,
         check_pids=check_pids,
+        effects=effects,
     )
     for message in report.errors:
         log_event("reaper_error", logging.ERROR, task_id=self.request.id, error=message)
     return report.as_dict()
+
+
+@shared_task(bind=True, name="celery_steplock.relay_effects", ignore_result=False)
+def relay_effects(self, using: str | None = None, limit: int = 500) -> dict:
+    """Send the effects of the outbox that are due; returns the report dict.
+
+    :func:`celery_steplock.contrib.django.outbox.relay` (``using``: one database alias, None:
+    every database with the ``Effect`` table; ``limit``: rows claimed per database and run),
+    its :class:`~celery_steplock.contrib.django.outbox.RelayReport` as a dict. A beat
+    schedule::
+
+        "steplock-relay-effects": {
+            "task": "celery_steplock.relay_effects",
+            "schedule": 10.0,                 # seconds; at most steplock_effect_relay_delay
+            "options": {"expires": 9},
+        },
+
+    Two runs at once are harmless: each row is claimed by one relay (a compare-and-swap).
+    """
+    from .outbox import relay
+
+    return relay(using=using, limit=limit, app=self.app).as_dict()

@@ -286,3 +286,151 @@ def check(
         if committed and refused - committed:
             verdict.stale_rejected += 1
     return verdict
+
+
+# -- the effects outbox -------------------------------------------------------------------------
+#
+# The claim under test (issue 28): a committed transition's declared effects are written in its
+# transaction, dispatched after COMMIT (on commit, or by the relay for a process that died
+# first) and applied exactly once by an idempotent receiver; an attempt whose CAS was refused
+# leaves no effect. An effect's identity for the business is (step, to, position): the same
+# effect of the same transition, whatever attempt sent it. Its key is the receiver's dedupe.
+
+
+@dataclass
+class EffectRow:
+    """One row of the outbox (``Effect``) after the run: ``step`` the Step id it belongs to
+    (the workload puts it in the payload), ``fence`` and ``to`` those of the transition that
+    wrote it, ``position`` its index among that transition's effects, ``status`` pending /
+    dispatched / dead / discarded, ``attempts`` dispatch attempts."""
+
+    key: str
+    step: int
+    fence: int | None
+    to: str
+    position: int
+    status: str
+    attempts: int = 0
+
+
+@dataclass
+class Applied:
+    """What a receiver did with one key: ``receipts`` deliveries seen (>= 1), ``applied``
+    times it applied the effect (1 for an idempotent receiver); ``step``, ``fence``, ``to``,
+    ``position`` the sender's description (its body, or the receiving task's arguments)."""
+
+    key: str
+    step: int
+    fence: int | None
+    to: str
+    position: int
+    receipts: int = 1
+    applied: int = 1
+
+
+@dataclass
+class EffectVerdict:
+    commits: int = 0  # committed transitions that declare effects
+    expected: int = 0  # effects they declared
+    rows: int = 0
+    dispatched: int = 0
+    pending: int = 0
+    dead: int = 0
+    keys_received: int = 0
+    receipts: int = 0  # deliveries, redeliveries included
+    applied: int = 0
+    redelivered: int = 0  # keys received more than once (and applied once)
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def check_effects(
+    records: list[Record],
+    rows: list[EffectRow],
+    applied: list[Applied],
+    declares: dict[str, int],
+    outbox: bool = True,
+) -> EffectVerdict:
+    """The effects of a run. ``records`` the committed transitions, ``rows`` the outbox after
+    the relay's period, ``applied`` what the receivers saw (one entry per key, every receiver
+    together), ``declares`` maps a transition's ``to`` status -> the number of effects its body
+    declares (a status not in it declares none). ``outbox=False`` (the negative control: the
+    body performs its effects itself) judges the receivers only.
+
+    Violations: a committed transition whose rows are not exactly its declared effects; a row
+    of a (step, fence, to) that never committed (an effect of an attempt whose CAS was
+    refused); a row not ``dispatched`` (left pending, or dead); a dispatched row no receiver
+    got; a key applied more than once; a key received whose transition never committed; an
+    effect of a committed transition applied under two keys or more (twice for the business)
+    or never."""
+    verdict = EffectVerdict()
+    problems = verdict.violations
+    commits = {
+        (r.step, r.fence, r.to_status): declares[r.to_status]
+        for r in records
+        if declares.get(r.to_status)
+    }
+    verdict.commits = len(commits)
+    verdict.expected = sum(commits.values())
+    verdict.rows = len(rows)
+    by_commit: dict[tuple, list[EffectRow]] = {}
+    for row in rows:
+        by_commit.setdefault((row.step, row.fence, row.to), []).append(row)
+    verdict.dispatched = sum(1 for r in rows if r.status == "dispatched")
+    verdict.pending = sum(1 for r in rows if r.status == "pending")
+    verdict.dead = sum(1 for r in rows if r.status == "dead")
+    got = {a.key: a for a in applied}
+    verdict.keys_received = len(got)
+    verdict.receipts = sum(a.receipts for a in applied)
+    verdict.applied = sum(a.applied for a in applied)
+    verdict.redelivered = sum(1 for a in applied if a.receipts > 1)
+    if outbox:
+        for (step, fence, to), n in sorted(commits.items(), key=lambda kv: str(kv[0])):
+            positions = sorted(r.position for r in by_commit.get((step, fence, to), []))
+            if positions != list(range(n)):
+                problems.append(
+                    f"step {step}: -> {to!r} (fence {fence}) committed with effect rows at "
+                    f"positions {positions}, {n} declared"
+                )
+        for row in sorted(rows, key=lambda r: r.key):
+            if (row.step, row.fence, row.to) not in commits:
+                problems.append(
+                    f"step {row.step}: effect {row.key} written for fence {row.fence} -> "
+                    f"{row.to!r}, a transition that never committed"
+                )
+            if row.status != "dispatched":
+                problems.append(
+                    f"step {row.step}: effect {row.key} left {row.status} after the relay's "
+                    f"period ({row.attempts} attempts)"
+                )
+            elif row.key not in got:
+                problems.append(f"step {row.step}: effect {row.key} dispatched, never received")
+    business: dict[tuple, list[Applied]] = {}
+    for a in sorted(applied, key=lambda a: a.key):
+        if a.applied > 1:
+            problems.append(f"step {a.step}: key {a.key} applied {a.applied} times")
+        if (a.step, a.fence, a.to) not in commits:
+            problems.append(
+                f"step {a.step}: effect {a.key} of an attempt whose transition never committed "
+                f"(fence {a.fence} -> {a.to!r}) received"
+            )
+        business.setdefault((a.step, a.to, a.position), []).append(a)
+    for (step, _fence, to), n in sorted(commits.items(), key=lambda kv: str(kv[0])):
+        for position in range(n):
+            mine = business.get((step, to, position), [])
+            times = sum(a.applied for a in mine)
+            if times == 0:
+                problems.append(f"step {step}: effect {position} of -> {to!r} never applied")
+            elif times > 1:
+                keys = ", ".join(a.key for a in mine)
+                problems.append(
+                    f"step {step}: effect {position} of -> {to!r} applied {times} times "
+                    f"(keys {keys})"
+                )
+    return verdict

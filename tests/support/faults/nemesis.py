@@ -67,6 +67,7 @@ KINDS = {
     "split_brain": 2,
 }
 LASTING = {
+    "receiver_down",
     "pause",
     "redis_latency",
     "redis_blackhole",
@@ -91,18 +92,40 @@ ACTIONS = {
     "stage_reset": 3,
 }
 
+#: The effects outbox's workloads (``workload="outbox"``, its negative control
+#: ``"outbox-in-body"``): one more client action and one more fault kind, added to the
+#: catalogue only then, so the default plans of a seed do not change.
+WORKLOADS = ("patterns", "outbox", "outbox-in-body")
+OUTBOX_ACTIONS = {"outbox": 4}
+OUTBOX_KINDS = {"receiver_down": 2}
+EFFECTS = "django_app.faults.effects"
+
+
+def actions_of(workload: str = "patterns") -> dict:
+    """The client actions (name -> weight) of ``workload`` (one of :data:`WORKLOADS`)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    return {**ACTIONS, **OUTBOX_ACTIONS} if workload != "patterns" else dict(ACTIONS)
+
+
+def kinds_of(workload: str = "patterns") -> dict:
+    """The fault kinds (name -> weight) of ``workload``."""
+    return {**KINDS, **OUTBOX_KINDS} if workload != "patterns" else dict(KINDS)
+
 
 # -- the plan (pure functions of the seed) ------------------------------------------------------
 
 
-def plan_client(rng: random.Random, duration: float, mean_gap: float = 0.6) -> list[dict]:
+def plan_client(
+    rng: random.Random, duration: float, mean_gap: float = 0.6, actions: dict | None = None
+) -> list[dict]:
     """What the client does when: ``{"at": seconds from the start, "action", ...}``, sorted
     by ``at``. Each ``step`` action creates a step (``n``: its index in the run) and sends its
     tasks; ``resume`` re-sends ``forward`` to step ``n`` if it is then idle and not terminal;
     ``dep_burst`` makes the breaker's fake dependency fail for ``seconds``. A breaker step is
     called again (``task``) a few times while it is not done: its calls fail in a burst."""
     plan = []
-    names, weights = zip(*ACTIONS.items())
+    names, weights = zip(*(actions or ACTIONS).items())
     at, n = 0.5, 0
     while at < duration:
         action = rng.choices(names, weights)[0]
@@ -186,7 +209,14 @@ def plan_faults(
     return plan
 
 
-def plan(seed: int, duration: float, ttl: float, kinds: dict | None = None, **gaps) -> dict:
+def plan(
+    seed: int,
+    duration: float,
+    ttl: float,
+    kinds: dict | None = None,
+    actions: dict | None = None,
+    **gaps,
+) -> dict:
     """The whole schedule of a run: ``{"client": [...], "faults": [...]}``, the same for the
     same arguments; on one seed, the schedule of a shorter ``duration`` is the part of a
     longer one's before that time."""
@@ -194,7 +224,7 @@ def plan(seed: int, duration: float, ttl: float, kinds: dict | None = None, **ga
     # One stream each, drawn from the seed's: a shorter run's schedule is a prefix of a
     # longer one's on the same seed (the client's draws do not shift the nemesis's).
     client_rng, fault_rng = random.Random(rng.getrandbits(64)), random.Random(rng.getrandbits(64))
-    client = plan_client(client_rng, duration, gaps.get("client_gap", 0.6))
+    client = plan_client(client_rng, duration, gaps.get("client_gap", 0.6), actions)
     faults = plan_faults(fault_rng, duration, ttl, gaps.get("fault_gap", 3.0), kinds)
     return {"client": client, "faults": faults}
 
@@ -235,6 +265,7 @@ class NemesisLab(Lab):
         fault_gap: float = 3.0,
         restart_delay: float = 1.0,
         log=print,
+        workload: str = "patterns",
     ):
         super().__init__(
             workdir,
@@ -250,12 +281,24 @@ class NemesisLab(Lab):
         self.duration = float(duration)
         self.out = Path(out)
         self.spec = {name: (pool, concurrency) for name, pool, concurrency in workers}
-        self.kinds = dict(kinds or KINDS)
+        self.workload = workload
+        self.actions = actions_of(workload)
+        self.kinds = dict(kinds or kinds_of(workload))
         self.restart_delay = restart_delay
         self.client_gap, self.fault_gap = client_gap, fault_gap
         self.schedule = plan(
-            seed, self.duration, ttl, self.kinds, client_gap=client_gap, fault_gap=fault_gap
+            seed,
+            self.duration,
+            ttl,
+            self.kinds,
+            self.actions if workload != "patterns" else None,
+            client_gap=client_gap,
+            fault_gap=fault_gap,
         )
+        # the outbox workloads: step -> its sink step, the HTTP receiver, the relay
+        self.sinks: dict[int, int] = {}
+        self.receiver = None
+        self.relay = None
         self.steps: list[int] = []
         self.faults: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
@@ -487,6 +530,12 @@ class NemesisLab(Lab):
         """Apply one planned fault; returns its history entry, or None when it had no target
         (no child alive, no replica ready yet): counted in ``skipped``."""
         kind, target, seconds = fault["kind"], fault["target"], fault["seconds"]
+        if kind == "receiver_down":
+            if self.receiver is None:
+                return None
+            self.receiver.stop()
+            receiver = self.receiver
+            return self._last(kind, kind, seconds, lambda: receiver.start() and None)
         if kind == "kill_child":
             pids = self.prefork_children()
             if not pids:
@@ -623,6 +672,10 @@ class NemesisLab(Lab):
             status = self.statuses([step]).get(step)
             if status in TERMINAL or self.step_leased(step):
                 return
+            if step in self.sinks:
+                self.note("resume", step=step, task=self.effect_task)
+                self.send_effect(step)
+                return
             task = item.get("task", "forward")
             if status == "running":
                 task = "reset"  # a stage left behind: back to pending first (the reaper's job)
@@ -663,12 +716,30 @@ class NemesisLab(Lab):
             self.send("start", step, kwargs=work)
             time.sleep(item["gap"])
             self.send("reset", step, kwargs=work)
+        elif kind == "outbox":
+            # a step whose body declares an HTTP call and a publication (its sink), sent
+            # twice with one task id (a duplicate delivery)
+            sink = self.new_step("nemesis-sink")
+            self.sinks[step] = sink
+            self.steps.append(sink)
+            task_id = self.send_effect(step, work=item["work"])
+            time.sleep(item["gap"])
+            self.send_effect(step, task_id=task_id, work=item["work"])
         elif kind == "idempotent":
             task_id = self.send("idem_forward", step, module=PATTERNS, kwargs=work)
             time.sleep(item["gap"])
             self.send("idem_forward", step, task_id=task_id, module=PATTERNS, kwargs=work)
         else:
             raise ValueError(f"unknown client action {kind!r}")
+
+    @property
+    def effect_task(self) -> str:
+        return "effect_in_body" if self.workload == "outbox-in-body" else "effect_forward"
+
+    def send_effect(self, step: int, task_id: str | None = None, work: float = 0.0) -> str:
+        """Send the outbox workload's task for ``step`` (and its sink)."""
+        kwargs = {"url": self.receiver.url, "sink": self.sinks[step], "work": work}
+        return self.send(self.effect_task, step, task_id=task_id, module=EFFECTS, kwargs=kwargs)
 
     def client(self, started: float) -> None:
         from django.db import connection
@@ -719,6 +790,12 @@ class NemesisLab(Lab):
         self.store_client().flushdb()
         self.ensure_workers()
         self.prepare_replica()
+        if self.workload != "patterns":
+            from tests.support.faults import outbox
+            from tests.support.faults.receiver import Receiver
+
+            self.receiver = Receiver().start()
+            self.relay = outbox.Relay(self.publisher).start()
         started = time.time()
         self.note("run", seed=self.seed, duration_s=self.duration, unguarded=self.unguarded)
         threads = [
@@ -739,8 +816,18 @@ class NemesisLab(Lab):
             thread.join(120)
         self.run_seconds = time.time() - started
         self.heal_all()
-        settled = self.settle_all()
-        return self.write(settled)
+        try:
+            settled = self.settle_all()
+            if self.relay is not None:
+                settled["effects_pending"] = self.settle_effects()
+        finally:
+            if self.relay is not None:
+                self.relay.stop()
+        try:
+            return self.write(settled)
+        finally:
+            if self.receiver is not None:
+                self.receiver.stop()
 
     def progress(self, started: float) -> None:
         faults = ", ".join(f"{k}={v}" for k, v in sorted(self.faults.items()))
@@ -748,6 +835,19 @@ class NemesisLab(Lab):
             f"{time.time() - started:.0f}s: steps {len(self.steps)}, executions "
             f"{self.executions()}, faults {sum(self.faults.values())} ({faults})"
         )
+
+    def settle_effects(self, timeout: float = 120.0) -> int:
+        """With the relay running: wait until no effect of the run is pending, then the
+        relay's period more; returns the effects still pending then."""
+        from tests.support.faults import outbox
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(r.status == "pending" for r in outbox.rows_of(self.sinks)):
+                break
+            time.sleep(0.5)
+        time.sleep(outbox.RELAY_DELAY + 2 * outbox.RELAY_PERIOD)
+        return sum(1 for r in outbox.rows_of(self.sinks) if r.status == "pending")
 
     def heal_all(self) -> None:
         """End every fault: heal the lasting ones, resume every stopped process, bring the
@@ -761,6 +861,8 @@ class NemesisLab(Lab):
                 self.split = None
                 self.note("heal", kind="split_brain", forced=True)
         self.r.delete(DEP_FAILING)
+        if self.receiver is not None and not self.receiver.up:
+            self.receiver.start()
         for key in self.r.scan_iter(match="faults:freeze:*"):
             self.r.delete(key)
         for proxy in (self.store_proxy, self.pg_proxy):
@@ -802,8 +904,14 @@ class NemesisLab(Lab):
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 1.5:
                     for step, status in self.statuses(self.steps).items():
+                        if step in self.sinks.values():
+                            continue  # a sink is sent by its step's effect, never resumed
                         if status not in TERMINAL and resumed.get(step, 0) < 6:
                             resumed[step] = resumed.get(step, 0) + 1
+                            if step in self.sinks:
+                                self.note("resume", step=step, phase="settle")
+                                self.send_effect(step)
+                                continue
                             task = "reset" if status == "running" else "forward"
                             self.note("resume", step=step, phase="settle", task=task)
                             self.send(task, step)
@@ -841,6 +949,14 @@ class NemesisLab(Lab):
             for r in TransitionRecord.objects.filter(step_id__in=self.steps).order_by("id")
         ]
         (self.out / "records.json").write_text(json.dumps(records) + "\n")
+        (self.out / "effects.json").unlink(missing_ok=True)
+        if self.workload != "patterns":
+            from tests.support.faults import outbox
+
+            (self.out / "effects.json").write_text(
+                json.dumps(outbox.run_effects(self, self.sinks, self.receiver, self.workload))
+                + "\n"
+            )
         store = self.store_client()
         (self.out / "store.json").write_text(
             json.dumps(
@@ -857,6 +973,7 @@ class NemesisLab(Lab):
             "duration_s": self.duration,
             "unguarded": self.unguarded,
             "guard": self.guard,
+            "workload": self.workload,
             "workers": [
                 {"name": n, "pool": p, "concurrency": c} for n, (p, c) in self.spec.items()
             ],
@@ -907,4 +1024,15 @@ def check(out: Path) -> dict:
     return verdict
 
 
-__all__ = ["NemesisLab", "plan", "plan_client", "plan_faults", "check", "KINDS", "WORKERS"]
+__all__ = [
+    "NemesisLab",
+    "plan",
+    "plan_client",
+    "plan_faults",
+    "check",
+    "actions_of",
+    "kinds_of",
+    "KINDS",
+    "WORKERS",
+    "WORKLOADS",
+]

@@ -49,7 +49,16 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.faults.checker import TERMINAL, Record, check_step, stale_commits
+from tests.support.faults.checker import (
+    TERMINAL,
+    Applied,
+    EffectRow,
+    EffectVerdict,
+    Record,
+    check_effects,
+    check_step,
+    stale_commits,
+)
 
 KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
 STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
@@ -71,6 +80,9 @@ class Run:
     store: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     path: Path | None = None
+    effects: dict | None = (
+        None  # effects.json of an outbox workload (tests/support/faults/outbox.py)
+    )
 
 
 @dataclass
@@ -155,6 +167,7 @@ def load(path) -> Run:
         store=_read_json(path / "store.json", {}),
         meta=_read_json(path / "run.json", {}),
         path=path,
+        effects=_read_json(path / "effects.json", None),
     )
 
 
@@ -492,7 +505,28 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
             and (mine is None or index.sides_differ(split[0], mine, grant))
         )
 
-    problems.extend(stale_commits(step, history, excused=on_the_other_primary))
+    def freed_by_its_release(commit: dict, grant: dict) -> bool:
+        # A commit without its ``committed`` entry (a lost COMMIT reply) is dated at its
+        # owner's last entry, which may be the ``released`` entry, written after the release.
+        # A newer grant less than a TTL after the owner's own grant, by the lock store's clock
+        # (fences are its microseconds), found the key free before it could expire: the owner
+        # had released it, after its transaction ended, so the commit came first (unless the
+        # store lost its data meanwhile).
+        mine = first_grant.get(commit["owner"])
+        if not commit.get("synthetic") or mine is None or ttl <= 0:
+            return False
+        own, newer = mine.get("fence") or 0, grant.get("fence") or 0
+        if not own or not 0 < newer - own < ttl * 1e6:
+            return False
+        return not any(mine["t"] - ttl <= t <= grant["t"] for t, _ in index.data_loss)
+
+    problems.extend(
+        stale_commits(
+            step,
+            history,
+            excused=lambda c, g: on_the_other_primary(c, g) or freed_by_its_release(c, g),
+        )
+    )
     spans = _lease_spans(index, group, end_of_run)
     overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
     fences = {
@@ -821,8 +855,30 @@ def check_run(run: Run) -> RunVerdict:
         "keys_without_ttl": len(no_ttl),
         "history_entries": len(run.history),
     }
+    if run.effects is not None:
+        effects = check_run_effects(run)
+        verdict.violations += effects.violations
+        verdict.counts["effects"] = {
+            k: v for k, v in effects.as_dict().items() if k != "violations"
+        }
+        verdict.counts["effects"]["receiver"] = run.effects.get("receiver")
     verdict.recovery = _recovery(index)
     return verdict
+
+
+def check_run_effects(run: Run) -> EffectVerdict:
+    """The effects outbox's checks (``checker.check_effects``) on a run's ``effects.json``:
+    the committed transitions of its source steps against the outbox's rows and what the
+    receivers saw."""
+    doc = run.effects or {}
+    sources = {_id(s) for s in doc.get("sources", [])}
+    return check_effects(
+        [r for r in run.records if r.step in sources],
+        [EffectRow(**r) for r in doc.get("rows", [])],
+        [Applied(**a) for a in doc.get("applied", [])],
+        doc.get("declares") or {},
+        outbox=bool(doc.get("outbox", True)),
+    )
 
 
 def summary_lines(verdict: RunVerdict, limit: int = 20) -> list[str]:

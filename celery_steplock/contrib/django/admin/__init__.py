@@ -9,6 +9,9 @@
     The idempotency records of the database store, with the "Invalidate" action.
 ``breakers``
     The circuit breakers, read live from Redis, and the audited override.
+``effects``
+    The effects outbox (``Effect`` rows), read-only, with the audited "Retry now" and
+    "Discard" actions.
 ``_common``
     What they share: error text safe for staff, the audited-view wrapper, the bases.
 
@@ -30,6 +33,7 @@ from .breakers import BreakerOverrideForm as BreakerOverrideForm
 from .breakers import CircuitBreakerAdmin
 from .breakers import _task_breakers as _task_breakers
 from .breakers import breaker_names as breaker_names
+from .effects import EffectAdmin
 from .events import LeaseEventAdmin
 from .idempotency import IdempotencyRecordAdmin as IdempotencyRecordAdmin
 from .idempotency import _idempotency_store as _idempotency_store
@@ -47,4 +51,5 @@ __all__ = [
     "LeaseChangeList",
     "TaskNameFilter",
     "CircuitBreakerAdmin",
+    "EffectAdmin",
 ]

@@ -12,14 +12,12 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpR
 from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
 
-from ....exceptions import LockStoreMisconfigured, LockStoreUnavailable, StepLockError
-from ....keys import breaker_key, breaker_name_from_key, glob_escape
+from .... import ops
+from ....exceptions import StepLockError
 from ....ops import AuditRecordFailed, override_breaker
-from ....patterns._base import translated
 from ....patterns.breaker import CircuitBreaker
-from ....redact import printable
 from ..eventlog import LeaseEventBreakerAudit
-from ..leases import celery_app, lease_lock, steplock_task_names
+from ..leases import celery_app, steplock_task_names
 from ..models import CircuitBreakerState
 from ._common import LiveModelAdmin, _error_text
 
@@ -27,83 +25,21 @@ __all__ = ["CircuitBreakerAdmin", "BreakerOverrideForm", "breaker_names"]
 
 
 #: Breaker names the page reads at most (the tasks' breakers first, then SCAN's finds).
-MAX_BREAKERS = 500
+MAX_BREAKERS = ops.MAX_BREAKERS
 
 
 def _task_breakers(app) -> dict[str, Any]:
     """``{name: CircuitBreaker}`` of the app's StepLockedTasks' ``circuit_breaker`` options."""
-    found: dict[str, Any] = {}
-    for task_name in steplock_task_names(app):
-        value = getattr(app.tasks[task_name], "circuit_breaker", None)
-        if isinstance(value, CircuitBreaker):
-            found.setdefault(value.name, value.bind(app))
-        elif isinstance(value, str) and value:
-            found.setdefault(value, None)
-    return found
+    return ops.task_breakers(app.tasks[name] for name in steplock_task_names(app))
 
 
 def breaker_names(
     app, limit: int = MAX_BREAKERS, *, malformed: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """The breakers to show: those the app's tasks name, then those Redis holds (SCAN of
-    ``<prefix>:breaker:{*}``, never KEYS), at most ``limit``.
-
-    Args:
-        app: The Celery app.
-        limit: Breakers at most (the malformed keys count too).
-        malformed: When given, each key that names no possible breaker (its name was not
-            UTF-8, or holds a brace or a control character) is put there, its name escaped
-            (:func:`~celery_steplock.redact.printable`) -> what is wrong; otherwise it is
-            left out.
-
-    Returns:
-        ``{name: CircuitBreaker}``.
-
-    Raises:
-        LockStoreUnavailable: Redis could not be reached.
-        LockStoreMisconfigured: Redis refused our credentials or the SCAN.
-    """
-    found = _task_breakers(app)
-    store = lease_lock(app)
-    with translated("circuit breaker scan", key=breaker_key(store.prefix, "*")):
-        for key in store.client.scan_iter(
-            match=breaker_key(glob_escape(store.prefix), "*"), count=1000
-        ):
-            if len(found) >= limit:
-                break
-            # A client that does not decode gives bytes; a name that was not UTF-8 then
-            # reads with U+FFFD, as the library's own clients decode it.
-            key = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-            name = breaker_name_from_key(store.prefix, key)
-            if name is not None:
-                found.setdefault(name, None)
-    shown: dict[str, Any] = {}
-    for name, breaker in sorted(found.items())[:limit]:
-        problem = None
-        if breaker is not None:
-            shown[name] = breaker
-        elif "\ufffd" in name:
-            problem = "key: not UTF-8 (cannot be read back)"
-        else:
-            try:
-                shown[name] = CircuitBreaker(name, app=app)
-            except StepLockError as exc:
-                problem = f"name: {exc}"
-        if problem is not None and malformed is not None:
-            malformed[printable(name)] = printable(problem)
-    return shown
-
-
-def _row(name: str, breaker: CircuitBreaker) -> dict[str, Any]:
-    """One row of the page: the breaker's state (``malformed`` says what is wrong with its
-    keys, see :meth:`CircuitBreaker.state`); when Redis refuses this breaker's read alone,
-    a row with its ``key`` and the error as ``malformed``."""
-    try:
-        return breaker.state().as_dict() | {"limits": breaker.describe()}
-    except (LockStoreUnavailable, LockStoreMisconfigured):
-        raise
-    except StepLockError as exc:  # Redis refused this breaker's read alone
-        return {"name": name, "key": breaker.key, "malformed": _error_text(exc)}
+    """:func:`celery_steplock.ops.find_breakers` with the tasks of the app's task modules
+    (imported first: :func:`~celery_steplock.contrib.django.leases.steplock_task_names`)."""
+    tasks = [app.tasks[name] for name in steplock_task_names(app)]
+    return ops.find_breakers(app, limit, tasks=tasks, malformed=malformed)
 
 
 class BreakerOverrideForm(forms.Form):
@@ -138,15 +74,8 @@ class CircuitBreakerAdmin(LiveModelAdmin):
         rows, error = [], None
         try:
             app = celery_app()
-            unnamed: dict[str, str] = {}
-            for name, breaker in breaker_names(app, malformed=unnamed).items():
-                rows.append(_row(name, breaker))
-            prefix = lease_lock(app).prefix
-            rows.extend(
-                {"name": name, "key": printable(breaker_key(prefix, name)), "malformed": why}
-                for name, why in unnamed.items()
-            )
-            rows.sort(key=lambda row: row["name"])
+            tasks = [app.tasks[name] for name in steplock_task_names(app)]
+            rows = ops.breaker_rows(app, tasks=tasks)
         except StepLockError as exc:
             error = _error_text(exc)
         context = {

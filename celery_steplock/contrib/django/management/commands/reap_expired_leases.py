@@ -1,15 +1,19 @@
 """``manage.py reap_expired_leases``: the reaper as a cron job, shaped like ``clearsessions``.
 
-Removes the leases of owners that are gone and recovers the steps they left in flight (see
+Removes the leases of owners that are gone, recovers the steps they left in flight, and runs
+the effects outbox's relay once for the effects a dead process left behind (see
 :mod:`celery_steplock.reaper`). Uses the project's Celery app (``celery.current_app``: the
 app the project imports in its ``__init__.py``, as Celery's Django guide sets it up).
 
 Options: ``--dry-run`` (report, change nothing), ``--batch-size N`` (SCAN COUNT hint and
 database chunk size, default 500), ``--older-than SECONDS`` (how long a step must have been in
 flight, default ``CELERY_STEPLOCK_REAPER_OLDER_THAN``), ``--ping-timeout SECONDS`` (default 1),
-``--json`` (the report as one JSON object on stdout). Human output: one line per reaped lease
-and recovered step (verbosity >= 1), then a summary line. Exit status 1 (``CommandError``)
-when the run met any error (Redis or the broker unreachable, a database error, a bad setting);
+``--no-effects`` (skip the effects outbox's relay), ``--json`` (the report as one JSON object
+on stdout). Human output (verbosity >= 1): what ``celery steplock reap`` prints,
+:meth:`~celery_steplock.reaper.ReapReport.human_lines`: one line per reaped lease and recovered
+step, then one line per count (leases scanned, reaped, steps recovered, the effects outbox's
+line of :meth:`~celery_steplock.reaper.ReapReport.effects_line`, errors, duration). Exit status 1
+(``CommandError``) when the run met any error (Redis or the broker unreachable, a database error, a bad setting);
 with ``--json`` the report is printed first.
 """
 
@@ -66,7 +70,8 @@ class Command(BaseCommand):
     help = (
         "Remove the Redis leases of Celery workers that are gone (owner-checked: a live "
         "lease is never touched) and move the steps they left in flight back to their "
-        "recovery status (CELERY_STEPLOCK_REAPER_RECOVER). Run it from cron or beat."
+        "recovery status (CELERY_STEPLOCK_REAPER_RECOVER), then relay the effects they left "
+        "in the outbox. Run it from cron or beat."
     )
 
     def add_arguments(self, parser):
@@ -105,6 +110,11 @@ class Command(BaseCommand):
             "namespaces, e.g. a pod's sidecar)",
         )
         parser.add_argument(
+            "--no-effects",
+            action="store_true",
+            help="do not relay the effects outbox (nor report on it)",
+        )
+        parser.add_argument(
             "--json", action="store_true", help="print the report as one JSON object"
         )
 
@@ -116,20 +126,13 @@ class Command(BaseCommand):
             older_than=options["older_than"],
             ping_timeout=options["ping_timeout"],
             check_pids=not options["no_pid_check"],
+            effects=not options["no_effects"],
         )
         if options["json"]:
             self.stdout.write(json.dumps(report.as_dict(), sort_keys=True, default=str))
         elif options["verbosity"] >= 1:
-            for line in report.detail_lines():  # lease names: what Redis holds, escaped
-                self.stdout.write(printable(line))
-            verb = "would reap" if report.dry_run else "reaped"
-            recover = "would recover" if report.dry_run else "recovered"
-            self.stdout.write(
-                f"Scanned {report.leases_scanned} lease(s); {verb} "
-                f"{report.reaped_count}; {recover} {report.recovered_count} "
-                f"step(s); {len(report.errors)} error(s) in {report.duration:.2f}s"
-                + (" (dry run: nothing changed)." if report.dry_run else ".")
-            )
+            for line in report.human_lines():  # the format of `celery steplock reap`
+                self.stdout.write(line)
         if report.errors:
             errors = [printable(redact(m, secrets_of(celery_app()))) for m in report.errors]
             for message in errors:
