@@ -202,7 +202,7 @@ def test_slots_are_listed_and_force_released_by_the_cli(worker_env, app, redis_c
     assert (row["name"], row["kind"], row["limit"], row["limit_key"]) == (
         "cli}#0",
         "slot",
-        "3",
+        3,  # typed JSON: a number
         "cli",
     )
     released = cli("release", "cli}#0", "--owner", slot.owner)
