@@ -360,3 +360,26 @@ def test_celery_steplock_reap_prints_the_same_summary(worker_env, app, receiver)
     assert "effects relayed: 1, retried: 0, dead: 0; still pending: 0" in lines
     assert Receiver.keys == [("/200", row.key)]
     assert Effect.objects.get(pk=row.pk).status == "dispatched"
+
+
+def test_a_reap_inside_a_transaction_counts_the_effects_and_sends_none(left_behind, app):
+    """reap() in a caller's atomic() block recovers steps there (the caller commits them);
+    the relay's sends could not be undone by that transaction's rollback: it only counts,
+    and the run is no error."""
+    from django.db import transaction
+
+    from celery_steplock.reaper import reap
+
+    with transaction.atomic():
+        report = reap(app, ping_timeout=0.3)
+    assert report.ok and report.errors == []
+    assert report.effects == {
+        "relayed": 0,
+        "retried": 0,
+        "dead": 0,
+        "pending": 5,
+        "oldest_pending_seconds": pytest.approx(600.0, abs=60.0),
+        "skipped": ["every database: reap() ran inside a transaction"],
+    }
+    assert RECEIVED == [] and Receiver.keys == []
+    assert set(Effect.objects.values_list("status", flat=True)) == {"pending"}
