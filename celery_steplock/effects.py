@@ -270,6 +270,7 @@ def write_declared(
     owner: str,
     task_id: str | None,
     task_name: str,
+    on_commit: Callable[[Callable[[], None]], None] | None = None,
 ) -> list[int]:
     """Write ``outbox``'s effects in the step's transaction (after its last transition,
     before the ownership check and COMMIT), and have the store dispatch them once it
@@ -286,6 +287,10 @@ def write_declared(
         owner: The owner token of the execution.
         task_id: The declaring task's id (None outside a task).
         task_name: The declaring task's name (or the guarded step's actor).
+        on_commit: Registers the send to run once the transaction commits (default: the
+            store's ``on_commit``; the task and the guarded step pass
+            :func:`celery_steplock.tracing.after_commit`, which runs it before any callback
+            the body registered, so a body's raising callback cannot skip it).
 
     Returns:
         The ids of the rows written (empty when nothing was declared).
@@ -326,7 +331,7 @@ def write_declared(
     )
     dispatch = getattr(steps, "dispatch_effects", None)
     if dispatch is not None and ids:
-        steps.on_commit(lambda: outbox.dispatch_later(lambda: dispatch(list(ids))))
+        (on_commit or steps.on_commit)(lambda: outbox.dispatch_later(lambda: dispatch(list(ids))))
     return ids
 
 

@@ -652,10 +652,12 @@ class StepLockedTask(_TaskBase):
                     reason=lease.lost_reason,
                     **lease_fields(lease),
                 )
-            with tracing.releasing(held):
-                self._release(store, lease)
-            if execution.outbox is not None:
-                execution.outbox.release_dispatch()
+            try:
+                with tracing.releasing(held):
+                    self._release(store, lease)
+            finally:
+                if execution.outbox is not None:
+                    execution.outbox.release_dispatch()
 
     def _contended(self, execution: Execution) -> LockContended:
         """The refusal of a busy lease, its holder read back (lock_contended sent)."""
@@ -807,11 +809,22 @@ class StepLockedTask(_TaskBase):
             and not execution.committed  # an on-commit callback's broken connection
             and execution.steps.is_lost_connection(exc)
             and (
-                not execution.body_started
+                (not execution.body_started and self._connection_broke(execution))
                 or execution.body_done
                 or (lease is not None and (lease.lost or lease.remaining() <= 0))
             )
         )
+
+    @staticmethod
+    def _connection_broke(execution: Execution) -> bool:
+        """Before the body, a lost-connection error is retried only when the step
+        database's connection is really unusable (a refused statement, e.g. a missing
+        table, classed with lost connections by its error type, would be retried without
+        end), and never nested in a caller's transaction (the caller's to retry)."""
+        if execution.nested:
+            return False
+        broke = getattr(execution.steps, "connection_unusable", None)
+        return broke is None or bool(broke())
 
     def _run_body(self, execution: Execution) -> Any:
         """The body, then (with a step store) the compare-and-swap, the ownership check,
@@ -979,6 +992,7 @@ class StepLockedTask(_TaskBase):
             owner=lease.owner if lease is not None else execution.owner,
             task_id=task_id,
             task_name=self.name,
+            on_commit=lambda send: tracing.after_commit(steps, send),
         )
 
     def _check_owned(self, execution: Execution, lease: Lease) -> None:

@@ -21,7 +21,7 @@ from celery_steplock.task import StepLockedTask
 from django_app.celery import app as celery_app
 from django_app.workflows.models import Step
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgresql]
+pytestmark = pytest.mark.django_db(transaction=True)
 
 RUNS: list[int] = []
 KILL: list[bool] = []
@@ -69,6 +69,7 @@ def session_ended_once(app, caplog):
     connection.close()
 
 
+@pytest.mark.postgresql
 @pytest.mark.parametrize("precheck", [True, False], ids=["precheck", "begin"])
 def test_a_lost_connection_before_the_body_is_retried_and_the_step_runs_once(
     session_ended_once, precheck
@@ -85,3 +86,24 @@ def test_a_lost_connection_before_the_body_is_retried_and_the_step_runs_once(
     assert Step.objects.get(pk=step.pk).status == "done"
     lines = session_ended_once()
     assert [(line["phase"], line["step_id"]) for line in lines] == [("before_body", step.pk)]
+
+
+def test_a_refused_statement_before_the_body_is_no_lost_connection(app, caplog):
+    """SQLite raises a missing table as OperationalError, the type of a lost connection too;
+    the connection still answers, so it is the task's error at once, never retried."""
+    caplog.set_level(logging.WARNING, logger="celery_steplock")
+    RUNS.clear()
+    step = Step.objects.create(name="s")
+    table = Step._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        result = step_task.apply(args=(step.pk,), task_id="before-body-schema")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
+    assert result.state == "FAILURE" and RUNS == []
+    assert "away" not in str(result.result) and table in str(result.result)
+    assert [
+        r for r in caplog.records if getattr(r, "steplock", {}).get("event") == "commit_failed"
+    ] == []

@@ -329,3 +329,63 @@ def test_a_guarded_step_sends_its_effects_after_its_release(effects_app):
         assert after_release.steplock_plan.store.inspect(name) is not None
     assert LEASE_AT_SEND == [(f"{ref(step)}:{fence}:done:0", None)]
     assert Effect.objects.get().status == "dispatched"
+
+
+@celery_app.task(
+    name="tests.effects.raising_on_commit", transition=("pending", "done"), **STEP_OPTIONS
+)
+def raising_on_commit(self, step_id):
+    """Its body registers an on-commit callback that raises, before the effects' send."""
+    effects.call("workflows.effect_seen", step_id)
+    transaction.on_commit(lambda: (_ for _ in ()).throw(RuntimeError("the body's on-commit")))
+    return self.lease.fence
+
+
+def test_a_bodys_raising_on_commit_callback_does_not_skip_the_send(effects_app, redis_client):
+    step = Step.objects.create(name="s")
+    result = raising_on_commit.apply(args=(step.pk,))
+    step.refresh_from_db()
+    assert step.status == "done"
+    row = Effect.objects.get()
+    assert (row.status, row.attempts) == ("dispatched", 1), repr(result.result)
+    assert seen(redis_client) == [row.key]
+
+
+MANY_RUNS: list = []
+
+
+@celery_app.task(name="tests.effects.many", transition=("pending", "done"), **STEP_OPTIONS)
+def many(self, step_id, n):
+    MANY_RUNS.append(step_id)
+    for position in range(n):
+        effects.publish("workflows.tasks.noop_effect", args=[step_id, position])
+    return self.lease.fence
+
+
+def test_more_effects_than_one_statement_takes_are_written_in_batches(effects_app):
+    """SQLite before 3.32 takes 999 variables a statement (18 a row: 55 rows); the rows go
+    in as many INSERTs as that takes, and the body runs once."""
+    import sqlite3
+
+    from django.db import connection
+    from django.db.backends.signals import connection_created
+
+    if connection.vendor == "sqlite":
+
+        def pin(sender, connection, **kwargs):
+            connection.connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+
+        connection_created.connect(pin, weak=False, dispatch_uid="pin-999")
+        connection.close()
+    try:
+        MANY_RUNS.clear()
+        step = Step.objects.create(name="s")
+        result = many.apply(args=(step.pk, 120))
+        assert result.successful(), repr(result.result)
+    finally:
+        connection_created.disconnect(dispatch_uid="pin-999")
+        connection.close()
+    assert MANY_RUNS == [step.pk]
+    fence = result.result
+    assert sorted(Effect.objects.values_list("position", flat=True)) == list(range(120))
+    assert Effect.objects.filter(key=f"{ref(step)}:{fence}:done:119").exists()

@@ -351,33 +351,40 @@ def write(
 
 
 def _insert(Effect: Any, using: str, rows: list[dict[str, Any]]) -> list[int]:
-    """One multi-row ``INSERT`` of ``rows`` (column values by field name), each value
-    adapted by its Django field (``get_db_prep_save``); the ids in ``rows``' order
-    (``RETURNING`` where the database has it, else read back by key). The step's
-    transaction runs it on its hot path: the ORM's ``bulk_create`` builds the same
-    statement at twice the cost (model instances, the compiler, per row)."""
+    """Multi-row ``INSERT``s of ``rows`` (column values by field name), each value adapted
+    by its Django field (``get_db_prep_save``), in batches the database's parameter limit
+    allows (Django's ``bulk_batch_size``: SQLite's 999 or 32,766 variables, PostgreSQL's
+    65,535 with server-side binding); the ids in ``rows``' order (``RETURNING`` where the
+    database has it, else read back by key). The step's transaction runs it on its hot path:
+    the ORM's ``bulk_create`` builds the same statements at twice the cost (model instances,
+    the compiler, per row)."""
     connection = connections[using]
     fields = [Effect._meta.get_field(name) for name in rows[0]]
     quote = connection.ops.quote_name
     table = quote(Effect._meta.db_table)
+    columns = ", ".join(quote(f.column) for f in fields)
     row = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    sql = (
-        f"INSERT INTO {table} ({', '.join(quote(f.column) for f in fields)}) VALUES "
-        + ", ".join([row] * len(rows))
-    )
-    params = [
-        field.get_db_prep_save(values[field.name], connection)
-        for values in rows
-        for field in fields
-    ]
-    keys = [values["key"] for values in rows]
     returning = connection.features.can_return_rows_from_bulk_insert
-    if returning:
-        sql += f" RETURNING {quote('id')}, {quote('key')}"
+    batch = max(1, connection.ops.bulk_batch_size(fields, rows))
+    found: list[tuple[int, str]] = []
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        found = cursor.fetchall() if returning else None
-    if found is None or len(found) != len(rows):
+        for start in range(0, len(rows), batch):
+            chunk = rows[start : start + batch]
+            sql = f"INSERT INTO {table} ({columns}) VALUES " + ", ".join([row] * len(chunk))
+            if returning:
+                sql += f" RETURNING {quote('id')}, {quote('key')}"
+            cursor.execute(
+                sql,
+                [
+                    field.get_db_prep_save(values[field.name], connection)
+                    for values in chunk
+                    for field in fields
+                ],
+            )
+            if returning:
+                found.extend(cursor.fetchall())
+    keys = [values["key"] for values in rows]
+    if len(found) != len(rows):
         found = list(Effect.objects.using(using).filter(key__in=keys).values_list("pk", "key"))
     by_key = {key: pk for pk, key in found}
     return [by_key[key] for key in keys]

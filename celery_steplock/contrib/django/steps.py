@@ -736,6 +736,15 @@ class DjangoStepStore:
             return False
         return isinstance(exc, (OperationalError, InterfaceError))
 
+    def connection_unusable(self) -> bool:
+        """Whether :attr:`using`'s connection is closed or no longer answers (Django's
+        ``is_usable``: a round trip); never raises (an error asking is an answer)."""
+        try:
+            connection = connections[self.using]
+            return connection.connection is None or not connection.is_usable()
+        except Exception:  # noqa: BLE001 - it could not even be asked
+            return True
+
     def close_if_unusable(self) -> None:
         """Close :attr:`using`'s connection when it broke (outside a transaction only: a
         caller's is the caller's), so that what runs next in this thread (an eager retry,
@@ -1146,6 +1155,7 @@ class GuardedStep:
             owner=lease.owner,
             task_id=None,
             task_name=self.actor,
+            on_commit=lambda send: tracing.after_commit(self.steps, send),
         )
 
     def __exit__(
