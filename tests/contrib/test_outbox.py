@@ -12,7 +12,6 @@ import json
 import logging
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.db import connections, transaction
@@ -25,52 +24,9 @@ from celery_steplock.contrib.django.models import Effect, LeaseEvent
 from celery_steplock.exceptions import OuterTransactionError
 from celery_steplock.patterns.retry import NonRetryable
 from tests.helpers import set_settings
+from tests.support.http_receiver import Receiver
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Receiver:
-    """An HTTP endpoint on 127.0.0.1: records ``(Idempotency-Key, body)`` per request and
-    answers the next scripted reply (an int status, or ``("slow", seconds)``), else 200."""
-
-    def __init__(self):
-        self.requests: list[tuple[str, dict]] = []
-        self.script: list = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with receiver.lock:
-                    receiver.requests.append(
-                        (self.headers.get("Idempotency-Key"), json.loads(body or b"null"))
-                    )
-                    reply = receiver.script.pop(0) if receiver.script else 200
-                if isinstance(reply, tuple):
-                    time.sleep(reply[1])
-                    reply = 200
-                self.send_response(reply)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def keys(self):
-        with self.lock:
-            return [key for key, _body in self.requests]
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

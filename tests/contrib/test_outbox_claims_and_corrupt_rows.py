@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.db import connections
@@ -17,47 +16,9 @@ from django.utils import timezone
 from celery_steplock.contrib.django import outbox
 from celery_steplock.contrib.django.models import Effect
 from tests.helpers import set_settings
+from tests.support.http_receiver import Receiver
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Receiver:
-    """Records each request's raw ``Idempotency-Key`` header; ``delay`` seconds per request
-    whose key is in ``slow``."""
-
-    def __init__(self):
-        self.keys: list[str] = []
-        self.slow: dict[str, float] = {}
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                key = self.headers.get("Idempotency-Key")
-                with receiver.lock:
-                    receiver.keys.append(key)
-                time.sleep(receiver.slow.get(key, 0.0))
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Length", "2")
-                    self.end_headers()
-                    self.wfile.write(b"ok")
-                except OSError:
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -105,13 +66,13 @@ def test_the_on_commit_batch_never_sends_a_row_whose_claim_another_relay_took(re
     )
     thread.start()
     deadline = time.monotonic() + 5
-    while not receiver.keys and time.monotonic() < deadline:
+    while not receiver.keys() and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.5)  # the batch claim is over; the first send still running
     receiver.slow.pop(first.key)  # the relay's own send of the first row is quick
     outbox.relay()
     thread.join(10)
-    assert receiver.keys.count(second.key) == 1
+    assert receiver.keys().count(second.key) == 1
     assert Effect.objects.get(pk=second.pk).status == "dispatched"
 
 
@@ -148,7 +109,7 @@ def test_a_corrupt_row_goes_dead_at_once_with_a_clear_error(
     row = Effect.objects.get(pk=effect.pk)
     assert (report.dead, row.status, row.attempts) == (1, "dead", 1)
     assert "corrupt effect row" in row.last_error and error in row.last_error
-    assert receiver.keys == []
+    assert receiver.keys() == []
 
 
 @pytest.mark.parametrize("status", ["terminé", "完了", "paid\r\nX-Injected: 1"])
@@ -161,7 +122,7 @@ def test_a_key_that_is_not_a_header_value_is_sent_percent_encoded(receiver, stat
     effect = make(receiver.url, key=key)
     report = outbox.relay()
     assert report.dispatched == 1, Effect.objects.get(pk=effect.pk).last_error
-    assert receiver.keys == [quote(key, safe=":/@.-_~")]
+    assert receiver.keys() == [quote(key, safe=":/@.-_~")]
 
 
 def test_a_stored_http_target_with_credentials_goes_dead_unsent(receiver):
@@ -170,7 +131,7 @@ def test_a_stored_http_target_with_credentials_goes_dead_unsent(receiver):
     assert outbox.relay().dead == 1
     row = Effect.objects.get(pk=effect.pk)
     assert "target carries credentials" in row.last_error and "s3cretpw" not in row.last_error
-    assert receiver.keys == []
+    assert receiver.keys() == []
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
