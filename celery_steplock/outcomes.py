@@ -87,6 +87,7 @@ __all__ = [
     "overlap_key",
     "claim_follower",
     "clear_follower",
+    "lease_retries",
     "overlap_contended",
     "follower_acquired",
 ]
@@ -407,7 +408,9 @@ def clear_follower(store: Any, name: str, task_id: str) -> bool:
     return calls.run(_clear_steps(key, task_id, name), store.client)
 
 
-def _lease_retries(request: Any) -> int:
+def lease_retries(request: Any) -> int:
+    """The lease retries this delivery follows (the ``steplock_retries`` message header,
+    counted apart from the task's own ``retries``; 0 on a first delivery)."""
     return int(
         getattr(request, "steplock_retries", None)
         or (request.headers or {}).get("steplock_retries")
@@ -433,7 +436,7 @@ def overlap_contended(task: Any, exc: LockContended, plan: Any, execution: Any =
     reason = "held"
     if plan.overlap == "coalesce" and name:
         # The follower polls at most a lease TTL apart: a run is followed within one.
-        attempt = _lease_retries(request)
+        attempt = lease_retries(request)
         ceiling = backoff_ceiling(
             plan.retry_backoff, attempt, min(plan.retry_backoff_max, plan.ttl), max_exponent=32
         )

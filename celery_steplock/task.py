@@ -1076,11 +1076,7 @@ class StepLockedTask(_TaskBase):
         replaces the backoff when given."""
         plan = self._current_plan()
         request = self.request
-        attempt = int(
-            getattr(request, "steplock_retries", None)
-            or (request.headers or {}).get("steplock_retries")
-            or 0
-        )
+        attempt = outcomes.lease_retries(request)
         limit = plan.retry_max
         if limit is None and request.is_eager:
             # apply() retries at once (eager mode has no later): bounded by max_retries, as
