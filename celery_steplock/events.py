@@ -31,6 +31,11 @@ _FIELDS = (
     "current",
     "reason",
     "forced",
+    "user",
+    "actor",
+    "actor_host",
+    "via",
+    "audit",
     "policy",
     "wait_seconds",
     "hold_seconds",
@@ -59,6 +64,25 @@ def _value(value: Any) -> str:
     return json.dumps(text)
 
 
+def _seconds(key: str, value: Any) -> Any:
+    """A duration (a ``*_seconds`` field given as a float) rounded to microseconds, the
+    resolution a line needs (``time.monotonic`` differences carry float noise such as
+    ``0.00027734799999734605``); any other value as it is."""
+    if key.endswith("_seconds") and isinstance(value, float):
+        return round(value, 6)
+    return value
+
+
+def _text(key: str, value: Any) -> str:
+    """The logfmt text of one field: a duration in fixed notation (``0.000005``, never
+    ``5e-06``), anything else escaped by :func:`_value`."""
+    value = _seconds(key, value)
+    if key.endswith("_seconds") and isinstance(value, float) and value == value:
+        text = f"{value:.6f}".rstrip("0")
+        return text + "0" if text.endswith(".") else text
+    return _value(_structured(value))
+
+
 def _structured(value: Any) -> Any:
     """A value for ``record.steplock``: JSON types as they are, anything else as text."""
     if value is None or isinstance(value, (str, int, float, bool)):
@@ -80,15 +104,14 @@ def log_event(
         level: The logging level.
         exc_info: As for :meth:`logging.Logger.log`.
         **fields: In the order given, None left out, each value escaped as in logfmt; an
-            exception value is written as ``"<type>: <message>"``.
+            exception value is written as ``"<type>: <message>"``; a ``*_seconds`` float
+            rounded to microseconds (6 decimals) in the line and in ``record.steplock``.
     """
     if not logger.isEnabledFor(level):
         return
     try:
-        text = " ".join(
-            f"{k}={_value(_structured(v))}" for k, v in fields.items() if v is not None
-        )
-        payload = {k: _structured(v) for k, v in fields.items()}
+        text = " ".join(f"{k}={_text(k, v)}" for k, v in fields.items() if v is not None)
+        payload = {k: _structured(_seconds(k, v)) for k, v in fields.items()}
         payload["event"] = event
         logger.log(
             level,
@@ -155,8 +178,10 @@ def listening(signal: Signal, level: int = logging.INFO) -> bool:
 def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) -> None:
     """Log ``fields`` as one line and send ``signal``; never raises.
 
-    ``monotonic`` and ``timestamp`` are added when not given. A receiver that raises is
-    logged (``event=receiver_failed``) and ignored.
+    ``monotonic`` and ``timestamp`` are added when not given. A ``*_seconds`` float is
+    rounded to microseconds in the line and in ``record.steplock``; the signal's receivers
+    get it unrounded. A receiver that raises is logged (``event=receiver_failed``) and
+    ignored.
 
     Args:
         signal: One of :mod:`celery_steplock.signals`.
@@ -172,11 +197,11 @@ def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) 
     try:
         if logger.isEnabledFor(level):
             text = " ".join(
-                f"{k}={_value(fields[k])}" for k in _FIELDS if fields.get(k) is not None
+                f"{k}={_text(k, fields[k])}" for k in _FIELDS if fields.get(k) is not None
             )
-            logger.log(
-                level, "event=%s %s", event, text, extra={"steplock": dict(fields, event=event)}
-            )
+            record = {k: _seconds(k, v) for k, v in fields.items()}
+            record["event"] = event
+            logger.log(level, "event=%s %s", event, text, extra={"steplock": record})
     except Exception:  # noqa: BLE001 - logging must never break locking
         pass
     try:

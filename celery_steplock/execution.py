@@ -12,6 +12,7 @@ execution").
 from __future__ import annotations
 
 import contextvars
+import logging
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Callable, Mapping, NamedTuple
@@ -148,6 +149,11 @@ class Execution:
         outbox: The step transaction's :class:`~celery_steplock.effects.Outbox` (None
             before the body, and without a step store): with a lease, its on-commit sends
             wait for the release (:meth:`~celery_steplock.effects.Outbox.release_dispatch`).
+        cas_seconds: Seconds the library's compare-and-swap statements of this execution
+            took, summed (None before one): its ``execution_done`` line's.
+        retry_countdown: Seconds until the lease retry this execution scheduled
+            (:meth:`~celery_steplock.task.StepLockedTask.steplock_retry`; None: none).
+        retry_reason: The type name of the exception that lease retry is for.
     """
 
     task: Task[Any, Any]
@@ -174,6 +180,9 @@ class Execution:
     applied_to: str | None = None
     applied_step_id: Any = None
     outbox: Any = None
+    cas_seconds: float | None = None
+    retry_countdown: float | None = None
+    retry_reason: str | None = None
     _token: contextvars.Token[dict[str, Execution]] | None = field(
         default=None, init=False, repr=False
     )
@@ -360,6 +369,7 @@ def fenced_cas(
         emit(
             signals.transition_conflict,
             sender,
+            logging.DEBUG,  # a task's INFO line is its execution_done
             step_id=step_id,
             from_=from_,
             to=to,
@@ -394,6 +404,7 @@ def fenced_cas(
         lambda: emit(
             signals.transition_applied,
             sender,
+            logging.DEBUG,  # a task's INFO line is its execution_done
             step_id=step_id,
             from_=from_,
             to=to,

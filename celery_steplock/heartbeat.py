@@ -3,7 +3,8 @@ every ``locked`` idempotency record of a body it runs, :mod:`celery_steplock.pat
 
 Like Redisson's lock watchdog, one scheduler renews all of the process's leases, each every
 ``ttl * renewal_ratio`` seconds, the due ones in one pipelined round trip; a lease a renewal
-finds gone is lost (ERROR log, ``lock_lost``). The holder sees it through ``lease.lost`` /
+finds gone is lost (ERROR log, ``lock_lost``; WARNING naming the operator's record after an
+operator's force release). The holder sees it through ``lease.lost`` /
 ``lease.check()``: no exception is ever injected into the task's thread (python-redis-lock's
 pitfall list and Celery's own design both argue against it). A store whose renewals can block
 for reasons outside Redis (the idempotency records' database store) says so with its
@@ -29,7 +30,7 @@ from ._checks import MAX_RENEWAL_RATIO, MIN_RENEWAL_INTERVAL, shown
 from .events import emit, lease_fields, listening, log_event
 from .exceptions import InvalidArgument, LockStoreMisconfigured, LockStoreUnavailable
 from .lease import Lease
-from .lock import RedisLeaseStore
+from .lock import RedisLeaseStore, lost_line
 
 __all__ = ["Heartbeat", "get_heartbeat", "heartbeat_for", "store_lane", "DEFAULT_LANE"]
 
@@ -187,14 +188,22 @@ class Renewals:
         if present and entry.on_lost is not None:
             self._report(entry.on_lost, lease)
         elif present:
-            self._report(
-                emit,
-                signals.lock_lost,
-                entry.sender,
-                logging.ERROR,
-                reason=lease.lost_reason,
-                **lease_fields(lease),
-            )
+            self._report(announce_lost, entry.lock, entry.sender, lease)
+
+
+def announce_lost(store: Any, sender: Any, lease: Lease) -> None:
+    """Send ``lock_lost`` for ``lease`` and log it: ERROR, or WARNING naming the operator's
+    record when an operator's force release took it (:func:`celery_steplock.lock.lost_line`:
+    one read of the store, here on the renewal thread, or on the hub under a green pool)."""
+    level, forced = lost_line(store, lease)
+    emit(
+        signals.lock_lost,
+        sender,
+        level,
+        reason=lease.lost_reason,
+        **forced,
+        **lease_fields(lease),
+    )
 
 
 class Heartbeat(Renewals):

@@ -92,6 +92,8 @@ __all__ = [
     "store_error",
     "MAX_WAITERS",
     "drain_releases",
+    "lost_line",
+    "FORCED_MARK_TTL",
 ]
 
 
@@ -110,6 +112,57 @@ WAITER_RESERVE = 8
 
 #: Where the least-privilege ACL is documented (named by the permission errors).
 ACL_DOC = "docs/acl.md"
+
+#: Seconds the mark of a force release lives (:meth:`RedisLeaseStore.mark_forced`): its
+#: holder reads it once it finds its lease gone, at its next renewal (a third of the TTL
+#: away) or its pre-commit check, or later when its process was paused.
+FORCED_MARK_TTL = 3600.0
+
+#: The fields of an operator's record (:class:`celery_steplock.ops.ForcedRelease`) a force
+#: release's mark keeps, and the ``lock_lost`` line of its holder names.
+FORCED_MARK_FIELDS = ("actor", "actor_host", "via", "audit", "reason")
+
+
+def forced_key(prefix: str, name: str) -> str:
+    """The Redis key of the mark a force release leaves for the lease's holder.
+
+    Args:
+        prefix: The key prefix (``steplock_key_prefix``).
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:forced:{<name>}`` (the lease's hash slot; outside ``<prefix>:lease:*``,
+        which the reaper scans).
+    """
+    return f"{prefix}:forced:{{{name}}}"
+
+
+def lost_line(store: Any, lease: Lease) -> tuple[int, dict[str, Any]]:
+    """The level and the extra fields of the ``lock_lost`` line of ``lease``.
+
+    An operator's force release (:func:`celery_steplock.ops.force_release`) is what the
+    operator asked for: WARNING, with ``forced=True`` and the operator's record (``actor``,
+    ``actor_host``, ``via``, ``audit``: the audit record's id, ``reason``) read back from
+    the mark the release left (one GET, only when a lease is lost). Any other loss, or a
+    mark that cannot be read: ERROR, no extra field. Never raises.
+
+    Args:
+        store: The lease's store (only a :class:`RedisLeaseStore` is asked).
+        lease: The lost lease.
+
+    Returns:
+        ``(level, fields)``.
+    """
+    if not isinstance(store, RedisLeaseStore):
+        return logging.ERROR, {}
+    try:
+        record = store.forced(lease.name, lease.owner)
+    except Exception:  # noqa: BLE001 - the loss is reported either way
+        record = None
+    if record is None:
+        return logging.ERROR, {}
+    fields = {k: record.get(k) for k in FORCED_MARK_FIELDS if k != "reason"}
+    return logging.WARNING, {"forced": True, **fields}
 
 
 def store_error(
@@ -693,6 +746,61 @@ class RedisLeaseStore:
             ``<prefix>:lease:{<name>}``.
         """
         return lease_key(self.prefix, name)
+
+    def forced_key(self, name: str) -> str:
+        """The Redis key of a force release's mark (:func:`forced_key`)."""
+        return forced_key(self.prefix, name)
+
+    def mark_forced(self, name: str, owner: str, record: Mapping[str, Any]) -> None:
+        """Leave the operator's record of a force release of ``owner``'s lease for its
+        holder (``SET ... PX``, :data:`FORCED_MARK_TTL`): written before the delete, so that
+        the holder, finding its lease gone, logs the loss as a WARNING naming the record
+        (:func:`lost_line`). One mark a name: a later force release replaces it.
+
+        Args:
+            name: The lock name.
+            owner: The owner token released.
+            record: The record's fields (:data:`FORCED_MARK_FIELDS` are kept, as text).
+
+        Raises:
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the write (ACL).
+        """
+        name, owner = _name(name), _owner(owner)
+        kept = {k: record.get(k) for k in FORCED_MARK_FIELDS if record.get(k) is not None}
+        payload = json.dumps({"owner": owner, **{k: str(v) for k, v in kept.items()}})
+        key = self.forced_key(name)
+        try:
+            self.client.set(key, payload, px=int(FORCED_MARK_TTL * 1000))
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "force release mark", key=key, name=name, owner=owner) from exc
+
+    def forced(self, name: str, owner: str) -> dict[str, Any] | None:
+        """The operator's record a force release of ``owner``'s lease left
+        (:meth:`mark_forced`), or None: no force release of that owner's lease (within
+        :data:`FORCED_MARK_TTL`), or a mark that is no JSON object.
+
+        Args:
+            name: The lock name.
+            owner: The owner token.
+
+        Raises:
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the read (ACL).
+        """
+        name, owner = _name(name), _owner(owner)
+        key = self.forced_key(name)
+        try:
+            raw = self.client.get(key)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "force release mark", key=key, name=name, owner=owner) from exc
+        try:
+            record = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        if not isinstance(record, dict) or record.get("owner") != owner:
+            return None
+        return record
 
     @property
     def waiter_client(self) -> redis.Redis:
@@ -1524,7 +1632,15 @@ def _released(
     if error is not None:
         log_event("release_failed", logging.WARNING, key=lease.key, owner=lease.owner, error=error)
     elif released:
-        emit(signals.lock_released, sender, forced=False, hold_seconds=held, **lease_fields(lease))
+        # DEBUG: a task's INFO line is its execution_done, which carries hold_seconds.
+        emit(
+            signals.lock_released,
+            sender,
+            logging.DEBUG,
+            forced=False,
+            hold_seconds=held,
+            **lease_fields(lease),
+        )
 
 
 def drain_releases(block: bool = True) -> int:

@@ -430,6 +430,13 @@ def force_release(
         ) from exc
 
     try:
+        # Before the delete: the holder, finding its lease gone, reads the operator's record
+        # (its lock_lost a WARNING naming it, not an ERROR). A mark not written changes
+        # only that line's level: the release goes on.
+        store.mark_forced(name, owner, record.fields())
+    except Exception:  # noqa: BLE001 - StepLockError, or a store without marks
+        pass
+    try:
         deleted = store.release(name, owner)
     except StepLockError as exc:
         record.outcome = "unknown" if isinstance(exc, LockStoreUnavailable) else "failed"

@@ -66,6 +66,8 @@ lock_released = Signal(name="lock_released")
 #: The lease expired before its release (``reason``).
 lock_expired = Signal(name="lock_expired")
 #: The lease is no longer ours (``reason``); any commit that depended on it is refused.
+#: Taken by an operator's force release: also ``forced=True`` and the operator's record,
+#: ``actor``, ``actor_host``, ``via``, ``audit`` (its line a WARNING; any other loss: ERROR).
 lock_lost = Signal(name="lock_lost")
 #: The compare-and-swap committed (``step_id``, ``from_``, ``to``, ``cas_seconds``: the
 #: compare-and-swap, ``commit_seconds``: the COMMIT that followed, None outside a task's own

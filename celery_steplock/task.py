@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
+import time
 import types
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
@@ -80,6 +81,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import EagerResult
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
+from kombu.utils.encoding import safe_repr
 
 from . import _django, _startup, effects, outcomes, signals, tracing
 from ._jitter import backoff_ceiling, full_jitter
@@ -96,7 +98,7 @@ from .exceptions import (
     TransitionConflict,
 )
 from .execution import Execution, current, fenced_cas, hook_for
-from .heartbeat import get_heartbeat
+from .heartbeat import announce_lost, get_heartbeat
 from .lock import (
     Lease,
     RedisLeaseStore,
@@ -362,6 +364,7 @@ class StepLockedTask(_TaskBase):
             assert lease is not None
             return self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
 
+        started = time.monotonic()
         result = fenced_cas(
             self,
             steps,
@@ -377,6 +380,7 @@ class StepLockedTask(_TaskBase):
         if execution is not None:
             # The key of the transaction's effects names its last applied transition.
             execution.applied_to, execution.applied_step_id = to, step_id
+            execution.cas_seconds = (execution.cas_seconds or 0.0) + (time.monotonic() - started)
         return result
 
     # -- hooks ------------------------------------------------------------------------------
@@ -581,7 +585,59 @@ class StepLockedTask(_TaskBase):
 
     def _steplock_call(self, *args: Any, **kwargs: Any) -> Any:
         with Execution.start(self, self.steplock_plan, args, kwargs) as execution:
-            return self._acquire(execution)
+            try:
+                result = self._acquire(execution)
+            except BaseException as exc:
+                self._execution_done(execution, None, exc)
+                raise
+            self._execution_done(execution, result, None)
+            return result
+
+    def _execution_done(
+        self, execution: Execution, result: Any, exc: BaseException | None
+    ) -> None:
+        """The one INFO line of an execution, after its release: ``event=execution_done``
+        with its ``outcome`` and durations (the lease's events are DEBUG lines).
+
+        ``outcome`` is "committed" (the step's transition applied), "done" (the body ran, no
+        transition), "duplicate" or "skipped" (:mod:`celery_steplock.outcomes`), "retry" (a
+        lease retry scheduled, ``countdown`` seconds, ``reason`` the exception's type; or
+        Celery's ``Retry``), "ignored" (Celery ``Ignore``: nothing stored) or "error"
+        (``reason``: the exception's type, which Celery logs and stores). ``wait_seconds``,
+        ``hold_seconds`` (granted to the release's write) and ``cas_seconds`` (seconds,
+        rounded to microseconds in the line) are left out when the execution had none."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        reason = None
+        countdown = execution.retry_countdown
+        if exc is None:
+            if outcomes.is_outcome(result):
+                outcome = result["steplock"]
+            else:
+                outcome = "committed" if execution.applied_to is not None else "done"
+        elif countdown is not None:
+            outcome, reason = "retry", execution.retry_reason
+        elif isinstance(exc, Retry):
+            outcome, reason = "retry", type(exc.exc).__name__ if exc.exc is not None else None
+        elif isinstance(exc, Ignore):
+            outcome = "ignored"
+        else:
+            outcome, reason = "error", type(exc).__name__
+        lease, wait, held = execution.lease, execution.wait, execution.held
+        log_event(
+            "execution_done",
+            task_id=self.request.id,
+            task_name=self.name,
+            outcome=outcome,
+            key=execution.fields.get("key"),
+            fence=lease.fence if lease is not None else None,
+            step_id=execution.step_id,
+            wait_seconds=wait.seconds if wait is not None else None,
+            hold_seconds=held.seconds if held is not None else None,
+            cas_seconds=execution.cas_seconds,
+            countdown=round(countdown, 3) if countdown is not None else None,
+            reason=reason,
+        )
 
     def _acquire(self, execution: Execution) -> Any:
         """Acquire the lease, then run (:meth:`_run`) and release; a busy lease or an outage
@@ -637,6 +693,7 @@ class StepLockedTask(_TaskBase):
             emit(
                 signals.lock_acquired,
                 self,
+                logging.DEBUG,  # the execution's INFO line is its execution_done
                 wait_seconds=execution.wait.seconds,
                 **lease_fields(lease),
             )
@@ -645,13 +702,7 @@ class StepLockedTask(_TaskBase):
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
             elif lease.lost:
-                emit(
-                    signals.lock_lost,
-                    self,
-                    logging.ERROR,
-                    reason=lease.lost_reason,
-                    **lease_fields(lease),
-                )
+                announce_lost(store, self, lease)  # WARNING after an operator's force release
             try:
                 with tracing.releasing(held):
                     self._release(store, lease)
@@ -665,6 +716,7 @@ class StepLockedTask(_TaskBase):
         emit(
             signals.lock_contended,
             self,
+            logging.DEBUG,  # the execution's INFO line is its execution_done
             owner=None,
             fence=None,
             holder=info.get("owner"),
@@ -781,6 +833,7 @@ class StepLockedTask(_TaskBase):
             emit(
                 signals.transition_conflict,
                 self,
+                logging.DEBUG,  # the execution's INFO line is its execution_done
                 step_id=step_id,
                 from_=exc.from_,
                 to=exc.to,
@@ -928,6 +981,7 @@ class StepLockedTask(_TaskBase):
             emit(
                 signals.transition_conflict,
                 self,
+                logging.DEBUG,  # the execution's INFO line is its execution_done
                 step_id=step_id,
                 from_=from_,
                 to=to,
@@ -1073,7 +1127,13 @@ class StepLockedTask(_TaskBase):
         task's ``retries``/``max_retries``; no RETRY state is stored (a contended duplicate
         shares its task id with the winner and must not overwrite the winner's result).
         ``headers`` are added to the retry's message headers; ``countdown`` (seconds)
-        replaces the backoff when given."""
+        replaces the backoff when given.
+
+        In a worker, once the retry is sent, Celery's ``task-retried`` monitoring event is
+        sent for the task id (what Flower's "Retried" view and ``celery events`` show), as
+        Celery's own retries send it; no RETRY state is stored. Not sent for an execution
+        whose task id another delivery holds (the ``steplock_same_id`` header: that id's
+        events are the winner's) nor when the task's ``send_events`` is False."""
         plan = self._current_plan()
         request = self.request
         attempt = outcomes.lease_retries(request)
@@ -1088,6 +1148,7 @@ class StepLockedTask(_TaskBase):
             countdown = backoff(plan.retry_backoff, attempt, plan.retry_backoff_max)
         log_event(
             "retry_scheduled",
+            logging.DEBUG,  # the execution's INFO line is its execution_done
             task_id=request.id,
             task_name=self.name,
             countdown=round(countdown, 3),
@@ -1099,14 +1160,43 @@ class StepLockedTask(_TaskBase):
             # As in a worker: this attempt ends without a state, and apply() runs the retry
             # once it has (at once, without the countdown, as Celery's eager retries do).
             pending.append(headers)
+            self._retry_scheduled(countdown, exc)
             raise Ignore()
         if request.is_eager:
             retried = self.signature_from_request(
                 request, countdown=countdown, retries=request.retries or 0, headers=headers
             )
+            self._retry_scheduled(countdown, exc)
             raise Retry(exc=exc, when=countdown, is_eager=True, sig=retried)  # type: ignore[arg-type]
         self.signature_from_request(request, countdown=countdown, headers=headers).apply_async()
+        self._retry_scheduled(countdown, exc)
+        if self.send_events and not headers.get(outcomes.SAME_ID_HEADER):
+            self._send_retried_event(exc)
         raise Ignore()
+
+    def _retry_scheduled(self, countdown: float, exc: Exception) -> None:
+        """Note the lease retry on the current execution (its ``execution_done`` line)."""
+        execution = current(self.name)
+        if execution is not None:
+            execution.retry_countdown, execution.retry_reason = countdown, type(exc).__name__
+
+    def _send_retried_event(self, exc: Exception) -> None:
+        """Celery's ``task-retried`` event for this task id, with the fields a Celery retry
+        sends (``exception``: the repr of ``exc``; ``traceback``: empty, a lease retry has
+        none); sent once, never retried, never raises (a failure is a DEBUG line,
+        ``retry_event_failed``). Celery's :meth:`~celery.app.task.Task.send_event` publishes
+        it whether or not the worker sends task events (a pool process cannot know whether
+        a monitor enabled them); without a monitor the broker drops it."""
+        try:
+            self.send_event("task-retried", retry=False, exception=safe_repr(exc), traceback="")
+        except Exception as error:  # noqa: BLE001 - monitoring must never stop a retry
+            log_event(
+                "retry_event_failed",
+                logging.DEBUG,
+                task_id=self.request.id,
+                task_name=self.name,
+                error=error,
+            )
 
 
 #: How many times a FenceAhead (the step row's fence ahead of the store's) is retried

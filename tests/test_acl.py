@@ -109,7 +109,6 @@ def names(events):
 
 def test_the_docs_give_the_acl_the_tests_use():
     line = acl.acl_setuser_line()
-    assert line in (ROOT / "README.md").read_text()
     assert line in (ROOT / "docs" / "acl.md").read_text()
     assert "resetchannels" in line and "~steplock:*" in line and "-@all" in line
 

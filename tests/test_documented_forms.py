@@ -1,4 +1,5 @@
-"""Every task option form the README's "Task options" table documents, given both ways
+"""Every task option form the settings reference's "Accepted forms of each task option"
+table (docs/reference/settings.md) documents, given both ways
 Celery users give options: as a class attribute of a StepLockedTask subclass and as an
 ``@app.task(...)`` keyword. Each form runs one real execution (real Redis, the real
 database) and is checked for its effect, not only for being accepted.
@@ -20,7 +21,7 @@ from django_app.workflows.models import Step
 # The database holds at most audit rows here: one pass (db_incidental).
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.db_incidental]
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "settings.md"
 
 
 def key_of_step(step_id):
@@ -160,9 +161,10 @@ class FormTask(StepLockedTask):
 
 
 def documented_options() -> set[str]:
-    """The options of the README's "Task options" table (first column)."""
-    text = README.read_text()
-    section = re.split(r"\n#{2,3} ", text.split("\n### Task options\n", 1)[1], maxsplit=1)[0]
+    """The options of the reference's "Accepted forms" table (first column)."""
+    text = REFERENCE.read_text()
+    heading = "\n## Accepted forms of each task option\n"
+    section = re.split(r"\n#{1,3} ", text.split(heading, 1)[1], maxsplit=1)[0]
     return {m.group(1) for m in re.finditer(r"^\| `([a-z_]+)` \|", section, re.M)}
 
 
@@ -178,7 +180,7 @@ def make_task(option, form, value, how):
     name = f"forms.{how}.{option}.{form}"
     if name in celery_app.tasks:
         return celery_app.tasks[name]
-    # acks_late and reject_on_worker_lost as the README says: this module's tasks stay in
+    # acks_late and reject_on_worker_lost as the docs say: this module's tasks stay in
     # the example app's registry, and must not add warnings to its checks.
     if how == "keyword":
         return celery_app.task(

@@ -30,6 +30,44 @@ def test_log_line_is_logfmt_and_cannot_be_forged(caplog):
     assert record.steplock["event"] == "lock_acquired" and record.steplock["fence"] == 7
 
 
+def test_durations_are_rounded_to_microseconds_in_the_line_and_the_record(caplog):
+    """A ``*_seconds`` float is written with 6 decimals at most, in fixed notation; the
+    signal's receivers get it as measured."""
+    seen = []
+    signals.lock_released.connect(lambda **kw: seen.append(kw["hold_seconds"]), weak=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="celery_steplock"):
+            emit(
+                signals.lock_released,
+                None,
+                key="k",
+                owner="o",
+                fence=1,
+                wait_seconds=0.00027734799999734605,
+                hold_seconds=2.5e-06,
+                cas_seconds=3.0,
+            )
+            log_event("execution_done", task_id="t", hold_seconds=5e-06, wait_seconds=1e-07)
+    finally:
+        signals.lock_released.receivers.clear()
+    assert seen == [2.5e-06]
+    first, second = caplog.records
+    assert first.getMessage() == (
+        "event=lock_released key=k owner=o fence=1 wait_seconds=0.000277 "
+        "hold_seconds=0.000002 cas_seconds=3.0"
+    )
+    assert (first.steplock["wait_seconds"], first.steplock["hold_seconds"]) == (0.000277, 2e-06)
+    assert second.getMessage() == (
+        "event=execution_done task_id=t hold_seconds=0.000005 wait_seconds=0.0"
+    )
+    assert second.steplock == {
+        "event": "execution_done",
+        "task_id": "t",
+        "hold_seconds": 5e-06,
+        "wait_seconds": 0.0,
+    }
+
+
 def test_a_raising_receiver_never_breaks_the_caller(caplog):
     def boom(**kwargs):
         raise RuntimeError("receiver failed")
@@ -165,7 +203,8 @@ def test_retry_scheduled_with_a_forged_task_id_stays_one_line(app, caplog):
         delivery_info={},
     )
     try:
-        with caplog.at_level(logging.INFO, logger="celery_steplock"):
+        # retry_scheduled is DEBUG (an execution's INFO line is its execution_done)
+        with caplog.at_level(logging.DEBUG, logger="celery_steplock"):
             with pytest.raises(Retry):
                 forged.steplock_retry(LockContended("busy", key="k"))
     finally:
@@ -174,27 +213,31 @@ def test_retry_scheduled_with_a_forged_task_id_stays_one_line(app, caplog):
     text = record.getMessage()
     assert "\n" not in text
     assert text.startswith('event=retry_scheduled task_id="abc\\nevent=lock_released key=')
+    assert record.levelno == logging.DEBUG
     assert record.steplock["task_id"] == task_id
     assert record.steplock["task_name"] == "tests.events.forged"
     assert record.steplock["reason"] == "LockContended"
     assert 0.05 <= record.steplock["countdown"] <= forged.steplock_plan.retry_backoff_max
 
 
-def readme_json_logging():
-    """The JSON logging block of the README, run as the README shows it."""
-    text = (PACKAGE.parent / "README.md").read_text()
+LOGS_PAGE = PACKAGE.parent / "docs" / "reference" / "logs.md"
+
+
+def docs_json_logging():
+    """The JSON logging block of the logs reference page, run as the page shows it."""
+    text = LOGS_PAGE.read_text()
     block = text.split("<!-- json-logging", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {}
-    exec(compile(block, "README.md:json-logging", "exec"), namespace)
+    exec(compile(block, "docs/reference/logs.md:json-logging", "exec"), namespace)
     return namespace
 
 
-def test_the_readme_json_logging_configuration_parses(tmp_path):
+def test_the_docs_json_logging_configuration_parses(tmp_path):
     import io
     import json
     import logging.config
 
-    config = readme_json_logging()["LOGGING"]
+    config = docs_json_logging()["LOGGING"]
     stream = io.StringIO()
     config["handlers"]["json"]["stream"] = stream
     logger = logging.getLogger("celery_steplock")
@@ -272,8 +315,9 @@ def test_the_readme_json_logging_configuration_parses(tmp_path):
     assert "ValueError: boom" in third["exc_info"]
 
 
-def test_every_event_line_of_the_package_is_documented_in_the_readme():
-    """Each ``log_event("<name>", ...)`` of the package appears in the README's Logs section."""
+def test_every_event_line_of_the_package_is_documented_in_the_logs_reference():
+    """Each ``log_event("<name>", ...)`` of the package appears in the "Log lines" section of
+    docs/reference/logs.md (the README points there)."""
     import ast
     import re
     from pathlib import Path
@@ -289,7 +333,7 @@ def test_every_event_line_of_the_package_is_documented_in_the_readme():
                 and isinstance(node.args[0], ast.Constant)
             ):
                 names.add(node.args[0].value)
-    readme = (root / "README.md").read_text()
-    section = re.search(r"^### Logs\n(.*?)^#", readme, re.S | re.M).group(1)
+    page = (root / "docs" / "reference" / "logs.md").read_text()
+    section = re.search(r"^## Log lines\n(.*?)^## ", page, re.S | re.M).group(1)
     assert len(names) > 20
     assert sorted(n for n in names if f"`{n}`" not in section) == []

@@ -744,7 +744,7 @@ def test_an_idempotency_key_template_never_confuses_two_value_pairs(redis_client
     ],
 )
 def test_render_template_refuses_what_a_task_option_refuses(template, arguments, says):
-    """Called directly (the README names it), render_template raises LockNameError for
+    """Called directly (docs/step-tasks.md names it), render_template raises LockNameError for
     every template the task options refuse at check time, never a bare KeyError."""
     with pytest.raises(LockNameError, match=says):
         keys.render_template(template, arguments)

@@ -81,8 +81,9 @@ def clean(app, redis_client):
 
 @pytest.fixture
 def steplock_log(caplog):
-    """The ``event=...`` lines of the ``celery_steplock`` logger, as ``(level, message)``."""
-    caplog.set_level(logging.INFO, logger="celery_steplock")
+    """The ``event=...`` lines of the ``celery_steplock`` logger, as ``(level, message)``
+    (DEBUG included: ``retry_scheduled`` is a DEBUG line)."""
+    caplog.set_level(logging.DEBUG, logger="celery_steplock")
 
     def lines(event=None):
         return [

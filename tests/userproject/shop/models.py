@@ -1,5 +1,5 @@
-"""The names README's testing example imports (``from shop.models import Order``): the sample
-shop keeps its models in its ``orders`` app."""
+"""The names the eager-mode example of docs/howto/testing.md imports (``from shop.models
+import Order``): the sample shop keeps its models in its ``orders`` app."""
 
 from orders.models import Charge, Order
 

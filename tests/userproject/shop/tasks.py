@@ -1,4 +1,4 @@
-"""The names README's testing example imports (``from shop.tasks import charge``)."""
+"""The names the eager-mode example of docs/howto/testing.md imports (``from shop.tasks import charge``)."""
 
 from orders.tasks import charge
 
