@@ -13,7 +13,10 @@ ALL_CORNERS := oldest,middle,newest
 venv:
 	@PYTHON="$(PYTHON)" bash scripts/bootstrap.sh
 
-demo: venv
+# Only what the demo needs goes into .venv (STEPLOCK_BOOTSTRAP=demo: the project with its django
+# extra and requirements/demo.txt); any other target tops it up to the whole set.
+demo:
+	@PYTHON="$(PYTHON)" STEPLOCK_BOOTSTRAP=demo bash scripts/bootstrap.sh
 	$(VENV)/bin/python scripts/demo.py
 
 test:
@@ -86,5 +89,5 @@ dist: $(VENV)/.lint-stamp
 	$(VENV)/bin/python scripts/check_dist.py dist
 
 clean:
-	rm -rf $(VENV) .venv-corners .tox .pytest_cache build dist *.egg-info docs/_build
+	rm -rf $(VENV) .venv-corners .tox .pytest_cache build dist *.egg-info docs/_build celery_steplock/_scm_version.txt
 	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -30,6 +30,11 @@ MAX_SOCKET_TIMEOUT = 600.0
 #: ``steplock_fence_ttl`` / ``RedisLeaseStore(fence_ttl=)``: one second to one year.
 MIN_FENCE_TTL = 1.0
 MAX_FENCE_TTL = 366 * 24 * 3600.0
+# A name's history (celery_steplock.history): entries kept per name, seconds kept.
+MIN_HISTORY_MAX_ENTRIES = 1
+MAX_HISTORY_MAX_ENTRIES = 100_000
+MIN_HISTORY_MAX_AGE = 1.0
+MAX_HISTORY_MAX_AGE = 366 * 24 * 3600.0
 #: ``steplock_max_waiters`` / ``RedisLeaseStore(max_waiters=)``.
 MAX_WAITERS_LIMIT = 100_000
 #: ``steplock_reaper_older_than``: one year.

@@ -5,6 +5,7 @@ app of ``celery -A proj`` and its ``steplock_*`` settings::
 
     celery -A proj steplock ls [--match GLOB] [--limit N] [--json]
     celery -A proj steplock show NAME [--json]
+    celery -A proj steplock history NAME [--json] [--count N]
     celery -A proj steplock release NAME --owner TOKEN
     celery -A proj steplock reap [--dry-run] [--json] [--batch-size N] [--older-than SECONDS]
                                  [--no-effects]
@@ -61,7 +62,13 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
-from .exceptions import LockStoreMisconfigured, LockStoreUnavailable, StepLockError
+from .exceptions import (
+    InvalidArgument,
+    LockNameError,
+    LockStoreMisconfigured,
+    LockStoreUnavailable,
+    StepLockError,
+)
 from .lease import INTEGER_FIELDS
 from .lock import get_lease_store
 from .ops import (
@@ -172,7 +179,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
 
 
-@click.group(short_help="Leases and circuit breakers: ls, show, release, reap, breaker.")
+@click.group(short_help="Leases and circuit breakers: ls, show, history, release, reap, breaker.")
 @click.pass_context
 @handle_preload_options
 def steplock(ctx):
@@ -267,6 +274,83 @@ def show(ctx, name, as_json):
     width = max(len(k) for k in shown)
     for key in sorted(shown):
         click.echo(f"{key.ljust(width)}  {shown[key]}")
+
+
+_HISTORY_COLUMNS = (
+    ("TIME (UTC)", "at"),
+    ("EVENT", "event"),
+    ("FENCE", "fence"),
+    ("OWNER", "owner"),
+    ("TASK", "task_id"),
+    ("OUTCOME", "outcome"),
+    ("DETAIL", "detail"),
+)
+
+
+def _history_row(entry: Any) -> dict[str, str]:
+    """One history entry as the table's cells (all text, printable)."""
+    at = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry.at))
+        + f".{int(entry.at * 1000) % 1000:03d}"
+    )
+    detail = []
+    if entry.contended:
+        detail.append(f"{entry.contended} refused")
+    if entry.holder:
+        detail.append(f"held by {entry.holder}")
+    if entry.by:
+        detail.append(f"by {entry.by}")
+    if entry.reason:
+        detail.append(entry.reason)
+    row = {
+        "at": at,
+        "event": entry.event,
+        "fence": "-" if entry.fence is None else str(entry.fence),
+        "owner": entry.owner or "-",
+        "task_id": entry.task_id or "-",
+        "outcome": entry.outcome or "-",
+        "detail": "; ".join(detail) or "-",
+    }
+    return {k: printable(v) for k, v in row.items()}
+
+
+@steplock.command(
+    "history", cls=CeleryCommand, short_help="Show the history of the lock name NAME."
+)
+@click.argument("name")
+@click.option(
+    "--count",
+    type=click.IntRange(1, 10_000),
+    default=50,
+    show_default=True,
+    help="entries at most, newest first",
+)
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list, newest first")
+@click.pass_context
+def history(ctx, name, count, as_json):
+    """Show the history of the lock name NAME, newest first: its lease events (acquired,
+    contended, released with the execution's outcome, forced, reaped, lost; expired
+    inferred) from its capped Redis list (celery_steplock.history). An entry that cannot
+    be read is shown as "malformed"; no history says so (exit 0)."""
+    lock = _lock(ctx)
+    try:
+        entries = lock.history(name, count)
+    except (InvalidArgument, LockNameError) as exc:
+        raise CeleryCommandException(message=f"steplock: {_shown(exc)}", exit_code=EX_FAILURE)
+    except StepLockError as exc:
+        raise _unavailable(exc)
+    if as_json:
+        click.echo(json.dumps([e.as_dict() for e in entries], sort_keys=True, default=str))
+        return
+    if not entries:
+        click.echo(f"no history for {printable(name)}")
+        return
+    cells = [[h for h, _ in _HISTORY_COLUMNS]] + [
+        [row[c] for _, c in _HISTORY_COLUMNS] for row in map(_history_row, entries)
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_HISTORY_COLUMNS))]
+    for row in cells:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 @steplock.command(

@@ -26,6 +26,8 @@ from . import _django
 from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bounds
     MAX_BACKOFF,
     MAX_FENCE_TTL,
+    MAX_HISTORY_MAX_AGE,
+    MAX_HISTORY_MAX_ENTRIES,
     MAX_HOLD,
     MAX_IDEMPOTENCY_MAX_RECORDS,
     MAX_IDEMPOTENCY_TTL,
@@ -45,6 +47,8 @@ from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bou
     MAX_WAIT,
     MAX_WAITERS_LIMIT,
     MIN_FENCE_TTL,
+    MIN_HISTORY_MAX_AGE,
+    MIN_HISTORY_MAX_ENTRIES,
     MIN_IDEMPOTENCY_MAX_RECORDS,
     MIN_IDEMPOTENCY_TTL,
     MIN_RENEWAL_INTERVAL,
@@ -77,9 +81,10 @@ from .clients import (
 from .exceptions import MAX_MESSAGE_LENGTH, ImproperlyConfigured  # noqa: F401
 
 # "skip" and "return" end the task with a successful outcome that says so
-# (celery_steplock.outcomes); "ignore" is Celery's Ignore (no state stored).
+# (celery_steplock.outcomes; "return_winner": the winner's stored result when there is one);
+# "ignore" is Celery's Ignore (no state stored).
 ON_CONTENDED = ("retry", "skip", "ignore", "raise")
-ON_CONFLICT = ("return", "ignore", "raise")
+ON_CONFLICT = ("return", "return_winner", "ignore", "raise")
 ON_STORE_ERROR = ("fail_closed", "fail_open")
 #: The overlap guard of periodic runs (task option ``overlap``; None: off).
 OVERLAP = ("skip", "coalesce", "queue")
@@ -339,7 +344,9 @@ SETTINGS: tuple[Setting, ...] = (
         "return",
         _choice(ON_CONFLICT),
         "A compare-and-swap that updated no row: ``return`` (succeed with the duplicate "
-        "outcome), ``ignore`` (no state update) or ``raise`` (``TransitionConflict``).",
+        "outcome), ``return_winner`` (succeed with the winner's stored result, else the "
+        "duplicate outcome), ``ignore`` (no state update) or ``raise`` "
+        "(``TransitionConflict``).",
     ),
     Setting(
         "on_store_error",
@@ -446,6 +453,30 @@ SETTINGS: tuple[Setting, ...] = (
         "factory's own pool) are capped at its ``max_connections`` minus a reserve of a quarter "
         "of them (at least 8).",
         "count",
+    ),
+    Setting(
+        "history",
+        True,
+        check_bool,
+        "Keep each lock name's history (acquired, contended, released with the execution's "
+        "outcome, forced, reaped, lost) in a capped Redis list, written by the lease scripts "
+        "in the same call (``celery steplock history NAME``, the admin's timeline). False: "
+        "nothing written.",
+    ),
+    Setting(
+        "history_max_entries",
+        100,
+        _count(minimum=MIN_HISTORY_MAX_ENTRIES, maximum=MAX_HISTORY_MAX_ENTRIES),
+        "Entries of history kept per lock name (1 to 100,000).",
+        "count",
+    ),
+    Setting(
+        "history_max_age",
+        _WEEK,
+        _seconds(minimum=MIN_HISTORY_MAX_AGE, maximum=MAX_HISTORY_MAX_AGE),
+        "Seconds a lock name's history lives after its last event, and beyond which its "
+        "entries are not shown (7 days).",
+        "seconds",
     ),
     Setting(
         "event_log",
@@ -793,6 +824,9 @@ class Settings:
     release_wait: bool
     fence_ttl: float
     max_waiters: int
+    history: bool
+    history_max_entries: int
+    history_max_age: float
     event_log: bool
     event_retention: float
     reaper_recover: dict[str, dict[str, str]]

@@ -154,6 +154,9 @@ class Execution:
         retry_countdown: Seconds until the lease retry this execution scheduled
             (:meth:`~celery_steplock.task.StepLockedTask.steplock_retry`; None: none).
         retry_reason: The type name of the exception that lease retry is for.
+        skip_reason: Why the execution ended "skipped" when the outcome itself does not say
+            (``overlap_held``, ``overlap_follower``: the overlap guard's), for its
+            ``execution_done`` line.
     """
 
     task: Task[Any, Any]
@@ -183,6 +186,7 @@ class Execution:
     cas_seconds: float | None = None
     retry_countdown: float | None = None
     retry_reason: str | None = None
+    skip_reason: str | None = None
     _token: contextvars.Token[dict[str, Execution]] | None = field(
         default=None, init=False, repr=False
     )
@@ -263,7 +267,7 @@ class Execution:
             step_id=step_id,
             steps=steps,
             nested=nested,
-            owner=new_owner_token(request.id),
+            owner=new_owner_token(request.id, max_length=getattr(steps, "owner_max_length", None)),
             fields=fields,
             step=step,
         )
@@ -321,6 +325,7 @@ def fenced_cas(
     updates: Mapping[str, Any] | None = None,
     deadline: float | None = None,
     stale: Callable[[TransitionConflict], BaseException | None] | None = None,
+    level: int = logging.DEBUG,
 ) -> TransitionResult:
     """The fenced compare-and-swap of a step, with its signals: one path for a task's
     transitions and for a guarded transition outside Celery.
@@ -342,6 +347,8 @@ def fenced_cas(
             none set here).
         stale: Called on a refusal by the fence, before ``transition_conflict`` is sent:
             the exception to raise instead of the plain :class:`LockLost`, or None.
+        level: The logging level of the two lines: DEBUG for a task (its INFO line is its
+            ``execution_done``), INFO for a guarded block (it has no other).
 
     Returns:
         The applied transition.
@@ -369,7 +376,7 @@ def fenced_cas(
         emit(
             signals.transition_conflict,
             sender,
-            logging.DEBUG,  # a task's INFO line is its execution_done
+            level,
             step_id=step_id,
             from_=from_,
             to=to,
@@ -404,7 +411,7 @@ def fenced_cas(
         lambda: emit(
             signals.transition_applied,
             sender,
-            logging.DEBUG,  # a task's INFO line is its execution_done
+            level,
             step_id=step_id,
             from_=from_,
             to=to,

@@ -194,8 +194,23 @@ class Renewals:
 def announce_lost(store: Any, sender: Any, lease: Lease) -> None:
     """Send ``lock_lost`` for ``lease`` and log it: ERROR, or WARNING naming the operator's
     record when an operator's force release took it (:func:`celery_steplock.lock.lost_line`:
-    one read of the store, here on the renewal thread, or on the hub under a green pool)."""
+    one read of the store, here on the renewal thread, or on the hub under a green pool).
+    The loss is appended to the name's history (one call; a failure is ignored: the line
+    and the signal say it)."""
     level, forced = lost_line(store, lease)
+    record = getattr(store, "record_history", None)
+    if record is not None:
+        try:
+            record(
+                lease.name,
+                "lost",
+                owner=lease.owner,
+                fence=lease.fence,
+                task_id=lease.task_id,
+                reason=lease.lost_reason,
+            )
+        except Exception:  # noqa: BLE001 - the history never stops the report of a loss
+            pass
     emit(
         signals.lock_lost,
         sender,

@@ -35,6 +35,7 @@ __all__ = [
     "fence_key",
     "waiters_key",
     "wake_key",
+    "history_key",
     "name_from_key",
     "check_name",
     "glob_escape",
@@ -662,6 +663,21 @@ def wake_key(prefix: str, name: str) -> str:
         ``<prefix>:wake:{<name>}``.
     """
     return f"{prefix}:wake:{{{name}}}"
+
+
+def history_key(prefix: str, name: str) -> str:
+    """The Redis key of a name's history, a capped list (the lease's hash slot, so the
+    lease scripts write it in the same call, Redis Cluster included;
+    :mod:`celery_steplock.history`).
+
+    Args:
+        prefix: The key prefix (``steplock_key_prefix``).
+        name: The lock name.
+
+    Returns:
+        ``<prefix>:history:{<name>}``.
+    """
+    return f"{prefix}:history:{{{name}}}"
 
 
 def name_from_key(key: str | bytes) -> str:

@@ -29,6 +29,8 @@ __all__ = [
     "CLOCK_DRIFT_FACTOR",
     "new_owner_token",
     "owner_has_task_id",
+    "owner_task_id",
+    "MAX_OWNER_TOKEN",
     "holder_metadata",
     "RESERVED_FIELDS",
     "INTEGER_FIELDS",
@@ -331,25 +333,70 @@ def drift(ttl: float) -> float:
     return ttl * CLOCK_DRIFT_FACTOR + 0.002
 
 
-def new_owner_token(task_id: str | None = None) -> str:
+#: Characters of an owner token at most when it carries its task id (:func:`new_owner_token`):
+#: the owner columns' ``max_length`` (``LeaseFencedStep.lock_owner``, the event log's and the
+#: admin's records).
+MAX_OWNER_TOKEN = 64
+#: Random hex digits that start every owner token (96 bits).
+_RANDOM_DIGITS = 24
+#: What follows the random digits of a token that carries its task id.
+_TASK_ID_MARK = ":"
+# A task id carried as itself: visible ASCII (no space, no control or non-ASCII character),
+# short enough for the token to fit MAX_OWNER_TOKEN (a uuid4 string is 36 characters).
+_CARRIED = rf"[\x21-\x7e]{{1,{MAX_OWNER_TOKEN - _RANDOM_DIGITS - 1}}}"
+_CARRIED_ID = re.compile(_CARRIED)
+_CARRYING = re.compile(rf"[0-9a-f]{{{_RANDOM_DIGITS}}}{re.escape(_TASK_ID_MARK)}({_CARRIED})")
+_DIGEST_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def new_owner_token(task_id: str | None = None, max_length: int | None = None) -> str:
     """A fresh owner token, unique per execution attempt.
 
     Args:
         task_id: The Celery task id of the attempt, when there is one.
+        max_length: The length of the owner column the token is written to, when it has
+            one (default None: :data:`MAX_OWNER_TOKEN`): a task id whose carrying form would
+            not fit gets the 32-character form.
 
     Returns:
-        32 hex digits. With ``task_id`` the last 8 are a digest of the task id
-        (:func:`owner_has_task_id`), so that the step row's owner column tells a redelivery
-        of the same task id from another task; the other 24 (96 bits) stay random.
+        Without ``task_id``: 32 random hex digits. With one of 1 to 39 visible ASCII
+        characters (a uuid4 string is 36): 24 random hex digits (96 bits), ``":"`` and the
+        task id itself, at most :data:`MAX_OWNER_TOKEN` (64) characters, so that the step
+        row's owner column names the task id that wrote it (:func:`owner_task_id`: the
+        "duplicate" outcome's ``committed_by``). With another task id: 24 random hex digits
+        and 8 of a digest of the task id (32 in all, the only form of earlier versions;
+        :func:`owner_task_id` gives None). Either form tells a redelivery of the same task
+        id from another task (:func:`owner_has_task_id`).
     """
     token = uuid.uuid4().hex
     if task_id is None:
         return token
-    return token[:24] + _task_digest(task_id)
+    task_id = str(task_id)
+    fits = max_length is None or _RANDOM_DIGITS + len(_TASK_ID_MARK) + len(task_id) <= max_length
+    if fits and _CARRIED_ID.fullmatch(task_id):
+        return f"{token[:_RANDOM_DIGITS]}{_TASK_ID_MARK}{task_id}"
+    return token[:_RANDOM_DIGITS] + _task_digest(task_id)
 
 
 def _task_digest(task_id: str) -> str:
     return hashlib.sha256(str(task_id).encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def owner_task_id(owner: str | None) -> str | None:
+    """The task id an owner token carries (:func:`new_owner_token`), else None.
+
+    Args:
+        owner: An owner token (a step row's owner column, a lease's ``owner``), or None.
+
+    Returns:
+        The task id after the 24 random hex digits and ``":"``; None for a token without
+        one (made without a task id, carrying only a digest of it, written by an earlier
+        version, or chosen by the caller).
+    """
+    if not owner or len(owner) > MAX_OWNER_TOKEN:
+        return None
+    match = _CARRYING.fullmatch(owner)
+    return match.group(1) if match is not None else None
 
 
 def owner_has_task_id(owner: str | None, task_id: str | None) -> bool:
@@ -360,12 +407,19 @@ def owner_has_task_id(owner: str | None, task_id: str | None) -> bool:
         task_id: The task id.
 
     Returns:
-        True when its last 8 hex digits are the task id's digest; a token made without a
-        task id matches a given one by chance only (1 in 2**32).
+        True when the token carries ``task_id`` itself (:func:`owner_task_id`), or when it
+        is 32 hex digits whose last 8 are the task id's digest (the form of a task id
+        that cannot be carried, and of tokens written by earlier versions); a digest
+        matches another task id by chance only (1 in 2**32).
     """
-    if not owner or not task_id or len(owner) != 32:
+    if not owner or not task_id:
         return False
-    return owner[24:] == _task_digest(task_id)
+    carried = owner_task_id(owner)
+    if carried is not None:
+        return carried == str(task_id)
+    if not _DIGEST_TOKEN.fullmatch(owner):
+        return False
+    return owner[_RANDOM_DIGITS:] == _task_digest(task_id)
 
 
 def holder_metadata(

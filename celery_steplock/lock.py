@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -27,12 +28,17 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from . import _green, signals
 from ._checks import (
+    MAX_HISTORY_MAX_AGE,
+    MAX_HISTORY_MAX_ENTRIES,
     MAX_OWNER_LENGTH,
     MAX_SCAN_COUNT,
     MAX_TTL,
     MAX_WAIT,
     MAX_WAITERS_LIMIT,
+    MIN_HISTORY_MAX_AGE,
+    MIN_HISTORY_MAX_ENTRIES,
     MIN_TTL,
+    check_bool,
     check_count,
     check_fence_ttl,
     check_key_prefix,
@@ -55,12 +61,30 @@ from .exceptions import (
     LockStoreMisconfigured,
     LockStoreUnavailable,
 )
+from .history import (
+    DEFAULT_MAX_AGE as DEFAULT_HISTORY_MAX_AGE,
+)
+from .history import (
+    DEFAULT_MAX_ENTRIES as DEFAULT_HISTORY_MAX_ENTRIES,
+)
+from .history import (
+    EVENTS as HISTORY_EVENTS,
+)
+from .history import (
+    HistoryConfig,
+    HistoryEntry,
+    parse_entries,
+)
+from .history import (
+    encode as encode_entry,
+)
 from .keys import (
     MAX_NAME_LENGTH,
     PROBE_NAME,  # the permission probe's reserved name; lock.PROBE_NAME stays valid
     check_name,
     fence_key,
     glob_escape,
+    history_key,
     lease_key,
     lease_keys,
     name_from_key,
@@ -94,6 +118,8 @@ __all__ = [
     "drain_releases",
     "lost_line",
     "FORCED_MARK_TTL",
+    "WaitRegistry",
+    "WAITS",
 ]
 
 
@@ -137,6 +163,27 @@ def forced_key(prefix: str, name: str) -> str:
     return f"{prefix}:forced:{{{name}}}"
 
 
+def parse_forced(raw: Any, owner: str) -> dict[str, Any] | None:
+    """The force release's record in the mark ``raw`` (its GET reply), or None when there is
+    none, it is no JSON object, or it names another owner than ``owner``."""
+    try:
+        record = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("owner") != owner:
+        return None
+    return record
+
+
+def forced_line(record: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+    """The level and extra fields of a ``lock_lost`` line given the force release's record
+    read back (:func:`parse_forced`): WARNING naming it, or ERROR with none."""
+    if record is None:
+        return logging.ERROR, {}
+    fields = {k: record.get(k) for k in FORCED_MARK_FIELDS if k != "reason"}
+    return logging.WARNING, {"forced": True, **fields}
+
+
 def lost_line(store: Any, lease: Lease) -> tuple[int, dict[str, Any]]:
     """The level and the extra fields of the ``lock_lost`` line of ``lease``.
 
@@ -159,10 +206,7 @@ def lost_line(store: Any, lease: Lease) -> tuple[int, dict[str, Any]]:
         record = store.forced(lease.name, lease.owner)
     except Exception:  # noqa: BLE001 - the loss is reported either way
         record = None
-    if record is None:
-        return logging.ERROR, {}
-    fields = {k: record.get(k) for k in FORCED_MARK_FIELDS if k != "reason"}
-    return logging.WARNING, {"forced": True, **fields}
+    return forced_line(record)
 
 
 def store_error(
@@ -404,9 +448,11 @@ def _acquire_request(
     ttl: float,
     wait: float,
     metadata: Mapping[str, Any] | None,
+    history: HistoryConfig | None = None,
 ) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of :data:`~celery_steplock._redis.scripts.lease.ACQUIRE` for validated
-    arguments (``wait`` above 0: the refused owner is recorded as waiting that long)."""
+    arguments (``wait`` above 0: the refused owner is recorded as waiting that long;
+    ``history``: the bounds of the name's history, None: none written)."""
     ttl_ms = str(max(1, int(ttl * 1000)))
     args = [
         owner,
@@ -418,7 +464,60 @@ def _acquire_request(
     keys = [lease_key(prefix, name), fence_key(prefix, name)]
     if wait > 0:
         keys.append(waiters_key(prefix, name))
+    if history is not None:
+        keys.append(history_key(prefix, name))
+        task_id = metadata.get("task_id") if metadata else None
+        args += history.args
+        args.append("" if task_id is None else str(task_id))
     return keys, args
+
+
+def _release_request(
+    prefix: str,
+    name: str,
+    owner: str,
+    history: HistoryConfig | None,
+    outcome: str | None = None,
+    task_id: str | None = None,
+    event: str = "released",
+    by: str | None = None,
+) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of :data:`~celery_steplock._redis.scripts.lease.RELEASE` for validated
+    arguments (``history`` None: no history key, nothing written to it)."""
+    keys = [lease_key(prefix, name), waiters_key(prefix, name), wake_key(prefix, name)]
+    if history is None:
+        return keys, [owner]
+    keys.append(history_key(prefix, name))
+    return keys, [
+        owner,
+        *history.args,
+        outcome or "",
+        "" if task_id is None else str(task_id),
+        event,
+        by or "",
+    ]
+
+
+def _history_store_argument(history: bool, max_entries: Any, max_age: Any) -> HistoryConfig | None:
+    """The store's :class:`HistoryConfig` (None: off), its bounds checked as the settings'."""
+    if not _argument(check_bool, history, "history"):
+        return None
+    return HistoryConfig(
+        max_entries=_argument(
+            check_count,
+            max_entries,
+            "history_max_entries",
+            minimum=MIN_HISTORY_MAX_ENTRIES,
+            maximum=MAX_HISTORY_MAX_ENTRIES,
+        ),
+        max_age=_argument(
+            check_seconds,
+            max_age,
+            "history_max_age",
+            minimum=MIN_HISTORY_MAX_AGE,
+            maximum=MAX_HISTORY_MAX_AGE,
+        ),
+    )
 
 
 def _granted(
@@ -675,6 +774,12 @@ class RedisLeaseStore:
             :data:`MAX_WAITERS`).
         name_secret: The HMAC key (str or bytes, 32 to 4096 long) of the leases'
             :attr:`~celery_steplock.lease.Lease.idempotency_key`; default None (they raise).
+        history: Keep each name's history (:mod:`celery_steplock.history`, written by the
+            lease scripts in the same call); default True (``steplock_history``).
+        history_max_entries: Entries kept per name, 1 to 100,000; default 100
+            (``steplock_history_max_entries``).
+        history_max_age: Seconds a name's history lives after its last event, 1 to 366
+            days; default 7 days (``steplock_history_max_age``).
 
     Raises:
         InvalidArgument: An argument of the wrong type or out of its bounds (naming it).
@@ -696,6 +801,9 @@ class RedisLeaseStore:
         waiter_client: redis.Redis | None = None,
         max_waiters: int = MAX_WAITERS,
         name_secret: bytes | str | None = None,
+        history: bool = True,
+        history_max_entries: int = DEFAULT_HISTORY_MAX_ENTRIES,
+        history_max_age: float = DEFAULT_HISTORY_MAX_AGE,
     ):
         # Looked up on the type: a deferred cluster client builds itself on attribute access.
         if not cluster.is_cluster(client) and not callable(
@@ -710,6 +818,10 @@ class RedisLeaseStore:
         )
         #: The HMAC key of the idempotency keys of the leases it grants (None: they raise).
         self.name_secret = name_secret
+        #: The bounds of the names' history (None: not written).
+        self.history_config = _history_store_argument(
+            history, history_max_entries, history_max_age
+        )
         self.client = client
         self.max_waiters = max_waiters
         self._waiter_client = waiter_client
@@ -731,6 +843,8 @@ class RedisLeaseStore:
         self._forget_waiter = wire.Script(scripts.FORGET_WAITER)
         self._owned = wire.Script(scripts.OWNED)
         self._probe = wire.Script(scripts.PROBE)
+        self._history_add = wire.Script(scripts.HISTORY_ADD)
+        self._history_read = wire.Script(scripts.HISTORY_READ)
         # The releases written without waiting (release_later): built on first use; None
         # when the client's shape keeps waiting (route.deferred).
         self._deferred: wire.Deferred | None = None
@@ -794,13 +908,7 @@ class RedisLeaseStore:
             raw = self.client.get(key)
         except STORE_ERRORS as exc:
             raise store_error(exc, "force release mark", key=key, name=name, owner=owner) from exc
-        try:
-            record = json.loads(raw) if raw is not None else None
-        except ValueError:
-            return None
-        if not isinstance(record, dict) or record.get("owner") != owner:
-            return None
-        return record
+        return parse_forced(raw, owner)
 
     @property
     def waiter_client(self) -> redis.Redis:
@@ -943,7 +1051,7 @@ class RedisLeaseStore:
         metadata = _metadata(metadata)
         wait = _wait_seconds(wait)
         keys, args = _acquire_request(
-            self.prefix, self.fence_ttl, name, owner, ttl, wait, metadata
+            self.prefix, self.fence_ttl, name, owner, ttl, wait, metadata, self.history_config
         )
         deferred = self._deferred
         if deferred is not None and deferred.pending:
@@ -1041,6 +1149,7 @@ class RedisLeaseStore:
         lease = None
         interrupted = False
         failover: _FailoverGrace | None = None
+        waiting = None  # WAITS' token once refused: a wait really happens
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -1056,6 +1165,8 @@ class RedisLeaseStore:
                     continue
                 if lease is not None or left <= 0:
                     return lease
+                if waiting is None:
+                    waiting = WAITS.start("lease", str((metadata or {}).get("task_name") or ""))
                 try:
                     client.blpop([wake], timeout=_wait_timeout(left, holder_ttl, cap))
                     interrupted = False
@@ -1072,6 +1183,8 @@ class RedisLeaseStore:
                         exc, "wait", key=self.key(name), name=name, owner=owner
                     ) from exc
         finally:
+            if waiting is not None:
+                WAITS.end(waiting)
             if lease is None:
                 # The waiter entry dropped; and a wake-up this wait may have taken from BLPOP
                 # before an exception cut it short (a soft time limit) passed on when the
@@ -1084,21 +1197,42 @@ class RedisLeaseStore:
     def _wake_keys(self, name: str) -> list[str]:
         return [self.key(name), waiters_key(self.prefix, name), wake_key(self.prefix, name)]
 
-    def release(self, name: str, owner: str) -> bool:
+    def release(
+        self,
+        name: str,
+        owner: str,
+        *,
+        outcome: str | None = None,
+        task_id: str | None = None,
+        forced_by: str | None = None,
+    ) -> bool:
         """Delete the lease if ``owner`` holds it, and wake a waiter.
 
         Args:
             name: The lock name.
             owner: The owner token.
+            outcome: The holder's execution outcome, for the name's history
+                (:data:`celery_steplock.history.OUTCOMES`; None: not recorded).
+            task_id: The holder's task id, for the history.
+            forced_by: An operator's force release: the history's entry is ``forced``,
+                naming them (:func:`celery_steplock.ops.force_release`).
 
         Returns:
             True when deleted; False (nothing changed) when the key is gone or another owner
             holds it, so releasing twice is harmless.
         """
         name, owner = _name(name), _owner(owner)
-        return bool(
-            self._call(self._release, self._wake_keys(name), [owner], "release", name, owner)
+        keys, args = _release_request(
+            self.prefix,
+            name,
+            owner,
+            self.history_config,
+            outcome,
+            task_id,
+            "released" if forced_by is None else "forced",
+            forced_by,
         )
+        return bool(self._call(self._release, keys, args, "release", name, owner))
 
     @property
     def deferred(self) -> wire.Deferred | None:
@@ -1118,6 +1252,9 @@ class RedisLeaseStore:
         name: str,
         owner: str,
         done: Callable[[bool | None, LockError | None], Any],
+        *,
+        outcome: str | None = None,
+        task_id: str | None = None,
     ) -> bool:
         """:meth:`release`, written to Redis without waiting for its reply, when this store
         can (see :attr:`deferred`): Redis runs it (and wakes a waiter) as soon as it reads
@@ -1125,7 +1262,8 @@ class RedisLeaseStore:
         ``done(released, None)`` (``released`` as :meth:`release` returns it) or
         ``done(None, error)`` (the :class:`LockError` of :func:`store_error`). ``done`` runs
         in the thread that reads the reply (the next :meth:`release_later` of this process,
-        :func:`drain_releases`, or the worker's shutdown) and must not raise.
+        :func:`drain_releases`, or the worker's shutdown) and must not raise. ``outcome``
+        and ``task_id``: as :meth:`release`'s.
 
         Returns:
             True when the release was written (or its write failed and ``done`` got the
@@ -1136,7 +1274,9 @@ class RedisLeaseStore:
         if deferred is None or not self._probed:
             return False
         name, owner = _name(name), _owner(owner)
-        keys = self._wake_keys(name)
+        keys, args = _release_request(
+            self.prefix, name, owner, self.history_config, outcome, task_id
+        )
 
         def replied(reply: Any, error: BaseException | None) -> None:
             if error is None:
@@ -1144,7 +1284,7 @@ class RedisLeaseStore:
             else:
                 done(None, store_error(error, "release", key=keys[0], name=name, owner=owner))
 
-        deferred.send(self._release, keys, [owner], replied)
+        deferred.send(self._release, keys, args, replied)
         return True
 
     def reap(self, name: str, owner: str, renewed_ms: str) -> bool:
@@ -1166,11 +1306,15 @@ class RedisLeaseStore:
         """
         name, owner = _name(name), _owner(owner)
         renewed_ms = _renewed_ms(renewed_ms)
-        return bool(
-            self._call(
-                self._reap, self._wake_keys(name), [owner, str(renewed_ms)], "reap", name, owner
-            )
-        )
+        keys, args = self._reap_request(name, owner, str(renewed_ms))
+        return bool(self._call(self._reap, keys, args, "reap", name, owner))
+
+    def _reap_request(self, name: str, owner: str, renewed_ms: str) -> tuple[list[str], list[str]]:
+        keys, args = self._wake_keys(name), [owner, renewed_ms]
+        if self.history_config is not None:
+            keys.append(history_key(self.prefix, name))
+            args += self.history_config.args
+        return keys, args
 
     def reap_many(
         self, items: Iterable[tuple[str, str, str]]
@@ -1203,7 +1347,7 @@ class RedisLeaseStore:
         if not self._probed:
             self.check_permissions(what="reap")
         calls = [
-            (self._wake_keys(name), [owner, renewed_ms]) for _n, name, owner, renewed_ms in valid
+            self._reap_request(name, owner, renewed_ms) for _n, name, owner, renewed_ms in valid
         ]
         try:
             replies = route.evalsha_many(self.client, self._reap, calls)
@@ -1481,6 +1625,117 @@ class RedisLeaseStore:
         reply = self._call(self._scan_fields, [key], [], "inspect", name, writes=False)
         return _inspected(self, key, name, reply)
 
+    def history(self, name: str, count: int = 50, *, offset: int = 0) -> list[HistoryEntry]:
+        """A name's history (:mod:`celery_steplock.history`), newest first: one call
+        (``TIME``, ``TYPE``, ``LRANGE``; a read, a replica answers).
+
+        Args:
+            name: The lock name.
+            count: How many stored entries at most, 1 to 10,000 (the inferred ``expired``
+                entries come on top).
+            offset: Stored entries to skip from the newest (the next page: the previous
+                page's ``offset + count``; entries appended meanwhile shift it).
+
+        Returns:
+            :class:`~celery_steplock.history.HistoryEntry` items, newest first; entries
+            older than ``steplock_history_max_age`` (this store's) left out. An entry that
+            cannot be read is one ``malformed`` entry; a key that is no list gives one
+            ``malformed`` entry naming its type. Empty when the name has no history (or
+            the history is off and none was left).
+
+        Raises:
+            InvalidArgument: ``count`` or ``offset`` is off.
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the read (ACL: ``lrange``, ``type``).
+        """
+        name = _name(name)
+        count = _argument(check_count, count, "count", minimum=1, maximum=10_000)
+        offset = _argument(check_count, offset, "offset", maximum=MAX_HISTORY_MAX_ENTRIES)
+        key = history_key(self.prefix, name)
+        reply = self._call(
+            self._history_read,
+            [key],
+            [str(offset), str(offset + count - 1)],
+            "history",
+            name,
+            writes=False,
+        )
+        return _history_entries(reply, key, self.history_config, offset)
+
+    def record_history(
+        self,
+        name: str,
+        event: str,
+        *,
+        owner: str | None = None,
+        fence: int | None = None,
+        task_id: str | None = None,
+        reason: str | None = None,
+        by: str | None = None,
+    ) -> str | None:
+        """Append an event only a client sees (``lost``) to a name's history: one call
+        (``TIME``, ``LPUSH``, ``LTRIM`` past the cap, ``PEXPIRE``).
+
+        Args:
+            name: The lock name.
+            event: One of :data:`celery_steplock.history.EVENTS`.
+            owner: The owner token concerned.
+            fence: Its fencing token.
+            task_id: Its task id.
+            reason: Why (text, cut to 200 characters).
+            by: Who (text, cut to 200 characters).
+
+        Returns:
+            The history's key; None when this store keeps no history.
+
+        Raises:
+            InvalidArgument: ``event`` is not one of the events.
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the write (ACL: ``xadd``).
+        """
+        config = self.history_config
+        if config is None:
+            return None
+        if event not in HISTORY_EVENTS or event == "expired":
+            raise InvalidArgument(
+                f"event must be one of {', '.join(HISTORY_EVENTS[:-1])}, got {shown(event)}",
+                argument="event",
+            )
+        name = _name(name)
+        entry = encode_entry(
+            event,
+            owner=owner,
+            fence=fence,
+            task_id=task_id,
+            reason=None if reason is None else str(reason)[:200],
+            by=None if by is None else str(by)[:200],
+        )
+        key = history_key(self.prefix, name)
+        self._call(self._history_add, [key], [*config.args, entry], "history", name, owner)
+        return key
+
+
+def _history_entries(
+    reply: Any, key: str, config: HistoryConfig | None, offset: int = 0
+) -> list[HistoryEntry]:
+    """HISTORY_READ's reply as entries, newest first (see :meth:`RedisLeaseStore.history`)."""
+    try:
+        seconds, micros, kind = (wire.text(part) for part in reply[:3])
+        now = int(seconds) + int(micros) / 1e6
+    except (TypeError, ValueError, IndexError):
+        return [HistoryEntry(id="?", at=0.0, event="malformed", reason="unreadable reply")]
+    if kind == "none":
+        return []
+    if kind != "list":
+        return [
+            HistoryEntry(
+                id="?", at=now, event="malformed", reason=f"{key} is a {kind}, not a list"
+            )
+        ]
+    raw = reply[3] if len(reply) > 3 else []
+    max_age = config.max_age if config is not None else None
+    return parse_entries(raw, now=now, max_age=max_age, offset=offset)
+
 
 def _inspected(store: Any, key: str, name: str, reply: Any) -> dict[str, Any] | None:
     """SCAN_FIELDS's reply for one lease as ``inspect`` returns it (the sync and the async
@@ -1546,7 +1801,8 @@ def get_lease_store(app: Any, settings: Settings | None = None) -> RedisLeaseSto
         The store of ``steplock_redis_url``, the transport, TLS and client-factory settings
         of :mod:`celery_steplock.clients`, ``steplock_redis_cluster``,
         ``steplock_socket_timeout``, ``steplock_key_prefix``, ``steplock_fence_ttl``,
-        ``steplock_max_waiters`` and ``steplock_name_secret``.
+        ``steplock_max_waiters``, ``steplock_name_secret`` and the ``steplock_history*``
+        settings.
 
     Raises:
         ImproperlyConfigured: One of those settings is invalid (naming it).
@@ -1559,6 +1815,9 @@ def get_lease_store(app: Any, settings: Settings | None = None) -> RedisLeaseSto
         settings.fence_ttl,
         settings.max_waiters,
         settings.name_secret,
+        settings.history,
+        settings.history_max_entries,
+        settings.history_max_age,
     )
     store = _stores.get(ident)
     if store is None:
@@ -1572,6 +1831,9 @@ def get_lease_store(app: Any, settings: Settings | None = None) -> RedisLeaseSto
                     waiter_client=config.waiter_client(),
                     max_waiters=ident[3],
                     name_secret=ident[4],
+                    history=ident[5],
+                    history_max_entries=ident[6],
+                    history_max_age=ident[7],
                 )
                 _stores[ident] = store
     return store
@@ -1585,7 +1847,12 @@ _DEPRECATED = {
 
 
 def release_after_commit(
-    store: RedisLeaseStore, lease: Lease, sender: Any, *, wait: bool = True
+    store: RedisLeaseStore,
+    lease: Lease,
+    sender: Any,
+    *,
+    wait: bool = True,
+    outcome: str | None = None,
 ) -> None:
     """Release ``lease`` once its holder committed, and send ``lock_released`` when it was
     still held. Errors are logged (``release_failed``), never raised: a failed release only
@@ -1603,7 +1870,10 @@ def release_after_commit(
         lease: the lease.
         sender: the sender of the signal (the task, or a guarded step).
         wait: False: do not wait for the reply where the store can defer it.
+        outcome: The execution's outcome, recorded in the name's history with the release
+            (:data:`celery_steplock.history.OUTCOMES`; None: not recorded).
     """
+    task_id = lease.task_id
     if not wait:
         held = lease.clock() - lease.acquired_at
 
@@ -1611,17 +1881,35 @@ def release_after_commit(
             _released(lease, sender, released, error, held)
 
         try:
-            if store.release_later(lease.name, lease.owner, done):
+            if store.release_later(
+                lease.name,
+                lease.owner,
+                done,
+                **_history_kwargs(store, outcome, task_id, "release_later"),
+            ):
                 return
         except Exception as exc:  # noqa: BLE001 - must never mask the holder's outcome
             _released(lease, sender, None, exc, held)
             return
     try:
-        released = store.release(lease.name, lease.owner)
+        released = store.release(
+            lease.name, lease.owner, **_history_kwargs(store, outcome, task_id)
+        )
     except Exception as exc:  # noqa: BLE001 - must never mask the holder's outcome
         _released(lease, sender, None, exc, 0.0)
         return
     _released(lease, sender, released, None, lease.clock() - lease.acquired_at)
+
+
+def _history_kwargs(
+    store: Any, outcome: str | None, task_id: str | None, method: str = "release"
+) -> dict[str, Any]:
+    # The history's arguments of a release, for a store that keeps a history; a store of
+    # another kind, or whose release was replaced on the instance (a wrapper, a test
+    # double), takes release(name, owner) alone.
+    if getattr(store, "history_config", None) is None or method in getattr(store, "__dict__", ()):
+        return {}
+    return {"outcome": outcome, "task_id": task_id}
 
 
 def _released(
@@ -1641,6 +1929,68 @@ def _released(
             hold_seconds=held,
             **lease_fields(lease),
         )
+
+
+class WaitRegistry:
+    """The waits in progress in this process, for the metrics
+    (:mod:`celery_steplock.contrib.prometheus`): a lease waited for
+    (:meth:`RedisLeaseStore.acquire` with ``wait``, from its first refusal: ``kind`` "lease",
+    ``label`` the task name from the metadata, "" without one) and a concurrency-limit slot
+    (:meth:`~celery_steplock.patterns.concurrency.ConcurrencyLimit.acquire` with ``wait``, from
+    its first denial: ``kind`` "concurrency", ``label`` the limit key).
+
+    Touched only when a wait really happens (an acquire granted at once never calls it):
+    :meth:`start` is a dict insert, :meth:`end` a delete, each followed under the registry's
+    lock by ``listener(kind, label, count, oldest)`` when one is set (``count``: waits of
+    that kind and label now; ``oldest``: the oldest one's start, ``time.time()`` seconds,
+    None when none). A listener that raises is ignored: a wait never fails for a metric.
+    A forked child starts with none of its parent's waits (its threads are not copied)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waits: dict[int, tuple[str, str, float]] = {}
+        self._tokens = iter(range(1, 1 << 62))
+        self.listener: Callable[[str, str, int, float | None], Any] | None = None
+
+    def start(self, kind: str, label: str) -> int:
+        """Record a wait starting now; returns the token :meth:`end` takes."""
+        with self._lock:
+            token = next(self._tokens)
+            self._waits[token] = (kind, label, time.time())
+            self._changed(kind, label)
+        return token
+
+    def end(self, token: int) -> None:
+        """Forget the wait of ``token`` (granted, given up or failed); twice is harmless."""
+        with self._lock:
+            entry = self._waits.pop(token, None)
+            if entry is not None:
+                self._changed(entry[0], entry[1])
+
+    def current(self) -> list[tuple[str, str, float]]:
+        """``(kind, label, started)`` of every wait in progress (``started``: time.time())."""
+        with self._lock:
+            return list(self._waits.values())
+
+    def _changed(self, kind: str, label: str) -> None:
+        listener = self.listener
+        if listener is None:
+            return
+        starts = [s for k, n, s in self._waits.values() if k == kind and n == label]
+        try:
+            listener(kind, label, len(starts), min(starts, default=None))
+        except Exception:  # noqa: BLE001 - a wait never fails for its metrics
+            pass
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._waits = {}
+
+
+#: This process's :class:`WaitRegistry`.
+WAITS = WaitRegistry()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WAITS._forked)
 
 
 def drain_releases(block: bool = True) -> int:

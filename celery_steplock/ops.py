@@ -8,6 +8,7 @@ and where its record goes: docs/security.md ("Operator actions are audited").
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import warnings
@@ -307,6 +308,17 @@ def _finish(auditor: ReleaseAudit, record: ForcedRelease, sender: Any) -> None:
         )
 
 
+def _release_takes(store: Any, argument: str) -> bool:
+    """Whether ``store.release`` takes the keyword ``argument`` (a store keeping a history;
+    not one of another kind, nor a release replaced by a wrapper of the old signature)."""
+    if getattr(store, "history_config", None) is None:
+        return False
+    try:
+        return argument in inspect.signature(store.release).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def force_release(
     store: RedisLeaseStore,
     name: str,
@@ -437,7 +449,14 @@ def force_release(
     except Exception:  # noqa: BLE001 - StepLockError, or a store without marks
         pass
     try:
-        deleted = store.release(name, owner)
+        # The name's history records it as "forced", naming the operator (a store without
+        # a history, or a release without the history's arguments, takes (name, owner)).
+        if _release_takes(store, "forced_by"):
+            deleted = store.release(
+                name, owner, task_id=record.task_id, forced_by=actor or via or "operator"
+            )
+        else:
+            deleted = store.release(name, owner)
     except StepLockError as exc:
         record.outcome = "unknown" if isinstance(exc, LockStoreUnavailable) else "failed"
         record.detail = str(exc)

@@ -18,17 +18,36 @@ it)::
      "committed_by": "7c1e...",      # task id of the execution that wrote the step, if known
      "held_by": None}                # "skipped": task id of the lease's holder, if known
 
-``committed_by`` is known when the step row's owner column (``lock_owner``) carries this
-task's own id (a same-id duplicate that still stores its outcome, see below) or, with the
-event log on (``steplock_event_log``), from the ``transition_applied`` event of the row's
-owner token; else None. :func:`is_outcome` and :meth:`StepOutcome.from_dict` read it back.
+``committed_by`` comes from the step row's owner column (``lock_owner``): the owner token
+of a task's execution carries its task id (24 random hex digits, ``":"``, the task id:
+:func:`~celery_steplock.lease.new_owner_token`, :func:`~celery_steplock.lease.owner_task_id`).
+A token without it (a task id over 39 characters or not visible ASCII, or a row written by
+an earlier version, whose tokens carried only a digest of the task id) leaves it None
+unless the event log is on (``steplock_event_log``: the ``transition_applied`` event of the
+row's owner token names it). A same-id duplicate that stores its outcome (see below) names
+its own id. :func:`is_outcome` and :meth:`StepOutcome.from_dict` read it back.
+
+**The winner's result.** With ``on_conflict="return_winner"`` (task option, or the
+``steplock_on_conflict`` setting) a duplicate returns the *winner's* stored result instead,
+as celery-singleton's callers expect: ``AsyncResult.get()`` gives the winner's value and a
+``chain()`` passes it on (:func:`winner_result`). It reads the result backend for the task
+id ``committed_by`` names, when the step is in this task's own ``to`` status; a result not
+stored yet (the winner commits before Celery stores its return value) is read again for up
+to :data:`STORE_WAIT` seconds. It falls back to the outcome dict when there is no such
+result: the winner unknown (``committed_by`` None), the disabled or the RPC backend, a
+winner with ``ignore_result``, a result expired or not stored within :data:`STORE_WAIT`, a
+stored ``FAILURE`` or ``REVOKED``, the step found in another status than ``to`` (another
+task moved it), a ``result_extended`` state naming another task. The value
+is the one the backend decodes (its ``result_serializer``: a JSON backend gives lists for
+tuples), stored again as this task's result. The same-id rule comes first: a delivery of
+the winner's own id still ends in ``Ignore``.
 
 **Same task id.** A redelivery of the winner's own message (visibility timeout, a lease
 retry, a re-sent message with the same ``task_id``) shares the winner's task id: the winner's
 result is that id's terminal state, so that delivery ends in Celery's ``Ignore`` (nothing
-stored) instead. It is recognised by the step row's owner column (owner tokens carry a digest
-of their task id, :func:`~celery_steplock.lease.new_owner_token`), by the lease's holder
-(a contended delivery whose holder has its id is retried with the header
+stored) instead. It is recognised by the step row's owner column (owner tokens carry their
+task id, or a digest of it, :func:`~celery_steplock.lease.owner_has_task_id`), by the
+lease's holder (a contended delivery whose holder has its id is retried with the header
 :data:`SAME_ID_HEADER`), and by the result backend already holding a ready state for the id.
 When the row says the same id committed but the backend holds no result yet (the winner
 released its lease and is about to store, or it was killed after its commit), the delivery
@@ -69,7 +88,7 @@ from ._redis.scripts.overlap import CLAIM_FOLLOWER, CLEAR_FOLLOWER
 from ._redis.wire import Script
 from .events import emit, lease_fields, log_event
 from .exceptions import LockContended, LockStoreUnavailable
-from .lease import owner_has_task_id
+from .lease import owner_has_task_id, owner_task_id
 from .plan import is_step_locked
 
 __all__ = [
@@ -80,6 +99,9 @@ __all__ = [
     "SAME_ID_HEADER",
     "STORE_WAIT",
     "conflict_outcome",
+    "RETURN_WINNER",
+    "winner_result",
+    "outcome_kind",
     "contended_outcome",
     "stored_state",
     "restore_stored_state",
@@ -102,8 +124,13 @@ SKIPPED = "skipped"
 SAME_ID_HEADER = "steplock_same_id"
 
 #: Seconds a same-id duplicate waits for the winner's stored result (reads after 0, 0.05,
-#: 0.15, 0.35, 0.75 and 1.55 s) before it takes the winner for dead and stores its outcome.
+#: 0.15, 0.35, 0.75 and 1.55 s) before it takes the winner for dead and stores its outcome;
+#: under ``on_conflict="return_winner"``, what a duplicate waits for the winner's result at
+#: most before it returns its outcome dict instead.
 STORE_WAIT = 1.55
+
+#: The ``on_conflict`` policy that returns the winner's stored result (:func:`winner_result`).
+RETURN_WINNER = "return_winner"
 
 _KEYS = ("steplock", "task", "step_id", "expected", "found", "committed_by", "held_by")
 
@@ -172,15 +199,9 @@ def is_outcome(value: Any) -> bool:
 # -- the result backend --------------------------------------------------------------------
 
 
-def _readable_backend(task) -> Any:
-    """The task's result backend when it keeps results by task id and this execution stores
-    one (not eager, not ignore_result, not the disabled or the RPC backend), else None."""
-    request = task.request
-    if request.is_eager or request.called_directly:
-        return None
-    ignore = request.ignore_result if request.ignore_result is not None else task.ignore_result
-    if ignore:
-        return None
+def _result_backend(task) -> Any:
+    """The task's result backend when it keeps results by task id (not the disabled or the
+    RPC backend), else None."""
     backend = task.backend
     from celery.backends.base import DisabledBackend
 
@@ -193,6 +214,18 @@ def _readable_backend(task) -> Any:
     if isinstance(backend, RPCBackend):
         return None  # results are messages to the caller: nothing to read back
     return backend
+
+
+def _readable_backend(task) -> Any:
+    """The task's result backend when it keeps results by task id and this execution stores
+    one (not eager, not ignore_result, not the disabled or the RPC backend), else None."""
+    request = task.request
+    if request.is_eager or request.called_directly:
+        return None
+    ignore = request.ignore_result if request.ignore_result is not None else task.ignore_result
+    if ignore:
+        return None
+    return _result_backend(task)
 
 
 def stored_state(task) -> dict[str, Any] | None:
@@ -327,7 +360,10 @@ def conflict_outcome(task, exc, steps=None) -> dict[str, Any] | None:
             task_name=task.name,
             waited=round(STORE_WAIT, 2),
         )
-    committed_by = request.id if same_id else writer.get("task_id")
+    if same_id:
+        committed_by = request.id
+    else:  # the row's owner token carries it (None for older tokens): else the event log's
+        committed_by = owner_task_id(writer.get("owner")) or writer.get("task_id")
     return StepOutcome(
         DUPLICATE,
         task.name,
@@ -336,6 +372,84 @@ def conflict_outcome(task, exc, steps=None) -> dict[str, Any] | None:
         found=exc.current,
         committed_by=committed_by,
     ).to_dict()
+
+
+def _winner_meta(task, backend, task_id: str) -> dict[str, Any] | None:
+    """The ready state ``backend`` holds for ``task_id``, read again until it is ready or
+    :data:`STORE_WAIT` has passed (the winner commits before it stores); None when none is
+    ready then, or the backend cannot be read (logged, never raised)."""
+    deadline = time.monotonic() + STORE_WAIT
+    pause = 0.05
+    while True:
+        try:
+            meta = backend.get_task_meta(task_id)
+        except Exception as exc:  # noqa: BLE001 - an unreadable backend: the outcome dict
+            log_event(
+                "result_backend_unreadable",
+                logging.WARNING,
+                task_id=task.request.id,
+                task_name=task.name,
+                error=exc,
+            )
+            return None
+        if meta and meta.get("status") in states.READY_STATES:
+            return meta
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        time.sleep(min(pause, remaining))
+        pause *= 2
+
+
+def winner_result(task, exc, outcome: dict[str, Any]) -> Any:
+    """What a duplicate returns under ``on_conflict="return_winner"``: the result the
+    result backend stores for the winner (``outcome["committed_by"]``), else ``outcome``.
+
+    Args:
+        task: The duplicate (a bound step task, its request pushed).
+        exc: Its TransitionConflict (``to``: the status the task would have written;
+            ``current``: the status found).
+        outcome: What :func:`conflict_outcome` returned (not None: the same-id rule's
+            ``Ignore`` comes first).
+
+    Returns:
+        The winner's return value, as the backend decodes it, when the winner's task id is
+        known and is not this one, the step is in the task's own ``to`` status (the last
+        writer did this step, not a later one), the backend keeps results by task id (not
+        the disabled or the RPC backend) and holds a ``SUCCESS`` for that id (with
+        ``result_extended``, of a task of this name) within :data:`STORE_WAIT` seconds.
+        Else ``outcome``, the "duplicate" dict: a winner with ``ignore_result``, a result
+        expired or never stored, a winner whose stored state is a ``FAILURE`` or
+        ``REVOKED``, a backend that cannot be read (``result_backend_unreadable``,
+        WARNING), or a ``committed_by`` unknown (an owner token without its task id and
+        the event log off). A missing result costs the duplicate up to
+        :data:`STORE_WAIT` seconds of reads; a stored one, one read.
+    """
+    winner = outcome.get("committed_by")
+    if not winner or winner == task.request.id:
+        return outcome  # unknown, or this id's own (the same-id rule's last resort)
+    if exc.to is None or exc.current != exc.to:
+        return outcome  # another task moved the step on: its result is not this task's
+    backend = _result_backend(task)
+    if backend is None:
+        return outcome
+    meta = _winner_meta(task, backend, winner)
+    if meta is None or meta.get("status") != states.SUCCESS:
+        return outcome
+    name = meta.get("name") or meta.get("task_name")  # result_extended: Redis, django-db
+    if name and name != task.name:
+        return outcome  # another task's result
+    task.request.steplock_outcome = DUPLICATE
+    return meta.get("result")
+
+
+def outcome_kind(task, result: Any) -> str | None:
+    """:data:`DUPLICATE` or :data:`SKIPPED` when ``result``, the task's return value, is a
+    :class:`StepOutcome` dict or the winner's result a duplicate returned
+    (:func:`winner_result`); else None (the body's own result)."""
+    if is_outcome(result):
+        return result["steplock"]
+    return getattr(task.request, "steplock_outcome", None)
 
 
 def contended_outcome(task, exc, step_id=None, expected=None) -> dict[str, Any] | None:
@@ -458,6 +572,7 @@ def overlap_contended(task: Any, exc: LockContended, plan: Any, execution: Any =
                 emit(
                     signals.overlap_coalesced,
                     task,
+                    logging.DEBUG,  # the execution's INFO line is its execution_done (retry)
                     policy="coalesce",
                     holder=holder,
                     follower=request.id,
@@ -470,9 +585,12 @@ def overlap_contended(task: Any, exc: LockContended, plan: Any, execution: Any =
                 _clear_quietly(task, plan, name)
                 raise
         reason = "follower"
+    if execution is not None:
+        execution.skip_reason = f"overlap_{reason}"
     emit(
         signals.overlap_skipped,
         task,
+        logging.DEBUG,  # the execution's INFO line is its execution_done (skipped)
         policy=plan.overlap,
         holder=holder,
         follower=follower,

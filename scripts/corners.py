@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORNER_DIR = ROOT / "requirements" / "corners"
 VENVS = ROOT / ".venv-corners"
 #: Files whose content the corner venvs are built from.
-KEY_FILES = ("setup.cfg", "pyproject.toml", "requirements/test.txt")
+KEY_FILES = ("setup.cfg", "pyproject.toml", "requirements/test.txt", "requirements/demo.txt")
 #: Packages whose versions a corner reports (what its compatibility row names).
 REPORTED = ("Django", "celery", "kombu", "redis", "django-celery-results")
 #: What a corner pass runs (on SQLite) when no test paths are given: the modules that touch the

@@ -136,6 +136,26 @@ def _counts(junit: Path) -> dict | None:
     return {"passed": max(total - failed - skipped, 0), "failed": failed, "skipped": skipped}
 
 
+def _failures(junit: Path, limit: int = 20) -> list[str]:
+    """``node id: first line of the message`` of each failed or erroring test in a JUnit XML
+    report (at most ``limit``): the summary names them, since CI keeps only its tail."""
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    found: list[str] = []
+    for case in root.iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                where = f"{case.get('classname', '')}::{case.get('name', '')}"
+                message = (child.get("message") or "").strip().splitlines()
+                found.append(f"{where}: {message[0][:200] if message else child.tag}")
+                break
+        if len(found) >= limit:
+            break
+    return found
+
+
 def _pump(stream, label: str, log: Path) -> None:
     """Copy a pass's output line by line, each line prefixed by the pass's label, to this
     process's stdout and to ``log``."""
@@ -184,6 +204,10 @@ def run_pytest(
         if running is not None and proc in running:
             running.remove(proc)
     return code, _counts(junit)
+
+
+def failures_of(label: str, workdir: Path) -> list[str]:
+    return _failures(workdir / f"{label}.xml")
 
 
 def describe(counts: dict | None) -> str:
@@ -275,8 +299,14 @@ def main(args: list[str]) -> int:
     running: list[subprocess.Popen] = []
     shared_redis = base_env.get(TEST_REDIS_URL_ENV)
 
-    def record(label: str, code: int | None, counts: dict | None, elapsed: float) -> None:
+    failed_tests: dict[str, list[str]] = {}  # label -> "node id: message" of its failures
+
+    def record(
+        label: str, code: int | None, counts: dict | None, elapsed: float, failures: list[str]
+    ) -> None:
         with lock:
+            if failures:
+                failed_tests[label] = failures
             if counts:
                 for key in totals:
                     totals[key] += counts[key]
@@ -426,6 +456,8 @@ def main(args: list[str]) -> int:
         if label in results:
             status, detail = results[label]
             say(f"{label}: {status} ({detail})")
+            for failure in failed_tests.get(label, []):
+                say(f"  failed: {failure}")
     print(f"total: {describe(totals)}", flush=True)
     statuses = [results[label][0] for label in order if label in results]
     if statuses and all(status == "empty" for status in statuses):
@@ -486,7 +518,7 @@ def run_pass(p: Pass, workdir: Path, shared_redis, prefixed, running, record, no
         code, counts = run_pytest(
             p.label, p.args, env, workdir, python=p.python, prefixed=prefixed, running=running
         )
-        record(p.label, code, counts, time.monotonic() - started)
+        record(p.label, code, counts, time.monotonic() - started, failures_of(p.label, workdir))
     finally:
         for server in (db_server, redis_server):
             if server is not None:

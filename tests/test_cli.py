@@ -658,7 +658,7 @@ def test_help_lists_every_command_with_one_line(cli):
 
     top = listed()
     assert top == {name: cmd.short_help for name, cmd in steplock.commands.items()}
-    assert sorted(top) == ["breaker", "ls", "reap", "release", "show"]
+    assert sorted(top) == ["breaker", "history", "ls", "reap", "release", "show"]
     assert top["breaker"] == "Circuit breakers: ls, show, open, close."
     inner = listed("breaker")
     assert inner == {name: cmd.short_help for name, cmd in breaker_group.commands.items()}

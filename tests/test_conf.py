@@ -357,8 +357,9 @@ def test_the_table_is_the_only_source():
     from celery_steplock.conf import DESCRIPTIONS, RENAMED, SETTINGS
 
     names = [s.name for s in SETTINGS]
-    # 45, then steplock_overlap and the four steplock_effect_* settings (issue 28)
-    assert len(names) == len(set(names)) == 50
+    # 45, then steplock_overlap and the four steplock_effect_* settings (issue 28), then
+    # steplock_history, steplock_history_max_entries, steplock_history_max_age (issue 30)
+    assert len(names) == len(set(names)) == 53
     assert DEFAULTS == {s.name: s.default for s in SETTINGS} and list(DEFAULTS) == names
     assert DESCRIPTIONS == {s.name: s.description for s in SETTINGS}
     assert list(DESCRIPTIONS) == names

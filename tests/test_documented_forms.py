@@ -55,7 +55,9 @@ FORMS = {
     "on_contended": [
         (v, v, ("plan", "on_contended", v)) for v in ("retry", "skip", "ignore", "raise")
     ],
-    "on_conflict": [(v, v, ("plan", "on_conflict", v)) for v in ("return", "ignore", "raise")],
+    "on_conflict": [
+        (v, v, ("plan", "on_conflict", v)) for v in ("return", "return_winner", "ignore", "raise")
+    ],
     "on_store_error": [
         (v, v, ("plan", "on_store_error", v)) for v in ("fail_closed", "fail_open")
     ],

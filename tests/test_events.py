@@ -44,13 +44,13 @@ def test_durations_are_rounded_to_microseconds_in_the_line_and_the_record(caplog
                 owner="o",
                 fence=1,
                 wait_seconds=0.00027734799999734605,
-                hold_seconds=2.5e-06,
+                hold_seconds=2.4e-06,
                 cas_seconds=3.0,
             )
             log_event("execution_done", task_id="t", hold_seconds=5e-06, wait_seconds=1e-07)
     finally:
         signals.lock_released.receivers.clear()
-    assert seen == [2.5e-06]
+    assert seen == [2.4e-06]
     first, second = caplog.records
     assert first.getMessage() == (
         "event=lock_released key=k owner=o fence=1 wait_seconds=0.000277 "

@@ -2,6 +2,7 @@
 events at DEBUG; a lease lost to an operator's force release is a WARNING naming the
 operator's record; a lease retry is a ``task-retried`` event for Celery's monitors."""
 
+import asyncio
 import logging
 import re
 import threading
@@ -11,7 +12,10 @@ import pytest
 from celery.exceptions import Retry
 
 from celery_steplock import signals
-from celery_steplock.exceptions import LockContended
+from celery_steplock.aio import AsyncRedisLeaseStore
+from celery_steplock.clients import async_twin
+from celery_steplock.contrib.django.steps import guarded_step
+from celery_steplock.exceptions import LockContended, LockLost
 from celery_steplock.heartbeat import Heartbeat
 from celery_steplock.lock import FORCED_MARK_TTL, get_lease_store, lost_line
 from celery_steplock.ops import ReleaseAudit, force_release
@@ -223,6 +227,75 @@ def test_a_lease_force_released_during_the_body_is_a_warning_at_the_commit(caplo
     assert [r.steplock["event"] for r in ours if r.levelno >= logging.ERROR] == []
     [done] = [r for r in ours if r.steplock["event"] == "execution_done"]
     assert done.steplock["outcome"] == "error" and done.steplock["reason"] == "LockLost"
+
+
+def test_a_guarded_block_logs_its_outcome_at_info_and_the_lease_at_debug(app, caplog):
+    """A block outside Celery has no execution_done: its INFO line is its transition."""
+    step = Step.objects.create(name="s")
+    with caplog.at_level(logging.DEBUG, logger="celery_steplock"):
+        with guarded_step(Step, step.pk, lock_name=f"logs:guarded:{step.pk}") as block:
+            block.transition("pending", "done")
+    events = {r.steplock["event"]: r.levelname for r in caplog.records if hasattr(r, "steplock")}
+    assert events["transition_applied"] == "INFO"
+    assert events["lock_acquired"] == "DEBUG" and events["lock_released"] == "DEBUG"
+    assert [e for e, level in events.items() if level == "INFO"] == ["transition_applied"]
+
+
+def test_a_guarded_block_whose_lease_is_force_released_warns_naming_the_record(app, caplog):
+    step = Step.objects.create(name="s")
+    name = f"logs:guarded-forced:{step.pk}"
+    with caplog.at_level(logging.INFO, logger="celery_steplock"):
+        with pytest.raises(LockLost):
+            with guarded_step(Step, step.pk, lock_name=name) as block:
+                force_release(
+                    get_lease_store(app),
+                    name,
+                    block.lease.owner,
+                    actor="carol",
+                    via="cli",
+                    auditor=Recorded(),
+                )
+                block.transition("pending", "done")
+    step.refresh_from_db()
+    assert step.status == "pending"
+    [lost] = [r for r in caplog.records if getattr(r, "steplock", {}).get("event") == "lock_lost"]
+    assert lost.levelno == logging.WARNING
+    assert lost.getMessage().endswith("forced=True actor=carol via=cli audit=lease-event-42")
+
+
+def test_an_async_lease_force_released_is_lost_with_a_warning(app, caplog):
+    """The event loop's heartbeat reads the operator's mark with the async client."""
+    store = get_lease_store(app)
+    events = []
+
+    def on_lost(sender=None, **kwargs):
+        events.append(kwargs)
+
+    async def main():
+        astore = AsyncRedisLeaseStore(async_twin(store.client), prefix=store.prefix)
+        try:
+            async with astore.lease("logs:async-forced", ttl=0.6) as lease:
+                force_release(
+                    store, lease.name, lease.owner, actor="dave", via="api", auditor=Recorded()
+                )
+                deadline = time.monotonic() + 5
+                while not events and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                return lease
+        finally:
+            await astore.client.aclose()
+
+    signals.lock_lost.connect(on_lost, weak=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_steplock"):
+            lease = asyncio.run(main())
+    finally:
+        signals.lock_lost.disconnect(on_lost)
+    [fields] = events
+    assert fields["owner"] == lease.owner and fields["forced"] is True
+    assert (fields["actor"], fields["via"], fields["audit"]) == ("dave", "api", "lease-event-42")
+    [lost] = [r for r in caplog.records if getattr(r, "steplock", {}).get("event") == "lock_lost"]
+    assert lost.levelno == logging.WARNING
 
 
 def test_any_other_loss_stays_an_error(app):

@@ -509,6 +509,7 @@ def test_the_patterns_build_their_keys_with_todays_layouts(redis_client):
     assert 5000 < redis_client.pttl("t:lease:{order:42}") <= 9000
     assert sorted(redis_client.keys("t:*")) == [
         "t:fence:{order:42}",
+        "t:history:{order:42}",  # the name's history (issue 30)
         "t:lease:{order:42}",
     ]
 

@@ -93,7 +93,9 @@ def test_every_key_has_a_ttl(lock, redis_client):
         lock.acquire(f"n{i}", new_owner_token(), 5.0)
     lock.release("n0", redis_client.hget("t:lease:{n0}", "owner"))
     keys, without = all_keys_have_ttl(redis_client, "t:*")
-    assert len(keys) == 9 and without == []
+    # 4 leases, 5 fencing counters, 5 histories (celery_steplock.history): all with a TTL.
+    assert len(keys) == 14 and without == []
+    assert sum(key.startswith("t:history:") for key in keys) == 5
 
 
 def test_non_owner_release_and_extend_change_nothing(lock, redis_client):
@@ -992,7 +994,12 @@ def test_the_probe_never_touches_a_lease_it_does_not_own(redis_client):
         after = {key: snapshot(key) for key in before}
         assert after == before, present
         assert all(redis_client.ttl(key) > 50 for key in before)
-        assert set(redis_client.keys("*")) == {*before, "t:lease:{mine}", "t:fence:{mine}"}
+        assert set(redis_client.keys("*")) == {
+            *before,
+            "t:lease:{mine}",
+            "t:fence:{mine}",
+            "t:history:{mine}",
+        }
         assert store.release("mine", "o1")
 
 

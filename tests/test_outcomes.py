@@ -13,12 +13,13 @@ import uuid
 
 import pytest
 from celery import states
+from celery.app.task import Context
 from django.db import connections
 from kombu.serialization import dumps, loads
 
 from celery_steplock import outcomes
 from celery_steplock.exceptions import TransitionConflict
-from celery_steplock.lease import new_owner_token, owner_has_task_id
+from celery_steplock.lease import _task_digest, new_owner_token, owner_has_task_id, owner_task_id
 from celery_steplock.lock import get_lease_store
 from celery_steplock.outcomes import DUPLICATE, SKIPPED, StepOutcome, is_outcome
 from celery_steplock.task import StepLockedTask
@@ -144,14 +145,52 @@ def test_msgpack_carries_the_outcome():
     assert loads(data, content_type, encoding, accept=[content_type]) == value
 
 
-def test_owner_token_carries_a_digest_of_its_task_id():
-    token = new_owner_token("task-a")
-    assert len(token) == 32 and int(token, 16) >= 0
-    assert owner_has_task_id(token, "task-a") and not owner_has_task_id(token, "task-b")
-    assert new_owner_token("task-a") != token  # still unique per attempt
-    assert new_owner_token("task-a")[24:] == token[24:]
+def legacy_token(task_id):
+    """An owner token as earlier versions made it: 24 random hex digits and 8 of a digest
+    of the task id."""
+    return uuid.uuid4().hex[:24] + _task_digest(task_id)
+
+
+def test_owner_token_carries_its_task_id():
+    task_id = str(uuid.uuid4())
+    token = new_owner_token(task_id)
+    assert len(token) == 61 and token[24] == ":" and int(token[:24], 16) >= 0
+    assert owner_task_id(token) == task_id
+    assert owner_has_task_id(token, task_id) and not owner_has_task_id(token, "task-b")
+    assert new_owner_token(task_id) != token  # still unique per attempt (96 random bits)
+    assert new_owner_token(task_id)[24:] == token[24:]
     assert not owner_has_task_id(None, "task-a") and not owner_has_task_id(token, None)
     assert not owner_has_task_id("short", "task-a")
+    assert owner_task_id(new_owner_token()) is None and len(new_owner_token()) == 32
+    longest = "i" * 39
+    assert len(new_owner_token(longest)) == 64 and owner_task_id(new_owner_token(longest))
+
+
+@pytest.mark.parametrize("task_id", ["i" * 40, "has space", "caf\u00e9", "tab\tid"])
+def test_a_task_id_the_token_cannot_carry_gets_the_digest_form(task_id):
+    token = new_owner_token(task_id)
+    assert len(token) == 32 and int(token, 16) >= 0 and owner_task_id(token) is None
+    assert owner_has_task_id(token, task_id) and not owner_has_task_id(token, "other")
+
+
+def test_an_owner_column_sized_for_earlier_tokens_gets_the_short_form():
+    """A user's own owner column of 32 characters (the earlier tokens' length) keeps working:
+    the token is made to fit it, and only committed_by is lost."""
+    task_id = str(uuid.uuid4())
+    token = new_owner_token(task_id, max_length=32)
+    assert len(token) == 32 and owner_task_id(token) is None
+    assert owner_has_task_id(token, task_id)
+    assert len(new_owner_token(task_id, max_length=61)) == 61  # just fits: carried
+    assert len(new_owner_token(task_id, max_length=60)) == 32
+    from celery_steplock.contrib.django.steps import DjangoStepStore
+
+    assert DjangoStepStore(Step).owner_max_length == 64  # LeaseFencedStep.lock_owner
+
+
+def test_tokens_of_earlier_versions_stay_readable():
+    token = legacy_token("task-a")
+    assert owner_has_task_id(token, "task-a") and not owner_has_task_id(token, "task-b")
+    assert owner_task_id(token) is None  # committed_by unknown for them
 
 
 # -- through the task (apply) ------------------------------------------------------------
@@ -162,10 +201,12 @@ def test_duplicate_with_its_own_task_id_succeeds_with_the_outcome(events):
     first = finish.apply(args=(step.pk,), task_id="winner-id")
     second = finish.apply(args=(step.pk,), task_id="loser-id")
     assert first.state == "SUCCESS" and first.result["winner"] == "winner-id"
-    assert second.state == "SUCCESS" and second.result == duplicate(step)
+    # The event log is off: committed_by comes from the row's owner token.
+    assert second.state == "SUCCESS"
+    assert second.result == duplicate(step, committed_by="winner-id")
     assert BODY_RUNS == [step.pk] and TransitionRecord.objects.count() == 1
     step.refresh_from_db()
-    assert owner_has_task_id(step.lock_owner, "winner-id")  # the row names its writer's id
+    assert owner_task_id(step.lock_owner) == "winner-id"  # the row names its writer's id
 
 
 def test_committed_by_comes_from_the_event_log_when_it_is_on(app):
@@ -278,7 +319,9 @@ def test_a_stored_result_of_the_same_id_is_never_overwritten(worker_request):
     worker_request("x")
     assert outcomes.conflict_outcome(finish, conflict(step), steps()) is None
     worker_request("y")  # another id: the row says "x" wrote it, "y" has nothing stored
-    assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(step)
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(
+        step, committed_by="x"
+    )
 
 
 def test_same_id_waits_for_the_winner_s_result_then_ignores(worker_request):
@@ -349,4 +392,79 @@ def test_the_row_s_writer_outweighs_a_retry_s_same_id_header(worker_request):
     """The same-id holder a retry met may have died; the row says another id committed."""
     step = committed_step("y")
     worker_request("x", **{outcomes.SAME_ID_HEADER: 1})
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(
+        step, committed_by="y"
+    )
+
+
+def test_a_row_written_by_an_earlier_version_keeps_the_same_id_rule(worker_request):
+    """A token with only a digest of its task id: the same id still ends in Ignore, another
+    id's outcome has committed_by None (unless the event log names it)."""
+    step = Step.objects.create(name="s", status="done", lock_owner=legacy_token("x"))
+    celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+    worker_request("x")
+    assert outcomes.conflict_outcome(finish, conflict(step), steps()) is None
+    worker_request("y")
     assert outcomes.conflict_outcome(finish, conflict(step), steps()) == duplicate(step)
+
+
+# -- on_conflict="return_winner" -------------------------------------------------------------
+
+
+def test_return_winner_returns_the_winner_s_stored_result(worker_request):
+    step = committed_step("x")
+    celery_app.backend.store_result("x", {"winner": "x", "n": [1, 2]}, states.SUCCESS)
+    worker_request("y")
+    outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
+    assert outcome == duplicate(step, committed_by="x")
+    value = outcomes.winner_result(finish, conflict(step), outcome)
+    assert value == {"winner": "x", "n": [1, 2]}
+    assert outcomes.outcome_kind(finish, value) == DUPLICATE  # logged as a duplicate
+
+
+def test_return_winner_falls_back_to_the_outcome(app, worker_request):
+    set_settings(app, result_extended=True)
+    step = committed_step("x")
+    worker_request("y")
+    outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
+    # A winner whose stored state is a failure.
+    celery_app.backend.store_result("x", ValueError("boom"), states.FAILURE)
+    assert outcomes.winner_result(finish, conflict(step), outcome) == outcome
+    # The step is not in the task's own "to": a later writer's result is not this task's.
+    celery_app.backend.store_result("x", {"winner": "x"}, states.SUCCESS)
+    later = TransitionConflict(
+        "moved on", step_id=step.pk, from_="pending", to="done", current="shipped"
+    )
+    assert outcomes.winner_result(finish, later, outcome) == outcome
+    # A stored state naming another task (result_extended).
+    celery_app.backend.store_result(
+        "x", {"winner": "x"}, states.SUCCESS, request=Context(task="tests.other", args=[])
+    )
+    meta = celery_app.backend.get_task_meta("x", cache=False)
+    assert (meta.get("name") or meta.get("task_name")) == "tests.other"
+    assert outcomes.winner_result(finish, conflict(step), outcome) == outcome
+    # The winner unknown (committed_by None).
+    unknown = duplicate(step)
+    assert outcomes.winner_result(finish, conflict(step), unknown) == unknown
+    assert outcomes.outcome_kind(finish, outcome) == DUPLICATE
+
+
+def test_return_winner_waits_at_most_store_wait_for_a_missing_result(worker_request):
+    step = committed_step("never-stored")
+    worker_request("y")
+    outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
+    began = time.monotonic()
+    assert outcomes.winner_result(finish, conflict(step), outcome) == outcome
+    assert outcomes.STORE_WAIT - 0.1 <= time.monotonic() - began < outcomes.STORE_WAIT + 1
+
+
+def test_return_winner_through_the_task(app, worker_request):
+    """apply() stores no result: the winner's is put in the backend as a worker would."""
+    step = Step.objects.create(name="s")
+    winner = finish.apply(args=(step.pk,), task_id="winner-id")
+    celery_app.backend.store_result("winner-id", winner.result, states.SUCCESS)
+    set_settings(app, steplock_on_conflict="return_winner")  # the setting, for every task
+    again = finish.apply(args=(step.pk,), task_id="loser-id")
+    assert again.state == "SUCCESS" and again.result == winner.result
+    assert again.result == {"winner": "winner-id", "fence": winner.result["fence"]}
+    assert BODY_RUNS == [step.pk]

@@ -5,6 +5,7 @@ marker (its expiry, its compare-and-delete), and the options it refuses."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -127,6 +128,20 @@ def test_skip_a_send_during_a_run_ends_skipped(make, redis_client, seen):
     assert skipped[0]["task_id"] == "second" and skipped[0]["follower"] is None
     # Once the run ended, the next send runs.
     assert task.apply(task_id="third").result == "ran"
+
+
+def test_a_skipped_send_is_one_info_line_naming_the_overlap(make, redis_client, caplog):
+    task, _runs = make(overlap="skip")
+    first = Running(task, redis_client)
+    with caplog.at_level(logging.DEBUG, logger="celery_steplock"):
+        task.apply(task_id="second")
+    first.finish()
+    ours = [r for r in caplog.records if getattr(r, "steplock", {}).get("task_id") == "second"]
+    info = [r.steplock for r in ours if r.levelno >= logging.INFO]
+    assert [(e["event"], e["outcome"], e["reason"]) for e in info] == [
+        ("execution_done", "skipped", "overlap_held")
+    ]
+    assert [r.levelname for r in ours if r.steplock["event"] == "overlap_skipped"] == ["DEBUG"]
 
 
 def test_queue_a_send_during_a_run_waits_its_turn(make, redis_client, seen):

@@ -48,6 +48,13 @@ def test_inner_reports_what_its_pass_gave_it(redis_server_url):
     assert os.environ["REDIS_URL"] == redis_server_url
 
 
+def test_inner_fails_when_asked():
+    """The inner test of the failure-summary run below: fails, with a message of its own, when
+    STEPLOCK_TEST_FAIL_INNER is set (the value it fails with), else checks that it is unset."""
+    asked = os.environ.get("STEPLOCK_TEST_FAIL_INNER", "")
+    assert asked == "", f"asked to fail: {asked}"
+
+
 @pytest.fixture
 def users_redis(private_redis):
     """A user's own Redis, with a password and a key of theirs; ``(url, admin client)``."""
@@ -208,3 +215,18 @@ def test_only_runs_the_named_pass_on_its_own_mariadb(tmp_path):
     assert code != 0 and "--only takes one of postgresql, sqlite, mariadb, common" in output, (
         output
     )
+
+
+@pytest.mark.no_database  # runs once, in the SQLite pass
+def test_the_summary_names_each_failed_test_and_its_message(tmp_path):
+    """CI keeps only the tail of the output: the summary at the end names what failed."""
+    inner = "tests/test_run_tests.py::test_inner_fails_when_asked"
+    env = _env(tmp_path, STEPLOCK_TEST_FAIL_INNER="marker-4711")
+    code, output = _run(_runner("--only", "sqlite", "-p", "no:cacheprovider", inner), env)
+    assert code == 1, output
+    tail = output[output.index("run_tests: sqlite: FAILED") :]
+    assert (
+        "run_tests:   failed: tests.test_run_tests::test_inner_fails_when_asked: "
+        "AssertionError: asked to fail: marker-4711"
+    ) in tail, tail
+    assert "total: 0 passed, 1 failed, 0 skipped" in tail, tail

@@ -21,10 +21,18 @@ import logging
 import time
 from typing import Any, Callable
 
-from .. import _loops
-from ..events import log_event
+from .. import _loops, signals
+from ..events import emit, lease_fields, log_event
 from ..exceptions import LockStoreMisconfigured, LockStoreUnavailable
-from ..heartbeat import IDLE_TIMEOUT, MIN_RETRY_DELAY, Renewals, _Entry, check_ratio, new_entry
+from ..heartbeat import (
+    IDLE_TIMEOUT,
+    MIN_RETRY_DELAY,
+    Renewals,
+    _Entry,
+    announce_lost,
+    check_ratio,
+    new_entry,
+)
 from ..lease import Lease
 
 __all__ = ["AsyncHeartbeat", "get_async_heartbeat", "CANCELLED"]
@@ -184,6 +192,14 @@ class AsyncHeartbeat(Renewals):
             task.cancel()
             await asyncio.wait([task])
 
+    def _report(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """As the thread's, but a loss's ``lock_lost`` reads the force release's mark with
+        the async store, in a task of its own: the loop is never blocked on Redis."""
+        if function is announce_lost and _on_a_loop() and args[2].lost_reason != CANCELLED:
+            _loops.background(aannounce_lost(*args, **kwargs))
+        else:  # a cancellation is no force release: its ERROR line needs no read
+            function(*args, **kwargs)
+
     def _cancelled(self) -> None:
         entries = list(self._entries.values())
         if entries:
@@ -226,6 +242,31 @@ class AsyncHeartbeat(Renewals):
             if results is not None:
                 pairs = [(e, ok) for e, ok in zip(renewing, results) if self._current(e)]
                 self._succeeded([e for e, _ in pairs], [ok for _, ok in pairs], sent)
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def aannounce_lost(store: Any, sender: Any, lease: Lease) -> None:
+    """Send ``lock_lost`` for ``lease`` and log it, as
+    :func:`celery_steplock.heartbeat.announce_lost` with the async store's read: ERROR, or
+    WARNING naming the operator's record after a force release. Never raises."""
+    from .lock import alost_line  # the store's module imports this one
+
+    level, forced = await alost_line(store, lease)
+    emit(
+        signals.lock_lost,
+        sender,
+        level,
+        reason=lease.lost_reason,
+        **forced,
+        **lease_fields(lease),
+    )
 
 
 def _kept(

@@ -31,11 +31,15 @@ from .._redis.scripts.lease import EXTEND_CHUNK
 from ..clients import aclose_client, async_client_for
 from ..events import log_event
 from ..exceptions import InvalidArgument, LockContended, LockError, LockStoreUnavailable
+from ..history import DEFAULT_MAX_AGE as DEFAULT_HISTORY_MAX_AGE
+from ..history import DEFAULT_MAX_ENTRIES as DEFAULT_HISTORY_MAX_ENTRIES
 from ..keys import lease_key, lease_keys, waiters_key, wake_key
 from ..lease import Lease, new_owner_token
 from ..lock import (
     MAX_WAITERS,
+    STORE_ERRORS,
     WAITER_RESERVE,
+    WAITS,
     RedisLeaseStore,
     _acquire_request,
     _argument,
@@ -44,6 +48,7 @@ from ..lock import (
     _FailoverGrace,
     _fresh_grant,
     _granted,
+    _history_store_argument,
     _inspected,
     _metadata,
     _name,
@@ -52,6 +57,7 @@ from ..lock import (
     _probe_error,
     _probe_keys,
     _probe_names,
+    _release_request,
     _store_arguments,
     _ttl,
     _ttl_ms,
@@ -59,7 +65,11 @@ from ..lock import (
     _wait_seconds,
     _wait_timeout,
     _waiters_full,
+    forced_key,
+    forced_line,
     get_lease_store,
+    parse_forced,
+    store_error,
 )
 from .heartbeat import get_async_heartbeat
 
@@ -117,6 +127,8 @@ class AsyncRedisLeaseStore:
         max_waiters: How many callers of this store may wait at once (default
             :data:`celery_steplock.lock.MAX_WAITERS`).
         name_secret: The HMAC key of the leases' ``idempotency_key`` (None: they raise).
+        history, history_max_entries, history_max_age: The names' history, as the sync
+            store's (:mod:`celery_steplock.history`): acquires and releases write it alike.
 
     Raises:
         InvalidArgument: An argument of the wrong type or out of its bounds (naming it).
@@ -132,6 +144,9 @@ class AsyncRedisLeaseStore:
         waiter_client: Any = None,
         max_waiters: int = MAX_WAITERS,
         name_secret: bytes | str | None = None,
+        history: bool = True,
+        history_max_entries: int = DEFAULT_HISTORY_MAX_ENTRIES,
+        history_max_age: float = DEFAULT_HISTORY_MAX_AGE,
     ) -> None:
         if not aio.is_async_client(client):
             raise InvalidArgument(
@@ -145,6 +160,10 @@ class AsyncRedisLeaseStore:
         )
         #: The HMAC key of the idempotency keys of the leases it grants (None: they raise).
         self.name_secret = name_secret
+        #: The bounds of the names' history (None: not written).
+        self.history_config = _history_store_argument(
+            history, history_max_entries, history_max_age
+        )
         self.client = client
         self._waiter_client = waiter_client
         self._shares_pool = False
@@ -237,7 +256,7 @@ class AsyncRedisLeaseStore:
         wait: float,
     ) -> calls.Steps[tuple[Lease | None, str | None, float | None]]:
         keys, args = _acquire_request(
-            self.prefix, self.fence_ttl, name, owner, ttl, wait, metadata
+            self.prefix, self.fence_ttl, name, owner, ttl, wait, metadata, self.history_config
         )
         sent = self.clock()
         reply = yield from self._call_steps(self._acquire, keys, args, "acquire", name, owner)
@@ -259,44 +278,53 @@ class AsyncRedisLeaseStore:
         cap = _socket_timeout(self.waiter_client)
         interrupted = False
         failover: _FailoverGrace | None = None
+        waiting = None  # WAITS' token once refused
         try:
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    result = yield from self._try_steps(
-                        name, owner, ttl, metadata, max(left, 0.001)
-                    )
-                except LockStoreUnavailable as exc:
-                    pause = failover.pause(exc, deadline) if failover is not None else None
-                    if pause is None:
-                        raise
-                    yield calls.Sleep(pause)
-                    continue
-                if result[0] is not None or left <= 0:
-                    break
-                try:
-                    yield calls.Command(
-                        ("BLPOP", wake, _wait_timeout(left, result[2], cap)),
-                        "wait",
-                        key=self.key(name),
-                        name=name,
-                        owner=owner,
-                    )
-                    interrupted = False
-                except LockError as exc:
-                    if _dropped(exc) and not interrupted:
-                        # One dropped wait (a failover) goes back to the acquire attempt,
-                        # which reconnects, and keeps trying while the failover lasts (as
-                        # the sync store's): it raises if Redis is really gone.
-                        interrupted = True
-                        failover = _FailoverGrace()
+            try:
+                while True:
+                    left = deadline - time.monotonic()
+                    try:
+                        result = yield from self._try_steps(
+                            name, owner, ttl, metadata, max(left, 0.001)
+                        )
+                    except LockStoreUnavailable as exc:
+                        pause = failover.pause(exc, deadline) if failover is not None else None
+                        if pause is None:
+                            raise
+                        yield calls.Sleep(pause)
                         continue
-                    raise
-        except LockError:
-            yield from self._forget_steps(name, owner)
-            raise
-        if result[0] is None:
-            yield from self._forget_steps(name, owner)
+                    if result[0] is not None or left <= 0:
+                        break
+                    if waiting is None:  # a wait really happens: the metrics count it
+                        waiting = WAITS.start(
+                            "lease", str((metadata or {}).get("task_name") or "")
+                        )
+                    try:
+                        yield calls.Command(
+                            ("BLPOP", wake, _wait_timeout(left, result[2], cap)),
+                            "wait",
+                            key=self.key(name),
+                            name=name,
+                            owner=owner,
+                        )
+                        interrupted = False
+                    except LockError as exc:
+                        if _dropped(exc) and not interrupted:
+                            # One dropped wait (a failover) goes back to the acquire attempt,
+                            # which reconnects, and keeps trying while the failover lasts (as
+                            # the sync store's): it raises if Redis is really gone.
+                            interrupted = True
+                            failover = _FailoverGrace()
+                            continue
+                        raise
+            except LockError:
+                yield from self._forget_steps(name, owner)
+                raise
+            if result[0] is None:
+                yield from self._forget_steps(name, owner)
+        finally:  # also when the caller's cancellation closes these steps
+            if waiting is not None:
+                WAITS.end(waiting)
         return result
 
     def _forget_steps(self, name: str, owner: str) -> calls.Steps[None]:
@@ -315,9 +343,8 @@ class AsyncRedisLeaseStore:
         return [self.key(name), waiters_key(self.prefix, name), wake_key(self.prefix, name)]
 
     def _release_steps(self, name: str, owner: str) -> calls.Steps[bool]:
-        reply = yield from self._call_steps(
-            self._release, self._wake_keys(name), [owner], "release", name, owner
-        )
+        keys, args = _release_request(self.prefix, name, owner, self.history_config)
+        reply = yield from self._call_steps(self._release, keys, args, "release", name, owner)
         return bool(reply)
 
     def _cancelled_steps(
@@ -524,6 +551,23 @@ class AsyncRedisLeaseStore:
         """
         name, owner = _name(name), _owner(owner)
         return await calls.arun(self._release_steps(name, owner), self.client)
+
+    async def forced(self, name: str, owner: str) -> dict[str, Any] | None:
+        """The operator's record a force release of ``owner``'s lease left, or None: as
+        :meth:`RedisLeaseStore.forced <celery_steplock.lock.RedisLeaseStore.forced>` (one
+        GET).
+
+        Raises:
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the read (ACL).
+        """
+        name, owner = _name(name), _owner(owner)
+        key = forced_key(self.prefix, name)
+        try:
+            raw = await self.client.get(key)
+        except STORE_ERRORS as exc:
+            raise store_error(exc, "force release mark", key=key, name=name, owner=owner) from exc
+        return parse_forced(raw, owner)
 
     async def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease's TTL to ``ttl`` seconds if ``owner`` holds it.
@@ -732,6 +776,19 @@ class LeaseContext:
         await asyncio.shield(background(_release(self.store, lease)))
 
 
+async def alost_line(store: Any, lease: Lease) -> tuple[int, dict[str, Any]]:
+    """The level and extra fields of the ``lock_lost`` line of ``lease``, read with the
+    async store: WARNING naming the operator's record after a force release, else ERROR
+    (:func:`celery_steplock.lock.lost_line`). Never raises."""
+    if not isinstance(store, AsyncRedisLeaseStore):
+        return logging.ERROR, {}
+    try:
+        record = await store.forced(lease.name, lease.owner)
+    except Exception:  # noqa: BLE001 - the loss is reported either way
+        record = None
+    return forced_line(record)
+
+
 async def _release(store: AsyncRedisLeaseStore, lease: Lease) -> bool | None:
     """Release ``lease``; an error is logged (``release_failed``), the lease then expires."""
     try:
@@ -843,6 +900,15 @@ def async_store_for(store: Any) -> AsyncRedisLeaseStore:
         clock=store.clock,
         max_waiters=store.max_waiters,
         name_secret=store.name_secret,
+        **_history_twin(store),
     )
     stores[("store", id(store))] = (weakref.ref(store), twin)
     return twin
+
+
+def _history_twin(store: Any) -> dict[str, Any]:
+    """The history arguments of a sync store's async twin: the same bounds, or off."""
+    config = getattr(store, "history_config", None)
+    if config is None:
+        return {"history": False}
+    return {"history_max_entries": config.max_entries, "history_max_age": config.max_age}

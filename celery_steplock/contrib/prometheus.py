@@ -47,7 +47,26 @@ signals of :mod:`celery_steplock.signals`, and costs nothing otherwise. The metr
                                                                            pending), read at scrape
 ``steplock_effects_oldest_pending_seconds``                     gauge      age of the oldest of them (0 when none),
                                                                            read at scrape
+``steplock_lease_waiting{task}``                                gauge      executions waiting for a lease now
+                                                                           (``lock_wait``, past the first refusal;
+                                                                           summed over live processes)
+``steplock_lease_oldest_wait_start_timestamp_seconds{task}``    gauge      when the oldest of them started waiting
+                                                                           (Unix time, min over live processes;
+                                                                           absent when none waits)
+``steplock_limit_waiting{kind, limit}``                         gauge      callers waiting in this process for a
+                                                                           limit (``kind`` "concurrency": a slot of
+                                                                           ``ConcurrencyLimit.acquire(wait=...)``,
+                                                                           ``limit`` its key)
+``steplock_limit_oldest_wait_start_timestamp_seconds``          gauge      when the oldest of them started
+                                                                           (``kind``, ``limit``; as the lease's)
 ==============================================================  =========  ============================================
+
+The wait gauges are set when a wait starts (the first refusal: an acquire granted at once
+never touches them) and ends (:class:`celery_steplock.lock.WaitRegistry`). The age of the
+oldest wait is computed where it is read: ``time() - steplock_lease_oldest_wait_start_timestamp_seconds``
+in PromQL, right across processes and hosts (``min by (task)``). A rate limit never waits
+in a process (a denied task is re-queued with a countdown, its ticket in Redis): its
+denials are ``steplock_rate_limit_decisions_total{decision="limited"}``.
 
 The two outbox gauges are read from the database at each scrape
 (:func:`celery_steplock.contrib.django.outbox.pending_stats`: one indexed query per database
@@ -56,32 +75,62 @@ with the table), only when Django is set up with ``celery_steplock.contrib.djang
 ``metrics_effects_unavailable``), never fails it. A connection the scrape opened is closed
 after it (the exporter's threads are not Django's request cycle).
 
-Prefork (and any multi-process setup): set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
-directory, writable by the worker, in the worker's environment before it starts (before
-``prometheus_client`` is first imported) and empty it between runs, as
-``prometheus_client`` requires. Each process then writes its own files; the ``/metrics``
-served by ``port`` (or :func:`serve`, or :func:`scrape_registry` in your own exporter)
-aggregates them: counters and histograms summed over every process that ever ran
-(children that exited included), the gauge over live processes only (``livesum``; a child
-that exits has its gauge files removed on ``worker_process_shutdown``, and the scrape leaves
-out the gauge of a process that is gone without it, e.g. SIGKILLed).
+Several processes on one host (prefork children, several workers, the web process's
+workers): :func:`install` (without a ``registry``) puts the process in
+``prometheus_client``'s multiprocess mode, each process writing its values to files of one
+directory per host: ``PROMETHEUS_MULTIPROC_DIR`` when set, else
+:func:`default_multiprocess_dir` (``<tempdir>/celery-steplock-prometheus-<uid>``, mode 0700;
+a path that is not this user's private directory is refused, a WARNING line
+``metrics_dir_unusable``, and the process stays in single-process mode). The first process
+to start when no other one of the directory is alive empties the default directory (a new
+run, as ``prometheus_client`` requires); a process that starts while siblings run removes
+only the live-gauge files of dead pids. A directory you set yourself is created if missing
+but never emptied (other programs may write there: empty it between runs yourself, as
+before). The ``/metrics`` served by ``port`` (or :func:`serve`, or :func:`scrape_registry`
+in your own exporter, or the Django view :func:`celery_steplock.contrib.django.metrics.metrics_view`)
+aggregates the files: counters and histograms summed over every process that ever ran in
+this run (children that exited included), the gauge over live processes only
+(``livesum``; a child that exits has its gauge files removed on ``worker_process_shutdown``,
+and the scrape leaves out the gauge of a process that is gone without it, e.g. SIGKILLed).
+
+One exporter per host: with the same ``port`` in every worker (the app module is the
+same), the first worker to bind ``addr:port`` serves every process's metrics and logs
+``event=metrics_served url=http://127.0.0.1:9808/metrics``; each other worker logs
+``event=metrics_served_by_sibling sibling=<pid>`` (no traceback, no second exporter whose
+sums would double the host's when both are scraped) and retries the bind every
+:data:`STANDBY_INTERVAL` seconds, so that a sibling takes over when the serving worker
+stops. One scrape target per host, as for a gunicorn server in multiprocess mode: the
+``instance`` label names the host, not a worker (a worker's own figures are not
+separated; ``task`` still is). The address held by another program: a WARNING line
+``metrics_address_in_use``.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import logging
+import math
 import os
+import stat
+import tempfile
 import threading
 from typing import Any
 
-from celery.signals import worker_process_shutdown, worker_ready
+from celery.signals import worker_process_init, worker_process_shutdown, worker_ready
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client import start_http_server as _start_http_server
+from prometheus_client import values as _values
 from prometheus_client.core import GaugeMetricFamily
 
 from .. import _django, signals
 from ..events import log_event
+from ..lock import WAITS
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock; the directory is never wiped
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "install",
@@ -89,6 +138,7 @@ __all__ = [
     "serve",
     "scrape_registry",
     "multiprocess_dir",
+    "default_multiprocess_dir",
     "Metrics",
     "MultiProcessCollector",
     "OutboxCollector",
@@ -140,10 +190,134 @@ HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300
 DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+#: Seconds between a standby worker's attempts to bind the exporter's address, once the
+#: sibling serving it is gone.
+STANDBY_INTERVAL = 5.0
+
+
 def multiprocess_dir() -> str | None:
     """``PROMETHEUS_MULTIPROC_DIR`` (None: single-process mode)."""
     legacy = os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112 - the old spelling
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or legacy or None
+
+
+def default_multiprocess_dir() -> str:
+    """The directory :func:`install` uses when ``PROMETHEUS_MULTIPROC_DIR`` is unset: one per
+    host and user, ``<tempfile.gettempdir()>/celery-steplock-prometheus-<uid>`` (``TMPDIR``
+    moves it)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"celery-steplock-prometheus-{uid}")
+
+
+def _private_dir(path: str) -> None:
+    """Create ``path`` (mode 0700) unless it exists; raise OSError unless it is a directory
+    (not a symlink) of this user that nobody else may write: a directory another local user
+    made in the shared temporary directory must not receive, or feed, our metrics."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    uid = os.getuid() if hasattr(os, "getuid") else info.st_uid
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o022:
+        raise OSError(errno.EPERM, "not a directory of this user that only it may write", path)
+
+
+#: The descriptor holding this process's shared lock on the directory's ``.live.lock``
+#: (held for the process's life, inherited by prefork children).
+_live_fd: int | None = None
+
+
+def _join_run(path: str, managed: bool) -> tuple[bool, int]:
+    """Join the host's run of processes writing to ``path``; returns ``(fresh, removed)``.
+
+    Under an exclusive lock on ``.start.lock`` (one process starting at a time): when no
+    other live process holds ``.live.lock`` (``fresh``), a ``managed`` directory (the
+    default one, which only this library writes) is emptied of its ``*.db`` files, as
+    ``prometheus_client`` requires between runs; otherwise only the live gauges' files
+    (``gauge_live*_<pid>.db``) of dead processes and of this pid (a pid reused by a new
+    process would carry the dead one's "leases held") are removed. Counters and histograms
+    of exited processes are kept while a sibling runs: a sum that went down would be read
+    by Prometheus as a counter reset. This process then holds a shared lock on
+    ``.live.lock`` until it exits. A user's ``PROMETHEUS_MULTIPROC_DIR`` is never emptied
+    (other programs may write there)."""
+    global _live_fd
+    if fcntl is None or _live_fd is not None:
+        return False, 0
+    fresh, removed = False, 0
+    start = os.open(os.path.join(path, ".start.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(start, fcntl.LOCK_EX)
+        live = os.open(os.path.join(path, ".live.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fresh = True
+        except BlockingIOError:
+            pass
+        for name in os.listdir(path):
+            if not name.endswith(".db"):
+                continue
+            pid = name[:-3].rsplit("_", 1)[-1]
+            if (fresh and managed) or (
+                name.startswith("gauge_live")
+                and pid.isdigit()
+                and (int(pid) == os.getpid() or not _alive(int(pid)))
+            ):
+                try:
+                    os.unlink(os.path.join(path, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        fcntl.flock(live, fcntl.LOCK_SH)  # under .start.lock: nobody takes it meanwhile
+        _live_fd = live
+    finally:
+        os.close(start)
+    return fresh, removed
+
+
+def _multiprocess_mode() -> str | None:
+    """Turn on ``prometheus_client``'s multiprocess mode for this process (and the
+    processes it forks or starts) with :func:`default_multiprocess_dir` when
+    ``PROMETHEUS_MULTIPROC_DIR`` is unset; returns the directory (None: it could not be
+    used, a WARNING line ``metrics_dir_unusable``, single-process mode stays).
+
+    ``prometheus_client`` chooses where a metric's values live when it creates them (at a
+    labelled metric's first ``labels()``, in the process that calls it), from the value
+    class it picked at its import. Ours are all labelled, and :func:`install` runs at the
+    import of the Celery app's module, before the worker forks its children: this sets the
+    variable and, if ``prometheus_client`` was imported without it, its value class, so
+    that every value created afterwards is written to the directory."""
+    path = multiprocess_dir()
+    managed = path is None
+    try:
+        if path is None:
+            path = default_multiprocess_dir()
+            _private_dir(path)
+        else:
+            os.makedirs(path, exist_ok=True)
+        fresh, removed = _join_run(path, managed)
+    except OSError as exc:
+        log_event(
+            "metrics_dir_unusable",
+            logging.WARNING,
+            path=path,
+            error=exc,
+            reason="metrics stay in this process's memory (single-process mode)",
+        )
+        return None
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    if _values.ValueClass is _values.MutexValue:
+        _values.ValueClass = _values.MultiProcessValue()
+    log_event(
+        "metrics_dir",
+        logging.DEBUG,
+        path=path,
+        managed=managed,
+        fresh=fresh,
+        removed=removed,
+        pid=os.getpid(),
+    )
+    return path
 
 
 class Metrics:
@@ -248,6 +422,34 @@ class Metrics:
             "and decision (skipped, coalesced)",
             ["task", "policy", "decision"],
         )
+        self.lease_waiting = metric(
+            Gauge,
+            "lease_waiting",
+            "Executions waiting for a lease now, in live processes",
+            ["task"],
+            multiprocess_mode="livesum",
+        )
+        self.lease_oldest = metric(
+            Gauge,
+            "lease_oldest_wait_start_timestamp_seconds",
+            "Start of the oldest wait for a lease in progress, seconds since the epoch",
+            ["task"],
+            multiprocess_mode="livemin",
+        )
+        self.limit_waiting = metric(
+            Gauge,
+            "limit_waiting",
+            "Callers waiting for a limit now (kind: concurrency), in live processes",
+            ["kind", "limit"],
+            multiprocess_mode="livesum",
+        )
+        self.limit_oldest = metric(
+            Gauge,
+            "limit_oldest_wait_start_timestamp_seconds",
+            "Start of the oldest wait for a limit in progress, seconds since the epoch",
+            ["kind", "limit"],
+            multiprocess_mode="livemin",
+        )
         # Read at scrape from the database (single-process mode: here; multi-process mode:
         # on the registry scrape_registry() builds).
         self.registry.register(OutboxCollector(prefix))
@@ -310,6 +512,25 @@ class Metrics:
         elif event in ("slot_released", "slot_expired"):
             self._held(fields, task, add=False, gauge=self.slots, holding=self._slots)
 
+    def waits_changed(self, kind: str, label: str, count: int, oldest: float | None) -> None:
+        """The :data:`~celery_steplock.lock.WAITS` listener: a wait of ``kind`` ("lease":
+        ``label`` the task; else a limit, ``label`` its key) started or ended, ``count`` of
+        them now in this process, the oldest started at ``oldest`` (None: none). With none,
+        the start gauge is removed (single-process mode) or set to +Inf, which
+        :class:`MultiProcessCollector` leaves out (the files keep a labelset's last value)."""
+        labels: tuple[str, ...]
+        if kind == "lease":
+            waiting, start, labels = self.lease_waiting, self.lease_oldest, (label,)
+        else:
+            waiting, start, labels = self.limit_waiting, self.limit_oldest, (kind, label)
+        waiting.labels(*labels).set(count)
+        if oldest is not None:
+            start.labels(*labels).set(oldest)
+        elif multiprocess_dir() is None:
+            start.remove(*labels)
+        else:
+            start.labels(*labels).set(math.inf)
+
     @staticmethod
     def _observe(histogram: Histogram, task: str, value: Any) -> None:
         if isinstance(value, (int, float)) and value >= 0:
@@ -358,19 +579,33 @@ def install(
     prefix: str = "steplock",
 ) -> Metrics:
     """Start measuring: connect the receivers to every celery-steplock signal (once per
-    process; a second call returns the first call's :class:`Metrics`). ``registry``: where
-    the metrics are registered (default ``prometheus_client.REGISTRY``). ``port``: serve
-    ``/metrics`` on ``addr:port`` from the worker's main process once it is ready
-    (``worker_ready``); multi-process aware. ``app`` is accepted for symmetry with Celery's
-    own helpers and not needed. Raises ValueError for a ``port`` outside 0-65535."""
+    process; a second call returns the first call's :class:`Metrics`).
+
+    Without ``registry``, the process joins the host's multiprocess directory
+    (``PROMETHEUS_MULTIPROC_DIR``, or when unset :func:`default_multiprocess_dir`, created
+    and emptied at the start of a run by this library; see the module docstring):
+    multiprocess mode is process-global and stays on after :func:`uninstall`. With a
+    ``registry``, the metrics are registered there and nothing else changes (the in-process
+    mode of tests and of your own exporter).
+
+    ``port``: serve ``/metrics`` on ``addr:port`` from the worker's main process once it is
+    ready (``worker_ready``): one exporter per host, the first worker to bind the address
+    serves every process's metrics from the directory; the others log
+    ``metrics_served_by_sibling`` and take the address over when it is freed (retried every
+    :data:`STANDBY_INTERVAL` seconds). ``app`` is accepted for symmetry with Celery's own
+    helpers and not needed. Raises ValueError for a ``port`` outside 0-65535."""
     global _installed
     if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
         raise ValueError(f"port must be an int in 0-65535, not {port!r}")
     with _install_lock:
         if _installed is None:
+            if registry is None:
+                _multiprocess_mode()
             metrics = Metrics(registry, prefix)
             for signal in signals.ALL_SIGNALS:
                 signal.connect(metrics.receive, weak=False)
+            WAITS.listener = metrics.waits_changed
+            worker_process_init.connect(_child_started, weak=False)
             worker_process_shutdown.connect(_child_exited, weak=False)
             worker_ready.connect(_warn_without_multiprocess, weak=False)
             _installed = metrics
@@ -388,6 +623,9 @@ def uninstall() -> None:
         if _installed is not None:
             for signal in signals.ALL_SIGNALS:
                 signal.disconnect(_installed.receive)
+            if WAITS.listener == _installed.waits_changed:
+                WAITS.listener = None
+            worker_process_init.disconnect(_child_started)
             worker_process_shutdown.disconnect(_child_exited)
             worker_ready.disconnect(_warn_without_multiprocess)
             _installed = None
@@ -413,7 +651,9 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
     HTTP 500 (it holds no sample yet). A live gauge (``livesum``) of a process that no longer
     exists is left out: a child killed by SIGKILL or the OOM killer runs no
     ``worker_process_shutdown``, and its last "leases held" would otherwise count forever
-    (multiprocess mode is per host, so the pids are this host's)."""
+    (multiprocess mode is per host, so the pids are this host's). A wait's start gauge
+    (``*_wait_start_timestamp_seconds``) at +Inf, which says no wait is in progress, is left
+    out: the series is absent when nothing waits."""
 
     def collect(self):
         files = []
@@ -431,7 +671,11 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
                     files.append(path)
             except OSError:  # removed since the listing (a dead process's live gauge)
                 continue
-        return self.merge(files, accumulate=True)
+        metrics = self.merge(files, accumulate=True)
+        for metric in metrics:
+            if metric.name.endswith("_wait_start_timestamp_seconds"):
+                metric.samples = [s for s in metric.samples if not math.isinf(s.value)]
+        return metrics
 
 
 class OutboxCollector:
@@ -545,7 +789,99 @@ def _warn_without_multiprocess(sender=None, **kwargs) -> None:
 
 def _serve_when_ready(sender=None, **kwargs) -> None:
     if _server_port:
-        serve(_server_port["port"], _server_port["addr"])
+        _export(_server_port["port"], _server_port["addr"], standby=False)
+
+
+def _exporter_file(path: str, port: int) -> str:
+    return os.path.join(path, f"exporter-{port}.pid")
+
+
+def _export(port: int, addr: str, standby: bool) -> bool:
+    """Serve ``/metrics`` on ``addr:port`` unless the address is taken; returns whether this
+    process serves it. One INFO line ``metrics_served`` (``url``) when it does. When a
+    sibling of the same directory serves it (its pid in ``exporter-<port>.pid``, alive), one
+    INFO line ``metrics_served_by_sibling``; another program, one WARNING line
+    ``metrics_address_in_use``; either way no traceback, and in multiprocess mode a standby
+    thread retries every :data:`STANDBY_INTERVAL` seconds (quietly) to take the address
+    over once it is freed. Any other error of the bind (an address not of this host, a
+    port the user may not bind): one WARNING line ``metrics_not_served``, no retry."""
+    path = multiprocess_dir()
+    try:
+        server, _thread = serve(port, addr)
+    except OSError as exc:
+        if standby:
+            _standby(port, addr)
+            return False
+        sibling = _sibling(path, port) if exc.errno == errno.EADDRINUSE else None
+        if sibling is not None:
+            log_event(
+                "metrics_served_by_sibling",
+                addr=addr,
+                port=port,
+                sibling=sibling,
+                path=path,
+                pid=os.getpid(),
+            )
+        elif exc.errno == errno.EADDRINUSE:
+            log_event(
+                "metrics_address_in_use",
+                logging.WARNING,
+                addr=addr,
+                port=port,
+                error=exc,
+                pid=os.getpid(),
+            )
+        else:  # EADDRNOTAVAIL, EACCES...: waiting would not help
+            log_event("metrics_not_served", logging.WARNING, addr=addr, port=port, error=exc)
+            return False
+        if path is not None:
+            _standby(port, addr)
+        return False
+    bound = server.server_address[1]
+    if path is not None:
+        try:
+            target = _exporter_file(path, bound)
+            with open(f"{target}.{os.getpid()}", "w") as file:
+                file.write(str(os.getpid()))
+            os.replace(f"{target}.{os.getpid()}", target)
+        except OSError:  # the marker only names the server to its siblings
+            pass
+    host = f"[{addr}]" if ":" in addr else addr
+    log_event(
+        "metrics_served",
+        url=f"http://{host}:{bound}/metrics",
+        addr=addr,
+        port=bound,
+        path=path,
+        pid=os.getpid(),
+        took_over=standby or None,
+    )
+    return True
+
+
+def _sibling(path: str | None, port: int) -> int | None:
+    """The pid of the live process of this directory that serves ``port``, or None."""
+    if path is None:
+        return None
+    try:
+        with open(_exporter_file(path, port)) as file:
+            pid = int(file.read().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid != os.getpid() and _alive(pid) else None
+
+
+def _standby(port: int, addr: str) -> None:
+    timer = threading.Timer(STANDBY_INTERVAL, _export, args=(port, addr, True))
+    timer.daemon = True
+    timer.start()
+
+
+def _child_started(sender=None, **kwargs) -> None:
+    """A prefork child starts: a live gauge file its pid left from a dead process (pids are
+    reused) goes before the child writes it, or it would show that process's values."""
+    if multiprocess_dir() is not None:
+        multiprocess.mark_process_dead(os.getpid())
 
 
 def _child_exited(sender=None, pid=None, **kwargs) -> None:

@@ -70,7 +70,7 @@ from ..keys import (
     template_fields,
 )
 from ..lease import Lease, drift, holder_metadata, new_owner_token
-from ..lock import RedisLeaseStore, pack_metadata
+from ..lock import WAITS, RedisLeaseStore, pack_metadata
 from ._base import check_on_store_error, clock_skew, outage, resolve_policy, target
 
 __all__ = [
@@ -528,26 +528,33 @@ class ConcurrencyLimit:
         to all of the denial's ``retry_after`` (jittered) between decisions: written once,
         the pause is ``time.sleep`` in the sync form, ``asyncio.sleep`` in the async one."""
         deadline = time.monotonic() + hold.wait
-        while True:
-            try:
-                return (
-                    yield from self._acquire_steps(
-                        store,
-                        hold.key,
-                        hold.owner,
-                        hold.owner if hold.wait > 0 else None,
-                        hold.ttl,
-                        hold.metadata,
-                        hold.settings,
-                        None,
+        waiting = None  # WAITS' token once denied: a wait really happens
+        try:
+            while True:
+                try:
+                    return (
+                        yield from self._acquire_steps(
+                            store,
+                            hold.key,
+                            hold.owner,
+                            hold.owner if hold.wait > 0 else None,
+                            hold.ttl,
+                            hold.metadata,
+                            hold.settings,
+                            None,
+                        )
                     )
-                )
-            except ConcurrencyLimited as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                half = 0.5 * exc.retry_after
-                yield calls.Sleep(min(left, full_jitter(half, after=half)))
+                except ConcurrencyLimited as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    if waiting is None:
+                        waiting = WAITS.start("concurrency", hold.key)
+                    half = 0.5 * exc.retry_after
+                    yield calls.Sleep(min(left, full_jitter(half, after=half)))
+        finally:
+            if waiting is not None:
+                WAITS.end(waiting)
 
     # -- the plain API ------------------------------------------------------------------------
 
@@ -610,15 +617,17 @@ class ConcurrencyLimit:
 
         store = hold.store
         slot = None
+        steps = self._wait_steps(store, hold)
         try:
             if not store._probed:
                 store.check_permissions(
                     what="slot acquire", key=slot_key(store.prefix, hold.key, 0)
                 )
-            slot = calls.run(self._wait_steps(store, hold), store.client)
+            slot = calls.run(steps, store.client)
         except LockStoreUnavailable as exc:
             return outage(exc, self.policy(hold.settings), **self._outage_fields(exc, hold.key))
         finally:
+            steps.close()  # its wait ends now, also when an exception cut the sleep short
             if slot is None and hold.wait > 0:
                 self.leave_queue(store, hold.key, hold.owner)
         get_heartbeat().register(slot.lease, store, ratio=hold.ratio)

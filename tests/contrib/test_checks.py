@@ -524,7 +524,8 @@ ERRORS = [
     ),
     (
         "celery_steplock.E004",
-        f"{TASK}: on_conflict must be one of 'return', 'ignore', 'raise', got 'clobber'",
+        f"{TASK}: on_conflict must be one of 'return', 'return_winner', 'ignore', 'raise', "
+        "got 'clobber'",
     ),
     (
         "celery_steplock.E004",

@@ -160,14 +160,14 @@ def in_thread(func, *args):
     return join
 
 
-def duplicate(task, step, found="done"):
+def duplicate(task, step, found="done", committed_by=None):
     return {
         "steplock": "duplicate",
         "task": task.name,
         "step_id": step.pk,
         "expected": "pending",
         "found": found,
-        "committed_by": None,
+        "committed_by": committed_by,
         "held_by": None,
     }
 
@@ -200,7 +200,7 @@ def _rival_commits_during_the_body(step, level, events, steplock_log, init_comma
     step.refresh_from_db()
     assert step.status == "done" and TransitionRecord.objects.get().task_id == "rival"
     assert result.state == "SUCCESS", result.result
-    assert result.result == duplicate(left, step)
+    assert result.result == duplicate(left, step, committed_by="rival")  # the row's owner token
     # No lease was lost and no retry ran: left's body ran once, the refusal is a conflict
     # that names the status the rival committed.
     assert RUNS == ["left", "right"]
@@ -302,7 +302,7 @@ def test_a_deadlock_between_two_lock_names_ends_in_the_duplicate_outcome(
     by_task = dict(zip((left, right), results))
     assert [r.state for r in results] == ["SUCCESS", "SUCCESS"], [r.result for r in results]
     assert by_task[winner].result == {"winner": winner.name.split(".")[-1]}
-    assert by_task[loser].result == duplicate(loser, step)
+    assert by_task[loser].result == duplicate(loser, step, committed_by=winner.name.split(".")[-1])
     assert _signals(events, "lock_lost", "fence_ahead") == []
     conflicts = [
         (kw["task_name"], kw["current"]) for n, kw in events if n == "transition_conflict"

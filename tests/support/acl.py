@@ -22,7 +22,8 @@ __all__ = ["STEPLOCK_COMMANDS", "acl_rules", "acl_setuser_line", "create_user", 
 #: Lua scripts (celery_steplock/_lua.py) and those of the patterns' scripts and calls: GET,
 #: ZCARD, ZRANGEBYSCORE, ZRANK (bulkhead slots), ZCARD, ZRANGE, ZRANGEBYSCORE, ZRANK, ZSCORE
 #: (rate limits), HDEL, HINCRBY, PERSIST, ZCARD, ZCOUNT, ZRANGE, ZSCORE (circuit breaker); the
-#: idempotency records need nothing more (DEL and HGETALL of invalidate and get).
+#: idempotency records need nothing more (DEL and HGETALL of invalidate and get). A name's
+#: history (issue 30): LPUSH and LTRIM in the lease scripts, LRANGE of its reader.
 STEPLOCK_COMMANDS = (
     "blpop",
     "dbsize",
@@ -36,6 +37,9 @@ STEPLOCK_COMMANDS = (
     "hincrby",
     "hmget",
     "hset",
+    "lpush",
+    "lrange",
+    "ltrim",
     "persist",
     "pexpire",
     "ping",

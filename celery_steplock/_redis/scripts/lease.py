@@ -16,6 +16,16 @@ A lease is the hash ``<prefix>:lease:{<name>}`` with a TTL. Its fields:
 Leases written by earlier versions hold the metadata as fields of their own; the readers
 accept both.
 
+A name's history (:mod:`celery_steplock.history`) is the list ``<prefix>:history:{<name>}``,
+in the lease's slot, newest entry first: each entry one string, its fields in a fixed order
+joined by the unit separator (U+001F, which no owner token can hold): Redis time in ms,
+event, owner token, fence, task id, outcome, refused acquires, holder's owner token, who
+released it, reason (:data:`HISTORY_FIELDS`). A list, not a stream: a stream's first node
+preallocates its listpack (about 4.4 KB a name on Redis 7.0, measured), a list of two
+entries about 500 bytes, and most names (one a step) see one execution or two. The
+history's writes go through ``redis.pcall``: a key of another type, or a user whose ACL
+lacks ``LPUSH``, leaves the history unwritten, never the lease refused.
+
 Scripts get numbers as decimal strings and hand Redis preformatted strings where a value is
 larger than Lua's ``%.14g`` shows exactly (microsecond times). Times are spliced from the
 strings of ``TIME`` (seconds, then the microseconds zero-padded) rather than computed: on
@@ -30,7 +40,36 @@ from __future__ import annotations
 
 from .fragments import FENCE, GRANT, WAKE_ONE
 
+
+def _history_push(key: str, cap: str, age: str, entry: str) -> str:
+    """Lua appending the entry ``entry`` (a Lua expression giving the string) to the history
+    list ``key``: LPUSH, LTRIM only once over the cap ``cap`` (an ARGV, the length cap as a
+    decimal string), PEXPIRE to ``age`` (an ARGV, ms); each through ``redis.pcall``."""
+    return f"""
+local n = redis.pcall('LPUSH', {key}, {entry})
+if type(n) == 'number' then
+  if n > tonumber({cap}) then redis.pcall('LTRIM', {key}, 0, {cap} - 1) end
+  redis.pcall('PEXPIRE', {key}, {age})
+end
+"""
+
+
+#: The fields of a history entry, in their order in the entry's string.
+HISTORY_FIELDS = (
+    "ms",
+    "event",
+    "owner",
+    "fence",
+    "task_id",
+    "outcome",
+    "contended",
+    "holder",
+    "by",
+    "reason",
+)
+
 __all__ = [
+    "HISTORY_FIELDS",
     "ACQUIRE",
     "RELEASE",
     "FORGET_WAITER",
@@ -41,6 +80,8 @@ __all__ = [
     "OWNED",
     "SCAN_FIELDS",
     "PROBE",
+    "HISTORY_ADD",
+    "HISTORY_READ",
 ]
 
 #: Leases renewed per EXTEND_MANY call: bounds how long one call blocks Redis.
@@ -60,9 +101,11 @@ EXTEND_CHUNK = 1000
 # the fencing counter before it unless the grant falls in the counter's current period.
 
 # KEYS[1] lease hash, KEYS[2] fencing counter, KEYS[3] (only when the caller waits) the
-# waiters' sorted set.
+# waiters' sorted set, and last (only when the history is on) the name's history list.
 # ARGV[1] owner token, ARGV[2] lease TTL ms, ARGV[3] fencing counter period ms (fence_ttl),
-# ARGV[4] ms the caller waits at most (with KEYS[3]), ARGV[5] static metadata JSON ('' none).
+# ARGV[4] ms the caller waits at most (with KEYS[3]), ARGV[5] static metadata JSON ('' none);
+# with the history on (absent or '': off) ARGV[6] its length cap, ARGV[7] its max age ms,
+# ARGV[8] the caller's task id ('' none).
 # Returns the fencing token: as an integer when this call granted the lease, as its decimal
 # string (the stored field, unconverted) when ARGV[1] already held it (a re-grant: only the
 # TTL is reset); else the table {holder's owner token, holder's remaining TTL ms}. A refused
@@ -70,25 +113,41 @@ EXTEND_CHUNK = 1000
 # type tells a cancelled asyncio caller's cleanup whether the grant is its own to release
 # (celery_steplock.lock._fresh_grant); the readers take both as the token.
 #
+# With the history on, a grant appends an "acquired" entry; a refusal counts itself in the
+# lease's ``contended`` field and the first refusal of a grant appends a "contended" entry
+# (so retries and waiters add one entry a holder, not one an attempt).
+#
 # The grant is fragments.FENCE and fragments.GRANT (shared with a concurrency slot's grant):
 # fencing token max(counter + 1, Redis time in us); the counter's TTL is reset only when it is
 # new, when the grant is the first of a new period, or when the clock lagged behind it, so an
 # idle name's counter lives at least one period after its last grant and at most two.
 ACQUIRE = (
     """
+local hist = ARGV[6] and ARGV[6] ~= '' and KEYS[#KEYS]
+local waiters = KEYS[3]
+if waiters == hist then waiters = nil end
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder then
   if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return redis.call('HGET', KEYS[1], 'fence')
   end
-  if KEYS[3] then
+  if hist and redis.call('HINCRBY', KEYS[1], 'contended', 1) == 1 then
+    local c = redis.call('TIME')
+    local entry = c[1] .. string.sub('00000' .. c[2], -6, -4) .. '\\31contended\\31' .. ARGV[1]
+      .. '\\31' .. (redis.call('HGET', KEYS[1], 'fence') or '') .. '\\31' .. ARGV[8]
+      .. '\\31\\31\\31' .. holder
+"""
+    + _history_push("hist", "ARGV[6]", "ARGV[7]", "entry")
+    + """
+  end
+  if waiters then
     local t = redis.call('TIME')
     local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
     local wait_ms = tonumber(ARGV[4])
-    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-    redis.call('ZADD', KEYS[3], now_ms + wait_ms, ARGV[1])
-    if redis.call('PTTL', KEYS[3]) < wait_ms then redis.call('PEXPIRE', KEYS[3], wait_ms) end
+    redis.call('ZREMRANGEBYSCORE', waiters, '-inf', now_ms)
+    redis.call('ZADD', waiters, now_ms + wait_ms, ARGV[1])
+    if redis.call('PTTL', waiters) < wait_ms then redis.call('PEXPIRE', waiters, wait_ms) end
   end
   return {holder, redis.call('PTTL', KEYS[1])}
 end
@@ -99,10 +158,16 @@ local refresh_counter = false
 """
     + FENCE
     + """
-if KEYS[3] then redis.call('ZREM', KEYS[3], ARGV[1]) end
+if waiters then redis.call('ZREM', waiters, ARGV[1]) end
 """
     + GRANT
     + """
+if hist then
+  local entry = now_s .. '\\31acquired\\31' .. owner .. '\\31' .. fence_s .. '\\31' .. ARGV[8]
+"""
+    + _history_push("hist", "ARGV[6]", "ARGV[7]", "entry")
+    + """
+end
 return fence
 """
 )
@@ -119,13 +184,28 @@ return 0
 """
 )
 
-# KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list. ARGV[1] owner token.
+# KEYS[1] lease hash, KEYS[2] waiters' sorted set, KEYS[3] wake-up list, KEYS[4] (only when
+# the history is on) the name's history list. ARGV[1] owner token; with KEYS[4]: ARGV[2]
+# the history's length cap, ARGV[3] its max age ms, ARGV[4] the execution's outcome ('' none),
+# ARGV[5] the holder's task id ('' none), ARGV[6] the event ("released", or "forced" for an
+# operator's force release), ARGV[7] who released it ('' the holder).
 # Returns 1 if the lease was deleted, 0 if it is absent or another owner's.
 # A deletion wakes one waiter when anyone waits: the wake-up list keeps at most one element,
-# which the waiter blocked longest in BLPOP takes.
+# which the waiter blocked longest in BLPOP takes. With KEYS[4], a deletion appends an entry
+# with the lease's fence and its count of refused acquires (``contended``).
 RELEASE = (
     """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+local f = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'contended')
+if f[1] == ARGV[1] then
+  if KEYS[4] then
+    local t = redis.call('TIME')
+    local entry = t[1] .. string.sub('00000' .. t[2], -6, -4) .. '\\31' .. ARGV[6] .. '\\31'
+      .. ARGV[1] .. '\\31' .. (f[2] or '') .. '\\31' .. ARGV[5] .. '\\31' .. ARGV[4] .. '\\31'
+      .. (f[3] or '0') .. '\\31\\31' .. ARGV[7]
+"""
+    + _history_push("KEYS[4]", "ARGV[2]", "ARGV[3]", "entry")
+    + """
+  end
 """
     + _DELETE_WAKING
 )
@@ -146,17 +226,50 @@ end
 """
 )
 
-# KEYS as RELEASE. ARGV[1] owner token, ARGV[2] renewed_ms observed.
+# KEYS as RELEASE. ARGV[1] owner token, ARGV[2] renewed_ms observed; with KEYS[4] (the
+# history on) ARGV[3] the history's length cap, ARGV[4] its max age ms.
 # Returns 1 if deleted (and wakes one waiter, as RELEASE), 0 otherwise. Deletes only if the
 # owner AND the last renewal are still what was observed: the reaper's delete, which must
-# spare a holder that renewed after it looked.
+# spare a holder that renewed after it looked. With KEYS[4], a deletion appends a "reaped"
+# entry (the task id matched out of ``meta``: a reap is rare, the grant's path stays bare).
 REAP = (
     """
-local f = redis.call('HMGET', KEYS[1], 'owner', 'renewed_ms')
+local f = redis.call('HMGET', KEYS[1], 'owner', 'renewed_ms', 'fence', 'meta')
 if f[1] == ARGV[1] and f[2] == ARGV[2] then
+  if KEYS[4] then
+    local t = redis.call('TIME')
+    local tid = f[4] and string.match(f[4], '"task_id":"([^"]*)"') or ''
+    local entry = t[1] .. string.sub('00000' .. t[2], -6, -4) .. '\\31reaped\\31' .. ARGV[1]
+      .. '\\31' .. (f[3] or '') .. '\\31' .. tid
+"""
+    + _history_push("KEYS[4]", "ARGV[3]", "ARGV[4]", "entry")
+    + """
+  end
 """
     + _DELETE_WAKING
 )
+
+# KEYS[1] a name's history list. ARGV[1] the first entry to read (0: the newest), ARGV[2]
+# the last. Returns {Redis time's seconds, its microseconds, the key's type, the entries
+# newest first (only when the type is 'list')}. A read: runs on a replica.
+HISTORY_READ = """
+local t = redis.call('TIME')
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'list' then return {t[1], t[2], kind} end
+return {t[1], t[2], kind, redis.call('LRANGE', KEYS[1], ARGV[1], ARGV[2])}
+"""
+
+# KEYS[1] a name's history list. ARGV[1] its length cap, ARGV[2] its max age ms, ARGV[3] the
+# entry less its time (from the event on, HISTORY_FIELDS joined by U+001F). Appends the entry
+# with Redis time (the events only a client sees: lost); returns the list's length.
+HISTORY_ADD = """
+local t = redis.call('TIME')
+local entry = t[1] .. string.sub('00000' .. t[2], -6, -4) .. '\\31' .. ARGV[3]
+local n = redis.call('LPUSH', KEYS[1], entry)
+if n > tonumber(ARGV[1]) then redis.call('LTRIM', KEYS[1], 0, ARGV[1] - 1) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return n
+"""
 
 # KEYS[1] lease hash. ARGV[1] owner token, ARGV[2] new TTL ms.
 # Returns 1 if the TTL was reset (and renewed_ms, ttl_ms written), 0 if the key is gone or

@@ -18,6 +18,11 @@
     :mod:`celery_steplock.contrib.django.outbox`). The row exists if and only if the
     transition committed; the relay dispatches it after COMMIT with its deterministic key.
 
+``CircuitBreakerState``, ``RateLimitState``, ``ConcurrencyLimitState``
+    Unmanaged models with no table, as ``Lease``: the admin pages that read the circuit
+    breakers, the rate limits and the concurrency limits live from Redis, and their
+    permissions.
+
 ``LeaseEvent``
     One row per lease or transition event, written only when the setting
     ``steplock_event_log`` (Django: ``CELERY_STEPLOCK_EVENT_LOG = True``) is on; see
@@ -38,7 +43,15 @@ from django.utils.translation import gettext_lazy as _
 from ...keys import MAX_NAME_LENGTH
 from ...redact import redact
 
-__all__ = ["Lease", "LeaseEvent", "IdempotencyRecord", "CircuitBreakerState", "Effect"]
+__all__ = [
+    "Lease",
+    "LeaseEvent",
+    "IdempotencyRecord",
+    "CircuitBreakerState",
+    "RateLimitState",
+    "ConcurrencyLimitState",
+    "Effect",
+]
 
 
 def _ms_to_datetime(value: Any) -> dt.datetime | None:
@@ -279,6 +292,47 @@ class CircuitBreakerState(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class RateLimitState(models.Model):
+    """A rate limit as Redis holds it now (never stored in the database: no table).
+
+    Unmanaged, like :class:`CircuitBreakerState`: it gives the admin its "Rate limits" page
+    (:func:`celery_steplock.live.rate_limit_rows`) and its one permission,
+    ``celery_steplock.view_ratelimitstate``. The page has no operator action.
+    """
+
+    key = models.CharField(_("Redis key"), max_length=MAX_NAME_LENGTH + 128, primary_key=True)
+
+    class Meta:
+        managed = False
+        default_permissions = ("view",)
+        verbose_name = _("rate limit")
+        verbose_name_plural = _("rate limits")
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class ConcurrencyLimitState(models.Model):
+    """A concurrency limit as Redis holds it now (never stored in the database: no table).
+
+    Unmanaged: it gives the admin its "Concurrency limits" page
+    (:func:`celery_steplock.live.concurrency_rows`) and its one permission,
+    ``celery_steplock.view_concurrencylimitstate``. A slot is a lease: freeing one is the
+    audited force release of the "Held leases" page.
+    """
+
+    key = models.CharField(_("limit key"), max_length=MAX_NAME_LENGTH, primary_key=True)
+
+    class Meta:
+        managed = False
+        default_permissions = ("view",)
+        verbose_name = _("concurrency limit")
+        verbose_name_plural = _("concurrency limits")
+
+    def __str__(self) -> str:
+        return self.key
 
 
 class Effect(models.Model):

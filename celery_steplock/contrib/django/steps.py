@@ -97,7 +97,7 @@ from ...exceptions import (
     TransitionConflict,
 )
 from ...execution import fenced_cas
-from ...heartbeat import get_heartbeat
+from ...heartbeat import announce_lost, get_heartbeat
 from ...keys import bind_arguments, check_name, name_from_arguments, template_fields
 from ...lock import _released as released_after_commit
 from ...lock import get_lease_store, holder_metadata, new_owner_token, release_after_commit
@@ -199,6 +199,9 @@ class DjangoStepStore:
         self._status = meta.get_field(status_field)
         self._fence = meta.get_field(self.fence_field) if self.fence_field else None
         self._owner = meta.get_field(self.owner_field) if self.owner_field else None
+        #: The owner column's max_length (None: none): a column sized for the 32-character
+        #: tokens of earlier versions gets tokens of that form (no committed_by from the row).
+        self.owner_max_length = getattr(self._owner, "max_length", None)
         self._auto_now = [meta.get_field(name) for name in self.auto_now_fields]
         # The table the statements write: the one model that holds every column the CAS
         # touches (a multi-table-inheritance parent, when the status lives there; its key
@@ -1082,7 +1085,9 @@ class GuardedStep:
             sender=self,
             max_hold=settings.max_hold,
         )
-        emit(signals.lock_acquired, self, wait_seconds=waited, **lease_fields(lease))
+        emit(
+            signals.lock_acquired, self, logging.DEBUG, wait_seconds=waited, **lease_fields(lease)
+        )
         try:
             self._open()
         except BaseException:
@@ -1236,6 +1241,7 @@ class GuardedStep:
             fields=lease_fields(lease),
             updates=updates,
             deadline=deadline,
+            level=logging.INFO,  # a block's outcome is its INFO line; the lease's are DEBUG
         )
         self.results.append(result)
         return result
@@ -1316,13 +1322,7 @@ class GuardedStep:
         if not unregistered and lease.lost:
             return  # the heartbeat already sent lock_lost
         if lease.lost:
-            emit(
-                signals.lock_lost,
-                self,
-                logging.ERROR,
-                reason=lease.lost_reason,
-                **lease_fields(lease),
-            )
+            announce_lost(self.store, self, lease)  # WARNING after an operator's force release
 
 
 def guarded_step(
@@ -1633,7 +1633,13 @@ class AsyncGuardedStep(GuardedStep):
                 sender=self,
                 max_hold=settings.max_hold,
             )
-            emit(signals.lock_acquired, self, wait_seconds=waited, **lease_fields(lease))
+            emit(
+                signals.lock_acquired,
+                self,
+                logging.DEBUG,
+                wait_seconds=waited,
+                **lease_fields(lease),
+            )
             await self._hop(self._open)
         except BaseException:
             await self._aend()

@@ -3,12 +3,19 @@
 
 ``leases``
     "Held leases", read live from Redis, and the audited force release of one lease.
+``history``
+    The timeline of one lock name (its history in Redis), linked from the Held leases
+    rows and the event log's rows.
 ``events``
     The lease event log (``LeaseEvent`` rows), read-only.
 ``idempotency``
     The idempotency records of the database store, with the "Invalidate" action.
 ``breakers``
     The circuit breakers, read live from Redis, and the audited override.
+``ratelimits``
+    The rate limits, read live from Redis (use against the limit, waiting tickets).
+``concurrency``
+    The concurrency limits, read live from Redis (slots held and by whom, waiters).
 ``effects``
     The effects outbox (``Effect`` rows), read-only, with the audited "Retry now" and
     "Discard" actions.
@@ -33,6 +40,7 @@ from .breakers import BreakerOverrideForm as BreakerOverrideForm
 from .breakers import CircuitBreakerAdmin
 from .breakers import _task_breakers as _task_breakers
 from .breakers import breaker_names as breaker_names
+from .concurrency import ConcurrencyLimitAdmin
 from .effects import EffectAdmin
 from .events import LeaseEventAdmin
 from .idempotency import IdempotencyRecordAdmin as IdempotencyRecordAdmin
@@ -43,6 +51,7 @@ from .leases import _breakable as _breakable
 from .leases import _duration as _duration
 from .leases import _holder as _holder
 from .leases import _list_query as _list_query
+from .ratelimits import RateLimitAdmin
 
 __all__ = [
     "LeaseAdmin",
@@ -51,5 +60,7 @@ __all__ = [
     "LeaseChangeList",
     "TaskNameFilter",
     "CircuitBreakerAdmin",
+    "RateLimitAdmin",
+    "ConcurrencyLimitAdmin",
     "EffectAdmin",
 ]

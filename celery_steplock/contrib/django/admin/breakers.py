@@ -1,5 +1,12 @@
 """The circuit breakers page: each breaker's state, read live from Redis, and the audited
-"force open" / "close" override."""
+"force open" / "close" override.
+
+Redis keeps no history of a breaker's transitions: its hash holds the state, the window of
+the last calls (the failures in it), the generation (how many state changes), when it last
+opened and whether an operator forced it. The page adds, for users who may read the event
+log (``celery_steplock.view_leaseevent``), the last operator overrides with their reasons
+(the ``circuit_override`` audit rows); automatic trips are the ``circuit_opened`` /
+``circuit_closed`` signals (and the Prometheus ``steplock_circuit_transitions_total``)."""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
@@ -18,7 +26,7 @@ from ....ops import AuditRecordFailed, override_breaker
 from ....patterns.breaker import CircuitBreaker
 from ..eventlog import LeaseEventBreakerAudit
 from ..leases import celery_app, steplock_task_names
-from ..models import CircuitBreakerState
+from ..models import CircuitBreakerState, LeaseEvent
 from ._common import LiveModelAdmin, _error_text
 
 __all__ = ["CircuitBreakerAdmin", "BreakerOverrideForm", "breaker_names"]
@@ -26,6 +34,27 @@ __all__ = ["CircuitBreakerAdmin", "BreakerOverrideForm", "breaker_names"]
 
 #: Breaker names the page reads at most (the tasks' breakers first, then SCAN's finds).
 MAX_BREAKERS = ops.MAX_BREAKERS
+
+#: Operator overrides shown per breaker at most, and audit rows read at most per page.
+OVERRIDES_SHOWN = 3
+MAX_OVERRIDE_ROWS = 1000
+
+
+def last_overrides(names: list[str]) -> dict[str, list[LeaseEvent]]:
+    """The last :data:`OVERRIDES_SHOWN` operator overrides of each breaker of ``names``,
+    newest first: the ``circuit_override`` audit rows (one query, at most
+    :data:`MAX_OVERRIDE_ROWS` rows)."""
+    found: dict[str, list[LeaseEvent]] = {}
+    if not names:
+        return found
+    rows = LeaseEvent.objects.filter(event="circuit_override", name__in=names).order_by(
+        "-created_at", "-id"
+    )[:MAX_OVERRIDE_ROWS]
+    for row in rows:
+        shown = found.setdefault(row.name, [])
+        if len(shown) < OVERRIDES_SHOWN:
+            shown.append(row)
+    return found
 
 
 def _task_breakers(app) -> dict[str, Any]:
@@ -78,10 +107,19 @@ class CircuitBreakerAdmin(LiveModelAdmin):
             rows = ops.breaker_rows(app, tasks=tasks)
         except StepLockError as exc:
             error = _error_text(exc)
+        shows_overrides = request.user.has_perm(f"{self.opts.app_label}.view_leaseevent")
+        if shows_overrides:
+            try:
+                overrides = last_overrides([row["name"] for row in rows if "state" in row])
+            except DatabaseError as exc:
+                overrides, error = {}, error or _error_text(exc)
+            for row in rows:
+                row["overrides"] = overrides.get(row["name"], [])
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "title": _("Circuit breakers"),
+            "shows_overrides": shows_overrides,
             "rows": rows,
             "error": error,
             "can_override": self.has_override_permission(request),

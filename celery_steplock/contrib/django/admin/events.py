@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.utils.html import format_html
 
 from ..models import LeaseEvent
 from ._common import ReadOnlyModelAdmin
+from .history import history_url
 
 __all__ = ["LeaseEventAdmin"]
 
@@ -28,6 +30,7 @@ class LeaseEventAdmin(ReadOnlyModelAdmin):
         "actor",
         "outcome",
         "reason",
+        "history",
     )
     list_filter = ("event", "outcome", "task_name")
     search_fields = ("name", "task_id", "task_name", "step", "owner", "actor")
@@ -36,6 +39,13 @@ class LeaseEventAdmin(ReadOnlyModelAdmin):
     @admin.display(description="owner", ordering="owner")
     def short_owner(self, obj: LeaseEvent) -> str:
         return obj.owner[:12]
+
+    @admin.display(description="history")
+    def history(self, obj: LeaseEvent) -> str:
+        """A link to the timeline of the row's lock name (admin/history.py); the page
+        itself checks ``view_lease``."""
+        url = history_url(self.admin_site.name, obj.name) if obj.name else None
+        return format_html('<a href="{}">history</a>', url) if url else "–"
 
     def has_delete_permission(self, request, obj=None):
         return False

@@ -1,5 +1,8 @@
 """The idempotency records page: rows of the database store, read-only, with an "Invalidate"
-action that drops a record and its Redis copy. A recorded result (an HTTP response's body
+action that drops a record and its Redis copy. Above the list, a summary: the database
+rows counted by status (live and expired) with the oldest in progress, and the records Redis
+holds (the Redis store's, or the database store's cached copies) counted the same way by a
+bounded read (:func:`celery_steplock.live.idempotency_summary`). A recorded result (an HTTP response's body
 and headers) is shown only to users with ``celery_steplock.change_idempotencyrecord``; the
 view permission alone shows its size."""
 
@@ -11,9 +14,14 @@ import json
 import logging
 
 from django.contrib import admin, messages
+from django.db import DatabaseError
+from django.db.models import Count, F
+from django.db.models import Q as models_q
+from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from .... import live
 from ....events import log_event
 from ....exceptions import StepLockError
 from ....lock import get_lease_store
@@ -21,7 +29,7 @@ from ....patterns.idempotency import RedisRecords
 from ..idempotency import DatabaseRecords
 from ..leases import celery_app
 from ..models import IdempotencyRecord
-from ._common import ReadOnlyModelAdmin
+from ._common import ReadOnlyModelAdmin, _error_text
 
 __all__ = ["IdempotencyRecordAdmin"]
 
@@ -56,6 +64,52 @@ class IdempotencyRecordAdmin(ReadOnlyModelAdmin):
     search_fields = ("key", "namespace")
     date_hierarchy = "created_at"
     actions = ("invalidate",)
+    change_list_template = "admin/celery_steplock/idempotencyrecord/change_list.html"
+
+    def changelist_view(self, request, extra_context=None):
+        """Django's list, with :meth:`summary` above it (on GET; an action's POST reads
+        nothing more)."""
+        if request.method in ("GET", "HEAD") and self.has_view_permission(request):
+            extra_context = {**(extra_context or {}), "summary": self.summary()}
+        return super().changelist_view(request, extra_context)
+
+    def summary(self) -> dict:
+        """What the page shows above the list: ``database`` (``counts``: ``{status: (live,
+        expired)}``; ``oldest``: the oldest live locked row, or None; ``error``) and
+        ``redis`` (:func:`celery_steplock.live.idempotency_summary`'s ``extra`` with
+        ``complete``, or ``error``: the Redis error, its secrets masked). One grouped query
+        and one bounded read; neither failing fails the page."""
+        now = timezone.now()
+        database: dict = {"counts": {}, "oldest": None, "error": None}
+        try:
+            rows = IdempotencyRecord.objects.values("status").annotate(
+                live=Count("id", filter=models_q(expires_at__gt=now)), total=Count("id")
+            )
+            database["counts"] = {
+                row["status"]: (row["live"], row["total"] - row["live"])
+                for row in rows.order_by("status")
+            }
+            oldest = (
+                IdempotencyRecord.objects.filter(status="locked", expires_at__gt=now)
+                .order_by(F("locked_at").asc(nulls_last=True), "created_at")
+                .first()
+            )
+            if oldest is not None:
+                since = oldest.locked_at or oldest.created_at
+                database["oldest"] = {
+                    "record": oldest,
+                    "age": max(0.0, (now - since).total_seconds()),
+                }
+        except DatabaseError as exc:
+            database["error"] = _error_text(exc)
+        redis: dict = {"error": None}
+        try:
+            lease_store = get_lease_store(celery_app())
+            listing = live.idempotency_summary(lease_store.client, lease_store.prefix)
+            redis.update(listing.extra, complete=listing.complete, max=live.MAX_RECORDS)
+        except StepLockError as exc:
+            redis["error"] = _error_text(exc)
+        return {"database": database, "redis": redis}
 
     def shows_results(self, request) -> bool:
         """Whether ``request``'s user may read recorded results (bodies, headers): the

@@ -23,6 +23,9 @@ with two views wrapped by ``admin_site.admin_view`` (staff login, ``never_cache`
     row (and a CHANGE ``LogEntry`` when nothing was released), then the ``lock_released``
     signal with ``forced=True``. The view never runs in ``ATOMIC_REQUESTS``' transaction
     (a commit inside it would not be one). There is deliberately no bulk action.
+``admin:celery_steplock_lease_timeline``
+    The timeline of one lock name (``?name=``), linked from each row: see
+    :mod:`~celery_steplock.contrib.django.admin.history`.
 ``admin:celery_steplock_lease_change``
     No change page: a redirect to Held leases searching for the lease's name (the admin's
     templates link an object there, e.g. the confirmation page's breadcrumbs).
@@ -79,6 +82,7 @@ from ..leases import (
 )
 from ..models import Lease, LeaseEvent
 from ._common import LiveModelAdmin, _error_text
+from .history import HistoryPages
 
 __all__ = ["LeaseAdmin", "ForceReleaseForm", "LeaseChangeList", "TaskNameFilter"]
 
@@ -243,7 +247,7 @@ def _list_query(params: QueryDict | dict, **changes: Any) -> str:
 
 
 @admin.register(Lease)
-class LeaseAdmin(LiveModelAdmin):
+class LeaseAdmin(HistoryPages, LiveModelAdmin):
     """Held leases, read live from Redis; see the module docstring."""
 
     #: Leases shown per page, at most (see
@@ -280,6 +284,8 @@ class LeaseAdmin(LiveModelAdmin):
             # The audit record must commit before the delete: never inside the request's
             # transaction (ATOMIC_REQUESTS) of the audit database.
             self.page_url("release/", self.release_view, "release", audited=True),
+            # A lock name's timeline (admin/history.py), linked from each row.
+            self.timeline_pattern(),
             # Named like Django's change page, which admin templates link to (the
             # force-release confirmation's breadcrumbs): a lease's row on the list.
             self.page_url("<path:object_id>/change/", self.change_view, "change"),
@@ -432,6 +438,7 @@ class LeaseAdmin(LiveModelAdmin):
                         "release_url": (
                             self.release_url(lease.name, params) if can_release else None
                         ),
+                        "history_url": self.timeline_link(lease.name),
                     }
                 )
 
