@@ -35,6 +35,9 @@ MIN_HISTORY_MAX_ENTRIES = 1
 MAX_HISTORY_MAX_ENTRIES = 100_000
 MIN_HISTORY_MAX_AGE = 1.0
 MAX_HISTORY_MAX_AGE = 366 * 24 * 3600.0
+#: ``steplock_activity_flush_interval``, seconds: at least once per minute bucket.
+MIN_ACTIVITY_FLUSH_INTERVAL = 1.0
+MAX_ACTIVITY_FLUSH_INTERVAL = 60.0
 #: ``steplock_max_waiters`` / ``RedisLeaseStore(max_waiters=)``.
 MAX_WAITERS_LIMIT = 100_000
 #: ``steplock_reaper_older_than``: one year.

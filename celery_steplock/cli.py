@@ -281,7 +281,7 @@ _HISTORY_COLUMNS = (
     ("EVENT", "event"),
     ("FENCE", "fence"),
     ("OWNER", "owner"),
-    ("TASK", "task_id"),
+    ("TASK ID", "task_id"),
     ("OUTCOME", "outcome"),
     ("DETAIL", "detail"),
 )
@@ -294,10 +294,13 @@ def _history_row(entry: Any) -> dict[str, str]:
         + f".{int(entry.at * 1000) % 1000:03d}"
     )
     detail = []
+    fence = entry.fence
     if entry.contended:
-        detail.append(f"{entry.contended} refused")
+        detail.append(f"{entry.contended} refused acquire{'' if entry.contended == 1 else 's'}")
     if entry.holder:
-        detail.append(f"held by {entry.holder}")
+        # A contended entry's owner is the refused one; the fence is its holder's grant.
+        detail.append(f"held by {entry.holder}" + (f" (fence {fence})" if fence else ""))
+        fence = None
     if entry.by:
         detail.append(f"by {entry.by}")
     if entry.reason:
@@ -305,7 +308,7 @@ def _history_row(entry: Any) -> dict[str, str]:
     row = {
         "at": at,
         "event": entry.event,
-        "fence": "-" if entry.fence is None else str(entry.fence),
+        "fence": "-" if fence is None else str(fence),
         "owner": entry.owner or "-",
         "task_id": entry.task_id or "-",
         "outcome": entry.outcome or "-",

@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeVar, cast
 
 from . import _django
 from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bounds
+    MAX_ACTIVITY_FLUSH_INTERVAL,
     MAX_BACKOFF,
     MAX_FENCE_TTL,
     MAX_HISTORY_MAX_AGE,
@@ -46,6 +47,7 @@ from ._checks import (  # noqa: F401 - re-exported: the settings' checks and bou
     MAX_TTL,
     MAX_WAIT,
     MAX_WAITERS_LIMIT,
+    MIN_ACTIVITY_FLUSH_INTERVAL,
     MIN_FENCE_TTL,
     MIN_HISTORY_MAX_AGE,
     MIN_HISTORY_MAX_ENTRIES,
@@ -479,6 +481,24 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds",
     ),
     Setting(
+        "activity",
+        False,
+        check_bool,
+        "Django: count lease and pattern events per minute in each process (executions, wait "
+        "and hold histograms, contention, conflicts, duplicates per task; rate limits' "
+        "decisions; breakers' state changes) and write them to Redis every flush interval, "
+        "one pipelined round trip, kept two hours: the admin's Activity page draws them "
+        "(``celery_steplock.activity``). The Redis user needs ``HINCRBY`` and ``PEXPIRE`` "
+        "on ``<prefix>:activity:*``.",
+    ),
+    Setting(
+        "activity_flush_interval",
+        10.0,
+        _seconds(minimum=MIN_ACTIVITY_FLUSH_INTERVAL, maximum=MAX_ACTIVITY_FLUSH_INTERVAL),
+        "Seconds between a process's writes of its activity counts (1 to 60; default 10).",
+        "seconds",
+    ),
+    Setting(
         "event_log",
         False,
         check_bool,
@@ -827,6 +847,8 @@ class Settings:
     history: bool
     history_max_entries: int
     history_max_age: float
+    activity: bool
+    activity_flush_interval: float
     event_log: bool
     event_retention: float
     reaper_recover: dict[str, dict[str, str]]

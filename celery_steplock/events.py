@@ -175,6 +175,15 @@ def listening(signal: Signal, level: int = logging.INFO) -> bool:
     return bool(signal.receivers) or logger.isEnabledFor(level)
 
 
+#: Callables ``tap(sender, event, fields)`` that :func:`emit` calls first for every event,
+#: whether or not the signal has receivers or the line is logged: the per-minute counts of
+#: :mod:`celery_steplock.activity`, which a signal receiver would make cost several
+#: microseconds more an event (Celery's dispatch). ``fields`` is the event's keyword
+#: arguments (no ``timestamp`` yet); a tap must be fast, must not change them, and must not
+#: raise.
+TAPS: list[Any] = []
+
+
 def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) -> None:
     """Log ``fields`` as one line and send ``signal``; never raises.
 
@@ -189,6 +198,11 @@ def emit(signal: Signal, sender: Any, level: int = logging.INFO, **fields: Any) 
         level: The logging level of the line.
         **fields: The signal's keyword arguments.
     """
+    try:
+        for tap in TAPS:
+            tap(sender, signal.name, fields)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a tap must never break locking
+        log_event("receiver_failed", logging.ERROR, exc_info=True, signal="tap")
     if not signal.receivers and not logger.isEnabledFor(level):
         return
     fields.setdefault("monotonic", time.monotonic())

@@ -16,6 +16,7 @@ the hub): docs/pools.md.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -199,7 +200,9 @@ def announce_lost(store: Any, sender: Any, lease: Lease) -> None:
     and the signal say it)."""
     level, forced = lost_line(store, lease)
     record = getattr(store, "record_history", None)
-    if record is not None:
+    # An async store's (a cancelled async holder's loss, reported from the thread): its
+    # coroutine could not be awaited here.
+    if record is not None and not inspect.iscoroutinefunction(record):
         try:
             record(
                 lease.name,

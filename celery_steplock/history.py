@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ._redis.scripts.lease import HISTORY_FIELDS
 from .exceptions import FenceAhead, TransitionConflict
 
 __all__ = [
@@ -55,11 +56,11 @@ __all__ = [
 #: Every event an entry can carry (``expired`` only inferred by the reader).
 EVENTS = ("acquired", "contended", "released", "forced", "reaped", "lost", "expired")
 
-#: The outcomes a ``released`` entry can record: ``applied`` (the step's transition
-#: committed), ``conflict`` (the compare-and-swap found the step moved on), ``fenced`` (it
+#: The outcomes a ``released`` entry can record, in the words of the ``execution_done`` log
+#: line: ``committed`` (the step's transition committed), ``conflict`` (the compare-and-swap found the step moved on), ``fenced`` (it
 #: was refused by the fence: a newer holder wrote the step), ``duplicate`` (the execution
 #: ended as a duplicate), ``skipped``, ``done`` (the body ran, no transition), ``error``.
-OUTCOMES = ("applied", "conflict", "fenced", "duplicate", "skipped", "done", "error")
+OUTCOMES = ("committed", "conflict", "fenced", "duplicate", "skipped", "done", "error")
 
 #: Default of ``steplock_history_max_entries``.
 DEFAULT_MAX_ENTRIES = 100
@@ -67,19 +68,9 @@ DEFAULT_MAX_ENTRIES = 100
 #: Default of ``steplock_history_max_age``, seconds (7 days).
 DEFAULT_MAX_AGE = 7 * 24 * 3600.0
 
-#: The fields of an entry, in their order in its string (the scripts' HISTORY_FIELDS).
-FIELDS = (
-    "ms",
-    "event",
-    "owner",
-    "fence",
-    "task_id",
-    "outcome",
-    "contended",
-    "holder",
-    "by",
-    "reason",
-)
+#: The fields of an entry, in their order in its string: the scripts' own tuple, which
+#: the Lua that writes the entries follows (one list for the writer and the reader).
+FIELDS = HISTORY_FIELDS
 
 #: The separator of an entry's fields.
 SEPARATOR = "\x1f"
@@ -163,6 +154,16 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+#: The latest time an entry can carry, ms since the epoch: the end of year 9999 (what
+#: ``datetime`` can show); a later one is ``malformed``.
+MAX_MS = 253_402_300_799_999
+
+#: Seconds an entry's time may be ahead of the reader's Redis time (``parse_entries``'
+#: ``now``) before the entry is ``malformed``: the entries are stamped with Redis time, so
+#: only a planted or corrupt entry is ahead by more.
+FUTURE_SKEW = 24 * 3600.0
+
+
 def _int(value: str | None) -> int | None:
     if value is None or value == "":
         return None
@@ -188,6 +189,10 @@ def _entry(raw: Any, index: int) -> HistoryEntry:
     if ms is None:
         return HistoryEntry(
             id=entry_id, at=0.0, event="malformed", reason=f"no time: {_text(raw)[:60]!r}"
+        )
+    if ms > MAX_MS:
+        return HistoryEntry(
+            id=entry_id, at=0.0, event="malformed", reason=f"time out of range: {ms}"[:60]
         )
     at = ms / 1000.0
     event = fields.get("event")
@@ -217,14 +222,19 @@ def _entry(raw: Any, index: int) -> HistoryEntry:
     )
 
 
+def field_text(value: Any) -> str:
+    """One field's text in an entry: ``""`` for None, else ``str(value)`` with the
+    separator (U+001F) replaced by a space, so no text forges the fields after it. Every
+    writer of an entry passes its fields through it (:func:`encode`, and the lease scripts'
+    arguments built in :mod:`celery_steplock.lock`)."""
+    return "" if value is None else str(value).replace(SEPARATOR, " ")
+
+
 def encode(event: str, **fields: Any) -> str:
     """An entry's string less its time (the scripts prepend Redis time): ``event`` and
-    ``fields`` (names of :data:`FIELDS`) in order, the separator taken out of the texts,
+    ``fields`` (names of :data:`FIELDS`) in order, each through :func:`field_text`,
     trailing empty fields left out."""
-    values = [event] + [
-        "" if fields.get(name) is None else str(fields[name]).replace(SEPARATOR, " ")
-        for name in FIELDS[2:]
-    ]
+    values = [field_text(event)] + [field_text(fields.get(name)) for name in FIELDS[2:]]
     while values and values[-1] == "":
         values.pop()
     return SEPARATOR.join(values)
@@ -246,7 +256,8 @@ def parse_entries(
     Args:
         raw: The ``LRANGE`` reply: the entries' strings, newest first.
         offset: The index of the first of them in the list (the entries' ``id``).
-        now: Redis server time, seconds (with ``max_age``: entries older are left out).
+        now: Redis server time, seconds: an entry more than :data:`FUTURE_SKEW` seconds
+            ahead of it is ``malformed``; with ``max_age``, entries older are left out.
         max_age: Seconds of history kept (``steplock_history_max_age``).
 
     Returns:
@@ -256,6 +267,13 @@ def parse_entries(
         put between them: the first lease's TTL ran out.
     """
     entries = [_entry(item, n) for n, item in enumerate(raw, offset)]
+    if now is not None:
+        entries = [
+            HistoryEntry(id=e.id, at=0.0, event="malformed", reason=f"time ahead: {e.at:.0f}")
+            if e.at > now + FUTURE_SKEW
+            else e
+            for e in entries
+        ]
     if now is not None and max_age is not None:
         floor = now - max_age
         entries = [e for e in entries if e.event == "malformed" or e.at >= floor]
@@ -302,7 +320,7 @@ def outcome_of(applied: bool, result: Any, exc: BaseException | None) -> str:
         One of :data:`OUTCOMES`: ``fenced`` for a :class:`~celery_steplock.exceptions.FenceAhead`
         or a ``TransitionConflict`` whose fenced condition refused (``stale_fence``),
         ``conflict`` for another ``TransitionConflict``, ``error`` for another exception,
-        ``applied`` when the transition was applied, the outcome dict's ``duplicate`` or
+        ``committed`` when the transition was applied, the outcome dict's ``duplicate`` or
         ``skipped``, else ``done``.
     """
     if exc is not None:
@@ -310,9 +328,9 @@ def outcome_of(applied: bool, result: Any, exc: BaseException | None) -> str:
             return "fenced"
         if isinstance(exc, TransitionConflict):
             return "fenced" if exc.stale_fence else "conflict"
-        return "applied" if applied else "error"
+        return "committed" if applied else "error"
     if applied:
-        return "applied"
+        return "committed"
     kind = result.get("steplock") if isinstance(result, dict) else result
     if isinstance(kind, str) and kind in ("duplicate", "skipped"):
         return kind

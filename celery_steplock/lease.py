@@ -48,7 +48,8 @@ __all__ = [
 logger = logging.getLogger("celery_steplock")
 
 #: Field names metadata may not use: the lease hash's own fields (written by the acquire
-#: script) and the ones readers add (``name``, ``key``, ``ttl``, ``malformed``; ``age`` and
+#: script; ``contended``, the refusals counted for the history, by a refused acquire) and the
+#: ones readers add (``name``, ``key``, ``ttl``, ``malformed``; ``age`` and
 #: ``renewed_ago`` by ``celery steplock``).
 RESERVED_FIELDS = frozenset(
     {
@@ -58,6 +59,7 @@ RESERVED_FIELDS = frozenset(
         "renewed_ms",
         "ttl_ms",
         "meta",
+        "contended",
         "name",
         "key",
         "ttl",

@@ -689,7 +689,7 @@ def _concurrency_row(
         slots.append(slot)
     count = entry["limit"]
     if count is None and declared:
-        numbers = sorted(int(d) for d in declared if d.isdigit() and len(d) < 7)
+        numbers = sorted(int(d) for d in declared if d.isascii() and d.isdigit() and len(d) < 7)
         count = numbers[-1] if numbers else None
         if len(numbers) != len(declared):
             problems.append(

@@ -78,6 +78,9 @@ from .history import (
 from .history import (
     encode as encode_entry,
 )
+from .history import (
+    field_text as history_field,
+)
 from .keys import (
     MAX_NAME_LENGTH,
     PROBE_NAME,  # the permission probe's reserved name; lock.PROBE_NAME stays valid
@@ -148,6 +151,9 @@ FORCED_MARK_TTL = 3600.0
 #: release's mark keeps, and the ``lock_lost`` line of its holder names.
 FORCED_MARK_FIELDS = ("actor", "actor_host", "via", "audit", "reason")
 
+#: Characters of each field of a force release's mark the ``lock_lost`` line keeps.
+FORCED_FIELD_MAX = 200
+
 
 def forced_key(prefix: str, name: str) -> str:
     """The Redis key of the mark a force release leaves for the lease's holder.
@@ -177,10 +183,19 @@ def parse_forced(raw: Any, owner: str) -> dict[str, Any] | None:
 
 def forced_line(record: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
     """The level and extra fields of a ``lock_lost`` line given the force release's record
-    read back (:func:`parse_forced`): WARNING naming it, or ERROR with none."""
+    read back (:func:`parse_forced`): WARNING naming it, or ERROR with none.
+
+    Only the known fields (:data:`FORCED_MARK_FIELDS` but ``reason``) are kept, each a
+    text cut to :data:`FORCED_FIELD_MAX` characters, else None: the mark is read from
+    Redis, where anyone with write access could have planted nested objects or megabytes
+    (what :func:`celery_steplock.ops.force_release` writes is short text)."""
     if record is None:
         return logging.ERROR, {}
-    fields = {k: record.get(k) for k in FORCED_MARK_FIELDS if k != "reason"}
+    fields = {
+        k: v[:FORCED_FIELD_MAX] if isinstance(v := record.get(k), str) else None
+        for k in FORCED_MARK_FIELDS
+        if k != "reason"
+    }
     return logging.WARNING, {"forced": True, **fields}
 
 
@@ -468,7 +483,7 @@ def _acquire_request(
         keys.append(history_key(prefix, name))
         task_id = metadata.get("task_id") if metadata else None
         args += history.args
-        args.append("" if task_id is None else str(task_id))
+        args.append(history_field(task_id))
     return keys, args
 
 
@@ -483,7 +498,9 @@ def _release_request(
     by: str | None = None,
 ) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of :data:`~celery_steplock._redis.scripts.lease.RELEASE` for validated
-    arguments (``history`` None: no history key, nothing written to it)."""
+    arguments (``history`` None: no history key, nothing written to it). The entry's
+    fields go through :func:`~celery_steplock.history.field_text` (a caller's task id or
+    actor holding the separator forges no field)."""
     keys = [lease_key(prefix, name), waiters_key(prefix, name), wake_key(prefix, name)]
     if history is None:
         return keys, [owner]
@@ -491,10 +508,10 @@ def _release_request(
     return keys, [
         owner,
         *history.args,
-        outcome or "",
-        "" if task_id is None else str(task_id),
-        event,
-        by or "",
+        history_field(outcome),
+        history_field(task_id),
+        history_field(event),
+        history_field(by),
     ]
 
 
@@ -1691,28 +1708,53 @@ class RedisLeaseStore:
         Raises:
             InvalidArgument: ``event`` is not one of the events.
             LockStoreUnavailable: Redis cannot be reached.
-            LockStoreMisconfigured: Redis refused the write (ACL: ``xadd``).
+            LockStoreMisconfigured: Redis refused the write (ACL: ``lpush``).
         """
-        config = self.history_config
-        if config is None:
-            return None
-        if event not in HISTORY_EVENTS or event == "expired":
-            raise InvalidArgument(
-                f"event must be one of {', '.join(HISTORY_EVENTS[:-1])}, got {shown(event)}",
-                argument="event",
-            )
-        name = _name(name)
-        entry = encode_entry(
-            event,
-            owner=owner,
-            fence=fence,
-            task_id=task_id,
-            reason=None if reason is None else str(reason)[:200],
-            by=None if by is None else str(by)[:200],
+        request = _history_add_request(
+            self.prefix, self.history_config, name, event, owner, fence, task_id, reason, by
         )
-        key = history_key(self.prefix, name)
-        self._call(self._history_add, [key], [*config.args, entry], "history", name, owner)
-        return key
+        if request is None:
+            return None
+        keys, args = request
+        self._call(self._history_add, keys, args, "history", _name(name), owner)
+        return keys[0]
+
+
+def _history_add_request(
+    prefix: str,
+    config: HistoryConfig | None,
+    name: str,
+    event: str,
+    owner: str | None,
+    fence: int | None,
+    task_id: str | None,
+    reason: str | None,
+    by: str | None,
+) -> tuple[list[str], list[str]] | None:
+    """KEYS and ARGV of :data:`~celery_steplock._redis.scripts.lease.HISTORY_ADD` for
+    ``record_history`` (the sync and the async store's): None when ``config`` is None (no
+    history kept); ``reason`` and ``by`` cut to 200 characters.
+
+    Raises:
+        InvalidArgument: ``event`` is not one of the events (``expired`` is only inferred),
+            or ``name`` is not a lock name.
+    """
+    if config is None:
+        return None
+    if event not in HISTORY_EVENTS or event == "expired":
+        raise InvalidArgument(
+            f"event must be one of {', '.join(HISTORY_EVENTS[:-1])}, got {shown(event)}",
+            argument="event",
+        )
+    entry = encode_entry(
+        event,
+        owner=owner,
+        fence=fence,
+        task_id=task_id,
+        reason=None if reason is None else str(reason)[:200],
+        by=None if by is None else str(by)[:200],
+    )
+    return [history_key(prefix, _name(name))], [*config.args, entry]
 
 
 def _history_entries(

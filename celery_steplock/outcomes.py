@@ -77,7 +77,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from celery import states
 from celery.signals import task_prerun
@@ -88,7 +88,7 @@ from ._redis.scripts.overlap import CLAIM_FOLLOWER, CLEAR_FOLLOWER
 from ._redis.wire import Script
 from .events import emit, lease_fields, log_event
 from .exceptions import LockContended, LockStoreUnavailable
-from .lease import owner_has_task_id, owner_task_id
+from .lease import _DIGEST_TOKEN, owner_has_task_id, owner_task_id
 from .plan import is_step_locked
 
 __all__ = [
@@ -236,8 +236,26 @@ def stored_state(task) -> dict[str, Any] | None:
     if backend is None:
         return None
     try:
-        meta = backend.get_task_meta(task.request.id)
-    except Exception as exc:  # noqa: BLE001 - an unreadable backend decides nothing
+        return _ready_meta(task, backend, task.request.id)
+    except _BackendUnreadable:  # an unreadable backend decides nothing
+        return None
+
+
+class _BackendUnreadable(Exception):
+    """The result backend raised on a read (logged by :func:`_ready_meta`)."""
+
+
+def _ready_meta(task, backend, task_id: str) -> dict[str, Any] | None:
+    """The ready (SUCCESS, FAILURE, REVOKED) state ``backend`` holds for ``task_id``, as
+    ``backend.get_task_meta`` gives it, else None.
+
+    Raises:
+        _BackendUnreadable: The backend raised (logged: ``result_backend_unreadable``,
+            WARNING, with the running request's task id and name).
+    """
+    try:
+        meta = backend.get_task_meta(task_id)
+    except Exception as exc:  # logged here, decided by the caller
         log_event(
             "result_backend_unreadable",
             logging.WARNING,
@@ -245,22 +263,29 @@ def stored_state(task) -> dict[str, Any] | None:
             task_name=task.name,
             error=exc,
         )
-        return None
+        raise _BackendUnreadable from exc
     return meta if meta and meta.get("status") in states.READY_STATES else None
 
 
-def _wait_for_stored_state(task) -> dict[str, Any] | None:
-    if _readable_backend(task) is None:
-        return None
+def _read_until_ready(read: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """``read()`` until it returns a state, for :data:`STORE_WAIT` seconds at most (reads
+    after 0, 0.05, 0.15, 0.35, 0.75 and 1.55 s: the pause doubles, the last one cut to the
+    deadline); the last read's value (None when none was ready)."""
     deadline = time.monotonic() + STORE_WAIT
     pause = 0.05
     while True:
-        meta = stored_state(task)
+        meta = read()
         remaining = deadline - time.monotonic()
         if meta is not None or remaining <= 0:
             return meta
         time.sleep(min(pause, remaining))
         pause *= 2
+
+
+def _wait_for_stored_state(task) -> dict[str, Any] | None:
+    if _readable_backend(task) is None:
+        return None
+    return _read_until_ready(lambda: stored_state(task))
 
 
 def _header(request, name: str) -> Any:
@@ -378,27 +403,10 @@ def _winner_meta(task, backend, task_id: str) -> dict[str, Any] | None:
     """The ready state ``backend`` holds for ``task_id``, read again until it is ready or
     :data:`STORE_WAIT` has passed (the winner commits before it stores); None when none is
     ready then, or the backend cannot be read (logged, never raised)."""
-    deadline = time.monotonic() + STORE_WAIT
-    pause = 0.05
-    while True:
-        try:
-            meta = backend.get_task_meta(task_id)
-        except Exception as exc:  # noqa: BLE001 - an unreadable backend: the outcome dict
-            log_event(
-                "result_backend_unreadable",
-                logging.WARNING,
-                task_id=task.request.id,
-                task_name=task.name,
-                error=exc,
-            )
-            return None
-        if meta and meta.get("status") in states.READY_STATES:
-            return meta
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        time.sleep(min(pause, remaining))
-        pause *= 2
+    try:
+        return _read_until_ready(lambda: _ready_meta(task, backend, task_id))
+    except _BackendUnreadable:  # an unreadable backend: the outcome dict
+        return None
 
 
 def winner_result(task, exc, outcome: dict[str, Any]) -> Any:
@@ -416,14 +424,25 @@ def winner_result(task, exc, outcome: dict[str, Any]) -> Any:
         The winner's return value, as the backend decodes it, when the winner's task id is
         known and is not this one, the step is in the task's own ``to`` status (the last
         writer did this step, not a later one), the backend keeps results by task id (not
-        the disabled or the RPC backend) and holds a ``SUCCESS`` for that id (with
-        ``result_extended``, of a task of this name) within :data:`STORE_WAIT` seconds.
-        Else ``outcome``, the "duplicate" dict: a winner with ``ignore_result``, a result
-        expired or never stored, a winner whose stored state is a ``FAILURE`` or
+        the disabled or the RPC backend) and holds a ``SUCCESS`` for that id, of a task of
+        this name, within :data:`STORE_WAIT` seconds. The name is read from the stored
+        state, so the winner's result is returned only with Celery's ``result_extended``
+        on (without it the state names no task, and another task that wrote the same
+        transition would hand over its own result: the check
+        ``celery_steplock.W012`` warns). Else ``outcome``, the "duplicate" dict: a winner
+        with ``ignore_result``, a result expired or never stored, a stored state that
+        names no task or another one, a winner whose stored state is a ``FAILURE`` or
         ``REVOKED``, a backend that cannot be read (``result_backend_unreadable``,
         WARNING), or a ``committed_by`` unknown (an owner token without its task id and
         the event log off). A missing result costs the duplicate up to
         :data:`STORE_WAIT` seconds of reads; a stored one, one read.
+
+    Trust: the winner's task id is read from the step row's owner column
+    (``lock_owner``), which the library writes with a token of
+    :func:`~celery_steplock.lease.new_owner_token`; a row written by another writer (SQL,
+    a migration, ``lock(owner=...)`` with a caller-chosen owner of the carrying form) can
+    name any task id. The name check bounds that to the results of tasks of this name;
+    whoever can write the step table is trusted with the rest.
     """
     winner = outcome.get("committed_by")
     if not winner or winner == task.request.id:
@@ -437,8 +456,8 @@ def winner_result(task, exc, outcome: dict[str, Any]) -> Any:
     if meta is None or meta.get("status") != states.SUCCESS:
         return outcome
     name = meta.get("name") or meta.get("task_name")  # result_extended: Redis, django-db
-    if name and name != task.name:
-        return outcome  # another task's result
+    if name != task.name:
+        return outcome  # another task's result, or a result that names no task
     task.request.steplock_outcome = DUPLICATE
     return meta.get("result")
 
@@ -452,11 +471,32 @@ def outcome_kind(task, result: Any) -> str | None:
     return getattr(task.request, "steplock_outcome", None)
 
 
+def holder_has_task_id(exc, task_id: str | None) -> bool:
+    """Whether the holder of a busy lease (``exc``, a LockContended) is a delivery of
+    ``task_id``.
+
+    Decided by the holder's owner token (``exc.holder``,
+    :func:`~celery_steplock.lease.owner_has_task_id`) when it is one of
+    :func:`~celery_steplock.lease.new_owner_token`'s forms (the task id carried, or its
+    digest): the holder's metadata (``exc.holder_task_id``) is display text, its control
+    characters escaped and a task id over 255 characters cut
+    (:func:`~celery_steplock.lock.bounded_text`), so two ids can read alike there and one
+    id can differ from its own. The metadata's task id, compared exactly, decides only
+    when no such token is known (no holder read, or a caller-chosen owner)."""
+    if not task_id:
+        return False
+    holder = exc.holder
+    if holder and (owner_task_id(holder) is not None or _DIGEST_TOKEN.fullmatch(holder)):
+        return owner_has_task_id(holder, task_id)
+    return bool(exc.holder_task_id) and exc.holder_task_id == task_id
+
+
 def contended_outcome(task, exc, step_id=None, expected=None) -> dict[str, Any] | None:
     """The return value of ``on_contended="skip"`` for ``exc`` (LockContended), or None
-    when the lease's holder is a delivery of this very task id (it owns the outcome)."""
+    when the lease's holder is a delivery of this very task id (it owns the outcome:
+    :func:`holder_has_task_id`)."""
     holder = exc.holder_task_id
-    if holder and holder == task.request.id:
+    if holder_has_task_id(exc, task.request.id):
         return None
     return StepOutcome(
         SKIPPED, task.name, step_id=step_id, expected=expected, held_by=holder or None

@@ -399,7 +399,7 @@ class StepLockedTask(_TaskBase):
         execution = current(self.name)
         plan = execution.plan if execution is not None else self.steplock_plan
         policy = plan.on_contended
-        same_id = bool(exc.holder_task_id) and exc.holder_task_id == self.request.id
+        same_id = outcomes.holder_has_task_id(exc, self.request.id)
         if plan.overlap in ("skip", "coalesce") and not same_id:
             return outcomes.overlap_contended(self, exc, plan, execution)
         if policy == "skip":
@@ -420,7 +420,7 @@ class StepLockedTask(_TaskBase):
                 exc, headers={outcomes.SAME_ID_HEADER: 1} if same_id else None
             )
         except LockContended:
-            if exc.holder_task_id and exc.holder_task_id == self.request.id:
+            if outcomes.holder_has_task_id(exc, self.request.id):
                 # Retries exhausted while another delivery of this very task id holds the
                 # lease: that delivery owns the outcome; storing FAILURE would overwrite it.
                 return self.steplock_ignore()

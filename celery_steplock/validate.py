@@ -36,6 +36,10 @@ warnings are logged) and Django's system checks (``manage.py check``,
 ``celery_steplock.W006``    a setting set under its former name (``steplock_bulkhead_*``,
                             now ``steplock_concurrency_limit_*``): still read for one
                             release while the new name is unset, ignored beside it.
+``celery_steplock.W012``    StepLockedTasks with ``on_conflict="return_winner"`` while
+                            Celery's ``result_extended`` is off: a duplicate never gets the
+                            winner's result (a stored state that names no task could be
+                            another task's).
 ``celery_steplock.W010``    no name secret: default lock names use a public HMAC key.
 ``celery_steplock.W011``    the name secret derives from an insecure Django ``SECRET_KEY``
                             while ``DEBUG`` is off.
@@ -480,6 +484,43 @@ def worker_lost_problems(app: Any) -> list[Problem]:
             )
         )
     return found
+
+
+def return_winner_problems(app: Any) -> list[Problem]:
+    """W012: StepLockedTasks with ``on_conflict="return_winner"`` (the task option, or
+    ``steplock_on_conflict``) while Celery's ``result_extended`` is off.
+
+    A duplicate returns the winner's stored result only when the stored state names a task
+    of its own name (:func:`celery_steplock.outcomes.winner_result`): another task that
+    writes the same transition of the same step would otherwise hand over its result.
+    Without ``result_extended`` the state names no task, so such a duplicate always returns
+    its "duplicate" outcome dict, after up to ``STORE_WAIT`` seconds of reads.
+    """
+    if app.conf.get("result_extended"):
+        return []
+    try:
+        default = Settings(app).on_conflict
+    except ImproperlyConfigured:
+        default = None  # E003 reports it
+    names = [
+        task.name
+        for task in steplock_tasks(app)
+        if (task.on_conflict if task.on_conflict is not None else default) == "return_winner"
+    ]
+    if not names:
+        return []
+    return [
+        Problem(
+            "celery_steplock.W012",
+            f"StepLockedTasks with on_conflict='return_winner' while result_extended is off: "
+            f"{', '.join(names)}. The stored results name no task, so a duplicate never "
+            f"returns the winner's result (it could be another task's): it returns its "
+            f"'duplicate' outcome dict.",
+            hint="Set CELERY_RESULT_EXTENDED = True (Celery's result_extended), or use "
+            "on_conflict='return'.",
+            obj="result_extended",
+        )
+    ]
 
 
 def time_limit_problems(app: Any) -> list[Problem]:
@@ -1026,7 +1067,7 @@ def name_secret_problems(app: Any) -> list[Problem]:
 def problems(app: Any) -> list[Problem]:
     """Every problem of ``app``'s steplock configuration: settings (E003), task options
     (E004), step models (E002, once the step store's models are loaded), then the warnings
-    W001, W002, W004, W005 and W006. Reads the tasks ``app`` has registered; imports no task
+    W001, W002, W004, W012, W005 and W006. Reads the tasks ``app`` has registered; imports no task
     module."""
     return (
         settings_problems(app)
@@ -1038,6 +1079,7 @@ def problems(app: Any) -> list[Problem]:
         + visibility_timeout_problems(app)
         + worker_lost_problems(app)
         + time_limit_problems(app)
+        + return_winner_problems(app)
         + unknown_name_problems(app)
         + deprecated_name_problems(app)
         + name_secret_problems(app)

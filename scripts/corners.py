@@ -87,7 +87,11 @@ WORKERS = tuple(
 #: admin (with the browser) on both Django 6 releases.
 EXTRA_TESTS = {
     "oldest": WORKERS + TOPOLOGIES,
-    "middle": ("tests/contrib/test_admin.py", "tests/contrib/test_browser.py"),
+    "middle": (
+        "tests/contrib/test_admin.py",
+        "tests/contrib/test_browser.py",
+        "tests/contrib/test_browser_operators.py",
+    ),
     "newest": WORKERS
     + TOPOLOGIES
     + (
@@ -95,6 +99,7 @@ EXTRA_TESTS = {
         "tests/test_pools.py::test_green_heartbeat_renews_from_a_native_thread_or_refuses",
         "tests/contrib/test_admin.py",
         "tests/contrib/test_browser.py",
+        "tests/contrib/test_browser_operators.py",
     ),
 }
 

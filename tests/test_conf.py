@@ -358,8 +358,9 @@ def test_the_table_is_the_only_source():
 
     names = [s.name for s in SETTINGS]
     # 45, then steplock_overlap and the four steplock_effect_* settings (issue 28), then
-    # steplock_history, steplock_history_max_entries, steplock_history_max_age (issue 30)
-    assert len(names) == len(set(names)) == 53
+    # steplock_history, steplock_history_max_entries, steplock_history_max_age (issue 30),
+    # steplock_activity, steplock_activity_flush_interval (issue 30)
+    assert len(names) == len(set(names)) == 55
     assert DEFAULTS == {s.name: s.default for s in SETTINGS} and list(DEFAULTS) == names
     assert DESCRIPTIONS == {s.name: s.description for s in SETTINGS}
     assert list(DESCRIPTIONS) == names

@@ -3,6 +3,7 @@ events at DEBUG; a lease lost to an operator's force release is a WARNING naming
 operator's record; a lease retry is a ``task-retried`` event for Celery's monitors."""
 
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -17,7 +18,13 @@ from celery_steplock.clients import async_twin
 from celery_steplock.contrib.django.steps import guarded_step
 from celery_steplock.exceptions import LockContended, LockLost
 from celery_steplock.heartbeat import Heartbeat
-from celery_steplock.lock import FORCED_MARK_TTL, get_lease_store, lost_line
+from celery_steplock.lock import (
+    FORCED_FIELD_MAX,
+    FORCED_MARK_TTL,
+    forced_key,
+    get_lease_store,
+    lost_line,
+)
 from celery_steplock.ops import ReleaseAudit, force_release
 from celery_steplock.outcomes import SAME_ID_HEADER
 from celery_steplock.task import StepLockedTask
@@ -139,6 +146,45 @@ class Recorded(ReleaseAudit):
 
     def finished(self, record):
         pass
+
+
+def test_marks_of_another_owner_or_not_json_give_error(lock, redis_client):
+    lease = lock.acquire("m", "o1", 30.0)
+    key = forced_key(lock.prefix, "m")
+    for raw in (json.dumps({"owner": "o2", "actor": "x"}), "not json", "[1]", "\xff", "null"):
+        redis_client.set(key, raw)
+        assert lost_line(lock, lease) == (logging.ERROR, {})
+    redis_client.delete(key)
+    redis_client.hset(key, "a", "b")  # wrong type: GET refused
+    assert lost_line(lock, lease) == (logging.ERROR, {})
+
+
+def test_a_planted_mark_gives_only_short_texts_of_the_known_fields(lock, redis_client):
+    """A mark is read from Redis: values that are not text are dropped, texts cut to
+    FORCED_FIELD_MAX characters, unknown keys left out (the log line, the signal)."""
+    lease = lock.acquire("m", "o1", 30.0)
+    redis_client.set(
+        forced_key(lock.prefix, "m"),
+        json.dumps(
+            {
+                "owner": "o1",
+                "actor": "a" * 1_000_000,
+                "via": {"n": [1]},
+                "audit": "x\nFAKE",
+                "actor_host": 7,
+                "extra": "no",
+            }
+        ),
+    )
+    level, fields = lost_line(lock, lease)
+    assert level == logging.WARNING
+    assert fields == {
+        "forced": True,
+        "actor": "a" * FORCED_FIELD_MAX,
+        "actor_host": None,
+        "via": None,
+        "audit": "x\nFAKE",
+    }
 
 
 def test_a_force_released_lease_is_lost_with_a_warning_naming_the_record(app, caplog):

@@ -21,7 +21,7 @@ def events(store, name="a", count=50):
 
 def test_acquire_and_release_write_one_entry_each_with_the_outcome(lock, redis_client):
     lease = lock.acquire("a", "o1", 5.0, metadata={"task_id": "tid-1"})
-    release_after_commit(lock, lease, None, outcome="applied")
+    release_after_commit(lock, lease, None, outcome="committed")
     newest, oldest = lock.history("a")
     assert (oldest.event, oldest.owner, oldest.fence, oldest.task_id) == (
         "acquired",
@@ -35,7 +35,7 @@ def test_acquire_and_release_write_one_entry_each_with_the_outcome(lock, redis_c
         lease.fence,
         "tid-1",
     )
-    assert newest.outcome == "applied" and newest.contended == 0
+    assert newest.outcome == "committed" and newest.contended == 0
     # Times come from the stream ids (Redis time, ms), newest first.
     seconds, micros = redis_client.time()
     assert 0 <= seconds + micros / 1e6 - newest.at < 5 and newest.at >= oldest.at
@@ -48,7 +48,7 @@ def test_acquire_and_release_write_one_entry_each_with_the_outcome(lock, redis_c
         "o1",
         str(lease.fence),
         "tid-1",
-        "applied",
+        "committed",
         "0",
         "",  # the holder (a contended entry's)
         "",  # who released it (a force release's)
@@ -151,7 +151,7 @@ def test_history_off_writes_nothing(redis_client):
     lease = store.acquire("a", "o1", 5.0, metadata={"task_id": "x"})
     assert store.acquire("a", "o2", 5.0, wait=0.05) is None
     assert store.record_history("a", "lost", owner="o1") is None
-    store.release("a", lease.owner, outcome="applied")
+    store.release("a", lease.owner, outcome="committed")
     renewed = None
     lease = store.acquire("a", "o3", 5.0)
     renewed = redis_client.hget("t:lease:{a}", "renewed_ms")
@@ -203,7 +203,7 @@ def test_pages_go_back_with_an_offset(lock):
 
 
 def test_outcome_of_an_execution():
-    assert outcome_of(True, None, None) == "applied"
+    assert outcome_of(True, None, None) == "committed"
     assert outcome_of(False, {"steplock": "duplicate"}, None) == "duplicate"
     assert outcome_of(False, {"steplock": "skipped"}, None) == "skipped"
     assert outcome_of(False, 42, None) == "done"
@@ -245,9 +245,9 @@ def test_the_history_is_written_in_the_lease_scripts_on_a_cluster(redis_cluster)
             assert store.reap_many([(f"dead:{n}", reaped.owner, renewed)]) == [True]
             lease.mark_lost("gone")
             announce_lost(store, None, lease)
-            assert store.release(name, lease.owner, outcome="applied", task_id=f"t{n}")
+            assert store.release(name, lease.owner, outcome="committed", task_id=f"t{n}")
             assert events(store, name) == ["released", "lost", "contended", "acquired"]
-            assert store.history(name)[0].outcome == "applied"
+            assert store.history(name)[0].outcome == "committed"
             assert events(store, f"dead:{n}") == ["reaped", "acquired"]
     finally:
         client.close()
@@ -265,7 +265,7 @@ def test_a_user_without_the_history_commands_keeps_its_leases(acl_server):
         store = RedisLeaseStore(client, prefix="t")
         lease = store.acquire("acl", ttl=5.0)
         assert lease is not None and store.acquire("acl", ttl=5.0) is None
-        assert store.release("acl", lease.owner, outcome="applied")
+        assert store.release("acl", lease.owner, outcome="committed")
         # The LPUSH refused inside the scripts (pcall): no history, no half-written lease.
         assert store.history("acl") == [] and store.inspect("acl") is None
     finally:
@@ -275,3 +275,73 @@ def test_a_user_without_the_history_commands_keeps_its_leases(acl_server):
 def test_outcome_of_a_known_kind():
     assert outcome_of(False, "duplicate", None) == "duplicate"  # outcomes.outcome_kind's
     assert outcome_of(False, "something else", None) == "done"
+
+
+# -- hostile input: planted entries and fields ---------------------------------------------
+
+
+def test_a_separator_in_a_released_task_id_or_actor_forges_no_field(lock, redis_client):
+    """RELEASE's task id and forced_by come from the caller (release(task_id=...), the
+    force release's actor): U+001F in them is taken out, as encode() does."""
+    forged = "\x1f".join(["tid", "applied", "99", "someone-else", "admin@ops", "forged"])
+    lease = lock.acquire("a", "o1", 5.0)
+    assert lock.release("a", lease.owner, outcome="error", task_id=forged)
+    newest = lock.history("a")[0]
+    assert newest.event == "released" and newest.outcome == "error"
+    assert newest.by is None and newest.reason is None and newest.extra == {}
+    assert newest.task_id == forged.replace("\x1f", " ")
+    lease = lock.acquire("a", "o2", 5.0)
+    force_release(lock, "a", lease.owner, actor="ops\x1fforged\x1fx", auditor=LogAudit())
+    forced = lock.history("a")[0]
+    assert forced.event == "forced" and forced.by == "ops forged x" and forced.extra == {}
+
+
+def test_a_non_integer_contended_field_still_refuses_the_contender(lock, redis_client):
+    """The refusal path's HINCRBY of the history's count goes through pcall: a lease hash
+    whose ``contended`` is not an integer still answers "held by o1", never an error."""
+    lock.acquire("a", "o1", 5.0)
+    redis_client.hset("t:lease:{a}", "contended", "x")
+    lease, holder, _ = lock.try_acquire("a", "o2", 5.0)
+    assert lease is None and holder == "o1"
+    assert lock.release("a", "o1")
+
+
+def test_a_lost_entry_on_a_wrong_type_key_never_breaks_the_report(lock, redis_client):
+    lease = lock.acquire("a", "o1", 5.0)
+    redis_client.delete(KEY)
+    redis_client.set(KEY, "not a list")
+    redis_client.delete("t:lease:{a}")
+    lease.mark_lost("gone")
+    announce_lost(lock, None, lease)  # must not raise
+    assert lock.history("a")[0].event == "malformed"
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        b"\xff\xfe\x00",
+        b"{}",
+        b"9" * 30 + b"\x1facquired",
+        b"1\x1facquired\x1fo\x1f-1",
+        b"x" * 2_000_000,
+        b"9999999999999999999\x1facquired\x1fo1",
+    ],
+)
+def test_planted_entries_read_as_malformed(lock, redis_client, planted):
+    lock.acquire("a", "o1", 5.0)
+    redis_client.lpush(KEY, planted)
+    got = lock.history("a")
+    assert got[0].event == "malformed" and len(got[0].reason or "") < 200
+
+
+def test_an_entry_far_ahead_of_redis_time_is_malformed(lock, redis_client):
+    """Entries are stamped with Redis time: one over a day ahead of it is planted or
+    corrupt (and one past year 9999 cannot be shown as a date)."""
+    seconds, _micros = redis_client.time()
+    redis_client.lpush(KEY, "99999999999999\x1facquired\x1fo1")  # year 5138
+    redis_client.lpush(KEY, f"{(seconds + 3600) * 1000}\x1facquired\x1fo2")
+    near, far = lock.history("a")
+    assert near.event == "acquired" and near.owner == "o2"
+    assert far.event == "malformed" and far.at == 0.0 and "time ahead" in far.reason
+    [beyond] = parse_entries(["253402300800000\x1facquired\x1fo1"])
+    assert beyond.event == "malformed" and "out of range" in beyond.reason

@@ -411,15 +411,51 @@ def test_a_row_written_by_an_earlier_version_keeps_the_same_id_rule(worker_reque
 # -- on_conflict="return_winner" -------------------------------------------------------------
 
 
-def test_return_winner_returns_the_winner_s_stored_result(worker_request):
+def store_winner(task_id, result, name="tests.outcomes.finish"):
+    """Store ``result`` for ``task_id`` as a worker with ``result_extended`` does (the
+    stored state names the task)."""
+    celery_app.backend.store_result(
+        task_id, result, states.SUCCESS, request=Context(task=name, args=[])
+    )
+
+
+def test_return_winner_returns_the_winner_s_stored_result(app, worker_request):
+    set_settings(app, result_extended=True)
     step = committed_step("x")
-    celery_app.backend.store_result("x", {"winner": "x", "n": [1, 2]}, states.SUCCESS)
+    store_winner("x", {"winner": "x", "n": [1, 2]})
     worker_request("y")
     outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
     assert outcome == duplicate(step, committed_by="x")
     value = outcomes.winner_result(finish, conflict(step), outcome)
     assert value == {"winner": "x", "n": [1, 2]}
     assert outcomes.outcome_kind(finish, value) == DUPLICATE  # logged as a duplicate
+
+
+def test_return_winner_needs_a_stored_state_naming_this_task(app, worker_request):
+    """Without result_extended the stored state names no task: it could be another task's
+    (here "shop.refund", which wrote the same transition), so the outcome dict."""
+    set_settings(app, result_extended=False)
+    step = committed_step("other-task-id")
+    store_winner("other-task-id", {"card": "4111-xxxx", "refund_of": 9}, name="shop.refund")
+    worker_request("y")
+    outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
+    assert outcome == duplicate(step, committed_by="other-task-id")
+    assert outcomes.winner_result(finish, conflict(step), outcome) == outcome
+
+
+def test_a_row_written_with_a_chosen_owner_hands_over_no_result_without_a_name(
+    app, worker_request
+):
+    """committed_by is read from whatever lock_owner holds (an external writer, a
+    caller-chosen owner of the carrying form): a stored state that names no task is never
+    returned."""
+    set_settings(app, result_extended=False)
+    celery_app.backend.store_result("victim-id", {"secret": 1}, states.SUCCESS)
+    step = Step.objects.create(name="s", status="done", lock_owner="0" * 24 + ":victim-id")
+    worker_request("y")
+    outcome = outcomes.conflict_outcome(finish, conflict(step), steps())
+    assert outcome["committed_by"] == "victim-id"
+    assert outcomes.winner_result(finish, conflict(step), outcome) == outcome
 
 
 def test_return_winner_falls_back_to_the_outcome(app, worker_request):
@@ -462,9 +498,64 @@ def test_return_winner_through_the_task(app, worker_request):
     """apply() stores no result: the winner's is put in the backend as a worker would."""
     step = Step.objects.create(name="s")
     winner = finish.apply(args=(step.pk,), task_id="winner-id")
-    celery_app.backend.store_result("winner-id", winner.result, states.SUCCESS)
+    set_settings(app, result_extended=True)
+    store_winner("winner-id", winner.result)
     set_settings(app, steplock_on_conflict="return_winner")  # the setting, for every task
     again = finish.apply(args=(step.pk,), task_id="loser-id")
     assert again.state == "SUCCESS" and again.result == winner.result
     assert again.result == {"winner": "winner-id", "fence": winner.result["fence"]}
     assert BODY_RUNS == [step.pk]
+
+
+# -- the same-id rule: owner tokens, not the holder's display metadata --------------------------
+
+
+@pytest.mark.parametrize(
+    "task_id",
+    [
+        "a:b:c",
+        "0123456789abcdef01234567:x",
+        "x" * 39,
+        "x" * 40,
+        "with space",
+        "ünïcödé",
+        "tab\tid",
+        "",
+    ],
+)
+def test_unusual_task_ids_keep_the_same_id_rule(task_id):
+    token = new_owner_token(task_id)
+    assert len(token) <= 64
+    if task_id:
+        assert owner_has_task_id(token, task_id)
+        assert not owner_has_task_id(token, task_id + "x")
+        assert owner_task_id(token) in (task_id, None)
+
+
+@pytest.mark.parametrize("task_id", ["tab\tid", "n" * 300])
+def test_a_same_id_holder_is_found_by_its_token_when_the_metadata_escapes_or_cuts_the_id(
+    worker_request, task_id
+):
+    """The holder's metadata escapes control characters and cuts a task id over 255
+    characters: the holder's owner token decides (skip: Ignore, not a "skipped" dict)."""
+    from celery_steplock.exceptions import LockContended
+    from celery_steplock.lease import holder_metadata
+
+    holder = new_owner_token(task_id)
+    shown = holder_metadata(task_id=task_id, task_name=finish.name)["task_id"]
+    assert shown != task_id
+    exc = LockContended("held", holder=holder, holder_task_id=shown)
+    worker_request(task_id)
+    assert outcomes.holder_has_task_id(exc, task_id)
+    assert outcomes.contended_outcome(finish, exc, step_id=1, expected="pending") is None
+    # Another id that reads alike in the metadata is another task.
+    other = LockContended("held", holder=new_owner_token(shown), holder_task_id=shown)
+    assert not outcomes.holder_has_task_id(other, task_id)
+    skipped = outcomes.contended_outcome(finish, other, step_id=1, expected="pending")
+    assert skipped["steplock"] == SKIPPED and skipped["held_by"] == shown
+    # No owner token known: the metadata's id, compared exactly.
+    assert outcomes.holder_has_task_id(LockContended("held", holder_task_id="t"), "t")
+    assert not outcomes.holder_has_task_id(LockContended("held", holder_task_id="t"), "u")
+    # A caller-chosen owner (not a token of new_owner_token): the metadata decides.
+    chosen = LockContended("held", holder="holder-owner", holder_task_id="t")
+    assert outcomes.holder_has_task_id(chosen, "t")

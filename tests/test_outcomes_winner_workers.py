@@ -8,25 +8,18 @@ duplicate its "duplicate" outcome. Tasks: tests/support/winner_app.py.
 
 import time
 import uuid
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-import redis
 from celery import chain, group
 from helpers import wait_until
 
 from celery_steplock.outcomes import STORE_WAIT
 from django_app.workflows.models import Step
+from tests.support.result_backends import redis_result_backend
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
 TIMEOUT = 30.0  # the bound on every .get(): far above what a run takes
-
-
-def _forget_backend(app):
-    """Drop the app's cached backend, so that the next ``app.backend`` is made anew."""
-    app._backend_cache = None
-    vars(app._local).pop("backend", None)
 
 
 @pytest.fixture(params=["django-db", pytest.param("redis", marks=pytest.mark.redis_shape)])
@@ -36,19 +29,8 @@ def backend_env(request, app, redis_server_url):
     if request.param == "django-db":
         yield {}
         return
-    url = urlunsplit(urlsplit(redis_server_url)._replace(path="/1"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    saved = app.conf.result_backend
-    app.conf.result_backend = url
-    _forget_backend(app)
-    try:
+    with redis_result_backend(app, redis_server_url) as (_client, url):
         yield {"STEPLOCK_RESULT_BACKEND": url}
-    finally:
-        app.conf.result_backend = saved
-        _forget_backend(app)
-        client.flushdb()
-        client.close()
 
 
 @pytest.fixture

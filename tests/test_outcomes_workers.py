@@ -8,16 +8,15 @@ One worker serves every case of a test (a worker start is most of a test's time)
 """
 
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-import redis
 from celery import chain, chord, group, signature
 from django_celery_results.models import TaskResult
 from helpers import drained, stats, stats_settled, wait_until
 
 from django_app.workflows.models import Step, TransitionRecord
 from django_app.workflows.tasks import advance
+from tests.support.result_backends import redis_result_backend
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
@@ -71,26 +70,8 @@ def result_backend(request, app, redis_server_url):
     if request.param == "django-db":
         yield "django-db", None, {}
         return
-    url = urlunsplit(urlsplit(redis_server_url)._replace(path="/1"))
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    saved = app.conf.result_backend
-    app.conf.result_backend = url
-    forget_backend(app)
-    try:
+    with redis_result_backend(app, redis_server_url) as (client, url):
         yield "redis", client, {"STEPLOCK_RESULT_BACKEND": url}
-    finally:
-        app.conf.result_backend = saved
-        forget_backend(app)
-        client.flushdb()
-        client.close()
-
-
-def forget_backend(app):
-    """Drop the app's cached backend (Celery keeps it once made), so that the next
-    ``app.backend`` is made from ``result_backend``."""
-    app._backend_cache = None
-    vars(app._local).pop("backend", None)
 
 
 def stored_in(result_backend, task_ids):

@@ -425,7 +425,11 @@ def test_a_tasks_lease_lives_under_the_test_prefix(steplock_app, steplock_key_pr
         "key": f"{steplock_key_prefix}:lease:{{job:1}}", "held_by_me": True}
     assert steplock_leases.inspect("job:1") is None
     left = sorted(steplock_redis.scan_iter(match=f"{steplock_key_prefix}:*"))
-    assert left == [f"{steplock_key_prefix}:fence:{{job:1}}"]  # the fencing counter stays
+    # The fencing counter and the lock name's history stay (until the test's end).
+    assert left == [
+        f"{steplock_key_prefix}:fence:{{job:1}}",
+        f"{steplock_key_prefix}:history:{{job:1}}",
+    ]
     SEEN["prefix"] = steplock_key_prefix
 
 

@@ -420,3 +420,31 @@ def test_an_invalid_consumer_timeout_is_e003_not_a_crash():
     assert [(p.id, p.obj) for p in found] == [
         ("celery_steplock.E003", "steplock_broker_consumer_timeout")
     ]
+
+
+# -- W012: return_winner without result_extended ------------------------------------------------
+
+
+def return_winner_warnings(app):
+    return [p for p in problems(app) if p.id == "celery_steplock.W012"]
+
+
+def test_return_winner_without_result_extended_warns_naming_the_tasks():
+    app = make_app()  # Celery's default: result_extended off
+    winner = add_task(app, on_conflict="return_winner")
+    add_task(app)  # on_conflict="return": nothing to say
+    [warning] = return_winner_warnings(app)
+    assert not warning.is_error and warning.obj == "result_extended"
+    assert "while result_extended is off: " in warning.message and winner in warning.message
+    assert "CELERY_RESULT_EXTENDED = True" in warning.hint
+    # The setting names every task that does not set the option.
+    by_setting = make_app(steplock_on_conflict="return_winner")
+    plain = add_task(by_setting)
+    returns = add_task(by_setting, on_conflict="return")
+    [warning] = return_winner_warnings(by_setting)
+    assert plain in warning.message and returns not in warning.message
+    # result_extended on: no warning; the Django check renders the same problem.
+    extended = make_app(result_extended=True)
+    add_task(extended, on_conflict="return_winner")
+    assert return_winner_warnings(extended) == []
+    assert [m.id for m in checks.check_return_winner(app)] == ["celery_steplock.W012"]

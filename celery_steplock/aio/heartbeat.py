@@ -255,10 +255,25 @@ def _on_a_loop() -> bool:
 async def aannounce_lost(store: Any, sender: Any, lease: Lease) -> None:
     """Send ``lock_lost`` for ``lease`` and log it, as
     :func:`celery_steplock.heartbeat.announce_lost` with the async store's read: ERROR, or
-    WARNING naming the operator's record after a force release. Never raises."""
+    WARNING naming the operator's record after a force release. The loss is appended to
+    the name's history (the store's ``record_history``, one call; a failure is ignored: the
+    line and the signal say it). Never raises."""
     from .lock import alost_line  # the store's module imports this one
 
     level, forced = await alost_line(store, lease)
+    record = getattr(store, "record_history", None)
+    if record is not None:
+        try:
+            await record(
+                lease.name,
+                "lost",
+                owner=lease.owner,
+                fence=lease.fence,
+                task_id=lease.task_id,
+                reason=lease.lost_reason,
+            )
+        except Exception:  # noqa: BLE001 - the history never stops the report of a loss
+            pass
     emit(
         signals.lock_lost,
         sender,

@@ -48,6 +48,7 @@ from ..lock import (
     _FailoverGrace,
     _fresh_grant,
     _granted,
+    _history_add_request,
     _history_store_argument,
     _inspected,
     _metadata,
@@ -178,6 +179,7 @@ class AsyncRedisLeaseStore:
         self._owned = wire.Script(scripts.OWNED)
         self._probe = wire.Script(scripts.PROBE)
         self._scan_fields = wire.Script(scripts.SCAN_FIELDS)
+        self._history_add = wire.Script(scripts.HISTORY_ADD)
 
     def key(self, name: str) -> str:
         """The Redis key of a lease: ``<prefix>:lease:{<name>}`` (as the sync store's)."""
@@ -551,6 +553,39 @@ class AsyncRedisLeaseStore:
         """
         name, owner = _name(name), _owner(owner)
         return await calls.arun(self._release_steps(name, owner), self.client)
+
+    async def record_history(
+        self,
+        name: str,
+        event: str,
+        *,
+        owner: str | None = None,
+        fence: int | None = None,
+        task_id: str | None = None,
+        reason: str | None = None,
+        by: str | None = None,
+    ) -> str | None:
+        """Append an event only a client sees (``lost``) to a name's history, as
+        :meth:`RedisLeaseStore.record_history
+        <celery_steplock.lock.RedisLeaseStore.record_history>` (one call).
+
+        Returns:
+            The history's key; None when this store keeps no history.
+
+        Raises:
+            InvalidArgument: ``event`` is not one of the events.
+            LockStoreUnavailable: Redis cannot be reached.
+            LockStoreMisconfigured: Redis refused the write (ACL: ``lpush``).
+        """
+        request = _history_add_request(
+            self.prefix, self.history_config, name, event, owner, fence, task_id, reason, by
+        )
+        if request is None:
+            return None
+        keys, args = request
+        steps = self._call_steps(self._history_add, keys, args, "history", _name(name), owner)
+        await calls.arun(steps, self.client)
+        return keys[0]
 
     async def forced(self, name: str, owner: str) -> dict[str, Any] | None:
         """The operator's record a force release of ``owner``'s lease left, or None: as

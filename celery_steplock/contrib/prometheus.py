@@ -644,6 +644,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: The metric types of the files ``prometheus_client`` writes in multiprocess mode.
+_FILE_TYPES = frozenset(("counter", "gauge", "histogram", "summary"))
+
+
+def _mergeable(collector: Any, path: str) -> bool:
+    """Whether the file at ``path`` merges alone (not truncated or corrupt; not removed)."""
+    try:
+        collector.merge([path], accumulate=True)
+    except Exception:  # noqa: BLE001 - any failure: the file is left out
+        return False
+    return True
+
+
 class MultiProcessCollector(multiprocess.MultiProcessCollector):
     """``prometheus_client``'s collector, with two differences. A file that a starting
     process has created and not yet sized (a prefork child replaced by
@@ -653,12 +666,17 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
     ``worker_process_shutdown``, and its last "leases held" would otherwise count forever
     (multiprocess mode is per host, so the pids are this host's). A wait's start gauge
     (``*_wait_start_timestamp_seconds``) at +Inf, which says no wait is in progress, is left
-    out: the series is absent when nothing waits."""
+    out: the series is absent when nothing waits. A file whose name is not one
+    ``prometheus_client`` writes (``<type>_<pid>.db``, ``gauge_<mode>_<pid>.db``: the
+    directory may hold other programs' files) is left out, and so is a file that cannot be
+    read, so one bad file never fails the scrape."""
 
     def collect(self):
         files = []
         for path in glob.glob(os.path.join(self._path, "*.db")):
             parts = os.path.basename(path)[:-3].split("_")
+            if len(parts) < (3 if parts[0] == "gauge" else 2) or parts[0] not in _FILE_TYPES:
+                continue  # not a name prometheus_client writes
             if (
                 parts[0] == "gauge"
                 and parts[1].startswith("live")
@@ -671,7 +689,10 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
                     files.append(path)
             except OSError:  # removed since the listing (a dead process's live gauge)
                 continue
-        metrics = self.merge(files, accumulate=True)
+        try:
+            metrics = self.merge(files, accumulate=True)
+        except Exception:  # noqa: BLE001 - one unreadable file: the scrape without it
+            metrics = self.merge([f for f in files if _mergeable(self, f)], accumulate=True)
         for metric in metrics:
             if metric.name.endswith("_wait_start_timestamp_seconds"):
                 metric.samples = [s for s in metric.samples if not math.isinf(s.value)]

@@ -865,6 +865,7 @@ def _announce(
         emit(
             signals.rate_limit_allowed,
             sender,
+            logging.DEBUG,  # a decision, not an outcome: a task's INFO line is execution_done
             key=decision.key,
             name=name,
             **task,
@@ -877,6 +878,7 @@ def _announce(
         emit(
             signals.rate_limited,
             sender,
+            logging.DEBUG,  # counted by the metrics; a task's retry is its execution_done line
             key=decision.key,
             name=name,
             **task,

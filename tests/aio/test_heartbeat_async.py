@@ -312,3 +312,53 @@ def test_waiting_for_a_lease_never_blocks_the_loop(redis_server_url):
     waited, worst, samples = asyncio.run(main())
     assert waited >= 1.0 and samples > 50
     assert worst < 0.05, f"loop lag {worst * 1000:.1f} ms while a waiter waited"
+
+
+def test_an_async_holder_s_loss_is_recorded_in_the_history(redis_client, redis_server_url):
+    """aannounce_lost appends ``lost`` as the sync announce_lost does (history.py: the
+    holder appends it), with the lease's owner, fence and reason."""
+    from celery_steplock.aio.heartbeat import aannounce_lost
+    from celery_steplock.lock import RedisLeaseStore
+
+    async def main():
+        store = _store(redis_server_url)
+        lease = await store.acquire("n", ttl=30.0)
+        await store.client.delete("t:lease:{n}")
+        lease.mark_lost("gone")
+        await aannounce_lost(store, None, lease)
+        await _close(store)
+        return lease
+
+    lease = asyncio.run(main())
+    newest = RedisLeaseStore(redis_client, prefix="t").history("n")[0]
+    assert (newest.event, newest.owner, newest.fence, newest.reason) == (
+        "lost",
+        lease.owner,
+        lease.fence,
+        "gone",
+    )
+
+
+def test_the_waits_registry_keeps_no_wait_that_ended(redis_client, redis_server_url):
+    """A waiter cancelled, or cut by wait_for, leaves no entry in WAITS (the gauges)."""
+    from celery_steplock.lock import WAITS
+
+    async def main():
+        store = _store(redis_server_url)
+        assert await store.acquire("n", ttl=30.0) is not None
+        task = asyncio.ensure_future(
+            store.acquire("n", ttl=30.0, wait=20.0, metadata={"task_name": "t"})
+        )
+        await _until(lambda: [w for w in WAITS.current() if w[1] == "t"], what="the wait")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not [w for w in WAITS.current() if w[1] == "t"]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                store.acquire("n", ttl=30.0, wait=20.0, metadata={"task_name": "t"}), 0.3
+            )
+        assert not [w for w in WAITS.current() if w[1] == "t"]
+        await _close(store)
+
+    asyncio.run(main())

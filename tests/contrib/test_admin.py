@@ -26,7 +26,6 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
-from django.test import Client
 from django.urls import NoReverseMatch, reverse
 
 from celery_steplock import signals
@@ -45,6 +44,7 @@ from celery_steplock.lock import get_lease_store, holder_metadata
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import advance, compensate
 from tests.helpers import closed_port_url
+from tests.support.admin import login, staff_user
 
 pytestmark = pytest.mark.django_db
 
@@ -69,16 +69,6 @@ def grab(store, name, task_name=ADVANCE, step=None, ttl=60.0, worker="w1@box"):
     )
     assert lease is not None
     return lease
-
-
-def staff_user(django_user_model, username, *perms):
-    user = django_user_model.objects.create_user(username, password="pw", is_staff=True)
-    for perm in perms:
-        app_label, codename = perm.split(".")
-        user.user_permissions.add(
-            Permission.objects.get(content_type__app_label=app_label, codename=codename)
-        )
-    return user
 
 
 @pytest.fixture
@@ -157,12 +147,6 @@ def assert_bounded(page, per_page, key_budget, max_steps):
         STOP_STEPS: page.steps == max_steps and not page.complete,
     }
     assert page.stop in reasons and reasons[page.stop], (page.stop, page)
-
-
-def login(user, **kwargs):
-    client = Client(**kwargs)
-    client.force_login(user)
-    return client
 
 
 def names_on(response):

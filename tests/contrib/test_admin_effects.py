@@ -9,33 +9,16 @@ import re
 
 import pytest
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.contrib.auth.models import Permission
 from django.db import connections
-from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
 from celery_steplock.contrib.django.models import Effect, LeaseEvent
+from tests.support.admin import login, staff_user
 
 pytestmark = pytest.mark.django_db
 
 CHANGELIST = "admin:celery_steplock_effect_changelist"
-
-
-def staff_user(django_user_model, username, *perms):
-    user = django_user_model.objects.create_user(username, password="pw", is_staff=True)
-    for perm in perms:
-        app_label, codename = perm.split(".")
-        user.user_permissions.add(
-            Permission.objects.get(content_type__app_label=app_label, codename=codename)
-        )
-    return user
-
-
-def login(user):
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture

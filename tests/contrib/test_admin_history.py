@@ -10,7 +10,6 @@ import uuid
 from urllib.parse import urlencode
 
 import pytest
-from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
 
@@ -19,6 +18,7 @@ from celery_steplock.keys import history_key
 from celery_steplock.lock import get_lease_store, holder_metadata
 from django_app.workflows.models import Step
 from django_app.workflows.tasks import advance
+from tests.support.admin import staff
 
 pytestmark = pytest.mark.django_db
 
@@ -29,18 +29,6 @@ CHANGELIST = "admin:celery_steplock_lease_changelist"
 @pytest.fixture
 def store(app, redis_client):
     return get_lease_store(app)
-
-
-def staff(django_user_model, username, *perms):
-    user = django_user_model.objects.create_user(username, password="pw", is_staff=True)
-    for perm in perms:
-        app_label, codename = perm.split(".")
-        user.user_permissions.add(
-            Permission.objects.get(content_type__app_label=app_label, codename=codename)
-        )
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture
@@ -63,13 +51,13 @@ def grab(store, name):
 def test_the_timeline_lists_the_events_newest_first(store, viewer):
     lease = grab(store, "order:1")
     assert store.acquire("order:1", ttl=5.0) is None
-    store.release("order:1", lease.owner, outcome="applied", task_id=lease.task_id)
+    store.release("order:1", lease.owner, outcome="committed", task_id=lease.task_id)
     response = timeline(viewer, "order:1")
     assert response.status_code == 200
     page = response.content.decode()
     order = [page.index(f'class="history-{e}') for e in ("released", "contended", "acquired")]
     assert order == sorted(order)
-    assert "applied" in page and str(lease.fence) in page and "1 refused acquires" in page
+    assert "committed" in page and str(lease.fence) in page and "1 refused acquire" in page
 
 
 def test_the_held_leases_rows_and_the_event_log_link_the_timeline(
@@ -115,6 +103,29 @@ def test_a_corrupt_history_shows_malformed_never_a_500(store, viewer, redis_clie
     assert timeline(viewer, "").status_code == 200
 
 
+@pytest.mark.parametrize("ms", ["9999999999999999999", "999999999999999", "99999999999999"])
+def test_a_far_future_entry_is_a_malformed_row_never_a_500(store, viewer, redis_client, ms):
+    """A time past year 9999 (datetime cannot show it) or over a day ahead of Redis time
+    (the scripts stamp entries with it): a malformed row."""
+    redis_client.lpush(history_key(store.prefix, "order:1"), ms + "\x1facquired\x1fo1")
+    response = timeline(viewer, "order:1")
+    assert response.status_code == 200
+    assert response.content.decode().count('class="errornote">malformed') == 1
+
+
+def test_the_timeline_escapes_a_hostile_name(store, viewer, redis_client):
+    name = '<img src=x onerror=alert(1)>"'
+    seconds, _micros = redis_client.time()
+    redis_client.lpush(
+        history_key(store.prefix, name),
+        f"{seconds * 1000}\x1facquired\x1f<b>o</b>\x1f1\x1f<i>t</i>",
+    )
+    response = timeline(viewer, name)
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert "<img src=x" not in page and "<b>o</b>" not in page and "<i>t</i>" not in page
+
+
 def test_the_timeline_pages_back(store, viewer, monkeypatch):
     from celery_steplock.contrib.django.admin import LeaseAdmin
 
@@ -142,7 +153,7 @@ def test_a_task_execution_records_its_outcome(store, redis_client):
     assert (acquired.event, released.event, released.outcome) == (
         "acquired",
         "released",
-        "applied",
+        "committed",
     )
     assert released.task_id == acquired.task_id == result.id
     # The step moved on: a second execution ends as a duplicate (on_conflict="return") or
@@ -155,7 +166,7 @@ def test_a_task_execution_records_its_outcome(store, redis_client):
 @pytest.mark.django_db(transaction=True)
 def test_the_cli_prints_typed_json(worker_env, store):
     lease = grab(store, "order:3")
-    store.release("order:3", lease.owner, outcome="applied")
+    store.release("order:3", lease.owner, outcome="committed")
 
     def cli(*args):
         return subprocess.run(
@@ -170,7 +181,7 @@ def test_the_cli_prints_typed_json(worker_env, store):
     out = cli("history", "order:3", "--json")
     assert out.returncode == 0, out.stderr
     released, acquired = json.loads(out.stdout)
-    assert released["event"] == "released" and released["outcome"] == "applied"
+    assert released["event"] == "released" and released["outcome"] == "committed"
     assert isinstance(released["fence"], int) and released["fence"] == lease.fence
     assert isinstance(released["at"], float) and released["contended"] == 0
     assert acquired["event"] == "acquired" and acquired["owner"] == lease.owner
@@ -178,6 +189,6 @@ def test_the_cli_prints_typed_json(worker_env, store):
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split()[:3] == ["TIME", "(UTC)", "EVENT"] and len(lines) == 2
-    assert "released" in lines[1] and "applied" in lines[1]
+    assert "released" in lines[1] and "committed" in lines[1]
     empty = cli("history", "nothing-here")
     assert empty.returncode == 0 and "no history" in empty.stdout

@@ -14,7 +14,6 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
-from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -34,6 +33,7 @@ from celery_steplock.ops import override_breaker
 from celery_steplock.patterns.breaker import CircuitBreaker
 from celery_steplock.patterns.concurrency import ConcurrencyLimit
 from celery_steplock.patterns.ratelimit import SlidingWindow, TokenBucket
+from tests.support.admin import staff
 
 pytestmark = pytest.mark.django_db
 
@@ -47,18 +47,6 @@ RECORDS = "admin:celery_steplock_idempotencyrecord_changelist"
 def store(app, redis_client):
     """The lease store the pages read (the app's settings), on a flushed Redis."""
     return get_lease_store(app)
-
-
-def staff(django_user_model, username, *perms):
-    user = django_user_model.objects.create_user(username, password="pw", is_staff=True)
-    for perm in perms:
-        app_label, codename = perm.split(".")
-        user.user_permissions.add(
-            Permission.objects.get(content_type__app_label=app_label, codename=codename)
-        )
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def now_ms(client) -> int:
@@ -272,6 +260,41 @@ def test_concurrency_page_shows_corrupt_entries_as_malformed(
     assert html.count('class="concurrency-malformed errornote"') == 2
 
 
+@pytest.mark.parametrize("limit", ["\u00b2", "\u0663", "\uff11"])
+def test_a_non_ascii_digit_limit_in_a_slot_s_metadata_is_malformed_not_a_500(
+    app, django_user_model, store, redis_client, limit
+):
+    """str.isdigit() is true for '²' (int() refuses it) and for Arabic-Indic and fullwidth
+    digits (int() reads them): a slot's declared limit is ASCII digits only."""
+    redis_client.hset(
+        slot_key(store.prefix, "uni", 0),
+        mapping={
+            "owner": "o" * 32,
+            "fence": "1",
+            "acquired_ms": "1",
+            "meta": '{"kind": "slot", "limit": "%s"}' % limit,
+        },
+    )
+    page = staff(django_user_model, "viewer", "celery_steplock.view_concurrencylimitstate")
+    response = page.get(reverse(SLOTS))
+    assert response.status_code == 200
+    row = rows_by_name(response)["uni"]
+    assert "limit: not an integer in a slot's metadata" in row["malformed"]
+    assert row["limit"] is None
+
+
+def test_html_in_a_limit_key_or_owner_is_escaped(app, django_user_model, store, redis_client):
+    redis_client.hset(
+        slot_key(store.prefix, "<script>alert(1)</script>", 0),
+        mapping={"owner": "<b>own</b>", "fence": "1", "acquired_ms": "1"},
+    )
+    page = staff(django_user_model, "viewer", "celery_steplock.view_concurrencylimitstate")
+    response = page.get(reverse(SLOTS))
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert "<script>alert(1)" not in html and "<b>own</b>" not in html
+
+
 # -- circuit breakers ------------------------------------------------------------------------------
 
 
@@ -377,7 +400,9 @@ def test_idempotency_page_counts_records_by_status_and_shows_the_oldest_in_progr
         "status: not locked, completed or failed ('maybe')",
     ]
     html = response.content.decode()
-    assert 'id="idempotency-summary"' in html and "locked 90" in html
+    # The age the page shows is the one read above (the clock moved on meanwhile).
+    shown = f"locked {redis['oldest_locked']['age']:.1f} s ago"
+    assert 'id="idempotency-summary"' in html and shown in html
     # the list itself is Django's, as before
     assert len(response.context["cl"].result_list) == 4
 

@@ -428,6 +428,30 @@ def test_the_admin_changes_the_status_through_the_guarded_transition(
     assert applied["task_name"] == "admin:admin" and applied["fence"] == step.lock_fence
 
 
+def test_the_change_page_links_the_steps_lease_history_for_lease_viewers(
+    steps_app, admin_client, django_user_model
+):
+    step = Step.objects.create(name="s")
+    url = reverse("admin:workflows_step_change", args=(step.pk,))
+    page = admin_client.get(url).content.decode()
+    timeline = reverse("admin:celery_steplock_lease_timeline")
+    assert "Lease history" in page
+    assert f'<a href="{timeline}?name=step%3A{step.pk}">step:{step.pk}</a>' in page
+    # Lock names are for users who may view leases: a step editor without it sees none.
+    from django.contrib.auth.models import Permission
+
+    editor = django_user_model.objects.create_user("editor", password="pw", is_staff=True)
+    editor.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_step", "change_step"])
+    )
+    admin_client.force_login(editor)
+    page = admin_client.get(url)
+    assert page.status_code == 200
+    assert "Lease history" not in page.content.decode() and timeline not in page.content.decode()
+    values = form_values(page)
+    assert values["steplock_seen_status"] == "pending"  # the form is unchanged
+
+
 def test_a_stale_status_change_in_the_admin_is_refused_whole(steps_app, admin_client):
     step = Step.objects.create(name="s")
     url = reverse("admin:workflows_step_change", args=(step.pk,))

@@ -10,6 +10,7 @@ Each worker's ``TMPDIR`` is the test's own, so the default directory
 import os
 import re
 import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -252,3 +253,116 @@ def test_the_django_view_serves_staff_and_the_token_and_refuses_others(
         assert metrics.registry is prometheus.scrape_registry()
     finally:
         prometheus.uninstall()
+
+
+# -- a directory other programs (or an attacker) write -----------------------------------------
+
+
+@pytest.mark.no_database
+def test_files_that_are_not_prometheus_client_s_never_fail_the_scrape(tmp_path):
+    """The directory may hold other programs' files: a name prometheus_client never writes
+    (``gauge.db``: no mode, no pid) and a file that cannot be read are left out; the other
+    files' samples are served."""
+    (tmp_path / "gauge.db").write_bytes(b"\x00" * 16)
+    (tmp_path / "notes_1.db").write_bytes(b"\x00" * 16)
+    (tmp_path / "counter_2.db").write_bytes(b"\xff" * 64)  # used-bytes header past the end
+    mmap = MmapedDict(str(tmp_path / "counter_3.db"))
+    key = mmap_key("steplock_events", "steplock_events_total", ["event"], ["x"], "help")
+    mmap.write_value(key, 5.0, 0.0)
+    mmap.close()
+    collector = prometheus.MultiProcessCollector(None, path=str(tmp_path))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for metric in collector.collect()
+        for s in metric.samples
+    }
+    assert samples == {("steplock_events_total", (("event", "x"),)): 5.0}
+
+
+PROBE = "from celery_steplock.contrib import prometheus as p; print(repr(p._multiprocess_mode()))"
+
+
+def _default_dir_probe(tmp):
+    env = {k: v for k, v in os.environ.items() if "multiproc" not in k.lower()}
+    env["TMPDIR"] = str(tmp)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    return out.stdout.strip(), out.stderr
+
+
+@pytest.mark.no_database
+def test_a_symlink_at_the_default_directory_is_not_followed(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (target / "counter_1.db").write_text("keep me")
+    os.symlink(target, tmp_path / f"celery-steplock-prometheus-{os.getuid()}")
+    stdout, err = _default_dir_probe(tmp_path)
+    assert stdout == "None", err
+    assert sorted(os.listdir(target)) == ["counter_1.db"]
+
+
+@pytest.mark.no_database
+def test_a_world_writable_default_directory_is_refused_and_kept(tmp_path):
+    path = tmp_path / f"celery-steplock-prometheus-{os.getuid()}"
+    path.mkdir()
+    os.chmod(path, 0o777)
+    (path / "counter_1.db").write_text("keep me")
+    stdout, err = _default_dir_probe(tmp_path)
+    assert stdout == "None", err
+    assert (path / "counter_1.db").read_text() == "keep me"
+
+
+@pytest.mark.no_database
+def test_our_own_default_directory_is_used(tmp_path):
+    stdout, err = _default_dir_probe(tmp_path)
+    assert stdout.strip("'") == str(tmp_path / f"celery-steplock-prometheus-{os.getuid()}"), err
+
+
+# -- the Django view's access checks (each refusal before any metric is rendered) --------------
+
+
+def _view_status(method="get", token=None, auth=None, user=None):
+    from django.contrib.auth.models import AnonymousUser
+    from django.test import RequestFactory
+
+    headers = {"HTTP_AUTHORIZATION": auth} if auth is not None else {}
+    request = getattr(RequestFactory(), method)("/metrics", **headers)
+    request.user = user or AnonymousUser()
+    return metrics_view(request, bearer_token=token).status_code
+
+
+@pytest.mark.django_db
+@pytest.mark.db_incidental
+@pytest.mark.parametrize(
+    ("method", "token", "auth", "expected"),
+    [
+        ("get", None, None, 401),
+        ("head", None, None, 401),
+        ("options", "s3cret", "Bearer s3cret", 405),
+        ("post", "s3cret", "Bearer s3cret", 405),
+        ("get", "", "Bearer ", 403),
+        ("get", "", "Bearer", 403),
+        ("get", None, "Bearer None", 403),
+        ("get", "s3cret", "Bearer s3cre", 403),
+        ("get", "s3cret", "Bearer s3cret ", 200),
+        ("get", "s3cret", "bearer s3cret", 200),
+        ("get", "s3cret", "Basic s3cret", 403),
+        ("get", " ", "Bearer  ", 403),
+        ("get", "s3cret", "Bearer s3cret\x00", 403),
+        ("get", "sécret", "Bearer s\xc3\xa9cret", 403),
+    ],
+)
+def test_the_view_s_token_check(method, token, auth, expected):
+    assert _view_status(method, token, auth) == expected
+
+
+@pytest.mark.django_db
+@pytest.mark.db_incidental
+def test_the_view_refuses_inactive_or_non_staff_users(django_user_model):
+    inactive = django_user_model.objects.create_user(
+        "i", password="pw", is_staff=True, is_active=False
+    )
+    plain = django_user_model.objects.create_user("p", password="pw")
+    assert _view_status(user=inactive) == 403
+    assert _view_status(user=plain) == 403

@@ -801,3 +801,38 @@ def test_a_corrupt_bucket_never_answers_retry_now_and_heals(redis_client, tokens
     _wait_until(decision.now + decision.retry_after + 0.001, redis_client)
     assert bucket.try_acquire("corrupt").allowed
     assert float(redis_client.hget(key, "tokens")) >= 0.0
+
+
+def test_a_rate_limited_task_logs_one_info_line_per_execution(app, redis_client, caplog):
+    """The decisions are DEBUG lines (the metrics count them); each execution's INFO line is
+    its execution_done, the denial's with its reason."""
+    import logging
+
+    from celery_steplock.task import StepLockedTask
+
+    @app.task(
+        bind=True,
+        base=StepLockedTask,
+        name="tests.rl.logged",
+        lock_key="rl-log:{n}",
+        cluster_rate_limit="1/5s",
+        lock_retry_max=0,
+        shared=False,
+    )
+    def limited(self, n):
+        return n
+
+    with caplog.at_level(logging.DEBUG, logger="celery_steplock"):
+        assert limited.apply(args=(1,), task_id="rl-1").get() == 1
+        assert isinstance(limited.apply(args=(2,), task_id="rl-2").result, RateLimited)
+    ours = [r for r in caplog.records if hasattr(r, "steplock")]
+    info = [
+        (r.steplock["task_id"], r.steplock["event"], r.steplock.get("outcome"))
+        for r in ours
+        if r.levelno >= logging.INFO
+    ]
+    assert info[0] == ("rl-1", "execution_done", "done")
+    assert [e for _, e, _ in info].count("execution_done") == 2
+    assert all(e == "execution_done" for _, e, _ in info), info
+    assert {r.steplock["event"]: r.levelname for r in ours}["rate_limited"] == "DEBUG"
+    assert {r.steplock["event"]: r.levelname for r in ours}["rate_limit_allowed"] == "DEBUG"

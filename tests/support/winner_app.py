@@ -19,6 +19,10 @@ from django_app.celery import app
 
 __all__ = ["app", "charge", "charge_plain", "charge_quietly", "echo"]
 
+# A duplicate returns the winner's result only when the stored state names the task
+# (celery_steplock.W012): the workers of these tasks store extended results.
+app.conf.result_extended = True
+
 STEP = dict(
     bind=True,
     base=StepLockedTask,

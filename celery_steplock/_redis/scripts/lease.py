@@ -132,7 +132,7 @@ if holder then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return redis.call('HGET', KEYS[1], 'fence')
   end
-  if hist and redis.call('HINCRBY', KEYS[1], 'contended', 1) == 1 then
+  if hist and redis.pcall('HINCRBY', KEYS[1], 'contended', 1) == 1 then
     local c = redis.call('TIME')
     local entry = c[1] .. string.sub('00000' .. c[2], -6, -4) .. '\\31contended\\31' .. ARGV[1]
       .. '\\31' .. (redis.call('HGET', KEYS[1], 'fence') or '') .. '\\31' .. ARGV[8]

@@ -14,7 +14,7 @@ class StepLockConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
-        from ... import ops
+        from ... import activity, ops
         from . import checks, eventlog
 
         # celery_steplock.E001-E004, W001-W005 (E001, which connects to Redis, only with
@@ -25,3 +25,7 @@ class StepLockConfig(AppConfig):
         eventlog.connect()
         # The operators' tools (force release, breaker overrides) audit into LeaseEvent.
         ops.register_audits(eventlog.LeaseEventAudit, eventlog.LeaseEventBreakerAudit)
+        # The per-minute counts the admin's Activity page draws, in the web process and in
+        # every worker that sets Django up (off by default: steplock_activity, which the
+        # flusher reads every interval; off, an event costs one attribute read).
+        activity.install()

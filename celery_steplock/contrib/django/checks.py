@@ -44,6 +44,9 @@
 ``celery_steplock.W006``    a setting set under its former name (``steplock_bulkhead_*``,
                             now ``steplock_concurrency_limit_*``): still read for one
                             release while the new name is unset, ignored beside it.
+``celery_steplock.W012``    StepLockedTasks with ``on_conflict="return_winner"`` while
+                            ``CELERY_RESULT_EXTENDED`` is off: the stored results name no
+                            task, so a duplicate never gets the winner's result.
 ``celery_steplock.W008``    a step model (the ``step_model`` of a registered
                             StepLockedTask, or a model with the
                             ``steplock_fence_field`` column) registered in an admin site
@@ -83,6 +86,7 @@ __all__ = [
     "check_visibility_timeout",
     "check_worker_lost",
     "check_time_limits",
+    "check_return_winner",
     "check_task_modules",
     "check_unknown_names",
     "check_recovery",
@@ -199,6 +203,12 @@ def check_time_limits(app) -> list[checks.CheckMessage]:
     """W004: time limits that do not pair with the lease
     (:func:`celery_steplock.validate.time_limit_problems`)."""
     return render(validate.time_limit_problems(app))
+
+
+def check_return_winner(app) -> list[checks.CheckMessage]:
+    """W012: ``on_conflict="return_winner"`` without ``result_extended``
+    (:func:`celery_steplock.validate.return_winner_problems`)."""
+    return render(validate.return_winner_problems(app))
 
 
 def check_task_modules(app) -> list[checks.CheckMessage]:
@@ -446,6 +456,10 @@ def time_limits_check(app_configs=None, **kwargs):
     return check_time_limits(_app_with_tasks())
 
 
+def return_winner_check(app_configs=None, **kwargs):
+    return check_return_winner(_app_with_tasks())
+
+
 def unknown_names_check(app_configs=None, **kwargs):
     return check_unknown_names(_app_with_tasks())
 
@@ -483,6 +497,7 @@ def register_checks() -> None:
     checks.register(visibility_timeout_check, TAG)
     checks.register(worker_lost_check, TAG)
     checks.register(time_limits_check, TAG)
+    checks.register(return_winner_check, TAG)
     checks.register(task_options_check, TAG)
     checks.register(unknown_names_check, TAG)
     checks.register(step_model_check, TAG)

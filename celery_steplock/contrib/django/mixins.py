@@ -15,7 +15,9 @@ paused past its TTL cannot write after a newer holder has, even when the status 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
+from django.contrib import admin
 from django.core.exceptions import FieldDoesNotExist
 from django.db import models
 
@@ -37,6 +39,11 @@ class LeaseFencedStep(models.Model):
 #: The change form's extra fields: the status to move to, and the status the form showed.
 TRANSITION_FIELD = "steplock_transition"
 SEEN_STATUS_FIELD = "steplock_seen_status"
+#: The change form's read-only line linking to the step's lease history (users with
+#: ``celery_steplock.view_lease`` only: lock names are theirs to see).
+HISTORY_FIELD = "steplock_lease_history"
+#: The admin URL name of a lock name's timeline (``admin/history.py``).
+TIMELINE_URL = "admin:celery_steplock_lease_timeline"
 
 
 class GuardedStepAdminMixin:
@@ -129,8 +136,36 @@ class GuardedStepAdminMixin:
     def get_readonly_fields(self, request: Any, obj: Any = None) -> Any:
         status, owner, fence = self.steplock_guard_fields()
         guarded = [owner, fence] if obj is None else [status, owner, fence]
+        if obj is not None and _sees_leases(request):
+            guarded.append(HISTORY_FIELD)
         fields = list(super().get_readonly_fields(request, obj))  # type: ignore[misc]
         return fields + [f for f in guarded if f and f not in fields]
+
+    @admin.display(description="Lease history")
+    def steplock_lease_history(self, obj: Any) -> str:
+        """A link to the timeline of the step's lock name (acquired, contended, released with
+        each execution's outcome, forced, reaped, lost), when the name is derivable from the
+        step (:meth:`get_steplock_lock_name` with no request, :attr:`steplock_task`, or the
+        app's tasks whose ``lock_key`` names only the step); else why it is not."""
+        from django.urls import NoReverseMatch, reverse
+        from django.utils.html import format_html
+
+        from ...exceptions import StepLockError
+        from .steps import step_lock_name
+
+        try:
+            name = self.get_steplock_lock_name(None, obj.pk) or step_lock_name(
+                self.model,  # type: ignore[attr-defined]
+                obj.pk,
+                task=self.steplock_task,
+                app=self.steplock_app,
+            )
+            url = reverse(TIMELINE_URL, current_app=self.admin_site.name)  # type: ignore[attr-defined]
+        except StepLockError as exc:
+            return f"not derivable from the step: {exc}"
+        except NoReverseMatch:
+            return "the Held leases page is not in this admin site"
+        return format_html('<a href="{}?{}">{}</a>', url, urlencode({"name": name}), name)
 
     def _status_choices(self, obj: Any, status_field: str) -> list[tuple[str, str]]:
         current = getattr(obj, status_field)
@@ -196,7 +231,10 @@ class GuardedStepAdminMixin:
         from django.contrib.admin.utils import flatten_fieldsets
 
         shown_fields = set(flatten_fieldsets(fieldsets))
-        extra = [f for f in (TRANSITION_FIELD, SEEN_STATUS_FIELD) if f not in shown_fields]
+        wanted: tuple[str, ...] = (TRANSITION_FIELD, SEEN_STATUS_FIELD)
+        if _sees_leases(request):
+            wanted += (HISTORY_FIELD,)
+        extra = [f for f in wanted if f not in shown_fields]
         if extra:
             fieldsets.append(("Status", {"fields": extra}))
         return fieldsets
@@ -295,6 +333,11 @@ class GuardedStepAdminMixin:
                 # the guarded step's lease is released (Django reads this attribute).
                 pattern.callback._non_atomic_requests = set(connections)
         return urls
+
+
+def _sees_leases(request: Any) -> bool:
+    user = getattr(request, "user", None)
+    return bool(user is not None and user.has_perm("celery_steplock.view_lease"))
 
 
 def _refusal(exc: Exception) -> str:

@@ -23,6 +23,10 @@
     breakers, the rate limits and the concurrency limits live from Redis, and their
     permissions.
 
+``Activity``
+    Unmanaged, no table: the admin's "Activity" page (per-minute charts drawn from
+    :mod:`celery_steplock.activity`) and its permission.
+
 ``LeaseEvent``
     One row per lease or transition event, written only when the setting
     ``steplock_event_log`` (Django: ``CELERY_STEPLOCK_EVENT_LOG = True``) is on; see
@@ -50,6 +54,7 @@ __all__ = [
     "CircuitBreakerState",
     "RateLimitState",
     "ConcurrencyLimitState",
+    "Activity",
     "Effect",
 ]
 
@@ -330,6 +335,26 @@ class ConcurrencyLimitState(models.Model):
         default_permissions = ("view",)
         verbose_name = _("concurrency limit")
         verbose_name_plural = _("concurrency limits")
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class Activity(models.Model):
+    """The last hour of activity per minute (never stored in the database: no table).
+
+    Unmanaged: it gives the admin its "Activity" page, the charts of what every process's
+    aggregator wrote (:func:`celery_steplock.activity.read`), and its one permission,
+    ``celery_steplock.view_activity``. The page has no operator action.
+    """
+
+    key = models.CharField(_("subject"), max_length=MAX_NAME_LENGTH, primary_key=True)
+
+    class Meta:
+        managed = False
+        default_permissions = ("view",)
+        verbose_name = _("activity")
+        verbose_name_plural = _("activity")
 
     def __str__(self) -> str:
         return self.key

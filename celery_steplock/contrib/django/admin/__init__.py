@@ -16,6 +16,9 @@
     The rate limits, read live from Redis (use against the limit, waiting tickets).
 ``concurrency``
     The concurrency limits, read live from Redis (slots held and by whom, waiters).
+``activity``
+    The last hour per minute as charts (inline SVG drawn on the server): per task the lease
+    wait and hold times, contention and conflicts; rate limits' decisions; breakers' states.
 ``effects``
     The effects outbox (``Effect`` rows), read-only, with the audited "Retry now" and
     "Discard" actions.
@@ -35,6 +38,7 @@ from ..models import Lease as Lease
 from ..models import LeaseEvent as LeaseEvent
 from ._common import _error_text as _error_text
 from ._common import logger as logger
+from .activity import ActivityAdmin
 from .breakers import MAX_BREAKERS as MAX_BREAKERS
 from .breakers import BreakerOverrideForm as BreakerOverrideForm
 from .breakers import CircuitBreakerAdmin
@@ -63,4 +67,5 @@ __all__ = [
     "RateLimitAdmin",
     "ConcurrencyLimitAdmin",
     "EffectAdmin",
+    "ActivityAdmin",
 ]

@@ -1,19 +1,25 @@
-"""What the admin pages share: error text safe for staff, the audited-view wrapper, and two
-bases (pages read live from Redis, and read-only database logs)."""
+"""What the admin pages share: error text safe for staff, the lock store's read error on a
+page, the audited-view wrapper, and two bases (pages read live from Redis, with their read
+and response, and read-only database logs)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.auth import get_permission_codename
+from django.core.exceptions import PermissionDenied
 from django.db import router, transaction
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils.translation import gettext as _
 
+from ....events import log_event
+from ....exceptions import StepLockError
 from ....redact import redact, secrets_of
-from ..leases import celery_app
+from ..leases import celery_app, steplock_task_names
 from ..models import LeaseEvent
 
 logger = logging.getLogger("celery_steplock")
@@ -27,6 +33,17 @@ def _error_text(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - no app to read: the URL and key/value forms still
         secrets = ()
     return redact(exc, secrets)
+
+
+def store_read_failed(request: HttpRequest, exc: StepLockError) -> None:
+    """Say on the page that the Redis lock store could not be read (Redis down or
+    misconfigured: a message, never a 500), and log it: ``admin_lock_store_error``
+    (WARNING), the error as :func:`_error_text` masks it."""
+    log_event("admin_lock_store_error", logging.WARNING, error=_error_text(exc))
+    messages.error(
+        request,
+        _("The Redis lock store could not be read: %(error)s") % {"error": _error_text(exc)},
+    )
 
 
 def audited_view(admin_site: admin.AdminSite, view: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,6 +130,47 @@ class LiveModelAdmin(admin.ModelAdmin):
         return request.user.has_perm(
             f"{self.opts.app_label}.{codename}"
         ) and self.has_view_permission(request)
+
+    def read_live(self, request: HttpRequest, read: Callable[[Any, list], Any]) -> tuple[Any, Any]:
+        """What a live page's list shows, read from Redis with the app's StepLockedTasks.
+
+        Args:
+            request: The admin request.
+            read: ``read(app, tasks)``: the Celery app and its StepLockedTasks (their
+                modules imported first: :func:`~celery_steplock.contrib.django.leases.steplock_task_names`).
+
+        Returns:
+            ``(read's value, None)``, or ``(None, error text)`` when a
+            :class:`~celery_steplock.exceptions.StepLockError` is raised (the page shows the
+            text: :func:`_error_text`).
+
+        Raises:
+            PermissionDenied: The user lacks the model's view permission.
+        """
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            app = celery_app()
+            return read(app, [app.tasks[name] for name in steplock_task_names(app)]), None
+        except StepLockError as exc:
+            return None, _error_text(exc)
+
+    def live_response(
+        self, request: HttpRequest, title: str, context: dict[str, Any], extra_context=None
+    ) -> TemplateResponse:
+        """The live page's list: :attr:`change_list_template` with the admin site's context,
+        ``opts``, ``title``, the page's ``context``, then ``extra_context`` (which wins)."""
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": title,
+            **context,
+            **(extra_context or {}),
+        }
+        template = self.change_list_template
+        assert template is not None  # each live page names its own
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, template, context)
 
 
 class ReadOnlyModelAdmin(admin.ModelAdmin):

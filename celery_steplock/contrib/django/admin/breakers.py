@@ -17,7 +17,6 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
-from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
 
 from .... import ops
@@ -98,15 +97,11 @@ class CircuitBreakerAdmin(LiveModelAdmin):
         ]
 
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        rows, error = [], None
-        try:
-            app = celery_app()
-            tasks = [app.tasks[name] for name in steplock_task_names(app)]
-            rows = ops.breaker_rows(app, tasks=tasks)
-        except StepLockError as exc:
-            error = _error_text(exc)
+        rows, error = self.read_live(
+            request, lambda app, tasks: ops.breaker_rows(app, tasks=tasks)
+        )
+        if rows is None:
+            rows = []
         shows_overrides = request.user.has_perm(f"{self.opts.app_label}.view_leaseevent")
         if shows_overrides:
             try:
@@ -116,18 +111,13 @@ class CircuitBreakerAdmin(LiveModelAdmin):
             for row in rows:
                 row["overrides"] = overrides.get(row["name"], [])
         context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": _("Circuit breakers"),
             "shows_overrides": shows_overrides,
             "rows": rows,
             "error": error,
             "can_override": self.has_override_permission(request),
             "override_url": self.page_reverse("override"),
-            **(extra_context or {}),
         }
-        request.current_app = self.admin_site.name
-        return TemplateResponse(request, self.change_list_template, context)
+        return self.live_response(request, _("Circuit breakers"), context, extra_context)
 
     def override_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_override_permission(request):

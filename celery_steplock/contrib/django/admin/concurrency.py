@@ -6,17 +6,13 @@ audited force release of the "Held leases" page."""
 from __future__ import annotations
 
 from django.contrib import admin
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
-from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
 from django.utils.translation import gettext as _
 
 from .... import live
-from ....exceptions import StepLockError
-from ..leases import celery_app, steplock_task_names
 from ..models import ConcurrencyLimitState, Lease
-from ._common import LiveModelAdmin, _error_text
+from ._common import LiveModelAdmin
 
 __all__ = ["ConcurrencyLimitAdmin"]
 
@@ -60,15 +56,9 @@ class ConcurrencyLimitAdmin(LiveModelAdmin):
             return None
 
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        listing, error = None, None
-        try:
-            app = celery_app()
-            tasks = [app.tasks[name] for name in steplock_task_names(app)]
-            listing = live.concurrency_rows(app, tasks=tasks)
-        except StepLockError as exc:
-            error = _error_text(exc)
+        listing, error = self.read_live(
+            request, lambda app, tasks: live.concurrency_rows(app, tasks=tasks)
+        )
         rows = listing.rows if listing is not None else []
         for row in rows:
             row["oldest_wait_text"] = _duration(row["oldest_wait"])
@@ -78,9 +68,6 @@ class ConcurrencyLimitAdmin(LiveModelAdmin):
                 slot["age_text"] = _duration(slot.get("age"))
                 slot["ttl_text"] = _duration(slot.get("ttl"))
         context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": _("Concurrency limits"),
             "rows": rows,
             "listing": listing,
             "templated": sorted((listing.extra.get("templated") or {}).items())
@@ -89,7 +76,5 @@ class ConcurrencyLimitAdmin(LiveModelAdmin):
             "max_limits": live.MAX_LIMITS,
             "leases_url": self._leases_url(request),
             "error": error,
-            **(extra_context or {}),
         }
-        request.current_app = self.admin_site.name
-        return TemplateResponse(request, self.change_list_template, context)
+        return self.live_response(request, _("Concurrency limits"), context, extra_context)

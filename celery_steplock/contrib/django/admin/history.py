@@ -16,7 +16,6 @@ in) and from the event log's rows (:class:`~.events.LeaseEventAdmin`, by the URL
 from __future__ import annotations
 
 import datetime
-import logging
 from typing import Any
 from urllib.parse import urlencode
 
@@ -27,13 +26,13 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
 from django.utils.decorators import method_decorator
 from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 from django.views.decorators.cache import never_cache
 
-from ....events import log_event
 from ....exceptions import InvalidArgument, LockNameError, StepLockError
 from ....history import HistoryEntry
 from ..leases import lease_lock
-from ._common import _error_text
+from ._common import store_read_failed
 
 __all__ = ["HistoryPages", "history_url", "history_rows", "HISTORY_PAGE"]
 
@@ -59,7 +58,12 @@ def history_rows(entries: list[HistoryEntry]) -> list[dict[str, Any]]:
     for entry in entries:
         detail = []
         if entry.contended:
-            detail.append(_("%(count)s refused acquires") % {"count": entry.contended})
+            detail.append(
+                ngettext(
+                    "%(count)s refused acquire", "%(count)s refused acquires", entry.contended
+                )
+                % {"count": entry.contended}
+            )
         if entry.holder:
             detail.append(_("held by %(owner)s") % {"owner": entry.holder})
         if entry.by:
@@ -68,12 +72,18 @@ def history_rows(entries: list[HistoryEntry]) -> list[dict[str, Any]]:
             detail.append(entry.reason)
         if entry.extra:
             detail.append(", ".join(f"{k}={v}" for k, v in sorted(entry.extra.items())))
+        try:
+            at = (
+                datetime.datetime.fromtimestamp(entry.at, tz=datetime.timezone.utc)
+                if entry.at
+                else None
+            )
+        except (OverflowError, ValueError, OSError):  # never a 500 for a stored time
+            at = None
         rows.append(
             {
                 "entry": entry,
-                "at": datetime.datetime.fromtimestamp(entry.at, tz=datetime.timezone.utc)
-                if entry.at
-                else None,
+                "at": at,
                 "malformed": entry.event == "malformed",
                 "detail": "; ".join(detail),
             }
@@ -116,12 +126,7 @@ class HistoryPages:
         except (InvalidArgument, LockNameError) as exc:
             messages.error(request, _("Not a lock name or page: %(error)s") % {"error": exc})
         except StepLockError as exc:
-            log_event("admin_lock_store_error", logging.WARNING, error=_error_text(exc))
-            messages.error(
-                request,
-                _("The Redis lock store could not be read: %(error)s")
-                % {"error": _error_text(exc)},
-            )
+            store_read_failed(request, exc)
         rows = history_rows(entries or [])
         stored = [r for r in rows if not r["entry"].inferred and r["entry"].id != "?"]
         next_url = None

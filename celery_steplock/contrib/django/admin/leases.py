@@ -66,7 +66,7 @@ from django.utils.translation import gettext_lazy
 from django.views.decorators.cache import never_cache
 
 from .... import signals
-from ....events import emit, log_event
+from ....events import emit
 from ....exceptions import StepLockError
 from ....keys import MAX_NAME_LENGTH
 from ....ops import AuditRecordFailed, ForceReleaseRefused, LeaseHeldByAnother, force_release
@@ -81,7 +81,7 @@ from ..leases import (
     steplock_task_names,
 )
 from ..models import Lease, LeaseEvent
-from ._common import LiveModelAdmin, _error_text
+from ._common import LiveModelAdmin, _error_text, store_read_failed
 from .history import HistoryPages
 
 __all__ = ["LeaseAdmin", "ForceReleaseForm", "LeaseChangeList", "TaskNameFilter"]
@@ -410,12 +410,7 @@ class LeaseAdmin(HistoryPages, LiveModelAdmin):
             )
         except StepLockError as exc:
             # Redis down or misconfigured: say so on the page, never a 500.
-            log_event("admin_lock_store_error", logging.WARNING, error=_error_text(exc))
-            messages.error(
-                request,
-                _("The Redis lock store could not be read: %(error)s")
-                % {"error": _error_text(exc)},
-            )
+            store_read_failed(request, exc)
 
         can_release = self.has_force_release_permission(request)
         rows = []

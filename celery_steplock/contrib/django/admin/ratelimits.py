@@ -5,16 +5,12 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
-from django.template.response import TemplateResponse
 from django.utils.translation import gettext as _
 
 from .... import live
-from ....exceptions import StepLockError
-from ..leases import celery_app, steplock_task_names
 from ..models import RateLimitState
-from ._common import LiveModelAdmin, _error_text
+from ._common import LiveModelAdmin
 
 __all__ = ["RateLimitAdmin"]
 
@@ -34,24 +30,13 @@ class RateLimitAdmin(LiveModelAdmin):
         return [self.page_url("", self.changelist_view, "changelist")]
 
     def changelist_view(self, request: HttpRequest, extra_context=None) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        listing, error = None, None
-        try:
-            app = celery_app()
-            tasks = [app.tasks[name] for name in steplock_task_names(app)]
-            listing = live.rate_limit_rows(app, tasks=tasks)
-        except StepLockError as exc:
-            error = _error_text(exc)
+        listing, error = self.read_live(
+            request, lambda app, tasks: live.rate_limit_rows(app, tasks=tasks)
+        )
         context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": _("Rate limits"),
             "rows": listing.rows if listing is not None else [],
             "listing": listing,
             "max_limits": live.MAX_LIMITS,
             "error": error,
-            **(extra_context or {}),
         }
-        request.current_app = self.admin_site.name
-        return TemplateResponse(request, self.change_list_template, context)
+        return self.live_response(request, _("Rate limits"), context, extra_context)
