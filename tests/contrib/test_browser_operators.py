@@ -390,3 +390,70 @@ def test_the_idempotency_records_page(
     )
     assert measures["resultsScroll"] is not None  # Django's changelist, with its results box
     assert_fits(measures)
+
+
+# The Activity page's charts: each inline <svg> inside the viewport, drawn (a line, a dot or
+# a bar), and nothing scrolling sideways.
+CHARTS = """() => {
+  const svgs = [...document.querySelectorAll("#content-main figure.sl-chart svg")];
+  return {
+    innerWidth: window.innerWidth, scrollWidth: document.documentElement.scrollWidth,
+    content: (() => { const c = document.querySelector("#content");
+      return {scrollWidth: c.scrollWidth, clientWidth: c.clientWidth}; })(),
+    sidebar: document.querySelector("#nav-sidebar").getBoundingClientRect().width,
+    charts: svgs.map((svg) => { const r = svg.getBoundingClientRect();
+      return {left: r.left, right: r.right, height: r.height,
+        marks: svg.querySelectorAll("polyline, rect, circle").length,
+        points: Math.max(0, ...[...svg.querySelectorAll("polyline")].map(
+          (p) => p.getAttribute("points").trim().split(/\\s+/).length))}; }),
+  };
+}"""
+
+
+def test_the_activity_page_draws_its_charts(
+    sync_playwright, live_server, admin_user, app, store, redis_client, tmp_path
+):
+    """Real executions and rate-limit decisions counted by the process's aggregator and
+    flushed to Redis; the page draws them as inline SVG within the admin's layout."""
+    from celery_steplock import activity
+
+    aggregator = activity.install()
+    app.conf.steplock_activity = True
+    aggregator.refresh()
+    aggregator.flush()
+    steps = [Step.objects.create(name=f"charge {n}") for n in range(6)]
+    for step in steps:
+        assert advance.apply(args=(step.pk,)).successful()
+    assert advance.apply(args=(steps[0].pk,)).successful()  # a duplicate
+    window = SlidingWindow(3, 60.0, app=app)
+    decisions = [window.try_acquire(GATEWAY, app=app).allowed for _ in range(5)]
+    assert decisions == [True, True, True, False, False]
+    assert aggregator.flush() >= 1
+    seen = {}
+
+    def check(page):
+        seen.update(page.evaluate(CHARTS))
+        text = page.locator("#content-main").inner_text()
+        assert advance.name in text and GATEWAY in text, text
+
+    browse(
+        sync_playwright,
+        live_server,
+        admin_user,
+        "/admin/celery_steplock/activity/",
+        "#content-main",
+        "activity",
+        tmp_path,
+        check=check,
+        judge=False,
+    )
+    assert seen["sidebar"] >= 200  # open, beside the content
+    assert seen["scrollWidth"] <= seen["innerWidth"], seen
+    assert seen["content"]["scrollWidth"] <= seen["content"]["clientWidth"], seen
+    charts = seen["charts"]
+    assert len(charts) >= 4, charts  # the task's wait, hold, counts; the limit's decisions
+    for chart in charts:
+        assert 0 <= chart["left"] and chart["right"] <= seen["innerWidth"], chart
+        assert chart["height"] > 40, chart
+    # A minute's value is a dot, a run of minutes a line; counts are bars.
+    assert all(chart["marks"] >= 1 for chart in charts), charts
