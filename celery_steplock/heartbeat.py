@@ -204,16 +204,25 @@ def announce_lost(store: Any, sender: Any, lease: Lease) -> None:
     # coroutine could not be awaited here.
     if record is not None and not inspect.iscoroutinefunction(record):
         try:
-            record(
-                lease.name,
-                "lost",
-                owner=lease.owner,
-                fence=lease.fence,
-                task_id=lease.task_id,
-                reason=lease.lost_reason,
-            )
+            record(lease.name, "lost", **lost_entry(lease))
         except Exception:  # noqa: BLE001 - the history never stops the report of a loss
             pass
+    send_lost(sender, lease, level, forced)
+
+
+def lost_entry(lease: Lease) -> dict[str, Any]:
+    """The fields of a lost lease's history entry (``record_history``'s keywords)."""
+    return {
+        "owner": lease.owner,
+        "fence": lease.fence,
+        "task_id": lease.task_id,
+        "reason": lease.lost_reason,
+    }
+
+
+def send_lost(sender: Any, lease: Lease, level: int, forced: dict[str, Any]) -> None:
+    """Send ``lock_lost`` for ``lease`` and log it at ``level`` with ``forced`` (the
+    operator's record of a force release, or nothing)."""
     emit(
         signals.lock_lost,
         sender,

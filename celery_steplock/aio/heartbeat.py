@@ -21,8 +21,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from .. import _loops, signals
-from ..events import emit, lease_fields, log_event
+from .. import _loops
+from ..events import log_event
 from ..exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from ..heartbeat import (
     IDLE_TIMEOUT,
@@ -31,7 +31,9 @@ from ..heartbeat import (
     _Entry,
     announce_lost,
     check_ratio,
+    lost_entry,
     new_entry,
+    send_lost,
 )
 from ..lease import Lease
 
@@ -264,24 +266,10 @@ async def aannounce_lost(store: Any, sender: Any, lease: Lease) -> None:
     record = getattr(store, "record_history", None)
     if record is not None:
         try:
-            await record(
-                lease.name,
-                "lost",
-                owner=lease.owner,
-                fence=lease.fence,
-                task_id=lease.task_id,
-                reason=lease.lost_reason,
-            )
+            await record(lease.name, "lost", **lost_entry(lease))
         except Exception:  # noqa: BLE001 - the history never stops the report of a loss
             pass
-    emit(
-        signals.lock_lost,
-        sender,
-        level,
-        reason=lease.lost_reason,
-        **forced,
-        **lease_fields(lease),
-    )
+    send_lost(sender, lease, level, forced)
 
 
 def _kept(
