@@ -243,8 +243,18 @@ def test_scrape_of_a_prefork_worker_in_multiprocess_mode(worker_env, redis_clien
                 )
                 == 1
             ),
-            timeout=30,
+            # Two passes side by side on 2 cores start prefork children slowly (a child is
+            # replaced after each task): the time is the machine's, the counts are the test's.
+            timeout=90,
             what="every event in the scrape",
+            describe=lambda: (
+                f"queue drained: {drained(redis_client)}; "
+                + "; ".join(
+                    line
+                    for line in scrape(port)[0].splitlines()
+                    if line.startswith("steplock_events_total")
+                )
+            ),
         )
         text, samples = scrape(port)
         (tmp_path / "metrics.txt").write_text(text)
