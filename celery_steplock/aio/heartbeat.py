@@ -17,6 +17,7 @@ refuses.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from ..heartbeat import (
     send_lost,
 )
 from ..lease import Lease
+from ..lock import forced_line
 
 __all__ = ["AsyncHeartbeat", "get_async_heartbeat", "CANCELLED"]
 
@@ -254,14 +256,26 @@ def _on_a_loop() -> bool:
     return True
 
 
+async def alost_line(store: Any, lease: Lease) -> tuple[int, dict[str, Any]]:
+    """The level and extra fields of the ``lock_lost`` line of ``lease``, read with the
+    async store's ``forced`` (one GET): WARNING naming the operator's record after a force
+    release, else ERROR (:func:`celery_steplock.lock.lost_line`). Never raises."""
+    forced = getattr(store, "forced", None)
+    if forced is None or not inspect.iscoroutinefunction(forced):
+        return logging.ERROR, {}
+    try:
+        record = await forced(lease.name, lease.owner)
+    except Exception:  # noqa: BLE001 - the loss is reported either way
+        record = None
+    return forced_line(record)
+
+
 async def aannounce_lost(store: Any, sender: Any, lease: Lease) -> None:
     """Send ``lock_lost`` for ``lease`` and log it, as
     :func:`celery_steplock.heartbeat.announce_lost` with the async store's read: ERROR, or
     WARNING naming the operator's record after a force release. The loss is appended to
     the name's history (the store's ``record_history``, one call; a failure is ignored: the
     line and the signal say it). Never raises."""
-    from .lock import alost_line  # the store's module imports this one
-
     level, forced = await alost_line(store, lease)
     record = getattr(store, "record_history", None)
     if record is not None:

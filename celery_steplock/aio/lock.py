@@ -67,7 +67,6 @@ from ..lock import (
     _wait_timeout,
     _waiters_full,
     forced_key,
-    forced_line,
     get_lease_store,
     parse_forced,
     store_error,
@@ -809,19 +808,6 @@ class LeaseContext:
             get_async_heartbeat().unregister(lease)
         # Shielded: a cancellation of this await leaves the release task running.
         await asyncio.shield(background(_release(self.store, lease)))
-
-
-async def alost_line(store: Any, lease: Lease) -> tuple[int, dict[str, Any]]:
-    """The level and extra fields of the ``lock_lost`` line of ``lease``, read with the
-    async store: WARNING naming the operator's record after a force release, else ERROR
-    (:func:`celery_steplock.lock.lost_line`). Never raises."""
-    if not isinstance(store, AsyncRedisLeaseStore):
-        return logging.ERROR, {}
-    try:
-        record = await store.forced(lease.name, lease.owner)
-    except Exception:  # noqa: BLE001 - the loss is reported either way
-        record = None
-    return forced_line(record)
 
 
 async def _release(store: AsyncRedisLeaseStore, lease: Lease) -> bool | None:
