@@ -194,6 +194,61 @@ DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 #: sibling serving it is gone.
 STANDBY_INTERVAL = 5.0
 
+#: Longest a fork of this process waits for a scrape in progress, in seconds; then it forks
+#: anyway.
+FORK_WAIT = 5.0
+
+
+class _ForkGate:
+    """Scrapes and forks of this process, one at a time.
+
+    A prefork worker's main process forks its children (at start, and to replace a child
+    after ``--max-tasks-per-child``) while its exporter thread may be scraping. A child is a
+    copy of that instant with only the forking thread: whatever the scraping thread held then
+    (a module's import lock while Django imports the database backend's SQL compiler on the
+    first read of the outbox, a database socket mid-query) stays held in the child, and the
+    child's first use of it waits for ever. It happened: a replacement child hung in
+    ``import django.db.backends.mysql.compiler`` with its lease renewed by its heartbeat.
+    POSIX leaves a multithreaded process's child only async-signal-safe calls for that
+    reason; ``os.register_at_fork`` makes a fork wait (at most :data:`FORK_WAIT` seconds) for
+    the collectors' work in progress, and a scrape wait while a fork runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held_for_fork = False
+
+    def scraping(self) -> _GateHeld:
+        """``with gate.scraping():`` around work a forked child must not inherit half done."""
+        return _GateHeld(self._lock)
+
+    def before_fork(self) -> None:
+        self._held_for_fork = self._lock.acquire(timeout=FORK_WAIT)
+
+    def after_fork(self) -> None:
+        if self._held_for_fork:
+            self._held_for_fork = False
+            self._lock.release()
+
+
+class _GateHeld:
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._lock.release()
+
+
+_FORK_GATE = _ForkGate()
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork,
+        after_in_child=_FORK_GATE.after_fork,
+    )
+
 
 def multiprocess_dir() -> str | None:
     """``PROMETHEUS_MULTIPROC_DIR`` (None: single-process mode)."""
@@ -672,6 +727,10 @@ class MultiProcessCollector(multiprocess.MultiProcessCollector):
     read, so one bad file never fails the scrape."""
 
     def collect(self):
+        with _FORK_GATE.scraping():
+            return self._collect()
+
+    def _collect(self):
         files = []
         for path in glob.glob(os.path.join(self._path, "*.db")):
             parts = os.path.basename(path)[:-3].split("_")
@@ -738,7 +797,7 @@ class OutboxCollector:
         if not _django.installed():
             return []
         try:
-            with _closing_new_connections():
+            with _FORK_GATE.scraping(), _closing_new_connections():
                 count, oldest = _django.contrib("outbox").pending_stats()
         except Exception as exc:  # noqa: BLE001 - a scrape never fails for the outbox
             log_event("metrics_effects_unavailable", logging.WARNING, error=exc)
