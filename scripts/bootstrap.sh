@@ -129,7 +129,7 @@ ensure_postgres() {
 
 have_mariadb() { command -v mariadb-install-db >/dev/null 2>&1 && { command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ]; }; }
 
-# The MariaDB pass of `make test` (STEPLOCK_WANT_MYSQL=1, or CI): mariadb-server for the
+# The MariaDB pass of `make test-mysql` (STEPLOCK_WANT_MYSQL=1, or CI): mariadb-server for the
 # throwaway servers of tests/support/servers.py, and mysqlclient (requirements/mysql.txt), built
 # against libmysqlclient's headers, into .venv. apt may start the system's own service on 3306:
 # harmless, the tests' server has its own data directory, socket and port (--no-defaults).
