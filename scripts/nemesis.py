@@ -9,6 +9,7 @@ history is checked as a whole (what `make nemesis` runs).
     make nemesis ARGS="--duration 120 --kinds split_brain,pause"  # some kinds only
     make nemesis ARGS="--duration 120 --seed 7 --workload outbox"          # the effects outbox
     make nemesis ARGS="--duration 120 --seed 7 --workload outbox-in-body"  # and its control
+    make nemesis ARGS="--duration 120 --seed 7 --breaker bypass"  # the breaker's control
 
 The run directory (default var/nemesis/<seed>-<guarded|unguarded>) holds the history and
 the checker's verdict.json; to add a run and its control to docs/reliability.md/.json:
@@ -20,7 +21,7 @@ Reproducible from its seed as far as the schedule goes (what the client sends an
 fires when, with which parameters), not the interleavings of the real processes. Starts its
 own PostgreSQL (or uses DATABASE_URL) and every server; stops them all by PID on exit and on
 Ctrl-C. Exit status 1 on violations or leftovers (guarded) or on no violation (--unguarded,
---guard nofence, --workload outbox-in-body).
+--guard nofence, --workload outbox-in-body, --breaker bypass).
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ def main(argv=None) -> int:
         "fault kinds gain receiver_down; outbox-in-body: its negative control (the body "
         "performs them)",
     )
+    parser.add_argument(
+        "--breaker",
+        choices=("guarded", "bypass"),
+        default="guarded",
+        help="bypass: the breaker task calls its dependency when the breaker refuses (while "
+        "open without an admission, while half-open as one more probe): the negative control "
+        "of the breaker invariants",
+    )
     args = parser.parse_args(argv)
     from tests.support.faults.nemesis import kinds_of
 
@@ -110,7 +119,14 @@ def main(argv=None) -> int:
     label = "unguarded" if args.unguarded else "nofence" if args.guard == "nofence" else "guarded"
     if args.workload != "patterns":
         label += f"-{args.workload}"
-    control = args.unguarded or args.guard == "nofence" or args.workload == "outbox-in-body"
+    if args.breaker != "guarded":
+        label += f"-breaker-{args.breaker}"
+    control = (
+        args.unguarded
+        or args.guard == "nofence"
+        or args.workload == "outbox-in-body"
+        or args.breaker == "bypass"
+    )
     out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
     say(f"seed {seed}, {label}, duration {args.duration:g}s, ttl {args.ttl:g}s, out {out}")
 
@@ -142,6 +158,7 @@ def main(argv=None) -> int:
                 kinds=kinds,
                 log=log,
                 workload=args.workload,
+                breaker=args.breaker,
             )
             try:
                 lab.start()
@@ -188,6 +205,8 @@ def main(argv=None) -> int:
         "checker": verdict.get("checker"),
         "workload": args.workload,
         "effects": (verdict.get("counts") or {}).get("effects"),
+        "breaker": args.breaker,
+        "breaker_calls": (verdict.get("counts") or {}).get("breaker_calls"),
         "out": str(out),
     }
     say("faults by kind: " + json.dumps(run["faults"]))

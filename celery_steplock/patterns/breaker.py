@@ -495,14 +495,19 @@ class _CachedState:
         forced: bool = False,
         opened_ms: int = 0,
         now_ms: int = 0,
+        newer_generation_wins: bool = False,
     ) -> None:
         """What a reply to a request sent at ``asked`` (monotonic seconds) said; held until
-        ``asked + ttl``. A reply to a request sent before the one held is dropped."""
+        ``asked + ttl``. A reply to a request sent before the one held is dropped, unless
+        ``newer_generation_wins`` and its ``generation`` is past the one held (Redis ran it
+        later, whatever the send times: another thread's request on another connection)."""
         received = time.monotonic()
         with self.lock:
-            if asked < self.asked:
+            if asked < self.asked and not (
+                newer_generation_wins and generation > self.generation
+            ):
                 return
-            self.asked = asked
+            self.asked = max(asked, self.asked)
             self.state, self.generation, self.forced = state, generation, forced
             self.opened_ms = opened_ms
             if now_ms:
@@ -513,11 +518,20 @@ class _CachedState:
     def recorded(
         self, asked: float, state: str, changed: bool, generation: int, now_ms: int
     ) -> None:
-        """After a RECORD: a trip is held as OPEN (this process refuses at once); any other
-        change, or a reply that is not the CLOSED generation held, makes the next admission
-        ask Redis."""
+        """After a RECORD: a trip is held as OPEN (this process refuses at once, even when
+        another thread's admission, sent after the RECORD but run by Redis before it, was
+        applied first); any other change, or a reply that is not the CLOSED generation held,
+        makes the next admission ask Redis."""
         if changed and state == OPEN:
-            self.apply(asked, self.ttl, OPEN, generation, opened_ms=now_ms, now_ms=now_ms)
+            self.apply(
+                asked,
+                self.ttl,
+                OPEN,
+                generation,
+                opened_ms=now_ms,
+                now_ms=now_ms,
+                newer_generation_wins=True,
+            )
             return
         with self.lock:
             if changed or state != CLOSED or generation != self.generation:

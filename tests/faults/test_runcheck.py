@@ -786,3 +786,140 @@ def test_a_commit_in_flight_on_a_delayed_database_path_is_dated_when_it_was_sent
         "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted the "
         "lease"
     ]
+
+
+# -- the circuit breaker's invariants (runcheck.check_breakers) ---------------------------------
+
+BREAKER = {"breaker": {"dep": {"half_open_probes": 1, "probe_timeout": 15.0}}}
+
+
+def dep_call(
+    b: Builder, t, task, pid=100, generation=1, probe=False, admitted=True, took=0.05, **fields
+):
+    """One call of the breaker's dependency by task ``task`` at ``t``, admitted (its admission
+    began 0.01 s earlier) in ``generation``, returning after ``took`` s (None: never)."""
+    admission = (
+        {
+            "admitted": True,
+            "probe": probe,
+            "generation": generation,
+            "guarded": True,
+            "admit_t0": t - 0.01,
+            "admit_t1": t - 0.005,
+            "state_cache": 1.0,
+            "probe_timeout": 15.0,
+            "half_open_probes": 1,
+        }
+        if admitted
+        else {"admitted": False, "probe": False, "generation": None, "guarded": False}
+    )
+    admission.update(fields)
+    b.ev("dep_call", t, pid, name="dep", step=1, task_id=task, **admission)
+    if took is not None:
+        b.ev("dep_done", t + took, pid, name="dep", step=1, task_id=task, failed=False)
+    return b
+
+
+def opened(b: Builder, t, task, pid=100):
+    return b.ev("breaker", t, pid, name="dep", state="open", what="opened", task_id=task)
+
+
+def test_a_call_admitted_by_the_generation_an_open_ended_is_a_violation_past_the_cache():
+    b = Builder(limits=BREAKER)
+    dep_call(b, 1.0, "t-fail", pid=1, generation=4)  # its failure opens generation 4
+    opened(b, 1.1, "t-fail", pid=1)
+    dep_call(b, 1.8, "t-cached", pid=2, generation=4)  # another process's copy: 0.7 s < 1 s
+    dep_call(b, 2.0, "t-new", pid=2, generation=6)  # a later closed generation
+    assert b.verdict().violations == []
+    assert b.verdict().counts["breaker_calls"] == {
+        "calls": 3,
+        "unadmitted_calls": 0,
+        "probes": 0,
+        "opens": 1,
+        "opens_unlinked": 0,
+        "admitted_after_open": 0,
+        "admitted_from_cache_window": 1,
+    }
+    dep_call(b, 2.3, "t-late", pid=2, generation=4)  # 1.19 s after the open: past the cache
+    dep_call(b, 1.3, "t-same", pid=1, generation=4)  # the opener's process refuses at once
+    assert b.verdict().violations == [
+        "breaker dep: call of task t-same (step 1, pid 1) at 1.300 admitted in generation 4 at "
+        "1.290, which the open at 1.100 (task t-fail) had ended (in the process that opened it)",
+        "breaker dep: call of task t-late (step 1, pid 2) at 2.300 admitted in generation 4 at "
+        "2.290, which the open at 1.100 (task t-fail) had ended (1.190 s after it, state cache "
+        "1 s)",
+    ]
+
+
+def test_a_call_without_an_admission_while_open_is_a_violation_and_apart_after_a_data_loss():
+    b = Builder(limits=BREAKER)
+    dep_call(b, 1.0, "t-fail", pid=1)
+    opened(b, 1.1, "t-fail", pid=1)
+    b.ev("breaker", 2.6, 1, name="dep", state="half_open", what="half_open", task_id="t-p")
+    dep_call(b, 0.5, "t-before", admitted=False)  # before the open and after its end: not
+    dep_call(b, 3.0, "t-after", admitted=False)  # judged by this rule
+    assert b.verdict().violations == []
+    dep_call(b, 1.5, "t-bypass", pid=2, admitted=False)
+    assert b.verdict().violations == [
+        "breaker dep: call of task t-bypass (step 1, pid 2) at 1.500 made with no admission "
+        "while the breaker was open (opened at 1.100)"
+    ]
+    b.ev("fault", 1.2, 0, kind="redis_restart")
+    verdict = b.verdict()
+    assert verdict.violations == []
+    assert verdict.data_loss == [
+        "breaker dep: call of task t-bypass (step 1, pid 2) at 1.500 made with no admission "
+        "while the breaker was open (opened at 1.100); after redis_restart at 1.200"
+    ]
+
+
+def test_sequential_probes_pass_and_two_at_once_are_a_violation():
+    b = Builder(limits=BREAKER)
+    dep_call(b, 1.0, "t-p1", pid=1, generation=5, probe=True, took=0.5)
+    dep_call(b, 1.5, "t-p2", pid=2, generation=5, probe=True)  # after p1 returned
+    # a probe that never returned frees its permit probe_timeout after its admission began
+    dep_call(b, 3.0, "t-p3", pid=3, generation=7, probe=True, took=None)
+    dep_call(b, 18.0, "t-p4", pid=4, generation=7, probe=True)
+    verdict = b.verdict()
+    assert verdict.violations == []
+    assert verdict.counts["breaker_calls"]["probes"] == 4
+    dep_call(b, 1.2, "t-extra", pid=5, generation=None, probe=True)
+    assert b.verdict().violations == [
+        "breaker dep: probe call of task t-extra (step 1, pid 5) at 1.200 while 1 probe(s) "
+        "ran, for 1 at once (call of task t-p1 (step 1, pid 1) at 1.000)"
+    ]
+
+
+def probes_that_never_returned(end: bool) -> Builder:
+    b = Builder(limits=BREAKER)
+    dep_call(b, 1.0, "t-p1", pid=1, probe=True, took=None)
+    dep_call(b, 2.0, "t-p2", pid=2, probe=True, took=None)
+    if end:
+        b.ev("task_end", 1.1, 1, task_id="t-p1")
+        b.ev("fault", 2.1, 2, signal="SIGKILL")
+    return dep_call(b, 3.0, "t-p3", pid=3, probe=True)
+
+
+def test_a_probe_ends_at_its_task_end_or_its_kill():
+    assert probes_that_never_returned(end=True).verdict().violations == []
+    assert probes_that_never_returned(end=False).verdict().violations == [
+        "breaker dep: probe call of task t-p2 (step 1, pid 2) at 2.000 while 1 probe(s) ran, "
+        "for 1 at once (call of task t-p1 (step 1, pid 1) at 1.000)",
+        "breaker dep: probe call of task t-p3 (step 1, pid 3) at 3.000 while 2 probe(s) ran, "
+        "for 1 at once (call of task t-p1 (step 1, pid 1) at 1.000, call of task t-p2 (step 1, "
+        "pid 2) at 2.000)",
+    ]
+
+
+def test_a_probe_holds_its_permit_until_its_outcome_is_written():
+    def run(second_at: float) -> runcheck.RunVerdict:
+        b = Builder(limits=BREAKER)
+        dep_call(b, 1.0, "t-p1", pid=1, probe=True, took=0.05)  # returned at 1.05
+        b.ev("breaker_outcome", 1.3, 1, name="dep", task_id="t-p1", how="record")
+        return dep_call(b, second_at, "t-p2", pid=2, probe=True).verdict()
+
+    assert run(1.3).violations == []
+    assert run(1.2).violations == [
+        "breaker dep: probe call of task t-p2 (step 1, pid 2) at 1.200 while 1 probe(s) ran, "
+        "for 1 at once (call of task t-p1 (step 1, pid 1) at 1.000)"
+    ]

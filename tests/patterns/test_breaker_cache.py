@@ -357,3 +357,21 @@ def test_a_trip_or_override_by_an_uncached_breaker_of_the_process_is_seen_at_onc
         direct.call(fail)  # trips it
     with pytest.raises(CircuitOpen):
         cached.call(ok)
+
+
+def test_its_own_trip_is_held_when_a_later_sent_admission_was_applied_first():
+    """Threads share one copy: thread A's failing RECORD trips the breaker (generation 5)
+    while thread B's admission, sent just after it on another connection, ran in Redis just
+    before it (CLOSED, generation 4) and its reply was applied first. The process still
+    refuses at once after its own trip (found by the randomized run's breaker rule)."""
+    from celery_steplock.patterns.breaker import _CachedState
+
+    cache = _CachedState()
+    record_sent = time.monotonic()
+    cache.apply(record_sent + 0.001, 30.0, CLOSED, 4, now_ms=1)
+    cache.recorded(record_sent, OPEN, True, 5, 1)
+    assert (cache.state, cache.generation) == (OPEN, 5)
+    assert cache.expires > time.monotonic()  # held: the next admission refuses without Redis
+    # An older reply of an earlier generation still never replaces a newer one.
+    cache.apply(record_sent - 1.0, 30.0, CLOSED, 4, now_ms=1)
+    assert (cache.state, cache.generation) == (OPEN, 5)

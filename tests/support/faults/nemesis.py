@@ -96,6 +96,9 @@ ACTIONS = {
 #: ``"outbox-in-body"``): one more client action and one more fault kind, added to the
 #: catalogue only then, so the default plans of a seed do not change.
 WORKLOADS = ("patterns", "outbox", "outbox-in-body")
+#: The breaker task's modes: ``bypass`` is the negative control of the breaker invariants (a
+#: refused call is made anyway; ``STEPLOCK_FAULTS_BREAKER``, django_app/faults/patterns.py).
+BREAKER_MODES = ("guarded", "bypass")
 OUTBOX_ACTIONS = {"outbox": 4}
 OUTBOX_KINDS = {"receiver_down": 2}
 EFFECTS = "django_app.faults.effects"
@@ -266,6 +269,7 @@ class NemesisLab(Lab):
         restart_delay: float = 1.0,
         log=print,
         workload: str = "patterns",
+        breaker: str = "guarded",
     ):
         super().__init__(
             workdir,
@@ -282,6 +286,10 @@ class NemesisLab(Lab):
         self.out = Path(out)
         self.spec = {name: (pool, concurrency) for name, pool, concurrency in workers}
         self.workload = workload
+        # "bypass": the breaker invariants' negative control (django_app/faults/patterns.py)
+        if breaker not in BREAKER_MODES:
+            raise ValueError(f"breaker must be one of {BREAKER_MODES}, got {breaker!r}")
+        self.breaker = breaker
         self.actions = actions_of(workload)
         self.kinds = dict(kinds or kinds_of(workload))
         self.restart_delay = restart_delay
@@ -349,6 +357,8 @@ class NemesisLab(Lab):
     def worker_env(self) -> dict:
         env = super().worker_env()
         env["STEPLOCK_FAULTS_IDEMPOTENCY_LOCK_TTL"] = str(max(8.0, 4 * self.ttl))
+        if self.breaker != "guarded":
+            env["STEPLOCK_FAULTS_BREAKER"] = self.breaker
         # pg_terminate picks among the workers' sessions, never the controller's own.
         env["DATABASE_URL"] += f"?application_name={WORKER_APP_NAME}"
         return env
@@ -974,6 +984,7 @@ class NemesisLab(Lab):
             "unguarded": self.unguarded,
             "guard": self.guard,
             "workload": self.workload,
+            "breaker": self.breaker,
             "workers": [
                 {"name": n, "pool": p, "concurrency": c} for n, (p, c) in self.spec.items()
             ],

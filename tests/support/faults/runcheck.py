@@ -21,7 +21,15 @@ duration, workers, TTL, the configured limits, faults by kind). The checks:
   expiry, at a SIGKILL or SIGSTOP of its process (a paused holder's slot may pass on: an
   overlap as the holder saw it, not a violation) or at the end of its task run;
 - per idempotency key, no body started after a completion was recorded, and at most one
-  completion.
+  completion;
+- per circuit breaker (:func:`check_breakers`, on the ``dep_call`` / ``dep_done`` entries of
+  the calls of its dependency and its ``breaker`` state changes): no call admitted once the
+  breaker had opened, beyond what its state cache lets through (an admission of the closed
+  generation the opening ended, starting ``state_cache`` seconds or more after the open was
+  recorded, or at once in the process that opened it), no call without an admission while
+  it was open, and at most ``half_open_probes`` probes at once (a probe holding its permit
+  from its ``dep_call`` to its ``breaker_outcome``, the end of its task run, a kill of its
+  process or ``probe_timeout`` after its admission began: its permit expired then).
 
 A pattern limit exceeded with a lock-store data loss inside it (a Redis restart, a failover to
 a replica that missed the latest writes, a split brain: a rate log, a slot or an idempotency
@@ -237,6 +245,10 @@ class _Index:
         self.executions = 0
         self.acquired = 0
         self.breaker: Counter = Counter()
+        self.breaker_states: dict = defaultdict(list)  # name -> opened/half_open/closed entries
+        self.dep_calls: dict = defaultdict(list)  # name -> dep_call entries
+        self.dep_done: dict = defaultdict(list)  # (task_id, pid) -> dep_done times
+        self.outcomes: dict = defaultdict(list)  # (task_id, pid) -> breaker_outcome times
         self.split_notes: dict = {}  # split fault time -> its entry (minority/majority paths)
         self.continued: dict = defaultdict(list)  # pid -> SIGCONT times
         self.data_loss: list[tuple[float, str]] = []
@@ -290,8 +302,24 @@ class _Index:
                 self.idem[e.get("key")].append((i, e))
             elif ev == "breaker":
                 self.breaker[e.get("what") or "?"] += 1
+                if e.get("what") in ("opened", "half_open", "closed"):
+                    self.breaker_states[e.get("name")].append(e)
+            elif ev == "dep_call":
+                self.dep_calls[e.get("name")].append(e)
+            elif ev == "dep_done":
+                self.dep_done[(e.get("task_id"), e.get("pid"))].append(e["t"])
+            elif ev == "breaker_outcome":
+                self.outcomes[(e.get("task_id"), e.get("pid"))].append(e["t"])
         self.fence_refusals = len(refusals)
-        for table in (self.stops, self.kills, self.ends_by_pid, self.ends_by_task, self.continued):
+        for table in (
+            self.stops,
+            self.kills,
+            self.ends_by_pid,
+            self.ends_by_task,
+            self.continued,
+            self.dep_done,
+            self.outcomes,
+        ):
             for times in table.values():
                 times.sort()
         self.commits.sort()
@@ -763,6 +791,153 @@ def check_idempotency(index: _Index) -> tuple[list[str], dict]:
     return problems, counts
 
 
+def _breaker_call(e: dict) -> str:
+    return (
+        f"call of task {_short(e.get('task_id'))} (step {e.get('step')}, pid {e.get('pid')}) "
+        f"at {e['t']:.3f}"
+    )
+
+
+def check_breakers(
+    index: _Index, limits: dict | None = None, end_of_run: float = 0.0
+) -> tuple[list[str], dict]:
+    """Violations of the circuit breakers' guarantees (docs/patterns/breaker.md) and their
+    counts, from each breaker's ``dep_call`` entries (a call of its dependency, with what the
+    admission said), ``dep_done`` entries (the call returned) and ``breaker`` state changes
+    (``opened``, ``half_open``, ``closed``: the probe's record of the library's signals, dated
+    when the process that made the change received Redis's reply, so after the change).
+    ``limits`` maps a breaker name to ``{"half_open_probes", "probe_timeout"}`` (else the
+    calls' own fields).
+
+    (a) No call admitted while open. An opening ends the closed generation of the call whose
+    failure opened it (the latest ``dep_call`` of its task id in its pid before the open);
+    a process may admit in that generation from its cached state for ``state_cache`` seconds
+    counted from the request that read it (so before the open was recorded): a call of that
+    generation whose admission began ``state_cache`` seconds or more after the open, or at or
+    after it in the process that opened it (its copy is updated at once), was admitted by an
+    open breaker. A call with no admission at all that starts while the breaker is open (from
+    ``opened`` to its next state change) went round it.
+
+    (b) At most ``half_open_probes`` probe calls at once, cluster-wide. A probe holds its
+    permit at least from its ``dep_call`` (granted before) to the first of its
+    ``breaker_outcome`` (written before the outcome goes to Redis and gives the permit back;
+    without one, its ``dep_done``), the end of its task run, a kill of its process and
+    ``probe_timeout`` after its admission began (its permit expired: the next probe is
+    admitted then, documented).
+
+    A Redis data loss (restart, stale failover, split brain) between the two events of a
+    problem forgets the breaker (its generation, its probe permits): the message gets its
+    ``; after <kind> at <t>`` note (reported apart, :func:`check_run`)."""
+    limits = limits or {}
+    problems: list[str] = []
+    counts = {
+        "calls": 0,
+        "unadmitted_calls": 0,
+        "probes": 0,
+        "opens": 0,
+        "opens_unlinked": 0,
+        "admitted_after_open": 0,
+        "admitted_from_cache_window": 0,
+    }
+    for name in sorted(set(index.dep_calls) | set(index.breaker_states), key=str):
+        calls = sorted(index.dep_calls.get(name, []), key=lambda e: e["t"])
+        states = sorted(index.breaker_states.get(name, []), key=lambda e: e["t"])
+        conf = limits.get(name) or {}
+        counts["calls"] += len(calls)
+        counts["opens"] += sum(1 for s in states if s.get("what") == "opened")
+        # (a) admissions of a generation an opening ended
+        by_task: dict = defaultdict(list)
+        for c in calls:
+            by_task[(c.get("task_id"), c.get("pid"))].append(c)
+        for i, s in enumerate(states):
+            if s.get("what") != "opened":
+                continue
+            mine = [
+                c for c in by_task.get((s.get("task_id"), s.get("pid")), []) if c["t"] <= s["t"]
+            ]
+            ended = mine[-1].get("generation") if mine and mine[-1].get("admitted") else None
+            if ended is None:
+                counts["opens_unlinked"] += 1
+            later = states[i + 1]["t"] if i + 1 < len(states) else None  # the next change
+            for c in calls:
+                if not c.get("admitted"):
+                    if s["t"] <= c["t"] and (later is None or c["t"] < later):
+                        problems.append(
+                            f"breaker {name}: {_breaker_call(c)} made with no admission while "
+                            f"the breaker was open (opened at {s['t']:.3f})"
+                            f"{index.data_loss_note(s['t'], c['t'])}"
+                        )
+                    continue
+                if ended is None or c.get("probe") or c.get("generation") != ended:
+                    continue
+                if not c.get("guarded", True):
+                    continue  # admitted unguarded by the outage policy (fail_open)
+                began = c.get("admit_t0", c["t"])
+                if began < s["t"]:
+                    continue
+                cache = float(c.get("state_cache") or 0.0)
+                allowance = 0.0 if c.get("pid") == s.get("pid") else cache
+                if began < s["t"] + allowance:
+                    counts["admitted_from_cache_window"] += 1
+                    continue
+                counts["admitted_after_open"] += 1
+                where = (
+                    "in the process that opened it"
+                    if not allowance
+                    else (f"{began - s['t']:.3f} s after it, state cache {cache:g} s")
+                )
+                problems.append(
+                    f"breaker {name}: {_breaker_call(c)} admitted in generation {ended} at "
+                    f"{began:.3f}, which the open at {s['t']:.3f} (task "
+                    f"{_short(s.get('task_id'))}) had ended ({where})"
+                    f"{index.data_loss_note(s['t'], began)}"
+                )
+        counts["unadmitted_calls"] += sum(1 for c in calls if not c.get("admitted"))
+        # (b) probes at once
+        probes = [c for c in calls if c.get("admitted") and c.get("probe")]
+        counts["probes"] += len(probes)
+        if not probes:
+            continue
+        allowed = int(conf.get("half_open_probes") or probes[0].get("half_open_probes") or 1)
+        marks = []
+        for n, c in enumerate(probes):
+            pid = c.get("pid")
+            timeout = conf.get("probe_timeout") or c.get("probe_timeout")
+            ident = (c.get("task_id"), pid)
+            outcome = index.first_at_or_after(index.outcomes.get(ident, []), c["t"])
+            stop = _earliest(
+                outcome,
+                # without its outcome's entry, the call itself is all it surely held
+                index.first_at_or_after(index.dep_done.get(ident, []), c["t"])
+                if outcome is None
+                else None,
+                index.task_end_after(c, c["t"]),
+                index.first_at_or_after(index.kills.get(pid, []), c["t"]),
+                c.get("admit_t0", c["t"]) + float(timeout) if timeout else None,
+            )
+            stop = end_of_run if stop is None else stop
+            if stop > c["t"]:
+                marks.append((stop, 0, n))
+                marks.append((c["t"], 1, n))
+        marks.sort(key=lambda m: (m[0], m[1]))
+        held: dict = {}
+        for t, kind, n in marks:
+            if kind == 0:
+                held.pop(n, None)
+                continue
+            if len(held) >= allowed:
+                c = probes[n]
+                others = sorted(held.values(), key=lambda e: e["t"])
+                named = ", ".join(_breaker_call(o) for o in others[:MAX_NAMED])
+                problems.append(
+                    f"breaker {name}: probe {_breaker_call(c)} while {len(others)} probe(s) "
+                    f"ran, for {allowed} at once ({named})"
+                    f"{index.data_loss_note(others[0]['t'], c['t'])}"
+                )
+            held[n] = probes[n]
+    return problems, counts
+
+
 def _recovery(index: _Index) -> dict:
     waits, unrecovered = [], 0
     for heal in index.heals:
@@ -825,7 +1000,10 @@ def check_run(run: Run) -> RunVerdict:
     rate_problems, rate_grants = check_rates(index.rate, limits.get("rate") or {}, index)
     slot_problems, slot_grants = check_concurrency(index, limits.get("concurrency") or {}, ttl)
     idem_problems, idem_counts = check_idempotency(index)
-    pattern_problems = rate_problems + slot_problems + idem_problems
+    breaker_problems, breaker_counts = check_breakers(
+        index, limits.get("breaker") or {}, end_of_run
+    )
+    pattern_problems = rate_problems + slot_problems + idem_problems + breaker_problems
     verdict.data_loss = [p for p in pattern_problems if "; after " in p]
     verdict.violations += [p for p in pattern_problems if "; after " not in p]
     verdict.counts = {
@@ -855,6 +1033,8 @@ def check_run(run: Run) -> RunVerdict:
         "keys_without_ttl": len(no_ttl),
         "history_entries": len(run.history),
     }
+    if index.dep_calls:  # a history that records its breaker's calls (older ones do not)
+        verdict.counts["breaker_calls"] = breaker_counts
     if run.effects is not None:
         effects = check_run_effects(run)
         verdict.violations += effects.violations
@@ -898,6 +1078,14 @@ def summary_lines(verdict: RunVerdict, limit: int = 20) -> list[str]:
         f"p95 {rec.get('p95_s')} s, max {rec.get('max_s')} s, unrecovered "
         f"{rec.get('unrecovered')}",
     ]
+    calls = c.get("breaker_calls")
+    if calls:
+        lines.append(
+            f"breaker calls {calls['calls']} ({calls['probes']} probes, "
+            f"{calls['unadmitted_calls']} without an admission), opens {calls['opens']} "
+            f"({calls['opens_unlinked']} unlinked), admitted within the state cache's window "
+            f"{calls['admitted_from_cache_window']}, after it {calls['admitted_after_open']}"
+        )
     shown = verdict.violations + verdict.leftovers
     lines += [f"  {p}" for p in shown[:limit]]
     if len(shown) > limit:

@@ -90,16 +90,42 @@ def other_owner(lab, step, victim, ev, **match):
     return None
 
 
-def pid_gone(pid: int) -> bool:
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks after boot) of process ``pid``, read from
+    ``/proc/<pid>/stat`` (proc(5)), or None when no process has that pid.
+
+    The process may be reaped between the open() and the read() (the pool SIGKILLs a child
+    at its hard time limit and reaps it at once): Linux then fails the read with ESRCH,
+    ProcessLookupError here. That is the same answer as a missing file, not an error of the
+    controller."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+            data = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name may hold spaces and parentheses: the fields start after the last ')',
+    # with field 3 (state); field 22 is the start time.
+    fields = data.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
+
+
+def pid_gone(pid: int, started: int | None = None) -> bool:
+    """True when process ``pid`` has exited: no such process, a zombie (exited, not yet
+    reaped), or, given ``started`` (its :func:`proc_stat` start time), a process that is not
+    the one that started then (the pid was reaped and given to another)."""
+    stat = proc_stat(pid)
+    if stat is None:
         return True
+    state, start = stat
+    return state == "Z" or (started is not None and start != started)
 
 
 def wait_pid_gone(lab, pid, timeout=30.0, why="") -> dict:
-    lab.wait_for(lambda: pid_gone(pid), timeout, f"pid {pid} to exit")
+    """Wait until process ``pid`` has exited (see :func:`pid_gone`; one that is gone already
+    counts at once), then note the fault; TimeoutError after ``timeout`` seconds."""
+    stat = proc_stat(pid)
+    started = stat[1] if stat is not None else None
+    lab.wait_for(lambda: stat is None or pid_gone(pid, started), timeout, f"pid {pid} to exit")
     return lab.note("fault", signal="SIGKILL", pid=pid, by=why or "pool")
 
 
