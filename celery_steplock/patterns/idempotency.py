@@ -1608,7 +1608,9 @@ class IdempotentBlock:
 
     Leaving: an exception marks the record failed and propagates (under ``async with``, an
     ``asyncio.CancelledError`` releases the record instead, shielded, and propagates); a
-    normal end records ``call.result`` unless the call was replayed or already ended.
+    normal end records ``call.result`` unless the call was replayed or already ended. Under
+    ``async with`` the record is written shielded: a cancellation meanwhile does not cut it
+    short.
     """
 
     def __init__(
@@ -1648,12 +1650,15 @@ class IdempotentBlock:
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         ticket = self.ticket
         assert ticket is not None
+        # Shielded: a cancellation while the record is written (the caller's task cancelled
+        # as the block ends) must not leave the record in progress, renewed while the loop
+        # lives, with every later call refused as in progress.
         if isinstance(exc, asyncio.CancelledError):
             await asyncio.shield(ticket.arelease())
         elif exc is not None:
-            await ticket.afail(exc)
+            await asyncio.shield(ticket.afail(exc))
         elif not ticket.done:
-            await ticket.acomplete(ticket.result)
+            await asyncio.shield(ticket.acomplete(ticket.result))
 
 
 def _store_for(app: Any, client: Any, prefix: str | None, store: Any) -> Any:

@@ -566,3 +566,31 @@ def test_a_database_begin_cancelled_on_its_thread_leaves_the_row_free(redis_clie
         run(main())
     finally:
         go.set()
+
+
+@pytest.mark.no_database
+def test_a_block_cancelled_while_its_result_is_recorded_still_records_it(redis_client):
+    """The block ended and its result is being written when the caller's task is cancelled:
+    the write finishes (shielded), so the next call replays the result. Cut short, it left
+    the record locked and renewed while the loop lived: every later call was refused as in
+    progress."""
+    policy = Idempotency("tests.aio.cancel.record", client=redis_client, secret=SECRET)
+
+    async def main():
+        async def block():
+            async with policy.acall("r", {"a": 1}) as call:
+                # the lock store's writes wait 1 s: the record's completion with them
+                redis_client.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+                call.result = {"charged": 1}
+
+        task = asyncio.create_task(block())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(1.5)  # the pause is over
+        async with policy.acall("r", {"a": 1}) as again:
+            return await policy.store.aget(policy.key("r")), again.replayed, again.result
+
+    record, replayed, result = run(main())
+    assert (record.status, replayed, result) == ("completed", True, {"charged": 1})

@@ -214,6 +214,7 @@ def scope_of(request):
 
 
 RAN: list = []
+PAUSER: list = []  # a client of the session's Redis, for kind=pause
 
 
 @idempotent_view(app=celery_app, namespace="tests.async.inproc", scope=scope_of)
@@ -228,6 +229,8 @@ async def inproc_view(request):
         raise RuntimeError("boom")
     if kind == "slow":
         await asyncio.sleep(5)
+    if kind == "pause":  # the lock store's writes wait 1 s: the guard's recording with them
+        PAUSER[0].execute_command("CLIENT", "PAUSE", 1000, "WRITE")
     return HttpResponse(f"ran {len(RAN)}", status=201)
 
 
@@ -284,6 +287,30 @@ def test_a_cancelled_async_view_releases_its_record(ran):
     retry = asyncio.run(scenario())
     # Another query is another request: a record still locked would answer 422.
     assert (retry.status_code, len(ran)) == (201, 2)
+
+
+def test_a_view_cancelled_while_its_response_is_recorded_still_records_it(ran, redis_client):
+    """The view ran and its response is being recorded when Django cancels the request (the
+    client disconnected): the recording finishes anyway, so the key replays that response.
+    Cut short, it left the record in progress, renewed while the process lived: every retry
+    got 409 and the key never ran nor replayed (found by the fault run's HTTP load)."""
+    PAUSER[:] = [redis_client]
+
+    async def scenario():
+        task = asyncio.ensure_future(inproc_view(request_for("kind=pause", key="k-r")))
+        await asyncio.sleep(0.3)  # the body ran; the recording waits on the paused writes
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(1.5)  # the pause is over
+        return await inproc_view(request_for("kind=pause", key="k-r"))
+
+    try:
+        retry = asyncio.run(scenario())
+    finally:
+        PAUSER.clear()
+    assert (retry.status_code, retry.content, len(ran)) == (201, b"ran 1", 1), retry.content
+    assert retry[REPLAYED_HEADER] == "true"
 
 
 def test_the_middleware_is_async_under_an_async_handler(settings):

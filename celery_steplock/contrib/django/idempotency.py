@@ -1597,8 +1597,17 @@ class _ViewPolicy:
             await asyncio.shield(_arelease(ticket, quota))  # the view never finished
             raise
         except BaseException as exc:
-            await _asettle_error(ticket, quota, _refusal_status(exc), exc)
+            await asyncio.shield(_asettle_error(ticket, quota, _refusal_status(exc), exc))
             raise
+        # The view ran: its outcome is recorded even when the request is cancelled meanwhile
+        # (a client that disconnects), or the record would stay in progress, renewed while
+        # the process lives, and every retry would get 409.
+        await asyncio.shield(self._arecord(ticket, http, quota, response))
+        return response
+
+    @staticmethod
+    async def _arecord(ticket: Any, http: Any, quota: Any, response: Any) -> None:
+        """Record ``response``, the view's, on ``ticket`` (:meth:`ahandle`'s last step)."""
         try:
             if getattr(response, "streaming", False):
                 await _arelease(ticket, quota)
@@ -1613,7 +1622,6 @@ class _ViewPolicy:
         except Exception as exc:  # noqa: BLE001 - the view ran: answer, and let the key rerun
             _unrecordable(ticket, exc)
             await ticket.afail(exc, reason="unrecordable")
-        return response
 
 
 def _unrecordable(ticket: Any, exc: BaseException) -> None:
