@@ -503,9 +503,7 @@ class _CachedState:
         later, whatever the send times: another thread's request on another connection)."""
         received = time.monotonic()
         with self.lock:
-            if asked < self.asked and not (
-                newer_generation_wins and generation > self.generation
-            ):
+            if asked < self.asked and not (newer_generation_wins and generation > self.generation):
                 return
             self.asked = max(asked, self.asked)
             self.state, self.generation, self.forced = state, generation, forced
