@@ -8,7 +8,8 @@ class FaultsConfig(AppConfig):
 
     def ready(self):
         # Connects nothing unless STEPLOCK_FAULTS=1 (set by the fault harness for its workers).
-        from . import effects, patterns, probe  # noqa: F401 - they register their tasks
+        from . import effects, patterns, periodic, probe  # noqa: F401 - they register their tasks
 
         probe.connect()
         probe.connect_patterns()
+        periodic.connect()

@@ -1,4 +1,4 @@
-"""HTTP views of the fault suite's HTTP workload (``tests/support/faults/http_load.py``, issue 31).
+"""HTTP views of the fault suite's HTTP workload (``tests/support/faults/http_load.py``).
 
 Each view is one body that records its execution in the fault history (``faults:history`` on
 the control Redis, :func:`django_app.faults.probe.record`, so only with ``STEPLOCK_FAULTS=1``):

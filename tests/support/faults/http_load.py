@@ -1,4 +1,4 @@
-"""The HTTP idempotency workload of the fault suite (issue 31): a real ASGI server for the
+"""The HTTP idempotency workload of the fault suite: a real ASGI server for the
 example project's ``/faults/http/`` views (``django_app/faults/http_views.py``) and a client
 driver sending them requests with ``Idempotency-Key``; the rules are in ``http_rules.py``.
 

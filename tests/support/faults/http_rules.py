@@ -1,4 +1,4 @@
-"""The rules of the HTTP idempotency workload (``http_load.py``, issue 31): pure functions over
+"""The rules of the HTTP idempotency workload (``http_load.py``): pure functions over
 what the server's bodies recorded and what the clients received.
 
 Inputs:

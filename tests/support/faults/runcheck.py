@@ -1042,8 +1042,28 @@ def check_run(run: Run) -> RunVerdict:
             k: v for k, v in effects.as_dict().items() if k != "violations"
         }
         verdict.counts["effects"]["receiver"] = run.effects.get("receiver")
+    _check_writers_and_periodic(run, verdict)
     verdict.recovery = _recovery(index)
     return verdict
+
+
+def _check_writers_and_periodic(run: Run, verdict: RunVerdict) -> None:
+    """The writers and periodic workloads, when the history has them (older runs' verdicts stay as
+    they were): a writer outside Celery (``writers.py``; its commits are judged with the
+    tasks' by the step checks above, here only counted) and periodic runs under the overlap
+    guard (``overlap_rules.check_periodic``: no two runs of one periodic task at once)."""
+    from tests.support.faults import overlap_rules, writers
+
+    events = {e.get("ev") for e in run.history}
+    if "writer_start" in events or any(str(r.owner).startswith("plain-") for r in run.records):
+        mine = writers.writer_commits(run.history, run.records)
+        verdict.counts["writer_commits"] = mine
+        verdict.counts["task_commits"] = len(run.records) - mine
+    if events & {"periodic_start", "periodic_send", "periodic_skipped"}:
+        periodic = overlap_rules.check_periodic(run.history)
+        verdict.violations += periodic.violations
+        verdict.data_loss += periodic.data_loss
+        verdict.counts["periodic"] = periodic.counts
 
 
 def check_run_effects(run: Run) -> EffectVerdict:
