@@ -195,8 +195,8 @@ DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 STANDBY_INTERVAL = 5.0
 
 #: Longest a fork of this process waits for a scrape in progress, in seconds; then it forks
-#: anyway.
-FORK_WAIT = 5.0
+#: anyway, and later forks do not wait for that same scrape again.
+FORK_WAIT = 1.0
 
 
 class _ForkGate:
@@ -206,38 +206,55 @@ class _ForkGate:
     after ``--max-tasks-per-child``) while its exporter thread may be scraping. A child is a
     copy of that instant with only the forking thread: whatever the scraping thread held then
     (a module's import lock while Django imports the database backend's SQL compiler on the
-    first read of the outbox, a database socket mid-query) stays held in the child, and the
-    child's first use of it waits for ever. It happened: a replacement child hung in
-    ``import django.db.backends.mysql.compiler`` with its lease renewed by its heartbeat.
-    POSIX leaves a multithreaded process's child only async-signal-safe calls for that
-    reason; ``os.register_at_fork`` makes a fork wait (at most :data:`FORK_WAIT` seconds) for
-    the collectors' work in progress, and a scrape wait while a fork runs."""
+    first read of the outbox, a lock of ``prometheus_client``'s values) stays held in the
+    child, and the child's first use of it waits for ever. It happened: a replacement child
+    hung in ``import django.db.backends.mysql.compiler`` with its lease renewed by its
+    heartbeat. POSIX leaves a multithreaded process's child only async-signal-safe calls for
+    that reason; ``os.register_at_fork`` makes a fork wait for the scrape in progress and a
+    scrape wait while a fork runs.
+
+    A scrape that hangs (a database that does not answer) delays one fork by at most
+    :data:`FORK_WAIT` seconds; the forks after it go ahead at once until that scrape ends. A
+    re-entrant lock: a fork from inside a scrape (a collector's subprocess) and a scrape
+    inside a scrape do not wait on themselves. Each child starts with a gate of its own."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held_for_fork = False
+        self._lock = threading.RLock()
+        self._mine = threading.local()  # per forking thread: whether it holds the gate
+        self._given_up = False  # a fork stopped waiting for the scrape in progress
 
     def scraping(self) -> _GateHeld:
         """``with gate.scraping():`` around work a forked child must not inherit half done."""
-        return _GateHeld(self._lock)
+        return _GateHeld(self)
 
     def before_fork(self) -> None:
-        self._held_for_fork = self._lock.acquire(timeout=FORK_WAIT)
+        held = self._lock.acquire(timeout=0 if self._given_up else FORK_WAIT)
+        if not held:
+            self._given_up = True
+        self._mine.held = held
 
-    def after_fork(self) -> None:
-        if self._held_for_fork:
-            self._held_for_fork = False
+    def after_in_parent(self) -> None:
+        if getattr(self._mine, "held", False):
+            self._mine.held = False
             self._lock.release()
+
+    def after_in_child(self) -> None:
+        # The parent's lock may be held by a thread the child does not have: a new one.
+        self._lock = threading.RLock()
+        self._mine = threading.local()
+        self._given_up = False
 
 
 class _GateHeld:
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
+    def __init__(self, gate: _ForkGate) -> None:
+        self._gate = gate
+        self._lock = gate._lock
 
     def __enter__(self) -> None:
         self._lock.acquire()
 
     def __exit__(self, *exc_info: Any) -> None:
+        self._gate._given_up = False
         self._lock.release()
 
 
@@ -245,9 +262,24 @@ _FORK_GATE = _ForkGate()
 if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
     os.register_at_fork(
         before=_FORK_GATE.before_fork,
-        after_in_parent=_FORK_GATE.after_fork,
-        after_in_child=_FORK_GATE.after_fork,
+        after_in_parent=_FORK_GATE.after_in_parent,
+        after_in_child=_FORK_GATE.after_in_child,
     )
+
+
+class _GatedRegistry:
+    """The registry the exporter serves, collected inside the fork gate: in single-process
+    mode too, where the metrics' own values are read (``prometheus_client``'s locks)."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Any:
+        with _FORK_GATE.scraping():
+            return iter(list(self._registry.collect()))
+
+    def restricted_registry(self, names: Any) -> _GatedRegistry:
+        return _GatedRegistry(self._registry.restricted_registry(names))
 
 
 def multiprocess_dir() -> str | None:
@@ -850,7 +882,7 @@ def scrape_registry() -> CollectorRegistry:
 def serve(port: int, addr: str = "127.0.0.1"):
     """Serve ``/metrics`` of :func:`scrape_registry` on ``addr:port`` from a daemon thread
     of this process; returns ``(server, thread)`` (``server.shutdown()`` stops it)."""
-    return _start_http_server(port, addr=addr, registry=scrape_registry())
+    return _start_http_server(port, addr=addr, registry=_GatedRegistry(scrape_registry()))
 
 
 def _warn_without_multiprocess(sender=None, **kwargs) -> None:

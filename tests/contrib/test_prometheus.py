@@ -419,3 +419,52 @@ def test_a_fork_waits_for_a_scrape_reading_the_database(monkeypatch):
     releaser.join(10)
     scrape.join(10)
     assert order == ["fork not returned", "read done", "forked"]
+
+
+def _fork_and_report(child_check) -> int:
+    """Fork; the child exits with ``child_check()`` (0 or 1); the child's exit code."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+        pid = os.fork()
+    if pid == 0:
+        os._exit(child_check())
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_scrape_that_hangs_delays_one_fork_and_the_child_starts_with_a_free_gate():
+    """A scrape stuck past FORK_WAIT (a database that never answers): the fork goes ahead,
+    later forks do not wait for that scrape again, and each child has a gate of its own
+    (the parent's is held by a thread the child does not have)."""
+    gate = prometheus._FORK_GATE
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck_scrape():
+        with gate.scraping():
+            inside.set()
+            release.wait(30)
+
+    scrape = threading.Thread(target=stuck_scrape)
+    scrape.start()
+    try:
+        assert inside.wait(10)
+        free_in_child = lambda: 0 if prometheus._FORK_GATE._lock.acquire(blocking=False) else 1  # noqa: E731
+        assert _fork_and_report(free_in_child) == 0
+        assert gate._given_up  # the first fork waited FORK_WAIT and gave up on this scrape
+        assert _fork_and_report(free_in_child) == 0
+    finally:
+        release.set()
+        scrape.join(10)
+    assert not gate._given_up  # the scrape ended: the next one is waited for again
+    assert gate._lock.acquire(blocking=False)
+    gate._lock.release()
+
+
+def test_a_fork_from_inside_a_scrape_does_not_wait_on_itself():
+    """A collector that forks (a subprocess with preexec_fn, multiprocessing's fork) holds the
+    gate in the forking thread: the fork takes it again at once (re-entrant)."""
+    gate = prometheus._FORK_GATE
+    with gate.scraping():
+        assert _fork_and_report(lambda: 0) == 0
+        assert not gate._given_up  # it never waited
+        with gate.scraping():  # a scrape inside a scrape: no deadlock
+            pass
