@@ -10,6 +10,7 @@ history is checked as a whole (what `make nemesis` runs).
     make nemesis ARGS="--duration 120 --seed 7 --workload outbox"          # the effects outbox
     make nemesis ARGS="--duration 120 --seed 7 --workload outbox-in-body"  # and its control
     make nemesis ARGS="--duration 120 --seed 7 --breaker bypass"  # the breaker's control
+    make nemesis ARGS="--duration 300 --seed 7 --store sentinel"  # primary+replica+3 sentinels
 
 The run directory (default var/nemesis/<seed>-<guarded|unguarded>) holds the history and
 the checker's verdict.json; to add a run and its control to docs/reliability.md/.json:
@@ -103,10 +104,19 @@ def main(argv=None) -> int:
         "open without an admission, while half-open as one more probe): the negative control "
         "of the breaker invariants",
     )
+    parser.add_argument(
+        "--store",
+        choices=("single", "sentinel"),
+        default="single",
+        help="the lock store's topology: single (one redis-server behind proxies; failovers "
+        "and splits retarget a proxy) or sentinel (a primary, a replica and 3 sentinels, "
+        "reached through a sentinel:// URL; the fault kinds gain sentinel_failover, a forced "
+        "SENTINEL FAILOVER, and lose the single node's proxy and restart kinds)",
+    )
     args = parser.parse_args(argv)
     from tests.support.faults.nemesis import kinds_of
 
-    KINDS = kinds_of(args.workload)  # noqa: N806 - the catalogue of this workload
+    KINDS = kinds_of(args.workload, args.store)  # noqa: N806 - the catalogue of this run
 
     kinds = None
     if args.kinds:
@@ -121,6 +131,8 @@ def main(argv=None) -> int:
         label += f"-{args.workload}"
     if args.breaker != "guarded":
         label += f"-breaker-{args.breaker}"
+    if args.store != "single":
+        label += f"-{args.store}"
     control = (
         args.unguarded
         or args.guard == "nofence"
@@ -159,6 +171,7 @@ def main(argv=None) -> int:
                 log=log,
                 workload=args.workload,
                 breaker=args.breaker,
+                store=args.store,
             )
             try:
                 lab.start()
@@ -207,6 +220,7 @@ def main(argv=None) -> int:
         "effects": (verdict.get("counts") or {}).get("effects"),
         "breaker": args.breaker,
         "breaker_calls": (verdict.get("counts") or {}).get("breaker_calls"),
+        "store": args.store,
         "out": str(out),
     }
     say("faults by kind: " + json.dumps(run["faults"]))

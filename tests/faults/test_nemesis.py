@@ -116,3 +116,85 @@ def test_a_short_run_writes_its_directory_and_passes_the_checker(tmp_path):
     assert verdict["violations"] == []
     assert verdict["leftover"] == []
     assert verdict["counts"]["steps"] == len(steps)
+
+
+def test_the_sentinel_topology_plans_sentinel_failovers_and_no_proxy_fault():
+    kinds = nemesis.kinds_of("patterns", "sentinel")
+    assert kinds["sentinel_failover"] == 2
+    assert not set(kinds) & set(nemesis.SINGLE_STORE_KINDS)
+    assert {"redis_failover", "split_brain"} <= set(nemesis.SINGLE_STORE_KINDS)
+    # every other kind keeps its weight; the outbox workload keeps its own kind
+    assert kinds == {
+        **{k: w for k, w in nemesis.KINDS.items() if k not in nemesis.SINGLE_STORE_KINDS},
+        "sentinel_failover": 2,
+    }
+    assert nemesis.kinds_of("outbox", "sentinel")["receiver_down"] == 2
+    faults = nemesis.plan(SEED, 1800, TTL, kinds)["faults"]
+    planned = {f["kind"] for f in faults}
+    assert planned == set(kinds)
+    assert sum(1 for f in faults if f["kind"] == "sentinel_failover") >= 20
+    assert not planned & {"redis_failover", "split_brain", "redis_latency", "redis_drop"}
+
+
+def test_the_single_node_topology_is_the_default_and_unchanged():
+    assert nemesis.kinds_of() == nemesis.kinds_of("patterns", "single") == nemesis.KINDS
+    assert "sentinel_failover" not in nemesis.kinds_of("outbox")
+    with pytest.raises(ValueError, match="store must be one of"):
+        nemesis.kinds_of("patterns", "cluster")
+
+
+@pytest.mark.no_database
+def test_a_sentinel_failover_fault_moves_the_primary_and_notes_it(tmp_path):
+    """The Sentinel topology's lab without workers: the workers' environment names the
+    sentinels, a failover waits for a held lease, and its fault and heal entries name the old
+    and the new primary."""
+    lab = nemesis.NemesisLab(
+        tmp_path / "lab",
+        {"ENGINE": "django.db.backends.postgresql", "NAME": "unused", "PORT": 5432},
+        seed=SEED,
+        duration=10.0,
+        out=tmp_path / "run",
+        store="sentinel",
+    )
+    try:
+        lab.start()
+        env = lab.worker_env()
+        assert env["STEPLOCK_REDIS_URL"] == lab.sentinel.url
+        assert env["STEPLOCK_REDIS_URL"].count("sentinel://") == 3
+        assert json.loads(env["STEPLOCK_REDIS_TRANSPORT_OPTIONS"]) == {
+            "master_name": nemesis.SENTINEL_MASTER
+        }
+        old = lab.sentinel.primary_port()
+        assert lab.store_client().connection_pool.connection_kwargs["port"] == old
+        assert lab.do_sentinel_failover() is None  # no lease held: no target yet
+        store = lab.store_client()
+        store.set("steplock:lease:{step:1}", "owner", px=60_000)
+        store.set("steplock:lease:{nemesis-slots}#0}", "owner", px=60_000)
+        store.zadd("steplock:breaker-probes:{nemesis-dep}", {"a": 1, "b": 2})
+        assert lab.held() == {"leases": 1, "slots": 1, "probes": 2}
+        entry = lab.do_sentinel_failover()
+        assert entry["kind"] == "sentinel_failover" and entry["from_port"] == old
+        assert entry["held"] == {"leases": 1, "slots": 1, "probes": 2}
+        assert lab.do_sentinel_failover() is None  # one failover at a time
+        lab.sentinel_thread.join(90)
+        new = lab.sentinel.primary_port()
+        assert new != old and lab.primary_port == new
+        assert lab.store_client().connection_pool.connection_kwargs["port"] == new
+        history = lab.history()
+        # the two primaries' window, in the checker's terms: a split brain, not counted as a
+        # fault, from the promotion until the old primary replicates from the new one
+        split = [e for e in history if e.get("kind") == "split_brain"]
+        assert [(e["ev"], e["follow_up"], e["cause"]) for e in split] == [
+            ("fault", True, "sentinel_failover"),
+            ("heal", True, "sentinel_failover"),
+        ]
+        assert split[0]["primaries"] == [old, new] and split[1]["fault_t"] == split[0]["t"]
+        assert entry["t"] < split[0]["t"] < split[1]["t"]
+        heal = [e for e in history if e["ev"] == "heal" and e["kind"] == "sentinel_failover"]
+        assert len(heal) == 1 and heal[0]["fault_t"] == entry["t"]
+        assert (heal[0]["from_port"], heal[0]["to_port"], heal[0]["aborted"]) == (old, new, False)
+        assert heal[0]["settled_s"] > heal[0]["promoted_s"] > 0
+        assert lab.sentinel.converged() == new
+        assert lab.errors == []
+    finally:
+        lab.stop()

@@ -303,6 +303,56 @@ class SentinelGroup:
         self.timings["demoted"] = time.monotonic() - t0
         return old, new
 
+    def request_failover(self, timeout: float = 30.0) -> None:
+        """Send ``SENTINEL FAILOVER`` to the first sentinel, again every 0.2 s while it is
+        refused (NOGOODSLAVE until the replica looks healthy, INPROG); RuntimeError after
+        ``timeout`` seconds. Returns at once: :meth:`failover` also waits for the outcome,
+        :meth:`converged` says when the group is at rest again."""
+        client = self.sentinels[0].client()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.execute_command("SENTINEL", "FAILOVER", self.master_name)
+                    return
+                except Exception as exc:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"SENTINEL FAILOVER kept failing: {exc}") from exc
+                    time.sleep(0.2)
+        finally:
+            client.close()
+
+    def roles(self) -> dict[int, tuple[str, int | None]]:
+        """port -> (role, the port it replicates from or None) of every data node, as each
+        answers ``INFO replication`` now (``("down", None)`` for one that does not answer)."""
+        roles: dict[int, tuple[str, int | None]] = {}
+        for node in self.nodes:
+            client = self.node_client(node.port)
+            try:
+                info = client.info("replication")
+                upstream = info.get("master_port") if info.get("role") == "slave" else None
+                up = info.get("role") == "master" or info.get("master_link_status") == "up"
+                roles[node.port] = (info["role"] if up else "syncing", upstream)
+            except Exception:  # noqa: BLE001 - a node restarting
+                roles[node.port] = ("down", None)
+            finally:
+                client.close()
+        return roles
+
+    def converged(self) -> int | None:
+        """The primary's port when the group is at rest (every sentinel reports it, it is the
+        only node with role master, every other node replicates from it with the link up),
+        else None."""
+        try:
+            primary = self.primary_port()
+        except Exception:  # noqa: BLE001 - they disagree, or one does not answer
+            return None
+        roles = self.roles()
+        if roles.get(primary) != ("master", None):
+            return None
+        others = [r for port, r in roles.items() if port != primary]
+        return primary if all(r == ("slave", primary) for r in others) else None
+
     def stop(self) -> None:
         for server in [*self.sentinels, *self.nodes]:
             server.stop()

@@ -166,13 +166,18 @@ class Lab:
         host, port = self.store_proxy.target
         return redis.Redis(host=host, port=port, decode_responses=True, socket_timeout=5)
 
+    def lock_store_url(self) -> str:
+        """The lock-store URL the workers are given (``STEPLOCK_REDIS_URL``): the store
+        proxy's."""
+        return self.store_proxy.url()
+
     def worker_env(self) -> dict:
         env = {
             "DJANGO_SETTINGS_MODULE": "django_app.settings",
             "PYTHONPATH": str(ROOT),
             "DATABASE_URL": database_url(self.db_settings, "127.0.0.1", self.pg_proxy.port),
             "REDIS_URL": self.control.url,
-            "STEPLOCK_REDIS_URL": self.store_proxy.url(),
+            "STEPLOCK_REDIS_URL": self.lock_store_url(),
             "STEPLOCK_FAULTS": "1",
             "STEPLOCK_FAULTS_URL": self.control.url,
             "STEPLOCK_TTL": str(self.ttl),

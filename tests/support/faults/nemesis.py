@@ -103,6 +103,27 @@ OUTBOX_ACTIONS = {"outbox": 4}
 OUTBOX_KINDS = {"receiver_down": 2}
 EFFECTS = "django_app.faults.effects"
 
+#: The lock store's topologies (``store=``, ``scripts/nemesis.py --store``): ``single``, one
+#: redis-server behind the controller's proxies (the default), or ``sentinel``, a primary, a
+#: replica and three sentinels (``tests/support/sentinel.py``) that the workers reach through
+#: the library's ``sentinel://`` URL and ``master_name`` transport option.
+STORES = ("single", "sentinel")
+#: Kinds that act on the single node's proxies or process, left out of the Sentinel plan: the
+#: proxy retarget failover and split, and the faults of ``store_proxy`` (latency, blackhole,
+#: drop), which is on no worker's path there; a restart of one node is Sentinel's own fault
+#: detection, another trial than a forced failover.
+SINGLE_STORE_KINDS = (
+    "redis_restart",
+    "redis_failover",
+    "redis_latency",
+    "redis_blackhole",
+    "redis_drop",
+    "split_brain",
+)
+#: The Sentinel topology's own kind: ``SENTINEL FAILOVER`` forced while leases are held.
+SENTINEL_KINDS = {"sentinel_failover": 2}
+SENTINEL_MASTER = "steplock-nemesis"
+
 
 def actions_of(workload: str = "patterns") -> dict:
     """The client actions (name -> weight) of ``workload`` (one of :data:`WORKLOADS`)."""
@@ -111,9 +132,18 @@ def actions_of(workload: str = "patterns") -> dict:
     return {**ACTIONS, **OUTBOX_ACTIONS} if workload != "patterns" else dict(ACTIONS)
 
 
-def kinds_of(workload: str = "patterns") -> dict:
-    """The fault kinds (name -> weight) of ``workload``."""
-    return {**KINDS, **OUTBOX_KINDS} if workload != "patterns" else dict(KINDS)
+def kinds_of(workload: str = "patterns", store: str = "single") -> dict:
+    """The fault kinds (name -> weight) of ``workload`` on the lock-store topology ``store``
+    (one of :data:`STORES`): on ``"sentinel"``, :data:`KINDS` without
+    :data:`SINGLE_STORE_KINDS`, plus :data:`SENTINEL_KINDS`. Raises ValueError for an unknown
+    ``store``."""
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES}, got {store!r}")
+    kinds = {**KINDS, **OUTBOX_KINDS} if workload != "patterns" else dict(KINDS)
+    if store == "sentinel":
+        kinds = {k: w for k, w in kinds.items() if k not in SINGLE_STORE_KINDS}
+        kinds.update(SENTINEL_KINDS)
+    return kinds
 
 
 # -- the plan (pure functions of the seed) ------------------------------------------------------
@@ -250,7 +280,9 @@ class NemesisLab(Lab):
     """A :class:`Lab` with the workers of ``workers`` (name, pool, concurrency), a replica to
     fail over to, a client and a nemesis; see the module docstring. ``seed`` and ``duration``
     (seconds) fix the plan; ``kinds`` restricts or reweights the fault kinds; ``out`` is the
-    run directory."""
+    run directory. ``store`` is the lock store's topology (:data:`STORES`): ``"sentinel"``
+    runs it as :class:`~tests.support.sentinel.SentinelGroup` (``self.sentinel``), reached by
+    the workers through the sentinels, with the kinds of :func:`kinds_of` for it."""
 
     def __init__(
         self,
@@ -270,7 +302,10 @@ class NemesisLab(Lab):
         log=print,
         workload: str = "patterns",
         breaker: str = "guarded",
+        store: str = "single",
     ):
+        if store not in STORES:
+            raise ValueError(f"store must be one of {STORES}, got {store!r}")
         super().__init__(
             workdir,
             db_settings,
@@ -279,8 +314,13 @@ class NemesisLab(Lab):
             unguarded=unguarded,
             log=log,
             guard=guard,
-            worker_stores=True,  # a lock-store path per worker: the split_brain fault
+            # a lock-store path per worker: the split_brain fault (single node only)
+            worker_stores=store == "single",
         )
+        self.store_kind = store
+        self.sentinel = None  # the SentinelGroup of store="sentinel", once started
+        self.sentinel_thread: threading.Thread | None = None  # a failover under way
+        self.primary_port: int | None = None  # the last primary the sentinels agreed on
         self.seed = seed
         self.duration = float(duration)
         self.out = Path(out)
@@ -291,7 +331,7 @@ class NemesisLab(Lab):
             raise ValueError(f"breaker must be one of {BREAKER_MODES}, got {breaker!r}")
         self.breaker = breaker
         self.actions = actions_of(workload)
-        self.kinds = dict(kinds or kinds_of(workload))
+        self.kinds = dict(kinds or kinds_of(workload, store))
         self.restart_delay = restart_delay
         self.client_gap, self.fault_gap = client_gap, fault_gap
         self.schedule = plan(
@@ -342,8 +382,8 @@ class NemesisLab(Lab):
                         why="orphans of a killed main process, ended by the supervisor",
                     )
             self.note("restart_workers", worker=name)
-            # a restarted worker stays on its side of a split
-            env = {**env, "STEPLOCK_REDIS_URL": self.worker_store_proxy(name).url()}
+            if self.worker_stores:  # a restarted worker stays on its side of a split
+                env = {**env, "STEPLOCK_REDIS_URL": self.worker_store_proxy(name).url()}
             self.workers[name] = processes.celery_worker(
                 app="django_app",
                 name=name,
@@ -361,7 +401,159 @@ class NemesisLab(Lab):
             env["STEPLOCK_FAULTS_BREAKER"] = self.breaker
         # pg_terminate picks among the workers' sessions, never the controller's own.
         env["DATABASE_URL"] += f"?application_name={WORKER_APP_NAME}"
+        if self.sentinel is not None:  # the library's Sentinel configuration (docs/redis.md)
+            env["STEPLOCK_REDIS_TRANSPORT_OPTIONS"] = json.dumps(self.sentinel.transport_options)
         return env
+
+    def lock_store_url(self) -> str:
+        """The sentinels' ``sentinel://`` URL on Sentinel, else the store proxy's."""
+        return self.sentinel.url if self.sentinel is not None else super().lock_store_url()
+
+    # -- the Sentinel topology ----------------------------------------------------------------
+
+    def start(self) -> NemesisLab:
+        """Start the lab; with ``store="sentinel"`` the lock store is a
+        :class:`~tests.support.sentinel.SentinelGroup` (a primary, a replica, three
+        sentinels) instead of the single node and its proxy."""
+        if self.store_kind == "single":
+            super().start()
+            return self
+        from tests.support.sentinel import SentinelGroup
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.control = servers.RedisServer(workdir=self.workdir / "control").start()
+        self.sentinel = SentinelGroup(SENTINEL_MASTER, workdir=self.workdir / "sentinel").start()
+        self.primary_port = self.sentinel.primary_port()
+        pg_host = self.db_settings.get("HOST") or "127.0.0.1"
+        pg_port = int(self.db_settings.get("PORT") or 5432)
+        self.pg_proxy = TcpProxy(pg_host, pg_port).start()
+        self.r = redis.Redis.from_url(self.control.url, decode_responses=True, socket_timeout=30)
+        from celery import Celery
+
+        self.publisher = Celery("faults-controller", broker=self.control.url, set_as_current=False)
+        self.publisher.conf.broker_connection_retry_on_startup = True
+        return self
+
+    def stop(self) -> None:
+        if self.sentinel_thread is not None:
+            self.sentinel_thread.join(60)
+        super().stop()
+        if self.sentinel is not None:
+            self.sentinel.stop()
+
+    def store_client(self) -> redis.Redis:
+        """A client on the lock store's primary: on Sentinel, the one the sentinels agree on
+        (the last one they agreed on while they disagree, mid-failover)."""
+        if self.sentinel is None:
+            return super().store_client()
+        try:
+            self.primary_port = self.sentinel.primary_port()
+        except Exception:  # noqa: BLE001 - mid-failover: the last agreed primary
+            pass
+        return redis.Redis(
+            host="127.0.0.1", port=self.primary_port, decode_responses=True, socket_timeout=5
+        )
+
+    def held(self) -> dict:
+        """What the lock store holds now: ``{"leases": step leases, "slots": concurrency
+        slots, "probes": the breaker's half-open probe permits}`` (counts; keys
+        ``<prefix>:lease:{step:<id>}``, ``<prefix>:lease:{<limit key>}#<i>}`` and the sorted
+        set ``<prefix>:breaker-probes:{<name>}``, celery_steplock/lock.py, patterns/)."""
+        from django_app.faults import patterns
+
+        client = self.store_client()
+        keys = list(client.scan_iter(match=f"{KEY_PREFIX}:lease:*", count=1000))
+        probes = client.zcard(f"{KEY_PREFIX}:breaker-probes:{{{patterns.BREAKER_NAME}}}")
+        return {
+            "leases": sum(1 for k in keys if k.startswith(f"{KEY_PREFIX}:lease:{{step:")),
+            "slots": sum(1 for k in keys if "}#" in k),
+            "probes": probes,
+        }
+
+    def do_sentinel_failover(self) -> dict | None:
+        """Force ``SENTINEL FAILOVER`` while at least one step lease is held; None (no target
+        yet) while none is or while the previous failover is still under way. The failover
+        runs in a thread (:meth:`_sentinel_failover`): the fault entry is noted before the
+        command is sent (``from_port``, ``held``: what the store held then, :meth:`held`)."""
+        if self.sentinel_thread is not None and self.sentinel_thread.is_alive():
+            return None
+        held = self.held()
+        if not held["leases"]:
+            return None
+        entry = self.note(
+            "fault", kind="sentinel_failover", from_port=self.primary_port, held=held
+        )
+        self.sentinel_thread = threading.Thread(
+            target=self._sentinel_failover, args=(entry,), name="sentinel-failover", daemon=True
+        )
+        self.sentinel_thread.start()
+        return entry
+
+    def _sentinel_failover(self, entry: dict, promote_wait: float = 30.0) -> None:
+        """The failover of ``entry``: send ``SENTINEL FAILOVER``, watch the replica's role
+        every 20 ms until it is promoted, then wait until the group is at rest again
+        (:meth:`SentinelGroup.converged`: one primary, the other node its replica).
+
+        From the promotion until then the group has two primaries: the promoted replica,
+        which clients reach as soon as a sentinel reports it, and the old one, which goes on
+        taking the writes of the connections still open to it until the sentinels turn it
+        into a replica (about 15 s; docs/redis.md, "Sentinel's own split-brain window"),
+        when what it took meanwhile is lost. That window is noted as what it is in the
+        checker's terms: a ``split_brain`` fault entry marked ``follow_up`` (not counted as a
+        fault of its own) with ``cause="sentinel_failover"``, at the promotion, healed at rest.
+        The end is a ``heal`` entry of ``sentinel_failover`` with ``from_port``, ``to_port``,
+        ``aborted`` (the old primary is the primary again) and the seconds to the promotion
+        (``promoted_s``) and to rest (``settled_s``), or its ``error`` (then also in
+        ``errors``: the run is not valid)."""
+        began = time.monotonic()
+        old = entry["from_port"]
+        fields: dict = {"from_port": old}
+        split = None
+        try:
+            self.sentinel.request_failover(promote_wait)
+            others = [n.port for n in self.sentinel.nodes if n.port != old]
+            deadline = time.monotonic() + promote_wait
+            promoted = None
+            while promoted is None and time.monotonic() < deadline:
+                roles = self.sentinel.roles()
+                promoted = next((p for p in others if roles[p][0] == "master"), None)
+                if promoted is None:
+                    time.sleep(0.02)
+            if promoted is not None:
+                fields["promoted_s"] = round(time.monotonic() - began, 3)
+                split = self.note(
+                    "fault",
+                    kind="split_brain",
+                    follow_up=True,
+                    cause="sentinel_failover",
+                    failover_t=entry["t"],
+                    primaries=[old, promoted],
+                )
+            deadline = time.monotonic() + 90.0
+            while (primary := self.sentinel.converged()) is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the group is not at rest 90 s on: {self.sentinel.roles()}"
+                    )
+                time.sleep(0.1)
+            self.primary_port = primary
+            fields.update(
+                to_port=primary,
+                aborted=primary == old,
+                settled_s=round(time.monotonic() - began, 3),
+            )
+        except Exception as exc:  # noqa: BLE001 - noted, and the run is not valid
+            self.errors.append(f"heal sentinel_failover: {type(exc).__name__}: {exc}")
+            fields["error"] = f"{type(exc).__name__}: {exc}"
+        if split is not None and "error" not in fields:
+            self.note(
+                "heal",
+                kind="split_brain",
+                follow_up=True,
+                cause="sentinel_failover",
+                fault_t=split["t"],
+            )
+        self.note("heal", kind="sentinel_failover", fault_t=entry["t"], **fields)
 
     def supervise(self) -> None:
         """A process supervisor: a worker whose main process died is started again after
@@ -595,6 +787,8 @@ class NemesisLab(Lab):
             return self.do_failover(fault["lag"])
         if kind == "split_brain":
             return self.do_split(fault, seconds)
+        if kind == "sentinel_failover":
+            return self.do_sentinel_failover()
         path, _, what = kind.partition("_")
         proxy = self.store_proxy if path == "redis" else self.pg_proxy
         if what == "latency":
@@ -799,7 +993,8 @@ class NemesisLab(Lab):
             self.r.delete(key)
         self.store_client().flushdb()
         self.ensure_workers()
-        self.prepare_replica()
+        if self.sentinel is None:
+            self.prepare_replica()
         if self.workload != "patterns":
             from tests.support.faults import outbox
             from tests.support.faults.receiver import Receiver
@@ -875,12 +1070,14 @@ class NemesisLab(Lab):
             self.receiver.start()
         for key in self.r.scan_iter(match="faults:freeze:*"):
             self.r.delete(key)
-        for proxy in (self.store_proxy, self.pg_proxy):
+        if self.sentinel_thread is not None:  # a failover under way ends first
+            self.sentinel_thread.join(120)
+        for proxy in (self.pg_proxy,) if self.sentinel else (self.store_proxy, self.pg_proxy):
             proxy.set_latency(0)
             proxy.unstall()
             proxy.unblackhole()
             proxy.disarm()
-        if not self.store.alive():
+        if self.sentinel is None and not self.store.alive():
             self.store.start()
         for worker in self.workers.values():
             worker.signal(signal.SIGCONT, group=True)
@@ -985,6 +1182,7 @@ class NemesisLab(Lab):
             "guard": self.guard,
             "workload": self.workload,
             "breaker": self.breaker,
+            "store": self.store_kind,
             "workers": [
                 {"name": n, "pool": p, "concurrency": c} for n, (p, c) in self.spec.items()
             ],
@@ -1044,6 +1242,7 @@ __all__ = [
     "actions_of",
     "kinds_of",
     "KINDS",
+    "STORES",
     "WORKERS",
     "WORKLOADS",
 ]
