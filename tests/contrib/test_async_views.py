@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 import urllib.error
@@ -34,7 +33,7 @@ from celery_steplock.contrib.django.idempotency import (
 )
 from celery_steplock.lock import get_lease_store, new_owner_token
 from django_app.celery import app as celery_app
-from tests.support.processes import ProcessGroup
+from tests.support.processes import ProcessGroup, uvicorn_command
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.db_incidental
@@ -52,23 +51,7 @@ def server(redis_server_url, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("uvicorn") / "uvicorn.log"
     process = ProcessGroup(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "tests.support.asgi_app:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--loop",
-            "asyncio",
-            "--http",
-            "h11",
-            "--lifespan",
-            "off",
-            "--no-access-log",
-        ],
+        uvicorn_command("tests.support.asgi_app:application", port),
         env={
             "DJANGO_SETTINGS_MODULE": "tests.support.asgi_settings",
             "REDIS_URL": redis_server_url,

@@ -437,3 +437,29 @@ def celery_worker(
         logfile = _default_logfile(f"celery-{name}-")
     worker = WorkerProcess(argv, name=name, env=env, cwd=cwd, logfile=logfile)
     return worker.start(timeout, wait=wait)
+
+
+def uvicorn_command(app: str, port: int, *, factory: bool = False) -> list[str]:
+    """The command of one uvicorn worker serving ``app`` (``module:attribute``; with
+    ``factory``, a callable returning the application) on ``127.0.0.1:port``: the asyncio
+    loop, h11, no lifespan, no access log (the tests' ASGI servers)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        *(["--factory"] if factory else []),
+        app,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--loop",
+        "asyncio",
+        "--http",
+        "h11",
+        "--lifespan",
+        "off",
+        "--no-access-log",
+    ]

@@ -262,19 +262,8 @@ class SentinelGroup:
         sentinel reports the new primary, it accepts a write and the old primary is its
         replica with the link up."""
         old = self.primary_port()
-        client = self.sentinels[0].client()
         deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    client.execute_command("SENTINEL", "FAILOVER", self.master_name)
-                    break
-                except Exception as exc:  # NOGOODSLAVE until the replica looks healthy
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"SENTINEL FAILOVER kept failing: {exc}") from exc
-                    time.sleep(0.2)
-        finally:
-            client.close()
+        self.request_failover(timeout)
 
         def switched() -> bool:
             ports = {self._reported(s) for s in self.sentinels}

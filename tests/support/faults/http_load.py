@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.faults import http_rules
-from tests.support.processes import ProcessGroup
+from tests.support.processes import ProcessGroup, uvicorn_command
 from tests.support.servers import RedisServer, free_port
 
 VARIANTS = ("guarded", "shared", "unguarded")
@@ -89,24 +89,7 @@ class HttpServer:
     def __init__(self, redis_url: str, control_url: str, logfile: Path, env: dict | None = None):
         self.port = free_port()
         self.process = ProcessGroup(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "--factory",
-                "django.core.asgi:get_asgi_application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--loop",
-                "asyncio",
-                "--http",
-                "h11",
-                "--lifespan",
-                "off",
-                "--no-access-log",
-            ],
+            uvicorn_command("django.core.asgi:get_asgi_application", self.port, factory=True),
             env={
                 "DJANGO_SETTINGS_MODULE": "django_app.settings",
                 "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",

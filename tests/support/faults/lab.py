@@ -126,8 +126,7 @@ class Lab:
     def start(self) -> Lab:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.control = servers.RedisServer(workdir=self.workdir / "control").start()
-        self.store = servers.RedisServer(workdir=self.workdir / "store").start()
-        self.store_proxy = TcpProxy("127.0.0.1", self.store.port).start()
+        self.start_lock_store()
         pg_host = self.db_settings.get("HOST") or "127.0.0.1"
         pg_port = int(self.db_settings.get("PORT") or 5432)
         self.pg_proxy = TcpProxy(pg_host, pg_port).start()
@@ -137,6 +136,12 @@ class Lab:
         self.publisher = Celery("faults-controller", broker=self.control.url, set_as_current=False)
         self.publisher.conf.broker_connection_retry_on_startup = True
         return self
+
+    def start_lock_store(self) -> None:
+        """The lock store (:meth:`start`'s part that differs by topology): one redis-server
+        behind ``store_proxy``."""
+        self.store = servers.RedisServer(workdir=self.workdir / "store").start()
+        self.store_proxy = TcpProxy("127.0.0.1", self.store.port).start()
 
     def stop(self) -> None:
         for worker in list(self.workers.values()):

@@ -411,28 +411,17 @@ class NemesisLab(Lab):
 
     # -- the Sentinel topology ----------------------------------------------------------------
 
-    def start(self) -> NemesisLab:
-        """Start the lab; with ``store="sentinel"`` the lock store is a
+    def start_lock_store(self) -> None:
+        """With ``store="sentinel"`` the lock store is a
         :class:`~tests.support.sentinel.SentinelGroup` (a primary, a replica, three
         sentinels) instead of the single node and its proxy."""
         if self.store_kind == "single":
-            super().start()
-            return self
+            super().start_lock_store()
+            return
         from tests.support.sentinel import SentinelGroup
 
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.control = servers.RedisServer(workdir=self.workdir / "control").start()
         self.sentinel = SentinelGroup(SENTINEL_MASTER, workdir=self.workdir / "sentinel").start()
         self.primary_port = self.sentinel.primary_port()
-        pg_host = self.db_settings.get("HOST") or "127.0.0.1"
-        pg_port = int(self.db_settings.get("PORT") or 5432)
-        self.pg_proxy = TcpProxy(pg_host, pg_port).start()
-        self.r = redis.Redis.from_url(self.control.url, decode_responses=True, socket_timeout=30)
-        from celery import Celery
-
-        self.publisher = Celery("faults-controller", broker=self.control.url, set_as_current=False)
-        self.publisher.conf.broker_connection_retry_on_startup = True
-        return self
 
     def stop(self) -> None:
         if self.sentinel_thread is not None:

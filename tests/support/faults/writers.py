@@ -116,7 +116,7 @@ def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict
     ``{"applied": True, "owner", "fence"}`` or ``{"applied": False, "reason": <exception
     type>}`` (``LockContended``, ``TransitionConflict``, ``LockLost``, ``LockStoreUnavailable``
     or a database error: nothing written)."""
-    from django.db import DatabaseError, transaction
+    from django.db import DatabaseError
 
     from celery_steplock.contrib.django.steps import guarded_step
     from celery_steplock.exceptions import LockError, TransitionError
@@ -133,18 +133,7 @@ def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict
             probe.record(
                 "cas", step=step_id, owner=owner, fence=fence, task_id=op_id, to=to, by="writer"
             )
-            transaction.on_commit(
-                lambda: probe.record(
-                    "committed",
-                    step=step_id,
-                    owner=owner,
-                    fence=fence,
-                    task_id=op_id,
-                    to=to,
-                    from_=from_,
-                    by="writer",
-                )
-            )
+            _record_on_commit(step_id, from_, to, owner, fence, op_id)
     except (LockError, TransitionError, DatabaseError) as exc:
         probe.record(
             "writer_refused", step=step_id, task_id=op_id, to=to, reason=type(exc).__name__
@@ -153,13 +142,32 @@ def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict
     return {"applied": True, "owner": owner, "fence": fence}
 
 
+def _record_on_commit(step_id, from_, to, owner, fence, op_id) -> None:
+    """The writer's ``committed`` history entry, written once its transaction commits."""
+    from django.db import transaction
+
+    from django_app.faults import probe
+
+    transaction.on_commit(
+        lambda: probe.record(
+            "committed",
+            step=step_id,
+            owner=owner,
+            fence=fence,
+            task_id=op_id,
+            to=to,
+            from_=from_,
+            by="writer",
+        )
+    )
+
+
 def plain_change(step_id: int, from_: str, to: str, form_gap: float = 0.2) -> dict:
     """The negative control: ``from_`` was read, ``form_gap`` seconds pass (the form is
     open), then a plain ``UPDATE`` writes ``to`` whatever the row holds now, with its
     ``TransitionRecord`` (owner ``plain-<uuid>``, fence None) in the same transaction."""
     from django.db import DatabaseError, transaction
 
-    from django_app.faults import probe
     from django_app.workflows.models import Step
 
     owner = f"plain-{uuid.uuid4()}"
@@ -168,18 +176,7 @@ def plain_change(step_id: int, from_: str, to: str, form_gap: float = 0.2) -> di
         with transaction.atomic():
             Step.objects.filter(pk=step_id).update(status=to)
             _record_transition(step_id, from_, to, owner, None, owner)
-            transaction.on_commit(
-                lambda: probe.record(
-                    "committed",
-                    step=step_id,
-                    owner=owner,
-                    fence=None,
-                    task_id=owner,
-                    to=to,
-                    from_=from_,
-                    by="writer",
-                )
-            )
+            _record_on_commit(step_id, from_, to, owner, None, owner)
     except DatabaseError as exc:
         return {"applied": False, "reason": type(exc).__name__}
     return {"applied": True, "owner": owner, "fence": None}
