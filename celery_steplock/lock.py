@@ -696,9 +696,10 @@ FAILOVER_GRACE = 10.0
 
 
 class _FailoverGrace:
-    """The acquire attempts of a waiter after its wait was dropped: each refused for a lost
-    connection (a primary demoted, not yet replaced) is tried again after a pause growing
-    from 0.1 s to 1 s, until :data:`FAILOVER_GRACE` seconds passed or the wait's deadline."""
+    """The acquire attempts of a waiter after its wait was dropped, or after an attempt of a
+    wait already refused once failed: each refused for a lost connection (a primary demoted,
+    not yet replaced) is tried again after a pause growing from 0.1 s to 1 s, until
+    :data:`FAILOVER_GRACE` seconds passed or the wait's deadline."""
 
     __slots__ = ("until", "delay")
 
@@ -1175,6 +1176,10 @@ class RedisLeaseStore:
                         name, owner, ttl, metadata, wait=max(left, 0.001), _client=client
                     )
                 except LockStoreUnavailable as exc:
+                    if failover is None and waiting is not None:
+                        # Refused before, so Redis was there: a failover that lands on this
+                        # attempt rather than on the BLPOP gets the same grace.
+                        failover = _FailoverGrace()
                     pause = failover.pause(exc, deadline) if failover is not None else None
                     if pause is None:
                         raise

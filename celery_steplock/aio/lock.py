@@ -289,6 +289,10 @@ class AsyncRedisLeaseStore:
                             name, owner, ttl, metadata, max(left, 0.001)
                         )
                     except LockStoreUnavailable as exc:
+                        if failover is None and waiting is not None:
+                            # Refused before, so Redis was there: a failover that lands on
+                            # this attempt rather than on the BLPOP gets the same grace.
+                            failover = _FailoverGrace()
                         pause = failover.pause(exc, deadline) if failover is not None else None
                         if pause is None:
                             raise
