@@ -361,11 +361,15 @@ class StepLockedTask(_TaskBase):
         fields = lease_fields(lease, self.request.id, self.name)
 
         def stale(exc: TransitionConflict) -> BaseException | None:
-            # The status matched, the fence did not, and the lease was valid just before
-            # (lease.check()): no newer holder exists, so the fence source went backwards
-            # (a failover to a node whose clock is behind). Never ignored (the step would
-            # be dropped silently), never retried without end: FenceAhead.
+            # The status matched, the fence did not. A lease whose validity ran out since
+            # lease.check() (a pause before the statement) met a newer holder's write: the
+            # fence did its job, the plain LockLost. One still valid met no newer holder
+            # here, so the fence source went backwards (a failover to a node whose clock is
+            # behind, or a split brain): never ignored (the step would be dropped silently),
+            # never retried without end: FenceAhead.
             assert lease is not None
+            if lease.lost:
+                return None
             return self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
 
         started = time.monotonic()

@@ -11,18 +11,27 @@ history is checked as a whole (what `make nemesis` runs).
     make nemesis ARGS="--duration 120 --seed 7 --workload outbox-in-body"  # and its control
     make nemesis ARGS="--duration 120 --seed 7 --breaker bypass"  # the breaker's control
     make nemesis ARGS="--duration 300 --seed 7 --store sentinel"  # primary+replica+3 sentinels
+    make nemesis ARGS="--duration 120 --seed 7 --broker rabbitmq"  # RabbitMQ as the broker
+    make nemesis ARGS="--duration 120 --seed 7 --database mysql"   # MariaDB as the step database
+    make nemesis ARGS="--duration 300 --seed 7 --store cluster"   # a 3+3 Redis Cluster
+    make nemesis ARGS="--duration 120 --seed 7 --loads all"  # + HTTP, writers, periodic loads
+    make nemesis ARGS="--duration 120 --seed 7 --patterns bypass"  # rate/slots/idempotency control
+    make nemesis ARGS="--duration 300 --seed 7 --loads all --unguarded --breaker bypass \
+        --patterns bypass --http unguarded --writers plain --periodic unguarded"
+                                                  # every pattern's control in one run
 
 The run directory (default var/nemesis/<seed>-<guarded|unguarded>) holds the history and
 the checker's verdict.json; to add a run and its control to docs/reliability.md/.json:
 
     python -m tests.support.faults.report --run var/nemesis/7-guarded \
-        --negative var/nemesis/7-unguarded
+        --negative var/nemesis/7-unguarded [--negative DIR ...]
 
 Reproducible from its seed as far as the schedule goes (what the client sends and which fault
 fires when, with which parameters), not the interleavings of the real processes. Starts its
 own PostgreSQL (or uses DATABASE_URL) and every server; stops them all by PID on exit and on
 Ctrl-C. Exit status 1 on violations or leftovers (guarded) or on no violation (--unguarded,
---guard nofence, --workload outbox-in-body, --breaker bypass).
+--guard nofence, --workload outbox-in-body, --breaker bypass, --patterns bypass, a load's
+control).
 """
 
 from __future__ import annotations
@@ -97,6 +106,14 @@ def main(argv=None) -> int:
         "performs them)",
     )
     parser.add_argument(
+        "--patterns",
+        choices=("guarded", "bypass"),
+        default="guarded",
+        help="bypass: the rate-limited, concurrency-limited and idempotent tasks run without "
+        "their limit or key and record what such a worker would have done: the negative "
+        "control of the rate, concurrency and idempotency rules",
+    )
+    parser.add_argument(
         "--breaker",
         choices=("guarded", "bypass"),
         default="guarded",
@@ -106,17 +123,70 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--store",
-        choices=("single", "sentinel"),
+        choices=("single", "sentinel", "cluster"),
         default="single",
         help="the lock store's topology: single (one redis-server behind proxies; failovers "
-        "and splits retarget a proxy) or sentinel (a primary, a replica and 3 sentinels, "
+        "and splits retarget a proxy), sentinel (a primary, a replica and 3 sentinels, "
         "reached through a sentinel:// URL; the fault kinds gain sentinel_failover, a forced "
-        "SENTINEL FAILOVER, and lose the single node's proxy and restart kinds)",
+        "SENTINEL FAILOVER, and lose the single node's proxy and restart kinds) or cluster "
+        "(a Redis Cluster of 3 primaries and 3 replicas, STEPLOCK_REDIS_CLUSTER=1; the fault "
+        "kinds gain cluster_failover, a coordinated or killed-primary failover of a held "
+        "lease's shard, and slot_migration, its slot moved to another primary, and lose the "
+        "single node's kinds)",
+    )
+    parser.add_argument(
+        "--broker",
+        choices=("redis", "rabbitmq"),
+        default="redis",
+        help="the Celery broker: redis (the control Redis) or rabbitmq (a throwaway "
+        "rabbitmq-server, the workers through a proxy; the fault kinds gain broker_restart and "
+        "broker_channel_close; tests/support/faults/backends.py)",
+    )
+    parser.add_argument(
+        "--database",
+        choices=("postgresql", "mysql"),
+        default="postgresql",
+        help="the step database: postgresql or mysql (a throwaway MariaDB; the pg_* kinds keep "
+        "their names: proxy faults, the COMMIT's lost reply, pg_terminate as KILL CONNECTION)",
+    )
+    parser.add_argument(
+        "--loads",
+        default=None,
+        help="comma-separated extra workloads run with the faults: http (the HTTP idempotency "
+        "load on a uvicorn server), writers (a writer outside Celery), periodic (the overlap "
+        "guard's senders), or all (default: none)",
+    )
+    parser.add_argument(
+        "--http",
+        choices=("guarded", "shared", "unguarded"),
+        default="guarded",
+        help="the HTTP load's views: shared (one scope for every principal) and unguarded "
+        "(no guard) are negative controls (with --loads http)",
+    )
+    parser.add_argument(
+        "--writers",
+        choices=("guarded", "plain"),
+        default="guarded",
+        help="plain: the writer's negative control, a plain UPDATE (with --loads writers)",
+    )
+    parser.add_argument(
+        "--periodic",
+        choices=("guarded", "unguarded"),
+        default="guarded",
+        help="unguarded: the periodic task without its lease (with --loads periodic)",
     )
     args = parser.parse_args(argv)
+    from tests.support.faults.loads import parse as parse_loads
+
+    try:
+        load_names = parse_loads(args.loads)
+    except ValueError as exc:
+        parser.error(f"--loads: {exc}")
+    load_modes = {"http": args.http, "writers": args.writers, "periodic": args.periodic}
+    load_controls = [f"{n}-{load_modes[n]}" for n in load_names if load_modes[n] != "guarded"]
     from tests.support.faults.nemesis import kinds_of
 
-    KINDS = kinds_of(args.workload, args.store)  # noqa: N806 - the catalogue of this run
+    KINDS = kinds_of(args.workload, args.store, args.broker)  # noqa: N806 - this run's catalogue
 
     kinds = None
     if args.kinds:
@@ -131,13 +201,23 @@ def main(argv=None) -> int:
         label += f"-{args.workload}"
     if args.breaker != "guarded":
         label += f"-breaker-{args.breaker}"
+    if args.patterns != "guarded":
+        label += f"-patterns-{args.patterns}"
     if args.store != "single":
         label += f"-{args.store}"
+    if args.broker != "redis":
+        label += f"-{args.broker}"
+    if args.database != "postgresql":
+        label += f"-{args.database}"
+    if load_names:
+        label += "-loads" + "".join(f"-{c}" for c in load_controls)
     control = (
         args.unguarded
         or args.guard == "nofence"
         or args.workload == "outbox-in-body"
         or args.breaker == "bypass"
+        or args.patterns == "bypass"
+        or bool(load_controls)
     )
     out = args.out or REPO / "var" / "nemesis" / f"{seed}-{label}"
     say(f"seed {seed}, {label}, duration {args.duration:g}s, ttl {args.ttl:g}s, out {out}")
@@ -148,7 +228,7 @@ def main(argv=None) -> int:
     try:
         with (
             tempfile.TemporaryDirectory(prefix="steplock-nemesis-") as tmp,
-            faults_lab.controller(say),
+            faults_lab.controller(say, args.database),
         ):
             from django.db import connection
 
@@ -171,7 +251,11 @@ def main(argv=None) -> int:
                 log=log,
                 workload=args.workload,
                 breaker=args.breaker,
+                patterns=args.patterns,
                 store=args.store,
+                broker=args.broker,
+                loads=load_names,
+                load_modes=load_modes,
             )
             try:
                 lab.start()
@@ -219,8 +303,17 @@ def main(argv=None) -> int:
         "workload": args.workload,
         "effects": (verdict.get("counts") or {}).get("effects"),
         "breaker": args.breaker,
+        "patterns": args.patterns,
         "breaker_calls": (verdict.get("counts") or {}).get("breaker_calls"),
         "store": args.store,
+        "broker": args.broker,
+        "database": args.database,
+        "loads": list(load_names),
+        "load_controls": load_controls,
+        "http": (verdict.get("counts") or {}).get("http"),
+        "writer_commits": (verdict.get("counts") or {}).get("writer_commits"),
+        "periodic": (verdict.get("counts") or {}).get("periodic"),
+        "fence_refusals": (verdict.get("counts") or {}).get("fence_refusals"),
         "out": str(out),
     }
     say("faults by kind: " + json.dumps(run["faults"]))
@@ -241,6 +334,29 @@ def main(argv=None) -> int:
     if control:
         if not n_violations:
             say("the negative control showed no violation: the checker proved nothing")
+            return 1
+        from tests.support.faults.report import violations_by_rule
+
+        # each control turned on must be caught by its own pattern's rules
+        by_rule = violations_by_rule(verdict)
+        say("violations by rule: " + json.dumps(by_rule))
+        expected = {
+            "steps": args.unguarded or args.guard == "nofence",
+            "breaker": args.breaker == "bypass",
+            "rate": args.patterns == "bypass",
+            "concurrency": args.patterns == "bypass",
+            "idempotency": args.patterns == "bypass",
+            "effects": args.workload == "outbox-in-body",
+        }
+        missed = [rule for rule, on in expected.items() if on and not by_rule.get(rule)]
+        if load_controls:  # each load's control caught by its own rules
+            from tests.support.faults.loads import controls_caught
+
+            caught = controls_caught(verdict.get("counts") or {}, load_controls)
+            say("load controls caught: " + json.dumps(caught))
+            missed += [name for name, ok in caught.items() if not ok]
+        if missed:
+            say(f"controls not caught by their own rules: {missed}")
             return 1
         return 0
     return 1 if (n_violations or n_leftover or not run["settle"]["settled"]) else 0

@@ -685,6 +685,31 @@ def test_slot_migration_while_a_lease_is_held(cluster, store):
     assert primary_of(cluster, key) is target
 
 
+def test_a_migration_that_outlasts_the_tryagain_wait_is_an_outage(cluster, store, monkeypatch):
+    # docs/cluster.md: TRYAGAIN is resent for TRYAGAIN_WAIT, then the store is reported
+    # unavailable (the task retries as in an outage), never refused (a LockError fails it)
+    from celery_steplock.exceptions import LockStoreUnavailable
+
+    monkeypatch.setattr(_cluster, "TRYAGAIN_WAIT", 0.3)
+    name = "stuck-migration"
+    key = lease_key(PREFIX, name)
+    slot = _cluster.slot_of(key)
+    lease = store.acquire(name, ttl=30)
+    source = primary_of(cluster, key)
+    target = next(node for node in cluster.primaries() if node is not source)
+    cluster.begin_migration(slot, target)
+    cluster.move_keys(slot, source, target)
+    began = time.monotonic()
+    with pytest.raises(LockStoreUnavailable) as caught:
+        store.release(name, lease.owner)  # three keys of the slot, two absent: TRYAGAIN
+    assert 0.3 <= time.monotonic() - began < 5
+    assert isinstance(caught.value.__cause__, _cluster.SlotUnavailable)
+    assert "TRYAGAIN after 0.3 s" in str(caught.value)
+    cluster.finish_migration(slot, target)
+    assert store.release(name, lease.owner) is True
+    assert store.owned(name, lease.owner) is None
+
+
 @pytest.mark.django_db
 def test_admin_changelist_pages_through_every_primary(
     cluster, cluster_app, admin_client, monkeypatch

@@ -220,6 +220,48 @@ def test_a_row_fence_far_ahead_fails_at_once_with_a_typed_error(redis_client, ev
     assert TransitionRecord.objects.count() == 0
 
 
+@celery_app.task(
+    bind=True,
+    base=StepLockedTask,
+    name="tests.startup_paused_finish",
+    lock_key="paused:{step_id}",
+    step_model="workflows.Step",
+    step_id_arg="step_id",
+    transition=("pending", "done"),
+    max_retries=0,
+)
+def paused_finish(self, step_id):
+    """Checks its lease, then (as a process paused past its TTL before its UPDATE would) finds
+    it run out; the row carries a newer holder's fence (written by the test)."""
+    BODY_RUNS.append(step_id)
+    lease = self.lease
+    lease.check()
+    lease.check = lambda: None  # the check was made before the pause
+    lease.valid_until = lease.clock() - 0.001
+    return "done"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_holder_paused_past_its_lease_meets_the_fence_not_a_clock_going_back(
+    redis_client, events
+):
+    """The fence refuses a holder whose lease ran out before its statement (a newer holder
+    wrote): that is the fence doing its job, a plain LockLost, not FenceAhead, and no
+    ``fence_ahead`` signal (whose ERROR says the store's clock went back)."""
+    BODY_RUNS.clear()
+    newer = redis_now_us(redis_client) + 5_000_000  # the holder that came after the pause
+    step = Step.objects.create(name="s", lock_fence=newer)
+    result = paused_finish.apply(args=(step.pk,))
+    assert isinstance(result.result, LockLost), result.traceback
+    assert not isinstance(result.result, FenceAhead)
+    assert "a newer fencing token already wrote it" in str(result.result)
+    assert BODY_RUNS == [step.pk]
+    assert skew_events(events) == []
+    step.refresh_from_db()
+    assert step.status == "pending" and step.lock_fence == newer
+    assert TransitionRecord.objects.count() == 0
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_row_fence_a_few_seconds_ahead_is_retried_a_bounded_number_of_times(
     redis_client, events

@@ -69,7 +69,17 @@ __all__ = [
     "ClusterStoreMixin",
     "MAX_REDIRECTS",
     "TRYAGAIN_WAIT",
+    "SlotUnavailable",
 ]
+
+
+class SlotUnavailable(RedisClusterException):
+    """A call still redirected (``TRYAGAIN``, ``MOVED``, ``ASK``, ``CLUSTERDOWN``) when its
+    retries ran out (:data:`TRYAGAIN_WAIT` seconds, :data:`MAX_REDIRECTS` redirections): its
+    slot's migration or failover outlasted them. Not a refusal (not a ``ResponseError``): the
+    lease store reports it as ``LockStoreUnavailable``, retried like an outage (docs/cluster.md).
+    The last redirection is its ``__cause__``."""
+
 
 #: Redirections (MOVED, ASK) and connection failures one call follows before giving up.
 MAX_REDIRECTS = 5
@@ -341,15 +351,39 @@ def _run(client: RedisCluster, script: wire.Script, calls: Sequence[wire.Call]) 
             now = time.monotonic()
             tryagain_until = tryagain_until or now + TRYAGAIN_WAIT
             if now >= tryagain_until:
-                break
+                return _gave_up(replies, retry)
             time.sleep(_TRYAGAIN_DELAY)
         if any(not isinstance(replies[i], TryAgainError) for i in retry):
             redirects += 1
             if redirects > MAX_REDIRECTS:
-                break
+                return _gave_up(replies, retry)
         if refresh:
             _refresh(client)
         pending = retry
+    return replies
+
+
+def _gave_up(replies: list[Any], retry: list[int]) -> list[Any]:
+    """``replies`` with each redirection of ``retry`` (the calls still to resend) as a
+    :class:`SlotUnavailable`; a connection failure stays as it is."""
+    for i in retry:
+        reply = replies[i]
+        if isinstance(reply, (AskError, TryAgainError, ClusterDownError)):
+            kind = (
+                "TRYAGAIN"
+                if isinstance(reply, TryAgainError)
+                else "MOVED"
+                if isinstance(reply, MovedError)
+                else "ASK"
+                if isinstance(reply, AskError)
+                else "CLUSTERDOWN"
+            )
+            gone = SlotUnavailable(
+                f"{kind} after {TRYAGAIN_WAIT:g} s of resends or {MAX_REDIRECTS} redirections "
+                f"(a migration or failover of the slot in progress): {reply}"
+            )
+            gone.__cause__ = reply
+            replies[i] = gone
     return replies
 
 

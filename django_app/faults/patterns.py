@@ -23,6 +23,13 @@ returns; a probe's outcome writes a ``breaker_outcome`` entry just before it goe
 refused admission does not stop the call (while OPEN the body calls without an admission;
 while HALF_OPEN with its probes taken it is let through as one more probe, as a breaker
 without a cluster-wide probe limit would, its outcome in the history only).
+
+``STEPLOCK_FAULTS_PATTERNS=bypass`` is the negative control of the rate, concurrency and
+idempotency rules: ``rate_forward``, ``slot_forward`` and ``idem_forward`` are declared without
+their limit or key (and ``idem_forward`` without the status pre-check, which alone would skip
+a duplicate's body), and their bodies write the entries the checker judges
+(``rate_granted``, ``slot_acquired``/``slot_released``, ``idem_body``/``idem_completed``)
+themselves, marked ``bypass``: what a worker that ignored the pattern would have done.
 """
 
 import dataclasses
@@ -54,6 +61,15 @@ if probe.enabled():
     current_app.conf.steplock_idempotency_lock_ttl = float(
         os.environ.get("STEPLOCK_FAULTS_IDEMPOTENCY_LOCK_TTL", "8")
     )
+
+
+def patterns_mode() -> str:
+    """``"bypass"`` (the rate, concurrency and idempotency rules' negative control) or
+    ``"guarded"``, from ``STEPLOCK_FAULTS_PATTERNS``."""
+    return os.environ.get("STEPLOCK_FAULTS_PATTERNS") or "guarded"
+
+
+BYPASS = patterns_mode() == "bypass"
 
 
 def breaker_mode() -> str:
@@ -184,26 +200,46 @@ def limits(prefix: str = "steplock") -> dict:
     }
 
 
+def _bypassed(self, event: str, **fields) -> None:
+    probe.record(
+        event,
+        task_id=self.request.id,
+        owner=self.lease.owner if self.lease else None,
+        bypass=True,
+        **fields,
+    )
+
+
+def _prefix() -> str:
+    return getattr(current_app.conf, "steplock_key_prefix", None) or "steplock"
+
+
 @shared_task(
     transition=("pending", "done"),
-    cluster_rate_limit=RATE,
-    cluster_rate_limit_key=RATE_NAME,
+    **({} if BYPASS else {"cluster_rate_limit": RATE, "cluster_rate_limit_key": RATE_NAME}),
     **OPTIONS,
 )
 def rate_forward(self, step_id, work=0.0):
     """pending -> done, at most ``RATE`` across the cluster."""
+    if BYPASS:
+        _bypassed(self, "rate_granted", key=rate_key(_prefix()), granted_at=time.time())
     return _body(self, step_id, work)
 
 
 @shared_task(
     transition=("pending", "done"),
-    concurrency_limit=SLOTS,
-    concurrency_limit_key=SLOTS_KEY,
+    **({} if BYPASS else {"concurrency_limit": SLOTS, "concurrency_limit_key": SLOTS_KEY}),
     **OPTIONS,
 )
 def slot_forward(self, step_id, work=0.5):
     """pending -> done holding one of ``SLOTS`` slots for ``work`` seconds."""
-    return _body(self, step_id, work)
+    if not BYPASS:
+        return _body(self, step_id, work)
+    _bypassed(self, "slot_acquired", limit_key=SLOTS_KEY, limit=SLOTS, slot=0)
+    try:
+        return _body(self, step_id, work)
+    finally:
+        _bypassed(self, "slot_released", limit_key=SLOTS_KEY, limit=SLOTS, slot=0)
 
 
 @shared_task(transition=("pending", "done"), circuit_breaker=breaker, **OPTIONS)
@@ -231,14 +267,25 @@ def breaker_forward(self, step_id, work=0.0):
     return {"step_id": step_id, "owner": self.lease.owner, "fence": self.lease.fence}
 
 
-@shared_task(transition=("pending", "done"), idempotency_key="idem:{step_id}", **OPTIONS)
+@shared_task(
+    transition=("pending", "done"),
+    **(
+        {**OPTIONS, "lock_precheck": False}
+        if BYPASS
+        else {**OPTIONS, "idempotency_key": "idem:{step_id}"}
+    ),
+)
 def idem_forward(self, step_id, work=0.0):
     """pending -> done with an idempotency record per step: the body runs once per key."""
+    key = f"bypass:idem:{step_id}" if BYPASS else probe.idempotency_key_of(self.request.id)
     probe.record(
         "idem_body",
-        key=probe.idempotency_key_of(self.request.id),
+        key=key,
         task_id=self.request.id,
         step=step_id,
         owner=self.lease.owner if self.lease else None,
     )
-    return _body(self, step_id, work)
+    result = _body(self, step_id, work)
+    if BYPASS:
+        _bypassed(self, "idem_completed", key=key)
+    return result

@@ -164,3 +164,73 @@ def start(self, step_id, work=0.0):
 def reset(self, step_id, work=0.0):
     """A running step moved back to pending under the lease (as a recovery would)."""
     return _body(self, step_id, work)
+
+
+class StaleTask(FaultTask):
+    """FaultTask whose holder stalls after its last ownership check (``stall`` kwarg,
+    seconds): the fence-decides shape of the randomized run (``stale_aba``,
+    tests/support/faults/loads.py).
+
+    Before its compare-and-swap the holder checks its lease (valid) and reads its remaining
+    validity, as the library does right before the statement, then stops renewing it (this
+    lease only: the process's heartbeat renews its other leases) and stalls, as a process
+    paused between those reads and its ``UPDATE`` would, until a ``reset`` has committed on
+    the step (``running -> pending``: newer holders moved it away and back) or ``stall``
+    seconds have passed. The library's check and its reading of the remaining validity were
+    made before the pause, so for this lease they answer what they answered then (a valid
+    lease, the time it had left). The status condition then matches again and only the
+    fence condition can refuse the stale ``pending -> done``. Only the first execution of a
+    task id stalls (not its retries nor a redelivery: ``faults:stalled:<task id>``)."""
+
+    def transition(self, step_id, from_, to, **updates):
+        stall = float((self.request.kwargs or {}).get("stall") or 0.0)
+        lease = self.lease
+        if stall <= 0 or lease is None or self.request.retries:
+            return super().transition(step_id, from_, to, **updates)
+        if not probe._redis().set(f"faults:stalled:{self.request.id}", "1", nx=True, ex=600):
+            return super().transition(step_id, from_, to, **updates)
+        import time
+
+        from celery_steplock.heartbeat import get_heartbeat
+
+        lease.check()
+        left = lease.remaining()
+        get_heartbeat().unregister(lease)
+        probe.record(
+            "stale_stall",
+            step=step_id,
+            owner=lease.owner,
+            fence=lease.fence,
+            task_id=self.request.id,
+            seconds=stall,
+            left=left,
+        )
+        deadline = time.monotonic() + stall
+        moved_back = False
+        while time.monotonic() < deadline:
+            moved_back = TransitionRecord.objects.filter(
+                step_id=step_id, from_status="running", to_status="pending"
+            ).exists()
+            if moved_back:
+                break
+            time.sleep(probe.SLICE)
+        probe.record(
+            "stale_resume",
+            step=step_id,
+            owner=lease.owner,
+            fence=lease.fence,
+            task_id=self.request.id,
+            moved_back=moved_back,
+        )
+        lease.check = lambda: None  # what it answered before the pause
+        lease.remaining = lambda: left
+        try:
+            return super().transition(step_id, from_, to, **updates)
+        finally:
+            del lease.check, lease.remaining
+
+
+@shared_task(transition=("pending", "done"), **{**OPTIONS, "base": StaleTask})
+def stale_forward(self, step_id, work=0.0, stall=0.0):
+    """pending -> done by a holder that stalls past its lease before its CAS (StaleTask)."""
+    return _body(self, step_id, work)

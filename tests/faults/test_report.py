@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.faults.test_runcheck import clean_example, unguarded_example
 from tests.support.faults import report, runcheck
 
@@ -93,8 +95,8 @@ def test_render_has_both_tables_and_the_examples():
     assert "| **all** | | 2 | 1 | 2 | **0** | 0 | | | 0 | 1 / 1 |" in lines
     assert "## Randomized runs" in lines
     assert (
-        "| 7 | 1,800 | 2026-12-01 11:00:00 | def5678 | 2: prefork x2, threads x4 | 5,321 | "
-        "550 (2 kinds) | **0** | 0 | 0 | 0.4 | 6.2 | 7, 120, **3** |" in lines
+        "| 7 | 1,800 | 2026-12-01 11:00:00 | def5678 | single | 2: prefork x2, threads x4 | "
+        "5,321 | 550 (2 kinds) | **0** | 0 | 0 | - | 0.4 | 6.2 | 7, 120, **3** |" in lines
     )
     assert "- seed 7, 1,800 s: kill_child 300, pause 250" in lines
     assert "- seed 7, 120 s (negative control): kill_child 20" in lines
@@ -201,9 +203,11 @@ def test_summarize_a_run_and_its_negative_control(tmp_path):
     assert summary["negative_control"] == {
         "seed": 1,
         "duration_s": 10,
+        "control": "unguarded",
         "executions": 7,
         "faults": {"kill_child": 1, "pause": 1, "redis_latency": 1},
         "violations": 2,
+        "by_rule": {"steps": 2},
         "examples": [
             "step 1: 2 terminal transitions committed (done by a1 fence 10, done by a2 fence 11)",
             "step 1: 'pending' -> 'done' committed while the chain was at 'done'",
@@ -221,3 +225,103 @@ def test_headline():
         "control: 3 violations)."
     )
     assert report.headline(report.empty()) == "No reliability figures recorded yet."
+
+
+def test_a_partial_soak_replaces_only_its_rows_and_marks_them():
+    whole = soak_result()
+    whole["scenarios"]["pause@before_cas"] = row()
+    name = "kill-child@before_cas"
+    rerun = {
+        **soak_result(),
+        "started": "2026-12-04 16:30:00",
+        "commit": "fed9876",
+        "scenarios": {name: {**whole["scenarios"][name], "trials": 200, "errors": 0}},
+        "negative_control": {},
+    }
+    doc = report.merge(
+        report.merge(report.empty(), deterministic=whole), deterministic=rerun, partial=True
+    )
+    rows = doc["deterministic"]["scenarios"]
+    assert list(rows) == list(whole["scenarios"])
+    assert rows[name]["rerun"]["commit"] == "fed9876"
+    assert rows[name]["trials"] == 200
+    assert "rerun" not in rows["pause@before_cas"]
+    assert doc["deterministic"]["commit"] == whole["commit"] == "abc1234"
+    text = report.render(doc)
+    assert f"| {name} (*) |" in text
+    assert "| pause@before_cas |" in text
+    assert "commit fed9876" in text
+
+
+def test_a_partial_soak_of_other_settings_is_refused():
+    whole = soak_result()
+    rerun = {**whole, "ttl": whole["ttl"] * 2}
+    with pytest.raises(ValueError, match="ttl"):
+        report.merge_rows(whole, rerun)
+    with pytest.raises(ValueError, match="needs a whole soak"):
+        report.merge_rows(None, rerun)
+    report.check_rerun(whole, {k: whole[k] for k in report.RERUN_SETTINGS if k in whole})
+
+
+def test_a_run_with_a_control_per_pattern(tmp_path):
+    guarded = runcheck.dump(clean_example().run(), tmp_path / "guarded")
+    negative = runcheck.dump(unguarded_example().run(), tmp_path / "negative")
+    bypass = runcheck.dump(unguarded_example().run(), tmp_path / "bypass")
+    meta = json.loads((bypass / "run.json").read_text())
+    meta.update(unguarded=False, breaker="bypass", store="cluster")
+    (bypass / "run.json").write_text(json.dumps(meta))
+    summary = report.summarize(guarded, [negative, bypass])
+    assert [c["control"] for c in summary["negative_controls"]] == ["unguarded", "breaker bypass"]
+    assert summary["negative_control"]["control"] == "unguarded"
+    lines = report.render({"deterministic": None, "randomized": [summary]}).splitlines()
+    assert "| 1 | single | unguarded | 10 | 7 | **2** | steps 2 |" in lines
+    assert "| 1 | single | breaker bypass | 10 | 7 | **2** | steps 2 |" in lines
+    assert any(line.endswith("| 2 controls, 2 caught (below) |") for line in lines)
+
+
+def test_a_control_of_another_seed_is_refused(tmp_path):
+    guarded = runcheck.dump(clean_example().run(), tmp_path / "guarded")
+    other = runcheck.dump(unguarded_example().run(), tmp_path / "other")
+    meta = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps({**meta, "seed": 99}))
+    with pytest.raises(ValueError, match="same schedule"):
+        report.summarize(guarded, [other])
+
+
+def test_control_labels():
+    assert report.control_label({"unguarded": False, "guard": "fenced"}) == ""
+    assert report.control_label({"guard": "nofence"}) == "guard nofence"
+    assert report.control_label({"patterns": "bypass", "http": "unguarded"}) == (
+        "patterns bypass, http unguarded"
+    )
+    assert report.control_label({"workload": "outbox-in-body"}) == "workload outbox-in-body"
+
+
+def test_violations_by_rule():
+    verdict = {
+        "violations": [
+            "step 4: 2 terminal transitions committed (done by a fence 1, done by b fence 2)",
+            "step 5: effect e1 written for fence 3 -> 'done'",
+            "step 6: key k applied 2 times",
+            "rate steplock:rl:{x}: 6 grants in [1.0, +1 s) for a limit of 5 (a, b)",
+            "concurrency nemesis-slots: 3 slots held at 2.000 for a limit of 2",
+            "idempotency idem:1: completed again at 3.000",
+            "breaker dep: call c made with no admission while open",
+            'http replay_across_principals: {"key": "k"}',
+            "tick: run 1a2b3c4d (pid 7) started at 1.000 while run 5e6f (pid 8) ran [0.5, 2.0]",
+            "step 9: 'pending' -> 'done' committed while the chain was at 'done'",
+        ],
+        "counts": {"writer_step_violations": 1},
+    }
+    assert report.violations_by_rule(verdict) == {
+        "steps": 1,
+        "writers": 1,
+        "effects": 2,
+        "rate": 1,
+        "concurrency": 1,
+        "idempotency": 1,
+        "breaker": 1,
+        "http": 1,
+        "periodic": 1,
+    }
+    assert report.violations_by_rule({"violations": []}) == {}

@@ -544,6 +544,29 @@ def test_a_hold_ends_when_its_holder_learns_the_slot_is_gone():
     assert b.verdict().violations == []
 
 
+def slow_store_holder(learns_lost: bool) -> Builder:
+    # s1's renewal is stuck behind a slow store past the TTL: the store lets slot 0 expire
+    # and grants it to s3 before s1 hears back and finds it lost
+    b = Builder(limits=RATE)
+    b.slot("slot_acquired", 1.0, "s1", slot=0, pid=1)
+    b.slot("slot_acquired", 1.1, "s2", slot=1, pid=2)
+    b.slot("slot_acquired", 3.5, "s3", slot=0, fence=2, pid=3)
+    if learns_lost:
+        b.ev("lost", 4.6, 1, owner="s1", fence=1, reason="local validity ran out")
+        b.slot("slot_expired", 4.7, "s1", slot=0, pid=1)
+    else:
+        b.slot("slot_released", 4.7, "s1", slot=0, pid=1)  # it still held slot 0: granted twice
+    b.slot("slot_released", 6.0, "s2", slot=1, pid=2)
+    b.slot("slot_released", 6.0, "s3", slot=0, fence=2, pid=3)
+    return b
+
+
+def test_a_slot_found_lost_was_gone_by_the_next_grant_of_its_index():
+    assert slow_store_holder(learns_lost=True).verdict().violations == []
+    [problem] = slow_store_holder(learns_lost=False).verdict().violations
+    assert problem.startswith("concurrency c:db: 3 slots held at 3.500 for a limit of 2")
+
+
 def test_a_killed_holder_and_a_finished_task_hold_no_slot():
     assert killed_and_finished_holders(kill=True).verdict().violations == []
     # without the SIGKILL, s1 holds on (no release, no task end): s2's task end still counts
@@ -923,3 +946,171 @@ def test_a_probe_holds_its_permit_until_its_outcome_is_written():
         "breaker dep: probe call of task t-p2 (step 1, pid 2) at 1.200 while 1 probe(s) ran, "
         "for 1 at once (call of task t-p1 (step 1, pid 1) at 1.000)"
     ]
+
+
+# -- the HTTP load of --loads http (tests/support/faults/loads.py) ----------------------------
+
+
+def _http_body(b: Builder, body, t, key="k1", principal="user:alice", view="guarded/sync"):
+    ids = {"view": view, "key": key, "principal": principal, "body": body}
+    payload = {"body": body, "principal": principal, "key": key, "amount": 1}
+    b.ev("http_body_start", t, 300, **ids)
+    b.ev("http_body_end", t + 0.2, 300, outcome="ok", status=201, payload=payload, **ids)
+    return {
+        "view": view,
+        "key": key,
+        "principal": principal,
+        "status": 201,
+        "payload": payload,
+        "replayed": False,
+        "retry_after": None,
+        "t0": t - 0.01,
+        "t1": t + 0.21,
+    }
+
+
+def test_the_http_load_is_judged_from_the_run_directory(tmp_path):
+    """http.jsonl beside the history: a replay served to another principal and a second body
+    of one key are violations named ``http <rule>``; counted under ``counts["http"]``."""
+    b = Builder().attempt(1, "a", 1, 0.0)
+    first = _http_body(b, "b1", 1.0)
+    replay = {**first, "principal": "user:bob", "replayed": True, "t0": 1.5, "t1": 1.6}
+    second = _http_body(b, "b2", 2.0)
+    run = b.run()
+    run.http = [first, replay, second]
+    run.meta["loads"] = {"http": {"lock_ttl": 8.0}}
+    verdict = runcheck.check_run(runcheck.load(runcheck.dump(run, tmp_path / "run")))
+    rules = sorted(v.split(":")[0] for v in verdict.violations)
+    assert rules == ["http cross_principal", "http second_body"], verdict.violations
+    assert verdict.counts["http"]["requests"] == 3
+    assert verdict.counts["http"]["by_rule"] == {"cross_principal": 1, "second_body": 1}
+
+
+def test_a_second_http_body_after_a_store_restart_is_excused():
+    b = Builder().attempt(1, "a", 1, 0.0)
+    first = _http_body(b, "b1", 1.0)
+    b.ev("fault", 1.5, kind="redis_restart")
+    second = _http_body(b, "b2", 2.0)
+    run = b.run()
+    run.http = [first, second]
+    verdict = runcheck.check_run(run)
+    assert verdict.ok, verdict.violations
+    assert verdict.counts["http"]["excused"] == {"second_body": 1}
+
+
+def test_a_run_without_http_jsonl_has_no_http_counts():
+    assert "http" not in Builder().attempt(1, "a", 1, 0.0).verdict().counts
+
+
+def _clock_ahead_run(*refusals, opened=()):
+    """A run with a clock_ahead fault at 10.0 (breaker "dep", recovery_timeout 1.5 s), its
+    first admission after it at 12.0, and the breaker's refusals as open at ``refusals``."""
+    b = Builder().attempt(1, "a", 1, 0.0)
+    b.ev(
+        "fault",
+        10.0,
+        kind="clock_ahead",
+        skew=4.0,
+        changed={"breaker_opened_ms": 1},
+        breakers={"dep": {"recovery_timeout": 1.5}},
+    )
+    b.ev("breaker", 12.0, 201, name="dep", state="open", what="rejected", reason="open")
+    for t in opened:
+        b.ev("breaker", t, 202, name="dep", state="open", what="opened")
+    for t in refusals:
+        b.ev("breaker", t, 203, name="dep", state="open", what="rejected", reason="open")
+    return b
+
+
+def test_a_breaker_held_open_past_its_recovery_after_clock_ahead_is_a_violation():
+    """docs/patterns/breaker.md (clock_skew): the admission after the fault clamps
+    ``opened_ms`` to now, so the breaker half-opens recovery_timeout later, never after the
+    skew. Bound: first admission + recovery 1.5 + state cache 1 + tolerance 1 + slack 1."""
+    ok = _clock_ahead_run(13.0, 16.4).verdict()
+    assert ok.ok, ok.violations
+    assert ok.counts["clock_ahead"]["refusals_judged"] == 3
+    assert ok.counts["clock_ahead"]["changed"] == {"breaker_opened_ms": 1}
+    late = _clock_ahead_run(13.0, 17.0).verdict()
+    assert [v.split(":")[0] for v in late.violations] == ["breaker dep"], late.violations
+    assert "held open past recovery_timeout 1.5 s" in late.violations[0]
+    # a genuine re-open at 16.0 starts a new recovery; a paused refuser's entry is not judged
+    assert _clock_ahead_run(17.0, opened=(16.0,)).verdict().ok
+    paused = _clock_ahead_run(17.0)
+    paused.ev("fault", 14.0, kind="pause", signal="SIGSTOP", pid=203)
+    assert paused.verdict().ok
+    # before the fault's first admission (a copy read before it), nothing is judged
+    assert "clock_ahead" not in Builder().attempt(1, "a", 1, 0.0).verdict().counts
+
+
+def test_a_token_given_twice_after_clock_ahead_and_a_lagged_failover_is_reported_apart():
+    """A clock_ahead leaves step 1's counter ahead of the clock: its grants are counter + 1,
+    ahead of their Redis time. A lagged failover loses a grant and the promoted replica gives
+    the same counter + 1 again (docs/design.md: tokens increase "as long as the Redis clock
+    moves forward"): reported after the data loss, not as a violation. Without the data
+    loss, or with a token of the clock's own time, it stays a violation."""
+
+    def reissue(failover=True, ahead=True):
+        t0 = 1_000_000.0
+        fence = int((t0 + (9.0 if ahead else 0.0)) * 1_000_000)
+        b = Builder()
+        b.ev("fault", t0, kind="clock_ahead", skew=9.0, changed={"fence": 1})
+        b.attempt(1, "a", fence, t0 + 1.0, to="running")
+        if failover:
+            b.ev("fault", t0 + 1.5, kind="redis_failover", lag=0.5)
+        b.attempt(1, "b", fence, t0 + 2.0, pid=101, to="done")
+        b.records[-1] = Record(1, "running", "done", "b", fence)
+        return b.verdict()
+
+    verdict = reissue()
+    assert verdict.ok, verdict.violations
+    assert len(verdict.data_loss) == 1 and "after clock_ahead at" in verdict.data_loss[0]
+    assert "one fencing token" in verdict.data_loss[0]
+    for other in (reissue(failover=False), reissue(ahead=False)):
+        assert any("one fencing token" in v for v in other.violations), other.violations
+
+
+def test_a_plain_writers_overwrite_counts_as_a_writer_step_violation():
+    b = Builder().attempt(1, "task-owner", 1, 0.0)
+    b.ev("writer_start", 0.0, 400, mode="plain", by="writer")
+    b.records.append(Record(1, "pending", "cancelled", "plain-1234", None))
+    b.steps[1] = "cancelled"
+    verdict = b.verdict()
+    assert verdict.counts["writer_commits"] == 1
+    assert verdict.counts["writer_step_violations"] >= 1, verdict.violations
+
+
+def test_a_grant_on_the_minority_orders_no_commit_on_the_majority_even_after_the_heal():
+    # the newer grant was made on a minority path during the split: the heal discarded that
+    # primary, so a holder on a majority path may commit any time later; one on the
+    # minority's own path may not
+    b = split(Builder(), 1.0, 2.0)
+    b.history[-2]["minority_via"] = [7001]
+    b.ev("acquired", 1.2, step=1, owner="major-owner", fence=1, via=7002)
+    b.ev("acquired", 1.5, step=1, owner="minor-owner", fence=2, via=7001)
+    b.ev("committed", 9.0, step=1, owner="major-owner", fence=1)
+    b.records.append(Record(1, "pending", "done", "major-owner", 1))
+    b.steps[1] = "done"
+    assert b.verdict().violations == []
+    b.history[-3]["via"] = 7001  # the committer on the minority's path too: stale
+    assert len(b.verdict().violations) == 1
+
+
+def test_a_periodic_run_started_during_a_split_may_be_overlapped_as_a_data_loss():
+    b = split(Builder(), 1.0, 3.0)
+    for task_id, start, pid in (("p1", 1.5, 201), ("p2", 2.5, 202)):
+        ident = {"name": "faults-periodic", "task_id": task_id, "owner": f"o-{task_id}"}
+        b.ev("periodic_start", start, pid, rt=start, **ident)
+        b.ev("periodic_end", start + 2.0, pid, rt=start + 2.0, start_rt=start, **ident)
+    verdict = b.verdict()
+    assert verdict.violations == []
+    assert len(verdict.data_loss) == 1 and "after split_brain" in verdict.data_loss[0]
+    assert verdict.counts["periodic"]["overlapping"] == 1
+
+
+def test_the_http_servers_records_are_not_judged_as_tasks():
+    b = Builder().attempt(1, "a", 1, 0.0)
+    b.ev("load_start", 0.0, 300, load="http")
+    for t in (1.0, 2.0):  # a key run again after its lock TTL: the HTTP rules' business
+        b.ev("idem_completed", t, 300, key="http-record")
+    verdict = b.verdict()
+    assert verdict.violations == [] and verdict.counts["idem_completions"] == 0

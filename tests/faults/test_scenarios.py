@@ -87,3 +87,38 @@ def test_pid_gone_when_the_pid_was_taken_by_another_process(child):
     assert state in "RS"
     assert scenarios.pid_gone(child.pid, started) is False
     assert scenarios.pid_gone(child.pid, started + 1) is True  # same pid, another process
+
+
+@pytest.mark.faults
+@pytest.mark.workers
+@pytest.mark.django_db(transaction=True)
+def test_clock_ahead_after_failover_commits_once_and_the_breaker_half_opens(lab):
+    """The row the old primary's holder left ahead is refused (FenceAhead), retried by the
+    library after the skew and committed once, with no operator's resend; the breaker it
+    opened half-opens recovery_timeout after the first admission, not after the skew."""
+    outcome = scenarios.run(lab, scenarios.CLOCK_SCENARIO)
+    verdict = outcome.verdict
+    print(f"{scenarios.CLOCK_SCENARIO.name}: {verdict} in {outcome.seconds:.1f}s")
+    assert verdict.violations == [] and verdict.commits == 1 and verdict.resumes == 0
+    history = lab.history()
+    trial = max(i for i, e in enumerate(history) if e["ev"] == "trial")
+    mine = history[trial:]
+    step = history[trial]["step"]
+    (fault,) = [e for e in mine if e["ev"] == "fault" and e.get("kind") == "clock_ahead"]
+    assert fault["rows"] == [step] and fault["changed"]["breaker_opened_ms"] == 1
+    promoted = {
+        e["owner"]
+        for e in mine
+        if e["ev"] == "acquired" and e.get("step") == step and e["t"] > fault["t"]
+    }
+    refused = [
+        e
+        for e in mine
+        if e["ev"] == "lost"
+        and e.get("owner") in promoted
+        and "newer fencing token" in str(e.get("reason"))
+    ]
+    # the row's fence refused a holder the promoted primary granted; a later one committed
+    assert refused and len(promoted) >= 2, mine
+    (half_open,) = [e for e in mine if e["ev"] == "breaker_half_open"]
+    assert half_open["seconds"] < scenarios.CLOCK_RECOVERY_S + scenarios.CLOCK_SLACK_S

@@ -26,7 +26,7 @@ from pathlib import Path
 import redis
 
 from tests.support import processes, servers
-from tests.support.faults import checker
+from tests.support.faults import backends, checker
 from tests.support.faults.proxy import TcpProxy
 
 ROOT = servers.ROOT
@@ -36,17 +36,15 @@ KEY_PREFIX = "steplock"  # the workers' STEPLOCK_KEY_PREFIX (the default)
 
 
 @contextlib.contextmanager
-def controller(say=print):
+def controller(say=print, database: str = "postgresql"):
     """The set-up of a fault run's controller process (``scripts/soak.py``,
-    ``scripts/nemesis.py``): a PostgreSQL server of its own unless ``DATABASE_URL`` names one
-    (stopped by PID on the way out), Django on the example project, migrated, with the probe
-    off in this process. Yields the started server, or None."""
+    ``scripts/nemesis.py``): a server of ``database`` (``"postgresql"`` or ``"mysql"``, a
+    MariaDB) of its own unless ``DATABASE_URL`` names one of that kind (stopped by PID on the
+    way out; :func:`backends.start_database`), Django on the example project, migrated, with
+    the probe off in this process. Yields the started server, or None."""
     pg = None
     try:
-        if not os.environ.get("DATABASE_URL"):
-            pg = servers.PostgresServer().start()
-            os.environ["DATABASE_URL"] = pg.url
-            say(f"started postgres {pg.url} (pid {pg.pid})")
+        pg = backends.start_database(database, say)
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_app.settings")
         os.environ.pop("STEPLOCK_FAULTS", None)  # this process is the controller
         import django
@@ -62,17 +60,9 @@ def controller(say=print):
 
 
 def database_url(settings_dict, host: str | None = None, port: int | None = None) -> str:
-    """A postgresql:// URL for Django's ``settings_dict``, optionally at another host/port."""
-    if "postgresql" not in settings_dict["ENGINE"]:
-        raise RuntimeError(
-            "the fault suite runs on PostgreSQL (DATABASE_URL=postgresql://...); "
-            f"this database is {settings_dict['ENGINE']}"
-        )
-    user = settings_dict.get("USER") or "postgres"
-    password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
-    host = host or settings_dict.get("HOST") or "127.0.0.1"
-    port = port or settings_dict.get("PORT") or 5432
-    return f"postgresql://{user}{password}@{host}:{port}/{settings_dict['NAME']}"
+    """A postgresql:// (or, on MariaDB, mysql://) URL for Django's ``settings_dict``,
+    optionally at another host/port (:func:`backends.database_url`)."""
+    return backends.database_url(settings_dict, host, port)
 
 
 class Lab:
@@ -102,8 +92,11 @@ class Lab:
         guard: str = "fenced",
         worker_stores: bool = False,
         unacked_mutex_expire: int = 30,
+        broker: str = "redis",
     ):
         self.workdir = Path(workdir)
+        # the Celery broker (backends.BROKERS); the control Redis keeps the history anyway
+        self.broker = backends.make_broker(broker, self.workdir / "broker")
         self.db_settings = dict(db_settings)
         self.ttl = ttl
         self.visibility_timeout = visibility_timeout
@@ -128,12 +121,17 @@ class Lab:
         self.control = servers.RedisServer(workdir=self.workdir / "control").start()
         self.start_lock_store()
         pg_host = self.db_settings.get("HOST") or "127.0.0.1"
+        self.database = backends.Database(self.db_settings)
         pg_port = int(self.db_settings.get("PORT") or 5432)
         self.pg_proxy = TcpProxy(pg_host, pg_port).start()
+        self.database.prepare()
+        self.broker.start(self.control)
         self.r = redis.Redis.from_url(self.control.url, decode_responses=True, socket_timeout=30)
         from celery import Celery
 
-        self.publisher = Celery("faults-controller", broker=self.control.url, set_as_current=False)
+        self.publisher = Celery(
+            "faults-controller", broker=self.broker.publisher_url, set_as_current=False
+        )
         self.publisher.conf.broker_connection_retry_on_startup = True
         return self
 
@@ -147,6 +145,7 @@ class Lab:
         for worker in list(self.workers.values()):
             worker.kill()
         self.workers.clear()
+        self.broker.stop()
         for thing in (
             *self.worker_proxies.values(),
             self.replica,
@@ -181,7 +180,7 @@ class Lab:
             "DJANGO_SETTINGS_MODULE": "django_app.settings",
             "PYTHONPATH": str(ROOT),
             "DATABASE_URL": database_url(self.db_settings, "127.0.0.1", self.pg_proxy.port),
-            "REDIS_URL": self.control.url,
+            "REDIS_URL": self.broker.worker_url,
             "STEPLOCK_REDIS_URL": self.lock_store_url(),
             "STEPLOCK_FAULTS": "1",
             "STEPLOCK_FAULTS_URL": self.control.url,
@@ -332,7 +331,8 @@ class Lab:
         return dict(Step.objects.filter(pk__in=list(step_ids)).values_list("pk", "status"))
 
     def broker_idle(self) -> bool:
-        return self.r.llen("celery") == 0 and self.r.hlen("unacked") == 0
+        """No task message queued or delivered unacknowledged, on the run's broker."""
+        return self.broker.idle(self.r)
 
     def leases(self) -> list[str]:
         try:
@@ -383,7 +383,7 @@ class Lab:
     def describe(self, step_ids=()) -> str:
         try:
             return (
-                f"queue {self.r.llen('celery')}, unacked {self.r.hlen('unacked')}, "
+                f"{self.broker.describe(self.r)}, "
                 f"leases {self.leases()}, statuses {self.statuses(step_ids)}, workers "
                 f"{ {n: (w.alive(), w.children_pids()) for n, w in self.workers.items()} }"
             )

@@ -31,9 +31,10 @@ from pathlib import Path
 import redis
 
 from tests.support import processes, servers
-from tests.support.faults import checker
+from tests.support.faults import checker, clock
 from tests.support.faults.lab import KEY_PREFIX, ROOT, TERMINAL, Lab
 from tests.support.faults.proxy import TcpProxy
+from tests.support.faults import backends  # the broker and database choices
 
 PATTERNS = "django_app.faults.patterns"
 DEP_FAILING = "faults:dep:failing"
@@ -65,6 +66,8 @@ KINDS = {
     "lost_commit_reply": 1,
     "heartbeat_frozen": 2,
     "split_brain": 2,
+    # stored times ahead after a failover (tests/support/faults/clock.py)
+    "clock_ahead": 1,
 }
 LASTING = {
     "receiver_down",
@@ -90,6 +93,7 @@ ACTIONS = {
     "breaker": 2,
     "idempotent": 2,
     "stage_reset": 3,
+    "stale_aba": 1,
 }
 
 #: The effects outbox's workloads (``workload="outbox"``, its negative control
@@ -106,8 +110,10 @@ EFFECTS = "django_app.faults.effects"
 #: The lock store's topologies (``store=``, ``scripts/nemesis.py --store``): ``single``, one
 #: redis-server behind the controller's proxies (the default), or ``sentinel``, a primary, a
 #: replica and three sentinels (``tests/support/sentinel.py``) that the workers reach through
-#: the library's ``sentinel://`` URL and ``master_name`` transport option.
-STORES = ("single", "sentinel")
+#: the library's ``sentinel://`` URL and ``master_name`` transport option, or ``cluster``, a
+#: Redis Cluster of 3 primaries and 3 replicas (``tests/support/faults/cluster_store.py``)
+#: reached with ``STEPLOCK_REDIS_CLUSTER=1`` and one node's URL.
+STORES = ("single", "sentinel", "cluster")
 #: Kinds that act on the single node's proxies or process, left out of the Sentinel plan: the
 #: proxy retarget failover and split, and the faults of ``store_proxy`` (latency, blackhole,
 #: drop), which is on no worker's path there; a restart of one node is Sentinel's own fault
@@ -123,6 +129,9 @@ SINGLE_STORE_KINDS = (
 #: The Sentinel topology's own kind: ``SENTINEL FAILOVER`` forced while leases are held.
 SENTINEL_KINDS = {"sentinel_failover": 2}
 SENTINEL_MASTER = "steplock-nemesis"
+#: The cluster topology's own kinds (without :data:`SINGLE_STORE_KINDS`): a failover of the
+#: primary serving a held lease's slot, and a migration of that slot to another primary.
+CLUSTER_KINDS = {"cluster_failover": 2, "slot_migration": 2}
 
 
 def actions_of(workload: str = "patterns") -> dict:
@@ -132,17 +141,24 @@ def actions_of(workload: str = "patterns") -> dict:
     return {**ACTIONS, **OUTBOX_ACTIONS} if workload != "patterns" else dict(ACTIONS)
 
 
-def kinds_of(workload: str = "patterns", store: str = "single") -> dict:
+def kinds_of(workload: str = "patterns", store: str = "single", broker: str = "redis") -> dict:
     """The fault kinds (name -> weight) of ``workload`` on the lock-store topology ``store``
     (one of :data:`STORES`): on ``"sentinel"``, :data:`KINDS` without
-    :data:`SINGLE_STORE_KINDS`, plus :data:`SENTINEL_KINDS`. Raises ValueError for an unknown
+    :data:`SINGLE_STORE_KINDS`, plus :data:`SENTINEL_KINDS`; on ``"cluster"``, plus
+    :data:`CLUSTER_KINDS` instead. Raises ValueError for an unknown
     ``store``."""
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     kinds = {**KINDS, **OUTBOX_KINDS} if workload != "patterns" else dict(KINDS)
-    if store == "sentinel":
+    if store != "single":
         kinds = {k: w for k, w in kinds.items() if k not in SINGLE_STORE_KINDS}
-        kinds.update(SENTINEL_KINDS)
+        kinds.update(SENTINEL_KINDS if store == "sentinel" else CLUSTER_KINDS)
+    # broker (backends.BROKERS): "rabbitmq" adds backends.BROKER_KINDS (broker_restart,
+    # broker_channel_close); the database's kinds keep their pg_* names on MariaDB
+    if broker not in backends.BROKERS:
+        raise ValueError(f"broker must be one of {backends.BROKERS}, got {broker!r}")
+    if broker == "rabbitmq":
+        kinds.update(backends.BROKER_KINDS)
     return kinds
 
 
@@ -302,7 +318,11 @@ class NemesisLab(Lab):
         log=print,
         workload: str = "patterns",
         breaker: str = "guarded",
+        patterns: str = "guarded",
         store: str = "single",
+        broker: str = "redis",
+        loads=(),
+        load_modes: dict | None = None,
     ):
         if store not in STORES:
             raise ValueError(f"store must be one of {STORES}, got {store!r}")
@@ -316,11 +336,13 @@ class NemesisLab(Lab):
             guard=guard,
             # a lock-store path per worker: the split_brain fault (single node only)
             worker_stores=store == "single",
+            broker=broker,  # backends.BROKERS; the database is db_settings' engine
         )
         self.store_kind = store
         self.sentinel = None  # the SentinelGroup of store="sentinel", once started
         self.sentinel_thread: threading.Thread | None = None  # a failover under way
         self.primary_port: int | None = None  # the last primary the sentinels agreed on
+        self.cluster_store = None  # the ClusterStore of store="cluster", once started
         self.seed = seed
         self.duration = float(duration)
         self.out = Path(out)
@@ -330,8 +352,12 @@ class NemesisLab(Lab):
         if breaker not in BREAKER_MODES:
             raise ValueError(f"breaker must be one of {BREAKER_MODES}, got {breaker!r}")
         self.breaker = breaker
+        # "bypass": the rate, concurrency and idempotency rules' negative control
+        if patterns not in BREAKER_MODES:
+            raise ValueError(f"patterns must be one of {BREAKER_MODES}, got {patterns!r}")
+        self.patterns = patterns
         self.actions = actions_of(workload)
-        self.kinds = dict(kinds or kinds_of(workload, store))
+        self.kinds = dict(kinds or kinds_of(workload, store, broker))
         self.restart_delay = restart_delay
         self.client_gap, self.fault_gap = client_gap, fault_gap
         self.schedule = plan(
@@ -357,6 +383,10 @@ class NemesisLab(Lab):
         self.replicas = 0
         self.replica_ready = threading.Event()
         self.dead_since: dict[str, float] = {}
+        # --loads (tests/support/faults/loads.py): http, writers, periodic and their modes
+        from tests.support.faults.loads import Loads
+
+        self.loads = Loads(self, loads, seed=seed, **(load_modes or {}))
 
     # -- workers: mixed pools, a supervisor ---------------------------------------------------
 
@@ -399,14 +429,21 @@ class NemesisLab(Lab):
         env["STEPLOCK_FAULTS_IDEMPOTENCY_LOCK_TTL"] = str(max(8.0, 4 * self.ttl))
         if self.breaker != "guarded":
             env["STEPLOCK_FAULTS_BREAKER"] = self.breaker
+        if self.patterns != "guarded":
+            env["STEPLOCK_FAULTS_PATTERNS"] = self.patterns
         # pg_terminate picks among the workers' sessions, never the controller's own.
-        env["DATABASE_URL"] += f"?application_name={WORKER_APP_NAME}"
+        env["DATABASE_URL"] = self.database.worker_url(self.pg_proxy.port, WORKER_APP_NAME)
         if self.sentinel is not None:  # the library's Sentinel configuration (docs/redis.md)
             env["STEPLOCK_REDIS_TRANSPORT_OPTIONS"] = json.dumps(self.sentinel.transport_options)
+        if self.cluster_store is not None:  # the library's cluster client (docs/cluster.md)
+            env["STEPLOCK_REDIS_CLUSTER"] = "1"
         return env
 
     def lock_store_url(self) -> str:
-        """The sentinels' ``sentinel://`` URL on Sentinel, else the store proxy's."""
+        """The sentinels' ``sentinel://`` URL on Sentinel, a live node's on a cluster, else
+        the store proxy's."""
+        if self.cluster_store is not None:
+            return self.cluster_store.url()
         return self.sentinel.url if self.sentinel is not None else super().lock_store_url()
 
     # -- the Sentinel topology ----------------------------------------------------------------
@@ -417,6 +454,11 @@ class NemesisLab(Lab):
         sentinels) instead of the single node and its proxy."""
         if self.store_kind == "single":
             super().start_lock_store()
+            return
+        if self.store_kind == "cluster":
+            from tests.support.faults.cluster_store import ClusterStore
+
+            self.cluster_store = ClusterStore(self).start()
             return
         from tests.support.sentinel import SentinelGroup
 
@@ -429,10 +471,15 @@ class NemesisLab(Lab):
         super().stop()
         if self.sentinel is not None:
             self.sentinel.stop()
+        if self.cluster_store is not None:
+            self.cluster_store.stop()
 
     def store_client(self) -> redis.Redis:
         """A client on the lock store's primary: on Sentinel, the one the sentinels agree on
-        (the last one they agreed on while they disagree, mid-failover)."""
+        (the last one they agreed on while they disagree, mid-failover); on a cluster, a
+        :class:`~tests.support.faults.cluster_store.ClusterClient` (scans every primary)."""
+        if self.cluster_store is not None:
+            return self.cluster_store.client()
         if self.sentinel is None:
             return super().store_client()
         try:
@@ -681,15 +728,8 @@ class NemesisLab(Lab):
         return pids
 
     def worker_backends(self) -> list[int]:
-        from django.db import connection
-
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                "AND application_name = %s ORDER BY pid",
-                [WORKER_APP_NAME],
-            )
-            return [row[0] for row in cursor.fetchall()]
+        """The workers' database sessions (backend pids; MariaDB: processlist ids)."""
+        return self.database.worker_sessions(WORKER_APP_NAME)
 
     def _last(self, kind: str, key: str, seconds: float, heal, **fields) -> dict:
         """Note a lasting fault and schedule its heal; the same fault on a target already
@@ -778,6 +818,14 @@ class NemesisLab(Lab):
             return self.do_split(fault, seconds)
         if kind == "sentinel_failover":
             return self.do_sentinel_failover()
+        if kind == "clock_ahead":
+            return clock.inject_clock_ahead(self, fault)
+        if kind == "cluster_failover":
+            return self.cluster_store.failover(fault)
+        if kind == "slot_migration":
+            return self.cluster_store.migrate(fault)
+        if kind in backends.BROKER_KINDS:
+            return backends.inject_broker(self, fault)
         path, _, what = kind.partition("_")
         proxy = self.store_proxy if path == "redis" else self.pg_proxy
         if what == "latency":
@@ -791,19 +839,17 @@ class NemesisLab(Lab):
         if what == "drop":
             dropped = proxy.drop_connections()
             return self.note("fault", kind=kind, dropped=dropped)
-        if kind == "pg_terminate":
-            backends = self.worker_backends()
-            if not backends:
+        if kind == "pg_terminate":  # on MariaDB too (KILL CONNECTION): the kind keeps its name
+            sessions = self.worker_backends()
+            if not sessions:
                 return None
-            backend = backends[target % len(backends)]
-            from django.db import connection
-
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
-                done = cursor.fetchone()[0]
-            return self.note("fault", kind=kind, backend_pid=backend, terminated=done)
+            backend = sessions[target % len(sessions)]
+            done = self.database.terminate(backend)
+            return self.note(
+                "fault", kind=kind, backend_pid=backend, terminated=done, db=self.database.engine
+            )
         if kind == "lost_commit_reply":
-            self.pg_proxy.drop_next_reply(match=b"COMMIT")
+            self.pg_proxy.drop_next_reply(match=self.database.commit_match)
             return self._last(kind, kind, seconds, self.pg_proxy.disarm)
         raise ValueError(f"unknown fault kind {kind!r}")
 
@@ -922,6 +968,12 @@ class NemesisLab(Lab):
             task_id = self.send("idem_forward", step, module=PATTERNS, kwargs=work)
             time.sleep(item["gap"])
             self.send("idem_forward", step, task_id=task_id, module=PATTERNS, kwargs=work)
+        elif kind == "stale_aba":
+            # a holder stalled past its lease while newer ones move the step away and back:
+            # the status matches again, only the fence refuses (tests/support/faults/loads.py)
+            from tests.support.faults.loads import stale_aba
+
+            stale_aba(self, step, work=item["work"])
         else:
             raise ValueError(f"unknown client action {kind!r}")
 
@@ -954,7 +1006,7 @@ class NemesisLab(Lab):
 
     def step_leased(self, step: int) -> bool:
         try:
-            return bool(self.store_client().exists(f"{KEY_PREFIX}:lease:step:{step}"))
+            return bool(self.store_client().exists(f"{KEY_PREFIX}:lease:{{step:{step}}}"))
         except redis.RedisError:
             return True
 
@@ -982,7 +1034,7 @@ class NemesisLab(Lab):
             self.r.delete(key)
         self.store_client().flushdb()
         self.ensure_workers()
-        if self.sentinel is None:
+        if self.store_kind == "single":
             self.prepare_replica()
         if self.workload != "patterns":
             from tests.support.faults import outbox
@@ -992,6 +1044,8 @@ class NemesisLab(Lab):
             self.relay = outbox.Relay(self.publisher).start()
         started = time.time()
         self.note("run", seed=self.seed, duration_s=self.duration, unguarded=self.unguarded)
+        if self.loads.names:
+            self.loads.start()
         threads = [
             threading.Thread(target=self.client, args=(started,), name="client", daemon=True),
             threading.Thread(target=self.nemesis, args=(started,), name="nemesis", daemon=True),
@@ -1008,6 +1062,7 @@ class NemesisLab(Lab):
         self.stopping.set()
         for thread in threads:
             thread.join(120)
+        self.loads.stop()
         self.run_seconds = time.time() - started
         self.heal_all()
         try:
@@ -1061,12 +1116,15 @@ class NemesisLab(Lab):
             self.r.delete(key)
         if self.sentinel_thread is not None:  # a failover under way ends first
             self.sentinel_thread.join(120)
-        for proxy in (self.pg_proxy,) if self.sentinel else (self.store_proxy, self.pg_proxy):
+        if self.cluster_store is not None:  # a change under way ends, every node back
+            self.cluster_store.heal()
+        single = self.store_kind == "single"
+        for proxy in (self.store_proxy, self.pg_proxy) if single else (self.pg_proxy,):
             proxy.set_latency(0)
             proxy.unstall()
             proxy.unblackhole()
             proxy.disarm()
-        if self.sentinel is None and not self.store.alive():
+        if single and not self.store.alive():
             self.store.start()
         for worker in self.workers.values():
             worker.signal(signal.SIGCONT, group=True)
@@ -1171,7 +1229,10 @@ class NemesisLab(Lab):
             "guard": self.guard,
             "workload": self.workload,
             "breaker": self.breaker,
+            "patterns": self.patterns,
             "store": self.store_kind,
+            "broker": self.broker.name,
+            "database": self.database.engine,
             "workers": [
                 {"name": n, "pool": p, "concurrency": c} for n, (p, c) in self.spec.items()
             ],
@@ -1191,6 +1252,9 @@ class NemesisLab(Lab):
             "settle": settled,
             "errors": self.errors[:50],
         }
+        loads = self.loads.write(self.out, [json.loads(x) for x in history])  # http.jsonl
+        if self.loads.names:
+            run["loads"] = loads
         (self.out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
         return run
 

@@ -61,12 +61,54 @@ def _same_run(a: dict, b: dict) -> bool:
     return (a.get("seed"), a.get("duration_s")) == (b.get("seed"), b.get("duration_s"))
 
 
-def merge(doc: dict, deterministic: dict | None = None, randomized_run: dict | None = None):
-    """A new document: ``doc`` with its deterministic part replaced by ``deterministic`` and
-    ``randomized_run`` added (replacing a run of the same seed and duration), when given."""
+#: The soak's settings a partial rerun must share with the soak it updates, or its rows would
+#: sit in a table whose heading describes another timing.
+RERUN_SETTINGS = ("trials", "negative_trials", "ttl", "visibility_timeout", "max_hold")
+
+
+def check_rerun(previous: dict | None, rerun: dict) -> None:
+    """Raise ValueError unless the rows of a soak with the settings of ``rerun`` can replace
+    rows of the recorded soak ``previous``: one exists, with the same :data:`RERUN_SETTINGS`."""
+    if not previous:
+        raise ValueError("a partial soak (--only) needs a whole soak in the document to update")
+    differ = [k for k in RERUN_SETTINGS if previous.get(k) != rerun.get(k)]
+    if differ:
+        raise ValueError(
+            "the partial soak's settings differ from the recorded soak's: "
+            + ", ".join(f"{k} {rerun.get(k)!r} != {previous.get(k)!r}" for k in differ)
+        )
+
+
+def merge_rows(previous: dict | None, rerun: dict) -> dict:
+    """The deterministic part ``previous`` with the rows of a partial soak ``rerun`` (``soak.py
+    --only``) in place of its own (new scenarios appended), each marked ``"rerun": {"started",
+    "commit", "seconds"}``. Raises ValueError when there is no previous soak or when the
+    settings of :data:`RERUN_SETTINGS` differ (the rows would not be comparable)."""
+    check_rerun(previous, rerun)
+    mark = {k: rerun[k] for k in ("started", "commit")}
+    out = dict(previous)
+    for part in ("scenarios", "negative_control"):
+        rows = dict(previous.get(part) or {})
+        for name, row in (rerun.get(part) or {}).items():
+            rows[name] = {**row, "rerun": {**mark, "seconds": round(row.get("seconds") or 0, 1)}}
+        out[part] = rows
+    return out
+
+
+def merge(
+    doc: dict,
+    deterministic: dict | None = None,
+    randomized_run: dict | None = None,
+    partial: bool = False,
+):
+    """A new document: ``doc`` with its deterministic part replaced by ``deterministic`` (with
+    ``partial``, only the rows it holds: :func:`merge_rows`) and ``randomized_run`` added
+    (replacing a run of the same seed and duration), when given."""
     out = normalize(doc)
     if deterministic is not None:
-        out["deterministic"] = deterministic
+        out["deterministic"] = (
+            merge_rows(out["deterministic"], deterministic) if partial else deterministic
+        )
     if randomized_run is not None:
         runs = [r for r in out["randomized"] if not _same_run(r, randomized_run)]
         out["randomized"] = runs + [randomized_run]
@@ -84,11 +126,12 @@ def update(
     deterministic: dict | None = None,
     randomized_run: dict | None = None,
     docs: Path | str | None = None,
+    partial: bool = False,
 ) -> dict:
     """Load the document in ``docs`` (default docs/), :func:`merge` in what is given, write
     both files; returns the new document."""
     docs = Path(docs) if docs is not None else DOCS
-    doc = merge(load(docs / "reliability.json"), deterministic, randomized_run)
+    doc = merge(load(docs / "reliability.json"), deterministic, randomized_run, partial)
     write(doc, docs)
     return doc
 
@@ -105,9 +148,109 @@ def _verdict_of(path: Path) -> dict:
     return runcheck.check_run(runcheck.load(path)).as_dict()
 
 
+#: A run's configuration in run.json and the value that is not a negative control.
+CONTROL_DEFAULTS = {
+    "unguarded": False,
+    "guard": "fenced",
+    "breaker": "guarded",
+    "patterns": "guarded",
+    "http": "guarded",
+    "writers": "guarded",
+    "periodic": "guarded",
+}
+#: The configuration keys that name a run's setting rather than a control.
+CONFIG_KEYS = ("store", "broker", "database", "loads", "workload")
+
+
+def control_label(meta: dict) -> str:
+    """What a run of ``meta`` (run.json) turned off, e.g. ``"unguarded"``, ``"guard nofence"``,
+    ``"breaker bypass"``, ``"workload outbox-in-body"``; ``""`` for a guarded run."""
+    parts = []
+    for key, default in CONTROL_DEFAULTS.items():
+        value = meta.get(key, default)
+        if value in (default, None):
+            continue
+        parts.append(key if value is True else f"{key} {value}")
+    if meta.get("workload") == "outbox-in-body":
+        parts.append("workload outbox-in-body")
+    return ", ".join(parts)
+
+
+#: The rule families of a verdict's violations, in the order the tables list them.
+RULES = (
+    "steps",
+    "writers",
+    "effects",
+    "rate",
+    "concurrency",
+    "idempotency",
+    "breaker",
+    "http",
+    "periodic",
+)
+
+
+def rule_of(message: str) -> str:
+    """The rule family (:data:`RULES`) of one violation message of the run checker: by its
+    prefix (``"rate "``, ``"concurrency "``, ``"idempotency"``, ``"breaker "``, ``"http "``;
+    ``"step N: effect"``/``"step N: key"`` for the effects; another ``"step N:"`` for the step
+    rules), and a periodic run's overlap (``"<task>: run ... while run ..."``)."""
+    head = message.split(":", 1)
+    for family in ("rate", "concurrency", "idempotency", "breaker", "http"):
+        if message.startswith(family):
+            return family
+    if message.startswith("step ") and len(head) == 2:
+        rest = head[1].lstrip()
+        return "effects" if rest.startswith(("effect ", "key ")) else "steps"
+    if " while run " in message or "overlapping run" in message:
+        return "periodic"
+    return "steps"
+
+
+def violations_by_rule(verdict: dict) -> dict:
+    """``{family: n}`` of a verdict's violations (:func:`rule_of`), with the step violations
+    on steps the writer outside Celery changed (``counts["writer_step_violations"]``) moved to
+    ``"writers"``; families without a violation are left out."""
+    found: dict = {}
+    for message in verdict.get("violations") or []:
+        family = rule_of(str(message))
+        found[family] = found.get(family, 0) + 1
+    writers = (verdict.get("counts") or {}).get("writer_step_violations") or 0
+    if writers:
+        moved = min(writers, found.get("steps", 0))
+        found["writers"] = found.get("writers", 0) + moved
+        found["steps"] = found.get("steps", 0) - moved
+    return {k: found[k] for k in RULES if found.get(k)}
+
+
+def _negative(negative_dir, meta: dict) -> dict:
+    negative_dir = Path(negative_dir)
+    neg_meta = json.loads((negative_dir / "run.json").read_text())
+    if neg_meta.get("seed") != meta.get("seed"):
+        raise ValueError(
+            f"the negative control {negative_dir} ran seed {neg_meta.get('seed')}, the run "
+            f"seed {meta.get('seed')}: a control must replay the same schedule"
+        )
+    neg = _verdict_of(negative_dir)
+    return {
+        "seed": neg_meta.get("seed"),
+        "duration_s": neg_meta.get("duration_s"),
+        "control": control_label(neg_meta),
+        "executions": neg["counts"].get("executions"),
+        "faults": neg["counts"].get("faults", {}),
+        "violations": len(neg["violations"]),
+        "by_rule": violations_by_rule(neg),
+        "examples": neg["violations"][:MAX_RUN_EXAMPLES],
+    }
+
+
 def summarize(run_dir, negative_dir=None) -> dict:
     """The summary of a randomized run for the document, from its directory's ``run.json`` and
-    ``verdict.json`` (checked now when absent), with its negative control's beside it::
+    ``verdict.json`` (checked now when absent), with its negative control's beside it
+    (``negative_dir``: a directory, or a list of them, one control per pattern: then also
+    ``negative_controls``, each with its ``control``, :func:`control_label`; each must have
+    run the same seed, else ValueError); ``store``, ``broker``, ``database``, ``loads`` and
+    ``workload`` are copied from run.json when it has them::
 
         {"seed", "duration_s", "started", "commit", "workers": [{"name", "pool",
          "concurrency"}], "executions", "faults": {kind: n}, "violations": int,
@@ -142,25 +285,17 @@ def summarize(run_dir, negative_dir=None) -> dict:
         "recovery_p95_s": recovery.get("p95_s"),
         "recovery_max_s": recovery.get("max_s"),
         "examples": (verdict["violations"] + verdict["leftovers"])[:MAX_RUN_EXAMPLES],
+        "counts": {k: v for k, v in counts.items() if k != "faults"},
         "negative_control": None,
     }
-    if negative_dir is not None:
-        negative_dir = Path(negative_dir)
-        neg_meta = json.loads((negative_dir / "run.json").read_text())
-        if neg_meta.get("seed") != meta.get("seed"):
-            raise ValueError(
-                f"the negative control {negative_dir} ran seed {neg_meta.get('seed')}, the run "
-                f"seed {meta.get('seed')}: a control must replay the same schedule"
-            )
-        neg = _verdict_of(negative_dir)
-        summary["negative_control"] = {
-            "seed": neg_meta.get("seed"),
-            "duration_s": neg_meta.get("duration_s"),
-            "executions": neg["counts"].get("executions"),
-            "faults": neg["counts"].get("faults", {}),
-            "violations": len(neg["violations"]),
-            "examples": neg["violations"][:MAX_RUN_EXAMPLES],
-        }
+    summary.update({k: meta[k] for k in CONFIG_KEYS if meta.get(k) is not None})
+    dirs = [] if negative_dir is None else [negative_dir]
+    if isinstance(negative_dir, (list, tuple)):
+        dirs = list(negative_dir)
+    controls = [_negative(d, meta) for d in dirs]
+    summary["negative_control"] = controls[0] if controls else None
+    if len(controls) > 1:
+        summary["negative_controls"] = controls
     return summary
 
 
@@ -200,11 +335,14 @@ def _deterministic_lines(result: dict) -> list[str]:
         "violations |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    reruns = {}
     for name, row in guarded.items():
         neg = negative.get(name)
         neg_text = f"{neg['violating_trials']} / {neg['trials']}" if neg else "-"
+        if row.get("rerun"):
+            reruns[name] = row["rerun"]
         lines.append(
-            f"| {name} | {row['fault']} | {fmt(row['trials'])} | {fmt(row['overlaps'])} | "
+            f"| {name}{' (*)' if row.get('rerun') else ''} | {row['fault']} | {fmt(row['trials'])} | {fmt(row['overlaps'])} | "
             f"{fmt(row['commits'])} | **{fmt(row['violations'])}** | "
             f"{fmt(row['leftover_leases'])} | {fmt(row['recovery_p50_s'])} | "
             f"{fmt(row['recovery_max_s'])} | {fmt(row['errors'])} | {neg_text} |"
@@ -226,6 +364,17 @@ def _deterministic_lines(result: dict) -> list[str]:
         "its heartbeat and the pre-commit ownership check stay). Violations there show that "
         "the checker bites and that the lease alone does not prevent a second commit.",
     ]
+    if reruns:
+        lines += [
+            "",
+            "(*) Rerun on its own with the same settings (`scripts/soak.py --only`), after a "
+            "fix to the scenario or the library; the row replaces the whole soak's: "
+            + "; ".join(
+                f"{name} at {r['started']} UTC, commit {r['commit']}, {fmt(r.get('seconds'))} s"
+                for name, r in reruns.items()
+            )
+            + ".",
+        ]
     if any(row.get("fault") == FENCE_CLASS for row in guarded.values()):
         lines += [
             "",
@@ -315,25 +464,52 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
     if not runs:
         return lines + ["No randomized run recorded yet."]
     lines += [
-        "| seed | duration s | started | commit | workers | step executions | faults | "
-        "violations | limits after data loss | leftovers | recovery p50 s | recovery max s | "
-        "negative control: seed, duration s, violations |",
-        "|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|",
+        "| seed | duration s | started | commit | lock store | workers | step executions | "
+        "faults | violations | limits after data loss | leftovers | fence refusals | "
+        "recovery p50 s | recovery max s | negative control: seed, duration s, violations |",
+        "|--:|--:|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for run in runs:
         neg = run.get("negative_control")
-        neg_text = (
-            f"{neg.get('seed')}, {_seconds(neg.get('duration_s'))}, **{fmt(neg.get('violations'))}**"
-            if neg
-            else "-"
-        )
+        controls = run.get("negative_controls")
+        if controls:
+            caught = sum(1 for c in controls if c.get("violations"))
+            neg_text = f"{len(controls)} controls, {caught} caught (below)"
+        elif neg:
+            neg_text = (
+                f"{neg.get('seed')}, {_seconds(neg.get('duration_s'))}, "
+                f"**{fmt(neg.get('violations'))}**"
+            )
+        else:
+            neg_text = "-"
         lines.append(
             f"| {run.get('seed')} | {_seconds(run.get('duration_s'))} | {run.get('started') or '-'} | "
-            f"{run.get('commit') or '-'} | {_workers(run)} | {fmt(run.get('executions'))} | "
+            f"{run.get('commit') or '-'} | {_topology(run)} | {_workers(run)} | "
+            f"{fmt(run.get('executions'))} | "
             f"{_faults_total(run.get('faults') or {})} | **{fmt(run.get('violations'))}** | "
-            f"{fmt(run.get('data_loss', 0))} | {fmt(run.get('leftovers'))} | {fmt(run.get('recovery_p50_s'))} | "
+            f"{fmt(run.get('data_loss', 0))} | {fmt(run.get('leftovers'))} | "
+            f"{fmt(run.get('fence_refusals'))} | {fmt(run.get('recovery_p50_s'))} | "
             f"{fmt(run.get('recovery_max_s'))} | {neg_text} |"
         )
+    with_controls = [r for r in runs if _controls(r)]
+    if with_controls:
+        lines += [
+            "",
+            "Negative controls, one per pattern, each on its run's seed (the run with that "
+            "pattern's guard turned off; the checker must report violations):",
+            "",
+            "| run seed | lock store | control | duration s | step executions | violations | "
+            "by rule |",
+            "|--:|---|---|--:|--:|--:|---|",
+        ]
+        for run in with_controls:
+            for c in _controls(run):
+                by_rule = ", ".join(f"{k} {fmt(v)}" for k, v in (c.get("by_rule") or {}).items())
+                lines.append(
+                    f"| {run.get('seed')} | {_topology(run)} | {c.get('control') or '-'} | "
+                    f"{_seconds(c.get('duration_s'))} | {fmt(c.get('executions'))} | "
+                    f"**{fmt(c.get('violations'))}** | {by_rule or '-'} |"
+                )
     lines += ["", "Faults by kind:", ""]
     for run in runs:
         kinds = ", ".join(f"{k} {fmt(v)}" for k, v in sorted((run.get("faults") or {}).items()))
@@ -352,6 +528,25 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
+def _controls(run: dict) -> list[dict]:
+    """The negative controls of a run to list per rule: all of ``negative_controls``, else its
+    one ``negative_control`` when that was judged per rule (older runs' were not)."""
+    if run.get("negative_controls"):
+        return run["negative_controls"]
+    neg = run.get("negative_control") or {}
+    return [neg] if neg.get("by_rule") else []
+
+
+def _topology(run: dict) -> str:
+    """The lock store's topology, with the broker and step database when not the default."""
+    parts = [run.get("store") or "single"]
+    if run.get("broker") not in (None, "redis"):
+        parts.append(f"{run['broker']} broker")
+    if run.get("database") not in (None, "postgresql"):
+        parts.append(run["database"])
+    return ", ".join(parts)
+
+
 def _randomized_examples(runs: list[dict]) -> list[str]:
     lines = []
     for run in runs:
@@ -361,11 +556,15 @@ def _randomized_examples(runs: list[dict]) -> list[str]:
             f"- {label} (a limit after a data loss): {ex}"
             for ex in (run.get("data_loss_examples") or [])[:MAX_RUN_EXAMPLES]
         ]
-        neg = run.get("negative_control") or {}
-        lines += [
-            f"- {label} (negative control): {ex}"
-            for ex in (neg.get("examples") or [])[:MAX_RUN_EXAMPLES]
-        ]
+        controls = run.get("negative_controls") or [run.get("negative_control") or {}]
+        per_control = MAX_RUN_EXAMPLES if len(controls) == 1 else 2
+        for neg in controls:
+            what = (
+                f"negative control: {neg['control']}" if neg.get("control") else "negative control"
+            )
+            lines += [
+                f"- {label} ({what}): {ex}" for ex in (neg.get("examples") or [])[:per_control]
+            ]
     return lines
 
 
@@ -430,13 +629,20 @@ def headline(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m tests.support.faults.report --run DIR [--negative DIR]``: add a randomized
-    run (and its negative control) to docs/reliability.md/.json, keeping the rest."""
+    """``python -m tests.support.faults.report --run DIR [--negative DIR ...]``: add a
+    randomized run (and its negative controls) to docs/reliability.md/.json, keeping the
+    rest."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, required=True, help="the guarded run's directory")
-    parser.add_argument("--negative", type=Path, default=None, help="its negative control's")
+    parser.add_argument(
+        "--negative",
+        type=Path,
+        action="append",
+        default=None,
+        help="a negative control's directory (repeatable: one per pattern, same seed)",
+    )
     parser.add_argument("--docs", type=Path, default=None, help="default: the repository's docs/")
     args = parser.parse_args(argv)
     doc = update(randomized_run=summarize(args.run, args.negative), docs=args.docs)

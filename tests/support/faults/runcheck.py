@@ -57,6 +57,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.faults import clock
+from tests.support.faults import loads
 from tests.support.faults.checker import (
     TERMINAL,
     Applied,
@@ -91,6 +93,7 @@ class Run:
     effects: dict | None = (
         None  # effects.json of an outbox workload (tests/support/faults/outbox.py)
     )
+    http: list | None = None  # http.jsonl: the HTTP load's responses (faults/loads.py)
 
 
 @dataclass
@@ -176,6 +179,9 @@ def load(path) -> Run:
         meta=_read_json(path / "run.json", {}),
         path=path,
         effects=_read_json(path / "effects.json", None),
+        http=[json.loads(x) for x in (path / "http.jsonl").read_text().splitlines() if x.strip()]
+        if (path / "http.jsonl").exists()
+        else None,
     )
 
 
@@ -207,6 +213,8 @@ def dump(run: Run, path, packed: bool = False) -> Path:
     }
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    if run.http is not None:
+        (path / "http.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.http))
     return path
 
 
@@ -358,6 +366,15 @@ class _Index:
         if not minority or a.get("via") is None or b.get("via") is None:
             return True
         return (a["via"] in minority) != (b["via"] in minority)
+
+    def on_minority(self, split: tuple[float, float], grant: dict) -> bool | None:
+        """Whether ``grant``'s lock-store path (its ``via``) is among the minority's paths of
+        ``split`` (start, heal) (the split note's ``minority_via``): during the split it talks
+        to the primary the heal discards. None without that information."""
+        note = self.split_notes.get(split[0]) or {}
+        if not note.get("minority_via") or grant.get("via") is None:
+            return None
+        return grant["via"] in set(note["minority_via"])
 
     def stopped_for(self, pid, start: float, at_least: float) -> float | None:
         """The first stop (SIGKILL/SIGQUIT/SIGSTOP) of ``pid`` at or after ``start`` that ended
@@ -533,6 +550,19 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
             and (mine is None or index.sides_differ(split[0], mine, grant))
         )
 
+    def discarded_at_the_heal(commit: dict, grant: dict) -> bool:
+        # A grant made during a split on a minority path lived on the primary the heal
+        # discards: it orders nothing, at any time, against a holder on a majority path
+        # (renewing on the primary the heal keeps).
+        split = index.split_at(grant["t"])
+        mine = first_grant.get(commit["owner"])
+        return (
+            split is not None
+            and mine is not None
+            and index.on_minority(split, grant) is True
+            and index.on_minority(split, mine) is False
+        )
+
     def freed_by_its_release(commit: dict, grant: dict) -> bool:
         # A commit without its ``committed`` entry (a lost COMMIT reply) is dated at its
         # owner's last entry, which may be the ``released`` entry, written after the release.
@@ -552,7 +582,11 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
         stale_commits(
             step,
             history,
-            excused=lambda c, g: on_the_other_primary(c, g) or freed_by_its_release(c, g),
+            excused=lambda c, g: (
+                on_the_other_primary(c, g)
+                or discarded_at_the_heal(c, g)
+                or freed_by_its_release(c, g)
+            ),
         )
     )
     spans = _lease_spans(index, group, end_of_run)
@@ -662,7 +696,9 @@ def check_concurrency(index: _Index, limits: dict, ttl: float = 0.0) -> tuple[li
     """Violations of the concurrency limits and the number of slot grants. A hold starts at
     ``slot_acquired`` and ends at the first of its ``slot_released``/``slot_expired``, the
     ``lost`` of its owner (the heartbeat found the slot gone: its expiry as the holder learnt
-    it), a SIGKILL/SIGQUIT/SIGSTOP of its pid or the end of its task run (else it lasts). The
+    it), for a hold its owner found lost the next grant of the same slot index to another
+    owner (the store had let it expire by then), a SIGKILL/SIGQUIT/SIGSTOP of its pid or the
+    end of its task run (else it lasts). The
     limit is ``limits[key]``, else the events' ``limit``. One message per episode above the
     limit, naming the holders at its peak."""
     problems, grants = [], 0
@@ -682,13 +718,31 @@ def check_concurrency(index: _Index, limits: dict, ttl: float = 0.0) -> tuple[li
         if limit is None:
             continue
         limit = int(limit)
+        # A slot index is one Redis key: the store grants it again only once the last grant
+        # expired there. A holder that finds its slot lost (lost, slot_expired) had lost it by
+        # the next grant of its index, whenever it learnt it (a renewal stuck behind a slow
+        # store past the TTL: "a paused holder loses its slot", docs/patterns/bulkhead.md).
+        expired = {_slot_ident(e) for _, e in events if e.get("ev") == "slot_expired"}
+        regrants: dict = {}
+        for _, e in events:
+            if e.get("ev") == "slot_acquired" and e.get("slot") is not None:
+                regrants.setdefault(e["slot"], []).append((e["t"], _slot_ident(e)))
         marks = []
         for ident, e in holds.items():
             start = e["t"]
             lost = index.lost_at.get(e.get("owner"))
+            passed_on = None
+            if (ident in expired or (lost is not None and lost >= start)) and e.get(
+                "slot"
+            ) is not None:
+                passed_on = next(
+                    (t for t, other in regrants[e["slot"]] if t > start and other != ident),
+                    None,
+                )
             stop = _earliest(
                 done.get(ident),
                 lost if lost is not None and lost >= start else None,
+                passed_on,
                 index.stopped_for(e.get("pid"), start, ttl),
                 index.task_end_after(e, start),
             )
@@ -963,7 +1017,7 @@ def _key_list(keys) -> str:
 def check_run(run: Run) -> RunVerdict:
     """The verdict of a run: every check of the module docstring, in the order lock store,
     steps (by id), rates, concurrency, idempotency (by key)."""
-    index = _Index(run.history)
+    index = _Index(loads.task_history(run.history))  # the HTTP server's records apart
     end_of_run = max((e.get("t", 0.0) for e in run.history), default=0.0)
     verdict = RunVerdict()
     no_ttl = list(run.store.get("keys_without_ttl", []))
@@ -977,6 +1031,7 @@ def check_run(run: Run) -> RunVerdict:
     for r in run.records:
         by_step[r.step].append(r)
     overlaps = stale_rejected = 0
+    reissued: list[str] = []
     ttl = float(run.meta.get("ttl") or 0.0)
     for start in index.unhealed:
         verdict.violations.append(f"the split brain at {start:.3f} was never healed")
@@ -993,7 +1048,10 @@ def check_run(run: Run) -> RunVerdict:
             end_of_run,
             ttl,
         )
-        verdict.violations.extend(problems)
+        # a token given twice by a counter a clock_ahead left ahead, after a data loss
+        excused = clock.reissued_tokens(problems, run.history)
+        reissued += excused
+        verdict.violations.extend(p for p in problems if not any(e.startswith(p) for e in excused))
         overlaps += overlap
         stale_rejected += stale
     limits = run.meta.get("limits") or {}
@@ -1004,7 +1062,7 @@ def check_run(run: Run) -> RunVerdict:
         index, limits.get("breaker") or {}, end_of_run
     )
     pattern_problems = rate_problems + slot_problems + idem_problems + breaker_problems
-    verdict.data_loss = [p for p in pattern_problems if "; after " in p]
+    verdict.data_loss = [p for p in pattern_problems if "; after " in p] + reissued
     verdict.violations += [p for p in pattern_problems if "; after " not in p]
     verdict.counts = {
         "steps": len(run.steps),
@@ -1035,6 +1093,11 @@ def check_run(run: Run) -> RunVerdict:
     }
     if index.dep_calls:  # a history that records its breaker's calls (older ones do not)
         verdict.counts["breaker_calls"] = breaker_counts
+    # the breakers' liveness after a clock_ahead fault (tests/support/faults/clock.py)
+    clock_problems, clock_counts = clock.check_breakers_after(run.history, index.stops)
+    verdict.violations += clock_problems
+    if clock_counts["clock_ahead_faults"]:
+        verdict.counts["clock_ahead"] = clock_counts
     if run.effects is not None:
         effects = check_run_effects(run)
         verdict.violations += effects.violations
@@ -1060,10 +1123,34 @@ def _check_writers_and_periodic(run: Run, verdict: RunVerdict) -> None:
         verdict.counts["writer_commits"] = mine
         verdict.counts["task_commits"] = len(run.records) - mine
     if events & {"periodic_start", "periodic_send", "periodic_skipped"}:
-        periodic = overlap_rules.check_periodic(run.history)
+        periodic = overlap_rules.check_periodic(loads.periodic_history(run.history))
         verdict.violations += periodic.violations
         verdict.data_loss += periodic.data_loss
-        verdict.counts["periodic"] = periodic.counts
+        verdict.counts["periodic"] = {**periodic.counts, "violations": len(periodic.violations)}
+    if "writer_commits" in verdict.counts:  # the step violations on steps the writer changed
+        steps = {str(r.step) for r in run.records if r.owner and _is_writer(run, r.owner)}
+        verdict.counts["writer_step_violations"] = sum(
+            1 for v in verdict.violations if v.startswith("step ") and v[5:].split(":")[0] in steps
+        )
+    if run.http is not None:  # the HTTP load of --loads http (tests/support/faults/loads.py)
+        ttl = ((run.meta.get("loads") or {}).get("http") or {}).get("lock_ttl") or 8.0
+        http = loads.judge_http(run.history, run.http, float(ttl))
+        verdict.violations += http["violations"]
+        verdict.counts["http"] = http["counts"]
+
+
+def _is_writer(run: Run, owner) -> bool:
+    """Whether ``owner`` is the writer's (a ``committed`` entry ``by: "writer"``, or a plain
+    write's ``plain-`` owner)."""
+    if str(owner).startswith("plain-"):
+        return True
+    if not hasattr(run, "_writer_owners"):
+        run._writer_owners = {
+            e.get("owner")
+            for e in run.history
+            if e.get("ev") == "committed" and e.get("by") == "writer"
+        }
+    return owner in run._writer_owners
 
 
 def check_run_effects(run: Run) -> EffectVerdict:
@@ -1105,6 +1192,14 @@ def summary_lines(verdict: RunVerdict, limit: int = 20) -> list[str]:
             f"{calls['unadmitted_calls']} without an admission), opens {calls['opens']} "
             f"({calls['opens_unlinked']} unlinked), admitted within the state cache's window "
             f"{calls['admitted_from_cache_window']}, after it {calls['admitted_after_open']}"
+        )
+    if c.get("http") or c.get("periodic") or "writer_commits" in c:  # --loads
+        h, p = c.get("http") or {}, c.get("periodic") or {}
+        lines.append(
+            f"loads: http requests {h.get('requests')}, bodies {h.get('bodies')}, violations "
+            f"{h.get('violations')} {h.get('by_rule')}; writer commits "
+            f"{c.get('writer_commits')}; periodic sends {p.get('sends')}, runs {p.get('runs')}, "
+            f"overlapping {p.get('overlapping')}, violations {p.get('violations')}"
         )
     shown = verdict.violations + verdict.leftovers
     lines += [f"  {p}" for p in shown[:limit]]

@@ -628,3 +628,97 @@ FENCE_SCENARIOS = {s.name: s for s in _fence_scenarios()}
 
 #: Every deterministic scenario, both families (what ``scripts/soak.py`` runs).
 ALL_SCENARIOS = {**SCENARIOS, **FENCE_SCENARIOS}
+
+
+# -- a failover from a clock that ran ahead -----------------------------------------------------
+
+#: The skew of :func:`clock_ahead_after_failover` (seconds): above CLOCK_SKEW_TOLERANCE (1 s),
+#: so the breaker's ``opened_ms`` is clamped, and at most the lab's
+#: ``steplock_retry_backoff_max`` (2 s), so the library retries the FenceAhead by itself after
+#: the skew (docs/howto/deployment.md): no operator's resend.
+CLOCK_SKEW_S = 1.5
+#: The scenario breaker's recovery_timeout (seconds), and how much later than that after the
+#: fault its first probe may come (a loaded machine's margin; below the skew, so a breaker
+#: that waited out the skew fails the scenario).
+CLOCK_RECOVERY_S = 0.5
+CLOCK_SLACK_S = 0.75
+
+
+def clock_ahead_after_failover(lab, step):
+    """The old primary's clock ran ``CLOCK_SKEW_S`` ahead: its holder's row fence is ahead of
+    every token the promoted replica grants (that replica never saw the grant: its counter
+    is behind), and a breaker it opened has ``opened_ms`` ahead. The duplicate's commit is
+    refused (FenceAhead, retried after the skew) and must commit exactly once; the breaker
+    must half-open within its recovery_timeout (+ ``CLOCK_SLACK_S``) of the first admission,
+    never after the skew (a ``breaker_half_open`` entry with ``seconds``; RuntimeError past
+    the bound)."""
+    import random
+
+    from celery_steplock.exceptions import CircuitOpen
+    from celery_steplock.keys import breaker_keys
+    from celery_steplock.patterns.breaker import CircuitBreaker
+    from tests.support.faults import clock
+    from tests.support.faults.lab import KEY_PREFIX
+
+    lab.start_replica()
+    held_pair(lab, step, "after_acquire")
+    # the row the old primary's holder left (the database is no lock store: no failover)
+    rows = clock.leave_clock_ahead(
+        lab.store_client(),
+        CLOCK_SKEW_S,
+        [step],
+        KEY_PREFIX,
+        rng=random.Random(0),
+        rows=1.0,
+        skip_held=False,  # its holder is the old primary's, about to lose its lease
+    )
+    fault = lab.failover()
+    store = lab.store_client()
+    dep = CircuitBreaker(
+        "clock-scenario",
+        failure_threshold=1,
+        window=1,
+        recovery_timeout=CLOCK_RECOVERY_S,
+        state_cache=0,
+        client=store,
+        prefix=KEY_PREFIX,
+    )
+    try:
+        dep.call(lambda: 1 / 0)  # opened on the promoted primary
+    except ZeroDivisionError:
+        pass
+    done = clock.leave_clock_ahead(store, CLOCK_SKEW_S, prefix=KEY_PREFIX)
+    lab.note(
+        "fault",
+        kind="clock_ahead",
+        skew=CLOCK_SKEW_S,
+        rows=rows["rows"],
+        changed={**done["changed"], "row_fence": len(rows["rows"])},
+    )
+    lab.go(step, "after_acquire", f"sleep:{lab.ttl}")
+    began = time.monotonic()
+    # unclamped it would half-open skew + recovery (2.0 s) after the fault
+    bound = CLOCK_RECOVERY_S + CLOCK_SLACK_S
+    while True:
+        try:
+            dep.admit(owner="clock-probe").release()
+            break
+        except CircuitOpen:
+            if time.monotonic() - began > bound:
+                raise RuntimeError(
+                    f"the breaker stayed open {bound} s after the clock_ahead"
+                ) from None
+            time.sleep(0.02)
+    lab.note("breaker_half_open", name=dep.name, seconds=round(time.monotonic() - began, 3))
+    store.delete(*breaker_keys(KEY_PREFIX, dep.name))
+    return fault["t"]
+
+
+CLOCK_SCENARIO = Scenario(
+    "clock-ahead-after-failover",
+    "Redis failover from a clock that ran ahead",
+    clock_ahead_after_failover,
+    overlap=True,
+)
+SCENARIOS[CLOCK_SCENARIO.name] = CLOCK_SCENARIO
+ALL_SCENARIOS[CLOCK_SCENARIO.name] = CLOCK_SCENARIO

@@ -163,15 +163,25 @@ def _record_on_commit(step_id, from_, to, owner, fence, op_id) -> None:
 
 
 def plain_change(step_id: int, from_: str, to: str, form_gap: float = 0.2) -> dict:
-    """The negative control: ``from_`` was read, ``form_gap`` seconds pass (the form is
-    open), then a plain ``UPDATE`` writes ``to`` whatever the row holds now, with its
-    ``TransitionRecord`` (owner ``plain-<uuid>``, fence None) in the same transaction."""
+    """The negative control: ``from_`` was read and the form stays open until the row
+    changes under it (a task committed meanwhile: the lost update a plain writer makes) or
+    ``form_gap`` seconds pass, then a plain ``UPDATE`` writes ``to`` whatever the row holds
+    now, with its ``TransitionRecord`` (owner ``plain-<uuid>``, fence None) in the same
+    transaction. Waiting for the change makes the collision the rule, not a race."""
     from django.db import DatabaseError, transaction
 
     from django_app.workflows.models import Step
 
     owner = f"plain-{uuid.uuid4()}"
-    time.sleep(form_gap)
+    deadline = time.monotonic() + form_gap
+    while time.monotonic() < deadline:
+        try:
+            now = Step.objects.filter(pk=step_id).values_list("status", flat=True).first()
+        except DatabaseError:
+            break
+        if now != from_:
+            break
+        time.sleep(0.05)
     try:
         with transaction.atomic():
             Step.objects.filter(pk=step_id).update(status=to)
@@ -191,7 +201,7 @@ def writer_loop(
     window: int = 3,
     mean_gap: float = 0.25,
     cancel_share: float = 0.5,
-    form_gap: tuple[float, float] = (0.05, 0.4),
+    form_gap: tuple[float, float] = (2.0, 3.0),
     stop=None,
 ) -> dict:
     """Change steps for ``seconds`` (see the module docstring) and return the counts:
