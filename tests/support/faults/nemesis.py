@@ -40,6 +40,7 @@ PATTERNS = "django_app.faults.patterns"
 DEP_FAILING = "faults:dep:failing"
 WORKER_APP_NAME = "steplock-nemesis-worker"
 TARGET_WAIT = 2.0  # seconds a fault waits for a target to exist
+SLOTS_BURST = 4  # concurrency-limited tasks sent at once by a burst of the "slots" action
 
 #: (name, pool, concurrency): what two cores carry beside PostgreSQL, Redis and the proxies.
 WORKERS = (
@@ -466,6 +467,13 @@ class NemesisLab(Lab):
         self.primary_port = self.sentinel.primary_port()
 
     def stop(self) -> None:
+        # a run ended early (Ctrl-C, an error): its loads' processes go by their pids too
+        if self.loads.writer is not None and self.loads.writer.poll() is None:
+            self.loads.writer.kill()
+            self.loads.writer.wait(10)
+        if self.loads.server is not None:
+            self.loads.server.stop()
+            self.loads.server = None
         if self.sentinel_thread is not None:
             self.sentinel_thread.join(60)
         super().stop()
@@ -945,6 +953,15 @@ class NemesisLab(Lab):
             self.send("rate_forward", step, module=PATTERNS, kwargs=work)
         elif kind == "slots":
             self.send("slot_forward", step, module=PATTERNS, kwargs={"work": item["slot_work"]})
+            # a third of them come SLOTS_BURST at once: more demand than slots, so the limit
+            # refuses (and its negative control runs more than SLOTS at once)
+            if item["gap"] < 0.1:
+                for _ in range(SLOTS_BURST - 1):
+                    extra = self.new_step("nemesis-slots")
+                    self.steps.append(extra)
+                    self.send(
+                        "slot_forward", extra, module=PATTERNS, kwargs={"work": item["slot_work"]}
+                    )
         elif kind == "breaker":
             self.send("breaker_forward", step, module=PATTERNS, kwargs=work)
         elif kind == "stage_reset":
