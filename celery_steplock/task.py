@@ -361,16 +361,20 @@ class StepLockedTask(_TaskBase):
         fields = lease_fields(lease, self.request.id, self.name)
 
         def stale(exc: TransitionConflict) -> BaseException | None:
-            # The status matched, the fence did not. A lease whose validity ran out since
-            # lease.check() (a pause before the statement) met a newer holder's write: the
-            # fence did its job, the plain LockLost. One still valid met no newer holder
-            # here, so the fence source went backwards (a failover to a node whose clock is
-            # behind, or a split brain): never ignored (the step would be dropped silently),
-            # never retried without end: FenceAhead.
+            # The status matched, the fence did not. A row token no further ahead of ours
+            # than the time since our grant is a newer holder's (this one paused past its
+            # lease, or a split brain): the fence did its job, the plain LockLost, and a
+            # retry's new token passes it. One further ahead is ahead of the store's clock
+            # (a failover to a node whose clock is behind): a retry would be refused again,
+            # so never ignored, never retried without end: FenceAhead.
             assert lease is not None
-            if lease.lost:
-                return None
-            return self._fence_ahead(lease, steps, step_id, f"{exc} (fence {lease.fence})")
+            return self._fence_ahead(
+                lease,
+                steps,
+                step_id,
+                f"{exc} (fence {lease.fence})",
+                since_grant=lease.clock() - lease.acquired_at,
+            )
 
         started = time.monotonic()
         result = fenced_cas(
@@ -495,10 +499,17 @@ class StepLockedTask(_TaskBase):
             return 0
 
     def _fence_ahead(
-        self, lease: Lease, steps: StepStore, step_id: Any, cause: str
+        self,
+        lease: Lease,
+        steps: StepStore,
+        step_id: Any,
+        cause: str,
+        since_grant: float | None = None,
     ) -> FenceAhead | None:
         """The FenceAhead of a row whose fencing token is ahead of ``lease``'s (its
-        ``fence_ahead`` signal sent), or None when the row's token is known and not ahead.
+        ``fence_ahead`` signal sent), or None when the row's token is known and not ahead,
+        or (``since_grant``: seconds since the lease's acquire was sent) ahead by no more
+        than that: a token granted after ours by the store's clock, a newer holder's.
         The row's token is read with the step store's ``writer()`` when it has one."""
         row_fence = None
         writer = getattr(steps, "writer", None)
@@ -513,6 +524,8 @@ class StepLockedTask(_TaskBase):
         skew = None
         if row_fence is not None and lease.fence is not None:
             skew = (row_fence - lease.fence) / 1_000_000  # fences are Redis microseconds
+            if since_grant is not None and skew <= since_grant:
+                return None
         ahead = (
             f"the row's fence {row_fence} is {skew:.3f} s ahead of the granted one"
             if skew is not None

@@ -710,6 +710,37 @@ def test_a_migration_that_outlasts_the_tryagain_wait_is_an_outage(cluster, store
     assert store.owned(name, lease.owner) is None
 
 
+def test_a_renewal_of_a_half_migrated_slot_is_resent_one_lease_per_call(
+    cluster, store, monkeypatch
+):
+    # One EXTEND_MANY call carries both leases of a slot; one of them has moved to the
+    # importing node (ASK) and the other not: the call meets TRYAGAIN until the migration
+    # ends. After TRYAGAIN_WAIT it is resent one lease per call, each following ASK: both
+    # renewed, none reported unavailable or lost.
+    monkeypatch.setattr(_cluster, "TRYAGAIN_WAIT", 0.3)
+    name = "half-migrated"
+    key = lease_key(PREFIX, name)
+    slot = _cluster.slot_of(key)
+    twin = next(
+        f"half:{n}"
+        for n in range(200000)
+        if _cluster.slot_of(lease_key(PREFIX, f"half:{n}")) == slot
+    )
+    lease = store.acquire(name, ttl=30)
+    other = store.acquire(twin, ttl=30)
+    source = primary_of(cluster, key)
+    target = next(node for node in cluster.primaries() if node is not source)
+    cluster.begin_migration(slot, target)
+    src = cluster.client(source)
+    src.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 5000)
+    items = [(name, lease.owner, 30.0), (twin, other.owner, 30.0)]
+    assert store.extend_many(items) == [True, True]
+    cluster.move_keys(slot, source, target)
+    cluster.finish_migration(slot, target)
+    assert store.release(name, lease.owner) is True
+    assert store.release(twin, other.owner) is True
+
+
 @pytest.mark.django_db
 def test_admin_changelist_pages_through_every_primary(
     cluster, cluster_app, admin_client, monkeypatch

@@ -6,6 +6,8 @@ bounded number of attempts, its body run once."""
 
 from __future__ import annotations
 
+import time
+
 import functools
 import json
 import logging
@@ -230,28 +232,32 @@ def test_a_row_fence_far_ahead_fails_at_once_with_a_typed_error(redis_client, ev
     transition=("pending", "done"),
     max_retries=0,
 )
-def paused_finish(self, step_id):
-    """Checks its lease, then (as a process paused past its TTL before its UPDATE would) finds
-    it run out; the row carries a newer holder's fence (written by the test)."""
+def paused_finish(self, step_id, pause=0.0, expire=False):
+    """Holds its lease ``pause`` seconds (a process paused, or on the minority side of a
+    split), then, with ``expire``, finds it run out since its last check."""
     BODY_RUNS.append(step_id)
-    lease = self.lease
-    lease.check()
-    lease.check = lambda: None  # the check was made before the pause
-    lease.valid_until = lease.clock() - 0.001
+    time.sleep(pause)
+    if expire:
+        lease = self.lease
+        lease.check()
+        lease.check = lambda: None  # the check was made before the pause
+        lease.valid_until = lease.clock() - 0.001
     return "done"
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_holder_paused_past_its_lease_meets_the_fence_not_a_clock_going_back(
-    redis_client, events
+@pytest.mark.parametrize("expire", [False, True], ids=["lease-valid", "lease-ran-out"])
+def test_a_newer_holders_token_is_the_fence_doing_its_job_not_a_clock_going_back(
+    redis_client, events, expire
 ):
-    """The fence refuses a holder whose lease ran out before its statement (a newer holder
-    wrote): that is the fence doing its job, a plain LockLost, not FenceAhead, and no
-    ``fence_ahead`` signal (whose ERROR says the store's clock went back)."""
+    """A row token ahead of ours by less than the time since our grant was granted after
+    ours by the store's clock: a newer holder's (we paused past our lease, or sat on the
+    minority side of a split). A plain LockLost, no ``fence_ahead`` (whose ERROR says the
+    store's clock went back), whether or not our lease has run out by then."""
     BODY_RUNS.clear()
-    newer = redis_now_us(redis_client) + 5_000_000  # the holder that came after the pause
+    newer = redis_now_us(redis_client) + 200_000  # granted 0.2 s after ours
     step = Step.objects.create(name="s", lock_fence=newer)
-    result = paused_finish.apply(args=(step.pk,))
+    result = paused_finish.apply(args=(step.pk,), kwargs={"pause": 0.5, "expire": expire})
     assert isinstance(result.result, LockLost), result.traceback
     assert not isinstance(result.result, FenceAhead)
     assert "a newer fencing token already wrote it" in str(result.result)
@@ -260,6 +266,20 @@ def test_a_holder_paused_past_its_lease_meets_the_fence_not_a_clock_going_back(
     step.refresh_from_db()
     assert step.status == "pending" and step.lock_fence == newer
     assert TransitionRecord.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_token_ahead_of_the_store_clock_is_fence_ahead_even_after_a_pause(redis_client, events):
+    """A row token further ahead of ours than the time since our grant is ahead of the
+    store's clock: FenceAhead, even when our lease ran out meanwhile (a retry would be
+    refused again)."""
+    BODY_RUNS.clear()
+    ahead = redis_now_us(redis_client) + 60_000_000
+    step = Step.objects.create(name="s", lock_fence=ahead)
+    result = paused_finish.apply(args=(step.pk,), kwargs={"pause": 0.2, "expire": True})
+    assert isinstance(result.result, FenceAhead), result.traceback
+    assert 50 < result.result.skew <= 60
+    assert len(skew_events(events)) == 1
 
 
 @pytest.mark.django_db(transaction=True)

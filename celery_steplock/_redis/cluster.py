@@ -78,7 +78,12 @@ class SlotUnavailable(RedisClusterException):
     retries ran out (:data:`TRYAGAIN_WAIT` seconds, :data:`MAX_REDIRECTS` redirections): its
     slot's migration or failover outlasted them. Not a refusal (not a ``ResponseError``): the
     lease store reports it as ``LockStoreUnavailable``, retried like an outage (docs/cluster.md).
-    The last redirection is its ``__cause__``."""
+    The last redirection is its ``__cause__``; ``kind`` names it (``"TRYAGAIN"``,
+    ``"MOVED"``, ``"ASK"``, ``"CLUSTERDOWN"``)."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 #: Redirections (MOVED, ASK) and connection failures one call follows before giving up.
@@ -307,7 +312,8 @@ def evalsha_many(
     calls = list(calls)
     replies = _run(client, script, calls)
     if calls and all(
-        isinstance(r, BaseException) and not isinstance(r, ResponseError) for r in replies
+        isinstance(r, BaseException) and not isinstance(r, (ResponseError, SlotUnavailable))
+        for r in replies
     ):
         raise replies[0]
     return replies
@@ -380,7 +386,8 @@ def _gave_up(replies: list[Any], retry: list[int]) -> list[Any]:
             )
             gone = SlotUnavailable(
                 f"{kind} after {TRYAGAIN_WAIT:g} s of resends or {MAX_REDIRECTS} redirections "
-                f"(a migration or failover of the slot in progress): {reply}"
+                f"(a migration or failover of the slot in progress): {reply}",
+                kind=kind,
             )
             gone.__cause__ = reply
             replies[i] = gone
@@ -608,7 +615,10 @@ class ClusterStoreMixin:
                 results=[None] * sum(map(len, members)),
             ) from exc
         for c, reply in enumerate(replies):
-            if isinstance(reply, TryAgainError) and len(members[c]) > 1:
+            tryagain = isinstance(reply, TryAgainError) or (
+                isinstance(reply, SlotUnavailable) and reply.kind == "TRYAGAIN"
+            )
+            if tryagain and len(members[c]) > 1:
                 keys, argv = calls[c]
                 singles = [([key], argv[2 * k : 2 * k + 2]) for k, key in enumerate(keys)]
                 try:

@@ -26,8 +26,8 @@ without a cluster-wide probe limit would, its outcome in the history only).
 
 ``STEPLOCK_FAULTS_PATTERNS=bypass`` is the negative control of the rate, concurrency and
 idempotency rules: ``rate_forward``, ``slot_forward`` and ``idem_forward`` are declared without
-their limit or key (and ``idem_forward`` without the status pre-check, which alone would skip
-a duplicate's body), and their bodies write the entries the checker judges
+their limit or key (``idem_forward`` has no status pre-check in either mode: it alone would
+skip a duplicate's body), and their bodies write the entries the checker judges
 (``rate_granted``, ``slot_acquired``/``slot_released``, ``idem_body``/``idem_completed``)
 themselves, marked ``bypass``: what a worker that ignored the pattern would have done.
 """
@@ -269,11 +269,10 @@ def breaker_forward(self, step_id, work=0.0):
 
 @shared_task(
     transition=("pending", "done"),
-    **(
-        {**OPTIONS, "lock_precheck": False}
-        if BYPASS
-        else {**OPTIONS, "idempotency_key": "idem:{step_id}"}
-    ),
+    # no status pre-check in either mode: it alone would skip a duplicate's body, and the
+    # idempotency record is what is judged (its control differs from it in the key only)
+    **{**OPTIONS, "lock_precheck": False},
+    **({} if BYPASS else {"idempotency_key": "idem:{step_id}"}),
 )
 def idem_forward(self, step_id, work=0.0):
     """pending -> done with an idempotency record per step: the body runs once per key."""

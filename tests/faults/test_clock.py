@@ -173,3 +173,34 @@ def test_rows_ahead_of_their_counter_are_the_fence_ahead_state(store):
     assert int(store.get(keys.fence_key(P, f"step:{kept.pk}"))) == kept.lock_fence
     assert leases.acquire(f"step:{kept.pk}", ttl=5.0).fence > kept.lock_fence
     assert leases.acquire(f"step:{lost.pk}", ttl=5.0).fence < lost.lock_fence
+
+
+def reissue_history(first: float, loss_t: float, second: float, lag: float = 0.5) -> list[dict]:
+    fence = 9_000_000  # 9 s of Redis time: ahead of both grants (a counter a clock_ahead left)
+    return [
+        {"ev": "fault", "t": 0.5, "kind": "clock_ahead", "skew": 1.5},
+        {"ev": "acquired", "t": first, "step": 5, "owner": "a", "fence": fence},
+        {"ev": "fault", "t": loss_t, "kind": "redis_failover", "lag": lag},
+        {"ev": "acquired", "t": second, "step": 5, "owner": "b", "fence": fence},
+    ]
+
+
+PROBLEM = "step 5: one fencing token 9000000 written by 2 owners (a, b)"
+
+
+def test_a_token_given_again_after_a_failover_lost_its_grant_is_a_data_loss():
+    [excused] = clock.reissued_tokens([PROBLEM], reissue_history(2.0, 2.3, 3.0))
+    assert excused.startswith(PROBLEM + "; after clock_ahead at 0.500 and redis_failover at")
+
+
+@pytest.mark.parametrize(
+    "first, loss_t, second",
+    [
+        (2.0, 9.0, 3.0),  # no loss between the two grants
+        (2.0, 7.0, 8.0),  # the first grant replicated long before the failover (lag 0.5 s)
+        (7.5, 7.0, 8.0),  # both grants after the failover, on the same primary
+    ],
+    ids=["no-loss-between", "replicated-before", "both-after"],
+)
+def test_a_token_given_twice_that_no_data_loss_explains_stays_a_violation(first, loss_t, second):
+    assert clock.reissued_tokens([PROBLEM], reissue_history(first, loss_t, second)) == []

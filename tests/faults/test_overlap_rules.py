@@ -131,3 +131,24 @@ def test_the_run_checker_judges_the_periodic_runs_with_the_steps():
     assert verdict.counts["periodic"]["max_concurrent"] == 2
     # a history without periodic entries keeps its verdict's shape (the stored fixtures)
     assert "periodic" not in runcheck.check_run(runcheck.Run([], {}, [])).counts
+
+
+def test_a_run_started_during_a_split_excuses_overlaps_only_until_the_heal_and_a_ttl():
+    from tests.support.faults.loads import periodic_history
+
+    history = [
+        {"ev": "fault", "t": 10.0, "kind": "split_brain"},
+        {"ev": "heal", "t": 12.0, "kind": "split_brain", "fault_t": 10.0},
+    ]
+    run(history, "aaaaaaaa-1", 11.0, 60.0, pid=100, owner="a")  # started in the split
+    run(history, "bbbbbbbb-2", 11.5, 13.0, pid=101, owner="b")  # the other side, meanwhile
+    run(history, "cccccccc-3", 50.0, 52.0, pid=102, owner="c")  # 38 s after the heal
+    verdict = check_periodic(periodic_history(history, ttl=2.0))
+    assert [m.split(";")[0] for m in verdict.data_loss] == [
+        "faults-periodic: run bbbbbbbb (pid 101) started at 11.500 while run aaaaaaaa "
+        "(pid 100) ran [11.000, 60.000]"
+    ]
+    assert verdict.violations == [
+        "faults-periodic: run cccccccc (pid 102) started at 50.000 while run aaaaaaaa "
+        "(pid 100) ran [11.000, 60.000]"
+    ]

@@ -471,13 +471,19 @@ def check_breakers_after(history: list[dict], stops: dict | None = None) -> tupl
 _REISSUE = re.compile(r"^step (\S+): one fencing token (\d+) written by \d+ owners")
 
 
+#: Seconds between the stall of a replica's feed and the ``lag`` it was told (the
+#: nemesis stalls the proxy, then sleeps ``lag`` and promotes).
+LAG_SLACK = 0.5
+
+
 def reissued_tokens(problems: list[str], history: list[dict]) -> list[str]:
     """The problems among ``problems`` (runcheck's step messages) that are a fencing token
     given twice because a counter ahead of the clock lost a grant: "one fencing token F
     written by N owners" where F is ahead of the Redis time of its first grant (so it was
     ``counter + 1`` of a counter a ``clock_ahead`` fault before that grant left ahead of the
-    clock, not the clock's time) and a Redis data-loss fault (a lagged failover, a restart, a
-    split brain) came between its first and last grant: the failover lost the grant, and
+    clock, not the clock's time) and a Redis data-loss fault came between each two of its
+    grants that could have lost the first (a restart; a failover or split brain whose
+    replica's feed stalled before that grant): the failover lost the grant, and
     the counter it kept gave the same ``counter + 1`` again. docs/design.md: the token
     "strictly increases ... as long as the Redis clock moves forward"; here the stored
     counter is ahead of the clock. Returned with ``; after clock_ahead at <t> and <kind> at
@@ -489,11 +495,21 @@ def reissued_tokens(problems: list[str], history: list[dict]) -> list[str]:
     if not clock_faults:
         return []
     losses = [
-        (e["t"], e["kind"])
+        (e["t"], e["kind"], float(e.get("lag") or 0.0))
         for e in history
         if e.get("ev") == "fault"
         and e.get("kind") in ("redis_restart", "redis_failover", "split_brain")
     ]
+
+    def lost_between(first: float, second: float):
+        # the loss came between the two grants, and (a failover or split of a replica whose
+        # feed was stalled ``lag`` seconds before it) the first grant fell in what the
+        # replica missed; a restart without persistence forgets everything before it
+        for t, kind, lag in losses:
+            if first < t < second and (kind == "redis_restart" or first >= t - lag - LAG_SLACK):
+                return t, kind
+        return None
+
     excused = []
     for problem in problems:
         match = _REISSUE.match(problem)
@@ -510,8 +526,8 @@ def reissued_tokens(problems: list[str], history: list[dict]) -> list[str]:
         if not grants or fence / 1_000_000 <= grants[0]:
             continue  # a token of the clock's own time: no excuse
         before = [t for t in clock_faults if t <= grants[0]]
-        lost = [(t, k) for t, k in losses if grants[0] <= t <= grants[-1]]
-        if before and lost:
+        lost = [lost_between(a, b) for a, b in zip(grants, grants[1:])]
+        if before and lost and all(lost):
             excused.append(
                 f"{problem}; after clock_ahead at {before[-1]:.3f} and {lost[0][1]} at "
                 f"{lost[0][0]:.3f} (a counter ahead of the clock lost a grant)"

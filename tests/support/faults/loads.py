@@ -389,12 +389,14 @@ def task_history(history: list[dict]) -> list[dict]:
     ]
 
 
-def periodic_history(history: list[dict]) -> list[dict]:
+def periodic_history(history: list[dict], ttl: float = 2.0) -> list[dict]:
     """``history`` for ``overlap_rules.check_periodic`` with the splits as windows: a run that
     starts during a split (from its ``split_brain`` fault to its heal) holds its lease on one
     side only, so a run on the other side, or after the heal discards its side, may overlap
     it: the documented data-loss limit, as for a split that begins during a run. Adds a
-    ``split_brain`` fault entry (``synthetic``) at the start of each such run."""
+    ``split_brain`` fault entry (``synthetic``) at the start of each such run, good for runs
+    that start until the heal plus ``ttl`` seconds (``until``): a run on the discarded side
+    has found its lease gone by then, one on the kept side still holds it."""
     healed = {
         e.get("fault_t"): e["t"]
         for e in history
@@ -407,7 +409,13 @@ def periodic_history(history: list[dict]) -> list[dict]:
         if e.get("ev") == "fault" and e.get("kind") == "split_brain"
     ]
     added = [
-        {"ev": "fault", "kind": "split_brain", "t": e["rt"], "synthetic": True}
+        {
+            "ev": "fault",
+            "kind": "split_brain",
+            "t": e["rt"],
+            "synthetic": True,
+            "until": next(b for a, b in splits if a <= e["rt"] <= b) + ttl,
+        }
         for e in history
         if e.get("ev") == "periodic_start"
         and e.get("rt") is not None

@@ -133,7 +133,7 @@ def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
                 for pid in _pids(e):
                     stops.setdefault(pid, []).append(e["t"])
             if e.get("kind") in DATA_LOSS:
-                losses.append((e["t"], e["kind"]))
+                losses.append((e["t"], e["kind"], e.get("until", float("inf"))))
     by_name: dict = {}
     for r in runs:
         by_name.setdefault(r.name, []).append(r)
@@ -153,7 +153,7 @@ def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
                 ):
                     excused += 1
                     continue
-                loss = [(t, k) for t, k in losses if a.start <= t <= b.start]
+                loss = [(t, k) for t, k, until in losses if a.start <= t <= b.start <= until]
                 message = (
                     f"{name}: run {str(b.task_id)[:8]} (pid {b.pid}) started at {b.start:.3f} "
                     f"while run {str(a.task_id)[:8]} (pid {a.pid}) ran "

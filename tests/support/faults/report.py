@@ -457,8 +457,17 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
         "*Recovery*: seconds from a lasting fault's heal to the next committed transition of "
         "any step (how long the system stayed stuck, not a per-step figure). *Step "
         "executions*: task runs that took or met a step lease (of them, the lease grants in "
-        "the faults list below). "
-        "The negative control is the same seed with `STEPLOCK_FAULTS_UNGUARDED=1`.",
+        "the faults list below). *Fence refusals*: commits the fencing token alone refused "
+        "(the status matched again). Since December 2026 a run also judges the circuit "
+        "breaker (no call while open beyond the state cache, at most `half_open_probes` "
+        "probes at once), the effects outbox (each committed transition's effects applied "
+        "exactly once, none of a refused attempt), the HTTP idempotency layer (one body per "
+        "key and principal, no replay across principals), a writer outside Celery through "
+        "the guarded transition, and periodic runs under the overlap guard (never two at "
+        "once), on the lock-store topology named in the table. "
+        "The negative control is the same seed with that pattern's guard turned off "
+        "(`STEPLOCK_FAULTS_UNGUARDED=1` for the step guard in the older rows); each must be "
+        "caught by its own rule.",
         "",
     ]
     if not runs:

@@ -73,6 +73,8 @@ from tests.support.faults.checker import (
 KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
 STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
 MICRO = 1_000_000  # rate windows are compared in whole microseconds: no float rounding
+#: Seconds between the stall of a replica's feed and the ``lag`` its fault entry tells.
+LAG_SLACK = 0.5
 MAX_NAMED = 5  # owners or keys named in one message
 # faults after which Redis may have lost data: a rate log, a slot or an idempotency record
 # lost with it lets one more through (the patterns' documented limit); a message says so
@@ -261,6 +263,7 @@ class _Index:
         self.continued: dict = defaultdict(list)  # pid -> SIGCONT times
         self.data_loss: list[tuple[float, str]] = []
         self.lost_at: dict = {}  # owner -> first "lost" (a slot's: the heartbeat found it gone)
+        self.clock_ahead: list[tuple[float, float]] = []  # (t, skew s) of clock_ahead faults
         refusals: set = set()
         for i, e in enumerate(history):
             ev = e.get("ev")
@@ -282,6 +285,8 @@ class _Index:
                     self.faults[e.get("kind") or e.get("signal") or "?"] += 1
                 if e.get("kind") in DATA_LOSS:
                     self.data_loss.append((e["t"], e["kind"]))
+                if e.get("kind") == "clock_ahead":
+                    self.clock_ahead.append((e["t"], float(e.get("skew") or 0.0)))
                 if e.get("kind") == "split_brain":
                     self.split_notes[e["t"]] = e
                 if e.get("signal") in STOP_SIGNALS and e.get("pid"):
@@ -552,16 +557,18 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
 
     def discarded_at_the_heal(commit: dict, grant: dict) -> bool:
         # A grant made during a split on a minority path lived on the primary the heal
-        # discards: it orders nothing, at any time, against a holder on a majority path
-        # (renewing on the primary the heal keeps).
+        # discards: it orders nothing, at any time, against a holder whose lease lives on the
+        # primary the heal keeps: renewed there during the split (a majority path), granted
+        # there during the split or before it early enough to have been replicated (before
+        # the replica's feed stalled).
         split = index.split_at(grant["t"])
         mine = first_grant.get(commit["owner"])
-        return (
-            split is not None
-            and mine is not None
-            and index.on_minority(split, grant) is True
-            and index.on_minority(split, mine) is False
-        )
+        if split is None or mine is None or index.on_minority(split, grant) is not True:
+            return False
+        if index.on_minority(split, mine) is not False:
+            return False
+        lag = float((index.split_notes.get(split[0]) or {}).get("lag") or 0.0)
+        return mine["t"] >= split[0] or mine["t"] < split[0] - lag - LAG_SLACK
 
     def freed_by_its_release(commit: dict, grant: dict) -> bool:
         # A commit without its ``committed`` entry (a lost COMMIT reply) is dated at its
@@ -719,26 +726,33 @@ def check_concurrency(index: _Index, limits: dict, ttl: float = 0.0) -> tuple[li
             continue
         limit = int(limit)
         # A slot index is one Redis key: the store grants it again only once the last grant
-        # expired there. A holder that finds its slot lost (lost, slot_expired) had lost it by
-        # the next grant of its index, whenever it learnt it (a renewal stuck behind a slow
-        # store past the TTL: "a paused holder loses its slot", docs/patterns/bulkhead.md).
+        # expired there, at least a TTL after it (the grant set the TTL), so the next grant's
+        # fencing token (Redis microseconds) is a TTL past the holder's, less the skew of a
+        # clock_ahead between them. A holder that finds its slot expired had lost it by such a
+        # next grant of its index, whenever it learnt it (a renewal stuck behind a slow store
+        # past the TTL: "a paused holder loses its slot", docs/patterns/bulkhead.md). A next
+        # grant sooner than that is the same slot granted twice: never passed on.
         expired = {_slot_ident(e) for _, e in events if e.get("ev") == "slot_expired"}
         regrants: dict = {}
         for _, e in events:
             if e.get("ev") == "slot_acquired" and e.get("slot") is not None:
-                regrants.setdefault(e["slot"], []).append((e["t"], _slot_ident(e)))
+                regrants.setdefault(e["slot"], []).append(e)
         marks = []
         for ident, e in holds.items():
             start = e["t"]
             lost = index.lost_at.get(e.get("owner"))
             passed_on = None
-            if (ident in expired or (lost is not None and lost >= start)) and e.get(
-                "slot"
-            ) is not None:
-                passed_on = next(
-                    (t for t, other in regrants[e["slot"]] if t > start and other != ident),
-                    None,
-                )
+            if ident in expired and e.get("slot") is not None and e.get("fence"):
+                for other in regrants[e["slot"]]:
+                    if other["t"] <= start or _slot_ident(other) == ident:
+                        continue
+                    skew = max(
+                        (k for t, k in index.clock_ahead if start <= t <= other["t"]),
+                        default=0.0,
+                    )
+                    if (other.get("fence") or 0) - e["fence"] >= (ttl - skew) * MICRO:
+                        passed_on = other["t"]
+                    break
             stop = _earliest(
                 done.get(ident),
                 lost if lost is not None and lost >= start else None,
@@ -1123,7 +1137,9 @@ def _check_writers_and_periodic(run: Run, verdict: RunVerdict) -> None:
         verdict.counts["writer_commits"] = mine
         verdict.counts["task_commits"] = len(run.records) - mine
     if events & {"periodic_start", "periodic_send", "periodic_skipped"}:
-        periodic = overlap_rules.check_periodic(loads.periodic_history(run.history))
+        periodic = overlap_rules.check_periodic(
+            loads.periodic_history(run.history, float(run.meta.get("ttl") or 2.0))
+        )
         verdict.violations += periodic.violations
         verdict.data_loss += periodic.data_loss
         verdict.counts["periodic"] = {**periodic.counts, "violations": len(periodic.violations)}
