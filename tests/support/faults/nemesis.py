@@ -384,6 +384,7 @@ class NemesisLab(Lab):
         self.replicas = 0
         self.replica_ready = threading.Event()
         self.dead_since: dict[str, float] = {}
+        self.orphaned: dict[str, list[int]] = {}  # worker -> its children when its main was killed
         # --loads (tests/support/faults/loads.py): http, writers, periodic and their modes
         from tests.support.faults.loads import Loads
 
@@ -411,6 +412,16 @@ class NemesisLab(Lab):
                         signal="SIGKILL",
                         pid=orphans,
                         why="orphans of a killed main process, ended by the supervisor",
+                    )
+                gone = [p for p in self.orphaned.pop(name, []) if p not in orphans]
+                if gone:
+                    self.note(
+                        "fault",
+                        kind="kill_main",
+                        follow_up=True,
+                        signal="SIGKILL",
+                        pid=gone,
+                        why="children of a killed main process, gone by its restart",
                     )
             self.note("restart_workers", worker=name)
             if self.worker_stores:  # a restarted worker stays on its side of a split
@@ -788,6 +799,9 @@ class NemesisLab(Lab):
             if not alive:
                 return None
             worker = alive[target % len(alive)]
+            # its children, to note when they are gone (a prefork child whose parent died
+            # may exit without a word: its holds end by then, not never)
+            self.orphaned[worker.name] = worker.children_pids()
             entry = self.note(
                 "fault", kind=kind, signal="SIGKILL", pid=worker.pid, worker=worker.name
             )
