@@ -717,7 +717,10 @@ class NemesisLab(Lab):
             heal,
             minority=minority,
             majority=majority,
-            minority_via=[self.worker_store_proxy(n).port for n in minority],
+            # the store proxy (the writer, the HTTP server, the controller) stays on the old
+            # primary until the heal: the minority's side
+            minority_via=[self.worker_store_proxy(n).port for n in minority]
+            + [self.store_proxy.port],
             to_port=replica.port,
             lag=fault["lag"],
         )

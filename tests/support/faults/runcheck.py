@@ -73,6 +73,8 @@ from tests.support.faults.checker import (
 KILL_SIGNALS = ("SIGKILL", "SIGQUIT")
 STOP_SIGNALS = KILL_SIGNALS + ("SIGSTOP",)
 MICRO = 1_000_000  # rate windows are compared in whole microseconds: no float rounding
+#: History entries the heartbeat thread writes (django_app/faults/probe.py), not the task.
+HEARTBEAT_NOTES = ("heartbeat_frozen", "heartbeat_thawed")
 #: Seconds between the stall of a replica's feed and the ``lag`` its fault entry tells.
 LAG_SLACK = 0.5
 MAX_NAMED = 5  # owners or keys named in one message
@@ -507,7 +509,13 @@ def _commits_in_history(
     added = []
     for r in records:
         if r.owner and r.owner not in seen:
-            mine = [e for e in group if e.get("owner") == r.owner]
+            # the heartbeat thread's own notes (a frozen renewal thawed long after the task
+            # ended) say nothing of when the task committed
+            mine = [
+                e
+                for e in group
+                if e.get("owner") == r.owner and e.get("ev") not in HEARTBEAT_NOTES
+            ]
             if mine:
                 last = max(mine, key=lambda e: e.get("t", 0.0))
                 added.append(
@@ -570,6 +578,8 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
         lag = float((index.split_notes.get(split[0]) or {}).get("lag") or 0.0)
         return mine["t"] >= split[0] or mine["t"] < split[0] - lag - LAG_SLACK
 
+    released_at = {e.get("owner"): e["t"] for e in history if e.get("ev") == "released"}
+
     def freed_by_its_release(commit: dict, grant: dict) -> bool:
         # A commit without its ``committed`` entry (a lost COMMIT reply) is dated at its
         # owner's last entry, which may be the ``released`` entry, written after the release.
@@ -580,6 +590,17 @@ def _check_group(index: _Index, step, status, records: list[Record], group, end_
         mine = first_grant.get(commit["owner"])
         if not commit.get("synthetic") or mine is None or ttl <= 0:
             return False
+        # A ``released`` entry is written only when the owner-checked delete deleted the key:
+        # the owner held it without a break until then, so every newer grant on that store
+        # came after the delete, which came after the commit (barring a data loss or split).
+        freed = released_at.get(commit["owner"])
+        if (
+            freed is not None
+            and grant["t"] <= freed
+            and index.split_at(grant["t"]) is None
+            and not any(mine["t"] - ttl <= t <= freed for t, _ in index.data_loss)
+        ):
+            return True
         own, newer = mine.get("fence") or 0, grant.get("fence") or 0
         if not own or not 0 < newer - own < ttl * 1e6:
             return False
