@@ -794,9 +794,9 @@ class NemesisLab(Lab):
             if not pids:
                 return None
             pid = pids[target % len(pids)]
-            entry = self.note("fault", kind=kind, signal="SIGKILL", pid=pid)
+            # noted once sent: every entry of the process comes before its fault's
             processes._signal_pid(pid, signal.SIGKILL)
-            return entry
+            return self.note("fault", kind=kind, signal="SIGKILL", pid=pid)
         if kind == "kill_main":
             alive = [self.workers[n] for n in sorted(self.workers) if self.workers[n].alive()]
             if not alive:
@@ -805,11 +805,10 @@ class NemesisLab(Lab):
             # its children, to note when they are gone (a prefork child whose parent died
             # may exit without a word: its holds end by then, not never)
             self.orphaned[worker.name] = worker.children_pids()
-            entry = self.note(
+            processes._signal_pid(worker.pid, signal.SIGKILL)
+            return self.note(
                 "fault", kind=kind, signal="SIGKILL", pid=worker.pid, worker=worker.name
             )
-            processes._signal_pid(worker.pid, signal.SIGKILL)
-            return entry
         if kind in ("pause", "heartbeat_frozen"):
             pids = self.task_processes()
             if fault["target2"] % 4 == 0 and kind == "pause":  # now and then a main process

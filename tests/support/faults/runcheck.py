@@ -267,9 +267,12 @@ class _Index:
         self.lost_at: dict = {}  # owner -> first "lost" (a slot's: the heartbeat found it gone)
         self.clock_ahead: list[tuple[float, float]] = []  # (t, skew s) of clock_ahead faults
         refusals: set = set()
+        times_by_pid: dict = defaultdict(list)  # pid -> times of its own entries
         for i, e in enumerate(history):
             ev = e.get("ev")
             step = e.get("step")
+            if isinstance(e.get("pid"), int) and ev not in ("fault", "heal"):
+                times_by_pid[e["pid"]].append(e["t"])
             if step is not None:
                 normal = _id(step)
                 if normal != step:
@@ -326,6 +329,20 @@ class _Index:
             elif ev == "breaker_outcome":
                 self.outcomes[(e.get("task_id"), e.get("pid"))].append(e["t"])
         self.fence_refusals = len(refusals)
+        # A kill is noted just before the signal is sent: on a loaded host the process may
+        # still write entries after the note, so it died no earlier than its last entry.
+        for pid, kills in self.kills.items():
+            mine = sorted(times_by_pid.get(pid, []))
+            moved = []
+            for n, t in enumerate(sorted(kills)):
+                nxt = sorted(kills)[n + 1] if n + 1 < len(kills) else float("inf")
+                later = [x for x in mine[bisect.bisect_right(mine, t) :] if x < nxt]
+                moved.append((t, max(later) if later else t))
+            for old_t, new_t in moved:
+                if new_t != old_t:
+                    kills[kills.index(old_t)] = new_t
+                    stops = self.stops[pid]
+                    stops[stops.index(old_t)] = new_t
         for table in (
             self.stops,
             self.kills,
