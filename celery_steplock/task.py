@@ -509,8 +509,10 @@ class StepLockedTask(_TaskBase):
         """The FenceAhead of a row whose fencing token is ahead of ``lease``'s (its
         ``fence_ahead`` signal sent), or None when the row's token is known and not ahead,
         or (``since_grant``: seconds since the lease's acquire was sent) ahead by no more
-        than that: a token granted after ours by the store's clock, a newer holder's.
-        The row's token is read with the step store's ``writer()`` when it has one."""
+        than that: a token granted after ours by the store's clock, a newer holder's. The
+        skew is then how far the row is ahead of the store's clock now (less
+        ``since_grant``), what a retry must wait out. The row's token is read with the step
+        store's ``writer()`` when it has one."""
         row_fence = None
         writer = getattr(steps, "writer", None)
         if writer is not None:
@@ -524,8 +526,11 @@ class StepLockedTask(_TaskBase):
         skew = None
         if row_fence is not None and lease.fence is not None:
             skew = (row_fence - lease.fence) / 1_000_000  # fences are Redis microseconds
-            if since_grant is not None and skew <= since_grant:
-                return None
+            if since_grant is not None:
+                # how far the row is ahead of the store's clock now, not of our grant
+                skew -= since_grant
+                if skew <= 0:
+                    return None
         ahead = (
             f"the row's fence {row_fence} is {skew:.3f} s ahead of the granted one"
             if skew is not None
