@@ -169,6 +169,38 @@ class RabbitMQServer:
             lines.append(f"consumer_timeout = {round(self.consumer_timeout * 1000)}")
         return "\n".join(lines) + "\n"
 
+    def server_env(self) -> dict:
+        """The environment the server (and its epmd) runs with: this server's node name,
+        ports and files under its work directory, the caller's environment without
+        ``RABBITMQ_*``/``ERL_*``."""
+        work = self.workdir
+        erl_args = ["-kernel", "inet_dist_use_interface", "{127,0,0,1}", "-noinput"]
+        if self.tick_interval is not None:
+            erl_args += ["-rabbit", "channel_tick_interval", str(round(self.tick_interval * 1000))]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
+        env.update(
+            HOME=str(work),
+            LC_ALL="C.UTF-8",
+            ERL_EPMD_PORT=str(self.epmd_port),
+            ERL_EPMD_ADDRESS="127.0.0.1",
+            RABBITMQ_NODENAME=self.nodename,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=str(work / "mnesia"),
+            RABBITMQ_LOG_BASE=str(work / "log"),
+            RABBITMQ_CONFIG_FILE=str(work / "rabbitmq.conf"),
+            RABBITMQ_ADVANCED_CONFIG_FILE=str(work / "advanced.config"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(work / "enabled_plugins"),
+            RABBITMQ_CONF_ENV_FILE=str(work / "rabbitmq-env.conf"),
+            RABBITMQ_PID_FILE=str(work / "rabbitmq.pid"),
+            # Exec the VM in place of the start script (no shell proxy in between), so the
+            # PID is the server's and the parent-death signal reaches it.
+            RABBITMQ_ALLOW_INPUT="1",
+            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=" ".join(erl_args),
+        )
+        return env
+
     def start(self, timeout: float = 60.0) -> RabbitMQServer:
         """Start epmd and the server, and wait until an AMQP connection opens.
 
@@ -195,31 +227,7 @@ class RabbitMQServer:
         (work / "advanced.config").write_text("[].\n")
         (work / "enabled_plugins").write_text("[].\n")
         (work / "rabbitmq-env.conf").write_text("")
-        erl_args = ["-kernel", "inet_dist_use_interface", "{127,0,0,1}", "-noinput"]
-        if self.tick_interval is not None:
-            erl_args += ["-rabbit", "channel_tick_interval", str(round(self.tick_interval * 1000))]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
-        env.update(
-            HOME=str(work),
-            LC_ALL="C.UTF-8",
-            ERL_EPMD_PORT=str(self.epmd_port),
-            ERL_EPMD_ADDRESS="127.0.0.1",
-            RABBITMQ_NODENAME=self.nodename,
-            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
-            RABBITMQ_NODE_PORT=str(self.port),
-            RABBITMQ_DIST_PORT=str(self.dist_port),
-            RABBITMQ_MNESIA_BASE=str(work / "mnesia"),
-            RABBITMQ_LOG_BASE=str(work / "log"),
-            RABBITMQ_CONFIG_FILE=str(work / "rabbitmq.conf"),
-            RABBITMQ_ADVANCED_CONFIG_FILE=str(work / "advanced.config"),
-            RABBITMQ_ENABLED_PLUGINS_FILE=str(work / "enabled_plugins"),
-            RABBITMQ_CONF_ENV_FILE=str(work / "rabbitmq-env.conf"),
-            RABBITMQ_PID_FILE=str(work / "rabbitmq.pid"),
-            # Exec the VM in place of the start script (no shell proxy in between), so the
-            # PID is the server's and the parent-death signal reaches it.
-            RABBITMQ_ALLOW_INPUT="1",
-            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=" ".join(erl_args),
-        )
+        env = self.server_env()
         with open(self.logfile, "ab") as log:
             self.epmd = subprocess.Popen(
                 [epmd, "-port", str(self.epmd_port), "-address", "127.0.0.1"],

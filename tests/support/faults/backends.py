@@ -95,33 +95,6 @@ class RestartableRabbitMQ(rabbitmq.RabbitMQServer):
     """A :class:`~tests.support.rabbitmq.RabbitMQServer` whose server process can be
     restarted in place (:meth:`restart`): same node name, ports, Mnesia directory and epmd."""
 
-    def _env(self) -> dict:
-        """The environment :meth:`RabbitMQServer.start` gives the server, rebuilt from this
-        server's attributes (no consumer_timeout or tick overrides)."""
-        work = self.workdir
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
-        env.update(
-            HOME=str(work),
-            LC_ALL="C.UTF-8",
-            ERL_EPMD_PORT=str(self.epmd_port),
-            ERL_EPMD_ADDRESS="127.0.0.1",
-            RABBITMQ_NODENAME=self.nodename,
-            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
-            RABBITMQ_NODE_PORT=str(self.port),
-            RABBITMQ_DIST_PORT=str(self.dist_port),
-            RABBITMQ_MNESIA_BASE=str(work / "mnesia"),
-            RABBITMQ_LOG_BASE=str(work / "log"),
-            RABBITMQ_CONFIG_FILE=str(work / "rabbitmq.conf"),
-            RABBITMQ_ADVANCED_CONFIG_FILE=str(work / "advanced.config"),
-            RABBITMQ_ENABLED_PLUGINS_FILE=str(work / "enabled_plugins"),
-            RABBITMQ_CONF_ENV_FILE=str(work / "rabbitmq-env.conf"),
-            RABBITMQ_PID_FILE=str(work / "rabbitmq.pid"),
-            RABBITMQ_ALLOW_INPUT="1",
-            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} "
-            "-noinput",
-        )
-        return env
-
     def restart(self, down: float = 0.0, timeout: float = 90.0) -> float:
         """SIGTERM the server (a clean shutdown: durable queues and persistent messages are
         kept; SIGKILL after 30 s), wait ``down`` seconds, start it again and wait until it
@@ -133,7 +106,7 @@ class RestartableRabbitMQ(rabbitmq.RabbitMQServer):
             self.proc = subprocess.Popen(
                 [rabbitmq.find_rabbitmq_server()],
                 cwd=self.workdir,
-                env=self._env(),
+                env=self.server_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
