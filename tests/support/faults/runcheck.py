@@ -334,8 +334,9 @@ class _Index:
         for pid, kills in self.kills.items():
             mine = sorted(times_by_pid.get(pid, []))
             moved = []
-            for n, t in enumerate(sorted(kills)):
-                nxt = sorted(kills)[n + 1] if n + 1 < len(kills) else float("inf")
+            ordered = sorted(kills)
+            for n, t in enumerate(ordered):
+                nxt = ordered[n + 1] if n + 1 < len(ordered) else float("inf")
                 later = [x for x in mine[bisect.bisect_right(mine, t) :] if x < nxt]
                 moved.append((t, max(later) if later else t))
             for old_t, new_t in moved:
