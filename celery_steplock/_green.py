@@ -333,11 +333,15 @@ def _native_connection_class(cls: type, pool: str) -> type:
     tcp = _rebind(rc.Connection._connect, socket=socket_module)
     attrs: dict[str, Any] = {}
     bases: tuple[type, ...] = (cls,)
-    if (
+    redis_py_tls = (
         issubclass(cls, rc.SSLConnection)
         and cls._connect is rc.SSLConnection._connect
-        and hasattr(rc.SSLConnection, "_wrap_socket_with_ssl")
-    ):
+        and all(
+            getattr(cls, name, None) is getattr(rc.SSLConnection, name, None)
+            for name in ("_wrap_socket_with_ssl", "_build_ssl_context")
+        )
+    )
+    if redis_py_tls and hasattr(rc.SSLConnection, "_wrap_socket_with_ssl"):
         wrap = _rebind(
             rc.SSLConnection._wrap_socket_with_ssl, ssl=native("ssl"), socket=socket_module
         )
@@ -351,7 +355,13 @@ def _native_connection_class(cls: type, pool: str) -> type:
                 raise
 
         attrs["_connect"] = _connect
-    elif issubclass(cls, rc.SSLConnection) and cls._connect is rc.SSLConnection._connect:
+        if hasattr(rc.SSLConnection, "_build_ssl_context"):
+            # redis-py 8.2 makes the SSLContext in a method of its own, and its context's
+            # wrap_socket decides the socket's class.
+            attrs["_build_ssl_context"] = _rebind(
+                rc.SSLConnection._build_ssl_context, ssl=native("ssl"), socket=socket_module
+            )
+    elif redis_py_tls:
         # redis-py 5.0 wraps the socket inside SSLConnection._connect, which makes it with
         # super()._connect(): that super() is pointed at a class whose next one has ``tcp``.
         class _NativeTCP:

@@ -185,7 +185,16 @@ NATIVE_CHECK = textwrap.dedent("""
         def _connect(self):
             return super()._connect()
 
+    # A TLS class of the user's own: the one of its methods that makes the SSLContext
+    # (redis-py 8.2), wraps the socket (5.1) or connects (5.0) is overridden.
+    from redis.connection import SSLConnection
+    helper = next((name for name in ("_build_ssl_context", "_wrap_socket_with_ssl")
+                   if hasattr(SSLConnection, name)), "_connect")
+    inherited = getattr(SSLConnection, helper)
+    OwnTLS = type("OwnTLS", (SSLConnection,), {helper: lambda self, *a: inherited(self, *a)})
+
     for bad in (redis.Redis(connection_pool=ConnectionPool(connection_class=OwnConnection)),
+                redis.Redis(connection_pool=ConnectionPool(connection_class=OwnTLS)),
                 redis.Redis(connection_pool=type("OwnPool", (ConnectionPool,), {})())):
         try:
             _green.native_client(bad)
@@ -264,6 +273,7 @@ def test_green_heartbeat_renews_from_a_native_thread_or_refuses(pool, redis_on_t
     assert out.stdout.splitlines() == [
         f"{url.split(':')[0]} NativeThread renewed True native True" for url in urls
     ] + [
+        f"refused {pool} worker_pool True",
         f"refused {pool} worker_pool True",
         f"refused {pool} worker_pool True",
         "starts",

@@ -115,6 +115,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from typing import Any
 
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready
@@ -193,6 +194,10 @@ DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 #: Seconds between a standby worker's attempts to bind the exporter's address, once the
 #: sibling serving it is gone.
 STANDBY_INTERVAL = 5.0
+
+#: Seconds a worker whose bind failed waits for a sibling's marker before it reports the
+#: address as taken by another program.
+MARKER_WAIT = 2.0
 
 #: Longest a fork of this process waits for a scrape in progress, in seconds; then it forks
 #: anyway, and later forks do not wait for that same scrape again.
@@ -924,7 +929,7 @@ def _export(port: int, addr: str, standby: bool) -> bool:
         if standby:
             _standby(port, addr)
             return False
-        sibling = _sibling(path, port) if exc.errno == errno.EADDRINUSE else None
+        sibling = _sibling(path, port, wait=MARKER_WAIT) if exc.errno == errno.EADDRINUSE else None
         if sibling is not None:
             log_event(
                 "metrics_served_by_sibling",
@@ -971,16 +976,24 @@ def _export(port: int, addr: str, standby: bool) -> bool:
     return True
 
 
-def _sibling(path: str | None, port: int) -> int | None:
-    """The pid of the live process of this directory that serves ``port``, or None."""
+def _sibling(path: str | None, port: int, wait: float = 0.0) -> int | None:
+    """The pid of the live process of this directory that serves ``port``, or None. A
+    sibling writes its marker just after its bind: a worker that lost the bind to a sibling
+    started at the same moment reads the marker again for up to ``wait`` seconds."""
     if path is None:
         return None
-    try:
-        with open(_exporter_file(path, port)) as file:
-            pid = int(file.read().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid != os.getpid() and _alive(pid) else None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(_exporter_file(path, port)) as file:
+                pid = int(file.read().strip())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            return pid
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _standby(port: int, addr: str) -> None:

@@ -177,6 +177,55 @@ def test_a_file_not_yet_sized_by_a_starting_process_does_not_fail_the_scrape(tmp
         generate_latest(broken)
 
 
+def test_a_worker_that_loses_the_bind_to_a_sibling_starting_with_it_names_the_sibling(
+    tmp_path, monkeypatch, caplog
+):
+    """Two workers of one host start together: the one whose bind fails may look for the
+    sibling's marker before the sibling, which bound first, has written it. It waits for
+    the marker (up to MARKER_WAIT) rather than report another program on the port."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    standbys = []
+    monkeypatch.setattr(prometheus, "_standby", lambda port, addr: standbys.append(port))
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        marker = threading.Timer(
+            0.3,
+            lambda: (tmp_path / f"exporter-{port}.pid").write_text(str(sibling.pid)),
+        )
+        marker.start()
+        with caplog.at_level("INFO", logger="celery_steplock"):
+            assert prometheus._export(port, "127.0.0.1", standby=False) is False
+        marker.join()
+        events = [getattr(r, "steplock", {}) for r in caplog.records]
+        assert [(e["event"], e["sibling"]) for e in events if "sibling" in e] == [
+            ("metrics_served_by_sibling", sibling.pid)
+        ]
+        assert not [e for e in events if e.get("event") == "metrics_address_in_use"]
+        assert standbys == [port]
+
+        # No marker at all: another program holds the port, said after MARKER_WAIT.
+        (tmp_path / f"exporter-{port}.pid").unlink()
+        monkeypatch.setattr(prometheus, "MARKER_WAIT", 0.2)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="celery_steplock"):
+            assert prometheus._export(port, "127.0.0.1", standby=False) is False
+        assert [getattr(r, "steplock", {}).get("event") for r in caplog.records] == [
+            "metrics_address_in_use"
+        ]
+    finally:
+        taken.close()
+        sibling.kill()
+        sibling.wait()
+
+
 def scrape(port):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
