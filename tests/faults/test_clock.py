@@ -139,6 +139,34 @@ def test_every_stored_time_moves_ahead_keeping_its_ttl(store, events):
     assert all(s == pytest.approx(SKEW, abs=1.0) for s in skews.values())
 
 
+def test_the_store_is_rewritten_in_a_round_trip_per_batch_of_keys(store, monkeypatch):
+    """A 30-minute run leaves tens of thousands of idempotency records; one round trip per
+    key kept the controller, and the heals of the faults it runs, busy for a minute."""
+    n = 2 * clock.BATCH + 7
+    now = int(_ms(store))
+    pipe = store.pipeline(transaction=False)
+    for i in range(n):
+        key = keys.idempotency_record_key(P, f"many:{i}")
+        pipe.hset(key, mapping={"status": "completed", "created_ms": now})
+        pipe.pexpire(key, 60_000)
+    pipe.execute()
+    executes = []
+    real = redis.client.Pipeline.execute
+    monkeypatch.setattr(
+        redis.client.Pipeline,
+        "execute",
+        lambda self, *a, **kw: executes.append(len(self.command_stack)) or real(self, *a, **kw),
+    )
+
+    done = clock.leave_clock_ahead(store, SKEW, prefix=P)
+
+    assert done["changed"] == {"idem_times": n}
+    assert len(executes) == 3 and max(executes) == 2 * clock.BATCH  # two scripts a record
+    last = keys.idempotency_record_key(P, f"many:{n - 1}")
+    assert store.hget(last, "created_ms") == str(now + 3000)
+    assert 0 < store.pttl(last) <= 60_000
+
+
 @pytest.mark.django_db(transaction=True)
 def test_rows_ahead_of_their_counter_are_the_fence_ahead_state(store):
     from django_app.workflows.models import Step

@@ -54,6 +54,8 @@ import redis
 #: row 11). Tokens and rows never get further ahead than the skew (the shift is capped at
 #: Redis now + skew), so every FenceAhead of the run is one the library retries itself.
 SKEW_MIN, SKEW_MAX = 1.2, 1.8
+#: Keys rewritten per pipeline (one round trip).
+BATCH = 500
 
 #: Hash fields that hold Redis ms, per key family.
 LEASE_TIMES = ("acquired_ms", "renewed_ms")
@@ -254,45 +256,69 @@ def _shift_store(store, prefix, changed, skip, raised, now_us, skew_us) -> None:
     ms_int = [str(skew_us // 1000), str((now_us + skew_us) // 1000)]
     ms = [repr(skew_us / 1000.0), repr((now_us + skew_us) / 1000.0)]
     expiry_int, expiry = [ms_int[0], ""], [ms[0], ""]
-    shift_string = store.register_script(_SHIFT_STRING)
-    raise_string = store.register_script(_RAISE_STRING)
-    shift_hash = store.register_script(_SHIFT_HASH)
-    shift_zset = store.register_script(_SHIFT_ZSET)
-    for key in sorted(set(store.scan_iter(match=f"{prefix}:*", count=1000))):  # SCAN repeats
+    scripts = {
+        name: store.register_script(text)
+        for name, text in (
+            ("string", _SHIFT_STRING),
+            ("raise", _RAISE_STRING),
+            ("hash", _SHIFT_HASH),
+            ("zset", _SHIFT_ZSET),
+        )
+    }
+    # a cluster's pipeline does not load scripts: loaded beforehand, on every primary
+    if isinstance(store, redis.RedisCluster):
+        for script in scripts.values():
+            store.script_load(script.script)
+
+    def calls(key):
+        """The (field, script, args) rewrites of ``key``."""
         family = _family(prefix, key)
         if family == "fence":
             if key in skip:
-                continue
+                return []
             if key in raised:
-                changed["fence"] += raise_string(keys=[key], args=[str(raised[key])])
-            else:
-                changed["fence"] += shift_string(keys=[key], args=us)
-        elif family == "slot_fence":
-            changed["slot_fence"] += shift_string(keys=[key], args=us)
-        elif family == "lease":
-            changed["lease_times"] += shift_hash(keys=[key], args=[*ms_int, "int", *LEASE_TIMES])
-        elif family == "rate_tb":
-            changed["rate_ts"] += shift_hash(keys=[key], args=[*ms, "float", "ts"])
-        elif family == "rate_sw":
-            changed["rate_log"] += shift_zset(keys=[key], args=[*ms, "float"])
-        elif family == "rate_queue":
-            changed["rate_tickets"] += shift_zset(keys=[key], args=[*ms, "float"])
-        elif family == "rate_due":
-            changed["rate_tickets"] += shift_zset(keys=[key], args=[*expiry, "float"])
-        elif family == "breaker":
-            changed["breaker_opened_ms"] += shift_hash(
-                keys=[key], args=[*ms_int, "int", "opened_ms"]
-            )
-        elif family == "breaker_probes":
-            changed["breaker_probes"] += shift_zset(keys=[key], args=[*expiry_int, "int"])
-        elif family == "slot_queue":
-            changed["slot_queue"] += shift_zset(keys=[key], args=[*ms_int, "int"])
-        elif family == "slot_alive":
-            changed["slot_alive"] += shift_zset(keys=[key], args=[*expiry_int, "int"])
-        elif family == "idem":
-            changed["idem_times"] += shift_hash(
-                keys=[key], args=[*ms_int, "int", *IDEM_TIMES[:-1]]
-            ) + shift_hash(keys=[key], args=[*expiry_int, "int", IDEM_TIMES[-1]])
+                return [("fence", "raise", [str(raised[key])])]
+            return [("fence", "string", us)]
+        if family == "slot_fence":
+            return [("slot_fence", "string", us)]
+        if family == "lease":
+            return [("lease_times", "hash", [*ms_int, "int", *LEASE_TIMES])]
+        if family == "rate_tb":
+            return [("rate_ts", "hash", [*ms, "float", "ts"])]
+        if family == "rate_sw":
+            return [("rate_log", "zset", [*ms, "float"])]
+        if family == "rate_queue":
+            return [("rate_tickets", "zset", [*ms, "float"])]
+        if family == "rate_due":
+            return [("rate_tickets", "zset", [*expiry, "float"])]
+        if family == "breaker":
+            return [("breaker_opened_ms", "hash", [*ms_int, "int", "opened_ms"])]
+        if family == "breaker_probes":
+            return [("breaker_probes", "zset", [*expiry_int, "int"])]
+        if family == "slot_queue":
+            return [("slot_queue", "zset", [*ms_int, "int"])]
+        if family == "slot_alive":
+            return [("slot_alive", "zset", [*expiry_int, "int"])]
+        if family == "idem":
+            return [
+                ("idem_times", "hash", [*ms_int, "int", *IDEM_TIMES[:-1]]),
+                ("idem_times", "hash", [*expiry_int, "int", IDEM_TIMES[-1]]),
+            ]
+        return []
+
+    # Pipelined by BATCH keys: a run leaves tens of thousands of idempotency records, and
+    # one round trip each kept the controller (and the heals of the faults it runs) busy for
+    # a minute or more. Each key is still rewritten by one atomic script.
+    keys = sorted(set(store.scan_iter(match=f"{prefix}:*", count=1000)))  # SCAN repeats
+    for begin in range(0, len(keys), BATCH):
+        pipe = store.pipeline(transaction=False)
+        fields = []
+        for key in keys[begin : begin + BATCH]:
+            for field, script, args in calls(key):
+                scripts[script](keys=[key], args=args, client=pipe)
+                fields.append(field)
+        for field, count in zip(fields, pipe.execute()):
+            changed[field] += count
 
 
 def _rows_ahead(steps, now_us, skew_us, rng, rows, lost, terminal):
