@@ -305,6 +305,28 @@ def test_a_commit_missing_from_the_history_is_still_judged():
     ]
 
 
+def test_a_commit_whose_reply_was_lost_is_dated_when_it_was_sent():
+    # COMMIT went out at 3.0 and landed; its reply was dropped (lost_commit_reply), so the
+    # owner waited, and its heartbeat noted the lease lost at 6.0, after a newer grant at
+    # 5.0 (which found the step done): the commit came before that grant
+    b = Builder()
+    b.ev("acquired", 0.0, step=1, owner="old-owner", fence=1)
+    b.ev("fault", 2.0, kind="lost_commit_reply", by="controller")
+    b.ev("point", 3.0, step=1, point="before_commit", owner="old-owner", fence=1)
+    b.ev("acquired", 5.0, step=1, owner="new-owner", fence=2)
+    b.ev("conflict", 5.1, step=1, owner="new-owner", fence=2, current="done")
+    b.ev("lost", 6.0, step=1, owner="old-owner", fence=1)
+    b.ev("heal", 7.0, kind="lost_commit_reply", fault_t=2.0, by="controller")
+    b.records.append(Record(1, "pending", "done", "old-owner", 1))
+    b.steps[1] = "done"
+    assert b.verdict().violations == []
+    b.history = [e for e in b.history if e["ev"] not in ("fault", "heal")]  # no lost reply
+    assert b.verdict().violations == [
+        "step 1: holder old-owne (fence 1) committed after new-owne (fence 2) was granted the "
+        "lease"
+    ]
+
+
 def test_one_fencing_token_written_by_two_owners():
     b = Builder().attempt(1, "a", 5, 0.0, to="running")
     b.records.append(Record(1, "running", "done", "b", 5))

@@ -40,6 +40,8 @@ PATTERNS = "django_app.faults.patterns"
 DEP_FAILING = "faults:dep:failing"
 WORKER_APP_NAME = "steplock-nemesis-worker"
 TARGET_WAIT = 2.0  # seconds a fault waits for a target to exist
+#: Seconds a killed main process's prefork children are watched for their end (pdeathsig).
+CHILDREN_WAIT = 1.0
 SLOTS_BURST = 4  # concurrency-limited tasks sent at once by a burst of the "slots" action
 
 #: (name, pool, concurrency): what two cores carry beside PostgreSQL, Redis and the proxies.
@@ -804,11 +806,32 @@ class NemesisLab(Lab):
             worker = alive[target % len(alive)]
             # its children, to note when they are gone (a prefork child whose parent died
             # may exit without a word: its holds end by then, not never)
-            self.orphaned[worker.name] = worker.children_pids()
+            children = worker.children_pids()
             processes._signal_pid(worker.pid, signal.SIGKILL)
-            return self.note(
+            entry = self.note(
                 "fault", kind=kind, signal="SIGKILL", pid=worker.pid, worker=worker.name
             )
+            # Celery's prefork children ask for SIGKILL at their parent's death (pdeathsig):
+            # those seen gone within CHILDREN_WAIT are noted then, the rest at the restart
+            deadline = time.monotonic() + CHILDREN_WAIT
+            while children and time.monotonic() < deadline:
+                live = set(worker.group_pids())
+                if not live.intersection(children):
+                    break
+                time.sleep(0.02)
+            live = set(worker.group_pids())
+            gone = [p for p in children if p not in live]
+            if gone:
+                self.note(
+                    "fault",
+                    kind=kind,
+                    follow_up=True,
+                    signal="SIGKILL",
+                    pid=gone,
+                    why="children of a killed main process, ended with it (parent-death signal)",
+                )
+            self.orphaned[worker.name] = [p for p in children if p in live]
+            return entry
         if kind in ("pause", "heartbeat_frozen"):
             pids = self.task_processes()
             if fault["target2"] % 4 == 0 and kind == "pause":  # now and then a main process

@@ -364,11 +364,13 @@ class _Index:
         self.unhealed = [
             t for t, kind in self.data_loss if kind == "split_brain" and t not in healed
         ]
-        # delays on the database path: a COMMIT sent inside one lands some time later
+        # delays on the database path: a COMMIT sent inside one lands some time later, or
+        # lands at once and its reply never comes (lost_commit_reply)
         self.db_delays = sorted(
             (h["fault_t"], h["t"])
             for h in self.heals
-            if h.get("kind") in ("pg_latency", "pg_blackhole") and h.get("fault_t") is not None
+            if h.get("kind") in ("pg_latency", "pg_blackhole", "lost_commit_reply")
+            and h.get("fault_t") is not None
         )
         self.splits = sorted(
             (t, healed.get(t, end)) for t, kind in self.data_loss if kind == "split_brain"
@@ -509,13 +511,17 @@ def _commits_in_history(
     entry is written when COMMIT's reply came back; with a delay on the database path between
     the owner's ``before_commit`` point (its ownership check passed, COMMIT sent next) and
     that reply, the commit landed somewhere in between: it is dated at the point, the
-    earliest it can have been (a grant after it orders nothing against it)."""
-    if index is not None and index.db_delays:
-        points = {
-            e.get("owner"): e["t"]
-            for e in group
-            if e.get("ev") == "point" and e.get("point") == "before_commit"
-        }
+    earliest it can have been (a grant after it orders nothing against it). So is a commit
+    with no ``committed`` entry whose ``before_commit`` point lies in such a delay (its reply
+    lost or late: the owner's later entries, such as its heartbeat's loss of a lease it
+    could not release, came while it waited for that reply)."""
+    delays = index.db_delays if index is not None else []
+    points = {
+        e.get("owner"): e["t"]
+        for e in group
+        if e.get("ev") == "point" and e.get("point") == "before_commit"
+    }
+    if delays:
         dated = []
         for e in group:
             sent = points.get(e.get("owner")) if e.get("ev") == "committed" else None
@@ -535,11 +541,14 @@ def _commits_in_history(
                 if e.get("owner") == r.owner and e.get("ev") not in HEARTBEAT_NOTES
             ]
             if mine:
-                last = max(mine, key=lambda e: e.get("t", 0.0))
+                last = max(mine, key=lambda e: e.get("t", 0.0))["t"]
+                sent = points.get(r.owner)
+                if sent is not None and any(a <= last and b >= sent for a, b in delays):
+                    last = sent
                 added.append(
                     {
                         "ev": "committed",
-                        "t": last["t"],
+                        "t": last,
                         "step": r.step,
                         "owner": r.owner,
                         "fence": r.fence,
