@@ -97,6 +97,28 @@ def test_a_holder_paused_or_lost_past_its_ttl_is_excused():
     assert len(verdict.violations) == 1 and "run d " in verdict.violations[0]
 
 
+def test_a_holder_whose_heartbeat_was_frozen_is_excused_if_it_stopped_at_its_next_check():
+    # a's heartbeat froze, its lease ran out unrenewed and b was granted it at 4.0; a's body
+    # found the lease lost at its next check (4.01) and stopped
+    history = [{"ev": "fault", "t": 0.5, "kind": "heartbeat_frozen", "pid": 100}]
+    run(history, "a", 1.0, 4.01, pid=100, owner="oa")
+    history[-1]["outcome"] = "lost"
+    run(history, "b", 4.0, 6.0, pid=101, owner="ob")
+    verdict = check_periodic(history)
+    assert verdict.ok and verdict.counts["excused"] == 1
+
+    # a body that ran on long after the lease ran out, or said nothing of the loss, or a
+    # frozen heartbeat elsewhere: violations
+    for change in (
+        lambda h: h[2].update(rt=5.0, t=5.0),
+        lambda h: h[2].update(outcome="done"),
+        lambda h: h[0].update(pid=999),
+    ):
+        copy = [dict(e) for e in history]
+        change(copy)
+        assert len(check_periodic(copy).violations) == 1
+
+
 def test_an_overlap_after_a_lock_store_data_loss_is_reported_apart():
     history = []
     run(history, "a", 1.0, 4.0, pid=100, owner="oa")

@@ -16,7 +16,10 @@ A run B that starts while an earlier run A of the same ``name`` is still running
 - excused (counted in ``counts["excused"]``, not a violation) when A's holder had lost its
   lease (a ``lost`` entry of A's ``owner``) or A's process was stopped (SIGSTOP, SIGKILL,
   SIGQUIT) between A's start and B's: a paused holder past its TTL is the overlap every lease
-  allows (``checker``'s module docstring says the same of steps);
+  allows (``checker``'s module docstring says the same of steps); so is a holder whose
+  heartbeat was frozen (a ``heartbeat_frozen`` fault of A's process that began before B's
+  start): its lease ran out unrenewed, and its body learns it at its next check, so A must
+  have ended with ``outcome="lost"`` within :data:`LOST_SLACK` of B's start;
 - a data loss (``data_loss``, apart from the violations, as ``runcheck`` reports the limits)
   when the lock store lost data between A's start and B's (``redis_restart``,
   ``redis_failover``, ``split_brain`` faults): the lease went with it;
@@ -32,6 +35,9 @@ from dataclasses import dataclass, field
 DATA_LOSS = ("redis_restart", "redis_failover", "split_brain")
 STOPS = ("SIGSTOP", "SIGKILL", "SIGQUIT")
 KILLS = ("SIGKILL", "SIGQUIT")
+#: Seconds a holder whose heartbeat was frozen may run on past a newer run's start: its
+#: body checks the lease every 0.05 s (django_app.faults.probe.SLICE), on a loaded machine.
+LOST_SLACK = 0.5
 
 
 @dataclass
@@ -123,12 +129,16 @@ def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
     runs = runs_of(history)
     lost: dict = {}
     stops: dict = {}
+    frozen: dict = {}
     losses = []
     for e in history:
         ev = e.get("ev")
         if ev == "lost" and e.get("owner"):
             lost.setdefault(e["owner"], e["t"])
         elif ev == "fault":
+            if e.get("kind") == "heartbeat_frozen":
+                for pid in _pids(e):
+                    frozen.setdefault(pid, []).append(e["t"])
             if e.get("signal") in STOPS:
                 for pid in _pids(e):
                     stops.setdefault(pid, []).append(e["t"])
@@ -150,6 +160,11 @@ def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
                 if a.owner and (
                     lost.get(a.owner, float("inf")) <= b.start
                     or any(a.start <= t <= b.start for t in stops.get(a.pid, []))
+                    or (
+                        a.outcome == "lost"
+                        and a.end <= b.start + LOST_SLACK
+                        and any(t <= b.start for t in frozen.get(a.pid, []))
+                    )
                 ):
                     excused += 1
                     continue
