@@ -168,6 +168,18 @@ def test_merge_replaces_a_run_of_the_same_seed_and_duration_and_adds_others():
         (7, 1800),
         (7, 300),
     ]
+    # the same seed and duration on another lock store is a row of its own; its rerun
+    # replaces it
+    for violations in (3, 0):
+        doc = report.merge(
+            doc, randomized_run={**randomized(seed=7, violations=violations), "store": "cluster"}
+        )
+    assert [(r["seed"], r.get("store"), r["violations"]) for r in doc["randomized"]] == [
+        (8, None, 0),
+        (7, None, 2),
+        (7, None, 0),
+        (7, "cluster", 0),
+    ]
 
 
 def test_merge_of_the_old_shape_keeps_it_as_the_deterministic_part():

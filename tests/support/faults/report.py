@@ -58,7 +58,17 @@ def save(doc: dict, path: Path | str | None = None) -> Path:
 
 
 def _same_run(a: dict, b: dict) -> bool:
-    return (a.get("seed"), a.get("duration_s")) == (b.get("seed"), b.get("duration_s"))
+    """One seed and duration on one deployment (lock store, broker, database, loads,
+    workload): a rerun of it replaces it; the same seed on another topology is a row of its
+    own."""
+
+    def key(run):
+        shape = tuple(
+            tuple(run[k]) if isinstance(run.get(k), list) else run.get(k) for k in CONFIG_KEYS
+        )
+        return run.get("seed"), run.get("duration_s"), shape
+
+    return key(a) == key(b)
 
 
 #: The soak's settings a partial rerun must share with the soak it updates, or its rows would
