@@ -320,6 +320,10 @@ def _rebind(function: Callable, **names: Any) -> Callable:
 _connection_classes: dict[tuple[str, type], type] = {}
 
 
+def _unshared_ssl_context(build: Callable, *_: Any) -> Any:
+    return build()
+
+
 def _native_connection_class(cls: type, pool: str) -> type:
     """A subclass of redis-py connection class ``cls`` whose socket is made with the
     unpatched ``socket`` (and ``ssl``) modules. Raises GreenPoolUnsupported for a class
@@ -342,8 +346,14 @@ def _native_connection_class(cls: type, pool: str) -> type:
         )
     )
     if redis_py_tls and hasattr(rc.SSLConnection, "_wrap_socket_with_ssl"):
+        # redis-py 8.2 shares contexts under a lock made after the monkey-patching (a green
+        # lock, which a native thread must not take): the native connections, two at most,
+        # build their own.
         wrap = _rebind(
-            rc.SSLConnection._wrap_socket_with_ssl, ssl=native("ssl"), socket=socket_module
+            rc.SSLConnection._wrap_socket_with_ssl,
+            ssl=native("ssl"),
+            socket=socket_module,
+            get_shared_ssl_context=_unshared_ssl_context,
         )
 
         def _connect(self):
@@ -472,6 +482,15 @@ def native_client(client: Any, pool: str | None = None) -> Any:
             pool=pool,
         )
     kwargs = dict(source.connection_kwargs)
+    if kwargs.get("ssl_validate_ocsp") or kwargs.get("ssl_validate_ocsp_stapled"):
+        # the OCSP check calls out over HTTP through the patched ``ssl`` and ``socket``
+        raise GreenPoolUnsupported(
+            f"celery-steplock: under the {pool} pool the heartbeat renews leases from a "
+            f"native thread, which cannot run redis-py's OCSP validation "
+            f"(ssl_validate_ocsp); run this worker with -P prefork or -P threads, or leave "
+            f"OCSP validation off",
+            pool=pool,
+        )
     kwargs["retry"] = _native_retry(kwargs.get("retry"))
     connection_class = _native_connection_class(source.connection_class, pool)
     native_pool = rc.ConnectionPool(connection_class=connection_class, max_connections=2, **kwargs)
