@@ -100,23 +100,27 @@ def test_a_holder_paused_or_lost_past_its_ttl_is_excused():
 def test_a_holder_whose_heartbeat_was_frozen_is_excused_if_it_stopped_at_its_next_check():
     # a's heartbeat froze, its lease ran out unrenewed and b was granted it at 4.0; a's body
     # found the lease lost at its next check (4.01) and stopped
-    history = [{"ev": "fault", "t": 0.5, "kind": "heartbeat_frozen", "pid": 100}]
+    history = [{"ev": "fault", "t": 0.5, "kind": "heartbeat_frozen", "pid": 100, "seconds": 5}]
     run(history, "a", 1.0, 4.01, pid=100, owner="oa")
     history[-1]["outcome"] = "lost"
     run(history, "b", 4.0, 6.0, pid=101, owner="ob")
-    verdict = check_periodic(history)
+    verdict = check_periodic(history, ttl=3.0)
     assert verdict.ok and verdict.counts["excused"] == 1
 
-    # a body that ran on long after the lease ran out, or said nothing of the loss, or a
-    # frozen heartbeat elsewhere: violations
+    # a body that ran on long after the lease ran out, or said nothing of the loss; a frozen
+    # heartbeat elsewhere, thawed before a began, or too late for the lease to have run out
+    # by b's start (a's own TTL, or two thirds of it after the freeze): violations
     for change in (
         lambda h: h[2].update(rt=5.0, t=5.0),
         lambda h: h[2].update(outcome="done"),
         lambda h: h[0].update(pid=999),
+        lambda h: h.append({"ev": "heal", "t": 0.9, "kind": "heartbeat_frozen", "fault_t": 0.5}),
+        lambda h: h[0].update(t=3.0),
+        lambda h: h[1].update(rt=1.5, t=1.5) or h[2].update(start_rt=1.5),
     ):
         copy = [dict(e) for e in history]
         change(copy)
-        assert len(check_periodic(copy).violations) == 1
+        assert len(check_periodic(copy, ttl=3.0).violations) == 1, copy
 
 
 def test_an_overlap_after_a_lock_store_data_loss_is_reported_apart():

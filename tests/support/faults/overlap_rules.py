@@ -17,9 +17,12 @@ A run B that starts while an earlier run A of the same ``name`` is still running
   lease (a ``lost`` entry of A's ``owner``) or A's process was stopped (SIGSTOP, SIGKILL,
   SIGQUIT) between A's start and B's: a paused holder past its TTL is the overlap every lease
   allows (``checker``'s module docstring says the same of steps); so is a holder whose
-  heartbeat was frozen (a ``heartbeat_frozen`` fault of A's process that began before B's
-  start): its lease ran out unrenewed, and its body learns it at its next check, so A must
-  have ended with ``outcome="lost"`` within :data:`LOST_SLACK` of B's start;
+  heartbeat was frozen (a ``heartbeat_frozen`` fault of A's process, from the fault to its
+  heal, overlapping A's run before B's start): its lease ran out unrenewed, which with
+  ``ttl`` given cannot be before ``max(freeze + 2/3 ttl, A's start + ttl)`` (renewals every
+  third of the TTL; :data:`GRANT_SLACK` for the grant before A's start note), and its body
+  learns it at its next check, so A must have ended with ``outcome="lost"`` within
+  :data:`LOST_SLACK` of B's start;
 - a data loss (``data_loss``, apart from the violations, as ``runcheck`` reports the limits)
   when the lock store lost data between A's start and B's (``redis_restart``,
   ``redis_failover``, ``split_brain`` faults): the lease went with it;
@@ -38,6 +41,8 @@ KILLS = ("SIGKILL", "SIGQUIT")
 #: Seconds a holder whose heartbeat was frozen may run on past a newer run's start: its
 #: body checks the lease every 0.05 s (django_app.faults.probe.SLICE), on a loaded machine.
 LOST_SLACK = 0.5
+#: Seconds between a run's lease grant and its ``periodic_start`` entry (a loaded machine).
+GRANT_SLACK = 0.25
 
 
 @dataclass
@@ -120,8 +125,41 @@ def max_concurrent(runs: list[PeriodicRun]) -> int:
     return peak
 
 
-def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
-    """The verdict of the periodic runs of ``history``: violations (at most ``limit`` named
+def _freezes(history: list[dict]) -> dict:
+    """pid -> [(start, end)] of the ``heartbeat_frozen`` faults: to their heal, else to their
+    planned end."""
+    healed = {
+        h.get("fault_t"): h["t"]
+        for h in history
+        if h.get("ev") == "heal" and h.get("kind") == "heartbeat_frozen"
+    }
+    out: dict = {}
+    for e in history:
+        if e.get("ev") == "fault" and e.get("kind") == "heartbeat_frozen":
+            end = healed.get(e["t"], e["t"] + float(e.get("seconds") or 0.0))
+            for pid in _pids(e):
+                out.setdefault(pid, []).append((e["t"], end))
+    return out
+
+
+def _frozen_past_ttl(a: PeriodicRun, b: PeriodicRun, freezes: list, ttl) -> bool:
+    """Whether ``a``'s lease can have run out unrenewed under a frozen heartbeat by ``b``'s
+    start, ``a`` stopping at its next check (the module docstring)."""
+    if a.outcome != "lost" or a.end > b.start + LOST_SLACK:
+        return False
+    for start, end in freezes:
+        if start > b.start or end < a.start:
+            continue
+        if ttl is None or b.start >= max(start + 2 * ttl / 3, a.start + ttl) - GRANT_SLACK:
+            return True
+    return False
+
+
+def check_periodic(
+    history: list[dict], limit: int = 5, ttl: float | None = None
+) -> PeriodicVerdict:
+    """The verdict of the periodic runs of ``history`` (``ttl``: the leases' TTL, seconds,
+    bounding the frozen-heartbeat excuse): violations (at most ``limit`` named
     per task name, then a count), data losses, and ``counts``: ``sends``, ``runs``,
     ``skips``, ``unfinished`` (runs without an end), ``overlapping`` (pairs of runs at once),
     ``excused``, ``max_concurrent`` (over every name: the most of one name at once)."""
@@ -129,16 +167,13 @@ def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
     runs = runs_of(history)
     lost: dict = {}
     stops: dict = {}
-    frozen: dict = {}
+    frozen = _freezes(history)
     losses = []
     for e in history:
         ev = e.get("ev")
         if ev == "lost" and e.get("owner"):
             lost.setdefault(e["owner"], e["t"])
         elif ev == "fault":
-            if e.get("kind") == "heartbeat_frozen":
-                for pid in _pids(e):
-                    frozen.setdefault(pid, []).append(e["t"])
             if e.get("signal") in STOPS:
                 for pid in _pids(e):
                     stops.setdefault(pid, []).append(e["t"])
@@ -160,11 +195,7 @@ def check_periodic(history: list[dict], limit: int = 5) -> PeriodicVerdict:
                 if a.owner and (
                     lost.get(a.owner, float("inf")) <= b.start
                     or any(a.start <= t <= b.start for t in stops.get(a.pid, []))
-                    or (
-                        a.outcome == "lost"
-                        and a.end <= b.start + LOST_SLACK
-                        and any(t <= b.start for t in frozen.get(a.pid, []))
-                    )
+                    or _frozen_past_ttl(a, b, frozen.get(a.pid, []), ttl)
                 ):
                     excused += 1
                     continue

@@ -364,17 +364,37 @@ class _Index:
         self.unhealed = [
             t for t, kind in self.data_loss if kind == "split_brain" and t not in healed
         ]
-        # delays on the database path: a COMMIT sent inside one lands some time later, or
-        # lands at once and its reply never comes (lost_commit_reply)
+        # delays on the database path: a COMMIT sent inside one lands some time later
         self.db_delays = sorted(
             (h["fault_t"], h["t"])
             for h in self.heals
-            if h.get("kind") in ("pg_latency", "pg_blackhole", "lost_commit_reply")
-            and h.get("fault_t") is not None
+            if h.get("kind") in ("pg_latency", "pg_blackhole") and h.get("fault_t") is not None
         )
+        self.lost_replies = self._lost_replies(history)
         self.splits = sorted(
             (t, healed.get(t, end)) for t, kind in self.data_loss if kind == "split_brain"
         )
+
+    def _lost_replies(self, history: list[dict]) -> dict:
+        """owner -> when it sent COMMIT, for the owner whose COMMIT reply a
+        ``lost_commit_reply`` fault dropped: the proxy drops one reply, the next COMMIT's
+        after the fault, so only the first ``before_commit`` point after the fault counts,
+        and only when that owner never noted the commit's reply (``committed``)."""
+        replied = {e.get("owner") for e in history if e.get("ev") == "committed"}
+        points = sorted(
+            (e["t"], e.get("owner"))
+            for e in history
+            if e.get("ev") == "point" and e.get("point") == "before_commit" and e.get("owner")
+        )
+        times = [t for t, _ in points]
+        found = {}
+        for h in self.heals:
+            if h.get("kind") != "lost_commit_reply" or h.get("fault_t") is None:
+                continue
+            i = bisect.bisect_left(times, h["fault_t"])
+            if i < len(points) and points[i][0] <= h["t"] and points[i][1] not in replied:
+                found[points[i][1]] = points[i][0]
+        return found
 
     def split_at(self, t: float) -> tuple[float, float] | None:
         """The split (start, heal) the lock store was in at ``t``, or None."""
@@ -511,17 +531,17 @@ def _commits_in_history(
     entry is written when COMMIT's reply came back; with a delay on the database path between
     the owner's ``before_commit`` point (its ownership check passed, COMMIT sent next) and
     that reply, the commit landed somewhere in between: it is dated at the point, the
-    earliest it can have been (a grant after it orders nothing against it). So is a commit
-    with no ``committed`` entry whose ``before_commit`` point lies in such a delay (its reply
-    lost or late: the owner's later entries, such as its heartbeat's loss of a lease it
-    could not release, came while it waited for that reply)."""
-    delays = index.db_delays if index is not None else []
-    points = {
-        e.get("owner"): e["t"]
-        for e in group
-        if e.get("ev") == "point" and e.get("point") == "before_commit"
-    }
-    if delays:
+    earliest it can have been (a grant after it orders nothing against it). So is the commit
+    whose reply a ``lost_commit_reply`` fault dropped (``_Index.lost_replies``): the owner's
+    later entries, such as its heartbeat's loss of a lease it could not release, came while
+    it waited for that reply."""
+    lost_replies = index.lost_replies if index is not None else {}
+    if index is not None and index.db_delays:
+        points = {
+            e.get("owner"): e["t"]
+            for e in group
+            if e.get("ev") == "point" and e.get("point") == "before_commit"
+        }
         dated = []
         for e in group:
             sent = points.get(e.get("owner")) if e.get("ev") == "committed" else None
@@ -541,10 +561,9 @@ def _commits_in_history(
                 if e.get("owner") == r.owner and e.get("ev") not in HEARTBEAT_NOTES
             ]
             if mine:
-                last = max(mine, key=lambda e: e.get("t", 0.0))["t"]
-                sent = points.get(r.owner)
-                if sent is not None and any(a <= last and b >= sent for a, b in delays):
-                    last = sent
+                last = min(
+                    max(e.get("t", 0.0) for e in mine), lost_replies.get(r.owner, float("inf"))
+                )
                 added.append(
                     {
                         "ev": "committed",
@@ -1185,8 +1204,9 @@ def _check_writers_and_periodic(run: Run, verdict: RunVerdict) -> None:
         verdict.counts["writer_commits"] = mine
         verdict.counts["task_commits"] = len(run.records) - mine
     if events & {"periodic_start", "periodic_send", "periodic_skipped"}:
+        ttl = float(run.meta.get("ttl") or 2.0)
         periodic = overlap_rules.check_periodic(
-            loads.periodic_history(run.history, float(run.meta.get("ttl") or 2.0))
+            loads.periodic_history(run.history, ttl), ttl=ttl
         )
         verdict.violations += periodic.violations
         verdict.data_loss += periodic.data_loss
