@@ -327,10 +327,8 @@ def test_a_commit_whose_reply_was_lost_is_dated_when_it_was_sent():
     history = b.history
     b.history = [e for e in history if e["ev"] not in ("fault", "heal")]  # no lost reply
     assert b.verdict().violations == stale
-    # the proxy drops one reply, the next COMMIT's: another commit sent first took it
-    b.history = history + [
-        {"ev": "point", "t": 2.5, "step": 2, "point": "before_commit", "owner": "other"}
-    ]
+    # COMMIT sent before the fault: its reply was not the one dropped
+    b.history = [{**e, "t": 1.5} if e.get("point") == "before_commit" else e for e in history]
     assert b.verdict().violations == stale
     # a commit whose reply came (its committed entry) is dated by that reply
     b.history = [

@@ -376,10 +376,11 @@ class _Index:
         )
 
     def _lost_replies(self, history: list[dict]) -> dict:
-        """owner -> when it sent COMMIT, for the owner whose COMMIT reply a
-        ``lost_commit_reply`` fault dropped: the proxy drops one reply, the next COMMIT's
-        after the fault, so only the first ``before_commit`` point after the fault counts,
-        and only when that owner never noted the commit's reply (``committed``)."""
+        """owner -> when it sent COMMIT, for the owners whose COMMIT reply a
+        ``lost_commit_reply`` fault may have dropped: the proxy forwards each COMMIT at once
+        and drops the next reply of every connection until the heal, so a commit sent in
+        that window whose owner never noted its reply (``committed``) landed when it was
+        sent, at its ``before_commit`` point."""
         replied = {e.get("owner") for e in history if e.get("ev") == "committed"}
         points = sorted(
             (e["t"], e.get("owner"))
@@ -391,9 +392,10 @@ class _Index:
         for h in self.heals:
             if h.get("kind") != "lost_commit_reply" or h.get("fault_t") is None:
                 continue
-            i = bisect.bisect_left(times, h["fault_t"])
-            if i < len(points) and points[i][0] <= h["t"] and points[i][1] not in replied:
-                found[points[i][1]] = points[i][0]
+            begin = bisect.bisect_left(times, h["fault_t"])
+            for t, owner in points[begin : bisect.bisect_right(times, h["t"])]:
+                if owner not in replied:
+                    found.setdefault(owner, t)
         return found
 
     def split_at(self, t: float) -> tuple[float, float] | None:
@@ -1205,9 +1207,7 @@ def _check_writers_and_periodic(run: Run, verdict: RunVerdict) -> None:
         verdict.counts["task_commits"] = len(run.records) - mine
     if events & {"periodic_start", "periodic_send", "periodic_skipped"}:
         ttl = float(run.meta.get("ttl") or 2.0)
-        periodic = overlap_rules.check_periodic(
-            loads.periodic_history(run.history, ttl), ttl=ttl
-        )
+        periodic = overlap_rules.check_periodic(loads.periodic_history(run.history, ttl), ttl=ttl)
         verdict.violations += periodic.violations
         verdict.data_loss += periodic.data_loss
         verdict.counts["periodic"] = {**periodic.counts, "violations": len(periodic.violations)}
