@@ -1,6 +1,7 @@
 """The writers and periodic workloads live, without faults (tests/support/faults/mixed.py): real
 workers, Redis and PostgreSQL. A writer outside Celery going through ``guarded_step`` beside
-the step tasks leaves a run the checker accepts, and its plain-``UPDATE`` negative control is
+the step tasks (every other change through the async ``aguarded_step``) leaves a run the
+checker accepts, and its plain-``UPDATE`` negative control is
 caught; the periodic task under ``overlap="skip"`` never runs twice at once, and without the
 guard it does. ``MIXED_LIVE_SECONDS`` (15) seconds a trial; ``python -m
 tests.support.faults.mixed`` runs them longer."""
@@ -24,6 +25,10 @@ def test_a_guarded_writer_beside_the_tasks_keeps_every_step_rule(lab, tmp_path):
     assert summary["violations"] == [] and summary["leftovers"] == []
     assert summary["commits_by_writer"] == summary["writer"]["committed"] > 0
     assert summary["commits_by_tasks"] > 0
+    # every other change went through the async API (aguarded_step): async holders beside
+    # the tasks' sync ones, judged by the same rules
+    assert summary["writer"]["async_tries"] == summary["writer"]["tries"] // 2
+    assert summary["writer"]["async_committed"] > 0
 
 
 def test_a_plain_writer_is_caught(lab, tmp_path):

@@ -573,7 +573,8 @@ def _topology(run: dict) -> str:
 def _randomized_examples(runs: list[dict]) -> list[str]:
     lines = []
     for run in runs:
-        label = f"nemesis seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s"
+        store = f", {run['store']}" if run.get("store") else ""
+        label = f"nemesis seed {run.get('seed')}, {_seconds(run.get('duration_s'))} s{store}"
         lines += [f"- {label}: {ex}" for ex in (run.get("examples") or [])[:MAX_RUN_EXAMPLES]]
         lines += [
             f"- {label} (a limit after a data loss): {ex}"
@@ -585,8 +586,11 @@ def _randomized_examples(runs: list[dict]) -> list[str]:
             what = (
                 f"negative control: {neg['control']}" if neg.get("control") else "negative control"
             )
+            # the control's own duration: it may be shorter than the guarded run's
+            seconds = neg.get("duration_s") or run.get("duration_s")
+            neg_label = f"nemesis seed {run.get('seed')}, {_seconds(seconds)} s{store}"
             lines += [
-                f"- {label} ({what}): {ex}" for ex in (neg.get("examples") or [])[:per_control]
+                f"- {neg_label} ({what}): {ex}" for ex in (neg.get("examples") or [])[:per_control]
             ]
     return lines
 

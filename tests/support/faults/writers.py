@@ -19,6 +19,10 @@ status and:
   stage back;
 - a terminal status: nothing.
 
+Every other change goes through the async API instead (``aguarded_step`` on one event loop
+of the writer's, :func:`aguarded_change`): async holders of the same leases beside the
+tasks' sync ones.
+
 Each committed change writes a ``TransitionRecord`` in the guarded transaction (``task_name``
 :data:`ACTOR`, the lease's owner and fence) and, on commit, a ``committed`` history entry
 with ``by: "writer"``: the same records and entries as a task's (``django_app/faults/tasks.py``),
@@ -38,6 +42,7 @@ overwritten: two terminal transitions on one step, which the checker reports.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -142,6 +147,54 @@ def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict
     return {"applied": True, "owner": owner, "fence": fence}
 
 
+async def aguarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict:
+    """:func:`guarded_change` through the async API (``aguarded_step``: the lease, its
+    renewal and the ownership check on the event loop, the database in the block's thread),
+    an async holder beside the tasks' sync ones. The record and the history entries are
+    written in the block's transaction by a thread-sensitive hop; same return value."""
+    from asgiref.sync import sync_to_async
+    from django.db import DatabaseError
+
+    from celery_steplock.contrib.django.steps import aguarded_step
+    from celery_steplock.exceptions import LockError, TransitionError
+    from django_app.faults import probe, tasks
+    from django_app.workflows.models import Step
+
+    task = tasks.reset if from_ == "running" else tasks.compensate
+    op_id = f"writer-{uuid.uuid4()}"
+    try:
+        async with aguarded_step(Step, step_id, task=task, wait=wait, actor=ACTOR) as step:
+            await step.atransition(from_, to)
+            owner, fence = step.lease.owner, step.lease.fence
+
+            def in_transaction():
+                _record_transition(step_id, from_, to, owner, fence, op_id)
+                probe.record(
+                    "cas",
+                    step=step_id,
+                    owner=owner,
+                    fence=fence,
+                    task_id=op_id,
+                    to=to,
+                    by="writer",
+                    api="async",
+                )
+                _record_on_commit(step_id, from_, to, owner, fence, op_id)
+
+            await sync_to_async(in_transaction, thread_sensitive=True)()
+    except (LockError, TransitionError, DatabaseError) as exc:
+        probe.record(
+            "writer_refused",
+            step=step_id,
+            task_id=op_id,
+            to=to,
+            reason=type(exc).__name__,
+            api="async",
+        )
+        return {"applied": False, "reason": type(exc).__name__}
+    return {"applied": True, "owner": owner, "fence": fence}
+
+
 def _record_on_commit(step_id, from_, to, owner, fence, op_id) -> None:
     """The writer's ``committed`` history entry, written once its transaction commits."""
     from django.db import transaction
@@ -206,7 +259,8 @@ def writer_loop(
 ) -> dict:
     """Change steps for ``seconds`` (see the module docstring) and return the counts:
     ``{"mode", "tries", "committed", "cancelled", "resumed", "refused": {reason: n},
-    "steps_seen"}``. ``control`` is the control Redis client (``decode_responses=True``)
+    "steps_seen", "async_tries", "async_committed"}`` (guarded: every other change goes
+    through the async API, :func:`aguarded_change`). ``control`` is the control Redis client (``decode_responses=True``)
     whose history feeds the steps (None: only ``steps``); ``stop`` an optional
     ``threading.Event`` ending it early. A pending step is cancelled with probability
     ``cancel_share`` (else left to its tasks), a running one always resumed."""
@@ -222,6 +276,7 @@ def writer_loop(
     counts: Counter = Counter()
     refused: Counter = Counter()
     deadline = time.monotonic() + seconds
+    loop = None
     probe.record("writer_start", mode=mode, seconds=seconds, by="writer")
     while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
         time.sleep(min(rng.expovariate(1.0 / mean_gap), 2.0))
@@ -246,7 +301,13 @@ def writer_loop(
         else:
             continue
         counts["tries"] += 1
-        if mode == "guarded":
+        if mode == "guarded" and counts["tries"] % 2 == 0:
+            # every other change through the async API, on one event loop for the run
+            loop = loop or asyncio.new_event_loop()
+            outcome = loop.run_until_complete(aguarded_change(step_id, from_, to))
+            counts["async_tries"] += 1
+            counts["async_committed"] += bool(outcome["applied"])
+        elif mode == "guarded":
             outcome = guarded_change(step_id, from_, to)
         else:
             outcome = plain_change(step_id, from_, to, rng.uniform(*form_gap))
@@ -265,7 +326,11 @@ def writer_loop(
         "resumed": counts["resumed"],
         "refused": dict(sorted(refused.items())),
         "steps_seen": len(feed.steps),
+        "async_tries": counts["async_tries"],
+        "async_committed": counts["async_committed"],
     }
+    if loop is not None:
+        loop.close()
     probe.record("writer_done", by="writer", **result)
     connection.close()
     return result
