@@ -102,11 +102,17 @@ def test_render_has_both_tables_and_the_examples():
     assert "- seed 7, 120 s (negative control): kill_child 20" in lines
     assert "- kill-child@before_cas (negative control): step 9: 2 terminal" in lines
     assert (
-        "- nemesis seed 7, 1,800 s (negative control): step 5: 2 terminal transitions committed"
+        "- nemesis seed 7, 120 s (negative control): step 5: 2 terminal transitions committed"
         in lines
     )
     assert lines.index("## Randomized runs") < lines.index(
         "## Examples of what the checker reported"
+    )
+    # a run on another topology names it in its examples
+    clustered = report.render({"randomized": [{**randomized(), "store": "cluster"}]})
+    assert (
+        "- nemesis seed 7, 120 s, cluster (negative control): step 5: 2 terminal transitions "
+        "committed" in clustered.splitlines()
     )
 
 
