@@ -119,9 +119,14 @@ def test_sigkilled_worker_leaves_its_lease_to_the_ttl(start_worker, redis_client
 
 
 def test_prefork_child_keeps_its_lease_over_three_ttls(start_worker, redis_client):
-    worker = start_worker("renewer", concurrency=2, STEPLOCK_DEMO_STATS=1)
+    # A TTL of its own, twice the suite's: a renewal is lost only when the child's heartbeat
+    # gets no CPU for a whole TTL, which a loaded 2-core machine running the suite's passes
+    # side by side did once at 2 s (that is a lease lost, which the rest of the suite
+    # exercises: here the claim is that the renewals keep it)
+    ttl = 2 * TTL
+    worker = start_worker("renewer", concurrency=2, STEPLOCK_DEMO_STATS=1, STEPLOCK_TTL=ttl)
     step = Step.objects.create(name="long")
-    result = hold.apply_async((step.pk, TTL * 3.5))
+    result = hold.apply_async((step.pk, ttl * 3.5))
     holder = wait_until(
         lambda: unpack_fields(redis_client.hgetall(lease_key(step))),
         timeout=30,
@@ -131,11 +136,11 @@ def test_prefork_child_keeps_its_lease_over_three_ttls(start_worker, redis_clien
         lambda: (lambda h: h if h and h["renewed_ms"] > h["acquired_ms"] else None)(
             redis_client.hgetall(lease_key(step))
         ),
-        timeout=TTL,
+        timeout=ttl,
         what="a renewal",
     )
     assert renewed["owner"] == holder["owner"]
-    value = result.get(timeout=30)
+    value = result.get(timeout=60)
     assert value["owner"] == holder["owner"] and value["pid"] in worker.children_pids()
     counts = stats_settled(redis_client)
     assert counts["lock_extended"] >= 8  # every ttl/3 for 3.5 ttl
