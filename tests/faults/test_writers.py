@@ -125,6 +125,8 @@ def test_writer_result_is_the_last_writer_done_entry():
             "resumed": 1,
             "refused": {"TransitionConflict": 1},
             "steps_seen": 7,
+            "async_tries": 1,
+            "async_committed": 1,
             "pid": 900,
         },
     ]
@@ -136,5 +138,7 @@ def test_writer_result_is_the_last_writer_done_entry():
         "resumed": 1,
         "refused": {"TransitionConflict": 1},
         "steps_seen": 7,
+        "async_tries": 1,
+        "async_committed": 1,
     }
     assert writers.writer_result(history[:1]) == {}

@@ -384,7 +384,17 @@ def writer_result(history: list[dict]) -> dict:
     done = [e for e in history if e.get("ev") == "writer_done"]
     if not done:
         return {}
-    keep = ("mode", "tries", "committed", "cancelled", "resumed", "refused", "steps_seen")
+    keep = (
+        "mode",
+        "tries",
+        "committed",
+        "cancelled",
+        "resumed",
+        "refused",
+        "steps_seen",
+        "async_tries",
+        "async_committed",
+    )
     return {k: done[-1].get(k) for k in keep}
 
 
