@@ -270,41 +270,34 @@ def _shift_store(store, prefix, changed, skip, raised, now_us, skew_us) -> None:
         for script in scripts.values():
             store.script_load(script.script)
 
+    # family -> its (field, script, args) rewrites; the fencing counters are per key
+    rewrites = {
+        "slot_fence": [("slot_fence", "string", us)],
+        "lease": [("lease_times", "hash", [*ms_int, "int", *LEASE_TIMES])],
+        "rate_tb": [("rate_ts", "hash", [*ms, "float", "ts"])],
+        "rate_sw": [("rate_log", "zset", [*ms, "float"])],
+        "rate_queue": [("rate_tickets", "zset", [*ms, "float"])],
+        "rate_due": [("rate_tickets", "zset", [*expiry, "float"])],
+        "breaker": [("breaker_opened_ms", "hash", [*ms_int, "int", "opened_ms"])],
+        "breaker_probes": [("breaker_probes", "zset", [*expiry_int, "int"])],
+        "slot_queue": [("slot_queue", "zset", [*ms_int, "int"])],
+        "slot_alive": [("slot_alive", "zset", [*expiry_int, "int"])],
+        "idem": [
+            ("idem_times", "hash", [*ms_int, "int", *IDEM_TIMES[:-1]]),
+            ("idem_times", "hash", [*expiry_int, "int", IDEM_TIMES[-1]]),
+        ],
+    }
+
     def calls(key):
         """The (field, script, args) rewrites of ``key``."""
         family = _family(prefix, key)
-        if family == "fence":
-            if key in skip:
-                return []
-            if key in raised:
-                return [("fence", "raise", [str(raised[key])])]
-            return [("fence", "string", us)]
-        if family == "slot_fence":
-            return [("slot_fence", "string", us)]
-        if family == "lease":
-            return [("lease_times", "hash", [*ms_int, "int", *LEASE_TIMES])]
-        if family == "rate_tb":
-            return [("rate_ts", "hash", [*ms, "float", "ts"])]
-        if family == "rate_sw":
-            return [("rate_log", "zset", [*ms, "float"])]
-        if family == "rate_queue":
-            return [("rate_tickets", "zset", [*ms, "float"])]
-        if family == "rate_due":
-            return [("rate_tickets", "zset", [*expiry, "float"])]
-        if family == "breaker":
-            return [("breaker_opened_ms", "hash", [*ms_int, "int", "opened_ms"])]
-        if family == "breaker_probes":
-            return [("breaker_probes", "zset", [*expiry_int, "int"])]
-        if family == "slot_queue":
-            return [("slot_queue", "zset", [*ms_int, "int"])]
-        if family == "slot_alive":
-            return [("slot_alive", "zset", [*expiry_int, "int"])]
-        if family == "idem":
-            return [
-                ("idem_times", "hash", [*ms_int, "int", *IDEM_TIMES[:-1]]),
-                ("idem_times", "hash", [*expiry_int, "int", IDEM_TIMES[-1]]),
-            ]
-        return []
+        if family != "fence":
+            return rewrites.get(family, [])
+        if key in skip:
+            return []
+        if key in raised:
+            return [("fence", "raise", [str(raised[key])])]
+        return [("fence", "string", us)]
 
     # Pipelined by BATCH keys: a run leaves tens of thousands of idempotency records, and
     # one round trip each kept the controller (and the heals of the faults it runs) busy for

@@ -114,6 +114,27 @@ def _record_transition(step_id, from_, to, owner, fence, op_id) -> None:
     )
 
 
+def _committing(step_id, from_, to, owner, fence, op_id, **extra) -> None:
+    """In the guarded transaction: the ``TransitionRecord``, the ``cas`` entry (``extra``:
+    e.g. ``api="async"``) and the ``committed`` entry on commit."""
+    from django_app.faults import probe
+
+    _record_transition(step_id, from_, to, owner, fence, op_id)
+    probe.record(
+        "cas", step=step_id, owner=owner, fence=fence, task_id=op_id, to=to, by="writer", **extra
+    )
+    _record_on_commit(step_id, from_, to, owner, fence, op_id)
+
+
+def _refused(step_id, op_id, to, exc, **extra) -> dict:
+    """The ``writer_refused`` entry of a change nothing was written for; its return value."""
+    from django_app.faults import probe
+
+    reason = type(exc).__name__
+    probe.record("writer_refused", step=step_id, task_id=op_id, to=to, reason=reason, **extra)
+    return {"applied": False, "reason": reason}
+
+
 def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict:
     """Move ``step_id`` ``from_ -> to`` through ``guarded_step`` under the lease of the fault
     tasks (``compensate`` for ``-> cancelled``, ``reset`` for ``running -> pending``), with its
@@ -125,7 +146,7 @@ def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict
 
     from celery_steplock.contrib.django.steps import guarded_step
     from celery_steplock.exceptions import LockError, TransitionError
-    from django_app.faults import probe, tasks
+    from django_app.faults import tasks
     from django_app.workflows.models import Step
 
     task = tasks.reset if from_ == "running" else tasks.compensate
@@ -134,16 +155,9 @@ def guarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) -> dict
         with guarded_step(Step, step_id, task=task, wait=wait, actor=ACTOR) as step:
             step.transition(from_, to)
             owner, fence = step.lease.owner, step.lease.fence
-            _record_transition(step_id, from_, to, owner, fence, op_id)
-            probe.record(
-                "cas", step=step_id, owner=owner, fence=fence, task_id=op_id, to=to, by="writer"
-            )
-            _record_on_commit(step_id, from_, to, owner, fence, op_id)
+            _committing(step_id, from_, to, owner, fence, op_id)
     except (LockError, TransitionError, DatabaseError) as exc:
-        probe.record(
-            "writer_refused", step=step_id, task_id=op_id, to=to, reason=type(exc).__name__
-        )
-        return {"applied": False, "reason": type(exc).__name__}
+        return _refused(step_id, op_id, to, exc)
     return {"applied": True, "owner": owner, "fence": fence}
 
 
@@ -157,7 +171,7 @@ async def aguarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) 
 
     from celery_steplock.contrib.django.steps import aguarded_step
     from celery_steplock.exceptions import LockError, TransitionError
-    from django_app.faults import probe, tasks
+    from django_app.faults import tasks
     from django_app.workflows.models import Step
 
     task = tasks.reset if from_ == "running" else tasks.compensate
@@ -166,32 +180,11 @@ async def aguarded_change(step_id: int, from_: str, to: str, wait: float = 1.0) 
         async with aguarded_step(Step, step_id, task=task, wait=wait, actor=ACTOR) as step:
             await step.atransition(from_, to)
             owner, fence = step.lease.owner, step.lease.fence
-
-            def in_transaction():
-                _record_transition(step_id, from_, to, owner, fence, op_id)
-                probe.record(
-                    "cas",
-                    step=step_id,
-                    owner=owner,
-                    fence=fence,
-                    task_id=op_id,
-                    to=to,
-                    by="writer",
-                    api="async",
-                )
-                _record_on_commit(step_id, from_, to, owner, fence, op_id)
-
-            await sync_to_async(in_transaction, thread_sensitive=True)()
+            await sync_to_async(_committing, thread_sensitive=True)(
+                step_id, from_, to, owner, fence, op_id, api="async"
+            )
     except (LockError, TransitionError, DatabaseError) as exc:
-        probe.record(
-            "writer_refused",
-            step=step_id,
-            task_id=op_id,
-            to=to,
-            reason=type(exc).__name__,
-            api="async",
-        )
-        return {"applied": False, "reason": type(exc).__name__}
+        return _refused(step_id, op_id, to, exc, api="async")
     return {"applied": True, "owner": owner, "fence": fence}
 
 
