@@ -319,8 +319,9 @@ class FenceAhead(LockLost):
 
     Attributes:
         row_fence: The fencing token in the step row (int), or None when unread.
-        skew: Seconds the row's fence is ahead of the granted one (a lower bound of the
-            clock offset), or None when unread.
+        skew: Seconds the row's fence is ahead of the lock store's clock now (the granted
+            token's lead less the seconds since its grant: what a retry waits out), or None
+            when unread.
         step_id: The step's primary key.
     """
 

@@ -532,7 +532,9 @@ class StepLockedTask(_TaskBase):
                 if skew <= 0:
                     return None
         ahead = (
-            f"the row's fence {row_fence} is {skew:.3f} s ahead of the granted one"
+            f"the row's fence {row_fence} is {skew:.3f} s ahead of the lock store's clock"
+            if skew is not None and since_grant is not None
+            else f"the row's fence {row_fence} is {skew:.3f} s ahead of the granted one"
             if skew is not None
             else "the row's fence is ahead of the granted one"
         )
