@@ -196,13 +196,20 @@ _receivers = {signal: _receiver(event) for signal, event in _EVENTS.items()}
 
 
 def freeze_heartbeat(sender=None, **kw):
-    """``lock_extended`` runs on the heartbeat thread: while ``faults:freeze:<pid>`` exists it
-    blocks here, so this process renews nothing while its task threads run on."""
+    """``lock_extended`` runs on the heartbeat thread: while ``faults:freeze:<pid>`` holds the
+    token it held when this renewal came, it blocks here, so this process renews nothing while
+    its task threads run on.
+
+    Each freeze sets a token of its own (a fresh uuid): a thaw followed at once by the
+    next freeze (a new trial) changes the token, so the receiver, which looks every
+    ``SLICE``, still lets that renewal cycle end, and the next renewal is frozen anew, with its
+    own ``heartbeat_frozen`` entry."""
     client = _redis()
     key = f"faults:freeze:{os.getpid()}"
-    if client.exists(key):
+    token = client.get(key)
+    if token:
         record("heartbeat_frozen", step=step_of(kw.get("name")), owner=kw.get("owner"))
-        while client.exists(key):
+        while client.get(key) == token:
             time.sleep(SLICE)
         record("heartbeat_thawed", step=step_of(kw.get("name")), owner=kw.get("owner"))
 

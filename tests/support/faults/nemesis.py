@@ -849,7 +849,7 @@ class NemesisLab(Lab):
                     return {"signal": "SIGCONT", "pid": pid}
 
                 return self._last(kind, f"pause:{pid}", seconds, heal, signal="SIGSTOP", pid=pid)
-            self.r.set(f"faults:freeze:{pid}", "1")
+            self.r.set(f"faults:freeze:{pid}", uuid.uuid4().hex)
 
             def thaw(pid=pid):
                 self.r.delete(f"faults:freeze:{pid}")

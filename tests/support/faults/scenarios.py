@@ -173,12 +173,21 @@ def pause(point):
 
 
 def heartbeat_frozen(lab, step):
-    """Only the heartbeat thread stops (a stuck lock_extended receiver); the body works on for
-    2.5 TTLs without looking at its lease, then tries to commit."""
+    """Only the heartbeat thread stops (a stuck lock_extended receiver); the body works on
+    without looking at its lease until its lease has expired and the duplicate holds a newer
+    one, then tries to commit.
+
+    The body goes on once the duplicate holds its lease, not after a fixed time: the
+    duplicate retries its contended lease with a jittered backoff, and a busy machine could
+    leave its retry after a fixed wait, with no overlap in the trial."""
     arrival, _ = held_pair(lab, step, "before_cas")
-    lab.r.set(f"faults:freeze:{arrival['pid']}", "1")
+    lab.r.set(f"faults:freeze:{arrival['pid']}", uuid.uuid4().hex)
     fault = lab.note("fault", kind="heartbeat_frozen", pid=arrival["pid"])
-    lab.go(step, "before_cas", f"sleep:{2.5 * lab.ttl}")
+    lab.wait_event("heartbeat_frozen", 30, owner=arrival["owner"])
+    lab.wait_for(
+        lambda: other_owner(lab, step, arrival["owner"], "acquired"), 60, "the duplicate's lease"
+    )
+    lab.go(step, "before_cas")
     lab.wait_for(
         lambda: (
             other_owner(lab, step, None, "committed")
@@ -265,10 +274,23 @@ def redis_outage(factor):
 
 def redis_failover(lab, step):
     """The holder's lease exists only on the primary; a replica that never saw it is promoted
-    and every client is moved to it while the holder works."""
+    and every client is moved to it while the holder works, and its duplicate takes a lease on
+    the promoted replica: two holders at once, and still one commit.
+
+    The holder's heartbeat is held (a stuck ``lock_extended`` receiver) from before the
+    failover until the duplicate holds its lease, and the duplicate is delivered only after the
+    failover. Left to race, the holder's next renewal (TTL/3 after the failover) could report
+    the loss first, or the duplicate could contend on the old primary and retry after it, and
+    the trial would have no overlap: on a loaded machine that happened (one CI run in several)."""
     lab.start_replica()
-    held_pair(lab, step, "after_acquire")
+    arrival, task_id = held_pair(lab, step, "after_acquire", duplicate=False)
+    holder, pid = arrival["owner"], arrival["pid"]
+    lab.r.set(f"faults:freeze:{pid}", uuid.uuid4().hex)
+    lab.wait_event("heartbeat_frozen", 30, owner=holder)
     fault = lab.failover()
+    lab.publish("forward", step, task_id=task_id)
+    lab.wait_for(lambda: other_owner(lab, step, holder, "acquired"), 60, "the duplicate's lease")
+    lab.r.delete(f"faults:freeze:{pid}")
     lab.go(step, "after_acquire", f"sleep:{lab.ttl}")
     return fault["t"]
 
