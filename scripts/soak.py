@@ -35,8 +35,7 @@ from tests.support.faults import lab as faults_lab  # noqa: E402
 DOCS = REPO / "docs"
 
 # Measured on 2 shared cores at TTL 1 s: lab-seconds per trial stayed flat up to 8 labs; 6 keeps
-# a margin for a busier machine. (At 12, redis-failover ran 200 of 200 trials with its overlap
-# once the scenario stopped racing for it.)
+# a margin for a busier machine.
 DEFAULT_LABS = 6
 DEFAULT_TTL = 1.0
 # kill-main, countdown-past-visibility and resume-then-retry wait for a redelivery after the

@@ -849,7 +849,9 @@ class NemesisLab(Lab):
                     return {"signal": "SIGCONT", "pid": pid}
 
                 return self._last(kind, f"pause:{pid}", seconds, heal, signal="SIGSTOP", pid=pid)
-            self.r.set(f"faults:freeze:{pid}", uuid.uuid4().hex)
+            # nx: a freeze that extends a running one keeps its token (a new one would let the
+            # waiting receiver go, and one renewal through, before it froze again)
+            self.r.set(f"faults:freeze:{pid}", uuid.uuid4().hex, nx=True)
 
             def thaw(pid=pid):
                 self.r.delete(f"faults:freeze:{pid}")

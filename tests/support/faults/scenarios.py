@@ -24,6 +24,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,6 +89,44 @@ def other_owner(lab, step, victim, ev, **match):
         ):
             return entry
     return None
+
+
+@contextmanager
+def frozen_heartbeat(lab, arrival):
+    """Freeze the heartbeat of the process of a held attempt (``arrival``, from
+    :func:`held_pair`): its ``lock_extended`` receiver blocks (``django_app/faults/probe.py``),
+    so it renews nothing and reports no loss while its task goes on believing it holds the
+    lease. Enters once the freeze has caught a renewal (that attempt's ``heartbeat_frozen``
+    entry, at most TTL/3 away); thaws on leaving, also on an error."""
+    key = f"faults:freeze:{arrival['pid']}"
+    lab.r.set(key, uuid.uuid4().hex)
+    try:
+        lab.wait_event("heartbeat_frozen", 30, owner=arrival["owner"])
+        yield
+    finally:
+        lab.r.delete(key)
+
+
+def duplicate_holds(lab, step, holder, task_id=None, task="forward"):
+    """Wait until an attempt other than ``holder`` holds a lease on ``step``; with
+    ``task_id``, deliver that task id again first (the duplicate)."""
+    if task_id is not None:
+        lab.publish(task, step, task_id=task_id)
+    lab.wait_for(lambda: other_owner(lab, step, holder, "acquired"), 60, "the duplicate's lease")
+
+
+def holder_refused(lab, step, arrival):
+    """Wait until another attempt committed ``step`` and the held attempt's task ended."""
+    lab.wait_for(
+        lambda: (
+            other_owner(lab, step, arrival["owner"], "committed")
+            and any(
+                e["ev"] == "task_end" and e.get("pid") == arrival["pid"] for e in lab.history()
+            )
+        ),
+        60,
+        "a commit and the held attempt's end",
+    )
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -181,22 +220,11 @@ def heartbeat_frozen(lab, step):
     duplicate retries its contended lease with a jittered backoff, and a busy machine could
     leave its retry after a fixed wait, with no overlap in the trial."""
     arrival, _ = held_pair(lab, step, "before_cas")
-    lab.r.set(f"faults:freeze:{arrival['pid']}", uuid.uuid4().hex)
-    fault = lab.note("fault", kind="heartbeat_frozen", pid=arrival["pid"])
-    lab.wait_event("heartbeat_frozen", 30, owner=arrival["owner"])
-    lab.wait_for(
-        lambda: other_owner(lab, step, arrival["owner"], "acquired"), 60, "the duplicate's lease"
-    )
-    lab.go(step, "before_cas")
-    lab.wait_for(
-        lambda: (
-            other_owner(lab, step, None, "committed")
-            and lab.wait_event("task_end", 60, pid=arrival["pid"])
-        ),
-        60,
-        "a commit and the frozen holder's end",
-    )
-    lab.r.delete(f"faults:freeze:{arrival['pid']}")
+    with frozen_heartbeat(lab, arrival):
+        fault = lab.note("fault", kind="heartbeat_frozen", pid=arrival["pid"])
+        duplicate_holds(lab, step, arrival["owner"])
+        lab.go(step, "before_cas")
+        holder_refused(lab, step, arrival)
     return fault["t"]
 
 
@@ -277,21 +305,22 @@ def redis_failover(lab, step):
     and every client is moved to it while the holder works, and its duplicate takes a lease on
     the promoted replica: two holders at once, and still one commit.
 
-    The holder's heartbeat is held (a stuck ``lock_extended`` receiver) from before the
-    failover until the duplicate holds its lease, and the duplicate is delivered only after the
-    failover. Left to race, the holder's next renewal (TTL/3 after the failover) could report
-    the loss first, or the duplicate could contend on the old primary and retry after it, and
-    the trial would have no overlap: on a loaded machine that happened (one CI run in several)."""
+    The overlap is made, as the pause rows make theirs: the holder's heartbeat is frozen from
+    before the failover until the holder's attempt ended, and the duplicate is delivered only
+    after the failover. The holder goes on believing it holds its lease (its local validity
+    has not run out) and is refused: its compare-and-swap finds the step the duplicate moved,
+    or its ownership check finds another owner or none on the promoted replica. Left to
+    race, the holder's
+    next renewal (at most TTL/3 after the failover) could report the loss before the duplicate
+    came, and a loaded machine gave trials with no overlap. The randomized run
+    (``make nemesis``) fails the store over under live heartbeats."""
     lab.start_replica()
     arrival, task_id = held_pair(lab, step, "after_acquire", duplicate=False)
-    holder, pid = arrival["owner"], arrival["pid"]
-    lab.r.set(f"faults:freeze:{pid}", uuid.uuid4().hex)
-    lab.wait_event("heartbeat_frozen", 30, owner=holder)
-    fault = lab.failover()
-    lab.publish("forward", step, task_id=task_id)
-    lab.wait_for(lambda: other_owner(lab, step, holder, "acquired"), 60, "the duplicate's lease")
-    lab.r.delete(f"faults:freeze:{pid}")
-    lab.go(step, "after_acquire", f"sleep:{lab.ttl}")
+    with frozen_heartbeat(lab, arrival):
+        fault = lab.failover()
+        duplicate_holds(lab, step, arrival["owner"], task_id)
+        lab.go(step, "after_acquire")
+        holder_refused(lab, step, arrival)
     return fault["t"]
 
 
@@ -683,7 +712,7 @@ def clock_ahead_after_failover(lab, step):
     from tests.support.faults.lab import KEY_PREFIX
 
     lab.start_replica()
-    held_pair(lab, step, "after_acquire")
+    arrival, task_id = held_pair(lab, step, "after_acquire", duplicate=False)
     # the row the old primary's holder left (the database is no lock store: no failover)
     rows = clock.leave_clock_ahead(
         lab.store_client(),
@@ -694,45 +723,49 @@ def clock_ahead_after_failover(lab, step):
         rows=1.0,
         skip_held=False,  # its holder is the old primary's, about to lose its lease
     )
-    fault = lab.failover()
-    store = lab.store_client()
-    dep = CircuitBreaker(
-        "clock-scenario",
-        failure_threshold=1,
-        window=1,
-        recovery_timeout=CLOCK_RECOVERY_S,
-        state_cache=0,
-        client=store,
-        prefix=KEY_PREFIX,
-    )
-    try:
-        dep.call(lambda: 1 / 0)  # opened on the promoted primary
-    except ZeroDivisionError:
-        pass
-    done = clock.leave_clock_ahead(store, CLOCK_SKEW_S, prefix=KEY_PREFIX)
-    lab.note(
-        "fault",
-        kind="clock_ahead",
-        skew=CLOCK_SKEW_S,
-        rows=rows["rows"],
-        changed={**done["changed"], "row_fence": len(rows["rows"])},
-    )
-    lab.go(step, "after_acquire", f"sleep:{lab.ttl}")
-    began = time.monotonic()
-    # unclamped it would half-open skew + recovery (2.0 s) after the fault
-    bound = CLOCK_RECOVERY_S + CLOCK_SLACK_S
-    while True:
+    # As in redis_failover: the holder's heartbeat cannot report the loss, and the duplicate
+    # comes only after the failover and the clock's state, so the two overlap in every trial.
+    with frozen_heartbeat(lab, arrival):
+        fault = lab.failover()
+        store = lab.store_client()
+        dep = CircuitBreaker(
+            "clock-scenario",
+            failure_threshold=1,
+            window=1,
+            recovery_timeout=CLOCK_RECOVERY_S,
+            state_cache=0,
+            client=store,
+            prefix=KEY_PREFIX,
+        )
         try:
-            dep.admit(owner="clock-probe").release()
-            break
-        except CircuitOpen:
-            if time.monotonic() - began > bound:
-                raise RuntimeError(
-                    f"the breaker stayed open {bound} s after the clock_ahead"
-                ) from None
-            time.sleep(0.02)
-    lab.note("breaker_half_open", name=dep.name, seconds=round(time.monotonic() - began, 3))
-    store.delete(*breaker_keys(KEY_PREFIX, dep.name))
+            dep.call(lambda: 1 / 0)  # opened on the promoted primary
+        except ZeroDivisionError:
+            pass
+        done = clock.leave_clock_ahead(store, CLOCK_SKEW_S, prefix=KEY_PREFIX)
+        lab.note(
+            "fault",
+            kind="clock_ahead",
+            skew=CLOCK_SKEW_S,
+            rows=rows["rows"],
+            changed={**done["changed"], "row_fence": len(rows["rows"])},
+        )
+        began = time.monotonic()
+        # unclamped it would half-open skew + recovery (2.0 s) after the fault
+        bound = CLOCK_RECOVERY_S + CLOCK_SLACK_S
+        while True:
+            try:
+                dep.admit(owner="clock-probe").release()
+                break
+            except CircuitOpen:
+                if time.monotonic() - began > bound:
+                    raise RuntimeError(
+                        f"the breaker stayed open {bound} s after the clock_ahead"
+                    ) from None
+                time.sleep(0.02)
+        lab.note("breaker_half_open", name=dep.name, seconds=round(time.monotonic() - began, 3))
+        store.delete(*breaker_keys(KEY_PREFIX, dep.name))
+        duplicate_holds(lab, step, arrival["owner"], task_id)
+    lab.go(step, "after_acquire", f"sleep:{lab.ttl}")
     return fault["t"]
 
 
