@@ -337,8 +337,11 @@ def _deterministic_lines(result: dict) -> list[str]:
         "never decreasing, no lock-store key without a TTL, no lease left behind. *Overlaps* "
         "counts trials where two attempts held the lease on the step at once (as each saw "
         "it): expected after a pause, a frozen heartbeat or a failover, harmless because the "
-        "compare-and-swap refuses the second commit. *Recovery*: seconds from the fault until "
-        "the system was quiet again.",
+        "compare-and-swap refuses the second commit. Those scenarios make the overlap in every "
+        "trial (the stopped or frozen holder goes on only once another attempt holds the "
+        "lease): the row tests the guard under it, not how often a fault causes it; "
+        "`make nemesis` leaves it to chance. *Recovery*: seconds from the fault until the "
+        "system was quiet again.",
         "",
         "| scenario | fault | trials | overlaps | commits | violations | leases left "
         "behind | recovery p50 s | recovery max s | errors | negative control: trials with "
