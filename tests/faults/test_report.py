@@ -124,6 +124,31 @@ def test_durations_render_in_whole_seconds():
     assert "- seed 7, 120.5 s (negative control): kill_child 20" in lines
 
 
+def test_a_control_row_that_ended_in_errors_says_so_and_names_the_error():
+    soak = soak_result()
+    soak["scenarios"]["pause@after_cas"] = row(fault="SIGSTOP past TTL, SIGCONT")
+    failed = row(fault="SIGSTOP past TTL, SIGCONT", trials=0)
+    failed["errors"] = 2
+    failed["examples"] = [
+        "error: TimeoutError: timed out after 60s waiting for a commit (queue 2, unacked 0)"
+    ]
+    soak["negative_control"]["pause@after_cas"] = failed
+    lines = report.render({"deterministic": soak, "randomized": []}).splitlines()
+    expected = (
+        "| pause@after_cas | SIGSTOP past TTL, SIGCONT | 2 | 1 | 2 | **0** | 0 | 2.5 | 4.2 | 0 |"
+    )
+    assert f"{expected} 0 / 0, 2 errors |" in lines
+    assert lines[lines.index(f"{expected} 0 / 0, 2 errors |") + 1].endswith("| 1 / 1, 2 errors |")
+    control = next(line for line in lines if line.startswith("The negative control runs"))
+    assert (
+        "neither counted in its row's trials nor caught: pause@after_cas, 2 (TimeoutError: "
+        "timed out after 60s waiting for a commit)." in control
+    )
+    assert "keeps the row locked" in control
+    clean = report.render({"deterministic": soak_result(), "randomized": []})
+    assert "| 1 / 1 |" in clean and "1 / 1, " not in clean and "neither counted" not in clean
+
+
 def test_render_of_an_empty_document():
     text = report.render(report.empty())
     assert "No deterministic soak recorded yet." in text.splitlines()

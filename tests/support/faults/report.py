@@ -336,12 +336,14 @@ def _deterministic_lines(result: dict) -> list[str]:
         "terminal transition committed, a legal chain from `pending` matching the row, fences "
         "never decreasing, no lock-store key without a TTL, no lease left behind. *Overlaps* "
         "counts trials where two attempts held the lease on the step at once (as each saw "
-        "it): expected after a pause, a frozen heartbeat or a failover, harmless because the "
-        "compare-and-swap refuses the second commit. Those scenarios make the overlap in every "
-        "trial (the stopped or frozen holder goes on only once another attempt holds the "
-        "lease): the row tests the guard under it, not how often a fault causes it; "
-        "`make nemesis` leaves it to chance. *Recovery*: seconds from the fault until the "
-        "system was quiet again.",
+        "it): expected after a pause, a frozen heartbeat or a failover, harmless to the step "
+        "because the compare-and-swap refuses the second commit (the body itself can run "
+        "twice: its side effects need the effects outbox or an idempotency key). The pause, "
+        "heartbeat-frozen, failover and fence-split rows make the overlap in every trial (a "
+        "stopped holder, or one whose heartbeat is frozen, goes on only once another attempt "
+        "holds the lease; a split leaves two primaries): they test the guard under it, not how "
+        "often a fault causes it; in the other rows it comes when it comes. *Recovery*: "
+        "seconds from the fault until the system was quiet again.",
         "",
         "| scenario | fault | trials | overlaps | commits | violations | leases left "
         "behind | recovery p50 s | recovery max s | errors | negative control: trials with "
@@ -352,6 +354,8 @@ def _deterministic_lines(result: dict) -> list[str]:
     for name, row in guarded.items():
         neg = negative.get(name)
         neg_text = f"{neg['violating_trials']} / {neg['trials']}" if neg else "-"
+        if neg and neg.get("errors"):
+            neg_text += f", {fmt(neg['errors'])} errors"
         if row.get("rerun"):
             reruns[name] = row["rerun"]
         lines.append(
@@ -366,17 +370,37 @@ def _deterministic_lines(result: dict) -> list[str]:
     }
     neg_trials = sum(r["trials"] for r in negative.values())
     neg_bad = sum(r["violating_trials"] for r in negative.values())
+    neg_errors = {name: r for name, r in negative.items() if r.get("errors")}
+    neg_error_text = (
+        f", {fmt(sum(r['errors'] for r in neg_errors.values()))} errors" if neg_errors else ""
+    )
     lines += [
         f"| **all** | | {fmt(totals['trials'])} | {fmt(totals['overlaps'])} | "
         f"{fmt(totals['commits'])} | **{fmt(totals['violations'])}** | "
         f"{fmt(totals['leftover_leases'])} | | | {fmt(totals['errors'])} | "
-        f"{neg_bad} / {neg_trials} |",
+        f"{neg_bad} / {neg_trials}{neg_error_text} |",
         "",
         "The negative control runs the same scenarios with `STEPLOCK_FAULTS_UNGUARDED=1`: the "
         "transition is a plain `UPDATE ... WHERE pk = ?` and the pre-check is off (the lease, "
         "its heartbeat and the pre-commit ownership check stay). Violations there show that "
         "the checker bites and that the lease alone does not prevent a second commit.",
     ]
+    if neg_errors:
+        lines[-1] += (
+            " A control trial that ended in an error is neither counted in its row's trials "
+            "nor caught: "
+            + "; ".join(
+                f"{name}, {fmt(r['errors'])} ({_error_of(r)})" for name, r in neg_errors.items()
+            )
+            + "."
+        )
+        if any(name.startswith("pause@after_cas") for name in neg_errors):
+            lines[-1] += (
+                " After its plain `UPDATE` the paused holder's open transaction keeps the "
+                "row locked and, without the guard's deadline, nothing ends its session: no "
+                "other attempt can commit while it is stopped, so the trial waits out the "
+                "controller's timeout."
+            )
     if reruns:
         lines += [
             "",
@@ -596,6 +620,14 @@ def _randomized_examples(runs: list[dict]) -> list[str]:
                 f"- {neg_label} ({what}): {ex}" for ex in (neg.get("examples") or [])[:per_control]
             ]
     return lines
+
+
+def _error_of(row: dict) -> str:
+    """The first error of a soak row's examples, without the lab state it ends with."""
+    for example in row.get("examples") or ():
+        if example.startswith("error: "):
+            return example[len("error: ") :].split(" (queue ", 1)[0]
+    return "no message kept"
 
 
 def render(doc: dict) -> str:
