@@ -404,13 +404,16 @@ def _deterministic_lines(result: dict) -> list[str]:
     if reruns:
         lines += [
             "",
-            "(*) Rerun on its own with the same settings (`scripts/soak.py --only`), after a "
-            "fix to the scenario or the library; the row replaces the whole soak's: "
+            "(*) Rerun apart from the whole soak, with its settings (`scripts/soak.py "
+            "--only`), after a fix to the scenario or the library; the row replaces the whole "
+            "soak's (rows rerun together share a start): "
             + "; ".join(
-                f"{name} at {r['started']} UTC, commit {r['commit']}, {fmt(r.get('seconds'))} s"
+                f"{name} at {r['started']} UTC, commit {r['commit']}, "
+                f"{fmt(r.get('seconds'))} lab-seconds"
                 for name, r in reruns.items()
             )
-            + ".",
+            + ". Lab-seconds are the row's trials' durations summed over the labs running "
+            "side by side, not wall-clock time.",
         ]
     if any(row.get("fault") == FENCE_CLASS for row in guarded.values()):
         lines += [
