@@ -531,13 +531,11 @@ class StepLockedTask(_TaskBase):
                 skew -= since_grant
                 if skew <= 0:
                     return None
-        ahead = (
-            f"the row's fence {row_fence} is {skew:.3f} s ahead of the lock store's clock"
-            if skew is not None and since_grant is not None
-            else f"the row's fence {row_fence} is {skew:.3f} s ahead of the granted one"
-            if skew is not None
-            else "the row's fence is ahead of the granted one"
-        )
+        if skew is None:
+            ahead = "the row's fence is ahead of the granted one"
+        else:
+            than = "the granted one" if since_grant is None else "the lock store's clock"
+            ahead = f"the row's fence {row_fence} is {skew:.3f} s ahead of {than}"
         reason = (
             f"{ahead}: the lock store's clock went back (a failover to a primary whose clock "
             f"is behind?) or another lock name writes this step"

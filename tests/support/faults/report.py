@@ -394,7 +394,7 @@ def _deterministic_lines(result: dict) -> list[str]:
             )
             + "."
         )
-        if any(name.startswith("pause@after_cas") for name in neg_errors):
+        if "pause@after_cas" in neg_errors:
             lines[-1] += (
                 " After its plain `UPDATE` the paused holder's open transaction keeps the "
                 "row locked and, without the guard's deadline, nothing ends its session: no "
@@ -502,8 +502,8 @@ def _randomized_lines(runs: list[dict]) -> list[str]:
         "its UPDATE while newer holders moved the step away and back). Without the fence "
         "(`--guard nofence`) the pre-commit ownership check in Redis still refuses those "
         "holders, so that control shows no step violation in a randomized run; the fence "
-        "alone deciding is the deterministic `fence-split` rows' proof. Since December 2026 a run also judges the circuit "
-        "breaker (no call while open beyond the state cache, at most `half_open_probes` "
+        "alone deciding is the deterministic `fence-split` rows' proof. Since December 2026 "
+        "a run also judges the circuit breaker (no call while open beyond the state cache, at most `half_open_probes` "
         "probes at once), the effects outbox (each committed transition's effects applied "
         "exactly once, none of a refused attempt), the HTTP idempotency layer (one body per "
         "key and principal, no replay across principals), a writer outside Celery through "

@@ -77,10 +77,10 @@ def held_pair(lab, step, point, task="forward", duplicate=True, **options) -> tu
     return arrival, task_id
 
 
-def other_owner(lab, step, victim, ev, **match):
+def other_owner(lab, step, victim, ev, history=None, **match):
     """The first history entry ``ev`` on ``step`` by an owner other than ``victim`` whose
-    fields equal ``match``."""
-    for entry in lab.history():
+    fields equal ``match``, in ``history`` (default: the lab's now)."""
+    for entry in lab.history() if history is None else history:
         if (
             entry.get("ev") == ev
             and entry.get("step") == step
@@ -117,16 +117,14 @@ def duplicate_holds(lab, step, holder, task_id=None, task="forward"):
 
 def holder_refused(lab, step, arrival):
     """Wait until another attempt committed ``step`` and the held attempt's task ended."""
-    lab.wait_for(
-        lambda: (
-            other_owner(lab, step, arrival["owner"], "committed")
-            and any(
-                e["ev"] == "task_end" and e.get("pid") == arrival["pid"] for e in lab.history()
-            )
-        ),
-        60,
-        "a commit and the held attempt's end",
-    )
+
+    def done():
+        history = lab.history()
+        return other_owner(lab, step, arrival["owner"], "committed", history) and any(
+            e["ev"] == "task_end" and e.get("pid") == arrival["pid"] for e in history
+        )
+
+    lab.wait_for(done, 60, "a commit and the held attempt's end")
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:

@@ -253,8 +253,8 @@ def writer_loop(
     """Change steps for ``seconds`` (see the module docstring) and return the counts:
     ``{"mode", "tries", "committed", "cancelled", "resumed", "refused": {reason: n},
     "steps_seen", "async_tries", "async_committed"}`` (guarded: every other change goes
-    through the async API, :func:`aguarded_change`). ``control`` is the control Redis client (``decode_responses=True``)
-    whose history feeds the steps (None: only ``steps``); ``stop`` an optional
+    through the async API, :func:`aguarded_change`). ``control`` is the control Redis client
+    (``decode_responses=True``) whose history feeds the steps (None: only ``steps``); ``stop`` an optional
     ``threading.Event`` ending it early. A pending step is cancelled with probability
     ``cancel_share`` (else left to its tasks), a running one always resumed."""
     from django.db import DatabaseError, connection
